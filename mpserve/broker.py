@@ -1,0 +1,391 @@
+"""The broker: one event loop that routes requests from clients to free worker slots.
+
+    clients ──DEALER──▶ front ROUTER ─┐                  ┌─ back ROUTER ◀──DEALER── workers
+                                      ▼                  ▲
+                 validate ─▶ per-model FIFO queue ─▶ assign to the longest-free slot of that model
+                                      ▲                  │
+        CHUNK/DONE/ERROR bodies ◀─────┴── forwarded unchanged, looked up by ticket
+
+State lives in three tables: ``requests`` (ticket -> Pending), ``workers`` (identity -> WorkerEntry) and
+``models`` (name -> ModelQueue). Every accepted request ends with exactly one terminal message to its
+client (DONE or ERROR); ``Pending.answered`` records that it was sent, so a late worker reply for a
+request that already timed out or was cancelled frees the worker without reaching the client twice.
+
+Worker deaths arrive from the supervisor (process sentinels in the same poll): a request that had not
+streamed anything is retried once on another instance; one that had is failed with ``worker_lost``; one
+that has now crashed two workers is failed with ``poison_request`` and never retried.
+
+The broker never blocks on a client: sends are non-blocking, and a client that cannot take a message
+(gone, or not reading past its high-water mark) has its requests cancelled.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import logging
+import time
+from collections import Counter, deque
+from dataclasses import dataclass, field
+
+import zmq
+
+from . import protocol as wire
+from .errors import BadRequest, Busy, ModelFailed, MpserveError, ProtocolError, ShuttingDown, UnknownModel
+
+log = logging.getLogger("mpserve.broker")
+
+MAX_CRASHES = 2
+DRAIN_BATCH = 256
+
+
+@dataclass
+class Pending:
+    ticket: str
+    client: bytes
+    request: wire.Request
+    model: str
+    accepted: float  # monotonic
+    deadline: float | None
+    crashes: int = 0
+    attempts: int = 0
+    worker: bytes | None = None
+    streamed: bool = False  # a CHUNK reached the client: a retry would repeat text
+    answered: bool = False  # the terminal message was sent (or the client is gone)
+
+
+@dataclass
+class WorkerEntry:
+    identity: bytes
+    index: int
+    model: str
+    device: int
+    capacity: int
+    pid: int
+    running: set[str] = field(default_factory=set)
+
+
+@dataclass
+class ModelQueue:
+    name: str
+    max_queue: int
+    queue: deque[str] = field(default_factory=deque)  # tickets, FIFO
+    free: deque[bytes] = field(default_factory=deque)  # one entry per free slot, longest-free first
+    instances: int = 0  # workers registered (READY) and alive
+    failed: str | None = None  # the load error, once the supervisor gave up on this model
+    served_ms: float = 0.0  # running mean of request time, for the busy retry-after hint
+
+
+class Broker:
+    def __init__(self, ctx: zmq.Context, front_addr: str, back_addr: str, models: dict[str, int]) -> None:
+        """``models``: name -> max queue length."""
+        self.front = _router(ctx, front_addr)
+        self.back = _router(ctx, back_addr)
+        self.back.setsockopt(zmq.ROUTER_HANDOVER, 1)  # a restarted worker reuses its identity
+        self.models = {name: ModelQueue(name, max_queue) for name, max_queue in models.items()}
+        self.requests: dict[str, Pending] = {}
+        self.by_client: dict[tuple[bytes, str], str] = {}
+        self.workers: dict[bytes, WorkerEntry] = {}
+        self.stats: Counter[str] = Counter()
+        self.accepting = True
+        self._deadlines: list[tuple[float, str]] = []
+        self._tickets = (format(n, "x") for n in itertools.count(1))
+        self.on_ready = lambda entry: None  # set by the server: the supervisor's view of loads
+        self.on_failed = lambda model, message: None
+
+    # --- the event sources -------------------------------------------------------------------
+
+    def drain_front(self) -> None:
+        for _ in range(DRAIN_BATCH):
+            try:
+                frames = self.front.recv_multipart(zmq.NOBLOCK, copy=True)
+            except zmq.Again:
+                return
+            self._from_client(frames)
+
+    def drain_back(self) -> None:
+        for _ in range(DRAIN_BATCH):
+            try:
+                frames = self.back.recv_multipart(zmq.NOBLOCK, copy=True)
+            except zmq.Again:
+                return
+            self._from_worker(frames)
+
+    def next_deadline(self) -> float | None:
+        while self._deadlines and self._stale_deadline(self._deadlines[0][1]):
+            heapq.heappop(self._deadlines)
+        return self._deadlines[0][0] if self._deadlines else None
+
+    def expire(self, now: float) -> None:
+        while self._deadlines and self._deadlines[0][0] <= now:
+            _, ticket = heapq.heappop(self._deadlines)
+            if self._stale_deadline(ticket):
+                continue
+            p = self.requests[ticket]
+            self.stats["timeout"] += 1
+            self._cancel(p, "timeout", f"request did not finish within its timeout of {p.request.timeout} s")
+
+    def worker_exited(self, index: int) -> None:
+        """The supervisor reaped worker ``index``: settle its requests by the retry rules."""
+        entry = next((w for w in self.workers.values() if w.index == index), None)
+        if entry is None:
+            return
+        self._forget_worker(entry)
+        for ticket in sorted(entry.running):
+            p = self.requests.get(ticket)
+            if p is None:
+                continue
+            p.worker = None
+            if p.answered:
+                self._finish(p)
+                continue
+            p.crashes += 1
+            if p.crashes >= MAX_CRASHES:
+                self.stats["poison_request"] += 1
+                self._answer_error(p, "poison_request", f"this request was running on {p.crashes} workers "
+                                   "that died; it will not be retried")
+            elif p.streamed:
+                self.stats["worker_lost"] += 1
+                self._answer_error(p, "worker_lost", f"worker {index} serving this request died after it "
+                                   "had streamed text; retry the request")
+            else:
+                self.stats["retried"] += 1
+                log.info("retrying request %s of a dead worker %d", p.request.id, index)
+                self.models[p.model].queue.appendleft(ticket)
+        self._dispatch(entry.model)
+
+    def model_failed(self, model: str, message: str) -> None:
+        mq = self.models[model]
+        mq.failed = message
+        while mq.queue:
+            self._answer_error(self.requests[mq.queue.popleft()], "model_failed",
+                               f"model {model} cannot be loaded: {message}")
+
+    def stop_accepting(self) -> None:
+        self.accepting = False
+
+    def in_flight(self) -> int:
+        return sum(1 for p in self.requests.values() if not p.answered)
+
+    def abort_all(self, code: str, message: str) -> None:
+        for p in list(self.requests.values()):
+            if not p.answered:
+                self._cancel(p, code, message)
+
+    def stop_workers(self) -> None:
+        for identity in list(self.workers):
+            self._to_worker(identity, wire.Stop("server shutting down"))
+
+    def close(self) -> None:
+        self.front.close(linger=500)
+        self.back.close(linger=500)
+
+    # --- clients -------------------------------------------------------------------------------
+
+    def _from_client(self, frames: list[bytes]) -> None:
+        if len(frames) < 2:
+            self.stats["dropped_malformed"] += 1
+            return
+        client, frames = frames[0], frames[1:]
+        try:
+            mtype = wire.parse_header(frames, 3)
+            if mtype is wire.MsgType.REQUEST:
+                self._on_request(client, wire.Request.from_wire(wire.unpack_body(frames[2])))
+            elif mtype is wire.MsgType.CANCEL:
+                self._on_cancel(client, wire.Cancel.from_wire(wire.unpack_body(frames[2])))
+            elif mtype is wire.MsgType.PING:
+                ping = wire.Ping.from_wire(wire.unpack_body(frames[2]))
+                self._to_client(client, wire.encode(wire.Pong(ping.nonce, tuple(self.models))))
+            else:
+                raise ProtocolError(f"a client may not send {mtype.name} messages")
+        except MpserveError as exc:
+            self.stats[f"rejected_{exc.code}"] += 1
+            rid = wire.peek_id(frames[2]) if len(frames) == 3 else None
+            self._to_client(client, wire.encode(wire.Error(rid, exc.code, exc.message, exc.retry_after)))
+
+    def _on_request(self, client: bytes, req: wire.Request) -> None:
+        if not self.accepting:
+            raise ShuttingDown("the server is shutting down; retry after it restarts", retry_after=1.0)
+        if (client, req.id) in self.by_client:
+            raise BadRequest(f"request id {req.id!r} is already in use by one of your pending requests")
+        model = self._resolve_model(req.model)
+        mq = self.models[model]
+        if mq.failed is not None:
+            raise ModelFailed(f"model {model} cannot be loaded: {mq.failed}")
+        if len(mq.queue) >= mq.max_queue and not mq.free:
+            raise Busy(f"the queue of model {model} is full ({mq.max_queue} waiting); try again later",
+                       retry_after=self._retry_after(mq))
+        now = time.monotonic()
+        ticket = next(self._tickets)
+        p = Pending(ticket, client, req, model, now, now + req.timeout if req.timeout else None)
+        self.requests[ticket] = p
+        self.by_client[(client, req.id)] = ticket
+        if p.deadline is not None:
+            heapq.heappush(self._deadlines, (p.deadline, ticket))
+        self.stats["accepted"] += 1
+        mq.queue.append(ticket)
+        self._dispatch(model)
+
+    def _resolve_model(self, name: str | None) -> str:
+        if name is None:
+            if len(self.models) == 1:
+                return next(iter(self.models))
+            raise BadRequest(f"this server serves several models ({', '.join(self.models)}); name one")
+        if name not in self.models:
+            raise UnknownModel(f"model {name!r} is not served here; served models: {', '.join(self.models)}")
+        return name
+
+    def _retry_after(self, mq: ModelQueue) -> float:
+        per_request = (mq.served_ms or 1000.0) / 1000.0
+        return round(max(0.1, per_request * len(mq.queue) / max(1, mq.instances)), 2)
+
+    def _on_cancel(self, client: bytes, msg: wire.Cancel) -> None:
+        ticket = self.by_client.get((client, msg.id))
+        if ticket is not None and not self.requests[ticket].answered:
+            self.stats["cancelled"] += 1
+            self._cancel(self.requests[ticket], "cancelled", "cancelled by the client")
+
+    def _cancel(self, p: Pending, code: str, message: str) -> None:
+        """End a request now with ERROR ``code``; a running one is also stopped on its worker."""
+        if p.worker is None:
+            queue = self.models[p.model].queue
+            if p.ticket in queue:
+                queue.remove(p.ticket)
+            self._answer_error(p, code, message)
+        else:
+            self._answer_error(p, code, message)  # the worker's late reply only frees the worker
+            self._to_worker(p.worker, wire.Cancel(p.ticket))
+
+    def _answer_error(self, p: Pending, code: str, message: str, retry_after: float | None = None) -> None:
+        if not p.answered:
+            p.answered = True
+            self._to_client(p.client, wire.encode(wire.Error(p.request.id, code, message, retry_after)))
+        if p.worker is None:
+            self._finish(p)
+
+    def _finish(self, p: Pending) -> None:
+        self.requests.pop(p.ticket, None)
+        self.by_client.pop((p.client, p.request.id), None)
+
+    def _to_client(self, client: bytes, frames: list[bytes]) -> bool:
+        """Send without blocking. A client that is gone or not reading loses its requests."""
+        try:
+            self.front.send_multipart([client, *frames], zmq.NOBLOCK)
+            return True
+        except (zmq.Again, zmq.ZMQError) as exc:
+            reason = "not reading" if isinstance(exc, zmq.Again) else "gone"
+            self.stats[f"client_{reason.replace(' ', '_')}"] += 1
+            log.warning("client %s is %s; cancelling its requests", client.hex(), reason)
+            for (owner, _), ticket in list(self.by_client.items()):
+                if owner == client:
+                    p = self.requests[ticket]
+                    p.answered = True  # nothing more can reach it
+                    self._cancel(p, "cancelled", "client gone")
+            return False
+
+    # --- workers -------------------------------------------------------------------------------
+
+    def _from_worker(self, frames: list[bytes]) -> None:
+        try:
+            identity, frames = frames[0], frames[1:]
+            mtype = wire.parse_header(frames, 4)
+        except (MpserveError, IndexError) as exc:
+            self.stats["dropped_worker_malformed"] += 1
+            log.error("dropped a malformed message from a worker: %s", exc)
+            return
+        if mtype in (wire.MsgType.CHUNK, wire.MsgType.DONE, wire.MsgType.ERROR):
+            self._worker_result(identity, mtype, frames[2].decode(errors="replace"), frames[1], frames[3])
+            return
+        try:
+            msg = wire.decode_body(mtype, frames[3])
+        except MpserveError as exc:
+            self.stats["dropped_worker_malformed"] += 1
+            log.error("dropped a bad %s from worker %r: %s", mtype.name, identity, exc)
+            return
+        if isinstance(msg, wire.Ready):
+            self._on_ready(identity, msg)
+        elif isinstance(msg, wire.Failed):
+            self.on_failed(msg.model, msg.message)
+
+    def _on_ready(self, identity: bytes, msg: wire.Ready) -> None:
+        if msg.model not in self.models:
+            log.error("worker %r registered for unknown model %r; ignored", identity, msg.model)
+            return
+        old = self.workers.get(identity)
+        if old is not None:
+            self._forget_worker(old)
+        entry = WorkerEntry(identity, int(identity[1:]), msg.model, msg.device, msg.capacity, msg.pid)
+        self.workers[identity] = entry
+        mq = self.models[msg.model]
+        mq.instances += 1
+        mq.free.extend([identity] * msg.capacity)
+        self.on_ready(entry)
+        self._dispatch(msg.model)
+
+    def _forget_worker(self, entry: WorkerEntry) -> None:
+        if self.workers.get(entry.identity) is not entry:
+            return
+        del self.workers[entry.identity]
+        mq = self.models[entry.model]
+        mq.instances -= 1
+        mq.free = deque(i for i in mq.free if i != entry.identity)
+
+    def _worker_result(self, identity: bytes, mtype: wire.MsgType, ticket: str, type_frame: bytes,
+                       body: bytes) -> None:
+        p = self.requests.get(ticket)
+        entry = self.workers.get(identity)
+        if p is None or entry is None or ticket not in entry.running:
+            self.stats["dropped_stale_result"] += 1
+            return
+        if mtype is wire.MsgType.CHUNK:
+            if not p.answered:
+                p.streamed = True
+                self._to_client(p.client, [wire.VERSION, type_frame, body])
+            return
+        entry.running.discard(ticket)
+        p.worker = None
+        if not p.answered:
+            p.answered = True
+            self.stats["done" if mtype is wire.MsgType.DONE else "worker_error"] += 1
+            self._to_client(p.client, [wire.VERSION, type_frame, body])
+        mq = self.models[entry.model]
+        elapsed_ms = (time.monotonic() - p.accepted) * 1000
+        mq.served_ms = elapsed_ms if not mq.served_ms else 0.9 * mq.served_ms + 0.1 * elapsed_ms
+        self._finish(p)
+        mq.free.append(identity)
+        self._dispatch(entry.model)
+
+    def _dispatch(self, model: str) -> None:
+        """Assign queued requests of ``model`` to its free slots, oldest request first."""
+        mq = self.models[model]
+        now = time.monotonic()
+        while mq.queue and mq.free:
+            p = self.requests[mq.queue.popleft()]
+            identity = mq.free.popleft()
+            p.attempts += 1
+            p.worker = identity
+            self.workers[identity].running.add(p.ticket)
+            assign = wire.Assign(p.ticket, p.request, (now - p.accepted) * 1000, p.attempts)
+            self._to_worker(identity, assign)
+
+    def _to_worker(self, identity: bytes, msg: object) -> None:
+        try:
+            self.back.send_multipart([identity, *wire.encode(msg)], zmq.NOBLOCK)
+        except (zmq.Again, zmq.ZMQError) as exc:  # it died; its sentinel settles its requests
+            log.warning("cannot send to worker %r (%s); waiting for the supervisor to reap it", identity, exc)
+
+    def _stale_deadline(self, ticket: str) -> bool:
+        p = self.requests.get(ticket)
+        return p is None or p.answered
+
+
+def _router(ctx: zmq.Context, addr: str) -> zmq.Socket:
+    sock = ctx.socket(zmq.ROUTER)
+    sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.MAXMSGSIZE, wire.MAX_MESSAGE_BYTES + 4096)
+    sock.setsockopt(zmq.SNDHWM, 10000)
+    sock.setsockopt(zmq.RCVHWM, 10000)
+    sock.bind(addr)
+    return sock
+

@@ -1,0 +1,195 @@
+"""The ``mpserve`` command line: start, generate, status, make-model."""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from . import config as cfg
+from .errors import MpserveError
+from .runtime import ServerInfo, pid_alive
+from .slots import SlotRow, SlotState, SlotTable
+
+app = typer.Typer(add_completion=False, no_args_is_help=True,
+                  help="Run several llama.cpp instances behind one ZeroMQ broker.")
+
+ServerName = Annotated[str, typer.Option("--server-name", envvar="MPSERVE_SERVER_NAME",
+                                         help="Which local server (several may run side by side).")]
+
+
+@app.command()
+def start(
+    model: Annotated[str | None, typer.Option(
+        "--model", "-m", envvar="MPSERVE_MODEL",
+        help="GGUF file, builtin:tiny (default), builtin:bench, or echo (no model).")] = None,
+    name: Annotated[str | None, typer.Option("--name", envvar="MPSERVE_MODEL_NAME",
+                                                help="Name clients use for the model.")] = None,
+    instances: Annotated[int | None, typer.Option("--instances", "-n", envvar="MPSERVE_INSTANCES",
+                                                     help="Worker processes per model [default: 1].")] = None,
+    threads: Annotated[int | None, typer.Option(
+        "--threads", envvar="MPSERVE_THREADS", help="Threads per instance [default: cores ÷ instances].")] = None,
+    n_ctx: Annotated[int | None, typer.Option("--n-ctx", envvar="MPSERVE_N_CTX",
+                                                 help="Context size per instance [default: 2048].")] = None,
+    n_gpu_layers: Annotated[int | None, typer.Option("--n-gpu-layers", envvar="MPSERVE_N_GPU_LAYERS")] = None,
+    max_queue: Annotated[int | None, typer.Option(
+        "--max-queue", envvar="MPSERVE_MAX_QUEUE", help="Waiting requests per model [default: 256].")] = None,
+    bind: Annotated[str | None, typer.Option(
+        "--bind", envvar="MPSERVE_BIND", help="Client address, e.g. tcp://127.0.0.1:5555 [default: ipc]")] = None,
+    grace: Annotated[float | None, typer.Option(
+        "--grace", envvar="MPSERVE_GRACE", help="Seconds to finish requests on shutdown [default: 30].")] = None,
+    config_file: Annotated[Path | None, typer.Option("--config", "-c", envvar="MPSERVE_CONFIG",
+                                                        help="YAML file (see README).")] = None,
+    log_level: Annotated[str | None, typer.Option("--log-level", envvar="MPSERVE_LOG_LEVEL")] = None,
+    server_name: ServerName = "default",
+) -> None:
+    """Start the server in the foreground; Ctrl-C (or SIGTERM) stops it gracefully."""
+    from .server import serve
+
+    with _errors():
+        file_data = cfg.load_file(config_file) if config_file else {}
+        config = cfg.build(
+            file_data,
+            server={"server_name": server_name, "bind": bind, "max_queue": max_queue, "grace": grace,
+                    "log_level": log_level},
+            model={"path": model, "name": name, "instances": instances, "threads": threads, "n_ctx": n_ctx,
+                   "n_gpu_layers": n_gpu_layers},
+            source=str(config_file or "command line"),
+        )
+        serve(config)
+
+
+@app.command()
+def generate(
+    prompt: Annotated[str, typer.Argument(help="The prompt.")],
+    model: Annotated[str | None, typer.Option("--model", "-m", help="Model name; optional with one model.")]
+    = None,
+    stream: Annotated[bool, typer.Option("--stream", help="Print text as it is generated.")] = False,
+    max_tokens: Annotated[int, typer.Option("--max-tokens")] = 128,
+    temperature: Annotated[float, typer.Option("--temperature")] = 0.8,
+    top_p: Annotated[float, typer.Option("--top-p")] = 0.95,
+    top_k: Annotated[int, typer.Option("--top-k")] = 40,
+    seed: Annotated[int | None, typer.Option("--seed")] = None,
+    stop: Annotated[list[str] | None, typer.Option("--stop", help="Stop string (repeatable).")] = None,
+    timeout: Annotated[float | None, typer.Option("--timeout", help="Seconds, queueing included.")] = None,
+    address: Annotated[str | None, typer.Option("--address", envvar="MPSERVE_ADDRESS")] = None,
+    as_json: Annotated[bool, typer.Option("--json", help="Print the result as JSON.")] = False,
+    server_name: ServerName = "default",
+) -> None:
+    """Send one request to a running server and print the completion."""
+    from .client import Client
+
+    params = dict(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed,
+                  stop=tuple(stop or ()))
+    with _errors(), Client(address, server_name=server_name, timeout=timeout) as client:
+        if stream:
+            s = client.stream(prompt, model=model, **params)
+            for text in s:
+                sys.stdout.write(text)
+                sys.stdout.flush()
+            sys.stdout.write("\n")
+            result = s.result
+        else:
+            result = client.generate(prompt, model=model, **params)
+            if not as_json:
+                print(result.text)
+        assert result is not None
+        if as_json:
+            print(json.dumps({"text": result.text, "finish_reason": result.finish_reason,
+                              "usage": vars(result.usage), "timings": vars(result.timings),
+                              "worker": result.worker}))
+        else:
+            t = result.timings
+            tps = result.usage.completion_tokens / (t.generate_ms / 1000) if t.generate_ms else 0.0
+            typer.echo(f"[{result.finish_reason}; {result.usage.prompt_tokens} prompt + "
+                       f"{result.usage.completion_tokens} generated tokens; queued {t.queue_ms:.0f} ms, "
+                       f"first token {t.prompt_ms:.0f} ms, {tps:.1f} tokens/s; {result.worker}]", err=True)
+
+
+@app.command()
+def status(
+    watch: Annotated[bool, typer.Option("--watch", "-w", help="Refresh until Ctrl-C.")] = False,
+    interval: Annotated[float, typer.Option("--interval", help="Seconds between refreshes.")] = 1.0,
+    as_json: Annotated[bool, typer.Option("--json", help="Print rows as JSON.")] = False,
+    server_name: ServerName = "default",
+) -> None:
+    """Show the slot table of a running server (read from shared memory; no request is sent)."""
+    with _errors():
+        info = ServerInfo.read(server_name)
+        if info is None or not info.alive():
+            raise MpserveError(f"no server named {server_name!r} is running; start one with `mpserve start`")
+        table = SlotTable.attach(Path(info.slots), writable=False)
+        try:
+            while True:
+                rows = table.read_all()
+                if as_json:
+                    print(json.dumps({"server": info.name, "pid": info.pid, "address": info.front,
+                                      "slots": [_row_json(r) for r in rows]}))
+                else:
+                    if watch:
+                        sys.stdout.write("\033[H\033[2J")
+                    print(format_table(info, rows))
+                if not watch:
+                    return
+                time.sleep(interval)
+        except KeyboardInterrupt:
+            pass
+        finally:
+            table.close()
+
+
+@app.command("make-model")
+def make_model(
+    path: Annotated[Path, typer.Argument(help="Where to write the .gguf file.")],
+    size: Annotated[str, typer.Option("--size", help="tiny (under 1 MB) or bench (about 85M parameters).")]
+    = "tiny",
+) -> None:
+    """Write a deterministic random-weight llama GGUF (same arguments, same bytes)."""
+    from .modelfile import write_model
+
+    with _errors():
+        out = write_model(path, size)
+        typer.echo(f"wrote {out} ({out.stat().st_size / 1e6:.1f} MB)")
+
+
+def format_table(info: ServerInfo, rows: list[SlotRow]) -> str:
+    now = time.time()
+    head = ["SLOT", "WORKER", "PID", "STATE", "MODEL", "DEVICE", "REQUEST", "TOKENS", "IDLE/BUSY FOR",
+            "LOAD", "SERVED"]
+    lines = [head]
+    for r in rows:
+        alive = r.pid > 0 and pid_alive(r.pid)
+        state = r.state.name.lower() if alive or r.state in (SlotState.DEAD, SlotState.FAILED) else "dead"
+        lines.append([str(r.index), str(r.worker), str(r.pid or "-"), state, r.model,
+                      "cpu" if r.device < 0 else f"gpu{r.device}", r.request or "-", str(r.tokens),
+                      f"{now - r.progress:.1f}s" if r.progress else "-", f"{r.load_s:.2f}s", str(r.served)])
+    widths = [max(len(line[i]) for line in lines) for i in range(len(head))]
+    body = "\n".join("  ".join(c.ljust(w) for c, w in zip(line, widths, strict=True)).rstrip() for line in lines)
+    return f"server {info.name!r} pid {info.pid} at {info.front}\n{body}"
+
+
+def _row_json(r: SlotRow) -> dict[str, object]:
+    d = dict(vars(r))
+    d["state"] = r.state.name.lower()
+    return d
+
+
+class _errors:
+    """Print an MpserveError as one line naming its code, and exit 1; no traceback for users."""
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, exc_type: object, exc: BaseException | None, tb: object) -> bool:
+        if isinstance(exc, MpserveError):
+            typer.echo(f"error: {exc}", err=True)
+            raise typer.Exit(1)
+        return False
+
+
+def main() -> None:
+    app()

@@ -1,0 +1,309 @@
+"""Clients: ``AsyncClient`` (asyncio) and ``Client`` (sync, a thin facade over the async one).
+
+One DEALER connection carries any number of concurrent requests; a reader task sorts incoming
+messages by request id. Liveness follows the Paranoid Pirate pattern: any message from the server counts;
+while requests are pending and the server has been silent for ``PING_INTERVAL_S``, the client pings, and
+after ``PING_INTERVAL_S × PING_LIVENESS`` of silence every pending request fails with
+``ConnectionFailed``. A server that is not running is reported at connect time.
+
+    async with AsyncClient() as client:
+        result = await client.generate("Once upon a time", max_tokens=32, temperature=0)
+        async for text in client.stream("Hello", max_tokens=16):
+            print(text, end="")
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import os
+import threading
+import time
+from collections.abc import AsyncIterator, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import zmq
+import zmq.asyncio
+
+from . import protocol as wire
+from .errors import ConnectionFailed, MpserveError, Timeout, error_from_code
+from .runtime import default_address
+
+PING_INTERVAL_S = 1.0
+PING_LIVENESS = 3
+CONNECT_TIMEOUT_S = 5.0
+
+
+@dataclass(frozen=True)
+class Result:
+    id: str
+    text: str
+    finish_reason: str
+    usage: wire.Usage
+    timings: wire.Timings
+    worker: str
+
+    @classmethod
+    def from_done(cls, done: wire.Done) -> Result:
+        return cls(done.id, done.text, done.finish_reason, done.usage, done.timings, done.worker)
+
+
+class Stream:
+    """Async iterator of text chunks; ``result`` holds the final Result once iteration has ended."""
+
+    def __init__(self, client: AsyncClient, request: wire.Request) -> None:
+        self._client = client
+        self._request = request
+        self.id = request.id
+        self.result: Result | None = None
+
+    def __aiter__(self) -> AsyncIterator[str]:
+        return self._chunks()
+
+    async def _chunks(self) -> AsyncIterator[str]:
+        queue = await self._client._submit(self._request)
+        try:
+            while True:
+                msg = await self._client._next(queue, self._request)
+                if isinstance(msg, wire.Chunk):
+                    yield msg.text
+                else:
+                    self.result = Result.from_done(msg)
+                    return
+        finally:
+            if self.result is None:
+                await self._client._abandon(self._request.id)
+
+
+class AsyncClient:
+    def __init__(self, address: str | None = None, *, server_name: str = "default",
+                 timeout: float | None = None, connect_timeout: float = CONNECT_TIMEOUT_S) -> None:
+        self.address = address or default_address(server_name)
+        self.timeout = timeout
+        self._connect_timeout = connect_timeout
+        self._ctx: zmq.asyncio.Context | None = None
+        self._sock: zmq.asyncio.Socket | None = None
+        self._pending: dict[str, asyncio.Queue[Any]] = {}
+        self._ids = (f"{os.getpid():x}.{n:x}" for n in itertools.count(1))
+        self._reader: asyncio.Task[None] | None = None
+        self._last_heard = 0.0
+        self._pong = asyncio.Event()
+        self.models: tuple[str, ...] = ()
+
+    async def __aenter__(self) -> AsyncClient:
+        await self.connect()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    async def connect(self) -> None:
+        if self._sock is not None:
+            return
+        if self.address.startswith("ipc://") and not os.path.exists(self.address[len("ipc://"):]):
+            raise ConnectionFailed(f"no server is listening at {self.address}; start one with `mpserve start`")
+        self._ctx = zmq.asyncio.Context()
+        self._sock = self._ctx.socket(zmq.DEALER)
+        self._sock.setsockopt(zmq.LINGER, 0)
+        self._sock.setsockopt(zmq.MAXMSGSIZE, 4 * wire.MAX_MESSAGE_BYTES + 4096)
+        self._sock.connect(self.address)
+        self._reader = asyncio.get_running_loop().create_task(self._read())
+        await self._send(wire.Ping(0))
+        try:
+            await asyncio.wait_for(self._pong.wait(), self._connect_timeout)
+        except asyncio.TimeoutError:
+            await self.close()
+            raise ConnectionFailed(f"no answer from a server at {self.address} within "
+                                   f"{self._connect_timeout:g} s; is `mpserve start` running?") from None
+
+    async def close(self) -> None:
+        if self._reader is not None:
+            self._reader.cancel()
+            self._reader = None
+        self._fail_all(ConnectionFailed("the client was closed"))
+        if self._sock is not None:
+            self._sock.close()
+            self._sock = None
+        if self._ctx is not None:
+            self._ctx.term()
+            self._ctx = None
+
+    async def generate(self, prompt: str, *, model: str | None = None, timeout: float | None = None,
+                       **params: Any) -> Result:
+        """Run one completion and return its Result; raises the MpserveError of an ERROR reply."""
+        request = self._request(prompt, model, timeout, params, stream=False)
+        queue = await self._submit(request)
+        try:
+            msg = await self._next(queue, request)
+        except BaseException:
+            await self._abandon(request.id)
+            raise
+        return Result.from_done(msg)
+
+    def stream(self, prompt: str, *, model: str | None = None, timeout: float | None = None,
+               **params: Any) -> Stream:
+        """Stream a completion: ``async for text in client.stream(...)``."""
+        return Stream(self, self._request(prompt, model, timeout, params, stream=True))
+
+    async def cancel(self, request_id: str) -> None:
+        await self._send(wire.Cancel(request_id))
+
+    # --- internals ------------------------------------------------------------------------------
+
+    def _request(self, prompt: str, model: str | None, timeout: float | None, params: dict[str, Any],
+                 stream: bool) -> wire.Request:
+        generate = wire.GenerateParams(**{**params, "stop": tuple(params.get("stop", ()))})
+        generate.validate()
+        return wire.Request(next(self._ids), prompt, model, generate, stream,
+                            timeout if timeout is not None else self.timeout)
+
+    async def _submit(self, request: wire.Request) -> asyncio.Queue[Any]:
+        await self.connect()
+        queue: asyncio.Queue[Any] = asyncio.Queue()
+        self._pending[request.id] = queue
+        await self._send(request)
+        return queue
+
+    async def _next(self, queue: asyncio.Queue[Any], request: wire.Request) -> Any:
+        """The next CHUNK or DONE of a request; raises on ERROR, on silence, or past its timeout."""
+        limit = None if request.timeout is None else request.timeout + 1.0
+        try:
+            msg = await asyncio.wait_for(queue.get(), limit)
+        except asyncio.TimeoutError:
+            raise Timeout(f"no answer within {request.timeout} s") from None
+        if isinstance(msg, MpserveError):
+            self._pending.pop(request.id, None)
+            raise msg
+        if isinstance(msg, wire.Done):
+            self._pending.pop(request.id, None)
+        return msg
+
+    async def _abandon(self, request_id: str) -> None:
+        """Cancel a request that the caller stopped waiting for."""
+        if self._pending.pop(request_id, None) is not None and self._sock is not None:
+            await self._send(wire.Cancel(request_id))
+
+    async def _send(self, msg: Any) -> None:
+        assert self._sock is not None
+        await self._sock.send_multipart(wire.encode(msg))
+
+    async def _read(self) -> None:
+        assert self._sock is not None
+        self._last_heard = time.monotonic()
+        pinged = 0.0
+        while True:
+            if await self._sock.poll(int(PING_INTERVAL_S * 1000 / 2)):
+                self._last_heard = time.monotonic()
+                self._deliver(await self._sock.recv_multipart())
+                continue
+            silent = time.monotonic() - self._last_heard
+            if not self._pending:
+                self._last_heard = time.monotonic()
+            elif silent > PING_INTERVAL_S * PING_LIVENESS:
+                self._fail_all(ConnectionFailed(f"the server at {self.address} stopped answering "
+                                                f"({silent:.1f} s of silence)"))
+            elif silent > PING_INTERVAL_S and time.monotonic() - pinged > PING_INTERVAL_S:
+                pinged = time.monotonic()
+                await self._send(wire.Ping(1))
+
+    def _deliver(self, frames: list[bytes]) -> None:
+        try:
+            msg = wire.decode(frames)
+        except MpserveError:
+            return  # a server speaking another protocol; the request will time out or fail liveness
+        if isinstance(msg, wire.Pong):
+            self.models = msg.models
+            self._pong.set()
+            return
+        if isinstance(msg, wire.Error):
+            target = self._pending.get(msg.id) if msg.id is not None else None
+            err = error_from_code(msg.code, msg.message, msg.retry_after)
+            if target is not None:
+                target.put_nowait(err)
+            return
+        queue = self._pending.get(getattr(msg, "id", None))
+        if queue is not None:
+            queue.put_nowait(msg)
+
+    def _fail_all(self, err: MpserveError) -> None:
+        for queue in self._pending.values():
+            queue.put_nowait(err)
+        self._pending.clear()
+
+
+class Client:
+    """Synchronous client. Thread-safe: any number of threads may use one Client at once."""
+
+    def __init__(self, address: str | None = None, *, server_name: str = "default",
+                 timeout: float | None = None, connect_timeout: float = CONNECT_TIMEOUT_S) -> None:
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="mpserve-client", daemon=True)
+        self._thread.start()
+        self._async = AsyncClient(address, server_name=server_name, timeout=timeout,
+                                  connect_timeout=connect_timeout)
+        self.address = self._async.address
+        try:
+            self._call(self._async.connect())
+        except BaseException:
+            self._stop_loop()
+            raise
+
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    @property
+    def models(self) -> tuple[str, ...]:
+        return self._async.models
+
+    def generate(self, prompt: str, *, model: str | None = None, timeout: float | None = None,
+                 **params: Any) -> Result:
+        return self._call(self._async.generate(prompt, model=model, timeout=timeout, **params))
+
+    def stream(self, prompt: str, *, model: str | None = None, timeout: float | None = None,
+               **params: Any) -> SyncStream:
+        return SyncStream(self, self._async.stream(prompt, model=model, timeout=timeout, **params))
+
+    def cancel(self, request_id: str) -> None:
+        self._call(self._async.cancel(request_id))
+
+    def close(self) -> None:
+        if self._loop.is_running():
+            self._call(self._async.close())
+            self._stop_loop()
+
+    def _call(self, coro: Any) -> Any:
+        return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
+
+    def _stop_loop(self) -> None:
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(5)
+        self._loop.close()
+
+
+class SyncStream:
+    """Iterator of text chunks; ``result`` holds the final Result once iteration has ended."""
+
+    def __init__(self, client: Client, stream: Stream) -> None:
+        self._client = client
+        self._stream = stream
+        self.id = stream.id
+        self._chunks = stream.__aiter__()
+
+    @property
+    def result(self) -> Result | None:
+        return self._stream.result
+
+    def __iter__(self) -> Iterator[str]:
+        try:
+            while True:
+                try:
+                    yield self._client._call(self._chunks.__anext__())
+                except StopAsyncIteration:
+                    return
+        finally:
+            if self._stream.result is None:
+                self._client._call(self._chunks.aclose())

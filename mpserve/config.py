@@ -1,0 +1,197 @@
+"""Server configuration from a YAML file, environment variables and command-line flags.
+
+Precedence: flag > environment (``MPSERVE_…``, read by the CLI) > file (``--config``) > default. Flags
+and variables that describe a model (``--model``, ``--instances``, ``--threads``, ``--n-ctx``,
+``--n-gpu-layers``) apply to every model; ``--model`` replaces the file's model list with that one model.
+
+A bad value is a ``ConfigError`` naming the key, the value and what is allowed; nothing starts with a
+half-valid configuration.
+
+Example file::
+
+    max_queue: 256
+    models:
+      - name: tiny
+        path: builtin:tiny      # the built-in model; or a .gguf path; or "echo" (no model, for benchmarks)
+        instances: 2
+        n_ctx: 2048
+        threads: 1
+        n_gpu_layers: 0
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from .errors import ConfigError
+
+BUILTIN_PREFIX = "builtin:"
+DEFAULT_MODEL = "builtin:tiny"
+ECHO_MODEL = "echo"
+_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,47}$")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    name: str
+    path: str
+    instances: int = 1
+    n_ctx: int = 2048
+    threads: int | None = None  # None: cores ÷ all instances, at least 1
+    n_gpu_layers: int = 0
+
+    def resolved_path(self) -> str:
+        """The GGUF file to load ("echo" for the echo backend); writes the built-in model if needed."""
+        if self.path.startswith(BUILTIN_PREFIX):
+            from .modelfile import default_model_path, write_model
+
+            size = self.path[len(BUILTIN_PREFIX):]
+            if size == "tiny":
+                return str(default_model_path())
+            target = default_model_path().with_name(f"mpserve-{size}.gguf")
+            if not target.exists():
+                write_model(target, size)
+            return str(target)
+        return self.path
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    models: tuple[ModelConfig, ...]
+    server_name: str = "default"
+    bind: str | None = None
+    workers_bind: str | None = None
+    max_queue: int = 256
+    grace: float = 30.0
+    log_level: str = "info"
+    threads_total: int = field(default_factory=lambda: len(os.sched_getaffinity(0)))
+
+    @property
+    def total_instances(self) -> int:
+        return sum(m.instances for m in self.models)
+
+    def threads_for(self, model: ModelConfig) -> int:
+        return model.threads or max(1, self.threads_total // self.total_instances)
+
+    def model(self, name: str) -> ModelConfig:
+        for m in self.models:
+            if m.name == name:
+                return m
+        raise KeyError(name)
+
+
+_MODEL_KEYS = {"name": str, "path": str, "instances": int, "n_ctx": int, "threads": int, "n_gpu_layers": int}
+_SERVER_KEYS = {"server_name": str, "bind": str, "workers_bind": str, "max_queue": int, "grace": float,
+                "log_level": str, "models": list}
+_RANGES: dict[str, tuple[float, float]] = {
+    "instances": (1, 256), "n_ctx": (16, 1 << 20), "threads": (1, 1024), "n_gpu_layers": (-1, 100000),
+    "max_queue": (1, 1_000_000), "grace": (0, 3600),
+}
+_LOG_LEVELS = ("debug", "info", "warning", "error")
+
+
+def load_file(path: str | os.PathLike[str]) -> dict[str, Any]:
+    try:
+        text = Path(path).read_text()
+    except OSError as exc:
+        raise ConfigError(f"cannot read config file {path}: {exc.strerror}") from None
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{path}: not valid YAML: {exc}") from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: the top level must be a mapping of keys ({', '.join(_SERVER_KEYS)})")
+    return data
+
+
+def build(file_data: Mapping[str, Any] | None = None, server: Mapping[str, Any] | None = None,
+          model: Mapping[str, Any] | None = None, source: str = "config") -> ServerConfig:
+    """Merge file values with overrides (flags and environment, already merged by the CLI; None = unset).
+
+    ``server`` overrides server keys; ``model`` overrides model keys of every model, and a ``path`` in it
+    replaces the file's model list.
+    """
+    data = dict(file_data or {})
+    _check_keys(data, _SERVER_KEYS, source)
+    server_values = {k: _checked(k, v, _SERVER_KEYS[k], source) for k, v in data.items() if k != "models"}
+    server_values.update({k: v for k, v in (server or {}).items() if v is not None})
+
+    overrides = {k: v for k, v in (model or {}).items() if v is not None}
+    raw_models = data.get("models")
+    if "path" in overrides or raw_models is None:
+        raw_models = [{}]
+    if not isinstance(raw_models, list) or not raw_models:
+        raise ConfigError(f"{source}: 'models' must be a non-empty list of model entries")
+    models = tuple(_model(i, m, overrides, source) for i, m in enumerate(raw_models))
+    names = [m.name for m in models]
+    dupes = sorted({n for n in names if names.count(n) > 1})
+    if dupes:
+        raise ConfigError(f"{source}: model names must be unique; repeated: {', '.join(dupes)}")
+    config = ServerConfig(models=models, **server_values)
+    if config.log_level not in _LOG_LEVELS:
+        raise ConfigError(f"{source}: log_level: got {config.log_level!r}, allowed: {', '.join(_LOG_LEVELS)}")
+    if not _NAME_RE.match(config.server_name):
+        raise ConfigError(f"{source}: server_name: got {config.server_name!r}, allowed: letters, digits, "
+                          "'.', '_' and '-', at most 48 characters")
+    return config
+
+
+def _model(index: int, entry: Any, overrides: Mapping[str, Any], source: str) -> ModelConfig:
+    where = f"{source}: models[{index}]"
+    if not isinstance(entry, dict):
+        raise ConfigError(f"{where}: must be a mapping with keys {', '.join(_MODEL_KEYS)}")
+    _check_keys(entry, _MODEL_KEYS, where)
+    values = {k: _checked(k, v, _MODEL_KEYS[k], where) for k, v in entry.items()}
+    values.update(overrides)
+    path = str(values.setdefault("path", DEFAULT_MODEL))
+    if "name" not in values:
+        values["name"] = _default_name(path)
+    if not _NAME_RE.match(values["name"]):
+        raise ConfigError(f"{where}.name: got {values['name']!r}, allowed: letters, digits, '.', '_' and '-', "
+                          "starting with a letter or digit, at most 48 characters")
+    if not (path == ECHO_MODEL or path.startswith(BUILTIN_PREFIX) or Path(path).is_file()):
+        raise ConfigError(f"{where}.path: no such model file {path!r}; give a .gguf file, {DEFAULT_MODEL}, "
+                          "builtin:bench, or echo")
+    if path.startswith(BUILTIN_PREFIX) and path[len(BUILTIN_PREFIX):] not in ("tiny", "bench"):
+        raise ConfigError(f"{where}.path: unknown built-in model {path!r}; allowed: builtin:tiny, builtin:bench")
+    return ModelConfig(**values)
+
+
+def _default_name(path: str) -> str:
+    if path.startswith(BUILTIN_PREFIX):
+        return path[len(BUILTIN_PREFIX):]
+    stem = re.sub(r"[^A-Za-z0-9._-]", "-", Path(path).stem).lstrip("._-")
+    return stem[:48] or "model"
+
+
+def _check_keys(entry: Mapping[str, Any], allowed: Mapping[str, type], where: str) -> None:
+    unknown = [k for k in entry if k not in allowed]
+    if unknown:
+        raise ConfigError(f"{where}: unknown key {unknown[0]!r}; allowed keys: {', '.join(allowed)}")
+
+
+def _checked(key: str, value: Any, kind: type, where: str) -> Any:
+    if kind is float and isinstance(value, int) and not isinstance(value, bool):
+        value = float(value)
+    if not isinstance(value, kind) or isinstance(value, bool):
+        expected = {int: "an integer", float: "a number", str: "a string", list: "a list"}[kind]
+        raise ConfigError(f"{where}.{key}: got {value!r}, expected {expected}")
+    if key in _RANGES:
+        lo, hi = _RANGES[key]
+        if not lo <= value <= hi:
+            raise ConfigError(f"{where}.{key}: got {value!r}, allowed: {lo:g} to {hi:g}")
+    return value
+
+
+def with_overrides(config: ServerConfig, **server: Any) -> ServerConfig:
+    """A copy with some server keys replaced (used by tests and the bench harness)."""
+    return replace(config, **server)

@@ -1,0 +1,249 @@
+"""Deterministic random-weight llama models, written as GGUF files.
+
+No model can be downloaded where mpserve is tested, so it writes its own: a plain llama architecture
+with random weights and a small SentencePiece-style vocabulary. The text it generates is gibberish,
+but it exercises llama.cpp exactly as a real model does, and it costs what a model of its shape costs.
+
+Two properties matter to the serving tests and benchmarks:
+
+- Same arguments, same bytes. Weights come from ``numpy.random.RandomState(seed)`` drawn in a fixed
+  order, and the GGUF writer adds nothing time- or host-dependent.
+- Clean output. The model never emits ``<unk>``, ``<s>``, ``</s>`` or a byte token, so a request always
+  runs to ``max_tokens`` and every token is one visible piece of printable ASCII. How: residual
+  dimension 0 is a constant. Every token embedding holds ``_RESIDUAL_CONSTANT`` there, no block writes to
+  it (row 0 of ``attn_output`` and ``ffn_down`` is zero) and no block reads it (its norm weights are
+  zero). After the final RMS norm it is therefore always positive, so column 0 of ``output.weight``
+  acts as a per-token logit bias: ``_SUPPRESSED_LOGIT_WEIGHT`` for every non-printable token, 0 for the
+  rest.
+
+Shapes follow numpy order, which is ggml's ``ne`` reversed: a matrix mapping n_in to n_out features is
+``(n_out, n_in)`` here and ``ne = [n_in, n_out]`` in llama.cpp.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+import gguf
+import numpy as np
+
+from mpserve.errors import BadRequest
+
+# Bump whenever the generator's output changes, so cached default models are rewritten under a new name.
+FORMAT_VERSION = 1
+
+_RMS_EPS = 1e-5
+_RESIDUAL_CONSTANT = 1.0
+_SUPPRESSED_LOGIT_WEIGHT = -1.0e4
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """The hyperparameters of one generated model; ``dtype`` is the type of its 2-D weight matrices."""
+
+    n_embd: int
+    n_layer: int
+    n_head: int
+    n_head_kv: int
+    n_ff: int
+    n_ctx_train: int
+    seed: int
+    dtype: Literal["f32", "f16"]
+
+    def parameter_count(self, n_vocab: int) -> int:
+        """Number of weights, norms included, for a vocabulary of ``n_vocab`` tokens."""
+        n_embd_kv = self.n_embd // self.n_head * self.n_head_kv
+        attention = 2 * self.n_embd * self.n_embd + 2 * self.n_embd * n_embd_kv
+        per_layer = attention + 3 * self.n_embd * self.n_ff + 2 * self.n_embd
+        return self.n_layer * per_layer + 2 * n_vocab * self.n_embd + self.n_embd
+
+
+MODEL_SIZES: dict[str, ModelShape] = {
+    "tiny": ModelShape(
+        n_embd=64, n_layer=2, n_head=4, n_head_kv=4, n_ff=128, n_ctx_train=2048, seed=1, dtype="f32"
+    ),
+    "bench": ModelShape(
+        n_embd=768, n_layer=12, n_head=12, n_head_kv=12, n_ff=2048, n_ctx_train=2048, seed=2, dtype="f16"
+    ),
+}
+
+
+@dataclass(frozen=True)
+class Token:
+    """One vocabulary entry as the GGUF tokenizer metadata lists it."""
+
+    piece: str
+    score: float
+    kind: gguf.TokenType
+
+
+UNK_ID = 0
+BOS_ID = 1
+EOS_ID = 2
+
+# Common English pieces. Each is added together with its prefixes, because the SentencePiece tokenizer in
+# llama.cpp only reaches a piece by merging two adjacent pieces that are both in the vocabulary.
+_COMMON_PIECES = """
+    ▁the ▁and ▁of ▁to ▁in ▁is ▁it ▁that ▁for ▁on ▁with ▁as ▁was ▁he ▁be ▁at ▁by ▁this ▁you ▁not ▁are
+    ▁or ▁we ▁his ▁from ▁but ▁have ▁an ▁they ▁which ▁one ▁all ▁a ▁I
+    in er on re an en at es ed or ing ion th he ll st nd ly ent ter ation al ar ou is it
+""".split()
+
+
+def vocabulary() -> list[Token]:
+    """The token list: ``<unk>``, ``<s>``, ``</s>``, 256 byte tokens, then the printable pieces.
+
+    Longer pieces score higher, so the tokenizer prefers them.
+    """
+    tokens = [
+        Token("<unk>", 0.0, gguf.TokenType.UNKNOWN),
+        Token("<s>", 0.0, gguf.TokenType.CONTROL),
+        Token("</s>", 0.0, gguf.TokenType.CONTROL),
+    ]
+    tokens += [Token(f"<0x{byte:02X}>", 0.0, gguf.TokenType.BYTE) for byte in range(256)]
+    pieces = [chr(code).replace(" ", "▁") for code in range(0x20, 0x7F)]
+    for piece in _COMMON_PIECES:
+        pieces += [piece[:end] for end in range(2, len(piece) + 1)]
+    pieces = list(dict.fromkeys(pieces))  # drop repeats, keep the first position
+    tokens += [Token(piece, float(len(piece)), gguf.TokenType.NORMAL) for piece in pieces]
+    return tokens
+
+
+def write_model(path: str | os.PathLike[str], size: str = "tiny") -> Path:
+    """Write the ``size`` model to ``path`` atomically and return the path.
+
+    The file appears complete or not at all: it is written to a temporary file in the same directory
+    and moved into place with ``os.replace``. Two processes writing the same model race harmlessly,
+    since both write the same bytes.
+    """
+    shape = _shape_for(size)
+    target = Path(path)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp_name = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=".tmp")
+    os.close(fd)
+    tmp = Path(tmp_name)
+    try:
+        _write_gguf(tmp, f"mpserve-{size}", shape)
+        with open(tmp, "rb") as written:
+            os.fsync(written.fileno())
+        tmp.chmod(0o644)  # mkstemp creates 0600; a model file is not a secret
+        os.replace(tmp, target)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    return target
+
+
+def default_model_path() -> Path:
+    """The built-in tiny model in the user's cache directory, written there first if missing."""
+    path = _cache_dir() / f"mpserve-tiny-v{FORMAT_VERSION}.gguf"
+    if not path.exists():
+        write_model(path, "tiny")
+    return path
+
+
+def _cache_dir() -> Path:
+    """``$MPSERVE_CACHE_DIR``, else ``$XDG_CACHE_HOME/mpserve``, else ``~/.cache/mpserve``."""
+    if explicit := os.environ.get("MPSERVE_CACHE_DIR"):
+        return Path(explicit)
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    return (Path(xdg) if xdg else Path.home() / ".cache") / "mpserve"
+
+
+def _shape_for(size: str) -> ModelShape:
+    try:
+        return MODEL_SIZES[size]
+    except KeyError:
+        allowed = ", ".join(sorted(MODEL_SIZES))
+        raise BadRequest(f"unknown model size {size!r}; allowed sizes: {allowed}") from None
+
+
+def _write_gguf(path: Path, name: str, shape: ModelShape) -> None:
+    tokens = vocabulary()
+    writer = gguf.GGUFWriter(path, "llama")
+    writer.add_name(name)
+    writer.add_file_type(
+        gguf.LlamaFileType.MOSTLY_F16 if shape.dtype == "f16" else gguf.LlamaFileType.ALL_F32
+    )
+    writer.add_vocab_size(len(tokens))
+    writer.add_context_length(shape.n_ctx_train)
+    writer.add_embedding_length(shape.n_embd)
+    writer.add_block_count(shape.n_layer)
+    writer.add_feed_forward_length(shape.n_ff)
+    writer.add_head_count(shape.n_head)
+    writer.add_head_count_kv(shape.n_head_kv)
+    writer.add_rope_dimension_count(shape.n_embd // shape.n_head)
+    writer.add_layer_norm_rms_eps(_RMS_EPS)
+
+    writer.add_tokenizer_model("llama")
+    writer.add_token_list([token.piece for token in tokens])
+    writer.add_token_scores([token.score for token in tokens])
+    writer.add_token_types([token.kind for token in tokens])
+    writer.add_bos_token_id(BOS_ID)
+    writer.add_eos_token_id(EOS_ID)
+    writer.add_unk_token_id(UNK_ID)
+    writer.add_add_bos_token(True)
+    writer.add_add_eos_token(False)
+
+    printable = np.array([token.kind == gguf.TokenType.NORMAL for token in tokens])
+    for tensor_name, tensor in _weights(shape, printable):
+        writer.add_tensor(tensor_name, tensor)
+    try:
+        writer.write_header_to_file()
+        writer.write_kv_data_to_file()
+        writer.write_tensors_to_file()
+    finally:
+        writer.close()
+
+
+def _weights(shape: ModelShape, printable: np.ndarray) -> Iterator[tuple[str, np.ndarray]]:
+    """All tensors in file order, drawn from one RandomState in that same order.
+
+    Matrices are scaled by 1/sqrt(fan_in) so activations stay near unit size; the projections that add
+    into the residual stream are scaled down further by 1/sqrt(2 * n_layer), as in GPT-2, so the stream
+    does not grow with depth. The final hidden state is RMS-normed, so logits come out with a standard
+    deviation near 1 and sampling temperatures mean what they usually do.
+    """
+    rng = np.random.RandomState(shape.seed)
+    matrix_type = np.float16 if shape.dtype == "f16" else np.float32
+    n_embd, n_ff = shape.n_embd, shape.n_ff
+    n_embd_kv = n_embd // shape.n_head * shape.n_head_kv
+    residual_scale = 1.0 / np.sqrt(2 * shape.n_layer)
+
+    def matrix(n_out: int, n_in: int, *, writes_residual: bool = False) -> np.ndarray:
+        weight = rng.standard_normal((n_out, n_in)) / np.sqrt(n_in)
+        if writes_residual:
+            weight *= residual_scale
+            weight[0, :] = 0.0  # nothing writes residual dimension 0
+        return weight.astype(matrix_type)
+
+    def norm() -> np.ndarray:
+        weight = np.ones(n_embd, dtype=np.float32)
+        weight[0] = 0.0  # blocks do not read residual dimension 0 either
+        return weight
+
+    embedding = rng.standard_normal((len(printable), n_embd))
+    embedding[:, 0] = _RESIDUAL_CONSTANT
+    yield "token_embd.weight", embedding.astype(matrix_type)
+
+    for layer in range(shape.n_layer):
+        block = f"blk.{layer}"
+        yield f"{block}.attn_norm.weight", norm()
+        yield f"{block}.attn_q.weight", matrix(n_embd, n_embd)
+        yield f"{block}.attn_k.weight", matrix(n_embd_kv, n_embd)
+        yield f"{block}.attn_v.weight", matrix(n_embd_kv, n_embd)
+        yield f"{block}.attn_output.weight", matrix(n_embd, n_embd, writes_residual=True)
+        yield f"{block}.ffn_norm.weight", norm()
+        yield f"{block}.ffn_gate.weight", matrix(n_ff, n_embd)
+        yield f"{block}.ffn_up.weight", matrix(n_ff, n_embd)
+        yield f"{block}.ffn_down.weight", matrix(n_embd, n_ff, writes_residual=True)
+
+    yield "output_norm.weight", np.ones(n_embd, dtype=np.float32)
+    output = matrix(len(printable), n_embd)
+    output[:, 0] = np.where(printable, 0.0, _SUPPRESSED_LOGIT_WEIGHT)  # exact in f16 too
+    yield "output.weight", output

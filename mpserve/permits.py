@@ -1,0 +1,585 @@
+"""Host-wide, crash-safe counting permits per GPU.
+
+A ``DevicePermits(key, capacity)`` lets at most ``capacity`` holders use one device at once, across
+every process on the host, including separate servers started by different users. A holder that
+dies, even by SIGKILL, gives its permit back at once and with nobody's help.
+
+Why open-file-description byte-range locks
+------------------------------------------
+- A POSIX or System V semaphore keeps its count in memory that nobody repairs: a holder killed
+  between wait and post leaves the count one short for ever (SEM_UNDO exists only for System V and
+  is not reachable from the standard library).
+- Classic ``fcntl`` record locks (F_SETLK) belong to the process: closing *any* descriptor of the
+  file drops all of that process's locks on it, and two threads of one process never exclude
+  each other.
+- OFD locks (F_OFD_SETLK, Linux 3.15+) belong to an open file description: the kernel drops them
+  when the last descriptor of that description is closed, which includes the process dying. Each
+  ``acquire`` uses its own description, so threads of one process exclude each other too.
+
+The lock file ``<lock_dir>/<key>.lock`` has one lock byte per permit slot; holding slot ``i`` means
+holding a write lock on its byte. Safety (never more than ``capacity`` holders) rests on these
+kernel locks alone. Everything else in the file is a best-effort record that a dead process may
+leave behind; every record is trusted only while its lock byte is held, so stale records are
+ignored and nothing a dead process leaves can wedge the others.
+
+Fairness: a ticket queue
+------------------------
+A waiter first takes a *queue place* (another lock byte, one of ``QUEUE_PLACES``), then, under a
+short ticket lock, draws the next ticket number and writes ``(pid, ticket, since)`` in the place's
+record. It may take a free permit slot only when no live place holds an earlier ticket. A waiter
+that dies or times out frees its place, so the one behind it moves up. Waiters are thus served in
+arrival order; only past ``QUEUE_PLACES`` simultaneous waiters on one device do the extra ones
+wait for a place unordered.
+
+Waiting polls with a short backoff (50 us doubling to 1 ms) instead of sleeping in F_OFD_SETLKW:
+a blocking lock call cannot be given a timeout from Python, nor wait for any one of several
+bytes, and the handoff delay of at most about a millisecond is small beside a model request.
+
+Capacity: stored in the file, mismatches refused
+------------------------------------------------
+Every open ``DevicePermits`` holds a shared lock on a "users" byte. The first user (the only one
+that can take that byte exclusively) writes its capacity into the header; later users must ask for
+the same capacity, else they get a ``ConfigError``. Silently trusting each caller's capacity would
+let a server configured "exclusive" share its GPU with one configured for two; refusing tells the
+operator at start-up. ``capacity=None`` (unlimited) takes part in this check but records nothing.
+
+File layout (4 KiB, read and written through a shared mmap)::
+
+    0      header: magic, layout version, capacity (0 = unlimited), next ticket
+    64     holder columns, one entry per permit slot: pid, since
+    1088   waiter columns, one entry per queue place: pid, ticket, since
+
+The lock bytes sit at offsets past the data (locks are advisory and never touch it)::
+
+    LOCK_BASE + 0        INIT: held exclusively while a user opens the file and checks the header
+    LOCK_BASE + 1        USERS: shared by every open DevicePermits
+    LOCK_BASE + 2        TICKET: held while a waiter draws a ticket
+    PERMIT_BASE + i      permit slot i
+    QUEUE_BASE + j       queue place j
+
+Descriptors are opened close-on-exec, and a process forked from a user closes its copies at once
+(``os.register_at_fork``): a forked child keeping a copy would otherwise keep the parent's locks
+alive after the parent died.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import errno
+import fcntl
+import mmap
+import os
+import re
+import struct
+import tempfile
+import threading
+import time
+import weakref
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from functools import cache
+from pathlib import Path
+
+from mpserve.errors import ConfigError, Timeout
+
+MAX_CAPACITY = 64
+QUEUE_PLACES = 64
+
+_MAGIC = b"mpsperm\0"
+_LAYOUT_VERSION = 1
+_HEADER = struct.Struct("<8sIIQ")  # magic, version, capacity, next ticket
+_TICKET_OFFSET = 16
+_HOLDERS = 64
+_WAITERS = _HOLDERS + 2 * 8 * MAX_CAPACITY
+_FILE_SIZE = 4096
+
+_LOCK_BASE = 1 << 20
+_INIT_BYTE = _LOCK_BASE
+_USERS_BYTE = _LOCK_BASE + 1
+_TICKET_BYTE = _LOCK_BASE + 2
+_PERMIT_BASE = _LOCK_BASE + 64
+_QUEUE_BASE = _PERMIT_BASE + MAX_CAPACITY
+
+_FIRST_POLL = 50e-6
+_LAST_POLL = 1e-3
+
+_KEY = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
+
+
+@dataclass(frozen=True)
+class PermitHolder:
+    """A live holder as seen from any process; ``pid`` is None in the microseconds before it is written."""
+
+    slot: int
+    pid: int | None
+    since: float  # wall clock (time.time), for display
+
+
+@dataclass(frozen=True)
+class PermitWaiter:
+    pid: int
+    ticket: int
+    since: float  # wall clock (time.time)
+
+
+@dataclass(frozen=True)
+class HoldInterval:
+    """One hold, timed with time.monotonic (one clock for all processes of a host).
+
+    ``start`` is taken after the lock is held and ``end`` before it is released, so the intervals
+    of holders that exclude each other never overlap.
+    """
+
+    device_key: str
+    pid: int
+    slot: int | None
+    start: float
+    end: float
+
+
+class Permit:
+    """One held permit; a context manager. ``release`` may be called more than once."""
+
+    def __init__(self, owner: DevicePermits, fd: int | None, slot: int | None, start: float) -> None:
+        self._owner = owner
+        self._fd = fd
+        self.slot = slot
+        self.start = start
+        self._released = False
+
+    @property
+    def device_key(self) -> str:
+        return self._owner.device_key
+
+    def release(self) -> None:
+        if self._released:
+            return
+        self._released = True
+        self._owner._release(self, self._fd)
+
+    def __enter__(self) -> Permit:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.release()
+
+
+class DevicePermits:
+    """The permits of one device, shared by every process that opens the same key in the same lock_dir."""
+
+    def __init__(
+        self,
+        device_key: str,
+        capacity: int | None,
+        lock_dir: Path | None = None,
+        on_hold: Callable[[HoldInterval], None] | None = None,
+    ) -> None:
+        if not _KEY.fullmatch(device_key):
+            raise ConfigError(f"device key {device_key!r} must be letters, digits, '.', '_' or '-'")
+        if capacity is not None and not 1 <= capacity <= MAX_CAPACITY:
+            raise ConfigError(f"permit capacity {capacity} is outside 1..{MAX_CAPACITY} (or None: unlimited)")
+        self.device_key = device_key
+        self.capacity = capacity
+        self.path = (lock_dir if lock_dir is not None else default_lock_dir()) / f"{device_key}.lock"
+        self._on_hold = on_hold
+        self._pid = os.getpid()
+        self._guard = threading.Lock()
+        self._fds: set[int] = set()  # every pooled descriptor, idle or in use
+        self._idle_fds: list[int] = []
+        self._held: set[Permit] = set()
+        self._closed = False
+        self._inspect_fd = _open_shared_file(self.path)
+        try:
+            self._records = _Records(self.path)
+            self._join()
+        except BaseException:
+            os.close(self._inspect_fd)
+            raise
+        _OPEN.add(self)
+
+    def acquire(self, timeout: float | None = None) -> Permit:
+        """Wait for a permit, in arrival order; ``Timeout`` after ``timeout`` seconds (None: for ever)."""
+        self._check_open()
+        if self.capacity is None:
+            return Permit(self, None, None, time.monotonic())
+        deadline = None if timeout is None else time.monotonic() + timeout
+        fd = self._take_fd()
+        try:
+            slot = self._queue_for_slot(fd, deadline)
+        except BaseException:
+            self._give_back_fd(fd)
+            raise
+        if slot is None:
+            self._give_back_fd(fd)
+            assert timeout is not None  # only a deadline ends the wait without a slot
+            raise self._timeout(timeout)
+        permit = Permit(self, fd, slot, time.monotonic())
+        with self._guard:
+            self._held.add(permit)
+        return permit
+
+    def holders(self) -> list[PermitHolder]:
+        self._check_open()
+        if self.capacity is None:
+            return []
+        records = self._records
+        return [
+            PermitHolder(slot, records.holder_pid[slot] or None, records.holder_since[slot])
+            for slot in range(self.capacity)
+            if _is_locked(self._inspect_fd, _PERMIT_BASE + slot)
+        ]
+
+    def waiters(self) -> list[PermitWaiter]:
+        self._check_open()
+        records = self._records
+        waiting = [
+            PermitWaiter(records.waiter_pid[place], ticket, records.waiter_since[place])
+            for place, ticket in enumerate(records.waiter_ticket.tolist())
+            if ticket and _is_locked(self._inspect_fd, _QUEUE_BASE + place)
+        ]
+        return sorted(waiting, key=lambda waiter: waiter.ticket)
+
+    def close(self) -> None:
+        """Release the permits this object still holds and leave the device; not while acquires run."""
+        if self._closed:
+            return
+        for permit in list(self._held):
+            permit.release()
+        self._closed = True
+        _OPEN.discard(self)
+        for fd in self._idle_fds:
+            os.close(fd)
+        self._fds.clear()
+        self._idle_fds.clear()
+        self._records.close()
+        os.close(self._inspect_fd)
+
+    def __enter__(self) -> DevicePermits:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    # -- joining: one capacity per device --------------------------------------------------------
+
+    def _join(self) -> None:
+        fd = self._inspect_fd
+        _lock(fd, _INIT_BYTE, wait=True)
+        try:
+            wanted = self.capacity or 0
+            stored = self._records.stored_capacity()
+            if stored == wanted:
+                _lock(fd, _USERS_BYTE, shared=True, wait=True)  # only a joiner holding INIT excludes it
+            elif _lock(fd, _USERS_BYTE):
+                self._records.reset(wanted)
+                _lock(fd, _USERS_BYTE, shared=True)  # downgrade in place: others may join now
+            else:
+                raise ConfigError(
+                    f"device {self.device_key} is in use with permit capacity {_describe(stored)} "
+                    f"(lock file {self.path}); this server asks for {_describe(wanted)}. All servers "
+                    "on a host must agree on a device's capacity: change the config or stop the others"
+                )
+        finally:
+            _unlock(fd, _INIT_BYTE)
+
+    # -- acquiring: queue place, ticket, slot ----------------------------------------------------
+
+    def _queue_for_slot(self, fd: int, deadline: float | None) -> int | None:
+        """The permit slot now held through ``fd``, or None at the deadline."""
+        place = self._take_place(fd, deadline)
+        if place is None:
+            return None
+        records = self._records
+        try:
+            _lock(fd, _TICKET_BYTE, wait=True)
+            try:
+                ticket = records.draw_ticket()
+                records.waiter_pid[place] = self._pid
+                records.waiter_since[place] = time.time()
+                records.waiter_ticket[place] = ticket
+            finally:
+                _unlock(fd, _TICKET_BYTE)
+            for delay in _polls(deadline):
+                if not self._earlier_waiter_alive(fd, ticket):
+                    slot = self._take_free_slot(fd)
+                    if slot is not None:
+                        records.holder_pid[slot] = self._pid
+                        records.holder_since[slot] = time.time()
+                        return slot
+                time.sleep(delay)
+            return None
+        finally:
+            records.waiter_ticket[place] = 0
+            _unlock(fd, _QUEUE_BASE + place)
+
+    def _take_place(self, fd: int, deadline: float | None) -> int | None:
+        for delay in _polls(deadline):
+            for place in range(QUEUE_PLACES):
+                if _lock(fd, _QUEUE_BASE + place):
+                    return place
+            time.sleep(delay)
+        return None
+
+    def _earlier_waiter_alive(self, fd: int, ticket: int) -> bool:
+        return any(
+            0 < other < ticket and _is_locked(fd, _QUEUE_BASE + place)
+            for place, other in enumerate(self._records.waiter_ticket.tolist())
+        )
+
+    def _take_free_slot(self, fd: int) -> int | None:
+        assert self.capacity is not None
+        for slot in range(self.capacity):
+            if _lock(fd, _PERMIT_BASE + slot):
+                return slot
+        return None
+
+    def _timeout(self, timeout: float) -> Timeout:
+        return Timeout(
+            f"no permit for device {self.device_key} within {timeout:g} s "
+            f"({len(self.holders())} of {self.capacity} held, {len(self.waiters())} waiting)"
+        )
+
+    # -- releasing -------------------------------------------------------------------------------
+
+    def _release(self, permit: Permit, fd: int | None) -> None:
+        end = time.monotonic()
+        with self._guard:
+            if self._closed:
+                return  # close() or a fork already dropped the descriptor, and with it the lock
+            self._held.discard(permit)
+        if fd is not None and permit.slot is not None:
+            self._records.holder_pid[permit.slot] = 0
+            _unlock(fd, _PERMIT_BASE + permit.slot)
+            self._give_back_fd(fd)
+        if self._on_hold is not None:
+            self._on_hold(HoldInterval(self.device_key, self._pid, permit.slot, permit.start, end))
+
+    # -- descriptors: one open file description per concurrent acquire ---------------------------
+
+    def _take_fd(self) -> int:
+        with self._guard:
+            if self._idle_fds:
+                return self._idle_fds.pop()
+            fd = os.open(self.path, os.O_RDWR | os.O_CLOEXEC)
+            self._fds.add(fd)
+            return fd
+
+    def _give_back_fd(self, fd: int) -> None:
+        with self._guard:
+            if not self._closed:
+                self._idle_fds.append(fd)
+                return
+            self._fds.discard(fd)
+        os.close(fd)
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise ConfigError(f"permits of device {self.device_key} are closed")
+
+    def _forget_after_fork(self) -> None:
+        """In a forked child: close the inherited descriptors, never unlock: the locks are the parent's."""
+        self._closed = True
+        for fd in [*self._fds, self._inspect_fd]:
+            os.close(fd)
+        self._fds.clear()
+        self._idle_fds.clear()
+        self._held.clear()
+
+
+class HoldLog:
+    """An ``on_hold`` recorder that appends each hold as one line to a file shared by many processes.
+
+    Each line is written with a single O_APPEND write, so lines from concurrent processes never
+    interleave. ``read_holds`` reads them back and ``max_concurrent`` proves exclusivity from them.
+    """
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+
+    def __call__(self, hold: HoldInterval) -> None:
+        slot = -1 if hold.slot is None else hold.slot
+        line = f"{hold.device_key} {hold.pid} {slot} {hold.start!r} {hold.end!r}\n"
+        fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o666)
+        try:
+            os.write(fd, line.encode())
+        finally:
+            os.close(fd)
+
+
+def read_holds(path: Path) -> list[HoldInterval]:
+    holds = []
+    for line in path.read_text().splitlines():
+        key, pid, slot, start, end = line.split()
+        number = None if slot == "-1" else int(slot)
+        holds.append(HoldInterval(key, int(pid), number, float(start), float(end)))
+    return holds
+
+
+def max_concurrent(holds: Iterable[HoldInterval]) -> int:
+    """The largest number of holds open at one instant (a hold ending when another starts does not count)."""
+    events = sorted([(h.start, 1) for h in holds] + [(h.end, -1) for h in holds])
+    most = current = 0
+    for _, step in events:
+        current += step
+        most = max(most, current)
+    return most
+
+
+def default_lock_dir() -> Path:
+    """``$MPSERVE_LOCK_DIR``, else ``mpserve-locks`` under /dev/shm (or the temp dir), shared by all users."""
+    configured = os.environ.get("MPSERVE_LOCK_DIR")
+    if configured:
+        path = Path(configured)
+    else:
+        shm = Path("/dev/shm")
+        base = shm if shm.is_dir() and os.access(shm, os.W_OK) else Path(tempfile.gettempdir())
+        path = base / "mpserve-locks"
+    try:
+        os.mkdir(path)
+        os.chmod(path, 0o1777)  # sticky and world-writable, like /tmp: every user's servers meet here
+    except FileExistsError:
+        pass
+    except OSError as exc:
+        raise ConfigError(f"cannot create lock directory {path}: {exc.strerror}") from exc
+    return path
+
+
+# -- the file's records ----------------------------------------------------------------------------
+
+
+class _Records:
+    """Typed views of the shared mmap: the header and the holder and waiter columns."""
+
+    def __init__(self, path: Path) -> None:
+        fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)  # a description of its own, never locked
+        try:
+            if os.fstat(fd).st_size < _FILE_SIZE:
+                os.ftruncate(fd, _FILE_SIZE)  # growing only, with zeros: safe to race
+            self._map = mmap.mmap(fd, _FILE_SIZE)
+        finally:
+            os.close(fd)
+        view = memoryview(self._map)
+        self._views = [view]
+
+        def column(offset: int, count: int, kind: str) -> memoryview:
+            part = view[offset : offset + 8 * count].cast(kind)
+            self._views.append(part)
+            return part
+
+        self.ticket_counter = column(_TICKET_OFFSET, 1, "Q")
+        self.holder_pid = column(_HOLDERS, MAX_CAPACITY, "q")
+        self.holder_since = column(_HOLDERS + 8 * MAX_CAPACITY, MAX_CAPACITY, "d")
+        self.waiter_pid = column(_WAITERS, QUEUE_PLACES, "q")
+        self.waiter_ticket = column(_WAITERS + 8 * QUEUE_PLACES, QUEUE_PLACES, "Q")
+        self.waiter_since = column(_WAITERS + 16 * QUEUE_PLACES, QUEUE_PLACES, "d")
+
+    def stored_capacity(self) -> int | None:
+        """The header's capacity (0 = unlimited), or None when the header is blank or foreign."""
+        magic, version, capacity, _ = _HEADER.unpack_from(self._map)
+        return capacity if magic == _MAGIC and version == _LAYOUT_VERSION else None
+
+    def reset(self, capacity: int) -> None:
+        """Start afresh; only for the sole user of the file."""
+        self._map[:] = bytes(_FILE_SIZE)
+        _HEADER.pack_into(self._map, 0, _MAGIC, _LAYOUT_VERSION, capacity, 1)
+
+    def draw_ticket(self) -> int:
+        """Only under the ticket lock."""
+        ticket = self.ticket_counter[0]
+        self.ticket_counter[0] = ticket + 1
+        return ticket
+
+    def close(self) -> None:
+        for view in reversed(self._views):
+            view.release()
+        self._map.close()
+
+
+# -- OFD byte locks --------------------------------------------------------------------------------
+
+
+class _Flock(ctypes.Structure):
+    """``struct flock`` as this platform's C compiler lays it out (off_t is 64-bit in CPython builds)."""
+
+    _fields_ = [
+        ("l_type", ctypes.c_short),
+        ("l_whence", ctypes.c_short),
+        ("l_start", ctypes.c_int64),
+        ("l_len", ctypes.c_int64),
+        ("l_pid", ctypes.c_int),  # must be 0 for OFD requests; F_OFD_GETLK reports -1
+    ]
+
+
+@cache
+def _request(kind: int, offset: int) -> bytes:
+    return bytes(_Flock(kind, os.SEEK_SET, offset, 1, 0))
+
+
+def _lock(fd: int, offset: int, *, shared: bool = False, wait: bool = False) -> bool:
+    """Lock one byte; False if it is held by another description (only when not waiting)."""
+    kind = fcntl.F_RDLCK if shared else fcntl.F_WRLCK
+    try:
+        fcntl.fcntl(fd, fcntl.F_OFD_SETLKW if wait else fcntl.F_OFD_SETLK, _request(kind, offset))
+    except OSError as exc:
+        if exc.errno in (errno.EAGAIN, errno.EACCES):
+            return False
+        raise
+    return True
+
+
+def _unlock(fd: int, offset: int) -> None:
+    fcntl.fcntl(fd, fcntl.F_OFD_SETLK, _request(fcntl.F_UNLCK, offset))
+
+
+def _is_locked(fd: int, offset: int) -> bool:
+    """Whether a description other than ``fd``'s holds the byte."""
+    answer = fcntl.fcntl(fd, fcntl.F_OFD_GETLK, _request(fcntl.F_WRLCK, offset))
+    return _Flock.from_buffer_copy(answer).l_type != fcntl.F_UNLCK
+
+
+# -- small helpers ---------------------------------------------------------------------------------
+
+
+def _open_shared_file(path: Path) -> int:
+    """Open the lock file read-write, creating it writable by every user.
+
+    O_EXCL first, then a plain open: with fs.protected_regular, O_CREAT on another user's file in a
+    sticky directory fails even when the file itself is writable.
+    """
+    try:
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o666)
+            os.fchmod(fd, 0o666)
+            return fd
+        except FileExistsError:
+            return os.open(path, os.O_RDWR | os.O_CLOEXEC)
+    except OSError as exc:
+        raise ConfigError(f"cannot open permit lock file {path}: {exc.strerror}") from exc
+
+
+def _polls(deadline: float | None) -> Iterable[float]:
+    """Sleep lengths for a try-then-sleep loop, doubling up to 1 ms; the first try is always made."""
+    delay = _FIRST_POLL
+    while True:
+        yield delay if deadline is None else max(0.0, min(delay, deadline - time.monotonic()))
+        if deadline is not None and time.monotonic() >= deadline:
+            return
+        delay = min(delay * 2, _LAST_POLL)
+
+
+def _describe(capacity: int | None) -> str:
+    if capacity is None:
+        return "unknown (a foreign lock file layout)"
+    return "unlimited" if capacity == 0 else str(capacity)
+
+
+_OPEN: weakref.WeakSet[DevicePermits] = weakref.WeakSet()
+
+
+def _forget_all_after_fork() -> None:
+    for permits in list(_OPEN):
+        permits._forget_after_fork()
+    _OPEN.clear()
+
+
+

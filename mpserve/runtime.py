@@ -1,0 +1,112 @@
+"""Where a running server keeps its sockets and its description, and how other processes find it.
+
+A server is known by its name (``--server-name``, default "default"). Its files:
+
+    $RUNTIME/NAME.sock            the client (front) ipc socket, unless --bind gives another address
+    $RUNTIME/NAME.workers.sock    the worker (back) ipc socket
+    $RUNTIME/NAME.json            ServerInfo: pid, addresses, slot-table path, models
+    /dev/shm/mpserve-UID-NAME.slots   the slot table
+
+$RUNTIME is $MPSERVE_RUNTIME_DIR, else $XDG_RUNTIME_DIR/mpserve, else /tmp/mpserve-UID; it is created
+with mode 0700 and refused if another user owns it or others can open it, so only this user can reach the
+ipc sockets.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import stat
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from .errors import ConfigError
+from .slots import shm_dir
+
+
+def runtime_dir(create: bool = True) -> Path:
+    if "MPSERVE_RUNTIME_DIR" in os.environ:
+        path = Path(os.environ["MPSERVE_RUNTIME_DIR"])
+    elif "XDG_RUNTIME_DIR" in os.environ:
+        path = Path(os.environ["XDG_RUNTIME_DIR"]) / "mpserve"
+    else:
+        path = Path(f"/tmp/mpserve-{os.getuid()}")
+    if create:
+        path.mkdir(mode=0o700, parents=True, exist_ok=True)
+        st = path.stat()
+        if st.st_uid != os.getuid() or stat.S_IMODE(st.st_mode) & 0o077:
+            raise ConfigError(f"runtime directory {path} must be owned by you and closed to others (mode "
+                              f"0700); fix it with: chmod 700 {path}, or set MPSERVE_RUNTIME_DIR")
+    return path
+
+
+@dataclass(frozen=True)
+class ServerPaths:
+    name: str
+    front: str  # a ZeroMQ address
+    back: str
+    info: Path
+    slots: Path
+
+    @classmethod
+    def for_name(cls, name: str, bind: str | None = None, workers_bind: str | None = None) -> ServerPaths:
+        rdir = runtime_dir()
+        return cls(
+            name=name,
+            front=bind or f"ipc://{rdir / name}.sock",
+            back=workers_bind or f"ipc://{rdir / name}.workers.sock",
+            info=rdir / f"{name}.json",
+            slots=shm_dir() / f"mpserve-{os.getuid()}-{name}.slots",
+        )
+
+    def ipc_files(self) -> list[Path]:
+        return [Path(a[len("ipc://"):]) for a in (self.front, self.back) if a.startswith("ipc://")]
+
+
+@dataclass(frozen=True)
+class ServerInfo:
+    """What ``mpserve start`` publishes in NAME.json for clients and ``mpserve status``."""
+
+    name: str
+    pid: int
+    front: str
+    back: str
+    slots: str
+    models: list[str]
+    started: float
+
+    def write(self, path: Path) -> None:
+        tmp = path.with_suffix(".json.tmp")
+        tmp.write_text(json.dumps(asdict(self), indent=2))
+        os.replace(tmp, path)
+
+    @classmethod
+    def read(cls, name: str) -> ServerInfo | None:
+        path = runtime_dir(create=False) / f"{name}.json"
+        try:
+            return cls(**json.loads(path.read_text()))
+        except (OSError, ValueError, TypeError):
+            return None
+
+    def alive(self) -> bool:
+        return pid_alive(self.pid)
+
+
+def pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def default_address(name: str = "default") -> str:
+    """The address a client uses when none is given: $MPSERVE_ADDRESS, else the named server's socket."""
+    if "MPSERVE_ADDRESS" in os.environ:
+        return os.environ["MPSERVE_ADDRESS"]
+    info = ServerInfo.read(name)
+    if info is not None:
+        return info.front
+    return f"ipc://{runtime_dir(create=False) / name}.sock"

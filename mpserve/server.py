@@ -1,0 +1,185 @@
+"""``mpserve start``: one process that owns the broker, the supervisor, the slot table and the sockets.
+
+A single poll loop waits on the client socket, the worker socket, every worker's process sentinel and
+a self-pipe that signal handlers write to (handlers do nothing else), with a timeout set by the nearest
+request deadline, worker restart or shutdown deadline. Everything is dispatched from that loop, so no
+state is touched from a signal handler or a second thread.
+
+Shutdown (SIGTERM/SIGINT): new requests get ERROR ``shutting_down``; queued and running ones finish
+within ``grace`` seconds, after which they get ``shutting_down`` too; workers are told to stop, then
+terminated; the slot table, the sockets and the info file are removed. A second signal skips the grace.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import socket
+import sys
+import time
+
+import zmq
+
+from .broker import Broker, WorkerEntry
+from .config import ServerConfig
+from .errors import ConfigError
+from .runtime import ServerInfo, ServerPaths
+from .slots import SlotTable
+from .supervisor import Supervisor
+
+log = logging.getLogger("mpserve.server")
+
+
+def serve(config: ServerConfig) -> None:
+    logging.basicConfig(level=config.log_level.upper(), stream=sys.stderr,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.getLogger("gguf").setLevel(logging.WARNING)
+    paths = ServerPaths.for_name(config.server_name, config.bind, config.workers_bind)
+    _claim(paths)
+    started = time.monotonic()
+    table = SlotTable.create(paths.slots, rows=config.total_instances)
+    ctx = zmq.Context()
+    broker = None
+    try:
+        broker = Broker(ctx, paths.front, paths.back, {m.name: config.max_queue for m in config.models})
+        supervisor = Supervisor(config, paths, table)
+        ServerInfo(paths.name, os.getpid(), paths.front, paths.back, str(paths.slots),
+                   [m.name for m in config.models], time.time()).write(paths.info)
+        _Loop(config, broker, supervisor, started).run()
+    finally:
+        if broker is not None:
+            broker.close()
+        ctx.term()
+        table.unlink()
+        table.close()
+        for path in [paths.info, *paths.ipc_files()]:
+            path.unlink(missing_ok=True)
+        log.info("stopped")
+
+
+def _claim(paths: ServerPaths) -> None:
+    """Refuse to start over a live server of the same name; remove what a dead one left behind."""
+    info = ServerInfo.read(paths.name)
+    if info is not None and info.alive() and info.pid != os.getpid():
+        raise ConfigError(f"a server named {paths.name!r} is already running (pid {info.pid}, {info.front}); "
+                          "stop it first or give this one another --server-name")
+    for stale in [paths.info, paths.slots, *paths.ipc_files()]:
+        if stale.exists():
+            log.info("removing %s left by a server that is no longer running", stale)
+            stale.unlink(missing_ok=True)
+
+
+class _Loop:
+    def __init__(self, config: ServerConfig, broker: Broker, supervisor: Supervisor, started: float) -> None:
+        self._config = config
+        self._broker = broker
+        self._supervisor = supervisor
+        self._started = started
+        self._ready: set[int] = set()
+        self._announced = False
+        self._grace_deadline: float | None = None
+        self._wake_r, self._wake_w = socket.socketpair()
+        self._poller = zmq.Poller()
+        self._sentinels: dict[int, int] = {}
+        broker.on_ready = self._on_ready
+        broker.on_failed = supervisor.load_failed
+
+    def run(self) -> None:
+        self._wake_r.setblocking(False)
+        self._wake_w.setblocking(False)
+        old_wakeup = signal.set_wakeup_fd(self._wake_w.fileno())
+        old_handlers = {s: signal.signal(s, lambda *_: None) for s in (signal.SIGTERM, signal.SIGINT)}
+        try:
+            self._poller.register(self._broker.front, zmq.POLLIN)
+            self._poller.register(self._broker.back, zmq.POLLIN)
+            self._poller.register(self._wake_r.fileno(), zmq.POLLIN)
+            self._supervisor.start_all()
+            log.info("starting %d instance(s): %s; clients connect to %s", self._config.total_instances,
+                     ", ".join(f"{m.name}×{m.instances}" for m in self._config.models), self._broker_addr())
+            while self._turn():
+                pass
+            self._broker.stop_workers()
+            self._supervisor.stop_all(timeout=5.0)
+        finally:
+            signal.set_wakeup_fd(old_wakeup)
+            for s, handler in old_handlers.items():
+                signal.signal(s, handler)
+            self._wake_r.close()
+            self._wake_w.close()
+
+    def _broker_addr(self) -> str:
+        return self._broker.front.getsockopt_string(zmq.LAST_ENDPOINT)
+
+    def _turn(self) -> bool:
+        """One pass of the loop; False when it is time to stop."""
+        self._sync_sentinels()
+        events = dict(self._poller.poll(self._timeout_ms()))
+        if self._broker.back in events:
+            self._broker.drain_back()
+        if self._broker.front in events:
+            self._broker.drain_front()
+        for fd, index in list(self._sentinels.items()):
+            if fd in events:
+                self._reap(fd, index)
+        if self._wake_r.fileno() in events:
+            self._on_signals()
+        now = time.monotonic()
+        self._broker.expire(now)
+        if self._grace_deadline is None:
+            self._supervisor.restart_due(now)
+            return True
+        if self._broker.in_flight() == 0:
+            return False
+        if now >= self._grace_deadline:
+            log.warning("grace period over; ending %d request(s)", self._broker.in_flight())
+            self._broker.abort_all("shutting_down", "the server stopped before this request finished")
+            return False
+        return True
+
+    def _timeout_ms(self) -> int:
+        times = [t for t in (self._broker.next_deadline(), self._supervisor.next_restart(),
+                             self._grace_deadline) if t is not None]
+        if not times:
+            return 1000
+        return max(0, min(1000, int((min(times) - time.monotonic()) * 1000) + 1))
+
+    def _sync_sentinels(self) -> None:
+        current = self._supervisor.sentinels()
+        for fd in current.keys() - self._sentinels.keys():
+            self._poller.register(fd, zmq.POLLIN)
+        self._sentinels = current
+
+    def _reap(self, fd: int, index: int) -> None:
+        self._poller.unregister(fd)
+        del self._sentinels[fd]
+        model = self._supervisor.workers[index].spec.model
+        self._ready.discard(index)
+        self._supervisor.reap(index)
+        self._broker.worker_exited(index)
+        failed = self._supervisor.health[model].failed_message
+        if failed is not None and self._broker.models[model].failed is None:
+            self._broker.model_failed(model, failed)
+
+    def _on_ready(self, entry: WorkerEntry) -> None:
+        self._supervisor.loaded(entry.model)
+        self._ready.add(entry.index)
+        if not self._announced and len(self._ready) == self._config.total_instances:
+            self._announced = True
+            log.info("ready: %d instance(s) in %.2f s", len(self._ready), time.monotonic() - self._started)
+
+    def _on_signals(self) -> None:
+        try:
+            received = self._wake_r.recv(64)
+        except BlockingIOError:
+            return
+        if not any(s in (signal.SIGTERM, signal.SIGINT) for s in received):
+            return
+        if self._grace_deadline is not None:
+            log.warning("second signal: stopping now")
+            self._grace_deadline = time.monotonic()
+            return
+        self._broker.stop_accepting()
+        self._grace_deadline = time.monotonic() + self._config.grace
+        log.info("shutting down: finishing %d request(s) within %.0f s", self._broker.in_flight(),
+                 self._config.grace)

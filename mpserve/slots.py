@@ -1,0 +1,175 @@
+"""The slot table: a shared-memory file of fixed-size rows, one per slot (a worker owns ``parallel``
+consecutive slots). Readers in any process (the broker, ``mpserve status`` in another terminal) see
+consistent rows without a round trip to the server.
+
+Consistency is a per-row sequence lock: the writer makes the sequence odd, writes the fields, then makes
+it even again; a reader retries while the sequence is odd or changed under it. Each row has exactly one
+writer, the worker that owns it; the supervisor writes a row only before its worker starts and after it
+has died (marking it dead), when that writer cannot be running. The supervisor alone creates and
+unlinks the file.
+
+The file lives in /dev/shm (a tmpfs) when there is one, so row updates are memory writes, not disk I/O.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import struct
+import time
+from dataclasses import dataclass
+from enum import IntEnum
+from pathlib import Path
+
+MAGIC = b"MPSLOT01"
+_HEADER = struct.Struct("<8sII")  # magic, rows, row size
+_SEQ = struct.Struct("<Q")
+# pid, worker, slot, state, device, model, request, tokens, served, started, progress, load_s
+_FIELDS = struct.Struct("<iHHBxh48s40sIQddd")
+ROW_SIZE = 192  # room for fields to come; the magic changes with the layout
+assert _SEQ.size + _FIELDS.size <= ROW_SIZE
+
+
+class SlotState(IntEnum):
+    EMPTY = 0
+    STARTING = 1
+    LOADING = 2
+    IDLE = 3
+    BUSY = 4
+    STOPPING = 5
+    DEAD = 6
+    FAILED = 7
+    UNLOADED = 8
+
+
+@dataclass(frozen=True)
+class SlotRow:
+    index: int
+    pid: int
+    worker: int
+    slot: int
+    state: SlotState
+    device: int  # -1: CPU
+    model: str
+    request: str
+    tokens: int  # generated for the current (or last) request
+    served: int  # requests finished by this slot since its worker started
+    started: float  # unix time the worker process started
+    progress: float  # unix time of the last state change or generated token
+    load_s: float  # seconds the model took to load
+
+
+def shm_dir() -> Path:
+    return Path("/dev/shm") if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else Path(
+        os.environ.get("TMPDIR", "/tmp"))
+
+
+class SlotTable:
+    """A mapped slot-table file. ``create`` (supervisor) or ``attach`` (everyone else)."""
+
+    def __init__(self, path: Path, fd: int, mm: mmap.mmap, rows: int, owner: bool) -> None:
+        self.path = path
+        self._fd = fd
+        self._mm = mm
+        self.rows = rows
+        self._owner = owner
+
+    @classmethod
+    def create(cls, path: Path, rows: int) -> SlotTable:
+        size = _HEADER.size + rows * ROW_SIZE
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
+        os.ftruncate(fd, size)
+        mm = mmap.mmap(fd, size)
+        _HEADER.pack_into(mm, 0, MAGIC, rows, ROW_SIZE)
+        return cls(path, fd, mm, rows, owner=True)
+
+    @classmethod
+    def attach(cls, path: Path, writable: bool = True) -> SlotTable:
+        fd = os.open(path, os.O_RDWR if writable else os.O_RDONLY)
+        size = os.fstat(fd).st_size
+        if size < _HEADER.size:
+            os.close(fd)
+            raise ValueError(f"{path} is not a slot table (too short)")
+        mm = mmap.mmap(fd, size, access=mmap.ACCESS_WRITE if writable else mmap.ACCESS_READ)
+        magic, rows, row_size = _HEADER.unpack_from(mm, 0)
+        if magic != MAGIC or row_size != ROW_SIZE or size < _HEADER.size + rows * ROW_SIZE:
+            mm.close()
+            os.close(fd)
+            raise ValueError(f"{path} is not a slot table of this version of mpserve")
+        return cls(path, fd, mm, rows, owner=False)
+
+    def writer(self, index: int) -> SlotWriter:
+        if not 0 <= index < self.rows:
+            raise IndexError(f"slot {index} out of range 0..{self.rows - 1}")
+        return SlotWriter(self._mm, _HEADER.size + index * ROW_SIZE)
+
+    def read(self, index: int) -> SlotRow:
+        offset = _HEADER.size + index * ROW_SIZE
+        for _ in range(10000):
+            (seq,) = _SEQ.unpack_from(self._mm, offset)
+            if seq & 1:
+                continue
+            fields = _FIELDS.unpack_from(self._mm, offset + _SEQ.size)
+            if _SEQ.unpack_from(self._mm, offset)[0] == seq:
+                break
+        else:  # a writer died mid-update; its row is as good as the supervisor will make it
+            fields = _FIELDS.unpack_from(self._mm, offset + _SEQ.size)
+        pid, worker, slot, state, device, model, request, tokens, served, started, progress, load_s = fields
+        return SlotRow(index, pid, worker, slot, SlotState(state), device, _text(model), _text(request),
+                       tokens, served, started, progress, load_s)
+
+    def read_all(self) -> list[SlotRow]:
+        return [self.read(i) for i in range(self.rows)]
+
+    def close(self) -> None:
+        self._mm.close()
+        os.close(self._fd)
+
+    def unlink(self) -> None:
+        """Remove the file (supervisor only). Mapped readers keep working until they close."""
+        if self._owner:
+            self.path.unlink(missing_ok=True)
+
+
+class SlotWriter:
+    """The single writer of one row. Keeps the row's fields so each update writes them all at once."""
+
+    def __init__(self, mm: mmap.mmap, offset: int) -> None:
+        self._mm = mm
+        self._offset = offset
+        self._values = list(_FIELDS.unpack_from(mm, offset + _SEQ.size))
+
+    def update(self, *, pid: int | None = None, worker: int | None = None, slot: int | None = None,
+               state: SlotState | None = None, device: int | None = None, model: str | None = None,
+               request: str | None = None, tokens: int | None = None, served: int | None = None,
+               started: float | None = None, load_s: float | None = None) -> None:
+        v = self._values
+        for i, value in enumerate((pid, worker, slot, state, device)):
+            if value is not None:
+                v[i] = int(value)
+        if model is not None:
+            v[5] = model.encode()[:48]
+        if request is not None:
+            v[6] = request.encode()[:40]
+        if tokens is not None:
+            v[7] = tokens
+        if served is not None:
+            v[8] = served
+        if started is not None:
+            v[9] = started
+        v[10] = time.time()
+        if load_s is not None:
+            v[11] = load_s
+        (seq,) = _SEQ.unpack_from(self._mm, self._offset)
+        seq |= 1
+        _SEQ.pack_into(self._mm, self._offset, seq)
+        _FIELDS.pack_into(self._mm, self._offset + _SEQ.size, *v)
+        _SEQ.pack_into(self._mm, self._offset, seq + 1)
+
+    def progress(self, tokens: int) -> None:
+        """The hot path: one generated token."""
+        self.update(tokens=tokens)
+
+
+def _text(raw: bytes) -> str:
+    return raw.rstrip(b"\0").decode(errors="replace")

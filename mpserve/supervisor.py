@@ -1,0 +1,167 @@
+"""The supervisor: starts worker processes from a clean interpreter, reaps them, and restarts them.
+
+It follows gunicorn's arbiter: a table of workers by index, death noticed through process sentinels
+(which the broker's poll loop watches, so no signal handler does work), restarts with a capped
+exponential backoff, and a halt instead of a restart loop for a model that cannot load: three failed
+loads in a row mark the model failed.
+
+Workers are started with multiprocessing's "spawn" method: a fresh interpreter that inherits no ZeroMQ
+context, CUDA state or llama.cpp state from the server.
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing
+import os
+import time
+from dataclasses import dataclass, field
+from multiprocessing.process import BaseProcess
+
+from .config import ServerConfig
+from .engine import EngineSpec
+from .runtime import ServerPaths
+from .slots import SlotState, SlotTable
+from .worker import EXIT_LOAD_FAILED, WorkerSpec, worker_main
+
+log = logging.getLogger("mpserve.supervisor")
+
+MAX_LOAD_FAILURES = 3
+BACKOFF_FIRST_S = 0.5
+BACKOFF_MAX_S = 30.0
+STABLE_AFTER_S = 10.0  # a worker that lived this long resets its crash backoff
+
+
+@dataclass
+class WorkerHandle:
+    spec: WorkerSpec
+    process: BaseProcess | None = None
+    started_at: float = 0.0
+    crashes: int = 0  # consecutive early deaths, for the backoff
+    restart_at: float | None = None
+
+
+@dataclass
+class ModelHealth:
+    load_failures: int = 0  # consecutive, across the model's instances
+    failed_message: str | None = None  # set once the model is marked failed
+    pending_messages: list[str] = field(default_factory=list)
+
+
+class Supervisor:
+    def __init__(self, config: ServerConfig, paths: ServerPaths, table: SlotTable) -> None:
+        self._mp = multiprocessing.get_context("spawn")
+        self._table = table
+        self.workers: dict[int, WorkerHandle] = {}
+        self.health: dict[str, ModelHealth] = {m.name: ModelHealth() for m in config.models}
+        index = 0
+        for model in config.models:
+            engine = EngineSpec(path=model.resolved_path(), n_ctx=model.n_ctx,
+                                threads=config.threads_for(model), n_gpu_layers=model.n_gpu_layers)
+            for _ in range(model.instances):
+                spec = WorkerSpec(index=index, model=model.name, engine=engine, device=-1,
+                                  backend=paths.back, slots_path=str(paths.slots), parent_pid=os.getpid(),
+                                  log_level=config.log_level)
+                self.workers[index] = WorkerHandle(spec)
+                index += 1
+
+    def start_all(self) -> None:
+        for index in self.workers:
+            self.spawn(index)
+
+    def spawn(self, index: int) -> None:
+        handle = self.workers[index]
+        spec = handle.spec
+        self._table.writer(index).update(pid=0, worker=index, slot=0, state=SlotState.STARTING,
+                                         device=spec.device, model=spec.model, request="", tokens=0,
+                                         served=0, started=time.time(), load_s=0.0)
+        process = self._mp.Process(target=worker_main, args=(spec,), name=f"mpserve-worker-{index}",
+                                   daemon=False)
+        process.start()
+        handle.process, handle.started_at, handle.restart_at = process, time.monotonic(), None
+        log.debug("started worker %d (pid %s) for %s", index, process.pid, spec.model)
+
+    def sentinels(self) -> dict[int, int]:
+        """fd -> worker index, for every running worker; readable when that worker has exited."""
+        return {h.process.sentinel: i for i, h in self.workers.items() if h.process is not None}
+
+    def reap(self, index: int) -> int | None:
+        """Collect an exited worker, mark its row dead, and schedule its restart unless its model has
+        failed. Returns the exit code."""
+        handle = self.workers[index]
+        assert handle.process is not None
+        handle.process.join(timeout=1.0)
+        code = handle.process.exitcode
+        pid = handle.process.pid
+        handle.process.close()
+        handle.process = None
+        health = self.health[handle.spec.model]
+        row = self._table.writer(index)
+        if code == EXIT_LOAD_FAILED:
+            health.load_failures += 1
+            if health.load_failures >= MAX_LOAD_FAILURES and health.failed_message is None:
+                health.failed_message = (health.pending_messages or ["the worker exited while loading"])[-1]
+                log.error("model %s failed to load %d times in a row; not retrying: %s", handle.spec.model,
+                          health.load_failures, health.failed_message)
+        if health.failed_message is not None:
+            row.update(state=SlotState.FAILED)
+            return code
+        row.update(state=SlotState.DEAD)
+        lived = time.monotonic() - handle.started_at
+        handle.crashes = 0 if lived >= STABLE_AFTER_S else handle.crashes + 1
+        delay = 0.0 if handle.crashes == 0 else min(BACKOFF_MAX_S, BACKOFF_FIRST_S * 2 ** (handle.crashes - 1))
+        handle.restart_at = time.monotonic() + delay
+        log.warning("worker %d (pid %s, %s) exited with %s; restarting in %.1f s", index, pid,
+                    handle.spec.model, _describe_exit(code), delay)
+        return code
+
+    def load_failed(self, model: str, message: str) -> None:
+        """A worker reported FAILED; its exit follows and is counted by reap()."""
+        self.health[model].pending_messages[:] = [message]
+
+    def loaded(self, model: str) -> None:
+        self.health[model].load_failures = 0
+
+    def next_restart(self) -> float | None:
+        times = [h.restart_at for h in self.workers.values() if h.restart_at is not None]
+        return min(times) if times else None
+
+    def restart_due(self, now: float) -> None:
+        for index, handle in self.workers.items():
+            if handle.restart_at is not None and handle.restart_at <= now:
+                self.spawn(index)
+
+    def running(self) -> list[int]:
+        return [i for i, h in self.workers.items() if h.process is not None]
+
+    def stop_all(self, timeout: float) -> None:
+        """Wait for workers that were told to stop; terminate, then kill, what remains."""
+        for handle in self.workers.values():
+            handle.restart_at = None
+        deadline = time.monotonic() + timeout
+        for sig_step in ("wait", "terminate", "kill"):
+            for handle in self.workers.values():
+                if handle.process is None:
+                    continue
+                if sig_step == "terminate" and handle.process.is_alive():
+                    handle.process.terminate()
+                elif sig_step == "kill" and handle.process.is_alive():
+                    handle.process.kill()
+                handle.process.join(max(0.0, deadline - time.monotonic()) if sig_step == "wait" else 2.0)
+            if not any(h.process is not None and h.process.is_alive() for h in self.workers.values()):
+                break
+        for index, handle in self.workers.items():
+            if handle.process is not None:
+                handle.process.join(1.0)
+                handle.process = None
+            self._table.writer(index).update(state=SlotState.DEAD)
+
+
+def _describe_exit(code: int | None) -> str:
+    if code is None:
+        return "unknown status"
+    if code < 0:
+        import signal
+
+        return f"signal {signal.Signals(-code).name}"
+    return f"code {code}"

@@ -1,0 +1,163 @@
+"""A worker process: one model context, one request at a time, connected to the broker by a DEALER.
+
+    broker --ASSIGN/CANCEL/STOP--> worker --READY/FAILED, then CHUNK*/DONE|ERROR per ticket--> broker
+
+The worker is started by the supervisor from a clean interpreter (multiprocessing "spawn"), sets
+CUDA_VISIBLE_DEVICES before llama_cpp is imported, writes its own slot-table row, and exits when told
+to stop, when its model cannot be loaded (after sending FAILED), or when its parent (the server) is gone.
+Cancellation is checked after every token: a CANCEL for the running ticket stops generation at once.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import sys
+import time
+from dataclasses import dataclass
+
+import zmq
+
+from . import protocol as wire
+from .engine import Engine, EngineSpec, load_engine
+from .errors import MpserveError
+from .slots import SlotState, SlotTable, SlotWriter
+
+log = logging.getLogger("mpserve.worker")
+
+PARENT_CHECK_S = 1.0
+EXIT_LOAD_FAILED = 3
+
+
+@dataclass(frozen=True)
+class WorkerSpec:
+    index: int  # also the worker's slot-table row
+    model: str
+    engine: EngineSpec
+    device: int  # -1: CPU
+    backend: str  # the broker's worker-socket address
+    slots_path: str
+    parent_pid: int
+    log_level: str = "info"
+
+    @property
+    def identity(self) -> bytes:
+        return f"w{self.index}".encode()
+
+
+def worker_main(spec: WorkerSpec) -> None:
+    """Entry point of the spawned process."""
+    os.environ["CUDA_VISIBLE_DEVICES"] = str(spec.device) if spec.device >= 0 else ""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole group; the server decides
+    logging.basicConfig(level=spec.log_level.upper(), stream=sys.stderr,
+                        format=f"%(asctime)s %(levelname)s worker {spec.index} ({spec.model}): %(message)s")
+    table = SlotTable.attach(spec.slots_path)
+    row = table.writer(spec.index)
+    row.update(pid=os.getpid(), state=SlotState.LOADING, request="", tokens=0, served=0,
+               started=time.time())
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.IDENTITY, spec.identity)
+    sock.setsockopt(zmq.LINGER, 2000)
+    sock.connect(spec.backend)
+    try:
+        t0 = time.perf_counter()
+        try:
+            engine = load_engine(spec.engine)
+        except Exception as exc:  # any load failure is reported, then the supervisor decides
+            log.error("cannot load %s: %s", spec.engine.path, exc)
+            row.update(state=SlotState.FAILED)
+            sock.send_multipart(wire.encode_from_worker(wire.Failed(spec.identity.decode(), spec.model,
+                                                                    f"{type(exc).__name__}: {exc}")))
+            sys.exit(EXIT_LOAD_FAILED)
+        row.update(state=SlotState.IDLE, load_s=time.perf_counter() - t0)
+        log.debug("loaded in %.2f s", time.perf_counter() - t0)
+        Worker(spec, engine, sock, row).run()
+    finally:
+        sock.close()
+        ctx.term()
+        table.close()
+
+
+class Worker:
+    def __init__(self, spec: WorkerSpec, engine: Engine, sock: zmq.Socket, row: SlotWriter) -> None:
+        self._spec = spec
+        self._engine = engine
+        self._sock = sock
+        self._row = row
+        self._served = 0
+        self._stopping = False
+        self._current: wire.Assign | None = None
+        self._cancelled = False
+
+    def run(self) -> None:
+        self._send(wire.Ready(self._spec.identity.decode(), self._spec.model, self._spec.device, 1, os.getpid()))
+        while not self._stopping:
+            if not self._sock.poll(int(PARENT_CHECK_S * 1000)):
+                if os.getppid() != self._spec.parent_pid:
+                    log.warning("server (pid %d) is gone; exiting", self._spec.parent_pid)
+                    break
+                continue
+            msg = self._receive()
+            if isinstance(msg, wire.Assign):
+                self._serve(msg)
+        self._row.update(state=SlotState.STOPPING)
+
+    def _receive(self) -> wire.Assign | None:
+        """Take one broker message; handle CANCEL/STOP here, return an ASSIGN for the caller."""
+        frames = self._sock.recv_multipart()
+        try:
+            msg = wire.decode(frames)
+        except MpserveError as exc:
+            log.error("dropped a bad message from the broker: %s", exc)
+            return None
+        if isinstance(msg, wire.Stop):
+            self._stopping = True
+        elif isinstance(msg, wire.Cancel):
+            if self._current is not None and msg.id == self._current.ticket:
+                self._cancelled = True
+        elif isinstance(msg, wire.Assign):
+            if self._current is None:
+                return msg
+            self._send(wire.Error(msg.request.id, "internal", "worker was given a request while busy"),
+                       msg.ticket)
+        return None
+
+    def _serve(self, assign: wire.Assign) -> None:
+        req = assign.request
+        self._current, self._cancelled = assign, False
+        self._row.update(state=SlotState.BUSY, request=req.id, tokens=0)
+
+        def on_token(text: str, tokens: int) -> bool:
+            self._row.progress(tokens)
+            if req.stream and text:
+                self._send(wire.Chunk(req.id, text), assign.ticket)
+            while self._sock.poll(0):
+                self._receive()
+            return not (self._cancelled or self._stopping)
+
+        try:
+            result = self._engine.generate(req.prompt, req.params, on_token)
+        except MpserveError as exc:
+            self._send(wire.Error(req.id, exc.code, exc.message), assign.ticket)
+        except Exception as exc:  # a bug or a llama.cpp failure: report it; the request must end
+            log.exception("request %s failed", req.id)
+            self._send(wire.Error(req.id, "internal", f"{type(exc).__name__}: {exc}"), assign.ticket)
+        else:
+            if result.finish_reason == "cancelled":
+                self._send(wire.Error(req.id, "cancelled", "cancelled"), assign.ticket)
+            else:
+                self._send(wire.Done(
+                    req.id, result.text, result.finish_reason,
+                    wire.Usage(result.prompt_tokens, result.completion_tokens),
+                    wire.Timings(assign.queue_ms, result.prompt_s * 1000, result.generate_s * 1000,
+                                 assign.attempt),
+                    worker=self._spec.identity.decode(),
+                ), assign.ticket)
+        self._served += 1
+        self._current = None
+        self._row.update(state=SlotState.IDLE, served=self._served)
+
+    def _send(self, msg: object, ticket: str = "") -> None:
+        self._sock.send_multipart(wire.encode_from_worker(msg, ticket))
