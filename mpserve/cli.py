@@ -59,6 +59,7 @@ def start(
             model={"path": model, "name": name, "instances": instances, "threads": threads, "n_ctx": n_ctx,
                    "n_gpu_layers": n_gpu_layers},
             source=str(config_file or "command line"),
+            base_dir=config_file.parent if config_file else None,
         )
         serve(config)
 

@@ -24,7 +24,7 @@ from __future__ import annotations
 import os
 import re
 from collections.abc import Mapping
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -50,15 +50,9 @@ class ModelConfig:
     def resolved_path(self) -> str:
         """The GGUF file to load ("echo" for the echo backend); writes the built-in model if needed."""
         if self.path.startswith(BUILTIN_PREFIX):
-            from .modelfile import default_model_path, write_model
+            from .modelfile import builtin_model_path
 
-            size = self.path[len(BUILTIN_PREFIX):]
-            if size == "tiny":
-                return str(default_model_path())
-            target = default_model_path().with_name(f"mpserve-{size}.gguf")
-            if not target.exists():
-                write_model(target, size)
-            return str(target)
+            return str(builtin_model_path(self.path[len(BUILTIN_PREFIX):]))
         return self.path
 
 
@@ -114,23 +108,29 @@ def load_file(path: str | os.PathLike[str]) -> dict[str, Any]:
 
 
 def build(file_data: Mapping[str, Any] | None = None, server: Mapping[str, Any] | None = None,
-          model: Mapping[str, Any] | None = None, source: str = "config") -> ServerConfig:
+          model: Mapping[str, Any] | None = None, source: str = "config", base_dir: Path | None = None
+          ) -> ServerConfig:
     """Merge file values with overrides (flags and environment, already merged by the CLI; None = unset).
 
     ``server`` overrides server keys; ``model`` overrides model keys of every model, and a ``path`` in it
-    replaces the file's model list.
+    replaces the file's model list. Relative model paths in the file are relative to ``base_dir`` (the
+    file's folder); those on the command line, to the current directory.
     """
     data = dict(file_data or {})
     _check_keys(data, _SERVER_KEYS, source)
     server_values = {k: _checked(k, v, _SERVER_KEYS[k], source) for k, v in data.items() if k != "models"}
-    server_values.update({k: v for k, v in (server or {}).items() if v is not None})
+    server_values.update({k: _checked(k, v, _SERVER_KEYS[k], "command line")
+                          for k, v in (server or {}).items() if v is not None})
 
-    overrides = {k: v for k, v in (model or {}).items() if v is not None}
+    overrides = {k: _checked(k, v, _MODEL_KEYS[k], "command line") for k, v in (model or {}).items()
+                 if v is not None}
     raw_models = data.get("models")
     if "path" in overrides or raw_models is None:
         raw_models = [{}]
     if not isinstance(raw_models, list) or not raw_models:
         raise ConfigError(f"{source}: 'models' must be a non-empty list of model entries")
+    if base_dir is not None:
+        raw_models = [_relative_to(base_dir, m) for m in raw_models]
     models = tuple(_model(i, m, overrides, source) for i, m in enumerate(raw_models))
     names = [m.name for m in models]
     dupes = sorted({n for n in names if names.count(n) > 1})
@@ -166,6 +166,15 @@ def _model(index: int, entry: Any, overrides: Mapping[str, Any], source: str) ->
     return ModelConfig(**values)
 
 
+def _relative_to(base_dir: Path, entry: Any) -> Any:
+    if not isinstance(entry, dict) or not isinstance(entry.get("path"), str):
+        return entry
+    path = entry["path"]
+    if path == ECHO_MODEL or path.startswith(BUILTIN_PREFIX) or Path(path).is_absolute():
+        return entry
+    return {**entry, "path": str(base_dir / path)}
+
+
 def _default_name(path: str) -> str:
     if path.startswith(BUILTIN_PREFIX):
         return path[len(BUILTIN_PREFIX):]
@@ -190,8 +199,3 @@ def _checked(key: str, value: Any, kind: type, where: str) -> Any:
         if not lo <= value <= hi:
             raise ConfigError(f"{where}.{key}: got {value!r}, allowed: {lo:g} to {hi:g}")
     return value
-
-
-def with_overrides(config: ServerConfig, **server: Any) -> ServerConfig:
-    """A copy with some server keys replaced (used by tests and the bench harness)."""
-    return replace(config, **server)

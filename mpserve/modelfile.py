@@ -141,9 +141,15 @@ def write_model(path: str | os.PathLike[str], size: str = "tiny") -> Path:
 
 def default_model_path() -> Path:
     """The built-in tiny model in the user's cache directory, written there first if missing."""
-    path = _cache_dir() / f"mpserve-tiny-v{FORMAT_VERSION}.gguf"
+    return builtin_model_path("tiny")
+
+
+def builtin_model_path(size: str) -> Path:
+    """A built-in model (``tiny`` or ``bench``) in the user's cache directory, written there first if missing."""
+    _shape_for(size)  # refuse an unknown size before touching the cache
+    path = _cache_dir() / f"mpserve-{size}-v{FORMAT_VERSION}.gguf"
     if not path.exists():
-        write_model(path, "tiny")
+        write_model(path, size)
     return path
 
 

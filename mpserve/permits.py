@@ -76,9 +76,11 @@ import threading
 import time
 import weakref
 from collections.abc import Callable, Iterable
+from contextlib import ExitStack
 from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
+from typing import Any
 
 from mpserve.errors import ConfigError, Timeout
 
@@ -188,13 +190,13 @@ class DevicePermits:
         self._idle_fds: list[int] = []
         self._held: set[Permit] = set()
         self._closed = False
-        self._inspect_fd = _open_shared_file(self.path)
-        try:
+        with ExitStack() as undo:
+            self._inspect_fd = _open_shared_file(self.path)
+            undo.callback(os.close, self._inspect_fd)
             self._records = _Records(self.path)
+            undo.callback(self._records.close)
             self._join()
-        except BaseException:
-            os.close(self._inspect_fd)
-            raise
+            undo.pop_all()
         _OPEN.add(self)
 
     def acquire(self, timeout: float | None = None) -> Permit:
@@ -207,7 +209,7 @@ class DevicePermits:
         try:
             slot = self._queue_for_slot(fd, deadline)
         except BaseException:
-            self._give_back_fd(fd)
+            self._discard_fd(fd)  # closing the description drops whatever it may still hold
             raise
         if slot is None:
             self._give_back_fd(fd)
@@ -345,7 +347,7 @@ class DevicePermits:
         end = time.monotonic()
         with self._guard:
             if self._closed:
-                return  # close() or a fork already dropped the descriptor, and with it the lock
+                return  # only after a fork: the child must not unlock what the parent holds
             self._held.discard(permit)
         if fd is not None and permit.slot is not None:
             self._records.holder_pid[permit.slot] = 0
@@ -369,6 +371,10 @@ class DevicePermits:
             if not self._closed:
                 self._idle_fds.append(fd)
                 return
+        self._discard_fd(fd)
+
+    def _discard_fd(self, fd: int) -> None:
+        with self._guard:
             self._fds.discard(fd)
         os.close(fd)
 
@@ -459,19 +465,25 @@ class _Records:
         finally:
             os.close(fd)
         view = memoryview(self._map)
-        self._views = [view]
 
-        def column(offset: int, count: int, kind: str) -> memoryview:
-            part = view[offset : offset + 8 * count].cast(kind)
-            self._views.append(part)
-            return part
+        def part(offset: int, count: int) -> memoryview:
+            return view[offset : offset + 8 * count]
 
-        self.ticket_counter = column(_TICKET_OFFSET, 1, "Q")
-        self.holder_pid = column(_HOLDERS, MAX_CAPACITY, "q")
-        self.holder_since = column(_HOLDERS + 8 * MAX_CAPACITY, MAX_CAPACITY, "d")
-        self.waiter_pid = column(_WAITERS, QUEUE_PLACES, "q")
-        self.waiter_ticket = column(_WAITERS + 8 * QUEUE_PLACES, QUEUE_PLACES, "Q")
-        self.waiter_since = column(_WAITERS + 16 * QUEUE_PLACES, QUEUE_PLACES, "d")
+        self.ticket_counter = part(_TICKET_OFFSET, 1).cast("Q")
+        self.holder_pid = part(_HOLDERS, MAX_CAPACITY).cast("q")
+        self.holder_since = part(_HOLDERS + 8 * MAX_CAPACITY, MAX_CAPACITY).cast("d")
+        self.waiter_pid = part(_WAITERS, QUEUE_PLACES).cast("q")
+        self.waiter_ticket = part(_WAITERS + 8 * QUEUE_PLACES, QUEUE_PLACES).cast("Q")
+        self.waiter_since = part(_WAITERS + 16 * QUEUE_PLACES, QUEUE_PLACES).cast("d")
+        self._views: list[memoryview[Any]] = [
+            self.ticket_counter,
+            self.holder_pid,
+            self.holder_since,
+            self.waiter_pid,
+            self.waiter_ticket,
+            self.waiter_since,
+            view,
+        ]
 
     def stored_capacity(self) -> int | None:
         """The header's capacity (0 = unlimited), or None when the header is blank or foreign."""
@@ -490,7 +502,7 @@ class _Records:
         return ticket
 
     def close(self) -> None:
-        for view in reversed(self._views):
+        for view in self._views:  # the mmap refuses to close while views of it are alive
             view.release()
         self._map.close()
 
@@ -582,4 +594,4 @@ def _forget_all_after_fork() -> None:
     _OPEN.clear()
 
 
-
+os.register_at_fork(after_in_child=_forget_all_after_fork)

@@ -26,6 +26,7 @@ _HEADER = struct.Struct("<8sII")  # magic, rows, row size
 _SEQ = struct.Struct("<Q")
 # pid, worker, slot, state, device, model, request, tokens, served, started, progress, load_s
 _FIELDS = struct.Struct("<iHHBxh48s40sIQddd")
+STUCK_WRITER_S = 0.05
 ROW_SIZE = 192  # room for fields to come; the magic changes with the layout
 assert _SEQ.size + _FIELDS.size <= ROW_SIZE
 
@@ -105,15 +106,19 @@ class SlotTable:
 
     def read(self, index: int) -> SlotRow:
         offset = _HEADER.size + index * ROW_SIZE
-        for _ in range(10000):
+        deadline = 0.0
+        while True:
             (seq,) = _SEQ.unpack_from(self._mm, offset)
-            if seq & 1:
-                continue
             fields = _FIELDS.unpack_from(self._mm, offset + _SEQ.size)
-            if _SEQ.unpack_from(self._mm, offset)[0] == seq:
+            if not seq & 1 and _SEQ.unpack_from(self._mm, offset)[0] == seq:
                 break
-        else:  # a writer died mid-update; its row is as good as the supervisor will make it
-            fields = _FIELDS.unpack_from(self._mm, offset + _SEQ.size)
+            # A writer is mid-update: let it finish. One that died mid-update leaves the sequence odd
+            # forever; after a short wait its last fields are as good as anything the row will hold.
+            now = time.monotonic()
+            deadline = deadline or now + STUCK_WRITER_S
+            if now > deadline:
+                break
+            time.sleep(0)
         pid, worker, slot, state, device, model, request, tokens, served, started, progress, load_s = fields
         return SlotRow(index, pid, worker, slot, SlotState(state), device, _text(model), _text(request),
                        tokens, served, started, progress, load_s)

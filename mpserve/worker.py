@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import logging
 import os
-import signal
 import sys
 import time
 from dataclasses import dataclass
@@ -49,7 +48,8 @@ class WorkerSpec:
 def worker_main(spec: WorkerSpec) -> None:
     """Entry point of the spawned process."""
     os.environ["CUDA_VISIBLE_DEVICES"] = str(spec.device) if spec.device >= 0 else ""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole group; the server decides
+    os.setsid()  # out of the server's process group: Ctrl-C or a group-wide SIGTERM reaches the server,
+    # which finishes requests and then stops its workers; a worker notices a dead server by itself.
     logging.basicConfig(level=spec.log_level.upper(), stream=sys.stderr,
                         format=f"%(asctime)s %(levelname)s worker {spec.index} ({spec.model}): %(message)s")
     table = SlotTable.attach(spec.slots_path)

@@ -23,7 +23,6 @@ from mpserve.errors import ConfigError, Timeout
 from mpserve.permits import (
     DevicePermits,
     HoldInterval,
-    HoldLog,
     PermitHolder,
     default_lock_dir,
     max_concurrent,
@@ -173,7 +172,7 @@ def test_sigkilled_holder_hands_its_permit_to_the_next_waiter_within_a_second_20
         try:
             holder.expect("held")
             got: list[float] = []
-            waiter = threading.Thread(target=lambda: got.append(hold_briefly(permits)))
+            waiter = threading.Thread(target=note_when_acquired, args=(permits, got))
             waiter.start()
             wait_until(lambda: len(permits.waiters()) == 1)
             killed_at = time.monotonic()
@@ -185,9 +184,9 @@ def test_sigkilled_holder_hands_its_permit_to_the_next_waiter_within_a_second_20
     assert not log.exists()  # the killed holders never released anything
 
 
-def hold_briefly(permits: DevicePermits) -> float:
+def note_when_acquired(permits: DevicePermits, times: list[float]) -> None:
     with permits.acquire(timeout=5):
-        return time.monotonic()
+        times.append(time.monotonic())
 
 
 @pytest.mark.timeout(30)
@@ -214,11 +213,11 @@ def test_waiters_are_served_in_arrival_order(
     permits: DevicePermits, lock_dir: Path, log: Path, children: list[Child]
 ) -> None:
     held = permits.acquire()
-    for count in range(1, 6):
+    for _ in range(5):
         child = Child("once", lock_dir, 1, log, 0.01)
         children.append(child)
         child.expect("waiting")
-        wait_until(lambda count=count: len(permits.waiters()) == count)
+        wait_until(lambda: len(permits.waiters()) == len(children))
     assert [waiter.pid for waiter in permits.waiters()] == [child.pid for child in children]
     held.release()
     assert [child.finish() for child in children] == [0] * 5

@@ -1,0 +1,223 @@
+"""How much GPU memory a model needs, and which device each model instance goes to.
+
+Pure functions: ``estimate_model_memory`` reads a GGUF header, ``plan`` places instances on
+devices and refuses what does not fit, ``format_plan`` prints the result for ``mpserve plan``.
+
+The estimate follows how llama.cpp fills a GPU: the last ``n_gpu_layers`` repeating blocks, the
+output layer once every block is offloaded (``n_gpu_layers`` of -1 or at least the block count),
+the f16 KV cache of the offloaded layers, and a fixed allowance for the CUDA context and compute
+buffers. It is an estimate; a declared ``requires.memory`` overrides it.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from os import PathLike
+from typing import Any
+
+from gguf import GGUFReader, GGUFValueType
+
+from mpserve.devices import Device, format_memory
+from mpserve.errors import ConfigError, ModelDoesNotFit
+
+OVERHEAD = 512 << 20
+"""CUDA context (about 300 MiB per process) plus llama.cpp compute buffers; a rough allowance."""
+
+_KV_BYTES = 2  # f16, llama.cpp's default cache type
+_BLOCK = re.compile(r"blk\.(\d+)\.")
+
+
+@dataclass(frozen=True)
+class MemoryEstimate:
+    """GPU bytes one model instance needs."""
+
+    weights: int
+    kv_cache: int
+    overhead: int
+
+    @property
+    def total(self) -> int:
+        return self.weights + self.kv_cache + self.overhead
+
+
+@dataclass(frozen=True)
+class ModelRequest:
+    name: str
+    path: str
+    instances: int
+    n_ctx: int
+    n_gpu_layers: int  # -1: all
+    parallel: int
+    devices: tuple[int, ...] | None  # None: any device
+    memory: int | None  # declared requires.memory in bytes; overrides the estimate
+    gpus: int = 1
+
+
+@dataclass(frozen=True)
+class Placement:
+    model: str
+    instance: int
+    device: int | None  # None: CPU
+    memory: int  # bytes planned on the device; 0 on CPU
+
+
+Estimator = Callable[[str, int, int, int], MemoryEstimate]
+
+
+def estimate_model_memory(
+    gguf_path: str | PathLike[str], n_ctx: int, n_gpu_layers: int, parallel: int = 1
+) -> MemoryEstimate:
+    try:
+        reader = GGUFReader(gguf_path)
+    except (OSError, ValueError) as exc:
+        raise ConfigError(f"cannot read model {gguf_path} as GGUF: {exc}") from exc
+    arch = str(_metadata(reader, gguf_path, "general.architecture"))
+    n_layer = int(_metadata(reader, gguf_path, f"{arch}.block_count"))
+    n_embd = int(_metadata(reader, gguf_path, f"{arch}.embedding_length"))
+    n_head = _largest(_metadata(reader, gguf_path, f"{arch}.attention.head_count"))
+    n_head_kv = _largest(_metadata(reader, gguf_path, f"{arch}.attention.head_count_kv", n_head))
+    key_length = int(_metadata(reader, gguf_path, f"{arch}.attention.key_length", n_embd // n_head))
+    value_length = int(_metadata(reader, gguf_path, f"{arch}.attention.value_length", n_embd // n_head))
+
+    all_offloaded = n_gpu_layers < 0 or n_gpu_layers >= n_layer
+    offloaded = n_layer if all_offloaded else n_gpu_layers
+    first_on_gpu = n_layer - offloaded
+    names = {tensor.name for tensor in reader.tensors}
+    output_names = {name for name in names if name.startswith("output")}
+    if "output.weight" not in names:
+        output_names.add("token_embd.weight")  # tied embeddings: the output layer reuses them
+
+    weights = 0
+    for tensor in reader.tensors:
+        block = _BLOCK.match(tensor.name)
+        on_gpu = int(block.group(1)) >= first_on_gpu if block else all_offloaded and tensor.name in output_names
+        weights += int(tensor.n_bytes) if on_gpu else 0
+    kv_cache = offloaded * n_ctx * parallel * (key_length + value_length) * n_head_kv * _KV_BYTES
+    return MemoryEstimate(weights, kv_cache, OVERHEAD)
+
+
+def plan(
+    models: Sequence[ModelRequest],
+    devices: Sequence[Device],
+    budget: int | None = None,
+    estimate: Estimator = estimate_model_memory,
+) -> list[Placement]:
+    """Place every instance, round robin over each model's allowed devices, within free memory.
+
+    A device offers its free memory, or ``budget`` if smaller. The round robin runs across models,
+    so single-instance models spread too; an instance skips devices that are already full. With no
+    devices everything runs on the CPU, unchecked. ``ModelDoesNotFit`` when an instance fits nowhere.
+    """
+    if not devices:
+        return [Placement(model.name, instance, None, 0) for model in models for instance in range(model.instances)]
+    order = [device.index for device in devices]
+    room = {d.index: d.memory_free if budget is None else min(d.memory_free, budget) for d in devices}
+    planned = dict.fromkeys(order, 0)
+    placements = []
+    cursor = 0
+    for model in models:
+        allowed = _allowed_devices(model, order)
+        need = model.memory
+        if need is None:
+            need = estimate(model.path, model.n_ctx, model.n_gpu_layers, model.parallel).total
+        for instance in range(model.instances):
+            turn = order[cursor:] + order[:cursor]
+            candidates = [index for index in turn if index in allowed]
+            chosen = next((index for index in candidates if room[index] - planned[index] >= need), None)
+            if chosen is None:
+                roomiest = max(candidates, key=lambda index: room[index] - planned[index])
+                device = devices[order.index(roomiest)]
+                raise ModelDoesNotFit(_does_not_fit(model, instance, need, device, room, planned, budget))
+            planned[chosen] += need
+            placements.append(Placement(model.name, instance, chosen, need))
+            cursor = (order.index(chosen) + 1) % len(order)
+    return placements
+
+
+def format_plan(placements: Sequence[Placement], devices: Sequence[Device]) -> str:
+    """One row per instance, then each device's planned total against its free memory."""
+    by_index = {device.index: device for device in devices}
+    rows = [("MODEL", "INSTANCE", "DEVICE", "MEMORY")]
+    for placement in placements:
+        if placement.device is None:
+            rows.append((placement.model, str(placement.instance), "CPU", "-"))
+        else:
+            where = _device_label(by_index[placement.device])
+            rows.append((placement.model, str(placement.instance), where, format_memory(placement.memory)))
+    widths = [max(len(row[column]) for row in rows) for column in range(3)]  # the last column is not padded
+    lines = ["  ".join([*(row[column].ljust(width) for column, width in enumerate(widths)), row[3]]) for row in rows]
+    if devices:
+        lines.append("")
+    for device in devices:
+        total = sum(p.memory for p in placements if p.device == device.index)
+        label = _device_label(device)
+        lines.append(f"{label}: {format_memory(total)} planned of {format_memory(device.memory_free)} free")
+    return "\n".join(lines)
+
+
+def _allowed_devices(model: ModelRequest, order: list[int]) -> set[int]:
+    if model.gpus != 1:
+        raise ConfigError(f"model {model.name!r} asks for {model.gpus} GPUs per instance; only 1 is supported")
+    if model.devices is None:
+        return set(order)
+    missing = sorted(set(model.devices) - set(order))
+    if missing:
+        raise ConfigError(
+            f"model {model.name!r} is pinned to GPU {', '.join(map(str, missing))}, "
+            f"which this host does not have (it has GPU {', '.join(map(str, order))})"
+        )
+    return set(model.devices)
+
+
+def _does_not_fit(
+    model: ModelRequest,
+    instance: int,
+    need: int,
+    device: Device,
+    room: dict[int, int],
+    planned: dict[int, int],
+    budget: int | None,
+) -> str:
+    offered = "free" if budget is None or budget >= device.memory_free else "budget"
+    available = room[device.index] - planned[device.index]
+    if model.memory is None:
+        source = "estimated"
+        hint = f"fewer n_gpu_layers (now {model.n_gpu_layers}), a smaller n_ctx (now {model.n_ctx})"
+    else:
+        source = "declared requires.memory"
+        hint = "a smaller requires.memory if it overstates the need"
+    return (
+        f"model {model.name!r} instance {instance} needs {format_memory(need)} ({source}) but "
+        f"{_device_label(device)} has {format_memory(available)} available "
+        f"({format_memory(room[device.index])} {offered}, {format_memory(planned[device.index])} "
+        f"planned for other instances), and no allowed device has more; try {hint}, "
+        "fewer instances, or another device"
+    )
+
+
+def _device_label(device: Device) -> str:
+    return f"GPU {device.index} ({device.name})"
+
+
+_MISSING = object()
+
+
+def _metadata(reader: GGUFReader, path: object, key: str, default: Any = _MISSING) -> Any:
+    """A metadata value: str, int, or a list of ints for per-layer arrays."""
+    field = reader.get_field(key)
+    if field is None:
+        if default is _MISSING:
+            raise ConfigError(f"model {path} lacks GGUF metadata {key!r}, needed to estimate its memory")
+        return default
+    kind = field.types[0]
+    if kind == GGUFValueType.STRING:
+        return bytes(field.parts[field.data[0]]).decode()
+    values = [field.parts[index][0].item() for index in field.data]
+    return values if kind == GGUFValueType.ARRAY else values[0]
+
+
+def _largest(value: int | list[int]) -> int:
+    """Per-layer head counts (a list in some architectures) sized by their largest entry."""
+    return max(value) if isinstance(value, list) else int(value)

@@ -1,0 +1,132 @@
+"""Shared fixtures: real servers in real processes, each in its own short runtime directory."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from mpserve.runtime import ServerInfo
+from mpserve.slots import SlotRow, SlotTable
+
+READY_TIMEOUT_S = 60.0
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _isolated_dirs() -> Iterator[None]:
+    """Short private runtime dir (ipc paths are limited to ~107 bytes) and a private model cache."""
+    with tempfile.TemporaryDirectory(prefix="mpt-", dir="/tmp") as tmp:
+        runtime = Path(tmp) / "run"
+        runtime.mkdir(mode=0o700)
+        old = {k: os.environ.get(k) for k in ("MPSERVE_RUNTIME_DIR", "MPSERVE_CACHE_DIR", "MPSERVE_LOCK_DIR")}
+        os.environ["MPSERVE_RUNTIME_DIR"] = str(runtime)
+        os.environ["MPSERVE_CACHE_DIR"] = str(Path(tmp) / "cache")
+        os.environ["MPSERVE_LOCK_DIR"] = str(Path(tmp) / "locks")
+        yield
+        for k, v in old.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+class ServerProcess:
+    """``python -m mpserve start …`` in a subprocess, with its log collected line by line."""
+
+    _counter = 0
+
+    def __init__(self, *args: str, name: str | None = None, env: dict[str, str] | None = None) -> None:
+        ServerProcess._counter += 1
+        self.name = name or f"t{os.getpid()}-{ServerProcess._counter}"
+        self.args = ["start", "--server-name", self.name, *args]
+        self.log: list[str] = []
+        self._ready = threading.Event()
+        self.proc = subprocess.Popen([sys.executable, "-m", "mpserve", *self.args], stdout=subprocess.PIPE,
+                                     stderr=subprocess.STDOUT, text=True, env={**os.environ, **(env or {})})
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+
+    def _read(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            self.log.append(line.rstrip("\n"))
+            if "ready:" in line:
+                self._ready.set()
+
+    def wait_ready(self, timeout: float = READY_TIMEOUT_S) -> ServerProcess:
+        deadline = time.monotonic() + timeout
+        while not self._ready.wait(0.05):
+            if self.proc.poll() is not None:
+                raise AssertionError(f"server exited with {self.proc.returncode}:\n" + "\n".join(self.log))
+            if time.monotonic() > deadline:
+                raise AssertionError("server not ready in time:\n" + "\n".join(self.log))
+        return self
+
+    @property
+    def info(self) -> ServerInfo:
+        info = ServerInfo.read(self.name)
+        assert info is not None, "no server info file"
+        return info
+
+    @property
+    def address(self) -> str:
+        return self.info.front
+
+    def slots(self) -> list[SlotRow]:
+        table = SlotTable.attach(Path(self.info.slots), writable=False)
+        try:
+            return table.read_all()
+        finally:
+            table.close()
+
+    def stop(self, sig: int = signal.SIGTERM, timeout: float = 30.0) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self._reader.join(5)
+        return self.proc.returncode
+
+    def tracebacks(self) -> list[str]:
+        return [line for line in self.log if "Traceback" in line]
+
+
+@pytest.fixture
+def start_server() -> Iterator[type[ServerProcess]]:
+    """Start servers with ``start_server(*args).wait_ready()``; all are stopped after the test."""
+    started: list[ServerProcess] = []
+
+    class Tracked(ServerProcess):
+        def __init__(self, *args: str, **kwargs: object) -> None:
+            super().__init__(*args, **kwargs)  # type: ignore[arg-type]
+            started.append(self)
+
+    yield Tracked
+    for server in started:
+        server.stop()
+
+
+@pytest.fixture(scope="module")
+def tiny_server() -> Iterator[ServerProcess]:
+    """One shared server with two instances of the built-in tiny model."""
+    server = ServerProcess("--instances", "2").wait_ready()
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="session")
+def tiny_model_path() -> str:
+    from mpserve.modelfile import default_model_path
+
+    return str(default_model_path())

@@ -1,0 +1,65 @@
+"""The README's path: `mpserve start --instances 4`, then `mpserve generate` and `mpserve status` from
+another shell."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+
+def mpserve(*args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "mpserve", *args], capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.mark.timeout(120)
+def test_start_four_instances_then_generate_and_status_from_other_processes(start_server) -> None:
+    server = start_server("--instances", "4").wait_ready()
+    name = ["--server-name", server.name]
+
+    out = mpserve("generate", "Hello", "--max-tokens", "12", "--temperature", "0", "--json", *name)
+    assert out.returncode == 0, out.stderr
+    result = json.loads(out.stdout)
+    assert result["usage"]["completion_tokens"] == 12 and result["finish_reason"] == "length"
+
+    streamed = mpserve("generate", "Hello", "--max-tokens", "12", "--temperature", "0", "--stream", *name)
+    assert streamed.returncode == 0 and streamed.stdout.strip() == result["text"].strip()
+
+    status = mpserve("status", "--json", *name)
+    assert status.returncode == 0, status.stderr
+    rows = json.loads(status.stdout)["slots"]
+    assert len(rows) == 4
+    assert all(r["state"] == "idle" and r["model"] == "tiny" and r["device"] == -1 for r in rows)
+    assert sum(r["served"] for r in rows) == 2
+    assert len({r["pid"] for r in rows}) == 4
+
+    table = mpserve("status", *name)
+    assert table.returncode == 0 and table.stdout.count(" idle ") == 4, table.stdout
+
+
+@pytest.mark.timeout(60)
+def test_generate_and_status_without_a_server_say_how_to_start_one() -> None:
+    for args in (["generate", "hi"], ["status"]):
+        out = mpserve(*args, "--server-name", "nobody-here")
+        assert out.returncode == 1
+        assert "mpserve start" in out.stderr and "Traceback" not in out.stderr
+
+
+@pytest.mark.timeout(60)
+def test_unknown_model_on_the_command_line_is_a_clear_error(tiny_server) -> None:
+    out = mpserve("generate", "hi", "--model", "gpt-9", "--server-name", tiny_server.name)
+    assert out.returncode == 1 and "unknown_model" in out.stderr and "tiny" in out.stderr
+
+
+@pytest.mark.timeout(30)
+def test_make_model_writes_the_same_bytes_twice(tmp_path) -> None:
+    a, b = tmp_path / "a.gguf", tmp_path / "b.gguf"
+    assert mpserve("make-model", str(a)).returncode == 0
+    assert mpserve("make-model", str(b), "--size", "tiny").returncode == 0
+    assert a.read_bytes() == b.read_bytes()
+    bad = mpserve("make-model", str(a), "--size", "huge")
+    assert bad.returncode == 1 and "allowed sizes" in bad.stderr
+
+

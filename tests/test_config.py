@@ -1,0 +1,74 @@
+"""Configuration: precedence, and errors that name the key, the value and what is allowed."""
+
+from __future__ import annotations
+
+import dataclasses
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from mpserve import config as cfg
+from mpserve.errors import ConfigError
+
+pytestmark = pytest.mark.timeout(30)
+
+TWO_MODELS = {"max_queue": 10, "models": [{"name": "a", "path": "builtin:tiny", "instances": 2},
+                                          {"name": "b", "path": "echo", "threads": 3}]}
+
+
+def test_defaults_give_one_instance_of_the_builtin_model() -> None:
+    config = cfg.build()
+    assert [(m.name, m.path, m.instances) for m in config.models] == [("tiny", "builtin:tiny", 1)]
+    assert config.max_queue == 256
+
+
+def test_file_values_apply_and_flags_override_them() -> None:
+    config = cfg.build(TWO_MODELS, server={"max_queue": None}, model={"instances": None})
+    assert config.max_queue == 10 and [m.instances for m in config.models] == [2, 1]
+    config = cfg.build(TWO_MODELS, server={"max_queue": 3}, model={"instances": 4})
+    assert config.max_queue == 3 and [m.instances for m in config.models] == [4, 4]
+    config = cfg.build(TWO_MODELS, model={"path": "echo"})
+    assert [m.name for m in config.models] == ["echo"]
+
+
+def test_threads_default_to_cores_divided_by_all_instances() -> None:
+    config = dataclasses.replace(cfg.build(TWO_MODELS), threads_total=6)
+    assert config.threads_for(config.models[0]) == 2  # 6 cores / 3 instances
+    assert config.threads_for(config.models[1]) == 3  # set explicitly
+
+
+@pytest.mark.parametrize("data, problem", [
+    ({"models": [{"name": "a", "instnces": 2}]}, "models\\[0\\]: unknown key 'instnces'; allowed keys: name"),
+    ({"max_queu": 3}, "unknown key 'max_queu'"),
+    ({"models": [{"instances": "two"}]}, "models\\[0\\].instances: got 'two', expected an integer"),
+    ({"models": [{"instances": 0}]}, "instances: got 0, allowed: 1 to 256"),
+    ({"models": [{"path": "/no/such.gguf"}]}, "no such model file"),
+    ({"models": [{"name": "a"}, {"name": "a"}]}, "unique"),
+    ({"models": []}, "non-empty list"),
+    ({"log_level": "loud"}, "log_level"),
+])
+def test_bad_configuration_names_key_value_and_what_is_allowed(data: dict, problem: str) -> None:
+    with pytest.raises(ConfigError, match=problem):
+        cfg.build(data, source="f.yaml")
+
+
+def test_flag_values_are_checked_like_file_values() -> None:
+    with pytest.raises(ConfigError, match="instances: got -1"):
+        cfg.build(model={"instances": -1})
+
+
+def test_start_with_a_bad_file_exits_before_starting_anything(tmp_path: Path) -> None:
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("models:\n  - name: tiny\n    instancs: 2\n")
+    proc = subprocess.run([sys.executable, "-m", "mpserve", "start", "--config", str(bad)], capture_output=True,
+                          text=True, timeout=30)
+    assert proc.returncode == 1
+    assert "unknown key 'instancs'" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_relative_model_paths_in_a_file_are_relative_to_the_file(tmp_path: Path) -> None:
+    (tmp_path / "m.gguf").write_bytes(b"x")
+    config = cfg.build({"models": [{"path": "m.gguf"}]}, base_dir=tmp_path)
+    assert config.models[0].path == str(tmp_path / "m.gguf") and config.models[0].name == "m"

@@ -1,0 +1,195 @@
+"""Memory estimates read from a real (tiny) GGUF, and placement plans over simulated devices."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import gguf
+import numpy as np
+import pytest
+
+from mpserve.devices import Device, parse_simulated
+from mpserve.errors import ConfigError, ModelDoesNotFit
+from mpserve.placement import (
+    OVERHEAD,
+    MemoryEstimate,
+    ModelRequest,
+    Placement,
+    estimate_model_memory,
+    format_plan,
+    plan,
+)
+
+GIB = 1 << 30
+N_LAYER, N_EMBD, N_HEAD, N_HEAD_KV, N_VOCAB = 4, 64, 4, 2, 100
+HEAD_DIM = N_EMBD // N_HEAD
+F32 = 4
+BLOCK_BYTES = (N_EMBD * N_EMBD + 2 * N_HEAD_KV * HEAD_DIM * N_EMBD + N_EMBD) * F32
+OUTPUT_BYTES = (N_VOCAB * N_EMBD + N_EMBD) * F32  # output.weight + output_norm.weight
+EMBEDDING_BYTES = N_VOCAB * N_EMBD * F32
+
+
+def write_llama_gguf(path: Path, *, tied_embeddings: bool = False) -> Path:
+    """A llama-shaped GGUF with zero weights: enough metadata and tensors for the estimate."""
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_block_count(N_LAYER)
+    writer.add_context_length(2048)
+    writer.add_embedding_length(N_EMBD)
+    writer.add_feed_forward_length(4 * N_EMBD)
+    writer.add_head_count(N_HEAD)
+    writer.add_head_count_kv(N_HEAD_KV)
+    writer.add_tensor("token_embd.weight", np.zeros((N_VOCAB, N_EMBD), np.float32))
+    for layer in range(N_LAYER):
+        writer.add_tensor(f"blk.{layer}.attn_q.weight", np.zeros((N_EMBD, N_EMBD), np.float32))
+        writer.add_tensor(f"blk.{layer}.attn_k.weight", np.zeros((N_HEAD_KV * HEAD_DIM, N_EMBD), np.float32))
+        writer.add_tensor(f"blk.{layer}.attn_v.weight", np.zeros((N_HEAD_KV * HEAD_DIM, N_EMBD), np.float32))
+        writer.add_tensor(f"blk.{layer}.attn_norm.weight", np.ones(N_EMBD, np.float32))
+    writer.add_tensor("output_norm.weight", np.ones(N_EMBD, np.float32))
+    if not tied_embeddings:
+        writer.add_tensor("output.weight", np.zeros((N_VOCAB, N_EMBD), np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+def kv_bytes(layers: int, n_ctx: int, parallel: int) -> int:
+    return 2 * layers * n_ctx * parallel * N_HEAD_KV * HEAD_DIM * 2
+
+
+@pytest.fixture(scope="module")
+def model_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_llama_gguf(tmp_path_factory.mktemp("gguf") / "tiny.gguf")
+
+
+def request(name: str = "llama", memory: int | None = GIB, **changes: object) -> ModelRequest:
+    fields: dict[str, object] = dict(
+        name=name, path="unused.gguf", instances=1, n_ctx=4096, n_gpu_layers=-1, parallel=1, devices=None
+    )
+    fields.update(changes)
+    return ModelRequest(memory=memory, **fields)  # type: ignore[arg-type]
+
+
+def gpus(*free_gib: float) -> list[Device]:
+    return [Device(i, "Test GPU", f"GPU-{i}", int(80 * GIB), int(free * GIB)) for i, free in enumerate(free_gib)]
+
+
+@pytest.mark.timeout(10)
+def test_full_offload_counts_every_block_the_output_layer_and_the_kv_cache(model_path: Path) -> None:
+    estimate = estimate_model_memory(model_path, n_ctx=512, n_gpu_layers=-1, parallel=2)
+    assert estimate == MemoryEstimate(N_LAYER * BLOCK_BYTES + OUTPUT_BYTES, kv_bytes(N_LAYER, 512, 2), OVERHEAD)
+    assert estimate.total == estimate.weights + estimate.kv_cache + OVERHEAD
+    assert estimate_model_memory(model_path, 512, N_LAYER + 10, 2) == estimate
+
+
+@pytest.mark.timeout(10)
+def test_partial_offload_counts_only_the_offloaded_blocks(model_path: Path) -> None:
+    estimate = estimate_model_memory(model_path, n_ctx=1024, n_gpu_layers=2)
+    assert (estimate.weights, estimate.kv_cache) == (2 * BLOCK_BYTES, kv_bytes(2, 1024, 1))
+    assert estimate_model_memory(model_path, 1024, 0) == MemoryEstimate(0, 0, OVERHEAD)
+
+
+@pytest.mark.timeout(10)
+def test_tied_embeddings_count_as_the_output_layer(tmp_path: Path) -> None:
+    path = write_llama_gguf(tmp_path / "tied.gguf", tied_embeddings=True)
+    estimate = estimate_model_memory(path, n_ctx=256, n_gpu_layers=-1)
+    assert estimate.weights == N_LAYER * BLOCK_BYTES + EMBEDDING_BYTES + N_EMBD * F32
+
+
+@pytest.mark.timeout(10)
+def test_a_file_that_is_not_gguf_is_a_config_error(tmp_path: Path) -> None:
+    path = tmp_path / "not.gguf"
+    path.write_bytes(b"GGML" + bytes(64))
+    with pytest.raises(ConfigError, match="not.gguf"):
+        estimate_model_memory(path, 512, -1)
+
+
+@pytest.mark.timeout(10)
+def test_instances_go_round_robin_across_models_and_devices() -> None:
+    placements = plan([request("a", instances=3), request("b")], gpus(40, 40))
+    assert [(p.model, p.instance, p.device) for p in placements] == [
+        ("a", 0, 0),
+        ("a", 1, 1),
+        ("a", 2, 0),
+        ("b", 0, 1),
+    ]
+    assert {p.memory for p in placements} == {GIB}
+
+
+@pytest.mark.timeout(10)
+def test_pinned_models_stay_on_their_devices() -> None:
+    placements = plan([request("a", instances=3, devices=(1, 2)), request("b", devices=(0,))], gpus(40, 40, 40))
+    assert [p.device for p in placements] == [1, 2, 1, 0]
+
+
+@pytest.mark.timeout(10)
+def test_an_instance_skips_a_full_device() -> None:
+    placements = plan([request("a", instances=3, memory=10 * GIB)], gpus(15, 40))
+    assert [p.device for p in placements] == [0, 1, 1]
+
+
+@pytest.mark.timeout(10)
+def test_the_budget_caps_each_device_below_its_free_memory() -> None:
+    assert [p.device for p in plan([request(instances=2, memory=6 * GIB)], gpus(40, 40), budget=8 * GIB)] == [0, 1]
+    with pytest.raises(ModelDoesNotFit, match=r"8\.0 GiB budget"):
+        plan([request(instances=3, memory=6 * GIB)], gpus(40, 40), budget=8 * GIB)
+
+
+@pytest.mark.timeout(10)
+def test_a_model_that_fits_nowhere_names_model_device_need_room_and_a_hint() -> None:
+    def estimate(*args: object) -> MemoryEstimate:
+        return MemoryEstimate(int(6.2 * GIB), GIB // 2, GIB // 2)
+
+    big = request("big", instances=2, memory=None, n_ctx=8192, n_gpu_layers=33)
+    with pytest.raises(ModelDoesNotFit) as caught:
+        plan([big], gpus(10), estimate=estimate)
+    error = caught.value
+    assert error.code == "does_not_fit"
+    for part in ("'big' instance 1", "needs 7.2 GiB", "GPU 0 (Test GPU)", "has 2.8 GiB available", "10.0 GiB free"):
+        assert part in error.message
+    for hint in ("n_gpu_layers (now 33)", "n_ctx (now 8192)", "another device"):
+        assert hint in error.message
+    with pytest.raises(ModelDoesNotFit, match="declared requires.memory.*a smaller requires.memory"):
+        plan([request("big", memory=11 * GIB)], gpus(10))
+
+
+@pytest.mark.timeout(10)
+def test_without_devices_everything_runs_on_the_cpu_unchecked() -> None:
+    huge = request("huge", instances=2, memory=10**15)
+    assert plan([huge], []) == [Placement("huge", 0, None, 0), Placement("huge", 1, None, 0)]
+
+
+@pytest.mark.timeout(10)
+def test_declared_memory_overrides_the_estimate() -> None:
+    def no_estimate(*args: object) -> MemoryEstimate:
+        raise AssertionError("declared memory must not be estimated")
+
+    assert plan([request(memory=3 * GIB)], gpus(40), estimate=no_estimate)[0].memory == 3 * GIB
+
+
+@pytest.mark.timeout(10)
+def test_undeclared_memory_is_estimated_from_the_gguf(model_path: Path) -> None:
+    model = request(memory=None, path=str(model_path), n_ctx=512, parallel=2)
+    [placement] = plan([model], parse_simulated("1GiB"))
+    assert placement.memory == estimate_model_memory(model_path, 512, -1, 2).total
+
+
+@pytest.mark.timeout(10)
+def test_pinning_to_a_missing_device_and_multi_gpu_instances_are_config_errors() -> None:
+    with pytest.raises(ConfigError, match="pinned to GPU 4.*has GPU 0, 1"):
+        plan([request(devices=(0, 4))], gpus(40, 40))
+    with pytest.raises(ConfigError, match="2 GPUs per instance"):
+        plan([request(gpus=2)], gpus(40, 40))
+
+
+@pytest.mark.timeout(10)
+def test_format_plan_shows_each_instance_and_each_devices_total() -> None:
+    devices = gpus(40, 20)
+    text = format_plan(plan([request("a", instances=3, memory=2 * GIB)], devices), devices)
+    lines = text.splitlines()
+    assert lines[0].split() == ["MODEL", "INSTANCE", "DEVICE", "MEMORY"]
+    assert lines[1].split() == ["a", "0", "GPU", "0", "(Test", "GPU)", "2.0", "GiB"]
+    assert "GPU 0 (Test GPU): 4.0 GiB planned of 40.0 GiB free" in lines
+    assert "GPU 1 (Test GPU): 2.0 GiB planned of 20.0 GiB free" in lines
+    assert "CPU" in format_plan(plan([request("a")], []), [])

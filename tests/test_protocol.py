@@ -1,0 +1,68 @@
+"""The wire: round trips, and refusal of anything malformed with a named problem."""
+
+from __future__ import annotations
+
+import msgpack
+import pytest
+
+from mpserve import protocol as wire
+from mpserve.errors import BadRequest, ProtocolError
+
+pytestmark = pytest.mark.timeout(10)
+
+
+def test_every_message_type_round_trips() -> None:
+    req = wire.Request("r1", "hello", "tiny", wire.GenerateParams(max_tokens=5, seed=3, stop=("x",)), True, 2.5)
+    messages = [
+        req, wire.Cancel("r1"), wire.Ping(7), wire.Pong(7, ("a", "b")), wire.Chunk("r1", "he"),
+        wire.Done("r1", "hey", "length", wire.Usage(2, 3), wire.Timings(1.0, 2.0, 3.0, 1), "w0"),
+        wire.Error("r1", "busy", "full", 1.5), wire.Error(None, "protocol", "bad"),
+        wire.Assign("t1", req, 0.5, 1), wire.Stop("bye"),
+    ]
+    for msg in messages:
+        assert wire.decode(wire.encode(msg)) == msg
+
+
+def test_worker_messages_carry_a_ticket_frame() -> None:
+    frames = wire.encode_from_worker(wire.Ready("w1", "tiny", -1, 1, 123), "")
+    assert len(frames) == 4 and frames[2] == b""
+    assert wire.decode_body(wire.parse_header(frames, 4), frames[3]) == wire.Ready("w1", "tiny", -1, 1, 123)
+
+
+@pytest.mark.parametrize("frames, problem", [
+    ([wire.VERSION, b"\x01"], "expected 3 frames"),
+    ([b"MPS9", b"\x01", b"\x80"], "unsupported protocol version"),
+    ([wire.VERSION, b"\x7f", b"\x80"], "unknown message type"),
+    ([wire.VERSION, b"\x01\x01", b"\x80"], "one byte"),
+    ([wire.VERSION, b"\x01", b"\xc1"], "not valid msgpack"),
+    ([wire.VERSION, b"\x01", msgpack.packb([1, 2])], "must be a msgpack map"),
+    ([wire.VERSION, b"\x01", msgpack.packb({"prompt": "x"})], "missing field 'id'"),
+    ([wire.VERSION, b"\x01", msgpack.packb({"id": 5, "prompt": "x"})], "'id' must be a string"),
+])
+def test_malformed_messages_raise_protocol_errors(frames: list[bytes], problem: str) -> None:
+    with pytest.raises(ProtocolError, match=problem):
+        wire.decode(frames)
+
+
+@pytest.mark.parametrize("params, problem", [
+    ({"max_tokens": -1}, "max_tokens"), ({"max_tokens": 0}, "max_tokens"),
+    ({"max_tokens": 1 << 40}, "max_tokens"), ({"max_tokens": True}, "boolean"),
+    ({"temperature": "hot"}, "temperature"), ({"temperature": float("nan")}, "finite"),
+    ({"top_p": 2}, "top_p"), ({"seed": -3}, "seed"), ({"stop": "x"}, "stop"),
+    ({"stop": [""]}, "stop"), ({"stop": ["x"] * 100}, "stop"), ({"stop": [3]}, "stop"),
+    ({"bogus": 1}, "unknown parameter"),
+])
+def test_bad_parameters_are_bad_requests(params: dict[str, object], problem: str) -> None:
+    body = msgpack.packb({"id": "a", "prompt": "p", "params": params})
+    with pytest.raises(BadRequest, match=problem):
+        wire.decode([wire.VERSION, b"\x01", body])
+
+
+def test_oversized_bodies_are_refused_before_decoding() -> None:
+    with pytest.raises(ProtocolError, match="over the limit"):
+        wire.unpack_body(b"\x00" * (wire.MAX_MESSAGE_BYTES + 1))
+
+
+def test_the_id_of_an_invalid_request_can_still_be_read() -> None:
+    assert wire.peek_id(msgpack.packb({"id": "abc", "params": 5})) == "abc"
+    assert wire.peek_id(b"\xc1") is None

@@ -1,0 +1,203 @@
+"""End to end through a real server: real processes, real sockets, the real tiny GGUF model."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+
+import llama_cpp
+import pytest
+import zmq
+
+from mpserve import AsyncClient, Client
+from mpserve import protocol as wire
+from mpserve.errors import BadRequest, Busy, Cancelled, ConnectionFailed, Timeout, UnknownModel
+from mpserve.slots import SlotState
+
+PROMPTS = ["Hello world", "The quick brown fox", "In the beginning", "1 2 3"]
+
+
+@pytest.fixture(scope="module")
+def direct(tiny_model_path: str) -> llama_cpp.Llama:
+    return llama_cpp.Llama(tiny_model_path, n_ctx=2048, n_threads=1, verbose=False)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+def test_greedy_output_equals_a_direct_llama_cpp_call(tiny_server, direct, stream: bool) -> None:
+    with Client(tiny_server.address) as client:
+        for prompt in PROMPTS:
+            expected = direct.create_completion(prompt, max_tokens=24, temperature=0, seed=1)
+            if stream:
+                s = client.stream(prompt, max_tokens=24, temperature=0, seed=1)
+                text = "".join(s)
+                assert s.result is not None and s.result.text == text
+            else:
+                result = client.generate(prompt, max_tokens=24, temperature=0, seed=1)
+                text = result.text
+                assert result.usage.completion_tokens == expected["usage"]["completion_tokens"]
+                assert result.usage.prompt_tokens == expected["usage"]["prompt_tokens"]
+            assert text == expected["choices"][0]["text"]
+
+
+@pytest.mark.timeout(60)
+def test_seeded_sampling_is_reproducible_and_stop_strings_apply(tiny_server, direct) -> None:
+    with Client(tiny_server.address) as client:
+        a = client.generate("Once upon", max_tokens=30, temperature=1.0, seed=42)
+        b = client.generate("Once upon", max_tokens=30, temperature=1.0, seed=42)
+        assert a.text == b.text
+        stop = a.text[10:12]
+        stopped = client.generate("Once upon", max_tokens=30, temperature=1.0, seed=42, stop=[stop])
+        assert stopped.finish_reason == "stop"
+        assert stopped.text == a.text[: a.text.index(stop)]
+
+
+@pytest.mark.timeout(60)
+def test_many_concurrent_requests_share_one_async_connection(tiny_server) -> None:
+    async def main() -> list[str]:
+        async with AsyncClient(tiny_server.address) as client:
+            results = await asyncio.gather(*(client.generate(p, max_tokens=16, temperature=0)
+                                             for p in PROMPTS * 8))
+            return [r.text for r in results]
+
+    texts = asyncio.run(main())
+    assert texts == texts[: len(PROMPTS)] * 8  # same prompt, same greedy text, whichever worker ran it
+
+
+@pytest.mark.timeout(60)
+def test_sync_client_is_usable_from_many_threads(tiny_server) -> None:
+    results: dict[int, str] = {}
+    with Client(tiny_server.address) as client:
+        def run(i: int) -> None:
+            results[i] = client.generate(PROMPTS[i % 4], max_tokens=8, temperature=0).text
+
+        threads = [threading.Thread(target=run, args=(i,)) for i in range(12)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    assert len(results) == 12 and all(results[i] == results[i % 4] for i in results)
+
+
+@pytest.mark.timeout(60)
+def test_unknown_model_is_refused_with_the_served_models(tiny_server) -> None:
+    with Client(tiny_server.address) as client, pytest.raises(UnknownModel) as err:
+        client.generate("hi", model="nope")
+    assert "nope" in err.value.message and "tiny" in err.value.message
+
+
+@pytest.mark.timeout(60)
+def test_bad_parameters_are_refused_by_client_and_by_server(tiny_server) -> None:
+    with Client(tiny_server.address) as client:
+        with pytest.raises(BadRequest, match="max_tokens"):
+            client.generate("hi", max_tokens=-1)
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.DEALER)
+    sock.connect(tiny_server.address)
+    try:
+        cases = {
+            "neg": {"max_tokens": -5},
+            "type": {"max_tokens": "ten"},
+            "temp": {"temperature": "hot"},
+            "unknown": {"mirostat": 2},
+        }
+        for rid, params in cases.items():
+            body = {"id": rid, "prompt": "hi", "params": params}
+            sock.send_multipart([wire.VERSION, bytes([wire.MsgType.REQUEST]), wire.msgpack.packb(body)])
+        answers = {}
+        for _ in cases:
+            assert sock.poll(5000)
+            err = wire.decode(sock.recv_multipart())
+            assert isinstance(err, wire.Error)
+            answers[err.id] = err
+        assert {e.code for e in answers.values()} == {"bad_request"}
+        assert "max_tokens" in answers["neg"].message and "integer" in answers["type"].message
+        assert "mirostat" in answers["unknown"].message
+    finally:
+        sock.close(0)
+        ctx.term()
+
+
+@pytest.mark.timeout(60)
+def test_prompt_longer_than_the_context_is_a_bad_request(start_server) -> None:
+    server = start_server("--n-ctx", "64").wait_ready()
+    with Client(server.address) as client, pytest.raises(BadRequest, match="context"):
+        client.generate("word " * 200, max_tokens=4)
+    with Client(server.address) as client:  # and the instance is fine afterwards
+        assert client.generate("hi", max_tokens=4, temperature=0).usage.completion_tokens == 4
+
+
+@pytest.mark.timeout(60)
+def test_full_queue_answers_busy_with_a_retry_hint(start_server) -> None:
+    server = start_server("--instances", "1", "--max-queue", "1", "--n-ctx", "4096").wait_ready()
+
+    async def main() -> list[object]:
+        async with AsyncClient(server.address) as client:
+            return await asyncio.gather(*(client.generate("a", max_tokens=200, temperature=0) for _ in range(4)),
+                                        return_exceptions=True)
+
+    outcomes = asyncio.run(main())
+    busy = [o for o in outcomes if isinstance(o, Busy)]
+    done = [o for o in outcomes if not isinstance(o, BaseException)]
+    assert len(done) == 2 and len(busy) == 2, outcomes
+    assert all(b.retry_after and b.retry_after > 0 for b in busy)
+
+
+@pytest.mark.timeout(60)
+def test_cancel_and_timeout_end_requests_and_free_the_instance(start_server) -> None:
+    server = start_server("--instances", "1", "--n-ctx", "8192").wait_ready()
+
+    async def main() -> None:
+        async with AsyncClient(server.address) as client:
+            with pytest.raises(Timeout):
+                await client.generate("x", max_tokens=8000, temperature=0, timeout=0.3)
+            stream = client.stream("y", max_tokens=8000, temperature=0)
+            chunks = stream.__aiter__()
+            await chunks.__anext__()
+            await client.cancel(stream.id)
+            with pytest.raises(Cancelled):
+                async for _ in chunks:
+                    pass
+            # the single instance is free again: a short request completes promptly
+            result = await client.generate("z", max_tokens=4, temperature=0, timeout=10)
+            assert result.usage.completion_tokens == 4
+
+    asyncio.run(main())
+    rows = server.slots()
+    assert rows[0].state is SlotState.IDLE and rows[0].served == 3
+
+
+@pytest.mark.timeout(60)
+def test_client_of_a_stopped_server_gets_a_connection_error(start_server) -> None:
+    server = start_server().wait_ready()
+    address = server.address
+    client = Client(address)
+    server.stop()
+    started = time.monotonic()
+    with pytest.raises(ConnectionFailed):
+        client.generate("hi", max_tokens=4, timeout=10)
+    assert time.monotonic() - started < 10
+    client.close()
+    with pytest.raises(ConnectionFailed, match="mpserve start"):
+        Client(address, connect_timeout=1)
+
+
+@pytest.mark.timeout(60)
+def test_sigterm_finishes_in_flight_requests_then_removes_its_files(start_server) -> None:
+    server = start_server("--instances", "1", "--n-ctx", "4096").wait_ready()
+    info = server.info
+    results: list[object] = []
+    with Client(server.address) as client:
+        t = threading.Thread(target=lambda: results.append(client.generate("a", max_tokens=500, temperature=0)))
+        t.start()
+        while server.slots()[0].state is not SlotState.BUSY:
+            time.sleep(0.01)
+        server.proc.send_signal(15)
+        t.join(30)
+    assert server.stop() == 0
+    assert results and results[0].usage.completion_tokens == 500  # type: ignore[union-attr]
+    from pathlib import Path
+
+    assert not Path(info.slots).exists() and not Path(info.front[len("ipc://"):]).exists()
+    assert not server.tracebacks()

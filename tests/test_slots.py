@@ -1,0 +1,53 @@
+"""The slot table: one writer per row, consistent reads from other processes, cleaned up by its owner."""
+
+from __future__ import annotations
+
+import multiprocessing
+from pathlib import Path
+
+import pytest
+
+from mpserve.slots import SlotState, SlotTable
+
+pytestmark = pytest.mark.timeout(30)
+
+
+def _hammer(path: str, index: int, n: int) -> None:
+    table = SlotTable.attach(Path(path))
+    row = table.writer(index)
+    for i in range(n):
+        row.update(pid=i, tokens=i, served=i, request=f"r{i}", state=SlotState.BUSY)
+    table.close()
+
+
+def test_rows_round_trip_and_unlink_removes_the_file(tmp_path: Path) -> None:
+    table = SlotTable.create(tmp_path / "s", rows=3)
+    table.writer(1).update(pid=42, worker=1, slot=0, state=SlotState.IDLE, device=-1, model="tiny",
+                           request="abc", tokens=7, served=2, started=1.5, load_s=0.25)
+    row = SlotTable.attach(tmp_path / "s", writable=False).read(1)
+    assert (row.pid, row.state, row.model, row.request, row.tokens, row.served, row.load_s) == (
+        42, SlotState.IDLE, "tiny", "abc", 7, 2, 0.25)
+    assert table.read(0).state is SlotState.EMPTY
+    table.unlink()
+    assert not (tmp_path / "s").exists()
+
+
+def test_readers_never_see_a_torn_row_while_another_process_writes(tmp_path: Path) -> None:
+    table = SlotTable.create(tmp_path / "s", rows=1)
+    writer = multiprocessing.get_context("spawn").Process(target=_hammer, args=(str(tmp_path / "s"), 0, 200_000))
+    writer.start()
+    torn = 0
+    reads = 0
+    while writer.is_alive() or reads == 0:
+        row = table.read(0)
+        reads += 1
+        if not (row.pid == row.tokens == row.served and row.request in ("", f"r{row.pid}")):
+            torn += 1
+    writer.join()
+    assert reads > 100 and torn == 0
+
+
+def test_attach_refuses_a_file_that_is_not_a_slot_table(tmp_path: Path) -> None:
+    (tmp_path / "x").write_bytes(b"not a table at all, definitely not")
+    with pytest.raises(ValueError, match="not a slot table"):
+        SlotTable.attach(tmp_path / "x")
