@@ -29,6 +29,7 @@ from collections import Counter, deque
 from dataclasses import dataclass, field
 
 import zmq
+import zmq.auth
 
 from . import protocol as wire
 from .errors import BadRequest, Busy, ModelFailed, MpserveError, ProtocolError, ShuttingDown, UnknownModel
@@ -77,9 +78,13 @@ class ModelQueue:
 
 
 class Broker:
-    def __init__(self, ctx: zmq.Context, front_addr: str, back_addr: str, models: dict[str, int]) -> None:
-        """``models``: name -> max queue length."""
-        self.front = _router(ctx, front_addr)
+    def __init__(self, ctx: zmq.Context, front_addr: str, back_addr: str, models: dict[str, int], *,
+                 max_queue_total: int = 4096, client_timeout: float = 5.0,
+                 curve_secret: str | None = None) -> None:
+        """``models``: name -> max queue length. ``client_timeout``: a client with pending requests that
+        sends nothing for this long is taken as gone and its requests are cancelled (clients ping every
+        second while they wait). ``curve_secret``: the server's CURVE secret-key file for the front."""
+        self.front = _router(ctx, front_addr, curve_secret)
         self.back = _router(ctx, back_addr)
         self.back.setsockopt(zmq.ROUTER_HANDOVER, 1)  # a restarted worker reuses its identity
         self.models = {name: ModelQueue(name, max_queue) for name, max_queue in models.items()}
@@ -88,6 +93,10 @@ class Broker:
         self.workers: dict[bytes, WorkerEntry] = {}
         self.stats: Counter[str] = Counter()
         self.accepting = True
+        self.max_queue_total = max_queue_total
+        self.client_timeout = client_timeout
+        self._heard: dict[bytes, float] = {}  # clients with pending requests -> last message time
+        self._owned: dict[bytes, int] = {}  # clients -> number of pending requests
         self._deadlines: list[tuple[float, str]] = []
         self._tickets = (format(n, "x") for n in itertools.count(1))
         self.on_ready = lambda entry: None  # set by the server: the supervisor's view of loads
@@ -124,6 +133,29 @@ class Broker:
             p = self.requests[ticket]
             self.stats["timeout"] += 1
             self._cancel(p, "timeout", f"request did not finish within its timeout of {p.request.timeout} s")
+
+    def expire_clients(self, now: float) -> None:
+        """Cancel the requests of clients that stopped sending (closed, killed, or partitioned)."""
+        silent = [c for c, heard in self._heard.items() if now - heard > self.client_timeout]
+        for client in silent:
+            del self._heard[client]
+            self.stats["client_expired"] += 1
+            log.warning("client %s sent nothing for %.0f s; cancelling its requests", client.hex(),
+                        self.client_timeout)
+            self._drop_client(client)
+
+    def worker_stalled(self, index: int, silent_s: float) -> None:
+        """The supervisor is about to kill a worker that stopped making progress: its requests end now
+        with ``worker_stalled`` (they are not retried: the request may be what stalls it)."""
+        entry = next((w for w in self.workers.values() if w.index == index), None)
+        if entry is None:
+            return
+        for ticket in list(entry.running):
+            p = self.requests.get(ticket)
+            if p is not None and not p.answered:
+                self.stats["worker_stalled"] += 1
+                self._answer_error(p, "worker_stalled", f"worker {index} produced no token for {silent_s:.1f} s "
+                                   "and is being replaced; retry the request")
 
     def worker_exited(self, index: int) -> None:
         """The supervisor reaped worker ``index``: settle its requests by the retry rules."""
@@ -187,6 +219,8 @@ class Broker:
             self.stats["dropped_malformed"] += 1
             return
         client, frames = frames[0], frames[1:]
+        if client in self._heard:
+            self._heard[client] = time.monotonic()
         try:
             mtype = wire.parse_header(frames, 3)
             if mtype is wire.MsgType.REQUEST:
@@ -215,16 +249,24 @@ class Broker:
         if len(mq.queue) >= mq.max_queue and not mq.free:
             raise Busy(f"the queue of model {model} is full ({mq.max_queue} waiting); try again later",
                        retry_after=self._retry_after(mq))
+        if self.queued() >= self.max_queue_total:
+            raise Busy(f"the server has {self.max_queue_total} requests waiting; try again later",
+                       retry_after=self._retry_after(mq))
         now = time.monotonic()
+        self._heard.setdefault(client, now)
         ticket = next(self._tickets)
         p = Pending(ticket, client, req, model, now, now + req.timeout if req.timeout else None)
         self.requests[ticket] = p
         self.by_client[(client, req.id)] = ticket
+        self._owned[client] = self._owned.get(client, 0) + 1
         if p.deadline is not None:
             heapq.heappush(self._deadlines, (p.deadline, ticket))
         self.stats["accepted"] += 1
         mq.queue.append(ticket)
         self._dispatch(model)
+
+    def queued(self) -> int:
+        return sum(len(mq.queue) for mq in self.models.values())
 
     def _resolve_model(self, name: str | None) -> str:
         if name is None:
@@ -266,6 +308,12 @@ class Broker:
     def _finish(self, p: Pending) -> None:
         self.requests.pop(p.ticket, None)
         self.by_client.pop((p.client, p.request.id), None)
+        owned = self._owned.get(p.client, 0) - 1
+        if owned > 0:
+            self._owned[p.client] = owned
+        else:
+            self._owned.pop(p.client, None)
+            self._heard.pop(p.client, None)
 
     def _to_client(self, client: bytes, frames: list[bytes]) -> bool:
         """Send without blocking. A client that is gone or not reading loses its requests."""
@@ -276,12 +324,17 @@ class Broker:
             reason = "not reading" if isinstance(exc, zmq.Again) else "gone"
             self.stats[f"client_{reason.replace(' ', '_')}"] += 1
             log.warning("client %s is %s; cancelling its requests", client.hex(), reason)
-            for (owner, _), ticket in list(self.by_client.items()):
-                if owner == client:
-                    p = self.requests[ticket]
-                    p.answered = True  # nothing more can reach it
-                    self._cancel(p, "cancelled", "client gone")
+            self._drop_client(client)
             return False
+
+    def _drop_client(self, client: bytes) -> None:
+        """Stop everything a client asked for; nothing more is sent to it."""
+        for (owner, _), ticket in list(self.by_client.items()):
+            p = self.requests.get(ticket)
+            if owner == client and p is not None and not p.answered:
+                p.answered = True  # nothing more can reach it
+                self.stats["cancelled_client_gone"] += 1
+                self._cancel(p, "cancelled", "client gone")
 
     # --- workers -------------------------------------------------------------------------------
 
@@ -379,8 +432,11 @@ class Broker:
         return p is None or p.answered
 
 
-def _router(ctx: zmq.Context, addr: str) -> zmq.Socket:
+def _router(ctx: zmq.Context, addr: str, curve_secret: str | None = None) -> zmq.Socket:
     sock = ctx.socket(zmq.ROUTER)
+    if curve_secret is not None:
+        public, secret = zmq.auth.load_certificate(curve_secret)
+        sock.curve_publickey, sock.curve_secretkey, sock.curve_server = public, secret, True
     sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
     sock.setsockopt(zmq.LINGER, 0)
     sock.setsockopt(zmq.MAXMSGSIZE, wire.MAX_MESSAGE_BYTES + 4096)

@@ -42,6 +42,25 @@ def start(
         "--bind", envvar="MPSERVE_BIND", help="Client address, e.g. tcp://127.0.0.1:5555 [default: ipc]")] = None,
     grace: Annotated[float | None, typer.Option(
         "--grace", envvar="MPSERVE_GRACE", help="Seconds to finish requests on shutdown [default: 30].")] = None,
+    max_queue_total: Annotated[int | None, typer.Option(
+        "--max-queue-total", envvar="MPSERVE_MAX_QUEUE_TOTAL", help="Waiting requests, all models [default: 4096].")
+    ] = None,
+    stall_timeout: Annotated[float | None, typer.Option(
+        "--stall-timeout", envvar="MPSERVE_STALL_TIMEOUT",
+        help="Replace a busy worker that generates nothing for this long, in s [default: 60].")] = None,
+    idle_timeout: Annotated[float | None, typer.Option(
+        "--idle-timeout", envvar="MPSERVE_IDLE_TIMEOUT",
+        help="Unload an instance idle this long, in s; reloaded on demand [default: 0 = never].")] = None,
+    client_timeout: Annotated[float | None, typer.Option(
+        "--client-timeout", envvar="MPSERVE_CLIENT_TIMEOUT",
+        help="Cancel the requests of a client silent this long, in s [default: 5].")] = None,
+    curve_secret: Annotated[str | None, typer.Option(
+        "--curve-secret", envvar="MPSERVE_CURVE_SECRET", help="Server secret key file (mpserve keygen).")] = None,
+    curve_clients: Annotated[str | None, typer.Option(
+        "--curve-clients", envvar="MPSERVE_CURVE_CLIENTS", help="Folder of allowed clients' public .key files.")
+    ] = None,
+    insecure: Annotated[bool, typer.Option(
+        "--insecure", help="Allow a network --bind without CURVE keys (anyone reaching the port may use it).")] = False,
     config_file: Annotated[Path | None, typer.Option("--config", "-c", envvar="MPSERVE_CONFIG",
                                                         help="YAML file (see README).")] = None,
     log_level: Annotated[str | None, typer.Option("--log-level", envvar="MPSERVE_LOG_LEVEL")] = None,
@@ -55,7 +74,9 @@ def start(
         config = cfg.build(
             file_data,
             server={"server_name": server_name, "bind": bind, "max_queue": max_queue, "grace": grace,
-                    "log_level": log_level},
+                    "log_level": log_level, "max_queue_total": max_queue_total, "stall_timeout": stall_timeout,
+                    "idle_timeout": idle_timeout, "client_timeout": client_timeout, "curve_secret": curve_secret,
+                    "curve_clients": curve_clients, "insecure": insecure or None},
             model={"path": model, "name": name, "instances": instances, "threads": threads, "n_ctx": n_ctx,
                    "n_gpu_layers": n_gpu_layers},
             source=str(config_file or "command line"),
@@ -79,6 +100,10 @@ def generate(
     timeout: Annotated[float | None, typer.Option("--timeout", help="Seconds, queueing included.")] = None,
     address: Annotated[str | None, typer.Option("--address", envvar="MPSERVE_ADDRESS")] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print the result as JSON.")] = False,
+    curve_server_key: Annotated[str | None, typer.Option(
+        "--curve-server-key", envvar="MPSERVE_CURVE_SERVER_KEY", help="The server's public key file.")] = None,
+    curve_secret: Annotated[str | None, typer.Option(
+        "--curve-secret", envvar="MPSERVE_CURVE_CLIENT_SECRET", help="This client's secret key file.")] = None,
     server_name: ServerName = "default",
 ) -> None:
     """Send one request to a running server and print the completion."""
@@ -86,7 +111,8 @@ def generate(
 
     params = dict(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed,
                   stop=tuple(stop or ()))
-    with _errors(), Client(address, server_name=server_name, timeout=timeout) as client:
+    with _errors(), Client(address, server_name=server_name, timeout=timeout, curve_server_key=curve_server_key,
+                           curve_secret=curve_secret) as client:
         if stream:
             s = client.stream(prompt, model=model, **params)
             for text in s:
@@ -155,6 +181,26 @@ def make_model(
     with _errors():
         out = write_model(path, size)
         typer.echo(f"wrote {out} ({out.stat().st_size / 1e6:.1f} MB)")
+
+
+@app.command()
+def keygen(
+    directory: Annotated[Path, typer.Argument(help="Folder for the key files (created, mode 0700).")],
+    name: Annotated[str, typer.Argument(help="Key pair name: writes NAME.key and NAME.key_secret.")] = "server",
+) -> None:
+    """Write a CURVE key pair for `--curve-secret` (servers) or `curve_secret` (clients).
+
+    Give clients the server's NAME.key; put each allowed client's NAME.key in the server's
+    --curve-clients folder. Keep .key_secret files private."""
+    import zmq.auth
+
+    directory.mkdir(mode=0o700, parents=True, exist_ok=True)
+    if (directory / f"{name}.key_secret").exists():
+        typer.echo(f"error: {directory / name}.key_secret exists; not overwriting it", err=True)
+        raise typer.Exit(1)
+    public, secret = zmq.auth.create_certificates(str(directory), name)
+    Path(secret).chmod(0o600)
+    typer.echo(f"wrote {public} (public) and {secret} (secret)")
 
 
 def format_table(info: ServerInfo, rows: list[SlotRow]) -> str:

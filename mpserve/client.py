@@ -1,10 +1,15 @@
 """Clients: ``AsyncClient`` (asyncio) and ``Client`` (sync, a thin facade over the async one).
 
 One DEALER connection carries any number of concurrent requests; a reader task sorts incoming
-messages by request id. Liveness follows the Paranoid Pirate pattern: any message from the server counts;
-while requests are pending and the server has been silent for ``PING_INTERVAL_S``, the client pings, and
-after ``PING_INTERVAL_S × PING_LIVENESS`` of silence every pending request fails with
-``ConnectionFailed``. A server that is not running is reported at connect time.
+messages by request id. Liveness follows the Paranoid Pirate pattern, both ways: while requests are
+pending the client pings every ``PING_INTERVAL_S`` (so the broker can tell a waiting client from a
+vanished one, whose requests it cancels), any message from the server counts as its heartbeat, and after
+``PING_INTERVAL_S × PING_LIVENESS`` of silence every pending request fails with ``ConnectionFailed``.
+A server that is not running is reported at connect time.
+
+For a server bound to the network with CURVE, pass ``curve_server_key`` (the server's public key file)
+and ``curve_secret`` (this client's secret key file, whose public half the server allows); both are made
+by ``mpserve keygen``.
 
     async with AsyncClient() as client:
         result = await client.generate("Once upon a time", max_tokens=32, temperature=0)
@@ -25,9 +30,10 @@ from typing import Any
 
 import zmq
 import zmq.asyncio
+import zmq.auth
 
 from . import protocol as wire
-from .errors import ConnectionFailed, MpserveError, Timeout, error_from_code
+from .errors import ConfigError, ConnectionFailed, MpserveError, Timeout, error_from_code
 from .runtime import default_address
 
 PING_INTERVAL_S = 1.0
@@ -78,10 +84,12 @@ class Stream:
 
 class AsyncClient:
     def __init__(self, address: str | None = None, *, server_name: str = "default",
-                 timeout: float | None = None, connect_timeout: float = CONNECT_TIMEOUT_S) -> None:
+                 timeout: float | None = None, connect_timeout: float = CONNECT_TIMEOUT_S,
+                 curve_server_key: str | None = None, curve_secret: str | None = None) -> None:
         self.address = address or default_address(server_name)
         self.timeout = timeout
         self._connect_timeout = connect_timeout
+        self._curve = _curve_keys(curve_server_key, curve_secret)
         self._ctx: zmq.asyncio.Context | None = None
         self._sock: zmq.asyncio.Socket | None = None
         self._pending: dict[str, asyncio.Queue[Any]] = {}
@@ -107,6 +115,10 @@ class AsyncClient:
         self._sock = self._ctx.socket(zmq.DEALER)
         self._sock.setsockopt(zmq.LINGER, 0)
         self._sock.setsockopt(zmq.MAXMSGSIZE, 4 * wire.MAX_MESSAGE_BYTES + 4096)
+        if self._curve is not None:
+            server_public, public, secret = self._curve
+            self._sock.curve_serverkey, self._sock.curve_publickey, self._sock.curve_secretkey = (
+                server_public, public, secret)
         self._sock.connect(self.address)
         self._reader = asyncio.get_running_loop().create_task(self._read())
         await self._send(wire.Ping(0))
@@ -196,15 +208,15 @@ class AsyncClient:
             if await self._sock.poll(int(PING_INTERVAL_S * 1000 / 2)):
                 self._last_heard = time.monotonic()
                 self._deliver(await self._sock.recv_multipart())
-                continue
-            silent = time.monotonic() - self._last_heard
+            now = time.monotonic()
             if not self._pending:
-                self._last_heard = time.monotonic()
-            elif silent > PING_INTERVAL_S * PING_LIVENESS:
+                self._last_heard = now
+                continue
+            if now - self._last_heard > PING_INTERVAL_S * PING_LIVENESS:
                 self._fail_all(ConnectionFailed(f"the server at {self.address} stopped answering "
-                                                f"({silent:.1f} s of silence)"))
-            elif silent > PING_INTERVAL_S and time.monotonic() - pinged > PING_INTERVAL_S:
-                pinged = time.monotonic()
+                                                f"({now - self._last_heard:.1f} s of silence)"))
+            elif now - pinged >= PING_INTERVAL_S:
+                pinged = now
                 await self._send(wire.Ping(1))
 
     def _deliver(self, frames: list[bytes]) -> None:
@@ -232,16 +244,34 @@ class AsyncClient:
         self._pending.clear()
 
 
+def _curve_keys(server_key: str | None, secret: str | None) -> tuple[bytes, bytes, bytes] | None:
+    if server_key is None and secret is None:
+        return None
+    if server_key is None or secret is None:
+        raise ConfigError("CURVE needs both curve_server_key (the server's public .key file) and curve_secret "
+                          "(this client's .key_secret file)")
+    try:
+        server_public, _ = zmq.auth.load_certificate(server_key)
+        public, private = zmq.auth.load_certificate(secret)
+    except (OSError, ValueError) as exc:
+        raise ConfigError(f"cannot read CURVE keys: {exc}") from None
+    if private is None:
+        raise ConfigError(f"{secret} holds no secret key; pass the .key_secret file made by `mpserve keygen`")
+    return server_public, public, private
+
+
 class Client:
     """Synchronous client. Thread-safe: any number of threads may use one Client at once."""
 
     def __init__(self, address: str | None = None, *, server_name: str = "default",
-                 timeout: float | None = None, connect_timeout: float = CONNECT_TIMEOUT_S) -> None:
+                 timeout: float | None = None, connect_timeout: float = CONNECT_TIMEOUT_S,
+                 curve_server_key: str | None = None, curve_secret: str | None = None) -> None:
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="mpserve-client", daemon=True)
         self._thread.start()
         self._async = AsyncClient(address, server_name=server_name, timeout=timeout,
-                                  connect_timeout=connect_timeout)
+                                  connect_timeout=connect_timeout, curve_server_key=curve_server_key,
+                                  curve_secret=curve_secret)
         self.address = self._async.address
         try:
             self._call(self._async.connect())

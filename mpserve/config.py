@@ -63,7 +63,14 @@ class ServerConfig:
     bind: str | None = None
     workers_bind: str | None = None
     max_queue: int = 256
+    max_queue_total: int = 4096
     grace: float = 30.0
+    stall_timeout: float = 60.0
+    idle_timeout: float = 0.0  # 0: never unload
+    client_timeout: float = 5.0
+    curve_secret: str | None = None
+    curve_clients: str | None = None
+    insecure: bool = False
     log_level: str = "info"
     threads_total: int = field(default_factory=lambda: len(os.sched_getaffinity(0)))
 
@@ -80,13 +87,36 @@ class ServerConfig:
                 return m
         raise KeyError(name)
 
+    def check_access(self, source: str) -> None:
+        """A client socket open to the network needs CURVE keys, unless the user said --insecure."""
+        if self.bind and _is_network_tcp(self.bind) and self.curve_secret is None and not self.insecure:
+            raise ConfigError(f"{source}: bind {self.bind} is reachable from other hosts; give CURVE keys "
+                              "(--curve-secret FILE --curve-clients DIR, made with `mpserve keygen`), bind to "
+                              "127.0.0.1, or pass --insecure to accept anyone who can reach the port")
+        if (self.curve_secret is None) != (self.curve_clients is None):
+            raise ConfigError(f"{source}: curve_secret and curve_clients go together (the server's secret key "
+                              "file and the folder of allowed client public keys)")
+        for key in ("curve_secret", "curve_clients"):
+            value = getattr(self, key)
+            if value is not None and not Path(value).exists():
+                raise ConfigError(f"{source}: {key}: {value} does not exist; create keys with `mpserve keygen`")
+
+
+def _is_network_tcp(address: str) -> bool:
+    if not address.startswith("tcp://"):
+        return False
+    host = address[len("tcp://"):].rsplit(":", 1)[0].strip("[]")
+    return not (host.startswith("127.") or host in ("localhost", "::1"))
+
 
 _MODEL_KEYS = {"name": str, "path": str, "instances": int, "n_ctx": int, "threads": int, "n_gpu_layers": int}
-_SERVER_KEYS = {"server_name": str, "bind": str, "workers_bind": str, "max_queue": int, "grace": float,
-                "log_level": str, "models": list}
+_SERVER_KEYS = {"server_name": str, "bind": str, "workers_bind": str, "max_queue": int, "max_queue_total": int,
+                "grace": float, "stall_timeout": float, "idle_timeout": float, "client_timeout": float,
+                "curve_secret": str, "curve_clients": str, "insecure": bool, "log_level": str, "models": list}
 _RANGES: dict[str, tuple[float, float]] = {
     "instances": (1, 256), "n_ctx": (16, 1 << 20), "threads": (1, 1024), "n_gpu_layers": (-1, 100000),
-    "max_queue": (1, 1_000_000), "grace": (0, 3600),
+    "max_queue": (1, 1_000_000), "max_queue_total": (1, 10_000_000), "grace": (0, 3600),
+    "stall_timeout": (0.1, 86400), "idle_timeout": (0, 86400 * 365), "client_timeout": (1, 3600),
 }
 _LOG_LEVELS = ("debug", "info", "warning", "error")
 
@@ -139,6 +169,7 @@ def build(file_data: Mapping[str, Any] | None = None, server: Mapping[str, Any] 
     config = ServerConfig(models=models, **server_values)
     if config.log_level not in _LOG_LEVELS:
         raise ConfigError(f"{source}: log_level: got {config.log_level!r}, allowed: {', '.join(_LOG_LEVELS)}")
+    config.check_access(source)
     if not _NAME_RE.match(config.server_name):
         raise ConfigError(f"{source}: server_name: got {config.server_name!r}, allowed: letters, digits, "
                           "'.', '_' and '-', at most 48 characters")
@@ -191,8 +222,8 @@ def _check_keys(entry: Mapping[str, Any], allowed: Mapping[str, type], where: st
 def _checked(key: str, value: Any, kind: type, where: str) -> Any:
     if kind is float and isinstance(value, int) and not isinstance(value, bool):
         value = float(value)
-    if not isinstance(value, kind) or isinstance(value, bool):
-        expected = {int: "an integer", float: "a number", str: "a string", list: "a list"}[kind]
+    if not isinstance(value, kind) or (isinstance(value, bool) and kind is not bool):
+        expected = {int: "an integer", float: "a number", str: "a string", list: "a list", bool: "true or false"}[kind]
         raise ConfigError(f"{where}.{key}: got {value!r}, expected {expected}")
     if key in _RANGES:
         lo, hi = _RANGES[key]

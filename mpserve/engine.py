@@ -35,6 +35,9 @@ class Completion:
 class Engine(Protocol):
     def generate(self, prompt: str, params: GenerateParams, on_token: OnToken) -> Completion: ...
 
+    def close(self) -> None:
+        """Free the model and its context (the idle watchdog unloads this way)."""
+
 
 @dataclass(frozen=True)
 class EngineSpec:
@@ -67,6 +70,9 @@ class LlamaEngine:
             model_path=spec.path, n_ctx=spec.n_ctx, n_threads=spec.threads, n_threads_batch=spec.threads,
             n_gpu_layers=spec.n_gpu_layers, seed=spec.seed, verbose=False,
         )
+
+    def close(self) -> None:
+        self._llm.close()
 
     def generate(self, prompt: str, params: GenerateParams, on_token: OnToken) -> Completion:
         counter = _TokenCounter(on_token)
@@ -132,6 +138,9 @@ class _TokenCounter:
 
 class EchoEngine:
     """Returns the prompt as ``max_tokens`` chunks of about equal size. No model, no compute."""
+
+    def close(self) -> None:
+        pass
 
     def generate(self, prompt: str, params: GenerateParams, on_token: OnToken) -> Completion:
         started = time.perf_counter()

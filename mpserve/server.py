@@ -20,12 +20,13 @@ import sys
 import time
 
 import zmq
+from zmq.auth.thread import ThreadAuthenticator
 
 from .broker import Broker, WorkerEntry
 from .config import ServerConfig
 from .errors import ConfigError
 from .runtime import ServerInfo, ServerPaths
-from .slots import SlotTable
+from .slots import SlotState, SlotTable
 from .supervisor import Supervisor
 
 log = logging.getLogger("mpserve.server")
@@ -41,15 +42,24 @@ def serve(config: ServerConfig) -> None:
     table = SlotTable.create(paths.slots, rows=config.total_instances)
     ctx = zmq.Context()
     broker = None
+    authenticator = None
     try:
-        broker = Broker(ctx, paths.front, paths.back, {m.name: config.max_queue for m in config.models})
+        if config.curve_clients is not None:
+            authenticator = ThreadAuthenticator(ctx)
+            authenticator.start()
+            authenticator.configure_curve(domain="*", location=config.curve_clients)
+        broker = Broker(ctx, paths.front, paths.back, {m.name: config.max_queue for m in config.models},
+                        max_queue_total=config.max_queue_total, client_timeout=config.client_timeout,
+                        curve_secret=config.curve_secret)
         supervisor = Supervisor(config, paths, table)
         ServerInfo(paths.name, os.getpid(), paths.front, paths.back, str(paths.slots),
                    [m.name for m in config.models], time.time()).write(paths.info)
-        _Loop(config, broker, supervisor, started).run()
+        _Loop(config, broker, supervisor, table, started).run()
     finally:
         if broker is not None:
             broker.close()
+        if authenticator is not None:
+            authenticator.stop()
         ctx.term()
         table.unlink()
         table.close()
@@ -70,11 +80,17 @@ def _claim(paths: ServerPaths) -> None:
             stale.unlink(missing_ok=True)
 
 
+WATCHDOG_PERIOD_S = 0.5
+
+
 class _Loop:
-    def __init__(self, config: ServerConfig, broker: Broker, supervisor: Supervisor, started: float) -> None:
+    def __init__(self, config: ServerConfig, broker: Broker, supervisor: Supervisor, table: SlotTable,
+                 started: float) -> None:
         self._config = config
         self._broker = broker
         self._supervisor = supervisor
+        self._table = table
+        self._next_watch = 0.0
         self._started = started
         self._ready: set[int] = set()
         self._announced = False
@@ -126,8 +142,12 @@ class _Loop:
             self._on_signals()
         now = time.monotonic()
         self._broker.expire(now)
+        if now >= self._next_watch:
+            self._next_watch = now + WATCHDOG_PERIOD_S
+            self._watch_progress()
+            self._broker.expire_clients(now)
+        self._supervisor.tick(now, restart=self._grace_deadline is None)
         if self._grace_deadline is None:
-            self._supervisor.restart_due(now)
             return True
         if self._broker.in_flight() == 0:
             return False
@@ -138,11 +158,22 @@ class _Loop:
         return True
 
     def _timeout_ms(self) -> int:
-        times = [t for t in (self._broker.next_deadline(), self._supervisor.next_restart(),
-                             self._grace_deadline) if t is not None]
+        times = [t for t in (self._broker.next_deadline(), self._supervisor.next_timer(),
+                             self._grace_deadline, self._next_watch) if t is not None]
         if not times:
             return 1000
         return max(0, min(1000, int((min(times) - time.monotonic()) * 1000) + 1))
+
+    def _watch_progress(self) -> None:
+        """The busy watchdog: a worker that generated nothing for stall_timeout is replaced. Progress is
+        read from the slot table, which each worker updates on every token."""
+        now = time.time()
+        for row in self._table.read_all():
+            silent = now - row.progress
+            if (row.state is SlotState.BUSY and silent > self._config.stall_timeout
+                    and row.worker in self._supervisor.running() and not self._supervisor.stalling(row.worker)):
+                self._broker.worker_stalled(row.worker, silent)
+                self._supervisor.stop_stalled(row.worker)
 
     def _sync_sentinels(self) -> None:
         current = self._supervisor.sentinels()

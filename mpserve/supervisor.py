@@ -30,6 +30,7 @@ MAX_LOAD_FAILURES = 3
 BACKOFF_FIRST_S = 0.5
 BACKOFF_MAX_S = 30.0
 STABLE_AFTER_S = 10.0  # a worker that lived this long resets its crash backoff
+KILL_AFTER_S = 2.0  # a stalled worker gets SIGTERM, then SIGKILL this much later
 
 
 @dataclass
@@ -39,6 +40,8 @@ class WorkerHandle:
     started_at: float = 0.0
     crashes: int = 0  # consecutive early deaths, for the backoff
     restart_at: float | None = None
+    stalled: bool = False  # being stopped by the busy watchdog
+    kill_at: float | None = None  # when SIGKILL follows the watchdog's SIGTERM
 
 
 @dataclass
@@ -61,7 +64,7 @@ class Supervisor:
             for _ in range(model.instances):
                 spec = WorkerSpec(index=index, model=model.name, engine=engine, device=-1,
                                   backend=paths.back, slots_path=str(paths.slots), parent_pid=os.getpid(),
-                                  log_level=config.log_level)
+                                  idle_timeout=config.idle_timeout, log_level=config.log_level)
                 self.workers[index] = WorkerHandle(spec)
                 index += 1
 
@@ -95,6 +98,7 @@ class Supervisor:
         pid = handle.process.pid
         handle.process.close()
         handle.process = None
+        handle.stalled, handle.kill_at = False, None
         health = self.health[handle.spec.model]
         row = self._table.writer(index)
         if code == EXIT_LOAD_FAILED:
@@ -122,13 +126,29 @@ class Supervisor:
     def loaded(self, model: str) -> None:
         self.health[model].load_failures = 0
 
-    def next_restart(self) -> float | None:
-        times = [h.restart_at for h in self.workers.values() if h.restart_at is not None]
+    def stop_stalled(self, index: int) -> None:
+        """SIGTERM a worker that stopped making progress; SIGKILL follows if it is still there."""
+        handle = self.workers[index]
+        if handle.process is None or handle.stalled:
+            return
+        log.warning("worker %d (pid %s) made no progress; stopping it", index, handle.process.pid)
+        handle.process.terminate()
+        handle.stalled, handle.kill_at = True, time.monotonic() + KILL_AFTER_S
+
+    def stalling(self, index: int) -> bool:
+        return self.workers[index].stalled
+
+    def next_timer(self) -> float | None:
+        times = [t for h in self.workers.values() for t in (h.restart_at, h.kill_at) if t is not None]
         return min(times) if times else None
 
-    def restart_due(self, now: float) -> None:
+    def tick(self, now: float, restart: bool = True) -> None:
+        """Kill stalled workers whose SIGTERM went unheeded; start those whose backoff is over."""
         for index, handle in self.workers.items():
-            if handle.restart_at is not None and handle.restart_at <= now:
+            if handle.kill_at is not None and handle.kill_at <= now and handle.process is not None:
+                handle.process.kill()
+                handle.kill_at = None
+            if restart and handle.restart_at is not None and handle.restart_at <= now:
                 self.spawn(index)
 
     def running(self) -> list[int]:

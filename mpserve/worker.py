@@ -38,6 +38,7 @@ class WorkerSpec:
     backend: str  # the broker's worker-socket address
     slots_path: str
     parent_pid: int
+    idle_timeout: float = 0.0  # unload after this long without a request; 0: never
     log_level: str = "info"
 
     @property
@@ -62,18 +63,9 @@ def worker_main(spec: WorkerSpec) -> None:
     sock.setsockopt(zmq.LINGER, 2000)
     sock.connect(spec.backend)
     try:
-        t0 = time.perf_counter()
-        try:
-            engine = load_engine(spec.engine)
-        except Exception as exc:  # any load failure is reported, then the supervisor decides
-            log.error("cannot load %s: %s", spec.engine.path, exc)
-            row.update(state=SlotState.FAILED)
-            sock.send_multipart(wire.encode_from_worker(wire.Failed(spec.identity.decode(), spec.model,
-                                                                    f"{type(exc).__name__}: {exc}")))
-            sys.exit(EXIT_LOAD_FAILED)
-        row.update(state=SlotState.IDLE, load_s=time.perf_counter() - t0)
-        log.debug("loaded in %.2f s", time.perf_counter() - t0)
-        Worker(spec, engine, sock, row).run()
+        worker = Worker(spec, sock, row)
+        worker.load()
+        worker.run()
     finally:
         sock.close()
         ctx.term()
@@ -81,9 +73,9 @@ def worker_main(spec: WorkerSpec) -> None:
 
 
 class Worker:
-    def __init__(self, spec: WorkerSpec, engine: Engine, sock: zmq.Socket, row: SlotWriter) -> None:
+    def __init__(self, spec: WorkerSpec, sock: zmq.Socket, row: SlotWriter) -> None:
         self._spec = spec
-        self._engine = engine
+        self._engine: Engine | None = None
         self._sock = sock
         self._row = row
         self._served = 0
@@ -91,17 +83,39 @@ class Worker:
         self._current: wire.Assign | None = None
         self._cancelled = False
 
+    def load(self) -> None:
+        """Load the model; on failure tell the broker why (FAILED) and exit for the supervisor to decide."""
+        self._row.update(state=SlotState.LOADING)
+        t0 = time.perf_counter()
+        try:
+            self._engine = load_engine(self._spec.engine)
+        except Exception as exc:  # any load failure is reported the same way
+            log.error("cannot load %s: %s", self._spec.engine.path, exc)
+            self._row.update(state=SlotState.FAILED)
+            self._send(wire.Failed(self._spec.identity.decode(), self._spec.model, f"{type(exc).__name__}: {exc}"))
+            sys.exit(EXIT_LOAD_FAILED)
+        self._row.update(state=SlotState.IDLE, load_s=time.perf_counter() - t0)
+        log.debug("loaded in %.2f s", time.perf_counter() - t0)
+
     def run(self) -> None:
-        self._send(wire.Ready(self._spec.identity.decode(), self._spec.model, self._spec.device, 1, os.getpid()))
+        spec = self._spec
+        self._send(wire.Ready(spec.identity.decode(), spec.model, spec.device, 1, os.getpid()))
+        idle_since = time.monotonic()
         while not self._stopping:
-            if not self._sock.poll(int(PARENT_CHECK_S * 1000)):
-                if os.getppid() != self._spec.parent_pid:
-                    log.warning("server (pid %d) is gone; exiting", self._spec.parent_pid)
-                    break
+            if self._sock.poll(int(PARENT_CHECK_S * 1000)):
+                msg = self._receive()
+                if isinstance(msg, wire.Assign):
+                    self._serve(msg)
+                    idle_since = time.monotonic()
                 continue
-            msg = self._receive()
-            if isinstance(msg, wire.Assign):
-                self._serve(msg)
+            if os.getppid() != spec.parent_pid:
+                log.warning("server (pid %d) is gone; exiting", spec.parent_pid)
+                break
+            if self._engine is not None and spec.idle_timeout and time.monotonic() - idle_since >= spec.idle_timeout:
+                log.info("idle for %.0f s; unloading the model until the next request", spec.idle_timeout)
+                self._engine.close()
+                self._engine = None
+                self._row.update(state=SlotState.UNLOADED)
         self._row.update(state=SlotState.STOPPING)
 
     def _receive(self) -> wire.Assign | None:
@@ -126,6 +140,9 @@ class Worker:
 
     def _serve(self, assign: wire.Assign) -> None:
         req = assign.request
+        if self._engine is None:  # unloaded by the idle watchdog: the request waits for the load
+            self.load()
+        assert self._engine is not None
         self._current, self._cancelled = assign, False
         self._row.update(state=SlotState.BUSY, request=req.id, tokens=0)
 
