@@ -126,8 +126,9 @@ class AsyncClient:
             await asyncio.wait_for(self._pong.wait(), self._connect_timeout)
         except asyncio.TimeoutError:
             await self.close()
+            hint = " and does it accept your CURVE keys?" if self.address.startswith("tcp://") else "?"
             raise ConnectionFailed(f"no answer from a server at {self.address} within "
-                                   f"{self._connect_timeout:g} s; is `mpserve start` running?") from None
+                                   f"{self._connect_timeout:g} s; is `mpserve start` running{hint}") from None
 
     async def close(self) -> None:
         if self._reader is not None:

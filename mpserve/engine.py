@@ -70,6 +70,9 @@ class LlamaEngine:
             model_path=spec.path, n_ctx=spec.n_ctx, n_threads=spec.threads, n_threads_batch=spec.threads,
             n_gpu_layers=spec.n_gpu_layers, seed=spec.seed, verbose=False,
         )
+        # llama.cpp sets up its compute graphs and thread pool on the first decode (~150 ms here); do it
+        # while loading, so the first request does not pay for it.
+        self._llm.create_completion("warm up", max_tokens=2, temperature=0)
 
     def close(self) -> None:
         self._llm.close()
