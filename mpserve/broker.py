@@ -230,12 +230,20 @@ class Broker:
             elif mtype is wire.MsgType.PING:
                 ping = wire.Ping.from_wire(wire.unpack_body(frames[2]))
                 self._to_client(client, wire.encode(wire.Pong(ping.nonce, tuple(self.models))))
+            elif mtype is wire.MsgType.STATS_QUERY:
+                query = wire.StatsQuery.from_wire(wire.unpack_body(frames[2]))
+                self._to_client(client, wire.encode(self.snapshot(query.nonce)))
             else:
                 raise ProtocolError(f"a client may not send {mtype.name} messages")
         except MpserveError as exc:
             self.stats[f"rejected_{exc.code}"] += 1
             rid = wire.peek_id(frames[2]) if len(frames) == 3 else None
             self._to_client(client, wire.encode(wire.Error(rid, exc.code, exc.message, exc.retry_after)))
+        except Exception:  # a bug: log it loudly, answer, and keep serving everyone else
+            log.exception("internal error while handling a client message")
+            self.stats["internal_error"] += 1
+            rid = wire.peek_id(frames[2]) if len(frames) == 3 else None
+            self._to_client(client, wire.encode(wire.Error(rid, "internal", "internal error; see the server log")))
 
     def _on_request(self, client: bytes, req: wire.Request) -> None:
         if not self.accepting:
@@ -264,6 +272,13 @@ class Broker:
         self.stats["accepted"] += 1
         mq.queue.append(ticket)
         self._dispatch(model)
+
+    def snapshot(self, nonce: int = 0) -> wire.Stats:
+        running: Counter[str] = Counter(w.model for w in self.workers.values() for _ in w.running)
+        return wire.Stats(nonce, self.accepting, dict(self.stats), {
+            name: wire.ModelStats(len(mq.queue), running[name], mq.instances, len(mq.free), mq.failed)
+            for name, mq in self.models.items()
+        })
 
     def queued(self) -> int:
         return sum(len(mq.queue) for mq in self.models.values())

@@ -97,6 +97,8 @@ class AsyncClient:
         self._reader: asyncio.Task[None] | None = None
         self._last_heard = 0.0
         self._pong = asyncio.Event()
+        self._nonces = itertools.count(1)
+        self._stats_waiters: dict[int, asyncio.Future[wire.Stats]] = {}
         self.models: tuple[str, ...] = ()
 
     async def __aenter__(self) -> AsyncClient:
@@ -161,6 +163,20 @@ class AsyncClient:
 
     async def cancel(self, request_id: str) -> None:
         await self._send(wire.Cancel(request_id))
+
+    async def stats(self, timeout: float = CONNECT_TIMEOUT_S) -> wire.Stats:
+        """The broker's counters and per-model queue state."""
+        await self.connect()
+        nonce = next(self._nonces)
+        waiter: asyncio.Future[wire.Stats] = asyncio.get_running_loop().create_future()
+        self._stats_waiters[nonce] = waiter
+        try:
+            await self._send(wire.StatsQuery(nonce))
+            return await asyncio.wait_for(waiter, timeout)
+        except asyncio.TimeoutError:
+            raise ConnectionFailed(f"no answer from the server at {self.address} within {timeout:g} s") from None
+        finally:
+            self._stats_waiters.pop(nonce, None)
 
     # --- internals ------------------------------------------------------------------------------
 
@@ -228,6 +244,11 @@ class AsyncClient:
         if isinstance(msg, wire.Pong):
             self.models = msg.models
             self._pong.set()
+            return
+        if isinstance(msg, wire.Stats):
+            waiter = self._stats_waiters.get(msg.nonce)
+            if waiter is not None and not waiter.done():
+                waiter.set_result(msg)
             return
         if isinstance(msg, wire.Error):
             target = self._pending.get(msg.id) if msg.id is not None else None
@@ -300,6 +321,9 @@ class Client:
 
     def cancel(self, request_id: str) -> None:
         self._call(self._async.cancel(request_id))
+
+    def stats(self, timeout: float = CONNECT_TIMEOUT_S) -> wire.Stats:
+        return self._call(self._async.stats(timeout))
 
     def close(self) -> None:
         if self._loop.is_running():

@@ -84,7 +84,7 @@ from functools import cache
 from pathlib import Path
 from typing import Any
 
-from mpserve.errors import ConfigError, Timeout
+from mpserve.errors import Cancelled, ConfigError, Timeout
 
 MAX_CAPACITY = 64
 QUEUE_PLACES = 64
@@ -198,21 +198,26 @@ class DevicePermits:
             undo.pop_all()
         _OPEN.add(self)
 
-    def acquire(self, timeout: float | None = None) -> Permit:
-        """Wait for a permit, in arrival order; ``Timeout`` after ``timeout`` seconds (None: for ever)."""
+    def acquire(self, timeout: float | None = None, stop: Callable[[], bool] | None = None) -> Permit:
+        """Wait for a permit, in arrival order; ``Timeout`` after ``timeout`` seconds (None: for ever).
+
+        ``stop`` is asked between polls; once it answers True the wait ends with ``Cancelled`` (a worker
+        whose request is cancelled while it queues for the GPU)."""
         self._check_open()
         if self.capacity is None:
             return Permit(self, None, None, time.monotonic())
         deadline = None if timeout is None else time.monotonic() + timeout
         fd = self._take_fd()
         try:
-            slot = self._queue_for_slot(fd, deadline)
+            slot = self._queue_for_slot(fd, deadline, stop or _never)
         except BaseException:
             self._discard_fd(fd)  # closing the description drops whatever it may still hold
             raise
         if slot is None:
             self._give_back_fd(fd)
-            assert timeout is not None  # only a deadline ends the wait without a slot
+            if stop is not None and stop():
+                raise Cancelled(f"stopped while waiting for a permit of device {self.device_key}")
+            assert timeout is not None  # only a deadline or stop ends the wait without a slot
             raise self._timeout(timeout)
         permit = Permit(self, fd, slot, time.monotonic())
         with self._guard:
@@ -285,9 +290,9 @@ class DevicePermits:
 
     # -- acquiring: queue place, ticket, slot ----------------------------------------------------
 
-    def _queue_for_slot(self, fd: int, deadline: float | None) -> int | None:
-        """The permit slot now held through ``fd``, or None at the deadline."""
-        place = self._take_place(fd, deadline)
+    def _queue_for_slot(self, fd: int, deadline: float | None, stop: Callable[[], bool]) -> int | None:
+        """The permit slot now held through ``fd``, or None at the deadline or once ``stop()``."""
+        place = self._take_place(fd, deadline, stop)
         if place is None:
             return None
         records = self._records
@@ -311,20 +316,20 @@ class DevicePermits:
                         records.holder_pid[slot] = self._pid
                         records.holder_since[slot] = time.time()
                         return slot
-                if not _nap(deadline, delay):
+                if stop() or not _nap(deadline, delay):
                     return None
                 delay = min(2 * delay, _HEAD_POLL if first_in_line else _QUEUE_POLL)
         finally:
             records.waiter_ticket[place] = 0
             _unlock(fd, _QUEUE_BASE + place)
 
-    def _take_place(self, fd: int, deadline: float | None) -> int | None:
+    def _take_place(self, fd: int, deadline: float | None, stop: Callable[[], bool]) -> int | None:
         delay = _FIRST_POLL
         while True:
             for place in range(QUEUE_PLACES):
                 if _lock(fd, _QUEUE_BASE + place):
                     return place
-            if not _nap(deadline, delay):
+            if stop() or not _nap(deadline, delay):
                 return None
             delay = min(2 * delay, _QUEUE_POLL)
 
@@ -573,6 +578,10 @@ def _open_shared_file(path: Path) -> int:
             return os.open(path, os.O_RDWR | os.O_CLOEXEC)
     except OSError as exc:
         raise ConfigError(f"cannot open permit lock file {path}: {exc.strerror}") from exc
+
+
+def _never() -> bool:
+    return False
 
 
 def _nap(deadline: float | None, delay: float) -> bool:

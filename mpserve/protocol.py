@@ -3,8 +3,8 @@
 Every message is a ZeroMQ multipart message. ROUTER sockets see a routing-identity frame first; that
 frame belongs to ZeroMQ and is not described here.
 
-    client  -> broker   [VERSION, TYPE, BODY]            REQUEST, CANCEL, PING
-    broker  -> client   [VERSION, TYPE, BODY]            CHUNK, DONE, ERROR, PONG
+    client  -> broker   [VERSION, TYPE, BODY]            REQUEST, CANCEL, PING, STATS_QUERY
+    broker  -> client   [VERSION, TYPE, BODY]            CHUNK, DONE, ERROR, PONG, STATS
     broker  -> worker   [VERSION, TYPE, BODY]            ASSIGN, CANCEL, STOP
     worker  -> broker   [VERSION, TYPE, TICKET, BODY]    READY, HEARTBEAT, FAILED (empty TICKET);
                                                          CHUNK, DONE, ERROR (TICKET of an ASSIGN)
@@ -44,10 +44,12 @@ class MsgType(IntEnum):
     REQUEST = 0x01
     CANCEL = 0x02
     PING = 0x03
+    STATS_QUERY = 0x04
     CHUNK = 0x10
     DONE = 0x11
     ERROR = 0x12
     PONG = 0x13
+    STATS = 0x14
     READY = 0x20
     HEARTBEAT = 0x21
     FAILED = 0x22
@@ -214,6 +216,48 @@ class Pong:
 
 
 @dataclass(frozen=True)
+class StatsQuery:
+    """client -> broker: ask for the broker's counters (for monitoring, e.g. the HTTP gateway)."""
+
+    TYPE: ClassVar[MsgType] = MsgType.STATS_QUERY
+    nonce: int = 0
+
+    @classmethod
+    def from_wire(cls, body: dict[str, Any]) -> StatsQuery:
+        return cls(nonce=_get(body, "nonce", int, 0))
+
+
+@dataclass(frozen=True)
+class ModelStats:
+    queued: int
+    running: int
+    instances: int  # registered and alive
+    free_slots: int
+    failed: str | None = None
+
+
+@dataclass(frozen=True)
+class Stats:
+    """broker -> client: counters since start (accepted, done, timeout, retried, ... by name), and the
+    state of each model's queue."""
+
+    TYPE: ClassVar[MsgType] = MsgType.STATS
+    nonce: int
+    accepting: bool
+    counters: dict[str, int]
+    models: dict[str, ModelStats]
+
+    @classmethod
+    def from_wire(cls, body: dict[str, Any]) -> Stats:
+        models = _get(body, "models", dict)
+        return cls(
+            nonce=_get(body, "nonce", int, 0), accepting=_get(body, "accepting", bool),
+            counters={str(k): int(v) for k, v in _get(body, "counters", dict).items()},
+            models={str(k): ModelStats(**v) for k, v in models.items()},
+        )
+
+
+@dataclass(frozen=True)
 class Chunk:
     """A piece of streamed text for request ``id``."""
 
@@ -369,12 +413,10 @@ class Stop:
         return cls(reason=_text(body, "reason", 256, ""))
 
 
-Message = (Request | Cancel | Ping | Pong | Chunk | Done | Error | Ready | Heartbeat | Failed | Assign
-           | Stop)
-
 _DECODERS: dict[MsgType, Any] = {
     cls.TYPE: cls.from_wire
-    for cls in (Request, Cancel, Ping, Pong, Chunk, Done, Error, Ready, Heartbeat, Failed, Assign, Stop)
+    for cls in (Request, Cancel, Ping, StatsQuery, Pong, Stats, Chunk, Done, Error, Ready, Heartbeat, Failed,
+                Assign, Stop)
 }
 
 
@@ -384,6 +426,8 @@ def to_wire(msg: Any) -> Any:
     """A dataclass as plain msgpack-able data (faster than dataclasses.asdict, which deep-copies)."""
     if dataclasses.is_dataclass(msg):
         return {f.name: to_wire(getattr(msg, f.name)) for f in dataclasses.fields(msg)}
+    if isinstance(msg, dict):
+        return {k: to_wire(v) for k, v in msg.items()}
     return msg
 
 

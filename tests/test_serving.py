@@ -201,3 +201,17 @@ def test_sigterm_finishes_in_flight_requests_then_removes_its_files(start_server
 
     assert not Path(info.slots).exists() and not Path(info.front[len("ipc://"):]).exists()
     assert not server.tracebacks()
+
+
+@pytest.mark.timeout(60)
+def test_stats_count_what_happened(start_server) -> None:
+    server = start_server("--instances", "2").wait_ready()
+    with Client(server.address) as client:
+        for _ in range(3):
+            client.generate("hi", max_tokens=4)
+        with pytest.raises(UnknownModel):
+            client.generate("hi", model="nope")
+        stats = client.stats()
+    assert stats.accepting and stats.counters["accepted"] == 3 and stats.counters["done"] == 3
+    assert stats.counters["rejected_unknown_model"] == 1
+    assert stats.models["tiny"] == wire.ModelStats(queued=0, running=0, instances=2, free_slots=2)
