@@ -33,6 +33,7 @@ import zmq.auth
 
 from . import protocol as wire
 from .errors import BadRequest, Busy, ModelFailed, MpserveError, ProtocolError, ShuttingDown, UnknownModel
+from .residency import Loaded, Residency
 
 log = logging.getLogger("mpserve.broker")
 
@@ -63,6 +64,8 @@ class WorkerEntry:
     device: int
     capacity: int
     pid: int
+    loaded: bool = True
+    unloading: bool = False
     running: set[str] = field(default_factory=set)
 
 
@@ -80,10 +83,11 @@ class ModelQueue:
 class Broker:
     def __init__(self, ctx: zmq.Context, front_addr: str, back_addr: str, models: dict[str, int], *,
                  max_queue_total: int = 4096, client_timeout: float = 5.0,
-                 curve_secret: str | None = None) -> None:
+                 curve_secret: str | None = None, residency: Residency | None = None) -> None:
         """``models``: name -> max queue length. ``client_timeout``: a client with pending requests that
         sends nothing for this long is taken as gone and its requests are cancelled (clients ping every
-        second while they wait). ``curve_secret``: the server's CURVE secret-key file for the front."""
+        second while they wait). ``curve_secret``: the server's CURVE secret-key file for the front.
+        ``residency``: single active backend mode (at most one model loaded per device)."""
         self.front = _router(ctx, front_addr, curve_secret)
         self.back = _router(ctx, back_addr)
         self.back.setsockopt(zmq.ROUTER_HANDOVER, 1)  # a restarted worker reuses its identity
@@ -93,6 +97,7 @@ class Broker:
         self.workers: dict[bytes, WorkerEntry] = {}
         self.stats: Counter[str] = Counter()
         self.accepting = True
+        self.residency = residency
         self.max_queue_total = max_queue_total
         self.client_timeout = client_timeout
         self._heard: dict[bytes, float] = {}  # clients with pending requests -> last message time
@@ -374,6 +379,10 @@ class Broker:
             self._on_ready(identity, msg)
         elif isinstance(msg, wire.Failed):
             self.on_failed(msg.model, msg.message)
+        elif isinstance(msg, wire.Unloaded) and identity in self.workers:
+            entry = self.workers[identity]
+            entry.loaded = entry.unloading = False
+            self._dispatch(entry.model)
 
     def _on_ready(self, identity: bytes, msg: wire.Ready) -> None:
         if msg.model not in self.models:
@@ -382,7 +391,7 @@ class Broker:
         old = self.workers.get(identity)
         if old is not None:
             self._forget_worker(old)
-        entry = WorkerEntry(identity, int(identity[1:]), msg.model, msg.device, msg.capacity, msg.pid)
+        entry = WorkerEntry(identity, int(identity[1:]), msg.model, msg.device, msg.capacity, msg.pid, msg.loaded)
         self.workers[identity] = entry
         mq = self.models[msg.model]
         mq.instances += 1
@@ -425,16 +434,45 @@ class Broker:
 
     def _dispatch(self, model: str) -> None:
         """Assign queued requests of ``model`` to its free slots, oldest request first."""
+        if self.residency is not None:
+            self._dispatch_resident()
+            return
         mq = self.models[model]
-        now = time.monotonic()
         while mq.queue and mq.free:
-            p = self.requests[mq.queue.popleft()]
-            identity = mq.free.popleft()
-            p.attempts += 1
-            p.worker = identity
-            self.workers[identity].running.add(p.ticket)
-            assign = wire.Assign(p.ticket, p.request, (now - p.accepted) * 1000, p.attempts)
-            self._to_worker(identity, assign)
+            self._assign(self.requests[mq.queue.popleft()], mq.free.popleft())
+
+    def _dispatch_resident(self) -> None:
+        """Single active backend: advance each device's turn (unloading what must leave), then start the
+        resident model's queued requests on that device's free slots."""
+        assert self.residency is not None
+        for device in sorted({w.device for w in self.workers.values()}):
+            here = [w for w in self.workers.values() if w.device == device]
+            models = {w.model for w in here}
+            waiting = sorted((m for m in models if self.models[m].queue),
+                             key=lambda m: self.requests[self.models[m].queue[0]].accepted)
+            running = Counter(w.model for w in here for _ in w.running)
+            loaded = [Loaded(w.identity, w.model, w.unloading) for w in here if w.loaded]
+            for identity in self.residency.decide(device, waiting, running, loaded):
+                self.workers[identity].unloading = True
+                self._to_worker(identity, wire.Unload("another model takes the device"))
+            for model in models:
+                mq = self.models[model]
+                while mq.queue and self.residency.allows(device, model):
+                    identity = next((i for i in mq.free if self.workers[i].device == device), None)
+                    if identity is None:
+                        break
+                    mq.free.remove(identity)
+                    self.residency.started(device)
+                    self._assign(self.requests[mq.queue.popleft()], identity)
+
+    def _assign(self, p: Pending, identity: bytes) -> None:
+        entry = self.workers[identity]
+        p.attempts += 1
+        p.worker = identity
+        entry.running.add(p.ticket)
+        entry.loaded = True  # an unloaded worker loads its model for the request
+        self._to_worker(identity, wire.Assign(p.ticket, p.request, (time.monotonic() - p.accepted) * 1000,
+                                              p.attempts))
 
     def _to_worker(self, identity: bytes, msg: object) -> None:
         try:

@@ -20,6 +20,12 @@ app = typer.Typer(add_completion=False, no_args_is_help=True,
 
 ServerName = Annotated[str, typer.Option("--server-name", envvar="MPSERVE_SERVER_NAME",
                                          help="Which local server (several may run side by side).")]
+GpusOption = Annotated[str | None, typer.Option("--gpus", envvar="MPSERVE_GPUS",
+                                                help="GPU indices to use, e.g. 0,2 [default: all].")]
+SimulateOption = Annotated[str | None, typer.Option(
+    "--simulate-gpus", envvar="MPSERVE_SIMULATE_GPUS", help="Pretend to have GPUs, e.g. 2x24GiB (no CUDA).")]
+ConfigOption = Annotated[Path | None, typer.Option("--config", "-c", envvar="MPSERVE_CONFIG",
+                                                   help="YAML file (see README).")]
 
 
 @app.command()
@@ -61,8 +67,20 @@ def start(
     ] = None,
     insecure: Annotated[bool, typer.Option(
         "--insecure", help="Allow a network --bind without CURVE keys (anyone reaching the port may use it).")] = False,
-    config_file: Annotated[Path | None, typer.Option("--config", "-c", envvar="MPSERVE_CONFIG",
-                                                        help="YAML file (see README).")] = None,
+    gpus: GpusOption = None,
+    simulate_gpus: SimulateOption = None,
+    gpu_mode: Annotated[str | None, typer.Option(
+        "--gpu-mode", envvar="MPSERVE_GPU_MODE", help="shared, or exclusive: one computing request per GPU, "
+        "host-wide [default: shared].")] = None,
+    max_active_per_gpu: Annotated[int | None, typer.Option(
+        "--max-active-per-gpu", envvar="MPSERVE_MAX_ACTIVE_PER_GPU",
+        help="Requests computing on one GPU at once, host-wide [default: unlimited].")] = None,
+    gpu_memory_budget: Annotated[str | None, typer.Option(
+        "--gpu-memory-budget", envvar="MPSERVE_GPU_MEMORY_BUDGET", help="Per GPU, e.g. 20GiB.")] = None,
+    single_active_backend: Annotated[bool, typer.Option(
+        "--single-active-backend", envvar="MPSERVE_SINGLE_ACTIVE_BACKEND",
+        help="At most one model loaded per GPU; models take turns.")] = False,
+    config_file: ConfigOption = None,
     log_level: Annotated[str | None, typer.Option("--log-level", envvar="MPSERVE_LOG_LEVEL")] = None,
     server_name: ServerName = "default",
 ) -> None:
@@ -76,7 +94,9 @@ def start(
             server={"server_name": server_name, "bind": bind, "max_queue": max_queue, "grace": grace,
                     "log_level": log_level, "max_queue_total": max_queue_total, "stall_timeout": stall_timeout,
                     "idle_timeout": idle_timeout, "client_timeout": client_timeout, "curve_secret": curve_secret,
-                    "curve_clients": curve_clients, "insecure": insecure or None},
+                    "curve_clients": curve_clients, "insecure": insecure or None, "gpus": gpus,
+                    "simulate_gpus": simulate_gpus, "gpu_mode": gpu_mode, "max_active_per_gpu": max_active_per_gpu,
+                    "gpu_memory_budget": gpu_memory_budget, "single_active_backend": single_active_backend or None},
             model={"path": model, "name": name, "instances": instances, "threads": threads, "n_ctx": n_ctx,
                    "n_gpu_layers": n_gpu_layers},
             source=str(config_file or "command line"),
@@ -167,6 +187,65 @@ def status(
             pass
         finally:
             table.close()
+
+
+@app.command()
+def devices(
+    gpus: GpusOption = None,
+    simulate_gpus: SimulateOption = None,
+    lock_dir: Annotated[str | None, typer.Option("--lock-dir", envvar="MPSERVE_LOCK_DIR")] = None,
+    as_json: Annotated[bool, typer.Option("--json", help="Print devices as JSON.")] = False,
+) -> None:
+    """List the GPUs found (NVML, nvidia-smi, or simulated) and who holds or waits for their permits."""
+    from .devices import discover, format_memory
+    from .permits import inspect
+
+    with _errors():
+        found = discover(cfg.build(server={"gpus": gpus}).gpus, simulate_gpus)
+        rows = []
+        for d in found:
+            state = inspect(d.key, Path(lock_dir) if lock_dir else None)
+            rows.append({"index": d.index, "name": d.name, "uuid": d.uuid, "memory_total": d.memory_total,
+                         "memory_free": d.memory_free, "simulated": d.simulated,
+                         "permit_capacity": state.capacity if state else None,
+                         "holders": [h.pid for h in state.holders] if state else [],
+                         "waiters": [w.pid for w in state.waiters] if state else []})
+        if as_json:
+            print(json.dumps(rows))
+            return
+        if not rows:
+            print("no GPU found (no NVML, no nvidia-smi): instances run on the CPU")
+            return
+        for r in rows:
+            permits = ("no permits in use" if r["permit_capacity"] is None else
+                       f"permits {len(r['holders'])}/{r['permit_capacity']} held by {r['holders'] or '-'}, "
+                       f"waiting: {r['waiters'] or '-'}")
+            print(f"gpu{r['index']}  {r['name']}{' (simulated)' if r['simulated'] else ''}  "
+                  f"{format_memory(int(r['memory_free']))} free of {format_memory(int(r['memory_total']))}  {permits}")
+
+
+@app.command()
+def plan(
+    config_file: ConfigOption = None,
+    model: Annotated[str | None, typer.Option("--model", "-m", envvar="MPSERVE_MODEL")] = None,
+    instances: Annotated[int | None, typer.Option("--instances", "-n", envvar="MPSERVE_INSTANCES")] = None,
+    gpus: GpusOption = None,
+    simulate_gpus: SimulateOption = None,
+    gpu_memory_budget: Annotated[str | None, typer.Option("--gpu-memory-budget", envvar="MPSERVE_GPU_MEMORY_BUDGET")]
+    = None,
+) -> None:
+    """Print where each instance would run and check that it fits, without starting anything."""
+    from .layout import build_layout
+    from .placement import format_plan
+
+    with _errors():
+        config = cfg.build(cfg.load_file(config_file) if config_file else {},
+                           server={"gpus": gpus, "simulate_gpus": simulate_gpus,
+                                   "gpu_memory_budget": gpu_memory_budget},
+                           model={"path": model, "instances": instances}, source=str(config_file or "command line"),
+                           base_dir=config_file.parent if config_file else None)
+        layout = build_layout(config)
+        print(format_plan(layout.placements, layout.devices))
 
 
 @app.command("make-model")

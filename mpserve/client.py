@@ -311,6 +311,10 @@ class Client:
     def models(self) -> tuple[str, ...]:
         return self._async.models
 
+    @property
+    def open(self) -> bool:
+        return self._loop.is_running()
+
     def generate(self, prompt: str, *, model: str | None = None, timeout: float | None = None,
                  **params: Any) -> Result:
         return self._call(self._async.generate(prompt, model=model, timeout=timeout, **params))
@@ -326,7 +330,7 @@ class Client:
         return self._call(self._async.stats(timeout))
 
     def close(self) -> None:
-        if self._loop.is_running():
+        if self.open:
             self._call(self._async.close())
             self._stop_loop()
 
@@ -359,6 +363,6 @@ class SyncStream:
                     yield self._client._call(self._chunks.__anext__())
                 except StopAsyncIteration:
                     return
-        finally:
-            if self._stream.result is None:
+        finally:  # left early: cancel the request (unless the client was closed, which ended it already)
+            if self._stream.result is None and self._client.open:
                 self._client._call(self._chunks.aclose())

@@ -45,7 +45,9 @@ class ModelConfig:
     instances: int = 1
     n_ctx: int = 2048
     threads: int | None = None  # None: cores ÷ all instances, at least 1
-    n_gpu_layers: int = 0
+    n_gpu_layers: int | None = None  # None: all layers on a GPU, 0 on the CPU
+    devices: tuple[int, ...] | None = None  # pin the model's instances to these GPU indices
+    requires_memory: int | None = None  # declared GPU bytes per instance; None: estimated from the GGUF
 
     def resolved_path(self) -> str:
         """The GGUF file to load ("echo" for the echo backend); writes the built-in model if needed."""
@@ -71,6 +73,15 @@ class ServerConfig:
     curve_secret: str | None = None
     curve_clients: str | None = None
     insecure: bool = False
+    gpus: tuple[int, ...] | None = None  # None: every GPU found
+    simulate_gpus: str | None = None  # e.g. "2x24GiB": devices without CUDA, for tests and planning
+    gpu_mode: str = "shared"  # or "exclusive": one computing request per GPU, host-wide
+    max_active_per_gpu: int | None = None  # None: unlimited (in shared mode)
+    gpu_memory_budget: int | None = None  # bytes per device, if less than its free memory
+    single_active_backend: bool = False
+    switch_batch: int = 8  # single active backend: requests a resident model may serve while another waits
+    lock_dir: str | None = None  # permit lock files; None: the host-wide default
+    permit_log: str | None = None  # append every permit hold interval here (audits, tests)
     log_level: str = "info"
     threads_total: int = field(default_factory=lambda: len(os.sched_getaffinity(0)))
 
@@ -86,6 +97,11 @@ class ServerConfig:
             if m.name == name:
                 return m
         raise KeyError(name)
+
+    @property
+    def permit_capacity(self) -> int | None:
+        """How many requests may compute on one GPU at once, host-wide (None: no limit, no permits)."""
+        return 1 if self.gpu_mode == "exclusive" else self.max_active_per_gpu
 
     def check_access(self, source: str) -> None:
         """A client socket open to the network needs CURVE keys, unless the user said --insecure."""
@@ -109,15 +125,22 @@ def _is_network_tcp(address: str) -> bool:
     return not (host.startswith("127.") or host in ("localhost", "::1"))
 
 
-_MODEL_KEYS = {"name": str, "path": str, "instances": int, "n_ctx": int, "threads": int, "n_gpu_layers": int}
+_MODEL_KEYS = {"name": str, "path": str, "instances": int, "n_ctx": int, "threads": int, "n_gpu_layers": int,
+               "devices": list, "requires": dict}
+_REQUIRES_KEYS = {"memory": (str, int), "gpus": int}
 _SERVER_KEYS = {"server_name": str, "bind": str, "workers_bind": str, "max_queue": int, "max_queue_total": int,
                 "grace": float, "stall_timeout": float, "idle_timeout": float, "client_timeout": float,
-                "curve_secret": str, "curve_clients": str, "insecure": bool, "log_level": str, "models": list}
+                "curve_secret": str, "curve_clients": str, "insecure": bool, "gpus": (list, str), "simulate_gpus": str,
+                "gpu_mode": str, "max_active_per_gpu": int, "gpu_memory_budget": (str, int),
+                "single_active_backend": bool, "switch_batch": int, "lock_dir": str, "permit_log": str,
+                "log_level": str, "models": list}
 _RANGES: dict[str, tuple[float, float]] = {
     "instances": (1, 256), "n_ctx": (16, 1 << 20), "threads": (1, 1024), "n_gpu_layers": (-1, 100000),
     "max_queue": (1, 1_000_000), "max_queue_total": (1, 10_000_000), "grace": (0, 3600),
     "stall_timeout": (0.1, 86400), "idle_timeout": (0, 86400 * 365), "client_timeout": (1, 3600),
+    "max_active_per_gpu": (1, 64), "switch_batch": (1, 100000),
 }
+_GPU_MODES = ("shared", "exclusive")
 _LOG_LEVELS = ("debug", "info", "warning", "error")
 
 
@@ -166,6 +189,7 @@ def build(file_data: Mapping[str, Any] | None = None, server: Mapping[str, Any] 
     dupes = sorted({n for n in names if names.count(n) > 1})
     if dupes:
         raise ConfigError(f"{source}: model names must be unique; repeated: {', '.join(dupes)}")
+    server_values = _server_conversions(server_values, source)
     config = ServerConfig(models=models, **server_values)
     if config.log_level not in _LOG_LEVELS:
         raise ConfigError(f"{source}: log_level: got {config.log_level!r}, allowed: {', '.join(_LOG_LEVELS)}")
@@ -174,6 +198,40 @@ def build(file_data: Mapping[str, Any] | None = None, server: Mapping[str, Any] 
         raise ConfigError(f"{source}: server_name: got {config.server_name!r}, allowed: letters, digits, "
                           "'.', '_' and '-', at most 48 characters")
     return config
+
+
+def _server_conversions(values: dict[str, Any], source: str) -> dict[str, Any]:
+    """Turn file/flag spellings into ServerConfig's types: "0,2" -> (0, 2), "20GiB" -> bytes."""
+    from .devices import parse_memory
+
+    out = dict(values)
+    if "gpus" in out:
+        out["gpus"] = _index_list(out["gpus"], f"{source}: gpus")
+    if "gpu_memory_budget" in out:
+        out["gpu_memory_budget"] = _bytes(out["gpu_memory_budget"], f"{source}: gpu_memory_budget", parse_memory)
+    if out.get("gpu_mode", "shared") not in _GPU_MODES:
+        raise ConfigError(f"{source}: gpu_mode: got {out['gpu_mode']!r}, allowed: {', '.join(_GPU_MODES)}")
+    return out
+
+
+def _index_list(value: Any, where: str) -> tuple[int, ...]:
+    items = value.split(",") if isinstance(value, str) else value
+    try:
+        indices = tuple(int(str(i).strip()) for i in items if str(i).strip() != "")
+    except ValueError:
+        indices = ()
+    if not indices or any(i < 0 for i in indices) or any(isinstance(i, bool) for i in items):
+        raise ConfigError(f"{where}: got {value!r}, expected GPU indices like [0, 2] or \"0,2\"")
+    return indices
+
+
+def _bytes(value: Any, where: str, parse: Any) -> int:
+    if isinstance(value, int) and not isinstance(value, bool):
+        return value
+    try:
+        return int(parse(str(value)))
+    except ConfigError as exc:
+        raise ConfigError(f"{where}: {exc.message}") from None
 
 
 def _model(index: int, entry: Any, overrides: Mapping[str, Any], source: str) -> ModelConfig:
@@ -194,7 +252,25 @@ def _model(index: int, entry: Any, overrides: Mapping[str, Any], source: str) ->
                           "builtin:bench, or echo")
     if path.startswith(BUILTIN_PREFIX) and path[len(BUILTIN_PREFIX):] not in ("tiny", "bench"):
         raise ConfigError(f"{where}.path: unknown built-in model {path!r}; allowed: builtin:tiny, builtin:bench")
+    if "devices" in values:
+        values["devices"] = _index_list(values["devices"], f"{where}.devices")
+    if "requires" in values:
+        values["requires_memory"] = _requires(values.pop("requires"), f"{where}.requires")
     return ModelConfig(**values)
+
+
+def _requires(value: dict[str, Any], where: str) -> int | None:
+    from .devices import parse_memory
+
+    _check_keys(value, _REQUIRES_KEYS, where)
+    for key, kind in _REQUIRES_KEYS.items():
+        if key in value and (not isinstance(value[key], kind) or isinstance(value[key], bool)):
+            expected = "a size like 7GiB" if key == "memory" else "an integer"
+            raise ConfigError(f"{where}.{key}: got {value[key]!r}, expected {expected}")
+    if value.get("gpus", 1) != 1:
+        raise ConfigError(f"{where}.gpus: got {value['gpus']}, allowed: 1 (an instance runs on one GPU; "
+                          "use instances to spread a model over several)")
+    return None if "memory" not in value else _bytes(value["memory"], f"{where}.memory", parse_memory)
 
 
 def _relative_to(base_dir: Path, entry: Any) -> Any:
@@ -219,11 +295,14 @@ def _check_keys(entry: Mapping[str, Any], allowed: Mapping[str, type], where: st
         raise ConfigError(f"{where}: unknown key {unknown[0]!r}; allowed keys: {', '.join(allowed)}")
 
 
-def _checked(key: str, value: Any, kind: type, where: str) -> Any:
+def _checked(key: str, value: Any, kind: type | tuple[type, ...], where: str) -> Any:
     if kind is float and isinstance(value, int) and not isinstance(value, bool):
         value = float(value)
-    if not isinstance(value, kind) or (isinstance(value, bool) and kind is not bool):
-        expected = {int: "an integer", float: "a number", str: "a string", list: "a list", bool: "true or false"}[kind]
+    kinds = kind if isinstance(kind, tuple) else (kind,)
+    if not isinstance(value, kinds) or (isinstance(value, bool) and bool not in kinds):
+        names = {int: "an integer", float: "a number", str: "a string", list: "a list", bool: "true or false",
+                 dict: "a mapping"}
+        expected = " or ".join(names[k] for k in kinds)
         raise ConfigError(f"{where}.{key}: got {value!r}, expected {expected}")
     if key in _RANGES:
         lo, hi = _RANGES[key]

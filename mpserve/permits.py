@@ -226,24 +226,11 @@ class DevicePermits:
 
     def holders(self) -> list[PermitHolder]:
         self._check_open()
-        if self.capacity is None:
-            return []
-        records = self._records
-        return [
-            PermitHolder(slot, records.holder_pid[slot] or None, records.holder_since[slot])
-            for slot in range(self.capacity)
-            if _is_locked(self._inspect_fd, _PERMIT_BASE + slot)
-        ]
+        return _holders(self._inspect_fd, self._records, self.capacity or 0)
 
     def waiters(self) -> list[PermitWaiter]:
         self._check_open()
-        records = self._records
-        waiting = [
-            PermitWaiter(records.waiter_pid[place], ticket, records.waiter_since[place])
-            for place, ticket in enumerate(records.waiter_ticket.tolist())
-            if ticket and _is_locked(self._inspect_fd, _QUEUE_BASE + place)
-        ]
-        return sorted(waiting, key=lambda waiter: waiter.ticket)
+        return _waiters(self._inspect_fd, self._records)
 
     def close(self) -> None:
         """Release the permits this object still holds and leave the device; not while acquires run."""
@@ -401,6 +388,55 @@ class DevicePermits:
         self._fds.clear()
         self._idle_fds.clear()
         self._held.clear()
+
+
+@dataclass(frozen=True)
+class PermitState:
+    """What ``inspect`` sees of a device's permits from outside (``mpserve devices``)."""
+
+    capacity: int | None  # None: unlimited
+    holders: list[PermitHolder]
+    waiters: list[PermitWaiter]
+
+
+def inspect(device_key: str, lock_dir: Path | None = None) -> PermitState | None:
+    """The holders and waiters of a device's permits, without joining them; None if nobody has used the
+    device's permits since the lock file was made (or no server uses permits)."""
+    path = (lock_dir if lock_dir is not None else default_lock_dir()) / f"{device_key}.lock"
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
+    except FileNotFoundError:
+        return None
+    try:
+        if not _is_locked(fd, _USERS_BYTE):
+            return None
+        records = _Records(path)
+        try:
+            capacity = records.stored_capacity() or None
+            return PermitState(capacity, _holders(fd, records, capacity or 0), _waiters(fd, records))
+        finally:
+            records.close()
+    finally:
+        os.close(fd)
+
+
+def _holders(fd: int, records: _Records, capacity: int) -> list[PermitHolder]:
+    """Slots whose lock byte is held (by a description other than ``fd``'s), with their records."""
+    return [
+        PermitHolder(slot, records.holder_pid[slot] or None, records.holder_since[slot])
+        for slot in range(capacity)
+        if _is_locked(fd, _PERMIT_BASE + slot)
+    ]
+
+
+def _waiters(fd: int, records: _Records) -> list[PermitWaiter]:
+    """Live queue places, in ticket (arrival) order."""
+    waiting = [
+        PermitWaiter(records.waiter_pid[place], ticket, records.waiter_since[place])
+        for place, ticket in enumerate(records.waiter_ticket.tolist())
+        if ticket and _is_locked(fd, _QUEUE_BASE + place)
+    ]
+    return sorted(waiting, key=lambda waiter: waiter.ticket)
 
 
 class HoldLog:

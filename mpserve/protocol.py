@@ -5,8 +5,8 @@ frame belongs to ZeroMQ and is not described here.
 
     client  -> broker   [VERSION, TYPE, BODY]            REQUEST, CANCEL, PING, STATS_QUERY
     broker  -> client   [VERSION, TYPE, BODY]            CHUNK, DONE, ERROR, PONG, STATS
-    broker  -> worker   [VERSION, TYPE, BODY]            ASSIGN, CANCEL, STOP
-    worker  -> broker   [VERSION, TYPE, TICKET, BODY]    READY, HEARTBEAT, FAILED (empty TICKET);
+    broker  -> worker   [VERSION, TYPE, BODY]            ASSIGN, CANCEL, STOP, UNLOAD
+    worker  -> broker   [VERSION, TYPE, TICKET, BODY]    READY, HEARTBEAT, FAILED, UNLOADED (empty TICKET);
                                                          CHUNK, DONE, ERROR (TICKET of an ASSIGN)
 
 VERSION is ``b"MPS1"``. TYPE is one byte (``MsgType``). BODY is a msgpack map whose schema is the
@@ -53,8 +53,10 @@ class MsgType(IntEnum):
     READY = 0x20
     HEARTBEAT = 0x21
     FAILED = 0x22
+    UNLOADED = 0x23
     ASSIGN = 0x30
     STOP = 0x31
+    UNLOAD = 0x32
 
 
 TYPE_FRAMES: dict[MsgType, bytes] = {t: bytes([t]) for t in MsgType}
@@ -341,7 +343,8 @@ class Error:
 
 @dataclass(frozen=True)
 class Ready:
-    """worker -> broker: loaded and able to take ``capacity`` requests at once."""
+    """worker -> broker: able to take ``capacity`` requests at once. ``loaded`` False: the model is not in
+    memory yet (single active backend) and will be loaded by the first request."""
 
     TYPE: ClassVar[MsgType] = MsgType.READY
     worker: str
@@ -349,13 +352,15 @@ class Ready:
     device: int
     capacity: int
     pid: int
+    loaded: bool = True
     protocol: str = VERSION.decode()
 
     @classmethod
     def from_wire(cls, body: dict[str, Any]) -> Ready:
         return cls(worker=_text(body, "worker", 64), model=_text(body, "model", 256),
                    device=_get(body, "device", int), capacity=_get(body, "capacity", int),
-                   pid=_get(body, "pid", int), protocol=_text(body, "protocol", 16))
+                   pid=_get(body, "pid", int), loaded=_get(body, "loaded", bool, True),
+                   protocol=_text(body, "protocol", 16))
 
 
 @dataclass(frozen=True)
@@ -381,6 +386,30 @@ class Failed:
     def from_wire(cls, body: dict[str, Any]) -> Failed:
         return cls(worker=_text(body, "worker", 64), model=_text(body, "model", 256),
                    message=_text(body, "message", 64 * 1024))
+
+
+@dataclass(frozen=True)
+class Unloaded:
+    """worker -> broker: the model is out of memory (after UNLOAD, or the idle watchdog)."""
+
+    TYPE: ClassVar[MsgType] = MsgType.UNLOADED
+    worker: str
+
+    @classmethod
+    def from_wire(cls, body: dict[str, Any]) -> Unloaded:
+        return cls(worker=_text(body, "worker", 64))
+
+
+@dataclass(frozen=True)
+class Unload:
+    """broker -> worker: free the model (single active backend: another model gets the device)."""
+
+    TYPE: ClassVar[MsgType] = MsgType.UNLOAD
+    reason: str = ""
+
+    @classmethod
+    def from_wire(cls, body: dict[str, Any]) -> Unload:
+        return cls(reason=_text(body, "reason", 256, ""))
 
 
 @dataclass(frozen=True)
@@ -416,7 +445,7 @@ class Stop:
 _DECODERS: dict[MsgType, Any] = {
     cls.TYPE: cls.from_wire
     for cls in (Request, Cancel, Ping, StatsQuery, Pong, Stats, Chunk, Done, Error, Ready, Heartbeat, Failed,
-                Assign, Stop)
+                Unloaded, Assign, Stop, Unload)
 }
 
 

@@ -25,6 +25,8 @@ from zmq.auth.thread import ThreadAuthenticator
 from .broker import Broker, WorkerEntry
 from .config import ServerConfig
 from .errors import ConfigError
+from .layout import build_layout, worker_specs
+from .residency import Residency
 from .runtime import ServerInfo, ServerPaths
 from .slots import SlotState, SlotTable
 from .supervisor import Supervisor
@@ -39,6 +41,10 @@ def serve(config: ServerConfig) -> None:
     paths = ServerPaths.for_name(config.server_name, config.bind, config.workers_bind)
     _claim(paths)
     started = time.monotonic()
+    layout = build_layout(config)  # refuses what does not fit before anything starts
+    for device in layout.devices:
+        log.info("device %d: %s, %.1f GiB free%s", device.index, device.name, device.memory_free / 2**30,
+                 " (simulated)" if device.simulated else "")
     table = SlotTable.create(paths.slots, rows=config.total_instances)
     ctx = zmq.Context()
     broker = None
@@ -50,8 +56,9 @@ def serve(config: ServerConfig) -> None:
             authenticator.configure_curve(domain="*", location=config.curve_clients)
         broker = Broker(ctx, paths.front, paths.back, {m.name: config.max_queue for m in config.models},
                         max_queue_total=config.max_queue_total, client_timeout=config.client_timeout,
-                        curve_secret=config.curve_secret)
-        supervisor = Supervisor(config, paths, table)
+                        curve_secret=config.curve_secret,
+                        residency=Residency(config.switch_batch) if config.single_active_backend else None)
+        supervisor = Supervisor(config, worker_specs(config, layout, paths.back, paths.slots), table)
         ServerInfo(paths.name, os.getpid(), paths.front, paths.back, str(paths.slots),
                    [m.name for m in config.models], time.time()).write(paths.info)
         _Loop(config, broker, supervisor, table, started).run()
@@ -193,7 +200,7 @@ class _Loop:
             self._broker.model_failed(model, failed)
 
     def _on_ready(self, entry: WorkerEntry) -> None:
-        self._supervisor.loaded(entry.model)
+        self._supervisor.registered(entry.index, entry.loaded)
         self._ready.add(entry.index)
         if not self._announced and len(self._ready) == self._config.total_instances:
             self._announced = True

@@ -41,6 +41,7 @@ class SlotState(IntEnum):
     DEAD = 6
     FAILED = 7
     UNLOADED = 8
+    WAITING = 9  # has a request, waits for its GPU permit
 
 
 @dataclass(frozen=True)

@@ -13,14 +13,11 @@ from __future__ import annotations
 
 import logging
 import multiprocessing
-import os
 import time
 from dataclasses import dataclass, field
 from multiprocessing.process import BaseProcess
 
 from .config import ServerConfig
-from .engine import EngineSpec
-from .runtime import ServerPaths
 from .slots import SlotState, SlotTable
 from .worker import EXIT_LOAD_FAILED, WorkerSpec, worker_main
 
@@ -29,7 +26,6 @@ log = logging.getLogger("mpserve.supervisor")
 MAX_LOAD_FAILURES = 3
 BACKOFF_FIRST_S = 0.5
 BACKOFF_MAX_S = 30.0
-STABLE_AFTER_S = 10.0  # a worker that lived this long resets its crash backoff
 KILL_AFTER_S = 2.0  # a stalled worker gets SIGTERM, then SIGKILL this much later
 
 
@@ -37,8 +33,8 @@ KILL_AFTER_S = 2.0  # a stalled worker gets SIGTERM, then SIGKILL this much late
 class WorkerHandle:
     spec: WorkerSpec
     process: BaseProcess | None = None
-    started_at: float = 0.0
-    crashes: int = 0  # consecutive early deaths, for the backoff
+    registered: bool = False  # the current process reached READY
+    crashes: int = 0  # consecutive deaths before READY, for the backoff
     restart_at: float | None = None
     stalled: bool = False  # being stopped by the busy watchdog
     kill_at: float | None = None  # when SIGKILL follows the watchdog's SIGTERM
@@ -52,21 +48,11 @@ class ModelHealth:
 
 
 class Supervisor:
-    def __init__(self, config: ServerConfig, paths: ServerPaths, table: SlotTable) -> None:
+    def __init__(self, config: ServerConfig, specs: list[WorkerSpec], table: SlotTable) -> None:
         self._mp = multiprocessing.get_context("spawn")
         self._table = table
-        self.workers: dict[int, WorkerHandle] = {}
+        self.workers: dict[int, WorkerHandle] = {spec.index: WorkerHandle(spec) for spec in specs}
         self.health: dict[str, ModelHealth] = {m.name: ModelHealth() for m in config.models}
-        index = 0
-        for model in config.models:
-            engine = EngineSpec(path=model.resolved_path(), n_ctx=model.n_ctx,
-                                threads=config.threads_for(model), n_gpu_layers=model.n_gpu_layers)
-            for _ in range(model.instances):
-                spec = WorkerSpec(index=index, model=model.name, engine=engine, device=-1,
-                                  backend=paths.back, slots_path=str(paths.slots), parent_pid=os.getpid(),
-                                  idle_timeout=config.idle_timeout, log_level=config.log_level)
-                self.workers[index] = WorkerHandle(spec)
-                index += 1
 
     def start_all(self) -> None:
         for index in self.workers:
@@ -81,7 +67,7 @@ class Supervisor:
         process = self._mp.Process(target=worker_main, args=(spec,), name=f"mpserve-worker-{index}",
                                    daemon=False)
         process.start()
-        handle.process, handle.started_at, handle.restart_at = process, time.monotonic(), None
+        handle.process, handle.restart_at = process, None
         log.debug("started worker %d (pid %s) for %s", index, process.pid, spec.model)
 
     def sentinels(self) -> dict[int, int]:
@@ -111,8 +97,10 @@ class Supervisor:
             row.update(state=SlotState.FAILED)
             return code
         row.update(state=SlotState.DEAD)
-        lived = time.monotonic() - handle.started_at
-        handle.crashes = 0 if lived >= STABLE_AFTER_S else handle.crashes + 1
+        # A worker that had registered is replaced at once (its death was the request's or the host's
+        # doing, and the requests wait); one that died on its way up backs off, to not boot-loop.
+        handle.crashes = 0 if handle.registered else handle.crashes + 1
+        handle.registered = False
         delay = 0.0 if handle.crashes == 0 else min(BACKOFF_MAX_S, BACKOFF_FIRST_S * 2 ** (handle.crashes - 1))
         handle.restart_at = time.monotonic() + delay
         log.warning("worker %d (pid %s, %s) exited with %s; restarting in %.1f s", index, pid,
@@ -123,8 +111,13 @@ class Supervisor:
         """A worker reported FAILED; its exit follows and is counted by reap()."""
         self.health[model].pending_messages[:] = [message]
 
-    def loaded(self, model: str) -> None:
-        self.health[model].load_failures = 0
+    def registered(self, index: int, loaded: bool) -> None:
+        """Worker ``index`` is up (READY), its crash backoff starts afresh, and if it loaded its model, so
+        does the model's count of failed loads."""
+        handle = self.workers[index]
+        handle.registered, handle.crashes = True, 0
+        if loaded:
+            self.health[handle.spec.model].load_failures = 0
 
     def stop_stalled(self, index: int) -> None:
         """SIGTERM a worker that stopped making progress; SIGKILL follows if it is still there."""

@@ -15,18 +15,30 @@ import os
 import sys
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import zmq
 
 from . import protocol as wire
-from .engine import Engine, EngineSpec, load_engine
+from .engine import Completion, Engine, EngineSpec, OnToken, load_engine
 from .errors import MpserveError
+from .permits import DevicePermits, HoldLog
 from .slots import SlotState, SlotTable, SlotWriter
 
 log = logging.getLogger("mpserve.worker")
 
 PARENT_CHECK_S = 1.0
 EXIT_LOAD_FAILED = 3
+
+
+@dataclass(frozen=True)
+class PermitSpec:
+    """The GPU permit a worker holds while it computes: host-wide, ``capacity`` holders at once."""
+
+    device_key: str
+    capacity: int
+    lock_dir: str | None = None
+    hold_log: str | None = None  # append each hold interval here
 
 
 @dataclass(frozen=True)
@@ -39,6 +51,8 @@ class WorkerSpec:
     slots_path: str
     parent_pid: int
     idle_timeout: float = 0.0  # unload after this long without a request; 0: never
+    lazy: bool = False  # start without loading the model (single active backend: the broker decides)
+    permit: PermitSpec | None = None
     log_level: str = "info"
 
     @property
@@ -48,6 +62,7 @@ class WorkerSpec:
 
 def worker_main(spec: WorkerSpec) -> None:
     """Entry point of the spawned process."""
+    os.environ["CUDA_DEVICE_ORDER"] = "PCI_BUS_ID"  # the order NVML and nvidia-smi number devices in
     os.environ["CUDA_VISIBLE_DEVICES"] = str(spec.device) if spec.device >= 0 else ""
     os.setsid()  # out of the server's process group: Ctrl-C or a group-wide SIGTERM reaches the server,
     # which finishes requests and then stops its workers; a worker notices a dead server by itself.
@@ -55,26 +70,38 @@ def worker_main(spec: WorkerSpec) -> None:
                         format=f"%(asctime)s %(levelname)s worker {spec.index} ({spec.model}): %(message)s")
     table = SlotTable.attach(spec.slots_path)
     row = table.writer(spec.index)
-    row.update(pid=os.getpid(), state=SlotState.LOADING, request="", tokens=0, served=0,
+    row.update(pid=os.getpid(), state=SlotState.STARTING, request="", tokens=0, served=0,
                started=time.time())
     ctx = zmq.Context()
     sock = ctx.socket(zmq.DEALER)
     sock.setsockopt(zmq.IDENTITY, spec.identity)
     sock.setsockopt(zmq.LINGER, 2000)
     sock.connect(spec.backend)
+    permits = None
     try:
-        worker = Worker(spec, sock, row)
-        worker.load()
+        if spec.permit is not None:
+            hold_log = HoldLog(Path(spec.permit.hold_log)) if spec.permit.hold_log else None
+            permits = DevicePermits(spec.permit.device_key, spec.permit.capacity,
+                                    Path(spec.permit.lock_dir) if spec.permit.lock_dir else None, on_hold=hold_log)
+        worker = Worker(spec, sock, row, permits)
+        if spec.lazy:
+            row.update(state=SlotState.UNLOADED)
+        else:
+            worker.load()
         worker.run()
     finally:
+        if permits is not None:
+            permits.close()
         sock.close()
         ctx.term()
         table.close()
 
 
 class Worker:
-    def __init__(self, spec: WorkerSpec, sock: zmq.Socket, row: SlotWriter) -> None:
+    def __init__(self, spec: WorkerSpec, sock: zmq.Socket, row: SlotWriter,
+                 permits: DevicePermits | None = None) -> None:
         self._spec = spec
+        self._permits = permits
         self._engine: Engine | None = None
         self._sock = sock
         self._row = row
@@ -99,7 +126,8 @@ class Worker:
 
     def run(self) -> None:
         spec = self._spec
-        self._send(wire.Ready(spec.identity.decode(), spec.model, spec.device, 1, os.getpid()))
+        self._send(wire.Ready(spec.identity.decode(), spec.model, spec.device, 1, os.getpid(),
+                              loaded=self._engine is not None))
         idle_since = time.monotonic()
         while not self._stopping:
             if self._sock.poll(int(PARENT_CHECK_S * 1000)):
@@ -113,10 +141,15 @@ class Worker:
                 break
             if self._engine is not None and spec.idle_timeout and time.monotonic() - idle_since >= spec.idle_timeout:
                 log.info("idle for %.0f s; unloading the model until the next request", spec.idle_timeout)
-                self._engine.close()
-                self._engine = None
-                self._row.update(state=SlotState.UNLOADED)
+                self._unload()
         self._row.update(state=SlotState.STOPPING)
+
+    def _unload(self) -> None:
+        if self._engine is not None:
+            self._engine.close()
+            self._engine = None
+        self._row.update(state=SlotState.UNLOADED)
+        self._send(wire.Unloaded(self._spec.identity.decode()))
 
     def _receive(self) -> wire.Assign | None:
         """Take one broker message; handle CANCEL/STOP here, return an ASSIGN for the caller."""
@@ -128,6 +161,11 @@ class Worker:
             return None
         if isinstance(msg, wire.Stop):
             self._stopping = True
+        elif isinstance(msg, wire.Unload):
+            if self._current is None:
+                self._unload()
+            else:  # the broker unloads only idle workers; say so rather than drop a running request
+                log.error("asked to unload while serving %s; ignored", self._current.request.id)
         elif isinstance(msg, wire.Cancel):
             if self._current is not None and msg.id == self._current.ticket:
                 self._cancelled = True
@@ -150,12 +188,10 @@ class Worker:
             self._row.progress(tokens)
             if req.stream and text:
                 self._send(wire.Chunk(req.id, text), assign.ticket)
-            while self._sock.poll(0):
-                self._receive()
-            return not (self._cancelled or self._stopping)
+            return not self._should_stop()
 
         try:
-            result = self._engine.generate(req.prompt, req.params, on_token)
+            result = self._compute(req, on_token)
         except MpserveError as exc:
             self._send(wire.Error(req.id, exc.code, exc.message), assign.ticket)
         except Exception as exc:  # a bug or a llama.cpp failure: report it; the request must end
@@ -175,6 +211,21 @@ class Worker:
         self._served += 1
         self._current = None
         self._row.update(state=SlotState.IDLE, served=self._served)
+
+    def _compute(self, req: wire.Request, on_token: OnToken) -> Completion:
+        """Generate while holding the device's permit, from the first prompt token to the last token."""
+        assert self._engine is not None
+        if self._permits is None:
+            return self._engine.generate(req.prompt, req.params, on_token)
+        self._row.update(state=SlotState.WAITING)
+        with self._permits.acquire(stop=self._should_stop):
+            self._row.update(state=SlotState.BUSY)
+            return self._engine.generate(req.prompt, req.params, on_token)
+
+    def _should_stop(self) -> bool:
+        while self._sock.poll(0):
+            self._receive()
+        return self._cancelled or self._stopping
 
     def _send(self, msg: object, ticket: str = "") -> None:
         self._sock.send_multipart(wire.encode_from_worker(msg, ticket))

@@ -1,0 +1,372 @@
+"""The OpenAI-compatible HTTP gateway (``mpserve gateway``): HTTP in front, an mpserve client behind.
+
+    HTTP clients ──▶ uvicorn + Starlette (one asyncio loop) ──▶ AsyncClient (one DEALER) ──▶ broker
+                        │ for a server on this host: its slot table and /proc (health, monitor, metrics)
+
+    POST /v1/completions, /v1/chat/completions   OpenAI shapes, streamed (server-sent events) or not
+    GET  /v1/models                               the served models
+    GET  /health                                  200 while some instance can take a request, else 503
+    GET  /metrics                                 Prometheus text
+    GET  /backend/monitor?model=NAME             each instance: pid, state, device, RSS, PSS, served, uptime
+
+The gateway is a separate process from the server, so HTTP parsing never competes with the broker's loop;
+it can start before its server and outlive it (answering 503). Errors are OpenAI's error object with the
+stable mpserve code (``gateway_openai``). A streamed request waits for its first piece of text before it
+answers, so what fails early (busy queue, unknown model, bad parameters) gets its own HTTP status; a failure
+after that is sent as a last ``data: {"error": ...}`` event, as OpenAI does. An HTTP client that goes away,
+while queued, running or streaming, cancels its request on the server at once.
+
+Starlette on uvicorn: the smallest well-kept asyncio stack here (anyio, h11, click; pure Python), already
+used by llama-cpp-python's own server, and it runs on the loop that ``AsyncClient`` needs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+import ipaddress
+import json
+import logging
+import os
+import signal
+import sys
+import time
+from collections.abc import AsyncGenerator, AsyncIterator, Coroutine
+from dataclasses import asdict, dataclass
+from typing import Any, TypeVar
+
+import uvicorn
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from . import gateway_openai as oai
+from . import protocol as wire
+from .client import AsyncClient, Result, Stream
+from .errors import BadRequest, ConfigError, ConnectionFailed, MpserveError, UnknownModel
+from .gateway_backend import Backend
+from .gateway_metrics import CONTENT_TYPE, GatewayMetrics, ServerView
+from .gateway_monitor import RestartCounter, health, monitor
+from .slots import SlotState
+
+log = logging.getLogger("mpserve.gateway")
+
+MAX_BODY_BYTES = wire.MAX_MESSAGE_BYTES
+SAMPLE_INTERVAL_S = 0.5
+OPEN_PATHS = frozenset({"/health"})  # answered without the API key: load balancers probe it
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class GatewayConfig:
+    host: str = "127.0.0.1"
+    port: int = 8000
+    connect: str | None = None  # a ZeroMQ address; None: the local server named server_name
+    server_name: str = "default"
+    api_key: str | None = None
+    request_timeout: float | None = None  # seconds per request, queueing included; None: no limit
+    log_level: str = "info"
+    exit_with_parent: bool = False  # for `mpserve start --http`: stop when the server process is gone
+
+
+def parse_http(value: str) -> tuple[str, int]:
+    """``HOST:PORT`` (``[::1]:8000`` for IPv6) as (host, port)."""
+    host, sep, port = value.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ConfigError(f"--http must be HOST:PORT (e.g. 127.0.0.1:8000), got {value!r}")
+    return host.removeprefix("[").removesuffix("]"), int(port)
+
+
+def create_app(config: GatewayConfig) -> Starlette:
+    gateway = _Gateway(config)
+    routes = [
+        Route("/v1/completions", gateway.completions, methods=["POST"]),
+        Route("/v1/chat/completions", gateway.chat_completions, methods=["POST"]),
+        Route("/v1/models", gateway.list_models, methods=["GET"]),
+        Route("/health", gateway.get_health, methods=["GET"]),
+        Route("/metrics", gateway.get_metrics, methods=["GET"]),
+        Route("/backend/monitor", gateway.backend_monitor, methods=["GET"]),
+    ]
+    app = Starlette(routes=routes, lifespan=gateway.lifespan, exception_handlers={HTTPException: _http_error})
+    if config.api_key:
+        app.add_middleware(_RequireKey, key=config.api_key)
+    return app
+
+
+def serve(config: GatewayConfig) -> None:
+    """Run the gateway in the foreground until SIGINT or SIGTERM."""
+    logging.basicConfig(level=config.log_level.upper(), stream=sys.stderr,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if not config.api_key and not _loopback(config.host):
+        log.warning("listening on %s without an API key: anyone who can reach the port can use the models "
+                    "(set --api-key or MPSERVE_API_KEY)", config.host)
+    uvicorn.run(create_app(config), host=config.host, port=config.port, log_level=config.log_level,
+                access_log=config.log_level == "debug")
+
+
+class ClientGone(Exception):
+    """The HTTP client closed its connection before its answer was ready."""
+
+
+class _Gateway:
+    def __init__(self, config: GatewayConfig) -> None:
+        self.config = config
+        self.backend = Backend(config.connect, config.server_name, config.request_timeout)
+        self.metrics = GatewayMetrics()
+        self.restarts = RestartCounter()
+
+    @contextlib.asynccontextmanager
+    async def lifespan(self, app: Starlette) -> AsyncIterator[None]:
+        sampler = asyncio.create_task(self._sample())
+        log.info("gateway for %s on http://%s:%d", self.backend.address, self.config.host, self.config.port)
+        try:
+            yield
+        finally:
+            sampler.cancel()
+            await self.backend.close()
+
+    async def _sample(self) -> None:
+        """Watch the slot table for restarts; with ``exit_with_parent``, stop once the parent is gone."""
+        parent = os.getppid()
+        while True:
+            local = self.backend.read_slots()
+            if local is not None:
+                self.restarts.observe(local.server, local.rows)
+            if self.config.exit_with_parent and os.getppid() != parent:
+                log.warning("the server that started this gateway is gone; stopping")
+                os.kill(os.getpid(), signal.SIGTERM)  # uvicorn's handler shuts down gracefully
+            await asyncio.sleep(SAMPLE_INTERVAL_S)
+
+    # --- generation -----------------------------------------------------------------------------
+
+    async def completions(self, request: Request) -> Response:
+        return await self._generate(request, "completion")
+
+    async def chat_completions(self, request: Request) -> Response:
+        return await self._generate(request, "chat")
+
+    async def _generate(self, request: Request, kind: oai.Kind) -> Response:
+        endpoint = request.url.path
+        started = time.perf_counter()
+        try:
+            call = oai.parse(kind, await _json_body(request))
+            client = await self.backend.client()
+        except MpserveError as exc:
+            return self._failed(endpoint, exc)
+        reply = oai.Reply(call, call.model or _sole_model(client))
+        if call.stream:
+            return await self._stream(request, client, call, reply, started)
+        try:
+            result = await _unless_disconnected(request, client.generate(call.prompt, model=call.model,
+                                                                         **call.generate_kwargs()))
+        except ClientGone:
+            self.metrics.outcome(endpoint, "cancelled")
+            return Response(status_code=204)  # nobody reads it
+        except MpserveError as exc:
+            return self._failed(endpoint, exc)
+        self._done(endpoint, reply.model, result, started)
+        return JSONResponse(reply.whole(result))
+
+    async def _stream(self, request: Request, client: AsyncClient, call: oai.Call, reply: oai.Reply,
+                      started: float) -> Response:
+        endpoint = request.url.path
+        stream = client.stream(call.prompt, model=call.model, **call.generate_kwargs())
+        chunks = stream.__aiter__()
+        try:
+            first = await _unless_disconnected(request, _first(chunks))
+        except ClientGone:
+            self.metrics.outcome(endpoint, "cancelled")
+            return Response(status_code=204)
+        except MpserveError as exc:
+            return self._failed(endpoint, exc)
+        return _EventStream(self._events(endpoint, stream, chunks, first, reply, started))
+
+    async def _events(self, endpoint: str, stream: Stream, chunks: AsyncIterator[str], first: str | None,
+                      reply: oai.Reply, started: float) -> AsyncGenerator[bytes, None]:
+        ended = False
+        try:
+            if first is not None:
+                yield _event(reply.chunk(first))
+            async for text in chunks:
+                yield _event(reply.chunk(text))
+            assert stream.result is not None
+            self._done(endpoint, reply.model, stream.result, started)
+            ended = True
+            for last in reply.last(stream.result):
+                yield _event(last)
+            yield b"data: [DONE]\n\n"
+        except MpserveError as exc:
+            ended = True
+            self.metrics.outcome(endpoint, exc.code)
+            yield _event(oai.HttpError.from_mpserve(exc).body())
+        finally:
+            if not ended:
+                self.metrics.outcome(endpoint, "cancelled")
+            await chunks.aclose()  # type: ignore[attr-defined]  # an async generator: cancels the request
+
+    def _done(self, endpoint: str, model: str, result: Result, started: float) -> None:
+        self.metrics.outcome(endpoint, "ok")
+        self.metrics.done(model, result, time.perf_counter() - started)
+
+    def _failed(self, endpoint: str, exc: MpserveError) -> Response:
+        self.metrics.outcome(endpoint, exc.code)
+        return _error_response(oai.HttpError.from_mpserve(exc))
+
+    # --- monitoring -----------------------------------------------------------------------------
+
+    async def list_models(self, request: Request) -> Response:
+        stats = await self.backend.stats()
+        if stats is None:
+            return _error_response(oai.HttpError.from_mpserve(self._unreachable()))
+        local = self.backend.read_slots()
+        created = int(local.server.started) if local is not None else 0
+        return JSONResponse({"object": "list", "data": [
+            {"id": name, "object": "model", "created": created, "owned_by": "mpserve"} for name in stats.models]})
+
+    async def get_health(self, request: Request) -> Response:
+        stats = await self.backend.stats()
+        if stats is None:
+            return JSONResponse({"status": "unavailable", "accepting": False,
+                                 "reason": self._unreachable().message, "models": {}}, 503)
+        local = self.backend.read_slots()
+        models = health(stats, local.rows if local is not None else None)
+        ok = stats.accepting and any(m.can_serve for m in models.values())
+        reason = None if ok else "the server is shutting down" if not stats.accepting else "no instance is ready"
+        return JSONResponse({"status": "ok" if ok else "unavailable", "accepting": stats.accepting, "reason": reason,
+                             "models": {name: asdict(m) for name, m in models.items()}}, 200 if ok else 503)
+
+    async def get_metrics(self, request: Request) -> Response:
+        stats = await self.backend.stats()
+        local = self.backend.read_slots() if stats is not None else None
+        view = ServerView(stats, local.rows if local is not None else None, dict(self.restarts.counts))
+        return Response(self.metrics.render(view), media_type=CONTENT_TYPE)
+
+    async def backend_monitor(self, request: Request) -> Response:
+        local = self.backend.read_slots()
+        if local is None:
+            return _error_response(oai.HttpError.from_mpserve(ConnectionFailed(
+                f"the backend monitor reads the slot table of a server on this host; none is running at "
+                f"{self.backend.address}")))
+        model = request.query_params.get("model")
+        served = sorted({r.model for r in local.rows if r.state is not SlotState.EMPTY})
+        if model is not None and model not in served:
+            return _error_response(oai.HttpError.from_mpserve(UnknownModel(
+                f"model {model!r} is not served here; served models: {', '.join(served)}")))
+        # /proc/PID/smaps_rollup walks the process's page tables: off the event loop
+        return JSONResponse(await asyncio.to_thread(monitor, local.rows, model))
+
+    def _unreachable(self) -> ConnectionFailed:
+        return ConnectionFailed(f"no mpserve server answers at {self.backend.address}")
+
+
+# --- helpers ------------------------------------------------------------------------------------
+
+async def _json_body(request: Request) -> Any:
+    body = bytearray()
+    async for piece in request.stream():
+        body += piece
+        if len(body) > MAX_BODY_BYTES:
+            raise BadRequest(f"the request body is over {MAX_BODY_BYTES} bytes")
+    try:
+        return json.loads(body)
+    except ValueError as exc:
+        raise BadRequest(f"the request body is not valid JSON: {exc}") from None
+
+
+def _sole_model(client: AsyncClient) -> str:
+    """The model a request that names none runs on (the broker refuses it when several are served)."""
+    return client.models[0] if len(client.models) == 1 else ""
+
+
+async def _first(chunks: AsyncIterator[str]) -> str | None:
+    """The first piece of text, or None for a completion that ended without any."""
+    try:
+        return await chunks.__anext__()
+    except StopAsyncIteration:
+        return None
+
+
+async def _unless_disconnected(request: Request, work: Coroutine[Any, Any, T]) -> T:
+    """Await ``work`` unless the HTTP client disconnects first: then cancel it (which cancels the mpserve
+    request) and raise ClientGone. Starlette only notices a disconnect while a response streams; this
+    covers the time before, when a request may wait in the queue or run for long."""
+    task = asyncio.ensure_future(work)
+    watcher = asyncio.ensure_future(_disconnected(request))
+    done: set[asyncio.Future[Any]] = set()
+    try:
+        done, _ = await asyncio.wait((task, watcher), return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+        if not task.done():
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+    if task in done:
+        return task.result()
+    raise ClientGone()
+
+
+async def _disconnected(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+def _event(obj: dict[str, Any]) -> bytes:
+    return b"data: " + json.dumps(obj, separators=(",", ":"), ensure_ascii=False).encode() + b"\n\n"
+
+
+class _EventStream(StreamingResponse):
+    """Server-sent events whose generator is always closed when the response ends. When the client leaves
+    while an event is being sent, Starlette cancels the send and leaves the generator to the garbage
+    collector; closing it here cancels the generation at once."""
+
+    def __init__(self, events: AsyncGenerator[bytes, None]) -> None:
+        super().__init__(events, media_type="text/event-stream",
+                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        self._events = events
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await self._events.aclose()
+
+
+def _error_response(err: oai.HttpError) -> JSONResponse:
+    return JSONResponse(err.body(), err.status, headers=err.headers())
+
+
+async def _http_error(request: Request, exc: Exception) -> Response:
+    """Starlette's own errors (no such route, wrong method) in OpenAI's shape."""
+    assert isinstance(exc, HTTPException)
+    code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code, "http_error")
+    return _error_response(oai.HttpError(exc.status_code, code, f"{request.method} {request.url.path}: {exc.detail}"))
+
+
+class _RequireKey:
+    """Answer 401 unless the request carries ``Authorization: Bearer KEY`` (what OpenAI clients send). The
+    comparison takes the same time wherever the keys differ."""
+
+    def __init__(self, app: ASGIApp, key: str) -> None:
+        self.app = app
+        self._expected = f"Bearer {key}".encode()
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and scope["path"] not in OPEN_PATHS:
+            given = dict(scope["headers"]).get(b"authorization", b"")
+            if not hmac.compare_digest(given, self._expected):
+                err = oai.HttpError(401, "invalid_api_key", "a valid API key is required: send the header "
+                                    "'Authorization: Bearer KEY'")
+                await _error_response(err)(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
+def _loopback(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return host == "localhost"

@@ -1,0 +1,131 @@
+"""``GET /metrics``: Prometheus text, rendered by prometheus_client from one registry per gateway.
+
+Two kinds of metric:
+
+- measured in the gateway, for the requests that pass through it: requests by endpoint and outcome code
+  (``ok`` or the stable error code), prompt and generated tokens, time to first token (queueing plus prompt
+  processing, from the DONE timings) and latency (HTTP request in to DONE out, measured here);
+- read from the server at scrape time: queue depth, requests in flight and registered instances per model
+  (STATS), the broker's counters since the server started (``mpserve_broker_events_total{event=...}``:
+  ``accepted``, ``done``, ``timeout``, ``cancelled``, ``worker_lost``, ``rejected_busy``, ... whatever the
+  broker counts), and, for a server on this host, instances by state (slot table) and worker restarts.
+
+A scrape fetches STATS first, then renders without awaiting anything, so one scrape sees one snapshot.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from . import protocol as wire
+from .client import Result
+from .gateway_monitor import state_of
+from .slots import SlotRow, SlotState
+
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
+
+
+@dataclass(frozen=True)
+class ServerView:
+    """What a scrape read from the server: STATS (None: unreachable), the slot table (None: not local), and
+    the restarts counted so far per model."""
+
+    stats: wire.Stats | None
+    rows: list[SlotRow] | None
+    restarts: Mapping[str, int]
+
+
+class GatewayMetrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        self.requests = Counter("mpserve_http_requests", "Generation requests through the gateway, by endpoint "
+                                "and outcome code (ok, or the error code)", ["endpoint", "code"],
+                                registry=self.registry)
+        self.prompt_tokens = Counter("mpserve_prompt_tokens", "Prompt tokens of completed requests", ["model"],
+                                     registry=self.registry)
+        self.generated_tokens = Counter("mpserve_generated_tokens", "Tokens generated for completed requests",
+                                        ["model"], registry=self.registry)
+        self.ttft = Histogram("mpserve_time_to_first_token_seconds", "Queueing plus prompt processing of "
+                              "completed requests (from their DONE timings)", ["model"], buckets=TTFT_BUCKETS,
+                              registry=self.registry)
+        self.latency = Histogram("mpserve_request_latency_seconds", "HTTP request received to DONE, measured in "
+                                 "the gateway", ["model"], buckets=LATENCY_BUCKETS, registry=self.registry)
+        self._server = _ServerCollector()
+        self.registry.register(self._server)
+
+    def outcome(self, endpoint: str, code: str) -> None:
+        self.requests.labels(endpoint, code).inc()
+
+    def done(self, model: str, result: Result, elapsed_s: float) -> None:
+        self.prompt_tokens.labels(model).inc(result.usage.prompt_tokens)
+        self.generated_tokens.labels(model).inc(result.usage.completion_tokens)
+        t = result.timings
+        self.ttft.labels(model).observe((t.queue_ms + t.prompt_ms) / 1000)
+        self.latency.labels(model).observe(elapsed_s)
+
+    def render(self, view: ServerView) -> bytes:
+        self._server.view = view
+        return generate_latest(self.registry)
+
+
+class _ServerCollector(Collector):
+    """Metrics read from the server, from the view the current scrape fetched."""
+
+    def __init__(self) -> None:
+        self.view = ServerView(None, None, {})
+
+    def describe(self) -> list[Metric]:
+        return []  # families depend on the server; nothing to check at registration
+
+    def collect(self) -> Iterator[Metric]:
+        stats, rows = self.view.stats, self.view.rows
+        up = GaugeMetricFamily("mpserve_up", "1 when the server answered STATS")
+        up.add_metric([], 1.0 if stats is not None else 0.0)
+        yield up
+        if stats is None:
+            return
+        accepting = GaugeMetricFamily("mpserve_accepting", "1 while the server takes new requests (0: stopping)")
+        accepting.add_metric([], 1.0 if stats.accepting else 0.0)
+        yield accepting
+        queued = GaugeMetricFamily("mpserve_queue_depth", "Requests waiting for an instance", labels=["model"])
+        running = GaugeMetricFamily("mpserve_requests_in_flight", "Requests running on an instance",
+                                    labels=["model"])
+        registered = GaugeMetricFamily("mpserve_registered_instances", "Instances registered with the broker",
+                                       labels=["model"])
+        failed = GaugeMetricFamily("mpserve_model_failed", "1 when the model failed to load and is not retried",
+                                   labels=["model"])
+        for name, m in stats.models.items():
+            queued.add_metric([name], m.queued)
+            running.add_metric([name], m.running)
+            registered.add_metric([name], m.instances)
+            failed.add_metric([name], 1.0 if m.failed else 0.0)
+        yield from (queued, running, registered, failed)
+        events = CounterMetricFamily("mpserve_broker_events", "The broker's counters since the server started",
+                                     labels=["event"])
+        for event, value in sorted(stats.counters.items()):
+            events.add_metric([event], value)
+        yield events
+        if rows is None:
+            return
+        instances = GaugeMetricFamily("mpserve_instances", "Instances by state (slot table)",
+                                      labels=["model", "state"])
+        for name in stats.models:
+            states = {s.name.lower(): 0 for s in SlotState if s is not SlotState.EMPTY} | {"exited": 0}
+            for row in rows:
+                if row.model == name and row.state is not SlotState.EMPTY:
+                    states[state_of(row)] += 1
+            for state, count in states.items():
+                instances.add_metric([name, state], count)
+        yield instances
+        restarts = CounterMetricFamily("mpserve_worker_restarts", "Worker processes replaced, as observed by the "
+                                       "gateway since it first saw this server", labels=["model"])
+        for name in stats.models:
+            restarts.add_metric([name], self.view.restarts.get(name, 0))
+        yield restarts

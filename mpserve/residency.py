@@ -1,0 +1,80 @@
+"""Single active backend: at most one model resident (loaded) per device, and fair turns between models.
+
+LocalAI's "single active backend" for a server whose models do not fit a GPU together. Each device has
+a *resident* model; only its workers on that device may load and compute. The switching policy:
+
+- The resident model keeps the device while it is the only one with waiting requests.
+- Once another model has requests waiting for the device, the resident may start at most
+  ``batch`` more requests (counted since it became resident); then, or as soon as its own queue on
+  the device is empty, the device *drains*: nothing new starts on it, and the next resident is the
+  waiting model whose oldest request is oldest.
+- When the draining model has no request left running on the device, its loaded workers there are
+  told to unload; when the last one has confirmed, the next model becomes resident and its requests
+  start (its workers load on their first request).
+
+So every model with waiting requests gets the device within one batch of the others, and a switch
+costs one unload and one load, never a request. This module only decides; the broker acts.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+
+
+@dataclass
+class DeviceTurn:
+    resident: str | None = None
+    started: int = 0  # requests started on the device since ``resident`` got it
+    next: str | None = None  # set while the resident drains
+
+
+@dataclass(frozen=True)
+class Loaded:
+    """A worker on the device whose model is in memory (or being unloaded)."""
+
+    worker: bytes
+    model: str
+    unloading: bool
+
+
+class Residency:
+    def __init__(self, batch: int) -> None:
+        self.batch = batch
+        self.turns: dict[int, DeviceTurn] = {}
+
+    def allows(self, device: int, model: str) -> bool:
+        """May a request of ``model`` start on ``device`` now?"""
+        turn = self.turns.setdefault(device, DeviceTurn())
+        return turn.next is None and turn.resident == model
+
+    def started(self, device: int) -> None:
+        self.turns[device].started += 1
+
+    def decide(self, device: int, waiting: Iterable[str], running: Mapping[str, int],
+               loaded: Iterable[Loaded]) -> list[bytes]:
+        """Advance the device's turn; return the workers to tell to unload now.
+
+        ``waiting``: models with queued requests that can run on the device, oldest head first;
+        ``running``: requests running on the device, by model; ``loaded``: its workers holding a model.
+        """
+        turn = self.turns.setdefault(device, DeviceTurn())
+        waiting = list(waiting)
+        loaded = list(loaded)
+        if turn.resident is None:
+            if not waiting:
+                return []
+            turn.next = waiting[0]
+        elif turn.next is None:
+            others = [m for m in waiting if m != turn.resident]
+            if others and (turn.started >= self.batch or turn.resident not in waiting):
+                turn.next = others[0]
+        if turn.next is None:
+            return []
+        if any(count for model, count in running.items() if model != turn.next):
+            return []  # drain: the outgoing model finishes what it started
+        leaving = [w for w in loaded if w.model != turn.next]
+        if leaving:
+            return [w.worker for w in leaving if not w.unloading]
+        turn.resident, turn.next, turn.started = turn.next, None, 0
+        return []

@@ -1,0 +1,192 @@
+"""GPU placement and exclusivity on simulated GPUs: everything but the CUDA calls runs as on a GPU host
+(device discovery, placement, host-wide permits, single active backend)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections import Counter
+from pathlib import Path
+
+import pytest
+import yaml
+
+from mpserve import AsyncClient, Client
+from mpserve.permits import max_concurrent, read_holds
+from mpserve.slots import SlotState
+
+LOADED = {SlotState.LOADING, SlotState.IDLE, SlotState.BUSY, SlotState.WAITING}
+
+
+def config_file(tmp_path: Path, name: str, **values: object) -> str:
+    path = tmp_path / f"{name}.yaml"
+    path.write_text(yaml.safe_dump(values))
+    return str(path)
+
+
+async def load(address: str, n: int, max_tokens: int, concurrency: int, models: list[str] | None = None
+               ) -> list[object]:
+    """``n`` requests, ``concurrency`` at a time, cycling through ``models``; returns results/errors."""
+    sem = asyncio.Semaphore(concurrency)
+    async with AsyncClient(address, timeout=120) as client:
+        async def one(i: int) -> object:
+            async with sem:
+                model = models[i % len(models)] if models else None
+                return await client.generate(f"request {i}", model=model, max_tokens=max_tokens, temperature=0)
+
+        return await asyncio.gather(*(one(i) for i in range(n)), return_exceptions=True)
+
+
+@pytest.mark.timeout(120)
+def test_exclusive_mode_across_two_servers_sharing_one_gpu(start_server, tmp_path: Path) -> None:
+    log = tmp_path / "holds.log"
+    servers = [start_server("--config", config_file(tmp_path, f"s{i}", permit_log=str(log)), "--instances", "2",
+                            "--simulate-gpus", "1x24GiB", "--gpu-mode", "exclusive").wait_ready() for i in range(2)]
+
+    async def both() -> list[list[object]]:
+        return await asyncio.gather(*(load(s.address, 8, 64, 4) for s in servers))
+
+    outcomes = asyncio.run(both())
+    assert all(not isinstance(o, BaseException) for per_server in outcomes for o in per_server), outcomes
+    holds = read_holds(log)
+    pids = [{r.pid for r in s.slots()} for s in servers]
+    per_server = [sum(1 for h in holds if h.pid in p) for p in pids]
+    assert len(holds) == 16 and per_server == [8, 8]
+    assert max_concurrent(holds) == 1  # never two requests computing on the GPU at once
+    assert all(r.device == 0 for s in servers for r in s.slots())
+
+
+@pytest.mark.timeout(120)
+def test_max_active_per_gpu_caps_concurrent_computation(start_server, tmp_path: Path) -> None:
+    log = tmp_path / "holds.log"
+    server = start_server("--config", config_file(tmp_path, "s", permit_log=str(log)), "--instances", "4",
+                          "--simulate-gpus", "1x24GiB", "--max-active-per-gpu", "2").wait_ready()
+    outcomes = asyncio.run(load(server.address, 16, 200, 8))
+    assert all(not isinstance(o, BaseException) for o in outcomes), outcomes
+    holds = read_holds(log)
+    assert len(holds) == 16 and max_concurrent(holds) == 2
+
+
+@pytest.mark.timeout(180)
+def test_sigkilled_permit_holder_hands_over_to_the_next_waiter_within_a_second(start_server, tmp_path) -> None:
+    server = start_server("--instances", "2", "--simulate-gpus", "1x24GiB", "--gpu-mode", "exclusive",
+                          "--n-ctx", "4096").wait_ready()
+    stop = threading.Event()
+    client = Client(server.address, timeout=120)
+
+    def keep_busy() -> None:
+        while not stop.is_set():
+            try:
+                client.generate("busy", max_tokens=3000, temperature=0)
+            except Exception:  # worker_lost / poison_request are expected while we kill holders
+                pass
+
+    threads = [threading.Thread(target=keep_busy) for _ in range(3)]
+    for t in threads:
+        t.start()
+    handovers = []
+    try:
+        for _ in range(20):
+            holder, waiter = _holder_and_waiter(server)
+            os.kill(holder.pid, signal.SIGKILL)
+            killed = time.monotonic()
+            while server.slots()[waiter.index].state is not SlotState.BUSY:
+                assert time.monotonic() - killed < 5, "the waiter never got the permit"
+                time.sleep(0.002)
+            handovers.append(time.monotonic() - killed)
+    finally:
+        stop.set()
+        client.close()
+        for t in threads:
+            t.join(30)
+    print(f"\npermit handover after SIGKILL: max {max(handovers) * 1000:.0f} ms, "
+          f"median {sorted(handovers)[len(handovers) // 2] * 1000:.0f} ms over {len(handovers)} kills")
+    assert len(handovers) == 20 and max(handovers) < 1.0
+
+
+def _holder_and_waiter(server, timeout: float = 20.0):
+    """Wait until one worker computes (holds the permit) and the other waits for it."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        rows = server.slots()
+        states = {r.state for r in rows}
+        if states == {SlotState.BUSY, SlotState.WAITING}:
+            holder = next(r for r in rows if r.state is SlotState.BUSY)
+            waiter = next(r for r in rows if r.state is SlotState.WAITING)
+            return holder, waiter
+        time.sleep(0.005)
+    raise AssertionError(f"no holder and waiter: {server.slots()}\n" + "\n".join(server.log[-30:]))
+
+
+@pytest.mark.timeout(180)
+def test_single_active_backend_serves_both_models_one_resident_at_a_time(start_server, tmp_path: Path) -> None:
+    config = config_file(tmp_path, "sab", switch_batch=3, models=[
+        {"name": "a", "path": "builtin:tiny", "instances": 2}, {"name": "b", "path": "builtin:tiny", "instances": 2}])
+    server = start_server("--config", config, "--simulate-gpus", "1x24GiB", "--single-active-backend").wait_ready()
+    assert all(r.state is SlotState.UNLOADED for r in server.slots())  # nothing loads before it is asked for
+
+    residents: list[set[str]] = []
+    stop = threading.Event()
+
+    def watch() -> None:
+        while not stop.is_set():
+            residents.append({r.model for r in server.slots() if r.state in LOADED})
+            time.sleep(0.002)
+
+    watcher = threading.Thread(target=watch)
+    watcher.start()
+    try:
+        outcomes = asyncio.run(load(server.address, 40, 32, 6, models=["a", "b"]))
+    finally:
+        stop.set()
+        watcher.join()
+    assert all(not isinstance(o, BaseException) for o in outcomes), outcomes
+    served = Counter(o.worker for o in outcomes)  # type: ignore[union-attr]
+    assert sum(served.values()) == 40
+    assert max(len(models) for models in residents) == 1  # at most one model resident on the GPU
+    seen = {m for models in residents for m in models}
+    assert seen == {"a", "b"}
+    switches = sum(1 for x, y in zip(residents, residents[1:], strict=False) if x and y and x != y)
+    print(f"\nsingle active backend: 40 requests, residents sampled {len(residents)} times, ~{switches} switches")
+
+
+def mpserve(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "mpserve", *args], capture_output=True, text=True, timeout=60,
+                          env={**os.environ, **(env or {})})
+
+
+@pytest.mark.timeout(60)
+def test_a_model_over_the_budget_is_refused_before_anything_starts() -> None:
+    args = ["--model", "builtin:bench", "--instances", "3", "--simulate-gpus", "1x2GiB"]
+    planned = mpserve("plan", *args)
+    assert planned.returncode == 1
+    for part in ("does_not_fit", "'bench'", "GPU 0", "needs", "available", "n_ctx", "n_gpu_layers"):
+        assert part in planned.stderr, planned.stderr
+    started = mpserve("start", *args, "--server-name", "too-big")
+    assert started.returncode == 1 and "does_not_fit" in started.stderr and "Traceback" not in started.stderr
+    budget = mpserve("plan", "--model", "builtin:tiny", "--simulate-gpus", "1x24GiB", "--gpu-memory-budget", "100MiB")
+    assert budget.returncode == 1 and "does_not_fit" in budget.stderr
+    fits = mpserve("plan", "--model", "builtin:tiny", "--instances", "3", "--simulate-gpus", "2x24GiB")
+    assert fits.returncode == 0 and fits.stdout.count("GPU 0") >= 2 and "GPU 1" in fits.stdout
+
+
+@pytest.mark.timeout(60)
+def test_devices_lists_simulated_gpus_with_permit_holders(start_server) -> None:
+    server = start_server("--instances", "1", "--simulate-gpus", "2x24GiB", "--gpu-mode", "exclusive",
+                          "--gpus", "1", "--n-ctx", "4096").wait_ready()
+    assert [r.device for r in server.slots()] == [1]
+    with Client(server.address) as client:
+        stream = client.stream("hold it", max_tokens=3000, temperature=0)
+        chunks = iter(stream)
+        next(chunks)  # computing now: the worker holds GPU 1's permit
+        listed = json.loads(mpserve("devices", "--simulate-gpus", "2x24GiB", "--json").stdout)
+        client.cancel(stream.id)
+    assert [d["index"] for d in listed] == [0, 1]
+    assert listed[0]["holders"] == [] and listed[1]["holders"] == [server.slots()[0].pid]
+    assert listed[1]["permit_capacity"] == 1
