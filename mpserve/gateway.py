@@ -69,6 +69,8 @@ class GatewayConfig:
     server_name: str = "default"
     api_key: str | None = None
     request_timeout: float | None = None  # seconds per request, queueing included; None: no limit
+    curve_server_key: str | None = None  # for a server bound to the network: its public key file
+    curve_secret: str | None = None  # and this gateway's secret key file (mpserve keygen)
     log_level: str = "info"
     exit_with_parent: bool = False  # for `mpserve start --http`: stop when the server process is gone
 
@@ -105,7 +107,7 @@ def serve(config: GatewayConfig) -> None:
         log.warning("listening on %s without an API key: anyone who can reach the port can use the models "
                     "(set --api-key or MPSERVE_API_KEY)", config.host)
     uvicorn.run(create_app(config), host=config.host, port=config.port, log_level=config.log_level,
-                access_log=config.log_level == "debug")
+                log_config=None, access_log=config.log_level == "debug")  # log_config None: our log format
 
 
 class ClientGone(Exception):
@@ -115,7 +117,8 @@ class ClientGone(Exception):
 class _Gateway:
     def __init__(self, config: GatewayConfig) -> None:
         self.config = config
-        self.backend = Backend(config.connect, config.server_name, config.request_timeout)
+        self.backend = Backend(config.connect, config.server_name, config.request_timeout, config.curve_server_key,
+                               config.curve_secret)
         self.metrics = GatewayMetrics()
         self.restarts = RestartCounter()
 

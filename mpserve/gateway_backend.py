@@ -2,9 +2,9 @@
 runs on this host, its slot table.
 
 The gateway may start before its server, outlive it, and see it restart: nothing here fails for good. The
-client is made on first use and again after a failed connect, and the address is looked up again each
-time (``--connect`` fixes it; otherwise it follows the named local server's ServerInfo, as clients do).
-A connected client is kept: ZeroMQ reconnects it by itself when the server comes back at that address.
+client connects on first use and tries again on each use until a server answers; the address is looked up
+each time (``--connect`` fixes it; otherwise it follows the named local server's ServerInfo, as clients
+do). A connected client is kept: ZeroMQ reconnects it by itself when the server comes back there.
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ import asyncio
 import os
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from . import protocol as wire
 from .client import AsyncClient
@@ -31,13 +32,16 @@ class LocalSlots:
 
 
 class Backend:
-    def __init__(self, address: str | None, server_name: str, request_timeout: float | None) -> None:
+    def __init__(self, address: str | None, server_name: str, request_timeout: float | None,
+                 curve_server_key: str | None = None, curve_secret: str | None = None) -> None:
         """``address``: a ZeroMQ address, or None for the local server named ``server_name``.
-        ``request_timeout``: seconds per request, queueing included (None: no limit)."""
+        ``request_timeout``: seconds per request, queueing included (None: no limit). ``curve_*``: key files
+        for a server bound to the network, as for ``AsyncClient`` (read now: bad keys stop the start)."""
         self._address = address
         self.server_name = server_name
-        self._request_timeout = request_timeout
-        self._client: AsyncClient | None = None
+        self._options: dict[str, Any] = {"timeout": request_timeout, "connect_timeout": CONNECT_TIMEOUT_S,
+                                         "curve_server_key": curve_server_key, "curve_secret": curve_secret}
+        self._client = AsyncClient(self.address, **self._options)
         self._lock = asyncio.Lock()
 
     @property
@@ -46,18 +50,15 @@ class Backend:
 
     async def client(self) -> AsyncClient:
         """A connected client; raises ConnectionFailed while no server answers."""
-        async with self._lock:
+        async with self._lock:  # one connect at a time: AsyncClient.connect is not re-entrant
             address = self.address
+            if self._client.address != address:  # the named server came back at another address
+                await self._client.close()
+                self._client = AsyncClient(address, **self._options)
             if address.startswith("ipc://") and not os.path.exists(address[len("ipc://"):]):
                 # stopped (or not started yet): say so at once rather than after a STATS timeout
                 raise ConnectionFailed(f"no server is listening at {address}")
-            if self._client is not None and self._client.address != address:
-                await self._client.close()  # the named server came back at another address
-                self._client = None
-            if self._client is None:
-                client = AsyncClient(address, timeout=self._request_timeout, connect_timeout=CONNECT_TIMEOUT_S)
-                await client.connect()
-                self._client = client
+            await self._client.connect()  # at once when connected; ZeroMQ reconnects by itself
             return self._client
 
     async def stats(self) -> wire.Stats | None:
@@ -91,6 +92,4 @@ class Backend:
             table.close()
 
     async def close(self) -> None:
-        if self._client is not None:
-            await self._client.close()
-            self._client = None
+        await self._client.close()

@@ -109,6 +109,7 @@ class Worker:
         self._stopping = False
         self._current: wire.Assign | None = None
         self._cancelled = False
+        self._next_parent_check = 0.0
 
     def load(self) -> None:
         """Load the model; on failure tell the broker why (FAILED) and exit for the supervisor to decide."""
@@ -190,27 +191,30 @@ class Worker:
                 self._send(wire.Chunk(req.id, text), assign.ticket)
             return not self._should_stop()
 
+        outcome = self._outcome(assign, on_token)
+        self._served += 1
+        self._current = None
+        # The row says idle before the reply goes out: a client holding its answer sees the slot free.
+        self._row.update(state=SlotState.IDLE, served=self._served)
+        self._send(outcome, assign.ticket)
+
+    def _outcome(self, assign: wire.Assign, on_token: OnToken) -> wire.Done | wire.Error:
+        """Run the request; its terminal message, whatever happens."""
+        req = assign.request
         try:
             result = self._compute(req, on_token)
         except MpserveError as exc:
-            self._send(wire.Error(req.id, exc.code, exc.message), assign.ticket)
+            return wire.Error(req.id, exc.code, exc.message)
         except Exception as exc:  # a bug or a llama.cpp failure: report it; the request must end
             log.exception("request %s failed", req.id)
-            self._send(wire.Error(req.id, "internal", f"{type(exc).__name__}: {exc}"), assign.ticket)
-        else:
-            if result.finish_reason == "cancelled":
-                self._send(wire.Error(req.id, "cancelled", "cancelled"), assign.ticket)
-            else:
-                self._send(wire.Done(
-                    req.id, result.text, result.finish_reason,
-                    wire.Usage(result.prompt_tokens, result.completion_tokens),
-                    wire.Timings(assign.queue_ms, result.prompt_s * 1000, result.generate_s * 1000,
-                                 assign.attempt),
-                    worker=self._spec.identity.decode(),
-                ), assign.ticket)
-        self._served += 1
-        self._current = None
-        self._row.update(state=SlotState.IDLE, served=self._served)
+            return wire.Error(req.id, "internal", f"{type(exc).__name__}: {exc}")
+        if result.finish_reason == "cancelled":
+            return wire.Error(req.id, "cancelled", "cancelled")
+        return wire.Done(
+            req.id, result.text, result.finish_reason, wire.Usage(result.prompt_tokens, result.completion_tokens),
+            wire.Timings(assign.queue_ms, result.prompt_s * 1000, result.generate_s * 1000, assign.attempt),
+            worker=self._spec.identity.decode(),
+        )
 
     def _compute(self, req: wire.Request, on_token: OnToken) -> Completion:
         """Generate while holding the device's permit, from the first prompt token to the last token."""
@@ -225,6 +229,12 @@ class Worker:
     def _should_stop(self) -> bool:
         while self._sock.poll(0):
             self._receive()
+        now = time.monotonic()
+        if now >= self._next_parent_check:
+            self._next_parent_check = now + PARENT_CHECK_S
+            if os.getppid() != self._spec.parent_pid:
+                log.warning("server (pid %d) is gone; abandoning request and exiting", self._spec.parent_pid)
+                self._stopping = True
         return self._cancelled or self._stopping
 
     def _send(self, msg: object, ticket: str = "") -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ctypes
 import os
 import signal
 import subprocess
@@ -38,6 +39,14 @@ def _isolated_dirs() -> Iterator[None]:
                 os.environ[k] = v
 
 
+def _die_with_parent() -> None:
+    """A server outlives nothing: if pytest dies (a timeout, Ctrl-C), the kernel sends it SIGTERM."""
+    ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
+PR_SET_PDEATHSIG = 1
+
+
 class ServerProcess:
     """``python -m mpserve start …`` in a subprocess, with its log collected line by line."""
 
@@ -50,7 +59,8 @@ class ServerProcess:
         self.log: list[str] = []
         self._ready = threading.Event()
         self.proc = subprocess.Popen([sys.executable, "-m", "mpserve", *self.args], stdout=subprocess.PIPE,
-                                     stderr=subprocess.STDOUT, text=True, env={**os.environ, **(env or {})})
+                                     stderr=subprocess.STDOUT, text=True, env={**os.environ, **(env or {})},
+                                     preexec_fn=_die_with_parent)
         self._reader = threading.Thread(target=self._read, daemon=True)
         self._reader.start()
 
