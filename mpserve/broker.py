@@ -59,13 +59,15 @@ class Pending:
 @dataclass
 class WorkerEntry:
     identity: bytes
-    index: int
+    index: int | None  # the local supervisor's worker index; None for a worker of a remote pool
     model: str
     device: int
     capacity: int
     pid: int
     loaded: bool = True
     unloading: bool = False
+    host: str = ""
+    last_heard: float = 0.0  # monotonic; remote workers are declared lost when silent too long
     running: set[str] = field(default_factory=set)
 
 
@@ -83,13 +85,19 @@ class ModelQueue:
 class Broker:
     def __init__(self, ctx: zmq.Context, front_addr: str, back_addr: str, models: dict[str, int], *,
                  max_queue_total: int = 4096, client_timeout: float = 5.0,
-                 curve_secret: str | None = None, residency: Residency | None = None) -> None:
+                 curve_secret: str | None = None, curve_workers: str | None = None,
+                 residency: Residency | None = None, heartbeat_interval: float = 1.0,
+                 heartbeat_liveness: int = 5) -> None:
         """``models``: name -> max queue length. ``client_timeout``: a client with pending requests that
         sends nothing for this long is taken as gone and its requests are cancelled (clients ping every
         second while they wait). ``curve_secret``: the server's CURVE secret-key file for the front.
-        ``residency``: single active backend mode (at most one model loaded per device)."""
-        self.front = _router(ctx, front_addr, curve_secret)
-        self.back = _router(ctx, back_addr)
+        ``residency``: single active backend mode (at most one model loaded per device).
+        ``curve_workers``: with ``curve_secret``, the folder of allowed worker keys; the worker socket then
+        requires CURVE too. Remote workers silent for ``heartbeat_interval × heartbeat_liveness`` are lost."""
+        self.front = _router(ctx, front_addr, curve_secret, b"clients")
+        self.back = _router(ctx, back_addr, curve_secret if curve_workers else None, b"workers")
+        self.heartbeat_interval = heartbeat_interval
+        self.heartbeat_liveness = heartbeat_liveness
         self.back.setsockopt(zmq.ROUTER_HANDOVER, 1)  # a restarted worker reuses its identity
         self.models = {name: ModelQueue(name, max_queue) for name, max_queue in models.items()}
         self.requests: dict[str, Pending] = {}
@@ -163,10 +171,26 @@ class Broker:
                                    "and is being replaced; retry the request")
 
     def worker_exited(self, index: int) -> None:
-        """The supervisor reaped worker ``index``: settle its requests by the retry rules."""
+        """The supervisor reaped local worker ``index``: settle its requests by the retry rules."""
         entry = next((w for w in self.workers.values() if w.index == index), None)
-        if entry is None:
-            return
+        if entry is not None:
+            self._worker_gone(entry, f"worker {index} died")
+
+    def expire_workers(self, now: float) -> None:
+        """Declare lost the remote workers silent for longer than the heartbeat expiry."""
+        expiry = self.heartbeat_interval * self.heartbeat_liveness
+        for entry in [w for w in self.workers.values() if w.index is None and now - w.last_heard > expiry]:
+            self.stats["worker_expired"] += 1
+            log.warning("worker %s on %s sent nothing for %.1f s; declared lost", entry.identity.decode(),
+                        entry.host, now - entry.last_heard)
+            self._worker_gone(entry, f"worker {entry.identity.decode()} on {entry.host} was lost")
+
+    def send_heartbeats(self) -> None:
+        for identity in list(self.workers):
+            self._to_worker(identity, wire.Heartbeat(identity.decode()))
+
+    def _worker_gone(self, entry: WorkerEntry, what: str) -> None:
+        """A worker died or was lost: retry what it had not streamed, fail the rest, by the rules."""
         self._forget_worker(entry)
         for ticket in sorted(entry.running):
             p = self.requests.get(ticket)
@@ -183,11 +207,10 @@ class Broker:
                                    "that died; it will not be retried")
             elif p.streamed:
                 self.stats["worker_lost"] += 1
-                self._answer_error(p, "worker_lost", f"worker {index} serving this request died after it "
-                                   "had streamed text; retry the request")
+                self._answer_error(p, "worker_lost", f"{what} after it had streamed text; retry the request")
             else:
                 self.stats["retried"] += 1
-                log.info("retrying request %s of a dead worker %d", p.request.id, index)
+                log.info("retrying request %s: %s", p.request.id, what)
                 self.models[p.model].queue.appendleft(ticket)
         self._dispatch(entry.model)
 
@@ -283,7 +306,8 @@ class Broker:
         return wire.Stats(nonce, self.accepting, dict(self.stats), {
             name: wire.ModelStats(len(mq.queue), running[name], mq.instances, len(mq.free), mq.failed)
             for name, mq in self.models.items()
-        })
+        }, [wire.WorkerStats(w.identity.decode(), w.model, w.host, w.pid, w.device, w.capacity, len(w.running))
+            for w in self.workers.values()])
 
     def queued(self) -> int:
         return sum(len(mq.queue) for mq in self.models.values())
@@ -359,12 +383,19 @@ class Broker:
     # --- workers -------------------------------------------------------------------------------
 
     def _from_worker(self, frames: list[bytes]) -> None:
-        try:
-            identity, frames = frames[0], frames[1:]
-            mtype = wire.parse_header(frames, 4)
-        except (MpserveError, IndexError) as exc:
+        if len(frames) < 2:
             self.stats["dropped_worker_malformed"] += 1
-            log.error("dropped a malformed message from a worker: %s", exc)
+            return
+        identity, frames = frames[0], frames[1:]
+        entry = self.workers.get(identity)
+        if entry is not None:
+            entry.last_heard = time.monotonic()
+        try:
+            mtype = wire.parse_header(frames, 4)
+        except MpserveError as exc:
+            self.stats["dropped_worker_malformed"] += 1
+            log.warning("refused a message from worker %r: %s", identity, exc)
+            self._to_worker(identity, wire.Error(None, exc.code, f"refused by the broker: {exc.message}"))
             return
         if mtype in (wire.MsgType.CHUNK, wire.MsgType.DONE, wire.MsgType.ERROR):
             self._worker_result(identity, mtype, frames[2].decode(errors="replace"), frames[1], frames[3])
@@ -379,24 +410,34 @@ class Broker:
             self._on_ready(identity, msg)
         elif isinstance(msg, wire.Failed):
             self.on_failed(msg.model, msg.message)
-        elif isinstance(msg, wire.Unloaded) and identity in self.workers:
-            entry = self.workers[identity]
+        elif entry is None:  # lost, or registered with the broker before this one: ask it to register
+            self._to_worker(identity, wire.Heartbeat(identity.decode(), registered=False))
+        elif isinstance(msg, wire.Unloaded):
             entry.loaded = entry.unloading = False
             self._dispatch(entry.model)
 
     def _on_ready(self, identity: bytes, msg: wire.Ready) -> None:
         if msg.model not in self.models:
-            log.error("worker %r registered for unknown model %r; ignored", identity, msg.model)
+            log.error("worker %r registered for model %r, which this broker does not serve (%s); ignored",
+                      identity, msg.model, ", ".join(self.models))
+            self._to_worker(identity, wire.Error(None, "unknown_model", f"this broker does not serve {msg.model!r}"))
             return
         old = self.workers.get(identity)
-        if old is not None:
-            self._forget_worker(old)
-        entry = WorkerEntry(identity, int(identity[1:]), msg.model, msg.device, msg.capacity, msg.pid, msg.loaded)
+        if old is not None and old.pid == msg.pid and old.model == msg.model:
+            return  # the same process registering twice (it had not heard from us): nothing changed
+        if old is not None:  # a new process under the same name: whatever the old one ran is lost
+            self._worker_gone(old, f"worker {identity.decode()} restarted")
+        local = msg.host == "" and identity[:1] == b"w" and identity[1:].isdigit()
+        entry = WorkerEntry(identity, int(identity[1:]) if local else None, msg.model, msg.device, msg.capacity,
+                            msg.pid, msg.loaded, host=msg.host, last_heard=time.monotonic())
         self.workers[identity] = entry
         mq = self.models[msg.model]
         mq.instances += 1
         mq.free.extend([identity] * msg.capacity)
-        self.on_ready(entry)
+        if local:
+            self.on_ready(entry)
+        else:
+            log.info("worker %s on %s registered for %s", identity.decode(), msg.host, msg.model)
         self._dispatch(msg.model)
 
     def _forget_worker(self, entry: WorkerEntry) -> None:
@@ -485,11 +526,12 @@ class Broker:
         return p is None or p.answered
 
 
-def _router(ctx: zmq.Context, addr: str, curve_secret: str | None = None) -> zmq.Socket:
+def _router(ctx: zmq.Context, addr: str, curve_secret: str | None, zap_domain: bytes) -> zmq.Socket:
     sock = ctx.socket(zmq.ROUTER)
     if curve_secret is not None:
         public, secret = zmq.auth.load_certificate(curve_secret)
         sock.curve_publickey, sock.curve_secretkey, sock.curve_server = public, secret, True
+        sock.zap_domain = zap_domain  # which allow-list the authenticator checks
     sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
     sock.setsockopt(zmq.LINGER, 0)
     sock.setsockopt(zmq.MAXMSGSIZE, wire.MAX_MESSAGE_BYTES + 4096)

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import os
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -21,9 +23,17 @@ app = typer.Typer(add_completion=False, no_args_is_help=True,
 ServerName = Annotated[str, typer.Option("--server-name", envvar="MPSERVE_SERVER_NAME",
                                          help="Which local server (several may run side by side).")]
 GpusOption = Annotated[str | None, typer.Option("--gpus", envvar="MPSERVE_GPUS",
-                                                help="GPU indices to use, e.g. 0,2 [default: all].")]
+                                                help="GPU indices to use, e.g. 0,2 (default: all).")]
 SimulateOption = Annotated[str | None, typer.Option(
     "--simulate-gpus", envvar="MPSERVE_SIMULATE_GPUS", help="Pretend to have GPUs, e.g. 2x24GiB (no CUDA).")]
+ApiKey = Annotated[str | None, typer.Option(
+    "--api-key", envvar="MPSERVE_API_KEY",
+    help="Require 'Authorization: Bearer KEY' on HTTP requests (/health excepted).")]
+HeartbeatInterval = Annotated[float | None, typer.Option(
+    "--heartbeat-interval", envvar="MPSERVE_HEARTBEAT_INTERVAL", help="Seconds between heartbeats (default: 1).")]
+HeartbeatLiveness = Annotated[int | None, typer.Option(
+    "--heartbeat-liveness", envvar="MPSERVE_HEARTBEAT_LIVENESS",
+    help="Missed heartbeats before a remote worker (or the broker, for a worker) is lost (default: 5).")]
 ConfigOption = Annotated[Path | None, typer.Option("--config", "-c", envvar="MPSERVE_CONFIG",
                                                    help="YAML file (see README).")]
 
@@ -36,30 +46,30 @@ def start(
     name: Annotated[str | None, typer.Option("--name", envvar="MPSERVE_MODEL_NAME",
                                                 help="Name clients use for the model.")] = None,
     instances: Annotated[int | None, typer.Option("--instances", "-n", envvar="MPSERVE_INSTANCES",
-                                                     help="Worker processes per model [default: 1].")] = None,
+                                                     help="Worker processes per model (default: 1).")] = None,
     threads: Annotated[int | None, typer.Option(
-        "--threads", envvar="MPSERVE_THREADS", help="Threads per instance [default: cores ÷ instances].")] = None,
+        "--threads", envvar="MPSERVE_THREADS", help="Threads per instance (default: cores ÷ instances).")] = None,
     n_ctx: Annotated[int | None, typer.Option("--n-ctx", envvar="MPSERVE_N_CTX",
-                                                 help="Context size per instance [default: 2048].")] = None,
+                                                 help="Context size per instance (default: 2048).")] = None,
     n_gpu_layers: Annotated[int | None, typer.Option("--n-gpu-layers", envvar="MPSERVE_N_GPU_LAYERS")] = None,
     max_queue: Annotated[int | None, typer.Option(
-        "--max-queue", envvar="MPSERVE_MAX_QUEUE", help="Waiting requests per model [default: 256].")] = None,
+        "--max-queue", envvar="MPSERVE_MAX_QUEUE", help="Waiting requests per model (default: 256).")] = None,
     bind: Annotated[str | None, typer.Option(
-        "--bind", envvar="MPSERVE_BIND", help="Client address, e.g. tcp://127.0.0.1:5555 [default: ipc]")] = None,
+        "--bind", envvar="MPSERVE_BIND", help="Client address, e.g. tcp://127.0.0.1:5555 (default: ipc)")] = None,
     grace: Annotated[float | None, typer.Option(
-        "--grace", envvar="MPSERVE_GRACE", help="Seconds to finish requests on shutdown [default: 30].")] = None,
+        "--grace", envvar="MPSERVE_GRACE", help="Seconds to finish requests on shutdown (default: 30).")] = None,
     max_queue_total: Annotated[int | None, typer.Option(
-        "--max-queue-total", envvar="MPSERVE_MAX_QUEUE_TOTAL", help="Waiting requests, all models [default: 4096].")
+        "--max-queue-total", envvar="MPSERVE_MAX_QUEUE_TOTAL", help="Waiting requests, all models (default: 4096).")
     ] = None,
     stall_timeout: Annotated[float | None, typer.Option(
         "--stall-timeout", envvar="MPSERVE_STALL_TIMEOUT",
-        help="Replace a busy worker that generates nothing for this long, in s [default: 60].")] = None,
+        help="Replace a busy worker that generates nothing for this long, in s (default: 60).")] = None,
     idle_timeout: Annotated[float | None, typer.Option(
         "--idle-timeout", envvar="MPSERVE_IDLE_TIMEOUT",
-        help="Unload an instance idle this long, in s; reloaded on demand [default: 0 = never].")] = None,
+        help="Unload an instance idle this long, in s; reloaded on demand (default: 0 = never).")] = None,
     client_timeout: Annotated[float | None, typer.Option(
         "--client-timeout", envvar="MPSERVE_CLIENT_TIMEOUT",
-        help="Cancel the requests of a client silent this long, in s [default: 5].")] = None,
+        help="Cancel the requests of a client silent this long, in s (default: 5).")] = None,
     curve_secret: Annotated[str | None, typer.Option(
         "--curve-secret", envvar="MPSERVE_CURVE_SECRET", help="Server secret key file (mpserve keygen).")] = None,
     curve_clients: Annotated[str | None, typer.Option(
@@ -71,15 +81,26 @@ def start(
     simulate_gpus: SimulateOption = None,
     gpu_mode: Annotated[str | None, typer.Option(
         "--gpu-mode", envvar="MPSERVE_GPU_MODE", help="shared, or exclusive: one computing request per GPU, "
-        "host-wide [default: shared].")] = None,
+        "host-wide (default: shared).")] = None,
     max_active_per_gpu: Annotated[int | None, typer.Option(
         "--max-active-per-gpu", envvar="MPSERVE_MAX_ACTIVE_PER_GPU",
-        help="Requests computing on one GPU at once, host-wide [default: unlimited].")] = None,
+        help="Requests computing on one GPU at once, host-wide (default: unlimited).")] = None,
     gpu_memory_budget: Annotated[str | None, typer.Option(
         "--gpu-memory-budget", envvar="MPSERVE_GPU_MEMORY_BUDGET", help="Per GPU, e.g. 20GiB.")] = None,
     single_active_backend: Annotated[bool, typer.Option(
         "--single-active-backend", envvar="MPSERVE_SINGLE_ACTIVE_BACKEND",
         help="At most one model loaded per GPU; models take turns.")] = False,
+    workers_bind: Annotated[str | None, typer.Option(
+        "--workers-bind", envvar="MPSERVE_WORKERS_BIND",
+        help="Worker socket address, e.g. tcp://0.0.0.0:5556 for remote pools (mpserve worker --connect).")] = None,
+    curve_workers: Annotated[str | None, typer.Option(
+        "--curve-workers", envvar="MPSERVE_CURVE_WORKERS", help="Folder of allowed remote pools' public .key files.")
+    ] = None,
+    heartbeat_interval: HeartbeatInterval = None,
+    heartbeat_liveness: HeartbeatLiveness = None,
+    http: Annotated[str | None, typer.Option(
+        "--http", help="Also serve the OpenAI-compatible HTTP API on HOST:PORT (see `mpserve gateway`).")] = None,
+    api_key: ApiKey = None,
     config_file: ConfigOption = None,
     log_level: Annotated[str | None, typer.Option("--log-level", envvar="MPSERVE_LOG_LEVEL")] = None,
     server_name: ServerName = "default",
@@ -96,13 +117,20 @@ def start(
                     "idle_timeout": idle_timeout, "client_timeout": client_timeout, "curve_secret": curve_secret,
                     "curve_clients": curve_clients, "insecure": insecure or None, "gpus": gpus,
                     "simulate_gpus": simulate_gpus, "gpu_mode": gpu_mode, "max_active_per_gpu": max_active_per_gpu,
-                    "gpu_memory_budget": gpu_memory_budget, "single_active_backend": single_active_backend or None},
+                    "gpu_memory_budget": gpu_memory_budget, "single_active_backend": single_active_backend or None,
+                    "workers_bind": workers_bind, "curve_workers": curve_workers,
+                    "heartbeat_interval": heartbeat_interval, "heartbeat_liveness": heartbeat_liveness},
             model={"path": model, "name": name, "instances": instances, "threads": threads, "n_ctx": n_ctx,
                    "n_gpu_layers": n_gpu_layers},
             source=str(config_file or "command line"),
             base_dir=config_file.parent if config_file else None,
         )
-        serve(config)
+        gateway_process = _start_gateway(http, config.server_name, api_key, config.log_level) if http else None
+        try:
+            serve(config)
+        finally:
+            if gateway_process is not None:
+                _stop_gateway(gateway_process)
 
 
 @app.command()
@@ -155,6 +183,100 @@ def generate(
             typer.echo(f"[{result.finish_reason}; {result.usage.prompt_tokens} prompt + "
                        f"{result.usage.completion_tokens} generated tokens; queued {t.queue_ms:.0f} ms, "
                        f"first token {t.prompt_ms:.0f} ms, {tps:.1f} tokens/s; {result.worker}]", err=True)
+
+
+@app.command()
+def worker(
+    connect: Annotated[str, typer.Option("--connect", envvar="MPSERVE_CONNECT",
+                                         help="The broker's worker socket, e.g. tcp://broker-host:5556.")],
+    model: Annotated[str | None, typer.Option("--model", "-m", envvar="MPSERVE_MODEL",
+                                              help="GGUF file, builtin:tiny (default), builtin:bench or echo.")] = None,
+    name: Annotated[str | None, typer.Option("--name", envvar="MPSERVE_MODEL_NAME",
+                                             help="The model's name at the broker.")] = None,
+    instances: Annotated[int | None, typer.Option("--instances", "-n", envvar="MPSERVE_INSTANCES")] = None,
+    threads: Annotated[int | None, typer.Option("--threads", envvar="MPSERVE_THREADS")] = None,
+    n_ctx: Annotated[int | None, typer.Option("--n-ctx", envvar="MPSERVE_N_CTX")] = None,
+    n_gpu_layers: Annotated[int | None, typer.Option("--n-gpu-layers", envvar="MPSERVE_N_GPU_LAYERS")] = None,
+    gpus: GpusOption = None,
+    simulate_gpus: SimulateOption = None,
+    curve_server_key: Annotated[str | None, typer.Option(
+        "--curve-server-key", envvar="MPSERVE_CURVE_SERVER_KEY", help="The broker's public key file.")] = None,
+    curve_secret: Annotated[str | None, typer.Option(
+        "--curve-secret", envvar="MPSERVE_CURVE_WORKER_SECRET", help="This pool's secret key file.")] = None,
+    heartbeat_interval: HeartbeatInterval = None,
+    heartbeat_liveness: HeartbeatLiveness = None,
+    config_file: ConfigOption = None,
+    log_level: Annotated[str | None, typer.Option("--log-level", envvar="MPSERVE_LOG_LEVEL")] = None,
+    server_name: Annotated[str, typer.Option("--server-name", envvar="MPSERVE_SERVER_NAME",
+                                             help="Name of this pool on this host (for `mpserve status`).")]
+    = "pool",
+) -> None:
+    """Run a pool of workers on this host for a broker elsewhere (`mpserve start --workers-bind ...`)."""
+    from .pool import run_pool
+
+    with _errors():
+        config = cfg.build(
+            cfg.load_file(config_file) if config_file else {},
+            server={"server_name": server_name, "gpus": gpus, "simulate_gpus": simulate_gpus, "log_level": log_level,
+                    "heartbeat_interval": heartbeat_interval, "heartbeat_liveness": heartbeat_liveness},
+            model={"path": model, "name": name, "instances": instances, "threads": threads, "n_ctx": n_ctx,
+                   "n_gpu_layers": n_gpu_layers},
+            source=str(config_file or "command line"), base_dir=config_file.parent if config_file else None)
+        run_pool(config, connect, curve_server_key, curve_secret)
+
+
+@app.command()
+def gateway(
+    http: Annotated[str, typer.Option("--http", envvar="MPSERVE_HTTP", help="HOST:PORT to serve HTTP on.")]
+    = "127.0.0.1:8000",
+    connect: Annotated[str | None, typer.Option(
+        "--connect", help="The server's ZeroMQ address (default: the local server named by --server-name).")] = None,
+    api_key: ApiKey = None,
+    request_timeout: Annotated[float | None, typer.Option(
+        "--request-timeout", envvar="MPSERVE_REQUEST_TIMEOUT",
+        help="Seconds per request, queueing included; past it: 504 (default: no limit).")] = None,
+    curve_server_key: Annotated[str | None, typer.Option(
+        "--curve-server-key", envvar="MPSERVE_CURVE_SERVER_KEY", help="The server's public key file.")] = None,
+    curve_secret: Annotated[str | None, typer.Option(
+        "--curve-secret", envvar="MPSERVE_CURVE_CLIENT_SECRET", help="This gateway's secret key file.")] = None,
+    log_level: Annotated[str, typer.Option("--log-level", envvar="MPSERVE_LOG_LEVEL")] = "info",
+    exit_with_parent: Annotated[bool, typer.Option("--exit-with-parent", hidden=True)] = False,
+    server_name: ServerName = "default",
+) -> None:
+    """Serve an OpenAI-compatible HTTP API for a server: /v1/completions, /v1/chat/completions, /v1/models,
+    /health, /metrics (Prometheus) and /backend/monitor. It may start before the server (503 until ready)."""
+    from .gateway import GatewayConfig, parse_http
+    from .gateway import serve as serve_gateway
+
+    with _errors():
+        host, port = parse_http(http)
+        serve_gateway(GatewayConfig(host=host, port=port, connect=connect, server_name=server_name, api_key=api_key,
+                                    request_timeout=request_timeout, curve_server_key=curve_server_key,
+                                    curve_secret=curve_secret, log_level=log_level,
+                                    exit_with_parent=exit_with_parent))
+
+
+def _start_gateway(http: str, server_name: str, api_key: str | None, log_level: str) -> subprocess.Popen[bytes]:
+    """``mpserve gateway`` as a child process, in its own session: Ctrl-C reaches only the server, which
+    drains its requests while the gateway keeps streaming them (and answers 503 to new ones); the gateway is
+    stopped after that, or stops by itself if the server dies outright. The key travels in the environment,
+    not in the command line that any user can read. A separate process: in the broker's it would compete
+    with the broker loop for the GIL, and a fault in it could not touch the broker."""
+    from .gateway import parse_http
+
+    parse_http(http)  # refuse a bad value before anything starts
+    env = {**os.environ, **({"MPSERVE_API_KEY": api_key} if api_key else {})}
+    return subprocess.Popen([sys.executable, "-m", "mpserve", "gateway", "--http", http, "--server-name", server_name,
+                             "--log-level", log_level, "--exit-with-parent"], env=env, start_new_session=True)
+
+
+def _stop_gateway(process: subprocess.Popen[bytes]) -> None:
+    process.terminate()
+    try:
+        process.wait(10)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.wait()
 
 
 @app.command()

@@ -72,7 +72,10 @@ class ServerConfig:
     client_timeout: float = 5.0
     curve_secret: str | None = None
     curve_clients: str | None = None
+    curve_workers: str | None = None  # folder of allowed remote workers' public keys
     insecure: bool = False
+    heartbeat_interval: float = 1.0
+    heartbeat_liveness: int = 5  # a remote worker silent for interval × liveness is lost
     gpus: tuple[int, ...] | None = None  # None: every GPU found
     simulate_gpus: str | None = None  # e.g. "2x24GiB": devices without CUDA, for tests and planning
     gpu_mode: str = "shared"  # or "exclusive": one computing request per GPU, host-wide
@@ -90,7 +93,7 @@ class ServerConfig:
         return sum(m.instances for m in self.models)
 
     def threads_for(self, model: ModelConfig) -> int:
-        return model.threads or max(1, self.threads_total // self.total_instances)
+        return model.threads or max(1, self.threads_total // max(1, self.total_instances))
 
     def model(self, name: str) -> ModelConfig:
         for m in self.models:
@@ -109,10 +112,17 @@ class ServerConfig:
             raise ConfigError(f"{source}: bind {self.bind} is reachable from other hosts; give CURVE keys "
                               "(--curve-secret FILE --curve-clients DIR, made with `mpserve keygen`), bind to "
                               "127.0.0.1, or pass --insecure to accept anyone who can reach the port")
+        if (self.workers_bind and _is_network_tcp(self.workers_bind) and self.curve_workers is None
+                and not self.insecure):
+            raise ConfigError(f"{source}: workers_bind {self.workers_bind} is reachable from other hosts; give "
+                              "--curve-secret FILE --curve-clients DIR --curve-workers DIR (keys from `mpserve "
+                              "keygen`), bind to 127.0.0.1, or pass --insecure")
+        if self.curve_workers is not None and self.curve_secret is None:
+            raise ConfigError(f"{source}: curve_workers needs curve_secret (the server's secret key file)")
         if (self.curve_secret is None) != (self.curve_clients is None):
             raise ConfigError(f"{source}: curve_secret and curve_clients go together (the server's secret key "
                               "file and the folder of allowed client public keys)")
-        for key in ("curve_secret", "curve_clients"):
+        for key in ("curve_secret", "curve_clients", "curve_workers"):
             value = getattr(self, key)
             if value is not None and not Path(value).exists():
                 raise ConfigError(f"{source}: {key}: {value} does not exist; create keys with `mpserve keygen`")
@@ -130,15 +140,17 @@ _MODEL_KEYS = {"name": str, "path": str, "instances": int, "n_ctx": int, "thread
 _REQUIRES_KEYS = {"memory": (str, int), "gpus": int}
 _SERVER_KEYS = {"server_name": str, "bind": str, "workers_bind": str, "max_queue": int, "max_queue_total": int,
                 "grace": float, "stall_timeout": float, "idle_timeout": float, "client_timeout": float,
-                "curve_secret": str, "curve_clients": str, "insecure": bool, "gpus": (list, str), "simulate_gpus": str,
+                "curve_secret": str, "curve_clients": str, "curve_workers": str, "insecure": bool,
+                "heartbeat_interval": float, "heartbeat_liveness": int, "gpus": (list, str), "simulate_gpus": str,
                 "gpu_mode": str, "max_active_per_gpu": int, "gpu_memory_budget": (str, int),
                 "single_active_backend": bool, "switch_batch": int, "lock_dir": str, "permit_log": str,
                 "log_level": str, "models": list}
 _RANGES: dict[str, tuple[float, float]] = {
-    "instances": (1, 256), "n_ctx": (16, 1 << 20), "threads": (1, 1024), "n_gpu_layers": (-1, 100000),
+    "instances": (0, 256), "n_ctx": (16, 1 << 20), "threads": (1, 1024), "n_gpu_layers": (-1, 100000),
     "max_queue": (1, 1_000_000), "max_queue_total": (1, 10_000_000), "grace": (0, 3600),
     "stall_timeout": (0.1, 86400), "idle_timeout": (0, 86400 * 365), "client_timeout": (1, 3600),
-    "max_active_per_gpu": (1, 64), "switch_batch": (1, 100000),
+    "max_active_per_gpu": (1, 64), "switch_batch": (1, 100000), "heartbeat_interval": (0.05, 60),
+    "heartbeat_liveness": (2, 100),
 }
 _GPU_MODES = ("shared", "exclusive")
 _LOG_LEVELS = ("debug", "info", "warning", "error")

@@ -141,7 +141,8 @@ class _Gateway:
                 self.restarts.observe(local.server, local.rows)
             if self.config.exit_with_parent and os.getppid() != parent:
                 log.warning("the server that started this gateway is gone; stopping")
-                os.kill(os.getpid(), signal.SIGTERM)  # uvicorn's handler shuts down gracefully
+                os.kill(os.getpid(), signal.SIGTERM)  # once: uvicorn shuts down gracefully (a second would force it)
+                return
             await asyncio.sleep(SAMPLE_INTERVAL_S)
 
     # --- generation -----------------------------------------------------------------------------
@@ -178,7 +179,7 @@ class _Gateway:
                       started: float) -> Response:
         endpoint = request.url.path
         stream = client.stream(call.prompt, model=call.model, **call.generate_kwargs())
-        chunks = stream.__aiter__()
+        chunks = stream.__aiter__()  # submits the request on its first step
         try:
             first = await _unless_disconnected(request, _first(chunks))
         except ClientGone:

@@ -239,6 +239,17 @@ class ModelStats:
 
 
 @dataclass(frozen=True)
+class WorkerStats:
+    worker: str
+    model: str
+    host: str  # "" for this host's own workers
+    pid: int
+    device: int
+    capacity: int
+    running: int
+
+
+@dataclass(frozen=True)
 class Stats:
     """broker -> client: counters since start (accepted, done, timeout, retried, ... by name), and the
     state of each model's queue."""
@@ -248,6 +259,7 @@ class Stats:
     accepting: bool
     counters: dict[str, int]
     models: dict[str, ModelStats]
+    workers: list[WorkerStats] = field(default_factory=list)
 
     @classmethod
     def from_wire(cls, body: dict[str, Any]) -> Stats:
@@ -256,6 +268,7 @@ class Stats:
             nonce=_get(body, "nonce", int, 0), accepting=_get(body, "accepting", bool),
             counters={str(k): int(v) for k, v in _get(body, "counters", dict).items()},
             models={str(k): ModelStats(**v) for k, v in models.items()},
+            workers=[WorkerStats(**w) for w in _get(body, "workers", list, [])],
         )
 
 
@@ -353,24 +366,30 @@ class Ready:
     capacity: int
     pid: int
     loaded: bool = True
+    host: str = ""  # set by workers of remote pools
     protocol: str = VERSION.decode()
 
     @classmethod
     def from_wire(cls, body: dict[str, Any]) -> Ready:
-        return cls(worker=_text(body, "worker", 64), model=_text(body, "model", 256),
+        return cls(worker=_text(body, "worker", MAX_ID_CHARS), model=_text(body, "model", 256),
                    device=_get(body, "device", int), capacity=_get(body, "capacity", int),
                    pid=_get(body, "pid", int), loaded=_get(body, "loaded", bool, True),
-                   protocol=_text(body, "protocol", 16))
+                   host=_text(body, "host", 256, ""), protocol=_text(body, "protocol", 16))
 
 
 @dataclass(frozen=True)
 class Heartbeat:
+    """Both ways between broker and workers, every heartbeat interval (any other traffic counts too).
+    From the broker, ``registered`` False tells a worker the broker does not know it (it was declared
+    lost, or the broker restarted): the worker registers again with READY."""
+
     TYPE: ClassVar[MsgType] = MsgType.HEARTBEAT
     worker: str
+    registered: bool = True
 
     @classmethod
     def from_wire(cls, body: dict[str, Any]) -> Heartbeat:
-        return cls(worker=_text(body, "worker", 64))
+        return cls(worker=_text(body, "worker", MAX_ID_CHARS), registered=_get(body, "registered", bool, True))
 
 
 @dataclass(frozen=True)
@@ -457,6 +476,8 @@ def to_wire(msg: Any) -> Any:
         return {f.name: to_wire(getattr(msg, f.name)) for f in dataclasses.fields(msg)}
     if isinstance(msg, dict):
         return {k: to_wire(v) for k, v in msg.items()}
+    if isinstance(msg, list):
+        return [to_wire(v) for v in msg]
     return msg
 
 

@@ -39,7 +39,7 @@ def serve(config: ServerConfig) -> None:
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("gguf").setLevel(logging.WARNING)
     paths = ServerPaths.for_name(config.server_name, config.bind, config.workers_bind)
-    _claim(paths)
+    claim(paths)
     started = time.monotonic()
     layout = build_layout(config)  # refuses what does not fit before anything starts
     for device in layout.devices:
@@ -51,13 +51,16 @@ def serve(config: ServerConfig) -> None:
     authenticator = None
     try:
         if config.curve_clients is not None:
-            authenticator = ThreadAuthenticator(ctx)
+            authenticator = ThreadAuthenticator(ctx, log=_AuthLog())
             authenticator.start()
-            authenticator.configure_curve(domain="*", location=config.curve_clients)
+            authenticator.configure_curve(domain="clients", location=config.curve_clients)
+            if config.curve_workers is not None:
+                authenticator.configure_curve(domain="workers", location=config.curve_workers)
         broker = Broker(ctx, paths.front, paths.back, {m.name: config.max_queue for m in config.models},
                         max_queue_total=config.max_queue_total, client_timeout=config.client_timeout,
-                        curve_secret=config.curve_secret,
-                        residency=Residency(config.switch_batch) if config.single_active_backend else None)
+                        curve_secret=config.curve_secret, curve_workers=config.curve_workers,
+                        residency=Residency(config.switch_batch) if config.single_active_backend else None,
+                        heartbeat_interval=config.heartbeat_interval, heartbeat_liveness=config.heartbeat_liveness)
         supervisor = Supervisor(config, worker_specs(config, layout, paths.back, paths.slots), table)
         ServerInfo(paths.name, os.getpid(), paths.front, paths.back, str(paths.slots),
                    [m.name for m in config.models], time.time()).write(paths.info)
@@ -75,7 +78,18 @@ def serve(config: ServerConfig) -> None:
         log.info("stopped")
 
 
-def _claim(paths: ServerPaths) -> None:
+class _AuthLog(logging.LoggerAdapter):  # type: ignore[type-arg]
+    """zmq.auth logs refusals at debug level; an operator wants to see who was refused."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.getLogger("mpserve.auth"), {})
+
+    def debug(self, msg: object, *args: object, **kwargs: object) -> None:
+        if "DENIED" in str(msg):
+            self.warning("refused a connection: " + str(msg), *args, **kwargs)  # type: ignore[arg-type]
+
+
+def claim(paths: ServerPaths) -> None:
     """Refuse to start over a live server of the same name; remove what a dead one left behind."""
     info = ServerInfo.read(paths.name)
     if info is not None and info.alive() and info.pid != os.getpid():
@@ -98,6 +112,7 @@ class _Loop:
         self._supervisor = supervisor
         self._table = table
         self._next_watch = 0.0
+        self._next_heartbeat = 0.0
         self._started = started
         self._ready: set[int] = set()
         self._announced = False
@@ -120,6 +135,10 @@ class _Loop:
             self._supervisor.start_all()
             log.info("starting %d instance(s): %s; clients connect to %s", self._config.total_instances,
                      ", ".join(f"{m.name}×{m.instances}" for m in self._config.models), self._broker_addr())
+            if self._config.total_instances == 0:
+                self._announced = True
+                log.info("ready: no local instances; waiting for remote pools at %s",
+                         self._broker.back.getsockopt_string(zmq.LAST_ENDPOINT))
             while self._turn():
                 pass
             self._broker.stop_workers()
@@ -153,6 +172,10 @@ class _Loop:
             self._next_watch = now + WATCHDOG_PERIOD_S
             self._watch_progress()
             self._broker.expire_clients(now)
+            self._broker.expire_workers(now)
+        if now >= self._next_heartbeat:
+            self._next_heartbeat = now + self._config.heartbeat_interval
+            self._broker.send_heartbeats()
         self._supervisor.tick(now, restart=self._grace_deadline is None)
         if self._grace_deadline is None:
             return True

@@ -12,12 +12,14 @@ from __future__ import annotations
 
 import logging
 import os
+import random
 import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import zmq
+import zmq.auth
 
 from . import protocol as wire
 from .engine import Completion, Engine, EngineSpec, OnToken, load_engine
@@ -28,6 +30,8 @@ from .slots import SlotState, SlotTable, SlotWriter
 log = logging.getLogger("mpserve.worker")
 
 PARENT_CHECK_S = 1.0
+REGISTER_BACKOFF_FIRST_S = 0.5
+REGISTER_BACKOFF_MAX_S = 5.0
 EXIT_LOAD_FAILED = 3
 
 
@@ -53,11 +57,20 @@ class WorkerSpec:
     idle_timeout: float = 0.0  # unload after this long without a request; 0: never
     lazy: bool = False  # start without loading the model (single active backend: the broker decides)
     permit: PermitSpec | None = None
+    pool: str = ""  # a remote pool's name ("host-pid"); "" for the broker's own workers
+    curve_server_key: str | None = None  # remote pools: the broker's public key file ...
+    curve_secret: str | None = None  # ... and this pool's secret key file
+    heartbeat_interval: float = 1.0
+    heartbeat_liveness: int = 5
     log_level: str = "info"
 
     @property
     def identity(self) -> bytes:
-        return f"w{self.index}".encode()
+        return f"{self.pool}-w{self.index}".encode() if self.pool else f"w{self.index}".encode()
+
+    @property
+    def host(self) -> str:
+        return self.pool.rsplit("-", 1)[0] if self.pool else ""
 
 
 def worker_main(spec: WorkerSpec) -> None:
@@ -76,6 +89,11 @@ def worker_main(spec: WorkerSpec) -> None:
     sock = ctx.socket(zmq.DEALER)
     sock.setsockopt(zmq.IDENTITY, spec.identity)
     sock.setsockopt(zmq.LINGER, 2000)
+    sock.setsockopt(zmq.RECONNECT_IVL, 100)  # ZeroMQ reconnects by itself, backing off up to 5 s
+    sock.setsockopt(zmq.RECONNECT_IVL_MAX, 5000)
+    if spec.curve_server_key and spec.curve_secret:
+        sock.curve_serverkey = zmq.auth.load_certificate(spec.curve_server_key)[0]
+        sock.curve_publickey, sock.curve_secretkey = zmq.auth.load_certificate(spec.curve_secret)
     sock.connect(spec.backend)
     permits = None
     try:
@@ -110,6 +128,11 @@ class Worker:
         self._current: wire.Assign | None = None
         self._cancelled = False
         self._next_parent_check = 0.0
+        self._next_heartbeat = 0.0
+        self._heard = time.monotonic()
+        self._must_register = False
+        self._register_backoff = REGISTER_BACKOFF_FIRST_S
+        self._next_register = 0.0
 
     def load(self) -> None:
         """Load the model; on failure tell the broker why (FAILED) and exit for the supervisor to decide."""
@@ -127,23 +150,48 @@ class Worker:
 
     def run(self) -> None:
         spec = self._spec
-        self._send(wire.Ready(spec.identity.decode(), spec.model, spec.device, 1, os.getpid(),
-                              loaded=self._engine is not None))
+        self._register()
         idle_since = time.monotonic()
         while not self._stopping:
-            if self._sock.poll(int(PARENT_CHECK_S * 1000)):
+            if self._sock.poll(int(min(PARENT_CHECK_S, spec.heartbeat_interval) * 1000)):
                 msg = self._receive()
                 if isinstance(msg, wire.Assign):
                     self._serve(msg)
                     idle_since = time.monotonic()
-                continue
-            if os.getppid() != spec.parent_pid:
-                log.warning("server (pid %d) is gone; exiting", spec.parent_pid)
-                break
+            self._keep_alive()
             if self._engine is not None and spec.idle_timeout and time.monotonic() - idle_since >= spec.idle_timeout:
                 log.info("idle for %.0f s; unloading the model until the next request", spec.idle_timeout)
                 self._unload()
         self._row.update(state=SlotState.STOPPING)
+
+    def _register(self) -> None:
+        spec = self._spec
+        self._send(wire.Ready(spec.identity.decode(), spec.model, spec.device, 1, os.getpid(),
+                              loaded=self._engine is not None, host=spec.host))
+        self._must_register = False
+        self._heard = time.monotonic()  # give the broker a full expiry to answer before trying again
+
+    def _keep_alive(self) -> None:
+        """Heartbeats both ways (the Paranoid Pirate pattern): send one every interval; if the broker has
+        been silent for interval × liveness, register again, backing off with jitter, so that a broker
+        that restarted or declared this worker lost gets it back. Also: exit if the server is gone."""
+        spec = self._spec
+        now = time.monotonic()
+        if now >= self._next_parent_check:
+            self._next_parent_check = now + PARENT_CHECK_S
+            if os.getppid() != spec.parent_pid:
+                log.warning("server (pid %d) is gone; exiting", spec.parent_pid)
+                self._stopping = True
+        if now >= self._next_heartbeat:
+            self._next_heartbeat = now + spec.heartbeat_interval
+            self._send(wire.Heartbeat(spec.identity.decode()))
+        silent = now - self._heard > spec.heartbeat_interval * spec.heartbeat_liveness
+        if self._current is None and (self._must_register or (silent and now >= self._next_register)):
+            if silent:
+                log.warning("no word from the broker for %.1f s; registering again", now - self._heard)
+            self._register()
+            self._register_backoff = min(REGISTER_BACKOFF_MAX_S, self._register_backoff * 2)
+            self._next_register = now + self._register_backoff * random.uniform(0.5, 1.5)
 
     def _unload(self) -> None:
         if self._engine is not None:
@@ -155,12 +203,20 @@ class Worker:
     def _receive(self) -> wire.Assign | None:
         """Take one broker message; handle CANCEL/STOP here, return an ASSIGN for the caller."""
         frames = self._sock.recv_multipart()
+        self._heard = time.monotonic()
+        self._register_backoff = REGISTER_BACKOFF_FIRST_S
         try:
             msg = wire.decode(frames)
         except MpserveError as exc:
             log.error("dropped a bad message from the broker: %s", exc)
             return None
-        if isinstance(msg, wire.Stop):
+        if isinstance(msg, wire.Heartbeat) and not msg.registered:
+            self._must_register = True  # the broker does not know this worker (any more)
+            self._cancelled = self._current is not None  # a running request's ticket is void
+        elif isinstance(msg, wire.Error):
+            log.error("the broker refused this worker: %s", msg.message)
+            sys.exit(EXIT_LOAD_FAILED)
+        elif isinstance(msg, wire.Stop):
             self._stopping = True
         elif isinstance(msg, wire.Unload):
             if self._current is None:
@@ -229,12 +285,7 @@ class Worker:
     def _should_stop(self) -> bool:
         while self._sock.poll(0):
             self._receive()
-        now = time.monotonic()
-        if now >= self._next_parent_check:
-            self._next_parent_check = now + PARENT_CHECK_S
-            if os.getppid() != self._spec.parent_pid:
-                log.warning("server (pid %d) is gone; abandoning request and exiting", self._spec.parent_pid)
-                self._stopping = True
+        self._keep_alive()
         return self._cancelled or self._stopping
 
     def _send(self, msg: object, ticket: str = "") -> None:

@@ -43,7 +43,7 @@ def test_threads_default_to_cores_divided_by_all_instances() -> None:
     ({"models": [{"name": "a", "instnces": 2}]}, "models\\[0\\]: unknown key 'instnces'; allowed keys: name"),
     ({"max_queu": 3}, "unknown key 'max_queu'"),
     ({"models": [{"instances": "two"}]}, "models\\[0\\].instances: got 'two', expected an integer"),
-    ({"models": [{"instances": 0}]}, "instances: got 0, allowed: 1 to 256"),
+    ({"models": [{"instances": -1}]}, "instances: got -1, allowed: 0 to 256"),
     ({"models": [{"path": "/no/such.gguf"}]}, "no such model file"),
     ({"models": [{"name": "a"}, {"name": "a"}]}, "unique"),
     ({"models": []}, "non-empty list"),

@@ -1,0 +1,432 @@
+"""Continuous batching: one llama.cpp context decoding several sequences in one batch.
+
+A context that decodes K sequences in one ``llama_decode`` call reads the model's weights once for all
+K of them, which is where a memory-bound decode spends its time; K sequences cost little more than one.
+``BatchEngine`` is the compute core for that: it knows nothing of processes or sockets. A caller (the
+worker) admits requests into free slots and calls ``step`` in a loop:
+
+    admit(slot, prompt, params, on_token)   tokenize, reuse the slot's cached prefix, queue the rest
+    step()                                   ONE llama_decode of:
+                                               one token for every decoding sequence, and
+                                               prompt chunks of admitted sequences, at most
+                                               ``step_budget_tokens`` in total while others decode
+                                             then sample each sequence that has logits, with its own
+                                             sampler chain; text and stop strings per sequence;
+                                             on_token per sampled token; returns what finished
+    cancel(slot)                             the sequence ends at the start of the next step
+
+Slots are llama.cpp sequence ids 0..parallel-1. The context holds ``parallel * n_ctx`` KV cells and
+every slot its own stream of ``n_ctx`` (``kv_unified`` off), so a sequence never runs out of cells
+because of another, and a slot can keep the cells of its last request after it finishes: a new prompt
+in that slot that starts with the same tokens skips recomputing them (``best_slot`` finds the free slot
+with the longest such prefix; the completion reports it as ``reused_tokens``).
+
+Greedy output equals ``llama_cpp.Llama.create_completion(prompt, temperature=0)``: the same tokens
+(BOS, then the prompt tokenized without specials added and with special tokens parsed), the same context
+settings, the same sampler chain (``mpserve.sampling``), and a batch row's logits that do not depend on
+the other rows. Not thread-safe: one thread admits, cancels and steps.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import random
+import time
+from collections import deque
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from .engine import Completion, OnToken
+from .errors import BadRequest, Busy
+from .protocol import GenerateParams
+from .sampling import SamplerChain, TextStream
+
+MAX_PROMPT_BATCH = 512
+"""Prompt tokens per step when no sequence is decoding (nobody waits on the step), and llama.cpp's
+micro-batch size, as llama_cpp.Llama sets it."""
+
+
+@dataclass(frozen=True)
+class BatchCompletion(Completion):
+    """A completion, plus how many prompt tokens came from the slot's cache instead of being computed."""
+
+    reused_tokens: int = 0
+
+
+@dataclass(frozen=True)
+class BatchStats:
+    """Counters since the engine was built. ``decode_s`` is time inside llama_decode; the rest of
+    ``step_s`` is scheduling, sampling, detokenizing and the on_token callbacks."""
+
+    steps: int
+    step_s: float
+    decode_s: float
+    prompt_tokens_computed: int
+    prompt_tokens_reused: int
+    generated_tokens: int
+
+    @property
+    def outside_decode_share(self) -> float:
+        return (self.step_s - self.decode_s) / self.step_s if self.step_s > 0 else 0.0
+
+
+class _Sequence:
+    """One admitted request in its slot."""
+
+    __slots__ = ("slot", "prompt", "n_past", "reused", "max_tokens", "sampler", "text", "on_token", "generated",
+                 "next_token", "output_row", "pieces", "admitted_at", "first_token_at", "cancel_requested")
+
+    def __init__(self, slot: int, prompt: list[int], reused: int, max_tokens: int, sampler: SamplerChain,
+                 text: TextStream, on_token: OnToken) -> None:
+        self.slot = slot
+        self.prompt = prompt
+        self.n_past = reused  # tokens of this sequence that have KV cells: prompt, then generated
+        self.reused = reused
+        self.max_tokens = max_tokens
+        self.sampler = sampler
+        self.text = text
+        self.on_token = on_token
+        self.generated: list[int] = []
+        self.next_token = -1  # the last sampled token, to be decoded next step; -1 while in its prompt
+        self.output_row = -1  # the batch row whose logits this sequence samples from after this decode
+        self.pieces: list[str] = []  # text handed to on_token
+        self.admitted_at = time.perf_counter()
+        self.first_token_at = 0.0
+        self.cancel_requested = False
+
+
+class BatchEngine:
+    def __init__(self, path: str, n_ctx: int, parallel: int, threads: int, n_gpu_layers: int, seed: int = 0,
+                 step_budget_tokens: int = 64) -> None:
+        import llama_cpp
+
+        if not 1 <= parallel <= llama_cpp.llama_max_parallel_sequences():
+            raise ValueError(f"parallel must be 1..{llama_cpp.llama_max_parallel_sequences()}, got {parallel}")
+        if step_budget_tokens < 1 or n_ctx < 2:
+            raise ValueError("step_budget_tokens must be >= 1 and n_ctx >= 2")
+        self._lib = llama_cpp
+        self.n_ctx = n_ctx
+        self.parallel = parallel
+        self._budget = step_budget_tokens
+        self._idle_budget = max(step_budget_tokens, MAX_PROMPT_BATCH)
+        self._rng = random.Random(seed)
+        self._pieces: dict[int, tuple[bytes, bool]] = {}  # token -> (text bytes, end of generation)
+        self._tokenized: tuple[str, list[int]] = ("", [])
+        self._cached: list[list[int]] = [[] for _ in range(parallel)]  # tokens with KV cells, per slot
+        self._last_used = [0] * parallel
+        self._uses = 0
+        self._running: dict[int, _Sequence] = {}
+        self._prefilling: deque[_Sequence] = deque()  # admission order
+        self._steps = 0
+        self._step_s = self._decode_s = 0.0
+        self._computed = self._reused = self._generated = 0
+        logging.getLogger("llama-cpp-python").setLevel(logging.ERROR)  # what Llama(verbose=False) does
+        llama_cpp.llama_backend_init()
+
+        model_params = llama_cpp.llama_model_default_params()
+        model_params.n_gpu_layers = 0x7FFFFFFF if n_gpu_layers == -1 else n_gpu_layers
+        self._model: Any = llama_cpp.llama_model_load_from_file(path.encode(), model_params)
+        if not self._model:
+            raise ValueError(f"cannot load model {path}")
+        self._ctx: Any = None
+        try:
+            self._vocab = llama_cpp.llama_model_get_vocab(self._model)
+            self._n_vocab = llama_cpp.llama_vocab_n_tokens(self._vocab)
+            bos = llama_cpp.llama_vocab_bos(self._vocab)
+            self._bos = [bos] if llama_cpp.llama_vocab_get_add_bos(self._vocab) and bos >= 0 else []
+            capacity = self._idle_budget + parallel  # most tokens one step can put in a batch
+            self._ctx = llama_cpp.llama_init_from_model(self._model, self._context_params(capacity, threads))
+            if not self._ctx:
+                raise ValueError("cannot create a llama.cpp context")
+        except BaseException:
+            self.close()
+            raise
+        self._memory = llama_cpp.llama_get_memory(self._ctx)
+        self._batch = _Batch(llama_cpp, capacity)
+        self._warm_up()
+
+    def _context_params(self, capacity: int, threads: int) -> Any:
+        """The context ``llama_cpp.Llama`` would create (same attention, same RoPE settings), with
+        ``parallel`` sequences of ``n_ctx`` cells each."""
+        lib = self._lib
+        params = lib.llama_context_default_params()
+        params.n_ctx = self.n_ctx * self.parallel
+        params.n_seq_max = self.parallel
+        params.kv_unified = False
+        params.n_batch = capacity
+        params.n_ubatch = capacity
+        params.n_threads = params.n_threads_batch = threads
+        params.flash_attn_type = lib.LLAMA_FLASH_ATTN_TYPE_DISABLED
+        params.yarn_ext_factor = -1.0
+        params.yarn_attn_factor = 1.0
+        params.yarn_beta_fast = 32.0
+        params.yarn_beta_slow = 1.0
+        params.no_perf = True
+        return params
+
+    def _warm_up(self) -> None:
+        """llama.cpp sets up its compute graphs and thread pool on the first decode; do it while loading,
+        so the first request does not pay for it (as LlamaEngine does)."""
+        self._batch.n = 0
+        self._batch.add(self._bos[0] if self._bos else 0, 0, 0)
+        if self._lib.llama_decode(self._ctx, self._batch.view()) != 0:
+            raise RuntimeError("llama_decode failed while warming up")
+        self._lib.llama_memory_seq_rm(self._memory, 0, -1, -1)
+        self._batch.n = 0
+
+    # --- slots --------------------------------------------------------------------------------------
+
+    @property
+    def active(self) -> int:
+        return len(self._running)
+
+    def free_slots(self) -> list[int]:
+        return [slot for slot in range(self.parallel) if slot not in self._running]
+
+    def best_slot(self, prompt: str) -> tuple[int, int]:
+        """The free slot whose cached tokens share the longest prefix with ``prompt``, and how many
+        prompt tokens ``admit`` would reuse there. Ties go to the least recently used slot, so a
+        prompt with nothing to reuse does not evict another prompt's prefix when it need not."""
+        free = self.free_slots()
+        if not free:
+            raise Busy("no free slot")
+        tokens = self._tokenize(prompt)
+        return max(((slot, self._reusable(slot, tokens)) for slot in free),
+                   key=lambda sr: (sr[1], -self._last_used[sr[0]]))
+
+    def _reusable(self, slot: int, tokens: list[int]) -> int:
+        cached = self._cached[slot]
+        n = 0
+        for a, b in zip(cached, tokens, strict=False):
+            if a != b:
+                break
+            n += 1
+        # the last prompt token is always computed again: its logits pick the first new token
+        return min(n, len(tokens) - 1)
+
+    # --- requests -----------------------------------------------------------------------------------
+
+    def admit(self, slot: int, prompt: str, params: GenerateParams, on_token: OnToken) -> None:
+        """Start ``prompt`` in free slot ``slot``; its prompt is computed by the coming steps."""
+        if not 0 <= slot < self.parallel or slot in self._running:
+            raise ValueError(f"slot {slot} is not a free slot of 0..{self.parallel - 1}")
+        tokens = self._tokenize(prompt)
+        if not tokens:
+            raise BadRequest("the prompt is empty and the model has no BOS token to start from")
+        if len(tokens) >= self.n_ctx:
+            raise BadRequest(f"the prompt is {len(tokens)} tokens; the context holds {self.n_ctx} per sequence")
+        reused = self._reusable(slot, tokens)
+        if not self._lib.llama_memory_seq_rm(self._memory, slot, reused, -1):
+            self._lib.llama_memory_seq_rm(self._memory, slot, -1, -1)  # whole-sequence removal never fails
+            reused = 0
+        self._cached[slot] = tokens[:reused]
+        self._uses += 1
+        self._last_used[slot] = self._uses
+        seed = params.seed if params.seed is not None else self._rng.randrange(2**32 - 1)
+        seq = _Sequence(
+            slot, tokens, reused, min(params.max_tokens, self.n_ctx - len(tokens)),
+            SamplerChain(self._n_vocab, params, seed), TextStream(params.stop, strip_leading_space=not prompt),
+            on_token,
+        )
+        self._running[slot] = seq
+        self._prefilling.append(seq)
+        self._reused += reused
+
+    def cancel(self, slot: int) -> None:
+        """End the sequence in ``slot`` at the start of the next step (finish_reason "cancelled").
+        A slot with nothing running is left alone: the request may have just finished."""
+        seq = self._running.get(slot)
+        if seq is not None:
+            seq.cancel_requested = True
+
+    def step(self) -> list[tuple[int, BatchCompletion]]:
+        """One llama_decode for every running sequence; returns the sequences that ended in it."""
+        started = time.perf_counter()
+        done = [self._finish(seq, "cancelled") for seq in list(self._running.values()) if seq.cancel_requested]
+        rows = self._fill_batch()
+        if self._batch.n:
+            decode_started = time.perf_counter()
+            rc = self._lib.llama_decode(self._ctx, self._batch.view())
+            self._decode_s += time.perf_counter() - decode_started
+            if rc != 0:
+                raise RuntimeError(f"llama_decode failed with status {rc}")
+            for seq in rows:
+                ended = self._sample(seq)
+                if ended is not None:
+                    done.append(self._finish(seq, ended))
+        self._steps += 1
+        self._step_s += time.perf_counter() - started
+        return done
+
+    def _fill_batch(self) -> list[_Sequence]:
+        """Put this step's tokens in the batch; return the sequences that sample after the decode."""
+        batch = self._batch
+        batch.n = 0
+        rows: list[_Sequence] = []
+        for seq in self._running.values():
+            if seq.next_token >= 0:
+                seq.output_row = batch.add(seq.next_token, seq.n_past, seq.slot)
+                seq.n_past += 1
+                rows.append(seq)
+        budget = self._budget if rows else self._idle_budget
+        while self._prefilling and budget > 0:
+            seq = self._prefilling[0]
+            chunk = seq.prompt[seq.n_past:seq.n_past + budget]
+            last_row = batch.add_run(chunk, seq.n_past, seq.slot)
+            seq.n_past += len(chunk)
+            budget -= len(chunk)
+            self._computed += len(chunk)
+            if seq.n_past < len(seq.prompt):
+                break  # the budget ran out inside this prompt
+            self._prefilling.popleft()
+            batch.logits[last_row] = 1
+            seq.output_row = last_row
+            rows.append(seq)
+        return rows
+
+    def _sample(self, seq: _Sequence) -> str | None:
+        """Sample ``seq``'s next token and hand its text out; the finish reason if it ended."""
+        token = seq.sampler.sample(self._ctx, seq.output_row)
+        if not seq.first_token_at:
+            seq.first_token_at = time.perf_counter()
+        piece, end_of_generation = self._piece(token)
+        if end_of_generation:  # not part of the completion, as in create_completion
+            tail = seq.text.flush()
+            if tail:
+                seq.pieces.append(tail)
+                seq.on_token(tail, len(seq.generated))
+            return "stop"
+        seq.generated.append(token)
+        self._generated += 1
+        text, stopped = seq.text.push(piece)
+        finished = "stop" if stopped else "length" if len(seq.generated) >= seq.max_tokens else None
+        if finished == "length":
+            text += seq.text.flush()
+        if text:
+            seq.pieces.append(text)
+        go_on = seq.on_token(text, len(seq.generated))
+        if finished is None:
+            if not go_on:
+                return "cancelled"
+            seq.next_token = token
+        return finished
+
+    def _finish(self, seq: _Sequence, reason: str) -> tuple[int, BatchCompletion]:
+        """Take ``seq`` out of the batch. Its KV cells stay: the slot's next prompt may start the same."""
+        ended = time.perf_counter()
+        seq.sampler.close()
+        del self._running[seq.slot]
+        if seq in self._prefilling:
+            self._prefilling.remove(seq)
+        self._cached[seq.slot] = (seq.prompt + seq.generated)[:seq.n_past]
+        first = seq.first_token_at or ended
+        return seq.slot, BatchCompletion(
+            text="".join(seq.pieces), finish_reason=reason, prompt_tokens=len(seq.prompt),
+            completion_tokens=len(seq.generated), prompt_s=first - seq.admitted_at, generate_s=ended - first,
+            reused_tokens=seq.reused,
+        )
+
+    # --- tokens -------------------------------------------------------------------------------------
+
+    def _tokenize(self, prompt: str) -> list[int]:
+        """BOS, then the prompt as create_completion tokenizes it (no specials added, specials parsed).
+        The last result is kept: best_slot and admit usually tokenize the same prompt one after the other."""
+        if self._tokenized[0] == prompt and self._tokenized[1]:
+            return self._tokenized[1]
+        data = prompt.encode("utf-8")
+        lib = self._lib
+        room = len(data) + 8
+        buffer = (lib.llama_token * room)()
+        n = lib.llama_tokenize(self._vocab, data, len(data), buffer, room, False, True)
+        if n < 0:
+            room = -n
+            buffer = (lib.llama_token * room)()
+            n = lib.llama_tokenize(self._vocab, data, len(data), buffer, room, False, True)
+        if n < 0:
+            raise BadRequest("the prompt cannot be tokenized")
+        tokens = self._bos + buffer[:n]
+        self._tokenized = (prompt, tokens)
+        return tokens
+
+    def _piece(self, token: int) -> tuple[bytes, bool]:
+        known = self._pieces.get(token)
+        if known is None:
+            lib = self._lib
+            buffer = ctypes.create_string_buffer(64)
+            n = lib.llama_token_to_piece(self._vocab, token, buffer, 64, 0, False)
+            if n < 0:
+                buffer = ctypes.create_string_buffer(-n)
+                n = lib.llama_token_to_piece(self._vocab, token, buffer, -n, 0, False)
+            known = (buffer.raw[:n], bool(lib.llama_vocab_is_eog(self._vocab, token)))
+            self._pieces[token] = known
+        return known
+
+    # --- lifetime -----------------------------------------------------------------------------------
+
+    def stats(self) -> BatchStats:
+        return BatchStats(self._steps, self._step_s, self._decode_s, self._computed, self._reused,
+                          self._generated)
+
+    def close(self) -> None:
+        """Free every sampler, the context and the model. Running sequences are dropped unanswered."""
+        for seq in self._running.values():
+            seq.sampler.close()
+        self._running.clear()
+        self._prefilling.clear()
+        if self._ctx:
+            self._lib.llama_free(self._ctx)
+            self._ctx = None
+        if self._model:
+            self._lib.llama_model_free(self._model)
+            self._model = None
+
+
+class _Batch:
+    """A llama_batch over numpy arrays this object owns, so prompt chunks are written a slice at a time.
+    Every row belongs to one sequence: ``seq_id[i]`` points at ``seq[i]``."""
+
+    def __init__(self, lib: Any, capacity: int) -> None:
+        self.n = 0
+        self.token = np.zeros(capacity, np.int32)
+        self.pos = np.zeros(capacity, np.int32)
+        self.n_seq_id = np.ones(capacity, np.int32)
+        self.seq = np.zeros(capacity, np.int32)
+        self.logits = np.zeros(capacity, np.int8)
+        int32_p = ctypes.POINTER(ctypes.c_int32)
+        self._seq_ptrs = (int32_p * capacity)(
+            *(ctypes.cast(self.seq.ctypes.data + 4 * i, int32_p) for i in range(capacity)))
+        self._struct = lib.llama_batch(
+            n_tokens=0, token=self.token.ctypes.data_as(ctypes.POINTER(lib.llama_token)),
+            embd=ctypes.POINTER(ctypes.c_float)(), pos=self.pos.ctypes.data_as(ctypes.POINTER(lib.llama_pos)),
+            n_seq_id=self.n_seq_id.ctypes.data_as(int32_p),
+            seq_id=ctypes.cast(self._seq_ptrs, ctypes.POINTER(ctypes.POINTER(lib.llama_seq_id))),
+            logits=self.logits.ctypes.data_as(ctypes.POINTER(ctypes.c_int8)),
+        )
+
+    def add(self, token: int, pos: int, seq: int) -> int:
+        """One token whose logits are wanted; returns its row."""
+        i = self.n
+        self.token[i] = token
+        self.pos[i] = pos
+        self.seq[i] = seq
+        self.logits[i] = 1
+        self.n = i + 1
+        return i
+
+    def add_run(self, tokens: list[int], pos: int, seq: int) -> int:
+        """Consecutive tokens of one sequence, no logits; returns the last row."""
+        i, j = self.n, self.n + len(tokens)
+        self.token[i:j] = tokens
+        self.pos[i:j] = np.arange(pos, pos + len(tokens), dtype=np.int32)
+        self.seq[i:j] = seq
+        self.logits[i:j] = 0
+        self.n = j
+        return j - 1
+
+    def view(self) -> Any:
+        """The llama_batch of the rows added so far."""
+        self._struct.n_tokens = self.n
+        return self._struct

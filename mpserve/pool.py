@@ -1,0 +1,97 @@
+"""``mpserve worker --connect tcp://BROKER:PORT``: a pool of workers on another host.
+
+The pool is a supervisor without a broker: it places its instances on this host's devices, keeps its own
+slot table (so ``mpserve status --server-name NAME`` works here), and starts, reaps and restarts its
+workers. Each worker connects to the remote broker's worker socket itself, registers (READY with this
+host's name), and keeps the link alive with heartbeats both ways: if the broker falls silent (it
+restarted, or declared this worker lost), the worker registers again, backing off with jitter, and
+ZeroMQ reconnects the TCP link by itself. Requests never pass through the pool process.
+
+On SIGTERM/SIGINT the pool stops its workers; requests they were running are retried or failed by the
+broker's rules (retry if nothing was streamed yet).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import signal
+import socket
+import sys
+import time
+
+import zmq
+
+from .config import ServerConfig
+from .layout import build_layout, worker_specs
+from .runtime import ServerInfo, ServerPaths
+from .server import claim
+from .slots import SlotTable
+from .supervisor import Supervisor
+
+log = logging.getLogger("mpserve.pool")
+
+
+def run_pool(config: ServerConfig, connect: str, curve_server_key: str | None = None,
+             curve_secret: str | None = None) -> None:
+    logging.basicConfig(level=config.log_level.upper(), stream=sys.stderr,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    paths = ServerPaths.for_name(config.server_name)
+    claim(paths)
+    layout = build_layout(config)
+    pool = f"{socket.gethostname()[:32]}-{os.getpid()}"
+    specs = [dataclasses.replace(spec, pool=pool, curve_server_key=curve_server_key, curve_secret=curve_secret,
+                                 heartbeat_interval=config.heartbeat_interval,
+                                 heartbeat_liveness=config.heartbeat_liveness)
+             for spec in worker_specs(config, layout, connect, paths.slots)]
+    table = SlotTable.create(paths.slots, rows=len(specs))
+    try:
+        supervisor = Supervisor(config, specs, table)
+        ServerInfo(paths.name, os.getpid(), connect, connect, str(paths.slots), [m.name for m in config.models],
+                   time.time()).write(paths.info)
+        log.info("pool %s: %d instance(s) of %s for the broker at %s", pool, len(specs),
+                 ", ".join(m.name for m in config.models), connect)
+        _supervise(supervisor)
+    finally:
+        table.unlink()
+        table.close()
+        paths.info.unlink(missing_ok=True)
+
+
+def _supervise(supervisor: Supervisor) -> None:
+    """Start the workers; reap and restart them until a signal says stop."""
+    wake_r, wake_w = socket.socketpair()
+    wake_r.setblocking(False)
+    wake_w.setblocking(False)
+    old_wakeup = signal.set_wakeup_fd(wake_w.fileno())
+    old_handlers = {s: signal.signal(s, lambda *_: None) for s in (signal.SIGTERM, signal.SIGINT)}
+    poller = zmq.Poller()
+    poller.register(wake_r.fileno(), zmq.POLLIN)
+    watched: dict[int, int] = {}
+    try:
+        supervisor.start_all()
+        while True:
+            current = supervisor.sentinels()
+            for fd in current.keys() - watched.keys():
+                poller.register(fd, zmq.POLLIN)
+            watched = current
+            next_timer = supervisor.next_timer()
+            timeout = 1000 if next_timer is None else max(0, min(1000, int((next_timer - time.monotonic()) * 1000)))
+            events = dict(poller.poll(timeout))
+            if wake_r.fileno() in events:
+                log.info("stopping the pool's workers")
+                break
+            for fd, index in list(watched.items()):
+                if fd in events:
+                    poller.unregister(fd)
+                    del watched[fd]
+                    supervisor.reap(index)
+            supervisor.tick(time.monotonic())
+        supervisor.stop_all(timeout=0)
+    finally:
+        signal.set_wakeup_fd(old_wakeup)
+        for s, handler in old_handlers.items():
+            signal.signal(s, handler)
+        wake_r.close()
+        wake_w.close()
