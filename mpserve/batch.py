@@ -100,7 +100,7 @@ class _Sequence:
 
 class BatchEngine:
     def __init__(self, path: str, n_ctx: int, parallel: int, threads: int, n_gpu_layers: int, seed: int = 0,
-                 step_budget_tokens: int = 64) -> None:
+                 step_budget_tokens: int = 64, *, kv_unified: bool = False) -> None:
         import llama_cpp
 
         if not 1 <= parallel <= llama_cpp.llama_max_parallel_sequences():
@@ -138,7 +138,8 @@ class BatchEngine:
             bos = llama_cpp.llama_vocab_bos(self._vocab)
             self._bos = [bos] if llama_cpp.llama_vocab_get_add_bos(self._vocab) and bos >= 0 else []
             capacity = self._idle_budget + parallel  # most tokens one step can put in a batch
-            self._ctx = llama_cpp.llama_init_from_model(self._model, self._context_params(capacity, threads))
+            self._ctx = llama_cpp.llama_init_from_model(self._model,
+                                                        self._context_params(capacity, threads, kv_unified))
             if not self._ctx:
                 raise ValueError("cannot create a llama.cpp context")
         except BaseException:
@@ -148,14 +149,14 @@ class BatchEngine:
         self._batch = _Batch(llama_cpp, capacity)
         self._warm_up()
 
-    def _context_params(self, capacity: int, threads: int) -> Any:
+    def _context_params(self, capacity: int, threads: int, kv_unified: bool) -> Any:
         """The context ``llama_cpp.Llama`` would create (same attention, same RoPE settings), with
-        ``parallel`` sequences of ``n_ctx`` cells each."""
+        ``parallel`` sequences of ``n_ctx`` cells each: a stream of its own each, or one shared pool."""
         lib = self._lib
         params = lib.llama_context_default_params()
         params.n_ctx = self.n_ctx * self.parallel
         params.n_seq_max = self.parallel
-        params.kv_unified = False
+        params.kv_unified = kv_unified
         params.n_batch = capacity
         params.n_ubatch = capacity
         params.n_threads = params.n_threads_batch = threads

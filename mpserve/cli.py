@@ -284,9 +284,12 @@ def status(
     watch: Annotated[bool, typer.Option("--watch", "-w", help="Refresh until Ctrl-C.")] = False,
     interval: Annotated[float, typer.Option("--interval", help="Seconds between refreshes.")] = 1.0,
     as_json: Annotated[bool, typer.Option("--json", help="Print rows as JSON.")] = False,
+    remote: Annotated[bool, typer.Option(
+        "--remote/--no-remote", help="Also ask the broker for the instances of remote pools.")] = True,
     server_name: ServerName = "default",
 ) -> None:
-    """Show the slot table of a running server (read from shared memory; no request is sent)."""
+    """Show the slot table of a running server (read from shared memory, no request needed), and the
+    instances that remote pools registered with it."""
     with _errors():
         info = ServerInfo.read(server_name)
         if info is None or not info.alive():
@@ -295,13 +298,17 @@ def status(
         try:
             while True:
                 rows = table.read_all()
+                pools = _remote_workers(info) if remote and info.role == "broker" else []
                 if as_json:
                     print(json.dumps({"server": info.name, "pid": info.pid, "address": info.front,
-                                      "slots": [_row_json(r) for r in rows]}))
+                                      "slots": [_row_json(r) for r in rows], "remote": [vars(w) for w in pools]}))
                 else:
                     if watch:
                         sys.stdout.write("\033[H\033[2J")
                     print(format_table(info, rows))
+                    for w in pools:
+                        print(f"remote  {w.worker}  host {w.host}  pid {w.pid}  {w.model}  "
+                              f"{'cpu' if w.device < 0 else f'gpu{w.device}'}  running {w.running}/{w.capacity}")
                 if not watch:
                     return
                 time.sleep(interval)
@@ -402,6 +409,17 @@ def keygen(
     public, secret = zmq.auth.create_certificates(str(directory), name)
     Path(secret).chmod(0o600)
     typer.echo(f"wrote {public} (public) and {secret} (secret)")
+
+
+def _remote_workers(info: ServerInfo) -> list:
+    """The broker's remote workers, or [] if it does not answer within a second."""
+    from .client import Client
+
+    try:
+        with Client(info.front, connect_timeout=1.0) as client:
+            return [w for w in client.stats(timeout=1.0).workers if w.host]
+    except MpserveError:
+        return []
 
 
 def format_table(info: ServerInfo, rows: list[SlotRow]) -> str:

@@ -49,7 +49,7 @@ def run_pool(config: ServerConfig, connect: str, curve_server_key: str | None = 
     try:
         supervisor = Supervisor(config, specs, table)
         ServerInfo(paths.name, os.getpid(), connect, connect, str(paths.slots), [m.name for m in config.models],
-                   time.time()).write(paths.info)
+                   time.time(), role="pool").write(paths.info)
         log.info("pool %s: %d instance(s) of %s for the broker at %s", pool, len(specs),
                  ", ".join(m.name for m in config.models), connect)
         _supervise(supervisor)

@@ -74,6 +74,7 @@ class ServerInfo:
     slots: str
     models: list[str]
     started: float
+    role: str = "broker"  # or "pool": `mpserve worker`, whose front and back are the remote broker's
 
     def write(self, path: Path) -> None:
         tmp = path.with_suffix(".json.tmp")

@@ -85,8 +85,9 @@ class _AuthLog(logging.LoggerAdapter):  # type: ignore[type-arg]
         super().__init__(logging.getLogger("mpserve.auth"), {})
 
     def debug(self, msg: object, *args: object, **kwargs: object) -> None:
-        if "DENIED" in str(msg):
-            self.warning("refused a connection: " + str(msg), *args, **kwargs)  # type: ignore[arg-type]
+        text = str(msg) % args if args else str(msg)
+        if "DENIED" in text:
+            self.warning("refused a connection: %s", text)
 
 
 def claim(paths: ServerPaths) -> None:

@@ -1,0 +1,214 @@
+"""Remote worker pools over TCP on loopback: `mpserve worker --connect` processes registering with a broker
+started with `--workers-bind`, heartbeats both ways, loss and re-registration, broker restarts, CURVE."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections import Counter
+from pathlib import Path
+
+import pytest
+import zmq
+from conftest import ServerProcess, _die_with_parent
+
+from mpserve import AsyncClient, Client
+from mpserve import protocol as wire
+from mpserve.runtime import ServerInfo
+from mpserve.slots import SlotTable
+
+FAST = ["--heartbeat-interval", "0.25", "--heartbeat-liveness", "4"]  # lost after 1 s of silence
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Pool:
+    """`python -m mpserve worker --connect …` in a subprocess."""
+
+    def __init__(self, name: str, connect: str, *args: str) -> None:
+        self.name = name
+        self.log_path = Path(os.environ["MPSERVE_RUNTIME_DIR"]) / f"{name}.log"
+        self.proc = subprocess.Popen([sys.executable, "-m", "mpserve", "worker", "--connect", connect,
+                                      "--server-name", name, "--name", "tiny", *FAST, *args],
+                                     stdout=self.log_path.open("w"), stderr=subprocess.STDOUT,
+                                     preexec_fn=_die_with_parent)
+
+    def pids(self) -> list[int]:
+        """The pool process and its workers (workers run in sessions of their own)."""
+        deadline = time.monotonic() + 30
+        while (info := ServerInfo.read(self.name)) is None or info.pid != self.proc.pid:
+            assert time.monotonic() < deadline, "pool never wrote its info file"
+            time.sleep(0.05)
+        table = SlotTable.attach(Path(info.slots), writable=False)
+        try:
+            return [self.proc.pid, *(r.pid for r in table.read_all() if r.pid)]
+        finally:
+            table.close()
+
+    def stop(self) -> None:
+        for pid in self.pids() if self.proc.poll() is None else []:
+            try:
+                os.kill(pid, signal.SIGCONT)
+            except ProcessLookupError:
+                pass
+        self.proc.terminate()
+        self.proc.wait(30)
+
+
+@pytest.fixture
+def pools():
+    started: list[Pool] = []
+
+    def start(*args: str) -> Pool:
+        started.append(Pool(*args))
+        return started[-1]
+
+    yield start
+    for pool in started:
+        pool.stop()
+
+
+def registered(address: str) -> Counter[str]:
+    """Remote workers registered with the broker, by pool (host-pid)."""
+    with Client(address) as client:
+        return Counter(w.worker.rsplit("-w", 1)[0] for w in client.stats().workers if w.host)
+
+
+def wait_for(condition, timeout: float, what: str):
+    deadline = time.monotonic() + timeout
+    while not (value := condition()):
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.05)
+    return value
+
+
+def broker(start_server, port: int, *extra: str, name: str | None = None) -> ServerProcess:
+    return start_server("--instances", "0", "--workers-bind", f"tcp://127.0.0.1:{port}", *FAST, *extra,
+                        name=name).wait_ready()
+
+
+@pytest.mark.timeout(120)
+def test_two_pools_share_the_load_of_one_front_end(start_server, pools) -> None:
+    port = free_port()
+    server = broker(start_server, port)
+    a, b = pools("pool-a", f"tcp://127.0.0.1:{port}", "--instances", "1"), pools(
+        "pool-b", f"tcp://127.0.0.1:{port}", "--instances", "1")
+    wait_for(lambda: len(registered(server.address)) == 2, 30, "both pools to register")
+
+    async def run() -> list[object]:
+        sem = asyncio.Semaphore(8)
+        async with AsyncClient(server.address, timeout=60) as client:
+            async def one(i: int) -> object:
+                async with sem:
+                    return await client.generate(f"r{i}", max_tokens=8, temperature=0)
+            return await asyncio.gather(*(one(i) for i in range(200)), return_exceptions=True)
+
+    results = asyncio.run(run())
+    assert all(not isinstance(r, BaseException) for r in results), [r for r in results if isinstance(r, BaseException)]
+    by_pool = Counter(r.worker.rsplit("-w", 1)[0] for r in results)  # type: ignore[union-attr]
+    assert set(by_pool) == {f"{socket.gethostname()[:32]}-{a.proc.pid}", f"{socket.gethostname()[:32]}-{b.proc.pid}"}
+    print(f"\n200 requests over two pools: {dict(by_pool)}")
+    status = subprocess.run([sys.executable, "-m", "mpserve", "status", "--server-name", server.name],
+                            capture_output=True, text=True, timeout=30)
+    assert status.stdout.count("remote ") == 2 and f"host {socket.gethostname()[:32]}" in status.stdout
+
+
+@pytest.mark.timeout(120)
+def test_a_silent_pool_is_declared_lost_and_comes_back(start_server, pools) -> None:
+    port = free_port()
+    server = broker(start_server, port)
+    a = pools("pool-a", f"tcp://127.0.0.1:{port}", "--instances", "1")
+    pools("pool-b", f"tcp://127.0.0.1:{port}", "--instances", "1")
+    wait_for(lambda: len(registered(server.address)) == 2, 30, "both pools to register")
+    pool_a = f"{socket.gethostname()[:32]}-{a.proc.pid}"
+
+    stopped = a.pids()
+    for pid in stopped:
+        os.kill(pid, signal.SIGSTOP)
+    t_stop = time.monotonic()
+    wait_for(lambda: pool_a not in registered(server.address), 10, "the stopped pool to be declared lost")
+    detect = time.monotonic() - t_stop
+    with Client(server.address) as client:  # the other pool carries on alone
+        served = {client.generate("x", max_tokens=4, timeout=20).worker.rsplit("-w", 1)[0] for _ in range(6)}
+    assert pool_a not in served
+
+    for pid in stopped:
+        os.kill(pid, signal.SIGCONT)
+    t_cont = time.monotonic()
+    wait_for(lambda: pool_a in registered(server.address), 15, "the pool to register again")
+    rejoin = time.monotonic() - t_cont
+    with Client(server.address) as client:
+        served = Counter(client.generate(f"y{i}", max_tokens=4).worker.rsplit("-w", 1)[0] for i in range(12))
+    assert pool_a in served
+    print(f"\nlost pool detected after {detect:.2f} s (expiry 1.0 s); re-registered {rejoin:.2f} s after SIGCONT")
+    assert detect < 1.0 + 1.0 + 0.5  # expiry + 1 s, plus the broker's 0.5 s watchdog period
+
+
+@pytest.mark.timeout(120)
+def test_pools_reconnect_to_a_restarted_broker(start_server, pools) -> None:
+    port = free_port()
+    server = broker(start_server, port, name="restarted")
+    pools("pool-a", f"tcp://127.0.0.1:{port}", "--instances", "2")
+    wait_for(lambda: sum(registered(server.address).values()) == 2, 30, "the pool to register")
+    server.stop()
+    server = broker(start_server, port, name="restarted")
+    restarted = time.monotonic()
+    wait_for(lambda: sum(registered(server.address).values()) == 2, 10, "the pool to come back")
+    with Client(server.address) as client:
+        assert client.generate("back", max_tokens=4, timeout=10).usage.completion_tokens == 4
+    print(f"\npool served again {time.monotonic() - restarted:.2f} s after the broker restarted")
+
+
+@pytest.mark.timeout(120)
+def test_a_pool_without_an_allowed_key_never_gets_a_request(start_server, pools, tmp_path: Path) -> None:
+    keys = tmp_path / "keys"
+    for folder, name in ((keys, "server"), (keys / "clients", "client"), (keys / "workers", "good"),
+                         (keys / "others", "bad")):
+        subprocess.run([sys.executable, "-m", "mpserve", "keygen", str(folder), name], check=True, timeout=30,
+                       capture_output=True)
+    port = free_port()
+    server = broker(start_server, port, "--curve-secret", str(keys / "server.key_secret"),
+                    "--curve-clients", str(keys / "clients"), "--curve-workers", str(keys / "workers"))
+    curve = ["--curve-server-key", str(keys / "server.key")]
+    pools("pool-bad", f"tcp://127.0.0.1:{port}", *curve, "--curve-secret", str(keys / "others/bad.key_secret"))
+    wait_for(lambda: any("refused a connection" in line for line in server.log), 30, "the broker to log a refusal")
+    client_keys = {"curve_server_key": str(keys / "server.key"),
+                   "curve_secret": str(keys / "clients/client.key_secret")}
+    with Client(server.address, **client_keys) as client:
+        assert not [w for w in client.stats().workers if w.host]
+        pools("pool-good", f"tcp://127.0.0.1:{port}", *curve, "--curve-secret", str(keys / "workers/good.key_secret"))
+        wait_for(lambda: [w for w in client.stats().workers if w.host], 30, "the allowed pool to register")
+        assert client.generate("hi", max_tokens=4, timeout=20).worker.startswith(socket.gethostname()[:32])
+
+
+@pytest.mark.timeout(60)
+def test_a_worker_speaking_another_protocol_version_is_refused_with_both_versions(start_server) -> None:
+    port = free_port()
+    server = broker(start_server, port)
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.IDENTITY, b"old-worker")
+    sock.connect(f"tcp://127.0.0.1:{port}")
+    try:
+        ready = wire.Ready("old-worker", "tiny", -1, 1, 1, host="elsewhere")
+        sock.send_multipart([b"MPS0", bytes([wire.MsgType.READY]), b"", wire.pack(ready)])
+        assert sock.poll(5000)
+        refusal = wire.decode(sock.recv_multipart())
+        assert isinstance(refusal, wire.Error) and refusal.code == "protocol"
+        assert re.search(r"MPS0.*MPS1|MPS1.*MPS0", refusal.message), refusal.message
+    finally:
+        sock.close(0)
+        ctx.term()
+    with Client(server.address) as client:
+        assert not client.stats().workers
+    assert any("refused a message from worker" in line for line in server.log)
