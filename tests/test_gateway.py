@@ -1,0 +1,342 @@
+"""The HTTP gateway end to end: the official ``openai`` client and httpx against the gateway (uvicorn in a
+thread of the test process, on a free port), in front of real servers running the tiny model."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+import openai
+import pytest
+import uvicorn
+from conftest import ServerProcess
+from prometheus_client.parser import text_string_to_metric_families
+
+from mpserve import Client
+from mpserve.gateway import GatewayConfig, create_app
+from mpserve.gateway_openai import CHAT_STOP, Message, chat_prompt
+from mpserve.slots import SlotState
+
+PROMPTS = ["Hello world", "The quick brown fox"]
+
+
+class GatewayThread:
+    """The gateway app served by uvicorn in a thread, on a port of 127.0.0.1 bound before it starts."""
+
+    def __init__(self, **config: Any) -> None:
+        # IPPROTO_TCP named explicitly: asyncio sets TCP_NODELAY only on sockets that say so, and without it
+        # each response waits ~40 ms for a delayed ACK
+        self._sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
+        self._sock.bind(("127.0.0.1", 0))
+        port = self._sock.getsockname()[1]
+        self.url = f"http://127.0.0.1:{port}"
+        app = create_app(GatewayConfig(host="127.0.0.1", port=port, **config))
+        self._server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="on"))
+        self._thread = threading.Thread(target=self._server.run, kwargs={"sockets": [self._sock]}, daemon=True)
+        self._thread.start()
+        deadline = time.monotonic() + 10
+        while not self._server.started:
+            assert time.monotonic() < deadline, "the gateway did not start"
+            time.sleep(0.01)
+
+    def openai(self, api_key: str = "unused") -> openai.OpenAI:
+        return openai.OpenAI(base_url=f"{self.url}/v1", api_key=api_key, max_retries=0, timeout=30)
+
+    def get(self, path: str, **kwargs: Any) -> httpx.Response:
+        return httpx.get(f"{self.url}{path}", timeout=10, **kwargs)
+
+    def metrics(self) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+        """Every sample of /metrics, by name and labels."""
+        text = self.get("/metrics").text
+        return {(s.name, tuple(sorted(s.labels.items()))): s.value
+                for family in text_string_to_metric_families(text) for s in family.samples}
+
+    def stop(self) -> None:
+        self._server.should_exit = True
+        self._thread.join(10)
+        self._sock.close()
+
+
+@pytest.fixture(scope="module")
+def gateway(tiny_server: ServerProcess) -> Iterator[GatewayThread]:
+    gw = GatewayThread(server_name=tiny_server.name)
+    yield gw
+    gw.stop()
+
+
+@pytest.fixture(scope="module")
+def single_server() -> Iterator[ServerProcess]:
+    """One instance, a queue of one, and room for very long requests (the tiny model slows down as its
+    context fills: 8000 tokens take minutes, so such a request is still running when a test cancels it)."""
+    server = ServerProcess("--instances", "1", "--max-queue", "1", "--n-ctx", "8192").wait_ready()
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def single_gateway(single_server: ServerProcess) -> Iterator[GatewayThread]:
+    gw = GatewayThread(server_name=single_server.name)
+    yield gw
+    gw.stop()
+
+
+def _after_first_event(response: httpx.Response) -> Iterator[str]:
+    """Read up to the first server-sent event; return the line iterator, which the caller must keep: a
+    discarded one is closed, and closing it closes the connection."""
+    lines = response.iter_lines()
+    next(line for line in lines if line.startswith("data:"))
+    return lines
+
+
+def _wait_for(predicate: Any, timeout: float, what: str) -> Any:
+    deadline = time.monotonic() + timeout
+    while not (value := predicate()):
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.02)
+    return value
+
+
+@pytest.mark.timeout(60)
+def test_openai_client_completions_equal_the_zeromq_client(tiny_server, gateway) -> None:
+    oc = gateway.openai()
+    with Client(tiny_server.address) as zc:
+        for prompt in PROMPTS:
+            expected = zc.generate(prompt, max_tokens=24, temperature=0, seed=1)
+            whole = oc.completions.create(model="tiny", prompt=prompt, max_tokens=24, temperature=0, seed=1)
+            assert whole.object == "text_completion" and whole.model == "tiny"
+            assert whole.choices[0].text == expected.text and whole.choices[0].finish_reason == "length"
+            assert whole.usage is not None
+            assert (whole.usage.prompt_tokens, whole.usage.completion_tokens, whole.usage.total_tokens) == (
+                expected.usage.prompt_tokens, 24, expected.usage.prompt_tokens + 24)
+
+            chunks = list(oc.completions.create(model="tiny", prompt=prompt, max_tokens=24, temperature=0,
+                                                stream=True, stream_options={"include_usage": True}))
+            assert "".join(c.choices[0].text for c in chunks if c.choices) == expected.text
+            assert chunks[-2].choices[0].finish_reason == "length"
+            assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 24
+
+        stop = expected.text[6:8]
+        stopped = oc.completions.create(model="tiny", prompt=PROMPTS[-1], max_tokens=24, temperature=0, stop=stop)
+        assert stopped.choices[0].finish_reason == "stop"
+        assert stopped.choices[0].text == zc.generate(PROMPTS[-1], max_tokens=24, temperature=0, stop=[stop]).text
+
+
+@pytest.mark.timeout(60)
+def test_openai_client_chat_equals_the_zeromq_client_with_the_default_template(tiny_server, gateway) -> None:
+    oc = gateway.openai()
+    messages = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Say hello."}]
+    prompt = chat_prompt([Message(**m) for m in messages])
+    assert prompt == ("<|im_start|>system\nYou are terse.<|im_end|>\n<|im_start|>user\nSay hello.<|im_end|>\n"
+                      "<|im_start|>assistant\n")
+    with Client(tiny_server.address) as zc:
+        expected = zc.generate(prompt, max_tokens=20, temperature=0, stop=[CHAT_STOP])
+    whole = oc.chat.completions.create(model="tiny", messages=messages, max_tokens=20, temperature=0)
+    assert whole.object == "chat.completion"
+    assert whole.choices[0].message.role == "assistant" and whole.choices[0].message.content == expected.text
+    assert whole.usage.prompt_tokens == expected.usage.prompt_tokens and whole.usage.completion_tokens == 20
+
+    chunks = list(oc.chat.completions.create(model="tiny", messages=messages, max_completion_tokens=20,
+                                             temperature=0, stream=True))
+    assert all(c.object == "chat.completion.chunk" and c.id == chunks[0].id for c in chunks)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == expected.text
+    assert chunks[-1].choices[0].finish_reason == "length"
+
+
+@pytest.mark.timeout(60)
+def test_refusals_come_in_openai_error_shape_with_fitting_statuses(gateway) -> None:
+    oc = gateway.openai()
+    with pytest.raises(openai.BadRequestError, match="'n' = 2 is not supported") as err:
+        oc.completions.create(model="tiny", prompt="hi", n=2)
+    assert err.value.code == "bad_request" and err.value.type == "invalid_request_error"
+    with pytest.raises(openai.BadRequestError, match="log-probabilities"):
+        oc.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}], logprobs=True)
+    with pytest.raises(openai.BadRequestError, match="max_tokens"):
+        oc.completions.create(model="tiny", prompt="hi", max_tokens=-1)
+    with pytest.raises(openai.NotFoundError, match="served models: tiny") as missing:
+        oc.completions.create(model="nope", prompt="hi", stream=True)
+    assert missing.value.code == "unknown_model"
+    assert [m.id for m in oc.models.list()] == ["tiny"]
+    bad_json = httpx.post(f"{gateway.url}/v1/completions", content=b"{not json", timeout=10)
+    assert bad_json.status_code == 400 and "not valid JSON" in bad_json.json()["error"]["message"]
+    unknown = httpx.post(f"{gateway.url}/v1/completions", json={"prompt": "hi", "mirostat": 2}, timeout=10)
+    assert unknown.status_code == 400 and "mirostat" in unknown.json()["error"]["message"]
+    nowhere = gateway.get("/v1/embeddings")
+    assert nowhere.status_code == 404 and nowhere.json()["error"]["code"] == "not_found"
+
+
+@pytest.mark.timeout(60)
+def test_metrics_count_the_requests_sent(gateway) -> None:
+    oc = gateway.openai()
+    before = gateway.metrics()
+    for stream in (False, False, True):
+        list(oc.completions.create(model="tiny", prompt="hi", max_tokens=5, temperature=0, stream=True)) if stream \
+            else oc.completions.create(model="tiny", prompt="hi", max_tokens=5, temperature=0)
+    with pytest.raises(openai.NotFoundError):
+        oc.completions.create(model="nope", prompt="hi")
+    with pytest.raises(openai.BadRequestError):
+        oc.completions.create(model="tiny", prompt="hi", best_of=3)
+    after = gateway.metrics()
+
+    def delta(name: str, **labels: str) -> float:
+        key = (name, tuple(sorted(labels.items())))
+        return after.get(key, 0.0) - before.get(key, 0.0)
+
+    endpoint = "/v1/completions"
+    assert delta("mpserve_http_requests_total", endpoint=endpoint, code="ok") == 3
+    assert delta("mpserve_http_requests_total", endpoint=endpoint, code="unknown_model") == 1
+    assert delta("mpserve_http_requests_total", endpoint=endpoint, code="bad_request") == 1
+    assert delta("mpserve_broker_events_total", event="accepted") == 3
+    assert delta("mpserve_broker_events_total", event="done") == 3
+    assert delta("mpserve_broker_events_total", event="rejected_unknown_model") == 1
+    assert delta("mpserve_generated_tokens_total", model="tiny") == 15
+    assert delta("mpserve_time_to_first_token_seconds_count", model="tiny") == 3
+    assert delta("mpserve_request_latency_seconds_count", model="tiny") == 3
+    assert delta("mpserve_request_latency_seconds_bucket", model="tiny", le="+Inf") == 3
+    assert after["mpserve_up", ()] == 1 and after["mpserve_accepting", ()] == 1
+    assert after["mpserve_queue_depth", (("model", "tiny"),)] == 0
+    assert after["mpserve_requests_in_flight", (("model", "tiny"),)] == 0
+    assert after["mpserve_instances", (("model", "tiny"), ("state", "idle"))] == 2
+    assert after["mpserve_worker_restarts_total", (("model", "tiny"),)] == 0
+
+
+@pytest.mark.timeout(60)
+def test_health_follows_the_server_from_start_to_shutdown(start_server) -> None:
+    name = "gw-health"
+    gw = GatewayThread(server_name=name)  # before the server exists
+    try:
+        early = gw.get("/health")
+        assert early.status_code == 503 and early.json()["status"] == "unavailable"
+        assert gw.get("/metrics").text.count("mpserve_up 0.0") == 1
+
+        server = start_server("--instances", "1", "--n-ctx", "8192", name=name).wait_ready()
+        running = _wait_for(lambda: (r := gw.get("/health")).status_code == 200 and r, 10, "a healthy server")
+        assert running.json()["models"]["tiny"] | {"failed": None} == {
+            "ready": 1, "busy": 0, "unloaded": 0, "loading": 0, "down": 0, "queued": 0, "running": 0, "failed": None}
+
+        with httpx.Client(timeout=30) as http, http.stream("POST", f"{gw.url}/v1/completions", json={
+                "model": "tiny", "prompt": "x", "max_tokens": 8000, "temperature": 0, "stream": True}) as stream:
+            lines = _after_first_event(stream)
+            assert gw.get("/health").json()["models"]["tiny"]["busy"] == 1
+            server.proc.send_signal(signal.SIGTERM)  # drains: the stream keeps the server up
+            draining = _wait_for(lambda: (r := gw.get("/health")).status_code == 503 and r, 5, "a draining server")
+            assert draining.json()["accepting"] is False and "shutting down" in draining.json()["reason"]
+            assert next(line for line in lines if line.startswith("data:"))  # still streaming while draining
+            refused = httpx.post(f"{gw.url}/v1/completions", json={"model": "tiny", "prompt": "x"}, timeout=10)
+            assert refused.status_code == 503 and refused.json()["error"]["code"] == "shutting_down"
+            assert int(refused.headers["Retry-After"]) >= 1
+        # leaving the stream cancelled the last request: the server ends its grace period at once
+        assert server.proc.wait(10) == 0
+        gone = gw.get("/health")
+        assert gone.status_code == 503 and "no mpserve server answers" in gone.json()["reason"]
+    finally:
+        gw.stop()
+
+
+@pytest.mark.timeout(60)
+def test_monitor_reports_each_instance_and_a_killed_worker_shows_everywhere(start_server) -> None:
+    server = start_server("--instances", "2").wait_ready()
+    gw = GatewayThread(server_name=server.name)
+    try:
+        oc = gw.openai()
+        oc.completions.create(model="tiny", prompt="hi", max_tokens=3)
+        body = gw.get("/backend/monitor", params={"model": "tiny"}).json()
+        rows = server.slots()
+        assert [i["pid"] for i in body["instances"]] == [r.pid for r in rows]
+        for inst in body["instances"]:
+            assert inst["state"] == "idle" and inst["device"] == "cpu" and inst["model"] == "tiny"
+            assert 0 < inst["pss_bytes"] <= inst["rss_bytes"] and inst["uptime_s"] > 0
+        assert sum(i["requests_served"] for i in body["instances"]) == 1
+        assert body["pss_bytes"] == sum(i["pss_bytes"] for i in body["instances"])
+        assert gw.get("/backend/monitor", params={"model": "nope"}).status_code == 404
+
+        # the worker serving a stream dies: the stream ends with an error event, health and metrics see it
+        stream = iter(oc.completions.create(model="tiny", prompt="x", max_tokens=2000, temperature=0, stream=True))
+        next(stream)
+        busy = next(r for r in server.slots() if r.state is SlotState.BUSY)
+        os.kill(busy.pid, signal.SIGKILL)
+        with pytest.raises(openai.APIError, match="died after it had streamed text") as lost:
+            list(stream)
+        assert lost.value.code == "worker_lost"
+        hurt = gw.get("/health").json()["models"]["tiny"]
+        assert hurt["ready"] == 1 and hurt["down"] + hurt["loading"] == 1
+        _wait_for(lambda: gw.get("/health").json()["models"]["tiny"]["ready"] == 2, 20, "the restarted worker")
+        after = gw.get("/backend/monitor").json()["instances"]
+        assert after[busy.index]["pid"] not in (0, busy.pid) and after[busy.index]["state"] == "idle"
+        _wait_for(lambda: gw.metrics()["mpserve_worker_restarts_total", (("model", "tiny"),)] == 1, 2,
+                  "the restart to be counted")
+        assert gw.metrics()["mpserve_http_requests_total", (("code", "worker_lost"),
+                                                            ("endpoint", "/v1/completions"))] == 1
+    finally:
+        gw.stop()
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("stream", [True, False], ids=["streamed", "whole"])
+def test_a_client_that_disconnects_frees_the_instance_within_a_second(single_server, single_gateway,
+                                                                      stream: bool) -> None:
+    body = {"model": "tiny", "prompt": "x", "max_tokens": 8000, "temperature": 0, "stream": stream}
+    with httpx.Client(timeout=30) as http:
+        if stream:
+            with http.stream("POST", f"{single_gateway.url}/v1/completions", json=body) as response:
+                lines = _after_first_event(response)
+                assert next(line for line in lines if line.startswith("data:"))
+                assert single_server.slots()[0].state is SlotState.BUSY
+        else:  # not streamed: the client gives up waiting
+            with pytest.raises(httpx.ReadTimeout):
+                http.post(f"{single_gateway.url}/v1/completions", json=body, timeout=1.0)
+            assert single_server.slots()[0].state is SlotState.BUSY
+    left = time.monotonic()
+    row = _wait_for(lambda: (r := single_server.slots()[0]).state is SlotState.IDLE and r, 5, "an idle instance")
+    assert time.monotonic() - left < 1.0
+    assert row.tokens < 8000
+    codes = single_gateway.metrics()
+    assert codes["mpserve_http_requests_total", (("code", "cancelled"), ("endpoint", "/v1/completions"))] == 1
+
+
+@pytest.mark.timeout(60)
+def test_a_full_queue_answers_429_with_retry_after(single_gateway) -> None:
+    async def main() -> list[httpx.Response]:
+        async with httpx.AsyncClient(timeout=30) as http:
+            return await asyncio.gather(*(http.post(f"{single_gateway.url}/v1/completions", json={
+                "model": "tiny", "prompt": "a", "max_tokens": 200, "temperature": 0}) for _ in range(4)))
+
+    responses = asyncio.run(main())
+    assert sorted(r.status_code for r in responses) == [200, 200, 429, 429]
+    for busy in (r for r in responses if r.status_code == 429):
+        assert busy.json()["error"]["code"] == "busy" and busy.json()["error"]["type"] == "rate_limit_error"
+        assert int(busy.headers["Retry-After"]) >= 1
+
+
+@pytest.mark.timeout(60)
+def test_an_api_key_is_required_when_set(tiny_server) -> None:
+    gw = GatewayThread(server_name=tiny_server.name, api_key="sekret")
+    try:
+        with pytest.raises(openai.AuthenticationError) as err:
+            gw.openai(api_key="wrong").completions.create(model="tiny", prompt="hi", max_tokens=2)
+        assert err.value.status_code == 401 and err.value.code == "invalid_api_key"
+        assert gw.get("/metrics").status_code == 401 and gw.get("/v1/models").status_code == 401
+        ok = gw.openai(api_key="sekret").completions.create(model="tiny", prompt="hi", max_tokens=2)
+        assert ok.usage.completion_tokens == 2
+        assert gw.get("/health").status_code == 200  # probes need no key
+    finally:
+        gw.stop()
+
+
+@pytest.mark.timeout(60)
+def test_a_request_past_its_timeout_is_a_504(single_server) -> None:
+    gw = GatewayThread(server_name=single_server.name, request_timeout=0.5)
+    try:
+        late = httpx.post(f"{gw.url}/v1/completions", json={"model": "tiny", "prompt": "x", "max_tokens": 8000},
+                          timeout=10)
+        assert late.status_code == 504 and late.json()["error"]["code"] == "timeout"
+        _wait_for(lambda: single_server.slots()[0].state is SlotState.IDLE, 5, "an idle instance")
+    finally:
+        gw.stop()
