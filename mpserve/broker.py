@@ -24,6 +24,7 @@ from __future__ import annotations
 import heapq
 import itertools
 import logging
+import os
 import time
 from collections import Counter, deque
 from dataclasses import dataclass, field
@@ -38,6 +39,7 @@ from .residency import Loaded, Residency
 log = logging.getLogger("mpserve.broker")
 
 MAX_CRASHES = 2
+MIN_SHARED_PREFIX = 32  # characters a prompt must share with a slot's last one to be routed to it
 DRAIN_BATCH = 256
 
 
@@ -68,7 +70,8 @@ class WorkerEntry:
     unloading: bool = False
     host: str = ""
     last_heard: float = 0.0  # monotonic; remote workers are declared lost when silent too long
-    running: set[str] = field(default_factory=set)
+    running: dict[str, int] = field(default_factory=dict)  # ticket -> slot
+    prompts: dict[int, str] = field(default_factory=dict)  # slot -> its last prompt (cached in its KV)
 
 
 @dataclass
@@ -76,7 +79,7 @@ class ModelQueue:
     name: str
     max_queue: int
     queue: deque[str] = field(default_factory=deque)  # tickets, FIFO
-    free: deque[bytes] = field(default_factory=deque)  # one entry per free slot, longest-free first
+    free: deque[tuple[bytes, int]] = field(default_factory=deque)  # (worker, slot), longest-free first
     instances: int = 0  # workers registered (READY) and alive
     failed: str | None = None  # the load error, once the supervisor gave up on this model
     served_ms: float = 0.0  # running mean of request time, for the busy retry-after hint
@@ -433,7 +436,7 @@ class Broker:
         self.workers[identity] = entry
         mq = self.models[msg.model]
         mq.instances += 1
-        mq.free.extend([identity] * msg.capacity)
+        mq.free.extend((identity, slot) for slot in range(msg.capacity))
         if local:
             self.on_ready(entry)
         else:
@@ -446,7 +449,7 @@ class Broker:
         del self.workers[entry.identity]
         mq = self.models[entry.model]
         mq.instances -= 1
-        mq.free = deque(i for i in mq.free if i != entry.identity)
+        mq.free = deque(f for f in mq.free if f[0] != entry.identity)
 
     def _worker_result(self, identity: bytes, mtype: wire.MsgType, ticket: str, type_frame: bytes,
                        body: bytes) -> None:
@@ -460,7 +463,7 @@ class Broker:
                 p.streamed = True
                 self._to_client(p.client, [wire.VERSION, type_frame, body])
             return
-        entry.running.discard(ticket)
+        slot = entry.running.pop(ticket)
         p.worker = None
         if not p.answered:
             p.answered = True
@@ -470,7 +473,7 @@ class Broker:
         elapsed_ms = (time.monotonic() - p.accepted) * 1000
         mq.served_ms = elapsed_ms if not mq.served_ms else 0.9 * mq.served_ms + 0.1 * elapsed_ms
         self._finish(p)
-        mq.free.append(identity)
+        mq.free.append((identity, slot))
         self._dispatch(entry.model)
 
     def _dispatch(self, model: str) -> None:
@@ -480,7 +483,8 @@ class Broker:
             return
         mq = self.models[model]
         while mq.queue and mq.free:
-            self._assign(self.requests[mq.queue.popleft()], mq.free.popleft())
+            p = self.requests[mq.queue.popleft()]
+            self._assign(p, self._take_slot(mq, p.request.prompt))
 
     def _dispatch_resident(self) -> None:
         """Single active backend: advance each device's turn (unloading what must leave), then start the
@@ -499,21 +503,41 @@ class Broker:
             for model in models:
                 mq = self.models[model]
                 while mq.queue and self.residency.allows(device, model):
-                    identity = next((i for i in mq.free if self.workers[i].device == device), None)
-                    if identity is None:
+                    p = self.requests[mq.queue[0]]
+                    slot = self._take_slot(mq, p.request.prompt, device)
+                    if slot is None:
                         break
-                    mq.free.remove(identity)
+                    mq.queue.popleft()
                     self.residency.started(device)
-                    self._assign(self.requests[mq.queue.popleft()], identity)
+                    self._assign(p, slot)
 
-    def _assign(self, p: Pending, identity: bytes) -> None:
+    def _take_slot(self, mq: ModelQueue, prompt: str, device: int | None = None) -> tuple[bytes, int] | None:
+        """Take a free slot (on ``device``, if given): the one whose last prompt shares the longest prefix
+        with ``prompt`` (its KV cache holds that prefix, so the worker skips recomputing it), else the one
+        free the longest."""
+        candidates = [f for f in mq.free if device is None or self.workers[f[0]].device == device]
+        if not candidates:
+            return None
+        best, best_shared = candidates[0], 0
+        if len(prompt) >= MIN_SHARED_PREFIX:
+            for identity, slot in candidates:
+                cached = self.workers[identity].prompts.get(slot, "")
+                shared = len(os.path.commonprefix((cached, prompt)))
+                if shared > best_shared:
+                    best, best_shared = (identity, slot), shared
+        mq.free.remove(best)
+        return best
+
+    def _assign(self, p: Pending, slot: tuple[bytes, int]) -> None:
+        identity, index = slot
         entry = self.workers[identity]
         p.attempts += 1
         p.worker = identity
-        entry.running.add(p.ticket)
+        entry.running[p.ticket] = index
+        entry.prompts[index] = p.request.prompt
         entry.loaded = True  # an unloaded worker loads its model for the request
         self._to_worker(identity, wire.Assign(p.ticket, p.request, (time.monotonic() - p.accepted) * 1000,
-                                              p.attempts))
+                                              p.attempts, slot=index))
 
     def _to_worker(self, identity: bytes, msg: object) -> None:
         try:

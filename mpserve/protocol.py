@@ -440,13 +440,14 @@ class Assign:
     request: Request
     queue_ms: float
     attempt: int
+    slot: int = 0  # which of the worker's slots: the broker picks the one whose cache fits the prompt
 
     @classmethod
     def from_wire(cls, body: dict[str, Any]) -> Assign:
         return cls(ticket=_text(body, "ticket", MAX_ID_CHARS),
                    request=Request.from_wire(_get(body, "request", dict)),
                    queue_ms=float(_get(body, "queue_ms", (int, float))),
-                   attempt=_get(body, "attempt", int))
+                   attempt=_get(body, "attempt", int), slot=_get(body, "slot", int, 0))
 
 
 @dataclass(frozen=True)
