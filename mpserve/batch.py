@@ -15,16 +15,22 @@ worker) admits requests into free slots and calls ``step`` in a loop:
                                              on_token per sampled token; returns what finished
     cancel(slot)                             the sequence ends at the start of the next step
 
-Slots are llama.cpp sequence ids 0..parallel-1. The context holds ``parallel * n_ctx`` KV cells and
-every slot its own stream of ``n_ctx`` (``kv_unified`` off), so a sequence never runs out of cells
-because of another, and a slot can keep the cells of its last request after it finishes: a new prompt
-in that slot that starts with the same tokens skips recomputing them (``best_slot`` finds the free slot
-with the longest such prefix; the completion reports it as ``reused_tokens``).
+Slots are llama.cpp sequence ids 0..parallel-1, and the context holds ``parallel * n_ctx`` KV cells. By
+default every slot has a stream of ``n_ctx`` cells of its own (llama-server's layout with ``--parallel``):
+a token attends over its own sequence's cells only. ``kv_unified=True`` puts all cells in one pool
+instead: a token's attention then spans the cells of every sequence (masked), which costs more with long
+contexts, while a step with short ones is a little faster (bench/batch_bench.py measures both). Either
+way a slot holds at most ``n_ctx`` cells, so a sequence never runs out of cells because of another, and
+a slot keeps the cells of its last request after it finishes: a new prompt in that slot that starts
+with the same tokens skips recomputing them (``best_slot`` finds the free slot with the longest such
+prefix; the completion reports it as ``reused_tokens``); admitting a prompt cuts the slot's cells after
+the shared prefix.
 
 Greedy output equals ``llama_cpp.Llama.create_completion(prompt, temperature=0)``: the same tokens
 (BOS, then the prompt tokenized without specials added and with special tokens parsed), the same context
 settings, the same sampler chain (``mpserve.sampling``), and a batch row's logits that do not depend on
-the other rows. Not thread-safe: one thread admits, cancels and steps.
+the other rows. Not thread-safe: one thread admits, cancels and steps; an on_token callback may call
+``cancel`` but not ``admit``.
 """
 
 from __future__ import annotations
@@ -249,11 +255,7 @@ class BatchEngine:
         done = [self._finish(seq, "cancelled") for seq in list(self._running.values()) if seq.cancel_requested]
         rows = self._fill_batch()
         if self._batch.n:
-            decode_started = time.perf_counter()
-            rc = self._lib.llama_decode(self._ctx, self._batch.view())
-            self._decode_s += time.perf_counter() - decode_started
-            if rc != 0:
-                raise RuntimeError(f"llama_decode failed with status {rc}")
+            self._decode()
             for seq in rows:
                 ended = self._sample(seq)
                 if ended is not None:
@@ -287,6 +289,16 @@ class BatchEngine:
             seq.output_row = last_row
             rows.append(seq)
         return rows
+
+    def _decode(self) -> None:
+        """llama_decode of the batch. It always finds KV cells: a slot holds at most n_ctx of them, running
+        or cached, and the context has n_ctx per slot (in a stream of its own, or in the shared pool, where
+        llama.cpp takes free cells wherever they are)."""
+        decode_started = time.perf_counter()
+        rc = self._lib.llama_decode(self._ctx, self._batch.view())
+        self._decode_s += time.perf_counter() - decode_started
+        if rc != 0:
+            raise RuntimeError(f"llama_decode failed with status {rc}")
 
     def _sample(self, seq: _Sequence) -> str | None:
         """Sample ``seq``'s next token and hand its text out; the finish reason if it ended."""

@@ -39,6 +39,8 @@ from .residency import Loaded, Residency
 log = logging.getLogger("mpserve.broker")
 
 MAX_CRASHES = 2
+DEFAULT_SERVICE_MS = 250.0
+MAX_RETRY_AFTER_S = 30.0
 MIN_SHARED_PREFIX = 32  # characters a prompt must share with a slot's last one to be routed to it
 DRAIN_BATCH = 256
 
@@ -51,6 +53,7 @@ class Pending:
     model: str
     accepted: float  # monotonic
     deadline: float | None
+    assigned: float = 0.0  # monotonic, the last assignment
     crashes: int = 0
     attempts: int = 0
     worker: bytes | None = None
@@ -82,12 +85,12 @@ class ModelQueue:
     free: deque[tuple[bytes, int]] = field(default_factory=deque)  # (worker, slot), longest-free first
     instances: int = 0  # workers registered (READY) and alive
     failed: str | None = None  # the load error, once the supervisor gave up on this model
-    served_ms: float = 0.0  # running mean of request time, for the busy retry-after hint
+    service_ms: float = 0.0  # running mean of assignment-to-answer time, for the busy retry-after hint
 
 
 class Broker:
     def __init__(self, ctx: zmq.Context, front_addr: str, back_addr: str, models: dict[str, int], *,
-                 max_queue_total: int = 4096, client_timeout: float = 5.0,
+                 max_queue_total: int = 4096, max_pending_per_client: int = 128, client_timeout: float = 5.0,
                  curve_secret: str | None = None, curve_workers: str | None = None,
                  residency: Residency | None = None, heartbeat_interval: float = 1.0,
                  heartbeat_liveness: int = 5) -> None:
@@ -110,6 +113,7 @@ class Broker:
         self.accepting = True
         self.residency = residency
         self.max_queue_total = max_queue_total
+        self.max_pending_per_client = max_pending_per_client
         self.client_timeout = client_timeout
         self._heard: dict[bytes, float] = {}  # clients with pending requests -> last message time
         self._owned: dict[bytes, int] = {}  # clients -> number of pending requests
@@ -291,6 +295,9 @@ class Broker:
         if self.queued() >= self.max_queue_total:
             raise Busy(f"the server has {self.max_queue_total} requests waiting; try again later",
                        retry_after=self._retry_after(mq))
+        if self._owned.get(client, 0) >= self.max_pending_per_client:
+            raise Busy(f"you have {self.max_pending_per_client} requests pending, the most one client may have; "
+                       "wait for some to finish", retry_after=self._retry_after(mq))
         now = time.monotonic()
         self._heard.setdefault(client, now)
         ticket = next(self._tickets)
@@ -325,8 +332,12 @@ class Broker:
         return name
 
     def _retry_after(self, mq: ModelQueue) -> float:
-        per_request = (mq.served_ms or 1000.0) / 1000.0
-        return round(max(0.1, per_request * len(mq.queue) / max(1, mq.instances)), 2)
+        """About when a place in the queue frees: one request's service time for each slot's worth of
+        requests ahead, within 0.1..30 s."""
+        per_request = (mq.service_ms or DEFAULT_SERVICE_MS) / 1000.0
+        slots = max(1, mq.instances * max((w.capacity for w in self.workers.values() if w.model == mq.name),
+                                          default=1))
+        return round(min(MAX_RETRY_AFTER_S, max(0.1, per_request * len(mq.queue) / slots)), 2)
 
     def _on_cancel(self, client: bytes, msg: wire.Cancel) -> None:
         ticket = self.by_client.get((client, msg.id))
@@ -470,8 +481,8 @@ class Broker:
             self.stats["done" if mtype is wire.MsgType.DONE else "worker_error"] += 1
             self._to_client(p.client, [wire.VERSION, type_frame, body])
         mq = self.models[entry.model]
-        elapsed_ms = (time.monotonic() - p.accepted) * 1000
-        mq.served_ms = elapsed_ms if not mq.served_ms else 0.9 * mq.served_ms + 0.1 * elapsed_ms
+        service_ms = (time.monotonic() - p.assigned) * 1000
+        mq.service_ms = service_ms if not mq.service_ms else 0.9 * mq.service_ms + 0.1 * service_ms
         self._finish(p)
         mq.free.append((identity, slot))
         self._dispatch(entry.model)
@@ -533,6 +544,7 @@ class Broker:
         entry = self.workers[identity]
         p.attempts += 1
         p.worker = identity
+        p.assigned = time.monotonic()
         entry.running[p.ticket] = index
         entry.prompts[index] = p.request.prompt
         entry.loaded = True  # an unloaded worker loads its model for the request

@@ -61,6 +61,9 @@ def start(
     max_queue_total: Annotated[int | None, typer.Option(
         "--max-queue-total", envvar="MPSERVE_MAX_QUEUE_TOTAL", help="Waiting requests, all models (default: 4096).")
     ] = None,
+    max_pending_per_client: Annotated[int | None, typer.Option(
+        "--max-pending-per-client", envvar="MPSERVE_MAX_PENDING_PER_CLIENT",
+        help="Requests one client may have queued or running (default: 128).")] = None,
     stall_timeout: Annotated[float | None, typer.Option(
         "--stall-timeout", envvar="MPSERVE_STALL_TIMEOUT",
         help="Replace a busy worker that generates nothing for this long, in s (default: 60).")] = None,
@@ -114,6 +117,7 @@ def start(
             file_data,
             server={"server_name": server_name, "bind": bind, "max_queue": max_queue, "grace": grace,
                     "log_level": log_level, "max_queue_total": max_queue_total, "stall_timeout": stall_timeout,
+                    "max_pending_per_client": max_pending_per_client,
                     "idle_timeout": idle_timeout, "client_timeout": client_timeout, "curve_secret": curve_secret,
                     "curve_clients": curve_clients, "insecure": insecure or None, "gpus": gpus,
                     "simulate_gpus": simulate_gpus, "gpu_mode": gpu_mode, "max_active_per_gpu": max_active_per_gpu,

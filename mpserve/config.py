@@ -66,6 +66,7 @@ class ServerConfig:
     workers_bind: str | None = None
     max_queue: int = 256
     max_queue_total: int = 4096
+    max_pending_per_client: int = 128  # so that one client cannot fill the queues
     grace: float = 30.0
     stall_timeout: float = 60.0
     idle_timeout: float = 0.0  # 0: never unload
@@ -139,7 +140,8 @@ _MODEL_KEYS = {"name": str, "path": str, "instances": int, "n_ctx": int, "thread
                "devices": list, "requires": dict}
 _REQUIRES_KEYS = {"memory": (str, int), "gpus": int}
 _SERVER_KEYS = {"server_name": str, "bind": str, "workers_bind": str, "max_queue": int, "max_queue_total": int,
-                "grace": float, "stall_timeout": float, "idle_timeout": float, "client_timeout": float,
+                "max_pending_per_client": int, "grace": float, "stall_timeout": float, "idle_timeout": float,
+                "client_timeout": float,
                 "curve_secret": str, "curve_clients": str, "curve_workers": str, "insecure": bool,
                 "heartbeat_interval": float, "heartbeat_liveness": int, "gpus": (list, str), "simulate_gpus": str,
                 "gpu_mode": str, "max_active_per_gpu": int, "gpu_memory_budget": (str, int),
@@ -147,7 +149,8 @@ _SERVER_KEYS = {"server_name": str, "bind": str, "workers_bind": str, "max_queue
                 "log_level": str, "models": list}
 _RANGES: dict[str, tuple[float, float]] = {
     "instances": (0, 256), "n_ctx": (16, 1 << 20), "threads": (1, 1024), "n_gpu_layers": (-1, 100000),
-    "max_queue": (1, 1_000_000), "max_queue_total": (1, 10_000_000), "grace": (0, 3600),
+    "max_queue": (1, 1_000_000), "max_queue_total": (1, 10_000_000), "max_pending_per_client": (1, 10_000_000),
+    "grace": (0, 3600),
     "stall_timeout": (0.1, 86400), "idle_timeout": (0, 86400 * 365), "client_timeout": (1, 3600),
     "max_active_per_gpu": (1, 64), "switch_batch": (1, 100000), "heartbeat_interval": (0.05, 60),
     "heartbeat_liveness": (2, 100),

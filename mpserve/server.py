@@ -58,6 +58,7 @@ def serve(config: ServerConfig) -> None:
                 authenticator.configure_curve(domain="workers", location=config.curve_workers)
         broker = Broker(ctx, paths.front, paths.back, {m.name: config.max_queue for m in config.models},
                         max_queue_total=config.max_queue_total, client_timeout=config.client_timeout,
+                        max_pending_per_client=config.max_pending_per_client,
                         curve_secret=config.curve_secret, curve_workers=config.curve_workers,
                         residency=Residency(config.switch_batch) if config.single_active_backend else None,
                         heartbeat_interval=config.heartbeat_interval, heartbeat_liveness=config.heartbeat_liveness)
