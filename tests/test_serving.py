@@ -134,7 +134,7 @@ def test_full_queue_answers_busy_with_a_retry_hint(start_server) -> None:
 
     async def main() -> list[object]:
         async with AsyncClient(server.address) as client:
-            return await asyncio.gather(*(client.generate("a", max_tokens=200, temperature=0) for _ in range(4)),
+            return await asyncio.gather(*(client.generate("a", max_tokens=200, temperature=0, timeout=30) for _ in range(4)),
                                         return_exceptions=True)
 
     outcomes = asyncio.run(main())
