@@ -338,6 +338,17 @@ class Client:
         return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
 
     def _stop_loop(self) -> None:
+        """Stop the loop thread, after every call still waiting on it has ended: they were failed with
+        ConnectionFailed by close(); what has not ended after that is cancelled."""
+        async def settle() -> None:
+            await asyncio.sleep(0.01)
+            others = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+            for task in others:
+                task.cancel()
+            await asyncio.gather(*others, return_exceptions=True)
+
+        if self._loop.is_running():
+            self._call(settle())
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join(5)
         self._loop.close()

@@ -87,7 +87,7 @@ def test_sigkilled_permit_holder_hands_over_to_the_next_waiter_within_a_second(s
             except Exception:  # worker_lost / poison_request are expected while we kill holders
                 pass
 
-    threads = [threading.Thread(target=keep_busy) for _ in range(3)]
+    threads = [threading.Thread(target=keep_busy, daemon=True) for _ in range(3)]
     for t in threads:
         t.start()
     handovers = []

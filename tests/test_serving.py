@@ -134,8 +134,8 @@ def test_full_queue_answers_busy_with_a_retry_hint(start_server) -> None:
 
     async def main() -> list[object]:
         async with AsyncClient(server.address) as client:
-            return await asyncio.gather(*(client.generate("a", max_tokens=200, temperature=0, timeout=30) for _ in range(4)),
-                                        return_exceptions=True)
+            requests = (client.generate("a", max_tokens=200, temperature=0, timeout=30) for _ in range(4))
+            return await asyncio.gather(*requests, return_exceptions=True)
 
     outcomes = asyncio.run(main())
     busy = [o for o in outcomes if isinstance(o, Busy)]

@@ -1,0 +1,270 @@
+"""The batched engine: K sequences in one llama.cpp context, on the tiny built-in model, in-process."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import llama_cpp
+import pytest
+
+from mpserve.batch import BatchCompletion, BatchEngine
+from mpserve.errors import BadRequest
+from mpserve.modelfile import builtin_model_path
+from mpserve.protocol import GenerateParams
+from mpserve.sampling import TextStream
+
+N_CTX = 1024
+PROMPTS = [
+    "The quick brown fox",
+    "Once upon a time in the land of",
+    "Hello",
+    "In the beginning was the word, and the word was",
+    "4 + 4 =",
+    "It was the best of times, it was the worst of times",
+]
+LENGTHS = [8, 40, 17, 64, 3, 29]
+LONG_PROMPT = " ".join(f"the {w} of all and" for w in ("cat", "dog", "sea", "sky") * 30)  # ~600 tokens
+
+
+def greedy(max_tokens: int, **kw: object) -> GenerateParams:
+    return GenerateParams(max_tokens=max_tokens, temperature=0.0, **kw)  # type: ignore[arg-type]
+
+
+@pytest.fixture(scope="module")
+def model_path() -> str:
+    return str(builtin_model_path("tiny"))
+
+
+@pytest.fixture(scope="module")
+def llm(model_path: str) -> Iterator[llama_cpp.Llama]:
+    llm = llama_cpp.Llama(model_path, n_ctx=N_CTX, n_threads=1, n_threads_batch=1, verbose=False)
+    yield llm
+    llm.close()
+
+
+def make_engine(model_path: str, parallel: int, budget: int = 64, kv_unified: bool = False) -> BatchEngine:
+    return BatchEngine(model_path, n_ctx=N_CTX, parallel=parallel, threads=1, n_gpu_layers=0,
+                       step_budget_tokens=budget, kv_unified=kv_unified)
+
+
+class Recorder:
+    """on_token for one request: keeps the pieces and the step each call came in."""
+
+    def __init__(self, clock: list[int], cancel_after: int | None = None) -> None:
+        self.clock = clock
+        self.pieces: list[str] = []
+        self.steps: list[int] = []
+        self.cancel_after = cancel_after
+
+    def __call__(self, text: str, tokens: int) -> bool:
+        self.pieces.append(text)
+        self.steps.append(self.clock[0])
+        return self.cancel_after is None or tokens < self.cancel_after
+
+
+def serve(engine: BatchEngine, requests: list[tuple[str, GenerateParams]]) -> list[BatchCompletion]:
+    """Run ``requests`` through ``engine``, each admitted into the first free slot as soon as one is free."""
+    results: dict[int, BatchCompletion] = {}
+    pending = list(enumerate(requests))
+    by_slot: dict[int, int] = {}
+    clock = [0]
+    while pending or engine.active:
+        for slot in engine.free_slots():
+            if not pending:
+                break
+            i, (prompt, params) = pending.pop(0)
+            engine.admit(slot, prompt, params, Recorder(clock))
+            by_slot[slot] = i
+        for slot, completion in engine.step():
+            results[by_slot.pop(slot)] = completion
+        clock[0] += 1
+    return [results[i] for i in range(len(requests))]
+
+
+def one_at_a_time(model_path: str, requests: list[tuple[str, GenerateParams]]) -> list[BatchCompletion]:
+    engine = make_engine(model_path, 1)
+    try:
+        return serve(engine, requests)
+    finally:
+        engine.close()
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("kv_unified", [False, True], ids=["kv-per-slot", "kv-unified"])
+def test_greedy_four_at_once_equals_one_at_a_time_and_create_completion(
+        model_path: str, llm: llama_cpp.Llama, kv_unified: bool) -> None:
+    requests = [(p, greedy(n)) for p, n in zip(PROMPTS + PROMPTS[:2], LENGTHS + [33, 5], strict=True)]
+    engine = make_engine(model_path, 4, kv_unified=kv_unified)
+    try:
+        batched = serve(engine, requests)
+    finally:
+        engine.close()
+    alone = one_at_a_time(model_path, requests)
+    for (prompt, params), b, a in zip(requests, batched, alone, strict=True):
+        reference = llm.create_completion(prompt, max_tokens=params.max_tokens, temperature=0)
+        assert b.text == a.text == reference["choices"][0]["text"], prompt
+        assert b.finish_reason == "length" and b.completion_tokens == params.max_tokens
+        assert b.prompt_tokens == reference["usage"]["prompt_tokens"]
+
+
+@pytest.mark.timeout(60)
+def test_seeded_sampling_is_reproducible_and_independent_of_the_rest_of_the_batch(
+        model_path: str, llm: llama_cpp.Llama) -> None:
+    sampled = GenerateParams(max_tokens=40, temperature=0.8, seed=1234)
+    alone = one_at_a_time(model_path, [(PROMPTS[1], sampled)])[0]
+    others = [(PROMPTS[0], greedy(50)), (PROMPTS[3], GenerateParams(max_tokens=50, temperature=1.2, seed=7)),
+              (PROMPTS[5], GenerateParams(max_tokens=50, temperature=0.8, seed=1234))]
+    engine = make_engine(model_path, 4)
+    try:
+        in_batch = serve(engine, [others[0], (PROMPTS[1], sampled), *others[1:]])[1]
+        again = serve(engine, [(PROMPTS[1], sampled)])[0]
+    finally:
+        engine.close()
+    greedy_text = one_at_a_time(model_path, [(PROMPTS[1], greedy(40))])[0].text
+    assert in_batch.text == alone.text == again.text != greedy_text
+    reference = llm.create_completion(PROMPTS[1], max_tokens=40, temperature=0.8, seed=1234)
+    assert alone.text == reference["choices"][0]["text"]
+
+
+@pytest.mark.timeout(60)
+def test_a_long_prompt_does_not_stall_decoding_sequences(model_path: str) -> None:
+    budget = 64
+    engine = make_engine(model_path, 4, budget=budget)
+    clock = [0]
+    try:
+        decoding = {slot: Recorder(clock) for slot in range(3)}
+        for slot, recorder in decoding.items():
+            engine.admit(slot, PROMPTS[slot], greedy(30), recorder)
+        engine.step()  # their prompts, and the first token of each
+        clock[0] += 1
+        long_one = Recorder(clock)
+        engine.admit(3, LONG_PROMPT, greedy(4), long_one)
+        before = engine.stats().prompt_tokens_computed
+        long_done: BatchCompletion | None = None
+        while long_done is None:
+            computed = engine.stats().prompt_tokens_computed
+            finished = dict(engine.step())
+            assert engine.stats().prompt_tokens_computed - computed <= budget
+            long_done = finished.get(3)
+            clock[0] += 1
+    finally:
+        engine.close()
+    assert long_done.prompt_tokens >= 600
+    assert engine.stats().prompt_tokens_computed - before == long_done.prompt_tokens
+    prefill_steps = -(-long_done.prompt_tokens // budget)
+    assert long_one.steps[0] == 1 + prefill_steps - 1  # the first token comes with the last prompt chunk
+    for recorder in decoding.values():  # one token on every step, the prompt's steps included
+        assert recorder.steps[:prefill_steps + 1] == list(range(prefill_steps + 1))
+
+
+@pytest.mark.timeout(60)
+def test_cancel_frees_the_slot_within_one_step_and_leaves_the_others_unchanged(model_path: str) -> None:
+    requests = [(p, greedy(40)) for p in PROMPTS[:4]]
+    expected = one_at_a_time(model_path, requests)
+    engine = make_engine(model_path, 4)
+    clock = [0]
+    try:
+        recorders = [Recorder(clock, cancel_after=12 if slot == 2 else None) for slot in range(4)]
+        for slot, ((prompt, params), recorder) in enumerate(zip(requests, recorders, strict=True)):
+            engine.admit(slot, prompt, params, recorder)
+        results: dict[int, BatchCompletion] = {}
+        for _ in range(5):
+            results.update(engine.step())
+        engine.cancel(1)  # from outside, between steps
+        results.update(engine.step())
+        assert 1 in results and 1 in engine.free_slots()
+        while engine.active:
+            results.update(engine.step())
+            if 2 in results:
+                assert 2 in engine.free_slots()
+    finally:
+        engine.close()
+    assert results[1].finish_reason == "cancelled" and results[1].completion_tokens == 5
+    assert expected[1].text.startswith(results[1].text)
+    assert results[2].finish_reason == "cancelled" and results[2].completion_tokens == 12  # on_token said stop
+    for slot in (0, 3):
+        assert results[slot].finish_reason == "length"
+        assert results[slot].text == expected[slot].text
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("kv_unified", [False, True], ids=["kv-per-slot", "kv-unified"])
+def test_a_repeated_long_prompt_reuses_the_slots_cached_prefix(model_path: str, kv_unified: bool) -> None:
+    first = LONG_PROMPT[:1200]
+    follow_up = first + " and then the cat sat"
+    fresh = one_at_a_time(model_path, [(follow_up, greedy(20))])[0]
+    engine = make_engine(model_path, 2, kv_unified=kv_unified)
+    try:
+        serve(engine, [(first, greedy(20)), (PROMPTS[0], greedy(5))])  # slot 0: long prompt; slot 1: short
+        slot, reusable = engine.best_slot(follow_up)
+        assert slot == 0 and reusable > 200
+        before = engine.stats().prompt_tokens_computed
+        engine.admit(slot, follow_up, greedy(20), lambda text, n: True)
+        done = dict(engine.step())
+        while not done:
+            done = dict(engine.step())
+        again = done[slot]
+        computed = engine.stats().prompt_tokens_computed - before
+        assert again.reused_tokens == reusable
+        assert computed == again.prompt_tokens - again.reused_tokens < again.prompt_tokens // 4
+        assert again.text == fresh.text  # reusing the cells changes nothing in the output
+        assert engine.best_slot(follow_up) == (slot, again.prompt_tokens - 1)  # all but the last: its logits
+        engine.admit(slot, follow_up, greedy(20), lambda text, n: True)
+        done = dict(engine.step())
+        while not done:
+            done = dict(engine.step())
+        assert done[slot].reused_tokens == again.prompt_tokens - 1 and done[slot].text == fresh.text
+    finally:
+        engine.close()
+
+
+@pytest.mark.timeout(60)
+def test_a_stop_string_ends_the_sequence_before_it(model_path: str, llm: llama_cpp.Llama) -> None:
+    full = one_at_a_time(model_path, [(PROMPTS[0], greedy(40))])[0].text
+    stop = full[20:24]
+    engine = make_engine(model_path, 2)
+    clock = [0]
+    streamed = Recorder(clock)
+    try:
+        engine.admit(0, PROMPTS[0], greedy(40, stop=("never appears", stop)), streamed)
+        engine.admit(1, PROMPTS[1], greedy(40), Recorder(clock))
+        results: dict[int, BatchCompletion] = {}
+        while engine.active:
+            results.update(engine.step())
+    finally:
+        engine.close()
+    stopped = results[0]
+    assert stopped.finish_reason == "stop"
+    assert stopped.text == full[:full.index(stop)]
+    assert "".join(streamed.pieces) == stopped.text  # nothing streamed had to be taken back
+    assert results[1].finish_reason == "length"
+    reference = llm.create_completion(PROMPTS[0], max_tokens=40, temperature=0, stop=["never appears", stop])
+    assert stopped.text == reference["choices"][0]["text"]
+
+
+@pytest.mark.timeout(60)
+def test_a_prompt_longer_than_the_context_is_a_bad_request(model_path: str) -> None:
+    engine = BatchEngine(model_path, n_ctx=64, parallel=2, threads=1, n_gpu_layers=0)
+    try:
+        with pytest.raises(BadRequest):
+            engine.admit(0, LONG_PROMPT, greedy(4), lambda text, n: True)
+        assert engine.free_slots() == [0, 1]
+        engine.admit(0, PROMPTS[0], greedy(100), lambda text, n: True)  # max_tokens shrinks to fit n_ctx
+        done = dict(engine.step())
+        while not done:
+            done = dict(engine.step())
+        assert done[0].prompt_tokens + done[0].completion_tokens == 64
+    finally:
+        engine.close()
+
+
+@pytest.mark.timeout(10)
+def test_text_stream_keeps_utf8_characters_whole_and_holds_back_stop_prefixes() -> None:
+    stream = TextStream(("<end>",))
+    data = "é<e".encode()
+    assert stream.push(data[:1]) == ("", False)  # half a character
+    assert stream.push(data[1:]) == ("é", False)  # '<' and 'e' may start "<end>"
+    assert stream.push(b"x") == ("<ex", False)  # they did not
+    assert stream.push(b"ab<en") == ("ab", False)
+    assert stream.push(b"d> more") == ("", True)
+    assert TextStream((), strip_leading_space=True).push(b" hi") == ("hi", False)
