@@ -13,7 +13,7 @@ from typing import Annotated
 import typer
 
 from . import config as cfg
-from .errors import MpserveError
+from .errors import ConnectionFailed, MpserveError
 from .runtime import ServerInfo, pid_alive
 from .slots import SlotRow, SlotState, SlotTable
 
@@ -29,6 +29,9 @@ SimulateOption = Annotated[str | None, typer.Option(
 ApiKey = Annotated[str | None, typer.Option(
     "--api-key", envvar="MPSERVE_API_KEY",
     help="Require 'Authorization: Bearer KEY' on HTTP requests (/health excepted).")]
+ParallelOption = Annotated[int | None, typer.Option(
+    "--parallel", "-p", envvar="MPSERVE_PARALLEL",
+    help="Requests one instance decodes together in one batch (default: 1); --n-ctx is per request.")]
 HeartbeatInterval = Annotated[float | None, typer.Option(
     "--heartbeat-interval", envvar="MPSERVE_HEARTBEAT_INTERVAL", help="Seconds between heartbeats (default: 1).")]
 HeartbeatLiveness = Annotated[int | None, typer.Option(
@@ -47,6 +50,7 @@ def start(
                                                 help="Name clients use for the model.")] = None,
     instances: Annotated[int | None, typer.Option("--instances", "-n", envvar="MPSERVE_INSTANCES",
                                                      help="Worker processes per model (default: 1).")] = None,
+    parallel: ParallelOption = None,
     threads: Annotated[int | None, typer.Option(
         "--threads", envvar="MPSERVE_THREADS", help="Threads per instance (default: cores ÷ instances).")] = None,
     n_ctx: Annotated[int | None, typer.Option("--n-ctx", envvar="MPSERVE_N_CTX",
@@ -124,8 +128,8 @@ def start(
                     "gpu_memory_budget": gpu_memory_budget, "single_active_backend": single_active_backend or None,
                     "workers_bind": workers_bind, "curve_workers": curve_workers,
                     "heartbeat_interval": heartbeat_interval, "heartbeat_liveness": heartbeat_liveness},
-            model={"path": model, "name": name, "instances": instances, "threads": threads, "n_ctx": n_ctx,
-                   "n_gpu_layers": n_gpu_layers},
+            model={"path": model, "name": name, "instances": instances, "parallel": parallel, "threads": threads,
+                   "n_ctx": n_ctx, "n_gpu_layers": n_gpu_layers},
             source=str(config_file or "command line"),
             base_dir=config_file.parent if config_file else None,
         )
@@ -198,6 +202,7 @@ def worker(
     name: Annotated[str | None, typer.Option("--name", envvar="MPSERVE_MODEL_NAME",
                                              help="The model's name at the broker.")] = None,
     instances: Annotated[int | None, typer.Option("--instances", "-n", envvar="MPSERVE_INSTANCES")] = None,
+    parallel: ParallelOption = None,
     threads: Annotated[int | None, typer.Option("--threads", envvar="MPSERVE_THREADS")] = None,
     n_ctx: Annotated[int | None, typer.Option("--n-ctx", envvar="MPSERVE_N_CTX")] = None,
     n_gpu_layers: Annotated[int | None, typer.Option("--n-gpu-layers", envvar="MPSERVE_N_GPU_LAYERS")] = None,
@@ -223,8 +228,8 @@ def worker(
             cfg.load_file(config_file) if config_file else {},
             server={"server_name": server_name, "gpus": gpus, "simulate_gpus": simulate_gpus, "log_level": log_level,
                     "heartbeat_interval": heartbeat_interval, "heartbeat_liveness": heartbeat_liveness},
-            model={"path": model, "name": name, "instances": instances, "threads": threads, "n_ctx": n_ctx,
-                   "n_gpu_layers": n_gpu_layers},
+            model={"path": model, "name": name, "instances": instances, "parallel": parallel, "threads": threads,
+                   "n_ctx": n_ctx, "n_gpu_layers": n_gpu_layers},
             source=str(config_file or "command line"), base_dir=config_file.parent if config_file else None)
         run_pool(config, connect, curve_server_key, curve_secret)
 
@@ -297,7 +302,7 @@ def status(
     with _errors():
         info = ServerInfo.read(server_name)
         if info is None or not info.alive():
-            raise MpserveError(f"no server named {server_name!r} is running; start one with `mpserve start`")
+            raise ConnectionFailed(f"no server named {server_name!r} is running; start one with `mpserve start`")
         table = SlotTable.attach(Path(info.slots), writable=False)
         try:
             while True:

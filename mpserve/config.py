@@ -46,6 +46,7 @@ class ModelConfig:
     n_ctx: int = 2048
     threads: int | None = None  # None: cores ÷ all instances, at least 1
     n_gpu_layers: int | None = None  # None: all layers on a GPU, 0 on the CPU
+    parallel: int = 1  # sequences one instance decodes together (continuous batching); n_ctx is per sequence
     devices: tuple[int, ...] | None = None  # pin the model's instances to these GPU indices
     requires_memory: int | None = None  # declared GPU bytes per instance; None: estimated from the GGUF
 
@@ -93,6 +94,10 @@ class ServerConfig:
     def total_instances(self) -> int:
         return sum(m.instances for m in self.models)
 
+    @property
+    def total_slots(self) -> int:
+        return sum(m.instances * m.parallel for m in self.models)
+
     def threads_for(self, model: ModelConfig) -> int:
         return model.threads or max(1, self.threads_total // max(1, self.total_instances))
 
@@ -136,7 +141,8 @@ def _is_network_tcp(address: str) -> bool:
     return not (host.startswith("127.") or host in ("localhost", "::1"))
 
 
-_MODEL_KEYS = {"name": str, "path": str, "instances": int, "n_ctx": int, "threads": int, "n_gpu_layers": int,
+_MODEL_KEYS = {"name": str, "path": str, "instances": int, "parallel": int, "n_ctx": int, "threads": int,
+               "n_gpu_layers": int,
                "devices": list, "requires": dict}
 _REQUIRES_KEYS = {"memory": (str, int), "gpus": int}
 _SERVER_KEYS = {"server_name": str, "bind": str, "workers_bind": str, "max_queue": int, "max_queue_total": int,
@@ -148,7 +154,8 @@ _SERVER_KEYS = {"server_name": str, "bind": str, "workers_bind": str, "max_queue
                 "single_active_backend": bool, "switch_batch": int, "lock_dir": str, "permit_log": str,
                 "log_level": str, "models": list}
 _RANGES: dict[str, tuple[float, float]] = {
-    "instances": (0, 256), "n_ctx": (16, 1 << 20), "threads": (1, 1024), "n_gpu_layers": (-1, 100000),
+    "instances": (0, 256), "parallel": (1, 64), "n_ctx": (16, 1 << 20), "threads": (1, 1024),
+    "n_gpu_layers": (-1, 100000),
     "max_queue": (1, 1_000_000), "max_queue_total": (1, 10_000_000), "max_pending_per_client": (1, 10_000_000),
     "grace": (0, 3600),
     "stall_timeout": (0.1, 86400), "idle_timeout": (0, 86400 * 365), "client_timeout": (1, 3600),

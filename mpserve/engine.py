@@ -44,10 +44,11 @@ class EngineSpec:
     """What a worker needs to build its engine. ``path`` "echo" selects the echo backend."""
 
     path: str
-    n_ctx: int
+    n_ctx: int  # per sequence
     threads: int
     n_gpu_layers: int
     seed: int = 0
+    parallel: int = 1  # > 1: a BatchEngine decoding this many sequences together
 
     @property
     def is_echo(self) -> bool:

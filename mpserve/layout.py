@@ -27,7 +27,7 @@ def build_layout(config: ServerConfig) -> Layout:
     devices = discover(config.gpus, config.simulate_gpus)
     requests = [
         ModelRequest(name=m.name, path=m.resolved_path(), instances=m.instances, n_ctx=m.n_ctx,
-                     n_gpu_layers=-1 if m.n_gpu_layers is None else m.n_gpu_layers, parallel=1,
+                     n_gpu_layers=-1 if m.n_gpu_layers is None else m.n_gpu_layers, parallel=m.parallel,
                      devices=m.devices, memory=0 if m.path == ECHO_MODEL and m.requires_memory is None
                      else m.requires_memory)
         for m in config.models
@@ -39,10 +39,11 @@ def build_layout(config: ServerConfig) -> Layout:
 
 
 def worker_specs(config: ServerConfig, layout: Layout, backend: str, slots_path: Path) -> list[WorkerSpec]:
-    """One spec per instance, indexed as the slot-table rows."""
+    """One spec per instance; instance i owns the slot-table rows first_row .. first_row + parallel - 1."""
     by_index = {d.index: d for d in layout.devices}
     capacity = config.permit_capacity
     specs = []
+    first_row = 0
     for index, placement in enumerate(layout.placements):
         model = config.model(placement.model)
         device = -1 if placement.device is None else placement.device
@@ -53,9 +54,11 @@ def worker_specs(config: ServerConfig, layout: Layout, backend: str, slots_path:
         specs.append(WorkerSpec(
             index=index, model=model.name,
             engine=EngineSpec(path=model.resolved_path(), n_ctx=model.n_ctx, threads=config.threads_for(model),
-                              n_gpu_layers=gpu_layers),
+                              n_gpu_layers=gpu_layers, parallel=model.parallel),
+            first_row=first_row,
             device=device, backend=backend, slots_path=str(slots_path), parent_pid=os.getpid(),
             idle_timeout=config.idle_timeout, lazy=config.single_active_backend, permit=permit,
             log_level=config.log_level,
         ))
+        first_row += model.parallel
     return specs

@@ -45,7 +45,7 @@ def run_pool(config: ServerConfig, connect: str, curve_server_key: str | None = 
                                  heartbeat_interval=config.heartbeat_interval,
                                  heartbeat_liveness=config.heartbeat_liveness)
              for spec in worker_specs(config, layout, connect, paths.slots)]
-    table = SlotTable.create(paths.slots, rows=len(specs))
+    table = SlotTable.create(paths.slots, rows=config.total_slots)
     try:
         supervisor = Supervisor(config, specs, table)
         ServerInfo(paths.name, os.getpid(), connect, connect, str(paths.slots), [m.name for m in config.models],

@@ -304,6 +304,7 @@ class Timings:
     prompt_ms: float = 0.0
     generate_ms: float = 0.0
     attempts: int = 1
+    cached_tokens: int = 0  # prompt tokens taken from the slot's KV cache instead of computed
 
 
 @dataclass(frozen=True)
@@ -330,7 +331,7 @@ class Done:
             usage=Usage(_get(u, "prompt_tokens", int), _get(u, "completion_tokens", int)),
             timings=Timings(*(float(_get(t, k, (int, float))) for k in ("queue_ms", "prompt_ms",
                                                                          "generate_ms")),
-                            attempts=_get(t, "attempts", int, 1)),
+                            attempts=_get(t, "attempts", int, 1), cached_tokens=_get(t, "cached_tokens", int, 0)),
             worker=_text(body, "worker", 64, ""),
         )
 

@@ -45,7 +45,7 @@ def serve(config: ServerConfig) -> None:
     for device in layout.devices:
         log.info("device %d: %s, %.1f GiB free%s", device.index, device.name, device.memory_free / 2**30,
                  " (simulated)" if device.simulated else "")
-    table = SlotTable.create(paths.slots, rows=config.total_instances)
+    table = SlotTable.create(paths.slots, rows=config.total_slots)
     ctx = zmq.Context()
     broker = None
     authenticator = None

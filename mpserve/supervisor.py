@@ -61,9 +61,10 @@ class Supervisor:
     def spawn(self, index: int) -> None:
         handle = self.workers[index]
         spec = handle.spec
-        self._table.writer(index).update(pid=0, worker=index, slot=0, state=SlotState.STARTING,
-                                         device=spec.device, model=spec.model, request="", tokens=0,
-                                         served=0, started=time.time(), load_s=0.0)
+        for slot, row in enumerate(spec.rows):
+            self._table.writer(row).update(pid=0, worker=index, slot=slot, state=SlotState.STARTING,
+                                           device=spec.device, model=spec.model, request="", tokens=0,
+                                           served=0, started=time.time(), load_s=0.0)
         process = self._mp.Process(target=worker_main, args=(spec,), name=f"mpserve-worker-{index}",
                                    daemon=False)
         process.start()
@@ -86,7 +87,6 @@ class Supervisor:
         handle.process = None
         handle.stalled, handle.kill_at = False, None
         health = self.health[handle.spec.model]
-        row = self._table.writer(index)
         if code == EXIT_LOAD_FAILED:
             health.load_failures += 1
             if health.load_failures >= MAX_LOAD_FAILURES and health.failed_message is None:
@@ -94,9 +94,9 @@ class Supervisor:
                 log.error("model %s failed to load %d times in a row; not retrying: %s", handle.spec.model,
                           health.load_failures, health.failed_message)
         if health.failed_message is not None:
-            row.update(state=SlotState.FAILED)
+            self._mark(handle.spec, SlotState.FAILED)
             return code
-        row.update(state=SlotState.DEAD)
+        self._mark(handle.spec, SlotState.DEAD)
         # A worker that had registered is replaced at once (its death was the request's or the host's
         # doing, and the requests wait); one that died on its way up backs off, to not boot-loop.
         handle.crashes = 0 if handle.registered else handle.crashes + 1
@@ -110,6 +110,11 @@ class Supervisor:
     def load_failed(self, model: str, message: str) -> None:
         """A worker reported FAILED; its exit follows and is counted by reap()."""
         self.health[model].pending_messages[:] = [message]
+
+    def _mark(self, spec: WorkerSpec, state: SlotState) -> None:
+        """Write a dead worker's rows (their writer is gone, so the supervisor may)."""
+        for row in spec.rows:
+            self._table.writer(row).update(state=state)
 
     def registered(self, index: int, loaded: bool) -> None:
         """Worker ``index`` is up (READY), its crash backoff starts afresh, and if it loaded its model, so
@@ -163,11 +168,11 @@ class Supervisor:
                 handle.process.join(max(0.0, deadline - time.monotonic()) if sig_step == "wait" else 2.0)
             if not any(h.process is not None and h.process.is_alive() for h in self.workers.values()):
                 break
-        for index, handle in self.workers.items():
+        for handle in self.workers.values():
             if handle.process is not None:
                 handle.process.join(1.0)
                 handle.process = None
-            self._table.writer(index).update(state=SlotState.DEAD)
+            self._mark(handle.spec, SlotState.DEAD)
 
 
 def _describe_exit(code: int | None) -> str:

@@ -17,12 +17,13 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import zmq
 import zmq.auth
 
 from . import protocol as wire
-from .engine import Completion, Engine, EngineSpec, OnToken, load_engine
+from .engine import Completion, EngineSpec, OnToken, load_engine
 from .errors import MpserveError
 from .permits import DevicePermits, HoldLog
 from .slots import SlotState, SlotTable, SlotWriter
@@ -47,7 +48,7 @@ class PermitSpec:
 
 @dataclass(frozen=True)
 class WorkerSpec:
-    index: int  # also the worker's slot-table row
+    index: int
     model: str
     engine: EngineSpec
     device: int  # -1: CPU
@@ -62,7 +63,12 @@ class WorkerSpec:
     curve_secret: str | None = None  # ... and this pool's secret key file
     heartbeat_interval: float = 1.0
     heartbeat_liveness: int = 5
+    first_row: int = 0  # its slot-table rows: first_row .. first_row + engine.parallel - 1
     log_level: str = "info"
+
+    @property
+    def rows(self) -> range:
+        return range(self.first_row, self.first_row + self.engine.parallel)
 
     @property
     def identity(self) -> bytes:
@@ -82,9 +88,9 @@ def worker_main(spec: WorkerSpec) -> None:
     logging.basicConfig(level=spec.log_level.upper(), stream=sys.stderr,
                         format=f"%(asctime)s %(levelname)s worker {spec.index} ({spec.model}): %(message)s")
     table = SlotTable.attach(spec.slots_path)
-    row = table.writer(spec.index)
-    row.update(pid=os.getpid(), state=SlotState.STARTING, request="", tokens=0, served=0,
-               started=time.time())
+    rows = [table.writer(row) for row in spec.rows]
+    for row in rows:
+        row.update(pid=os.getpid(), state=SlotState.STARTING, request="", tokens=0, served=0, started=time.time())
     ctx = zmq.Context()
     sock = ctx.socket(zmq.DEALER)
     sock.setsockopt(zmq.IDENTITY, spec.identity)
@@ -101,9 +107,14 @@ def worker_main(spec: WorkerSpec) -> None:
             hold_log = HoldLog(Path(spec.permit.hold_log)) if spec.permit.hold_log else None
             permits = DevicePermits(spec.permit.device_key, spec.permit.capacity,
                                     Path(spec.permit.lock_dir) if spec.permit.lock_dir else None, on_hold=hold_log)
-        worker = Worker(spec, sock, row, permits)
+        if spec.engine.parallel > 1:
+            from .batch_worker import BatchWorker
+
+            worker: Worker = BatchWorker(spec, sock, rows, permits)
+        else:
+            worker = Worker(spec, sock, rows, permits)
         if spec.lazy:
-            row.update(state=SlotState.UNLOADED)
+            worker.set_rows(state=SlotState.UNLOADED)
         else:
             worker.load()
         worker.run()
@@ -116,13 +127,16 @@ def worker_main(spec: WorkerSpec) -> None:
 
 
 class Worker:
-    def __init__(self, spec: WorkerSpec, sock: zmq.Socket, row: SlotWriter,
+    """Serves one request at a time (``parallel`` 1). ``BatchWorker`` serves several at once."""
+
+    def __init__(self, spec: WorkerSpec, sock: zmq.Socket, rows: list[SlotWriter],
                  permits: DevicePermits | None = None) -> None:
         self._spec = spec
         self._permits = permits
-        self._engine: Engine | None = None
+        self._engine: Any = None
         self._sock = sock
-        self._row = row
+        self._rows = rows
+        self._row = rows[0]
         self._served = 0
         self._stopping = False
         self._current: wire.Assign | None = None
@@ -134,19 +148,30 @@ class Worker:
         self._register_backoff = REGISTER_BACKOFF_FIRST_S
         self._next_register = 0.0
 
+    def set_rows(self, **fields: Any) -> None:
+        for row in self._rows:
+            row.update(**fields)
+
     def load(self) -> None:
         """Load the model; on failure tell the broker why (FAILED) and exit for the supervisor to decide."""
-        self._row.update(state=SlotState.LOADING)
+        self.set_rows(state=SlotState.LOADING)
         t0 = time.perf_counter()
         try:
-            self._engine = load_engine(self._spec.engine)
+            self._engine = self._build_engine()
         except Exception as exc:  # any load failure is reported the same way
             log.error("cannot load %s: %s", self._spec.engine.path, exc)
-            self._row.update(state=SlotState.FAILED)
+            self.set_rows(state=SlotState.FAILED)
             self._send(wire.Failed(self._spec.identity.decode(), self._spec.model, f"{type(exc).__name__}: {exc}"))
             sys.exit(EXIT_LOAD_FAILED)
-        self._row.update(state=SlotState.IDLE, load_s=time.perf_counter() - t0)
+        self.set_rows(state=SlotState.IDLE, load_s=time.perf_counter() - t0)
         log.debug("loaded in %.2f s", time.perf_counter() - t0)
+
+    def _build_engine(self) -> Any:
+        return load_engine(self._spec.engine)
+
+    @property
+    def _busy(self) -> bool:
+        return self._current is not None
 
     def run(self) -> None:
         spec = self._spec
@@ -166,7 +191,7 @@ class Worker:
 
     def _register(self) -> None:
         spec = self._spec
-        self._send(wire.Ready(spec.identity.decode(), spec.model, spec.device, 1, os.getpid(),
+        self._send(wire.Ready(spec.identity.decode(), spec.model, spec.device, spec.engine.parallel, os.getpid(),
                               loaded=self._engine is not None, host=spec.host))
         self._must_register = False
         self._heard = time.monotonic()  # give the broker a full expiry to answer before trying again
@@ -186,7 +211,7 @@ class Worker:
             self._next_heartbeat = now + spec.heartbeat_interval
             self._send(wire.Heartbeat(spec.identity.decode()))
         silent = now - self._heard > spec.heartbeat_interval * spec.heartbeat_liveness
-        if self._current is None and (self._must_register or (silent and now >= self._next_register)):
+        if not self._busy and (self._must_register or (silent and now >= self._next_register)):
             if silent:
                 log.warning("no word from the broker for %.1f s; registering again", now - self._heard)
             self._register()
@@ -197,7 +222,7 @@ class Worker:
         if self._engine is not None:
             self._engine.close()
             self._engine = None
-        self._row.update(state=SlotState.UNLOADED)
+        self.set_rows(state=SlotState.UNLOADED)
         self._send(wire.Unloaded(self._spec.identity.decode()))
 
     def _receive(self) -> wire.Assign | None:
@@ -212,25 +237,35 @@ class Worker:
             return None
         if isinstance(msg, wire.Heartbeat) and not msg.registered:
             self._must_register = True  # the broker does not know this worker (any more)
-            self._cancelled = self._current is not None  # a running request's ticket is void
+            self._void_running()  # the tickets of running requests are void
         elif isinstance(msg, wire.Error):
             log.error("the broker refused this worker: %s", msg.message)
             sys.exit(EXIT_LOAD_FAILED)
         elif isinstance(msg, wire.Stop):
             self._stopping = True
         elif isinstance(msg, wire.Unload):
-            if self._current is None:
+            if not self._busy:
                 self._unload()
             else:  # the broker unloads only idle workers; say so rather than drop a running request
-                log.error("asked to unload while serving %s; ignored", self._current.request.id)
+                log.error("asked to unload while serving; ignored")
         elif isinstance(msg, wire.Cancel):
-            if self._current is not None and msg.id == self._current.ticket:
-                self._cancelled = True
+            self._cancel(msg.id)
         elif isinstance(msg, wire.Assign):
-            if self._current is None:
-                return msg
-            self._send(wire.Error(msg.request.id, "internal", "worker was given a request while busy"),
-                       msg.ticket)
+            return self._accept(msg)
+        return None
+
+    def _void_running(self) -> None:
+        self._cancelled = self._current is not None
+
+    def _cancel(self, ticket: str) -> None:
+        if self._current is not None and ticket == self._current.ticket:
+            self._cancelled = True
+
+    def _accept(self, assign: wire.Assign) -> wire.Assign | None:
+        """An ASSIGN to serve now (returned to the run loop), or refused."""
+        if self._current is None:
+            return assign
+        self._send(wire.Error(assign.request.id, "internal", "worker was given a request while busy"), assign.ticket)
         return None
 
     def _serve(self, assign: wire.Assign) -> None:
@@ -264,11 +299,16 @@ class Worker:
         except Exception as exc:  # a bug or a llama.cpp failure: report it; the request must end
             log.exception("request %s failed", req.id)
             return wire.Error(req.id, "internal", f"{type(exc).__name__}: {exc}")
+        return self._reply(assign, result)
+
+    def _reply(self, assign: wire.Assign, result: Completion) -> wire.Done | wire.Error:
+        req = assign.request
         if result.finish_reason == "cancelled":
             return wire.Error(req.id, "cancelled", "cancelled")
         return wire.Done(
             req.id, result.text, result.finish_reason, wire.Usage(result.prompt_tokens, result.completion_tokens),
-            wire.Timings(assign.queue_ms, result.prompt_s * 1000, result.generate_s * 1000, assign.attempt),
+            wire.Timings(assign.queue_ms, result.prompt_s * 1000, result.generate_s * 1000, assign.attempt,
+                         cached_tokens=getattr(result, "reused_tokens", 0)),
             worker=self._spec.identity.decode(),
         )
 
