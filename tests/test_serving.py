@@ -134,14 +134,22 @@ def test_full_queue_answers_busy_with_a_retry_hint(start_server) -> None:
 
     async def main() -> list[object]:
         async with AsyncClient(server.address) as client:
-            requests = (client.generate("a", max_tokens=200, temperature=0, timeout=30) for _ in range(4))
+            running = client.stream("a", max_tokens=3000, temperature=0, timeout=30)
+            chunks = running.__aiter__()
+            await chunks.__anext__()  # the only instance is busy now
+            requests = [asyncio.ensure_future(client.generate("b", max_tokens=4, timeout=30)) for _ in range(3)]
+            await asyncio.wait(requests, timeout=0.5)  # one queues, the others find the queue full
+            await client.cancel(running.id)
+            with pytest.raises(Cancelled):
+                async for _ in chunks:
+                    pass
             return await asyncio.gather(*requests, return_exceptions=True)
 
     outcomes = asyncio.run(main())
     busy = [o for o in outcomes if isinstance(o, Busy)]
     done = [o for o in outcomes if not isinstance(o, BaseException)]
-    assert len(done) == 2 and len(busy) == 2, outcomes
-    assert all(b.retry_after and b.retry_after > 0 for b in busy)
+    assert len(done) == 1 and len(busy) == 2, outcomes
+    assert all(b.retry_after and 0 < b.retry_after <= 30 for b in busy)
 
 
 @pytest.mark.timeout(60)
