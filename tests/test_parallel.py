@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import threading
 import time
 
@@ -36,3 +37,64 @@ def test_two_instances_run_two_requests_at_once(start_server) -> None:
     rows = server.slots()
     assert [r.served for r in rows] == [1, 1]
     assert overlap_samples >= 3 and both_progressing >= 1
+
+
+PROMPTS = ["Hello world", "The quick brown fox", "In the beginning", "1 2 3"]
+
+
+async def _concurrently(address: str, prompts: list[str], **params: object) -> list:
+    from mpserve import AsyncClient
+
+    async with AsyncClient(address, timeout=60) as client:
+        return await asyncio.gather(*(client.generate(p, **params) for p in prompts))
+
+
+@pytest.mark.timeout(120)
+def test_four_slots_of_one_instance_give_the_same_greedy_text_as_one_at_a_time(start_server) -> None:
+    batched = start_server("--parallel", "4").wait_ready()
+    single = start_server("--parallel", "1").wait_ready()
+    params = {"max_tokens": 40, "temperature": 0}
+    together = asyncio.run(_concurrently(batched.address, PROMPTS, **params))
+    with Client(single.address) as client:
+        alone = [client.generate(p, **params) for p in PROMPTS]
+    assert [r.text for r in together] == [r.text for r in alone]
+    rows = batched.slots()
+    assert len(rows) == 4 and {r.worker for r in rows} == {0} and [r.slot for r in rows] == [0, 1, 2, 3]
+    assert sum(r.served for r in rows) >= 4
+
+
+@pytest.mark.timeout(120)
+def test_a_repeated_long_prompt_reuses_the_cached_prefix(start_server) -> None:
+    server = start_server("--parallel", "2", "--n-ctx", "1024").wait_ready()
+    prompt = "A long shared preamble about nothing in particular. " * 12
+    with Client(server.address) as client:
+        first = client.generate(prompt + "First?", max_tokens=4, temperature=0)
+        second = client.generate(prompt + "Second?", max_tokens=4, temperature=0)
+    assert first.timings.cached_tokens == 0
+    assert second.timings.cached_tokens > first.usage.prompt_tokens // 2
+
+
+@pytest.mark.timeout(120)
+def test_cancelling_one_of_four_sequences_leaves_the_others_unchanged(start_server) -> None:
+    from mpserve import AsyncClient
+    from mpserve.errors import Cancelled
+
+    server = start_server("--parallel", "4", "--n-ctx", "2048").wait_ready()
+    params = {"max_tokens": 300, "temperature": 0}
+    expected = asyncio.run(_concurrently(server.address, PROMPTS[1:], **params))
+
+    async def run() -> list:
+        async with AsyncClient(server.address, timeout=60) as client:
+            victim = client.stream(PROMPTS[0], max_tokens=1500, temperature=0)
+            chunks = victim.__aiter__()
+            await chunks.__anext__()
+            others = [asyncio.ensure_future(client.generate(p, **params)) for p in PROMPTS[1:]]
+            await asyncio.sleep(0.05)
+            await client.cancel(victim.id)
+            with pytest.raises(Cancelled):
+                async for _ in chunks:
+                    pass
+            return await asyncio.gather(*others)
+
+    results = asyncio.run(run())
+    assert [r.text for r in results] == [r.text for r in expected]
