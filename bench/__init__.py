@@ -1,0 +1,1 @@
+"""mpserve's benchmarks: every figure measured side by side with a baseline in the same run."""

@@ -1,0 +1,251 @@
+"""The generation workload and the three ways to drive it: mpserve, an HTTP peer, llama_cpp in-process.
+
+Every request is greedy (temperature 0, no repeat penalty), streams its tokens (so time to first token
+is seen by the caller; mpserve can also be asked for whole completions) and runs to ``max_tokens`` (the
+built-in models never emit end-of-text). Load is
+a closed loop: ``concurrency`` lanes each send their next request as soon as the previous one ends,
+until ``n`` requests have been sent or the measurement's time budget is spent.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import http.client
+import itertools
+import json
+import math
+import subprocess
+import sys
+import time
+from collections.abc import Awaitable, Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+from mpserve import AsyncClient
+
+from .figures import percentile
+
+PROMPTS = (
+    "The old lighthouse keeper climbed the stairs every evening and",
+    "In the market square the merchants argued about the price of",
+    "She opened the letter slowly, knowing that the news inside would",
+    "The recipe called for three eggs, a cup of flour and",
+    "When the train stopped in the middle of the night, the passengers",
+    "Deep in the forest there was a clearing where the children",
+    "The engineer looked at the numbers again and decided that the bridge",
+    "After the storm had passed, the fishermen walked down to the harbour to",
+)
+
+
+@dataclass(frozen=True)
+class Workload:
+    max_tokens: int
+    n_ctx: int
+    min_requests: int  # per measurement; at least 2 per lane at higher concurrency
+    budget_s: float  # a measurement sends no new request after this long (it still waits for those sent)
+
+    def prompt(self, i: int) -> str:
+        return PROMPTS[i % len(PROMPTS)]
+
+    def requests(self, concurrency: int) -> int:
+        return max(self.min_requests, 2 * concurrency)
+
+
+@dataclass(frozen=True)
+class Sample:
+    ttft_s: float  # request sent until the first token arrived
+    latency_s: float  # request sent until the last token arrived
+    tokens: int
+
+
+@dataclass(frozen=True)
+class LoadResult:
+    samples: list[Sample]
+    wall_s: float
+
+    @property
+    def tokens_per_s(self) -> float:
+        return sum(s.tokens for s in self.samples) / self.wall_s
+
+    def ttft_ms(self, percent: float) -> float:
+        return percentile([s.ttft_s * 1000 for s in self.samples], percent)
+
+    def latency_ms(self, percent: float) -> float:
+        return percentile([s.latency_s * 1000 for s in self.samples], percent)
+
+
+GENERATION_METRICS: tuple[tuple[str, str, Callable[[LoadResult], float]], ...] = (
+    ("tokens/s", "tok/s", lambda r: r.tokens_per_s),
+    ("TTFT p50", "ms", lambda r: r.ttft_ms(50)),
+    ("TTFT p99", "ms", lambda r: r.ttft_ms(99)),
+    ("latency p50", "ms", lambda r: r.latency_ms(50)),
+    ("latency p99", "ms", lambda r: r.latency_ms(99)),
+)
+"""The figures every generation measurement reports: name, unit, how to read it from a LoadResult."""
+WHOLE_METRICS = tuple(m for m in GENERATION_METRICS if not m[0].startswith("TTFT"))
+"""The figures of requests that are not streamed (the client sees no first token)."""
+
+
+async def closed_loop(concurrency: int, n: int, budget_s: float,
+                      one: Callable[[int], Awaitable[Sample]]) -> LoadResult:
+    """``n`` requests from ``concurrency`` lanes, or fewer if the budget runs out (each lane sends one)."""
+    counter = itertools.count()
+    samples: list[Sample] = []
+    started = time.perf_counter()
+
+    async def lane() -> None:
+        while (i := next(counter)) < n and (i < concurrency or time.perf_counter() - started < budget_s):
+            samples.append(await one(i))
+
+    await asyncio.gather(*(lane() for _ in range(concurrency)))
+    return LoadResult(samples, time.perf_counter() - started)
+
+
+# --- mpserve --------------------------------------------------------------------------------------
+
+async def mpserve_load(address: str, work: Workload, concurrency: int, n: int, *, stream: bool = True) -> LoadResult:
+    async with AsyncClient(address) as client:
+        return await closed_loop(concurrency, n, work.budget_s, lambda i: mpserve_request(client, work, i, stream))
+
+
+async def mpserve_request(client: AsyncClient, work: Workload, i: int, stream: bool) -> Sample:
+    """One request; not streamed, the first token is not seen, and TTFT is NaN."""
+    params = {"max_tokens": work.max_tokens, "temperature": 0.0, "repeat_penalty": 1.0}
+    started = time.perf_counter()
+    if not stream:
+        result = await client.generate(work.prompt(i), **params)
+        return Sample(math.nan, time.perf_counter() - started, result.usage.completion_tokens)
+    first = 0.0
+    chunks = client.stream(work.prompt(i), **params)
+    async for _ in chunks:
+        first = first or time.perf_counter()
+    ended = time.perf_counter()
+    assert chunks.result is not None
+    return Sample(first - started, ended - started, chunks.result.usage.completion_tokens)
+
+
+async def mpserve_warm_up(address: str, work: Workload, instances: int) -> None:
+    """One request per instance at once, so every worker has run once before anything is timed."""
+    await mpserve_load(address, work, instances, instances)
+
+
+# --- an OpenAI-compatible HTTP server ---------------------------------------------------------------
+
+async def http_load(port: int, work: Workload, concurrency: int, n: int) -> LoadResult:
+    loop = asyncio.get_running_loop()
+    with ThreadPoolExecutor(max_workers=concurrency) as pool:
+        return await closed_loop(concurrency, n, work.budget_s,
+                                 lambda i: loop.run_in_executor(pool, http_request, port, work, i))
+
+
+def http_request(port: int, work: Workload, i: int) -> Sample:
+    """POST /v1/completions with stream=true, reading the server-sent events as they arrive.
+
+    ``cache_prompt: false`` stops llama-server from reusing a slot's earlier prompt (its slots would keep
+    all 8 prompts cached); llama_cpp.server ignores it. Elsewhere only the previous prompt's common prefix
+    is reused, and consecutive prompts share none but the first token."""
+    body = json.dumps({"prompt": work.prompt(i), "max_tokens": work.max_tokens, "temperature": 0.0,
+                       "repeat_penalty": 1.0, "stream": True, "cache_prompt": False})
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=300)
+    started = time.perf_counter()
+    first = 0.0
+    chunks = 0
+    usage: int | None = None
+    try:
+        conn.request("POST", "/v1/completions", body, {"Content-Type": "application/json"})
+        reply = conn.getresponse()
+        if reply.status != 200:
+            raise RuntimeError(f"HTTP {reply.status}: {reply.read()[:500]!r}")
+        while line := reply.readline():
+            if not line.startswith(b"data: ") or line.startswith(b"data: [DONE]"):
+                continue
+            event: dict[str, Any] = json.loads(line[6:])
+            if event.get("usage"):
+                usage = event["usage"]["completion_tokens"]
+            if any(choice.get("text") for choice in event.get("choices", ())):
+                first = first or time.perf_counter()
+                chunks += 1
+    finally:
+        conn.close()
+    ended = time.perf_counter()
+    return Sample(first - started, ended - started, usage if usage is not None else chunks)
+
+
+# --- llama_cpp in this process ------------------------------------------------------------------------
+
+def direct_load(llm: Any, work: Workload, n: int) -> LoadResult:
+    """``n`` requests in sequence through ``llama_cpp.Llama.create_completion``, as mpserve's engine calls it
+    (fewer if ``work.budget_s`` runs out)."""
+    samples: list[Sample] = []
+    started = time.perf_counter()
+    for i in range(n):
+        if samples and time.perf_counter() - started >= work.budget_s:
+            break
+        samples.append(direct_request(llm, work, i))
+    return LoadResult(samples, time.perf_counter() - started)
+
+
+def direct_request(llm: Any, work: Workload, i: int) -> Sample:
+    started = time.perf_counter()
+    first = 0.0
+    tokens = 0
+    for chunk in llm.create_completion(work.prompt(i), max_tokens=work.max_tokens, temperature=0.0,
+                                       repeat_penalty=1.0, stream=True):
+        if chunk["choices"][0]["text"]:
+            first = first or time.perf_counter()
+            tokens += 1
+    ended = time.perf_counter()
+    return Sample(first - started, ended - started, tokens)
+
+
+def load_direct(model: str, work: Workload, threads: int) -> Any:
+    """A ``llama_cpp.Llama`` built as mpserve's engine builds it, warmed up with one request."""
+    import llama_cpp
+
+    llm = llama_cpp.Llama(model_path=model, n_ctx=work.n_ctx, n_threads=threads, n_threads_batch=threads,
+                          seed=0, verbose=False)
+    direct_request(llm, work, 0)
+    return llm
+
+
+_DIRECT_PROCESS = """
+import json, sys, time
+from bench.load import Workload, direct_request, load_direct
+model, work, threads, indices = sys.argv[1], Workload(**json.loads(sys.argv[2])), int(sys.argv[3]), sys.argv[4]
+llm = load_direct(model, work, threads)
+print("ready", flush=True)
+sys.stdin.readline()
+started = time.perf_counter()
+tokens = 0
+for i in indices.split(","):
+    if tokens and time.perf_counter() - started >= work.budget_s:
+        break
+    tokens += direct_request(llm, work, int(i)).tokens
+print(json.dumps({"tokens": tokens, "wall_s": time.perf_counter() - started}), flush=True)
+"""
+
+
+def parallel_direct_tokens_per_s(model: str, work: Workload, processes: int, threads: int, n: int) -> float:
+    """``processes`` independent ``llama_cpp.Llama`` processes, started together, sharing ``n`` requests
+    round-robin (each stops after the time budget): what the machine gives several instances with no serving
+    layer."""
+    procs = [subprocess.Popen([sys.executable, "-c", _DIRECT_PROCESS, model, json.dumps(vars(work)), str(threads),
+                               ",".join(str(i) for i in range(lane, n, processes))],
+                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+             for lane in range(processes)]
+    try:
+        for proc in procs:
+            assert proc.stdout is not None and proc.stdin is not None
+            if proc.stdout.readline().strip() != "ready":
+                raise RuntimeError("a direct llama_cpp process did not load the model")
+        for proc in procs:
+            assert proc.stdin is not None
+            proc.stdin.write("go\n")
+            proc.stdin.flush()
+        results = [json.loads(proc.communicate(timeout=600)[0]) for proc in procs]
+    finally:
+        for proc in procs:
+            proc.kill()
+            proc.wait()
+    return sum(r["tokens"] for r in results) / max(r["wall_s"] for r in results)

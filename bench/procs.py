@@ -1,0 +1,194 @@
+"""Processes a benchmark starts: mpserve servers, HTTP peer servers, and what they cost in memory.
+
+Every server runs as its own subprocess, started the way a user would start it, and is stopped by the
+``with`` block that started it.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+from types import TracebackType
+
+from mpserve.runtime import ServerInfo
+from mpserve.slots import SlotTable
+
+READY_TIMEOUT_S = 120.0
+_names = itertools.count(1)
+
+
+class ServerFailed(RuntimeError):
+    """A server exited or did not become ready; the message holds the end of its log."""
+
+
+class MpserveServer:
+    """``python -m mpserve start …`` with its log read line by line; ready at the "ready:" line."""
+
+    def __init__(self, *args: str) -> None:
+        self.name = f"bench{os.getpid()}-{next(_names)}"
+        self.log: list[str] = []
+        self._ready = threading.Event()
+        self.started = time.perf_counter()
+        self.ready_at = 0.0
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "mpserve", "start", "--server-name", self.name, "--log-level", "info", *args],
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+
+    def _read(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            self.log.append(line.rstrip("\n"))
+            if "ready:" in line and not self._ready.is_set():
+                self.ready_at = time.perf_counter()
+                self._ready.set()
+
+    def wait_ready(self, timeout: float = READY_TIMEOUT_S) -> float:
+        """Seconds from starting the process to the "ready:" line (all instances loaded)."""
+        deadline = time.monotonic() + timeout
+        while not self._ready.wait(0.01):
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                self.stop()
+                raise ServerFailed("mpserve did not become ready:\n" + "\n".join(self.log[-20:]))
+        return self.ready_at - self.started
+
+    @property
+    def address(self) -> str:
+        info = ServerInfo.read(self.name)
+        if info is None:
+            raise ServerFailed(f"server {self.name} published no info file")
+        return info.front
+
+    def worker_pids(self) -> list[int]:
+        info = ServerInfo.read(self.name)
+        assert info is not None
+        table = SlotTable.attach(Path(info.slots), writable=False)
+        try:
+            return [row.pid for row in table.read_all()]
+        finally:
+            table.close()
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self._reader.join(5)
+
+    def __enter__(self) -> MpserveServer:
+        return self
+
+    def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> None:
+        self.stop()
+
+
+class HttpServer:
+    """A peer HTTP server (llama_cpp.server, llama-server) on a free loopback port."""
+
+    def __init__(self, argv: list[str], port: int, health_path: str) -> None:
+        self.port = port
+        self.url = f"http://127.0.0.1:{port}"
+        self._health = self.url + health_path
+        self._log = tempfile.TemporaryFile(mode="w+")
+        self.proc = subprocess.Popen(argv, stdout=self._log, stderr=subprocess.STDOUT, text=True)
+
+    def wait_ready(self, timeout: float = READY_TIMEOUT_S) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline and self.proc.poll() is None:
+            try:
+                with urllib.request.urlopen(self._health, timeout=2) as reply:
+                    if reply.status == 200:
+                        return
+            except (urllib.error.URLError, ConnectionError, TimeoutError):
+                pass
+            time.sleep(0.1)
+        self.stop()
+        self._log.seek(0)
+        raise ServerFailed(f"{self.proc.args[0]} did not become ready:\n{self._log.read()[-2000:]}")
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(15)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self._log.close()
+
+    def __enter__(self) -> HttpServer:
+        return self
+
+    def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> None:
+        self.stop()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def pss_mib(pid: int) -> float:
+    """Proportional set size: private pages plus each shared page divided by its number of mappers."""
+    for line in Path(f"/proc/{pid}/smaps_rollup").read_text().splitlines():
+        if line.startswith("Pss:"):
+            return int(line.split()[1]) / 1024
+    raise RuntimeError(f"no Pss line for pid {pid}")
+
+
+def children(pid: int) -> list[int]:
+    """Direct children of ``pid`` (from /proc/PID/task/*/children)."""
+    found: list[int] = []
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        try:
+            found += [int(p) for p in (task / "children").read_text().split()]
+        except OSError:
+            continue
+    return found
+
+
+class CpuMeter:
+    """CPU time (every thread, from the scheduler's nanosecond counters) that some processes, and this one,
+    use over a block."""
+
+    def __init__(self, pids: list[int]) -> None:
+        self._pids = pids
+        self.others_s = 0.0
+        self.own_s = 0.0
+
+    def __enter__(self) -> CpuMeter:
+        self.others_s, self.own_s = -self._others(), -cpu_seconds(os.getpid())
+        return self
+
+    def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> None:
+        self.others_s += self._others()
+        self.own_s += cpu_seconds(os.getpid())
+
+    def _others(self) -> float:
+        return sum(cpu_seconds(pid) for pid in self._pids)
+
+
+def cpu_seconds(pid: int) -> float:
+    """Time on CPU of every live thread of ``pid`` (/proc/PID/task/*/schedstat, nanoseconds)."""
+    total = 0
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        try:
+            total += int((task / "schedstat").read_text().split()[0])
+        except (OSError, IndexError, ValueError):
+            continue  # the thread ended between listing and reading
+    return total / 1e9
