@@ -51,8 +51,8 @@ from .protocol import GenerateParams
 from .sampling import SamplerChain, TextStream
 
 MAX_PROMPT_BATCH = 512
-"""Prompt tokens per step when no sequence is decoding (nobody waits on the step), and llama.cpp's
-micro-batch size, as llama_cpp.Llama sets it."""
+"""Prompt tokens per step while no sequence is decoding (nobody waits on that step): llama_cpp.Llama's
+batch size."""
 
 
 @dataclass(frozen=True)
@@ -73,10 +73,6 @@ class BatchStats:
     prompt_tokens_computed: int
     prompt_tokens_reused: int
     generated_tokens: int
-
-    @property
-    def outside_decode_share(self) -> float:
-        return (self.step_s - self.decode_s) / self.step_s if self.step_s > 0 else 0.0
 
 
 class _Sequence:
@@ -104,9 +100,13 @@ class _Sequence:
         self.cancel_requested = False
 
 
+def _by_slot(seq: _Sequence) -> int:
+    return seq.slot
+
+
 class BatchEngine:
     def __init__(self, path: str, n_ctx: int, parallel: int, threads: int, n_gpu_layers: int, seed: int = 0,
-                 step_budget_tokens: int = 64, *, kv_unified: bool = False) -> None:
+                 step_budget_tokens: int = 64, *, kv_unified: bool = False, flash_attn: bool = False) -> None:
         import llama_cpp
 
         if not 1 <= parallel <= llama_cpp.llama_max_parallel_sequences():
@@ -145,7 +145,7 @@ class BatchEngine:
             self._bos = [bos] if llama_cpp.llama_vocab_get_add_bos(self._vocab) and bos >= 0 else []
             capacity = self._idle_budget + parallel  # most tokens one step can put in a batch
             self._ctx = llama_cpp.llama_init_from_model(self._model,
-                                                        self._context_params(capacity, threads, kv_unified))
+                                                        self._context_params(capacity, threads, kv_unified, flash_attn))
             if not self._ctx:
                 raise ValueError("cannot create a llama.cpp context")
         except BaseException:
@@ -155,9 +155,10 @@ class BatchEngine:
         self._batch = _Batch(llama_cpp, capacity)
         self._warm_up()
 
-    def _context_params(self, capacity: int, threads: int, kv_unified: bool) -> Any:
-        """The context ``llama_cpp.Llama`` would create (same attention, same RoPE settings), with
-        ``parallel`` sequences of ``n_ctx`` cells each: a stream of its own each, or one shared pool."""
+    def _context_params(self, capacity: int, threads: int, kv_unified: bool, flash_attn: bool) -> Any:
+        """The context ``llama_cpp.Llama(flash_attn=flash_attn)`` would create (same attention, same RoPE
+        settings), with ``parallel`` sequences of ``n_ctx`` cells each: a stream of its own each, or one
+        shared pool."""
         lib = self._lib
         params = lib.llama_context_default_params()
         params.n_ctx = self.n_ctx * self.parallel
@@ -166,7 +167,7 @@ class BatchEngine:
         params.n_batch = capacity
         params.n_ubatch = capacity
         params.n_threads = params.n_threads_batch = threads
-        params.flash_attn_type = lib.LLAMA_FLASH_ATTN_TYPE_DISABLED
+        params.flash_attn_type = lib.LLAMA_FLASH_ATTN_TYPE_ENABLED if flash_attn else lib.LLAMA_FLASH_ATTN_TYPE_DISABLED
         params.yarn_ext_factor = -1.0
         params.yarn_attn_factor = 1.0
         params.yarn_beta_fast = 32.0
@@ -266,28 +267,34 @@ class BatchEngine:
 
     def _fill_batch(self) -> list[_Sequence]:
         """Put this step's tokens in the batch; return the sequences that sample after the decode."""
+        decoding = [seq for seq in self._running.values() if seq.next_token >= 0]
+        budget = self._budget if decoding else self._idle_budget
+        chunks: dict[_Sequence, int] = {}  # prompt tokens this step, given out in admission order
+        for seq in self._prefilling:
+            if budget == 0:
+                break
+            chunks[seq] = min(budget, len(seq.prompt) - seq.n_past)
+            budget -= chunks[seq]
         batch = self._batch
         batch.n = 0
         rows: list[_Sequence] = []
-        for seq in self._running.values():
+        # Rows in slot order: with a KV stream per slot, llama.cpp splits a batch into micro-batches where
+        # the sequence ids are out of order, and every micro-batch is one more pass over the weights.
+        for seq in sorted(decoding + list(chunks), key=_by_slot):
             if seq.next_token >= 0:
                 seq.output_row = batch.add(seq.next_token, seq.n_past, seq.slot)
                 seq.n_past += 1
                 rows.append(seq)
-        budget = self._budget if rows else self._idle_budget
-        while self._prefilling and budget > 0:
-            seq = self._prefilling[0]
-            chunk = seq.prompt[seq.n_past:seq.n_past + budget]
-            last_row = batch.add_run(chunk, seq.n_past, seq.slot)
-            seq.n_past += len(chunk)
-            budget -= len(chunk)
-            self._computed += len(chunk)
-            if seq.n_past < len(seq.prompt):
-                break  # the budget ran out inside this prompt
-            self._prefilling.popleft()
-            batch.logits[last_row] = 1
-            seq.output_row = last_row
-            rows.append(seq)
+                continue
+            n = chunks[seq]
+            last_row = batch.add_run(seq.prompt[seq.n_past:seq.n_past + n], seq.n_past, seq.slot)
+            seq.n_past += n
+            self._computed += n
+            if seq.n_past == len(seq.prompt):  # the last prompt token: its logits give the first new token
+                self._prefilling.remove(seq)
+                batch.logits[last_row] = 1
+                seq.output_row = last_row
+                rows.append(seq)
         return rows
 
     def _decode(self) -> None:

@@ -22,6 +22,7 @@ or ``BadRequest`` (a well-formed request with bad parameters), which the receive
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from dataclasses import dataclass, field
 from enum import IntEnum
@@ -474,13 +475,19 @@ _DECODERS: dict[MsgType, Any] = {
 
 def to_wire(msg: Any) -> Any:
     """A dataclass as plain msgpack-able data (faster than dataclasses.asdict, which deep-copies)."""
-    if dataclasses.is_dataclass(msg):
-        return {f.name: to_wire(getattr(msg, f.name)) for f in dataclasses.fields(msg)}
+    names = _field_names(type(msg))
+    if names:
+        return {name: to_wire(getattr(msg, name)) for name in names}
     if isinstance(msg, dict):
         return {k: to_wire(v) for k, v in msg.items()}
     if isinstance(msg, list):
         return [to_wire(v) for v in msg]
     return msg
+
+
+@functools.cache
+def _field_names(cls: type) -> tuple[str, ...]:
+    return tuple(f.name for f in dataclasses.fields(cls)) if dataclasses.is_dataclass(cls) else ()
 
 
 def pack(msg: Any) -> bytes:

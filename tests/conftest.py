@@ -23,12 +23,16 @@ READY_TIMEOUT_S = 60.0
 
 @pytest.fixture(scope="session", autouse=True)
 def _isolated_dirs() -> Iterator[None]:
-    """Short private runtime dir (ipc paths are limited to ~107 bytes) and a private model cache."""
+    """Short private runtime dir (ipc paths are limited to ~107 bytes), a private model cache and lock dir."""
     with tempfile.TemporaryDirectory(prefix="mpt-", dir="/tmp") as tmp:
         runtime = Path(tmp) / "run"
         runtime.mkdir(mode=0o700)
-        old = {k: os.environ.get(k) for k in ("MPSERVE_RUNTIME_DIR", "MPSERVE_CACHE_DIR", "MPSERVE_LOCK_DIR")}
+        old = {k: os.environ.get(k) for k in ("MPSERVE_RUNTIME_DIR", "MPSERVE_CACHE_DIR", "MPSERVE_LOCK_DIR",
+                                              "MPSERVE_THREADS")}
         os.environ["MPSERVE_RUNTIME_DIR"] = str(runtime)
+        # One llama.cpp thread per instance: the tests' own processes share the cores, and llama.cpp's
+        # spinning thread pool slows down by orders of magnitude when its threads outnumber free cores.
+        os.environ["MPSERVE_THREADS"] = "1"
         os.environ["MPSERVE_CACHE_DIR"] = str(Path(tmp) / "cache")
         os.environ["MPSERVE_LOCK_DIR"] = str(Path(tmp) / "locks")
         yield

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from collections.abc import Iterator
+from pathlib import Path
 
 import llama_cpp
 import pytest
@@ -13,6 +16,7 @@ from mpserve.modelfile import builtin_model_path
 from mpserve.protocol import GenerateParams
 from mpserve.sampling import TextStream
 
+REPO = Path(__file__).resolve().parent.parent
 N_CTX = 1024
 PROMPTS = [
     "The quick brown fox",
@@ -23,7 +27,7 @@ PROMPTS = [
     "It was the best of times, it was the worst of times",
 ]
 LENGTHS = [8, 40, 17, 64, 3, 29]
-LONG_PROMPT = " ".join(f"the {w} of all and" for w in ("cat", "dog", "sea", "sky") * 30)  # ~600 tokens
+LONG_PROMPT = " ".join(f"the {w} of all and" for w in ("cat", "dog", "sea", "sky") * 30)  # 931 tokens
 
 
 def greedy(max_tokens: int, **kw: object) -> GenerateParams:
@@ -35,16 +39,22 @@ def model_path() -> str:
     return str(builtin_model_path("tiny"))
 
 
+def make_llama(model_path: str, flash_attn: bool = False) -> llama_cpp.Llama:
+    return llama_cpp.Llama(model_path, n_ctx=N_CTX, n_threads=1, n_threads_batch=1, flash_attn=flash_attn,
+                           verbose=False)
+
+
 @pytest.fixture(scope="module")
 def llm(model_path: str) -> Iterator[llama_cpp.Llama]:
-    llm = llama_cpp.Llama(model_path, n_ctx=N_CTX, n_threads=1, n_threads_batch=1, verbose=False)
+    llm = make_llama(model_path)
     yield llm
     llm.close()
 
 
-def make_engine(model_path: str, parallel: int, budget: int = 64, kv_unified: bool = False) -> BatchEngine:
+def make_engine(model_path: str, parallel: int, budget: int = 64, kv_unified: bool = False,
+                flash_attn: bool = False) -> BatchEngine:
     return BatchEngine(model_path, n_ctx=N_CTX, parallel=parallel, threads=1, n_gpu_layers=0,
-                       step_budget_tokens=budget, kv_unified=kv_unified)
+                       step_budget_tokens=budget, kv_unified=kv_unified, flash_attn=flash_attn)
 
 
 class Recorder:
@@ -81,8 +91,9 @@ def serve(engine: BatchEngine, requests: list[tuple[str, GenerateParams]]) -> li
     return [results[i] for i in range(len(requests))]
 
 
-def one_at_a_time(model_path: str, requests: list[tuple[str, GenerateParams]]) -> list[BatchCompletion]:
-    engine = make_engine(model_path, 1)
+def one_at_a_time(model_path: str, requests: list[tuple[str, GenerateParams]], flash_attn: bool = False
+                  ) -> list[BatchCompletion]:
+    engine = make_engine(model_path, 1, flash_attn=flash_attn)
     try:
         return serve(engine, requests)
     finally:
@@ -90,21 +101,26 @@ def one_at_a_time(model_path: str, requests: list[tuple[str, GenerateParams]]) -
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("kv_unified", [False, True], ids=["kv-per-slot", "kv-unified"])
+@pytest.mark.parametrize(("kv_unified", "flash_attn"), [(False, False), (True, False), (False, True), (True, True)],
+                         ids=["kv-per-slot", "kv-unified", "kv-per-slot-flash-attn", "kv-unified-flash-attn"])
 def test_greedy_four_at_once_equals_one_at_a_time_and_create_completion(
-        model_path: str, llm: llama_cpp.Llama, kv_unified: bool) -> None:
+        model_path: str, kv_unified: bool, flash_attn: bool) -> None:
     requests = [(p, greedy(n)) for p, n in zip(PROMPTS + PROMPTS[:2], LENGTHS + [33, 5], strict=True)]
-    engine = make_engine(model_path, 4, kv_unified=kv_unified)
+    engine = make_engine(model_path, 4, kv_unified=kv_unified, flash_attn=flash_attn)
     try:
         batched = serve(engine, requests)
     finally:
         engine.close()
-    alone = one_at_a_time(model_path, requests)
-    for (prompt, params), b, a in zip(requests, batched, alone, strict=True):
-        reference = llm.create_completion(prompt, max_tokens=params.max_tokens, temperature=0)
-        assert b.text == a.text == reference["choices"][0]["text"], prompt
-        assert b.finish_reason == "length" and b.completion_tokens == params.max_tokens
-        assert b.prompt_tokens == reference["usage"]["prompt_tokens"]
+    alone = one_at_a_time(model_path, requests, flash_attn=flash_attn)
+    llm = make_llama(model_path, flash_attn=flash_attn)  # the same attention kernel as the engine
+    try:
+        for (prompt, params), b, a in zip(requests, batched, alone, strict=True):
+            reference = llm.create_completion(prompt, max_tokens=params.max_tokens, temperature=0)
+            assert b.text == a.text == reference["choices"][0]["text"], prompt
+            assert b.finish_reason == "length" and b.completion_tokens == params.max_tokens
+            assert b.prompt_tokens == reference["usage"]["prompt_tokens"]
+    finally:
+        llm.close()
 
 
 @pytest.mark.timeout(60)
@@ -127,7 +143,7 @@ def test_seeded_sampling_is_reproducible_and_independent_of_the_rest_of_the_batc
 
 
 @pytest.mark.timeout(60)
-def test_a_long_prompt_does_not_stall_decoding_sequences(model_path: str) -> None:
+def test_a_long_prompt_does_not_stall_decoding_sequences(model_path: str, llm: llama_cpp.Llama) -> None:
     budget = 64
     engine = make_engine(model_path, 4, budget=budget)
     clock = [0]
@@ -140,21 +156,26 @@ def test_a_long_prompt_does_not_stall_decoding_sequences(model_path: str) -> Non
         long_one = Recorder(clock)
         engine.admit(3, LONG_PROMPT, greedy(4), long_one)
         before = engine.stats().prompt_tokens_computed
-        long_done: BatchCompletion | None = None
-        while long_done is None:
+        finished: dict[int, BatchCompletion] = {}
+        while engine.active:
             computed = engine.stats().prompt_tokens_computed
-            finished = dict(engine.step())
+            finished.update(engine.step())
             assert engine.stats().prompt_tokens_computed - computed <= budget
-            long_done = finished.get(3)
             clock[0] += 1
     finally:
         engine.close()
+    long_done = finished[3]
     assert long_done.prompt_tokens >= 600
     assert engine.stats().prompt_tokens_computed - before == long_done.prompt_tokens
     prefill_steps = -(-long_done.prompt_tokens // budget)
     assert long_one.steps[0] == 1 + prefill_steps - 1  # the first token comes with the last prompt chunk
     for recorder in decoding.values():  # one token on every step, the prompt's steps included
         assert recorder.steps[:prefill_steps + 1] == list(range(prefill_steps + 1))
+    # a prompt computed in chunks gives what create_completion gives computing it at once
+    assert long_done.text == llm.create_completion(LONG_PROMPT, max_tokens=4, temperature=0)["choices"][0]["text"]
+    for slot in decoding:
+        reference = llm.create_completion(PROMPTS[slot], max_tokens=30, temperature=0)["choices"][0]["text"]
+        assert finished[slot].text == reference
 
 
 @pytest.mark.timeout(60)
@@ -268,3 +289,12 @@ def test_text_stream_keeps_utf8_characters_whole_and_holds_back_stop_prefixes() 
     assert stream.push(b"ab<en") == ("ab", False)
     assert stream.push(b"d> more") == ("", True)
     assert TextStream((), strip_leading_space=True).push(b" hi") == ("hi", False)
+
+
+@pytest.mark.timeout(120)
+def test_the_batch_bench_harness_runs() -> None:
+    run = subprocess.run([sys.executable, "-m", "bench.batch_bench", "--quick", "--ks", "1,2", "--no-llama-server",
+                          "--threads", "1"], cwd=REPO, capture_output=True, text=True, timeout=110)
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert "| 1 |" in run.stdout and "| 2 |" in run.stdout
+    assert "BatchEngine 2/2" in run.stdout  # batched greedy texts equal one at a time

@@ -197,14 +197,21 @@ def test_sigterm_finishes_in_flight_requests_then_removes_its_files(start_server
     info = server.info
     results: list[object] = []
     with Client(server.address) as client:
-        t = threading.Thread(target=lambda: results.append(client.generate("a", max_tokens=500, temperature=0)))
+        def run() -> None:
+            try:
+                results.append(client.generate("a", max_tokens=500, temperature=0))
+            except Exception as exc:  # reported by the assertion below
+                results.append(exc)
+
+        t = threading.Thread(target=run)
         t.start()
         while server.slots()[0].state is not SlotState.BUSY:
             time.sleep(0.01)
         server.proc.send_signal(15)
         t.join(30)
     assert server.stop() == 0
-    assert results and results[0].usage.completion_tokens == 500  # type: ignore[union-attr]
+    assert results and not isinstance(results[0], Exception), (results, server.log)
+    assert results[0].usage.completion_tokens == 500  # type: ignore[union-attr]
     from pathlib import Path
 
     assert not Path(info.slots).exists() and not Path(info.front[len("ipc://"):]).exists()
