@@ -2,11 +2,14 @@
 
 For each K (1, 2, 4, 8) the engine runs K requests at a time (concurrency = K, a new request admitted
 into a slot as soon as it frees, into the slot ``best_slot`` picks), greedy, the same ``max_tokens``
-for all, ``threads`` llama.cpp threads. Beside it, in the same run and on the same GGUF, prompts and
-settings: ``llama-server --parallel K --threads T`` driven by K client threads through its
-``/completion`` endpoint, when a binary is found. Reported per K: tokens/s, the gain over K = 1, the
-ratio to llama-server, whether the greedy texts are the same, and the time a step spends outside
-``llama_decode`` (Python: scheduling, sampling calls, detokenizing, callbacks).
+for all, ``threads`` llama.cpp threads; once with flash attention off (as ``llama_cpp.Llama``, whose
+greedy text it equals) and once with it on. Beside it, in the same run, taking turns, on the same GGUF,
+prompts and settings: ``llama-server --parallel K --threads T`` driven by K client threads through its
+``/completion`` endpoint, when a binary is found. Reported per K: tokens/s (median and best repeat: on
+a shared machine a busy moment only ever slows a run down), the gain over K = 1, the ratio to
+llama-server, whether the greedy texts equal those of the same engine serving one request at a time
+(and llama-server's), and the time a step spends outside ``llama_decode`` (Python: scheduling, the
+sampling calls, detokenizing, callbacks).
 
     python -m bench.batch_bench                        # bench model, K = 1,2,4,8, 3 repeats
     python -m bench.batch_bench --llama-server /opt/llama-server/llama-server --ks 4 --repeat 5
@@ -55,6 +58,7 @@ class Row:
     outside_decode_us: list[float] = field(default_factory=list)  # per step
     loop_outside_decode_share: list[float] = field(default_factory=list)  # of the whole serving loop
     same_text: dict[str, str] = field(default_factory=dict)  # engine -> "equal/all" greedy texts vs llama-server
+    same_as_alone: dict[str, str] = field(default_factory=dict)  # engine -> "equal/all" vs one at a time
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -63,6 +67,8 @@ def main(argv: list[str] | None = None) -> None:
     server = _find_llama_server(args.llama_server)
     prompts = list(PROMPTS)
     rows = []
+    _progress("greedy texts one at a time (K=1), to compare the batched ones with")
+    alone = {name: _texts_alone(model, prompts, fa, args) for name, fa in ENGINES.items()}
     for k in (int(k) for k in args.ks.split(",")):
         row = Row(k)
         rows.append(row)
@@ -94,6 +100,9 @@ def main(argv: list[str] | None = None) -> None:
                     row.tokens_per_s.setdefault(SERVER, []).append(tps)
                     line.append(f"{SERVER} {tps:.1f} tok/s")
                 _progress(", ".join(line))
+            for name in engines:
+                same = sum(alone[name][p] == t for p, t in texts[name].items())
+                row.same_as_alone[name] = f"{same}/{len(texts[name])}"
             if peer:
                 row.same_text = {name: f"{sum(texts[name][p] == texts[SERVER].get(p) for p in texts[name])}/"
                                        f"{len(texts[name])}" for name in engines}
@@ -141,6 +150,15 @@ def _find_llama_server(given: str | None) -> str | None:
             if Path(path).is_file():
                 return path
     return None
+
+
+def _texts_alone(model: Path, prompts: list[str], flash_attn: bool, args: argparse.Namespace) -> dict[str, str]:
+    engine = BatchEngine(str(model), n_ctx=args.n_ctx, parallel=1, threads=args.threads, n_gpu_layers=0,
+                         kv_unified=args.kv_unified, flash_attn=flash_attn)
+    try:
+        return _run_engine(engine, prompts, args.max_tokens)[0]
+    finally:
+        engine.close()
 
 
 def _run_engine(engine: BatchEngine, prompts: list[str], max_tokens: int
@@ -224,6 +242,7 @@ def _report(rows: list[Row], model: Path, server: str | None, args: argparse.Nam
     head = ["K = concurrency"] + [f"{n} tok/s" for n in names] + [f"{n} × K=1 (best)" for n in base]
     if server:
         head += [f"{n} ÷ {SERVER}: median, best" for n in ENGINES] + [f"same greedy text as {SERVER}"]
+    head += ["same greedy text as one at a time"]
     head += ["outside llama_decode: share of step", "per step", "share of the serving loop"]
     lines = [
         "## Continuous batching: BatchEngine vs llama-server",
@@ -247,6 +266,7 @@ def _report(rows: list[Row], model: Path, server: str | None, args: argparse.Nam
                 ratios = [a / b for a, b in zip(r.tokens_per_s[n], peer, strict=True)]
                 cells.append(f"{med(ratios):.2f}×, {max(r.tokens_per_s[n]) / max(peer):.2f}×")
             cells.append(", ".join(f"{n} {v}" for n, v in r.same_text.items()))
+        cells.append(", ".join(f"{n} {v}" for n, v in r.same_as_alone.items()))
         cells += [f"{med(r.outside_decode_share):.2%}", f"{med(r.outside_decode_us):.0f} µs",
                   f"{med(r.loop_outside_decode_share):.2%}"]
         lines.append("| " + " | ".join(cells) + " |")

@@ -34,7 +34,7 @@ class BatchWorker(Worker):
 
     def _build_engine(self) -> BatchEngine:
         e = self._spec.engine
-        return BatchEngine(e.path, e.n_ctx, e.parallel, e.threads, e.n_gpu_layers, e.seed)
+        return BatchEngine(e.path, e.n_ctx, e.parallel, e.threads, e.n_gpu_layers, e.seed, flash_attn=e.flash_attn)
 
     @property
     def _busy(self) -> bool:

@@ -47,6 +47,7 @@ class ModelConfig:
     threads: int | None = None  # None: cores ÷ all instances, at least 1
     n_gpu_layers: int | None = None  # None: all layers on a GPU, 0 on the CPU
     parallel: int = 1  # sequences one instance decodes together (continuous batching); n_ctx is per sequence
+    flash_attn: bool = False  # llama.cpp's flash attention: faster, especially batched; numerics differ
     devices: tuple[int, ...] | None = None  # pin the model's instances to these GPU indices
     requires_memory: int | None = None  # declared GPU bytes per instance; None: estimated from the GGUF
 
@@ -142,7 +143,7 @@ def _is_network_tcp(address: str) -> bool:
 
 
 _MODEL_KEYS = {"name": str, "path": str, "instances": int, "parallel": int, "n_ctx": int, "threads": int,
-               "n_gpu_layers": int,
+               "n_gpu_layers": int, "flash_attn": bool,
                "devices": list, "requires": dict}
 _REQUIRES_KEYS = {"memory": (str, int), "gpus": int}
 _SERVER_KEYS = {"server_name": str, "bind": str, "workers_bind": str, "max_queue": int, "max_queue_total": int,

@@ -49,6 +49,7 @@ class EngineSpec:
     n_gpu_layers: int
     seed: int = 0
     parallel: int = 1  # > 1: a BatchEngine decoding this many sequences together
+    flash_attn: bool = False
 
     @property
     def is_echo(self) -> bool:
@@ -69,7 +70,7 @@ class LlamaEngine:
         self._criteria = llama_cpp.StoppingCriteriaList
         self._llm = llama_cpp.Llama(
             model_path=spec.path, n_ctx=spec.n_ctx, n_threads=spec.threads, n_threads_batch=spec.threads,
-            n_gpu_layers=spec.n_gpu_layers, seed=spec.seed, verbose=False,
+            n_gpu_layers=spec.n_gpu_layers, seed=spec.seed, flash_attn=spec.flash_attn, verbose=False,
         )
         # llama.cpp sets up its compute graphs and thread pool on the first decode (~150 ms here); do it
         # while loading, so the first request does not pay for it.
