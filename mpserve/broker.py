@@ -2,7 +2,8 @@
 
     clients ──DEALER──▶ front ROUTER ─┐                  ┌─ back ROUTER ◀──DEALER── workers
                                       ▼                  ▲
-                 validate ─▶ per-model FIFO queue ─▶ assign to the longest-free slot of that model
+    validate ─▶ per-model FIFO queue ─▶ assign to a free slot of that model (the one whose last prompt
+                                        shares the longest prefix, else the one free the longest)
                                       ▲                  │
         CHUNK/DONE/ERROR bodies ◀─────┴── forwarded unchanged, looked up by ticket
 
