@@ -131,9 +131,7 @@ class BatchWorker(Worker):
 
     def _nothing_left(self) -> bool:
         """While queueing for the permit: stop waiting once every running request was cancelled."""
-        while self._sock.poll(0):
-            self._receive()
-        self._keep_alive()
+        self._pump()
         return self._stopping or all(t in self._cancelled_tickets for t in self._running)
 
     def _end(self, ticket: str, outcome: wire.Done | wire.Error) -> None:

@@ -14,6 +14,7 @@ import typer
 
 from . import config as cfg
 from .errors import ConnectionFailed, MpserveError
+from .protocol import WorkerStats
 from .runtime import ServerInfo, pid_alive
 from .slots import SlotRow, SlotState, SlotTable
 
@@ -437,7 +438,7 @@ def keygen(
     typer.echo(f"wrote {public} (public) and {secret} (secret)")
 
 
-def _remote_workers(info: ServerInfo) -> list:
+def _remote_workers(info: ServerInfo) -> list[WorkerStats]:
     """The broker's remote workers, or [] if it does not answer within a second."""
     from .client import Client
 

@@ -16,7 +16,6 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
-import signal
 import socket
 import sys
 import time
@@ -27,6 +26,7 @@ from .config import ServerConfig
 from .layout import build_layout, worker_specs
 from .runtime import ServerInfo, ServerPaths
 from .server import claim
+from .signals import SignalPipe
 from .slots import SlotTable
 from .supervisor import Supervisor
 
@@ -61,37 +61,19 @@ def run_pool(config: ServerConfig, connect: str, curve_server_key: str | None = 
 
 def _supervise(supervisor: Supervisor) -> None:
     """Start the workers; reap and restart them until a signal says stop."""
-    wake_r, wake_w = socket.socketpair()
-    wake_r.setblocking(False)
-    wake_w.setblocking(False)
-    old_wakeup = signal.set_wakeup_fd(wake_w.fileno())
-    old_handlers = {s: signal.signal(s, lambda *_: None) for s in (signal.SIGTERM, signal.SIGINT)}
     poller = zmq.Poller()
-    poller.register(wake_r.fileno(), zmq.POLLIN)
-    watched: dict[int, int] = {}
-    try:
+    with SignalPipe() as signals:
+        poller.register(signals.fileno(), zmq.POLLIN)
         supervisor.start_all()
         while True:
-            current = supervisor.sentinels()
-            for fd in current.keys() - watched.keys():
-                poller.register(fd, zmq.POLLIN)
-            watched = current
+            supervisor.watch(poller)
             next_timer = supervisor.next_timer()
             timeout = 1000 if next_timer is None else max(0, min(1000, int((next_timer - time.monotonic()) * 1000)))
             events = dict(poller.poll(timeout))
-            if wake_r.fileno() in events:
+            if signals.fileno() in events and signals.received():
                 log.info("stopping the pool's workers")
                 break
-            for fd, index in list(watched.items()):
-                if fd in events:
-                    poller.unregister(fd)
-                    del watched[fd]
-                    supervisor.reap(index)
+            for index in supervisor.exited(poller, events):
+                supervisor.reap(index)
             supervisor.tick(time.monotonic())
         supervisor.stop_all(timeout=0)
-    finally:
-        signal.set_wakeup_fd(old_wakeup)
-        for s, handler in old_handlers.items():
-            signal.signal(s, handler)
-        wake_r.close()
-        wake_w.close()

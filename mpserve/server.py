@@ -14,8 +14,6 @@ from __future__ import annotations
 
 import logging
 import os
-import signal
-import socket
 import sys
 import time
 
@@ -28,6 +26,7 @@ from .errors import ConfigError
 from .layout import build_layout, worker_specs
 from .residency import Residency
 from .runtime import ServerInfo, ServerPaths
+from .signals import SignalPipe
 from .slots import SlotState, SlotTable
 from .supervisor import Supervisor
 
@@ -119,21 +118,16 @@ class _Loop:
         self._ready: set[int] = set()
         self._announced = False
         self._grace_deadline: float | None = None
-        self._wake_r, self._wake_w = socket.socketpair()
+        self._signals = SignalPipe()
         self._poller = zmq.Poller()
-        self._sentinels: dict[int, int] = {}
         broker.on_ready = self._on_ready
         broker.on_failed = supervisor.load_failed
 
     def run(self) -> None:
-        self._wake_r.setblocking(False)
-        self._wake_w.setblocking(False)
-        old_wakeup = signal.set_wakeup_fd(self._wake_w.fileno())
-        old_handlers = {s: signal.signal(s, lambda *_: None) for s in (signal.SIGTERM, signal.SIGINT)}
-        try:
+        with self._signals:
             self._poller.register(self._broker.front, zmq.POLLIN)
             self._poller.register(self._broker.back, zmq.POLLIN)
-            self._poller.register(self._wake_r.fileno(), zmq.POLLIN)
+            self._poller.register(self._signals.fileno(), zmq.POLLIN)
             self._supervisor.start_all()
             log.info("starting %d instance(s): %s; clients connect to %s", self._config.total_instances,
                      ", ".join(f"{m.name}×{m.instances}" for m in self._config.models), self._broker_addr())
@@ -145,28 +139,21 @@ class _Loop:
                 pass
             self._broker.stop_workers()
             self._supervisor.stop_all(timeout=5.0)
-        finally:
-            signal.set_wakeup_fd(old_wakeup)
-            for s, handler in old_handlers.items():
-                signal.signal(s, handler)
-            self._wake_r.close()
-            self._wake_w.close()
 
     def _broker_addr(self) -> str:
         return self._broker.front.getsockopt_string(zmq.LAST_ENDPOINT)
 
     def _turn(self) -> bool:
         """One pass of the loop; False when it is time to stop."""
-        self._sync_sentinels()
+        self._supervisor.watch(self._poller)
         events = dict(self._poller.poll(self._timeout_ms()))
         if self._broker.back in events:
             self._broker.drain_back()
         if self._broker.front in events:
             self._broker.drain_front()
-        for fd, index in list(self._sentinels.items()):
-            if fd in events:
-                self._reap(fd, index)
-        if self._wake_r.fileno() in events:
+        for index in self._supervisor.exited(self._poller, events):
+            self._reap(index)
+        if self._signals.fileno() in events:
             self._on_signals()
         now = time.monotonic()
         self._broker.expire(now)
@@ -207,15 +194,7 @@ class _Loop:
                 self._broker.worker_stalled(row.worker, silent)
                 self._supervisor.stop_stalled(row.worker)
 
-    def _sync_sentinels(self) -> None:
-        current = self._supervisor.sentinels()
-        for fd in current.keys() - self._sentinels.keys():
-            self._poller.register(fd, zmq.POLLIN)
-        self._sentinels = current
-
-    def _reap(self, fd: int, index: int) -> None:
-        self._poller.unregister(fd)
-        del self._sentinels[fd]
+    def _reap(self, index: int) -> None:
         model = self._supervisor.workers[index].spec.model
         self._ready.discard(index)
         self._supervisor.reap(index)
@@ -232,11 +211,7 @@ class _Loop:
             log.info("ready: %d instance(s) in %.2f s", len(self._ready), time.monotonic() - self._started)
 
     def _on_signals(self) -> None:
-        try:
-            received = self._wake_r.recv(64)
-        except BlockingIOError:
-            return
-        if not any(s in (signal.SIGTERM, signal.SIGINT) for s in received):
+        if not self._signals.received():
             return
         if self._grace_deadline is not None:
             log.warning("second signal: stopping now")

@@ -16,6 +16,9 @@ import multiprocessing
 import time
 from dataclasses import dataclass, field
 from multiprocessing.process import BaseProcess
+from typing import Any
+
+import zmq
 
 from .config import ServerConfig
 from .slots import SlotState, SlotTable
@@ -53,6 +56,8 @@ class Supervisor:
         self._table = table
         self.workers: dict[int, WorkerHandle] = {spec.index: WorkerHandle(spec) for spec in specs}
         self.health: dict[str, ModelHealth] = {m.name: ModelHealth() for m in config.models}
+        self._watched: dict[int, int] = {}  # sentinel fd -> worker index
+        self._unwatched: list[int] = []  # started, sentinel not registered yet
 
     def start_all(self) -> None:
         for index in self.workers:
@@ -69,11 +74,25 @@ class Supervisor:
                                    daemon=False)
         process.start()
         handle.process, handle.restart_at = process, None
+        self._unwatched.append(index)
         log.debug("started worker %d (pid %s) for %s", index, process.pid, spec.model)
 
-    def sentinels(self) -> dict[int, int]:
-        """fd -> worker index, for every running worker; readable when that worker has exited."""
-        return {h.process.sentinel: i for i, h in self.workers.items() if h.process is not None}
+    def watch(self, poller: zmq.Poller) -> None:
+        """Register the process sentinels of workers started since the last call: a sentinel becomes
+        readable when its worker exits, so the caller's poll notices deaths with everything else."""
+        for index in self._unwatched:
+            process = self.workers[index].process
+            if process is not None:
+                poller.register(process.sentinel, zmq.POLLIN)
+                self._watched[process.sentinel] = index
+        self._unwatched.clear()
+
+    def exited(self, poller: zmq.Poller, events: dict[Any, int]) -> list[int]:
+        """The workers whose sentinel fired in ``events``; unregistered, ready to ``reap``."""
+        gone = [fd for fd in self._watched if fd in events]
+        for fd in gone:
+            poller.unregister(fd)
+        return [self._watched.pop(fd) for fd in gone]
 
     def reap(self, index: int) -> int | None:
         """Collect an exited worker, mark its row dead, and schedule its restart unless its model has

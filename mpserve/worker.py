@@ -323,10 +323,14 @@ class Worker:
             return self._engine.generate(req.prompt, req.params, on_token)
 
     def _should_stop(self) -> bool:
+        self._pump()
+        return self._cancelled or self._stopping
+
+    def _pump(self) -> None:
+        """Between tokens (or permit polls): take what the broker sent, and keep the link alive."""
         while self._sock.poll(0):
             self._receive()
         self._keep_alive()
-        return self._cancelled or self._stopping
 
     def _send(self, msg: object, ticket: str = "") -> None:
         self._sock.send_multipart(wire.encode_from_worker(msg, ticket))
