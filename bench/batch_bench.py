@@ -2,8 +2,8 @@
 
 For each K (1, 2, 4, 8) the engine runs K requests at a time (concurrency = K, a new request admitted
 into a slot as soon as it frees, into the slot ``best_slot`` picks), greedy, the same ``max_tokens``
-for all, ``threads`` llama.cpp threads; once with flash attention off (as ``llama_cpp.Llama``, whose
-greedy text it equals) and once with it on. Beside it, in the same run, taking turns, on the same GGUF,
+for all, ``threads`` llama.cpp threads; once with flash attention auto (mpserve's default and
+llama-server's; on, on a CPU) and once with it off. Beside it, in the same run, taking turns, on the same GGUF,
 prompts and settings: ``llama-server --parallel K --threads T`` driven by K client threads through its
 ``/completion`` endpoint, when a binary is found. Reported per K: tokens/s (median and best repeat: on
 a shared machine a busy moment only ever slows a run down), the gain over K = 1, the ratio to
@@ -41,8 +41,8 @@ from mpserve.protocol import GenerateParams
 from .load import PROMPTS
 from .procs import HttpServer, free_port
 
-ENGINES = {"BatchEngine": False, "BatchEngine+FA": True}  # name -> flash attention
-DEFAULT_ENGINE = "BatchEngine"  # flash attention off, as llama_cpp.Llama: greedy text equals create_completion
+ENGINES = {"BatchEngine": "auto", "BatchEngine FA off": "off"}  # name -> flash attention
+DEFAULT_ENGINE = "BatchEngine"  # mpserve's default, flash attention auto, as llama-server's
 SERVER = "llama-server"
 LLAMA_SERVER_PLACES = ("/opt/llama-server*/llama-server", "/opt/llama-server*/bin/llama-server",
                        "/tmp/lcp*/build/bin/llama-server")
@@ -152,7 +152,7 @@ def _find_llama_server(given: str | None) -> str | None:
     return None
 
 
-def _texts_alone(model: Path, prompts: list[str], flash_attn: bool, args: argparse.Namespace) -> dict[str, str]:
+def _texts_alone(model: Path, prompts: list[str], flash_attn: str, args: argparse.Namespace) -> dict[str, str]:
     engine = BatchEngine(str(model), n_ctx=args.n_ctx, parallel=1, threads=args.threads, n_gpu_layers=0,
                          kv_unified=args.kv_unified, flash_attn=flash_attn)
     try:
@@ -250,8 +250,9 @@ def _report(rows: list[Row], model: Path, server: str | None, args: argparse.Nam
         f"model `{model.name}`, threads {args.threads}, n_ctx {args.n_ctx} per sequence"
         f"{', one KV pool' if args.kv_unified else ', a KV stream per sequence'}, greedy, {args.max_tokens} "
         f"tokens per request, {args.rounds} requests per lane; tokens/s: median over {args.repeat} repeats "
-        "(best in brackets); +FA: flash attention on"
-        + (f"; llama-server `{server}` (flash attention auto)" if server else "; llama-server: not found, left out"),
+        "(best in brackets); BatchEngine: flash attention auto, as mpserve's default"
+        + (f"; llama-server `{server}` (flash attention auto, its default)" if server
+           else "; llama-server: not found, left out"),
         "",
         "| " + " | ".join(head) + " |",
         "|" + "---|" * len(head),

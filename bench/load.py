@@ -204,7 +204,7 @@ def load_direct(model: str, work: Workload, threads: int) -> Any:
     import llama_cpp
 
     llm = llama_cpp.Llama(model_path=model, n_ctx=work.n_ctx, n_threads=threads, n_threads_batch=threads,
-                          seed=0, verbose=False)
+                          seed=0, flash_attn=True, verbose=False)  # mpserve's default, auto, is on here
     direct_request(llm, work, 0)
     return llm
 

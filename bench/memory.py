@@ -27,7 +27,7 @@ DEFAULT_N_CTX = 2048  # mpserve's default context size
 TARGET = 0.15
 _DIRECT = """
 import sys, llama_cpp
-llm = llama_cpp.Llama(model_path=sys.argv[1], n_ctx=int(sys.argv[2]), n_threads=1, verbose=False)
+llm = llama_cpp.Llama(model_path=sys.argv[1], n_ctx=int(sys.argv[2]), n_threads=1, flash_attn=True, verbose=False)
 llm.create_completion("Hello", max_tokens=4, temperature=0.0)
 print("ready", flush=True)
 sys.stdin.read()

@@ -86,7 +86,8 @@ def run(settings: Settings) -> Section:
     section.notes.append(f"mpserve {per_core}: {settings.cores} instances × {threads} thread, one request each at a "
                          f"time; mpserve {batched}: one instance decoding up to {max(CONCURRENCY)} requests in one "
                          f"batch, set against llama-server, which batches the same way. llama_cpp.server: 1 context "
-                         f"× {settings.cores} threads, logits_all and use_mlock off as in mpserve's engine. "
+                         f"× {settings.cores} threads, logits_all and use_mlock off and flash attention on, as in "
+                         "mpserve's engine. "
                          f"llama-server: --parallel {max(CONCURRENCY)} --threads {settings.cores}. n_ctx "
                          f"{work.n_ctx} per request everywhere. Workload as in scaling.")
     return section
@@ -98,7 +99,7 @@ def _llama_cpp_server(settings: Settings) -> HttpServer:
     return HttpServer([sys.executable, "-m", "llama_cpp.server", "--model", str(settings.model), "--host",
                        "127.0.0.1", "--port", str(port), "--n_threads", threads, "--n_threads_batch", threads,
                        "--n_ctx", str(settings.work.n_ctx), "--interrupt_requests", "False",
-                       "--logits_all", "False", "--use_mlock", "False"],
+                       "--logits_all", "False", "--use_mlock", "False", "--flash_attn", "True"],
                       port, "/v1/models")
 
 

@@ -22,7 +22,7 @@ _DIRECT = """
 import sys, time
 started = time.perf_counter()
 import llama_cpp
-llm = llama_cpp.Llama(model_path=sys.argv[1], n_ctx=int(sys.argv[2]), n_threads=1, verbose=False)
+llm = llama_cpp.Llama(model_path=sys.argv[1], n_ctx=int(sys.argv[2]), n_threads=1, flash_attn=True, verbose=False)
 constructed = time.perf_counter() - started
 llm.create_completion("warm up", max_tokens=2, temperature=0)
 print("loaded", constructed, flush=True)

@@ -26,11 +26,11 @@ with the same tokens skips recomputing them (``best_slot`` finds the free slot w
 prefix; the completion reports it as ``reused_tokens``); admitting a prompt cuts the slot's cells after
 the shared prefix.
 
-Greedy output equals ``llama_cpp.Llama.create_completion(prompt, temperature=0)``: the same tokens
-(BOS, then the prompt tokenized without specials added and with special tokens parsed), the same context
-settings, the same sampler chain (``mpserve.sampling``), and a batch row's logits that do not depend on
-the other rows. Not thread-safe: one thread admits, cancels and steps; an on_token callback may call
-``cancel`` but not ``admit``.
+Greedy output equals ``llama_cpp.Llama.create_completion(prompt, temperature=0)`` with the same flash
+attention setting (auto is on, there as here, on a CPU): the same tokens (BOS, then the prompt tokenized
+without specials added and with special tokens parsed), the same context settings, the same sampler chain
+(``mpserve.sampling``), and a batch row's logits that do not depend on the other rows. Not thread-safe:
+one thread admits, cancels and steps; an on_token callback may call ``cancel`` but not ``admit``.
 """
 
 from __future__ import annotations
@@ -49,6 +49,11 @@ from .engine import Completion, OnToken
 from .errors import BadRequest, Busy
 from .protocol import GenerateParams
 from .sampling import SamplerChain, TextStream
+
+FLASH_ATTN_TYPES = {"auto": "LLAMA_FLASH_ATTN_TYPE_AUTO", "on": "LLAMA_FLASH_ATTN_TYPE_ENABLED",
+                    "off": "LLAMA_FLASH_ATTN_TYPE_DISABLED"}
+"""``flash_attn`` settings and llama.cpp's names for them; auto: llama.cpp turns it on where the device
+supports it (always on a CPU), as llama-server does by default."""
 
 MAX_PROMPT_BATCH = 512
 """Prompt tokens per step while no sequence is decoding (nobody waits on that step): llama_cpp.Llama's
@@ -106,11 +111,13 @@ def _by_slot(seq: _Sequence) -> int:
 
 class BatchEngine:
     def __init__(self, path: str, n_ctx: int, parallel: int, threads: int, n_gpu_layers: int, seed: int = 0,
-                 step_budget_tokens: int = 64, *, kv_unified: bool = False, flash_attn: bool = False) -> None:
+                 step_budget_tokens: int = 64, *, kv_unified: bool = False, flash_attn: str = "auto") -> None:
         import llama_cpp
 
         if not 1 <= parallel <= llama_cpp.llama_max_parallel_sequences():
             raise ValueError(f"parallel must be 1..{llama_cpp.llama_max_parallel_sequences()}, got {parallel}")
+        if flash_attn not in FLASH_ATTN_TYPES:
+            raise ValueError(f"flash_attn must be one of {', '.join(FLASH_ATTN_TYPES)}, got {flash_attn!r}")
         if step_budget_tokens < 1 or n_ctx < 2:
             raise ValueError("step_budget_tokens must be >= 1 and n_ctx >= 2")
         self._lib = llama_cpp
@@ -155,8 +162,8 @@ class BatchEngine:
         self._batch = _Batch(llama_cpp, capacity)
         self._warm_up()
 
-    def _context_params(self, capacity: int, threads: int, kv_unified: bool, flash_attn: bool) -> Any:
-        """The context ``llama_cpp.Llama(flash_attn=flash_attn)`` would create (same attention, same RoPE
+    def _context_params(self, capacity: int, threads: int, kv_unified: bool, flash_attn: str) -> Any:
+        """The context ``llama_cpp.Llama`` would create with the same flash attention setting (same RoPE
         settings), with ``parallel`` sequences of ``n_ctx`` cells each: a stream of its own each, or one
         shared pool."""
         lib = self._lib
@@ -167,7 +174,7 @@ class BatchEngine:
         params.n_batch = capacity
         params.n_ubatch = capacity
         params.n_threads = params.n_threads_batch = threads
-        params.flash_attn_type = lib.LLAMA_FLASH_ATTN_TYPE_ENABLED if flash_attn else lib.LLAMA_FLASH_ATTN_TYPE_DISABLED
+        params.flash_attn_type = getattr(lib, FLASH_ATTN_TYPES[flash_attn])
         params.yarn_ext_factor = -1.0
         params.yarn_attn_factor = 1.0
         params.yarn_beta_fast = 32.0

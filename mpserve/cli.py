@@ -30,8 +30,9 @@ SimulateOption = Annotated[str | None, typer.Option(
 ApiKey = Annotated[str | None, typer.Option(
     "--api-key", envvar="MPSERVE_API_KEY",
     help="Require 'Authorization: Bearer KEY' on HTTP requests (/health excepted).")]
-FlashAttnOption = Annotated[bool, typer.Option(
-    "--flash-attn", envvar="MPSERVE_FLASH_ATTN", help="llama.cpp flash attention (faster, most of all batched).")]
+FlashAttnOption = Annotated[str | None, typer.Option(
+    "--flash-attn", envvar="MPSERVE_FLASH_ATTN", metavar="auto|on|off",
+    help="llama.cpp flash attention (default: auto, on where llama.cpp supports it, as llama-server does).")]
 ParallelOption = Annotated[int | None, typer.Option(
     "--parallel", "-p", envvar="MPSERVE_PARALLEL",
     help="Requests one instance decodes together in one batch (default: 1); --n-ctx is per request.")]
@@ -54,7 +55,7 @@ def start(
     instances: Annotated[int | None, typer.Option("--instances", "-n", envvar="MPSERVE_INSTANCES",
                                                      help="Worker processes per model (default: 1).")] = None,
     parallel: ParallelOption = None,
-    flash_attn: FlashAttnOption = False,
+    flash_attn: FlashAttnOption = None,
     threads: Annotated[int | None, typer.Option(
         "--threads", envvar="MPSERVE_THREADS", help="Threads per instance (default: cores ÷ instances).")] = None,
     n_ctx: Annotated[int | None, typer.Option("--n-ctx", envvar="MPSERVE_N_CTX",
@@ -133,7 +134,7 @@ def start(
                     "workers_bind": workers_bind, "curve_workers": curve_workers,
                     "heartbeat_interval": heartbeat_interval, "heartbeat_liveness": heartbeat_liveness},
             model={"path": model, "name": name, "instances": instances, "parallel": parallel, "threads": threads,
-                   "n_ctx": n_ctx, "n_gpu_layers": n_gpu_layers, "flash_attn": flash_attn or None},
+                   "n_ctx": n_ctx, "n_gpu_layers": n_gpu_layers, "flash_attn": flash_attn},
             source=str(config_file or "command line"),
             base_dir=config_file.parent if config_file else None,
         )
@@ -207,7 +208,7 @@ def worker(
                                              help="The model's name at the broker.")] = None,
     instances: Annotated[int | None, typer.Option("--instances", "-n", envvar="MPSERVE_INSTANCES")] = None,
     parallel: ParallelOption = None,
-    flash_attn: FlashAttnOption = False,
+    flash_attn: FlashAttnOption = None,
     threads: Annotated[int | None, typer.Option("--threads", envvar="MPSERVE_THREADS")] = None,
     n_ctx: Annotated[int | None, typer.Option("--n-ctx", envvar="MPSERVE_N_CTX")] = None,
     n_gpu_layers: Annotated[int | None, typer.Option("--n-gpu-layers", envvar="MPSERVE_N_GPU_LAYERS")] = None,
@@ -234,7 +235,7 @@ def worker(
             server={"server_name": server_name, "gpus": gpus, "simulate_gpus": simulate_gpus, "log_level": log_level,
                     "heartbeat_interval": heartbeat_interval, "heartbeat_liveness": heartbeat_liveness},
             model={"path": model, "name": name, "instances": instances, "parallel": parallel, "threads": threads,
-                   "n_ctx": n_ctx, "n_gpu_layers": n_gpu_layers, "flash_attn": flash_attn or None},
+                   "n_ctx": n_ctx, "n_gpu_layers": n_gpu_layers, "flash_attn": flash_attn},
             source=str(config_file or "command line"), base_dir=config_file.parent if config_file else None)
         run_pool(config, connect, curve_server_key, curve_secret)
 

@@ -47,7 +47,7 @@ class ModelConfig:
     threads: int | None = None  # None: cores ÷ all instances, at least 1
     n_gpu_layers: int | None = None  # None: all layers on a GPU, 0 on the CPU
     parallel: int = 1  # sequences one instance decodes together (continuous batching); n_ctx is per sequence
-    flash_attn: bool = False  # llama.cpp's flash attention: faster, especially batched; numerics differ
+    flash_attn: str = "auto"  # llama.cpp's flash attention: auto (on where supported, as llama-server), on, off
     devices: tuple[int, ...] | None = None  # pin the model's instances to these GPU indices
     requires_memory: int | None = None  # declared GPU bytes per instance; None: estimated from the GGUF
 
@@ -143,7 +143,7 @@ def _is_network_tcp(address: str) -> bool:
 
 
 _MODEL_KEYS = {"name": str, "path": str, "instances": int, "parallel": int, "n_ctx": int, "threads": int,
-               "n_gpu_layers": int, "flash_attn": bool,
+               "n_gpu_layers": int, "flash_attn": (str, bool),
                "devices": list, "requires": dict}
 _REQUIRES_KEYS = {"memory": (str, int), "gpus": int}
 _SERVER_KEYS = {"server_name": str, "bind": str, "workers_bind": str, "max_queue": int, "max_queue_total": int,
@@ -164,6 +164,9 @@ _RANGES: dict[str, tuple[float, float]] = {
     "heartbeat_liveness": (2, 100),
 }
 _GPU_MODES = ("shared", "exclusive")
+FLASH_ATTN_MODES = ("auto", "on", "off")
+_FLASH_ATTN_SPELLINGS = {True: "on", False: "off", "true": "on", "false": "off", "1": "on", "0": "off",
+                         "yes": "on", "no": "off"}
 _LOG_LEVELS = ("debug", "info", "warning", "error")
 
 
@@ -277,9 +280,20 @@ def _model(index: int, entry: Any, overrides: Mapping[str, Any], source: str) ->
         raise ConfigError(f"{where}.path: unknown built-in model {path!r}; allowed: builtin:tiny, builtin:bench")
     if "devices" in values:
         values["devices"] = _index_list(values["devices"], f"{where}.devices")
+    if "flash_attn" in values:
+        values["flash_attn"] = _flash_attn(values["flash_attn"], f"{where}.flash_attn")
     if "requires" in values:
         values["requires_memory"] = _requires(values.pop("requires"), f"{where}.requires")
     return ModelConfig(**values)
+
+
+def _flash_attn(value: str | bool, where: str) -> str:
+    """auto, on or off; true/false (and 1/0, yes/no) are on/off."""
+    key = value.strip().lower() if isinstance(value, str) else value
+    mode = _FLASH_ATTN_SPELLINGS.get(key, key)
+    if mode not in FLASH_ATTN_MODES:
+        raise ConfigError(f"{where}: got {value!r}, allowed: {', '.join(FLASH_ATTN_MODES)}")
+    return str(mode)
 
 
 def _requires(value: dict[str, Any], where: str) -> int | None:

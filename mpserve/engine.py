@@ -49,7 +49,7 @@ class EngineSpec:
     n_gpu_layers: int
     seed: int = 0
     parallel: int = 1  # > 1: a BatchEngine decoding this many sequences together
-    flash_attn: bool = False
+    flash_attn: str = "auto"  # auto, on or off
 
     @property
     def is_echo(self) -> bool:
@@ -70,8 +70,8 @@ class LlamaEngine:
         self._criteria = llama_cpp.StoppingCriteriaList
         self._llm = llama_cpp.Llama(
             model_path=spec.path, n_ctx=spec.n_ctx, n_threads=spec.threads, n_threads_batch=spec.threads,
-            n_gpu_layers=spec.n_gpu_layers, seed=spec.seed, flash_attn=spec.flash_attn, verbose=False,
-        )
+            n_gpu_layers=spec.n_gpu_layers, seed=spec.seed, flash_attn=spec.flash_attn != "off", verbose=False,
+        )  # llama_cpp.Llama has on and off only: auto is on, which llama.cpp's own auto picks on CPUs and CUDA
         # llama.cpp sets up its compute graphs and thread pool on the first decode (~150 ms here); do it
         # while loading, so the first request does not pay for it.
         self._llm.create_completion("warm up", max_tokens=2, temperature=0)

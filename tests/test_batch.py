@@ -39,8 +39,9 @@ def model_path() -> str:
     return str(builtin_model_path("tiny"))
 
 
-def make_llama(model_path: str, flash_attn: bool = False) -> llama_cpp.Llama:
-    return llama_cpp.Llama(model_path, n_ctx=N_CTX, n_threads=1, n_threads_batch=1, flash_attn=flash_attn,
+def make_llama(model_path: str, flash_attn: str = "off") -> llama_cpp.Llama:
+    """Llama has flash attention on or off; auto is on on a CPU."""
+    return llama_cpp.Llama(model_path, n_ctx=N_CTX, n_threads=1, n_threads_batch=1, flash_attn=flash_attn != "off",
                            verbose=False)
 
 
@@ -52,7 +53,7 @@ def llm(model_path: str) -> Iterator[llama_cpp.Llama]:
 
 
 def make_engine(model_path: str, parallel: int, budget: int = 64, kv_unified: bool = False,
-                flash_attn: bool = False) -> BatchEngine:
+                flash_attn: str = "off") -> BatchEngine:
     return BatchEngine(model_path, n_ctx=N_CTX, parallel=parallel, threads=1, n_gpu_layers=0,
                        step_budget_tokens=budget, kv_unified=kv_unified, flash_attn=flash_attn)
 
@@ -91,7 +92,7 @@ def serve(engine: BatchEngine, requests: list[tuple[str, GenerateParams]]) -> li
     return [results[i] for i in range(len(requests))]
 
 
-def one_at_a_time(model_path: str, requests: list[tuple[str, GenerateParams]], flash_attn: bool = False
+def one_at_a_time(model_path: str, requests: list[tuple[str, GenerateParams]], flash_attn: str = "off"
                   ) -> list[BatchCompletion]:
     engine = make_engine(model_path, 1, flash_attn=flash_attn)
     try:
@@ -101,10 +102,10 @@ def one_at_a_time(model_path: str, requests: list[tuple[str, GenerateParams]], f
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize(("kv_unified", "flash_attn"), [(False, False), (True, False), (False, True), (True, True)],
-                         ids=["kv-per-slot", "kv-unified", "kv-per-slot-flash-attn", "kv-unified-flash-attn"])
+@pytest.mark.parametrize(("kv_unified", "flash_attn"), [(False, "off"), (True, "off"), (False, "auto"), (True, "on")],
+                         ids=["kv-per-slot", "kv-unified", "kv-per-slot-flash-attn-auto", "kv-unified-flash-attn"])
 def test_greedy_four_at_once_equals_one_at_a_time_and_create_completion(
-        model_path: str, kv_unified: bool, flash_attn: bool) -> None:
+        model_path: str, kv_unified: bool, flash_attn: str) -> None:
     requests = [(p, greedy(n)) for p, n in zip(PROMPTS + PROMPTS[:2], LENGTHS + [33, 5], strict=True)]
     engine = make_engine(model_path, 4, kv_unified=kv_unified, flash_attn=flash_attn)
     try:

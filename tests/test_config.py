@@ -48,10 +48,18 @@ def test_threads_default_to_cores_divided_by_all_instances() -> None:
     ({"models": [{"name": "a"}, {"name": "a"}]}, "unique"),
     ({"models": []}, "non-empty list"),
     ({"log_level": "loud"}, "log_level"),
+    ({"models": [{"flash_attn": "fast"}]}, "models\\[0\\].flash_attn: got 'fast', allowed: auto, on, off"),
 ])
 def test_bad_configuration_names_key_value_and_what_is_allowed(data: dict, problem: str) -> None:
     with pytest.raises(ConfigError, match=problem):
         cfg.build(data, source="f.yaml")
+
+
+@pytest.mark.parametrize("given, mode", [(None, "auto"), ("auto", "auto"), (True, "on"), (False, "off"), ("ON", "on"),
+                                         ("false", "off"), ("1", "on")])
+def test_flash_attn_is_auto_on_or_off_and_true_false_spell_on_off(given: object, mode: str) -> None:
+    models = [{"name": "a"} if given is None else {"name": "a", "flash_attn": given}]
+    assert cfg.build({"models": models}).models[0].flash_attn == mode
 
 
 def test_flag_values_are_checked_like_file_values() -> None:

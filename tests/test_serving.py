@@ -20,7 +20,7 @@ PROMPTS = ["Hello world", "The quick brown fox", "In the beginning", "1 2 3"]
 
 @pytest.fixture(scope="module")
 def direct(tiny_model_path: str) -> llama_cpp.Llama:
-    return llama_cpp.Llama(tiny_model_path, n_ctx=2048, n_threads=1, verbose=False)
+    return llama_cpp.Llama(tiny_model_path, n_ctx=2048, n_threads=1, flash_attn=True, verbose=False)  # = auto
 
 
 @pytest.mark.timeout(60)
