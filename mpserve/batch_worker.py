@@ -19,7 +19,7 @@ from .batch import BatchEngine
 from .errors import Cancelled, MpserveError
 from .permits import Permit
 from .slots import SlotState
-from .worker import PARENT_CHECK_S, Worker
+from .worker import PARENT_CHECK_S, ChunkStream, Worker
 
 log = logging.getLogger("mpserve.worker")
 
@@ -29,6 +29,7 @@ class BatchWorker(Worker):
         super().__init__(*args, **kwargs)
         self._running: dict[str, wire.Assign] = {}  # ticket -> its assignment
         self._slot_of: dict[str, int] = {}
+        self._streams: dict[str, ChunkStream] = {}  # ticket -> its streamed text, for streamed requests
         self._cancelled_tickets: set[str] = set()
         self._permit: Permit | None = None
 
@@ -76,11 +77,12 @@ class BatchWorker(Worker):
         slot = assign.slot if assign.slot in free else free[0]
         req = assign.request
         row = self._rows[slot]
+        stream = self._stream(assign)
 
         def on_token(text: str, tokens: int) -> bool:
             row.progress(tokens)
-            if req.stream and text:
-                self._send(wire.Chunk(req.id, text), assign.ticket)
+            if stream is not None and text:
+                stream.push(text)
             return not self._stopping
 
         try:
@@ -90,6 +92,8 @@ class BatchWorker(Worker):
             return None
         self._running[assign.ticket] = assign
         self._slot_of[assign.ticket] = slot
+        if stream is not None:
+            self._streams[assign.ticket] = stream
         row.update(state=SlotState.BUSY if self._permit or not self._permits else SlotState.WAITING,
                    request=req.id, tokens=0)
         return None
@@ -135,9 +139,9 @@ class BatchWorker(Worker):
         return self._stopping or all(t in self._cancelled_tickets for t in self._running)
 
     def _end(self, ticket: str, outcome: wire.Done | wire.Error) -> None:
-        self._running.pop(ticket)
+        assign = self._running.pop(ticket)
         self._cancelled_tickets.discard(ticket)
         slot = self._slot_of.pop(ticket)
         self._served += 1
         self._rows[slot].update(state=SlotState.IDLE, served=self._served)
-        self._send(outcome, ticket)
+        self._answer(assign, outcome, self._streams.pop(ticket, None))

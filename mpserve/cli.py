@@ -41,6 +41,10 @@ HeartbeatInterval = Annotated[float | None, typer.Option(
 HeartbeatLiveness = Annotated[int | None, typer.Option(
     "--heartbeat-liveness", envvar="MPSERVE_HEARTBEAT_LIVENESS",
     help="Missed heartbeats before a remote worker (or the broker, for a worker) is lost (default: 5).")]
+StreamInterval = Annotated[float | None, typer.Option(
+    "--stream-interval", envvar="MPSERVE_STREAM_INTERVAL",
+    help="Seconds between a streamed request's chunks after its first; tokens in between go together "
+         "(default: 0.02; 0 = a chunk per token).")]
 ConfigOption = Annotated[Path | None, typer.Option("--config", "-c", envvar="MPSERVE_CONFIG",
                                                    help="YAML file (see README).")]
 
@@ -82,6 +86,7 @@ def start(
     client_timeout: Annotated[float | None, typer.Option(
         "--client-timeout", envvar="MPSERVE_CLIENT_TIMEOUT",
         help="Cancel the requests of a client silent this long, in s (default: 5).")] = None,
+    stream_interval: StreamInterval = None,
     curve_secret: Annotated[str | None, typer.Option(
         "--curve-secret", envvar="MPSERVE_CURVE_SECRET", help="Server secret key file (mpserve keygen).")] = None,
     curve_clients: Annotated[str | None, typer.Option(
@@ -128,6 +133,7 @@ def start(
                     "log_level": log_level, "max_queue_total": max_queue_total, "stall_timeout": stall_timeout,
                     "max_pending_per_client": max_pending_per_client,
                     "idle_timeout": idle_timeout, "client_timeout": client_timeout, "curve_secret": curve_secret,
+                    "stream_interval": stream_interval,
                     "curve_clients": curve_clients, "insecure": insecure or None, "gpus": gpus,
                     "simulate_gpus": simulate_gpus, "gpu_mode": gpu_mode, "max_active_per_gpu": max_active_per_gpu,
                     "gpu_memory_budget": gpu_memory_budget, "single_active_backend": single_active_backend or None,
@@ -220,6 +226,7 @@ def worker(
         "--curve-secret", envvar="MPSERVE_CURVE_WORKER_SECRET", help="This pool's secret key file.")] = None,
     heartbeat_interval: HeartbeatInterval = None,
     heartbeat_liveness: HeartbeatLiveness = None,
+    stream_interval: StreamInterval = None,
     config_file: ConfigOption = None,
     log_level: Annotated[str | None, typer.Option("--log-level", envvar="MPSERVE_LOG_LEVEL")] = None,
     server_name: Annotated[str, typer.Option("--server-name", envvar="MPSERVE_SERVER_NAME",
@@ -233,7 +240,8 @@ def worker(
         config = cfg.build(
             cfg.load_file(config_file) if config_file else {},
             server={"server_name": server_name, "gpus": gpus, "simulate_gpus": simulate_gpus, "log_level": log_level,
-                    "heartbeat_interval": heartbeat_interval, "heartbeat_liveness": heartbeat_liveness},
+                    "heartbeat_interval": heartbeat_interval, "heartbeat_liveness": heartbeat_liveness,
+                    "stream_interval": stream_interval},
             model={"path": model, "name": name, "instances": instances, "parallel": parallel, "threads": threads,
                    "n_ctx": n_ctx, "n_gpu_layers": n_gpu_layers, "flash_attn": flash_attn},
             source=str(config_file or "command line"), base_dir=config_file.parent if config_file else None)

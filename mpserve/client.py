@@ -94,7 +94,7 @@ class AsyncClient:
         self._sock: zmq.asyncio.Socket | None = None
         self._pending: dict[str, asyncio.Queue[Any]] = {}
         self._ids = (f"{os.getpid():x}.{n:x}" for n in itertools.count(1))
-        self._reader: asyncio.Task[None] | None = None
+        self._tasks: list[asyncio.Task[None]] = []  # the reader and the keep-alive
         self._last_heard = 0.0
         self._pong = asyncio.Event()
         self._nonces = itertools.count(1)
@@ -122,7 +122,9 @@ class AsyncClient:
             self._sock.curve_serverkey, self._sock.curve_publickey, self._sock.curve_secretkey = (
                 server_public, public, secret)
         self._sock.connect(self.address)
-        self._reader = asyncio.get_running_loop().create_task(self._read())
+        self._last_heard = time.monotonic()
+        loop = asyncio.get_running_loop()
+        self._tasks = [loop.create_task(self._read()), loop.create_task(self._keep_alive())]
         await self._send(wire.Ping(0))
         try:
             await asyncio.wait_for(self._pong.wait(), self._connect_timeout)
@@ -133,9 +135,9 @@ class AsyncClient:
                                    f"{self._connect_timeout:g} s; is `mpserve start` running{hint}") from None
 
     async def close(self) -> None:
-        if self._reader is not None:
-            self._reader.cancel()
-            self._reader = None
+        for task in self._tasks:
+            task.cancel()
+        self._tasks = []
         self._fail_all(ConnectionFailed("the client was closed"))
         if self._sock is not None:
             self._sock.close()
@@ -196,11 +198,14 @@ class AsyncClient:
 
     async def _next(self, queue: asyncio.Queue[Any], request: wire.Request) -> Any:
         """The next CHUNK or DONE of a request; raises on ERROR, on silence, or past its timeout."""
-        limit = None if request.timeout is None else request.timeout + 1.0
-        try:
-            msg = await asyncio.wait_for(queue.get(), limit)
-        except asyncio.TimeoutError:
-            raise Timeout(f"no answer within {request.timeout} s") from None
+        if queue.empty():
+            limit = None if request.timeout is None else request.timeout + 1.0
+            try:
+                msg = await asyncio.wait_for(queue.get(), limit)
+            except asyncio.TimeoutError:
+                raise Timeout(f"no answer within {request.timeout} s") from None
+        else:
+            msg = queue.get_nowait()
         if isinstance(msg, MpserveError):
             self._pending.pop(request.id, None)
             raise msg
@@ -218,18 +223,27 @@ class AsyncClient:
         await self._sock.send_multipart(wire.encode(msg))
 
     async def _read(self) -> None:
+        """Deliver messages as they arrive; one wake-up takes every message already waiting, read
+        without a future each through a plain (shadow) socket."""
         assert self._sock is not None
-        self._last_heard = time.monotonic()
+        sock = self._sock
+        waiting = zmq.Socket.shadow(sock.underlying)
+        while True:
+            self._deliver(await sock.recv_multipart())
+            self._last_heard = time.monotonic()
+            while waiting.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+                self._deliver(waiting.recv_multipart(zmq.NOBLOCK))
+
+    async def _keep_alive(self) -> None:
+        """While requests are pending: ping every PING_INTERVAL_S, and fail them all once the server has
+        been silent for PING_INTERVAL_S × PING_LIVENESS (any message from it counts)."""
         pinged = 0.0
         while True:
-            if await self._sock.poll(int(PING_INTERVAL_S * 1000 / 2)):
-                self._last_heard = time.monotonic()
-                self._deliver(await self._sock.recv_multipart())
+            await asyncio.sleep(PING_INTERVAL_S / 2)
             now = time.monotonic()
             if not self._pending:
                 self._last_heard = now
-                continue
-            if now - self._last_heard > PING_INTERVAL_S * PING_LIVENESS:
+            elif now - self._last_heard > PING_INTERVAL_S * PING_LIVENESS:
                 self._fail_all(ConnectionFailed(f"the server at {self.address} stopped answering "
                                                 f"({now - self._last_heard:.1f} s of silence)"))
             elif now - pinged >= PING_INTERVAL_S:

@@ -73,6 +73,7 @@ class ServerConfig:
     stall_timeout: float = 60.0
     idle_timeout: float = 0.0  # 0: never unload
     client_timeout: float = 5.0
+    stream_interval: float = 0.02  # seconds between a streamed request's chunks after its first; 0: every token
     curve_secret: str | None = None
     curve_clients: str | None = None
     curve_workers: str | None = None  # folder of allowed remote workers' public keys
@@ -148,7 +149,7 @@ _MODEL_KEYS = {"name": str, "path": str, "instances": int, "parallel": int, "n_c
 _REQUIRES_KEYS = {"memory": (str, int), "gpus": int}
 _SERVER_KEYS = {"server_name": str, "bind": str, "workers_bind": str, "max_queue": int, "max_queue_total": int,
                 "max_pending_per_client": int, "grace": float, "stall_timeout": float, "idle_timeout": float,
-                "client_timeout": float,
+                "client_timeout": float, "stream_interval": float,
                 "curve_secret": str, "curve_clients": str, "curve_workers": str, "insecure": bool,
                 "heartbeat_interval": float, "heartbeat_liveness": int, "gpus": (list, str), "simulate_gpus": str,
                 "gpu_mode": str, "max_active_per_gpu": int, "gpu_memory_budget": (str, int),
@@ -158,7 +159,7 @@ _RANGES: dict[str, tuple[float, float]] = {
     "instances": (0, 256), "parallel": (1, 64), "n_ctx": (16, 1 << 20), "threads": (1, 1024),
     "n_gpu_layers": (-1, 100000),
     "max_queue": (1, 1_000_000), "max_queue_total": (1, 10_000_000), "max_pending_per_client": (1, 10_000_000),
-    "grace": (0, 3600),
+    "grace": (0, 3600), "stream_interval": (0, 1),
     "stall_timeout": (0.1, 86400), "idle_timeout": (0, 86400 * 365), "client_timeout": (1, 3600),
     "max_active_per_gpu": (1, 64), "switch_batch": (1, 100000), "heartbeat_interval": (0.05, 60),
     "heartbeat_liveness": (2, 100),

@@ -58,7 +58,7 @@ def worker_specs(config: ServerConfig, layout: Layout, backend: str, slots_path:
             first_row=first_row,
             device=device, backend=backend, slots_path=str(slots_path), parent_pid=os.getpid(),
             idle_timeout=config.idle_timeout, lazy=config.single_active_backend, permit=permit,
-            log_level=config.log_level,
+            log_level=config.log_level, stream_interval=config.stream_interval,
         ))
         first_row += model.parallel
     return specs

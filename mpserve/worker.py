@@ -6,6 +6,11 @@ The worker is started by the supervisor from a clean interpreter (multiprocessin
 CUDA_VISIBLE_DEVICES before llama_cpp is imported, writes its own slot-table row, and exits when told
 to stop, when its model cannot be loaded (after sending FAILED), or when its parent (the server) is gone.
 Cancellation is checked after every token: a CANCEL for the running ticket stops generation at once.
+
+A streamed request's text goes out as CHUNKs: its first piece at once, later ones gathered and sent at
+most every ``stream_interval`` seconds, the rest just before DONE. Every message costs CPU in three
+processes (worker, broker, client) on cores that llama.cpp's threads are using; gathering the pieces a
+few steps produce keeps that cost from growing with the token rate (0 sends every token on its own).
 """
 
 from __future__ import annotations
@@ -15,6 +20,7 @@ import os
 import random
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -65,6 +71,7 @@ class WorkerSpec:
     heartbeat_liveness: int = 5
     first_row: int = 0  # its slot-table rows: first_row .. first_row + engine.parallel - 1
     log_level: str = "info"
+    stream_interval: float = 0.0  # seconds between a streamed request's CHUNKs after its first; 0: every token
 
     @property
     def rows(self) -> range:
@@ -275,11 +282,12 @@ class Worker:
         assert self._engine is not None
         self._current, self._cancelled = assign, False
         self._row.update(state=SlotState.BUSY, request=req.id, tokens=0)
+        stream = self._stream(assign)
 
         def on_token(text: str, tokens: int) -> bool:
             self._row.progress(tokens)
-            if req.stream and text:
-                self._send(wire.Chunk(req.id, text), assign.ticket)
+            if stream is not None and text:
+                stream.push(text)
             return not self._should_stop()
 
         outcome = self._outcome(assign, on_token)
@@ -287,6 +295,19 @@ class Worker:
         self._current = None
         # The row says idle before the reply goes out: a client holding its answer sees the slot free.
         self._row.update(state=SlotState.IDLE, served=self._served)
+        self._answer(assign, outcome, stream)
+
+    def _stream(self, assign: wire.Assign) -> ChunkStream | None:
+        """Where a streamed request's text goes; None if the request is not streamed."""
+        if not assign.request.stream:
+            return None
+        request_id, ticket = assign.request.id, assign.ticket
+        return ChunkStream(lambda text: self._send(wire.Chunk(request_id, text), ticket), self._spec.stream_interval)
+
+    def _answer(self, assign: wire.Assign, outcome: wire.Done | wire.Error, stream: ChunkStream | None) -> None:
+        """The terminal message, after the streamed text still gathered (the client reads it first)."""
+        if stream is not None and isinstance(outcome, wire.Done):
+            stream.flush()
         self._send(outcome, assign.ticket)
 
     def _outcome(self, assign: wire.Assign, on_token: OnToken) -> wire.Done | wire.Error:
@@ -334,3 +355,30 @@ class Worker:
 
     def _send(self, msg: object, ticket: str = "") -> None:
         self._sock.send_multipart(wire.encode_from_worker(msg, ticket))
+
+
+class ChunkStream:
+    """One streamed request's text on its way out: the first piece is sent at once; later pieces are
+    gathered and sent together once ``interval`` seconds have passed since the last send; ``flush``
+    sends what is left. The concatenated chunks are always the whole text."""
+
+    __slots__ = ("_send", "_interval", "_parts", "_sent_at")
+
+    def __init__(self, send: Callable[[str], None], interval: float) -> None:
+        self._send = send
+        self._interval = interval
+        self._parts: list[str] = []
+        self._sent_at = -interval  # the first piece goes at once
+
+    def push(self, text: str) -> None:
+        self._parts.append(text)
+        now = time.monotonic()
+        if now - self._sent_at >= self._interval:
+            self._sent_at = now
+            self.flush()
+
+    def flush(self) -> None:
+        if self._parts:
+            text = "".join(self._parts)
+            self._parts.clear()
+            self._send(text)
