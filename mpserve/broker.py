@@ -3,7 +3,7 @@
     clients ──DEALER──▶ front ROUTER ─┐                  ┌─ back ROUTER ◀──DEALER── workers
                                       ▼                  ▲
     validate ─▶ per-model FIFO queue ─▶ assign to a free slot of that model (the one whose last prompt
-                                        shares the longest prefix, else the one free the longest)
+                                        shares the longest prefix, else one of the least busy instance)
                                       ▲                  │
         CHUNK/DONE/ERROR bodies ◀─────┴── forwarded unchanged, looked up by ticket
 
@@ -521,19 +521,24 @@ class Broker:
 
     def _take_slot(self, mq: ModelQueue, prompt: str, device: int | None = None) -> tuple[bytes, int] | None:
         """Take a free slot (on ``device``, if given): the one whose last prompt shares the longest prefix
-        with ``prompt`` (its KV cache holds that prefix, so the worker skips recomputing it), else the one
-        free the longest."""
-        candidates = [f for f in mq.free if device is None or self.workers[f[0]].device == device]
-        if not candidates:
-            return None
-        best, best_shared = candidates[0], 0
-        if len(prompt) >= MIN_SHARED_PREFIX:
-            for identity, slot in candidates:
-                cached = self.workers[identity].prompts.get(slot, "")
-                shared = len(os.path.commonprefix((cached, prompt)))
-                if shared > best_shared:
-                    best, best_shared = (identity, slot), shared
-        mq.free.remove(best)
+        (at least MIN_SHARED_PREFIX characters) with ``prompt``, since its KV cache holds that prefix and
+        the worker skips recomputing it; else a slot of the least busy instance (running sequences per
+        slot), so that requests spread over instances before they share one's batch; among equals, the
+        slot free the longest."""
+        best: tuple[bytes, int] | None = None
+        best_key: tuple[int, float] = (-1, 0.0)
+        for identity, slot in mq.free:
+            entry = self.workers[identity]
+            if device is not None and entry.device != device:
+                continue
+            shared = 0
+            if len(prompt) >= MIN_SHARED_PREFIX:
+                shared = len(os.path.commonprefix((entry.prompts.get(slot, ""), prompt)))
+            key = (shared if shared >= MIN_SHARED_PREFIX else 0, -len(entry.running) / entry.capacity)
+            if key > best_key:  # strictly better: among equals the first, free the longest, stays
+                best, best_key = (identity, slot), key
+        if best is not None:
+            mq.free.remove(best)
         return best
 
     def _assign(self, p: Pending, slot: tuple[bytes, int]) -> None:

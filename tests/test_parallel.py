@@ -64,6 +64,14 @@ def test_four_slots_of_one_instance_give_the_same_greedy_text_as_one_at_a_time(s
 
 
 @pytest.mark.timeout(120)
+def test_requests_spread_over_instances_before_sharing_one_batch(start_server) -> None:
+    server = start_server("--instances", "2", "--parallel", "4").wait_ready()
+    results = asyncio.run(_concurrently(server.address, PROMPTS, max_tokens=300, temperature=0))
+    workers = sorted(r.worker for r in results)
+    assert workers == ["w0", "w0", "w1", "w1"], workers
+
+
+@pytest.mark.timeout(120)
 def test_a_repeated_long_prompt_reuses_the_cached_prefix(start_server) -> None:
     server = start_server("--parallel", "2", "--n-ctx", "1024").wait_ready()
     prompt = "A long shared preamble about nothing in particular. " * 12
