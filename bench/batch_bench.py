@@ -23,9 +23,7 @@ progress to stderr, the figures as JSON to ``--json`` when given.
 from __future__ import annotations
 
 import argparse
-import glob
 import json
-import shutil
 import statistics
 import sys
 import threading
@@ -39,13 +37,11 @@ from mpserve.modelfile import builtin_model_path
 from mpserve.protocol import GenerateParams
 
 from .load import PROMPTS
-from .procs import HttpServer, free_port
+from .procs import HttpServer, find_llama_server, free_port
 
 ENGINES = {"BatchEngine": "auto", "BatchEngine FA off": "off"}  # name -> flash attention
 DEFAULT_ENGINE = "BatchEngine"  # mpserve's default, flash attention auto, as llama-server's
 SERVER = "llama-server"
-LLAMA_SERVER_PLACES = ("/opt/llama-server*/llama-server", "/opt/llama-server*/bin/llama-server",
-                       "/tmp/lcp*/build/bin/llama-server")
 
 
 @dataclass
@@ -64,7 +60,7 @@ class Row:
 def main(argv: list[str] | None = None) -> None:
     args = _parse(argv)
     model = Path(args.model) if args.model else builtin_model_path("tiny" if args.quick else "bench")
-    server = _find_llama_server(args.llama_server)
+    server = find_llama_server(args.llama_server)
     prompts = list(PROMPTS)
     rows = []
     _progress("greedy texts one at a time (K=1), to compare the batched ones with")
@@ -137,19 +133,6 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     if args.no_llama_server:
         args.llama_server = ""
     return args
-
-
-def _find_llama_server(given: str | None) -> str | None:
-    if given is not None:
-        return given or None
-    found = shutil.which("llama-server")
-    if found:
-        return found
-    for pattern in LLAMA_SERVER_PLACES:
-        for path in sorted(glob.glob(pattern)):
-            if Path(path).is_file():
-                return path
-    return None
 
 
 def _texts_alone(model: Path, prompts: list[str], flash_attn: str, args: argparse.Namespace) -> dict[str, str]:

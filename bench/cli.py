@@ -10,7 +10,6 @@ from __future__ import annotations
 import argparse
 import os
 import platform
-import shutil
 import subprocess
 import sys
 import tempfile
@@ -21,14 +20,15 @@ from datetime import datetime
 from importlib.metadata import version
 from pathlib import Path
 
-from . import dispatch, memory, peers, permits, scaling, startup
+from . import batching, dispatch, memory, peers, permits, scaling, startup
 from .figures import Section
+from .procs import find_llama_server
 from .report import markdown, write_json, write_plots
 from .settings import Settings
 
 SECTIONS: dict[str, Callable[[Settings], Section]] = {
-    "dispatch": dispatch.run, "scaling": scaling.run, "peers": peers.run, "memory": memory.run,
-    "permits": permits.run, "startup": startup.run,
+    "dispatch": dispatch.run, "scaling": scaling.run, "peers": peers.run, "batching": batching.run,
+    "memory": memory.run, "permits": permits.run, "startup": startup.run,
 }
 RESULTS = Path(__file__).parent / "results"
 
@@ -42,7 +42,8 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
                         help="tiny model, few requests: checks that the harness works (under a minute)")
     parser.add_argument("--model", type=Path, help="GGUF file [default: the built-in bench model, or tiny with "
                                                    "--quick]")
-    parser.add_argument("--llama-server", help="llama-server binary for the peers section [default: on PATH]")
+    parser.add_argument("--llama-server", help="llama-server binary for the peers and batching sections [default: "
+                                               "on PATH, else /opt/llama-server*/; '' leaves it out]")
     parser.add_argument("--results", type=Path, default=RESULTS, help=f"where JSON and plots go [default: {RESULTS}]")
     args = parser.parse_args(argv)
     unknown = set(args.only.split(",")) - set(SECTIONS)
@@ -60,7 +61,7 @@ def main(argv: list[str] | None = None) -> int:
     settings = Settings.make(
         quick=args.quick, repeat=args.repeat or (1 if args.quick else 3),
         model=args.model or builtin_model_path("tiny" if args.quick else "bench"),
-        llama_server=args.llama_server or shutil.which("llama-server"))
+        llama_server=find_llama_server(args.llama_server))
     chosen = [key for key in SECTIONS if key in args.only.split(",")]
     started = datetime.now()
     load_before = os.getloadavg()[0]

@@ -5,9 +5,9 @@
 - ``llama-server``: llama.cpp's own server with continuous batching, ``--parallel`` = the highest
   concurrency and ``--threads`` = cores, when a binary is on PATH or given with ``--llama-server``.
 
-mpserve runs one instance per core with one thread each (the target's configuration) and, against
-llama-server, also as one instance that batches requests (``--parallel``). All stream; HTTP peers are
-driven from a thread per lane with the standard library's http.client.
+mpserve runs one instance per core with one thread each (the target's configuration), one request per
+instance at a time; the batching section sets mpserve's ``--parallel`` against llama-server's. All
+stream; HTTP peers are driven from a thread per lane with the standard library's http.client.
 """
 
 from __future__ import annotations
@@ -50,46 +50,36 @@ def run(settings: Settings) -> Section:
     work = settings.work
     threads = settings.threads_for(settings.cores)
     per_core = f"{settings.cores}×{threads}"
-    batched = f"1×{settings.cores}, --parallel {max(CONCURRENCY)}"
-    parallel = str(max(CONCURRENCY))
-    mpserve_args = {per_core: ["--instances", str(settings.cores), "--threads", str(threads)],
-                    batched: ["--instances", "1", "--threads", str(settings.cores), "--parallel", parallel]}
-    pairs = [(per_core, peer) for peer in peers] + ([(batched, "llama-server")] if "llama-server" in peers else [])
-    cases = {(mp, peer, c): Case({"mpserve": mp, "vs": peer, "concurrency": str(c)},
-                                 [Figure(name, unit) for name, unit, _ in GENERATION_METRICS])
-             for mp, peer in pairs for c in CONCURRENCY}
+    cases = {(peer, c): Case({"mpserve": per_core, "vs": peer, "concurrency": str(c)},
+                             [Figure(name, unit) for name, unit, _ in GENERATION_METRICS])
+             for peer in peers for c in CONCURRENCY}
     with ExitStack() as stack:
-        ours = {mp: stack.enter_context(MpserveServer("--model", str(settings.model), "--n-ctx", str(work.n_ctx),
-                                                      *mpserve_args[mp]))
-                for mp in dict.fromkeys(mp for mp, _ in pairs)}
+        ours = stack.enter_context(MpserveServer("--model", str(settings.model), "--n-ctx", str(work.n_ctx),
+                                                 "--instances", str(settings.cores), "--threads", str(threads)))
         theirs = {peer: stack.enter_context(start()) for peer, start in peers.items()}
-        for server in ours.values():
-            server.wait_ready()
-            asyncio.run(mpserve_warm_up(server.address, work, settings.cores))
+        ours.wait_ready()
+        asyncio.run(mpserve_warm_up(ours.address, work, settings.cores))
         for peer_server in theirs.values():
             peer_server.wait_ready()
             asyncio.run(http_load(peer_server.port, work, 1, 1))
         for _ in range(settings.repeat):
             for c in CONCURRENCY:
                 n = work.requests(c)
-                served = {mp: asyncio.run(mpserve_load(server.address, work, c, n)) for mp, server in ours.items()}
-                answered = {peer: asyncio.run(http_load(peer_server.port, work, c, n))
-                            for peer, peer_server in theirs.items()}
-                for mp, peer in pairs:
-                    _add(cases[mp, peer, c], served[mp], answered[peer])
+                served = asyncio.run(mpserve_load(ours.address, work, c, n))
+                for peer, peer_server in theirs.items():
+                    _add(cases[peer, c], served, asyncio.run(http_load(peer_server.port, work, c, n)))
     section.cases = list(cases.values())
     if "llama_cpp.server" in peers:
         for c in TARGET_CONCURRENCY:
             section.targets.append(Target(f"tokens/s vs llama_cpp.server at concurrency {c}: ≥ {TARGET}×",
-                                          cases[per_core, "llama_cpp.server", c].figure("tokens/s").ratio, ">=",
+                                          cases["llama_cpp.server", c].figure("tokens/s").ratio, ">=",
                                           TARGET))
     section.notes.append(f"mpserve {per_core}: {settings.cores} instances × {threads} thread, one request each at a "
-                         f"time; mpserve {batched}: one instance decoding up to {max(CONCURRENCY)} requests in one "
-                         f"batch, set against llama-server, which batches the same way. llama_cpp.server: 1 context "
-                         f"× {settings.cores} threads, logits_all and use_mlock off and flash attention on, as in "
-                         "mpserve's engine. "
-                         f"llama-server: --parallel {max(CONCURRENCY)} --threads {settings.cores}. n_ctx "
-                         f"{work.n_ctx} per request everywhere. Workload as in scaling.")
+                         "time (the batching section sets mpserve --parallel against llama-server's). "
+                         f"llama_cpp.server: 1 context × {settings.cores} threads, logits_all and use_mlock off and "
+                         "flash attention on, as in mpserve's engine. llama-server: --parallel "
+                         f"{max(CONCURRENCY)} --threads {settings.cores}. n_ctx {work.n_ctx} per request everywhere. "
+                         "Workload as in scaling.")
     return section
 
 

@@ -6,8 +6,10 @@ Every server runs as its own subprocess, started the way a user would start it, 
 
 from __future__ import annotations
 
+import glob
 import itertools
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -24,6 +26,9 @@ from mpserve.runtime import ServerInfo
 from mpserve.slots import SlotTable
 
 READY_TIMEOUT_S = 120.0
+LLAMA_SERVER_PLACES = ("/opt/llama-server*/llama-server", "/opt/llama-server*/bin/llama-server",
+                       "/tmp/lcp*/build/bin/llama-server")
+"""Where a llama-server built by hand (see bench/README.md) usually lands, when it is not on PATH."""
 _names = itertools.count(1)
 
 
@@ -135,6 +140,20 @@ class HttpServer:
 
     def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> None:
         self.stop()
+
+
+def find_llama_server(given: str | None) -> str | None:
+    """The llama-server binary: ``given`` ("" = leave it out), else on PATH, else in LLAMA_SERVER_PLACES."""
+    if given is not None:
+        return given or None
+    found = shutil.which("llama-server")
+    if found:
+        return found
+    for pattern in LLAMA_SERVER_PLACES:
+        for path in sorted(glob.glob(pattern)):
+            if Path(path).is_file():
+                return path
+    return None
 
 
 def free_port() -> int:

@@ -16,7 +16,7 @@ import pytest
 
 REPO = Path(__file__).resolve().parent.parent
 ALWAYS_MEASURED = {"dispatch", "scaling", "memory", "startup"}
-MAY_BE_SKIPPED = {"peers", "permits"}  # need optional packages or another engineer's module
+MAY_BE_SKIPPED = {"peers", "batching", "permits"}  # need optional packages or a llama-server binary
 
 
 @pytest.mark.timeout(180)
@@ -28,7 +28,7 @@ def test_quick_bench_reports_every_section_with_baselines(tmp_path: Path) -> Non
     report = run.stdout
     assert report.startswith("# mpserve bench (quick)")
     assert "## Targets" in report and "compete for CPU" in report
-    for title in ("Dispatch overhead", "Scaling", "Peers", "Memory", "Permits", "Start-up"):
+    for title in ("Dispatch overhead", "Scaling", "Peers", "Batching", "Memory", "Permits", "Start-up"):
         assert title in report
 
     (result,) = tmp_path.glob("bench-*.json")
