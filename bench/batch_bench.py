@@ -5,7 +5,9 @@ into a slot as soon as it frees, into the slot ``best_slot`` picks), greedy, the
 for all, ``threads`` llama.cpp threads; once with flash attention auto (mpserve's default and
 llama-server's; on, on a CPU) and once with it off. Beside it, in the same run, taking turns, on the same GGUF,
 prompts and settings: ``llama-server --parallel K --threads T`` driven by K client threads through its
-``/completion`` endpoint, when a binary is found. Reported per K: tokens/s (median and best repeat: on
+``/completion`` endpoint, when a binary is found, with ``cache_prompt: false``: llama-server keeps
+every prompt it has seen in a host-memory cache and would restore a repeated one instead of computing
+it, where the engine reuses only what a slot still holds. Reported per K: tokens/s (median and best repeat: on
 a shared machine a busy moment only ever slows a run down), the gain over K = 1, the ratio to
 llama-server, whether the greedy texts equal those of the same engine serving one request at a time
 (and llama-server's), and the time a step spends outside ``llama_decode`` (Python: scheduling, the
@@ -194,7 +196,7 @@ def _run_server(server: HttpServer, prompts: list[str], k: int, max_tokens: int)
         try:
             for prompt in prompts[i::k]:
                 body = json.dumps({"prompt": prompt, "n_predict": max_tokens, "temperature": 0.0,
-                                   "cache_prompt": True}).encode()
+                                   "cache_prompt": False}).encode()
                 request = urllib.request.Request(server.url + "/completion", body,
                                                  {"Content-Type": "application/json"})
                 with urllib.request.urlopen(request, timeout=600) as reply:

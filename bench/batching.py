@@ -12,15 +12,22 @@ repeat (a busy moment on the machine hits all of them):
 Every server holds n_ctx per sequence. llama-server is asked not to reuse a slot's earlier prompt
 (``cache_prompt: false``); mpserve reuses a cached prefix only when a prompt shares one, and the prompts
 here share nothing but their first characters.
+
+One more case needs no peer: prefix reuse. A long prompt is sent twice with different endings to an
+instance with ``--parallel 2``; the second goes to the slot that holds the first one's KV cells, which
+computes only what differs. Its time to first token is set against the first's (a new prefix each repeat).
 """
 
 from __future__ import annotations
 
 import asyncio
+import time
 from contextlib import ExitStack
 
+from mpserve import AsyncClient
+
 from .figures import Case, Figure, Section, Target
-from .load import GENERATION_METRICS, LoadResult, Workload, http_load, mpserve_load, mpserve_warm_up
+from .load import GENERATION_METRICS, PROMPTS, LoadResult, Workload, http_load, mpserve_load, mpserve_warm_up
 from .procs import HttpServer, MpserveServer, free_port
 from .settings import Settings
 
@@ -33,9 +40,11 @@ PER_TOKEN = "--stream-interval 0"
 def run(settings: Settings) -> Section:
     section = Section("batching", "Batching: mpserve --parallel K against llama-server --parallel K",
                       "llama-server --parallel K, same threads, same GGUF (column vs)")
+    section.cases.append(_prefix_reuse(settings, section))
     if settings.llama_server is None:
-        section.skipped = ("no llama-server binary: put one on PATH or pass --llama-server (bench/README.md says "
-                           "how to build it from the llama-cpp-python source archive)")
+        section.notes.append("llama-server rows left out: no llama-server binary; put one on PATH or pass "
+                             "--llama-server (bench/README.md says how to build it from the llama-cpp-python source "
+                             "archive)")
         return section
     cores = settings.cores
     work = Workload(max_tokens=settings.pick(8, 64), n_ctx=settings.work.n_ctx, min_requests=1,
@@ -85,6 +94,40 @@ def _measure(settings: Settings, work: Workload, k: int, contenders: dict[str, l
             baseline = asyncio.run(http_load(port, work, k, n))
             for name, server in ours.items():
                 _add(cases[name], asyncio.run(mpserve_load(server.address, work, k, n)), baseline)
+
+
+def _prefix_reuse(settings: Settings, section: Section) -> Case:
+    """Time to first token of a long prompt sent again with another ending, against its first time."""
+    length = settings.pick(400, 1500)  # characters; the built-in models' vocabulary is byte-level
+    case = Case({"mpserve instances×slots": "1×2", "vs": "the same long prompt the first time",
+                 "concurrency": "1"}, [Figure("TTFT", "ms")], plotted=False)
+    reused: list[tuple[int, int]] = []  # (cached, prompt) tokens of the second request
+    with MpserveServer("--model", str(settings.model), "--n-ctx", "2048", "--instances", "1", "--threads",
+                       str(settings.cores), "--parallel", "2") as server:
+        server.wait_ready()
+        for r in range(settings.repeat):
+            prefix = (f"Repeat {r}. " + " ".join(PROMPTS[r % len(PROMPTS):] + PROMPTS) * 4)[:length]
+            first, _ = asyncio.run(_ttft(server.address, prefix + " First question?"))
+            again, tokens = asyncio.run(_ttft(server.address, prefix + " Second question?"))
+            case.figures[0].add(again * 1000, first * 1000)
+            reused.append(tokens)
+    section.notes.append("Prefix reuse: the second prompt shares all but its ending with the first; per repeat, "
+                         + ", ".join(f"{c} of its {n} tokens" for c, n in reused) + " came from the slot's cache "
+                         "(timings.cached_tokens) instead of being computed. 8 tokens generated each.")
+    return case
+
+
+async def _ttft(address: str, prompt: str) -> tuple[float, tuple[int, int]]:
+    """Seconds to the first streamed token; the prompt tokens the worker reused, and the prompt's tokens."""
+    async with AsyncClient(address) as client:
+        stream = client.stream(prompt, max_tokens=8, temperature=0.0)
+        started = time.perf_counter()
+        first = 0.0
+        async for _ in stream:
+            first = first or time.perf_counter()
+        assert stream.result is not None
+        result = stream.result
+        return first - started, (result.timings.cached_tokens, result.usage.prompt_tokens)
 
 
 def _add(case: Case, served: LoadResult, peer: LoadResult) -> None:

@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parent.parent
-ALWAYS_MEASURED = {"dispatch", "scaling", "memory", "startup"}
-MAY_BE_SKIPPED = {"peers", "batching", "permits"}  # need optional packages or a llama-server binary
+ALWAYS_MEASURED = {"dispatch", "scaling", "batching", "memory", "startup"}
+MAY_BE_SKIPPED = {"peers", "permits"}  # need optional packages
 
 
 @pytest.mark.timeout(180)
