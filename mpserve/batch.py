@@ -45,6 +45,7 @@ from typing import Any
 
 import numpy as np
 
+from . import chat_template
 from .engine import Completion, OnToken
 from .errors import BadRequest, Busy
 from .protocol import GenerateParams
@@ -160,6 +161,7 @@ class BatchEngine:
             raise
         self._memory = llama_cpp.llama_get_memory(self._ctx)
         self._batch = _Batch(llama_cpp, capacity)
+        self.chat = chat_template.read(llama_cpp, self._model)
         self._warm_up()
 
     def _context_params(self, capacity: int, threads: int, kv_unified: bool, flash_attn: str) -> Any:

@@ -34,6 +34,7 @@ import zmq
 import zmq.auth
 
 from . import protocol as wire
+from .chat_template import ChatTemplate
 from .errors import BadRequest, Busy, ModelFailed, MpserveError, ProtocolError, ShuttingDown, UnknownModel
 from .residency import Loaded, Residency
 
@@ -86,6 +87,7 @@ class ModelQueue:
     free: deque[tuple[bytes, int]] = field(default_factory=deque)  # (worker, slot), longest-free first
     instances: int = 0  # workers registered (READY) and alive
     failed: str | None = None  # the load error, once the supervisor gave up on this model
+    chat: ChatTemplate = ChatTemplate()  # from the workers' READY; empty until one had the model loaded
     service_ms: float = 0.0  # running mean of assignment-to-answer time, for the busy retry-after hint
 
 
@@ -311,7 +313,8 @@ class Broker:
     def snapshot(self, nonce: int = 0) -> wire.Stats:
         running: Counter[str] = Counter(w.model for w in self.workers.values() for _ in w.running)
         return wire.Stats(nonce, self.accepting, dict(self.stats), {
-            name: wire.ModelStats(len(mq.queue), running[name], mq.instances, len(mq.free), mq.failed)
+            name: wire.ModelStats(len(mq.queue), running[name], mq.instances, len(mq.free), mq.failed,
+                                  mq.chat.template, mq.chat.bos_token, mq.chat.eos_token)
             for name, mq in self.models.items()
         }, [wire.WorkerStats(w.identity.decode(), w.model, w.host, w.pid, w.device, w.capacity, len(w.running))
             for w in self.workers.values()])
@@ -433,9 +436,11 @@ class Broker:
                       identity, msg.model, ", ".join(self.models))
             self._to_worker(identity, wire.Error(None, "unknown_model", f"this broker does not serve {msg.model!r}"))
             return
+        if msg.chat_template:  # every instance of a model loads the same file; the latest word stands
+            self.models[msg.model].chat = ChatTemplate(msg.chat_template, msg.bos_token, msg.eos_token)
         old = self.workers.get(identity)
         if old is not None and old.pid == msg.pid and old.model == msg.model:
-            return  # the same process registering twice (it had not heard from us): nothing changed
+            return  # the same process registering again (it had not heard from us, or it loaded its model)
         if old is not None:  # a new process under the same name: whatever the old one ran is lost
             self._worker_gone(old, f"worker {identity.decode()} restarted")
         local = msg.host == "" and identity[:1] == b"w" and identity[1:].isdigit()

@@ -14,6 +14,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from . import chat_template
+from .chat_template import ChatTemplate
 from .errors import BadRequest
 from .protocol import GenerateParams
 
@@ -33,6 +35,8 @@ class Completion:
 
 
 class Engine(Protocol):
+    chat: ChatTemplate  # the model's chat template, for the broker to hand to the HTTP gateway
+
     def generate(self, prompt: str, params: GenerateParams, on_token: OnToken) -> Completion: ...
 
     def close(self) -> None:
@@ -72,6 +76,7 @@ class LlamaEngine:
             model_path=spec.path, n_ctx=spec.n_ctx, n_threads=spec.threads, n_threads_batch=spec.threads,
             n_gpu_layers=spec.n_gpu_layers, seed=spec.seed, flash_attn=spec.flash_attn != "off", verbose=False,
         )  # llama_cpp.Llama has on and off only: auto is on, which llama.cpp's own auto picks on CPUs and CUDA
+        self.chat = chat_template.read(llama_cpp, self._llm.model)
         # llama.cpp sets up its compute graphs and thread pool on the first decode (~150 ms here); do it
         # while loading, so the first request does not pay for it.
         self._llm.create_completion("warm up", max_tokens=2, temperature=0)
@@ -143,6 +148,8 @@ class _TokenCounter:
 
 class EchoEngine:
     """Returns the prompt as ``max_tokens`` chunks of about equal size. No model, no compute."""
+
+    chat = ChatTemplate()
 
     def close(self) -> None:
         pass

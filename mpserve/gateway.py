@@ -159,9 +159,12 @@ class _Gateway:
         try:
             call = oai.parse(kind, await _json_body(request))
             client = await self.backend.client()
+            model = call.model or _sole_model(client)
+            if kind == "chat":
+                call = call.with_chat_template(await self.backend.chat_template(model))
         except MpserveError as exc:
             return self._failed(endpoint, exc)
-        reply = oai.Reply(call, call.model or _sole_model(client))
+        reply = oai.Reply(call, model)
         if call.stream:
             return await self._stream(request, client, call, reply, started)
         try:

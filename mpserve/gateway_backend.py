@@ -11,11 +11,13 @@ from __future__ import annotations
 
 import asyncio
 import os
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from . import protocol as wire
+from .chat_template import ChatTemplate
 from .client import AsyncClient
 from .errors import ConnectionFailed
 from .runtime import ServerInfo, default_address
@@ -23,6 +25,8 @@ from .slots import SlotRow, SlotTable
 
 CONNECT_TIMEOUT_S = 2.0
 STATS_TIMEOUT_S = 2.0
+TEMPLATE_TTL_S = 30.0  # how long a model's chat template is used before the broker is asked again ...
+NO_TEMPLATE_TTL_S = 2.0  # ... and how long "none yet" is (an instance may be loading the model)
 
 
 @dataclass(frozen=True)
@@ -43,6 +47,7 @@ class Backend:
                                          "curve_server_key": curve_server_key, "curve_secret": curve_secret}
         self._client = AsyncClient(self.address, **self._options)
         self._lock = asyncio.Lock()
+        self._templates: dict[str, tuple[ChatTemplate, float]] = {}  # model -> its template, when asked
 
     @property
     def address(self) -> str:
@@ -68,6 +73,19 @@ class Backend:
             return await client.stats(STATS_TIMEOUT_S)
         except ConnectionFailed:
             return None
+
+    async def chat_template(self, model: str) -> ChatTemplate:
+        """``model``'s chat template as the broker knows it (empty: none, or no instance has loaded the model
+        yet), asked again once it is TEMPLATE_TTL_S old (a restarted server may serve another file), or
+        NO_TEMPLATE_TTL_S when it was empty."""
+        known = self._templates.get(model)
+        if known is not None and time.monotonic() - known[1] < (TEMPLATE_TTL_S if known[0] else NO_TEMPLATE_TTL_S):
+            return known[0]
+        stats = await self.stats()
+        found = stats.models.get(model) if stats is not None else None
+        chat = ChatTemplate(found.chat_template, found.bos_token, found.eos_token) if found else ChatTemplate()
+        self._templates[model] = (chat, time.monotonic())
+        return chat
 
     def local_server(self) -> ServerInfo | None:
         """The running server on this host at our address, if it is one; only such a server has a slot

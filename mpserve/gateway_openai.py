@@ -10,20 +10,23 @@ other than llama.cpp's, ...) is refused with 400 naming the parameter, unless it
 value (``n: 1``, ``logprobs: null``, ...), which clients often do. Unrecognised keys are refused like
 OpenAI refuses them. A ``null`` value means "not given".
 
-Chat prompts are formatted by ``chat_prompt`` with a default ChatML-like template. The worker, which can
-read the model's own chat template from its GGUF, is the better place for this; until it does it, that
-function is the one thing to move.
+Chat prompts are formatted with the model's own chat template, from its GGUF (``Call.with_chat_template``,
+``mpserve.chat_template``); a model without one gets a ChatML default (``chat_prompt``), which also stops
+generation at ``<|im_end|>``.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
 import uuid
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from . import chat_template
 from . import protocol as wire
+from .chat_template import ChatTemplate
 from .client import Result
 from .errors import BadRequest, MpserveError
 
@@ -65,14 +68,25 @@ class Call:
 
     kind: Kind
     model: str | None
-    prompt: str
+    prompt: str  # a chat's: "" until with_chat_template
     params: wire.GenerateParams
     stream: bool
     include_usage: bool  # stream_options.include_usage: a last chunk carries the usage
+    messages: tuple[Message, ...] = ()  # a chat's
 
     def generate_kwargs(self) -> dict[str, Any]:
         """Keyword arguments for ``AsyncClient.generate`` / ``stream``."""
         return dict(vars(self.params))
+
+    def with_chat_template(self, chat: ChatTemplate) -> Call:
+        """A chat's prompt from the model's template; without one, from the ChatML default, which also stops
+        at ``<|im_end|>``. Raises BadRequest when the template fails or refuses the messages."""
+        if chat:
+            return dataclasses.replace(self, prompt=chat_template.render(chat, [(m.role, m.content)
+                                                                                 for m in self.messages]))
+        stop = self.params.stop if CHAT_STOP in self.params.stop else (*self.params.stop, CHAT_STOP)
+        return dataclasses.replace(self, prompt=chat_prompt(self.messages),
+                                   params=dataclasses.replace(self.params, stop=stop))
 
 
 def parse(kind: Kind, body: Any) -> Call:
@@ -101,15 +115,13 @@ def parse(kind: Kind, body: Any) -> Call:
     if kind == "chat":
         if "max_completion_tokens" in given:
             sampling["max_tokens"] = given["max_completion_tokens"]
-        prompt = chat_prompt(_messages(given.get("messages")))
-        stops = sampling.get("stop", [])
-        if isinstance(stops, list) and CHAT_STOP not in stops:
-            sampling["stop"] = [*stops, CHAT_STOP]
+        messages = tuple(_messages(given.get("messages")))
+        prompt = ""
     else:
         sampling.setdefault("max_tokens", COMPLETION_MAX_TOKENS)
-        prompt = _prompt(given.get("prompt"))
+        messages, prompt = (), _prompt(given.get("prompt"))
     return Call(kind, model, prompt, wire.GenerateParams.from_wire(sampling), stream,
-                options.get("include_usage", False))
+                options.get("include_usage", False), messages)
 
 
 def _prompt(value: Any) -> str:
@@ -152,7 +164,7 @@ def _content(value: Any, i: int) -> str:
                      "audio, files) are not supported")
 
 
-def chat_prompt(messages: list[Message]) -> str:
+def chat_prompt(messages: tuple[Message, ...]) -> str:
     """The default chat template (ChatML): ``<|im_start|>ROLE\\nCONTENT<|im_end|>\\n`` per message, then
     ``<|im_start|>assistant\\n`` for the reply. Generation also stops at ``<|im_end|>`` (``CHAT_STOP``)."""
     turns = "".join(f"<|im_start|>{m.role}\n{m.content}<|im_end|>\n" for m in messages)

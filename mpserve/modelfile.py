@@ -114,8 +114,9 @@ def vocabulary() -> list[Token]:
     return tokens
 
 
-def write_model(path: str | os.PathLike[str], size: str = "tiny") -> Path:
-    """Write the ``size`` model to ``path`` atomically and return the path.
+def write_model(path: str | os.PathLike[str], size: str = "tiny", chat_template: str | None = None) -> Path:
+    """Write the ``size`` model to ``path`` atomically and return the path. ``chat_template``: a Jinja2
+    chat template to store as ``tokenizer.chat_template`` (the built-in models have none).
 
     The file appears complete or not at all: it is written to a temporary file in the same directory
     and moved into place with ``os.replace``. Two processes writing the same model race harmlessly,
@@ -128,7 +129,7 @@ def write_model(path: str | os.PathLike[str], size: str = "tiny") -> Path:
     os.close(fd)
     tmp = Path(tmp_name)
     try:
-        _write_gguf(tmp, f"mpserve-{size}", shape)
+        _write_gguf(tmp, f"mpserve-{size}", shape, chat_template)
         with open(tmp, "rb") as written:
             os.fsync(written.fileno())
         tmp.chmod(0o644)  # mkstemp creates 0600; a model file is not a secret
@@ -169,7 +170,7 @@ def _shape_for(size: str) -> ModelShape:
         raise BadRequest(f"unknown model size {size!r}; allowed sizes: {allowed}") from None
 
 
-def _write_gguf(path: Path, name: str, shape: ModelShape) -> None:
+def _write_gguf(path: Path, name: str, shape: ModelShape, chat_template: str | None = None) -> None:
     tokens = vocabulary()
     writer = gguf.GGUFWriter(path, "llama")
     writer.add_name(name)
@@ -195,6 +196,8 @@ def _write_gguf(path: Path, name: str, shape: ModelShape) -> None:
     writer.add_unk_token_id(UNK_ID)
     writer.add_add_bos_token(True)
     writer.add_add_eos_token(False)
+    if chat_template is not None:
+        writer.add_chat_template(chat_template)
 
     printable = np.array([token.kind == gguf.TokenType.NORMAL for token in tokens])
     for tensor_name, tensor in _weights(shape, printable):

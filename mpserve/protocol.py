@@ -34,6 +34,7 @@ from .errors import BadRequest, ProtocolError
 
 VERSION = b"MPS1"
 MAX_MESSAGE_BYTES = 4 * 1024 * 1024
+MAX_TEMPLATE_CHARS = 256 * 1024  # a GGUF chat template; the longest known ones are tens of kilobytes
 MAX_PROMPT_CHARS = 1024 * 1024
 MAX_ID_CHARS = 64
 MAX_STOP_STRINGS = 16
@@ -237,6 +238,9 @@ class ModelStats:
     instances: int  # registered and alive
     free_slots: int
     failed: str | None = None
+    chat_template: str = ""  # the model's (Jinja2, from its GGUF), with the token texts it refers to
+    bos_token: str = ""
+    eos_token: str = ""
 
 
 @dataclass(frozen=True)
@@ -370,13 +374,18 @@ class Ready:
     loaded: bool = True
     host: str = ""  # set by workers of remote pools
     protocol: str = VERSION.decode()
+    chat_template: str = ""  # the model's chat template (Jinja2, from its GGUF; "" if none or not loaded)
+    bos_token: str = ""
+    eos_token: str = ""
 
     @classmethod
     def from_wire(cls, body: dict[str, Any]) -> Ready:
         return cls(worker=_text(body, "worker", MAX_ID_CHARS), model=_text(body, "model", 256),
                    device=_get(body, "device", int), capacity=_get(body, "capacity", int),
                    pid=_get(body, "pid", int), loaded=_get(body, "loaded", bool, True),
-                   host=_text(body, "host", 256, ""), protocol=_text(body, "protocol", 16))
+                   host=_text(body, "host", 256, ""), protocol=_text(body, "protocol", 16),
+                   chat_template=_text(body, "chat_template", MAX_TEMPLATE_CHARS, ""),
+                   bos_token=_text(body, "bos_token", 256, ""), eos_token=_text(body, "eos_token", 256, ""))
 
 
 @dataclass(frozen=True)

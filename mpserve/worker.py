@@ -29,6 +29,7 @@ import zmq
 import zmq.auth
 
 from . import protocol as wire
+from .chat_template import ChatTemplate
 from .engine import Completion, EngineSpec, OnToken, load_engine
 from .errors import MpserveError
 from .permits import DevicePermits, HoldLog
@@ -154,6 +155,7 @@ class Worker:
         self._must_register = False
         self._register_backoff = REGISTER_BACKOFF_FIRST_S
         self._next_register = 0.0
+        self._registered = False
 
     def set_rows(self, **fields: Any) -> None:
         for row in self._rows:
@@ -172,6 +174,8 @@ class Worker:
             sys.exit(EXIT_LOAD_FAILED)
         self.set_rows(state=SlotState.IDLE, load_s=time.perf_counter() - t0)
         log.debug("loaded in %.2f s", time.perf_counter() - t0)
+        if self._registered and self._engine.chat:  # loaded on demand: the broker learns the chat template now
+            self._register()
 
     def _build_engine(self) -> Any:
         return load_engine(self._spec.engine)
@@ -198,8 +202,11 @@ class Worker:
 
     def _register(self) -> None:
         spec = self._spec
+        chat = self._engine.chat if self._engine is not None else ChatTemplate()
         self._send(wire.Ready(spec.identity.decode(), spec.model, spec.device, spec.engine.parallel, os.getpid(),
-                              loaded=self._engine is not None, host=spec.host))
+                              loaded=self._engine is not None, host=spec.host, chat_template=chat.template,
+                              bos_token=chat.bos_token, eos_token=chat.eos_token))
+        self._registered = True
         self._must_register = False
         self._heard = time.monotonic()  # give the broker a full expiry to answer before trying again
 

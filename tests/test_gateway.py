@@ -22,6 +22,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from mpserve import Client
 from mpserve.gateway import GatewayConfig, create_app
 from mpserve.gateway_openai import CHAT_STOP, Message, chat_prompt
+from mpserve.modelfile import write_model
 from mpserve.slots import SlotState
 
 PROMPTS = ["Hello world", "The quick brown fox"]
@@ -132,7 +133,7 @@ def test_openai_client_completions_equal_the_zeromq_client(tiny_server, gateway)
 def test_openai_client_chat_equals_the_zeromq_client_with_the_default_template(tiny_server, gateway) -> None:
     oc = gateway.openai()
     messages = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Say hello."}]
-    prompt = chat_prompt([Message(**m) for m in messages])
+    prompt = chat_prompt(tuple(Message(**m) for m in messages))
     assert prompt == ("<|im_start|>system\nYou are terse.<|im_end|>\n<|im_start|>user\nSay hello.<|im_end|>\n"
                       "<|im_start|>assistant\n")
     with Client(tiny_server.address) as zc:
@@ -148,6 +149,44 @@ def test_openai_client_chat_equals_the_zeromq_client_with_the_default_template(t
     assert chunks[0].choices[0].delta.role == "assistant"
     assert "".join(c.choices[0].delta.content or "" for c in chunks) == expected.text
     assert chunks[-1].choices[0].finish_reason == "length"
+
+
+TEMPLATE = ("{{ bos_token }}{% for m in messages %}[{{ m.role }}] {{ m.content }}{{ eos_token }}\n{% endfor %}"
+            "{% if messages[0].role == 'developer' %}{{ raise_exception('no developer messages') }}{% endif %}"
+            "{% if add_generation_prompt %}[assistant] {% endif %}")
+
+
+@pytest.mark.timeout(90)
+def test_chat_is_formatted_with_the_model_s_own_template(start_server, tmp_path) -> None:
+    model = write_model(tmp_path / "templated.gguf", "tiny", chat_template=TEMPLATE)
+    server = start_server("--model", str(model)).wait_ready()
+    gw = GatewayThread(server_name=server.name)
+    try:
+        with Client(server.address) as zc:
+            (stats,) = zc.stats().models.values()
+            assert stats.chat_template == TEMPLATE and (stats.bos_token, stats.eos_token) == ("<s>", "</s>")
+            # BOS is the engine's to add (it always does), so the template's bos_token renders empty
+            prompt = "[system] Be terse.</s>\n[user] Say hello.</s>\n[assistant] "
+            expected = zc.generate(prompt, max_tokens=12, temperature=0)
+        messages = [{"role": "system", "content": "Be terse."}, {"role": "user", "content": "Say hello."}]
+        whole = gw.openai().chat.completions.create(model="templated", messages=messages, max_tokens=12,
+                                                    temperature=0)
+        assert whole.choices[0].message.content == expected.text
+        assert whole.usage.prompt_tokens == expected.usage.prompt_tokens
+        with pytest.raises(openai.BadRequestError, match="refused the messages: no developer messages"):
+            gw.openai().chat.completions.create(model="templated", messages=[{"role": "developer", "content": "x"}])
+    finally:
+        gw.stop()
+
+
+@pytest.mark.timeout(90)
+def test_a_model_loaded_on_demand_tells_its_template_once_loaded(start_server, tmp_path) -> None:
+    model = write_model(tmp_path / "templated.gguf", "tiny", chat_template=TEMPLATE)
+    server = start_server("--model", str(model), "--single-active-backend").wait_ready()
+    with Client(server.address) as zc:
+        assert zc.stats().models["templated"].chat_template == ""  # no instance has loaded it yet
+        zc.generate("Hello", max_tokens=2, temperature=0)
+        assert zc.stats().models["templated"].chat_template == TEMPLATE
 
 
 @pytest.mark.timeout(60)

@@ -1,0 +1,63 @@
+"""Chat templates: the one a GGUF carries (``tokenizer.chat_template``, Jinja2), read where the model is
+loaded and rendered where chat requests arrive.
+
+A worker reads its model's template, with the BOS and EOS token texts templates refer to, and sends them in
+READY; the broker keeps them per model and hands them out in STATS; the HTTP gateway renders a chat
+request's messages with them (``render``), as Hugging Face's tokenizers and llama-cpp-python do: a
+sandboxed Jinja2 environment, ``messages`` as role/content mappings, ``add_generation_prompt`` true. The
+engines add BOS themselves when they tokenize a prompt, so templates get an empty ``bos_token``: a
+template that starts with it would otherwise give the model two.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Any
+
+from .errors import BadRequest
+
+
+@dataclass(frozen=True)
+class ChatTemplate:
+    template: str = ""  # Jinja2 source; "" when the model has none
+    bos_token: str = ""
+    eos_token: str = ""
+
+    def __bool__(self) -> bool:
+        return bool(self.template)
+
+
+
+def read(lib: Any, model: Any) -> ChatTemplate:
+    """The chat template of a loaded llama.cpp model (``lib`` is the llama_cpp module)."""
+    source = lib.llama_model_chat_template(model, None)
+    vocab = lib.llama_model_get_vocab(model)
+
+    def text(token: int) -> str:
+        return lib.llama_vocab_get_text(vocab, token).decode("utf-8", errors="replace") if token >= 0 else ""
+
+    return ChatTemplate(source.decode("utf-8", errors="replace") if source else "",
+                        text(lib.llama_vocab_bos(vocab)), text(lib.llama_vocab_eos(vocab)))
+
+
+def render(chat: ChatTemplate, messages: Sequence[tuple[str, str]]) -> str:
+    """The prompt for ``messages`` (role, content), ending where the assistant's reply begins. A template
+    that fails, or refuses the conversation with ``raise_exception``, is a BadRequest naming why."""
+    import jinja2
+    import jinja2.ext
+    import jinja2.sandbox
+
+    def raise_exception(message: str) -> None:
+        raise BadRequest(f"the model's chat template refused the messages: {message}")
+
+    env = jinja2.sandbox.ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                                       extensions=[jinja2.ext.loopcontrols])
+    env.globals.update(raise_exception=raise_exception, strftime_now=lambda fmt: datetime.now().strftime(fmt))
+    try:
+        return env.from_string(chat.template).render(
+            messages=[{"role": role, "content": content} for role, content in messages],
+            add_generation_prompt=True, bos_token="", eos_token=chat.eos_token)
+    except jinja2.TemplateError as exc:
+        raise BadRequest(f"the model's chat template failed: {exc}") from None
