@@ -41,6 +41,9 @@ HeartbeatInterval = Annotated[float | None, typer.Option(
 HeartbeatLiveness = Annotated[int | None, typer.Option(
     "--heartbeat-liveness", envvar="MPSERVE_HEARTBEAT_LIVENESS",
     help="Missed heartbeats before a remote worker (or the broker, for a worker) is lost (default: 5).")]
+StallTimeout = Annotated[float | None, typer.Option(
+    "--stall-timeout", envvar="MPSERVE_STALL_TIMEOUT",
+    help="Replace a busy worker that generates nothing for this long, in s (default: 60).")]
 StreamInterval = Annotated[float | None, typer.Option(
     "--stream-interval", envvar="MPSERVE_STREAM_INTERVAL",
     help="Seconds between a streamed request's chunks after its first; tokens in between go together "
@@ -77,9 +80,7 @@ def start(
     max_pending_per_client: Annotated[int | None, typer.Option(
         "--max-pending-per-client", envvar="MPSERVE_MAX_PENDING_PER_CLIENT",
         help="Requests one client may have queued or running (default: 128).")] = None,
-    stall_timeout: Annotated[float | None, typer.Option(
-        "--stall-timeout", envvar="MPSERVE_STALL_TIMEOUT",
-        help="Replace a busy worker that generates nothing for this long, in s (default: 60).")] = None,
+    stall_timeout: StallTimeout = None,
     idle_timeout: Annotated[float | None, typer.Option(
         "--idle-timeout", envvar="MPSERVE_IDLE_TIMEOUT",
         help="Unload an instance idle this long, in s; reloaded on demand (default: 0 = never).")] = None,
@@ -227,6 +228,7 @@ def worker(
     heartbeat_interval: HeartbeatInterval = None,
     heartbeat_liveness: HeartbeatLiveness = None,
     stream_interval: StreamInterval = None,
+    stall_timeout: StallTimeout = None,
     config_file: ConfigOption = None,
     log_level: Annotated[str | None, typer.Option("--log-level", envvar="MPSERVE_LOG_LEVEL")] = None,
     server_name: Annotated[str, typer.Option("--server-name", envvar="MPSERVE_SERVER_NAME",
@@ -241,7 +243,7 @@ def worker(
             cfg.load_file(config_file) if config_file else {},
             server={"server_name": server_name, "gpus": gpus, "simulate_gpus": simulate_gpus, "log_level": log_level,
                     "heartbeat_interval": heartbeat_interval, "heartbeat_liveness": heartbeat_liveness,
-                    "stream_interval": stream_interval},
+                    "stream_interval": stream_interval, "stall_timeout": stall_timeout},
             model={"path": model, "name": name, "instances": instances, "parallel": parallel, "threads": threads,
                    "n_ctx": n_ctx, "n_gpu_layers": n_gpu_layers, "flash_attn": flash_attn},
             source=str(config_file or "command line"), base_dir=config_file.parent if config_file else None)

@@ -7,6 +7,10 @@ host's name), and keeps the link alive with heartbeats both ways: if the broker 
 restarted, or declared this worker lost), the worker registers again, backing off with jitter, and
 ZeroMQ reconnects the TCP link by itself. Requests never pass through the pool process.
 
+The pool runs the busy watchdog for its workers, as the server does for its own: a worker that generated
+nothing for ``stall_timeout`` while busy is stopped (SIGTERM, then SIGKILL) and started again. The broker
+has by then declared it lost (its heartbeats stopped too) and dealt with its requests.
+
 On SIGTERM/SIGINT the pool stops its workers; requests they were running are retried or failed by the
 broker's rules (retry if nothing was streamed yet).
 """
@@ -25,7 +29,7 @@ import zmq
 from .config import ServerConfig
 from .layout import build_layout, worker_specs
 from .runtime import ServerInfo, ServerPaths
-from .server import claim
+from .server import WATCHDOG_PERIOD_S, claim
 from .signals import SignalPipe
 from .slots import SlotTable
 from .supervisor import Supervisor
@@ -60,20 +64,25 @@ def run_pool(config: ServerConfig, connect: str, curve_server_key: str | None = 
 
 
 def _supervise(supervisor: Supervisor) -> None:
-    """Start the workers; reap and restart them until a signal says stop."""
+    """Start the workers; reap, restart, and stop stalled ones, until a signal says stop."""
     poller = zmq.Poller()
+    next_watch = 0.0
     with SignalPipe() as signals:
         poller.register(signals.fileno(), zmq.POLLIN)
         supervisor.start_all()
         while True:
             supervisor.watch(poller)
-            next_timer = supervisor.next_timer()
-            timeout = 1000 if next_timer is None else max(0, min(1000, int((next_timer - time.monotonic()) * 1000)))
-            events = dict(poller.poll(timeout))
+            wake = min(t for t in (supervisor.next_timer(), next_watch) if t is not None)
+            events = dict(poller.poll(max(0, min(1000, int((wake - time.monotonic()) * 1000) + 1))))
             if signals.fileno() in events and signals.received():
                 log.info("stopping the pool's workers")
                 break
             for index in supervisor.exited(poller, events):
                 supervisor.reap(index)
-            supervisor.tick(time.monotonic())
+            now = time.monotonic()
+            if now >= next_watch:
+                next_watch = now + WATCHDOG_PERIOD_S
+                for index in supervisor.stalled():
+                    supervisor.stop_stalled(index)
+            supervisor.tick(now)
         supervisor.stop_all(timeout=0)

@@ -27,7 +27,7 @@ from .layout import build_layout, worker_specs
 from .residency import Residency
 from .runtime import ServerInfo, ServerPaths
 from .signals import SignalPipe
-from .slots import SlotState, SlotTable
+from .slots import SlotTable
 from .supervisor import Supervisor
 
 log = logging.getLogger("mpserve.server")
@@ -64,7 +64,7 @@ def serve(config: ServerConfig) -> None:
         supervisor = Supervisor(config, worker_specs(config, layout, paths.back, paths.slots), table)
         ServerInfo(paths.name, os.getpid(), paths.front, paths.back, str(paths.slots),
                    [m.name for m in config.models], time.time()).write(paths.info)
-        _Loop(config, broker, supervisor, table, started).run()
+        _Loop(config, broker, supervisor, started).run()
     finally:
         if broker is not None:
             broker.close()
@@ -106,12 +106,10 @@ WATCHDOG_PERIOD_S = 0.5
 
 
 class _Loop:
-    def __init__(self, config: ServerConfig, broker: Broker, supervisor: Supervisor, table: SlotTable,
-                 started: float) -> None:
+    def __init__(self, config: ServerConfig, broker: Broker, supervisor: Supervisor, started: float) -> None:
         self._config = config
         self._broker = broker
         self._supervisor = supervisor
-        self._table = table
         self._next_watch = 0.0
         self._next_heartbeat = 0.0
         self._started = started
@@ -184,15 +182,11 @@ class _Loop:
         return max(0, min(1000, int((min(times) - time.monotonic()) * 1000) + 1))
 
     def _watch_progress(self) -> None:
-        """The busy watchdog: a worker that generated nothing for stall_timeout is replaced. Progress is
-        read from the slot table, which each worker updates on every token."""
-        now = time.time()
-        for row in self._table.read_all():
-            silent = now - row.progress
-            if (row.state is SlotState.BUSY and silent > self._config.stall_timeout
-                    and row.worker in self._supervisor.running() and not self._supervisor.stalling(row.worker)):
-                self._broker.worker_stalled(row.worker, silent)
-                self._supervisor.stop_stalled(row.worker)
+        """The busy watchdog: a worker that generated nothing for stall_timeout is replaced; its requests
+        end as worker_stalled."""
+        for index, silent in self._supervisor.stalled().items():
+            self._broker.worker_stalled(index, silent)
+            self._supervisor.stop_stalled(index)
 
     def _reap(self, index: int) -> None:
         model = self._supervisor.workers[index].spec.model

@@ -54,6 +54,7 @@ class Supervisor:
     def __init__(self, config: ServerConfig, specs: list[WorkerSpec], table: SlotTable) -> None:
         self._mp = multiprocessing.get_context("spawn")
         self._table = table
+        self._stall_timeout = config.stall_timeout
         self.workers: dict[int, WorkerHandle] = {spec.index: WorkerHandle(spec) for spec in specs}
         self.health: dict[str, ModelHealth] = {m.name: ModelHealth() for m in config.models}
         self._watched: dict[int, int] = {}  # sentinel fd -> worker index
@@ -152,8 +153,19 @@ class Supervisor:
         handle.process.terminate()
         handle.stalled, handle.kill_at = True, time.monotonic() + KILL_AFTER_S
 
-    def stalling(self, index: int) -> bool:
-        return self.workers[index].stalled
+    def stalled(self) -> dict[int, float]:
+        """The busy watchdog's finding: running workers, not already being stopped, with a busy slot that
+        generated nothing for ``stall_timeout`` (workers write progress to the slot table on every token);
+        by index, with those seconds of silence."""
+        now = time.time()
+        found: dict[int, float] = {}
+        for row in self._table.read_all():
+            silent = now - row.progress
+            handle = self.workers.get(row.worker)
+            if (row.state is SlotState.BUSY and silent > self._stall_timeout and handle is not None
+                    and handle.process is not None and not handle.stalled):
+                found.setdefault(row.worker, silent)
+        return found
 
     def next_timer(self) -> float | None:
         times = [t for h in self.workers.values() for t in (h.restart_at, h.kill_at) if t is not None]
@@ -167,9 +179,6 @@ class Supervisor:
                 handle.kill_at = None
             if restart and handle.restart_at is not None and handle.restart_at <= now:
                 self.spawn(index)
-
-    def running(self) -> list[int]:
-        return [i for i, h in self.workers.items() if h.process is not None]
 
     def stop_all(self, timeout: float) -> None:
         """Wait for workers that were told to stop; terminate, then kill, what remains."""

@@ -20,6 +20,7 @@ from conftest import ServerProcess, _die_with_parent
 
 from mpserve import AsyncClient, Client
 from mpserve import protocol as wire
+from mpserve.errors import MpserveError
 from mpserve.runtime import ServerInfo
 from mpserve.slots import SlotTable
 
@@ -152,6 +153,30 @@ def test_a_silent_pool_is_declared_lost_and_comes_back(start_server, pools) -> N
     assert pool_a in served
     print(f"\nlost pool detected after {detect:.2f} s (expiry 1.0 s); re-registered {rejoin:.2f} s after SIGCONT")
     assert detect < 1.0 + 1.0 + 0.5  # expiry + 1 s, plus the broker's 0.5 s watchdog period
+
+
+@pytest.mark.timeout(120)
+def test_a_pool_replaces_a_worker_that_hangs_while_busy(start_server, pools) -> None:
+    port = free_port()
+    server = broker(start_server, port)
+    pool = pools("pool-a", f"tcp://127.0.0.1:{port}", "--instances", "1", "--stall-timeout", "1", "--n-ctx", "8192")
+    wait_for(lambda: sum(registered(server.address).values()) == 1, 30, "the pool to register")
+    _, hung = pool.pids()
+    with Client(server.address) as client:
+        chunks = iter(client.stream("hang here", max_tokens=8000, temperature=0))
+        next(chunks)  # the worker is computing now
+        os.kill(hung, signal.SIGSTOP)
+        with pytest.raises(MpserveError) as lost:
+            for _ in chunks:
+                pass
+        assert lost.value.code == "worker_lost"  # its heartbeats stopped too: the broker gave it up first
+        wait_for(lambda: len(pids := pool.pids()) == 2 and pids[1] != hung, 30, "the pool to start a new worker")
+        assert pool.proc.poll() is None
+        with pytest.raises(ProcessLookupError):
+            os.kill(hung, 0)  # the hung worker was killed, not left behind
+        wait_for(lambda: sum(registered(server.address).values()) == 1, 30, "the new worker to register")
+        assert client.generate("after", max_tokens=4, timeout=20).usage.completion_tokens == 4
+    assert any("made no progress" in line for line in pool.log_path.read_text().splitlines())
 
 
 @pytest.mark.timeout(120)
