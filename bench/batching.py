@@ -16,6 +16,11 @@ here share nothing but their first characters.
 One more case needs no peer: prefix reuse. A long prompt is sent twice with different endings to an
 instance with ``--parallel 2``; the second goes to the slot that holds the first one's KV cells, which
 computes only what differs. Its time to first token is set against the first's (a new prefix each repeat).
+
+And one with a peer: a system prompt shared by every request (a long preamble, then one of the usual
+prompts) at concurrency 4, on ``1×4`` against ``llama-server --parallel 4`` with its prompt cache on
+(``cache_prompt: true``, its best case: a slot reuses its own last prompt, and any prompt it has seen is
+restored from host memory). mpserve computes the preamble once and copies its KV cells to other slots.
 """
 
 from __future__ import annotations
@@ -32,6 +37,9 @@ from .procs import HttpServer, MpserveServer, free_port
 from .settings import Settings
 
 KS = (2, 4, 8)
+SHARED_K = 4
+PREAMBLE = ("You are the assistant of a small bakery. Answer questions about opening hours, bread, cakes and "
+            "orders politely and briefly; never invent prices; if unsure, ask the customer to call the shop. ")
 TARGET = 1.0
 TARGET_AT_8 = 1.2
 PER_TOKEN = "--stream-interval 0"
@@ -64,6 +72,7 @@ def run(settings: Settings) -> Section:
         threshold = TARGET_AT_8 if k == 8 else TARGET
         section.targets.append(Target(f"batching 1×{k} tokens/s vs llama-server --parallel {k} at concurrency {k}: "
                                       f"≥ {threshold}×", cases[f"1×{k}"].figure("tokens/s").ratio, ">=", threshold))
+    section.cases.append(_shared_preamble(settings))
     section.notes.append(
         f"Greedy, {work.max_tokens} tokens per request, streamed, {work.n_ctx} tokens of context per sequence, "
         "3 requests per lane, contenders taking turns within each repeat. mpserve streams a request's first token "
@@ -94,6 +103,29 @@ def _measure(settings: Settings, work: Workload, k: int, contenders: dict[str, l
             baseline = asyncio.run(http_load(port, work, k, n))
             for name, server in ours.items():
                 _add(cases[name], asyncio.run(mpserve_load(server.address, work, k, n)), baseline)
+
+
+def _shared_preamble(settings: Settings) -> Case:
+    """Concurrency SHARED_K, every prompt starting with the same long preamble; llama-server's prompt cache on."""
+    k = SHARED_K
+    work = Workload(max_tokens=settings.pick(4, 16), n_ctx=2048, min_requests=1, budget_s=settings.work.budget_s,
+                    preamble=PREAMBLE * settings.pick(1, 5))
+    case = Case({"mpserve instances×slots": f"1×{k}, shared preamble",
+                 "vs": f"llama-server --parallel {k}, prompt cache on", "concurrency": str(k)},
+                [Figure(m, unit) for m, unit, _ in GENERATION_METRICS])
+    port = free_port()
+    with HttpServer([str(settings.llama_server), "--model", str(settings.model), "--host", "127.0.0.1", "--port",
+                     str(port), "--threads", str(settings.cores), "--threads-batch", str(settings.cores),
+                     "--parallel", str(k), "--ctx-size", str(work.n_ctx * k)], port, "/health") as peer, \
+            MpserveServer("--model", str(settings.model), "--n-ctx", str(work.n_ctx), "--instances", "1",
+                          "--threads", str(settings.cores), "--parallel", str(k)) as ours:
+        peer.wait_ready()
+        ours.wait_ready()
+        for r in range(settings.repeat):  # each repeat starts cold on both sides: a new preamble
+            fresh = Workload(**{**vars(work), "preamble": f"[{r}] {work.preamble}"})
+            _add(case, asyncio.run(mpserve_load(ours.address, fresh, k, 3 * k)),
+                 asyncio.run(http_load(port, fresh, k, 3 * k, cache_prompt=True)))
+    return case
 
 
 def _prefix_reuse(settings: Settings, section: Section) -> Case:

@@ -44,9 +44,10 @@ class Workload:
     n_ctx: int
     min_requests: int  # per measurement; at least 2 per lane at higher concurrency
     budget_s: float  # a measurement sends no new request after this long (it still waits for those sent)
+    preamble: str = ""  # put before every prompt: a system prompt all requests share
 
     def prompt(self, i: int) -> str:
-        return PROMPTS[i % len(PROMPTS)]
+        return self.preamble + PROMPTS[i % len(PROMPTS)]
 
     def requests(self, concurrency: int) -> int:
         return max(self.min_requests, 2 * concurrency)
@@ -132,21 +133,21 @@ async def mpserve_warm_up(address: str, work: Workload, instances: int) -> None:
 
 # --- an OpenAI-compatible HTTP server ---------------------------------------------------------------
 
-async def http_load(port: int, work: Workload, concurrency: int, n: int) -> LoadResult:
+async def http_load(port: int, work: Workload, concurrency: int, n: int, cache_prompt: bool = False) -> LoadResult:
     loop = asyncio.get_running_loop()
     with ThreadPoolExecutor(max_workers=concurrency) as pool:
         return await closed_loop(concurrency, n, work.budget_s,
-                                 lambda i: loop.run_in_executor(pool, http_request, port, work, i))
+                                 lambda i: loop.run_in_executor(pool, http_request, port, work, i, cache_prompt))
 
 
-def http_request(port: int, work: Workload, i: int) -> Sample:
+def http_request(port: int, work: Workload, i: int, cache_prompt: bool = False) -> Sample:
     """POST /v1/completions with stream=true, reading the server-sent events as they arrive.
 
-    ``cache_prompt: false`` stops llama-server from reusing a slot's earlier prompt (its slots would keep
-    all 8 prompts cached); llama_cpp.server ignores it. Elsewhere only the previous prompt's common prefix
-    is reused, and consecutive prompts share none but the first token."""
+    ``cache_prompt: false`` (the default) stops llama-server from reusing a slot's earlier prompt (its slots
+    would keep all 8 prompts cached); llama_cpp.server ignores it. Elsewhere only the previous prompt's
+    common prefix is reused, and consecutive prompts share none but the first token."""
     body = json.dumps({"prompt": work.prompt(i), "max_tokens": work.max_tokens, "temperature": 0.0,
-                       "repeat_penalty": 1.0, "stream": True, "cache_prompt": False})
+                       "repeat_penalty": 1.0, "stream": True, "cache_prompt": cache_prompt})
     conn = http.client.HTTPConnection("127.0.0.1", port, timeout=300)
     started = time.perf_counter()
     first = 0.0

@@ -24,7 +24,9 @@ way a slot holds at most ``n_ctx`` cells, so a sequence never runs out of cells 
 a slot keeps the cells of its last request after it finishes: a new prompt in that slot that starts
 with the same tokens skips recomputing them (``best_slot`` finds the free slot with the longest such
 prefix; the completion reports it as ``reused_tokens``); admitting a prompt cuts the slot's cells after
-the shared prefix.
+the shared prefix. When another slot, running or not, holds a longer shared prefix (by at least
+MIN_COPY_TOKENS), its cells are copied instead: a system prompt common to many requests is computed
+once per instance, not once per slot.
 
 Greedy output equals ``llama_cpp.Llama.create_completion(prompt, temperature=0)`` with the same flash
 attention setting (auto is on, there as here, on a CPU): the same tokens (BOS, then the prompt tokenized
@@ -56,6 +58,11 @@ FLASH_ATTN_TYPES = {"auto": "LLAMA_FLASH_ATTN_TYPE_AUTO", "on": "LLAMA_FLASH_ATT
 """``flash_attn`` settings and llama.cpp's names for them; auto: llama.cpp turns it on where the device
 supports it (always on a CPU), as llama-server does by default."""
 
+MIN_COPY_TOKENS = 64
+"""Prompt tokens another slot must share beyond what the admitting slot holds itself for its cells to be
+copied over. With a stream per slot llama.cpp copies that slot's whole stream (n_ctx cells in every
+layer), which costs about what computing a few dozen tokens does."""
+
 MAX_PROMPT_BATCH = 512
 """Prompt tokens per step while no sequence is decoding (nobody waits on that step): llama_cpp.Llama's
 batch size."""
@@ -77,8 +84,9 @@ class BatchStats:
     step_s: float
     decode_s: float
     prompt_tokens_computed: int
-    prompt_tokens_reused: int
+    prompt_tokens_reused: int  # from the admitting slot's own cells or, copied, from another slot's
     generated_tokens: int
+    prefix_copies: int  # admissions that copied another slot's cells
 
 
 class _Sequence:
@@ -136,7 +144,8 @@ class BatchEngine:
         self._prefilling: deque[_Sequence] = deque()  # admission order
         self._steps = 0
         self._step_s = self._decode_s = 0.0
-        self._computed = self._reused = self._generated = 0
+        self._computed = self._reused = self._generated = self._copies = 0
+        self._kv_unified = kv_unified
         logging.getLogger("llama-cpp-python").setLevel(logging.ERROR)  # what Llama(verbose=False) does
         llama_cpp.llama_backend_init()
 
@@ -215,14 +224,41 @@ class BatchEngine:
                    key=lambda sr: (sr[1], -self._last_used[sr[0]]))
 
     def _reusable(self, slot: int, tokens: list[int]) -> int:
-        cached = self._cached[slot]
+        """Prompt tokens ``slot``'s cells hold; the last prompt token is always computed again (its logits
+        pick the first new token)."""
         n = 0
-        for a, b in zip(cached, tokens, strict=False):
+        for a, b in zip(self._kv_tokens(slot), tokens, strict=False):
             if a != b:
                 break
             n += 1
-        # the last prompt token is always computed again: its logits pick the first new token
         return min(n, len(tokens) - 1)
+
+    def _kv_tokens(self, slot: int) -> list[int]:
+        """The tokens whose KV cells ``slot`` holds now: a running sequence's prompt and generated tokens
+        decoded so far, else what its last request left."""
+        seq = self._running.get(slot)
+        return (seq.prompt + seq.generated)[:seq.n_past] if seq is not None else self._cached[slot]
+
+    def _take_cells(self, slot: int, tokens: list[int]) -> int:
+        """Make ``slot``'s cells hold the longest prefix of ``tokens`` to be had: its own, or another slot's
+        copied over when that one is at least MIN_COPY_TOKENS longer. Returns the prompt tokens reused."""
+        lib, memory = self._lib, self._memory
+        own = self._reusable(slot, tokens)
+        source, shared = max(((other, self._reusable(other, tokens)) for other in range(self.parallel)
+                              if other != slot), key=lambda os: os[1], default=(slot, 0))
+        if shared >= own + MIN_COPY_TOKENS:
+            lib.llama_memory_seq_rm(memory, slot, -1, -1)
+            if self._kv_unified:  # one pool: the cells get a second owner, nothing is copied
+                lib.llama_memory_seq_cp(memory, source, slot, 0, shared)
+            else:  # llama.cpp copies whole streams only: copy, then cut after the shared prefix
+                lib.llama_memory_seq_cp(memory, source, slot, -1, -1)
+                lib.llama_memory_seq_rm(memory, slot, shared, -1)
+            self._copies += 1
+            return shared
+        if not lib.llama_memory_seq_rm(memory, slot, own, -1):
+            lib.llama_memory_seq_rm(memory, slot, -1, -1)  # whole-sequence removal never fails
+            return 0
+        return own
 
     # --- requests -----------------------------------------------------------------------------------
 
@@ -235,10 +271,7 @@ class BatchEngine:
             raise BadRequest("the prompt is empty and the model has no BOS token to start from")
         if len(tokens) >= self.n_ctx:
             raise BadRequest(f"the prompt is {len(tokens)} tokens; the context holds {self.n_ctx} per sequence")
-        reused = self._reusable(slot, tokens)
-        if not self._lib.llama_memory_seq_rm(self._memory, slot, reused, -1):
-            self._lib.llama_memory_seq_rm(self._memory, slot, -1, -1)  # whole-sequence removal never fails
-            reused = 0
+        reused = self._take_cells(slot, tokens)
         self._cached[slot] = tokens[:reused]
         self._uses += 1
         self._last_used[slot] = self._uses
@@ -397,7 +430,7 @@ class BatchEngine:
 
     def stats(self) -> BatchStats:
         return BatchStats(self._steps, self._step_s, self._decode_s, self._computed, self._reused,
-                          self._generated)
+                          self._generated, self._copies)
 
     def close(self) -> None:
         """Free every sampler, the context and the model. Running sequences are dropped unanswered."""

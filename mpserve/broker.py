@@ -525,21 +525,26 @@ class Broker:
                     self._assign(p, slot)
 
     def _take_slot(self, mq: ModelQueue, prompt: str, device: int | None = None) -> tuple[bytes, int] | None:
-        """Take a free slot (on ``device``, if given): the one whose last prompt shares the longest prefix
-        (at least MIN_SHARED_PREFIX characters) with ``prompt``, since its KV cache holds that prefix and
-        the worker skips recomputing it; else a slot of the least busy instance (running sequences per
-        slot), so that requests spread over instances before they share one's batch; among equals, the
-        slot free the longest."""
+        """Take a free slot (on ``device``, if given). First choice: one that can start from the longest
+        cached prefix of ``prompt`` (at least MIN_SHARED_PREFIX characters), held in its own KV cells or,
+        in a batching instance, in another slot's, which the worker copies; among those, the slot holding
+        it itself. Otherwise: a slot of the least busy instance (running sequences per slot), so that
+        requests spread over instances before they share one's batch. Among equals, the slot free the
+        longest."""
         best: tuple[bytes, int] | None = None
-        best_key: tuple[int, float] = (-1, 0.0)
+        best_key: tuple[int, int, float] = (-1, 0, 0.0)
+        held: dict[bytes, int] = {}  # worker -> the longest prefix any of its slots holds
         for identity, slot in mq.free:
             entry = self.workers[identity]
             if device is not None and entry.device != device:
                 continue
-            shared = 0
+            own = anywhere = 0
             if len(prompt) >= MIN_SHARED_PREFIX:
-                shared = len(os.path.commonprefix((entry.prompts.get(slot, ""), prompt)))
-            key = (shared if shared >= MIN_SHARED_PREFIX else 0, -len(entry.running) / entry.capacity)
+                own = _shared(entry.prompts.get(slot, ""), prompt)
+                if entry.capacity > 1 and identity not in held:
+                    held[identity] = max((_shared(p, prompt) for p in entry.prompts.values()), default=0)
+                anywhere = max(own, held.get(identity, 0))
+            key = (_at_least(anywhere), _at_least(own), -len(entry.running) / entry.capacity)
             if key > best_key:  # strictly better: among equals the first, free the longest, stays
                 best, best_key = (identity, slot), key
         if best is not None:
@@ -567,6 +572,15 @@ class Broker:
     def _stale_deadline(self, ticket: str) -> bool:
         p = self.requests.get(ticket)
         return p is None or p.answered
+
+
+def _shared(cached: str, prompt: str) -> int:
+    return len(os.path.commonprefix((cached, prompt)))
+
+
+def _at_least(shared: int) -> int:
+    """A shared prefix long enough to route by, else 0."""
+    return shared if shared >= MIN_SHARED_PREFIX else 0
 
 
 def _router(ctx: zmq.Context, addr: str, curve_secret: str | None, zap_domain: bytes) -> zmq.Socket:

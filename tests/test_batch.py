@@ -241,6 +241,41 @@ def test_a_repeated_long_prompt_reuses_the_slots_cached_prefix(model_path: str, 
 
 
 @pytest.mark.timeout(60)
+@pytest.mark.parametrize("kv_unified", [False, True], ids=["kv-per-slot", "kv-unified"])
+@pytest.mark.parametrize("holder_running", [False, True], ids=["holder-finished", "holder-running"])
+def test_a_prefix_another_slot_holds_is_copied_not_computed(model_path: str, kv_unified: bool,
+                                                            holder_running: bool) -> None:
+    preamble = LONG_PROMPT[:900]
+    follow_up = preamble + " and then the cat sat"
+    fresh = one_at_a_time(model_path, [(follow_up, greedy(20))])[0]
+    engine = make_engine(model_path, 2, kv_unified=kv_unified)
+    try:
+        engine.admit(0, preamble, greedy(40 if holder_running else 3), lambda text, n: True)
+        while engine.active and not (holder_running and engine.stats().generated_tokens >= 5):
+            engine.step()
+        assert (engine.active == 1) == holder_running
+        before = engine.stats()
+        engine.admit(1, follow_up, greedy(20), lambda text, n: True)  # slot 1 holds nothing of it
+        done: dict[int, BatchCompletion] = {}
+        while 1 not in done:
+            done.update(engine.step())
+        after = engine.stats()
+        copied = done[1]
+        assert after.prefix_copies - before.prefix_copies == 1
+        assert copied.reused_tokens > 0.9 * copied.prompt_tokens
+        computed = after.prompt_tokens_computed - before.prompt_tokens_computed
+        assert computed == copied.prompt_tokens - copied.reused_tokens
+        assert copied.text == fresh.text  # copied cells change nothing in the output
+        if holder_running:  # and the slot they came from goes on as if nothing happened
+            while 0 not in done:
+                done.update(engine.step())
+            alone = one_at_a_time(model_path, [(preamble, greedy(40))])[0]
+            assert done[0].text == alone.text
+    finally:
+        engine.close()
+
+
+@pytest.mark.timeout(60)
 def test_a_stop_string_ends_the_sequence_before_it(model_path: str, llm: llama_cpp.Llama) -> None:
     full = one_at_a_time(model_path, [(PROMPTS[0], greedy(40))])[0].text
     stop = full[20:24]

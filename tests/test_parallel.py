@@ -40,6 +40,7 @@ def test_two_instances_run_two_requests_at_once(start_server) -> None:
 
 
 PROMPTS = ["Hello world", "The quick brown fox", "In the beginning", "1 2 3"]
+PREAMBLE = "A long system prompt that every request of this service starts with. " * 12
 
 
 async def _concurrently(address: str, prompts: list[str], **params: object) -> list:
@@ -72,12 +73,27 @@ def test_requests_spread_over_instances_before_sharing_one_batch(start_server) -
 
 
 @pytest.mark.timeout(120)
+def test_a_shared_prefix_goes_where_a_busy_slot_holds_it_and_is_copied(start_server) -> None:
+    server = start_server("--instances", "2", "--parallel", "2").wait_ready()
+    with Client(server.address) as client:
+        holder = client.stream(PREAMBLE + "First?", max_tokens=1500, temperature=0)
+        chunks = iter(holder)
+        next(chunks)  # running: its slot holds the preamble's cells
+        second = client.generate(PREAMBLE + "Second?", max_tokens=8, temperature=0)
+        for _ in chunks:
+            pass
+    assert holder.result is not None
+    # the other instance was idle, but this one could copy the cells instead of computing them
+    assert second.worker == holder.result.worker
+    assert second.timings.cached_tokens > second.usage.prompt_tokens // 2
+
+
+@pytest.mark.timeout(120)
 def test_a_repeated_long_prompt_reuses_the_cached_prefix(start_server) -> None:
     server = start_server("--parallel", "2", "--n-ctx", "1024").wait_ready()
-    prompt = "A long shared preamble about nothing in particular. " * 12
     with Client(server.address) as client:
-        first = client.generate(prompt + "First?", max_tokens=4, temperature=0)
-        second = client.generate(prompt + "Second?", max_tokens=4, temperature=0)
+        first, second = (client.generate(PREAMBLE + ending, max_tokens=4, temperature=0)
+                         for ending in ("First?", "Second?"))
     assert first.timings.cached_tokens == 0
     assert second.timings.cached_tokens > first.usage.prompt_tokens // 2
 
