@@ -72,7 +72,7 @@ def run(settings: Settings) -> Section:
         threshold = TARGET_AT_8 if k == 8 else TARGET
         section.targets.append(Target(f"batching 1×{k} tokens/s vs llama-server --parallel {k} at concurrency {k}: "
                                       f"≥ {threshold}×", cases[f"1×{k}"].figure("tokens/s").ratio, ">=", threshold))
-    section.cases.append(_shared_preamble(settings))
+    section.cases.append(_shared_preamble(settings, section))
     section.notes.append(
         f"Greedy, {work.max_tokens} tokens per request, streamed, {work.n_ctx} tokens of context per sequence, "
         "3 requests per lane, contenders taking turns within each repeat. mpserve streams a request's first token "
@@ -105,7 +105,7 @@ def _measure(settings: Settings, work: Workload, k: int, contenders: dict[str, l
                 _add(cases[name], asyncio.run(mpserve_load(server.address, work, k, n)), baseline)
 
 
-def _shared_preamble(settings: Settings) -> Case:
+def _shared_preamble(settings: Settings, section: Section) -> Case:
     """Concurrency SHARED_K, every prompt starting with the same long preamble; llama-server's prompt cache on."""
     k = SHARED_K
     work = Workload(max_tokens=settings.pick(4, 16), n_ctx=2048, min_requests=1, budget_s=settings.work.budget_s,
@@ -125,6 +125,10 @@ def _shared_preamble(settings: Settings) -> Case:
             fresh = Workload(**{**vars(work), "preamble": f"[{r}] {work.preamble}"})
             _add(case, asyncio.run(mpserve_load(ours.address, fresh, k, 3 * k)),
                  asyncio.run(http_load(port, fresh, k, 3 * k, cache_prompt=True)))
+    section.notes.append(f"Shared preamble: every prompt starts with the same {len(work.preamble)}-character "
+                         f"preamble (a new one each repeat, so each starts cold), then one of the usual prompts; "
+                         f"{work.max_tokens} tokens generated, 3 requests per lane, n_ctx {work.n_ctx}; "
+                         "llama-server with cache_prompt true.")
     return case
 
 
