@@ -50,6 +50,7 @@ import numpy as np
 from . import chat_template
 from .engine import Completion, OnToken
 from .errors import BadRequest, Busy
+from .prefix import common_prefix
 from .protocol import GenerateParams
 from .sampling import SamplerChain, TextStream
 
@@ -226,12 +227,7 @@ class BatchEngine:
     def _reusable(self, slot: int, tokens: list[int]) -> int:
         """Prompt tokens ``slot``'s cells hold; the last prompt token is always computed again (its logits
         pick the first new token)."""
-        n = 0
-        for a, b in zip(self._kv_tokens(slot), tokens, strict=False):
-            if a != b:
-                break
-            n += 1
-        return min(n, len(tokens) - 1)
+        return min(common_prefix(self._kv_tokens(slot), tokens), len(tokens) - 1)
 
     def _kv_tokens(self, slot: int) -> list[int]:
         """The tokens whose KV cells ``slot`` holds now: a running sequence's prompt and generated tokens

@@ -25,7 +25,6 @@ from __future__ import annotations
 import heapq
 import itertools
 import logging
-import os
 import time
 from collections import Counter, deque
 from dataclasses import dataclass, field
@@ -36,6 +35,7 @@ import zmq.auth
 from . import protocol as wire
 from .chat_template import ChatTemplate
 from .errors import BadRequest, Busy, ModelFailed, MpserveError, ProtocolError, ShuttingDown, UnknownModel
+from .prefix import common_prefix
 from .residency import Loaded, Residency
 
 log = logging.getLogger("mpserve.broker")
@@ -540,9 +540,9 @@ class Broker:
                 continue
             own = anywhere = 0
             if len(prompt) >= MIN_SHARED_PREFIX:
-                own = _shared(entry.prompts.get(slot, ""), prompt)
+                own = common_prefix(entry.prompts.get(slot, ""), prompt)
                 if entry.capacity > 1 and identity not in held:
-                    held[identity] = max((_shared(p, prompt) for p in entry.prompts.values()), default=0)
+                    held[identity] = max((common_prefix(p, prompt) for p in entry.prompts.values()), default=0)
                 anywhere = max(own, held.get(identity, 0))
             key = (_at_least(anywhere), _at_least(own), -len(entry.running) / entry.capacity)
             if key > best_key:  # strictly better: among equals the first, free the longest, stays
@@ -572,10 +572,6 @@ class Broker:
     def _stale_deadline(self, ticket: str) -> bool:
         p = self.requests.get(ticket)
         return p is None or p.answered
-
-
-def _shared(cached: str, prompt: str) -> int:
-    return len(os.path.commonprefix((cached, prompt)))
 
 
 def _at_least(shared: int) -> int:
