@@ -440,7 +440,12 @@ class Broker:
             self.models[msg.model].chat = ChatTemplate(msg.chat_template, msg.bos_token, msg.eos_token)
         old = self.workers.get(identity)
         if old is not None and old.pid == msg.pid and old.model == msg.model:
-            return  # the same process registering again (it had not heard from us, or it loaded its model)
+            # the same process registering again: it had not heard from us, or it loaded its model on demand,
+            # which the supervisor counts as a good load (its model's failed loads start afresh)
+            if msg.loaded and old.index is not None:
+                old.loaded = True
+                self.on_ready(old)
+            return
         if old is not None:  # a new process under the same name: whatever the old one ran is lost
             self._worker_gone(old, f"worker {identity.decode()} restarted")
         local = msg.host == "" and identity[:1] == b"w" and identity[1:].isdigit()

@@ -174,7 +174,7 @@ class Worker:
             sys.exit(EXIT_LOAD_FAILED)
         self.set_rows(state=SlotState.IDLE, load_s=time.perf_counter() - t0)
         log.debug("loaded in %.2f s", time.perf_counter() - t0)
-        if self._registered and self._engine.chat:  # loaded on demand: the broker learns the chat template now
+        if self._registered:  # loaded on demand: tell the broker (its chat template, and that the load worked)
             self._register()
 
     def _build_engine(self) -> Any:
