@@ -176,8 +176,8 @@ def http_request(port: int, work: Workload, i: int, cache_prompt: bool = False) 
 # --- llama_cpp in this process ------------------------------------------------------------------------
 
 def direct_load(llm: Any, work: Workload, n: int) -> LoadResult:
-    """``n`` requests in sequence through ``llama_cpp.Llama.create_completion``, as mpserve's engine calls it
-    (fewer if ``work.budget_s`` runs out)."""
+    """``n`` requests in sequence through ``llama_cpp.Llama.create_completion``, whose greedy text mpserve's
+    engine gives too (fewer if ``work.budget_s`` runs out)."""
     samples: list[Sample] = []
     started = time.perf_counter()
     for i in range(n):
@@ -201,7 +201,7 @@ def direct_request(llm: Any, work: Workload, i: int) -> Sample:
 
 
 def load_direct(model: str, work: Workload, threads: int) -> Any:
-    """A ``llama_cpp.Llama`` built as mpserve's engine builds it, warmed up with one request."""
+    """A ``llama_cpp.Llama`` with the context settings mpserve's engine uses, warmed up with one request."""
     import llama_cpp
 
     llm = llama_cpp.Llama(model_path=model, n_ctx=work.n_ctx, n_threads=threads, n_threads_batch=threads,

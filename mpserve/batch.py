@@ -154,7 +154,7 @@ class BatchEngine:
         model_params.n_gpu_layers = 0x7FFFFFFF if n_gpu_layers == -1 else n_gpu_layers
         self._model: Any = llama_cpp.llama_model_load_from_file(path.encode(), model_params)
         if not self._model:
-            raise ValueError(f"cannot load model {path}")
+            raise ValueError(f"Failed to load model from file: {path}")  # llama_cpp.Llama's words
         self._ctx: Any = None
         try:
             self._vocab = llama_cpp.llama_model_get_vocab(self._model)
@@ -196,7 +196,7 @@ class BatchEngine:
 
     def _warm_up(self) -> None:
         """llama.cpp sets up its compute graphs and thread pool on the first decode; do it while loading,
-        so the first request does not pay for it (as LlamaEngine does)."""
+        so the first request does not pay for it."""
         self._batch.n = 0
         self._batch.add(self._bos[0] if self._bos else 0, 0, 0)
         if self._lib.llama_decode(self._ctx, self._batch.view()) != 0:

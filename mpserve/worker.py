@@ -1,11 +1,13 @@
-"""A worker process: one model context, one request at a time, connected to the broker by a DEALER.
+"""A worker process: one engine, connected to the broker by a DEALER.
 
     broker --ASSIGN/CANCEL/STOP--> worker --READY/FAILED, then CHUNK*/DONE|ERROR per ticket--> broker
 
 The worker is started by the supervisor from a clean interpreter (multiprocessing "spawn"), sets
-CUDA_VISIBLE_DEVICES before llama_cpp is imported, writes its own slot-table row, and exits when told
+CUDA_VISIBLE_DEVICES before llama_cpp is imported, writes its own slot-table rows, and exits when told
 to stop, when its model cannot be loaded (after sending FAILED), or when its parent (the server) is gone.
-Cancellation is checked after every token: a CANCEL for the running ticket stops generation at once.
+``Worker`` holds what every worker does (registration, heartbeats, permits, idle unloading, replies) and
+serves the echo backend one request at a time, checking for a CANCEL after every piece; a model is served
+by ``BatchWorker`` (batch_worker.py), ``parallel`` requests at once, 1 by default.
 
 A streamed request's text goes out as CHUNKs: its first piece at once, later ones gathered and sent at
 most every ``stream_interval`` seconds, the rest just before DONE. Every message costs CPU in three
@@ -30,7 +32,7 @@ import zmq.auth
 
 from . import protocol as wire
 from .chat_template import ChatTemplate
-from .engine import Completion, EngineSpec, OnToken, load_engine
+from .engine import Completion, EchoEngine, EngineSpec, OnToken
 from .errors import MpserveError
 from .permits import DevicePermits, HoldLog
 from .slots import SlotState, SlotTable, SlotWriter
@@ -115,12 +117,12 @@ def worker_main(spec: WorkerSpec) -> None:
             hold_log = HoldLog(Path(spec.permit.hold_log)) if spec.permit.hold_log else None
             permits = DevicePermits(spec.permit.device_key, spec.permit.capacity,
                                     Path(spec.permit.lock_dir) if spec.permit.lock_dir else None, on_hold=hold_log)
-        if spec.engine.parallel > 1:
+        if spec.engine.is_echo:
+            worker = Worker(spec, sock, rows, permits)
+        else:  # imports llama_cpp, now that CUDA_VISIBLE_DEVICES is set
             from .batch_worker import BatchWorker
 
-            worker: Worker = BatchWorker(spec, sock, rows, permits)
-        else:
-            worker = Worker(spec, sock, rows, permits)
+            worker = BatchWorker(spec, sock, rows, permits)
         if spec.lazy:
             worker.set_rows(state=SlotState.UNLOADED)
         else:
@@ -135,7 +137,7 @@ def worker_main(spec: WorkerSpec) -> None:
 
 
 class Worker:
-    """Serves one request at a time (``parallel`` 1). ``BatchWorker`` serves several at once."""
+    """Serves the echo backend, one request at a time; ``BatchWorker`` serves models."""
 
     def __init__(self, spec: WorkerSpec, sock: zmq.Socket, rows: list[SlotWriter],
                  permits: DevicePermits | None = None) -> None:
@@ -178,7 +180,7 @@ class Worker:
             self._register()
 
     def _build_engine(self) -> Any:
-        return load_engine(self._spec.engine)
+        return EchoEngine()
 
     @property
     def _busy(self) -> bool:
