@@ -238,23 +238,42 @@ class BatchEngine:
     def _take_cells(self, slot: int, tokens: list[int]) -> int:
         """Make ``slot``'s cells hold the longest prefix of ``tokens`` to be had: its own, or another slot's
         copied over when that one is at least MIN_COPY_TOKENS longer. Returns the prompt tokens reused."""
-        lib, memory = self._lib, self._memory
         own = self._reusable(slot, tokens)
-        source, shared = max(((other, self._reusable(other, tokens)) for other in range(self.parallel)
-                              if other != slot), key=lambda os: os[1], default=(slot, 0))
+        source, shared = self._copy_source(slot, tokens)
         if shared >= own + MIN_COPY_TOKENS:
-            lib.llama_memory_seq_rm(memory, slot, -1, -1)
-            if self._kv_unified:  # one pool: the cells get a second owner, nothing is copied
-                lib.llama_memory_seq_cp(memory, source, slot, 0, shared)
-            else:  # llama.cpp copies whole streams only: copy, then cut after the shared prefix
-                lib.llama_memory_seq_cp(memory, source, slot, -1, -1)
-                lib.llama_memory_seq_rm(memory, slot, shared, -1)
-            self._copies += 1
+            self._copy_prefix(source, slot, shared)
             return shared
-        if not lib.llama_memory_seq_rm(memory, slot, own, -1):
-            lib.llama_memory_seq_rm(memory, slot, -1, -1)  # whole-sequence removal never fails
+        if not self._lib.llama_memory_seq_rm(self._memory, slot, own, -1):
+            self._lib.llama_memory_seq_rm(self._memory, slot, -1, -1)  # whole-sequence removal never fails
             return 0
         return own
+
+    def _catch_up(self) -> None:
+        """Before a step: a prompt still being computed takes over the cells that another slot has computed
+        since (two requests with one system prompt, admitted together, compute it once)."""
+        for seq in self._prefilling:
+            source, shared = self._copy_source(seq.slot, seq.prompt)
+            if shared >= seq.n_past + MIN_COPY_TOKENS:
+                self._copy_prefix(source, seq.slot, shared)
+                self._reused += shared - seq.n_past
+                seq.reused += shared - seq.n_past
+                seq.n_past = shared
+
+    def _copy_source(self, slot: int, tokens: list[int]) -> tuple[int, int]:
+        """The other slot whose cells hold the longest prefix of ``tokens``, and how many tokens of it."""
+        return max(((other, self._reusable(other, tokens)) for other in range(self.parallel) if other != slot),
+                   key=lambda found: found[1], default=(slot, 0))
+
+    def _copy_prefix(self, source: int, slot: int, n: int) -> None:
+        """Replace ``slot``'s cells with a copy of ``source``'s first ``n``."""
+        lib, memory = self._lib, self._memory
+        lib.llama_memory_seq_rm(memory, slot, -1, -1)
+        if self._kv_unified:  # one pool: the cells get a second owner, nothing is copied
+            lib.llama_memory_seq_cp(memory, source, slot, 0, n)
+        else:  # llama.cpp copies whole streams only (at the next decode): copy, then cut after the prefix
+            lib.llama_memory_seq_cp(memory, source, slot, -1, -1)
+            lib.llama_memory_seq_rm(memory, slot, n, -1)
+        self._copies += 1
 
     # --- requests -----------------------------------------------------------------------------------
 
@@ -305,12 +324,16 @@ class BatchEngine:
 
     def _fill_batch(self) -> list[_Sequence]:
         """Put this step's tokens in the batch; return the sequences that sample after the decode."""
+        if self.parallel > 1:
+            self._catch_up()
         decoding = [seq for seq in self._running.values() if seq.next_token >= 0]
         budget = self._budget if decoding else self._idle_budget
         chunks: dict[_Sequence, int] = {}  # prompt tokens this step, given out in admission order
         for seq in self._prefilling:
             if budget == 0:
                 break
+            if any(common_prefix(lead.prompt, seq.prompt) >= seq.n_past + MIN_COPY_TOKENS for lead in chunks):
+                continue  # an earlier prompt is computing this one's next tokens: copy them when it is done
             chunks[seq] = min(budget, len(seq.prompt) - seq.n_past)
             budget -= chunks[seq]
         batch = self._batch

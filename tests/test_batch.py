@@ -276,6 +276,25 @@ def test_a_prefix_another_slot_holds_is_copied_not_computed(model_path: str, kv_
 
 
 @pytest.mark.timeout(60)
+@pytest.mark.parametrize("kv_unified", [False, True], ids=["kv-per-slot", "kv-unified"])
+def test_prompts_admitted_together_compute_their_shared_prefix_once(model_path: str, kv_unified: bool) -> None:
+    preamble = LONG_PROMPT[:900]
+    requests = [(preamble + ending, greedy(20)) for ending in (" and then the cat sat", " so the dog ran off")]
+    fresh = one_at_a_time(model_path, requests)
+    engine = make_engine(model_path, 2, kv_unified=kv_unified)
+    try:
+        together = serve(engine, requests)  # both admitted before the first step: neither holds cells yet
+        stats = engine.stats()
+    finally:
+        engine.close()
+    assert [r.text for r in together] == [r.text for r in fresh]
+    assert together[0].reused_tokens == 0
+    assert together[1].reused_tokens > 0.9 * together[1].prompt_tokens  # it waited for the other, then copied
+    assert stats.prefix_copies == 1
+    assert stats.prompt_tokens_computed == sum(r.prompt_tokens - r.reused_tokens for r in together)
+
+
+@pytest.mark.timeout(60)
 def test_a_stop_string_ends_the_sequence_before_it(model_path: str, llm: llama_cpp.Llama) -> None:
     full = one_at_a_time(model_path, [(PROMPTS[0], greedy(40))])[0].text
     stop = full[20:24]
