@@ -236,20 +236,17 @@ class BatchEngine:
         return (seq.prompt + seq.generated)[:seq.n_past] if seq is not None else self._cached[slot]
 
     def _take_cells(self, slot: int, tokens: list[int]) -> int:
-        """Make ``slot``'s cells hold the longest prefix of ``tokens`` to be had: its own, or another slot's
-        copied over when that one is at least MIN_COPY_TOKENS longer. Returns the prompt tokens reused."""
+        """Cut ``slot``'s cells after the prefix of ``tokens`` they hold; returns its length. (A longer prefix
+        in another slot is copied over by ``_catch_up`` before the next step.)"""
         own = self._reusable(slot, tokens)
-        source, shared = self._copy_source(slot, tokens)
-        if shared >= own + MIN_COPY_TOKENS:
-            self._copy_prefix(source, slot, shared)
-            return shared
         if not self._lib.llama_memory_seq_rm(self._memory, slot, own, -1):
             self._lib.llama_memory_seq_rm(self._memory, slot, -1, -1)  # whole-sequence removal never fails
             return 0
         return own
 
     def _catch_up(self) -> None:
-        """Before a step: a prompt still being computed takes over the cells that another slot has computed
+        """Before a step: a prompt still being computed takes over another slot's cells when they hold at
+        least MIN_COPY_TOKENS more of it, whether they were there when it was admitted or were computed
         since (two requests with one system prompt, admitted together, compute it once)."""
         for seq in self._prefilling:
             source, shared = self._copy_source(seq.slot, seq.prompt)
