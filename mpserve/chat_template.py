@@ -11,6 +11,7 @@ template that starts with it would otherwise give the model two.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import datetime
@@ -46,18 +47,26 @@ def render(chat: ChatTemplate, messages: Sequence[tuple[str, str]]) -> str:
     """The prompt for ``messages`` (role, content), ending where the assistant's reply begins. A template
     that fails, or refuses the conversation with ``raise_exception``, is a BadRequest naming why."""
     import jinja2
-    import jinja2.ext
-    import jinja2.sandbox
 
-    def raise_exception(message: str) -> None:
-        raise BadRequest(f"the model's chat template refused the messages: {message}")
-
-    env = jinja2.sandbox.ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                                       extensions=[jinja2.ext.loopcontrols])
-    env.globals.update(raise_exception=raise_exception, strftime_now=lambda fmt: datetime.now().strftime(fmt))
     try:
-        return env.from_string(chat.template).render(
+        return _compiled(chat.template).render(
             messages=[{"role": role, "content": content} for role, content in messages],
             add_generation_prompt=True, bos_token="", eos_token=chat.eos_token)
     except jinja2.TemplateError as exc:
         raise BadRequest(f"the model's chat template failed: {exc}") from None
+
+
+@functools.lru_cache(maxsize=16)
+def _compiled(source: str) -> Any:
+    """A template compiled once, not on every chat request (a model's template is kilobytes of Jinja)."""
+    import jinja2.ext
+    import jinja2.sandbox
+
+    env = jinja2.sandbox.ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                                       extensions=[jinja2.ext.loopcontrols])
+    env.globals.update(raise_exception=_raise_exception, strftime_now=lambda fmt: datetime.now().strftime(fmt))
+    return env.from_string(source)
+
+
+def _raise_exception(message: str) -> None:
+    raise BadRequest(f"the model's chat template refused the messages: {message}")
