@@ -1,4 +1,4 @@
-"""Continuous batching: aggregate tokens/s of ``mpserve.batch.BatchEngine`` with K sequences per step.
+"""Continuous batching: aggregate tokens/s of ``mpserve.engine.batch.BatchEngine`` with K sequences per step.
 
 For each K (1, 2, 4, 8) the engine runs K requests at a time (concurrency = K, a new request admitted
 into a slot as soon as it frees, into the slot ``best_slot`` picks), greedy, the same ``max_tokens``
@@ -34,8 +34,8 @@ import urllib.request
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from mpserve.batch import BatchEngine
-from mpserve.modelfile import builtin_model_path
+from mpserve.engine.batch import BatchEngine
+from mpserve.models.maker import builtin_model_path
 from mpserve.protocol import GenerateParams
 
 from .load import PROMPTS

@@ -1,4 +1,4 @@
-"""What the HTTP gateway adds to one request: OpenAI-style HTTP through ``mpserve.gateway`` against mpserve's
+"""What the HTTP gateway adds to one request: OpenAI-style HTTP through ``mpserve.gateway.app`` against mpserve's
 own ZeroMQ client, side by side on one echo server (``mpserve start --model echo``: no model, so the figure
 is transport and framing alone).
 
@@ -30,8 +30,8 @@ from .figures import percentile
 from .procs import MpserveServer
 
 PROMPT = "The quick brown fox jumps over the lazy dog."
-GATEWAY = "from mpserve.gateway import GatewayConfig, serve; serve(GatewayConfig(port={port}, server_name={name!r}, "\
-          "log_level='warning'))"
+GATEWAY = ("from mpserve.gateway.app import GatewayConfig, serve; "
+           "serve(GatewayConfig(port={port}, server_name={name!r}, log_level='warning'))")
 
 
 def main() -> None:

@@ -20,7 +20,7 @@ from multiprocessing.queues import Queue
 from multiprocessing.synchronize import Event
 from pathlib import Path
 
-from mpserve.permits import DevicePermits, HoldInterval
+from mpserve.gpu.permits import DevicePermits, HoldInterval
 
 CONTENDERS = 4
 KEY = "bench-gpu"

@@ -124,7 +124,7 @@ def start(
     server_name: ServerName = "default",
 ) -> None:
     """Start the server in the foreground; Ctrl-C (or SIGTERM) stops it gracefully."""
-    from .server import serve
+    from mpserve.server.loop import serve
 
     with _errors():
         file_data = cfg.load_file(config_file) if config_file else {}
@@ -236,7 +236,7 @@ def worker(
     = "pool",
 ) -> None:
     """Run a pool of workers on this host for a broker elsewhere (`mpserve start --workers-bind ...`)."""
-    from .pool import run_pool
+    from mpserve.server.pool import run_pool
 
     with _errors():
         config = cfg.build(
@@ -270,8 +270,8 @@ def gateway(
 ) -> None:
     """Serve an OpenAI-compatible HTTP API for a server: /v1/completions, /v1/chat/completions, /v1/models,
     /health, /metrics (Prometheus) and /backend/monitor. It may start before the server (503 until ready)."""
-    from .gateway import GatewayConfig, parse_http
-    from .gateway import serve as serve_gateway
+    from mpserve.gateway.app import GatewayConfig, parse_http
+    from mpserve.gateway.app import serve as serve_gateway
 
     with _errors():
         host, port = parse_http(http)
@@ -287,7 +287,7 @@ def _start_gateway(http: str, server_name: str, api_key: str | None, log_level: 
     stopped after that, or stops by itself if the server dies outright. The key travels in the environment,
     not in the command line that any user can read. A separate process: in the broker's it would compete
     with the broker loop for the GIL, and a fault in it could not touch the broker."""
-    from .gateway import parse_http
+    from mpserve.gateway.app import parse_http
 
     parse_http(http)  # refuse a bad value before anything starts
     env = {**os.environ, **({"MPSERVE_API_KEY": api_key} if api_key else {})}
@@ -351,8 +351,8 @@ def devices(
     as_json: Annotated[bool, typer.Option("--json", help="Print devices as JSON.")] = False,
 ) -> None:
     """List the GPUs found (NVML, nvidia-smi, or simulated) and who holds or waits for their permits."""
-    from .devices import discover, format_memory
-    from .permits import inspect
+    from mpserve.gpu.devices import discover, format_memory
+    from mpserve.gpu.permits import inspect
 
     with _errors():
         found = discover(cfg.build(server={"gpus": gpus}).gpus, simulate_gpus)
@@ -389,8 +389,8 @@ def plan(
     = None,
 ) -> None:
     """Print where each instance would run and check that it fits, without starting anything."""
-    from .layout import build_layout
-    from .placement import format_plan
+    from mpserve.gpu.placement import format_plan
+    from mpserve.server.layout import build_layout
 
     with _errors():
         config = cfg.build(cfg.load_file(config_file) if config_file else {},
@@ -422,7 +422,7 @@ def make_model(
     = "tiny",
 ) -> None:
     """Write a deterministic random-weight llama GGUF (same arguments, same bytes)."""
-    from .modelfile import write_model
+    from mpserve.models.maker import write_model
 
     with _errors():
         out = write_model(path, size)

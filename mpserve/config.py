@@ -54,7 +54,7 @@ class ModelConfig:
     def resolved_path(self) -> str:
         """The GGUF file to load ("echo" for the echo backend); writes the built-in model if needed."""
         if self.path.startswith(BUILTIN_PREFIX):
-            from .modelfile import builtin_model_path
+            from mpserve.models.maker import builtin_model_path
 
             return str(builtin_model_path(self.path[len(BUILTIN_PREFIX):]))
         return self.path
@@ -229,7 +229,7 @@ def build(file_data: Mapping[str, Any] | None = None, server: Mapping[str, Any] 
 
 def _server_conversions(values: dict[str, Any], source: str) -> dict[str, Any]:
     """Turn file/flag spellings into ServerConfig's types: "0,2" -> (0, 2), "20GiB" -> bytes."""
-    from .devices import parse_memory
+    from mpserve.gpu.devices import parse_memory
 
     out = dict(values)
     if "gpus" in out:
@@ -298,7 +298,7 @@ def _flash_attn(value: str | bool, where: str) -> str:
 
 
 def _requires(value: dict[str, Any], where: str) -> int | None:
-    from .devices import parse_memory
+    from mpserve.gpu.devices import parse_memory
 
     _check_keys(value, _REQUIRES_KEYS, where)
     for key, kind in _REQUIRES_KEYS.items():

@@ -1,97 +1,150 @@
-"""The error hierarchy. Every error has a stable ``code`` that travels on the wire.
+"""Error codes and the error hierarchy. Every error has a stable ``code`` that travels on the wire.
 
-A request always ends with exactly one terminal message; when that message is an ERROR, its
-``code`` is one of the codes below, and the client raises the matching exception class.
+A request always ends with exactly one terminal message; when that message is an ERROR, its ``code`` is an
+``ErrorCode``, and the client raises the matching exception class. ``CODES`` is the one table of what each
+code means, its HTTP status on the gateway and whether a client should retry; the README's error table is
+checked against it (tests/unit/test_tables.py).
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import Enum
+
+
+class ErrorCode(str, Enum):
+    BAD_REQUEST = "bad_request"
+    UNKNOWN_MODEL = "unknown_model"
+    BUSY = "busy"
+    TIMEOUT = "timeout"
+    CANCELLED = "cancelled"
+    WORKER_LOST = "worker_lost"
+    WORKER_STALLED = "worker_stalled"
+    POISON_REQUEST = "poison_request"
+    MODEL_FAILED = "model_failed"
+    DOES_NOT_FIT = "does_not_fit"
+    SHUTTING_DOWN = "shutting_down"
+    CONNECTION = "connection"
+    PROTOCOL = "protocol"
+    CONFIG = "config"
+    INTERNAL = "internal"
+
+    def __str__(self) -> str:
+        return self.value
+
+
+@dataclass(frozen=True)
+class CodeInfo:
+    http_status: int
+    retryable: bool
+    meaning: str
+
+
+CODES: dict[ErrorCode, CodeInfo] = {
+    ErrorCode.BAD_REQUEST: CodeInfo(400, False, "invalid parameters, duplicate id, prompt longer than the context"),
+    ErrorCode.UNKNOWN_MODEL: CodeInfo(404, False, "the model is not served; the message lists those that are"),
+    ErrorCode.BUSY: CodeInfo(429, True, "the model's queue is full; `retry_after` suggests when to retry"),
+    ErrorCode.TIMEOUT: CodeInfo(504, True, "the request's `timeout` passed, queued or running"),
+    ErrorCode.CANCELLED: CodeInfo(500, False, "cancelled by the client"),
+    ErrorCode.WORKER_LOST: CodeInfo(502, True, "the instance died after it had streamed text"),
+    ErrorCode.WORKER_STALLED: CodeInfo(502, True, "the instance generated nothing for `stall_timeout` and was "
+                                                  "replaced"),
+    ErrorCode.POISON_REQUEST: CodeInfo(500, False, "the request was running on two instances that died; it is "
+                                                   "not retried again"),
+    ErrorCode.MODEL_FAILED: CodeInfo(503, False, "the model failed to load 3 times in a row; the message has "
+                                                 "the load error"),
+    ErrorCode.DOES_NOT_FIT: CodeInfo(503, False, "the model does not fit the device's memory (at start, or a "
+                                                 "load)"),
+    ErrorCode.SHUTTING_DOWN: CodeInfo(503, True, "the server is stopping"),
+    ErrorCode.CONNECTION: CodeInfo(503, True, "no server answers at the address (client side)"),
+    ErrorCode.PROTOCOL: CodeInfo(400, False, "a malformed message"),
+    ErrorCode.CONFIG: CodeInfo(500, False, "a bad setting: file, key, value and what is allowed (at start)"),
+    ErrorCode.INTERNAL: CodeInfo(500, False, "a bug or a llama.cpp failure; the server log has the details"),
+}
 
 
 class MpserveError(Exception):
     """Base class. ``code`` is stable across releases; ``retryable`` tells clients whether to try again."""
 
-    code = "internal"
-    retryable = False
+    code: ErrorCode = ErrorCode.INTERNAL
 
     def __init__(self, message: str, *, retry_after: float | None = None) -> None:
         super().__init__(message)
         self.message = message
         self.retry_after = retry_after
 
+    @property
+    def retryable(self) -> bool:
+        return CODES[self.code].retryable
+
     def __str__(self) -> str:
         return f"[{self.code}] {self.message}"
 
 
 class BadRequest(MpserveError):
-    code = "bad_request"
+    code = ErrorCode.BAD_REQUEST
 
 
 class UnknownModel(MpserveError):
-    code = "unknown_model"
+    code = ErrorCode.UNKNOWN_MODEL
 
 
 class Busy(MpserveError):
-    code = "busy"
-    retryable = True
+    code = ErrorCode.BUSY
 
 
 class Timeout(MpserveError):
-    code = "timeout"
-    retryable = True
+    code = ErrorCode.TIMEOUT
 
 
 class Cancelled(MpserveError):
-    code = "cancelled"
+    code = ErrorCode.CANCELLED
 
 
 class ShuttingDown(MpserveError):
-    code = "shutting_down"
-    retryable = True
+    code = ErrorCode.SHUTTING_DOWN
 
 
 class WorkerLost(MpserveError):
-    code = "worker_lost"
-    retryable = True
+    code = ErrorCode.WORKER_LOST
 
 
 class WorkerStalled(MpserveError):
-    code = "worker_stalled"
-    retryable = True
+    code = ErrorCode.WORKER_STALLED
 
 
 class PoisonRequest(MpserveError):
-    code = "poison_request"
+    code = ErrorCode.POISON_REQUEST
 
 
 class ModelFailed(MpserveError):
-    code = "model_failed"
+    code = ErrorCode.MODEL_FAILED
 
 
 class ModelDoesNotFit(MpserveError):
-    code = "does_not_fit"
+    code = ErrorCode.DOES_NOT_FIT
 
 
 class ProtocolError(MpserveError):
-    code = "protocol"
+    code = ErrorCode.PROTOCOL
 
 
 class ConnectionFailed(MpserveError):
     """The client could not reach a server (not started, stopped, or wrong address)."""
 
-    code = "connection"
-    retryable = True
+    code = ErrorCode.CONNECTION
 
 
 class ConfigError(MpserveError):
-    code = "config"
+    code = ErrorCode.CONFIG
 
 
 class InternalError(MpserveError):
-    code = "internal"
+    code = ErrorCode.INTERNAL
 
 
 _BY_CODE: dict[str, type[MpserveError]] = {
-    cls.code: cls
+    cls.code.value: cls
     for cls in (
         BadRequest, UnknownModel, Busy, Timeout, Cancelled, ShuttingDown, WorkerLost, WorkerStalled,
         PoisonRequest, ModelFailed, ModelDoesNotFit, ProtocolError, ConnectionFailed, ConfigError,
@@ -107,3 +160,11 @@ def error_from_code(code: str, message: str, retry_after: float | None = None) -
     if cls is InternalError and code != InternalError.code:
         err.message = f"{code}: {message}"
     return err
+
+
+def http_status(code: str) -> int:
+    """The gateway's HTTP status for a wire code; 500 for a code this version does not know."""
+    try:
+        return CODES[ErrorCode(code)].http_status
+    except ValueError:
+        return 500

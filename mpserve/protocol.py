@@ -107,6 +107,19 @@ def _text(body: dict[str, Any], key: str, max_chars: int, default: Any = ...,
 # --- bodies -------------------------------------------------------------------------------------
 
 @dataclass(frozen=True)
+class ChatTemplate:
+    """A model's chat template as it travels: read by the worker that loads the model (READY), kept by the
+    broker per model (STATS), rendered by the gateway (``mpserve.gateway.chat``)."""
+
+    template: str = ""  # Jinja2 source; "" when the model has none
+    bos_token: str = ""
+    eos_token: str = ""
+
+    def __bool__(self) -> bool:
+        return bool(self.template)
+
+
+@dataclass(frozen=True)
 class GenerateParams:
     """Sampling parameters, as llama.cpp takes them. temperature 0 means greedy."""
 

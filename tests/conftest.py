@@ -141,6 +141,6 @@ def tiny_server() -> Iterator[ServerProcess]:
 
 @pytest.fixture(scope="session")
 def tiny_model_path() -> str:
-    from mpserve.modelfile import default_model_path
+    from mpserve.models.maker import default_model_path
 
     return str(default_model_path())

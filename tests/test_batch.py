@@ -10,11 +10,12 @@ from pathlib import Path
 import llama_cpp
 import pytest
 
-from mpserve.batch import BatchCompletion, BatchEngine
+from mpserve.engine.batch import BatchEngine
+from mpserve.engine.interface import Completion
+from mpserve.engine.sampling import TextStream
 from mpserve.errors import BadRequest
-from mpserve.modelfile import builtin_model_path
+from mpserve.models.maker import builtin_model_path
 from mpserve.protocol import GenerateParams
-from mpserve.sampling import TextStream
 
 REPO = Path(__file__).resolve().parent.parent
 N_CTX = 1024
@@ -73,9 +74,9 @@ class Recorder:
         return self.cancel_after is None or tokens < self.cancel_after
 
 
-def serve(engine: BatchEngine, requests: list[tuple[str, GenerateParams]]) -> list[BatchCompletion]:
+def serve(engine: BatchEngine, requests: list[tuple[str, GenerateParams]]) -> list[Completion]:
     """Run ``requests`` through ``engine``, each admitted into the first free slot as soon as one is free."""
-    results: dict[int, BatchCompletion] = {}
+    results: dict[int, Completion] = {}
     pending = list(enumerate(requests))
     by_slot: dict[int, int] = {}
     clock = [0]
@@ -93,7 +94,7 @@ def serve(engine: BatchEngine, requests: list[tuple[str, GenerateParams]]) -> li
 
 
 def one_at_a_time(model_path: str, requests: list[tuple[str, GenerateParams]], flash_attn: str = "off"
-                  ) -> list[BatchCompletion]:
+                  ) -> list[Completion]:
     engine = make_engine(model_path, 1, flash_attn=flash_attn)
     try:
         return serve(engine, requests)
@@ -157,7 +158,7 @@ def test_a_long_prompt_does_not_stall_decoding_sequences(model_path: str, llm: l
         long_one = Recorder(clock)
         engine.admit(3, LONG_PROMPT, greedy(4), long_one)
         before = engine.stats().prompt_tokens_computed
-        finished: dict[int, BatchCompletion] = {}
+        finished: dict[int, Completion] = {}
         while engine.active:
             computed = engine.stats().prompt_tokens_computed
             finished.update(engine.step())
@@ -189,7 +190,7 @@ def test_cancel_frees_the_slot_within_one_step_and_leaves_the_others_unchanged(m
         recorders = [Recorder(clock, cancel_after=12 if slot == 2 else None) for slot in range(4)]
         for slot, ((prompt, params), recorder) in enumerate(zip(requests, recorders, strict=True)):
             engine.admit(slot, prompt, params, recorder)
-        results: dict[int, BatchCompletion] = {}
+        results: dict[int, Completion] = {}
         for _ in range(5):
             results.update(engine.step())
         engine.cancel(1)  # from outside, between steps
@@ -256,7 +257,7 @@ def test_a_prefix_another_slot_holds_is_copied_not_computed(model_path: str, kv_
         assert (engine.active == 1) == holder_running
         before = engine.stats()
         engine.admit(1, follow_up, greedy(20), lambda text, n: True)  # slot 1 holds nothing of it
-        done: dict[int, BatchCompletion] = {}
+        done: dict[int, Completion] = {}
         while 1 not in done:
             done.update(engine.step())
         after = engine.stats()
@@ -304,7 +305,7 @@ def test_a_stop_string_ends_the_sequence_before_it(model_path: str, llm: llama_c
     try:
         engine.admit(0, PROMPTS[0], greedy(40, stop=("never appears", stop)), streamed)
         engine.admit(1, PROMPTS[1], greedy(40), Recorder(clock))
-        results: dict[int, BatchCompletion] = {}
+        results: dict[int, Completion] = {}
         while engine.active:
             results.update(engine.step())
     finally:

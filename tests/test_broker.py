@@ -8,7 +8,7 @@ import pytest
 import zmq
 
 from mpserve import protocol as wire
-from mpserve.broker import Broker, WorkerEntry
+from mpserve.server.broker import Broker, WorkerEntry
 
 pytestmark = pytest.mark.timeout(10)
 

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from mpserve.chat_template import ChatTemplate, render
 from mpserve.errors import BadRequest
+from mpserve.gateway.chat import render
+from mpserve.protocol import ChatTemplate
 
 pytestmark = pytest.mark.timeout(10)
 

@@ -10,7 +10,8 @@ from typing import Any
 
 import pytest
 
-from mpserve.devices import (
+from mpserve.errors import ConfigError
+from mpserve.gpu.devices import (
     SIMULATE_ENV,
     Device,
     devices_from_nvml,
@@ -19,7 +20,6 @@ from mpserve.devices import (
     parse_memory,
     parse_nvidia_smi,
 )
-from mpserve.errors import ConfigError
 
 DATA = Path(__file__).parent / "data"
 MIB = 1 << 20

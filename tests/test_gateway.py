@@ -20,9 +20,9 @@ from conftest import ServerProcess
 from prometheus_client.parser import text_string_to_metric_families
 
 from mpserve import Client
-from mpserve.gateway import GatewayConfig, create_app
-from mpserve.gateway_openai import CHAT_STOP, Message, chat_prompt
-from mpserve.modelfile import write_model
+from mpserve.gateway.app import GatewayConfig, create_app
+from mpserve.gateway.openai import CHAT_STOP, Message, chat_prompt
+from mpserve.models.maker import write_model
 from mpserve.slots import SlotState
 
 PROMPTS = ["Hello world", "The quick brown fox"]

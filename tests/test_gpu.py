@@ -18,7 +18,7 @@ import pytest
 import yaml
 
 from mpserve import AsyncClient, Client
-from mpserve.permits import max_concurrent, read_holds
+from mpserve.gpu.permits import max_concurrent, read_holds
 from mpserve.slots import SlotState
 
 LOADED = {SlotState.LOADING, SlotState.IDLE, SlotState.BUSY, SlotState.WAITING}

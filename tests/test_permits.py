@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 
 from mpserve.errors import ConfigError, Timeout
-from mpserve.permits import (
+from mpserve.gpu.permits import (
     DevicePermits,
     HoldInterval,
     PermitHolder,
@@ -35,7 +35,7 @@ KEY = "GPU-test"
 CHILD = """
 import os, sys, time
 from pathlib import Path
-from mpserve.permits import DevicePermits, HoldLog
+from mpserve.gpu.permits import DevicePermits, HoldLog
 
 mode, lock_dir, capacity, log, *rest = sys.argv[1:]
 permits = DevicePermits("GPU-test", int(capacity), Path(lock_dir), on_hold=HoldLog(Path(log)))

@@ -8,9 +8,9 @@ import gguf
 import numpy as np
 import pytest
 
-from mpserve.devices import Device, parse_simulated
 from mpserve.errors import ConfigError, ModelDoesNotFit
-from mpserve.placement import (
+from mpserve.gpu.devices import Device, parse_simulated
+from mpserve.gpu.placement import (
     OVERHEAD,
     MemoryEstimate,
     ModelRequest,

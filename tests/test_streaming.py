@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from mpserve import Client
-from mpserve.worker import ChunkStream
+from mpserve.worker.stream import ChunkStream
 
 PROMPT = "Once upon a time"
 TOKENS = 200

@@ -1,4 +1,4 @@
-"""Per-sequence sampling and text for the batched engine (``mpserve.batch``).
+"""Per-sequence sampling and text for the batched engine (``mpserve.engine.batch``).
 
 Two pieces, one of each per running sequence:
 
@@ -20,7 +20,7 @@ from typing import Any
 
 import llama_cpp
 
-from .protocol import GenerateParams
+from mpserve.protocol import GenerateParams
 
 # llama_cpp.Llama's defaults for what GenerateParams does not carry; create_completion uses them too.
 PENALTY_LAST_N = 64

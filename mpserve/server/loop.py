@@ -20,14 +20,15 @@ import time
 import zmq
 from zmq.auth.thread import ThreadAuthenticator
 
+from mpserve.config import ServerConfig
+from mpserve.errors import ConfigError, ErrorCode
+from mpserve.runtime import ServerInfo, ServerPaths
+from mpserve.slots import SlotTable
+
 from .broker import Broker, WorkerEntry
-from .config import ServerConfig
-from .errors import ConfigError
 from .layout import build_layout, worker_specs
 from .residency import Residency
-from .runtime import ServerInfo, ServerPaths
 from .signals import SignalPipe
-from .slots import SlotTable
 from .supervisor import Supervisor
 
 log = logging.getLogger("mpserve.server")
@@ -170,7 +171,7 @@ class _Loop:
             return False
         if now >= self._grace_deadline:
             log.warning("grace period over; ending %d request(s)", self._broker.in_flight())
-            self._broker.abort_all("shutting_down", "the server stopped before this request finished")
+            self._broker.abort_all(ErrorCode.SHUTTING_DOWN, "the server stopped before this request finished")
             return False
         return True
 

@@ -19,8 +19,9 @@ from typing import Any
 
 from gguf import GGUFReader, GGUFValueType
 
-from mpserve.devices import Device, format_memory
 from mpserve.errors import ConfigError, ModelDoesNotFit
+
+from .devices import Device, format_memory
 
 OVERHEAD = 512 << 20
 """CUDA context (about 300 MiB per process) plus llama.cpp compute buffers; a rough allowance."""

@@ -26,12 +26,13 @@ import time
 
 import zmq
 
-from .config import ServerConfig
+from mpserve.config import ServerConfig
+from mpserve.runtime import ServerInfo, ServerPaths
+from mpserve.slots import SlotTable
+
 from .layout import build_layout, worker_specs
-from .runtime import ServerInfo, ServerPaths
-from .server import WATCHDOG_PERIOD_S, claim
+from .loop import WATCHDOG_PERIOD_S, claim
 from .signals import SignalPipe
-from .slots import SlotTable
 from .supervisor import Supervisor
 
 log = logging.getLogger("mpserve.pool")

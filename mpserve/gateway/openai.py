@@ -11,7 +11,7 @@ value (``n: 1``, ``logprobs: null``, ...), which clients often do. Unrecognised 
 OpenAI refuses them. A ``null`` value means "not given".
 
 Chat prompts are formatted with the model's own chat template, from its GGUF (``Call.with_chat_template``,
-``mpserve.chat_template``); a model without one gets a ChatML default (``chat_prompt``), which also stops
+``mpserve.gateway.chat``); a model without one gets a ChatML default (``chat_prompt``), which also stops
 generation at ``<|im_end|>``.
 """
 
@@ -24,11 +24,12 @@ import uuid
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from . import chat_template
-from . import protocol as wire
-from .chat_template import ChatTemplate
-from .client import Result
-from .errors import BadRequest, MpserveError
+from mpserve import protocol as wire
+from mpserve.client import Result
+from mpserve.errors import BadRequest, MpserveError, http_status
+from mpserve.protocol import ChatTemplate
+
+from .chat import render
 
 Kind = Literal["completion", "chat"]
 
@@ -82,7 +83,7 @@ class Call:
         """A chat's prompt from the model's template; without one, from the ChatML default, which also stops
         at ``<|im_end|>``. Raises BadRequest when the template fails or refuses the messages."""
         if chat:
-            return dataclasses.replace(self, prompt=chat_template.render(chat, [(m.role, m.content)
+            return dataclasses.replace(self, prompt=render(chat, [(m.role, m.content)
                                                                                  for m in self.messages]))
         stop = self.params.stop if CHAT_STOP in self.params.stop else (*self.params.stop, CHAT_STOP)
         return dataclasses.replace(self, prompt=chat_prompt(self.messages),
@@ -227,22 +228,6 @@ def usage(u: wire.Usage) -> dict[str, int]:
 
 # --- errors -------------------------------------------------------------------------------------
 
-# HTTP status per mpserve error code; anything else is 500.
-STATUS: dict[str, int] = {
-    "bad_request": 400,
-    "protocol": 400,
-    "unknown_model": 404,
-    "busy": 429,
-    "timeout": 504,
-    "worker_lost": 502,
-    "worker_stalled": 502,
-    "shutting_down": 503,
-    "model_failed": 503,
-    "does_not_fit": 503,
-    "connection": 503,
-}
-
-
 @dataclass(frozen=True)
 class HttpError:
     """An error as OpenAI sends it: ``{"error": {"message", "type", "param", "code"}}``; ``code`` is the
@@ -255,7 +240,7 @@ class HttpError:
 
     @classmethod
     def from_mpserve(cls, exc: MpserveError) -> HttpError:
-        return cls(STATUS.get(exc.code, 500), exc.code, exc.message, exc.retry_after)
+        return cls(http_status(exc.code), exc.code, exc.message, exc.retry_after)
 
     @property
     def type(self) -> str:

@@ -10,11 +10,10 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from .config import ECHO_MODEL, ServerConfig
-from .devices import Device, discover
-from .engine import EngineSpec
-from .placement import ModelRequest, Placement, plan
-from .worker import PermitSpec, WorkerSpec
+from mpserve.config import ECHO_MODEL, ServerConfig
+from mpserve.gpu.devices import Device, discover
+from mpserve.gpu.placement import ModelRequest, Placement, plan
+from mpserve.worker.spec import EngineSpec, PermitSpec, WorkerSpec
 
 
 @dataclass(frozen=True)

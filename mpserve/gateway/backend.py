@@ -16,12 +16,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from . import protocol as wire
-from .chat_template import ChatTemplate
-from .client import AsyncClient
-from .errors import ConnectionFailed
-from .runtime import ServerInfo, default_address
-from .slots import SlotRow, SlotTable
+from mpserve import protocol as wire
+from mpserve.client import AsyncClient
+from mpserve.errors import ConnectionFailed
+from mpserve.protocol import ChatTemplate
+from mpserve.runtime import ServerInfo, default_address
+from mpserve.slots import SlotRow, SlotTable
 
 CONNECT_TIMEOUT_S = 2.0
 STATS_TIMEOUT_S = 2.0

@@ -14,9 +14,9 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from . import protocol as wire
-from .runtime import ServerInfo
-from .slots import SlotRow, SlotState
+from mpserve import protocol as wire
+from mpserve.runtime import ServerInfo
+from mpserve.slots import SlotRow, SlotState
 
 READY = frozenset({"idle", "busy", "waiting"})  # loaded and able to run a request
 BUSY = frozenset({"busy", "waiting"})

@@ -22,10 +22,11 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from . import protocol as wire
-from .client import Result
-from .gateway_monitor import state_of
-from .slots import SlotRow, SlotState
+from mpserve import protocol as wire
+from mpserve.client import Result
+from mpserve.slots import SlotRow, SlotState
+
+from .monitor import state_of
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)

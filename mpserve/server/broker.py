@@ -32,10 +32,20 @@ from dataclasses import dataclass, field
 import zmq
 import zmq.auth
 
-from . import protocol as wire
-from .chat_template import ChatTemplate
-from .errors import BadRequest, Busy, ModelFailed, MpserveError, ProtocolError, ShuttingDown, UnknownModel
-from .prefix import common_prefix
+from mpserve import protocol as wire
+from mpserve.errors import (
+    BadRequest,
+    Busy,
+    ErrorCode,
+    ModelFailed,
+    MpserveError,
+    ProtocolError,
+    ShuttingDown,
+    UnknownModel,
+)
+from mpserve.prefix import common_prefix
+from mpserve.protocol import ChatTemplate
+
 from .residency import Loaded, Residency
 
 log = logging.getLogger("mpserve.broker")
@@ -150,8 +160,8 @@ class Broker:
             if self._stale_deadline(ticket):
                 continue
             p = self.requests[ticket]
-            self.stats["timeout"] += 1
-            self._cancel(p, "timeout", f"request did not finish within its timeout of {p.request.timeout} s")
+            self.stats[ErrorCode.TIMEOUT] += 1
+            self._cancel(p, ErrorCode.TIMEOUT, f"request did not finish within its timeout of {p.request.timeout} s")
 
     def expire_clients(self, now: float) -> None:
         """Cancel the requests of clients that stopped sending (closed, killed, or partitioned)."""
@@ -172,9 +182,9 @@ class Broker:
         for ticket in list(entry.running):
             p = self.requests.get(ticket)
             if p is not None and not p.answered:
-                self.stats["worker_stalled"] += 1
-                self._answer_error(p, "worker_stalled", f"worker {index} produced no token for {silent_s:.1f} s "
-                                   "and is being replaced; retry the request")
+                self.stats[ErrorCode.WORKER_STALLED] += 1
+                self._answer_error(p, ErrorCode.WORKER_STALLED, f"worker {index} produced no token for "
+                                   f"{silent_s:.1f} s and is being replaced; retry the request")
 
     def worker_exited(self, index: int) -> None:
         """The supervisor reaped local worker ``index``: settle its requests by the retry rules."""
@@ -208,12 +218,12 @@ class Broker:
                 continue
             p.crashes += 1
             if p.crashes >= MAX_CRASHES:
-                self.stats["poison_request"] += 1
-                self._answer_error(p, "poison_request", f"this request was running on {p.crashes} workers "
+                self.stats[ErrorCode.POISON_REQUEST] += 1
+                self._answer_error(p, ErrorCode.POISON_REQUEST, f"this request was running on {p.crashes} workers "
                                    "that died; it will not be retried")
             elif p.streamed:
-                self.stats["worker_lost"] += 1
-                self._answer_error(p, "worker_lost", f"{what} after it had streamed text; retry the request")
+                self.stats[ErrorCode.WORKER_LOST] += 1
+                self._answer_error(p, ErrorCode.WORKER_LOST, f"{what} after it had streamed text; retry the request")
             else:
                 self.stats["retried"] += 1
                 log.info("retrying request %s: %s", p.request.id, what)
@@ -224,7 +234,7 @@ class Broker:
         mq = self.models[model]
         mq.failed = message
         while mq.queue:
-            self._answer_error(self.requests[mq.queue.popleft()], "model_failed",
+            self._answer_error(self.requests[mq.queue.popleft()], ErrorCode.MODEL_FAILED,
                                f"model {model} cannot be loaded: {message}")
 
     def stop_accepting(self) -> None:
@@ -277,7 +287,8 @@ class Broker:
             log.exception("internal error while handling a client message")
             self.stats["internal_error"] += 1
             rid = wire.peek_id(frames[2]) if len(frames) == 3 else None
-            self._to_client(client, wire.encode(wire.Error(rid, "internal", "internal error; see the server log")))
+            self._to_client(client, wire.encode(wire.Error(rid, ErrorCode.INTERNAL,
+                                                           "internal error; see the server log")))
 
     def _on_request(self, client: bytes, req: wire.Request) -> None:
         if not self.accepting:
@@ -342,8 +353,8 @@ class Broker:
     def _on_cancel(self, client: bytes, msg: wire.Cancel) -> None:
         ticket = self.by_client.get((client, msg.id))
         if ticket is not None and not self.requests[ticket].answered:
-            self.stats["cancelled"] += 1
-            self._cancel(self.requests[ticket], "cancelled", "cancelled by the client")
+            self.stats[ErrorCode.CANCELLED] += 1
+            self._cancel(self.requests[ticket], ErrorCode.CANCELLED, "cancelled by the client")
 
     def _cancel(self, p: Pending, code: str, message: str) -> None:
         """End a request now with ERROR ``code``; a running one is also stopped on its worker."""
@@ -392,7 +403,7 @@ class Broker:
             if owner == client and p is not None and not p.answered:
                 p.answered = True  # nothing more can reach it
                 self.stats["cancelled_client_gone"] += 1
-                self._cancel(p, "cancelled", "client gone")
+                self._cancel(p, ErrorCode.CANCELLED, "client gone")
 
     # --- workers -------------------------------------------------------------------------------
 
@@ -434,7 +445,8 @@ class Broker:
         if msg.model not in self.models:
             log.error("worker %r registered for model %r, which this broker does not serve (%s); ignored",
                       identity, msg.model, ", ".join(self.models))
-            self._to_worker(identity, wire.Error(None, "unknown_model", f"this broker does not serve {msg.model!r}"))
+            self._to_worker(identity, wire.Error(None, ErrorCode.UNKNOWN_MODEL,
+                                                 f"this broker does not serve {msg.model!r}"))
             return
         if msg.chat_template:  # every instance of a model loads the same file; the latest word stands
             self.models[msg.model].chat = ChatTemplate(msg.chat_template, msg.bos_token, msg.eos_token)

@@ -1,5 +1,5 @@
 """Chat templates: the one a GGUF carries (``tokenizer.chat_template``, Jinja2), read where the model is
-loaded and rendered where chat requests arrive.
+loaded (``mpserve.engine.model_info``) and rendered here, where chat requests arrive.
 
 A worker reads its model's template, with the BOS and EOS token texts templates refer to, and sends them in
 READY; the broker keeps them per model and hands them out in STATS; the HTTP gateway renders a chat
@@ -13,34 +13,11 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Sequence
-from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
-from .errors import BadRequest
-
-
-@dataclass(frozen=True)
-class ChatTemplate:
-    template: str = ""  # Jinja2 source; "" when the model has none
-    bos_token: str = ""
-    eos_token: str = ""
-
-    def __bool__(self) -> bool:
-        return bool(self.template)
-
-
-
-def read(lib: Any, model: Any) -> ChatTemplate:
-    """The chat template of a loaded llama.cpp model (``lib`` is the llama_cpp module)."""
-    source = lib.llama_model_chat_template(model, None)
-    vocab = lib.llama_model_get_vocab(model)
-
-    def text(token: int) -> str:
-        return lib.llama_vocab_get_text(vocab, token).decode("utf-8", errors="replace") if token >= 0 else ""
-
-    return ChatTemplate(source.decode("utf-8", errors="replace") if source else "",
-                        text(lib.llama_vocab_bos(vocab)), text(lib.llama_vocab_eos(vocab)))
+from mpserve.errors import BadRequest
+from mpserve.protocol import ChatTemplate
 
 
 def render(chat: ChatTemplate, messages: Sequence[tuple[str, str]]) -> str:

@@ -20,9 +20,9 @@ from typing import Any
 
 import zmq
 
-from .config import ServerConfig
-from .slots import SlotState, SlotTable
-from .worker import EXIT_LOAD_FAILED, WorkerSpec, worker_main
+from mpserve.config import ServerConfig
+from mpserve.slots import SlotState, SlotTable
+from mpserve.worker.spec import EXIT_LOAD_FAILED, WorkerSpec, run
 
 log = logging.getLogger("mpserve.supervisor")
 
@@ -71,7 +71,7 @@ class Supervisor:
             self._table.writer(row).update(pid=0, worker=index, slot=slot, state=SlotState.STARTING,
                                            device=spec.device, model=spec.model, request="", tokens=0,
                                            served=0, started=time.time(), load_s=0.0)
-        process = self._mp.Process(target=worker_main, args=(spec,), name=f"mpserve-worker-{index}",
+        process = self._mp.Process(target=run, args=(spec,), name=f"mpserve-worker-{index}",
                                    daemon=False)
         process.start()
         handle.process, handle.restart_at = process, None

@@ -44,14 +44,15 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from . import gateway_openai as oai
-from . import protocol as wire
-from .client import AsyncClient, Result, Stream
-from .errors import BadRequest, ConfigError, ConnectionFailed, MpserveError, UnknownModel
-from .gateway_backend import Backend
-from .gateway_metrics import CONTENT_TYPE, GatewayMetrics, ServerView
-from .gateway_monitor import RestartCounter, health, monitor
-from .slots import SlotState
+from mpserve import protocol as wire
+from mpserve.client import AsyncClient, Result, Stream
+from mpserve.errors import BadRequest, ConfigError, ConnectionFailed, ErrorCode, MpserveError, UnknownModel
+from mpserve.slots import SlotState
+
+from . import openai as oai
+from .backend import Backend
+from .metrics import CONTENT_TYPE, GatewayMetrics, ServerView
+from .monitor import RestartCounter, health, monitor
 
 log = logging.getLogger("mpserve.gateway")
 
@@ -171,7 +172,7 @@ class _Gateway:
             result = await _unless_disconnected(request, client.generate(call.prompt, model=call.model,
                                                                          **call.generate_kwargs()))
         except ClientGone:
-            self.metrics.outcome(endpoint, "cancelled")
+            self.metrics.outcome(endpoint, ErrorCode.CANCELLED)
             return Response(status_code=204)  # nobody reads it
         except MpserveError as exc:
             return self._failed(endpoint, exc)
@@ -186,7 +187,7 @@ class _Gateway:
         try:
             first = await _unless_disconnected(request, _first(chunks))
         except ClientGone:
-            self.metrics.outcome(endpoint, "cancelled")
+            self.metrics.outcome(endpoint, ErrorCode.CANCELLED)
             return Response(status_code=204)
         except MpserveError as exc:
             return self._failed(endpoint, exc)
@@ -212,7 +213,7 @@ class _Gateway:
             yield _event(oai.HttpError.from_mpserve(exc).body())
         finally:
             if not ended:
-                self.metrics.outcome(endpoint, "cancelled")
+                self.metrics.outcome(endpoint, ErrorCode.CANCELLED)
             await chunks.aclose()  # type: ignore[attr-defined]  # an async generator: cancels the request
 
     def _done(self, endpoint: str, model: str, result: Result, started: float) -> None:

@@ -31,7 +31,7 @@ once per instance, not once per slot.
 Greedy output equals ``llama_cpp.Llama.create_completion(prompt, temperature=0)`` with the same flash
 attention setting (auto is on, there as here, on a CPU): the same tokens (BOS, then the prompt tokenized
 without specials added and with special tokens parsed), the same context settings, the same sampler chain
-(``mpserve.sampling``), and a batch row's logits that do not depend on the other rows. Not thread-safe:
+(``mpserve.engine.sampling``), and a batch row's logits that do not depend on the other rows. Not thread-safe:
 one thread admits, cancels and steps; an on_token callback may call ``cancel`` but not ``admit``.
 """
 
@@ -47,11 +47,12 @@ from typing import Any
 
 import numpy as np
 
-from . import chat_template
-from .engine import Completion, OnToken
-from .errors import BadRequest, Busy
-from .prefix import common_prefix
-from .protocol import GenerateParams
+from mpserve.errors import BadRequest, Busy
+from mpserve.prefix import common_prefix
+from mpserve.protocol import GenerateParams
+
+from .interface import Completion, OnToken
+from .model_info import read_chat_template
 from .sampling import SamplerChain, TextStream
 
 FLASH_ATTN_TYPES = {"auto": "LLAMA_FLASH_ATTN_TYPE_AUTO", "on": "LLAMA_FLASH_ATTN_TYPE_ENABLED",
@@ -67,13 +68,6 @@ layer), which costs about what computing a few dozen tokens does."""
 MAX_PROMPT_BATCH = 512
 """Prompt tokens per step while no sequence is decoding (nobody waits on that step): llama_cpp.Llama's
 batch size."""
-
-
-@dataclass(frozen=True)
-class BatchCompletion(Completion):
-    """A completion, plus how many prompt tokens came from the slot's cache instead of being computed."""
-
-    reused_tokens: int = 0
 
 
 @dataclass(frozen=True)
@@ -171,7 +165,7 @@ class BatchEngine:
             raise
         self._memory = llama_cpp.llama_get_memory(self._ctx)
         self._batch = _Batch(llama_cpp, capacity)
-        self.chat = chat_template.read(llama_cpp, self._model)
+        self.chat = read_chat_template(llama_cpp, self._model)
         self._warm_up()
 
     def _context_params(self, capacity: int, threads: int, kv_unified: bool, flash_attn: str) -> Any:
@@ -304,7 +298,7 @@ class BatchEngine:
         if seq is not None:
             seq.cancel_requested = True
 
-    def step(self) -> list[tuple[int, BatchCompletion]]:
+    def step(self) -> list[tuple[int, Completion]]:
         """One llama_decode for every running sequence; returns the sequences that ended in it."""
         started = time.perf_counter()
         done = [self._finish(seq, "cancelled") for seq in list(self._running.values()) if seq.cancel_requested]
@@ -392,7 +386,7 @@ class BatchEngine:
             seq.next_token = token
         return finished
 
-    def _finish(self, seq: _Sequence, reason: str) -> tuple[int, BatchCompletion]:
+    def _finish(self, seq: _Sequence, reason: str) -> tuple[int, Completion]:
         """Take ``seq`` out of the batch. Its KV cells stay: the slot's next prompt may start the same."""
         ended = time.perf_counter()
         seq.sampler.close()
@@ -401,7 +395,7 @@ class BatchEngine:
             self._prefilling.remove(seq)
         self._cached[seq.slot] = (seq.prompt + seq.generated)[:seq.n_past]
         first = seq.first_token_at or ended
-        return seq.slot, BatchCompletion(
+        return seq.slot, Completion(
             text="".join(seq.pieces), finish_reason=reason, prompt_tokens=len(seq.prompt),
             completion_tokens=len(seq.generated), prompt_s=first - seq.admitted_at, generate_s=ended - first,
             reused_tokens=seq.reused,

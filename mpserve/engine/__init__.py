@@ -1,0 +1,8 @@
+"""The compute core: the only package that imports llama_cpp, and it never imports zmq.
+
+    interface   ``Engine`` (admit / step / cancel), ``Completion``, ``OnToken``
+    batch       ``BatchEngine``: one llama.cpp context decoding ``parallel`` sequences per step
+    sampling    each sequence's sampler chain and its text (stop strings, UTF-8 pieces)
+    echo        ``EchoEngine``: answers with the prompt, no model (benchmarks of the serving path)
+    model_info  what a loaded model reports about itself (its chat template)
+"""

@@ -1,0 +1,69 @@
+"""``EchoEngine``: the backend without a model, so benchmarks can measure the serving path alone.
+
+It answers each request with its prompt, cut into ``max_tokens`` pieces of about equal size, one piece per
+sequence per ``step``, through the same interface (``mpserve.engine.interface``) and the same worker loop as
+``BatchEngine``.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from mpserve.protocol import ChatTemplate, GenerateParams
+
+from .interface import Completion, OnToken
+
+
+@dataclass
+class _Echo:
+    prompt: str
+    pieces: int  # how many the prompt is cut into
+    size: int  # characters per piece
+    on_token: OnToken
+    admitted_at: float = field(default_factory=time.perf_counter)
+    sent: list[str] = field(default_factory=list)
+    cancel_requested: bool = False
+
+
+class EchoEngine:
+    chat = ChatTemplate()
+
+    def __init__(self, parallel: int = 1) -> None:
+        self.parallel = parallel
+        self._running: dict[int, _Echo] = {}
+
+    def free_slots(self) -> list[int]:
+        return [slot for slot in range(self.parallel) if slot not in self._running]
+
+    def admit(self, slot: int, prompt: str, params: GenerateParams, on_token: OnToken) -> None:
+        if not 0 <= slot < self.parallel or slot in self._running:
+            raise ValueError(f"slot {slot} is not a free slot of 0..{self.parallel - 1}")
+        pieces = max(1, min(params.max_tokens, len(prompt)))
+        self._running[slot] = _Echo(prompt, pieces, -(-len(prompt) // pieces) if prompt else 1, on_token)
+
+    def cancel(self, slot: int) -> None:
+        echo = self._running.get(slot)
+        if echo is not None:
+            echo.cancel_requested = True
+
+    def step(self) -> list[tuple[int, Completion]]:
+        """The next piece of every running sequence."""
+        done = []
+        for slot, echo in list(self._running.items()):
+            reason = "cancelled" if echo.cancel_requested else None
+            if reason is None:
+                i = len(echo.sent)
+                echo.sent.append(echo.prompt[i * echo.size:(i + 1) * echo.size])
+                go_on = echo.on_token(echo.sent[-1], i + 1)
+                reason = "length" if len(echo.sent) == echo.pieces else None if go_on else "cancelled"
+            if reason is not None:
+                del self._running[slot]
+                done.append((slot, Completion(
+                    text="".join(echo.sent), finish_reason=reason, prompt_tokens=len(echo.prompt),
+                    completion_tokens=len(echo.sent), prompt_s=0.0,
+                    generate_s=time.perf_counter() - echo.admitted_at)))
+        return done
+
+    def close(self) -> None:
+        self._running.clear()

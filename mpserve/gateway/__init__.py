@@ -1,0 +1,10 @@
+"""The HTTP gateway process: an OpenAI-compatible API in front of a server. It talks to the server only
+through ``mpserve.client`` and ``mpserve.protocol`` (and reads the slot table), never imports llama_cpp.
+
+    app      Starlette routes, API key, streaming, ``serve``
+    openai   OpenAI request and response shapes ↔ mpserve requests and results
+    backend  the server as the gateway sees it: one AsyncClient, STATS, the slot table
+    metrics  ``/metrics`` (Prometheus)
+    monitor  ``/health`` and ``/backend/monitor``
+    chat     chat templates rendered into prompts (sandboxed Jinja2)
+"""

@@ -1,0 +1,10 @@
+"""The server process: the broker and the supervisor in one poll loop. It never imports llama_cpp.
+
+    loop        serve(): claims the server name, builds the layout, runs broker + supervisor + watchdog
+    broker      ROUTER fronts for clients and workers; per-model queues; routing to slots; the request table
+    supervisor  spawns, reaps and restarts worker processes (``mpserve.worker.spec.run``)
+    residency   single active backend: which model holds each GPU, and when they take turns
+    layout      devices discovered, instances placed, worker specs built (also ``mpserve plan``)
+    pool        ``mpserve worker --connect``: a supervisor without a broker, for remote hosts
+    signals     a self-pipe that turns signals into something the poll loop can wait on
+"""

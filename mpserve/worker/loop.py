@@ -1,0 +1,298 @@
+"""A worker's loop: one engine, ``parallel`` slots, driven by the broker's messages over one DEALER.
+
+    broker --ASSIGN/CANCEL/STOP/UNLOAD--> worker --READY/FAILED/UNLOADED, then CHUNK*/DONE|ERROR per ticket--> broker
+
+Each turn takes every waiting broker message, then runs one ``engine.step`` while any sequence runs:
+
+    receive   ASSIGN: admit the request into the slot the broker chose (another free one if that is
+              taken); CANCEL: the sequence ends at the next step; STOP; UNLOAD (only when idle)
+    permit    with GPU permits, the first running sequence takes the device's permit (host-wide); the
+              last one to end gives it back
+    step      every running sequence advances by one token (a prompt by a chunk); pieces stream out as
+              CHUNKs (``ChunkStream``); each sequence that ended is answered at once (DONE or ERROR)
+    keep alive  heartbeats both ways; register again if the broker went silent; exit if the server died;
+              unload the model after ``idle_timeout`` without a request
+
+The same loop serves models (``BatchEngine``) and the echo backend (``EchoEngine``): one interface,
+``mpserve.engine.interface.Engine``.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import random
+import sys
+import time
+from collections.abc import Callable
+from typing import Any
+
+import zmq
+
+from mpserve import protocol as wire
+from mpserve.engine.interface import Completion, Engine
+from mpserve.errors import Cancelled, ErrorCode, MpserveError
+from mpserve.gpu.permits import DevicePermits, Permit
+from mpserve.protocol import ChatTemplate
+from mpserve.slots import SlotState, SlotWriter
+
+from .spec import EXIT_LOAD_FAILED, EngineSpec, WorkerSpec
+from .stream import ChunkStream
+
+log = logging.getLogger("mpserve.worker")
+
+PARENT_CHECK_S = 1.0
+REGISTER_BACKOFF_FIRST_S = 0.5
+REGISTER_BACKOFF_MAX_S = 5.0
+
+
+class Worker:
+    def __init__(self, spec: WorkerSpec, sock: zmq.Socket[Any], rows: list[SlotWriter],
+                 build_engine: Callable[[EngineSpec], Engine], permits: DevicePermits | None = None) -> None:
+        self._spec = spec
+        self._sock = sock
+        self._rows = rows
+        self._build_engine = build_engine
+        self._permits = permits
+        self._permit: Permit | None = None
+        self._engine: Engine | None = None
+        self._running: dict[str, wire.Assign] = {}  # ticket -> its assignment
+        self._slot_of: dict[str, int] = {}
+        self._streams: dict[str, ChunkStream] = {}  # ticket -> its streamed text, for streamed requests
+        self._cancelled_tickets: set[str] = set()
+        self._served = 0
+        self._stopping = False
+        self._next_parent_check = 0.0
+        self._next_heartbeat = 0.0
+        self._heard = time.monotonic()
+        self._must_register = False
+        self._register_backoff = REGISTER_BACKOFF_FIRST_S
+        self._next_register = 0.0
+        self._registered = False
+
+    def set_rows(self, **fields: Any) -> None:
+        for row in self._rows:
+            row.update(**fields)
+
+    def load(self) -> None:
+        """Load the model; on failure tell the broker why (FAILED) and exit for the supervisor to decide."""
+        self.set_rows(state=SlotState.LOADING)
+        t0 = time.perf_counter()
+        try:
+            self._engine = self._build_engine(self._spec.engine)
+        except Exception as exc:  # any load failure is reported the same way
+            log.error("cannot load %s: %s", self._spec.engine.path, exc)
+            self.set_rows(state=SlotState.FAILED)
+            self._send(wire.Failed(self._spec.identity.decode(), self._spec.model, f"{type(exc).__name__}: {exc}"))
+            sys.exit(EXIT_LOAD_FAILED)
+        self.set_rows(state=SlotState.IDLE, load_s=time.perf_counter() - t0)
+        log.debug("loaded in %.2f s", time.perf_counter() - t0)
+        if self._registered:  # loaded on demand: tell the broker (its chat template, and that the load worked)
+            self._register()
+
+    def run(self) -> None:
+        spec = self._spec
+        self._register()
+        idle_since = time.monotonic()
+        while not self._stopping:
+            wait_ms = 0 if self._running else int(min(PARENT_CHECK_S, spec.heartbeat_interval) * 1000)
+            if self._sock.poll(wait_ms):
+                while self._sock.poll(0):
+                    self._receive()
+            if self._running:
+                self._step()
+                idle_since = time.monotonic()
+            self._keep_alive()
+            if (self._engine is not None and not self._running and spec.idle_timeout
+                    and time.monotonic() - idle_since >= spec.idle_timeout):
+                log.info("idle for %.0f s; unloading the model until the next request", spec.idle_timeout)
+                self._unload()
+        for ticket in list(self._running):  # stopping with requests running: they end as cancelled
+            self._end(ticket, wire.Error(self._running[ticket].request.id, ErrorCode.CANCELLED,
+                                         "the worker is stopping"))
+        self.set_rows(state=SlotState.STOPPING)
+
+    # --- the link to the broker ---------------------------------------------------------------------
+
+    def _register(self) -> None:
+        spec = self._spec
+        chat = self._engine.chat if self._engine is not None else ChatTemplate()
+        self._send(wire.Ready(spec.identity.decode(), spec.model, spec.device, spec.engine.parallel, os.getpid(),
+                              loaded=self._engine is not None, host=spec.host, chat_template=chat.template,
+                              bos_token=chat.bos_token, eos_token=chat.eos_token))
+        self._registered = True
+        self._must_register = False
+        self._heard = time.monotonic()  # give the broker a full expiry to answer before trying again
+
+    def _keep_alive(self) -> None:
+        """Heartbeats both ways (the Paranoid Pirate pattern): send one every interval; if the broker has
+        been silent for interval × liveness, register again, backing off with jitter, so that a broker
+        that restarted or declared this worker lost gets it back. Also: exit if the server is gone."""
+        spec = self._spec
+        now = time.monotonic()
+        if now >= self._next_parent_check:
+            self._next_parent_check = now + PARENT_CHECK_S
+            if os.getppid() != spec.parent_pid:
+                log.warning("server (pid %d) is gone; exiting", spec.parent_pid)
+                self._stopping = True
+        if now >= self._next_heartbeat:
+            self._next_heartbeat = now + spec.heartbeat_interval
+            self._send(wire.Heartbeat(spec.identity.decode()))
+        silent = now - self._heard > spec.heartbeat_interval * spec.heartbeat_liveness
+        if not self._running and (self._must_register or (silent and now >= self._next_register)):
+            if silent:
+                log.warning("no word from the broker for %.1f s; registering again", now - self._heard)
+            self._register()
+            self._register_backoff = min(REGISTER_BACKOFF_MAX_S, self._register_backoff * 2)
+            self._next_register = now + self._register_backoff * random.uniform(0.5, 1.5)
+
+    def _receive(self) -> None:
+        """Take one broker message and act on it."""
+        frames = self._sock.recv_multipart()
+        self._heard = time.monotonic()
+        self._register_backoff = REGISTER_BACKOFF_FIRST_S
+        try:
+            msg = wire.decode(frames)
+        except MpserveError as exc:
+            log.error("dropped a bad message from the broker: %s", exc)
+            return
+        if isinstance(msg, wire.Heartbeat) and not msg.registered:
+            self._must_register = True  # the broker does not know this worker (any more)
+            for ticket in self._running:  # the tickets of running requests are void
+                self._cancel(ticket)
+        elif isinstance(msg, wire.Error):
+            log.error("the broker refused this worker: %s", msg.message)
+            sys.exit(EXIT_LOAD_FAILED)
+        elif isinstance(msg, wire.Stop):
+            self._stopping = True
+        elif isinstance(msg, wire.Unload):
+            if not self._running:
+                self._unload()
+            else:  # the broker unloads only idle workers; say so rather than drop a running request
+                log.error("asked to unload while serving; ignored")
+        elif isinstance(msg, wire.Cancel):
+            self._cancel(msg.id)
+        elif isinstance(msg, wire.Assign):
+            self._accept(msg)
+
+    def _pump(self) -> None:
+        """While waiting for a permit: take what the broker sent, and keep the link alive."""
+        while self._sock.poll(0):
+            self._receive()
+        self._keep_alive()
+
+    def _send(self, msg: object, ticket: str = "") -> None:
+        self._sock.send_multipart(wire.encode_from_worker(msg, ticket))
+
+    def _unload(self) -> None:
+        if self._engine is not None:
+            self._engine.close()
+            self._engine = None
+        self.set_rows(state=SlotState.UNLOADED)
+        self._send(wire.Unloaded(self._spec.identity.decode()))
+
+    # --- requests -----------------------------------------------------------------------------------
+
+    def _accept(self, assign: wire.Assign) -> None:
+        """Admit the request into the slot the broker chose (any free one if that is taken)."""
+        if self._engine is None:  # unloaded by the idle watchdog: the request waits for the load
+            self.load()
+        engine = self._engine
+        assert engine is not None
+        free = engine.free_slots()
+        if not free:
+            self._send(wire.Error(assign.request.id, ErrorCode.INTERNAL, "worker was given a request while full"),
+                       assign.ticket)
+            return
+        slot = assign.slot if assign.slot in free else free[0]
+        req = assign.request
+        row = self._rows[slot]
+        stream = self._stream(assign)
+
+        def on_token(text: str, tokens: int) -> bool:
+            row.progress(tokens)
+            if stream is not None and text:
+                stream.push(text)
+            return not self._stopping
+
+        try:
+            engine.admit(slot, req.prompt, req.params, on_token)
+        except MpserveError as exc:
+            self._send(wire.Error(req.id, exc.code, exc.message), assign.ticket)
+            return
+        self._running[assign.ticket] = assign
+        self._slot_of[assign.ticket] = slot
+        if stream is not None:
+            self._streams[assign.ticket] = stream
+        row.update(state=SlotState.BUSY if self._permit or not self._permits else SlotState.WAITING,
+                   request=req.id, tokens=0)
+
+    def _cancel(self, ticket: str) -> None:
+        if ticket in self._slot_of and self._engine is not None:
+            self._engine.cancel(self._slot_of[ticket])
+            self._cancelled_tickets.add(ticket)
+
+    def _stream(self, assign: wire.Assign) -> ChunkStream | None:
+        """Where a streamed request's text goes; None if the request is not streamed."""
+        if not assign.request.stream:
+            return None
+        request_id, ticket = assign.request.id, assign.ticket
+        return ChunkStream(lambda text: self._send(wire.Chunk(request_id, text), ticket), self._spec.stream_interval)
+
+    # --- stepping -----------------------------------------------------------------------------------
+
+    def _step(self) -> None:
+        engine = self._engine
+        assert engine is not None
+        if self._permits is not None and self._permit is None:
+            try:
+                self._permit = self._permits.acquire(stop=self._nothing_left)
+            except Cancelled:  # all were cancelled while queueing: the step below only ends them
+                pass
+            else:
+                for ticket in self._running:
+                    self._rows[self._slot_of[ticket]].update(state=SlotState.BUSY)
+        try:
+            finished = engine.step()
+        except Exception:  # a llama.cpp failure leaves the context in doubt: fail what runs, and restart
+            log.exception("a step failed; ending %d request(s) and restarting", len(self._running))
+            for ticket in list(self._running):
+                self._end(ticket, wire.Error(self._running[ticket].request.id, ErrorCode.INTERNAL,
+                                             "the batch step failed"))
+            sys.exit(1)
+        by_slot = {slot: ticket for ticket, slot in self._slot_of.items()}
+        for slot, completion in finished:
+            ticket = by_slot[slot]
+            self._end(ticket, self._reply(self._running[ticket], completion))
+        if not self._running and self._permit is not None:
+            self._permit.release()
+            self._permit = None
+
+    def _nothing_left(self) -> bool:
+        """While queueing for the permit: stop waiting once every running request was cancelled."""
+        self._pump()
+        return self._stopping or all(t in self._cancelled_tickets for t in self._running)
+
+    def _end(self, ticket: str, outcome: wire.Done | wire.Error) -> None:
+        """Answer a request that ended. The row says idle before the reply goes out: a client holding its
+        answer sees the slot free. Streamed text still gathered goes before DONE (the client reads it first)."""
+        assign = self._running.pop(ticket)
+        self._cancelled_tickets.discard(ticket)
+        slot = self._slot_of.pop(ticket)
+        self._served += 1
+        self._rows[slot].update(state=SlotState.IDLE, served=self._served)
+        stream = self._streams.pop(ticket, None)
+        if stream is not None and isinstance(outcome, wire.Done):
+            stream.flush()
+        self._send(outcome, assign.ticket)
+
+    def _reply(self, assign: wire.Assign, result: Completion) -> wire.Done | wire.Error:
+        req = assign.request
+        if result.finish_reason == "cancelled":
+            return wire.Error(req.id, ErrorCode.CANCELLED, "cancelled")
+        return wire.Done(
+            req.id, result.text, result.finish_reason, wire.Usage(result.prompt_tokens, result.completion_tokens),
+            wire.Timings(assign.queue_ms, result.prompt_s * 1000, result.generate_s * 1000, assign.attempt,
+                         cached_tokens=result.reused_tokens),
+            worker=self._spec.identity.decode(),
+        )

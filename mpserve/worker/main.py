@@ -1,0 +1,79 @@
+"""The worker process's entry point: ``worker_main(spec)``, run in a fresh interpreter by the supervisor
+(``mpserve.worker.spec.run``) or by a remote pool.
+
+    CUDA_VISIBLE_DEVICES set → own session → logging → slot-table rows → DEALER to the broker → permits
+    → engine loaded (or left for the broker to ask, single active backend) → Worker.run until told to stop
+
+CUDA_VISIBLE_DEVICES is set before llama_cpp is imported (only ``build_engine`` imports it). The worker
+exits when told to stop, when its model cannot be loaded (after sending FAILED), or when its parent (the
+server) is gone.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+import time
+from pathlib import Path
+
+import zmq
+import zmq.auth
+
+from mpserve.engine.echo import EchoEngine
+from mpserve.engine.interface import Engine
+from mpserve.gpu.permits import DevicePermits, HoldLog
+from mpserve.slots import SlotState, SlotTable
+
+from .loop import Worker
+from .spec import EngineSpec, WorkerSpec
+
+
+def build_engine(spec: EngineSpec) -> Engine:
+    if spec.is_echo:
+        return EchoEngine(spec.parallel)
+    from mpserve.engine.batch import BatchEngine  # imports llama_cpp, now that CUDA_VISIBLE_DEVICES is set
+
+    return BatchEngine(spec.path, spec.n_ctx, spec.parallel, spec.threads, spec.n_gpu_layers, spec.seed,
+                       flash_attn=spec.flash_attn)
+
+
+def worker_main(spec: WorkerSpec) -> None:
+    os.environ["CUDA_DEVICE_ORDER"] = "PCI_BUS_ID"  # the order NVML and nvidia-smi number devices in
+    os.environ["CUDA_VISIBLE_DEVICES"] = str(spec.device) if spec.device >= 0 else ""
+    os.setsid()  # out of the server's process group: Ctrl-C or a group-wide SIGTERM reaches the server,
+    # which finishes requests and then stops its workers; a worker notices a dead server by itself.
+    logging.basicConfig(level=spec.log_level.upper(), stream=sys.stderr,
+                        format=f"%(asctime)s %(levelname)s worker {spec.index} ({spec.model}): %(message)s")
+    table = SlotTable.attach(spec.slots_path)
+    rows = [table.writer(row) for row in spec.rows]
+    for row in rows:
+        row.update(pid=os.getpid(), state=SlotState.STARTING, request="", tokens=0, served=0, started=time.time())
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.IDENTITY, spec.identity)
+    sock.setsockopt(zmq.LINGER, 2000)
+    sock.setsockopt(zmq.RECONNECT_IVL, 100)  # ZeroMQ reconnects by itself, backing off up to 5 s
+    sock.setsockopt(zmq.RECONNECT_IVL_MAX, 5000)
+    if spec.curve_server_key and spec.curve_secret:
+        sock.curve_serverkey = zmq.auth.load_certificate(spec.curve_server_key)[0]
+        sock.curve_publickey, sock.curve_secretkey = zmq.auth.load_certificate(spec.curve_secret)
+    sock.connect(spec.backend)
+    permits = None
+    try:
+        if spec.permit is not None:
+            hold_log = HoldLog(Path(spec.permit.hold_log)) if spec.permit.hold_log else None
+            permits = DevicePermits(spec.permit.device_key, spec.permit.capacity,
+                                    Path(spec.permit.lock_dir) if spec.permit.lock_dir else None, on_hold=hold_log)
+        worker = Worker(spec, sock, rows, build_engine, permits)
+        if spec.lazy:
+            worker.set_rows(state=SlotState.UNLOADED)
+        else:
+            worker.load()
+        worker.run()
+    finally:
+        if permits is not None:
+            permits.close()
+        sock.close()
+        ctx.term()
+        table.close()

@@ -1,0 +1,82 @@
+"""What a worker process is started with, and how it is started: the one part of ``mpserve.worker`` the
+server imports.
+
+    server (layout) --WorkerSpec--> supervisor --spawn(run, spec)--> new interpreter: mpserve.worker.main
+
+``run`` names the worker's entry module instead of importing it: the worker's code (llama_cpp among it) is
+loaded only in the spawned interpreter, after CUDA_VISIBLE_DEVICES is set, never in the server.
+"""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass
+
+WORKER_MAIN = "mpserve.worker.main"
+EXIT_LOAD_FAILED = 3  # the worker's exit status when its model cannot be loaded
+
+
+@dataclass(frozen=True)
+class EngineSpec:
+    """What a worker needs to build its engine. ``path`` "echo" selects the echo backend."""
+
+    path: str
+    n_ctx: int  # per sequence
+    threads: int
+    n_gpu_layers: int
+    seed: int = 0
+    parallel: int = 1  # sequences the engine decodes together
+    flash_attn: str = "auto"  # auto, on or off
+
+    @property
+    def is_echo(self) -> bool:
+        return self.path == "echo"
+
+
+@dataclass(frozen=True)
+class PermitSpec:
+    """The GPU permit a worker holds while it computes: host-wide, ``capacity`` holders at once."""
+
+    device_key: str
+    capacity: int
+    lock_dir: str | None = None
+    hold_log: str | None = None  # append each hold interval here
+
+
+@dataclass(frozen=True)
+class WorkerSpec:
+    index: int
+    model: str
+    engine: EngineSpec
+    device: int  # -1: CPU
+    backend: str  # the broker's worker-socket address
+    slots_path: str
+    parent_pid: int
+    idle_timeout: float = 0.0  # unload after this long without a request; 0: never
+    lazy: bool = False  # start without loading the model (single active backend: the broker decides)
+    permit: PermitSpec | None = None
+    pool: str = ""  # a remote pool's name ("host-pid"); "" for the broker's own workers
+    curve_server_key: str | None = None  # remote pools: the broker's public key file ...
+    curve_secret: str | None = None  # ... and this pool's secret key file
+    heartbeat_interval: float = 1.0
+    heartbeat_liveness: int = 5
+    first_row: int = 0  # its slot-table rows: first_row .. first_row + engine.parallel - 1
+    log_level: str = "info"
+    stream_interval: float = 0.0  # seconds between a streamed request's CHUNKs after its first; 0: every token
+
+    @property
+    def rows(self) -> range:
+        return range(self.first_row, self.first_row + self.engine.parallel)
+
+    @property
+    def identity(self) -> bytes:
+        return f"{self.pool}-w{self.index}".encode() if self.pool else f"w{self.index}".encode()
+
+    @property
+    def host(self) -> str:
+        return self.pool.rsplit("-", 1)[0] if self.pool else ""
+
+
+def run(spec: WorkerSpec) -> None:
+    """The spawned interpreter's entry point (multiprocessing pickles this function by name)."""
+    importlib.import_module(WORKER_MAIN).worker_main(spec)
