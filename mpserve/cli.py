@@ -2,17 +2,22 @@
 
 from __future__ import annotations
 
+import functools
+import inspect
 import json
 import os
 import subprocess
 import sys
 import time
+from collections.abc import Callable
+from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
 
 from . import config as cfg
+from . import settings
 from .errors import ConnectionFailed, MpserveError
 from .protocol import WorkerStats
 from .runtime import ServerInfo, pid_alive
@@ -21,130 +26,68 @@ from .slots import SlotRow, SlotState, SlotTable
 app = typer.Typer(add_completion=False, no_args_is_help=True,
                   help="Run several llama.cpp instances behind one ZeroMQ broker.")
 
-ServerName = Annotated[str, typer.Option("--server-name", envvar="MPSERVE_SERVER_NAME",
-                                         help="Which local server (several may run side by side).")]
-GpusOption = Annotated[str | None, typer.Option("--gpus", envvar="MPSERVE_GPUS",
-                                                help="GPU indices to use, e.g. 0,2 (default: all).")]
-SimulateOption = Annotated[str | None, typer.Option(
-    "--simulate-gpus", envvar="MPSERVE_SIMULATE_GPUS", help="Pretend to have GPUs, e.g. 2x24GiB (no CUDA).")]
-ApiKey = Annotated[str | None, typer.Option(
-    "--api-key", envvar="MPSERVE_API_KEY",
-    help="Require 'Authorization: Bearer KEY' on HTTP requests (/health excepted).")]
-FlashAttnOption = Annotated[str | None, typer.Option(
-    "--flash-attn", envvar="MPSERVE_FLASH_ATTN", metavar="auto|on|off",
-    help="llama.cpp flash attention (default: auto, on where llama.cpp supports it, as llama-server does).")]
-ParallelOption = Annotated[int | None, typer.Option(
-    "--parallel", "-p", envvar="MPSERVE_PARALLEL",
-    help="Requests one instance decodes together in one batch (default: 1); --n-ctx is per request.")]
-HeartbeatInterval = Annotated[float | None, typer.Option(
-    "--heartbeat-interval", envvar="MPSERVE_HEARTBEAT_INTERVAL", help="Seconds between heartbeats (default: 1).")]
-HeartbeatLiveness = Annotated[int | None, typer.Option(
-    "--heartbeat-liveness", envvar="MPSERVE_HEARTBEAT_LIVENESS",
-    help="Missed heartbeats before a remote worker (or the broker, for a worker) is lost (default: 5).")]
-StallTimeout = Annotated[float | None, typer.Option(
-    "--stall-timeout", envvar="MPSERVE_STALL_TIMEOUT",
-    help="Replace a busy worker that generates nothing for this long, in s (default: 60).")]
-StreamInterval = Annotated[float | None, typer.Option(
-    "--stream-interval", envvar="MPSERVE_STREAM_INTERVAL",
-    help="Seconds between a streamed request's chunks after its first; tokens in between go together "
-         "(default: 0.02; 0 = a chunk per token).")]
 ConfigOption = Annotated[Path | None, typer.Option("--config", "-c", envvar="MPSERVE_CONFIG",
                                                    help="YAML file (see README).")]
 
 
+@dataclass(frozen=True)
+class Given:
+    """The values of a command's setting flags (or their variables), by scope; None where not given."""
+
+    server: dict[str, Any]
+    model: dict[str, Any]
+    cli: dict[str, Any]
+
+    def with_server(self, **values: Any) -> Given:
+        return replace(self, server={**self.server, **values})
+
+
+def with_settings(command: settings.Command) -> Callable[[Callable[..., None]], Callable[..., None]]:
+    """Give a command a flag for each setting declared for it (``mpserve.settings``); the command gets
+    their values as ``given``."""
+
+    def decorate(fn: Callable[..., None]) -> Callable[..., None]:
+        declared = settings.for_command(command)
+        signature = inspect.signature(fn, eval_str=True)
+        own = [p for p in signature.parameters.values() if p.name != "given"]
+        flags = [inspect.Parameter(s.param, inspect.Parameter.KEYWORD_ONLY, annotation=_option(s),
+                                   default=False if s.cli_type is bool else None) for s in declared]
+
+        @functools.wraps(fn)
+        def run(**kwargs: Any) -> None:
+            values: dict[str, dict[str, Any]] = {"server": {}, "model": {}, "cli": {}}
+            for s in declared:
+                value = kwargs.pop(s.param)
+                values[s.scope][s.key] = None if value is False else value  # an unset switch is unset
+            fn(given=Given(**values), **kwargs)
+
+        run.__signature__ = signature.replace(parameters=[*own, *flags])  # type: ignore[attr-defined]
+        return run
+
+    return decorate
+
+
+def _option(s: settings.Setting) -> Any:
+    names = [s.flag, s.short] if s.short else [s.flag]
+    option = typer.Option(*names, envvar=s.env, help=s.help_text(),
+                          metavar="|".join(s.choices) if s.choices else None)
+    return Annotated[bool, option] if s.cli_type is bool else Annotated[s.cli_type | None, option]  # type: ignore[name-defined]
+
+
+def _config(given: Given, config_file: Path | None) -> cfg.ServerConfig:
+    """Flags and variables over the file (``--config``) over the defaults."""
+    return cfg.build(cfg.load_file(config_file) if config_file else {}, server=given.server, model=given.model,
+                     source=str(config_file or "command line"), base_dir=config_file.parent if config_file else None)
+
 @app.command()
-def start(
-    model: Annotated[str | None, typer.Option(
-        "--model", "-m", envvar="MPSERVE_MODEL",
-        help="GGUF file, builtin:tiny (default), builtin:bench, or echo (no model).")] = None,
-    name: Annotated[str | None, typer.Option("--name", envvar="MPSERVE_MODEL_NAME",
-                                                help="Name clients use for the model.")] = None,
-    instances: Annotated[int | None, typer.Option("--instances", "-n", envvar="MPSERVE_INSTANCES",
-                                                     help="Worker processes per model (default: 1).")] = None,
-    parallel: ParallelOption = None,
-    flash_attn: FlashAttnOption = None,
-    threads: Annotated[int | None, typer.Option(
-        "--threads", envvar="MPSERVE_THREADS", help="Threads per instance (default: cores ÷ instances).")] = None,
-    n_ctx: Annotated[int | None, typer.Option("--n-ctx", envvar="MPSERVE_N_CTX",
-                                                 help="Context size per instance (default: 2048).")] = None,
-    n_gpu_layers: Annotated[int | None, typer.Option("--n-gpu-layers", envvar="MPSERVE_N_GPU_LAYERS")] = None,
-    max_queue: Annotated[int | None, typer.Option(
-        "--max-queue", envvar="MPSERVE_MAX_QUEUE", help="Waiting requests per model (default: 256).")] = None,
-    bind: Annotated[str | None, typer.Option(
-        "--bind", envvar="MPSERVE_BIND", help="Client address, e.g. tcp://127.0.0.1:5555 (default: ipc)")] = None,
-    grace: Annotated[float | None, typer.Option(
-        "--grace", envvar="MPSERVE_GRACE", help="Seconds to finish requests on shutdown (default: 30).")] = None,
-    max_queue_total: Annotated[int | None, typer.Option(
-        "--max-queue-total", envvar="MPSERVE_MAX_QUEUE_TOTAL", help="Waiting requests, all models (default: 4096).")
-    ] = None,
-    max_pending_per_client: Annotated[int | None, typer.Option(
-        "--max-pending-per-client", envvar="MPSERVE_MAX_PENDING_PER_CLIENT",
-        help="Requests one client may have queued or running (default: 128).")] = None,
-    stall_timeout: StallTimeout = None,
-    idle_timeout: Annotated[float | None, typer.Option(
-        "--idle-timeout", envvar="MPSERVE_IDLE_TIMEOUT",
-        help="Unload an instance idle this long, in s; reloaded on demand (default: 0 = never).")] = None,
-    client_timeout: Annotated[float | None, typer.Option(
-        "--client-timeout", envvar="MPSERVE_CLIENT_TIMEOUT",
-        help="Cancel the requests of a client silent this long, in s (default: 5).")] = None,
-    stream_interval: StreamInterval = None,
-    curve_secret: Annotated[str | None, typer.Option(
-        "--curve-secret", envvar="MPSERVE_CURVE_SECRET", help="Server secret key file (mpserve keygen).")] = None,
-    curve_clients: Annotated[str | None, typer.Option(
-        "--curve-clients", envvar="MPSERVE_CURVE_CLIENTS", help="Folder of allowed clients' public .key files.")
-    ] = None,
-    insecure: Annotated[bool, typer.Option(
-        "--insecure", help="Allow a network --bind without CURVE keys (anyone reaching the port may use it).")] = False,
-    gpus: GpusOption = None,
-    simulate_gpus: SimulateOption = None,
-    gpu_mode: Annotated[str | None, typer.Option(
-        "--gpu-mode", envvar="MPSERVE_GPU_MODE", help="shared, or exclusive: one computing request per GPU, "
-        "host-wide (default: shared).")] = None,
-    max_active_per_gpu: Annotated[int | None, typer.Option(
-        "--max-active-per-gpu", envvar="MPSERVE_MAX_ACTIVE_PER_GPU",
-        help="Requests computing on one GPU at once, host-wide (default: unlimited).")] = None,
-    gpu_memory_budget: Annotated[str | None, typer.Option(
-        "--gpu-memory-budget", envvar="MPSERVE_GPU_MEMORY_BUDGET", help="Per GPU, e.g. 20GiB.")] = None,
-    single_active_backend: Annotated[bool, typer.Option(
-        "--single-active-backend", envvar="MPSERVE_SINGLE_ACTIVE_BACKEND",
-        help="At most one model loaded per GPU; models take turns.")] = False,
-    workers_bind: Annotated[str | None, typer.Option(
-        "--workers-bind", envvar="MPSERVE_WORKERS_BIND",
-        help="Worker socket address, e.g. tcp://0.0.0.0:5556 for remote pools (mpserve worker --connect).")] = None,
-    curve_workers: Annotated[str | None, typer.Option(
-        "--curve-workers", envvar="MPSERVE_CURVE_WORKERS", help="Folder of allowed remote pools' public .key files.")
-    ] = None,
-    heartbeat_interval: HeartbeatInterval = None,
-    heartbeat_liveness: HeartbeatLiveness = None,
-    http: Annotated[str | None, typer.Option(
-        "--http", help="Also serve the OpenAI-compatible HTTP API on HOST:PORT (see `mpserve gateway`).")] = None,
-    api_key: ApiKey = None,
-    config_file: ConfigOption = None,
-    log_level: Annotated[str | None, typer.Option("--log-level", envvar="MPSERVE_LOG_LEVEL")] = None,
-    server_name: ServerName = "default",
-) -> None:
+@with_settings("start")
+def start(given: Given, config_file: ConfigOption = None) -> None:
     """Start the server in the foreground; Ctrl-C (or SIGTERM) stops it gracefully."""
     from mpserve.server.loop import serve
 
     with _errors():
-        file_data = cfg.load_file(config_file) if config_file else {}
-        config = cfg.build(
-            file_data,
-            server={"server_name": server_name, "bind": bind, "max_queue": max_queue, "grace": grace,
-                    "log_level": log_level, "max_queue_total": max_queue_total, "stall_timeout": stall_timeout,
-                    "max_pending_per_client": max_pending_per_client,
-                    "idle_timeout": idle_timeout, "client_timeout": client_timeout, "curve_secret": curve_secret,
-                    "stream_interval": stream_interval,
-                    "curve_clients": curve_clients, "insecure": insecure or None, "gpus": gpus,
-                    "simulate_gpus": simulate_gpus, "gpu_mode": gpu_mode, "max_active_per_gpu": max_active_per_gpu,
-                    "gpu_memory_budget": gpu_memory_budget, "single_active_backend": single_active_backend or None,
-                    "workers_bind": workers_bind, "curve_workers": curve_workers,
-                    "heartbeat_interval": heartbeat_interval, "heartbeat_liveness": heartbeat_liveness},
-            model={"path": model, "name": name, "instances": instances, "parallel": parallel, "threads": threads,
-                   "n_ctx": n_ctx, "n_gpu_layers": n_gpu_layers, "flash_attn": flash_attn},
-            source=str(config_file or "command line"),
-            base_dir=config_file.parent if config_file else None,
-        )
+        config = _config(given, config_file)
+        http, api_key = given.cli["http"], given.cli["api_key"]
         gateway_process = _start_gateway(http, config.server_name, api_key, config.log_level) if http else None
         try:
             serve(config)
@@ -172,7 +115,8 @@ def generate(
         "--curve-server-key", envvar="MPSERVE_CURVE_SERVER_KEY", help="The server's public key file.")] = None,
     curve_secret: Annotated[str | None, typer.Option(
         "--curve-secret", envvar="MPSERVE_CURVE_CLIENT_SECRET", help="This client's secret key file.")] = None,
-    server_name: ServerName = "default",
+    server_name: Annotated[str, typer.Option("--server-name", envvar="MPSERVE_SERVER_NAME",
+                                             help=settings.BY_KEY["server_name"].help_text())] = "default",
 ) -> None:
     """Send one request to a running server and print the completion."""
     from .client import Client
@@ -206,31 +150,16 @@ def generate(
 
 
 @app.command()
+@with_settings("worker")
 def worker(
+    given: Given,
     connect: Annotated[str, typer.Option("--connect", envvar="MPSERVE_CONNECT",
                                          help="The broker's worker socket, e.g. tcp://broker-host:5556.")],
-    model: Annotated[str | None, typer.Option("--model", "-m", envvar="MPSERVE_MODEL",
-                                              help="GGUF file, builtin:tiny (default), builtin:bench or echo.")] = None,
-    name: Annotated[str | None, typer.Option("--name", envvar="MPSERVE_MODEL_NAME",
-                                             help="The model's name at the broker.")] = None,
-    instances: Annotated[int | None, typer.Option("--instances", "-n", envvar="MPSERVE_INSTANCES")] = None,
-    parallel: ParallelOption = None,
-    flash_attn: FlashAttnOption = None,
-    threads: Annotated[int | None, typer.Option("--threads", envvar="MPSERVE_THREADS")] = None,
-    n_ctx: Annotated[int | None, typer.Option("--n-ctx", envvar="MPSERVE_N_CTX")] = None,
-    n_gpu_layers: Annotated[int | None, typer.Option("--n-gpu-layers", envvar="MPSERVE_N_GPU_LAYERS")] = None,
-    gpus: GpusOption = None,
-    simulate_gpus: SimulateOption = None,
     curve_server_key: Annotated[str | None, typer.Option(
         "--curve-server-key", envvar="MPSERVE_CURVE_SERVER_KEY", help="The broker's public key file.")] = None,
     curve_secret: Annotated[str | None, typer.Option(
         "--curve-secret", envvar="MPSERVE_CURVE_WORKER_SECRET", help="This pool's secret key file.")] = None,
-    heartbeat_interval: HeartbeatInterval = None,
-    heartbeat_liveness: HeartbeatLiveness = None,
-    stream_interval: StreamInterval = None,
-    stall_timeout: StallTimeout = None,
     config_file: ConfigOption = None,
-    log_level: Annotated[str | None, typer.Option("--log-level", envvar="MPSERVE_LOG_LEVEL")] = None,
     server_name: Annotated[str, typer.Option("--server-name", envvar="MPSERVE_SERVER_NAME",
                                              help="Name of this pool on this host (for `mpserve status`).")]
     = "pool",
@@ -239,14 +168,7 @@ def worker(
     from mpserve.server.pool import run_pool
 
     with _errors():
-        config = cfg.build(
-            cfg.load_file(config_file) if config_file else {},
-            server={"server_name": server_name, "gpus": gpus, "simulate_gpus": simulate_gpus, "log_level": log_level,
-                    "heartbeat_interval": heartbeat_interval, "heartbeat_liveness": heartbeat_liveness,
-                    "stream_interval": stream_interval, "stall_timeout": stall_timeout},
-            model={"path": model, "name": name, "instances": instances, "parallel": parallel, "threads": threads,
-                   "n_ctx": n_ctx, "n_gpu_layers": n_gpu_layers, "flash_attn": flash_attn},
-            source=str(config_file or "command line"), base_dir=config_file.parent if config_file else None)
+        config = _config(given.with_server(server_name=server_name), config_file)
         run_pool(config, connect, curve_server_key, curve_secret)
 
 
@@ -256,7 +178,8 @@ def gateway(
     = "127.0.0.1:8000",
     connect: Annotated[str | None, typer.Option(
         "--connect", help="The server's ZeroMQ address (default: the local server named by --server-name).")] = None,
-    api_key: ApiKey = None,
+    api_key: Annotated[str | None, typer.Option(
+        "--api-key", envvar="MPSERVE_API_KEY", help=settings.BY_KEY["api_key"].help_text())] = None,
     request_timeout: Annotated[float | None, typer.Option(
         "--request-timeout", envvar="MPSERVE_REQUEST_TIMEOUT",
         help="Seconds per request, queueing included; past it: 504 (default: no limit).")] = None,
@@ -266,7 +189,8 @@ def gateway(
         "--curve-secret", envvar="MPSERVE_CURVE_CLIENT_SECRET", help="This gateway's secret key file.")] = None,
     log_level: Annotated[str, typer.Option("--log-level", envvar="MPSERVE_LOG_LEVEL")] = "info",
     exit_with_parent: Annotated[bool, typer.Option("--exit-with-parent", hidden=True)] = False,
-    server_name: ServerName = "default",
+    server_name: Annotated[str, typer.Option("--server-name", envvar="MPSERVE_SERVER_NAME",
+                                             help=settings.BY_KEY["server_name"].help_text())] = "default",
 ) -> None:
     """Serve an OpenAI-compatible HTTP API for a server: /v1/completions, /v1/chat/completions, /v1/models,
     /health, /metrics (Prometheus) and /backend/monitor. It may start before the server (503 until ready)."""
@@ -311,7 +235,8 @@ def status(
     as_json: Annotated[bool, typer.Option("--json", help="Print rows as JSON.")] = False,
     remote: Annotated[bool, typer.Option(
         "--remote/--no-remote", help="Also ask the broker for the instances of remote pools.")] = True,
-    server_name: ServerName = "default",
+    server_name: Annotated[str, typer.Option("--server-name", envvar="MPSERVE_SERVER_NAME",
+                                             help=settings.BY_KEY["server_name"].help_text())] = "default",
 ) -> None:
     """Show the slot table of a running server (read from shared memory, no request needed), and the
     instances that remote pools registered with it."""
@@ -344,10 +269,9 @@ def status(
 
 
 @app.command()
+@with_settings("devices")
 def devices(
-    gpus: GpusOption = None,
-    simulate_gpus: SimulateOption = None,
-    lock_dir: Annotated[str | None, typer.Option("--lock-dir", envvar="MPSERVE_LOCK_DIR")] = None,
+    given: Given,
     as_json: Annotated[bool, typer.Option("--json", help="Print devices as JSON.")] = False,
 ) -> None:
     """List the GPUs found (NVML, nvidia-smi, or simulated) and who holds or waits for their permits."""
@@ -355,10 +279,10 @@ def devices(
     from mpserve.gpu.permits import inspect
 
     with _errors():
-        found = discover(cfg.build(server={"gpus": gpus}).gpus, simulate_gpus)
+        config = cfg.build(server=given.server)
         rows = []
-        for d in found:
-            state = inspect(d.key, Path(lock_dir) if lock_dir else None)
+        for d in discover(config.gpus, config.simulate_gpus):
+            state = inspect(d.key, Path(config.lock_dir) if config.lock_dir else None)
             rows.append({"index": d.index, "name": d.name, "uuid": d.uuid, "memory_total": d.memory_total,
                          "memory_free": d.memory_free, "simulated": d.simulated,
                          "permit_capacity": state.capacity if state else None,
@@ -379,26 +303,14 @@ def devices(
 
 
 @app.command()
-def plan(
-    config_file: ConfigOption = None,
-    model: Annotated[str | None, typer.Option("--model", "-m", envvar="MPSERVE_MODEL")] = None,
-    instances: Annotated[int | None, typer.Option("--instances", "-n", envvar="MPSERVE_INSTANCES")] = None,
-    gpus: GpusOption = None,
-    simulate_gpus: SimulateOption = None,
-    gpu_memory_budget: Annotated[str | None, typer.Option("--gpu-memory-budget", envvar="MPSERVE_GPU_MEMORY_BUDGET")]
-    = None,
-) -> None:
+@with_settings("plan")
+def plan(given: Given, config_file: ConfigOption = None) -> None:
     """Print where each instance would run and check that it fits, without starting anything."""
     from mpserve.gpu.placement import format_plan
     from mpserve.server.layout import build_layout
 
     with _errors():
-        config = cfg.build(cfg.load_file(config_file) if config_file else {},
-                           server={"gpus": gpus, "simulate_gpus": simulate_gpus,
-                                   "gpu_memory_budget": gpu_memory_budget},
-                           model={"path": model, "instances": instances}, source=str(config_file or "command line"),
-                           base_dir=config_file.parent if config_file else None)
-        layout = build_layout(config)
+        layout = build_layout(_config(given, config_file))
         print(format_plan(layout.placements, layout.devices))
 
 

@@ -1,4 +1,5 @@
-"""Server configuration from a YAML file, environment variables and command-line flags.
+"""Server configuration from a YAML file, environment variables and command-line flags; the keys, their
+types, ranges and choices come from their declarations (``mpserve.settings``).
 
 Precedence: flag > environment (``MPSERVE_…``, read by the CLI) > file (``--config``) > default. Flags
 and variables that describe a model (``--model``, ``--instances``, ``--threads``, ``--n-ctx``,
@@ -30,6 +31,7 @@ from typing import Any
 
 import yaml
 
+from . import settings
 from .errors import ConfigError
 
 BUILTIN_PREFIX = "builtin:"
@@ -143,32 +145,15 @@ def _is_network_tcp(address: str) -> bool:
     return not (host.startswith("127.") or host in ("localhost", "::1"))
 
 
-_MODEL_KEYS = {"name": str, "path": str, "instances": int, "parallel": int, "n_ctx": int, "threads": int,
-               "n_gpu_layers": int, "flash_attn": (str, bool),
-               "devices": list, "requires": dict}
+_MODEL_KEYS = {s.key: s.kinds for s in settings.scoped("model")}
 _REQUIRES_KEYS = {"memory": (str, int), "gpus": int}
-_SERVER_KEYS = {"server_name": str, "bind": str, "workers_bind": str, "max_queue": int, "max_queue_total": int,
-                "max_pending_per_client": int, "grace": float, "stall_timeout": float, "idle_timeout": float,
-                "client_timeout": float, "stream_interval": float,
-                "curve_secret": str, "curve_clients": str, "curve_workers": str, "insecure": bool,
-                "heartbeat_interval": float, "heartbeat_liveness": int, "gpus": (list, str), "simulate_gpus": str,
-                "gpu_mode": str, "max_active_per_gpu": int, "gpu_memory_budget": (str, int),
-                "single_active_backend": bool, "switch_batch": int, "lock_dir": str, "permit_log": str,
-                "log_level": str, "models": list}
-_RANGES: dict[str, tuple[float, float]] = {
-    "instances": (0, 256), "parallel": (1, 64), "n_ctx": (16, 1 << 20), "threads": (1, 1024),
-    "n_gpu_layers": (-1, 100000),
-    "max_queue": (1, 1_000_000), "max_queue_total": (1, 10_000_000), "max_pending_per_client": (1, 10_000_000),
-    "grace": (0, 3600), "stream_interval": (0, 1),
-    "stall_timeout": (0.1, 86400), "idle_timeout": (0, 86400 * 365), "client_timeout": (1, 3600),
-    "max_active_per_gpu": (1, 64), "switch_batch": (1, 100000), "heartbeat_interval": (0.05, 60),
-    "heartbeat_liveness": (2, 100),
-}
-_GPU_MODES = ("shared", "exclusive")
-FLASH_ATTN_MODES = ("auto", "on", "off")
+_SERVER_KEYS = {**{s.key: s.kinds for s in settings.scoped("server")}, "models": (list,)}
+_RANGES = {s.key: s.range for s in settings.SETTINGS if s.range is not None}
+_GPU_MODES = settings.BY_KEY["gpu_mode"].choices or ()
+FLASH_ATTN_MODES = settings.BY_KEY["flash_attn"].choices or ()
 _FLASH_ATTN_SPELLINGS = {True: "on", False: "off", "true": "on", "false": "off", "1": "on", "0": "off",
                          "yes": "on", "no": "off"}
-_LOG_LEVELS = ("debug", "info", "warning", "error")
+_LOG_LEVELS = settings.BY_KEY["log_level"].choices or ()
 
 
 def load_file(path: str | os.PathLike[str]) -> dict[str, Any]:
@@ -327,16 +312,15 @@ def _default_name(path: str) -> str:
     return stem[:48] or "model"
 
 
-def _check_keys(entry: Mapping[str, Any], allowed: Mapping[str, type], where: str) -> None:
+def _check_keys(entry: Mapping[str, Any], allowed: Mapping[str, Any], where: str) -> None:
     unknown = [k for k in entry if k not in allowed]
     if unknown:
         raise ConfigError(f"{where}: unknown key {unknown[0]!r}; allowed keys: {', '.join(allowed)}")
 
 
-def _checked(key: str, value: Any, kind: type | tuple[type, ...], where: str) -> Any:
-    if kind is float and isinstance(value, int) and not isinstance(value, bool):
+def _checked(key: str, value: Any, kinds: tuple[type, ...], where: str) -> Any:
+    if kinds == (float,) and isinstance(value, int) and not isinstance(value, bool):
         value = float(value)
-    kinds = kind if isinstance(kind, tuple) else (kind,)
     if not isinstance(value, kinds) or (isinstance(value, bool) and bool not in kinds):
         names = {int: "an integer", float: "a number", str: "a string", list: "a list", bool: "true or false",
                  dict: "a mapping"}

@@ -168,3 +168,15 @@ def http_status(code: str) -> int:
         return CODES[ErrorCode(code)].http_status
     except ValueError:
         return 500
+
+
+def markdown_table() -> str:
+    """The README's table of error codes."""
+    lines = ["| code | HTTP | meaning | retry? |", "|---|---|---|---|"]
+    lines += [f"| `{code}` | {info.http_status} | {info.meaning} | {'yes' if info.retryable else 'no'} |"
+              for code, info in CODES.items()]
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    print(markdown_table())

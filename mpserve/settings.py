@@ -1,0 +1,166 @@
+"""Every setting, declared once: name, scope, types, range, choices, default, environment variable, flag and
+help text.
+
+    SETTINGS ──▶ config.build      YAML keys, types and ranges, checked with the file, key and value
+             ├─▶ cli               the typer options of `start`, `worker`, `plan` and `devices`, with their
+             │                     environment variables and "(default: …)" help
+             └─▶ markdown_table()  the README's configuration table (a test keeps the two equal)
+
+Precedence: flag > environment > file > default. A setting's ``scope`` says where it lives: ``server``
+(``ServerConfig``, a top-level YAML key), ``model`` (``ModelConfig``, a key of each ``models[]`` entry; a flag
+or variable applies to every model), or ``cli`` (a flag of ``mpserve start`` only, not in the file).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Literal
+
+Scope = Literal["server", "model", "cli"]
+Command = Literal["start", "worker", "plan", "devices"]
+
+_FOR_SERVERS: tuple[Command, ...] = ("start",)
+_FOR_POOLS: tuple[Command, ...] = ("start", "worker")
+
+
+@dataclass(frozen=True)
+class Setting:
+    key: str  # the ServerConfig / ModelConfig field and the YAML key
+    scope: Scope
+    kinds: tuple[type, ...]  # what a YAML value may be
+    default: str  # the default as users read it (--help, README)
+    help: str
+    flag: str | None = None  # None: file only
+    short: str | None = None
+    env: str | None = None
+    cli_type: type = str  # what the flag parses its value as
+    range: tuple[float, float] | None = None
+    choices: tuple[str, ...] | None = None
+    commands: tuple[Command, ...] = _FOR_SERVERS  # the commands that take the flag
+
+    @property
+    def param(self) -> str:
+        """The flag's parameter name in the CLI functions."""
+        return self.flag[2:].replace("-", "_") if self.flag else self.key
+
+    @property
+    def yaml(self) -> str:
+        return {"server": self.key, "model": f"models[].{self.key}", "cli": ""}[self.scope]
+
+    def help_text(self) -> str:
+        return f"{self.help} (default: {self.default})."
+
+
+def _s(key: str, scope: Scope, kinds: type | tuple[type, ...], default: str, help: str, *, flag: str | None = "",
+       env: str | None = "", **kw: Any) -> Setting:
+    """A setting whose flag is --KEY and whose variable is MPSERVE_KEY unless told otherwise ("" = derived,
+    None = none)."""
+    derived_flag = "--" + key.replace("_", "-")
+    return Setting(key, scope, kinds if isinstance(kinds, tuple) else (kinds,), default, help,
+                   flag=derived_flag if flag == "" else flag,
+                   env=f"MPSERVE_{key.upper()}" if env == "" else env, **kw)
+
+
+SETTINGS: tuple[Setting, ...] = (
+    # --- models ----------------------------------------------------------------------------------------
+    _s("name", "model", str, "the file's stem", "Name clients use for the model", env="MPSERVE_MODEL_NAME",
+       commands=_FOR_POOLS),
+    _s("path", "model", str, "builtin:tiny", "GGUF file, builtin:tiny, builtin:bench, or echo (no model)",
+       flag="--model", short="-m", env="MPSERVE_MODEL", commands=("start", "worker", "plan")),
+    _s("instances", "model", int, "1", "Worker processes per model", short="-n", cli_type=int, range=(0, 256),
+       commands=("start", "worker", "plan")),
+    _s("parallel", "model", int, "1", "Requests one instance decodes together in one batch, each with n_ctx "
+       "tokens", short="-p", cli_type=int, range=(1, 64), commands=_FOR_POOLS),
+    _s("n_ctx", "model", int, "2048", "Context tokens per request (per sequence: an instance holds parallel × "
+       "n_ctx)", cli_type=int, range=(16, 1 << 20), commands=_FOR_POOLS),
+    _s("threads", "model", int, "cores ÷ all instances, at least 1", "llama.cpp threads per instance",
+       cli_type=int, range=(1, 1024), commands=_FOR_POOLS),
+    _s("n_gpu_layers", "model", int, "all on a GPU, none on the CPU", "Layers offloaded to the GPU (-1: all)",
+       cli_type=int, range=(-1, 100000), commands=_FOR_POOLS),
+    _s("flash_attn", "model", (str, bool), "auto", "llama.cpp flash attention: auto is on where llama.cpp "
+       "supports it (always on a CPU), as llama-server does; true/false mean on/off",
+       choices=("auto", "on", "off"), commands=_FOR_POOLS),
+    _s("devices", "model", list, "any GPU", "Pin the model's instances to these GPU indices, e.g. [1]", flag=None,
+       env=None),
+    _s("requires", "model", dict, "estimated from the GGUF", "Declared needs per instance: {memory: 7GiB, gpus: 1}",
+       flag=None, env=None),
+    # --- the server -----------------------------------------------------------------------------------
+    _s("server_name", "server", str, "default", "Which local server (several may run side by side)"),
+    _s("bind", "server", str, "ipc://$RUNTIME/NAME.sock", "Client address, e.g. tcp://127.0.0.1:5555"),
+    _s("workers_bind", "server", str, "ipc://$RUNTIME/NAME.workers.sock",
+       "Worker socket address; tcp://0.0.0.0:5556 for remote pools (mpserve worker --connect)"),
+    _s("max_queue", "server", int, "256", "Waiting requests per model", cli_type=int, range=(1, 1_000_000)),
+    _s("max_queue_total", "server", int, "4096", "Waiting requests, all models", cli_type=int,
+       range=(1, 10_000_000)),
+    _s("max_pending_per_client", "server", int, "128", "Requests one client may have queued or running",
+       cli_type=int, range=(1, 10_000_000)),
+    _s("grace", "server", float, "30", "Seconds to finish requests on shutdown", cli_type=float, range=(0, 3600)),
+    _s("stall_timeout", "server", float, "60", "Seconds a busy worker may generate nothing before it is replaced",
+       cli_type=float, range=(0.1, 86400), commands=_FOR_POOLS),
+    _s("idle_timeout", "server", float, "0, never", "Unload an instance idle this long, in s; reloaded on demand",
+       cli_type=float, range=(0, 86400 * 365)),
+    _s("client_timeout", "server", float, "5", "Cancel the requests of a client silent this long, in s",
+       cli_type=float, range=(1, 3600)),
+    _s("stream_interval", "server", float, "0.02", "Seconds between a streamed request's chunks after its first; "
+       "the tokens in between go together (0: a chunk per token)", cli_type=float, range=(0, 1),
+       commands=_FOR_POOLS),
+    _s("curve_secret", "server", str, "none", "Server secret key file (mpserve keygen)"),
+    _s("curve_clients", "server", str, "none", "Folder of allowed clients' public .key files"),
+    _s("curve_workers", "server", str, "none", "Folder of allowed remote pools' public .key files"),
+    _s("insecure", "server", bool, "false", "Allow a network --bind without CURVE keys (anyone reaching the port "
+       "may use it)", env=None, cli_type=bool),
+    _s("heartbeat_interval", "server", float, "1", "Seconds between heartbeats", cli_type=float,
+       range=(0.05, 60), commands=_FOR_POOLS),
+    _s("heartbeat_liveness", "server", int, "5", "Missed heartbeats before a remote worker (or, for a worker, "
+       "the broker) is lost", cli_type=int, range=(2, 100), commands=_FOR_POOLS),
+    _s("gpus", "server", (list, str), "every GPU found", "GPU indices to use, e.g. 0,2",
+       commands=("start", "worker", "plan", "devices")),
+    _s("simulate_gpus", "server", str, "none", "Pretend to have GPUs, e.g. 2x24GiB (no CUDA; tests and planning)",
+       commands=("start", "worker", "plan", "devices")),
+    _s("gpu_mode", "server", str, "shared", "exclusive: one computing request per GPU, host-wide",
+       choices=("shared", "exclusive")),
+    _s("max_active_per_gpu", "server", int, "unlimited", "Requests computing on one GPU at once, host-wide",
+       cli_type=int, range=(1, 64)),
+    _s("gpu_memory_budget", "server", (str, int), "the device's free memory", "GPU memory to plan with per device, "
+       "e.g. 20GiB", commands=("start", "plan")),
+    _s("single_active_backend", "server", bool, "false", "At most one model loaded per GPU; models take turns",
+       cli_type=bool),
+    _s("switch_batch", "server", int, "8", "Requests a resident model may serve while another waits (single "
+       "active backend)", flag=None, env=None, range=(1, 100000)),
+    _s("lock_dir", "server", str, "$MPSERVE_LOCK_DIR, else /dev/shm/mpserve-locks (created)",
+       "Folder of the host-wide permit locks; it must exist", env=None, commands=("devices",)),
+    _s("permit_log", "server", str, "none", "A file that gets one line per permit hold (audits, tests)", flag=None,
+       env=None),
+    _s("log_level", "server", str, "info", "Log level", choices=("debug", "info", "warning", "error"),
+       commands=_FOR_POOLS),
+    # --- flags of `mpserve start` that are not in the file ----------------------------------------------
+    _s("http", "cli", str, "none", "Also serve the OpenAI-compatible HTTP API on HOST:PORT (see mpserve gateway)",
+       env=None),
+    _s("api_key", "cli", str, "none", "Require 'Authorization: Bearer KEY' on HTTP requests (/health excepted)"),
+)
+
+BY_KEY: dict[str, Setting] = {s.key: s for s in SETTINGS}
+
+
+def scoped(scope: Scope) -> tuple[Setting, ...]:
+    return tuple(s for s in SETTINGS if s.scope == scope)
+
+
+def for_command(command: Command) -> tuple[Setting, ...]:
+    return tuple(s for s in SETTINGS if s.flag and command in s.commands)
+
+
+def markdown_table() -> str:
+    """The README's configuration table."""
+    lines = ["| flag | environment | YAML | default | meaning |", "|---|---|---|---|---|"]
+    for s in SETTINGS:
+        choices = " " + "\\|".join(s.choices) if s.choices else ""  # a | in a table cell is escaped
+        flag = f"`{s.flag}{choices}`" if s.flag else ""
+        env = f"`{s.env}`" if s.env else ""
+        yaml = f"`{s.yaml}`" if s.yaml else ""
+        lines.append(f"| {flag} | {env} | {yaml} | {s.default} | {s.help} |")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    print(markdown_table())

@@ -1,0 +1,62 @@
+"""The README's tables are the declarations' (settings, error codes), and the declarations agree with the
+config dataclasses and the CLI."""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from pathlib import Path
+
+import pytest
+from typer.main import get_command
+
+from mpserve import config as cfg
+from mpserve import errors, settings
+from mpserve.cli import app
+
+pytestmark = pytest.mark.timeout(10)
+
+README = (Path(__file__).parents[2] / "README.md").read_text()
+
+
+def _table_after(marker: str) -> str:
+    start = README.index(marker)
+    start = README.index("\n", start) + 1
+    return README[start:README.index("\n\n", start)]
+
+
+def test_the_readme_configuration_table_is_the_declarations() -> None:
+    assert _table_after("<!-- settings:") == settings.markdown_table(), "run: python -m mpserve.settings"
+
+
+def test_the_readme_error_table_is_the_code_table() -> None:
+    assert _table_after("<!-- error codes:") == errors.markdown_table(), "run: python -m mpserve.errors"
+
+
+def test_every_error_code_has_a_table_row_and_an_exception_class() -> None:
+    assert set(errors.CODES) == set(errors.ErrorCode)
+    for code in errors.ErrorCode:
+        assert errors.error_from_code(code.value, "m").code is code
+
+
+@pytest.mark.parametrize("config_class, scope", [(cfg.ServerConfig, "server"), (cfg.ModelConfig, "model")])
+def test_declared_defaults_are_the_dataclass_defaults(config_class: type, scope: settings.Scope) -> None:
+    fields = {f.name: f for f in dataclasses.fields(config_class)}
+    for s in settings.scoped(scope):
+        if s.key == "requires":  # YAML's requires: {memory} is the field requires_memory
+            continue
+        default = fields[s.key].default
+        if default is None or default is dataclasses.MISSING:
+            continue  # described in words ("every GPU found")
+        shown = f"{default:g}" if isinstance(default, float) else str(default).lower()
+        assert re.match(rf"{re.escape(shown)}\b", s.default), (s.key, default, s.default)
+
+
+@pytest.mark.parametrize("command", ["start", "worker", "plan", "devices"])
+def test_each_command_has_the_flags_declared_for_it(command: settings.Command) -> None:
+    click_command = get_command(app).commands[command]  # type: ignore[attr-defined]
+    flags = {opt for param in click_command.params for opt in param.opts}
+    for s in settings.for_command(command):
+        assert s.flag in flags and (s.short is None or s.short in flags), (command, s.key)
+        param = next(p for p in click_command.params if s.flag in p.opts)
+        assert param.envvar == s.env and s.default in (param.help or ""), (command, s.key)
