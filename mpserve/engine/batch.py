@@ -43,6 +43,7 @@ import random
 import time
 from collections import deque
 from dataclasses import dataclass
+from enum import Enum
 from typing import Any
 
 import numpy as np
@@ -84,11 +85,24 @@ class BatchStats:
     prefix_copies: int  # admissions that copied another slot's cells
 
 
+class Phase(Enum):
+    """A sequence's phase in its slot (llama.cpp's server calls these slot states):
+
+        admit ──▶ PREFILL ──last prompt token decoded, first token sampled──▶ DECODE ──┐
+                  (chunks of at most step_budget_tokens,                   ▲           │ one token a step
+                   or cells copied from another slot)                      └───────────┘
+        either ──stop / length / cancelled──▶ finished: out of the batch, its KV cells stay for reuse
+    """
+
+    PREFILL = "prefill"
+    DECODE = "decode"
+
+
 class _Sequence:
     """One admitted request in its slot."""
 
     __slots__ = ("slot", "prompt", "n_past", "reused", "max_tokens", "sampler", "text", "on_token", "generated",
-                 "next_token", "output_row", "pieces", "admitted_at", "first_token_at", "cancel_requested")
+                 "phase", "next_token", "output_row", "pieces", "admitted_at", "first_token_at", "cancel_requested")
 
     def __init__(self, slot: int, prompt: list[int], reused: int, max_tokens: int, sampler: SamplerChain,
                  text: TextStream, on_token: OnToken) -> None:
@@ -101,7 +115,8 @@ class _Sequence:
         self.text = text
         self.on_token = on_token
         self.generated: list[int] = []
-        self.next_token = -1  # the last sampled token, to be decoded next step; -1 while in its prompt
+        self.phase = Phase.PREFILL
+        self.next_token = -1  # DECODE: the last sampled token, to be decoded next step
         self.output_row = -1  # the batch row whose logits this sequence samples from after this decode
         self.pieces: list[str] = []  # text handed to on_token
         self.admitted_at = time.perf_counter()
@@ -317,7 +332,7 @@ class BatchEngine:
         """Put this step's tokens in the batch; return the sequences that sample after the decode."""
         if self.parallel > 1:
             self._catch_up()
-        decoding = [seq for seq in self._running.values() if seq.next_token >= 0]
+        decoding = [seq for seq in self._running.values() if seq.phase is Phase.DECODE]
         budget = self._budget if decoding else self._idle_budget
         chunks: dict[_Sequence, int] = {}  # prompt tokens this step, given out in admission order
         for seq in self._prefilling:
@@ -333,7 +348,7 @@ class BatchEngine:
         # Rows in slot order: with a KV stream per slot, llama.cpp splits a batch into micro-batches where
         # the sequence ids are out of order, and every micro-batch is one more pass over the weights.
         for seq in sorted(decoding + list(chunks), key=_by_slot):
-            if seq.next_token >= 0:
+            if seq.phase is Phase.DECODE:
                 seq.output_row = batch.add(seq.next_token, seq.n_past, seq.slot)
                 seq.n_past += 1
                 rows.append(seq)
@@ -383,7 +398,7 @@ class BatchEngine:
         if finished is None:
             if not go_on:
                 return "cancelled"
-            seq.next_token = token
+            seq.phase, seq.next_token = Phase.DECODE, token
         return finished
 
     def _finish(self, seq: _Sequence, reason: str) -> tuple[int, Completion]:

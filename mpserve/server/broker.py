@@ -7,10 +7,12 @@
                                       ▲                  │
         CHUNK/DONE/ERROR bodies ◀─────┴── forwarded unchanged, looked up by ticket
 
-State lives in three tables: ``requests`` (ticket -> Pending), ``workers`` (identity -> WorkerEntry) and
-``models`` (name -> ModelQueue). Every accepted request ends with exactly one terminal message to its
-client (DONE or ERROR); ``Pending.answered`` records that it was sent, so a late worker reply for a
-request that already timed out or was cancelled frees the worker without reaching the client twice.
+State lives in three tables (``mpserve.server.state``, which draws a request's states): ``requests``
+(ticket -> Pending), ``workers`` (identity -> WorkerEntry) and ``models`` (name -> ModelQueue). Every
+accepted request ends with exactly one terminal message to its client (DONE or ERROR); the ANSWERED
+state records that it was sent, so a late worker reply for a request that already timed out or was
+cancelled frees the worker without reaching the client twice. Routing and the retry rules are pure
+functions in ``mpserve.server.routing``.
 
 Worker deaths arrive from the supervisor (process sentinels in the same poll): a request that had not
 streamed anything is retried once on another instance; one that had is failed with ``worker_lost``; one
@@ -27,7 +29,6 @@ import itertools
 import logging
 import time
 from collections import Counter, deque
-from dataclasses import dataclass, field
 
 import zmq
 import zmq.auth
@@ -43,62 +44,17 @@ from mpserve.errors import (
     ShuttingDown,
     UnknownModel,
 )
-from mpserve.prefix import common_prefix
 from mpserve.protocol import ChatTemplate
 
 from .residency import Loaded, Residency
+from .routing import AfterLoss, after_loss, choose_slot
+from .state import ModelQueue, Pending, RequestState, WorkerEntry
 
 log = logging.getLogger("mpserve.broker")
 
-MAX_CRASHES = 2
 DEFAULT_SERVICE_MS = 250.0
 MAX_RETRY_AFTER_S = 30.0
-MIN_SHARED_PREFIX = 32  # characters a prompt must share with a slot's last one to be routed to it
 DRAIN_BATCH = 256
-
-
-@dataclass
-class Pending:
-    ticket: str
-    client: bytes
-    request: wire.Request
-    model: str
-    accepted: float  # monotonic
-    deadline: float | None
-    assigned: float = 0.0  # monotonic, the last assignment
-    crashes: int = 0
-    attempts: int = 0
-    worker: bytes | None = None
-    streamed: bool = False  # a CHUNK reached the client: a retry would repeat text
-    answered: bool = False  # the terminal message was sent (or the client is gone)
-
-
-@dataclass
-class WorkerEntry:
-    identity: bytes
-    index: int | None  # the local supervisor's worker index; None for a worker of a remote pool
-    model: str
-    device: int
-    capacity: int
-    pid: int
-    loaded: bool = True
-    unloading: bool = False
-    host: str = ""
-    last_heard: float = 0.0  # monotonic; remote workers are declared lost when silent too long
-    running: dict[str, int] = field(default_factory=dict)  # ticket -> slot
-    prompts: dict[int, str] = field(default_factory=dict)  # slot -> its last prompt (cached in its KV)
-
-
-@dataclass
-class ModelQueue:
-    name: str
-    max_queue: int
-    queue: deque[str] = field(default_factory=deque)  # tickets, FIFO
-    free: deque[tuple[bytes, int]] = field(default_factory=deque)  # (worker, slot), longest-free first
-    instances: int = 0  # workers registered (READY) and alive
-    failed: str | None = None  # the load error, once the supervisor gave up on this model
-    chat: ChatTemplate = ChatTemplate()  # from the workers' READY; empty until one had the model loaded
-    service_ms: float = 0.0  # running mean of assignment-to-answer time, for the busy retry-after hint
 
 
 class Broker:
@@ -217,16 +173,18 @@ class Broker:
                 self._finish(p)
                 continue
             p.crashes += 1
-            if p.crashes >= MAX_CRASHES:
+            outcome = after_loss(p)
+            if outcome is AfterLoss.POISON:
                 self.stats[ErrorCode.POISON_REQUEST] += 1
                 self._answer_error(p, ErrorCode.POISON_REQUEST, f"this request was running on {p.crashes} workers "
                                    "that died; it will not be retried")
-            elif p.streamed:
+            elif outcome is AfterLoss.LOST:
                 self.stats[ErrorCode.WORKER_LOST] += 1
                 self._answer_error(p, ErrorCode.WORKER_LOST, f"{what} after it had streamed text; retry the request")
             else:
                 self.stats["retried"] += 1
                 log.info("retrying request %s: %s", p.request.id, what)
+                p.state = RequestState.QUEUED
                 self.models[p.model].queue.appendleft(ticket)
         self._dispatch(entry.model)
 
@@ -369,7 +327,7 @@ class Broker:
 
     def _answer_error(self, p: Pending, code: str, message: str, retry_after: float | None = None) -> None:
         if not p.answered:
-            p.answered = True
+            p.state = RequestState.ANSWERED
             self._to_client(p.client, wire.encode(wire.Error(p.request.id, code, message, retry_after)))
         if p.worker is None:
             self._finish(p)
@@ -401,7 +359,7 @@ class Broker:
         for (owner, _), ticket in list(self.by_client.items()):
             p = self.requests.get(ticket)
             if owner == client and p is not None and not p.answered:
-                p.answered = True  # nothing more can reach it
+                p.state = RequestState.ANSWERED  # nothing more can reach it
                 self.stats["cancelled_client_gone"] += 1
                 self._cancel(p, ErrorCode.CANCELLED, "client gone")
 
@@ -490,13 +448,13 @@ class Broker:
             return
         if mtype is wire.MsgType.CHUNK:
             if not p.answered:
-                p.streamed = True
+                p.state = RequestState.STREAMING
                 self._to_client(p.client, [wire.VERSION, type_frame, body])
             return
         slot = entry.running.pop(ticket)
         p.worker = None
         if not p.answered:
-            p.answered = True
+            p.state = RequestState.ANSWERED
             self.stats["done" if mtype is wire.MsgType.DONE else "worker_error"] += 1
             self._to_client(p.client, [wire.VERSION, type_frame, body])
         mq = self.models[entry.model]
@@ -542,28 +500,8 @@ class Broker:
                     self._assign(p, slot)
 
     def _take_slot(self, mq: ModelQueue, prompt: str, device: int | None = None) -> tuple[bytes, int] | None:
-        """Take a free slot (on ``device``, if given). First choice: one that can start from the longest
-        cached prefix of ``prompt`` (at least MIN_SHARED_PREFIX characters), held in its own KV cells or,
-        in a batching instance, in another slot's, which the worker copies; among those, the slot holding
-        it itself. Otherwise: a slot of the least busy instance (running sequences per slot), so that
-        requests spread over instances before they share one's batch. Among equals, the slot free the
-        longest."""
-        best: tuple[bytes, int] | None = None
-        best_key: tuple[int, int, float] = (-1, 0, 0.0)
-        held: dict[bytes, int] = {}  # worker -> the longest prefix any of its slots holds
-        for identity, slot in mq.free:
-            entry = self.workers[identity]
-            if device is not None and entry.device != device:
-                continue
-            own = anywhere = 0
-            if len(prompt) >= MIN_SHARED_PREFIX:
-                own = common_prefix(entry.prompts.get(slot, ""), prompt)
-                if entry.capacity > 1 and identity not in held:
-                    held[identity] = max((common_prefix(p, prompt) for p in entry.prompts.values()), default=0)
-                anywhere = max(own, held.get(identity, 0))
-            key = (_at_least(anywhere), _at_least(own), -len(entry.running) / entry.capacity)
-            if key > best_key:  # strictly better: among equals the first, free the longest, stays
-                best, best_key = (identity, slot), key
+        """Take the free slot ``routing.choose_slot`` picks (on ``device``, if given)."""
+        best = choose_slot(mq.free, self.workers, prompt, device)
         if best is not None:
             mq.free.remove(best)
         return best
@@ -572,6 +510,7 @@ class Broker:
         identity, index = slot
         entry = self.workers[identity]
         p.attempts += 1
+        p.state = RequestState.RUNNING
         p.worker = identity
         p.assigned = time.monotonic()
         entry.running[p.ticket] = index
@@ -589,11 +528,6 @@ class Broker:
     def _stale_deadline(self, ticket: str) -> bool:
         p = self.requests.get(ticket)
         return p is None or p.answered
-
-
-def _at_least(shared: int) -> int:
-    """A shared prefix long enough to route by, else 0."""
-    return shared if shared >= MIN_SHARED_PREFIX else 0
 
 
 def _router(ctx: zmq.Context, addr: str, curve_secret: str | None, zap_domain: bytes) -> zmq.Socket:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import logging
 import multiprocessing
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from multiprocessing.process import BaseProcess
 from typing import Any
@@ -51,8 +52,11 @@ class ModelHealth:
 
 
 class Supervisor:
-    def __init__(self, config: ServerConfig, specs: list[WorkerSpec], table: SlotTable) -> None:
+    def __init__(self, config: ServerConfig, specs: list[WorkerSpec], table: SlotTable,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        """``clock``: the monotonic time restarts and kills are scheduled on (tests inject one)."""
         self._mp = multiprocessing.get_context("spawn")
+        self._clock = clock
         self._table = table
         self._stall_timeout = config.stall_timeout
         self.workers: dict[int, WorkerHandle] = {spec.index: WorkerHandle(spec) for spec in specs}
@@ -121,8 +125,8 @@ class Supervisor:
         # doing, and the requests wait); one that died on its way up backs off, to not boot-loop.
         handle.crashes = 0 if handle.registered else handle.crashes + 1
         handle.registered = False
-        delay = 0.0 if handle.crashes == 0 else min(BACKOFF_MAX_S, BACKOFF_FIRST_S * 2 ** (handle.crashes - 1))
-        handle.restart_at = time.monotonic() + delay
+        delay = restart_delay(handle.crashes)
+        handle.restart_at = self._clock() + delay
         log.warning("worker %d (pid %s, %s) exited with %s; restarting in %.1f s", index, pid,
                     handle.spec.model, _describe_exit(code), delay)
         return code
@@ -151,7 +155,7 @@ class Supervisor:
             return
         log.warning("worker %d (pid %s) made no progress; stopping it", index, handle.process.pid)
         handle.process.terminate()
-        handle.stalled, handle.kill_at = True, time.monotonic() + KILL_AFTER_S
+        handle.stalled, handle.kill_at = True, self._clock() + KILL_AFTER_S
 
     def stalled(self) -> dict[int, float]:
         """The busy watchdog's finding: running workers, not already being stopped, with a busy slot that
@@ -201,6 +205,12 @@ class Supervisor:
                 handle.process.join(1.0)
                 handle.process = None
             self._mark(handle.spec, SlotState.DEAD)
+
+
+def restart_delay(crashes: int) -> float:
+    """Seconds before restarting a worker that died ``crashes`` times in a row before registering: at once
+    after a death once it was up, then BACKOFF_FIRST_S doubling up to BACKOFF_MAX_S."""
+    return 0.0 if crashes == 0 else min(BACKOFF_MAX_S, BACKOFF_FIRST_S * 2 ** (crashes - 1))
 
 
 def _describe_exit(code: int | None) -> str:

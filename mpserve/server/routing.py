@@ -1,0 +1,65 @@
+"""The broker's decisions, as pure functions over its tables: which free slot a request goes to, and what
+becomes of a request whose worker died.
+
+    choose_slot(free slots, workers, prompt)   prefix held by the slot > prefix held by its instance
+                                               > least busy instance > free the longest
+    after_loss(request)                        RETRY (nothing streamed yet) | LOST (text streamed)
+                                               | POISON (it has now crashed MAX_CRASHES workers)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from enum import Enum
+
+from mpserve.prefix import common_prefix
+
+from .state import Pending, RequestState, WorkerEntry
+
+MAX_CRASHES = 2
+MIN_SHARED_PREFIX = 32  # characters a prompt must share with a slot's last one to be routed to it
+
+
+def choose_slot(free: Iterable[tuple[bytes, int]], workers: Mapping[bytes, WorkerEntry], prompt: str,
+                device: int | None = None) -> tuple[bytes, int] | None:
+    """A free slot (on ``device``, if given), in ``free``'s order (longest free first). First choice: one
+    that can start from the longest cached prefix of ``prompt`` (at least MIN_SHARED_PREFIX characters),
+    held in its own KV cells or, in a batching instance, in another slot's, which the worker copies; among
+    those, the slot holding it itself. Otherwise: a slot of the least busy instance (running sequences per
+    slot), so that requests spread over instances before they share one's batch. Among equals, the slot
+    free the longest."""
+    best: tuple[bytes, int] | None = None
+    best_key: tuple[int, int, float] = (-1, 0, 0.0)
+    held: dict[bytes, int] = {}  # worker -> the longest prefix any of its slots holds
+    for identity, slot in free:
+        entry = workers[identity]
+        if device is not None and entry.device != device:
+            continue
+        own = anywhere = 0
+        if len(prompt) >= MIN_SHARED_PREFIX:
+            own = common_prefix(entry.prompts.get(slot, ""), prompt)
+            if entry.capacity > 1 and identity not in held:
+                held[identity] = max((common_prefix(p, prompt) for p in entry.prompts.values()), default=0)
+            anywhere = max(own, held.get(identity, 0))
+        key = (_at_least(anywhere), _at_least(own), -len(entry.running) / entry.capacity)
+        if key > best_key:  # strictly better: among equals the first, free the longest, stays
+            best, best_key = (identity, slot), key
+    return best
+
+
+def _at_least(shared: int) -> int:
+    """A shared prefix long enough to route by, else 0."""
+    return shared if shared >= MIN_SHARED_PREFIX else 0
+
+
+class AfterLoss(Enum):
+    RETRY = "retry"
+    LOST = "worker_lost"
+    POISON = "poison_request"
+
+
+def after_loss(p: Pending) -> AfterLoss:
+    """A running request whose worker died (``p.crashes`` already counts this death)."""
+    if p.crashes >= MAX_CRASHES:
+        return AfterLoss.POISON
+    return AfterLoss.LOST if p.state is RequestState.STREAMING else AfterLoss.RETRY

@@ -1,0 +1,79 @@
+"""The rows of the broker's three tables: requests (``Pending``), workers (``WorkerEntry``) and models
+(``ModelQueue``).
+
+A request's life in the broker (``RequestState``; llama.cpp's server draws its ``slot_state`` the same way):
+
+    accepted ──▶ QUEUED ──assign──▶ RUNNING ──first CHUNK forwarded──▶ STREAMING
+                   ▲                   │                                   │
+                   └── worker died ────┘ (retried once: nothing was        │
+                       before streaming    streamed, so nothing repeats)   │
+                                                                           ▼
+    any state ──DONE / ERROR / cancel / timeout / client gone / worker lost──▶ ANSWERED ──▶ removed
+
+ANSWERED means its one terminal message was sent (or the client is gone). A request answered while a worker
+still runs it (cancelled, timed out) stays in the table until that worker's late reply frees the slot;
+``Pending.worker`` says which worker holds it, None while it is queued.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+from enum import Enum
+
+from mpserve import protocol as wire
+from mpserve.protocol import ChatTemplate
+
+
+class RequestState(Enum):
+    QUEUED = "queued"
+    RUNNING = "running"
+    STREAMING = "streaming"  # a CHUNK reached the client: a retry would repeat text
+    ANSWERED = "answered"
+
+
+@dataclass
+class Pending:
+    ticket: str
+    client: bytes
+    request: wire.Request
+    model: str
+    accepted: float  # monotonic
+    deadline: float | None
+    state: RequestState = RequestState.QUEUED
+    assigned: float = 0.0  # monotonic, the last assignment
+    crashes: int = 0
+    attempts: int = 0
+    worker: bytes | None = None
+
+    @property
+    def answered(self) -> bool:
+        return self.state is RequestState.ANSWERED
+
+
+@dataclass
+class WorkerEntry:
+    identity: bytes
+    index: int | None  # the local supervisor's worker index; None for a worker of a remote pool
+    model: str
+    device: int
+    capacity: int
+    pid: int
+    loaded: bool = True
+    unloading: bool = False
+    host: str = ""
+    last_heard: float = 0.0  # monotonic; remote workers are declared lost when silent too long
+    running: dict[str, int] = field(default_factory=dict)  # ticket -> slot
+    prompts: dict[int, str] = field(default_factory=dict)  # slot -> its last prompt (cached in its KV)
+
+
+@dataclass
+class ModelQueue:
+    name: str
+    max_queue: int
+    queue: deque[str] = field(default_factory=deque)  # tickets, FIFO
+    free: deque[tuple[bytes, int]] = field(default_factory=deque)  # (worker, slot), longest-free first
+    instances: int = 0  # workers registered (READY) and alive
+    failed: str | None = None  # the load error, once the supervisor gave up on this model
+    chat: ChatTemplate = ChatTemplate()  # from the workers' READY; empty until one had the model loaded
+    service_ms: float = 0.0  # running mean of assignment-to-answer time, for the busy retry-after hint

@@ -1,0 +1,89 @@
+"""The supervisor's restart rules with an injected clock: backoff for workers that die on their way up, at
+once for one that was up, and a halt after three failed loads in a row."""
+
+from __future__ import annotations
+
+import multiprocessing
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from mpserve import config as cfg
+from mpserve.server.supervisor import BACKOFF_MAX_S, MAX_LOAD_FAILURES, Supervisor, restart_delay
+from mpserve.slots import SlotState, SlotTable
+from mpserve.worker.spec import EXIT_LOAD_FAILED, EngineSpec, WorkerSpec
+
+pytestmark = pytest.mark.timeout(20)
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+@pytest.fixture
+def supervisor(tmp_path: Path) -> Iterator[tuple[Supervisor, Clock, SlotTable]]:
+    table = SlotTable.create(tmp_path / "slots", 1)
+    spec = WorkerSpec(0, "echo", EngineSpec("echo", 512, 1, 0), -1, "inproc://x", str(tmp_path / "slots"), 1)
+    clock = Clock()
+    sup = Supervisor(cfg.build(model={"path": "echo"}), [spec], table, clock=clock)
+    yield sup, clock, table
+    table.close()
+    table.unlink()
+
+
+def exited(code: int) -> multiprocessing.process.BaseProcess:
+    """A real process that has exited with ``code``."""
+    process = multiprocessing.get_context("fork").Process(target=sys.exit, args=(code,))
+    process.start()
+    process.join()
+    return process
+
+
+def test_the_backoff_doubles_from_half_a_second_up_to_its_cap() -> None:
+    assert [restart_delay(n) for n in range(8)] == [0.0, 0.5, 1.0, 2.0, 4.0, 8.0, 16.0, BACKOFF_MAX_S]
+    assert restart_delay(50) == BACKOFF_MAX_S
+
+
+def test_a_worker_that_dies_before_registering_backs_off_and_one_that_was_up_restarts_at_once(supervisor) -> None:
+    sup, clock, table = supervisor
+    handle = sup.workers[0]
+    for expected in (0.5, 1.0, 2.0):
+        handle.process = exited(1)
+        sup.reap(0)
+        assert handle.restart_at == clock.now + expected
+        assert table.read_all()[0].state is SlotState.DEAD
+    sup.registered(0, loaded=True)
+    handle.process = exited(1)
+    sup.reap(0)
+    assert handle.restart_at == clock.now  # it had been up: its death was the request's or the host's doing
+
+
+def test_tick_restarts_a_worker_only_once_its_backoff_is_over(supervisor, monkeypatch) -> None:
+    sup, clock, _ = supervisor
+    started: list[int] = []
+    monkeypatch.setattr(sup, "spawn", started.append)
+    sup.workers[0].process = exited(1)
+    sup.reap(0)
+    sup.tick(clock.now + 0.4)
+    assert started == []
+    sup.tick(clock.now + 0.5)
+    assert started == [0]
+
+
+def test_three_failed_loads_in_a_row_mark_the_model_failed_and_stop_restarts(supervisor) -> None:
+    sup, _, table = supervisor
+    sup.load_failed("echo", "bad magic")
+    for _ in range(MAX_LOAD_FAILURES):
+        assert sup.health["echo"].failed_message is None
+        handle = sup.workers[0]
+        handle.process, handle.restart_at = exited(EXIT_LOAD_FAILED), None  # as spawn() leaves it
+        sup.reap(0)
+    assert sup.health["echo"].failed_message == "bad magic"
+    assert sup.workers[0].restart_at is None  # no restart scheduled: the model is marked failed
+    assert table.read_all()[0].state is SlotState.FAILED
