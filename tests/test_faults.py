@@ -16,13 +16,13 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 import llama_cpp
 import pytest
 import zmq
+from helpers import wait_for
 
 from mpserve import AsyncClient, Client
 from mpserve import protocol as wire
@@ -30,26 +30,11 @@ from mpserve.errors import ModelFailed, MpserveError, WorkerStalled
 from mpserve.runtime import ServerInfo
 from mpserve.slots import SlotRow, SlotState
 
-T = TypeVar("T")
-
-POLL_S = 0.02
 SERVING = (SlotState.IDLE, SlotState.BUSY)
 NOT_LIVE = (SlotState.EMPTY, SlotState.DEAD, SlotState.FAILED)  # every other state claims a running worker
 
 
 # --- helpers ------------------------------------------------------------------------------------
-
-def wait_for(condition: Callable[[], T], timeout: float, what: str) -> T:
-    """Poll ``condition`` until it returns something truthy; fail naming ``what`` after ``timeout``."""
-    deadline = time.monotonic() + timeout
-    while True:
-        value = condition()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"not within {timeout} s: {what}")
-        time.sleep(POLL_S)
-
 
 def process_state(pid: int) -> str | None:
     """The kernel's one-letter state of ``pid`` (R, S, T, Z…), or None when there is no such process."""
@@ -406,6 +391,7 @@ CLIENT_EXPIRY_S = 5.0
 VANISHING_CLIENT = """
 import sys
 from mpserve import Client
+
 with Client(sys.argv[1]) as client:
     client.generate("vanish", max_tokens=8000, temperature=0)
 """

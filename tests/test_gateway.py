@@ -17,6 +17,7 @@ import openai
 import pytest
 import uvicorn
 from conftest import ServerProcess
+from helpers import wait_for
 from prometheus_client.parser import text_string_to_metric_families
 
 from mpserve import Client
@@ -94,14 +95,6 @@ def _after_first_event(response: httpx.Response) -> Iterator[str]:
     lines = response.iter_lines()
     next(line for line in lines if line.startswith("data:"))
     return lines
-
-
-def _wait_for(predicate: Any, timeout: float, what: str) -> Any:
-    deadline = time.monotonic() + timeout
-    while not (value := predicate()):
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.02)
-    return value
 
 
 @pytest.mark.timeout(60)
@@ -256,7 +249,7 @@ def test_health_follows_the_server_from_start_to_shutdown(start_server) -> None:
         assert gw.get("/metrics").text.count("mpserve_up 0.0") == 1
 
         server = start_server("--instances", "1", "--n-ctx", "8192", name=name).wait_ready()
-        running = _wait_for(lambda: (r := gw.get("/health")).status_code == 200 and r, 10, "a healthy server")
+        running = wait_for(lambda: (r := gw.get("/health")).status_code == 200 and r, 10, "a healthy server")
         assert running.json()["models"]["tiny"] | {"failed": None} == {
             "ready": 1, "busy": 0, "unloaded": 0, "loading": 0, "down": 0, "queued": 0, "running": 0, "failed": None}
 
@@ -265,7 +258,7 @@ def test_health_follows_the_server_from_start_to_shutdown(start_server) -> None:
             lines = _after_first_event(stream)
             assert gw.get("/health").json()["models"]["tiny"]["busy"] == 1
             server.proc.send_signal(signal.SIGTERM)  # drains: the stream keeps the server up
-            draining = _wait_for(lambda: (r := gw.get("/health")).status_code == 503 and r, 5, "a draining server")
+            draining = wait_for(lambda: (r := gw.get("/health")).status_code == 503 and r, 5, "a draining server")
             assert draining.json()["accepting"] is False and "shutting down" in draining.json()["reason"]
             assert next(line for line in lines if line.startswith("data:"))  # still streaming while draining
             refused = httpx.post(f"{gw.url}/v1/completions", json={"model": "tiny", "prompt": "x"}, timeout=10)
@@ -306,10 +299,10 @@ def test_monitor_reports_each_instance_and_a_killed_worker_shows_everywhere(star
         assert lost.value.code == "worker_lost"
         hurt = gw.get("/health").json()["models"]["tiny"]
         assert hurt["ready"] == 1 and hurt["down"] + hurt["loading"] == 1
-        _wait_for(lambda: gw.get("/health").json()["models"]["tiny"]["ready"] == 2, 20, "the restarted worker")
+        wait_for(lambda: gw.get("/health").json()["models"]["tiny"]["ready"] == 2, 20, "the restarted worker")
         after = gw.get("/backend/monitor").json()["instances"]
         assert after[busy.index]["pid"] not in (0, busy.pid) and after[busy.index]["state"] == "idle"
-        _wait_for(lambda: gw.metrics()["mpserve_worker_restarts_total", (("model", "tiny"),)] == 1, 2,
+        wait_for(lambda: gw.metrics()["mpserve_worker_restarts_total", (("model", "tiny"),)] == 1, 2,
                   "the restart to be counted")
         assert gw.metrics()["mpserve_http_requests_total", (("code", "worker_lost"),
                                                             ("endpoint", "/v1/completions"))] == 1
@@ -333,7 +326,7 @@ def test_a_client_that_disconnects_frees_the_instance_within_a_second(single_ser
                 http.post(f"{single_gateway.url}/v1/completions", json=body, timeout=1.0)
             assert single_server.slots()[0].state is SlotState.BUSY
     left = time.monotonic()
-    row = _wait_for(lambda: (r := single_server.slots()[0]).state is SlotState.IDLE and r, 5, "an idle instance")
+    row = wait_for(lambda: (r := single_server.slots()[0]).state is SlotState.IDLE and r, 5, "an idle instance")
     assert time.monotonic() - left < 1.0
     assert row.tokens < 8000
     codes = single_gateway.metrics()
@@ -376,6 +369,6 @@ def test_a_request_past_its_timeout_is_a_504(single_server) -> None:
         late = httpx.post(f"{gw.url}/v1/completions", json={"model": "tiny", "prompt": "x", "max_tokens": 8000},
                           timeout=10)
         assert late.status_code == 504 and late.json()["error"]["code"] == "timeout"
-        _wait_for(lambda: single_server.slots()[0].state is SlotState.IDLE, 5, "an idle instance")
+        wait_for(lambda: single_server.slots()[0].state is SlotState.IDLE, 5, "an idle instance")
     finally:
         gw.stop()

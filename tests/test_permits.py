@@ -14,10 +14,11 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from helpers import wait_for
 
 from mpserve.errors import ConfigError, Timeout
 from mpserve.gpu.permits import (
@@ -36,6 +37,7 @@ CHILD = """
 import os, sys, time
 from pathlib import Path
 from mpserve.gpu.permits import DevicePermits, HoldLog
+
 
 mode, lock_dir, capacity, log, *rest = sys.argv[1:]
 permits = DevicePermits("GPU-test", int(capacity), Path(lock_dir), on_hold=HoldLog(Path(log)))
@@ -97,13 +99,6 @@ class Child:
 
     def finish(self) -> int:
         return self.proc.wait(timeout=30)
-
-
-def wait_until(condition: Callable[[], bool], timeout: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < deadline, "condition not reached in time"
-        time.sleep(0.005)
 
 
 @pytest.fixture
@@ -174,7 +169,7 @@ def test_sigkilled_holder_hands_its_permit_to_the_next_waiter_within_a_second_20
             got: list[float] = []
             waiter = threading.Thread(target=note_when_acquired, args=(permits, got))
             waiter.start()
-            wait_until(lambda: len(permits.waiters()) == 1)
+            wait_for(lambda: len(permits.waiters()) == 1)
             killed_at = time.monotonic()
             holder.kill()
             waiter.join(timeout=5)
@@ -197,11 +192,11 @@ def test_sigkilled_waiter_does_not_hold_up_the_waiters_behind_it(
     first = Child("once", lock_dir, 1, log, 0)
     children.append(first)
     first.expect("waiting")
-    wait_until(lambda: len(permits.waiters()) == 1)
+    wait_for(lambda: len(permits.waiters()) == 1)
     second = Child("once", lock_dir, 1, log, 0)
     children.append(second)
     second.expect("waiting")
-    wait_until(lambda: len(permits.waiters()) == 2)
+    wait_for(lambda: len(permits.waiters()) == 2)
     first.kill()
     held.release()
     assert second.finish() == 0
@@ -217,7 +212,7 @@ def test_waiters_are_served_in_arrival_order(
         child = Child("once", lock_dir, 1, log, 0.01)
         children.append(child)
         child.expect("waiting")
-        wait_until(lambda: len(permits.waiters()) == len(children))
+        wait_for(lambda: len(permits.waiters()) == len(children))
     assert [waiter.pid for waiter in permits.waiters()] == [child.pid for child in children]
     held.release()
     assert [child.finish() for child in children] == [0] * 5
@@ -238,9 +233,9 @@ def test_holders_and_waiters_are_visible_from_another_process(
     waiter = Child("once", lock_dir, 1, log, 30)
     children.append(waiter)
     waiter.expect("waiting")
-    wait_until(lambda: [w.pid for w in permits.waiters()] == [waiter.pid])
+    wait_for(lambda: [w.pid for w in permits.waiters()] == [waiter.pid])
     holder.kill()
-    wait_until(lambda: [(h.slot, h.pid) for h in permits.holders()] == [(0, waiter.pid)])
+    wait_for(lambda: [(h.slot, h.pid) for h in permits.holders()] == [(0, waiter.pid)])
     assert permits.waiters() == []
     waiter.kill()
     assert permits.holders() == []

@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 import zmq
 from conftest import ServerProcess, _die_with_parent
+from helpers import wait_for
 
 from mpserve import AsyncClient, Client
 from mpserve import protocol as wire
@@ -83,14 +84,6 @@ def registered(address: str) -> Counter[str]:
     """Remote workers registered with the broker, by pool (host-pid)."""
     with Client(address) as client:
         return Counter(w.worker.rsplit("-w", 1)[0] for w in client.stats().workers if w.host)
-
-
-def wait_for(condition, timeout: float, what: str):
-    deadline = time.monotonic() + timeout
-    while not (value := condition()):
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.05)
-    return value
 
 
 def broker(start_server, port: int, *extra: str, name: str | None = None) -> ServerProcess:

@@ -21,7 +21,7 @@ from mpserve.gpu.devices import (
     parse_nvidia_smi,
 )
 
-DATA = Path(__file__).parent / "data"
+DATA = Path(__file__).parents[1] / "data"
 MIB = 1 << 20
 GIB = 1 << 30
 
