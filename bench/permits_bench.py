@@ -4,7 +4,7 @@ and how long the device sits idle when the permit passes from one holder to the 
 The baseline is an uncontended ``fcntl.flock`` lock/unlock on a file: the cheapest kernel lock a
 process can take, with none of the permit's queueing, records or crash safety. Run::
 
-    PYTHONPATH=. python bench/permits_bench.py [n]
+    python -m bench.permits_bench [n]
 """
 
 from __future__ import annotations

@@ -68,10 +68,11 @@ def with_settings(command: settings.Command) -> Callable[[Callable[..., None]], 
 
 
 def _option(s: settings.Setting) -> Any:
+    assert s.flag is not None  # for_command() gives flags only
     names = [s.flag, s.short] if s.short else [s.flag]
     option = typer.Option(*names, envvar=s.env, help=s.help_text(),
                           metavar="|".join(s.choices) if s.choices else None)
-    return Annotated[bool, option] if s.cli_type is bool else Annotated[s.cli_type | None, option]  # type: ignore[name-defined]
+    return Annotated[bool, option] if s.cli_type is bool else Annotated[s.cli_type | None, option]
 
 
 def _config(given: Given, config_file: Path | None) -> cfg.ServerConfig:
@@ -121,7 +122,7 @@ def generate(
     """Send one request to a running server and print the completion."""
     from .client import Client
 
-    params = dict(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed,
+    params: dict[str, Any] = dict(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed,
                   stop=tuple(stop or ()))
     with _errors(), Client(address, server_name=server_name, timeout=timeout, curve_server_key=curve_server_key,
                            curve_secret=curve_secret) as client:
@@ -280,7 +281,7 @@ def devices(
 
     with _errors():
         config = cfg.build(server=given.server)
-        rows = []
+        rows: list[dict[str, Any]] = []
         for d in discover(config.gpus, config.simulate_gpus):
             state = inspect(d.key, Path(config.lock_dir) if config.lock_dir else None)
             rows.append({"index": d.index, "name": d.name, "uuid": d.uuid, "memory_total": d.memory_total,
@@ -400,11 +401,11 @@ class _errors:
     def __enter__(self) -> None:
         return None
 
-    def __exit__(self, exc_type: object, exc: BaseException | None, tb: object) -> bool:
+    def __exit__(self, exc_type: object, exc: BaseException | None, tb: object) -> None:
         if isinstance(exc, MpserveError):
             typer.echo(f"error: {exc}", err=True)
             raise typer.Exit(1)
-        return False
+        return None
 
 
 def main() -> None:

@@ -24,9 +24,9 @@ import itertools
 import os
 import threading
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncGenerator, Coroutine, Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar, cast
 
 import zmq
 import zmq.asyncio
@@ -35,6 +35,8 @@ import zmq.auth
 from . import protocol as wire
 from .errors import ConfigError, ConnectionFailed, MpserveError, Timeout, error_from_code
 from .runtime import default_address
+
+T = TypeVar("T")
 
 PING_INTERVAL_S = 1.0
 PING_LIVENESS = 3
@@ -64,10 +66,10 @@ class Stream:
         self.id = request.id
         self.result: Result | None = None
 
-    def __aiter__(self) -> AsyncIterator[str]:
+    def __aiter__(self) -> AsyncGenerator[str, None]:
         return self._chunks()
 
-    async def _chunks(self) -> AsyncIterator[str]:
+    async def _chunks(self) -> AsyncGenerator[str, None]:
         queue = await self._client._submit(self._request)
         try:
             while True:
@@ -227,11 +229,11 @@ class AsyncClient:
         without a future each through a plain (shadow) socket."""
         assert self._sock is not None
         sock = self._sock
-        waiting = zmq.Socket.shadow(sock.underlying)
+        waiting: zmq.Socket[bytes] = zmq.Socket.shadow(sock.underlying)
         while True:
             self._deliver(await sock.recv_multipart())
             self._last_heard = time.monotonic()
-            while waiting.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+            while readable(waiting):
                 self._deliver(waiting.recv_multipart(zmq.NOBLOCK))
 
     async def _keep_alive(self) -> None:
@@ -270,7 +272,8 @@ class AsyncClient:
             if target is not None:
                 target.put_nowait(err)
             return
-        queue = self._pending.get(getattr(msg, "id", None))
+        request_id = getattr(msg, "id", None)
+        queue = self._pending.get(request_id) if isinstance(request_id, str) else None
         if queue is not None:
             queue.put_nowait(msg)
 
@@ -348,7 +351,7 @@ class Client:
             self._call(self._async.close())
             self._stop_loop()
 
-    def _call(self, coro: Any) -> Any:
+    def _call(self, coro: Coroutine[Any, Any, T]) -> T:
         return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
 
     def _stop_loop(self) -> None:
@@ -391,3 +394,8 @@ class SyncStream:
         finally:  # left early: cancel the request (unless the client was closed, which ended it already)
             if self._stream.result is None and self._client.open:
                 self._client._call(self._chunks.aclose())
+
+
+def readable(sock: zmq.Socket[bytes]) -> bool:
+    """Whether a message is waiting on ``sock`` (cheaper than a receive that ends on zmq.Again)."""
+    return bool(cast(int, sock.getsockopt(zmq.EVENTS)) & zmq.POLLIN)

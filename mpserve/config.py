@@ -27,7 +27,7 @@ import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import yaml
 
@@ -146,9 +146,9 @@ def _is_network_tcp(address: str) -> bool:
 
 
 _MODEL_KEYS = {s.key: s.kinds for s in settings.scoped("model")}
-_REQUIRES_KEYS = {"memory": (str, int), "gpus": int}
+_REQUIRES_KEYS: dict[str, tuple[type, ...]] = {"memory": (str, int), "gpus": (int,)}
 _SERVER_KEYS = {**{s.key: s.kinds for s in settings.scoped("server")}, "models": (list,)}
-_RANGES = {s.key: s.range for s in settings.SETTINGS if s.range is not None}
+_RANGES = {s.key: r for s in settings.SETTINGS if (r := s.range) is not None}
 _GPU_MODES = settings.BY_KEY["gpu_mode"].choices or ()
 FLASH_ATTN_MODES = settings.BY_KEY["flash_attn"].choices or ()
 _FLASH_ATTN_SPELLINGS = {True: "on", False: "off", "true": "on", "false": "off", "1": "on", "0": "off",
@@ -328,6 +328,6 @@ def _checked(key: str, value: Any, kinds: tuple[type, ...], where: str) -> Any:
         raise ConfigError(f"{where}.{key}: got {value!r}, expected {expected}")
     if key in _RANGES:
         lo, hi = _RANGES[key]
-        if not lo <= value <= hi:
+        if not lo <= cast(float, value) <= hi:  # ranged keys are numbers, checked above
             raise ConfigError(f"{where}.{key}: got {value!r}, allowed: {lo:g} to {hi:g}")
     return value

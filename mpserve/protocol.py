@@ -347,9 +347,9 @@ class Done:
             text=_text(body, "text", MAX_PROMPT_CHARS * 4),
             finish_reason=_text(body, "finish_reason", 32),
             usage=Usage(_get(u, "prompt_tokens", int), _get(u, "completion_tokens", int)),
-            timings=Timings(*(float(_get(t, k, (int, float))) for k in ("queue_ms", "prompt_ms",
-                                                                         "generate_ms")),
-                            attempts=_get(t, "attempts", int, 1), cached_tokens=_get(t, "cached_tokens", int, 0)),
+            timings=Timings(float(_get(t, "queue_ms", (int, float))), float(_get(t, "prompt_ms", (int, float))),
+                            float(_get(t, "generate_ms", (int, float))), attempts=_get(t, "attempts", int, 1),
+                            cached_tokens=_get(t, "cached_tokens", int, 0)),
             worker=_text(body, "worker", 64, ""),
         )
 
@@ -497,7 +497,7 @@ _DECODERS: dict[MsgType, Any] = {
 
 def to_wire(msg: Any) -> Any:
     """A dataclass as plain msgpack-able data (faster than dataclasses.asdict, which deep-copies)."""
-    names = _field_names(type(msg))
+    names = _field_names(msg.__class__)
     if names:
         return {name: to_wire(getattr(msg, name)) for name in names}
     if isinstance(msg, dict):
@@ -513,7 +513,8 @@ def _field_names(cls: type) -> tuple[str, ...]:
 
 
 def pack(msg: Any) -> bytes:
-    return msgpack.packb(to_wire(msg), use_bin_type=True)
+    packed: bytes = msgpack.packb(to_wire(msg), use_bin_type=True)
+    return packed
 
 
 def encode(msg: Any) -> list[bytes]:

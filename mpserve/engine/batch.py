@@ -434,7 +434,7 @@ class BatchEngine:
             n = lib.llama_tokenize(self._vocab, data, len(data), buffer, room, False, True)
         if n < 0:
             raise BadRequest("the prompt cannot be tokenized")
-        tokens = self._bos + buffer[:n]
+        tokens: list[int] = self._bos + list(buffer[:n])
         self._tokenized = (prompt, tokens)
         return tokens
 

@@ -54,7 +54,8 @@ class SamplerChain:
     def sample(self, ctx: Any, output_index: int) -> int:
         """Sample from the logits of batch row ``output_index`` of the last decode, and record the token
         (the penalties and the random state advance)."""
-        return llama_cpp.llama_sampler_sample(self._chain, ctx, output_index)
+        token: int = llama_cpp.llama_sampler_sample(self._chain, ctx, output_index)
+        return token
 
     def close(self) -> None:
         if self._chain is not None:

@@ -26,9 +26,10 @@ def render(chat: ChatTemplate, messages: Sequence[tuple[str, str]]) -> str:
     import jinja2
 
     try:
-        return _compiled(chat.template).render(
+        prompt: str = _compiled(chat.template).render(
             messages=[{"role": role, "content": content} for role, content in messages],
             add_generation_prompt=True, bos_token="", eos_token=chat.eos_token)
+        return prompt
     except jinja2.TemplateError as exc:
         raise BadRequest(f"the model's chat template failed: {exc}") from None
 

@@ -593,7 +593,7 @@ def _unlock(fd: int, offset: int) -> None:
 def _is_locked(fd: int, offset: int) -> bool:
     """Whether a description other than ``fd``'s holds the byte."""
     answer = fcntl.fcntl(fd, fcntl.F_OFD_GETLK, _request(fcntl.F_WRLCK, offset))
-    return _Flock.from_buffer_copy(answer).l_type != fcntl.F_UNLCK
+    return bool(_Flock.from_buffer_copy(answer).l_type != fcntl.F_UNLCK)
 
 
 # -- small helpers ---------------------------------------------------------------------------------

@@ -229,7 +229,8 @@ def _weights(shape: ModelShape, printable: np.ndarray) -> Iterator[tuple[str, np
         if writes_residual:
             weight *= residual_scale
             weight[0, :] = 0.0  # nothing writes residual dimension 0
-        return weight.astype(matrix_type)
+        result: np.ndarray = weight.astype(matrix_type)
+        return result
 
     def norm() -> np.ndarray:
         weight = np.ones(n_embd, dtype=np.float32)

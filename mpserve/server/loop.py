@@ -25,10 +25,11 @@ from mpserve.errors import ConfigError, ErrorCode
 from mpserve.runtime import ServerInfo, ServerPaths
 from mpserve.slots import SlotTable
 
-from .broker import Broker, WorkerEntry
+from .broker import Broker
 from .layout import build_layout, worker_specs
 from .residency import Residency
 from .signals import SignalPipe
+from .state import WorkerEntry
 from .supervisor import Supervisor
 
 log = logging.getLogger("mpserve.server")
@@ -199,6 +200,7 @@ class _Loop:
             self._broker.model_failed(model, failed)
 
     def _on_ready(self, entry: WorkerEntry) -> None:
+        assert entry.index is not None  # the broker tells of its local workers only
         self._supervisor.registered(entry.index, entry.loaded)
         self._ready.add(entry.index)
         if not self._announced and len(self._ready) == self._config.total_instances:

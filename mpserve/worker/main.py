@@ -45,7 +45,7 @@ def worker_main(spec: WorkerSpec) -> None:
     # which finishes requests and then stops its workers; a worker notices a dead server by itself.
     logging.basicConfig(level=spec.log_level.upper(), stream=sys.stderr,
                         format=f"%(asctime)s %(levelname)s worker {spec.index} ({spec.model}): %(message)s")
-    table = SlotTable.attach(spec.slots_path)
+    table = SlotTable.attach(Path(spec.slots_path))
     rows = [table.writer(row) for row in spec.rows]
     for row in rows:
         row.update(pid=os.getpid(), state=SlotState.STARTING, request="", tokens=0, served=0, started=time.time())

@@ -1,0 +1,28 @@
+"""The process boundaries, checked at run time: each process's entry module, imported in a fresh
+interpreter, loads nothing it must not (the import-linter contracts in pyproject.toml check the static
+imports; this checks what really gets loaded, lazy imports included)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+pytestmark = pytest.mark.timeout(60)
+
+
+@pytest.mark.parametrize("entry, forbidden", [
+    ("mpserve.server.loop", ["llama_cpp", "mpserve.engine", "mpserve.worker.main"]),
+    ("mpserve.server.pool", ["llama_cpp", "mpserve.engine", "mpserve.worker.main"]),
+    ("mpserve.gateway.app", ["llama_cpp", "mpserve.engine", "mpserve.server", "mpserve.worker"]),
+    ("mpserve.cli", ["llama_cpp", "mpserve.engine"]),
+    ("mpserve.engine.batch", ["zmq", "mpserve.server", "mpserve.gateway"]),
+])
+def test_a_process_entry_loads_nothing_across_its_boundary(entry: str, forbidden: list[str]) -> None:
+    code = f"import json, sys, {entry}; print(json.dumps(sorted(sys.modules)))"
+    loaded = json.loads(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                                       timeout=60).stdout)
+    crossing = [m for m in loaded if any(m == f or m.startswith(f + ".") for f in forbidden)]
+    assert crossing == [], f"{entry} loads {crossing}"
