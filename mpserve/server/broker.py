@@ -29,11 +29,14 @@ import itertools
 import logging
 import time
 from collections import Counter, deque
+from collections.abc import Callable
+from typing import Any
 
 import zmq
 import zmq.auth
 
 from mpserve import protocol as wire
+from mpserve.client import readable
 from mpserve.errors import (
     BadRequest,
     Busy,
@@ -58,7 +61,7 @@ DRAIN_BATCH = 256
 
 
 class Broker:
-    def __init__(self, ctx: zmq.Context, front_addr: str, back_addr: str, models: dict[str, int], *,
+    def __init__(self, ctx: zmq.Context[Any], front_addr: str, back_addr: str, models: dict[str, int], *,
                  max_queue_total: int = 4096, max_pending_per_client: int = 128, client_timeout: float = 5.0,
                  curve_secret: str | None = None, curve_workers: str | None = None,
                  residency: Residency | None = None, heartbeat_interval: float = 1.0,
@@ -88,20 +91,20 @@ class Broker:
         self._owned: dict[bytes, int] = {}  # clients -> number of pending requests
         self._deadlines: list[tuple[float, str]] = []
         self._tickets = (format(n, "x") for n in itertools.count(1))
-        self.on_ready = lambda entry: None  # set by the server: the supervisor's view of loads
-        self.on_failed = lambda model, message: None
+        self.on_ready: Callable[[WorkerEntry], None] = lambda entry: None  # set by the server: the
+        self.on_failed: Callable[[str, str], None] = lambda model, message: None  # supervisor's view of loads
 
     # --- the event sources -------------------------------------------------------------------
 
     def drain_front(self) -> None:
         for _ in range(DRAIN_BATCH):
-            if not self.front.getsockopt(zmq.EVENTS) & zmq.POLLIN:  # cheaper than ending on zmq.Again
+            if not readable(self.front):
                 return
             self._from_client(self.front.recv_multipart(zmq.NOBLOCK))
 
     def drain_back(self) -> None:
         for _ in range(DRAIN_BATCH):
-            if not self.back.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+            if not readable(self.back):
                 return
             self._from_worker(self.back.recv_multipart(zmq.NOBLOCK))
 
@@ -472,7 +475,9 @@ class Broker:
         mq = self.models[model]
         while mq.queue and mq.free:
             p = self.requests[mq.queue.popleft()]
-            self._assign(p, self._take_slot(mq, p.request.prompt))
+            slot = self._take_slot(mq, p.request.prompt)
+            assert slot is not None  # some slot is free and any device will do
+            self._assign(p, slot)
 
     def _dispatch_resident(self) -> None:
         """Single active backend: advance each device's turn (unloading what must leave), then start the
@@ -530,8 +535,8 @@ class Broker:
         return p is None or p.answered
 
 
-def _router(ctx: zmq.Context, addr: str, curve_secret: str | None, zap_domain: bytes) -> zmq.Socket:
-    sock = ctx.socket(zmq.ROUTER)
+def _router(ctx: zmq.Context[Any], addr: str, curve_secret: str | None, zap_domain: bytes) -> zmq.Socket[bytes]:
+    sock: zmq.Socket[bytes] = ctx.socket(zmq.ROUTER)
     if curve_secret is not None:
         public, secret = zmq.auth.load_certificate(curve_secret)
         sock.curve_publickey, sock.curve_secretkey, sock.curve_server = public, secret, True
