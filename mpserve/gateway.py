@@ -8,6 +8,7 @@
     GET  /health                                  200 while some instance can take a request, else 503
     GET  /metrics                                 Prometheus text
     GET  /backend/monitor?model=NAME             each instance: pid, state, device, RSS, PSS, served, uptime
+    GET  /, /console, /console/state             the web console and its data (``console``)
 
 The gateway is a separate process from the server, so HTTP parsing never competes with the broker's loop;
 it can start before its server and outlive it (answering 503). Errors are OpenAI's error object with the
@@ -44,6 +45,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from . import console
 from . import gateway_openai as oai
 from . import protocol as wire
 from .client import AsyncClient, Result, Stream
@@ -57,7 +59,8 @@ log = logging.getLogger("mpserve.gateway")
 
 MAX_BODY_BYTES = wire.MAX_MESSAGE_BYTES
 SAMPLE_INTERVAL_S = 0.5
-OPEN_PATHS = frozenset({"/health"})  # answered without the API key: load balancers probe it
+# answered without the API key: load balancers probe /health; the console's page holds no data (its state does)
+OPEN_PATHS = frozenset({"/health", *console.PAGE_PATHS})
 T = TypeVar("T")
 
 
@@ -92,6 +95,7 @@ def create_app(config: GatewayConfig) -> Starlette:
         Route("/health", gateway.get_health, methods=["GET"]),
         Route("/metrics", gateway.get_metrics, methods=["GET"]),
         Route("/backend/monitor", gateway.backend_monitor, methods=["GET"]),
+        *gateway.console.routes(),
     ]
     app = Starlette(routes=routes, lifespan=gateway.lifespan, exception_handlers={HTTPException: _http_error})
     if config.api_key:
@@ -121,6 +125,7 @@ class _Gateway:
                                config.curve_secret)
         self.metrics = GatewayMetrics()
         self.restarts = RestartCounter()
+        self.console = console.Console(self.backend, self.metrics)
 
     @contextlib.asynccontextmanager
     async def lifespan(self, app: Starlette) -> AsyncIterator[None]:
@@ -133,12 +138,14 @@ class _Gateway:
             await self.backend.close()
 
     async def _sample(self) -> None:
-        """Watch the slot table for restarts; with ``exit_with_parent``, stop once the parent is gone."""
+        """Watch the slot table for restarts and for the console; with ``exit_with_parent``, stop once the
+        parent is gone."""
         parent = os.getppid()
         while True:
             local = self.backend.read_slots()
             if local is not None:
                 self.restarts.observe(local.server, local.rows)
+            self.console.observe(local)
             if self.config.exit_with_parent and os.getppid() != parent:
                 log.warning("the server that started this gateway is gone; stopping")
                 os.kill(os.getpid(), signal.SIGTERM)  # once: uvicorn shuts down gracefully (a second would force it)
