@@ -53,7 +53,7 @@ SERIES_STEP_S = 2.0  # one point of a tokens/s series ...
 SERIES_POINTS = 60  # ... and how many
 OUTCOME_WINDOW_S = 300.0
 DEVICES_TTL_S = 2.0  # discovery runs NVML or nvidia-smi: at most this often
-MIN_RATE_S = 0.25  # a request generating for less time than this has no tokens/s yet
+MIN_RATE_S = 0.25  # a request seen generating for less time than this has no tokens/s (yet)
 
 
 @dataclass
@@ -62,11 +62,11 @@ class _SlotTrack:
 
     pid: int
     state: str
-    since: float  # when the slot was first seen in this state (unix time)
+    since: float  # when it entered its state, as near as the samples tell (unix time)
     request: str
     tokens: int
-    started: float  # when the current request was first seen, or the sample before (unix time)
-    started_tokens: int
+    started: float  # when the current request was first seen (unix time) ...
+    started_tokens: int  # ... and its tokens then: its rate counts from there
 
 
 @dataclass(frozen=True)
@@ -86,7 +86,6 @@ class Activity:
         self._slots: dict[int, _SlotTrack] = {}
         self._generated: dict[str, float] = {}  # model -> tokens seen in the slot table
         self._samples: deque[_Sample] = deque([_Sample(now, False, {}, {})])
-        self._last_at = now
 
     def observe(self, rows: list[SlotRow] | None, now: float) -> None:
         if rows is not None:
@@ -99,7 +98,6 @@ class Activity:
         self._samples.append(_Sample(now, rows is not None, tokens, _totals(self._metrics.requests, "code")))
         while len(self._samples) > 2 and self._samples[1].at <= now - OUTCOME_WINDOW_S:
             self._samples.popleft()
-        self._last_at = now
 
     def _track(self, row: SlotRow, now: float) -> None:
         if row.state is SlotState.EMPTY:
@@ -111,9 +109,9 @@ class Activity:
                                                 row.tokens, now, row.tokens)
             return
         if row.pid != known.pid or row.request != known.request or row.tokens < known.tokens:
-            # a new request (or a new worker) since the last sample: it began after that sample
+            # a new request (or a new worker) since the last sample: all its tokens are new
             generated = row.tokens
-            known.pid, known.request, known.started, known.started_tokens = row.pid, row.request, self._last_at, 0
+            known.pid, known.request, known.started, known.started_tokens = row.pid, row.request, now, row.tokens
         else:
             generated = row.tokens - known.tokens
         known.tokens = row.tokens
@@ -127,18 +125,22 @@ class Activity:
         known = self._slots.get(row.index)
         if known is None:
             return None, None
-        generating_s = row.progress - known.started
-        rate = (row.tokens - known.started_tokens) / generating_s if generating_s >= MIN_RATE_S else None
+        if row.request != known.request:  # newer than the last sample: no rate yet
+            return round(now - known.since, 1), None
+        generating_s, tokens = row.progress - known.started, row.tokens - known.started_tokens
+        rate = tokens / generating_s if generating_s >= MIN_RATE_S and tokens > 0 else None
         return round(now - known.since, 1), None if rate is None else round(rate, 1)
 
     def series(self, model: str, now: float) -> list[float | None]:
-        """Tokens/s of ``model`` over each of the last SERIES_POINTS steps (None before the first sample),
+        """Tokens/s of ``model`` over each of the last SERIES_POINTS whole steps (steps start at multiples of
+        SERIES_STEP_S, so a point keeps its value from one poll to the next; None before the first sample),
         from the samples nearest the step boundaries: exact averages over steps of slightly varying length."""
         times = [s.at for s in self._samples]
+        last_end = math.floor(now / SERIES_STEP_S) * SERIES_STEP_S
         out: list[float | None] = []
         for j in range(SERIES_POINTS):
-            begin = bisect.bisect_right(times, now - (SERIES_POINTS - j) * SERIES_STEP_S) - 1
-            end = bisect.bisect_right(times, now - (SERIES_POINTS - j - 1) * SERIES_STEP_S) - 1
+            begin = bisect.bisect_right(times, last_end - (SERIES_POINTS - j) * SERIES_STEP_S) - 1
+            end = bisect.bisect_right(times, last_end - (SERIES_POINTS - j - 1) * SERIES_STEP_S) - 1
             first, last = self._samples[begin], self._samples[end]
             if begin < 0 or end <= begin or first.local != last.local:  # no samples, or two sources
                 out.append(None)

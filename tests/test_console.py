@@ -147,6 +147,10 @@ def test_a_slot_turns_busy_while_a_long_request_runs(server, page) -> None:
     try:
         busy = page.wait_for_selector("#slots tbody tr[data-state=busy]")
         assert busy.query_selector("td[data-label=request]").text_content() not in ("", "–")
+        page.wait_for_function("[...document.querySelectorAll('#slots tr[data-state=busy] td[data-label=\"tok/s\"]')]"
+                               ".some((td) => Number(td.textContent) > 0)")  # measured as it generates
+        page.wait_for_function("[...document.querySelectorAll('[data-model=tiny] .figure')].some((f) => "
+                               "f.textContent.endsWith('tokens/s') && parseFloat(f.textContent) > 0)")  # the series
         page.wait_for_selector("#gpus li:has-text('held by pid')")  # its instance holds its GPU's permit
     finally:
         stop.set()

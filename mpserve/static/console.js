@@ -101,8 +101,10 @@ async function poll() {
     if (!response.ok) throw new Error("the gateway answered HTTP " + response.status);
     render(await response.json());
     $("banner").hidden = true;
+    $("main").classList.remove("stale");
   } catch (error) {
     setStatus("down", "gateway unreachable");
+    $("main").classList.add("stale"); // what is shown is the last state seen
     showBanner("Cannot reach the gateway: " + error.message);
   } finally {
     polling = false;
@@ -155,7 +157,7 @@ function renderSlots(slots, local) {
     cell("request", s.request || "–", "request"),
     cell("tokens", s.tokens, "num"),
     cell("tok/s", rate(s.tokens_per_s), "num"),
-    cell("for", duration(s.state_s), "num"),
+    cell("in state", duration(s.state_s), "num"),
     cell("served", s.served, "num")));
   $("slots").tBodies[0].replaceChildren(...rows);
   $("slots").hidden = slots.length === 0;
@@ -199,7 +201,9 @@ function renderModels(models, stepS) {
         figure(m.running + " / " + (m.running + m.free_slots), "slots busy"),
         figure(m.instances, "instances"),
         figure(rate(now), "tokens/s")),
-      sparkline(series, series.length * stepS));
+      sparkline(series, series.length * stepS),
+      el("div", { class: "spark-caption" }, "tokens/s over the last " + duration(series.length * stepS) +
+        (known.length ? ", peak " + Math.max(...known).toFixed(0) : "")));
   }));
 }
 
