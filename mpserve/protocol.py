@@ -254,6 +254,7 @@ class ModelStats:
     chat_template: str = ""  # the model's (Jinja2, from its GGUF), with the token texts it refers to
     bos_token: str = ""
     eos_token: str = ""
+    oldest_wait_s: float = 0.0  # how long the request at the head of the queue has waited; 0 when none waits
 
 
 @dataclass(frozen=True)

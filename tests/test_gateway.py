@@ -115,6 +115,8 @@ def test_openai_client_completions_equal_the_zeromq_client(tiny_server, gateway)
             assert "".join(c.choices[0].text for c in chunks if c.choices) == expected.text
             assert chunks[-2].choices[0].finish_reason == "length"
             assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 24
+            timings = chunks[-1].model_extra["timings"]  # mpserve's, beside the usage
+            assert timings["attempts"] == 1 and timings["generate_ms"] > 0
 
         stop = expected.text[6:8]
         stopped = oc.completions.create(model="tiny", prompt=PROMPTS[-1], max_tokens=24, temperature=0, stop=stop)

@@ -230,3 +230,26 @@ def test_stats_count_what_happened(start_server) -> None:
     assert stats.accepting and stats.counters["accepted"] == 3 and stats.counters["done"] == 3
     assert stats.counters["rejected_unknown_model"] == 1
     assert stats.models["tiny"] == wire.ModelStats(queued=0, running=0, instances=2, free_slots=2)
+
+
+@pytest.mark.timeout(60)
+def test_stats_tell_how_long_the_head_of_a_queue_has_waited(start_server) -> None:
+    server = start_server("--instances", "1", "--n-ctx", "4096").wait_ready()
+
+    async def run() -> tuple[wire.Stats, wire.Stats]:
+        async with AsyncClient(server.address, timeout=60) as client:
+            holder = asyncio.create_task(client.generate("hold the slot", max_tokens=3000, temperature=0))
+            while (await client.stats()).models["tiny"].running == 0:
+                await asyncio.sleep(0.01)
+            waiter = asyncio.create_task(client.generate("wait", max_tokens=4))
+            while (await client.stats()).models["tiny"].queued == 0:
+                await asyncio.sleep(0.01)
+            await asyncio.sleep(0.3)
+            waiting = await client.stats()
+            holder.cancel()
+            await asyncio.gather(holder, waiter, return_exceptions=True)
+            return waiting, await client.stats()
+
+    waiting, after = asyncio.run(run())
+    assert waiting.models["tiny"].queued == 1 and waiting.models["tiny"].oldest_wait_s >= 0.3
+    assert after.models["tiny"].queued == 0 and after.models["tiny"].oldest_wait_s == 0.0

@@ -7,4 +7,5 @@ through ``mpserve.client`` and ``mpserve.protocol`` (and reads the slot table), 
     metrics  ``/metrics`` (Prometheus)
     monitor  ``/health`` and ``/backend/monitor``
     chat     chat templates rendered into prompts (sandboxed Jinja2)
+    console  the web console's state (``/console/state``); its page is in static/
 """

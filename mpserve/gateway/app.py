@@ -8,10 +8,11 @@
     GET  /health                                  200 while some instance can take a request, else 503
     GET  /metrics                                 Prometheus text
     GET  /backend/monitor?model=NAME             each instance: pid, state, device, RSS, PSS, served, uptime
+    GET  /, /console, /console/state             the web console and its data (``console``)
 
 The gateway is a separate process from the server, so HTTP parsing never competes with the broker's loop;
 it can start before its server and outlive it (answering 503). Errors are OpenAI's error object with the
-stable mpserve code (``gateway_openai``). A streamed request waits for its first piece of text before it
+stable mpserve code (``openai``). A streamed request waits for its first piece of text before it
 answers, so what fails early (busy queue, unknown model, bad parameters) gets its own HTTP status; a failure
 after that is sent as a last ``data: {"error": ...}`` event, as OpenAI does. An HTTP client that goes away,
 while queued, running or streaming, cancels its request on the server at once.
@@ -49,6 +50,7 @@ from mpserve.client import AsyncClient, Result, Stream
 from mpserve.errors import BadRequest, ConfigError, ConnectionFailed, ErrorCode, MpserveError, UnknownModel
 from mpserve.slots import SlotState
 
+from . import console
 from . import openai as oai
 from .backend import Backend
 from .metrics import CONTENT_TYPE, GatewayMetrics, ServerView
@@ -58,7 +60,8 @@ log = logging.getLogger("mpserve.gateway")
 
 MAX_BODY_BYTES = wire.MAX_MESSAGE_BYTES
 SAMPLE_INTERVAL_S = 0.5
-OPEN_PATHS = frozenset({"/health"})  # answered without the API key: load balancers probe it
+# answered without the API key: load balancers probe /health; the console's page holds no data (its state does)
+OPEN_PATHS = frozenset({"/health", *console.PAGE_PATHS})
 T = TypeVar("T")
 
 
@@ -93,6 +96,7 @@ def create_app(config: GatewayConfig) -> Starlette:
         Route("/health", gateway.get_health, methods=["GET"]),
         Route("/metrics", gateway.get_metrics, methods=["GET"]),
         Route("/backend/monitor", gateway.backend_monitor, methods=["GET"]),
+        *gateway.console.routes(),
     ]
     app = Starlette(routes=routes, lifespan=gateway.lifespan, exception_handlers={HTTPException: _http_error})
     if config.api_key:
@@ -122,6 +126,7 @@ class _Gateway:
                                config.curve_secret)
         self.metrics = GatewayMetrics()
         self.restarts = RestartCounter()
+        self.console = console.Console(self.backend, self.metrics)
 
     @contextlib.asynccontextmanager
     async def lifespan(self, app: Starlette) -> AsyncIterator[None]:
@@ -134,12 +139,14 @@ class _Gateway:
             await self.backend.close()
 
     async def _sample(self) -> None:
-        """Watch the slot table for restarts; with ``exit_with_parent``, stop once the parent is gone."""
+        """Watch the slot table for restarts and for the console; with ``exit_with_parent``, stop once the
+        parent is gone."""
         parent = os.getppid()
         while True:
             local = self.backend.read_slots()
             if local is not None:
                 self.restarts.observe(local.server, local.rows)
+            self.console.observe(local)
             if self.config.exit_with_parent and os.getppid() != parent:
                 log.warning("the server that started this gateway is gone; stopping")
                 os.kill(os.getpid(), signal.SIGTERM)  # once: uvicorn shuts down gracefully (a second would force it)

@@ -198,10 +198,12 @@ class Reply:
         return self._envelope(self._chunk_object, [self._choice(text, None)])
 
     def last(self, result: Result) -> list[dict[str, Any]]:
-        """The chunk with the finish reason, then (if asked for) one with the usage and no choices."""
+        """The chunk with the finish reason, then (if asked for) one with the usage and no choices; that one
+        also carries mpserve's timings of the request (an extra key, as llama-server sends)."""
         chunks = [self._envelope(self._chunk_object, [self._choice("", result.finish_reason)])]
         if self.call.include_usage:
-            chunks.append(self._envelope(self._chunk_object, []) | {"usage": usage(result.usage)})
+            chunks.append(self._envelope(self._chunk_object, []) | {"usage": usage(result.usage),
+                                                                     "timings": dataclasses.asdict(result.timings)})
         return chunks
 
     @property
