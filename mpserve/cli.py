@@ -379,6 +379,21 @@ def devices(
 
 
 @app.command()
+def doctor(
+    as_json: Annotated[bool, typer.Option("--json", help="Print the report as JSON.")] = False,
+) -> None:
+    """Check this host: the llama.cpp build (can it use a GPU?), the GPUs found, the runtime and lock
+    directories; print each problem with its fix. Exit status 1 when there is a problem."""
+    from .doctor import collect, format_report
+
+    with _errors():
+        report = collect()
+        print(json.dumps(report.to_json()) if as_json else format_report(report))
+        if report.problems:
+            raise typer.Exit(1)
+
+
+@app.command()
 def plan(
     config_file: ConfigOption = None,
     model: Annotated[str | None, typer.Option("--model", "-m", envvar="MPSERVE_MODEL")] = None,

@@ -22,6 +22,7 @@ from zmq.auth.thread import ThreadAuthenticator
 
 from .broker import Broker, WorkerEntry
 from .config import ServerConfig
+from .doctor import start_warnings
 from .errors import ConfigError
 from .layout import build_layout, worker_specs
 from .residency import Residency
@@ -44,6 +45,8 @@ def serve(config: ServerConfig) -> None:
     for device in layout.devices:
         log.info("device %d: %s, %.1f GiB free%s", device.index, device.name, device.memory_free / 2**30,
                  " (simulated)" if device.simulated else "")
+    for warning in start_warnings(config, layout.devices):
+        log.warning("%s", warning)
     table = SlotTable.create(paths.slots, rows=config.total_slots)
     ctx = zmq.Context()
     broker = None
