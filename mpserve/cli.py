@@ -350,20 +350,26 @@ def devices(
     lock_dir: Annotated[str | None, typer.Option("--lock-dir", envvar="MPSERVE_LOCK_DIR")] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print devices as JSON.")] = False,
 ) -> None:
-    """List the GPUs found (NVML, nvidia-smi, or simulated) and who holds or waits for their permits."""
+    """List the GPUs found (NVML, nvidia-smi, or simulated) and who holds or waits for their permits; with NVML
+    (mpserve[nvml]), also the memory used and the processes holding it."""
     from .devices import discover, format_memory
+    from .gpu_memory import read_usage
     from .permits import inspect
 
     with _errors():
         found = discover(cfg.build(server={"gpus": gpus}).gpus, simulate_gpus)
+        live = {u.uuid: u for u in read_usage() or []} if any(not d.simulated for d in found) else {}
         rows = []
         for d in found:
             state = inspect(d.key, Path(lock_dir) if lock_dir else None)
+            usage = live.get(d.uuid)
             rows.append({"index": d.index, "name": d.name, "uuid": d.uuid, "memory_total": d.memory_total,
                          "memory_free": d.memory_free, "simulated": d.simulated,
                          "permit_capacity": state.capacity if state else None,
                          "holders": [h.pid for h in state.holders] if state else [],
-                         "waiters": [w.pid for w in state.waiters] if state else []})
+                         "waiters": [w.pid for w in state.waiters] if state else [],
+                         "memory_used": usage.used if usage else None,
+                         "processes": [{"pid": p.pid, "memory": p.used} for p in usage.processes] if usage else []})
         if as_json:
             print(json.dumps(rows))
             return
@@ -376,6 +382,10 @@ def devices(
                        f"waiting: {r['waiters'] or '-'}")
             print(f"gpu{r['index']}  {r['name']}{' (simulated)' if r['simulated'] else ''}  "
                   f"{format_memory(int(r['memory_free']))} free of {format_memory(int(r['memory_total']))}  {permits}")
+            if r["memory_used"] is not None:
+                held = ", ".join(f"{p['pid']} {'?' if p['memory'] is None else format_memory(p['memory'])}"
+                                 for p in r["processes"])
+                print(f"      {format_memory(r['memory_used'])} used; processes: {held or '-'}")
 
 
 @app.command()

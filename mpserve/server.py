@@ -24,6 +24,7 @@ from .broker import Broker, WorkerEntry
 from .config import ServerConfig
 from .doctor import start_warnings
 from .errors import ConfigError
+from .gpu_memory import EstimateCheck
 from .layout import build_layout, worker_specs
 from .residency import Residency
 from .runtime import ServerInfo, ServerPaths
@@ -67,7 +68,7 @@ def serve(config: ServerConfig) -> None:
         supervisor = Supervisor(config, worker_specs(config, layout, paths.back, paths.slots), table)
         ServerInfo(paths.name, os.getpid(), paths.front, paths.back, str(paths.slots),
                    [m.name for m in config.models], time.time()).write(paths.info)
-        _Loop(config, broker, supervisor, started).run()
+        _Loop(config, broker, supervisor, started, EstimateCheck(layout.placements, layout.devices)).run()
     finally:
         if broker is not None:
             broker.close()
@@ -109,13 +110,15 @@ WATCHDOG_PERIOD_S = 0.5
 
 
 class _Loop:
-    def __init__(self, config: ServerConfig, broker: Broker, supervisor: Supervisor, started: float) -> None:
+    def __init__(self, config: ServerConfig, broker: Broker, supervisor: Supervisor, started: float,
+                 estimates: EstimateCheck) -> None:
         self._config = config
         self._broker = broker
         self._supervisor = supervisor
         self._next_watch = 0.0
         self._next_heartbeat = 0.0
         self._started = started
+        self._estimates = estimates
         self._ready: set[int] = set()
         self._announced = False
         self._grace_deadline: float | None = None
@@ -203,6 +206,8 @@ class _Loop:
     def _on_ready(self, entry: WorkerEntry) -> None:
         self._supervisor.registered(entry.index, entry.loaded)
         self._ready.add(entry.index)
+        if entry.loaded and entry.index is not None:
+            self._estimates.ready(entry.index, entry.pid)
         if not self._announced and len(self._ready) == self._config.total_instances:
             self._announced = True
             log.info("ready: %d instance(s) in %.2f s", len(self._ready), time.monotonic() - self._started)
