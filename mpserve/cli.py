@@ -475,11 +475,13 @@ def keygen(
 
 
 def _remote_workers(info: ServerInfo) -> list[WorkerStats]:
-    """The broker's remote workers, or [] if it does not answer within a second."""
+    """The broker's remote workers, or [] if it does not answer within a second. A broker with CURVE keys is
+    asked with the client keys that `generate` takes from the environment."""
     from .client import Client
 
     try:
-        with Client(info.front, connect_timeout=1.0) as client:
+        with Client(info.front, connect_timeout=1.0, curve_server_key=os.environ.get("MPSERVE_CURVE_SERVER_KEY"),
+                    curve_secret=os.environ.get("MPSERVE_CURVE_CLIENT_SECRET")) as client:
             return [w for w in client.stats(timeout=1.0).workers if w.host]
     except MpserveError:
         return []

@@ -118,8 +118,8 @@ def monitor(rows: list[SlotRow], model: str | None, gpus: Sequence[GpuUsage] | N
 @dataclass(frozen=True)
 class ModelHealth:
     """Instances of one model by what they can do now, and its queue. From the slot table when the server is
-    local; from STATS alone otherwise, where the broker's registered instances count as ready and the
-    fields it cannot know are None."""
+    local, plus the slots of remote pools' workers registered with it (STATS); from STATS alone otherwise,
+    where the broker's registered instances count as ready and the fields it cannot know are None."""
 
     ready: int  # loaded, alive: idle or serving
     busy: int  # of those, serving a request
@@ -143,8 +143,10 @@ def health(stats: wire.Stats, rows: list[SlotRow] | None) -> dict[str, ModelHeal
                                     m.failed)
             continue
         states = Counter(state_of(r) for r in rows if r.model == name and r.state is not SlotState.EMPTY)
+        remote = [w for w in stats.workers if w.host and w.model == name]  # remote pools' slots: not in the table
         out[name] = ModelHealth(
-            ready=sum(states[s] for s in READY), busy=sum(states[s] for s in BUSY), unloaded=states["unloaded"],
+            ready=sum(states[s] for s in READY) + sum(w.capacity for w in remote),
+            busy=sum(states[s] for s in BUSY) + sum(w.running for w in remote), unloaded=states["unloaded"],
             loading=sum(states[s] for s in LOADING), down=sum(states[s] for s in DOWN), queued=m.queued,
             running=m.running, failed=m.failed)
     return out
