@@ -3,14 +3,13 @@
     pynvml (mpserve[nvml]) ──▶ read_usage() ──▶ [GpuUsage: index, uuid, total, used, free, processes]
         ├─▶ `mpserve devices`                 each GPU's used memory and the processes on it
         ├─▶ gateway /backend/monitor, /metrics  per GPU, and per instance by worker pid
-        └─▶ the server, once per model        "estimated 6.1 GiB, uses 5.8 GiB" (EstimateCheck)
+        └─▶ the server, once per model        "estimated N GiB, uses M GiB" (EstimateCheck)
 
-NVML only: it answers in-process in about a millisecond, where nvidia-smi costs a process per read, and
-only NVML lists the processes of each GPU with their memory. Without NVML (not installed, no driver)
-``read_usage`` answers None and every reader shows nothing. Process ids are the host's: in a container
-without the host's PID namespace they do not match the workers' ids, so per-instance figures stay unknown
-there while the per-GPU ones are still right. Some drivers do not tell a process's memory (MIG, for
-one): its ``used`` is None.
+NVML only: it answers in-process, where nvidia-smi would cost a process per read (per /metrics scrape).
+Without NVML (not installed, no driver) ``read_usage`` answers None and every reader shows nothing. Process
+ids are the host's: in a container without the host's PID namespace they do not match the workers' ids, so
+per-instance figures stay unknown there while the per-GPU ones are still right. Where the driver does not
+tell a process's memory, its ``used`` is None.
 """
 
 from __future__ import annotations
