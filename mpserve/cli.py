@@ -382,10 +382,9 @@ def devices(
                        f"waiting: {r['waiters'] or '-'}")
             print(f"gpu{r['index']}  {r['name']}{' (simulated)' if r['simulated'] else ''}  "
                   f"{format_memory(int(r['memory_free']))} free of {format_memory(int(r['memory_total']))}  {permits}")
-            if r["memory_used"] is not None:
-                held = ", ".join(f"{p['pid']} {'?' if p['memory'] is None else format_memory(p['memory'])}"
-                                 for p in r["processes"])
-                print(f"      {format_memory(r['memory_used'])} used; processes: {held or '-'}")
+            if (usage := live.get(str(r["uuid"]))) is not None:
+                held = ", ".join(f"{p.pid} {'?' if p.used is None else format_memory(p.used)}" for p in usage.processes)
+                print(f"      {format_memory(usage.used)} used; processes: {held or '-'}")
 
 
 @app.command()
