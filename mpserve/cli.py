@@ -275,20 +275,27 @@ def devices(
     given: Given,
     as_json: Annotated[bool, typer.Option("--json", help="Print devices as JSON.")] = False,
 ) -> None:
-    """List the GPUs found (NVML, nvidia-smi, or simulated) and who holds or waits for their permits."""
+    """List the GPUs found (NVML, nvidia-smi, or simulated) and who holds or waits for their permits; with NVML
+    (mpserve[nvml]), also the memory used and the processes holding it."""
     from mpserve.gpu.devices import discover, format_memory
+    from mpserve.gpu.memory import read_usage
     from mpserve.gpu.permits import inspect
 
     with _errors():
         config = cfg.build(server=given.server)
+        found = discover(config.gpus, config.simulate_gpus)
+        live = {u.uuid: u for u in read_usage() or []} if any(not d.simulated for d in found) else {}
         rows: list[dict[str, Any]] = []
-        for d in discover(config.gpus, config.simulate_gpus):
+        for d in found:
             state = inspect(d.key, Path(config.lock_dir) if config.lock_dir else None)
+            usage = live.get(d.uuid)
             rows.append({"index": d.index, "name": d.name, "uuid": d.uuid, "memory_total": d.memory_total,
                          "memory_free": d.memory_free, "simulated": d.simulated,
                          "permit_capacity": state.capacity if state else None,
                          "holders": [h.pid for h in state.holders] if state else [],
-                         "waiters": [w.pid for w in state.waiters] if state else []})
+                         "waiters": [w.pid for w in state.waiters] if state else [],
+                         "memory_used": usage.used if usage else None,
+                         "processes": [{"pid": p.pid, "memory": p.used} for p in usage.processes] if usage else []})
         if as_json:
             print(json.dumps(rows))
             return
@@ -301,6 +308,24 @@ def devices(
                        f"waiting: {r['waiters'] or '-'}")
             print(f"gpu{r['index']}  {r['name']}{' (simulated)' if r['simulated'] else ''}  "
                   f"{format_memory(int(r['memory_free']))} free of {format_memory(int(r['memory_total']))}  {permits}")
+            if (usage := live.get(str(r["uuid"]))) is not None:
+                held = ", ".join(f"{p.pid} {'?' if p.used is None else format_memory(p.used)}" for p in usage.processes)
+                print(f"      {format_memory(usage.used)} used; processes: {held or '-'}")
+
+
+@app.command()
+def doctor(
+    as_json: Annotated[bool, typer.Option("--json", help="Print the report as JSON.")] = False,
+) -> None:
+    """Check this host: the llama.cpp build (can it use a GPU?), the GPUs found, the runtime and lock
+    directories; print each problem with its fix. Exit status 1 when there is a problem."""
+    from .doctor import collect, format_report
+
+    with _errors():
+        report = collect()
+        print(json.dumps(report.to_json()) if as_json else format_report(report))
+        if report.problems:
+            raise typer.Exit(1)
 
 
 @app.command()
@@ -363,11 +388,13 @@ def keygen(
 
 
 def _remote_workers(info: ServerInfo) -> list[WorkerStats]:
-    """The broker's remote workers, or [] if it does not answer within a second."""
+    """The broker's remote workers, or [] if it does not answer within a second. A broker with CURVE keys is
+    asked with the client keys that `generate` takes from the environment."""
     from .client import Client
 
     try:
-        with Client(info.front, connect_timeout=1.0) as client:
+        with Client(info.front, connect_timeout=1.0, curve_server_key=os.environ.get("MPSERVE_CURVE_SERVER_KEY"),
+                    curve_secret=os.environ.get("MPSERVE_CURVE_CLIENT_SECRET")) as client:
             return [w for w in client.stats(timeout=1.0).workers if w.host]
     except MpserveError:
         return []

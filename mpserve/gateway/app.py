@@ -7,7 +7,8 @@
     GET  /v1/models                               the served models
     GET  /health                                  200 while some instance can take a request, else 503
     GET  /metrics                                 Prometheus text
-    GET  /backend/monitor?model=NAME             each instance: pid, state, device, RSS, PSS, served, uptime
+    GET  /backend/monitor?model=NAME             each instance: pid, state, device, RSS, PSS, GPU memory, served,
+                                                  uptime; each GPU's memory (NVML)
     GET  /, /console, /console/state             the web console and its data (``console``)
 
 The gateway is a separate process from the server, so HTTP parsing never competes with the broker's loop;
@@ -54,7 +55,7 @@ from . import console
 from . import openai as oai
 from .backend import Backend
 from .metrics import CONTENT_TYPE, GatewayMetrics, ServerView
-from .monitor import RestartCounter, health, monitor
+from .monitor import RestartCounter, gpu_usage, health, monitor
 
 log = logging.getLogger("mpserve.gateway")
 
@@ -257,7 +258,8 @@ class _Gateway:
     async def get_metrics(self, request: Request) -> Response:
         stats = await self.backend.stats()
         local = self.backend.read_slots() if stats is not None else None
-        view = ServerView(stats, local.rows if local is not None else None, dict(self.restarts.counts))
+        gpus = await asyncio.to_thread(gpu_usage, local.rows) if local is not None else None
+        view = ServerView(stats, local.rows if local is not None else None, dict(self.restarts.counts), gpus)
         return Response(self.metrics.render(view), media_type=CONTENT_TYPE)
 
     async def backend_monitor(self, request: Request) -> Response:
@@ -271,8 +273,9 @@ class _Gateway:
         if model is not None and model not in served:
             return _error_response(oai.HttpError.from_mpserve(UnknownModel(
                 f"model {model!r} is not served here; served models: {', '.join(served)}")))
-        # /proc/PID/smaps_rollup walks the process's page tables: off the event loop
-        return JSONResponse(await asyncio.to_thread(monitor, local.rows, model))
+        # /proc/PID/smaps_rollup walks the process's page tables, NVML is a driver call: off the event loop
+        rows = local.rows
+        return JSONResponse(await asyncio.to_thread(lambda: monitor(rows, model, gpu_usage(rows))))
 
     def _unreachable(self) -> ConnectionFailed:
         return ConnectionFailed(f"no mpserve server answers at {self.backend.address}")

@@ -8,14 +8,15 @@ Two kinds of metric:
 - read from the server at scrape time: queue depth, requests in flight and registered instances per model
   (STATS), the broker's counters since the server started (``mpserve_broker_events_total{event=...}``:
   ``accepted``, ``done``, ``timeout``, ``cancelled``, ``worker_lost``, ``rejected_busy``, ... whatever the
-  broker counts), and, for a server on this host, instances by state (slot table) and worker restarts.
+  broker counts), and, for a server on this host, instances by state (slot table), worker restarts and,
+  when NVML answers, each GPU's memory and each instance's share of it.
 
 A scrape fetches STATS first, then renders without awaiting anything, so one scrape sees one snapshot.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
@@ -24,6 +25,7 @@ from prometheus_client.registry import Collector
 
 from mpserve import protocol as wire
 from mpserve.client import Result
+from mpserve.gpu.memory import GpuUsage, memory_by_pid
 from mpserve.slots import SlotRow, SlotState
 
 from .monitor import state_of
@@ -35,12 +37,13 @@ LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0,
 
 @dataclass(frozen=True)
 class ServerView:
-    """What a scrape read from the server: STATS (None: unreachable), the slot table (None: not local), and
-    the restarts counted so far per model."""
+    """What a scrape read from the server: STATS (None: unreachable), the slot table (None: not local), the
+    restarts counted so far per model, and NVML's view of the GPUs (None: no GPU instance, or no NVML)."""
 
     stats: wire.Stats | None
     rows: list[SlotRow] | None
     restarts: Mapping[str, int]
+    gpus: Sequence[GpuUsage] | None = None
 
 
 class GatewayMetrics:
@@ -130,3 +133,26 @@ class _ServerCollector(Collector):
         for name in stats.models:
             restarts.add_metric([name], self.view.restarts.get(name, 0))
         yield restarts
+        if self.view.gpus:
+            yield from _gpu_metrics(self.view.gpus, rows)
+
+
+def _gpu_metrics(gpus: Sequence[GpuUsage], rows: list[SlotRow]) -> Iterator[Metric]:
+    labels = ["gpu", "uuid"]
+    total = GaugeMetricFamily("mpserve_gpu_memory_total_bytes", "GPU memory (NVML)", labels=labels)
+    used = GaugeMetricFamily("mpserve_gpu_memory_used_bytes", "GPU memory in use, by any process (NVML)",
+                             labels=labels)
+    free = GaugeMetricFamily("mpserve_gpu_memory_free_bytes", "GPU memory free (NVML)", labels=labels)
+    for g in gpus:
+        for family, value in ((total, g.total), (used, g.used), (free, g.free)):
+            family.add_metric([str(g.index), g.uuid], value)
+    yield from (total, used, free)
+    held = memory_by_pid(gpus)
+    instance = GaugeMetricFamily("mpserve_instance_gpu_memory_bytes", "GPU memory held by an instance's process "
+                                 "(NVML; absent where NVML does not tell)", labels=["model", "worker", "gpu"])
+    seen: set[int] = set()
+    for row in rows:
+        if row.device >= 0 and row.pid in held and row.pid not in seen and row.state is not SlotState.EMPTY:
+            seen.add(row.pid)  # the slots of one instance share its process
+            instance.add_metric([row.model, str(row.worker), str(row.device)], held[row.pid])
+    yield instance

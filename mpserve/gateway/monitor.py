@@ -2,19 +2,22 @@
 
 Two sources, used together when both are there: the broker's STATS (queues, requests running, instances
 registered) and, for a server on this host, the slot table plus ``/proc`` (each instance's state, process,
-memory). A row's state is what its worker last wrote; a worker killed outright cannot update it, so a row
-whose process is gone (or a zombie not yet reaped) counts as ``exited`` whatever it says.
+memory) and, when NVML answers, each GPU's memory and what each instance's process holds on it. A row's
+state is what its worker last wrote; a worker killed outright cannot update it, so a row whose process is
+gone (or a zombie not yet reaped) counts as ``exited`` whatever it says.
 """
 
 from __future__ import annotations
 
 import time
 from collections import Counter
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
 from mpserve import protocol as wire
+from mpserve.gpu.memory import GpuUsage, memory_by_pid, read_usage
 from mpserve.runtime import ServerInfo
 from mpserve.slots import SlotRow, SlotState
 
@@ -75,26 +78,38 @@ class InstanceView:
     load_s: float
     request: str | None  # the request running now
     tokens: int  # generated for the current (or last) request
+    gpu_memory_bytes: int | None = None  # what its process holds on GPUs (NVML); None: unknown or on the CPU
 
     @classmethod
-    def of(cls, row: SlotRow, now: float) -> InstanceView:
+    def of(cls, row: SlotRow, now: float, gpu_held: Mapping[int, int]) -> InstanceView:
         state = state_of(row)
         running = row.pid > 0 and state not in DOWN
         rss, pss = process_memory(row.pid) if running else (None, None)
         return cls(row.index, row.worker, row.model, row.pid, state, "cpu" if row.device < 0 else f"gpu{row.device}",
                    rss, pss, row.served, round(now - row.started, 3) if running and row.started else None,
-                   round(row.load_s, 3), row.request if state in BUSY and row.request else None, row.tokens)
+                   round(row.load_s, 3), row.request if state in BUSY and row.request else None, row.tokens,
+                   gpu_held.get(row.pid) if running and row.device >= 0 else None)
 
 
-def monitor(rows: list[SlotRow], model: str | None) -> dict[str, Any]:
-    """``GET /backend/monitor``: every instance of ``model`` (all models when None), with totals."""
+def gpu_usage(rows: Sequence[SlotRow]) -> list[GpuUsage] | None:
+    """NVML's view of the GPUs when some instance runs on one; None otherwise, or without NVML."""
+    return read_usage() if any(r.device >= 0 and r.state is not SlotState.EMPTY for r in rows) else None
+
+
+def monitor(rows: list[SlotRow], model: str | None, gpus: Sequence[GpuUsage] | None = None) -> dict[str, Any]:
+    """``GET /backend/monitor``: every instance of ``model`` (all models when None), with totals, and each GPU's
+    memory (``gpus``, from ``gpu_usage``; [] when unknown). Slots of one instance share its process, whose GPU
+    memory the total counts once."""
     now = time.time()
-    views = [InstanceView.of(r, now) for r in rows if r.state is not SlotState.EMPTY and model in (None, r.model)]
+    held = memory_by_pid(gpus)
+    views = [InstanceView.of(r, now, held) for r in rows if r.state is not SlotState.EMPTY and model in (None, r.model)]
     return {
         "model": model,
         "instances": [asdict(v) for v in views],
         "rss_bytes": sum(v.rss_bytes or 0 for v in views),
         "pss_bytes": sum(v.pss_bytes or 0 for v in views),
+        "gpu_memory_bytes": sum({v.pid: v.gpu_memory_bytes for v in views if v.gpu_memory_bytes}.values()),
+        "gpus": [asdict(g) for g in gpus or []],
     }
 
 
@@ -103,8 +118,8 @@ def monitor(rows: list[SlotRow], model: str | None) -> dict[str, Any]:
 @dataclass(frozen=True)
 class ModelHealth:
     """Instances of one model by what they can do now, and its queue. From the slot table when the server is
-    local; from STATS alone otherwise, where the broker's registered instances count as ready and the
-    fields it cannot know are None."""
+    local, plus the slots of remote pools' workers registered with it (STATS); from STATS alone otherwise,
+    where the broker's registered instances count as ready and the fields it cannot know are None."""
 
     ready: int  # loaded, alive: idle or serving
     busy: int  # of those, serving a request
@@ -128,8 +143,10 @@ def health(stats: wire.Stats, rows: list[SlotRow] | None) -> dict[str, ModelHeal
                                     m.failed)
             continue
         states = Counter(state_of(r) for r in rows if r.model == name and r.state is not SlotState.EMPTY)
+        remote = [w for w in stats.workers if w.host and w.model == name]  # remote pools' slots: not in the table
         out[name] = ModelHealth(
-            ready=sum(states[s] for s in READY), busy=sum(states[s] for s in BUSY), unloaded=states["unloaded"],
+            ready=sum(states[s] for s in READY) + sum(w.capacity for w in remote),
+            busy=sum(states[s] for s in BUSY) + sum(w.running for w in remote), unloaded=states["unloaded"],
             loading=sum(states[s] for s in LOADING), down=sum(states[s] for s in DOWN), queued=m.queued,
             running=m.running, failed=m.failed)
     return out

@@ -83,13 +83,20 @@ class Nvml(Protocol):
 
 def discover(allowed: Sequence[int] | None = None, simulate: str | None = None) -> list[Device]:
     """The host's GPUs (see the module docstring for the order of sources), restricted to ``allowed``."""
+    found, _ = detect(simulate)
+    return found if allowed is None else restrict(found, allowed)
+
+
+def detect(simulate: str | None = None) -> tuple[list[Device], str]:
+    """The host's GPUs and the source that answered: "simulated", "NVML", "nvidia-smi", or "none"."""
     spec = simulate if simulate is not None else os.environ.get(SIMULATE_ENV, "")
     if spec:
-        found = parse_simulated(spec)
-    else:
-        from_nvml = _from_installed_nvml()
-        found = from_nvml if from_nvml is not None else _from_nvidia_smi()
-    return found if allowed is None else restrict(found, allowed)
+        return parse_simulated(spec), "simulated"
+    from_nvml = _from_installed_nvml()
+    if from_nvml is not None:
+        return from_nvml, "NVML"
+    from_smi = _from_nvidia_smi()
+    return from_smi, "nvidia-smi" if from_smi else "none"
 
 
 def restrict(devices: Sequence[Device], allowed: Sequence[int]) -> list[Device]:

@@ -21,7 +21,9 @@ import zmq
 from zmq.auth.thread import ThreadAuthenticator
 
 from mpserve.config import ServerConfig
+from mpserve.doctor import start_warnings
 from mpserve.errors import ConfigError, ErrorCode
+from mpserve.gpu.memory import EstimateCheck
 from mpserve.runtime import ServerInfo, ServerPaths
 from mpserve.slots import SlotTable
 
@@ -46,6 +48,8 @@ def serve(config: ServerConfig) -> None:
     for device in layout.devices:
         log.info("device %d: %s, %.1f GiB free%s", device.index, device.name, device.memory_free / 2**30,
                  " (simulated)" if device.simulated else "")
+    for warning in start_warnings(config, layout.devices):
+        log.warning("%s", warning)
     table = SlotTable.create(paths.slots, rows=config.total_slots)
     ctx = zmq.Context()
     broker = None
@@ -66,7 +70,7 @@ def serve(config: ServerConfig) -> None:
         supervisor = Supervisor(config, worker_specs(config, layout, paths.back, paths.slots), table)
         ServerInfo(paths.name, os.getpid(), paths.front, paths.back, str(paths.slots),
                    [m.name for m in config.models], time.time()).write(paths.info)
-        _Loop(config, broker, supervisor, started).run()
+        _Loop(config, broker, supervisor, started, EstimateCheck(layout.placements, layout.devices)).run()
     finally:
         if broker is not None:
             broker.close()
@@ -108,13 +112,15 @@ WATCHDOG_PERIOD_S = 0.5
 
 
 class _Loop:
-    def __init__(self, config: ServerConfig, broker: Broker, supervisor: Supervisor, started: float) -> None:
+    def __init__(self, config: ServerConfig, broker: Broker, supervisor: Supervisor, started: float,
+                 estimates: EstimateCheck) -> None:
         self._config = config
         self._broker = broker
         self._supervisor = supervisor
         self._next_watch = 0.0
         self._next_heartbeat = 0.0
         self._started = started
+        self._estimates = estimates
         self._ready: set[int] = set()
         self._announced = False
         self._grace_deadline: float | None = None
@@ -203,6 +209,8 @@ class _Loop:
         assert entry.index is not None  # the broker tells of its local workers only
         self._supervisor.registered(entry.index, entry.loaded)
         self._ready.add(entry.index)
+        if entry.loaded and entry.index is not None:
+            self._estimates.ready(entry.index, entry.pid)
         if not self._announced and len(self._ready) == self._config.total_instances:
             self._announced = True
             log.info("ready: %d instance(s) in %.2f s", len(self._ready), time.monotonic() - self._started)

@@ -27,6 +27,7 @@ import time
 import zmq
 
 from mpserve.config import ServerConfig
+from mpserve.doctor import start_warnings
 from mpserve.runtime import ServerInfo, ServerPaths
 from mpserve.slots import SlotTable
 
@@ -45,6 +46,8 @@ def run_pool(config: ServerConfig, connect: str, curve_server_key: str | None = 
     paths = ServerPaths.for_name(config.server_name)
     claim(paths)
     layout = build_layout(config)
+    for warning in start_warnings(config, layout.devices):
+        log.warning("%s", warning)
     pool = f"{socket.gethostname()[:32]}-{os.getpid()}"
     specs = [dataclasses.replace(spec, pool=pool, curve_server_key=curve_server_key, curve_secret=curve_secret,
                                  heartbeat_interval=config.heartbeat_interval,
