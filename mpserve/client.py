@@ -186,7 +186,8 @@ class AsyncClient:
 
     def _request(self, prompt: str, model: str | None, timeout: float | None, params: dict[str, Any],
                  stream: bool) -> wire.Request:
-        generate = wire.GenerateParams(**{**params, "stop": tuple(params.get("stop", ()))})
+        generate = wire.GenerateParams(**{**params, "stop": tuple(params.get("stop", ())),
+                                          "logit_bias": wire.logit_bias_pairs(params.get("logit_bias", ()))})
         generate.validate()
         return wire.Request(next(self._ids), prompt, model, generate, stream,
                             timeout if timeout is not None else self.timeout)

@@ -40,6 +40,7 @@ MAX_ID_CHARS = 64
 MAX_STOP_STRINGS = 16
 MAX_STOP_CHARS = 256
 MAX_TOKENS_LIMIT = 1 << 20
+MAX_LOGIT_BIAS = 1024  # token ids one request may bias
 
 
 class MsgType(IntEnum):
@@ -130,6 +131,13 @@ class GenerateParams:
     seed: int | None = None
     stop: tuple[str, ...] = ()
     repeat_penalty: float = 1.0
+    # OpenAI's and llama-server's sampling parameters, through llama.cpp's samplers (mpserve.engine.sampling)
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias added to its logit), on the wire as pairs
+    min_p: float = 0.05
+    typical_p: float = 1.0
+    ignore_eos: bool = False  # end-of-generation tokens are never sampled
 
     @classmethod
     def from_wire(cls, body: Any) -> GenerateParams:
@@ -149,6 +157,12 @@ class GenerateParams:
             seed=_get(body, "seed", int, None, bad=BadRequest),
             stop=tuple(_get(body, "stop", (list, tuple), (), bad=BadRequest)),
             repeat_penalty=float(_get(body, "repeat_penalty", num, d.repeat_penalty, bad=BadRequest)),
+            presence_penalty=float(_get(body, "presence_penalty", num, d.presence_penalty, bad=BadRequest)),
+            frequency_penalty=float(_get(body, "frequency_penalty", num, d.frequency_penalty, bad=BadRequest)),
+            logit_bias=logit_bias_pairs(_get(body, "logit_bias", (dict, list, tuple), (), bad=BadRequest)),
+            min_p=float(_get(body, "min_p", num, d.min_p, bad=BadRequest)),
+            typical_p=float(_get(body, "typical_p", num, d.typical_p, bad=BadRequest)),
+            ignore_eos=_get(body, "ignore_eos", bool, d.ignore_eos, bad=BadRequest),
         )
         params.validate()
         return params
@@ -167,6 +181,37 @@ class GenerateParams:
             if not isinstance(s, str) or not 0 < len(s) <= MAX_STOP_CHARS:
                 raise BadRequest(f"each stop string must be a non-empty string of at most "
                                  f"{MAX_STOP_CHARS} characters, got {s!r:.60}")
+        _ranged("presence_penalty", self.presence_penalty, -2.0, 2.0)
+        _ranged("frequency_penalty", self.frequency_penalty, -2.0, 2.0)
+        _ranged("min_p", self.min_p, 0.0, 1.0)
+        _ranged("typical_p", self.typical_p, 0.0, 1.0)
+        if not isinstance(self.ignore_eos, bool):
+            raise BadRequest(f"'ignore_eos' must be a boolean, got {type(self.ignore_eos).__name__}")
+        if len(self.logit_bias) > MAX_LOGIT_BIAS:
+            raise BadRequest(f"'logit_bias' may bias at most {MAX_LOGIT_BIAS} tokens, got {len(self.logit_bias)}")
+        for _, bias in self.logit_bias:
+            _ranged("logit_bias", bias, -100.0, 100.0)
+
+
+def logit_bias_pairs(value: Any) -> tuple[tuple[int, float], ...]:
+    """``logit_bias`` as (token id, bias) pairs, from OpenAI's map (token ids as integers or as the strings
+    JSON keys are) or from the wire's list of pairs. Ranges are checked by ``GenerateParams.validate``."""
+    items = list(value.items()) if isinstance(value, dict) else value
+    if not isinstance(items, (list, tuple)):
+        raise BadRequest(f"'logit_bias' must be a map of token ids to biases, got {type(value).__name__}")
+    pairs = []
+    for item in items:
+        if not isinstance(item, (list, tuple)) or len(item) != 2:
+            raise BadRequest("'logit_bias' must be a map of token ids to biases")
+        token, bias = item
+        if isinstance(token, str) and token.isascii() and token.isdigit():
+            token = int(token)
+        if isinstance(token, bool) or not isinstance(token, int) or token < 0:
+            raise BadRequest(f"'logit_bias' keys must be token ids (integers >= 0), got {token!r:.40}")
+        if isinstance(bias, bool) or not isinstance(bias, (int, float)):
+            raise BadRequest(f"'logit_bias' values must be numbers, got {bias!r:.40}")
+        pairs.append((token, float(bias)))
+    return tuple(pairs)
 
 
 @dataclass(frozen=True)

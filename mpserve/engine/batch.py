@@ -146,6 +146,7 @@ class BatchEngine:
         self._idle_budget = max(step_budget_tokens, MAX_PROMPT_BATCH)
         self._rng = random.Random(seed)
         self._pieces: dict[int, tuple[bytes, bool]] = {}  # token -> (text bytes, end of generation)
+        self._eog: list[int] | None = None
         self._tokenized: tuple[str, list[int]] = ("", [])
         self._cached: list[list[int]] = [[] for _ in range(parallel)]  # tokens with KV cells, per slot
         self._last_used = [0] * parallel
@@ -292,6 +293,10 @@ class BatchEngine:
             raise BadRequest("the prompt is empty and the model has no BOS token to start from")
         if len(tokens) >= self.n_ctx:
             raise BadRequest(f"the prompt is {len(tokens)} tokens; the context holds {self.n_ctx} per sequence")
+        out_of_vocab = [t for t, _ in params.logit_bias if t >= self._n_vocab]
+        if out_of_vocab:
+            raise BadRequest(f"'logit_bias' names token {out_of_vocab[0]}; the model's vocabulary has "
+                             f"{self._n_vocab} tokens")
         reused = self._take_cells(slot, tokens)
         self._cached[slot] = tokens[:reused]
         self._uses += 1
@@ -299,7 +304,8 @@ class BatchEngine:
         seed = params.seed if params.seed is not None else self._rng.randrange(2**32 - 1)
         seq = _Sequence(
             slot, tokens, reused, min(params.max_tokens, self.n_ctx - len(tokens)),
-            SamplerChain(self._n_vocab, params, seed), TextStream(params.stop, strip_leading_space=not prompt),
+            SamplerChain(self._n_vocab, params, seed, self._eog_tokens() if params.ignore_eos else ()),
+            TextStream(params.stop, strip_leading_space=not prompt),
             on_token,
         )
         self._running[slot] = seq
@@ -437,6 +443,13 @@ class BatchEngine:
         tokens: list[int] = self._bos + list(buffer[:n])
         self._tokenized = (prompt, tokens)
         return tokens
+
+    def _eog_tokens(self) -> list[int]:
+        """The vocabulary's end-of-generation tokens (what ``ignore_eos`` bans), found once."""
+        if self._eog is None:
+            is_eog = self._lib.llama_vocab_is_eog
+            self._eog = [t for t in range(self._n_vocab) if is_eog(self._vocab, t)]
+        return self._eog
 
     def _piece(self, token: int) -> tuple[bytes, bool]:
         known = self._pieces.get(token)

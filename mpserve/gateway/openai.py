@@ -2,11 +2,12 @@
 
 No I/O here, so that ``gateway.py`` keeps only the routing and this mapping can be read (and tested) alone.
 
-Parameters. ``max_tokens`` (chat also ``max_completion_tokens``), ``temperature``, ``top_p``, ``seed`` and
-``stop`` (a string or a list) map one to one; ``top_k`` and ``repeat_penalty`` are taken too (llama.cpp's
-names). They are then checked by ``protocol.GenerateParams``, so the HTTP and ZeroMQ paths refuse the same
-values with the same words. What mpserve cannot do (several choices, log-probabilities, tools, penalties
-other than llama.cpp's, ...) is refused with 400 naming the parameter, unless it is sent at its neutral
+Parameters. ``max_tokens`` (chat also ``max_completion_tokens``), ``temperature``, ``top_p``, ``seed``,
+``stop`` (a string or a list), ``presence_penalty``, ``frequency_penalty`` and ``logit_bias`` (token id to
+bias) map one to one; ``top_k``, ``repeat_penalty``, ``min_p``, ``typical_p`` and ``ignore_eos`` are taken
+too (llama.cpp's and llama-server's names). They are then checked by ``protocol.GenerateParams``, so the
+HTTP and ZeroMQ paths refuse the same values with the same words. What mpserve cannot do (several choices,
+log-probabilities, tools, ...) is refused with 400 naming the parameter, unless it is sent at its neutral
 value (``n: 1``, ``logprobs: null``, ...), which clients often do. Unrecognised keys are refused like
 OpenAI refuses them. A ``null`` value means "not given".
 
@@ -37,7 +38,8 @@ COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions; chat uses mp
 CHAT_ROLES = ("system", "developer", "user", "assistant")
 CHAT_STOP = "<|im_end|>"
 
-_SAMPLING = ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "repeat_penalty")
+_SAMPLING = ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "repeat_penalty",
+             "presence_penalty", "frequency_penalty", "logit_bias", "min_p", "typical_p", "ignore_eos")
 _COMMON = ("model", "stream", "stream_options", "user") + _SAMPLING
 _KEYS: dict[Kind, frozenset[str]] = {
     "completion": frozenset(_COMMON + ("prompt",)),
@@ -52,9 +54,6 @@ _UNSUPPORTED: dict[str, tuple[tuple[Any, ...], str]] = {
     "top_logprobs": ((0,), "log-probabilities are not returned"),
     "echo": ((False,), "the prompt is not echoed"),
     "suffix": (("",), "insertion (suffix) is not supported"),
-    "logit_bias": (({},), "logit bias is not supported"),
-    "presence_penalty": ((0,), "use repeat_penalty (llama.cpp's penalty) instead"),
-    "frequency_penalty": ((0,), "use repeat_penalty (llama.cpp's penalty) instead"),
     "tools": (([],), "tool calls are not supported"),
     "tool_choice": (("none",), "tool calls are not supported"),
     "functions": (([],), "function calls are not supported"),
