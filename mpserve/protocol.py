@@ -3,11 +3,12 @@
 Every message is a ZeroMQ multipart message. ROUTER sockets see a routing-identity frame first; that
 frame belongs to ZeroMQ and is not described here.
 
-    client  -> broker   [VERSION, TYPE, BODY]            REQUEST, CANCEL, PING, STATS_QUERY
-    broker  -> client   [VERSION, TYPE, BODY]            CHUNK, DONE, ERROR, PONG, STATS
-    broker  -> worker   [VERSION, TYPE, BODY]            ASSIGN, CANCEL, STOP, UNLOAD
+    client  -> broker   [VERSION, TYPE, BODY]            REQUEST, CANCEL, PING, STATS_QUERY, TOKENIZE
+    broker  -> client   [VERSION, TYPE, BODY]            CHUNK, DONE, ERROR, PONG, STATS, TOKENS
+    broker  -> worker   [VERSION, TYPE, BODY]            ASSIGN, CANCEL, STOP, UNLOAD, TOKENIZE
     worker  -> broker   [VERSION, TYPE, TICKET, BODY]    READY, HEARTBEAT, FAILED, UNLOADED (empty TICKET);
-                                                         CHUNK, DONE, ERROR (TICKET of an ASSIGN)
+                                                         CHUNK, DONE, ERROR (TICKET of an ASSIGN);
+                                                         TOKENS, ERROR (TICKET of a TOKENIZE)
 
 VERSION is ``b"MPS1"``. TYPE is one byte (``MsgType``). BODY is a msgpack map whose schema is the
 frozen dataclass of that type below. TICKET is the broker's opaque key for one assignment: a worker
@@ -24,6 +25,8 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import struct
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from enum import IntEnum
 from typing import Any, ClassVar
@@ -48,11 +51,13 @@ class MsgType(IntEnum):
     CANCEL = 0x02
     PING = 0x03
     STATS_QUERY = 0x04
+    TOKENIZE = 0x05
     CHUNK = 0x10
     DONE = 0x11
     ERROR = 0x12
     PONG = 0x13
     STATS = 0x14
+    TOKENS = 0x15
     READY = 0x20
     HEARTBEAT = 0x21
     FAILED = 0x22
@@ -225,6 +230,7 @@ class Request:
     params: GenerateParams = field(default_factory=GenerateParams)
     stream: bool = False
     timeout: float | None = None
+    tokens: bytes = b""  # a prompt of token ids (pack_tokens), taken as it is, instead of ``prompt``
 
     @classmethod
     def from_wire(cls, body: dict[str, Any]) -> Request:
@@ -232,13 +238,18 @@ class Request:
         timeout = _get(body, "timeout", (int, float), None, bad=BadRequest)
         if timeout is not None:
             _ranged("timeout", timeout, 0.001, 7 * 24 * 3600)
+        tokens = _get(body, "tokens", bytes, b"", bad=BadRequest)
+        if len(tokens) > 4 * MAX_PROMPT_CHARS:
+            raise BadRequest(f"at most {MAX_PROMPT_CHARS} prompt tokens, got {len(tokens) // 4}")
+        if any(t < 0 for t in unpack_tokens(tokens)):
+            raise BadRequest("prompt token ids must be >= 0")
         return cls(
             id=rid,
             prompt=_text(body, "prompt", MAX_PROMPT_CHARS, bad=BadRequest),
             model=_text(body, "model", 256, None, bad=BadRequest),
             params=GenerateParams.from_wire(_get(body, "params", dict, {}, bad=BadRequest)),
             stream=_get(body, "stream", bool, False, bad=BadRequest),
-            timeout=None if timeout is None else float(timeout),
+            timeout=None if timeout is None else float(timeout), tokens=tokens,
         )
 
 
@@ -531,10 +542,77 @@ class Stop:
         return cls(reason=_text(body, "reason", 256, ""))
 
 
+def pack_tokens(tokens: Sequence[int]) -> bytes:
+    """Token ids as they travel: int32, little-endian (a msgpack list is capped at a few thousand items)."""
+    return struct.pack(f"<{len(tokens)}i", *tokens)
+
+
+def unpack_tokens(data: bytes, key: str = "tokens") -> list[int]:
+    if len(data) % 4:
+        raise ProtocolError(f"field '{key}' must hold int32 token ids, got {len(data)} bytes")
+    return list(struct.unpack(f"<{len(data) // 4}i", data))
+
+
+@dataclass(frozen=True)
+class Tokenize:
+    """client -> broker -> worker: ``text`` to tokens with the vocabulary of ``model`` (``add_special``: the
+    model's BOS too; specials written in the text are parsed), or, with ``detokenize``, ``tokens`` to text.
+    The broker sends it to a loaded instance of the model, with ``ticket`` set; answered by TOKENS or ERROR."""
+
+    TYPE: ClassVar[MsgType] = MsgType.TOKENIZE
+    id: str
+    model: str | None = None
+    text: str = ""
+    tokens: bytes = b""  # pack_tokens
+    detokenize: bool = False
+    add_special: bool = False
+    with_pieces: bool = False
+    timeout: float | None = None
+    ticket: str = ""
+
+    @classmethod
+    def from_wire(cls, body: dict[str, Any]) -> Tokenize:
+        tokens = _get(body, "tokens", bytes, b"", bad=BadRequest)
+        if len(tokens) > 4 * MAX_PROMPT_CHARS:
+            raise BadRequest(f"at most {MAX_PROMPT_CHARS} tokens, got {len(tokens) // 4}")
+        unpack_tokens(tokens)
+        timeout = _get(body, "timeout", (int, float), None, bad=BadRequest)
+        if timeout is not None:
+            _ranged("timeout", timeout, 0.001, 7 * 24 * 3600)
+        return cls(id=_text(body, "id", MAX_ID_CHARS), model=_text(body, "model", 256, None, bad=BadRequest),
+                   text=_text(body, "text", MAX_PROMPT_CHARS, "", bad=BadRequest), tokens=tokens,
+                   detokenize=_get(body, "detokenize", bool, False, bad=BadRequest),
+                   add_special=_get(body, "add_special", bool, False, bad=BadRequest),
+                   with_pieces=_get(body, "with_pieces", bool, False, bad=BadRequest),
+                   timeout=None if timeout is None else float(timeout), ticket=_text(body, "ticket", MAX_ID_CHARS, ""))
+
+
+@dataclass(frozen=True)
+class Tokens:
+    """worker -> broker -> client: the answer to TOKENIZE ``id``: ``tokens`` (pack_tokens) and ``text``; with
+    ``with_pieces``, each token's bytes, concatenated in ``pieces``, ending at the offsets ``piece_ends``."""
+
+    TYPE: ClassVar[MsgType] = MsgType.TOKENS
+    id: str
+    tokens: bytes = b""
+    text: str = ""
+    pieces: bytes = b""
+    piece_ends: bytes = b""  # pack_tokens of the offsets
+
+    @classmethod
+    def from_wire(cls, body: dict[str, Any]) -> Tokens:
+        msg = cls(id=_text(body, "id", MAX_ID_CHARS), tokens=_get(body, "tokens", bytes, b""),
+                  text=_text(body, "text", MAX_PROMPT_CHARS * 4, ""), pieces=_get(body, "pieces", bytes, b""),
+                  piece_ends=_get(body, "piece_ends", bytes, b""))
+        unpack_tokens(msg.tokens)
+        unpack_tokens(msg.piece_ends, "piece_ends")
+        return msg
+
+
 _DECODERS: dict[MsgType, Any] = {
     cls.TYPE: cls.from_wire
     for cls in (Request, Cancel, Ping, StatsQuery, Pong, Stats, Chunk, Done, Error, Ready, Heartbeat, Failed,
-                Unloaded, Assign, Stop, Unload)
+                Unloaded, Assign, Stop, Unload, Tokenize, Tokens)
 }
 
 

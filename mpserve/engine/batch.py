@@ -284,19 +284,17 @@ class BatchEngine:
 
     # --- requests -----------------------------------------------------------------------------------
 
-    def admit(self, slot: int, prompt: str, params: GenerateParams, on_token: OnToken) -> None:
-        """Start ``prompt`` in free slot ``slot``; its prompt is computed by the coming steps."""
+    def admit(self, slot: int, prompt: str | list[int], params: GenerateParams, on_token: OnToken) -> None:
+        """Start ``prompt`` in free slot ``slot``; its prompt is computed by the coming steps. A prompt of
+        token ids is taken as it is (no BOS added), as create_completion takes one."""
         if not 0 <= slot < self.parallel or slot in self._running:
             raise ValueError(f"slot {slot} is not a free slot of 0..{self.parallel - 1}")
-        tokens = self._tokenize(prompt)
+        tokens = self._tokenize(prompt) if isinstance(prompt, str) else self._in_vocabulary(prompt, "prompt")
         if not tokens:
             raise BadRequest("the prompt is empty and the model has no BOS token to start from")
         if len(tokens) >= self.n_ctx:
             raise BadRequest(f"the prompt is {len(tokens)} tokens; the context holds {self.n_ctx} per sequence")
-        out_of_vocab = [t for t, _ in params.logit_bias if t >= self._n_vocab]
-        if out_of_vocab:
-            raise BadRequest(f"'logit_bias' names token {out_of_vocab[0]}; the model's vocabulary has "
-                             f"{self._n_vocab} tokens")
+        self._in_vocabulary([t for t, _ in params.logit_bias], "logit_bias")
         reused = self._take_cells(slot, tokens)
         self._cached[slot] = tokens[:reused]
         self._uses += 1
@@ -429,19 +427,40 @@ class BatchEngine:
         The last result is kept: best_slot and admit usually tokenize the same prompt one after the other."""
         if self._tokenized[0] == prompt and self._tokenized[1]:
             return self._tokenized[1]
-        data = prompt.encode("utf-8")
+        tokens = self._bos + self._llama_tokenize(prompt, False)
+        self._tokenized = (prompt, tokens)
+        return tokens
+
+    def _llama_tokenize(self, text: str, add_special: bool) -> list[int]:
+        data = text.encode("utf-8")
         lib = self._lib
         room = len(data) + 8
         buffer = (lib.llama_token * room)()
-        n = lib.llama_tokenize(self._vocab, data, len(data), buffer, room, False, True)
+        n = lib.llama_tokenize(self._vocab, data, len(data), buffer, room, add_special, True)
         if n < 0:
             room = -n
             buffer = (lib.llama_token * room)()
-            n = lib.llama_tokenize(self._vocab, data, len(data), buffer, room, False, True)
+            n = lib.llama_tokenize(self._vocab, data, len(data), buffer, room, add_special, True)
         if n < 0:
-            raise BadRequest("the prompt cannot be tokenized")
-        tokens: list[int] = self._bos + list(buffer[:n])
-        self._tokenized = (prompt, tokens)
+            raise BadRequest("the text cannot be tokenized")
+        return list(buffer[:n])
+
+    def tokenize(self, text: str, add_special: bool) -> list[int]:
+        return self._llama_tokenize(text, add_special)
+
+    def token_bytes(self, token: int) -> bytes:
+        self._in_vocabulary([token], "tokens")
+        buffer = ctypes.create_string_buffer(256)
+        n = self._lib.llama_token_to_piece(self._vocab, token, buffer, 256, 0, True)
+        if n < 0:
+            buffer = ctypes.create_string_buffer(-n)
+            n = self._lib.llama_token_to_piece(self._vocab, token, buffer, -n, 0, True)
+        return buffer.raw[:n]
+
+    def _in_vocabulary(self, tokens: list[int], key: str) -> list[int]:
+        outside = next((t for t in tokens if not 0 <= t < self._n_vocab), None)
+        if outside is not None:
+            raise BadRequest(f"'{key}' has token {outside}; the model's vocabulary has {self._n_vocab} tokens")
         return tokens
 
     def _eog_tokens(self) -> list[int]:

@@ -31,6 +31,7 @@ from mpserve.errors import BadRequest, MpserveError, http_status
 from mpserve.protocol import ChatTemplate
 
 from .chat import render
+from .tokens import token_ids
 
 Kind = Literal["completion", "chat"]
 
@@ -68,7 +69,7 @@ class Call:
 
     kind: Kind
     model: str | None
-    prompt: str  # a chat's: "" until with_chat_template
+    prompt: str | list[int]  # token ids for a completion given them; a chat's: "" until with_chat_template
     params: wire.GenerateParams
     stream: bool
     include_usage: bool  # stream_options.include_usage: a last chunk carries the usage
@@ -116,7 +117,7 @@ def parse(kind: Kind, body: Any) -> Call:
         if "max_completion_tokens" in given:
             sampling["max_tokens"] = given["max_completion_tokens"]
         messages = tuple(_messages(given.get("messages")))
-        prompt = ""
+        prompt: str | list[int] = ""
     else:
         sampling.setdefault("max_tokens", COMPLETION_MAX_TOKENS)
         messages, prompt = (), _prompt(given.get("prompt"))
@@ -124,15 +125,17 @@ def parse(kind: Kind, body: Any) -> Call:
                 options.get("include_usage", False), messages)
 
 
-def _prompt(value: Any) -> str:
-    if isinstance(value, list) and len(value) == 1:
+def _prompt(value: Any) -> str | list[int]:
+    """One prompt: a string, or token ids (also either one alone in a list)."""
+    if isinstance(value, list) and len(value) == 1 and isinstance(value[0], (str, list)):
         value = value[0]
+    if isinstance(value, list) and value and all(isinstance(v, int) and not isinstance(v, bool) for v in value):
+        return token_ids(value, "prompt")
     if isinstance(value, list):
-        raise BadRequest("'prompt' must be one string (several prompts would be several choices; send several "
-                         "requests)" if value and all(isinstance(v, str) for v in value) else
-                         "'prompt' must be a string; token arrays are not supported")
+        raise BadRequest("'prompt' must be one string or one list of token ids (several prompts would be several "
+                         "choices; send several requests)")
     if not isinstance(value, str):
-        raise BadRequest("'prompt' is required and must be a string")
+        raise BadRequest("'prompt' is required and must be a string or a list of token ids")
     return value
 
 
