@@ -51,10 +51,14 @@ class Result:
     usage: wire.Usage
     timings: wire.Timings
     worker: str
+    logprobs: wire.Logprobs | None = None  # asked for with logprobs=N: entries() per generated token
 
     @classmethod
-    def from_done(cls, done: wire.Done) -> Result:
-        return cls(done.id, done.text, done.finish_reason, done.usage, done.timings, done.worker)
+    def from_done(cls, done: wire.Done, streamed: list[wire.Logprobs] | None = None) -> Result:
+        """``streamed``: the log-probabilities the request's chunks carried, before those of ``done``."""
+        parts = [*(streamed or []), *([done.logprobs] if done.logprobs is not None else [])]
+        return cls(done.id, done.text, done.finish_reason, done.usage, done.timings, done.worker,
+                   wire.Logprobs.join(parts))
 
 
 @dataclass(frozen=True)
@@ -64,13 +68,16 @@ class Tokenized:
 
 
 class Stream:
-    """Async iterator of text chunks; ``result`` holds the final Result once iteration has ended."""
+    """Async iterator of text chunks; ``result`` holds the final Result once iteration has ended, and
+    ``chunk_logprobs`` the log-probabilities of the chunk just yielded (when asked for)."""
 
     def __init__(self, client: AsyncClient, request: wire.Request) -> None:
         self._client = client
         self._request = request
         self.id = request.id
         self.result: Result | None = None
+        self.chunk_logprobs: wire.Logprobs | None = None
+        self._logprobs: list[wire.Logprobs] = []
 
     def __aiter__(self) -> AsyncGenerator[str, None]:
         return self._chunks()
@@ -81,9 +88,13 @@ class Stream:
             while True:
                 msg = await self._client._next(queue, self._request)
                 if isinstance(msg, wire.Chunk):
+                    self.chunk_logprobs = msg.logprobs
+                    if msg.logprobs is not None:
+                        self._logprobs.append(msg.logprobs)
                     yield msg.text
                 else:
-                    self.result = Result.from_done(msg)
+                    self.chunk_logprobs = msg.logprobs
+                    self.result = Result.from_done(msg, self._logprobs)
                     return
         finally:
             if self.result is None:

@@ -44,6 +44,7 @@ MAX_STOP_STRINGS = 16
 MAX_STOP_CHARS = 256
 MAX_TOKENS_LIMIT = 1 << 20
 MAX_LOGIT_BIAS = 1024  # token ids one request may bias
+MAX_TOP_LOGPROBS = 20  # most probable tokens reported per generated token (OpenAI's limit)
 
 
 class MsgType(IntEnum):
@@ -143,6 +144,7 @@ class GenerateParams:
     min_p: float = 0.05
     typical_p: float = 1.0
     ignore_eos: bool = False  # end-of-generation tokens are never sampled
+    logprobs: int | None = None  # report each generated token's log-probability and the N most probable
 
     @classmethod
     def from_wire(cls, body: Any) -> GenerateParams:
@@ -168,6 +170,7 @@ class GenerateParams:
             min_p=float(_get(body, "min_p", num, d.min_p, bad=BadRequest)),
             typical_p=float(_get(body, "typical_p", num, d.typical_p, bad=BadRequest)),
             ignore_eos=_get(body, "ignore_eos", bool, d.ignore_eos, bad=BadRequest),
+            logprobs=_get(body, "logprobs", int, None, bad=BadRequest),
         )
         params.validate()
         return params
@@ -196,6 +199,8 @@ class GenerateParams:
             raise BadRequest(f"'logit_bias' may bias at most {MAX_LOGIT_BIAS} tokens, got {len(self.logit_bias)}")
         for _, bias in self.logit_bias:
             _ranged("logit_bias", bias, -100.0, 100.0)
+        if self.logprobs is not None:
+            _ranged("logprobs", self.logprobs, 0, MAX_TOP_LOGPROBS)
 
 
 def logit_bias_pairs(value: Any) -> tuple[tuple[int, float], ...]:
@@ -347,16 +352,77 @@ class Stats:
 
 
 @dataclass(frozen=True)
+class Logprobs:
+    """Log-probabilities of generated tokens (log-softmax of the raw logits, before any sampler), in columns
+    of packed numbers: a completion can have more tokens than a msgpack list may hold here. For each sampled
+    token: its id and log-probability, and the ``top`` most probable tokens, most probable first; ``pieces``
+    holds each sampled token's bytes followed by its top tokens' bytes, ending at the offsets ``piece_ends``."""
+
+    top: int = 0
+    tokens: bytes = b""  # int32 (pack_tokens)
+    logprobs: bytes = b""  # float64, little-endian
+    top_tokens: bytes = b""  # int32, ``top`` per sampled token
+    top_logprobs: bytes = b""  # float64
+    pieces: bytes = b""
+    piece_ends: bytes = b""  # int32
+
+    @classmethod
+    def from_wire(cls, body: Any) -> Logprobs | None:
+        if body is None:
+            return None
+        if not isinstance(body, dict):
+            raise ProtocolError("field 'logprobs' must be a map")
+        lp = cls(top=_get(body, "top", int), **{k: _get(body, k, bytes) for k in (
+            "tokens", "logprobs", "top_tokens", "top_logprobs", "pieces", "piece_ends")})
+        n = len(lp.tokens) // 4
+        if (len(lp.tokens) != 4 * n or len(lp.logprobs) != 8 * n or len(lp.top_tokens) != 4 * n * lp.top
+                or len(lp.top_logprobs) != 8 * n * lp.top or len(lp.piece_ends) != 4 * n * (1 + lp.top)):
+            raise ProtocolError("the columns of 'logprobs' do not have matching lengths")
+        return lp
+
+    @staticmethod
+    def join(parts: Sequence[Logprobs]) -> Logprobs | None:
+        """One Logprobs of several in order (a streamed completion's chunks)."""
+        if not parts:
+            return None
+        ends, base = [], 0
+        for part in parts:
+            ends += [base + e for e in unpack_tokens(part.piece_ends)]
+            base += len(part.pieces)
+        columns = {k: b"".join(getattr(p, k) for p in parts)
+                   for k in ("tokens", "logprobs", "top_tokens", "top_logprobs", "pieces")}
+        return Logprobs(parts[0].top, **columns, piece_ends=pack_tokens(ends))
+
+    def entries(self) -> list[tuple[int, bytes, float, list[tuple[int, bytes, float]]]]:
+        """Per sampled token: (id, bytes, log-probability, [(id, bytes, log-probability) of the top ones])."""
+        n, top = len(self.tokens) // 4, self.top
+        ids, top_ids = unpack_tokens(self.tokens), unpack_tokens(self.top_tokens)
+        lps = struct.unpack(f"<{n}d", self.logprobs)
+        top_lps = struct.unpack(f"<{n * top}d", self.top_logprobs)
+        ends = unpack_tokens(self.piece_ends)
+        starts = [0, *ends]
+        pieces = [self.pieces[a:b] for a, b in zip(starts, ends, strict=False)]
+        out = []
+        for i in range(n):
+            j = i * (1 + top)
+            out.append((ids[i], pieces[j], lps[i], [(top_ids[i * top + k], pieces[j + 1 + k], top_lps[i * top + k])
+                                                    for k in range(top)]))
+        return out
+
+
+@dataclass(frozen=True)
 class Chunk:
-    """A piece of streamed text for request ``id``."""
+    """A piece of streamed text for request ``id`` (with the log-probabilities of its tokens, if asked)."""
 
     TYPE: ClassVar[MsgType] = MsgType.CHUNK
     id: str
     text: str
+    logprobs: Logprobs | None = None
 
     @classmethod
     def from_wire(cls, body: dict[str, Any]) -> Chunk:
-        return cls(id=_text(body, "id", MAX_ID_CHARS), text=_text(body, "text", MAX_PROMPT_CHARS))
+        return cls(id=_text(body, "id", MAX_ID_CHARS), text=_text(body, "text", MAX_PROMPT_CHARS),
+                   logprobs=Logprobs.from_wire(body.get("logprobs")))
 
 
 @dataclass(frozen=True)
@@ -393,6 +459,7 @@ class Done:
     usage: Usage
     timings: Timings
     worker: str = ""
+    logprobs: Logprobs | None = None  # streamed: those of tokens no CHUNK carried
 
     @classmethod
     def from_wire(cls, body: dict[str, Any]) -> Done:
@@ -406,7 +473,7 @@ class Done:
             timings=Timings(float(_get(t, "queue_ms", (int, float))), float(_get(t, "prompt_ms", (int, float))),
                             float(_get(t, "generate_ms", (int, float))), attempts=_get(t, "attempts", int, 1),
                             cached_tokens=_get(t, "cached_tokens", int, 0)),
-            worker=_text(body, "worker", 64, ""),
+            worker=_text(body, "worker", 64, ""), logprobs=Logprobs.from_wire(body.get("logprobs")),
         )
 
 

@@ -48,11 +48,13 @@ from typing import Any
 
 import numpy as np
 
+from mpserve import protocol as wire
 from mpserve.errors import BadRequest, Busy
 from mpserve.prefix import common_prefix
 from mpserve.protocol import GenerateParams
 
 from .interface import Completion, OnToken
+from .logprobs import LogprobsRecorder
 from .model_info import read_chat_template
 from .sampling import SamplerChain, TextStream
 
@@ -102,7 +104,8 @@ class _Sequence:
     """One admitted request in its slot."""
 
     __slots__ = ("slot", "prompt", "n_past", "reused", "max_tokens", "sampler", "text", "on_token", "generated",
-                 "phase", "next_token", "output_row", "pieces", "admitted_at", "first_token_at", "cancel_requested")
+                 "phase", "next_token", "output_row", "pieces", "admitted_at", "first_token_at", "cancel_requested",
+                 "logprobs")
 
     def __init__(self, slot: int, prompt: list[int], reused: int, max_tokens: int, sampler: SamplerChain,
                  text: TextStream, on_token: OnToken) -> None:
@@ -122,6 +125,7 @@ class _Sequence:
         self.admitted_at = time.perf_counter()
         self.first_token_at = 0.0
         self.cancel_requested = False
+        self.logprobs: LogprobsRecorder | None = None
 
 
 def _by_slot(seq: _Sequence) -> int:
@@ -306,6 +310,8 @@ class BatchEngine:
             TextStream(params.stop, strip_leading_space=not prompt),
             on_token,
         )
+        if params.logprobs is not None:
+            seq.logprobs = LogprobsRecorder(params.logprobs)
         self._running[slot] = seq
         self._prefilling.append(seq)
         self._reused += reused
@@ -316,6 +322,11 @@ class BatchEngine:
         seq = self._running.get(slot)
         if seq is not None:
             seq.cancel_requested = True
+
+    def take_logprobs(self, slot: int) -> wire.Logprobs | None:
+        """The log-probabilities of the tokens ``slot``'s sequence generated since the last take."""
+        seq = self._running.get(slot)
+        return seq.logprobs.take() if seq is not None and seq.logprobs is not None else None
 
     def step(self) -> list[tuple[int, Completion]]:
         """One llama_decode for every running sequence; returns the sequences that ended in it."""
@@ -392,6 +403,9 @@ class BatchEngine:
             return "stop"
         seq.generated.append(token)
         self._generated += 1
+        if seq.logprobs is not None:
+            row = self._lib.llama_get_logits_ith(self._ctx, seq.output_row)
+            seq.logprobs.add(np.ctypeslib.as_array(row, (self._n_vocab,)), token, self._piece_bytes)
         text, stopped = seq.text.push(piece)
         finished = "stop" if stopped else "length" if len(seq.generated) >= seq.max_tokens else None
         if finished == "length":
@@ -417,7 +431,7 @@ class BatchEngine:
         return seq.slot, Completion(
             text="".join(seq.pieces), finish_reason=reason, prompt_tokens=len(seq.prompt),
             completion_tokens=len(seq.generated), prompt_s=first - seq.admitted_at, generate_s=ended - first,
-            reused_tokens=seq.reused,
+            reused_tokens=seq.reused, logprobs=seq.logprobs.take() if seq.logprobs is not None else None,
         )
 
     # --- tokens -------------------------------------------------------------------------------------
@@ -469,6 +483,9 @@ class BatchEngine:
             is_eog = self._lib.llama_vocab_is_eog
             self._eog = [t for t in range(self._n_vocab) if is_eog(self._vocab, t)]
         return self._eog
+
+    def _piece_bytes(self, token: int) -> bytes:
+        return self._piece(token)[0]
 
     def _piece(self, token: int) -> tuple[bytes, bool]:
         known = self._pieces.get(token)

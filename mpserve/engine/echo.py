@@ -10,6 +10,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
+from mpserve import protocol as wire
 from mpserve.errors import BadRequest
 from mpserve.protocol import ChatTemplate, GenerateParams
 
@@ -40,10 +41,15 @@ class EchoEngine:
     def admit(self, slot: int, prompt: str | list[int], params: GenerateParams, on_token: OnToken) -> None:
         if not 0 <= slot < self.parallel or slot in self._running:
             raise ValueError(f"slot {slot} is not a free slot of 0..{self.parallel - 1}")
+        if params.logprobs is not None:
+            raise BadRequest("the echo backend has no log-probabilities")
         if not isinstance(prompt, str):
             prompt = b"".join(map(self.token_bytes, prompt)).decode("utf-8", "replace")
         pieces = max(1, min(params.max_tokens, len(prompt)))
         self._running[slot] = _Echo(prompt, pieces, -(-len(prompt) // pieces) if prompt else 1, on_token)
+
+    def take_logprobs(self, slot: int) -> wire.Logprobs | None:
+        return None
 
     def tokenize(self, text: str, add_special: bool) -> list[int]:
         return list(text.encode())

@@ -18,6 +18,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
+from mpserve import protocol as wire
 from mpserve.protocol import ChatTemplate, GenerateParams
 
 OnToken = Callable[[str, int], bool]
@@ -34,6 +35,7 @@ class Completion:
     prompt_s: float
     generate_s: float
     reused_tokens: int = 0  # prompt tokens taken from KV cells instead of computed
+    logprobs: wire.Logprobs | None = None  # asked for: those of tokens ``take_logprobs`` did not take
 
 
 class Engine(Protocol):
@@ -46,6 +48,10 @@ class Engine(Protocol):
 
     def admit(self, slot: int, prompt: str | list[int], params: GenerateParams, on_token: OnToken) -> None:
         """``prompt``: text (tokenized with BOS), or token ids taken as they are."""
+
+    def take_logprobs(self, slot: int) -> wire.Logprobs | None:
+        """The log-probabilities of the tokens the sequence in ``slot`` generated since the last take (when
+        its request asked for them)."""
 
     def tokenize(self, text: str, add_special: bool) -> list[int]:
         """``text``'s tokens, special tokens written in it parsed; ``add_special``: BOS first, if the model

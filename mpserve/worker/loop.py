@@ -212,7 +212,7 @@ class Worker:
         slot = assign.slot if assign.slot in free else free[0]
         req = assign.request
         row = self._rows[slot]
-        stream = self._stream(assign)
+        stream = self._stream(assign, slot)
 
         def on_token(text: str, tokens: int) -> bool:
             row.progress(tokens)
@@ -237,12 +237,15 @@ class Worker:
             self._engine.cancel(self._slot_of[ticket])
             self._cancelled_tickets.add(ticket)
 
-    def _stream(self, assign: wire.Assign) -> ChunkStream | None:
-        """Where a streamed request's text goes; None if the request is not streamed."""
+    def _stream(self, assign: wire.Assign, slot: int) -> ChunkStream | None:
+        """Where a streamed request's text goes, with the log-probabilities of its tokens when asked for; None
+        if the request is not streamed."""
         if not assign.request.stream:
             return None
-        request_id, ticket = assign.request.id, assign.ticket
-        return ChunkStream(lambda text: self._send(wire.Chunk(request_id, text), ticket), self._spec.stream_interval)
+        request_id, ticket, engine = assign.request.id, assign.ticket, self._engine
+        assert engine is not None
+        return ChunkStream(lambda text: self._send(wire.Chunk(request_id, text, engine.take_logprobs(slot)), ticket),
+                           self._spec.stream_interval)
 
     # --- stepping -----------------------------------------------------------------------------------
 
@@ -299,5 +302,5 @@ class Worker:
             req.id, result.text, result.finish_reason, wire.Usage(result.prompt_tokens, result.completion_tokens),
             wire.Timings(assign.queue_ms, result.prompt_s * 1000, result.generate_s * 1000, assign.attempt,
                          cached_tokens=result.reused_tokens),
-            worker=self._spec.identity.decode(),
+            worker=self._spec.identity.decode(), logprobs=result.logprobs,
         )
