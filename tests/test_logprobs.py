@@ -5,11 +5,13 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
+import httpx
 import llama_cpp
 import numpy as np
 import pytest
 from conftest import ServerProcess
 from test_batch import N_CTX, PROMPTS, make_engine, serve
+from test_gateway import GatewayThread
 
 from mpserve import Client
 from mpserve import protocol as wire
@@ -83,3 +85,64 @@ def test_the_zeromq_path_carries_them_streamed_and_not(tiny_server: ServerProces
         with pytest.raises(BadRequest, match="'logprobs' must be between 0 and 20"):
             client.generate("hi", logprobs=21)
         assert client.generate("hi", max_tokens=3, logprobs=0).logprobs.entries()[0][3] == []  # type: ignore[union-attr]
+
+
+@pytest.fixture(scope="module")
+def gateway(tiny_server: ServerProcess) -> Iterator[GatewayThread]:
+    gw = GatewayThread(server_name=tiny_server.name)
+    yield gw
+    gw.stop()
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+def test_the_openai_client_gets_them_in_openai_s_shapes(tiny_server: ServerProcess, gateway: GatewayThread,
+                                                        stream: bool) -> None:
+    oc = gateway.openai()
+    prompt = PROMPTS[1]
+    with Client(tiny_server.address) as client:
+        whole = client.generate(prompt, max_tokens=16, temperature=0, logprobs=TOP)
+        assert whole.logprobs is not None
+        entries = whole.logprobs.entries()
+        chat_prompt = client.generate("<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n", max_tokens=16,
+                                      temperature=0, logprobs=3, stop=["<|im_end|>"])
+    got = oc.completions.create(model="tiny", prompt=prompt, max_tokens=16, temperature=0, logprobs=TOP, stream=stream)
+    parts = [c.choices[0].logprobs for c in got if c.choices and c.choices[0].logprobs] if stream else [
+        got.choices[0].logprobs]
+    lp = {k: [v for p in parts for v in getattr(p, k)] for k in ("tokens", "token_logprobs", "top_logprobs",
+                                                                 "text_offset")}
+    assert lp["tokens"] == [piece.decode() for _, piece, _, _ in entries]
+    # equal within 1e-4: another instance, or cells reused from another prompt, may round differently
+    assert lp["token_logprobs"] == pytest.approx([logprob for _, _, logprob, _ in entries], abs=1e-4)
+    assert [list(t) for t in lp["top_logprobs"]] == [[t.decode() for _, t, _ in top] for _, _, _, top in entries]
+    assert [list(t.values()) for t in lp["top_logprobs"]] == [
+        pytest.approx([v for _, _, v in top], abs=1e-4) for _, _, _, top in entries]
+    assert lp["text_offset"][0] == len(prompt)
+    assert lp["text_offset"][1:] == [len(prompt) + len("".join(lp["tokens"][:i])) for i in range(1, 16)]
+    chat = oc.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=16,
+                                      temperature=0, logprobs=True, top_logprobs=3, stream=stream)
+    content = [e for c in chat if c.choices and c.choices[0].logprobs for e in c.choices[0].logprobs.content or []
+               ] if stream else chat.choices[0].logprobs.content
+    assert chat_prompt.logprobs is not None
+    expected = chat_prompt.logprobs.entries()
+    assert [(e.token, bytes(e.bytes or [])) for e in content] == [(p.decode(), p) for _, p, _, _ in expected]
+    assert [e.logprob for e in content] == pytest.approx([logprob for _, _, logprob, _ in expected], abs=1e-4)
+    assert [[t.token for t in e.top_logprobs] for e in content] == [[t.decode() for _, t, _ in top]
+                                                                   for _, _, _, top in expected]
+    assert [[t.logprob for t in e.top_logprobs] for e in content] == [
+        pytest.approx([v for _, _, v in top], abs=1e-4) for _, _, _, top in expected]
+
+
+@pytest.mark.timeout(60)
+def test_bad_logprobs_requests_are_refused_naming_the_parameter(gateway: GatewayThread) -> None:
+    messages = [{"role": "user", "content": "hi"}]
+    for path, body, words in [
+        ("/v1/completions", {"prompt": "hi", "logprobs": 21}, "'logprobs' must be between 0 and 20"),
+        ("/v1/chat/completions", {"messages": messages, "logprobs": True, "top_logprobs": 50},
+         "'logprobs' must be between 0 and 20"),
+        ("/v1/chat/completions", {"messages": messages, "top_logprobs": 2}, "'top_logprobs' needs 'logprobs': true"),
+        ("/v1/chat/completions", {"messages": messages, "logprobs": 3}, "'logprobs' must be a boolean"),
+        ("/v1/completions", {"prompt": "hi", "logprobs": 2, "echo": True}, "'echo' = True is not supported"),
+    ]:
+        answer = httpx.post(f"{gateway.url}{path}", json={"model": "tiny", **body}, timeout=10)
+        assert answer.status_code == 400 and words in answer.json()["error"]["message"], body

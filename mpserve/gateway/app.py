@@ -202,13 +202,13 @@ class _Gateway:
         ended = False
         try:
             if first is not None:
-                yield _event(reply.chunk(first))
+                yield _event(reply.chunk(first, stream.chunk_logprobs))
             async for text in chunks:
-                yield _event(reply.chunk(text))
+                yield _event(reply.chunk(text, stream.chunk_logprobs))
             assert stream.result is not None
             self._done(endpoint, reply.model, stream.result, started)
             ended = True
-            for last in reply.last(stream.result):
+            for last in reply.last(stream.result, stream.chunk_logprobs):
                 yield _event(last)
             yield b"data: [DONE]\n\n"
         except MpserveError as exc:

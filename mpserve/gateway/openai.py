@@ -6,8 +6,9 @@ Parameters. ``max_tokens`` (chat also ``max_completion_tokens``), ``temperature`
 ``stop`` (a string or a list), ``presence_penalty``, ``frequency_penalty`` and ``logit_bias`` (token id to
 bias) map one to one; ``top_k``, ``repeat_penalty``, ``min_p``, ``typical_p`` and ``ignore_eos`` are taken
 too (llama.cpp's and llama-server's names). They are then checked by ``protocol.GenerateParams``, so the
-HTTP and ZeroMQ paths refuse the same values with the same words. What mpserve cannot do (several choices,
-log-probabilities, tools, ...) is refused with 400 naming the parameter, unless it is sent at its neutral
+HTTP and ZeroMQ paths refuse the same values with the same words. ``logprobs`` (chat: with ``top_logprobs``)
+come back in OpenAI's shapes (``gateway.logprobs``). What mpserve cannot do (several choices, echo, tools,
+...) is refused with 400 naming the parameter, unless it is sent at its neutral
 value (``n: 1``, ``logprobs: null``, ...), which clients often do. Unrecognised keys are refused like
 OpenAI refuses them. A ``null`` value means "not given".
 
@@ -30,6 +31,7 @@ from mpserve.client import Result
 from mpserve.errors import BadRequest, MpserveError, http_status
 from mpserve.protocol import ChatTemplate
 
+from . import logprobs
 from .chat import render
 from .tokens import token_ids
 
@@ -43,17 +45,15 @@ _SAMPLING = ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "rep
              "presence_penalty", "frequency_penalty", "logit_bias", "min_p", "typical_p", "ignore_eos")
 _COMMON = ("model", "stream", "stream_options", "user") + _SAMPLING
 _KEYS: dict[Kind, frozenset[str]] = {
-    "completion": frozenset(_COMMON + ("prompt",)),
-    "chat": frozenset(_COMMON + ("messages", "max_completion_tokens")),
+    "completion": frozenset(_COMMON + ("prompt", "logprobs")),
+    "chat": frozenset(_COMMON + ("messages", "max_completion_tokens", "logprobs", "top_logprobs")),
 }
 # Parameters mpserve does not implement, with the values that ask for nothing (accepted and ignored), and
 # why a non-neutral value is refused.
 _UNSUPPORTED: dict[str, tuple[tuple[Any, ...], str]] = {
     "n": ((1,), "one choice per request; send several requests instead"),
     "best_of": ((1,), "one choice per request"),
-    "logprobs": ((False, 0), "log-probabilities are not returned"),
-    "top_logprobs": ((0,), "log-probabilities are not returned"),
-    "echo": ((False,), "the prompt is not echoed"),
+    "echo": ((False,), "the prompt is not echoed (nor its log-probabilities)"),
     "suffix": (("",), "insertion (suffix) is not supported"),
     "tools": (([],), "tool calls are not supported"),
     "tool_choice": (("none",), "tool calls are not supported"),
@@ -111,6 +111,9 @@ def parse(kind: Kind, body: Any) -> Call:
     if not isinstance(options, dict) or not isinstance(options.get("include_usage", False), bool):
         raise BadRequest("'stream_options' must be an object like {\"include_usage\": true}")
     sampling = {k: given[k] for k in _SAMPLING if k in given}
+    top_logprobs = logprobs.requested(kind == "chat", given)
+    if top_logprobs is not None:
+        sampling["logprobs"] = top_logprobs
     if isinstance(sampling.get("stop"), str):
         sampling["stop"] = [sampling["stop"]]
     if kind == "chat":
@@ -187,24 +190,37 @@ class Reply:
         self.created = int(time.time())
         self._object = "chat.completion" if call.kind == "chat" else "text_completion"
         self._role_sent = False
+        self._offset = len(call.prompt) if isinstance(call.prompt, str) else 0  # completions' text_offset
 
     def whole(self, result: Result) -> dict[str, Any]:
         if self.call.kind == "chat":
             choice: dict[str, Any] = {"index": 0, "message": {"role": "assistant", "content": result.text},
-                                      "logprobs": None, "finish_reason": result.finish_reason}
+                                      "logprobs": self._logprobs(result.logprobs),
+                                      "finish_reason": result.finish_reason}
         else:
-            choice = {"index": 0, "text": result.text, "logprobs": None, "finish_reason": result.finish_reason}
+            choice = {"index": 0, "text": result.text, "logprobs": self._logprobs(result.logprobs),
+                      "finish_reason": result.finish_reason}
         return self._envelope(self._object, [choice]) | {"usage": usage(result.usage)}
 
-    def chunk(self, text: str) -> dict[str, Any]:
-        return self._envelope(self._chunk_object, [self._choice(text, None)])
+    def chunk(self, text: str, lp: wire.Logprobs | None = None) -> dict[str, Any]:
+        return self._envelope(self._chunk_object, [self._choice(text, None) | {"logprobs": self._logprobs(lp)}])
 
-    def last(self, result: Result) -> list[dict[str, Any]]:
-        """The chunk with the finish reason, then (if asked for) one with the usage and no choices."""
-        chunks = [self._envelope(self._chunk_object, [self._choice("", result.finish_reason)])]
+    def last(self, result: Result, lp: wire.Logprobs | None = None) -> list[dict[str, Any]]:
+        """The chunk with the finish reason (and the log-probabilities no chunk carried), then (if asked for)
+        one with the usage and no choices."""
+        finish = self._choice("", result.finish_reason) | {"logprobs": self._logprobs(lp)}
+        chunks = [self._envelope(self._chunk_object, [finish])]
         if self.call.include_usage:
             chunks.append(self._envelope(self._chunk_object, []) | {"usage": usage(result.usage)})
         return chunks
+
+    def _logprobs(self, lp: wire.Logprobs | None) -> dict[str, Any] | None:
+        if lp is None:
+            return None
+        if self.call.kind == "chat":
+            return logprobs.chat(lp)
+        shape, self._offset = logprobs.completion(lp, self._offset)
+        return shape
 
     @property
     def _chunk_object(self) -> str:
