@@ -86,7 +86,7 @@ def test_a_logit_bias_of_minus_100_keeps_tokens_out_and_ignore_eos_keeps_going(
     assert (ended.finish_reason, ended.completion_tokens) == ("stop", 0)
     kept_on = serve(engine, [(PROMPTS[1], params(40, temperature=0, logit_bias=eos, ignore_eos=True))])[0]
     assert (kept_on.finish_reason, kept_on.completion_tokens) == ("length", 40)
-    with pytest.raises(BadRequest, match="'logit_bias' names token 100000"):
+    with pytest.raises(BadRequest, match="'logit_bias' has token 100000"):
         engine.admit(0, "hi", params(4, logit_bias={100000: 1.0}), lambda text, n: True)
 
 
