@@ -51,20 +51,33 @@ class Result:
     usage: wire.Usage
     timings: wire.Timings
     worker: str
+    logprobs: wire.Logprobs | None = None  # asked for with logprobs=N: entries() per generated token
 
     @classmethod
-    def from_done(cls, done: wire.Done) -> Result:
-        return cls(done.id, done.text, done.finish_reason, done.usage, done.timings, done.worker)
+    def from_done(cls, done: wire.Done, streamed: list[wire.Logprobs] | None = None) -> Result:
+        """``streamed``: the log-probabilities the request's chunks carried, before those of ``done``."""
+        parts = [*(streamed or []), *([done.logprobs] if done.logprobs is not None else [])]
+        return cls(done.id, done.text, done.finish_reason, done.usage, done.timings, done.worker,
+                   wire.Logprobs.join(parts))
+
+
+@dataclass(frozen=True)
+class Tokenized:
+    tokens: list[int]
+    pieces: list[bytes]  # each token's bytes, when asked for with_pieces; else empty
 
 
 class Stream:
-    """Async iterator of text chunks; ``result`` holds the final Result once iteration has ended."""
+    """Async iterator of text chunks; ``result`` holds the final Result once iteration has ended, and
+    ``chunk_logprobs`` the log-probabilities of the chunk just yielded (when asked for)."""
 
     def __init__(self, client: AsyncClient, request: wire.Request) -> None:
         self._client = client
         self._request = request
         self.id = request.id
         self.result: Result | None = None
+        self.chunk_logprobs: wire.Logprobs | None = None
+        self._logprobs: list[wire.Logprobs] = []
 
     def __aiter__(self) -> AsyncGenerator[str, None]:
         return self._chunks()
@@ -75,9 +88,13 @@ class Stream:
             while True:
                 msg = await self._client._next(queue, self._request)
                 if isinstance(msg, wire.Chunk):
+                    self.chunk_logprobs = msg.logprobs
+                    if msg.logprobs is not None:
+                        self._logprobs.append(msg.logprobs)
                     yield msg.text
                 else:
-                    self.result = Result.from_done(msg)
+                    self.chunk_logprobs = msg.logprobs
+                    self.result = Result.from_done(msg, self._logprobs)
                     return
         finally:
             if self.result is None:
@@ -148,9 +165,10 @@ class AsyncClient:
             self._ctx.term()
             self._ctx = None
 
-    async def generate(self, prompt: str, *, model: str | None = None, timeout: float | None = None,
+    async def generate(self, prompt: str | list[int], *, model: str | None = None, timeout: float | None = None,
                        **params: Any) -> Result:
-        """Run one completion and return its Result; raises the MpserveError of an ERROR reply."""
+        """Run one completion and return its Result; raises the MpserveError of an ERROR reply. ``prompt``:
+        text, or token ids (taken as they are: no BOS is added)."""
         request = self._request(prompt, model, timeout, params, stream=False)
         queue = await self._submit(request)
         try:
@@ -160,13 +178,28 @@ class AsyncClient:
             raise
         return Result.from_done(msg)
 
-    def stream(self, prompt: str, *, model: str | None = None, timeout: float | None = None,
+    def stream(self, prompt: str | list[int], *, model: str | None = None, timeout: float | None = None,
                **params: Any) -> Stream:
         """Stream a completion: ``async for text in client.stream(...)``."""
         return Stream(self, self._request(prompt, model, timeout, params, stream=True))
 
     async def cancel(self, request_id: str) -> None:
         await self._send(wire.Cancel(request_id))
+
+    async def tokenize(self, text: str, *, model: str | None = None, add_special: bool = False,
+                       with_pieces: bool = False, timeout: float | None = None) -> Tokenized:
+        """``text`` in the tokens of ``model`` (``add_special``: with its BOS), by one of its instances."""
+        answer = await self._lookup(wire.Tokenize(next(self._ids), model, text, add_special=add_special,
+                                                  with_pieces=with_pieces, timeout=timeout or self.timeout))
+        ends = wire.unpack_tokens(answer.piece_ends)
+        return Tokenized(wire.unpack_tokens(answer.tokens),
+                         [answer.pieces[start:end] for start, end in zip([0, *ends], ends, strict=False)])
+
+    async def detokenize(self, tokens: list[int], *, model: str | None = None, timeout: float | None = None) -> str:
+        """The text of ``tokens`` in the vocabulary of ``model``."""
+        answer = await self._lookup(wire.Tokenize(next(self._ids), model, tokens=wire.pack_tokens(tokens),
+                                                  detokenize=True, timeout=timeout or self.timeout))
+        return answer.text
 
     async def stats(self, timeout: float = CONNECT_TIMEOUT_S) -> wire.Stats:
         """The broker's counters and per-model queue state."""
@@ -184,12 +217,31 @@ class AsyncClient:
 
     # --- internals ------------------------------------------------------------------------------
 
-    def _request(self, prompt: str, model: str | None, timeout: float | None, params: dict[str, Any],
+    def _request(self, prompt: str | list[int], model: str | None, timeout: float | None, params: dict[str, Any],
                  stream: bool) -> wire.Request:
-        generate = wire.GenerateParams(**{**params, "stop": tuple(params.get("stop", ()))})
+        generate = wire.GenerateParams(**{**params, "stop": tuple(params.get("stop", ())),
+                                          "logit_bias": wire.logit_bias_pairs(params.get("logit_bias", ()))})
         generate.validate()
-        return wire.Request(next(self._ids), prompt, model, generate, stream,
-                            timeout if timeout is not None else self.timeout)
+        text, tokens = (prompt, b"") if isinstance(prompt, str) else ("", wire.pack_tokens(prompt))
+        return wire.Request(next(self._ids), text, model, generate, stream,
+                            timeout if timeout is not None else self.timeout, tokens)
+
+    async def _lookup(self, msg: wire.Tokenize) -> wire.Tokens:
+        """Send a TOKENIZE and wait for its TOKENS; raises the MpserveError of an ERROR reply."""
+        await self.connect()
+        queue: asyncio.Queue[Any] = asyncio.Queue()
+        self._pending[msg.id] = queue
+        try:
+            await self._send(msg)
+            answer = await asyncio.wait_for(queue.get(), None if msg.timeout is None else msg.timeout + 1.0)
+        except asyncio.TimeoutError:
+            raise Timeout(f"no answer within {msg.timeout} s") from None
+        finally:
+            self._pending.pop(msg.id, None)
+        if isinstance(answer, MpserveError):
+            raise answer
+        assert isinstance(answer, wire.Tokens)
+        return answer
 
     async def _submit(self, request: wire.Request) -> asyncio.Queue[Any]:
         await self.connect()
@@ -332,16 +384,24 @@ class Client:
     def open(self) -> bool:
         return self._loop.is_running()
 
-    def generate(self, prompt: str, *, model: str | None = None, timeout: float | None = None,
+    def generate(self, prompt: str | list[int], *, model: str | None = None, timeout: float | None = None,
                  **params: Any) -> Result:
         return self._call(self._async.generate(prompt, model=model, timeout=timeout, **params))
 
-    def stream(self, prompt: str, *, model: str | None = None, timeout: float | None = None,
+    def stream(self, prompt: str | list[int], *, model: str | None = None, timeout: float | None = None,
                **params: Any) -> SyncStream:
         return SyncStream(self, self._async.stream(prompt, model=model, timeout=timeout, **params))
 
     def cancel(self, request_id: str) -> None:
         self._call(self._async.cancel(request_id))
+
+    def tokenize(self, text: str, *, model: str | None = None, add_special: bool = False,
+                 with_pieces: bool = False, timeout: float | None = None) -> Tokenized:
+        return self._call(self._async.tokenize(text, model=model, add_special=add_special, with_pieces=with_pieces,
+                                               timeout=timeout))
+
+    def detokenize(self, tokens: list[int], *, model: str | None = None, timeout: float | None = None) -> str:
+        return self._call(self._async.detokenize(tokens, model=model, timeout=timeout))
 
     def stats(self, timeout: float = CONNECT_TIMEOUT_S) -> wire.Stats:
         return self._call(self._async.stats(timeout))

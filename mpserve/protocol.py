@@ -3,11 +3,12 @@
 Every message is a ZeroMQ multipart message. ROUTER sockets see a routing-identity frame first; that
 frame belongs to ZeroMQ and is not described here.
 
-    client  -> broker   [VERSION, TYPE, BODY]            REQUEST, CANCEL, PING, STATS_QUERY
-    broker  -> client   [VERSION, TYPE, BODY]            CHUNK, DONE, ERROR, PONG, STATS
-    broker  -> worker   [VERSION, TYPE, BODY]            ASSIGN, CANCEL, STOP, UNLOAD
+    client  -> broker   [VERSION, TYPE, BODY]            REQUEST, CANCEL, PING, STATS_QUERY, TOKENIZE
+    broker  -> client   [VERSION, TYPE, BODY]            CHUNK, DONE, ERROR, PONG, STATS, TOKENS
+    broker  -> worker   [VERSION, TYPE, BODY]            ASSIGN, CANCEL, STOP, UNLOAD, TOKENIZE
     worker  -> broker   [VERSION, TYPE, TICKET, BODY]    READY, HEARTBEAT, FAILED, UNLOADED (empty TICKET);
-                                                         CHUNK, DONE, ERROR (TICKET of an ASSIGN)
+                                                         CHUNK, DONE, ERROR (TICKET of an ASSIGN);
+                                                         TOKENS, ERROR (TICKET of a TOKENIZE)
 
 VERSION is ``b"MPS1"``. TYPE is one byte (``MsgType``). BODY is a msgpack map whose schema is the
 frozen dataclass of that type below. TICKET is the broker's opaque key for one assignment: a worker
@@ -24,6 +25,8 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import struct
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from enum import IntEnum
 from typing import Any, ClassVar
@@ -40,6 +43,8 @@ MAX_ID_CHARS = 64
 MAX_STOP_STRINGS = 16
 MAX_STOP_CHARS = 256
 MAX_TOKENS_LIMIT = 1 << 20
+MAX_LOGIT_BIAS = 1024  # token ids one request may bias
+MAX_TOP_LOGPROBS = 20  # most probable tokens reported per generated token (OpenAI's limit)
 
 
 class MsgType(IntEnum):
@@ -47,11 +52,13 @@ class MsgType(IntEnum):
     CANCEL = 0x02
     PING = 0x03
     STATS_QUERY = 0x04
+    TOKENIZE = 0x05
     CHUNK = 0x10
     DONE = 0x11
     ERROR = 0x12
     PONG = 0x13
     STATS = 0x14
+    TOKENS = 0x15
     READY = 0x20
     HEARTBEAT = 0x21
     FAILED = 0x22
@@ -130,6 +137,14 @@ class GenerateParams:
     seed: int | None = None
     stop: tuple[str, ...] = ()
     repeat_penalty: float = 1.0
+    # OpenAI's and llama-server's sampling parameters, through llama.cpp's samplers (mpserve.engine.sampling)
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias added to its logit), on the wire as pairs
+    min_p: float = 0.05
+    typical_p: float = 1.0
+    ignore_eos: bool = False  # end-of-generation tokens are never sampled
+    logprobs: int | None = None  # report each generated token's log-probability and the N most probable
 
     @classmethod
     def from_wire(cls, body: Any) -> GenerateParams:
@@ -149,6 +164,13 @@ class GenerateParams:
             seed=_get(body, "seed", int, None, bad=BadRequest),
             stop=tuple(_get(body, "stop", (list, tuple), (), bad=BadRequest)),
             repeat_penalty=float(_get(body, "repeat_penalty", num, d.repeat_penalty, bad=BadRequest)),
+            presence_penalty=float(_get(body, "presence_penalty", num, d.presence_penalty, bad=BadRequest)),
+            frequency_penalty=float(_get(body, "frequency_penalty", num, d.frequency_penalty, bad=BadRequest)),
+            logit_bias=logit_bias_pairs(_get(body, "logit_bias", (dict, list, tuple), (), bad=BadRequest)),
+            min_p=float(_get(body, "min_p", num, d.min_p, bad=BadRequest)),
+            typical_p=float(_get(body, "typical_p", num, d.typical_p, bad=BadRequest)),
+            ignore_eos=_get(body, "ignore_eos", bool, d.ignore_eos, bad=BadRequest),
+            logprobs=_get(body, "logprobs", int, None, bad=BadRequest),
         )
         params.validate()
         return params
@@ -167,6 +189,39 @@ class GenerateParams:
             if not isinstance(s, str) or not 0 < len(s) <= MAX_STOP_CHARS:
                 raise BadRequest(f"each stop string must be a non-empty string of at most "
                                  f"{MAX_STOP_CHARS} characters, got {s!r:.60}")
+        _ranged("presence_penalty", self.presence_penalty, -2.0, 2.0)
+        _ranged("frequency_penalty", self.frequency_penalty, -2.0, 2.0)
+        _ranged("min_p", self.min_p, 0.0, 1.0)
+        _ranged("typical_p", self.typical_p, 0.0, 1.0)
+        if not isinstance(self.ignore_eos, bool):
+            raise BadRequest(f"'ignore_eos' must be a boolean, got {type(self.ignore_eos).__name__}")
+        if len(self.logit_bias) > MAX_LOGIT_BIAS:
+            raise BadRequest(f"'logit_bias' may bias at most {MAX_LOGIT_BIAS} tokens, got {len(self.logit_bias)}")
+        for _, bias in self.logit_bias:
+            _ranged("logit_bias", bias, -100.0, 100.0)
+        if self.logprobs is not None:
+            _ranged("logprobs", self.logprobs, 0, MAX_TOP_LOGPROBS)
+
+
+def logit_bias_pairs(value: Any) -> tuple[tuple[int, float], ...]:
+    """``logit_bias`` as (token id, bias) pairs, from OpenAI's map (token ids as integers or as the strings
+    JSON keys are) or from the wire's list of pairs. Ranges are checked by ``GenerateParams.validate``."""
+    items = list(value.items()) if isinstance(value, dict) else value
+    if not isinstance(items, (list, tuple)):
+        raise BadRequest(f"'logit_bias' must be a map of token ids to biases, got {type(value).__name__}")
+    pairs = []
+    for item in items:
+        if not isinstance(item, (list, tuple)) or len(item) != 2:
+            raise BadRequest("'logit_bias' must be a map of token ids to biases")
+        token, bias = item
+        if isinstance(token, str) and token.isascii() and token.isdigit():
+            token = int(token)
+        if isinstance(token, bool) or not isinstance(token, int) or token < 0:
+            raise BadRequest(f"'logit_bias' keys must be token ids (integers >= 0), got {token!r:.40}")
+        if isinstance(bias, bool) or not isinstance(bias, (int, float)):
+            raise BadRequest(f"'logit_bias' values must be numbers, got {bias!r:.40}")
+        pairs.append((token, float(bias)))
+    return tuple(pairs)
 
 
 @dataclass(frozen=True)
@@ -180,6 +235,7 @@ class Request:
     params: GenerateParams = field(default_factory=GenerateParams)
     stream: bool = False
     timeout: float | None = None
+    tokens: bytes = b""  # a prompt of token ids (pack_tokens), taken as it is, instead of ``prompt``
 
     @classmethod
     def from_wire(cls, body: dict[str, Any]) -> Request:
@@ -187,13 +243,18 @@ class Request:
         timeout = _get(body, "timeout", (int, float), None, bad=BadRequest)
         if timeout is not None:
             _ranged("timeout", timeout, 0.001, 7 * 24 * 3600)
+        tokens = _get(body, "tokens", bytes, b"", bad=BadRequest)
+        if len(tokens) > 4 * MAX_PROMPT_CHARS:
+            raise BadRequest(f"at most {MAX_PROMPT_CHARS} prompt tokens, got {len(tokens) // 4}")
+        if any(t < 0 for t in unpack_tokens(tokens)):
+            raise BadRequest("prompt token ids must be >= 0")
         return cls(
             id=rid,
             prompt=_text(body, "prompt", MAX_PROMPT_CHARS, bad=BadRequest),
             model=_text(body, "model", 256, None, bad=BadRequest),
             params=GenerateParams.from_wire(_get(body, "params", dict, {}, bad=BadRequest)),
             stream=_get(body, "stream", bool, False, bad=BadRequest),
-            timeout=None if timeout is None else float(timeout),
+            timeout=None if timeout is None else float(timeout), tokens=tokens,
         )
 
 
@@ -292,16 +353,77 @@ class Stats:
 
 
 @dataclass(frozen=True)
+class Logprobs:
+    """Log-probabilities of generated tokens (log-softmax of the raw logits, before any sampler), in columns
+    of packed numbers: a completion can have more tokens than a msgpack list may hold here. For each sampled
+    token: its id and log-probability, and the ``top`` most probable tokens, most probable first; ``pieces``
+    holds each sampled token's bytes followed by its top tokens' bytes, ending at the offsets ``piece_ends``."""
+
+    top: int = 0
+    tokens: bytes = b""  # int32 (pack_tokens)
+    logprobs: bytes = b""  # float64, little-endian
+    top_tokens: bytes = b""  # int32, ``top`` per sampled token
+    top_logprobs: bytes = b""  # float64
+    pieces: bytes = b""
+    piece_ends: bytes = b""  # int32
+
+    @classmethod
+    def from_wire(cls, body: Any) -> Logprobs | None:
+        if body is None:
+            return None
+        if not isinstance(body, dict):
+            raise ProtocolError("field 'logprobs' must be a map")
+        lp = cls(top=_get(body, "top", int), **{k: _get(body, k, bytes) for k in (
+            "tokens", "logprobs", "top_tokens", "top_logprobs", "pieces", "piece_ends")})
+        n = len(lp.tokens) // 4
+        if (len(lp.tokens) != 4 * n or len(lp.logprobs) != 8 * n or len(lp.top_tokens) != 4 * n * lp.top
+                or len(lp.top_logprobs) != 8 * n * lp.top or len(lp.piece_ends) != 4 * n * (1 + lp.top)):
+            raise ProtocolError("the columns of 'logprobs' do not have matching lengths")
+        return lp
+
+    @staticmethod
+    def join(parts: Sequence[Logprobs]) -> Logprobs | None:
+        """One Logprobs of several in order (a streamed completion's chunks)."""
+        if not parts:
+            return None
+        ends, base = [], 0
+        for part in parts:
+            ends += [base + e for e in unpack_tokens(part.piece_ends)]
+            base += len(part.pieces)
+        columns = {k: b"".join(getattr(p, k) for p in parts)
+                   for k in ("tokens", "logprobs", "top_tokens", "top_logprobs", "pieces")}
+        return Logprobs(parts[0].top, **columns, piece_ends=pack_tokens(ends))
+
+    def entries(self) -> list[tuple[int, bytes, float, list[tuple[int, bytes, float]]]]:
+        """Per sampled token: (id, bytes, log-probability, [(id, bytes, log-probability) of the top ones])."""
+        n, top = len(self.tokens) // 4, self.top
+        ids, top_ids = unpack_tokens(self.tokens), unpack_tokens(self.top_tokens)
+        lps = struct.unpack(f"<{n}d", self.logprobs)
+        top_lps = struct.unpack(f"<{n * top}d", self.top_logprobs)
+        ends = unpack_tokens(self.piece_ends)
+        starts = [0, *ends]
+        pieces = [self.pieces[a:b] for a, b in zip(starts, ends, strict=False)]
+        out = []
+        for i in range(n):
+            j = i * (1 + top)
+            out.append((ids[i], pieces[j], lps[i], [(top_ids[i * top + k], pieces[j + 1 + k], top_lps[i * top + k])
+                                                    for k in range(top)]))
+        return out
+
+
+@dataclass(frozen=True)
 class Chunk:
-    """A piece of streamed text for request ``id``."""
+    """A piece of streamed text for request ``id`` (with the log-probabilities of its tokens, if asked)."""
 
     TYPE: ClassVar[MsgType] = MsgType.CHUNK
     id: str
     text: str
+    logprobs: Logprobs | None = None
 
     @classmethod
     def from_wire(cls, body: dict[str, Any]) -> Chunk:
-        return cls(id=_text(body, "id", MAX_ID_CHARS), text=_text(body, "text", MAX_PROMPT_CHARS))
+        return cls(id=_text(body, "id", MAX_ID_CHARS), text=_text(body, "text", MAX_PROMPT_CHARS),
+                   logprobs=Logprobs.from_wire(body.get("logprobs")))
 
 
 @dataclass(frozen=True)
@@ -338,6 +460,7 @@ class Done:
     usage: Usage
     timings: Timings
     worker: str = ""
+    logprobs: Logprobs | None = None  # streamed: those of tokens no CHUNK carried
 
     @classmethod
     def from_wire(cls, body: dict[str, Any]) -> Done:
@@ -351,7 +474,7 @@ class Done:
             timings=Timings(float(_get(t, "queue_ms", (int, float))), float(_get(t, "prompt_ms", (int, float))),
                             float(_get(t, "generate_ms", (int, float))), attempts=_get(t, "attempts", int, 1),
                             cached_tokens=_get(t, "cached_tokens", int, 0)),
-            worker=_text(body, "worker", 64, ""),
+            worker=_text(body, "worker", 64, ""), logprobs=Logprobs.from_wire(body.get("logprobs")),
         )
 
 
@@ -487,10 +610,77 @@ class Stop:
         return cls(reason=_text(body, "reason", 256, ""))
 
 
+def pack_tokens(tokens: Sequence[int]) -> bytes:
+    """Token ids as they travel: int32, little-endian (a msgpack list is capped at a few thousand items)."""
+    return struct.pack(f"<{len(tokens)}i", *tokens)
+
+
+def unpack_tokens(data: bytes, key: str = "tokens") -> list[int]:
+    if len(data) % 4:
+        raise ProtocolError(f"field '{key}' must hold int32 token ids, got {len(data)} bytes")
+    return list(struct.unpack(f"<{len(data) // 4}i", data))
+
+
+@dataclass(frozen=True)
+class Tokenize:
+    """client -> broker -> worker: ``text`` to tokens with the vocabulary of ``model`` (``add_special``: the
+    model's BOS too; specials written in the text are parsed), or, with ``detokenize``, ``tokens`` to text.
+    The broker sends it to a loaded instance of the model, with ``ticket`` set; answered by TOKENS or ERROR."""
+
+    TYPE: ClassVar[MsgType] = MsgType.TOKENIZE
+    id: str
+    model: str | None = None
+    text: str = ""
+    tokens: bytes = b""  # pack_tokens
+    detokenize: bool = False
+    add_special: bool = False
+    with_pieces: bool = False
+    timeout: float | None = None
+    ticket: str = ""
+
+    @classmethod
+    def from_wire(cls, body: dict[str, Any]) -> Tokenize:
+        tokens = _get(body, "tokens", bytes, b"", bad=BadRequest)
+        if len(tokens) > 4 * MAX_PROMPT_CHARS:
+            raise BadRequest(f"at most {MAX_PROMPT_CHARS} tokens, got {len(tokens) // 4}")
+        unpack_tokens(tokens)
+        timeout = _get(body, "timeout", (int, float), None, bad=BadRequest)
+        if timeout is not None:
+            _ranged("timeout", timeout, 0.001, 7 * 24 * 3600)
+        return cls(id=_text(body, "id", MAX_ID_CHARS), model=_text(body, "model", 256, None, bad=BadRequest),
+                   text=_text(body, "text", MAX_PROMPT_CHARS, "", bad=BadRequest), tokens=tokens,
+                   detokenize=_get(body, "detokenize", bool, False, bad=BadRequest),
+                   add_special=_get(body, "add_special", bool, False, bad=BadRequest),
+                   with_pieces=_get(body, "with_pieces", bool, False, bad=BadRequest),
+                   timeout=None if timeout is None else float(timeout), ticket=_text(body, "ticket", MAX_ID_CHARS, ""))
+
+
+@dataclass(frozen=True)
+class Tokens:
+    """worker -> broker -> client: the answer to TOKENIZE ``id``: ``tokens`` (pack_tokens) and ``text``; with
+    ``with_pieces``, each token's bytes, concatenated in ``pieces``, ending at the offsets ``piece_ends``."""
+
+    TYPE: ClassVar[MsgType] = MsgType.TOKENS
+    id: str
+    tokens: bytes = b""
+    text: str = ""
+    pieces: bytes = b""
+    piece_ends: bytes = b""  # pack_tokens of the offsets
+
+    @classmethod
+    def from_wire(cls, body: dict[str, Any]) -> Tokens:
+        msg = cls(id=_text(body, "id", MAX_ID_CHARS), tokens=_get(body, "tokens", bytes, b""),
+                  text=_text(body, "text", MAX_PROMPT_CHARS * 4, ""), pieces=_get(body, "pieces", bytes, b""),
+                  piece_ends=_get(body, "piece_ends", bytes, b""))
+        unpack_tokens(msg.tokens)
+        unpack_tokens(msg.piece_ends, "piece_ends")
+        return msg
+
+
 _DECODERS: dict[MsgType, Any] = {
     cls.TYPE: cls.from_wire
     for cls in (Request, Cancel, Ping, StatsQuery, Pong, Stats, Chunk, Done, Error, Ready, Heartbeat, Failed,
-                Unloaded, Assign, Stop, Unload)
+                Unloaded, Assign, Stop, Unload, Tokenize, Tokens)
 }
 
 

@@ -48,11 +48,13 @@ from typing import Any
 
 import numpy as np
 
+from mpserve import protocol as wire
 from mpserve.errors import BadRequest, Busy
 from mpserve.prefix import common_prefix
 from mpserve.protocol import GenerateParams
 
 from .interface import Completion, OnToken
+from .logprobs import LogprobsRecorder
 from .model_info import read_chat_template
 from .sampling import SamplerChain, TextStream
 
@@ -102,7 +104,8 @@ class _Sequence:
     """One admitted request in its slot."""
 
     __slots__ = ("slot", "prompt", "n_past", "reused", "max_tokens", "sampler", "text", "on_token", "generated",
-                 "phase", "next_token", "output_row", "pieces", "admitted_at", "first_token_at", "cancel_requested")
+                 "phase", "next_token", "output_row", "pieces", "admitted_at", "first_token_at", "cancel_requested",
+                 "logprobs")
 
     def __init__(self, slot: int, prompt: list[int], reused: int, max_tokens: int, sampler: SamplerChain,
                  text: TextStream, on_token: OnToken) -> None:
@@ -122,6 +125,7 @@ class _Sequence:
         self.admitted_at = time.perf_counter()
         self.first_token_at = 0.0
         self.cancel_requested = False
+        self.logprobs: LogprobsRecorder | None = None
 
 
 def _by_slot(seq: _Sequence) -> int:
@@ -146,6 +150,7 @@ class BatchEngine:
         self._idle_budget = max(step_budget_tokens, MAX_PROMPT_BATCH)
         self._rng = random.Random(seed)
         self._pieces: dict[int, tuple[bytes, bool]] = {}  # token -> (text bytes, end of generation)
+        self._eog: list[int] | None = None
         self._tokenized: tuple[str, list[int]] = ("", [])
         self._cached: list[list[int]] = [[] for _ in range(parallel)]  # tokens with KV cells, per slot
         self._last_used = [0] * parallel
@@ -283,15 +288,17 @@ class BatchEngine:
 
     # --- requests -----------------------------------------------------------------------------------
 
-    def admit(self, slot: int, prompt: str, params: GenerateParams, on_token: OnToken) -> None:
-        """Start ``prompt`` in free slot ``slot``; its prompt is computed by the coming steps."""
+    def admit(self, slot: int, prompt: str | list[int], params: GenerateParams, on_token: OnToken) -> None:
+        """Start ``prompt`` in free slot ``slot``; its prompt is computed by the coming steps. A prompt of
+        token ids is taken as it is (no BOS added), as create_completion takes one."""
         if not 0 <= slot < self.parallel or slot in self._running:
             raise ValueError(f"slot {slot} is not a free slot of 0..{self.parallel - 1}")
-        tokens = self._tokenize(prompt)
+        tokens = self._tokenize(prompt) if isinstance(prompt, str) else self._in_vocabulary(prompt, "prompt")
         if not tokens:
             raise BadRequest("the prompt is empty and the model has no BOS token to start from")
         if len(tokens) >= self.n_ctx:
             raise BadRequest(f"the prompt is {len(tokens)} tokens; the context holds {self.n_ctx} per sequence")
+        self._in_vocabulary([t for t, _ in params.logit_bias], "logit_bias")
         reused = self._take_cells(slot, tokens)
         self._cached[slot] = tokens[:reused]
         self._uses += 1
@@ -299,9 +306,12 @@ class BatchEngine:
         seed = params.seed if params.seed is not None else self._rng.randrange(2**32 - 1)
         seq = _Sequence(
             slot, tokens, reused, min(params.max_tokens, self.n_ctx - len(tokens)),
-            SamplerChain(self._n_vocab, params, seed), TextStream(params.stop, strip_leading_space=not prompt),
+            SamplerChain(self._n_vocab, params, seed, self._eog_tokens() if params.ignore_eos else ()),
+            TextStream(params.stop, strip_leading_space=not prompt),
             on_token,
         )
+        if params.logprobs is not None:
+            seq.logprobs = LogprobsRecorder(params.logprobs)
         self._running[slot] = seq
         self._prefilling.append(seq)
         self._reused += reused
@@ -312,6 +322,11 @@ class BatchEngine:
         seq = self._running.get(slot)
         if seq is not None:
             seq.cancel_requested = True
+
+    def take_logprobs(self, slot: int) -> wire.Logprobs | None:
+        """The log-probabilities of the tokens ``slot``'s sequence generated since the last take."""
+        seq = self._running.get(slot)
+        return seq.logprobs.take() if seq is not None and seq.logprobs is not None else None
 
     def step(self) -> list[tuple[int, Completion]]:
         """One llama_decode for every running sequence; returns the sequences that ended in it."""
@@ -388,6 +403,9 @@ class BatchEngine:
             return "stop"
         seq.generated.append(token)
         self._generated += 1
+        if seq.logprobs is not None:
+            row = self._lib.llama_get_logits_ith(self._ctx, seq.output_row)
+            seq.logprobs.add(np.ctypeslib.as_array(row, (self._n_vocab,)), token, self._piece_bytes)
         text, stopped = seq.text.push(piece)
         finished = "stop" if stopped else "length" if len(seq.generated) >= seq.max_tokens else None
         if finished == "length":
@@ -413,7 +431,7 @@ class BatchEngine:
         return seq.slot, Completion(
             text="".join(seq.pieces), finish_reason=reason, prompt_tokens=len(seq.prompt),
             completion_tokens=len(seq.generated), prompt_s=first - seq.admitted_at, generate_s=ended - first,
-            reused_tokens=seq.reused,
+            reused_tokens=seq.reused, logprobs=seq.logprobs.take() if seq.logprobs is not None else None,
         )
 
     # --- tokens -------------------------------------------------------------------------------------
@@ -423,20 +441,51 @@ class BatchEngine:
         The last result is kept: best_slot and admit usually tokenize the same prompt one after the other."""
         if self._tokenized[0] == prompt and self._tokenized[1]:
             return self._tokenized[1]
-        data = prompt.encode("utf-8")
+        tokens = self._bos + self._llama_tokenize(prompt, False)
+        self._tokenized = (prompt, tokens)
+        return tokens
+
+    def _llama_tokenize(self, text: str, add_special: bool) -> list[int]:
+        data = text.encode("utf-8")
         lib = self._lib
         room = len(data) + 8
         buffer = (lib.llama_token * room)()
-        n = lib.llama_tokenize(self._vocab, data, len(data), buffer, room, False, True)
+        n = lib.llama_tokenize(self._vocab, data, len(data), buffer, room, add_special, True)
         if n < 0:
             room = -n
             buffer = (lib.llama_token * room)()
-            n = lib.llama_tokenize(self._vocab, data, len(data), buffer, room, False, True)
+            n = lib.llama_tokenize(self._vocab, data, len(data), buffer, room, add_special, True)
         if n < 0:
-            raise BadRequest("the prompt cannot be tokenized")
-        tokens: list[int] = self._bos + list(buffer[:n])
-        self._tokenized = (prompt, tokens)
+            raise BadRequest("the text cannot be tokenized")
+        return list(buffer[:n])
+
+    def tokenize(self, text: str, add_special: bool) -> list[int]:
+        return self._llama_tokenize(text, add_special)
+
+    def token_bytes(self, token: int) -> bytes:
+        self._in_vocabulary([token], "tokens")
+        buffer = ctypes.create_string_buffer(256)
+        n = self._lib.llama_token_to_piece(self._vocab, token, buffer, 256, 0, True)
+        if n < 0:
+            buffer = ctypes.create_string_buffer(-n)
+            n = self._lib.llama_token_to_piece(self._vocab, token, buffer, -n, 0, True)
+        return buffer.raw[:n]
+
+    def _in_vocabulary(self, tokens: list[int], key: str) -> list[int]:
+        outside = next((t for t in tokens if not 0 <= t < self._n_vocab), None)
+        if outside is not None:
+            raise BadRequest(f"'{key}' has token {outside}; the model's vocabulary has {self._n_vocab} tokens")
         return tokens
+
+    def _eog_tokens(self) -> list[int]:
+        """The vocabulary's end-of-generation tokens (what ``ignore_eos`` bans), found once."""
+        if self._eog is None:
+            is_eog = self._lib.llama_vocab_is_eog
+            self._eog = [t for t in range(self._n_vocab) if is_eog(self._vocab, t)]
+        return self._eog
+
+    def _piece_bytes(self, token: int) -> bytes:
+        return self._piece(token)[0]
 
     def _piece(self, token: int) -> tuple[bytes, bool]:
         known = self._pieces.get(token)

@@ -2,7 +2,7 @@
 
 It answers each request with its prompt, cut into ``max_tokens`` pieces of about equal size, one piece per
 sequence per ``step``, through the same interface (``mpserve.engine.interface``) and the same worker loop as
-``BatchEngine``.
+``BatchEngine``. Its vocabulary is the 256 byte values.
 """
 
 from __future__ import annotations
@@ -10,6 +10,8 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
+from mpserve import protocol as wire
+from mpserve.errors import BadRequest
 from mpserve.protocol import ChatTemplate, GenerateParams
 
 from .interface import Completion, OnToken
@@ -36,11 +38,26 @@ class EchoEngine:
     def free_slots(self) -> list[int]:
         return [slot for slot in range(self.parallel) if slot not in self._running]
 
-    def admit(self, slot: int, prompt: str, params: GenerateParams, on_token: OnToken) -> None:
+    def admit(self, slot: int, prompt: str | list[int], params: GenerateParams, on_token: OnToken) -> None:
         if not 0 <= slot < self.parallel or slot in self._running:
             raise ValueError(f"slot {slot} is not a free slot of 0..{self.parallel - 1}")
+        if params.logprobs is not None:
+            raise BadRequest("the echo backend has no log-probabilities")
+        if not isinstance(prompt, str):
+            prompt = b"".join(map(self.token_bytes, prompt)).decode("utf-8", "replace")
         pieces = max(1, min(params.max_tokens, len(prompt)))
         self._running[slot] = _Echo(prompt, pieces, -(-len(prompt) // pieces) if prompt else 1, on_token)
+
+    def take_logprobs(self, slot: int) -> wire.Logprobs | None:
+        return None
+
+    def tokenize(self, text: str, add_special: bool) -> list[int]:
+        return list(text.encode())
+
+    def token_bytes(self, token: int) -> bytes:
+        if not 0 <= token < 256:
+            raise BadRequest(f"token {token} is not in the vocabulary of 256 tokens")
+        return bytes([token])
 
     def cancel(self, slot: int) -> None:
         echo = self._running.get(slot)

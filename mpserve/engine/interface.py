@@ -6,6 +6,7 @@
     loop     ──step()──────────▶      one round for every running sequence; on_token per new piece
              ◀──[(slot, Completion)]  the sequences that ended in it
     CANCEL   ──cancel(slot)────▶      that sequence ends at the start of the next step
+    TOKENIZE ──tokenize / token_bytes──▶  the model's vocabulary, between steps
 
 Engines know nothing of processes, sockets or the slot table; one thread calls them. ``on_token`` gets
 each new piece of text and the number of tokens generated so far, and returns False to stop generating.
@@ -17,6 +18,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
+from mpserve import protocol as wire
 from mpserve.protocol import ChatTemplate, GenerateParams
 
 OnToken = Callable[[str, int], bool]
@@ -33,6 +35,7 @@ class Completion:
     prompt_s: float
     generate_s: float
     reused_tokens: int = 0  # prompt tokens taken from KV cells instead of computed
+    logprobs: wire.Logprobs | None = None  # asked for: those of tokens ``take_logprobs`` did not take
 
 
 class Engine(Protocol):
@@ -43,7 +46,19 @@ class Engine(Protocol):
 
     def free_slots(self) -> list[int]: ...
 
-    def admit(self, slot: int, prompt: str, params: GenerateParams, on_token: OnToken) -> None: ...
+    def admit(self, slot: int, prompt: str | list[int], params: GenerateParams, on_token: OnToken) -> None:
+        """``prompt``: text (tokenized with BOS), or token ids taken as they are."""
+
+    def take_logprobs(self, slot: int) -> wire.Logprobs | None:
+        """The log-probabilities of the tokens the sequence in ``slot`` generated since the last take (when
+        its request asked for them)."""
+
+    def tokenize(self, text: str, add_special: bool) -> list[int]:
+        """``text``'s tokens, special tokens written in it parsed; ``add_special``: BOS first, if the model
+        adds one."""
+
+    def token_bytes(self, token: int) -> bytes:
+        """The text of ``token`` (special tokens as written); BadRequest for an id outside the vocabulary."""
 
     def cancel(self, slot: int) -> None: ...
 

@@ -4,10 +4,11 @@ Two pieces, one of each per running sequence:
 
 - ``SamplerChain``: the llama.cpp sampler chain that ``llama_cpp.Llama.create_completion`` builds for
   the same parameters (``Llama._init_sampler``), so a sequence sampled in a batch draws the same tokens
-  as the same request sent to ``create_completion``: repetition penalties over the last 64 sampled
-  tokens, then greedy at temperature 0, else top-k, typical (1.0), top-p, min-p (0.05), temperature and
-  a seeded draw. The chain owns its random state, so a seeded sequence does not depend on what else is
-  in the batch.
+  as the same request sent to ``create_completion``: the logit bias (where create_completion puts its
+  logit-bias processor: first), repetition, frequency and presence penalties over the last 64 sampled
+  tokens, then greedy at temperature 0, else top-k, typical, top-p, min-p, temperature and a seeded draw.
+  ``ignore_eos`` biases every end-of-generation token by minus infinity, as llama-server does. The chain
+  owns its random state, so a seeded sequence does not depend on what else is in the batch.
 - ``TextStream``: token bytes in, text out. It decodes UTF-8 incrementally (a character split over two
   tokens comes out whole, with the second), finds stop strings, and holds back any tail that may be the
   start of a stop string, so text handed to a client never has to be taken back.
@@ -16,6 +17,8 @@ Two pieces, one of each per running sequence:
 from __future__ import annotations
 
 import codecs
+import math
+from collections.abc import Sequence
 from typing import Any
 
 import llama_cpp
@@ -24,27 +27,34 @@ from mpserve.protocol import GenerateParams
 
 # llama_cpp.Llama's defaults for what GenerateParams does not carry; create_completion uses them too.
 PENALTY_LAST_N = 64
-MIN_P = 0.05
-TYPICAL_P = 1.0
 MIN_KEEP = 1
 
 
 class SamplerChain:
     """A native llama.cpp sampler chain for one sequence; ``close`` frees it."""
 
-    def __init__(self, n_vocab: int, params: GenerateParams, seed: int) -> None:
+    def __init__(self, n_vocab: int, params: GenerateParams, seed: int, eog_tokens: Sequence[int] = ()) -> None:
+        """``eog_tokens``: the vocabulary's end-of-generation tokens, which ``params.ignore_eos`` bans."""
         chain_params = llama_cpp.llama_sampler_chain_default_params()
         chain_params.no_perf = True
         self._chain: Any = llama_cpp.llama_sampler_chain_init(chain_params)
         add = self._add
-        add(llama_cpp.llama_sampler_init_penalties(n_vocab, PENALTY_LAST_N, params.repeat_penalty, 0.0, 0.0))
+        # --- logit bias and OpenAI's penalties
+        biases = list(params.logit_bias)
+        if params.ignore_eos:
+            biases += [(token, -math.inf) for token in eog_tokens]
+        if biases:
+            add(_logit_bias(n_vocab, biases))
+        add(llama_cpp.llama_sampler_init_penalties(n_vocab, PENALTY_LAST_N, params.repeat_penalty,
+                                                   params.frequency_penalty, params.presence_penalty))
+        # ---
         if params.temperature == 0.0:
             add(llama_cpp.llama_sampler_init_greedy())
         else:
             add(llama_cpp.llama_sampler_init_top_k(params.top_k))
-            add(llama_cpp.llama_sampler_init_typical(TYPICAL_P, MIN_KEEP))
+            add(llama_cpp.llama_sampler_init_typical(params.typical_p, MIN_KEEP))
             add(llama_cpp.llama_sampler_init_top_p(params.top_p, MIN_KEEP))
-            add(llama_cpp.llama_sampler_init_min_p(MIN_P, MIN_KEEP))
+            add(llama_cpp.llama_sampler_init_min_p(params.min_p, MIN_KEEP))
             add(llama_cpp.llama_sampler_init_temp(params.temperature))
             add(llama_cpp.llama_sampler_init_dist(seed))
 
@@ -61,6 +71,12 @@ class SamplerChain:
         if self._chain is not None:
             llama_cpp.llama_sampler_free(self._chain)
             self._chain = None
+
+
+def _logit_bias(n_vocab: int, biases: list[tuple[int, float]]) -> Any:
+    """llama.cpp's logit-bias sampler: ``bias`` added to the logit of each ``token`` (ids below ``n_vocab``)."""
+    entries = (llama_cpp.llama_logit_bias * len(biases))(*(llama_cpp.llama_logit_bias(t, b) for t, b in biases))
+    return llama_cpp.llama_sampler_init_logit_bias(n_vocab, len(biases), entries)  # it copies the entries
 
 
 class TextStream:

@@ -5,6 +5,7 @@
 
     POST /v1/completions, /v1/chat/completions   OpenAI shapes, streamed (server-sent events) or not
     GET  /v1/models                               the served models
+    POST /tokenize, /detokenize                   llama-server's shapes (``gateway.tokens``)
     GET  /health                                  200 while some instance can take a request, else 503
     GET  /metrics                                 Prometheus text
     GET  /backend/monitor?model=NAME             each instance: pid, state, device, RSS, PSS, GPU memory, served,
@@ -53,6 +54,7 @@ from mpserve.slots import SlotState
 
 from . import console
 from . import openai as oai
+from . import tokens as tok
 from .backend import Backend
 from .metrics import CONTENT_TYPE, GatewayMetrics, ServerView
 from .monitor import RestartCounter, gpu_usage, health, monitor
@@ -94,6 +96,8 @@ def create_app(config: GatewayConfig) -> Starlette:
         Route("/v1/completions", gateway.completions, methods=["POST"]),
         Route("/v1/chat/completions", gateway.chat_completions, methods=["POST"]),
         Route("/v1/models", gateway.list_models, methods=["GET"]),
+        Route("/tokenize", gateway.tokenize, methods=["POST"]),
+        Route("/detokenize", gateway.detokenize, methods=["POST"]),
         Route("/health", gateway.get_health, methods=["GET"]),
         Route("/metrics", gateway.get_metrics, methods=["GET"]),
         Route("/backend/monitor", gateway.backend_monitor, methods=["GET"]),
@@ -206,13 +210,13 @@ class _Gateway:
         ended = False
         try:
             if first is not None:
-                yield _event(reply.chunk(first))
+                yield _event(reply.chunk(first, stream.chunk_logprobs))
             async for text in chunks:
-                yield _event(reply.chunk(text))
+                yield _event(reply.chunk(text, stream.chunk_logprobs))
             assert stream.result is not None
             self._done(endpoint, reply.model, stream.result, started)
             ended = True
-            for last in reply.last(stream.result):
+            for last in reply.last(stream.result, stream.chunk_logprobs):
                 yield _event(last)
             yield b"data: [DONE]\n\n"
         except MpserveError as exc:
@@ -231,6 +235,29 @@ class _Gateway:
     def _failed(self, endpoint: str, exc: MpserveError) -> Response:
         self.metrics.outcome(endpoint, exc.code)
         return _error_response(oai.HttpError.from_mpserve(exc))
+
+    # --- vocabulary -----------------------------------------------------------------------------
+
+    async def tokenize(self, request: Request) -> Response:
+        try:
+            call = tok.parse_tokenize(await _json_body(request))
+            client = await self.backend.client()
+            result = await client.tokenize(call.content, model=call.model, add_special=call.add_special,
+                                           with_pieces=call.with_pieces)
+        except MpserveError as exc:
+            return self._failed(request.url.path, exc)
+        self.metrics.outcome(request.url.path, "ok")
+        return JSONResponse(tok.tokenize_answer(result, call.with_pieces))
+
+    async def detokenize(self, request: Request) -> Response:
+        try:
+            model, tokens = tok.parse_detokenize(await _json_body(request))
+            client = await self.backend.client()
+            content = await client.detokenize(tokens, model=model)
+        except MpserveError as exc:
+            return self._failed(request.url.path, exc)
+        self.metrics.outcome(request.url.path, "ok")
+        return JSONResponse({"content": content})
 
     # --- monitoring -----------------------------------------------------------------------------
 

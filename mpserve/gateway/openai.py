@@ -2,11 +2,13 @@
 
 No I/O here, so that ``gateway.py`` keeps only the routing and this mapping can be read (and tested) alone.
 
-Parameters. ``max_tokens`` (chat also ``max_completion_tokens``), ``temperature``, ``top_p``, ``seed`` and
-``stop`` (a string or a list) map one to one; ``top_k`` and ``repeat_penalty`` are taken too (llama.cpp's
-names). They are then checked by ``protocol.GenerateParams``, so the HTTP and ZeroMQ paths refuse the same
-values with the same words. What mpserve cannot do (several choices, log-probabilities, tools, penalties
-other than llama.cpp's, ...) is refused with 400 naming the parameter, unless it is sent at its neutral
+Parameters. ``max_tokens`` (chat also ``max_completion_tokens``), ``temperature``, ``top_p``, ``seed``,
+``stop`` (a string or a list), ``presence_penalty``, ``frequency_penalty`` and ``logit_bias`` (token id to
+bias) map one to one; ``top_k``, ``repeat_penalty``, ``min_p``, ``typical_p`` and ``ignore_eos`` are taken
+too (llama.cpp's and llama-server's names). They are then checked by ``protocol.GenerateParams``, so the
+HTTP and ZeroMQ paths refuse the same values with the same words. ``logprobs`` (chat: with ``top_logprobs``)
+come back in OpenAI's shapes (``gateway.logprobs``). What mpserve cannot do (several choices, echo, tools,
+...) is refused with 400 naming the parameter, unless it is sent at its neutral
 value (``n: 1``, ``logprobs: null``, ...), which clients often do. Unrecognised keys are refused like
 OpenAI refuses them. A ``null`` value means "not given".
 
@@ -29,7 +31,9 @@ from mpserve.client import Result
 from mpserve.errors import BadRequest, MpserveError, http_status
 from mpserve.protocol import ChatTemplate
 
+from . import logprobs
 from .chat import render
+from .tokens import token_ids
 
 Kind = Literal["completion", "chat"]
 
@@ -37,24 +41,20 @@ COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions; chat uses mp
 CHAT_ROLES = ("system", "developer", "user", "assistant")
 CHAT_STOP = "<|im_end|>"
 
-_SAMPLING = ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "repeat_penalty")
+_SAMPLING = ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "repeat_penalty",
+             "presence_penalty", "frequency_penalty", "logit_bias", "min_p", "typical_p", "ignore_eos")
 _COMMON = ("model", "stream", "stream_options", "user") + _SAMPLING
 _KEYS: dict[Kind, frozenset[str]] = {
-    "completion": frozenset(_COMMON + ("prompt",)),
-    "chat": frozenset(_COMMON + ("messages", "max_completion_tokens")),
+    "completion": frozenset(_COMMON + ("prompt", "logprobs")),
+    "chat": frozenset(_COMMON + ("messages", "max_completion_tokens", "logprobs", "top_logprobs")),
 }
 # Parameters mpserve does not implement, with the values that ask for nothing (accepted and ignored), and
 # why a non-neutral value is refused.
 _UNSUPPORTED: dict[str, tuple[tuple[Any, ...], str]] = {
     "n": ((1,), "one choice per request; send several requests instead"),
     "best_of": ((1,), "one choice per request"),
-    "logprobs": ((False, 0), "log-probabilities are not returned"),
-    "top_logprobs": ((0,), "log-probabilities are not returned"),
-    "echo": ((False,), "the prompt is not echoed"),
+    "echo": ((False,), "the prompt is not echoed (nor its log-probabilities)"),
     "suffix": (("",), "insertion (suffix) is not supported"),
-    "logit_bias": (({},), "logit bias is not supported"),
-    "presence_penalty": ((0,), "use repeat_penalty (llama.cpp's penalty) instead"),
-    "frequency_penalty": ((0,), "use repeat_penalty (llama.cpp's penalty) instead"),
     "tools": (([],), "tool calls are not supported"),
     "tool_choice": (("none",), "tool calls are not supported"),
     "functions": (([],), "function calls are not supported"),
@@ -69,7 +69,7 @@ class Call:
 
     kind: Kind
     model: str | None
-    prompt: str  # a chat's: "" until with_chat_template
+    prompt: str | list[int]  # token ids for a completion given them; a chat's: "" until with_chat_template
     params: wire.GenerateParams
     stream: bool
     include_usage: bool  # stream_options.include_usage: a last chunk carries the usage
@@ -111,13 +111,16 @@ def parse(kind: Kind, body: Any) -> Call:
     if not isinstance(options, dict) or not isinstance(options.get("include_usage", False), bool):
         raise BadRequest("'stream_options' must be an object like {\"include_usage\": true}")
     sampling = {k: given[k] for k in _SAMPLING if k in given}
+    top_logprobs = logprobs.requested(kind == "chat", given)
+    if top_logprobs is not None:
+        sampling["logprobs"] = top_logprobs
     if isinstance(sampling.get("stop"), str):
         sampling["stop"] = [sampling["stop"]]
     if kind == "chat":
         if "max_completion_tokens" in given:
             sampling["max_tokens"] = given["max_completion_tokens"]
         messages = tuple(_messages(given.get("messages")))
-        prompt = ""
+        prompt: str | list[int] = ""
     else:
         sampling.setdefault("max_tokens", COMPLETION_MAX_TOKENS)
         messages, prompt = (), _prompt(given.get("prompt"))
@@ -125,15 +128,17 @@ def parse(kind: Kind, body: Any) -> Call:
                 options.get("include_usage", False), messages)
 
 
-def _prompt(value: Any) -> str:
-    if isinstance(value, list) and len(value) == 1:
+def _prompt(value: Any) -> str | list[int]:
+    """One prompt: a string, or token ids (also either one alone in a list)."""
+    if isinstance(value, list) and len(value) == 1 and isinstance(value[0], (str, list)):
         value = value[0]
+    if isinstance(value, list) and value and all(isinstance(v, int) and not isinstance(v, bool) for v in value):
+        return token_ids(value, "prompt")
     if isinstance(value, list):
-        raise BadRequest("'prompt' must be one string (several prompts would be several choices; send several "
-                         "requests)" if value and all(isinstance(v, str) for v in value) else
-                         "'prompt' must be a string; token arrays are not supported")
+        raise BadRequest("'prompt' must be one string or one list of token ids (several prompts would be several "
+                         "choices; send several requests)")
     if not isinstance(value, str):
-        raise BadRequest("'prompt' is required and must be a string")
+        raise BadRequest("'prompt' is required and must be a string or a list of token ids")
     return value
 
 
@@ -185,26 +190,39 @@ class Reply:
         self.created = int(time.time())
         self._object = "chat.completion" if call.kind == "chat" else "text_completion"
         self._role_sent = False
+        self._offset = len(call.prompt) if isinstance(call.prompt, str) else 0  # completions' text_offset
 
     def whole(self, result: Result) -> dict[str, Any]:
         if self.call.kind == "chat":
             choice: dict[str, Any] = {"index": 0, "message": {"role": "assistant", "content": result.text},
-                                      "logprobs": None, "finish_reason": result.finish_reason}
+                                      "logprobs": self._logprobs(result.logprobs),
+                                      "finish_reason": result.finish_reason}
         else:
-            choice = {"index": 0, "text": result.text, "logprobs": None, "finish_reason": result.finish_reason}
+            choice = {"index": 0, "text": result.text, "logprobs": self._logprobs(result.logprobs),
+                      "finish_reason": result.finish_reason}
         return self._envelope(self._object, [choice]) | {"usage": usage(result.usage)}
 
-    def chunk(self, text: str) -> dict[str, Any]:
-        return self._envelope(self._chunk_object, [self._choice(text, None)])
+    def chunk(self, text: str, lp: wire.Logprobs | None = None) -> dict[str, Any]:
+        return self._envelope(self._chunk_object, [self._choice(text, None) | {"logprobs": self._logprobs(lp)}])
 
-    def last(self, result: Result) -> list[dict[str, Any]]:
-        """The chunk with the finish reason, then (if asked for) one with the usage and no choices; that one
-        also carries mpserve's timings of the request (an extra key, as llama-server sends)."""
-        chunks = [self._envelope(self._chunk_object, [self._choice("", result.finish_reason)])]
+    def last(self, result: Result, lp: wire.Logprobs | None = None) -> list[dict[str, Any]]:
+        """The chunk with the finish reason (and the log-probabilities no chunk carried), then (if asked for)
+        one with the usage and no choices; that one also carries mpserve's timings of the request (an extra key,
+        as llama-server sends)."""
+        finish = self._choice("", result.finish_reason) | {"logprobs": self._logprobs(lp)}
+        chunks = [self._envelope(self._chunk_object, [finish])]
         if self.call.include_usage:
             chunks.append(self._envelope(self._chunk_object, []) | {"usage": usage(result.usage),
                                                                      "timings": dataclasses.asdict(result.timings)})
         return chunks
+
+    def _logprobs(self, lp: wire.Logprobs | None) -> dict[str, Any] | None:
+        if lp is None:
+            return None
+        if self.call.kind == "chat":
+            return logprobs.chat(lp)
+        shape, self._offset = logprobs.completion(lp, self._offset)
+        return shape
 
     @property
     def _chunk_object(self) -> str:

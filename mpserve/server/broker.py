@@ -7,6 +7,9 @@
                                       ▲                  │
         CHUNK/DONE/ERROR bodies ◀─────┴── forwarded unchanged, looked up by ticket
 
+    TOKENIZE ─▶ at once to the least busy loaded instance of the model (no slot, no queue); its TOKENS or
+                ERROR is forwarded the same way (``lookups``: ticket -> client, request id, worker)
+
 State lives in three tables (``mpserve.server.state``, which draws a request's states): ``requests``
 (ticket -> Pending), ``workers`` (identity -> WorkerEntry) and ``models`` (name -> ModelQueue). Every
 accepted request ends with exactly one terminal message to its client (DONE or ERROR); the ANSWERED
@@ -24,6 +27,7 @@ The broker never blocks on a client: sends are non-blocking, and a client that c
 
 from __future__ import annotations
 
+import dataclasses
 import heapq
 import itertools
 import logging
@@ -81,6 +85,7 @@ class Broker:
         self.requests: dict[str, Pending] = {}
         self.by_client: dict[tuple[bytes, str], str] = {}
         self.workers: dict[bytes, WorkerEntry] = {}
+        self.lookups: dict[str, tuple[bytes, str, bytes]] = {}  # TOKENIZE ticket -> client, id, worker
         self.stats: Counter[str] = Counter()
         self.accepting = True
         self.residency = residency
@@ -167,6 +172,7 @@ class Broker:
     def _worker_gone(self, entry: WorkerEntry, what: str) -> None:
         """A worker died or was lost: retry what it had not streamed, fail the rest, by the rules."""
         self._forget_worker(entry)
+        self._lookups_lost(entry.identity, what)
         for ticket in sorted(entry.running):
             p = self.requests.get(ticket)
             if p is None:
@@ -235,6 +241,8 @@ class Broker:
             elif mtype is wire.MsgType.PING:
                 ping = wire.Ping.from_wire(wire.unpack_body(frames[2]))
                 self._to_client(client, wire.encode(wire.Pong(ping.nonce, tuple(self.models))))
+            elif mtype is wire.MsgType.TOKENIZE:
+                self._on_tokenize(client, wire.Tokenize.from_wire(wire.unpack_body(frames[2])))
             elif mtype is wire.MsgType.STATS_QUERY:
                 query = wire.StatsQuery.from_wire(wire.unpack_body(frames[2]))
                 self._to_client(client, wire.encode(self.snapshot(query.nonce)))
@@ -281,6 +289,26 @@ class Broker:
         self.stats["accepted"] += 1
         mq.queue.append(ticket)
         self._dispatch(model)
+
+    def _on_tokenize(self, client: bytes, msg: wire.Tokenize) -> None:
+        """To the least busy instance of the model that has it loaded: the worker answers between steps."""
+        if not self.accepting:
+            raise ShuttingDown("the server is shutting down; retry after it restarts", retry_after=1.0)
+        model = self._resolve_model(msg.model)
+        loaded = [w for w in self.workers.values() if w.model == model and w.loaded and not w.unloading]
+        if not loaded:
+            raise Busy(f"no instance of model {model} has it loaded now; retry once one has", retry_after=1.0)
+        worker = min(loaded, key=lambda w: len(w.running))
+        ticket = next(self._tickets)
+        self.lookups[ticket] = (client, msg.id, worker.identity)
+        self.stats["tokenize"] += 1
+        self._to_worker(worker.identity, dataclasses.replace(msg, ticket=ticket))
+
+    def _lookups_lost(self, identity: bytes, what: str) -> None:
+        for ticket, (client, rid, worker) in list(self.lookups.items()):
+            if worker == identity:
+                del self.lookups[ticket]
+                self._to_client(client, wire.encode(wire.Error(rid, ErrorCode.WORKER_LOST, f"{what}; retry")))
 
     def snapshot(self, nonce: int = 0) -> wire.Stats:
         running: Counter[str] = Counter(w.model for w in self.workers.values() for _ in w.running)
@@ -384,6 +412,10 @@ class Broker:
             self.stats["dropped_worker_malformed"] += 1
             log.warning("refused a message from worker %r: %s", identity, exc)
             self._to_worker(identity, wire.Error(None, exc.code, f"refused by the broker: {exc.message}"))
+            return
+        lookup = self.lookups.pop(frames[2].decode(errors="replace"), None) if frames[2] else None
+        if lookup is not None:  # TOKENS or ERROR answering a TOKENIZE
+            self._to_client(lookup[0], [wire.VERSION, frames[1], frames[3]])
             return
         if mtype in (wire.MsgType.CHUNK, wire.MsgType.DONE, wire.MsgType.ERROR):
             self._worker_result(identity, mtype, frames[2].decode(errors="replace"), frames[1], frames[3])

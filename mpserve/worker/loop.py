@@ -5,7 +5,8 @@
 Each turn takes every waiting broker message, then runs one ``engine.step`` while any sequence runs:
 
     receive   ASSIGN: admit the request into the slot the broker chose (another free one if that is
-              taken); CANCEL: the sequence ends at the next step; STOP; UNLOAD (only when idle)
+              taken); CANCEL: the sequence ends at the next step; STOP; UNLOAD (only when idle);
+              TOKENIZE: answered at once (``mpserve.worker.tokens``)
     permit    with GPU permits, the first running sequence takes the device's permit (host-wide); the
               last one to end gives it back
     step      every running sequence advances by one token (a prompt by a chunk); pieces stream out as
@@ -36,6 +37,7 @@ from mpserve.gpu.permits import DevicePermits, Permit
 from mpserve.protocol import ChatTemplate
 from mpserve.slots import SlotState, SlotWriter
 
+from . import tokens
 from .spec import EXIT_LOAD_FAILED, EngineSpec, WorkerSpec
 from .stream import ChunkStream
 
@@ -174,6 +176,9 @@ class Worker:
             self._cancel(msg.id)
         elif isinstance(msg, wire.Assign):
             self._accept(msg)
+        elif isinstance(msg, wire.Tokenize):
+            self._send(tokens.answer(self._engine, msg) if self._engine is not None else wire.Error(
+                msg.id, ErrorCode.BUSY, "the model is not loaded here now; retry"), msg.ticket)
 
     def _pump(self) -> None:
         """While waiting for a permit: take what the broker sent, and keep the link alive."""
@@ -207,7 +212,7 @@ class Worker:
         slot = assign.slot if assign.slot in free else free[0]
         req = assign.request
         row = self._rows[slot]
-        stream = self._stream(assign)
+        stream = self._stream(assign, slot)
 
         def on_token(text: str, tokens: int) -> bool:
             row.progress(tokens)
@@ -216,7 +221,7 @@ class Worker:
             return not self._stopping
 
         try:
-            engine.admit(slot, req.prompt, req.params, on_token)
+            engine.admit(slot, wire.unpack_tokens(req.tokens) if req.tokens else req.prompt, req.params, on_token)
         except MpserveError as exc:
             self._send(wire.Error(req.id, exc.code, exc.message), assign.ticket)
             return
@@ -232,12 +237,15 @@ class Worker:
             self._engine.cancel(self._slot_of[ticket])
             self._cancelled_tickets.add(ticket)
 
-    def _stream(self, assign: wire.Assign) -> ChunkStream | None:
-        """Where a streamed request's text goes; None if the request is not streamed."""
+    def _stream(self, assign: wire.Assign, slot: int) -> ChunkStream | None:
+        """Where a streamed request's text goes, with the log-probabilities of its tokens when asked for; None
+        if the request is not streamed."""
         if not assign.request.stream:
             return None
-        request_id, ticket = assign.request.id, assign.ticket
-        return ChunkStream(lambda text: self._send(wire.Chunk(request_id, text), ticket), self._spec.stream_interval)
+        request_id, ticket, engine = assign.request.id, assign.ticket, self._engine
+        assert engine is not None
+        return ChunkStream(lambda text: self._send(wire.Chunk(request_id, text, engine.take_logprobs(slot)), ticket),
+                           self._spec.stream_interval)
 
     # --- stepping -----------------------------------------------------------------------------------
 
@@ -294,5 +302,5 @@ class Worker:
             req.id, result.text, result.finish_reason, wire.Usage(result.prompt_tokens, result.completion_tokens),
             wire.Timings(assign.queue_ms, result.prompt_s * 1000, result.generate_s * 1000, assign.attempt,
                          cached_tokens=result.reused_tokens),
-            worker=self._spec.identity.decode(),
+            worker=self._spec.identity.decode(), logprobs=result.logprobs,
         )

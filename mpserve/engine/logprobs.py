@@ -1,0 +1,61 @@
+"""Log-probabilities of generated tokens, from a sequence's row of logits, as OpenAI reports them.
+
+    after a decode: logits row (n_vocab floats, llama_get_logits_ith) + the sampled token
+        ──add──▶ log-softmax of the raw logits (before any sampler: bias, penalties, top-k ... do not
+                 change them), the sampled token's value and the top N, most probable first
+        ──take──▶ protocol.Logprobs of the tokens added since the last take (a CHUNK's, or the DONE's)
+
+Vectorised over the vocabulary with numpy: one max, one exp-sum and one partial sort per token.
+"""
+
+from __future__ import annotations
+
+import struct
+from collections.abc import Callable
+
+import numpy as np
+
+from mpserve import protocol as wire
+
+
+class LogprobsRecorder:
+    __slots__ = ("top", "_tokens", "_logprobs", "_top_tokens", "_top_logprobs", "_pieces")
+
+    def __init__(self, top: int) -> None:
+        self.top = top
+        self._clear()
+
+    def _clear(self) -> None:
+        self._tokens: list[int] = []
+        self._logprobs: list[float] = []
+        self._top_tokens: list[np.ndarray] = []
+        self._top_logprobs: list[np.ndarray] = []
+        self._pieces: list[bytes] = []
+
+    def add(self, logits: np.ndarray, token: int, piece: Callable[[int], bytes]) -> None:
+        """``token`` was sampled from ``logits`` (float32, one per vocabulary entry)."""
+        peak = float(logits.max())
+        log_total = peak + float(np.log(np.exp(logits - peak).sum(dtype=np.float64)))
+        self._tokens.append(token)
+        self._logprobs.append(float(logits[token]) - log_total)
+        self._pieces.append(piece(token))
+        if self.top:
+            best = np.argpartition(logits, -self.top)[-self.top:]
+            best = best[np.argsort(-logits[best], kind="stable")]
+            self._top_tokens.append(best.astype(np.int32))
+            self._top_logprobs.append(logits[best].astype(np.float64) - log_total)
+            self._pieces += [piece(int(t)) for t in best]
+
+    def take(self) -> wire.Logprobs | None:
+        """What was added since the last take; None if nothing was."""
+        if not self._tokens:
+            return None
+        n = len(self._tokens)
+        ends = np.cumsum([len(p) for p in self._pieces], dtype=np.int64)
+        lp = wire.Logprobs(
+            self.top, wire.pack_tokens(self._tokens), struct.pack(f"<{n}d", *self._logprobs),
+            np.concatenate(self._top_tokens).astype("<i4").tobytes() if self.top else b"",
+            np.concatenate(self._top_logprobs).astype("<f8").tobytes() if self.top else b"",
+            b"".join(self._pieces), ends.astype("<i4").tobytes())
+        self._clear()
+        return lp
