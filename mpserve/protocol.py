@@ -30,6 +30,7 @@ from typing import Any, ClassVar
 
 import msgpack
 
+from . import structured
 from .errors import BadRequest, ProtocolError
 
 VERSION = b"MPS1"
@@ -130,6 +131,9 @@ class GenerateParams:
     seed: int | None = None
     stop: tuple[str, ...] = ()
     repeat_penalty: float = 1.0
+    # structured output (mpserve.structured): GBNF text, or a JSON Schema as canonical JSON text; one at most
+    grammar: str | None = None
+    json_schema: str | None = None
 
     @classmethod
     def from_wire(cls, body: Any) -> GenerateParams:
@@ -149,6 +153,8 @@ class GenerateParams:
             seed=_get(body, "seed", int, None, bad=BadRequest),
             stop=tuple(_get(body, "stop", (list, tuple), (), bad=BadRequest)),
             repeat_penalty=float(_get(body, "repeat_penalty", num, d.repeat_penalty, bad=BadRequest)),
+            grammar=_text(body, "grammar", structured.MAX_GRAMMAR_CHARS, None, bad=BadRequest),
+            json_schema=_text(body, "json_schema", structured.MAX_SCHEMA_CHARS, None, bad=BadRequest),
         )
         params.validate()
         return params
@@ -167,6 +173,15 @@ class GenerateParams:
             if not isinstance(s, str) or not 0 < len(s) <= MAX_STOP_CHARS:
                 raise BadRequest(f"each stop string must be a non-empty string of at most "
                                  f"{MAX_STOP_CHARS} characters, got {s!r:.60}")
+        for key in ("grammar", "json_schema"):
+            if not isinstance(getattr(self, key), (str, type(None))):
+                raise BadRequest(f"'{key}' must be a string")
+        if self.grammar is not None and self.json_schema is not None:
+            raise BadRequest("give 'grammar' or 'json_schema', not both")
+        if self.grammar is not None:
+            structured.check_grammar(self.grammar)
+        if self.json_schema is not None:
+            structured.schema_grammar(self.json_schema)  # compiled once per distinct schema, then cached
 
 
 @dataclass(frozen=True)

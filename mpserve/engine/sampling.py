@@ -7,7 +7,9 @@ Two pieces, one of each per running sequence:
   as the same request sent to ``create_completion``: repetition penalties over the last 64 sampled
   tokens, then greedy at temperature 0, else top-k, typical (1.0), top-p, min-p (0.05), temperature and
   a seeded draw. The chain owns its random state, so a seeded sequence does not depend on what else is
-  in the batch.
+  in the batch. A constrained sequence (a grammar or a JSON Schema) gets a grammar sampler first in its
+  chain (``mpserve.engine.grammar``): it rules out every token the grammar does not allow at this point,
+  so constrained and unconstrained sequences share one batch.
 - ``TextStream``: token bytes in, text out. It decodes UTF-8 incrementally (a character split over two
   tokens comes out whole, with the second), finds stop strings, and holds back any tail that may be the
   start of a stop string, so text handed to a client never has to be taken back.
@@ -32,11 +34,14 @@ MIN_KEEP = 1
 class SamplerChain:
     """A native llama.cpp sampler chain for one sequence; ``close`` frees it."""
 
-    def __init__(self, n_vocab: int, params: GenerateParams, seed: int) -> None:
+    def __init__(self, n_vocab: int, params: GenerateParams, seed: int, grammar: Any = None) -> None:
         chain_params = llama_cpp.llama_sampler_chain_default_params()
         chain_params.no_perf = True
         self._chain: Any = llama_cpp.llama_sampler_chain_init(chain_params)
         add = self._add
+        # --- structured output: the sequence's grammar sampler (a GrammarCache clone), first in the chain
+        if grammar is not None:
+            add(grammar)
         add(llama_cpp.llama_sampler_init_penalties(n_vocab, PENALTY_LAST_N, params.repeat_penalty, 0.0, 0.0))
         if params.temperature == 0.0:
             add(llama_cpp.llama_sampler_init_greedy())
