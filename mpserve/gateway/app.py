@@ -197,10 +197,11 @@ class _Gateway:
                       reply: oai.Reply, started: float) -> AsyncGenerator[bytes, None]:
         ended = False
         try:
-            if first is not None:
-                yield _event(reply.chunk(first))
+            for chunk in reply.chunks(first) if first is not None else ():
+                yield _event(chunk)
             async for text in chunks:
-                yield _event(reply.chunk(text))
+                for chunk in reply.chunks(text):
+                    yield _event(chunk)
             assert stream.result is not None
             self._done(endpoint, reply.model, stream.result, started)
             ended = True
