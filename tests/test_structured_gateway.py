@@ -163,3 +163,17 @@ def test_openai_client_errors_are_bad_request(gateway: GatewayThread) -> None:
     with pytest.raises(openai.BadRequestError, match="keyword 'oneOf' is not supported"):
         chat(gateway, response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": {
             "oneOf": [{"type": "null"}]}}})
+
+
+def test_langchain_binds_tools_and_structures_output(gateway: GatewayThread) -> None:
+    from langchain_openai import ChatOpenAI
+
+    llm = ChatOpenAI(base_url=f"{gateway.url}/v1", api_key="unused", model="tiny", temperature=0,  # type: ignore[arg-type]
+                     max_tokens=MAX_TOKENS, max_retries=0, timeout=30)
+    message = llm.bind_tools([WEATHER], tool_choice="get_weather").invoke("What is the weather in Paris?")
+    assert [call["name"] for call in message.tool_calls] == ["get_weather"]
+    jsonschema.validate(message.tool_calls[0]["args"], WEATHER["function"]["parameters"])
+    anything = llm.bind_tools(TOOLS, tool_choice="any").invoke("Weather or time?")
+    assert anything.tool_calls and {c["name"] for c in anything.tool_calls} <= {"get_weather", "get_time"}
+    person = llm.with_structured_output(Person).invoke("Who is it?")
+    assert isinstance(person, Person)
