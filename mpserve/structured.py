@@ -138,9 +138,14 @@ def schema_grammar(text: str) -> str:
         schema = json.loads(text)
     except ValueError as exc:
         raise BadRequest(f"'json_schema' is not valid JSON: {exc}") from None
+    except RecursionError:
+        raise BadRequest("'json_schema' nests too deep to be read") from None
     if not isinstance(schema, dict):
         raise BadRequest(f"'json_schema' must be a JSON object, got {type(schema).__name__}")
-    grammar = _Compiler(schema).grammar()
+    try:
+        grammar = _Compiler(schema).grammar()
+    except RecursionError:  # a const or enum value nested deeper than json.dumps goes
+        raise BadRequest("'json_schema' nests too deep to be compiled") from None
     if len(grammar) > MAX_GRAMMAR_CHARS or _measure(grammar, "json_schema")[1] > MAX_GRAMMAR_REPEATS:
         raise BadRequest(f"json_schema: its grammar would be {len(grammar)} characters with "
                          f"{_measure(grammar, 'json_schema')[1]} repetitions, over the limits of {MAX_GRAMMAR_CHARS} "
