@@ -18,7 +18,7 @@ import typer
 
 from . import config as cfg
 from . import settings
-from .errors import ConnectionFailed, MpserveError
+from .errors import BadRequest, ConnectionFailed, MpserveError
 from .protocol import WorkerStats
 from .runtime import ServerInfo, pid_alive
 from .slots import SlotRow, SlotState, SlotTable
@@ -112,6 +112,10 @@ def generate(
     timeout: Annotated[float | None, typer.Option("--timeout", help="Seconds, queueing included.")] = None,
     address: Annotated[str | None, typer.Option("--address", envvar="MPSERVE_ADDRESS")] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print the result as JSON.")] = False,
+    json_schema: Annotated[Path | None, typer.Option(
+        "--json-schema", help="A JSON Schema file: the completion is JSON that validates against it.")] = None,
+    grammar: Annotated[Path | None, typer.Option(
+        "--grammar", help="A GBNF grammar file (llama.cpp's format) the completion follows.")] = None,
     curve_server_key: Annotated[str | None, typer.Option(
         "--curve-server-key", envvar="MPSERVE_CURVE_SERVER_KEY", help="The server's public key file.")] = None,
     curve_secret: Annotated[str | None, typer.Option(
@@ -124,6 +128,8 @@ def generate(
 
     params: dict[str, Any] = dict(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed,
                   stop=tuple(stop or ()))
+    with _errors():
+        params.update(_structured(json_schema, grammar))
     with _errors(), Client(address, server_name=server_name, timeout=timeout, curve_server_key=curve_server_key,
                            curve_secret=curve_secret) as client:
         if stream:
@@ -420,6 +426,23 @@ def _row_json(r: SlotRow) -> dict[str, object]:
     d = dict(vars(r))
     d["state"] = r.state.name.lower()
     return d
+
+
+def _structured(json_schema: Path | None, grammar: Path | None) -> dict[str, Any]:
+    """``json_schema`` and ``grammar`` keyword arguments from the files given (checked by the client)."""
+    out: dict[str, Any] = {}
+    for key, path in (("json_schema", json_schema), ("grammar", grammar)):
+        if path is not None:
+            try:
+                out[key] = path.read_text()
+            except (OSError, UnicodeDecodeError) as exc:
+                raise BadRequest(f"--{key.replace('_', '-')} {path}: {exc}") from None
+    if "json_schema" in out:
+        try:
+            out["json_schema"] = json.loads(out["json_schema"])
+        except ValueError as exc:
+            raise BadRequest(f"--json-schema {json_schema}: not valid JSON: {exc}") from None
+    return out
 
 
 class _errors:

@@ -15,6 +15,9 @@ by ``mpserve keygen``.
         result = await client.generate("Once upon a time", max_tokens=32, temperature=0)
         async for text in client.stream("Hello", max_tokens=16):
             print(text, end="")
+
+Structured output: ``json_schema=`` (a dict, or its JSON text) or ``grammar=`` (GBNF text) constrains the
+completion (``mpserve.structured`` lists the supported JSON-Schema keywords).
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ import zmq.asyncio
 import zmq.auth
 
 from . import protocol as wire
+from . import structured
 from .errors import ConfigError, ConnectionFailed, MpserveError, Timeout, error_from_code
 from .runtime import default_address
 
@@ -219,6 +223,8 @@ class AsyncClient:
 
     def _request(self, prompt: str | list[int], model: str | None, timeout: float | None, params: dict[str, Any],
                  stream: bool) -> wire.Request:
+        if not isinstance(params.get("json_schema"), (str, type(None))):  # travels as its canonical JSON text
+            params = {**params, "json_schema": structured.canonical_json(params["json_schema"])}
         generate = wire.GenerateParams(**{**params, "stop": tuple(params.get("stop", ())),
                                           "logit_bias": wire.logit_bias_pairs(params.get("logit_bias", ()))})
         generate.validate()

@@ -33,6 +33,7 @@ from typing import Any, ClassVar
 
 import msgpack
 
+from . import structured
 from .errors import BadRequest, ProtocolError
 
 VERSION = b"MPS1"
@@ -145,6 +146,9 @@ class GenerateParams:
     typical_p: float = 1.0
     ignore_eos: bool = False  # end-of-generation tokens are never sampled
     logprobs: int | None = None  # report each generated token's log-probability and the N most probable
+    # structured output (mpserve.structured): GBNF text, or a JSON Schema as canonical JSON text; one at most
+    grammar: str | None = None
+    json_schema: str | None = None
 
     @classmethod
     def from_wire(cls, body: Any) -> GenerateParams:
@@ -171,6 +175,8 @@ class GenerateParams:
             typical_p=float(_get(body, "typical_p", num, d.typical_p, bad=BadRequest)),
             ignore_eos=_get(body, "ignore_eos", bool, d.ignore_eos, bad=BadRequest),
             logprobs=_get(body, "logprobs", int, None, bad=BadRequest),
+            grammar=_text(body, "grammar", structured.MAX_GRAMMAR_CHARS, None, bad=BadRequest),
+            json_schema=_text(body, "json_schema", structured.MAX_SCHEMA_CHARS, None, bad=BadRequest),
         )
         params.validate()
         return params
@@ -201,6 +207,16 @@ class GenerateParams:
             _ranged("logit_bias", bias, -100.0, 100.0)
         if self.logprobs is not None:
             _ranged("logprobs", self.logprobs, 0, MAX_TOP_LOGPROBS)
+
+        for key in ("grammar", "json_schema"):
+            if not isinstance(getattr(self, key), (str, type(None))):
+                raise BadRequest(f"'{key}' must be a string")
+        if self.grammar is not None and self.json_schema is not None:
+            raise BadRequest("give 'grammar' or 'json_schema', not both")
+        if self.grammar is not None:
+            structured.check_grammar(self.grammar)
+        if self.json_schema is not None:
+            structured.schema_grammar(self.json_schema)  # compiled once per distinct schema, then cached
 
 
 def logit_bias_pairs(value: Any) -> tuple[tuple[int, float], ...]:

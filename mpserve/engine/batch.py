@@ -52,7 +52,9 @@ from mpserve import protocol as wire
 from mpserve.errors import BadRequest, Busy
 from mpserve.prefix import common_prefix
 from mpserve.protocol import GenerateParams
+from mpserve.structured import grammar_source
 
+from .grammar import GrammarCache
 from .interface import Completion, OnToken
 from .logprobs import LogprobsRecorder
 from .model_info import read_chat_template
@@ -173,6 +175,7 @@ class BatchEngine:
         try:
             self._vocab = llama_cpp.llama_model_get_vocab(self._model)
             self._n_vocab = llama_cpp.llama_vocab_n_tokens(self._vocab)
+            self._grammars = GrammarCache(self._vocab)
             bos = llama_cpp.llama_vocab_bos(self._vocab)
             self._bos = [bos] if llama_cpp.llama_vocab_get_add_bos(self._vocab) and bos >= 0 else []
             capacity = self._idle_budget + parallel  # most tokens one step can put in a batch
@@ -299,6 +302,8 @@ class BatchEngine:
         if len(tokens) >= self.n_ctx:
             raise BadRequest(f"the prompt is {len(tokens)} tokens; the context holds {self.n_ctx} per sequence")
         self._in_vocabulary([t for t, _ in params.logit_bias], "logit_bias")
+        source = grammar_source(params.grammar, params.json_schema)
+        grammar = self._grammars.sampler(source) if source is not None else None  # BadRequest if unparsable
         reused = self._take_cells(slot, tokens)
         self._cached[slot] = tokens[:reused]
         self._uses += 1
@@ -306,7 +311,8 @@ class BatchEngine:
         seed = params.seed if params.seed is not None else self._rng.randrange(2**32 - 1)
         seq = _Sequence(
             slot, tokens, reused, min(params.max_tokens, self.n_ctx - len(tokens)),
-            SamplerChain(self._n_vocab, params, seed, self._eog_tokens() if params.ignore_eos else ()),
+            SamplerChain(self._n_vocab, params, seed, self._eog_tokens() if params.ignore_eos else (),
+                         grammar),
             TextStream(params.stop, strip_leading_space=not prompt),
             on_token,
         )
@@ -512,6 +518,7 @@ class BatchEngine:
             seq.sampler.close()
         self._running.clear()
         self._prefilling.clear()
+        self._grammars.close()
         if self._ctx:
             self._lib.llama_free(self._ctx)
             self._ctx = None

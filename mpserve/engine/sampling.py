@@ -8,7 +8,10 @@ Two pieces, one of each per running sequence:
   logit-bias processor: first), repetition, frequency and presence penalties over the last 64 sampled
   tokens, then greedy at temperature 0, else top-k, typical, top-p, min-p, temperature and a seeded draw.
   ``ignore_eos`` biases every end-of-generation token by minus infinity, as llama-server does. The chain
-  owns its random state, so a seeded sequence does not depend on what else is in the batch.
+  owns its random state, so a seeded sequence does not depend on what else is in the batch. A constrained
+  sequence (a grammar or a JSON Schema) gets a grammar sampler first in its chain (``mpserve.engine.grammar``):
+  it rules out every token the grammar does not allow at this point, so constrained and unconstrained
+  sequences share one batch.
 - ``TextStream``: token bytes in, text out. It decodes UTF-8 incrementally (a character split over two
   tokens comes out whole, with the second), finds stop strings, and holds back any tail that may be the
   start of a stop string, so text handed to a client never has to be taken back.
@@ -33,12 +36,17 @@ MIN_KEEP = 1
 class SamplerChain:
     """A native llama.cpp sampler chain for one sequence; ``close`` frees it."""
 
-    def __init__(self, n_vocab: int, params: GenerateParams, seed: int, eog_tokens: Sequence[int] = ()) -> None:
-        """``eog_tokens``: the vocabulary's end-of-generation tokens, which ``params.ignore_eos`` bans."""
+    def __init__(self, n_vocab: int, params: GenerateParams, seed: int, eog_tokens: Sequence[int] = (),
+                 grammar: Any = None) -> None:
+        """``eog_tokens``: the vocabulary's end-of-generation tokens, which ``params.ignore_eos`` bans;
+        ``grammar``: the sequence's grammar sampler (a GrammarCache clone), or None."""
         chain_params = llama_cpp.llama_sampler_chain_default_params()
         chain_params.no_perf = True
         self._chain: Any = llama_cpp.llama_sampler_chain_init(chain_params)
         add = self._add
+        # --- structured output: the sequence's grammar sampler (a GrammarCache clone), first in the chain
+        if grammar is not None:
+            add(grammar)
         # --- logit bias and OpenAI's penalties
         biases = list(params.logit_bias)
         if params.ignore_eos:

@@ -209,10 +209,11 @@ class _Gateway:
                       reply: oai.Reply, started: float) -> AsyncGenerator[bytes, None]:
         ended = False
         try:
-            if first is not None:
-                yield _event(reply.chunk(first, stream.chunk_logprobs))
+            for chunk in reply.chunks(first, stream.chunk_logprobs) if first is not None else ():
+                yield _event(chunk)
             async for text in chunks:
-                yield _event(reply.chunk(text, stream.chunk_logprobs))
+                for chunk in reply.chunks(text, stream.chunk_logprobs):
+                    yield _event(chunk)
             assert stream.result is not None
             self._done(endpoint, reply.model, stream.result, started)
             ended = True

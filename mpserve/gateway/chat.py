@@ -20,15 +20,19 @@ from mpserve.errors import BadRequest
 from mpserve.protocol import ChatTemplate
 
 
-def render(chat: ChatTemplate, messages: Sequence[tuple[str, str]]) -> str:
-    """The prompt for ``messages`` (role, content), ending where the assistant's reply begins. A template
-    that fails, or refuses the conversation with ``raise_exception``, is a BadRequest naming why."""
+def render(chat: ChatTemplate, messages: Sequence[tuple[str, str] | dict[str, Any]],
+           tools: list[dict[str, Any]] | None = None) -> str:
+    """The prompt for ``messages`` ((role, content), or Hugging Face's message mappings, with tool calls),
+    ending where the assistant's reply begins; ``tools`` (OpenAI's function list) is the template's ``tools``
+    variable, left undefined when None. A template that fails, or refuses the conversation with
+    ``raise_exception``, is a BadRequest naming why."""
     import jinja2
 
+    extra = {"tools": tools} if tools is not None else {}
     try:
         prompt: str = _compiled(chat.template).render(
-            messages=[{"role": role, "content": content} for role, content in messages],
-            add_generation_prompt=True, bos_token="", eos_token=chat.eos_token)
+            messages=[m if isinstance(m, dict) else {"role": m[0], "content": m[1]} for m in messages],
+            add_generation_prompt=True, bos_token="", eos_token=chat.eos_token, **extra)
         return prompt
     except jinja2.TemplateError as exc:
         raise BadRequest(f"the model's chat template failed: {exc}") from None

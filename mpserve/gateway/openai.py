@@ -15,11 +15,19 @@ OpenAI refuses them. A ``null`` value means "not given".
 Chat prompts are formatted with the model's own chat template, from its GGUF (``Call.with_chat_template``,
 ``mpserve.gateway.chat``); a model without one gets a ChatML default (``chat_prompt``), which also stops
 generation at ``<|im_end|>``.
+
+Structured output: ``response_format`` ``{"type": "json_object"}`` (any JSON object) or ``{"type":
+"json_schema", "json_schema": {"name", "schema", "strict"}}``, and llama-server's ``grammar`` (GBNF) and
+``json_schema`` extensions, become ``GenerateParams.json_schema`` / ``grammar`` (checked and compiled by
+``mpserve.structured``, as on the ZeroMQ path). Tools (chat): ``tools``, ``tool_choice`` and
+``parallel_tool_calls`` as ``mpserve.gateway.tools`` describes; history messages may carry assistant
+``tool_calls`` and ``role: "tool"`` answers.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 import time
 import uuid
@@ -30,23 +38,26 @@ from mpserve import protocol as wire
 from mpserve.client import Result
 from mpserve.errors import BadRequest, MpserveError, http_status
 from mpserve.protocol import ChatTemplate
+from mpserve.structured import JSON_OBJECT_SCHEMA, canonical_json
 
 from . import logprobs
+from . import tools as tc
 from .chat import render
 from .tokens import token_ids
 
 Kind = Literal["completion", "chat"]
 
 COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions; chat uses mpserve's default
-CHAT_ROLES = ("system", "developer", "user", "assistant")
+CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
 CHAT_STOP = "<|im_end|>"
 
 _SAMPLING = ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "repeat_penalty",
              "presence_penalty", "frequency_penalty", "logit_bias", "min_p", "typical_p", "ignore_eos")
-_COMMON = ("model", "stream", "stream_options", "user") + _SAMPLING
+_COMMON = ("model", "stream", "stream_options", "user", "response_format", "grammar", "json_schema") + _SAMPLING
 _KEYS: dict[Kind, frozenset[str]] = {
     "completion": frozenset(_COMMON + ("prompt", "logprobs")),
-    "chat": frozenset(_COMMON + ("messages", "max_completion_tokens", "logprobs", "top_logprobs")),
+    "chat": frozenset(_COMMON + ("messages", "max_completion_tokens", "logprobs", "top_logprobs", "tools",
+                                  "tool_choice", "parallel_tool_calls")),
 }
 # Parameters mpserve does not implement, with the values that ask for nothing (accepted and ignored), and
 # why a non-neutral value is refused.
@@ -55,11 +66,8 @@ _UNSUPPORTED: dict[str, tuple[tuple[Any, ...], str]] = {
     "best_of": ((1,), "one choice per request"),
     "echo": ((False,), "the prompt is not echoed (nor its log-probabilities)"),
     "suffix": (("",), "insertion (suffix) is not supported"),
-    "tools": (([],), "tool calls are not supported"),
-    "tool_choice": (("none",), "tool calls are not supported"),
-    "functions": (([],), "function calls are not supported"),
-    "function_call": (("none",), "function calls are not supported"),
-    "response_format": (({"type": "text"},), "only plain text responses are supported"),
+    "functions": (([],), "the deprecated function calls are not supported; use tools"),
+    "function_call": (("none",), "the deprecated function calls are not supported; use tool_choice"),
 }
 
 
@@ -74,6 +82,8 @@ class Call:
     stream: bool
     include_usage: bool  # stream_options.include_usage: a last chunk carries the usage
     messages: tuple[Message, ...] = ()  # a chat's
+    tools: tc.ToolSpec | None = None  # a chat's tools, when one may be called
+    parser: tc.Parser = "hermes"  # how its reply's tool calls are read (from the chat template)
 
     def generate_kwargs(self) -> dict[str, Any]:
         """Keyword arguments for ``AsyncClient.generate`` / ``stream``."""
@@ -83,10 +93,13 @@ class Call:
         """A chat's prompt from the model's template; without one, from the ChatML default, which also stops
         at ``<|im_end|>``. Raises BadRequest when the template fails or refuses the messages."""
         if chat:
-            return dataclasses.replace(self, prompt=render(chat, [(m.role, m.content)
-                                                                                 for m in self.messages]))
+            messages = [m.for_template() for m in self.messages]
+            if self.tools is not None and "tools" not in chat.template:  # it cannot show them: the default prompt
+                messages = _with_system(messages, tc.tools_prompt(self.tools))
+            tools = [t.as_openai() for t in self.tools.tools] if self.tools is not None else None
+            return dataclasses.replace(self, prompt=render(chat, messages, tools), parser=tc.parser_for(chat.template))
         stop = self.params.stop if CHAT_STOP in self.params.stop else (*self.params.stop, CHAT_STOP)
-        return dataclasses.replace(self, prompt=chat_prompt(self.messages),
+        return dataclasses.replace(self, prompt=chat_prompt(self.messages, self.tools),
                                    params=dataclasses.replace(self.params, stop=stop))
 
 
@@ -116,6 +129,15 @@ def parse(kind: Kind, body: Any) -> Call:
         sampling["logprobs"] = top_logprobs
     if isinstance(sampling.get("stop"), str):
         sampling["stop"] = [sampling["stop"]]
+    sampling |= _structured(given)
+    spec = tc.parse_tools(given.get("tools"), given.get("tool_choice"), given.get("parallel_tool_calls"))
+    if spec is not None and sampling.get("logprobs") is not None:  # a reply held back as a possible call has none
+        raise BadRequest("'logprobs' cannot be combined with 'tools'")
+    if spec is not None and spec.forced:
+        if "json_schema" in sampling or "grammar" in sampling:
+            raise BadRequest("'tool_choice' required or a named function cannot be combined with "
+                             "'response_format', 'grammar' or 'json_schema'")
+        sampling["json_schema"] = canonical_json(tc.forced_schema(spec))
     if kind == "chat":
         if "max_completion_tokens" in given:
             sampling["max_tokens"] = given["max_completion_tokens"]
@@ -125,7 +147,35 @@ def parse(kind: Kind, body: Any) -> Call:
         sampling.setdefault("max_tokens", COMPLETION_MAX_TOKENS)
         messages, prompt = (), _prompt(given.get("prompt"))
     return Call(kind, model, prompt, wire.GenerateParams.from_wire(sampling), stream,
-                options.get("include_usage", False), messages)
+                options.get("include_usage", False), messages, spec)
+
+
+def _structured(given: dict[str, Any]) -> dict[str, str]:
+    """``json_schema`` / ``grammar`` parameters from ``response_format`` and llama-server's fields."""
+    out: dict[str, str] = {}
+    fmt = given.get("response_format", {"type": "text"})
+    kind = fmt.get("type") if isinstance(fmt, dict) else None
+    if kind == "json_object":
+        out["json_schema"] = JSON_OBJECT_SCHEMA
+    elif kind == "json_schema":
+        spec = fmt.get("json_schema")
+        if not isinstance(spec, dict) or not isinstance(spec.get("name"), str):
+            raise BadRequest("'response_format' json_schema needs \"json_schema\": {\"name\": ..., \"schema\": {...}}")
+        schema = spec.get("schema", {"type": "object"})
+        if not isinstance(schema, dict):
+            raise BadRequest("'response_format.json_schema.schema' must be a JSON Schema object")
+        out["json_schema"] = canonical_json(schema)
+    elif kind != "text":
+        raise BadRequest("'response_format' must be {\"type\": \"text\"}, {\"type\": \"json_object\"} or "
+                         "{\"type\": \"json_schema\", \"json_schema\": {...}}")
+    if "json_schema" in given:  # llama-server's extension: the schema itself
+        if "json_schema" in out:
+            raise BadRequest("give 'response_format' or 'json_schema', not both")
+        out["json_schema"] = given["json_schema"] if isinstance(given["json_schema"], str) else \
+            canonical_json(given["json_schema"])
+    if "grammar" in given:
+        out["grammar"] = given["grammar"]
+    return out
 
 
 def _prompt(value: Any) -> str | list[int]:
@@ -146,6 +196,25 @@ def _prompt(value: Any) -> str | list[int]:
 class Message:
     role: str
     content: str
+    tool_calls: tuple[tc.ToolCall, ...] = ()  # an assistant's, in the history
+    tool_call_id: str = ""  # a tool's answer: to which call
+
+    def for_template(self) -> dict[str, Any]:
+        """The message as chat templates take it (Hugging Face's shape: tool call arguments as objects)."""
+        out: dict[str, Any] = {"role": self.role, "content": self.content}
+        if self.tool_calls:
+            out["tool_calls"] = [{"id": c.id, "type": "function", "function": {
+                "name": c.name, "arguments": json.loads(c.arguments)}} for c in self.tool_calls]
+        if self.role == "tool":
+            out["tool_call_id"] = self.tool_call_id
+        return out
+
+
+def _with_system(messages: list[dict[str, Any]], text: str) -> list[dict[str, Any]]:
+    """``text`` at the end of the system message, or as a first system message."""
+    if messages and messages[0]["role"] == "system":
+        return [{**messages[0], "content": f"{messages[0]['content']}\n\n{text}"}, *messages[1:]]
+    return [{"role": "system", "content": text}, *messages]
 
 
 def _messages(value: Any) -> list[Message]:
@@ -155,8 +224,28 @@ def _messages(value: Any) -> list[Message]:
     for i, m in enumerate(value):
         if not isinstance(m, dict) or m.get("role") not in CHAT_ROLES:
             raise BadRequest(f"messages[{i}] must be an object whose 'role' is one of {', '.join(CHAT_ROLES)}")
-        out.append(Message(m["role"], _content(m.get("content"), i)))
+        calls = tuple(_history_call(c, i) for c in m.get("tool_calls") or ()) if m["role"] == "assistant" else ()
+        tool_call_id = m.get("tool_call_id", "")
+        if m["role"] == "tool" and not isinstance(tool_call_id, str):
+            raise BadRequest(f"messages[{i}].tool_call_id must be a string")
+        out.append(Message(m["role"], _content(m.get("content"), i), calls,
+                           tool_call_id if m["role"] == "tool" else ""))
     return out
+
+
+def _history_call(value: Any, i: int) -> tc.ToolCall:
+    """An assistant's earlier tool call: {id, type: function, function: {name, arguments (JSON text)}}."""
+    function = value.get("function") if isinstance(value, dict) else None
+    if isinstance(function, dict) and isinstance(function.get("name"), str) and isinstance(value.get("id", ""), str):
+        arguments = function.get("arguments", "{}")
+        try:
+            parsed = json.loads(arguments) if isinstance(arguments, str) else arguments
+        except ValueError:
+            parsed = None
+        if isinstance(parsed, dict):
+            return tc.ToolCall(value.get("id", ""), function["name"], json.dumps(parsed, ensure_ascii=False))
+    raise BadRequest(f"messages[{i}].tool_calls: each must be {{\"id\", \"type\": \"function\", \"function\": "
+                     "{\"name\", \"arguments\": JSON object text}}")
 
 
 def _content(value: Any, i: int) -> str:
@@ -170,17 +259,39 @@ def _content(value: Any, i: int) -> str:
                      "audio, files) are not supported")
 
 
-def chat_prompt(messages: tuple[Message, ...]) -> str:
+def chat_prompt(messages: tuple[Message, ...], tools: tc.ToolSpec | None = None) -> str:
     """The default chat template (ChatML): ``<|im_start|>ROLE\\nCONTENT<|im_end|>\\n`` per message, then
-    ``<|im_start|>assistant\\n`` for the reply. Generation also stops at ``<|im_end|>`` (``CHAT_STOP``)."""
-    turns = "".join(f"<|im_start|>{m.role}\n{m.content}<|im_end|>\n" for m in messages)
-    return f"{turns}<|im_start|>assistant\n"
+    ``<|im_start|>assistant\\n`` for the reply. Generation also stops at ``<|im_end|>`` (``CHAT_STOP``).
+    With tools, as Qwen 2.5's template: ``tools.TOOLS_PROMPT`` ends the system message, an assistant's
+    calls follow its content as ``<tool_call>\\n{"name", "arguments"}\\n</tool_call>``, and a tool's answer
+    is a user turn ``<tool_response>\\nCONTENT\\n</tool_response>``."""
+    turns = [m.for_template() for m in messages]
+    if tools is not None:
+        turns = _with_system(turns, tc.tools_prompt(tools))
+    text = ""
+    for m in turns:
+        role, content = m["role"], m["content"]
+        for call in m.get("tool_calls", ()):
+            content += "\n<tool_call>\n" + json.dumps(call["function"], ensure_ascii=False) + "\n</tool_call>"
+        if role == "tool":
+            role, content = "user", f"<tool_response>\n{content}\n</tool_response>"
+        text += f"<|im_start|>{role}\n{content.strip() if m.get('tool_calls') else content}<|im_end|>\n"
+    return f"{text}<|im_start|>assistant\n"
 
 
 # --- responses ----------------------------------------------------------------------------------
 
+TOOL_CALL_STARTS = ("<tool_call>", "[TOOL_CALLS]", "<|python_tag|>", "{", "[", "```")
+"""How a reply that is a tool call may begin: a streamed reply under ``auto`` is held back while it may."""
+
+
 class Reply:
-    """Builds the response objects of one call: the whole response, or its stream chunks."""
+    """Builds the response objects of one call: the whole response, or its stream chunks.
+
+    With tools, a streamed reply is held back while it may be a tool call (a forced reply always is; under
+    ``auto`` while it begins like one, ``TOOL_CALL_STARTS``): at its end, its calls go out as ``delta.tool_calls``
+    chunks (per call: its id and name, then its arguments), or the text as content when it holds none.
+    Under ``auto`` a reply that begins as prose streams as content, so only calls at its start are found."""
 
     def __init__(self, call: Call, model: str) -> None:
         self.call = call
@@ -191,26 +302,50 @@ class Reply:
         self._object = "chat.completion" if call.kind == "chat" else "text_completion"
         self._role_sent = False
         self._offset = len(call.prompt) if isinstance(call.prompt, str) else 0  # completions' text_offset
+        self._held: str | None = "" if call.tools is not None else None  # text that may be a tool call
 
     def whole(self, result: Result) -> dict[str, Any]:
         if self.call.kind == "chat":
-            choice: dict[str, Any] = {"index": 0, "message": {"role": "assistant", "content": result.text},
-                                      "logprobs": self._logprobs(result.logprobs),
-                                      "finish_reason": result.finish_reason}
+            message: dict[str, Any] = {"role": "assistant", "content": result.text}
+            finish = result.finish_reason
+            found = self._tool_calls(result.text)
+            if found is not None:
+                message = {"role": "assistant", "content": found[0] or None,
+                           "tool_calls": [c.as_openai() for c in found[1]]}
+                finish = "tool_calls"
+            choice: dict[str, Any] = {"index": 0, "message": message, "logprobs": self._logprobs(result.logprobs),
+                                      "finish_reason": finish}
         else:
             choice = {"index": 0, "text": result.text, "logprobs": self._logprobs(result.logprobs),
                       "finish_reason": result.finish_reason}
         return self._envelope(self._object, [choice]) | {"usage": usage(result.usage)}
 
-    def chunk(self, text: str, lp: wire.Logprobs | None = None) -> dict[str, Any]:
-        return self._envelope(self._chunk_object, [self._choice(text, None) | {"logprobs": self._logprobs(lp)}])
+    def chunks(self, text: str, lp: wire.Logprobs | None = None) -> list[dict[str, Any]]:
+        """The chunks for a piece of streamed text: none while it is held back (a request with tools
+        carries no log-probabilities: the parse refuses the two together)."""
+        if self._held is not None:
+            self._held += text
+            if self.call.tools is not None and (self.call.tools.forced or _may_be_call(self._held)):
+                return []
+            text, self._held = self._held, None
+        return [self._envelope(self._chunk_object, [self._choice(text, None) | {"logprobs": self._logprobs(lp)}])]
 
     def last(self, result: Result, lp: wire.Logprobs | None = None) -> list[dict[str, Any]]:
-        """The chunk with the finish reason (and the log-probabilities no chunk carried), then (if asked for)
-        one with the usage and no choices; that one also carries mpserve's timings of the request (an extra key,
-        as llama-server sends)."""
-        finish = self._choice("", result.finish_reason) | {"logprobs": self._logprobs(lp)}
-        chunks = [self._envelope(self._chunk_object, [finish])]
+        """What was held back (tool calls or text), the chunk with the finish reason (and the
+        log-probabilities no chunk carried), then (if asked for) one with the usage and no choices; that one
+        also carries mpserve's timings of the request (an extra key, as llama-server sends)."""
+        chunks, finish = [], result.finish_reason
+        if self._held is not None:
+            found = self._tool_calls(self._held)
+            if found is None:
+                chunks.append(self._envelope(self._chunk_object, [self._choice(self._held, None)]))
+            else:
+                if found[0]:
+                    chunks.append(self._envelope(self._chunk_object, [self._choice(found[0], None)]))
+                chunks += [self._envelope(self._chunk_object, [self._delta(delta)]) for delta in _call_deltas(found[1])]
+                finish = "tool_calls"
+            self._held = None
+        chunks.append(self._envelope(self._chunk_object, [self._choice("", finish) | {"logprobs": self._logprobs(lp)}]))
         if self.call.include_usage:
             chunks.append(self._envelope(self._chunk_object, []) | {"usage": usage(result.usage),
                                                                      "timings": dataclasses.asdict(result.timings)})
@@ -223,6 +358,20 @@ class Reply:
             return logprobs.chat(lp)
         shape, self._offset = logprobs.completion(lp, self._offset)
         return shape
+
+    def _tool_calls(self, text: str) -> tuple[str, list[tc.ToolCall]] | None:
+        """(content, calls) when the reply holds tool calls; a forced one is read as the JSON it is."""
+        if self.call.tools is None:
+            return None
+        content, calls = tc.parse_calls(text, "json" if self.call.tools.forced else self.call.parser,
+                                        self.call.tools.tools)
+        return (content, calls) if calls else None
+
+    def _delta(self, delta: dict[str, Any]) -> dict[str, Any]:
+        if not self._role_sent:
+            delta = {"role": "assistant", **delta}
+            self._role_sent = True
+        return {"index": 0, "delta": delta, "logprobs": None, "finish_reason": None}
 
     @property
     def _chunk_object(self) -> str:
@@ -239,6 +388,21 @@ class Reply:
 
     def _envelope(self, obj: str, choices: list[dict[str, Any]]) -> dict[str, Any]:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model, "choices": choices}
+
+
+def _may_be_call(text: str) -> bool:
+    start = text.lstrip()
+    return any(start.startswith(s) or s.startswith(start) for s in TOOL_CALL_STARTS)
+
+
+def _call_deltas(calls: list[tc.ToolCall]) -> list[dict[str, Any]]:
+    """``delta``s of streamed tool calls: per call, its id, type and name, then its arguments."""
+    deltas: list[dict[str, Any]] = []
+    for i, call in enumerate(calls):
+        deltas.append({"tool_calls": [{"index": i, "id": call.id, "type": "function",
+                                       "function": {"name": call.name, "arguments": ""}}]})
+        deltas.append({"tool_calls": [{"index": i, "function": {"arguments": call.arguments}}]})
+    return deltas
 
 
 def usage(u: wire.Usage) -> dict[str, int]:

@@ -1,0 +1,54 @@
+"""Grammar samplers for constrained sequences: llama.cpp's own (``llama_sampler_init_grammar``), parsed
+once per distinct GBNF text and cloned for each sequence.
+
+    BatchEngine.admit ──GBNF text──▶ GrammarCache.sampler(text) ──▶ a clone, first in that sequence's chain
+                                        │ miss: llama_sampler_init_grammar (parse), kept as a pristine copy
+                                        │ NULL: llama.cpp could not parse it ──▶ BadRequest at admission
+
+A pristine sampler is never added to a chain, so it never accepts a token: ``llama_sampler_clone`` of it
+copies the parsed rules and the start state, which skips parsing the text again. llama.cpp prints why it
+could not parse a grammar to the worker's log; the request gets BadRequest with the first line of the text.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from typing import Any
+
+import llama_cpp
+
+from mpserve.errors import BadRequest
+
+CACHED_GRAMMARS = 32
+
+
+class GrammarCache:
+    """Parsed grammars of one model's vocabulary, least recently used dropped first; ``close`` frees them."""
+
+    def __init__(self, vocab: Any, size: int = CACHED_GRAMMARS) -> None:
+        self._vocab = vocab
+        self._size = size
+        self._parsed: OrderedDict[str, Any] = OrderedDict()
+
+    def sampler(self, text: str) -> Any:
+        """A fresh grammar sampler for ``text``, owned by the caller (a chain it is added to frees it)."""
+        pristine = self._parsed.get(text)
+        if pristine is None:
+            pristine = llama_cpp.llama_sampler_init_grammar(self._vocab, text.encode(), b"root")
+            if not pristine:
+                first = text.strip().splitlines()[0] if text.strip() else ""
+                raise BadRequest(f"'grammar' is not valid GBNF (llama.cpp could not parse it; it begins "
+                                 f"{first[:80]!r})")
+            self._parsed[text] = pristine
+            while len(self._parsed) > self._size:
+                llama_cpp.llama_sampler_free(self._parsed.popitem(last=False)[1])
+        self._parsed.move_to_end(text)
+        return llama_cpp.llama_sampler_clone(pristine)
+
+    def __len__(self) -> int:
+        return len(self._parsed)
+
+    def close(self) -> None:
+        for sampler in self._parsed.values():
+            llama_cpp.llama_sampler_free(sampler)
+        self._parsed.clear()

@@ -1,0 +1,150 @@
+"""Tool calls (mpserve.gateway.tools and the chat shapes in mpserve.gateway.openai): the parsers on outputs
+of each model family, written by hand from the formats' documentation, malformed ones included (plain
+content, never an error); the tools prompt of the ChatML default; streamed replies held back and
+reassembled."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import pytest
+
+from mpserve import protocol as wire
+from mpserve.client import Result
+from mpserve.errors import BadRequest
+from mpserve.gateway import openai as oai
+from mpserve.gateway import tools as tc
+from mpserve.protocol import ChatTemplate
+
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}},
+    {"type": "function", "function": {"name": "get_time", "description": "Now", "parameters": {"type": "object"}}}]
+SPEC = tc.parse_tools(TOOLS, None, None)
+assert SPEC is not None
+WEATHER = ("get_weather", {"city": "Paris"})
+TIME = ("get_time", {})
+
+WELL_FORMED: list[tuple[tc.Parser, str, str, list[tuple[str, dict[str, Any]]]]] = [
+    ("hermes", '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>', "", [WEATHER]),
+    ("hermes", 'Let me look.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>\n'
+               '<tool_call>\n{"name": "get_time", "arguments": {}}\n</tool_call>', "Let me look.", [WEATHER, TIME]),
+    ("hermes", '<tool_call>{"name": "get_time", "arguments": "{}"}', "", [TIME]),  # unterminated at EOS
+    ("llama3", '{"name": "get_weather", "parameters": {"city": "Paris"}}', "", [WEATHER]),
+    ("llama3", '<|python_tag|>{"name": "get_weather", "parameters": {"city": "Paris"}}; '
+               '{"name": "get_time", "parameters": {}}', "", [WEATHER, TIME]),
+    ("mistral", '[TOOL_CALLS] [{"name": "get_weather", "arguments": {"city": "Paris"}}]', "", [WEATHER]),
+    ("mistral", '[TOOL_CALLS]get_weather[ARGS]{"city": "Paris"}[TOOL_CALLS]get_time[ARGS]{}', "", [WEATHER, TIME]),
+    ("json", '{"name": "get_weather", "arguments": {"city": "Paris"}}', "", [WEATHER]),
+    ("json", '[{"name": "get_weather", "arguments": {"city": "Paris"}}, {"name": "get_time", "arguments": {}}] ',
+     "", [WEATHER, TIME]),
+    ("json", '```json\n{"tool_calls": [{"function": {"name": "get_time", "arguments": "{}"}}]}\n```', "", [TIME]),
+    ("hermes", '{"name": "get_time", "arguments": {}}', "", [TIME]),  # the generic parser after the family's
+]
+MALFORMED: list[tuple[tc.Parser, str]] = [
+    ("hermes", "<tool_call>\n{\"name\": \"get_weather\", \"arguments\": {\"city\": \"Par</tool_call>"),
+    ("hermes", '<tool_call>{"name": "delete_everything", "arguments": {}}</tool_call>'),  # not offered
+    ("hermes", '<tool_call>{"name": "get_time", "arguments": [1, 2]}</tool_call>'),  # arguments not an object
+    ("hermes", '<tool_call>{"name": "get_time", "arguments": {}}</tool_call><tool_call>oops</tool_call>'),
+    ("llama3", '{"name": "get_weather", "parameters": {"city": "Paris"}; trailing'),
+    ("llama3", "The weather is nice."),
+    ("mistral", "[TOOL_CALLS] [{\"name\": \"get_weather\", \"arguments\": "),
+    ("mistral", "[TOOL_CALLS]get_weather{\"city\": \"Paris\"}"),
+    ("json", '{"name": "get_time", "arguments": "{not json"}'),
+    ("json", '{"answer": 42}'), ("json", "[]"), ("json", ""), ("json", "null"),
+]
+
+
+@pytest.mark.parametrize("parser, text, content, calls", WELL_FORMED)
+def test_each_family_s_calls_are_parsed(parser: tc.Parser, text: str, content: str,
+                                        calls: list[tuple[str, dict[str, Any]]]) -> None:
+    got_content, got = tc.parse_calls(text, parser, SPEC.tools)
+    assert got_content == content
+    assert [(c.name, json.loads(c.arguments)) for c in got] == calls
+    assert all(c.id.startswith("call_") for c in got) and len({c.id for c in got}) == len(got)
+
+
+@pytest.mark.parametrize("parser, text", MALFORMED)
+def test_a_malformed_call_is_plain_content(parser: tc.Parser, text: str) -> None:
+    assert tc.parse_calls(text, parser, SPEC.tools) == (text, [])
+    call = oai.parse("chat", {"messages": [{"role": "user", "content": "hi"}], "tools": TOOLS})
+    reply = oai.Reply(call, "m").whole(result(text))
+    assert reply["choices"][0]["message"] == {"role": "assistant", "content": text}
+    assert reply["choices"][0]["finish_reason"] == "stop"
+
+
+@pytest.mark.parametrize("template, parser", [("", "hermes"), ("{{ '<tool_call>' }}", "hermes"),
+                                              ("[TOOL_CALLS]", "mistral"), ("<|python_tag|>", "llama3"),
+                                              ("{% for m in messages %}{{ m.content }}{% endfor %}", "json")])
+def test_the_parser_follows_the_template(template: str, parser: str) -> None:
+    assert tc.parser_for(template) == parser
+
+
+def result(text: str, finish: str = "stop") -> Result:
+    return Result("r", text, finish, wire.Usage(3, 4), wire.Timings(), "w")
+
+
+def streamed(call: oai.Call, pieces: list[str]) -> list[dict[str, Any]]:
+    reply = oai.Reply(call, "m")
+    chunks = [c for piece in pieces for c in reply.chunks(piece)]
+    return chunks + reply.last(result("".join(pieces)))
+
+
+def test_a_streamed_auto_reply_is_held_while_it_may_be_a_call() -> None:
+    call = oai.parse("chat", {"messages": [{"role": "user", "content": "hi"}], "tools": TOOLS, "stream": True})
+    text = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+    chunks = streamed(call, [text[:3], text[3:20], text[20:]])
+    deltas = [c["choices"][0]["delta"] for c in chunks]
+    assert deltas[0]["role"] == "assistant" and deltas[0]["tool_calls"][0]["function"] == {"name": "get_weather",
+                                                                                           "arguments": ""}
+    assert json.loads(deltas[1]["tool_calls"][0]["function"]["arguments"]) == {"city": "Paris"}
+    assert chunks[-1]["choices"][0]["finish_reason"] == "tool_calls"
+    prose = streamed(call, ["  The", " weather", " is fine"])
+    assert [c["choices"][0]["delta"].get("content") for c in prose] == ["  The", " weather", " is fine", None]
+    assert prose[-1]["choices"][0]["finish_reason"] == "stop"
+    broken = streamed(call, ["<tool_", "call>{oops"])
+    assert broken[0]["choices"][0]["delta"]["content"] == "<tool_call>{oops"
+
+
+def test_forced_choices_constrain_with_a_schema_of_the_functions() -> None:
+    named = oai.parse("chat", {"messages": [{"role": "user", "content": "hi"}], "tools": TOOLS,
+                               "tool_choice": {"type": "function", "function": {"name": "get_weather"}}})
+    schema = json.loads(named.params.json_schema or "")
+    assert schema["properties"]["name"] == {"const": "get_weather"} and schema["required"] == ["name", "arguments"]
+    required = oai.parse("chat", {"messages": [{"role": "user", "content": "hi"}], "tools": TOOLS,
+                                  "tool_choice": "required"})
+    schema = json.loads(required.params.json_schema or "")
+    assert schema["type"] == "array" and schema["maxItems"] == tc.MAX_PARALLEL_CALLS
+    assert len(schema["items"]["anyOf"]) == 2
+    none = oai.parse("chat", {"messages": [{"role": "user", "content": "hi"}], "tools": TOOLS, "tool_choice": "none"})
+    assert none.tools is None and none.params.json_schema is None
+    with pytest.raises(BadRequest, match="cannot be combined"):
+        oai.parse("chat", {"messages": [{"role": "user", "content": "hi"}], "tools": TOOLS,
+                           "tool_choice": "required", "response_format": {"type": "json_object"}})
+
+
+HISTORY = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Weather in Paris?"},
+           {"role": "assistant", "content": None, "tool_calls": [{"id": "call_1", "type": "function", "function": {
+               "name": "get_weather", "arguments": "{\"city\": \"Paris\"}"}}]},
+           {"role": "tool", "tool_call_id": "call_1", "content": "18 C"}]
+
+
+def test_the_chatml_default_renders_tools_calls_and_answers() -> None:
+    call = oai.parse("chat", {"messages": HISTORY, "tools": TOOLS}).with_chat_template(ChatTemplate())
+    assert call.prompt.startswith("<|im_start|>system\nBe brief.\n\n# Tools\n")
+    assert '{"type": "function", "function": {"name": "get_weather"' in call.prompt
+    assert ('<|im_start|>assistant\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n'
+            '</tool_call><|im_end|>\n') in call.prompt
+    assert call.prompt.endswith("<|im_start|>user\n<tool_response>\n18 C\n</tool_response><|im_end|>\n"
+                                "<|im_start|>assistant\n")
+
+
+def test_a_template_gets_the_tools_variable_or_the_default_prompt() -> None:
+    with_tools = ChatTemplate("{% for t in tools %}[{{ t.function.name }}]{% endfor %}{% for m in messages %}"
+                              "{{ m.role }}:{{ m.content }}{% for c in m.tool_calls or [] %}"
+                              "<{{ c.function.arguments.city }}>{% endfor %};{% endfor %}")
+    call = oai.parse("chat", {"messages": HISTORY, "tools": TOOLS}).with_chat_template(with_tools)
+    assert call.prompt == "[get_weather][get_time]system:Be brief.;user:Weather in Paris?;assistant:<Paris>;tool:18 C;"
+    plain = ChatTemplate("{% for m in messages %}{{ m.role }}:{{ m.content }};{% endfor %}")
+    call = oai.parse("chat", {"messages": HISTORY[:2], "tools": TOOLS}).with_chat_template(plain)
+    assert call.prompt.startswith("system:Be brief.\n\n# Tools\n") and call.parser == "json"
