@@ -135,7 +135,8 @@ def _whole_chunks(n: int) -> int:
 
 class BatchEngine:
     def __init__(self, path: str, n_ctx: int, parallel: int, threads: int, n_gpu_layers: int, seed: int = 0,
-                 step_budget_tokens: int = 64, *, kv_unified: bool = False, flash_attn: str = "auto") -> None:
+                 step_budget_tokens: int = 64, *, kv_unified: bool = False, flash_attn: str = "auto",
+                 repack: bool = True) -> None:
         import llama_cpp
 
         if not 1 <= parallel <= llama_cpp.llama_max_parallel_sequences():
@@ -167,6 +168,7 @@ class BatchEngine:
 
         model_params = llama_cpp.llama_model_default_params()
         model_params.n_gpu_layers = 0x7FFFFFFF if n_gpu_layers == -1 else n_gpu_layers
+        model_params.use_extra_bufts = repack  # llama_cpp.Llama keeps llama.cpp's default: on
         self._model: Any = llama_cpp.llama_model_load_from_file(path.encode(), model_params)
         if not self._model:
             raise ValueError(f"Failed to load model from file: {path}")  # llama_cpp.Llama's words

@@ -35,7 +35,8 @@ class BatchWorker(Worker):
 
     def _build_engine(self) -> BatchEngine:
         e = self._spec.engine
-        return BatchEngine(e.path, e.n_ctx, e.parallel, e.threads, e.n_gpu_layers, e.seed, flash_attn=e.flash_attn)
+        return BatchEngine(e.path, e.n_ctx, e.parallel, e.threads, e.n_gpu_layers, e.seed, flash_attn=e.flash_attn,
+                           repack=e.repack)
 
     @property
     def _busy(self) -> bool:

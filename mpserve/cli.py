@@ -33,6 +33,9 @@ ApiKey = Annotated[str | None, typer.Option(
 FlashAttnOption = Annotated[str | None, typer.Option(
     "--flash-attn", envvar="MPSERVE_FLASH_ATTN", metavar="auto|on|off",
     help="llama.cpp flash attention (default: auto, on where llama.cpp supports it, as llama-server does).")]
+NoRepackOption = Annotated[bool, typer.Option(
+    "--no-repack", envvar="MPSERVE_NO_REPACK",
+    help="Load weights as stored, without llama.cpp's repacked layouts for this CPU (llama-server's --no-repack).")]
 ParallelOption = Annotated[int | None, typer.Option(
     "--parallel", "-p", envvar="MPSERVE_PARALLEL",
     help="Requests one instance decodes together in one batch (default: 1); --n-ctx is per request.")]
@@ -63,6 +66,7 @@ def start(
                                                      help="Worker processes per model (default: 1).")] = None,
     parallel: ParallelOption = None,
     flash_attn: FlashAttnOption = None,
+    no_repack: NoRepackOption = False,
     threads: Annotated[int | None, typer.Option(
         "--threads", envvar="MPSERVE_THREADS", help="Threads per instance (default: cores ÷ instances).")] = None,
     n_ctx: Annotated[int | None, typer.Option("--n-ctx", envvar="MPSERVE_N_CTX",
@@ -141,7 +145,8 @@ def start(
                     "workers_bind": workers_bind, "curve_workers": curve_workers,
                     "heartbeat_interval": heartbeat_interval, "heartbeat_liveness": heartbeat_liveness},
             model={"path": model, "name": name, "instances": instances, "parallel": parallel, "threads": threads,
-                   "n_ctx": n_ctx, "n_gpu_layers": n_gpu_layers, "flash_attn": flash_attn},
+                   "n_ctx": n_ctx, "n_gpu_layers": n_gpu_layers, "flash_attn": flash_attn,
+                   "repack": False if no_repack else None},
             source=str(config_file or "command line"),
             base_dir=config_file.parent if config_file else None,
         )
@@ -216,6 +221,7 @@ def worker(
     instances: Annotated[int | None, typer.Option("--instances", "-n", envvar="MPSERVE_INSTANCES")] = None,
     parallel: ParallelOption = None,
     flash_attn: FlashAttnOption = None,
+    no_repack: NoRepackOption = False,
     threads: Annotated[int | None, typer.Option("--threads", envvar="MPSERVE_THREADS")] = None,
     n_ctx: Annotated[int | None, typer.Option("--n-ctx", envvar="MPSERVE_N_CTX")] = None,
     n_gpu_layers: Annotated[int | None, typer.Option("--n-gpu-layers", envvar="MPSERVE_N_GPU_LAYERS")] = None,
@@ -245,7 +251,8 @@ def worker(
                     "heartbeat_interval": heartbeat_interval, "heartbeat_liveness": heartbeat_liveness,
                     "stream_interval": stream_interval, "stall_timeout": stall_timeout},
             model={"path": model, "name": name, "instances": instances, "parallel": parallel, "threads": threads,
-                   "n_ctx": n_ctx, "n_gpu_layers": n_gpu_layers, "flash_attn": flash_attn},
+                   "n_ctx": n_ctx, "n_gpu_layers": n_gpu_layers, "flash_attn": flash_attn,
+                   "repack": False if no_repack else None},
             source=str(config_file or "command line"), base_dir=config_file.parent if config_file else None)
         run_pool(config, connect, curve_server_key, curve_secret)
 

@@ -48,6 +48,7 @@ class ModelConfig:
     n_gpu_layers: int | None = None  # None: all layers on a GPU, 0 on the CPU
     parallel: int = 1  # sequences one instance decodes together (continuous batching); n_ctx is per sequence
     flash_attn: str = "auto"  # llama.cpp's flash attention: auto (on where supported, as llama-server), on, off
+    repack: bool = True  # llama.cpp's repacked weight layouts for this CPU (llama-server's --no-repack: False)
     devices: tuple[int, ...] | None = None  # pin the model's instances to these GPU indices
     requires_memory: int | None = None  # declared GPU bytes per instance; None: estimated from the GGUF
 
@@ -144,7 +145,7 @@ def _is_network_tcp(address: str) -> bool:
 
 
 _MODEL_KEYS = {"name": str, "path": str, "instances": int, "parallel": int, "n_ctx": int, "threads": int,
-               "n_gpu_layers": int, "flash_attn": (str, bool),
+               "n_gpu_layers": int, "flash_attn": (str, bool), "repack": bool,
                "devices": list, "requires": dict}
 _REQUIRES_KEYS = {"memory": (str, int), "gpus": int}
 _SERVER_KEYS = {"server_name": str, "bind": str, "workers_bind": str, "max_queue": int, "max_queue_total": int,
