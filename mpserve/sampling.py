@@ -7,7 +7,9 @@ Two pieces, one of each per running sequence:
   as the same request sent to ``create_completion``: repetition penalties over the last 64 sampled
   tokens, then greedy at temperature 0, else top-k, typical (1.0), top-p, min-p (0.05), temperature and
   a seeded draw. The chain owns its random state, so a seeded sequence does not depend on what else is
-  in the batch.
+  in the batch. Greedy without a penalty needs no chain: the token is the first largest logit, which is
+  what the chain's greedy sampler picks, read straight from the logits row instead of copying the whole
+  vocabulary into a candidate array first.
 - ``TextStream``: token bytes in, text out. It decodes UTF-8 incrementally (a character split over two
   tokens comes out whole, with the second), finds stop strings, and holds back any tail that may be the
   start of a stop string, so text handed to a client never has to be taken back.
@@ -16,9 +18,11 @@ Two pieces, one of each per running sequence:
 from __future__ import annotations
 
 import codecs
+import ctypes
 from typing import Any
 
 import llama_cpp
+import numpy as np
 
 from .protocol import GenerateParams
 
@@ -33,6 +37,11 @@ class SamplerChain:
     """A native llama.cpp sampler chain for one sequence; ``close`` frees it."""
 
     def __init__(self, n_vocab: int, params: GenerateParams, seed: int) -> None:
+        self._n_vocab = n_vocab
+        self._argmax = params.temperature == 0.0 and params.repeat_penalty == 1.0  # the chain would change nothing
+        self._chain: Any = None
+        if self._argmax:
+            return
         chain_params = llama_cpp.llama_sampler_chain_default_params()
         chain_params.no_perf = True
         self._chain: Any = llama_cpp.llama_sampler_chain_init(chain_params)
@@ -54,6 +63,10 @@ class SamplerChain:
     def sample(self, ctx: Any, output_index: int) -> int:
         """Sample from the logits of batch row ``output_index`` of the last decode, and record the token
         (the penalties and the random state advance)."""
+        if self._argmax:
+            row = ctypes.cast(llama_cpp.llama_get_logits_ith(ctx, output_index),
+                              ctypes.POINTER(ctypes.c_float * self._n_vocab)).contents
+            return int(np.argmax(np.frombuffer(row, np.float32)))
         return llama_cpp.llama_sampler_sample(self._chain, ctx, output_index)
 
     def close(self) -> None:
