@@ -58,7 +58,9 @@ def with_settings(command: settings.Command) -> Callable[[Callable[..., None]], 
             values: dict[str, dict[str, Any]] = {"server": {}, "model": {}, "cli": {}}
             for s in declared:
                 value = kwargs.pop(s.param)
-                values[s.scope][s.key] = None if value is False else value  # an unset switch is unset
+                if s.cli_type is bool:  # an unset switch is unset; a --no-… switch sets its setting false
+                    value = (not s.negated) if value else None
+                values[s.scope][s.key] = value
             fn(given=Given(**values), **kwargs)
 
         run.__signature__ = signature.replace(parameters=[*own, *flags])  # type: ignore[attr-defined]

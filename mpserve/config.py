@@ -50,6 +50,7 @@ class ModelConfig:
     n_gpu_layers: int | None = None  # None: all layers on a GPU, 0 on the CPU
     parallel: int = 1  # sequences one instance decodes together (continuous batching); n_ctx is per sequence
     flash_attn: str = "auto"  # llama.cpp's flash attention: auto (on where supported, as llama-server), on, off
+    repack: bool = True  # llama.cpp's repacked weight layouts for this CPU (llama-server's --no-repack: False)
     devices: tuple[int, ...] | None = None  # pin the model's instances to these GPU indices
     requires_memory: int | None = None  # declared GPU bytes per instance; None: estimated from the GGUF
 

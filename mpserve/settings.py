@@ -34,6 +34,7 @@ class Setting:
     short: str | None = None
     env: str | None = None
     cli_type: type = str  # what the flag parses its value as
+    negated: bool = False  # a bool flag that sets the setting false (--no-repack: repack false)
     range: tuple[float, float] | None = None
     choices: tuple[str, ...] | None = None
     commands: tuple[Command, ...] = _FOR_SERVERS  # the commands that take the flag
@@ -80,6 +81,10 @@ SETTINGS: tuple[Setting, ...] = (
     _s("flash_attn", "model", (str, bool), "auto", "llama.cpp flash attention: auto is on where llama.cpp "
        "supports it (always on a CPU), as llama-server does; true/false mean on/off",
        choices=("auto", "on", "off"), commands=_FOR_POOLS),
+    _s("repack", "model", bool, "true", "llama.cpp's repacked weight layouts for this CPU; --no-repack loads "
+       "weights as stored, as llama-server's --no-repack, for CPUs where those kernels fail (create_completion "
+       "always repacks, so output equals it only with repacking on)", flag="--no-repack", env="MPSERVE_NO_REPACK",
+       cli_type=bool, negated=True, commands=_FOR_POOLS),
     _s("devices", "model", list, "any GPU", "Pin the model's instances to these GPU indices, e.g. [1]", flag=None,
        env=None),
     _s("requires", "model", dict, "estimated from the GGUF", "Declared needs per instance: {memory: 7GiB, gpus: 1}",

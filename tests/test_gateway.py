@@ -22,8 +22,9 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from mpserve import Client
 from mpserve.gateway.app import GatewayConfig, create_app
-from mpserve.gateway.openai import CHAT_STOP, Message, chat_prompt
+from mpserve.gateway.openai import CHAT_STOP, COMPLETION_MAX_TOKENS, OPENAI_DEFAULTS, Message, chat_prompt, parse
 from mpserve.models.maker import write_model
+from mpserve.protocol import GenerateParams
 from mpserve.slots import SlotState
 
 PROMPTS = ["Hello world", "The quick brown fox"]
@@ -144,6 +145,27 @@ def test_openai_client_chat_equals_the_zeromq_client_with_the_default_template(t
     assert chunks[0].choices[0].delta.role == "assistant"
     assert "".join(c.choices[0].delta.content or "" for c in chunks) == expected.text
     assert chunks[-1].choices[0].finish_reason == "length"
+
+
+def test_http_requests_default_to_openai_sampling_and_zeromq_ones_to_llama_cpp_s() -> None:
+    http = parse("completion", {"prompt": "Hi", "seed": 7}).params
+    assert http == GenerateParams(max_tokens=COMPLETION_MAX_TOKENS, temperature=1.0, top_p=1.0, top_k=0, seed=7,
+                                  repeat_penalty=1.0)
+    assert parse("chat", {"messages": [{"role": "user", "content": "Hi"}], "temperature": 0.5, "top_k": 9,
+                          "repeat_penalty": 1.1}).params == GenerateParams(temperature=0.5, top_p=1.0, top_k=9,
+                                                                          repeat_penalty=1.1)
+    zeromq = GenerateParams.from_wire({})
+    assert (zeromq.temperature, zeromq.top_p, zeromq.top_k, zeromq.repeat_penalty) == (0.8, 0.95, 40, 1.0)
+
+
+@pytest.mark.timeout(60)
+def test_a_request_without_sampling_parameters_samples_as_openai_defaults_say(tiny_server, gateway) -> None:
+    oc = gateway.openai()
+    with Client(tiny_server.address) as zc:
+        as_openai = zc.generate(PROMPTS[0], max_tokens=24, seed=3, **OPENAI_DEFAULTS)
+        llama_cpp_defaults = zc.generate(PROMPTS[0], max_tokens=24, seed=3)
+    http = oc.completions.create(model="tiny", prompt=PROMPTS[0], max_tokens=24, seed=3)
+    assert http.choices[0].text == as_openai.text != llama_cpp_defaults.text
 
 
 TEMPLATE = ("{{ bos_token }}{% for m in messages %}[{{ m.role }}] {{ m.content }}{{ eos_token }}\n{% endfor %}"

@@ -115,8 +115,10 @@ def test_both_paths_take_the_parameters_and_equal_create_completion(
                     zmq_text = client.generate(PROMPTS[0], max_tokens=24, **kw).text
                 standard = {k: kw.pop(k) for k in ("presence_penalty", "frequency_penalty", "logit_bias",
                                                    "temperature", "seed", "top_p") if k in kw}
+                # HTTP leaves out what OpenAI leaves out (its defaults differ from llama.cpp's): say them
+                llama_defaults = {"temperature": 0.8, "top_p": 0.95}
                 got = oc.completions.create(model="tiny", prompt=PROMPTS[0], max_tokens=24, stream=stream,
-                                            extra_body=kw, **standard)
+                                            extra_body={"top_k": 40, **kw}, **(llama_defaults | standard))
                 http_text = "".join(c.choices[0].text for c in got) if stream else got.choices[0].text
                 assert zmq_text == http_text == expected, standard | kw
                 kw.update(standard)

@@ -6,13 +6,13 @@ K of them, which is where a memory-bound decode spends its time; K sequences cos
 worker) admits requests into free slots and calls ``step`` in a loop:
 
     admit(slot, prompt, params, on_token)   tokenize, reuse the slot's cached prefix, queue the rest
-    step()                                   ONE llama_decode of:
-                                               one token for every decoding sequence, and
-                                               prompt chunks of admitted sequences, at most
-                                               ``step_budget_tokens`` in total while others decode
-                                             then sample each sequence that has logits, with its own
-                                             sampler chain; text and stop strings per sequence;
-                                             on_token per sampled token; returns what finished
+    step()                                   one llama_decode of one token for every decoding sequence,
+                                             then one llama_decode per prompt chunk of admitted
+                                             sequences, at most ``step_budget_tokens`` in total while
+                                             others decode (a chunk is never cut: at least one);
+                                             after each decode, sample each sequence that has logits,
+                                             with its own sampler chain; text and stop strings per
+                                             sequence; on_token per sampled token; returns what finished
     cancel(slot)                             the sequence ends at the start of the next step
 
 Slots are llama.cpp sequence ids 0..parallel-1, and the context holds ``parallel * n_ctx`` KV cells. By
@@ -24,14 +24,25 @@ way a slot holds at most ``n_ctx`` cells, so a sequence never runs out of cells 
 a slot keeps the cells of its last request after it finishes: a new prompt in that slot that starts
 with the same tokens skips recomputing them (``best_slot`` finds the free slot with the longest such
 prefix; the completion reports it as ``reused_tokens``); admitting a prompt cuts the slot's cells after
-the shared prefix. When another slot, running or not, holds a longer shared prefix (by at least
-MIN_COPY_TOKENS), its cells are copied instead: a system prompt common to many requests is computed
-once per instance, not once per slot.
+the shared prefix. When another slot, running or not, holds a longer shared prefix, its cells are copied
+instead: a system prompt common to many requests is computed once per instance, not once per slot.
+
+Prompts are computed in chunks of PROMPT_CHUNK tokens from position 0, each chunk in a llama_decode of
+its own: the decodes ``llama_cpp.Llama`` makes for the same prompt. That is what makes reuse exact.
+llama.cpp's CPU kernels give a token slightly different numbers depending on how many tokens its batch
+holds (with quantized weights, enough to change a greedy choice), so a prompt's tail computed after
+reused cells would not give what the whole prompt computed at once gives. Only whole chunks are reused
+or copied, so the tokens computed after them are computed in the very chunks a fresh computation uses;
+a shared prefix shorter than a chunk is computed again. Cells that the memory no longer holds (a
+sliding-window cache drops what its window has passed, a recurrent state cannot be cut back) are never
+reused: the prompt is computed from the start, and the log says so once per model.
 
 Greedy output equals ``llama_cpp.Llama.create_completion(prompt, temperature=0)`` with the same flash
-attention setting (auto is on, there as here, on a CPU): the same tokens (BOS, then the prompt tokenized
-without specials added and with special tokens parsed), the same context settings, the same sampler chain
-(``mpserve.engine.sampling``), and a batch row's logits that do not depend on the other rows. Not thread-safe:
+attention setting: the same tokens (BOS, then the prompt tokenized without specials added and with
+special tokens parsed), the same context settings, the same prompt decodes, the same sampler chain
+(``mpserve.engine.sampling``). Decoding K sequences in one batch relies on a row's logits not depending on the
+other rows, which holds for the small batches of one token per sequence that llama.cpp's kernels treat
+like one row (README: "Exact output"). Not thread-safe:
 one thread admits, cancels and steps; an on_token callback may call ``cancel`` but not ``admit``.
 """
 
@@ -60,19 +71,17 @@ from .logprobs import LogprobsRecorder
 from .model_info import read_chat_template
 from .sampling import SamplerChain, TextStream
 
+log = logging.getLogger("mpserve.worker")
+
 FLASH_ATTN_TYPES = {"auto": "LLAMA_FLASH_ATTN_TYPE_AUTO", "on": "LLAMA_FLASH_ATTN_TYPE_ENABLED",
                     "off": "LLAMA_FLASH_ATTN_TYPE_DISABLED"}
 """``flash_attn`` settings and llama.cpp's names for them; auto: llama.cpp turns it on where the device
 supports it (always on a CPU), as llama-server does by default."""
 
-MIN_COPY_TOKENS = 64
-"""Prompt tokens another slot must share beyond what the admitting slot holds itself for its cells to be
-copied over. With a stream per slot llama.cpp copies that slot's whole stream (n_ctx cells in every
-layer), which costs about what computing a few dozen tokens does."""
-
-MAX_PROMPT_BATCH = 512
-"""Prompt tokens per step while no sequence is decoding (nobody waits on that step): llama_cpp.Llama's
-batch size."""
+PROMPT_CHUNK = 512
+"""Prompt tokens per llama_decode, from position 0: llama_cpp.Llama's batch size (n_batch), so a prompt
+is computed in the decodes create_completion makes. Also the prompt tokens per step while no sequence is
+decoding, and the unit of reuse: cells are reused or copied in whole chunks only."""
 
 
 @dataclass(frozen=True)
@@ -92,9 +101,9 @@ class BatchStats:
 class Phase(Enum):
     """A sequence's phase in its slot (llama.cpp's server calls these slot states):
 
-        admit ──▶ PREFILL ──last prompt token decoded, first token sampled──▶ DECODE ──┐
-                  (chunks of at most step_budget_tokens,                   ▲           │ one token a step
-                   or cells copied from another slot)                      └───────────┘
+        admit ──▶ PREFILL ──last prompt chunk decoded, first token sampled──▶ DECODE ──┐
+                  (PROMPT_CHUNK tokens a decode, or whole                  ▲           │ one token a step
+                   chunks of cells copied from another slot)               └───────────┘
         either ──stop / length / cancelled──▶ finished: out of the batch, its KV cells stay for reuse
     """
 
@@ -122,21 +131,27 @@ class _Sequence:
         self.generated: list[int] = []
         self.phase = Phase.PREFILL
         self.next_token = -1  # DECODE: the last sampled token, to be decoded next step
+        self.logprobs: LogprobsRecorder | None = None
         self.output_row = -1  # the batch row whose logits this sequence samples from after this decode
         self.pieces: list[str] = []  # text handed to on_token
         self.admitted_at = time.perf_counter()
         self.first_token_at = 0.0
         self.cancel_requested = False
-        self.logprobs: LogprobsRecorder | None = None
 
 
 def _by_slot(seq: _Sequence) -> int:
     return seq.slot
 
 
+def _whole_chunks(n: int) -> int:
+    """``n`` cut down to whole prompt chunks."""
+    return n - n % PROMPT_CHUNK
+
+
 class BatchEngine:
     def __init__(self, path: str, n_ctx: int, parallel: int, threads: int, n_gpu_layers: int, seed: int = 0,
-                 step_budget_tokens: int = 64, *, kv_unified: bool = False, flash_attn: str = "auto") -> None:
+                 step_budget_tokens: int = 64, *, kv_unified: bool = False, flash_attn: str = "auto",
+                 repack: bool = True) -> None:
         import llama_cpp
 
         if not 1 <= parallel <= llama_cpp.llama_max_parallel_sequences():
@@ -149,12 +164,13 @@ class BatchEngine:
         self.n_ctx = n_ctx
         self.parallel = parallel
         self._budget = step_budget_tokens
-        self._idle_budget = max(step_budget_tokens, MAX_PROMPT_BATCH)
+        self._idle_budget = max(step_budget_tokens, PROMPT_CHUNK)
         self._rng = random.Random(seed)
         self._pieces: dict[int, tuple[bytes, bool]] = {}  # token -> (text bytes, end of generation)
         self._eog: list[int] | None = None
         self._tokenized: tuple[str, list[int]] = ("", [])
         self._cached: list[list[int]] = [[] for _ in range(parallel)]  # tokens with KV cells, per slot
+        self._whole = [0] * parallel  # of those, the leading ones computed (or copied) as whole prompt chunks
         self._last_used = [0] * parallel
         self._uses = 0
         self._running: dict[int, _Sequence] = {}
@@ -168,6 +184,7 @@ class BatchEngine:
 
         model_params = llama_cpp.llama_model_default_params()
         model_params.n_gpu_layers = 0x7FFFFFFF if n_gpu_layers == -1 else n_gpu_layers
+        model_params.use_extra_bufts = repack  # llama_cpp.Llama keeps llama.cpp's default: on
         self._model: Any = llama_cpp.llama_model_load_from_file(path.encode(), model_params)
         if not self._model:
             raise ValueError(f"Failed to load model from file: {path}")  # llama_cpp.Llama's words
@@ -178,7 +195,7 @@ class BatchEngine:
             self._grammars = GrammarCache(self._vocab)
             bos = llama_cpp.llama_vocab_bos(self._vocab)
             self._bos = [bos] if llama_cpp.llama_vocab_get_add_bos(self._vocab) and bos >= 0 else []
-            capacity = self._idle_budget + parallel  # most tokens one step can put in a batch
+            capacity = max(PROMPT_CHUNK, parallel)  # most tokens one decode holds
             self._ctx = llama_cpp.llama_init_from_model(self._model,
                                                         self._context_params(capacity, threads, kv_unified, flash_attn))
             if not self._ctx:
@@ -187,6 +204,8 @@ class BatchEngine:
             self.close()
             raise
         self._memory = llama_cpp.llama_get_memory(self._ctx)
+        self._n_swa = max(1, llama_cpp.llama_model_n_swa(self._model))  # llama-server's bound for what must stay
+        self._told_cells_missing = False
         self._batch = _Batch(llama_cpp, capacity)
         self.chat = read_chat_template(llama_cpp, self._model)
         self._warm_up()
@@ -242,9 +261,32 @@ class BatchEngine:
                    key=lambda sr: (sr[1], -self._last_used[sr[0]]))
 
     def _reusable(self, slot: int, tokens: list[int]) -> int:
-        """Prompt tokens ``slot``'s cells hold; the last prompt token is always computed again (its logits
-        pick the first new token)."""
-        return min(common_prefix(self._kv_tokens(slot), tokens), len(tokens) - 1)
+        """Prompt tokens ``slot``'s cells hold, in whole chunks computed as prompt chunks; the last prompt
+        token is always computed again (its logits pick the first new token)."""
+        return _whole_chunks(min(common_prefix(self._kv_tokens(slot), tokens), len(tokens) - 1,
+                                 self._whole_cells(slot)))
+
+    def _whole_cells(self, slot: int) -> int:
+        """The leading cells of ``slot`` that are whole prompt chunks (a running sequence's, or what its last
+        request left); generated tokens' cells never are: they were decoded one token at a time."""
+        seq = self._running.get(slot)
+        return _whole_chunks(min(seq.n_past, len(seq.prompt))) if seq is not None else self._whole[slot]
+
+    def _holds_cells(self, slot: int, n: int) -> bool:
+        """Whether ``slot``'s memory still has what a token at position ``n`` needs of its first ``n`` cells,
+        as llama-server checks it: a sliding-window cache may have dropped cells its window has passed (at
+        most ``n - n_swa`` of them), and a recurrent state holds only its last position."""
+        if n == 0:
+            return True
+        pos_min = self._lib.llama_memory_seq_pos_min(self._memory, slot)
+        if 0 <= pos_min <= max(0, n - self._n_swa):
+            return True
+        if not self._told_cells_missing:
+            self._told_cells_missing = True
+            log.warning("this model's memory does not keep the cells of a cached prefix (sliding-window or "
+                        "recurrent layers): prompts that share a prefix with an earlier one are computed from "
+                        "the start")
+        return False
 
     def _kv_tokens(self, slot: int) -> list[int]:
         """The tokens whose KV cells ``slot`` holds now: a running sequence's prompt and generated tokens
@@ -256,25 +298,26 @@ class BatchEngine:
         """Cut ``slot``'s cells after the prefix of ``tokens`` they hold; returns its length. (A longer prefix
         in another slot is copied over by ``_catch_up`` before the next step.)"""
         own = self._reusable(slot, tokens)
-        if not self._lib.llama_memory_seq_rm(self._memory, slot, own, -1):
+        if not self._lib.llama_memory_seq_rm(self._memory, slot, own, -1) or not self._holds_cells(slot, own):
             self._lib.llama_memory_seq_rm(self._memory, slot, -1, -1)  # whole-sequence removal never fails
             return 0
         return own
 
     def _catch_up(self) -> None:
-        """Before a step: a prompt still being computed takes over another slot's cells when they hold at
-        least MIN_COPY_TOKENS more of it, whether they were there when it was admitted or were computed
-        since (two requests with one system prompt, admitted together, compute it once)."""
+        """Before a step: a prompt still being computed takes over another slot's cells when they hold more
+        of it (whole chunks), whether they were there when it was admitted or were computed since (two
+        requests with one system prompt, admitted together, compute it once)."""
         for seq in self._prefilling:
             source, shared = self._copy_source(seq.slot, seq.prompt)
-            if shared >= seq.n_past + MIN_COPY_TOKENS:
+            if shared > seq.n_past and self._holds_cells(source, shared):
                 self._copy_prefix(source, seq.slot, shared)
                 self._reused += shared - seq.n_past
                 seq.reused += shared - seq.n_past
                 seq.n_past = shared
 
     def _copy_source(self, slot: int, tokens: list[int]) -> tuple[int, int]:
-        """The other slot whose cells hold the longest prefix of ``tokens``, and how many tokens of it."""
+        """The other slot whose cells hold the longest prefix of ``tokens`` in whole chunks, and how many
+        tokens of it."""
         return max(((other, self._reusable(other, tokens)) for other in range(self.parallel) if other != slot),
                    key=lambda found: found[1], default=(slot, 0))
 
@@ -297,24 +340,23 @@ class BatchEngine:
         if not 0 <= slot < self.parallel or slot in self._running:
             raise ValueError(f"slot {slot} is not a free slot of 0..{self.parallel - 1}")
         tokens = self._tokenize(prompt) if isinstance(prompt, str) else self._in_vocabulary(prompt, "prompt")
+        self._in_vocabulary([t for t, _ in params.logit_bias], "logit_bias")
+        source = grammar_source(params.grammar, params.json_schema)
+        grammar = self._grammars.sampler(source) if source is not None else None  # BadRequest if unparsable
         if not tokens:
             raise BadRequest("the prompt is empty and the model has no BOS token to start from")
         if len(tokens) >= self.n_ctx:
             raise BadRequest(f"the prompt is {len(tokens)} tokens; the context holds {self.n_ctx} per sequence")
-        self._in_vocabulary([t for t, _ in params.logit_bias], "logit_bias")
-        source = grammar_source(params.grammar, params.json_schema)
-        grammar = self._grammars.sampler(source) if source is not None else None  # BadRequest if unparsable
         reused = self._take_cells(slot, tokens)
         self._cached[slot] = tokens[:reused]
+        self._whole[slot] = reused
         self._uses += 1
         self._last_used[slot] = self._uses
         seed = params.seed if params.seed is not None else self._rng.randrange(2**32 - 1)
         seq = _Sequence(
             slot, tokens, reused, min(params.max_tokens, self.n_ctx - len(tokens)),
-            SamplerChain(self._n_vocab, params, seed, self._eog_tokens() if params.ignore_eos else (),
-                         grammar),
-            TextStream(params.stop, strip_leading_space=not prompt),
-            on_token,
+            SamplerChain(self._n_vocab, params, seed, self._eog_tokens() if params.ignore_eos else (), grammar),
+            TextStream(params.stop, strip_leading_space=not prompt), on_token,
         )
         if params.logprobs is not None:
             seq.logprobs = LogprobsRecorder(params.logprobs)
@@ -335,55 +377,64 @@ class BatchEngine:
         return seq.logprobs.take() if seq is not None and seq.logprobs is not None else None
 
     def step(self) -> list[tuple[int, Completion]]:
-        """One llama_decode for every running sequence; returns the sequences that ended in it."""
+        """One llama_decode for the decoding sequences, one per prompt chunk; returns the sequences that
+        ended in them."""
         started = time.perf_counter()
         done = [self._finish(seq, "cancelled") for seq in list(self._running.values()) if seq.cancel_requested]
-        rows = self._fill_batch()
-        if self._batch.n:
+        if self.parallel > 1:
+            self._catch_up()
+        # Rows in slot order: with a KV stream per slot, llama.cpp splits a batch into micro-batches where
+        # the sequence ids are out of order, and every micro-batch is one more pass over the weights.
+        decoding = sorted((seq for seq in self._running.values() if seq.phase is Phase.DECODE), key=_by_slot)
+        chunks = self._chunks(self._budget if decoding else self._idle_budget)
+        batch = self._batch
+        if decoding:
+            batch.n = 0
+            for seq in decoding:
+                seq.output_row = batch.add(seq.next_token, seq.n_past, seq.slot)
+                seq.n_past += 1
             self._decode()
-            for seq in rows:
-                ended = self._sample(seq)
-                if ended is not None:
-                    done.append(self._finish(seq, ended))
+            done += self._sample_all(decoding)
+        for seq in chunks:
+            batch.n = 0
+            n = min(PROMPT_CHUNK, len(seq.prompt) - seq.n_past)
+            last_row = batch.add_run(seq.prompt[seq.n_past:seq.n_past + n], seq.n_past, seq.slot)
+            seq.n_past += n
+            self._computed += n
+            finishing = seq.n_past == len(seq.prompt)
+            if finishing:  # the last prompt token: its logits give the first new token
+                self._prefilling.remove(seq)
+                batch.logits[last_row] = 1
+                seq.output_row = last_row
+            self._decode()
+            if finishing:
+                done += self._sample_all([seq])
         self._steps += 1
         self._step_s += time.perf_counter() - started
         return done
 
-    def _fill_batch(self) -> list[_Sequence]:
-        """Put this step's tokens in the batch; return the sequences that sample after the decode."""
-        if self.parallel > 1:
-            self._catch_up()
-        decoding = [seq for seq in self._running.values() if seq.phase is Phase.DECODE]
-        budget = self._budget if decoding else self._idle_budget
-        chunks: dict[_Sequence, int] = {}  # prompt tokens this step, given out in admission order
+    def _chunks(self, budget: int) -> list[_Sequence]:
+        """The prompts that compute their next chunk this step, in admission order, while ``budget`` prompt
+        tokens last (the first chunk always: a chunk is never cut)."""
+        chosen: list[_Sequence] = []
         for seq in self._prefilling:
-            if budget == 0:
+            if chosen and budget < min(PROMPT_CHUNK, len(seq.prompt) - seq.n_past):
                 break
-            if any(common_prefix(lead.prompt, seq.prompt) >= seq.n_past + MIN_COPY_TOKENS for lead in chunks):
+            if any(_whole_chunks(min(common_prefix(lead.prompt, seq.prompt), len(seq.prompt) - 1)) > seq.n_past
+                   for lead in chosen):
                 continue  # an earlier prompt is computing this one's next tokens: copy them when it is done
-            chunks[seq] = min(budget, len(seq.prompt) - seq.n_past)
-            budget -= chunks[seq]
-        batch = self._batch
-        batch.n = 0
-        rows: list[_Sequence] = []
-        # Rows in slot order: with a KV stream per slot, llama.cpp splits a batch into micro-batches where
-        # the sequence ids are out of order, and every micro-batch is one more pass over the weights.
-        for seq in sorted(decoding + list(chunks), key=_by_slot):
-            if seq.phase is Phase.DECODE:
-                seq.output_row = batch.add(seq.next_token, seq.n_past, seq.slot)
-                seq.n_past += 1
-                rows.append(seq)
-                continue
-            n = chunks[seq]
-            last_row = batch.add_run(seq.prompt[seq.n_past:seq.n_past + n], seq.n_past, seq.slot)
-            seq.n_past += n
-            self._computed += n
-            if seq.n_past == len(seq.prompt):  # the last prompt token: its logits give the first new token
-                self._prefilling.remove(seq)
-                batch.logits[last_row] = 1
-                seq.output_row = last_row
-                rows.append(seq)
-        return rows
+            chosen.append(seq)
+            budget -= min(PROMPT_CHUNK, len(seq.prompt) - seq.n_past)
+        return chosen
+
+    def _sample_all(self, rows: list[_Sequence]) -> list[tuple[int, Completion]]:
+        """Sample every sequence of ``rows`` from the decode just made; the ones that ended."""
+        done = []
+        for seq in rows:
+            ended = self._sample(seq)
+            if ended is not None:
+                done.append(self._finish(seq, ended))
+        return done
 
     def _decode(self) -> None:
         """llama_decode of the batch. It always finds KV cells: a slot holds at most n_ctx of them, running
@@ -433,6 +484,7 @@ class BatchEngine:
         if seq in self._prefilling:
             self._prefilling.remove(seq)
         self._cached[seq.slot] = (seq.prompt + seq.generated)[:seq.n_past]
+        self._whole[seq.slot] = _whole_chunks(min(seq.n_past, len(seq.prompt)))
         first = seq.first_token_at or ended
         return seq.slot, Completion(
             text="".join(seq.pieces), finish_reason=reason, prompt_tokens=len(seq.prompt),

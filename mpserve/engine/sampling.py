@@ -12,6 +12,9 @@ Two pieces, one of each per running sequence:
   sequence (a grammar or a JSON Schema) gets a grammar sampler first in its chain (``mpserve.engine.grammar``):
   it rules out every token the grammar does not allow at this point, so constrained and unconstrained
   sequences share one batch.
+  Greedy with nothing that changes the logits (no penalty, bias or grammar) needs no chain: the token is
+  the first largest logit, which is what the chain's greedy sampler picks, read straight from the logits
+  row instead of copying the whole vocabulary into a candidate array first.
 - ``TextStream``: token bytes in, text out. It decodes UTF-8 incrementally (a character split over two
   tokens comes out whole, with the second), finds stop strings, and holds back any tail that may be the
   start of a stop string, so text handed to a client never has to be taken back.
@@ -25,6 +28,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import llama_cpp
+import numpy as np
 
 from mpserve.protocol import GenerateParams
 
@@ -40,9 +44,16 @@ class SamplerChain:
                  grammar: Any = None) -> None:
         """``eog_tokens``: the vocabulary's end-of-generation tokens, which ``params.ignore_eos`` bans;
         ``grammar``: the sequence's grammar sampler (a GrammarCache clone), or None."""
+        self._n_vocab = n_vocab
+        self._argmax = (params.temperature == 0.0 and params.repeat_penalty == 1.0 and not params.frequency_penalty
+                        and not params.presence_penalty and not params.logit_bias and not params.ignore_eos
+                        and grammar is None)  # the chain would change nothing
+        self._chain: Any = None
+        if self._argmax:
+            return
         chain_params = llama_cpp.llama_sampler_chain_default_params()
         chain_params.no_perf = True
-        self._chain: Any = llama_cpp.llama_sampler_chain_init(chain_params)
+        self._chain = llama_cpp.llama_sampler_chain_init(chain_params)
         add = self._add
         # --- structured output: the sequence's grammar sampler (a GrammarCache clone), first in the chain
         if grammar is not None:
@@ -72,6 +83,9 @@ class SamplerChain:
     def sample(self, ctx: Any, output_index: int) -> int:
         """Sample from the logits of batch row ``output_index`` of the last decode, and record the token
         (the penalties and the random state advance)."""
+        if self._argmax:
+            row = np.ctypeslib.as_array(llama_cpp.llama_get_logits_ith(ctx, output_index), (self._n_vocab,))
+            return int(np.argmax(row))
         token: int = llama_cpp.llama_sampler_sample(self._chain, ctx, output_index)
         return token
 

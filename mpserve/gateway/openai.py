@@ -12,6 +12,10 @@ come back in OpenAI's shapes (``gateway.logprobs``). What mpserve cannot do (sev
 value (``n: 1``, ``logprobs: null``, ...), which clients often do. Unrecognised keys are refused like
 OpenAI refuses them. A ``null`` value means "not given".
 
+Defaults are OpenAI's (``OPENAI_DEFAULTS``): what a request leaves out is sampled at temperature 1 with
+top_p 1, no top-k and no repeat penalty, so a request sent here as to OpenAI's API samples alike (llama.cpp's
+min-p 0.05 stays). The ZeroMQ client keeps llama.cpp's defaults (``protocol.GenerateParams``).
+
 Chat prompts are formatted with the model's own chat template, from its GGUF (``Call.with_chat_template``,
 ``mpserve.gateway.chat``); a model without one gets a ChatML default (``chat_prompt``), which also stops
 generation at ``<|im_end|>``.
@@ -48,6 +52,7 @@ from .tokens import token_ids
 Kind = Literal["completion", "chat"]
 
 COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions; chat uses mpserve's default
+OPENAI_DEFAULTS = {"temperature": 1.0, "top_p": 1.0, "top_k": 0, "repeat_penalty": 1.0}  # top_k 0: off
 CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
 CHAT_STOP = "<|im_end|>"
 
@@ -123,7 +128,7 @@ def parse(kind: Kind, body: Any) -> Call:
     options = given.get("stream_options", {})
     if not isinstance(options, dict) or not isinstance(options.get("include_usage", False), bool):
         raise BadRequest("'stream_options' must be an object like {\"include_usage\": true}")
-    sampling = {k: given[k] for k in _SAMPLING if k in given}
+    sampling = {**OPENAI_DEFAULTS, **{k: given[k] for k in _SAMPLING if k in given}}
     top_logprobs = logprobs.requested(kind == "chat", given)
     if top_logprobs is not None:
         sampling["logprobs"] = top_logprobs

@@ -1,7 +1,8 @@
 """How much GPU memory a model needs, and which device each model instance goes to.
 
-Pure functions: ``estimate_model_memory`` reads a GGUF header, ``plan`` places instances on
-devices and refuses what does not fit, ``format_plan`` prints the result for ``mpserve plan``.
+Pure functions: ``estimate_model_memory`` reads a GGUF header (``mpserve.gguf_header``: the metadata and
+tensor sizes, not the vocabulary), ``plan`` places instances on devices and refuses what does not fit,
+``format_plan`` prints the result for ``mpserve plan``.
 
 The estimate follows how llama.cpp fills a GPU: the last ``n_gpu_layers`` repeating blocks, the
 output layer once every block is offloaded (``n_gpu_layers`` of -1 or at least the block count),
@@ -17,9 +18,8 @@ from dataclasses import dataclass
 from os import PathLike
 from typing import Any
 
-from gguf import GGUFReader, GGUFValueType
-
 from mpserve.errors import ConfigError, ModelDoesNotFit
+from mpserve.gguf_header import GGUFHeader, read_header
 
 from .devices import Device, format_memory
 
@@ -71,7 +71,7 @@ def estimate_model_memory(
     gguf_path: str | PathLike[str], n_ctx: int, n_gpu_layers: int, parallel: int = 1
 ) -> MemoryEstimate:
     try:
-        reader = GGUFReader(gguf_path)
+        reader = read_header(gguf_path)
     except (OSError, ValueError) as exc:
         raise ConfigError(f"cannot read model {gguf_path} as GGUF: {exc}") from exc
     arch = str(_metadata(reader, gguf_path, "general.architecture"))
@@ -205,18 +205,13 @@ def _device_label(device: Device) -> str:
 _MISSING = object()
 
 
-def _metadata(reader: GGUFReader, path: object, key: str, default: Any = _MISSING) -> Any:
+def _metadata(reader: GGUFHeader, path: object, key: str, default: Any = _MISSING) -> Any:
     """A metadata value: str, int, or a list of ints for per-layer arrays."""
-    field = reader.get_field(key)
-    if field is None:
+    if key not in reader.metadata:
         if default is _MISSING:
             raise ConfigError(f"model {path} lacks GGUF metadata {key!r}, needed to estimate its memory")
         return default
-    kind = field.types[0]
-    if kind == GGUFValueType.STRING:
-        return bytes(field.parts[field.data[0]]).decode()
-    values = [field.parts[index][0].item() for index in field.data]
-    return values if kind == GGUFValueType.ARRAY else values[0]
+    return reader.metadata[key]
 
 
 def _largest(value: int | list[int]) -> int:

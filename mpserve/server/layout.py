@@ -53,7 +53,8 @@ def worker_specs(config: ServerConfig, layout: Layout, backend: str, slots_path:
         specs.append(WorkerSpec(
             index=index, model=model.name,
             engine=EngineSpec(path=model.resolved_path(), n_ctx=model.n_ctx, threads=config.threads_for(model),
-                              n_gpu_layers=gpu_layers, parallel=model.parallel, flash_attn=model.flash_attn),
+                              n_gpu_layers=gpu_layers, parallel=model.parallel, flash_attn=model.flash_attn,
+                              repack=model.repack),
             first_row=first_row,
             device=device, backend=backend, slots_path=str(slots_path), parent_pid=os.getpid(),
             idle_timeout=config.idle_timeout, lazy=config.single_active_backend, permit=permit,

@@ -27,6 +27,7 @@ class EngineSpec:
     seed: int = 0
     parallel: int = 1  # sequences the engine decodes together
     flash_attn: str = "auto"  # auto, on or off
+    repack: bool = True  # llama.cpp's extra (repacked) weight buffer types
 
     @property
     def is_echo(self) -> bool:

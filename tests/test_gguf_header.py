@@ -1,0 +1,82 @@
+"""The GGUF header reader against gguf's own reader: the built-in models, a written file with every value
+type, and the real model when it is installed."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import gguf
+import numpy as np
+import pytest
+from conftest import RealModel
+
+from mpserve.gguf_header import read_header
+from mpserve.models.maker import builtin_model_path
+
+
+def gguf_reader_view(path: str | Path) -> tuple[dict[str, object], list[tuple[str, tuple[int, ...], int, int]]]:
+    """What gguf.GGUFReader reads: metadata without string arrays, and each tensor's name, shape (as stored:
+    innermost first), type and bytes."""
+    reader = gguf.GGUFReader(path)
+    metadata: dict[str, object] = {}
+    for field in reader.fields.values():
+        if field.name.startswith("GGUF."):
+            continue  # the reader's own entries for the file header
+        kind = field.types[0]
+        if kind == gguf.GGUFValueType.ARRAY and field.types[-1] == gguf.GGUFValueType.STRING:
+            continue
+        metadata[field.name] = field.contents()
+    tensors = [(t.name, tuple(int(d) for d in t.shape), int(t.tensor_type), int(t.n_bytes)) for t in reader.tensors]
+    return metadata, tensors
+
+
+def header_view(path: str | Path) -> tuple[dict[str, object], list[tuple[str, tuple[int, ...], int, int]]]:
+    header = read_header(path)
+    return header.metadata, [(t.name, t.shape, int(t.type), t.n_bytes) for t in header.tensors]
+
+
+@pytest.mark.parametrize("name", ["tiny", "bench"])
+def test_the_built_in_models_read_as_gguf_reads_them(name: str) -> None:
+    path = builtin_model_path(name)
+    assert header_view(path) == gguf_reader_view(path)
+
+
+def test_every_value_type_and_nested_arrays(tmp_path: Path) -> None:
+    path = tmp_path / "kinds.gguf"
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_uint8("k.u8", 7)
+    writer.add_int16("k.i16", -3)
+    writer.add_uint64("k.u64", 1 << 40)
+    writer.add_float64("k.f64", 0.25)
+    writer.add_bool("k.bool", True)
+    writer.add_string("k.str", "grüß")
+    writer.add_array("k.ints", [1, 2, 3])
+    writer.add_array("k.strings", ["a", "bc", "😀"])
+    writer.add_array("k.nested", [[1, 2], [3]])
+    writer.add_uint32("k.after", 42)  # read correctly only if everything before was stepped over right
+    writer.add_tensor("w", np.zeros((3, 32), np.float16))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    metadata, tensors = header_view(path)
+    assert {k: v for k, v in metadata.items() if k.startswith("k.")} == {
+        "k.u8": 7, "k.i16": -3, "k.u64": 1 << 40, "k.f64": 0.25, "k.bool": True, "k.str": "grüß",
+        "k.ints": [1, 2, 3], "k.after": 42}
+    assert tensors == [("w", (32, 3), int(gguf.GGMLQuantizationType.F16), 3 * 32 * 2)] == gguf_reader_view(path)[1]
+
+
+def test_a_file_that_is_not_gguf_or_is_cut_short_is_a_value_error(tmp_path: Path) -> None:
+    (tmp_path / "empty").write_bytes(b"")
+    (tmp_path / "text").write_bytes(b"not a model at all")
+    whole = builtin_model_path("tiny").read_bytes()
+    (tmp_path / "cut").write_bytes(whole[:200])
+    for name in ("empty", "text", "cut"):
+        with pytest.raises(ValueError):
+            read_header(tmp_path / name)
+
+
+@pytest.mark.real
+@pytest.mark.timeout(120)
+def test_the_real_model_reads_as_gguf_reads_it(real_model: RealModel) -> None:
+    assert header_view(real_model.path) == gguf_reader_view(real_model.path)
