@@ -53,13 +53,15 @@ class Reference:
             with pytest.MonkeyPatch.context() as patch:
                 patch.setattr(llama_cpp.llama_cpp, "llama_model_default_params", without_repack)
                 self.llm = llama_cpp.Llama(model.path, **kwargs)
-        self._done: dict[tuple[str, int], dict[str, Any]] = {}
+        self._done: dict[tuple[Any, ...], dict[str, Any]] = {}
 
-    def complete(self, prompt: str, max_tokens: int = MAX_TOKENS) -> dict[str, Any]:
-        key = (prompt, max_tokens)
+    def complete(self, prompt: str, max_tokens: int = MAX_TOKENS, logit_bias: dict[int, float] | None = None
+                 ) -> dict[str, Any]:
+        key = (prompt, max_tokens, tuple(sorted((logit_bias or {}).items())))
         if key not in self._done:
             self.llm.reset()
-            out = self.llm.create_completion(prompt, max_tokens=max_tokens, temperature=0, repeat_penalty=1.0)
+            out = self.llm.create_completion(prompt, max_tokens=max_tokens, temperature=0, repeat_penalty=1.0,
+                                             logit_bias=logit_bias)
             self._done[key] = {"text": out["choices"][0]["text"], "finish_reason": out["choices"][0]["finish_reason"],
                                **out["usage"]}
         return self._done[key]
@@ -138,6 +140,27 @@ def test_concurrent_questions_after_a_shared_preamble(server: ServerProcess, ref
             _assert_same(result, reference.complete(prompt))
             cached.append(result.timings.cached_tokens)
     assert set(cached) <= {0, PROMPT_CHUNK} and cached.count(PROMPT_CHUNK) >= 3
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+def test_an_end_of_text_ends_the_request_with_stop_and_is_neither_counted_nor_printed(
+        server: ServerProcess, reference: Reference, stream: bool) -> None:
+    """The base model never ends by itself in a few tokens; a bias on <end_of_turn> (an end-of-generation
+    token of Gemma's vocabulary) makes it end after a short reply, here and in create_completion alike."""
+    end_of_turn = reference.llm._model.token_eot()  # <end_of_turn>
+    bias = {end_of_turn: 14.0}
+    expected = reference.complete(CHAT, 32, logit_bias=bias)
+    assert expected["finish_reason"] == "stop" and 0 < expected["completion_tokens"] < 32
+    with Client(server.address) as client:
+        if stream:
+            handle = client.stream(CHAT, max_tokens=32, temperature=0, logit_bias=bias)
+            pieces = list(handle)
+            result = handle.result
+            assert result is not None and "".join(pieces) == result.text
+        else:
+            result = client.generate(CHAT, max_tokens=32, temperature=0, logit_bias=bias)
+    _assert_same(result, expected)
+    assert "<end_of_turn>" not in result.text and "<eos>" not in result.text
 
 
 def test_characters_split_over_tokens_stream_whole(server: ServerProcess, reference: Reference) -> None:
