@@ -1,16 +1,16 @@
 """When a model's instance count changes: one decision per model per loop turn, on an injected clock.
 
     broker: queued, running, oldest wait ──┐
-    instances: ready, starting ────────────┼─▶ Load ─▶ Scaler.decide(model, load, policy, fits) ─▶ Decision
-    placement: does one more fit? ─────────┘                        START / DRAIN / SKIP / NONE, with a reason
+    instances: ready, starting ────────────┼─▶ Load ─▶ Scaler.decide(model, load, policy, room) ─▶ Decision
+    placement: why one more cannot start ──┘                        START / DRAIN / SKIP / NONE, with a reason
 
 The rules, first match wins:
 
     one start in flight            nothing (at most one start in flight per model; no drain while it runs)
-    below min                      START ``min``  (or SKIP ``does_not_fit``)
+    below min                      START ``min``  (or SKIP with ``room``'s reason, e.g. ``does_not_fit``)
     above max                      DRAIN ``max``
-    requests wait, no instance     START ``demand`` at once: scale from zero  (or SKIP ``does_not_fit``)
-    oldest waited > scale_up_after START ``queue``  (or SKIP ``at_max`` / ``does_not_fit``)
+    requests wait, no instance     START ``demand`` at once: scale from zero  (or SKIP as above)
+    oldest waited > scale_up_after START ``queue``  (or SKIP ``at_max``, or as above)
     spare for scale_down_after     DRAIN ``idle``: nothing queued and an instance's worth of slots idle all along,
                                    above min; the wait starts afresh after each drain
 
@@ -37,7 +37,7 @@ class Action(Enum):
 @dataclass(frozen=True)
 class Decision:
     action: Action
-    reason: str = ""  # START: min, demand, queue; DRAIN: max, idle; SKIP: at_max, does_not_fit
+    reason: str = ""  # START: min, demand, queue; DRAIN: max, idle; SKIP: at_max, or room's reason
 
 
 NOTHING = Decision(Action.NONE)
@@ -72,8 +72,9 @@ class Scaler:
         self._skipped: dict[str, str] = {}  # model -> the reason already reported for this episode
         self._wakes: dict[str, float] = {}
 
-    def decide(self, model: str, load: Load, policy: Policy, fits: Callable[[], bool]) -> Decision:
-        """The one change to make to ``model`` now; ``fits`` is asked only when a start is due."""
+    def decide(self, model: str, load: Load, policy: Policy, room: Callable[[], str | None]) -> Decision:
+        """The one change to make to ``model`` now. ``room``, asked only when a start is due, says why one
+        more instance cannot start now (a skip reason), or None when it can."""
         now = self._clock()
         self._wakes.pop(model, None)
         live = load.ready + load.starting
@@ -83,15 +84,15 @@ class Scaler:
         if load.starting:
             return NOTHING
         if live < policy.min:
-            return self._start(model, "min", fits)
+            return self._start(model, "min", room)
         if live > policy.max:
             return self._drain(model, "max", now)
         if load.queued and live == 0:
-            return self._start(model, "demand", fits)
+            return self._start(model, "demand", room)
         if load.queued and load.oldest_wait >= policy.scale_up_after:
             if live >= policy.max:
                 return self._skip(model, "at_max")
-            return self._start(model, "queue", fits)
+            return self._start(model, "queue", room)
         self._skipped.pop(model, None)
         if load.queued:
             self._wakes[model] = now + policy.scale_up_after - load.oldest_wait
@@ -112,9 +113,10 @@ class Scaler:
         for table in (self._spare_since, self._skipped, self._wakes):
             table.pop(model, None)
 
-    def _start(self, model: str, reason: str, fits: Callable[[], bool]) -> Decision:
-        if not fits():
-            return self._skip(model, "does_not_fit")
+    def _start(self, model: str, reason: str, room: Callable[[], str | None]) -> Decision:
+        refused = room()
+        if refused is not None:
+            return self._skip(model, refused)
         self._skipped.pop(model, None)
         return Decision(Action.START, reason)
 

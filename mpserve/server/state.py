@@ -65,6 +65,7 @@ class WorkerEntry:
     last_heard: float = 0.0  # monotonic; remote workers are declared lost when silent too long
     running: dict[str, int] = field(default_factory=dict)  # ticket -> slot
     prompts: dict[int, str] = field(default_factory=dict)  # slot -> its last prompt (cached in its KV)
+    draining: bool = False  # being scaled down: no new requests; STOP once it runs nothing
 
 
 @dataclass
@@ -77,3 +78,4 @@ class ModelQueue:
     failed: str | None = None  # the load error, once the supervisor gave up on this model
     chat: ChatTemplate = ChatTemplate()  # from the workers' READY; empty until one had the model loaded
     service_ms: float = 0.0  # running mean of assignment-to-answer time, for the busy retry-after hint
+    scaling: wire.ModelScaling = wire.ModelScaling()  # bounds and scale events, kept by the server's Instances

@@ -26,12 +26,12 @@ def load(queued: int = 0, wait: float = 0.0, running: int = 0, ready: int = 1, s
 POLICY = Policy(min=1, max=3, scale_up_after=2.0, scale_down_after=10.0)
 
 
-def fits() -> bool:
-    return True
+def fits() -> str | None:
+    return None
 
 
-def never() -> bool:
-    return False
+def never() -> str | None:
+    return "does_not_fit"
 
 
 def test_a_queue_older_than_scale_up_after_starts_one_instance() -> None:
