@@ -261,7 +261,7 @@ def status(
                         sys.stdout.write("\033[H\033[2J")
                     print(format_table(info, rows))
                     for name, sc in scaled.items():
-                        if sc.min != sc.max or sc.events:
+                        if sc.min != sc.ceiling or sc.events:  # a model whose count may change
                             events = ", ".join(f"{k} {v}" for k, v in sorted(sc.events.items())) or "none"
                             print(f"scaling {name}: {sc.min}..{sc.max} instances, {sc.starting} starting, "
                                   f"{sc.draining} draining; events: {events}")

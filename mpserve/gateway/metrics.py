@@ -9,8 +9,8 @@ Two kinds of metric:
   (STATS), the broker's counters since the server started (``mpserve_broker_events_total{event=...}``:
   ``accepted``, ``done``, ``timeout``, ``cancelled``, ``worker_lost``, ``rejected_busy``, ... whatever the
   broker counts), each model's instance bounds and scale events (``mpserve_scale_starts_total{reason=...}``,
-  ``..._stops_total``, ``..._skipped_total``), and, for a server on this host, instances by state (slot table), worker restarts and,
-  when NVML answers, each GPU's memory and each instance's share of it.
+  ``..._stops_total``, ``..._skipped_total``), and, for a server on this host, instances by state (slot
+  table), worker restarts and, when NVML answers, each GPU's memory and each instance's share of it.
 
 A scrape fetches STATS first, then renders without awaiting anything, so one scrape sees one snapshot.
 """
