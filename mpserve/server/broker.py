@@ -95,6 +95,7 @@ class Broker:
         self.on_failed: Callable[[str, str], None] = lambda model, message: None  # supervisor's view of loads
         self.on_drained: Callable[[WorkerEntry], None] = lambda entry: None  # a drained worker was told to STOP
         self.on_control: Callable[[wire.Control], wire.ControlReply] = _no_control
+        self.scaling_of: Callable[[str], wire.ModelScaling] = lambda model: wire.ModelScaling()  # for STATS
 
     # --- the event sources -------------------------------------------------------------------
 
@@ -308,7 +309,7 @@ class Broker:
             name: wire.ModelStats(len(mq.queue), running[name], mq.instances, len(mq.free), mq.failed,
                                   mq.chat.template, mq.chat.bos_token, mq.chat.eos_token,
                                   round(now - self.requests[mq.queue[0]].accepted, 3) if mq.queue else 0.0,
-                                  mq.scaling)
+                                  self.scaling_of(name))
             for name, mq in self.models.items()
         }, [wire.WorkerStats(w.identity.decode(), w.model, w.host, w.pid, w.device, w.capacity, len(w.running))
             for w in self.workers.values()])

@@ -9,8 +9,8 @@ control API.
 
 Worker indices and slot-table rows are fixed at start for every model's max (``layout.instance_rows``); a
 new instance takes its model's lowest free index, so a scale-up never resizes the table and ``max`` can be
-changed at run time up to that ceiling only. Scale events are counted per model in ``ModelQueue.scaling``,
-which the broker's STATS carries to ``/metrics``, ``mpserve models`` and ``mpserve status``. Remote pools'
+changed at run time up to that ceiling only. Scale events are counted per model; the broker's STATS carries
+them (``scaling``) to ``/metrics``, ``mpserve models`` and ``mpserve status``. Remote pools'
 workers are not counted or scaled here.
 """
 
@@ -61,6 +61,7 @@ class Instances:
         self._misfits: dict[str, str] = {}  # model -> why its last scale-up did not fit
         broker.on_drained = self._drained
         broker.on_control = self.control
+        broker.scaling_of = self.scaling
 
     def next_wake(self) -> float | None:
         wake = self._scaler.next_wake()
@@ -77,7 +78,6 @@ class Instances:
         for name, policy in self.policies.items():
             if self._broker.models[name].failed is None:
                 self._decide(name, policy, now)
-            self._publish(name)
 
     def _decide(self, name: str, policy: Policy, now: float) -> None:
         load = self._load(name, now)
@@ -198,9 +198,10 @@ class Instances:
     def _count(self, name: str, event: str) -> None:
         self._events[name][event] += 1
 
-    def _publish(self, name: str) -> None:
+    def scaling(self, name: str) -> wire.ModelScaling:
+        """The model's bounds, counts and scale events, for the broker's STATS."""
         policy = self.policies[name]
-        self._broker.models[name].scaling = wire.ModelScaling(
+        return wire.ModelScaling(
             policy.min, policy.max, self._config.model(name).bounds[1], self._starting(name), self._draining(name),
             dict(self._events[name]))
 

@@ -78,4 +78,3 @@ class ModelQueue:
     failed: str | None = None  # the load error, once the supervisor gave up on this model
     chat: ChatTemplate = ChatTemplate()  # from the workers' READY; empty until one had the model loaded
     service_ms: float = 0.0  # running mean of assignment-to-answer time, for the busy retry-after hint
-    scaling: wire.ModelScaling = wire.ModelScaling()  # bounds and scale events, kept by the server's Instances

@@ -122,3 +122,20 @@ def test_models_are_decided_apart_and_the_wake_is_the_nearest_wait() -> None:
     assert scaler.decide("a", load(queued=1, wait=0.5, running=1), POLICY, fits) == NOTHING
     assert scaler.decide("b", load(ready=2), POLICY, fits) == NOTHING
     assert scaler.next_wake() == clock.now + 1.5
+
+
+def test_metrics_carry_bounds_and_scale_events_by_reason_through_the_wire() -> None:
+    from mpserve import protocol as wire
+    from mpserve.gateway.metrics import GatewayMetrics, ServerView
+
+    scaling = wire.ModelScaling(1, 3, 4, starting=1, events={"start_queue": 2, "stop_idle": 1,
+                                                              "skip_does_not_fit": 5})
+    stats = wire.decode(wire.encode(wire.Stats(0, True, {}, {"m": wire.ModelStats(0, 0, 2, 2, scaling=scaling)})))
+    text = GatewayMetrics().render(ServerView(stats, None, {}, None)).decode()
+    for line in ('mpserve_instances_min{model="m"} 1.0', 'mpserve_instances_max{model="m"} 3.0',
+                 'mpserve_instances_starting{model="m"} 1.0', 'mpserve_instances_draining{model="m"} 0.0',
+                 'mpserve_registered_instances{model="m"} 2.0',
+                 'mpserve_scale_starts_total{model="m",reason="queue"} 2.0',
+                 'mpserve_scale_stops_total{model="m",reason="idle"} 1.0',
+                 'mpserve_scale_skipped_total{model="m",reason="does_not_fit"} 5.0'):
+        assert line in text.splitlines(), line
