@@ -10,6 +10,7 @@ import re
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -184,3 +185,42 @@ def test_the_cli_lists_and_scales_models(start_server) -> None:
     status = subprocess.run([sys.executable, "-m", "mpserve", "status", "--server-name", server.name],
                             capture_output=True, text=True, timeout=30)
     assert "scaling tiny: 1..1 instances, 0 starting, 0 draining; events: none" in status.stdout
+
+
+@pytest.mark.timeout(180)
+def test_single_active_backend_and_exclusive_permits_hold_while_instances_come_and_go(start_server,
+                                                                                        tmp_path: Path) -> None:
+    from mpserve.gpu.permits import max_concurrent, read_holds
+    from tests.test_gpu import LOADED, config_file, load
+
+    holds = tmp_path / "holds.log"
+    config = config_file(tmp_path, "sab", switch_batch=3, permit_log=str(holds), models=[
+        {"name": "a", "path": "builtin:tiny", "instances": {"min": 1, "max": 2}, "scale_up_after": 0.2,
+         "scale_down_after": 1},
+        {"name": "b", "path": "builtin:tiny", "instances": {"min": 0, "max": 2}, "scale_up_after": 0.2,
+         "scale_down_after": 1}])
+    server = start_server("--config", config, "--simulate-gpus", "1x24GiB", "--single-active-backend",
+                          "--gpu-mode", "exclusive").wait_ready()
+    residents: list[set[str]] = []
+    stop = threading.Event()
+
+    def watch() -> None:
+        while not stop.is_set():
+            residents.append({r.model for r in server.slots() if r.state in LOADED})
+            time.sleep(0.002)
+
+    watcher = threading.Thread(target=watch)
+    watcher.start()
+    try:
+        outcomes = asyncio.run(load(server.address, 40, 48, 8, models=["a", "b"]))
+        with Client(server.address) as client:
+            wait_for(lambda: sum(m.instances for m in client.stats().models.values()) == 1, 30, "back to min")
+            events = {name: m.scaling.events for name, m in client.stats().models.items()}
+    finally:
+        stop.set()
+        watcher.join()
+    assert all(isinstance(o, Result) for o in outcomes), outcomes
+    assert events["b"]["start_demand"] >= 1 and sum(e.get("start_queue", 0) for e in events.values()) >= 1
+    assert max(len(models) for models in residents) == 1  # at most one model resident on the GPU, all along
+    assert max_concurrent(read_holds(holds)) == 1  # never two requests computing on the GPU at once
+    assert server.tracebacks() == []
