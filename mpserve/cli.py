@@ -88,8 +88,9 @@ def start(given: Given, config_file: ConfigOption = None) -> None:
 
     with _errors():
         config = _config(given, config_file)
-        http, api_key = given.cli["http"], given.cli["api_key"]
-        gateway_process = _start_gateway(http, config.server_name, api_key, config.log_level) if http else None
+        http, keys = given.cli["http"], {"MPSERVE_API_KEY": given.cli["api_key"],
+                                         "MPSERVE_ADMIN_KEY": given.cli["admin_key"]}
+        gateway_process = _start_gateway(http, config.server_name, keys, config.log_level) if http else None
         try:
             serve(config)
         finally:
@@ -181,6 +182,8 @@ def gateway(
         "--connect", help="The server's ZeroMQ address (default: the local server named by --server-name).")] = None,
     api_key: Annotated[str | None, typer.Option(
         "--api-key", envvar="MPSERVE_API_KEY", help=settings.BY_KEY["api_key"].help_text())] = None,
+    admin_key: Annotated[str | None, typer.Option(
+        "--admin-key", envvar="MPSERVE_ADMIN_KEY", help=settings.BY_KEY["admin_key"].help_text())] = None,
     request_timeout: Annotated[float | None, typer.Option(
         "--request-timeout", envvar="MPSERVE_REQUEST_TIMEOUT",
         help="Seconds per request, queueing included; past it: 504 (default: no limit).")] = None,
@@ -203,19 +206,21 @@ def gateway(
         serve_gateway(GatewayConfig(host=host, port=port, connect=connect, server_name=server_name, api_key=api_key,
                                     request_timeout=request_timeout, curve_server_key=curve_server_key,
                                     curve_secret=curve_secret, log_level=log_level,
-                                    exit_with_parent=exit_with_parent))
+                                    exit_with_parent=exit_with_parent, admin_key=admin_key))
 
 
-def _start_gateway(http: str, server_name: str, api_key: str | None, log_level: str) -> subprocess.Popen[bytes]:
+def _start_gateway(http: str, server_name: str, keys: dict[str, str | None], log_level: str
+                   ) -> subprocess.Popen[bytes]:
     """``mpserve gateway`` as a child process, in its own session: Ctrl-C reaches only the server, which
     drains its requests while the gateway keeps streaming them (and answers 503 to new ones); the gateway is
-    stopped after that, or stops by itself if the server dies outright. The key travels in the environment,
-    not in the command line that any user can read. A separate process: in the broker's it would compete
-    with the broker loop for the GIL, and a fault in it could not touch the broker."""
+    stopped after that, or stops by itself if the server dies outright. The keys travel in the environment
+    (``keys``: variable -> key, None where not given), not in the command line that any user can read. A
+    separate process: in the broker's it would compete with the broker loop for the GIL, and a fault in it
+    could not touch the broker."""
     from mpserve.gateway.app import parse_http
 
     parse_http(http)  # refuse a bad value before anything starts
-    env = {**os.environ, **({"MPSERVE_API_KEY": api_key} if api_key else {})}
+    env = {**os.environ, **{name: key for name, key in keys.items() if key}}
     return subprocess.Popen([sys.executable, "-m", "mpserve", "gateway", "--http", http, "--server-name", server_name,
                              "--log-level", log_level, "--exit-with-parent"], env=env, start_new_session=True)
 

@@ -145,6 +145,8 @@ SETTINGS: tuple[Setting, ...] = (
     _s("http", "cli", str, "none", "Also serve the OpenAI-compatible HTTP API on HOST:PORT (see mpserve gateway)",
        env=None),
     _s("api_key", "cli", str, "none", "Require 'Authorization: Bearer KEY' on HTTP requests (/health excepted)"),
+    _s("admin_key", "cli", str, "none", "Open the HTTP control API (/admin/: models, load, unload, scale) to "
+       "'Authorization: Bearer KEY'; a key apart from --api-key"),
 )
 
 BY_KEY: dict[str, Setting] = {s.key: s for s in SETTINGS}

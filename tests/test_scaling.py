@@ -224,3 +224,49 @@ def test_single_active_backend_and_exclusive_permits_hold_while_instances_come_a
     assert max(len(models) for models in residents) == 1  # at most one model resident on the GPU, all along
     assert max_concurrent(read_holds(holds)) == 1  # never two requests computing on the GPU at once
     assert server.tracebacks() == []
+
+
+def test_the_http_control_api_takes_the_admin_key_only(start_server) -> None:
+    import httpx
+
+    from mpserve.errors import ConfigError
+    from mpserve.gateway.app import GatewayConfig, create_app
+    from tests.test_gateway import GatewayThread
+
+    server = start_server("--min-instances", "1", "--max-instances", "2").wait_ready()
+    gateway = GatewayThread(server_name=server.name, api_key="infer", admin_key="admin")
+    off = GatewayThread(server_name=server.name)
+    admin, infer = {"Authorization": "Bearer admin"}, {"Authorization": "Bearer infer"}
+
+    def post(path: str, body: object = None) -> httpx.Response:
+        return httpx.post(f"{gateway.url}/admin/models/{path}", json=body, headers=admin, timeout=30)
+
+    def instances() -> int:
+        return int(gateway.get("/admin/models", headers=admin).json()["models"][0]["instances"])
+
+    try:
+        assert gateway.get("/admin/models", headers=infer).json()["error"]["code"] == "invalid_admin_key"
+        assert gateway.get("/v1/models", headers=admin).status_code == 401  # the admin key is not for inference
+        assert off.get("/admin/models").status_code == 404
+        listed = gateway.get("/admin/models", headers=admin)
+        assert listed.status_code == 200 and listed.json()["models"][0] == {
+            "name": "tiny", "path": "builtin:tiny", "instances": 1, "starting": 0, "draining": 0, "min": 1,
+            "max": 2, "ceiling": 2, "state": "ready"}
+        for path, body, status, code in [("tiny/scale", {"min": 3}, 400, "bad_request"),
+                                         ("tiny/scale", {"min": "two"}, 400, "bad_request"),
+                                         ("tiny/scale", {"least": 1}, 400, "bad_request"),
+                                         ("nope/load", None, 404, "unknown_model"),
+                                         ("tiny/grow", None, 404, "not_found")]:
+            refused = post(path, body)
+            assert (refused.status_code, refused.json()["error"]["code"]) == (status, code), refused.text
+        assert instances() == 1
+        assert post("tiny/scale", {"min": 2}).json()["message"] == "scale tiny: instances 2..2"
+        wait_for(lambda: instances() == 2, 30, "two instances")
+        metrics = off.metrics()
+        assert metrics[("mpserve_scale_starts_total", (("model", "tiny"), ("reason", "min")))] == 1
+        assert metrics[("mpserve_instances_min", (("model", "tiny"),))] == 2
+    finally:
+        gateway.stop()
+        off.stop()
+    with pytest.raises(ConfigError, match="must differ"):
+        create_app(GatewayConfig(api_key="same", admin_key="same"))
