@@ -437,8 +437,23 @@ def scale(
     _control(server_name, as_json, "scale", model, low, high)
 
 
+@app.command()
+def add(
+    path: Annotated[Path, typer.Argument(help="A GGUF file (or builtin:tiny, builtin:bench, echo).")],
+    name: Annotated[str | None, typer.Option("--name", help="Name clients use (default: the file's stem).")] = None,
+    low: Annotated[int | None, typer.Option("--min", help="Fewest instances (default: 1).")] = None,
+    high: Annotated[int | None, typer.Option("--max", help="Most instances (default: min).")] = None,
+    server_name: ServerNameOption = "default", as_json: JsonOption = False,
+) -> None:
+    """Serve another model at run time, refused as at start when it is not a GGUF or does not fit (the server
+    needs --spare-slots for its rows)."""
+    given = str(path)
+    where = given if given == cfg.ECHO_MODEL or given.startswith(cfg.BUILTIN_PREFIX) else str(path.resolve())
+    _control(server_name, as_json, "add", name, low, high, where)
+
+
 def _control(server_name: str, as_json: bool, op: str, model: str | None = None, low: int | None = None,
-             high: int | None = None) -> None:
+             high: int | None = None, path: str | None = None) -> None:
     from .client import Client
 
     with _errors():
@@ -447,7 +462,7 @@ def _control(server_name: str, as_json: bool, op: str, model: str | None = None,
             raise ConnectionFailed(f"no server named {server_name!r} is running; start one with `mpserve start`")
         with Client(info.front, curve_server_key=os.environ.get("MPSERVE_CURVE_SERVER_KEY"),
                     curve_secret=os.environ.get("MPSERVE_CURVE_CLIENT_SECRET")) as client:
-            reply = client.control(op, model, min=low, max=high)
+            reply = client.control(op, model, min=low, max=high, path=path)
         if as_json:
             print(json.dumps({"message": reply.message, "models": [vars(m) for m in reply.models]}))
             return

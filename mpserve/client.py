@@ -183,10 +183,11 @@ class AsyncClient:
             self._stats_waiters.pop(nonce, None)
 
     async def control(self, op: str, model: str | None = None, *, min: int | None = None, max: int | None = None,
-                      timeout: float = CONNECT_TIMEOUT_S) -> wire.ControlReply:
-        """An operator's call (``models``, ``load``, ``unload``, ``scale``); a refused one raises its error."""
+                      path: str | None = None, timeout: float = CONNECT_TIMEOUT_S) -> wire.ControlReply:
+        """An operator's call (``models``, ``load``, ``unload``, ``scale``, ``add``); a refused one raises its
+        error. ``path`` (add) is read by the server, relative to its own folder."""
         await self.connect()
-        call = wire.Control(next(self._ids), op, model, min, max)
+        call = wire.Control(next(self._ids), op, model, min, max, path)
         call.validate()
         queue: asyncio.Queue[Any] = asyncio.Queue()
         self._pending[call.id] = queue
@@ -367,8 +368,8 @@ class Client:
         return self._call(self._async.stats(timeout))
 
     def control(self, op: str, model: str | None = None, *, min: int | None = None, max: int | None = None,
-                timeout: float = CONNECT_TIMEOUT_S) -> wire.ControlReply:
-        return self._call(self._async.control(op, model, min=min, max=max, timeout=timeout))
+                path: str | None = None, timeout: float = CONNECT_TIMEOUT_S) -> wire.ControlReply:
+        return self._call(self._async.control(op, model, min=min, max=max, path=path, timeout=timeout))
 
     def close(self) -> None:
         if self.open:

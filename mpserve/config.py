@@ -78,6 +78,7 @@ class ServerConfig:
     server_name: str = "default"
     bind: str | None = None
     workers_bind: str | None = None
+    spare_slots: int = 0  # slot-table rows for models added at run time
     max_queue: int = 256
     max_queue_total: int = 4096
     max_pending_per_client: int = 128  # so that one client cannot fill the queues
@@ -111,7 +112,7 @@ class ServerConfig:
     @property
     def total_slots(self) -> int:
         """Slot-table rows: room for every model's max instances, so scaling up needs no new table."""
-        return sum(m.bounds[1] * m.parallel for m in self.models)
+        return sum(m.bounds[1] * m.parallel for m in self.models) + self.spare_slots
 
     def threads_for(self, model: ModelConfig) -> int:
         return model.threads or max(1, self.threads_total // max(1, sum(m.bounds[1] for m in self.models)))
@@ -303,6 +304,11 @@ def _instance_bounds(values: Mapping[str, Any], where: str) -> tuple[int, int]:
     if low > high:
         raise ConfigError(f"{where}: min_instances {low} is above max_instances {high}; give min ≤ max")
     return low, high
+
+
+def added_model(entry: Mapping[str, Any], index: int, source: str) -> ModelConfig:
+    """A model added at run time, checked as a ``models[]`` entry of the file is (paths as given)."""
+    return _model(index, dict(entry), {}, source)
 
 
 def _flash_attn(value: str | bool, where: str) -> str:

@@ -319,7 +319,7 @@ def _model_stats(body: dict[str, Any]) -> ModelStats:
     return ModelStats(**values)
 
 
-CONTROL_OPS = ("models", "load", "unload", "scale")
+CONTROL_OPS = ("models", "load", "unload", "scale", "add")
 MAX_INSTANCES = 256
 
 
@@ -328,7 +328,8 @@ class Control:
     """client -> broker: an operator's call, answered by CONTROL_REPLY or ERROR with the same ``id``.
 
     ``models`` lists the models; ``load`` starts a model's instances (min at least 1); ``unload`` drains them
-    all (min 0: the next request loads it again); ``scale`` sets ``min`` and/or ``max``."""
+    all (min 0: the next request loads it again); ``scale`` sets ``min`` and/or ``max``; ``add`` serves the GGUF
+    at ``path`` as a new model (``model`` names it; the file's stem if None) with ``min`` (1) .. ``max``."""
 
     TYPE: ClassVar[MsgType] = MsgType.CONTROL
     id: str
@@ -336,20 +337,24 @@ class Control:
     model: str | None = None
     min: int | None = None
     max: int | None = None
+    path: str | None = None
 
     @classmethod
     def from_wire(cls, body: dict[str, Any]) -> Control:
         msg = cls(id=_text(body, "id", MAX_ID_CHARS), op=_text(body, "op", 16, bad=BadRequest),
                   model=_text(body, "model", 256, None, bad=BadRequest),
-                  min=_get(body, "min", int, None, bad=BadRequest), max=_get(body, "max", int, None, bad=BadRequest))
+                  min=_get(body, "min", int, None, bad=BadRequest), max=_get(body, "max", int, None, bad=BadRequest),
+                  path=_text(body, "path", 4096, None, bad=BadRequest))
         msg.validate()
         return msg
 
     def validate(self) -> None:
         if self.op not in CONTROL_OPS:
             raise BadRequest(f"'op' must be one of {', '.join(CONTROL_OPS)}, got {self.op!r}")
-        if self.op != "models" and self.model is None:
+        if self.op not in ("models", "add") and self.model is None:
             raise BadRequest(f"'model' is needed for {self.op}")
+        if (self.op == "add") != (self.path is not None):
+            raise BadRequest("'path' is needed for add" if self.op == "add" else f"'path' is for add, not {self.op}")
         if self.op == "scale" and self.min is None and self.max is None:
             raise BadRequest("scale needs 'min', 'max' or both")
         if self.min is not None:

@@ -97,6 +97,8 @@ SETTINGS: tuple[Setting, ...] = (
     _s("bind", "server", str, "ipc://$RUNTIME/NAME.sock", "Client address, e.g. tcp://127.0.0.1:5555"),
     _s("workers_bind", "server", str, "ipc://$RUNTIME/NAME.workers.sock",
        "Worker socket address; tcp://0.0.0.0:5556 for remote pools (mpserve worker --connect)"),
+    _s("spare_slots", "server", int, "0", "Slot-table rows kept for models added at run time (mpserve add); a "
+       "model takes max instances × parallel", cli_type=int, range=(0, 4096)),
     _s("max_queue", "server", int, "256", "Waiting requests per model", cli_type=int, range=(1, 1_000_000)),
     _s("max_queue_total", "server", int, "4096", "Waiting requests, all models", cli_type=int,
        range=(1, 10_000_000)),

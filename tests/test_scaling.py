@@ -17,7 +17,7 @@ import pytest
 
 from mpserve import protocol as wire
 from mpserve.client import AsyncClient, Client, Result
-from mpserve.errors import BadRequest, ModelDoesNotFit, UnknownModel
+from mpserve.errors import BadRequest, ConfigError, ModelDoesNotFit, UnknownModel
 from tests.helpers import wait_for
 
 pytestmark = pytest.mark.timeout(120)
@@ -92,9 +92,10 @@ def test_draining_lets_running_streams_finish_with_their_full_text(start_server)
     assert server.tracebacks() == []
 
 
-def test_a_scale_up_that_does_not_fit_is_skipped_with_a_log_line_and_a_metric(start_server) -> None:
+def test_a_scale_up_that_does_not_fit_is_skipped_with_a_log_line_and_a_metric(start_server,
+                                                                             tiny_model_path: str) -> None:
     server = start_server("--min-instances", "1", "--max-instances", "2", *QUICK, "--simulate-gpus", "1x24GiB",
-                          "--gpu-memory-budget", "800MiB").wait_ready()
+                          "--gpu-memory-budget", "800MiB", "--spare-slots", "1").wait_ready()
 
     async def burst() -> list[Result]:
         async with AsyncClient(server.address, timeout=100) as client:
@@ -107,7 +108,9 @@ def test_a_scale_up_that_does_not_fit_is_skipped_with_a_log_line_and_a_metric(st
         assert client.stats().models["tiny"].instances == 1
         with pytest.raises(ModelDoesNotFit, match="800.0 MiB budget"):
             client.control("scale", "tiny", min=2)
-        assert models(client)["tiny"].min == 1  # refused: nothing changed
+        with pytest.raises(ModelDoesNotFit, match="model 'more' instance 0 needs 513.4 MiB"):
+            client.control("add", "more", path=tiny_model_path)
+        assert models(client)["tiny"].min == 1 and list(models(client)) == ["tiny"]  # refused: nothing changed
     skipped = [line for line in server.log if "scale-up of tiny skipped (does_not_fit)" in line]
     assert len(skipped) == 1 and "needs 513.4 MiB" in skipped[0]
 
@@ -125,11 +128,14 @@ def test_min_zero_scales_to_zero_and_the_next_request_waits_for_a_load(start_ser
         assert scaling(client).events["start_demand"] == 2
 
 
-def test_the_control_api_changes_one_model_while_another_serves_undisturbed(start_server, tmp_path: Path) -> None:
+def test_the_control_api_changes_one_model_while_another_serves_undisturbed(start_server, tmp_path: Path,
+                                                                           tiny_model_path: str) -> None:
     config = tmp_path / "two.yaml"
     config.write_text("models:\n  - {name: echo, path: echo}\n"
                       "  - {name: tiny, path: builtin:tiny, instances: {min: 0, max: 2}, scale_down_after: 60}\n")
-    server = start_server("--config", str(config)).wait_ready()
+    server = start_server("--config", str(config), "--spare-slots", "2").wait_ready()
+    not_gguf = tmp_path / "notes.gguf"
+    not_gguf.write_text("not a model")
     stop = threading.Event()
     served: list[str] = []
 
@@ -148,6 +154,11 @@ def test_the_control_api_changes_one_model_while_another_serves_undisturbed(star
                 (dict(op="scale", model="tiny", min=3), BadRequest, "min 3 is above max 2"),
                 (dict(op="scale", model="tiny", max=5), BadRequest, "max 5 is above 2, the most instances"),
                 (dict(op="scale", model="tiny", min=2, max=1), BadRequest, r"'min' \(2\) is above 'max' \(1\)"),
+                (dict(op="add", path=str(not_gguf)), ConfigError, "cannot read model .*notes.gguf as GGUF"),
+                (dict(op="add", path=str(tmp_path / "none.gguf")), ConfigError, "no such model file"),
+                (dict(op="add", model="echo", path=tiny_model_path), BadRequest, "'echo' is served already"),
+                (dict(op="add", model="big", path=tiny_model_path, max=3), ConfigError,
+                 r"needs 3 slot-table row\(s\) .* and 2 are left; start the server with a larger --spare-slots"),
             ]:
                 with pytest.raises(error, match=message):
                     client.control(bad.pop("op"), **bad)  # type: ignore[arg-type]
@@ -162,6 +173,10 @@ def test_the_control_api_changes_one_model_while_another_serves_undisturbed(star
             assert models(client)["tiny"].min == 0 and scaling(client).events == {
                 "start_min": 2, "stop_unload": 2}
             assert scaling(client, "echo") == wire.ModelScaling(1, 1, 1)
+            added = client.control("add", "t2", path=tiny_model_path, max=2)
+            assert added.message == "add t2: instances 1..2" and list(models(client)) == ["echo", "tiny", "t2"]
+            assert client.generate("added", model="t2", max_tokens=4).usage.completion_tokens == 4
+            assert models(client)["t2"] == wire.ModelControl("t2", tiny_model_path, 1, 0, 0, 1, 2, 2, "ready")
     finally:
         stop.set()
         thread.join(30)
@@ -229,7 +244,6 @@ def test_single_active_backend_and_exclusive_permits_hold_while_instances_come_a
 def test_the_http_control_api_takes_the_admin_key_only(start_server) -> None:
     import httpx
 
-    from mpserve.errors import ConfigError
     from mpserve.gateway.app import GatewayConfig, create_app
     from tests.test_gateway import GatewayThread
 
@@ -239,7 +253,7 @@ def test_the_http_control_api_takes_the_admin_key_only(start_server) -> None:
     admin, infer = {"Authorization": "Bearer admin"}, {"Authorization": "Bearer infer"}
 
     def post(path: str, body: object = None) -> httpx.Response:
-        return httpx.post(f"{gateway.url}/admin/models/{path}", json=body, headers=admin, timeout=30)
+        return httpx.post(f"{gateway.url}/admin/models/{path}".rstrip("/"), json=body, headers=admin, timeout=30)
 
     def instances() -> int:
         return int(gateway.get("/admin/models", headers=admin).json()["models"][0]["instances"])
@@ -256,7 +270,9 @@ def test_the_http_control_api_takes_the_admin_key_only(start_server) -> None:
                                          ("tiny/scale", {"min": "two"}, 400, "bad_request"),
                                          ("tiny/scale", {"least": 1}, 400, "bad_request"),
                                          ("nope/load", None, 404, "unknown_model"),
-                                         ("tiny/grow", None, 404, "not_found")]:
+                                         ("tiny/grow", None, 404, "not_found"),
+                                         ("", {"path": 3}, 400, "bad_request"),
+                                         ("", {"path": "/no/such.gguf"}, 500, "config")]:
             refused = post(path, body)
             assert (refused.status_code, refused.json()["error"]["code"]) == (status, code), refused.text
         assert instances() == 1

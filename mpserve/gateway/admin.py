@@ -1,6 +1,7 @@
 """The control API over HTTP, behind its own key (``--admin-key``), apart from the inference key.
 
     GET  /admin/models              every model: instances taking requests, starting, draining; bounds; state
+    POST /admin/models              {"path": "/m.gguf", "name": "m", "min": 1, "max": 2}: serve another model
     POST /admin/models/NAME/load    start its instances (min at least 1)
     POST /admin/models/NAME/unload  drain them all (min 0: the next request loads it again)
     POST /admin/models/NAME/scale   {"min": 1, "max": 4}, either or both
@@ -41,10 +42,14 @@ class Admin:
 
     def routes(self) -> list[Route]:
         return [Route("/admin/models", self.models, methods=["GET"]),
+                Route("/admin/models", self.add, methods=["POST"]),
                 Route("/admin/models/{name}/{op}", self.call, methods=["POST"])]
 
     async def models(self, request: Request) -> Response:
         return await self._control(request, "models")
+
+    async def add(self, request: Request) -> Response:
+        return await self._control(request, "add")
 
     async def call(self, request: Request) -> Response:
         op = request.path_params["op"]
@@ -57,9 +62,9 @@ class Admin:
         if refused is not None:
             return _error(refused)
         try:
-            bounds = await _bounds(request) if op == "scale" else {}
+            given = await _body(request, op) if op in ("scale", "add") else {}
             client = await self._backend.client()
-            reply = await client.control(op, model, **bounds)
+            reply = await client.control(op, given.pop("name", model), **given)
         except MpserveError as exc:
             return _error(oai.HttpError.from_mpserve(exc))
         return JSONResponse({"message": reply.message, "models": [asdict(m) for m in reply.models]})
@@ -73,19 +78,25 @@ class Admin:
         return None
 
 
-async def _bounds(request: Request) -> dict[str, Any]:
-    """``{"min": int, "max": int}``, either or both; checked here for shape, by ``wire.Control`` for range."""
+_BODIES = {"scale": ({"min", "max"}, '{"min": 1, "max": 4}'),
+           "add": ({"path", "name", "min", "max"}, '{"path": "/models/m.gguf", "name": "m", "min": 1, "max": 2}')}
+
+
+async def _body(request: Request, op: str) -> dict[str, Any]:
+    """The call's JSON object; checked here for shape, by ``wire.Control`` for the rest."""
+    keys, example = _BODIES[op]
     try:
         body = json.loads(await request.body() or b"{}")
     except ValueError:
-        raise BadRequest("the body must be a JSON object like {\"min\": 1, \"max\": 4}") from None
-    if not isinstance(body, dict) or set(body) - {"min", "max"}:
-        raise BadRequest("the body must be a JSON object with 'min', 'max' or both, like {\"min\": 1, \"max\": 4}")
+        raise BadRequest(f"the body must be a JSON object like {example}") from None
+    if not isinstance(body, dict) or set(body) - keys:
+        raise BadRequest(f"the body must be a JSON object with keys among {', '.join(sorted(keys))}, like {example}")
     for key, value in body.items():
-        if not isinstance(value, int) or isinstance(value, bool):
-            raise BadRequest(f"'{key}' must be an integer, got {value!r}")
-    wire.Control("check", "scale", "model", body.get("min"), body.get("max")).validate()
-    return {"min": body.get("min"), "max": body.get("max")}
+        text = key in ("path", "name")
+        if not isinstance(value, str if text else int) or isinstance(value, bool):
+            raise BadRequest(f"'{key}' must be {'a string' if text else 'an integer'}, got {value!r}")
+    wire.Control("check", op, body.get("name", "model"), body.get("min"), body.get("max"), body.get("path")).validate()
+    return body
 
 
 def _error(err: oai.HttpError) -> JSONResponse:

@@ -5,13 +5,13 @@ control API.
                    ├ START  place_one (start-time devices less what runs) ─▶ worker_spec ─▶ supervisor.add
                    ├ DRAIN  the ready instance running least ─▶ broker.drain ─▶ STOP once idle ─▶ supervisor.retire
                    └ SKIP   one log line and one counted event
-    CONTROL (broker) ─▶ Instances.control(): models / load / unload / scale, checked before anything changes
+    CONTROL (broker) ─▶ Instances.control(): models / load / unload / scale / add, checked before any change
 
 Worker indices and slot-table rows are fixed at start for every model's max (``layout.instance_rows``); a
 new instance takes its model's lowest free index, so a scale-up never resizes the table and ``max`` can be
-changed at run time up to that ceiling only. Scale events are counted per model; the broker's STATS carries
-them (``scaling``) to ``/metrics``, ``mpserve models`` and ``mpserve status``. Remote pools'
-workers are not counted or scaled here.
+changed at run time up to that ceiling only; a model added at run time takes rows kept by ``spare_slots``.
+Scale events are counted per model; the broker's STATS carries them (``scaling``) to ``/metrics``,
+``mpserve models`` and ``mpserve status``. Remote pools' workers are not counted or scaled here.
 """
 
 from __future__ import annotations
@@ -23,16 +23,17 @@ from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
 
+from mpserve import config as cfg
 from mpserve import protocol as wire
 from mpserve.config import ServerConfig
-from mpserve.errors import BadRequest, ModelDoesNotFit, ModelFailed, UnknownModel
+from mpserve.errors import BadRequest, ConfigError, ModelDoesNotFit, ModelFailed, UnknownModel
 from mpserve.gpu.placement import ModelRequest, Placement, estimate_model_memory, place_one
 
 from .broker import Broker
 from .layout import Layout, instance_rows, model_request, worker_spec
 from .scaling import Action, Decision, Load, Policy, Scaler
-from .state import WorkerEntry
-from .supervisor import Supervisor
+from .state import ModelQueue, WorkerEntry
+from .supervisor import ModelHealth, Supervisor
 
 log = logging.getLogger("mpserve.scaling")
 
@@ -53,6 +54,7 @@ class Instances:
         self._slots_path = slots_path
         self._clock = clock
         self._rows = instance_rows(config)
+        self._table_rows = config.total_slots
         self._requests = {m.name: self._sized(model_request(m)) for m in config.models}
         self.policies = {m.name: Policy(*m.bounds, m.scale_up_after, m.scale_down_after) for m in config.models}
         self._scaler = Scaler(clock)
@@ -88,6 +90,8 @@ class Instances:
         """An operator's call from the broker's front; a bad one raises (answered as ERROR) and changes nothing."""
         if call.op == "models":
             return self._reply(call, f"{len(self.policies)} model(s)")
+        if call.op == "add":
+            return self._add(call)
         name = call.model
         if name is None or name not in self.policies:
             raise UnknownModel(f"model {name!r} is not served here; served models: {', '.join(self.policies)}")
@@ -107,6 +111,41 @@ class Instances:
         log.info("%s %s: instances %d..%d (control call)", call.op, name, low, high)
         self.tick(force=True)
         return self._reply(call, f"{call.op} {name}: instances {low}..{high}")
+
+    def _add(self, call: wire.Control) -> wire.ControlReply:
+        """Serve a new model, refused as at start (``config``, ``does_not_fit``) or for want of slot rows."""
+        assert call.path is not None  # Control.validate
+        if call.model in self.policies:
+            raise BadRequest(f"model {call.model!r} is served already; give the new one another name")
+        low = 1 if call.min is None else call.min
+        entry = {"path": call.path, "instances": {"min": low, "max": max(low, 1) if call.max is None else call.max}}
+        model = cfg.added_model({**entry, **({"name": call.model} if call.model else {})}, len(self.policies), "add")
+        if model.name in self.policies:
+            raise BadRequest(f"model {model.name!r} is served already; give the new one a name (--name)")
+        request = model_request(model)
+        if model.path != cfg.ECHO_MODEL:  # a file that is not a GGUF is refused here, before anything changes
+            estimated = estimate_model_memory(request.path, request.n_ctx, request.n_gpu_layers, request.parallel)
+            request = request if request.memory is not None or not self._devices else dataclasses.replace(
+                request, memory=estimated.total)
+        low, high = model.bounds
+        used = sum(m.bounds[1] * m.parallel for m in self._config.models)
+        if used + high * model.parallel > self._table_rows:
+            raise ConfigError(f"add: {model.name} needs {high * model.parallel} slot-table row(s) (max {high} × "
+                              f"parallel {model.parallel}) and {self._table_rows - used} are left; start the server "
+                              "with a larger --spare-slots")
+        live = list(self._placements.values())
+        for instance in range(max(low, 1)):
+            live.append(place_one(request, instance, live, self._devices, self._config.gpu_memory_budget))
+        self._config = dataclasses.replace(self._config, models=(*self._config.models, model))
+        self._rows = instance_rows(self._config)
+        self._requests[model.name] = request
+        self.policies[model.name] = Policy(low, high, model.scale_up_after, model.scale_down_after)
+        self._events[model.name] = Counter()
+        self._supervisor.health[model.name] = ModelHealth()
+        self._broker.models[model.name] = ModelQueue(model.name, self._config.max_queue)
+        log.info("add %s: %s, instances %d..%d (control call)", model.name, model.path, low, high)
+        self.tick(force=True)
+        return self._reply(call, f"add {model.name}: instances {low}..{high}")
 
     # --- decisions -------------------------------------------------------------------------------
 

@@ -69,13 +69,15 @@ def test_the_id_of_an_invalid_request_can_still_be_read() -> None:
 
 
 @pytest.mark.parametrize("body, problem", [
-    ({"id": "c", "op": "grow", "model": "m"}, "'op' must be one of models, load, unload, scale, got 'grow'"),
+    ({"id": "c", "op": "grow", "model": "m"}, "'op' must be one of models, load, unload, scale, add, got 'grow'"),
     ({"id": "c", "op": "load"}, "'model' is needed for load"),
     ({"id": "c", "op": "scale", "model": "m"}, "scale needs 'min', 'max' or both"),
     ({"id": "c", "op": "scale", "model": "m", "min": -1}, "'min' must be between 0 and 256, got -1"),
     ({"id": "c", "op": "scale", "model": "m", "max": 0}, "'max' must be between 1 and 256, got 0"),
     ({"id": "c", "op": "scale", "model": "m", "min": "1"}, "field 'min' must be an integer"),
     ({"id": "c", "op": "scale", "model": "m", "min": 3, "max": 2}, r"'min' \(3\) is above 'max' \(2\)"),
+    ({"id": "c", "op": "add"}, "'path' is needed for add"),
+    ({"id": "c", "op": "load", "model": "m", "path": "/m.gguf"}, "'path' is for add, not load"),
 ])
 def test_control_calls_are_checked_naming_the_parameter(body: dict, problem: str) -> None:
     with pytest.raises(BadRequest, match=problem):
