@@ -197,6 +197,8 @@ def test_the_cli_lists_and_scales_models(start_server) -> None:
     assert scaled.returncode == 0 and json.loads(scaled.stdout)["models"][0]["max"] == 1
     refused = mpserve("scale", "tiny", "--min", "2")
     assert refused.returncode == 1 and "error: [bad_request] min 2 is above max 1" in refused.stderr
+    missing = mpserve("add", "nowhere.gguf")  # the path is sent absolute: the server has another folder
+    assert missing.returncode == 1 and f"no such model file '{Path.cwd() / 'nowhere.gguf'}'" in missing.stderr
     status = subprocess.run([sys.executable, "-m", "mpserve", "status", "--server-name", server.name],
                             capture_output=True, text=True, timeout=30)
     assert "scaling tiny: 1..1 instances, 0 starting, 0 draining; events: none" in status.stdout
