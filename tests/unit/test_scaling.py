@@ -139,3 +139,14 @@ def test_metrics_carry_bounds_and_scale_events_by_reason_through_the_wire() -> N
                  'mpserve_scale_stops_total{model="m",reason="idle"} 1.0',
                  'mpserve_scale_skipped_total{model="m",reason="does_not_fit"} 5.0'):
         assert line in text.splitlines(), line
+
+
+def test_a_model_scaled_to_zero_counts_as_able_to_serve_for_health() -> None:
+    from mpserve import protocol as wire
+    from mpserve.gateway.monitor import health
+
+    def stats(low: int, high: int) -> wire.Stats:
+        return wire.Stats(0, True, {}, {"m": wire.ModelStats(0, 0, 0, 0, scaling=wire.ModelScaling(low, high, 2))})
+
+    assert health(stats(0, 2), [])["m"].can_serve and health(stats(0, 2), None)["m"].can_serve
+    assert not health(stats(1, 2), [])["m"].can_serve  # its min instance is not ready yet
