@@ -99,10 +99,10 @@ def test_a_scale_up_that_does_not_fit_is_skipped_with_a_log_line_and_a_metric(st
 
     async def burst() -> list[Result]:
         async with AsyncClient(server.address, timeout=100) as client:
-            return await asyncio.gather(*[client.generate(f"fit {i}", max_tokens=200, temperature=0)
-                                          for i in range(12)])
+            return await asyncio.gather(*[client.generate(f"fit {i}", max_tokens=400, temperature=0)
+                                          for i in range(16)])  # seconds of queueing, far over scale_up_after
 
-    assert len(asyncio.run(burst())) == 12  # every request served, by the one instance that fits
+    assert len(asyncio.run(burst())) == 16  # every request served, by the one instance that fits
     with Client(server.address) as client:
         assert scaling(client).events == {"skip_does_not_fit": 1}
         assert client.stats().models["tiny"].instances == 1
