@@ -115,13 +115,11 @@ class Instances:
     def _add(self, call: wire.Control) -> wire.ControlReply:
         """Serve a new model, refused as at start (``config``, ``does_not_fit``) or for want of slot rows."""
         assert call.path is not None  # Control.validate
-        if call.model in self.policies:
-            raise BadRequest(f"model {call.model!r} is served already; give the new one another name")
         low = 1 if call.min is None else call.min
         entry = {"path": call.path, "instances": {"min": low, "max": max(low, 1) if call.max is None else call.max}}
         model = cfg.added_model({**entry, **({"name": call.model} if call.model else {})}, len(self.policies), "add")
         if model.name in self.policies:
-            raise BadRequest(f"model {model.name!r} is served already; give the new one a name (--name)")
+            raise BadRequest(f"model {model.name!r} is served already; give the new one another name (--name)")
         request = model_request(model)
         if model.path != cfg.ECHO_MODEL:  # a file that is not a GGUF is refused here, before anything changes
             estimated = estimate_model_memory(request.path, request.n_ctx, request.n_gpu_layers, request.parallel)
