@@ -1,4 +1,4 @@
-"""The ``mpserve`` command line: start, generate, status, make-model."""
+"""The ``mpserve`` command line: start, generate, status, models, load, unload, scale, make-model."""
 
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ import typer
 from . import config as cfg
 from . import settings
 from .errors import BadRequest, ConnectionFailed, MpserveError
-from .protocol import WorkerStats
+from .protocol import ModelControl, Stats
 from .runtime import ServerInfo, pid_alive
 from .slots import SlotRow, SlotState, SlotTable
 
@@ -90,8 +90,9 @@ def start(given: Given, config_file: ConfigOption = None) -> None:
 
     with _errors():
         config = _config(given, config_file)
-        http, api_key = given.cli["http"], given.cli["api_key"]
-        gateway_process = _start_gateway(http, config.server_name, api_key, config.log_level) if http else None
+        http, keys = given.cli["http"], {"MPSERVE_API_KEY": given.cli["api_key"],
+                                         "MPSERVE_ADMIN_KEY": given.cli["admin_key"]}
+        gateway_process = _start_gateway(http, config.server_name, keys, config.log_level) if http else None
         try:
             serve(config)
         finally:
@@ -189,6 +190,8 @@ def gateway(
         "--connect", help="The server's ZeroMQ address (default: the local server named by --server-name).")] = None,
     api_key: Annotated[str | None, typer.Option(
         "--api-key", envvar="MPSERVE_API_KEY", help=settings.BY_KEY["api_key"].help_text())] = None,
+    admin_key: Annotated[str | None, typer.Option(
+        "--admin-key", envvar="MPSERVE_ADMIN_KEY", help=settings.BY_KEY["admin_key"].help_text())] = None,
     request_timeout: Annotated[float | None, typer.Option(
         "--request-timeout", envvar="MPSERVE_REQUEST_TIMEOUT",
         help="Seconds per request, queueing included; past it: 504 (default: no limit).")] = None,
@@ -211,19 +214,21 @@ def gateway(
         serve_gateway(GatewayConfig(host=host, port=port, connect=connect, server_name=server_name, api_key=api_key,
                                     request_timeout=request_timeout, curve_server_key=curve_server_key,
                                     curve_secret=curve_secret, log_level=log_level,
-                                    exit_with_parent=exit_with_parent))
+                                    exit_with_parent=exit_with_parent, admin_key=admin_key))
 
 
-def _start_gateway(http: str, server_name: str, api_key: str | None, log_level: str) -> subprocess.Popen[bytes]:
+def _start_gateway(http: str, server_name: str, keys: dict[str, str | None], log_level: str
+                   ) -> subprocess.Popen[bytes]:
     """``mpserve gateway`` as a child process, in its own session: Ctrl-C reaches only the server, which
     drains its requests while the gateway keeps streaming them (and answers 503 to new ones); the gateway is
-    stopped after that, or stops by itself if the server dies outright. The key travels in the environment,
-    not in the command line that any user can read. A separate process: in the broker's it would compete
-    with the broker loop for the GIL, and a fault in it could not touch the broker."""
+    stopped after that, or stops by itself if the server dies outright. The keys travel in the environment
+    (``keys``: variable -> key, None where not given), not in the command line that any user can read. A
+    separate process: in the broker's it would compete with the broker loop for the GIL, and a fault in it
+    could not touch the broker."""
     from mpserve.gateway.app import parse_http
 
     parse_http(http)  # refuse a bad value before anything starts
-    env = {**os.environ, **({"MPSERVE_API_KEY": api_key} if api_key else {})}
+    env = {**os.environ, **{name: key for name, key in keys.items() if key}}
     return subprocess.Popen([sys.executable, "-m", "mpserve", "gateway", "--http", http, "--server-name", server_name,
                              "--log-level", log_level, "--exit-with-parent"], env=env, start_new_session=True)
 
@@ -257,14 +262,22 @@ def status(
         try:
             while True:
                 rows = table.read_all()
-                pools = _remote_workers(info) if remote and info.role == "broker" else []
+                stats = _broker_stats(info) if remote and info.role == "broker" else None
+                pools = [w for w in stats.workers if w.host] if stats is not None else []
+                scaled = {name: m.scaling for name, m in stats.models.items()} if stats is not None else {}
                 if as_json:
                     print(json.dumps({"server": info.name, "pid": info.pid, "address": info.front,
-                                      "slots": [_row_json(r) for r in rows], "remote": [vars(w) for w in pools]}))
+                                      "slots": [_row_json(r) for r in rows], "remote": [vars(w) for w in pools],
+                                      "scaling": {name: vars(sc) for name, sc in scaled.items()}}))
                 else:
                     if watch:
                         sys.stdout.write("\033[H\033[2J")
                     print(format_table(info, rows))
+                    for name, sc in scaled.items():
+                        if sc.min != sc.ceiling or sc.events:  # a model whose count may change
+                            events = ", ".join(f"{k} {v}" for k, v in sorted(sc.events.items())) or "none"
+                            print(f"scaling {name}: {sc.min}..{sc.max} instances, {sc.starting} starting, "
+                                  f"{sc.draining} draining; events: {events}")
                     for w in pools:
                         print(f"remote  {w.worker}  host {w.host}  pid {w.pid}  {w.model}  "
                               f"{'cpu' if w.device < 0 else f'gpu{w.device}'}  running {w.running}/{w.capacity}")
@@ -395,17 +408,96 @@ def keygen(
     typer.echo(f"wrote {public} (public) and {secret} (secret)")
 
 
-def _remote_workers(info: ServerInfo) -> list[WorkerStats]:
-    """The broker's remote workers, or [] if it does not answer within a second. A broker with CURVE keys is
-    asked with the client keys that `generate` takes from the environment."""
+# --- the control API: models, load, unload, scale ------------------------------------------------------
+
+ServerNameOption = Annotated[str, typer.Option("--server-name", envvar="MPSERVE_SERVER_NAME",
+                                               help=settings.BY_KEY["server_name"].help_text())]
+ModelArgument = Annotated[str, typer.Argument(help="The model's name (see mpserve models).")]
+JsonOption = Annotated[bool, typer.Option("--json", help="Print the models as JSON.")]
+
+
+@app.command()
+def models(server_name: ServerNameOption = "default", as_json: JsonOption = False) -> None:
+    """List a running server's models: instances taking requests, starting and draining; bounds; state."""
+    _control(server_name, as_json, "models")
+
+
+@app.command()
+def load(model: ModelArgument, server_name: ServerNameOption = "default", as_json: JsonOption = False) -> None:
+    """Start a model's instances now (its min becomes at least 1)."""
+    _control(server_name, as_json, "load", model)
+
+
+@app.command()
+def unload(model: ModelArgument, server_name: ServerNameOption = "default", as_json: JsonOption = False) -> None:
+    """Drain every instance of a model (running requests finish); min becomes 0, so the next request loads it."""
+    _control(server_name, as_json, "unload", model)
+
+
+@app.command()
+def scale(
+    model: ModelArgument,
+    low: Annotated[int | None, typer.Option("--min", help="Fewest instances (0: none while idle).")] = None,
+    high: Annotated[int | None, typer.Option("--max", help="Most instances, up to the max it started with.")] = None,
+    server_name: ServerNameOption = "default", as_json: JsonOption = False,
+) -> None:
+    """Change a model's instance bounds at run time."""
+    _control(server_name, as_json, "scale", model, low, high)
+
+
+@app.command()
+def add(
+    path: Annotated[Path, typer.Argument(help="A GGUF file (or builtin:tiny, builtin:bench, echo).")],
+    name: Annotated[str | None, typer.Option("--name", help="Name clients use (default: the file's stem).")] = None,
+    low: Annotated[int | None, typer.Option("--min", help="Fewest instances (default: 1).")] = None,
+    high: Annotated[int | None, typer.Option("--max", help="Most instances (default: min).")] = None,
+    server_name: ServerNameOption = "default", as_json: JsonOption = False,
+) -> None:
+    """Serve another model at run time, refused as at start when it is not a GGUF or does not fit (the server
+    needs --spare-slots for its rows)."""
+    given = str(path)
+    where = given if given == cfg.ECHO_MODEL or given.startswith(cfg.BUILTIN_PREFIX) else str(path.resolve())
+    _control(server_name, as_json, "add", name, low, high, where)
+
+
+def _control(server_name: str, as_json: bool, op: str, model: str | None = None, low: int | None = None,
+             high: int | None = None, path: str | None = None) -> None:
+    from .client import Client
+
+    with _errors():
+        info = ServerInfo.read(server_name)
+        if info is None or not info.alive() or info.role != "broker":
+            raise ConnectionFailed(f"no server named {server_name!r} is running; start one with `mpserve start`")
+        with Client(info.front, curve_server_key=os.environ.get("MPSERVE_CURVE_SERVER_KEY"),
+                    curve_secret=os.environ.get("MPSERVE_CURVE_CLIENT_SECRET")) as client:
+            reply = client.control(op, model, min=low, max=high, path=path)
+        if as_json:
+            print(json.dumps({"message": reply.message, "models": [vars(m) for m in reply.models]}))
+            return
+        if op != "models":
+            typer.echo(reply.message, err=True)
+        print(format_models(reply.models))
+
+
+def format_models(rows: list[ModelControl]) -> str:
+    lines = [["MODEL", "STATE", "INSTANCES", "STARTING", "DRAINING", "MIN", "MAX", "CEILING", "PATH"]]
+    lines += [[m.name, m.state, str(m.instances), str(m.starting), str(m.draining), str(m.min), str(m.max),
+               str(m.ceiling), m.path] for m in rows]
+    widths = [max(len(line[i]) for line in lines) for i in range(len(lines[0]))]
+    return "\n".join("  ".join(c.ljust(w) for c, w in zip(line, widths, strict=True)).rstrip() for line in lines)
+
+
+def _broker_stats(info: ServerInfo) -> Stats | None:
+    """The broker's STATS (its remote workers, its models' scaling), or None if it does not answer within a
+    second. A broker with CURVE keys is asked with the client keys that `generate` takes from the environment."""
     from .client import Client
 
     try:
         with Client(info.front, connect_timeout=1.0, curve_server_key=os.environ.get("MPSERVE_CURVE_SERVER_KEY"),
                     curve_secret=os.environ.get("MPSERVE_CURVE_CLIENT_SECRET")) as client:
-            return [w for w in client.stats(timeout=1.0).workers if w.host]
+            return client.stats(timeout=1.0)
     except MpserveError:
-        return []
+        return None
 
 
 def format_table(info: ServerInfo, rows: list[SlotRow]) -> str:
@@ -414,6 +506,8 @@ def format_table(info: ServerInfo, rows: list[SlotRow]) -> str:
             "LOAD", "SERVED"]
     lines = [head]
     for r in rows:
+        if r.state is SlotState.EMPTY:  # an instance that is not started (it may start as the load grows)
+            continue
         alive = r.pid > 0 and pid_alive(r.pid)
         state = r.state.name.lower() if alive or r.state in (SlotState.DEAD, SlotState.FAILED) else "dead"
         lines.append([str(r.index), str(r.worker), str(r.pid or "-"), state, r.model,

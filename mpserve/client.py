@@ -219,6 +219,27 @@ class AsyncClient:
         finally:
             self._stats_waiters.pop(nonce, None)
 
+    async def control(self, op: str, model: str | None = None, *, min: int | None = None, max: int | None = None,
+                      path: str | None = None, timeout: float = CONNECT_TIMEOUT_S) -> wire.ControlReply:
+        """An operator's call (``models``, ``load``, ``unload``, ``scale``, ``add``); a refused one raises its
+        error. ``path`` (add) is read by the server, relative to its own folder."""
+        await self.connect()
+        call = wire.Control(next(self._ids), op, model, min, max, path)
+        call.validate()
+        queue: asyncio.Queue[Any] = asyncio.Queue()
+        self._pending[call.id] = queue
+        try:
+            await self._send(call)
+            answer = await asyncio.wait_for(queue.get(), timeout)
+        except asyncio.TimeoutError:
+            raise ConnectionFailed(f"no answer from the server at {self.address} within {timeout:g} s") from None
+        finally:
+            self._pending.pop(call.id, None)
+        if isinstance(answer, MpserveError):
+            raise answer
+        assert isinstance(answer, wire.ControlReply)
+        return answer
+
     # --- internals ------------------------------------------------------------------------------
 
     def _request(self, prompt: str | list[int], model: str | None, timeout: float | None, params: dict[str, Any],
@@ -411,6 +432,10 @@ class Client:
 
     def stats(self, timeout: float = CONNECT_TIMEOUT_S) -> wire.Stats:
         return self._call(self._async.stats(timeout))
+
+    def control(self, op: str, model: str | None = None, *, min: int | None = None, max: int | None = None,
+                path: str | None = None, timeout: float = CONNECT_TIMEOUT_S) -> wire.ControlReply:
+        return self._call(self._async.control(op, model, min=min, max=max, path=path, timeout=timeout))
 
     def close(self) -> None:
         if self.open:

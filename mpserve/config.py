@@ -14,7 +14,7 @@ Example file::
     models:
       - name: tiny
         path: builtin:tiny      # the built-in model; or a .gguf path; or "echo" (no model, for benchmarks)
-        instances: 2
+        instances: 2          # or {min: 1, max: 4}: the count follows the load (scale_up_after, scale_down_after)
         n_ctx: 2048
         threads: 1
         n_gpu_layers: 0
@@ -53,6 +53,16 @@ class ModelConfig:
     repack: bool = True  # llama.cpp's repacked weight layouts for this CPU (llama-server's --no-repack: False)
     devices: tuple[int, ...] | None = None  # pin the model's instances to these GPU indices
     requires_memory: int | None = None  # declared GPU bytes per instance; None: estimated from the GGUF
+    min_instances: int | None = None  # the count follows the load within min .. max; None: instances, fixed
+    max_instances: int | None = None
+    scale_up_after: float = 2.0  # seconds the oldest waiting request waits before one more instance starts
+    scale_down_after: float = 60.0  # seconds an instance's worth of slots idles before one instance drains
+
+    @property
+    def bounds(self) -> tuple[int, int]:
+        """(min, max) instances; ``instances``, the count started with, is the min."""
+        low = self.instances if self.min_instances is None else self.min_instances
+        return low, max(low, self.instances if self.max_instances is None else self.max_instances)
 
     def resolved_path(self) -> str:
         """The GGUF file to load ("echo" for the echo backend); writes the built-in model if needed."""
@@ -69,6 +79,7 @@ class ServerConfig:
     server_name: str = "default"
     bind: str | None = None
     workers_bind: str | None = None
+    spare_slots: int = 0  # slot-table rows for models added at run time
     max_queue: int = 256
     max_queue_total: int = 4096
     max_pending_per_client: int = 128  # so that one client cannot fill the queues
@@ -101,10 +112,11 @@ class ServerConfig:
 
     @property
     def total_slots(self) -> int:
-        return sum(m.instances * m.parallel for m in self.models)
+        """Slot-table rows: room for every model's max instances, so scaling up needs no new table."""
+        return sum(m.bounds[1] * m.parallel for m in self.models) + self.spare_slots
 
     def threads_for(self, model: ModelConfig) -> int:
-        return model.threads or max(1, self.threads_total // max(1, self.total_instances))
+        return model.threads or max(1, self.threads_total // max(1, sum(m.bounds[1] for m in self.models)))
 
     def model(self, name: str) -> ModelConfig:
         for m in self.models:
@@ -271,7 +283,33 @@ def _model(index: int, entry: Any, overrides: Mapping[str, Any], source: str) ->
         values["flash_attn"] = _flash_attn(values["flash_attn"], f"{where}.flash_attn")
     if "requires" in values:
         values["requires_memory"] = _requires(values.pop("requires"), f"{where}.requires")
+    low, high = _instance_bounds(values, where)
+    values.update(instances=low, min_instances=low, max_instances=high)
     return ModelConfig(**values)
+
+
+def _instance_bounds(values: Mapping[str, Any], where: str) -> tuple[int, int]:
+    """``instances: N`` (fixed) or ``instances: {min, max}``; min_instances / max_instances (the flags) win."""
+    given = values.get("instances", 1)
+    if isinstance(given, dict):
+        _check_keys(given, {"min": (int,), "max": (int,)}, f"{where}.instances")
+        for key, value in given.items():
+            lo, hi = _RANGES[f"{key}_instances"]
+            if not isinstance(value, int) or isinstance(value, bool) or not lo <= value <= hi:
+                raise ConfigError(f"{where}.instances.{key}: got {value!r}, allowed: an integer {lo:g} to {hi:g}")
+        low = given.get("min", 1)
+        high = given.get("max", low)
+    else:
+        low = high = given
+    low, high = values.get("min_instances", low), values.get("max_instances", high)
+    if low > high:
+        raise ConfigError(f"{where}: min_instances {low} is above max_instances {high}; give min ≤ max")
+    return low, high
+
+
+def added_model(entry: Mapping[str, Any], index: int, source: str) -> ModelConfig:
+    """A model added at run time, checked as a ``models[]`` entry of the file is (paths as given)."""
+    return _model(index, dict(entry), {}, source)
 
 
 def _flash_attn(value: str | bool, where: str) -> str:
@@ -327,7 +365,7 @@ def _checked(key: str, value: Any, kinds: tuple[type, ...], where: str) -> Any:
                  dict: "a mapping"}
         expected = " or ".join(names[k] for k in kinds)
         raise ConfigError(f"{where}.{key}: got {value!r}, expected {expected}")
-    if key in _RANGES:
+    if key in _RANGES and not isinstance(value, dict):  # instances: {min, max} is checked by _instance_bounds
         lo, hi = _RANGES[key]
         if not lo <= cast(float, value) <= hi:  # ranged keys are numbers, checked above
             raise ConfigError(f"{where}.{key}: got {value!r}, allowed: {lo:g} to {hi:g}")

@@ -3,8 +3,8 @@
 Every message is a ZeroMQ multipart message. ROUTER sockets see a routing-identity frame first; that
 frame belongs to ZeroMQ and is not described here.
 
-    client  -> broker   [VERSION, TYPE, BODY]            REQUEST, CANCEL, PING, STATS_QUERY, TOKENIZE
-    broker  -> client   [VERSION, TYPE, BODY]            CHUNK, DONE, ERROR, PONG, STATS, TOKENS
+    client  -> broker   [VERSION, TYPE, BODY]            REQUEST, CANCEL, PING, STATS_QUERY, TOKENIZE, CONTROL
+    broker  -> client   [VERSION, TYPE, BODY]            CHUNK, DONE, ERROR, PONG, STATS, TOKENS, CONTROL_REPLY
     broker  -> worker   [VERSION, TYPE, BODY]            ASSIGN, CANCEL, STOP, UNLOAD, TOKENIZE
     worker  -> broker   [VERSION, TYPE, TICKET, BODY]    READY, HEARTBEAT, FAILED, UNLOADED (empty TICKET);
                                                          CHUNK, DONE, ERROR (TICKET of an ASSIGN);
@@ -54,12 +54,14 @@ class MsgType(IntEnum):
     PING = 0x03
     STATS_QUERY = 0x04
     TOKENIZE = 0x05
+    CONTROL = 0x06
     CHUNK = 0x10
     DONE = 0x11
     ERROR = 0x12
     PONG = 0x13
     STATS = 0x14
     TOKENS = 0x15
+    CONTROL_REPLY = 0x16
     READY = 0x20
     HEARTBEAT = 0x21
     FAILED = 0x22
@@ -322,6 +324,19 @@ class StatsQuery:
 
 
 @dataclass(frozen=True)
+class ModelScaling:
+    """A model's instance bounds (``ceiling``: the most the server was sized for at start) and its scale
+    events since start, by kind and reason (``start_queue``, ``stop_idle``, ``skip_does_not_fit``, ...)."""
+
+    min: int = 0
+    max: int = 0
+    ceiling: int = 0
+    starting: int = 0
+    draining: int = 0
+    events: dict[str, int] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
 class ModelStats:
     queued: int
     running: int
@@ -332,6 +347,7 @@ class ModelStats:
     bos_token: str = ""
     eos_token: str = ""
     oldest_wait_s: float = 0.0  # how long the request at the head of the queue has waited; 0 when none waits
+    scaling: ModelScaling = ModelScaling()
 
 
 @dataclass(frozen=True)
@@ -363,9 +379,99 @@ class Stats:
         return cls(
             nonce=_get(body, "nonce", int, 0), accepting=_get(body, "accepting", bool),
             counters={str(k): int(v) for k, v in _get(body, "counters", dict).items()},
-            models={str(k): ModelStats(**v) for k, v in models.items()},
+            models={str(k): _model_stats(v) for k, v in models.items()},
             workers=[WorkerStats(**w) for w in _get(body, "workers", list, [])],
         )
+
+
+def _known(cls: type, body: dict[str, Any]) -> dict[str, Any]:
+    """The fields ``cls`` has: a newer sender's extra fields are left out."""
+    return {k: v for k, v in body.items() if k in _field_names(cls)}
+
+
+def _model_stats(body: dict[str, Any]) -> ModelStats:
+    scaling = body.get("scaling")
+    values = _known(ModelStats, body)
+    values["scaling"] = ModelScaling(**_known(ModelScaling, scaling)) if isinstance(scaling, dict) else ModelScaling()
+    return ModelStats(**values)
+
+
+CONTROL_OPS = ("models", "load", "unload", "scale", "add")
+MAX_INSTANCES = 256
+
+
+@dataclass(frozen=True)
+class Control:
+    """client -> broker: an operator's call, answered by CONTROL_REPLY or ERROR with the same ``id``.
+
+    ``models`` lists the models; ``load`` starts a model's instances (min at least 1); ``unload`` drains them
+    all (min 0: the next request loads it again); ``scale`` sets ``min`` and/or ``max``; ``add`` serves the GGUF
+    at ``path`` as a new model (``model`` names it; the file's stem if None) with ``min`` (1) .. ``max``."""
+
+    TYPE: ClassVar[MsgType] = MsgType.CONTROL
+    id: str
+    op: str
+    model: str | None = None
+    min: int | None = None
+    max: int | None = None
+    path: str | None = None
+
+    @classmethod
+    def from_wire(cls, body: dict[str, Any]) -> Control:
+        msg = cls(id=_text(body, "id", MAX_ID_CHARS), op=_text(body, "op", 16, bad=BadRequest),
+                  model=_text(body, "model", 256, None, bad=BadRequest),
+                  min=_get(body, "min", int, None, bad=BadRequest), max=_get(body, "max", int, None, bad=BadRequest),
+                  path=_text(body, "path", 4096, None, bad=BadRequest))
+        msg.validate()
+        return msg
+
+    def validate(self) -> None:
+        if self.op not in CONTROL_OPS:
+            raise BadRequest(f"'op' must be one of {', '.join(CONTROL_OPS)}, got {self.op!r}")
+        if self.op not in ("models", "add") and self.model is None:
+            raise BadRequest(f"'model' is needed for {self.op}")
+        if (self.op == "add") != (self.path is not None):
+            raise BadRequest("'path' is needed for add" if self.op == "add" else f"'path' is for add, not {self.op}")
+        if self.op == "scale" and self.min is None and self.max is None:
+            raise BadRequest("scale needs 'min', 'max' or both")
+        if self.min is not None:
+            _ranged("min", self.min, 0, MAX_INSTANCES)
+        if self.max is not None:
+            _ranged("max", self.max, 1, MAX_INSTANCES)
+        if self.min is not None and self.max is not None and self.min > self.max:
+            raise BadRequest(f"'min' ({self.min}) is above 'max' ({self.max})")
+
+
+@dataclass(frozen=True)
+class ModelControl:
+    """One model in a CONTROL_REPLY: instances taking requests, starting and draining; bounds; state (ready,
+    starting, scaled to zero, failed)."""
+
+    name: str
+    path: str
+    instances: int
+    starting: int
+    draining: int
+    min: int
+    max: int
+    ceiling: int
+    state: str
+
+
+@dataclass(frozen=True)
+class ControlReply:
+    """broker -> client: what a CONTROL call did (``message``) and every model after it."""
+
+    TYPE: ClassVar[MsgType] = MsgType.CONTROL_REPLY
+    id: str
+    message: str
+    models: list[ModelControl] = field(default_factory=list)
+
+    @classmethod
+    def from_wire(cls, body: dict[str, Any]) -> ControlReply:
+        return cls(id=_text(body, "id", MAX_ID_CHARS), message=_text(body, "message", 4096),
+                   models=[ModelControl(**_known(ModelControl, m)) for m in _get(body, "models", list, [])
+                           if isinstance(m, dict)])
 
 
 @dataclass(frozen=True)
@@ -696,7 +802,7 @@ class Tokens:
 _DECODERS: dict[MsgType, Any] = {
     cls.TYPE: cls.from_wire
     for cls in (Request, Cancel, Ping, StatsQuery, Pong, Stats, Chunk, Done, Error, Ready, Heartbeat, Failed,
-                Unloaded, Assign, Stop, Unload, Tokenize, Tokens)
+                Unloaded, Assign, Stop, Unload, Tokenize, Tokens, Control, ControlReply)
 }
 
 

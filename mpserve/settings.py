@@ -68,8 +68,16 @@ SETTINGS: tuple[Setting, ...] = (
        commands=_FOR_POOLS),
     _s("path", "model", str, "builtin:tiny", "GGUF file, builtin:tiny, builtin:bench, or echo (no model)",
        flag="--model", short="-m", env="MPSERVE_MODEL", commands=("start", "worker", "plan")),
-    _s("instances", "model", int, "1", "Worker processes per model", short="-n", cli_type=int, range=(0, 256),
-       commands=("start", "worker", "plan")),
+    _s("instances", "model", (int, dict), "1", "Worker processes per model; {min: 1, max: 4} in the file lets the "
+       "count follow the load", short="-n", cli_type=int, range=(0, 256), commands=("start", "worker", "plan")),
+    _s("min_instances", "model", int, "instances", "Fewest instances when the count follows the load (0: none "
+       "while idle; a request waits for a load)", cli_type=int, range=(0, 256)),
+    _s("max_instances", "model", int, "instances", "Most instances when the count follows the load (the slot "
+       "table is sized for it at start)", cli_type=int, range=(1, 256)),
+    _s("scale_up_after", "model", float, "2", "Start one more instance (up to max) once the oldest waiting "
+       "request has waited this long, in s", cli_type=float, range=(0, 3600)),
+    _s("scale_down_after", "model", float, "60", "Drain one instance (down to min) once an instance's worth of "
+       "slots has been idle this long, in s", cli_type=float, range=(0.1, 86400)),
     _s("parallel", "model", int, "1", "Requests one instance decodes together in one batch, each with n_ctx "
        "tokens", short="-p", cli_type=int, range=(1, 64), commands=_FOR_POOLS),
     _s("n_ctx", "model", int, "2048", "Context tokens per request (per sequence: an instance holds parallel × "
@@ -94,6 +102,8 @@ SETTINGS: tuple[Setting, ...] = (
     _s("bind", "server", str, "ipc://$RUNTIME/NAME.sock", "Client address, e.g. tcp://127.0.0.1:5555"),
     _s("workers_bind", "server", str, "ipc://$RUNTIME/NAME.workers.sock",
        "Worker socket address; tcp://0.0.0.0:5556 for remote pools (mpserve worker --connect)"),
+    _s("spare_slots", "server", int, "0", "Slot-table rows kept for models added at run time (mpserve add); a "
+       "model takes max instances × parallel", cli_type=int, range=(0, 4096)),
     _s("max_queue", "server", int, "256", "Waiting requests per model", cli_type=int, range=(1, 1_000_000)),
     _s("max_queue_total", "server", int, "4096", "Waiting requests, all models", cli_type=int,
        range=(1, 10_000_000)),
@@ -142,6 +152,8 @@ SETTINGS: tuple[Setting, ...] = (
     _s("http", "cli", str, "none", "Also serve the OpenAI-compatible HTTP API on HOST:PORT (see mpserve gateway)",
        env=None),
     _s("api_key", "cli", str, "none", "Require 'Authorization: Bearer KEY' on HTTP requests (/health excepted)"),
+    _s("admin_key", "cli", str, "none", "Open the HTTP control API (/admin/: models, load, unload, scale) to "
+       "'Authorization: Bearer KEY'; a key apart from --api-key"),
 )
 
 BY_KEY: dict[str, Setting] = {s.key: s for s in SETTINGS}

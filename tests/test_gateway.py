@@ -275,7 +275,8 @@ def test_health_follows_the_server_from_start_to_shutdown(start_server) -> None:
         server = start_server("--instances", "1", "--n-ctx", "8192", name=name).wait_ready()
         running = wait_for(lambda: (r := gw.get("/health")).status_code == 200 and r, 10, "a healthy server")
         assert running.json()["models"]["tiny"] | {"failed": None} == {
-            "ready": 1, "busy": 0, "unloaded": 0, "loading": 0, "down": 0, "queued": 0, "running": 0, "failed": None}
+            "ready": 1, "busy": 0, "unloaded": 0, "loading": 0, "down": 0, "queued": 0, "running": 0, "failed": None,
+            "on_demand": False}
 
         with httpx.Client(timeout=30) as http, http.stream("POST", f"{gw.url}/v1/completions", json={
                 "model": "tiny", "prompt": "x", "max_tokens": 8000, "temperature": 0, "stream": True}) as stream:

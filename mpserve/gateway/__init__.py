@@ -8,4 +8,5 @@ through ``mpserve.client`` and ``mpserve.protocol`` (and reads the slot table), 
     monitor  ``/health`` and ``/backend/monitor``
     chat     chat templates rendered into prompts (sandboxed Jinja2)
     console  the web console's state (``/console/state``); its page is in static/
+    admin    the control API over HTTP (``/admin/``), behind its own key
 """

@@ -11,6 +11,7 @@
     GET  /backend/monitor?model=NAME             each instance: pid, state, device, RSS, PSS, GPU memory, served,
                                                   uptime; each GPU's memory (NVML)
     GET  /, /console, /console/state             the web console and its data (``console``)
+    GET  /admin/models, POST /admin/models/NAME/load|unload|scale   the control API, with --admin-key (``admin``)
 
 The gateway is a separate process from the server, so HTTP parsing never competes with the broker's loop;
 it can start before its server and outlive it (answering 503). Errors are OpenAI's error object with the
@@ -55,6 +56,7 @@ from mpserve.slots import SlotState
 from . import console
 from . import openai as oai
 from . import tokens as tok
+from .admin import ADMIN_PREFIX, Admin
 from .backend import Backend
 from .metrics import CONTENT_TYPE, GatewayMetrics, ServerView
 from .monitor import RestartCounter, gpu_usage, health, monitor
@@ -80,6 +82,7 @@ class GatewayConfig:
     curve_secret: str | None = None  # and this gateway's secret key file (mpserve keygen)
     log_level: str = "info"
     exit_with_parent: bool = False  # for `mpserve start --http`: stop when the server process is gone
+    admin_key: str | None = None  # opens /admin/ (the control API) and nothing else; None: /admin/ is off
 
 
 def parse_http(value: str) -> tuple[str, int]:
@@ -102,7 +105,10 @@ def create_app(config: GatewayConfig) -> Starlette:
         Route("/metrics", gateway.get_metrics, methods=["GET"]),
         Route("/backend/monitor", gateway.backend_monitor, methods=["GET"]),
         *gateway.console.routes(),
+        *Admin(gateway.backend, config.admin_key).routes(),
     ]
+    if config.admin_key and config.admin_key == config.api_key:
+        raise ConfigError("the admin key must differ from the API key: the API key must not open the control API")
     app = Starlette(routes=routes, lifespan=gateway.lifespan, exception_handlers={HTTPException: _http_error})
     if config.api_key:
         app.add_middleware(_RequireKey, key=config.api_key)
@@ -401,7 +407,7 @@ class _RequireKey:
         self._expected = f"Bearer {key}".encode()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and scope["path"] not in OPEN_PATHS:
+        if scope["type"] == "http" and scope["path"] not in OPEN_PATHS and not scope["path"].startswith(ADMIN_PREFIX):
             given = dict(scope["headers"]).get(b"authorization", b"")
             if not hmac.compare_digest(given, self._expected):
                 err = oai.HttpError(401, "invalid_api_key", "a valid API key is required: send the header "

@@ -8,8 +8,9 @@ Two kinds of metric:
 - read from the server at scrape time: queue depth, requests in flight and registered instances per model
   (STATS), the broker's counters since the server started (``mpserve_broker_events_total{event=...}``:
   ``accepted``, ``done``, ``timeout``, ``cancelled``, ``worker_lost``, ``rejected_busy``, ... whatever the
-  broker counts), and, for a server on this host, instances by state (slot table), worker restarts and,
-  when NVML answers, each GPU's memory and each instance's share of it.
+  broker counts), each model's instance bounds and scale events (``mpserve_scale_starts_total{reason=...}``,
+  ``..._stops_total``, ``..._skipped_total``), and, for a server on this host, instances by state (slot
+  table), worker restarts and, when NVML answers, each GPU's memory and each instance's share of it.
 
 A scrape fetches STATS first, then renders without awaiting anything, so one scrape sees one snapshot.
 """
@@ -116,6 +117,7 @@ class _ServerCollector(Collector):
         for event, value in sorted(stats.counters.items()):
             events.add_metric([event], value)
         yield events
+        yield from _scaling_metrics(stats)
         if rows is None:
             return
         instances = GaugeMetricFamily("mpserve_instances", "Instances by state (slot table)",
@@ -135,6 +137,28 @@ class _ServerCollector(Collector):
         yield restarts
         if self.view.gpus:
             yield from _gpu_metrics(self.view.gpus, rows)
+
+
+def _scaling_metrics(stats: wire.Stats) -> Iterator[Metric]:
+    """Instance bounds and counts per model, and scale events by reason (``start_queue`` -> starts{queue})."""
+    gauges = {key: GaugeMetricFamily(f"mpserve_instances_{key}", text, labels=["model"]) for key, text in (
+        ("min", "Fewest instances the model scales to"), ("max", "Most instances the model scales to"),
+        ("starting", "Instances started and not registered yet"),
+        ("draining", "Instances finishing their requests before they stop (scaled down)"))}
+    counters = {kind: CounterMetricFamily(f"mpserve_scale_{name}", text, labels=["model", "reason"])
+                for kind, name, text in (("start", "starts", "Instances started by the scaler, by reason"),
+                                         ("stop", "stops", "Instances drained and stopped, by reason"),
+                                         ("skip", "skipped", "Scale-ups that were due but skipped, by reason"))}
+    for name, m in stats.models.items():
+        sc = m.scaling
+        for key, family in gauges.items():
+            family.add_metric([name], getattr(sc, key))
+        for event, count in sorted(sc.events.items()):
+            kind, _, reason = event.partition("_")
+            if kind in counters:
+                counters[kind].add_metric([name, reason], count)
+    yield from gauges.values()
+    yield from counters.values()
 
 
 def _gpu_metrics(gpus: Sequence[GpuUsage], rows: list[SlotRow]) -> Iterator[Metric]:

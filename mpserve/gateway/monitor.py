@@ -129,10 +129,11 @@ class ModelHealth:
     queued: int
     running: int
     failed: str | None  # why the model cannot load, once the supervisor gave up
+    on_demand: bool = False  # min 0 instances: with none running, a request starts one
 
     @property
     def can_serve(self) -> bool:
-        return self.failed is None and self.ready + (self.unloaded or 0) > 0
+        return self.failed is None and (self.ready + (self.unloaded or 0) > 0 or self.on_demand)
 
 
 def health(stats: wire.Stats, rows: list[SlotRow] | None) -> dict[str, ModelHealth]:
@@ -140,7 +141,7 @@ def health(stats: wire.Stats, rows: list[SlotRow] | None) -> dict[str, ModelHeal
     for name, m in stats.models.items():
         if rows is None:
             out[name] = ModelHealth(m.instances, m.instances - m.free_slots, None, None, None, m.queued, m.running,
-                                    m.failed)
+                                    m.failed, _on_demand(m))
             continue
         states = Counter(state_of(r) for r in rows if r.model == name and r.state is not SlotState.EMPTY)
         remote = [w for w in stats.workers if w.host and w.model == name]  # remote pools' slots: not in the table
@@ -148,8 +149,12 @@ def health(stats: wire.Stats, rows: list[SlotRow] | None) -> dict[str, ModelHeal
             ready=sum(states[s] for s in READY) + sum(w.capacity for w in remote),
             busy=sum(states[s] for s in BUSY) + sum(w.running for w in remote), unloaded=states["unloaded"],
             loading=sum(states[s] for s in LOADING), down=sum(states[s] for s in DOWN), queued=m.queued,
-            running=m.running, failed=m.failed)
+            running=m.running, failed=m.failed, on_demand=_on_demand(m))
     return out
+
+
+def _on_demand(m: wire.ModelStats) -> bool:
+    return m.scaling.min == 0 and m.scaling.max > 0
 
 
 # --- restarts -----------------------------------------------------------------------------------

@@ -102,10 +102,12 @@ def memory_by_pid(usage: Sequence[GpuUsage] | None) -> dict[int, int]:
 class EstimateCheck:
     """Logs, once per model, the placement's estimate beside what its first ready instance really holds."""
 
-    def __init__(self, placements: Sequence[Placement], devices: Sequence[Device]) -> None:
+    def __init__(self, placements: Sequence[Placement] | Mapping[int, Placement], devices: Sequence[Device]) -> None:
+        """``placements``: by worker index (a sequence: the index is the position)."""
         real = {d.index for d in devices if not d.simulated}
+        by_index = placements.items() if isinstance(placements, Mapping) else enumerate(placements)
         self._pending: dict[int, Placement] = {
-            index: p for index, p in enumerate(placements) if p.device is not None and p.device in real}
+            index: p for index, p in by_index if p.device is not None and p.device in real}
         self._done: set[str] = set()
 
     def ready(self, worker: int, pid: int, usage: Mapping[int, int] | None = None) -> None:

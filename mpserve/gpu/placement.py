@@ -2,7 +2,8 @@
 
 Pure functions: ``estimate_model_memory`` reads a GGUF header (``mpserve.gguf_header``: the metadata and
 tensor sizes, not the vocabulary), ``plan`` places instances on devices and refuses what does not fit,
-``format_plan`` prints the result for ``mpserve plan``.
+``place_one`` places one more beside the running ones (scaling up), ``format_plan`` prints the result for
+``mpserve plan``.
 
 The estimate follows how llama.cpp fills a GPU: the last ``n_gpu_layers`` repeating blocks, the
 output layer once every block is offloaded (``n_gpu_layers`` of -1 or at least the block count),
@@ -135,6 +136,32 @@ def plan(
             placements.append(Placement(model.name, instance, chosen, need))
             cursor = (order.index(chosen) + 1) % len(order)
     return placements
+
+
+def place_one(
+    model: ModelRequest,
+    instance: int,
+    live: Sequence[Placement],
+    devices: Sequence[Device],
+    budget: int | None = None,
+    estimate: Estimator = estimate_model_memory,
+) -> Placement:
+    """One more instance of ``model`` beside the ``live`` instances of every model, by ``plan``'s rules:
+    the allowed device with the most room left goes first; ``ModelDoesNotFit`` when none has room."""
+    if not devices:
+        return Placement(model.name, instance, None, 0)
+    order = [device.index for device in devices]
+    allowed = _allowed_devices(model, order)
+    need = model.memory
+    if need is None:
+        need = estimate(model.path, model.n_ctx, model.n_gpu_layers, model.parallel).total
+    room = {d.index: d.memory_free if budget is None else min(d.memory_free, budget) for d in devices}
+    planned = {index: sum(p.memory for p in live if p.device == index) for index in order}
+    roomiest = max((index for index in order if index in allowed), key=lambda index: room[index] - planned[index])
+    if room[roomiest] - planned[roomiest] < need:
+        device = devices[order.index(roomiest)]
+        raise ModelDoesNotFit(_does_not_fit(model, instance, need, device, room, planned, budget))
+    return Placement(model.name, instance, roomiest, need)
 
 
 def format_plan(placements: Sequence[Placement], devices: Sequence[Device]) -> str:

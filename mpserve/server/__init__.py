@@ -3,6 +3,8 @@
     loop        serve(): claims the server name, builds the layout, runs broker + supervisor + watchdog
     broker      ROUTER fronts for clients and workers; per-model queues; routing to slots; the request table
     supervisor  spawns, reaps and restarts worker processes (``mpserve.worker.spec.run``)
+    instances   each model's live instances: scaling decisions carried out, the control API (CONTROL)
+    scaling     when a model's instance count changes: start on queueing, drain on idle, within min..max
     residency   single active backend: which model holds each GPU, and when they take turns
     layout      devices discovered, instances placed, worker specs built (also ``mpserve plan``)
     pool        ``mpserve worker --connect``: a supervisor without a broker, for remote hosts

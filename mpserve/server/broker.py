@@ -98,6 +98,9 @@ class Broker:
         self._tickets = (format(n, "x") for n in itertools.count(1))
         self.on_ready: Callable[[WorkerEntry], None] = lambda entry: None  # set by the server: the
         self.on_failed: Callable[[str, str], None] = lambda model, message: None  # supervisor's view of loads
+        self.on_drained: Callable[[WorkerEntry], None] = lambda entry: None  # a drained worker was told to STOP
+        self.on_control: Callable[[wire.Control], wire.ControlReply] = _no_control
+        self.scaling_of: Callable[[str], wire.ModelScaling] = lambda model: wire.ModelScaling()  # for STATS
 
     # --- the event sources -------------------------------------------------------------------
 
@@ -204,6 +207,20 @@ class Broker:
             self._answer_error(self.requests[mq.queue.popleft()], ErrorCode.MODEL_FAILED,
                                f"model {model} cannot be loaded: {message}")
 
+    def drain(self, identity: bytes) -> None:
+        """Scale down: the worker gets no new request; once it runs none it is told to STOP (``on_drained``)."""
+        entry = self.workers[identity]
+        entry.draining = True
+        mq = self.models[entry.model]
+        mq.free = deque(f for f in mq.free if f[0] != identity)
+        self._stop_if_drained(entry)
+        self._dispatch(entry.model)
+
+    def _stop_if_drained(self, entry: WorkerEntry) -> None:
+        if entry.draining and not entry.running:
+            self._to_worker(entry.identity, wire.Stop("scaled down"))
+            self.on_drained(entry)
+
     def stop_accepting(self) -> None:
         self.accepting = False
 
@@ -246,6 +263,9 @@ class Broker:
             elif mtype is wire.MsgType.STATS_QUERY:
                 query = wire.StatsQuery.from_wire(wire.unpack_body(frames[2]))
                 self._to_client(client, wire.encode(self.snapshot(query.nonce)))
+            elif mtype is wire.MsgType.CONTROL:
+                call = wire.Control.from_wire(wire.unpack_body(frames[2]))
+                self._to_client(client, wire.encode(self.on_control(call)))
             else:
                 raise ProtocolError(f"a client may not send {mtype.name} messages")
         except MpserveError as exc:
@@ -316,7 +336,8 @@ class Broker:
         return wire.Stats(nonce, self.accepting, dict(self.stats), {
             name: wire.ModelStats(len(mq.queue), running[name], mq.instances, len(mq.free), mq.failed,
                                   mq.chat.template, mq.chat.bos_token, mq.chat.eos_token,
-                                  round(now - self.requests[mq.queue[0]].accepted, 3) if mq.queue else 0.0)
+                                  round(now - self.requests[mq.queue[0]].accepted, 3) if mq.queue else 0.0,
+                                  self.scaling_of(name))
             for name, mq in self.models.items()
         }, [wire.WorkerStats(w.identity.decode(), w.model, w.host, w.pid, w.device, w.capacity, len(w.running))
             for w in self.workers.values()])
@@ -498,7 +519,10 @@ class Broker:
         service_ms = (time.monotonic() - p.assigned) * 1000
         mq.service_ms = service_ms if not mq.service_ms else 0.9 * mq.service_ms + 0.1 * service_ms
         self._finish(p)
-        mq.free.append((identity, slot))
+        if entry.draining:
+            self._stop_if_drained(entry)
+        else:
+            mq.free.append((identity, slot))
         self._dispatch(entry.model)
 
     def _dispatch(self, model: str) -> None:
@@ -567,6 +591,10 @@ class Broker:
     def _stale_deadline(self, ticket: str) -> bool:
         p = self.requests.get(ticket)
         return p is None or p.answered
+
+
+def _no_control(msg: wire.Control) -> wire.ControlReply:
+    raise BadRequest("this server takes no control calls")
 
 
 def _router(ctx: zmq.Context[Any], addr: str, curve_secret: str | None, zap_domain: bytes) -> zmq.Socket[bytes]:

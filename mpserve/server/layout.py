@@ -10,7 +10,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from mpserve.config import ECHO_MODEL, ServerConfig
+from mpserve.config import ECHO_MODEL, ModelConfig, ServerConfig
 from mpserve.gpu.devices import Device, discover
 from mpserve.gpu.placement import ModelRequest, Placement, plan
 from mpserve.worker.spec import EngineSpec, PermitSpec, WorkerSpec
@@ -23,42 +23,60 @@ class Layout:
 
 
 def build_layout(config: ServerConfig) -> Layout:
+    """The instances started with (each model's min), placed."""
     devices = discover(config.gpus, config.simulate_gpus)
-    requests = [
-        ModelRequest(name=m.name, path=m.resolved_path(), instances=m.instances, n_ctx=m.n_ctx,
-                     n_gpu_layers=-1 if m.n_gpu_layers is None else m.n_gpu_layers, parallel=m.parallel,
-                     devices=m.devices, memory=0 if m.path == ECHO_MODEL and m.requires_memory is None
-                     else m.requires_memory)
-        for m in config.models
-    ]
+    requests = [model_request(m) for m in config.models]
     placements = plan(requests, devices, config.gpu_memory_budget)
     order = {(p.model, p.instance): p for p in placements}
     ordered = [order[(m.name, i)] for m in config.models for i in range(m.instances)]
     return Layout(devices, ordered)
 
 
+def model_request(m: ModelConfig) -> ModelRequest:
+    """What placement needs to know of a model (the echo backend needs no memory unless told)."""
+    return ModelRequest(name=m.name, path=m.resolved_path(), instances=m.instances, n_ctx=m.n_ctx,
+                        n_gpu_layers=-1 if m.n_gpu_layers is None else m.n_gpu_layers, parallel=m.parallel,
+                        devices=m.devices, memory=0 if m.path == ECHO_MODEL and m.requires_memory is None
+                        else m.requires_memory)
+
+
 def worker_specs(config: ServerConfig, layout: Layout, backend: str, slots_path: Path) -> list[WorkerSpec]:
-    """One spec per instance; instance i owns the slot-table rows first_row .. first_row + parallel - 1."""
-    by_index = {d.index: d for d in layout.devices}
+    """One spec per placed instance, at the index and rows ``instance_rows`` keeps for it."""
+    rows = instance_rows(config)
+    return [worker_spec(config, layout.devices, placement, *rows[placement.model][placement.instance], backend,
+                        slots_path) for placement in layout.placements]
+
+
+def instance_rows(config: ServerConfig) -> dict[str, list[tuple[int, int]]]:
+    """(worker index, first slot-table row) for each of every model's max instances, model by model: instance
+    i of a model owns rows first_row .. first_row + parallel - 1, started or not."""
+    rows: dict[str, list[tuple[int, int]]] = {}
+    index = first_row = 0
+    for model in config.models:
+        rows[model.name] = []
+        for _ in range(model.bounds[1]):
+            rows[model.name].append((index, first_row))
+            index, first_row = index + 1, first_row + model.parallel
+    return rows
+
+
+def worker_spec(config: ServerConfig, devices: list[Device], placement: Placement, index: int, first_row: int,
+                backend: str, slots_path: Path) -> WorkerSpec:
+    model = config.model(placement.model)
+    device = -1 if placement.device is None else placement.device
+    gpu_layers = model.n_gpu_layers if model.n_gpu_layers is not None else (-1 if device >= 0 else 0)
+    permit = None
     capacity = config.permit_capacity
-    specs = []
-    first_row = 0
-    for index, placement in enumerate(layout.placements):
-        model = config.model(placement.model)
-        device = -1 if placement.device is None else placement.device
-        gpu_layers = model.n_gpu_layers if model.n_gpu_layers is not None else (-1 if device >= 0 else 0)
-        permit = None
-        if device >= 0 and capacity is not None:
-            permit = PermitSpec(by_index[device].key, capacity, config.lock_dir, config.permit_log)
-        specs.append(WorkerSpec(
-            index=index, model=model.name,
-            engine=EngineSpec(path=model.resolved_path(), n_ctx=model.n_ctx, threads=config.threads_for(model),
-                              n_gpu_layers=gpu_layers, parallel=model.parallel, flash_attn=model.flash_attn,
-                              repack=model.repack),
-            first_row=first_row,
-            device=device, backend=backend, slots_path=str(slots_path), parent_pid=os.getpid(),
-            idle_timeout=config.idle_timeout, lazy=config.single_active_backend, permit=permit,
-            log_level=config.log_level, stream_interval=config.stream_interval,
-        ))
-        first_row += model.parallel
-    return specs
+    if device >= 0 and capacity is not None:
+        key = next(d.key for d in devices if d.index == device)
+        permit = PermitSpec(key, capacity, config.lock_dir, config.permit_log)
+    return WorkerSpec(
+        index=index, model=model.name,
+        engine=EngineSpec(path=model.resolved_path(), n_ctx=model.n_ctx, threads=config.threads_for(model),
+                          n_gpu_layers=gpu_layers, parallel=model.parallel, flash_attn=model.flash_attn,
+                          repack=model.repack),
+        first_row=first_row,
+        device=device, backend=backend, slots_path=str(slots_path), parent_pid=os.getpid(),
+        idle_timeout=config.idle_timeout, lazy=config.single_active_backend, permit=permit,
+        log_level=config.log_level, stream_interval=config.stream_interval,
+    )

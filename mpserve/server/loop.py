@@ -28,6 +28,7 @@ from mpserve.runtime import ServerInfo, ServerPaths
 from mpserve.slots import SlotTable
 
 from .broker import Broker
+from .instances import Instances
 from .layout import build_layout, worker_specs
 from .residency import Residency
 from .signals import SignalPipe
@@ -67,10 +68,13 @@ def serve(config: ServerConfig) -> None:
                         curve_secret=config.curve_secret, curve_workers=config.curve_workers,
                         residency=Residency(config.switch_batch) if config.single_active_backend else None,
                         heartbeat_interval=config.heartbeat_interval, heartbeat_liveness=config.heartbeat_liveness)
-        supervisor = Supervisor(config, worker_specs(config, layout, paths.back, paths.slots), table)
+        specs = worker_specs(config, layout, paths.back, paths.slots)
+        supervisor = Supervisor(config, specs, table)
+        placements = {spec.index: p for spec, p in zip(specs, layout.placements, strict=True)}
+        instances = Instances(config, layout, placements, supervisor, broker, paths.back, paths.slots)
         ServerInfo(paths.name, os.getpid(), paths.front, paths.back, str(paths.slots),
                    [m.name for m in config.models], time.time()).write(paths.info)
-        _Loop(config, broker, supervisor, started, EstimateCheck(layout.placements, layout.devices)).run()
+        _Loop(config, broker, supervisor, instances, started, EstimateCheck(placements, layout.devices)).run()
     finally:
         if broker is not None:
             broker.close()
@@ -96,6 +100,10 @@ class _AuthLog(logging.LoggerAdapter):  # type: ignore[type-arg]
             self.warning("refused a connection: %s", text)
 
 
+def _bounds(bounds: tuple[int, int]) -> str:
+    return str(bounds[0]) if bounds[0] == bounds[1] else f"{bounds[0]}..{bounds[1]}"
+
+
 def claim(paths: ServerPaths) -> None:
     """Refuse to start over a live server of the same name; remove what a dead one left behind."""
     info = ServerInfo.read(paths.name)
@@ -112,11 +120,12 @@ WATCHDOG_PERIOD_S = 0.5
 
 
 class _Loop:
-    def __init__(self, config: ServerConfig, broker: Broker, supervisor: Supervisor, started: float,
-                 estimates: EstimateCheck) -> None:
+    def __init__(self, config: ServerConfig, broker: Broker, supervisor: Supervisor, instances: Instances,
+                 started: float, estimates: EstimateCheck) -> None:
         self._config = config
         self._broker = broker
         self._supervisor = supervisor
+        self._instances = instances
         self._next_watch = 0.0
         self._next_heartbeat = 0.0
         self._started = started
@@ -136,8 +145,12 @@ class _Loop:
             self._poller.register(self._signals.fileno(), zmq.POLLIN)
             self._supervisor.start_all()
             log.info("starting %d instance(s): %s; clients connect to %s", self._config.total_instances,
-                     ", ".join(f"{m.name}×{m.instances}" for m in self._config.models), self._broker_addr())
-            if self._config.total_instances == 0:
+                     ", ".join(f"{m.name}×{_bounds(m.bounds)}" for m in self._config.models),
+                     self._broker_addr())
+            if self._config.total_instances == 0 and any(m.bounds[1] for m in self._config.models):
+                self._announced = True
+                log.info("ready: no instance runs until a request asks for one")
+            elif self._config.total_instances == 0:
                 self._announced = True
                 log.info("ready: no local instances; waiting for remote pools at %s",
                          self._broker.back.getsockopt_string(zmq.LAST_ENDPOINT))
@@ -173,6 +186,7 @@ class _Loop:
             self._broker.send_heartbeats()
         self._supervisor.tick(now, restart=self._grace_deadline is None)
         if self._grace_deadline is None:
+            self._instances.tick()
             return True
         if self._broker.in_flight() == 0:
             return False
@@ -184,7 +198,7 @@ class _Loop:
 
     def _timeout_ms(self) -> int:
         times = [t for t in (self._broker.next_deadline(), self._supervisor.next_timer(),
-                             self._grace_deadline, self._next_watch) if t is not None]
+                             self._grace_deadline, self._next_watch, self._instances.next_wake()) if t is not None]
         if not times:
             return 1000
         return max(0, min(1000, int((min(times) - time.monotonic()) * 1000) + 1))

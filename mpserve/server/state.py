@@ -65,6 +65,7 @@ class WorkerEntry:
     last_heard: float = 0.0  # monotonic; remote workers are declared lost when silent too long
     running: dict[str, int] = field(default_factory=dict)  # ticket -> slot
     prompts: dict[int, str] = field(default_factory=dict)  # slot -> its last prompt (cached in its KV)
+    draining: bool = False  # being scaled down: no new requests; STOP once it runs nothing
 
 
 @dataclass

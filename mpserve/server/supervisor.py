@@ -31,6 +31,7 @@ MAX_LOAD_FAILURES = 3
 BACKOFF_FIRST_S = 0.5
 BACKOFF_MAX_S = 30.0
 KILL_AFTER_S = 2.0  # a stalled worker gets SIGTERM, then SIGKILL this much later
+RETIRE_KILL_S = 10.0  # a scaled-down worker told to stop is killed if it is still there this much later
 
 
 @dataclass
@@ -42,6 +43,7 @@ class WorkerHandle:
     restart_at: float | None = None
     stalled: bool = False  # being stopped by the busy watchdog
     kill_at: float | None = None  # when SIGKILL follows the watchdog's SIGTERM
+    retiring: bool = False  # scaled down: told to stop; removed, not restarted, once it exits
 
 
 @dataclass
@@ -82,6 +84,19 @@ class Supervisor:
         self._unwatched.append(index)
         log.debug("started worker %d (pid %s) for %s", index, process.pid, spec.model)
 
+    def add(self, spec: WorkerSpec) -> None:
+        """Start one more worker (scaling up) at an index no worker holds."""
+        assert spec.index not in self.workers
+        self.workers[spec.index] = WorkerHandle(spec)
+        self.spawn(spec.index)
+
+    def retire(self, index: int) -> None:
+        """Worker ``index`` was told to stop for good (scaled down): once it exits it is removed, not restarted;
+        if it has not exited within RETIRE_KILL_S it is killed."""
+        handle = self.workers[index]
+        handle.retiring, handle.restart_at = True, None
+        handle.kill_at = self._clock() + RETIRE_KILL_S
+
     def watch(self, poller: zmq.Poller) -> None:
         """Register the process sentinels of workers started since the last call: a sentinel becomes
         readable when its worker exits, so the caller's poll notices deaths with everything else."""
@@ -110,6 +125,12 @@ class Supervisor:
         handle.process.close()
         handle.process = None
         handle.stalled, handle.kill_at = False, None
+        if handle.retiring:
+            del self.workers[index]
+            for row in handle.spec.rows:  # free for the next instance at this index
+                self._table.writer(row).update(pid=0, state=SlotState.EMPTY, request="", tokens=0)
+            log.info("worker %d (pid %s, %s) stopped: scaled down", index, pid, handle.spec.model)
+            return code
         health = self.health[handle.spec.model]
         if code == EXIT_LOAD_FAILED:
             health.load_failures += 1

@@ -80,3 +80,32 @@ def test_relative_model_paths_in_a_file_are_relative_to_the_file(tmp_path: Path)
     (tmp_path / "m.gguf").write_bytes(b"x")
     config = cfg.build({"models": [{"path": "m.gguf"}]}, base_dir=tmp_path)
     assert config.models[0].path == str(tmp_path / "m.gguf") and config.models[0].name == "m"
+
+
+@pytest.mark.parametrize("instances, flags, bounds", [
+    (2, {}, (2, 2)),
+    ({"min": 1, "max": 4}, {}, (1, 4)),
+    ({"min": 0, "max": 3}, {}, (0, 3)),
+    ({"max": 3}, {}, (1, 3)),
+    (2, {"max_instances": 4}, (2, 4)),
+    ({"min": 1, "max": 4}, {"min_instances": 0, "max_instances": 2}, (0, 2)),
+])
+def test_instances_are_a_fixed_count_or_bounds_that_flags_override(instances: object, flags: dict,
+                                                                   bounds: tuple[int, int]) -> None:
+    config = cfg.build({"models": [{"path": "echo", "instances": instances}]}, model=flags)
+    model = config.models[0]
+    assert model.bounds == bounds and model.instances == bounds[0]
+    assert config.total_slots == bounds[1]  # the slot table has room for the max
+
+
+@pytest.mark.parametrize("instances, flags, problem", [
+    ({"min": 3, "max": 2}, {}, "min_instances 3 is above max_instances 2"),
+    ({"min": 1, "most": 2}, {}, "instances: unknown key 'most'; allowed keys: min, max"),
+    ({"min": 1, "max": 0}, {}, "instances.max: got 0, allowed: an integer 1 to 256"),
+    ({"min": "one"}, {}, "instances.min: got 'one'"),
+    (1, {"max_instances": 0}, "max_instances: got 0, allowed: 1 to 256"),
+    (4, {"max_instances": 2}, "min_instances 4 is above max_instances 2"),
+])
+def test_bad_instance_bounds_are_refused(instances: object, flags: dict, problem: str) -> None:
+    with pytest.raises(ConfigError, match=problem):
+        cfg.build({"models": [{"path": "echo", "instances": instances}]}, model=flags)

@@ -17,6 +17,7 @@ from mpserve.gpu.placement import (
     Placement,
     estimate_model_memory,
     format_plan,
+    place_one,
     plan,
 )
 
@@ -193,3 +194,16 @@ def test_format_plan_shows_each_instance_and_each_devices_total() -> None:
     assert "GPU 0 (Test GPU): 4.0 GiB planned of 40.0 GiB free" in lines
     assert "GPU 1 (Test GPU): 2.0 GiB planned of 20.0 GiB free" in lines
     assert "CPU" in format_plan(plan([request("a")], []), [])
+
+
+@pytest.mark.timeout(10)
+def test_one_more_instance_goes_where_most_room_is_left_after_the_running_ones() -> None:
+    live = [Placement("a", 0, 0, 6 * GIB), Placement("b", 0, 1, 2 * GIB)]
+    assert place_one(request("a", memory=4 * GIB), 1, live, gpus(10, 10)) == Placement("a", 1, 1, 4 * GIB)
+    live.append(Placement("a", 1, 1, 4 * GIB))
+    with pytest.raises(ModelDoesNotFit, match=r"model 'a' instance 2 needs 5\.0 GiB.*6\.0 GiB planned"):
+        place_one(request("a", memory=5 * GIB), 2, live, gpus(10, 10))
+    with pytest.raises(ModelDoesNotFit, match=r"budget"):
+        place_one(request("a", memory=2 * GIB), 2, live, gpus(10, 10), budget=7 * GIB)
+    assert place_one(request("a", memory=2 * GIB, devices=(0,)), 2, live, gpus(10, 10)).device == 0
+    assert place_one(request("a"), 3, live, []) == Placement("a", 3, None, 0)

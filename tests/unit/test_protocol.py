@@ -66,3 +66,28 @@ def test_oversized_bodies_are_refused_before_decoding() -> None:
 def test_the_id_of_an_invalid_request_can_still_be_read() -> None:
     assert wire.peek_id(msgpack.packb({"id": "abc", "params": 5})) == "abc"
     assert wire.peek_id(b"\xc1") is None
+
+
+@pytest.mark.parametrize("body, problem", [
+    ({"id": "c", "op": "grow", "model": "m"}, "'op' must be one of models, load, unload, scale, add, got 'grow'"),
+    ({"id": "c", "op": "load"}, "'model' is needed for load"),
+    ({"id": "c", "op": "scale", "model": "m"}, "scale needs 'min', 'max' or both"),
+    ({"id": "c", "op": "scale", "model": "m", "min": -1}, "'min' must be between 0 and 256, got -1"),
+    ({"id": "c", "op": "scale", "model": "m", "max": 0}, "'max' must be between 1 and 256, got 0"),
+    ({"id": "c", "op": "scale", "model": "m", "min": "1"}, "field 'min' must be an integer"),
+    ({"id": "c", "op": "scale", "model": "m", "min": 3, "max": 2}, r"'min' \(3\) is above 'max' \(2\)"),
+    ({"id": "c", "op": "add"}, "'path' is needed for add"),
+    ({"id": "c", "op": "load", "model": "m", "path": "/m.gguf"}, "'path' is for add, not load"),
+])
+def test_control_calls_are_checked_naming_the_parameter(body: dict, problem: str) -> None:
+    with pytest.raises(BadRequest, match=problem):
+        wire.Control.from_wire(body)
+
+
+def test_model_stats_from_a_newer_server_keep_the_fields_this_client_knows() -> None:
+    body = wire.to_wire(wire.Stats(0, True, {}, {"m": wire.ModelStats(1, 0, 1, 0)}))
+    body["models"]["m"]["later_field"] = 1
+    body["models"]["m"]["scaling"]["later_too"] = 2
+    assert wire.Stats.from_wire(body).models["m"] == wire.ModelStats(1, 0, 1, 0)
+    del body["models"]["m"]["scaling"]  # and from an older server, without scaling
+    assert wire.Stats.from_wire(body).models["m"].scaling == wire.ModelScaling()

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from mpserve import config as cfg
-from mpserve.server.supervisor import BACKOFF_MAX_S, MAX_LOAD_FAILURES, Supervisor, restart_delay
+from mpserve.server.supervisor import BACKOFF_MAX_S, MAX_LOAD_FAILURES, RETIRE_KILL_S, Supervisor, restart_delay
 from mpserve.slots import SlotState, SlotTable
 from mpserve.worker.spec import EXIT_LOAD_FAILED, EngineSpec, WorkerSpec
 
@@ -87,3 +87,15 @@ def test_three_failed_loads_in_a_row_mark_the_model_failed_and_stop_restarts(sup
     assert sup.health["echo"].failed_message == "bad magic"
     assert sup.workers[0].restart_at is None  # no restart scheduled: the model is marked failed
     assert table.read_all()[0].state is SlotState.FAILED
+
+
+def test_a_retired_worker_is_removed_when_it_exits_and_its_rows_are_free_again(supervisor) -> None:
+    sup, clock, table = supervisor
+    handle = sup.workers[0]
+    sup.registered(0, loaded=True)
+    sup.retire(0)
+    assert handle.kill_at == clock.now + RETIRE_KILL_S  # killed if the STOP goes unheeded
+    handle.process = exited(0)
+    sup.reap(0)
+    assert 0 not in sup.workers and sup.next_timer() is None  # not restarted
+    assert table.read_all()[0].state is SlotState.EMPTY

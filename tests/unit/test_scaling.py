@@ -1,0 +1,152 @@
+"""The scaling decision with an injected clock: start on a queue older than scale_up_after when one more fits,
+drain after scale_down_after of spare capacity, never outside min..max, one start in flight at most."""
+
+from __future__ import annotations
+
+import pytest
+
+from mpserve.server.scaling import NOTHING, Action, Decision, Load, Policy, Scaler
+
+pytestmark = pytest.mark.timeout(10)
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def load(queued: int = 0, wait: float = 0.0, running: int = 0, ready: int = 1, starting: int = 0,
+         capacity: int = 1) -> Load:
+    return Load(queued, wait, running, ready, starting, capacity)
+
+
+POLICY = Policy(min=1, max=3, scale_up_after=2.0, scale_down_after=10.0)
+
+
+def fits() -> str | None:
+    return None
+
+
+def never() -> str | None:
+    return "does_not_fit"
+
+
+def test_a_queue_older_than_scale_up_after_starts_one_instance() -> None:
+    scaler = Scaler(Clock())
+    assert scaler.decide("m", load(queued=5, wait=1.9, running=1), POLICY, fits) == NOTHING
+    assert scaler.decide("m", load(queued=5, wait=2.0, running=1), POLICY, fits) == Decision(Action.START, "queue")
+
+
+def test_at_most_one_start_is_in_flight() -> None:
+    scaler = Scaler(Clock())
+    assert scaler.decide("m", load(queued=9, wait=5.0, running=1, starting=1), POLICY, fits) == NOTHING
+
+
+def test_never_above_max_and_the_skip_is_reported_once() -> None:
+    scaler = Scaler(Clock())
+    busy = load(queued=9, wait=5.0, running=3, ready=3)
+    assert scaler.decide("m", busy, POLICY, fits) == Decision(Action.SKIP, "at_max")
+    assert scaler.decide("m", busy, POLICY, fits) == NOTHING
+    assert scaler.decide("m", load(ready=3, running=3), POLICY, fits) == NOTHING  # the episode ends
+    assert scaler.decide("m", busy, POLICY, fits) == Decision(Action.SKIP, "at_max")
+
+
+def test_a_start_that_does_not_fit_is_skipped_and_happens_once_it_fits() -> None:
+    scaler = Scaler(Clock())
+    waiting = load(queued=2, wait=3.0, running=1)
+    assert scaler.decide("m", waiting, POLICY, never) == Decision(Action.SKIP, "does_not_fit")
+    assert scaler.decide("m", waiting, POLICY, never) == NOTHING
+    assert scaler.decide("m", waiting, POLICY, fits) == Decision(Action.START, "queue")
+
+
+def test_below_min_starts_and_above_max_drains() -> None:
+    scaler = Scaler(Clock())
+    assert scaler.decide("m", load(ready=0), POLICY, fits) == Decision(Action.START, "min")
+    assert scaler.decide("m", load(ready=4), POLICY, fits) == Decision(Action.DRAIN, "max")
+
+
+def test_from_zero_a_request_starts_an_instance_at_once() -> None:
+    scaler = Scaler(Clock())
+    zero = Policy(min=0, max=2, scale_up_after=30.0, scale_down_after=10.0)
+    assert scaler.decide("m", load(ready=0), zero, fits) == NOTHING
+    assert scaler.decide("m", load(queued=1, ready=0), zero, fits) == Decision(Action.START, "demand")
+
+
+def test_spare_capacity_for_scale_down_after_drains_one_then_waits_a_period_again() -> None:
+    clock = Clock()
+    scaler = Scaler(clock)
+    three = load(ready=3, running=2)  # one instance's worth idle
+    assert scaler.decide("m", three, POLICY, fits) == NOTHING
+    assert scaler.next_wake() == clock.now + 10.0
+    clock.now += 9.9
+    assert scaler.decide("m", three, POLICY, fits) == NOTHING
+    clock.now += 0.1
+    assert scaler.decide("m", three, POLICY, fits) == Decision(Action.DRAIN, "idle")
+    clock.now += 5.0
+    assert scaler.decide("m", load(ready=2), POLICY, fits) == NOTHING
+    clock.now += 5.0
+    assert scaler.decide("m", load(ready=2), POLICY, fits) == Decision(Action.DRAIN, "idle")
+    clock.now += 100.0
+    assert scaler.decide("m", load(ready=1), POLICY, fits) == NOTHING  # never below min
+
+
+def test_a_busy_moment_restarts_the_idle_period() -> None:
+    clock = Clock()
+    scaler = Scaler(clock)
+    assert scaler.decide("m", load(ready=2), POLICY, fits) == NOTHING
+    clock.now += 8.0
+    assert scaler.decide("m", load(ready=2, running=2), POLICY, fits) == NOTHING  # both busy: not spare
+    clock.now += 8.0
+    assert scaler.decide("m", load(ready=2), POLICY, fits) == NOTHING
+    clock.now += 10.0
+    assert scaler.decide("m", load(ready=2), POLICY, fits) == Decision(Action.DRAIN, "idle")
+
+
+def test_parallel_slots_count_as_capacity() -> None:
+    clock = Clock()
+    scaler = Scaler(clock)
+    assert scaler.decide("m", load(ready=2, running=3, capacity=2), POLICY, fits) == NOTHING
+    clock.now += 20.0
+    assert scaler.decide("m", load(ready=2, running=3, capacity=2), POLICY, fits) == NOTHING  # 3 > 1 × 2
+    assert scaler.decide("m", load(ready=2, running=2, capacity=2), POLICY, fits) == NOTHING
+    clock.now += 10.0
+    assert scaler.decide("m", load(ready=2, running=2, capacity=2), POLICY, fits) == Decision(Action.DRAIN, "idle")
+
+
+def test_models_are_decided_apart_and_the_wake_is_the_nearest_wait() -> None:
+    clock = Clock()
+    scaler = Scaler(clock)
+    assert scaler.decide("a", load(queued=1, wait=0.5, running=1), POLICY, fits) == NOTHING
+    assert scaler.decide("b", load(ready=2), POLICY, fits) == NOTHING
+    assert scaler.next_wake() == clock.now + 1.5
+
+
+def test_metrics_carry_bounds_and_scale_events_by_reason_through_the_wire() -> None:
+    from mpserve import protocol as wire
+    from mpserve.gateway.metrics import GatewayMetrics, ServerView
+
+    scaling = wire.ModelScaling(1, 3, 4, starting=1, events={"start_queue": 2, "stop_idle": 1,
+                                                              "skip_does_not_fit": 5})
+    stats = wire.decode(wire.encode(wire.Stats(0, True, {}, {"m": wire.ModelStats(0, 0, 2, 2, scaling=scaling)})))
+    text = GatewayMetrics().render(ServerView(stats, None, {}, None)).decode()
+    for line in ('mpserve_instances_min{model="m"} 1.0', 'mpserve_instances_max{model="m"} 3.0',
+                 'mpserve_instances_starting{model="m"} 1.0', 'mpserve_instances_draining{model="m"} 0.0',
+                 'mpserve_registered_instances{model="m"} 2.0',
+                 'mpserve_scale_starts_total{model="m",reason="queue"} 2.0',
+                 'mpserve_scale_stops_total{model="m",reason="idle"} 1.0',
+                 'mpserve_scale_skipped_total{model="m",reason="does_not_fit"} 5.0'):
+        assert line in text.splitlines(), line
+
+
+def test_a_model_scaled_to_zero_counts_as_able_to_serve_for_health() -> None:
+    from mpserve import protocol as wire
+    from mpserve.gateway.monitor import health
+
+    def stats(low: int, high: int) -> wire.Stats:
+        return wire.Stats(0, True, {}, {"m": wire.ModelStats(0, 0, 0, 0, scaling=wire.ModelScaling(low, high, 2))})
+
+    assert health(stats(0, 2), [])["m"].can_serve and health(stats(0, 2), None)["m"].can_serve
+    assert not health(stats(1, 2), [])["m"].can_serve  # its min instance is not ready yet
