@@ -269,12 +269,14 @@ class Worker:
                                              "the batch step failed"))
             sys.exit(1)
         by_slot = {slot: ticket for ticket, slot in self._slot_of.items()}
-        for slot, completion in finished:
-            ticket = by_slot[slot]
-            self._end(ticket, self._reply(self._running[ticket], completion))
-        if not self._running and self._permit is not None:
+        ended = [(by_slot[slot], completion) for slot, completion in finished]
+        if self._permit is not None and len(ended) == len(self._running):
+            # The last sequences end: the permit goes back before their answers, so a client holding its
+            # answer finds the device free and the hold logged, as it finds the slot idle.
             self._permit.release()
             self._permit = None
+        for ticket, completion in ended:
+            self._end(ticket, self._reply(self._running[ticket], completion))
 
     def _nothing_left(self) -> bool:
         """While queueing for the permit: stop waiting once every running request was cancelled."""
