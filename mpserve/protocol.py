@@ -226,10 +226,12 @@ class Pong:
     TYPE: ClassVar[MsgType] = MsgType.PONG
     nonce: int = 0
     models: tuple[str, ...] = ()
+    max_message_bytes: int = 0  # the largest message BODY the server takes; 0 (an older server): MAX_MESSAGE_BYTES
 
     @classmethod
     def from_wire(cls, body: dict[str, Any]) -> Pong:
-        return cls(nonce=_get(body, "nonce", int, 0), models=tuple(_get(body, "models", (list, tuple), ())))
+        return cls(nonce=_get(body, "nonce", int, 0), models=tuple(_get(body, "models", (list, tuple), ())),
+                   max_message_bytes=_get(body, "max_message_bytes", int, 0))
 
 
 @dataclass(frozen=True)
@@ -568,9 +570,10 @@ def decode(frames: list[bytes]) -> Any:
 
 
 def peek_id(body: bytes) -> str | None:
-    """The ``id`` of a body that failed validation, so the error can still reach its request."""
+    """The ``id`` of a body that failed validation, so the error can still reach its request (also when
+    another field, such as a too long prompt, is what failed)."""
     try:
-        obj = msgpack.unpackb(body, raw=False, max_str_len=4096, max_bin_len=0, max_array_len=4096,
+        obj = msgpack.unpackb(body, raw=False, max_str_len=MAX_MESSAGE_BYTES, max_bin_len=0, max_array_len=4096,
                               max_map_len=64, max_ext_len=0)
     except Exception:
         return None

@@ -234,7 +234,8 @@ class Broker:
                 self._on_cancel(client, wire.Cancel.from_wire(wire.unpack_body(frames[2])))
             elif mtype is wire.MsgType.PING:
                 ping = wire.Ping.from_wire(wire.unpack_body(frames[2]))
-                self._to_client(client, wire.encode(wire.Pong(ping.nonce, tuple(self.models))))
+                pong = wire.Pong(ping.nonce, tuple(self.models), wire.MAX_MESSAGE_BYTES)  # the limit: clients check
+                self._to_client(client, wire.encode(pong))
             elif mtype is wire.MsgType.STATS_QUERY:
                 query = wire.StatsQuery.from_wire(wire.unpack_body(frames[2]))
                 self._to_client(client, wire.encode(self.snapshot(query.nonce)))
