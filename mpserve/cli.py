@@ -188,6 +188,12 @@ def gateway(
         "--curve-server-key", envvar="MPSERVE_CURVE_SERVER_KEY", help="The server's public key file.")] = None,
     curve_secret: Annotated[str | None, typer.Option(
         "--curve-secret", envvar="MPSERVE_CURVE_CLIENT_SECRET", help="This gateway's secret key file.")] = None,
+    max_connections: Annotated[int, typer.Option(
+        "--max-connections", envvar="MPSERVE_HTTP_MAX_CONNECTIONS", min=1,
+        help="Open HTTP connections at most; past it, new ones get 503 with Retry-After.")] = 1024,
+    read_timeout: Annotated[float, typer.Option(
+        "--read-timeout", envvar="MPSERVE_HTTP_READ_TIMEOUT", min=0.1,
+        help="Seconds a client has to send a request's headers, and again its body (408 past it).")] = 30.0,
     log_level: Annotated[str, typer.Option("--log-level", envvar="MPSERVE_LOG_LEVEL")] = "info",
     exit_with_parent: Annotated[bool, typer.Option("--exit-with-parent", hidden=True)] = False,
     server_name: Annotated[str, typer.Option("--server-name", envvar="MPSERVE_SERVER_NAME",
@@ -197,13 +203,15 @@ def gateway(
     /health, /metrics (Prometheus) and /backend/monitor. It may start before the server (503 until ready)."""
     from mpserve.gateway.app import GatewayConfig, parse_http
     from mpserve.gateway.app import serve as serve_gateway
+    from mpserve.gateway.guard import ConnectionLimits
 
     with _errors():
         host, port = parse_http(http)
         serve_gateway(GatewayConfig(host=host, port=port, connect=connect, server_name=server_name, api_key=api_key,
                                     request_timeout=request_timeout, curve_server_key=curve_server_key,
                                     curve_secret=curve_secret, log_level=log_level,
-                                    exit_with_parent=exit_with_parent))
+                                    exit_with_parent=exit_with_parent,
+                                    connections=ConnectionLimits(max_connections, read_timeout)))
 
 
 def _start_gateway(http: str, server_name: str, api_key: str | None, log_level: str) -> subprocess.Popen[bytes]:

@@ -16,7 +16,9 @@ it can start before its server and outlive it (answering 503). Errors are OpenAI
 stable mpserve code (``openai``). A streamed request waits for its first piece of text before it
 answers, so what fails early (busy queue, unknown model, bad parameters) gets its own HTTP status; a failure
 after that is sent as a last ``data: {"error": ...}`` event, as OpenAI does. An HTTP client that goes away,
-while queued, running or streaming, cancels its request on the server at once.
+while queued, running or streaming, cancels its request on the server at once. Bodies are checked by
+``limits`` before anything else reads them, connections by ``guard``: every limit answers at once, in
+OpenAI's shape, naming itself.
 
 Starlette on uvicorn: the smallest well-kept asyncio stack here (anyio, h11, click; pure Python), already
 used by llama-cpp-python's own server, and it runs on the loop that ``AsyncClient`` needs.
@@ -41,25 +43,24 @@ from typing import Any, TypeVar
 import uvicorn
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from mpserve import protocol as wire
 from mpserve.client import AsyncClient, Result, Stream
-from mpserve.errors import BadRequest, ConfigError, ConnectionFailed, ErrorCode, MpserveError, UnknownModel
+from mpserve.errors import ConfigError, ConnectionFailed, ErrorCode, MpserveError, UnknownModel
 from mpserve.slots import SlotState
 
-from . import console
+from . import console, limits
 from . import openai as oai
 from .backend import Backend
+from .guard import ConnectionLimits, uvicorn_options
 from .metrics import CONTENT_TYPE, GatewayMetrics, ServerView
 from .monitor import RestartCounter, gpu_usage, health, monitor
 
 log = logging.getLogger("mpserve.gateway")
 
-MAX_BODY_BYTES = wire.MAX_MESSAGE_BYTES
 SAMPLE_INTERVAL_S = 0.5
 # answered without the API key: load balancers probe /health; the console's page holds no data (its state does)
 OPEN_PATHS = frozenset({"/health", *console.PAGE_PATHS})
@@ -78,6 +79,7 @@ class GatewayConfig:
     curve_secret: str | None = None  # and this gateway's secret key file (mpserve keygen)
     log_level: str = "info"
     exit_with_parent: bool = False  # for `mpserve start --http`: stop when the server process is gone
+    connections: ConnectionLimits = ConnectionLimits()  # open connections, header and body read timeouts
 
 
 def parse_http(value: str) -> tuple[str, int]:
@@ -113,7 +115,8 @@ def serve(config: GatewayConfig) -> None:
         log.warning("listening on %s without an API key: anyone who can reach the port can use the models "
                     "(set --api-key or MPSERVE_API_KEY)", config.host)
     uvicorn.run(create_app(config), host=config.host, port=config.port, log_level=config.log_level,
-                log_config=None, access_log=config.log_level == "debug")  # log_config None: our log format
+                log_config=None, access_log=config.log_level == "debug",  # log_config None: our log format
+                **uvicorn_options(config.connections))
 
 
 class ClientGone(Exception):
@@ -166,13 +169,23 @@ class _Gateway:
         endpoint = request.url.path
         started = time.perf_counter()
         try:
-            call = oai.parse(kind, await _json_body(request))
+            body = await limits.read_json(request, self.config.connections.read_timeout)
+            limits.check_sizes(body)
+            call = oai.parse(kind, body)
             client = await self.backend.client()
             model = call.model or _sole_model(client)
             if kind == "chat":
                 call = call.with_chat_template(await self.backend.chat_template(model))
         except MpserveError as exc:
             return self._failed(endpoint, exc)
+        except limits.Refused as exc:  # the rest of the body is not read: the connection cannot carry another
+            self.metrics.outcome(endpoint, exc.error.code)
+            response = _error_response(exc.error)
+            response.headers["connection"] = "close"
+            return response
+        except ClientDisconnect:
+            self.metrics.outcome(endpoint, ErrorCode.CANCELLED)
+            return Response(status_code=204)  # nobody reads it
         reply = oai.Reply(call, model)
         if call.stream:
             return await self._stream(request, client, call, reply, started)
@@ -282,18 +295,6 @@ class _Gateway:
 
 
 # --- helpers ------------------------------------------------------------------------------------
-
-async def _json_body(request: Request) -> Any:
-    body = bytearray()
-    async for piece in request.stream():
-        body += piece
-        if len(body) > MAX_BODY_BYTES:
-            raise BadRequest(f"the request body is over {MAX_BODY_BYTES} bytes")
-    try:
-        return json.loads(body)
-    except ValueError as exc:
-        raise BadRequest(f"the request body is not valid JSON: {exc}") from None
-
 
 def _sole_model(client: AsyncClient) -> str:
     """The model a request that names none runs on (the broker refuses it when several are served)."""
