@@ -28,8 +28,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hmac
-import ipaddress
 import json
 import logging
 import os
@@ -52,7 +50,7 @@ from mpserve.client import AsyncClient, Result, Stream
 from mpserve.errors import ConfigError, ConnectionFailed, ErrorCode, MpserveError, UnknownModel
 from mpserve.slots import SlotState
 
-from . import console, limits
+from . import access, console, limits
 from . import openai as oai
 from .backend import Backend
 from .guard import ConnectionLimits, uvicorn_options
@@ -79,7 +77,15 @@ class GatewayConfig:
     curve_secret: str | None = None  # and this gateway's secret key file (mpserve keygen)
     log_level: str = "info"
     exit_with_parent: bool = False  # for `mpserve start --http`: stop when the server process is gone
+    api_keys: tuple[str, ...] = ()  # accepted too (--api-key-file)
+    ssl_certfile: str | None = None  # with ssl_keyfile: serve https
+    ssl_keyfile: str | None = None
+    insecure: bool = False  # allow a network host without any key
     connections: ConnectionLimits = ConnectionLimits()  # open connections, header and body read timeouts
+
+    @property
+    def keys(self) -> tuple[str, ...]:
+        return (self.api_key, *self.api_keys) if self.api_key else self.api_keys
 
 
 def parse_http(value: str) -> tuple[str, int]:
@@ -102,8 +108,8 @@ def create_app(config: GatewayConfig) -> Starlette:
         *gateway.console.routes(),
     ]
     app = Starlette(routes=routes, lifespan=gateway.lifespan, exception_handlers={HTTPException: _http_error})
-    if config.api_key:
-        app.add_middleware(_RequireKey, key=config.api_key)
+    if config.keys:
+        app.add_middleware(_RequireKey, keys=config.keys)
     return app
 
 
@@ -111,12 +117,14 @@ def serve(config: GatewayConfig) -> None:
     """Run the gateway in the foreground until SIGINT or SIGTERM."""
     logging.basicConfig(level=config.log_level.upper(), stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    if not config.api_key and not _loopback(config.host):
+    access.check_tls(config.ssl_certfile, config.ssl_keyfile)
+    access.check_exposure(config.host, config.keys, config.insecure)
+    if not config.keys and not access.loopback(config.host):
         log.warning("listening on %s without an API key: anyone who can reach the port can use the models "
                     "(set --api-key or MPSERVE_API_KEY)", config.host)
     uvicorn.run(create_app(config), host=config.host, port=config.port, log_level=config.log_level,
                 log_config=None, access_log=config.log_level == "debug",  # log_config None: our log format
-                **uvicorn_options(config.connections))
+                ssl_certfile=config.ssl_certfile, ssl_keyfile=config.ssl_keyfile, **uvicorn_options(config.connections))
 
 
 class ClientGone(Exception):
@@ -366,26 +374,19 @@ async def _http_error(request: Request, exc: Exception) -> Response:
 
 
 class _RequireKey:
-    """Answer 401 unless the request carries ``Authorization: Bearer KEY`` (what OpenAI clients send). The
-    comparison takes the same time wherever the keys differ."""
+    """Answer 401 unless the request carries ``Authorization: Bearer KEY`` with one of the keys (what OpenAI
+    clients send). The comparison takes the same time wherever the keys differ."""
 
-    def __init__(self, app: ASGIApp, key: str) -> None:
+    def __init__(self, app: ASGIApp, keys: tuple[str, ...]) -> None:
         self.app = app
-        self._expected = f"Bearer {key}".encode()
+        self._expected = tuple(f"Bearer {key}".encode() for key in keys)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http" and scope["path"] not in OPEN_PATHS:
             given = dict(scope["headers"]).get(b"authorization", b"")
-            if not hmac.compare_digest(given, self._expected):
+            if not access.any_matches(given, self._expected):
                 err = oai.HttpError(401, "invalid_api_key", "a valid API key is required: send the header "
                                     "'Authorization: Bearer KEY'")
                 await _error_response(err)(scope, receive, send)
                 return
         await self.app(scope, receive, send)
-
-
-def _loopback(host: str) -> bool:
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return host == "localhost"
