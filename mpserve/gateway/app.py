@@ -10,6 +10,7 @@
     GET  /backend/monitor?model=NAME             each instance: pid, state, device, RSS, PSS, GPU memory, served,
                                                   uptime; each GPU's memory (NVML)
     GET  /, /console, /console/state             the web console and its data (``console``)
+    GET  /openapi.json                            the OpenAPI document of all this (``schema``)
 
 The gateway is a separate process from the server, so HTTP parsing never competes with the broker's loop;
 it can start before its server and outlive it (answering 503). Errors are OpenAI's error object with the
@@ -46,11 +47,12 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from mpserve import __version__
 from mpserve.client import AsyncClient, Result, Stream
 from mpserve.errors import ConfigError, ConnectionFailed, ErrorCode, MpserveError, UnknownModel
 from mpserve.slots import SlotState
 
-from . import access, console, limits
+from . import access, console, limits, schema
 from . import openai as oai
 from .backend import Backend
 from .guard import ConnectionLimits, uvicorn_options
@@ -61,7 +63,7 @@ log = logging.getLogger("mpserve.gateway")
 
 SAMPLE_INTERVAL_S = 0.5
 # answered without the API key: load balancers probe /health; the console's page holds no data (its state does)
-OPEN_PATHS = frozenset({"/health", *console.PAGE_PATHS})
+OPEN_PATHS = frozenset({"/health", "/openapi.json", *console.PAGE_PATHS})
 T = TypeVar("T")
 
 
@@ -105,6 +107,7 @@ def create_app(config: GatewayConfig) -> Starlette:
         Route("/health", gateway.get_health, methods=["GET"]),
         Route("/metrics", gateway.get_metrics, methods=["GET"]),
         Route("/backend/monitor", gateway.backend_monitor, methods=["GET"]),
+        Route("/openapi.json", _openapi, methods=["GET"]),
         *gateway.console.routes(),
     ]
     app = Starlette(routes=routes, lifespan=gateway.lifespan, exception_handlers={HTTPException: _http_error})
@@ -360,6 +363,10 @@ class _EventStream(StreamingResponse):
             await super().__call__(scope, receive, send)
         finally:
             await self._events.aclose()
+
+
+async def _openapi(request: Request) -> Response:
+    return JSONResponse(schema.document(__version__))
 
 
 def _error_response(err: oai.HttpError) -> JSONResponse:
