@@ -8,6 +8,7 @@ sequence per ``step``, through the same interface (``mpserve.engine.interface``)
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from mpserve.protocol import ChatTemplate, GenerateParams
@@ -36,11 +37,16 @@ class EchoEngine:
     def free_slots(self) -> list[int]:
         return [slot for slot in range(self.parallel) if slot not in self._running]
 
-    def admit(self, slot: int, prompt: str, params: GenerateParams, on_token: OnToken) -> None:
+    def admit(self, slot: int, prompt: str, params: GenerateParams, on_token: OnToken,
+              carried: Sequence[int] = ()) -> None:
+        """``carried`` is ignored: echo has no tokens, so its requests are never resumed (``tokens`` is empty)."""
         if not 0 <= slot < self.parallel or slot in self._running:
             raise ValueError(f"slot {slot} is not a free slot of 0..{self.parallel - 1}")
         pieces = max(1, min(params.max_tokens, len(prompt)))
         self._running[slot] = _Echo(prompt, pieces, -(-len(prompt) // pieces) if prompt else 1, on_token)
+
+    def tokens(self, slot: int) -> Sequence[int]:
+        return ()
 
     def cancel(self, slot: int) -> None:
         echo = self._running.get(slot)

@@ -2,7 +2,9 @@
 
     worker loop                       engine (BatchEngine for models, EchoEngine without one)
     ───────────                       ──────────────────────────────────────────────────────
-    ASSIGN   ──admit(slot, …)──▶      queue the prompt in that slot
+    ASSIGN   ──admit(slot, …)──▶      queue the prompt in that slot (and the tokens another instance
+                                      generated for it, when it resumes a request: ``carried``)
+    CHUNK    ──tokens(slot)────▶      the token ids this sequence generated so far (not the carried ones)
     loop     ──step()──────────▶      one round for every running sequence; on_token per new piece
              ◀──[(slot, Completion)]  the sequences that ended in it
     CANCEL   ──cancel(slot)────▶      that sequence ends at the start of the next step
@@ -13,7 +15,7 @@ each new piece of text and the number of tokens generated so far, and returns Fa
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -43,7 +45,10 @@ class Engine(Protocol):
 
     def free_slots(self) -> list[int]: ...
 
-    def admit(self, slot: int, prompt: str, params: GenerateParams, on_token: OnToken) -> None: ...
+    def admit(self, slot: int, prompt: str, params: GenerateParams, on_token: OnToken,
+              carried: Sequence[int] = ()) -> None: ...
+
+    def tokens(self, slot: int) -> Sequence[int]: ...
 
     def cancel(self, slot: int) -> None: ...
 
