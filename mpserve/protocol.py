@@ -8,11 +8,15 @@ frame belongs to ZeroMQ and is not described here.
     broker  -> worker   [VERSION, TYPE, BODY]            ASSIGN, CANCEL, STOP, UNLOAD
     worker  -> broker   [VERSION, TYPE, TICKET, BODY]    READY, HEARTBEAT, FAILED, UNLOADED (empty TICKET);
                                                          CHUNK, DONE, ERROR (TICKET of an ASSIGN)
+                        [VERSION, CHUNK, TICKET, BODY, TOKENS]  when the ASSIGN asked for ``report_tokens``
 
 VERSION is ``b"MPS1"``. TYPE is one byte (``MsgType``). BODY is a msgpack map whose schema is the
 frozen dataclass of that type below. TICKET is the broker's opaque key for one assignment: a worker
 echoes it so the broker can forward the BODY of CHUNK/DONE/ERROR to the client unchanged (the worker
-writes the client's own request id into it), without decoding and re-encoding every token.
+writes the client's own request id into it), without decoding and re-encoding every token. TOKENS is the
+ids of the tokens generated since the previous CHUNK, int32 little-endian (``token_frame``): the broker
+appends them without decoding anything, and hands them to the next instance if this one is lost
+(``Assign.generated``), which continues the request from there.
 
 Decoding never trusts the sender: bodies are unpacked with explicit size limits, every field is type-
 and range-checked, and any problem raises ``ProtocolError`` (broken framing, unknown type, bad msgpack)
@@ -24,6 +28,8 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import struct
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from enum import IntEnum
 from typing import Any, ClassVar
@@ -468,13 +474,19 @@ class Assign:
     queue_ms: float
     attempt: int
     slot: int = 0  # which of the worker's slots: the broker picks the one whose cache fits the prompt
+    report_tokens: bool = False  # send each CHUNK's token ids (a TOKENS frame), so it can be resumed elsewhere
+    generated: bytes = b""  # resuming: the tokens the lost instance streamed (a TOKENS frame's encoding)
 
     @classmethod
     def from_wire(cls, body: dict[str, Any]) -> Assign:
+        generated = _get(body, "generated", bytes, b"")
+        if len(generated) % 4 or len(generated) > 4 * MAX_TOKENS_LIMIT:
+            raise ProtocolError(f"field 'generated' must be int32 token ids, at most {MAX_TOKENS_LIMIT}")
         return cls(ticket=_text(body, "ticket", MAX_ID_CHARS),
                    request=Request.from_wire(_get(body, "request", dict)),
                    queue_ms=float(_get(body, "queue_ms", (int, float))),
-                   attempt=_get(body, "attempt", int), slot=_get(body, "slot", int, 0))
+                   attempt=_get(body, "attempt", int), slot=_get(body, "slot", int, 0),
+                   report_tokens=_get(body, "report_tokens", bool, False), generated=generated)
 
 
 @dataclass(frozen=True)
@@ -525,9 +537,21 @@ def encode(msg: Any) -> list[bytes]:
     return [VERSION, TYPE_FRAMES[msg.TYPE], pack(msg)]
 
 
-def encode_from_worker(msg: Any, ticket: str = "") -> list[bytes]:
-    """[VERSION, TYPE, TICKET, BODY] for a message a worker sends to the broker."""
-    return [VERSION, TYPE_FRAMES[msg.TYPE], ticket.encode(), pack(msg)]
+def encode_from_worker(msg: Any, ticket: str = "", tokens: bytes | None = None) -> list[bytes]:
+    """[VERSION, TYPE, TICKET, BODY] for a message a worker sends to the broker; a CHUNK may add TOKENS."""
+    frames = [VERSION, TYPE_FRAMES[msg.TYPE], ticket.encode(), pack(msg)]
+    return frames if tokens is None else [*frames, tokens]
+
+
+def token_frame(tokens: Sequence[int]) -> bytes:
+    """Token ids as a TOKENS frame (and ``Assign.generated``): int32, little-endian."""
+    return struct.pack(f"<{len(tokens)}i", *tokens)
+
+
+def frame_tokens(frame: bytes) -> list[int]:
+    if len(frame) % 4:
+        raise ProtocolError("a TOKENS frame must be int32 token ids")
+    return list(struct.unpack(f"<{len(frame) // 4}i", frame))
 
 
 def unpack_body(body: bytes) -> dict[str, Any]:

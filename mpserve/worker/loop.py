@@ -207,7 +207,7 @@ class Worker:
         slot = assign.slot if assign.slot in free else free[0]
         req = assign.request
         row = self._rows[slot]
-        stream = self._stream(assign)
+        stream = self._stream(assign, slot)
 
         def on_token(text: str, tokens: int) -> bool:
             row.progress(tokens)
@@ -216,7 +216,7 @@ class Worker:
             return not self._stopping
 
         try:
-            engine.admit(slot, req.prompt, req.params, on_token)
+            engine.admit(slot, req.prompt, req.params, on_token, wire.frame_tokens(assign.generated))
         except MpserveError as exc:
             self._send(wire.Error(req.id, exc.code, exc.message), assign.ticket)
             return
@@ -232,12 +232,27 @@ class Worker:
             self._engine.cancel(self._slot_of[ticket])
             self._cancelled_tickets.add(ticket)
 
-    def _stream(self, assign: wire.Assign) -> ChunkStream | None:
-        """Where a streamed request's text goes; None if the request is not streamed."""
+    def _stream(self, assign: wire.Assign, slot: int) -> ChunkStream | None:
+        """Where a streamed request's text goes; None if the request is not streamed. With ``report_tokens``
+        each CHUNK also carries the ids of the tokens generated since the last one (their text is in it, or
+        held back by the engine), so the broker can resume the request elsewhere."""
         if not assign.request.stream:
             return None
         request_id, ticket = assign.request.id, assign.ticket
-        return ChunkStream(lambda text: self._send(wire.Chunk(request_id, text), ticket), self._spec.stream_interval)
+        if not assign.report_tokens:
+            return ChunkStream(lambda text: self._send(wire.Chunk(request_id, text), ticket),
+                               self._spec.stream_interval)
+        reported = 0
+
+        def send(text: str) -> None:
+            nonlocal reported
+            assert self._engine is not None
+            tokens = self._engine.tokens(slot)
+            frames = wire.encode_from_worker(wire.Chunk(request_id, text), ticket, wire.token_frame(tokens[reported:]))
+            reported = len(tokens)
+            self._sock.send_multipart(frames)
+
+        return ChunkStream(send, self._spec.stream_interval)
 
     # --- stepping -----------------------------------------------------------------------------------
 

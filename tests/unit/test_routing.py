@@ -76,17 +76,20 @@ def test_a_device_filter_keeps_to_that_device_and_none_found_is_none() -> None:
     assert choose_slot([], workers, "hi") is None
 
 
-def pending(state: RequestState, crashes: int) -> Pending:
+def pending(state: RequestState, crashes: int, generated: list[int] | None = None) -> Pending:
     p = Pending("t1", b"c", wire.Request("r1", "hi"), "m", 0.0, None, state=state)
     p.crashes = crashes
+    p.generated += wire.token_frame(generated or [])
     return p
 
 
-@pytest.mark.parametrize("state, crashes, outcome", [
-    (RequestState.RUNNING, 1, AfterLoss.RETRY),  # nothing streamed: retried transparently
-    (RequestState.STREAMING, 1, AfterLoss.LOST),  # text reached the client: a retry would repeat it
-    (RequestState.RUNNING, MAX_CRASHES, AfterLoss.POISON),  # it has now crashed two workers
-    (RequestState.STREAMING, MAX_CRASHES, AfterLoss.POISON),
+@pytest.mark.parametrize("state, crashes, generated, outcome", [
+    (RequestState.RUNNING, 1, None, AfterLoss.RETRY),  # nothing streamed: retried transparently
+    (RequestState.STREAMING, 1, [5, 6], AfterLoss.RETRY),  # streamed, its tokens known: resumed from them
+    (RequestState.STREAMING, 1, None, AfterLoss.LOST),  # streamed by a worker that did not report its tokens
+    (RequestState.RUNNING, MAX_CRASHES, None, AfterLoss.POISON),  # it has now crashed two workers
+    (RequestState.STREAMING, MAX_CRASHES, [5], AfterLoss.POISON),
 ])
-def test_what_becomes_of_a_request_whose_worker_died(state: RequestState, crashes: int, outcome: AfterLoss) -> None:
-    assert after_loss(pending(state, crashes)) is outcome
+def test_what_becomes_of_a_request_whose_worker_died(state: RequestState, crashes: int, generated: list[int] | None,
+                                                     outcome: AfterLoss) -> None:
+    assert after_loss(pending(state, crashes, generated)) is outcome
