@@ -398,7 +398,7 @@ class Broker:
             return
         if mtype in (wire.MsgType.CHUNK, wire.MsgType.DONE, wire.MsgType.ERROR):
             self._worker_result(identity, mtype, frames[2].decode(errors="replace"), frames[1], frames[3],
-                                frames[4] if len(frames) == 5 else b"")
+                                frames[4] if len(frames) == 5 else None)
             return
         try:
             msg = wire.decode_body(mtype, frames[3])
@@ -457,7 +457,7 @@ class Broker:
         mq.free = deque(f for f in mq.free if f[0] != entry.identity)
 
     def _worker_result(self, identity: bytes, mtype: wire.MsgType, ticket: str, type_frame: bytes,
-                       body: bytes, tokens: bytes) -> None:
+                       body: bytes, tokens: bytes | None) -> None:
         p = self.requests.get(ticket)
         entry = self.workers.get(identity)
         if p is None or entry is None or ticket not in entry.running:
@@ -466,7 +466,10 @@ class Broker:
         if mtype is wire.MsgType.CHUNK:
             if not p.answered:
                 p.state = RequestState.STREAMING
-                p.generated += tokens
+                if tokens is not None and len(tokens) % 4 == 0:  # int32 ids
+                    p.generated += tokens
+                else:  # an older worker, or a bad frame: a hand-over would miss tokens
+                    p.tokens_known = False
                 self._to_client(p.client, [wire.VERSION, type_frame, body])
             return
         slot = entry.running.pop(ticket)

@@ -63,4 +63,5 @@ def after_loss(p: Pending) -> AfterLoss:
     """A running request whose worker died (``p.crashes`` already counts this death)."""
     if p.crashes >= MAX_CRASHES:
         return AfterLoss.POISON
-    return AfterLoss.LOST if p.state is RequestState.STREAMING and not p.generated else AfterLoss.RETRY
+    resumable = bool(p.generated) and p.tokens_known
+    return AfterLoss.LOST if p.state is RequestState.STREAMING and not resumable else AfterLoss.RETRY

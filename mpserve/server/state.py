@@ -48,6 +48,7 @@ class Pending:
     attempts: int = 0
     worker: bytes | None = None
     generated: bytearray = field(default_factory=bytearray)  # token ids streamed so far (TOKENS frames)
+    tokens_known: bool = True  # False once a CHUNK came without its token ids: it cannot be resumed
 
     @property
     def answered(self) -> bool:
