@@ -4,7 +4,8 @@
     ───────────                       ──────────────────────────────────────────────────────
     ASSIGN   ──admit(slot, …)──▶      queue the prompt in that slot (and the tokens another instance
                                       generated for it, when it resumes a request: ``carried``)
-    CHUNK    ──tokens(slot)────▶      the token ids this sequence generated so far (not the carried ones)
+    CHUNK    ──tokens(slot)────▶      the token ids this sequence generated so far (not the carried ones;
+                                      an end-of-generation token last, if one ended it)
     loop     ──step()──────────▶      one round for every running sequence; on_token per new piece
              ◀──[(slot, Completion)]  the sequences that ended in it
     CANCEL   ──cancel(slot)────▶      that sequence ends at the start of the next step
