@@ -90,9 +90,8 @@ def start(given: Given, config_file: ConfigOption = None) -> None:
 
     with _errors():
         config = _config(given, config_file)
-        http, keys = given.cli["http"], {"MPSERVE_API_KEY": given.cli["api_key"],
-                                         "MPSERVE_ADMIN_KEY": given.cli["admin_key"]}
-        gateway_process = _start_gateway(http, config.server_name, keys, config.log_level) if http else None
+        http = given.cli["http"]
+        gateway_process = _start_gateway(http, config, given.cli) if http else None
         try:
             serve(config)
         finally:
@@ -199,6 +198,19 @@ def gateway(
         "--curve-server-key", envvar="MPSERVE_CURVE_SERVER_KEY", help="The server's public key file.")] = None,
     curve_secret: Annotated[str | None, typer.Option(
         "--curve-secret", envvar="MPSERVE_CURVE_CLIENT_SECRET", help="This gateway's secret key file.")] = None,
+    api_key_file: Annotated[str | None, typer.Option(
+        "--api-key-file", envvar="MPSERVE_API_KEY_FILE", help=settings.BY_KEY["api_key_file"].help_text())] = None,
+    ssl_certfile: Annotated[str | None, typer.Option(
+        "--ssl-certfile", envvar="MPSERVE_SSL_CERTFILE", help=settings.BY_KEY["ssl_certfile"].help_text())] = None,
+    ssl_keyfile: Annotated[str | None, typer.Option(
+        "--ssl-keyfile", envvar="MPSERVE_SSL_KEYFILE", help=settings.BY_KEY["ssl_keyfile"].help_text())] = None,
+    insecure: Annotated[bool, typer.Option("--insecure", help="Allow a network --http without an API key.")] = False,
+    max_connections: Annotated[int, typer.Option(
+        "--max-connections", envvar="MPSERVE_HTTP_MAX_CONNECTIONS", min=1,
+        help="Open HTTP connections at most; past it, new ones get 503 with Retry-After.")] = 1024,
+    read_timeout: Annotated[float, typer.Option(
+        "--read-timeout", envvar="MPSERVE_HTTP_READ_TIMEOUT", min=0.1,
+        help="Seconds a client has to send a request's headers, and again its body (408 past it).")] = 30.0,
     log_level: Annotated[str, typer.Option("--log-level", envvar="MPSERVE_LOG_LEVEL")] = "info",
     exit_with_parent: Annotated[bool, typer.Option("--exit-with-parent", hidden=True)] = False,
     server_name: Annotated[str, typer.Option("--server-name", envvar="MPSERVE_SERVER_NAME",
@@ -206,31 +218,41 @@ def gateway(
 ) -> None:
     """Serve an OpenAI-compatible HTTP API for a server: /v1/completions, /v1/chat/completions, /v1/models,
     /health, /metrics (Prometheus) and /backend/monitor. It may start before the server (503 until ready)."""
+    from mpserve.gateway.access import load_keys
     from mpserve.gateway.app import GatewayConfig, parse_http
     from mpserve.gateway.app import serve as serve_gateway
+    from mpserve.gateway.guard import ConnectionLimits
 
     with _errors():
         host, port = parse_http(http)
         serve_gateway(GatewayConfig(host=host, port=port, connect=connect, server_name=server_name, api_key=api_key,
                                     request_timeout=request_timeout, curve_server_key=curve_server_key,
                                     curve_secret=curve_secret, log_level=log_level,
-                                    exit_with_parent=exit_with_parent, admin_key=admin_key))
+                                    exit_with_parent=exit_with_parent, api_keys=load_keys(None, api_key_file),
+                                    ssl_certfile=ssl_certfile, ssl_keyfile=ssl_keyfile, insecure=insecure,
+                                    connections=ConnectionLimits(max_connections, read_timeout),
+                                    admin_key=admin_key))
 
 
-def _start_gateway(http: str, server_name: str, keys: dict[str, str | None], log_level: str
-                   ) -> subprocess.Popen[bytes]:
+def _start_gateway(http: str, config: cfg.ServerConfig, flags: dict[str, Any]) -> subprocess.Popen[bytes]:
     """``mpserve gateway`` as a child process, in its own session: Ctrl-C reaches only the server, which
     drains its requests while the gateway keeps streaming them (and answers 503 to new ones); the gateway is
-    stopped after that, or stops by itself if the server dies outright. The keys travel in the environment
-    (``keys``: variable -> key, None where not given), not in the command line that any user can read. A
-    separate process: in the broker's it would compete with the broker loop for the GIL, and a fault in it
-    could not touch the broker."""
+    stopped after that, or stops by itself if the server dies outright. The keys travel in the environment,
+    not in the command line that any user can read. A separate process: in the broker's it would compete
+    with the broker loop for the GIL, and a fault in it could not touch the broker."""
+    from mpserve.gateway import access
     from mpserve.gateway.app import parse_http
 
-    parse_http(http)  # refuse a bad value before anything starts
+    host, _ = parse_http(http)  # refuse a bad value, a network port without a key, before anything starts
+    access.check_exposure(host, access.load_keys(flags["api_key"], flags["api_key_file"]), config.insecure)
+    access.check_tls(flags["ssl_certfile"], flags["ssl_keyfile"])
+    keys = {"MPSERVE_API_KEY": flags["api_key"], "MPSERVE_ADMIN_KEY": flags["admin_key"]}
     env = {**os.environ, **{name: key for name, key in keys.items() if key}}
-    return subprocess.Popen([sys.executable, "-m", "mpserve", "gateway", "--http", http, "--server-name", server_name,
-                             "--log-level", log_level, "--exit-with-parent"], env=env, start_new_session=True)
+    passed = [arg for key in ("api_key_file", "ssl_certfile", "ssl_keyfile") if flags[key]
+              for arg in (settings.BY_KEY[key].flag or "", flags[key])]
+    return subprocess.Popen([sys.executable, "-m", "mpserve", "gateway", "--http", http, "--server-name",
+                             config.server_name, "--log-level", config.log_level, "--exit-with-parent", *passed,
+                             *(["--insecure"] if config.insecure else [])], env=env, start_new_session=True)
 
 
 def _stop_gateway(process: subprocess.Popen[bytes]) -> None:

@@ -5,7 +5,9 @@ messages by request id. Liveness follows the Paranoid Pirate pattern, both ways:
 pending the client pings every ``PING_INTERVAL_S`` (so the broker can tell a waiting client from a
 vanished one, whose requests it cancels), any message from the server counts as its heartbeat, and after
 ``PING_INTERVAL_S × PING_LIVENESS`` of silence every pending request fails with ``ConnectionFailed``.
-A server that is not running is reported at connect time.
+A server that is not running is reported at connect time. A request too large for the server (its
+prompt over ``MAX_PROMPT_CHARS``, or its message over the limit the server tells in PONG, which its socket
+would drop in silence) raises BadRequest before it is sent.
 
 For a server bound to the network with CURVE, pass ``curve_server_key`` (the server's public key file)
 and ``curve_secret`` (this client's secret key file, whose public half the server allows); both are made
@@ -37,7 +39,7 @@ import zmq.auth
 
 from . import protocol as wire
 from . import structured
-from .errors import ConfigError, ConnectionFailed, MpserveError, Timeout, error_from_code
+from .errors import BadRequest, ConfigError, ConnectionFailed, MpserveError, Timeout, error_from_code
 from .runtime import default_address
 
 T = TypeVar("T")
@@ -123,6 +125,7 @@ class AsyncClient:
         self._nonces = itertools.count(1)
         self._stats_waiters: dict[int, asyncio.Future[wire.Stats]] = {}
         self.models: tuple[str, ...] = ()
+        self.max_message_bytes = wire.MAX_MESSAGE_BYTES  # until the server's PONG tells its own
 
     async def __aenter__(self) -> AsyncClient:
         await self.connect()
@@ -249,6 +252,9 @@ class AsyncClient:
         generate = wire.GenerateParams(**{**params, "stop": tuple(params.get("stop", ())),
                                           "logit_bias": wire.logit_bias_pairs(params.get("logit_bias", ()))})
         generate.validate()
+        if isinstance(prompt, str) and len(prompt) > wire.MAX_PROMPT_CHARS:
+            raise BadRequest(f"the prompt is {len(prompt)} characters; the server takes at most "
+                             f"{wire.MAX_PROMPT_CHARS} (MAX_PROMPT_CHARS)")
         text, tokens = (prompt, b"") if isinstance(prompt, str) else ("", wire.pack_tokens(prompt))
         return wire.Request(next(self._ids), text, model, generate, stream,
                             timeout if timeout is not None else self.timeout, tokens)
@@ -272,9 +278,14 @@ class AsyncClient:
 
     async def _submit(self, request: wire.Request) -> asyncio.Queue[Any]:
         await self.connect()
+        frames = wire.encode(request)
+        if len(frames[2]) > self.max_message_bytes:
+            raise BadRequest(f"the request is {len(frames[2])} bytes encoded; the server takes messages of at "
+                             f"most {self.max_message_bytes} bytes (MAX_MESSAGE_BYTES)")
         queue: asyncio.Queue[Any] = asyncio.Queue()
         self._pending[request.id] = queue
-        await self._send(request)
+        assert self._sock is not None
+        await self._sock.send_multipart(frames)
         return queue
 
     async def _next(self, queue: asyncio.Queue[Any], request: wire.Request) -> Any:
@@ -338,6 +349,7 @@ class AsyncClient:
             return  # a server speaking another protocol; the request will time out or fail liveness
         if isinstance(msg, wire.Pong):
             self.models = msg.models
+            self.max_message_bytes = msg.max_message_bytes or wire.MAX_MESSAGE_BYTES
             self._pong.set()
             return
         if isinstance(msg, wire.Stats):
@@ -406,6 +418,10 @@ class Client:
     @property
     def models(self) -> tuple[str, ...]:
         return self._async.models
+
+    @property
+    def max_message_bytes(self) -> int:
+        return self._async.max_message_bytes
 
     @property
     def open(self) -> bool:

@@ -9,11 +9,15 @@ frame belongs to ZeroMQ and is not described here.
     worker  -> broker   [VERSION, TYPE, TICKET, BODY]    READY, HEARTBEAT, FAILED, UNLOADED (empty TICKET);
                                                          CHUNK, DONE, ERROR (TICKET of an ASSIGN);
                                                          TOKENS, ERROR (TICKET of a TOKENIZE)
+                        [VERSION, CHUNK, TICKET, BODY, TOKENS]  when the ASSIGN asked for ``report_tokens``
 
 VERSION is ``b"MPS1"``. TYPE is one byte (``MsgType``). BODY is a msgpack map whose schema is the
 frozen dataclass of that type below. TICKET is the broker's opaque key for one assignment: a worker
 echoes it so the broker can forward the BODY of CHUNK/DONE/ERROR to the client unchanged (the worker
-writes the client's own request id into it), without decoding and re-encoding every token.
+writes the client's own request id into it), without decoding and re-encoding every token. TOKENS is the
+ids of the tokens generated since the previous CHUNK, int32 little-endian (``token_frame``): the broker
+appends them without decoding anything, and hands them to the next instance if this one is lost
+(``Assign.generated``), which continues the request from there.
 
 Decoding never trusts the sender: bodies are unpacked with explicit size limits, every field is type-
 and range-checked, and any problem raises ``ProtocolError`` (broken framing, unknown type, bad msgpack)
@@ -305,10 +309,12 @@ class Pong:
     TYPE: ClassVar[MsgType] = MsgType.PONG
     nonce: int = 0
     models: tuple[str, ...] = ()
+    max_message_bytes: int = 0  # the largest message BODY the server takes; 0 (an older server): MAX_MESSAGE_BYTES
 
     @classmethod
     def from_wire(cls, body: dict[str, Any]) -> Pong:
-        return cls(nonce=_get(body, "nonce", int, 0), models=tuple(_get(body, "models", (list, tuple), ())))
+        return cls(nonce=_get(body, "nonce", int, 0), models=tuple(_get(body, "models", (list, tuple), ())),
+                   max_message_bytes=_get(body, "max_message_bytes", int, 0))
 
 
 @dataclass(frozen=True)
@@ -711,13 +717,19 @@ class Assign:
     queue_ms: float
     attempt: int
     slot: int = 0  # which of the worker's slots: the broker picks the one whose cache fits the prompt
+    report_tokens: bool = False  # send each CHUNK's token ids (a TOKENS frame), so it can be resumed elsewhere
+    generated: bytes = b""  # resuming: the tokens the lost instance streamed (a TOKENS frame's encoding)
 
     @classmethod
     def from_wire(cls, body: dict[str, Any]) -> Assign:
+        generated = _get(body, "generated", bytes, b"")
+        if len(generated) % 4 or len(generated) > 4 * MAX_TOKENS_LIMIT:
+            raise ProtocolError(f"field 'generated' must be int32 token ids, at most {MAX_TOKENS_LIMIT}")
         return cls(ticket=_text(body, "ticket", MAX_ID_CHARS),
                    request=Request.from_wire(_get(body, "request", dict)),
                    queue_ms=float(_get(body, "queue_ms", (int, float))),
-                   attempt=_get(body, "attempt", int), slot=_get(body, "slot", int, 0))
+                   attempt=_get(body, "attempt", int), slot=_get(body, "slot", int, 0),
+                   report_tokens=_get(body, "report_tokens", bool, False), generated=generated)
 
 
 @dataclass(frozen=True)
@@ -835,9 +847,21 @@ def encode(msg: Any) -> list[bytes]:
     return [VERSION, TYPE_FRAMES[msg.TYPE], pack(msg)]
 
 
-def encode_from_worker(msg: Any, ticket: str = "") -> list[bytes]:
-    """[VERSION, TYPE, TICKET, BODY] for a message a worker sends to the broker."""
-    return [VERSION, TYPE_FRAMES[msg.TYPE], ticket.encode(), pack(msg)]
+def encode_from_worker(msg: Any, ticket: str = "", tokens: bytes | None = None) -> list[bytes]:
+    """[VERSION, TYPE, TICKET, BODY] for a message a worker sends to the broker; a CHUNK may add TOKENS."""
+    frames = [VERSION, TYPE_FRAMES[msg.TYPE], ticket.encode(), pack(msg)]
+    return frames if tokens is None else [*frames, tokens]
+
+
+def token_frame(tokens: Sequence[int]) -> bytes:
+    """Token ids as a TOKENS frame (and ``Assign.generated``): int32, little-endian."""
+    return struct.pack(f"<{len(tokens)}i", *tokens)
+
+
+def frame_tokens(frame: bytes) -> list[int]:
+    if len(frame) % 4:
+        raise ProtocolError("a TOKENS frame must be int32 token ids")
+    return list(struct.unpack(f"<{len(frame) // 4}i", frame))
 
 
 def unpack_body(body: bytes) -> dict[str, Any]:
@@ -880,9 +904,10 @@ def decode(frames: list[bytes]) -> Any:
 
 
 def peek_id(body: bytes) -> str | None:
-    """The ``id`` of a body that failed validation, so the error can still reach its request."""
+    """The ``id`` of a body that failed validation, so the error can still reach its request (also when
+    another field, such as a too long prompt, is what failed)."""
     try:
-        obj = msgpack.unpackb(body, raw=False, max_str_len=4096, max_bin_len=0, max_array_len=4096,
+        obj = msgpack.unpackb(body, raw=False, max_str_len=MAX_MESSAGE_BYTES, max_bin_len=0, max_array_len=4096,
                               max_map_len=64, max_ext_len=0)
     except Exception:
         return None

@@ -122,8 +122,8 @@ SETTINGS: tuple[Setting, ...] = (
     _s("curve_secret", "server", str, "none", "Server secret key file (mpserve keygen)"),
     _s("curve_clients", "server", str, "none", "Folder of allowed clients' public .key files"),
     _s("curve_workers", "server", str, "none", "Folder of allowed remote pools' public .key files"),
-    _s("insecure", "server", bool, "false", "Allow a network --bind without CURVE keys (anyone reaching the port "
-       "may use it)", env=None, cli_type=bool),
+    _s("insecure", "server", bool, "false", "Allow a network --bind without CURVE keys, or a network --http "
+       "without an API key (anyone reaching the port may use it)", env=None, cli_type=bool),
     _s("heartbeat_interval", "server", float, "1", "Seconds between heartbeats", cli_type=float,
        range=(0.05, 60), commands=_FOR_POOLS),
     _s("heartbeat_liveness", "server", int, "5", "Missed heartbeats before a remote worker (or, for a worker, "
@@ -154,6 +154,9 @@ SETTINGS: tuple[Setting, ...] = (
     _s("api_key", "cli", str, "none", "Require 'Authorization: Bearer KEY' on HTTP requests (/health excepted)"),
     _s("admin_key", "cli", str, "none", "Open the HTTP control API (/admin/: models, load, unload, scale) to "
        "'Authorization: Bearer KEY'; a key apart from --api-key"),
+    _s("api_key_file", "cli", str, "none", "HTTP API keys, one per line (# comments); any of them is accepted"),
+    _s("ssl_certfile", "cli", str, "none", "Serve HTTPS: the certificate chain (PEM), with --ssl-keyfile"),
+    _s("ssl_keyfile", "cli", str, "none", "The private key (PEM) of --ssl-certfile"),
 )
 
 BY_KEY: dict[str, Setting] = {s.key: s for s in SETTINGS}

@@ -320,6 +320,58 @@ def test_a_stop_string_ends_the_sequence_before_it(model_path: str, llm: llama_c
     assert stopped.text == reference["choices"][0]["text"]
 
 
+def run_capturing_tokens(engine: BatchEngine, prompt: str, params: GenerateParams,
+                         carried: list[int] | None = None) -> tuple[Completion, list[str], list[int]]:
+    """One request in slot 0; its streamed pieces and the token ids it generated (``engine.tokens``)."""
+    pieces: list[str] = []
+    generated: list[int] = []
+
+    def on_token(text: str, tokens: int) -> bool:
+        pieces.append(text)
+        generated[:] = engine.tokens(0)
+        return True
+
+    engine.admit(0, prompt, params, on_token, carried or [])
+    while True:
+        for _, completion in engine.step():
+            return completion, pieces, generated
+
+
+@pytest.mark.timeout(60)
+def test_a_sequence_resumed_from_carried_tokens_continues_as_if_never_interrupted(model_path: str) -> None:
+    """What a mid-stream failover does: the prompt plus the tokens already generated, elsewhere (through
+    ``tokens``, as the worker reports them, an end-of-generation token included). With flash
+    attention (on by default on a CPU) and a long run, a batched prefill of the carried tokens would turn a
+    greedy choice at a near-tie; they are decoded one a step instead."""
+    prompt = "Once upon a time"  # 500 greedy tokens: cut at 310, a batched prefill chose otherwise at 310
+    full_text = one_at_a_time(model_path, [(prompt, greedy(40))])[0].text
+    stop = full_text[30:34]  # a stop string after the cut: the text held back at the cut is handled
+    for params in (greedy(500), greedy(40, stop=("never appears", stop)), greedy(40, repeat_penalty=1.3)):
+        engine = make_engine(model_path, 1, flash_attn="auto")
+        try:
+            whole, whole_pieces, tokens = run_capturing_tokens(engine, prompt, params)
+            # len(tokens): the lost instance had sent all its text, and died before its answer
+            for cut in sorted({1, 9, min(310, len(tokens) - 1), len(tokens) - 1, len(tokens)}):
+                sent = "".join(whole_pieces[:cut])  # what the client had when the first instance died
+                resumer = make_engine(model_path, 1, flash_attn="auto")
+                try:
+                    resumed, pieces, _ = run_capturing_tokens(resumer, prompt, params, tokens[:cut])
+                finally:
+                    resumer.close()
+                assert resumed.text == whole.text and resumed.finish_reason == whole.finish_reason, (params, cut)
+                assert sent + "".join(pieces) == whole.text  # nothing repeated, nothing missing
+                assert (resumed.prompt_tokens, resumed.completion_tokens) == (whole.prompt_tokens,
+                                                                              whole.completion_tokens)
+        finally:
+            engine.close()
+    engine = make_engine(model_path, 1)
+    try:
+        with pytest.raises(BadRequest, match="more than the 3 to generate"):
+            engine.admit(0, prompt, greedy(3), lambda t, n: True, tokens[:4])
+    finally:
+        engine.close()
+
+
 @pytest.mark.timeout(60)
 def test_a_prompt_longer_than_the_context_is_a_bad_request(model_path: str) -> None:
     engine = BatchEngine(model_path, n_ctx=64, parallel=2, threads=1, n_gpu_layers=0)

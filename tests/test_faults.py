@@ -26,7 +26,7 @@ from helpers import wait_for
 
 from mpserve import AsyncClient, Client
 from mpserve import protocol as wire
-from mpserve.errors import ModelFailed, MpserveError, WorkerStalled
+from mpserve.errors import ModelFailed, MpserveError
 from mpserve.runtime import ServerInfo
 from mpserve.slots import SlotRow, SlotState
 
@@ -105,7 +105,8 @@ CHAOS_PROMPTS = ["Hello world", "The quick brown fox", "In the beginning", "1 2 
 @pytest.mark.timeout(240)
 def test_chaos_every_request_ends_exactly_once_while_workers_are_killed(start_server) -> None:
     """SIGKILL a random worker every 0.5 s under 300 requests from 8 clients: each request ends exactly
-    once (DONE, or ERROR worker_lost / poison_request), none hangs, retried requests give the same text,
+    once (DONE, or ERROR poison_request; none worker_lost: streams are resumed elsewhere), none hangs,
+    retried and resumed requests give the same text,
     the pool is whole again within 15 s, no row is owned by a dead process, no traceback."""
     server = start_server("--instances", "4").wait_ready()
     rng = random.Random(4004)
@@ -179,9 +180,13 @@ def test_chaos_every_request_ends_exactly_once_while_workers_are_killed(start_se
           f"retries (sum of attempts-1 over done) {retries} on "
           f"{sum(1 for r in done if r.timings.attempts > 1)} requests; "
           f"pool of 4 back {recovered_s:.2f} s after the killing stopped")
+    with Client(server.address) as client:
+        counters = client.stats().counters
+    print(f"chaos: hand-overs mid-stream (resumed) {counters.get('resumed', 0)}, retried before any text "
+          f"{counters.get('retried', 0)}, worker_lost {counters.get('worker_lost', 0)}")
 
     assert len(outcomes) == CHAOS_REQUESTS
-    assert set(by_code) <= {"done", "worker_lost", "poison_request"}, dict(by_code)
+    assert set(by_code) <= {"done", "poison_request"}, dict(by_code)
     assert per_request == {1: CHAOS_REQUESTS}, f"terminal messages per request: {per_request}"
     assert not any(None in c.terminal for c in clients), "an ERROR without a request id"
     assert len(kills) >= 4, "the chaos did not kill enough workers to mean anything"
@@ -190,8 +195,6 @@ def test_chaos_every_request_ends_exactly_once_while_workers_are_killed(start_se
     for prompt in CHAOS_PROMPTS:
         texts = sorted((d[2].text for c, d in outcomes if c == "done" and d[0] == prompt), key=len)
         assert all(texts[-1].startswith(t) for t in texts), f"inconsistent texts for {prompt!r}"
-    # worker_lost only for streamed requests (a non-streamed one is retried or declared poison)
-    assert all(d[1] for c, d in outcomes if c == "worker_lost")
     assert not dead_owned_live_rows(rows)
     assert not set(kills) & {r.pid for r in rows}
 
@@ -210,7 +213,7 @@ STALL_TIMEOUT_S = 2.0
 
 
 @pytest.mark.timeout(90)
-def test_a_stopped_worker_fails_its_request_with_worker_stalled_and_is_replaced(start_server) -> None:
+def test_a_stopped_worker_is_replaced_and_its_request_runs_again_on_the_replacement(start_server) -> None:
     server = start_server("--instances", "1", "--threads", "1", "--n-ctx", "8192",
                           "--stall-timeout", str(STALL_TIMEOUT_S)).wait_ready()
     stopped_pid = 0
@@ -219,7 +222,7 @@ def test_a_stopped_worker_fails_its_request_with_worker_stalled_and_is_replaced(
         with Client(server.address) as client:
             def long_request() -> None:
                 try:
-                    outcome["result"] = client.generate("stall", max_tokens=8000, temperature=0, timeout=60)
+                    outcome["result"] = client.generate("stall", max_tokens=300, temperature=0, timeout=60)
                 except MpserveError as exc:
                     outcome["error"] = exc
                 outcome["at"] = time.monotonic()
@@ -233,11 +236,12 @@ def test_a_stopped_worker_fails_its_request_with_worker_stalled_and_is_replaced(
             stopped_at = time.monotonic()
             t.join(STALL_TIMEOUT_S + 30)
             assert not t.is_alive(), "the request of a stopped worker never ended"
-            assert isinstance(outcome.get("error"), WorkerStalled), outcome
+            result = outcome.get("result")
+            assert result is not None and result.usage.completion_tokens == 300, outcome
+            assert result.timings.attempts == 2  # nothing was streamed: it ran again from its prompt
             took = outcome["at"] - stopped_at
-            print(f"\nhang: request of the SIGSTOPped worker (pid {stopped_pid}) got worker_stalled "
+            print(f"\nhang: request of the SIGSTOPped worker (pid {stopped_pid}) done on its replacement "
                   f"{took:.2f} s after the stop (stall timeout {STALL_TIMEOUT_S} s)")
-            assert took <= STALL_TIMEOUT_S + 2
 
             result = client.generate("after", max_tokens=16, temperature=0, timeout=60)
             assert result.usage.completion_tokens == 16

@@ -314,23 +314,22 @@ def test_monitor_reports_each_instance_and_a_killed_worker_shows_everywhere(star
         assert body["pss_bytes"] == sum(i["pss_bytes"] for i in body["instances"])
         assert gw.get("/backend/monitor", params={"model": "nope"}).status_code == 404
 
-        # the worker serving a stream dies: the stream ends with an error event, health and metrics see it
-        stream = iter(oc.completions.create(model="tiny", prompt="x", max_tokens=2000, temperature=0, stream=True))
+        # the worker serving a stream dies: the stream continues on the other instance, health and metrics
+        # see the death
+        stream = iter(oc.completions.create(model="tiny", prompt="x", max_tokens=300, temperature=0, stream=True))
         next(stream)
         busy = next(r for r in server.slots() if r.state is SlotState.BUSY)
         os.kill(busy.pid, signal.SIGKILL)
-        with pytest.raises(openai.APIError, match="died after it had streamed text") as lost:
-            list(stream)
-        assert lost.value.code == "worker_lost"
-        hurt = gw.get("/health").json()["models"]["tiny"]
-        assert hurt["ready"] == 1 and hurt["down"] + hurt["loading"] == 1
+        hurt = wait_for(lambda: (m := gw.get("/health").json()["models"]["tiny"])["ready"] == 1 and m, 10,
+                        "health to show one instance down")
+        assert hurt["down"] + hurt["loading"] == 1
+        assert list(stream)[-1].choices[0].finish_reason == "length"
         wait_for(lambda: gw.get("/health").json()["models"]["tiny"]["ready"] == 2, 20, "the restarted worker")
         after = gw.get("/backend/monitor").json()["instances"]
         assert after[busy.index]["pid"] not in (0, busy.pid) and after[busy.index]["state"] == "idle"
         wait_for(lambda: gw.metrics()["mpserve_worker_restarts_total", (("model", "tiny"),)] == 1, 2,
                   "the restart to be counted")
-        assert gw.metrics()["mpserve_http_requests_total", (("code", "worker_lost"),
-                                                            ("endpoint", "/v1/completions"))] == 1
+        assert gw.metrics()["mpserve_http_requests_total", (("code", "ok"), ("endpoint", "/v1/completions"))] == 2
     finally:
         gw.stop()
 
@@ -346,10 +345,16 @@ def test_a_client_that_disconnects_frees_the_instance_within_a_second(single_ser
                 lines = _after_first_event(response)
                 assert next(line for line in lines if line.startswith("data:"))
                 assert single_server.slots()[0].state is SlotState.BUSY
-        else:  # not streamed: the client gives up waiting
+        else:  # not streamed: the client gives up waiting (the slot is watched meanwhile: once the client
+            # is gone the gateway may cancel before this thread could look)
+            busy = threading.Event()
+            watcher = threading.Thread(target=lambda: wait_for(
+                lambda: single_server.slots()[0].state is SlotState.BUSY, 5, "a busy instance") and busy.set())
+            watcher.start()
             with pytest.raises(httpx.ReadTimeout):
                 http.post(f"{single_gateway.url}/v1/completions", json=body, timeout=1.0)
-            assert single_server.slots()[0].state is SlotState.BUSY
+            watcher.join()
+            assert busy.is_set()
     left = time.monotonic()
     row = wait_for(lambda: (r := single_server.slots()[0]).state is SlotState.IDLE and r, 5, "an idle instance")
     assert time.monotonic() - left < 1.0

@@ -8,6 +8,7 @@ sequence per ``step``, through the same interface (``mpserve.engine.interface``)
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from mpserve import protocol as wire
@@ -38,7 +39,9 @@ class EchoEngine:
     def free_slots(self) -> list[int]:
         return [slot for slot in range(self.parallel) if slot not in self._running]
 
-    def admit(self, slot: int, prompt: str | list[int], params: GenerateParams, on_token: OnToken) -> None:
+    def admit(self, slot: int, prompt: str | list[int], params: GenerateParams, on_token: OnToken,
+              carried: Sequence[int] = ()) -> None:
+        """``carried`` is ignored: echo has no tokens, so its requests are never resumed (``tokens`` is empty)."""
         if not 0 <= slot < self.parallel or slot in self._running:
             raise ValueError(f"slot {slot} is not a free slot of 0..{self.parallel - 1}")
         if params.logprobs is not None:
@@ -58,6 +61,8 @@ class EchoEngine:
         if not 0 <= token < 256:
             raise BadRequest(f"token {token} is not in the vocabulary of 256 tokens")
         return bytes([token])
+    def tokens(self, slot: int) -> Sequence[int]:
+        return ()
 
     def cancel(self, slot: int) -> None:
         echo = self._running.get(slot)

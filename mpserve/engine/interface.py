@@ -2,7 +2,10 @@
 
     worker loop                       engine (BatchEngine for models, EchoEngine without one)
     ───────────                       ──────────────────────────────────────────────────────
-    ASSIGN   ──admit(slot, …)──▶      queue the prompt in that slot
+    ASSIGN   ──admit(slot, …)──▶      queue the prompt in that slot (and the tokens another instance
+                                      generated for it, when it resumes a request: ``carried``)
+    CHUNK    ──tokens(slot)────▶      the token ids this sequence generated so far (not the carried ones;
+                                      an end-of-generation token last, if one ended it)
     loop     ──step()──────────▶      one round for every running sequence; on_token per new piece
              ◀──[(slot, Completion)]  the sequences that ended in it
     CANCEL   ──cancel(slot)────▶      that sequence ends at the start of the next step
@@ -14,7 +17,7 @@ each new piece of text and the number of tokens generated so far, and returns Fa
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -46,9 +49,14 @@ class Engine(Protocol):
 
     def free_slots(self) -> list[int]: ...
 
-    def admit(self, slot: int, prompt: str | list[int], params: GenerateParams, on_token: OnToken) -> None:
-        """``prompt``: text (tokenized with BOS), or token ids taken as they are."""
+    def admit(self, slot: int, prompt: str | list[int], params: GenerateParams, on_token: OnToken,
+              carried: Sequence[int] = ()) -> None:
+        """``prompt``: text (tokenized with BOS), or token ids taken as they are; ``carried``: the tokens a
+        lost instance generated for this request, replayed before it goes on."""
 
+    def tokens(self, slot: int) -> Sequence[int]:
+        """The tokens the sequence in ``slot`` sampled so far (not the carried ones), then the
+        end-of-generation token if one ended it."""
     def take_logprobs(self, slot: int) -> wire.Logprobs | None:
         """The log-probabilities of the tokens the sequence in ``slot`` generated since the last take (when
         its request asked for them)."""

@@ -89,6 +89,13 @@ class SamplerChain:
         token: int = llama_cpp.llama_sampler_sample(self._chain, ctx, output_index)
         return token
 
+    # --- resuming a sequence another instance started -------------------------------------------------
+
+    def accept(self, tokens: list[int]) -> None:
+        """Record tokens sampled before (elsewhere), so the penalties see them as this chain's own."""
+        for token in tokens:
+            llama_cpp.llama_sampler_accept(self._chain, token)
+
     def close(self) -> None:
         if self._chain is not None:
             llama_cpp.llama_sampler_free(self._chain)

@@ -2,6 +2,10 @@
 through ``mpserve.client`` and ``mpserve.protocol`` (and reads the slot table), never imports llama_cpp.
 
     app      Starlette routes, API key, streaming, ``serve``
+    limits   what a request body may be (413, 408, 400 naming the limit)
+    guard    the connections: header timeout, bound on open connections, uvicorn's h11 protocol
+    access   API keys (also from a file), TLS files, no network port without a key unless --insecure
+    schema   the OpenAPI document (``/openapi.json``)
     openai   OpenAI request and response shapes ↔ mpserve requests and results
     backend  the server as the gateway sees it: one AsyncClient, STATS, the slot table
     metrics  ``/metrics`` (Prometheus)

@@ -12,13 +12,16 @@
                                                   uptime; each GPU's memory (NVML)
     GET  /, /console, /console/state             the web console and its data (``console``)
     GET  /admin/models, POST /admin/models/NAME/load|unload|scale   the control API, with --admin-key (``admin``)
+    GET  /openapi.json                            the OpenAPI document of all this (``schema``)
 
 The gateway is a separate process from the server, so HTTP parsing never competes with the broker's loop;
 it can start before its server and outlive it (answering 503). Errors are OpenAI's error object with the
 stable mpserve code (``openai``). A streamed request waits for its first piece of text before it
 answers, so what fails early (busy queue, unknown model, bad parameters) gets its own HTTP status; a failure
 after that is sent as a last ``data: {"error": ...}`` event, as OpenAI does. An HTTP client that goes away,
-while queued, running or streaming, cancels its request on the server at once.
+while queued, running or streaming, cancels its request on the server at once. Bodies are checked by
+``limits`` before anything else reads them, connections by ``guard``: every limit answers at once, in
+OpenAI's shape, naming itself.
 
 Starlette on uvicorn: the smallest well-kept asyncio stack here (anyio, h11, click; pure Python), already
 used by llama-cpp-python's own server, and it runs on the loop that ``AsyncClient`` needs.
@@ -28,8 +31,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hmac
-import ipaddress
 import json
 import logging
 import os
@@ -43,30 +44,30 @@ from typing import Any, TypeVar
 import uvicorn
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from mpserve import protocol as wire
+from mpserve import __version__
 from mpserve.client import AsyncClient, Result, Stream
-from mpserve.errors import BadRequest, ConfigError, ConnectionFailed, ErrorCode, MpserveError, UnknownModel
+from mpserve.errors import ConfigError, ConnectionFailed, ErrorCode, MpserveError, UnknownModel
 from mpserve.slots import SlotState
 
-from . import console
+from . import access, console, limits, schema
 from . import openai as oai
 from . import tokens as tok
 from .admin import ADMIN_PREFIX, Admin
 from .backend import Backend
+from .guard import ConnectionLimits, uvicorn_options
 from .metrics import CONTENT_TYPE, GatewayMetrics, ServerView
 from .monitor import RestartCounter, gpu_usage, health, monitor
 
 log = logging.getLogger("mpserve.gateway")
 
-MAX_BODY_BYTES = wire.MAX_MESSAGE_BYTES
 SAMPLE_INTERVAL_S = 0.5
 # answered without the API key: load balancers probe /health; the console's page holds no data (its state does)
-OPEN_PATHS = frozenset({"/health", *console.PAGE_PATHS})
+OPEN_PATHS = frozenset({"/health", "/openapi.json", *console.PAGE_PATHS})
 T = TypeVar("T")
 
 
@@ -83,6 +84,15 @@ class GatewayConfig:
     log_level: str = "info"
     exit_with_parent: bool = False  # for `mpserve start --http`: stop when the server process is gone
     admin_key: str | None = None  # opens /admin/ (the control API) and nothing else; None: /admin/ is off
+    api_keys: tuple[str, ...] = ()  # accepted too (--api-key-file)
+    ssl_certfile: str | None = None  # with ssl_keyfile: serve https
+    ssl_keyfile: str | None = None
+    insecure: bool = False  # allow a network host without any key
+    connections: ConnectionLimits = ConnectionLimits()  # open connections, header and body read timeouts
+
+    @property
+    def keys(self) -> tuple[str, ...]:
+        return (self.api_key, *self.api_keys) if self.api_key else self.api_keys
 
 
 def parse_http(value: str) -> tuple[str, int]:
@@ -104,14 +114,15 @@ def create_app(config: GatewayConfig) -> Starlette:
         Route("/health", gateway.get_health, methods=["GET"]),
         Route("/metrics", gateway.get_metrics, methods=["GET"]),
         Route("/backend/monitor", gateway.backend_monitor, methods=["GET"]),
+        Route("/openapi.json", _openapi, methods=["GET"]),
         *gateway.console.routes(),
         *Admin(gateway.backend, config.admin_key).routes(),
     ]
     if config.admin_key and config.admin_key == config.api_key:
         raise ConfigError("the admin key must differ from the API key: the API key must not open the control API")
     app = Starlette(routes=routes, lifespan=gateway.lifespan, exception_handlers={HTTPException: _http_error})
-    if config.api_key:
-        app.add_middleware(_RequireKey, key=config.api_key)
+    if config.keys:
+        app.add_middleware(_RequireKey, keys=config.keys)
     return app
 
 
@@ -119,11 +130,14 @@ def serve(config: GatewayConfig) -> None:
     """Run the gateway in the foreground until SIGINT or SIGTERM."""
     logging.basicConfig(level=config.log_level.upper(), stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    if not config.api_key and not _loopback(config.host):
+    access.check_tls(config.ssl_certfile, config.ssl_keyfile)
+    access.check_exposure(config.host, config.keys, config.insecure)
+    if not config.keys and not access.loopback(config.host):
         log.warning("listening on %s without an API key: anyone who can reach the port can use the models "
                     "(set --api-key or MPSERVE_API_KEY)", config.host)
     uvicorn.run(create_app(config), host=config.host, port=config.port, log_level=config.log_level,
-                log_config=None, access_log=config.log_level == "debug")  # log_config None: our log format
+                log_config=None, access_log=config.log_level == "debug",  # log_config None: our log format
+                ssl_certfile=config.ssl_certfile, ssl_keyfile=config.ssl_keyfile, **uvicorn_options(config.connections))
 
 
 class ClientGone(Exception):
@@ -176,13 +190,23 @@ class _Gateway:
         endpoint = request.url.path
         started = time.perf_counter()
         try:
-            call = oai.parse(kind, await _json_body(request))
+            body = await limits.read_json(request, self.config.connections.read_timeout)
+            limits.check_sizes(body)
+            call = oai.parse(kind, body)
             client = await self.backend.client()
             model = call.model or _sole_model(client)
             if kind == "chat":
                 call = call.with_chat_template(await self.backend.chat_template(model))
         except MpserveError as exc:
             return self._failed(endpoint, exc)
+        except limits.Refused as exc:  # the rest of the body is not read: the connection cannot carry another
+            self.metrics.outcome(endpoint, exc.error.code)
+            response = _error_response(exc.error)
+            response.headers["connection"] = "close"
+            return response
+        except ClientDisconnect:
+            self.metrics.outcome(endpoint, ErrorCode.CANCELLED)
+            return Response(status_code=204)  # nobody reads it
         reply = oai.Reply(call, model)
         if call.stream:
             return await self._stream(request, client, call, reply, started)
@@ -247,7 +271,7 @@ class _Gateway:
 
     async def tokenize(self, request: Request) -> Response:
         try:
-            call = tok.parse_tokenize(await _json_body(request))
+            call = tok.parse_tokenize(await limits.read_json(request, self.config.connections.read_timeout))
             client = await self.backend.client()
             result = await client.tokenize(call.content, model=call.model, add_special=call.add_special,
                                            with_pieces=call.with_pieces)
@@ -258,7 +282,7 @@ class _Gateway:
 
     async def detokenize(self, request: Request) -> Response:
         try:
-            model, tokens = tok.parse_detokenize(await _json_body(request))
+            model, tokens = tok.parse_detokenize(await limits.read_json(request, self.config.connections.read_timeout))
             client = await self.backend.client()
             content = await client.detokenize(tokens, model=model)
         except MpserveError as exc:
@@ -316,18 +340,6 @@ class _Gateway:
 
 
 # --- helpers ------------------------------------------------------------------------------------
-
-async def _json_body(request: Request) -> Any:
-    body = bytearray()
-    async for piece in request.stream():
-        body += piece
-        if len(body) > MAX_BODY_BYTES:
-            raise BadRequest(f"the request body is over {MAX_BODY_BYTES} bytes")
-    try:
-        return json.loads(body)
-    except ValueError as exc:
-        raise BadRequest(f"the request body is not valid JSON: {exc}") from None
-
 
 def _sole_model(client: AsyncClient) -> str:
     """The model a request that names none runs on (the broker refuses it when several are served)."""
@@ -387,6 +399,10 @@ class _EventStream(StreamingResponse):
             await self._events.aclose()
 
 
+async def _openapi(request: Request) -> Response:
+    return JSONResponse(schema.document(__version__))
+
+
 def _error_response(err: oai.HttpError) -> JSONResponse:
     return JSONResponse(err.body(), err.status, headers=err.headers())
 
@@ -399,26 +415,19 @@ async def _http_error(request: Request, exc: Exception) -> Response:
 
 
 class _RequireKey:
-    """Answer 401 unless the request carries ``Authorization: Bearer KEY`` (what OpenAI clients send). The
-    comparison takes the same time wherever the keys differ."""
+    """Answer 401 unless the request carries ``Authorization: Bearer KEY`` with one of the keys (what OpenAI
+    clients send). The comparison takes the same time wherever the keys differ."""
 
-    def __init__(self, app: ASGIApp, key: str) -> None:
+    def __init__(self, app: ASGIApp, keys: tuple[str, ...]) -> None:
         self.app = app
-        self._expected = f"Bearer {key}".encode()
+        self._expected = tuple(f"Bearer {key}".encode() for key in keys)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http" and scope["path"] not in OPEN_PATHS and not scope["path"].startswith(ADMIN_PREFIX):
             given = dict(scope["headers"]).get(b"authorization", b"")
-            if not hmac.compare_digest(given, self._expected):
+            if not access.any_matches(given, self._expected):
                 err = oai.HttpError(401, "invalid_api_key", "a valid API key is required: send the header "
                                     "'Authorization: Bearer KEY'")
                 await _error_response(err)(scope, receive, send)
                 return
         await self.app(scope, receive, send)
-
-
-def _loopback(host: str) -> bool:
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return host == "localhost"

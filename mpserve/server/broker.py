@@ -17,9 +17,11 @@ state records that it was sent, so a late worker reply for a request that alread
 cancelled frees the worker without reaching the client twice. Routing and the retry rules are pure
 functions in ``mpserve.server.routing``.
 
-Worker deaths arrive from the supervisor (process sentinels in the same poll): a request that had not
-streamed anything is retried once on another instance; one that had is failed with ``worker_lost``; one
-that has now crashed two workers is failed with ``poison_request`` and never retried.
+Worker deaths and stalls arrive from the supervisor (process sentinels in the same poll): a request that
+had not streamed anything is retried on another instance; one that had is resumed there from the token ids
+its CHUNKs carried (``Pending.generated``: the prompt, then those tokens, for the rest of ``max_tokens``),
+so its client sees one stream; one that has now crashed two workers is failed with ``poison_request`` and
+never retried. (``worker_lost`` remains for a worker that streamed without reporting its tokens.)
 
 The broker never blocks on a client: sends are non-blocking, and a client that cannot take a message
 (gone, or not reading past its high-water mark) has its requests cancelled.
@@ -62,6 +64,7 @@ log = logging.getLogger("mpserve.broker")
 DEFAULT_SERVICE_MS = 250.0
 MAX_RETRY_AFTER_S = 30.0
 DRAIN_BATCH = 256
+CHUNK_FRAME = wire.TYPE_FRAMES[wire.MsgType.CHUNK]
 
 
 class Broker:
@@ -141,17 +144,18 @@ class Broker:
             self._drop_client(client)
 
     def worker_stalled(self, index: int, silent_s: float) -> None:
-        """The supervisor is about to kill a worker that stopped making progress: its requests end now
-        with ``worker_stalled`` (they are not retried: the request may be what stalls it)."""
+        """The supervisor is about to kill a worker that stopped making progress: its requests go elsewhere
+        now, by the rules of a worker that died (a stall counts as a crash: a request that stalls or kills
+        two workers is poison)."""
         entry = next((w for w in self.workers.values() if w.index == index), None)
         if entry is None:
             return
-        for ticket in list(entry.running):
+        self._forget_worker(entry)  # nothing more goes to it; its late words are stale
+        for ticket in sorted(entry.running):
             p = self.requests.get(ticket)
-            if p is not None and not p.answered:
-                self.stats[ErrorCode.WORKER_STALLED] += 1
-                self._answer_error(p, ErrorCode.WORKER_STALLED, f"worker {index} produced no token for "
-                                   f"{silent_s:.1f} s and is being replaced; retry the request")
+            if p is not None:
+                self._after_loss(p, f"worker {index} produced no token for {silent_s:.1f} s")
+        self._dispatch(entry.model)
 
     def worker_exited(self, index: int) -> None:
         """The supervisor reaped local worker ``index``: settle its requests by the retry rules."""
@@ -178,27 +182,33 @@ class Broker:
         self._lookups_lost(entry.identity, what)
         for ticket in sorted(entry.running):
             p = self.requests.get(ticket)
-            if p is None:
-                continue
-            p.worker = None
-            if p.answered:
-                self._finish(p)
-                continue
-            p.crashes += 1
-            outcome = after_loss(p)
-            if outcome is AfterLoss.POISON:
-                self.stats[ErrorCode.POISON_REQUEST] += 1
-                self._answer_error(p, ErrorCode.POISON_REQUEST, f"this request was running on {p.crashes} workers "
-                                   "that died; it will not be retried")
-            elif outcome is AfterLoss.LOST:
-                self.stats[ErrorCode.WORKER_LOST] += 1
-                self._answer_error(p, ErrorCode.WORKER_LOST, f"{what} after it had streamed text; retry the request")
-            else:
-                self.stats["retried"] += 1
-                log.info("retrying request %s: %s", p.request.id, what)
-                p.state = RequestState.QUEUED
-                self.models[p.model].queue.appendleft(ticket)
+            if p is not None:
+                self._after_loss(p, what)
         self._dispatch(entry.model)
+
+    def _after_loss(self, p: Pending, what: str) -> None:
+        """Settle one request of a worker that died or stalled: requeue it first in line (from its streamed
+        tokens, if any), or fail it."""
+        p.worker = None
+        if p.answered:
+            self._finish(p)
+            return
+        p.crashes += 1
+        outcome = after_loss(p)
+        if outcome is AfterLoss.POISON:
+            self.stats[ErrorCode.POISON_REQUEST] += 1
+            self._answer_error(p, ErrorCode.POISON_REQUEST, f"this request was running on {p.crashes} workers "
+                               "that died or stalled; it will not be retried")
+        elif outcome is AfterLoss.LOST:
+            self.stats[ErrorCode.WORKER_LOST] += 1
+            self._answer_error(p, ErrorCode.WORKER_LOST, f"{what} after it had streamed text; retry the request")
+        else:
+            resumed = bool(p.generated)
+            self.stats["resumed" if resumed else "retried"] += 1
+            log.info("%s request %s: %s", f"resuming after {len(p.generated) // 4} tokens" if resumed
+                     else "retrying", p.request.id, what)
+            p.state = RequestState.QUEUED
+            self.models[p.model].queue.appendleft(p.ticket)
 
     def model_failed(self, model: str, message: str) -> None:
         mq = self.models[model]
@@ -257,7 +267,8 @@ class Broker:
                 self._on_cancel(client, wire.Cancel.from_wire(wire.unpack_body(frames[2])))
             elif mtype is wire.MsgType.PING:
                 ping = wire.Ping.from_wire(wire.unpack_body(frames[2]))
-                self._to_client(client, wire.encode(wire.Pong(ping.nonce, tuple(self.models))))
+                pong = wire.Pong(ping.nonce, tuple(self.models), wire.MAX_MESSAGE_BYTES)  # the limit: clients check
+                self._to_client(client, wire.encode(pong))
             elif mtype is wire.MsgType.TOKENIZE:
                 self._on_tokenize(client, wire.Tokenize.from_wire(wire.unpack_body(frames[2])))
             elif mtype is wire.MsgType.STATS_QUERY:
@@ -427,8 +438,8 @@ class Broker:
         entry = self.workers.get(identity)
         if entry is not None:
             entry.last_heard = time.monotonic()
-        try:
-            mtype = wire.parse_header(frames, 4)
+        try:  # a CHUNK may carry a fifth frame, its tokens
+            mtype = wire.parse_header(frames, 5 if len(frames) == 5 and frames[1] == CHUNK_FRAME else 4)
         except MpserveError as exc:
             self.stats["dropped_worker_malformed"] += 1
             log.warning("refused a message from worker %r: %s", identity, exc)
@@ -439,7 +450,8 @@ class Broker:
             self._to_client(lookup[0], [wire.VERSION, frames[1], frames[3]])
             return
         if mtype in (wire.MsgType.CHUNK, wire.MsgType.DONE, wire.MsgType.ERROR):
-            self._worker_result(identity, mtype, frames[2].decode(errors="replace"), frames[1], frames[3])
+            self._worker_result(identity, mtype, frames[2].decode(errors="replace"), frames[1], frames[3],
+                                frames[4] if len(frames) == 5 else None)
             return
         try:
             msg = wire.decode_body(mtype, frames[3])
@@ -498,7 +510,7 @@ class Broker:
         mq.free = deque(f for f in mq.free if f[0] != entry.identity)
 
     def _worker_result(self, identity: bytes, mtype: wire.MsgType, ticket: str, type_frame: bytes,
-                       body: bytes) -> None:
+                       body: bytes, tokens: bytes | None) -> None:
         p = self.requests.get(ticket)
         entry = self.workers.get(identity)
         if p is None or entry is None or ticket not in entry.running:
@@ -507,6 +519,10 @@ class Broker:
         if mtype is wire.MsgType.CHUNK:
             if not p.answered:
                 p.state = RequestState.STREAMING
+                if tokens is not None and len(tokens) % 4 == 0:  # int32 ids
+                    p.generated += tokens
+                else:  # an older worker, or a bad frame: a hand-over would miss tokens
+                    p.tokens_known = False
                 self._to_client(p.client, [wire.VERSION, type_frame, body])
             return
         slot = entry.running.pop(ticket)
@@ -580,7 +596,8 @@ class Broker:
         entry.prompts[index] = p.request.prompt
         entry.loaded = True  # an unloaded worker loads its model for the request
         self._to_worker(identity, wire.Assign(p.ticket, p.request, (time.monotonic() - p.accepted) * 1000,
-                                              p.attempts, slot=index))
+                                              p.attempts, slot=index, report_tokens=True,
+                                              generated=bytes(p.generated)))
 
     def _to_worker(self, identity: bytes, msg: object) -> None:
         try:

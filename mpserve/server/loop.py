@@ -205,7 +205,7 @@ class _Loop:
 
     def _watch_progress(self) -> None:
         """The busy watchdog: a worker that generated nothing for stall_timeout is replaced; its requests
-        end as worker_stalled."""
+        continue on other instances (``Broker.worker_stalled``)."""
         for index, silent in self._supervisor.stalled().items():
             self._broker.worker_stalled(index, silent)
             self._supervisor.stop_stalled(index)

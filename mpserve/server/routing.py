@@ -3,8 +3,9 @@ becomes of a request whose worker died.
 
     choose_slot(free slots, workers, prompt)   prefix held by the slot > prefix held by its instance
                                                > least busy instance > free the longest
-    after_loss(request)                        RETRY (nothing streamed yet) | LOST (text streamed)
-                                               | POISON (it has now crashed MAX_CRASHES workers)
+    after_loss(request)                        RETRY (nothing streamed yet, or the tokens streamed are
+                                               known: resumed from them) | LOST (text streamed, its
+                                               tokens unknown) | POISON (it has now crashed MAX_CRASHES)
 """
 
 from __future__ import annotations
@@ -62,4 +63,5 @@ def after_loss(p: Pending) -> AfterLoss:
     """A running request whose worker died (``p.crashes`` already counts this death)."""
     if p.crashes >= MAX_CRASHES:
         return AfterLoss.POISON
-    return AfterLoss.LOST if p.state is RequestState.STREAMING else AfterLoss.RETRY
+    resumable = bool(p.generated) and p.tokens_known
+    return AfterLoss.LOST if p.state is RequestState.STREAMING and not resumable else AfterLoss.RETRY

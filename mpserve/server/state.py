@@ -4,9 +4,11 @@
 A request's life in the broker (``RequestState``; llama.cpp's server draws its ``slot_state`` the same way):
 
     accepted ──▶ QUEUED ──assign──▶ RUNNING ──first CHUNK forwarded──▶ STREAMING
-                   ▲                   │                                   │
-                   └── worker died ────┘ (retried once: nothing was        │
-                       before streaming    streamed, so nothing repeats)   │
+                   ▲ ▲                 │                                   │
+                   │ └─ worker died ───┘ (retried: nothing was streamed,   │
+                   │    or stalled       so nothing repeats)               │
+                   └── worker died or stalled: resumed with the tokens ────┤ (``generated``: every
+                       streamed so far, the rest of max_tokens             │  CHUNK's token ids)
                                                                            ▼
     any state ──DONE / ERROR / cancel / timeout / client gone / worker lost──▶ ANSWERED ──▶ removed
 
@@ -45,6 +47,8 @@ class Pending:
     crashes: int = 0
     attempts: int = 0
     worker: bytes | None = None
+    generated: bytearray = field(default_factory=bytearray)  # token ids streamed so far (TOKENS frames)
+    tokens_known: bool = True  # False once a CHUNK came without its token ids: it cannot be resumed
 
     @property
     def answered(self) -> bool:

@@ -48,6 +48,10 @@ REGISTER_BACKOFF_FIRST_S = 0.5
 REGISTER_BACKOFF_MAX_S = 5.0
 
 
+def _nothing() -> None:
+    pass
+
+
 class Worker:
     def __init__(self, spec: WorkerSpec, sock: zmq.Socket[Any], rows: list[SlotWriter],
                  build_engine: Callable[[EngineSpec], Engine], permits: DevicePermits | None = None) -> None:
@@ -212,16 +216,18 @@ class Worker:
         slot = assign.slot if assign.slot in free else free[0]
         req = assign.request
         row = self._rows[slot]
-        stream = self._stream(assign, slot)
+        stream, note_tokens = self._stream(assign, slot)
 
         def on_token(text: str, tokens: int) -> bool:
             row.progress(tokens)
+            note_tokens()
             if stream is not None and text:
                 stream.push(text)
             return not self._stopping
 
         try:
-            engine.admit(slot, wire.unpack_tokens(req.tokens) if req.tokens else req.prompt, req.params, on_token)
+            engine.admit(slot, wire.unpack_tokens(req.tokens) if req.tokens else req.prompt, req.params, on_token,
+                         wire.frame_tokens(assign.generated))
         except MpserveError as exc:
             self._send(wire.Error(req.id, exc.code, exc.message), assign.ticket)
             return
@@ -237,15 +243,37 @@ class Worker:
             self._engine.cancel(self._slot_of[ticket])
             self._cancelled_tickets.add(ticket)
 
-    def _stream(self, assign: wire.Assign, slot: int) -> ChunkStream | None:
-        """Where a streamed request's text goes, with the log-probabilities of its tokens when asked for; None
-        if the request is not streamed."""
+    def _stream(self, assign: wire.Assign, slot: int) -> tuple[ChunkStream | None, Callable[[], None]]:
+        """Where a streamed request's text goes, with the log-probabilities of its tokens when asked for (None
+        if the request is not streamed), and what on_token
+        calls first. With ``report_tokens`` that notes the ids of the tokens the engine gave since (while the
+        sequence runs: its last text may go out after it ended), and each CHUNK carries those noted since
+        the last one (their text is in it, or held back by the engine), so the broker can resume the
+        request elsewhere."""
         if not assign.request.stream:
-            return None
+            return None, _nothing
         request_id, ticket, engine = assign.request.id, assign.ticket, self._engine
         assert engine is not None
-        return ChunkStream(lambda text: self._send(wire.Chunk(request_id, text, engine.take_logprobs(slot)), ticket),
-                           self._spec.stream_interval)
+        if not assign.report_tokens:
+            return ChunkStream(lambda text: self._send(wire.Chunk(request_id, text, engine.take_logprobs(slot)),
+                                                       ticket), self._spec.stream_interval), _nothing
+        noted: list[int] = []  # since the last CHUNK
+        seen = 0
+
+        def note() -> None:
+            nonlocal seen
+            assert self._engine is not None
+            new = self._engine.tokens(slot)[seen:]
+            seen += len(new)
+            noted.extend(new)
+
+        def send(text: str) -> None:
+            chunk = wire.Chunk(request_id, text, engine.take_logprobs(slot))
+            frames = wire.encode_from_worker(chunk, ticket, wire.token_frame(noted))
+            noted.clear()
+            self._sock.send_multipart(frames)
+
+        return ChunkStream(send, self._spec.stream_interval), note
 
     # --- stepping -----------------------------------------------------------------------------------
 

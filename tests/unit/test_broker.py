@@ -43,3 +43,39 @@ def test_a_new_process_under_the_same_name_replaces_the_old_entry(broker: Broker
     broker._on_ready(b"w0", wire.Ready("w0", "m", -1, 1, 5678))
     assert broker.workers[b"w0"] is not first and broker.workers[b"w0"].pid == 5678
     assert len(broker.models["m"].free) == 1
+
+
+def test_a_streamed_request_whose_worker_dies_is_resumed_elsewhere_from_its_tokens(broker: Broker) -> None:
+    ctx = broker.front.context
+    client = ctx.socket(zmq.DEALER)
+    client.connect("inproc://front")
+    workers = {}
+    for name in (b"w0", b"w1"):
+        workers[name] = ctx.socket(zmq.DEALER)
+        workers[name].setsockopt(zmq.IDENTITY, name)
+        workers[name].connect("inproc://back")
+        broker._on_ready(name, wire.Ready(name.decode(), "m", -1, 1, 1))
+    try:
+        client.send_multipart(wire.encode(wire.Request("r1", "hi", stream=True)))
+        assert broker.front.poll(1000)
+        broker.drain_front()
+        first = next(name for name, sock in workers.items() if sock.poll(1000))
+        assign = wire.decode(workers[first].recv_multipart())
+        assert assign.report_tokens and assign.generated == b"" and assign.attempt == 1
+        chunk = wire.encode_from_worker(wire.Chunk("r1", "ab"), assign.ticket, wire.token_frame([7, 8]))
+        workers[first].send_multipart(chunk)
+        assert broker.back.poll(1000)
+        broker.drain_back()
+        assert client.poll(1000) and wire.decode(client.recv_multipart()) == wire.Chunk("r1", "ab")
+
+        broker.worker_exited(int(first[1:]))  # it died after streaming: handed over, not worker_lost
+        other = workers[b"w1" if first == b"w0" else b"w0"]
+        assert other.poll(1000)
+        resumed = wire.decode(other.recv_multipart())
+        assert wire.frame_tokens(resumed.generated) == [7, 8] and resumed.attempt == 2
+        assert resumed.ticket == assign.ticket and broker.stats["resumed"] == 1 and not broker.stats["worker_lost"]
+        assert not client.poll(0)  # the client saw no error
+    finally:
+        client.close(0)
+        for sock in workers.values():
+            sock.close(0)

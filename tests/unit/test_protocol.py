@@ -29,6 +29,20 @@ def test_worker_messages_carry_a_ticket_frame() -> None:
     assert wire.decode_body(wire.parse_header(frames, 4), frames[3]) == wire.Ready("w1", "tiny", -1, 1, 123)
 
 
+def test_a_chunk_may_carry_its_token_ids_and_an_assign_the_tokens_to_resume_from() -> None:
+    tokens = [1, 0, 31999, 2**31 - 1]
+    frames = wire.encode_from_worker(wire.Chunk("r1", "text"), "t1", wire.token_frame(tokens))
+    assert len(frames) == 5 and wire.frame_tokens(frames[4]) == tokens
+    assign = wire.Assign("t1", wire.Request("r1", "hi"), 1.0, 2, report_tokens=True,
+                         generated=wire.token_frame(tokens))
+    decoded = wire.decode(wire.encode(assign))
+    assert decoded == assign and wire.frame_tokens(decoded.generated) == tokens
+    old = wire.decode(wire.encode(wire.Assign("t1", wire.Request("r1", "hi"), 1.0, 1)))  # what an old broker sends
+    assert not old.report_tokens and old.generated == b""
+    with pytest.raises(ProtocolError, match="int32"):
+        wire.Assign.from_wire({**wire.to_wire(assign), "generated": b"\x00" * 5})
+
+
 @pytest.mark.parametrize("frames, problem", [
     ([wire.VERSION, b"\x01"], "expected 3 frames"),
     ([b"MPS9", b"\x01", b"\x80"], "unsupported protocol version"),

@@ -76,17 +76,22 @@ def test_a_device_filter_keeps_to_that_device_and_none_found_is_none() -> None:
     assert choose_slot([], workers, "hi") is None
 
 
-def pending(state: RequestState, crashes: int) -> Pending:
+def pending(state: RequestState, crashes: int, generated: list[int], known: bool = True) -> Pending:
     p = Pending("t1", b"c", wire.Request("r1", "hi"), "m", 0.0, None, state=state)
     p.crashes = crashes
+    p.generated += wire.token_frame(generated)
+    p.tokens_known = known
     return p
 
 
-@pytest.mark.parametrize("state, crashes, outcome", [
-    (RequestState.RUNNING, 1, AfterLoss.RETRY),  # nothing streamed: retried transparently
-    (RequestState.STREAMING, 1, AfterLoss.LOST),  # text reached the client: a retry would repeat it
-    (RequestState.RUNNING, MAX_CRASHES, AfterLoss.POISON),  # it has now crashed two workers
-    (RequestState.STREAMING, MAX_CRASHES, AfterLoss.POISON),
+@pytest.mark.parametrize("state, crashes, generated, known, outcome", [
+    (RequestState.RUNNING, 1, [], True, AfterLoss.RETRY),  # nothing streamed: retried transparently
+    (RequestState.STREAMING, 1, [5, 6], True, AfterLoss.RETRY),  # streamed, its tokens known: resumed from them
+    (RequestState.STREAMING, 1, [], False, AfterLoss.LOST),  # streamed by a worker that did not report tokens
+    (RequestState.STREAMING, 1, [5, 6], False, AfterLoss.LOST),  # ... after one that did: some are missing
+    (RequestState.RUNNING, MAX_CRASHES, [], True, AfterLoss.POISON),  # it has now crashed two workers
+    (RequestState.STREAMING, MAX_CRASHES, [5], True, AfterLoss.POISON),
 ])
-def test_what_becomes_of_a_request_whose_worker_died(state: RequestState, crashes: int, outcome: AfterLoss) -> None:
-    assert after_loss(pending(state, crashes)) is outcome
+def test_what_becomes_of_a_request_whose_worker_died(state: RequestState, crashes: int, generated: list[int],
+                                                     known: bool, outcome: AfterLoss) -> None:
+    assert after_loss(pending(state, crashes, generated, known)) is outcome

@@ -1,0 +1,119 @@
+"""The gateway's OpenAPI 3.0 document (``GET /openapi.json``), built from the same limits the code enforces,
+so standard tools can check and fuzz the API. Error statuses are those ``errors.CODES``, ``limits`` and
+``guard`` answer with; the 5xx ones a client may see are 502 (an instance died or stalled), 503 (no server,
+shutting down, a model that failed or does not fit) and 504 (the request's timeout).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from mpserve import protocol as wire
+
+from . import limits
+from . import openai as oai
+
+ERROR_STATUSES = {
+    "400": "bad parameters, not JSON, over a size limit (each names its limit)",
+    "401": "no valid API key",
+    "404": "the model is not served",
+    "408": "the request (its headers, or its body) did not arrive within the read timeout",
+    "413": "the body is over MAX_BODY_BYTES",
+    "429": "the model's queue is full; Retry-After says when to retry",
+    "502": "the instance died or stalled",
+    "503": "no server answers, it is shutting down, or the model failed to load or does not fit",
+    "504": "the request's timeout passed",
+}
+
+
+def document(version: str) -> dict[str, Any]:
+    errors = {status: {"$ref": f"#/components/responses/E{status}"} for status in ERROR_STATUSES}
+    return {
+        "openapi": "3.0.3",
+        "info": {"title": "mpserve OpenAI-compatible gateway", "version": version},
+        "paths": {
+            "/v1/completions": {"post": _generation("completions", "CompletionRequest", errors)},
+            "/v1/chat/completions": {"post": _generation("chat completions", "ChatRequest", errors)},
+            "/v1/models": {"get": _get("the served models", "application/json", {"503": errors["503"],
+                                                                                   "401": errors["401"]})},
+            "/health": {"get": _get("200 while some instance can take a request", "application/json",
+                                    {"503": {"description": "no instance is ready, or no server answers",
+                                             "content": {"application/json": {"schema": {"type": "object"}}}}})},
+            "/metrics": {"get": _get("Prometheus text", "text/plain", {"401": errors["401"]})},
+            "/backend/monitor": {"get": {
+                **_get("each instance of a server on this host", "application/json",
+                       {k: errors[k] for k in ("401", "404", "503")}),
+                "parameters": [{"name": "model", "in": "query", "required": False, "schema": {"type": "string"}}]}},
+            "/console/state": {"get": _get("the web console's data", "application/json", {"401": errors["401"]})},
+            "/openapi.json": {"get": _get("this document", "application/json", {})},
+        },
+        "components": {
+            "schemas": {"CompletionRequest": _completion(), "ChatRequest": _chat(), "Error": _ERROR},
+            "responses": {f"E{status}": {"description": why, "content": {"application/json": {
+                "schema": {"$ref": "#/components/schemas/Error"}}}} for status, why in ERROR_STATUSES.items()},
+            "securitySchemes": {"bearer": {"type": "http", "scheme": "bearer"}},
+        },
+    }
+
+
+def _generation(what: str, request: str, errors: dict[str, Any]) -> dict[str, Any]:
+    return {"summary": f"OpenAI {what}, whole (JSON) or streamed (server-sent events)",
+            "security": [{"bearer": []}, {}],
+            "requestBody": {"required": True, "content": {"application/json": {
+                "schema": {"$ref": f"#/components/schemas/{request}"}}}},
+            "responses": {"200": {"description": "the completion", "content": {
+                "application/json": {"schema": {"type": "object"}},
+                "text/event-stream": {"schema": {"type": "string"}}}}, **errors}}
+
+
+def _get(what: str, media: str, errors: dict[str, Any]) -> dict[str, Any]:
+    schema = {"type": "object"} if media == "application/json" else {"type": "string"}
+    return {"summary": what, "responses": {"200": {"description": what, "content": {media: {"schema": schema}}},
+                                           **errors}}
+
+
+def _nullable(schema: dict[str, Any]) -> dict[str, Any]:
+    return {**schema, "nullable": True}
+
+
+def _sampling() -> dict[str, Any]:
+    stop = {"type": "string", "minLength": 1, "maxLength": wire.MAX_STOP_CHARS}
+    return {
+        "model": _nullable({"type": "string", "maxLength": 256}),
+        "max_tokens": _nullable({"type": "integer", "minimum": 1, "maximum": wire.MAX_TOKENS_LIMIT}),
+        "temperature": _nullable({"type": "number", "minimum": 0, "maximum": 100}),
+        "top_p": _nullable({"type": "number", "minimum": 0, "maximum": 1}),
+        "top_k": _nullable({"type": "integer", "minimum": 0, "maximum": 1 << 20}),
+        "seed": _nullable({"type": "integer", "minimum": 0, "maximum": 2**32 - 1}),
+        "repeat_penalty": _nullable({"type": "number", "minimum": 0.01, "maximum": 100}),
+        "stop": _nullable({"oneOf": [stop, {"type": "array", "items": stop, "maxItems": wire.MAX_STOP_STRINGS}]}),
+        "stream": _nullable({"type": "boolean"}),
+        "stream_options": _nullable({"type": "object", "properties": {"include_usage": {"type": "boolean"}},
+                                     "additionalProperties": False}),
+        "user": _nullable({"type": "string"}),
+    }
+
+
+def _completion() -> dict[str, Any]:
+    prompt = {"type": "string", "maxLength": wire.MAX_PROMPT_CHARS}
+    return {"type": "object", "required": ["prompt"], "additionalProperties": False, "properties": {
+        "prompt": {"oneOf": [prompt, {"type": "array", "items": prompt, "minItems": 1, "maxItems": 1}]},
+        **_sampling()}}
+
+
+def _chat() -> dict[str, Any]:
+    part = {"type": "object", "required": ["type", "text"],
+            "properties": {"type": {"type": "string", "enum": ["text"]}, "text": {"type": "string"}}}
+    message = {"type": "object", "required": ["role"], "properties": {
+        "role": {"type": "string", "enum": list(oai.CHAT_ROLES)},
+        "content": _nullable({"oneOf": [{"type": "string"}, {"type": "array", "items": part}]})}}
+    return {"type": "object", "required": ["messages"], "additionalProperties": False, "properties": {
+        "messages": {"type": "array", "items": message, "minItems": 1, "maxItems": limits.MAX_MESSAGES},
+        "max_completion_tokens": _nullable({"type": "integer", "minimum": 1, "maximum": wire.MAX_TOKENS_LIMIT}),
+        **_sampling()}}
+
+
+_ERROR = {"type": "object", "required": ["error"], "properties": {"error": {
+    "type": "object", "required": ["message", "type", "param", "code"], "properties": {
+        "message": {"type": "string"}, "type": {"type": "string"}, "param": {"nullable": True},
+        "code": {"type": "string"}}}}}

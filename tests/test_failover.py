@@ -1,0 +1,57 @@
+"""Mid-stream hand-over: a streamed request whose instance dies (SIGKILL) or stops (SIGSTOP, past the
+stall timeout) continues on another instance from the tokens it had streamed; the client sees one stream,
+nothing repeated or missing, and greedy text equal to an uninterrupted run, token for token."""
+
+from __future__ import annotations
+
+import os
+import signal
+
+import pytest
+from helpers import wait_for
+
+from mpserve import Client
+from mpserve.slots import SlotState
+
+PROMPT = "Once upon a time"
+MAX_TOKENS = 400
+STALL_TIMEOUT_S = 2.0
+
+
+def _handed_over(server, client: Client, interrupt: int) -> None:
+    """The same greedy request uninterrupted, then streamed while ``interrupt`` hits its instance."""
+    whole = client.generate(PROMPT, max_tokens=MAX_TOKENS, temperature=0, timeout=120)
+    stream = client.stream(PROMPT, max_tokens=MAX_TOKENS, temperature=0, timeout=120)
+    chunks = iter(stream)
+    texts = [next(chunks)]
+    row = wait_for(lambda: next((r for r in server.slots() if r.state is SlotState.BUSY and r.tokens >= 20), None),
+                   30, "the request generating")
+    os.kill(row.pid, interrupt)
+    try:
+        texts += list(chunks)
+    finally:
+        if interrupt == signal.SIGSTOP:
+            os.kill(row.pid, signal.SIGKILL)  # the supervisor's SIGTERM waits for a SIGCONT
+            os.kill(row.pid, signal.SIGCONT)
+    result = stream.result
+    assert result is not None
+    assert "".join(texts) == result.text == whole.text  # one stream, nothing repeated or missing
+    assert (result.finish_reason, result.usage) == (whole.finish_reason, whole.usage)
+    assert result.timings.attempts == 2 and result.worker != f"w{row.worker}"
+    assert client.stats().counters.get("resumed") == 1
+
+
+@pytest.mark.timeout(120)
+def test_a_stream_whose_instance_is_killed_continues_on_another(start_server) -> None:
+    server = start_server("--instances", "2").wait_ready()
+    with Client(server.address) as client:
+        _handed_over(server, client, signal.SIGKILL)
+    assert not server.tracebacks(), "\n".join(server.log)
+
+
+@pytest.mark.timeout(120)
+def test_a_stream_whose_instance_stops_continues_on_another_after_the_stall_timeout(start_server) -> None:
+    server = start_server("--instances", "2", "--stall-timeout", str(STALL_TIMEOUT_S)).wait_ready()
+    with Client(server.address) as client:
+        _handed_over(server, client, signal.SIGSTOP)
+    assert not server.tracebacks(), "\n".join(server.log)

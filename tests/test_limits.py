@@ -1,0 +1,195 @@
+"""Every size and time limit answers at once with an error that names it, on both fronts: a real
+``mpserve start --http`` (the gateway its child process), raw sockets and real clients, on loopback."""
+
+from __future__ import annotations
+
+import json
+import select
+import socket
+import time
+from collections.abc import Iterator
+
+import httpx
+import msgpack
+import pytest
+import zmq
+from conftest import ServerProcess
+from helpers import wait_for
+
+from mpserve import Client
+from mpserve import protocol as wire
+from mpserve.errors import BadRequest
+from mpserve.gateway import limits
+
+READ_TIMEOUT_S = 2.0
+MAX_CONNECTIONS = 64
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class HttpServer:
+    def __init__(self, server: ServerProcess, port: int) -> None:
+        self.server, self.port, self.url = server, port, f"http://127.0.0.1:{port}"
+
+    def post(self, path: str, body: bytes, **headers: str) -> httpx.Response:
+        return httpx.post(self.url + path, content=body, headers={"content-type": "application/json", **headers},
+                          timeout=10)
+
+    def connect(self) -> socket.socket:
+        return socket.create_connection(("127.0.0.1", self.port), timeout=10)
+
+
+def _up(url: str) -> bool:
+    try:
+        return httpx.get(url + "/health", timeout=1).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
+@pytest.fixture(scope="module")
+def http() -> Iterator[HttpServer]:
+    port = free_port()
+    server = ServerProcess("--http", f"127.0.0.1:{port}", env={
+        "MPSERVE_HTTP_READ_TIMEOUT": str(READ_TIMEOUT_S), "MPSERVE_HTTP_MAX_CONNECTIONS": str(MAX_CONNECTIONS)})
+    server.wait_ready()
+    front = HttpServer(server, port)
+    wait_for(lambda: _up(front.url), 30, "the gateway answers /health")
+    yield front
+    server.stop()
+    assert not server.tracebacks(), "\n".join(server.log)
+
+
+def _openai_error(response: httpx.Response, status: int, code: str, words: str) -> None:
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"} and error["code"] == code, error
+    assert words in error["message"], error
+
+
+def _served(front: HttpServer) -> None:
+    ok = front.post("/v1/completions", json.dumps({"prompt": "hi", "max_tokens": 2}).encode())
+    assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 2
+
+
+@pytest.mark.timeout(60)
+def test_prompts_over_the_limits_are_refused_at_once_over_zeromq(http) -> None:
+    with Client(server_name=http.server.name, timeout=30) as client:
+        assert client.max_message_bytes == wire.MAX_MESSAGE_BYTES  # told by the server's PONG
+        with pytest.raises(BadRequest, match="MAX_PROMPT_CHARS"):
+            client.generate("hello " * 200_000, max_tokens=2)
+        with pytest.raises(BadRequest, match="MAX_MESSAGE_BYTES"):  # 4-byte characters: within the prompt limit
+            client.generate("\N{GRINNING FACE}" * wire.MAX_PROMPT_CHARS, max_tokens=2)
+        assert client.generate("hi", max_tokens=2).usage.completion_tokens == 2  # the connection is whole
+
+
+@pytest.mark.timeout(60)
+def test_a_raw_client_with_a_prompt_over_the_limit_gets_an_error_for_its_request(http) -> None:
+    """Without the client's own check: the broker's error still names the request, so it reaches it."""
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.DEALER)
+    try:
+        sock.connect(http.server.address)
+        body = msgpack.packb({"id": "big", "prompt": "hello " * 200_000, "params": {"max_tokens": 2}})
+        sock.send_multipart([wire.VERSION, bytes([wire.MsgType.REQUEST]), body])
+        assert sock.poll(10_000), "no answer"
+        error = wire.decode(sock.recv_multipart())
+        assert isinstance(error, wire.Error) and error.id == "big" and error.code == "bad_request"
+        assert str(wire.MAX_PROMPT_CHARS) in error.message
+    finally:
+        sock.close(0)
+        ctx.term()
+
+
+@pytest.mark.timeout(60)
+def test_http_bodies_over_a_limit_get_openai_errors_naming_it(http) -> None:
+    url = "/v1/completions"
+    _openai_error(http.post(url, b" " * (limits.MAX_BODY_BYTES + 1)), 413, "request_too_large", "MAX_BODY_BYTES")
+
+    def chunked() -> Iterator[bytes]:  # no Content-Length: counted as it arrives
+        for _ in range(limits.MAX_BODY_BYTES // 65536 + 2):
+            yield b" " * 65536
+
+    big = httpx.post(http.url + url, content=chunked(), timeout=10)
+    _openai_error(big, 413, "request_too_large", "MAX_BODY_BYTES")
+    _openai_error(http.post(url, b"[" * 100_000), 400, "bad_request", "MAX_JSON_DEPTH")
+    _openai_error(http.post(url, b"[" * 40 + b"]" * 40), 400, "bad_request", "MAX_JSON_DEPTH")
+    _openai_error(http.post(url, b'{"prompt": "\xff\xfe"}'), 400, "bad_request", "not valid JSON")
+    huge = json.dumps({"prompt": "hello " * 200_000, "max_tokens": 2}).encode()
+    _openai_error(http.post(url, huge), 400, "bad_request", "MAX_PROMPT_CHARS")
+    many = json.dumps({"messages": [{"role": "user", "content": "hi"}] * 100_000, "max_tokens": 2}).encode()
+    _openai_error(http.post("/v1/chat/completions", many), 400, "bad_request", "MAX_MESSAGES")
+    stops = json.dumps({"prompt": "hi", "stop": [str(i) for i in range(wire.MAX_STOP_STRINGS + 1)]}).encode()
+    _openai_error(http.post(url, stops), 400, "bad_request", f"at most {wire.MAX_STOP_STRINGS} stop strings")
+    tools = json.dumps({"messages": [{"role": "user", "content": "hi"}],
+                        "tools": [{"type": "function"}] * 10_000}).encode()
+    _openai_error(http.post("/v1/chat/completions", tools), 400, "bad_request", "'tools'")
+    _served(http)
+
+
+def _answer(sock: socket.socket) -> bytes:
+    """Everything the server sends until it closes the connection."""
+    data = b""
+    while piece := sock.recv(65536):
+        data += piece
+    return data
+
+
+def _status_and_error(answer: bytes) -> tuple[int, dict[str, str]]:
+    head, _, body = answer.partition(b"\r\n\r\n")
+    return int(head.split()[1]), json.loads(body)["error"]
+
+
+@pytest.mark.timeout(60)
+def test_half_headers_and_trickled_bodies_are_cut_off_after_the_read_timeout(http) -> None:
+    started = time.monotonic()
+    halves = [http.connect() for _ in range(20)]
+    for sock in halves:
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n")
+    trickle = http.connect()
+    trickle.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                    b"Content-Length: 100\r\n\r\n{")
+    _served(http)  # normal requests meanwhile
+    while not select.select([trickle], [], [], 0.2)[0]:  # a byte now and then: the deadline is for the whole body
+        trickle.sendall(b" ")
+        assert time.monotonic() - started < READ_TIMEOUT_S + 5, "the trickled body was not cut off"
+    status, error = _status_and_error(_answer(trickle))
+    assert status == 408 and "body" in error["message"]
+    trickle.close()
+    for sock in halves:
+        status, error = _status_and_error(_answer(sock))
+        assert status == 408 and error["code"] == "request_timeout" and "headers" in error["message"]
+        sock.close()
+    assert time.monotonic() - started < READ_TIMEOUT_S + 5
+
+
+@pytest.mark.timeout(60)
+def test_connections_over_the_bound_get_503_with_retry_after(http) -> None:
+    held = [http.connect() for _ in range(MAX_CONNECTIONS)]
+    try:
+        extra = http.connect()
+        answer = _answer(extra)
+        extra.close()
+        status, error = _status_and_error(answer)
+        assert status == 503 and error["code"] == "too_many_connections" and str(MAX_CONNECTIONS) in error["message"]
+        assert b"\r\nretry-after: 1\r\n" in answer.lower()
+    finally:
+        for sock in held:
+            sock.close()
+    wait_for(lambda: _up(http.url), 10, "served again once the connections are closed")
+    _served(http)
+
+
+@pytest.mark.timeout(60)
+def test_what_is_not_http_gets_a_400_in_openai_shape(http) -> None:
+    with http.connect() as sock:
+        sock.sendall(b"\x16\x03\x01 not http at all\r\n\r\n")
+        status, error = _status_and_error(_answer(sock))
+    assert status == 400 and error["code"] == "invalid_http"
+    with http.connect() as sock:
+        sock.sendall(b"GET / HTTP/1.1\r\nHost: x\r\nX-Big: " + b"a" * 70_000 + b"\r\n\r\n")
+        status, error = _status_and_error(_answer(sock))
+    assert status == 400 and "headers over" in error["message"]

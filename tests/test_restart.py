@@ -1,0 +1,95 @@
+"""What clients see when the server dies and is restarted (what systemd's ``Restart=on-failure`` does with
+examples/systemd/mpserve.service): a request in flight fails with ``connection`` within the client's
+liveness window, not at its timeout, over ZeroMQ and over HTTP; once a server of the same name is back, a
+retry succeeds, on the same ZeroMQ client and on the same HTTP port."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+
+import httpx
+import pytest
+from helpers import wait_for
+from test_limits import free_port
+
+from mpserve import Client
+from mpserve.client import PING_INTERVAL_S, PING_LIVENESS
+from mpserve.errors import ConnectionFailed
+from mpserve.slots import SlotState
+
+REQUEST_TIMEOUT_S = 60.0
+PROMPT = "Once upon a time"
+LIVENESS_S = PING_INTERVAL_S * PING_LIVENESS
+
+
+def _http_up(url: str) -> bool:
+    try:
+        return httpx.get(url + "/health", timeout=1).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
+def _http_stream(url: str, outcome: list[object]) -> None:
+    """Stream a long completion; record the error code of its last event, or the exception that ended it."""
+    body = {"prompt": PROMPT, "max_tokens": 3000, "temperature": 0, "stream": True}
+    try:
+        with httpx.stream("POST", url + "/v1/completions", json=body, timeout=REQUEST_TIMEOUT_S) as response:
+            for line in response.iter_lines():
+                if line.startswith("data: {\"error\""):
+                    outcome.append(json.loads(line[6:])["error"]["code"])
+                    return
+            outcome.append("ended")
+    except httpx.HTTPError as exc:
+        outcome.append(exc)
+
+
+@pytest.mark.timeout(120)
+def test_in_flight_requests_fail_promptly_and_a_retry_succeeds_once_the_server_is_back(start_server) -> None:
+    port = free_port()
+    args = ("--instances", "2", "--n-ctx", "4096", "--http", f"127.0.0.1:{port}")
+    server = start_server(*args).wait_ready()
+    url = f"http://127.0.0.1:{port}"
+    wait_for(lambda: _http_up(url), 30, "the gateway answers")
+    client = Client(server.address, timeout=REQUEST_TIMEOUT_S)
+    try:
+        http_outcome: list[object] = []
+        http_thread = threading.Thread(target=_http_stream, args=(url, http_outcome))
+        http_thread.start()
+        stream = client.stream(PROMPT, max_tokens=3000, temperature=0)
+        chunks = iter(stream)
+        next(chunks)  # streaming
+        wait_for(lambda: all(r.state is SlotState.BUSY for r in server.slots()), 10, "both requests running")
+
+        server.proc.kill()  # a crash: what Restart=on-failure restarts
+        killed = time.monotonic()
+        server.proc.wait(10)  # reaped, as systemd does (a zombie's pid would still look alive)
+        with pytest.raises(ConnectionFailed):
+            for _ in chunks:
+                pass
+        zmq_failed_s = time.monotonic() - killed
+        http_thread.join(REQUEST_TIMEOUT_S)
+        http_failed_s = time.monotonic() - killed
+        assert zmq_failed_s < LIVENESS_S + 3, zmq_failed_s
+        assert http_failed_s < LIVENESS_S + 5, (http_failed_s, http_outcome)
+        assert http_outcome and http_outcome[0] != "ended", http_outcome
+
+        again = start_server(*args, name=server.name)
+        deadline = time.monotonic() + 60
+        while True:  # what a client's retry loop does: connection is retryable
+            try:
+                result = client.generate(PROMPT, max_tokens=8, temperature=0, timeout=10)
+                break
+            except ConnectionFailed:
+                assert time.monotonic() < deadline, "no retry succeeded within 60 s"
+                time.sleep(0.5)
+        assert result.usage.completion_tokens == 8
+        wait_for(lambda: _http_up(url), 30, "the restarted gateway answers on the same port")
+        ok = httpx.post(url + "/v1/completions", json={"prompt": PROMPT, "max_tokens": 8}, timeout=30)
+        assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 8
+        print(f"\nbroker SIGKILL: the ZeroMQ stream failed with connection after {zmq_failed_s:.1f} s, the HTTP "
+              f"stream ({http_outcome[0]!r}) after {http_failed_s:.1f} s; request timeout {REQUEST_TIMEOUT_S:g} s")
+        assert not again.tracebacks(), "\n".join(again.log)
+    finally:
+        client.close()
