@@ -907,8 +907,8 @@ def peek_id(body: bytes) -> str | None:
     """The ``id`` of a body that failed validation, so the error can still reach its request (also when
     another field, such as a too long prompt, is what failed)."""
     try:
-        obj = msgpack.unpackb(body, raw=False, max_str_len=MAX_MESSAGE_BYTES, max_bin_len=0, max_array_len=4096,
-                              max_map_len=64, max_ext_len=0)
+        obj = msgpack.unpackb(body, raw=False, max_str_len=MAX_MESSAGE_BYTES, max_bin_len=MAX_MESSAGE_BYTES,
+                              max_array_len=4096, max_map_len=64, max_ext_len=0)
     except Exception:
         return None
     rid = obj.get("id") if isinstance(obj, dict) else None

@@ -80,6 +80,8 @@ def test_oversized_bodies_are_refused_before_decoding() -> None:
 def test_the_id_of_an_invalid_request_can_still_be_read() -> None:
     assert wire.peek_id(msgpack.packb({"id": "abc", "params": 5})) == "abc"
     assert wire.peek_id(b"\xc1") is None
+    token_prompt = wire.Request("tok1", "", "no-such-model", tokens=wire.pack_tokens([0, 1]))  # a bin field
+    assert wire.peek_id(wire.pack(token_prompt)) == "tok1"
 
 
 @pytest.mark.parametrize("body, problem", [
