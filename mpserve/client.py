@@ -226,20 +226,10 @@ class AsyncClient:
                       path: str | None = None, timeout: float = CONNECT_TIMEOUT_S) -> wire.ControlReply:
         """An operator's call (``models``, ``load``, ``unload``, ``scale``, ``add``); a refused one raises its
         error. ``path`` (add) is read by the server, relative to its own folder."""
-        await self.connect()
         call = wire.Control(next(self._ids), op, model, min, max, path)
         call.validate()
-        queue: asyncio.Queue[Any] = asyncio.Queue()
-        self._pending[call.id] = queue
-        try:
-            await self._send(call)
-            answer = await asyncio.wait_for(queue.get(), timeout)
-        except asyncio.TimeoutError:
-            raise ConnectionFailed(f"no answer from the server at {self.address} within {timeout:g} s") from None
-        finally:
-            self._pending.pop(call.id, None)
-        if isinstance(answer, MpserveError):
-            raise answer
+        answer = await self._ask(call, timeout, ConnectionFailed(
+            f"no answer from the server at {self.address} within {timeout:g} s"))
         assert isinstance(answer, wire.ControlReply)
         return answer
 
@@ -261,19 +251,26 @@ class AsyncClient:
 
     async def _lookup(self, msg: wire.Tokenize) -> wire.Tokens:
         """Send a TOKENIZE and wait for its TOKENS; raises the MpserveError of an ERROR reply."""
+        answer = await self._ask(msg, None if msg.timeout is None else msg.timeout + 1.0,
+                                 Timeout(f"no answer within {msg.timeout} s"))
+        assert isinstance(answer, wire.Tokens)
+        return answer
+
+    async def _ask(self, msg: wire.Tokenize | wire.Control, wait: float | None, timed_out: MpserveError) -> Any:
+        """Send a message that has one answer and wait for it (``wait`` seconds; None: no limit); raises the
+        MpserveError of an ERROR reply, or ``timed_out``."""
         await self.connect()
         queue: asyncio.Queue[Any] = asyncio.Queue()
         self._pending[msg.id] = queue
         try:
             await self._send(msg)
-            answer = await asyncio.wait_for(queue.get(), None if msg.timeout is None else msg.timeout + 1.0)
+            answer = await asyncio.wait_for(queue.get(), wait)
         except asyncio.TimeoutError:
-            raise Timeout(f"no answer within {msg.timeout} s") from None
+            raise timed_out from None
         finally:
             self._pending.pop(msg.id, None)
         if isinstance(answer, MpserveError):
             raise answer
-        assert isinstance(answer, wire.Tokens)
         return answer
 
     async def _submit(self, request: wire.Request) -> asyncio.Queue[Any]:
