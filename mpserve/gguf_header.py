@@ -6,7 +6,7 @@
                    tensor infos ─► name, shape, type ─► bytes on disk (gguf's block sizes)
 
 ``gguf.GGUFReader`` builds an object per field part, so a real model's vocabulary (hundreds of thousands
-of strings) costs seconds; the memory estimate (``mpserve.placement``) needs a handful of keys and the
+of strings) costs seconds; the memory estimate (``mpserve.gpu.placement``) needs a handful of keys and the
 tensor sizes, which this reads in a single pass over the header. String arrays are left out of
 ``metadata``: nothing that reads the header for sizes needs a token list.
 """
