@@ -15,8 +15,9 @@ class FakeNvml:
     class NVMLError(Exception):
         pass
 
-    def __init__(self, recorded: list[dict[str, Any]]) -> None:
+    def __init__(self, recorded: list[dict[str, Any]], *, driver_loaded: bool = True) -> None:
         self.recorded = recorded
+        self.driver_loaded = driver_loaded
         self.running = False
 
     @classmethod
@@ -24,6 +25,8 @@ class FakeNvml:
         return cls(json.loads((DATA / name).read_text()))
 
     def nvmlInit(self) -> None:
+        if not self.driver_loaded:
+            raise self.NVMLError("Driver Not Loaded")
         self.running = True
 
     def nvmlShutdown(self) -> None:

@@ -6,6 +6,8 @@ import time
 from collections.abc import Callable
 from typing import TypeVar
 
+import httpx
+
 T = TypeVar("T")
 
 
@@ -19,3 +21,11 @@ def wait_for(condition: Callable[[], T], timeout: float = 10.0, what: str = "the
             raise AssertionError(f"not within {timeout} s: {what}")
         time.sleep(interval)
     return value
+
+
+def http_up(url: str) -> bool:
+    """Whether the gateway at ``url`` answers /health with 200 (ready)."""
+    try:
+        return httpx.get(url + "/health", timeout=1).status_code == 200
+    except httpx.HTTPError:
+        return False

@@ -14,7 +14,7 @@ import msgpack
 import pytest
 import zmq
 from conftest import ServerProcess
-from helpers import wait_for
+from helpers import http_up, wait_for
 
 from mpserve import Client
 from mpserve import protocol as wire
@@ -43,13 +43,6 @@ class HttpServer:
         return socket.create_connection(("127.0.0.1", self.port), timeout=10)
 
 
-def _up(url: str) -> bool:
-    try:
-        return httpx.get(url + "/health", timeout=1).status_code == 200
-    except httpx.HTTPError:
-        return False
-
-
 @pytest.fixture(scope="module")
 def http() -> Iterator[HttpServer]:
     port = free_port()
@@ -57,7 +50,7 @@ def http() -> Iterator[HttpServer]:
         "MPSERVE_HTTP_READ_TIMEOUT": str(READ_TIMEOUT_S), "MPSERVE_HTTP_MAX_CONNECTIONS": str(MAX_CONNECTIONS)})
     server.wait_ready()
     front = HttpServer(server, port)
-    wait_for(lambda: _up(front.url), 30, "the gateway answers /health")
+    wait_for(lambda: http_up(front.url), 30, "the gateway answers /health")
     yield front
     server.stop()
     assert not server.tracebacks(), "\n".join(server.log)
@@ -179,7 +172,7 @@ def test_connections_over_the_bound_get_503_with_retry_after(http) -> None:
     finally:
         for sock in held:
             sock.close()
-    wait_for(lambda: _up(http.url), 10, "served again once the connections are closed")
+    wait_for(lambda: http_up(http.url), 10, "served again once the connections are closed")
     _served(http)
 
 

@@ -9,7 +9,7 @@ from collections.abc import Iterator
 import httpx
 import pytest
 from conftest import ServerProcess
-from helpers import wait_for
+from helpers import http_up, wait_for
 from hypothesis import HealthCheck, Phase, settings
 from test_limits import free_port
 
@@ -20,19 +20,12 @@ EXAMPLES_PER_OPERATION = 40
 ALLOWED_5XX = {502, 503, 504}
 
 
-def _up(url: str) -> bool:
-    try:
-        return httpx.get(url + "/health", timeout=1).status_code == 200
-    except httpx.HTTPError:
-        return False
-
-
 @pytest.fixture(scope="module")
 def gateway_url() -> Iterator[str]:
     port = free_port()
     server = ServerProcess("--http", f"127.0.0.1:{port}", "--n-ctx", "64", "--instances", "2").wait_ready()
     url = f"http://127.0.0.1:{port}"
-    wait_for(lambda: _up(url), 30, "the gateway answers /health")
+    wait_for(lambda: http_up(url), 30, "the gateway answers /health")
     yield url
     server.stop()
     assert not server.tracebacks(), "\n".join(server.log)

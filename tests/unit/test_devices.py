@@ -5,10 +5,9 @@ from __future__ import annotations
 import importlib.util
 import json
 from pathlib import Path
-from types import SimpleNamespace
-from typing import Any
 
 import pytest
+from fake_nvml import FakeNvml
 
 from mpserve.errors import ConfigError
 from mpserve.gpu.devices import (
@@ -24,42 +23,6 @@ from mpserve.gpu.devices import (
 DATA = Path(__file__).parents[1] / "data"
 MIB = 1 << 20
 GIB = 1 << 30
-
-
-class FakeNvml:
-    """The pynvml surface discovery uses, answering from a recorded device list."""
-
-    class NVMLError(Exception):
-        pass
-
-    def __init__(self, recorded: list[dict[str, Any]], *, driver_loaded: bool = True) -> None:
-        self.recorded = recorded
-        self.driver_loaded = driver_loaded
-        self.running = False
-
-    def nvmlInit(self) -> None:
-        if not self.driver_loaded:
-            raise self.NVMLError("Driver Not Loaded")
-        self.running = True
-
-    def nvmlShutdown(self) -> None:
-        self.running = False
-
-    def nvmlDeviceGetCount(self) -> int:
-        assert self.running
-        return len(self.recorded)
-
-    def nvmlDeviceGetHandleByIndex(self, index: int) -> dict[str, Any]:
-        return self.recorded[index]
-
-    def nvmlDeviceGetName(self, handle: dict[str, Any]) -> bytes:
-        return handle["name"].encode()  # older pynvml releases answer bytes
-
-    def nvmlDeviceGetUUID(self, handle: dict[str, Any]) -> str:
-        return handle["uuid"]
-
-    def nvmlDeviceGetMemoryInfo(self, handle: dict[str, Any]) -> SimpleNamespace:
-        return SimpleNamespace(total=handle["total"], free=handle["free"], used=handle["total"] - handle["free"])
 
 
 @pytest.fixture
