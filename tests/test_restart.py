@@ -22,6 +22,7 @@ from mpserve.slots import SlotState
 REQUEST_TIMEOUT_S = 60.0
 PROMPT = "Once upon a time"
 LIVENESS_S = PING_INTERVAL_S * PING_LIVENESS
+MAX_TOKENS = 8000  # long enough to be still running when the server is killed, on a slow or a fast machine
 
 
 def _http_up(url: str) -> bool:
@@ -31,12 +32,14 @@ def _http_up(url: str) -> bool:
         return False
 
 
-def _http_stream(url: str, outcome: list[object]) -> None:
-    """Stream a long completion; record the error code of its last event, or the exception that ended it."""
-    body = {"prompt": PROMPT, "max_tokens": 3000, "temperature": 0, "stream": True}
+def _http_stream(url: str, outcome: list[object], streaming: threading.Event) -> None:
+    """Stream a long completion; set ``streaming`` at its first event; record the error code of its last
+    event, or the exception that ended it."""
+    body = {"prompt": PROMPT, "max_tokens": MAX_TOKENS, "temperature": 0, "stream": True}
     try:
         with httpx.stream("POST", url + "/v1/completions", json=body, timeout=REQUEST_TIMEOUT_S) as response:
             for line in response.iter_lines():
+                streaming.set()
                 if line.startswith("data: {\"error\""):
                     outcome.append(json.loads(line[6:])["error"]["code"])
                     return
@@ -48,18 +51,20 @@ def _http_stream(url: str, outcome: list[object]) -> None:
 @pytest.mark.timeout(120)
 def test_in_flight_requests_fail_promptly_and_a_retry_succeeds_once_the_server_is_back(start_server) -> None:
     port = free_port()
-    args = ("--instances", "2", "--n-ctx", "4096", "--http", f"127.0.0.1:{port}")
+    args = ("--instances", "2", "--n-ctx", "8192", "--http", f"127.0.0.1:{port}")
     server = start_server(*args).wait_ready()
     url = f"http://127.0.0.1:{port}"
     wait_for(lambda: _http_up(url), 30, "the gateway answers")
     client = Client(server.address, timeout=REQUEST_TIMEOUT_S)
     try:
-        http_outcome: list[object] = []
-        http_thread = threading.Thread(target=_http_stream, args=(url, http_outcome))
-        http_thread.start()
-        stream = client.stream(PROMPT, max_tokens=3000, temperature=0)
+        stream = client.stream(PROMPT, max_tokens=MAX_TOKENS, temperature=0)
         chunks = iter(stream)
         next(chunks)  # streaming
+        http_outcome: list[object] = []
+        http_streaming = threading.Event()
+        http_thread = threading.Thread(target=_http_stream, args=(url, http_outcome, http_streaming))
+        http_thread.start()
+        assert http_streaming.wait(30), http_outcome
         wait_for(lambda: all(r.state is SlotState.BUSY for r in server.slots()), 10, "both requests running")
 
         server.proc.kill()  # a crash: what Restart=on-failure restarts
