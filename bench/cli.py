@@ -20,15 +20,15 @@ from datetime import datetime
 from importlib.metadata import version
 from pathlib import Path
 
-from . import batching, dispatch, memory, peers, permits, scaling, startup
+from . import batching, broker, dispatch, memory, peers, permits, scaling, startup
 from .figures import Section
 from .procs import find_llama_server
 from .report import markdown, write_json, write_plots
 from .settings import Settings
 
 SECTIONS: dict[str, Callable[[Settings], Section]] = {
-    "dispatch": dispatch.run, "scaling": scaling.run, "peers": peers.run, "batching": batching.run,
-    "memory": memory.run, "permits": permits.run, "startup": startup.run,
+    "dispatch": dispatch.run, "broker": broker.run, "scaling": scaling.run, "peers": peers.run,
+    "batching": batching.run, "memory": memory.run, "permits": permits.run, "startup": startup.run,
 }
 RESULTS = Path(__file__).parent / "results"
 

@@ -51,6 +51,7 @@ class ModelConfig:
     parallel: int = 1  # sequences one instance decodes together (continuous batching); n_ctx is per sequence
     flash_attn: str = "auto"  # llama.cpp's flash attention: auto (on where supported, as llama-server), on, off
     repack: bool = True  # llama.cpp's repacked weight layouts for this CPU (llama-server's --no-repack: False)
+    echo_tick_ms: float = 0.0  # the echo backend's time per step; its pieces are then their CLOCK_MONOTONIC ns
     devices: tuple[int, ...] | None = None  # pin the model's instances to these GPU indices
     requires_memory: int | None = None  # declared GPU bytes per instance; None: estimated from the GGUF
     min_instances: int | None = None  # the count follows the load within min .. max; None: instances, fixed

@@ -93,6 +93,9 @@ SETTINGS: tuple[Setting, ...] = (
        "weights as stored, as llama-server's --no-repack, for CPUs where those kernels fail (create_completion "
        "always repacks, so output equals it only with repacking on)", flag="--no-repack", env="MPSERVE_NO_REPACK",
        cli_type=bool, negated=True, commands=_FOR_POOLS),
+    _s("echo_tick_ms", "model", float, "0", "The echo backend's time per step, in ms, to stand in for a model's "
+       "decode speed in benchmarks; each streamed piece is then the CLOCK_MONOTONIC time it was made, in ns "
+       "(0: the prompt echoed at once)", flag=None, env=None, range=(0, 60_000)),
     _s("devices", "model", list, "any GPU", "Pin the model's instances to these GPU indices, e.g. [1]", flag=None,
        env=None),
     _s("requires", "model", dict, "estimated from the GGUF", "Declared needs per instance: {memory: 7GiB, gpus: 1}",

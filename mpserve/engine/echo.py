@@ -3,6 +3,14 @@
 It answers each request with its prompt, cut into ``max_tokens`` pieces of about equal size, one piece per
 sequence per ``step``, through the same interface (``mpserve.engine.interface``) and the same worker loop as
 ``BatchEngine``. Its vocabulary is the 256 byte values.
+
+With a ``tick`` it stands in for a model of a given speed, for the broker's benchmark: each ``step`` waits
+for the next tick (fixed times, ``tick`` apart, so a late step does not delay the ones after it), and every
+running sequence makes one piece, the ``time.monotonic_ns()`` it was made at, followed by a space; a request
+gets ``max_tokens`` of them. The clock is the host's, so a client on the same host subtracts a piece's time
+from its arrival time to get what the serving path added.
+
+    step: sleep until tick k → each sequence: piece "<monotonic ns> " → on_token → CHUNK (worker loop)
 """
 
 from __future__ import annotations
@@ -32,8 +40,10 @@ class _Echo:
 class EchoEngine:
     chat = ChatTemplate()
 
-    def __init__(self, parallel: int = 1) -> None:
+    def __init__(self, parallel: int = 1, tick: float = 0.0) -> None:
         self.parallel = parallel
+        self.tick = tick  # seconds per step; 0: no wait, and the pieces are the prompt's
+        self._next_tick = 0.0
         self._running: dict[int, _Echo] = {}
 
     def free_slots(self) -> list[int]:
@@ -48,7 +58,7 @@ class EchoEngine:
             raise BadRequest("the echo backend has no log-probabilities")
         if not isinstance(prompt, str):
             prompt = b"".join(map(self.token_bytes, prompt)).decode("utf-8", "replace")
-        pieces = max(1, min(params.max_tokens, len(prompt)))
+        pieces = params.max_tokens if self.tick else max(1, min(params.max_tokens, len(prompt)))
         self._running[slot] = _Echo(prompt, pieces, -(-len(prompt) // pieces) if prompt else 1, on_token)
 
     def take_logprobs(self, slot: int) -> wire.Logprobs | None:
@@ -70,13 +80,16 @@ class EchoEngine:
             echo.cancel_requested = True
 
     def step(self) -> list[tuple[int, Completion]]:
-        """The next piece of every running sequence."""
+        """The next piece of every running sequence (after the next tick, with one)."""
+        if self.tick:
+            self._wait_for_tick()
         done = []
         for slot, echo in list(self._running.items()):
             reason = "cancelled" if echo.cancel_requested else None
             if reason is None:
                 i = len(echo.sent)
-                echo.sent.append(echo.prompt[i * echo.size:(i + 1) * echo.size])
+                piece = f"{time.monotonic_ns()} " if self.tick else echo.prompt[i * echo.size:(i + 1) * echo.size]
+                echo.sent.append(piece)
                 go_on = echo.on_token(echo.sent[-1], i + 1)
                 reason = "length" if len(echo.sent) == echo.pieces else None if go_on else "cancelled"
             if reason is not None:
@@ -86,6 +99,13 @@ class EchoEngine:
                     completion_tokens=len(echo.sent), prompt_s=0.0,
                     generate_s=time.perf_counter() - echo.admitted_at)))
         return done
+
+    def _wait_for_tick(self) -> None:
+        now = time.monotonic()
+        if self._next_tick <= now - self.tick:  # idle since, or more than a tick late: start afresh from now
+            self._next_tick = now
+        time.sleep(max(0.0, self._next_tick - now))
+        self._next_tick += self.tick
 
     def close(self) -> None:
         self._running.clear()

@@ -28,6 +28,7 @@ class EngineSpec:
     parallel: int = 1  # sequences the engine decodes together
     flash_attn: str = "auto"  # auto, on or off
     repack: bool = True  # llama.cpp's extra (repacked) weight buffer types
+    echo_tick_s: float = 0.0  # the echo backend's time per step (0: at once)
 
     @property
     def is_echo(self) -> bool:
