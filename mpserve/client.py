@@ -500,6 +500,9 @@ class SyncStream:
                 self._client._call(self._chunks.aclose())
 
 
+_EVENTS, _POLLIN = int(zmq.EVENTS), int(zmq.POLLIN)  # plain ints: enum arithmetic per message costs
+
+
 def readable(sock: zmq.Socket[bytes]) -> bool:
     """Whether a message is waiting on ``sock`` (cheaper than a receive that ends on zmq.Again)."""
-    return bool(cast(int, sock.getsockopt(zmq.EVENTS)) & zmq.POLLIN)
+    return bool(cast(int, sock.getsockopt(_EVENTS)) & _POLLIN)

@@ -879,6 +879,9 @@ def unpack_body(body: bytes) -> dict[str, Any]:
     return obj
 
 
+_TYPES = {t.value: t for t in MsgType}  # a dict lookup: much cheaper than MsgType(value), once per message
+
+
 def parse_header(frames: list[bytes], expected: int) -> MsgType:
     """Check frame count and version; return the message type."""
     if len(frames) != expected:
@@ -888,10 +891,10 @@ def parse_header(frames: list[bytes], expected: int) -> MsgType:
                             f"{VERSION.decode()}")
     if len(frames[1]) != 1:
         raise ProtocolError("message type frame must be one byte")
-    try:
-        return MsgType(frames[1][0])
-    except ValueError:
-        raise ProtocolError(f"unknown message type 0x{frames[1][0]:02x}") from None
+    mtype = _TYPES.get(frames[1][0])
+    if mtype is None:
+        raise ProtocolError(f"unknown message type 0x{frames[1][0]:02x}")
+    return mtype
 
 
 def decode_body(mtype: MsgType, body: bytes) -> Any:
