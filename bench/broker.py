@@ -102,7 +102,8 @@ def run(settings: Settings) -> Section:
                                   knee, ">=", RATE_TARGET, "chunks/s"))
     section.notes.append(
         f"{pool.instances} echo instances × {pool.parallel} slots, a piece every {pool.tick_ms:g} ms per sequence, "
-        f"{pool.max_tokens} pieces per request, every piece its own CHUNK; {CLIENTS} client processes on raw "
+        f"{pool.max_tokens} pieces per request, every piece its own CHUNK (those of one worker step for one client "
+        f"travel as one CHUNKS message); {CLIENTS} client processes on raw "
         f"DEALER sockets (msgpack bodies, no validation); {window_s:g} s measured per step after the streams "
         "are open. Latency: a chunk's arrival minus the time the worker made its piece (same host clock). "
         "CPU: the broker process (every thread); its baseline is every process of the run, clients included.")
@@ -189,7 +190,8 @@ def _client(address: str, max_tokens: int, streams: int, window_s: float, pipe: 
 
     for _ in range(streams):
         submit()
-    chunk_type, done_type = bytes([wire.MsgType.CHUNK]), bytes([wire.MsgType.DONE])
+    chunk_type, chunks_type = wire.TYPE_FRAMES[wire.MsgType.CHUNK], wire.TYPE_FRAMES[wire.MsgType.CHUNKS]
+    done_type = wire.TYPE_FRAMES[wire.MsgType.DONE]
     phase = "opening"  # → "waiting" (told the parent) → "counting" → "draining" (cancelled what is open)
     counting_until = 0.0
     chunks = 0
@@ -206,11 +208,12 @@ def _client(address: str, max_tokens: int, streams: int, window_s: float, pipe: 
                     break
                 now = time.monotonic_ns()
                 body = msgpack.unpackb(frames[2])
-                if frames[1] == chunk_type:
+                if frames[1] in (chunk_type, chunks_type):
+                    got = body if frames[1] == chunks_type else [body]
                     if phase == "counting":
-                        chunks += 1
-                        if len(latencies) < LATENCY_SAMPLES:
-                            latencies.append((now - int(body["text"].split(" ", 1)[0])) / 1e6)
+                        chunks += len(got)
+                        for chunk in got[:LATENCY_SAMPLES - len(latencies)]:
+                            latencies.append((now - int(chunk["text"].split(" ", 1)[0])) / 1e6)
                     elif phase == "opening":
                         phase = "waiting"
                         pipe.send("open")

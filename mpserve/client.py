@@ -360,10 +360,11 @@ class AsyncClient:
             if target is not None:
                 target.put_nowait(err)
             return
-        request_id = getattr(msg, "id", None)
-        queue = self._pending.get(request_id) if isinstance(request_id, str) else None
-        if queue is not None:
-            queue.put_nowait(msg)
+        for one in msg.chunks if isinstance(msg, wire.Chunks) else (msg,):
+            request_id = getattr(one, "id", None)
+            queue = self._pending.get(request_id) if isinstance(request_id, str) else None
+            if queue is not None:
+                queue.put_nowait(one)
 
     def _fail_all(self, err: MpserveError) -> None:
         for queue in self._pending.values():

@@ -4,12 +4,14 @@ Every message is a ZeroMQ multipart message. ROUTER sockets see a routing-identi
 frame belongs to ZeroMQ and is not described here.
 
     client  -> broker   [VERSION, TYPE, BODY]            REQUEST, CANCEL, PING, STATS_QUERY, TOKENIZE, CONTROL
-    broker  -> client   [VERSION, TYPE, BODY]            CHUNK, DONE, ERROR, PONG, STATS, TOKENS, CONTROL_REPLY
+    broker  -> client   [VERSION, TYPE, BODY]            CHUNK, CHUNKS, DONE, ERROR, PONG, STATS, TOKENS,
+                                                         CONTROL_REPLY
     broker  -> worker   [VERSION, TYPE, BODY]            ASSIGN, CANCEL, STOP, UNLOAD, TOKENIZE
     worker  -> broker   [VERSION, TYPE, TICKET, BODY]    READY, HEARTBEAT, FAILED, UNLOADED (empty TICKET);
                                                          CHUNK, DONE, ERROR (TICKET of an ASSIGN);
                                                          TOKENS, ERROR (TICKET of a TOKENIZE)
                         [VERSION, CHUNK, TICKET, BODY, TOKENS]  when the ASSIGN asked for ``report_tokens``
+                        [VERSION, CHUNKS, b"", BATCH]    the CHUNKs of one step of several sequences
 
 VERSION is ``b"MPS1"``. TYPE is one byte (``MsgType``). BODY is a msgpack map whose schema is the
 frozen dataclass of that type below. TICKET is the broker's opaque key for one assignment: a worker
@@ -18,6 +20,12 @@ writes the client's own request id into it), without decoding and re-encoding ev
 ids of the tokens generated since the previous CHUNK, int32 little-endian (``token_frame``): the broker
 appends them without decoding anything, and hands them to the next instance if this one is lost
 (``Assign.generated``), which continues the request from there.
+
+CHUNKS carries several CHUNKs in one message, so the message count does not grow with the number of
+sequences streaming at once: a worker sends the CHUNKs one step made as one, its BATCH a msgpack array of
+``[TICKET, BODY, TOKENS or nil]``; the broker forwards each client the BODYs meant for it as one CHUNKS
+whose BODY is a msgpack array of those CHUNK bodies, spliced together unchanged (``chunk_array``). A
+single CHUNK still travels as a CHUNK.
 
 Decoding never trusts the sender: bodies are unpacked with explicit size limits, every field is type-
 and range-checked, and any problem raises ``ProtocolError`` (broken framing, unknown type, bad msgpack)
@@ -66,6 +74,7 @@ class MsgType(IntEnum):
     STATS = 0x14
     TOKENS = 0x15
     CONTROL_REPLY = 0x16
+    CHUNKS = 0x18
     READY = 0x20
     HEARTBEAT = 0x21
     FAILED = 0x22
@@ -555,6 +564,14 @@ class Chunk:
 
 
 @dataclass(frozen=True)
+class Chunks:
+    """Several CHUNKs in one message (of different requests, or of one), in the order they were made."""
+
+    TYPE: ClassVar[MsgType] = MsgType.CHUNKS
+    chunks: tuple[Chunk, ...]
+
+
+@dataclass(frozen=True)
 class Usage:
     prompt_tokens: int = 0
     completion_tokens: int = 0
@@ -853,6 +870,32 @@ def encode_from_worker(msg: Any, ticket: str = "", tokens: bytes | None = None) 
     return frames if tokens is None else [*frames, tokens]
 
 
+def encode_chunks_from_worker(chunks: Sequence[tuple[str, Chunk, bytes | None]]) -> list[bytes]:
+    """[VERSION, CHUNKS, b"", BATCH]: the (ticket, CHUNK, tokens or None) of one step, in one message."""
+    batch = [[ticket, pack(chunk), tokens] for ticket, chunk, tokens in chunks]
+    return [VERSION, TYPE_FRAMES[MsgType.CHUNKS], b"", msgpack.packb(batch, use_bin_type=True)]
+
+
+def worker_chunks(batch: bytes) -> list[tuple[str, bytes, bytes | None]]:
+    """The (ticket, CHUNK body, tokens or None) entries of a worker's CHUNKS, each one checked."""
+    entries = []
+    for entry in _unpack(batch, list):
+        if not (isinstance(entry, list) and len(entry) == 3 and isinstance(entry[0], str)
+                and isinstance(entry[1], bytes) and isinstance(entry[2], (bytes, type(None)))):
+            raise ProtocolError("a CHUNKS entry must be [ticket, CHUNK body, tokens or nil]")
+        entries.append((entry[0], entry[1], entry[2]))
+    return entries
+
+
+def chunk_array(bodies: Sequence[bytes]) -> bytes:
+    """The BODY of a CHUNKS to a client: a msgpack array of CHUNK bodies, each spliced in as it came (each
+    is one msgpack map: an array's header followed by its items is the array)."""
+    n = len(bodies)
+    head = bytes([0x90 | n]) if n < 16 else b"\xdc" + n.to_bytes(2, "big") if n < 1 << 16 else \
+        b"\xdd" + n.to_bytes(4, "big")
+    return head + b"".join(bodies)
+
+
 def token_frame(tokens: Sequence[int]) -> bytes:
     """Token ids as a TOKENS frame (and ``Assign.generated``): int32, little-endian."""
     return struct.pack(f"<{len(tokens)}i", *tokens)
@@ -866,6 +909,17 @@ def frame_tokens(frame: bytes) -> list[int]:
 
 def unpack_body(body: bytes) -> dict[str, Any]:
     """msgpack map with explicit limits; anything else is a ProtocolError."""
+    return _map(_unpack(body, dict))
+
+
+def _map(obj: Any) -> dict[str, Any]:
+    if not isinstance(obj, dict):
+        raise ProtocolError(f"body must be a msgpack map, got {type(obj).__name__}")
+    return obj
+
+
+def _unpack(body: bytes, kind: type) -> Any:
+    """msgpack ``kind`` (a map, or an array for CHUNKS) with explicit limits."""
     if len(body) > MAX_MESSAGE_BYTES:
         raise ProtocolError(f"message body of {len(body)} bytes is over the limit of {MAX_MESSAGE_BYTES}")
     try:
@@ -874,8 +928,8 @@ def unpack_body(body: bytes) -> dict[str, Any]:
                               max_array_len=4096, max_map_len=64, max_ext_len=0)
     except Exception as exc:  # msgpack raises several unrelated types for bad input
         raise ProtocolError(f"body is not valid msgpack: {type(exc).__name__}: {exc}") from None
-    if not isinstance(obj, dict):
-        raise ProtocolError(f"body must be a msgpack map, got {type(obj).__name__}")
+    if not isinstance(obj, kind):
+        raise ProtocolError(f"body must be a msgpack {'map' if kind is dict else 'array'}, got {type(obj).__name__}")
     return obj
 
 
@@ -898,6 +952,8 @@ def parse_header(frames: list[bytes], expected: int) -> MsgType:
 
 
 def decode_body(mtype: MsgType, body: bytes) -> Any:
+    if mtype is MsgType.CHUNKS:
+        return Chunks(tuple(Chunk.from_wire(_map(item)) for item in _unpack(body, list)))
     return _DECODERS[mtype](unpack_body(body))
 
 

@@ -6,6 +6,7 @@
                                         shares the longest prefix, else one of the least busy instance)
                                       ▲                  │
         CHUNK/DONE/ERROR bodies ◀─────┴── forwarded unchanged, looked up by ticket
+        CHUNKS (one worker step)  ──▶ per client, its bodies spliced into one CHUNKS (one: a CHUNK)
 
     TOKENIZE ─▶ at once to the least busy loaded instance of the model (no slot, no queue); its TOKENS or
                 ERROR is forwarded the same way (``lookups``: ticket -> client, request id, worker)
@@ -65,6 +66,7 @@ DEFAULT_SERVICE_MS = 250.0
 MAX_RETRY_AFTER_S = 30.0
 DRAIN_BATCH = 256
 CHUNK_FRAME = wire.TYPE_FRAMES[wire.MsgType.CHUNK]
+CHUNKS_FRAME = wire.TYPE_FRAMES[wire.MsgType.CHUNKS]
 
 
 class Broker:
@@ -449,6 +451,9 @@ class Broker:
         if lookup is not None:  # TOKENS or ERROR answering a TOKENIZE
             self._to_client(lookup[0], [wire.VERSION, frames[1], frames[3]])
             return
+        if mtype is wire.MsgType.CHUNKS:
+            self._worker_chunks(identity, frames[3])
+            return
         if mtype in (wire.MsgType.CHUNK, wire.MsgType.DONE, wire.MsgType.ERROR):
             self._worker_result(identity, mtype, frames[2].decode(errors="replace"), frames[1], frames[3],
                                 frames[4] if len(frames) == 5 else None)
@@ -517,12 +522,7 @@ class Broker:
             self.stats["dropped_stale_result"] += 1
             return
         if mtype is wire.MsgType.CHUNK:
-            if not p.answered:
-                p.state = RequestState.STREAMING
-                if tokens is not None and len(tokens) % 4 == 0:  # int32 ids
-                    p.generated += tokens
-                else:  # an older worker, or a bad frame: a hand-over would miss tokens
-                    p.tokens_known = False
+            if self._streaming(p, tokens):
                 self._to_client(p.client, [wire.VERSION, type_frame, body])
             return
         slot = entry.running.pop(ticket)
@@ -540,6 +540,39 @@ class Broker:
         else:
             mq.free.append((identity, slot))
         self._dispatch(entry.model)
+
+    def _worker_chunks(self, identity: bytes, batch: bytes) -> None:
+        """A worker's CHUNKS: each client gets the chunks meant for it, in order, as one message."""
+        try:
+            entries = wire.worker_chunks(batch)
+        except MpserveError as exc:
+            self.stats["dropped_worker_malformed"] += 1
+            log.error("dropped a bad CHUNKS from worker %r: %s", identity, exc)
+            return
+        entry = self.workers.get(identity)
+        by_client: dict[bytes, list[bytes]] = {}
+        for ticket, body, tokens in entries:
+            p = self.requests.get(ticket)
+            if p is None or entry is None or ticket not in entry.running:
+                self.stats["dropped_stale_result"] += 1
+            elif self._streaming(p, tokens):
+                by_client.setdefault(p.client, []).append(body)
+        for client, bodies in by_client.items():
+            if len(bodies) == 1:
+                self._to_client(client, [wire.VERSION, CHUNK_FRAME, bodies[0]])
+            else:
+                self._to_client(client, [wire.VERSION, CHUNKS_FRAME, wire.chunk_array(bodies)])
+
+    def _streaming(self, p: Pending, tokens: bytes | None) -> bool:
+        """A CHUNK of ``p`` arrived: note its tokens; whether it goes on to the client."""
+        if p.answered:
+            return False
+        p.state = RequestState.STREAMING
+        if tokens is not None and len(tokens) % 4 == 0:  # int32 ids
+            p.generated += tokens
+        else:  # an older worker, or a bad frame: a hand-over would miss tokens
+            p.tokens_known = False
+        return True
 
     def _dispatch(self, model: str) -> None:
         """Assign queued requests of ``model`` to its free slots, oldest request first."""

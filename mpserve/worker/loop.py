@@ -10,7 +10,9 @@ Each turn takes every waiting broker message, then runs one ``engine.step`` whil
     permit    with GPU permits, the first running sequence takes the device's permit (host-wide); the
               last one to end gives it back
     step      every running sequence advances by one token (a prompt by a chunk); pieces stream out as
-              CHUNKs (``ChunkStream``); each sequence that ended is answered at once (DONE or ERROR)
+              CHUNKs (``ChunkStream``), those of one step together as one CHUNKS message (sent before
+              anything else the worker sends, so a DONE never passes its request's last CHUNK); each
+              sequence that ended is answered at once (DONE or ERROR)
     keep alive  heartbeats both ways; register again if the broker went silent; exit if the server died;
               unload the model after ``idle_timeout`` without a request
 
@@ -65,6 +67,7 @@ class Worker:
         self._running: dict[str, wire.Assign] = {}  # ticket -> its assignment
         self._slot_of: dict[str, int] = {}
         self._streams: dict[str, ChunkStream] = {}  # ticket -> its streamed text, for streamed requests
+        self._chunks: list[tuple[str, wire.Chunk, bytes | None]] = []  # this step's CHUNKs: ticket, chunk, tokens
         self._cancelled_tickets: set[str] = set()
         self._served = 0
         self._stopping = False
@@ -191,7 +194,17 @@ class Worker:
         self._keep_alive()
 
     def _send(self, msg: object, ticket: str = "") -> None:
+        self._flush_chunks()
         self._sock.send_multipart(wire.encode_from_worker(msg, ticket))
+
+    def _flush_chunks(self) -> None:
+        """The CHUNKs gathered since the last send: one as a CHUNK, several as one CHUNKS."""
+        if len(self._chunks) == 1:
+            ticket, chunk, tokens = self._chunks[0]
+            self._sock.send_multipart(wire.encode_from_worker(chunk, ticket, tokens))
+        elif self._chunks:
+            self._sock.send_multipart(wire.encode_chunks_from_worker(self._chunks))
+        self._chunks.clear()
 
     def _unload(self) -> None:
         if self._engine is not None:
@@ -255,8 +268,9 @@ class Worker:
         request_id, ticket, engine = assign.request.id, assign.ticket, self._engine
         assert engine is not None
         if not assign.report_tokens:
-            return ChunkStream(lambda text: self._send(wire.Chunk(request_id, text, engine.take_logprobs(slot)),
-                                                       ticket), self._spec.stream_interval), _nothing
+            return ChunkStream(lambda text: self._chunks.append(
+                (ticket, wire.Chunk(request_id, text, engine.take_logprobs(slot)), None)),
+                self._spec.stream_interval), _nothing
         noted: list[int] = []  # since the last CHUNK
         seen = 0
 
@@ -268,10 +282,9 @@ class Worker:
             noted.extend(new)
 
         def send(text: str) -> None:
-            chunk = wire.Chunk(request_id, text, engine.take_logprobs(slot))
-            frames = wire.encode_from_worker(chunk, ticket, wire.token_frame(noted))
+            self._chunks.append((ticket, wire.Chunk(request_id, text, engine.take_logprobs(slot)),
+                                 wire.token_frame(noted)))
             noted.clear()
-            self._sock.send_multipart(frames)
 
         return ChunkStream(send, self._spec.stream_interval), note
 
@@ -305,6 +318,7 @@ class Worker:
             self._permit = None
         for ticket, completion in ended:
             self._end(ticket, self._reply(self._running[ticket], completion))
+        self._flush_chunks()
 
     def _nothing_left(self) -> bool:
         """While queueing for the permit: stop waiting once every running request was cancelled."""

@@ -79,3 +79,39 @@ def test_a_streamed_request_whose_worker_dies_is_resumed_elsewhere_from_its_toke
         client.close(0)
         for sock in workers.values():
             sock.close(0)
+
+
+def test_a_workers_chunks_reach_each_client_in_order_as_one_message_and_before_done(broker: Broker) -> None:
+    ctx = broker.front.context
+    clients = [ctx.socket(zmq.DEALER) for _ in range(2)]
+    worker = ctx.socket(zmq.DEALER)
+    worker.setsockopt(zmq.IDENTITY, b"w0")
+    worker.connect("inproc://back")
+    broker._on_ready(b"w0", wire.Ready("w0", "m", -1, 3, 1))
+    try:
+        for client, ids in zip(clients, (("a1", "a2"), ("b1",)), strict=True):
+            client.connect("inproc://front")
+            for rid in ids:
+                client.send_multipart(wire.encode(wire.Request(rid, "hi", stream=True)))
+            assert broker.front.poll(1000)
+            while broker.front.poll(100):
+                broker.drain_front()
+        tickets = {}
+        while worker.poll(1000) and len(tickets) < 3:
+            assign = wire.decode(worker.recv_multipart())
+            tickets[assign.request.id] = assign.ticket
+        step = [(tickets[rid], wire.Chunk(rid, text), wire.token_frame([n]))
+                for n, (rid, text) in enumerate((("a1", "x"), ("b1", "y"), ("a2", "z")))]
+        worker.send_multipart(wire.encode_chunks_from_worker(step))
+        worker.send_multipart(wire.encode_from_worker(
+            wire.Done("a1", "x", "length", wire.Usage(1, 1), wire.Timings(0, 0, 0)), tickets["a1"]))
+        assert broker.back.poll(1000)
+        while broker.back.poll(100):
+            broker.drain_back()
+        assert wire.decode(clients[0].recv_multipart()) == wire.Chunks((wire.Chunk("a1", "x"), wire.Chunk("a2", "z")))
+        assert isinstance(wire.decode(clients[0].recv_multipart()), wire.Done)
+        assert wire.decode(clients[1].recv_multipart()) == wire.Chunk("b1", "y")  # alone: a plain CHUNK
+        assert broker.requests[tickets["a2"]].generated.endswith(wire.token_frame([2]))
+    finally:
+        for sock in (*clients, worker):
+            sock.close(0)

@@ -43,6 +43,30 @@ def test_a_chunk_may_carry_its_token_ids_and_an_assign_the_tokens_to_resume_from
         wire.Assign.from_wire({**wire.to_wire(assign), "generated": b"\x00" * 5})
 
 
+@pytest.mark.parametrize("n", [1, 15, 16, 300])  # the three sizes of a msgpack array's header
+def test_chunks_travel_as_one_message_each_way(n: int) -> None:
+    step = [(f"t{i}", wire.Chunk(f"r{i}", "é" * i), wire.token_frame([i]) if i % 2 else None) for i in range(n)]
+    frames = wire.encode_chunks_from_worker(step)
+    assert wire.parse_header(frames, 4) is wire.MsgType.CHUNKS and frames[2] == b""
+    entries = wire.worker_chunks(frames[3])
+    assert [(t, tokens) for t, _, tokens in entries] == [(t, tokens) for t, _, tokens in step]
+    to_client = [wire.VERSION, wire.TYPE_FRAMES[wire.MsgType.CHUNKS], wire.chunk_array([b for _, b, _ in entries])]
+    assert wire.decode(to_client) == wire.Chunks(tuple(chunk for _, chunk, _ in step))
+
+
+@pytest.mark.parametrize("batch, problem", [
+    (msgpack.packb({"a": 1}), "must be a msgpack array"),
+    (msgpack.packb([["t1", b"x"]]), "a CHUNKS entry"),
+    (msgpack.packb([[1, b"x", None]]), "a CHUNKS entry"),
+    (msgpack.packb([["t1", "not bytes", None]], use_bin_type=True), "a CHUNKS entry"),
+])
+def test_a_malformed_chunks_batch_is_refused(batch: bytes, problem: str) -> None:
+    with pytest.raises(ProtocolError, match=problem):
+        wire.worker_chunks(batch)
+    with pytest.raises(ProtocolError):
+        wire.decode([wire.VERSION, wire.TYPE_FRAMES[wire.MsgType.CHUNKS], msgpack.packb([1, 2])])
+
+
 @pytest.mark.parametrize("frames, problem", [
     ([wire.VERSION, b"\x01"], "expected 3 frames"),
     ([b"MPS9", b"\x01", b"\x80"], "unsupported protocol version"),
