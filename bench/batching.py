@@ -5,6 +5,8 @@ repeat (a busy moment on the machine hits all of them):
 
 - ``llama-server --parallel K --threads cores`` (the baseline), with flash attention on its default, auto;
 - mpserve ``1×K``: one instance, threads = cores, ``--parallel K``: the configuration the targets are on;
+- mpserve ``1×K over HTTP``: the same behind its OpenAI gateway (``--http``), driven by the same HTTP client
+  as llama-server: the interface users of both call;
 - mpserve ``1×K, a chunk per token``: the same with ``--stream-interval 0``, streaming every token as
   llama-server does, to show what gathering a request's tokens into fewer messages is worth;
 - mpserve ``cores×K``: one instance per core, one thread each, ``--parallel K`` each.
@@ -32,17 +34,27 @@ from contextlib import ExitStack
 from mpserve import AsyncClient
 
 from .figures import Case, Figure, Section, Target
-from .load import GENERATION_METRICS, PROMPTS, LoadResult, Workload, http_load, mpserve_load, mpserve_warm_up
-from .procs import HttpServer, MpserveServer, free_port
+from .load import (
+    GATEWAY_FIELDS,
+    GENERATION_METRICS,
+    PROMPTS,
+    LoadResult,
+    Workload,
+    http_load,
+    mpserve_load,
+    mpserve_warm_up,
+)
+from .procs import HttpServer, MpserveServer, free_port, wait_http
 from .settings import Settings
 
-KS = (2, 4, 8)
+KS = (1, 2, 4, 8)
 SHARED_K = 4
 PREAMBLE = ("You are the assistant of a small bakery. Answer questions about opening hours, bread, cakes and "
             "orders politely and briefly; never invent prices; if unsure, ask the customer to call the shop. ")
 TARGET = 1.0
 TARGET_AT_8 = 1.2
 PER_TOKEN = "--stream-interval 0"
+OVER_HTTP = "over HTTP"
 
 
 def run(settings: Settings) -> Section:
@@ -59,9 +71,9 @@ def run(settings: Settings) -> Section:
                     budget_s=settings.work.budget_s)
     ks = (2,) if settings.quick else KS
     for k in ks:
-        contenders = {f"1×{k}": ["--instances", "1", "--threads", str(cores), "--parallel", str(k)],
-                      f"1×{k}, a chunk per token": ["--instances", "1", "--threads", str(cores), "--parallel", str(k),
-                                                    *PER_TOKEN.split()],
+        one = ["--instances", "1", "--threads", str(cores), "--parallel", str(k)]
+        contenders = {f"1×{k}": one, f"1×{k} {OVER_HTTP}": [*one, "--http", f"127.0.0.1:{free_port()}"],
+                      f"1×{k}, a chunk per token": [*one, *PER_TOKEN.split()],
                       f"{cores}×{k}, 1 thread each": ["--instances", str(cores), "--threads", "1", "--parallel",
                                                       str(k)]}
         cases = {name: Case({"mpserve instances×slots": name, "vs": f"llama-server --parallel {k}",
@@ -70,8 +82,10 @@ def run(settings: Settings) -> Section:
         _measure(settings, work, k, contenders, cases)
         section.cases += cases.values()
         threshold = TARGET_AT_8 if k == 8 else TARGET
-        section.targets.append(Target(f"batching 1×{k} tokens/s vs llama-server --parallel {k} at concurrency {k}: "
-                                      f"≥ {threshold}×", cases[f"1×{k}"].figure("tokens/s").ratio, ">=", threshold))
+        for name, interface in ((f"1×{k}", "ZeroMQ client"), (f"1×{k} {OVER_HTTP}", "HTTP, both sides")):
+            section.targets.append(Target(
+                f"batching {name} tokens/s vs llama-server --parallel {k} at concurrency {k} ({interface}): "
+                f"≥ {threshold}×", cases[name].figure("tokens/s").ratio, ">=", threshold))
     section.cases.append(_shared_preamble(settings, section))
     section.notes.append(
         f"Greedy, {work.max_tokens} tokens per request, streamed, {work.n_ctx} tokens of context per sequence, "
@@ -93,16 +107,25 @@ def _measure(settings: Settings, work: Workload, k: int, contenders: dict[str, l
         ours = {name: stack.enter_context(MpserveServer("--model", str(settings.model), "--n-ctx", str(work.n_ctx),
                                                         *args))
                 for name, args in contenders.items()}
+        gateways = {name: int(args[args.index("--http") + 1].rsplit(":", 1)[1])
+                    for name, args in contenders.items() if "--http" in args}
         peer.wait_ready()
         asyncio.run(http_load(port, work, k, k))
-        for server in ours.values():
+        for name, server in ours.items():
             server.wait_ready()
-            asyncio.run(mpserve_warm_up(server.address, work, k))
+            if name in gateways:
+                if not wait_http(f"http://127.0.0.1:{gateways[name]}/health"):
+                    raise RuntimeError(f"mpserve's gateway for {name} did not answer on port {gateways[name]}")
+                asyncio.run(http_load(gateways[name], work, k, k, GATEWAY_FIELDS))
+            else:
+                asyncio.run(mpserve_warm_up(server.address, work, k))
         n = 3 * k
         for _ in range(settings.repeat):
             baseline = asyncio.run(http_load(port, work, k, n))
             for name, server in ours.items():
-                _add(cases[name], asyncio.run(mpserve_load(server.address, work, k, n)), baseline)
+                load = http_load(gateways[name], work, k, n, GATEWAY_FIELDS) if name in gateways else \
+                    mpserve_load(server.address, work, k, n)
+                _add(cases[name], asyncio.run(load), baseline)
 
 
 def _shared_preamble(settings: Settings, section: Section) -> Case:
@@ -124,7 +147,7 @@ def _shared_preamble(settings: Settings, section: Section) -> Case:
         for r in range(settings.repeat):  # each repeat starts cold on both sides: a new preamble
             fresh = Workload(**{**vars(work), "preamble": f"[{r}] {work.preamble}"})
             _add(case, asyncio.run(mpserve_load(ours.address, fresh, k, 3 * k)),
-                 asyncio.run(http_load(port, fresh, k, 3 * k, cache_prompt=True)))
+                 asyncio.run(http_load(port, fresh, k, 3 * k, {"cache_prompt": True})))
     section.notes.append(f"Shared preamble: every prompt starts with the same {len(work.preamble)}-character "
                          f"preamble (a new one each repeat, so each starts cold), then one of the usual prompts; "
                          f"{work.max_tokens} tokens generated, 3 requests per lane, n_ctx {work.n_ctx}; "

@@ -133,21 +133,28 @@ async def mpserve_warm_up(address: str, work: Workload, instances: int) -> None:
 
 # --- an OpenAI-compatible HTTP server ---------------------------------------------------------------
 
-async def http_load(port: int, work: Workload, concurrency: int, n: int, cache_prompt: bool = False) -> LoadResult:
+LLAMA_SERVER_FIELDS: dict[str, Any] = {"cache_prompt": False}
+"""``cache_prompt: false`` stops llama-server from reusing a slot's earlier prompt (its slots would keep all 8
+prompts cached); llama_cpp.server ignores it. Elsewhere only the previous prompt's common prefix is reused, and
+consecutive prompts share none but the first token."""
+GATEWAY_FIELDS: dict[str, Any] = {"stream_options": {"include_usage": True}}
+"""mpserve's gateway: its last event carries the usage (it gathers tokens into fewer events than tokens)."""
+
+
+async def http_load(port: int, work: Workload, concurrency: int, n: int,
+                    fields: dict[str, Any] | None = None) -> LoadResult:
     loop = asyncio.get_running_loop()
+    extra = LLAMA_SERVER_FIELDS if fields is None else fields
     with ThreadPoolExecutor(max_workers=concurrency) as pool:
         return await closed_loop(concurrency, n, work.budget_s,
-                                 lambda i: loop.run_in_executor(pool, http_request, port, work, i, cache_prompt))
+                                 lambda i: loop.run_in_executor(pool, http_request, port, work, i, extra))
 
 
-def http_request(port: int, work: Workload, i: int, cache_prompt: bool = False) -> Sample:
-    """POST /v1/completions with stream=true, reading the server-sent events as they arrive.
-
-    ``cache_prompt: false`` (the default) stops llama-server from reusing a slot's earlier prompt (its slots
-    would keep all 8 prompts cached); llama_cpp.server ignores it. Elsewhere only the previous prompt's
-    common prefix is reused, and consecutive prompts share none but the first token."""
+def http_request(port: int, work: Workload, i: int, fields: dict[str, Any]) -> Sample:
+    """POST /v1/completions with stream=true and the server's own ``fields``, reading the server-sent events
+    as they arrive."""
     body = json.dumps({"prompt": work.prompt(i), "max_tokens": work.max_tokens, "temperature": 0.0,
-                       "repeat_penalty": 1.0, "stream": True, "cache_prompt": cache_prompt})
+                       "repeat_penalty": 1.0, "stream": True, **fields})
     conn = http.client.HTTPConnection("127.0.0.1", port, timeout=300)
     started = time.perf_counter()
     first = 0.0

@@ -19,6 +19,7 @@ import threading
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Callable
 from pathlib import Path
 from types import TracebackType
 
@@ -112,15 +113,8 @@ class HttpServer:
         self.proc = subprocess.Popen(argv, stdout=self._log, stderr=subprocess.STDOUT, text=True)
 
     def wait_ready(self, timeout: float = READY_TIMEOUT_S) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline and self.proc.poll() is None:
-            try:
-                with urllib.request.urlopen(self._health, timeout=2) as reply:
-                    if reply.status == 200:
-                        return
-            except (urllib.error.URLError, ConnectionError, TimeoutError):
-                pass
-            time.sleep(0.1)
+        if wait_http(self._health, timeout, alive=lambda: self.proc.poll() is None):
+            return
         self.stop()
         self._log.seek(0)
         raise ServerFailed(f"{self.proc.args[0]} did not become ready:\n{self._log.read()[-2000:]}")
@@ -154,6 +148,20 @@ def find_llama_server(given: str | None) -> str | None:
             if Path(path).is_file():
                 return path
     return None
+
+
+def wait_http(url: str, timeout: float = READY_TIMEOUT_S, alive: Callable[[], bool] = lambda: True) -> bool:
+    """Whether ``url`` answered 200 within ``timeout`` (while ``alive``)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and alive():
+        try:
+            with urllib.request.urlopen(url, timeout=2) as reply:
+                if reply.status == 200:
+                    return True
+        except (urllib.error.URLError, ConnectionError, TimeoutError):
+            pass
+        time.sleep(0.1)
+    return False
 
 
 def free_port() -> int:
