@@ -111,6 +111,15 @@ def test_http_bodies_over_a_limit_get_openai_errors_naming_it(http) -> None:
     _openai_error(http.post(url, b"[" * 100_000), 400, "bad_request", "MAX_JSON_DEPTH")
     _openai_error(http.post(url, b"[" * 40 + b"]" * 40), 400, "bad_request", "MAX_JSON_DEPTH")
     _openai_error(http.post(url, b'{"prompt": "\xff\xfe"}'), 400, "bad_request", "not valid JSON")
+    for body in (b'{"prompt": "\\ud800"}', b'{"prompt": "hi", "stop": ["\\udfff"]}', b'{"model": "\\udc00"}',
+                 b'{"prompt": "hi", "json_schema": {"\\ud800": 1}}'):  # once a 500: UTF-8 cannot carry them
+        _openai_error(http.post(url, body), 400, "bad_request", "lone surrogate")
+    _openai_error(http.post("/tokenize", b'{"content": "\\ud800"}'), 400, "bad_request", "lone surrogate")
+    for body in (b'{"prompt": [99999999999999999999]}', b'{"prompt": [2147483648]}'):  # int32 ids; once a 500
+        _openai_error(http.post(url, body), 400, "bad_request", "integers from 0 to 2147483647")
+    _openai_error(http.post("/detokenize", b'{"tokens": [2147483648]}'), 400, "bad_request", "from 0 to 2147483647")
+    _openai_error(http.post(url, b'{"prompt": "hi", "logit_bias": {"99999999999999999999": 1}}'), 400, "bad_request",
+                  "integers from 0 to 2147483647")
     huge = json.dumps({"prompt": "hello " * 200_000, "max_tokens": 2}).encode()
     _openai_error(http.post(url, huge), 400, "bad_request", "MAX_PROMPT_CHARS")
     many = json.dumps({"messages": [{"role": "user", "content": "hi"}] * 100_000, "max_tokens": 2}).encode()
