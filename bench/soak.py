@@ -265,10 +265,13 @@ class Footprint:
     broker: tuple[float, int]
     gateway: tuple[float, int]
     workers: dict[int, tuple[float, int]]  # pid -> (RSS, descriptors)
+    slots: list[str]  # the slot table's rows: worker.slot state served
 
     @classmethod
     def take(cls, server: MpserveServer, gateway: int) -> Footprint:
-        return cls(_usage(server.proc.pid), _usage(gateway), {pid: _usage(pid) for pid in _worker_pids(server)})
+        rows = [r for r in _rows(server) if r.state is not SlotState.EMPTY]
+        return cls(_usage(server.proc.pid), _usage(gateway), {pid: _usage(pid) for pid in _worker_pids(server)},
+                   [f"w{r.worker}.{r.slot} {r.state.name.lower()} served {r.served}" for r in rows])
 
 
 def _usage(pid: int) -> tuple[float, int]:
@@ -397,6 +400,7 @@ def report(tally: Tally, start: Footprint, end: Footprint, counters: dict[str, i
     lines.append(f"| workers ({len(end.workers)}{'' if same else ', restarted'}) | {workers_start:.1f} → "
                  f"{workers_end:.1f} | {(workers_end - workers_start) / workers_start:+.1%} | "
                  f"{sum(f for _, f in start.workers.values())} → {sum(f for _, f in end.workers.values())} |")
+    lines += ["", "slot table at the end: " + "; ".join(end.slots)]
     lines += ["", "broker counters over the run: " + ", ".join(f"{k} {v}" for k, v in sorted(counters.items()))]
     return lines
 
