@@ -58,6 +58,7 @@ MAX_STOP_CHARS = 256
 MAX_TOKENS_LIMIT = 1 << 20
 MAX_LOGIT_BIAS = 1024  # token ids one request may bias
 MAX_TOP_LOGPROBS = 20  # most probable tokens reported per generated token (OpenAI's limit)
+MAX_TOKEN_ID = (1 << 31) - 1  # token ids are int32 (llama_token), on the wire too
 
 
 class MsgType(IntEnum):
@@ -247,8 +248,9 @@ def logit_bias_pairs(value: Any) -> tuple[tuple[int, float], ...]:
         token, bias = item
         if isinstance(token, str) and token.isascii() and token.isdigit():
             token = int(token)
-        if isinstance(token, bool) or not isinstance(token, int) or token < 0:
-            raise BadRequest(f"'logit_bias' keys must be token ids (integers >= 0), got {token!r:.40}")
+        if isinstance(token, bool) or not isinstance(token, int) or not 0 <= token <= MAX_TOKEN_ID:
+            raise BadRequest(f"'logit_bias' keys must be token ids (integers from 0 to {MAX_TOKEN_ID}), "
+                             f"got {token!r:.40}")
         if isinstance(bias, bool) or not isinstance(bias, (int, float)):
             raise BadRequest(f"'logit_bias' values must be numbers, got {bias!r:.40}")
         pairs.append((token, float(bias)))
@@ -763,7 +765,10 @@ class Stop:
 
 def pack_tokens(tokens: Sequence[int]) -> bytes:
     """Token ids as they travel: int32, little-endian (a msgpack list is capped at a few thousand items)."""
-    return struct.pack(f"<{len(tokens)}i", *tokens)
+    try:
+        return struct.pack(f"<{len(tokens)}i", *tokens)
+    except struct.error:
+        raise BadRequest(f"token ids must be integers from 0 to {MAX_TOKEN_ID}") from None
 
 
 def unpack_tokens(data: bytes, key: str = "tokens") -> list[int]:

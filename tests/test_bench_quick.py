@@ -1,4 +1,5 @@
-"""The benchmark harness keeps working: ``python -m bench --quick`` runs every section and reports it.
+"""The benchmark harness keeps working: ``python -m bench --quick`` runs every section and reports it, and
+``python -m bench.soak`` runs a short soak.
 
 Only the harness is checked (sections, baselines, positive figures, targets evaluated); no speed is
 asserted, since figures belong to bench/ and a shared CI machine says nothing about them.
@@ -50,3 +51,14 @@ def test_quick_bench_reports_every_section_with_baselines(tmp_path: Path) -> Non
     targets = [t for s in sections.values() for t in s["targets"]]
     assert {t["text"].split(",")[0] for t in targets} >= {"dispatch p50", "one request"}
     assert all(isinstance(t["met"], bool) and t["measured"] > 0 for t in targets)
+
+
+@pytest.mark.timeout(120)
+def test_the_soak_runs_its_mixed_load_and_checks_its_invariants() -> None:
+    run = subprocess.run([sys.executable, "-m", "bench.soak", "--minutes", "0.15", "--warmup", "3", "--kill-every",
+                          "3", "--lanes", "2"], cwd=REPO, capture_output=True, text=True, timeout=110)
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert "every request ended exactly once" in run.stdout
+    for row in ("| zmq | stream | done |", "| zmq | cancel |", "| http | hang_up | hung up |",
+                "| http | bad | bad_request |", "| broker |", "| gateway |", "| workers ("):
+        assert row in run.stdout, run.stdout

@@ -100,7 +100,8 @@ def test_a_raw_client_with_a_prompt_over_the_limit_gets_an_error_for_its_request
 @pytest.mark.timeout(60)
 def test_http_bodies_over_a_limit_get_openai_errors_naming_it(http) -> None:
     url = "/v1/completions"
-    _openai_error(http.post(url, b" " * (limits.MAX_BODY_BYTES + 1)), 413, "request_too_large", "MAX_BODY_BYTES")
+    for path in (url, "/tokenize", "/detokenize"):  # the vocabulary routes' once gave a plain-text 500
+        _openai_error(http.post(path, b" " * (limits.MAX_BODY_BYTES + 1)), 413, "request_too_large", "MAX_BODY_BYTES")
 
     def chunked() -> Iterator[bytes]:  # no Content-Length: counted as it arrives
         for _ in range(limits.MAX_BODY_BYTES // 65536 + 2):
@@ -111,6 +112,15 @@ def test_http_bodies_over_a_limit_get_openai_errors_naming_it(http) -> None:
     _openai_error(http.post(url, b"[" * 100_000), 400, "bad_request", "MAX_JSON_DEPTH")
     _openai_error(http.post(url, b"[" * 40 + b"]" * 40), 400, "bad_request", "MAX_JSON_DEPTH")
     _openai_error(http.post(url, b'{"prompt": "\xff\xfe"}'), 400, "bad_request", "not valid JSON")
+    for body in (b'{"prompt": "\\ud800"}', b'{"prompt": "hi", "stop": ["\\udfff"]}', b'{"model": "\\udc00"}',
+                 b'{"prompt": "hi", "json_schema": {"\\ud800": 1}}'):  # once a 500: UTF-8 cannot carry them
+        _openai_error(http.post(url, body), 400, "bad_request", "lone surrogate")
+    _openai_error(http.post("/tokenize", b'{"content": "\\ud800"}'), 400, "bad_request", "lone surrogate")
+    for body in (b'{"prompt": [99999999999999999999]}', b'{"prompt": [2147483648]}'):  # int32 ids; once a 500
+        _openai_error(http.post(url, body), 400, "bad_request", "integers from 0 to 2147483647")
+    _openai_error(http.post("/detokenize", b'{"tokens": [2147483648]}'), 400, "bad_request", "from 0 to 2147483647")
+    _openai_error(http.post(url, b'{"prompt": "hi", "logit_bias": {"99999999999999999999": 1}}'), 400, "bad_request",
+                  "integers from 0 to 2147483647")
     huge = json.dumps({"prompt": "hello " * 200_000, "max_tokens": 2}).encode()
     _openai_error(http.post(url, huge), 400, "bad_request", "MAX_PROMPT_CHARS")
     many = json.dumps({"messages": [{"role": "user", "content": "hi"}] * 100_000, "max_tokens": 2}).encode()
@@ -186,3 +196,19 @@ def test_what_is_not_http_gets_a_400_in_openai_shape(http) -> None:
         sock.sendall(b"GET / HTTP/1.1\r\nHost: x\r\nX-Big: " + b"a" * 70_000 + b"\r\n\r\n")
         status, error = _status_and_error(_answer(sock))
     assert status == 400 and "headers over" in error["message"]
+    with http.connect() as sock:  # a body cut by a broken chunk: once a traceback on the vocabulary routes
+        sock.sendall(b"POST /tokenize HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n4\r\n{\"co\r\nzz\r\n")
+        status, error = _status_and_error(_answer(sock))
+    assert status == 400 and error["code"] == "invalid_http"
+
+
+@pytest.mark.timeout(60)
+def test_an_upgrade_to_websocket_is_answered_as_plain_http(http) -> None:
+    """The gateway has no WebSocket route; uvicorn would hand such a connection to a WebSocket protocol
+    (outside the guard's limits) that closed it without a word."""
+    body = json.dumps({"prompt": "hi", "max_tokens": 2}).encode()
+    with http.connect() as sock:
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nUpgrade: websocket\r\nConnection: Upgrade, close"
+                     b"\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body))
+        head, _, answer = _answer(sock).partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 200") and json.loads(answer)["usage"]["completion_tokens"] == 2

@@ -199,14 +199,8 @@ class _Gateway:
                 call = call.with_chat_template(await self.backend.chat_template(model))
         except MpserveError as exc:
             return self._failed(endpoint, exc)
-        except limits.Refused as exc:  # the rest of the body is not read: the connection cannot carry another
-            self.metrics.outcome(endpoint, exc.error.code)
-            response = _error_response(exc.error)
-            response.headers["connection"] = "close"
-            return response
-        except ClientDisconnect:
-            self.metrics.outcome(endpoint, ErrorCode.CANCELLED)
-            return Response(status_code=204)  # nobody reads it
+        except (limits.Refused, ClientDisconnect) as exc:
+            return self._unread(endpoint, exc)
         reply = oai.Reply(call, model)
         if call.stream:
             return await self._stream(request, client, call, reply, started)
@@ -267,6 +261,17 @@ class _Gateway:
         self.metrics.outcome(endpoint, exc.code)
         return _error_response(oai.HttpError.from_mpserve(exc))
 
+    def _unread(self, endpoint: str, exc: limits.Refused | ClientDisconnect) -> Response:
+        """The answer to a body that was not read whole: refused (the rest of it is not read, so the connection
+        cannot carry another request), or given up by its client (a broken chunk, a hang-up)."""
+        if isinstance(exc, ClientDisconnect):
+            self.metrics.outcome(endpoint, ErrorCode.CANCELLED)
+            return Response(status_code=204)  # nobody reads it
+        self.metrics.outcome(endpoint, exc.error.code)
+        response = _error_response(exc.error)
+        response.headers["connection"] = "close"
+        return response
+
     # --- vocabulary -----------------------------------------------------------------------------
 
     async def tokenize(self, request: Request) -> Response:
@@ -277,6 +282,8 @@ class _Gateway:
                                            with_pieces=call.with_pieces)
         except MpserveError as exc:
             return self._failed(request.url.path, exc)
+        except (limits.Refused, ClientDisconnect) as exc:
+            return self._unread(request.url.path, exc)
         self.metrics.outcome(request.url.path, "ok")
         return JSONResponse(tok.tokenize_answer(result, call.with_pieces))
 
@@ -287,6 +294,8 @@ class _Gateway:
             content = await client.detokenize(tokens, model=model)
         except MpserveError as exc:
             return self._failed(request.url.path, exc)
+        except (limits.Refused, ClientDisconnect) as exc:
+            return self._unread(request.url.path, exc)
         self.metrics.outcome(request.url.path, "ok")
         return JSONResponse({"content": content})
 

@@ -5,6 +5,8 @@
         request headers not complete within read_timeout of waiting for them (slowloris): 408, closed
         idle between requests for keep_alive:      closed (uvicorn's own timeout)
         not HTTP, or headers over h11's size limit: 400, closed
+        Upgrade: websocket:                        answered as plain HTTP (no WebSocket protocol: the
+                                                   gateway has no such route, and one would escape these limits)
 
 uvicorn times only the idle wait between requests, so a client that sends half a header holds its
 connection forever; here a deadline starts whenever the connection waits for a request and ends when its
@@ -39,7 +41,7 @@ class ConnectionLimits:
 def uvicorn_options(limits: ConnectionLimits) -> dict[str, Any]:
     """Keyword arguments for ``uvicorn.run`` / ``uvicorn.Config``: the protocol bound to these limits."""
     bound = type("GuardedH11Protocol", (GuardedH11Protocol,), {"limits": limits})
-    return {"http": bound, "timeout_keep_alive": limits.keep_alive, "h11_max_incomplete_event_size":
+    return {"http": bound, "ws": "none", "timeout_keep_alive": limits.keep_alive, "h11_max_incomplete_event_size":
             limits.max_header_bytes}
 
 

@@ -3,7 +3,7 @@
     HTTP body ──▶ read_json ──▶ check_sizes ──▶ openai.parse
                   │ Content-Length or bytes read over MAX_BODY_BYTES: 413
                   │ not all of it within the read timeout: 408
-                  │ not JSON, or nested deeper than MAX_JSON_DEPTH: 400
+                  │ not JSON, nested deeper than MAX_JSON_DEPTH, or a string that is not Unicode text: 400
                                  │ a prompt over MAX_PROMPT_CHARS, more than MAX_MESSAGES messages: 400
 
 The stop list (``MAX_STOP_STRINGS``) and the other parameters are checked by ``protocol.GenerateParams``, a
@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 from typing import Any
 
 from starlette.requests import Request
@@ -27,6 +28,8 @@ from . import openai as oai
 MAX_BODY_BYTES = wire.MAX_MESSAGE_BYTES
 MAX_JSON_DEPTH = 32  # an OpenAI body needs five levels (messages, a message, its content parts, a part)
 MAX_MESSAGES = 4096
+# JSON may escape half of a UTF-16 pair alone ("\ud800"); Python reads it into a str that UTF-8 cannot encode
+_LONE_SURROGATE = re.compile("[\ud800-\udfff]")
 
 
 class Refused(Exception):
@@ -53,7 +56,7 @@ async def read_json(request: Request, timeout: float) -> Any:
         raise _too_deep() from None
     except ValueError as exc:  # UnicodeDecodeError included
         raise BadRequest(f"the request body is not valid JSON: {exc}") from None
-    if _depth(value) > MAX_JSON_DEPTH:
+    if _checked_depth(value) > MAX_JSON_DEPTH:
         raise _too_deep()
     return value
 
@@ -87,13 +90,27 @@ def _too_deep() -> BadRequest:
     return BadRequest(f"the request body is nested deeper than {MAX_JSON_DEPTH} levels (MAX_JSON_DEPTH)")
 
 
-def _depth(value: Any) -> int:
-    """How deeply lists and objects nest (a scalar: 0), without recursion."""
+def _checked_depth(value: Any) -> int:
+    """How deeply lists and objects nest (a scalar: 0), without recursion. Raises BadRequest where a string,
+    a key or a value, holds a lone surrogate: no message, log line or prompt could carry it on."""
     deepest, todo = 0, [(value, 1)]
     while todo:
         item, level = todo.pop()
+        if isinstance(item, str):
+            _check_text(item)
+            continue
         children = item.values() if isinstance(item, dict) else item if isinstance(item, list) else None
         if children is not None:
             deepest = max(deepest, level)
-            todo.extend((child, level + 1) for child in children if isinstance(child, (dict, list)))
+            if isinstance(item, dict):
+                for key in item:
+                    _check_text(key)
+            todo.extend((child, level + 1) for child in children if isinstance(child, (dict, list, str)))
     return deepest
+
+
+def _check_text(text: str) -> None:
+    found = _LONE_SURROGATE.search(text)
+    if found:
+        raise BadRequest(f"the request body holds a lone surrogate \\u{ord(found.group()):04x} in a string (half "
+                         "of a UTF-16 pair, not Unicode text)")

@@ -24,6 +24,7 @@ def test_old_requests_get_the_defaults_and_new_ones_round_trip() -> None:
     ({"frequency_penalty": float("inf")}, "'frequency_penalty' must be a finite number"),
     ({"logit_bias": {"3": -101}}, "'logit_bias' must be between -100.0 and 100.0"),
     ({"logit_bias": {"-3": 1}}, "'logit_bias' keys must be token ids"),
+    ({"logit_bias": {str(2**64): 1}}, "'logit_bias' keys must be token ids"),  # int32; was an OverflowError
     ({"logit_bias": {"3": "up"}}, "'logit_bias' values must be numbers"),
     ({"logit_bias": [[1, 2, 3]]}, "'logit_bias' must be a map"),
     ({"logit_bias": [[i, 1] for i in range(wire.MAX_LOGIT_BIAS + 1)]}, "at most"),

@@ -23,5 +23,7 @@ def test_bad_token_fields_are_refused() -> None:
         wire.decode([wire.VERSION, b"\x05", msgpack.packb({"id": "a", "tokens": b"abc"})])
     with pytest.raises(BadRequest, match="prompt token ids must be >= 0"):
         wire.decode(wire.encode(wire.Request("r", "", tokens=wire.pack_tokens([3, -1]))))
+    with pytest.raises(BadRequest, match="token ids must be integers from 0 to 2147483647"):  # not a struct.error
+        wire.pack_tokens([3, wire.MAX_TOKEN_ID + 1])
     with pytest.raises(BadRequest, match="'add_special' must be a boolean"):
         wire.decode([wire.VERSION, b"\x05", msgpack.packb({"id": "a", "add_special": 1})])
