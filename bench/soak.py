@@ -110,19 +110,23 @@ class ZmqFront:
 
     async def _read(self) -> None:
         while True:
-            msg = wire.decode(await self.sock.recv_multipart())
-            if isinstance(msg, wire.Pong):
-                continue
-            rid = getattr(msg, "id", None)
-            if rid is None:
-                self.tally.problems.append(f"zmq: a message for no request: {msg}")
-                continue
-            if self.ended[rid]:
-                self.tally.problems.append(f"zmq {rid}: {type(msg).__name__} after its end")
-            if isinstance(msg, (wire.Done, wire.Error)):
-                self.ended[rid] += 1
-            if rid in self.inbox:
-                self.inbox[rid].put_nowait(msg)
+            got = wire.decode(await self.sock.recv_multipart())
+            for msg in got.chunks if isinstance(got, wire.Chunks) else (got,):  # a step's chunks, together
+                self._deliver(msg)
+
+    def _deliver(self, msg: Any) -> None:
+        if isinstance(msg, wire.Pong):
+            return
+        rid = getattr(msg, "id", None)
+        if rid is None:
+            self.tally.problems.append(f"zmq: a message for no request: {msg}")
+            return
+        if self.ended[rid]:
+            self.tally.problems.append(f"zmq {rid}: {type(msg).__name__} after its end")
+        if isinstance(msg, (wire.Done, wire.Error)):
+            self.ended[rid] += 1
+        if rid in self.inbox:
+            self.inbox[rid].put_nowait(msg)
 
     async def _ping(self) -> None:
         for nonce in itertools.count(1):
