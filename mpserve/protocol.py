@@ -155,6 +155,7 @@ class GenerateParams:
     # structured output (mpserve.structured): GBNF text, or a JSON Schema as canonical JSON text; one at most
     grammar: str | None = None
     json_schema: str | None = None
+    prompt_logprobs: bool = False  # with logprobs: the prompt's tokens' too, first (Logprobs.prompt)
 
     @classmethod
     def from_wire(cls, body: Any) -> GenerateParams:
@@ -183,6 +184,7 @@ class GenerateParams:
             logprobs=_get(body, "logprobs", int, None, bad=BadRequest),
             grammar=_text(body, "grammar", structured.MAX_GRAMMAR_CHARS, None, bad=BadRequest),
             json_schema=_text(body, "json_schema", structured.MAX_SCHEMA_CHARS, None, bad=BadRequest),
+            prompt_logprobs=_get(body, "prompt_logprobs", bool, False, bad=BadRequest),
         )
         params.validate()
         return params
@@ -213,6 +215,10 @@ class GenerateParams:
             _ranged("logit_bias", bias, -100.0, 100.0)
         if self.logprobs is not None:
             _ranged("logprobs", self.logprobs, 0, MAX_TOP_LOGPROBS)
+        if not isinstance(self.prompt_logprobs, bool):
+            raise BadRequest(f"'prompt_logprobs' must be a boolean, got {type(self.prompt_logprobs).__name__}")
+        if self.prompt_logprobs and self.logprobs is None:
+            raise BadRequest("'prompt_logprobs' needs 'logprobs' (the number of top tokens to report, 0..20)")
 
         for key in ("grammar", "json_schema"):
             if not isinstance(getattr(self, key), (str, type(None))):
@@ -485,7 +491,11 @@ class Logprobs:
     """Log-probabilities of generated tokens (log-softmax of the raw logits, before any sampler), in columns
     of packed numbers: a completion can have more tokens than a msgpack list may hold here. For each sampled
     token: its id and log-probability, and the ``top`` most probable tokens, most probable first; ``pieces``
-    holds each sampled token's bytes followed by its top tokens' bytes, ending at the offsets ``piece_ends``."""
+    holds each sampled token's bytes followed by its top tokens' bytes, ending at the offsets ``piece_ends``.
+
+    Asked for with ``prompt_logprobs``, the first ``prompt`` entries are the prompt's tokens (a leading BOS is
+    left out: its text is no part of the prompt), each scored given the tokens before it; a first token that
+    nothing precedes has log-probability NaN and top entries of id -1, no bytes and NaN."""
 
     top: int = 0
     tokens: bytes = b""  # int32 (pack_tokens)
@@ -494,6 +504,7 @@ class Logprobs:
     top_logprobs: bytes = b""  # float64
     pieces: bytes = b""
     piece_ends: bytes = b""  # int32
+    prompt: int = 0  # leading entries that are prompt tokens
 
     @classmethod
     def from_wire(cls, body: Any) -> Logprobs | None:
@@ -502,8 +513,11 @@ class Logprobs:
         if not isinstance(body, dict):
             raise ProtocolError("field 'logprobs' must be a map")
         lp = cls(top=_get(body, "top", int), **{k: _get(body, k, bytes) for k in (
-            "tokens", "logprobs", "top_tokens", "top_logprobs", "pieces", "piece_ends")})
+            "tokens", "logprobs", "top_tokens", "top_logprobs", "pieces", "piece_ends")},
+                 prompt=_get(body, "prompt", int, 0))
         n = len(lp.tokens) // 4
+        if not 0 <= lp.prompt <= n:
+            raise ProtocolError(f"field 'prompt' of 'logprobs' must be 0..{n}, got {lp.prompt}")
         if (len(lp.tokens) != 4 * n or len(lp.logprobs) != 8 * n or len(lp.top_tokens) != 4 * n * lp.top
                 or len(lp.top_logprobs) != 8 * n * lp.top or len(lp.piece_ends) != 4 * n * (1 + lp.top)):
             raise ProtocolError("the columns of 'logprobs' do not have matching lengths")
@@ -520,7 +534,7 @@ class Logprobs:
             base += len(part.pieces)
         columns = {k: b"".join(getattr(p, k) for p in parts)
                    for k in ("tokens", "logprobs", "top_tokens", "top_logprobs", "pieces")}
-        return Logprobs(parts[0].top, **columns, piece_ends=pack_tokens(ends))
+        return Logprobs(parts[0].top, **columns, piece_ends=pack_tokens(ends), prompt=sum(p.prompt for p in parts))
 
     def entries(self) -> list[tuple[int, bytes, float, list[tuple[int, bytes, float]]]]:
         """Per sampled token: (id, bytes, log-probability, [(id, bytes, log-probability) of the top ones])."""

@@ -212,8 +212,8 @@ def test_refusals_come_in_openai_error_shape_with_fitting_statuses(gateway) -> N
     with pytest.raises(openai.BadRequestError, match="'n' = 2 is not supported") as err:
         oc.completions.create(model="tiny", prompt="hi", n=2)
     assert err.value.code == "bad_request" and err.value.type == "invalid_request_error"
-    with pytest.raises(openai.BadRequestError, match="not echoed"):
-        oc.completions.create(model="tiny", prompt="hi", logprobs=1, echo=True)
+    with pytest.raises(openai.BadRequestError, match="insertion"):
+        oc.completions.create(model="tiny", prompt="hi", suffix="!")
     with pytest.raises(openai.BadRequestError, match="max_tokens"):
         oc.completions.create(model="tiny", prompt="hi", max_tokens=-1)
     with pytest.raises(openai.NotFoundError, match="served models: tiny") as missing:

@@ -197,6 +197,8 @@ class _Gateway:
             model = call.model or _sole_model(client)
             if kind == "chat":
                 call = call.with_chat_template(await self.backend.chat_template(model))
+            elif call.echo and not isinstance(call.prompt, str):  # the text of a token prompt, to echo
+                call = call.with_echo_text(await client.detokenize(call.prompt, model=call.model))
         except MpserveError as exc:
             return self._failed(endpoint, exc)
         except limits.Refused as exc:  # the rest of the body is not read: the connection cannot carry another

@@ -7,8 +7,10 @@ Parameters. ``max_tokens`` (chat also ``max_completion_tokens``), ``temperature`
 bias) map one to one; ``top_k``, ``repeat_penalty``, ``min_p``, ``typical_p`` and ``ignore_eos`` are taken
 too (llama.cpp's and llama-server's names). They are then checked by ``protocol.GenerateParams``, so the
 HTTP and ZeroMQ paths refuse the same values with the same words. ``logprobs`` (chat: with ``top_logprobs``)
-come back in OpenAI's shapes (``gateway.logprobs``). What mpserve cannot do (several choices, echo, tools,
-...) is refused with 400 naming the parameter, unless it is sent at its neutral
+come back in OpenAI's shapes (``gateway.logprobs``). ``echo`` (completions) puts the prompt before the
+completion and, with ``logprobs``, its tokens' log-probabilities before the completion's (the first one's
+null, as OpenAI sends it; text offsets from the start of the prompt). What mpserve cannot do (several
+choices, suffix, ...) is refused with 400 naming the parameter, unless it is sent at its neutral
 value (``n: 1``, ``logprobs: null``, ...), which clients often do. Unrecognised keys are refused like
 OpenAI refuses them. A ``null`` value means "not given".
 
@@ -60,7 +62,7 @@ _SAMPLING = ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "rep
              "presence_penalty", "frequency_penalty", "logit_bias", "min_p", "typical_p", "ignore_eos")
 _COMMON = ("model", "stream", "stream_options", "user", "response_format", "grammar", "json_schema") + _SAMPLING
 _KEYS: dict[Kind, frozenset[str]] = {
-    "completion": frozenset(_COMMON + ("prompt", "logprobs")),
+    "completion": frozenset(_COMMON + ("prompt", "logprobs", "echo")),
     "chat": frozenset(_COMMON + ("messages", "max_completion_tokens", "logprobs", "top_logprobs", "tools",
                                   "tool_choice", "parallel_tool_calls")),
 }
@@ -69,7 +71,6 @@ _KEYS: dict[Kind, frozenset[str]] = {
 _UNSUPPORTED: dict[str, tuple[tuple[Any, ...], str]] = {
     "n": ((1,), "one choice per request; send several requests instead"),
     "best_of": ((1,), "one choice per request"),
-    "echo": ((False,), "the prompt is not echoed (nor its log-probabilities)"),
     "suffix": (("",), "insertion (suffix) is not supported"),
     "functions": (([],), "the deprecated function calls are not supported; use tools"),
     "function_call": (("none",), "the deprecated function calls are not supported; use tool_choice"),
@@ -89,6 +90,11 @@ class Call:
     messages: tuple[Message, ...] = ()  # a chat's
     tools: tc.ToolSpec | None = None  # a chat's tools, when one may be called
     parser: tc.Parser = "hermes"  # how its reply's tool calls are read (from the chat template)
+    echo: bool = False  # a completion's: the prompt comes back before the completion
+    echo_text: str = ""  # the prompt's text: a token prompt's is set by with_echo_text
+
+    def with_echo_text(self, text: str) -> Call:
+        return dataclasses.replace(self, echo_text=text)
 
     def generate_kwargs(self) -> dict[str, Any]:
         """Keyword arguments for ``AsyncClient.generate`` / ``stream``."""
@@ -132,6 +138,11 @@ def parse(kind: Kind, body: Any) -> Call:
     top_logprobs = logprobs.requested(kind == "chat", given)
     if top_logprobs is not None:
         sampling["logprobs"] = top_logprobs
+    echo = given.get("echo", False)
+    if not isinstance(echo, bool):
+        raise BadRequest("'echo' must be a boolean")
+    if echo and top_logprobs is not None:
+        sampling["prompt_logprobs"] = True
     if isinstance(sampling.get("stop"), str):
         sampling["stop"] = [sampling["stop"]]
     sampling |= _structured(given)
@@ -152,7 +163,8 @@ def parse(kind: Kind, body: Any) -> Call:
         sampling.setdefault("max_tokens", COMPLETION_MAX_TOKENS)
         messages, prompt = (), _prompt(given.get("prompt"))
     return Call(kind, model, prompt, wire.GenerateParams.from_wire(sampling), stream,
-                options.get("include_usage", False), messages, spec)
+                options.get("include_usage", False), messages, spec, echo=echo,
+                echo_text=prompt if isinstance(prompt, str) else "")
 
 
 def _structured(given: dict[str, Any]) -> dict[str, str]:
@@ -306,7 +318,9 @@ class Reply:
         self.created = int(time.time())
         self._object = "chat.completion" if call.kind == "chat" else "text_completion"
         self._role_sent = False
-        self._offset = len(call.prompt) if isinstance(call.prompt, str) else 0  # completions' text_offset
+        self._offset = len(call.prompt) if isinstance(call.prompt, str) and not call.echo else 0  # text_offset
+        self._echo = call.echo_text if call.echo else ""  # text still to go before the completion's
+        self._null_first = call.echo  # the first echoed token's log-probability: null, as OpenAI sends it
         self._held: str | None = "" if call.tools is not None else None  # text that may be a tool call
 
     def whole(self, result: Result) -> dict[str, Any]:
@@ -321,7 +335,7 @@ class Reply:
             choice: dict[str, Any] = {"index": 0, "message": message, "logprobs": self._logprobs(result.logprobs),
                                       "finish_reason": finish}
         else:
-            choice = {"index": 0, "text": result.text, "logprobs": self._logprobs(result.logprobs),
+            choice = {"index": 0, "text": self._echoed(result.text), "logprobs": self._logprobs(result.logprobs),
                       "finish_reason": result.finish_reason}
         return self._envelope(self._object, [choice]) | {"usage": usage(result.usage)}
 
@@ -361,7 +375,8 @@ class Reply:
             return None
         if self.call.kind == "chat":
             return logprobs.chat(lp)
-        shape, self._offset = logprobs.completion(lp, self._offset)
+        shape, self._offset = logprobs.completion(lp, self._offset, self._null_first and lp.prompt > 0)
+        self._null_first = self._null_first and lp.prompt == 0
         return shape
 
     def _tool_calls(self, text: str) -> tuple[str, list[tc.ToolCall]] | None:
@@ -378,13 +393,18 @@ class Reply:
             self._role_sent = True
         return {"index": 0, "delta": delta, "logprobs": None, "finish_reason": None}
 
+    def _echoed(self, text: str) -> str:
+        """``text``, after the prompt if it is still to be echoed."""
+        text, self._echo = self._echo + text, ""
+        return text
+
     @property
     def _chunk_object(self) -> str:
         return "chat.completion.chunk" if self.call.kind == "chat" else "text_completion"
 
     def _choice(self, text: str, finish_reason: str | None) -> dict[str, Any]:
         if self.call.kind != "chat":
-            return {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
+            return {"index": 0, "text": self._echoed(text), "logprobs": None, "finish_reason": finish_reason}
         delta: dict[str, Any] = {"content": text} if text or not finish_reason else {}
         if not self._role_sent:
             delta["role"] = "assistant"
