@@ -58,13 +58,14 @@ class Result:
     timings: wire.Timings
     worker: str
     logprobs: wire.Logprobs | None = None  # asked for with logprobs=N: entries() per generated token
+    index: int = 0  # which choice, of a request for n (``choices``)
 
     @classmethod
     def from_done(cls, done: wire.Done, streamed: list[wire.Logprobs] | None = None) -> Result:
         """``streamed``: the log-probabilities the request's chunks carried, before those of ``done``."""
         parts = [*(streamed or []), *([done.logprobs] if done.logprobs is not None else [])]
         return cls(done.id, done.text, done.finish_reason, done.usage, done.timings, done.worker,
-                   wire.Logprobs.join(parts))
+                   wire.Logprobs.join(parts), done.index)
 
 
 @dataclass(frozen=True)
@@ -75,7 +76,9 @@ class Tokenized:
 
 class Stream:
     """Async iterator of text chunks; ``result`` holds the final Result once iteration has ended, and
-    ``chunk_logprobs`` the log-probabilities of the chunk just yielded (when asked for)."""
+    ``chunk_logprobs`` the log-probabilities of the chunk just yielded (when asked for). With ``n`` choices,
+    ``chunk_index`` says whose chunk it was, ``results`` holds every choice's Result (``result`` the first's)
+    and ``done_logprobs`` each DONE's log-probabilities (of the tokens no chunk carried), by choice."""
 
     def __init__(self, client: AsyncClient, request: wire.Request) -> None:
         self._client = client
@@ -83,7 +86,11 @@ class Stream:
         self.id = request.id
         self.result: Result | None = None
         self.chunk_logprobs: wire.Logprobs | None = None
-        self._logprobs: list[wire.Logprobs] = []
+        self.chunk_index = 0
+        self.results: list[Result] = []
+        self.done_logprobs: dict[int, wire.Logprobs | None] = {}
+        self._done: dict[int, Result] = {}
+        self._choice_logprobs: dict[int, list[wire.Logprobs]] = {}
 
     def __aiter__(self) -> AsyncGenerator[str, None]:
         return self._chunks()
@@ -94,14 +101,18 @@ class Stream:
             while True:
                 msg = await self._client._next(queue, self._request)
                 if isinstance(msg, wire.Chunk):
-                    self.chunk_logprobs = msg.logprobs
+                    self.chunk_logprobs, self.chunk_index = msg.logprobs, msg.index
                     if msg.logprobs is not None:
-                        self._logprobs.append(msg.logprobs)
+                        self._choice_logprobs.setdefault(msg.index, []).append(msg.logprobs)
                     yield msg.text
                 else:
-                    self.chunk_logprobs = msg.logprobs
-                    self.result = Result.from_done(msg, self._logprobs)
-                    return
+                    self.chunk_logprobs = self.done_logprobs[msg.index] = msg.logprobs
+                    self._done[msg.index] = Result.from_done(msg, self._choice_logprobs.get(msg.index))
+                    if len(self._done) == self._request.params.n:
+                        self._client._pending.pop(self.id, None)
+                        self.results = [self._done[i] for i in sorted(self._done)]
+                        self.result = self.results[0]
+                        return
         finally:
             if self.result is None:
                 await self._client._abandon(self._request.id)
@@ -176,14 +187,27 @@ class AsyncClient:
                        **params: Any) -> Result:
         """Run one completion and return its Result; raises the MpserveError of an ERROR reply. ``prompt``:
         text, or token ids (taken as they are: no BOS is added)."""
-        request = self._request(prompt, model, timeout, params, stream=False)
+        if params.get("n", 1) != 1:
+            raise BadRequest("generate returns one choice; ask for n with choices(prompt, n=...)")
+        return (await self.choices(prompt, n=1, model=model, timeout=timeout, **params))[0]
+
+    async def choices(self, prompt: str | list[int], *, n: int, model: str | None = None,
+                      timeout: float | None = None, **params: Any) -> list[Result]:
+        """``n`` choices of one completion, in index order: run together in ``n`` slots of one instance, which
+        computes the prompt once; choice i is seeded with ``seed + i`` (modulo 2**32) when ``seed`` is given.
+        A request for more choices than an instance has slots (``parallel``) is refused."""
+        request = self._request(prompt, model, timeout, {**params, "n": n}, stream=False)
         queue = await self._submit(request)
+        done: dict[int, Result] = {}
         try:
-            msg = await self._next(queue, request)
+            while len(done) < n:
+                msg = await self._next(queue, request)
+                done[msg.index] = Result.from_done(msg)
         except BaseException:
             await self._abandon(request.id)
             raise
-        return Result.from_done(msg)
+        self._pending.pop(request.id, None)
+        return [done[i] for i in sorted(done)]
 
     def stream(self, prompt: str | list[int], *, model: str | None = None, timeout: float | None = None,
                **params: Any) -> Stream:
@@ -298,8 +322,6 @@ class AsyncClient:
         if isinstance(msg, MpserveError):
             self._pending.pop(request.id, None)
             raise msg
-        if isinstance(msg, wire.Done):
-            self._pending.pop(request.id, None)
         return msg
 
     async def _abandon(self, request_id: str) -> None:
@@ -427,6 +449,10 @@ class Client:
     def generate(self, prompt: str | list[int], *, model: str | None = None, timeout: float | None = None,
                  **params: Any) -> Result:
         return self._call(self._async.generate(prompt, model=model, timeout=timeout, **params))
+
+    def choices(self, prompt: str | list[int], *, n: int, model: str | None = None, timeout: float | None = None,
+                **params: Any) -> list[Result]:
+        return self._call(self._async.choices(prompt, n=n, model=model, timeout=timeout, **params))
 
     def stream(self, prompt: str | list[int], *, model: str | None = None, timeout: float | None = None,
                **params: Any) -> SyncStream:

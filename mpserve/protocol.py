@@ -50,6 +50,7 @@ MAX_STOP_CHARS = 256
 MAX_TOKENS_LIMIT = 1 << 20
 MAX_LOGIT_BIAS = 1024  # token ids one request may bias
 MAX_TOP_LOGPROBS = 20  # most probable tokens reported per generated token (OpenAI's limit)
+MAX_CHOICES = 128  # ``n``: choices one request may ask for (OpenAI's limit; an instance's parallel caps it too)
 
 
 class MsgType(IntEnum):
@@ -156,6 +157,7 @@ class GenerateParams:
     grammar: str | None = None
     json_schema: str | None = None
     prompt_logprobs: bool = False  # with logprobs: the prompt's tokens' too, first (Logprobs.prompt)
+    n: int = 1  # choices, in n slots of one instance, choice i seeded with seed + i (``choice_params``)
 
     @classmethod
     def from_wire(cls, body: Any) -> GenerateParams:
@@ -185,6 +187,7 @@ class GenerateParams:
             grammar=_text(body, "grammar", structured.MAX_GRAMMAR_CHARS, None, bad=BadRequest),
             json_schema=_text(body, "json_schema", structured.MAX_SCHEMA_CHARS, None, bad=BadRequest),
             prompt_logprobs=_get(body, "prompt_logprobs", bool, False, bad=BadRequest),
+            n=_get(body, "n", int, 1, bad=BadRequest),
         )
         params.validate()
         return params
@@ -219,7 +222,7 @@ class GenerateParams:
             raise BadRequest(f"'prompt_logprobs' must be a boolean, got {type(self.prompt_logprobs).__name__}")
         if self.prompt_logprobs and self.logprobs is None:
             raise BadRequest("'prompt_logprobs' needs 'logprobs' (the number of top tokens to report, 0..20)")
-
+        _ranged("n", self.n, 1, MAX_CHOICES)
         for key in ("grammar", "json_schema"):
             if not isinstance(getattr(self, key), (str, type(None))):
                 raise BadRequest(f"'{key}' must be a string")
@@ -229,6 +232,11 @@ class GenerateParams:
             structured.check_grammar(self.grammar)
         if self.json_schema is not None:
             structured.schema_grammar(self.json_schema)  # compiled once per distinct schema, then cached
+
+    def choice_params(self, index: int) -> GenerateParams:
+        """Choice ``index``'s parameters: one choice, seeded with seed + index (modulo 2**32) when seeded."""
+        seed = None if self.seed is None else (self.seed + index) % 2**32
+        return dataclasses.replace(self, n=1, seed=seed)
 
 
 def logit_bias_pairs(value: Any) -> tuple[tuple[int, float], ...]:
@@ -561,11 +569,12 @@ class Chunk:
     id: str
     text: str
     logprobs: Logprobs | None = None
+    index: int = 0  # the choice, of a request for n
 
     @classmethod
     def from_wire(cls, body: dict[str, Any]) -> Chunk:
         return cls(id=_text(body, "id", MAX_ID_CHARS), text=_text(body, "text", MAX_PROMPT_CHARS),
-                   logprobs=Logprobs.from_wire(body.get("logprobs")))
+                   logprobs=Logprobs.from_wire(body.get("logprobs")), index=_choice(body))
 
 
 @dataclass(frozen=True)
@@ -603,6 +612,7 @@ class Done:
     timings: Timings
     worker: str = ""
     logprobs: Logprobs | None = None  # streamed: those of tokens no CHUNK carried
+    index: int = 0  # the choice: a request for n gets n DONEs, one per choice
 
     @classmethod
     def from_wire(cls, body: dict[str, Any]) -> Done:
@@ -617,7 +627,15 @@ class Done:
                             float(_get(t, "generate_ms", (int, float))), attempts=_get(t, "attempts", int, 1),
                             cached_tokens=_get(t, "cached_tokens", int, 0)),
             worker=_text(body, "worker", 64, ""), logprobs=Logprobs.from_wire(body.get("logprobs")),
+            index=_choice(body),
         )
+
+
+def _choice(body: dict[str, Any]) -> int:
+    index: int = _get(body, "index", int, 0)
+    if not 0 <= index < MAX_CHOICES:
+        raise ProtocolError(f"field 'index' must be 0..{MAX_CHOICES - 1}, got {index}")
+    return index
 
 
 @dataclass(frozen=True)
@@ -733,6 +751,7 @@ class Assign:
     slot: int = 0  # which of the worker's slots: the broker picks the one whose cache fits the prompt
     report_tokens: bool = False  # send each CHUNK's token ids (a TOKENS frame), so it can be resumed elsewhere
     generated: bytes = b""  # resuming: the tokens the lost instance streamed (a TOKENS frame's encoding)
+    index: int = 0  # the choice this assignment is, of a request for n (its request asks for one)
 
     @classmethod
     def from_wire(cls, body: dict[str, Any]) -> Assign:
@@ -743,7 +762,7 @@ class Assign:
                    request=Request.from_wire(_get(body, "request", dict)),
                    queue_ms=float(_get(body, "queue_ms", (int, float))),
                    attempt=_get(body, "attempt", int), slot=_get(body, "slot", int, 0),
-                   report_tokens=_get(body, "report_tokens", bool, False), generated=generated)
+                   report_tokens=_get(body, "report_tokens", bool, False), generated=generated, index=_choice(body))
 
 
 @dataclass(frozen=True)

@@ -25,7 +25,9 @@ a slot keeps the cells of its last request after it finishes: a new prompt in th
 with the same tokens skips recomputing them (``best_slot`` finds the free slot with the longest such
 prefix; the completion reports it as ``reused_tokens``); admitting a prompt cuts the slot's cells after
 the shared prefix. When another slot, running or not, holds a longer shared prefix, its cells are copied
-instead: a system prompt common to many requests is computed once per instance, not once per slot.
+instead: a system prompt common to many requests is computed once per instance, not once per slot. Prompts
+equal to one being computed (the n choices of one request) wait for it and take all of its cells and its
+last row's logits (``_twins``): the whole prompt is computed once.
 
 Prompts are computed in chunks of PROMPT_CHUNK tokens from position 0, each chunk in a llama_decode of
 its own: the decodes ``llama_cpp.Llama`` makes for the same prompt. That is what makes reuse exact.
@@ -450,7 +452,7 @@ class BatchEngine:
             if seq.score_prompt:
                 self._score_prompt(seq, seq.n_past - n, n)
             if finishing:
-                done += self._sample_all([seq])
+                done += self._sample_all([seq, *self._twins(seq)])
         self._steps += 1
         self._step_s += time.perf_counter() - started
         return done
@@ -463,12 +465,28 @@ class BatchEngine:
             if chosen and budget < min(PROMPT_CHUNK, len(seq.prompt) - seq.n_past):
                 break
             if not seq.score_prompt and any(
-                    _whole_chunks(min(common_prefix(lead.prompt, seq.prompt), len(seq.prompt) - 1)) > seq.n_past
+                    lead.prompt == seq.prompt
+                    or _whole_chunks(min(common_prefix(lead.prompt, seq.prompt), len(seq.prompt) - 1)) > seq.n_past
                     for lead in chosen):
                 continue  # an earlier prompt is computing this one's next tokens: copy them when it is done
             chosen.append(seq)
             budget -= min(PROMPT_CHUNK, len(seq.prompt) - seq.n_past)
         return chosen
+
+    def _twins(self, lead: _Sequence) -> list[_Sequence]:
+        """The prompts waiting that equal ``lead``'s, whose last chunk was just decoded (the choices of a
+        request for n): they take all its cells and sample from its last row, so the prompt is computed once
+        and each first token comes from the logits a computation of its own would give."""
+        twins = [seq for seq in self._prefilling if seq.prompt == lead.prompt and not seq.score_prompt]
+        if not twins or not self._holds_cells(lead.slot, len(lead.prompt)):
+            return []
+        for seq in twins:
+            self._copy_prefix(lead.slot, seq.slot, len(lead.prompt))
+            self._reused += len(seq.prompt) - seq.n_past
+            seq.reused += len(seq.prompt) - seq.n_past
+            seq.n_past, seq.output_row = len(seq.prompt), lead.output_row
+            self._prefilling.remove(seq)
+        return twins
 
     def _sample_all(self, rows: list[_Sequence]) -> list[tuple[int, Completion]]:
         """Sample every sequence of ``rows`` from the decode just made; the ones that ended."""

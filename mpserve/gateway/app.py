@@ -38,7 +38,7 @@ import signal
 import sys
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Coroutine
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Any, TypeVar
 
 import uvicorn
@@ -213,15 +213,15 @@ class _Gateway:
         if call.stream:
             return await self._stream(request, client, call, reply, started)
         try:
-            result = await _unless_disconnected(request, client.generate(call.prompt, model=call.model,
+            results = await _unless_disconnected(request, client.choices(call.prompt, model=call.model,
                                                                          **call.generate_kwargs()))
         except ClientGone:
             self.metrics.outcome(endpoint, ErrorCode.CANCELLED)
             return Response(status_code=204)  # nobody reads it
         except MpserveError as exc:
             return self._failed(endpoint, exc)
-        self._done(endpoint, reply.model, result, started)
-        return JSONResponse(reply.whole(result))
+        self._done(endpoint, reply.model, results, started)
+        return JSONResponse(reply.whole(results))
 
     async def _stream(self, request: Request, client: AsyncClient, call: oai.Call, reply: oai.Reply,
                       started: float) -> Response:
@@ -241,15 +241,15 @@ class _Gateway:
                       reply: oai.Reply, started: float) -> AsyncGenerator[bytes, None]:
         ended = False
         try:
-            for chunk in reply.chunks(first, stream.chunk_logprobs) if first is not None else ():
+            for chunk in reply.chunks(first, stream.chunk_logprobs, stream.chunk_index) if first is not None else ():
                 yield _event(chunk)
             async for text in chunks:
-                for chunk in reply.chunks(text, stream.chunk_logprobs):
+                for chunk in reply.chunks(text, stream.chunk_logprobs, stream.chunk_index):
                     yield _event(chunk)
             assert stream.result is not None
-            self._done(endpoint, reply.model, stream.result, started)
+            self._done(endpoint, reply.model, stream.results, started)
             ended = True
-            for last in reply.last(stream.result, stream.chunk_logprobs):
+            for last in reply.last(stream.results, stream.done_logprobs):
                 yield _event(last)
             yield b"data: [DONE]\n\n"
         except MpserveError as exc:
@@ -261,9 +261,9 @@ class _Gateway:
                 self.metrics.outcome(endpoint, ErrorCode.CANCELLED)
             await chunks.aclose()  # type: ignore[attr-defined]  # an async generator: cancels the request
 
-    def _done(self, endpoint: str, model: str, result: Result, started: float) -> None:
+    def _done(self, endpoint: str, model: str, results: list[Result], started: float) -> None:
         self.metrics.outcome(endpoint, "ok")
-        self.metrics.done(model, result, time.perf_counter() - started)
+        self.metrics.done(model, replace(results[0], usage=oai.total_usage(results)), time.perf_counter() - started)
 
     def _failed(self, endpoint: str, exc: MpserveError) -> Response:
         self.metrics.outcome(endpoint, exc.code)

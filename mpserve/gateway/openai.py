@@ -9,10 +9,12 @@ too (llama.cpp's and llama-server's names). They are then checked by ``protocol.
 HTTP and ZeroMQ paths refuse the same values with the same words. ``logprobs`` (chat: with ``top_logprobs``)
 come back in OpenAI's shapes (``gateway.logprobs``). ``echo`` (completions) puts the prompt before the
 completion and, with ``logprobs``, its tokens' log-probabilities before the completion's (the first one's
-null, as OpenAI sends it; text offsets from the start of the prompt). What mpserve cannot do (several
-choices, suffix, ...) is refused with 400 naming the parameter, unless it is sent at its neutral
-value (``n: 1``, ``logprobs: null``, ...), which clients often do. Unrecognised keys are refused like
-OpenAI refuses them. A ``null`` value means "not given".
+null, as OpenAI sends it; text offsets from the start of the prompt). ``n`` choices run together in one
+instance, which computes the prompt once; choice i is seeded with ``seed + i``; each comes with its index
+(streamed: each chunk too), tool calls read per choice. What mpserve cannot do (``best_of``, ``suffix``, ...)
+is refused with 400 naming the parameter, unless it is sent at its neutral value (``best_of: 1``,
+``suffix: ""``, ...), which clients often do. Unrecognised keys are refused like OpenAI refuses them. A
+``null`` value means "not given".
 
 Defaults are OpenAI's (``OPENAI_DEFAULTS``): what a request leaves out is sampled at temperature 1 with
 top_p 1, no top-k and no repeat penalty, so a request sent here as to OpenAI's API samples alike (llama.cpp's
@@ -59,7 +61,7 @@ CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
 CHAT_STOP = "<|im_end|>"
 
 _SAMPLING = ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "repeat_penalty",
-             "presence_penalty", "frequency_penalty", "logit_bias", "min_p", "typical_p", "ignore_eos")
+             "presence_penalty", "frequency_penalty", "logit_bias", "min_p", "typical_p", "ignore_eos", "n")
 _COMMON = ("model", "stream", "stream_options", "user", "response_format", "grammar", "json_schema") + _SAMPLING
 _KEYS: dict[Kind, frozenset[str]] = {
     "completion": frozenset(_COMMON + ("prompt", "logprobs", "echo")),
@@ -69,8 +71,7 @@ _KEYS: dict[Kind, frozenset[str]] = {
 # Parameters mpserve does not implement, with the values that ask for nothing (accepted and ignored), and
 # why a non-neutral value is refused.
 _UNSUPPORTED: dict[str, tuple[tuple[Any, ...], str]] = {
-    "n": ((1,), "one choice per request; send several requests instead"),
-    "best_of": ((1,), "one choice per request"),
+    "best_of": ((1,), "choices are not ranked; ask for n and pick"),
     "suffix": (("",), "insertion (suffix) is not supported"),
     "functions": (([],), "the deprecated function calls are not supported; use tools"),
     "function_call": (("none",), "the deprecated function calls are not supported; use tool_choice"),
@@ -302,8 +303,20 @@ TOOL_CALL_STARTS = ("<tool_call>", "[TOOL_CALLS]", "<|python_tag|>", "{", "[", "
 """How a reply that is a tool call may begin: a streamed reply under ``auto`` is held back while it may."""
 
 
+@dataclass
+class _ChoiceState:
+    """What one choice's reply carries from chunk to chunk."""
+
+    offset: int  # completions' text_offset
+    echo: str  # text still to go before the choice's own
+    null_first: bool  # the first echoed token's log-probability: null, as OpenAI sends it
+    held: str | None  # text that may be a tool call
+    role_sent: bool = False  # chat: the first delta carried the role
+
+
 class Reply:
-    """Builds the response objects of one call: the whole response, or its stream chunks.
+    """Builds the response objects of one call: the whole response, or its stream chunks, each choice
+    (``Result.index``, a chunk's ``index``) with its own state (``_ChoiceState``).
 
     With tools, a streamed reply is held back while it may be a tool call (a forced reply always is; under
     ``auto`` while it begins like one, ``TOOL_CALL_STARTS``): at its end, its calls go out as ``delta.tool_calls``
@@ -317,66 +330,81 @@ class Reply:
         self.id = f"{prefix}-{uuid.uuid4().hex}"
         self.created = int(time.time())
         self._object = "chat.completion" if call.kind == "chat" else "text_completion"
-        self._role_sent = False
-        self._offset = len(call.prompt) if isinstance(call.prompt, str) and not call.echo else 0  # text_offset
-        self._echo = call.echo_text if call.echo else ""  # text still to go before the completion's
-        self._null_first = call.echo  # the first echoed token's log-probability: null, as OpenAI sends it
-        self._held: str | None = "" if call.tools is not None else None  # text that may be a tool call
+        self._choices: dict[int, _ChoiceState] = {}
 
-    def whole(self, result: Result) -> dict[str, Any]:
-        if self.call.kind == "chat":
-            message: dict[str, Any] = {"role": "assistant", "content": result.text}
-            finish = result.finish_reason
-            found = self._tool_calls(result.text)
-            if found is not None:
-                message = {"role": "assistant", "content": found[0] or None,
-                           "tool_calls": [c.as_openai() for c in found[1]]}
-                finish = "tool_calls"
-            choice: dict[str, Any] = {"index": 0, "message": message, "logprobs": self._logprobs(result.logprobs),
-                                      "finish_reason": finish}
-        else:
-            choice = {"index": 0, "text": self._echoed(result.text), "logprobs": self._logprobs(result.logprobs),
-                      "finish_reason": result.finish_reason}
-        return self._envelope(self._object, [choice]) | {"usage": usage(result.usage)}
+    def _state(self, index: int) -> _ChoiceState:
+        state = self._choices.get(index)
+        if state is None:
+            call = self.call
+            state = self._choices[index] = _ChoiceState(
+                len(call.prompt) if isinstance(call.prompt, str) and not call.echo else 0,
+                call.echo_text if call.echo else "", call.echo, "" if call.tools is not None else None)
+        return state
 
-    def chunks(self, text: str, lp: wire.Logprobs | None = None) -> list[dict[str, Any]]:
-        """The chunks for a piece of streamed text: none while it is held back (a request with tools
-        carries no log-probabilities: the parse refuses the two together)."""
-        if self._held is not None:
-            self._held += text
-            if self.call.tools is not None and (self.call.tools.forced or _may_be_call(self._held)):
-                return []
-            text, self._held = self._held, None
-        return [self._envelope(self._chunk_object, [self._choice(text, None) | {"logprobs": self._logprobs(lp)}])]
-
-    def last(self, result: Result, lp: wire.Logprobs | None = None) -> list[dict[str, Any]]:
-        """What was held back (tool calls or text), the chunk with the finish reason (and the
-        log-probabilities no chunk carried), then (if asked for) one with the usage and no choices; that one
-        also carries mpserve's timings of the request (an extra key, as llama-server sends)."""
-        chunks, finish = [], result.finish_reason
-        if self._held is not None:
-            found = self._tool_calls(self._held)
-            if found is None:
-                chunks.append(self._envelope(self._chunk_object, [self._choice(self._held, None)]))
+    def whole(self, results: list[Result]) -> dict[str, Any]:
+        choices = []
+        for r in results:
+            lp = self._logprobs(r.logprobs, r.index)
+            if self.call.kind == "chat":
+                message: dict[str, Any] = {"role": "assistant", "content": r.text}
+                finish = r.finish_reason
+                found = self._tool_calls(r.text)
+                if found is not None:
+                    message = {"role": "assistant", "content": found[0] or None,
+                               "tool_calls": [c.as_openai() for c in found[1]]}
+                    finish = "tool_calls"
+                choices.append({"index": r.index, "message": message, "logprobs": lp, "finish_reason": finish})
             else:
-                if found[0]:
-                    chunks.append(self._envelope(self._chunk_object, [self._choice(found[0], None)]))
-                chunks += [self._envelope(self._chunk_object, [self._delta(delta)]) for delta in _call_deltas(found[1])]
-                finish = "tool_calls"
-            self._held = None
-        chunks.append(self._envelope(self._chunk_object, [self._choice("", finish) | {"logprobs": self._logprobs(lp)}]))
+                choices.append({"index": r.index, "text": self._echoed(r.text, r.index), "logprobs": lp,
+                                "finish_reason": r.finish_reason})
+        return self._envelope(self._object, choices) | {"usage": usage(total_usage(results))}
+
+    def chunks(self, text: str, lp: wire.Logprobs | None = None, index: int = 0) -> list[dict[str, Any]]:
+        """The chunks for a piece of choice ``index``'s streamed text: none while it is held back (a request
+        with tools carries no log-probabilities: the parse refuses the two together)."""
+        state = self._state(index)
+        if state.held is not None:
+            state.held += text
+            if self.call.tools is not None and (self.call.tools.forced or _may_be_call(state.held)):
+                return []
+            text, state.held = state.held, None
+        return [self._envelope(self._chunk_object, [self._choice(text, None, index) | {
+            "logprobs": self._logprobs(lp, index)}])]
+
+    def last(self, results: list[Result], lps: dict[int, wire.Logprobs | None]) -> list[dict[str, Any]]:
+        """Per choice, what was held back (tool calls or text) and the chunk with its finish reason (and the
+        log-probabilities no chunk carried, ``lps`` by choice), then (if asked for) one with the usage and no
+        choices; that one also carries mpserve's timings of the request (an extra key, as llama-server
+        sends)."""
+        chunks = []
+        for r in results:
+            state, finish = self._state(r.index), r.finish_reason
+            if state.held is not None:
+                found = self._tool_calls(state.held)
+                if found is None:
+                    chunks.append(self._envelope(self._chunk_object, [self._choice(state.held, None, r.index)]))
+                else:
+                    if found[0]:
+                        chunks.append(self._envelope(self._chunk_object, [self._choice(found[0], None, r.index)]))
+                    chunks += [self._envelope(self._chunk_object, [self._delta(delta, r.index)])
+                               for delta in _call_deltas(found[1])]
+                    finish = "tool_calls"
+                state.held = None
+            chunks.append(self._envelope(self._chunk_object, [self._choice("", finish, r.index) | {
+                "logprobs": self._logprobs(lps.get(r.index), r.index)}]))
         if self.call.include_usage:
-            chunks.append(self._envelope(self._chunk_object, []) | {"usage": usage(result.usage),
-                                                                     "timings": dataclasses.asdict(result.timings)})
+            chunks.append(self._envelope(self._chunk_object, []) | {
+                "usage": usage(total_usage(results)), "timings": dataclasses.asdict(results[0].timings)})
         return chunks
 
-    def _logprobs(self, lp: wire.Logprobs | None) -> dict[str, Any] | None:
+    def _logprobs(self, lp: wire.Logprobs | None, index: int) -> dict[str, Any] | None:
         if lp is None:
             return None
         if self.call.kind == "chat":
             return logprobs.chat(lp)
-        shape, self._offset = logprobs.completion(lp, self._offset, self._null_first and lp.prompt > 0)
-        self._null_first = self._null_first and lp.prompt == 0
+        state = self._state(index)
+        shape, state.offset = logprobs.completion(lp, state.offset, state.null_first and lp.prompt > 0)
+        state.null_first = state.null_first and lp.prompt == 0
         return shape
 
     def _tool_calls(self, text: str) -> tuple[str, list[tc.ToolCall]] | None:
@@ -387,29 +415,32 @@ class Reply:
                                         self.call.tools.tools)
         return (content, calls) if calls else None
 
-    def _delta(self, delta: dict[str, Any]) -> dict[str, Any]:
-        if not self._role_sent:
+    def _delta(self, delta: dict[str, Any], index: int) -> dict[str, Any]:
+        state = self._state(index)
+        if not state.role_sent:
             delta = {"role": "assistant", **delta}
-            self._role_sent = True
-        return {"index": 0, "delta": delta, "logprobs": None, "finish_reason": None}
+            state.role_sent = True
+        return {"index": index, "delta": delta, "logprobs": None, "finish_reason": None}
 
-    def _echoed(self, text: str) -> str:
-        """``text``, after the prompt if it is still to be echoed."""
-        text, self._echo = self._echo + text, ""
+    def _echoed(self, text: str, index: int) -> str:
+        """``text``, after the prompt if it is still to be echoed in choice ``index``."""
+        state = self._state(index)
+        text, state.echo = state.echo + text, ""
         return text
 
     @property
     def _chunk_object(self) -> str:
         return "chat.completion.chunk" if self.call.kind == "chat" else "text_completion"
 
-    def _choice(self, text: str, finish_reason: str | None) -> dict[str, Any]:
+    def _choice(self, text: str, finish_reason: str | None, index: int) -> dict[str, Any]:
         if self.call.kind != "chat":
-            return {"index": 0, "text": self._echoed(text), "logprobs": None, "finish_reason": finish_reason}
+            return {"index": index, "text": self._echoed(text, index), "logprobs": None, "finish_reason": finish_reason}
         delta: dict[str, Any] = {"content": text} if text or not finish_reason else {}
-        if not self._role_sent:
+        state = self._state(index)
+        if not state.role_sent:
             delta["role"] = "assistant"
-            self._role_sent = True
-        return {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+            state.role_sent = True
+        return {"index": index, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
 
     def _envelope(self, obj: str, choices: list[dict[str, Any]]) -> dict[str, Any]:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model, "choices": choices}
@@ -428,6 +459,11 @@ def _call_deltas(calls: list[tc.ToolCall]) -> list[dict[str, Any]]:
                                        "function": {"name": call.name, "arguments": ""}}]})
         deltas.append({"tool_calls": [{"index": i, "function": {"arguments": call.arguments}}]})
     return deltas
+
+
+def total_usage(results: list[Result]) -> wire.Usage:
+    """The usage of a request's choices together: the prompt once (computed once), every choice's tokens."""
+    return wire.Usage(results[0].usage.prompt_tokens, sum(r.usage.completion_tokens for r in results))
 
 
 def usage(u: wire.Usage) -> dict[str, int]:

@@ -252,10 +252,10 @@ class Worker:
         request elsewhere."""
         if not assign.request.stream:
             return None, _nothing
-        request_id, ticket, engine = assign.request.id, assign.ticket, self._engine
+        request_id, ticket, engine, index = assign.request.id, assign.ticket, self._engine, assign.index
         assert engine is not None
         if not assign.report_tokens:
-            return ChunkStream(lambda text: self._send(wire.Chunk(request_id, text, engine.take_logprobs(slot)),
+            return ChunkStream(lambda text: self._send(wire.Chunk(request_id, text, engine.take_logprobs(slot), index),
                                                        ticket), self._spec.stream_interval), _nothing
         noted: list[int] = []  # since the last CHUNK
         seen = 0
@@ -268,7 +268,7 @@ class Worker:
             noted.extend(new)
 
         def send(text: str) -> None:
-            chunk = wire.Chunk(request_id, text, engine.take_logprobs(slot))
+            chunk = wire.Chunk(request_id, text, engine.take_logprobs(slot), index)
             frames = wire.encode_from_worker(chunk, ticket, wire.token_frame(noted))
             noted.clear()
             self._sock.send_multipart(frames)
@@ -332,5 +332,5 @@ class Worker:
             req.id, result.text, result.finish_reason, wire.Usage(result.prompt_tokens, result.completion_tokens),
             wire.Timings(assign.queue_ms, result.prompt_s * 1000, result.generate_s * 1000, assign.attempt,
                          cached_tokens=result.reused_tokens),
-            worker=self._spec.identity.decode(), logprobs=result.logprobs,
+            worker=self._spec.identity.decode(), logprobs=result.logprobs, index=assign.index,
         )
