@@ -69,6 +69,12 @@ class Result:
 
 
 @dataclass(frozen=True)
+class Embedded:
+    vectors: list[list[float]]  # one per input, in order, L2-normalised
+    prompt_tokens: int
+
+
+@dataclass(frozen=True)
 class Tokenized:
     tokens: list[int]
     pieces: list[bytes]  # each token's bytes, when asked for with_pieces; else empty
@@ -232,6 +238,22 @@ class AsyncClient:
                                                   detokenize=True, timeout=timeout or self.timeout))
         return answer.text
 
+    async def embed(self, inputs: str | list[str] | list[int] | list[list[int]], *, model: str | None = None,
+                    timeout: float | None = None) -> Embedded:
+        """The embeddings of ``inputs`` (a text, texts, token ids, or lists of token ids) by an embedding model
+        (``embedding: true``), all computed by one of its instances, as many in one decode as fit."""
+        items: list[Any] = [inputs] if isinstance(inputs, str) or (inputs and all(
+            isinstance(i, int) for i in inputs)) else list(inputs)  # one text, or one token array
+        texts = tuple(i for i in items if isinstance(i, str))
+        arrays = tuple(wire.pack_tokens(i) for i in items if isinstance(i, list))
+        if len(texts) + len(arrays) != len(items) or (texts and arrays):
+            raise BadRequest("'input' must be a text, a list of texts, a list of token ids or a list of those lists")
+        msg = wire.Embed(next(self._ids), model, texts, arrays, timeout=timeout or self.timeout)
+        answer = await self._ask(msg, None if msg.timeout is None else msg.timeout + 1.0,
+                                 Timeout(f"no answer within {msg.timeout} s"))
+        assert isinstance(answer, wire.Embeddings)
+        return Embedded(answer.rows(), answer.prompt_tokens)
+
     async def stats(self, timeout: float = CONNECT_TIMEOUT_S) -> wire.Stats:
         """The broker's counters and per-model queue state."""
         await self.connect()
@@ -280,7 +302,8 @@ class AsyncClient:
         assert isinstance(answer, wire.Tokens)
         return answer
 
-    async def _ask(self, msg: wire.Tokenize | wire.Control, wait: float | None, timed_out: MpserveError) -> Any:
+    async def _ask(self, msg: wire.Tokenize | wire.Control | wire.Embed, wait: float | None,
+                   timed_out: MpserveError) -> Any:
         """Send a message that has one answer and wait for it (``wait`` seconds; None: no limit); raises the
         MpserveError of an ERROR reply, or ``timed_out``."""
         await self.connect()
@@ -468,6 +491,10 @@ class Client:
 
     def detokenize(self, tokens: list[int], *, model: str | None = None, timeout: float | None = None) -> str:
         return self._call(self._async.detokenize(tokens, model=model, timeout=timeout))
+
+    def embed(self, inputs: str | list[str] | list[int] | list[list[int]], *, model: str | None = None,
+              timeout: float | None = None) -> Embedded:
+        return self._call(self._async.embed(inputs, model=model, timeout=timeout))
 
     def stats(self, timeout: float = CONNECT_TIMEOUT_S) -> wire.Stats:
         return self._call(self._async.stats(timeout))

@@ -3,12 +3,15 @@
 Every message is a ZeroMQ multipart message. ROUTER sockets see a routing-identity frame first; that
 frame belongs to ZeroMQ and is not described here.
 
-    client  -> broker   [VERSION, TYPE, BODY]            REQUEST, CANCEL, PING, STATS_QUERY, TOKENIZE, CONTROL
-    broker  -> client   [VERSION, TYPE, BODY]            CHUNK, DONE, ERROR, PONG, STATS, TOKENS, CONTROL_REPLY
-    broker  -> worker   [VERSION, TYPE, BODY]            ASSIGN, CANCEL, STOP, UNLOAD, TOKENIZE
+    client  -> broker   [VERSION, TYPE, BODY]            REQUEST, CANCEL, PING, STATS_QUERY, TOKENIZE, CONTROL,
+                                                         EMBED
+    broker  -> client   [VERSION, TYPE, BODY]            CHUNK, DONE, ERROR, PONG, STATS, TOKENS, CONTROL_REPLY,
+                                                         EMBEDDINGS
+    broker  -> worker   [VERSION, TYPE, BODY]            ASSIGN, CANCEL, STOP, UNLOAD, TOKENIZE, EMBED
     worker  -> broker   [VERSION, TYPE, TICKET, BODY]    READY, HEARTBEAT, FAILED, UNLOADED (empty TICKET);
                                                          CHUNK, DONE, ERROR (TICKET of an ASSIGN);
-                                                         TOKENS, ERROR (TICKET of a TOKENIZE)
+                                                         TOKENS, ERROR (TICKET of a TOKENIZE);
+                                                         EMBEDDINGS, ERROR (TICKET of an EMBED)
                         [VERSION, CHUNK, TICKET, BODY, TOKENS]  when the ASSIGN asked for ``report_tokens``
 
 VERSION is ``b"MPS1"``. TYPE is one byte (``MsgType``). BODY is a msgpack map whose schema is the
@@ -50,6 +53,7 @@ MAX_STOP_CHARS = 256
 MAX_TOKENS_LIMIT = 1 << 20
 MAX_LOGIT_BIAS = 1024  # token ids one request may bias
 MAX_TOP_LOGPROBS = 20  # most probable tokens reported per generated token (OpenAI's limit)
+MAX_EMBED_INPUTS = 2048  # inputs of one EMBED (OpenAI's limit)
 MAX_CHOICES = 128  # ``n``: choices one request may ask for (OpenAI's limit; an instance's parallel caps it too)
 
 
@@ -60,6 +64,7 @@ class MsgType(IntEnum):
     STATS_QUERY = 0x04
     TOKENIZE = 0x05
     CONTROL = 0x06
+    EMBED = 0x07
     CHUNK = 0x10
     DONE = 0x11
     ERROR = 0x12
@@ -67,6 +72,7 @@ class MsgType(IntEnum):
     STATS = 0x14
     TOKENS = 0x15
     CONTROL_REPLY = 0x16
+    EMBEDDINGS = 0x17
     READY = 0x20
     HEARTBEAT = 0x21
     FAILED = 0x22
@@ -844,10 +850,70 @@ class Tokens:
         return msg
 
 
+@dataclass(frozen=True)
+class Embed:
+    """client -> broker -> worker: the embeddings of ``texts``, or of ``tokens`` (one pack_tokens per input),
+    by the embedding model ``model``. The broker sends it to the least busy loaded instance of the model, with
+    ``ticket`` set, as it sends TOKENIZE; answered by EMBEDDINGS or ERROR."""
+
+    TYPE: ClassVar[MsgType] = MsgType.EMBED
+    id: str
+    model: str | None = None
+    texts: tuple[str, ...] = ()
+    tokens: tuple[bytes, ...] = ()
+    timeout: float | None = None
+    ticket: str = ""
+
+    @classmethod
+    def from_wire(cls, body: dict[str, Any]) -> Embed:
+        texts = _get(body, "texts", (list, tuple), (), bad=BadRequest)
+        tokens = _get(body, "tokens", (list, tuple), (), bad=BadRequest)
+        if bool(texts) == bool(tokens):
+            raise BadRequest("'input' must be texts or token arrays, not empty")
+        if len(texts) + len(tokens) > MAX_EMBED_INPUTS:
+            raise BadRequest(f"'input' may hold at most {MAX_EMBED_INPUTS} inputs, got {len(texts) + len(tokens)}")
+        if not all(isinstance(t, str) and 0 < len(t) <= MAX_PROMPT_CHARS for t in texts):
+            raise BadRequest(f"each 'input' text must be a non-empty string of at most {MAX_PROMPT_CHARS} characters")
+        if not all(isinstance(t, bytes) and t and not any(i < 0 for i in unpack_tokens(t, "input")) for t in tokens):
+            raise BadRequest("each 'input' token array must be a non-empty list of token ids >= 0")
+        timeout = _get(body, "timeout", (int, float), None, bad=BadRequest)
+        if timeout is not None:
+            _ranged("timeout", timeout, 0.001, 7 * 24 * 3600)
+        return cls(id=_text(body, "id", MAX_ID_CHARS), model=_text(body, "model", 256, None, bad=BadRequest),
+                   texts=tuple(texts), tokens=tuple(tokens), timeout=None if timeout is None else float(timeout),
+                   ticket=_text(body, "ticket", MAX_ID_CHARS, ""))
+
+
+@dataclass(frozen=True)
+class Embeddings:
+    """worker -> broker -> client: the answer to EMBED ``id``: one L2-normalised vector of ``dim`` float32
+    (little-endian) per input, in order, concatenated in ``vectors``; ``prompt_tokens``: the inputs' tokens."""
+
+    TYPE: ClassVar[MsgType] = MsgType.EMBEDDINGS
+    id: str
+    dim: int
+    vectors: bytes
+    prompt_tokens: int = 0
+
+    @classmethod
+    def from_wire(cls, body: dict[str, Any]) -> Embeddings:
+        msg = cls(id=_text(body, "id", MAX_ID_CHARS), dim=_get(body, "dim", int), vectors=_get(body, "vectors", bytes),
+                  prompt_tokens=_get(body, "prompt_tokens", int, 0))
+        if msg.dim < 1 or len(msg.vectors) % (4 * msg.dim):
+            raise ProtocolError(f"field 'vectors' must hold float32 vectors of {msg.dim}, got {len(msg.vectors)} bytes")
+        return msg
+
+    def rows(self) -> list[list[float]]:
+        n = len(self.vectors) // (4 * self.dim)
+        flat = struct.unpack(f"<{n * self.dim}f", self.vectors)
+        return [list(flat[i * self.dim:(i + 1) * self.dim]) for i in range(n)]
+
+
 _DECODERS: dict[MsgType, Any] = {
     cls.TYPE: cls.from_wire
     for cls in (Request, Cancel, Ping, StatsQuery, Pong, Stats, Chunk, Done, Error, Ready, Heartbeat, Failed,
-                Unloaded, Assign, Stop, Unload, Tokenize, Tokens, Control, ControlReply)
+                Unloaded, Assign, Stop, Unload, Tokenize, Tokens, Control, ControlReply,
+                Embed, Embeddings)
 }
 
 

@@ -30,8 +30,10 @@ SIZE_LIMIT = wire.MAX_MESSAGE_BYTES + 4096  # the front socket's ZMQ_MAXMSGSIZE
 IDS = [f"f{i}" for i in range(40)]  # a small id space, so duplicates and cancels meet pending requests
 
 Frames = list[bytes]
-CLIENT_SENT = {t for t in wire.MsgType if t.name in ("REQUEST", "CANCEL", "PING", "STATS_QUERY", "TOKENIZE")}
-CLIENT_BOUND = {t for t in wire.MsgType if t.name in ("CHUNK", "DONE", "ERROR", "PONG", "STATS", "TOKENS")}
+CLIENT_SENT = {t for t in wire.MsgType if t.name in ("REQUEST", "CANCEL", "PING", "STATS_QUERY", "TOKENIZE",
+                                                  "EMBED")}
+CLIENT_BOUND = {t for t in wire.MsgType if t.name in ("CHUNK", "DONE", "ERROR", "PONG", "STATS", "TOKENS",
+                                                  "EMBEDDINGS")}
 
 
 # --- the generator ------------------------------------------------------------------------------

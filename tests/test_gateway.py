@@ -224,7 +224,7 @@ def test_refusals_come_in_openai_error_shape_with_fitting_statuses(gateway) -> N
     assert bad_json.status_code == 400 and "not valid JSON" in bad_json.json()["error"]["message"]
     unknown = httpx.post(f"{gateway.url}/v1/completions", json={"prompt": "hi", "mirostat": 2}, timeout=10)
     assert unknown.status_code == 400 and "mirostat" in unknown.json()["error"]["message"]
-    nowhere = gateway.get("/v1/embeddings")
+    nowhere = gateway.get("/v1/images/generations")
     assert nowhere.status_code == 404 and nowhere.json()["error"]["code"] == "not_found"
 
 

@@ -72,6 +72,7 @@ from mpserve.prefix import common_prefix
 from mpserve.protocol import GenerateParams
 from mpserve.structured import grammar_source
 
+from . import vocab
 from .grammar import GrammarCache
 from .interface import Completion, OnToken
 from .logprobs import LogprobsRecorder
@@ -599,30 +600,14 @@ class BatchEngine:
         return tokens
 
     def _llama_tokenize(self, text: str, add_special: bool) -> list[int]:
-        data = text.encode("utf-8")
-        lib = self._lib
-        room = len(data) + 8
-        buffer = (lib.llama_token * room)()
-        n = lib.llama_tokenize(self._vocab, data, len(data), buffer, room, add_special, True)
-        if n < 0:
-            room = -n
-            buffer = (lib.llama_token * room)()
-            n = lib.llama_tokenize(self._vocab, data, len(data), buffer, room, add_special, True)
-        if n < 0:
-            raise BadRequest("the text cannot be tokenized")
-        return list(buffer[:n])
+        return vocab.tokenize(self._lib, self._vocab, text, add_special, True)
 
     def tokenize(self, text: str, add_special: bool) -> list[int]:
         return self._llama_tokenize(text, add_special)
 
     def token_bytes(self, token: int) -> bytes:
         self._in_vocabulary([token], "tokens")
-        buffer = ctypes.create_string_buffer(256)
-        n = self._lib.llama_token_to_piece(self._vocab, token, buffer, 256, 0, True)
-        if n < 0:
-            buffer = ctypes.create_string_buffer(-n)
-            n = self._lib.llama_token_to_piece(self._vocab, token, buffer, -n, 0, True)
-        return buffer.raw[:n]
+        return vocab.piece(self._lib, self._vocab, token)
 
     def _in_vocabulary(self, tokens: list[int], key: str) -> list[int]:
         outside = next((t for t in tokens if not 0 <= t < self._n_vocab), None)

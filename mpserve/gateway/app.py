@@ -5,6 +5,7 @@
 
     POST /v1/completions, /v1/chat/completions   OpenAI shapes, streamed (server-sent events) or not
     GET  /v1/models                               the served models
+    POST /v1/embeddings                           OpenAI's shape (``gateway.embeddings``), embedding models
     POST /tokenize, /detokenize                   llama-server's shapes (``gateway.tokens``)
     GET  /health                                  200 while some instance can take a request, else 503
     GET  /metrics                                 Prometheus text
@@ -55,6 +56,7 @@ from mpserve.errors import ConfigError, ConnectionFailed, ErrorCode, MpserveErro
 from mpserve.slots import SlotState
 
 from . import access, console, limits, schema
+from . import embeddings as emb
 from . import openai as oai
 from . import tokens as tok
 from .admin import ADMIN_PREFIX, Admin
@@ -109,6 +111,7 @@ def create_app(config: GatewayConfig) -> Starlette:
         Route("/v1/completions", gateway.completions, methods=["POST"]),
         Route("/v1/chat/completions", gateway.chat_completions, methods=["POST"]),
         Route("/v1/models", gateway.list_models, methods=["GET"]),
+        Route("/v1/embeddings", gateway.embeddings, methods=["POST"]),
         Route("/tokenize", gateway.tokenize, methods=["POST"]),
         Route("/detokenize", gateway.detokenize, methods=["POST"]),
         Route("/health", gateway.get_health, methods=["GET"]),
@@ -269,7 +272,20 @@ class _Gateway:
         self.metrics.outcome(endpoint, exc.code)
         return _error_response(oai.HttpError.from_mpserve(exc))
 
-    # --- vocabulary -----------------------------------------------------------------------------
+    # --- embeddings and vocabulary ---------------------------------------------------------------
+
+    async def embeddings(self, request: Request) -> Response:
+        try:
+            call = emb.parse(await limits.read_json(request, self.config.connections.read_timeout))
+            client = await self.backend.client()
+            result = await _unless_disconnected(request, client.embed(call.inputs, model=call.model))
+        except ClientGone:
+            self.metrics.outcome(request.url.path, ErrorCode.CANCELLED)
+            return Response(status_code=204)
+        except MpserveError as exc:
+            return self._failed(request.url.path, exc)
+        self.metrics.outcome(request.url.path, "ok")
+        return JSONResponse(emb.answer(result, call.model or _sole_model(client), call.encoding_format))
 
     async def tokenize(self, request: Request) -> Response:
         try:

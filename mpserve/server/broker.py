@@ -13,7 +13,8 @@
                 worker is lost is retried or handed over on its own, in one slot
 
     TOKENIZE ─▶ at once to the least busy loaded instance of the model (no slot, no queue); its TOKENS or
-                ERROR is forwarded the same way (``lookups``: ticket -> client, request id, worker)
+    EMBED       ERROR (EMBEDDINGS or ERROR) is forwarded the same way (``lookups``: ticket -> client, request id,
+                worker). EMBED goes to embedding models only (``embedding: true``), REQUEST to the others
 
 State lives in three tables (``mpserve.server.state``, which draws a request's states): ``requests``
 (ticket -> Pending), ``workers`` (identity -> WorkerEntry) and ``models`` (name -> ModelQueue). Every
@@ -77,13 +78,15 @@ class Broker:
                  max_queue_total: int = 4096, max_pending_per_client: int = 128, client_timeout: float = 5.0,
                  curve_secret: str | None = None, curve_workers: str | None = None,
                  residency: Residency | None = None, heartbeat_interval: float = 1.0,
-                 heartbeat_liveness: int = 5) -> None:
+                 heartbeat_liveness: int = 5, embedding_models: frozenset[str] = frozenset()) -> None:
         """``models``: name -> max queue length. ``client_timeout``: a client with pending requests that
         sends nothing for this long is taken as gone and its requests are cancelled (clients ping every
         second while they wait). ``curve_secret``: the server's CURVE secret-key file for the front.
         ``residency``: single active backend mode (at most one model loaded per device).
         ``curve_workers``: with ``curve_secret``, the folder of allowed worker keys; the worker socket then
-        requires CURVE too. Remote workers silent for ``heartbeat_interval × heartbeat_liveness`` are lost."""
+        requires CURVE too. Remote workers silent for ``heartbeat_interval × heartbeat_liveness`` are lost.
+        ``embedding_models``: the models configured ``embedding: true``, which serve EMBED and no REQUEST."""
+        self.embedding_models = embedding_models
         self.front = _router(ctx, front_addr, curve_secret, b"clients")
         self.back = _router(ctx, back_addr, curve_secret if curve_workers else None, b"workers")
         self.heartbeat_interval = heartbeat_interval
@@ -276,6 +279,8 @@ class Broker:
                 self._to_client(client, wire.encode(pong))
             elif mtype is wire.MsgType.TOKENIZE:
                 self._on_tokenize(client, wire.Tokenize.from_wire(wire.unpack_body(frames[2])))
+            elif mtype is wire.MsgType.EMBED:
+                self._on_embed(client, wire.Embed.from_wire(wire.unpack_body(frames[2])))
             elif mtype is wire.MsgType.STATS_QUERY:
                 query = wire.StatsQuery.from_wire(wire.unpack_body(frames[2]))
                 self._to_client(client, wire.encode(self.snapshot(query.nonce)))
@@ -302,6 +307,9 @@ class Broker:
             raise BadRequest(f"request id {req.id!r} is already in use by one of your pending requests")
         model = self._resolve_model(req.model)
         mq = self.models[model]
+        if model in self.embedding_models:
+            raise BadRequest(f"model {model} is an embedding model (embedding: true in its models[] entry): it "
+                             "computes embeddings (/v1/embeddings, Client.embed), not completions")
         if mq.failed is not None:
             raise ModelFailed(f"model {model} cannot be loaded: {mq.failed}")
         if len(mq.queue) >= mq.max_queue and not mq.free:
@@ -343,7 +351,7 @@ class Broker:
                 f"request run together in one instance; serve the model with 'parallel: {n}' (or --parallel {n}) "
                 "or ask for fewer")
 
-    def _on_tokenize(self, client: bytes, msg: wire.Tokenize) -> None:
+    def _on_tokenize(self, client: bytes, msg: wire.Tokenize | wire.Embed) -> None:
         """To the least busy instance of the model that has it loaded: the worker answers between steps."""
         if not self.accepting:
             raise ShuttingDown("the server is shutting down; retry after it restarts", retry_after=1.0)
@@ -354,8 +362,16 @@ class Broker:
         worker = min(loaded, key=lambda w: len(w.running))
         ticket = next(self._tickets)
         self.lookups[ticket] = (client, msg.id, worker.identity)
-        self.stats["tokenize"] += 1
+        self.stats["tokenize" if isinstance(msg, wire.Tokenize) else "embed"] += 1
         self._to_worker(worker.identity, dataclasses.replace(msg, ticket=ticket))
+
+    def _on_embed(self, client: bytes, msg: wire.Embed) -> None:
+        """As TOKENIZE, for embedding models only."""
+        model = self._resolve_model(msg.model)
+        if model not in self.embedding_models:
+            raise BadRequest(f"model {model} is not an embedding model: serve one with embedding: true in its "
+                             "models[] entry to ask it for embeddings")
+        self._on_tokenize(client, msg)
 
     def _lookups_lost(self, identity: bytes, what: str) -> None:
         for ticket, (client, rid, worker) in list(self.lookups.items()):

@@ -6,7 +6,7 @@ Each turn takes every waiting broker message, then runs one ``engine.step`` whil
 
     receive   ASSIGN: admit the request into the slot the broker chose (another free one if that is
               taken); CANCEL: the sequence ends at the next step; STOP; UNLOAD (only when idle);
-              TOKENIZE: answered at once (``mpserve.worker.tokens``)
+              TOKENIZE, EMBED: answered at once (``mpserve.worker.tokens``, ``mpserve.worker.embed``)
     permit    with GPU permits, the first running sequence takes the device's permit (host-wide); the
               last one to end gives it back
     step      every running sequence advances by one token (a prompt by a chunk); pieces stream out as
@@ -37,7 +37,7 @@ from mpserve.gpu.permits import DevicePermits, Permit
 from mpserve.protocol import ChatTemplate
 from mpserve.slots import SlotState, SlotWriter
 
-from . import tokens
+from . import embed, tokens
 from .spec import EXIT_LOAD_FAILED, EngineSpec, WorkerSpec
 from .stream import ChunkStream
 
@@ -182,6 +182,9 @@ class Worker:
             self._accept(msg)
         elif isinstance(msg, wire.Tokenize):
             self._send(tokens.answer(self._engine, msg) if self._engine is not None else wire.Error(
+                msg.id, ErrorCode.BUSY, "the model is not loaded here now; retry"), msg.ticket)
+        elif isinstance(msg, wire.Embed):
+            self._send(embed.answer(self._engine, msg) if self._engine is not None else wire.Error(
                 msg.id, ErrorCode.BUSY, "the model is not loaded here now; retry"), msg.ticket)
 
     def _pump(self) -> None:

@@ -28,6 +28,8 @@ class EngineSpec:
     parallel: int = 1  # sequences the engine decodes together
     flash_attn: str = "auto"  # auto, on or off
     repack: bool = True  # llama.cpp's extra (repacked) weight buffer types
+    embedding: bool = False  # an embedding model (mpserve.engine.embed)
+    pooling: str | None = None  # its pooling; None: the GGUF's
 
     @property
     def is_echo(self) -> bool:
