@@ -98,7 +98,8 @@ def test_more_choices_than_slots_are_refused_saying_how_to_configure(four_slots:
             client.generate("hi", n=2)
     for body, words in [({"n": 5}, "'n' = 5 is more than the 4 slot(s)"),
                         ({"n": 0}, "'n' must be between 1 and 128"), ({"n": "2"}, "field 'n' must be an integer"),
-                        ({"best_of": 2}, "'best_of' = 2 is not supported")]:
+                        ({"best_of": 1, "n": 2}, "'best_of' must be an integer from n (2) to 128"),
+                        ({"best_of": 3, "stream": True}, "'best_of' cannot be used with 'stream'")]:
         answer = httpx.post(f"{gateway.url}/v1/completions", json={"model": "tiny", "prompt": "hi", **body}, timeout=10)
         assert answer.status_code == 400 and words in answer.json()["error"]["message"], body
 
@@ -139,3 +140,18 @@ def test_cancelling_a_request_for_n_frees_all_its_slots(four_slots: ServerProces
             break  # leaving the loop cancels the request
         wait_for(lambda: all(r.state is SlotState.IDLE for r in four_slots.slots()), what="all four slots idle")
         assert client.stats().models["tiny"].running == 0
+
+
+@pytest.mark.timeout(120)
+def test_best_of_returns_the_choices_of_the_highest_mean_logprob(four_slots: ServerProcess,
+                                                                  gateway: GatewayThread) -> None:
+    with Client(four_slots.address) as client:
+        all_four = client.choices("Hello", n=4, max_tokens=8, seed=9, logprobs=0, **(OPENAI_DEFAULTS | SAMPLED))
+    assert all_four[0].logprobs is not None
+    mean = [sum(lp for _, _, lp, _ in c.logprobs.entries()) / 8 for c in all_four]  # type: ignore[union-attr]
+    ranked = [all_four[i].text for i in sorted(range(4), key=lambda i: -mean[i])]
+    got = gateway.openai().completions.create(model="tiny", prompt="Hello", n=2, best_of=4, max_tokens=8, seed=9,
+                                              temperature=0.9, extra_body={"top_k": 20, "ignore_eos": True})
+    assert [c.text for c in got.choices] == ranked[:2] and [c.index for c in got.choices] == [0, 1]
+    assert all(c.logprobs is None for c in got.choices)  # asked for only to rank
+    assert got.usage is not None and got.usage.completion_tokens == 32  # all four were generated

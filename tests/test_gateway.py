@@ -209,8 +209,8 @@ def test_a_model_loaded_on_demand_tells_its_template_once_loaded(start_server, t
 @pytest.mark.timeout(60)
 def test_refusals_come_in_openai_error_shape_with_fitting_statuses(gateway) -> None:
     oc = gateway.openai()
-    with pytest.raises(openai.BadRequestError, match="'best_of' = 2 is not supported") as err:
-        oc.completions.create(model="tiny", prompt="hi", best_of=2)
+    with pytest.raises(openai.BadRequestError, match="'best_of' must be an integer from n") as err:
+        oc.completions.create(model="tiny", prompt="hi", n=3, best_of=2)
     assert err.value.code == "bad_request" and err.value.type == "invalid_request_error"
     with pytest.raises(openai.BadRequestError, match="insertion"):
         oc.completions.create(model="tiny", prompt="hi", suffix="!")

@@ -224,7 +224,7 @@ class _Gateway:
         except MpserveError as exc:
             return self._failed(endpoint, exc)
         self._done(endpoint, reply.model, results, started)
-        return JSONResponse(reply.whole(results))
+        return JSONResponse(reply.whole(call.shown(results), results))
 
     async def _stream(self, request: Request, client: AsyncClient, call: oai.Call, reply: oai.Reply,
                       started: float) -> Response:

@@ -11,10 +11,10 @@ come back in OpenAI's shapes (``gateway.logprobs``). ``echo`` (completions) puts
 completion and, with ``logprobs``, its tokens' log-probabilities before the completion's (the first one's
 null, as OpenAI sends it; text offsets from the start of the prompt). ``n`` choices run together in one
 instance, which computes the prompt once; choice i is seeded with ``seed + i``; each comes with its index
-(streamed: each chunk too), tool calls read per choice. What mpserve cannot do (``best_of``, ``suffix``, ...)
-is refused with 400 naming the parameter, unless it is sent at its neutral value (``best_of: 1``,
-``suffix: ""``, ...), which clients often do. Unrecognised keys are refused like OpenAI refuses them. A
-``null`` value means "not given".
+(streamed: each chunk too), tool calls read per choice; ``best_of`` (completions) returns the n best of
+that many (``gateway.best_of``). What mpserve cannot do (``suffix``, ...) is refused with 400 naming the
+parameter, unless it is sent at its neutral value (``suffix: ""``, ...), which clients often do.
+Unrecognised keys are refused like OpenAI refuses them. A ``null`` value means "not given".
 
 Defaults are OpenAI's (``OPENAI_DEFAULTS``): what a request leaves out is sampled at temperature 1 with
 top_p 1, no top-k and no repeat penalty, so a request sent here as to OpenAI's API samples alike (llama.cpp's
@@ -48,7 +48,7 @@ from mpserve.errors import BadRequest, MpserveError, http_status
 from mpserve.protocol import ChatTemplate
 from mpserve.structured import JSON_OBJECT_SCHEMA, canonical_json
 
-from . import logprobs
+from . import best_of, logprobs
 from . import tools as tc
 from .chat import render
 from .tokens import token_ids
@@ -64,14 +64,13 @@ _SAMPLING = ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "rep
              "presence_penalty", "frequency_penalty", "logit_bias", "min_p", "typical_p", "ignore_eos", "n")
 _COMMON = ("model", "stream", "stream_options", "user", "response_format", "grammar", "json_schema") + _SAMPLING
 _KEYS: dict[Kind, frozenset[str]] = {
-    "completion": frozenset(_COMMON + ("prompt", "logprobs", "echo")),
+    "completion": frozenset(_COMMON + ("prompt", "logprobs", "echo", "best_of")),
     "chat": frozenset(_COMMON + ("messages", "max_completion_tokens", "logprobs", "top_logprobs", "tools",
                                   "tool_choice", "parallel_tool_calls")),
 }
 # Parameters mpserve does not implement, with the values that ask for nothing (accepted and ignored), and
 # why a non-neutral value is refused.
 _UNSUPPORTED: dict[str, tuple[tuple[Any, ...], str]] = {
-    "best_of": ((1,), "choices are not ranked; ask for n and pick"),
     "suffix": (("",), "insertion (suffix) is not supported"),
     "functions": (([],), "the deprecated function calls are not supported; use tools"),
     "function_call": (("none",), "the deprecated function calls are not supported; use tool_choice"),
@@ -93,6 +92,11 @@ class Call:
     parser: tc.Parser = "hermes"  # how its reply's tool calls are read (from the chat template)
     echo: bool = False  # a completion's: the prompt comes back before the completion
     echo_text: str = ""  # the prompt's text: a token prompt's is set by with_echo_text
+    best: best_of.BestOf | None = None  # a completion's best_of: the n of its choices to return
+
+    def shown(self, results: list[Result]) -> list[Result]:
+        """The results to answer with: all of them, or with best_of the best n."""
+        return best_of.pick(results, self.best) if self.best is not None else results
 
     def with_echo_text(self, text: str) -> Call:
         return dataclasses.replace(self, echo_text=text)
@@ -144,6 +148,7 @@ def parse(kind: Kind, body: Any) -> Call:
         raise BadRequest("'echo' must be a boolean")
     if echo and top_logprobs is not None:
         sampling["prompt_logprobs"] = True
+    best = best_of.requested(given, sampling, stream) if kind == "completion" else None
     if isinstance(sampling.get("stop"), str):
         sampling["stop"] = [sampling["stop"]]
     sampling |= _structured(given)
@@ -165,7 +170,7 @@ def parse(kind: Kind, body: Any) -> Call:
         messages, prompt = (), _prompt(given.get("prompt"))
     return Call(kind, model, prompt, wire.GenerateParams.from_wire(sampling), stream,
                 options.get("include_usage", False), messages, spec, echo=echo,
-                echo_text=prompt if isinstance(prompt, str) else "")
+                echo_text=prompt if isinstance(prompt, str) else "", best=best)
 
 
 def _structured(given: dict[str, Any]) -> dict[str, str]:
@@ -341,7 +346,8 @@ class Reply:
                 call.echo_text if call.echo else "", call.echo, "" if call.tools is not None else None)
         return state
 
-    def whole(self, results: list[Result]) -> dict[str, Any]:
+    def whole(self, results: list[Result], generated: list[Result] | None = None) -> dict[str, Any]:
+        """``results`` as the response's choices; the usage counts ``generated`` (with best_of, more than shown)."""
         choices = []
         for r in results:
             lp = self._logprobs(r.logprobs, r.index)
@@ -357,7 +363,7 @@ class Reply:
             else:
                 choices.append({"index": r.index, "text": self._echoed(r.text, r.index), "logprobs": lp,
                                 "finish_reason": r.finish_reason})
-        return self._envelope(self._object, choices) | {"usage": usage(total_usage(results))}
+        return self._envelope(self._object, choices) | {"usage": usage(total_usage(generated or results))}
 
     def chunks(self, text: str, lp: wire.Logprobs | None = None, index: int = 0) -> list[dict[str, Any]]:
         """The chunks for a piece of choice ``index``'s streamed text: none while it is held back (a request
