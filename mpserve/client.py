@@ -529,7 +529,8 @@ class Client:
 
 
 class SyncStream:
-    """Iterator of text chunks; ``result`` holds the final Result once iteration has ended."""
+    """Iterator of text chunks; ``result`` holds the final Result once iteration has ended (``results``
+    every choice's, ``chunk_index`` whose chunk was just yielded, as ``Stream``)."""
 
     def __init__(self, client: Client, stream: Stream) -> None:
         self._client = client
@@ -540,6 +541,14 @@ class SyncStream:
     @property
     def result(self) -> Result | None:
         return self._stream.result
+
+    @property
+    def results(self) -> list[Result]:
+        return self._stream.results
+
+    @property
+    def chunk_index(self) -> int:
+        return self._stream.chunk_index
 
     def __iter__(self) -> Iterator[str]:
         try:
