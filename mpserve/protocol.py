@@ -54,6 +54,7 @@ MAX_TOKENS_LIMIT = 1 << 20
 MAX_LOGIT_BIAS = 1024  # token ids one request may bias
 MAX_TOP_LOGPROBS = 20  # most probable tokens reported per generated token (OpenAI's limit)
 MAX_EMBED_INPUTS = 2048  # inputs of one EMBED (OpenAI's limit)
+MAX_TOKEN_ID = 2**31 - 1  # token ids travel as int32 (pack_tokens)
 MAX_CHOICES = 128  # ``n``: choices one request may ask for (OpenAI's limit; an instance's parallel caps it too)
 
 

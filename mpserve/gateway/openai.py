@@ -102,7 +102,7 @@ class Call:
         return dataclasses.replace(self, echo_text=text)
 
     def generate_kwargs(self) -> dict[str, Any]:
-        """Keyword arguments for ``AsyncClient.generate`` / ``stream``."""
+        """Keyword arguments for ``AsyncClient.choices`` / ``stream`` (``n`` among them)."""
         return dict(vars(self.params))
 
     def with_chat_template(self, chat: ChatTemplate) -> Call:
