@@ -58,13 +58,20 @@ class Result:
     timings: wire.Timings
     worker: str
     logprobs: wire.Logprobs | None = None  # asked for with logprobs=N: entries() per generated token
+    index: int = 0  # which choice, of a request for n (``choices``)
 
     @classmethod
     def from_done(cls, done: wire.Done, streamed: list[wire.Logprobs] | None = None) -> Result:
         """``streamed``: the log-probabilities the request's chunks carried, before those of ``done``."""
         parts = [*(streamed or []), *([done.logprobs] if done.logprobs is not None else [])]
         return cls(done.id, done.text, done.finish_reason, done.usage, done.timings, done.worker,
-                   wire.Logprobs.join(parts))
+                   wire.Logprobs.join(parts), done.index)
+
+
+@dataclass(frozen=True)
+class Embedded:
+    vectors: list[list[float]]  # one per input, in order, L2-normalised
+    prompt_tokens: int
 
 
 @dataclass(frozen=True)
@@ -75,7 +82,9 @@ class Tokenized:
 
 class Stream:
     """Async iterator of text chunks; ``result`` holds the final Result once iteration has ended, and
-    ``chunk_logprobs`` the log-probabilities of the chunk just yielded (when asked for)."""
+    ``chunk_logprobs`` the log-probabilities of the chunk just yielded (when asked for). With ``n`` choices,
+    ``chunk_index`` says whose chunk it was, ``results`` holds every choice's Result (``result`` the first's)
+    and ``done_logprobs`` each DONE's log-probabilities (of the tokens no chunk carried), by choice."""
 
     def __init__(self, client: AsyncClient, request: wire.Request) -> None:
         self._client = client
@@ -83,7 +92,11 @@ class Stream:
         self.id = request.id
         self.result: Result | None = None
         self.chunk_logprobs: wire.Logprobs | None = None
-        self._logprobs: list[wire.Logprobs] = []
+        self.chunk_index = 0
+        self.results: list[Result] = []
+        self.done_logprobs: dict[int, wire.Logprobs | None] = {}
+        self._done: dict[int, Result] = {}
+        self._choice_logprobs: dict[int, list[wire.Logprobs]] = {}
 
     def __aiter__(self) -> AsyncGenerator[str, None]:
         return self._chunks()
@@ -94,14 +107,18 @@ class Stream:
             while True:
                 msg = await self._client._next(queue, self._request)
                 if isinstance(msg, wire.Chunk):
-                    self.chunk_logprobs = msg.logprobs
+                    self.chunk_logprobs, self.chunk_index = msg.logprobs, msg.index
                     if msg.logprobs is not None:
-                        self._logprobs.append(msg.logprobs)
+                        self._choice_logprobs.setdefault(msg.index, []).append(msg.logprobs)
                     yield msg.text
                 else:
-                    self.chunk_logprobs = msg.logprobs
-                    self.result = Result.from_done(msg, self._logprobs)
-                    return
+                    self.chunk_logprobs = self.done_logprobs[msg.index] = msg.logprobs
+                    self._done[msg.index] = Result.from_done(msg, self._choice_logprobs.get(msg.index))
+                    if len(self._done) == self._request.params.n:
+                        self._client._pending.pop(self.id, None)
+                        self.results = [self._done[i] for i in sorted(self._done)]
+                        self.result = self.results[0]
+                        return
         finally:
             if self.result is None:
                 await self._client._abandon(self._request.id)
@@ -176,14 +193,27 @@ class AsyncClient:
                        **params: Any) -> Result:
         """Run one completion and return its Result; raises the MpserveError of an ERROR reply. ``prompt``:
         text, or token ids (taken as they are: no BOS is added)."""
-        request = self._request(prompt, model, timeout, params, stream=False)
+        if params.get("n", 1) != 1:
+            raise BadRequest("generate returns one choice; ask for n with choices(prompt, n=...)")
+        return (await self.choices(prompt, n=1, model=model, timeout=timeout, **params))[0]
+
+    async def choices(self, prompt: str | list[int], *, n: int, model: str | None = None,
+                      timeout: float | None = None, **params: Any) -> list[Result]:
+        """``n`` choices of one completion, in index order: run together in ``n`` slots of one instance, which
+        computes the prompt once; choice i is seeded with ``seed + i`` (modulo 2**32) when ``seed`` is given.
+        A request for more choices than an instance has slots (``parallel``) is refused."""
+        request = self._request(prompt, model, timeout, {**params, "n": n}, stream=False)
         queue = await self._submit(request)
+        done: dict[int, Result] = {}
         try:
-            msg = await self._next(queue, request)
+            while len(done) < n:
+                msg = await self._next(queue, request)
+                done[msg.index] = Result.from_done(msg)
         except BaseException:
             await self._abandon(request.id)
             raise
-        return Result.from_done(msg)
+        self._pending.pop(request.id, None)
+        return [done[i] for i in sorted(done)]
 
     def stream(self, prompt: str | list[int], *, model: str | None = None, timeout: float | None = None,
                **params: Any) -> Stream:
@@ -207,6 +237,22 @@ class AsyncClient:
         answer = await self._lookup(wire.Tokenize(next(self._ids), model, tokens=wire.pack_tokens(tokens),
                                                   detokenize=True, timeout=timeout or self.timeout))
         return answer.text
+
+    async def embed(self, inputs: str | list[str] | list[int] | list[list[int]], *, model: str | None = None,
+                    timeout: float | None = None) -> Embedded:
+        """The embeddings of ``inputs`` (a text, texts, token ids, or lists of token ids) by an embedding model
+        (``embedding: true``), all computed by one of its instances, as many in one decode as fit."""
+        items: list[Any] = [inputs] if isinstance(inputs, str) or (inputs and all(
+            isinstance(i, int) for i in inputs)) else list(inputs)  # one text, or one token array
+        texts = tuple(i for i in items if isinstance(i, str))
+        arrays = tuple(wire.pack_tokens(i) for i in items if isinstance(i, list))
+        if len(texts) + len(arrays) != len(items) or (texts and arrays):
+            raise BadRequest("'input' must be a text, a list of texts, a list of token ids or a list of those lists")
+        msg = wire.Embed(next(self._ids), model, texts, arrays, timeout=timeout or self.timeout)
+        answer = await self._ask(msg, None if msg.timeout is None else msg.timeout + 1.0,
+                                 Timeout(f"no answer within {msg.timeout} s"))
+        assert isinstance(answer, wire.Embeddings)
+        return Embedded(answer.rows(), answer.prompt_tokens)
 
     async def stats(self, timeout: float = CONNECT_TIMEOUT_S) -> wire.Stats:
         """The broker's counters and per-model queue state."""
@@ -256,7 +302,8 @@ class AsyncClient:
         assert isinstance(answer, wire.Tokens)
         return answer
 
-    async def _ask(self, msg: wire.Tokenize | wire.Control, wait: float | None, timed_out: MpserveError) -> Any:
+    async def _ask(self, msg: wire.Tokenize | wire.Control | wire.Embed, wait: float | None,
+                   timed_out: MpserveError) -> Any:
         """Send a message that has one answer and wait for it (``wait`` seconds; None: no limit); raises the
         MpserveError of an ERROR reply, or ``timed_out``."""
         await self.connect()
@@ -298,8 +345,6 @@ class AsyncClient:
         if isinstance(msg, MpserveError):
             self._pending.pop(request.id, None)
             raise msg
-        if isinstance(msg, wire.Done):
-            self._pending.pop(request.id, None)
         return msg
 
     async def _abandon(self, request_id: str) -> None:
@@ -429,6 +474,10 @@ class Client:
                  **params: Any) -> Result:
         return self._call(self._async.generate(prompt, model=model, timeout=timeout, **params))
 
+    def choices(self, prompt: str | list[int], *, n: int, model: str | None = None, timeout: float | None = None,
+                **params: Any) -> list[Result]:
+        return self._call(self._async.choices(prompt, n=n, model=model, timeout=timeout, **params))
+
     def stream(self, prompt: str | list[int], *, model: str | None = None, timeout: float | None = None,
                **params: Any) -> SyncStream:
         return SyncStream(self, self._async.stream(prompt, model=model, timeout=timeout, **params))
@@ -443,6 +492,10 @@ class Client:
 
     def detokenize(self, tokens: list[int], *, model: str | None = None, timeout: float | None = None) -> str:
         return self._call(self._async.detokenize(tokens, model=model, timeout=timeout))
+
+    def embed(self, inputs: str | list[str] | list[int] | list[list[int]], *, model: str | None = None,
+              timeout: float | None = None) -> Embedded:
+        return self._call(self._async.embed(inputs, model=model, timeout=timeout))
 
     def stats(self, timeout: float = CONNECT_TIMEOUT_S) -> wire.Stats:
         return self._call(self._async.stats(timeout))
@@ -477,7 +530,8 @@ class Client:
 
 
 class SyncStream:
-    """Iterator of text chunks; ``result`` holds the final Result once iteration has ended."""
+    """Iterator of text chunks; ``result`` holds the final Result once iteration has ended (``results``
+    every choice's, ``chunk_index`` whose chunk was just yielded, as ``Stream``)."""
 
     def __init__(self, client: Client, stream: Stream) -> None:
         self._client = client
@@ -488,6 +542,14 @@ class SyncStream:
     @property
     def result(self) -> Result | None:
         return self._stream.result
+
+    @property
+    def results(self) -> list[Result]:
+        return self._stream.results
+
+    @property
+    def chunk_index(self) -> int:
+        return self._stream.chunk_index
 
     def __iter__(self) -> Iterator[str]:
         try:

@@ -54,6 +54,8 @@ class ModelConfig:
     echo_tick_ms: float = 0.0  # the echo backend's time per step; its pieces are then their CLOCK_MONOTONIC ns
     devices: tuple[int, ...] | None = None  # pin the model's instances to these GPU indices
     requires_memory: int | None = None  # declared GPU bytes per instance; None: estimated from the GGUF
+    embedding: bool = False  # serves embeddings (mpserve.engine.embed), not completions
+    pooling: str | None = None  # an embedding model's pooling; None: the GGUF's
     min_instances: int | None = None  # the count follows the load within min .. max; None: instances, fixed
     max_instances: int | None = None
     scale_up_after: float = 2.0  # seconds the oldest waiting request waits before one more instance starts
@@ -168,6 +170,8 @@ FLASH_ATTN_MODES = settings.BY_KEY["flash_attn"].choices or ()
 _FLASH_ATTN_SPELLINGS = {True: "on", False: "off", "true": "on", "false": "off", "1": "on", "0": "off",
                          "yes": "on", "no": "off"}
 _LOG_LEVELS = settings.BY_KEY["log_level"].choices or ()
+_POOLINGS = settings.BY_KEY["pooling"].choices or ()
+BUILTIN_MODELS = ("tiny", "bench", "tiny-embed")
 
 
 def load_file(path: str | os.PathLike[str]) -> dict[str, Any]:
@@ -275,9 +279,16 @@ def _model(index: int, entry: Any, overrides: Mapping[str, Any], source: str) ->
                           "starting with a letter or digit, at most 48 characters")
     if not (path == ECHO_MODEL or path.startswith(BUILTIN_PREFIX) or Path(path).is_file()):
         raise ConfigError(f"{where}.path: no such model file {path!r}; give a .gguf file, {DEFAULT_MODEL}, "
-                          "builtin:bench, or echo")
-    if path.startswith(BUILTIN_PREFIX) and path[len(BUILTIN_PREFIX):] not in ("tiny", "bench"):
-        raise ConfigError(f"{where}.path: unknown built-in model {path!r}; allowed: builtin:tiny, builtin:bench")
+                          "builtin:bench, builtin:tiny-embed, or echo")
+    if path.startswith(BUILTIN_PREFIX) and path[len(BUILTIN_PREFIX):] not in BUILTIN_MODELS:
+        raise ConfigError(f"{where}.path: unknown built-in model {path!r}; allowed: "
+                          f"{', '.join(BUILTIN_PREFIX + m for m in BUILTIN_MODELS)}")
+    if values.get("pooling") is not None and values["pooling"] not in _POOLINGS:
+        raise ConfigError(f"{where}.pooling: got {values['pooling']!r}, allowed: {', '.join(_POOLINGS)}")
+    if values.get("pooling") is not None and not values.get("embedding"):
+        raise ConfigError(f"{where}.pooling: applies to embedding models; set embedding: true too")
+    if values.get("embedding") and path == ECHO_MODEL:
+        raise ConfigError(f"{where}.embedding: the echo backend has no embeddings; give a GGUF file")
     if "devices" in values:
         values["devices"] = _index_list(values["devices"], f"{where}.devices")
     if "flash_attn" in values:

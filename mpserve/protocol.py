@@ -3,13 +3,15 @@
 Every message is a ZeroMQ multipart message. ROUTER sockets see a routing-identity frame first; that
 frame belongs to ZeroMQ and is not described here.
 
-    client  -> broker   [VERSION, TYPE, BODY]            REQUEST, CANCEL, PING, STATS_QUERY, TOKENIZE, CONTROL
+    client  -> broker   [VERSION, TYPE, BODY]            REQUEST, CANCEL, PING, STATS_QUERY, TOKENIZE, CONTROL,
+                                                         EMBED
     broker  -> client   [VERSION, TYPE, BODY]            CHUNK, CHUNKS, DONE, ERROR, PONG, STATS, TOKENS,
-                                                         CONTROL_REPLY
-    broker  -> worker   [VERSION, TYPE, BODY]            ASSIGN, CANCEL, STOP, UNLOAD, TOKENIZE
+                                                         CONTROL_REPLY, EMBEDDINGS
+    broker  -> worker   [VERSION, TYPE, BODY]            ASSIGN, CANCEL, STOP, UNLOAD, TOKENIZE, EMBED
     worker  -> broker   [VERSION, TYPE, TICKET, BODY]    READY, HEARTBEAT, FAILED, UNLOADED (empty TICKET);
                                                          CHUNK, DONE, ERROR (TICKET of an ASSIGN);
-                                                         TOKENS, ERROR (TICKET of a TOKENIZE)
+                                                         TOKENS, ERROR (TICKET of a TOKENIZE);
+                                                         EMBEDDINGS, ERROR (TICKET of an EMBED)
                         [VERSION, CHUNK, TICKET, BODY, TOKENS]  when the ASSIGN asked for ``report_tokens``
                         [VERSION, CHUNKS, b"", BATCH]    the CHUNKs of one step of several sequences
 
@@ -58,7 +60,9 @@ MAX_STOP_CHARS = 256
 MAX_TOKENS_LIMIT = 1 << 20
 MAX_LOGIT_BIAS = 1024  # token ids one request may bias
 MAX_TOP_LOGPROBS = 20  # most probable tokens reported per generated token (OpenAI's limit)
-MAX_TOKEN_ID = (1 << 31) - 1  # token ids are int32 (llama_token), on the wire too
+MAX_EMBED_INPUTS = 2048  # inputs of one EMBED (OpenAI's limit)
+MAX_TOKEN_ID = 2**31 - 1  # token ids travel as int32 (pack_tokens)
+MAX_CHOICES = 128  # ``n``: choices one request may ask for (OpenAI's limit; an instance's parallel caps it too)
 
 
 class MsgType(IntEnum):
@@ -68,6 +72,7 @@ class MsgType(IntEnum):
     STATS_QUERY = 0x04
     TOKENIZE = 0x05
     CONTROL = 0x06
+    EMBED = 0x07
     CHUNK = 0x10
     DONE = 0x11
     ERROR = 0x12
@@ -75,6 +80,7 @@ class MsgType(IntEnum):
     STATS = 0x14
     TOKENS = 0x15
     CONTROL_REPLY = 0x16
+    EMBEDDINGS = 0x17
     CHUNKS = 0x18
     READY = 0x20
     HEARTBEAT = 0x21
@@ -165,6 +171,8 @@ class GenerateParams:
     # structured output (mpserve.structured): GBNF text, or a JSON Schema as canonical JSON text; one at most
     grammar: str | None = None
     json_schema: str | None = None
+    prompt_logprobs: bool = False  # with logprobs: the prompt's tokens' too, first (Logprobs.prompt)
+    n: int = 1  # choices, in n slots of one instance, choice i seeded with seed + i (``choice_params``)
 
     @classmethod
     def from_wire(cls, body: Any) -> GenerateParams:
@@ -193,6 +201,8 @@ class GenerateParams:
             logprobs=_get(body, "logprobs", int, None, bad=BadRequest),
             grammar=_text(body, "grammar", structured.MAX_GRAMMAR_CHARS, None, bad=BadRequest),
             json_schema=_text(body, "json_schema", structured.MAX_SCHEMA_CHARS, None, bad=BadRequest),
+            prompt_logprobs=_get(body, "prompt_logprobs", bool, False, bad=BadRequest),
+            n=_get(body, "n", int, 1, bad=BadRequest),
         )
         params.validate()
         return params
@@ -223,7 +233,11 @@ class GenerateParams:
             _ranged("logit_bias", bias, -100.0, 100.0)
         if self.logprobs is not None:
             _ranged("logprobs", self.logprobs, 0, MAX_TOP_LOGPROBS)
-
+        if not isinstance(self.prompt_logprobs, bool):
+            raise BadRequest(f"'prompt_logprobs' must be a boolean, got {type(self.prompt_logprobs).__name__}")
+        if self.prompt_logprobs and self.logprobs is None:
+            raise BadRequest("'prompt_logprobs' needs 'logprobs' (the number of top tokens to report, 0..20)")
+        _ranged("n", self.n, 1, MAX_CHOICES)
         for key in ("grammar", "json_schema"):
             if not isinstance(getattr(self, key), (str, type(None))):
                 raise BadRequest(f"'{key}' must be a string")
@@ -233,6 +247,11 @@ class GenerateParams:
             structured.check_grammar(self.grammar)
         if self.json_schema is not None:
             structured.schema_grammar(self.json_schema)  # compiled once per distinct schema, then cached
+
+    def choice_params(self, index: int) -> GenerateParams:
+        """Choice ``index``'s parameters: one choice, seeded with seed + index (modulo 2**32) when seeded."""
+        seed = None if self.seed is None else (self.seed + index) % 2**32
+        return dataclasses.replace(self, n=1, seed=seed)
 
 
 def logit_bias_pairs(value: Any) -> tuple[tuple[int, float], ...]:
@@ -496,7 +515,11 @@ class Logprobs:
     """Log-probabilities of generated tokens (log-softmax of the raw logits, before any sampler), in columns
     of packed numbers: a completion can have more tokens than a msgpack list may hold here. For each sampled
     token: its id and log-probability, and the ``top`` most probable tokens, most probable first; ``pieces``
-    holds each sampled token's bytes followed by its top tokens' bytes, ending at the offsets ``piece_ends``."""
+    holds each sampled token's bytes followed by its top tokens' bytes, ending at the offsets ``piece_ends``.
+
+    Asked for with ``prompt_logprobs``, the first ``prompt`` entries are the prompt's tokens (a leading BOS is
+    left out: its text is no part of the prompt), each scored given the tokens before it; a first token that
+    nothing precedes has log-probability NaN and top entries of id -1, no bytes and NaN."""
 
     top: int = 0
     tokens: bytes = b""  # int32 (pack_tokens)
@@ -505,6 +528,7 @@ class Logprobs:
     top_logprobs: bytes = b""  # float64
     pieces: bytes = b""
     piece_ends: bytes = b""  # int32
+    prompt: int = 0  # leading entries that are prompt tokens
 
     @classmethod
     def from_wire(cls, body: Any) -> Logprobs | None:
@@ -513,8 +537,11 @@ class Logprobs:
         if not isinstance(body, dict):
             raise ProtocolError("field 'logprobs' must be a map")
         lp = cls(top=_get(body, "top", int), **{k: _get(body, k, bytes) for k in (
-            "tokens", "logprobs", "top_tokens", "top_logprobs", "pieces", "piece_ends")})
+            "tokens", "logprobs", "top_tokens", "top_logprobs", "pieces", "piece_ends")},
+                 prompt=_get(body, "prompt", int, 0))
         n = len(lp.tokens) // 4
+        if not 0 <= lp.prompt <= n:
+            raise ProtocolError(f"field 'prompt' of 'logprobs' must be 0..{n}, got {lp.prompt}")
         if (len(lp.tokens) != 4 * n or len(lp.logprobs) != 8 * n or len(lp.top_tokens) != 4 * n * lp.top
                 or len(lp.top_logprobs) != 8 * n * lp.top or len(lp.piece_ends) != 4 * n * (1 + lp.top)):
             raise ProtocolError("the columns of 'logprobs' do not have matching lengths")
@@ -531,7 +558,7 @@ class Logprobs:
             base += len(part.pieces)
         columns = {k: b"".join(getattr(p, k) for p in parts)
                    for k in ("tokens", "logprobs", "top_tokens", "top_logprobs", "pieces")}
-        return Logprobs(parts[0].top, **columns, piece_ends=pack_tokens(ends))
+        return Logprobs(parts[0].top, **columns, piece_ends=pack_tokens(ends), prompt=sum(p.prompt for p in parts))
 
     def entries(self) -> list[tuple[int, bytes, float, list[tuple[int, bytes, float]]]]:
         """Per sampled token: (id, bytes, log-probability, [(id, bytes, log-probability) of the top ones])."""
@@ -558,11 +585,12 @@ class Chunk:
     id: str
     text: str
     logprobs: Logprobs | None = None
+    index: int = 0  # the choice, of a request for n
 
     @classmethod
     def from_wire(cls, body: dict[str, Any]) -> Chunk:
         return cls(id=_text(body, "id", MAX_ID_CHARS), text=_text(body, "text", MAX_PROMPT_CHARS),
-                   logprobs=Logprobs.from_wire(body.get("logprobs")))
+                   logprobs=Logprobs.from_wire(body.get("logprobs")), index=_choice(body))
 
 
 @dataclass(frozen=True)
@@ -608,6 +636,7 @@ class Done:
     timings: Timings
     worker: str = ""
     logprobs: Logprobs | None = None  # streamed: those of tokens no CHUNK carried
+    index: int = 0  # the choice: a request for n gets n DONEs, one per choice
 
     @classmethod
     def from_wire(cls, body: dict[str, Any]) -> Done:
@@ -622,7 +651,15 @@ class Done:
                             float(_get(t, "generate_ms", (int, float))), attempts=_get(t, "attempts", int, 1),
                             cached_tokens=_get(t, "cached_tokens", int, 0)),
             worker=_text(body, "worker", 64, ""), logprobs=Logprobs.from_wire(body.get("logprobs")),
+            index=_choice(body),
         )
+
+
+def _choice(body: dict[str, Any]) -> int:
+    index: int = _get(body, "index", int, 0)
+    if not 0 <= index < MAX_CHOICES:
+        raise ProtocolError(f"field 'index' must be 0..{MAX_CHOICES - 1}, got {index}")
+    return index
 
 
 @dataclass(frozen=True)
@@ -738,6 +775,7 @@ class Assign:
     slot: int = 0  # which of the worker's slots: the broker picks the one whose cache fits the prompt
     report_tokens: bool = False  # send each CHUNK's token ids (a TOKENS frame), so it can be resumed elsewhere
     generated: bytes = b""  # resuming: the tokens the lost instance streamed (a TOKENS frame's encoding)
+    index: int = 0  # the choice this assignment is, of a request for n (its request asks for one)
 
     @classmethod
     def from_wire(cls, body: dict[str, Any]) -> Assign:
@@ -748,7 +786,7 @@ class Assign:
                    request=Request.from_wire(_get(body, "request", dict)),
                    queue_ms=float(_get(body, "queue_ms", (int, float))),
                    attempt=_get(body, "attempt", int), slot=_get(body, "slot", int, 0),
-                   report_tokens=_get(body, "report_tokens", bool, False), generated=generated)
+                   report_tokens=_get(body, "report_tokens", bool, False), generated=generated, index=_choice(body))
 
 
 @dataclass(frozen=True)
@@ -833,10 +871,70 @@ class Tokens:
         return msg
 
 
+@dataclass(frozen=True)
+class Embed:
+    """client -> broker -> worker: the embeddings of ``texts``, or of ``tokens`` (one pack_tokens per input),
+    by the embedding model ``model``. The broker sends it to the least busy loaded instance of the model, with
+    ``ticket`` set, as it sends TOKENIZE; answered by EMBEDDINGS or ERROR."""
+
+    TYPE: ClassVar[MsgType] = MsgType.EMBED
+    id: str
+    model: str | None = None
+    texts: tuple[str, ...] = ()
+    tokens: tuple[bytes, ...] = ()
+    timeout: float | None = None
+    ticket: str = ""
+
+    @classmethod
+    def from_wire(cls, body: dict[str, Any]) -> Embed:
+        texts = _get(body, "texts", (list, tuple), (), bad=BadRequest)
+        tokens = _get(body, "tokens", (list, tuple), (), bad=BadRequest)
+        if bool(texts) == bool(tokens):
+            raise BadRequest("'input' must be texts or token arrays, not empty")
+        if len(texts) + len(tokens) > MAX_EMBED_INPUTS:
+            raise BadRequest(f"'input' may hold at most {MAX_EMBED_INPUTS} inputs, got {len(texts) + len(tokens)}")
+        if not all(isinstance(t, str) and 0 < len(t) <= MAX_PROMPT_CHARS for t in texts):
+            raise BadRequest(f"each 'input' text must be a non-empty string of at most {MAX_PROMPT_CHARS} characters")
+        if not all(isinstance(t, bytes) and t and not any(i < 0 for i in unpack_tokens(t, "input")) for t in tokens):
+            raise BadRequest("each 'input' token array must be a non-empty list of token ids >= 0")
+        timeout = _get(body, "timeout", (int, float), None, bad=BadRequest)
+        if timeout is not None:
+            _ranged("timeout", timeout, 0.001, 7 * 24 * 3600)
+        return cls(id=_text(body, "id", MAX_ID_CHARS), model=_text(body, "model", 256, None, bad=BadRequest),
+                   texts=tuple(texts), tokens=tuple(tokens), timeout=None if timeout is None else float(timeout),
+                   ticket=_text(body, "ticket", MAX_ID_CHARS, ""))
+
+
+@dataclass(frozen=True)
+class Embeddings:
+    """worker -> broker -> client: the answer to EMBED ``id``: one L2-normalised vector of ``dim`` float32
+    (little-endian) per input, in order, concatenated in ``vectors``; ``prompt_tokens``: the inputs' tokens."""
+
+    TYPE: ClassVar[MsgType] = MsgType.EMBEDDINGS
+    id: str
+    dim: int
+    vectors: bytes
+    prompt_tokens: int = 0
+
+    @classmethod
+    def from_wire(cls, body: dict[str, Any]) -> Embeddings:
+        msg = cls(id=_text(body, "id", MAX_ID_CHARS), dim=_get(body, "dim", int), vectors=_get(body, "vectors", bytes),
+                  prompt_tokens=_get(body, "prompt_tokens", int, 0))
+        if msg.dim < 1 or len(msg.vectors) % (4 * msg.dim):
+            raise ProtocolError(f"field 'vectors' must hold float32 vectors of {msg.dim}, got {len(msg.vectors)} bytes")
+        return msg
+
+    def rows(self) -> list[list[float]]:
+        n = len(self.vectors) // (4 * self.dim)
+        flat = struct.unpack(f"<{n * self.dim}f", self.vectors)
+        return [list(flat[i * self.dim:(i + 1) * self.dim]) for i in range(n)]
+
+
 _DECODERS: dict[MsgType, Any] = {
     cls.TYPE: cls.from_wire
     for cls in (Request, Cancel, Ping, StatsQuery, Pong, Stats, Chunk, Done, Error, Ready, Heartbeat, Failed,
-                Unloaded, Assign, Stop, Unload, Tokenize, Tokens, Control, ControlReply)
+                Unloaded, Assign, Stop, Unload, Tokenize, Tokens, Control, ControlReply,
+                Embed, Embeddings)
 }
 
 

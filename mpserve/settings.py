@@ -66,7 +66,8 @@ SETTINGS: tuple[Setting, ...] = (
     # --- models ----------------------------------------------------------------------------------------
     _s("name", "model", str, "the file's stem", "Name clients use for the model", env="MPSERVE_MODEL_NAME",
        commands=_FOR_POOLS),
-    _s("path", "model", str, "builtin:tiny", "GGUF file, builtin:tiny, builtin:bench, or echo (no model)",
+    _s("path", "model", str, "builtin:tiny",
+       "GGUF file, builtin:tiny, builtin:bench, builtin:tiny-embed, or echo (no model)",
        flag="--model", short="-m", env="MPSERVE_MODEL", commands=("start", "worker", "plan")),
     _s("instances", "model", (int, dict), "1", "Worker processes per model; {min: 1, max: 4} in the file lets the "
        "count follow the load", short="-n", cli_type=int, range=(0, 256), commands=("start", "worker", "plan")),
@@ -100,6 +101,11 @@ SETTINGS: tuple[Setting, ...] = (
        env=None),
     _s("requires", "model", dict, "estimated from the GGUF", "Declared needs per instance: {memory: 7GiB, gpus: 1}",
        flag=None, env=None),
+    _s("embedding", "model", bool, "false", "An embedding model: it serves /v1/embeddings (Client.embed), not "
+       "completions", flag=None, env=None),
+    _s("pooling", "model", str, "the GGUF's", "An embedding model's pooling of its token vectors into one per input: "
+       "mean, cls or last",
+       flag=None, env=None, choices=("mean", "cls", "last")),
     # --- the server -----------------------------------------------------------------------------------
     _s("server_name", "server", str, "default", "Which local server (several may run side by side)"),
     _s("bind", "server", str, "ipc://$RUNTIME/NAME.sock", "Client address, e.g. tcp://127.0.0.1:5555"),

@@ -55,3 +55,25 @@ def test_a_stream_whose_instance_stops_continues_on_another_after_the_stall_time
     with Client(server.address) as client:
         _handed_over(server, client, signal.SIGSTOP)
     assert not server.tracebacks(), "\n".join(server.log)
+
+
+@pytest.mark.timeout(120)
+def test_the_choices_of_a_request_whose_instance_is_killed_continue_on_another_each_on_its_own(start_server) -> None:
+    server = start_server("--instances", "2", "--parallel", "2").wait_ready()
+    with Client(server.address) as client:
+        whole = client.choices(PROMPT, n=2, max_tokens=MAX_TOKENS, temperature=0, timeout=120)
+        stream = client.stream(PROMPT, n=2, max_tokens=MAX_TOKENS, temperature=0, timeout=120)
+        texts = ["", ""]
+        killed = None
+        for text in stream:
+            texts[stream.chunk_index] += text
+            if killed is None and sum(map(len, texts)) > 40:
+                killed = next(r for r in server.slots() if r.state is SlotState.BUSY)
+                os.kill(killed.pid, signal.SIGKILL)
+        assert killed is not None
+        assert texts == [r.text for r in stream.results] == [r.text for r in whole]  # nothing repeated or missing
+        assert [r.index for r in stream.results] == [0, 1]
+        assert all(r.timings.attempts == 2 and r.worker != f"w{killed.worker}" for r in stream.results)
+        counters = client.stats().counters
+        assert counters.get("resumed", 0) + counters.get("retried", 0) == 2 and not counters.get("worker_lost")
+    assert not server.tracebacks(), "\n".join(server.log)

@@ -30,8 +30,10 @@ SIZE_LIMIT = wire.MAX_MESSAGE_BYTES + 4096  # the front socket's ZMQ_MAXMSGSIZE
 IDS = [f"f{i}" for i in range(40)]  # a small id space, so duplicates and cancels meet pending requests
 
 Frames = list[bytes]
-CLIENT_SENT = {t for t in wire.MsgType if t.name in ("REQUEST", "CANCEL", "PING", "STATS_QUERY", "TOKENIZE")}
-CLIENT_BOUND = {t for t in wire.MsgType if t.name in ("CHUNK", "DONE", "ERROR", "PONG", "STATS", "TOKENS")}
+CLIENT_SENT = {t for t in wire.MsgType if t.name in ("REQUEST", "CANCEL", "PING", "STATS_QUERY", "TOKENIZE",
+                                                  "EMBED")}
+CLIENT_BOUND = {t for t in wire.MsgType if t.name in ("CHUNK", "DONE", "ERROR", "PONG", "STATS", "TOKENS",
+                                                  "EMBEDDINGS")}
 
 
 # --- the generator ------------------------------------------------------------------------------
@@ -51,6 +53,10 @@ def _valid_request(rng: random.Random) -> dict[str, Any]:
         body["params"]["stop"] = ["\n"]
     if rng.random() < 0.2:
         body["model"] = "tiny"
+    if rng.random() < 0.2:  # choices: 2 run together in the instance's 2 slots, 3 are refused
+        body["params"]["n"] = rng.choice([1, 2, 2, 3])
+    if rng.random() < 0.1:
+        body["params"] |= {"logprobs": rng.randint(0, 3), "prompt_logprobs": rng.random() < 0.5}
     return body
 
 
@@ -58,6 +64,8 @@ def _valid_message(rng: random.Random) -> tuple[wire.MsgType, dict[str, Any]]:
     kind = rng.random()
     if kind < 0.6:
         return wire.MsgType.REQUEST, _valid_request(rng)
+    if kind < 0.65:  # refused: the fuzzed server has no embedding model
+        return wire.MsgType.EMBED, {"id": rng.choice(IDS), "texts": rng.choice([["hi"], ["a", "b"], []])}
     if kind < 0.8:
         return wire.MsgType.CANCEL, {"id": rng.choice(IDS)}
     if kind < 0.95 or not CLIENT_SENT - {wire.MsgType.REQUEST, wire.MsgType.CANCEL, wire.MsgType.PING}:
@@ -75,8 +83,9 @@ WEIRD_VALUES: list[Any] = [
     b"", b"\x00\xff", [], [1, 2, 3], [[[]]], {}, {"a": 1}, {"max_tokens": 4}, ["\n"], [1], [""],
     msgpack.ExtType(1, b"abc"), msgpack.Timestamp(1, 2),
 ]
-FIELDS = ["id", "prompt", "params", "stream", "timeout", "model", "nonce", "junk"]
-PARAMS = ["max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "repeat_penalty", "mirostat"]
+FIELDS = ["id", "prompt", "params", "stream", "timeout", "model", "nonce", "texts", "tokens", "junk"]
+PARAMS = ["max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "repeat_penalty", "n", "logprobs",
+          "prompt_logprobs", "mirostat"]
 
 
 def random_frames(rng: random.Random) -> Frames:
@@ -347,7 +356,7 @@ def test_ten_thousand_fuzz_messages_neither_crash_nor_leak_nor_stop_the_server(s
     # memory at the top of its heaps: the broker's RSS would swing by tens of MiB with where the last
     # big-but-allowed message fell, leak or no leak. A fixed mmap threshold (big buffers go back to the
     # kernel when freed) and a low trim threshold make RSS measure what the broker holds on to.
-    server = start_server("--instances", "1", "--threads", "1", env=MALLOC_ENV).wait_ready()
+    server = start_server("--instances", "1", "--parallel", "2", "--threads", "1", env=MALLOC_ENV).wait_ready()
     pid = server.proc.pid
     rng = random.Random(SEED)
     fuzzer = Fuzzer(server.address)

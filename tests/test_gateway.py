@@ -209,11 +209,11 @@ def test_a_model_loaded_on_demand_tells_its_template_once_loaded(start_server, t
 @pytest.mark.timeout(60)
 def test_refusals_come_in_openai_error_shape_with_fitting_statuses(gateway) -> None:
     oc = gateway.openai()
-    with pytest.raises(openai.BadRequestError, match="'n' = 2 is not supported") as err:
-        oc.completions.create(model="tiny", prompt="hi", n=2)
+    with pytest.raises(openai.BadRequestError, match="'best_of' must be an integer from n") as err:
+        oc.completions.create(model="tiny", prompt="hi", n=3, best_of=2)
     assert err.value.code == "bad_request" and err.value.type == "invalid_request_error"
-    with pytest.raises(openai.BadRequestError, match="not echoed"):
-        oc.completions.create(model="tiny", prompt="hi", logprobs=1, echo=True)
+    with pytest.raises(openai.BadRequestError, match="insertion"):
+        oc.completions.create(model="tiny", prompt="hi", suffix="!")
     with pytest.raises(openai.BadRequestError, match="max_tokens"):
         oc.completions.create(model="tiny", prompt="hi", max_tokens=-1)
     with pytest.raises(openai.NotFoundError, match="served models: tiny") as missing:
@@ -224,7 +224,7 @@ def test_refusals_come_in_openai_error_shape_with_fitting_statuses(gateway) -> N
     assert bad_json.status_code == 400 and "not valid JSON" in bad_json.json()["error"]["message"]
     unknown = httpx.post(f"{gateway.url}/v1/completions", json={"prompt": "hi", "mirostat": 2}, timeout=10)
     assert unknown.status_code == 400 and "mirostat" in unknown.json()["error"]["message"]
-    nowhere = gateway.get("/v1/embeddings")
+    nowhere = gateway.get("/v1/images/generations")
     assert nowhere.status_code == 404 and nowhere.json()["error"]["code"] == "not_found"
 
 

@@ -142,7 +142,6 @@ def test_bad_logprobs_requests_are_refused_naming_the_parameter(gateway: Gateway
          "'logprobs' must be between 0 and 20"),
         ("/v1/chat/completions", {"messages": messages, "top_logprobs": 2}, "'top_logprobs' needs 'logprobs': true"),
         ("/v1/chat/completions", {"messages": messages, "logprobs": 3}, "'logprobs' must be a boolean"),
-        ("/v1/completions", {"prompt": "hi", "logprobs": 2, "echo": True}, "'echo' = True is not supported"),
     ]:
         answer = httpx.post(f"{gateway.url}{path}", json={"model": "tiny", **body}, timeout=10)
         assert answer.status_code == 400 and words in answer.json()["error"]["message"], body

@@ -4,5 +4,6 @@
     batch       ``BatchEngine``: one llama.cpp context decoding ``parallel`` sequences per step
     sampling    each sequence's sampler chain and its text (stop strings, UTF-8 pieces)
     echo        ``EchoEngine``: answers with the prompt, no model (benchmarks of the serving path)
+    embed       ``EmbeddingEngine``: a model served with embedding: true, one pooled vector per input
     model_info  what a loaded model reports about itself (its chat template)
 """

@@ -10,6 +10,7 @@
              ◀──[(slot, Completion)]  the sequences that ended in it
     CANCEL   ──cancel(slot)────▶      that sequence ends at the start of the next step
     TOKENIZE ──tokenize / token_bytes──▶  the model's vocabulary, between steps
+    EMBED    ──embed(inputs)──▶   an ``Embedder`` (EmbeddingEngine, a model served with embedding: true)
 
 Engines know nothing of processes, sockets or the slot table; one thread calls them. ``on_token`` gets
 each new piece of text and the number of tokens generated so far, and returns False to stop generating.
@@ -19,7 +20,9 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Protocol, runtime_checkable
+
+import numpy as np
 
 from mpserve import protocol as wire
 from mpserve.protocol import ChatTemplate, GenerateParams
@@ -73,3 +76,13 @@ class Engine(Protocol):
     def step(self) -> list[tuple[int, Completion]]: ...
 
     def close(self) -> None: ...
+
+
+@runtime_checkable
+class Embedder(Protocol):
+    """An engine that computes embeddings (``mpserve.engine.embed``)."""
+
+    dim: int
+
+    def embed(self, inputs: list[str | list[int]]) -> tuple[np.ndarray, int]:
+        """One L2-normalised float32 vector per input (a text, or token ids), and the tokens there were."""

@@ -7,6 +7,7 @@ through ``mpserve.client`` and ``mpserve.protocol`` (and reads the slot table), 
     access   API keys (also from a file), TLS files, no network port without a key unless --insecure
     schema   the OpenAPI document (``/openapi.json``)
     openai   OpenAI request and response shapes ↔ mpserve requests and results
+    embeddings  ``/v1/embeddings`` shapes ↔ ``Client.embed``
     backend  the server as the gateway sees it: one AsyncClient, STATS, the slot table
     metrics  ``/metrics`` (Prometheus)
     monitor  ``/health`` and ``/backend/monitor``

@@ -5,6 +5,7 @@
 
     POST /v1/completions, /v1/chat/completions   OpenAI shapes, streamed (server-sent events) or not
     GET  /v1/models                               the served models
+    POST /v1/embeddings                           OpenAI's shape (``gateway.embeddings``), embedding models
     POST /tokenize, /detokenize                   llama-server's shapes (``gateway.tokens``)
     GET  /health                                  200 while some instance can take a request, else 503
     GET  /metrics                                 Prometheus text
@@ -38,7 +39,7 @@ import signal
 import sys
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Coroutine
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Any, TypeVar
 
 import uvicorn
@@ -55,6 +56,7 @@ from mpserve.errors import ConfigError, ConnectionFailed, ErrorCode, MpserveErro
 from mpserve.slots import SlotState
 
 from . import access, console, limits, schema
+from . import embeddings as emb
 from . import openai as oai
 from . import tokens as tok
 from .admin import ADMIN_PREFIX, Admin
@@ -109,6 +111,7 @@ def create_app(config: GatewayConfig) -> Starlette:
         Route("/v1/completions", gateway.completions, methods=["POST"]),
         Route("/v1/chat/completions", gateway.chat_completions, methods=["POST"]),
         Route("/v1/models", gateway.list_models, methods=["GET"]),
+        Route("/v1/embeddings", gateway.embeddings, methods=["POST"]),
         Route("/tokenize", gateway.tokenize, methods=["POST"]),
         Route("/detokenize", gateway.detokenize, methods=["POST"]),
         Route("/health", gateway.get_health, methods=["GET"]),
@@ -197,6 +200,8 @@ class _Gateway:
             model = call.model or _sole_model(client)
             if kind == "chat":
                 call = call.with_chat_template(await self.backend.chat_template(model))
+            elif call.echo and not isinstance(call.prompt, str):  # the text of a token prompt, to echo
+                call = call.with_echo_text(await client.detokenize(call.prompt, model=call.model))
         except MpserveError as exc:
             return self._failed(endpoint, exc)
         except (limits.Refused, ClientDisconnect) as exc:
@@ -205,15 +210,15 @@ class _Gateway:
         if call.stream:
             return await self._stream(request, client, call, reply, started)
         try:
-            result = await _unless_disconnected(request, client.generate(call.prompt, model=call.model,
+            results = await _unless_disconnected(request, client.choices(call.prompt, model=call.model,
                                                                          **call.generate_kwargs()))
         except ClientGone:
             self.metrics.outcome(endpoint, ErrorCode.CANCELLED)
             return Response(status_code=204)  # nobody reads it
         except MpserveError as exc:
             return self._failed(endpoint, exc)
-        self._done(endpoint, reply.model, result, started)
-        return JSONResponse(reply.whole(result))
+        self._done(endpoint, reply.model, results, started)
+        return JSONResponse(reply.whole(call.shown(results), results))
 
     async def _stream(self, request: Request, client: AsyncClient, call: oai.Call, reply: oai.Reply,
                       started: float) -> Response:
@@ -233,15 +238,15 @@ class _Gateway:
                       reply: oai.Reply, started: float) -> AsyncGenerator[bytes, None]:
         ended = False
         try:
-            for chunk in reply.chunks(first, stream.chunk_logprobs) if first is not None else ():
+            for chunk in reply.chunks(first, stream.chunk_logprobs, stream.chunk_index) if first is not None else ():
                 yield _event(chunk)
             async for text in chunks:
-                for chunk in reply.chunks(text, stream.chunk_logprobs):
+                for chunk in reply.chunks(text, stream.chunk_logprobs, stream.chunk_index):
                     yield _event(chunk)
             assert stream.result is not None
-            self._done(endpoint, reply.model, stream.result, started)
+            self._done(endpoint, reply.model, stream.results, started)
             ended = True
-            for last in reply.last(stream.result, stream.chunk_logprobs):
+            for last in reply.last(stream.results, stream.done_logprobs):
                 yield _event(last)
             yield b"data: [DONE]\n\n"
         except MpserveError as exc:
@@ -253,9 +258,9 @@ class _Gateway:
                 self.metrics.outcome(endpoint, ErrorCode.CANCELLED)
             await chunks.aclose()  # type: ignore[attr-defined]  # an async generator: cancels the request
 
-    def _done(self, endpoint: str, model: str, result: Result, started: float) -> None:
+    def _done(self, endpoint: str, model: str, results: list[Result], started: float) -> None:
         self.metrics.outcome(endpoint, "ok")
-        self.metrics.done(model, result, time.perf_counter() - started)
+        self.metrics.done(model, replace(results[0], usage=oai.total_usage(results)), time.perf_counter() - started)
 
     def _failed(self, endpoint: str, exc: MpserveError) -> Response:
         self.metrics.outcome(endpoint, exc.code)
@@ -272,7 +277,23 @@ class _Gateway:
         response.headers["connection"] = "close"
         return response
 
-    # --- vocabulary -----------------------------------------------------------------------------
+
+    # --- embeddings and vocabulary ---------------------------------------------------------------
+
+    async def embeddings(self, request: Request) -> Response:
+        try:
+            call = emb.parse(await limits.read_json(request, self.config.connections.read_timeout))
+            client = await self.backend.client()
+            result = await _unless_disconnected(request, client.embed(call.inputs, model=call.model))
+        except ClientGone:
+            self.metrics.outcome(request.url.path, ErrorCode.CANCELLED)
+            return Response(status_code=204)
+        except MpserveError as exc:
+            return self._failed(request.url.path, exc)
+        except (limits.Refused, ClientDisconnect) as exc:
+            return self._unread(request.url.path, exc)
+        self.metrics.outcome(request.url.path, "ok")
+        return JSONResponse(emb.answer(result, call.model or _sole_model(client), call.encoding_format))
 
     async def tokenize(self, request: Request) -> Response:
         try:

@@ -2,6 +2,7 @@
 
     /v1/completions        "logprobs": N  ->  {"tokens", "token_logprobs", "top_logprobs": [{token: lp}],
                                                "text_offset"}  (offsets in the prompt followed by the text)
+                           with "echo": the prompt's tokens first, the first one's logprob and top null
     /v1/chat/completions   "logprobs": true, "top_logprobs": N  ->  {"content": [{"token", "logprob", "bytes",
                                                "top_logprobs": [{"token", "logprob", "bytes"}]}]}
 
@@ -28,9 +29,13 @@ def requested(chat: bool, given: dict[str, Any]) -> int | None:
     return (0 if top is None else top) if asked else None
 
 
-def completion(lp: wire.Logprobs, offset: int) -> tuple[dict[str, Any], int]:
-    """The completions shape, text offsets counted from ``offset``; returns it and the offset after it."""
-    tokens, logprobs, tops, offsets = [], [], [], []
+def completion(lp: wire.Logprobs, offset: int, null_first: bool = False) -> tuple[dict[str, Any], int]:
+    """The completions shape, text offsets counted from ``offset``; returns it and the offset after it.
+    ``null_first``: the first entry (an echoed prompt's first token) has a null logprob and top."""
+    tokens: list[str] = []
+    logprobs: list[float | None] = []
+    tops: list[dict[str, float] | None] = []
+    offsets: list[int] = []
     for _, piece, logprob, top in lp.entries():
         text = piece.decode("utf-8", "replace")
         tokens.append(text)
@@ -38,6 +43,8 @@ def completion(lp: wire.Logprobs, offset: int) -> tuple[dict[str, Any], int]:
         tops.append({t.decode("utf-8", "replace"): v for _, t, v in top})
         offsets.append(offset)
         offset += len(text)
+    if null_first and tokens:
+        logprobs[0] = tops[0] = None
     return {"tokens": tokens, "token_logprobs": logprobs, "top_logprobs": tops, "text_offset": offsets}, offset
 
 

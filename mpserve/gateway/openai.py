@@ -7,10 +7,14 @@ Parameters. ``max_tokens`` (chat also ``max_completion_tokens``), ``temperature`
 bias) map one to one; ``top_k``, ``repeat_penalty``, ``min_p``, ``typical_p`` and ``ignore_eos`` are taken
 too (llama.cpp's and llama-server's names). They are then checked by ``protocol.GenerateParams``, so the
 HTTP and ZeroMQ paths refuse the same values with the same words. ``logprobs`` (chat: with ``top_logprobs``)
-come back in OpenAI's shapes (``gateway.logprobs``). What mpserve cannot do (several choices, echo, tools,
-...) is refused with 400 naming the parameter, unless it is sent at its neutral
-value (``n: 1``, ``logprobs: null``, ...), which clients often do. Unrecognised keys are refused like
-OpenAI refuses them. A ``null`` value means "not given".
+come back in OpenAI's shapes (``gateway.logprobs``). ``echo`` (completions) puts the prompt before the
+completion and, with ``logprobs``, its tokens' log-probabilities before the completion's (the first one's
+null, as OpenAI sends it; text offsets from the start of the prompt). ``n`` choices run together in one
+instance, which computes the prompt once; choice i is seeded with ``seed + i``; each comes with its index
+(streamed: each chunk too), tool calls read per choice; ``best_of`` (completions) returns the n best of
+that many (``gateway.best_of``). What mpserve cannot do (``suffix``, ...) is refused with 400 naming the
+parameter, unless it is sent at its neutral value (``suffix: ""``, ...), which clients often do.
+Unrecognised keys are refused like OpenAI refuses them. A ``null`` value means "not given".
 
 Defaults are OpenAI's (``OPENAI_DEFAULTS``): what a request leaves out is sampled at temperature 1 with
 top_p 1, no top-k and no repeat penalty, so a request sent here as to OpenAI's API samples alike (llama.cpp's
@@ -44,7 +48,7 @@ from mpserve.errors import BadRequest, MpserveError, http_status
 from mpserve.protocol import ChatTemplate
 from mpserve.structured import JSON_OBJECT_SCHEMA, canonical_json
 
-from . import logprobs
+from . import best_of, logprobs
 from . import tools as tc
 from .chat import render
 from .tokens import token_ids
@@ -57,19 +61,16 @@ CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
 CHAT_STOP = "<|im_end|>"
 
 _SAMPLING = ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "repeat_penalty",
-             "presence_penalty", "frequency_penalty", "logit_bias", "min_p", "typical_p", "ignore_eos")
+             "presence_penalty", "frequency_penalty", "logit_bias", "min_p", "typical_p", "ignore_eos", "n")
 _COMMON = ("model", "stream", "stream_options", "user", "response_format", "grammar", "json_schema") + _SAMPLING
 _KEYS: dict[Kind, frozenset[str]] = {
-    "completion": frozenset(_COMMON + ("prompt", "logprobs")),
+    "completion": frozenset(_COMMON + ("prompt", "logprobs", "echo", "best_of")),
     "chat": frozenset(_COMMON + ("messages", "max_completion_tokens", "logprobs", "top_logprobs", "tools",
                                   "tool_choice", "parallel_tool_calls")),
 }
 # Parameters mpserve does not implement, with the values that ask for nothing (accepted and ignored), and
 # why a non-neutral value is refused.
 _UNSUPPORTED: dict[str, tuple[tuple[Any, ...], str]] = {
-    "n": ((1,), "one choice per request; send several requests instead"),
-    "best_of": ((1,), "one choice per request"),
-    "echo": ((False,), "the prompt is not echoed (nor its log-probabilities)"),
     "suffix": (("",), "insertion (suffix) is not supported"),
     "functions": (([],), "the deprecated function calls are not supported; use tools"),
     "function_call": (("none",), "the deprecated function calls are not supported; use tool_choice"),
@@ -89,9 +90,19 @@ class Call:
     messages: tuple[Message, ...] = ()  # a chat's
     tools: tc.ToolSpec | None = None  # a chat's tools, when one may be called
     parser: tc.Parser = "hermes"  # how its reply's tool calls are read (from the chat template)
+    echo: bool = False  # a completion's: the prompt comes back before the completion
+    echo_text: str = ""  # the prompt's text: a token prompt's is set by with_echo_text
+    best: best_of.BestOf | None = None  # a completion's best_of: the n of its choices to return
+
+    def shown(self, results: list[Result]) -> list[Result]:
+        """The results to answer with: all of them, or with best_of the best n."""
+        return best_of.pick(results, self.best) if self.best is not None else results
+
+    def with_echo_text(self, text: str) -> Call:
+        return dataclasses.replace(self, echo_text=text)
 
     def generate_kwargs(self) -> dict[str, Any]:
-        """Keyword arguments for ``AsyncClient.generate`` / ``stream``."""
+        """Keyword arguments for ``AsyncClient.choices`` / ``stream`` (``n`` among them)."""
         return dict(vars(self.params))
 
     def with_chat_template(self, chat: ChatTemplate) -> Call:
@@ -132,6 +143,12 @@ def parse(kind: Kind, body: Any) -> Call:
     top_logprobs = logprobs.requested(kind == "chat", given)
     if top_logprobs is not None:
         sampling["logprobs"] = top_logprobs
+    echo = given.get("echo", False)
+    if not isinstance(echo, bool):
+        raise BadRequest("'echo' must be a boolean")
+    if echo and top_logprobs is not None:
+        sampling["prompt_logprobs"] = True
+    best = best_of.requested(given, sampling, stream) if kind == "completion" else None
     if isinstance(sampling.get("stop"), str):
         sampling["stop"] = [sampling["stop"]]
     sampling |= _structured(given)
@@ -152,7 +169,8 @@ def parse(kind: Kind, body: Any) -> Call:
         sampling.setdefault("max_tokens", COMPLETION_MAX_TOKENS)
         messages, prompt = (), _prompt(given.get("prompt"))
     return Call(kind, model, prompt, wire.GenerateParams.from_wire(sampling), stream,
-                options.get("include_usage", False), messages, spec)
+                options.get("include_usage", False), messages, spec, echo=echo,
+                echo_text=prompt if isinstance(prompt, str) else "", best=best)
 
 
 def _structured(given: dict[str, Any]) -> dict[str, str]:
@@ -290,8 +308,20 @@ TOOL_CALL_STARTS = ("<tool_call>", "[TOOL_CALLS]", "<|python_tag|>", "{", "[", "
 """How a reply that is a tool call may begin: a streamed reply under ``auto`` is held back while it may."""
 
 
+@dataclass
+class _ChoiceState:
+    """What one choice's reply carries from chunk to chunk."""
+
+    offset: int  # completions' text_offset
+    echo: str  # text still to go before the choice's own
+    null_first: bool  # the first echoed token's log-probability: null, as OpenAI sends it
+    held: str | None  # text that may be a tool call
+    role_sent: bool = False  # chat: the first delta carried the role
+
+
 class Reply:
-    """Builds the response objects of one call: the whole response, or its stream chunks.
+    """Builds the response objects of one call: the whole response, or its stream chunks, each choice
+    (``Result.index``, a chunk's ``index``) with its own state (``_ChoiceState``).
 
     With tools, a streamed reply is held back while it may be a tool call (a forced reply always is; under
     ``auto`` while it begins like one, ``TOOL_CALL_STARTS``): at its end, its calls go out as ``delta.tool_calls``
@@ -305,63 +335,82 @@ class Reply:
         self.id = f"{prefix}-{uuid.uuid4().hex}"
         self.created = int(time.time())
         self._object = "chat.completion" if call.kind == "chat" else "text_completion"
-        self._role_sent = False
-        self._offset = len(call.prompt) if isinstance(call.prompt, str) else 0  # completions' text_offset
-        self._held: str | None = "" if call.tools is not None else None  # text that may be a tool call
+        self._choices: dict[int, _ChoiceState] = {}
 
-    def whole(self, result: Result) -> dict[str, Any]:
-        if self.call.kind == "chat":
-            message: dict[str, Any] = {"role": "assistant", "content": result.text}
-            finish = result.finish_reason
-            found = self._tool_calls(result.text)
-            if found is not None:
-                message = {"role": "assistant", "content": found[0] or None,
-                           "tool_calls": [c.as_openai() for c in found[1]]}
-                finish = "tool_calls"
-            choice: dict[str, Any] = {"index": 0, "message": message, "logprobs": self._logprobs(result.logprobs),
-                                      "finish_reason": finish}
-        else:
-            choice = {"index": 0, "text": result.text, "logprobs": self._logprobs(result.logprobs),
-                      "finish_reason": result.finish_reason}
-        return self._envelope(self._object, [choice]) | {"usage": usage(result.usage)}
+    def _state(self, index: int) -> _ChoiceState:
+        state = self._choices.get(index)
+        if state is None:
+            call = self.call
+            state = self._choices[index] = _ChoiceState(
+                len(call.prompt) if isinstance(call.prompt, str) and not call.echo else 0,
+                call.echo_text if call.echo else "", call.echo, "" if call.tools is not None else None)
+        return state
 
-    def chunks(self, text: str, lp: wire.Logprobs | None = None) -> list[dict[str, Any]]:
-        """The chunks for a piece of streamed text: none while it is held back (a request with tools
-        carries no log-probabilities: the parse refuses the two together)."""
-        if self._held is not None:
-            self._held += text
-            if self.call.tools is not None and (self.call.tools.forced or _may_be_call(self._held)):
-                return []
-            text, self._held = self._held, None
-        return [self._envelope(self._chunk_object, [self._choice(text, None) | {"logprobs": self._logprobs(lp)}])]
-
-    def last(self, result: Result, lp: wire.Logprobs | None = None) -> list[dict[str, Any]]:
-        """What was held back (tool calls or text), the chunk with the finish reason (and the
-        log-probabilities no chunk carried), then (if asked for) one with the usage and no choices; that one
-        also carries mpserve's timings of the request (an extra key, as llama-server sends)."""
-        chunks, finish = [], result.finish_reason
-        if self._held is not None:
-            found = self._tool_calls(self._held)
-            if found is None:
-                chunks.append(self._envelope(self._chunk_object, [self._choice(self._held, None)]))
+    def whole(self, results: list[Result], generated: list[Result] | None = None) -> dict[str, Any]:
+        """``results`` as the response's choices; the usage counts ``generated`` (with best_of, more than shown)."""
+        choices = []
+        for r in results:
+            lp = self._logprobs(r.logprobs, r.index)
+            if self.call.kind == "chat":
+                message: dict[str, Any] = {"role": "assistant", "content": r.text}
+                finish = r.finish_reason
+                found = self._tool_calls(r.text)
+                if found is not None:
+                    message = {"role": "assistant", "content": found[0] or None,
+                               "tool_calls": [c.as_openai() for c in found[1]]}
+                    finish = "tool_calls"
+                choices.append({"index": r.index, "message": message, "logprobs": lp, "finish_reason": finish})
             else:
-                if found[0]:
-                    chunks.append(self._envelope(self._chunk_object, [self._choice(found[0], None)]))
-                chunks += [self._envelope(self._chunk_object, [self._delta(delta)]) for delta in _call_deltas(found[1])]
-                finish = "tool_calls"
-            self._held = None
-        chunks.append(self._envelope(self._chunk_object, [self._choice("", finish) | {"logprobs": self._logprobs(lp)}]))
+                choices.append({"index": r.index, "text": self._echoed(r.text, r.index), "logprobs": lp,
+                                "finish_reason": r.finish_reason})
+        return self._envelope(self._object, choices) | {"usage": usage(total_usage(generated or results))}
+
+    def chunks(self, text: str, lp: wire.Logprobs | None = None, index: int = 0) -> list[dict[str, Any]]:
+        """The chunks for a piece of choice ``index``'s streamed text: none while it is held back (a request
+        with tools carries no log-probabilities: the parse refuses the two together)."""
+        state = self._state(index)
+        if state.held is not None:
+            state.held += text
+            if self.call.tools is not None and (self.call.tools.forced or _may_be_call(state.held)):
+                return []
+            text, state.held = state.held, None
+        return [self._envelope(self._chunk_object, [self._choice(text, None, index) | {
+            "logprobs": self._logprobs(lp, index)}])]
+
+    def last(self, results: list[Result], lps: dict[int, wire.Logprobs | None]) -> list[dict[str, Any]]:
+        """Per choice, what was held back (tool calls or text) and the chunk with its finish reason (and the
+        log-probabilities no chunk carried, ``lps`` by choice), then (if asked for) one with the usage and no
+        choices; that one also carries mpserve's timings of the request (an extra key, as llama-server
+        sends)."""
+        chunks = []
+        for r in results:
+            state, finish = self._state(r.index), r.finish_reason
+            if state.held is not None:
+                found = self._tool_calls(state.held)
+                if found is None:
+                    chunks.append(self._envelope(self._chunk_object, [self._choice(state.held, None, r.index)]))
+                else:
+                    if found[0]:
+                        chunks.append(self._envelope(self._chunk_object, [self._choice(found[0], None, r.index)]))
+                    chunks += [self._envelope(self._chunk_object, [self._delta(delta, r.index)])
+                               for delta in _call_deltas(found[1])]
+                    finish = "tool_calls"
+                state.held = None
+            chunks.append(self._envelope(self._chunk_object, [self._choice("", finish, r.index) | {
+                "logprobs": self._logprobs(lps.get(r.index), r.index)}]))
         if self.call.include_usage:
-            chunks.append(self._envelope(self._chunk_object, []) | {"usage": usage(result.usage),
-                                                                     "timings": dataclasses.asdict(result.timings)})
+            chunks.append(self._envelope(self._chunk_object, []) | {
+                "usage": usage(total_usage(results)), "timings": dataclasses.asdict(results[0].timings)})
         return chunks
 
-    def _logprobs(self, lp: wire.Logprobs | None) -> dict[str, Any] | None:
+    def _logprobs(self, lp: wire.Logprobs | None, index: int) -> dict[str, Any] | None:
         if lp is None:
             return None
         if self.call.kind == "chat":
             return logprobs.chat(lp)
-        shape, self._offset = logprobs.completion(lp, self._offset)
+        state = self._state(index)
+        shape, state.offset = logprobs.completion(lp, state.offset, state.null_first and lp.prompt > 0)
+        state.null_first = state.null_first and lp.prompt == 0
         return shape
 
     def _tool_calls(self, text: str) -> tuple[str, list[tc.ToolCall]] | None:
@@ -372,24 +421,32 @@ class Reply:
                                         self.call.tools.tools)
         return (content, calls) if calls else None
 
-    def _delta(self, delta: dict[str, Any]) -> dict[str, Any]:
-        if not self._role_sent:
+    def _delta(self, delta: dict[str, Any], index: int) -> dict[str, Any]:
+        state = self._state(index)
+        if not state.role_sent:
             delta = {"role": "assistant", **delta}
-            self._role_sent = True
-        return {"index": 0, "delta": delta, "logprobs": None, "finish_reason": None}
+            state.role_sent = True
+        return {"index": index, "delta": delta, "logprobs": None, "finish_reason": None}
+
+    def _echoed(self, text: str, index: int) -> str:
+        """``text``, after the prompt if it is still to be echoed in choice ``index``."""
+        state = self._state(index)
+        text, state.echo = state.echo + text, ""
+        return text
 
     @property
     def _chunk_object(self) -> str:
         return "chat.completion.chunk" if self.call.kind == "chat" else "text_completion"
 
-    def _choice(self, text: str, finish_reason: str | None) -> dict[str, Any]:
+    def _choice(self, text: str, finish_reason: str | None, index: int) -> dict[str, Any]:
         if self.call.kind != "chat":
-            return {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
+            return {"index": index, "text": self._echoed(text, index), "logprobs": None, "finish_reason": finish_reason}
         delta: dict[str, Any] = {"content": text} if text or not finish_reason else {}
-        if not self._role_sent:
+        state = self._state(index)
+        if not state.role_sent:
             delta["role"] = "assistant"
-            self._role_sent = True
-        return {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+            state.role_sent = True
+        return {"index": index, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
 
     def _envelope(self, obj: str, choices: list[dict[str, Any]]) -> dict[str, Any]:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model, "choices": choices}
@@ -408,6 +465,11 @@ def _call_deltas(calls: list[tc.ToolCall]) -> list[dict[str, Any]]:
                                        "function": {"name": call.name, "arguments": ""}}]})
         deltas.append({"tool_calls": [{"index": i, "function": {"arguments": call.arguments}}]})
     return deltas
+
+
+def total_usage(results: list[Result]) -> wire.Usage:
+    """The usage of a request's choices together: the prompt once (computed once), every choice's tokens."""
+    return wire.Usage(results[0].usage.prompt_tokens, sum(r.usage.completion_tokens for r in results))
 
 
 def usage(u: wire.Usage) -> dict[str, int]:

@@ -10,6 +10,7 @@ from typing import Any
 
 from mpserve import protocol as wire
 
+from . import embeddings as emb
 from . import limits
 from . import openai as oai
 
@@ -34,6 +35,8 @@ def document(version: str) -> dict[str, Any]:
         "paths": {
             "/v1/completions": {"post": _generation("completions", "CompletionRequest", errors)},
             "/v1/chat/completions": {"post": _generation("chat completions", "ChatRequest", errors)},
+            "/v1/embeddings": {"post": _post("OpenAI embeddings, from a model served with embedding: true",
+                                             "EmbeddingRequest", "one vector per input", False, errors)},
             "/v1/models": {"get": _get("the served models", "application/json", {"503": errors["503"],
                                                                                    "401": errors["401"]})},
             "/health": {"get": _get("200 while some instance can take a request", "application/json",
@@ -48,7 +51,8 @@ def document(version: str) -> dict[str, Any]:
             "/openapi.json": {"get": _get("this document", "application/json", {})},
         },
         "components": {
-            "schemas": {"CompletionRequest": _completion(), "ChatRequest": _chat(), "Error": _ERROR},
+            "schemas": {"CompletionRequest": _completion(), "ChatRequest": _chat(), "EmbeddingRequest": _embedding(),
+                        "Error": _ERROR},
             "responses": {f"E{status}": {"description": why, "content": {"application/json": {
                 "schema": {"$ref": "#/components/schemas/Error"}}}} for status, why in ERROR_STATUSES.items()},
             "securitySchemes": {"bearer": {"type": "http", "scheme": "bearer"}},
@@ -57,13 +61,18 @@ def document(version: str) -> dict[str, Any]:
 
 
 def _generation(what: str, request: str, errors: dict[str, Any]) -> dict[str, Any]:
-    return {"summary": f"OpenAI {what}, whole (JSON) or streamed (server-sent events)",
-            "security": [{"bearer": []}, {}],
+    return _post(f"OpenAI {what}, whole (JSON) or streamed (server-sent events)", request, "the completion", True,
+                 errors)
+
+
+def _post(summary: str, request: str, answer: str, streams: bool, errors: dict[str, Any]) -> dict[str, Any]:
+    content: dict[str, Any] = {"application/json": {"schema": {"type": "object"}}}
+    if streams:
+        content["text/event-stream"] = {"schema": {"type": "string"}}
+    return {"summary": summary, "security": [{"bearer": []}, {}],
             "requestBody": {"required": True, "content": {"application/json": {
                 "schema": {"$ref": f"#/components/schemas/{request}"}}}},
-            "responses": {"200": {"description": "the completion", "content": {
-                "application/json": {"schema": {"type": "object"}},
-                "text/event-stream": {"schema": {"type": "string"}}}}, **errors}}
+            "responses": {"200": {"description": answer, "content": content}, **errors}}
 
 
 def _get(what: str, media: str, errors: dict[str, Any]) -> dict[str, Any]:
@@ -91,6 +100,7 @@ def _sampling() -> dict[str, Any]:
         "stream_options": _nullable({"type": "object", "properties": {"include_usage": {"type": "boolean"}},
                                      "additionalProperties": False}),
         "user": _nullable({"type": "string"}),
+        "n": _nullable({"type": "integer", "minimum": 1, "maximum": wire.MAX_CHOICES}),
     }
 
 
@@ -98,6 +108,9 @@ def _completion() -> dict[str, Any]:
     prompt = {"type": "string", "maxLength": wire.MAX_PROMPT_CHARS}
     return {"type": "object", "required": ["prompt"], "additionalProperties": False, "properties": {
         "prompt": {"oneOf": [prompt, {"type": "array", "items": prompt, "minItems": 1, "maxItems": 1}]},
+        "logprobs": _nullable({"type": "integer", "minimum": 0, "maximum": wire.MAX_TOP_LOGPROBS}),
+        "echo": _nullable({"type": "boolean"}),
+        "best_of": _nullable({"type": "integer", "minimum": 1, "maximum": wire.MAX_CHOICES}),
         **_sampling()}}
 
 
@@ -110,7 +123,22 @@ def _chat() -> dict[str, Any]:
     return {"type": "object", "required": ["messages"], "additionalProperties": False, "properties": {
         "messages": {"type": "array", "items": message, "minItems": 1, "maxItems": limits.MAX_MESSAGES},
         "max_completion_tokens": _nullable({"type": "integer", "minimum": 1, "maximum": wire.MAX_TOKENS_LIMIT}),
+        "logprobs": _nullable({"type": "boolean"}),
+        "top_logprobs": _nullable({"type": "integer", "minimum": 0, "maximum": wire.MAX_TOP_LOGPROBS}),
         **_sampling()}}
+
+
+def _embedding() -> dict[str, Any]:
+    text = {"type": "string", "minLength": 1, "maxLength": wire.MAX_PROMPT_CHARS}
+    ids = {"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": wire.MAX_TOKEN_ID}, "minItems": 1,
+           "maxItems": wire.MAX_PROMPT_CHARS}
+    many = {"minItems": 1, "maxItems": wire.MAX_EMBED_INPUTS}
+    return {"type": "object", "required": ["input"], "additionalProperties": False, "properties": {
+        "input": {"oneOf": [text, {"type": "array", "items": text, **many}, ids,
+                            {"type": "array", "items": ids, **many}]},
+        "model": _nullable({"type": "string", "maxLength": 256}),
+        "encoding_format": _nullable({"type": "string", "enum": list(emb.FORMATS)}),
+        "user": _nullable({"type": "string"})}}
 
 
 _ERROR = {"type": "object", "required": ["error"], "properties": {"error": {

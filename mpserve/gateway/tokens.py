@@ -44,10 +44,11 @@ def parse_detokenize(body: Any) -> tuple[str | None, list[int]]:
 
 
 def token_ids(value: Any, key: str) -> list[int]:
-    """A list of token ids (integers from 0 to ``MAX_TOKEN_ID``), else BadRequest naming ``key``."""
+    """A list of token ids (integers 0 .. MAX_TOKEN_ID, what the wire's int32 columns hold), else BadRequest
+    naming ``key``."""
     if not isinstance(value, list) or not all(isinstance(t, int) and not isinstance(t, bool)
                                               and 0 <= t <= wire.MAX_TOKEN_ID for t in value):
-        raise BadRequest(f"'{key}' must be a list of token ids (integers from 0 to {wire.MAX_TOKEN_ID})")
+        raise BadRequest(f"'{key}' must be a list of token ids (integers 0..{wire.MAX_TOKEN_ID})")
     if len(value) > wire.MAX_PROMPT_CHARS:
         raise BadRequest(f"'{key}' has {len(value)} tokens, more than {wire.MAX_PROMPT_CHARS}")
     return value

@@ -54,6 +54,7 @@ class ModelShape:
     n_ctx_train: int
     seed: int
     dtype: Literal["f32", "f16"]
+    pooling: Literal["mean"] | None = None  # an embedding model's pooling type, written to the GGUF
 
     def parameter_count(self, n_vocab: int) -> int:
         """Number of weights, norms included, for a vocabulary of ``n_vocab`` tokens."""
@@ -69,6 +70,10 @@ MODEL_SIZES: dict[str, ModelShape] = {
     ),
     "bench": ModelShape(
         n_embd=768, n_layer=12, n_head=12, n_head_kv=12, n_ff=2048, n_ctx_train=2048, seed=2, dtype="f16"
+    ),
+    # the tiny model as an embedding model: mean pooling declared in the GGUF (serve it with embedding: true)
+    "tiny-embed": ModelShape(
+        n_embd=64, n_layer=2, n_head=4, n_head_kv=4, n_ff=128, n_ctx_train=2048, seed=1, dtype="f32", pooling="mean"
     ),
 }
 
@@ -186,6 +191,8 @@ def _write_gguf(path: Path, name: str, shape: ModelShape, chat_template: str | N
     writer.add_head_count_kv(shape.n_head_kv)
     writer.add_rope_dimension_count(shape.n_embd // shape.n_head)
     writer.add_layer_norm_rms_eps(_RMS_EPS)
+    if shape.pooling == "mean":
+        writer.add_pooling_type(gguf.PoolingType.MEAN)
 
     writer.add_tokenizer_model("llama")
     writer.add_token_list([token.piece for token in tokens])

@@ -8,8 +8,14 @@
         CHUNK/DONE/ERROR bodies ◀─────┴── forwarded unchanged, looked up by ticket
         CHUNKS (one worker step)  ──▶ per client, its bodies spliced into one CHUNKS (one: a CHUNK)
 
+    n choices ─▶ n rows in ``requests``, one per choice (seeded seed, seed+1, …), queued as one: it starts once
+                n slots of one instance are free, all n together (``routing.choose_slots``); each choice's
+                CHUNKs and DONE carry its index; the first ERROR of any answers the request; a choice whose
+                worker is lost is retried or handed over on its own, in one slot
+
     TOKENIZE ─▶ at once to the least busy loaded instance of the model (no slot, no queue); its TOKENS or
-                ERROR is forwarded the same way (``lookups``: ticket -> client, request id, worker)
+    EMBED       ERROR (EMBEDDINGS or ERROR) is forwarded the same way (``lookups``: ticket -> client, request id,
+                worker). EMBED goes to embedding models only (``embedding: true``), REQUEST to the others
 
 State lives in three tables (``mpserve.server.state``, which draws a request's states): ``requests``
 (ticket -> Pending), ``workers`` (identity -> WorkerEntry) and ``models`` (name -> ModelQueue). Every
@@ -57,7 +63,7 @@ from mpserve.errors import (
 from mpserve.protocol import ChatTemplate
 
 from .residency import Loaded, Residency
-from .routing import AfterLoss, after_loss, choose_slot
+from .routing import AfterLoss, after_loss, choose_slots
 from .state import ModelQueue, Pending, RequestState, WorkerEntry
 
 log = logging.getLogger("mpserve.broker")
@@ -74,13 +80,15 @@ class Broker:
                  max_queue_total: int = 4096, max_pending_per_client: int = 128, client_timeout: float = 5.0,
                  curve_secret: str | None = None, curve_workers: str | None = None,
                  residency: Residency | None = None, heartbeat_interval: float = 1.0,
-                 heartbeat_liveness: int = 5) -> None:
+                 heartbeat_liveness: int = 5, embedding_models: frozenset[str] = frozenset()) -> None:
         """``models``: name -> max queue length. ``client_timeout``: a client with pending requests that
         sends nothing for this long is taken as gone and its requests are cancelled (clients ping every
         second while they wait). ``curve_secret``: the server's CURVE secret-key file for the front.
         ``residency``: single active backend mode (at most one model loaded per device).
         ``curve_workers``: with ``curve_secret``, the folder of allowed worker keys; the worker socket then
-        requires CURVE too. Remote workers silent for ``heartbeat_interval × heartbeat_liveness`` are lost."""
+        requires CURVE too. Remote workers silent for ``heartbeat_interval × heartbeat_liveness`` are lost.
+        ``embedding_models``: the models configured ``embedding: true``, which serve EMBED and no REQUEST."""
+        self.embedding_models = embedding_models
         self.front = _router(ctx, front_addr, curve_secret, b"clients")
         self.back = _router(ctx, back_addr, curve_secret if curve_workers else None, b"workers")
         self.heartbeat_interval = heartbeat_interval
@@ -273,6 +281,8 @@ class Broker:
                 self._to_client(client, wire.encode(pong))
             elif mtype is wire.MsgType.TOKENIZE:
                 self._on_tokenize(client, wire.Tokenize.from_wire(wire.unpack_body(frames[2])))
+            elif mtype is wire.MsgType.EMBED:
+                self._on_embed(client, wire.Embed.from_wire(wire.unpack_body(frames[2])))
             elif mtype is wire.MsgType.STATS_QUERY:
                 query = wire.StatsQuery.from_wire(wire.unpack_body(frames[2]))
                 self._to_client(client, wire.encode(self.snapshot(query.nonce)))
@@ -299,6 +309,9 @@ class Broker:
             raise BadRequest(f"request id {req.id!r} is already in use by one of your pending requests")
         model = self._resolve_model(req.model)
         mq = self.models[model]
+        if model in self.embedding_models:
+            raise BadRequest(f"model {model} is an embedding model (embedding: true in its models[] entry): it "
+                             "computes embeddings (/v1/embeddings, Client.embed), not completions")
         if mq.failed is not None:
             raise ModelFailed(f"model {model} cannot be loaded: {mq.failed}")
         if len(mq.queue) >= mq.max_queue and not mq.free:
@@ -310,20 +323,37 @@ class Broker:
         if self._owned.get(client, 0) >= self.max_pending_per_client:
             raise Busy(f"you have {self.max_pending_per_client} requests pending, the most one client may have; "
                        "wait for some to finish", retry_after=self._retry_after(mq))
+        n = req.params.n
+        refusal = self._too_many_choices(mq, n)
+        if refusal is not None:
+            raise BadRequest(refusal)
         now = time.monotonic()
         self._heard.setdefault(client, now)
-        ticket = next(self._tickets)
-        p = Pending(ticket, client, req, model, now, now + req.timeout if req.timeout else None)
-        self.requests[ticket] = p
-        self.by_client[(client, req.id)] = ticket
-        self._owned[client] = self._owned.get(client, 0) + 1
-        if p.deadline is not None:
-            heapq.heappush(self._deadlines, (p.deadline, ticket))
+        tickets = tuple(next(self._tickets) for _ in range(n))
+        for i, ticket in enumerate(tickets):  # a request for n: one row per choice, with its own parameters
+            one = req if n == 1 else dataclasses.replace(req, params=req.params.choice_params(i))
+            p = Pending(ticket, client, one, model, now, now + req.timeout if req.timeout else None,
+                        group=tickets if n > 1 else (), index=i)
+            self.requests[ticket] = p
+            if p.deadline is not None:
+                heapq.heappush(self._deadlines, (p.deadline, ticket))
+        self.requests[tickets[0]].slots_needed = n
+        self.by_client[(client, req.id)] = tickets[0]
+        self._owned[client] = self._owned.get(client, 0) + n
         self.stats["accepted"] += 1
-        mq.queue.append(ticket)
+        mq.queue.append(tickets[0])
         self._dispatch(model)
 
-    def _on_tokenize(self, client: bytes, msg: wire.Tokenize) -> None:
+    def _too_many_choices(self, mq: ModelQueue, n: int) -> str | None:
+        """Why ``n`` choices cannot run: no instance of the model (registered so far) has ``n`` slots."""
+        most = max((w.capacity for w in self.workers.values() if w.model == mq.name), default=n)
+        if n <= most:
+            return None
+        return (f"'n' = {n} is more than the {most} slot(s) of an instance of model {mq.name}: the choices of a "
+                f"request run together in one instance; serve the model with 'parallel: {n}' (or --parallel {n}) "
+                "or ask for fewer")
+
+    def _on_tokenize(self, client: bytes, msg: wire.Tokenize | wire.Embed) -> None:
         """To the least busy instance of the model that has it loaded: the worker answers between steps."""
         if not self.accepting:
             raise ShuttingDown("the server is shutting down; retry after it restarts", retry_after=1.0)
@@ -334,8 +364,16 @@ class Broker:
         worker = min(loaded, key=lambda w: len(w.running))
         ticket = next(self._tickets)
         self.lookups[ticket] = (client, msg.id, worker.identity)
-        self.stats["tokenize"] += 1
+        self.stats["tokenize" if isinstance(msg, wire.Tokenize) else "embed"] += 1
         self._to_worker(worker.identity, dataclasses.replace(msg, ticket=ticket))
+
+    def _on_embed(self, client: bytes, msg: wire.Embed) -> None:
+        """As TOKENIZE, for embedding models only."""
+        model = self._resolve_model(msg.model)
+        if model not in self.embedding_models:
+            raise BadRequest(f"model {model} is not an embedding model: serve one with embedding: true in its "
+                             "models[] entry to ask it for embeddings")
+        self._on_tokenize(client, msg)
 
     def _lookups_lost(self, identity: bytes, what: str) -> None:
         for ticket, (client, rid, worker) in list(self.lookups.items()):
@@ -396,12 +434,29 @@ class Broker:
         if not p.answered:
             p.state = RequestState.ANSWERED
             self._to_client(p.client, wire.encode(wire.Error(p.request.id, code, message, retry_after)))
+            self._end_other_choices(p, code, message)
         if p.worker is None:
             self._finish(p)
 
+    def _end_other_choices(self, p: Pending, code: str, message: str) -> None:
+        """``p`` was answered with an error: the other choices of its request end with it, unanswered."""
+        for other in self._choices(p):
+            if other is not p and not other.answered:
+                other.state = RequestState.ANSWERED
+                self._cancel(other, code, message)
+
+    def _choices(self, p: Pending) -> list[Pending]:
+        """The rows still here of the request ``p`` is a choice of (``p`` alone for a request for one)."""
+        return [self.requests[t] for t in p.group if t in self.requests] if p.group else [p]
+
     def _finish(self, p: Pending) -> None:
         self.requests.pop(p.ticket, None)
-        self.by_client.pop((p.client, p.request.id), None)
+        key = (p.client, p.request.id)
+        left = self._choices(p) if p.group else []
+        if left:  # a request for n: its id stays in use until its last choice is done
+            self.by_client[key] = left[0].ticket
+        else:
+            self.by_client.pop(key, None)
         owned = self._owned.get(p.client, 0) - 1
         if owned > 0:
             self._owned[p.client] = owned
@@ -426,9 +481,10 @@ class Broker:
         for (owner, _), ticket in list(self.by_client.items()):
             p = self.requests.get(ticket)
             if owner == client and p is not None and not p.answered:
-                p.state = RequestState.ANSWERED  # nothing more can reach it
                 self.stats["cancelled_client_gone"] += 1
-                self._cancel(p, ErrorCode.CANCELLED, "client gone")
+                for choice in [c for c in self._choices(p) if not c.answered]:
+                    choice.state = RequestState.ANSWERED  # nothing more can reach it
+                    self._cancel(choice, ErrorCode.CANCELLED, "client gone")
 
     # --- workers -------------------------------------------------------------------------------
 
@@ -531,6 +587,8 @@ class Broker:
             p.state = RequestState.ANSWERED
             self.stats["done" if mtype is wire.MsgType.DONE else "worker_error"] += 1
             self._to_client(p.client, [wire.VERSION, type_frame, body])
+            if mtype is wire.MsgType.ERROR:
+                self._end_other_choices(p, ErrorCode.CANCELLED, "another choice of the request failed")
         mq = self.models[entry.model]
         service_ms = (time.monotonic() - p.assigned) * 1000
         mq.service_ms = service_ms if not mq.service_ms else 0.9 * mq.service_ms + 0.1 * service_ms
@@ -581,10 +639,13 @@ class Broker:
             return
         mq = self.models[model]
         while mq.queue and mq.free:
-            p = self.requests[mq.queue.popleft()]
-            slot = self._take_slot(mq, p.request.prompt)
-            assert slot is not None  # some slot is free and any device will do
-            self._assign(p, slot)
+            p = self.requests[mq.queue[0]]
+            slots = self._take_slots(mq, p)
+            if slots is None and not self._refuse_head(mq, p):  # a request for n waits for n slots of one instance
+                break
+            if slots is not None:
+                mq.queue.popleft()
+                self._assign_choices(p, slots)
 
     def _dispatch_resident(self) -> None:
         """Single active backend: advance each device's turn (unloading what must leave), then start the
@@ -604,19 +665,40 @@ class Broker:
                 mq = self.models[model]
                 while mq.queue and self.residency.allows(device, model):
                     p = self.requests[mq.queue[0]]
-                    slot = self._take_slot(mq, p.request.prompt, device)
-                    if slot is None:
+                    slots = self._take_slots(mq, p, device)
+                    if slots is None:
+                        if self._refuse_head(mq, p):
+                            continue
                         break
                     mq.queue.popleft()
-                    self.residency.started(device)
-                    self._assign(p, slot)
+                    for _ in slots:
+                        self.residency.started(device)
+                    self._assign_choices(p, slots)
 
-    def _take_slot(self, mq: ModelQueue, prompt: str, device: int | None = None) -> tuple[bytes, int] | None:
-        """Take the free slot ``routing.choose_slot`` picks (on ``device``, if given)."""
-        best = choose_slot(mq.free, self.workers, prompt, device)
-        if best is not None:
-            mq.free.remove(best)
-        return best
+    def _take_slots(self, mq: ModelQueue, p: Pending, device: int | None = None) -> list[tuple[bytes, int]] | None:
+        """Take the free slot ``routing.choose_slot`` picks (on ``device``, if given), or for a request for n
+        the n slots of one instance ``routing.choose_slots`` picks."""
+        slots = choose_slots(mq.free, self.workers, p.request.prompt, p.slots_needed, device)
+        for slot in slots or ():
+            mq.free.remove(slot)
+        return slots
+
+    def _refuse_head(self, mq: ModelQueue, p: Pending) -> bool:
+        """A request for more choices than any instance now registered has slots (they came after it was
+        accepted) would hold the queue up for ever: answer it. Whether it was."""
+        refusal = self._too_many_choices(mq, p.slots_needed)
+        if refusal is not None:
+            mq.queue.popleft()
+            self._answer_error(p, ErrorCode.BAD_REQUEST, refusal)
+        return refusal is not None
+
+    def _assign_choices(self, p: Pending, slots: list[tuple[bytes, int]]) -> None:
+        """Start ``p`` in ``slots[0]``; a request for n starts all its choices, one per slot (a choice retried
+        after a worker died is queued on its own and needs one)."""
+        choices = self._choices(p) if p.slots_needed > 1 else [p]
+        p.slots_needed = 1
+        for choice, slot in zip(choices, slots, strict=True):
+            self._assign(choice, slot)
 
     def _assign(self, p: Pending, slot: tuple[bytes, int]) -> None:
         identity, index = slot
@@ -630,7 +712,7 @@ class Broker:
         entry.loaded = True  # an unloaded worker loads its model for the request
         self._to_worker(identity, wire.Assign(p.ticket, p.request, (time.monotonic() - p.accepted) * 1000,
                                               p.attempts, slot=index, report_tokens=True,
-                                              generated=bytes(p.generated)))
+                                              generated=bytes(p.generated), index=p.index))
 
     def _to_worker(self, identity: bytes, msg: object) -> None:
         try:

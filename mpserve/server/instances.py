@@ -141,6 +141,8 @@ class Instances:
         self._events[model.name] = Counter()
         self._supervisor.health[model.name] = ModelHealth()
         self._broker.models[model.name] = ModelQueue(model.name, self._config.max_queue)
+        if model.embedding:
+            self._broker.embedding_models |= {model.name}
         log.info("add %s: %s, instances %d..%d (control call)", model.name, model.path, low, high)
         self.tick(force=True)
         return self._reply(call, f"add {model.name}: instances {low}..{high}")

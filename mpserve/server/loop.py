@@ -67,7 +67,8 @@ def serve(config: ServerConfig) -> None:
                         max_pending_per_client=config.max_pending_per_client,
                         curve_secret=config.curve_secret, curve_workers=config.curve_workers,
                         residency=Residency(config.switch_batch) if config.single_active_backend else None,
-                        heartbeat_interval=config.heartbeat_interval, heartbeat_liveness=config.heartbeat_liveness)
+                        heartbeat_interval=config.heartbeat_interval, heartbeat_liveness=config.heartbeat_liveness,
+                        embedding_models=frozenset(m.name for m in config.models if m.embedding))
         specs = worker_specs(config, layout, paths.back, paths.slots)
         supervisor = Supervisor(config, specs, table)
         placements = {spec.index: p for spec, p in zip(specs, layout.placements, strict=True)}

@@ -3,6 +3,7 @@ becomes of a request whose worker died.
 
     choose_slot(free slots, workers, prompt)   prefix held by the slot > prefix held by its instance
                                                > least busy instance > free the longest
+    choose_slots(…, n)                         n free slots of one instance (a request for n choices)
     after_loss(request)                        RETRY (nothing streamed yet, or the tokens streamed are
                                                known: resumed from them) | LOST (text streamed, its
                                                tokens unknown) | POISON (it has now crashed MAX_CRASHES)
@@ -46,6 +47,22 @@ def choose_slot(free: Iterable[tuple[bytes, int]], workers: Mapping[bytes, Worke
         if key > best_key:  # strictly better: among equals the first, free the longest, stays
             best, best_key = (identity, slot), key
     return best
+
+
+def choose_slots(free: Iterable[tuple[bytes, int]], workers: Mapping[bytes, WorkerEntry], prompt: str, n: int,
+                 device: int | None = None) -> list[tuple[bytes, int]] | None:
+    """``n`` free slots of one instance (on ``device``, if given): the first as ``choose_slot`` picks it among
+    the instances with ``n`` free, then that instance's other free ones, longest free first; None if no
+    instance has ``n`` free slots."""
+    free = list(free)
+    count: dict[bytes, int] = {}
+    for identity, _ in free:
+        count[identity] = count.get(identity, 0) + 1
+    roomy = [f for f in free if count[f[0]] >= n]
+    first = choose_slot(roomy, workers, prompt, device)
+    if first is None:
+        return None
+    return [first, *[f for f in roomy if f[0] == first[0] and f != first][:n - 1]]
 
 
 def _at_least(shared: int) -> int:

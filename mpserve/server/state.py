@@ -15,6 +15,13 @@ A request's life in the broker (``RequestState``; llama.cpp's server draws its `
 ANSWERED means its one terminal message was sent (or the client is gone). A request answered while a worker
 still runs it (cancelled, timed out) stays in the table until that worker's late reply frees the slot;
 ``Pending.worker`` says which worker holds it, None while it is queued.
+
+A request for ``n`` choices is n rows, one per choice (``group``: their tickets), which the client sees as
+one request: the first waits in the queue for n free slots of one instance, where all n start together
+(the instance computes the shared prompt once), and the requests behind it wait too, so that it is not
+starved; the first ERROR answering any of them answers them all. Once started each choice is a request of
+its own to its worker: one whose worker is lost is retried or handed over alone (one slot, any instance,
+from its own tokens), as a request for one is.
 """
 
 from __future__ import annotations
@@ -49,6 +56,9 @@ class Pending:
     worker: bytes | None = None
     generated: bytearray = field(default_factory=bytearray)  # token ids streamed so far (TOKENS frames)
     tokens_known: bool = True  # False once a CHUNK came without its token ids: it cannot be resumed
+    group: tuple[str, ...] = ()  # a request for n choices: the tickets of all n (this one among them)
+    index: int = 0  # which choice this row is
+    slots_needed: int = 1  # queued as a request for n: the n free slots of one instance it waits for
 
     @property
     def answered(self) -> bool:

@@ -4,4 +4,5 @@
     main    the process entry: environment, sockets, slot-table rows, permits, engine
     loop    ``Worker``: broker messages in, one engine step per turn, answers out
     stream  ``ChunkStream``: a streamed request's text gathered into CHUNK messages
+    embed   the answer to EMBED: an embedding engine's vectors
 """

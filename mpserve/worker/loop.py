@@ -6,7 +6,7 @@ Each turn takes every waiting broker message, then runs one ``engine.step`` whil
 
     receive   ASSIGN: admit the request into the slot the broker chose (another free one if that is
               taken); CANCEL: the sequence ends at the next step; STOP; UNLOAD (only when idle);
-              TOKENIZE: answered at once (``mpserve.worker.tokens``)
+              TOKENIZE, EMBED: answered at once (``mpserve.worker.tokens``, ``mpserve.worker.embed``)
     permit    with GPU permits, the first running sequence takes the device's permit (host-wide); the
               last one to end gives it back
     step      every running sequence advances by one token (a prompt by a chunk); pieces stream out as
@@ -39,7 +39,7 @@ from mpserve.gpu.permits import DevicePermits, Permit
 from mpserve.protocol import ChatTemplate
 from mpserve.slots import SlotState, SlotWriter
 
-from . import tokens
+from . import embed, tokens
 from .spec import EXIT_LOAD_FAILED, EngineSpec, WorkerSpec
 from .stream import ChunkStream
 
@@ -186,6 +186,9 @@ class Worker:
         elif isinstance(msg, wire.Tokenize):
             self._send(tokens.answer(self._engine, msg) if self._engine is not None else wire.Error(
                 msg.id, ErrorCode.BUSY, "the model is not loaded here now; retry"), msg.ticket)
+        elif isinstance(msg, wire.Embed):
+            self._send(embed.answer(self._engine, msg) if self._engine is not None else wire.Error(
+                msg.id, ErrorCode.BUSY, "the model is not loaded here now; retry"), msg.ticket)
 
     def _pump(self) -> None:
         """While waiting for a permit: take what the broker sent, and keep the link alive."""
@@ -265,11 +268,11 @@ class Worker:
         request elsewhere."""
         if not assign.request.stream:
             return None, _nothing
-        request_id, ticket, engine = assign.request.id, assign.ticket, self._engine
+        request_id, ticket, engine, index = assign.request.id, assign.ticket, self._engine, assign.index
         assert engine is not None
         if not assign.report_tokens:
             return ChunkStream(lambda text: self._chunks.append(
-                (ticket, wire.Chunk(request_id, text, engine.take_logprobs(slot)), None)),
+                (ticket, wire.Chunk(request_id, text, engine.take_logprobs(slot), index), None)),
                 self._spec.stream_interval), _nothing
         noted: list[int] = []  # since the last CHUNK
         seen = 0
@@ -282,7 +285,7 @@ class Worker:
             noted.extend(new)
 
         def send(text: str) -> None:
-            self._chunks.append((ticket, wire.Chunk(request_id, text, engine.take_logprobs(slot)),
+            self._chunks.append((ticket, wire.Chunk(request_id, text, engine.take_logprobs(slot), index),
                                  wire.token_frame(noted)))
             noted.clear()
 
@@ -346,5 +349,5 @@ class Worker:
             req.id, result.text, result.finish_reason, wire.Usage(result.prompt_tokens, result.completion_tokens),
             wire.Timings(assign.queue_ms, result.prompt_s * 1000, result.generate_s * 1000, assign.attempt,
                          cached_tokens=result.reused_tokens),
-            worker=self._spec.identity.decode(), logprobs=result.logprobs,
+            worker=self._spec.identity.decode(), logprobs=result.logprobs, index=assign.index,
         )

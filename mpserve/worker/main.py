@@ -32,6 +32,11 @@ from .spec import EngineSpec, WorkerSpec
 def build_engine(spec: EngineSpec) -> Engine:
     if spec.is_echo:
         return EchoEngine(spec.parallel, spec.echo_tick_s)
+    if spec.embedding:
+        from mpserve.engine.embed import EmbeddingEngine  # imports llama_cpp, now that CUDA_VISIBLE_DEVICES is set
+
+        return EmbeddingEngine(spec.path, spec.n_ctx, spec.parallel, spec.threads, spec.n_gpu_layers, spec.pooling,
+                               spec.repack)
     from mpserve.engine.batch import BatchEngine  # imports llama_cpp, now that CUDA_VISIBLE_DEVICES is set
 
     return BatchEngine(spec.path, spec.n_ctx, spec.parallel, spec.threads, spec.n_gpu_layers, spec.seed,

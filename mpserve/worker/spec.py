@@ -29,6 +29,8 @@ class EngineSpec:
     flash_attn: str = "auto"  # auto, on or off
     repack: bool = True  # llama.cpp's extra (repacked) weight buffer types
     echo_tick_s: float = 0.0  # the echo backend's time per step (0: at once)
+    embedding: bool = False  # an embedding model (mpserve.engine.embed)
+    pooling: str | None = None  # its pooling; None: the GGUF's
 
     @property
     def is_echo(self) -> bool:

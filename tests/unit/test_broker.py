@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Iterator
 
 import pytest
@@ -45,7 +46,9 @@ def test_a_new_process_under_the_same_name_replaces_the_old_entry(broker: Broker
     assert len(broker.models["m"].free) == 1
 
 
-def test_a_streamed_request_whose_worker_dies_is_resumed_elsewhere_from_its_tokens(broker: Broker) -> None:
+@contextlib.contextmanager
+def peers(broker: Broker, slots: int) -> Iterator[tuple[zmq.Socket[bytes], dict[bytes, zmq.Socket[bytes]]]]:
+    """A client on the front and two workers, w0 and w1 with ``slots`` slots each, on the back."""
     ctx = broker.front.context
     client = ctx.socket(zmq.DEALER)
     client.connect("inproc://front")
@@ -54,8 +57,17 @@ def test_a_streamed_request_whose_worker_dies_is_resumed_elsewhere_from_its_toke
         workers[name] = ctx.socket(zmq.DEALER)
         workers[name].setsockopt(zmq.IDENTITY, name)
         workers[name].connect("inproc://back")
-        broker._on_ready(name, wire.Ready(name.decode(), "m", -1, 1, 1))
+        broker._on_ready(name, wire.Ready(name.decode(), "m", -1, slots, 1))
     try:
+        yield client, workers
+    finally:
+        client.close(0)
+        for sock in workers.values():
+            sock.close(0)
+
+
+def test_a_streamed_request_whose_worker_dies_is_resumed_elsewhere_from_its_tokens(broker: Broker) -> None:
+    with peers(broker, slots=1) as (client, workers):
         client.send_multipart(wire.encode(wire.Request("r1", "hi", stream=True)))
         assert broker.front.poll(1000)
         broker.drain_front()
@@ -75,10 +87,52 @@ def test_a_streamed_request_whose_worker_dies_is_resumed_elsewhere_from_its_toke
         assert wire.frame_tokens(resumed.generated) == [7, 8] and resumed.attempt == 2
         assert resumed.ticket == assign.ticket and broker.stats["resumed"] == 1 and not broker.stats["worker_lost"]
         assert not client.poll(0)  # the client saw no error
+
+
+def test_a_request_for_more_choices_than_a_later_instance_has_is_answered_not_left_queued(broker: Broker) -> None:
+    client = broker.front.context.socket(zmq.DEALER)
+    client.connect("inproc://front")
+    try:
+        client.send_multipart(wire.encode(wire.Request("r1", "hi", params=wire.GenerateParams(n=4))))
+        while not broker.models["m"].queue:  # accepted: no instance has registered to say how many slots it has
+            broker.drain_front()
+        assert len(broker.requests) == 4 and broker.snapshot().models["m"].queued == 1
+        broker._on_ready(b"w0", wire.Ready("w0", "m", -1, 2, 1234))
+        assert client.poll(2000)
+        answer = wire.decode(client.recv_multipart())
+        assert isinstance(answer, wire.Error) and answer.id == "r1" and "'n' = 4 is more than the 2 slot(s)" in (
+            answer.message)
+        assert not broker.requests and not broker.by_client and not broker.models["m"].queue
+        assert len(broker.models["m"].free) == 2
     finally:
         client.close(0)
-        for sock in workers.values():
-            sock.close(0)
+
+
+def test_the_choices_of_a_request_whose_worker_dies_are_handed_over_each_with_its_index(broker: Broker) -> None:
+    with peers(broker, slots=2) as (client, workers):
+        client.send_multipart(wire.encode(wire.Request("r1", "hi", params=wire.GenerateParams(n=2, seed=5),
+                                                       stream=True)))
+        assert broker.front.poll(1000)
+        broker.drain_front()
+        first = next(name for name, sock in workers.items() if sock.poll(1000))
+        assigns = sorted((wire.decode(workers[first].recv_multipart()) for _ in range(2)), key=lambda a: a.index)
+        assert [(a.index, a.request.params.seed) for a in assigns] == [(0, 5), (1, 6)]  # together, on one instance
+        workers[first].send_multipart(wire.encode_from_worker(wire.Chunk("r1", "ab", index=1), assigns[1].ticket,
+                                                              wire.token_frame([7, 8])))
+        assert broker.back.poll(1000)
+        broker.drain_back()
+        assert client.poll(1000) and wire.decode(client.recv_multipart()) == wire.Chunk("r1", "ab", index=1)
+
+        broker.worker_exited(int(first[1:]))  # each choice goes on alone, from its own tokens
+        other = workers[b"w1" if first == b"w0" else b"w0"]
+        resumed = {}
+        for _ in range(2):
+            assert other.poll(1000)
+            a = wire.decode(other.recv_multipart())
+            resumed[a.index] = a
+        assert wire.frame_tokens(resumed[1].generated) == [7, 8] and resumed[0].generated == b""
+        assert resumed[1].request.params.seed == 6 and resumed[1].ticket == assigns[1].ticket
+        assert broker.stats["resumed"] == 1 and broker.stats["retried"] == 1 and not client.poll(0)
 
 
 def test_a_workers_chunks_reach_each_client_in_order_as_one_message_and_before_done(broker: Broker) -> None:

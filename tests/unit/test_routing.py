@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from mpserve import protocol as wire
-from mpserve.server.routing import MAX_CRASHES, MIN_SHARED_PREFIX, AfterLoss, after_loss, choose_slot
+from mpserve.server.routing import MAX_CRASHES, MIN_SHARED_PREFIX, AfterLoss, after_loss, choose_slot, choose_slots
 from mpserve.server.state import Pending, RequestState, WorkerEntry
 
 pytestmark = pytest.mark.timeout(10)
@@ -82,6 +82,17 @@ def pending(state: RequestState, crashes: int, generated: list[int], known: bool
     p.generated += wire.token_frame(generated)
     p.tokens_known = known
     return p
+
+
+def test_n_choices_take_n_free_slots_of_one_instance_or_wait() -> None:
+    workers = table(worker("a", capacity=4, running=2), worker("b", capacity=4, prompts={1: PREAMBLE}))
+    free = [(b"a", 2), (b"a", 3), (b"b", 0), (b"b", 1), (b"b", 2)]
+    assert choose_slots(free, workers, "hi", 2) == [(b"b", 0), (b"b", 1)]  # the least busy instance
+    assert choose_slots(free, workers, PREAMBLE + "more", 3) == [(b"b", 1), (b"b", 0), (b"b", 2)]  # the holder first
+    assert choose_slots(free[:4], workers, "hi", 2) == [(b"b", 0), (b"b", 1)]
+    assert choose_slots(free, workers, "hi", 4) is None  # no instance has 4 free: the request waits
+    assert choose_slots(free, workers, "hi", 1) == [choose_slot(free, workers, "hi")]
+    assert choose_slots(free, workers, "hi", 2, device=7) is None
 
 
 @pytest.mark.parametrize("state, crashes, generated, known, outcome", [

@@ -6,7 +6,8 @@ import msgpack
 import pytest
 
 from mpserve import protocol as wire
-from mpserve.errors import BadRequest
+from mpserve.errors import BadRequest, ProtocolError
+from mpserve.protocol import GenerateParams
 
 
 def test_old_requests_get_the_defaults_and_new_ones_round_trip() -> None:
@@ -36,3 +37,17 @@ def test_bad_values_are_bad_requests_naming_the_parameter(params: dict[str, obje
         wire.GenerateParams.from_wire(params)
     with pytest.raises(BadRequest, match=problem):  # as the broker decodes it
         wire.decode([wire.VERSION, b"\x01", msgpack.packb({"id": "a", "prompt": "p", "params": params})])
+
+
+def test_choice_i_is_seeded_seed_plus_i_and_asks_for_one() -> None:
+    params = GenerateParams(seed=2**32 - 2, n=3, temperature=0.5)
+    assert [p.seed for p in map(params.choice_params, range(3))] == [2**32 - 2, 2**32 - 1, 0]
+    assert params.choice_params(2) == GenerateParams(seed=0, temperature=0.5)
+    assert GenerateParams(n=2).choice_params(1).seed is None
+    for n in (0, 129):
+        with pytest.raises(BadRequest, match="'n' must be between 1 and 128"):
+            GenerateParams.from_wire({"n": n})
+    chunk = wire.Chunk.from_wire(wire.to_wire(wire.Chunk("r", "x", index=3)))
+    assert chunk.index == 3 and wire.Chunk.from_wire({"id": "r", "text": "x"}).index == 0
+    with pytest.raises(ProtocolError, match="'index' must be 0..127"):
+        wire.Chunk.from_wire({"id": "r", "text": "x", "index": 128})

@@ -5,6 +5,7 @@ reassembled."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from typing import Any
 
@@ -68,7 +69,7 @@ def test_each_family_s_calls_are_parsed(parser: tc.Parser, text: str, content: s
 def test_a_malformed_call_is_plain_content(parser: tc.Parser, text: str) -> None:
     assert tc.parse_calls(text, parser, SPEC.tools) == (text, [])
     call = oai.parse("chat", {"messages": [{"role": "user", "content": "hi"}], "tools": TOOLS})
-    reply = oai.Reply(call, "m").whole(result(text))
+    reply = oai.Reply(call, "m").whole([result(text)])
     assert reply["choices"][0]["message"] == {"role": "assistant", "content": text}
     assert reply["choices"][0]["finish_reason"] == "stop"
 
@@ -87,7 +88,7 @@ def result(text: str, finish: str = "stop") -> Result:
 def streamed(call: oai.Call, pieces: list[str]) -> list[dict[str, Any]]:
     reply = oai.Reply(call, "m")
     chunks = [c for piece in pieces for c in reply.chunks(piece)]
-    return chunks + reply.last(result("".join(pieces)))
+    return chunks + reply.last([result("".join(pieces))], {})
 
 
 def test_a_streamed_auto_reply_is_held_while_it_may_be_a_call() -> None:
@@ -105,6 +106,24 @@ def test_a_streamed_auto_reply_is_held_while_it_may_be_a_call() -> None:
     broken = streamed(call, ["<tool_", "call>{oops"])
     assert broken[0]["choices"][0]["delta"]["content"] == "<tool_call>{oops"
 
+
+
+def test_each_of_n_streamed_choices_is_held_and_read_on_its_own() -> None:
+    call = oai.parse("chat", {"messages": [{"role": "user", "content": "hi"}], "tools": TOOLS, "stream": True,
+                              "n": 2})
+    text = '<tool_call>\n{"name": "get_time", "arguments": {}}\n</tool_call>'
+    reply = oai.Reply(call, "m")
+    chunks = [*reply.chunks(text[:5], None, 0), *reply.chunks(" Hello", None, 1), *reply.chunks(text[5:], None, 0)]
+    assert [(c["choices"][0]["index"], c["choices"][0]["delta"]) for c in chunks] == [
+        (1, {"role": "assistant", "content": " Hello"})]  # choice 0 is held back, choice 1 streams as prose
+    last = reply.last([result(text), dataclasses.replace(result(" Hello"), index=1)], {})
+    by_choice = [(c["choices"][0]["index"], c["choices"][0]["finish_reason"]) for c in last]
+    assert by_choice == [(0, None), (0, None), (0, "tool_calls"), (1, "stop")]
+    assert last[0]["choices"][0]["delta"]["role"] == "assistant"
+    assert last[0]["choices"][0]["delta"]["tool_calls"][0]["function"]["name"] == "get_time"
+    whole = oai.Reply(call, "m").whole([result(text), dataclasses.replace(result(" Hello"), index=1)])
+    assert [c["finish_reason"] for c in whole["choices"]] == ["tool_calls", "stop"]
+    assert whole["choices"][1]["message"] == {"role": "assistant", "content": " Hello"}
 
 def test_forced_choices_constrain_with_a_schema_of_the_functions() -> None:
     named = oai.parse("chat", {"messages": [{"role": "user", "content": "hi"}], "tools": TOOLS,
