@@ -32,7 +32,7 @@ IDS = [f"f{i}" for i in range(40)]  # a small id space, so duplicates and cancel
 Frames = list[bytes]
 CLIENT_SENT = {t for t in wire.MsgType if t.name in ("REQUEST", "CANCEL", "PING", "STATS_QUERY", "TOKENIZE",
                                                   "EMBED")}
-CLIENT_BOUND = {t for t in wire.MsgType if t.name in ("CHUNK", "DONE", "ERROR", "PONG", "STATS", "TOKENS",
+CLIENT_BOUND = {t for t in wire.MsgType if t.name in ("CHUNK", "CHUNKS", "DONE", "ERROR", "PONG", "STATS", "TOKENS",
                                                   "EMBEDDINGS")}
 
 
@@ -315,7 +315,8 @@ class Fuzzer:
     def _take(self, frames: Frames) -> Any:
         msg = wire.decode(frames)  # the server never sends a malformed message
         assert msg.TYPE in CLIENT_BOUND, msg
-        self.replies[msg.code if isinstance(msg, wire.Error) else type(msg).__name__.lower()] += 1
+        for one in msg.chunks if isinstance(msg, wire.Chunks) else (msg,):  # a step's chunks travel together
+            self.replies[one.code if isinstance(one, wire.Error) else type(one).__name__.lower()] += 1
         self.last_reply = time.monotonic()
         return msg
 
