@@ -48,7 +48,7 @@ def token_ids(value: Any, key: str) -> list[int]:
     naming ``key``."""
     if not isinstance(value, list) or not all(isinstance(t, int) and not isinstance(t, bool)
                                               and 0 <= t <= wire.MAX_TOKEN_ID for t in value):
-        raise BadRequest(f"'{key}' must be a list of token ids (integers 0..{wire.MAX_TOKEN_ID})")
+        raise BadRequest(f"'{key}' must be a list of token ids (integers from 0 to {wire.MAX_TOKEN_ID})")
     if len(value) > wire.MAX_PROMPT_CHARS:
         raise BadRequest(f"'{key}' has {len(value)} tokens, more than {wire.MAX_PROMPT_CHARS}")
     return value
