@@ -178,11 +178,11 @@ class GenerateParams:
     def from_wire(cls, body: Any) -> GenerateParams:
         if not isinstance(body, dict):
             raise BadRequest("'params' must be a map")
-        unknown = set(body) - {f.name for f in dataclasses.fields(cls)}
+        unknown = body.keys() - _PARAM_NAMES
         if unknown:
             raise BadRequest(f"unknown parameter(s) {sorted(map(str, unknown))}; allowed: "
                              f"{[f.name for f in dataclasses.fields(cls)]}")
-        d = cls()
+        d = _DEFAULT_PARAMS
         num = (int, float)
         params = cls(
             max_tokens=_get(body, "max_tokens", int, d.max_tokens, bad=BadRequest),
@@ -252,6 +252,10 @@ class GenerateParams:
         """Choice ``index``'s parameters: one choice, seeded with seed + index (modulo 2**32) when seeded."""
         seed = None if self.seed is None else (self.seed + index) % 2**32
         return dataclasses.replace(self, n=1, seed=seed)
+
+
+_DEFAULT_PARAMS = GenerateParams()  # made once: a frozen dataclass costs a setattr per field to build
+_PARAM_NAMES = frozenset(f.name for f in dataclasses.fields(GenerateParams))
 
 
 def logit_bias_pairs(value: Any) -> tuple[tuple[int, float], ...]:
@@ -940,11 +944,16 @@ _DECODERS: dict[MsgType, Any] = {
 
 # --- encoding and decoding ----------------------------------------------------------------------
 
+_PLAIN = frozenset({str, int, float, bool, bytes, tuple, type(None)})  # msgpack takes these as they are
+
+
 def to_wire(msg: Any) -> Any:
-    """A dataclass as plain msgpack-able data (faster than dataclasses.asdict, which deep-copies)."""
+    """A dataclass as plain msgpack-able data (faster than dataclasses.asdict, which deep-copies); plain
+    values are taken as they are, without a call each (the broker and workers encode per request)."""
     names = _field_names(msg.__class__)
     if names:
-        return {name: to_wire(getattr(msg, name)) for name in names}
+        return {name: value if type(value) in _PLAIN else to_wire(value)
+                for name in names for value in (getattr(msg, name),)}
     if isinstance(msg, dict):
         return {k: to_wire(v) for k, v in msg.items()}
     if isinstance(msg, list):
