@@ -93,6 +93,10 @@ SETTINGS: tuple[Setting, ...] = (
        "weights as stored, as llama-server's --no-repack, for CPUs where those kernels fail (create_completion "
        "always repacks, so output equals it only with repacking on)", flag="--no-repack", env="MPSERVE_NO_REPACK",
        cli_type=bool, negated=True, commands=_FOR_POOLS),
+    _s("speculative", "model", (dict, str), "none", "Speculative decoding: {type: ngram, n_max: 8, n_min: 1, "
+       "ngram_min: 2, ngram_max: 4} drafts up to n_max tokens a step from the sequence's own prompt and output "
+       "(prompt lookup) and verifies them in one decode; output is unchanged; ngram is short for the defaults",
+       flag="--speculative", cli_type=str, commands=_FOR_POOLS),
     _s("devices", "model", list, "any GPU", "Pin the model's instances to these GPU indices, e.g. [1]", flag=None,
        env=None),
     _s("requires", "model", dict, "estimated from the GGUF", "Declared needs per instance: {memory: 7GiB, gpus: 1}",

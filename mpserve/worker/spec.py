@@ -12,6 +12,8 @@ from __future__ import annotations
 import importlib
 from dataclasses import dataclass
 
+from mpserve.speculative import Speculative
+
 WORKER_MAIN = "mpserve.worker.main"
 EXIT_LOAD_FAILED = 3  # the worker's exit status when its model cannot be loaded
 
@@ -28,6 +30,7 @@ class EngineSpec:
     parallel: int = 1  # sequences the engine decodes together
     flash_attn: str = "auto"  # auto, on or off
     repack: bool = True  # llama.cpp's extra (repacked) weight buffer types
+    speculative: Speculative | None = None  # speculative decoding; None: off
 
     @property
     def is_echo(self) -> bool:
