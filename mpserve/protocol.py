@@ -574,6 +574,8 @@ class Timings:
     generate_ms: float = 0.0
     attempts: int = 1
     cached_tokens: int = 0  # prompt tokens taken from the slot's KV cache instead of computed
+    draft_tokens: int = 0  # speculative decoding: tokens proposed and verified
+    accepted_tokens: int = 0  # of those, the ones the sequence kept
 
 
 @dataclass(frozen=True)
@@ -601,7 +603,9 @@ class Done:
             usage=Usage(_get(u, "prompt_tokens", int), _get(u, "completion_tokens", int)),
             timings=Timings(float(_get(t, "queue_ms", (int, float))), float(_get(t, "prompt_ms", (int, float))),
                             float(_get(t, "generate_ms", (int, float))), attempts=_get(t, "attempts", int, 1),
-                            cached_tokens=_get(t, "cached_tokens", int, 0)),
+                            cached_tokens=_get(t, "cached_tokens", int, 0),
+                            draft_tokens=_get(t, "draft_tokens", int, 0),
+                            accepted_tokens=_get(t, "accepted_tokens", int, 0)),
             worker=_text(body, "worker", 64, ""), logprobs=Logprobs.from_wire(body.get("logprobs")),
         )
 
