@@ -310,6 +310,8 @@ class Reply:
         self._held: str | None = "" if call.tools is not None else None  # text that may be a tool call
 
     def whole(self, result: Result) -> dict[str, Any]:
+        """The response of a request not streamed, with mpserve's timings of it beside the usage (an extra
+        key, as llama-server sends)."""
         if self.call.kind == "chat":
             message: dict[str, Any] = {"role": "assistant", "content": result.text}
             finish = result.finish_reason
@@ -323,7 +325,8 @@ class Reply:
         else:
             choice = {"index": 0, "text": result.text, "logprobs": self._logprobs(result.logprobs),
                       "finish_reason": result.finish_reason}
-        return self._envelope(self._object, [choice]) | {"usage": usage(result.usage)}
+        return self._envelope(self._object, [choice]) | {"usage": usage(result.usage),
+                                                          "timings": dataclasses.asdict(result.timings)}
 
     def chunks(self, text: str, lp: wire.Logprobs | None = None) -> list[dict[str, Any]]:
         """The chunks for a piece of streamed text: none while it is held back (a request with tools
