@@ -20,9 +20,9 @@ distribution of that chain (logit bias, penalties, grammar, top-k, top-p, min-p,
 position, the chain sees exactly the tokens the sequence keeps, and it draws once per kept token, as it
 does without speculation: with the same logits, a sequence (greedy, or sampled with a seed) gets the very
 tokens it gets without speculation. The logits are the same while a decode holds at most ``MAX_ROWS``
-rows: llama.cpp's CPU matrix kernels give every row of a batch that small the numbers it gets alone, and
-larger batches go through kernels whose sums differ from a lone row's (enough to change a greedy choice
-with quantized weights).
+rows: with quantized weights llama.cpp's CPU matrix kernels give every row of a batch that small the very
+numbers it gets alone (float weights: to the last bits, as for sequences decoded together), and larger
+batches go through kernels whose sums differ from a lone row's, enough to change a greedy choice.
 
 Sizing. A draft of k tokens with per-token acceptance a is expected to add a + a^2 + ... + a^k tokens to
 the step, and costs the rows it adds to the decode. ``RowCosts`` keeps the measured decode time per number
