@@ -155,6 +155,9 @@ class GenerateParams:
     # structured output (mpserve.structured): GBNF text, or a JSON Schema as canonical JSON text; one at most
     grammar: str | None = None
     json_schema: str | None = None
+    # speculative decoding (models[].speculative): most tokens drafted a step for this request, at most the
+    # model's n_max (0: none); None: the model's setting
+    speculative_n_max: int | None = None
 
     @classmethod
     def from_wire(cls, body: Any) -> GenerateParams:
@@ -183,6 +186,7 @@ class GenerateParams:
             logprobs=_get(body, "logprobs", int, None, bad=BadRequest),
             grammar=_text(body, "grammar", structured.MAX_GRAMMAR_CHARS, None, bad=BadRequest),
             json_schema=_text(body, "json_schema", structured.MAX_SCHEMA_CHARS, None, bad=BadRequest),
+            speculative_n_max=_get(body, "speculative_n_max", int, None, bad=BadRequest),
         )
         params.validate()
         return params
@@ -213,6 +217,8 @@ class GenerateParams:
             _ranged("logit_bias", bias, -100.0, 100.0)
         if self.logprobs is not None:
             _ranged("logprobs", self.logprobs, 0, MAX_TOP_LOGPROBS)
+        if self.speculative_n_max is not None:
+            _ranged("speculative_n_max", self.speculative_n_max, 0, 64)
 
         for key in ("grammar", "json_schema"):
             if not isinstance(getattr(self, key), (str, type(None))):

@@ -17,6 +17,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from mpserve.engine.batch import PROMPT_CHUNK, BatchEngine
 from mpserve.engine.interface import Completion
+from mpserve.errors import BadRequest
 from mpserve.models.maker import builtin_model_path
 from mpserve.protocol import GenerateParams
 from mpserve.speculative import Speculative
@@ -199,3 +200,12 @@ def test_a_server_that_speculates_answers_http_streamed_and_not_with_the_unspecu
         assert 0 < samples["mpserve_draft_acceptance_ratio"] <= 1
     finally:
         server.stop()
+
+
+def test_a_request_may_draft_less_or_not_at_all(model_path: str) -> None:
+    requests = [(PROMPTS[2], GenerateParams(max_tokens=40, temperature=0.0, speculative_n_max=n)) for n in (0, 1, None)]
+    off, one, model_default = run(model_path, 1, Speculative(), requests)
+    assert off.draft_tokens == 0 and one.accepted_tokens > 0 and model_default.accepted_tokens > 0
+    assert off.text == one.text == model_default.text
+    with pytest.raises(BadRequest, match="speculative_n_max"):
+        GenerateParams.from_wire({"speculative_n_max": 65})

@@ -51,6 +51,7 @@ one thread admits, cancels and steps; an on_token callback may call ``cancel`` b
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import logging
 import random
 import time
@@ -389,8 +390,10 @@ class BatchEngine:
         )
         if params.logprobs is not None:
             seq.logprobs = LogprobsRecorder(params.logprobs)
-        if self._speculative is not None:
-            seq.drafter = Drafter(self._speculative)
+        if self._speculative is not None and params.speculative_n_max != 0:
+            n_max = min(self._speculative.n_max, params.speculative_n_max or self._speculative.n_max)
+            seq.drafter = Drafter(dataclasses.replace(self._speculative, n_max=n_max,
+                                                      n_min=min(n_max, self._speculative.n_min)))
         seq.carried, seq.replay = len(carried), deque(carried)
         self._running[slot] = seq
         self._prefilling.append(seq)

@@ -5,9 +5,10 @@ No I/O here, so that ``gateway.py`` keeps only the routing and this mapping can 
 Parameters. ``max_tokens`` (chat also ``max_completion_tokens``), ``temperature``, ``top_p``, ``seed``,
 ``stop`` (a string or a list), ``presence_penalty``, ``frequency_penalty`` and ``logit_bias`` (token id to
 bias) map one to one; ``top_k``, ``repeat_penalty``, ``min_p``, ``typical_p`` and ``ignore_eos`` are taken
-too (llama.cpp's and llama-server's names). They are then checked by ``protocol.GenerateParams``, so the
-HTTP and ZeroMQ paths refuse the same values with the same words. ``logprobs`` (chat: with ``top_logprobs``)
-come back in OpenAI's shapes (``gateway.logprobs``). What mpserve cannot do (several choices, echo, tools,
+too (llama.cpp's and llama-server's names), and ``speculative_n_max`` (drafts a step; 0: no speculation).
+They are then checked by ``protocol.GenerateParams``, so the HTTP and ZeroMQ paths refuse the same values
+with the same words. ``logprobs`` (chat: with ``top_logprobs``) come back in OpenAI's shapes
+(``gateway.logprobs``). What mpserve cannot do (several choices, echo, tools,
 ...) is refused with 400 naming the parameter, unless it is sent at its neutral
 value (``n: 1``, ``logprobs: null``, ...), which clients often do. Unrecognised keys are refused like
 OpenAI refuses them. A ``null`` value means "not given".
@@ -57,7 +58,8 @@ CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
 CHAT_STOP = "<|im_end|>"
 
 _SAMPLING = ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "repeat_penalty",
-             "presence_penalty", "frequency_penalty", "logit_bias", "min_p", "typical_p", "ignore_eos")
+             "presence_penalty", "frequency_penalty", "logit_bias", "min_p", "typical_p", "ignore_eos",
+             "speculative_n_max")
 _COMMON = ("model", "stream", "stream_options", "user", "response_format", "grammar", "json_schema") + _SAMPLING
 _KEYS: dict[Kind, frozenset[str]] = {
     "completion": frozenset(_COMMON + ("prompt", "logprobs")),
