@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parent.parent
-ALWAYS_MEASURED = {"dispatch", "scaling", "batching", "memory", "startup"}
+ALWAYS_MEASURED = {"dispatch", "scaling", "batching", "memory", "startup", "speculation"}
 MAY_BE_SKIPPED = {"peers", "permits"}  # need optional packages
 
 
@@ -28,7 +28,7 @@ def test_quick_bench_reports_every_section_with_baselines(tmp_path: Path) -> Non
     report = run.stdout
     assert report.startswith("# mpserve bench (quick)")
     assert "## Targets" in report and "compete for CPU" in report
-    for title in ("Dispatch overhead", "Scaling", "Peers", "Batching", "Memory", "Permits", "Start-up"):
+    for title in ("Dispatch overhead", "Scaling", "Peers", "Batching", "Memory", "Permits", "Start-up", "Speculation"):
         assert title in report
 
     (result,) = tmp_path.glob("bench-*.json")
