@@ -85,9 +85,12 @@ def same_output(a: list[Completion], b: list[Completion]) -> None:
 def test_greedy_output_with_speculation_equals_without_and_drafts_are_taken(model_path: str, parallel: int) -> None:
     requests = [(p, GenerateParams(max_tokens=48, temperature=0.0)) for p in PROMPTS]
     plain = run(model_path, parallel, None, requests)
-    speculated = run(model_path, parallel, Speculative(), requests)
+    # every third request does not speculate: sequences with and without drafts share the batch
+    mixed = [(p, GenerateParams(max_tokens=48, temperature=0.0, speculative_n_max=0 if i % 3 == 2 else None))
+             for i, p in enumerate(PROMPTS)]
+    speculated = run(model_path, parallel, Speculative(), mixed)
     same_output(plain, speculated)
-    assert all(c.draft_tokens == 0 for c in plain)
+    assert all(c.draft_tokens == 0 for c in plain) and speculated[2].draft_tokens == 0
     assert sum(c.accepted_tokens for c in speculated) > 0  # the random weights repeat themselves a lot
     assert all(0 <= c.accepted_tokens <= c.draft_tokens for c in speculated)
 
