@@ -18,6 +18,7 @@ Example file::
         n_ctx: 2048
         threads: 1
         n_gpu_layers: 0
+        speculative: ngram    # or {type: ngram, n_max: 8, ...}: prompt-lookup speculative decoding
 """
 
 from __future__ import annotations
@@ -31,8 +32,9 @@ from typing import Any, cast
 
 import yaml
 
-from . import settings
+from . import settings, speculative
 from .errors import ConfigError
+from .speculative import Speculative
 
 BUILTIN_PREFIX = "builtin:"
 DEFAULT_MODEL = "builtin:tiny"
@@ -60,6 +62,7 @@ class ModelConfig:
     max_instances: int | None = None
     scale_up_after: float = 2.0  # seconds the oldest waiting request waits before one more instance starts
     scale_down_after: float = 60.0  # seconds an instance's worth of slots idles before one instance drains
+    speculative: Speculative | None = None  # speculative decoding (prompt lookup); None: off
 
     @property
     def bounds(self) -> tuple[int, int]:
@@ -295,6 +298,8 @@ def _model(index: int, entry: Any, overrides: Mapping[str, Any], source: str) ->
         values["flash_attn"] = _flash_attn(values["flash_attn"], f"{where}.flash_attn")
     if "requires" in values:
         values["requires_memory"] = _requires(values.pop("requires"), f"{where}.requires")
+    if "speculative" in values:
+        values["speculative"] = _speculative(values["speculative"], f"{where}.speculative")
     low, high = _instance_bounds(values, where)
     values.update(instances=low, min_instances=low, max_instances=high)
     return ModelConfig(**values)
@@ -345,6 +350,16 @@ def _requires(value: dict[str, Any], where: str) -> int | None:
         raise ConfigError(f"{where}.gpus: got {value['gpus']}, allowed: 1 (an instance runs on one GPU; "
                           "use instances to spread a model over several)")
     return None if "memory" not in value else _bytes(value["memory"], f"{where}.memory", parse_memory)
+
+
+def _speculative(value: dict[str, Any] | str, where: str) -> Speculative | None:
+    """A mapping (or ``ngram``: the defaults); ``none`` or ``off``: no speculation (a flag turning it off)."""
+    if isinstance(value, str) and value.strip().lower() in ("none", "off"):
+        return None
+    try:
+        return speculative.parse(value.strip().lower() if isinstance(value, str) else value)
+    except ValueError as exc:
+        raise ConfigError(f"{where}: {exc}") from None
 
 
 def _relative_to(base_dir: Path, entry: Any) -> Any:

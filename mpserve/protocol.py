@@ -173,6 +173,9 @@ class GenerateParams:
     json_schema: str | None = None
     prompt_logprobs: bool = False  # with logprobs: the prompt's tokens' too, first (Logprobs.prompt)
     n: int = 1  # choices, in n slots of one instance, choice i seeded with seed + i (``choice_params``)
+    # speculative decoding (models[].speculative): most tokens drafted a step for this request, at most the
+    # model's n_max (0: none); None: the model's setting
+    speculative_n_max: int | None = None
 
     @classmethod
     def from_wire(cls, body: Any) -> GenerateParams:
@@ -203,6 +206,7 @@ class GenerateParams:
             json_schema=_text(body, "json_schema", structured.MAX_SCHEMA_CHARS, None, bad=BadRequest),
             prompt_logprobs=_get(body, "prompt_logprobs", bool, False, bad=BadRequest),
             n=_get(body, "n", int, 1, bad=BadRequest),
+            speculative_n_max=_get(body, "speculative_n_max", int, None, bad=BadRequest),
         )
         params.validate()
         return params
@@ -238,6 +242,9 @@ class GenerateParams:
         if self.prompt_logprobs and self.logprobs is None:
             raise BadRequest("'prompt_logprobs' needs 'logprobs' (the number of top tokens to report, 0..20)")
         _ranged("n", self.n, 1, MAX_CHOICES)
+        if self.speculative_n_max is not None:
+            _ranged("speculative_n_max", self.speculative_n_max, 0, 64)
+
         for key in ("grammar", "json_schema"):
             if not isinstance(getattr(self, key), (str, type(None))):
                 raise BadRequest(f"'{key}' must be a string")
@@ -625,6 +632,8 @@ class Timings:
     generate_ms: float = 0.0
     attempts: int = 1
     cached_tokens: int = 0  # prompt tokens taken from the slot's KV cache instead of computed
+    draft_tokens: int = 0  # speculative decoding: tokens proposed and verified
+    accepted_tokens: int = 0  # of those, the ones the sequence kept
 
 
 @dataclass(frozen=True)
@@ -653,7 +662,9 @@ class Done:
             usage=Usage(_get(u, "prompt_tokens", int), _get(u, "completion_tokens", int)),
             timings=Timings(float(_get(t, "queue_ms", (int, float))), float(_get(t, "prompt_ms", (int, float))),
                             float(_get(t, "generate_ms", (int, float))), attempts=_get(t, "attempts", int, 1),
-                            cached_tokens=_get(t, "cached_tokens", int, 0)),
+                            cached_tokens=_get(t, "cached_tokens", int, 0),
+                            draft_tokens=_get(t, "draft_tokens", int, 0),
+                            accepted_tokens=_get(t, "accepted_tokens", int, 0)),
             worker=_text(body, "worker", 64, ""), logprobs=Logprobs.from_wire(body.get("logprobs")),
             index=_choice(body),
         )

@@ -97,6 +97,10 @@ SETTINGS: tuple[Setting, ...] = (
     _s("echo_tick_ms", "model", float, "0", "The echo backend's time per step, in ms, to stand in for a model's "
        "decode speed in benchmarks; each streamed piece is then the CLOCK_MONOTONIC time it was made, in ns "
        "(0: the prompt echoed at once)", flag=None, env=None, range=(0, 60_000)),
+    _s("speculative", "model", (dict, str), "none", "Speculative decoding: {type: ngram, n_max: 8, n_min: 1, "
+       "ngram_min: 2, ngram_max: 4} drafts up to n_max tokens a step from the sequence's own prompt and output "
+       "(prompt lookup) and verifies them in one decode; output is unchanged; ngram is short for the defaults",
+       flag="--speculative", cli_type=str, commands=_FOR_POOLS),
     _s("devices", "model", list, "any GPU", "Pin the model's instances to these GPU indices, e.g. [1]", flag=None,
        env=None),
     _s("requires", "model", dict, "estimated from the GGUF", "Declared needs per instance: {memory: 7GiB, gpus: 1}",

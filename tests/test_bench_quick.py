@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parent.parent
-ALWAYS_MEASURED = {"dispatch", "broker", "scaling", "batching", "memory", "startup"}
+ALWAYS_MEASURED = {"dispatch", "broker", "scaling", "batching", "memory", "startup", "speculation"}
 MAY_BE_SKIPPED = {"peers", "permits"}  # need optional packages
 
 
@@ -30,7 +30,7 @@ def test_quick_bench_reports_every_section_with_baselines(tmp_path: Path) -> Non
     assert report.startswith("# mpserve bench (quick)")
     assert "## Targets" in report and "compete for CPU" in report
     for title in ("Dispatch overhead", "The broker at scale", "Scaling", "Peers", "Batching", "Memory", "Permits",
-                  "Start-up"):
+                  "Start-up", "Speculation"):
         assert title in report
 
     (result,) = tmp_path.glob("bench-*.json")

@@ -6,8 +6,10 @@ K of them, which is where a memory-bound decode spends its time; K sequences cos
 worker) admits requests into free slots and calls ``step`` in a loop:
 
     admit(slot, prompt, params, on_token)   tokenize, reuse the slot's cached prefix, queue the rest
-    step()                                   one llama_decode of one token for every decoding sequence,
-                                             then one llama_decode per prompt chunk of admitted
+    step()                                   one llama_decode of one token for every decoding sequence
+                                             (with the drafts it verifies, when the model speculates:
+                                             mpserve.engine.speculation), then one llama_decode per
+                                             prompt chunk of admitted
                                              sequences, at most ``step_budget_tokens`` in total while
                                              others decode (a chunk is never cut: at least one);
                                              after each decode, sample each sequence that has logits,
@@ -55,6 +57,7 @@ one thread admits, cancels and steps; an on_token callback may call ``cancel`` b
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import logging
 import random
 import time
@@ -70,6 +73,7 @@ from mpserve import protocol as wire
 from mpserve.errors import BadRequest, Busy
 from mpserve.prefix import common_prefix
 from mpserve.protocol import GenerateParams
+from mpserve.speculative import Speculative
 from mpserve.structured import grammar_source
 
 from . import vocab
@@ -78,6 +82,7 @@ from .interface import Completion, OnToken
 from .logprobs import LogprobsRecorder
 from .model_info import read_chat_template
 from .sampling import SamplerChain, TextStream
+from .speculation import MAX_ROWS, Drafter, RowCosts, verify
 
 log = logging.getLogger("mpserve.worker")
 
@@ -104,6 +109,8 @@ class BatchStats:
     prompt_tokens_reused: int  # from the admitting slot's own cells or, copied, from another slot's
     generated_tokens: int
     prefix_copies: int  # admissions that copied another slot's cells
+    draft_tokens: int = 0  # proposed by speculation and verified
+    accepted_tokens: int = 0  # of those, the ones the sequences kept
 
 
 class Phase(Enum):
@@ -124,7 +131,7 @@ class _Sequence:
 
     __slots__ = ("slot", "prompt", "n_past", "reused", "max_tokens", "sampler", "text", "on_token", "generated",
                  "phase", "next_token", "output_row", "pieces", "admitted_at", "first_token_at", "cancel_requested",
-                 "logprobs", "carried", "replay", "eog", "score_prompt")
+                 "logprobs", "carried", "replay", "eog", "score_prompt", "drafter", "drafts")
 
     def __init__(self, slot: int, prompt: list[int], reused: int, max_tokens: int, sampler: SamplerChain,
                  text: TextStream, on_token: OnToken) -> None:
@@ -149,6 +156,8 @@ class _Sequence:
         self.replay: deque[int] = deque()  # those still to decode, one a step, in place of sampling
         self.eog = -1  # the end-of-generation token that ended it, if one did (reported by ``tokens``)
         self.score_prompt = False  # prompt_logprobs: every prompt token's row is scored, nothing is reused
+        self.drafter: Drafter | None = None  # its model speculates
+        self.drafts: list[int] = []  # this step's drafts, in the rows after ``output_row``
 
 
 def _by_slot(seq: _Sequence) -> int:
@@ -163,7 +172,7 @@ def _whole_chunks(n: int) -> int:
 class BatchEngine:
     def __init__(self, path: str, n_ctx: int, parallel: int, threads: int, n_gpu_layers: int, seed: int = 0,
                  step_budget_tokens: int = 64, *, kv_unified: bool = False, flash_attn: str = "auto",
-                 repack: bool = True) -> None:
+                 repack: bool = True, speculative: Speculative | None = None) -> None:
         import llama_cpp
 
         if not 1 <= parallel <= llama_cpp.llama_max_parallel_sequences():
@@ -218,6 +227,13 @@ class BatchEngine:
         self._memory = llama_cpp.llama_get_memory(self._ctx)
         self._n_swa = max(1, llama_cpp.llama_model_n_swa(self._model))  # llama-server's bound for what must stay
         self._told_cells_missing = False
+        self._speculative = speculative
+        if speculative is not None and (llama_cpp.llama_model_is_recurrent(self._model)
+                                        or llama_cpp.llama_model_is_hybrid(self._model)):
+            log.warning("speculative decoding is off: this model's recurrent state cannot drop rejected drafts")
+            self._speculative = None
+        self._row_costs = RowCosts()
+        self._drafted = self._accepted = 0
         self._batch = _Batch(llama_cpp, capacity)
         self.chat = read_chat_template(llama_cpp, self._model)
         self._warm_up()
@@ -392,6 +408,10 @@ class BatchEngine:
             seq.score_prompt = score_prompt
             if score_prompt and tokens[0] not in self._bos:  # a first token nothing precedes (BOS is not echoed)
                 seq.logprobs.add_unscored(tokens[0], self._piece_bytes)
+        if self._speculative is not None and params.speculative_n_max != 0:
+            n_max = min(self._speculative.n_max, params.speculative_n_max or self._speculative.n_max)
+            seq.drafter = Drafter(dataclasses.replace(self._speculative, n_max=n_max,
+                                                      n_min=min(n_max, self._speculative.n_min)))
         seq.carried, seq.replay = len(carried), deque(carried)
         self._running[slot] = seq
         self._prefilling.append(seq)
@@ -430,11 +450,16 @@ class BatchEngine:
         chunks = self._chunks(self._budget if decoding else self._idle_budget)
         batch = self._batch
         if decoding:
+            self._propose(decoding)
             batch.n = 0
-            for seq in decoding:
+            for seq in decoding:  # a sequence's next token, then its drafts (if any) at the positions after it
                 seq.output_row = batch.add(seq.next_token, seq.n_past, seq.slot)
+                for i, token in enumerate(seq.drafts, 1):
+                    batch.add(token, seq.n_past + i, seq.slot)
                 seq.n_past += 1
-            self._decode()
+            rows, seconds = batch.n, self._decode()
+            if self._speculative is not None:
+                self._row_costs.observe(rows, seconds)
             done += self._sample_all(decoding)
         for seq in chunks:
             batch.n = 0
@@ -489,24 +514,59 @@ class BatchEngine:
             self._prefilling.remove(seq)
         return twins
 
+    def _propose(self, decoding: list[_Sequence]) -> None:
+        """This step's drafts of the sequences that speculate, in slot order, while the decode has rows
+        for them (at most MAX_ROWS in all, so every row gets the logits it gets alone)."""
+        rows = len(decoding)
+        if self._speculative is None:
+            return
+        for seq in decoding:
+            if seq.drafter is not None and not seq.replay and rows < MAX_ROWS:
+                room = min(MAX_ROWS - rows, seq.max_tokens - len(seq.generated) - 1)
+                seq.drafts = seq.drafter.propose(seq.prompt, seq.generated, room, rows, self._row_costs)
+                rows += len(seq.drafts)
+
     def _sample_all(self, rows: list[_Sequence]) -> list[tuple[int, Completion]]:
         """Sample every sequence of ``rows`` from the decode just made; the ones that ended."""
         done = []
         for seq in rows:
-            ended = self._sample(seq)
+            ended = self._verify(seq) if seq.drafts else self._sample(seq)
             if ended is not None:
                 done.append(self._finish(seq, ended))
         return done
 
-    def _decode(self) -> None:
-        """llama_decode of the batch. It always finds KV cells: a slot holds at most n_ctx of them, running
-        or cached, and the context has n_ctx per slot (in a stream of its own, or in the shared pool, where
-        llama.cpp takes free cells wherever they are)."""
+    def _decode(self) -> float:
+        """llama_decode of the batch; the seconds it took. It always finds KV cells: a slot holds at most
+        n_ctx of them, running or cached, and the context has n_ctx per slot (in a stream of its own, or in
+        the shared pool, where llama.cpp takes free cells wherever they are)."""
         decode_started = time.perf_counter()
         rc = self._lib.llama_decode(self._ctx, self._batch.view())
-        self._decode_s += time.perf_counter() - decode_started
+        seconds = time.perf_counter() - decode_started
+        self._decode_s += seconds
         if rc != 0:
             raise RuntimeError(f"llama_decode failed with status {rc}")
+        return seconds
+
+    def _verify(self, seq: _Sequence) -> str | None:
+        """Sample ``seq`` from its next token's row and, while the token drawn is its next draft, from that
+        draft's row; the cells of the drafts not taken are removed. The finish reason if it ended."""
+        first, drafts = seq.output_row, seq.drafts
+
+        def sample(row: int) -> tuple[int, str | None]:
+            seq.output_row = first + row
+            ended = self._sample(seq)
+            return (seq.next_token if ended is None else -1), ended
+
+        verified = verify(drafts, sample)
+        seq.n_past += verified.taken
+        if verified.taken < len(drafts):
+            self._lib.llama_memory_seq_rm(self._memory, seq.slot, seq.n_past, -1)
+        assert seq.drafter is not None  # only a drafter drafts
+        seq.drafter.record(len(drafts), verified.taken)
+        self._drafted += len(drafts)
+        self._accepted += verified.taken
+        seq.drafts = []
+        return verified.ended
 
     def _score_prompt(self, seq: _Sequence, pos: int, n: int) -> None:
         """Record the log-probability of each prompt token that follows a row of the chunk just decoded (its
@@ -586,6 +646,8 @@ class BatchEngine:
             text="".join(seq.pieces), finish_reason=reason, prompt_tokens=len(seq.prompt),
             completion_tokens=len(seq.generated), prompt_s=first - seq.admitted_at, generate_s=ended - first,
             reused_tokens=seq.reused, logprobs=seq.logprobs.take() if seq.logprobs is not None else None,
+            draft_tokens=seq.drafter.proposed if seq.drafter is not None else 0,
+            accepted_tokens=seq.drafter.accepted if seq.drafter is not None else 0,
         )
 
     # --- tokens -------------------------------------------------------------------------------------
@@ -642,7 +704,7 @@ class BatchEngine:
 
     def stats(self) -> BatchStats:
         return BatchStats(self._steps, self._step_s, self._decode_s, self._computed, self._reused,
-                          self._generated, self._copies)
+                          self._generated, self._copies, self._drafted, self._accepted)
 
     def close(self) -> None:
         """Free every sampler, the context and the model. Running sequences are dropped unanswered."""

@@ -42,6 +42,8 @@ class Completion:
     generate_s: float
     reused_tokens: int = 0  # prompt tokens taken from KV cells instead of computed
     logprobs: wire.Logprobs | None = None  # asked for: those of tokens ``take_logprobs`` did not take
+    draft_tokens: int = 0  # speculation: tokens proposed and verified
+    accepted_tokens: int = 0  # of those, the ones kept
 
 
 class Engine(Protocol):

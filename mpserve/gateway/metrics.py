@@ -3,7 +3,8 @@
 Two kinds of metric:
 
 - measured in the gateway, for the requests that pass through it: requests by endpoint and outcome code
-  (``ok`` or the stable error code), prompt and generated tokens, time to first token (queueing plus prompt
+  (``ok`` or the stable error code), prompt and generated tokens, speculative decoding's proposed and
+  accepted draft tokens (from the DONE timings) and their ratio, time to first token (queueing plus prompt
   processing, from the DONE timings) and latency (HTTP request in to DONE out, measured here);
 - read from the server at scrape time: queue depth, requests in flight and registered instances per model
   (STATS), the broker's counters since the server started (``mpserve_broker_events_total{event=...}``:
@@ -20,7 +21,7 @@ from __future__ import annotations
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
@@ -60,6 +61,13 @@ class GatewayMetrics:
         self.ttft = Histogram("mpserve_time_to_first_token_seconds", "Queueing plus prompt processing of "
                               "completed requests (from their DONE timings)", ["model"], buckets=TTFT_BUCKETS,
                               registry=self.registry)
+        self.draft_tokens = Counter("mpserve_draft_tokens", "Speculative decoding: tokens proposed and verified "
+                                    "for completed requests", ["model"], registry=self.registry)
+        self.accepted_tokens = Counter("mpserve_draft_accepted_tokens", "Speculative decoding: proposed tokens "
+                                       "the completed requests kept", ["model"], registry=self.registry)
+        self.acceptance = Gauge("mpserve_draft_acceptance_ratio", "Speculative decoding: accepted over proposed "
+                                "draft tokens, all completed requests so far", ["model"], registry=self.registry)
+        self._drafts: dict[str, tuple[int, int]] = {}  # model -> proposed, accepted
         self.latency = Histogram("mpserve_request_latency_seconds", "HTTP request received to DONE, measured in "
                                  "the gateway", ["model"], buckets=LATENCY_BUCKETS, registry=self.registry)
         self._server = _ServerCollector()
@@ -73,6 +81,13 @@ class GatewayMetrics:
         self.generated_tokens.labels(model).inc(result.usage.completion_tokens)
         t = result.timings
         self.ttft.labels(model).observe((t.queue_ms + t.prompt_ms) / 1000)
+        if t.draft_tokens:
+            self.draft_tokens.labels(model).inc(t.draft_tokens)
+            self.accepted_tokens.labels(model).inc(t.accepted_tokens)
+            proposed, accepted = self._drafts.get(model, (0, 0))
+            proposed, accepted = proposed + t.draft_tokens, accepted + t.accepted_tokens
+            self._drafts[model] = proposed, accepted
+            self.acceptance.labels(model).set(accepted / proposed)
         self.latency.labels(model).observe(elapsed_s)
 
     def render(self, view: ServerView) -> bytes:

@@ -5,7 +5,8 @@ No I/O here, so that ``gateway.py`` keeps only the routing and this mapping can 
 Parameters. ``max_tokens`` (chat also ``max_completion_tokens``), ``temperature``, ``top_p``, ``seed``,
 ``stop`` (a string or a list), ``presence_penalty``, ``frequency_penalty`` and ``logit_bias`` (token id to
 bias) map one to one; ``top_k``, ``repeat_penalty``, ``min_p``, ``typical_p`` and ``ignore_eos`` are taken
-too (llama.cpp's and llama-server's names). They are then checked by ``protocol.GenerateParams``, so the
+too (llama.cpp's and llama-server's names), and ``speculative_n_max`` (drafts a step; 0: no speculation).
+They are then checked by ``protocol.GenerateParams``, so the
 HTTP and ZeroMQ paths refuse the same values with the same words. ``logprobs`` (chat: with ``top_logprobs``)
 come back in OpenAI's shapes (``gateway.logprobs``). ``echo`` (completions) puts the prompt before the
 completion and, with ``logprobs``, its tokens' log-probabilities before the completion's (the first one's
@@ -61,7 +62,8 @@ CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
 CHAT_STOP = "<|im_end|>"
 
 _SAMPLING = ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "repeat_penalty",
-             "presence_penalty", "frequency_penalty", "logit_bias", "min_p", "typical_p", "ignore_eos", "n")
+             "presence_penalty", "frequency_penalty", "logit_bias", "min_p", "typical_p", "ignore_eos", "n",
+             "speculative_n_max")
 _COMMON = ("model", "stream", "stream_options", "user", "response_format", "grammar", "json_schema") + _SAMPLING
 _KEYS: dict[Kind, frozenset[str]] = {
     "completion": frozenset(_COMMON + ("prompt", "logprobs", "echo", "best_of")),
@@ -347,7 +349,8 @@ class Reply:
         return state
 
     def whole(self, results: list[Result], generated: list[Result] | None = None) -> dict[str, Any]:
-        """``results`` as the response's choices; the usage counts ``generated`` (with best_of, more than shown)."""
+        """``results`` as the response's choices; the usage counts ``generated`` (with best_of, more than shown);
+        mpserve's timings (of the first choice) beside it, an extra key, as llama-server sends."""
         choices = []
         for r in results:
             lp = self._logprobs(r.logprobs, r.index)
@@ -363,7 +366,8 @@ class Reply:
             else:
                 choices.append({"index": r.index, "text": self._echoed(r.text, r.index), "logprobs": lp,
                                 "finish_reason": r.finish_reason})
-        return self._envelope(self._object, choices) | {"usage": usage(total_usage(generated or results))}
+        return self._envelope(self._object, choices) | {"usage": usage(total_usage(generated or results)),
+                                                         "timings": dataclasses.asdict(results[0].timings)}
 
     def chunks(self, text: str, lp: wire.Logprobs | None = None, index: int = 0) -> list[dict[str, Any]]:
         """The chunks for a piece of choice ``index``'s streamed text: none while it is held back (a request

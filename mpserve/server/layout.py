@@ -75,7 +75,7 @@ def worker_spec(config: ServerConfig, devices: list[Device], placement: Placemen
         engine=EngineSpec(path=model.resolved_path(), n_ctx=model.n_ctx, threads=config.threads_for(model),
                           n_gpu_layers=gpu_layers, parallel=model.parallel, flash_attn=model.flash_attn,
                           repack=model.repack, echo_tick_s=model.echo_tick_ms / 1000, embedding=model.embedding,
-                          pooling=model.pooling),
+                          pooling=model.pooling, speculative=model.speculative),
         first_row=first_row,
         device=device, backend=backend, slots_path=str(slots_path), parent_pid=os.getpid(),
         idle_timeout=config.idle_timeout, lazy=config.single_active_backend, permit=permit,

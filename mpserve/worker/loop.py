@@ -348,6 +348,7 @@ class Worker:
         return wire.Done(
             req.id, result.text, result.finish_reason, wire.Usage(result.prompt_tokens, result.completion_tokens),
             wire.Timings(assign.queue_ms, result.prompt_s * 1000, result.generate_s * 1000, assign.attempt,
-                         cached_tokens=result.reused_tokens),
+                         cached_tokens=result.reused_tokens, draft_tokens=result.draft_tokens,
+                         accepted_tokens=result.accepted_tokens),
             worker=self._spec.identity.decode(), logprobs=result.logprobs, index=assign.index,
         )

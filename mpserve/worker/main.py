@@ -40,7 +40,7 @@ def build_engine(spec: EngineSpec) -> Engine:
     from mpserve.engine.batch import BatchEngine  # imports llama_cpp, now that CUDA_VISIBLE_DEVICES is set
 
     return BatchEngine(spec.path, spec.n_ctx, spec.parallel, spec.threads, spec.n_gpu_layers, spec.seed,
-                       flash_attn=spec.flash_attn, repack=spec.repack)
+                       flash_attn=spec.flash_attn, repack=spec.repack, speculative=spec.speculative)
 
 
 def worker_main(spec: WorkerSpec) -> None:

@@ -12,6 +12,8 @@ from __future__ import annotations
 import importlib
 from dataclasses import dataclass
 
+from mpserve.speculative import Speculative
+
 WORKER_MAIN = "mpserve.worker.main"
 EXIT_LOAD_FAILED = 3  # the worker's exit status when its model cannot be loaded
 
@@ -31,6 +33,7 @@ class EngineSpec:
     echo_tick_s: float = 0.0  # the echo backend's time per step (0: at once)
     embedding: bool = False  # an embedding model (mpserve.engine.embed)
     pooling: str | None = None  # its pooling; None: the GGUF's
+    speculative: Speculative | None = None  # speculative decoding; None: off
 
     @property
     def is_echo(self) -> bool:

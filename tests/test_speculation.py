@@ -1,0 +1,214 @@
+"""Speculative decoding (prompt lookup) in the batched engine, on the tiny built-in model, in-process: the
+output equals the same requests without speculation, token for token, while drafts really are taken."""
+
+from __future__ import annotations
+
+import json
+import socket
+from collections.abc import Callable
+
+import httpx
+import llama_cpp
+import numpy as np
+import pytest
+from conftest import ServerProcess
+from helpers import http_up, wait_for
+from prometheus_client.parser import text_string_to_metric_families
+
+from mpserve.engine.batch import PROMPT_CHUNK, BatchEngine
+from mpserve.engine.interface import Completion
+from mpserve.errors import BadRequest
+from mpserve.models.maker import builtin_model_path
+from mpserve.protocol import GenerateParams
+from mpserve.speculative import Speculative
+
+pytestmark = pytest.mark.timeout(180)
+
+N_CTX = 1024
+PROMPTS = [
+    "The quick brown fox",
+    "Once upon a time in the land of",
+    "the cat sat on the mat and the dog sat on the log and the cat sat on the",
+    "In the beginning was the word, and the word was",
+    "4 + 4 =",
+    "It was the best of times, it was the worst of times, it was the age of",
+    "one two three four five one two three four five one two",
+    "Hello",
+]
+LONG_PROMPT = " ".join(f"the {w} of all and" for w in ("cat", "dog", "sea", "sky") * 30)  # 931 tokens
+
+
+@pytest.fixture(scope="module")
+def model_path() -> str:
+    return str(builtin_model_path("tiny"))
+
+
+def make_engine(model_path: str, parallel: int, speculative: Speculative | None) -> BatchEngine:
+    return BatchEngine(model_path, n_ctx=N_CTX, parallel=parallel, threads=1, n_gpu_layers=0,
+                       speculative=speculative)
+
+
+def serve(engine: BatchEngine, requests: list[tuple[str, GenerateParams]],
+          on_token: Callable[[int], Callable[[str, int], bool]] | None = None) -> list[Completion]:
+    """Each request admitted into the first free slot as soon as one is free; ``on_token(i)`` makes
+    request i's callback."""
+    results: dict[int, Completion] = {}
+    pending = list(enumerate(requests))
+    by_slot: dict[int, int] = {}
+    while pending or engine.active:
+        for slot in engine.free_slots():
+            if not pending:
+                break
+            i, (prompt, params) = pending.pop(0)
+            engine.admit(slot, prompt, params, on_token(i) if on_token else lambda text, n: True)
+            by_slot[slot] = i
+        for slot, completion in engine.step():
+            results[by_slot.pop(slot)] = completion
+    return [results[i] for i in range(len(requests))]
+
+
+def run(model_path: str, parallel: int, speculative: Speculative | None,
+        requests: list[tuple[str, GenerateParams]]) -> list[Completion]:
+    engine = make_engine(model_path, parallel, speculative)
+    try:
+        return serve(engine, requests)
+    finally:
+        engine.close()
+
+
+def same_output(a: list[Completion], b: list[Completion]) -> None:
+    for x, y in zip(a, b, strict=True):
+        assert (x.text, x.finish_reason, x.completion_tokens) == (y.text, y.finish_reason, y.completion_tokens)
+
+
+@pytest.mark.parametrize("parallel", [1, 4])
+def test_greedy_output_with_speculation_equals_without_and_drafts_are_taken(model_path: str, parallel: int) -> None:
+    requests = [(p, GenerateParams(max_tokens=48, temperature=0.0)) for p in PROMPTS]
+    plain = run(model_path, parallel, None, requests)
+    # every third request does not speculate: sequences with and without drafts share the batch
+    mixed = [(p, GenerateParams(max_tokens=48, temperature=0.0, speculative_n_max=0 if i % 3 == 2 else None))
+             for i, p in enumerate(PROMPTS)]
+    speculated = run(model_path, parallel, Speculative(), mixed)
+    same_output(plain, speculated)
+    assert all(c.draft_tokens == 0 for c in plain) and speculated[2].draft_tokens == 0
+    assert sum(c.accepted_tokens for c in speculated) > 0  # the random weights repeat themselves a lot
+    assert all(0 <= c.accepted_tokens <= c.draft_tokens for c in speculated)
+
+
+@pytest.mark.parametrize("parallel", [1, 3])
+def test_seeded_sampling_with_speculation_equals_without_and_is_reproducible(model_path: str,
+                                                                              parallel: int) -> None:
+    """The verified drafts are drawn with the sequence's own chain, once per kept token: with a seed, the
+    very tokens of the unspeculated sampler (penalties, bias, top-k/p, min-p included), so their frequencies
+    over many seeds are the same too."""
+    requests = [(p, GenerateParams(max_tokens=40, temperature=0.9 if seed % 4 == 0 else 0.2, seed=seed, top_k=20,
+                                   min_p=0.02, repeat_penalty=1.1 if seed % 2 else 1.0,
+                                   logit_bias=((7, 2.0),) if seed % 3 else ()))
+                for seed, p in enumerate(PROMPTS * 2)]
+    plain = run(model_path, parallel, None, requests)
+    speculated = run(model_path, parallel, Speculative(n_max=4), requests)
+    same_output(plain, speculated)
+    same_output(speculated, run(model_path, parallel, Speculative(n_max=4), requests))
+    assert sum(c.accepted_tokens for c in speculated) > 0
+
+
+def test_stop_strings_max_tokens_logprobs_and_grammars_are_unchanged(model_path: str) -> None:
+    plain_first = run(model_path, 1, None, [(PROMPTS[2], GenerateParams(max_tokens=40, temperature=0.0))])[0]
+    stop = plain_first.text[20:24]  # a stop string the greedy text meets after some tokens
+    requests = [
+        (PROMPTS[2], GenerateParams(max_tokens=40, temperature=0.0, stop=(stop,))),
+        (PROMPTS[6], GenerateParams(max_tokens=7, temperature=0.0)),
+        (PROMPTS[5], GenerateParams(max_tokens=30, temperature=0.0, logprobs=3)),
+        (PROMPTS[0], GenerateParams(max_tokens=30, temperature=0.0, grammar='root ::= ("ab" | "cd")+')),
+    ]
+    plain = run(model_path, 2, None, requests)
+    speculated = run(model_path, 2, Speculative(), requests)
+    same_output(plain, speculated)
+    assert speculated[0].finish_reason == "stop" and stop not in speculated[0].text
+    assert speculated[1].completion_tokens == 7
+    a, b = plain[2].logprobs, speculated[2].logprobs
+    assert a is not None and b is not None
+    assert (a.tokens, a.top_tokens) == (b.tokens, b.top_tokens)
+    # the tiny model's float weights give a row of a batch of several the numbers it gets alone to ~1e-6 only
+    # (as for sequences decoded together); quantized weights give the very numbers (the real-model test)
+    for x, y in ((a.logprobs, b.logprobs), (a.top_logprobs, b.top_logprobs)):
+        assert np.allclose(np.frombuffer(x, "<f8"), np.frombuffer(y, "<f8"), atol=1e-4)
+    assert set(speculated[3].text) <= set("abcd")
+
+
+def test_cancelling_mid_speculation_leaves_the_slot_reusable_with_its_cells_right(model_path: str) -> None:
+    """on_token says stop at the second token one step gives (so the step was verifying drafts): the cells
+    past the kept tokens are gone, and the slot's next request reuses its prompt's cells and gives what a
+    fresh engine gives."""
+    prompt = LONG_PROMPT[:1800]
+    params = GenerateParams(max_tokens=60, temperature=0.0)
+    fresh = run(model_path, 1, None, [(prompt, params)])[0]
+    engine = make_engine(model_path, 1, Speculative())
+    steps = [0]
+    seen: list[int] = []  # the step each token came in
+
+    def cancel_at_a_second_token_of_a_step(text: str, n: int) -> bool:
+        seen.append(steps[0])
+        return not (n > 5 and seen.count(steps[0]) == 2)
+
+    try:
+        engine.admit(0, prompt, params, cancel_at_a_second_token_of_a_step)
+        done: dict[int, Completion] = {}
+        while not done:
+            done = dict(engine.step())
+            steps[0] += 1
+        cancelled = done[0]
+        assert cancelled.finish_reason == "cancelled" and cancelled.accepted_tokens > 0
+        assert fresh.text.startswith(cancelled.text)
+        kept = len(engine._cached[0])  # prompt and kept tokens with cells (the last token drawn has none)
+        assert kept == cancelled.prompt_tokens + cancelled.completion_tokens - 1
+        assert llama_cpp.llama_memory_seq_pos_max(engine._memory, 0) == kept - 1
+        assert engine.best_slot(prompt) == (0, PROMPT_CHUNK)
+        again = serve(engine, [(prompt, params)])[0]
+        assert again.reused_tokens == PROMPT_CHUNK and again.text == fresh.text
+    finally:
+        engine.close()
+
+
+def test_a_server_that_speculates_answers_http_streamed_and_not_with_the_unspeculated_text(model_path: str) -> None:
+    """Through the gateway: the same text streamed and not as the engine gives without speculation, the
+    drafts in each response's timings, and the acceptance in /metrics."""
+    requests = [(p, GenerateParams(max_tokens=32, temperature=0.0)) for p in PROMPTS[2:5]]
+    expected = run(model_path, 1, None, requests)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    url = f"http://127.0.0.1:{port}"
+    server = ServerProcess("--parallel", "2", "--threads", "1", "--n-ctx", str(N_CTX), "--speculative", "ngram",
+                           "--http", f"127.0.0.1:{port}").wait_ready()
+    try:
+        wait_for(lambda: http_up(url), 30, "the gateway answers /health")
+        drafted = accepted = 0
+        for (prompt, _), want in zip(requests, expected, strict=True):
+            body = {"model": "tiny", "prompt": prompt, "max_tokens": 32, "temperature": 0}
+            whole = httpx.post(f"{url}/v1/completions", json=body, timeout=60).json()
+            assert whole["choices"][0]["text"] == want.text
+            timings = whole["timings"]
+            assert 0 <= timings["accepted_tokens"] <= timings["draft_tokens"]
+            drafted += timings["draft_tokens"]
+            accepted += timings["accepted_tokens"]
+            with httpx.stream("POST", f"{url}/v1/completions", json={**body, "stream": True}, timeout=60) as r:
+                events = [json.loads(line[5:]) for line in r.iter_lines()
+                          if line.startswith("data:") and line != "data: [DONE]"]
+            assert "".join(e["choices"][0]["text"] for e in events if e.get("choices")) == want.text
+        assert accepted > 0
+        samples = {s.name: s.value for f in text_string_to_metric_families(httpx.get(f"{url}/metrics").text)
+                   for s in f.samples if s.labels.get("model") == "tiny"}
+        assert samples["mpserve_draft_tokens_total"] >= drafted
+        assert 0 < samples["mpserve_draft_acceptance_ratio"] <= 1
+    finally:
+        server.stop()
+
+
+def test_a_request_may_draft_less_or_not_at_all(model_path: str) -> None:
+    requests = [(PROMPTS[2], GenerateParams(max_tokens=40, temperature=0.0, speculative_n_max=n)) for n in (0, 1, None)]
+    off, one, model_default = run(model_path, 1, Speculative(), requests)
+    assert off.draft_tokens == 0 and one.accepted_tokens > 0 and model_default.accepted_tokens > 0
+    assert off.text == one.text == model_default.text
+    with pytest.raises(BadRequest, match="speculative_n_max"):
+        GenerateParams.from_wire({"speculative_n_max": 65})
