@@ -33,6 +33,7 @@ import yaml
 
 from . import settings
 from .errors import ConfigError
+from .kv_types import DEFAULT_KV_TYPE, KV_TYPES
 
 BUILTIN_PREFIX = "builtin:"
 DEFAULT_MODEL = "builtin:tiny"
@@ -52,6 +53,8 @@ class ModelConfig:
     flash_attn: str = "auto"  # llama.cpp's flash attention: auto (on where supported, as llama-server), on, off
     repack: bool = True  # llama.cpp's repacked weight layouts for this CPU (llama-server's --no-repack: False)
     echo_tick_ms: float = 0.0  # the echo backend's time per step; its pieces are then their CLOCK_MONOTONIC ns
+    cache_type_k: str = DEFAULT_KV_TYPE  # KV cache types (mpserve.kv_types); a quantized V needs flash attention
+    cache_type_v: str = DEFAULT_KV_TYPE
     devices: tuple[int, ...] | None = None  # pin the model's instances to these GPU indices
     requires_memory: int | None = None  # declared GPU bytes per instance; None: estimated from the GGUF
     embedding: bool = False  # serves embeddings (mpserve.engine.embed), not completions
@@ -293,6 +296,14 @@ def _model(index: int, entry: Any, overrides: Mapping[str, Any], source: str) ->
         values["devices"] = _index_list(values["devices"], f"{where}.devices")
     if "flash_attn" in values:
         values["flash_attn"] = _flash_attn(values["flash_attn"], f"{where}.flash_attn")
+    for key in ("cache_type_k", "cache_type_v"):
+        if key in values and values[key] not in KV_TYPES:
+            raise ConfigError(f"{where}.{key}: got {values[key]!r}, allowed: {', '.join(KV_TYPES)}")
+    v_type = values.get("cache_type_v", DEFAULT_KV_TYPE)
+    if KV_TYPES[v_type].quantized and values.get("flash_attn") == "off":
+        raise ConfigError(f"{where}.cache_type_v: {v_type} is a quantized type, which llama.cpp stores only with "
+                          "flash attention, and flash_attn is off; set flash_attn to auto or on, or cache_type_v "
+                          "to f16, bf16 or f32")
     if "requires" in values:
         values["requires_memory"] = _requires(values.pop("requires"), f"{where}.requires")
     low, high = _instance_bounds(values, where)

@@ -68,6 +68,7 @@ import numpy as np
 
 from mpserve import protocol as wire
 from mpserve.errors import BadRequest, Busy
+from mpserve.kv_types import DEFAULT_KV_TYPE, KV_TYPES
 from mpserve.prefix import common_prefix
 from mpserve.protocol import GenerateParams
 from mpserve.structured import grammar_source
@@ -163,13 +164,15 @@ def _whole_chunks(n: int) -> int:
 class BatchEngine:
     def __init__(self, path: str, n_ctx: int, parallel: int, threads: int, n_gpu_layers: int, seed: int = 0,
                  step_budget_tokens: int = 64, *, kv_unified: bool = False, flash_attn: str = "auto",
-                 repack: bool = True) -> None:
+                 repack: bool = True, cache_type_k: str = DEFAULT_KV_TYPE, cache_type_v: str = DEFAULT_KV_TYPE) -> None:
         import llama_cpp
 
         if not 1 <= parallel <= llama_cpp.llama_max_parallel_sequences():
             raise ValueError(f"parallel must be 1..{llama_cpp.llama_max_parallel_sequences()}, got {parallel}")
         if flash_attn not in FLASH_ATTN_TYPES:
             raise ValueError(f"flash_attn must be one of {', '.join(FLASH_ATTN_TYPES)}, got {flash_attn!r}")
+        if cache_type_k not in KV_TYPES or cache_type_v not in KV_TYPES:
+            raise ValueError(f"cache types must be among {', '.join(KV_TYPES)}, got {cache_type_k!r}, {cache_type_v!r}")
         if step_budget_tokens < 1 or n_ctx < 2:
             raise ValueError("step_budget_tokens must be >= 1 and n_ctx >= 2")
         self._lib = llama_cpp
@@ -208,10 +211,12 @@ class BatchEngine:
             bos = llama_cpp.llama_vocab_bos(self._vocab)
             self._bos = [bos] if llama_cpp.llama_vocab_get_add_bos(self._vocab) and bos >= 0 else []
             capacity = max(PROMPT_CHUNK, parallel)  # most tokens one decode holds
-            self._ctx = llama_cpp.llama_init_from_model(self._model,
-                                                        self._context_params(capacity, threads, kv_unified, flash_attn))
+            params = self._context_params(capacity, threads, kv_unified, flash_attn)
+            params.type_k, params.type_v = KV_TYPES[cache_type_k].ggml_type, KV_TYPES[cache_type_v].ggml_type
+            self._ctx = llama_cpp.llama_init_from_model(self._model, params)
             if not self._ctx:
-                raise ValueError("cannot create a llama.cpp context")
+                raise ValueError(f"cannot create a llama.cpp context (cache types {cache_type_k}/{cache_type_v}, "
+                                 f"flash attention {flash_attn}; the log has llama.cpp's reason)")
         except BaseException:
             self.close()
             raise

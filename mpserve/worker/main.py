@@ -40,7 +40,8 @@ def build_engine(spec: EngineSpec) -> Engine:
     from mpserve.engine.batch import BatchEngine  # imports llama_cpp, now that CUDA_VISIBLE_DEVICES is set
 
     return BatchEngine(spec.path, spec.n_ctx, spec.parallel, spec.threads, spec.n_gpu_layers, spec.seed,
-                       flash_attn=spec.flash_attn, repack=spec.repack)
+                       flash_attn=spec.flash_attn, repack=spec.repack, cache_type_k=spec.cache_type_k,
+                       cache_type_v=spec.cache_type_v)
 
 
 def worker_main(spec: WorkerSpec) -> None:

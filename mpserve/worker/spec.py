@@ -31,6 +31,8 @@ class EngineSpec:
     echo_tick_s: float = 0.0  # the echo backend's time per step (0: at once)
     embedding: bool = False  # an embedding model (mpserve.engine.embed)
     pooling: str | None = None  # its pooling; None: the GGUF's
+    cache_type_k: str = "f16"  # KV cache types (mpserve.kv_types)
+    cache_type_v: str = "f16"
 
     @property
     def is_echo(self) -> bool:
