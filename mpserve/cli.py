@@ -21,7 +21,7 @@ from . import settings
 from .errors import BadRequest, ConnectionFailed, MpserveError
 from .protocol import ModelControl, Stats
 from .runtime import ServerInfo, pid_alive
-from .slots import SlotRow, SlotState, SlotTable
+from .slots import SlotRow, SlotState, SlotTable, instance_slots
 
 app = typer.Typer(add_completion=False, no_args_is_help=True,
                   help="Run several llama.cpp instances behind one ZeroMQ broker.")
@@ -524,7 +524,7 @@ def _broker_stats(info: ServerInfo) -> Stats | None:
 
 def format_table(info: ServerInfo, rows: list[SlotRow]) -> str:
     now = time.time()
-    head = ["SLOT", "WORKER", "PID", "STATE", "MODEL", "DEVICE", "REQUEST", "TOKENS", "IDLE/BUSY FOR",
+    head = ["SLOT", "WORKER", "PID", "STATE", "MODEL", "DEVICE", "REQUEST", "TOKENS", "KV CELLS", "IDLE/BUSY FOR",
             "LOAD", "SERVED"]
     lines = [head]
     for r in rows:
@@ -534,10 +534,21 @@ def format_table(info: ServerInfo, rows: list[SlotRow]) -> str:
         state = r.state.name.lower() if alive or r.state in (SlotState.DEAD, SlotState.FAILED) else "dead"
         lines.append([str(r.index), str(r.worker), str(r.pid or "-"), state, r.model,
                       "cpu" if r.device < 0 else f"gpu{r.device}", r.request or "-", str(r.tokens),
-                      f"{now - r.progress:.1f}s" if r.progress else "-", f"{r.load_s:.2f}s", str(r.served)])
+                      f"{r.kv_cells}/{r.kv_capacity}", f"{now - r.progress:.1f}s" if r.progress else "-",
+                      f"{r.load_s:.2f}s", str(r.served)])
     widths = [max(len(line[i]) for line in lines) for i in range(len(head))]
     body = "\n".join("  ".join(c.ljust(w) for c, w in zip(line, widths, strict=True)).rstrip() for line in lines)
-    return f"server {info.name!r} pid {info.pid} at {info.front}\n{body}"
+    return f"server {info.name!r} pid {info.pid} at {info.front}\n{body}{_instance_lines(rows)}"
+
+
+def _instance_lines(rows: list[SlotRow]) -> str:
+    """Per instance: the KV cells its slots hold, of all it has."""
+    lines = []
+    for (model, worker), slots in instance_slots(rows).items():
+        used, capacity = sum(r.kv_cells for r in slots), sum(r.kv_capacity for r in slots)
+        share = f" ({100 * used / capacity:.0f}%)" if capacity else ""
+        lines.append(f"instance w{worker} ({model}): KV cells {used} of {capacity}{share}")
+    return "\n\n" + "\n".join(lines) if lines else ""
 
 
 def _row_json(r: SlotRow) -> dict[str, object]:

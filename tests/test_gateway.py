@@ -261,6 +261,10 @@ def test_metrics_count_the_requests_sent(gateway) -> None:
     assert after["mpserve_requests_in_flight", (("model", "tiny"),)] == 0
     assert after["mpserve_instances", (("model", "tiny"), ("state", "idle"))] == 2
     assert after["mpserve_worker_restarts_total", (("model", "tiny"),)] == 0
+    cells = {labels: value for (name, labels), value in after.items() if name == "mpserve_kv_cells_used"}
+    ratios = {labels: value for (name, labels), value in after.items() if name == "mpserve_kv_usage_ratio"}
+    assert len(cells) == 2 and cells.keys() == ratios.keys() and sum(cells.values()) > 0
+    assert all(0 <= ratios[labels] < 1 and (ratios[labels] > 0) == (cells[labels] > 0) for labels in cells)
 
 
 @pytest.mark.timeout(60)

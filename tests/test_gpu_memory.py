@@ -56,7 +56,7 @@ def test_no_process_list_no_nvml_and_no_driver_answer_nothing(monkeypatch: pytes
 
 def row(index: int, pid: int, device: int, worker: int, model: str = "m") -> SlotRow:
     now = time.time()
-    return SlotRow(index, pid, worker, index, SlotState.IDLE, device, model, "", 0, 1, now, now, 0.5)
+    return SlotRow(index, pid, worker, index, SlotState.IDLE, device, model, "", 0, 1, now, now, 0.5, 0, 512)
 
 
 def usage_of(pid: int) -> list[GpuUsage]:

@@ -266,6 +266,11 @@ class BatchEngine:
     def free_slots(self) -> list[int]:
         return [slot for slot in range(self.parallel) if slot not in self._running]
 
+    def kv_cells(self, slot: int) -> int:
+        """The KV cells ``slot`` holds now: its running sequence's, or what its last request left."""
+        seq = self._running.get(slot)
+        return seq.n_past if seq is not None else len(self._cached[slot])
+
     def best_slot(self, prompt: str) -> tuple[int, int]:
         """The free slot whose cached tokens share the longest prefix with ``prompt``, and how many
         prompt tokens ``admit`` would reuse there. Ties go to the least recently used slot, so a

@@ -74,6 +74,9 @@ class EchoEngine:
     def tokens(self, slot: int) -> Sequence[int]:
         return ()
 
+    def kv_cells(self, slot: int) -> int:
+        return 0
+
     def cancel(self, slot: int) -> None:
         echo = self._running.get(slot)
         if echo is not None:

@@ -11,6 +11,7 @@
     CANCEL   ──cancel(slot)────▶      that sequence ends at the start of the next step
     TOKENIZE ──tokenize / token_bytes──▶  the model's vocabulary, between steps
     EMBED    ──embed(inputs)──▶   an ``Embedder`` (EmbeddingEngine, a model served with embedding: true)
+    row      ──kv_cells(slot)──▶   the KV cells the slot holds (the slot table shows them)
 
 Engines know nothing of processes, sockets or the slot table; one thread calls them. ``on_token`` gets
 each new piece of text and the number of tokens generated so far, and returns False to stop generating.
@@ -60,6 +61,9 @@ class Engine(Protocol):
     def tokens(self, slot: int) -> Sequence[int]:
         """The tokens the sequence in ``slot`` sampled so far (not the carried ones), then the
         end-of-generation token if one ended it."""
+    def kv_cells(self, slot: int) -> int:
+        """The KV cells ``slot`` holds now (its running sequence's, or what its last request left)."""
+
     def take_logprobs(self, slot: int) -> wire.Logprobs | None:
         """The log-probabilities of the tokens the sequence in ``slot`` generated since the last take (when
         its request asked for them)."""

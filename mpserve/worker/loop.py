@@ -213,7 +213,7 @@ class Worker:
         if self._engine is not None:
             self._engine.close()
             self._engine = None
-        self.set_rows(state=SlotState.UNLOADED)
+        self.set_rows(state=SlotState.UNLOADED, kv_cells=0)
         self._send(wire.Unloaded(self._spec.identity.decode()))
 
     # --- requests -----------------------------------------------------------------------------------
@@ -235,7 +235,7 @@ class Worker:
         stream, note_tokens = self._stream(assign, slot)
 
         def on_token(text: str, tokens: int) -> bool:
-            row.progress(tokens)
+            row.progress(tokens, engine.kv_cells(slot))
             note_tokens()
             if stream is not None and text:
                 stream.push(text)
@@ -252,7 +252,7 @@ class Worker:
         if stream is not None:
             self._streams[assign.ticket] = stream
         row.update(state=SlotState.BUSY if self._permit or not self._permits else SlotState.WAITING,
-                   request=req.id, tokens=0)
+                   request=req.id, tokens=0, kv_cells=engine.kv_cells(slot))
 
     def _cancel(self, ticket: str) -> None:
         if ticket in self._slot_of and self._engine is not None:
@@ -335,7 +335,8 @@ class Worker:
         self._cancelled_tickets.discard(ticket)
         slot = self._slot_of.pop(ticket)
         self._served += 1
-        self._rows[slot].update(state=SlotState.IDLE, served=self._served)
+        self._rows[slot].update(state=SlotState.IDLE, served=self._served,
+                                kv_cells=self._engine.kv_cells(slot) if self._engine is not None else 0)
         stream = self._streams.pop(ticket, None)
         if stream is not None and isinstance(outcome, wire.Done):
             stream.flush()

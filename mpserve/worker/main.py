@@ -54,7 +54,8 @@ def worker_main(spec: WorkerSpec) -> None:
     table = SlotTable.attach(Path(spec.slots_path))
     rows = [table.writer(row) for row in spec.rows]
     for row in rows:
-        row.update(pid=os.getpid(), state=SlotState.STARTING, request="", tokens=0, served=0, started=time.time())
+        row.update(pid=os.getpid(), state=SlotState.STARTING, request="", tokens=0, served=0, started=time.time(),
+                   kv_cells=0, kv_capacity=spec.engine.n_ctx)
     ctx = zmq.Context()
     sock = ctx.socket(zmq.DEALER)
     sock.setsockopt(zmq.IDENTITY, spec.identity)
