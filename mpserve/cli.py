@@ -10,7 +10,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -542,17 +542,22 @@ def format_table(info: ServerInfo, rows: list[SlotRow]) -> str:
 
 
 def _instance_lines(rows: list[SlotRow]) -> str:
-    """Per instance: the KV cells its slots hold, of all it has."""
+    """Per instance: the KV cells its slots hold, of all it has, and its prompt cache."""
+    from mpserve.gpu.devices import format_memory
+
     lines = []
     for (model, worker), slots in instance_slots(rows).items():
         used, capacity = sum(r.kv_cells for r in slots), sum(r.kv_capacity for r in slots)
         share = f" ({100 * used / capacity:.0f}%)" if capacity else ""
-        lines.append(f"instance w{worker} ({model}): KV cells {used} of {capacity}{share}")
+        c = slots[0].cache
+        cache = (f"prompt cache {format_memory(c.bytes)} of {format_memory(c.capacity)}, {c.hits} hits, {c.misses} "
+                 f"misses, {c.evictions} evictions" if c.capacity else "no prompt cache")
+        lines.append(f"instance w{worker} ({model}): KV cells {used} of {capacity}{share}; {cache}")
     return "\n\n" + "\n".join(lines) if lines else ""
 
 
 def _row_json(r: SlotRow) -> dict[str, object]:
-    d = dict(vars(r))
+    d = asdict(r)
     d["state"] = r.state.name.lower()
     return d
 

@@ -55,6 +55,7 @@ class ModelConfig:
     echo_tick_ms: float = 0.0  # the echo backend's time per step; its pieces are then their CLOCK_MONOTONIC ns
     cache_type_k: str = DEFAULT_KV_TYPE  # KV cache types (mpserve.kv_types); a quantized V needs flash attention
     cache_type_v: str = DEFAULT_KV_TYPE
+    cache_ram: int = 256 << 20  # bytes of host RAM per instance for its prompt cache; 0: off
     devices: tuple[int, ...] | None = None  # pin the model's instances to these GPU indices
     requires_memory: int | None = None  # declared GPU bytes per instance; None: estimated from the GGUF
     embedding: bool = False  # serves embeddings (mpserve.engine.embed), not completions
@@ -268,6 +269,8 @@ def _bytes(value: Any, where: str, parse: Any) -> int:
 
 
 def _model(index: int, entry: Any, overrides: Mapping[str, Any], source: str) -> ModelConfig:
+    from mpserve.gpu.devices import parse_memory
+
     where = f"{source}: models[{index}]"
     if not isinstance(entry, dict):
         raise ConfigError(f"{where}: must be a mapping with keys {', '.join(_MODEL_KEYS)}")
@@ -304,6 +307,8 @@ def _model(index: int, entry: Any, overrides: Mapping[str, Any], source: str) ->
         raise ConfigError(f"{where}.cache_type_v: {v_type} is a quantized type, which llama.cpp stores only with "
                           "flash attention, and flash_attn is off; set flash_attn to auto or on, or cache_type_v "
                           "to f16, bf16 or f32")
+    if "cache_ram" in values:
+        values["cache_ram"] = _bytes(values["cache_ram"], f"{where}.cache_ram", parse_memory)
     if "requires" in values:
         values["requires_memory"] = _requires(values.pop("requires"), f"{where}.requires")
     low, high = _instance_bounds(values, where)

@@ -104,6 +104,9 @@ SETTINGS: tuple[Setting, ...] = (
     _s("echo_tick_ms", "model", float, "0", "The echo backend's time per step, in ms, to stand in for a model's "
        "decode speed in benchmarks; each streamed piece is then the CLOCK_MONOTONIC time it was made, in ns "
        "(0: the prompt echoed at once)", flag=None, env=None, range=(0, 60_000)),
+    _s("cache_ram", "model", (str, int), "256MiB", "Host RAM per instance for its prompt cache, e.g. 1GiB: the KV "
+       "cells of prompts that left the slots, restored for a prompt that starts with them, as llama-server's "
+       "--cache-ram (0: off)", commands=_FOR_POOLS),
     _s("devices", "model", list, "any GPU", "Pin the model's instances to these GPU indices, e.g. [1]", flag=None,
        env=None),
     _s("requires", "model", dict, "estimated from the GGUF", "Declared needs per instance: {memory: 7GiB, gpus: 1}",

@@ -21,11 +21,13 @@ from dataclasses import dataclass
 from enum import IntEnum
 from pathlib import Path
 
-MAGIC = b"MPSLOT02"
+MAGIC = b"MPSLOT03"
 _HEADER = struct.Struct("<8sII")  # magic, rows, row size
 _SEQ = struct.Struct("<Q")
-# pid, worker, slot, state, device, model, request, tokens, served, started, progress, load_s, kv_cells, kv_capacity
-_FIELDS = struct.Struct("<iHHBxh48s40sIQdddII")
+# pid, worker, slot, state, device, model, request, tokens, served, started, progress, load_s, kv_cells, kv_capacity,
+# then the instance's prompt cache: bytes, capacity, hits, misses, evictions
+_FIELDS = struct.Struct("<iHHBxh48s40sIQdddIIQQIII")
+_CACHE = 14  # the first prompt-cache field
 STUCK_WRITER_S = 0.05
 ROW_SIZE = 192  # room for fields to come; the magic changes with the layout
 assert _SEQ.size + _FIELDS.size <= ROW_SIZE
@@ -45,6 +47,21 @@ class SlotState(IntEnum):
 
 
 @dataclass(frozen=True)
+class CacheRow:
+    """An instance's host-RAM prompt cache, as its worker last wrote it (all 0: none, or not loaded)."""
+
+    bytes: int
+    capacity: int
+    hits: int
+    misses: int
+    evictions: int
+
+    @classmethod
+    def empty(cls) -> CacheRow:
+        return cls(0, 0, 0, 0, 0)
+
+
+@dataclass(frozen=True)
 class SlotRow:
     index: int
     pid: int
@@ -61,6 +78,7 @@ class SlotRow:
     load_s: float  # seconds the model took to load
     kv_cells: int  # KV cells the slot holds now: its running sequence's, or what its last request left
     kv_capacity: int  # KV cells the slot may hold (n_ctx)
+    cache: CacheRow  # its instance's prompt cache (the same in each of the instance's rows)
 
 
 def instance_slots(rows: list[SlotRow]) -> dict[tuple[str, int], list[SlotRow]]:
@@ -132,9 +150,9 @@ class SlotTable:
                 break
             time.sleep(0)
         pid, worker, slot, state, device, model, request, tokens, served, started, progress, load_s, kv_cells, \
-            kv_capacity = fields
+            kv_capacity = fields[:_CACHE]
         return SlotRow(index, pid, worker, slot, SlotState(state), device, _text(model), _text(request),
-                       tokens, served, started, progress, load_s, kv_cells, kv_capacity)
+                       tokens, served, started, progress, load_s, kv_cells, kv_capacity, CacheRow(*fields[_CACHE:]))
 
     def read_all(self) -> list[SlotRow]:
         return [self.read(i) for i in range(self.rows)]
@@ -183,11 +201,19 @@ class SlotWriter:
             v[12] = kv_cells
         if kv_capacity is not None:
             v[13] = kv_capacity
+        self._write()
+
+    def _write(self) -> None:
         (seq,) = _SEQ.unpack_from(self._mm, self._offset)
         seq |= 1
         _SEQ.pack_into(self._mm, self._offset, seq)
-        _FIELDS.pack_into(self._mm, self._offset + _SEQ.size, *v)
+        _FIELDS.pack_into(self._mm, self._offset + _SEQ.size, *self._values)
         _SEQ.pack_into(self._mm, self._offset, seq + 1)
+
+    def cache(self, cache: CacheRow) -> None:
+        """The instance's prompt cache; not progress (the watchdog's clock is left alone)."""
+        self._values[_CACHE:] = [cache.bytes, cache.capacity, cache.hits, cache.misses, cache.evictions]
+        self._write()
 
     def progress(self, tokens: int, kv_cells: int) -> None:
         """The hot path: one generated token."""

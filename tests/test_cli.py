@@ -35,6 +35,7 @@ def test_start_four_instances_then_generate_and_status_from_other_processes(star
     assert sum(r["served"] for r in rows) == 2
     assert len({r["pid"] for r in rows}) == 4
     assert all(r["kv_capacity"] == 2048 for r in rows)  # n_ctx: the cells a slot may hold
+    assert all(r["cache"]["capacity"] == 256 << 20 for r in rows)  # each instance's prompt cache, on by default
     used = [r for r in rows if r["served"]]  # each request's prompt and 11 generated tokens stay in its slot
     assert all(r["kv_cells"] >= 12 for r in used) and all(r["kv_cells"] == 0 for r in rows if not r["served"])
 

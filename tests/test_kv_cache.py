@@ -1,12 +1,20 @@
-"""KV cache types in the engine, in-process: each type llama.cpp offers reaches its context, and quantized
-ones take less memory. On the bench model (heads of 64 elements: whole blocks of every quantized type)."""
+"""The engine's KV memory, in-process: each KV type llama.cpp offers reaches its context and quantized ones
+take less memory (on the bench model: heads of 64 elements, whole blocks of every quantized type); the
+host-RAM prompt cache keeps what slots lose and restores it exactly (on the tiny model)."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import llama_cpp
 import pytest
+from conftest import ServerProcess
 
-from mpserve.engine.batch import BatchEngine
+from mpserve import Client
+from mpserve.engine.batch import PROMPT_CHUNK, BatchEngine
+from mpserve.engine.interface import Completion
+from mpserve.engine.prompt_cache import CacheStats
 from mpserve.kv_types import KV_TYPES
 from mpserve.models.maker import builtin_model_path
 from mpserve.protocol import GenerateParams
@@ -35,3 +43,131 @@ def test_every_kv_type_generates_and_a_quantized_cache_holds_fewer_bytes() -> No
             engine.close()
     assert state_bytes["q8_0"] < state_bytes["f16"] == state_bytes["bf16"] < state_bytes["f32"]
     assert state_bytes["q4_0"] < state_bytes["q5_0"] < state_bytes["q8_0"]
+
+
+# --- the host-RAM prompt cache ---------------------------------------------------------------------------
+
+LONG = " ".join(f"the {w} of all and" for w in ("cat", "dog", "sea", "sky") * 30)  # 931 tokens on the tiny model
+
+
+def others(n: int) -> list[str]:
+    """``n`` long prompts unrelated to LONG from their first token, each at least one whole chunk."""
+    return [f"{i} " + " ".join(f"so {w} and it" for w in ("ant", "bee", "owl", "elk") * 25) for i in range(n)]
+
+
+def run(engine: BatchEngine, slot: int, prompt: str, max_tokens: int = 16) -> Completion:
+    engine.admit(slot, prompt, GenerateParams(max_tokens=max_tokens, temperature=0.0), lambda text, n: True)
+    while True:
+        done = dict(engine.step())
+        if slot in done:
+            return done[slot]
+
+
+def tiny_engine(parallel: int, cache_ram: int, kv_unified: bool = False) -> BatchEngine:
+    return BatchEngine(str(builtin_model_path("tiny")), n_ctx=1024, parallel=parallel, threads=1, n_gpu_layers=0,
+                       kv_unified=kv_unified, cache_ram=cache_ram)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("kv_unified", [False, True], ids=["kv-per-slot", "kv-unified"])
+def test_a_prompt_pushed_out_of_every_slot_is_restored_from_ram_and_continues_exactly(kv_unified: bool) -> None:
+    follow_up = LONG + " and then the cat sat"
+    fresh = tiny_engine(1, 0)
+    try:
+        expected = run(fresh, 0, follow_up)
+    finally:
+        fresh.close()
+    assert expected.reused_tokens == 0
+    engine = tiny_engine(2, 64 << 20, kv_unified)
+    try:
+        run(engine, 0, LONG)
+        for i, prompt in enumerate(others(8)):  # 8 other prompts, over both slots: LONG's cells are gone
+            run(engine, i % 2, prompt)
+        assert all(engine.kv_cells(slot) and engine._cached[slot][1:4] != engine._tokenize(LONG)[1:4]
+                   for slot in (0, 1))
+        before = engine.stats()
+        again = run(engine, 1, follow_up)
+        after = engine.stats()
+        assert again.reused_tokens == PROMPT_CHUNK  # restored: whole chunks, the rest computed as fresh
+        assert after.prompt_tokens_restored - before.prompt_tokens_restored == PROMPT_CHUNK
+        assert after.prompt_tokens_computed - before.prompt_tokens_computed == again.prompt_tokens - PROMPT_CHUNK
+        assert again.text == expected.text  # greedy text equals a fresh computation
+        stats = engine.cache_stats()
+        assert stats.hits == 1 and stats.entries >= 2 and 0 < stats.bytes <= stats.capacity
+    finally:
+        engine.close()
+
+
+@pytest.mark.timeout(120)
+def test_filling_the_cache_past_its_size_evicts_and_recent_entries_still_hit() -> None:
+    probe = tiny_engine(1, 64 << 20)
+    try:
+        run(probe, 0, LONG)
+        run(probe, 0, others(1)[0])
+        entry_bytes = probe.cache_stats().bytes  # one entry: one chunk of cells
+    finally:
+        probe.close()
+    assert entry_bytes > 0
+    capacity = int(2.5 * entry_bytes)  # room for two entries
+    engine = tiny_engine(1, capacity)
+    try:
+        prompts = others(6)
+        for prompt in prompts:
+            run(engine, 0, prompt, 4)
+            stats = engine.cache_stats()
+            assert stats.bytes <= capacity and stats.entries <= 2
+        stats = engine.cache_stats()
+        assert stats.evictions == 3 and stats.entries == 2  # 5 saved (the last still in its slot), 2 kept
+        assert run(engine, 0, prompts[3] + " more", 4).reused_tokens == PROMPT_CHUNK  # recent: a hit
+        assert run(engine, 0, prompts[0] + " more", 4).reused_tokens == 0  # evicted: a miss
+        stats = engine.cache_stats()  # saving the last prompt's cells evicted the other recent one, not this
+        assert (stats.hits, stats.misses, stats.evictions) == (1, 7, 4) and stats.bytes <= capacity  # 6 + 1 missed
+    finally:
+        engine.close()
+
+
+@pytest.mark.timeout(60)
+def test_cache_ram_zero_keeps_nothing() -> None:
+    engine = tiny_engine(1, 0)
+    try:
+        run(engine, 0, LONG)
+        run(engine, 0, others(1)[0])
+        assert run(engine, 0, LONG + " more").reused_tokens == 0
+        assert engine.cache_stats() == CacheStats(0, 0, 0, 0, 0, 0)
+    finally:
+        engine.close()
+
+
+@pytest.mark.timeout(120)
+def test_through_the_server_a_prompt_pushed_out_of_every_slot_reports_restored_tokens_as_cached(
+        start_server: type[ServerProcess]) -> None:
+    server = start_server("--parallel", "2", "--n-ctx", "1024", "--cache-ram", "64MiB").wait_ready()
+    follow_up = LONG + " and then the cat sat"
+    with Client(server.address, timeout=60) as client:
+        first = client.generate(LONG, max_tokens=8, temperature=0)
+        assert first.timings.cached_tokens == 0
+        for prompt in others(8):  # unrelated prompts, over both slots
+            client.generate(prompt, max_tokens=8, temperature=0)
+        again = client.generate(follow_up, max_tokens=16, temperature=0)
+    assert again.timings.cached_tokens == PROMPT_CHUNK
+    cache = server.slots()[0].cache
+    assert cache.hits == 1 and 0 < cache.bytes <= cache.capacity == 64 << 20
+    fresh = tiny_engine(1, 0)
+    try:
+        assert again.text == run(fresh, 0, follow_up).text
+    finally:
+        fresh.close()
+    status = subprocess.run([sys.executable, "-m", "mpserve", "status", "--server-name", server.name],
+                            capture_output=True, text=True, timeout=30)
+    assert "prompt cache" in status.stdout and "of 64.0 MiB, 1 hits" in status.stdout, status.stdout
+
+
+@pytest.mark.timeout(60)
+def test_a_cache_ram_that_is_not_a_size_stops_the_start_before_anything_starts() -> None:
+    proc = subprocess.run([sys.executable, "-m", "mpserve", "start", "--cache-ram", "lots"], capture_output=True,
+                          text=True, timeout=30)
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr
+    assert "cache_ram: memory size 'lots' is not understood" in proc.stderr
+    proc = subprocess.run([sys.executable, "-m", "mpserve", "start", "--cache-type-k", "q9"], capture_output=True,
+                          text=True, timeout=30)
+    assert proc.returncode == 1 and "cache_type_k: got 'q9', allowed: f32, f16, bf16" in proc.stderr

@@ -29,6 +29,11 @@ instead: a system prompt common to many requests is computed once per instance, 
 equal to one being computed (the n choices of one request) wait for it and take all of its cells and its
 last row's logits (``_twins``): the whole prompt is computed once.
 
+Beyond the slots, a host-RAM prompt cache (``cache_ram`` bytes, ``mpserve.engine.prompt_cache``): before
+admission cuts a slot's cells, the whole chunks it would lose are saved there (their sequence state), unless
+another slot or the cache holds them; a prompt whose whole chunks the cache holds more of than any slot gets
+them restored into its slot instead of computed (reported as reused, like cells a slot kept).
+
 Prompts are computed in chunks of PROMPT_CHUNK tokens from position 0, each chunk in a llama_decode of
 its own: the decodes ``llama_cpp.Llama`` makes for the same prompt. That is what makes reuse exact.
 llama.cpp's CPU kernels give a token slightly different numbers depending on how many tokens its batch
@@ -78,6 +83,7 @@ from .grammar import GrammarCache
 from .interface import Completion, OnToken
 from .logprobs import LogprobsRecorder
 from .model_info import read_chat_template
+from .prompt_cache import CacheStats, PromptCache, read_state, write_state
 from .sampling import SamplerChain, TextStream
 
 log = logging.getLogger("mpserve.worker")
@@ -105,6 +111,7 @@ class BatchStats:
     prompt_tokens_reused: int  # from the admitting slot's own cells or, copied, from another slot's
     generated_tokens: int
     prefix_copies: int  # admissions that copied another slot's cells
+    prompt_tokens_restored: int  # of those reused: restored from the host-RAM prompt cache
 
 
 class Phase(Enum):
@@ -164,7 +171,8 @@ def _whole_chunks(n: int) -> int:
 class BatchEngine:
     def __init__(self, path: str, n_ctx: int, parallel: int, threads: int, n_gpu_layers: int, seed: int = 0,
                  step_budget_tokens: int = 64, *, kv_unified: bool = False, flash_attn: str = "auto",
-                 repack: bool = True, cache_type_k: str = DEFAULT_KV_TYPE, cache_type_v: str = DEFAULT_KV_TYPE) -> None:
+                 repack: bool = True, cache_type_k: str = DEFAULT_KV_TYPE, cache_type_v: str = DEFAULT_KV_TYPE,
+                 cache_ram: int = 0) -> None:
         import llama_cpp
 
         if not 1 <= parallel <= llama_cpp.llama_max_parallel_sequences():
@@ -192,8 +200,9 @@ class BatchEngine:
         self._prefilling: deque[_Sequence] = deque()  # admission order
         self._steps = 0
         self._step_s = self._decode_s = 0.0
-        self._computed = self._reused = self._generated = self._copies = 0
+        self._computed = self._reused = self._generated = self._copies = self._restored = 0
         self._kv_unified = kv_unified
+        self._prompt_cache = PromptCache(cache_ram)
         logging.getLogger("llama-cpp-python").setLevel(logging.ERROR)  # what Llama(verbose=False) does
         llama_cpp.llama_backend_init()
 
@@ -356,6 +365,51 @@ class BatchEngine:
             lib.llama_memory_seq_rm(memory, slot, n, -1)
         self._copies += 1
 
+    # --- the host-RAM prompt cache ---------------------------------------------------------------------
+
+    def _keep_in_cache(self, slot: int, tokens: list[int]) -> None:
+        """Before admitting ``tokens`` cuts ``slot``'s cells: save the whole chunks it would lose into the prompt
+        cache, unless another slot or the cache holds them already."""
+        whole = self._whole[slot]
+        if whole < PROMPT_CHUNK or self._reusable(slot, tokens) >= whole or not self._prompt_cache.capacity:
+            return
+        kept = self._cached[slot][:whole]
+        if self._prompt_cache.holds(kept) or self._copy_source(slot, kept + [-1])[1] >= whole:
+            return
+        if not self._lib.llama_memory_seq_rm(self._memory, slot, whole, -1) or not self._holds_cells(slot, whole):
+            return  # only whole chunks are worth keeping, and this memory cannot be cut back to them
+        self._prompt_cache.find(tokens)  # the entry the new prompt may restore is used now: this does not evict it
+        state, size = read_state(self._lib, self._ctx, slot)
+        self._prompt_cache.put(kept, state, size)
+
+    def _restore_from_cache(self, slot: int, tokens: list[int], reused: int) -> int:
+        """The prompt tokens ``slot`` starts from: ``reused`` of its own cells, or more restored from the prompt
+        cache when it holds more whole chunks of ``tokens`` than any slot (a hit)."""
+        reusable = _whole_chunks(len(tokens) - 1)
+        if not self._prompt_cache.capacity or reusable == 0:
+            return reused
+        held = max(reused, self._copy_source(slot, tokens)[1])
+        if held >= reusable:
+            return reused  # the slots hold all there is to reuse: no need to look
+        entry, shared = self._prompt_cache.find(tokens)
+        restorable = _whole_chunks(min(shared, reusable))
+        if entry is None or restorable <= held:
+            self._prompt_cache.count(hit=False)
+            return reused
+        lib, memory = self._lib, self._memory
+        lib.llama_memory_seq_rm(memory, slot, -1, -1)
+        if (not write_state(lib, self._ctx, slot, entry) or not lib.llama_memory_seq_rm(memory, slot, restorable, -1)
+                or not self._holds_cells(slot, restorable)):
+            lib.llama_memory_seq_rm(memory, slot, -1, -1)
+            self._prompt_cache.count(hit=False)
+            return 0
+        self._prompt_cache.count(hit=True)
+        self._restored += restorable
+        return restorable
+
+    def cache_stats(self) -> CacheStats:
+        return self._prompt_cache.stats()
+
     # --- requests -----------------------------------------------------------------------------------
 
     def admit(self, slot: int, prompt: str | list[int], params: GenerateParams, on_token: OnToken,
@@ -381,9 +435,10 @@ class BatchEngine:
         # prompt_logprobs needs every prompt row, which cached cells no longer have (a hand-over's client has
         # the prompt's already: carried tokens skip it)
         score_prompt = params.prompt_logprobs and params.logprobs is not None and not carried
+        self._keep_in_cache(slot, tokens)
         if score_prompt:
             self._lib.llama_memory_seq_rm(self._memory, slot, -1, -1)
-        reused = 0 if score_prompt else self._take_cells(slot, tokens)
+        reused = 0 if score_prompt else self._restore_from_cache(slot, tokens, self._take_cells(slot, tokens))
         self._cached[slot] = tokens[:reused]
         self._whole[slot] = reused
         self._uses += 1
@@ -652,7 +707,7 @@ class BatchEngine:
 
     def stats(self) -> BatchStats:
         return BatchStats(self._steps, self._step_s, self._decode_s, self._computed, self._reused,
-                          self._generated, self._copies)
+                          self._generated, self._copies, self._restored)
 
     def close(self) -> None:
         """Free every sampler, the context and the model. Running sequences are dropped unanswered."""
@@ -661,6 +716,7 @@ class BatchEngine:
         self._running.clear()
         self._prefilling.clear()
         self._grammars.close()
+        self._prompt_cache.clear()
         if self._ctx:
             self._lib.llama_free(self._ctx)
             self._ctx = None

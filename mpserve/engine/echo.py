@@ -24,6 +24,7 @@ from mpserve.errors import BadRequest
 from mpserve.protocol import ChatTemplate, GenerateParams
 
 from .interface import Completion, OnToken
+from .prompt_cache import NO_CACHE, CacheStats
 
 
 @dataclass
@@ -76,6 +77,9 @@ class EchoEngine:
 
     def kv_cells(self, slot: int) -> int:
         return 0
+
+    def cache_stats(self) -> CacheStats:
+        return NO_CACHE
 
     def cancel(self, slot: int) -> None:
         echo = self._running.get(slot)

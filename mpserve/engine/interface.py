@@ -12,6 +12,7 @@
     TOKENIZE ──tokenize / token_bytes──▶  the model's vocabulary, between steps
     EMBED    ──embed(inputs)──▶   an ``Embedder`` (EmbeddingEngine, a model served with embedding: true)
     row      ──kv_cells(slot)──▶   the KV cells the slot holds (the slot table shows them)
+    row      ──cache_stats()───▶   the host-RAM prompt cache's bytes, hits, misses, evictions
 
 Engines know nothing of processes, sockets or the slot table; one thread calls them. ``on_token`` gets
 each new piece of text and the number of tokens generated so far, and returns False to stop generating.
@@ -27,6 +28,8 @@ import numpy as np
 
 from mpserve import protocol as wire
 from mpserve.protocol import ChatTemplate, GenerateParams
+
+from .prompt_cache import CacheStats
 
 OnToken = Callable[[str, int], bool]
 """Called with each new piece of text and the number of tokens generated so far; returns False to stop
@@ -63,6 +66,9 @@ class Engine(Protocol):
         end-of-generation token if one ended it."""
     def kv_cells(self, slot: int) -> int:
         """The KV cells ``slot`` holds now (its running sequence's, or what its last request left)."""
+
+    def cache_stats(self) -> CacheStats:
+        """The host-RAM prompt cache's size and counters."""
 
     def take_logprobs(self, slot: int) -> wire.Logprobs | None:
         """The log-probabilities of the tokens the sequence in ``slot`` generated since the last take (when

@@ -37,7 +37,7 @@ from mpserve.engine.interface import Completion, Engine
 from mpserve.errors import Cancelled, ErrorCode, MpserveError
 from mpserve.gpu.permits import DevicePermits, Permit
 from mpserve.protocol import ChatTemplate
-from mpserve.slots import SlotState, SlotWriter
+from mpserve.slots import CacheRow, SlotState, SlotWriter
 
 from . import embed, tokens
 from .spec import EXIT_LOAD_FAILED, EngineSpec, WorkerSpec
@@ -95,6 +95,7 @@ class Worker:
             self._send(wire.Failed(self._spec.identity.decode(), self._spec.model, f"{type(exc).__name__}: {exc}"))
             sys.exit(EXIT_LOAD_FAILED)
         self.set_rows(state=SlotState.IDLE, load_s=time.perf_counter() - t0)
+        self._note_cache()
         log.debug("loaded in %.2f s", time.perf_counter() - t0)
         if self._registered:  # loaded on demand: tell the broker (its chat template, and that the load worked)
             self._register()
@@ -214,6 +215,7 @@ class Worker:
             self._engine.close()
             self._engine = None
         self.set_rows(state=SlotState.UNLOADED, kv_cells=0)
+        self._note_cache()
         self._send(wire.Unloaded(self._spec.identity.decode()))
 
     # --- requests -----------------------------------------------------------------------------------
@@ -247,12 +249,21 @@ class Worker:
         except MpserveError as exc:
             self._send(wire.Error(req.id, exc.code, exc.message), assign.ticket)
             return
+        self._note_cache()
         self._running[assign.ticket] = assign
         self._slot_of[assign.ticket] = slot
         if stream is not None:
             self._streams[assign.ticket] = stream
         row.update(state=SlotState.BUSY if self._permit or not self._permits else SlotState.WAITING,
                    request=req.id, tokens=0, kv_cells=engine.kv_cells(slot))
+
+    def _note_cache(self) -> None:
+        """The prompt cache, in each of this instance's rows: after a load, an unload and an admission (the only
+        time it changes)."""
+        s = self._engine.cache_stats() if self._engine is not None else None
+        cache = CacheRow(s.bytes, s.capacity, s.hits, s.misses, s.evictions) if s is not None else CacheRow.empty()
+        for row in self._rows:
+            row.cache(cache)
 
     def _cancel(self, ticket: str) -> None:
         if ticket in self._slot_of and self._engine is not None:

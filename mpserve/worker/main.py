@@ -41,7 +41,7 @@ def build_engine(spec: EngineSpec) -> Engine:
 
     return BatchEngine(spec.path, spec.n_ctx, spec.parallel, spec.threads, spec.n_gpu_layers, spec.seed,
                        flash_attn=spec.flash_attn, repack=spec.repack, cache_type_k=spec.cache_type_k,
-                       cache_type_v=spec.cache_type_v)
+                       cache_type_v=spec.cache_type_v, cache_ram=spec.cache_ram)
 
 
 def worker_main(spec: WorkerSpec) -> None:

@@ -33,6 +33,7 @@ class EngineSpec:
     pooling: str | None = None  # its pooling; None: the GGUF's
     cache_type_k: str = "f16"  # KV cache types (mpserve.kv_types)
     cache_type_v: str = "f16"
+    cache_ram: int = 0  # bytes of host RAM for the prompt cache; 0: none
 
     @property
     def is_echo(self) -> bool:
