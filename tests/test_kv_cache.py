@@ -4,17 +4,22 @@ host-RAM prompt cache keeps what slots lose and restores it exactly (on the tiny
 
 from __future__ import annotations
 
+import json
+import struct
 import subprocess
 import sys
+from pathlib import Path
 
 import llama_cpp
 import pytest
 from conftest import ServerProcess
 
 from mpserve import Client
+from mpserve.engine import slot_file
 from mpserve.engine.batch import PROMPT_CHUNK, BatchEngine
 from mpserve.engine.interface import Completion
 from mpserve.engine.prompt_cache import CacheStats
+from mpserve.errors import BadRequest
 from mpserve.kv_types import KV_TYPES
 from mpserve.models.maker import builtin_model_path
 from mpserve.protocol import GenerateParams
@@ -171,3 +176,60 @@ def test_a_cache_ram_that_is_not_a_size_stops_the_start_before_anything_starts()
     proc = subprocess.run([sys.executable, "-m", "mpserve", "start", "--cache-type-k", "q9"], capture_output=True,
                           text=True, timeout=30)
     assert proc.returncode == 1 and "cache_type_k: got 'q9', allowed: f32, f16, bf16" in proc.stderr
+
+
+# --- slot files ----------------------------------------------------------------------------------------
+
+@pytest.mark.timeout(120)
+def test_a_slot_saved_to_disk_continues_exactly_in_another_engine(tmp_path: Path) -> None:
+    follow_up = LONG + " and then the cat sat"
+    saver = tiny_engine(2, 0)
+    try:
+        run(saver, 1, LONG)
+        held = saver.kv_cells(1)
+        assert saver.save_slot(1, tmp_path / "conversation.bin") == held
+    finally:
+        saver.close()
+    engine = tiny_engine(2, 0)  # another process's engine would do the same: nothing is shared but the file
+    try:
+        assert engine.restore_slot(0, tmp_path / "conversation.bin") == held and engine.kv_cells(0) == held
+        again = run(engine, 0, follow_up)
+        assert again.reused_tokens == PROMPT_CHUNK
+        assert engine.erase_slot(0) > 0 and engine.kv_cells(0) == 0
+        fresh = run(engine, 0, follow_up)
+        assert fresh.reused_tokens == 0 and again.text == fresh.text
+    finally:
+        engine.close()
+
+
+def with_header(data: bytes, **changes: object) -> bytes:
+    """A slot file's bytes with some header fields changed."""
+    start = len(slot_file.MAGIC) + 4
+    (length,) = struct.unpack_from("<I", data, len(slot_file.MAGIC))
+    header = json.dumps({**json.loads(data[start:start + length]), **changes}).encode()
+    return slot_file.MAGIC + struct.pack("<I", len(header)) + header + data[start + length:]
+
+
+@pytest.mark.timeout(120)
+def test_a_foreign_or_truncated_slot_file_is_refused_saying_which_and_the_slot_stays_usable(tmp_path: Path) -> None:
+    engine = tiny_engine(1, 0)
+    try:
+        run(engine, 0, LONG)
+        engine.save_slot(0, tmp_path / "good.bin")
+        data = (tmp_path / "good.bin").read_bytes()
+        (tmp_path / "short.bin").write_bytes(data[:-100])
+        (tmp_path / "junk.bin").write_bytes(b"hello, not a slot at all")
+        (tmp_path / "other-parallel.bin").write_bytes(with_header(data, kv_streams=2))
+        (tmp_path / "other-kv.bin").write_bytes(with_header(data, cache_type_k="q8_0"))
+        (tmp_path / "other-model.bin").write_bytes(with_header(data, model="gemma3 270M Q4_K - Medium"))
+        held = engine.kv_cells(0)
+        for name, problem in (("short.bin", "'short.bin' is truncated: "), ("junk.bin", "not an mpserve slot file"),
+                              ("other-kv.bin", "saved with KV cache types q8_0/f16; this instance uses f16/f16"),
+                              ("other-model.bin", "was saved from another model"), ("none.bin", "no slot file"),
+                              ("other-parallel.bin", "instance with 2 KV stream\\(s\\).*this one has 1")):
+            with pytest.raises(BadRequest, match=problem):
+                engine.restore_slot(0, tmp_path / name)
+            assert engine.kv_cells(0) == held  # refused before llama.cpp saw it: the slot keeps its cells
+        assert run(engine, 0, LONG + " more").reused_tokens == PROMPT_CHUNK  # and works as before
+    finally:
+        engine.close()

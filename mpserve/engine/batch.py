@@ -67,6 +67,7 @@ from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
 from enum import Enum
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -78,7 +79,7 @@ from mpserve.prefix import common_prefix
 from mpserve.protocol import GenerateParams
 from mpserve.structured import grammar_source
 
-from . import vocab
+from . import slot_file, vocab
 from .grammar import GrammarCache
 from .interface import Completion, OnToken
 from .logprobs import LogprobsRecorder
@@ -232,9 +233,18 @@ class BatchEngine:
         self._memory = llama_cpp.llama_get_memory(self._ctx)
         self._n_swa = max(1, llama_cpp.llama_model_n_swa(self._model))  # llama-server's bound for what must stay
         self._told_cells_missing = False
+        self._identity = self._slot_identity(cache_type_k, cache_type_v)
         self._batch = _Batch(llama_cpp, capacity)
         self.chat = read_chat_template(llama_cpp, self._model)
         self._warm_up()
+
+    def _slot_identity(self, cache_type_k: str, cache_type_v: str) -> slot_file.Identity:
+        """What a slot file saved here must match to be restored here."""
+        lib, description = self._lib, ctypes.create_string_buffer(256)
+        lib.llama_model_desc(self._model, description, 256)
+        return slot_file.Identity(description.value.decode(errors="replace"), lib.llama_model_n_params(self._model),
+                                  lib.llama_model_size(self._model), cache_type_k, cache_type_v,
+                                  1 if self._kv_unified else self.parallel)
 
     def _context_params(self, capacity: int, threads: int, kv_unified: bool, flash_attn: str) -> Any:
         """The context ``llama_cpp.Llama`` would create with the same flash attention setting (same RoPE
@@ -398,8 +408,9 @@ class BatchEngine:
             return reused
         lib, memory = self._lib, self._memory
         lib.llama_memory_seq_rm(memory, slot, -1, -1)
-        if (not write_state(lib, self._ctx, slot, entry) or not lib.llama_memory_seq_rm(memory, slot, restorable, -1)
-                or not self._holds_cells(slot, restorable)):
+        restored = write_state(lib, self._ctx, slot, entry.state, entry.size)
+        if not restored or not lib.llama_memory_seq_rm(memory, slot, restorable, -1) or not self._holds_cells(
+                slot, restorable):
             lib.llama_memory_seq_rm(memory, slot, -1, -1)
             self._prompt_cache.count(hit=False)
             return 0
@@ -409,6 +420,46 @@ class BatchEngine:
 
     def cache_stats(self) -> CacheStats:
         return self._prompt_cache.stats()
+
+    # --- slot files ----------------------------------------------------------------------------------
+
+    def save_slot(self, slot: int, path: Path) -> int:
+        """Write idle ``slot``'s cells and their tokens to ``path`` (``mpserve.engine.slot_file``); the tokens."""
+        self._idle(slot)
+        tokens = self._cached[slot]
+        state, size = read_state(self._lib, self._ctx, slot)
+        if not tokens or not size:
+            raise BadRequest(f"slot {slot} holds no KV cells to save")
+        slot_file.write(path, slot_file.SlotFile(self._identity, tokens, self._whole[slot], state, size))
+        return len(tokens)
+
+    def restore_slot(self, slot: int, path: Path) -> int:
+        """Replace idle ``slot``'s cells with those saved in ``path``; the tokens restored. A file that does not
+        match this instance is refused (BadRequest saying why) and the slot keeps its cells."""
+        self._idle(slot)
+        saved = slot_file.read(path, self._identity)
+        if len(saved.tokens) >= self.n_ctx:
+            raise BadRequest(f"slot file {path.name!r} holds {len(saved.tokens)} tokens; a slot here holds "
+                             f"{self.n_ctx}")
+        if not write_state(self._lib, self._ctx, slot, saved.state, saved.size):
+            self.erase_slot(slot)
+            raise BadRequest(f"llama.cpp refused the KV cells of slot file {path.name!r}; the slot is empty")
+        self._cached[slot], self._whole[slot] = saved.tokens, saved.whole
+        return len(saved.tokens)
+
+    def erase_slot(self, slot: int) -> int:
+        """Drop idle ``slot``'s cells; how many it held."""
+        self._idle(slot)
+        held = len(self._cached[slot])
+        self._lib.llama_memory_seq_rm(self._memory, slot, -1, -1)
+        self._cached[slot], self._whole[slot] = [], 0
+        return held
+
+    def _idle(self, slot: int) -> None:
+        if not 0 <= slot < self.parallel:
+            raise BadRequest(f"slot {slot} is not a slot of this instance (0..{self.parallel - 1})")
+        if slot in self._running:
+            raise BadRequest(f"slot {slot} is running a request; try again when it is idle")
 
     # --- requests -----------------------------------------------------------------------------------
 

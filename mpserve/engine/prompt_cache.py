@@ -114,6 +114,7 @@ def read_state(lib: Any, ctx: Any, seq: int) -> tuple[Any, int]:
     return (buffer, written) if written == size else (None, 0)
 
 
-def write_state(lib: Any, ctx: Any, seq: int, entry: Entry) -> bool:
-    """Replace sequence ``seq``'s cells with ``entry``'s state; False if llama.cpp refused it."""
-    return bool(lib.llama_state_seq_set_data(ctx, entry.state, entry.size, seq))  # the bytes read; 0: failed
+def write_state(lib: Any, ctx: Any, seq: int, state: Any, size: int) -> bool:
+    """Replace sequence ``seq``'s cells with ``state`` (from ``read_state``); False if llama.cpp refused it, which
+    leaves the sequence empty."""
+    return bool(lib.llama_state_seq_set_data(ctx, state, size, seq))  # the bytes read; 0: failed
