@@ -21,7 +21,7 @@ from . import settings
 from .errors import BadRequest, ConnectionFailed, MpserveError
 from .protocol import ModelControl, Stats
 from .runtime import ServerInfo, pid_alive
-from .slots import SlotRow, SlotState, SlotTable, instance_slots
+from .slots import SlotRow, SlotState, SlotTable, instance_slots, locate
 
 app = typer.Typer(add_completion=False, no_args_is_help=True,
                   help="Run several llama.cpp instances behind one ZeroMQ broker.")
@@ -480,6 +480,39 @@ def add(
     given = str(path)
     where = given if given == cfg.ECHO_MODEL or given.startswith(cfg.BUILTIN_PREFIX) else str(path.resolve())
     _control(server_name, as_json, "add", name, low, high, where)
+
+
+@app.command()
+def slots(
+    action: Annotated[str, typer.Argument(help="save, restore or erase.")],
+    slot: Annotated[int, typer.Argument(help="The slot: SLOT in mpserve status.")],
+    filename: Annotated[str, typer.Argument(help="A file name in the model's slot_save_path (save, restore).")] = "",
+    server_name: ServerNameOption = "default",
+    as_json: Annotated[bool, typer.Option("--json", help="Print the result as JSON.")] = False,
+) -> None:
+    """Save an idle slot's KV cells to a file of its model's slot_save_path, restore them from one, or erase
+    them: a long conversation survives a restart."""
+    from .client import Client
+    from .gpu.devices import format_memory
+
+    with _errors():
+        info = ServerInfo.read(server_name)
+        if info is None or not info.alive() or info.role != "broker":
+            raise ConnectionFailed(f"no server named {server_name!r} is running; start one with `mpserve start`")
+        table = SlotTable.attach(Path(info.slots), writable=False)
+        try:
+            worker, local = locate(table.read_all(), slot)
+        finally:
+            table.close()
+        with Client(info.front, curve_server_key=os.environ.get("MPSERVE_CURVE_SERVER_KEY"),
+                    curve_secret=os.environ.get("MPSERVE_CURVE_CLIENT_SECRET")) as client:
+            reply = client.slot(action, worker, local, filename)
+        if as_json:
+            print(json.dumps({"slot": slot, "worker": worker, **vars(reply)}))
+            return
+        done = {"save": "saved", "restore": "restored", "erase": "erased"}[reply.action]
+        where = f" ({format_memory(reply.bytes)}, {filename})" if reply.action != "erase" else ""
+        print(f"{done} slot {slot} ({worker} slot {local}): {reply.tokens} tokens{where} in {reply.ms:.0f} ms")
 
 
 def _control(server_name: str, as_json: bool, op: str, model: str | None = None, low: int | None = None,

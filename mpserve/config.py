@@ -56,6 +56,7 @@ class ModelConfig:
     cache_type_k: str = DEFAULT_KV_TYPE  # KV cache types (mpserve.kv_types); a quantized V needs flash attention
     cache_type_v: str = DEFAULT_KV_TYPE
     cache_ram: int = 256 << 20  # bytes of host RAM per instance for its prompt cache; 0: off
+    slot_save_path: str | None = None  # the folder of slot files (save and restore); None: off
     devices: tuple[int, ...] | None = None  # pin the model's instances to these GPU indices
     requires_memory: int | None = None  # declared GPU bytes per instance; None: estimated from the GGUF
     embedding: bool = False  # serves embeddings (mpserve.engine.embed), not completions
@@ -307,6 +308,8 @@ def _model(index: int, entry: Any, overrides: Mapping[str, Any], source: str) ->
         raise ConfigError(f"{where}.cache_type_v: {v_type} is a quantized type, which llama.cpp stores only with "
                           "flash attention, and flash_attn is off; set flash_attn to auto or on, or cache_type_v "
                           "to f16, bf16 or f32")
+    if "slot_save_path" in values and not Path(values["slot_save_path"]).is_dir():
+        raise ConfigError(f"{where}.slot_save_path: {values['slot_save_path']!r} is not a folder; create it first")
     if "cache_ram" in values:
         values["cache_ram"] = _bytes(values["cache_ram"], f"{where}.cache_ram", parse_memory)
     if "requires" in values:

@@ -107,6 +107,9 @@ SETTINGS: tuple[Setting, ...] = (
     _s("cache_ram", "model", (str, int), "256MiB", "Host RAM per instance for its prompt cache, e.g. 1GiB: the KV "
        "cells of prompts that left the slots, restored for a prompt that starts with them, as llama-server's "
        "--cache-ram (0: off)", commands=_FOR_POOLS),
+    _s("slot_save_path", "model", str, "none", "Folder of slot files: mpserve slots save|restore and POST "
+       "/slots/ID?action=save|restore write and read an idle slot's KV cells there (none: off)",
+       commands=_FOR_POOLS),
     _s("devices", "model", list, "any GPU", "Pin the model's instances to these GPU indices, e.g. [1]", flag=None,
        env=None),
     _s("requires", "model", dict, "estimated from the GGUF", "Declared needs per instance: {memory: 7GiB, gpus: 1}",

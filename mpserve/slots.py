@@ -21,6 +21,8 @@ from dataclasses import dataclass
 from enum import IntEnum
 from pathlib import Path
 
+from .errors import BadRequest
+
 MAGIC = b"MPSLOT03"
 _HEADER = struct.Struct("<8sII")  # magic, rows, row size
 _SEQ = struct.Struct("<Q")
@@ -88,6 +90,13 @@ def instance_slots(rows: list[SlotRow]) -> dict[tuple[str, int], list[SlotRow]]:
         if row.state is not SlotState.EMPTY:
             instances.setdefault((row.model, row.worker), []).append(row)
     return instances
+
+
+def locate(rows: list[SlotRow], index: int) -> tuple[str, int]:
+    """Slot-table row ``index`` (SLOT in ``mpserve status``) as its instance's identity and its slot there."""
+    if not 0 <= index < len(rows) or rows[index].state is SlotState.EMPTY:
+        raise BadRequest(f"no slot {index}; `mpserve status` lists the slots")
+    return f"w{rows[index].worker}", rows[index].slot
 
 
 def shm_dir() -> Path:

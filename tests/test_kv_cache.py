@@ -233,3 +233,42 @@ def test_a_foreign_or_truncated_slot_file_is_refused_saying_which_and_the_slot_s
         assert run(engine, 0, LONG + " more").reused_tokens == PROMPT_CHUNK  # and works as before
     finally:
         engine.close()
+
+
+def mpserve(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "mpserve", *args], capture_output=True, text=True, timeout=60)
+
+
+@pytest.mark.timeout(180)
+def test_a_slot_saved_with_the_cli_survives_a_restart_and_bad_files_are_refused(
+        start_server: type[ServerProcess], tmp_path: Path) -> None:
+    args = ("--n-ctx", "1024", "--cache-ram", "0", "--slot-save-path", str(tmp_path))
+    follow_up = LONG + " and then the cat sat"
+    server = start_server(*args).wait_ready()
+    with Client(server.address, timeout=60) as client:
+        client.generate(LONG, max_tokens=8, temperature=0)
+    saved = mpserve("slots", "save", "0", "talk.bin", "--server-name", server.name)
+    assert saved.returncode == 0 and saved.stdout.startswith("saved slot 0 (w0 slot 0): "), saved.stderr
+    assert server.stop() == 0
+
+    server = start_server(*args).wait_ready()  # a new server: nothing in its slots
+    name = ("--server-name", server.name)
+    (tmp_path / "cut.bin").write_bytes((tmp_path / "talk.bin").read_bytes()[:-10])
+    for file, problem in (("cut.bin", "'cut.bin' is truncated"), ("../talk.bin", "file name '../talk.bin' is not "
+                                                                                 "allowed")):
+        refused = mpserve("slots", "restore", "0", file, *name)
+        assert refused.returncode == 1 and problem in refused.stderr and "Traceback" not in refused.stderr
+    restored = mpserve("slots", "restore", "0", "talk.bin", "--json", *name)
+    assert restored.returncode == 0, restored.stderr
+    assert json.loads(restored.stdout)["tokens"] == server.slots()[0].kv_cells > PROMPT_CHUNK
+    with Client(server.address, timeout=60) as client:
+        again = client.generate(follow_up, max_tokens=16, temperature=0)
+    assert again.timings.cached_tokens == PROMPT_CHUNK
+    fresh = tiny_engine(1, 0)
+    try:
+        assert again.text == run(fresh, 0, follow_up).text  # restored from disk: as a fresh computation
+    finally:
+        fresh.close()
+    erased = mpserve("slots", "erase", "0", *name)
+    assert erased.returncode == 0 and server.slots()[0].kv_cells == 0
+    assert "no slot 7" in mpserve("slots", "erase", "7", *name).stderr

@@ -18,6 +18,7 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from mpserve import protocol as wire
 from mpserve.errors import BadRequest
@@ -36,6 +37,9 @@ class _Echo:
     admitted_at: float = field(default_factory=time.perf_counter)
     sent: list[str] = field(default_factory=list)
     cancel_requested: bool = False
+
+
+_NO_CELLS = "the echo backend has no KV cells to save, restore or erase"
 
 
 class EchoEngine:
@@ -80,6 +84,15 @@ class EchoEngine:
 
     def cache_stats(self) -> CacheStats:
         return NO_CACHE
+
+    def save_slot(self, slot: int, path: Path) -> int:
+        raise BadRequest(_NO_CELLS)
+
+    def restore_slot(self, slot: int, path: Path) -> int:
+        raise BadRequest(_NO_CELLS)
+
+    def erase_slot(self, slot: int) -> int:
+        raise BadRequest(_NO_CELLS)
 
     def cancel(self, slot: int) -> None:
         echo = self._running.get(slot)

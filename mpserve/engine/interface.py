@@ -13,6 +13,7 @@
     EMBED    ──embed(inputs)──▶   an ``Embedder`` (EmbeddingEngine, a model served with embedding: true)
     row      ──kv_cells(slot)──▶   the KV cells the slot holds (the slot table shows them)
     row      ──cache_stats()───▶   the host-RAM prompt cache's bytes, hits, misses, evictions
+    SLOT_ACTION ──save_slot / restore_slot / erase_slot──▶  an idle slot's cells to or from a file
 
 Engines know nothing of processes, sockets or the slot table; one thread calls them. ``on_token`` gets
 each new piece of text and the number of tokens generated so far, and returns False to stop generating.
@@ -22,6 +23,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Protocol, runtime_checkable
 
 import numpy as np
@@ -73,6 +75,16 @@ class Engine(Protocol):
     def take_logprobs(self, slot: int) -> wire.Logprobs | None:
         """The log-probabilities of the tokens the sequence in ``slot`` generated since the last take (when
         its request asked for them)."""
+
+    def save_slot(self, slot: int, path: Path) -> int:
+        """Write idle ``slot``'s KV cells and tokens to ``path``; the tokens saved."""
+
+    def restore_slot(self, slot: int, path: Path) -> int:
+        """Replace idle ``slot``'s cells with those ``path`` holds (BadRequest, the slot unchanged, for a file
+        that does not match); the tokens restored."""
+
+    def erase_slot(self, slot: int) -> int:
+        """Drop idle ``slot``'s cells; how many it held."""
 
     def tokenize(self, text: str, add_special: bool) -> list[int]:
         """``text``'s tokens, special tokens written in it parsed; ``add_special``: BOS first, if the model

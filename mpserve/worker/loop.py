@@ -1,12 +1,14 @@
 """A worker's loop: one engine, ``parallel`` slots, driven by the broker's messages over one DEALER.
 
-    broker --ASSIGN/CANCEL/STOP/UNLOAD--> worker --READY/FAILED/UNLOADED, then CHUNK*/DONE|ERROR per ticket--> broker
+    broker --ASSIGN/CANCEL/STOP/UNLOAD/TOKENIZE/SLOT_ACTION--> worker
+    worker --READY/FAILED/UNLOADED, then CHUNK*/DONE|ERROR (TOKENS, SLOT_REPLY) per ticket--> broker
 
 Each turn takes every waiting broker message, then runs one ``engine.step`` while any sequence runs:
 
     receive   ASSIGN: admit the request into the slot the broker chose (another free one if that is
               taken); CANCEL: the sequence ends at the next step; STOP; UNLOAD (only when idle);
-              TOKENIZE, EMBED: answered at once (``mpserve.worker.tokens``, ``mpserve.worker.embed``)
+              TOKENIZE, EMBED: answered at once (``mpserve.worker.tokens``, ``mpserve.worker.embed``);
+              SLOT_ACTION: an idle slot saved, restored or erased at once (``mpserve.worker.slot_files``)
     permit    with GPU permits, the first running sequence takes the device's permit (host-wide); the
               last one to end gives it back
     step      every running sequence advances by one token (a prompt by a chunk); pieces stream out as
@@ -39,7 +41,7 @@ from mpserve.gpu.permits import DevicePermits, Permit
 from mpserve.protocol import ChatTemplate
 from mpserve.slots import CacheRow, SlotState, SlotWriter
 
-from . import embed, tokens
+from . import embed, slot_files, tokens
 from .spec import EXIT_LOAD_FAILED, EngineSpec, WorkerSpec
 from .stream import ChunkStream
 
@@ -184,6 +186,11 @@ class Worker:
             self._cancel(msg.id)
         elif isinstance(msg, wire.Assign):
             self._accept(msg)
+        elif isinstance(msg, wire.SlotAction):
+            reply = slot_files.answer(self._engine, self._spec.slot_save_path, msg)
+            if isinstance(reply, wire.SlotReply) and self._engine is not None:
+                self._rows[msg.slot].update(kv_cells=self._engine.kv_cells(msg.slot))
+            self._send(reply, msg.ticket)
         elif isinstance(msg, wire.Tokenize):
             self._send(tokens.answer(self._engine, msg) if self._engine is not None else wire.Error(
                 msg.id, ErrorCode.BUSY, "the model is not loaded here now; retry"), msg.ticket)
