@@ -414,3 +414,32 @@ def test_a_request_past_its_timeout_is_a_504(single_server) -> None:
         wait_for(lambda: single_server.slots()[0].state is SlotState.IDLE, 5, "an idle instance")
     finally:
         gw.stop()
+
+
+@pytest.mark.timeout(60)
+def test_slots_save_restore_and_erase_over_http_behind_the_api_key(start_server, tmp_path) -> None:
+    server = start_server("--slot-save-path", str(tmp_path)).wait_ready()
+    gw = GatewayThread(server_name=server.name, api_key="sesame")
+    try:
+        gw.openai("sesame").completions.create(model="tiny", prompt="Hello there", max_tokens=4)
+
+        def post(action: str, body: Any = None, slot: str = "0", key: str = "sesame") -> httpx.Response:
+            return httpx.post(f"{gw.url}/slots/{slot}", params={"action": action}, json=body, timeout=30,
+                              headers={"Authorization": f"Bearer {key}"})
+
+        assert post("save", {"filename": "a.bin"}, key="wrong").status_code == 401
+        saved = post("save", {"filename": "a.bin"})
+        assert saved.status_code == 200, saved.text
+        body = saved.json()
+        assert body["id_slot"] == 0 and body["n_saved"] == server.slots()[0].kv_cells > 0
+        assert body["n_written"] == (tmp_path / "a.bin").stat().st_size and "save_ms" in body["timings"]
+        assert post("erase").json() == {"id_slot": 0, "n_erased": body["n_saved"]}
+        restored = post("restore", {"filename": "a.bin"}).json()
+        assert restored["n_restored"] == body["n_saved"] == server.slots()[0].kv_cells
+        for action, call, problem in (("restore", {"filename": "none.bin"}, "no slot file 'none.bin'"),
+                                      ("load", None, "'action' must be one of save, restore, erase"),
+                                      ("save", {}, "the body must be"), ("erase", None, "no slot 5")):
+            refused = post(action, call, slot="5" if problem == "no slot 5" else "0")
+            assert refused.status_code == 400 and problem in refused.json()["error"]["message"], refused.text
+    finally:
+        gw.stop()
