@@ -4,9 +4,9 @@ settings, and for 1 and 2 with each KV cache type (``cache_type_k`` = ``cache_ty
 PSS counts a page shared by k processes as 1/k in each, so the sum over a server's processes is what the
 server costs, and weights mapped from the same file by several workers are counted once. Each figure is
 set against the model file's size; "per extra instance" is (total with n instances − total with 1) ÷
-(n − 1). Every worker has served one request before it is measured, so its buffers are touched. A fresh
-Python process that loads the model with ``llama_cpp.Llama`` and runs one request is measured the same way,
-for comparison with one worker.
+(n − 1); a worker's USS (unique set size) is the memory only it holds. Every worker has served one request
+before it is measured, so its buffers are touched. A fresh Python process that loads the model with
+``llama_cpp.Llama`` and runs one request is measured the same way, for comparison with one worker.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from mpserve.kv_types import DEFAULT_KV_TYPE
 
 from .figures import Case, Figure, Section, Target
 from .load import mpserve_warm_up
-from .procs import MpserveServer, children, pss_mib
+from .procs import MpserveServer, children, pss_mib, uss_mib
 from .settings import Settings
 
 INSTANCES = (1, 2, 4)
@@ -79,7 +79,7 @@ def run(settings: Settings) -> Section:
         for variant in variants(settings):
             for n in _instances(variant):
                 figures = [Figure("broker PSS", "MiB"), Figure("worker PSS (mean)", "MiB"),
-                           Figure("total PSS", "MiB")]
+                           Figure("worker USS (mean)", "MiB"), Figure("total PSS", "MiB")]
                 if n > 1:
                     figures.append(Figure("per extra instance", "MiB"))
                 cases[n_ctx, variant, str(n)] = Case({"n_ctx": str(n_ctx), "instances": str(n), **variant.labels()},
@@ -90,11 +90,12 @@ def run(settings: Settings) -> Section:
             for variant in variants(settings):
                 totals: dict[int, float] = {}
                 for n in _instances(variant):
-                    broker, workers, others = _server_pss(settings, n, n_ctx, variant)
+                    broker, workers, unique, others = _server_pss(settings, n, n_ctx, variant)
                     totals[n] = broker + sum(workers) + others
                     case = cases[n_ctx, variant, str(n)]
                     case.figure("broker PSS").add(broker, file_mib)
                     case.figure("worker PSS (mean)").add(sum(workers) / len(workers), file_mib)
+                    case.figure("worker USS (mean)").add(sum(unique) / len(unique), file_mib)
                     case.figure("total PSS").add(totals[n], file_mib)
                     if n > 1:
                         case.figure("per extra instance").add((totals[n] - totals[1]) / (n - 1), file_mib)
@@ -112,7 +113,10 @@ def run(settings: Settings) -> Section:
         for n_ctx in contexts)
     section.notes.append(f"Model file {file_mib:.0f} MiB. KV cache per instance in MiB (K and V of one type, "
                          f"allocated whole by llama.cpp): {kv_sizes}. Threads per instance: cores ÷ instances. "
-                         "The broker's total includes any other child process it has.")
+                         "The broker's total includes any other child process it has. A worker's USS (the pages "
+                         "only it maps) is what one more instance adds when nothing else maps the model file; "
+                         "per extra instance counts more where another process on the host maps the file too "
+                         "(its pages are then shared by fewer mpserve workers with one instance than with two).")
     return section
 
 
@@ -120,8 +124,10 @@ def _instances(variant: Variant) -> tuple[int, ...]:
     return INSTANCES if variant.default else (1, 2)
 
 
-def _server_pss(settings: Settings, instances: int, n_ctx: int, variant: Variant) -> tuple[float, list[float], float]:
-    """PSS of the broker, of each worker, and of any other child of the broker, after a warm-up."""
+def _server_pss(settings: Settings, instances: int, n_ctx: int, variant: Variant
+                ) -> tuple[float, list[float], list[float], float]:
+    """PSS of the broker, PSS and USS of each worker, and PSS of any other child of the broker, after a
+    warm-up."""
     with MpserveServer("--model", str(settings.model), "--instances", str(instances), "--n-ctx", str(n_ctx),
                        *variant.args) as server:
         server.wait_ready()
@@ -129,7 +135,8 @@ def _server_pss(settings: Settings, instances: int, n_ctx: int, variant: Variant
         broker = server.proc.pid
         workers = server.worker_pids()
         others = [pid for pid in children(broker) if pid not in workers]
-        return pss_mib(broker), [pss_mib(pid) for pid in workers], sum(pss_mib(pid) for pid in others)
+        return (pss_mib(broker), [pss_mib(pid) for pid in workers], [uss_mib(pid) for pid in workers],
+                sum(pss_mib(pid) for pid in others))
 
 
 def _direct_pss(model: Path, n_ctx: int) -> float:

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import llama_cpp
 import pytest
-from conftest import ServerProcess
+from conftest import RealModel, ServerProcess
 
 from mpserve import Client
 from mpserve.engine import slot_file
@@ -272,3 +272,32 @@ def test_a_slot_saved_with_the_cli_survives_a_restart_and_bad_files_are_refused(
     erased = mpserve("slots", "erase", "0", *name)
     assert erased.returncode == 0 and server.slots()[0].kv_cells == 0
     assert "no slot 7" in mpserve("slots", "erase", "7", *name).stderr
+
+
+@pytest.mark.real
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("kv", ["f16", "q8_0"])
+def test_on_the_real_model_a_state_restored_from_ram_continues_exactly(real_model: RealModel, kv: str) -> None:
+    """Gemma 3 (sliding-window layers): its restored cells give what a fresh computation of the prompt gives,
+    with the default KV type and a quantized one."""
+    long = " ".join(f"The {w} of all things is a story." for w in ("cat", "dog", "sea", "sky") * 30)
+    other = " ".join(f"So {w} and it went on." for w in ("ant", "bee", "owl", "elk") * 25)  # pushes it out
+    follow_up = long + " And then"
+
+    def engine(cache_ram: int) -> BatchEngine:
+        return BatchEngine(real_model.path, n_ctx=2048, parallel=1, threads=2, n_gpu_layers=0,
+                           repack=real_model.repack, cache_type_k=kv, cache_type_v=kv, cache_ram=cache_ram)
+
+    fresh = engine(0)
+    try:
+        expected = run(fresh, 0, follow_up)
+    finally:
+        fresh.close()
+    cached = engine(256 << 20)
+    try:
+        run(cached, 0, long)
+        run(cached, 0, other)
+        again = run(cached, 0, follow_up)
+    finally:
+        cached.close()
+    assert again.reused_tokens == 2 * PROMPT_CHUNK and again.text == expected.text
