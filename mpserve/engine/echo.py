@@ -18,14 +18,12 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
 
 from mpserve import protocol as wire
 from mpserve.errors import BadRequest
 from mpserve.protocol import ChatTemplate, GenerateParams
 
-from .interface import Completion, OnToken
-from .prompt_cache import NO_CACHE, CacheStats
+from .interface import Completion, NoCells, OnToken
 
 
 @dataclass
@@ -39,10 +37,7 @@ class _Echo:
     cancel_requested: bool = False
 
 
-_NO_CELLS = "the echo backend has no KV cells to save, restore or erase"
-
-
-class EchoEngine:
+class EchoEngine(NoCells):
     chat = ChatTemplate()
 
     def __init__(self, parallel: int = 1, tick: float = 0.0) -> None:
@@ -79,20 +74,6 @@ class EchoEngine:
     def tokens(self, slot: int) -> Sequence[int]:
         return ()
 
-    def kv_cells(self, slot: int) -> int:
-        return 0
-
-    def cache_stats(self) -> CacheStats:
-        return NO_CACHE
-
-    def save_slot(self, slot: int, path: Path) -> int:
-        raise BadRequest(_NO_CELLS)
-
-    def restore_slot(self, slot: int, path: Path) -> int:
-        raise BadRequest(_NO_CELLS)
-
-    def erase_slot(self, slot: int) -> int:
-        raise BadRequest(_NO_CELLS)
 
     def cancel(self, slot: int) -> None:
         echo = self._running.get(slot)

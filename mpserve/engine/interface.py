@@ -29,9 +29,10 @@ from typing import Protocol, runtime_checkable
 import numpy as np
 
 from mpserve import protocol as wire
+from mpserve.errors import BadRequest
 from mpserve.protocol import ChatTemplate, GenerateParams
 
-from .prompt_cache import CacheStats
+from .prompt_cache import NO_CACHE, CacheStats
 
 OnToken = Callable[[str, int], bool]
 """Called with each new piece of text and the number of tokens generated so far; returns False to stop
@@ -48,6 +49,28 @@ class Completion:
     generate_s: float
     reused_tokens: int = 0  # prompt tokens taken from KV cells instead of computed
     logprobs: wire.Logprobs | None = None  # asked for: those of tokens ``take_logprobs`` did not take
+
+
+class NoCells:
+    """The Engine methods of an engine without KV cells to show, cache or save (echo, embeddings)."""
+
+    def kv_cells(self, slot: int) -> int:
+        return 0
+
+    def cache_stats(self) -> CacheStats:
+        return NO_CACHE
+
+    def save_slot(self, slot: int, path: Path) -> int:
+        raise BadRequest(_NO_CELLS)
+
+    def restore_slot(self, slot: int, path: Path) -> int:
+        raise BadRequest(_NO_CELLS)
+
+    def erase_slot(self, slot: int) -> int:
+        raise BadRequest(_NO_CELLS)
+
+
+_NO_CELLS = "this model keeps no KV cells in its slots to save, restore or erase"
 
 
 class Engine(Protocol):
