@@ -114,9 +114,9 @@ def run(settings: Settings) -> Section:
     section.notes.append(f"Model file {file_mib:.0f} MiB. KV cache per instance in MiB (K and V of one type, "
                          f"allocated whole by llama.cpp): {kv_sizes}. Threads per instance: cores ÷ instances. "
                          "The broker's total includes any other child process it has. A worker's USS (the pages "
-                         "only it maps) is what one more instance adds when nothing else maps the model file; "
-                         "per extra instance counts more where another process on the host maps the file too "
-                         "(its pages are then shared by fewer mpserve workers with one instance than with two).")
+                         "only it maps) with 2 or more instances is what one more instance adds (with one, the "
+                         "model file's pages are its own too); per extra instance counts more where another "
+                         "process on the host maps the model file as well.")
     return section
 
 
