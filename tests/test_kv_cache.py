@@ -276,11 +276,11 @@ def test_a_slot_saved_with_the_cli_survives_a_restart_and_bad_files_are_refused(
 
 @pytest.mark.real
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("kv", ["f16", "q8_0"])
-def test_on_the_real_model_a_state_restored_from_ram_continues_exactly(real_model: RealModel, kv: str) -> None:
-    """Gemma 3 (sliding-window layers): its restored cells give what a fresh computation of the prompt gives,
-    with the default KV type and a quantized one."""
-    long = " ".join(f"The {w} of all things is a story." for w in ("cat", "dog", "sea", "sky") * 30)
+def test_on_the_real_model_a_state_restored_from_ram_continues_exactly(real_model: RealModel) -> None:
+    """Gemma 3 (sliding-window layers) with a quantized KV cache: its restored cells give what a fresh
+    computation of the prompt gives."""
+    kv = "q8_0"
+    long = " ".join(f"The {w} of all things is a story." for w in ("cat", "dog", "sea", "sky") * 20)
     other = " ".join(f"So {w} and it went on." for w in ("ant", "bee", "owl", "elk") * 25)  # pushes it out
     follow_up = long + " And then"
 
@@ -300,4 +300,4 @@ def test_on_the_real_model_a_state_restored_from_ram_continues_exactly(real_mode
         again = run(cached, 0, follow_up)
     finally:
         cached.close()
-    assert again.reused_tokens == 2 * PROMPT_CHUNK and again.text == expected.text
+    assert again.reused_tokens == PROMPT_CHUNK and again.text == expected.text
