@@ -19,6 +19,10 @@ One more case needs no peer: prefix reuse. A long prompt is sent twice with diff
 instance with ``--parallel 2``; the second goes to the slot that holds the first one's KV cells, which
 computes only what differs. Its time to first token is set against the first's (a new prefix each repeat).
 
+Pushed out: a long prompt sent again after 8 others went through the only slot, on mpserve with its host-RAM
+prompt cache (``cache_ram``) and without it, against ``llama-server --cache-ram``: the time to first token
+of the prompt's second sending, which a cache restores instead of computing.
+
 And one with a peer: a system prompt shared by every request (a long preamble, then one of the usual
 prompts) at concurrency 4, on ``1×4`` against ``llama-server --parallel 4`` with its prompt cache on
 (``cache_prompt: true``, its best case: a slot reuses its own last prompt, and any prompt it has seen is
@@ -41,6 +45,7 @@ from .load import (
     LoadResult,
     Workload,
     http_load,
+    http_request,
     mpserve_load,
     mpserve_warm_up,
 )
@@ -53,6 +58,7 @@ PREAMBLE = ("You are the assistant of a small bakery. Answer questions about ope
             "orders politely and briefly; never invent prices; if unsure, ask the customer to call the shop. ")
 TARGET = 1.0
 TARGET_AT_8 = 1.2
+PEER_RAM = 256  # MiB: llama-server's --cache-ram, as mpserve's default cache_ram
 PER_TOKEN = "--stream-interval 0"
 OVER_HTTP = "over HTTP"
 
@@ -87,6 +93,11 @@ def run(settings: Settings) -> Section:
                 f"batching {name} tokens/s vs llama-server --parallel {k} at concurrency {k} ({interface}): "
                 f"≥ {threshold}×", cases[name].figure("tokens/s").ratio, ">=", threshold))
     section.cases.append(_shared_preamble(settings, section))
+    ram = _pushed_out(settings, section)
+    section.cases += ram
+    section.targets.append(Target("TTFT of a long prompt pushed out of the slot by 8 others, mpserve with its "
+                                  "prompt cache vs llama-server --cache-ram: ≤ 1.0×", ram[0].figures[0].ratio, "<=",
+                                  1.0))
     section.notes.append(
         f"Greedy, {work.max_tokens} tokens per request, streamed, {work.n_ctx} tokens of context per sequence, "
         "3 requests per lane, contenders taking turns within each repeat. mpserve streams a request's first token "
@@ -174,6 +185,49 @@ def _prefix_reuse(settings: Settings, section: Section) -> Case:
                          + ", ".join(f"{c} of its {n} tokens" for c, n in reused) + " came from the slot's cache "
                          "(timings.cached_tokens) instead of being computed. 8 tokens generated each.")
     return case
+
+
+def _pushed_out(settings: Settings, section: Section) -> list[Case]:
+    """TTFT of a long prompt sent again, with another ending, after 8 other prompts took the only slot: mpserve
+    with its host-RAM prompt cache and without it, against llama-server with its ``--cache-ram``."""
+    length = settings.pick(1000, 1500)  # characters: about 640 tokens, and 950 (the built-in models' vocabulary)
+    cases = [Case({"mpserve instances×slots": f"1×1, cache_ram {size}", "vs": f"llama-server --cache-ram {PEER_RAM}",
+                   "concurrency": "1"}, [Figure("TTFT", "ms")], plotted=False) for size in ("256MiB", "0")]
+    port = free_port()
+    common = ["--model", str(settings.model), "--n-ctx", "2048", "--instances", "1", "--threads", str(settings.cores)]
+    restored: list[int] = []
+    with HttpServer([str(settings.llama_server), "--model", str(settings.model), "--host", "127.0.0.1", "--port",
+                     str(port), "--threads", str(settings.cores), "--threads-batch", str(settings.cores),
+                     "--parallel", "1", "--ctx-size", "2048", "--cache-ram", str(PEER_RAM)], port, "/health") as peer, \
+            MpserveServer(*common, "--cache-ram", "256MiB") as cached, \
+            MpserveServer(*common, "--cache-ram", "0") as off:
+        peer.wait_ready()
+        cached.wait_ready()
+        off.wait_ready()
+        for r in range(settings.repeat):
+            prompt = (f"Repeat {r}. " + " ".join(PROMPTS[r % len(PROMPTS):] + PROMPTS) * 4)[:length]
+            others = [f"Other {r}.{i}. " + " ".join(PROMPTS[i % len(PROMPTS):] + PROMPTS) for i in range(8)]
+            again = _once(prompt + " Second question? ")
+            for text in (prompt, *others):
+                http_request(port, _once(text), 0, {"cache_prompt": True})
+            peer_s = http_request(port, again, 0, {"cache_prompt": True}).ttft_s
+            for case, server in zip(cases, (cached, off), strict=True):
+                for text in (prompt, *others):
+                    asyncio.run(_ttft(server.address, _once(text).prompt(0)))
+                seconds, (reused, _) = asyncio.run(_ttft(server.address, again.prompt(0)))
+                case.figures[0].add(seconds * 1000, peer_s * 1000)
+                if server is cached:
+                    restored.append(reused)
+    section.notes.append(f"Pushed out: a {length}-character prompt, then 8 others through the only slot, then the "
+                         "first again with another ending; mpserve restored " + ", ".join(map(str, restored))
+                         + " of its tokens from its prompt cache (timings.cached_tokens) per repeat. llama-server "
+                         "with cache_prompt true. 8 tokens generated each.")
+    return cases
+
+
+def _once(text: str) -> Workload:
+    """A workload whose request 0 is ``text`` and a short prompt after it, 8 tokens."""
+    return Workload(max_tokens=8, n_ctx=2048, min_requests=1, budget_s=60.0, preamble=text)
 
 
 async def _ttft(address: str, prompt: str) -> tuple[float, tuple[int, int]]:

@@ -1,11 +1,12 @@
-"""Memory: proportional set size (PSS) of the broker and each worker for 1, 2 and 4 instances.
+"""Memory: proportional set size (PSS) of the broker and each worker for 1, 2 and 4 instances with the default
+settings, and for 1 and 2 with each KV cache type (``cache_type_k`` = ``cache_type_v``) without repacking.
 
 PSS counts a page shared by k processes as 1/k in each, so the sum over a server's processes is what the
 server costs, and weights mapped from the same file by several workers are counted once. Each figure is
 set against the model file's size; "per extra instance" is (total with n instances − total with 1) ÷
-(n − 1). Every worker has served one request before it is measured, so its buffers are touched. A fresh
-Python process that loads the model with ``llama_cpp.Llama`` and runs one request is measured the same way,
-for comparison with one worker.
+(n − 1); a worker's USS (unique set size) is the memory only it holds. Every worker has served one request
+before it is measured, so its buffers are touched. A fresh Python process that loads the model with
+``llama_cpp.Llama`` and runs one request is measured the same way, for comparison with one worker.
 """
 
 from __future__ import annotations
@@ -13,18 +14,21 @@ from __future__ import annotations
 import asyncio
 import subprocess
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
-import gguf
+from mpserve.gpu.placement import estimate_model_memory
+from mpserve.kv_types import DEFAULT_KV_TYPE
 
 from .figures import Case, Figure, Section, Target
 from .load import mpserve_warm_up
-from .procs import MpserveServer, children, pss_mib
+from .procs import MpserveServer, children, pss_mib, uss_mib
 from .settings import Settings
 
 INSTANCES = (1, 2, 4)
 DEFAULT_N_CTX = 2048  # mpserve's default context size
 TARGET = 0.15
+MEASURED_KV_TYPES = [DEFAULT_KV_TYPE, "bf16", "q8_0", "q5_1", "q5_0", "q4_1", "q4_0", "iq4_nl"]
 _DIRECT = """
 import sys, llama_cpp
 llm = llama_cpp.Llama(model_path=sys.argv[1], n_ctx=int(sys.argv[2]), n_threads=1, flash_attn=True, verbose=False)
@@ -34,55 +38,105 @@ sys.stdin.read()
 """
 
 
+@dataclass(frozen=True)
+class Variant:
+    """The settings a row is measured with: KV cache type (K and V alike) and repacking."""
+
+    kv: str
+    repack: bool
+
+    @property
+    def default(self) -> bool:
+        return self == DEFAULT
+
+    @property
+    def args(self) -> list[str]:
+        return ["--cache-type-k", self.kv, "--cache-type-v", self.kv] + ([] if self.repack else ["--no-repack"])
+
+    def labels(self) -> dict[str, str]:
+        return {"kv": self.kv, "repack": "on" if self.repack else "off"}
+
+
+DEFAULT = Variant(DEFAULT_KV_TYPE, True)
+
+
+def variants(settings: Settings) -> list[Variant]:
+    """The default settings, then each KV type without repacking (on a CPU whose repacked layouts copy the
+    weights, such as AMX for f16, that copy would hide what the KV type changes). The tiny model of --quick
+    has heads too small for the quantized types."""
+    kinds = [DEFAULT_KV_TYPE] if settings.quick else MEASURED_KV_TYPES
+    return [DEFAULT, *(Variant(kv, False) for kv in kinds)]
+
+
 def run(settings: Settings) -> Section:
     section = Section("memory", "Memory: PSS per process", "the model file's size")
     file_mib = settings.model.stat().st_size / 2**20
     contexts = (settings.work.n_ctx,) if settings.quick else (settings.work.n_ctx, DEFAULT_N_CTX)
-    cases: dict[tuple[int, str], Case] = {}
+    cases: dict[tuple[int, Variant, str], Case] = {}
     for n_ctx in contexts:
-        cases[n_ctx, "direct"] = Case({"n_ctx": str(n_ctx), "instances": "direct Llama process"},
-                                      [Figure("total PSS", "MiB")])
-        for n in INSTANCES:
-            figures = [Figure("broker PSS", "MiB"), Figure("worker PSS (mean)", "MiB"), Figure("total PSS", "MiB")]
-            if n > 1:
-                figures.append(Figure("per extra instance", "MiB"))
-            cases[n_ctx, str(n)] = Case({"n_ctx": str(n_ctx), "instances": str(n)}, figures)
+        cases[n_ctx, DEFAULT, "direct"] = Case({"n_ctx": str(n_ctx), "instances": "direct Llama process",
+                                                **DEFAULT.labels()}, [Figure("total PSS", "MiB")])
+        for variant in variants(settings):
+            for n in _instances(variant):
+                figures = [Figure("broker PSS", "MiB"), Figure("worker PSS (mean)", "MiB"),
+                           Figure("worker USS (mean)", "MiB"), Figure("total PSS", "MiB")]
+                if n > 1:
+                    figures.append(Figure("per extra instance", "MiB"))
+                cases[n_ctx, variant, str(n)] = Case({"n_ctx": str(n_ctx), "instances": str(n), **variant.labels()},
+                                                     figures)
     for _ in range(settings.repeat):
         for n_ctx in contexts:
-            cases[n_ctx, "direct"].figure("total PSS").add(_direct_pss(settings.model, n_ctx), file_mib)
-            totals: dict[int, float] = {}
-            for n in INSTANCES:
-                broker, workers, others = _server_pss(settings, n, n_ctx)
-                totals[n] = broker + sum(workers) + others
-                case = cases[n_ctx, str(n)]
-                case.figure("broker PSS").add(broker, file_mib)
-                case.figure("worker PSS (mean)").add(sum(workers) / len(workers), file_mib)
-                case.figure("total PSS").add(totals[n], file_mib)
-                if n > 1:
-                    case.figure("per extra instance").add((totals[n] - totals[1]) / (n - 1), file_mib)
+            cases[n_ctx, DEFAULT, "direct"].figure("total PSS").add(_direct_pss(settings.model, n_ctx), file_mib)
+            for variant in variants(settings):
+                totals: dict[int, float] = {}
+                for n in _instances(variant):
+                    broker, workers, unique, others = _server_pss(settings, n, n_ctx, variant)
+                    totals[n] = broker + sum(workers) + others
+                    case = cases[n_ctx, variant, str(n)]
+                    case.figure("broker PSS").add(broker, file_mib)
+                    case.figure("worker PSS (mean)").add(sum(workers) / len(workers), file_mib)
+                    case.figure("worker USS (mean)").add(sum(unique) / len(unique), file_mib)
+                    case.figure("total PSS").add(totals[n], file_mib)
+                    if n > 1:
+                        case.figure("per extra instance").add((totals[n] - totals[1]) / (n - 1), file_mib)
     section.cases = list(cases.values())
     for n_ctx in contexts:
-        for n in INSTANCES[1:]:
-            extra = cases[n_ctx, str(n)].figure("per extra instance")
-            section.targets.append(Target(f"memory per extra instance, {n} instances, n_ctx {n_ctx}: < "
-                                          f"{TARGET:.0%} of the model file", extra.ratio, "<", TARGET))
-    section.notes.append(f"Model file {file_mib:.0f} MiB. "
-                         + "; ".join(f"KV cache at n_ctx {n_ctx}: {_kv_cache_mib(settings.model, n_ctx):.1f} MiB"
-                                     for n_ctx in contexts)
-                         + " per instance (f16 K and V, allocated whole by llama.cpp). Threads per instance: "
-                           "cores ÷ instances. The broker's total includes any other child process it has.")
+        for variant in variants(settings):
+            for n in _instances(variant)[1:]:
+                extra = cases[n_ctx, variant, str(n)].figure("per extra instance")
+                settings_text = "default settings" if variant.default else f"KV {variant.kv}, --no-repack"
+                section.targets.append(Target(f"memory per extra instance, {n} instances, n_ctx {n_ctx}, "
+                                              f"{settings_text}: < {TARGET:.0%} of the model file", extra.ratio, "<",
+                                              TARGET))
+    kv_sizes = "; ".join(f"n_ctx {n_ctx}: " + ", ".join(
+        f"{v.kv} {_kv_cache_mib(settings.model, n_ctx, v.kv):.1f}" for v in variants(settings)[1:])
+        for n_ctx in contexts)
+    section.notes.append(f"Model file {file_mib:.0f} MiB. KV cache per instance in MiB (K and V of one type, "
+                         f"allocated whole by llama.cpp): {kv_sizes}. Threads per instance: cores ÷ instances. "
+                         "The broker's total includes any other child process it has. A worker's USS (the pages "
+                         "only it maps) with 2 or more instances is what one more instance adds (with one, the "
+                         "model file's pages are its own too); per extra instance counts more where another "
+                         "process on the host maps the model file as well.")
     return section
 
 
-def _server_pss(settings: Settings, instances: int, n_ctx: int) -> tuple[float, list[float], float]:
-    """PSS of the broker, of each worker, and of any other child of the broker, after a warm-up."""
-    with MpserveServer("--model", str(settings.model), "--instances", str(instances), "--n-ctx", str(n_ctx)) as server:
+def _instances(variant: Variant) -> tuple[int, ...]:
+    return INSTANCES if variant.default else (1, 2)
+
+
+def _server_pss(settings: Settings, instances: int, n_ctx: int, variant: Variant
+                ) -> tuple[float, list[float], list[float], float]:
+    """PSS of the broker, PSS and USS of each worker, and PSS of any other child of the broker, after a
+    warm-up."""
+    with MpserveServer("--model", str(settings.model), "--instances", str(instances), "--n-ctx", str(n_ctx),
+                       *variant.args) as server:
         server.wait_ready()
         asyncio.run(mpserve_warm_up(server.address, settings.work, instances))
         broker = server.proc.pid
         workers = server.worker_pids()
         others = [pid for pid in children(broker) if pid not in workers]
-        return pss_mib(broker), [pss_mib(pid) for pid in workers], sum(pss_mib(pid) for pid in others)
+        return (pss_mib(broker), [pss_mib(pid) for pid in workers], [uss_mib(pid) for pid in workers],
+                sum(pss_mib(pid) for pid in others))
 
 
 def _direct_pss(model: Path, n_ctx: int) -> float:
@@ -98,19 +152,5 @@ def _direct_pss(model: Path, n_ctx: int) -> float:
         proc.wait()
 
 
-def _kv_cache_mib(model: Path, n_ctx: int) -> float:
-    """f16 K and V for every layer: 2 × layers × n_ctx × (embedding ÷ heads × kv heads) × 2 bytes."""
-    reader = gguf.GGUFReader(model)
-    arch = _field(reader, "general.architecture")
-
-    def number(key: str) -> int:
-        return int(_field(reader, f"{arch}.{key}"))
-
-    n_embd_kv = number("embedding_length") // number("attention.head_count") * number("attention.head_count_kv")
-    return 2 * number("block_count") * n_ctx * n_embd_kv * 2 / 2**20
-
-
-def _field(reader: gguf.GGUFReader, key: str) -> str | int:
-    field = reader.fields[key]
-    value = field.parts[field.data[0]]
-    return bytes(value).decode() if key == "general.architecture" else int(value[0])
+def _kv_cache_mib(model: Path, n_ctx: int, kv: str) -> float:
+    return estimate_model_memory(model, n_ctx, -1, 1, kv, kv).kv_cache / 2**20

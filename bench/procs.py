@@ -178,6 +178,12 @@ def pss_mib(pid: int) -> float:
     raise RuntimeError(f"no Pss line for pid {pid}")
 
 
+def uss_mib(pid: int) -> float:
+    """Unique set size: the pages no other process maps (what stopping the process would free)."""
+    fields = dict(line.split(":", 1) for line in Path(f"/proc/{pid}/smaps_rollup").read_text().splitlines()[1:])
+    return sum(int(fields[key].split()[0]) for key in ("Private_Clean", "Private_Dirty")) / 1024
+
+
 def children(pid: int) -> list[int]:
     """Direct children of ``pid`` (from /proc/PID/task/*/children)."""
     found: list[int] = []

@@ -10,7 +10,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -21,7 +21,7 @@ from . import settings
 from .errors import BadRequest, ConnectionFailed, MpserveError
 from .protocol import ModelControl, Stats
 from .runtime import ServerInfo, pid_alive
-from .slots import SlotRow, SlotState, SlotTable
+from .slots import SlotRow, SlotState, SlotTable, instance_slots, locate
 
 app = typer.Typer(add_completion=False, no_args_is_help=True,
                   help="Run several llama.cpp instances behind one ZeroMQ broker.")
@@ -482,6 +482,39 @@ def add(
     _control(server_name, as_json, "add", name, low, high, where)
 
 
+@app.command()
+def slots(
+    action: Annotated[str, typer.Argument(help="save, restore or erase.")],
+    slot: Annotated[int, typer.Argument(help="The slot: SLOT in mpserve status.")],
+    filename: Annotated[str, typer.Argument(help="A file name in the model's slot_save_path (save, restore).")] = "",
+    server_name: ServerNameOption = "default",
+    as_json: Annotated[bool, typer.Option("--json", help="Print the result as JSON.")] = False,
+) -> None:
+    """Save an idle slot's KV cells to a file of its model's slot_save_path, restore them from one, or erase
+    them: a long conversation survives a restart."""
+    from .client import Client
+    from .gpu.devices import format_memory
+
+    with _errors():
+        info = ServerInfo.read(server_name)
+        if info is None or not info.alive() or info.role != "broker":
+            raise ConnectionFailed(f"no server named {server_name!r} is running; start one with `mpserve start`")
+        table = SlotTable.attach(Path(info.slots), writable=False)
+        try:
+            worker, local = locate(table.read_all(), slot)
+        finally:
+            table.close()
+        with Client(info.front, curve_server_key=os.environ.get("MPSERVE_CURVE_SERVER_KEY"),
+                    curve_secret=os.environ.get("MPSERVE_CURVE_CLIENT_SECRET")) as client:
+            reply = client.slot(action, worker, local, filename)
+        if as_json:
+            print(json.dumps({"slot": slot, "worker": worker, **vars(reply)}))
+            return
+        done = {"save": "saved", "restore": "restored", "erase": "erased"}[reply.action]
+        where = f" ({format_memory(reply.bytes)}, {filename})" if reply.action != "erase" else ""
+        print(f"{done} slot {slot} ({worker} slot {local}): {reply.tokens} tokens{where} in {reply.ms:.0f} ms")
+
+
 def _control(server_name: str, as_json: bool, op: str, model: str | None = None, low: int | None = None,
              high: int | None = None, path: str | None = None) -> None:
     from .client import Client
@@ -524,7 +557,7 @@ def _broker_stats(info: ServerInfo) -> Stats | None:
 
 def format_table(info: ServerInfo, rows: list[SlotRow]) -> str:
     now = time.time()
-    head = ["SLOT", "WORKER", "PID", "STATE", "MODEL", "DEVICE", "REQUEST", "TOKENS", "IDLE/BUSY FOR",
+    head = ["SLOT", "WORKER", "PID", "STATE", "MODEL", "DEVICE", "REQUEST", "TOKENS", "KV CELLS", "IDLE/BUSY FOR",
             "LOAD", "SERVED"]
     lines = [head]
     for r in rows:
@@ -534,14 +567,30 @@ def format_table(info: ServerInfo, rows: list[SlotRow]) -> str:
         state = r.state.name.lower() if alive or r.state in (SlotState.DEAD, SlotState.FAILED) else "dead"
         lines.append([str(r.index), str(r.worker), str(r.pid or "-"), state, r.model,
                       "cpu" if r.device < 0 else f"gpu{r.device}", r.request or "-", str(r.tokens),
-                      f"{now - r.progress:.1f}s" if r.progress else "-", f"{r.load_s:.2f}s", str(r.served)])
+                      f"{r.kv_cells}/{r.kv_capacity}", f"{now - r.progress:.1f}s" if r.progress else "-",
+                      f"{r.load_s:.2f}s", str(r.served)])
     widths = [max(len(line[i]) for line in lines) for i in range(len(head))]
     body = "\n".join("  ".join(c.ljust(w) for c, w in zip(line, widths, strict=True)).rstrip() for line in lines)
-    return f"server {info.name!r} pid {info.pid} at {info.front}\n{body}"
+    return f"server {info.name!r} pid {info.pid} at {info.front}\n{body}{_instance_lines(rows)}"
+
+
+def _instance_lines(rows: list[SlotRow]) -> str:
+    """Per instance: the KV cells its slots hold, of all it has, and its prompt cache."""
+    from mpserve.gpu.devices import format_memory
+
+    lines = []
+    for (model, worker), slots in instance_slots(rows).items():
+        used, capacity = sum(r.kv_cells for r in slots), sum(r.kv_capacity for r in slots)
+        share = f" ({100 * used / capacity:.0f}%)" if capacity else ""
+        c = slots[0].cache
+        cache = (f"prompt cache {format_memory(c.bytes)} of {format_memory(c.capacity)}, {c.hits} hits, {c.misses} "
+                 f"misses, {c.evictions} evictions" if c.capacity else "no prompt cache")
+        lines.append(f"instance w{worker} ({model}): KV cells {used} of {capacity}{share}; {cache}")
+    return "\n\n" + "\n".join(lines) if lines else ""
 
 
 def _row_json(r: SlotRow) -> dict[str, object]:
-    d = dict(vars(r))
+    d = asdict(r)
     d["state"] = r.state.name.lower()
     return d
 

@@ -47,6 +47,7 @@ T = TypeVar("T")
 PING_INTERVAL_S = 1.0
 PING_LIVENESS = 3
 CONNECT_TIMEOUT_S = 5.0
+SLOT_TIMEOUT_S = 60.0  # a slot file is written or read between two steps of its instance
 
 
 @dataclass(frozen=True)
@@ -279,6 +280,17 @@ class AsyncClient:
         assert isinstance(answer, wire.ControlReply)
         return answer
 
+    async def slot(self, action: str, worker: str, slot: int, filename: str = "",
+                   timeout: float = SLOT_TIMEOUT_S) -> wire.SlotReply:
+        """``save`` slot ``slot`` of instance ``worker`` (w0, w1, ... as ``mpserve status`` shows) to ``filename`` in
+        its model's slot_save_path, ``restore`` it from there, or ``erase`` it; a refused one raises its error."""
+        msg = wire.SlotAction(next(self._ids), worker, slot, action, filename)
+        msg.validate()
+        answer = await self._ask(msg, timeout, ConnectionFailed(
+            f"no answer from the server at {self.address} within {timeout:g} s"))
+        assert isinstance(answer, wire.SlotReply)
+        return answer
+
     # --- internals ------------------------------------------------------------------------------
 
     def _request(self, prompt: str | list[int], model: str | None, timeout: float | None, params: dict[str, Any],
@@ -302,7 +314,7 @@ class AsyncClient:
         assert isinstance(answer, wire.Tokens)
         return answer
 
-    async def _ask(self, msg: wire.Tokenize | wire.Control | wire.Embed, wait: float | None,
+    async def _ask(self, msg: wire.Tokenize | wire.Control | wire.Embed | wire.SlotAction, wait: float | None,
                    timed_out: MpserveError) -> Any:
         """Send a message that has one answer and wait for it (``wait`` seconds; None: no limit); raises the
         MpserveError of an ERROR reply, or ``timed_out``."""
@@ -503,6 +515,10 @@ class Client:
     def control(self, op: str, model: str | None = None, *, min: int | None = None, max: int | None = None,
                 path: str | None = None, timeout: float = CONNECT_TIMEOUT_S) -> wire.ControlReply:
         return self._call(self._async.control(op, model, min=min, max=max, path=path, timeout=timeout))
+
+    def slot(self, action: str, worker: str, slot: int, filename: str = "",
+             timeout: float = SLOT_TIMEOUT_S) -> wire.SlotReply:
+        return self._call(self._async.slot(action, worker, slot, filename, timeout))
 
     def close(self) -> None:
         if self.open:

@@ -34,6 +34,7 @@ import yaml
 
 from . import settings, speculative
 from .errors import ConfigError
+from .kv_types import DEFAULT_KV_TYPE, KV_TYPES
 from .speculative import Speculative
 
 BUILTIN_PREFIX = "builtin:"
@@ -54,6 +55,10 @@ class ModelConfig:
     flash_attn: str = "auto"  # llama.cpp's flash attention: auto (on where supported, as llama-server), on, off
     repack: bool = True  # llama.cpp's repacked weight layouts for this CPU (llama-server's --no-repack: False)
     echo_tick_ms: float = 0.0  # the echo backend's time per step; its pieces are then their CLOCK_MONOTONIC ns
+    cache_type_k: str = DEFAULT_KV_TYPE  # KV cache types (mpserve.kv_types); a quantized V needs flash attention
+    cache_type_v: str = DEFAULT_KV_TYPE
+    cache_ram: int = 256 << 20  # bytes of host RAM per instance for its prompt cache; 0: off
+    slot_save_path: str | None = None  # the folder of slot files (save and restore); None: off
     devices: tuple[int, ...] | None = None  # pin the model's instances to these GPU indices
     requires_memory: int | None = None  # declared GPU bytes per instance; None: estimated from the GGUF
     embedding: bool = False  # serves embeddings (mpserve.engine.embed), not completions
@@ -268,6 +273,8 @@ def _bytes(value: Any, where: str, parse: Any) -> int:
 
 
 def _model(index: int, entry: Any, overrides: Mapping[str, Any], source: str) -> ModelConfig:
+    from mpserve.gpu.devices import parse_memory
+
     where = f"{source}: models[{index}]"
     if not isinstance(entry, dict):
         raise ConfigError(f"{where}: must be a mapping with keys {', '.join(_MODEL_KEYS)}")
@@ -296,6 +303,18 @@ def _model(index: int, entry: Any, overrides: Mapping[str, Any], source: str) ->
         values["devices"] = _index_list(values["devices"], f"{where}.devices")
     if "flash_attn" in values:
         values["flash_attn"] = _flash_attn(values["flash_attn"], f"{where}.flash_attn")
+    for key in ("cache_type_k", "cache_type_v"):
+        if key in values and values[key] not in KV_TYPES:
+            raise ConfigError(f"{where}.{key}: got {values[key]!r}, allowed: {', '.join(KV_TYPES)}")
+    v_type = values.get("cache_type_v", DEFAULT_KV_TYPE)
+    if KV_TYPES[v_type].quantized and values.get("flash_attn") == "off":
+        raise ConfigError(f"{where}.cache_type_v: {v_type} is a quantized type, which llama.cpp stores only with "
+                          "flash attention, and flash_attn is off; set flash_attn to auto or on, or cache_type_v "
+                          "to f16, bf16 or f32")
+    if "slot_save_path" in values and not Path(values["slot_save_path"]).is_dir():
+        raise ConfigError(f"{where}.slot_save_path: {values['slot_save_path']!r} is not a folder; create it first")
+    if "cache_ram" in values:
+        values["cache_ram"] = _bytes(values["cache_ram"], f"{where}.cache_ram", parse_memory)
     if "requires" in values:
         values["requires_memory"] = _requires(values.pop("requires"), f"{where}.requires")
     if "speculative" in values:

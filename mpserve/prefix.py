@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import TypeVar
 
-T = TypeVar("T", str, list[int])
+T = TypeVar("T", str, list[int], tuple[int, ...])
 
 
 def common_prefix(a: T, b: T) -> int:

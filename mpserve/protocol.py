@@ -4,14 +4,15 @@ Every message is a ZeroMQ multipart message. ROUTER sockets see a routing-identi
 frame belongs to ZeroMQ and is not described here.
 
     client  -> broker   [VERSION, TYPE, BODY]            REQUEST, CANCEL, PING, STATS_QUERY, TOKENIZE, CONTROL,
-                                                         EMBED
+                                                         EMBED, SLOT_ACTION
     broker  -> client   [VERSION, TYPE, BODY]            CHUNK, CHUNKS, DONE, ERROR, PONG, STATS, TOKENS,
-                                                         CONTROL_REPLY, EMBEDDINGS
-    broker  -> worker   [VERSION, TYPE, BODY]            ASSIGN, CANCEL, STOP, UNLOAD, TOKENIZE, EMBED
+                                                         CONTROL_REPLY, EMBEDDINGS, SLOT_REPLY
+    broker  -> worker   [VERSION, TYPE, BODY]            ASSIGN, CANCEL, STOP, UNLOAD, TOKENIZE, EMBED, SLOT_ACTION
     worker  -> broker   [VERSION, TYPE, TICKET, BODY]    READY, HEARTBEAT, FAILED, UNLOADED (empty TICKET);
                                                          CHUNK, DONE, ERROR (TICKET of an ASSIGN);
                                                          TOKENS, ERROR (TICKET of a TOKENIZE);
-                                                         EMBEDDINGS, ERROR (TICKET of an EMBED)
+                                                         EMBEDDINGS, ERROR (TICKET of an EMBED);
+                                                         SLOT_REPLY, ERROR (TICKET of a SLOT_ACTION)
                         [VERSION, CHUNK, TICKET, BODY, TOKENS]  when the ASSIGN asked for ``report_tokens``
                         [VERSION, CHUNKS, b"", BATCH]    the CHUNKs of one step of several sequences
 
@@ -73,6 +74,7 @@ class MsgType(IntEnum):
     TOKENIZE = 0x05
     CONTROL = 0x06
     EMBED = 0x07
+    SLOT_ACTION = 0x08
     CHUNK = 0x10
     DONE = 0x11
     ERROR = 0x12
@@ -82,6 +84,7 @@ class MsgType(IntEnum):
     CONTROL_REPLY = 0x16
     EMBEDDINGS = 0x17
     CHUNKS = 0x18
+    SLOT_REPLY = 0x19
     READY = 0x20
     HEARTBEAT = 0x21
     FAILED = 0x22
@@ -943,13 +946,65 @@ class Embeddings:
         n = len(self.vectors) // (4 * self.dim)
         flat = struct.unpack(f"<{n * self.dim}f", self.vectors)
         return [list(flat[i * self.dim:(i + 1) * self.dim]) for i in range(n)]
+SLOT_ACTIONS = ("save", "restore", "erase")
+MAX_FILENAME_CHARS = 128
+
+
+@dataclass(frozen=True)
+class SlotAction:
+    """client -> broker -> worker: ``save`` slot ``slot`` of instance ``worker`` (its identity: w0, w1, ...) to
+    ``filename`` in the model's ``slot_save_path``, ``restore`` it from there, or ``erase`` its cells. The broker
+    sends it to that worker with ``ticket`` set; answered by SLOT_REPLY or ERROR."""
+
+    TYPE: ClassVar[MsgType] = MsgType.SLOT_ACTION
+    id: str
+    worker: str
+    slot: int
+    action: str
+    filename: str = ""
+    ticket: str = ""
+
+    @classmethod
+    def from_wire(cls, body: dict[str, Any]) -> SlotAction:
+        msg = cls(id=_text(body, "id", MAX_ID_CHARS), worker=_text(body, "worker", MAX_ID_CHARS, bad=BadRequest),
+                  slot=_get(body, "slot", int, bad=BadRequest), action=_text(body, "action", 16, bad=BadRequest),
+                  filename=_text(body, "filename", MAX_FILENAME_CHARS, "", bad=BadRequest),
+                  ticket=_text(body, "ticket", MAX_ID_CHARS, ""))
+        msg.validate()
+        return msg
+
+    def validate(self) -> None:
+        if self.action not in SLOT_ACTIONS:
+            raise BadRequest(f"'action' must be one of {', '.join(SLOT_ACTIONS)}, got {self.action!r}")
+        _ranged("slot", self.slot, 0, 1023)
+        if self.action != "erase" and not self.filename:
+            raise BadRequest(f"{self.action} needs a 'filename'")
+
+
+@dataclass(frozen=True)
+class SlotReply:
+    """worker -> broker -> client: what SLOT_ACTION ``id`` did: the tokens saved, restored or erased, the file's
+    bytes (save, restore) and the milliseconds it took."""
+
+    TYPE: ClassVar[MsgType] = MsgType.SLOT_REPLY
+    id: str
+    action: str
+    tokens: int
+    bytes: int = 0
+    ms: float = 0.0
+
+    @classmethod
+    def from_wire(cls, body: dict[str, Any]) -> SlotReply:
+        return cls(id=_text(body, "id", MAX_ID_CHARS), action=_text(body, "action", 16),
+                   tokens=_get(body, "tokens", int), bytes=_get(body, "bytes", int, 0),
+                   ms=float(_get(body, "ms", (int, float), 0.0)))
 
 
 _DECODERS: dict[MsgType, Any] = {
     cls.TYPE: cls.from_wire
     for cls in (Request, Cancel, Ping, StatsQuery, Pong, Stats, Chunk, Done, Error, Ready, Heartbeat, Failed,
                 Unloaded, Assign, Stop, Unload, Tokenize, Tokens, Control, ControlReply,
-                Embed, Embeddings)
+                Embed, Embeddings, SlotAction, SlotReply)
 }
 
 

@@ -16,11 +16,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from .kv_types import DEFAULT_KV_TYPE, KV_TYPES
+
 Scope = Literal["server", "model", "cli"]
 Command = Literal["start", "worker", "plan", "devices"]
 
 _FOR_SERVERS: tuple[Command, ...] = ("start",)
 _FOR_POOLS: tuple[Command, ...] = ("start", "worker")
+_SIZING: tuple[Command, ...] = ("start", "worker", "plan")  # what an instance's memory estimate depends on
 
 
 @dataclass(frozen=True)
@@ -80,16 +83,20 @@ SETTINGS: tuple[Setting, ...] = (
     _s("scale_down_after", "model", float, "60", "Drain one instance (down to min) once an instance's worth of "
        "slots has been idle this long, in s", cli_type=float, range=(0.1, 86400)),
     _s("parallel", "model", int, "1", "Requests one instance decodes together in one batch, each with n_ctx "
-       "tokens", short="-p", cli_type=int, range=(1, 64), commands=_FOR_POOLS),
+       "tokens", short="-p", cli_type=int, range=(1, 64), commands=_SIZING),
     _s("n_ctx", "model", int, "2048", "Context tokens per request (per sequence: an instance holds parallel × "
-       "n_ctx)", cli_type=int, range=(16, 1 << 20), commands=_FOR_POOLS),
+       "n_ctx)", cli_type=int, range=(16, 1 << 20), commands=_SIZING),
     _s("threads", "model", int, "cores ÷ all instances, at least 1", "llama.cpp threads per instance",
        cli_type=int, range=(1, 1024), commands=_FOR_POOLS),
     _s("n_gpu_layers", "model", int, "all on a GPU, none on the CPU", "Layers offloaded to the GPU (-1: all)",
-       cli_type=int, range=(-1, 100000), commands=_FOR_POOLS),
+       cli_type=int, range=(-1, 100000), commands=_SIZING),
     _s("flash_attn", "model", (str, bool), "auto", "llama.cpp flash attention: auto is on where llama.cpp "
        "supports it (always on a CPU), as llama-server does; true/false mean on/off",
        choices=("auto", "on", "off"), commands=_FOR_POOLS),
+    _s("cache_type_k", "model", str, DEFAULT_KV_TYPE, "KV cache type of the keys, as llama-server's --cache-type-k; "
+       "a quantized type takes less memory per cell", choices=tuple(KV_TYPES), commands=_SIZING),
+    _s("cache_type_v", "model", str, DEFAULT_KV_TYPE, "KV cache type of the values; a quantized type needs flash "
+       "attention (flash_attn auto or on)", choices=tuple(KV_TYPES), commands=_SIZING),
     _s("repack", "model", bool, "true", "llama.cpp's repacked weight layouts for this CPU; --no-repack loads "
        "weights as stored, as llama-server's --no-repack, for CPUs where those kernels fail (create_completion "
        "always repacks, so output equals it only with repacking on)", flag="--no-repack", env="MPSERVE_NO_REPACK",
@@ -101,6 +108,12 @@ SETTINGS: tuple[Setting, ...] = (
        "ngram_min: 2, ngram_max: 4} drafts up to n_max tokens a step from the sequence's own prompt and output "
        "(prompt lookup) and verifies them in one decode; output is unchanged; ngram is short for the defaults",
        flag="--speculative", cli_type=str, commands=_FOR_POOLS),
+    _s("cache_ram", "model", (str, int), "256MiB", "Host RAM per instance for its prompt cache, e.g. 1GiB: the KV "
+       "cells of prompts that left the slots, restored for a prompt that starts with them, as llama-server's "
+       "--cache-ram (0: off)", commands=_FOR_POOLS),
+    _s("slot_save_path", "model", str, "none", "Folder of slot files: mpserve slots save|restore and POST "
+       "/slots/ID?action=save|restore write and read an idle slot's KV cells there (none: off)",
+       commands=_FOR_POOLS),
     _s("devices", "model", list, "any GPU", "Pin the model's instances to these GPU indices, e.g. [1]", flag=None,
        env=None),
     _s("requires", "model", dict, "estimated from the GGUF", "Declared needs per instance: {memory: 7GiB, gpus: 1}",

@@ -21,11 +21,15 @@ from dataclasses import dataclass
 from enum import IntEnum
 from pathlib import Path
 
-MAGIC = b"MPSLOT01"
+from .errors import BadRequest
+
+MAGIC = b"MPSLOT03"
 _HEADER = struct.Struct("<8sII")  # magic, rows, row size
 _SEQ = struct.Struct("<Q")
-# pid, worker, slot, state, device, model, request, tokens, served, started, progress, load_s
-_FIELDS = struct.Struct("<iHHBxh48s40sIQddd")
+# pid, worker, slot, state, device, model, request, tokens, served, started, progress, load_s, kv_cells, kv_capacity,
+# then the instance's prompt cache: bytes, capacity, hits, misses, evictions
+_FIELDS = struct.Struct("<iHHBxh48s40sIQdddIIQQIII")
+_CACHE = 14  # the first prompt-cache field
 STUCK_WRITER_S = 0.05
 ROW_SIZE = 192  # room for fields to come; the magic changes with the layout
 assert _SEQ.size + _FIELDS.size <= ROW_SIZE
@@ -45,6 +49,21 @@ class SlotState(IntEnum):
 
 
 @dataclass(frozen=True)
+class CacheRow:
+    """An instance's host-RAM prompt cache, as its worker last wrote it (all 0: none, or not loaded)."""
+
+    bytes: int
+    capacity: int
+    hits: int
+    misses: int
+    evictions: int
+
+    @classmethod
+    def empty(cls) -> CacheRow:
+        return cls(0, 0, 0, 0, 0)
+
+
+@dataclass(frozen=True)
 class SlotRow:
     index: int
     pid: int
@@ -59,6 +78,25 @@ class SlotRow:
     started: float  # unix time the worker process started
     progress: float  # unix time of the last state change or generated token
     load_s: float  # seconds the model took to load
+    kv_cells: int  # KV cells the slot holds now: its running sequence's, or what its last request left
+    kv_capacity: int  # KV cells the slot may hold (n_ctx)
+    cache: CacheRow  # its instance's prompt cache (the same in each of the instance's rows)
+
+
+def instance_slots(rows: list[SlotRow]) -> dict[tuple[str, int], list[SlotRow]]:
+    """The rows of each started instance, by (model, worker index), in table order."""
+    instances: dict[tuple[str, int], list[SlotRow]] = {}
+    for row in rows:
+        if row.state is not SlotState.EMPTY:
+            instances.setdefault((row.model, row.worker), []).append(row)
+    return instances
+
+
+def locate(rows: list[SlotRow], index: int) -> tuple[str, int]:
+    """Slot-table row ``index`` (SLOT in ``mpserve status``) as its instance's identity and its slot there."""
+    if not 0 <= index < len(rows) or rows[index].state is SlotState.EMPTY:
+        raise BadRequest(f"no slot {index}; `mpserve status` lists the slots")
+    return f"w{rows[index].worker}", rows[index].slot
 
 
 def shm_dir() -> Path:
@@ -120,9 +158,10 @@ class SlotTable:
             if now > deadline:
                 break
             time.sleep(0)
-        pid, worker, slot, state, device, model, request, tokens, served, started, progress, load_s = fields
+        pid, worker, slot, state, device, model, request, tokens, served, started, progress, load_s, kv_cells, \
+            kv_capacity = fields[:_CACHE]
         return SlotRow(index, pid, worker, slot, SlotState(state), device, _text(model), _text(request),
-                       tokens, served, started, progress, load_s)
+                       tokens, served, started, progress, load_s, kv_cells, kv_capacity, CacheRow(*fields[_CACHE:]))
 
     def read_all(self) -> list[SlotRow]:
         return [self.read(i) for i in range(self.rows)]
@@ -148,7 +187,8 @@ class SlotWriter:
     def update(self, *, pid: int | None = None, worker: int | None = None, slot: int | None = None,
                state: SlotState | None = None, device: int | None = None, model: str | None = None,
                request: str | None = None, tokens: int | None = None, served: int | None = None,
-               started: float | None = None, load_s: float | None = None) -> None:
+               started: float | None = None, load_s: float | None = None, kv_cells: int | None = None,
+               kv_capacity: int | None = None) -> None:
         v = self._values
         for i, value in enumerate((pid, worker, slot, state, device)):
             if value is not None:
@@ -166,15 +206,27 @@ class SlotWriter:
         v[10] = time.time()
         if load_s is not None:
             v[11] = load_s
+        if kv_cells is not None:
+            v[12] = kv_cells
+        if kv_capacity is not None:
+            v[13] = kv_capacity
+        self._write()
+
+    def _write(self) -> None:
         (seq,) = _SEQ.unpack_from(self._mm, self._offset)
         seq |= 1
         _SEQ.pack_into(self._mm, self._offset, seq)
-        _FIELDS.pack_into(self._mm, self._offset + _SEQ.size, *v)
+        _FIELDS.pack_into(self._mm, self._offset + _SEQ.size, *self._values)
         _SEQ.pack_into(self._mm, self._offset, seq + 1)
 
-    def progress(self, tokens: int) -> None:
+    def cache(self, cache: CacheRow) -> None:
+        """The instance's prompt cache; not progress (the watchdog's clock is left alone)."""
+        self._values[_CACHE:] = [cache.bytes, cache.capacity, cache.hits, cache.misses, cache.evictions]
+        self._write()
+
+    def progress(self, tokens: int, kv_cells: int) -> None:
         """The hot path: one generated token."""
-        self.update(tokens=tokens)
+        self.update(tokens=tokens, kv_cells=kv_cells)
 
 
 def _text(raw: bytes) -> str:

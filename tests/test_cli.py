@@ -34,9 +34,16 @@ def test_start_four_instances_then_generate_and_status_from_other_processes(star
     assert all(r["state"] == "idle" and r["model"] == "tiny" and r["device"] == -1 for r in rows)
     assert sum(r["served"] for r in rows) == 2
     assert len({r["pid"] for r in rows}) == 4
+    assert all(r["kv_capacity"] == 2048 for r in rows)  # n_ctx: the cells a slot may hold
+    assert all(r["cache"]["capacity"] == 256 << 20 for r in rows)  # each instance's prompt cache, on by default
+    used = [r for r in rows if r["served"]]  # each request's prompt and 11 generated tokens stay in its slot
+    assert all(r["kv_cells"] >= 12 for r in used) and all(r["kv_cells"] == 0 for r in rows if not r["served"])
 
     table = mpserve("status", *name)
     assert table.returncode == 0 and table.stdout.count(" idle ") == 4, table.stdout
+    used_by_worker = {r["worker"]: r["kv_cells"] for r in rows}
+    for worker, cells in used_by_worker.items():  # one slot per instance: the instance holds its slot's cells
+        assert f"instance w{worker} (tiny): KV cells {cells} of 2048" in table.stdout
 
 
 @pytest.mark.timeout(60)

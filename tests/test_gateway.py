@@ -261,6 +261,15 @@ def test_metrics_count_the_requests_sent(gateway) -> None:
     assert after["mpserve_requests_in_flight", (("model", "tiny"),)] == 0
     assert after["mpserve_instances", (("model", "tiny"), ("state", "idle"))] == 2
     assert after["mpserve_worker_restarts_total", (("model", "tiny"),)] == 0
+    cells = {labels: value for (name, labels), value in after.items() if name == "mpserve_kv_cells_used"}
+    ratios = {labels: value for (name, labels), value in after.items() if name == "mpserve_kv_usage_ratio"}
+    assert len(cells) == 2 and cells.keys() == ratios.keys() and sum(cells.values()) > 0
+    assert all(0 <= ratios[labels] < 1 and (ratios[labels] > 0) == (cells[labels] > 0) for labels in cells)
+    for labels in cells:  # each instance's prompt cache: on by default, nothing in it for these short prompts
+        assert after["mpserve_prompt_cache_capacity_bytes", labels] == 256 << 20
+        assert after["mpserve_prompt_cache_bytes", labels] == 0
+        for counter in ("hits", "misses", "evictions"):
+            assert after[f"mpserve_prompt_cache_{counter}_total", labels] == 0
 
 
 @pytest.mark.timeout(60)
@@ -310,7 +319,10 @@ def test_monitor_reports_each_instance_and_a_killed_worker_shows_everywhere(star
         for inst in body["instances"]:
             assert inst["state"] == "idle" and inst["device"] == "cpu" and inst["model"] == "tiny"
             assert 0 < inst["pss_bytes"] <= inst["rss_bytes"] and inst["uptime_s"] > 0
+            assert inst["kv_capacity"] == 2048 and (inst["prompt_cache_bytes"], inst["prompt_cache_capacity"]) == (
+                0, 256 << 20)
         assert sum(i["requests_served"] for i in body["instances"]) == 1
+        assert sorted(i["kv_cells"] > 0 for i in body["instances"]) == [False, True]
         assert body["pss_bytes"] == sum(i["pss_bytes"] for i in body["instances"])
         assert gw.get("/backend/monitor", params={"model": "nope"}).status_code == 404
 
@@ -400,5 +412,34 @@ def test_a_request_past_its_timeout_is_a_504(single_server) -> None:
                           timeout=10)
         assert late.status_code == 504 and late.json()["error"]["code"] == "timeout"
         wait_for(lambda: single_server.slots()[0].state is SlotState.IDLE, 5, "an idle instance")
+    finally:
+        gw.stop()
+
+
+@pytest.mark.timeout(60)
+def test_slots_save_restore_and_erase_over_http_behind_the_api_key(start_server, tmp_path) -> None:
+    server = start_server("--slot-save-path", str(tmp_path)).wait_ready()
+    gw = GatewayThread(server_name=server.name, api_key="sesame")
+    try:
+        gw.openai("sesame").completions.create(model="tiny", prompt="Hello there", max_tokens=4)
+
+        def post(action: str, body: Any = None, slot: str = "0", key: str = "sesame") -> httpx.Response:
+            return httpx.post(f"{gw.url}/slots/{slot}", params={"action": action}, json=body, timeout=30,
+                              headers={"Authorization": f"Bearer {key}"})
+
+        assert post("save", {"filename": "a.bin"}, key="wrong").status_code == 401
+        saved = post("save", {"filename": "a.bin"})
+        assert saved.status_code == 200, saved.text
+        body = saved.json()
+        assert body["id_slot"] == 0 and body["n_saved"] == server.slots()[0].kv_cells > 0
+        assert body["n_written"] == (tmp_path / "a.bin").stat().st_size and "save_ms" in body["timings"]
+        assert post("erase").json() == {"id_slot": 0, "n_erased": body["n_saved"]}
+        restored = post("restore", {"filename": "a.bin"}).json()
+        assert restored["n_restored"] == body["n_saved"] == server.slots()[0].kv_cells
+        for action, call, problem in (("restore", {"filename": "none.bin"}, "no slot file 'none.bin'"),
+                                      ("load", None, "'action' must be one of save, restore, erase"),
+                                      ("save", {}, "the body must be"), ("erase", None, "no slot 5")):
+            refused = post(action, call, slot="5" if problem == "no slot 5" else "0")
+            assert refused.status_code == 400 and problem in refused.json()["error"]["message"], refused.text
     finally:
         gw.stop()

@@ -24,7 +24,7 @@ from mpserve.gateway.monitor import monitor
 from mpserve.gpu.devices import parse_nvidia_smi, parse_simulated
 from mpserve.gpu.memory import EstimateCheck, GpuProcess, GpuUsage, memory_by_pid, read_usage
 from mpserve.gpu.placement import Placement
-from mpserve.slots import SlotRow, SlotState
+from mpserve.slots import CacheRow, SlotRow, SlotState
 
 GIB = 1 << 30
 ONE_GPU = parse_nvidia_smi((DATA / "nvidia-smi-1gpu.csv").read_text())
@@ -56,7 +56,8 @@ def test_no_process_list_no_nvml_and_no_driver_answer_nothing(monkeypatch: pytes
 
 def row(index: int, pid: int, device: int, worker: int, model: str = "m") -> SlotRow:
     now = time.time()
-    return SlotRow(index, pid, worker, index, SlotState.IDLE, device, model, "", 0, 1, now, now, 0.5)
+    return SlotRow(index, pid, worker, index, SlotState.IDLE, device, model, "", 0, 1, now, now, 0.5, 0, 512,
+                   CacheRow.empty())
 
 
 def usage_of(pid: int) -> list[GpuUsage]:

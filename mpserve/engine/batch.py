@@ -31,6 +31,11 @@ instead: a system prompt common to many requests is computed once per instance, 
 equal to one being computed (the n choices of one request) wait for it and take all of its cells and its
 last row's logits (``_twins``): the whole prompt is computed once.
 
+Beyond the slots, a host-RAM prompt cache (``cache_ram`` bytes, ``mpserve.engine.prompt_cache``): before
+admission cuts a slot's cells, the whole chunks it would lose are saved there (their sequence state), unless
+another slot or the cache holds them; a prompt whose whole chunks the cache holds more of than any slot gets
+them restored into its slot instead of computed (reported as reused, like cells a slot kept).
+
 Prompts are computed in chunks of PROMPT_CHUNK tokens from position 0, each chunk in a llama_decode of
 its own: the decodes ``llama_cpp.Llama`` makes for the same prompt. That is what makes reuse exact.
 llama.cpp's CPU kernels give a token slightly different numbers depending on how many tokens its batch
@@ -65,22 +70,25 @@ from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
 from enum import Enum
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from mpserve import protocol as wire
 from mpserve.errors import BadRequest, Busy
+from mpserve.kv_types import DEFAULT_KV_TYPE, KV_TYPES
 from mpserve.prefix import common_prefix
 from mpserve.protocol import GenerateParams
 from mpserve.speculative import Speculative
 from mpserve.structured import grammar_source
 
-from . import vocab
+from . import slot_file, vocab
 from .grammar import GrammarCache
 from .interface import Completion, OnToken
 from .logprobs import LogprobsRecorder
 from .model_info import read_chat_template
+from .prompt_cache import CacheStats, PromptCache, read_state, write_state
 from .sampling import SamplerChain, TextStream
 from .speculation import MAX_ROWS, Drafter, RowCosts, verify
 
@@ -109,6 +117,7 @@ class BatchStats:
     prompt_tokens_reused: int  # from the admitting slot's own cells or, copied, from another slot's
     generated_tokens: int
     prefix_copies: int  # admissions that copied another slot's cells
+    prompt_tokens_restored: int  # of those reused: restored from the host-RAM prompt cache
     draft_tokens: int = 0  # proposed by speculation and verified
     accepted_tokens: int = 0  # of those, the ones the sequences kept
 
@@ -172,13 +181,16 @@ def _whole_chunks(n: int) -> int:
 class BatchEngine:
     def __init__(self, path: str, n_ctx: int, parallel: int, threads: int, n_gpu_layers: int, seed: int = 0,
                  step_budget_tokens: int = 64, *, kv_unified: bool = False, flash_attn: str = "auto",
-                 repack: bool = True, speculative: Speculative | None = None) -> None:
+                 repack: bool = True, speculative: Speculative | None = None, cache_type_k: str = DEFAULT_KV_TYPE,
+                 cache_type_v: str = DEFAULT_KV_TYPE, cache_ram: int = 0) -> None:
         import llama_cpp
 
         if not 1 <= parallel <= llama_cpp.llama_max_parallel_sequences():
             raise ValueError(f"parallel must be 1..{llama_cpp.llama_max_parallel_sequences()}, got {parallel}")
         if flash_attn not in FLASH_ATTN_TYPES:
             raise ValueError(f"flash_attn must be one of {', '.join(FLASH_ATTN_TYPES)}, got {flash_attn!r}")
+        if cache_type_k not in KV_TYPES or cache_type_v not in KV_TYPES:
+            raise ValueError(f"cache types must be among {', '.join(KV_TYPES)}, got {cache_type_k!r}, {cache_type_v!r}")
         if step_budget_tokens < 1 or n_ctx < 2:
             raise ValueError("step_budget_tokens must be >= 1 and n_ctx >= 2")
         self._lib = llama_cpp
@@ -198,8 +210,9 @@ class BatchEngine:
         self._prefilling: deque[_Sequence] = deque()  # admission order
         self._steps = 0
         self._step_s = self._decode_s = 0.0
-        self._computed = self._reused = self._generated = self._copies = 0
+        self._computed = self._reused = self._generated = self._copies = self._restored = 0
         self._kv_unified = kv_unified
+        self._prompt_cache = PromptCache(cache_ram)
         logging.getLogger("llama-cpp-python").setLevel(logging.ERROR)  # what Llama(verbose=False) does
         llama_cpp.llama_backend_init()
 
@@ -217,10 +230,12 @@ class BatchEngine:
             bos = llama_cpp.llama_vocab_bos(self._vocab)
             self._bos = [bos] if llama_cpp.llama_vocab_get_add_bos(self._vocab) and bos >= 0 else []
             capacity = max(PROMPT_CHUNK, parallel)  # most tokens one decode holds
-            self._ctx = llama_cpp.llama_init_from_model(self._model,
-                                                        self._context_params(capacity, threads, kv_unified, flash_attn))
+            params = self._context_params(capacity, threads, kv_unified, flash_attn)
+            params.type_k, params.type_v = KV_TYPES[cache_type_k].ggml_type, KV_TYPES[cache_type_v].ggml_type
+            self._ctx = llama_cpp.llama_init_from_model(self._model, params)
             if not self._ctx:
-                raise ValueError("cannot create a llama.cpp context")
+                raise ValueError(f"cannot create a llama.cpp context (cache types {cache_type_k}/{cache_type_v}, "
+                                 f"flash attention {flash_attn}; the log has llama.cpp's reason)")
         except BaseException:
             self.close()
             raise
@@ -234,9 +249,18 @@ class BatchEngine:
             self._speculative = None
         self._row_costs = RowCosts()
         self._drafted = self._accepted = 0
+        self._identity = self._slot_identity(cache_type_k, cache_type_v)
         self._batch = _Batch(llama_cpp, capacity)
         self.chat = read_chat_template(llama_cpp, self._model)
         self._warm_up()
+
+    def _slot_identity(self, cache_type_k: str, cache_type_v: str) -> slot_file.Identity:
+        """What a slot file saved here must match to be restored here."""
+        lib, description = self._lib, ctypes.create_string_buffer(256)
+        lib.llama_model_desc(self._model, description, 256)
+        return slot_file.Identity(description.value.decode(errors="replace"), lib.llama_model_n_params(self._model),
+                                  lib.llama_model_size(self._model), cache_type_k, cache_type_v,
+                                  1 if self._kv_unified else self.parallel)
 
     def _context_params(self, capacity: int, threads: int, kv_unified: bool, flash_attn: str) -> Any:
         """The context ``llama_cpp.Llama`` would create with the same flash attention setting (same RoPE
@@ -276,6 +300,11 @@ class BatchEngine:
 
     def free_slots(self) -> list[int]:
         return [slot for slot in range(self.parallel) if slot not in self._running]
+
+    def kv_cells(self, slot: int) -> int:
+        """The KV cells ``slot`` holds now: its running sequence's, or what its last request left."""
+        seq = self._running.get(slot)
+        return seq.n_past if seq is not None else len(self._cached[slot])
 
     def best_slot(self, prompt: str) -> tuple[int, int]:
         """The free slot whose cached tokens share the longest prefix with ``prompt``, and how many
@@ -362,6 +391,92 @@ class BatchEngine:
             lib.llama_memory_seq_rm(memory, slot, n, -1)
         self._copies += 1
 
+    # --- the host-RAM prompt cache ---------------------------------------------------------------------
+
+    def _keep_in_cache(self, slot: int, tokens: list[int]) -> None:
+        """Before admitting ``tokens`` cuts ``slot``'s cells: save the whole chunks it would lose into the prompt
+        cache, unless another slot or the cache holds them already."""
+        whole = self._whole[slot]
+        if whole < PROMPT_CHUNK or self._reusable(slot, tokens) >= whole or not self._prompt_cache.capacity:
+            return
+        kept = self._cached[slot][:whole]
+        if self._prompt_cache.holds(kept) or self._copy_source(slot, kept + [-1])[1] >= whole:
+            return
+        if not self._lib.llama_memory_seq_rm(self._memory, slot, whole, -1) or not self._holds_cells(slot, whole):
+            return  # only whole chunks are worth keeping, and this memory cannot be cut back to them
+        self._prompt_cache.find(tokens)  # the entry the new prompt may restore is used now: this does not evict it
+        state, size = read_state(self._lib, self._ctx, slot)
+        self._prompt_cache.put(kept, state, size)
+
+    def _restore_from_cache(self, slot: int, tokens: list[int], reused: int) -> int:
+        """The prompt tokens ``slot`` starts from: ``reused`` of its own cells, or more restored from the prompt
+        cache when it holds more whole chunks of ``tokens`` than any slot (a hit)."""
+        reusable = _whole_chunks(len(tokens) - 1)
+        if not self._prompt_cache.capacity or reusable == 0:
+            return reused
+        held = max(reused, self._copy_source(slot, tokens)[1])
+        if held >= reusable:
+            return reused  # the slots hold all there is to reuse: no need to look
+        entry, shared = self._prompt_cache.find(tokens)
+        restorable = _whole_chunks(min(shared, reusable))
+        if entry is None or restorable <= held:
+            self._prompt_cache.count(hit=False)
+            return reused
+        lib, memory = self._lib, self._memory
+        lib.llama_memory_seq_rm(memory, slot, -1, -1)
+        restored = write_state(lib, self._ctx, slot, entry.state, entry.size)
+        if not restored or not lib.llama_memory_seq_rm(memory, slot, restorable, -1) or not self._holds_cells(
+                slot, restorable):
+            lib.llama_memory_seq_rm(memory, slot, -1, -1)
+            self._prompt_cache.count(hit=False)
+            return 0
+        self._prompt_cache.count(hit=True)
+        self._restored += restorable
+        return restorable
+
+    def cache_stats(self) -> CacheStats:
+        return self._prompt_cache.stats()
+
+    # --- slot files ----------------------------------------------------------------------------------
+
+    def save_slot(self, slot: int, path: Path) -> int:
+        """Write idle ``slot``'s cells and their tokens to ``path`` (``mpserve.engine.slot_file``); the tokens."""
+        self._idle(slot)
+        tokens = self._cached[slot]
+        state, size = read_state(self._lib, self._ctx, slot)
+        if not tokens or not size:
+            raise BadRequest(f"slot {slot} holds no KV cells to save")
+        slot_file.write(path, slot_file.SlotFile(self._identity, tokens, self._whole[slot], state, size))
+        return len(tokens)
+
+    def restore_slot(self, slot: int, path: Path) -> int:
+        """Replace idle ``slot``'s cells with those saved in ``path``; the tokens restored. A file that does not
+        match this instance is refused (BadRequest saying why) and the slot keeps its cells."""
+        self._idle(slot)
+        saved = slot_file.read(path, self._identity)
+        if len(saved.tokens) >= self.n_ctx:
+            raise BadRequest(f"slot file {path.name!r} holds {len(saved.tokens)} tokens; a slot here holds "
+                             f"{self.n_ctx}")
+        if not write_state(self._lib, self._ctx, slot, saved.state, saved.size):
+            self.erase_slot(slot)
+            raise BadRequest(f"llama.cpp refused the KV cells of slot file {path.name!r}; the slot is empty")
+        self._cached[slot], self._whole[slot] = saved.tokens, saved.whole
+        return len(saved.tokens)
+
+    def erase_slot(self, slot: int) -> int:
+        """Drop idle ``slot``'s cells; how many it held."""
+        self._idle(slot)
+        held = len(self._cached[slot])
+        self._lib.llama_memory_seq_rm(self._memory, slot, -1, -1)
+        self._cached[slot], self._whole[slot] = [], 0
+        return held
+
+    def _idle(self, slot: int) -> None:
+        if not 0 <= slot < self.parallel:
+            raise BadRequest(f"slot {slot} is not a slot of this instance (0..{self.parallel - 1})")
+        if slot in self._running:
+            raise BadRequest(f"slot {slot} is running a request; try again when it is idle")
+
     # --- requests -----------------------------------------------------------------------------------
 
     def admit(self, slot: int, prompt: str | list[int], params: GenerateParams, on_token: OnToken,
@@ -387,9 +502,10 @@ class BatchEngine:
         # prompt_logprobs needs every prompt row, which cached cells no longer have (a hand-over's client has
         # the prompt's already: carried tokens skip it)
         score_prompt = params.prompt_logprobs and params.logprobs is not None and not carried
+        self._keep_in_cache(slot, tokens)
         if score_prompt:
             self._lib.llama_memory_seq_rm(self._memory, slot, -1, -1)
-        reused = 0 if score_prompt else self._take_cells(slot, tokens)
+        reused = 0 if score_prompt else self._restore_from_cache(slot, tokens, self._take_cells(slot, tokens))
         self._cached[slot] = tokens[:reused]
         self._whole[slot] = reused
         self._uses += 1
@@ -704,7 +820,7 @@ class BatchEngine:
 
     def stats(self) -> BatchStats:
         return BatchStats(self._steps, self._step_s, self._decode_s, self._computed, self._reused,
-                          self._generated, self._copies, self._drafted, self._accepted)
+                          self._generated, self._copies, self._restored, self._drafted, self._accepted)
 
     def close(self) -> None:
         """Free every sampler, the context and the model. Running sequences are dropped unanswered."""
@@ -713,6 +829,7 @@ class BatchEngine:
         self._running.clear()
         self._prefilling.clear()
         self._grammars.close()
+        self._prompt_cache.clear()
         if self._ctx:
             self._lib.llama_free(self._ctx)
             self._ctx = None

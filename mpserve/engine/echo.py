@@ -23,7 +23,7 @@ from mpserve import protocol as wire
 from mpserve.errors import BadRequest
 from mpserve.protocol import ChatTemplate, GenerateParams
 
-from .interface import Completion, OnToken
+from .interface import Completion, NoCells, OnToken
 
 
 @dataclass
@@ -37,7 +37,7 @@ class _Echo:
     cancel_requested: bool = False
 
 
-class EchoEngine:
+class EchoEngine(NoCells):
     chat = ChatTemplate()
 
     def __init__(self, parallel: int = 1, tick: float = 0.0) -> None:
@@ -73,6 +73,7 @@ class EchoEngine:
         return bytes([token])
     def tokens(self, slot: int) -> Sequence[int]:
         return ()
+
 
     def cancel(self, slot: int) -> None:
         echo = self._running.get(slot)

@@ -26,7 +26,7 @@ from mpserve.errors import BadRequest
 from mpserve.protocol import ChatTemplate, GenerateParams
 
 from . import vocab
-from .interface import Completion, OnToken
+from .interface import Completion, NoCells, OnToken
 
 POOLING = {"mean": "LLAMA_POOLING_TYPE_MEAN", "cls": "LLAMA_POOLING_TYPE_CLS", "last": "LLAMA_POOLING_TYPE_LAST"}
 """``pooling`` settings and llama.cpp's names; unset: the GGUF's."""
@@ -35,7 +35,7 @@ MAX_INPUTS_PER_DECODE = 64
 """Sequences one decode may hold (the context's ``n_seq_max``); more inputs take more decodes."""
 
 
-class EmbeddingEngine:
+class EmbeddingEngine(NoCells):
     chat = ChatTemplate()
 
     def __init__(self, path: str, n_ctx: int, parallel: int, threads: int, n_gpu_layers: int,

@@ -11,6 +11,9 @@
     CANCEL   ──cancel(slot)────▶      that sequence ends at the start of the next step
     TOKENIZE ──tokenize / token_bytes──▶  the model's vocabulary, between steps
     EMBED    ──embed(inputs)──▶   an ``Embedder`` (EmbeddingEngine, a model served with embedding: true)
+    row      ──kv_cells(slot)──▶   the KV cells the slot holds (the slot table shows them)
+    row      ──cache_stats()───▶   the host-RAM prompt cache's bytes, hits, misses, evictions
+    SLOT_ACTION ──save_slot / restore_slot / erase_slot──▶  an idle slot's cells to or from a file
 
 Engines know nothing of processes, sockets or the slot table; one thread calls them. ``on_token`` gets
 each new piece of text and the number of tokens generated so far, and returns False to stop generating.
@@ -20,12 +23,16 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Protocol, runtime_checkable
 
 import numpy as np
 
 from mpserve import protocol as wire
+from mpserve.errors import BadRequest
 from mpserve.protocol import ChatTemplate, GenerateParams
+
+from .prompt_cache import NO_CACHE, CacheStats
 
 OnToken = Callable[[str, int], bool]
 """Called with each new piece of text and the number of tokens generated so far; returns False to stop
@@ -46,6 +53,28 @@ class Completion:
     accepted_tokens: int = 0  # of those, the ones kept
 
 
+class NoCells:
+    """The Engine methods of an engine without KV cells to show, cache or save (echo, embeddings)."""
+
+    def kv_cells(self, slot: int) -> int:
+        return 0
+
+    def cache_stats(self) -> CacheStats:
+        return NO_CACHE
+
+    def save_slot(self, slot: int, path: Path) -> int:
+        raise BadRequest(_NO_CELLS)
+
+    def restore_slot(self, slot: int, path: Path) -> int:
+        raise BadRequest(_NO_CELLS)
+
+    def erase_slot(self, slot: int) -> int:
+        raise BadRequest(_NO_CELLS)
+
+
+_NO_CELLS = "this model keeps no KV cells in its slots to save, restore or erase"
+
+
 class Engine(Protocol):
     """``parallel`` slots, each running at most one sequence."""
 
@@ -62,9 +91,25 @@ class Engine(Protocol):
     def tokens(self, slot: int) -> Sequence[int]:
         """The tokens the sequence in ``slot`` sampled so far (not the carried ones), then the
         end-of-generation token if one ended it."""
+    def kv_cells(self, slot: int) -> int:
+        """The KV cells ``slot`` holds now (its running sequence's, or what its last request left)."""
+
+    def cache_stats(self) -> CacheStats:
+        """The host-RAM prompt cache's size and counters."""
+
     def take_logprobs(self, slot: int) -> wire.Logprobs | None:
         """The log-probabilities of the tokens the sequence in ``slot`` generated since the last take (when
         its request asked for them)."""
+
+    def save_slot(self, slot: int, path: Path) -> int:
+        """Write idle ``slot``'s KV cells and tokens to ``path``; the tokens saved."""
+
+    def restore_slot(self, slot: int, path: Path) -> int:
+        """Replace idle ``slot``'s cells with those ``path`` holds (BadRequest, the slot unchanged, for a file
+        that does not match); the tokens restored."""
+
+    def erase_slot(self, slot: int) -> int:
+        """Drop idle ``slot``'s cells; how many it held."""
 
     def tokenize(self, text: str, add_special: bool) -> list[int]:
         """``text``'s tokens, special tokens written in it parsed; ``add_special``: BOS first, if the model

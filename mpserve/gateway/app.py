@@ -11,6 +11,8 @@
     GET  /metrics                                 Prometheus text
     GET  /backend/monitor?model=NAME             each instance: pid, state, device, RSS, PSS, GPU memory, served,
                                                   uptime; each GPU's memory (NVML)
+    POST /slots/ID?action=save|restore|erase      llama-server's shape: a slot's KV cells to or from a file
+                                                  (``gateway.slots``; ID as SLOT in mpserve status)
     GET  /, /console, /console/state             the web console and its data (``console``)
     GET  /admin/models, POST /admin/models/NAME/load|unload|scale   the control API, with --admin-key (``admin``)
     GET  /openapi.json                            the OpenAPI document of all this (``schema``)
@@ -53,9 +55,9 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from mpserve import __version__
 from mpserve.client import AsyncClient, Result, Stream
 from mpserve.errors import ConfigError, ConnectionFailed, ErrorCode, MpserveError, UnknownModel
-from mpserve.slots import SlotState
+from mpserve.slots import SlotState, locate
 
-from . import access, console, limits, schema
+from . import access, console, limits, schema, slots
 from . import embeddings as emb
 from . import openai as oai
 from . import tokens as tok
@@ -117,6 +119,7 @@ def create_app(config: GatewayConfig) -> Starlette:
         Route("/health", gateway.get_health, methods=["GET"]),
         Route("/metrics", gateway.get_metrics, methods=["GET"]),
         Route("/backend/monitor", gateway.backend_monitor, methods=["GET"]),
+        Route("/slots/{slot}", gateway.slot_action, methods=["POST"]),
         Route("/openapi.json", _openapi, methods=["GET"]),
         *gateway.console.routes(),
         *Admin(gateway.backend, config.admin_key).routes(),
@@ -319,6 +322,25 @@ class _Gateway:
             return self._unread(request.url.path, exc)
         self.metrics.outcome(request.url.path, "ok")
         return JSONResponse({"content": content})
+
+    # --- slots ----------------------------------------------------------------------------------
+
+    async def slot_action(self, request: Request) -> Response:
+        try:
+            slot, action = slots.parse(request.path_params["slot"], request.query_params.get("action"))
+            name = "" if action == "erase" else slots.filename(
+                await limits.read_json(request, self.config.connections.read_timeout))
+            local = self.backend.read_slots()
+            if local is None:
+                raise ConnectionFailed(f"slot ids are rows of the slot table of a server on this host; none is "
+                                       f"running at {self.backend.address}")
+            worker, own = locate(local.rows, slot)
+            client = await self.backend.client()
+            reply = await client.slot(action, worker, own, name)
+        except MpserveError as exc:
+            return self._failed("/slots", exc)
+        self.metrics.outcome("/slots", "ok")
+        return JSONResponse(slots.answer(slot, name, reply))
 
     # --- monitoring -----------------------------------------------------------------------------
 

@@ -11,7 +11,8 @@ Two kinds of metric:
   ``accepted``, ``done``, ``timeout``, ``cancelled``, ``worker_lost``, ``rejected_busy``, ... whatever the
   broker counts), each model's instance bounds and scale events (``mpserve_scale_starts_total{reason=...}``,
   ``..._stops_total``, ``..._skipped_total``), and, for a server on this host, instances by state (slot
-  table), worker restarts and, when NVML answers, each GPU's memory and each instance's share of it.
+  table), the KV cells each instance holds and their share of all it has, its prompt cache (bytes, hits,
+  misses, evictions), worker restarts and, when NVML answers, each GPU's memory and each instance's share of it.
 
 A scrape fetches STATS first, then renders without awaiting anything, so one scrape sees one snapshot.
 """
@@ -28,7 +29,7 @@ from prometheus_client.registry import Collector
 from mpserve import protocol as wire
 from mpserve.client import Result
 from mpserve.gpu.memory import GpuUsage, memory_by_pid
-from mpserve.slots import SlotRow, SlotState
+from mpserve.slots import SlotRow, SlotState, instance_slots
 
 from .monitor import state_of
 
@@ -145,6 +146,7 @@ class _ServerCollector(Collector):
             for state, count in states.items():
                 instances.add_metric([name, state], count)
         yield instances
+        yield from _kv_metrics(rows)
         restarts = CounterMetricFamily("mpserve_worker_restarts", "Worker processes replaced, as observed by the "
                                        "gateway since it first saw this server", labels=["model"])
         for name in stats.models:
@@ -152,6 +154,33 @@ class _ServerCollector(Collector):
         yield restarts
         if self.view.gpus:
             yield from _gpu_metrics(self.view.gpus, rows)
+
+
+def _kv_metrics(rows: list[SlotRow]) -> Iterator[Metric]:
+    """Per instance (slot table): the KV cells its slots hold and their share of all it has; its prompt cache."""
+    labels = ["model", "worker"]
+    cells = GaugeMetricFamily("mpserve_kv_cells_used", "KV cells an instance's slots hold (slot table)",
+                              labels=labels)
+    ratio = GaugeMetricFamily("mpserve_kv_usage_ratio", "KV cells an instance's slots hold, of all it has "
+                              "(parallel x n_ctx)", labels=labels)
+    cache = {key: GaugeMetricFamily(f"mpserve_prompt_cache_{key}", text, labels=labels) for key, text in (
+        ("bytes", "Bytes an instance's host-RAM prompt cache holds"),
+        ("capacity_bytes", "Bytes an instance's host-RAM prompt cache may hold (cache_ram)"))}
+    counts = {key: CounterMetricFamily(f"mpserve_prompt_cache_{key}", text, labels=labels) for key, text in (
+        ("hits", "Prompts that restored a prefix from the instance's host-RAM prompt cache"),
+        ("misses", "Prompts that looked in the prompt cache and found nothing the slots did not hold"),
+        ("evictions", "Prompt cache entries evicted to make room (least recently used first)"))}
+    for (model, worker), slots in instance_slots(rows).items():
+        used, capacity = sum(r.kv_cells for r in slots), sum(r.kv_capacity for r in slots)
+        key = [model, str(worker)]
+        cells.add_metric(key, used)
+        ratio.add_metric(key, used / capacity if capacity else 0.0)
+        c = slots[0].cache
+        cache["bytes"].add_metric(key, c.bytes)
+        cache["capacity_bytes"].add_metric(key, c.capacity)
+        for name, family in counts.items():
+            family.add_metric(key, getattr(c, name))
+    yield from (cells, ratio, *cache.values(), *counts.values())
 
 
 def _scaling_metrics(stats: wire.Stats) -> Iterator[Metric]:

@@ -79,6 +79,10 @@ class InstanceView:
     request: str | None  # the request running now
     tokens: int  # generated for the current (or last) request
     gpu_memory_bytes: int | None = None  # what its process holds on GPUs (NVML); None: unknown or on the CPU
+    kv_cells: int = 0  # KV cells the slot holds, of kv_capacity
+    kv_capacity: int = 0
+    prompt_cache_bytes: int = 0  # its instance's host-RAM prompt cache, of prompt_cache_capacity
+    prompt_cache_capacity: int = 0
 
     @classmethod
     def of(cls, row: SlotRow, now: float, gpu_held: Mapping[int, int]) -> InstanceView:
@@ -88,7 +92,8 @@ class InstanceView:
         return cls(row.index, row.worker, row.model, row.pid, state, "cpu" if row.device < 0 else f"gpu{row.device}",
                    rss, pss, row.served, round(now - row.started, 3) if running and row.started else None,
                    round(row.load_s, 3), row.request if state in BUSY and row.request else None, row.tokens,
-                   gpu_held.get(row.pid) if running and row.device >= 0 else None)
+                   gpu_held.get(row.pid) if running and row.device >= 0 else None, row.kv_cells, row.kv_capacity,
+                   row.cache.bytes, row.cache.capacity)
 
 
 def gpu_usage(rows: Sequence[SlotRow]) -> list[GpuUsage] | None:

@@ -47,6 +47,16 @@ def document(version: str) -> dict[str, Any]:
                 **_get("each instance of a server on this host", "application/json",
                        {k: errors[k] for k in ("401", "404", "503")}),
                 "parameters": [{"name": "model", "in": "query", "required": False, "schema": {"type": "string"}}]}},
+            "/slots/{slot}": {"post": {
+                **_get("an idle slot's KV cells saved to a file of its model's slot_save_path, restored from one, "
+                       "or erased", "application/json", {k: errors[k] for k in ("400", "401", "429", "502", "503")}),
+                "security": [{"bearer": []}, {}],
+                "parameters": [{"name": "slot", "in": "path", "required": True, "schema": {"type": "string"}},
+                               {"name": "action", "in": "query", "required": True,
+                                "schema": {"type": "string", "enum": list(wire.SLOT_ACTIONS)}}],
+                "requestBody": {"required": False, "content": {"application/json": {"schema": {
+                    "type": "object", "properties": {"filename": {
+                        "type": "string", "maxLength": wire.MAX_FILENAME_CHARS}}}}}}}},
             "/console/state": {"get": _get("the web console's data", "application/json", {"401": errors["401"]})},
             "/openapi.json": {"get": _get("this document", "application/json", {})},
         },

@@ -7,8 +7,10 @@ tensor sizes, not the vocabulary), ``plan`` places instances on devices and refu
 
 The estimate follows how llama.cpp fills a GPU: the last ``n_gpu_layers`` repeating blocks, the
 output layer once every block is offloaded (``n_gpu_layers`` of -1 or at least the block count),
-the f16 KV cache of the offloaded layers, and a fixed allowance for the CUDA context and compute
-buffers. It is an estimate; a declared ``requires.memory`` overrides it.
+the KV cache of the offloaded layers (``parallel`` × ``n_ctx`` cells, each K and V element in the bytes
+of its ``cache_type_k`` / ``cache_type_v``), and a fixed allowance for the CUDA context and compute
+buffers. It is an estimate; a declared ``requires.memory`` overrides it. ``check_kv_types`` refuses, at
+start, KV types whose blocks do not divide the model's heads.
 """
 
 from __future__ import annotations
@@ -21,13 +23,13 @@ from typing import Any
 
 from mpserve.errors import ConfigError, ModelDoesNotFit
 from mpserve.gguf_header import GGUFHeader, read_header
+from mpserve.kv_types import DEFAULT_KV_TYPE, KV_TYPES, check_head_size
 
 from .devices import Device, format_memory
 
 OVERHEAD = 512 << 20
 """CUDA context (about 300 MiB per process) plus llama.cpp compute buffers; a rough allowance."""
 
-_KV_BYTES = 2  # f16, llama.cpp's default cache type
 _BLOCK = re.compile(r"blk\.(\d+)\.")
 
 
@@ -55,6 +57,8 @@ class ModelRequest:
     devices: tuple[int, ...] | None  # None: any device
     memory: int | None  # declared requires.memory in bytes; overrides the estimate
     gpus: int = 1
+    cache_type_k: str = DEFAULT_KV_TYPE
+    cache_type_v: str = DEFAULT_KV_TYPE
 
 
 @dataclass(frozen=True)
@@ -65,23 +69,26 @@ class Placement:
     memory: int  # bytes planned on the device; 0 on CPU
 
 
-Estimator = Callable[[str, int, int, int], MemoryEstimate]
+Estimator = Callable[[ModelRequest], MemoryEstimate]
+
+
+@dataclass(frozen=True)
+class _Attention:
+    """What the KV cache's size depends on, from the GGUF metadata."""
+
+    n_layer: int
+    n_head_kv: int
+    key_length: int
+    value_length: int
 
 
 def estimate_model_memory(
-    gguf_path: str | PathLike[str], n_ctx: int, n_gpu_layers: int, parallel: int = 1
+    gguf_path: str | PathLike[str], n_ctx: int, n_gpu_layers: int, parallel: int = 1,
+    cache_type_k: str = DEFAULT_KV_TYPE, cache_type_v: str = DEFAULT_KV_TYPE,
 ) -> MemoryEstimate:
-    try:
-        reader = read_header(gguf_path)
-    except (OSError, ValueError) as exc:
-        raise ConfigError(f"cannot read model {gguf_path} as GGUF: {exc}") from exc
-    arch = str(_metadata(reader, gguf_path, "general.architecture"))
-    n_layer = int(_metadata(reader, gguf_path, f"{arch}.block_count"))
-    n_embd = int(_metadata(reader, gguf_path, f"{arch}.embedding_length"))
-    n_head = _largest(_metadata(reader, gguf_path, f"{arch}.attention.head_count"))
-    n_head_kv = _largest(_metadata(reader, gguf_path, f"{arch}.attention.head_count_kv", n_head))
-    key_length = int(_metadata(reader, gguf_path, f"{arch}.attention.key_length", n_embd // n_head))
-    value_length = int(_metadata(reader, gguf_path, f"{arch}.attention.value_length", n_embd // n_head))
+    reader = _read(gguf_path)
+    attention = _attention(reader, gguf_path)
+    n_layer = attention.n_layer
 
     all_offloaded = n_gpu_layers < 0 or n_gpu_layers >= n_layer
     offloaded = n_layer if all_offloaded else n_gpu_layers
@@ -96,15 +103,55 @@ def estimate_model_memory(
         block = _BLOCK.match(tensor.name)
         on_gpu = int(block.group(1)) >= first_on_gpu if block else all_offloaded and tensor.name in output_names
         weights += int(tensor.n_bytes) if on_gpu else 0
-    kv_cache = offloaded * n_ctx * parallel * (key_length + value_length) * n_head_kv * _KV_BYTES
+    per_cell = attention.n_head_kv * (attention.key_length * KV_TYPES[cache_type_k].bytes_per_element
+                                      + attention.value_length * KV_TYPES[cache_type_v].bytes_per_element)
+    kv_cache = int(offloaded * n_ctx * parallel * per_cell)
     return MemoryEstimate(weights, kv_cache, OVERHEAD)
+
+
+def estimate_request(model: ModelRequest) -> MemoryEstimate:
+    """``estimate_model_memory`` with a model's settings."""
+    return estimate_model_memory(model.path, model.n_ctx, model.n_gpu_layers, model.parallel, model.cache_type_k,
+                                 model.cache_type_v)
+
+
+def check_kv_types(name: str, gguf_path: str | PathLike[str], cache_type_k: str, cache_type_v: str) -> None:
+    """``ConfigError`` when a quantized KV type's blocks do not divide the model's K or V heads (llama.cpp would
+    refuse to create the context)."""
+    if not (KV_TYPES[cache_type_k].quantized or KV_TYPES[cache_type_v].quantized):
+        return
+    attention = _attention(_read(gguf_path), gguf_path)
+    for kind, type_name, head_size in (("K", cache_type_k, attention.key_length),
+                                       ("V", cache_type_v, attention.value_length)):
+        problem = check_head_size(kind, type_name, head_size)
+        if problem is not None:
+            raise ConfigError(f"model {name!r}: {problem}")
+
+
+def _read(gguf_path: str | PathLike[str]) -> GGUFHeader:
+    try:
+        return read_header(gguf_path)
+    except (OSError, ValueError) as exc:
+        raise ConfigError(f"cannot read model {gguf_path} as GGUF: {exc}") from exc
+
+
+def _attention(reader: GGUFHeader, gguf_path: object) -> _Attention:
+    arch = str(_metadata(reader, gguf_path, "general.architecture"))
+    n_embd = int(_metadata(reader, gguf_path, f"{arch}.embedding_length"))
+    n_head = _largest(_metadata(reader, gguf_path, f"{arch}.attention.head_count"))
+    return _Attention(
+        n_layer=int(_metadata(reader, gguf_path, f"{arch}.block_count")),
+        n_head_kv=_largest(_metadata(reader, gguf_path, f"{arch}.attention.head_count_kv", n_head)),
+        key_length=int(_metadata(reader, gguf_path, f"{arch}.attention.key_length", n_embd // n_head)),
+        value_length=int(_metadata(reader, gguf_path, f"{arch}.attention.value_length", n_embd // n_head)),
+    )
 
 
 def plan(
     models: Sequence[ModelRequest],
     devices: Sequence[Device],
     budget: int | None = None,
-    estimate: Estimator = estimate_model_memory,
+    estimate: Estimator = estimate_request,
 ) -> list[Placement]:
     """Place every instance, round robin over each model's allowed devices, within free memory.
 
@@ -123,7 +170,7 @@ def plan(
         allowed = _allowed_devices(model, order)
         need = model.memory
         if need is None:
-            need = estimate(model.path, model.n_ctx, model.n_gpu_layers, model.parallel).total
+            need = estimate(model).total
         for instance in range(model.instances):
             turn = order[cursor:] + order[:cursor]
             candidates = [index for index in turn if index in allowed]
@@ -144,7 +191,7 @@ def place_one(
     live: Sequence[Placement],
     devices: Sequence[Device],
     budget: int | None = None,
-    estimate: Estimator = estimate_model_memory,
+    estimate: Estimator = estimate_request,
 ) -> Placement:
     """One more instance of ``model`` beside the ``live`` instances of every model, by ``plan``'s rules:
     the allowed device with the most room left goes first; ``ModelDoesNotFit`` when none has room."""
@@ -154,7 +201,7 @@ def place_one(
     allowed = _allowed_devices(model, order)
     need = model.memory
     if need is None:
-        need = estimate(model.path, model.n_ctx, model.n_gpu_layers, model.parallel).total
+        need = estimate(model).total
     room = {d.index: d.memory_free if budget is None else min(d.memory_free, budget) for d in devices}
     planned = {index: sum(p.memory for p in live if p.device == index) for index in order}
     roomiest = max((index for index in order if index in allowed), key=lambda index: room[index] - planned[index])

@@ -16,6 +16,7 @@
     TOKENIZE ─▶ at once to the least busy loaded instance of the model (no slot, no queue); its TOKENS or
     EMBED       ERROR (EMBEDDINGS or ERROR) is forwarded the same way (``lookups``: ticket -> client, request id,
                 worker). EMBED goes to embedding models only (``embedding: true``), REQUEST to the others
+    SLOT_ACTION ─▶ at once to the instance it names; its SLOT_REPLY or ERROR, the same way
 
 State lives in three tables (``mpserve.server.state``, which draws a request's states): ``requests``
 (ticket -> Pending), ``workers`` (identity -> WorkerEntry) and ``models`` (name -> ModelQueue). Every
@@ -286,6 +287,8 @@ class Broker:
             elif mtype is wire.MsgType.STATS_QUERY:
                 query = wire.StatsQuery.from_wire(wire.unpack_body(frames[2]))
                 self._to_client(client, wire.encode(self.snapshot(query.nonce)))
+            elif mtype is wire.MsgType.SLOT_ACTION:
+                self._on_slot_action(client, wire.SlotAction.from_wire(wire.unpack_body(frames[2])))
             elif mtype is wire.MsgType.CONTROL:
                 call = wire.Control.from_wire(wire.unpack_body(frames[2]))
                 self._to_client(client, wire.encode(self.on_control(call)))
@@ -374,6 +377,16 @@ class Broker:
             raise BadRequest(f"model {model} is not an embedding model: serve one with embedding: true in its "
                              "models[] entry to ask it for embeddings")
         self._on_tokenize(client, msg)
+
+    def _on_slot_action(self, client: bytes, msg: wire.SlotAction) -> None:
+        """To the instance it names: the worker acts on an idle slot between steps."""
+        worker = self.workers.get(msg.worker.encode())
+        if worker is None or not worker.loaded:
+            raise BadRequest(f"no loaded instance {msg.worker!r}; `mpserve status` lists the instances and slots")
+        ticket = next(self._tickets)
+        self.lookups[ticket] = (client, msg.id, worker.identity)
+        self.stats[f"slot_{msg.action}"] += 1
+        self._to_worker(worker.identity, dataclasses.replace(msg, ticket=ticket))
 
     def _lookups_lost(self, identity: bytes, what: str) -> None:
         for ticket, (client, rid, worker) in list(self.lookups.items()):

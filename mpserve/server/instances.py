@@ -27,10 +27,10 @@ from mpserve import config as cfg
 from mpserve import protocol as wire
 from mpserve.config import ServerConfig
 from mpserve.errors import BadRequest, ConfigError, ModelDoesNotFit, ModelFailed, UnknownModel
-from mpserve.gpu.placement import ModelRequest, Placement, estimate_model_memory, place_one
+from mpserve.gpu.placement import ModelRequest, Placement, estimate_request, place_one
 
 from .broker import Broker
-from .layout import Layout, instance_rows, model_request, worker_spec
+from .layout import Layout, check_model, instance_rows, model_request, worker_spec
 from .scaling import Action, Decision, Load, Policy, Scaler
 from .state import ModelQueue, WorkerEntry
 from .supervisor import ModelHealth, Supervisor
@@ -122,7 +122,8 @@ class Instances:
             raise BadRequest(f"model {model.name!r} is served already; give the new one another name (--name)")
         request = model_request(model)
         if model.path != cfg.ECHO_MODEL:  # a file that is not a GGUF is refused here, before anything changes
-            estimated = estimate_model_memory(request.path, request.n_ctx, request.n_gpu_layers, request.parallel)
+            check_model(request)
+            estimated = estimate_request(request)
             request = request if request.memory is not None or not self._devices else dataclasses.replace(
                 request, memory=estimated.total)
         low, high = model.bounds
@@ -258,5 +259,5 @@ class Instances:
         """The request with its memory estimated once (placement asks on every scale-up)."""
         if request.memory is not None or not self._devices:
             return request
-        total = estimate_model_memory(request.path, request.n_ctx, request.n_gpu_layers, request.parallel).total
+        total = estimate_request(request).total
         return dataclasses.replace(request, memory=total)

@@ -12,7 +12,7 @@ from pathlib import Path
 
 from mpserve.config import ECHO_MODEL, ModelConfig, ServerConfig
 from mpserve.gpu.devices import Device, discover
-from mpserve.gpu.placement import ModelRequest, Placement, plan
+from mpserve.gpu.placement import ModelRequest, Placement, check_kv_types, plan
 from mpserve.worker.spec import EngineSpec, PermitSpec, WorkerSpec
 
 
@@ -26,6 +26,8 @@ def build_layout(config: ServerConfig) -> Layout:
     """The instances started with (each model's min), placed."""
     devices = discover(config.gpus, config.simulate_gpus)
     requests = [model_request(m) for m in config.models]
+    for request in requests:
+        check_model(request)
     placements = plan(requests, devices, config.gpu_memory_budget)
     order = {(p.model, p.instance): p for p in placements}
     ordered = [order[(m.name, i)] for m in config.models for i in range(m.instances)]
@@ -37,7 +39,13 @@ def model_request(m: ModelConfig) -> ModelRequest:
     return ModelRequest(name=m.name, path=m.resolved_path(), instances=m.instances, n_ctx=m.n_ctx,
                         n_gpu_layers=-1 if m.n_gpu_layers is None else m.n_gpu_layers, parallel=m.parallel,
                         devices=m.devices, memory=0 if m.path == ECHO_MODEL and m.requires_memory is None
-                        else m.requires_memory)
+                        else m.requires_memory, cache_type_k=m.cache_type_k, cache_type_v=m.cache_type_v)
+
+
+def check_model(request: ModelRequest) -> None:
+    """What the GGUF's shape refuses of a model's settings (its KV types), before anything starts."""
+    if request.path != ECHO_MODEL:
+        check_kv_types(request.name, request.path, request.cache_type_k, request.cache_type_v)
 
 
 def worker_specs(config: ServerConfig, layout: Layout, backend: str, slots_path: Path) -> list[WorkerSpec]:
@@ -75,9 +83,10 @@ def worker_spec(config: ServerConfig, devices: list[Device], placement: Placemen
         engine=EngineSpec(path=model.resolved_path(), n_ctx=model.n_ctx, threads=config.threads_for(model),
                           n_gpu_layers=gpu_layers, parallel=model.parallel, flash_attn=model.flash_attn,
                           repack=model.repack, echo_tick_s=model.echo_tick_ms / 1000, embedding=model.embedding,
-                          pooling=model.pooling, speculative=model.speculative),
+                          pooling=model.pooling, speculative=model.speculative, cache_type_k=model.cache_type_k,
+                          cache_type_v=model.cache_type_v, cache_ram=model.cache_ram),
         first_row=first_row,
         device=device, backend=backend, slots_path=str(slots_path), parent_pid=os.getpid(),
         idle_timeout=config.idle_timeout, lazy=config.single_active_backend, permit=permit,
-        log_level=config.log_level, stream_interval=config.stream_interval,
+        log_level=config.log_level, stream_interval=config.stream_interval, slot_save_path=model.slot_save_path,
     )

@@ -1,12 +1,14 @@
 """A worker's loop: one engine, ``parallel`` slots, driven by the broker's messages over one DEALER.
 
-    broker --ASSIGN/CANCEL/STOP/UNLOAD--> worker --READY/FAILED/UNLOADED, then CHUNK*/DONE|ERROR per ticket--> broker
+    broker --ASSIGN/CANCEL/STOP/UNLOAD/TOKENIZE/SLOT_ACTION--> worker
+    worker --READY/FAILED/UNLOADED, then CHUNK*/DONE|ERROR (TOKENS, SLOT_REPLY) per ticket--> broker
 
 Each turn takes every waiting broker message, then runs one ``engine.step`` while any sequence runs:
 
     receive   ASSIGN: admit the request into the slot the broker chose (another free one if that is
               taken); CANCEL: the sequence ends at the next step; STOP; UNLOAD (only when idle);
-              TOKENIZE, EMBED: answered at once (``mpserve.worker.tokens``, ``mpserve.worker.embed``)
+              TOKENIZE, EMBED: answered at once (``mpserve.worker.tokens``, ``mpserve.worker.embed``);
+              SLOT_ACTION: an idle slot saved, restored or erased at once (``mpserve.worker.slot_files``)
     permit    with GPU permits, the first running sequence takes the device's permit (host-wide); the
               last one to end gives it back
     step      every running sequence advances by one token (a prompt by a chunk); pieces stream out as
@@ -37,9 +39,9 @@ from mpserve.engine.interface import Completion, Engine
 from mpserve.errors import Cancelled, ErrorCode, MpserveError
 from mpserve.gpu.permits import DevicePermits, Permit
 from mpserve.protocol import ChatTemplate
-from mpserve.slots import SlotState, SlotWriter
+from mpserve.slots import CacheRow, SlotState, SlotWriter
 
-from . import embed, tokens
+from . import embed, slot_files, tokens
 from .spec import EXIT_LOAD_FAILED, EngineSpec, WorkerSpec
 from .stream import ChunkStream
 
@@ -95,6 +97,7 @@ class Worker:
             self._send(wire.Failed(self._spec.identity.decode(), self._spec.model, f"{type(exc).__name__}: {exc}"))
             sys.exit(EXIT_LOAD_FAILED)
         self.set_rows(state=SlotState.IDLE, load_s=time.perf_counter() - t0)
+        self._note_cache()
         log.debug("loaded in %.2f s", time.perf_counter() - t0)
         if self._registered:  # loaded on demand: tell the broker (its chat template, and that the load worked)
             self._register()
@@ -183,6 +186,11 @@ class Worker:
             self._cancel(msg.id)
         elif isinstance(msg, wire.Assign):
             self._accept(msg)
+        elif isinstance(msg, wire.SlotAction):
+            reply = slot_files.answer(self._engine, self._spec.slot_save_path, msg)
+            if isinstance(reply, wire.SlotReply) and self._engine is not None:
+                self._rows[msg.slot].update(kv_cells=self._engine.kv_cells(msg.slot))
+            self._send(reply, msg.ticket)
         elif isinstance(msg, wire.Tokenize):
             self._send(tokens.answer(self._engine, msg) if self._engine is not None else wire.Error(
                 msg.id, ErrorCode.BUSY, "the model is not loaded here now; retry"), msg.ticket)
@@ -213,7 +221,8 @@ class Worker:
         if self._engine is not None:
             self._engine.close()
             self._engine = None
-        self.set_rows(state=SlotState.UNLOADED)
+        self.set_rows(state=SlotState.UNLOADED, kv_cells=0)
+        self._note_cache()
         self._send(wire.Unloaded(self._spec.identity.decode()))
 
     # --- requests -----------------------------------------------------------------------------------
@@ -235,7 +244,7 @@ class Worker:
         stream, note_tokens = self._stream(assign, slot)
 
         def on_token(text: str, tokens: int) -> bool:
-            row.progress(tokens)
+            row.progress(tokens, engine.kv_cells(slot))
             note_tokens()
             if stream is not None and text:
                 stream.push(text)
@@ -247,12 +256,21 @@ class Worker:
         except MpserveError as exc:
             self._send(wire.Error(req.id, exc.code, exc.message), assign.ticket)
             return
+        self._note_cache()
         self._running[assign.ticket] = assign
         self._slot_of[assign.ticket] = slot
         if stream is not None:
             self._streams[assign.ticket] = stream
         row.update(state=SlotState.BUSY if self._permit or not self._permits else SlotState.WAITING,
-                   request=req.id, tokens=0)
+                   request=req.id, tokens=0, kv_cells=engine.kv_cells(slot))
+
+    def _note_cache(self) -> None:
+        """The prompt cache, in each of this instance's rows: after a load, an unload and an admission (the only
+        time it changes)."""
+        s = self._engine.cache_stats() if self._engine is not None else None
+        cache = CacheRow(s.bytes, s.capacity, s.hits, s.misses, s.evictions) if s is not None else CacheRow.empty()
+        for row in self._rows:
+            row.cache(cache)
 
     def _cancel(self, ticket: str) -> None:
         if ticket in self._slot_of and self._engine is not None:
@@ -335,7 +353,8 @@ class Worker:
         self._cancelled_tickets.discard(ticket)
         slot = self._slot_of.pop(ticket)
         self._served += 1
-        self._rows[slot].update(state=SlotState.IDLE, served=self._served)
+        self._rows[slot].update(state=SlotState.IDLE, served=self._served,
+                                kv_cells=self._engine.kv_cells(slot) if self._engine is not None else 0)
         stream = self._streams.pop(ticket, None)
         if stream is not None and isinstance(outcome, wire.Done):
             stream.flush()

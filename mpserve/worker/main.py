@@ -40,7 +40,8 @@ def build_engine(spec: EngineSpec) -> Engine:
     from mpserve.engine.batch import BatchEngine  # imports llama_cpp, now that CUDA_VISIBLE_DEVICES is set
 
     return BatchEngine(spec.path, spec.n_ctx, spec.parallel, spec.threads, spec.n_gpu_layers, spec.seed,
-                       flash_attn=spec.flash_attn, repack=spec.repack, speculative=spec.speculative)
+                       flash_attn=spec.flash_attn, repack=spec.repack, speculative=spec.speculative,
+                       cache_type_k=spec.cache_type_k, cache_type_v=spec.cache_type_v, cache_ram=spec.cache_ram)
 
 
 def worker_main(spec: WorkerSpec) -> None:
@@ -53,7 +54,8 @@ def worker_main(spec: WorkerSpec) -> None:
     table = SlotTable.attach(Path(spec.slots_path))
     rows = [table.writer(row) for row in spec.rows]
     for row in rows:
-        row.update(pid=os.getpid(), state=SlotState.STARTING, request="", tokens=0, served=0, started=time.time())
+        row.update(pid=os.getpid(), state=SlotState.STARTING, request="", tokens=0, served=0, started=time.time(),
+                   kv_cells=0, kv_capacity=spec.engine.n_ctx)
     ctx = zmq.Context()
     sock = ctx.socket(zmq.DEALER)
     sock.setsockopt(zmq.IDENTITY, spec.identity)

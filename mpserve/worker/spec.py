@@ -34,6 +34,9 @@ class EngineSpec:
     embedding: bool = False  # an embedding model (mpserve.engine.embed)
     pooling: str | None = None  # its pooling; None: the GGUF's
     speculative: Speculative | None = None  # speculative decoding; None: off
+    cache_type_k: str = "f16"  # KV cache types (mpserve.kv_types)
+    cache_type_v: str = "f16"
+    cache_ram: int = 0  # bytes of host RAM for the prompt cache; 0: none
 
     @property
     def is_echo(self) -> bool:
@@ -70,6 +73,7 @@ class WorkerSpec:
     first_row: int = 0  # its slot-table rows: first_row .. first_row + engine.parallel - 1
     log_level: str = "info"
     stream_interval: float = 0.0  # seconds between a streamed request's CHUNKs after its first; 0: every token
+    slot_save_path: str | None = None  # the folder of slot files; None: slot save and restore are off
 
     @property
     def rows(self) -> range:

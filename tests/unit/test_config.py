@@ -49,6 +49,12 @@ def test_threads_default_to_cores_divided_by_all_instances() -> None:
     ({"models": []}, "non-empty list"),
     ({"log_level": "loud"}, "log_level"),
     ({"models": [{"flash_attn": "fast"}]}, "models\\[0\\].flash_attn: got 'fast', allowed: auto, on, off"),
+    ({"models": [{"cache_type_k": "q3_k"}]}, "models\\[0\\].cache_type_k: got 'q3_k', allowed: f32, f16, bf16, q8_0"),
+    ({"models": [{"cache_type_v": 8}]}, "models\\[0\\].cache_type_v: got 8, expected a string"),
+    ({"models": [{"cache_type_v": "q8_0", "flash_attn": False}]},
+     "cache_type_v: q8_0 is a quantized type, which llama.cpp stores only with flash attention, and flash_attn is off"),
+    ({"models": [{"cache_ram": "lots"}]}, "models\\[0\\].cache_ram: memory size 'lots' is not understood"),
+    ({"models": [{"cache_ram": [1]}]}, "models\\[0\\].cache_ram: got \\[1\\], expected a string or an integer"),
 ])
 def test_bad_configuration_names_key_value_and_what_is_allowed(data: dict, problem: str) -> None:
     with pytest.raises(ConfigError, match=problem):
@@ -60,6 +66,20 @@ def test_bad_configuration_names_key_value_and_what_is_allowed(data: dict, probl
 def test_flash_attn_is_auto_on_or_off_and_true_false_spell_on_off(given: object, mode: str) -> None:
     models = [{"name": "a"} if given is None else {"name": "a", "flash_attn": given}]
     assert cfg.build({"models": models}).models[0].flash_attn == mode
+
+
+def test_a_quantized_k_needs_no_flash_attention_and_a_quantized_v_takes_auto() -> None:
+    [model] = cfg.build({"models": [{"cache_type_k": "q4_0", "flash_attn": "off"}]}).models
+    assert (model.cache_type_k, model.cache_type_v) == ("q4_0", "f16")
+    [model] = cfg.build(model={"cache_type_k": "q8_0", "cache_type_v": "q8_0"}).models
+    assert (model.cache_type_k, model.cache_type_v, model.flash_attn) == ("q8_0", "q8_0", "auto")
+
+
+def test_cache_ram_is_a_size_on_by_default_and_zero_turns_it_off() -> None:
+    assert cfg.build().models[0].cache_ram == 256 << 20
+    assert cfg.build({"models": [{"cache_ram": "1GiB"}]}).models[0].cache_ram == 1 << 30
+    assert cfg.build(model={"cache_ram": "0"}).models[0].cache_ram == 0
+    assert cfg.build({"models": [{"cache_ram": 0}]}).models[0].cache_ram == 0
 
 
 def test_flag_values_are_checked_like_file_values() -> None:

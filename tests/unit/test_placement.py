@@ -15,6 +15,7 @@ from mpserve.gpu.placement import (
     MemoryEstimate,
     ModelRequest,
     Placement,
+    check_kv_types,
     estimate_model_memory,
     format_plan,
     place_one,
@@ -89,6 +90,29 @@ def test_partial_offload_counts_only_the_offloaded_blocks(model_path: Path) -> N
     estimate = estimate_model_memory(model_path, n_ctx=1024, n_gpu_layers=2)
     assert (estimate.weights, estimate.kv_cache) == (2 * BLOCK_BYTES, kv_bytes(2, 1024, 1))
     assert estimate_model_memory(model_path, 1024, 0) == MemoryEstimate(0, 0, OVERHEAD)
+
+
+@pytest.mark.timeout(10)
+def test_the_kv_cache_counts_each_types_bytes_per_element_and_every_parallel_sequence(model_path: Path) -> None:
+    cells = N_LAYER * 512 * 3 * N_HEAD_KV * HEAD_DIM  # K (or V) elements of 3 sequences of 512 cells
+    for k, v, per_element in (("f16", "f16", 2 + 2), ("f32", "bf16", 4 + 2), ("q8_0", "q4_0", (34 + 18) / 32),
+                              ("q4_1", "iq4_nl", (20 + 18) / 32), ("q5_0", "q5_1", (22 + 24) / 32)):
+        assert estimate_model_memory(model_path, 512, -1, 3, k, v).kv_cache == int(cells * per_element), (k, v)
+    assert estimate_model_memory(model_path, 512, -1, 3).kv_cache == kv_bytes(N_LAYER, 512, 3)
+    quantized = request(memory=None, path=str(model_path), n_ctx=512, parallel=3, cache_type_k="q8_0",
+                        cache_type_v="q8_0")
+    [placement] = plan([quantized], parse_simulated("1GiB"))
+    assert placement.memory == estimate_model_memory(model_path, 512, -1, 3, "q8_0", "q8_0").total
+
+
+@pytest.mark.timeout(10)
+def test_a_quantized_kv_type_whose_blocks_do_not_divide_the_heads_is_a_config_error(model_path: Path) -> None:
+    check_kv_types("llama", model_path, "f16", "bf16")  # unblocked types fit any head
+    with pytest.raises(ConfigError, match=r"model 'llama': cache_type_k q8_0 stores blocks of 32 elements, and "
+                                          r"this model's K heads have 16; use f16, bf16 or f32"):
+        check_kv_types("llama", model_path, "q8_0", "f16")
+    with pytest.raises(ConfigError, match="cache_type_v q4_0 .* V heads have 16"):
+        check_kv_types("llama", model_path, "f16", "q4_0")
 
 
 @pytest.mark.timeout(10)

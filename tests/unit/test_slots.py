@@ -23,10 +23,13 @@ def _hammer(path: str, index: int, n: int) -> None:
 def test_rows_round_trip_and_unlink_removes_the_file(tmp_path: Path) -> None:
     table = SlotTable.create(tmp_path / "s", rows=3)
     table.writer(1).update(pid=42, worker=1, slot=0, state=SlotState.IDLE, device=-1, model="tiny",
-                           request="abc", tokens=7, served=2, started=1.5, load_s=0.25)
+                           request="abc", tokens=7, served=2, started=1.5, load_s=0.25, kv_cells=300,
+                           kv_capacity=2048)
     row = SlotTable.attach(tmp_path / "s", writable=False).read(1)
-    assert (row.pid, row.state, row.model, row.request, row.tokens, row.served, row.load_s) == (
-        42, SlotState.IDLE, "tiny", "abc", 7, 2, 0.25)
+    assert (row.pid, row.state, row.model, row.request, row.tokens, row.served, row.load_s, row.kv_cells,
+            row.kv_capacity) == (42, SlotState.IDLE, "tiny", "abc", 7, 2, 0.25, 300, 2048)
+    table.writer(1).progress(8, 301)
+    assert (table.read(1).tokens, table.read(1).kv_cells, table.read(1).kv_capacity) == (8, 301, 2048)
     assert table.read(0).state is SlotState.EMPTY
     table.unlink()
     assert not (tmp_path / "s").exists()

@@ -1,0 +1,303 @@
+"""The engine's KV memory, in-process: each KV type llama.cpp offers reaches its context and quantized ones
+take less memory (on the bench model: heads of 64 elements, whole blocks of every quantized type); the
+host-RAM prompt cache keeps what slots lose and restores it exactly (on the tiny model)."""
+
+from __future__ import annotations
+
+import json
+import struct
+import subprocess
+import sys
+from pathlib import Path
+
+import llama_cpp
+import pytest
+from conftest import RealModel, ServerProcess
+
+from mpserve import Client
+from mpserve.engine import slot_file
+from mpserve.engine.batch import PROMPT_CHUNK, BatchEngine
+from mpserve.engine.interface import Completion
+from mpserve.engine.prompt_cache import CacheStats
+from mpserve.errors import BadRequest
+from mpserve.kv_types import KV_TYPES
+from mpserve.models.maker import builtin_model_path
+from mpserve.protocol import GenerateParams
+
+PROMPT = "Once upon a time in the land of"
+
+
+def generate(engine: BatchEngine, prompt: str, max_tokens: int = 8) -> str:
+    engine.admit(0, prompt, GenerateParams(max_tokens=max_tokens, temperature=0.0), lambda text, n: True)
+    while True:
+        for _, completion in engine.step():
+            return completion.text
+
+
+@pytest.mark.timeout(180)
+def test_every_kv_type_generates_and_a_quantized_cache_holds_fewer_bytes() -> None:
+    path = str(builtin_model_path("bench"))
+    state_bytes = {}
+    for name in KV_TYPES:
+        engine = BatchEngine(path, n_ctx=128, parallel=1, threads=1, n_gpu_layers=0, flash_attn="on",
+                             cache_type_k=name, cache_type_v=name)
+        try:
+            assert generate(engine, PROMPT), name
+            state_bytes[name] = llama_cpp.llama_state_seq_get_size(engine._ctx, 0)
+        finally:
+            engine.close()
+    assert state_bytes["q8_0"] < state_bytes["f16"] == state_bytes["bf16"] < state_bytes["f32"]
+    assert state_bytes["q4_0"] < state_bytes["q5_0"] < state_bytes["q8_0"]
+
+
+# --- the host-RAM prompt cache ---------------------------------------------------------------------------
+
+LONG = " ".join(f"the {w} of all and" for w in ("cat", "dog", "sea", "sky") * 30)  # 931 tokens on the tiny model
+
+
+def others(n: int) -> list[str]:
+    """``n`` long prompts unrelated to LONG from their first token, each at least one whole chunk."""
+    return [f"{i} " + " ".join(f"so {w} and it" for w in ("ant", "bee", "owl", "elk") * 25) for i in range(n)]
+
+
+def run(engine: BatchEngine, slot: int, prompt: str, max_tokens: int = 16) -> Completion:
+    engine.admit(slot, prompt, GenerateParams(max_tokens=max_tokens, temperature=0.0), lambda text, n: True)
+    while True:
+        done = dict(engine.step())
+        if slot in done:
+            return done[slot]
+
+
+def tiny_engine(parallel: int, cache_ram: int, kv_unified: bool = False) -> BatchEngine:
+    return BatchEngine(str(builtin_model_path("tiny")), n_ctx=1024, parallel=parallel, threads=1, n_gpu_layers=0,
+                       kv_unified=kv_unified, cache_ram=cache_ram)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("kv_unified", [False, True], ids=["kv-per-slot", "kv-unified"])
+def test_a_prompt_pushed_out_of_every_slot_is_restored_from_ram_and_continues_exactly(kv_unified: bool) -> None:
+    follow_up = LONG + " and then the cat sat"
+    fresh = tiny_engine(1, 0)
+    try:
+        expected = run(fresh, 0, follow_up)
+    finally:
+        fresh.close()
+    assert expected.reused_tokens == 0
+    engine = tiny_engine(2, 64 << 20, kv_unified)
+    try:
+        run(engine, 0, LONG)
+        for i, prompt in enumerate(others(8)):  # 8 other prompts, over both slots: LONG's cells are gone
+            run(engine, i % 2, prompt)
+        assert all(engine.kv_cells(slot) and engine._cached[slot][1:4] != engine._tokenize(LONG)[1:4]
+                   for slot in (0, 1))
+        before = engine.stats()
+        again = run(engine, 1, follow_up)
+        after = engine.stats()
+        assert again.reused_tokens == PROMPT_CHUNK  # restored: whole chunks, the rest computed as fresh
+        assert after.prompt_tokens_restored - before.prompt_tokens_restored == PROMPT_CHUNK
+        assert after.prompt_tokens_computed - before.prompt_tokens_computed == again.prompt_tokens - PROMPT_CHUNK
+        assert again.text == expected.text  # greedy text equals a fresh computation
+        stats = engine.cache_stats()
+        assert stats.hits == 1 and stats.entries >= 2 and 0 < stats.bytes <= stats.capacity
+    finally:
+        engine.close()
+
+
+@pytest.mark.timeout(120)
+def test_filling_the_cache_past_its_size_evicts_and_recent_entries_still_hit() -> None:
+    probe = tiny_engine(1, 64 << 20)
+    try:
+        run(probe, 0, LONG)
+        run(probe, 0, others(1)[0])
+        entry_bytes = probe.cache_stats().bytes  # one entry: one chunk of cells
+    finally:
+        probe.close()
+    assert entry_bytes > 0
+    capacity = int(2.5 * entry_bytes)  # room for two entries
+    engine = tiny_engine(1, capacity)
+    try:
+        prompts = others(6)
+        for prompt in prompts:
+            run(engine, 0, prompt, 4)
+            stats = engine.cache_stats()
+            assert stats.bytes <= capacity and stats.entries <= 2
+        stats = engine.cache_stats()
+        assert stats.evictions == 3 and stats.entries == 2  # 5 saved (the last still in its slot), 2 kept
+        assert run(engine, 0, prompts[3] + " more", 4).reused_tokens == PROMPT_CHUNK  # recent: a hit
+        assert run(engine, 0, prompts[0] + " more", 4).reused_tokens == 0  # evicted: a miss
+        stats = engine.cache_stats()  # saving the last prompt's cells evicted the other recent one, not this
+        assert (stats.hits, stats.misses, stats.evictions) == (1, 7, 4) and stats.bytes <= capacity  # 6 + 1 missed
+    finally:
+        engine.close()
+
+
+@pytest.mark.timeout(60)
+def test_cache_ram_zero_keeps_nothing() -> None:
+    engine = tiny_engine(1, 0)
+    try:
+        run(engine, 0, LONG)
+        run(engine, 0, others(1)[0])
+        assert run(engine, 0, LONG + " more").reused_tokens == 0
+        assert engine.cache_stats() == CacheStats(0, 0, 0, 0, 0, 0)
+    finally:
+        engine.close()
+
+
+@pytest.mark.timeout(120)
+def test_through_the_server_a_prompt_pushed_out_of_every_slot_reports_restored_tokens_as_cached(
+        start_server: type[ServerProcess]) -> None:
+    server = start_server("--parallel", "2", "--n-ctx", "1024", "--cache-ram", "64MiB").wait_ready()
+    follow_up = LONG + " and then the cat sat"
+    with Client(server.address, timeout=60) as client:
+        first = client.generate(LONG, max_tokens=8, temperature=0)
+        assert first.timings.cached_tokens == 0
+        for prompt in others(8):  # unrelated prompts, over both slots
+            client.generate(prompt, max_tokens=8, temperature=0)
+        again = client.generate(follow_up, max_tokens=16, temperature=0)
+    assert again.timings.cached_tokens == PROMPT_CHUNK
+    cache = server.slots()[0].cache
+    assert cache.hits == 1 and 0 < cache.bytes <= cache.capacity == 64 << 20
+    fresh = tiny_engine(1, 0)
+    try:
+        assert again.text == run(fresh, 0, follow_up).text
+    finally:
+        fresh.close()
+    status = subprocess.run([sys.executable, "-m", "mpserve", "status", "--server-name", server.name],
+                            capture_output=True, text=True, timeout=30)
+    assert "prompt cache" in status.stdout and "of 64.0 MiB, 1 hits" in status.stdout, status.stdout
+
+
+@pytest.mark.timeout(60)
+def test_a_cache_ram_that_is_not_a_size_stops_the_start_before_anything_starts() -> None:
+    proc = subprocess.run([sys.executable, "-m", "mpserve", "start", "--cache-ram", "lots"], capture_output=True,
+                          text=True, timeout=30)
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr
+    assert "cache_ram: memory size 'lots' is not understood" in proc.stderr
+    proc = subprocess.run([sys.executable, "-m", "mpserve", "start", "--cache-type-k", "q9"], capture_output=True,
+                          text=True, timeout=30)
+    assert proc.returncode == 1 and "cache_type_k: got 'q9', allowed: f32, f16, bf16" in proc.stderr
+
+
+# --- slot files ----------------------------------------------------------------------------------------
+
+@pytest.mark.timeout(120)
+def test_a_slot_saved_to_disk_continues_exactly_in_another_engine(tmp_path: Path) -> None:
+    follow_up = LONG + " and then the cat sat"
+    saver = tiny_engine(2, 0)
+    try:
+        run(saver, 1, LONG)
+        held = saver.kv_cells(1)
+        assert saver.save_slot(1, tmp_path / "conversation.bin") == held
+    finally:
+        saver.close()
+    engine = tiny_engine(2, 0)  # another process's engine would do the same: nothing is shared but the file
+    try:
+        assert engine.restore_slot(0, tmp_path / "conversation.bin") == held and engine.kv_cells(0) == held
+        again = run(engine, 0, follow_up)
+        assert again.reused_tokens == PROMPT_CHUNK
+        assert engine.erase_slot(0) > 0 and engine.kv_cells(0) == 0
+        fresh = run(engine, 0, follow_up)
+        assert fresh.reused_tokens == 0 and again.text == fresh.text
+    finally:
+        engine.close()
+
+
+def with_header(data: bytes, **changes: object) -> bytes:
+    """A slot file's bytes with some header fields changed."""
+    start = len(slot_file.MAGIC) + 4
+    (length,) = struct.unpack_from("<I", data, len(slot_file.MAGIC))
+    header = json.dumps({**json.loads(data[start:start + length]), **changes}).encode()
+    return slot_file.MAGIC + struct.pack("<I", len(header)) + header + data[start + length:]
+
+
+@pytest.mark.timeout(120)
+def test_a_foreign_or_truncated_slot_file_is_refused_saying_which_and_the_slot_stays_usable(tmp_path: Path) -> None:
+    engine = tiny_engine(1, 0)
+    try:
+        run(engine, 0, LONG)
+        engine.save_slot(0, tmp_path / "good.bin")
+        data = (tmp_path / "good.bin").read_bytes()
+        (tmp_path / "short.bin").write_bytes(data[:-100])
+        (tmp_path / "junk.bin").write_bytes(b"hello, not a slot at all")
+        (tmp_path / "other-parallel.bin").write_bytes(with_header(data, kv_streams=2))
+        (tmp_path / "other-kv.bin").write_bytes(with_header(data, cache_type_k="q8_0"))
+        (tmp_path / "other-model.bin").write_bytes(with_header(data, model="gemma3 270M Q4_K - Medium"))
+        held = engine.kv_cells(0)
+        for name, problem in (("short.bin", "'short.bin' is truncated: "), ("junk.bin", "not an mpserve slot file"),
+                              ("other-kv.bin", "saved with KV cache types q8_0/f16; this instance uses f16/f16"),
+                              ("other-model.bin", "was saved from another model"), ("none.bin", "no slot file"),
+                              ("other-parallel.bin", "instance with 2 KV stream\\(s\\).*this one has 1")):
+            with pytest.raises(BadRequest, match=problem):
+                engine.restore_slot(0, tmp_path / name)
+            assert engine.kv_cells(0) == held  # refused before llama.cpp saw it: the slot keeps its cells
+        assert run(engine, 0, LONG + " more").reused_tokens == PROMPT_CHUNK  # and works as before
+    finally:
+        engine.close()
+
+
+def mpserve(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "mpserve", *args], capture_output=True, text=True, timeout=60)
+
+
+@pytest.mark.timeout(180)
+def test_a_slot_saved_with_the_cli_survives_a_restart_and_bad_files_are_refused(
+        start_server: type[ServerProcess], tmp_path: Path) -> None:
+    args = ("--n-ctx", "1024", "--cache-ram", "0", "--slot-save-path", str(tmp_path))
+    follow_up = LONG + " and then the cat sat"
+    server = start_server(*args).wait_ready()
+    with Client(server.address, timeout=60) as client:
+        client.generate(LONG, max_tokens=8, temperature=0)
+    saved = mpserve("slots", "save", "0", "talk.bin", "--server-name", server.name)
+    assert saved.returncode == 0 and saved.stdout.startswith("saved slot 0 (w0 slot 0): "), saved.stderr
+    assert server.stop() == 0
+
+    server = start_server(*args).wait_ready()  # a new server: nothing in its slots
+    name = ("--server-name", server.name)
+    (tmp_path / "cut.bin").write_bytes((tmp_path / "talk.bin").read_bytes()[:-10])
+    for file, problem in (("cut.bin", "'cut.bin' is truncated"), ("../talk.bin", "file name '../talk.bin' is not "
+                                                                                 "allowed")):
+        refused = mpserve("slots", "restore", "0", file, *name)
+        assert refused.returncode == 1 and problem in refused.stderr and "Traceback" not in refused.stderr
+    restored = mpserve("slots", "restore", "0", "talk.bin", "--json", *name)
+    assert restored.returncode == 0, restored.stderr
+    assert json.loads(restored.stdout)["tokens"] == server.slots()[0].kv_cells > PROMPT_CHUNK
+    with Client(server.address, timeout=60) as client:
+        again = client.generate(follow_up, max_tokens=16, temperature=0)
+    assert again.timings.cached_tokens == PROMPT_CHUNK
+    fresh = tiny_engine(1, 0)
+    try:
+        assert again.text == run(fresh, 0, follow_up).text  # restored from disk: as a fresh computation
+    finally:
+        fresh.close()
+    erased = mpserve("slots", "erase", "0", *name)
+    assert erased.returncode == 0 and server.slots()[0].kv_cells == 0
+    assert "no slot 7" in mpserve("slots", "erase", "7", *name).stderr
+
+
+@pytest.mark.real
+@pytest.mark.timeout(300)
+def test_on_the_real_model_a_state_restored_from_ram_continues_exactly(real_model: RealModel) -> None:
+    """Gemma 3 (sliding-window layers) with a quantized KV cache: its restored cells give what a fresh
+    computation of the prompt gives."""
+    kv = "q8_0"
+    long = " ".join(f"The {w} of all things is a story." for w in ("cat", "dog", "sea", "sky") * 20)
+    other = " ".join(f"So {w} and it went on." for w in ("ant", "bee", "owl", "elk") * 25)  # pushes it out
+    follow_up = long + " And then"
+
+    def engine(cache_ram: int) -> BatchEngine:
+        return BatchEngine(real_model.path, n_ctx=2048, parallel=1, threads=2, n_gpu_layers=0,
+                           repack=real_model.repack, cache_type_k=kv, cache_type_v=kv, cache_ram=cache_ram)
+
+    fresh = engine(0)
+    try:
+        expected = run(fresh, 0, follow_up)
+    finally:
+        fresh.close()
+    cached = engine(256 << 20)
+    try:
+        run(cached, 0, long)
+        run(cached, 0, other)
+        again = run(cached, 0, follow_up)
+    finally:
+        cached.close()
+    assert again.reused_tokens == PROMPT_CHUNK and again.text == expected.text
