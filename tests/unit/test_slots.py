@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import multiprocessing
+import time
 from pathlib import Path
 
 import pytest
 
+from mpserve import slots
 from mpserve.slots import SlotState, SlotTable
 
 pytestmark = pytest.mark.timeout(30)
@@ -48,6 +50,18 @@ def test_readers_never_see_a_torn_row_while_another_process_writes(tmp_path: Pat
             torn += 1
     writer.join()
     assert reads > 100 and torn == 0
+
+
+def test_a_row_whose_writer_died_mid_update_is_read_after_a_short_wait(tmp_path: Path) -> None:
+    table = SlotTable.create(tmp_path / "s", rows=1)
+    table.writer(0).update(pid=7, tokens=3)
+    offset = slots._HEADER.size
+    (seq,) = slots._SEQ.unpack_from(table._mm, offset)
+    slots._SEQ.pack_into(table._mm, offset, seq + 1)  # odd: a writer that never finished
+    started = time.monotonic()
+    row = table.read(0)
+    assert (row.pid, row.tokens) == (7, 3) and time.monotonic() - started < slots.STUCK_WRITER_S + 1
+    table.unlink()
 
 
 def test_attach_refuses_a_file_that_is_not_a_slot_table(tmp_path: Path) -> None:
