@@ -74,6 +74,8 @@ MAX_RETRY_AFTER_S = 30.0
 DRAIN_BATCH = 256
 CHUNK_FRAME = wire.TYPE_FRAMES[wire.MsgType.CHUNK]
 CHUNKS_FRAME = wire.TYPE_FRAMES[wire.MsgType.CHUNKS]
+FROM_CLIENTS = {wire.MsgType.REQUEST, wire.MsgType.CANCEL, wire.MsgType.PING, wire.MsgType.TOKENIZE,
+                wire.MsgType.EMBED, wire.MsgType.STATS_QUERY, wire.MsgType.SLOT_ACTION, wire.MsgType.CONTROL}
 
 
 class Broker:
@@ -272,28 +274,26 @@ class Broker:
             self._heard[client] = time.monotonic()
         try:
             mtype = wire.parse_header(frames, 3)
-            if mtype is wire.MsgType.REQUEST:
-                self._on_request(client, wire.Request.from_wire(wire.unpack_body(frames[2])))
-            elif mtype is wire.MsgType.CANCEL:
-                self._on_cancel(client, wire.Cancel.from_wire(wire.unpack_body(frames[2])))
-            elif mtype is wire.MsgType.PING:
-                ping = wire.Ping.from_wire(wire.unpack_body(frames[2]))
-                pong = wire.Pong(ping.nonce, tuple(self.models), wire.MAX_MESSAGE_BYTES)  # the limit: clients check
-                self._to_client(client, wire.encode(pong))
-            elif mtype is wire.MsgType.TOKENIZE:
-                self._on_tokenize(client, wire.Tokenize.from_wire(wire.unpack_body(frames[2])))
-            elif mtype is wire.MsgType.EMBED:
-                self._on_embed(client, wire.Embed.from_wire(wire.unpack_body(frames[2])))
-            elif mtype is wire.MsgType.STATS_QUERY:
-                query = wire.StatsQuery.from_wire(wire.unpack_body(frames[2]))
-                self._to_client(client, wire.encode(self.snapshot(query.nonce)))
-            elif mtype is wire.MsgType.SLOT_ACTION:
-                self._on_slot_action(client, wire.SlotAction.from_wire(wire.unpack_body(frames[2])))
-            elif mtype is wire.MsgType.CONTROL:
-                call = wire.Control.from_wire(wire.unpack_body(frames[2]))
-                self._to_client(client, wire.encode(self.on_control(call)))
-            else:
+            if mtype not in FROM_CLIENTS:
                 raise ProtocolError(f"a client may not send {mtype.name} messages")
+            msg = wire.decode_body(mtype, frames[2])
+            if isinstance(msg, wire.Request):
+                self._on_request(client, msg)
+            elif isinstance(msg, wire.Cancel):
+                self._on_cancel(client, msg)
+            elif isinstance(msg, wire.Ping):
+                pong = wire.Pong(msg.nonce, tuple(self.models), wire.MAX_MESSAGE_BYTES)  # the limit: clients check
+                self._to_client(client, wire.encode(pong))
+            elif isinstance(msg, wire.Tokenize):
+                self._on_tokenize(client, msg)
+            elif isinstance(msg, wire.Embed):
+                self._on_embed(client, msg)
+            elif isinstance(msg, wire.StatsQuery):
+                self._to_client(client, wire.encode(self.snapshot(msg.nonce)))
+            elif isinstance(msg, wire.SlotAction):
+                self._on_slot_action(client, msg)
+            else:  # CONTROL, the last of FROM_CLIENTS
+                self._to_client(client, wire.encode(self.on_control(msg)))
         except MpserveError as exc:
             self.stats[f"rejected_{exc.code}"] += 1
             rid = wire.peek_id(frames[2]) if len(frames) == 3 else None
