@@ -585,10 +585,9 @@ class Broker:
 
     def _worker_result(self, identity: bytes, mtype: wire.MsgType, ticket: str, type_frame: bytes,
                        body: bytes, tokens: bytes | None) -> None:
-        p = self.requests.get(ticket)
         entry = self.workers.get(identity)
-        if p is None or entry is None or ticket not in entry.running:
-            self.stats["dropped_stale_result"] += 1
+        p = self._running_on(entry, ticket)
+        if p is None or entry is None:
             return
         if mtype is wire.MsgType.CHUNK:
             if self._streaming(p, tokens):
@@ -623,16 +622,23 @@ class Broker:
         entry = self.workers.get(identity)
         by_client: dict[bytes, list[bytes]] = {}
         for ticket, body, tokens in entries:
-            p = self.requests.get(ticket)
-            if p is None or entry is None or ticket not in entry.running:
-                self.stats["dropped_stale_result"] += 1
-            elif self._streaming(p, tokens):
+            p = self._running_on(entry, ticket)
+            if p is not None and self._streaming(p, tokens):
                 by_client.setdefault(p.client, []).append(body)
         for client, bodies in by_client.items():
             if len(bodies) == 1:
                 self._to_client(client, [wire.VERSION, CHUNK_FRAME, bodies[0]])
             else:
                 self._to_client(client, [wire.VERSION, CHUNKS_FRAME, wire.chunk_array(bodies)])
+
+    def _running_on(self, entry: WorkerEntry | None, ticket: str) -> Pending | None:
+        """The request ``ticket`` if ``entry`` runs it; else None, counted as a stale result (the request
+        ended, or was handed to another worker)."""
+        p = self.requests.get(ticket)
+        if p is None or entry is None or ticket not in entry.running:
+            self.stats["dropped_stale_result"] += 1
+            return None
+        return p
 
     def _streaming(self, p: Pending, tokens: bytes | None) -> bool:
         """A CHUNK of ``p`` arrived: note its tokens; whether it goes on to the client."""
