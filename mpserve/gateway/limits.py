@@ -43,7 +43,7 @@ class Refused(Exception):
 async def read_json(request: Request, timeout: float) -> Any:
     """The body, parsed, once it is all there; raises Refused or BadRequest."""
     declared = request.headers.get("content-length", "")
-    if declared.isdigit() and int(declared) > MAX_BODY_BYTES:
+    if declared.isascii() and declared.isdigit() and int(declared) > MAX_BODY_BYTES:
         raise _too_large(int(declared))
     try:
         body = await asyncio.wait_for(_read(request), timeout)

@@ -19,7 +19,7 @@ from mpserve.errors import BadRequest
 
 
 def parse(slot: str, action: str | None) -> tuple[int, str]:
-    if not slot.isdigit() or int(slot) > 1 << 20:
+    if not (slot.isascii() and slot.isdigit()) or int(slot) > 1 << 20:
         raise BadRequest(f"the slot id must be a slot number (SLOT in mpserve status), got {slot!r}")
     if action not in wire.SLOT_ACTIONS:
         raise BadRequest(f"'action' must be one of {', '.join(wire.SLOT_ACTIONS)}, got {action!r}")

@@ -6,6 +6,7 @@ import pytest
 
 from mpserve import protocol as wire
 from mpserve.errors import BadRequest
+from mpserve.gateway import slots
 from mpserve.slots import CacheRow, SlotRow, SlotState, locate
 
 pytestmark = pytest.mark.timeout(10)
@@ -31,3 +32,10 @@ def test_a_slot_id_is_a_slot_table_row_of_a_started_instance() -> None:
     for missing in (2, 3, -1):
         with pytest.raises(BadRequest, match=f"no slot {missing}"):
             locate(rows, missing)
+
+
+def test_a_slot_id_in_a_path_is_ascii_digits_only() -> None:
+    assert slots.parse("12", "save") == (12, "save")
+    for bad in ("¹", "٣", "1²", "-1", "", "x", str((1 << 20) + 1)):  # str.isdigit() alone accepts the first three
+        with pytest.raises(BadRequest, match="the slot id must be a slot number"):
+            slots.parse(bad, "save")
