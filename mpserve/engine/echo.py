@@ -71,9 +71,9 @@ class EchoEngine(NoCells):
         if not 0 <= token < 256:
             raise BadRequest(f"token {token} is not in the vocabulary of 256 tokens")
         return bytes([token])
+
     def tokens(self, slot: int) -> Sequence[int]:
         return ()
-
 
     def cancel(self, slot: int) -> None:
         echo = self._running.get(slot)
