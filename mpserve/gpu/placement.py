@@ -19,13 +19,15 @@ import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from os import PathLike
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from mpserve.errors import ConfigError, ModelDoesNotFit
-from mpserve.gguf_header import GGUFHeader, read_header
 from mpserve.kv_types import DEFAULT_KV_TYPE, KV_TYPES, check_head_size
 
 from .devices import Device, format_memory
+
+if TYPE_CHECKING:
+    from mpserve.gguf_header import GGUFHeader
 
 OVERHEAD = 512 << 20
 """CUDA context (about 300 MiB per process) plus llama.cpp compute buffers; a rough allowance."""
@@ -129,6 +131,10 @@ def check_kv_types(name: str, gguf_path: str | PathLike[str], cache_type_k: str,
 
 
 def _read(gguf_path: str | PathLike[str]) -> GGUFHeader:
+    # imported here: the reader needs gguf and numpy, and a server on CPUs with the default KV types never
+    # reads a header, so its start (and every test's) does not pay for importing them
+    from mpserve.gguf_header import read_header
+
     try:
         return read_header(gguf_path)
     except (OSError, ValueError) as exc:
