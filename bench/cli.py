@@ -57,7 +57,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse(argv)
-    from mpserve.models.maker import builtin_model_path
+    from mpserve.models.builtin import builtin_model_path
 
     settings = Settings.make(
         quick=args.quick, repeat=args.repeat or (1 if args.quick else 3),

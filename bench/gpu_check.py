@@ -66,7 +66,7 @@ def main(argv: list[str] | None = None) -> int:
     if why is not None:
         print(f"error: {why}", file=sys.stderr)
         return 2
-    from mpserve.models.maker import builtin_model_path
+    from mpserve.models.builtin import builtin_model_path
 
     model = str(args.model or builtin_model_path("bench"))
     device = next(d for d in detect()[0] if d.index == args.gpu)

@@ -18,7 +18,7 @@ import statistics
 import time
 
 from mpserve.engine.batch import BatchEngine
-from mpserve.models.maker import builtin_model_path
+from mpserve.models.builtin import builtin_model_path
 from mpserve.protocol import GenerateParams
 
 PROMPTS = ["Once upon a time", "The quick brown fox", "In the beginning", "Hello world"]

@@ -22,7 +22,7 @@ import time
 from dataclasses import asdict, dataclass
 
 from mpserve.client import AsyncClient
-from mpserve.models.maker import builtin_model_path
+from mpserve.models.builtin import builtin_model_path
 
 from .procs import MpserveServer
 

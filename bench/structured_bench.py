@@ -23,7 +23,7 @@ import sys
 import time
 
 from mpserve.engine.batch import BatchEngine
-from mpserve.models.maker import builtin_model_path
+from mpserve.models.builtin import builtin_model_path
 from mpserve.protocol import GenerateParams
 
 from .load import PROMPTS

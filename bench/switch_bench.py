@@ -21,7 +21,7 @@ from pathlib import Path
 import yaml
 
 from mpserve import Client
-from mpserve.models.maker import builtin_model_path
+from mpserve.models.builtin import builtin_model_path
 
 
 def measure(size: str, rounds: int) -> dict[str, float]:

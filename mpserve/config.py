@@ -78,7 +78,7 @@ class ModelConfig:
     def resolved_path(self) -> str:
         """The GGUF file to load ("echo" for the echo backend); writes the built-in model if needed."""
         if self.path.startswith(BUILTIN_PREFIX):
-            from mpserve.models.maker import builtin_model_path
+            from mpserve.models.builtin import builtin_model_path
 
             return str(builtin_model_path(self.path[len(BUILTIN_PREFIX):]))
         return self.path

@@ -142,7 +142,7 @@ def tiny_server() -> Iterator[ServerProcess]:
 
 @pytest.fixture(scope="session")
 def tiny_model_path() -> str:
-    from mpserve.models.maker import default_model_path
+    from mpserve.models.builtin import default_model_path
 
     return str(default_model_path())
 

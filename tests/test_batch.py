@@ -14,7 +14,7 @@ from mpserve.engine.batch import PROMPT_CHUNK, BatchEngine
 from mpserve.engine.interface import Completion
 from mpserve.engine.sampling import TextStream
 from mpserve.errors import BadRequest
-from mpserve.models.maker import builtin_model_path
+from mpserve.models.builtin import builtin_model_path
 from mpserve.protocol import GenerateParams
 
 REPO = Path(__file__).resolve().parent.parent

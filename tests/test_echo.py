@@ -19,7 +19,7 @@ from mpserve import Client
 from mpserve import protocol as wire
 from mpserve.engine.batch import PROMPT_CHUNK
 from mpserve.errors import BadRequest
-from mpserve.models.maker import builtin_model_path
+from mpserve.models.builtin import builtin_model_path
 from mpserve.protocol import GenerateParams
 
 TOP = 3

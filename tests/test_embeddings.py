@@ -20,7 +20,7 @@ from test_gateway import GatewayThread
 from mpserve import Client
 from mpserve.engine.embed import EmbeddingEngine
 from mpserve.errors import BadRequest
-from mpserve.models.maker import builtin_model_path
+from mpserve.models.builtin import builtin_model_path
 
 TEXTS = [f"text {i}: the cat and the sea, {'again ' * (i % 5)}and all" for i in range(32)]
 

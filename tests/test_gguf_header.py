@@ -11,7 +11,7 @@ import pytest
 from conftest import RealModel
 
 from mpserve.gguf_header import read_header
-from mpserve.models.maker import builtin_model_path
+from mpserve.models.builtin import builtin_model_path
 
 
 def gguf_reader_view(path: str | Path) -> tuple[dict[str, object], list[tuple[str, tuple[int, ...], int, int]]]:

@@ -21,7 +21,7 @@ from mpserve.engine.interface import Completion
 from mpserve.engine.prompt_cache import CacheStats
 from mpserve.errors import BadRequest
 from mpserve.kv_types import KV_TYPES
-from mpserve.models.maker import builtin_model_path
+from mpserve.models.builtin import builtin_model_path
 from mpserve.protocol import GenerateParams
 
 PROMPT = "Once upon a time in the land of"

@@ -16,7 +16,7 @@ from test_gateway import GatewayThread
 from mpserve import Client
 from mpserve import protocol as wire
 from mpserve.errors import BadRequest
-from mpserve.models.maker import builtin_model_path
+from mpserve.models.builtin import builtin_model_path
 from mpserve.protocol import GenerateParams
 
 TOP = 5

@@ -12,7 +12,8 @@ import llama_cpp
 import pytest
 
 from mpserve.errors import BadRequest
-from mpserve.models.maker import MODEL_SIZES, default_model_path, vocabulary, write_model
+from mpserve.models.builtin import MODEL_SIZES, default_model_path
+from mpserve.models.maker import vocabulary, write_model
 
 PROMPTS = ["Hello", "The quick brown fox", "In the beginning", "x", "1 2 3 4"]
 

@@ -18,7 +18,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from mpserve.engine.batch import PROMPT_CHUNK, BatchEngine
 from mpserve.engine.interface import Completion
 from mpserve.errors import BadRequest
-from mpserve.models.maker import builtin_model_path
+from mpserve.models.builtin import builtin_model_path
 from mpserve.protocol import GenerateParams
 from mpserve.speculative import Speculative
 

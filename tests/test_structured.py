@@ -20,7 +20,7 @@ from mpserve import AsyncClient, Client
 from mpserve.engine.batch import BatchEngine
 from mpserve.engine.interface import Completion
 from mpserve.errors import BadRequest
-from mpserve.models.maker import builtin_model_path
+from mpserve.models.builtin import builtin_model_path
 from mpserve.protocol import GenerateParams
 from mpserve.slots import SlotState
 from mpserve.structured import canonical_json

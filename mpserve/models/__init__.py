@@ -1,4 +1,5 @@
 """The project's own models: deterministic random-weight llama GGUFs (``mpserve make-model``, ``builtin:``).
 
-    maker   writes them (same arguments, same bytes) and finds the built-in ones in the cache
+    builtin   what the built-in models are and where they live (finds one without importing gguf or numpy)
+    maker     writes them (same arguments, same bytes)
 """
