@@ -1,14 +1,27 @@
-"""The length of the common prefix of two sequences (prompt texts, token lists), for prefix-cache routing.
+"""Shared prefixes of prompts, for prefix-cache routing: their length (texts, token lists), and the summary of a
+text's prefixes that travels between worker and broker.
 
-A binary search over slice comparisons: each comparison runs in C, so a 100,000-character prompt takes
-about 17 of them instead of a Python-level loop over every character.
+    common_prefix(a, b)    the length of the common prefix: the broker (texts), the batch engine (tokens)
+    block_hashes(text)     a stable 64-bit hash of text[:B], text[:2B], … (B = PREFIX_BLOCK characters):
+                           the worker sends those of each host-RAM cache entry's text, the broker computes
+                           those of a prompt and finds the longest run of them an instance holds
+
+``common_prefix`` is a binary search over slice comparisons: each comparison runs in C, so a
+100,000-character prompt takes about 17 of them instead of a Python-level loop over every character.
+``block_hashes`` chains one blake2b over the blocks (a hash per prefix, not per block: two texts share a
+hash only where they share everything before it), and stops after MAX_BLOCKS: a longer prefix is routed
+as one of that length.
 """
 
 from __future__ import annotations
 
+import hashlib
 from typing import TypeVar
 
 T = TypeVar("T", str, list[int], tuple[int, ...])
+
+PREFIX_BLOCK = 512  # characters per block: a prefix shorter than one is not summarized
+MAX_BLOCKS = 256  # blocks hashed per text, at most
 
 
 def common_prefix(a: T, b: T) -> int:
@@ -22,3 +35,14 @@ def common_prefix(a: T, b: T) -> int:
         else:
             hi = mid - 1
     return lo
+
+
+def block_hashes(text: str) -> tuple[int, ...]:
+    """The hashes of ``text``'s first PREFIX_BLOCK, 2 × PREFIX_BLOCK, … characters (whole blocks only, at most
+    MAX_BLOCKS), the same in every process."""
+    running = hashlib.blake2b(digest_size=8)
+    hashes = []
+    for end in range(PREFIX_BLOCK, min(len(text), PREFIX_BLOCK * MAX_BLOCKS) + 1, PREFIX_BLOCK):
+        running.update(text[end - PREFIX_BLOCK:end].encode("utf-8", "surrogatepass"))
+        hashes.append(int.from_bytes(running.copy().digest(), "little"))
+    return tuple(hashes)

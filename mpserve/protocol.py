@@ -14,6 +14,7 @@ frame belongs to ZeroMQ and is not described here.
                                                          EMBEDDINGS, ERROR (TICKET of an EMBED);
                                                          SLOT_REPLY, ERROR (TICKET of a SLOT_ACTION)
                         [VERSION, CHUNK, TICKET, BODY, TOKENS]  when the ASSIGN asked for ``report_tokens``
+                        [VERSION, DONE|ERROR, TICKET, BODY, CACHE]  when the prompt cache changed
                         [VERSION, CHUNKS, b"", BATCH]    the CHUNKs of one step of several sequences
 
 VERSION is ``b"MPS1"``. TYPE is one byte (``MsgType``). BODY is a msgpack map whose schema is the
@@ -22,7 +23,9 @@ echoes it so the broker can forward the BODY of CHUNK/DONE/ERROR to the client u
 writes the client's own request id into it), without decoding and re-encoding every token. TOKENS is the
 ids of the tokens generated since the previous CHUNK, int32 little-endian (``token_frame``): the broker
 appends them without decoding anything, and hands them to the next instance if this one is lost
-(``Assign.generated``), which continues the request from there.
+(``Assign.generated``), which continues the request from there. CACHE (``CacheChanges``, a msgpack map) says
+what the instance's host-RAM prompt cache gained and lost since its previous CACHE frame; the broker reads it
+and forwards the BODY as it does without one.
 
 CHUNKS carries several CHUNKs in one message, so the message count does not grow with the number of
 sequences streaming at once: a worker sends the CHUNKs one step made as one, its BATCH a msgpack array of
@@ -50,6 +53,7 @@ import msgpack
 
 from . import structured
 from .errors import BadRequest, ProtocolError
+from .prefix import MAX_BLOCKS
 
 VERSION = b"MPS1"
 MAX_MESSAGE_BYTES = 4 * 1024 * 1024
@@ -819,6 +823,50 @@ class Stop:
         return cls(reason=_text(body, "reason", 256, ""))
 
 
+@dataclass(frozen=True)
+class CacheChanges:
+    """worker -> broker, the CACHE frame after a DONE or ERROR: what the instance's host-RAM prompt cache gained
+    (``added``: an entry's id and its summary, the block hashes of the prompt text it holds,
+    ``mpserve.prefix.block_hashes``, as uint64 little-endian) and lost (``dropped``: ids) since the previous
+    CACHE frame. Ids are the worker's, unique while its model stays loaded."""
+
+    added: tuple[tuple[int, bytes], ...] = ()
+    dropped: tuple[int, ...] = ()
+
+    def __bool__(self) -> bool:
+        return bool(self.added or self.dropped)
+
+    @classmethod
+    def from_wire(cls, body: dict[str, Any]) -> CacheChanges:
+        added = []
+        for item in _get(body, "added", list, []):
+            if not (isinstance(item, list) and len(item) == 2 and _cache_id(item[0]) and isinstance(item[1], bytes)
+                    and len(item[1]) % 8 == 0 and len(item[1]) <= 8 * MAX_BLOCKS):
+                raise ProtocolError(f"a CACHE entry must be [id, at most {MAX_BLOCKS} uint64 hashes]")
+            added.append((item[0], item[1]))
+        dropped = _get(body, "dropped", list, [])
+        if not all(_cache_id(i) for i in dropped):
+            raise ProtocolError("CACHE 'dropped' must be entry ids")
+        return cls(tuple(added), tuple(dropped))
+
+
+def _cache_id(value: Any) -> bool:
+    return type(value) is int and 0 <= value < 2**63
+
+
+def frame_cache(frame: bytes) -> CacheChanges:
+    return CacheChanges.from_wire(unpack_body(frame))
+
+
+def pack_hashes(hashes: Sequence[int]) -> bytes:
+    """Block hashes as a CACHE entry carries them: uint64, little-endian."""
+    return struct.pack(f"<{len(hashes)}Q", *hashes)
+
+
+def unpack_hashes(data: bytes) -> tuple[int, ...]:
+    return struct.unpack(f"<{len(data) // 8}Q", data)
+
+
 def pack_tokens(tokens: Sequence[int]) -> bytes:
     """Token ids as they travel: int32, little-endian (a msgpack list is capped at a few thousand items)."""
     try:
@@ -1042,10 +1090,11 @@ def encode(msg: Any) -> list[bytes]:
     return [VERSION, TYPE_FRAMES[msg.TYPE], pack(msg)]
 
 
-def encode_from_worker(msg: Any, ticket: str = "", tokens: bytes | None = None) -> list[bytes]:
-    """[VERSION, TYPE, TICKET, BODY] for a message a worker sends to the broker; a CHUNK may add TOKENS."""
+def encode_from_worker(msg: Any, ticket: str = "", trailer: bytes | None = None) -> list[bytes]:
+    """[VERSION, TYPE, TICKET, BODY] for a message a worker sends to the broker; a CHUNK may add TOKENS, a DONE
+    or ERROR for an ASSIGN its CACHE frame."""
     frames = [VERSION, TYPE_FRAMES[msg.TYPE], ticket.encode(), pack(msg)]
-    return frames if tokens is None else [*frames, tokens]
+    return frames if trailer is None else [*frames, trailer]
 
 
 def encode_chunks_from_worker(chunks: Sequence[tuple[str, Chunk, bytes | None]]) -> list[bytes]:

@@ -7,6 +7,7 @@ import pytest
 
 from mpserve import protocol as wire
 from mpserve.errors import BadRequest, ProtocolError
+from mpserve.prefix import MAX_BLOCKS, PREFIX_BLOCK, block_hashes
 
 pytestmark = pytest.mark.timeout(10)
 
@@ -41,6 +42,30 @@ def test_a_chunk_may_carry_its_token_ids_and_an_assign_the_tokens_to_resume_from
     assert not old.report_tokens and old.generated == b""
     with pytest.raises(ProtocolError, match="int32"):
         wire.Assign.from_wire({**wire.to_wire(assign), "generated": b"\x00" * 5})
+
+
+def test_a_done_may_carry_the_prompt_caches_changes_in_a_cache_frame() -> None:
+    hashes = block_hashes("x" * 3 * PREFIX_BLOCK)
+    changes = wire.CacheChanges(((7, wire.pack_hashes(hashes)),), dropped=(3, 4))
+    done = wire.Done("r1", "hey", "length", wire.Usage(2, 3), wire.Timings())
+    frames = wire.encode_from_worker(done, "t1", wire.pack(changes))
+    assert len(frames) == 5 and wire.decode_body(wire.parse_header(frames, 5), frames[3]) == done
+    back = wire.frame_cache(frames[4])
+    assert back == changes and wire.unpack_hashes(back.added[0][1]) == hashes and len(hashes) == 3
+    assert not wire.CacheChanges() and wire.frame_cache(wire.pack(wire.CacheChanges())) == wire.CacheChanges()
+
+
+@pytest.mark.parametrize("body, problem", [
+    ({"added": [[1, b"\x00" * 7]]}, "a CACHE entry"),  # not whole uint64s
+    ({"added": [[1, b"\x00" * 8 * (MAX_BLOCKS + 1)]]}, "a CACHE entry"),  # more blocks than a text has
+    ({"added": [[-1, b""]]}, "a CACHE entry"), ({"added": [["1", b""]]}, "a CACHE entry"),
+    ({"added": [[True, b""]]}, "a CACHE entry"), ({"added": [[1]]}, "a CACHE entry"),
+    ({"added": "x"}, "'added' must be a list"), ({"dropped": [1, 2**63]}, "entry ids"),
+    ({"dropped": list(range(5000))}, "not valid msgpack"),  # a list longer than any frame may hold
+])
+def test_a_malformed_cache_frame_is_refused(body: dict[str, object], problem: str) -> None:
+    with pytest.raises(ProtocolError, match=problem):
+        wire.frame_cache(msgpack.packb(body, use_bin_type=True))
 
 
 @pytest.mark.parametrize("n", [1, 15, 16, 300])  # the three sizes of a msgpack array's header
