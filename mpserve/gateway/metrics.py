@@ -8,7 +8,8 @@ Two kinds of metric:
   processing, from the DONE timings) and latency (HTTP request in to DONE out, measured here);
 - read from the server at scrape time: queue depth, requests in flight and registered instances per model
   (STATS), the broker's counters since the server started (``mpserve_broker_events_total{event=...}``:
-  ``accepted``, ``done``, ``timeout``, ``cancelled``, ``worker_lost``, ``rejected_busy``, ... whatever the
+  ``accepted``, ``done``, ``timeout``, ``cancelled``, ``worker_lost``, ``rejected_busy``, the routes by why
+  (``routed_kv_prefix``, ``routed_ram_prefix``, ``routed_least_busy``), ... whatever the
   broker counts), each model's instance bounds and scale events (``mpserve_scale_starts_total{reason=...}``,
   ``..._stops_total``, ``..._skipped_total``), and, for a server on this host, instances by state (slot
   table), the KV cells each instance holds and their share of all it has, its prompt cache (bytes, hits,

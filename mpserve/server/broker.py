@@ -3,7 +3,9 @@
     clients ──DEALER──▶ front ROUTER ─┐                  ┌─ back ROUTER ◀──DEALER── workers
                                       ▼                  ▲
     validate ─▶ per-model FIFO queue ─▶ assign to a free slot of that model (the one whose last prompt
-                                        shares the longest prefix, else one of the least busy instance)
+                                        shares the longest prefix, or whose instance's prompt cache holds
+                                        it, as its DONEs' CACHE frames said; else one of the least busy
+                                        instance)
                                       ▲                  │
         CHUNK/DONE/ERROR bodies ◀─────┴── forwarded unchanged, looked up by ticket
         CHUNKS (one worker step)  ──▶ per client, its bodies spliced into one CHUNKS (one: a CHUNK)
@@ -61,6 +63,7 @@ from mpserve.errors import (
     ShuttingDown,
     UnknownModel,
 )
+from mpserve.prefix import PREFIX_BLOCK, block_hashes
 from mpserve.protocol import ChatTemplate
 
 from .residency import Loaded, Residency
@@ -73,6 +76,7 @@ DEFAULT_SERVICE_MS = 250.0
 MAX_RETRY_AFTER_S = 30.0
 DRAIN_BATCH = 256
 CHUNK_FRAME = wire.TYPE_FRAMES[wire.MsgType.CHUNK]
+TRAILED = {CHUNK_FRAME, wire.TYPE_FRAMES[wire.MsgType.DONE], wire.TYPE_FRAMES[wire.MsgType.ERROR]}  # may have a 5th
 CHUNKS_FRAME = wire.TYPE_FRAMES[wire.MsgType.CHUNKS]
 FROM_CLIENTS = {wire.MsgType.REQUEST, wire.MsgType.CANCEL, wire.MsgType.PING, wire.MsgType.TOKENIZE,
                 wire.MsgType.EMBED, wire.MsgType.STATS_QUERY, wire.MsgType.SLOT_ACTION, wire.MsgType.CONTROL}
@@ -509,8 +513,8 @@ class Broker:
         entry = self.workers.get(identity)
         if entry is not None:
             entry.last_heard = time.monotonic()
-        try:  # a CHUNK may carry a fifth frame, its tokens
-            mtype = wire.parse_header(frames, 5 if len(frames) == 5 and frames[1] == CHUNK_FRAME else 4)
+        try:  # a CHUNK may carry a fifth frame, its tokens; a DONE or ERROR the prompt cache's changes
+            mtype = wire.parse_header(frames, 5 if len(frames) == 5 and frames[1] in TRAILED else 4)
         except MpserveError as exc:
             self.stats["dropped_worker_malformed"] += 1
             log.warning("refused a message from worker %r: %s", identity, exc)
@@ -541,6 +545,8 @@ class Broker:
             self._to_worker(identity, wire.Heartbeat(identity.decode(), registered=False))
         elif isinstance(msg, wire.Unloaded):
             entry.loaded = entry.unloading = False
+            entry.prompts.clear()  # its KV cells and its prompt cache went with the model
+            entry.ram.clear()
             self._dispatch(entry.model)
 
     def _on_ready(self, identity: bytes, msg: wire.Ready) -> None:
@@ -584,13 +590,15 @@ class Broker:
         mq.free = deque(f for f in mq.free if f[0] != entry.identity)
 
     def _worker_result(self, identity: bytes, mtype: wire.MsgType, ticket: str, type_frame: bytes,
-                       body: bytes, tokens: bytes | None) -> None:
+                       body: bytes, trailer: bytes | None) -> None:
         entry = self.workers.get(identity)
+        if trailer is not None and entry is not None and mtype is not wire.MsgType.CHUNK:
+            self._cache_changed(entry, trailer)  # whether or not the request is still there
         p = self._running_on(entry, ticket)
         if p is None or entry is None:
             return
         if mtype is wire.MsgType.CHUNK:
-            if self._streaming(p, tokens):
+            if self._streaming(p, trailer):
                 self._to_client(p.client, [wire.VERSION, type_frame, body])
             return
         slot = entry.running.pop(ticket)
@@ -610,6 +618,14 @@ class Broker:
         else:
             mq.free.append((identity, slot))
         self._dispatch(entry.model)
+
+    def _cache_changed(self, entry: WorkerEntry, frame: bytes) -> None:
+        """A CACHE frame: what the worker's prompt cache gained and lost, for routing."""
+        try:
+            entry.ram.apply(wire.frame_cache(frame))
+        except MpserveError as exc:
+            self.stats["dropped_worker_malformed"] += 1
+            log.error("dropped a bad CACHE frame from worker %r: %s", entry.identity, exc)
 
     def _worker_chunks(self, identity: bytes, batch: bytes) -> None:
         """A worker's CHUNKS: each client gets the chunks meant for it, in order, as one message."""
@@ -696,11 +712,23 @@ class Broker:
 
     def _take_slots(self, mq: ModelQueue, p: Pending, device: int | None = None) -> list[tuple[bytes, int]] | None:
         """Take the free slot ``routing.choose_slot`` picks (on ``device``, if given), or for a request for n
-        the n slots of one instance ``routing.choose_slots`` picks."""
-        slots = choose_slots(mq.free, self.workers, p.request.prompt, p.slots_needed, device)
-        for slot in slots or ():
+        the n slots of one instance ``routing.choose_slots`` picks; count why (``routed_kv_prefix``, ...)."""
+        route = choose_slots(mq.free, self.workers, p.request.prompt, p.slots_needed, device, self._blocks(mq, p))
+        if route is None:
+            return None
+        for slot in route.slots:
             mq.free.remove(slot)
-        return slots
+        self.stats[f"routed_{route.source.value}"] += 1
+        return route.slots
+
+    def _blocks(self, mq: ModelQueue, p: Pending) -> tuple[int, ...]:
+        """``p``'s prompt's block hashes, for routing by what the instances' prompt caches hold: computed once per
+        request, and only once some free instance holds anything in its cache."""
+        if p.blocks is None:
+            if len(p.request.prompt) < PREFIX_BLOCK or not any(self.workers[w].ram for w, _ in mq.free):
+                return ()
+            p.blocks = block_hashes(p.request.prompt)
+        return p.blocks
 
     def _refuse_head(self, mq: ModelQueue, p: Pending) -> bool:
         """A request for more choices than any instance now registered has slots (they came after it was

@@ -1,9 +1,13 @@
 """The broker's decisions, as pure functions over its tables: which free slot a request goes to, and what
 becomes of a request whose worker died.
 
-    choose_slot(free slots, workers, prompt)   prefix held by the slot > prefix held by its instance
+    choose_slot(free slots, workers, prompt,   the longest cached prefix, held in KV cells (the slot's own
+                blocks)                        first, then another slot's of its instance) or in the
+                                               instance's host-RAM prompt cache (``blocks``: the prompt's
+                                               block hashes, matched against ``WorkerEntry.ram``)
                                                > least busy instance > free the longest
-    choose_slots(…, n)                         n free slots of one instance (a request for n choices)
+    choose_slots(…, n)                         n free slots of one instance (a request for n choices), and
+                                               why (``Source``: the broker counts its routes by it)
     after_loss(request)                        RETRY (nothing streamed yet, or the tokens streamed are
                                                known: resumed from them) | LOST (text streamed, its
                                                tokens unknown) | POISON (it has now crashed MAX_CRASHES)
@@ -11,7 +15,8 @@ becomes of a request whose worker died.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
 from enum import Enum
 
 from mpserve.prefix import common_prefix
@@ -22,35 +27,64 @@ MAX_CRASHES = 2
 MIN_SHARED_PREFIX = 32  # characters a prompt must share with a slot's last one to be routed to it
 
 
+class Source(Enum):
+    """Why a route was chosen."""
+
+    KV = "kv_prefix"  # the prompt's longest cached prefix is in KV cells of the instance
+    RAM = "ram_prefix"  # ... in its host-RAM prompt cache
+    LOAD = "least_busy"  # no cached prefix: the least busy instance
+
+
+@dataclass(frozen=True)
+class Route:
+    slots: list[tuple[bytes, int]]
+    source: Source
+
+
 def choose_slot(free: Iterable[tuple[bytes, int]], workers: Mapping[bytes, WorkerEntry], prompt: str,
-                device: int | None = None) -> tuple[bytes, int] | None:
+                device: int | None = None, blocks: Sequence[int] = ()) -> tuple[bytes, int] | None:
     """A free slot (on ``device``, if given), in ``free``'s order (longest free first). First choice: one
     that can start from the longest cached prefix of ``prompt`` (at least MIN_SHARED_PREFIX characters),
-    held in its own KV cells or, in a batching instance, in another slot's, which the worker copies; among
-    those, the slot holding it itself. Otherwise: a slot of the least busy instance (running sequences per
-    slot), so that requests spread over instances before they share one's batch. Among equals, the slot
-    free the longest."""
+    held in its own KV cells or, in a batching instance, in another slot's, which the worker copies, or in its
+    instance's host-RAM prompt cache (``blocks``, the prompt's block hashes: whole blocks of it), which the
+    worker restores. Of equal lengths, KV cells before RAM (a restore copies the state in; both spare the
+    prefill), and the slot holding the prefix itself before the others. Otherwise: a slot of the least busy
+    instance (running sequences per slot), so that requests spread over instances before they share one's
+    batch. Among equals, the slot free the longest."""
+    best = _best(free, workers, prompt, device, blocks)
+    return best[0] if best is not None else None
+
+
+def _best(free: Iterable[tuple[bytes, int]], workers: Mapping[bytes, WorkerEntry], prompt: str,
+          device: int | None, blocks: Sequence[int]) -> tuple[tuple[bytes, int], Source] | None:
     best: tuple[bytes, int] | None = None
-    best_key: tuple[int, int, float] = (-1, 0, 0.0)
+    best_key: tuple[int, bool, int, float] = (-1, False, 0, 0.0)
     held: dict[bytes, int] = {}  # worker -> the longest prefix any of its slots holds
+    in_ram: dict[bytes, int] = {}  # worker -> the longest prefix its prompt cache holds
     for identity, slot in free:
         entry = workers[identity]
         if device is not None and entry.device != device:
             continue
-        own = anywhere = 0
+        own = anywhere = ram = 0
         if len(prompt) >= MIN_SHARED_PREFIX:
             own = common_prefix(entry.prompts.get(slot, ""), prompt)
             if entry.capacity > 1 and identity not in held:
                 held[identity] = max((common_prefix(p, prompt) for p in entry.prompts.values()), default=0)
             anywhere = max(own, held.get(identity, 0))
-        key = (_at_least(anywhere), _at_least(own), -len(entry.running) / entry.capacity)
+        if blocks and entry.ram:
+            if identity not in in_ram:
+                in_ram[identity] = entry.ram.longest(blocks)
+            ram = in_ram[identity]
+        key = (_at_least(max(anywhere, ram)), anywhere >= ram, _at_least(own), -len(entry.running) / entry.capacity)
         if key > best_key:  # strictly better: among equals the first, free the longest, stays
             best, best_key = (identity, slot), key
-    return best
+    if best is None:
+        return None
+    return best, Source.LOAD if not best_key[0] else Source.KV if best_key[1] else Source.RAM
 
 
 def choose_slots(free: Iterable[tuple[bytes, int]], workers: Mapping[bytes, WorkerEntry], prompt: str, n: int,
-                 device: int | None = None) -> list[tuple[bytes, int]] | None:
+                 device: int | None = None, blocks: Sequence[int] = ()) -> Route | None:
     """``n`` free slots of one instance (on ``device``, if given): the first as ``choose_slot`` picks it among
     the instances with ``n`` free, then that instance's other free ones, longest free first; None if no
     instance has ``n`` free slots."""
@@ -59,10 +93,11 @@ def choose_slots(free: Iterable[tuple[bytes, int]], workers: Mapping[bytes, Work
     for identity, _ in free:
         count[identity] = count.get(identity, 0) + 1
     roomy = [f for f in free if count[f[0]] >= n]
-    first = choose_slot(roomy, workers, prompt, device)
-    if first is None:
+    best = _best(roomy, workers, prompt, device, blocks)
+    if best is None:
         return None
-    return [first, *[f for f in roomy if f[0] == first[0] and f != first][:n - 1]]
+    first, source = best
+    return Route([first, *[f for f in roomy if f[0] == first[0] and f != first][:n - 1]], source)
 
 
 def _at_least(shared: int) -> int:

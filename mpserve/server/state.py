@@ -33,6 +33,8 @@ from enum import Enum
 from mpserve import protocol as wire
 from mpserve.protocol import ChatTemplate
 
+from .ram_prefixes import RamPrefixes
+
 
 class RequestState(Enum):
     QUEUED = "queued"
@@ -59,6 +61,7 @@ class Pending:
     group: tuple[str, ...] = ()  # a request for n choices: the tickets of all n (this one among them)
     index: int = 0  # which choice this row is
     slots_needed: int = 1  # queued as a request for n: the n free slots of one instance it waits for
+    blocks: tuple[int, ...] | None = None  # its prompt's block hashes, once routing needed them
 
     @property
     def answered(self) -> bool:
@@ -79,6 +82,7 @@ class WorkerEntry:
     last_heard: float = 0.0  # monotonic; remote workers are declared lost when silent too long
     running: dict[str, int] = field(default_factory=dict)  # ticket -> slot
     prompts: dict[int, str] = field(default_factory=dict)  # slot -> its last prompt (cached in its KV)
+    ram: RamPrefixes = field(default_factory=RamPrefixes)  # what its host-RAM prompt cache holds (CACHE frames)
     draining: bool = False  # being scaled down: no new requests; STOP once it runs nothing
 
 

@@ -9,6 +9,7 @@ import pytest
 import zmq
 
 from mpserve import protocol as wire
+from mpserve.prefix import block_hashes
 from mpserve.server.broker import Broker, WorkerEntry
 
 pytestmark = pytest.mark.timeout(10)
@@ -169,3 +170,50 @@ def test_a_workers_chunks_reach_each_client_in_order_as_one_message_and_before_d
     finally:
         for sock in (*clients, worker):
             sock.close(0)
+
+
+def test_cache_frames_steer_routing_to_the_instance_holding_a_prefix_until_it_unloads_or_goes(broker: Broker) -> None:
+    document = "".join(f"Paragraph {i}: the quick brown fox jumps over the lazy dog. " for i in range(60))
+    question = document + " Summarize it."
+    held = wire.CacheChanges(((1, wire.pack_hashes(block_hashes(document))),))
+
+    def served_by(workers: dict[bytes, zmq.Socket[bytes]], client: zmq.Socket[bytes], rid: str, prompt: str,
+                  cache: wire.CacheChanges | None = None) -> bytes:
+        """Send ``rid``, answer it from the worker it went to (its DONE carrying ``cache``), and say which
+        worker that was."""
+        client.send_multipart(wire.encode(wire.Request(rid, prompt)))
+        assert broker.front.poll(1000)
+        broker.drain_front()
+        name = next(name for name, sock in workers.items() if sock.poll(1000))
+        assign = wire.decode(workers[name].recv_multipart())
+        done = wire.Done(rid, "ok", "length", wire.Usage(1, 1), wire.Timings(0, 0, 0))
+        workers[name].send_multipart(wire.encode_from_worker(done, assign.ticket,
+                                                             wire.pack(cache) if cache is not None else None))
+        assert broker.back.poll(1000)
+        broker.drain_back()
+        assert client.poll(1000) and wire.decode(client.recv_multipart()) == done  # forwarded as it came
+        return name
+
+    with peers(broker, slots=1) as (client, workers):
+        first = served_by(workers, client, "r1", "an unrelated prompt", held)  # it pushed the document to RAM
+        assert broker.workers[first].ram and broker.stats["routed_least_busy"] == 1
+        assert served_by(workers, client, "r2", question) == first  # though the other was free the longest
+        assert broker.stats["routed_ram_prefix"] == 1
+
+        workers[first].send_multipart(wire.encode_from_worker(wire.Unloaded(first.decode())))
+        assert broker.back.poll(1000)
+        broker.drain_back()
+        assert not broker.workers[first].ram and not broker.workers[first].prompts  # the model took its cells
+        assert served_by(workers, client, "r3", question) != first
+
+        bad = wire.encode_from_worker(wire.Done("x", "", "stop", wire.Usage(0, 0), wire.Timings(0, 0, 0)), "nope",
+                                      wire.pack({"added": [[1, b"\x00" * 7]]}))
+        workers[first].send_multipart(bad)  # a broken CACHE frame is counted; the result goes its way
+        assert broker.back.poll(1000)
+        broker.drain_back()
+        assert broker.stats["dropped_worker_malformed"] == 1
+
+        holder = served_by(workers, client, "r4", "another unrelated prompt", held)
+        assert broker.workers[holder].ram
+        broker.worker_exited(int(holder[1:]))  # a lost worker takes its view with it
+        assert holder not in broker.workers

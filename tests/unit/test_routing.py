@@ -5,7 +5,18 @@ from __future__ import annotations
 import pytest
 
 from mpserve import protocol as wire
-from mpserve.server.routing import MAX_CRASHES, MIN_SHARED_PREFIX, AfterLoss, after_loss, choose_slot, choose_slots
+from mpserve.prefix import PREFIX_BLOCK, block_hashes
+from mpserve.server.ram_prefixes import RamPrefixes
+from mpserve.server.routing import (
+    MAX_CRASHES,
+    MIN_SHARED_PREFIX,
+    AfterLoss,
+    Route,
+    Source,
+    after_loss,
+    choose_slot,
+    choose_slots,
+)
 from mpserve.server.state import Pending, RequestState, WorkerEntry
 
 pytestmark = pytest.mark.timeout(10)
@@ -76,6 +87,71 @@ def test_a_device_filter_keeps_to_that_device_and_none_found_is_none() -> None:
     assert choose_slot([], workers, "hi") is None
 
 
+# --- prefixes held in an instance's host-RAM prompt cache ---------------------------------------------------
+
+DOCUMENT = "".join(f"Paragraph {i}: the quick brown fox jumps over the lazy dog. " for i in range(100))  # 6,000 chars
+
+
+def in_ram(entry: WorkerEntry, *texts: str, first_id: int = 1) -> WorkerEntry:
+    """``entry`` with its prompt cache holding ``texts`` (as its CACHE frames would say)."""
+    entry.ram.apply(wire.CacheChanges(tuple((first_id + i, wire.pack_hashes(block_hashes(t)))
+                                            for i, t in enumerate(texts))))
+    return entry
+
+
+def test_a_prompt_pushed_out_of_every_slot_goes_to_the_instance_holding_it_in_ram() -> None:
+    prompt = DOCUMENT + " Summarize it."
+    workers = table(worker("a", prompts={0: "something else"}),
+                    in_ram(worker("b", prompts={0: "another one"}), DOCUMENT[:3 * PREFIX_BLOCK]))
+    free = [(b"a", 0), (b"b", 0)]  # a free the longest: without the cache it would go there
+    assert choose_slot(free, workers, prompt) == (b"a", 0)  # the prompt's block hashes not given: not looked at
+    assert choose_slots(free, workers, prompt, 1, blocks=block_hashes(prompt)) == Route([(b"b", 0)], Source.RAM)
+
+
+def test_the_longest_prefix_in_ram_wins_and_an_unrelated_one_does_not_count() -> None:
+    prompt = DOCUMENT + " Summarize it."
+    workers = table(in_ram(worker("a"), DOCUMENT[:2 * PREFIX_BLOCK]), in_ram(worker("b"), DOCUMENT[:5 * PREFIX_BLOCK]),
+                    in_ram(worker("c"), "x" + DOCUMENT))  # c shares no prefix: its hashes are all other
+    free = [(b"c", 0), (b"a", 0), (b"b", 0)]
+    assert choose_slots(free, workers, prompt, 1, blocks=block_hashes(prompt)) == Route([(b"b", 0)], Source.RAM)
+    assert workers[b"c"].ram.longest(block_hashes(prompt)) == 0
+    assert workers[b"b"].ram.longest(block_hashes(prompt)) == 5 * PREFIX_BLOCK
+
+
+def test_a_prefix_in_kv_cells_wins_over_one_as_long_in_ram_and_a_longer_one_in_ram_wins_over_kv() -> None:
+    prompt = DOCUMENT + " Summarize it."
+    blocks = block_hashes(prompt)
+    workers = table(in_ram(worker("a"), DOCUMENT[:4 * PREFIX_BLOCK]),
+                    worker("b", prompts={0: DOCUMENT[:4 * PREFIX_BLOCK] + "Tell me more."}))
+    free = [(b"a", 0), (b"b", 0)]
+    assert choose_slots(free, workers, prompt, 1, blocks=blocks) == Route([(b"b", 0)], Source.KV)  # same length
+    in_ram(workers[b"a"], DOCUMENT[:6 * PREFIX_BLOCK], first_id=9)
+    assert choose_slots(free, workers, prompt, 1, blocks=blocks) == Route([(b"a", 0)], Source.RAM)  # longer
+
+
+def test_what_an_instance_holds_in_ram_follows_additions_and_evictions_and_goes_when_cleared() -> None:
+    entry = in_ram(worker("a"), DOCUMENT[:3 * PREFIX_BLOCK], DOCUMENT[:2 * PREFIX_BLOCK] + "x" * PREFIX_BLOCK)
+    blocks = block_hashes(DOCUMENT)
+    assert entry.ram.longest(blocks) == 3 * PREFIX_BLOCK
+    entry.ram.apply(wire.CacheChanges(dropped=(1,)))  # the longer one evicted: the other still holds two blocks
+    assert entry.ram.longest(blocks) == 2 * PREFIX_BLOCK
+    entry.ram.apply(wire.CacheChanges(dropped=(2, 77)))  # an id never heard of is ignored
+    assert entry.ram.longest(blocks) == 0 and not entry.ram
+    in_ram(entry, DOCUMENT, first_id=3)
+    entry.ram.clear()  # the model unloaded: its cache went with it
+    assert not entry.ram and entry.ram.longest(blocks) == 0
+
+
+def test_what_a_worker_says_it_holds_in_ram_is_bounded_the_oldest_entries_forgotten_first() -> None:
+    ram = RamPrefixes(limit=20)
+    texts = [f"{i} " + DOCUMENT for i in range(4)]  # 11 blocks each (at most 256 per entry on the wire)
+    for i, text in enumerate(texts):
+        ram.apply(wire.CacheChanges(((i, wire.pack_hashes(block_hashes(text))),)))
+    assert [ram.longest(block_hashes(t)) > 0 for t in texts] == [False, False, False, True]
+    ram.apply(wire.CacheChanges(((9, wire.pack_hashes(block_hashes(DOCUMENT * 4))),)))  # alone over the limit
+    assert not ram
+
+
 def pending(state: RequestState, crashes: int, generated: list[int], known: bool = True) -> Pending:
     p = Pending("t1", b"c", wire.Request("r1", "hi"), "m", 0.0, None, state=state)
     p.crashes = crashes
@@ -87,11 +163,12 @@ def pending(state: RequestState, crashes: int, generated: list[int], known: bool
 def test_n_choices_take_n_free_slots_of_one_instance_or_wait() -> None:
     workers = table(worker("a", capacity=4, running=2), worker("b", capacity=4, prompts={1: PREAMBLE}))
     free = [(b"a", 2), (b"a", 3), (b"b", 0), (b"b", 1), (b"b", 2)]
-    assert choose_slots(free, workers, "hi", 2) == [(b"b", 0), (b"b", 1)]  # the least busy instance
-    assert choose_slots(free, workers, PREAMBLE + "more", 3) == [(b"b", 1), (b"b", 0), (b"b", 2)]  # the holder first
-    assert choose_slots(free[:4], workers, "hi", 2) == [(b"b", 0), (b"b", 1)]
+    assert choose_slots(free, workers, "hi", 2) == Route([(b"b", 0), (b"b", 1)], Source.LOAD)  # the least busy
+    assert choose_slots(free, workers, PREAMBLE + "more", 3) == Route([(b"b", 1), (b"b", 0), (b"b", 2)],
+                                                                      Source.KV)  # the holder first
+    assert choose_slots(free[:4], workers, "hi", 2) == Route([(b"b", 0), (b"b", 1)], Source.LOAD)
     assert choose_slots(free, workers, "hi", 4) is None  # no instance has 4 free: the request waits
-    assert choose_slots(free, workers, "hi", 1) == [choose_slot(free, workers, "hi")]
+    assert choose_slots(free, workers, "hi", 1) == Route([choose_slot(free, workers, "hi")], Source.LOAD)
     assert choose_slots(free, workers, "hi", 2, device=7) is None
 
 
