@@ -15,13 +15,15 @@ import pytest
 from conftest import RealModel, ServerProcess
 
 from mpserve import Client
-from mpserve.engine import slot_file
+from mpserve import protocol as wire
+from mpserve.engine import slot_file, vocab
 from mpserve.engine.batch import PROMPT_CHUNK, BatchEngine
 from mpserve.engine.interface import Completion
 from mpserve.engine.prompt_cache import CacheStats
 from mpserve.errors import BadRequest
 from mpserve.kv_types import KV_TYPES
 from mpserve.models.builtin import builtin_model_path
+from mpserve.prefix import PREFIX_BLOCK, block_hashes
 from mpserve.protocol import GenerateParams
 
 PROMPT = "Once upon a time in the land of"
@@ -104,6 +106,25 @@ def test_a_prompt_pushed_out_of_every_slot_is_restored_from_ram_and_continues_ex
 
 
 @pytest.mark.timeout(120)
+def test_a_saved_entry_is_told_with_the_block_hashes_of_the_text_its_tokens_spell_one_of_token_ids_without() -> None:
+    engine = tiny_engine(1, 64 << 20)
+    try:
+        run(engine, 0, LONG)
+        run(engine, 0, others(1)[0])  # LONG's first chunk goes to the cache
+        (_, packed), = engine.take_cache_changes().added
+        spelled = vocab.detokenize(llama_cpp, engine._vocab, engine._tokenize(LONG)[1:PROMPT_CHUNK])  # after BOS
+        assert LONG.startswith(spelled) and len(spelled) >= 2 * PREFIX_BLOCK
+        assert wire.unpack_hashes(packed) == block_hashes(spelled)  # what the broker computes of LONG, that far
+        assert not engine.take_cache_changes()  # told once
+        tokens = engine._tokenize(others(2)[1])
+        run(engine, 0, tokens)  # the first other prompt goes to the cache, told as before
+        run(engine, 0, others(3)[2])  # the prompt of token ids goes too, with nothing to route by
+        assert engine.cache_stats().entries == 3 and len(engine.take_cache_changes().added) == 1
+    finally:
+        engine.close()
+
+
+@pytest.mark.timeout(120)
 def test_filling_the_cache_past_its_size_evicts_and_recent_entries_still_hit() -> None:
     probe = tiny_engine(1, 64 << 20)
     try:
@@ -165,6 +186,30 @@ def test_through_the_server_a_prompt_pushed_out_of_every_slot_reports_restored_t
     status = subprocess.run([sys.executable, "-m", "mpserve", "status", "--server-name", server.name],
                             capture_output=True, text=True, timeout=30)
     assert "prompt cache" in status.stdout and "of 64.0 MiB, 1 hits" in status.stdout, status.stdout
+
+
+@pytest.mark.timeout(120)
+def test_with_two_instances_a_prompt_pushed_out_of_the_slots_goes_to_the_instance_holding_it_in_ram(
+        start_server: type[ServerProcess]) -> None:
+    server = start_server("--instances", "2", "--parallel", "1", "--n-ctx", "1024", "--cache-ram", "64MiB").wait_ready()
+    follow_up = LONG + " and then the cat sat"
+    with Client(server.address, timeout=60) as client:
+        first = client.generate(LONG, max_tokens=8, temperature=0)
+        holder = first.worker
+        served = [client.generate(prompt, max_tokens=8, temperature=0).worker for prompt in others(8)]
+        other = served[0]
+        # one at a time, each to the instance free the longest: the other one first, then in turn, so LONG left
+        # its instance's slot (for its RAM) and the other instance, never given LONG, is now free the longest
+        assert other != holder and served == [other, holder] * 4
+        again = client.generate(follow_up, max_tokens=16, temperature=0)
+        counters = client.stats().counters
+    assert again.worker == holder and again.timings.cached_tokens == PROMPT_CHUNK  # restored from its RAM
+    assert counters["routed_ram_prefix"] == 1 and counters["routed_least_busy"] == 9
+    fresh = tiny_engine(1, 0)
+    try:
+        assert again.text == run(fresh, 0, follow_up).text
+    finally:
+        fresh.close()
 
 
 @pytest.mark.timeout(60)

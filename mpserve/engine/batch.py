@@ -34,7 +34,10 @@ last row's logits (``_twins``): the whole prompt is computed once.
 Beyond the slots, a host-RAM prompt cache (``cache_ram`` bytes, ``mpserve.engine.prompt_cache``): before
 admission cuts a slot's cells, the whole chunks it would lose are saved there (their sequence state), unless
 another slot or the cache holds them; a prompt whose whole chunks the cache holds more of than any slot gets
-them restored into its slot instead of computed (reported as reused, like cells a slot kept).
+them restored into its slot instead of computed (reported as reused, like cells a slot kept). An entry saved
+from a text prompt carries the block hashes of the text its tokens spell; ``take_cache_changes`` hands the
+entries added and dropped since the last call to the worker, which tells the broker (its routing sends a
+prompt to the instance holding its prefix).
 
 Prompts are computed in chunks of PROMPT_CHUNK tokens from position 0, each chunk in a llama_decode of
 its own: the decodes ``llama_cpp.Llama`` makes for the same prompt. That is what makes reuse exact.
@@ -78,7 +81,7 @@ import numpy as np
 from mpserve import protocol as wire
 from mpserve.errors import BadRequest, Busy
 from mpserve.kv_types import DEFAULT_KV_TYPE, KV_TYPES
-from mpserve.prefix import common_prefix
+from mpserve.prefix import block_hashes, common_prefix
 from mpserve.protocol import GenerateParams
 from mpserve.speculative import Speculative
 from mpserve.structured import grammar_source
@@ -203,6 +206,7 @@ class BatchEngine:
         self._eog: list[int] | None = None
         self._tokenized: tuple[str, list[int]] = ("", [])
         self._cached: list[list[int]] = [[] for _ in range(parallel)]  # tokens with KV cells, per slot
+        self._texts = [""] * parallel  # the text prompt those tokens begin with ("": token ids, or unknown)
         self._whole = [0] * parallel  # of those, the leading ones computed (or copied) as whole prompt chunks
         self._last_used = [0] * parallel
         self._uses = 0
@@ -406,7 +410,17 @@ class BatchEngine:
             return  # only whole chunks are worth keeping, and this memory cannot be cut back to them
         self._prompt_cache.find(tokens)  # the entry the new prompt may restore is used now: this does not evict it
         state, size = read_state(self._lib, self._ctx, slot)
-        self._prompt_cache.put(kept, state, size)
+        if self._prompt_cache.wants(size):
+            self._prompt_cache.put(kept, state, size, self._summary(slot, kept))
+
+    def _summary(self, slot: int, kept: list[int]) -> tuple[int, ...]:
+        """What the broker routes by, for a cache entry of ``kept``, the first tokens of ``slot``'s cells: the block
+        hashes of the part of the slot's text prompt those tokens spell (nothing for a prompt of token ids)."""
+        text = self._texts[slot]
+        if not text:
+            return ()
+        spelled = vocab.detokenize(self._lib, self._vocab, kept[len(self._bos):])
+        return block_hashes(text[:common_prefix(spelled, text)])
 
     def _restore_from_cache(self, slot: int, tokens: list[int], reused: int) -> int:
         """The prompt tokens ``slot`` starts from: ``reused`` of its own cells, or more restored from the prompt
@@ -437,6 +451,11 @@ class BatchEngine:
     def cache_stats(self) -> CacheStats:
         return self._prompt_cache.stats()
 
+    def take_cache_changes(self) -> wire.CacheChanges:
+        changes = self._prompt_cache.take_changes()
+        return wire.CacheChanges(tuple((i, wire.pack_hashes(summary)) for i, summary in changes.added),
+                                 changes.dropped)
+
     # --- slot files ----------------------------------------------------------------------------------
 
     def save_slot(self, slot: int, path: Path) -> int:
@@ -460,7 +479,7 @@ class BatchEngine:
         if not write_state(self._lib, self._ctx, slot, saved.state, saved.size):
             self.erase_slot(slot)
             raise BadRequest(f"llama.cpp refused the KV cells of slot file {path.name!r}; the slot is empty")
-        self._cached[slot], self._whole[slot] = saved.tokens, saved.whole
+        self._cached[slot], self._whole[slot], self._texts[slot] = saved.tokens, saved.whole, ""
         return len(saved.tokens)
 
     def erase_slot(self, slot: int) -> int:
@@ -468,7 +487,7 @@ class BatchEngine:
         self._idle(slot)
         held = len(self._cached[slot])
         self._lib.llama_memory_seq_rm(self._memory, slot, -1, -1)
-        self._cached[slot], self._whole[slot] = [], 0
+        self._cached[slot], self._whole[slot], self._texts[slot] = [], 0, ""
         return held
 
     def _idle(self, slot: int) -> None:
@@ -507,6 +526,7 @@ class BatchEngine:
             self._lib.llama_memory_seq_rm(self._memory, slot, -1, -1)
         reused = 0 if score_prompt else self._restore_from_cache(slot, tokens, self._take_cells(slot, tokens))
         self._cached[slot] = tokens[:reused]
+        self._texts[slot] = prompt if isinstance(prompt, str) else ""
         self._whole[slot] = reused
         self._uses += 1
         self._last_used[slot] = self._uses

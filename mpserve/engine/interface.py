@@ -13,6 +13,7 @@
     EMBED    ──embed(inputs)──▶   an ``Embedder`` (EmbeddingEngine, a model served with embedding: true)
     row      ──kv_cells(slot)──▶   the KV cells the slot holds (the slot table shows them)
     row      ──cache_stats()───▶   the host-RAM prompt cache's bytes, hits, misses, evictions
+    DONE     ──take_cache_changes()──▶  its entries added and dropped since the last take (the CACHE frame)
     SLOT_ACTION ──save_slot / restore_slot / erase_slot──▶  an idle slot's cells to or from a file
 
 Engines know nothing of processes, sockets or the slot table; one thread calls them. ``on_token`` gets
@@ -62,6 +63,9 @@ class NoCells:
     def cache_stats(self) -> CacheStats:
         return NO_CACHE
 
+    def take_cache_changes(self) -> wire.CacheChanges:
+        return NO_CHANGES
+
     def save_slot(self, slot: int, path: Path) -> int:
         raise BadRequest(_NO_CELLS)
 
@@ -72,6 +76,7 @@ class NoCells:
         raise BadRequest(_NO_CELLS)
 
 
+NO_CHANGES = wire.CacheChanges()
 _NO_CELLS = "this model keeps no KV cells in its slots to save, restore or erase"
 
 
@@ -96,6 +101,9 @@ class Engine(Protocol):
 
     def cache_stats(self) -> CacheStats:
         """The host-RAM prompt cache's size and counters."""
+
+    def take_cache_changes(self) -> wire.CacheChanges:
+        """The host-RAM prompt cache's entries added (with their summaries) and dropped since the last take."""
 
     def take_logprobs(self, slot: int) -> wire.Logprobs | None:
         """The log-probabilities of the tokens the sequence in ``slot`` generated since the last take (when

@@ -8,7 +8,10 @@ An entry is one sequence's state, its cells for ``tokens`` (whole prompt chunks 
 is as exact as a reused one), with its bytes. Entries are kept least recently used first and evicted from
 there until the bytes held fit the capacity; the cache never holds more than that, and an entry larger
 than the whole capacity is not kept. An entry whose tokens begin another's adds nothing and is dropped
-(the longer one serves both). ``read_state`` and ``write_state`` copy a sequence's state out of and into a
+(the longer one serves both). An entry may carry a summary (the block hashes of the prompt text its tokens
+spell, ``mpserve.prefix.block_hashes``): the entries with one that were added and dropped since the last
+``take_changes`` are what the broker hears of, so that it routes a prompt to the instance holding its prefix.
+``read_state`` and ``write_state`` copy a sequence's state out of and into a
 llama.cpp context; which slot to save and when to restore is the engine's choice.
 """
 
@@ -41,6 +44,19 @@ class Entry:
     tokens: tuple[int, ...]
     state: Any  # the state as llama.cpp wrote it (a ctypes byte array: kept without a copy)
     size: int
+    id: int = 0  # unique in this cache
+    summary: tuple[int, ...] = ()  # what the broker routes by (empty: nothing, e.g. a prompt of token ids)
+
+
+@dataclass(frozen=True)
+class Changes:
+    """Entries with a summary added (id, summary) and dropped (id) since the last ``take_changes``."""
+
+    added: tuple[tuple[int, tuple[int, ...]], ...] = ()
+    dropped: tuple[int, ...] = ()
+
+    def __bool__(self) -> bool:
+        return bool(self.added or self.dropped)
 
 
 class PromptCache:
@@ -50,6 +66,9 @@ class PromptCache:
         self.capacity = capacity
         self._entries: OrderedDict[tuple[int, ...], Entry] = OrderedDict()  # least recently used first
         self._bytes = self._hits = self._misses = self._evictions = 0
+        self._ids = 0
+        self._added: dict[int, tuple[int, ...]] = {}  # since the last take_changes
+        self._dropped: list[int] = []
 
     def wants(self, size: int) -> bool:
         """Whether an entry of ``size`` bytes can be kept at all (the state need not be read otherwise)."""
@@ -60,7 +79,7 @@ class PromptCache:
         key = tuple(tokens)
         return any(entry[:len(key)] == key for entry in self._entries)
 
-    def put(self, tokens: Sequence[int], state: Any, size: int) -> None:
+    def put(self, tokens: Sequence[int], state: Any, size: int, summary: tuple[int, ...] = ()) -> None:
         """Keep ``state``, the cells of ``tokens``, as the most recently used entry; evict until it fits."""
         key = tuple(tokens)
         if not self.wants(size) or self.holds(key):
@@ -70,8 +89,11 @@ class PromptCache:
         while self._bytes + size > self.capacity:
             self._drop(next(iter(self._entries)))
             self._evictions += 1
-        self._entries[key] = Entry(key, state, size)
+        self._ids += 1
+        self._entries[key] = Entry(key, state, size, self._ids, summary)
         self._bytes += size
+        if summary:
+            self._added[self._ids] = summary
 
     def find(self, tokens: Sequence[int]) -> tuple[Entry | None, int]:
         """The entry sharing the longest prefix with ``tokens``, and that prefix's length; it becomes the most
@@ -96,12 +118,23 @@ class PromptCache:
     def stats(self) -> CacheStats:
         return CacheStats(self.capacity, self._bytes, len(self._entries), self._hits, self._misses, self._evictions)
 
+    def take_changes(self) -> Changes:
+        """The entries with a summary added and dropped since the last call (one added and dropped in between
+        is in neither)."""
+        changes = Changes(tuple(self._added.items()), tuple(self._dropped))
+        self._added, self._dropped = {}, []
+        return changes
+
     def clear(self) -> None:
         self._entries.clear()
         self._bytes = 0
+        self._added, self._dropped = {}, []
 
     def _drop(self, key: tuple[int, ...]) -> None:
-        self._bytes -= self._entries.pop(key).size
+        entry = self._entries.pop(key)
+        self._bytes -= entry.size
+        if entry.summary and self._added.pop(entry.id, None) is None:
+            self._dropped.append(entry.id)
 
 
 def read_state(lib: Any, ctx: Any, seq: int) -> tuple[Any, int]:

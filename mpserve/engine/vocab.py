@@ -1,6 +1,7 @@
 """A loaded model's vocabulary through llama.cpp's C API, for the engines (``lib`` is the llama_cpp module):
 
     text ──tokenize──▶ token ids        token id ──piece──▶ its bytes (specials rendered)
+    token ids ──detokenize──▶ their text (specials rendered)
 """
 
 from __future__ import annotations
@@ -34,3 +35,15 @@ def piece(lib: Any, vocab: Any, token: int) -> bytes:
         buffer = ctypes.create_string_buffer(-n)
         n = lib.llama_token_to_piece(vocab, token, buffer, -n, 0, True)
     return buffer.raw[:n]
+
+
+def detokenize(lib: Any, vocab: Any, tokens: list[int]) -> str:
+    """The text ``tokens`` spell, special tokens as their text (a character cut at the end: U+FFFD)."""
+    ids = (lib.llama_token * len(tokens))(*tokens)
+    room = 8 * len(tokens) + 16
+    buffer = ctypes.create_string_buffer(room)
+    n = lib.llama_detokenize(vocab, ids, len(tokens), buffer, room, False, True)
+    if n < 0:
+        buffer = ctypes.create_string_buffer(-n)
+        n = lib.llama_detokenize(vocab, ids, len(tokens), buffer, -n, False, True)
+    return buffer.raw[:max(n, 0)].decode("utf-8", errors="replace")

@@ -2,6 +2,7 @@
 
     broker --ASSIGN/CANCEL/STOP/UNLOAD/TOKENIZE/SLOT_ACTION--> worker
     worker --READY/FAILED/UNLOADED, then CHUNK*/DONE|ERROR (TOKENS, SLOT_REPLY) per ticket--> broker
+           (a DONE or ERROR carries the prompt cache's changes since the last one: the CACHE frame)
 
 Each turn takes every waiting broker message, then runs one ``engine.step`` while any sequence runs:
 
@@ -204,9 +205,15 @@ class Worker:
             self._receive()
         self._keep_alive()
 
-    def _send(self, msg: object, ticket: str = "") -> None:
+    def _send(self, msg: object, ticket: str = "", trailer: bytes | None = None) -> None:
         self._flush_chunks()
-        self._sock.send_multipart(wire.encode_from_worker(msg, ticket))
+        self._sock.send_multipart(wire.encode_from_worker(msg, ticket, trailer))
+
+    def _answer(self, outcome: wire.Done | wire.Error, ticket: str) -> None:
+        """A request's DONE or ERROR, with a CACHE frame when the prompt cache gained or lost entries since the
+        last one (the broker's routing learns from it where prefixes are)."""
+        changes = self._engine.take_cache_changes() if self._engine is not None else None
+        self._send(outcome, ticket, wire.pack(changes) if changes else None)
 
     def _flush_chunks(self) -> None:
         """The CHUNKs gathered since the last send: one as a CHUNK, several as one CHUNKS."""
@@ -235,8 +242,8 @@ class Worker:
         assert engine is not None
         free = engine.free_slots()
         if not free:
-            self._send(wire.Error(assign.request.id, ErrorCode.INTERNAL, "worker was given a request while full"),
-                       assign.ticket)
+            self._answer(wire.Error(assign.request.id, ErrorCode.INTERNAL, "worker was given a request while full"),
+                         assign.ticket)
             return
         slot = assign.slot if assign.slot in free else free[0]
         req = assign.request
@@ -254,7 +261,7 @@ class Worker:
             engine.admit(slot, wire.unpack_tokens(req.tokens) if req.tokens else req.prompt, req.params, on_token,
                          wire.frame_tokens(assign.generated))
         except MpserveError as exc:
-            self._send(wire.Error(req.id, exc.code, exc.message), assign.ticket)
+            self._answer(wire.Error(req.id, exc.code, exc.message), assign.ticket)
             return
         self._note_cache()
         self._running[assign.ticket] = assign
@@ -358,7 +365,7 @@ class Worker:
         stream = self._streams.pop(ticket, None)
         if stream is not None and isinstance(outcome, wire.Done):
             stream.flush()
-        self._send(outcome, assign.ticket)
+        self._answer(outcome, assign.ticket)
 
     def _reply(self, assign: wire.Assign, result: Completion) -> wire.Done | wire.Error:
         req = assign.request

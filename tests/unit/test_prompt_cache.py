@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from mpserve.engine.prompt_cache import PromptCache
+from mpserve.engine.prompt_cache import Changes, PromptCache
 
 pytestmark = pytest.mark.timeout(10)
 
@@ -51,3 +51,19 @@ def test_hits_and_misses_are_counted_as_told() -> None:
     cache.count(hit=False)
     cache.count(hit=False)
     assert (cache.stats().hits, cache.stats().misses) == (1, 2)
+
+
+def test_the_entries_with_a_summary_added_and_dropped_since_the_last_take_are_told_once() -> None:
+    cache = PromptCache(250)
+    cache.put([1, 0], "a", 100, summary=(11, 12))
+    cache.put([2, 0], "b", 100)  # no summary (a prompt of token ids): nothing to tell
+    assert cache.take_changes() == Changes(added=((1, (11, 12)),))
+    assert not cache.take_changes()  # told once
+    cache.put([3, 0], "c", 100, summary=(31,))  # evicts 1
+    cache.put([4, 0], "d", 100, summary=(41,))  # evicts 2 (no summary)
+    cache.put([5, 0], "e", 100, summary=(51,))  # evicts 3, before it was told
+    assert cache.take_changes() == Changes(added=((4, (41,)), (5, (51,))), dropped=(1,))
+    cache.put([5, 0, 6], "e longer", 100, summary=(51, 56))  # replaces its prefix, 5
+    assert cache.take_changes() == Changes(added=((6, (51, 56)),), dropped=(5,))
+    cache.clear()  # the engine closes: the broker forgets the instance's entries when it unloads
+    assert not cache.take_changes()
