@@ -10,14 +10,14 @@ import llama_cpp
 import numpy as np
 import pytest
 import test_logprobs
-from conftest import ServerProcess
+from conftest import RealModel, ServerProcess
 from test_batch import LONG_PROMPT, PROMPTS, make_engine, serve
 from test_gateway import GatewayThread
 from test_logprobs import reference
 
 from mpserve import Client
 from mpserve import protocol as wire
-from mpserve.engine.batch import PROMPT_CHUNK
+from mpserve.engine.batch import PROMPT_CHUNK, BatchEngine
 from mpserve.errors import BadRequest
 from mpserve.models.builtin import builtin_model_path
 from mpserve.protocol import GenerateParams
@@ -78,6 +78,31 @@ def test_the_engine_scores_every_prompt_token_and_reuses_no_cells() -> None:
 
 direct = test_logprobs.direct  # fixtures: a llama_cpp.Llama scoring the tiny model, a gateway on tiny_server
 gateway = test_logprobs.gateway
+
+
+def resident_mib() -> float:
+    with open("/proc/self/status") as status:
+        return next(int(line.split()[1]) for line in status if line.startswith("VmRSS")) / 1024
+
+
+@pytest.mark.real
+@pytest.mark.timeout(300)
+def test_scoring_a_prompt_on_a_large_vocabulary_does_not_keep_a_chunk_of_logits(real_model: RealModel) -> None:
+    """llama.cpp keeps the largest logits buffer a context needed: scored in whole 512-token chunks, one echo
+    request left Gemma's instance holding 512 rows of 262,144 logits (+0.9 GiB) for good."""
+    engine = BatchEngine(real_model.path, n_ctx=1024, parallel=1, threads=2, n_gpu_layers=0, repack=real_model.repack)
+    prompt = "The history of the steam engine is long. " * 50
+    try:
+        serve(engine, [(prompt, GenerateParams(max_tokens=2, temperature=0))])
+        before = resident_mib()
+        (scored,) = serve(engine, [(prompt, GenerateParams(max_tokens=2, temperature=0, logprobs=1,
+                                                          prompt_logprobs=True))])
+        grown = resident_mib() - before
+    finally:
+        engine.close()
+    assert scored.logprobs is not None and scored.logprobs.prompt == scored.prompt_tokens - 1 > 400
+    whole_chunk_mib = PROMPT_CHUNK * 262_144 * 4 / 2**20  # a whole chunk's rows of Gemma's logits, as float32
+    assert grown < whole_chunk_mib / 2, f"the instance grew by {grown:.0f} MiB"
 
 
 @pytest.mark.timeout(120)

@@ -50,8 +50,9 @@ sliding-window cache drops what its window has passed, a recurrent state cannot 
 reused: the prompt is computed from the start, and the log says so once per model.
 
 A request asking for its prompt's log-probabilities (``prompt_logprobs``, for echo) needs a logits row for
-every prompt token: its prefill chunks request logits on all their rows, scored after the decode
-(``_score_prompt``), and it never starts from cached cells, its own or copied (their rows are gone).
+every prompt token: its prefill chunks (of SCORED_CHUNK tokens, which bounds the logits buffer) request
+logits on all their rows, scored after the decode (``_score_prompt``); it never starts from cached cells,
+its own or copied (their rows are gone), and its cells are never reused.
 
 Greedy output equals ``llama_cpp.Llama.create_completion(prompt, temperature=0)`` with the same flash
 attention setting: the same tokens (BOS, then the prompt tokenized without specials added and with
@@ -106,6 +107,13 @@ PROMPT_CHUNK = 512
 """Prompt tokens per llama_decode, from position 0: llama_cpp.Llama's batch size (n_batch), so a prompt
 is computed in the decodes create_completion makes. Also the prompt tokens per step while no sequence is
 decoding, and the unit of reuse: cells are reused or copied in whole chunks only."""
+
+SCORED_CHUNK = 64
+"""Prompt tokens per llama_decode for a prompt whose every row is scored (``prompt_logprobs``). Each row's
+logits take a vocabulary's worth of floats, and llama.cpp keeps the largest output buffer a context ever
+needed until the context is freed: scored in whole prompt chunks, one echo request on a model with a large
+vocabulary would leave the instance holding far more memory than its KV cells. These cells are not computed
+in prompt chunks, so they are never reused, copied or kept in the prompt cache (``_whole_cells``)."""
 
 
 @dataclass(frozen=True)
@@ -179,6 +187,16 @@ def _by_slot(seq: _Sequence) -> int:
 def _whole_chunks(n: int) -> int:
     """``n`` cut down to whole prompt chunks."""
     return n - n % PROMPT_CHUNK
+
+
+def _whole_cells(seq: _Sequence) -> int:
+    """The leading cells of ``seq`` computed as whole prompt chunks (none for a scored prompt)."""
+    return 0 if seq.score_prompt else _whole_chunks(min(seq.n_past, len(seq.prompt)))
+
+
+def _next_chunk(seq: _Sequence) -> int:
+    """The prompt tokens ``seq`` computes in its next prefill decode."""
+    return min(SCORED_CHUNK if seq.score_prompt else PROMPT_CHUNK, len(seq.prompt) - seq.n_past)
 
 
 class BatchEngine:
@@ -331,7 +349,7 @@ class BatchEngine:
         """The leading cells of ``slot`` that are whole prompt chunks (a running sequence's, or what its last
         request left); generated tokens' cells never are: they were decoded one token at a time."""
         seq = self._running.get(slot)
-        return _whole_chunks(min(seq.n_past, len(seq.prompt))) if seq is not None else self._whole[slot]
+        return _whole_cells(seq) if seq is not None else self._whole[slot]
 
     def _holds_cells(self, slot: int, n: int) -> bool:
         """Whether ``slot``'s memory still has what a token at position ``n`` needs of its first ``n`` cells,
@@ -599,7 +617,7 @@ class BatchEngine:
             done += self._sample_all(decoding)
         for seq in chunks:
             batch.n = 0
-            n = min(PROMPT_CHUNK, len(seq.prompt) - seq.n_past)
+            n = _next_chunk(seq)
             last_row = batch.add_run(seq.prompt[seq.n_past:seq.n_past + n], seq.n_past, seq.slot)
             if seq.score_prompt:
                 batch.logits[:n] = 1
@@ -624,7 +642,7 @@ class BatchEngine:
         tokens last (the first chunk always: a chunk is never cut)."""
         chosen: list[_Sequence] = []
         for seq in self._prefilling:
-            if chosen and budget < min(PROMPT_CHUNK, len(seq.prompt) - seq.n_past):
+            if chosen and budget < _next_chunk(seq):
                 break
             if not seq.score_prompt and any(
                     lead.prompt == seq.prompt
@@ -632,7 +650,7 @@ class BatchEngine:
                     for lead in chosen):
                 continue  # an earlier prompt is computing this one's next tokens: copy them when it is done
             chosen.append(seq)
-            budget -= min(PROMPT_CHUNK, len(seq.prompt) - seq.n_past)
+            budget -= _next_chunk(seq)
         return chosen
 
     def _twins(self, lead: _Sequence) -> list[_Sequence]:
@@ -776,7 +794,7 @@ class BatchEngine:
         if seq in self._prefilling:
             self._prefilling.remove(seq)
         self._cached[seq.slot] = (seq.prompt + seq.generated)[:seq.n_past]
-        self._whole[seq.slot] = _whole_chunks(min(seq.n_past, len(seq.prompt)))
+        self._whole[seq.slot] = _whole_cells(seq)
         first = seq.first_token_at or ended
         return seq.slot, Completion(
             text="".join(seq.pieces), finish_reason=reason, prompt_tokens=len(seq.prompt),
