@@ -9,6 +9,7 @@ from pathlib import Path
 
 import gguf
 import llama_cpp
+import numpy as np
 import pytest
 
 from mpserve.errors import BadRequest
@@ -77,6 +78,16 @@ def test_file_metadata_describes_the_model(tmp_path: Path) -> None:
     assert bytes(name.parts[name.data[0]]).decode() == "mpserve-tiny"
     weights = sum(int(tensor.n_elements) for tensor in reader.tensors)
     assert weights == MODEL_SIZES["tiny"].parameter_count(len(vocabulary()))
+
+
+@pytest.mark.timeout(30)
+def test_the_draft_model_is_the_tiny_model_cut_to_its_first_block(tmp_path: Path) -> None:
+    tiny = {t.name: t for t in gguf.GGUFReader(write_model(tmp_path / "tiny.gguf", "tiny")).tensors}
+    draft = {t.name: t for t in gguf.GGUFReader(write_model(tmp_path / "draft.gguf", "tiny-draft")).tensors}
+    assert set(draft) == {name for name in tiny if not name.startswith("blk.1.")}
+    assert all(np.array_equal(draft[name].data, tiny[name].data) for name in draft)
+    assert sum(int(t.n_elements) for t in draft.values()) == MODEL_SIZES["tiny-draft"].parameter_count(
+        len(vocabulary()))
 
 
 @pytest.mark.timeout(60)

@@ -34,13 +34,18 @@ class ModelShape:
     seed: int
     dtype: Literal["f32", "f16"]
     pooling: Literal["mean"] | None = None  # an embedding model's pooling type, written to the GGUF
+    kept_layers: int | None = None  # a draft: the weights drawn for n_layer blocks, the first kept_layers written
+
+    @property
+    def written_layers(self) -> int:
+        return self.n_layer if self.kept_layers is None else self.kept_layers
 
     def parameter_count(self, n_vocab: int) -> int:
         """Number of weights, norms included, for a vocabulary of ``n_vocab`` tokens."""
         n_embd_kv = self.n_embd // self.n_head * self.n_head_kv
         attention = 2 * self.n_embd * self.n_embd + 2 * self.n_embd * n_embd_kv
         per_layer = attention + 3 * self.n_embd * self.n_ff + 2 * self.n_embd
-        return self.n_layer * per_layer + 2 * n_vocab * self.n_embd + self.n_embd
+        return self.written_layers * per_layer + 2 * n_vocab * self.n_embd + self.n_embd
 
 
 MODEL_SIZES: dict[str, ModelShape] = {
@@ -53,6 +58,10 @@ MODEL_SIZES: dict[str, ModelShape] = {
     # the tiny model as an embedding model: mean pooling declared in the GGUF (serve it with embedding: true)
     "tiny-embed": ModelShape(
         n_embd=64, n_layer=2, n_head=4, n_head_kv=4, n_ff=128, n_ctx_train=2048, seed=1, dtype="f32", pooling="mean"
+    ),
+    # the tiny model's first block only: a draft model for it (speculative: {type: draft})
+    "tiny-draft": ModelShape(
+        n_embd=64, n_layer=2, n_head=4, n_head_kv=4, n_ff=128, n_ctx_train=2048, seed=1, dtype="f32", kept_layers=1
     ),
 }
 

@@ -16,6 +16,9 @@ Two properties matter to the serving tests and benchmarks:
   acts as a per-token logit bias: ``_SUPPRESSED_LOGIT_WEIGHT`` for every non-printable token, 0 for the
   rest.
 
+A draft model for speculative decoding (``tiny-draft``) is the tiny model cut to its first block: the same
+vocabulary, embeddings and output layer, so its greedy choices often, not always, agree with the tiny model's.
+
 Shapes follow numpy order, which is ggml's ``ne`` reversed: a matrix mapping n_in to n_out features is
 ``(n_out, n_in)`` here and ``ne = [n_in, n_out]`` in llama.cpp.
 """
@@ -115,7 +118,7 @@ def _write_gguf(path: Path, name: str, shape: ModelShape, chat_template: str | N
     writer.add_vocab_size(len(tokens))
     writer.add_context_length(shape.n_ctx_train)
     writer.add_embedding_length(shape.n_embd)
-    writer.add_block_count(shape.n_layer)
+    writer.add_block_count(shape.written_layers)
     writer.add_feed_forward_length(shape.n_ff)
     writer.add_head_count(shape.n_head)
     writer.add_head_count_kv(shape.n_head_kv)
@@ -178,17 +181,21 @@ def _weights(shape: ModelShape, printable: np.ndarray) -> Iterator[tuple[str, np
     embedding[:, 0] = _RESIDUAL_CONSTANT
     yield "token_embd.weight", embedding.astype(matrix_type)
 
-    for layer in range(shape.n_layer):
+    for layer in range(shape.n_layer):  # every block drawn, so a draft's output layer is its full model's
         block = f"blk.{layer}"
-        yield f"{block}.attn_norm.weight", norm()
-        yield f"{block}.attn_q.weight", matrix(n_embd, n_embd)
-        yield f"{block}.attn_k.weight", matrix(n_embd_kv, n_embd)
-        yield f"{block}.attn_v.weight", matrix(n_embd_kv, n_embd)
-        yield f"{block}.attn_output.weight", matrix(n_embd, n_embd, writes_residual=True)
-        yield f"{block}.ffn_norm.weight", norm()
-        yield f"{block}.ffn_gate.weight", matrix(n_ff, n_embd)
-        yield f"{block}.ffn_up.weight", matrix(n_ff, n_embd)
-        yield f"{block}.ffn_down.weight", matrix(n_embd, n_ff, writes_residual=True)
+        tensors = [
+            (f"{block}.attn_norm.weight", norm()),
+            (f"{block}.attn_q.weight", matrix(n_embd, n_embd)),
+            (f"{block}.attn_k.weight", matrix(n_embd_kv, n_embd)),
+            (f"{block}.attn_v.weight", matrix(n_embd_kv, n_embd)),
+            (f"{block}.attn_output.weight", matrix(n_embd, n_embd, writes_residual=True)),
+            (f"{block}.ffn_norm.weight", norm()),
+            (f"{block}.ffn_gate.weight", matrix(n_ff, n_embd)),
+            (f"{block}.ffn_up.weight", matrix(n_ff, n_embd)),
+            (f"{block}.ffn_down.weight", matrix(n_embd, n_ff, writes_residual=True)),
+        ]
+        if layer < shape.written_layers:
+            yield from tensors
 
     yield "output_norm.weight", np.ones(n_embd, dtype=np.float32)
     output = matrix(len(printable), n_embd)
