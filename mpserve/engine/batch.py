@@ -92,7 +92,7 @@ from .grammar import GrammarCache
 from .interface import Completion, OnToken
 from .llama_batch import Batch
 from .logprobs import LogprobsRecorder
-from .model_info import read_chat_template
+from .model_info import load_model, read_chat_template
 from .prompt_cache import CacheStats, PromptCache, read_state, write_state
 from .sampling import SamplerChain, TextStream
 from .speculation import MAX_ROWS, Drafter, RowCosts, verify
@@ -239,12 +239,7 @@ class BatchEngine:
         logging.getLogger("llama-cpp-python").setLevel(logging.ERROR)  # what Llama(verbose=False) does
         llama_cpp.llama_backend_init()
 
-        model_params = llama_cpp.llama_model_default_params()
-        model_params.n_gpu_layers = 0x7FFFFFFF if n_gpu_layers == -1 else n_gpu_layers
-        model_params.use_extra_bufts = repack  # llama_cpp.Llama keeps llama.cpp's default: on
-        self._model: Any = llama_cpp.llama_model_load_from_file(path.encode(), model_params)
-        if not self._model:
-            raise ValueError(f"Failed to load model from file: {path}")  # llama_cpp.Llama's words
+        self._model: Any = load_model(llama_cpp, path, n_gpu_layers, repack)
         self._ctx: Any = None
         try:
             self._vocab = llama_cpp.llama_model_get_vocab(self._model)

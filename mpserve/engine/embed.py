@@ -27,6 +27,7 @@ from mpserve.protocol import ChatTemplate, GenerateParams
 
 from . import vocab
 from .interface import Completion, NoCells, OnToken
+from .model_info import load_model
 
 POOLING = {"mean": "LLAMA_POOLING_TYPE_MEAN", "cls": "LLAMA_POOLING_TYPE_CLS", "last": "LLAMA_POOLING_TYPE_LAST"}
 """``pooling`` settings and llama.cpp's names; unset: the GGUF's."""
@@ -49,12 +50,7 @@ class EmbeddingEngine(NoCells):
         self.n_ctx = n_ctx
         logging.getLogger("llama-cpp-python").setLevel(logging.ERROR)
         llama_cpp.llama_backend_init()
-        model_params = llama_cpp.llama_model_default_params()
-        model_params.n_gpu_layers = 0x7FFFFFFF if n_gpu_layers == -1 else n_gpu_layers
-        model_params.use_extra_bufts = repack
-        self._model: Any = llama_cpp.llama_model_load_from_file(path.encode(), model_params)
-        if not self._model:
-            raise ValueError(f"Failed to load model from file: {path}")
+        self._model: Any = load_model(llama_cpp, path, n_gpu_layers, repack)
         self._ctx: Any = None
         try:
             self._vocab = llama_cpp.llama_model_get_vocab(self._model)

@@ -1,6 +1,8 @@
-"""What a worker reports about the model it loaded: its chat template and the token texts templates use.
+"""A model file loaded into llama.cpp (``load_model``, for every engine and a draft model), and what a worker
+reports about the model it loaded: its chat template and the token texts templates use.
 
-    llama.cpp model --read_chat_template--> ChatTemplate --READY--> broker --STATS--> gateway (renders it)
+    GGUF file --load_model--> llama.cpp model --read_chat_template--> ChatTemplate --READY--> broker --STATS-->
+    gateway (renders it)
 """
 
 from __future__ import annotations
@@ -8,6 +10,19 @@ from __future__ import annotations
 from typing import Any
 
 from mpserve.protocol import ChatTemplate
+
+
+def load_model(lib: Any, path: str, n_gpu_layers: int, repack: bool) -> Any:
+    """The llama.cpp model in ``path``, ``n_gpu_layers`` of its layers on the GPU (-1: all); ``repack``:
+    llama.cpp's repacked weight layouts for this CPU. ValueError, in ``llama_cpp.Llama``'s words, if it
+    cannot be loaded (the log has llama.cpp's reason)."""
+    params = lib.llama_model_default_params()
+    params.n_gpu_layers = 0x7FFFFFFF if n_gpu_layers == -1 else n_gpu_layers
+    params.use_extra_bufts = repack  # llama_cpp.Llama keeps llama.cpp's default: on
+    model = lib.llama_model_load_from_file(path.encode(), params)
+    if not model:
+        raise ValueError(f"Failed to load model from file: {path}")
+    return model
 
 
 def read_chat_template(lib: Any, model: Any) -> ChatTemplate:
