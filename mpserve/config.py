@@ -18,7 +18,8 @@ Example file::
         n_ctx: 2048
         threads: 1
         n_gpu_layers: 0
-        speculative: ngram    # or {type: ngram, n_max: 8, ...}: prompt-lookup speculative decoding
+        speculative: ngram    # or {type: ngram, n_max: 8, ...}: prompt-lookup speculative decoding;
+                              # {type: draft, model: small.gguf, n_max: 4}: a draft model's proposals
 """
 
 from __future__ import annotations
@@ -67,7 +68,7 @@ class ModelConfig:
     max_instances: int | None = None
     scale_up_after: float = 2.0  # seconds the oldest waiting request waits before one more instance starts
     scale_down_after: float = 60.0  # seconds an instance's worth of slots idles before one instance drains
-    speculative: Speculative | None = None  # speculative decoding (prompt lookup); None: off
+    speculative: Speculative | None = None  # speculative decoding (prompt lookup, a draft model); None: off
 
     @property
     def bounds(self) -> tuple[int, int]:
@@ -318,7 +319,8 @@ def _model(index: int, entry: Any, overrides: Mapping[str, Any], source: str) ->
     if "requires" in values:
         values["requires_memory"] = _requires(values.pop("requires"), f"{where}.requires")
     if "speculative" in values:
-        values["speculative"] = _speculative(values["speculative"], f"{where}.speculative")
+        values["speculative"] = _speculative(values["speculative"], f"{where}.speculative",
+                                             bool(values.get("embedding")))
     low, high = _instance_bounds(values, where)
     values.update(instances=low, min_instances=low, max_instances=high)
     return ModelConfig(**values)
@@ -371,21 +373,33 @@ def _requires(value: dict[str, Any], where: str) -> int | None:
     return None if "memory" not in value else _bytes(value["memory"], f"{where}.memory", parse_memory)
 
 
-def _speculative(value: dict[str, Any] | str, where: str) -> Speculative | None:
-    """A mapping (or ``ngram``: the defaults); ``none`` or ``off``: no speculation (a flag turning it off)."""
+def _speculative(value: dict[str, Any] | str, where: str, embedding: bool) -> Speculative | None:
+    """A mapping (or ``ngram``, ``draft:PATH``: the defaults); ``none`` or ``off``: no speculation (a flag
+    turning it off). A draft model must be a file, and an embedding model generates nothing to draft."""
     if isinstance(value, str) and value.strip().lower() in ("none", "off"):
         return None
     try:
-        return speculative.parse(value.strip().lower() if isinstance(value, str) else value)
+        spec = speculative.parse(value.strip() if isinstance(value, str) else value)
     except ValueError as exc:
         raise ConfigError(f"{where}: {exc}") from None
+    if spec.model is not None and embedding:
+        raise ConfigError(f"{where}: an embedding model generates no tokens to draft; drop speculative or "
+                          "embedding")
+    if spec.model is not None and not Path(spec.model).is_file():
+        raise ConfigError(f"{where}.model: no such draft model file {spec.model!r}; give a .gguf file with the "
+                          "model's vocabulary (mpserve make-model --size tiny-draft writes one for builtin:tiny)")
+    return spec
 
 
 def _relative_to(base_dir: Path, entry: Any) -> Any:
-    if not isinstance(entry, dict) or not isinstance(entry.get("path"), str):
+    """A models[] entry with its model file, and its draft model's, relative to ``base_dir``."""
+    if not isinstance(entry, dict):
         return entry
-    path = entry["path"]
-    if path == ECHO_MODEL or path.startswith(BUILTIN_PREFIX) or Path(path).is_absolute():
+    draft = entry.get("speculative")
+    if isinstance(draft, dict) and isinstance(draft.get("model"), str) and not Path(draft["model"]).is_absolute():
+        entry = {**entry, "speculative": {**draft, "model": str(base_dir / draft["model"])}}
+    path = entry.get("path")
+    if not isinstance(path, str) or path == ECHO_MODEL or path.startswith(BUILTIN_PREFIX) or Path(path).is_absolute():
         return entry
     return {**entry, "path": str(base_dir / path)}
 

@@ -2,13 +2,14 @@
 
     file ──mmap──► magic, version, counts
                    key/values ─► scalars and strings kept; numeric arrays kept (one numpy read each);
-                                 string arrays (a vocabulary, merges) skipped, each string by its length
+                                 string arrays (a vocabulary, merges) skipped, each string by its length,
+                                 unless named in ``strings`` (a draft model's vocabulary check)
                    tensor infos ─► name, shape, type ─► bytes on disk (gguf's block sizes)
 
 ``gguf.GGUFReader`` builds an object per field part, so a real model's vocabulary (hundreds of thousands
 of strings) costs seconds; the memory estimate (``mpserve.gpu.placement``) needs a handful of keys and the
 tensor sizes, which this reads in a single pass over the header. String arrays are left out of
-``metadata``: nothing that reads the header for sizes needs a token list.
+``metadata`` unless asked for: nothing that reads the header for sizes needs a token list.
 """
 
 from __future__ import annotations
@@ -42,20 +43,20 @@ class TensorInfo:
 @dataclass(frozen=True)
 class GGUFHeader:
     version: int
-    metadata: dict[str, Any]  # str, int, float, bool, or a list of numbers; string arrays are left out
+    metadata: dict[str, Any]  # str, int, float, bool, or a list of numbers; string arrays only if asked for
     tensors: tuple[TensorInfo, ...]
 
 
-def read_header(path: str | PathLike[str]) -> GGUFHeader:
-    """The header of the GGUF file at ``path``. Raises ValueError when it is not a GGUF file (or is cut
-    short), OSError when it cannot be read."""
+def read_header(path: str | PathLike[str], strings: tuple[str, ...] = ()) -> GGUFHeader:
+    """The header of the GGUF file at ``path``, with the string arrays named in ``strings`` as lists of str.
+    Raises ValueError when it is not a GGUF file (or is cut short), OSError when it cannot be read."""
     with open(path, "rb") as file:
         try:
             data = mmap.mmap(file.fileno(), 0, access=mmap.ACCESS_READ)
         except ValueError as exc:  # an empty file cannot be mapped
             raise ValueError("not a GGUF file (empty)") from exc
     try:
-        return _Cursor(data).header()
+        return _Cursor(data, strings).header()
     except struct.error as exc:
         raise ValueError(f"GGUF header cut short ({exc})") from exc
     finally:
@@ -65,8 +66,9 @@ def read_header(path: str | PathLike[str]) -> GGUFHeader:
 class _Cursor:
     """Reads the header front to back; ``order`` is the file's byte order, told by its version field."""
 
-    def __init__(self, data: mmap.mmap) -> None:
+    def __init__(self, data: mmap.mmap, strings: tuple[str, ...] = ()) -> None:
         self.data = data
+        self.strings = strings
         self.at = 0
         self.order: Literal["<", ">"] = "<"
 
@@ -85,7 +87,7 @@ class _Cursor:
         metadata: dict[str, Any] = {}
         for _ in range(n_kv):
             key = self.string()
-            value = self.value(GGUFValueType(self.scalar("I")))
+            value = self.value(GGUFValueType(self.scalar("I")), key in self.strings)
             if value is not _SKIPPED:
                 metadata[key] = value
         tensors = tuple(self.tensor() for _ in range(n_tensors))
@@ -104,7 +106,7 @@ class _Cursor:
         self.at += n
         return raw.decode("utf-8", errors="replace")
 
-    def value(self, kind: GGUFValueType) -> Any:
+    def value(self, kind: GGUFValueType, keep_strings: bool = False) -> Any:
         if kind == GGUFValueType.STRING:
             return self.string()
         if kind != GGUFValueType.ARRAY:
@@ -115,6 +117,8 @@ class _Cursor:
             values = np.frombuffer(self.data, dtype, count, self.at)
             self.at += count * dtype.itemsize
             return values.tolist()
+        if item == GGUFValueType.STRING and keep_strings:
+            return [self.string() for _ in range(count)]
         self.skip_items(item, count)
         return _SKIPPED
 

@@ -12,6 +12,7 @@ from conftest import RealModel
 
 from mpserve.gguf_header import read_header
 from mpserve.models.builtin import builtin_model_path
+from mpserve.models.maker import vocabulary
 
 
 def gguf_reader_view(path: str | Path) -> tuple[dict[str, object], list[tuple[str, tuple[int, ...], int, int]]]:
@@ -64,6 +65,15 @@ def test_every_value_type_and_nested_arrays(tmp_path: Path) -> None:
         "k.u8": 7, "k.i16": -3, "k.u64": 1 << 40, "k.f64": 0.25, "k.bool": True, "k.str": "grüß",
         "k.ints": [1, 2, 3], "k.after": 42}
     assert tensors == [("w", (32, 3), int(gguf.GGMLQuantizationType.F16), 3 * 32 * 2)] == gguf_reader_view(path)[1]
+    kept = read_header(path, strings=("k.strings",)).metadata
+    assert kept["k.strings"] == ["a", "bc", "😀"] and kept["k.after"] == 42 and "k.nested" not in kept
+
+
+def test_a_models_token_list_is_read_when_asked_for() -> None:
+    path = builtin_model_path("tiny")
+    tokens = read_header(path, strings=("tokenizer.ggml.tokens",)).metadata["tokenizer.ggml.tokens"]
+    assert tokens == [token.piece for token in vocabulary()]
+    assert "tokenizer.ggml.tokens" not in read_header(path).metadata
 
 
 def test_a_file_that_is_not_gguf_or_is_cut_short_is_a_value_error(tmp_path: Path) -> None:

@@ -61,6 +61,7 @@ class ModelRequest:
     gpus: int = 1
     cache_type_k: str = DEFAULT_KV_TYPE
     cache_type_v: str = DEFAULT_KV_TYPE
+    draft: str | None = None  # the draft model's GGUF file (speculative decoding); None: none
 
 
 @dataclass(frozen=True)

@@ -11,8 +11,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from mpserve.config import ECHO_MODEL, ModelConfig, ServerConfig
+from mpserve.errors import ConfigError
 from mpserve.gpu.devices import Device, discover
 from mpserve.gpu.placement import ModelRequest, Placement, check_kv_types, plan
+from mpserve.speculative import check_draft
 from mpserve.worker.spec import EngineSpec, PermitSpec, WorkerSpec
 
 
@@ -39,13 +41,21 @@ def model_request(m: ModelConfig) -> ModelRequest:
     return ModelRequest(name=m.name, path=m.resolved_path(), instances=m.instances, n_ctx=m.n_ctx,
                         n_gpu_layers=-1 if m.n_gpu_layers is None else m.n_gpu_layers, parallel=m.parallel,
                         devices=m.devices, memory=0 if m.path == ECHO_MODEL and m.requires_memory is None
-                        else m.requires_memory, cache_type_k=m.cache_type_k, cache_type_v=m.cache_type_v)
+                        else m.requires_memory, cache_type_k=m.cache_type_k, cache_type_v=m.cache_type_v,
+                        draft=m.speculative.model if m.speculative is not None and m.path != ECHO_MODEL else None)
 
 
 def check_model(request: ModelRequest) -> None:
-    """What the GGUF's shape refuses of a model's settings (its KV types), before anything starts."""
-    if request.path != ECHO_MODEL:
-        check_kv_types(request.name, request.path, request.cache_type_k, request.cache_type_v)
+    """What the GGUF's shape refuses of a model's settings (its KV types, a draft model with another
+    vocabulary), before anything starts."""
+    if request.path == ECHO_MODEL:
+        return
+    check_kv_types(request.name, request.path, request.cache_type_k, request.cache_type_v)
+    if request.draft is not None and os.path.realpath(request.draft) != os.path.realpath(request.path):
+        try:
+            check_draft(request.name, request.path, request.draft)
+        except ValueError as exc:
+            raise ConfigError(f"{exc}; give a draft model made from the same tokenizer") from None
 
 
 def worker_specs(config: ServerConfig, layout: Layout, backend: str, slots_path: Path) -> list[WorkerSpec]:

@@ -122,7 +122,8 @@ def test_the_setting_is_checked_with_what_is_allowed() -> None:
     built = config.build({"models": [{"path": "builtin:tiny", "speculative": {"n_max": 6, "ngram_min": 3}}]})
     assert built.models[0].speculative == Speculative(n_max=6, ngram_min=3)
     assert config.build({}, model={"speculative": "off"}).models[0].speculative is None
-    for bad, words in [({"type": "draft"}, "allowed: ngram"), ({"n_max": 0}, "1 to 64"), ({"size": 2}, "unknown key"),
-                       ({"n_min": 5, "n_max": 4}, "at most n_max")]:
+    for bad, words in [({"type": "lookup"}, "allowed: ngram, draft"), ({"n_max": 0}, "1 to 64"),
+                       ({"size": 2}, "unknown key"), ({"n_min": 5, "n_max": 4}, "at most n_max")]:
         with pytest.raises(ConfigError, match=words):
             config.build({"models": [{"path": "builtin:tiny", "speculative": bad}]})
+
