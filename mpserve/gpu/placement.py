@@ -9,15 +9,18 @@ The estimate follows how llama.cpp fills a GPU: the last ``n_gpu_layers`` repeat
 output layer once every block is offloaded (``n_gpu_layers`` of -1 or at least the block count),
 the KV cache of the offloaded layers (``parallel`` × ``n_ctx`` cells, each K and V element in the bytes
 of its ``cache_type_k`` / ``cache_type_v``), and a fixed allowance for the CUDA context and compute
-buffers. It is an estimate; a declared ``requires.memory`` overrides it. ``check_kv_types`` refuses, at
-start, KV types whose blocks do not divide the model's heads.
+buffers. A draft model (``speculative: {type: draft}``) adds its own estimate, weights and KV cache by the
+same rules (f16 cells, as the engine makes them), but not its weights again when the draft is the model's
+own file (the engine loads it once). It is an estimate; a declared ``requires.memory`` overrides it.
+``check_kv_types`` refuses, at start, KV types whose blocks do not divide the model's heads.
 """
 
 from __future__ import annotations
 
+import os
 import re
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from os import PathLike
 from typing import TYPE_CHECKING, Any
 
@@ -42,10 +45,11 @@ class MemoryEstimate:
     weights: int
     kv_cache: int
     overhead: int
+    draft: int = 0  # a draft model's weights and KV cache
 
     @property
     def total(self) -> int:
-        return self.weights + self.kv_cache + self.overhead
+        return self.weights + self.kv_cache + self.overhead + self.draft
 
 
 @dataclass(frozen=True)
@@ -70,6 +74,7 @@ class Placement:
     instance: int
     device: int | None  # None: CPU
     memory: int  # bytes planned on the device; 0 on CPU
+    draft: int = 0  # of those, the draft model's (estimated)
 
 
 Estimator = Callable[[ModelRequest], MemoryEstimate]
@@ -113,9 +118,14 @@ def estimate_model_memory(
 
 
 def estimate_request(model: ModelRequest) -> MemoryEstimate:
-    """``estimate_model_memory`` with a model's settings."""
-    return estimate_model_memory(model.path, model.n_ctx, model.n_gpu_layers, model.parallel, model.cache_type_k,
-                                 model.cache_type_v)
+    """``estimate_model_memory`` with a model's settings, its draft model's added."""
+    estimate = estimate_model_memory(model.path, model.n_ctx, model.n_gpu_layers, model.parallel,
+                                     model.cache_type_k, model.cache_type_v)
+    if model.draft is None:
+        return estimate
+    draft = estimate_model_memory(model.draft, model.n_ctx, model.n_gpu_layers, model.parallel)
+    shared = os.path.realpath(model.draft) == os.path.realpath(model.path)
+    return replace(estimate, draft=(0 if shared else draft.weights) + draft.kv_cache)
 
 
 def check_kv_types(name: str, gguf_path: str | PathLike[str], cache_type_k: str, cache_type_v: str) -> None:
@@ -175,9 +185,7 @@ def plan(
     cursor = 0
     for model in models:
         allowed = _allowed_devices(model, order)
-        need = model.memory
-        if need is None:
-            need = estimate(model).total
+        need, draft = _need(model, estimate)
         for instance in range(model.instances):
             turn = order[cursor:] + order[:cursor]
             candidates = [index for index in turn if index in allowed]
@@ -187,7 +195,7 @@ def plan(
                 device = devices[order.index(roomiest)]
                 raise ModelDoesNotFit(_does_not_fit(model, instance, need, device, room, planned, budget))
             planned[chosen] += need
-            placements.append(Placement(model.name, instance, chosen, need))
+            placements.append(Placement(model.name, instance, chosen, need, draft))
             cursor = (order.index(chosen) + 1) % len(order)
     return placements
 
@@ -206,16 +214,23 @@ def place_one(
         return Placement(model.name, instance, None, 0)
     order = [device.index for device in devices]
     allowed = _allowed_devices(model, order)
-    need = model.memory
-    if need is None:
-        need = estimate(model).total
+    need, draft = _need(model, estimate)
     room = {d.index: d.memory_free if budget is None else min(d.memory_free, budget) for d in devices}
     planned = {index: sum(p.memory for p in live if p.device == index) for index in order}
     roomiest = max((index for index in order if index in allowed), key=lambda index: room[index] - planned[index])
     if room[roomiest] - planned[roomiest] < need:
         device = devices[order.index(roomiest)]
         raise ModelDoesNotFit(_does_not_fit(model, instance, need, device, room, planned, budget))
-    return Placement(model.name, instance, roomiest, need)
+    return Placement(model.name, instance, roomiest, need, draft)
+
+
+def _need(model: ModelRequest, estimate: Estimator) -> tuple[int, int]:
+    """The bytes one instance of ``model`` is planned with (declared, else estimated), and the draft model's
+    share of them (0 where declared)."""
+    if model.memory is not None:
+        return model.memory, 0
+    estimated = estimate(model)
+    return estimated.total, estimated.draft
 
 
 def format_plan(placements: Sequence[Placement], devices: Sequence[Device]) -> str:
@@ -227,7 +242,10 @@ def format_plan(placements: Sequence[Placement], devices: Sequence[Device]) -> s
             rows.append((placement.model, str(placement.instance), "CPU", "-"))
         else:
             where = _device_label(by_index[placement.device])
-            rows.append((placement.model, str(placement.instance), where, format_memory(placement.memory)))
+            memory = format_memory(placement.memory)
+            if placement.draft:
+                memory += f" (draft model {format_memory(placement.draft)})"
+            rows.append((placement.model, str(placement.instance), where, memory))
     widths = [max(len(row[column]) for row in rows) for column in range(3)]  # the last column is not padded
     lines = ["  ".join([*(row[column].ljust(width) for column, width in enumerate(widths)), row[3]]) for row in rows]
     if devices:

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from mpserve.errors import ConfigError, ModelDoesNotFit
-from mpserve.gpu.devices import Device, parse_simulated
+from mpserve.gpu.devices import Device, format_memory, parse_simulated
 from mpserve.gpu.placement import (
     OVERHEAD,
     MemoryEstimate,
@@ -17,6 +17,7 @@ from mpserve.gpu.placement import (
     Placement,
     check_kv_types,
     estimate_model_memory,
+    estimate_request,
     format_plan,
     place_one,
     plan,
@@ -218,6 +219,25 @@ def test_format_plan_shows_each_instance_and_each_devices_total() -> None:
     assert "GPU 0 (Test GPU): 4.0 GiB planned of 40.0 GiB free" in lines
     assert "GPU 1 (Test GPU): 2.0 GiB planned of 20.0 GiB free" in lines
     assert "CPU" in format_plan(plan([request("a")], []), [])
+
+
+@pytest.mark.timeout(10)
+def test_a_draft_model_adds_its_weights_and_kv_cache_and_the_plan_shows_it(model_path: Path, tmp_path: Path) -> None:
+    """The draft's estimate by the same rules (f16 cells), its weights left out when it is the model's own file
+    (loaded once); ``mpserve plan`` shows the draft's share of each instance."""
+    draft_path = write_llama_gguf(tmp_path / "draft.gguf")
+    alone = estimate_model_memory(model_path, 512, -1, 2)
+    draft = estimate_model_memory(draft_path, 512, -1, 2)
+    base = dict(memory=None, path=str(model_path), n_ctx=512, parallel=2)
+    assert estimate_request(request(**base)) == alone
+    with_draft = estimate_request(request(**base, draft=str(draft_path)))
+    assert with_draft.draft == draft.weights + draft.kv_cache and with_draft.total == alone.total + with_draft.draft
+    assert estimate_request(request(**base, draft=str(model_path))).draft == alone.kv_cache
+    devices = gpus(40)
+    placements = plan([request("a", **base, draft=str(draft_path))], devices)
+    assert placements[0].memory == with_draft.total and placements[0].draft == with_draft.draft
+    assert f"(draft model {format_memory(with_draft.draft)})" in format_plan(placements, devices).splitlines()[1]
+    assert plan([request("a", memory=GIB, draft=str(draft_path))], devices)[0].draft == 0  # declared: all in
 
 
 @pytest.mark.timeout(10)
