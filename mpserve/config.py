@@ -374,10 +374,16 @@ def _requires(value: dict[str, Any], where: str) -> int | None:
 
 
 def _speculative(value: dict[str, Any] | str, where: str, embedding: bool) -> Speculative | None:
-    """A mapping (or ``ngram``, ``draft:PATH``: the defaults); ``none`` or ``off``: no speculation (a flag
-    turning it off). A draft model must be a file, and an embedding model generates nothing to draft."""
+    """A mapping (in YAML, or a flag's ``{type: draft, model: PATH, ...}``), or ``ngram``, ``draft:PATH`` for
+    the defaults; ``none`` or ``off``: no speculation (a flag turning it off). A draft model must be a file,
+    and an embedding model generates nothing to draft."""
     if isinstance(value, str) and value.strip().lower() in ("none", "off"):
         return None
+    if isinstance(value, str) and value.strip().startswith("{"):  # a flag's YAML mapping: {type: draft, ...}
+        try:
+            value = cast(dict[str, Any], yaml.safe_load(value))  # "{" opens a flow mapping, always
+        except yaml.YAMLError as exc:
+            raise ConfigError(f"{where}: not a YAML mapping: {exc}") from None
     try:
         spec = speculative.parse(value.strip() if isinstance(value, str) else value)
     except ValueError as exc:

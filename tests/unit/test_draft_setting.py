@@ -31,6 +31,10 @@ def test_the_config_refuses_a_missing_draft_file_and_a_draft_for_an_embedding_mo
     draft = str(builtin_model_path("tiny-draft"))
     built = config.build({}, model={"speculative": f"draft:{draft}"})
     assert built.models[0].speculative == Speculative(type="draft", model=draft)
+    flag = config.build({}, model={"speculative": f"{{type: draft, model: {draft}, n_max: 3}}"}).models[0]
+    assert flag.speculative == Speculative(type="draft", model=draft, n_max=3)
+    with pytest.raises(ConfigError, match="speculative: not a YAML mapping"):
+        config.build({}, model={"speculative": "{type: draft"})
     with pytest.raises(ConfigError, match=r"speculative\.model: no such draft model file '/no/such\.gguf'"):
         config.build({}, model={"speculative": "draft:/no/such.gguf"})
     with pytest.raises(ConfigError, match="embedding model generates no tokens to draft"):
