@@ -1,11 +1,16 @@
-"""Speculative decoding (prompt lookup) in the batched engine, on the tiny built-in model, in-process: the
-output equals the same requests without speculation, token for token, while drafts really are taken."""
+"""Speculative decoding in the batched engine, by prompt lookup and by a draft model (tiny-draft, the tiny
+model's first block; or the tiny model itself), on the tiny built-in model, in-process and through a
+server: the output equals the same requests without speculation, token for token, while drafts really are
+taken (and, from tiny-draft, some rejected)."""
 
 from __future__ import annotations
 
 import json
 import socket
+import subprocess
+import sys
 from collections.abc import Callable
+from pathlib import Path
 
 import httpx
 import llama_cpp
@@ -18,6 +23,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from mpserve.engine.batch import PROMPT_CHUNK, BatchEngine
 from mpserve.engine.interface import Completion
 from mpserve.errors import BadRequest
+from mpserve.models import maker
 from mpserve.models.builtin import builtin_model_path
 from mpserve.protocol import GenerateParams
 from mpserve.speculative import Speculative
@@ -41,6 +47,11 @@ LONG_PROMPT = " ".join(f"the {w} of all and" for w in ("cat", "dog", "sea", "sky
 @pytest.fixture(scope="module")
 def model_path() -> str:
     return str(builtin_model_path("tiny"))
+
+
+@pytest.fixture(scope="module")
+def draft_path() -> str:
+    return str(builtin_model_path("tiny-draft"))
 
 
 def make_engine(model_path: str, parallel: int, speculative: Speculative | None) -> BatchEngine:
@@ -79,6 +90,12 @@ def run(model_path: str, parallel: int, speculative: Speculative | None,
 def same_output(a: list[Completion], b: list[Completion]) -> None:
     for x, y in zip(a, b, strict=True):
         assert (x.text, x.finish_reason, x.completion_tokens) == (y.text, y.finish_reason, y.completion_tokens)
+
+
+def drafting(path: str, **changes: object) -> Speculative:
+    """A draft model that drafts n_max tokens whenever there are rows for them: on the tiny model the decodes
+    are mostly overhead, so measured sizing would find that a draft as dear as the model never pays."""
+    return Speculative(type="draft", model=path, n_max=4, sizing="fixed", **changes)  # type: ignore[arg-type]
 
 
 @pytest.mark.parametrize("parallel", [1, 4])
@@ -136,14 +153,16 @@ def test_stop_strings_max_tokens_logprobs_and_grammars_are_unchanged(model_path:
     assert set(speculated[3].text) <= set("abcd")
 
 
-def test_cancelling_mid_speculation_leaves_the_slot_reusable_with_its_cells_right(model_path: str) -> None:
+@pytest.mark.parametrize("kind", ["ngram", "draft"])
+def test_cancelling_mid_speculation_leaves_the_slot_reusable_with_its_cells_right(model_path: str,
+                                                                                   kind: str) -> None:
     """on_token says stop at the second token one step gives (so the step was verifying drafts): the cells
     past the kept tokens are gone, and the slot's next request reuses its prompt's cells and gives what a
-    fresh engine gives."""
+    fresh engine gives (its drafts taken again, from a draft model too)."""
     prompt = LONG_PROMPT[:1800]
     params = GenerateParams(max_tokens=60, temperature=0.0)
     fresh = run(model_path, 1, None, [(prompt, params)])[0]
-    engine = make_engine(model_path, 1, Speculative())
+    engine = make_engine(model_path, 1, Speculative() if kind == "ngram" else drafting(model_path))
     steps = [0]
     seen: list[int] = []  # the step each token came in
 
@@ -165,21 +184,26 @@ def test_cancelling_mid_speculation_leaves_the_slot_reusable_with_its_cells_righ
         assert llama_cpp.llama_memory_seq_pos_max(engine._memory, 0) == kept - 1
         assert engine.best_slot(prompt) == (0, PROMPT_CHUNK)
         again = serve(engine, [(prompt, params)])[0]
-        assert again.reused_tokens == PROMPT_CHUNK and again.text == fresh.text
+        assert again.reused_tokens == PROMPT_CHUNK and again.text == fresh.text and again.accepted_tokens > 0
     finally:
         engine.close()
 
 
-def test_a_server_that_speculates_answers_http_streamed_and_not_with_the_unspeculated_text(model_path: str) -> None:
+@pytest.mark.parametrize("kind", ["ngram", "draft"])
+def test_a_server_that_speculates_answers_http_streamed_and_not_with_the_unspeculated_text(
+        model_path: str, draft_path: str, kind: str) -> None:
     """Through the gateway: the same text streamed and not as the engine gives without speculation, the
-    drafts in each response's timings, and the acceptance in /metrics."""
+    drafts in each response's timings, and the acceptance in /metrics; by prompt lookup, or by a draft
+    model (the --speculative draft:PATH spelling)."""
     requests = [(p, GenerateParams(max_tokens=32, temperature=0.0)) for p in PROMPTS[2:5]]
     expected = run(model_path, 1, None, requests)
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     url = f"http://127.0.0.1:{port}"
-    server = ServerProcess("--parallel", "2", "--threads", "1", "--n-ctx", str(N_CTX), "--speculative", "ngram",
+    # tiny-draft costs about what tiny costs (the decodes are mostly overhead): measured sizing would not draft
+    setting = "ngram" if kind == "ngram" else f"{{type: draft, model: {draft_path}, sizing: fixed}}"
+    server = ServerProcess("--parallel", "2", "--threads", "1", "--n-ctx", str(N_CTX), "--speculative", setting,
                            "--http", f"127.0.0.1:{port}").wait_ready()
     try:
         wait_for(lambda: http_up(url), 30, "the gateway answers /health")
@@ -212,3 +236,96 @@ def test_a_request_may_draft_less_or_not_at_all(model_path: str) -> None:
     assert off.text == one.text == model_default.text
     with pytest.raises(BadRequest, match="speculative_n_max"):
         GenerateParams.from_wire({"speculative_n_max": 65})
+
+
+# --- a draft model ---------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("parallel", [1, 4])
+def test_greedy_output_with_a_draft_model_equals_without_with_drafts_taken_and_rejected(
+        model_path: str, draft_path: str, parallel: int) -> None:
+    requests = [(p, GenerateParams(max_tokens=48, temperature=0.0)) for p in PROMPTS]
+    plain = run(model_path, parallel, None, requests)
+    mixed = [(p, GenerateParams(max_tokens=48, temperature=0.0, speculative_n_max=0 if i % 3 == 2 else None))
+             for i, p in enumerate(PROMPTS)]
+    drafted = run(model_path, parallel, drafting(draft_path), mixed)
+    same_output(plain, drafted)
+    assert drafted[2].draft_tokens == 0
+    proposed, taken = sum(c.draft_tokens for c in drafted), sum(c.accepted_tokens for c in drafted)
+    assert 0 < taken < proposed  # the first block alone often, not always, picks what both blocks pick
+
+
+@pytest.mark.parametrize("parallel", [1, 4])
+def test_a_draft_model_that_is_the_model_itself_has_every_draft_taken(model_path: str, parallel: int) -> None:
+    requests = [(p, GenerateParams(max_tokens=32, temperature=0.0)) for p in PROMPTS]
+    plain = run(model_path, parallel, None, requests)
+    drafted = run(model_path, parallel, drafting(model_path), requests)
+    same_output(plain, drafted)
+    assert all(c.accepted_tokens == c.draft_tokens for c in drafted), [(c.draft_tokens, c.accepted_tokens)
+                                                                       for c in drafted]
+    assert sum(c.draft_tokens for c in drafted) > 0
+
+
+def test_seeded_sampling_with_a_draft_model_equals_without_and_is_reproducible(model_path: str,
+                                                                               draft_path: str) -> None:
+    requests = [(p, GenerateParams(max_tokens=40, temperature=0.9 if seed % 2 else 0.3, seed=seed, top_k=20,
+                                   repeat_penalty=1.1 if seed % 3 else 1.0)) for seed, p in enumerate(PROMPTS * 2)]
+    plain = run(model_path, 3, None, requests)
+    drafted = run(model_path, 3, drafting(draft_path), requests)
+    same_output(plain, drafted)
+    same_output(drafted, run(model_path, 3, drafting(draft_path), requests))
+    assert sum(c.accepted_tokens for c in drafted) > 0
+
+
+def test_the_draft_keeps_up_with_reused_copied_cached_and_carried_tokens(model_path: str, draft_path: str) -> None:
+    """Prompts sharing a long prefix: a slot reuses its own cells, copies another slot's, restores the prompt
+    cache's; then a request resumed from tokens carried over from a lost instance. The draft model follows
+    each by the common prefix of its tokens, and the output is unchanged."""
+    shared = [LONG_PROMPT[:1800] + tail for tail in (" the cat", " a dog", " the cat sat")]
+    others = ["Zebra " + LONG_PROMPT[:1800], "Yak " + LONG_PROMPT[:1800]]  # they push the shared prefix out
+    prompts = [*shared[:2], *others, shared[2], LONG_PROMPT[:900] + " and", shared[0]]
+    requests = [(p, GenerateParams(max_tokens=24, temperature=0.0)) for p in prompts]
+    plain = run(model_path, 2, None, requests)
+    engine = BatchEngine(model_path, n_ctx=N_CTX, parallel=2, threads=1, n_gpu_layers=0,
+                         speculative=drafting(draft_path), cache_ram=64 << 20)
+    try:
+        drafted = serve(engine, requests)
+        stats, cache = engine.stats(), engine.cache_stats()
+        prompt, params, carried = "Zebra " + shared[2], GenerateParams(max_tokens=24, temperature=0.0), list[int]()
+
+        def lost_after_12_tokens(text: str, n: int) -> bool:
+            carried[:] = engine.tokens(1)
+            return n < 12
+
+        engine.admit(1, prompt, params, lost_after_12_tokens)
+        while engine.active:
+            engine.step()
+        engine.admit(0, prompt, params, lambda text, n: True, carried)  # resumed in the other slot
+        resumed: dict[int, Completion] = {}
+        while engine.active:
+            resumed.update(engine.step())
+    finally:
+        engine.close()
+    same_output(plain, drafted)
+    assert stats.prefix_copies > 0 and stats.prompt_tokens_reused > 0 and stats.accepted_tokens > 0
+    assert cache.hits > 0 and stats.prompt_tokens_restored > 0
+    assert len(carried) == 12 and resumed[0].text == run(model_path, 1, None, [(prompt, params)])[0].text
+    assert resumed[0].accepted_tokens > 0
+
+
+@pytest.mark.timeout(60)
+def test_a_missing_draft_or_one_with_another_vocabulary_stops_the_start_before_anything_starts(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    def start(setting: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([sys.executable, "-m", "mpserve", "start", "--server-name", f"d{tmp_path.name[-8:]}",
+                               "--speculative", setting], capture_output=True, text=True, timeout=30)
+
+    missing = start("draft:/no/such/draft.gguf")
+    assert missing.returncode == 1 and "Traceback" not in missing.stderr
+    assert "speculative.model: no such draft model file '/no/such/draft.gguf'" in missing.stderr
+    tokens = maker.vocabulary()
+    monkeypatch.setattr(maker, "vocabulary", lambda: tokens[:-1])
+    other = start(f"draft:{maker.write_model(tmp_path / 'other.gguf', 'tiny-draft')}")
+    assert other.returncode == 1 and "Traceback" not in other.stderr and "ready:" not in other.stdout
+    assert (f"the draft model {tmp_path / 'other.gguf'} does not have the vocabulary of "
+            f"{builtin_model_path('tiny')}: {len(tokens) - 1} tokens against {len(tokens)}") in other.stderr

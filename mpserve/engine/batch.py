@@ -8,7 +8,9 @@ worker) admits requests into free slots and calls ``step`` in a loop:
     admit(slot, prompt, params, on_token)   tokenize, reuse the slot's cached prefix, queue the rest
     step()                                   one llama_decode of one token for every decoding sequence
                                              (with the drafts it verifies, when the model speculates:
-                                             mpserve.engine.speculation), then one llama_decode per
+                                             mpserve.engine.speculation; drafts of a draft model come
+                                             from its own context, mpserve.engine.draft, made just
+                                             before), then one llama_decode per
                                              prompt chunk of admitted
                                              sequences, at most ``step_budget_tokens`` in total while
                                              others decode (a chunk is never cut: at least one);
@@ -88,6 +90,7 @@ from mpserve.speculative import Speculative
 from mpserve.structured import grammar_source
 
 from . import slot_file, vocab
+from .draft import DraftModel
 from .grammar import GrammarCache
 from .interface import Completion, OnToken
 from .llama_batch import Batch
@@ -241,6 +244,7 @@ class BatchEngine:
 
         self._model: Any = load_model(llama_cpp, path, n_gpu_layers, repack)
         self._ctx: Any = None
+        self._draft: DraftModel | None = None  # speculative type draft
         try:
             self._vocab = llama_cpp.llama_model_get_vocab(self._model)
             self._n_vocab = llama_cpp.llama_vocab_n_tokens(self._vocab)
@@ -267,6 +271,14 @@ class BatchEngine:
             self._speculative = None
         self._row_costs = RowCosts()
         self._drafted = self._accepted = 0
+        if self._speculative is not None and self._speculative.model is not None:
+            try:
+                self._draft = DraftModel(llama_cpp, self._speculative.model, path, self._model,
+                                         self._context_params(PROMPT_CHUNK, threads, False, flash_attn),
+                                         n_gpu_layers, repack)
+            except BaseException:
+                self.close()
+                raise
         self._identity = self._slot_identity(cache_type_k, cache_type_v)
         self._batch = Batch(llama_cpp, capacity)
         self.chat = read_chat_template(llama_cpp, self._model)
@@ -666,15 +678,26 @@ class BatchEngine:
 
     def _propose(self, decoding: list[_Sequence]) -> None:
         """This step's drafts of the sequences that speculate, in slot order, while the decode has rows
-        for them (at most MAX_ROWS in all, so every row gets the logits it gets alone)."""
+        for them (at most MAX_ROWS in all, so every row gets the logits it gets alone): looked up in the
+        sequence's tokens, or sized here and made by the draft model, for all of them at once."""
         rows = len(decoding)
         if self._speculative is None:
             return
+        draft, wanted = self._draft, list[tuple[_Sequence, int]]()
+        draft_s = draft.draft_s(self._row_costs.expected(1)) if draft is not None else 0.0
         for seq in decoding:
             if seq.drafter is not None and not seq.replay and rows < MAX_ROWS:
                 room = min(MAX_ROWS - rows, seq.max_tokens - len(seq.generated) - 1)
-                seq.drafts = seq.drafter.propose(seq.prompt, seq.generated, room, rows, self._row_costs)
-                rows += len(seq.drafts)
+                if draft is None:
+                    seq.drafts = seq.drafter.propose(seq.prompt, seq.generated, room, rows, self._row_costs)
+                    rows += len(seq.drafts)
+                elif k := seq.drafter.size(room, rows, self._row_costs, draft_s):
+                    wanted.append((seq, k))
+                    rows += k
+        if draft is not None and wanted:
+            made = draft.propose([(seq.slot, seq.prompt + seq.generated, k) for seq, k in wanted])
+            for (seq, _), drafts in zip(wanted, made, strict=True):
+                seq.drafts = drafts
 
     def _sample_all(self, rows: list[_Sequence]) -> list[tuple[int, Completion]]:
         """Sample every sequence of ``rows`` from the decode just made; the ones that ended."""
@@ -864,6 +887,9 @@ class BatchEngine:
         self._prefilling.clear()
         self._grammars.close()
         self._prompt_cache.clear()
+        if self._draft is not None:
+            self._draft.close()
+            self._draft = None
         if self._ctx:
             self._lib.llama_free(self._ctx)
             self._ctx = None

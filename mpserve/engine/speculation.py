@@ -1,10 +1,13 @@
-"""Speculative decoding by prompt lookup: drafts taken from a sequence's own tokens, verified in its next
-decode (``mpserve.engine.batch`` does the decode; this module proposes, sizes and accepts).
+"""Speculative decoding: drafts by prompt lookup (taken from a sequence's own tokens) or by a draft model
+(``mpserve.engine.draft``), verified in the sequence's next decode (``mpserve.engine.batch`` does the
+decode; this module proposes by lookup, sizes and accepts).
 
     step, for each decoding sequence whose model speculates (``models[].speculative``):
-      Drafter.propose(room)   NgramIndex: the tokens that followed the latest earlier occurrence of the
-                              sequence's last ngram_max .. ngram_min tokens (longest match first), in its
-                              prompt and output; as many as pay for their rows (below), at most ``room``
+      Drafter.propose(room)   type ngram: NgramIndex: the tokens that followed the latest earlier occurrence
+                              of the sequence's last ngram_max .. ngram_min tokens (longest match first), in
+                              its prompt and output; as many as pay for their rows (below), at most ``room``
+      Drafter.size(room)      type draft: how many drafts pay for their rows and the draft model's decodes;
+                              DraftModel.propose makes that many, greedily
       batch rows              next token, draft 1 .. draft k at the positions that follow, logits for each
       verify(drafts, sample)  sample row 0 with the sequence's own sampler chain; while the token drawn is
                               the next draft, sample the row after it: the tokens drawn, and how many
@@ -12,7 +15,8 @@ decode (``mpserve.engine.batch`` does the decode; this module proposes, sizes an
       engine                  the KV cells past the last taken draft are removed (llama_memory_seq_rm)
       Drafter.record(k, m)    acceptance so far, which sizes the next draft
 
-Acceptance. A draft here is a deterministic proposal (q is one-hot on the draft token x), for which the
+Acceptance. A draft here is a deterministic proposal (q is one-hot on the draft token x: a lookup's token,
+or a draft model's greedy choice, which depends only on tokens the sequence already has), for which the
 standard rule that keeps the target distribution p (accept x with probability min(1, p(x)/q(x)) = p(x);
 on rejection draw from max(0, p - q) renormalised, i.e. p with x removed) is the same law as: draw y from
 p, take it, and go on only if y == x. ``verify`` draws with the sequence's sampler chain, so p is the
@@ -25,11 +29,12 @@ numbers it gets alone (float weights: to the last bits, as for sequences decoded
 batches go through kernels whose sums differ from a lone row's, enough to change a greedy choice.
 
 Sizing. A draft of k tokens with per-token acceptance a is expected to add a + a^2 + ... + a^k tokens to
-the step, and costs the rows it adds to the decode. ``RowCosts`` keeps the measured decode time per number
-of rows; ``Drafter`` drafts the k that gives the most expected tokens per second of the whole decode (0:
-do not speculate this step), with ``a`` estimated from the sequence's recent drafts. Where drafts are
-seldom taken (free text) they are seldom made, so a step without a useful draft costs what it costs
-without speculation.
+the step, and costs the rows it adds to the decode, plus, from a draft model, k decodes of the draft.
+``RowCosts`` keeps the measured decode time per number of rows; ``Drafter`` drafts the k that gives the
+most expected tokens per second of the whole step (0: do not speculate this step), with ``a`` estimated
+from the sequence's recent drafts. Where drafts are seldom taken (free text) they are seldom made, so a
+step without a useful draft costs what it costs without speculation. ``sizing: fixed`` skips the
+estimate: n_max drafts whenever there are rows for them (llama-server's way).
 """
 
 from __future__ import annotations
@@ -138,13 +143,13 @@ class RowCosts:
 
 
 class Drafter:
-    """One sequence's drafts: its n-gram index, its acceptance, and counts for its timings."""
+    """One sequence's drafts: its n-gram index (type ngram), its acceptance, and counts for its timings."""
 
     __slots__ = ("_setting", "_index", "_taken", "_tried", "proposed", "accepted")
 
     def __init__(self, setting: Speculative) -> None:
         self._setting = setting
-        self._index = NgramIndex(setting.ngram_min)
+        self._index = NgramIndex(setting.ngram_min)  # only type ngram adds to it
         self._taken = self._tried = 0.0
         self.proposed = self.accepted = 0
 
@@ -164,12 +169,20 @@ class Drafter:
         self._index.extend(generated[seen - len(prompt):])
         s = self._setting
         drafts, _ = self._index.propose(s.ngram_max, min(s.n_max, room))
-        k = _worth(len(drafts), self.acceptance, rows, costs)
+        return drafts[:self.size(len(drafts), rows, costs)]
+
+    def size(self, most: int, rows: int, costs: RowCosts, draft_s: float = 0.0) -> int:
+        """How many drafts (at most ``most`` and n_max) to verify in a decode of ``rows`` rows without them;
+        0 when fewer than n_min pay. ``draft_s``: what making each one costs besides its row (a draft
+        model's decode), in the units of ``costs``."""
+        s = self._setting
+        most = min(most, s.n_max)
+        k = most if s.sizing == "fixed" else _worth(most, self.acceptance, rows, costs, draft_s)
         if k < s.n_min:
             self._taken *= KEEP
             self._tried *= KEEP
-            return []
-        return drafts[:k]
+            return 0
+        return k
 
     def record(self, proposed: int, taken: int) -> None:
         self._taken = self._taken * KEEP + taken
@@ -178,14 +191,14 @@ class Drafter:
         self.accepted += taken
 
 
-def _worth(most: int, acceptance: float, rows: int, costs: RowCosts) -> int:
+def _worth(most: int, acceptance: float, rows: int, costs: RowCosts, draft_s: float) -> int:
     """The number of drafts (0 .. most) that gives the most expected tokens per second to a decode of
-    ``rows`` rows without them (each of those rows gives one token)."""
+    ``rows`` rows without them (each of those rows gives one token), each draft costing ``draft_s`` to make."""
     best_k, best_rate = 0, rows / costs.expected(rows)
     gain = 0.0
     for k in range(1, most + 1):
         gain += acceptance ** k
-        rate = (rows + gain) / costs.expected(rows + k)
+        rate = (rows + gain) / (costs.expected(rows + k) + k * draft_s)
         if rate > best_rate:
             best_k, best_rate = k, rate
     return best_k

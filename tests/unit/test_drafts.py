@@ -127,3 +127,19 @@ def test_the_setting_is_checked_with_what_is_allowed() -> None:
         with pytest.raises(ConfigError, match=words):
             config.build({"models": [{"path": "builtin:tiny", "speculative": bad}]})
 
+
+def test_a_draft_models_drafts_are_sized_with_its_own_decodes_counted_or_fixed() -> None:
+    """size(): the k that pays once each draft also costs draft_s (a draft model's decode); sizing fixed:
+    n_max whenever there is room; fewer than n_min: none."""
+    costs = RowCosts()
+    for rows in range(1, 8):
+        costs.observe(rows, 0.01 * (1 + 0.05 * (rows - 1)))  # memory-bound: a row costs 5% of a decode
+    drafter = Drafter(Speculative(type="draft", model="d.gguf", n_max=4))
+    for _ in range(10):
+        drafter.record(4, 4)
+    assert drafter.size(6, 1, costs) == 4  # free drafts, all taken: as many as n_max
+    assert drafter.size(6, 1, costs, draft_s=0.001) == 4  # a draft model a tenth of the model's cost
+    assert drafter.size(6, 1, costs, draft_s=0.01) == 0  # as dear as the model itself: drafting never pays
+    assert drafter.size(2, 1, costs) == 2  # the rows left
+    fixed = Drafter(Speculative(type="draft", model="d.gguf", n_max=3, n_min=2, sizing="fixed"))
+    assert fixed.size(6, 1, costs, draft_s=0.01) == 3 and fixed.size(1, 1, costs) == 0
