@@ -257,7 +257,9 @@ def test_greedy_output_with_a_draft_model_equals_without_with_drafts_taken_and_r
 
 @pytest.mark.parametrize("parallel", [1, 4])
 def test_a_draft_model_that_is_the_model_itself_has_every_draft_taken(model_path: str, parallel: int) -> None:
-    requests = [(p, GenerateParams(max_tokens=32, temperature=0.0)) for p in PROMPTS]
+    """The draft computes each token in the decodes the model computes it in (a long prompt's chunks too), so
+    its greedy choices are the model's."""
+    requests = [(p, GenerateParams(max_tokens=32, temperature=0.0)) for p in [*PROMPTS, LONG_PROMPT, PROMPTS[0]]]
     plain = run(model_path, parallel, None, requests)
     drafted = run(model_path, parallel, drafting(model_path), requests)
     same_output(plain, drafted)

@@ -1,5 +1,6 @@
 """Speculative decoding on a real model (Gemma 3 270M Q4_K_M, in-process): on a copy-heavy prompt most
-drafts are taken, and the greedy text is the text without speculation, token for token."""
+drafts are taken, and the greedy text is the text without speculation, token for token; with the model
+as its own draft model, every draft is taken."""
 
 from __future__ import annotations
 
@@ -44,3 +45,16 @@ def test_a_copy_heavy_prompt_takes_most_drafts_and_keeps_the_greedy_text(real_mo
     assert [c.text for c in speculated] == [c.text for c in plain]
     copy = speculated[0]
     assert copy.accepted_tokens > 0, copy  # how many depends on the decode times measured (a loaded machine)
+
+
+def test_gemma_as_its_own_draft_model_keeps_the_greedy_text_and_has_its_drafts_taken(real_model: RealModel) -> None:
+    """The draft model is the model's own file (loaded once, a second context that computes each token in the
+    decodes the model computes it in): its greedy drafts are the model's greedy choices, every one is taken,
+    and the text is the text without speculation."""
+    prompts = [COPY, FREE]  # decoded together: the draft's decodes batch both sequences
+    plain = run(real_model, 2, None, prompts)
+    draft = Speculative(type="draft", model=real_model.path, n_max=4, sizing="fixed")
+    drafted = run(real_model, 2, draft, prompts)
+    assert [c.text for c in drafted] == [c.text for c in plain]
+    assert all(0 < c.accepted_tokens == c.draft_tokens for c in drafted), [(c.draft_tokens, c.accepted_tokens)
+                                                                          for c in drafted]

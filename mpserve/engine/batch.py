@@ -90,7 +90,7 @@ from mpserve.speculative import Speculative
 from mpserve.structured import grammar_source
 
 from . import slot_file, vocab
-from .draft import DraftModel
+from .draft import DraftModel, Want
 from .grammar import GrammarCache
 from .interface import Completion, OnToken
 from .llama_batch import Batch
@@ -275,7 +275,7 @@ class BatchEngine:
             try:
                 self._draft = DraftModel(llama_cpp, self._speculative.model, path, self._model,
                                          self._context_params(PROMPT_CHUNK, threads, False, flash_attn),
-                                         n_gpu_layers, repack)
+                                         n_gpu_layers, repack, PROMPT_CHUNK)
             except BaseException:
                 self.close()
                 raise
@@ -695,7 +695,7 @@ class BatchEngine:
                     wanted.append((seq, k))
                     rows += k
         if draft is not None and wanted:
-            made = draft.propose([(seq.slot, seq.prompt + seq.generated, k) for seq, k in wanted])
+            made = draft.propose([Want(seq.slot, seq.prompt + seq.generated, len(seq.prompt), k) for seq, k in wanted])
             for (seq, _), drafts in zip(wanted, made, strict=True):
                 seq.drafts = drafts
 

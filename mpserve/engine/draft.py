@@ -3,11 +3,14 @@ context, on a model with the target's vocabulary, proposes the next tokens of ea
 the target verifies them in its next decode as it does prompt-lookup drafts (``mpserve.engine.speculation``).
 
     BatchEngine.step: the sequences that draft this step, and how many tokens each (Drafter.size)
-      DraftModel.propose([(slot, tokens, k), ...])      tokens: prompt, generated, the one decoded now
+      DraftModel.propose([Want(slot, tokens, n_prompt, k), ...])   tokens: prompt, generated, the one
+                                                                   decoded now
         sync    per sequence: the common prefix of ``tokens`` and the tokens whose cells the draft holds
-                for that slot; the cells after it removed (llama_memory_seq_rm; all of the slot's where
-                the memory cannot cut there or no longer holds what the prefix needs), the rest of
-                ``tokens`` decoded, every sequence's in the same decodes (at most PROMPT_CHUNK rows each)
+                for that slot (within the prompt, whole chunks of it); the cells after it removed
+                (llama_memory_seq_rm; all of the slot's where the memory cannot cut there or no longer
+                holds what the prefix needs); the rest of ``tokens`` decoded in the decodes the model
+                computed them in: the prompt a chunk a decode, generated tokens at most MAX_ROWS rows a
+                decode, several sequences' together
         draft   a sequence's first draft: the argmax of its last token's row; while it wants more, its
                 latest draft decoded at the next position (one decode for all the sequences that do) and
                 the argmax of that row taken
@@ -23,8 +26,9 @@ at the sequence's next sync, not right after verification.
 Output is unchanged: a greedy draft is a deterministic function of tokens the sequence already has, so
 verification's acceptance rule (see ``mpserve.engine.speculation``) keeps the target's distribution
 exactly, and with the same logits gives the same tokens, whatever the draft proposes. A draft model only
-changes how many drafts are taken, so its own logits need no exactness: its decodes mix catch-up and
-drafting rows freely.
+changes how many drafts are taken. Its own numbers still follow the model's decodes where they can (the
+same prompt chunks, small decodes): a token computed in another batch shape gets slightly other numbers,
+and a draft that is the model itself would then pick otherwise at near-ties.
 
 Cost: ``draft_s`` is what one more draft adds to a step, the measured seconds of a drafting decode; until
 one is measured, the target's one-row decode scaled by the size of the draft's weights against the
@@ -37,7 +41,7 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -45,24 +49,34 @@ from mpserve.prefix import common_prefix
 
 from .llama_batch import Batch
 from .model_info import load_model
-from .speculation import ROW_COST_KEEP
+from .speculation import MAX_ROWS, ROW_COST_KEEP
 
-CHUNK = 512
-"""Most rows in one of the draft's decodes (its n_batch), as the target's prompt chunks."""
+
+class Want(NamedTuple):
+    """A sequence that drafts this step: its slot, its tokens (prompt, generated, the last one the token the
+    model decodes now), how many of them are its prompt's, and how many drafts it wants (at least 1)."""
+
+    slot: int
+    tokens: Sequence[int]
+    n_prompt: int
+    k: int
 
 
 class DraftModel:
     """The draft model and its context: ``parallel`` sequences (one per slot) of ``n_ctx`` cells each."""
 
     def __init__(self, lib: Any, path: str, target_path: str, target_model: Any, params: Any,
-                 n_gpu_layers: int, repack: bool) -> None:
+                 n_gpu_layers: int, repack: bool, chunk: int) -> None:
+        """``params``: the context's (the model's, with the same cells per sequence); ``chunk``: the tokens
+        of a prompt chunk, which is also the most a decode of the draft holds."""
         self._lib = lib
+        self._chunk = chunk
         self._own_model = os.path.realpath(path) != os.path.realpath(target_path)
         self._model: Any = load_model(lib, path, n_gpu_layers, repack) if self._own_model else target_model
         self._ctx: Any = None
         try:
             self._check(path, target_path, target_model)
-            params.n_batch = params.n_ubatch = CHUNK
+            params.n_batch = params.n_ubatch = chunk
             self._ctx = lib.llama_init_from_model(self._model, params)
             if not self._ctx:
                 raise ValueError(f"cannot create a llama.cpp context for the draft model {path} (the log has "
@@ -75,7 +89,7 @@ class DraftModel:
         self._n_swa = max(1, lib.llama_model_n_swa(self._model))
         self._size_ratio = lib.llama_model_size(self._model) / max(1, lib.llama_model_size(target_model))
         self._held: list[list[int]] = [[] for _ in range(params.n_seq_max)]  # tokens with cells, per slot
-        self._batch = Batch(lib, CHUNK)
+        self._batch = Batch(lib, chunk)
         self._draft_s: float | None = None  # seconds of a drafting decode (moving average)
         self._batch.add(0, 0, 0)  # llama.cpp sets up its graphs on the first decode: not in the first step
         self._decode(measured=False)
@@ -97,47 +111,64 @@ class DraftModel:
         """What one more draft costs a step, in the units of ``target_one_row_s`` until measured."""
         return self._draft_s if self._draft_s is not None else self._size_ratio * target_one_row_s
 
-    def propose(self, wants: Sequence[tuple[int, Sequence[int], int]]) -> list[list[int]]:
-        """``k`` greedy drafts to follow each ``(slot, tokens, k)``: ``tokens`` are the sequence's, the last
-        one the token the target decodes now (``k`` >= 1)."""
-        drafts: list[list[int]] = [[] for _ in wants]
-        pending = [(i, slot, tokens, self._sync(slot, tokens)) for i, (slot, tokens, _) in enumerate(wants)]
-        while pending:  # the missing tokens, CHUNK rows a decode; a sequence's first draft from its last row
-            batch, rows = self._batch, []
-            batch.n = 0
-            left = []
-            for i, slot, tokens, start in pending:
-                n = min(CHUNK - batch.n, len(tokens) - start)
-                if n == 0:
-                    left.append((i, slot, tokens, start))
-                    continue
-                last = batch.add_run(list(tokens[start:start + n]), start, slot)
-                if start + n == len(tokens):
-                    batch.logits[last] = 1
-                    rows.append((i, last))
-                else:
-                    left.append((i, slot, tokens, start + n))
-            self._decode(measured=batch.n <= 2 * len(wants))
-            for i, row in rows:
-                drafts[i].append(self._argmax(row))
-            pending = left
-        for depth in range(1, max(k for _, _, k in wants)):  # one decode per draft position
+    def propose(self, wants: Sequence[Want]) -> list[list[int]]:
+        """``k`` greedy drafts to follow each sequence's ``tokens``."""
+        drafts = self._catch_up(wants)
+        for depth in range(1, max(want.k for want in wants)):  # one decode per draft position
             batch = self._batch
             batch.n = 0
-            rows = [(i, batch.add(drafts[i][-1], len(tokens) + depth - 1, slot))
-                    for i, (slot, tokens, k) in enumerate(wants) if k > depth]
+            rows = [(i, batch.add(drafts[i][-1], len(want.tokens) + depth - 1, want.slot))
+                    for i, want in enumerate(wants) if want.k > depth]
             self._decode(measured=True)
             for i, row in rows:
                 drafts[i].append(self._argmax(row))
-        for (slot, tokens, _), made in zip(wants, drafts, strict=True):
-            self._held[slot] = [*tokens, *made[:-1]]
+        for want, made in zip(wants, drafts, strict=True):
+            self._held[want.slot] = [*want.tokens, *made[:-1]]
         return drafts
 
-    def _sync(self, slot: int, tokens: Sequence[int]) -> int:
-        """Keep the slot's cells of the longest prefix of ``tokens`` they hold (never all of ``tokens``: the
-        last one is decoded for its row); the position decoding starts at."""
+    def _catch_up(self, wants: Sequence[Want]) -> list[list[int]]:
+        """Decode what each sequence's cells lack, in the decodes the model computed them in: prompt tokens
+        a chunk a decode, from whole chunks (a token's numbers depend on how many rows its batch holds, and
+        a draft that computes a token otherwise than the model may pick otherwise at a near-tie), generated
+        ones at most MAX_ROWS rows a decode (every row as alone); each sequence's first draft."""
+        chunks: list[tuple[int, int, int]] = []  # (index in wants, start, end)
+        tails: list[tuple[int, int, int]] = []
+        for i, want in enumerate(wants):
+            start = self._sync(want.slot, want.tokens, want.n_prompt)
+            while start < want.n_prompt:
+                end = min(start - start % self._chunk + self._chunk, want.n_prompt)
+                chunks.append((i, start, end))
+                start = end
+            for at in range(start, len(want.tokens), MAX_ROWS):
+                tails.append((i, at, min(at + MAX_ROWS, len(want.tokens))))
+        packed: list[list[tuple[int, int, int]]] = []  # the tails, several sequences' in a decode
+        for tail in tails:
+            if not packed or sum(end - begin for _, begin, end in packed[-1]) + tail[2] - tail[1] > MAX_ROWS:
+                packed.append([])
+            packed[-1].append(tail)
+        drafts: list[list[int]] = [[] for _ in wants]
+        for runs in [[chunk] for chunk in chunks] + packed:
+            batch, rows = self._batch, []
+            batch.n = 0
+            for i, begin, end in runs:
+                want = wants[i]
+                last = batch.add_run(list(want.tokens[begin:end]), begin, want.slot)
+                if end == len(want.tokens):
+                    batch.logits[last] = 1
+                    rows.append((i, last))
+            self._decode(measured=batch.n <= 2 * len(wants))
+            for i, row in rows:
+                drafts[i].append(self._argmax(row))
+        return drafts
+
+    def _sync(self, slot: int, tokens: Sequence[int], n_prompt: int) -> int:
+        """Keep the slot's cells of the longest prefix of ``tokens`` they hold, cut to whole chunks within the
+        prompt and never all of ``tokens`` (the last one is decoded for its row); the position decoding
+        starts at."""
         held = self._held[slot]
         keep = min(common_prefix(held, list(tokens)), len(tokens) - 1)
+        if keep < n_prompt:
+            keep -= keep % self._chunk
         lib, memory = self._lib, self._memory
         pos_min = lib.llama_memory_seq_pos_min(memory, slot)
         if keep == 0 or not lib.llama_memory_seq_rm(memory, slot, keep, -1) or not (
