@@ -57,7 +57,7 @@ class Want(NamedTuple):
     model decodes now), how many of them are its prompt's, and how many drafts it wants (at least 1)."""
 
     slot: int
-    tokens: Sequence[int]
+    tokens: list[int]
     n_prompt: int
     k: int
 
@@ -152,7 +152,7 @@ class DraftModel:
             batch.n = 0
             for i, begin, end in runs:
                 want = wants[i]
-                last = batch.add_run(list(want.tokens[begin:end]), begin, want.slot)
+                last = batch.add_run(want.tokens[begin:end], begin, want.slot)
                 if end == len(want.tokens):
                     batch.logits[last] = 1
                     rows.append((i, last))
@@ -161,12 +161,12 @@ class DraftModel:
                 drafts[i].append(self._argmax(row))
         return drafts
 
-    def _sync(self, slot: int, tokens: Sequence[int], n_prompt: int) -> int:
+    def _sync(self, slot: int, tokens: list[int], n_prompt: int) -> int:
         """Keep the slot's cells of the longest prefix of ``tokens`` they hold, cut to whole chunks within the
         prompt and never all of ``tokens`` (the last one is decoded for its row); the position decoding
         starts at."""
         held = self._held[slot]
-        keep = min(common_prefix(held, list(tokens)), len(tokens) - 1)
+        keep = min(common_prefix(held, tokens), len(tokens) - 1)
         if keep < n_prompt:
             keep -= keep % self._chunk
         lib, memory = self._lib, self._memory
