@@ -1,5 +1,8 @@
 """Speculation: single-stream decode speed with prompt lookup (``--speculative ngram``) against the same
-server without it, and against llama-server with and without its own n-gram speculation, same GGUF, HTTP.
+server without it, and against llama-server with and without its own n-gram speculation, same GGUF, HTTP;
+and a draft model (``--speculative {type: draft, ...}``): the model as its own draft, since no smaller
+model with its vocabulary is at hand, which shows the drafts' acceptance and what drafting costs, not a
+speed-up.
 
 Two tasks, one stream, greedy: a copy-heavy one (rewrite a given passage with small changes, where most
 of the answer is in the prompt) and free generation (a story from a one-line prompt, sampled with a seed
@@ -40,6 +43,8 @@ TASKS = {
 TARGET_COPY = 1.5
 TARGET_FREE = 0.95
 TARGET_PEER = 1.0
+DRAFT = "n_max: 4, sizing: fixed"
+"""The draft variant's setting besides its model: every step drafts, so its acceptance and cost show."""
 SEED = 11
 SAMPLING = {"top_k": 40, "top_p": 0.95, "min_p": 0.05, "repeat_penalty": 1.0}
 """llama.cpp's sampling defaults, sent to every server: the gateway's OpenAI defaults would sample from the
@@ -63,7 +68,8 @@ def run(settings: Settings) -> Section:
     plain_args = ["--model", str(model), "--n-ctx", n_ctx, "--threads", threads, "--no-repack"]
     servers: dict[str, Any] = {}
     with ExitStack() as stack:
-        for name, extra in (("mpserve", []), ("mpserve+ngram", ["--speculative", "ngram"])):
+        for name, extra in (("mpserve", []), ("mpserve+ngram", ["--speculative", "ngram"]),
+                            ("mpserve+draft", ["--speculative", f"{{type: draft, model: {model}, {DRAFT}}}"])):
             port = free_port()
             server = stack.enter_context(MpserveServer(*plain_args, *extra, "--http", f"127.0.0.1:{port}"))
             servers[name] = (server, port)
@@ -97,6 +103,12 @@ def run(settings: Settings) -> Section:
             section.cases.append(Case({"task": task, "mpserve": "--speculative ngram", "vs": vs}, [figure],
                                       plotted=False))
     ratio = {(c.labels["task"], c.labels["vs"]): c.figures[0].ratio for c in section.cases}
+    for task in TASKS:
+        figure = Figure("decode tokens/s", "tok/s")
+        for ours, theirs in zip(measured[task, "mpserve+draft"], measured[task, "mpserve"], strict=True):
+            figure.add(ours.tokens_per_s, theirs.tokens_per_s)
+        section.cases.append(Case({"task": task, "mpserve": "--speculative draft (the model itself)", "vs": "mpserve"},
+                                  [figure], plotted=False))
     section.targets.append(Target(f"copy-heavy: ≥ {TARGET_COPY}× without speculation", ratio["copy", "mpserve"], ">=",
                                   TARGET_COPY))
     section.targets.append(Target(f"free generation: ≥ {TARGET_FREE}× without speculation", ratio["free", "mpserve"],
@@ -113,7 +125,9 @@ def run(settings: Settings) -> Section:
                                  "tok/s.")
     section.notes.append(f"Model {model.name}; {max_tokens} tokens a request; one stream; --threads {threads} "
                          "everywhere; llama-server --spec-type ngram-simple --spec-draft-n-max 8 (its own n-gram "
-                         "lookup); mpserve --speculative ngram (n_max 8, at most 7 rows a decode).")
+                         "lookup); mpserve --speculative ngram (n_max 8, at most 7 rows a decode); mpserve+draft: "
+                         f"the model as its own draft model, {DRAFT} (measured sizing would not draft: a draft as "
+                         "dear as the model never pays).")
     return section
 
 
