@@ -206,9 +206,12 @@ class Supervisor:
                 self.spawn(index)
 
     def stop_all(self, timeout: float) -> None:
-        """Wait for workers that were told to stop; terminate, then kill, what remains."""
+        """Wait for workers that were told to stop; terminate, then kill, what remains. A worker still starting
+        (not registered, so the broker could not tell it to stop) is terminated at once."""
         for handle in self.workers.values():
             handle.restart_at = None
+            if handle.process is not None and not handle.registered and handle.process.is_alive():
+                handle.process.terminate()
         deadline = time.monotonic() + timeout
         for sig_step in ("wait", "terminate", "kill"):
             for handle in self.workers.values():

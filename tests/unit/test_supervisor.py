@@ -4,7 +4,9 @@ once for one that was up, and a halt after three failed loads in a row."""
 from __future__ import annotations
 
 import multiprocessing
+import signal
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -99,3 +101,22 @@ def test_a_retired_worker_is_removed_when_it_exits_and_its_rows_are_free_again(s
     sup.reap(0)
     assert 0 not in sup.workers and sup.next_timer() is None  # not restarted
     assert table.read_all()[0].state is SlotState.EMPTY
+
+
+def test_stopping_terminates_a_worker_still_starting_at_once_and_waits_for_one_told_to_stop(supervisor) -> None:
+    """A worker that has not registered was not told to stop (the broker does not know it yet): it is
+    terminated at once, not after the wait; one that registered is given the wait to exit by itself."""
+    sup, _, _ = supervisor
+    handle = sup.workers[0]
+    handle.process = multiprocessing.get_context("fork").Process(target=time.sleep, args=(60,))
+    handle.process.start()
+    process = handle.process
+    sup.stop_all(timeout=60.0)  # the test's 20 s timeout fails it if this waits
+    assert process.exitcode == -signal.SIGTERM
+
+    handle.registered = True  # told to stop: it exits by itself within the wait
+    handle.process = multiprocessing.get_context("fork").Process(target=time.sleep, args=(0.2,))
+    handle.process.start()
+    process = handle.process
+    sup.stop_all(timeout=60.0)
+    assert process.exitcode == 0
