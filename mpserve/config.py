@@ -36,6 +36,7 @@ import yaml
 from . import settings, speculative
 from .errors import ConfigError
 from .kv_types import DEFAULT_KV_TYPE, KV_TYPES
+from .models.builtin import MODEL_SIZES, builtin_model_path
 from .speculative import Speculative
 
 BUILTIN_PREFIX = "builtin:"
@@ -79,8 +80,6 @@ class ModelConfig:
     def resolved_path(self) -> str:
         """The GGUF file to load ("echo" for the echo backend); writes the built-in model if needed."""
         if self.path.startswith(BUILTIN_PREFIX):
-            from mpserve.models.builtin import builtin_model_path
-
             return str(builtin_model_path(self.path[len(BUILTIN_PREFIX):]))
         return self.path
 
@@ -180,9 +179,6 @@ _FLASH_ATTN_SPELLINGS = {True: "on", False: "off", "true": "on", "false": "off",
                          "yes": "on", "no": "off"}
 _LOG_LEVELS = settings.BY_KEY["log_level"].choices or ()
 _POOLINGS = settings.BY_KEY["pooling"].choices or ()
-BUILTIN_MODELS = ("tiny", "bench", "tiny-embed")
-
-
 def load_file(path: str | os.PathLike[str]) -> dict[str, Any]:
     try:
         text = Path(path).read_text()
@@ -289,11 +285,10 @@ def _model(index: int, entry: Any, overrides: Mapping[str, Any], source: str) ->
         raise ConfigError(f"{where}.name: got {values['name']!r}, allowed: letters, digits, '.', '_' and '-', "
                           "starting with a letter or digit, at most 48 characters")
     if not (path == ECHO_MODEL or path.startswith(BUILTIN_PREFIX) or Path(path).is_file()):
-        raise ConfigError(f"{where}.path: no such model file {path!r}; give a .gguf file, {DEFAULT_MODEL}, "
-                          "builtin:bench, builtin:tiny-embed, or echo")
-    if path.startswith(BUILTIN_PREFIX) and path[len(BUILTIN_PREFIX):] not in BUILTIN_MODELS:
-        raise ConfigError(f"{where}.path: unknown built-in model {path!r}; allowed: "
-                          f"{', '.join(BUILTIN_PREFIX + m for m in BUILTIN_MODELS)}")
+        raise ConfigError(f"{where}.path: no such model file {path!r}; give a .gguf file, {_builtin_names()}, "
+                          "or echo")
+    if path.startswith(BUILTIN_PREFIX) and path[len(BUILTIN_PREFIX):] not in MODEL_SIZES:
+        raise ConfigError(f"{where}.path: unknown built-in model {path!r}; allowed: {_builtin_names()}")
     if values.get("pooling") is not None and values["pooling"] not in _POOLINGS:
         raise ConfigError(f"{where}.pooling: got {values['pooling']!r}, allowed: {', '.join(_POOLINGS)}")
     if values.get("pooling") is not None and not values.get("embedding"):
@@ -436,3 +431,7 @@ def _checked(key: str, value: Any, kinds: tuple[type, ...], where: str) -> Any:
         if not lo <= cast(float, value) <= hi:  # ranged keys are numbers, checked above
             raise ConfigError(f"{where}.{key}: got {value!r}, allowed: {lo:g} to {hi:g}")
     return value
+
+
+def _builtin_names() -> str:
+    return ", ".join(BUILTIN_PREFIX + m for m in MODEL_SIZES)

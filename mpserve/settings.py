@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from .kv_types import DEFAULT_KV_TYPE, KV_TYPES
+from .models.builtin import MODEL_SIZES
 
 Scope = Literal["server", "model", "cli"]
 Command = Literal["start", "worker", "plan", "devices"]
@@ -70,7 +71,7 @@ SETTINGS: tuple[Setting, ...] = (
     _s("name", "model", str, "the file's stem", "Name clients use for the model", env="MPSERVE_MODEL_NAME",
        commands=_FOR_POOLS),
     _s("path", "model", str, "builtin:tiny",
-       "GGUF file, builtin:tiny, builtin:bench, builtin:tiny-embed, or echo (no model)",
+       f"GGUF file, {', '.join('builtin:' + m for m in MODEL_SIZES)}, or echo (no model)",
        flag="--model", short="-m", env="MPSERVE_MODEL", commands=("start", "worker", "plan")),
     _s("instances", "model", (int, dict), "1", "Worker processes per model; {min: 1, max: 4} in the file lets the "
        "count follow the load", short="-n", cli_type=int, range=(0, 256), commands=("start", "worker", "plan")),
