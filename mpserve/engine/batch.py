@@ -95,7 +95,7 @@ from .grammar import GrammarCache
 from .interface import Completion, OnToken
 from .llama_batch import Batch
 from .logprobs import LogprobsRecorder
-from .model_info import load_model, read_chat_template
+from .model_info import free, load_model, read_chat_template
 from .prompt_cache import CacheStats, PromptCache, read_state, write_state
 from .sampling import SamplerChain, TextStream
 from .speculation import MAX_ROWS, Drafter, RowCosts, verify
@@ -890,9 +890,5 @@ class BatchEngine:
         if self._draft is not None:
             self._draft.close()
             self._draft = None
-        if self._ctx:
-            self._lib.llama_free(self._ctx)
-            self._ctx = None
-        if self._model:
-            self._lib.llama_model_free(self._model)
-            self._model = None
+        free(self._lib, self._ctx, self._model)
+        self._ctx = self._model = None

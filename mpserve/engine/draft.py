@@ -48,7 +48,7 @@ import numpy as np
 from mpserve.prefix import common_prefix
 
 from .llama_batch import Batch
-from .model_info import load_model
+from .model_info import free, load_model
 from .speculation import MAX_ROWS, ROW_COST_KEEP
 
 
@@ -194,9 +194,5 @@ class DraftModel:
 
     def close(self) -> None:
         """Free the context, and the model unless it is the target's."""
-        if self._ctx:
-            self._lib.llama_free(self._ctx)
-            self._ctx = None
-        if self._own_model and self._model:
-            self._lib.llama_model_free(self._model)
-        self._model = None
+        free(self._lib, self._ctx, self._model if self._own_model else None)
+        self._ctx = self._model = None

@@ -27,7 +27,7 @@ from mpserve.protocol import ChatTemplate, GenerateParams
 
 from . import vocab
 from .interface import Completion, NoCells, OnToken
-from .model_info import load_model
+from .model_info import free, load_model
 
 POOLING = {"mean": "LLAMA_POOLING_TYPE_MEAN", "cls": "LLAMA_POOLING_TYPE_CLS", "last": "LLAMA_POOLING_TYPE_LAST"}
 """``pooling`` settings and llama.cpp's names; unset: the GGUF's."""
@@ -160,9 +160,5 @@ class EmbeddingEngine(NoCells):
         if getattr(self, "_batch", None) is not None:
             self._lib.llama_batch_free(self._batch)
             self._batch = None
-        if self._ctx:
-            self._lib.llama_free(self._ctx)
-            self._ctx = None
-        if self._model:
-            self._lib.llama_model_free(self._model)
-            self._model = None
+        free(self._lib, self._ctx, self._model)
+        self._ctx = self._model = None

@@ -1,4 +1,5 @@
-"""A model file loaded into llama.cpp (``load_model``, for every engine and a draft model), and what a worker
+"""A model file loaded into llama.cpp (``load_model``, for every engine and a draft model; ``free`` with its
+context at the end), and what a worker
 reports about the model it loaded: its chat template and the token texts templates use.
 
     GGUF file --load_model--> llama.cpp model --read_chat_template--> ChatTemplate --READY--> broker --STATS-->
@@ -23,6 +24,14 @@ def load_model(lib: Any, path: str, n_gpu_layers: int, repack: bool) -> Any:
     if not model:
         raise ValueError(f"Failed to load model from file: {path}")
     return model
+
+
+def free(lib: Any, ctx: Any, model: Any) -> None:
+    """Free a context, then a model (either may be None: never made, already freed, or not this owner's)."""
+    if ctx:
+        lib.llama_free(ctx)
+    if model:
+        lib.llama_model_free(model)
 
 
 def read_chat_template(lib: Any, model: Any) -> ChatTemplate:
