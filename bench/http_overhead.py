@@ -16,7 +16,6 @@ Streamed requests (``Client.stream`` against server-sent events) are measured th
 from __future__ import annotations
 
 import argparse
-import socket
 import subprocess
 import sys
 import time
@@ -27,7 +26,7 @@ import httpx
 from mpserve import Client
 
 from .figures import percentile
-from .procs import MpserveServer
+from .procs import MpserveServer, free_port, wait_http
 
 PROMPT = "The quick brown fox jumps over the lazy dog."
 GATEWAY = ("from mpserve.gateway.app import GatewayConfig, serve; "
@@ -41,12 +40,13 @@ def main() -> None:
     args = parser.parse_args()
     with MpserveServer("--model", "echo", "--instances", "1") as server:
         server.wait_ready()
-        port = _free_port()
+        port = free_port()
         gateway = subprocess.Popen([sys.executable, "-c", GATEWAY.format(port=port, name=server.name)])
         try:
             url = f"http://127.0.0.1:{port}"
             with Client(server.address) as zmq_client, httpx.Client(base_url=url, timeout=30) as http:
-                _wait_healthy(http)
+                if not wait_http(url + "/health", 30.0):
+                    raise RuntimeError("the gateway did not become healthy")
                 params = {"max_tokens": args.max_tokens, "temperature": 0}
                 body = {"model": "echo", "prompt": PROMPT, **params}
 
@@ -91,24 +91,6 @@ def _interleaved(first: Callable[[], None], second: Callable[[], None], n: int) 
             call()
             out.append(time.perf_counter() - t0)
     return a, b
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def _wait_healthy(http: httpx.Client, timeout: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        try:
-            if http.get("/health").status_code == 200:
-                return
-        except httpx.TransportError:
-            pass
-        time.sleep(0.05)
-    raise RuntimeError("the gateway did not become healthy")
 
 
 if __name__ == "__main__":

@@ -50,7 +50,7 @@ from mpserve.runtime import ServerInfo
 from mpserve.slots import SlotState, SlotTable
 
 from .figures import percentile
-from .procs import MpserveServer, children, free_port
+from .procs import MpserveServer, children, free_port, wait_http
 
 ZMQ_KINDS = {"stream": 0.35, "whole": 0.25, "cancel": 0.12, "timeout": 0.1, "bad": 0.1, "vanish": 0.08}
 HTTP_KINDS = {"stream": 0.35, "whole": 0.3, "chat": 0.15, "bad": 0.1, "hang_up": 0.1}
@@ -427,7 +427,8 @@ def main(argv: list[str] | None = None) -> int:
     with MpserveServer("--http", f"127.0.0.1:{port}", "--model", args.model, "--instances", str(args.instances),
                        "--threads", "1", "--n-ctx", "1024") as server:
         server.wait_ready()
-        _wait_http(url)
+        if not wait_http(url + "/health", 30.0):
+            raise RuntimeError("the gateway did not become healthy")
         seconds = args.minutes * 60
         tally, start, end, counters = asyncio.run(soak(server, url, seconds, args.warmup, args.lanes,
                                                        args.kill_every, args.seed))
@@ -444,18 +445,6 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     print("\nevery request ended exactly once, with an outcome its kind allows; nothing held at the end")
     return 0
-
-
-def _wait_http(url: str, timeout: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        try:
-            if httpx.get(url + "/health", timeout=1).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.1)
-    raise RuntimeError("the gateway did not become healthy")
 
 
 if __name__ == "__main__":
