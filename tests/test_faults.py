@@ -50,6 +50,10 @@ def running(pid: int) -> bool:
     return pid > 0 and process_state(pid) not in (None, "Z")
 
 
+def _children(pid: int) -> list[int]:
+    return [int(c) for task in Path(f"/proc/{pid}/task").iterdir() for c in (task / "children").read_text().split()]
+
+
 def serving_rows(server: Any) -> list[SlotRow] | None:
     """All rows idle or busy with a running worker of their own, or None."""
     rows = server.slots()
@@ -322,13 +326,15 @@ def test_after_the_broker_is_killed_its_workers_exit_and_the_name_can_be_reused(
     server = start_server("--instances", "2").wait_ready()
     info = server.info
     worker_pids = [r.pid for r in server.slots()]
-    assert all(running(p) for p in worker_pids)
+    helpers = _children(server.proc.pid)  # the fork server the workers came from, multiprocessing's tracker
+    assert all(running(p) for p in worker_pids) and helpers
+    assert not set(worker_pids) & set(helpers), "workers are forked from the fork server, not the server"
     server.proc.kill()
-    server.proc.wait(10)
     killed_at = time.monotonic()
-    wait_for(lambda: not any(running(p) for p in worker_pids), 10,
-             f"workers {worker_pids} gone after the broker was killed")
+    wait_for(lambda: not any(running(p) for p in worker_pids + helpers), 10,
+             f"workers {worker_pids} and helpers {helpers} gone after the broker was killed (not reaped yet)")
     gone_s = time.monotonic() - killed_at
+    server.proc.wait(10)
     stale = [Path(info.slots), Path(info.front[len("ipc://"):])]
     assert all(p.exists() for p in stale), "the killed broker left nothing behind; the test proves nothing"
 

@@ -190,3 +190,26 @@ def test_devices_lists_simulated_gpus_with_permit_holders(start_server) -> None:
     assert [d["index"] for d in listed] == [0, 1]
     assert listed[0]["holders"] == [] and listed[1]["holders"] == [server.slots()[0].pid]
     assert listed[1]["permit_capacity"] == 1
+
+
+def _maps_llama(pid: int) -> bool:
+    return "libllama" in Path(f"/proc/{pid}/maps").read_text()
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("gpus", [False, True], ids=["cpu_host", "gpu_host"])
+def test_the_fork_server_imports_llama_cpp_only_on_a_host_without_gpus(start_server, gpus: bool) -> None:
+    """Workers are forked from a fork server. Where a worker may use a GPU, llama.cpp must be loaded in the
+    worker after it sets CUDA_VISIBLE_DEVICES, so the fork server must not have loaded it; without GPUs it
+    has, and the workers share its pages."""
+    server = start_server("--instances", "2", *(["--simulate-gpus", "1x24GiB"] if gpus else [])).wait_ready()
+    workers = {r.pid for r in server.slots()}
+    fork_servers = [pid for task in Path(f"/proc/{server.proc.pid}/task").iterdir()
+                    for pid in map(int, (task / "children").read_text().split())
+                    if workers & {int(c) for t in Path(f"/proc/{pid}/task").iterdir()
+                                  for c in (t / "children").read_text().split()}]
+    assert len(fork_servers) == 1, fork_servers
+    assert _maps_llama(fork_servers[0]) is not gpus
+    assert all(_maps_llama(pid) for pid in workers)
+    with Client(server.address) as client:
+        assert client.generate("after the fork", max_tokens=4, temperature=0, timeout=30).usage.completion_tokens == 4

@@ -70,7 +70,7 @@ def serve(config: ServerConfig) -> None:
                         heartbeat_interval=config.heartbeat_interval, heartbeat_liveness=config.heartbeat_liveness,
                         embedding_models=frozenset(m.name for m in config.models if m.embedding))
         specs = worker_specs(config, layout, paths.back, paths.slots)
-        supervisor = Supervisor(config, specs, table)
+        supervisor = Supervisor(config, specs, table, gpus=bool(layout.devices))
         placements = {spec.index: p for spec, p in zip(specs, layout.placements, strict=True)}
         instances = Instances(config, layout, placements, supervisor, broker, paths.back, paths.slots)
         ServerInfo(paths.name, os.getpid(), paths.front, paths.back, str(paths.slots),

@@ -55,7 +55,7 @@ def run_pool(config: ServerConfig, connect: str, curve_server_key: str | None = 
              for spec in worker_specs(config, layout, connect, paths.slots)]
     table = SlotTable.create(paths.slots, rows=config.total_slots)
     try:
-        supervisor = Supervisor(config, specs, table)
+        supervisor = Supervisor(config, specs, table, gpus=bool(layout.devices))
         ServerInfo(paths.name, os.getpid(), connect, connect, str(paths.slots), [m.name for m in config.models],
                    time.time(), role="pool").write(paths.info)
         log.info("pool %s: %d instance(s) of %s for the broker at %s", pool, len(specs),

@@ -5,8 +5,14 @@ It follows gunicorn's arbiter: a table of workers by index, death noticed throug
 exponential backoff, and a halt instead of a restart loop for a model that cannot load: three failed
 loads in a row mark the model failed.
 
-Workers are started with multiprocessing's "spawn" method: a fresh interpreter that inherits no ZeroMQ
-context, CUDA state or llama.cpp state from the server.
+Workers are started with multiprocessing's "forkserver" method:
+
+    server --first start--> fork server: a fresh interpreter (no ZeroMQ context, CUDA or llama.cpp state
+                            from the server) that imports ``spec.preload(gpus)`` once
+           --each start---> the fork server forks a worker, which runs ``spec.run``
+
+So a worker starts without importing anything, and every worker shares the fork server's pages of
+imported code instead of holding its own copy. The fork server exits when the server does.
 """
 
 from __future__ import annotations
@@ -23,7 +29,7 @@ import zmq
 
 from mpserve.config import ServerConfig
 from mpserve.slots import SlotState, SlotTable
-from mpserve.worker.spec import EXIT_LOAD_FAILED, WorkerSpec, run
+from mpserve.worker.spec import EXIT_LOAD_FAILED, WorkerSpec, preload, run
 
 log = logging.getLogger("mpserve.supervisor")
 
@@ -54,10 +60,15 @@ class ModelHealth:
 
 
 class Supervisor:
-    def __init__(self, config: ServerConfig, specs: list[WorkerSpec], table: SlotTable,
+    def __init__(self, config: ServerConfig, specs: list[WorkerSpec], table: SlotTable, gpus: bool,
                  clock: Callable[[], float] = time.monotonic) -> None:
-        """``clock``: the monotonic time restarts and kills are scheduled on (tests inject one)."""
-        self._mp = multiprocessing.get_context("spawn")
+        """``gpus``: the host has GPUs a worker may use (then the fork server does not import llama_cpp);
+        ``clock``: the monotonic time restarts and kills are scheduled on (tests inject one).
+
+        A process has one fork server, started with the first worker: the ``gpus`` of the first supervisor to
+        start one decides its imports."""
+        self._mp = multiprocessing.get_context("forkserver")
+        self._mp.set_forkserver_preload(preload(gpus))
         self._clock = clock
         self._table = table
         self._stall_timeout = config.stall_timeout

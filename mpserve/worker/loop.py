@@ -28,6 +28,7 @@ from __future__ import annotations
 import logging
 import os
 import random
+import select
 import sys
 import time
 from collections.abc import Callable
@@ -57,6 +58,15 @@ def _nothing() -> None:
     pass
 
 
+def _watch(pid: int) -> int | None:
+    """A pidfd of the server (readable once it has exited), or None if it is gone already. The worker's parent
+    is the fork server, not the server, so the server is watched by its pid."""
+    try:
+        return os.pidfd_open(pid)
+    except ProcessLookupError:
+        return None
+
+
 class Worker:
     def __init__(self, spec: WorkerSpec, sock: zmq.Socket[Any], rows: list[SlotWriter],
                  build_engine: Callable[[EngineSpec], Engine], permits: DevicePermits | None = None) -> None:
@@ -74,6 +84,7 @@ class Worker:
         self._cancelled_tickets: set[str] = set()
         self._served = 0
         self._stopping = False
+        self._server = _watch(spec.parent_pid)
         self._next_parent_check = 0.0
         self._next_heartbeat = 0.0
         self._heard = time.monotonic()
@@ -145,7 +156,7 @@ class Worker:
         now = time.monotonic()
         if now >= self._next_parent_check:
             self._next_parent_check = now + PARENT_CHECK_S
-            if os.getppid() != spec.parent_pid:
+            if self._server is None or select.select([self._server], [], [], 0)[0]:
                 log.warning("server (pid %d) is gone; exiting", spec.parent_pid)
                 self._stopping = True
         if now >= self._next_heartbeat:

@@ -1,12 +1,13 @@
-"""The worker process's entry point: ``worker_main(spec)``, run in a fresh interpreter by the supervisor
-(``mpserve.worker.spec.run``) or by a remote pool.
+"""The worker process's entry point: ``worker_main(spec)``, run in a process forked from the fork server of
+the supervisor (``mpserve.worker.spec.run``) of a server or of a remote pool.
 
     CUDA_VISIBLE_DEVICES set → own session → logging → slot-table rows → DEALER to the broker → permits
     → engine loaded (or left for the broker to ask, single active backend) → Worker.run until told to stop
 
-CUDA_VISIBLE_DEVICES is set before llama_cpp is imported (only ``build_engine`` imports it). The worker
-exits when told to stop, when its model cannot be loaded (after sending FAILED), or when its parent (the
-server) is gone.
+CUDA_VISIBLE_DEVICES is set before llama_cpp is imported (only ``build_engine`` imports it, except on a host
+without GPUs, where the fork server imported it already: ``mpserve.worker.spec.preload``). The worker
+exits when told to stop, when its model cannot be loaded (after sending FAILED), or when the server
+(or remote pool) that started it is gone.
 """
 
 from __future__ import annotations

@@ -1,10 +1,14 @@
 """What a worker process is started with, and how it is started: the one part of ``mpserve.worker`` the
 server imports.
 
-    server (layout) --WorkerSpec--> supervisor --spawn(run, spec)--> new interpreter: mpserve.worker.main
+    server (layout) --WorkerSpec--> supervisor --forkserver(run, spec)--> forked from the fork server,
+                                                                          which imported preload(gpus)
 
-``run`` names the worker's entry module instead of importing it: the worker's code (llama_cpp among it) is
-loaded only in the spawned interpreter, after CUDA_VISIBLE_DEVICES is set, never in the server.
+``run`` names the worker's entry module instead of importing it: the worker's code is loaded in the fork
+server (a fresh interpreter the supervisor starts once), never in the server. ``preload`` is what the fork
+server imports before it forks workers, so that their pages of imported code are shared: the worker's
+modules always, and the engines (llama_cpp) only on a host without GPUs. Where a worker may use a GPU,
+llama_cpp is imported in each worker after it sets CUDA_VISIBLE_DEVICES, as the CUDA runtime wants it.
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ from dataclasses import dataclass
 from mpserve.speculative import Speculative
 
 WORKER_MAIN = "mpserve.worker.main"
+ENGINE_MODULES = ("mpserve.engine.batch", "mpserve.engine.embed")  # these import llama_cpp
 EXIT_LOAD_FAILED = 3  # the worker's exit status when its model cannot be loaded
 
 
@@ -88,6 +93,11 @@ class WorkerSpec:
         return self.pool.rsplit("-", 1)[0] if self.pool else ""
 
 
+def preload(gpus: bool) -> list[str]:
+    """The modules the fork server imports before it forks workers; ``gpus``: a worker may use a GPU."""
+    return [WORKER_MAIN] if gpus else [WORKER_MAIN, *ENGINE_MODULES]
+
+
 def run(spec: WorkerSpec) -> None:
-    """The spawned interpreter's entry point (multiprocessing pickles this function by name)."""
+    """The worker process's entry point (multiprocessing pickles this function by name)."""
     importlib.import_module(WORKER_MAIN).worker_main(spec)

@@ -33,7 +33,7 @@ def supervisor(tmp_path: Path) -> Iterator[tuple[Supervisor, Clock, SlotTable]]:
     table = SlotTable.create(tmp_path / "slots", 1)
     spec = WorkerSpec(0, "echo", EngineSpec("echo", 512, 1, 0), -1, "inproc://x", str(tmp_path / "slots"), 1)
     clock = Clock()
-    sup = Supervisor(cfg.build(model={"path": "echo"}), [spec], table, clock=clock)
+    sup = Supervisor(cfg.build(model={"path": "echo"}), [spec], table, gpus=False, clock=clock)
     yield sup, clock, table
     table.close()
     table.unlink()
