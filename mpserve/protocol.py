@@ -57,6 +57,8 @@ from .prefix import MAX_BLOCKS
 
 VERSION = b"MPS1"
 MAX_MESSAGE_BYTES = 4 * 1024 * 1024
+MAX_CACHE_ITEMS = 4096  # entries per list in a CACHE frame: the decoder's array limit
+MAX_CACHE_HASHES = 1 << 14  # hashes a broker keeps per instance (and a READY's CACHE frame carries at most)
 MAX_TEMPLATE_CHARS = 256 * 1024  # a GGUF chat template; the longest known ones are tens of kilobytes
 MAX_PROMPT_CHARS = 1024 * 1024
 MAX_ID_CHARS = 64
@@ -828,7 +830,9 @@ class CacheChanges:
     """worker -> broker, the CACHE frame after a DONE or ERROR: what the instance's host-RAM prompt cache gained
     (``added``: an entry's id and its summary, the block hashes of the prompt text it holds,
     ``mpserve.prefix.block_hashes``, as uint64 little-endian) and lost (``dropped``: ids) since the previous
-    CACHE frame. Ids are the worker's, unique while its model stays loaded."""
+    CACHE frame. After a READY it is the whole cache (what a broker that restarted learns it from): the most
+    recently used entries, up to MAX_CACHE_ITEMS entries and MAX_CACHE_HASHES hashes, nothing dropped. Ids are
+    the worker's, unique while its model stays loaded."""
 
     added: tuple[tuple[int, bytes], ...] = ()
     dropped: tuple[int, ...] = ()
@@ -1092,7 +1096,7 @@ def encode(msg: Any) -> list[bytes]:
 
 def encode_from_worker(msg: Any, ticket: str = "", trailer: bytes | None = None) -> list[bytes]:
     """[VERSION, TYPE, TICKET, BODY] for a message a worker sends to the broker; a CHUNK may add TOKENS, a DONE
-    or ERROR for an ASSIGN its CACHE frame."""
+    or ERROR for an ASSIGN and a READY a CACHE frame."""
     frames = [VERSION, TYPE_FRAMES[msg.TYPE], ticket.encode(), pack(msg)]
     return frames if trailer is None else [*frames, trailer]
 

@@ -18,9 +18,11 @@ import pytest
 import zmq
 from conftest import ServerProcess, _die_with_parent
 from helpers import wait_for
+from test_kv_cache import LONG, others
 
 from mpserve import AsyncClient, Client
 from mpserve import protocol as wire
+from mpserve.engine.batch import PROMPT_CHUNK
 from mpserve.runtime import ServerInfo
 from mpserve.slots import SlotTable
 
@@ -184,6 +186,29 @@ def test_pools_reconnect_to_a_restarted_broker(start_server, pools) -> None:
     with Client(server.address) as client:
         assert client.generate("back", max_tokens=4, timeout=10).usage.completion_tokens == 4
     print(f"\npool served again {time.monotonic() - restarted:.2f} s after the broker restarted")
+
+
+@pytest.mark.timeout(120)
+def test_a_restarted_broker_learns_the_pools_prompt_caches_when_their_workers_register_again(start_server, pools
+                                                                                             ) -> None:
+    port = free_port()
+    server = broker(start_server, port, name="cache-view")
+    pools("pool-c", f"tcp://127.0.0.1:{port}", "--instances", "2", "--parallel", "1", "--n-ctx", "1024",
+          "--cache-ram", "64MiB")
+    wait_for(lambda: sum(registered(server.address).values()) == 2, 30, "the pool to register")
+    with Client(server.address, timeout=60) as client:
+        holder = client.generate(LONG, max_tokens=8, temperature=0).worker
+        served = [client.generate(prompt, max_tokens=8, temperature=0).worker for prompt in others(8)]
+        assert served.count(holder) == 4  # LONG left its slot for its instance's RAM
+    server.proc.kill()  # a crash: a broker that stops tells the workers to stop, and their caches would go
+    server.proc.wait(10)
+    server = broker(start_server, port, name="cache-view")  # knows nothing of either instance
+    wait_for(lambda: sum(registered(server.address).values()) == 2, 10, "the pool to come back")
+    with Client(server.address, timeout=60) as client:
+        again = client.generate(LONG + " and then the cat sat", max_tokens=8, temperature=0)
+        counters = client.stats().counters
+    assert again.worker == holder and again.timings.cached_tokens == PROMPT_CHUNK  # routed by its READY's cache
+    assert counters["routed_ram_prefix"] == 1
 
 
 @pytest.mark.timeout(120)

@@ -96,7 +96,7 @@ from .interface import Completion, OnToken
 from .llama_batch import Batch
 from .logprobs import LogprobsRecorder
 from .model_info import free, load_model, read_chat_template
-from .prompt_cache import CacheStats, PromptCache, read_state, write_state
+from .prompt_cache import CacheStats, Changes, PromptCache, read_state, write_state
 from .sampling import SamplerChain, TextStream
 from .speculation import MAX_ROWS, Drafter, RowCosts, verify
 
@@ -478,9 +478,10 @@ class BatchEngine:
         return self._prompt_cache.stats()
 
     def take_cache_changes(self) -> wire.CacheChanges:
-        changes = self._prompt_cache.take_changes()
-        return wire.CacheChanges(tuple((i, wire.pack_hashes(summary)) for i, summary in changes.added),
-                                 changes.dropped)
+        return _on_wire(self._prompt_cache.take_changes())
+
+    def cache_snapshot(self) -> wire.CacheChanges:
+        return _on_wire(self._prompt_cache.snapshot(wire.MAX_CACHE_ITEMS, wire.MAX_CACHE_HASHES))
 
     # --- slot files ----------------------------------------------------------------------------------
 
@@ -892,3 +893,7 @@ class BatchEngine:
             self._draft = None
         free(self._lib, self._ctx, self._model)
         self._ctx = self._model = None
+
+
+def _on_wire(changes: Changes) -> wire.CacheChanges:
+    return wire.CacheChanges(tuple((i, wire.pack_hashes(summary)) for i, summary in changes.added), changes.dropped)

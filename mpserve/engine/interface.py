@@ -14,6 +14,7 @@
     row      ──kv_cells(slot)──▶   the KV cells the slot holds (the slot table shows them)
     row      ──cache_stats()───▶   the host-RAM prompt cache's bytes, hits, misses, evictions
     DONE     ──take_cache_changes()──▶  its entries added and dropped since the last take (the CACHE frame)
+    READY    ──cache_snapshot()──▶  all its entries (the CACHE frame of a registration)
     SLOT_ACTION ──save_slot / restore_slot / erase_slot──▶  an idle slot's cells to or from a file
 
 Engines know nothing of processes, sockets or the slot table; one thread calls them. ``on_token`` gets
@@ -66,6 +67,9 @@ class NoCells:
     def take_cache_changes(self) -> wire.CacheChanges:
         return NO_CHANGES
 
+    def cache_snapshot(self) -> wire.CacheChanges:
+        return NO_CHANGES
+
     def save_slot(self, slot: int, path: Path) -> int:
         raise BadRequest(_NO_CELLS)
 
@@ -104,6 +108,9 @@ class Engine(Protocol):
 
     def take_cache_changes(self) -> wire.CacheChanges:
         """The host-RAM prompt cache's entries added (with their summaries) and dropped since the last take."""
+
+    def cache_snapshot(self) -> wire.CacheChanges:
+        """All the host-RAM prompt cache's entries with a summary, as added; the next take starts from here."""
 
     def take_logprobs(self, slot: int) -> wire.Logprobs | None:
         """The log-probabilities of the tokens the sequence in ``slot`` generated since the last take (when

@@ -10,7 +10,8 @@ there until the bytes held fit the capacity; the cache never holds more than tha
 than the whole capacity is not kept. An entry whose tokens begin another's adds nothing and is dropped
 (the longer one serves both). An entry may carry a summary (the block hashes of the prompt text its tokens
 spell, ``mpserve.prefix.block_hashes``): the entries with one that were added and dropped since the last
-``take_changes`` are what the broker hears of, so that it routes a prompt to the instance holding its prefix.
+``take_changes`` are what the broker hears of, so that it routes a prompt to the instance holding its prefix
+(and ``snapshot``, all of them, what it hears when the worker registers).
 ``read_state`` and ``write_state`` copy a sequence's state out of and into a
 llama.cpp context; which slot to save and when to restore is the engine's choice.
 """
@@ -124,6 +125,22 @@ class PromptCache:
         changes = Changes(tuple(self._added.items()), tuple(self._dropped))
         self._added, self._dropped = {}, []
         return changes
+
+    def snapshot(self, max_entries: int, max_hashes: int) -> Changes:
+        """The entries with a summary, as added: the most recently used, up to ``max_entries`` entries and
+        ``max_hashes`` hashes, least recently used first. What ``take_changes`` had gathered is in it, so that
+        starts afresh."""
+        added: list[tuple[int, tuple[int, ...]]] = []
+        hashes = 0
+        for entry in reversed(self._entries.values()):
+            if not entry.summary:
+                continue
+            if len(added) == max_entries or hashes + len(entry.summary) > max_hashes:
+                break
+            added.append((entry.id, entry.summary))
+            hashes += len(entry.summary)
+        self._added, self._dropped = {}, []
+        return Changes(tuple(reversed(added)))
 
     def clear(self) -> None:
         self._entries.clear()

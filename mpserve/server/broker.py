@@ -76,7 +76,8 @@ DEFAULT_SERVICE_MS = 250.0
 MAX_RETRY_AFTER_S = 30.0
 DRAIN_BATCH = 256
 CHUNK_FRAME = wire.TYPE_FRAMES[wire.MsgType.CHUNK]
-TRAILED = {CHUNK_FRAME, wire.TYPE_FRAMES[wire.MsgType.DONE], wire.TYPE_FRAMES[wire.MsgType.ERROR]}  # may have a 5th
+TRAILED = {CHUNK_FRAME, *(wire.TYPE_FRAMES[t] for t in (wire.MsgType.DONE, wire.MsgType.ERROR, wire.MsgType.READY))
+           }  # may have a 5th frame
 CHUNKS_FRAME = wire.TYPE_FRAMES[wire.MsgType.CHUNKS]
 FROM_CLIENTS = {wire.MsgType.REQUEST, wire.MsgType.CANCEL, wire.MsgType.PING, wire.MsgType.TOKENIZE,
                 wire.MsgType.EMBED, wire.MsgType.STATS_QUERY, wire.MsgType.SLOT_ACTION, wire.MsgType.CONTROL}
@@ -513,7 +514,7 @@ class Broker:
         entry = self.workers.get(identity)
         if entry is not None:
             entry.last_heard = time.monotonic()
-        try:  # a CHUNK may carry a fifth frame, its tokens; a DONE or ERROR the prompt cache's changes
+        try:  # a CHUNK may carry a fifth frame, its tokens; a DONE, ERROR or READY the prompt cache's (changes)
             mtype = wire.parse_header(frames, 5 if len(frames) == 5 and frames[1] in TRAILED else 4)
         except MpserveError as exc:
             self.stats["dropped_worker_malformed"] += 1
@@ -538,7 +539,7 @@ class Broker:
             log.error("dropped a bad %s from worker %r: %s", mtype.name, identity, exc)
             return
         if isinstance(msg, wire.Ready):
-            self._on_ready(identity, msg)
+            self._on_ready(identity, msg, frames[4] if len(frames) == 5 else None)
         elif isinstance(msg, wire.Failed):
             self.on_failed(msg.model, msg.message)
         elif entry is None:  # lost, or registered with the broker before this one: ask it to register
@@ -549,7 +550,8 @@ class Broker:
             entry.ram.clear()
             self._dispatch(entry.model)
 
-    def _on_ready(self, identity: bytes, msg: wire.Ready) -> None:
+    def _on_ready(self, identity: bytes, msg: wire.Ready, cache: bytes | None) -> None:
+        """A worker registered (again): ``cache`` is its whole prompt cache's CACHE frame, if it holds any."""
         if msg.model not in self.models:
             log.error("worker %r registered for model %r, which this broker does not serve (%s); ignored",
                       identity, msg.model, ", ".join(self.models))
@@ -562,6 +564,7 @@ class Broker:
         if old is not None and old.pid == msg.pid and old.model == msg.model:
             # the same process registering again: it had not heard from us, or it loaded its model on demand,
             # which the supervisor counts as a good load (its model's failed loads start afresh)
+            self._cache_held(old, cache)
             if msg.loaded and old.index is not None:
                 old.loaded = True
                 self.on_ready(old)
@@ -572,6 +575,7 @@ class Broker:
         entry = WorkerEntry(identity, int(identity[1:]) if local else None, msg.model, msg.device, msg.capacity,
                             msg.pid, msg.loaded, host=msg.host, last_heard=time.monotonic())
         self.workers[identity] = entry
+        self._cache_held(entry, cache)
         mq = self.models[msg.model]
         mq.instances += 1
         mq.free.extend((identity, slot) for slot in range(msg.capacity))
@@ -626,6 +630,12 @@ class Broker:
         except MpserveError as exc:
             self.stats["dropped_worker_malformed"] += 1
             log.error("dropped a bad CACHE frame from worker %r: %s", entry.identity, exc)
+
+    def _cache_held(self, entry: WorkerEntry, frame: bytes | None) -> None:
+        """A READY's CACHE frame, or none: all that the worker's prompt cache holds."""
+        entry.ram.clear()
+        if frame is not None:
+            self._cache_changed(entry, frame)
 
     def _worker_chunks(self, identity: bytes, batch: bytes) -> None:
         """A worker's CHUNKS: each client gets the chunks meant for it, in order, as one message."""

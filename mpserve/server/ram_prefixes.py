@@ -6,12 +6,13 @@ ERRORs carry.
             entries evicted ┴─ DONE + CACHE ─────▶┤
                                                   └─▶ longest(prompt's block hashes): the characters of the
                                                       prompt's longest prefix some entry holds (routing)
+    READY + CACHE (all it holds) ──▶ clear, then apply: a broker that restarted learns what a worker kept
     UNLOADED, or the worker gone ──▶ clear (or the table goes with its WorkerEntry)
 
-The view may lag or miss (an entry evicted after the last CACHE frame, a broker that restarted while the
-worker kept its cache): it only steers routing, and the worker restores what it really holds, so a stale
-view costs a prompt computed instead of restored, never a wrong result. It is bounded whatever a worker
-sends: past MAX_HELD_BLOCKS hashes the entries heard of first are forgotten first.
+The view may lag or miss (an entry evicted after the last CACHE frame): it only steers routing, and the
+worker restores what it really holds, so a stale view costs a prompt computed instead of restored, never a
+wrong result. It is bounded whatever a worker sends: past ``wire.MAX_CACHE_HASHES`` hashes the entries heard
+of first are forgotten first.
 """
 
 from __future__ import annotations
@@ -21,11 +22,9 @@ from collections.abc import Sequence
 from mpserve import protocol as wire
 from mpserve.prefix import PREFIX_BLOCK
 
-MAX_HELD_BLOCKS = 1 << 14  # hashes kept per instance: about 8 million characters of cached prefixes
-
 
 class RamPrefixes:
-    def __init__(self, limit: int = MAX_HELD_BLOCKS) -> None:
+    def __init__(self, limit: int = wire.MAX_CACHE_HASHES) -> None:
         self.limit = limit
         self._entries: dict[int, tuple[int, ...]] = {}  # id -> its block hashes, heard of first first
         self._holders: dict[int, int] = {}  # block hash -> the entries holding it

@@ -2,7 +2,8 @@
 
     broker --ASSIGN/CANCEL/STOP/UNLOAD/TOKENIZE/SLOT_ACTION--> worker
     worker --READY/FAILED/UNLOADED, then CHUNK*/DONE|ERROR (TOKENS, SLOT_REPLY) per ticket--> broker
-           (a DONE or ERROR carries the prompt cache's changes since the last one: the CACHE frame)
+           (a DONE or ERROR carries the prompt cache's changes since the last one: the CACHE frame; a READY
+           all its entries, so that a broker that restarted learns them)
 
 Each turn takes every waiting broker message, then runs one ``engine.step`` while any sequence runs:
 
@@ -141,9 +142,11 @@ class Worker:
     def _register(self) -> None:
         spec = self._spec
         chat = self._engine.chat if self._engine is not None else ChatTemplate()
-        self._send(wire.Ready(spec.identity.decode(), spec.model, spec.device, spec.engine.parallel, os.getpid(),
-                              loaded=self._engine is not None, host=spec.host, chat_template=chat.template,
-                              bos_token=chat.bos_token, eos_token=chat.eos_token))
+        cache = self._engine.cache_snapshot() if self._engine is not None else None  # for a broker that restarted
+        ready = wire.Ready(spec.identity.decode(), spec.model, spec.device, spec.engine.parallel, os.getpid(),
+                           loaded=self._engine is not None, host=spec.host, chat_template=chat.template,
+                           bos_token=chat.bos_token, eos_token=chat.eos_token)
+        self._send(ready, trailer=wire.pack(cache) if cache else None)
         self._registered = True
         self._must_register = False
         self._heard = time.monotonic()  # give the broker a full expiry to answer before trying again

@@ -29,20 +29,20 @@ def test_a_worker_that_loads_on_demand_registers_again_and_counts_as_a_good_load
     seen: list[tuple[int | None, bool]] = []
     broker.on_ready = lambda entry: seen.append((entry.index, entry.loaded))
     ready = wire.Ready("w0", "m", -1, 2, 1234, loaded=False)
-    broker._on_ready(b"w0", ready)
+    broker._on_ready(b"w0", ready, None)
     assert seen == [(0, False)] and len(broker.models["m"].free) == 2
-    broker._on_ready(b"w0", ready)  # registering again after a silence: nothing new
+    broker._on_ready(b"w0", ready, None)  # registering again after a silence: nothing new
     assert seen == [(0, False)]
-    broker._on_ready(b"w0", wire.Ready("w0", "m", -1, 2, 1234, loaded=True, chat_template="{{ x }}"))
+    broker._on_ready(b"w0", wire.Ready("w0", "m", -1, 2, 1234, loaded=True, chat_template="{{ x }}"), None)
     assert seen == [(0, False), (0, True)]  # the supervisor hears of the good load
     assert len(broker.models["m"].free) == 2 and broker.workers[b"w0"].loaded
     assert broker.snapshot().models["m"].chat_template == "{{ x }}"
 
 
 def test_a_new_process_under_the_same_name_replaces_the_old_entry(broker: Broker) -> None:
-    broker._on_ready(b"w0", wire.Ready("w0", "m", -1, 1, 1234))
+    broker._on_ready(b"w0", wire.Ready("w0", "m", -1, 1, 1234), None)
     first: WorkerEntry = broker.workers[b"w0"]
-    broker._on_ready(b"w0", wire.Ready("w0", "m", -1, 1, 5678))
+    broker._on_ready(b"w0", wire.Ready("w0", "m", -1, 1, 5678), None)
     assert broker.workers[b"w0"] is not first and broker.workers[b"w0"].pid == 5678
     assert len(broker.models["m"].free) == 1
 
@@ -58,7 +58,7 @@ def peers(broker: Broker, slots: int) -> Iterator[tuple[zmq.Socket[bytes], dict[
         workers[name] = ctx.socket(zmq.DEALER)
         workers[name].setsockopt(zmq.IDENTITY, name)
         workers[name].connect("inproc://back")
-        broker._on_ready(name, wire.Ready(name.decode(), "m", -1, slots, 1))
+        broker._on_ready(name, wire.Ready(name.decode(), "m", -1, slots, 1), None)
     try:
         yield client, workers
     finally:
@@ -98,7 +98,7 @@ def test_a_request_for_more_choices_than_a_later_instance_has_is_answered_not_le
         while not broker.models["m"].queue:  # accepted: no instance has registered to say how many slots it has
             broker.drain_front()
         assert len(broker.requests) == 4 and broker.snapshot().models["m"].queued == 1
-        broker._on_ready(b"w0", wire.Ready("w0", "m", -1, 2, 1234))
+        broker._on_ready(b"w0", wire.Ready("w0", "m", -1, 2, 1234), None)
         assert client.poll(2000)
         answer = wire.decode(client.recv_multipart())
         assert isinstance(answer, wire.Error) and answer.id == "r1" and "'n' = 4 is more than the 2 slot(s)" in (
@@ -142,7 +142,7 @@ def test_a_workers_chunks_reach_each_client_in_order_as_one_message_and_before_d
     worker = ctx.socket(zmq.DEALER)
     worker.setsockopt(zmq.IDENTITY, b"w0")
     worker.connect("inproc://back")
-    broker._on_ready(b"w0", wire.Ready("w0", "m", -1, 3, 1))
+    broker._on_ready(b"w0", wire.Ready("w0", "m", -1, 3, 1), None)
     try:
         for client, ids in zip(clients, (("a1", "a2"), ("b1",)), strict=True):
             client.connect("inproc://front")
@@ -217,3 +217,38 @@ def test_cache_frames_steer_routing_to_the_instance_holding_a_prefix_until_it_un
         assert broker.workers[holder].ram
         broker.worker_exited(int(holder[1:]))  # a lost worker takes its view with it
         assert holder not in broker.workers
+
+
+def test_a_worker_registering_with_its_cache_steers_routing_as_its_dones_would(broker: Broker) -> None:
+    """A broker that restarted knows nothing of a remote worker's prompt cache until the worker registers again:
+    its READY carries the whole cache, which replaces the broker's view."""
+    document = "".join(f"Paragraph {i}: the quick brown fox jumps over the lazy dog. " for i in range(60))
+    held = wire.pack(wire.CacheChanges(((7, wire.pack_hashes(block_hashes(document))),)))
+
+    def register(workers: dict[bytes, zmq.Socket[bytes]], name: bytes, pid: int, cache: bytes | None) -> None:
+        workers[name].send_multipart(wire.encode_from_worker(wire.Ready(name.decode(), "m", -1, 1, pid), "", cache))
+        assert broker.back.poll(1000)
+        broker.drain_back()
+
+    def routed(client: zmq.Socket[bytes], workers: dict[bytes, zmq.Socket[bytes]], rid: str) -> bytes:
+        client.send_multipart(wire.encode(wire.Request(rid, document + " Summarize it.")))
+        assert broker.front.poll(1000)
+        broker.drain_front()
+        name = next(name for name, sock in workers.items() if sock.poll(1000))
+        assign = wire.decode(workers[name].recv_multipart())
+        done = wire.Done(rid, "ok", "length", wire.Usage(1, 1), wire.Timings(0, 0, 0))
+        workers[name].send_multipart(wire.encode_from_worker(done, assign.ticket))
+        assert broker.back.poll(1000)
+        broker.drain_back()
+        assert client.poll(1000)
+        client.recv_multipart()
+        return name
+
+    with peers(broker, slots=1) as (client, workers):
+        register(workers, b"w1", 99, held)  # a new process under the name w1, with a cache (a remote pool's)
+        assert broker.workers[b"w1"].pid == 99
+        assert routed(client, workers, "r1") == b"w1" and broker.stats["routed_ram_prefix"] == 1
+        register(workers, b"w0", 1, held)  # the same process registering again, with what it holds
+        assert broker.workers[b"w0"].ram
+        register(workers, b"w0", 1, None)  # registering with nothing cached: the view goes
+        assert not broker.workers[b"w0"].ram

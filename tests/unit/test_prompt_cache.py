@@ -67,3 +67,18 @@ def test_the_entries_with_a_summary_added_and_dropped_since_the_last_take_are_to
     assert cache.take_changes() == Changes(added=((6, (51, 56)),), dropped=(5,))
     cache.clear()  # the engine closes: the broker forgets the instance's entries when it unloads
     assert not cache.take_changes()
+
+
+def test_a_snapshot_is_every_entry_with_a_summary_most_recent_kept_within_its_bounds_and_starts_the_changes_afresh(
+        ) -> None:
+    cache = PromptCache(1000)
+    cache.put([1], "a", 10, (11, 12))
+    cache.put([2], "b", 10)  # no summary (a prompt of token ids): not told
+    cache.put([3], "c", 10, (31,))
+    cache.put([4], "d", 10, (41, 42, 43))
+    cache.find([1, 5])  # 1 becomes the most recently used
+    assert cache.snapshot(10, 100) == Changes(added=((3, (31,)), (4, (41, 42, 43)), (1, (11, 12))))
+    assert not cache.take_changes()  # what was pending is in the snapshot
+    assert cache.snapshot(2, 100).added == ((4, (41, 42, 43)), (1, (11, 12)))  # at most 2 entries
+    assert cache.snapshot(10, 5).added == ((4, (41, 42, 43)), (1, (11, 12)))  # at most 5 hashes
+    assert cache.snapshot(10, 1).added == ()  # the most recent alone is over the bound
