@@ -20,8 +20,9 @@ instance with ``--parallel 2``; the second goes to the slot that holds the first
 computes only what differs. Its time to first token is set against the first's (a new prefix each repeat).
 
 Pushed out: a long prompt sent again after 8 others went through the only slot, on mpserve with its host-RAM
-prompt cache (``cache_ram``) and without it, against ``llama-server --cache-ram``: the time to first token
-of the prompt's second sending, which a cache restores instead of computing.
+prompt cache (``cache_ram``) and without it, and on two instances of one slot each (the broker routes the
+prompt's second sending to the instance whose cache holds it), against ``llama-server --cache-ram``: the time
+to first token of the prompt's second sending, which a cache restores instead of computing.
 
 And one with a peer: a system prompt shared by every request (a long preamble, then one of the usual
 prompts) at concurrency 4, on ``1×4`` against ``llama-server --parallel 4`` with its prompt cache on
@@ -98,6 +99,8 @@ def run(settings: Settings) -> Section:
     section.targets.append(Target("TTFT of a long prompt pushed out of the slot by 8 others, mpserve with its "
                                   "prompt cache vs llama-server --cache-ram: ≤ 1.0×", ram[0].figures[0].ratio, "<=",
                                   1.0))
+    section.targets.append(Target("the same with 2 instances, the prompt routed back to the one whose cache holds it: "
+                                  "≤ 1.0×", ram[2].figures[0].ratio, "<=", 1.0))
     section.notes.append(
         f"Greedy, {work.max_tokens} tokens per request, streamed, {work.n_ctx} tokens of context per sequence, "
         "3 requests per lane, contenders taking turns within each repeat. mpserve streams a request's first token "
@@ -189,21 +192,25 @@ def _prefix_reuse(settings: Settings, section: Section) -> Case:
 
 def _pushed_out(settings: Settings, section: Section) -> list[Case]:
     """TTFT of a long prompt sent again, with another ending, after 8 other prompts took the only slot: mpserve
-    with its host-RAM prompt cache and without it, against llama-server with its ``--cache-ram``."""
+    with its host-RAM prompt cache and without it, and with two instances (the broker routes the prompt back to
+    the one holding it), against llama-server with its ``--cache-ram``."""
     length = settings.pick(1000, 1500)  # characters: about 640 tokens, and 950 (the built-in models' vocabulary)
-    cases = [Case({"mpserve instances×slots": f"1×1, cache_ram {size}", "vs": f"llama-server --cache-ram {PEER_RAM}",
-                   "concurrency": "1"}, [Figure("TTFT", "ms")], plotted=False) for size in ("256MiB", "0")]
+    variants = (("1", "256MiB"), ("1", "0"), ("2", "256MiB"))
+    cases = [Case({"mpserve instances×slots": f"{n}×1, cache_ram {size}", "vs": f"llama-server --cache-ram {PEER_RAM}",
+                   "concurrency": "1"}, [Figure("TTFT", "ms")], plotted=False) for n, size in variants]
     port = free_port()
-    common = ["--model", str(settings.model), "--n-ctx", "2048", "--instances", "1", "--threads", str(settings.cores)]
-    restored: list[int] = []
-    with HttpServer([str(settings.llama_server), "--model", str(settings.model), "--host", "127.0.0.1", "--port",
-                     str(port), "--threads", str(settings.cores), "--threads-batch", str(settings.cores),
-                     "--parallel", "1", "--ctx-size", "2048", "--cache-ram", str(PEER_RAM)], port, "/health") as peer, \
-            MpserveServer(*common, "--cache-ram", "256MiB") as cached, \
-            MpserveServer(*common, "--cache-ram", "0") as off:
+    common = ["--model", str(settings.model), "--n-ctx", "2048", "--threads", str(settings.cores)]
+    restored: dict[str, list[int]] = {case.labels["mpserve instances×slots"]: [] for case in cases}
+    with ExitStack() as stack:
+        peer = stack.enter_context(HttpServer(
+            [str(settings.llama_server), "--model", str(settings.model), "--host", "127.0.0.1", "--port", str(port),
+             "--threads", str(settings.cores), "--threads-batch", str(settings.cores), "--parallel", "1",
+             "--ctx-size", "2048", "--cache-ram", str(PEER_RAM)], port, "/health"))
+        servers = [stack.enter_context(MpserveServer(*common, "--instances", n, "--cache-ram", size))
+                   for n, size in variants]
         peer.wait_ready()
-        cached.wait_ready()
-        off.wait_ready()
+        for server in servers:
+            server.wait_ready()
         for r in range(settings.repeat):
             prompt = (f"Repeat {r}. " + " ".join(PROMPTS[r % len(PROMPTS):] + PROMPTS) * 4)[:length]
             others = [f"Other {r}.{i}. " + " ".join(PROMPTS[i % len(PROMPTS):] + PROMPTS) for i in range(8)]
@@ -211,17 +218,20 @@ def _pushed_out(settings: Settings, section: Section) -> list[Case]:
             for text in (prompt, *others):
                 http_request(port, _once(text), 0, {"cache_prompt": True})
             peer_s = http_request(port, again, 0, {"cache_prompt": True}).ttft_s
-            for case, server in zip(cases, (cached, off), strict=True):
+            for case, server in zip(cases, servers, strict=True):
                 for text in (prompt, *others):
                     asyncio.run(_ttft(server.address, _once(text).prompt(0)))
                 seconds, (reused, _) = asyncio.run(_ttft(server.address, again.prompt(0)))
                 case.figures[0].add(seconds * 1000, peer_s * 1000)
-                if server is cached:
-                    restored.append(reused)
-    section.notes.append(f"Pushed out: a {length}-character prompt, then 8 others through the only slot, then the "
-                         "first again with another ending; mpserve restored " + ", ".join(map(str, restored))
-                         + " of its tokens from its prompt cache (timings.cached_tokens) per repeat. llama-server "
-                         "with cache_prompt true. 8 tokens generated each.")
+                restored[case.labels["mpserve instances×slots"]].append(reused)
+    section.notes.append(f"Pushed out: a {length}-character prompt, then 8 others through the only slot (of each "
+                         "instance), then the first again with another ending; tokens mpserve restored or reused per "
+                         "repeat (timings.cached_tokens): " + "; ".join(f"{name}: {', '.join(map(str, counts))}"
+                                                                       for name, counts in restored.items())
+                         + ". With 2 instances (one computing at a time, each with every core) the prompts alternate "
+                         "between them, and the broker sends the first one back to the instance whose prompt cache "
+                         "holds it. "
+                         "llama-server with cache_prompt true. 8 tokens generated each.")
     return cases
 
 
