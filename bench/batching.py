@@ -15,6 +15,9 @@ Every server holds n_ctx per sequence. llama-server is asked not to reuse a slot
 (``cache_prompt: false``); mpserve reuses a cached prefix only when a prompt shares one, and the prompts
 here share nothing but their first characters.
 
+The long prompts of the cases below are sized in tokens of the model under test (counted by the server's
+tokenizer), so that each spans the same number of 512-token chunks, the unit of reuse, on any vocabulary.
+
 One more case needs no peer: prefix reuse. A long prompt is sent twice with different endings to an
 instance with ``--parallel 2``; the second goes to the slot that holds the first one's KV cells, which
 computes only what differs. Its time to first token is set against the first's (a new prefix each repeat).
@@ -36,7 +39,7 @@ import asyncio
 import time
 from contextlib import ExitStack
 
-from mpserve import AsyncClient
+from mpserve import AsyncClient, Client
 
 from .figures import Case, Figure, Section, Target
 from .load import (
@@ -145,8 +148,8 @@ def _measure(settings: Settings, work: Workload, k: int, contenders: dict[str, l
 def _shared_preamble(settings: Settings, section: Section) -> Case:
     """Concurrency SHARED_K, every prompt starting with the same long preamble; llama-server's prompt cache on."""
     k = SHARED_K
-    work = Workload(max_tokens=settings.pick(4, 16), n_ctx=2048, min_requests=1, budget_s=settings.work.budget_s,
-                    preamble=PREAMBLE * settings.pick(1, 5))
+    work = Workload(max_tokens=settings.pick(4, 16), n_ctx=2048, min_requests=1, budget_s=settings.work.budget_s)
+    preamble_tokens = settings.pick(192, 1000)
     case = Case({"mpserve instances×slots": f"1×{k}, shared preamble",
                  "vs": f"llama-server --parallel {k}, prompt cache on", "concurrency": str(k)},
                 [Figure(m, unit) for m, unit, _ in GENERATION_METRICS])
@@ -158,20 +161,21 @@ def _shared_preamble(settings: Settings, section: Section) -> Case:
                           "--threads", str(settings.cores), "--parallel", str(k)) as ours:
         peer.wait_ready()
         ours.wait_ready()
+        work = Workload(**{**vars(work), "preamble": _tokens_long(ours.address, PREAMBLE, preamble_tokens)})
         for r in range(settings.repeat):  # each repeat starts cold on both sides: a new preamble
             fresh = Workload(**{**vars(work), "preamble": f"[{r}] {work.preamble}"})
             _add(case, asyncio.run(mpserve_load(ours.address, fresh, k, 3 * k)),
                  asyncio.run(http_load(port, fresh, k, 3 * k, {"cache_prompt": True})))
-    section.notes.append(f"Shared preamble: every prompt starts with the same {len(work.preamble)}-character "
-                         f"preamble (a new one each repeat, so each starts cold), then one of the usual prompts; "
-                         f"{work.max_tokens} tokens generated, 3 requests per lane, n_ctx {work.n_ctx}; "
-                         "llama-server with cache_prompt true.")
+    section.notes.append(f"Shared preamble: every prompt starts with the same preamble of {preamble_tokens} tokens "
+                         f"({len(work.preamble)} characters; a new one each repeat, so each starts cold), then one of "
+                         f"the usual prompts; {work.max_tokens} tokens generated, 3 requests per lane, n_ctx "
+                         f"{work.n_ctx}; llama-server with cache_prompt true.")
     return case
 
 
 def _prefix_reuse(settings: Settings, section: Section) -> Case:
     """Time to first token of a long prompt sent again with another ending, against its first time."""
-    length = settings.pick(400, 1500)  # characters; the built-in models' vocabulary is byte-level
+    length = settings.pick(640, 1500)  # tokens of the model under test
     case = Case({"mpserve instances×slots": "1×2", "vs": "the same long prompt the first time",
                  "concurrency": "1"}, [Figure("TTFT", "ms")], plotted=False)
     reused: list[tuple[int, int]] = []  # (cached, prompt) tokens of the second request
@@ -179,7 +183,8 @@ def _prefix_reuse(settings: Settings, section: Section) -> Case:
                        str(settings.cores), "--parallel", "2") as server:
         server.wait_ready()
         for r in range(settings.repeat):
-            prefix = (f"Repeat {r}. " + " ".join(PROMPTS[r % len(PROMPTS):] + PROMPTS) * 4)[:length]
+            prefix = _tokens_long(server.address, f"Repeat {r}. " + " ".join(PROMPTS[r % len(PROMPTS):] + PROMPTS),
+                                  length)
             first, _ = asyncio.run(_ttft(server.address, prefix + " First question?"))
             again, tokens = asyncio.run(_ttft(server.address, prefix + " Second question?"))
             case.figures[0].add(again * 1000, first * 1000)
@@ -194,7 +199,7 @@ def _pushed_out(settings: Settings, section: Section) -> list[Case]:
     """TTFT of a long prompt sent again, with another ending, after 8 other prompts took the only slot: mpserve
     with its host-RAM prompt cache and without it, and with two instances (the broker routes the prompt back to
     the one holding it), against llama-server with its ``--cache-ram``."""
-    length = settings.pick(1000, 1500)  # characters: about 640 tokens, and 950 (the built-in models' vocabulary)
+    length = settings.pick(640, 1000)  # tokens of the model under test
     variants = (("1", "256MiB"), ("1", "0"), ("2", "256MiB"))
     cases = [Case({"mpserve instances×slots": f"{n}×1, cache_ram {size}", "vs": f"llama-server --cache-ram {PEER_RAM}",
                    "concurrency": "1"}, [Figure("TTFT", "ms")], plotted=False) for n, size in variants]
@@ -212,7 +217,8 @@ def _pushed_out(settings: Settings, section: Section) -> list[Case]:
         for server in servers:
             server.wait_ready()
         for r in range(settings.repeat):
-            prompt = (f"Repeat {r}. " + " ".join(PROMPTS[r % len(PROMPTS):] + PROMPTS) * 4)[:length]
+            prompt = _tokens_long(servers[0].address, f"Repeat {r}. " + " ".join(PROMPTS[r % len(PROMPTS):] + PROMPTS),
+                                  length)
             others = [f"Other {r}.{i}. " + " ".join(PROMPTS[i % len(PROMPTS):] + PROMPTS) for i in range(8)]
             again = _once(prompt + " Second question? ")
             for text in (prompt, *others):
@@ -224,7 +230,7 @@ def _pushed_out(settings: Settings, section: Section) -> list[Case]:
                 seconds, (reused, _) = asyncio.run(_ttft(server.address, again.prompt(0)))
                 case.figures[0].add(seconds * 1000, peer_s * 1000)
                 restored[case.labels["mpserve instances×slots"]].append(reused)
-    section.notes.append(f"Pushed out: a {length}-character prompt, then 8 others through the only slot (of each "
+    section.notes.append(f"Pushed out: a prompt of {length} tokens, then 8 others through the only slot (of each "
                          "instance), then the first again with another ending; tokens mpserve restored or reused per "
                          "repeat (timings.cached_tokens): " + "; ".join(f"{name}: {', '.join(map(str, counts))}"
                                                                        for name, counts in restored.items())
@@ -233,6 +239,22 @@ def _pushed_out(settings: Settings, section: Section) -> list[Case]:
                          "holds it. "
                          "llama-server with cache_prompt true. 8 tokens generated each.")
     return cases
+
+
+def _tokens_long(address: str, text: str, tokens: int) -> str:
+    """The shortest repetition of ``text``, cut at a character, that is ``tokens`` tokens or more in the model
+    the server at ``address`` serves (so the case is the same size on any vocabulary)."""
+    with Client(address) as client:
+        def count(candidate: str) -> int:
+            return len(client.tokenize(candidate).tokens)
+
+        while count(text) < tokens:
+            text += " " + text
+        lo, hi = 1, len(text)
+        while lo < hi:
+            mid = (lo + hi) // 2
+            lo, hi = (mid + 1, hi) if count(text[:mid]) < tokens else (lo, mid)
+        return text[:lo]
 
 
 def _once(text: str) -> Workload:
