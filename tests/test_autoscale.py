@@ -229,7 +229,7 @@ def test_single_active_backend_and_exclusive_permits_hold_while_instances_come_a
     watcher = threading.Thread(target=watch)
     watcher.start()
     try:
-        outcomes = asyncio.run(load(server.address, 40, 48, 8, models=["a", "b"]))
+        outcomes = asyncio.run(load(server.address, 40, 200, 8, models=["a", "b"]))
         with Client(server.address) as client:
             wait_for(lambda: sum(m.instances for m in client.stats().models.values()) == 1, 30, "back to min")
             events = {name: m.scaling.events for name, m in client.stats().models.items()}
