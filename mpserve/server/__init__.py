@@ -3,7 +3,7 @@
     loop        serve(): claims the server name, builds the layout, runs broker + supervisor + watchdog
     broker      ROUTER fronts for clients and workers; per-model queues; routing to slots; the request table
     routing     the broker's decisions as pure functions: which slot a request goes to, what a lost one becomes
-    ram_prefixes  what each instance's host-RAM prompt cache holds, from the CACHE frames of its DONEs
+    ram_prefixes  what each instance's host-RAM prompt cache holds, from the CACHE frames of its DONEs and READY
     supervisor  starts (through a fork server), reaps and restarts worker processes (``mpserve.worker.spec.run``)
     instances   each model's live instances: scaling decisions carried out, the control API (CONTROL)
     scaling     when a model's instance count changes: start on queueing, drain on idle, within min..max

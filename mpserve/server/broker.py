@@ -514,7 +514,7 @@ class Broker:
         entry = self.workers.get(identity)
         if entry is not None:
             entry.last_heard = time.monotonic()
-        try:  # a CHUNK may carry a fifth frame, its tokens; a DONE, ERROR or READY the prompt cache's (changes)
+        try:  # a fifth frame: a CHUNK's tokens, a DONE's or ERROR's prompt cache changes, a READY's whole cache
             mtype = wire.parse_header(frames, 5 if len(frames) == 5 and frames[1] in TRAILED else 4)
         except MpserveError as exc:
             self.stats["dropped_worker_malformed"] += 1

@@ -1,6 +1,6 @@
 """What one instance's host-RAM prompt cache holds, as the broker knows it: the summary of each entry (the block
-hashes of the prompt text it holds, ``mpserve.prefix.block_hashes``), from the CACHE frames its DONEs and
-ERRORs carry.
+hashes of the prompt text it holds, ``mpserve.prefix.block_hashes``), from the CACHE frames its DONEs,
+ERRORs and READYs carry.
 
     worker: an entry saved ─┐                     ┌─▶ apply(changes): entries added, entries dropped
             entries evicted ┴─ DONE + CACHE ─────▶┤

@@ -1,6 +1,6 @@
 """The worker process: one engine on one device, driven by the broker over a DEALER socket.
 
-    spec    what a worker is started with: ``run`` (its entry), ``preload`` (the only part the server imports)
+    spec    what a worker is started with, its entry ``run``, the fork server's ``preload``: all the server imports
     main    the process entry: environment, sockets, slot-table rows, permits, engine
     loop    ``Worker``: broker messages in, one engine step per turn, answers out
     stream  ``ChunkStream``: a streamed request's text gathered into CHUNK messages
