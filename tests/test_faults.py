@@ -50,7 +50,8 @@ def running(pid: int) -> bool:
     return pid > 0 and process_state(pid) not in (None, "Z")
 
 
-def _children(pid: int) -> list[int]:
+def children(pid: int) -> list[int]:
+    """Direct children of ``pid``."""
     return [int(c) for task in Path(f"/proc/{pid}/task").iterdir() for c in (task / "children").read_text().split()]
 
 
@@ -326,7 +327,7 @@ def test_after_the_broker_is_killed_its_workers_exit_and_the_name_can_be_reused(
     server = start_server("--instances", "2").wait_ready()
     info = server.info
     worker_pids = [r.pid for r in server.slots()]
-    helpers = _children(server.proc.pid)  # the fork server the workers came from, multiprocessing's tracker
+    helpers = children(server.proc.pid)  # the fork server the workers came from, multiprocessing's tracker
     assert all(running(p) for p in worker_pids) and helpers
     assert not set(worker_pids) & set(helpers), "workers are forked from the fork server, not the server"
     server.proc.kill()

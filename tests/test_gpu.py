@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+from test_faults import children
 
 from mpserve import AsyncClient, Client
 from mpserve.gpu.permits import max_concurrent, read_holds
@@ -204,10 +205,7 @@ def test_the_fork_server_imports_llama_cpp_only_on_a_host_without_gpus(start_ser
     has, and the workers share its pages."""
     server = start_server("--instances", "2", *(["--simulate-gpus", "1x24GiB"] if gpus else [])).wait_ready()
     workers = {r.pid for r in server.slots()}
-    fork_servers = [pid for task in Path(f"/proc/{server.proc.pid}/task").iterdir()
-                    for pid in map(int, (task / "children").read_text().split())
-                    if workers & {int(c) for t in Path(f"/proc/{pid}/task").iterdir()
-                                  for c in (t / "children").read_text().split()}]
+    fork_servers = [pid for pid in children(server.proc.pid) if workers & set(children(pid))]
     assert len(fork_servers) == 1, fork_servers
     assert _maps_llama(fork_servers[0]) is not gpus
     assert all(_maps_llama(pid) for pid in workers)
