@@ -25,6 +25,8 @@ from pathlib import Path
 import llama_cpp
 import numpy as np
 
+from mpserve.engine import vocab
+from mpserve.engine.llama_batch import Batch
 from mpserve.engine.model_info import free, load_model
 from mpserve.models.builtin import builtin_model_path
 
@@ -42,9 +44,9 @@ class Context:
         params = llama_cpp.llama_context_default_params()
         params.n_ctx, params.n_batch, params.n_ubatch = 2048, CHUNK, CHUNK
         params.n_threads = params.n_threads_batch = threads
-        self.model = model
         self.ctx = llama_cpp.llama_init_from_model(model, params)
         self.n_vocab = llama_cpp.llama_vocab_n_tokens(llama_cpp.llama_model_get_vocab(model))
+        self.batch = Batch(llama_cpp, CHUNK)
 
     def clear(self) -> None:
         llama_cpp.llama_memory_clear(llama_cpp.llama_get_memory(self.ctx), True)
@@ -54,16 +56,10 @@ class Context:
 
     def decode(self, tokens: list[int], start: int) -> None:
         """``tokens`` at positions ``start``.., in one llama_decode; logits for the last one."""
-        batch = llama_cpp.llama_batch_init(len(tokens), 0, 1)
-        try:
-            for i, token in enumerate(tokens):
-                batch.token[i], batch.pos[i], batch.n_seq_id[i] = token, start + i, 1
-                batch.seq_id[i][0], batch.logits[i] = 0, i == len(tokens) - 1
-            batch.n_tokens = len(tokens)
-            if llama_cpp.llama_decode(self.ctx, batch) != 0:
-                raise RuntimeError("llama_decode failed")
-        finally:
-            llama_cpp.llama_batch_free(batch)
+        self.batch.n = 0
+        self.batch.logits[self.batch.add_run(tokens, start, 0)] = 1
+        if llama_cpp.llama_decode(self.ctx, self.batch.view()) != 0:
+            raise RuntimeError("llama_decode failed")
 
     def prompt(self, tokens: list[int], start: int = 0) -> None:
         """``tokens`` from ``start`` in whole chunks from position 0, as the engine and create_completion do."""
@@ -77,14 +73,6 @@ class Context:
         return np.ctypeslib.as_array(ctypes.cast(row, ctypes.POINTER(ctypes.c_float)), shape=(self.n_vocab,)).copy()
 
 
-def tokenize(model: object, text: str) -> list[int]:
-    vocab = llama_cpp.llama_model_get_vocab(model)
-    data = text.encode()
-    out = (llama_cpp.llama_token * (len(data) + 8))()
-    n = llama_cpp.llama_tokenize(vocab, data, len(data), out, len(out), True, True)
-    return list(out[:n])
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", type=Path, default=None, help="a GGUF (default: Gemma 3 270M if its package is "
@@ -95,7 +83,7 @@ def main() -> None:
     llama_cpp.llama_backend_init()
     model = load_model(llama_cpp, str(path), 0, repack=False)
     ctx = Context(model, args.threads)
-    tokens = tokenize(model, TEXT)
+    tokens = vocab.tokenize(llama_cpp, llama_cpp.llama_model_get_vocab(model), TEXT, True, True)
     print(f"{path.name}: last-row logits, reused prefix against a fresh computation")
     try:
         for n, suffixes in SPLITS:
