@@ -15,6 +15,7 @@ frame belongs to ZeroMQ and is not described here.
                                                          SLOT_REPLY, ERROR (TICKET of a SLOT_ACTION)
                         [VERSION, CHUNK, TICKET, BODY, TOKENS]  when the ASSIGN asked for ``report_tokens``
                         [VERSION, DONE|ERROR, TICKET, BODY, CACHE]  when the prompt cache changed
+                        [VERSION, READY, b"", BODY, CACHE]  when the worker's prompt cache holds entries
                         [VERSION, CHUNKS, b"", BATCH]    the CHUNKs of one step of several sequences
 
 VERSION is ``b"MPS1"``. TYPE is one byte (``MsgType``). BODY is a msgpack map whose schema is the
