@@ -179,6 +179,8 @@ _FLASH_ATTN_SPELLINGS = {True: "on", False: "off", "true": "on", "false": "off",
                          "yes": "on", "no": "off"}
 _LOG_LEVELS = settings.BY_KEY["log_level"].choices or ()
 _POOLINGS = settings.BY_KEY["pooling"].choices or ()
+
+
 def load_file(path: str | os.PathLike[str]) -> dict[str, Any]:
     try:
         text = Path(path).read_text()
