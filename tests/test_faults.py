@@ -240,7 +240,7 @@ def test_a_stopped_worker_is_replaced_and_its_request_runs_again_on_the_replacem
             os.kill(stopped_pid, signal.SIGSTOP)
             stopped_at = time.monotonic()
             t.join(STALL_TIMEOUT_S + 30)
-            assert not t.is_alive(), "the request of a stopped worker never ended"
+            assert not t.is_alive(), "the request of a stopped worker never ended:\n" + "\n".join(server.log)
             result = outcome.get("result")
             assert result is not None and result.usage.completion_tokens == 300, outcome
             assert result.timings.attempts == 2  # nothing was streamed: it ran again from its prompt
