@@ -81,7 +81,7 @@ class MpserveServer:
         assert info is not None
         table = SlotTable.attach(Path(info.slots), writable=False)
         try:
-            return [row.pid for row in table.read_all()]
+            return list(dict.fromkeys(row.pid for row in table.read_all() if row.pid))  # a row per slot: once each
         finally:
             table.close()
 
