@@ -61,7 +61,10 @@ def _best(free: Iterable[tuple[bytes, int]], workers: Mapping[bytes, WorkerEntry
     best_key: tuple[int, bool, int, float] = (-1, False, 0, 0.0)
     held: dict[bytes, int] = {}  # worker -> the longest prefix any of its slots holds
     in_ram: dict[bytes, int] = {}  # worker -> the longest prefix its prompt cache holds
-    for identity, slot in free:
+    alike: set[bytes] = set()  # workers none of whose slots holds a prefix to route by: their slots rank alike,
+    for identity, slot in free:  # so the first free one (free the longest) stands for all
+        if identity in alike:
+            continue
         entry = workers[identity]
         if device is not None and entry.device != device:
             continue
@@ -71,6 +74,8 @@ def _best(free: Iterable[tuple[bytes, int]], workers: Mapping[bytes, WorkerEntry
             if entry.capacity > 1 and identity not in held:
                 held[identity] = max((common_prefix(p, prompt) for p in entry.prompts.values()), default=0)
             anywhere = max(own, held.get(identity, 0))
+        if not _at_least(held.get(identity, own)):
+            alike.add(identity)
         if blocks and entry.ram:
             if identity not in in_ram:
                 in_ram[identity] = entry.ram.longest(blocks)
@@ -88,6 +93,9 @@ def choose_slots(free: Iterable[tuple[bytes, int]], workers: Mapping[bytes, Work
     """``n`` free slots of one instance (on ``device``, if given): the first as ``choose_slot`` picks it among
     the instances with ``n`` free, then that instance's other free ones, longest free first; None if no
     instance has ``n`` free slots."""
+    if n == 1:  # every instance with a free slot has room
+        best = _best(free, workers, prompt, device, blocks)
+        return None if best is None else Route([best[0]], best[1])
     free = list(free)
     count: dict[bytes, int] = {}
     for identity, _ in free:

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import random
+
 import pytest
 
 from mpserve import protocol as wire
-from mpserve.prefix import PREFIX_BLOCK, block_hashes
+from mpserve.prefix import PREFIX_BLOCK, block_hashes, common_prefix
 from mpserve.server.ram_prefixes import RamPrefixes
 from mpserve.server.routing import (
     MAX_CRASHES,
@@ -183,3 +185,41 @@ def test_n_choices_take_n_free_slots_of_one_instance_or_wait() -> None:
 def test_what_becomes_of_a_request_whose_worker_died(state: RequestState, crashes: int, generated: list[int],
                                                      known: bool, outcome: AfterLoss) -> None:
     assert after_loss(pending(state, crashes, generated, known)) is outcome
+
+
+def _ranked(free: list[tuple[bytes, int]], workers: dict[bytes, WorkerEntry], prompt: str) -> tuple[bytes, int]:
+    """choose_slot's rule, spelled out over every free slot (no shortcut): the longest prefix to route by
+    (its own slot's first), else the least busy instance; among equals the first in ``free``."""
+    def key(f: tuple[bytes, int]) -> tuple[int, int, float]:
+        entry = workers[f[0]]
+        own = common_prefix(entry.prompts.get(f[1], ""), prompt) if len(prompt) >= MIN_SHARED_PREFIX else 0
+        anywhere = max([own] + [common_prefix(p, prompt) for p in entry.prompts.values()]
+                       if len(prompt) >= MIN_SHARED_PREFIX and entry.capacity > 1 else [own])
+        at_least = [s if s >= MIN_SHARED_PREFIX else 0 for s in (anywhere, own)]
+        return at_least[0], at_least[1], -len(entry.running) / entry.capacity
+
+    best = max(key(f) for f in free)
+    return next(f for f in free if key(f) == best)
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_the_slot_chosen_is_the_one_the_rule_ranks_first_among_all_free_slots(seed: int) -> None:
+    rng = random.Random(seed)
+    texts = [PREAMBLE + "question one", PREAMBLE + "question two", "unrelated " * 5, "ping"]
+    workers = table(*(worker(f"w{i}", capacity=rng.choice([1, 4, 32]), running=0) for i in range(3)))
+    free = []
+    for entry in workers.values():
+        for slot in range(entry.capacity):
+            if rng.random() < 0.3:
+                entry.prompts[slot] = rng.choice(texts)
+            if rng.random() < 0.7:
+                free.append((entry.identity, slot))
+            else:
+                entry.running[f"t{slot}"] = slot
+    rng.shuffle(free)
+    if not free:
+        return
+    prompt = rng.choice(texts) + rng.choice(["", " more"])
+    assert choose_slot(free, workers, prompt) == _ranked(free, workers, prompt)
+    route = choose_slots(free, workers, prompt, 1)
+    assert route is not None and route.slots == [_ranked(free, workers, prompt)]
