@@ -73,6 +73,8 @@ class Worker:
                  build_engine: Callable[[EngineSpec], Engine], permits: DevicePermits | None = None) -> None:
         self._spec = spec
         self._sock = sock
+        self._poller = zmq.Poller()  # one, registered once (``Socket.poll`` builds a Poller per call)
+        self._poller.register(sock, zmq.POLLIN)
         self._rows = rows
         self._build_engine = build_engine
         self._permits = permits
@@ -82,6 +84,7 @@ class Worker:
         self._slot_of: dict[str, int] = {}
         self._streams: dict[str, ChunkStream] = {}  # ticket -> its streamed text, for streamed requests
         self._chunks: list[tuple[str, wire.Chunk, bytes | None]] = []  # this step's CHUNKs: ticket, chunk, tokens
+        self._cache_row: CacheRow | None = None  # as the rows last had it (``_note_cache``)
         self._cancelled_tickets: set[str] = set()
         self._served = 0
         self._stopping = False
@@ -121,7 +124,7 @@ class Worker:
         idle_since = time.monotonic()
         while not self._stopping:
             wait_ms = 0 if self._running else int(min(PARENT_CHECK_S, spec.heartbeat_interval) * 1000)
-            if self._sock.poll(wait_ms):
+            if self._poller.poll(wait_ms):
                 while self._sock.poll(0):
                     self._receive()
             if self._running:
@@ -287,9 +290,12 @@ class Worker:
 
     def _note_cache(self) -> None:
         """The prompt cache, in each of this instance's rows: after a load, an unload and an admission (the only
-        time it changes)."""
+        time it changes), when it changed (every row is written: each admission would cost ``parallel`` writes)."""
         s = self._engine.cache_stats() if self._engine is not None else None
         cache = CacheRow(s.bytes, s.capacity, s.hits, s.misses, s.evictions) if s is not None else CacheRow.empty()
+        if cache == self._cache_row:
+            return
+        self._cache_row = cache
         for row in self._rows:
             row.cache(cache)
 
