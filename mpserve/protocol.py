@@ -7,7 +7,8 @@ frame belongs to ZeroMQ and is not described here.
                                                          EMBED, SLOT_ACTION
     broker  -> client   [VERSION, TYPE, BODY]            CHUNK, CHUNKS, DONE, ERROR, PONG, STATS, TOKENS,
                                                          CONTROL_REPLY, EMBEDDINGS, SLOT_REPLY
-    broker  -> worker   [VERSION, TYPE, BODY]            ASSIGN, CANCEL, STOP, UNLOAD, TOKENIZE, EMBED, SLOT_ACTION
+    broker  -> worker   [VERSION, TYPE, BODY]            ASSIGN, ASSIGNS, CANCEL, STOP, UNLOAD, TOKENIZE, EMBED,
+                                                         SLOT_ACTION
     worker  -> broker   [VERSION, TYPE, TICKET, BODY]    READY, HEARTBEAT, FAILED, UNLOADED (empty TICKET);
                                                          CHUNK, DONE, ERROR (TICKET of an ASSIGN);
                                                          TOKENS, ERROR (TICKET of a TOKENIZE);
@@ -16,7 +17,7 @@ frame belongs to ZeroMQ and is not described here.
                         [VERSION, CHUNK, TICKET, BODY, TOKENS]  when the ASSIGN asked for ``report_tokens``
                         [VERSION, DONE|ERROR, TICKET, BODY, CACHE]  when the prompt cache changed
                         [VERSION, READY, b"", BODY, CACHE]  when the worker's prompt cache holds entries
-                        [VERSION, CHUNKS, b"", BATCH]    the CHUNKs of one step of several sequences
+                        [VERSION, STEP, b"", BATCH]      the CHUNKs, DONEs and ERRORs of one step, in order
 
 VERSION is ``b"MPS1"``. TYPE is one byte (``MsgType``). BODY is a msgpack map whose schema is the
 frozen dataclass of that type below. TICKET is the broker's opaque key for one assignment: a worker
@@ -28,11 +29,18 @@ appends them without decoding anything, and hands them to the next instance if t
 what the instance's host-RAM prompt cache gained and lost since its previous CACHE frame; the broker reads it
 and forwards the BODY as it does without one.
 
-CHUNKS carries several CHUNKs in one message, so the message count does not grow with the number of
-sequences streaming at once: a worker sends the CHUNKs one step made as one, its BATCH a msgpack array of
-``[TICKET, BODY, TOKENS or nil]``; the broker forwards each client the BODYs meant for it as one CHUNKS
-whose BODY is a msgpack array of those CHUNK bodies, spliced together unchanged (``chunk_array``). A
-single CHUNK still travels as a CHUNK.
+Batches keep the message count from growing with the number of sequences a step or a turn handles (each
+message costs a send, a wake-up and a receive in two processes):
+
+- STEP (worker -> broker) carries what one worker step produced for several requests: its BATCH is a
+  msgpack array of ``[TYPE, TICKET, BODY, TRAILER or nil]`` (TYPE: CHUNK, DONE or ERROR; TRAILER: the
+  TOKENS or CACHE frame the message has on its own), in the order the worker made them.
+- CHUNKS (broker -> client) carries the CHUNKs of one STEP meant for one client: its BODY is a msgpack
+  array of those CHUNK bodies, spliced together unchanged (``splice_array``).
+- ASSIGNS (broker -> worker) carries the ASSIGNs one turn of the broker made for one worker: a msgpack
+  array of ASSIGN bodies.
+
+A batch of one travels as the plain message (CHUNK, DONE, ERROR, ASSIGN).
 
 Decoding never trusts the sender: bodies are unpacked with explicit size limits, every field is type-
 and range-checked, and any problem raises ``ProtocolError`` (broken framing, unknown type, bad msgpack)
@@ -96,9 +104,11 @@ class MsgType(IntEnum):
     HEARTBEAT = 0x21
     FAILED = 0x22
     UNLOADED = 0x23
+    STEP = 0x24
     ASSIGN = 0x30
     STOP = 0x31
     UNLOAD = 0x32
+    ASSIGNS = 0x33
 
 
 TYPE_FRAMES: dict[MsgType, bytes] = {t: bytes([t]) for t in MsgType}
@@ -815,6 +825,14 @@ class Assign:
 
 
 @dataclass(frozen=True)
+class Assigns:
+    """Several ASSIGNs for one worker in one message, in the order the broker made them."""
+
+    TYPE: ClassVar[MsgType] = MsgType.ASSIGNS
+    assigns: tuple[Assign, ...]
+
+
+@dataclass(frozen=True)
 class Stop:
     """broker -> worker: finish nothing new and exit."""
 
@@ -1102,26 +1120,39 @@ def encode_from_worker(msg: Any, ticket: str = "", trailer: bytes | None = None)
     return frames if trailer is None else [*frames, trailer]
 
 
-def encode_chunks_from_worker(chunks: Sequence[tuple[str, Chunk, bytes | None]]) -> list[bytes]:
-    """[VERSION, CHUNKS, b"", BATCH]: the (ticket, CHUNK, tokens or None) of one step, in one message."""
-    batch = [[ticket, pack(chunk), tokens] for ticket, chunk, tokens in chunks]
-    return [VERSION, TYPE_FRAMES[MsgType.CHUNKS], b"", msgpack.packb(batch, use_bin_type=True)]
+STEPPED = frozenset({MsgType.CHUNK, MsgType.DONE, MsgType.ERROR})  # what a STEP may carry
 
 
-def worker_chunks(batch: bytes) -> list[tuple[str, bytes, bytes | None]]:
-    """The (ticket, CHUNK body, tokens or None) entries of a worker's CHUNKS, each one checked."""
+def encode_step(entries: Sequence[tuple[MsgType, str, bytes, bytes | None]]) -> list[bytes]:
+    """[VERSION, STEP, b"", BATCH]: the (type, ticket, body, trailer or None) of one step, in one message."""
+    batch = [[int(mtype), ticket, body, trailer] for mtype, ticket, body, trailer in entries]
+    return [VERSION, TYPE_FRAMES[MsgType.STEP], b"", msgpack.packb(batch, use_bin_type=True)]
+
+
+def step_entries(batch: bytes) -> list[tuple[MsgType, str, bytes, bytes | None]]:
+    """The (type, ticket, body, trailer or None) entries of a worker's STEP, each one checked."""
     entries = []
     for entry in _unpack(batch, list):
-        if not (isinstance(entry, list) and len(entry) == 3 and isinstance(entry[0], str)
-                and isinstance(entry[1], bytes) and isinstance(entry[2], (bytes, type(None)))):
-            raise ProtocolError("a CHUNKS entry must be [ticket, CHUNK body, tokens or nil]")
-        entries.append((entry[0], entry[1], entry[2]))
+        if not (isinstance(entry, list) and len(entry) == 4 and type(entry[0]) is int and isinstance(entry[1], str)
+                and isinstance(entry[2], bytes) and isinstance(entry[3], (bytes, type(None)))):
+            raise ProtocolError("a STEP entry must be [type, ticket, body, trailer or nil]")
+        mtype = _TYPES.get(entry[0])
+        if mtype not in STEPPED:
+            raise ProtocolError(f"a STEP carries CHUNK, DONE and ERROR entries, not type {entry[0]}")
+        entries.append((mtype, entry[1], entry[2], entry[3]))
     return entries
 
 
-def chunk_array(bodies: Sequence[bytes]) -> bytes:
-    """The BODY of a CHUNKS to a client: a msgpack array of CHUNK bodies, each spliced in as it came (each
-    is one msgpack map: an array's header followed by its items is the array)."""
+def encode_assigns(bodies: Sequence[bytes]) -> list[bytes]:
+    """[VERSION, ASSIGNS, BATCH] from packed ASSIGN bodies (``pack``), or a plain ASSIGN for one."""
+    if len(bodies) == 1:
+        return [VERSION, TYPE_FRAMES[MsgType.ASSIGN], bodies[0]]
+    return [VERSION, TYPE_FRAMES[MsgType.ASSIGNS], splice_array(bodies)]
+
+
+def splice_array(bodies: Sequence[bytes]) -> bytes:
+    """A msgpack array of bodies, each spliced in as it came (each is one msgpack map: an array's header
+    followed by its items is the array): a CHUNKS to a client, an ASSIGNS to a worker."""
     n = len(bodies)
     head = bytes([0x90 | n]) if n < 16 else b"\xdc" + n.to_bytes(2, "big") if n < 1 << 16 else \
         b"\xdd" + n.to_bytes(4, "big")
@@ -1186,6 +1217,8 @@ def parse_header(frames: list[bytes], expected: int) -> MsgType:
 def decode_body(mtype: MsgType, body: bytes) -> Any:
     if mtype is MsgType.CHUNKS:
         return Chunks(tuple(Chunk.from_wire(_map(item)) for item in _unpack(body, list)))
+    if mtype is MsgType.ASSIGNS:
+        return Assigns(tuple(Assign.from_wire(_map(item)) for item in _unpack(body, list)))
     return _DECODERS[mtype](unpack_body(body))
 
 

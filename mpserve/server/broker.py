@@ -8,7 +8,11 @@
                                         instance)
                                       ▲                  │
         CHUNK/DONE/ERROR bodies ◀─────┴── forwarded unchanged, looked up by ticket
-        CHUNKS (one worker step)  ──▶ per client, its bodies spliced into one CHUNKS (one: a CHUNK)
+        STEP (one worker step)    ──▶ in order; per client, the step's CHUNK bodies spliced into one CHUNKS
+                                      (one: a CHUNK), sent before that client's next DONE or ERROR
+        ASSIGNs of one turn       ──▶ per worker, gathered and sent as one ASSIGNS (``flush``, at the end
+                                      of each drain and of each loop turn; before anything else sent to
+                                      that worker)
 
     n choices ─▶ n rows in ``requests``, one per choice (seeded seed, seed+1, …), queued as one: it starts once
                 n slots of one instance are free, all n together (``routing.choose_slots``); each choice's
@@ -75,6 +79,7 @@ log = logging.getLogger("mpserve.broker")
 DEFAULT_SERVICE_MS = 250.0
 MAX_RETRY_AFTER_S = 30.0
 DRAIN_BATCH = 256
+ASSIGN_BATCH = 64  # ASSIGNs gathered for one worker before they go without waiting for the turn's end
 CHUNK_FRAME = wire.TYPE_FRAMES[wire.MsgType.CHUNK]
 TRAILED = {CHUNK_FRAME, *(wire.TYPE_FRAMES[t] for t in (wire.MsgType.DONE, wire.MsgType.ERROR, wire.MsgType.READY))
            }  # may have a 5th frame
@@ -116,6 +121,7 @@ class Broker:
         self._heard: dict[bytes, float] = {}  # clients with pending requests -> last message time
         self._owned: dict[bytes, int] = {}  # clients -> number of pending requests
         self._deadlines: list[tuple[float, str]] = []
+        self._assigns: dict[bytes, list[bytes]] = {}  # worker -> packed ASSIGNs not sent yet (``flush``)
         self._tickets = (format(n, "x") for n in itertools.count(1))
         self.on_ready: Callable[[WorkerEntry], None] = lambda entry: None  # set by the server: the
         self.on_failed: Callable[[str, str], None] = lambda model, message: None  # supervisor's view of loads
@@ -128,14 +134,21 @@ class Broker:
     def drain_front(self) -> None:
         for _ in range(DRAIN_BATCH):
             if not readable(self.front):
-                return
+                break
             self._from_client(self.front.recv_multipart(zmq.NOBLOCK))
+        self.flush()
 
     def drain_back(self) -> None:
         for _ in range(DRAIN_BATCH):
             if not readable(self.back):
-                return
+                break
             self._from_worker(self.back.recv_multipart(zmq.NOBLOCK))
+        self.flush()
+
+    def flush(self) -> None:
+        """Send the ASSIGNs gathered since the last flush: to each worker, one message."""
+        for identity in list(self._assigns):
+            self._flush_assigns(identity)
 
     def next_deadline(self) -> float | None:
         while self._deadlines and self._stale_deadline(self._deadlines[0][1]):
@@ -174,12 +187,14 @@ class Broker:
             if p is not None:
                 self._after_loss(p, f"worker {index} produced no token for {silent_s:.1f} s")
         self._dispatch(entry.model)
+        self.flush()
 
     def worker_exited(self, index: int) -> None:
         """The supervisor reaped local worker ``index``: settle its requests by the retry rules."""
         entry = next((w for w in self.workers.values() if w.index == index), None)
         if entry is not None:
             self._worker_gone(entry, f"worker {index} died")
+        self.flush()
 
     def expire_workers(self, now: float) -> None:
         """Declare lost the remote workers silent for longer than the heartbeat expiry."""
@@ -189,6 +204,7 @@ class Broker:
             log.warning("worker %s on %s sent nothing for %.1f s; declared lost", entry.identity.decode(),
                         entry.host, now - entry.last_heard)
             self._worker_gone(entry, f"worker {entry.identity.decode()} on {entry.host} was lost")
+        self.flush()
 
     def send_heartbeats(self) -> None:
         for identity in list(self.workers):
@@ -243,6 +259,7 @@ class Broker:
         mq.free = deque(f for f in mq.free if f[0] != identity)
         self._stop_if_drained(entry)
         self._dispatch(entry.model)
+        self.flush()
 
     def _stop_if_drained(self, entry: WorkerEntry) -> None:
         if entry.draining and not entry.running:
@@ -525,8 +542,8 @@ class Broker:
         if lookup is not None:  # TOKENS or ERROR answering a TOKENIZE
             self._to_client(lookup[0], [wire.VERSION, frames[1], frames[3]])
             return
-        if mtype is wire.MsgType.CHUNKS:
-            self._worker_chunks(identity, frames[3])
+        if mtype is wire.MsgType.STEP:
+            self._worker_step(identity, frames[3])
             return
         if mtype in (wire.MsgType.CHUNK, wire.MsgType.DONE, wire.MsgType.ERROR):
             self._worker_result(identity, mtype, frames[2].decode(errors="replace"), frames[1], frames[3],
@@ -589,6 +606,7 @@ class Broker:
         if self.workers.get(entry.identity) is not entry:
             return
         del self.workers[entry.identity]
+        self._assigns.pop(entry.identity, None)  # their requests are settled by the caller, by the retry rules
         mq = self.models[entry.model]
         mq.instances -= 1
         mq.free = deque(f for f in mq.free if f[0] != entry.identity)
@@ -637,25 +655,35 @@ class Broker:
         if frame is not None:
             self._cache_changed(entry, frame)
 
-    def _worker_chunks(self, identity: bytes, batch: bytes) -> None:
-        """A worker's CHUNKS: each client gets the chunks meant for it, in order, as one message."""
+    def _worker_step(self, identity: bytes, batch: bytes) -> None:
+        """A worker's STEP, entry by entry in order: each client gets the step's chunks meant for it as one
+        message, before its next DONE or ERROR."""
         try:
-            entries = wire.worker_chunks(batch)
+            entries = wire.step_entries(batch)
         except MpserveError as exc:
             self.stats["dropped_worker_malformed"] += 1
-            log.error("dropped a bad CHUNKS from worker %r: %s", identity, exc)
+            log.error("dropped a bad STEP from worker %r: %s", identity, exc)
             return
         entry = self.workers.get(identity)
         by_client: dict[bytes, list[bytes]] = {}
-        for ticket, body, tokens in entries:
-            p = self._running_on(entry, ticket)
-            if p is not None and self._streaming(p, tokens):
-                by_client.setdefault(p.client, []).append(body)
+        for mtype, ticket, body, trailer in entries:
+            if mtype is wire.MsgType.CHUNK:
+                p = self._running_on(entry, ticket)
+                if p is not None and self._streaming(p, trailer):
+                    by_client.setdefault(p.client, []).append(body)
+                continue
+            p = self.requests.get(ticket)
+            if p is not None and p.client in by_client:
+                self._send_chunks(p.client, by_client.pop(p.client))
+            self._worker_result(identity, mtype, ticket, wire.TYPE_FRAMES[mtype], body, trailer)
         for client, bodies in by_client.items():
-            if len(bodies) == 1:
-                self._to_client(client, [wire.VERSION, CHUNK_FRAME, bodies[0]])
-            else:
-                self._to_client(client, [wire.VERSION, CHUNKS_FRAME, wire.chunk_array(bodies)])
+            self._send_chunks(client, bodies)
+
+    def _send_chunks(self, client: bytes, bodies: list[bytes]) -> None:
+        if len(bodies) == 1:
+            self._to_client(client, [wire.VERSION, CHUNK_FRAME, bodies[0]])
+        else:
+            self._to_client(client, [wire.VERSION, CHUNKS_FRAME, wire.splice_array(bodies)])
 
     def _running_on(self, entry: WorkerEntry | None, ticket: str) -> Pending | None:
         """The request ``ticket`` if ``entry`` runs it; else None, counted as a stale result (the request
@@ -767,13 +795,29 @@ class Broker:
         entry.running[p.ticket] = index
         entry.prompts[index] = p.request.prompt
         entry.loaded = True  # an unloaded worker loads its model for the request
-        self._to_worker(identity, wire.Assign(p.ticket, p.request, (time.monotonic() - p.accepted) * 1000,
-                                              p.attempts, slot=index, report_tokens=True,
-                                              generated=bytes(p.generated), index=p.index))
+        body = wire.pack(wire.Assign(p.ticket, p.request, (time.monotonic() - p.accepted) * 1000, p.attempts,
+                                     slot=index, report_tokens=True, generated=bytes(p.generated), index=p.index))
+        waiting = self._assigns.setdefault(identity, [])
+        if waiting and sum(map(len, waiting)) + len(body) > wire.MAX_MESSAGE_BYTES:
+            self._flush_assigns(identity)
+            waiting = self._assigns.setdefault(identity, [])
+        waiting.append(body)
+        if len(waiting) >= ASSIGN_BATCH:
+            self._flush_assigns(identity)
+
+    def _flush_assigns(self, identity: bytes) -> None:
+        bodies = self._assigns.pop(identity, None)
+        if bodies:
+            self._send_worker(identity, wire.encode_assigns(bodies))
 
     def _to_worker(self, identity: bytes, msg: object) -> None:
+        """Send ``msg`` after the ASSIGNs still gathered for that worker (a CANCEL never passes its ASSIGN)."""
+        self._flush_assigns(identity)
+        self._send_worker(identity, wire.encode(msg))
+
+    def _send_worker(self, identity: bytes, frames: list[bytes]) -> None:
         try:
-            self.back.send_multipart([identity, *wire.encode(msg)], zmq.NOBLOCK)
+            self.back.send_multipart([identity, *frames], zmq.NOBLOCK)
         except (zmq.Again, zmq.ZMQError) as exc:  # it died; its sentinel settles its requests
             log.warning("cannot send to worker %r (%s); waiting for the supervisor to reap it", identity, exc)
 

@@ -188,6 +188,8 @@ class _Loop:
         self._supervisor.tick(now, restart=self._grace_deadline is None)
         if self._grace_deadline is None:
             self._instances.tick()
+        self._broker.flush()  # the ASSIGNs this turn made: one message per worker
+        if self._grace_deadline is None:
             return True
         if self._broker.in_flight() == 0:
             return False

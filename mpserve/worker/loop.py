@@ -7,16 +7,16 @@
 
 Each turn takes every waiting broker message, then runs one ``engine.step`` while any sequence runs:
 
-    receive   ASSIGN: admit the request into the slot the broker chose (another free one if that is
-              taken); CANCEL: the sequence ends at the next step; STOP; UNLOAD (only when idle);
+    receive   ASSIGN (several: ASSIGNS): admit the request into the slot the broker chose (another free one
+              if that is taken); CANCEL: the sequence ends at the next step; STOP; UNLOAD (only when idle);
               TOKENIZE, EMBED: answered at once (``mpserve.worker.tokens``, ``mpserve.worker.embed``);
               SLOT_ACTION: an idle slot saved, restored or erased at once (``mpserve.worker.slot_files``)
     permit    with GPU permits, the first running sequence takes the device's permit (host-wide); the
               last one to end gives it back
     step      every running sequence advances by one token (a prompt by a chunk); pieces stream out as
-              CHUNKs (``ChunkStream``), those of one step together as one CHUNKS message (sent before
-              anything else the worker sends, so a DONE never passes its request's last CHUNK); each
-              sequence that ended is answered at once (DONE or ERROR)
+              CHUNKs (``ChunkStream``); each sequence that ended is answered (DONE or ERROR) after its
+              last CHUNK. What a step (or a turn's receiving) produced goes as one STEP message (a
+              plain CHUNK, DONE or ERROR when it is one), before anything else the worker sends
     keep alive  heartbeats both ways; register again if the broker went silent; exit if the server died;
               unload the model after ``idle_timeout`` without a request
 
@@ -83,7 +83,7 @@ class Worker:
         self._running: dict[str, wire.Assign] = {}  # ticket -> its assignment
         self._slot_of: dict[str, int] = {}
         self._streams: dict[str, ChunkStream] = {}  # ticket -> its streamed text, for streamed requests
-        self._chunks: list[tuple[str, wire.Chunk, bytes | None]] = []  # this step's CHUNKs: ticket, chunk, tokens
+        self._out = _Outbox()  # this step's CHUNKs, DONEs and ERRORs, sent together
         self._cache_row: CacheRow | None = None  # as the rows last had it (``_note_cache``)
         self._cancelled_tickets: set[str] = set()
         self._served = 0
@@ -125,8 +125,7 @@ class Worker:
         while not self._stopping:
             wait_ms = 0 if self._running else int(min(PARENT_CHECK_S, spec.heartbeat_interval) * 1000)
             if self._poller.poll(wait_ms):
-                while self._sock.poll(0):
-                    self._receive()
+                self._receive_all()
             if self._running:
                 self._step()
                 idle_since = time.monotonic()
@@ -138,6 +137,7 @@ class Worker:
         for ticket in list(self._running):  # stopping with requests running: they end as cancelled
             self._end(ticket, wire.Error(self._running[ticket].request.id, ErrorCode.CANCELLED,
                                          "the worker is stopping"))
+        self._flush()
         self.set_rows(state=SlotState.STOPPING)
 
     # --- the link to the broker ---------------------------------------------------------------------
@@ -176,9 +176,19 @@ class Worker:
             self._register_backoff = min(REGISTER_BACKOFF_MAX_S, self._register_backoff * 2)
             self._next_register = now + self._register_backoff * random.uniform(0.5, 1.5)
 
-    def _receive(self) -> None:
-        """Take one broker message and act on it."""
-        frames = self._sock.recv_multipart()
+    def _receive_all(self) -> None:
+        """Take every waiting broker message and act on each; then send the answers that gave (an ASSIGN
+        refused)."""
+        while True:
+            try:
+                frames = self._sock.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                break
+            self._receive(frames)
+        self._flush()
+
+    def _receive(self, frames: list[bytes]) -> None:
+        """Act on one broker message."""
         self._heard = time.monotonic()
         self._register_backoff = REGISTER_BACKOFF_FIRST_S
         try:
@@ -204,6 +214,9 @@ class Worker:
             self._cancel(msg.id)
         elif isinstance(msg, wire.Assign):
             self._accept(msg)
+        elif isinstance(msg, wire.Assigns):
+            for assign in msg.assigns:
+                self._accept(assign)
         elif isinstance(msg, wire.SlotAction):
             reply = slot_files.answer(self._engine, self._spec.slot_save_path, msg)
             if isinstance(reply, wire.SlotReply) and self._engine is not None:
@@ -218,28 +231,29 @@ class Worker:
 
     def _pump(self) -> None:
         """While waiting for a permit: take what the broker sent, and keep the link alive."""
-        while self._sock.poll(0):
-            self._receive()
+        self._receive_all()
         self._keep_alive()
 
     def _send(self, msg: object, ticket: str = "", trailer: bytes | None = None) -> None:
-        self._flush_chunks()
+        self._flush()
         self._sock.send_multipart(wire.encode_from_worker(msg, ticket, trailer))
 
     def _answer(self, outcome: wire.Done | wire.Error, ticket: str) -> None:
         """A request's DONE or ERROR, with a CACHE frame when the prompt cache gained or lost entries since the
-        last one (the broker's routing learns from it where prefixes are)."""
+        last one (the broker's routing learns from it where prefixes are); it goes out with the step's."""
         changes = self._engine.take_cache_changes() if self._engine is not None else None
-        self._send(outcome, ticket, wire.pack(changes) if changes else None)
+        self._queue(outcome.TYPE, ticket, wire.pack(outcome), wire.pack(changes) if changes else None)
 
-    def _flush_chunks(self) -> None:
-        """The CHUNKs gathered since the last send: one as a CHUNK, several as one CHUNKS."""
-        if len(self._chunks) == 1:
-            ticket, chunk, tokens = self._chunks[0]
-            self._sock.send_multipart(wire.encode_from_worker(chunk, ticket, tokens))
-        elif self._chunks:
-            self._sock.send_multipart(wire.encode_chunks_from_worker(self._chunks))
-        self._chunks.clear()
+    def _queue(self, mtype: wire.MsgType, ticket: str, body: bytes, trailer: bytes | None) -> None:
+        if not self._out.fits(body, trailer):
+            self._flush()
+        self._out.add(mtype, ticket, body, trailer)
+
+    def _flush(self) -> None:
+        """What was gathered since the last send: one message as itself, several as one STEP."""
+        frames = self._out.take()
+        if frames is not None:
+            self._sock.send_multipart(frames)
 
     def _unload(self) -> None:
         if self._engine is not None:
@@ -316,9 +330,9 @@ class Worker:
         request_id, ticket, engine, index = assign.request.id, assign.ticket, self._engine, assign.index
         assert engine is not None
         if not assign.report_tokens:
-            return ChunkStream(lambda text: self._chunks.append(
-                (ticket, wire.Chunk(request_id, text, engine.take_logprobs(slot), index), None)),
-                self._spec.stream_interval), _nothing
+            return ChunkStream(lambda text: self._queue(
+                wire.MsgType.CHUNK, ticket, wire.pack(wire.Chunk(request_id, text, engine.take_logprobs(slot), index)),
+                None), self._spec.stream_interval), _nothing
         noted: list[int] = []  # since the last CHUNK
         seen = 0
 
@@ -330,8 +344,8 @@ class Worker:
             noted.extend(new)
 
         def send(text: str) -> None:
-            self._chunks.append((ticket, wire.Chunk(request_id, text, engine.take_logprobs(slot), index),
-                                 wire.token_frame(noted)))
+            self._queue(wire.MsgType.CHUNK, ticket, wire.pack(wire.Chunk(request_id, text, engine.take_logprobs(slot),
+                                                                         index)), wire.token_frame(noted))
             noted.clear()
 
         return ChunkStream(send, self._spec.stream_interval), note
@@ -366,7 +380,7 @@ class Worker:
             self._permit = None
         for ticket, completion in ended:
             self._end(ticket, self._reply(self._running[ticket], completion))
-        self._flush_chunks()
+        self._flush()
 
     def _nothing_left(self) -> bool:
         """While queueing for the permit: stop waiting once every running request was cancelled."""
@@ -398,3 +412,36 @@ class Worker:
                          accepted_tokens=result.accepted_tokens),
             worker=self._spec.identity.decode(), logprobs=result.logprobs, index=assign.index,
         )
+
+
+class _Outbox:
+    """The CHUNK, DONE and ERROR messages gathered for one send, within the size one message may have."""
+
+    __slots__ = ("_entries", "_bytes")
+
+    def __init__(self) -> None:
+        self._entries: list[tuple[wire.MsgType, str, bytes, bytes | None]] = []
+        self._bytes = 0
+
+    def fits(self, body: bytes, trailer: bytes | None) -> bool:
+        return not self._entries or self._bytes + _size(body, trailer) <= wire.MAX_MESSAGE_BYTES
+
+    def add(self, mtype: wire.MsgType, ticket: str, body: bytes, trailer: bytes | None) -> None:
+        self._entries.append((mtype, ticket, body, trailer))
+        self._bytes += _size(body, trailer)
+
+    def take(self) -> list[bytes] | None:
+        """The frames of what was gathered (None if nothing), and the box empty again."""
+        entries = self._entries
+        if not entries:
+            return None
+        self._entries, self._bytes = [], 0
+        if len(entries) > 1:
+            return wire.encode_step(entries)
+        mtype, ticket, body, trailer = entries[0]
+        frames = [wire.VERSION, wire.TYPE_FRAMES[mtype], ticket.encode(), body]
+        return frames if trailer is None else [*frames, trailer]
+
+
+def _size(body: bytes, trailer: bytes | None) -> int:
+    return len(body) + (len(trailer) if trailer is not None else 0) + 96  # with the entry's own framing

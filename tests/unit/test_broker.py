@@ -9,6 +9,7 @@ import pytest
 import zmq
 
 from mpserve import protocol as wire
+from mpserve.errors import ErrorCode
 from mpserve.prefix import block_hashes
 from mpserve.server.broker import Broker, WorkerEntry
 
@@ -67,6 +68,17 @@ def peers(broker: Broker, slots: int) -> Iterator[tuple[zmq.Socket[bytes], dict[
             sock.close(0)
 
 
+def assigns(sock: zmq.Socket[bytes], n: int) -> list[wire.Assign]:
+    """The next ``n`` assignments a fake worker gets, each message an ASSIGN or an ASSIGNS."""
+    got: list[wire.Assign] = []
+    while len(got) < n:
+        assert sock.poll(1000), f"{len(got)} of {n} assignments came"
+        msg = wire.decode(sock.recv_multipart())
+        got.extend(msg.assigns if isinstance(msg, wire.Assigns) else [msg])
+    assert len(got) == n
+    return got
+
+
 def test_a_streamed_request_whose_worker_dies_is_resumed_elsewhere_from_its_tokens(broker: Broker) -> None:
     with peers(broker, slots=1) as (client, workers):
         client.send_multipart(wire.encode(wire.Request("r1", "hi", stream=True)))
@@ -116,9 +128,9 @@ def test_the_choices_of_a_request_whose_worker_dies_are_handed_over_each_with_it
         assert broker.front.poll(1000)
         broker.drain_front()
         first = next(name for name, sock in workers.items() if sock.poll(1000))
-        assigns = sorted((wire.decode(workers[first].recv_multipart()) for _ in range(2)), key=lambda a: a.index)
-        assert [(a.index, a.request.params.seed) for a in assigns] == [(0, 5), (1, 6)]  # together, on one instance
-        workers[first].send_multipart(wire.encode_from_worker(wire.Chunk("r1", "ab", index=1), assigns[1].ticket,
+        given = sorted(assigns(workers[first], 2), key=lambda a: a.index)
+        assert [(a.index, a.request.params.seed) for a in given] == [(0, 5), (1, 6)]  # together, on one instance
+        workers[first].send_multipart(wire.encode_from_worker(wire.Chunk("r1", "ab", index=1), given[1].ticket,
                                                               wire.token_frame([7, 8])))
         assert broker.back.poll(1000)
         broker.drain_back()
@@ -126,13 +138,9 @@ def test_the_choices_of_a_request_whose_worker_dies_are_handed_over_each_with_it
 
         broker.worker_exited(int(first[1:]))  # each choice goes on alone, from its own tokens
         other = workers[b"w1" if first == b"w0" else b"w0"]
-        resumed = {}
-        for _ in range(2):
-            assert other.poll(1000)
-            a = wire.decode(other.recv_multipart())
-            resumed[a.index] = a
+        resumed = {a.index: a for a in assigns(other, 2)}
         assert wire.frame_tokens(resumed[1].generated) == [7, 8] and resumed[0].generated == b""
-        assert resumed[1].request.params.seed == 6 and resumed[1].ticket == assigns[1].ticket
+        assert resumed[1].request.params.seed == 6 and resumed[1].ticket == given[1].ticket
         assert broker.stats["resumed"] == 1 and broker.stats["retried"] == 1 and not client.poll(0)
 
 
@@ -151,13 +159,10 @@ def test_a_workers_chunks_reach_each_client_in_order_as_one_message_and_before_d
             assert broker.front.poll(1000)
             while broker.front.poll(100):
                 broker.drain_front()
-        tickets = {}
-        while worker.poll(1000) and len(tickets) < 3:
-            assign = wire.decode(worker.recv_multipart())
-            tickets[assign.request.id] = assign.ticket
-        step = [(tickets[rid], wire.Chunk(rid, text), wire.token_frame([n]))
+        tickets = {a.request.id: a.ticket for a in assigns(worker, 3)}
+        step = [(wire.MsgType.CHUNK, tickets[rid], wire.pack(wire.Chunk(rid, text)), wire.token_frame([n]))
                 for n, (rid, text) in enumerate((("a1", "x"), ("b1", "y"), ("a2", "z")))]
-        worker.send_multipart(wire.encode_chunks_from_worker(step))
+        worker.send_multipart(wire.encode_step(step))
         worker.send_multipart(wire.encode_from_worker(
             wire.Done("a1", "x", "length", wire.Usage(1, 1), wire.Timings(0, 0, 0)), tickets["a1"]))
         assert broker.back.poll(1000)
@@ -252,3 +257,57 @@ def test_a_worker_registering_with_its_cache_steers_routing_as_its_dones_would(b
         assert broker.workers[b"w0"].ram
         register(workers, b"w0", 1, None)  # registering with nothing cached: the view goes
         assert not broker.workers[b"w0"].ram
+
+
+def test_a_steps_chunks_reach_a_client_before_its_done_and_the_later_ones_after(broker: Broker) -> None:
+    ctx = broker.front.context
+    client, worker = ctx.socket(zmq.DEALER), ctx.socket(zmq.DEALER)
+    worker.setsockopt(zmq.IDENTITY, b"w0")
+    worker.connect("inproc://back")
+    client.connect("inproc://front")
+    broker._on_ready(b"w0", wire.Ready("w0", "m", -1, 2, 1), None)
+    try:
+        for rid in ("a1", "a2"):
+            client.send_multipart(wire.encode(wire.Request(rid, "hi", stream=True)))
+        while len(broker.requests) < 2:
+            assert broker.front.poll(1000)
+            broker.drain_front()
+        tickets = {a.request.id: a.ticket for a in assigns(worker, 2)}
+        done = wire.Done("a1", "x", "length", wire.Usage(1, 1), wire.Timings(0, 0, 0))
+        worker.send_multipart(wire.encode_step([
+            (wire.MsgType.CHUNK, tickets["a1"], wire.pack(wire.Chunk("a1", "x")), None),
+            (wire.MsgType.CHUNK, tickets["a2"], wire.pack(wire.Chunk("a2", "z")), None),
+            (wire.MsgType.DONE, tickets["a1"], wire.pack(done), None),
+            (wire.MsgType.CHUNK, tickets["a2"], wire.pack(wire.Chunk("a2", "w")), None),
+        ]))
+        assert broker.back.poll(1000)
+        broker.drain_back()
+        got = []
+        while client.poll(200):
+            got.append(wire.decode(client.recv_multipart()))
+        assert got == [wire.Chunks((wire.Chunk("a1", "x"), wire.Chunk("a2", "z"))), done, wire.Chunk("a2", "w")]
+        assert tickets["a1"] not in broker.requests and broker.stats["done"] == 1
+    finally:
+        client.close(0)
+        worker.close(0)
+
+
+def test_the_assigns_of_one_drain_go_to_a_worker_as_one_message_and_a_cancel_after_them(broker: Broker) -> None:
+    with peers(broker, slots=4) as (client, workers):
+        for rid in ("r1", "r2", "r3", "r4"):
+            client.send_multipart(wire.encode(wire.Request(rid, "hi")))
+        client.send_multipart(wire.encode(wire.Cancel("r4")))
+        while broker.stats[ErrorCode.CANCELLED] == 0:
+            assert broker.front.poll(1000)
+            broker.drain_front()
+        messages = {name: [] for name in workers}  # type: dict[bytes, list[object]]
+        for name, sock in workers.items():
+            while sock.poll(200):
+                messages[name].append(wire.decode(sock.recv_multipart()))
+        # the least busy instance takes each: r1, r3 on one, r2, r4 on the other, each pair as one message
+        sent = sorted(messages.values(), key=len)
+        kinds = [[type(m).__name__ for m in ms] for ms in sent]
+        assert kinds == [["Assigns"], ["Assigns", "Cancel"]], kinds
+        assert [len(ms[0].assigns) for ms in sent] == [2, 2]  # type: ignore[attr-defined]
+        cancelled = sent[1][1]
+        assert cancelled.id in {a.ticket for a in sent[1][0].assigns}  # type: ignore[attr-defined]

@@ -69,27 +69,45 @@ def test_a_malformed_cache_frame_is_refused(body: dict[str, object], problem: st
 
 
 @pytest.mark.parametrize("n", [1, 15, 16, 300])  # the three sizes of a msgpack array's header
-def test_chunks_travel_as_one_message_each_way(n: int) -> None:
-    step = [(f"t{i}", wire.Chunk(f"r{i}", "é" * i), wire.token_frame([i]) if i % 2 else None) for i in range(n)]
-    frames = wire.encode_chunks_from_worker(step)
-    assert wire.parse_header(frames, 4) is wire.MsgType.CHUNKS and frames[2] == b""
-    entries = wire.worker_chunks(frames[3])
-    assert [(t, tokens) for t, _, tokens in entries] == [(t, tokens) for t, _, tokens in step]
-    to_client = [wire.VERSION, wire.TYPE_FRAMES[wire.MsgType.CHUNKS], wire.chunk_array([b for _, b, _ in entries])]
-    assert wire.decode(to_client) == wire.Chunks(tuple(chunk for _, chunk, _ in step))
+def test_a_steps_messages_travel_as_one_message_and_its_chunks_as_one_per_client(n: int) -> None:
+    done = wire.Done("r0", "é", "stop", wire.Usage(1, 1), wire.Timings(0, 0, 0))
+    step = [(wire.MsgType.CHUNK, f"t{i}", wire.pack(wire.Chunk(f"r{i}", "é" * i)),
+             wire.token_frame([i]) if i % 2 else None) for i in range(n)]
+    step.append((wire.MsgType.DONE, "t0", wire.pack(done), wire.pack(wire.CacheChanges(dropped=(3,)))))
+    frames = wire.encode_step(step)
+    assert wire.parse_header(frames, 4) is wire.MsgType.STEP and frames[2] == b""
+    entries = wire.step_entries(frames[3])
+    assert entries == step
+    bodies = [body for _, _, body, _ in step[:-1]]
+    to_client = [wire.VERSION, wire.TYPE_FRAMES[wire.MsgType.CHUNKS], wire.splice_array(bodies)]
+    assert wire.decode(to_client) == wire.Chunks(tuple(wire.Chunk(f"r{i}", "é" * i) for i in range(n)))
+    assert wire.decode_body(entries[-1][0], entries[-1][2]) == done
+
+
+@pytest.mark.parametrize("n", [1, 2, 20])
+def test_assigns_for_one_worker_travel_as_one_message(n: int) -> None:
+    assigns = [wire.Assign(f"t{i}", wire.Request(f"r{i}", "hi" * i), 0.5, 1, slot=i) for i in range(n)]
+    frames = wire.encode_assigns([wire.pack(a) for a in assigns])
+    got = wire.decode(frames)
+    assert got == (assigns[0] if n == 1 else wire.Assigns(tuple(assigns)))
 
 
 @pytest.mark.parametrize("batch, problem", [
     (msgpack.packb({"a": 1}), "must be a msgpack array"),
-    (msgpack.packb([["t1", b"x"]]), "a CHUNKS entry"),
-    (msgpack.packb([[1, b"x", None]]), "a CHUNKS entry"),
-    (msgpack.packb([["t1", "not bytes", None]], use_bin_type=True), "a CHUNKS entry"),
+    (msgpack.packb([[0x10, "t1", b"x"]], use_bin_type=True), "a STEP entry"),
+    (msgpack.packb([[0x10, 1, b"x", None]], use_bin_type=True), "a STEP entry"),
+    (msgpack.packb([[0x10, "t1", "not bytes", None]], use_bin_type=True), "a STEP entry"),
+    (msgpack.packb([[True, "t1", b"x", None]], use_bin_type=True), "a STEP entry"),
+    (msgpack.packb([[0x20, "t1", b"x", None]], use_bin_type=True), "not type 32"),  # a READY
+    (msgpack.packb([[0x7f, "t1", b"x", None]], use_bin_type=True), "not type 127"),
 ])
-def test_a_malformed_chunks_batch_is_refused(batch: bytes, problem: str) -> None:
+def test_a_malformed_step_is_refused(batch: bytes, problem: str) -> None:
     with pytest.raises(ProtocolError, match=problem):
-        wire.worker_chunks(batch)
+        wire.step_entries(batch)
     with pytest.raises(ProtocolError):
         wire.decode([wire.VERSION, wire.TYPE_FRAMES[wire.MsgType.CHUNKS], msgpack.packb([1, 2])])
+    with pytest.raises(ProtocolError):
+        wire.decode([wire.VERSION, wire.TYPE_FRAMES[wire.MsgType.ASSIGNS], msgpack.packb([{"ticket": 1}])])
 
 
 @pytest.mark.parametrize("frames, problem", [
