@@ -59,6 +59,7 @@ from enum import IntEnum
 from typing import Any, ClassVar
 
 import msgpack
+import msgspec
 
 from . import structured
 from .errors import BadRequest, ProtocolError
@@ -169,8 +170,7 @@ class ChatTemplate:
         return bool(self.template)
 
 
-@dataclass(frozen=True)
-class GenerateParams:
+class GenerateParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """Sampling parameters, as llama.cpp takes them. temperature 0 means greedy."""
 
     max_tokens: int = 128
@@ -204,7 +204,7 @@ class GenerateParams:
         unknown = body.keys() - _PARAM_NAMES
         if unknown:
             raise BadRequest(f"unknown parameter(s) {sorted(map(str, unknown))}; allowed: "
-                             f"{[f.name for f in dataclasses.fields(cls)]}")
+                             f"{list(cls.__struct_fields__)}")
         d = _DEFAULT_PARAMS
         num = (int, float)
         params = cls(
@@ -222,8 +222,8 @@ class GenerateParams:
             typical_p=float(_get(body, "typical_p", num, d.typical_p, bad=BadRequest)),
             ignore_eos=_get(body, "ignore_eos", bool, d.ignore_eos, bad=BadRequest),
             logprobs=_get(body, "logprobs", int, None, bad=BadRequest),
-            grammar=_text(body, "grammar", structured.MAX_GRAMMAR_CHARS, None, bad=BadRequest),
-            json_schema=_text(body, "json_schema", structured.MAX_SCHEMA_CHARS, None, bad=BadRequest),
+            grammar=_get(body, "grammar", str, None, bad=BadRequest),
+            json_schema=_get(body, "json_schema", str, None, bad=BadRequest),
             prompt_logprobs=_get(body, "prompt_logprobs", bool, False, bad=BadRequest),
             n=_get(body, "n", int, 1, bad=BadRequest),
             speculative_n_max=_get(body, "speculative_n_max", int, None, bad=BadRequest),
@@ -265,9 +265,12 @@ class GenerateParams:
         if self.speculative_n_max is not None:
             _ranged("speculative_n_max", self.speculative_n_max, 0, 64)
 
-        for key in ("grammar", "json_schema"):
-            if not isinstance(getattr(self, key), (str, type(None))):
+        for key, most in (("grammar", structured.MAX_GRAMMAR_CHARS), ("json_schema", structured.MAX_SCHEMA_CHARS)):
+            value = getattr(self, key)
+            if not isinstance(value, (str, type(None))):
                 raise BadRequest(f"'{key}' must be a string")
+            if value is not None and len(value) > most:
+                raise BadRequest(f"field '{key}' is longer than {most} characters")
         if self.grammar is not None and self.json_schema is not None:
             raise BadRequest("give 'grammar' or 'json_schema', not both")
         if self.grammar is not None:
@@ -278,11 +281,11 @@ class GenerateParams:
     def choice_params(self, index: int) -> GenerateParams:
         """Choice ``index``'s parameters: one choice, seeded with seed + index (modulo 2**32) when seeded."""
         seed = None if self.seed is None else (self.seed + index) % 2**32
-        return dataclasses.replace(self, n=1, seed=seed)
+        return msgspec.structs.replace(self, n=1, seed=seed)
 
 
-_DEFAULT_PARAMS = GenerateParams()  # made once: a frozen dataclass costs a setattr per field to build
-_PARAM_NAMES = frozenset(f.name for f in dataclasses.fields(GenerateParams))
+_DEFAULT_PARAMS = GenerateParams()
+_PARAM_NAMES = frozenset(GenerateParams.__struct_fields__)
 
 
 def logit_bias_pairs(value: Any) -> tuple[tuple[int, float], ...]:
@@ -307,38 +310,52 @@ def logit_bias_pairs(value: Any) -> tuple[tuple[int, float], ...]:
     return tuple(pairs)
 
 
-@dataclass(frozen=True)
-class Request:
+class Request(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """client -> broker: generate a completion. ``timeout`` (seconds) covers queueing and running."""
 
     TYPE: ClassVar[MsgType] = MsgType.REQUEST
     id: str
     prompt: str
     model: str | None = None
-    params: GenerateParams = field(default_factory=GenerateParams)
+    params: GenerateParams = msgspec.field(default_factory=GenerateParams)
     stream: bool = False
     timeout: float | None = None
     tokens: bytes = b""  # a prompt of token ids (pack_tokens), taken as it is, instead of ``prompt``
 
     @classmethod
     def from_wire(cls, body: dict[str, Any]) -> Request:
-        rid = _text(body, "id", MAX_ID_CHARS)
         timeout = _get(body, "timeout", (int, float), None, bad=BadRequest)
-        if timeout is not None:
-            _ranged("timeout", timeout, 0.001, 7 * 24 * 3600)
-        tokens = _get(body, "tokens", bytes, b"", bad=BadRequest)
-        if len(tokens) > 4 * MAX_PROMPT_CHARS:
-            raise BadRequest(f"at most {MAX_PROMPT_CHARS} prompt tokens, got {len(tokens) // 4}")
-        if any(t < 0 for t in unpack_tokens(tokens)):
-            raise BadRequest("prompt token ids must be >= 0")
-        return cls(
-            id=rid,
-            prompt=_text(body, "prompt", MAX_PROMPT_CHARS, bad=BadRequest),
-            model=_text(body, "model", 256, None, bad=BadRequest),
+        request = cls(
+            id=_text(body, "id", MAX_ID_CHARS),
+            prompt=_get(body, "prompt", str, bad=BadRequest),
+            model=_get(body, "model", str, None, bad=BadRequest),
             params=GenerateParams.from_wire(_get(body, "params", dict, {}, bad=BadRequest)),
             stream=_get(body, "stream", bool, False, bad=BadRequest),
-            timeout=None if timeout is None else float(timeout), tokens=tokens,
+            timeout=None if timeout is None else float(timeout),
+            tokens=_get(body, "tokens", bytes, b"", bad=BadRequest),
         )
+        request.check()
+        return request
+
+    def check(self) -> None:
+        """The rules a well-typed request must still meet (``from_wire`` checks the types), in the order
+        ``from_wire`` meets them."""
+        _limit("id", self.id, MAX_ID_CHARS, ProtocolError)
+        self.params.validate()
+        if self.timeout is not None:
+            _ranged("timeout", self.timeout, 0.001, 7 * 24 * 3600)
+        if len(self.tokens) > 4 * MAX_PROMPT_CHARS:
+            raise BadRequest(f"at most {MAX_PROMPT_CHARS} prompt tokens, got {len(self.tokens) // 4}")
+        if any(t < 0 for t in unpack_tokens(self.tokens)):
+            raise BadRequest("prompt token ids must be >= 0")
+        _limit("prompt", self.prompt, MAX_PROMPT_CHARS, BadRequest)
+        if self.model is not None:
+            _limit("model", self.model, 256, BadRequest)
+
+
+def _limit(key: str, value: str, max_chars: int, bad: type[Exception]) -> None:
+    if len(value) > max_chars:
+        raise bad(f"field '{key}' is longer than {max_chars} characters")
 
 
 @dataclass(frozen=True)
@@ -692,9 +709,13 @@ class Done:
 
 def _choice(body: dict[str, Any]) -> int:
     index: int = _get(body, "index", int, 0)
+    _index(index)
+    return index
+
+
+def _index(index: int) -> None:
     if not 0 <= index < MAX_CHOICES:
         raise ProtocolError(f"field 'index' must be 0..{MAX_CHOICES - 1}, got {index}")
-    return index
 
 
 @dataclass(frozen=True)
@@ -798,8 +819,7 @@ class Unload:
         return cls(reason=_text(body, "reason", 256, ""))
 
 
-@dataclass(frozen=True)
-class Assign:
+class Assign(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """broker -> worker: run ``request``; echo ``ticket`` on every CHUNK/DONE/ERROR for it."""
 
     TYPE: ClassVar[MsgType] = MsgType.ASSIGN
@@ -814,14 +834,21 @@ class Assign:
 
     @classmethod
     def from_wire(cls, body: dict[str, Any]) -> Assign:
-        generated = _get(body, "generated", bytes, b"")
-        if len(generated) % 4 or len(generated) > 4 * MAX_TOKENS_LIMIT:
+        assign = cls(ticket=_get(body, "ticket", str), request=Request.from_wire(_get(body, "request", dict)),
+                     queue_ms=float(_get(body, "queue_ms", (int, float))), attempt=_get(body, "attempt", int),
+                     slot=_get(body, "slot", int, 0), report_tokens=_get(body, "report_tokens", bool, False),
+                     generated=_get(body, "generated", bytes, b""), index=_get(body, "index", int, 0))
+        assign.check(request=False)
+        return assign
+
+    def check(self, request: bool = True) -> None:
+        """The rules a well-typed assignment must still meet (its request's first, unless already checked)."""
+        if request:
+            self.request.check()
+        if len(self.generated) % 4 or len(self.generated) > 4 * MAX_TOKENS_LIMIT:
             raise ProtocolError(f"field 'generated' must be int32 token ids, at most {MAX_TOKENS_LIMIT}")
-        return cls(ticket=_text(body, "ticket", MAX_ID_CHARS),
-                   request=Request.from_wire(_get(body, "request", dict)),
-                   queue_ms=float(_get(body, "queue_ms", (int, float))),
-                   attempt=_get(body, "attempt", int), slot=_get(body, "slot", int, 0),
-                   report_tokens=_get(body, "report_tokens", bool, False), generated=generated, index=_choice(body))
+        _limit("ticket", self.ticket, MAX_ID_CHARS, ProtocolError)
+        _index(self.index)
 
 
 @dataclass(frozen=True)
@@ -1100,10 +1127,17 @@ def to_wire(msg: Any) -> Any:
 
 @functools.cache
 def _field_names(cls: type) -> tuple[str, ...]:
+    if issubclass(cls, msgspec.Struct):
+        return cls.__struct_fields__
     return tuple(f.name for f in dataclasses.fields(cls)) if dataclasses.is_dataclass(cls) else ()
 
 
+_ENCODER = msgspec.msgpack.Encoder()
+
+
 def pack(msg: Any) -> bytes:
+    if isinstance(msg, msgspec.Struct):  # the same map, made in C
+        return _ENCODER.encode(msg)
     packed: bytes = msgpack.packb(to_wire(msg), use_bin_type=True)
     return packed
 
@@ -1214,7 +1248,27 @@ def parse_header(frames: list[bytes], expected: int) -> MsgType:
     return mtype
 
 
+_TYPED: dict[MsgType, msgspec.msgpack.Decoder[Any]] = {  # the hot ones: a request crosses the wire twice
+    MsgType.REQUEST: msgspec.msgpack.Decoder(Request),  # (REQUEST, ASSIGN), and msgspec decodes and type-checks
+    MsgType.ASSIGN: msgspec.msgpack.Decoder(Assign),  # it in C
+    MsgType.ASSIGNS: msgspec.msgpack.Decoder(tuple[Assign, ...]),
+}
+
+
 def decode_body(mtype: MsgType, body: bytes) -> Any:
+    """A message body as its class. REQUEST and ASSIGN(S) are decoded by msgspec, then checked by the rules
+    types cannot state; a body msgspec refuses goes the way of every other type, through ``from_wire``, which
+    says what is wrong (or takes another encoding of the same message, such as an int for a float)."""
+    typed = _TYPED.get(mtype)
+    if typed is not None and len(body) <= MAX_MESSAGE_BYTES:
+        try:
+            msg = typed.decode(body)
+        except (msgspec.ValidationError, msgspec.DecodeError):
+            pass
+        else:
+            for one in msg if mtype is MsgType.ASSIGNS else (msg,):
+                one.check()
+            return Assigns(msg) if mtype is MsgType.ASSIGNS else msg
     if mtype is MsgType.CHUNKS:
         return Chunks(tuple(Chunk.from_wire(_map(item)) for item in _unpack(body, list)))
     if mtype is MsgType.ASSIGNS:

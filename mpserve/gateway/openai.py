@@ -43,6 +43,8 @@ import uuid
 from dataclasses import dataclass
 from typing import Any, Literal
 
+import msgspec
+
 from mpserve import protocol as wire
 from mpserve.client import Result
 from mpserve.errors import BadRequest, MpserveError, http_status
@@ -105,7 +107,7 @@ class Call:
 
     def generate_kwargs(self) -> dict[str, Any]:
         """Keyword arguments for ``AsyncClient.choices`` / ``stream`` (``n`` among them)."""
-        return dict(vars(self.params))
+        return msgspec.structs.asdict(self.params)
 
     def with_chat_template(self, chat: ChatTemplate) -> Call:
         """A chat's prompt from the model's template; without one, from the ChatML default, which also stops
@@ -118,7 +120,7 @@ class Call:
             return dataclasses.replace(self, prompt=render(chat, messages, tools), parser=tc.parser_for(chat.template))
         stop = self.params.stop if CHAT_STOP in self.params.stop else (*self.params.stop, CHAT_STOP)
         return dataclasses.replace(self, prompt=chat_prompt(self.messages, self.tools),
-                                   params=dataclasses.replace(self.params, stop=stop))
+                                   params=msgspec.structs.replace(self.params, stop=stop))
 
 
 def parse(kind: Kind, body: Any) -> Call:

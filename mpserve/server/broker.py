@@ -52,6 +52,7 @@ from collections import Counter, deque
 from collections.abc import Callable
 from typing import Any
 
+import msgspec
 import zmq
 import zmq.auth
 
@@ -356,7 +357,7 @@ class Broker:
         self._heard.setdefault(client, now)
         tickets = tuple(next(self._tickets) for _ in range(n))
         for i, ticket in enumerate(tickets):  # a request for n: one row per choice, with its own parameters
-            one = req if n == 1 else dataclasses.replace(req, params=req.params.choice_params(i))
+            one = req if n == 1 else msgspec.structs.replace(req, params=req.params.choice_params(i))
             p = Pending(ticket, client, one, model, now, now + req.timeout if req.timeout else None,
                         group=tickets if n > 1 else (), index=i)
             self.requests[ticket] = p

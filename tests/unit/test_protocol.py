@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import random
+from typing import Any
+
 import msgpack
 import pytest
 
 from mpserve import protocol as wire
-from mpserve.errors import BadRequest, ProtocolError
+from mpserve.errors import BadRequest, MpserveError, ProtocolError
 from mpserve.prefix import MAX_BLOCKS, PREFIX_BLOCK, block_hashes
 
 pytestmark = pytest.mark.timeout(10)
@@ -174,3 +177,49 @@ def test_model_stats_from_a_newer_server_keep_the_fields_this_client_knows() -> 
     assert wire.Stats.from_wire(body).models["m"] == wire.ModelStats(1, 0, 1, 0)
     del body["models"]["m"]["scaling"]  # and from an older server, without scaling
     assert wire.Stats.from_wire(body).models["m"].scaling == wire.ModelScaling()
+
+
+_ODD = [None, True, False, 0, -1, 7, 1.5, -0.5, float("nan"), float("inf"), 2**40, "", "x", "x" * 70, "é" * 300,
+        b"", b"\x01\x00\x00\x00", b"\xff\xff\xff\xff", b"\x01", [], ["a"], [1, 2], [[5, 1.0]], {}, {"a": 1},
+        {"5": 1.0}]
+
+
+def _outcome(decode: Any, body: bytes) -> object:
+    try:
+        return decode(body)
+    except MpserveError as exc:
+        return (type(exc), exc.message)
+
+
+@pytest.mark.parametrize("seed", range(300))
+def test_the_fast_decoder_gives_what_the_checked_one_gives_for_any_request_or_assign(seed: int) -> None:
+    """REQUEST and ASSIGN are decoded by msgspec first: for any body, the message or the error must be the
+    one ``from_wire`` gives (the same error for a body with several problems too)."""
+    rng = random.Random(seed)
+    request: dict[str, Any] = {"id": "r1", "prompt": "hello", "model": "m", "stream": True, "timeout": 5.0,
+                               "params": {"max_tokens": 4, "temperature": 0.0, "stop": ["\n"], "seed": 3}}
+    for _ in range(rng.randint(0, 3)):
+        params = request.get("params")
+        where = params if isinstance(params, dict) and rng.random() < 0.6 else request
+        key = rng.choice([*(wire.GenerateParams.__struct_fields__ if where is not request else
+                            wire.Request.__struct_fields__), "bogus"])
+        if rng.random() < 0.15:
+            where.pop(key, None)
+        else:
+            where[key] = rng.choice(_ODD)
+    assign: dict[str, Any] = {"ticket": rng.choice(["t1", "t" * 70]), "request": request, "queue_ms": 0.5,
+                              "attempt": 1, "slot": rng.choice([0, 1, "0"]), "index": rng.choice([0, 3, 200, -1]),
+                              "generated": rng.choice([b"", b"\x01\x00\x00\x00", b"\x01"])}
+    for mtype, body, slow in ((wire.MsgType.REQUEST, request, wire.Request.from_wire),
+                              (wire.MsgType.ASSIGN, assign, wire.Assign.from_wire)):
+        packed = msgpack.packb(body, use_bin_type=True)
+        fast = _outcome(lambda b, t=mtype: wire.decode_body(t, b), packed)
+        checked = _outcome(lambda b, f=slow: f(wire.unpack_body(b)), packed)
+        assert fast == checked, (body, fast, checked)
+    valid = {"ticket": "t0", "request": {"id": "r0", "prompt": "hi"}, "queue_ms": 0, "attempt": 1}
+    batch = [valid, assign] if seed % 2 else [assign, valid]
+    packed = msgpack.packb(batch, use_bin_type=True)
+    fast = _outcome(lambda b: wire.decode_body(wire.MsgType.ASSIGNS, b), packed)
+    checked = _outcome(lambda b: wire.Assigns(tuple(wire.Assign.from_wire(item) for item in msgpack.unpackb(b))),
+                       packed)
+    assert fast == checked, (batch, fast, checked)
