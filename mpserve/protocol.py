@@ -20,14 +20,14 @@ frame belongs to ZeroMQ and is not described here.
                         [VERSION, STEP, b"", BATCH]      the CHUNKs, DONEs and ERRORs of one step, in order
 
 VERSION is ``b"MPS1"``. TYPE is one byte (``MsgType``). BODY is a msgpack map whose schema is the
-frozen dataclass of that type below. TICKET is the broker's opaque key for one assignment: a worker
-echoes it so the broker can forward the BODY of CHUNK/DONE/ERROR to the client unchanged (the worker
-writes the client's own request id into it), without decoding and re-encoding every token. TOKENS is the
-ids of the tokens generated since the previous CHUNK, int32 little-endian (``token_frame``): the broker
-appends them without decoding anything, and hands them to the next instance if this one is lost
-(``Assign.generated``), which continues the request from there. CACHE (``CacheChanges``, a msgpack map) says
-what the instance's host-RAM prompt cache gained and lost since its previous CACHE frame; the broker reads it
-and forwards the BODY as it does without one.
+frozen class of that type below (a msgspec Struct for REQUEST and ASSIGN, a dataclass for the rest).
+TICKET is the broker's opaque key for one assignment: a worker echoes it so the broker can forward the BODY
+of CHUNK/DONE/ERROR to the client unchanged (the worker writes the client's own request id into it), without
+decoding and re-encoding every token. TOKENS is the ids of the tokens generated since the previous CHUNK,
+int32 little-endian (``token_frame``): the broker appends them without decoding anything, and hands them to
+the next instance if this one is lost (``Assign.generated``), which continues the request from there. CACHE
+(``CacheChanges``, a msgpack map) says what the instance's host-RAM prompt cache gained and lost since its
+previous CACHE frame; the broker reads it and forwards the BODY as it does without one.
 
 Batches keep the message count from growing with the number of sequences a step or a turn handles (each
 message costs a send, a wake-up and a receive in two processes):
@@ -45,6 +45,12 @@ A batch of one travels as the plain message (CHUNK, DONE, ERROR, ASSIGN).
 Decoding never trusts the sender: bodies are unpacked with explicit size limits, every field is type-
 and range-checked, and any problem raises ``ProtocolError`` (broken framing, unknown type, bad msgpack)
 or ``BadRequest`` (a well-formed request with bad parameters), which the receiver answers or counts.
+
+    REQUEST, ASSIGN(S) body ─▶ msgspec (types, in C) ─▶ check() (ranges, lengths, grammars) ─▶ the message
+                                  │ refused
+                                  ▼
+    any other body ─────────▶ msgpack with limits ─▶ from_wire (types, then the same checks) ─▶ the message,
+                                                                              or the error that names the problem
 """
 
 from __future__ import annotations
