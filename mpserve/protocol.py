@@ -72,6 +72,8 @@ from .errors import BadRequest, ProtocolError
 from .prefix import MAX_BLOCKS
 
 VERSION = b"MPS1"
+WORKER_LINK = "MPS1.1"  # the revision of the broker-worker messages, in every READY: a broker refuses workers
+# of another (1.1: STEP replaced the worker's CHUNKS, and ASSIGNS came), so a remote pool is upgraded with it
 MAX_MESSAGE_BYTES = 4 * 1024 * 1024
 MAX_CACHE_ITEMS = 4096  # entries per list in a CACHE frame: the decoder's array limit
 MAX_CACHE_HASHES = 1 << 14  # hashes a broker keeps per instance (and a READY's CACHE frame carries at most)
@@ -756,7 +758,7 @@ class Ready:
     pid: int
     loaded: bool = True
     host: str = ""  # set by workers of remote pools
-    protocol: str = VERSION.decode()
+    protocol: str = WORKER_LINK
     chat_template: str = ""  # the model's chat template (Jinja2, from its GGUF; "" if none or not loaded)
     bos_token: str = ""
     eos_token: str = ""

@@ -570,6 +570,13 @@ class Broker:
 
     def _on_ready(self, identity: bytes, msg: wire.Ready, cache: bytes | None) -> None:
         """A worker registered (again): ``cache`` is its whole prompt cache's CACHE frame, if it holds any."""
+        if msg.protocol != wire.WORKER_LINK:
+            log.error("worker %r on %s speaks the worker protocol %r, this broker %r; refused (run the same mpserve "
+                      "version on the pool's host)", identity, msg.host or "this host", msg.protocol, wire.WORKER_LINK)
+            self._to_worker(identity, wire.Error(None, ErrorCode.PROTOCOL, (
+                f"this broker speaks the worker protocol {wire.WORKER_LINK}, not {msg.protocol}: install the "
+                "server's mpserve version on this host")))
+            return
         if msg.model not in self.models:
             log.error("worker %r registered for model %r, which this broker does not serve (%s); ignored",
                       identity, msg.model, ", ".join(self.models))

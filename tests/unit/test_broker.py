@@ -311,3 +311,20 @@ def test_the_assigns_of_one_drain_go_to_a_worker_as_one_message_and_a_cancel_aft
         assert [len(ms[0].assigns) for ms in sent] == [2, 2]  # type: ignore[attr-defined]
         cancelled = sent[1][1]
         assert cancelled.id in {a.ticket for a in sent[1][0].assigns}  # type: ignore[attr-defined]
+
+
+def test_a_worker_of_another_worker_protocol_is_refused_with_both_versions_named(broker: Broker) -> None:
+    worker = broker.front.context.socket(zmq.DEALER)
+    worker.setsockopt(zmq.IDENTITY, b"w7")
+    worker.connect("inproc://back")
+    try:
+        worker.send_multipart(wire.encode_from_worker(wire.Ready("w7", "m", -1, 2, 1, host="old", protocol="MPS1")))
+        assert broker.back.poll(1000)
+        broker.drain_back()
+        assert worker.poll(1000)
+        refusal = wire.decode(worker.recv_multipart())
+        assert isinstance(refusal, wire.Error) and refusal.code == "protocol"
+        assert f"{wire.WORKER_LINK}, not MPS1:" in refusal.message
+        assert b"w7" not in broker.workers and broker.models["m"].instances == 0
+    finally:
+        worker.close(0)
