@@ -370,6 +370,7 @@ class Worker:
             for ticket in list(self._running):
                 self._end(ticket, wire.Error(self._running[ticket].request.id, ErrorCode.INTERNAL,
                                              "the batch step failed"))
+            self._flush()
             sys.exit(1)
         by_slot = {slot: ticket for ticket, slot in self._slot_of.items()}
         ended = [(by_slot[slot], completion) for slot, completion in finished]

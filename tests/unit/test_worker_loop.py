@@ -1,0 +1,91 @@
+"""The worker's loop (mpserve.worker.loop) driven in-process: the echo engine, an inproc broker socket."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import zmq
+
+from mpserve import protocol as wire
+from mpserve.engine.echo import EchoEngine
+from mpserve.engine.interface import Engine
+from mpserve.slots import SlotTable
+from mpserve.worker.loop import Worker
+from mpserve.worker.spec import EngineSpec, WorkerSpec
+
+pytestmark = pytest.mark.timeout(10)
+
+
+class _FailingStep(EchoEngine):
+    def step(self) -> list[tuple[int, object]]:
+        raise RuntimeError("llama_decode returned -1")
+
+
+@pytest.fixture
+def link(tmp_path: Path) -> Iterator[tuple[zmq.Socket[bytes], WorkerSpec, SlotTable]]:
+    ctx = zmq.Context()
+    broker = ctx.socket(zmq.ROUTER)
+    broker.bind("inproc://back")
+    table = SlotTable.create(tmp_path / "slots", rows=2)
+    spec = WorkerSpec(index=0, model="m", engine=EngineSpec("echo", n_ctx=64, threads=1, n_gpu_layers=0, parallel=2),
+                      device=-1, backend="inproc://back", slots_path=str(tmp_path / "slots"), parent_pid=os.getpid())
+    try:
+        yield broker, spec, table
+    finally:
+        table.unlink()
+        table.close()
+        ctx.destroy(linger=0)  # the worker's socket too
+
+
+def _worker(broker: zmq.Socket[bytes], spec: WorkerSpec, table: SlotTable, engine: Engine) -> Worker:
+    sock = broker.context.socket(zmq.DEALER)
+    sock.setsockopt(zmq.IDENTITY, spec.identity)
+    sock.setsockopt(zmq.LINGER, 0)  # closed with the context: everything sent is in the broker's queue by then
+    sock.connect(spec.backend)
+    worker = Worker(spec, sock, [table.writer(i) for i in spec.rows], lambda _: engine)
+    worker.load()
+    return worker
+
+
+def test_a_failed_step_answers_its_requests_before_the_worker_exits(
+        link: tuple[zmq.Socket[bytes], WorkerSpec, SlotTable]) -> None:
+    broker, spec, table = link
+    worker = _worker(broker, spec, table, _FailingStep(parallel=2))
+    assigns = [wire.Assign(f"t{i}", wire.Request(f"r{i}", "hello"), 0.0, 1, slot=i) for i in range(2)]
+    broker.send_multipart([spec.identity, *wire.encode_assigns([wire.pack(a) for a in assigns])])
+    with pytest.raises(SystemExit):
+        worker.run()
+    answers: list[tuple[wire.MsgType, str, object]] = []
+    while broker.poll(1000):
+        frames = broker.recv_multipart()[1:]
+        mtype = wire.parse_header(frames, len(frames))
+        if mtype is wire.MsgType.STEP:
+            answers += [(t, ticket, wire.decode_body(t, body)) for t, ticket, body, _ in wire.step_entries(frames[3])]
+        elif mtype is not wire.MsgType.READY:
+            answers.append((mtype, frames[2].decode(), wire.decode_body(mtype, frames[3])))
+        if len(answers) == 2:
+            break
+    assert sorted(ticket for _, ticket, _ in answers) == ["t0", "t1"]
+    assert all(t is wire.MsgType.ERROR and m.code == "internal" for t, _, m in answers), answers
+
+
+def test_the_answers_of_one_step_travel_as_one_step_message(
+        link: tuple[zmq.Socket[bytes], WorkerSpec, SlotTable]) -> None:
+    broker, spec, table = link
+    worker = _worker(broker, spec, table, EchoEngine(parallel=2))
+    assigns = [wire.Assign(f"t{i}", wire.Request(f"r{i}", "hi", params=wire.GenerateParams(max_tokens=1)), 0.0, 1,
+                           slot=i) for i in range(2)]
+    broker.send_multipart([spec.identity, *wire.encode_assigns([wire.pack(a) for a in assigns])])
+    broker.send_multipart([spec.identity, *wire.encode(wire.Stop("done"))])
+    worker.run()
+    kinds = []
+    while broker.poll(500):
+        frames = broker.recv_multipart()[1:]
+        kinds.append(wire.parse_header(frames, len(frames)))
+        if kinds[-1] is wire.MsgType.STEP:
+            entries = wire.step_entries(frames[3])
+            assert [(t, ticket) for t, ticket, _, _ in entries] == [(wire.MsgType.DONE, f"t{i}") for i in range(2)]
+    assert wire.MsgType.STEP in kinds and wire.MsgType.DONE not in kinds, kinds
