@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 import zmq
@@ -300,7 +301,7 @@ def test_the_assigns_of_one_drain_go_to_a_worker_as_one_message_and_a_cancel_aft
         while broker.stats[ErrorCode.CANCELLED] == 0:
             assert broker.front.poll(1000)
             broker.drain_front()
-        messages = {name: [] for name in workers}  # type: dict[bytes, list[object]]
+        messages: dict[bytes, list[Any]] = {name: [] for name in workers}
         for name, sock in workers.items():
             while sock.poll(200):
                 messages[name].append(wire.decode(sock.recv_multipart()))
@@ -308,9 +309,9 @@ def test_the_assigns_of_one_drain_go_to_a_worker_as_one_message_and_a_cancel_aft
         sent = sorted(messages.values(), key=len)
         kinds = [[type(m).__name__ for m in ms] for ms in sent]
         assert kinds == [["Assigns"], ["Assigns", "Cancel"]], kinds
-        assert [len(ms[0].assigns) for ms in sent] == [2, 2]  # type: ignore[attr-defined]
+        assert [len(ms[0].assigns) for ms in sent] == [2, 2]
         cancelled = sent[1][1]
-        assert cancelled.id in {a.ticket for a in sent[1][0].assigns}  # type: ignore[attr-defined]
+        assert cancelled.id in {a.ticket for a in sent[1][0].assigns}
 
 
 def test_a_worker_of_another_worker_protocol_is_refused_with_both_versions_named(broker: Broker) -> None:
