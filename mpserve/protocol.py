@@ -158,9 +158,14 @@ def _ranged(key: str, value: float | int, lo: float, hi: float) -> None:
 def _text(body: dict[str, Any], key: str, max_chars: int, default: Any = ...,
           bad: type[Exception] = ProtocolError) -> Any:
     value = _get(body, key, str, default, bad=bad)
-    if value is not None and len(value) > max_chars:
-        raise bad(f"field '{key}' is longer than {max_chars} characters")
+    if value is not None:
+        _limit(key, value, max_chars, bad)
     return value
+
+
+def _limit(key: str, value: str, max_chars: int, bad: type[Exception]) -> None:
+    if len(value) > max_chars:
+        raise bad(f"field '{key}' is longer than {max_chars} characters")
 
 
 # --- bodies -------------------------------------------------------------------------------------
@@ -277,8 +282,8 @@ class GenerateParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
             value = getattr(self, key)
             if not isinstance(value, (str, type(None))):
                 raise BadRequest(f"'{key}' must be a string")
-            if value is not None and len(value) > most:
-                raise BadRequest(f"field '{key}' is longer than {most} characters")
+            if value is not None:
+                _limit(key, value, most, BadRequest)
         if self.grammar is not None and self.json_schema is not None:
             raise BadRequest("give 'grammar' or 'json_schema', not both")
         if self.grammar is not None:
@@ -359,11 +364,6 @@ class Request(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
         _limit("prompt", self.prompt, MAX_PROMPT_CHARS, BadRequest)
         if self.model is not None:
             _limit("model", self.model, 256, BadRequest)
-
-
-def _limit(key: str, value: str, max_chars: int, bad: type[Exception]) -> None:
-    if len(value) > max_chars:
-        raise bad(f"field '{key}' is longer than {max_chars} characters")
 
 
 @dataclass(frozen=True)
