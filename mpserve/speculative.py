@@ -28,7 +28,12 @@ class Speculative:
     ``draft``: the greedy continuation by the draft ``model`` (a GGUF file with the target's vocabulary).
     Either way at most ``n_max`` drafts a step, none when fewer than ``n_min`` would be worth verifying;
     ``sizing`` measured: as many as the measured decode times and the sequence's acceptance say pay (the
-    draft model's decodes counted too), fixed: ``n_max`` whenever the decode has rows for them."""
+    draft model's decodes counted too), fixed: ``n_max`` whenever the decode has rows for them. ``exact``:
+    a decode that verifies drafts holds only as many rows as llama.cpp's CPU kernels compute exactly as a
+    lone row (``mpserve.engine.speculation.MAX_ROWS``), so the output equals the output without
+    speculation token for token; false: as many as the drafts need (llama-server's way), whose larger
+    batches go through other kernels, faster per row, with logits that differ in the last digits, so a
+    close greedy choice may differ from the unspeculated one."""
 
     type: str = "ngram"
     n_max: int = 8
@@ -37,6 +42,7 @@ class Speculative:
     ngram_max: int = 4
     model: str | None = None  # type draft: the draft model's GGUF file
     sizing: str = "measured"
+    exact: bool = True
 
 
 _RANGES = {"n_max": (1, 64), "n_min": (1, 64), "ngram_min": (1, 16), "ngram_max": (1, 16)}
@@ -65,6 +71,8 @@ def parse(value: Mapping[str, Any] | str) -> Speculative:
             raise ValueError(f"{key}: got {v!r}, allowed: an integer {lo} to {hi}")
     if given.get("sizing", "measured") not in SIZINGS:
         raise ValueError(f"sizing: got {given['sizing']!r}, allowed: {', '.join(SIZINGS)}")
+    if not isinstance(given.get("exact", True), bool):
+        raise ValueError(f"exact: got {given['exact']!r}, allowed: true, false")
     model = given.get("model")
     if kind == "draft" and (not isinstance(model, str) or not model):
         raise ValueError("type draft needs model: the draft model's GGUF file (flag: --speculative draft:PATH)")

@@ -22,6 +22,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from mpserve.engine.batch import PROMPT_CHUNK, BatchEngine
 from mpserve.engine.interface import Completion
+from mpserve.engine.speculation import MAX_ROWS
 from mpserve.errors import BadRequest
 from mpserve.models import maker
 from mpserve.models.builtin import builtin_model_path
@@ -239,6 +240,23 @@ def test_a_request_may_draft_less_or_not_at_all(model_path: str) -> None:
     assert off.text == one.text == model_default.text
     with pytest.raises(BadRequest, match="speculative_n_max"):
         GenerateParams.from_wire({"speculative_n_max": 65})
+
+
+@pytest.mark.parametrize("exact", [True, False])
+def test_a_decode_verifies_more_rows_than_the_exact_bound_only_with_exact_false(model_path: str,
+                                                                                exact: bool) -> None:
+    """With ``exact`` a decode holds at most MAX_ROWS rows, whatever n_max asks; with ``exact: false`` it holds
+    as many drafts as n_max and the lookup give."""
+    engine = make_engine(model_path, 1, Speculative(n_max=12, sizing="fixed", exact=exact))
+    rows: list[int] = []
+    observe = engine._row_costs.observe
+    engine._row_costs.observe = lambda n, seconds: (rows.append(n), observe(n, seconds))[1]  # type: ignore[method-assign]
+    try:
+        done = serve(engine, [(PROMPTS[6], GenerateParams(max_tokens=48, temperature=0.0))])
+    finally:
+        engine.close()
+    assert done[0].accepted_tokens > 0
+    assert (max(rows) <= MAX_ROWS) if exact else (max(rows) > MAX_ROWS), rows
 
 
 # --- a draft model ---------------------------------------------------------------------------------------

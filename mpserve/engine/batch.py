@@ -679,16 +679,18 @@ class BatchEngine:
 
     def _propose(self, decoding: list[_Sequence]) -> None:
         """This step's drafts of the sequences that speculate, in slot order, while the decode has rows
-        for them (at most MAX_ROWS in all, so every row gets the logits it gets alone): looked up in the
-        sequence's tokens, or sized here and made by the draft model, for all of them at once."""
+        for them (at most MAX_ROWS in all, so every row gets the logits it gets alone; with ``exact: false``
+        as many as the batch holds): looked up in the sequence's tokens, or sized here and made by the draft
+        model, for all of them at once."""
         rows = len(decoding)
         if self._speculative is None:
             return
+        max_rows = MAX_ROWS if self._speculative.exact else len(self._batch.token)
         draft, wanted = self._draft, list[tuple[_Sequence, int]]()
         draft_s = draft.draft_s(self._row_costs.expected(1)) if draft is not None else 0.0
         for seq in decoding:
-            if seq.drafter is not None and not seq.replay and rows < MAX_ROWS:
-                room = min(MAX_ROWS - rows, seq.max_tokens - len(seq.generated) - 1)
+            if seq.drafter is not None and not seq.replay and rows < max_rows:
+                room = min(max_rows - rows, seq.max_tokens - len(seq.generated) - 1)
                 if draft is None:
                     seq.drafts = seq.drafter.propose(seq.prompt, seq.generated, room, rows, self._row_costs)
                     rows += len(seq.drafts)

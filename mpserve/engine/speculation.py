@@ -27,6 +27,8 @@ tokens it gets without speculation. The logits are the same while a decode holds
 rows: with quantized weights llama.cpp's CPU matrix kernels give every row of a batch that small the very
 numbers it gets alone (float weights: to the last bits, as for sequences decoded together), and larger
 batches go through kernels whose sums differ from a lone row's, enough to change a greedy choice.
+``exact: false`` lifts that bound (the batch's size is the only one): the drafts are verified the same way,
+on logits of the same model computed by those other kernels.
 
 Sizing. A draft of k tokens with per-token acceptance a is expected to add a + a^2 + ... + a^k tokens to
 the step, and costs the rows it adds to the decode, plus, from a draft model, k decodes of the draft.

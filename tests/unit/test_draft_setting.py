@@ -27,6 +27,14 @@ def test_a_draft_model_is_spelled_as_a_mapping_or_draft_colon_path() -> None:
             parse(bad)
 
 
+def test_exact_is_a_boolean_and_on_by_default() -> None:
+    assert parse("ngram").exact is True
+    assert parse({"type": "ngram", "exact": False}) == Speculative(exact=False)
+    for bad in ("no", 0, None):
+        with pytest.raises(ValueError, match="exact: got .*, allowed: true, false"):
+            parse({"exact": bad})
+
+
 def test_the_config_refuses_a_missing_draft_file_and_a_draft_for_an_embedding_model(tmp_path: Path) -> None:
     draft = str(builtin_model_path("tiny-draft"))
     built = config.build({}, model={"speculative": f"draft:{draft}"})
