@@ -31,14 +31,14 @@ import threading
 import time
 from collections.abc import AsyncGenerator, Coroutine, Iterator
 from dataclasses import dataclass
-from typing import Any, TypeVar, cast
+from typing import Any, TypeVar
 
 import zmq
 import zmq.asyncio
 import zmq.auth
 
 from . import protocol as wire
-from . import structured
+from . import structured, zmqio
 from .errors import BadRequest, ConfigError, ConnectionFailed, MpserveError, Timeout, error_from_code
 from .runtime import default_address
 
@@ -377,8 +377,8 @@ class AsyncClient:
         while True:
             self._deliver(await sock.recv_multipart())
             self._last_heard = time.monotonic()
-            while readable(waiting):
-                self._deliver(waiting.recv_multipart(zmq.NOBLOCK))
+            while zmqio.readable(waiting):
+                self._deliver(zmqio.recv(waiting, zmqio.NOBLOCK))
 
     async def _keep_alive(self) -> None:
         """While requests are pending: ping every PING_INTERVAL_S, and fail them all once the server has
@@ -577,11 +577,3 @@ class SyncStream:
         finally:  # left early: cancel the request (unless the client was closed, which ended it already)
             if self._stream.result is None and self._client.open:
                 self._client._call(self._chunks.aclose())
-
-
-_EVENTS, _POLLIN = int(zmq.EVENTS), int(zmq.POLLIN)  # plain ints: enum arithmetic per message costs
-
-
-def readable(sock: zmq.Socket[bytes]) -> bool:
-    """Whether a message is waiting on ``sock`` (cheaper than a receive that ends on zmq.Again)."""
-    return bool(cast(int, sock.getsockopt(_EVENTS)) & _POLLIN)

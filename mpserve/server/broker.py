@@ -57,7 +57,7 @@ import zmq
 import zmq.auth
 
 from mpserve import protocol as wire
-from mpserve.client import readable
+from mpserve import zmqio
 from mpserve.errors import (
     BadRequest,
     Busy,
@@ -134,16 +134,16 @@ class Broker:
 
     def drain_front(self) -> None:
         for _ in range(DRAIN_BATCH):
-            if not readable(self.front):
+            if not zmqio.readable(self.front):
                 break
-            self._from_client(self.front.recv_multipart(zmq.NOBLOCK))
+            self._from_client(zmqio.recv(self.front, zmqio.NOBLOCK))
         self.flush()
 
     def drain_back(self) -> None:
         for _ in range(DRAIN_BATCH):
-            if not readable(self.back):
+            if not zmqio.readable(self.back):
                 break
-            self._from_worker(self.back.recv_multipart(zmq.NOBLOCK))
+            self._from_worker(zmqio.recv(self.back, zmqio.NOBLOCK))
         self.flush()
 
     def flush(self) -> None:
@@ -503,7 +503,7 @@ class Broker:
     def _to_client(self, client: bytes, frames: list[bytes]) -> bool:
         """Send without blocking. A client that is gone or not reading loses its requests."""
         try:
-            self.front.send_multipart([client, *frames], zmq.NOBLOCK)
+            zmqio.send(self.front, [client, *frames], zmqio.NOBLOCK)
             return True
         except (zmq.Again, zmq.ZMQError) as exc:
             reason = "not reading" if isinstance(exc, zmq.Again) else "gone"
@@ -825,7 +825,7 @@ class Broker:
 
     def _send_worker(self, identity: bytes, frames: list[bytes]) -> None:
         try:
-            self.back.send_multipart([identity, *frames], zmq.NOBLOCK)
+            zmqio.send(self.back, [identity, *frames], zmqio.NOBLOCK)
         except (zmq.Again, zmq.ZMQError) as exc:  # it died; its sentinel settles its requests
             log.warning("cannot send to worker %r (%s); waiting for the supervisor to reap it", identity, exc)
 

@@ -38,6 +38,7 @@ from typing import Any
 import zmq
 
 from mpserve import protocol as wire
+from mpserve import zmqio
 from mpserve.engine.interface import Completion, Engine
 from mpserve.errors import Cancelled, ErrorCode, MpserveError
 from mpserve.gpu.permits import DevicePermits, Permit
@@ -179,12 +180,8 @@ class Worker:
     def _receive_all(self) -> None:
         """Take every waiting broker message and act on each; then send the answers that gave (an ASSIGN
         refused)."""
-        while True:
-            try:
-                frames = self._sock.recv_multipart(zmq.NOBLOCK)
-            except zmq.Again:
-                break
-            self._receive(frames)
+        while zmqio.readable(self._sock):
+            self._receive(zmqio.recv(self._sock, zmqio.NOBLOCK))
         self._flush()
 
     def _receive(self, frames: list[bytes]) -> None:
@@ -236,7 +233,7 @@ class Worker:
 
     def _send(self, msg: object, ticket: str = "", trailer: bytes | None = None) -> None:
         self._flush()
-        self._sock.send_multipart(wire.encode_from_worker(msg, ticket, trailer))
+        zmqio.send(self._sock, wire.encode_from_worker(msg, ticket, trailer))
 
     def _answer(self, outcome: wire.Done | wire.Error, ticket: str) -> None:
         """A request's DONE or ERROR, with a CACHE frame when the prompt cache gained or lost entries since the
@@ -253,7 +250,7 @@ class Worker:
         """What was gathered since the last send: one message as itself, several as one STEP."""
         frames = self._out.take()
         if frames is not None:
-            self._sock.send_multipart(frames)
+            zmqio.send(self._sock, frames)
 
     def _unload(self) -> None:
         if self._engine is not None:

@@ -1,0 +1,49 @@
+"""Multipart messages in and out of plain (not asyncio) ZeroMQ sockets, through pyzmq's backend calls with
+plain int flags: the broker, the worker and the client's reader send and receive every message here.
+
+    send(sock, frames, NOBLOCK)   a frame at a time, SNDMORE on all but the last
+    recv(sock, NOBLOCK)           a frame at a time while RCVMORE
+    readable(sock)                a message is waiting (EVENTS & POLLIN), without a receive that fails
+
+pyzmq's ``send_multipart`` and ``recv_multipart`` do the same through its Python layer (``zmq.sugar``),
+which builds IntFlag enums for every flag it combines and checks each frame's type, and a receive that
+ends on ``zmq.Again`` raises. At one request in flight that is several microseconds per message on
+the latency path, in every process.
+"""
+
+from __future__ import annotations
+
+from typing import Any, cast
+
+import zmq
+from zmq.backend import Socket as _Backend
+
+NOBLOCK = int(zmq.NOBLOCK)
+_SNDMORE = int(zmq.SNDMORE)
+_RCVMORE = int(zmq.RCVMORE)
+_EVENTS = int(zmq.EVENTS)
+_POLLIN = int(zmq.POLLIN)
+_send = _Backend.send
+_recv = _Backend.recv
+_get = _Backend.get
+
+
+def send(sock: zmq.Socket[Any], frames: list[bytes], flags: int = 0) -> None:
+    """Send one multipart message; zmq.Again (with NOBLOCK) or ZMQError as ``send_multipart`` would raise."""
+    more = flags | _SNDMORE
+    for i in range(len(frames) - 1):
+        _send(sock, frames[i], more)
+    _send(sock, frames[-1], flags)
+
+
+def recv(sock: zmq.Socket[Any], flags: int = 0) -> list[bytes]:
+    """Receive one multipart message (its frames as bytes)."""
+    frames = [_recv(sock, flags)]
+    while _get(sock, _RCVMORE):
+        frames.append(_recv(sock, flags))
+    return frames
+
+
+def readable(sock: zmq.Socket[Any]) -> bool:
+    """Whether a message is waiting on ``sock``."""
+    return bool(cast(int, _get(sock, _EVENTS)) & _POLLIN)
