@@ -13,11 +13,15 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
 
 from mpserve.runtime import ServerInfo
 from mpserve.slots import SlotRow, SlotTable
+
+if TYPE_CHECKING:
+    from gateway_thread import GatewayThread
 
 READY_TIMEOUT_S = 60.0
 
@@ -138,6 +142,16 @@ def tiny_server() -> Iterator[ServerProcess]:
     server = ServerProcess("--instances", "2").wait_ready()
     yield server
     server.stop()
+
+
+@pytest.fixture(scope="module")
+def gateway(tiny_server: ServerProcess) -> Iterator[GatewayThread]:
+    """The HTTP gateway in front of ``tiny_server`` (a test module that needs another defines its own)."""
+    from gateway_thread import GatewayThread  # uvicorn and openai: loaded only by the tests that use it
+
+    gw = GatewayThread(server_name=tiny_server.name)
+    yield gw
+    gw.stop()
 
 
 @pytest.fixture(scope="session")

@@ -245,9 +245,9 @@ def test_single_active_backend_and_exclusive_permits_hold_while_instances_come_a
 
 def test_the_http_control_api_takes_the_admin_key_only(start_server) -> None:
     import httpx
+    from gateway_thread import GatewayThread
 
     from mpserve.gateway.app import GatewayConfig, create_app
-    from tests.test_gateway import GatewayThread
 
     server = start_server("--min-instances", "1", "--max-instances", "2").wait_ready()
     gateway = GatewayThread(server_name=server.name, api_key="infer", admin_key="admin")

@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 import test_logprobs
 from conftest import RealModel, ServerProcess
+from gateway_thread import GatewayThread
 from test_batch import LONG_PROMPT, PROMPTS, make_engine, serve
-from test_gateway import GatewayThread
 from test_logprobs import reference
 
 from mpserve import Client
@@ -76,8 +76,7 @@ def test_the_engine_scores_every_prompt_token_and_reuses_no_cells() -> None:
         engine.close()
         llm.close()
 
-direct = test_logprobs.direct  # fixtures: a llama_cpp.Llama scoring the tiny model, a gateway on tiny_server
-gateway = test_logprobs.gateway
+direct = test_logprobs.direct  # a fixture: a llama_cpp.Llama scoring the tiny model
 
 
 def resident_mib() -> float:

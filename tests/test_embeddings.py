@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 import yaml
 from conftest import ServerProcess
-from test_gateway import GatewayThread
+from gateway_thread import GatewayThread
 
 from mpserve import Client
 from mpserve.engine.embed import EmbeddingEngine

@@ -10,8 +10,8 @@ import llama_cpp
 import numpy as np
 import pytest
 from conftest import ServerProcess
+from gateway_thread import GatewayThread
 from test_batch import N_CTX, PROMPTS, make_engine, serve
-from test_gateway import GatewayThread
 
 from mpserve import Client
 from mpserve import protocol as wire
@@ -85,13 +85,6 @@ def test_the_zeromq_path_carries_them_streamed_and_not(tiny_server: ServerProces
         with pytest.raises(BadRequest, match="'logprobs' must be between 0 and 20"):
             client.generate("hi", logprobs=21)
         assert client.generate("hi", max_tokens=3, logprobs=0).logprobs.entries()[0][3] == []  # type: ignore[union-attr]
-
-
-@pytest.fixture(scope="module")
-def gateway(tiny_server: ServerProcess) -> Iterator[GatewayThread]:
-    gw = GatewayThread(server_name=tiny_server.name)
-    yield gw
-    gw.stop()
 
 
 @pytest.mark.timeout(120)

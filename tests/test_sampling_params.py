@@ -12,8 +12,8 @@ import llama_cpp
 import pytest
 import zmq
 from conftest import ServerProcess
+from gateway_thread import GatewayThread
 from test_batch import PROMPTS, make_engine, make_llama, serve
-from test_gateway import GatewayThread
 
 from mpserve import Client
 from mpserve import protocol as wire
@@ -91,13 +91,6 @@ def test_a_logit_bias_of_minus_100_keeps_tokens_out_and_ignore_eos_keeps_going(
 
 
 # --- both serving paths -------------------------------------------------------------------------
-
-@pytest.fixture(scope="module")
-def gateway(tiny_server: ServerProcess) -> Iterator[GatewayThread]:
-    gw = GatewayThread(server_name=tiny_server.name)
-    yield gw
-    gw.stop()
-
 
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])

@@ -14,9 +14,9 @@ import jsonschema
 import openai
 import pytest
 from conftest import ServerProcess
+from gateway_thread import GatewayThread
 from pydantic import BaseModel, Field
 from structured_cases import MAX_TOKENS, SCHEMAS
-from test_gateway import GatewayThread
 
 WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "The weather in a city",
                                             "parameters": {"type": "object", "properties": {

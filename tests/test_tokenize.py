@@ -9,19 +9,12 @@ import httpx
 import llama_cpp
 import pytest
 from conftest import ServerProcess
-from test_gateway import GatewayThread
+from gateway_thread import GatewayThread
 
 from mpserve import Client
 from mpserve.errors import BadRequest
 
 TEXTS = ["Hello world", "The quick brown fox</s> jumps", "é ü 日本"]
-
-
-@pytest.fixture(scope="module")
-def gateway(tiny_server: ServerProcess) -> Iterator[GatewayThread]:
-    gw = GatewayThread(server_name=tiny_server.name)
-    yield gw
-    gw.stop()
 
 
 @pytest.fixture(scope="module")
