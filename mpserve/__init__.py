@@ -8,7 +8,7 @@ Three kinds of process, one subpackage each, over shared leaves:
     engine/   the compute core, used by workers (the only importer of llama_cpp; never imports zmq)
     gpu/      devices, placement, permits          models/  the built-in GGUFs
     leaves:   errors, protocol, config, settings, runtime, slots, prefix, structured, gguf_header,
-              speculative, client, cli, doctor
+              speculative, zmqio, client, cli, doctor
 
 The clients are loaded on first use, so importing a leaf (as the engine does) does not load ZeroMQ.
 """
