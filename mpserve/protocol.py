@@ -1116,23 +1116,6 @@ _DECODERS: dict[MsgType, Any] = {
 
 # --- encoding and decoding ----------------------------------------------------------------------
 
-_PLAIN = frozenset({str, int, float, bool, bytes, tuple, type(None)})  # msgpack takes these as they are
-
-
-def to_wire(msg: Any) -> Any:
-    """A dataclass as plain msgpack-able data (faster than dataclasses.asdict, which deep-copies); plain
-    values are taken as they are, without a call each (the broker and workers encode per request)."""
-    names = _field_names(msg.__class__)
-    if names:
-        return {name: value if type(value) in _PLAIN else to_wire(value)
-                for name in names for value in (getattr(msg, name),)}
-    if isinstance(msg, dict):
-        return {k: to_wire(v) for k, v in msg.items()}
-    if isinstance(msg, list):
-        return [to_wire(v) for v in msg]
-    return msg
-
-
 @functools.cache
 def _field_names(cls: type) -> tuple[str, ...]:
     if issubclass(cls, msgspec.Struct):
@@ -1144,10 +1127,9 @@ _ENCODER = msgspec.msgpack.Encoder()
 
 
 def pack(msg: Any) -> bytes:
-    if isinstance(msg, msgspec.Struct):  # the same map, made in C
-        return _ENCODER.encode(msg)
-    packed: bytes = msgpack.packb(to_wire(msg), use_bin_type=True)
-    return packed
+    """A body: a message (msgspec Struct or dataclass, nested ones included) as the map of its fields, or
+    plain data, encoded in C by msgspec."""
+    return _ENCODER.encode(msg)
 
 
 def encode(msg: Any) -> list[bytes]:
@@ -1168,7 +1150,7 @@ STEPPED = frozenset({MsgType.CHUNK, MsgType.DONE, MsgType.ERROR})  # what a STEP
 def encode_step(entries: Sequence[tuple[MsgType, str, bytes, bytes | None]]) -> list[bytes]:
     """[VERSION, STEP, b"", BATCH]: the (type, ticket, body, trailer or None) of one step, in one message."""
     batch = [[int(mtype), ticket, body, trailer] for mtype, ticket, body, trailer in entries]
-    return [VERSION, TYPE_FRAMES[MsgType.STEP], b"", msgpack.packb(batch, use_bin_type=True)]
+    return [VERSION, TYPE_FRAMES[MsgType.STEP], b"", pack(batch)]
 
 
 def step_entries(batch: bytes) -> list[tuple[MsgType, str, bytes, bytes | None]]:

@@ -44,7 +44,7 @@ def test_a_chunk_may_carry_its_token_ids_and_an_assign_the_tokens_to_resume_from
     old = wire.decode(wire.encode(wire.Assign("t1", wire.Request("r1", "hi"), 1.0, 1)))  # what an old broker sends
     assert not old.report_tokens and old.generated == b""
     with pytest.raises(ProtocolError, match="int32"):
-        wire.Assign.from_wire({**wire.to_wire(assign), "generated": b"\x00" * 5})
+        wire.Assign.from_wire({**msgpack.unpackb(wire.pack(assign)), "generated": b"\x00" * 5})
 
 
 def test_a_done_may_carry_the_prompt_caches_changes_in_a_cache_frame() -> None:
@@ -171,7 +171,7 @@ def test_control_calls_are_checked_naming_the_parameter(body: dict, problem: str
 
 
 def test_model_stats_from_a_newer_server_keep_the_fields_this_client_knows() -> None:
-    body = wire.to_wire(wire.Stats(0, True, {}, {"m": wire.ModelStats(1, 0, 1, 0)}))
+    body = msgpack.unpackb(wire.pack(wire.Stats(0, True, {}, {"m": wire.ModelStats(1, 0, 1, 0)})))
     body["models"]["m"]["later_field"] = 1
     body["models"]["m"]["scaling"]["later_too"] = 2
     assert wire.Stats.from_wire(body).models["m"] == wire.ModelStats(1, 0, 1, 0)
