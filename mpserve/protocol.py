@@ -245,6 +245,16 @@ class GenerateParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
         return params
 
     def validate(self) -> None:
+        """BadRequest naming the first parameter out of its range. Parameters seen valid lately pass at once
+        (a frozen value is valid or not for good; clients tend to send the same ones)."""
+        if self in _VALID:
+            return
+        self._check()
+        if len(_VALID) >= _VALID_KEPT:
+            _VALID.clear()
+        _VALID.add(self)
+
+    def _check(self) -> None:
         _ranged("max_tokens", self.max_tokens, 1, MAX_TOKENS_LIMIT)
         _ranged("temperature", self.temperature, 0.0, 100.0)
         _ranged("top_p", self.top_p, 0.0, 1.0)
@@ -297,6 +307,8 @@ class GenerateParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
         return msgspec.structs.replace(self, n=1, seed=seed)
 
 
+_VALID: set[GenerateParams] = set()
+_VALID_KEPT = 1024
 _DEFAULT_PARAMS = GenerateParams()
 _PARAM_NAMES = frozenset(GenerateParams.__struct_fields__)
 

@@ -223,3 +223,15 @@ def test_the_fast_decoder_gives_what_the_checked_one_gives_for_any_request_or_as
     checked = _outcome(lambda b: wire.Assigns(tuple(wire.Assign.from_wire(item) for item in msgpack.unpackb(b))),
                        packed)
     assert fast == checked, (batch, fast, checked)
+
+
+def test_parameters_seen_valid_pass_again_and_invalid_ones_are_refused_every_time() -> None:
+    for _ in range(3):
+        with pytest.raises(BadRequest, match="'top_p' must be between"):
+            wire.GenerateParams(top_p=1.5).validate()
+        with pytest.raises(BadRequest, match="finite"):
+            wire.GenerateParams(temperature=float("nan")).validate()
+        wire.GenerateParams(top_p=0.5, stop=("x",)).validate()
+    for i in range(3 * wire._VALID_KEPT):  # distinct valid sets: the memo stays bounded
+        wire.GenerateParams(max_tokens=1 + i).validate()
+    assert len(wire._VALID) <= wire._VALID_KEPT
