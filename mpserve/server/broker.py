@@ -350,7 +350,7 @@ class Broker:
             raise Busy(f"you have {self.max_pending_per_client} requests pending, the most one client may have; "
                        "wait for some to finish", retry_after=self._retry_after(mq))
         n = req.params.n
-        refusal = self._too_many_choices(mq, n)
+        refusal = self._too_many_choices(mq, n) if n > 1 else None  # one choice fits any instance
         if refusal is not None:
             raise BadRequest(refusal)
         now = time.monotonic()
