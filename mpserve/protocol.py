@@ -247,7 +247,11 @@ class GenerateParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     def validate(self) -> None:
         """BadRequest naming the first parameter out of its range. Parameters seen valid lately pass at once
         (a frozen value is valid or not for good; clients tend to send the same ones)."""
-        if self in _VALID:
+        try:
+            if self in _VALID:
+                return
+        except TypeError:  # a list where a tuple goes (made by hand, not decoded): checked every time
+            self._check()
             return
         self._check()
         if len(_VALID) >= _VALID_KEPT:

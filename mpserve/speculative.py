@@ -32,8 +32,8 @@ class Speculative:
     a decode that verifies drafts holds only as many rows as llama.cpp's CPU kernels compute exactly as a
     lone row (``mpserve.engine.speculation.MAX_ROWS``), so the output equals the output without
     speculation token for token; false: as many as the drafts need (llama-server's way), whose larger
-    batches go through other kernels, faster per row, with logits that differ in the last digits, so a
-    close greedy choice may differ from the unspeculated one."""
+    batches go through other kernels, faster per row, whose logits differ from a lone row's, so a close
+    greedy choice may differ from the unspeculated one."""
 
     type: str = "ngram"
     n_max: int = 8

@@ -250,7 +250,7 @@ def test_a_decode_verifies_more_rows_than_the_exact_bound_only_with_exact_false(
     engine = make_engine(model_path, 1, Speculative(n_max=12, sizing="fixed", exact=exact))
     rows: list[int] = []
     observe = engine._row_costs.observe
-    engine._row_costs.observe = lambda n, seconds: (rows.append(n), observe(n, seconds))[1]  # type: ignore[method-assign]
+    engine._row_costs.observe = lambda n, seconds: (rows.append(n), observe(n, seconds))[1]
     try:
         done = serve(engine, [(PROMPTS[6], GenerateParams(max_tokens=48, temperature=0.0))])
     finally:

@@ -232,6 +232,9 @@ def test_parameters_seen_valid_pass_again_and_invalid_ones_are_refused_every_tim
         with pytest.raises(BadRequest, match="finite"):
             wire.GenerateParams(temperature=float("nan")).validate()
         wire.GenerateParams(top_p=0.5, stop=("x",)).validate()
+    with pytest.raises(BadRequest, match="'ignore_eos' must be a boolean"):  # unhashable: still named
+        wire.GenerateParams(ignore_eos=[True]).validate()
+    wire.GenerateParams(stop=["x"]).validate()
     for i in range(3 * wire._VALID_KEPT):  # distinct valid sets: the memo stays bounded
         wire.GenerateParams(max_tokens=1 + i).validate()
     assert len(wire._VALID) <= wire._VALID_KEPT
