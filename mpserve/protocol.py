@@ -1134,9 +1134,7 @@ _DECODERS: dict[MsgType, Any] = {
 
 @functools.cache
 def _field_names(cls: type) -> tuple[str, ...]:
-    if issubclass(cls, msgspec.Struct):
-        return cls.__struct_fields__
-    return tuple(f.name for f in dataclasses.fields(cls)) if dataclasses.is_dataclass(cls) else ()
+    return tuple(f.name for f in dataclasses.fields(cls))
 
 
 _ENCODER = msgspec.msgpack.Encoder()
