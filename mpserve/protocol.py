@@ -1154,7 +1154,12 @@ def encode(msg: Any) -> list[bytes]:
 def encode_from_worker(msg: Any, ticket: str = "", trailer: bytes | None = None) -> list[bytes]:
     """[VERSION, TYPE, TICKET, BODY] for a message a worker sends to the broker; a CHUNK may add TOKENS, a DONE
     or ERROR for an ASSIGN and a READY a CACHE frame."""
-    frames = [VERSION, TYPE_FRAMES[msg.TYPE], ticket.encode(), pack(msg)]
+    return worker_frames(msg.TYPE, ticket, pack(msg), trailer)
+
+
+def worker_frames(mtype: MsgType, ticket: str, body: bytes, trailer: bytes | None = None) -> list[bytes]:
+    """The frames of a worker's message whose body is packed already."""
+    frames = [VERSION, TYPE_FRAMES[mtype], ticket.encode(), body]
     return frames if trailer is None else [*frames, trailer]
 
 

@@ -436,9 +436,7 @@ class _Outbox:
         self._entries, self._bytes = [], 0
         if len(entries) > 1:
             return wire.encode_step(entries)
-        mtype, ticket, body, trailer = entries[0]
-        frames = [wire.VERSION, wire.TYPE_FRAMES[mtype], ticket.encode(), body]
-        return frames if trailer is None else [*frames, trailer]
+        return wire.worker_frames(*entries[0])
 
 
 def _size(body: bytes, trailer: bytes | None) -> int:
