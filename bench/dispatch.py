@@ -7,7 +7,9 @@ that sends every message straight back: two processes, one ipc round trip, no de
 The server runs two ways: one instance with one slot (each request waits for the one before it to be
 answered: at 64 in flight this is the broker <-> worker round trip, not the broker's capacity) and one
 instance with 64 slots (``--parallel 64``: the 64 in flight run at once, so the rate is what broker and
-worker can process, the figure that matters for a pool of many slots).
+worker can process, the figure that matters for a pool of many slots). A third server, one slot with
+``--busy-poll-us 0``, shows at 1 in flight what the broker's busy polling (``mpserve.server.waiting``) buys
+and what CPU it spends.
 
 Two clients drive mpserve:
 
@@ -40,6 +42,8 @@ from .settings import Settings
 
 IN_FLIGHT = (1, 64)
 WIDE = 64  # slots of the second server: as many as requests in flight
+NARROW = "1"
+SLEEPING = "1, --busy-poll-us 0"
 P50_TARGET = 2.5
 RATE_TARGET = 10_000.0
 _names = itertools.count(1)
@@ -65,26 +69,27 @@ def run(settings: Settings) -> Section:
                       "raw pyzmq DEALER→ROUTER echo between two processes, same client loop")
     counts = {1: settings.pick(100, 3000), 64: settings.pick(1000, 30000)}
     clients = {"raw DEALER": _dealer_round_trips, "AsyncClient": _async_round_trips}
-    runs = [(1, k) for k in IN_FLIGHT] + [(WIDE, IN_FLIGHT[-1])]  # (slots, in flight)
-    cases = {(client, slots, k): Case({"client": client, "slots": str(slots), "in flight": str(k)},
-                                      [Figure("p50", "µs"), Figure("p99", "µs"), Figure("req/s", "req/s"),
-                                       Figure("server CPU/req", "µs"), Figure("client CPU/req", "µs")])
-             for client in clients for slots, k in runs}
+    runs = [(NARROW, k) for k in IN_FLIGHT] + [(str(WIDE), IN_FLIGHT[-1]), (SLEEPING, 1)]  # (server, in flight)
+    cases = {(client, server, k): Case({"client": client, "slots": server, "in flight": str(k)},
+                                       [Figure("p50", "µs"), Figure("p99", "µs"), Figure("req/s", "req/s"),
+                                        Figure("server CPU/req", "µs"), Figure("client CPU/req", "µs")])
+             for client in clients for server, k in runs}
     floor_address = f"ipc://{runtime_dir()}/floor{next(_names)}.sock"
     floor = _start_floor(floor_address)
     try:
         with MpserveServer("--model", "echo", "--instances", "1") as narrow, \
-                MpserveServer("--model", "echo", "--instances", "1", "--parallel", str(WIDE)) as wide:
-            servers = {1: narrow, WIDE: wide}
+                MpserveServer("--model", "echo", "--instances", "1", "--parallel", str(WIDE)) as wide, \
+                MpserveServer("--model", "echo", "--instances", "1", "--busy-poll-us", "0") as sleeping:
+            servers = {NARROW: narrow, str(WIDE): wide, SLEEPING: sleeping}
             for server in servers.values():
                 server.wait_ready()
-            pids = {slots: [server.proc.pid, *server.worker_pids()] for slots, server in servers.items()}
+            pids = {label: [server.proc.pid, *server.worker_pids()] for label, server in servers.items()}
             for _ in range(settings.repeat):
-                for slots, k in runs:
+                for label, k in runs:
                     base = _dealer_round_trips(floor_address, counts[k], k, [floor.pid])
                     for client, measure in clients.items():
-                        got = measure(servers[slots].address, counts[k], k, pids[slots])
-                        for figure, value, baseline in zip(cases[client, slots, k].figures, _figures(got),
+                        got = measure(servers[label].address, counts[k], k, pids[label])
+                        for figure, value, baseline in zip(cases[client, label, k].figures, _figures(got),
                                                            _figures(base), strict=True):
                             figure.add(value, baseline)
     finally:
@@ -92,15 +97,17 @@ def run(settings: Settings) -> Section:
         floor.join()
     section.cases = list(cases.values())
     for client in clients:
-        p50 = cases[client, 1, 1].figure("p50")
+        p50 = cases[client, NARROW, 1].figure("p50")
         section.targets.append(
             Target(f"dispatch p50, 1 in flight, {client}: ≤ {P50_TARGET}× raw", p50.ratio, "<=", P50_TARGET))
-        for slots in (1, WIDE):
-            rate = cases[client, slots, IN_FLIGHT[-1]].figure("req/s")
+        for label in (NARROW, str(WIDE)):
+            rate = cases[client, label, IN_FLIGHT[-1]].figure("req/s")
             section.targets.append(
-                Target(f"dispatch rate, 64 in flight, {slots} slot{'s' if slots > 1 else ''}, {client}: "
+                Target(f"dispatch rate, 64 in flight, {label} slot{'s' if label != NARROW else ''}, {client}: "
                        f"≥ {RATE_TARGET:,.0f} req/s", rate.value, ">=", RATE_TARGET, "req/s"))
-    section.notes.append(f"mpserve runs 1 echo instance, with 1 slot or with {WIDE}. Requests per measurement: "
+    section.notes.append(f"mpserve runs 1 echo instance, with 1 slot or with {WIDE}; \"{SLEEPING}\" is one slot "
+                         "with the broker's busy polling off (it blocks in poll at once after each message). "
+                         "Requests per measurement: "
                          f"{counts[1]} at 1 in flight, "
                          f"{counts[64]} at 64. raw DEALER encodes requests before timing and decodes every reply; "
                          "it measures the broker path alone. AsyncClient adds mpserve's client cost. CPU per request "

@@ -99,6 +99,7 @@ class ServerConfig:
     idle_timeout: float = 0.0  # 0: never unload
     client_timeout: float = 5.0
     stream_interval: float = 0.02  # seconds between a streamed request's chunks after its first; 0: every token
+    busy_poll_us: float = 250.0  # the broker polls this long after a message before it sleeps (mpserve.server.waiting)
     curve_secret: str | None = None
     curve_clients: str | None = None
     curve_workers: str | None = None  # folder of allowed remote workers' public keys

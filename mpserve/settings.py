@@ -151,6 +151,10 @@ SETTINGS: tuple[Setting, ...] = (
     _s("stream_interval", "server", float, "0.02", "Seconds between a streamed request's chunks after its first; "
        "the tokens in between go together (0: a chunk per token)", cli_type=float, range=(0, 1),
        commands=_FOR_POOLS),
+    _s("busy_poll_us", "server", float, "250", "Microseconds the broker keeps polling after a message before it "
+       "sleeps, while the host has CPU to spare and messages come that close together: lower latency for some "
+       "CPU (0: sleep at once)", cli_type=float,
+       range=(0, 100_000)),
     _s("curve_secret", "server", str, "none", "Server secret key file (mpserve keygen)"),
     _s("curve_clients", "server", str, "none", "Folder of allowed clients' public .key files"),
     _s("curve_workers", "server", str, "none", "Folder of allowed remote pools' public .key files"),

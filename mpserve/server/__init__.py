@@ -11,4 +11,5 @@
     layout      devices discovered, instances placed, worker specs built (also ``mpserve plan``)
     pool        ``mpserve worker --connect``: a supervisor without a broker, for remote hosts
     signals     a self-pipe that turns signals into something the poll loop can wait on
+    waiting     how the loop waits: busy polling for a moment after a message, where the host has CPU to spare
 """

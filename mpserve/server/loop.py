@@ -2,7 +2,8 @@
 
 A single poll loop waits on the client socket, the worker socket, every worker's process sentinel and
 a self-pipe that signal handlers write to (handlers do nothing else), with a timeout set by the nearest
-request deadline, worker restart or shutdown deadline. Everything is dispatched from that loop, so no
+request deadline, worker restart or shutdown deadline; after a message it first polls without sleeping for
+a moment, where that pays (``mpserve.server.waiting``). Everything is dispatched from that loop, so no
 state is touched from a signal handler or a second thread.
 
 Shutdown (SIGTERM/SIGINT): new requests get ERROR ``shutting_down``; queued and running ones finish
@@ -34,6 +35,7 @@ from .residency import Residency
 from .signals import SignalPipe
 from .state import WorkerEntry
 from .supervisor import Supervisor
+from .waiting import Waiter
 
 log = logging.getLogger("mpserve.server")
 
@@ -136,6 +138,7 @@ class _Loop:
         self._grace_deadline: float | None = None
         self._signals = SignalPipe()
         self._poller = zmq.Poller()
+        self._waiter = Waiter(config.busy_poll_us / 1e6)
         broker.on_ready = self._on_ready
         broker.on_failed = supervisor.load_failed
 
@@ -166,7 +169,7 @@ class _Loop:
     def _turn(self) -> bool:
         """One pass of the loop; False when it is time to stop."""
         self._supervisor.watch(self._poller)
-        events = dict(self._poller.poll(self._timeout_ms()))
+        events = self._waiter.wait(self._poller, self._timeout_ms())
         if self._broker.back in events:
             self._broker.drain_back()
         if self._broker.front in events:

@@ -1,0 +1,126 @@
+"""How the server's loop waits for its sockets: first polling for a short while without sleeping, then
+blocking.
+
+    a turn ends ──▶ Waiter.wait(poller, timeout_ms)
+        anything waiting?                        ──▶ return it
+        a message came less than busy_poll ago,
+        and the host had a CPU to spare          ──▶ poll without blocking until something comes or busy_poll
+                                                     has passed since the message
+        still nothing                            ──▶ poll, blocking up to timeout_ms
+
+    every GUARD_S: polling is allowed for the next interval if, over the last one,
+        the host's idle CPU time (/proc/stat) plus the time this loop spent polling was at least SPARE_CPUS
+        and in at least HIT_SHARE of the waits that began within busy_poll of a message the next one came
+        within busy_poll too (counted whether the loop polled or blocked)
+
+Why: a thread that blocks is put to sleep, and waking it takes longer than the broker's work on a message
+(on a VM the idle CPU halts, and waking it is a round trip through the hypervisor). A request served alone
+crosses the broker twice, so each wake-up is on its path. After a message the answer or the next request
+often comes within the busy_poll window; polling catches it awake.
+
+Polling spends a CPU, so it is done only where the host has CPU to spare: where the models' threads keep
+every CPU busy (a CPU-only host) the guard finds none idle and the loop blocks as before; where they do not
+(a GPU host, the echo backend) the broker keeps one CPU busy while messages come and lets it go
+``busy_poll`` after the last one. The polling time counts as idle in the guard, or polling would switch
+itself off. Where messages come further apart than busy_poll (a model's tokens, a loaded pool's steps)
+polling would only burn the CPU, and the second rule turns it off.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections.abc import Callable
+from typing import Any, Protocol
+
+log = logging.getLogger("mpserve.server")
+
+GUARD_S = 0.25
+SPARE_CPUS = 0.5  # idle CPUs, on average over GUARD_S, that allow polling
+HIT_SHARE = 0.5  # and the share of waits in which the next message came within busy_poll
+STAT = "/proc/stat"
+
+
+class Pollable(Protocol):
+    def poll(self, timeout: int | None = ..., /) -> list[tuple[Any, int]]: ...
+
+
+def host_idle_s(path: str = STAT) -> float | None:
+    """CPU seconds the host's CPUs together have spent idle since boot (idle and iowait), or None where the
+    file cannot be read (not Linux)."""
+    try:
+        with open(path, "rb") as f:
+            fields = f.readline().split()
+        return (int(fields[4]) + int(fields[5])) / os.sysconf("SC_CLK_TCK")
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+class Waiter:
+    """``busy_poll_s`` 0: every wait blocks at once."""
+
+    def __init__(self, busy_poll_s: float, idle_s: Callable[[], float | None] = host_idle_s,
+                 clock: Callable[[], float] = time.perf_counter) -> None:
+        self._busy_s = busy_poll_s
+        self._idle_s = idle_s
+        self._clock = clock
+        self._last_event = -busy_poll_s
+        self._allowed = False  # until the first interval has shown a spare CPU
+        self._paying = True  # whether the next message came within busy_poll, in most waits lately
+        self._guard_from = clock()
+        self._guard_idle = idle_s() if busy_poll_s else None
+        self._polled_s = 0.0  # since the guard's last look: time spent polling,
+        self._hits = 0  # waits that began within busy_poll of a message and got the next one within it,
+        self._misses = 0  # and those that did not
+
+    @property
+    def polling_allowed(self) -> bool:
+        return self._allowed
+
+    def wait(self, poller: Pollable, timeout_ms: int) -> dict[Any, int]:
+        events = poller.poll(0)
+        if not events and timeout_ms:
+            events = self._poll_then_block(poller, timeout_ms) if self._busy_s else poller.poll(timeout_ms)
+        if events and self._busy_s:
+            self._last_event = self._clock()
+        return dict(events)
+
+    def _poll_then_block(self, poller: Pollable, timeout_ms: int) -> list[tuple[Any, int]]:
+        now = self._clock()
+        if now - self._guard_from >= GUARD_S:
+            self._guard(now)
+        window_end = self._last_event + self._busy_s
+        in_window = now < window_end
+        events: list[tuple[Any, int]] = []
+        if self._allowed and in_window:
+            started, until = now, min(window_end, now + timeout_ms / 1000)
+            while not events and now < until:
+                events = poller.poll(0)
+                now = self._clock()
+            self._polled_s += now - started
+        if not events:
+            events = poller.poll(timeout_ms)
+            now = self._clock()
+        if in_window:  # blocking or not, whether polling would have caught this message
+            if events and now <= window_end:
+                self._hits += 1
+            else:
+                self._misses += 1
+        return events
+
+    def _guard(self, now: float) -> None:
+        idle = self._idle_s()
+        spare = None if idle is None or self._guard_idle is None else \
+            (idle - self._guard_idle + self._polled_s) / (now - self._guard_from)
+        tried = self._hits + self._misses
+        if tried:  # an interval without messages keeps the last verdict
+            self._paying = self._hits >= HIT_SHARE * tried
+        allowed = spare is not None and spare >= SPARE_CPUS and self._paying
+        if allowed != self._allowed:
+            log.debug("busy polling %s: %s CPUs idle, %d of %d waits within %.0f µs of a message",
+                      "on" if allowed else "off", "unknown" if spare is None else f"{spare:.2f}", self._hits,
+                      tried, self._busy_s * 1e6)
+        self._allowed = allowed
+        self._guard_from, self._guard_idle = now, idle
+        self._polled_s, self._hits, self._misses = 0.0, 0, 0
