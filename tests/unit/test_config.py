@@ -82,6 +82,14 @@ def test_cache_ram_is_a_size_on_by_default_and_zero_turns_it_off() -> None:
     assert cfg.build({"models": [{"cache_ram": 0}]}).models[0].cache_ram == 0
 
 
+def test_busy_poll_is_250_us_by_default_zero_turns_it_off_and_negative_is_refused() -> None:
+    assert cfg.build().busy_poll_us == 250
+    assert cfg.build({"busy_poll_us": 0}).busy_poll_us == 0
+    assert cfg.build(server={"busy_poll_us": 50.0}).busy_poll_us == 50
+    with pytest.raises(ConfigError, match="busy_poll_us: got -1.0, allowed: 0 to 100000"):
+        cfg.build({"busy_poll_us": -1})
+
+
 def test_flag_values_are_checked_like_file_values() -> None:
     with pytest.raises(ConfigError, match="instances: got -1"):
         cfg.build(model={"instances": -1})
