@@ -108,7 +108,7 @@ def run(settings: Settings) -> Section:
         f"DEALER sockets (msgpack bodies, no validation); {window_s:g} s measured per step after the streams "
         "are open. Latency: a chunk's arrival minus the time the worker made its piece (same host clock). "
         "CPU: the broker process (every thread); its baseline is every process of the run, clients included. "
-        "The broker busy-polls for a moment after each message while the host has CPU to spare "
+        "The broker busy-polls for a moment after each message while it has CPU to spare "
         "(mpserve.server.waiting), so at low rates its CPU per chunk is mostly polling; the last row is the full "
         "rate on a second server with polling off, the cost of forwarding alone. Both servers stay up, the "
         "idle one's workers asleep.")

@@ -152,7 +152,7 @@ SETTINGS: tuple[Setting, ...] = (
        "the tokens in between go together (0: a chunk per token)", cli_type=float, range=(0, 1),
        commands=_FOR_POOLS),
     _s("busy_poll_us", "server", float, "250", "Microseconds the broker keeps polling after a message before it "
-       "sleeps, while the host has CPU to spare and messages come that close together: lower latency for some "
+       "sleeps, while the server has CPU to spare and messages come that close together: lower latency for some "
        "CPU (0: sleep at once)", cli_type=float,
        range=(0, 100_000)),
     _s("curve_secret", "server", str, "none", "Server secret key file (mpserve keygen)"),

@@ -11,5 +11,6 @@
     layout      devices discovered, instances placed, worker specs built (also ``mpserve plan``)
     pool        ``mpserve worker --connect``: a supervisor without a broker, for remote hosts
     signals     a self-pipe that turns signals into something the poll loop can wait on
-    waiting     how the loop waits: busy polling for a moment after a message, where the host has CPU to spare
+    waiting     how the loop waits: busy polling for a moment after a message, where the server has CPU to spare
+    cpu_idle    the idle CPU time the server could use: its CPUs' lines of /proc/stat, its cgroup's CPU quota
 """

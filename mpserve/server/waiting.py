@@ -4,12 +4,13 @@ blocking.
     a turn ends ──▶ Waiter.wait(poller, timeout_ms)
         anything waiting?                        ──▶ return it
         a message came less than busy_poll ago,
-        and the host had a CPU to spare          ──▶ poll without blocking until something comes or busy_poll
+        and the guard allows it (below)          ──▶ poll without blocking until something comes or busy_poll
                                                      has passed since the message
         still nothing                            ──▶ poll, blocking up to timeout_ms
 
     every GUARD_S: polling is allowed for the next interval if, over the last one,
-        the host's idle CPU time (/proc/stat) plus the time this loop spent polling was at least SPARE_CPUS
+        the idle CPU time this process could have used (``cpu_idle``: its CPUs, its cgroup's quota) plus
+        the time this loop spent polling was at least SPARE_CPUS
         and in at least HIT_SHARE of the waits that began within busy_poll of a message the next one came
         within busy_poll too (counted whether the loop polled or blocked)
 
@@ -18,58 +19,48 @@ Why: a thread that blocks is put to sleep, and waking it takes longer than the b
 crosses the broker twice, so each wake-up is on its path. After a message the answer or the next request
 often comes within the busy_poll window; polling catches it awake.
 
-Polling spends a CPU, so it is done only where the host has CPU to spare: where the models' threads keep
-every CPU busy (a CPU-only host) the guard finds none idle and the loop blocks as before; where they do not
-(a GPU host, the echo backend) the broker keeps one CPU busy while messages come and lets it go
-``busy_poll`` after the last one. The polling time counts as idle in the guard, or polling would switch
-itself off. Where messages come further apart than busy_poll (a model's tokens, a loaded pool's steps)
-polling would only burn the CPU, and the second rule turns it off.
+Polling spends a CPU, so it is done only where the server has CPU to spare: where the models' threads keep
+every CPU it may use busy (a CPU-only host, or a container at its CPU limit) the guard finds none idle and
+the loop blocks as before; where they do not (a GPU host, the echo backend) the broker keeps one CPU busy
+while messages come and lets it go ``busy_poll`` after the last one. The polling time counts as idle in
+the guard, or polling would switch itself off. Where messages come further apart than busy_poll (a
+model's tokens, a loaded pool's steps) polling would only burn the CPU, and the second rule turns it off.
 """
 
 from __future__ import annotations
 
 import logging
-import os
 import time
 from collections.abc import Callable
 from typing import Any, Protocol
+
+from .cpu_idle import CpuIdle
 
 log = logging.getLogger("mpserve.server")
 
 GUARD_S = 0.25
 SPARE_CPUS = 0.5  # idle CPUs, on average over GUARD_S, that allow polling
 HIT_SHARE = 0.5  # and the share of waits in which the next message came within busy_poll
-STAT = "/proc/stat"
 
 
 class Pollable(Protocol):
     def poll(self, timeout: int | None = ..., /) -> list[tuple[Any, int]]: ...
 
 
-def host_idle_s(path: str = STAT) -> float | None:
-    """CPU seconds the host's CPUs together have spent idle since boot (idle and iowait), or None where the
-    file cannot be read (not Linux)."""
-    try:
-        with open(path, "rb") as f:
-            fields = f.readline().split()
-        return (int(fields[4]) + int(fields[5])) / os.sysconf("SC_CLK_TCK")
-    except (OSError, IndexError, ValueError):
-        return None
-
-
 class Waiter:
     """``busy_poll_s`` 0: every wait blocks at once."""
 
-    def __init__(self, busy_poll_s: float, idle_s: Callable[[], float | None] = host_idle_s,
+    def __init__(self, busy_poll_s: float, idle_s: Callable[[], tuple[float, ...] | None] | None = None,
                  clock: Callable[[], float] = time.perf_counter) -> None:
+        """``idle_s``: running totals of idle CPU seconds (``CpuIdle.seconds``, read only with busy_poll_s)."""
         self._busy_s = busy_poll_s
-        self._idle_s = idle_s
+        self._idle_s = idle_s if idle_s is not None or not busy_poll_s else CpuIdle().seconds
         self._clock = clock
         self._last_event = -busy_poll_s
         self._allowed = False  # until the first interval has shown a spare CPU
         self._paying = True  # whether the next message came within busy_poll, in most waits lately
         self._guard_from = clock()
-        self._guard_idle = idle_s() if busy_poll_s else None
+        self._guard_idle = self._idle_s() if self._idle_s is not None else None
         self._polled_s = 0.0  # since the guard's last look: time spent polling,
         self._hits = 0  # waits that began within busy_poll of a message and got the next one within it,
         self._misses = 0  # and those that did not
@@ -110,9 +101,10 @@ class Waiter:
         return events
 
     def _guard(self, now: float) -> None:
-        idle = self._idle_s()
-        spare = None if idle is None or self._guard_idle is None else \
-            (idle - self._guard_idle + self._polled_s) / (now - self._guard_from)
+        assert self._idle_s is not None
+        idle, before = self._idle_s(), self._guard_idle
+        spare = None if idle is None or before is None or len(idle) != len(before) else \
+            (min(b - a for a, b in zip(before, idle, strict=True)) + self._polled_s) / (now - self._guard_from)
         tried = self._hits + self._misses
         if tried:  # an interval without messages keeps the last verdict
             self._paying = self._hits >= HIT_SHARE * tried

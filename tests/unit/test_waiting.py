@@ -2,13 +2,11 @@
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
 import pytest
 
-from mpserve.server import waiting
-from mpserve.server.waiting import GUARD_S, Waiter, host_idle_s
+from mpserve.server.waiting import GUARD_S, Waiter
 
 pytestmark = pytest.mark.timeout(10)
 
@@ -47,10 +45,10 @@ class Idle:
         self.clock, self.per_s = clock, per_s
         self._total, self._at = 0.0, clock.now
 
-    def __call__(self) -> float:
+    def __call__(self) -> tuple[float, ...]:
         self._total += (self.clock.now - self._at) * self.per_s
         self._at = self.clock.now
-        return self._total
+        return (self._total,)
 
 
 def _after_a_message(waiter: Waiter, clock: Clock) -> None:
@@ -146,25 +144,21 @@ def test_polling_stops_where_messages_come_later_than_busy_poll_and_resumes_wher
     assert waiter.polling_allowed
 
 
-def test_without_a_readable_stat_file_it_never_polls(tmp_path: Path) -> None:
+def test_the_least_idle_source_decides() -> None:
+    """The CPUs idle, but the cgroup's quota is used up: no polling."""
+    clock = Clock()
+    cpus, quota = Idle(clock, 1.5), Idle(clock, 0.1)
+    waiter = Waiter(250e-6, lambda: (*cpus(), *quota()), clock)
+    _after_a_message(waiter, clock)
+    assert not waiter.polling_allowed
+    quota.per_s = 1.0
+    clock.now += GUARD_S
+    waiter.wait(Poller(clock, empty_polls=1), 1000)
+    assert waiter.polling_allowed
+
+
+def test_without_a_readable_stat_file_it_never_polls() -> None:
     clock = Clock()
     waiter = Waiter(250e-6, lambda: None, clock)
     _after_a_message(waiter, clock)
     assert not waiter.polling_allowed
-
-
-def test_host_idle_s_reads_idle_and_iowait(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    stat = tmp_path / "stat"
-    stat.write_text("cpu  10 0 20 300 7 0 0 0 0 0\ncpu0 5 0 10 150 3 0 0 0 0 0\n")
-    monkeypatch.setattr(waiting.os, "sysconf", lambda name: 100)
-    assert host_idle_s(str(stat)) == pytest.approx(3.07)
-    assert host_idle_s(str(tmp_path / "missing")) is None
-    stat.write_text("cpu 1 2\n")
-    assert host_idle_s(str(stat)) is None
-
-
-def test_host_idle_s_reads_this_host() -> None:
-    if not Path(waiting.STAT).exists():
-        pytest.skip(f"{waiting.STAT} is Linux's")
-    idle = host_idle_s()
-    assert idle is not None and idle > 0
