@@ -3,21 +3,21 @@ blocking.
 
     a turn ends ──▶ Waiter.wait(poller, timeout_ms)
         anything waiting?                        ──▶ return it
-        a message came less than busy_poll ago,
+        the loop ran out of work less than busy_poll ago,
         and the guard allows it (below)          ──▶ poll without blocking until something comes or busy_poll
-                                                     has passed since the message
+                                                     has passed since then
         still nothing                            ──▶ poll, blocking up to timeout_ms
 
     every GUARD_S: polling is allowed for the next interval if, over the last one,
         the idle CPU time this process could have used (``cpu_idle``: its CPUs, its cgroup's quota) plus
         the time this loop spent polling was at least SPARE_CPUS
-        and in at least HIT_SHARE of the waits that began within busy_poll of a message the next one came
-        within busy_poll too (counted whether the loop polled or blocked)
+        and in at least HIT_SHARE of the waits that began within that window a message came within it
+        (counted whether the loop polled or blocked)
 
 Why: a thread that blocks is put to sleep, and waking it takes longer than the broker's work on a message
 (on a VM the idle CPU halts, and waking it is a round trip through the hypervisor). A request served alone
-crosses the broker twice, so each wake-up is on its path. After a message the answer or the next request
-often comes within the busy_poll window; polling catches it awake.
+crosses the broker twice, so each wake-up is on its path. After the broker has handled a message the answer
+or the next request often comes within busy_poll; polling catches it awake.
 
 Polling spends a CPU, so it is done only where the server has CPU to spare: where the models' threads keep
 every CPU it may use busy (a CPU-only host, or a container at its CPU limit) the guard finds none idle and
@@ -40,7 +40,7 @@ log = logging.getLogger("mpserve.server")
 
 GUARD_S = 0.25
 SPARE_CPUS = 0.5  # idle CPUs, on average over GUARD_S, that allow polling
-HIT_SHARE = 0.5  # and the share of waits in which the next message came within busy_poll
+HIT_SHARE = 0.5  # and the share of waits in which a message came within the window
 
 
 class Pollable(Protocol):
@@ -56,13 +56,14 @@ class Waiter:
         self._busy_s = busy_poll_s
         self._idle_s = idle_s if idle_s is not None or not busy_poll_s else CpuIdle().seconds
         self._clock = clock
-        self._last_event = -busy_poll_s
+        self._had_work = False  # the last wait found messages: the turn after it had work to do
+        self._window_end = 0.0  # busy_poll after the loop last ran out of work
         self._allowed = False  # until the first interval has shown a spare CPU
         self._paying = True  # whether the next message came within busy_poll, in most waits lately
         self._guard_from = clock()
         self._guard_idle = self._idle_s() if self._idle_s is not None else None
         self._polled_s = 0.0  # since the guard's last look: time spent polling,
-        self._hits = 0  # waits that began within busy_poll of a message and got the next one within it,
+        self._hits = 0  # waits that began within the window and got a message within it,
         self._misses = 0  # and those that did not
 
     @property
@@ -73,15 +74,16 @@ class Waiter:
         events = poller.poll(0)
         if not events and timeout_ms:
             events = self._poll_then_block(poller, timeout_ms) if self._busy_s else poller.poll(timeout_ms)
-        if events and self._busy_s:
-            self._last_event = self._clock()
+        self._had_work = bool(events)
         return dict(events)
 
     def _poll_then_block(self, poller: Pollable, timeout_ms: int) -> list[tuple[Any, int]]:
         now = self._clock()
         if now - self._guard_from >= GUARD_S:
             self._guard(now)
-        window_end = self._last_event + self._busy_s
+        if self._had_work:  # the loop has just run out of work: the window opens
+            self._window_end = now + self._busy_s
+        window_end = self._window_end
         in_window = now < window_end
         events: list[tuple[Any, int]] = []
         if self._allowed and in_window:
@@ -110,9 +112,9 @@ class Waiter:
             self._paying = self._hits >= HIT_SHARE * tried
         allowed = spare is not None and spare >= SPARE_CPUS and self._paying
         if allowed != self._allowed:
-            log.debug("busy polling %s: %s CPUs idle, %d of %d waits within %.0f µs of a message",
-                      "on" if allowed else "off", "unknown" if spare is None else f"{spare:.2f}", self._hits,
-                      tried, self._busy_s * 1e6)
+            log.debug("busy polling %s: %s CPUs idle, a message within %.0f µs in %d of %d waits",
+                      "on" if allowed else "off", "unknown" if spare is None else f"{spare:.2f}",
+                      self._busy_s * 1e6, self._hits, tried)
         self._allowed = allowed
         self._guard_from, self._guard_idle = now, idle
         self._polled_s, self._hits, self._misses = 0.0, 0, 0

@@ -22,11 +22,12 @@ class Clock:
 
 
 class Poller:
-    """Answers poll(0) with nothing until ``empty_polls`` have passed, then with an event; each call moves the
-    clock by ``step``. Records every timeout it was called with."""
+    """Answers poll(0) with nothing until ``empty_polls`` have passed, then with an event; a blocking poll with an
+    event, or (``times_out``) with nothing after its timeout. Each call moves the clock by ``step``. Records
+    every timeout it was called with."""
 
-    def __init__(self, clock: Clock, empty_polls: int = 0, step: float = 0.0) -> None:
-        self.clock, self.empty_polls, self.step = clock, empty_polls, step
+    def __init__(self, clock: Clock, empty_polls: int = 0, step: float = 0.0, times_out: bool = False) -> None:
+        self.clock, self.empty_polls, self.step, self.times_out = clock, empty_polls, step, times_out
         self.timeouts: list[int | None] = []
 
     def poll(self, timeout: int | None = None, /) -> list[tuple[Any, int]]:
@@ -34,6 +35,9 @@ class Poller:
         self.clock.now += self.step
         if timeout == 0 and self.empty_polls > 0:
             self.empty_polls -= 1
+            return []
+        if timeout != 0 and self.times_out:
+            self.clock.now += timeout / 1000 if timeout else 0
             return []
         return EVENT
 
@@ -86,23 +90,26 @@ def test_it_blocks_when_no_cpu_was_idle() -> None:
     assert poller.timeouts == [0, 1000]
 
 
-def test_polling_stops_busy_poll_after_the_last_message_and_then_blocks() -> None:
+def test_polling_stops_busy_poll_after_the_loop_ran_out_of_work_and_then_blocks() -> None:
     clock = Clock()
     waiter = Waiter(250e-6, Idle(clock, 1.5), clock)
     _after_a_message(waiter, clock)
     poller = Poller(clock, empty_polls=1000, step=10e-6)
     waiter.wait(poller, 1000)
     assert poller.timeouts[-1] == 1000
-    assert 20 <= poller.timeouts.count(0) <= 27  # 250 µs of 10 µs polls, from the last message
+    assert 20 <= poller.timeouts.count(0) <= 27  # 250 µs of 10 µs polls
 
 
-def test_a_wait_long_after_the_last_message_does_not_poll() -> None:
+def test_the_window_opens_when_the_loop_runs_out_of_work_not_again_after_a_wait_in_vain() -> None:
     clock = Clock()
     waiter = Waiter(250e-6, Idle(clock, 1.5), clock)
     _after_a_message(waiter, clock)
-    clock.now += 1.0
+    clock.now += 1.0  # a long turn: the window opens when it ends
+    poller = Poller(clock, empty_polls=1000, step=10e-6, times_out=True)
+    assert waiter.wait(poller, 1000) == {}
+    assert poller.timeouts[-1] == 1000 and 20 <= poller.timeouts.count(0) <= 27
     poller = Poller(clock, empty_polls=5, step=10e-6)
-    waiter.wait(poller, 1000)
+    waiter.wait(poller, 1000)  # nothing came since: no window
     assert poller.timeouts == [0, 1000]
 
 
