@@ -1,7 +1,13 @@
 """Clients: ``AsyncClient`` (asyncio) and ``Client`` (sync, a thin facade over the async one).
 
-One DEALER connection carries any number of concurrent requests; a reader task sorts incoming
-messages by request id. Liveness follows the Paranoid Pirate pattern, both ways: while requests are
+One DEALER connection carries any number of concurrent requests. The event loop watches the socket's
+descriptor; its callback takes every waiting message and sorts them by request id, and sends go out at
+once from the coroutine that makes them (the callback sends those that met the high-water mark):
+
+    generate/stream/... ──send now (NOBLOCK) or queue until POLLOUT──▶ DEALER ──▶ broker
+    event loop: descriptor readable ──▶ _on_events: recv while POLLIN ──▶ the request's queue
+    (ZeroMQ signals its descriptor on edges, so every send is followed by the same check)
+ Liveness follows the Paranoid Pirate pattern, both ways: while requests are
 pending the client pings every ``PING_INTERVAL_S`` (so the broker can tell a waiting client from a
 vanished one, whose requests it cancels), any message from the server counts as its heartbeat, and after
 ``PING_INTERVAL_S × PING_LIVENESS`` of silence every pending request fails with ``ConnectionFailed``.
@@ -29,12 +35,12 @@ import itertools
 import os
 import threading
 import time
+from collections import deque
 from collections.abc import AsyncGenerator, Coroutine, Iterator
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import zmq
-import zmq.asyncio
 import zmq.auth
 
 from . import protocol as wire
@@ -133,11 +139,13 @@ class AsyncClient:
         self.timeout = timeout
         self._connect_timeout = connect_timeout
         self._curve = _curve_keys(curve_server_key, curve_secret)
-        self._ctx: zmq.asyncio.Context | None = None
-        self._sock: zmq.asyncio.Socket | None = None
+        self._ctx: zmq.Context[Any] | None = None
+        self._sock: zmq.Socket[Any] | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None  # the one that watches the socket's descriptor
+        self._unsent: deque[tuple[list[bytes], asyncio.Future[None]]] = deque()  # waiting for room (SNDHWM)
         self._pending: dict[str, asyncio.Queue[Any]] = {}
         self._ids = (f"{os.getpid():x}.{n:x}" for n in itertools.count(1))
-        self._tasks: list[asyncio.Task[None]] = []  # the reader and the keep-alive
+        self._tasks: list[asyncio.Task[None]] = []  # the keep-alive
         self._last_heard = 0.0
         self._pong = asyncio.Event()
         self._nonces = itertools.count(1)
@@ -157,7 +165,7 @@ class AsyncClient:
             return
         if self.address.startswith("ipc://") and not os.path.exists(self.address[len("ipc://"):]):
             raise ConnectionFailed(f"no server is listening at {self.address}; start one with `mpserve start`")
-        self._ctx = zmq.asyncio.Context()
+        self._ctx = zmq.Context()
         self._sock = self._ctx.socket(zmq.DEALER)
         self._sock.setsockopt(zmq.LINGER, 0)
         self._sock.setsockopt(zmq.MAXMSGSIZE, 4 * wire.MAX_MESSAGE_BYTES + 4096)
@@ -168,7 +176,9 @@ class AsyncClient:
         self._sock.connect(self.address)
         self._last_heard = time.monotonic()
         loop = asyncio.get_running_loop()
-        self._tasks = [loop.create_task(self._read()), loop.create_task(self._keep_alive())]
+        self._loop = loop
+        loop.add_reader(self._sock.fileno(), self._on_events)
+        self._tasks = [loop.create_task(self._keep_alive())]
         await self._send(wire.Ping(0))
         try:
             await asyncio.wait_for(self._pong.wait(), self._connect_timeout)
@@ -182,8 +192,16 @@ class AsyncClient:
         for task in self._tasks:
             task.cancel()
         self._tasks = []
-        self._fail_all(ConnectionFailed("the client was closed"))
+        closed = ConnectionFailed("the client was closed")
+        self._fail_all(closed)
+        for _, sent in self._unsent:
+            if not sent.done():
+                sent.set_exception(closed)
+        self._unsent.clear()
         if self._sock is not None:
+            if self._loop is not None:
+                self._loop.remove_reader(self._sock.fileno())
+                self._loop = None
             self._sock.close()
             self._sock = None
         if self._ctx is not None:
@@ -340,8 +358,7 @@ class AsyncClient:
                              f"most {self.max_message_bytes} bytes (MAX_MESSAGE_BYTES)")
         queue: asyncio.Queue[Any] = asyncio.Queue()
         self._pending[request.id] = queue
-        assert self._sock is not None
-        await self._sock.send_multipart(frames)
+        await self._write(frames)
         return queue
 
     async def _next(self, queue: asyncio.Queue[Any], request: wire.Request) -> Any:
@@ -365,20 +382,47 @@ class AsyncClient:
             await self._send(wire.Cancel(request_id))
 
     async def _send(self, msg: Any) -> None:
-        assert self._sock is not None
-        await self._sock.send_multipart(wire.encode(msg))
+        await self._write(wire.encode(msg))
 
-    async def _read(self) -> None:
-        """Deliver messages as they arrive; one wake-up takes every message already waiting, read
-        without a future each through a plain (shadow) socket."""
-        assert self._sock is not None
+    async def _write(self, frames: list[bytes]) -> None:
+        """Send at once if the socket has room (its high-water mark not reached), else when it has (in
+        order, after those already waiting); then take what the send made readable."""
         sock = self._sock
-        waiting: zmq.Socket[bytes] = zmq.Socket.shadow(sock.underlying)
-        while True:
-            self._deliver(await sock.recv_multipart())
+        if sock is None:
+            raise ConnectionFailed("the client was closed")
+        if not self._unsent:
+            try:
+                zmqio.send(sock, frames, zmqio.NOBLOCK)
+            except zmq.Again:
+                pass
+            else:
+                self._on_events()
+                return
+        sent: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._unsent.append((frames, sent))
+        self._on_events()
+        await sent
+
+    def _on_events(self) -> None:
+        """The socket's descriptor is readable, or a send may have changed what the socket holds: deliver every
+        waiting message, and send what waits for room, until neither is possible."""
+        sock = self._sock
+        heard = False
+        while sock is not None:
+            events = zmqio.events(sock)
+            if events & zmqio.POLLIN:
+                self._deliver(zmqio.recv(sock, zmqio.NOBLOCK))
+                heard = True
+            elif self._unsent and events & zmqio.POLLOUT:
+                frames, sent = self._unsent.popleft()
+                if not sent.done():  # one whose sender gave up is not sent
+                    zmqio.send(sock, frames, zmqio.NOBLOCK)
+                    sent.set_result(None)
+            else:
+                break
+            sock = self._sock  # a delivery may have closed the client
+        if heard:
             self._last_heard = time.monotonic()
-            while zmqio.readable(waiting):
-                self._deliver(zmqio.recv(waiting, zmqio.NOBLOCK))
 
     async def _keep_alive(self) -> None:
         """While requests are pending: ping every PING_INTERVAL_S, and fail them all once the server has

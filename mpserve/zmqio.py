@@ -1,9 +1,10 @@
 """Multipart messages in and out of plain (not asyncio) ZeroMQ sockets, through pyzmq's backend calls with
-plain int flags: the broker, the worker and the client's reader send and receive every message here.
+plain int flags: the broker, the worker and the clients send and receive every message here.
 
     send(sock, frames, NOBLOCK)   a frame at a time, SNDMORE on all but the last
     recv(sock, NOBLOCK)           a frame at a time while RCVMORE
     readable(sock)                a message is waiting (EVENTS & POLLIN), without a receive that fails
+    events(sock)                  EVENTS: POLLIN and POLLOUT as ints
 
 pyzmq's ``send_multipart`` and ``recv_multipart`` do the same through its Python layer (``zmq.sugar``),
 which builds IntFlag enums for every flag it combines and checks each frame's type, and a receive that
@@ -22,7 +23,8 @@ NOBLOCK = int(zmq.NOBLOCK)
 _SNDMORE = int(zmq.SNDMORE)
 _RCVMORE = int(zmq.RCVMORE)
 _EVENTS = int(zmq.EVENTS)
-_POLLIN = int(zmq.POLLIN)
+POLLIN = int(zmq.POLLIN)
+POLLOUT = int(zmq.POLLOUT)
 _send = _Backend.send
 _recv = _Backend.recv
 _get = _Backend.get
@@ -46,4 +48,9 @@ def recv(sock: zmq.Socket[Any], flags: int = 0) -> list[bytes]:
 
 def readable(sock: zmq.Socket[Any]) -> bool:
     """Whether a message is waiting on ``sock``."""
-    return bool(cast(int, _get(sock, _EVENTS)) & _POLLIN)
+    return bool(cast(int, _get(sock, _EVENTS)) & POLLIN)
+
+
+def events(sock: zmq.Socket[Any]) -> int:
+    """``sock``'s EVENTS (POLLIN: a message is waiting; POLLOUT: a message would be taken)."""
+    return cast(int, _get(sock, _EVENTS))
