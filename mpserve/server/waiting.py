@@ -8,11 +8,12 @@ blocking.
                                                      has passed since then
         still nothing                            ──▶ poll, blocking up to timeout_ms
 
-    every GUARD_S: polling is allowed for the next interval if, over the last one,
-        the idle CPU time this process could have used (``cpu_idle``: its CPUs, its cgroup's quota) plus
-        the time this loop spent polling was at least SPARE_CPUS
-        and in at least HIT_SHARE of the waits that began within that window a message came within it
-        (counted whether the loop polled or blocked)
+    polling is allowed while both hold:
+        every GUARD_S: the idle CPU time this process could have used (``cpu_idle``: its CPUs, its cgroup's
+            quota) plus the time this loop spent polling, over the interval, was at least SPARE_CPUS
+        every HIT_WAITS waits that began within a window (and every GUARD_S): in at least HIT_SHARE of them a
+            message came within the window (counted whether the loop polled or blocked), so that polling
+            that stopped paying stops within a few milliseconds under load
 
 Why: a thread that blocks is put to sleep, and waking it takes longer than the broker's work on a message
 (on a VM the idle CPU halts, and waking it is a round trip through the hypervisor). A request served alone
@@ -40,7 +41,8 @@ log = logging.getLogger("mpserve.server")
 
 GUARD_S = 0.25
 SPARE_CPUS = 0.5  # idle CPUs, on average over GUARD_S, that allow polling
-HIT_SHARE = 0.5  # and the share of waits in which a message came within the window
+HIT_SHARE = 0.5  # and the share of waits in which a message came within the window,
+HIT_WAITS = 32  # judged every this many waits that began within a window (and every GUARD_S)
 
 
 class Pollable(Protocol):
@@ -59,7 +61,8 @@ class Waiter:
         self._had_work = False  # the last wait found messages: the turn after it had work to do
         self._window_end = 0.0  # busy_poll after the loop last ran out of work
         self._allowed = False  # until the first interval has shown a spare CPU
-        self._paying = True  # whether the next message came within busy_poll, in most waits lately
+        self._paying = True  # whether a message came within the window, in most waits lately
+        self._spare: float | None = None  # idle CPUs the server could use, over the guard's last interval
         self._guard_from = clock()
         self._guard_idle = self._idle_s() if self._idle_s is not None else None
         self._polled_s = 0.0  # since the guard's last look: time spent polling,
@@ -100,21 +103,34 @@ class Waiter:
                 self._hits += 1
             else:
                 self._misses += 1
+            if self._hits + self._misses >= HIT_WAITS:
+                self._judge_hits()
         return events
 
     def _guard(self, now: float) -> None:
+        """Every GUARD_S: whether the CPU the server may use had enough idle (and the hits so far, if any)."""
         assert self._idle_s is not None
         idle, before = self._idle_s(), self._guard_idle
         spare = None if idle is None or before is None or len(idle) != len(before) else \
             (min(b - a for a, b in zip(before, idle, strict=True)) + self._polled_s) / (now - self._guard_from)
+        self._spare = spare
+        self._guard_from, self._guard_idle, self._polled_s = now, idle, 0.0
+        if self._hits + self._misses:
+            self._judge_hits()  # an interval without messages keeps the last verdict
+        else:
+            self._decide()
+
+    def _judge_hits(self) -> None:
+        """Every HIT_WAITS waits in a window (or at the guard's look): whether polling caught enough."""
         tried = self._hits + self._misses
-        if tried:  # an interval without messages keeps the last verdict
-            self._paying = self._hits >= HIT_SHARE * tried
+        self._paying = self._hits >= HIT_SHARE * tried
+        self._decide(f", a message within {self._busy_s * 1e6:.0f} µs in {self._hits} of {tried} waits")
+        self._hits = self._misses = 0
+
+    def _decide(self, hits: str = "") -> None:
+        spare = self._spare
         allowed = spare is not None and spare >= SPARE_CPUS and self._paying
         if allowed != self._allowed:
-            log.debug("busy polling %s: %s CPUs idle, a message within %.0f µs in %d of %d waits",
-                      "on" if allowed else "off", "unknown" if spare is None else f"{spare:.2f}",
-                      self._busy_s * 1e6, self._hits, tried)
+            log.debug("busy polling %s: %s CPUs idle%s", "on" if allowed else "off",
+                      "unknown" if spare is None else f"{spare:.2f}", hits)
         self._allowed = allowed
-        self._guard_from, self._guard_idle = now, idle
-        self._polled_s, self._hits, self._misses = 0.0, 0, 0

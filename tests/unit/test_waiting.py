@@ -6,7 +6,7 @@ from typing import Any
 
 import pytest
 
-from mpserve.server.waiting import GUARD_S, Waiter
+from mpserve.server.waiting import GUARD_S, HIT_WAITS, Waiter
 
 pytestmark = pytest.mark.timeout(10)
 
@@ -149,6 +149,19 @@ def test_polling_stops_where_messages_come_later_than_busy_poll_and_resumes_wher
     clock.now += GUARD_S
     waiter.wait(Poller(clock, empty_polls=1), 1000)
     assert waiter.polling_allowed
+
+
+def test_polling_that_stops_paying_stops_after_hit_waits_waits_not_a_guard_interval() -> None:
+    clock = Clock()
+    waiter = Waiter(250e-6, Idle(clock, 1.5), clock)
+    _after_a_message(waiter, clock)
+    assert waiter.polling_allowed
+    started = clock.now
+    for _ in range(HIT_WAITS):  # each polls 250 µs in vain; the message comes after 1 ms
+        waiter.wait(Poller(clock, empty_polls=1000, step=10e-6), 1000)
+        clock.now += 1e-3
+    assert clock.now - started < GUARD_S
+    assert not waiter.polling_allowed
 
 
 def test_the_least_idle_source_decides() -> None:
