@@ -63,6 +63,15 @@ def _after_a_message(waiter: Waiter, clock: Clock) -> None:
     assert waiter.wait(Poller(clock, empty_polls=1), 1000) == dict(EVENT)
 
 
+def _polling_waiter() -> tuple[Clock, Waiter]:
+    """A waiter with 250 µs of busy polling on a host with 1.5 CPUs idle, past its first guard: polling on."""
+    clock = Clock()
+    waiter = Waiter(250e-6, Idle(clock, 1.5), clock)
+    _after_a_message(waiter, clock)
+    assert waiter.polling_allowed
+    return clock, waiter
+
+
 def test_with_busy_poll_off_a_wait_blocks_at_once() -> None:
     clock = Clock()
     poller = Poller(clock, empty_polls=1)
@@ -71,10 +80,7 @@ def test_with_busy_poll_off_a_wait_blocks_at_once() -> None:
 
 
 def test_after_a_message_it_polls_without_sleeping_while_a_cpu_is_idle() -> None:
-    clock = Clock()
-    waiter = Waiter(250e-6, Idle(clock, 1.5), clock)
-    _after_a_message(waiter, clock)
-    assert waiter.polling_allowed
+    clock, waiter = _polling_waiter()
     poller = Poller(clock, empty_polls=5, step=10e-6)
     assert waiter.wait(poller, 1000) == dict(EVENT)
     assert poller.timeouts == [0] * 6  # the event came while polling: no blocking call
@@ -131,10 +137,7 @@ def test_the_time_spent_polling_counts_as_idle() -> None:
 
 def test_polling_stops_where_messages_come_later_than_busy_poll_and_resumes_where_they_come_sooner() -> None:
     """Counted from blocking waits too: how far apart messages come decides, with polling on or off."""
-    clock = Clock()
-    waiter = Waiter(250e-6, Idle(clock, 1.5), clock)
-    _after_a_message(waiter, clock)
-    assert waiter.polling_allowed
+    clock, waiter = _polling_waiter()
     for _ in range(10):  # messages 1 ms apart: each wait polls 250 µs in vain, then blocks
         polls = Poller(clock, empty_polls=1000, step=10e-6)
         waiter.wait(polls, 1000)
@@ -152,10 +155,7 @@ def test_polling_stops_where_messages_come_later_than_busy_poll_and_resumes_wher
 
 
 def test_polling_that_stops_paying_stops_after_hit_waits_waits_not_a_guard_interval() -> None:
-    clock = Clock()
-    waiter = Waiter(250e-6, Idle(clock, 1.5), clock)
-    _after_a_message(waiter, clock)
-    assert waiter.polling_allowed
+    clock, waiter = _polling_waiter()
     started = clock.now
     for _ in range(HIT_WAITS):  # each polls 250 µs in vain; the message comes after 1 ms
         waiter.wait(Poller(clock, empty_polls=1000, step=10e-6), 1000)
