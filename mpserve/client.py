@@ -7,10 +7,11 @@ once from the coroutine that makes them (the callback sends those that met the h
     generate/stream/... ──send now (NOBLOCK) or queue until POLLOUT──▶ DEALER ──▶ broker
     event loop: descriptor readable ──▶ _on_events: recv while POLLIN ──▶ the request's queue
     (ZeroMQ signals its descriptor on edges, so every send is followed by the same check)
- Liveness follows the Paranoid Pirate pattern, both ways: while requests are
-pending the client pings every ``PING_INTERVAL_S`` (so the broker can tell a waiting client from a
-vanished one, whose requests it cancels), any message from the server counts as its heartbeat, and after
-``PING_INTERVAL_S × PING_LIVENESS`` of silence every pending request fails with ``ConnectionFailed``.
+
+Liveness follows the Paranoid Pirate pattern, both ways: while requests are pending the client pings
+every ``PING_INTERVAL_S`` (so the broker can tell a waiting client from a vanished one, whose requests it
+cancels), any message from the server counts as its heartbeat, and after ``PING_INTERVAL_S ×
+PING_LIVENESS`` of silence every pending request fails with ``ConnectionFailed``.
 A server that is not running is reported at connect time. A request too large for the server (its
 prompt over ``MAX_PROMPT_CHARS``, or its message over the limit the server tells in PONG, which its socket
 would drop in silence) raises BadRequest before it is sent.

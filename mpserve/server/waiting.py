@@ -124,13 +124,15 @@ class Waiter:
         """Every HIT_WAITS waits in a window (or at the guard's look): whether polling caught enough."""
         tried = self._hits + self._misses
         self._paying = self._hits >= HIT_SHARE * tried
-        self._decide(f", a message within {self._busy_s * 1e6:.0f} µs in {self._hits} of {tried} waits")
+        self._decide(tried)
         self._hits = self._misses = 0
 
-    def _decide(self, hits: str = "") -> None:
+    def _decide(self, tried: int = 0) -> None:
         spare = self._spare
         allowed = spare is not None and spare >= SPARE_CPUS and self._paying
-        if allowed != self._allowed:
+        if allowed != self._allowed:  # the message is made only then: this runs every HIT_WAITS waits
             log.debug("busy polling %s: %s CPUs idle%s", "on" if allowed else "off",
-                      "unknown" if spare is None else f"{spare:.2f}", hits)
+                      "unknown" if spare is None else f"{spare:.2f}",
+                      f", a message within {self._busy_s * 1e6:.0f} µs in {self._hits} of {tried} waits"
+                      if tried else "")
         self._allowed = allowed
