@@ -224,17 +224,24 @@ model, work, threads, indices = sys.argv[1], Workload(**json.loads(sys.argv[2]))
 llm = load_direct(model, work, threads)
 print("ready", flush=True)
 sys.stdin.readline()
-started = time.perf_counter()
+started, cpu = time.perf_counter(), time.process_time()
 tokens = 0
 for i in indices.split(","):
     if tokens and time.perf_counter() - started >= work.budget_s:
         break
     tokens += direct_request(llm, work, int(i)).tokens
-print(json.dumps({"tokens": tokens, "wall_s": time.perf_counter() - started}), flush=True)
+print(json.dumps({"tokens": tokens, "wall_s": time.perf_counter() - started, "cpu_s": time.process_time() - cpu}),
+      flush=True)
 """
 
 
-def parallel_direct_tokens_per_s(model: str, work: Workload, processes: int, threads: int, n: int) -> float:
+@dataclass(frozen=True)
+class Direct:
+    tokens_per_s: float
+    cpu_s_per_token: float  # every thread of the processes, over the timed requests
+
+
+def parallel_direct(model: str, work: Workload, processes: int, threads: int, n: int) -> Direct:
     """``processes`` independent ``llama_cpp.Llama`` processes, started together, sharing ``n`` requests
     round-robin (each stops after the time budget): what the machine gives several instances with no serving
     layer."""
@@ -256,4 +263,5 @@ def parallel_direct_tokens_per_s(model: str, work: Workload, processes: int, thr
         for proc in procs:
             proc.kill()
             proc.wait()
-    return sum(r["tokens"] for r in results) / max(r["wall_s"] for r in results)
+    return Direct(sum(r["tokens"] for r in results) / max(r["wall_s"] for r in results),
+                  sum(r["cpu_s"] for r in results) / max(1, sum(r["tokens"] for r in results)))

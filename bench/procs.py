@@ -216,11 +216,18 @@ class CpuMeter:
         return sum(cpu_seconds(pid) for pid in self._pids)
 
 
-def cpu_seconds(pid: int) -> float:
-    """Time on CPU of every live thread of ``pid`` (/proc/PID/task/*/schedstat, nanoseconds)."""
+ZMQ_THREADS = "ZMQbg/"
+"""How libzmq names its own threads (I/O, reaper)."""
+
+
+def cpu_seconds(pid: int, *, zmq: bool | None = None) -> float:
+    """Time on CPU of every live thread of ``pid`` (/proc/PID/task/*/schedstat, nanoseconds); ``zmq``:
+    libzmq's own threads only (True), or all the others (False)."""
     total = 0
     for task in Path(f"/proc/{pid}/task").iterdir():
         try:
+            if zmq is not None and (task / "comm").read_text().startswith(ZMQ_THREADS) != zmq:
+                continue
             total += int((task / "schedstat").read_text().split()[0])
         except (OSError, IndexError, ValueError):
             continue  # the thread ended between listing and reading

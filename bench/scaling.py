@@ -7,22 +7,34 @@ time as whole completions (not streamed), to show what streaming each token cost
 configuration, 1 instance × 1 thread at concurrency 2, is the reference for the two-instance target;
 and 2 instances × 1 thread are also set against 2 independent llama_cpp processes running the same
 requests at once, which is as much as this machine gives two instances whatever serves them.
+
+Where the cores fill up, what the serving layer costs shows as CPU time per token, so the one-request row
+and the independent-processes row also give it, from the scheduler's counters of every thread:
+
+    mpserve:  decoding = the workers' threads but libzmq's        direct:  decoding = all = every thread of
+              all = decoding + the workers' libzmq threads                 the llama_cpp process(es), over
+                    + the server process (the broker) + the client         the timed requests
 """
 
 from __future__ import annotations
 
 import asyncio
+import os
+import time
 from dataclasses import dataclass
 
 from . import load
 from .figures import Case, Figure, Section, Target
 from .load import GENERATION_METRICS, WHOLE_METRICS, LoadResult
-from .procs import MpserveServer
+from .procs import MpserveServer, cpu_seconds
 from .settings import Settings
 
 CONCURRENCY = (1, 2, 4, 8)
-ONE_REQUEST_TARGET = 0.97
+ONE_REQUEST_TARGET = 0.99
 TWO_INSTANCES_TARGET = 1.9
+INDEPENDENT_TARGET = 0.97  # 2 instances × 1 thread against 2 independent llama_cpp processes
+DECODING_CPU = "CPU/token, decoding"
+ALL_CPU = "CPU/token, all"
 
 
 @dataclass(frozen=True)
@@ -61,9 +73,11 @@ def run(settings: Settings) -> Section:
                 {"instances×threads": config.label, "concurrency": str(c), "streamed": "yes" if stream else "no",
                  "vs": SEQUENCE}, [Figure(name, unit) for name, unit, _ in (GENERATION_METRICS if stream else
                                                                            WHOLE_METRICS)], plotted=stream)
+            if config == first and (c, stream) == (1, True):
+                cases[config.label, c, stream].figures += _cpu_figures()
         if config.label == "2×1":
             control = Case({"instances×threads": "2×1", "concurrency": "2", "streamed": "yes", "vs": PARALLEL},
-                           [Figure("tokens/s", "tok/s")], plotted=False)
+                           [Figure("tokens/s", "tok/s"), *_cpu_figures()], plotted=False)
         _measure(settings, config, {(c, stream): cases[config.label, c, stream] for c, stream in runs},
                  control if config.label == "2×1" else None)
     section.cases = list(cases.values()) + ([control] if control else [])
@@ -77,6 +91,10 @@ def run(settings: Settings) -> Section:
         pair = Figure("tokens/s", "tok/s", two.figure("tokens/s").values, one.figure("tokens/s").values)
         section.targets.append(Target(f"2 instances × 1 thread: ≥ {TWO_INSTANCES_TARGET}× of 1 × 1 thread at "
                                       "concurrency 2", pair.ratio, ">=", TWO_INSTANCES_TARGET))
+    if control is not None:
+        section.targets.append(Target(f"2 instances × 1 thread: ≥ {INDEPENDENT_TARGET:.0%} of 2 independent "
+                                      "llama_cpp processes", control.figure("tokens/s").ratio, ">=",
+                                      INDEPENDENT_TARGET))
     section.notes.append(f"Greedy, {work.max_tokens} tokens per request, {len(load.PROMPTS)} "
                          f"prompts in turn, n_ctx {work.n_ctx}, streamed through AsyncClient; "
                          f"{work.requests(1)} requests per measurement (2 per lane at concurrency 8), none sent after "
@@ -85,7 +103,10 @@ def run(settings: Settings) -> Section:
                          "instances add. The row not streamed asks for whole completions (no per-token messages to "
                          "the client), against the same streamed direct runs. The last row sets 2 instances against "
                          "2 independent llama_cpp processes sharing the same requests: what the machine itself "
-                         "gives two instances.")
+                         "gives two instances. CPU/token: the scheduler's time on CPU per streamed token, of the "
+                         "threads that decode (mpserve: the workers' own, llama.cpp's among them, not libzmq's) "
+                         "and of every process of the run (mpserve: also the broker, the workers' libzmq threads "
+                         "and the client; direct: the same threads, there is nothing else).")
     return section
 
 
@@ -99,22 +120,77 @@ def _measure(settings: Settings, config: Config, cases: dict[tuple[int, bool], C
                            str(config.threads), "--n-ctx", str(work.n_ctx)) as server:
             server.wait_ready()
             asyncio.run(load.mpserve_warm_up(server.address, work, config.instances))
+            meter = _Meter(server)
             for _ in range(settings.repeat):
+                cpu = time.process_time()
                 direct = load.direct_load(llm, work, work.requests(1))
-                served = {}
+                direct_cpu = (time.process_time() - cpu) / max(1, _tokens(direct))
                 for (c, stream), case in cases.items():
-                    served[c, stream] = asyncio.run(load.mpserve_load(server.address, work, c, work.requests(c),
-                                                                      stream=stream))
-                    _add(case, served[c, stream], direct)
+                    served, use = meter.run(work, c, stream)
+                    _add(case, served, direct)
+                    if _has_cpu(case):
+                        _add_cpu(case, use, Cpu(direct_cpu, direct_cpu))
                 if control is not None:
-                    apart = load.parallel_direct_tokens_per_s(str(settings.model), work, config.instances,
-                                                              config.threads, work.requests(config.instances))
-                    control.figures[0].add(served[config.instances, True].tokens_per_s, apart)
+                    apart = load.parallel_direct(str(settings.model), work, config.instances, config.threads,
+                                                 work.requests(config.instances))
+                    served, use = meter.last[config.instances, True]
+                    control.figure("tokens/s").add(served.tokens_per_s, apart.tokens_per_s)
+                    _add_cpu(control, use, Cpu(apart.cpu_s_per_token, apart.cpu_s_per_token))
     finally:
         llm.close()
+
+
+@dataclass(frozen=True)
+class Cpu:
+    """Seconds on CPU per token: the threads that decode, and every process of the run."""
+
+    decoding_s: float
+    all_s: float
+
+
+class _Meter:
+    """Runs a load against ``server`` and reads the CPU time it took, per token, of the threads that decode
+    and of every process (the server's, the workers', this client's)."""
+
+    def __init__(self, server: MpserveServer) -> None:
+        self._server = server
+        self._workers = server.worker_pids()
+        self.last: dict[tuple[int, bool], tuple[LoadResult, Cpu]] = {}
+
+    def run(self, work: load.Workload, concurrency: int, stream: bool) -> tuple[LoadResult, Cpu]:
+        before = self._read()
+        result = asyncio.run(load.mpserve_load(self._server.address, work, concurrency, work.requests(concurrency),
+                                               stream=stream))
+        after, tokens = self._read(), max(1, _tokens(result))
+        self.last[concurrency, stream] = result, Cpu((after[0] - before[0]) / tokens, (after[1] - before[1]) / tokens)
+        return self.last[concurrency, stream]
+
+    def _read(self) -> tuple[float, float]:
+        decoding = sum(cpu_seconds(pid, zmq=False) for pid in self._workers)
+        rest = sum(cpu_seconds(pid, zmq=True) for pid in self._workers) + cpu_seconds(self._server.proc.pid) \
+            + cpu_seconds(os.getpid())
+        return decoding, decoding + rest
+
+
+def _cpu_figures() -> list[Figure]:
+    return [Figure(DECODING_CPU, "ms"), Figure(ALL_CPU, "ms")]
+
+
+def _has_cpu(case: Case) -> bool:
+    return any(f.metric == DECODING_CPU for f in case.figures)
+
+
+def _add_cpu(case: Case, served: Cpu, direct: Cpu) -> None:
+    case.figure(DECODING_CPU).add(served.decoding_s * 1000, direct.decoding_s * 1000)
+    case.figure(ALL_CPU).add(served.all_s * 1000, direct.all_s * 1000)
+
+
+def _tokens(result: LoadResult) -> int:
+    return sum(s.tokens for s in result.samples)
 
 
 def _add(case: Case, served: LoadResult, direct: LoadResult) -> None:
     reads = {name: read for name, _, read in GENERATION_METRICS}
     for figure in case.figures:
-        figure.add(reads[figure.metric](served), reads[figure.metric](direct))
+        if figure.metric in reads:
+            figure.add(reads[figure.metric](served), reads[figure.metric](direct))
