@@ -14,6 +14,10 @@ and the independent-processes row also give it, from the scheduler's counters of
     mpserve:  decoding = the workers' threads but libzmq's        direct:  decoding = all = every thread of
               all = decoding + the workers' libzmq threads                 the llama_cpp process(es), over
                     + the server process (the broker) + the client         the timed requests
+
+One more row runs the 2 independent processes again while an echo server streams the same messages with
+no model (``bench.traffic``: 2 one-slot instances, a piece per token time of the 2 × 1 run, 2 lanes),
+against the same processes alone: what the serving path's messages alone take from decoding on these cores.
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ from .figures import Case, Figure, Section, Target
 from .load import GENERATION_METRICS, WHOLE_METRICS, LoadResult
 from .procs import MpserveServer, cpu_seconds
 from .settings import Settings
+from .traffic import EchoTraffic
 
 CONCURRENCY = (1, 2, 4, 8)
 ONE_REQUEST_TARGET = 0.99
@@ -57,6 +62,7 @@ def configs(settings: Settings) -> list[Config]:
 
 SEQUENCE = "1 direct process, requests in sequence"
 PARALLEL = "2 direct processes at once"
+BESIDE = "2 direct processes beside echo streams of 2×1's messages"
 
 
 def run(settings: Settings) -> Section:
@@ -65,7 +71,7 @@ def run(settings: Settings) -> Section:
     work = settings.work
     first = configs(settings)[0]
     cases: dict[tuple[str, int, bool], Case] = {}
-    control = None
+    control = beside = None
     for config in configs(settings):
         runs = [(c, True) for c in config.concurrency] + ([(1, False)] if config == first else [])
         for c, stream in runs:
@@ -78,9 +84,11 @@ def run(settings: Settings) -> Section:
         if config.label == "2×1":
             control = Case({"instances×threads": "2×1", "concurrency": "2", "streamed": "yes", "vs": PARALLEL},
                            [Figure("tokens/s", "tok/s"), *_cpu_figures()], plotted=False)
+            beside = Case({"instances×threads": BESIDE, "concurrency": "2", "streamed": "yes", "vs": PARALLEL},
+                          [Figure("tokens/s", "tok/s"), Figure(DECODING_CPU, "ms")], plotted=False)
         _measure(settings, config, {(c, stream): cases[config.label, c, stream] for c, stream in runs},
-                 control if config.label == "2×1" else None)
-    section.cases = list(cases.values()) + ([control] if control else [])
+                 (control, beside) if control is not None and beside is not None and config.label == "2×1" else None)
+    section.cases = list(cases.values()) + [case for case in (control, beside) if case is not None]
     for stream in (True, False):
         single = cases[first.label, 1, stream].figure("tokens/s")
         section.targets.append(Target(f"one request, {first.label}, {'streamed' if stream else 'whole'}: ≥ "
@@ -101,18 +109,23 @@ def run(settings: Settings) -> Section:
                          f"{work.budget_s:.0f} s. The direct baseline runs the same requests in sequence, so at "
                          "concurrency > 1 latency ratios include queueing and tokens/s ratios show what parallel "
                          "instances add. The row not streamed asks for whole completions (no per-token messages to "
-                         "the client), against the same streamed direct runs. The last row sets 2 instances against "
+                         "the client), against the same streamed direct runs. The 2×1 row against 2 direct processes "
+                         "sets 2 instances against "
                          "2 independent llama_cpp processes sharing the same requests: what the machine itself "
                          "gives two instances. CPU/token: the scheduler's time on CPU per streamed token, of the "
                          "threads that decode (mpserve: the workers' own, llama.cpp's among them, not libzmq's) "
                          "and of every process of the run (mpserve: also the broker, the workers' libzmq threads "
-                         "and the client; direct: the same threads, there is nothing else).")
+                         "and the client; direct: the same threads, there is nothing else). The row beside echo "
+                         "streams runs the 2 direct processes again while an echo server (no model) streams 2×1's "
+                         "messages, a piece per token time of the 2×1 run: the serving path's cost on these cores "
+                         "without mpserve decoding anything.")
     return section
 
 
-def _measure(settings: Settings, config: Config, cases: dict[tuple[int, bool], Case], control: Case | None) -> None:
-    """Start ``config``; each repeat runs the direct baseline, then every (concurrency, streamed) case, then the
-    control (independent direct processes, as many as instances) if there is one."""
+def _measure(settings: Settings, config: Config, cases: dict[tuple[int, bool], Case],
+             controls: tuple[Case, Case] | None) -> None:
+    """Start ``config``; each repeat runs the direct baseline, then every (concurrency, streamed) case, then,
+    with ``controls``, independent direct processes (as many as instances) alone and beside echo streams."""
     work = settings.work
     llm = load.load_direct(str(settings.model), work, config.threads)
     try:
@@ -130,12 +143,19 @@ def _measure(settings: Settings, config: Config, cases: dict[tuple[int, bool], C
                     _add(case, served, direct)
                     if _has_cpu(case):
                         _add_cpu(case, use, Cpu(direct_cpu, direct_cpu))
-                if control is not None:
+                if controls is not None:
+                    control, beside = controls
                     apart = load.parallel_direct(str(settings.model), work, config.instances, config.threads,
                                                  work.requests(config.instances))
                     served, use = meter.last[config.instances, True]
                     control.figure("tokens/s").add(served.tokens_per_s, apart.tokens_per_s)
                     _add_cpu(control, use, Cpu(apart.cpu_s_per_token, apart.cpu_s_per_token))
+                    with EchoTraffic(config.instances, 1000 * config.instances / served.tokens_per_s,
+                                     work.max_tokens):
+                        near = load.parallel_direct(str(settings.model), work, config.instances, config.threads,
+                                                    work.requests(config.instances))
+                    beside.figure("tokens/s").add(near.tokens_per_s, apart.tokens_per_s)
+                    beside.figure(DECODING_CPU).add(near.cpu_s_per_token * 1000, apart.cpu_s_per_token * 1000)
     finally:
         llm.close()
 
