@@ -220,18 +220,18 @@ def load_direct(model: str, work: Workload, threads: int) -> Any:
 _DIRECT_PROCESS = """
 import json, sys, time
 from bench.load import Workload, direct_request, load_direct
-model, work, threads, indices = sys.argv[1], Workload(**json.loads(sys.argv[2])), int(sys.argv[3]), sys.argv[4]
+model, work, threads = sys.argv[1], Workload(**json.loads(sys.argv[2])), int(sys.argv[3])
 llm = load_direct(model, work, threads)
 print("ready", flush=True)
-sys.stdin.readline()
-started, cpu = time.perf_counter(), time.process_time()
-tokens = 0
-for i in indices.split(","):
-    if tokens and time.perf_counter() - started >= work.budget_s:
-        break
-    tokens += direct_request(llm, work, int(i)).tokens
-print(json.dumps({"tokens": tokens, "wall_s": time.perf_counter() - started, "cpu_s": time.process_time() - cpu}),
-      flush=True)
+for line in sys.stdin:  # one run: the request indices of this process, comma-separated
+    started, cpu = time.perf_counter(), time.process_time()
+    tokens = 0
+    for i in line.split(","):
+        if tokens and time.perf_counter() - started >= work.budget_s:
+            break
+        tokens += direct_request(llm, work, int(i)).tokens
+    print(json.dumps({"tokens": tokens, "wall_s": time.perf_counter() - started,
+                      "cpu_s": time.process_time() - cpu}), flush=True)
 """
 
 
@@ -241,27 +241,52 @@ class Direct:
     cpu_s_per_token: float  # every thread of the processes, over the timed requests
 
 
-def parallel_direct(model: str, work: Workload, processes: int, threads: int, n: int) -> Direct:
-    """``processes`` independent ``llama_cpp.Llama`` processes, started together, sharing ``n`` requests
-    round-robin (each stops after the time budget): what the machine gives several instances with no serving
-    layer."""
-    procs = [subprocess.Popen([sys.executable, "-c", _DIRECT_PROCESS, model, json.dumps(vars(work)), str(threads),
-                               ",".join(str(i) for i in range(lane, n, processes))],
-                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
-             for lane in range(processes)]
-    try:
-        for proc in procs:
-            assert proc.stdout is not None and proc.stdin is not None
-            if proc.stdout.readline().strip() != "ready":
-                raise RuntimeError("a direct llama_cpp process did not load the model")
-        for proc in procs:
+class DirectProcesses:
+    """``processes`` independent ``llama_cpp.Llama`` processes, each loading the model once: every ``run``
+    shares ``n`` requests among them round-robin, started together (each stops after the time budget), which
+    is what the machine gives several instances with no serving layer. Kept for a block, so that they are
+    about as old as the server they are measured against: on the reference VM a process that had just loaded
+    the model decoded faster than one that had loaded it minutes, even seconds, earlier (README, "The broker
+    at scale")."""
+
+    def __init__(self, model: str, work: Workload, processes: int, threads: int) -> None:
+        self._procs = [subprocess.Popen([sys.executable, "-c", _DIRECT_PROCESS, model, json.dumps(vars(work)),
+                                         str(threads)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+                       for _ in range(processes)]
+
+    def __enter__(self) -> DirectProcesses:
+        try:
+            for proc in self._procs:
+                assert proc.stdout is not None
+                if proc.stdout.readline().strip() != "ready":
+                    raise RuntimeError("a direct llama_cpp process did not load the model")
+        except BaseException:
+            self.close()
+            raise
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def run(self, n: int) -> Direct:
+        lanes = len(self._procs)
+        for lane, proc in enumerate(self._procs):
             assert proc.stdin is not None
-            proc.stdin.write("go\n")
+            proc.stdin.write(",".join(str(i) for i in range(lane, n, lanes)) + "\n")
+        for proc in self._procs:
+            assert proc.stdin is not None
             proc.stdin.flush()
-        results = [json.loads(proc.communicate(timeout=600)[0]) for proc in procs]
-    finally:
-        for proc in procs:
+        results = []
+        for proc in self._procs:
+            assert proc.stdout is not None
+            line = proc.stdout.readline()
+            if not line:
+                raise RuntimeError(f"a direct llama_cpp process exited (status {proc.wait()})")
+            results.append(json.loads(line))
+        tokens = sum(r["tokens"] for r in results)
+        return Direct(tokens / max(r["wall_s"] for r in results), sum(r["cpu_s"] for r in results) / max(1, tokens))
+
+    def close(self) -> None:
+        for proc in self._procs:
             proc.kill()
             proc.wait()
-    return Direct(sum(r["tokens"] for r in results) / max(r["wall_s"] for r in results),
-                  sum(r["cpu_s"] for r in results) / max(1, sum(r["tokens"] for r in results)))

@@ -6,7 +6,10 @@ one instance can do with no serving layer at all. The first configuration also r
 time as whole completions (not streamed), to show what streaming each token costs. One more
 configuration, 1 instance × 1 thread at concurrency 2, is the reference for the two-instance target;
 and 2 instances × 1 thread are also set against 2 independent llama_cpp processes running the same
-requests at once, which is as much as this machine gives two instances whatever serves them.
+requests at once, which is as much as this machine gives two instances whatever serves them. Those
+processes load the model right after the server has, and are kept through the repeats, as the in-process
+baseline is: on the reference VM a process that has just loaded the model decodes faster than one that
+loaded it earlier, so processes started afresh for each repeat would set the bar above any server.
 
 Where the cores fill up, what the serving layer costs shows as CPU time per token, so the one-request row
 and the independent-processes row also give it, from the scheduler's counters of every thread:
@@ -23,6 +26,7 @@ against the same processes alone: what the serving path's messages alone take fr
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import time
 from dataclasses import dataclass
@@ -111,8 +115,9 @@ def run(settings: Settings) -> Section:
                          "instances add. The row not streamed asks for whole completions (no per-token messages to "
                          "the client), against the same streamed direct runs. The 2×1 row against 2 direct processes "
                          "sets 2 instances against "
-                         "2 independent llama_cpp processes sharing the same requests: what the machine itself "
-                         "gives two instances. CPU/token: the scheduler's time on CPU per streamed token, of the "
+                         "2 independent llama_cpp processes sharing the same requests (loaded right after the server, "
+                         "kept through the repeats): what the machine itself gives two instances. CPU/token: the "
+                         "scheduler's time on CPU per streamed token, of the "
                          "threads that decode (mpserve: the workers' own, llama.cpp's among them, not libzmq's) "
                          "and of every process of the run (mpserve: also the broker, the workers' libzmq threads "
                          "and the client; direct: the same threads, there is nothing else). The row beside echo "
@@ -130,8 +135,11 @@ def _measure(settings: Settings, config: Config, cases: dict[tuple[int, bool], C
     llm = load.load_direct(str(settings.model), work, config.threads)
     try:
         with MpserveServer("--model", str(settings.model), "--instances", str(config.instances), "--threads",
-                           str(config.threads), "--n-ctx", str(work.n_ctx)) as server:
+                           str(config.threads), "--n-ctx", str(work.n_ctx)) as server, \
+                contextlib.ExitStack() as stack:
             server.wait_ready()
+            apart = stack.enter_context(load.DirectProcesses(str(settings.model), work, config.instances,
+                                                             config.threads)) if controls is not None else None
             asyncio.run(load.mpserve_warm_up(server.address, work, config.instances))
             meter = _Meter(server)
             for _ in range(settings.repeat):
@@ -143,21 +151,25 @@ def _measure(settings: Settings, config: Config, cases: dict[tuple[int, bool], C
                     _add(case, served, direct)
                     if _has_cpu(case):
                         _add_cpu(case, use, Cpu(direct_cpu, direct_cpu))
-                if controls is not None:
-                    control, beside = controls
-                    apart = load.parallel_direct(str(settings.model), work, config.instances, config.threads,
-                                                 work.requests(config.instances))
-                    served, use = meter.last[config.instances, True]
-                    control.figure("tokens/s").add(served.tokens_per_s, apart.tokens_per_s)
-                    _add_cpu(control, use, Cpu(apart.cpu_s_per_token, apart.cpu_s_per_token))
-                    with EchoTraffic(config.instances, 1000 * config.instances / served.tokens_per_s,
-                                     work.max_tokens):
-                        near = load.parallel_direct(str(settings.model), work, config.instances, config.threads,
-                                                    work.requests(config.instances))
-                    beside.figure("tokens/s").add(near.tokens_per_s, apart.tokens_per_s)
-                    beside.figure(DECODING_CPU).add(near.cpu_s_per_token * 1000, apart.cpu_s_per_token * 1000)
+                if controls is not None and apart is not None:
+                    _controls(controls, apart, config, work, meter.last[config.instances, True])
     finally:
         llm.close()
+
+
+def _controls(controls: tuple[Case, Case], apart: load.DirectProcesses, config: Config, work: load.Workload,
+              last: tuple[LoadResult, Cpu]) -> None:
+    """The independent processes alone, against the server's run at concurrency = instances, and then beside
+    echo streams of that run's messages, against themselves alone."""
+    control, beside = controls
+    served, use = last
+    alone = apart.run(work.requests(config.instances))
+    control.figure("tokens/s").add(served.tokens_per_s, alone.tokens_per_s)
+    _add_cpu(control, use, Cpu(alone.cpu_s_per_token, alone.cpu_s_per_token))
+    with EchoTraffic(config.instances, 1000 * config.instances / served.tokens_per_s, work.max_tokens):
+        near = apart.run(work.requests(config.instances))
+    beside.figure("tokens/s").add(near.tokens_per_s, alone.tokens_per_s)
+    beside.figure(DECODING_CPU).add(near.cpu_s_per_token * 1000, alone.cpu_s_per_token * 1000)
 
 
 @dataclass(frozen=True)
