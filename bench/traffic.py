@@ -36,7 +36,6 @@ class EchoTraffic:
         self._stop = threading.Event()
         self._started = threading.Event()
         self._failed: BaseException | None = None
-        self.chunks = 0
 
     def __enter__(self) -> EchoTraffic:
         config = Path(self._dir.name) / "echo.yaml"
@@ -48,11 +47,10 @@ class EchoTraffic:
             self._thread = threading.Thread(target=asyncio.run, args=(self._lanes(self._server.address),),
                                             daemon=True)
             self._thread.start()
-            self._started.wait(timeout=30)
-            if not self._started.is_set():
-                raise RuntimeError(f"the echo traffic sent no chunk in 30 s: {self._failed!r}")
-        except BaseException:
-            self.__exit__(None, None, None)
+            if not self._started.wait(timeout=30) or self._failed is not None:
+                raise RuntimeError("the echo traffic streamed no chunk") from self._failed
+        except BaseException as e:
+            self.__exit__(type(e), e, e.__traceback__)
             raise
         return self
 
@@ -63,18 +61,19 @@ class EchoTraffic:
         if self._server is not None:
             self._server.stop()
         self._dir.cleanup()
+        if self._failed is not None and kind is None:  # what was measured beside it did not have it throughout
+            raise RuntimeError("the echo traffic stopped before the block ended") from self._failed
 
     async def _lanes(self, address: str) -> None:
         try:
             async with AsyncClient(address) as client:
                 await asyncio.gather(*(self._lane(client) for _ in range(self._instances)))
-        except BaseException as e:  # reported by __enter__ if nothing ever came
+        except BaseException as e:  # reported by __enter__ or __exit__
             self._failed = e
-            raise
+            self._started.set()  # __enter__ waits no longer
 
     async def _lane(self, client: AsyncClient) -> None:
         prompt = "x" * (CHARS_PER_PIECE * self._max_tokens)  # the echo backend cuts it into max_tokens pieces
         while not self._stop.is_set():
             async for _ in client.stream(prompt, max_tokens=self._max_tokens):
-                self.chunks += 1
                 self._started.set()
