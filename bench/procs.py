@@ -220,13 +220,13 @@ ZMQ_THREADS = "ZMQbg/"
 """How libzmq names its own threads (I/O, reaper)."""
 
 
-def cpu_seconds(pid: int, *, zmq: bool | None = None) -> float:
-    """Time on CPU of every live thread of ``pid`` (/proc/PID/task/*/schedstat, nanoseconds); ``zmq``:
-    libzmq's own threads only (True), or all the others (False)."""
+def cpu_seconds(pid: int, *, libzmq: bool = True) -> float:
+    """Time on CPU of every live thread of ``pid`` (/proc/PID/task/*/schedstat, nanoseconds); ``libzmq``
+    False leaves libzmq's own threads out."""
     total = 0
     for task in Path(f"/proc/{pid}/task").iterdir():
         try:
-            if zmq is not None and (task / "comm").read_text().startswith(ZMQ_THREADS) != zmq:
+            if not libzmq and (task / "comm").read_text().startswith(ZMQ_THREADS):
                 continue
             total += int((task / "schedstat").read_text().split()[0])
         except (OSError, IndexError, ValueError):

@@ -27,14 +27,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import os
 import time
 from dataclasses import dataclass
 
 from . import load
 from .figures import Case, Figure, Section, Target
 from .load import GENERATION_METRICS, WHOLE_METRICS, LoadResult
-from .procs import MpserveServer, cpu_seconds
+from .procs import CpuMeter, MpserveServer, cpu_seconds
 from .settings import Settings
 from .traffic import EchoTraffic
 
@@ -189,18 +188,17 @@ class _Meter:
         self.last: dict[tuple[int, bool], tuple[LoadResult, Cpu]] = {}
 
     def run(self, work: load.Workload, concurrency: int, stream: bool) -> tuple[LoadResult, Cpu]:
-        before = self._read()
-        result = asyncio.run(load.mpserve_load(self._server.address, work, concurrency, work.requests(concurrency),
-                                               stream=stream))
-        after, tokens = self._read(), max(1, _tokens(result))
-        self.last[concurrency, stream] = result, Cpu((after[0] - before[0]) / tokens, (after[1] - before[1]) / tokens)
+        decoding = -self._decoding()
+        with CpuMeter([self._server.proc.pid, *self._workers]) as every:
+            result = asyncio.run(load.mpserve_load(self._server.address, work, concurrency,
+                                                   work.requests(concurrency), stream=stream))
+        decoding += self._decoding()
+        tokens = max(1, _tokens(result))
+        self.last[concurrency, stream] = result, Cpu(decoding / tokens, (every.others_s + every.own_s) / tokens)
         return self.last[concurrency, stream]
 
-    def _read(self) -> tuple[float, float]:
-        decoding = sum(cpu_seconds(pid, zmq=False) for pid in self._workers)
-        rest = sum(cpu_seconds(pid, zmq=True) for pid in self._workers) + cpu_seconds(self._server.proc.pid) \
-            + cpu_seconds(os.getpid())
-        return decoding, decoding + rest
+    def _decoding(self) -> float:
+        return sum(cpu_seconds(pid, libzmq=False) for pid in self._workers)
 
 
 def _cpu_figures() -> list[Figure]:
