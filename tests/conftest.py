@@ -25,6 +25,8 @@ if TYPE_CHECKING:
 
 READY_TIMEOUT_S = 60.0
 
+pytest_plugins = ["skip_policy"]  # no silent skips: tests/allowed_skips.txt lists the ones a run may have
+
 
 @pytest.fixture(scope="session", autouse=True)
 def _isolated_dirs() -> Iterator[None]:
