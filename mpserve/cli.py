@@ -360,8 +360,9 @@ def devices(
 def doctor(
     as_json: Annotated[bool, typer.Option("--json", help="Print the report as JSON.")] = False,
 ) -> None:
-    """Check this host: the llama.cpp build (can it use a GPU?), the GPUs found, the runtime and lock
-    directories; print each problem with its fix. Exit status 1 when there is a problem."""
+    """Check this host: the llama.cpp build (can it use a GPU?), the GPUs found, whether llama.cpp's repacked CPU
+    kernels run here (a probe; mpserve serves without them where they crash), the runtime and lock directories;
+    print each problem with its fix. Exit status 1 when there is a problem."""
     from .doctor import collect, format_report
 
     with _errors():

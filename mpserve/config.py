@@ -55,7 +55,7 @@ class ModelConfig:
     n_gpu_layers: int | None = None  # None: all layers on a GPU, 0 on the CPU
     parallel: int = 1  # sequences one instance decodes together (continuous batching); n_ctx is per sequence
     flash_attn: str = "auto"  # llama.cpp's flash attention: auto (on where supported, as llama-server), on, off
-    repack: bool = True  # llama.cpp's repacked weight layouts for this CPU (llama-server's --no-repack: False)
+    repack: bool | None = None  # llama.cpp's repacked weight layouts; None: auto (on unless they crash here)
     echo_tick_ms: float = 0.0  # the echo backend's time per step; its pieces are then their CLOCK_MONOTONIC ns
     cache_type_k: str = DEFAULT_KV_TYPE  # KV cache types (mpserve.kv_types); a quantized V needs flash attention
     cache_type_v: str = DEFAULT_KV_TYPE

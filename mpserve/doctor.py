@@ -2,6 +2,7 @@
 
     llama.cpp build  ── a child ``python -c`` imports llama_cpp ──▶ version, system info, backends, can offload
     GPUs             ── devices.detect: NVML, then nvidia-smi ───▶ each GPU with its free memory, the source
+    repacking        ── repack.probe: a child decodes repacked weights ──▶ works, or crashes (then served without)
     directories      ── runtime.runtime_dir, permits.default_lock_dir ──▶ path, usable or not
                                          ▼
                       Report: the facts, each problem with its fix, notes
@@ -34,6 +35,8 @@ from mpserve.gpu.permits import default_lock_dir
 
 from .config import ECHO_MODEL, ServerConfig
 from .errors import ConfigError
+from .repack import Verdict
+from .repack import probe as probe_repack
 from .runtime import runtime_dir
 
 PROBE_TIMEOUT_S = 60.0
@@ -102,6 +105,7 @@ class Report:
     gpus: list[Device]
     gpu_source: str  # "NVML", "nvidia-smi", "simulated" or "none"
     directories: list[Directory]
+    repack: Verdict | None  # None: llama_cpp does not load, so nothing was probed
     problems: list[Problem] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
 
@@ -111,14 +115,16 @@ class Report:
         return out
 
 
-def collect(build: Build | None = None, simulate: str | None = None) -> Report:
-    """Everything ``mpserve doctor`` reports; ``build`` stands in for the probe (tests)."""
+def collect(build: Build | None = None, simulate: str | None = None,
+            repack: Callable[[], Verdict] = probe_repack) -> Report:
+    """Everything ``mpserve doctor`` reports; ``build`` stands in for the build's probe (tests)."""
     build = build if build is not None else probe_build()
     gpus, source = detect(simulate)
     directories = [_runtime_directory(), _lock_directory()]
     problems = build_problems(build, gpus)
     problems += [d.problem for d in directories if d.problem is not None]
-    return Report(build, gpus, source, directories, problems, _notes(build, gpus, source))
+    verdict = repack() if build.version is not None else None
+    return Report(build, gpus, source, directories, verdict, problems, _notes(build, gpus, source))
 
 
 def build_problems(build: Build, gpus: Sequence[Device]) -> list[Problem]:
@@ -173,6 +179,10 @@ def format_report(report: Report) -> str:
                   f"{format_memory(d.memory_total)}" for d in report.gpus]
     else:
         lines.append("GPUs: none found (NVML, then nvidia-smi): instances run on the CPU")
+    if report.repack is not None:
+        lines.append(f"repacking: {'works' if report.repack.works else 'off (crashes here)'}"
+                     f"{' (cached)' if report.repack.cached else ''}")
+        lines.append(f"  {report.repack.summary}")
     lines.append("directories")
     lines += [f"  {d.role:8} {d.path}  {d.state}" for d in report.directories]
     if report.problems:

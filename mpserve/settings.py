@@ -98,9 +98,11 @@ SETTINGS: tuple[Setting, ...] = (
        "a quantized type takes less memory per cell", choices=tuple(KV_TYPES), commands=_SIZING),
     _s("cache_type_v", "model", str, DEFAULT_KV_TYPE, "KV cache type of the values; a quantized type needs flash "
        "attention (flash_attn auto or on)", choices=tuple(KV_TYPES), commands=_SIZING),
-    _s("repack", "model", bool, "true", "llama.cpp's repacked weight layouts for this CPU; --no-repack loads "
-       "weights as stored, as llama-server's --no-repack, for CPUs where those kernels fail (create_completion "
-       "always repacks, so output equals it only with repacking on)", flag="--no-repack", env="MPSERVE_NO_REPACK",
+    _s("repack", "model", bool, "auto", "llama.cpp's repacked weight layouts for this CPU; auto: on, unless a "
+       "probe finds that those kernels crash on this host (cached per CPU and llama.cpp build; mpserve doctor "
+       "shows it); true forces them; --no-repack loads weights as stored, as llama-server's --no-repack "
+       "(create_completion always repacks, so output equals it only with repacking on)", flag="--no-repack",
+       env="MPSERVE_NO_REPACK",
        cli_type=bool, negated=True, commands=_FOR_POOLS),
     _s("echo_tick_ms", "model", float, "0", "The echo backend's time per step, in ms, to stand in for a model's "
        "decode speed in benchmarks; each streamed piece is then the CLOCK_MONOTONIC time it was made, in ns "

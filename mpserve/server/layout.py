@@ -14,6 +14,7 @@ from mpserve.config import ECHO_MODEL, ModelConfig, ServerConfig
 from mpserve.errors import ConfigError
 from mpserve.gpu.devices import Device, discover
 from mpserve.gpu.placement import ModelRequest, Placement, check_kv_types, plan
+from mpserve.repack import repack_for
 from mpserve.speculative import check_draft
 from mpserve.worker.spec import EngineSpec, PermitSpec, WorkerSpec
 
@@ -92,7 +93,7 @@ def worker_spec(config: ServerConfig, devices: list[Device], placement: Placemen
         index=index, model=model.name,
         engine=EngineSpec(path=model.resolved_path(), n_ctx=model.n_ctx, threads=config.threads_for(model),
                           n_gpu_layers=gpu_layers, parallel=model.parallel, flash_attn=model.flash_attn,
-                          repack=model.repack, echo_tick_s=model.echo_tick_ms / 1000, embedding=model.embedding,
+                          repack=repack_for(model), echo_tick_s=model.echo_tick_ms / 1000, embedding=model.embedding,
                           pooling=model.pooling, speculative=model.speculative, cache_type_k=model.cache_type_k,
                           cache_type_v=model.cache_type_v, cache_ram=model.cache_ram),
         first_row=first_row,

@@ -115,7 +115,8 @@ class Worker:
             sys.exit(EXIT_LOAD_FAILED)
         self.set_rows(state=SlotState.IDLE, load_s=time.perf_counter() - t0)
         self._note_cache()
-        log.debug("loaded in %.2f s", time.perf_counter() - t0)
+        log.debug("loaded in %.2f s (repack=%s, threads=%d)", time.perf_counter() - t0, self._spec.engine.repack,
+                  self._spec.engine.threads)
         if self._registered:  # loaded on demand: tell the broker (its chat template, and that the load worked)
             self._register()
 
