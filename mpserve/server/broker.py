@@ -31,11 +31,22 @@ state records that it was sent, so a late worker reply for a request that alread
 cancelled frees the worker without reaching the client twice. Routing and the retry rules are pure
 functions in ``mpserve.server.routing``.
 
-Worker deaths and stalls arrive from the supervisor (process sentinels in the same poll): a request that
+Worker deaths and stalls arrive from the supervisor (process sentinels in the same poll; a death with the
+worker's exit status), the loss of a remote worker from its silence (``expire_workers``): a request that
 had not streamed anything is retried on another instance; one that had is resumed there from the token ids
 its CHUNKs carried (``Pending.generated``: the prompt, then those tokens, for the rest of ``max_tokens``),
-so its client sees one stream; one that has now crashed two workers is failed with ``poison_request`` and
-never retried. (``worker_lost`` remains for a worker that streamed without reporting its tokens.)
+so its client sees one stream. How the worker ended decides what the loss counts as (``routing``: crash
+or hand-over):
+
+    local worker ──exit status──▶ crash signal (SIGSEGV, SIGBUS, SIGFPE, SIGILL, SIGABRT) ─▶ a crash of each
+                                  request it ran
+                                  anything else (SIGKILL, SIGTERM, an exit code) ─▶ a hand-over
+    stalled (watchdog) ─────────▶ a crash of each request it ran
+    remote worker silent, or a new process under a lost one's name ─▶ a hand-over
+
+A request that has now crashed two workers is failed with ``poison_request``; one that has been handed
+over MAX_HANDOVERS times, with ``worker_lost`` naming that bound; neither is retried again.
+(``worker_lost`` also remains for a worker that streamed without reporting its tokens.)
 
 The broker never blocks on a client: sends are non-blocking, and a client that cannot take a message
 (gone, or not reading past its high-water mark) has its requests cancelled.
@@ -72,7 +83,7 @@ from mpserve.prefix import PREFIX_BLOCK, block_hashes
 from mpserve.protocol import ChatTemplate
 
 from .residency import Loaded, Residency
-from .routing import AfterLoss, after_loss, choose_slots
+from .routing import MAX_HANDOVERS, AfterLoss, after_loss, choose_slots, crash_signal, describe_exit
 from .state import ModelQueue, Pending, RequestState, WorkerEntry
 
 log = logging.getLogger("mpserve.broker")
@@ -177,24 +188,21 @@ class Broker:
 
     def worker_stalled(self, index: int, silent_s: float) -> None:
         """The supervisor is about to kill a worker that stopped making progress: its requests go elsewhere
-        now, by the rules of a worker that died (a stall counts as a crash: a request that stalls or kills
-        two workers is poison)."""
-        entry = next((w for w in self.workers.values() if w.index == index), None)
-        if entry is None:
-            return
-        self._forget_worker(entry)  # nothing more goes to it; its late words are stale
-        for ticket in sorted(entry.running):
-            p = self.requests.get(ticket)
-            if p is not None:
-                self._after_loss(p, f"worker {index} produced no token for {silent_s:.1f} s")
-        self._dispatch(entry.model)
-        self.flush()
-
-    def worker_exited(self, index: int) -> None:
-        """The supervisor reaped local worker ``index``: settle its requests by the retry rules."""
+        now, by the rules of a worker that crashed (a request can hang an engine as it can crash one: one that
+        stalls or crashes two workers is poison)."""
         entry = next((w for w in self.workers.values() if w.index == index), None)
         if entry is not None:
-            self._worker_gone(entry, f"worker {index} died")
+            self._worker_gone(entry, f"worker {index} produced no token for {silent_s:.1f} s", crashed=True)
+        self.flush()
+
+    def worker_exited(self, index: int, code: int | None) -> None:
+        """The supervisor reaped local worker ``index``, which ended with exit status ``code`` (negative: the
+        signal that ended it). A crash signal (``routing.crash_signal``) is a crash of the requests it ran; any
+        other end hands them over."""
+        entry = next((w for w in self.workers.values() if w.index == index), None)
+        if entry is not None:
+            crashed = crash_signal(code) is not None
+            self._worker_gone(entry, f"worker {index} exited with {describe_exit(code)}", crashed)
         self.flush()
 
     def expire_workers(self, now: float) -> None:
@@ -204,36 +212,45 @@ class Broker:
             self.stats["worker_expired"] += 1
             log.warning("worker %s on %s sent nothing for %.1f s; declared lost", entry.identity.decode(),
                         entry.host, now - entry.last_heard)
-            self._worker_gone(entry, f"worker {entry.identity.decode()} on {entry.host} was lost")
+            self._worker_gone(entry, f"worker {entry.identity.decode()} on {entry.host} was lost", crashed=False)
         self.flush()
 
     def send_heartbeats(self) -> None:
         for identity in list(self.workers):
             self._to_worker(identity, wire.Heartbeat(identity.decode()))
 
-    def _worker_gone(self, entry: WorkerEntry, what: str) -> None:
-        """A worker died or was lost: retry what it had not streamed, fail the rest, by the rules."""
+    def _worker_gone(self, entry: WorkerEntry, what: str, crashed: bool) -> None:
+        """A worker died, stalled or was lost: settle its requests by the rules, each counting a crash if
+        ``crashed``, else a hand-over."""
         self._forget_worker(entry)
         self._lookups_lost(entry.identity, what)
         for ticket in sorted(entry.running):
             p = self.requests.get(ticket)
             if p is not None:
-                self._after_loss(p, what)
+                self._after_loss(p, what, crashed)
         self._dispatch(entry.model)
 
-    def _after_loss(self, p: Pending, what: str) -> None:
+    def _after_loss(self, p: Pending, what: str, crashed: bool) -> None:
         """Settle one request of a worker that died or stalled: requeue it first in line (from its streamed
         tokens, if any), or fail it."""
         p.worker = None
         if p.answered:
             self._finish(p)
             return
-        p.crashes += 1
+        if crashed:
+            p.crashes += 1
+        else:
+            p.handovers += 1
         outcome = after_loss(p)
         if outcome is AfterLoss.POISON:
             self.stats[ErrorCode.POISON_REQUEST] += 1
             self._answer_error(p, ErrorCode.POISON_REQUEST, f"this request was running on {p.crashes} workers "
-                               "that died or stalled; it will not be retried")
+                               "that crashed or stalled; it will not be retried")
+        elif outcome is AfterLoss.BOUND:
+            self.stats[ErrorCode.WORKER_LOST] += 1
+            self._answer_error(p, ErrorCode.WORKER_LOST, f"{what}; this request has lost {p.handovers} workers "
+                               f"that were killed or went away, the bound on hand-overs ({MAX_HANDOVERS}), "
+                               "and is not handed over again; retry the request")
         elif outcome is AfterLoss.LOST:
             self.stats[ErrorCode.WORKER_LOST] += 1
             self._answer_error(p, ErrorCode.WORKER_LOST, f"{what} after it had streamed text; retry the request")
@@ -595,7 +612,7 @@ class Broker:
                 self.on_ready(old)
             return
         if old is not None:  # a new process under the same name: whatever the old one ran is lost
-            self._worker_gone(old, f"worker {identity.decode()} restarted")
+            self._worker_gone(old, f"worker {identity.decode()} restarted", crashed=False)
         local = msg.host == "" and identity[:1] == b"w" and identity[1:].isdigit()
         entry = WorkerEntry(identity, int(identity[1:]) if local else None, msg.model, msg.device, msg.capacity,
                             msg.pid, msg.loaded, host=msg.host, last_heard=time.monotonic())

@@ -217,10 +217,12 @@ class _Loop:
             self._supervisor.stop_stalled(index)
 
     def _reap(self, index: int) -> None:
+        """A worker exited: the supervisor collects it, and the broker settles its requests by how it ended (a
+        crash or a kill)."""
         model = self._supervisor.workers[index].spec.model
         self._ready.discard(index)
-        self._supervisor.reap(index)
-        self._broker.worker_exited(index)
+        code = self._supervisor.reap(index)
+        self._broker.worker_exited(index, code)
         failed = self._supervisor.health[model].failed_message
         if failed is not None and self._broker.models[model].failed is None:
             self._broker.model_failed(model, failed)

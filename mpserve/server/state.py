@@ -53,7 +53,8 @@ class Pending:
     deadline: float | None
     state: RequestState = RequestState.QUEUED
     assigned: float = 0.0  # monotonic, the last assignment
-    crashes: int = 0
+    crashes: int = 0  # workers that crashed or stalled under it (``mpserve.server.routing``: crash, hand-over)
+    handovers: int = 0  # workers lost under it to causes not its own
     attempts: int = 0
     worker: bytes | None = None
     generated: bytearray = field(default_factory=bytearray)  # token ids streamed so far (TOKENS frames)

@@ -3,7 +3,8 @@
 It follows gunicorn's arbiter: a table of workers by index, death noticed through process sentinels
 (which the broker's poll loop watches, so no signal handler does work), restarts with a capped
 exponential backoff, and a halt instead of a restart loop for a model that cannot load: three failed
-loads in a row mark the model failed.
+loads in a row mark the model failed. ``reap`` returns how a worker ended (its exit status), which the
+server's loop hands to the broker: the broker tells a crash from a kill.
 
 Workers are started with multiprocessing's "forkserver" method:
 
@@ -30,6 +31,8 @@ import zmq
 from mpserve.config import ServerConfig
 from mpserve.slots import SlotState, SlotTable
 from mpserve.worker.spec import EXIT_LOAD_FAILED, WorkerSpec, preload, run
+
+from .routing import describe_exit
 
 log = logging.getLogger("mpserve.supervisor")
 
@@ -160,7 +163,7 @@ class Supervisor:
         delay = restart_delay(handle.crashes)
         handle.restart_at = self._clock() + delay
         log.warning("worker %d (pid %s, %s) exited with %s; restarting in %.1f s", index, pid,
-                    handle.spec.model, _describe_exit(code), delay)
+                    handle.spec.model, describe_exit(code), delay)
         return code
 
     def load_failed(self, model: str, message: str) -> None:
@@ -246,13 +249,3 @@ def restart_delay(crashes: int) -> float:
     """Seconds before restarting a worker that died ``crashes`` times in a row before registering: at once
     after a death once it was up, then BACKOFF_FIRST_S doubling up to BACKOFF_MAX_S."""
     return 0.0 if crashes == 0 else min(BACKOFF_MAX_S, BACKOFF_FIRST_S * 2 ** (crashes - 1))
-
-
-def _describe_exit(code: int | None) -> str:
-    if code is None:
-        return "unknown status"
-    if code < 0:
-        import signal
-
-        return f"signal {signal.Signals(-code).name}"
-    return f"code {code}"

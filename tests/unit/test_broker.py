@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import signal
 from collections.abc import Iterator
 from typing import Any
 
@@ -13,6 +14,7 @@ from mpserve import protocol as wire
 from mpserve.errors import ErrorCode
 from mpserve.prefix import block_hashes
 from mpserve.server.broker import Broker, WorkerEntry
+from mpserve.server.routing import MAX_HANDOVERS
 
 pytestmark = pytest.mark.timeout(10)
 
@@ -94,7 +96,7 @@ def test_a_streamed_request_whose_worker_dies_is_resumed_elsewhere_from_its_toke
         broker.drain_back()
         assert client.poll(1000) and wire.decode(client.recv_multipart()) == wire.Chunk("r1", "ab")
 
-        broker.worker_exited(int(first[1:]))  # it died after streaming: handed over, not worker_lost
+        broker.worker_exited(int(first[1:]), -signal.SIGKILL)  # it died after streaming: handed over, not worker_lost
         other = workers[b"w1" if first == b"w0" else b"w0"]
         assert other.poll(1000)
         resumed = wire.decode(other.recv_multipart())
@@ -137,7 +139,7 @@ def test_the_choices_of_a_request_whose_worker_dies_are_handed_over_each_with_it
         broker.drain_back()
         assert client.poll(1000) and wire.decode(client.recv_multipart()) == wire.Chunk("r1", "ab", index=1)
 
-        broker.worker_exited(int(first[1:]))  # each choice goes on alone, from its own tokens
+        broker.worker_exited(int(first[1:]), -signal.SIGKILL)  # each choice goes on alone, from its own tokens
         other = workers[b"w1" if first == b"w0" else b"w0"]
         resumed = {a.index: a for a in assigns(other, 2)}
         assert wire.frame_tokens(resumed[1].generated) == [7, 8] and resumed[0].generated == b""
@@ -221,7 +223,7 @@ def test_cache_frames_steer_routing_to_the_instance_holding_a_prefix_until_it_un
 
         holder = served_by(workers, client, "r4", "another unrelated prompt", held)
         assert broker.workers[holder].ram
-        broker.worker_exited(int(holder[1:]))  # a lost worker takes its view with it
+        broker.worker_exited(int(holder[1:]), -signal.SIGKILL)  # a lost worker takes its view with it
         assert holder not in broker.workers
 
 
@@ -329,3 +331,68 @@ def test_a_worker_of_another_worker_protocol_is_refused_with_both_versions_named
         assert b"w7" not in broker.workers and broker.models["m"].instances == 0
     finally:
         worker.close(0)
+
+
+# --- how a worker ended: a crash or a kill ----------------------------------------------------------
+
+def ask(broker: Broker, client: zmq.Socket[bytes], rid: str) -> None:
+    """Send the request ``rid`` and let the broker take it."""
+    client.send_multipart(wire.encode(wire.Request(rid, "hi", stream=True)))
+    accepted = broker.stats["accepted"]
+    while broker.stats["accepted"] == accepted:
+        assert broker.front.poll(1000)
+        broker.drain_front()
+
+
+def taken(workers: dict[bytes, zmq.Socket[bytes]]) -> dict[str, tuple[bytes, wire.Assign]]:
+    """The assignments the fake workers got since the last look: request id -> (worker, assignment)."""
+    got = {}
+    for name, sock in workers.items():
+        while sock.poll(50):
+            msg = wire.decode(sock.recv_multipart())
+            got.update({a.request.id: (name, a) for a in (msg.assigns if isinstance(msg, wire.Assigns) else [msg])})
+    return got
+
+
+def ends(broker: Broker, name: bytes, code: int) -> None:
+    """Worker ``name`` exits with ``code``, and its replacement (a new process) registers."""
+    broker.worker_exited(int(name[1:]), code)
+    broker._on_ready(name, wire.Ready(name.decode(), "m", -1, 1, 2), None)
+    broker.flush()
+
+
+def answer(client: zmq.Socket[bytes]) -> Any:
+    assert client.poll(1000), "no answer"
+    return wire.decode(client.recv_multipart())
+
+
+def test_a_worker_killed_from_outside_hands_its_request_over_up_to_the_bound_named_in_the_error(broker: Broker) -> None:
+    with peers(broker, slots=1) as (client, workers):
+        ask(broker, client, "r1")
+        for lost in range(1, MAX_HANDOVERS + 1):
+            name, assign = taken(workers)["r1"]
+            assert assign.attempt == lost
+            ends(broker, name, -(signal.SIGKILL if lost % 2 else signal.SIGTERM))
+            assert not broker.stats[ErrorCode.POISON_REQUEST]
+            if lost < MAX_HANDOVERS:
+                assert not client.poll(0), f"answered after {lost} hand-overs"
+        error = answer(client)
+        assert isinstance(error, wire.Error) and error.code == ErrorCode.WORKER_LOST
+        assert f"lost {MAX_HANDOVERS} workers" in error.message and f"bound on hand-overs ({MAX_HANDOVERS})" in (
+            error.message), error.message
+        assert "signal SIGTERM" in error.message and not broker.requests
+
+
+def test_a_request_that_crashes_or_stalls_two_workers_is_poison_and_its_model_serves_on(broker: Broker) -> None:
+    with peers(broker, slots=1) as (client, workers):
+        ask(broker, client, "r1")
+        ends(broker, taken(workers)["r1"][0], -signal.SIGSEGV)
+        name, assign = taken(workers)["r1"]
+        assert assign.attempt == 2 and not client.poll(0)
+        broker.worker_stalled(int(name[1:]), 30.0)  # a stall counts as a crash of the request
+        error = answer(client)
+        assert isinstance(error, wire.Error) and error.code == ErrorCode.POISON_REQUEST, error
+        assert "2 workers that crashed or stalled" in error.message
+        assert broker.models["m"].failed is None
+        ask(broker, client, "r2")
+        assert list(taken(workers)) == ["r2"]
