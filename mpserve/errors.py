@@ -55,8 +55,9 @@ CODES: dict[ErrorCode, CodeInfo] = {
     ErrorCode.POISON_REQUEST: CodeInfo(500, False, "the request was running on two instances that crashed "
                                                    "(SIGSEGV, SIGBUS, SIGFPE, SIGILL, SIGABRT) or stalled; it is "
                                                    "not retried again"),
-    ErrorCode.MODEL_FAILED: CodeInfo(503, False, "the model failed to load 3 times in a row; the message has "
-                                                 "the load error"),
+    ErrorCode.MODEL_FAILED: CodeInfo(503, False, "the model failed to load 3 times in a row (the message has the "
+                                                 "load error), or its instances crashed on 3 different requests in "
+                                                 "a row (the message names the signal and the settings to try)"),
     ErrorCode.DOES_NOT_FIT: CodeInfo(503, False, "the model does not fit the device's memory (at start, or a "
                                                  "load)"),
     ErrorCode.SHUTTING_DOWN: CodeInfo(503, True, "the server is stopping"),

@@ -13,7 +13,8 @@ has by then declared it lost (its heartbeats stopped too) and dealt with its req
 
 The broker sees a remote worker only fall silent, never how it ended: whatever the cause (a crash, a kill,
 a stall, the pool stopping), its requests are handed over, as after a kill (resumed elsewhere, up to the
-broker's bound on hand-overs per request); no remote death counts toward ``poison_request``.
+broker's bound on hand-overs per request); no remote death counts toward ``poison_request`` or fails a
+model.
 
 On SIGTERM/SIGINT the pool stops its workers; requests they were running are handed over by the broker's
 rules.

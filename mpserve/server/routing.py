@@ -10,6 +10,8 @@ becomes of a request whose worker died.
                                                why (``Source``: the broker counts its routes by it)
     crash_signal(exit code)                    the signal of a local worker's death, if it is one a request
                                                can cause (CRASH_SIGNALS); None: killed from outside or exited
+    crash_streak(model, tickets)               the model's crash streak once a worker crashed running
+                                               ``tickets``: one more if one of them is new to the streak
     after_loss(request)                        RETRY (nothing streamed yet, or the tokens streamed are
                                                known: resumed from them) | LOST (text streamed, its
                                                tokens unknown) | POISON (it has now crashed MAX_CRASHES
@@ -24,21 +26,28 @@ A request's worker ends in one of two ways, and they are counted apart in its ro
     (handovers) killer), one that exited with a code, a remote worker that went silent or whose pool died:
                 the request is not the cause, and goes on elsewhere as it would after a crash, uncounted
                 as one
+
+A model's crashes are counted too (``ModelQueue.crash_streak``, by the broker): MODEL_CRASHES crashes in a
+row, each on a request that had not crashed yet in the streak, fail the model as a whole. MODEL_CRASHES
+is above MAX_CRASHES, so no one request (which crashes at most MAX_CRASHES workers, then is poison) can
+fail its model; counting one per crash, not each request a batch held, keeps one poison request in a
+batching instance from failing it either.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from enum import Enum
 from signal import Signals
 
 from mpserve.prefix import common_prefix
 
-from .state import Pending, RequestState, WorkerEntry
+from .state import ModelQueue, Pending, RequestState, WorkerEntry
 
 MAX_CRASHES = 2  # workers a request may crash (or stall) before it is poison
 MAX_HANDOVERS = 8  # workers a request may lose to causes not its own before it is answered worker_lost
+MODEL_CRASHES = 3  # crashes in a row on different requests that fail the model
 CRASH_SIGNALS = frozenset({Signals.SIGSEGV, Signals.SIGBUS, Signals.SIGFPE, Signals.SIGILL, Signals.SIGABRT})
 MIN_SHARED_PREFIX = 32  # characters a prompt must share with a slot's last one to be routed to it
 
@@ -171,3 +180,8 @@ def after_loss(p: Pending) -> AfterLoss:
     resumable = bool(p.generated) and p.tokens_known
     return AfterLoss.LOST if p.state is RequestState.STREAMING and not resumable else AfterLoss.RETRY
 
+
+def crash_streak(mq: ModelQueue, tickets: Collection[str]) -> int:
+    """``mq.crash_streak`` once a worker of the model crashed running ``tickets``: one more if any of them had not
+    crashed yet in the streak (``mq.crashed``), however many did; the same for a crash with none running."""
+    return mq.crash_streak + (not set(tickets) <= mq.crashed)

@@ -4,7 +4,9 @@ It follows gunicorn's arbiter: a table of workers by index, death noticed throug
 (which the broker's poll loop watches, so no signal handler does work), restarts with a capped
 exponential backoff, and a halt instead of a restart loop for a model that cannot load: three failed
 loads in a row mark the model failed. ``reap`` returns how a worker ended (its exit status), which the
-server's loop hands to the broker: the broker tells a crash from a kill.
+server's loop hands to the broker: the broker tells a crash from a kill, and fails a model whose workers
+crash whatever the request, which the loop passes back (``model_failed``: no more restarts, as after
+failed loads).
 
 Workers are started with multiprocessing's "forkserver" method:
 
@@ -169,6 +171,16 @@ class Supervisor:
     def load_failed(self, model: str, message: str) -> None:
         """A worker reported FAILED; its exit follows and is counted by reap()."""
         self.health[model].pending_messages[:] = [message]
+
+    def model_failed(self, model: str, message: str) -> None:
+        """The broker failed ``model`` (its workers crash whatever the request): as after failed loads, none of
+        its workers is restarted, and the rows of those that are down say failed. Those still up are left to
+        finish what they run (they get nothing new), and stay down once they exit."""
+        self.health[model].failed_message = message
+        for handle in self.workers.values():
+            if handle.spec.model == model and handle.process is None:
+                handle.restart_at = None
+                self._mark(handle.spec, SlotState.FAILED)
 
     def _mark(self, spec: WorkerSpec, state: SlotState) -> None:
         """Write a dead worker's rows (their writer is gone, so the supervisor may)."""

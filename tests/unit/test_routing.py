@@ -16,6 +16,7 @@ from mpserve.server.routing import (
     MAX_CRASHES,
     MAX_HANDOVERS,
     MIN_SHARED_PREFIX,
+    MODEL_CRASHES,
     AfterLoss,
     Route,
     Source,
@@ -23,9 +24,10 @@ from mpserve.server.routing import (
     choose_slot,
     choose_slots,
     crash_signal,
+    crash_streak,
     describe_exit,
 )
-from mpserve.server.state import Pending, RequestState, WorkerEntry
+from mpserve.server.state import ModelQueue, Pending, RequestState, WorkerEntry
 
 pytestmark = pytest.mark.timeout(10)
 
@@ -222,10 +224,20 @@ def test_an_exit_status_in_words() -> None:
         "signal SIGSEGV", "signal SIGKILL", "code 1", "unknown status", "signal 200"]
 
 
+def test_a_models_crash_streak_grows_once_per_crash_with_a_request_new_to_it() -> None:
+    mq = ModelQueue("m", 8)
+    for tickets, streak in [(["a"], 1), (["a"], 1), ([], 1), (["a", "b", "c", "d"], 2), (["b", "e"], 3)]:
+        mq.crash_streak = crash_streak(mq, tickets)
+        mq.crashed.update(tickets)
+        assert mq.crash_streak == streak, tickets
+    assert MODEL_CRASHES > MAX_CRASHES  # one request, poison after MAX_CRASHES crashes, cannot fail its model
+
+
 def test_the_error_table_states_these_rules() -> None:
     poison = CODES[ErrorCode.POISON_REQUEST].meaning
     assert MAX_CRASHES == 2 and "two instances that crashed" in poison and all(s.name in poison for s in CRASH_SIGNALS)
     assert f"lost {MAX_HANDOVERS} instances" in CODES[ErrorCode.WORKER_LOST].meaning
+    assert f"crashed on {MODEL_CRASHES} different requests" in CODES[ErrorCode.MODEL_FAILED].meaning
 
 
 def _ranked(free: list[tuple[bytes, int]], workers: dict[bytes, WorkerEntry], prompt: str) -> tuple[bytes, int]:
