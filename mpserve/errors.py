@@ -47,14 +47,17 @@ CODES: dict[ErrorCode, CodeInfo] = {
     ErrorCode.TIMEOUT: CodeInfo(504, True, "the request's `timeout` passed, queued or running"),
     ErrorCode.CANCELLED: CodeInfo(500, False, "cancelled by the client"),
     ErrorCode.WORKER_LOST: CodeInfo(502, True, "the instance died after it had streamed text without reporting "
-                                               "its tokens (a worker older than the hand-over); others continue "
-                                               "elsewhere"),
+                                               "its tokens (a worker older than the hand-over), or the request lost 8 "
+                                               "instances that were killed or went away, the bound on hand-overs; "
+                                               "others continue elsewhere"),
     ErrorCode.WORKER_STALLED: CodeInfo(502, True, "(servers older than the hand-over) the instance generated "
                                                   "nothing for `stall_timeout`; now its requests continue elsewhere"),
-    ErrorCode.POISON_REQUEST: CodeInfo(500, False, "the request was running on two instances that died or "
-                                                   "stalled; it is not retried again"),
-    ErrorCode.MODEL_FAILED: CodeInfo(503, False, "the model failed to load 3 times in a row; the message has "
-                                                 "the load error"),
+    ErrorCode.POISON_REQUEST: CodeInfo(500, False, "the request was running on two instances that crashed "
+                                                   "(SIGSEGV, SIGBUS, SIGFPE, SIGILL, SIGABRT) or stalled; it is "
+                                                   "not retried again"),
+    ErrorCode.MODEL_FAILED: CodeInfo(503, False, "the model failed to load 3 times in a row (the message has the "
+                                                 "load error), or its instances crashed on 3 different requests in "
+                                                 "a row (the message names the signal and the settings to try)"),
     ErrorCode.DOES_NOT_FIT: CodeInfo(503, False, "the model does not fit the device's memory (at start, or a "
                                                  "load)"),
     ErrorCode.SHUTTING_DOWN: CodeInfo(503, True, "the server is stopping"),

@@ -109,9 +109,10 @@ CHAOS_PROMPTS = ["Hello world", "The quick brown fox", "In the beginning", "1 2 
 
 @pytest.mark.timeout(240)
 def test_chaos_every_request_ends_exactly_once_while_workers_are_killed(start_server) -> None:
-    """SIGKILL a random worker every 0.5 s under 300 requests from 8 clients: each request ends exactly
-    once (DONE, or ERROR poison_request; none worker_lost: streams are resumed elsewhere), none hangs,
-    retried and resumed requests give the same text,
+    """SIGKILL a random busy worker every 0.5 s under 300 requests from 8 clients: each request ends exactly
+    once, DONE: a kill from outside is no crash of the request (no poison_request), streams are resumed
+    elsewhere (no worker_lost; no request here lives through the kills that reach the bound on hand-overs),
+    none hangs, retried and resumed requests give the same text,
     the pool is whole again within 15 s, no row is owned by a dead process, no traceback."""
     server = start_server("--instances", "4").wait_ready()
     rng = random.Random(4004)
@@ -150,7 +151,7 @@ def test_chaos_every_request_ends_exactly_once_while_workers_are_killed(start_se
     async def killer(stop: asyncio.Event) -> None:
         pick = random.Random(5005)
         while not stop.is_set():
-            live = [r.pid for r in server.slots() if r.state in SERVING and running(r.pid)]
+            live = [r.pid for r in server.slots() if r.state is SlotState.BUSY and running(r.pid)]
             if live:
                 pid = pick.choice(live)
                 os.kill(pid, signal.SIGKILL)
@@ -191,7 +192,7 @@ def test_chaos_every_request_ends_exactly_once_while_workers_are_killed(start_se
           f"{counters.get('retried', 0)}, worker_lost {counters.get('worker_lost', 0)}")
 
     assert len(outcomes) == CHAOS_REQUESTS
-    assert set(by_code) <= {"done", "poison_request"}, dict(by_code)
+    assert set(by_code) == {"done"}, dict(by_code)
     assert per_request == {1: CHAOS_REQUESTS}, f"terminal messages per request: {per_request}"
     assert not any(None in c.terminal for c in clients), "an ERROR without a request id"
     assert len(kills) >= 4, "the chaos did not kill enough workers to mean anything"

@@ -31,11 +31,24 @@ state records that it was sent, so a late worker reply for a request that alread
 cancelled frees the worker without reaching the client twice. Routing and the retry rules are pure
 functions in ``mpserve.server.routing``.
 
-Worker deaths and stalls arrive from the supervisor (process sentinels in the same poll): a request that
+Worker deaths and stalls arrive from the supervisor (process sentinels in the same poll; a death with the
+worker's exit status), the loss of a remote worker from its silence (``expire_workers``): a request that
 had not streamed anything is retried on another instance; one that had is resumed there from the token ids
 its CHUNKs carried (``Pending.generated``: the prompt, then those tokens, for the rest of ``max_tokens``),
-so its client sees one stream; one that has now crashed two workers is failed with ``poison_request`` and
-never retried. (``worker_lost`` remains for a worker that streamed without reporting its tokens.)
+so its client sees one stream. How the worker ended decides what the loss counts as (``routing``: crash
+or hand-over):
+
+    local worker ──exit status──▶ crash signal (SIGSEGV, SIGBUS, SIGFPE, SIGILL, SIGABRT) ─▶ a crash of each
+                                  request it ran, and of its model (``_model_crashed``)
+                                  anything else (SIGKILL, SIGTERM, an exit code) ─▶ a hand-over
+    stalled (watchdog) ─────────▶ a crash of each request it ran (not of its model)
+    remote worker silent, or a new process under a lost one's name ─▶ a hand-over
+
+A request that has now crashed two workers is failed with ``poison_request``; one that has been handed
+over MAX_HANDOVERS times, with ``worker_lost`` naming that bound; neither is retried again. A model whose
+workers crashed on MODEL_CRASHES different requests in a row is failed (``model_failed``, naming the signal
+and the settings to try), its requests with it; the server's loop stops the supervisor restarting it.
+(``worker_lost`` also remains for a worker that streamed without reporting its tokens.)
 
 The broker never blocks on a client: sends are non-blocking, and a client that cannot take a message
 (gone, or not reading past its high-water mark) has its requests cancelled.
@@ -50,6 +63,7 @@ import logging
 import time
 from collections import Counter, deque
 from collections.abc import Callable
+from signal import Signals
 from typing import Any
 
 import msgspec
@@ -72,7 +86,16 @@ from mpserve.prefix import PREFIX_BLOCK, block_hashes
 from mpserve.protocol import ChatTemplate
 
 from .residency import Loaded, Residency
-from .routing import AfterLoss, after_loss, choose_slots
+from .routing import (
+    MAX_HANDOVERS,
+    MODEL_CRASHES,
+    AfterLoss,
+    after_loss,
+    choose_slots,
+    crash_signal,
+    crash_streak,
+    describe_exit,
+)
 from .state import ModelQueue, Pending, RequestState, WorkerEntry
 
 log = logging.getLogger("mpserve.broker")
@@ -177,24 +200,24 @@ class Broker:
 
     def worker_stalled(self, index: int, silent_s: float) -> None:
         """The supervisor is about to kill a worker that stopped making progress: its requests go elsewhere
-        now, by the rules of a worker that died (a stall counts as a crash: a request that stalls or kills
-        two workers is poison)."""
-        entry = next((w for w in self.workers.values() if w.index == index), None)
-        if entry is None:
-            return
-        self._forget_worker(entry)  # nothing more goes to it; its late words are stale
-        for ticket in sorted(entry.running):
-            p = self.requests.get(ticket)
-            if p is not None:
-                self._after_loss(p, f"worker {index} produced no token for {silent_s:.1f} s")
-        self._dispatch(entry.model)
-        self.flush()
-
-    def worker_exited(self, index: int) -> None:
-        """The supervisor reaped local worker ``index``: settle its requests by the retry rules."""
+        now, by the rules of a worker that crashed (a request can hang an engine as it can crash one: one that
+        stalls or crashes two workers is poison). A stall does not count toward its model's crashes: it names
+        no signal, and a host short of CPU stalls healthy workers."""
         entry = next((w for w in self.workers.values() if w.index == index), None)
         if entry is not None:
-            self._worker_gone(entry, f"worker {index} died")
+            self._worker_gone(entry, f"worker {index} produced no token for {silent_s:.1f} s", crashed=True)
+        self.flush()
+
+    def worker_exited(self, index: int, code: int | None) -> None:
+        """The supervisor reaped local worker ``index``, which ended with exit status ``code`` (negative: the
+        signal that ended it). A crash signal (``routing.crash_signal``) is a crash of the requests it ran, and
+        of its model (``_model_crashed``); any other end hands them over."""
+        entry = next((w for w in self.workers.values() if w.index == index), None)
+        if entry is not None:
+            sig = crash_signal(code)
+            if sig is not None:
+                self._model_crashed(entry, sig)
+            self._worker_gone(entry, f"worker {index} exited with {describe_exit(code)}", crashed=sig is not None)
         self.flush()
 
     def expire_workers(self, now: float) -> None:
@@ -204,36 +227,62 @@ class Broker:
             self.stats["worker_expired"] += 1
             log.warning("worker %s on %s sent nothing for %.1f s; declared lost", entry.identity.decode(),
                         entry.host, now - entry.last_heard)
-            self._worker_gone(entry, f"worker {entry.identity.decode()} on {entry.host} was lost")
+            self._worker_gone(entry, f"worker {entry.identity.decode()} on {entry.host} was lost", crashed=False)
         self.flush()
 
     def send_heartbeats(self) -> None:
         for identity in list(self.workers):
             self._to_worker(identity, wire.Heartbeat(identity.decode()))
 
-    def _worker_gone(self, entry: WorkerEntry, what: str) -> None:
-        """A worker died or was lost: retry what it had not streamed, fail the rest, by the rules."""
+    def _worker_gone(self, entry: WorkerEntry, what: str, crashed: bool) -> None:
+        """A worker died, stalled or was lost: settle its requests by the rules, each counting a crash if
+        ``crashed``, else a hand-over."""
         self._forget_worker(entry)
         self._lookups_lost(entry.identity, what)
         for ticket in sorted(entry.running):
             p = self.requests.get(ticket)
             if p is not None:
-                self._after_loss(p, what)
+                self._after_loss(p, what, crashed)
         self._dispatch(entry.model)
 
-    def _after_loss(self, p: Pending, what: str) -> None:
+    def _model_crashed(self, entry: WorkerEntry, sig: Signals) -> None:
+        """A worker of the model died of ``sig`` running its requests: the model's crash streak grows
+        (``routing.crash_streak``); at MODEL_CRASHES the model is failed, before the requests are settled, so
+        that they too end ``model_failed`` (the model's verdict wins over a request's poison)."""
+        mq = self.models[entry.model]
+        self.stats["worker_crashed"] += 1
+        tickets = [t for t in entry.running if t in self.requests and not self.requests[t].answered]
+        mq.crash_streak = crash_streak(mq, tickets)
+        mq.crashed.update(tickets)
+        if mq.crash_streak >= MODEL_CRASHES and mq.failed is None:
+            log.error("model %s: its workers crashed with %s on %d different requests in a row; failing the model",
+                      mq.name, sig.name, mq.crash_streak)
+            self._fail_model(mq, crash_verdict(sig))
+
+    def _after_loss(self, p: Pending, what: str, crashed: bool) -> None:
         """Settle one request of a worker that died or stalled: requeue it first in line (from its streamed
-        tokens, if any), or fail it."""
+        tokens, if any), or fail it; a request of a failed model ends ``model_failed``."""
         p.worker = None
         if p.answered:
             self._finish(p)
             return
-        p.crashes += 1
+        if crashed:
+            p.crashes += 1
+        else:
+            p.handovers += 1
+        mq = self.models[p.model]
         outcome = after_loss(p)
-        if outcome is AfterLoss.POISON:
+        if mq.failed is not None:
+            self._answer_error(p, ErrorCode.MODEL_FAILED, mq.refusal())
+        elif outcome is AfterLoss.POISON:
             self.stats[ErrorCode.POISON_REQUEST] += 1
             self._answer_error(p, ErrorCode.POISON_REQUEST, f"this request was running on {p.crashes} workers "
-                               "that died or stalled; it will not be retried")
+                               "that crashed or stalled; it will not be retried")
+        elif outcome is AfterLoss.BOUND:
+            self.stats[ErrorCode.WORKER_LOST] += 1
+            self._answer_error(p, ErrorCode.WORKER_LOST, f"{what}; this request has lost {p.handovers} workers "
+                               f"that were killed or went away, the bound on hand-overs ({MAX_HANDOVERS}), "
+                               "and is not handed over again; retry the request")
         elif outcome is AfterLoss.LOST:
             self.stats[ErrorCode.WORKER_LOST] += 1
             self._answer_error(p, ErrorCode.WORKER_LOST, f"{what} after it had streamed text; retry the request")
@@ -243,14 +292,18 @@ class Broker:
             log.info("%s request %s: %s", f"resuming after {len(p.generated) // 4} tokens" if resumed
                      else "retrying", p.request.id, what)
             p.state = RequestState.QUEUED
-            self.models[p.model].queue.appendleft(p.ticket)
+            mq.queue.appendleft(p.ticket)
 
     def model_failed(self, model: str, message: str) -> None:
-        mq = self.models[model]
-        mq.failed = message
+        """The supervisor gave up loading ``model`` (``message``: the load error)."""
+        self._fail_model(self.models[model], f"cannot be loaded: {message}")
+
+    def _fail_model(self, mq: ModelQueue, reason: str) -> None:
+        """The model serves nothing more: its queued requests, and those of its workers that die from now on,
+        end ``model_failed``, and new ones are refused; ``reason`` follows "model NAME " in the message."""
+        mq.failed = reason
         while mq.queue:
-            self._answer_error(self.requests[mq.queue.popleft()], ErrorCode.MODEL_FAILED,
-                               f"model {model} cannot be loaded: {message}")
+            self._answer_error(self.requests[mq.queue.popleft()], ErrorCode.MODEL_FAILED, mq.refusal())
 
     def drain(self, identity: bytes) -> None:
         """Scale down: the worker gets no new request; once it runs none it is told to STOP (``on_drained``)."""
@@ -339,7 +392,7 @@ class Broker:
             raise BadRequest(f"model {model} is an embedding model (embedding: true in its models[] entry): it "
                              "computes embeddings (/v1/embeddings, Client.embed), not completions")
         if mq.failed is not None:
-            raise ModelFailed(f"model {model} cannot be loaded: {mq.failed}")
+            raise ModelFailed(mq.refusal())
         if len(mq.queue) >= mq.max_queue and not mq.free:
             raise Busy(f"the queue of model {model} is full ({mq.max_queue} waiting); try again later",
                        retry_after=self._retry_after(mq))
@@ -595,7 +648,7 @@ class Broker:
                 self.on_ready(old)
             return
         if old is not None:  # a new process under the same name: whatever the old one ran is lost
-            self._worker_gone(old, f"worker {identity.decode()} restarted")
+            self._worker_gone(old, f"worker {identity.decode()} restarted", crashed=False)
         local = msg.host == "" and identity[:1] == b"w" and identity[1:].isdigit()
         entry = WorkerEntry(identity, int(identity[1:]) if local else None, msg.model, msg.device, msg.capacity,
                             msg.pid, msg.loaded, host=msg.host, last_heard=time.monotonic())
@@ -633,13 +686,16 @@ class Broker:
             return
         slot = entry.running.pop(ticket)
         p.worker = None
+        mq = self.models[entry.model]
+        if mtype is wire.MsgType.DONE:  # the engine works: its model's crash streak starts afresh
+            mq.crash_streak = 0
+            mq.crashed.clear()
         if not p.answered:
             p.state = RequestState.ANSWERED
             self.stats["done" if mtype is wire.MsgType.DONE else "worker_error"] += 1
             self._to_client(p.client, [wire.VERSION, type_frame, body])
             if mtype is wire.MsgType.ERROR:
                 self._end_other_choices(p, ErrorCode.CANCELLED, "another choice of the request failed")
-        mq = self.models[entry.model]
         service_ms = (time.monotonic() - p.assigned) * 1000
         mq.service_ms = service_ms if not mq.service_ms else 0.9 * mq.service_ms + 0.1 * service_ms
         self._finish(p)
@@ -832,6 +888,14 @@ class Broker:
     def _stale_deadline(self, ticket: str) -> bool:
         p = self.requests.get(ticket)
         return p is None or p.answered
+
+
+def crash_verdict(sig: Signals) -> str:
+    """Why a model whose workers crash on every request failed, and what to try (after "model NAME ")."""
+    return (f"crashed its workers with {sig.name} on {MODEL_CRASHES} different requests in a row, none done "
+            "between: its engine fails on this host, whatever the request. Try the model with repack: false "
+            "(--no-repack; llama.cpp's repacked CPU kernels crash on some AMX and AVX-512 hosts), or with other "
+            "n_gpu_layers or flash_attn settings, then restart the server")
 
 
 def _no_control(msg: wire.Control) -> wire.ControlReply:

@@ -228,9 +228,9 @@ class Instances:
                              f"for (its max_instances); restart it with a higher max")
         if low > high:
             raise BadRequest(f"min {low} is above max {high}; give min ≤ max")
-        failed = self._broker.models[name].failed
-        if failed is not None and low > 0:
-            raise ModelFailed(f"model {name} cannot be loaded: {failed}")
+        mq = self._broker.models[name]
+        if mq.failed is not None and low > 0:
+            raise ModelFailed(mq.refusal())
         live = list(self._placements.values())
         for instance in range(len(self._ready(name)) + self._starting(name), low):
             live.append(place_one(self._requests[name], instance, live, self._devices, self._config.gpu_memory_budget))

@@ -217,13 +217,19 @@ class _Loop:
             self._supervisor.stop_stalled(index)
 
     def _reap(self, index: int) -> None:
+        """A worker exited: the supervisor collects it, the broker settles its requests by how it ended (a crash
+        or a kill), and a model either of them failed is failed on both sides (the supervisor: its loads fail;
+        the broker: its workers crash whatever the request)."""
         model = self._supervisor.workers[index].spec.model
         self._ready.discard(index)
-        self._supervisor.reap(index)
-        self._broker.worker_exited(index)
-        failed = self._supervisor.health[model].failed_message
-        if failed is not None and self._broker.models[model].failed is None:
-            self._broker.model_failed(model, failed)
+        code = self._supervisor.reap(index)
+        self._broker.worker_exited(index, code)
+        loads = self._supervisor.health[model].failed_message
+        failed = self._broker.models[model].failed
+        if loads is not None and failed is None:
+            self._broker.model_failed(model, loads)
+        elif failed is not None and loads is None:
+            self._supervisor.model_failed(model, failed)
 
     def _on_ready(self, entry: WorkerEntry) -> None:
         assert entry.index is not None  # the broker tells of its local workers only

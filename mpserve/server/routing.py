@@ -8,22 +8,47 @@ becomes of a request whose worker died.
                                                > least busy instance > free the longest
     choose_slots(…, n)                         n free slots of one instance (a request for n choices), and
                                                why (``Source``: the broker counts its routes by it)
+    crash_signal(exit code)                    the signal of a local worker's death, if it is one a request
+                                               can cause (CRASH_SIGNALS); None: killed from outside or exited
+    crash_streak(model, tickets)               the model's crash streak once a worker crashed running
+                                               ``tickets``: one more if one of them is new to the streak
     after_loss(request)                        RETRY (nothing streamed yet, or the tokens streamed are
                                                known: resumed from them) | LOST (text streamed, its
-                                               tokens unknown) | POISON (it has now crashed MAX_CRASHES)
+                                               tokens unknown) | POISON (it has now crashed MAX_CRASHES
+                                               workers) | BOUND (it has now lost MAX_HANDOVERS workers to
+                                               causes not its own)
+
+A request's worker ends in one of two ways, and they are counted apart in its row (``Pending``):
+
+    crash     a local worker died of a crash signal while the request ran, or the busy watchdog stopped it
+    (crashes)   (a request can hang an engine as well as crash it): the request may be the cause
+    hand-over anything else: a local worker killed from outside (SIGKILL, SIGTERM: an operator, the OOM
+    (handovers) killer), one that exited with a code, a remote worker that went silent or whose pool died:
+                the request is not the cause, and goes on elsewhere as it would after a crash, uncounted
+                as one
+
+A model's crashes are counted too (``ModelQueue.crash_streak``, by the broker): MODEL_CRASHES crashes in a
+row, each on a request that had not crashed yet in the streak, fail the model as a whole. MODEL_CRASHES
+is above MAX_CRASHES, so no one request (which crashes at most MAX_CRASHES workers, then is poison) can
+fail its model; counting one per crash, not each request a batch held, keeps one poison request in a
+batching instance from failing it either.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from enum import Enum
+from signal import Signals
 
 from mpserve.prefix import common_prefix
 
-from .state import Pending, RequestState, WorkerEntry
+from .state import ModelQueue, Pending, RequestState, WorkerEntry
 
-MAX_CRASHES = 2
+MAX_CRASHES = 2  # workers a request may crash (or stall) before it is poison
+MAX_HANDOVERS = 8  # workers a request may lose to causes not its own before it is answered worker_lost
+MODEL_CRASHES = 3  # crashes in a row on different requests that fail the model
+CRASH_SIGNALS = frozenset({Signals.SIGSEGV, Signals.SIGBUS, Signals.SIGFPE, Signals.SIGILL, Signals.SIGABRT})
 MIN_SHARED_PREFIX = 32  # characters a prompt must share with a slot's last one to be routed to it
 
 
@@ -113,15 +138,50 @@ def _at_least(shared: int) -> int:
     return shared if shared >= MIN_SHARED_PREFIX else 0
 
 
+def crash_signal(code: int | None) -> Signals | None:
+    """The signal a local worker's exit status ``code`` names (negative: the signal that ended it), if it is one
+    of CRASH_SIGNALS: those the process raises on itself when its engine faults while it computes, which is
+    what a request can make it do. None for SIGKILL, SIGTERM and the other signals that come from outside, for
+    an exit with a code (the worker's own decision), and for an unknown status."""
+    if code is None or code >= 0:
+        return None
+    try:
+        sig = Signals(-code)
+    except ValueError:
+        return None
+    return sig if sig in CRASH_SIGNALS else None
+
+
+def describe_exit(code: int | None) -> str:
+    """A worker's exit status in words: "signal SIGSEGV", "code 1"."""
+    if code is None:
+        return "unknown status"
+    if code < 0:
+        try:
+            return f"signal {Signals(-code).name}"
+        except ValueError:
+            return f"signal {-code}"
+    return f"code {code}"
+
+
 class AfterLoss(Enum):
     RETRY = "retry"
     LOST = "worker_lost"
     POISON = "poison_request"
+    BOUND = "handover_bound"  # answered worker_lost too, with the bound named
 
 
 def after_loss(p: Pending) -> AfterLoss:
-    """A running request whose worker died (``p.crashes`` already counts this death)."""
+    """A running request whose worker died (``p.crashes`` or ``p.handovers`` already counts this death)."""
     if p.crashes >= MAX_CRASHES:
         return AfterLoss.POISON
+    if p.handovers >= MAX_HANDOVERS:
+        return AfterLoss.BOUND
     resumable = bool(p.generated) and p.tokens_known
     return AfterLoss.LOST if p.state is RequestState.STREAMING and not resumable else AfterLoss.RETRY
+
+
+def crash_streak(mq: ModelQueue, tickets: Collection[str]) -> int:
+    """``mq.crash_streak`` once a worker of the model crashed running ``tickets``: one more if any of them had not
+    crashed yet in the streak (``mq.crashed``), however many did; the same for a crash with none running."""
+    return mq.crash_streak + (not set(tickets) <= mq.crashed)

@@ -53,7 +53,8 @@ class Pending:
     deadline: float | None
     state: RequestState = RequestState.QUEUED
     assigned: float = 0.0  # monotonic, the last assignment
-    crashes: int = 0
+    crashes: int = 0  # workers that crashed or stalled under it (``mpserve.server.routing``: crash, hand-over)
+    handovers: int = 0  # workers lost under it to causes not its own
     attempts: int = 0
     worker: bytes | None = None
     generated: bytearray = field(default_factory=bytearray)  # token ids streamed so far (TOKENS frames)
@@ -93,6 +94,13 @@ class ModelQueue:
     queue: deque[str] = field(default_factory=deque)  # tickets, FIFO
     free: deque[tuple[bytes, int]] = field(default_factory=deque)  # (worker, slot), longest-free first
     instances: int = 0  # workers registered (READY) and alive
-    failed: str | None = None  # the load error, once the supervisor gave up on this model
+    failed: str | None = None  # why the model failed, after "model NAME " (``refusal``): it cannot be loaded, or
+    # its workers crash on every request; once failed, it serves nothing more
+    crash_streak: int = 0  # its workers' crashes since its last DONE, each on a request new to the streak ...
+    crashed: set[str] = field(default_factory=set)  # ... not among these tickets (``mpserve.server.routing``)
     chat: ChatTemplate = ChatTemplate()  # from the workers' READY; empty until one had the model loaded
     service_ms: float = 0.0  # running mean of assignment-to-answer time, for the busy retry-after hint
+
+    def refusal(self) -> str:
+        """What a request for the failed model is told."""
+        return f"model {self.name} {self.failed}"

@@ -3,7 +3,10 @@
 It follows gunicorn's arbiter: a table of workers by index, death noticed through process sentinels
 (which the broker's poll loop watches, so no signal handler does work), restarts with a capped
 exponential backoff, and a halt instead of a restart loop for a model that cannot load: three failed
-loads in a row mark the model failed.
+loads in a row mark the model failed. ``reap`` returns how a worker ended (its exit status), which the
+server's loop hands to the broker: the broker tells a crash from a kill, and fails a model whose workers
+crash whatever the request, which the loop passes back (``model_failed``: no more restarts, as after
+failed loads).
 
 Workers are started with multiprocessing's "forkserver" method:
 
@@ -30,6 +33,8 @@ import zmq
 from mpserve.config import ServerConfig
 from mpserve.slots import SlotState, SlotTable
 from mpserve.worker.spec import EXIT_LOAD_FAILED, WorkerSpec, preload, run
+
+from .routing import describe_exit
 
 log = logging.getLogger("mpserve.supervisor")
 
@@ -160,12 +165,22 @@ class Supervisor:
         delay = restart_delay(handle.crashes)
         handle.restart_at = self._clock() + delay
         log.warning("worker %d (pid %s, %s) exited with %s; restarting in %.1f s", index, pid,
-                    handle.spec.model, _describe_exit(code), delay)
+                    handle.spec.model, describe_exit(code), delay)
         return code
 
     def load_failed(self, model: str, message: str) -> None:
         """A worker reported FAILED; its exit follows and is counted by reap()."""
         self.health[model].pending_messages[:] = [message]
+
+    def model_failed(self, model: str, message: str) -> None:
+        """The broker failed ``model`` (its workers crash whatever the request): as after failed loads, none of
+        its workers is restarted, and the rows of those that are down say failed. Those still up are left to
+        finish what they run (they get nothing new), and stay down once they exit."""
+        self.health[model].failed_message = message
+        for handle in self.workers.values():
+            if handle.spec.model == model and handle.process is None:
+                handle.restart_at = None
+                self._mark(handle.spec, SlotState.FAILED)
 
     def _mark(self, spec: WorkerSpec, state: SlotState) -> None:
         """Write a dead worker's rows (their writer is gone, so the supervisor may)."""
@@ -246,13 +261,3 @@ def restart_delay(crashes: int) -> float:
     """Seconds before restarting a worker that died ``crashes`` times in a row before registering: at once
     after a death once it was up, then BACKOFF_FIRST_S doubling up to BACKOFF_MAX_S."""
     return 0.0 if crashes == 0 else min(BACKOFF_MAX_S, BACKOFF_FIRST_S * 2 ** (crashes - 1))
-
-
-def _describe_exit(code: int | None) -> str:
-    if code is None:
-        return "unknown status"
-    if code < 0:
-        import signal
-
-        return f"signal {signal.Signals(-code).name}"
-    return f"code {code}"

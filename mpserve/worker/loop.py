@@ -22,6 +22,10 @@ Each turn takes every waiting broker message, then runs one ``engine.step`` whil
 
 The same loop serves models (``BatchEngine``) and the echo backend (``EchoEngine``): one interface,
 ``mpserve.engine.interface.Engine``.
+
+For the tests only: with ``$MPSERVE_TEST_CRASH_ON`` set (read when the worker starts; the server's
+environment reaches its workers), a request whose prompt contains its value kills the worker with SIGSEGV as
+it is admitted, as an engine that faults on a request does (``tests/test_crashes.py``).
 """
 
 from __future__ import annotations
@@ -29,7 +33,9 @@ from __future__ import annotations
 import logging
 import os
 import random
+import resource
 import select
+import signal
 import sys
 import time
 from collections.abc import Callable
@@ -54,10 +60,17 @@ log = logging.getLogger("mpserve.worker")
 PARENT_CHECK_S = 1.0
 REGISTER_BACKOFF_FIRST_S = 0.5
 REGISTER_BACKOFF_MAX_S = 5.0
+CRASH_ON = "MPSERVE_TEST_CRASH_ON"  # the tests' crash injection (see the module's docstring)
 
 
 def _nothing() -> None:
     pass
+
+
+def _crash() -> None:
+    """Die of SIGSEGV, as a fault in the engine ends the process, without leaving a core file (``CRASH_ON``)."""
+    resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
+    signal.raise_signal(signal.SIGSEGV)
 
 
 def _watch(pid: int) -> int | None:
@@ -97,6 +110,7 @@ class Worker:
         self._register_backoff = REGISTER_BACKOFF_FIRST_S
         self._next_register = 0.0
         self._registered = False
+        self._crash_on = os.environ.get(CRASH_ON) or None
 
     def set_rows(self, **fields: Any) -> None:
         for row in self._rows:
@@ -286,6 +300,8 @@ class Worker:
                 stream.push(text)
             return not self._stopping
 
+        if self._crash_on is not None and self._crash_on in req.prompt:
+            _crash()
         try:
             engine.admit(slot, wire.unpack_tokens(req.tokens) if req.tokens else req.prompt, req.params, on_token,
                          wire.frame_tokens(assign.generated))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import signal
 from collections.abc import Iterator
 from typing import Any
 
@@ -13,6 +14,7 @@ from mpserve import protocol as wire
 from mpserve.errors import ErrorCode
 from mpserve.prefix import block_hashes
 from mpserve.server.broker import Broker, WorkerEntry
+from mpserve.server.routing import MAX_HANDOVERS, MODEL_CRASHES
 
 pytestmark = pytest.mark.timeout(10)
 
@@ -94,7 +96,7 @@ def test_a_streamed_request_whose_worker_dies_is_resumed_elsewhere_from_its_toke
         broker.drain_back()
         assert client.poll(1000) and wire.decode(client.recv_multipart()) == wire.Chunk("r1", "ab")
 
-        broker.worker_exited(int(first[1:]))  # it died after streaming: handed over, not worker_lost
+        broker.worker_exited(int(first[1:]), -signal.SIGKILL)  # it died after streaming: handed over, not worker_lost
         other = workers[b"w1" if first == b"w0" else b"w0"]
         assert other.poll(1000)
         resumed = wire.decode(other.recv_multipart())
@@ -137,7 +139,7 @@ def test_the_choices_of_a_request_whose_worker_dies_are_handed_over_each_with_it
         broker.drain_back()
         assert client.poll(1000) and wire.decode(client.recv_multipart()) == wire.Chunk("r1", "ab", index=1)
 
-        broker.worker_exited(int(first[1:]))  # each choice goes on alone, from its own tokens
+        broker.worker_exited(int(first[1:]), -signal.SIGKILL)  # each choice goes on alone, from its own tokens
         other = workers[b"w1" if first == b"w0" else b"w0"]
         resumed = {a.index: a for a in assigns(other, 2)}
         assert wire.frame_tokens(resumed[1].generated) == [7, 8] and resumed[0].generated == b""
@@ -221,7 +223,7 @@ def test_cache_frames_steer_routing_to_the_instance_holding_a_prefix_until_it_un
 
         holder = served_by(workers, client, "r4", "another unrelated prompt", held)
         assert broker.workers[holder].ram
-        broker.worker_exited(int(holder[1:]))  # a lost worker takes its view with it
+        broker.worker_exited(int(holder[1:]), -signal.SIGKILL)  # a lost worker takes its view with it
         assert holder not in broker.workers
 
 
@@ -329,3 +331,130 @@ def test_a_worker_of_another_worker_protocol_is_refused_with_both_versions_named
         assert b"w7" not in broker.workers and broker.models["m"].instances == 0
     finally:
         worker.close(0)
+
+
+# --- how a worker ended: a crash, a kill, a model whose workers crash ------------------------------
+
+def ask(broker: Broker, client: zmq.Socket[bytes], rid: str) -> None:
+    """Send the request ``rid`` and let the broker take it."""
+    client.send_multipart(wire.encode(wire.Request(rid, "hi", stream=True)))
+    accepted = broker.stats["accepted"]
+    while broker.stats["accepted"] == accepted:
+        assert broker.front.poll(1000)
+        broker.drain_front()
+
+
+def taken(workers: dict[bytes, zmq.Socket[bytes]]) -> dict[str, tuple[bytes, wire.Assign]]:
+    """The assignments the fake workers got since the last look: request id -> (worker, assignment)."""
+    got = {}
+    for name, sock in workers.items():
+        while sock.poll(50):
+            msg = wire.decode(sock.recv_multipart())
+            got.update({a.request.id: (name, a) for a in (msg.assigns if isinstance(msg, wire.Assigns) else [msg])})
+    return got
+
+
+def ends(broker: Broker, name: bytes, code: int, slots: int = 1) -> None:
+    """Worker ``name`` exits with ``code``, and its replacement (a new process) registers."""
+    broker.worker_exited(int(name[1:]), code)
+    broker._on_ready(name, wire.Ready(name.decode(), "m", -1, slots, 2), None)
+    broker.flush()
+
+
+def answer(client: zmq.Socket[bytes]) -> Any:
+    assert client.poll(1000), "no answer"
+    return wire.decode(client.recv_multipart())
+
+
+def test_a_worker_killed_from_outside_hands_its_request_over_up_to_the_bound_named_in_the_error(broker: Broker) -> None:
+    with peers(broker, slots=1) as (client, workers):
+        ask(broker, client, "r1")
+        for lost in range(1, MAX_HANDOVERS + 1):
+            name, assign = taken(workers)["r1"]
+            assert assign.attempt == lost
+            ends(broker, name, -(signal.SIGKILL if lost % 2 else signal.SIGTERM))
+            assert broker.stats["worker_crashed"] == 0 and not broker.stats[ErrorCode.POISON_REQUEST]
+            if lost < MAX_HANDOVERS:
+                assert not client.poll(0), f"answered after {lost} hand-overs"
+        error = answer(client)
+        assert isinstance(error, wire.Error) and error.code == ErrorCode.WORKER_LOST
+        assert f"lost {MAX_HANDOVERS} workers" in error.message and f"bound on hand-overs ({MAX_HANDOVERS})" in (
+            error.message), error.message
+        assert "signal SIGTERM" in error.message and not broker.requests
+
+
+def test_a_request_that_crashes_or_stalls_two_workers_is_poison_and_its_model_serves_on(broker: Broker) -> None:
+    with peers(broker, slots=1) as (client, workers):
+        ask(broker, client, "r1")
+        ends(broker, taken(workers)["r1"][0], -signal.SIGSEGV)
+        name, assign = taken(workers)["r1"]
+        assert assign.attempt == 2 and not client.poll(0)
+        broker.worker_stalled(int(name[1:]), 30.0)  # a stall counts as a crash of the request
+        error = answer(client)
+        assert isinstance(error, wire.Error) and error.code == ErrorCode.POISON_REQUEST, error
+        assert "2 workers that crashed or stalled" in error.message
+        assert broker.models["m"].failed is None and broker.models["m"].crash_streak == 1  # one request
+        ask(broker, client, "r2")
+        assert list(taken(workers)) == ["r2"]
+
+
+def test_a_model_whose_workers_crash_on_different_requests_in_a_row_fails_naming_the_signal(broker: Broker) -> None:
+    """One worker of two slots, replaced after each crash. r1 crashes alone; then with r2, new to the streak: r1
+    is poison; then r2 (its second crash) with r3, new: the model's third such crash fails the model, which
+    answers r2 (not poison), r3 and the queued r4, and refuses r5."""
+    worker = broker.front.context.socket(zmq.DEALER)
+    worker.setsockopt(zmq.IDENTITY, b"w0")
+    worker.connect("inproc://back")
+    client = broker.front.context.socket(zmq.DEALER)
+    client.connect("inproc://front")
+    broker._on_ready(b"w0", wire.Ready("w0", "m", -1, 2, 1), None)
+    try:
+        ask(broker, client, "r1")
+        assigns(worker, 1)
+        ends(broker, b"w0", -signal.SIGILL, slots=2)
+        ask(broker, client, "r2")
+        assert {a.request.id for a in assigns(worker, 2)} == {"r1", "r2"}
+        ends(broker, b"w0", -signal.SIGILL, slots=2)
+        poison = answer(client)
+        assert (poison.id, poison.code) == ("r1", ErrorCode.POISON_REQUEST)
+        ask(broker, client, "r3")
+        assert {a.request.id for a in assigns(worker, 2)} == {"r2", "r3"}
+        ask(broker, client, "r4")  # queued: both slots are busy
+        assert broker.models["m"].crash_streak == MODEL_CRASHES - 1 and not client.poll(0)
+        ends(broker, b"w0", -signal.SIGSEGV, slots=2)
+        failed = [answer(client) for _ in range(3)]
+        assert sorted((e.id, e.code) for e in failed) == [(r, ErrorCode.MODEL_FAILED) for r in ("r2", "r3", "r4")]
+        assert all(e.message == failed[0].message for e in failed)
+        assert "model m crashed its workers with SIGSEGV" in failed[0].message
+        assert "repack: false (--no-repack" in failed[0].message and "n_gpu_layers" in failed[0].message
+        assert not broker.requests and broker.snapshot().models["m"].failed is not None
+        client.send_multipart(wire.encode(wire.Request("r5", "hi")))
+        assert broker.front.poll(1000)
+        broker.drain_front()
+        refused = answer(client)
+        assert (refused.id, refused.code, refused.message) == ("r5", ErrorCode.MODEL_FAILED, failed[0].message)
+        assert not worker.poll(0)
+    finally:
+        client.close(0)
+        worker.close(0)
+
+
+def test_a_done_between_crashes_starts_the_models_count_afresh(broker: Broker) -> None:
+    """r1 and r2 crash a worker each; r1 is done on its next; r3 crashing then is the first crash of a new
+    count (without the DONE it would be the third, and fail the model)."""
+    with peers(broker, slots=1) as (client, workers):
+        ask(broker, client, "r1")
+        ends(broker, taken(workers)["r1"][0], -signal.SIGSEGV)
+        ask(broker, client, "r2")
+        running = taken(workers)
+        ends(broker, running["r2"][0], -signal.SIGSEGV)
+        assert broker.models["m"].crash_streak == 2 and list(taken(workers)) == ["r2"]
+        name, assign = running["r1"]
+        done = wire.Done("r1", "ok", "length", wire.Usage(1, 1), wire.Timings(0, 0, 0))
+        workers[name].send_multipart(wire.encode_from_worker(done, assign.ticket))
+        assert broker.back.poll(1000)
+        broker.drain_back()
+        assert answer(client) == done and broker.models["m"].crash_streak == 0
+        ask(broker, client, "r3")
+        ends(broker, taken(workers)["r3"][0], -signal.SIGSEGV)
+        assert broker.models["m"].failed is None and broker.models["m"].crash_streak == 1

@@ -3,23 +3,31 @@
 from __future__ import annotations
 
 import random
+import signal
 
 import pytest
 
 from mpserve import protocol as wire
+from mpserve.errors import CODES, ErrorCode
 from mpserve.prefix import PREFIX_BLOCK, block_hashes, common_prefix
 from mpserve.server.ram_prefixes import RamPrefixes
 from mpserve.server.routing import (
+    CRASH_SIGNALS,
     MAX_CRASHES,
+    MAX_HANDOVERS,
     MIN_SHARED_PREFIX,
+    MODEL_CRASHES,
     AfterLoss,
     Route,
     Source,
     after_loss,
     choose_slot,
     choose_slots,
+    crash_signal,
+    crash_streak,
+    describe_exit,
 )
-from mpserve.server.state import Pending, RequestState, WorkerEntry
+from mpserve.server.state import ModelQueue, Pending, RequestState, WorkerEntry
 
 pytestmark = pytest.mark.timeout(10)
 
@@ -154,9 +162,10 @@ def test_what_a_worker_says_it_holds_in_ram_is_bounded_the_oldest_entries_forgot
     assert not ram
 
 
-def pending(state: RequestState, crashes: int, generated: list[int], known: bool = True) -> Pending:
+def pending(state: RequestState, crashes: int, generated: list[int], known: bool = True, handovers: int = 0
+            ) -> Pending:
     p = Pending("t1", b"c", wire.Request("r1", "hi"), "m", 0.0, None, state=state)
-    p.crashes = crashes
+    p.crashes, p.handovers = crashes, handovers
     p.generated += wire.token_frame(generated)
     p.tokens_known = known
     return p
@@ -185,6 +194,50 @@ def test_n_choices_take_n_free_slots_of_one_instance_or_wait() -> None:
 def test_what_becomes_of_a_request_whose_worker_died(state: RequestState, crashes: int, generated: list[int],
                                                      known: bool, outcome: AfterLoss) -> None:
     assert after_loss(pending(state, crashes, generated, known)) is outcome
+
+
+@pytest.mark.parametrize("state, crashes, handovers, generated, outcome", [
+    (RequestState.STREAMING, 0, 1, [5], AfterLoss.RETRY),  # killed from outside: resumed, no crash counted
+    (RequestState.RUNNING, 0, MAX_HANDOVERS - 1, [], AfterLoss.RETRY),  # any number below the bound
+    (RequestState.STREAMING, 1, MAX_HANDOVERS - 1, [5], AfterLoss.RETRY),  # hand-overs never make it poison
+    (RequestState.RUNNING, 0, MAX_HANDOVERS, [], AfterLoss.BOUND),  # the bound: not handed over again
+    (RequestState.STREAMING, 1, MAX_HANDOVERS, [5], AfterLoss.BOUND),
+    (RequestState.RUNNING, MAX_CRASHES, MAX_HANDOVERS, [], AfterLoss.POISON),  # a crash it caused names it
+])
+def test_hand_overs_are_bounded_apart_from_crashes(state: RequestState, crashes: int, handovers: int,
+                                                   generated: list[int], outcome: AfterLoss) -> None:
+    assert after_loss(pending(state, crashes, generated, handovers=handovers)) is outcome
+
+
+@pytest.mark.parametrize("code, crash", [
+    (-signal.SIGSEGV, signal.SIGSEGV), (-signal.SIGBUS, signal.SIGBUS), (-signal.SIGFPE, signal.SIGFPE),
+    (-signal.SIGILL, signal.SIGILL), (-signal.SIGABRT, signal.SIGABRT),  # what a request can make an engine do
+    (-signal.SIGKILL, None), (-signal.SIGTERM, None), (-signal.SIGINT, None),  # sent from outside
+    (0, None), (1, None), (3, None), (None, None), (-200, None),  # an exit code, an unknown status, no signal
+])
+def test_only_a_crash_signal_is_a_crash(code: int | None, crash: signal.Signals | None) -> None:
+    assert crash_signal(code) is crash
+
+
+def test_an_exit_status_in_words() -> None:
+    assert [describe_exit(c) for c in (-signal.SIGSEGV, -signal.SIGKILL, 1, None, -200)] == [
+        "signal SIGSEGV", "signal SIGKILL", "code 1", "unknown status", "signal 200"]
+
+
+def test_a_models_crash_streak_grows_once_per_crash_with_a_request_new_to_it() -> None:
+    mq = ModelQueue("m", 8)
+    for tickets, streak in [(["a"], 1), (["a"], 1), ([], 1), (["a", "b", "c", "d"], 2), (["b", "e"], 3)]:
+        mq.crash_streak = crash_streak(mq, tickets)
+        mq.crashed.update(tickets)
+        assert mq.crash_streak == streak, tickets
+    assert MODEL_CRASHES > MAX_CRASHES  # one request, poison after MAX_CRASHES crashes, cannot fail its model
+
+
+def test_the_error_table_states_these_rules() -> None:
+    poison = CODES[ErrorCode.POISON_REQUEST].meaning
+    assert MAX_CRASHES == 2 and "two instances that crashed" in poison and all(s.name in poison for s in CRASH_SIGNALS)
+    assert f"lost {MAX_HANDOVERS} instances" in CODES[ErrorCode.WORKER_LOST].meaning
+    assert f"crashed on {MODEL_CRASHES} different requests" in CODES[ErrorCode.MODEL_FAILED].meaning
 
 
 def _ranked(free: list[tuple[bytes, int]], workers: dict[bytes, WorkerEntry], prompt: str) -> tuple[bytes, int]:

@@ -3,7 +3,9 @@ once for one that was up, and a halt after three failed loads in a row."""
 
 from __future__ import annotations
 
+import faulthandler
 import multiprocessing
+import resource
 import signal
 import sys
 import time
@@ -42,6 +44,20 @@ def supervisor(tmp_path: Path) -> Iterator[tuple[Supervisor, Clock, SlotTable]]:
 def exited(code: int) -> multiprocessing.process.BaseProcess:
     """A real process that has exited with ``code``."""
     process = multiprocessing.get_context("fork").Process(target=sys.exit, args=(code,))
+    process.start()
+    process.join()
+    return process
+
+
+def _segfault() -> None:
+    faulthandler.disable()  # pytest's: no traceback in the test's output, and no core file
+    resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
+    signal.raise_signal(signal.SIGSEGV)
+
+
+def crashed() -> multiprocessing.process.BaseProcess:
+    """A real process that died of SIGSEGV."""
+    process = multiprocessing.get_context("fork").Process(target=_segfault)
     process.start()
     process.join()
     return process
@@ -120,3 +136,15 @@ def test_stopping_terminates_a_worker_still_starting_at_once_and_waits_for_one_t
     process = handle.process
     sup.stop_all(timeout=60.0)
     assert process.exitcode == 0
+
+
+def test_a_model_the_broker_failed_is_not_restarted_and_its_rows_say_failed(supervisor) -> None:
+    sup, clock, table = supervisor
+    sup.registered(0, loaded=True)
+    sup.workers[0].process = crashed()
+    assert sup.reap(0) == -signal.SIGSEGV  # the broker learns how it ended ...
+    assert sup.workers[0].restart_at == clock.now
+    sup.model_failed("echo", "crashed its workers with SIGSEGV")  # ... and fails the model
+    assert sup.workers[0].restart_at is None and sup.next_timer() is None
+    assert sup.health["echo"].failed_message == "crashed its workers with SIGSEGV"
+    assert table.read_all()[0].state is SlotState.FAILED
