@@ -12,7 +12,8 @@ is lost, duplicated or left behind, and watching its memory.
 
 Invariants (the exit status is 1 if one breaks, with what broke): every ZeroMQ request ends in exactly one
 DONE or ERROR and nothing comes after it; every HTTP stream ends in exactly one ``[DONE]`` or error event;
-every outcome is one its kind allows (a request may also end ``poison_request`` when workers are killed); at
+every outcome is one its kind allows (a worker killed from outside hands its requests over, so no request
+may end ``poison_request``, which only a crash the request causes earns); at
 the end the broker holds no request, every slot is idle, the broker's counters say it ended as many requests
 as it accepted (``TERMINAL_COUNTERS``), and the log has no traceback. Reported as well:
 requests per front, kind and outcome; latency percentiles of what succeeded; hand-overs; the RSS and open
@@ -54,7 +55,7 @@ from .procs import MpserveServer, children, free_port, wait_http
 
 ZMQ_KINDS = {"stream": 0.35, "whole": 0.25, "cancel": 0.12, "timeout": 0.1, "bad": 0.1, "vanish": 0.08}
 HTTP_KINDS = {"stream": 0.35, "whole": 0.3, "chat": 0.15, "bad": 0.1, "hang_up": 0.1}
-ALLOWED = {  # outcomes each kind may end with; "poison_request" too while workers are killed
+ALLOWED = {  # outcomes each kind may end with, workers killed or not
     "stream": {"done"}, "whole": {"done"}, "chat": {"done"}, "cancel": {"done", "cancelled"},
     "timeout": {"done", "timeout"}, "bad": {"bad_request", "unknown_model"}, "vanish": {"vanished"},
     "hang_up": {"hung up", "done"},
@@ -76,10 +77,9 @@ class Tally:
     kills: int = 0
     problems: list[str] = field(default_factory=list)
 
-    def record(self, front: str, kind: str, outcome: str, killing: bool, started: float,
-               first: float | None = None) -> None:
+    def record(self, front: str, kind: str, outcome: str, started: float, first: float | None = None) -> None:
         self.outcomes[(front, kind, outcome)] += 1
-        if outcome not in ALLOWED[kind] and not (killing and outcome == "poison_request"):
+        if outcome not in ALLOWED[kind]:
             self.problems.append(f"{front} {kind}: ended {outcome!r}")
         if outcome == "done":
             self.latency_s[f"{front} {kind}"].append(time.perf_counter() - started)
@@ -133,9 +133,9 @@ class ZmqFront:
             await self.sock.send_multipart(wire.encode(wire.Ping(nonce)))
             await asyncio.sleep(PING_INTERVAL_S)
 
-    async def run(self, kind: str, rng: random.Random, killing: bool) -> None:
+    async def run(self, kind: str, rng: random.Random) -> None:
         if kind == "vanish":
-            return await self._vanish(rng, killing)
+            return await self._vanish(rng)
         rid = next(self._ids)
         body = _zmq_body(rid, kind, rng)
         self.inbox[rid] = queue = asyncio.Queue()
@@ -164,9 +164,9 @@ class ZmqFront:
                 break
         finally:
             del self.inbox[rid]
-        self.tally.record("zmq", kind, outcome, killing, started, first)
+        self.tally.record("zmq", kind, outcome, started, first)
 
-    async def _vanish(self, rng: random.Random, killing: bool) -> None:
+    async def _vanish(self, rng: random.Random) -> None:
         """A client that goes away mid-stream without a word: its own DEALER, closed after the first chunk."""
         sock, started = self._dealer(), time.perf_counter()
         try:
@@ -176,7 +176,7 @@ class ZmqFront:
         finally:
             sock.close(0)
         outcome = msg.code if isinstance(msg, wire.Error) else "vanished"
-        self.tally.record("zmq", "vanish", outcome, killing, started)
+        self.tally.record("zmq", "vanish", outcome, started)
 
     def not_ended_once(self) -> list[str]:
         """The requests sent that never ended, or ended more than once."""
@@ -208,7 +208,7 @@ def _zmq_body(rid: str, kind: str, rng: random.Random) -> dict[str, Any]:
 
 # --- HTTP ------------------------------------------------------------------------------------------
 
-async def http_request(http: httpx.AsyncClient, kind: str, rng: random.Random, tally: Tally, killing: bool) -> None:
+async def http_request(http: httpx.AsyncClient, kind: str, rng: random.Random, tally: Tally) -> None:
     body: dict[str, Any] = {"max_tokens": rng.randint(4, 64), "temperature": rng.choice([0, 0.8])}
     path = "/v1/chat/completions" if kind == "chat" or rng.random() < 0.2 else "/v1/completions"
     if path == "/v1/completions":
@@ -234,7 +234,7 @@ async def http_request(http: httpx.AsyncClient, kind: str, rng: random.Random, t
                     outcome, first = await _events(response, kind == "hang_up", path, tally)
     except httpx.HTTPError as exc:
         outcome = f"transport error {type(exc).__name__}"
-    tally.record("http", kind, outcome, killing, started, first)
+    tally.record("http", kind, outcome, started, first)
 
 
 async def _events(response: httpx.Response, hang_up: bool, path: str, tally: Tally) -> tuple[str, float | None]:
@@ -331,10 +331,10 @@ async def soak(server: MpserveServer, url: str, seconds: float, warmup_s: float,
                 await run(lane_rng.choices(names, weights)[0], lane_rng)
 
         def zmq_run(kind: str, r: random.Random) -> Awaitable[None]:
-            return zmq_front.run(kind, r, kill_every > 0)
+            return zmq_front.run(kind, r)
 
         def http_run(kind: str, r: random.Random) -> Awaitable[None]:
-            return http_request(http, kind, r, tally, kill_every > 0)
+            return http_request(http, kind, r, tally)
 
         async def phase(duration: float, kill: bool) -> None:
             until = time.monotonic() + duration
