@@ -22,7 +22,7 @@ from mpserve.kv_types import DEFAULT_KV_TYPE
 
 from .figures import Case, Figure, Section, Target
 from .load import mpserve_warm_up
-from .procs import MpserveServer, children, pss_mib, uss_mib
+from .procs import MpserveServer, descendants, pss_mib, uss_mib
 from .settings import Settings
 
 INSTANCES = (1, 2, 4)
@@ -113,9 +113,10 @@ def run(settings: Settings) -> Section:
         for n_ctx in contexts)
     section.notes.append(f"Model file {file_mib:.0f} MiB. KV cache per instance in MiB (K and V of one type, "
                          f"allocated whole by llama.cpp): {kv_sizes}. Threads per instance: cores ÷ instances. "
-                         "The broker's total includes any other child process it has. A worker's USS (the pages "
-                         "only it maps) with 2 or more instances is what one more instance adds (with one, the "
-                         "model file's pages are its own too); per extra instance counts more where another "
+                         "The total includes the broker's other processes (the fork server, a model's zygote). A "
+                         "worker's USS (the pages only it maps) with 2 or more instances is what one more instance "
+                         "adds (with one, the model file's pages are its own too, unless a zygote maps them); per "
+                         "extra instance counts more where another "
                          "process on the host maps the model file as well.")
     return section
 
@@ -126,15 +127,15 @@ def _instances(variant: Variant) -> tuple[int, ...]:
 
 def _server_pss(settings: Settings, instances: int, n_ctx: int, variant: Variant
                 ) -> tuple[float, list[float], list[float], float]:
-    """PSS of the broker, PSS and USS of each worker, and PSS of any other child of the broker, after a
-    warm-up."""
+    """PSS of the broker, PSS and USS of each worker, and PSS of the broker's other descendants (the fork
+    server, the zygotes), after a warm-up."""
     with MpserveServer("--model", str(settings.model), "--instances", str(instances), "--n-ctx", str(n_ctx),
                        *variant.args) as server:
         server.wait_ready()
         asyncio.run(mpserve_warm_up(server.address, settings.work, instances))
         broker = server.proc.pid
         workers = server.worker_pids()
-        others = [pid for pid in children(broker) if pid not in workers]
+        others = [pid for pid in descendants(broker) if pid not in workers]
         return (pss_mib(broker), [pss_mib(pid) for pid in workers], [uss_mib(pid) for pid in workers],
                 sum(pss_mib(pid) for pid in others))
 

@@ -195,6 +195,14 @@ def children(pid: int) -> list[int]:
     return found
 
 
+def descendants(pid: int) -> list[int]:
+    """Children of ``pid``, their children, and so on (a model's zygote and its workers are grandchildren)."""
+    found: list[int] = []
+    for child in children(pid):
+        found += [child, *descendants(child)]
+    return found
+
+
 class CpuMeter:
     """CPU time (every thread, from the scheduler's nanosecond counters) that some processes, and this one,
     use over a block."""

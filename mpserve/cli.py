@@ -357,16 +357,19 @@ def devices(
 
 
 @app.command()
+@with_settings("plan")
 def doctor(
+    given: Given, config_file: ConfigOption = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print the report as JSON.")] = False,
 ) -> None:
     """Check this host: the llama.cpp build (can it use a GPU?), the GPUs found, whether llama.cpp's repacked CPU
-    kernels run here (a probe; mpserve serves without them where they crash), the runtime and lock directories;
+    kernels run here (a probe; mpserve serves without them where they crash), the runtime and lock directories,
+    and how the instances of each model of the configuration (the file and flags, as for plan) would start;
     print each problem with its fix. Exit status 1 when there is a problem."""
     from .doctor import collect, format_report
 
     with _errors():
-        report = collect()
+        report = collect(config=_config(given, config_file))
         print(json.dumps(report.to_json()) if as_json else format_report(report))
         if report.problems:
             raise typer.Exit(1)

@@ -96,6 +96,7 @@ class ServerConfig:
     max_pending_per_client: int = 128  # so that one client cannot fill the queues
     grace: float = 30.0
     stall_timeout: float = 60.0
+    start_method: str = "fork"  # or "spawn" (mpserve.worker.spec.start_mode)
     idle_timeout: float = 0.0  # 0: never unload
     client_timeout: float = 5.0
     stream_interval: float = 0.02  # seconds between a streamed request's chunks after its first; 0: every token
@@ -175,6 +176,7 @@ _REQUIRES_KEYS: dict[str, tuple[type, ...]] = {"memory": (str, int), "gpus": (in
 _SERVER_KEYS = {**{s.key: s.kinds for s in settings.scoped("server")}, "models": (list,)}
 _RANGES = {s.key: r for s in settings.SETTINGS if (r := s.range) is not None}
 _GPU_MODES = settings.BY_KEY["gpu_mode"].choices or ()
+_START_METHODS = settings.BY_KEY["start_method"].choices or ()
 FLASH_ATTN_MODES = settings.BY_KEY["flash_attn"].choices or ()
 _FLASH_ATTN_SPELLINGS = {True: "on", False: "off", "true": "on", "false": "off", "1": "on", "0": "off",
                          "yes": "on", "no": "off"}
@@ -249,6 +251,9 @@ def _server_conversions(values: dict[str, Any], source: str) -> dict[str, Any]:
         out["gpu_memory_budget"] = _bytes(out["gpu_memory_budget"], f"{source}: gpu_memory_budget", parse_memory)
     if out.get("gpu_mode", "shared") not in _GPU_MODES:
         raise ConfigError(f"{source}: gpu_mode: got {out['gpu_mode']!r}, allowed: {', '.join(_GPU_MODES)}")
+    if out.get("start_method", "fork") not in _START_METHODS:
+        raise ConfigError(f"{source}: start_method: got {out['start_method']!r}, allowed: "
+                          f"{', '.join(_START_METHODS)}")
     return out
 
 

@@ -3,6 +3,7 @@
     llama.cpp build  ── a child ``python -c`` imports llama_cpp ──▶ version, system info, backends, can offload
     GPUs             ── devices.detect: NVML, then nvidia-smi ───▶ each GPU with its free memory, the source
     repacking        ── repack.probe: a child decodes repacked weights ──▶ works, or crashes (then served without)
+    start modes      ── layout.start_modes(config) ──▶ per model: forked from a zygote or from the fork server, why
     directories      ── runtime.runtime_dir, permits.default_lock_dir ──▶ path, usable or not
                                          ▼
                       Report: the facts, each problem with its fix, notes
@@ -108,6 +109,7 @@ class Report:
     repack: Verdict | None  # None: llama_cpp does not load, so nothing was probed
     problems: list[Problem] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
+    start_modes: dict[str, str] = field(default_factory=dict)  # model -> how its instances start, and why
 
     def to_json(self) -> dict[str, Any]:
         out = asdict(self)
@@ -116,15 +118,23 @@ class Report:
 
 
 def collect(build: Build | None = None, simulate: str | None = None,
-            repack: Callable[[], Verdict] = probe_repack) -> Report:
-    """Everything ``mpserve doctor`` reports; ``build`` stands in for the build's probe (tests)."""
+            repack: Callable[[], Verdict] = probe_repack, config: ServerConfig | None = None) -> Report:
+    """Everything ``mpserve doctor`` reports; ``build`` stands in for the build's probe (tests); ``config``: the
+    models whose start modes to report (none: no models)."""
     build = build if build is not None else probe_build()
-    gpus, source = detect(simulate)
+    gpus, source = detect(simulate if config is None else config.simulate_gpus or simulate)
     directories = [_runtime_directory(), _lock_directory()]
     problems = build_problems(build, gpus)
     problems += [d.problem for d in directories if d.problem is not None]
     verdict = repack() if build.version is not None else None
-    return Report(build, gpus, source, directories, verdict, problems, _notes(build, gpus, source))
+    return Report(build, gpus, source, directories, verdict, problems, _notes(build, gpus, source),
+                  _start_modes(config) if config is not None else {})
+
+
+def _start_modes(config: ServerConfig) -> dict[str, str]:
+    from mpserve.server.layout import build_layout, start_modes
+
+    return {name: str(mode) for name, mode in start_modes(config, build_layout(config)).items()}
 
 
 def build_problems(build: Build, gpus: Sequence[Device]) -> list[Problem]:
@@ -185,6 +195,9 @@ def format_report(report: Report) -> str:
         lines.append(f"  {report.repack.summary}")
     lines.append("directories")
     lines += [f"  {d.role:8} {d.path}  {d.state}" for d in report.directories]
+    if report.start_modes:
+        lines.append("instances start from")
+        lines += [f"  {name}: {mode}" for name, mode in report.start_modes.items()]
     if report.problems:
         lines.append("problems")
         for p in report.problems:

@@ -146,6 +146,11 @@ SETTINGS: tuple[Setting, ...] = (
     _s("grace", "server", float, "30", "Seconds to finish requests on shutdown", cli_type=float, range=(0, 3600)),
     _s("stall_timeout", "server", float, "60", "Seconds a busy worker may generate nothing before it is replaced",
        cli_type=float, range=(0.1, 86400), commands=_FOR_POOLS),
+    _s("start_method", "server", str, "fork", "How instances start: fork forks a CPU model's instances from a "
+       "zygote, a process that loaded its weights once, so they share them (a GPU model's instances, and any "
+       "under single_active_backend or idle_timeout, start as with spawn; mpserve doctor says which each model "
+       "gets); spawn starts every instance from a fresh interpreter that loads the model itself",
+       choices=("fork", "spawn"), commands=("start", "worker", "plan")),
     _s("idle_timeout", "server", float, "0, never", "Unload an instance idle this long, in s; reloaded on demand",
        cli_type=float, range=(0, 86400 * 365)),
     _s("client_timeout", "server", float, "5", "Cancel the requests of a client silent this long, in s",

@@ -151,3 +151,15 @@ def test_mpserve_start_on_recorded_gpus_with_this_cpu_build_logs_the_warning(sta
     ready = next(i for i, line in enumerate(server.log) if "ready:" in line)
     assert len(warnings) == 1 and warnings[0] < ready, "\n".join(server.log)
     assert CUDA_INSTALL in server.log[warnings[0]]
+
+
+@pytest.mark.timeout(60)
+def test_doctor_says_how_each_models_instances_start_and_why(tmp_path: Path) -> None:
+    config = tmp_path / "c.yaml"
+    config.write_text("models:\n  - path: builtin:tiny\n    name: m\n  - path: echo\n    name: e\n")
+    text = doctor("--config", str(config)).stdout
+    assert "  m: zygote (the model is loaded once" in text and "  e: fork server (the echo backend" in text
+    text = doctor("--config", str(config), "--simulate-gpus", "1x24GiB").stdout
+    assert "  m: fork server (GPU layers: CUDA cannot be used across a fork" in text
+    spawned = json.loads(doctor("--json", "--config", str(config), "--start-method", "spawn").stdout)
+    assert set(spawned["start_modes"].values()) == {"fork server (start_method: spawn; each instance loads the model)"}

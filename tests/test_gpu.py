@@ -202,12 +202,16 @@ def _maps_llama(pid: int) -> bool:
 def test_the_fork_server_imports_llama_cpp_only_on_a_host_without_gpus(start_server, gpus: bool) -> None:
     """Workers are forked from a fork server. Where a worker may use a GPU, llama.cpp must be loaded in the
     worker after it sets CUDA_VISIBLE_DEVICES, so the fork server must not have loaded it; without GPUs it
-    has, and the workers share its pages."""
+    has, and the workers, forked from their model's zygote (a child of the fork server), share its pages."""
     server = start_server("--instances", "2", *(["--simulate-gpus", "1x24GiB"] if gpus else [])).wait_ready()
     workers = {r.pid for r in server.slots()}
-    fork_servers = [pid for pid in children(server.proc.pid) if workers & set(children(pid))]
+    below = [pid for child in children(server.proc.pid) for pid in (child, *children(child))]
+    parents = {pid for pid in below if workers & set(children(pid))}
+    assert len(parents) == 1, parents
+    fork_servers = [pid for pid in children(server.proc.pid) if parents & {pid, *children(pid)}]
     assert len(fork_servers) == 1, fork_servers
     assert _maps_llama(fork_servers[0]) is not gpus
+    assert (parents == {fork_servers[0]}) is gpus  # a zygote (the fork server's child) on the CPU host
     assert all(_maps_llama(pid) for pid in workers)
     with Client(server.address) as client:
         assert client.generate("after the fork", max_tokens=4, temperature=0, timeout=30).usage.completion_tokens == 4

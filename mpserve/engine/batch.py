@@ -207,7 +207,9 @@ class BatchEngine:
     def __init__(self, path: str, n_ctx: int, parallel: int, threads: int, n_gpu_layers: int, seed: int = 0,
                  step_budget_tokens: int = 64, *, kv_unified: bool = False, flash_attn: str = "auto",
                  repack: bool = True, speculative: Speculative | None = None, cache_type_k: str = DEFAULT_KV_TYPE,
-                 cache_type_v: str = DEFAULT_KV_TYPE, cache_ram: int = 0) -> None:
+                 cache_type_v: str = DEFAULT_KV_TYPE, cache_ram: int = 0, model: Any = None) -> None:
+        """``model``: the llama.cpp model of ``path``, loaded already (by the zygote this process was forked
+        from, ``mpserve.worker.zygote``), used instead of loading the file; the engine owns it from then on."""
         import llama_cpp
 
         if not 1 <= parallel <= llama_cpp.llama_max_parallel_sequences():
@@ -242,7 +244,7 @@ class BatchEngine:
         logging.getLogger("llama-cpp-python").setLevel(logging.ERROR)  # what Llama(verbose=False) does
         llama_cpp.llama_backend_init()
 
-        self._model: Any = load_model(llama_cpp, path, n_gpu_layers, repack)
+        self._model: Any = model if model is not None else load_model(llama_cpp, path, n_gpu_layers, repack)
         self._ctx: Any = None
         self._draft: DraftModel | None = None  # speculative type draft
         try:

@@ -40,7 +40,8 @@ class EmbeddingEngine(NoCells):
     chat = ChatTemplate()
 
     def __init__(self, path: str, n_ctx: int, parallel: int, threads: int, n_gpu_layers: int,
-                 pooling: str | None = None, repack: bool = True) -> None:
+                 pooling: str | None = None, repack: bool = True, model: Any = None) -> None:
+        """``model``: the llama.cpp model of ``path``, loaded already (as ``BatchEngine`` takes it)."""
         import llama_cpp
 
         if pooling is not None and pooling not in POOLING:
@@ -50,7 +51,7 @@ class EmbeddingEngine(NoCells):
         self.n_ctx = n_ctx
         logging.getLogger("llama-cpp-python").setLevel(logging.ERROR)
         llama_cpp.llama_backend_init()
-        self._model: Any = load_model(llama_cpp, path, n_gpu_layers, repack)
+        self._model: Any = model if model is not None else load_model(llama_cpp, path, n_gpu_layers, repack)
         self._ctx: Any = None
         try:
             self._vocab = llama_cpp.llama_model_get_vocab(self._model)

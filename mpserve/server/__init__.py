@@ -5,6 +5,7 @@
     routing     the broker's decisions as pure functions: which slot a request goes to, what a lost one becomes
     ram_prefixes  what each instance's host-RAM prompt cache holds, from the CACHE frames of its DONEs and READY
     supervisor  starts (through a fork server), reaps and restarts worker processes (``mpserve.worker.spec.run``)
+    zygotes     a model's zygote as the supervisor sees it: fork requests over a pipe, a handle per forked worker
     instances   each model's live instances: scaling decisions carried out, the control API (CONTROL)
     scaling     when a model's instance count changes: start on queueing, drain on idle, within min..max
     residency   single active backend: which model holds each GPU, and when they take turns

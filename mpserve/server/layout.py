@@ -1,7 +1,8 @@
 """Which workers a server runs and where: devices discovered, instances placed, specs built.
 
 Used by the supervisor at start and by ``mpserve plan``, which prints the same layout without starting
-anything. A model that does not fit its device is refused here, before any worker starts.
+anything, and by ``mpserve doctor`` (``start_modes``). A model that does not fit its device is refused here,
+before any worker starts.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from mpserve.gpu.devices import Device, discover
 from mpserve.gpu.placement import ModelRequest, Placement, check_kv_types, plan
 from mpserve.repack import repack_for
 from mpserve.speculative import check_draft
-from mpserve.worker.spec import EngineSpec, PermitSpec, WorkerSpec
+from mpserve.worker.spec import EngineSpec, PermitSpec, StartMode, WorkerSpec, start_mode
 
 
 @dataclass(frozen=True)
@@ -64,6 +65,19 @@ def worker_specs(config: ServerConfig, layout: Layout, backend: str, slots_path:
     rows = instance_rows(config)
     return [worker_spec(config, layout.devices, placement, *rows[placement.model][placement.instance], backend,
                         slots_path) for placement in layout.placements]
+
+
+def start_modes(config: ServerConfig, layout: Layout) -> dict[str, StartMode]:
+    """How each model's instances start, judged on its first instance as placed (one started with none: on the
+    first GPU where there are GPUs, as a scale-up would try first)."""
+    first = {p.model: p for p in reversed(layout.placements)}
+    modes = {}
+    for model in config.models:
+        device = layout.devices[0].index if layout.devices else None
+        placement = first.get(model.name, Placement(model.name, 0, device, 0))
+        modes[model.name] = start_mode(worker_spec(config, layout.devices, placement, 0, 0, "", Path()),
+                                       config.start_method)
+    return modes
 
 
 def instance_rows(config: ServerConfig) -> dict[str, list[tuple[int, int]]]:

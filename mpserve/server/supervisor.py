@@ -16,6 +16,16 @@ Workers are started with multiprocessing's "forkserver" method:
 
 So a worker starts without importing anything, and every worker shares the fork server's pages of
 imported code instead of holding its own copy. The fork server exits when the server does.
+
+A model whose instances keep their weights on the CPU (``mpserve.worker.spec.start_mode``; ``start_method:
+fork``, the default) gets a zygote instead (``mpserve.server.zygotes``):
+
+    server --first instance of the model--> zygote, started by the fork server: loads the model's weights
+           --each start (scale-up, restart)--> the zygote forks the instance, which shares those weights
+
+A zygote that dies is started again (with the same backoff as a worker that dies on its way up); the
+instances it forked keep running. It is stopped once its model has no instance left (scaled to zero,
+failed) and started again for the next one.
 """
 
 from __future__ import annotations
@@ -23,6 +33,7 @@ from __future__ import annotations
 import logging
 import multiprocessing
 import time
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from multiprocessing.process import BaseProcess
@@ -32,9 +43,10 @@ import zmq
 
 from mpserve.config import ServerConfig
 from mpserve.slots import SlotState, SlotTable
-from mpserve.worker.spec import EXIT_LOAD_FAILED, WorkerSpec, preload, run
+from mpserve.worker.spec import EXIT_LOAD_FAILED, WorkerSpec, preload, run, start_mode
 
 from .routing import describe_exit
+from .zygotes import ForkedWorker, Zygote
 
 log = logging.getLogger("mpserve.supervisor")
 
@@ -43,12 +55,15 @@ BACKOFF_FIRST_S = 0.5
 BACKOFF_MAX_S = 30.0
 KILL_AFTER_S = 2.0  # a stalled worker gets SIGTERM, then SIGKILL this much later
 RETIRE_KILL_S = 10.0  # a scaled-down worker told to stop is killed if it is still there this much later
+ZYGOTE_EXIT_S = 2.0  # a zygote whose pipe was closed is killed if it has not exited this much later
+
+WorkerProcess = BaseProcess | ForkedWorker
 
 
 @dataclass
 class WorkerHandle:
     spec: WorkerSpec
-    process: BaseProcess | None = None
+    process: WorkerProcess | None = None
     registered: bool = False  # the current process reached READY
     crashes: int = 0  # consecutive deaths before READY, for the backoff
     restart_at: float | None = None
@@ -81,6 +96,14 @@ class Supervisor:
         self.health: dict[str, ModelHealth] = {m.name: ModelHealth() for m in config.models}
         self._watched: dict[int, int] = {}  # sentinel fd -> worker index
         self._unwatched: list[int] = []  # started, sentinel not registered yet
+        self._start_method = config.start_method
+        self._log_level = config.log_level
+        self._zygotes: dict[str, Zygote] = {}  # by model
+        self._zygote_fds: dict[int, str] = {}  # a zygote's pipe, registered in the poller -> its model
+        self._zygote_restart: dict[str, float] = {}  # model -> when its dead zygote starts again
+        self._zygote_deaths: Counter[str] = Counter()  # in a row, before an instance it forked registered
+        self._retired_zygotes: list[Zygote] = []  # to stop at the next watch, once their pipe is unregistered
+        self._told: set[str] = set()  # models whose start mode was logged
 
     def start_all(self) -> None:
         for index in self.workers:
@@ -93,12 +116,55 @@ class Supervisor:
             self._table.writer(row).update(pid=0, worker=index, slot=slot, state=SlotState.STARTING,
                                            device=spec.device, model=spec.model, request="", tokens=0,
                                            served=0, started=time.time(), load_s=0.0)
-        process = self._mp.Process(target=run, args=(spec,), name=f"mpserve-worker-{index}",
-                                   daemon=False)
-        process.start()
+        mode = start_mode(spec, self._start_method)
+        if spec.model not in self._told:
+            self._told.add(spec.model)
+            log.info("%s: instances start from a %s", spec.model, mode)
+        process: WorkerProcess
+        if mode.zygote:
+            process = self._zygote(spec).fork(spec)
+        else:
+            process = self._mp.Process(target=run, args=(spec,), name=f"mpserve-worker-{index}", daemon=False)
+            process.start()
         handle.process, handle.restart_at = process, None
         self._unwatched.append(index)
         log.debug("started worker %d (pid %s) for %s", index, process.pid, spec.model)
+
+    def _zygote(self, spec: WorkerSpec) -> Zygote:
+        """The model's zygote, started if it has none."""
+        zygote = self._zygotes.get(spec.model)
+        if zygote is None:
+            zygote = self._zygotes[spec.model] = Zygote(self._mp, spec.model, spec.engine, self._log_level)
+            self._zygote_restart.pop(spec.model, None)
+            log.debug("started %s's zygote (pid %s)", spec.model, zygote.process.pid)
+        return zygote
+
+    def _zygote_gone(self, model: str) -> None:
+        """A zygote died: collect it, and start it again (after a backoff if it keeps dying) while the model
+        has instances. The instances it forked keep running."""
+        zygote = self._zygotes.pop(model)
+        pid, code = zygote.process.pid, zygote.close(ZYGOTE_EXIT_S)
+        self._zygote_deaths[model] += 1
+        running = sum(1 for h in self.workers.values() if h.spec.model == model and h.process is not None)
+        if not self._needs_zygote(model):
+            log.warning("%s's zygote (pid %s) exited with %s", model, pid, describe_exit(code))
+            return
+        delay = restart_delay(self._zygote_deaths[model])
+        self._zygote_restart[model] = self._clock() + delay
+        log.warning("%s's zygote (pid %s) exited with %s; its %d instance(s) keep running; restarting it in %.1f s",
+                    model, pid, describe_exit(code), running, delay)
+
+    def _needs_zygote(self, model: str) -> bool:
+        """The model has an instance running or to restart, not one being retired only."""
+        return any(h.spec.model == model and not h.retiring and (h.process is not None or h.restart_at is not None)
+                   for h in self.workers.values())
+
+    def _release_zygote(self, model: str) -> None:
+        """Stop the model's zygote (freeing the weights it holds) if it has no instance left to fork."""
+        self._zygote_restart.pop(model, None)
+        if model in self._zygotes and not self._needs_zygote(model):
+            self._retired_zygotes.append(self._zygotes.pop(model))
+            log.info("%s has no instance left: stopping its zygote", model)
 
     def add(self, spec: WorkerSpec) -> None:
         """Start one more worker (scaling up) at an index no worker holds."""
@@ -115,16 +181,42 @@ class Supervisor:
 
     def watch(self, poller: zmq.Poller) -> None:
         """Register the process sentinels of workers started since the last call: a sentinel becomes
-        readable when its worker exits, so the caller's poll notices deaths with everything else."""
+        readable when its worker exits, so the caller's poll notices deaths with everything else. (A worker a
+        zygote is still forking has no sentinel yet: it waits for a later call.) Also the zygotes' pipes, so
+        that their reports are taken as they come, and stop the zygotes released since the last call."""
+        for fd in [fd for fd, model in self._zygote_fds.items()
+                   if model not in self._zygotes or self._zygotes[model].fileno() != fd]:
+            poller.unregister(fd)
+            del self._zygote_fds[fd]
+        for zygote in self._retired_zygotes:
+            zygote.close(ZYGOTE_EXIT_S)
+        self._retired_zygotes.clear()
+        for model, zygote in self._zygotes.items():
+            if zygote.fileno() not in self._zygote_fds:
+                poller.register(zygote.fileno(), zmq.POLLIN)
+                self._zygote_fds[zygote.fileno()] = model
+        waiting = []
         for index in self._unwatched:
-            process = self.workers[index].process
-            if process is not None:
-                poller.register(process.sentinel, zmq.POLLIN)
-                self._watched[process.sentinel] = index
-        self._unwatched.clear()
+            process = self.workers[index].process if index in self.workers else None
+            sentinel = process.sentinel if process is not None else None
+            if process is not None and sentinel is None:
+                waiting.append(index)
+            elif sentinel is not None:
+                poller.register(sentinel, zmq.POLLIN)
+                self._watched[sentinel] = index
+        self._unwatched[:] = waiting
 
     def exited(self, poller: zmq.Poller, events: dict[Any, int]) -> list[int]:
-        """The workers whose sentinel fired in ``events``; unregistered, ready to ``reap``."""
+        """The workers whose sentinel fired in ``events``; unregistered, ready to ``reap``. First the reports of
+        the zygotes whose pipe fired (a zygote that has gone is collected, and started again)."""
+        for fd, model in list(self._zygote_fds.items()):
+            zygote = self._zygotes.get(model)
+            if fd in events and zygote is not None:
+                zygote.pump()
+                if not zygote.alive:
+                    poller.unregister(fd)
+                    del self._zygote_fds[fd]
+                    self._zygote_gone(model)
         gone = [fd for fd in self._watched if fd in events]
         for fd in gone:
             poller.unregister(fd)
@@ -146,6 +238,7 @@ class Supervisor:
             for row in handle.spec.rows:  # free for the next instance at this index
                 self._table.writer(row).update(pid=0, state=SlotState.EMPTY, request="", tokens=0)
             log.info("worker %d (pid %s, %s) stopped: scaled down", index, pid, handle.spec.model)
+            self._release_zygote(handle.spec.model)
             return code
         health = self.health[handle.spec.model]
         if code == EXIT_LOAD_FAILED:
@@ -156,6 +249,7 @@ class Supervisor:
                           health.load_failures, health.failed_message)
         if health.failed_message is not None:
             self._mark(handle.spec, SlotState.FAILED)
+            self._release_zygote(handle.spec.model)
             return code
         self._mark(handle.spec, SlotState.DEAD)
         # A worker that had registered is replaced at once (its death was the request's or the host's
@@ -181,6 +275,7 @@ class Supervisor:
             if handle.spec.model == model and handle.process is None:
                 handle.restart_at = None
                 self._mark(handle.spec, SlotState.FAILED)
+        self._release_zygote(model)
 
     def _mark(self, spec: WorkerSpec, state: SlotState) -> None:
         """Write a dead worker's rows (their writer is gone, so the supervisor may)."""
@@ -192,6 +287,7 @@ class Supervisor:
         does the model's count of failed loads."""
         handle = self.workers[index]
         handle.registered, handle.crashes = True, 0
+        self._zygote_deaths.pop(handle.spec.model, None)
         if loaded:
             self.health[handle.spec.model].load_failures = 0
 
@@ -220,10 +316,17 @@ class Supervisor:
 
     def next_timer(self) -> float | None:
         times = [t for h in self.workers.values() for t in (h.restart_at, h.kill_at) if t is not None]
+        times += self._zygote_restart.values()
         return min(times) if times else None
 
     def tick(self, now: float, restart: bool = True) -> None:
-        """Kill stalled workers whose SIGTERM went unheeded; start those whose backoff is over."""
+        """Kill stalled workers whose SIGTERM went unheeded; start those (and zygotes) whose backoff is over."""
+        for model, at in list(self._zygote_restart.items()):
+            if restart and at <= now:
+                del self._zygote_restart[model]
+                spec = next((h.spec for h in self.workers.values() if h.spec.model == model), None)
+                if spec is not None and self._needs_zygote(model):
+                    self._zygote(spec)
         for index, handle in self.workers.items():
             if handle.kill_at is not None and handle.kill_at <= now and handle.process is not None:
                 handle.process.kill()
@@ -255,6 +358,10 @@ class Supervisor:
                 handle.process.join(1.0)
                 handle.process = None
             self._mark(handle.spec, SlotState.DEAD)
+        for zygote in [*self._zygotes.values(), *self._retired_zygotes]:
+            zygote.close(ZYGOTE_EXIT_S)
+        self._zygotes.clear()
+        self._retired_zygotes.clear()
 
 
 def restart_delay(crashes: int) -> float:

@@ -2,6 +2,7 @@
 
     spec    what a worker is started with, its entry ``run``, the fork server's ``preload``: all the server imports
     main    the process entry: environment, sockets, slot-table rows, permits, engine
+    zygote  a model's zygote: loads the model's weights once, forks the model's instances (``main`` in each)
     loop    ``Worker``: broker messages in, one engine step per turn, answers out
     stream  ``ChunkStream``: a streamed request's text gathered into CHUNK messages
     embed   the answer to EMBED: an embedding engine's vectors

@@ -1,5 +1,6 @@
 """The worker process's entry point: ``worker_main(spec)``, run in a process forked from the fork server of
-the supervisor (``mpserve.worker.spec.run``) of a server or of a remote pool.
+the supervisor (``mpserve.worker.spec.run``) of a server or of a remote pool, or forked from its model's zygote
+(``mpserve.worker.zygote``), which hands it the model's weights loaded already.
 
     CUDA_VISIBLE_DEVICES set → own session → logging → slot-table rows → DEALER to the broker → permits
     → engine loaded (or left for the broker to ask, single active backend) → Worker.run until told to stop
@@ -16,7 +17,9 @@ import logging
 import os
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import zmq
 import zmq.auth
@@ -30,27 +33,43 @@ from .loop import Worker
 from .spec import EngineSpec, WorkerSpec
 
 
-def build_engine(spec: EngineSpec) -> Engine:
+def build_engine(spec: EngineSpec, model: Any = None) -> Engine:
+    """The engine ``spec`` asks for; ``model``: its llama.cpp model, loaded already (None: loaded here)."""
     if spec.is_echo:
         return EchoEngine(spec.parallel, spec.echo_tick_s)
     if spec.embedding:
         from mpserve.engine.embed import EmbeddingEngine  # imports llama_cpp, now that CUDA_VISIBLE_DEVICES is set
 
         return EmbeddingEngine(spec.path, spec.n_ctx, spec.parallel, spec.threads, spec.n_gpu_layers, spec.pooling,
-                               spec.repack)
+                               spec.repack, model=model)
     from mpserve.engine.batch import BatchEngine  # imports llama_cpp, now that CUDA_VISIBLE_DEVICES is set
 
     return BatchEngine(spec.path, spec.n_ctx, spec.parallel, spec.threads, spec.n_gpu_layers, spec.seed,
                        flash_attn=spec.flash_attn, repack=spec.repack, speculative=spec.speculative,
-                       cache_type_k=spec.cache_type_k, cache_type_v=spec.cache_type_v, cache_ram=spec.cache_ram)
+                       cache_type_k=spec.cache_type_k, cache_type_v=spec.cache_type_v, cache_ram=spec.cache_ram,
+                       model=model)
 
 
-def worker_main(spec: WorkerSpec) -> None:
+def _builder(model: Any) -> Callable[[EngineSpec], Engine]:
+    """``build_engine`` that hands ``model`` to the first engine it builds: an engine built again after an
+    unload loads the file itself (the first one freed the model when it closed)."""
+    left = [model]
+
+    def build(spec: EngineSpec) -> Engine:
+        taken, left[0] = left[0], None
+        return build_engine(spec, taken)
+
+    return build
+
+
+def worker_main(spec: WorkerSpec, model: Any = None) -> None:
+    """``model``: the llama.cpp model of ``spec.engine.path``, loaded by the zygote this process was forked from
+    (None: the worker loads it)."""
     os.environ["CUDA_DEVICE_ORDER"] = "PCI_BUS_ID"  # the order NVML and nvidia-smi number devices in
     os.environ["CUDA_VISIBLE_DEVICES"] = str(spec.device) if spec.device >= 0 else ""
     os.setsid()  # out of the server's process group: Ctrl-C or a group-wide SIGTERM reaches the server,
     # which finishes requests and then stops its workers; a worker notices a dead server by itself.
-    logging.basicConfig(level=spec.log_level.upper(), stream=sys.stderr,
+    logging.basicConfig(level=spec.log_level.upper(), stream=sys.stderr, force=True,  # a zygote's goes
                         format=f"%(asctime)s %(levelname)s worker {spec.index} ({spec.model}): %(message)s")
     table = SlotTable.attach(Path(spec.slots_path))
     rows = [table.writer(row) for row in spec.rows]
@@ -73,7 +92,7 @@ def worker_main(spec: WorkerSpec) -> None:
             hold_log = HoldLog(Path(spec.permit.hold_log)) if spec.permit.hold_log else None
             permits = DevicePermits(spec.permit.device_key, spec.permit.capacity,
                                     Path(spec.permit.lock_dir) if spec.permit.lock_dir else None, on_hold=hold_log)
-        worker = Worker(spec, sock, rows, build_engine, permits)
+        worker = Worker(spec, sock, rows, _builder(model), permits)
         if spec.lazy:
             worker.set_rows(state=SlotState.UNLOADED)
         else:

@@ -3,6 +3,12 @@ server imports.
 
     server (layout) --WorkerSpec--> supervisor --forkserver(run, spec)--> forked from the fork server,
                                                                           which imported preload(gpus)
+                                               --forkserver(zygote_run, engine, pipe)--> a model's zygote
+                                               --spec over the pipe--> forked from the zygote, which loaded
+                                                                       the model (``mpserve.worker.zygote``)
+
+``start_mode`` says which of the two starts a model's instances get: a zygote for a model that keeps its
+weights on the CPU for the instance's whole life, the fork server otherwise.
 
 ``run`` names the worker's entry module instead of importing it: the worker's code is loaded in the fork
 server (a fresh interpreter the supervisor starts once), never in the server. ``preload`` is what the fork
@@ -15,10 +21,12 @@ from __future__ import annotations
 
 import importlib
 from dataclasses import dataclass
+from multiprocessing.connection import Connection
 
 from mpserve.speculative import Speculative
 
 WORKER_MAIN = "mpserve.worker.main"
+ZYGOTE_MAIN = "mpserve.worker.zygote"
 ENGINE_MODULES = ("mpserve.engine.batch", "mpserve.engine.embed")  # these import llama_cpp
 EXIT_LOAD_FAILED = 3  # the worker's exit status when its model cannot be loaded
 
@@ -101,3 +109,40 @@ def preload(gpus: bool) -> list[str]:
 def run(spec: WorkerSpec) -> None:
     """The worker process's entry point (multiprocessing pickles this function by name)."""
     importlib.import_module(WORKER_MAIN).worker_main(spec)
+
+
+def zygote_run(engine: EngineSpec, model: str, conn: Connection, log_level: str) -> None:
+    """A zygote's entry point: load ``engine``'s model, then fork an instance for each WorkerSpec ``conn``
+    brings (``mpserve.worker.zygote``)."""
+    importlib.import_module(ZYGOTE_MAIN).zygote_main(engine, model, conn, log_level)
+
+
+@dataclass(frozen=True)
+class StartMode:
+    """How a model's instances start: ``zygote`` (forked from a process holding the model's weights) or not
+    (forked from the fork server, each loads the model itself), and why."""
+
+    zygote: bool
+    why: str
+
+    def __str__(self) -> str:
+        return f"{'zygote' if self.zygote else 'fork server'} ({self.why})"
+
+
+def start_mode(spec: WorkerSpec, start_method: str) -> StartMode:
+    """The start ``spec``'s instances get under the ``start_method`` setting (fork or spawn)."""
+    engine = spec.engine
+    if start_method == "spawn":
+        return StartMode(False, "start_method: spawn; each instance loads the model")
+    if engine.is_echo:
+        return StartMode(False, "the echo backend has no weights to share")
+    if spec.device >= 0 or engine.n_gpu_layers != 0:
+        return StartMode(False, "GPU layers: CUDA cannot be used across a fork, so the fork server holds only "
+                                "modules and each instance loads and offloads the model after setting its device")
+    if spec.lazy:
+        return StartMode(False, "single active backend: instances load and unload the model as the broker asks, "
+                                "which weights held by a zygote would defeat")
+    if spec.idle_timeout:
+        return StartMode(False, "idle_timeout: an idle instance unloads the model, which weights held by a zygote "
+                                "would defeat")
+    return StartMode(True, "the model is loaded once and its instances share its weights copy-on-write")

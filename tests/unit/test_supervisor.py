@@ -3,6 +3,7 @@ once for one that was up, and a halt after three failed loads in a row."""
 
 from __future__ import annotations
 
+import dataclasses
 import faulthandler
 import multiprocessing
 import resource
@@ -17,7 +18,7 @@ import pytest
 from mpserve import config as cfg
 from mpserve.server.supervisor import BACKOFF_MAX_S, MAX_LOAD_FAILURES, RETIRE_KILL_S, Supervisor, restart_delay
 from mpserve.slots import SlotState, SlotTable
-from mpserve.worker.spec import EXIT_LOAD_FAILED, EngineSpec, WorkerSpec
+from mpserve.worker.spec import EXIT_LOAD_FAILED, EngineSpec, WorkerSpec, start_mode
 
 pytestmark = pytest.mark.timeout(20)
 
@@ -148,3 +149,21 @@ def test_a_model_the_broker_failed_is_not_restarted_and_its_rows_say_failed(supe
     assert sup.workers[0].restart_at is None and sup.next_timer() is None
     assert sup.health["echo"].failed_message == "crashed its workers with SIGSEGV"
     assert table.read_all()[0].state is SlotState.FAILED
+
+
+@pytest.mark.parametrize(("method", "spec_changes", "engine_changes", "zygote", "why"), [
+    ("fork", {}, {}, True, "loaded once"),
+    ("spawn", {}, {}, False, "start_method: spawn"),
+    ("fork", {"device": 0}, {}, False, "GPU layers"),
+    ("fork", {}, {"n_gpu_layers": 4}, False, "GPU layers"),
+    ("fork", {"lazy": True}, {}, False, "single active backend"),
+    ("fork", {"idle_timeout": 30.0}, {}, False, "idle_timeout"),
+    ("fork", {}, {"path": "echo"}, False, "echo backend"),
+])
+def test_a_model_gets_a_zygote_only_while_its_instances_keep_its_weights_on_the_cpu(
+        method: str, spec_changes: dict[str, object], engine_changes: dict[str, object], zygote: bool,
+        why: str) -> None:
+    engine = dataclasses.replace(EngineSpec("m.gguf", 512, 1, 0), **engine_changes)
+    spec = dataclasses.replace(WorkerSpec(0, "m", engine, -1, "inproc://x", "slots", 1), **spec_changes)
+    mode = start_mode(spec, method)
+    assert mode.zygote is zygote and why in mode.why

@@ -1,0 +1,197 @@
+"""The supervisor's side of a model's zygote (``mpserve.worker.zygote``): the zygote started through the
+supervisor's fork server, asked over a pipe to fork each instance, and a handle per forked instance.
+
+    Supervisor.spawn ─▶ Zygote.fork(spec) ─WorkerSpec─▶ zygote
+    zygote ──("forked", index, pid)──▶ Zygote.pump ─▶ handle.pid, and a pidfd as its sentinel
+    zygote ──("exited", pid, code)───▶ Zygote.pump ─▶ handle.exitcode
+    zygote gone (EOF on the pipe) ───▶ Zygote.pump ─▶ its handles orphaned
+
+``ForkedWorker`` has the surface the supervisor uses of a multiprocessing process (pid, sentinel, exitcode,
+is_alive, terminate, kill, join, close). Its sentinel is a pidfd, readable once the instance has exited (a
+pidfd works for a process that is not the server's child); until the zygote has answered there is none yet
+(``sentinel`` None: the supervisor watches it later). Its exit code comes from the zygote, which reaps it; an
+instance whose zygote died first is reaped by init, and its exit code is unknown (None). An instance the
+zygote never forked (the zygote died first, or the fork failed) is "exited" at once: its sentinel is an
+eventfd that is readable from the start.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import select
+import signal
+import time
+from collections import deque
+from multiprocessing.context import ForkServerContext
+
+from mpserve.worker.spec import EngineSpec, WorkerSpec, zygote_run
+
+log = logging.getLogger("mpserve.supervisor")
+
+
+class ForkedWorker:
+    """One instance forked by a zygote, as the supervisor sees it."""
+
+    def __init__(self, zygote: Zygote) -> None:
+        self._zygote = zygote
+        self.pid: int | None = None  # None until the zygote says it forked
+        self.exitcode: int | None = None
+        self._pidfd: int | None = None
+        self._done: int | None = None  # an eventfd, readable at once: for an instance that has no pidfd
+        self._finished = False  # exited, with its exit code known or never to be known
+        self._signals: list[int] = []  # asked for before the pid was known
+
+    @property
+    def sentinel(self) -> int | None:
+        return self._pidfd if self._pidfd is not None else self._done
+
+    def forked(self, pid: int) -> None:
+        """The zygote's answer: the instance's pid (0: not forked)."""
+        if not pid:
+            self._finish()
+            return
+        self.pid = pid
+        try:
+            self._pidfd = os.pidfd_open(pid)
+        except ProcessLookupError:  # reaped by the zygote already: its exit code follows on the pipe
+            self._done = os.eventfd(1)
+        for sig in self._signals:
+            self._send(sig)
+        self._signals.clear()
+
+    def exited(self, code: int) -> None:
+        """The zygote reaped the instance."""
+        self.exitcode = code
+        self._finish()
+
+    def orphaned(self) -> None:
+        """The zygote is gone: an instance it had not forked never will be, and no exit code will come; a running
+        instance's pidfd still says when it exits."""
+        if self._pidfd is None:
+            self._finish()
+
+    def _finish(self) -> None:
+        self._finished = True
+        if self.sentinel is None:
+            self._done = os.eventfd(1)
+
+    def _gone_unreported(self, wait: float) -> bool:
+        """Its zygote is gone, and so is the instance (waiting up to ``wait`` s for that)."""
+        if not self._zygote.alive and _readable(self._pidfd, wait):
+            self._finished = True
+        return self._finished
+
+    def is_alive(self) -> bool:
+        self._zygote.pump()
+        return not self._finished and not self._gone_unreported(0.0)
+
+    def join(self, timeout: float | None = None) -> None:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while not self._finished:
+            left = 0.05 if deadline is None else min(0.05, deadline - time.monotonic())
+            if left < 0:
+                return
+            if self._zygote.alive:
+                self._zygote.pump(left)
+            else:
+                self._gone_unreported(left)
+
+    def terminate(self) -> None:
+        self._send(signal.SIGTERM)
+
+    def kill(self) -> None:
+        self._send(signal.SIGKILL)
+
+    def close(self) -> None:
+        for fd in (self._pidfd, self._done):
+            if fd is not None:
+                os.close(fd)
+        self._pidfd = self._done = None
+
+    def _send(self, sig: int) -> None:
+        if self.pid is None and not self._finished:
+            self._signals.append(sig)
+        elif self._pidfd is not None and not self._finished:
+            with contextlib.suppress(ProcessLookupError):  # exited, not reaped yet
+                signal.pidfd_send_signal(self._pidfd, sig)
+
+
+class Zygote:
+    """A model's zygote process and the instances it forked that it has not reported reaped."""
+
+    def __init__(self, mp: ForkServerContext, model: str, engine: EngineSpec, log_level: str) -> None:
+        ours, theirs = mp.Pipe()
+        self.model = model
+        self.process = mp.Process(target=zygote_run, args=(engine, model, theirs, log_level),
+                                  name=f"mpserve-zygote-{model}", daemon=False)
+        self.process.start()
+        theirs.close()
+        self._conn = ours
+        self.alive = True
+        self._pending: deque[ForkedWorker] = deque()  # asked, not answered yet, in order
+        self._forked: dict[int, ForkedWorker] = {}  # pid -> instance, until the zygote reports its exit
+
+    def fileno(self) -> int:
+        """Readable when the zygote has something to say, or has gone."""
+        return self._conn.fileno()
+
+    def fork(self, spec: WorkerSpec) -> ForkedWorker:
+        handle = ForkedWorker(self)
+        if not self.alive:
+            handle.orphaned()
+            return handle
+        self._pending.append(handle)
+        try:
+            self._conn.send(spec)
+        except OSError:
+            self._gone()
+        return handle
+
+    def pump(self, wait: float = 0.0) -> None:
+        """Take what the zygote said (waiting up to ``wait`` s for its first word): forks and exits; at EOF,
+        it has gone."""
+        try:
+            while self.alive and self._conn.poll(wait):
+                wait = 0.0
+                kind, key, value = self._conn.recv()
+                if kind == "forked":
+                    handle = self._pending.popleft()
+                    handle.forked(value)
+                    if value:
+                        self._forked[value] = handle
+                    else:
+                        log.error("%s's zygote could not fork worker %d", self.model, key)
+                elif kind == "exited" and key in self._forked:
+                    self._forked.pop(key).exited(value)
+        except (EOFError, OSError):
+            self._gone()
+
+    def _gone(self) -> None:
+        self.alive = False
+        for handle in [*self._pending, *self._forked.values()]:
+            handle.orphaned()
+        self._pending.clear()
+        self._forked.clear()
+
+    @property
+    def instances(self) -> int:
+        """The instances it forked or is forking that have not exited (as far as it said)."""
+        return len(self._pending) + len(self._forked)
+
+    def close(self, timeout: float) -> int | None:
+        """Close the pipe (the zygote exits, its instances keep running) and collect the zygote; its exit code."""
+        self._conn.close()
+        self._gone()
+        self.process.join(timeout)
+        if self.process.is_alive():
+            self.process.kill()
+            self.process.join(1.0)
+        code = self.process.exitcode
+        self.process.close()
+        return code
+
+
+def _readable(fd: int | None, wait: float) -> bool:
+    return fd is not None and bool(select.select([fd], [], [], wait)[0])
