@@ -4,8 +4,9 @@ after round, for as long as it is told; each case that failed, printed ready to 
     round: MPSERVE_OPENAPI_SEED (random), MPSERVE_OPENAPI_EXAMPLES (--examples), MPSERVE_OPENAPI_LOG (a file)
       python -m pytest tests/test_openapi.py -k fuzzed   (its own mpserve start --http, as in the suite)
         -> a JSON line per case sent; the whole request, what failed and a curl line where one failed
-    the next round with a new seed, until --minutes have passed; the round running then gets SIGINT
-    (pytest stops, its server with it) and its process group SIGKILL after WIND_DOWN_S
+    the next round with a new seed, until --minutes have passed: the round running then is told by
+    MPSERVE_OPENAPI_UNTIL (each operation skips the rest of its cases; schemathesis runs the operations as
+    subtests, and an interrupt would end only the current one); its process group SIGKILL after WIND_DOWN_S
     -> the rounds (seed, cases, failures, exit status) and the cases tried; each distinct failure (operation,
        status, what failed) once, with its smallest request: an entry for tests/data/openapi_regressions.json
        and a curl line
@@ -35,8 +36,7 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 REGRESSIONS = "tests/data/openapi_regressions.json"
-WIND_DOWN_S = 60.0  # after SIGINT at the deadline, how long a round has to stop before SIGKILL
-INTERRUPTED = 2  # pytest's exit status when interrupted
+WIND_DOWN_S = 60.0  # after the deadline, how long a round has to stop before SIGKILL (a case waits 30 s at most)
 
 
 @dataclass
@@ -45,7 +45,7 @@ class Round:
     log: Path
     output: Path
     status: int = 0
-    interrupted: bool = False
+    stopped: bool = False  # by the deadline
     lines: list[dict[str, Any]] = field(default_factory=list)
 
     @property
@@ -54,27 +54,28 @@ class Round:
 
 
 def run_round(seed: int | None, examples: int | None, logs: Path, number: int, deadline: float | None) -> Round:
-    """One pytest run of the fuzz test; SIGINT at ``deadline``, SIGKILL to its process group WIND_DOWN_S later."""
+    """One pytest run of the fuzz test, told to stop at ``deadline`` (time.time()); SIGKILL to its process group
+    WIND_DOWN_S later."""
     done = Round(seed, logs / f"round{number}.jsonl", logs / f"round{number}.out")
     env = {**os.environ, "MPSERVE_OPENAPI_LOG": str(done.log)}
     if seed is not None:
         env["MPSERVE_OPENAPI_SEED"] = str(seed)
     if examples is not None:
         env["MPSERVE_OPENAPI_EXAMPLES"] = str(examples)
+    if deadline is not None:
+        env["MPSERVE_OPENAPI_UNTIL"] = str(deadline)
     with done.output.open("w") as output:
         proc = subprocess.Popen([sys.executable, "-m", "pytest", "tests/test_openapi.py", "-k", "fuzzed", "-q",
                                  "-p", "no:cacheprovider"], cwd=ROOT, env=env, stdout=output,
                                 stderr=subprocess.STDOUT, start_new_session=True)
         try:
-            done.status = proc.wait(None if deadline is None else max(0.0, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            done.interrupted = True
-            proc.send_signal(signal.SIGINT)
-            try:
-                done.status = proc.wait(WIND_DOWN_S)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                done.status = proc.wait()
+            done.status = proc.wait(None if deadline is None else deadline + WIND_DOWN_S - time.time())
+        except (subprocess.TimeoutExpired, KeyboardInterrupt) as stop:
+            os.killpg(proc.pid, signal.SIGKILL)  # the round, its server and the server's workers
+            done.status = proc.wait()
+            if isinstance(stop, KeyboardInterrupt):
+                raise
+    done.stopped = deadline is not None and time.time() >= deadline
     if done.log.exists():
         done.lines = [json.loads(line) for line in done.log.read_text().splitlines() if line.endswith("}")]
     return done
@@ -112,8 +113,8 @@ def report(rounds: list[Round], minutes: float) -> int:
         statuses = Counter(line["status"] for line in done.lines if "failure" not in line)
         print(f"round {i}: seed {'derandomized' if done.seed is None else done.seed}, {len(done.lines)} cases "
               f"({', '.join(f'{n} × {s}' for s, n in sorted(statuses.items(), key=str))}), {len(done.failed)} "
-              f"failed, exit {done.status}{' (stopped at the deadline)' if done.interrupted else ''}")
-    broken = [done for done in rounds if not done.failed and done.status not in (0, INTERRUPTED)]
+              f"failed, exit {done.status}{' (stopped at the deadline)' if done.stopped else ''}")
+    broken = [done for done in rounds if not done.failed and done.status != 0]
     for done in broken:
         tail = done.output.read_text().splitlines()[-40:]
         print(f"\n## round with seed {done.seed} failed (exit {done.status}) without a failed case; its output "
@@ -146,15 +147,15 @@ def main(argv: list[str] | None = None) -> int:
     if not args.deep:
         rounds.append(run_round(None, None, logs, 1, None))
     else:
-        deadline = start + args.minutes * 60
+        deadline = time.time() + args.minutes * 60
         seeds = random.SystemRandom()
-        while time.monotonic() < deadline:
+        while time.time() < deadline:
             seed = seeds.randrange(2**32)
             print(f"round {len(rounds) + 1}: seed {seed}, {args.examples} examples per operation", flush=True)
             rounds.append(run_round(seed, args.examples, logs, len(rounds) + 1, deadline))
             print(f"  {len(rounds[-1].lines)} cases, {len(rounds[-1].failed)} failed, exit {rounds[-1].status}",
                   flush=True)
-            if not rounds[-1].lines and rounds[-1].status not in (0, INTERRUPTED):
+            if not rounds[-1].lines and rounds[-1].status != 0:
                 break  # not one case sent: the next round would fail the same way
     print(f"logs: {logs}")
     return report(rounds, (time.monotonic() - start) / 60)
