@@ -98,6 +98,8 @@ def test_more_choices_than_slots_are_refused_saying_how_to_configure(four_slots:
             client.generate("hi", n=2)
     for body, words in [({"n": 5}, "'n' = 5 is more than the 4 slot(s)"),
                         ({"n": 0}, "'n' must be between 1 and 128"), ({"n": "2"}, "field 'n' must be an integer"),
+                        ({"best_of": 1, "n": 0}, "'n' must be between 1 and 128"),
+                        ({"best_of": 1, "n": 0, "prompt": ""}, "'n' must be between 1 and 128"),
                         ({"best_of": 1, "n": 2}, "'best_of' must be an integer from n (2) to 128"),
                         ({"best_of": 3, "stream": True}, "'best_of' cannot be used with 'stream'")]:
         answer = httpx.post(f"{gateway.url}/v1/completions", json={"model": "tiny", "prompt": "hi", **body}, timeout=10)

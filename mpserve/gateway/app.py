@@ -226,9 +226,9 @@ class _Gateway:
     async def _stream(self, request: Request, client: AsyncClient, call: oai.Call, reply: oai.Reply,
                       started: float) -> Response:
         endpoint = request.url.path
-        stream = client.stream(call.prompt, model=call.model, **call.generate_kwargs())
-        chunks = stream.__aiter__()  # submits the request on its first step
         try:
+            stream = client.stream(call.prompt, model=call.model, **call.generate_kwargs())  # checks the params
+            chunks = stream.__aiter__()  # submits the request on its first step
             first = await _unless_disconnected(request, _first(chunks))
         except ClientGone:
             self.metrics.outcome(endpoint, ErrorCode.CANCELLED)

@@ -31,9 +31,10 @@ def requested(given: dict[str, Any], sampling: dict[str, Any], stream: bool) -> 
     """What ``best_of`` asks for (None: nothing beyond ``n``); sets ``sampling``'s n and logprobs for it."""
     best, n = given.get("best_of"), given.get("n", 1)
     if best is None or best == n:
-        return None
-    if (isinstance(best, bool) or not isinstance(best, int) or isinstance(n, bool) or not isinstance(n, int)
-            or not n <= best <= wire.MAX_CHOICES):
+        return None  # n is checked with the other sampling parameters
+    if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= wire.MAX_CHOICES:
+        raise BadRequest(f"'n' must be between 1 and {wire.MAX_CHOICES}, got {n!r:.20}")
+    if isinstance(best, bool) or not isinstance(best, int) or not n <= best <= wire.MAX_CHOICES:
         raise BadRequest(f"'best_of' must be an integer from n ({n!r:.20}) to {wire.MAX_CHOICES}, got {best!r:.20}")
     if stream:
         raise BadRequest("'best_of' cannot be used with 'stream': the best choices are known only at the end")
