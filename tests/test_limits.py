@@ -20,6 +20,7 @@ from mpserve import Client
 from mpserve import protocol as wire
 from mpserve.errors import BadRequest
 from mpserve.gateway import limits
+from mpserve.gateway import openai as oai
 
 READ_TIMEOUT_S = 2.0
 MAX_CONNECTIONS = 64
@@ -125,8 +126,12 @@ def test_http_bodies_over_a_limit_get_openai_errors_naming_it(http) -> None:
     _openai_error(http.post(url, huge), 400, "bad_request", "MAX_PROMPT_CHARS")
     many = json.dumps({"messages": [{"role": "user", "content": "hi"}] * 100_000, "max_tokens": 2}).encode()
     _openai_error(http.post("/v1/chat/completions", many), 400, "bad_request", "MAX_MESSAGES")
-    stops = json.dumps({"prompt": "hi", "stop": [str(i) for i in range(wire.MAX_STOP_STRINGS + 1)]}).encode()
-    _openai_error(http.post(url, stops), 400, "bad_request", f"at most {wire.MAX_STOP_STRINGS} stop strings")
+    stops = [str(i) for i in range(oai.MAX_STOP_STRINGS + 1)]
+    _openai_error(http.post(url, json.dumps({"prompt": "hi", "stop": stops}).encode()), 400, "bad_request",
+                  f"'stop' takes at most {oai.MAX_STOP_STRINGS} strings")
+    # as many as allowed, on a chat without its model's template: its end of turn is one more (once a 400)
+    chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "stop": stops[:-1]}
+    assert http.post("/v1/chat/completions", json.dumps(chat).encode()).status_code == 200
     tools = json.dumps({"messages": [{"role": "user", "content": "hi"}],
                         "tools": [{"type": "function"}] * 10_000}).encode()
     _openai_error(http.post("/v1/chat/completions", tools), 400, "bad_request", "'tools'")

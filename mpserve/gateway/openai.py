@@ -62,6 +62,8 @@ COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions; chat uses mp
 OPENAI_DEFAULTS = {"temperature": 1.0, "top_p": 1.0, "top_k": 0, "repeat_penalty": 1.0}  # top_k 0: off
 CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
 CHAT_STOP = "<|im_end|>"
+# A chat without its model's template also stops at CHAT_STOP: one of the protocol's stop strings is kept for it
+MAX_STOP_STRINGS = wire.MAX_STOP_STRINGS - 1
 
 _SAMPLING = ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "repeat_penalty",
              "presence_penalty", "frequency_penalty", "logit_bias", "min_p", "typical_p", "ignore_eos", "n",
@@ -155,6 +157,9 @@ def parse(kind: Kind, body: Any) -> Call:
     best = best_of.requested(given, sampling, stream) if kind == "completion" else None
     if isinstance(sampling.get("stop"), str):
         sampling["stop"] = [sampling["stop"]]
+    if isinstance(sampling.get("stop"), list) and len(sampling["stop"]) > MAX_STOP_STRINGS:
+        raise BadRequest(f"'stop' takes at most {MAX_STOP_STRINGS} strings over HTTP (one more is kept for the chat "
+                         f"template's end of turn), got {len(sampling['stop'])}")
     sampling |= _structured(given)
     spec = tc.parse_tools(given.get("tools"), given.get("tool_choice"), given.get("parallel_tool_calls"))
     if spec is not None and sampling.get("logprobs") is not None:  # a reply held back as a possible call has none

@@ -105,7 +105,7 @@ def _sampling() -> dict[str, Any]:
         "top_k": _nullable({"type": "integer", "minimum": 0, "maximum": 1 << 20}),
         "seed": _nullable({"type": "integer", "minimum": 0, "maximum": 2**32 - 1}),
         "repeat_penalty": _nullable({"type": "number", "minimum": 0.01, "maximum": 100}),
-        "stop": _nullable({"oneOf": [stop, {"type": "array", "items": stop, "maxItems": wire.MAX_STOP_STRINGS}]}),
+        "stop": _nullable({"oneOf": [stop, {"type": "array", "items": stop, "maxItems": oai.MAX_STOP_STRINGS}]}),
         "stream": _nullable({"type": "boolean"}),
         "stream_options": _nullable({"type": "object", "properties": {"include_usage": {"type": "boolean"}},
                                      "additionalProperties": False}),
