@@ -16,6 +16,7 @@ import subprocess
 import sys
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Literal
 
 from mpserve.gpu.placement import estimate_model_memory
 from mpserve.kv_types import DEFAULT_KV_TYPE
@@ -40,10 +41,11 @@ sys.stdin.read()
 
 @dataclass(frozen=True)
 class Variant:
-    """The settings a row is measured with: KV cache type (K and V alike) and repacking."""
+    """The settings a row is measured with: KV cache type (K and V alike) and repacking (auto: mpserve's default,
+    on unless its probe finds the repacked kernels crash on this host; off: --no-repack)."""
 
     kv: str
-    repack: bool
+    repack: Literal["auto", "off"]
 
     @property
     def default(self) -> bool:
@@ -51,13 +53,14 @@ class Variant:
 
     @property
     def args(self) -> list[str]:
-        return ["--cache-type-k", self.kv, "--cache-type-v", self.kv] + ([] if self.repack else ["--no-repack"])
+        repack = ["--no-repack"] if self.repack == "off" else []
+        return ["--cache-type-k", self.kv, "--cache-type-v", self.kv, *repack]
 
     def labels(self) -> dict[str, str]:
-        return {"kv": self.kv, "repack": "on" if self.repack else "off"}
+        return {"kv": self.kv, "repack": self.repack}
 
 
-DEFAULT = Variant(DEFAULT_KV_TYPE, True)
+DEFAULT = Variant(DEFAULT_KV_TYPE, "auto")
 
 
 def variants(settings: Settings) -> list[Variant]:
@@ -65,7 +68,7 @@ def variants(settings: Settings) -> list[Variant]:
     weights, such as AMX for f16, that copy would hide what the KV type changes). The tiny model of --quick
     has heads too small for the quantized types."""
     kinds = [DEFAULT_KV_TYPE] if settings.quick else MEASURED_KV_TYPES
-    return [DEFAULT, *(Variant(kv, False) for kv in kinds)]
+    return [DEFAULT, *(Variant(kv, "off") for kv in kinds)]
 
 
 def run(settings: Settings) -> Section:
