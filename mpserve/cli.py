@@ -85,12 +85,18 @@ def _config(given: Given, config_file: Path | None) -> cfg.ServerConfig:
 @app.command()
 @with_settings("start")
 def start(given: Given, config_file: ConfigOption = None) -> None:
-    """Start the server in the foreground; Ctrl-C (or SIGTERM) stops it gracefully."""
+    """Start the server in the foreground; Ctrl-C (or SIGTERM) stops it gracefully.
+
+    Every address, folder and model file is checked first: a problem ends the command with exit status 1 and
+    one line naming it and the fix, before anything starts."""
+    from mpserve.gateway.app import parse_http
     from mpserve.server.loop import serve
+    from mpserve.server.preflight import check_start
 
     with _errors():
         config = _config(given, config_file)
         http = given.cli["http"]
+        check_start(config, parse_http(http) if http else None)
         gateway_process = _start_gateway(http, config, given.cli) if http else None
         try:
             serve(config)

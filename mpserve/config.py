@@ -42,6 +42,7 @@ from .speculative import Speculative
 BUILTIN_PREFIX = "builtin:"
 DEFAULT_MODEL = "builtin:tiny"
 ECHO_MODEL = "echo"
+GGUF_MAGIC = b"GGUF"  # the first bytes of every GGUF file (``gguf_header`` reads the rest)
 _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,47}$")
 
 
@@ -287,9 +288,8 @@ def _model(index: int, entry: Any, overrides: Mapping[str, Any], source: str) ->
     if not _NAME_RE.match(values["name"]):
         raise ConfigError(f"{where}.name: got {values['name']!r}, allowed: letters, digits, '.', '_' and '-', "
                           "starting with a letter or digit, at most 48 characters")
-    if not (path == ECHO_MODEL or path.startswith(BUILTIN_PREFIX) or Path(path).is_file()):
-        raise ConfigError(f"{where}.path: no such model file {path!r}; give a .gguf file, {_builtin_names()}, "
-                          "or echo")
+    if not (path == ECHO_MODEL or path.startswith(BUILTIN_PREFIX)):
+        _check_gguf(Path(path), "--model" if "path" in overrides else f"{where}.path")
     if path.startswith(BUILTIN_PREFIX) and path[len(BUILTIN_PREFIX):] not in MODEL_SIZES:
         raise ConfigError(f"{where}.path: unknown built-in model {path!r}; allowed: {_builtin_names()}")
     if values.get("pooling") is not None and values["pooling"] not in _POOLINGS:
@@ -322,6 +322,26 @@ def _model(index: int, entry: Any, overrides: Mapping[str, Any], source: str) ->
     low, high = _instance_bounds(values, where)
     values.update(instances=low, min_instances=low, max_instances=high)
     return ModelConfig(**values)
+
+
+def _check_gguf(path: Path, where: str) -> None:
+    """A model file must be a file that starts as GGUF files do (its magic), so that a wrong path is refused at
+    start rather than by three failed loads."""
+    others = f"give a .gguf file, {_builtin_names()}, or echo"
+    if path.is_dir():
+        found = sorted(p.name for p in path.glob("*.gguf"))[:3]
+        raise ConfigError(f"{where}: {str(path)!r} is a folder, not a model file; "
+                          + (f"give one of its files: {', '.join(found)}" if found else others))
+    if not path.is_file():
+        raise ConfigError(f"{where}: no such model file {str(path)!r}; {others}")
+    try:
+        with path.open("rb") as file:
+            magic = file.read(len(GGUF_MAGIC))
+    except OSError as exc:
+        raise ConfigError(f"{where}: cannot read {str(path)!r}: {exc.strerror}") from None
+    if magic != GGUF_MAGIC:
+        raise ConfigError(f"{where}: {str(path)!r} is not a GGUF model file (it does not start with "
+                          f"{GGUF_MAGIC.decode()}); {others}")
 
 
 def _instance_bounds(values: Mapping[str, Any], where: str) -> tuple[int, int]:

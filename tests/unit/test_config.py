@@ -104,8 +104,18 @@ def test_start_with_a_bad_file_exits_before_starting_anything(tmp_path: Path) ->
     assert "unknown key 'instancs'" in proc.stderr and "Traceback" not in proc.stderr
 
 
+def test_a_model_path_must_be_a_gguf_file_not_a_folder_or_another_file(tmp_path: Path) -> None:
+    (tmp_path / "notes.txt").write_text("not a model")
+    (tmp_path / "m.gguf").write_bytes(b"GGUF")
+    with pytest.raises(ConfigError, match=r"models\[0\].path: '.*notes.txt' is not a GGUF model file"):
+        cfg.build({"models": [{"path": str(tmp_path / "notes.txt")}]})
+    with pytest.raises(ConfigError, match="--model: '.*' is a folder, not a model file; give one of its files: m.gguf"):
+        cfg.build(model={"path": str(tmp_path)})
+    assert cfg.build(model={"path": str(tmp_path / "m.gguf")}).models[0].name == "m"
+
+
 def test_relative_model_paths_in_a_file_are_relative_to_the_file(tmp_path: Path) -> None:
-    (tmp_path / "m.gguf").write_bytes(b"x")
+    (tmp_path / "m.gguf").write_bytes(b"GGUF")
     config = cfg.build({"models": [{"path": "m.gguf"}]}, base_dir=tmp_path)
     assert config.models[0].path == str(tmp_path / "m.gguf") and config.models[0].name == "m"
 
