@@ -20,8 +20,8 @@ from typing import Annotated, Any
 
 import typer
 
+from . import __version__, settings
 from . import config as cfg
-from . import settings
 from .errors import BadRequest, ConnectionFailed, InternalError, MpserveError
 from .protocol import ModelControl, Stats
 from .runtime import ServerInfo, pid_alive
@@ -29,6 +29,18 @@ from .slots import SlotRow, SlotState, SlotTable, instance_slots, locate
 
 app = typer.Typer(add_completion=False, no_args_is_help=True,
                   help="Run several llama.cpp instances behind one ZeroMQ broker.")
+
+def _version(value: bool) -> None:
+    if value:
+        typer.echo(f"mpserve {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _main(version: Annotated[bool, typer.Option("--version", callback=_version, is_eager=True,
+                                                help="Print the version and exit.")] = False) -> None:
+    """The options before a command: --version."""
+
 
 ConfigOption = Annotated[Path | None, typer.Option("--config", "-c", envvar="MPSERVE_CONFIG",
                                                    help="YAML file (see README).")]
