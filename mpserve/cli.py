@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
 import json
+import logging
 import os
+import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, replace
@@ -16,15 +20,27 @@ from typing import Annotated, Any
 
 import typer
 
+from . import __version__, settings
 from . import config as cfg
-from . import settings
-from .errors import BadRequest, ConnectionFailed, MpserveError
+from .errors import BadRequest, ConnectionFailed, InternalError, MpserveError
 from .protocol import ModelControl, Stats
 from .runtime import ServerInfo, pid_alive
 from .slots import SlotRow, SlotState, SlotTable, instance_slots, locate
 
 app = typer.Typer(add_completion=False, no_args_is_help=True,
                   help="Run several llama.cpp instances behind one ZeroMQ broker.")
+
+def _version(value: bool) -> None:
+    if value:
+        typer.echo(f"mpserve {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _main(version: Annotated[bool, typer.Option("--version", callback=_version, is_eager=True,
+                                                help="Print the version and exit.")] = False) -> None:
+    """The options before a command: --version."""
+
 
 ConfigOption = Annotated[Path | None, typer.Option("--config", "-c", envvar="MPSERVE_CONFIG",
                                                    help="YAML file (see README).")]
@@ -85,18 +101,21 @@ def _config(given: Given, config_file: Path | None) -> cfg.ServerConfig:
 @app.command()
 @with_settings("start")
 def start(given: Given, config_file: ConfigOption = None) -> None:
-    """Start the server in the foreground; Ctrl-C (or SIGTERM) stops it gracefully."""
+    """Start the server in the foreground; Ctrl-C (or SIGTERM) stops it gracefully.
+
+    Every address, folder and model file is checked first: a problem ends the command with exit status 1 and
+    one line naming it and the fix, before anything starts. With --http, if the gateway exits while the server
+    runs, the server stops too and the command ends with exit status 1 (a service manager restarts both)."""
+    from mpserve.gateway.app import parse_http
     from mpserve.server.loop import serve
+    from mpserve.server.preflight import check_start
 
     with _errors():
         config = _config(given, config_file)
         http = given.cli["http"]
-        gateway_process = _start_gateway(http, config, given.cli) if http else None
-        try:
+        check_start(config, parse_http(http) if http else None)
+        with _Gateway(http, config, given.cli) if http else contextlib.nullcontext():
             serve(config)
-        finally:
-            if gateway_process is not None:
-                _stop_gateway(gateway_process)
 
 
 @app.command()
@@ -232,6 +251,46 @@ def gateway(
                                     ssl_certfile=ssl_certfile, ssl_keyfile=ssl_keyfile, insecure=insecure,
                                     connections=ConnectionLimits(max_connections, read_timeout),
                                     admin_key=admin_key))
+
+
+class _Gateway:
+    """The gateway that ``start --http`` runs, watched: a thread waits for it, and if it exits while the server
+    runs, the thread logs it and interrupts the server (SIGINT, as Ctrl-C: a graceful stop), and leaving the
+    ``with`` raises ``InternalError`` (exit status 1). Stopping, rather than restarting it, leaves the restart
+    to the service manager (systemd, Kubernetes), which sees one failed unit instead of a server that runs on
+    without its HTTP API."""
+
+    def __init__(self, http: str, config: cfg.ServerConfig, flags: dict[str, Any]) -> None:
+        self._process = _start_gateway(http, config, flags)
+        self._lock = threading.Lock()
+        self._stopping = False
+        self.exited: int | None = None  # the status of a gateway that exited by itself
+        threading.Thread(target=self._watch, name="gateway-watch", daemon=True).start()
+
+    def _watch(self) -> None:
+        status = self._process.wait()
+        with self._lock:
+            if self._stopping:
+                return
+            self.exited = status
+            logging.getLogger("mpserve.server").error("%s; stopping the server", self._ended())
+            os.kill(os.getpid(), signal.SIGINT)
+
+    def _ended(self) -> str:
+        status = self.exited or 0
+        how = f"was killed by signal {-status}" if status < 0 else f"exited with status {status}"
+        return f"the HTTP gateway (pid {self._process.pid}) {how}"
+
+    def __enter__(self) -> _Gateway:
+        return self
+
+    def __exit__(self, exc_type: object, exc: BaseException | None, tb: object) -> None:
+        with self._lock:
+            self._stopping = True
+        _stop_gateway(self._process)
+        if self.exited is not None:
+            raise InternalError(f"{self._ended()}, so the server stopped (its log above says why); fix that and "
+                                "start again")
 
 
 def _start_gateway(http: str, config: cfg.ServerConfig, flags: dict[str, Any]) -> subprocess.Popen[bytes]:

@@ -24,6 +24,7 @@ Example file::
 
 from __future__ import annotations
 
+import difflib
 import os
 import re
 from collections.abc import Mapping
@@ -42,6 +43,8 @@ from .speculative import Speculative
 BUILTIN_PREFIX = "builtin:"
 DEFAULT_MODEL = "builtin:tiny"
 ECHO_MODEL = "echo"
+GGUF_MAGIC = b"GGUF"  # the first bytes of every GGUF file (``gguf_header`` reads the rest)
+_FLAGS = "command line"  # where flag and environment values come from: named by their flags in errors
 _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,47}$")
 
 
@@ -187,17 +190,26 @@ _POOLINGS = settings.BY_KEY["pooling"].choices or ()
 def load_file(path: str | os.PathLike[str]) -> dict[str, Any]:
     try:
         text = Path(path).read_text()
-    except OSError as exc:
-        raise ConfigError(f"cannot read config file {path}: {exc.strerror}") from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"cannot read config file {path}: {getattr(exc, 'strerror', None) or exc}") from None
     try:
         data = yaml.safe_load(text)
     except yaml.YAMLError as exc:
-        raise ConfigError(f"{path}: not valid YAML: {exc}") from None
+        raise ConfigError(f"{path}: not valid YAML: {_yaml_problem(exc)}") from None
     if data is None:
         return {}
     if not isinstance(data, dict):
         raise ConfigError(f"{path}: the top level must be a mapping of keys ({', '.join(_SERVER_KEYS)})")
     return data
+
+
+def _yaml_problem(exc: yaml.YAMLError) -> str:
+    """PyYAML's problem and where it is, on one line (its own text spans lines and names no file)."""
+    if not isinstance(exc, yaml.MarkedYAMLError) or exc.problem_mark is None:
+        return " ".join(str(exc).split())
+    mark = exc.problem_mark
+    return f"line {mark.line + 1}, column {mark.column + 1}: {exc.problem}" + (
+        f" ({exc.context})" if exc.context else "")
 
 
 def build(file_data: Mapping[str, Any] | None = None, server: Mapping[str, Any] | None = None,
@@ -212,10 +224,10 @@ def build(file_data: Mapping[str, Any] | None = None, server: Mapping[str, Any] 
     data = dict(file_data or {})
     _check_keys(data, _SERVER_KEYS, source)
     server_values = {k: _checked(k, v, _SERVER_KEYS[k], source) for k, v in data.items() if k != "models"}
-    server_values.update({k: _checked(k, v, _SERVER_KEYS[k], "command line")
+    server_values.update({k: _checked(k, v, _SERVER_KEYS[k], _FLAGS)
                           for k, v in (server or {}).items() if v is not None})
 
-    overrides = {k: _checked(k, v, _MODEL_KEYS[k], "command line") for k, v in (model or {}).items()
+    overrides = {k: _checked(k, v, _MODEL_KEYS[k], _FLAGS) for k, v in (model or {}).items()
                  if v is not None}
     raw_models = data.get("models")
     if "path" in overrides or raw_models is None:
@@ -292,9 +304,8 @@ def _model(index: int, entry: Any, overrides: Mapping[str, Any], source: str) ->
     if not _NAME_RE.match(values["name"]):
         raise ConfigError(f"{where}.name: got {values['name']!r}, allowed: letters, digits, '.', '_' and '-', "
                           "starting with a letter or digit, at most 48 characters")
-    if not (path == ECHO_MODEL or path.startswith(BUILTIN_PREFIX) or Path(path).is_file()):
-        raise ConfigError(f"{where}.path: no such model file {path!r}; give a .gguf file, {_builtin_names()}, "
-                          "or echo")
+    if not (path == ECHO_MODEL or path.startswith(BUILTIN_PREFIX)):
+        _check_gguf(Path(path), "--model" if "path" in overrides else f"{where}.path")
     if path.startswith(BUILTIN_PREFIX) and path[len(BUILTIN_PREFIX):] not in MODEL_SIZES:
         raise ConfigError(f"{where}.path: unknown built-in model {path!r}; allowed: {_builtin_names()}")
     if values.get("pooling") is not None and values["pooling"] not in _POOLINGS:
@@ -329,6 +340,26 @@ def _model(index: int, entry: Any, overrides: Mapping[str, Any], source: str) ->
     return ModelConfig(**values)
 
 
+def _check_gguf(path: Path, where: str) -> None:
+    """A model file must be a file that starts as GGUF files do (its magic), so that a wrong path is refused at
+    start rather than by three failed loads."""
+    others = f"give a .gguf file, {_builtin_names()}, or echo"
+    if path.is_dir():
+        found = sorted(p.name for p in path.glob("*.gguf"))[:3]
+        raise ConfigError(f"{where}: {str(path)!r} is a folder, not a model file; "
+                          + (f"give one of its files: {', '.join(found)}" if found else others))
+    if not path.is_file():
+        raise ConfigError(f"{where}: no such model file {str(path)!r}; {others}")
+    try:
+        with path.open("rb") as file:
+            magic = file.read(len(GGUF_MAGIC))
+    except OSError as exc:
+        raise ConfigError(f"{where}: cannot read {str(path)!r}: {exc.strerror}") from None
+    if magic != GGUF_MAGIC:
+        raise ConfigError(f"{where}: {str(path)!r} is not a GGUF model file (it does not start with "
+                          f"{GGUF_MAGIC.decode()}); {others}")
+
+
 def _instance_bounds(values: Mapping[str, Any], where: str) -> tuple[int, int]:
     """``instances: N`` (fixed) or ``instances: {min, max}``; min_instances / max_instances (the flags) win."""
     given = values.get("instances", 1)
@@ -337,7 +368,8 @@ def _instance_bounds(values: Mapping[str, Any], where: str) -> tuple[int, int]:
         for key, value in given.items():
             lo, hi = _RANGES[f"{key}_instances"]
             if not isinstance(value, int) or isinstance(value, bool) or not lo <= value <= hi:
-                raise ConfigError(f"{where}.instances.{key}: got {value!r}, allowed: an integer {lo:g} to {hi:g}")
+                raise ConfigError(f"{where}.instances.{key}: got {value!r}, allowed: an integer {_shown(lo)} to "
+                                  f"{_shown(hi)}")
         low = given.get("min", 1)
         high = given.get("max", low)
     else:
@@ -423,22 +455,32 @@ def _default_name(path: str) -> str:
 def _check_keys(entry: Mapping[str, Any], allowed: Mapping[str, Any], where: str) -> None:
     unknown = [k for k in entry if k not in allowed]
     if unknown:
-        raise ConfigError(f"{where}: unknown key {unknown[0]!r}; allowed keys: {', '.join(allowed)}")
+        close = difflib.get_close_matches(str(unknown[0]), [str(k) for k in allowed], n=1)
+        guess = f"did you mean {close[0]!r}? " if close else ""
+        raise ConfigError(f"{where}: unknown key {unknown[0]!r}; {guess}allowed keys: {', '.join(allowed)}")
 
 
 def _checked(key: str, value: Any, kinds: tuple[type, ...], where: str) -> Any:
+    """``value`` if it has one of ``kinds`` and lies in the key's range; a flag's value is named by its flag."""
+    flag = settings.BY_KEY[key].flag if key in settings.BY_KEY else None
+    name = flag if where == _FLAGS and flag else f"{where}.{key}"
     if kinds == (float,) and isinstance(value, int) and not isinstance(value, bool):
         value = float(value)
     if not isinstance(value, kinds) or (isinstance(value, bool) and bool not in kinds):
         names = {int: "an integer", float: "a number", str: "a string", list: "a list", bool: "true or false",
                  dict: "a mapping"}
         expected = " or ".join(names[k] for k in kinds)
-        raise ConfigError(f"{where}.{key}: got {value!r}, expected {expected}")
+        raise ConfigError(f"{name}: got {value!r}, expected {expected}")
     if key in _RANGES and not isinstance(value, dict):  # instances: {min, max} is checked by _instance_bounds
         lo, hi = _RANGES[key]
         if not lo <= cast(float, value) <= hi:  # ranged keys are numbers, checked above
-            raise ConfigError(f"{where}.{key}: got {value!r}, allowed: {lo:g} to {hi:g}")
+            raise ConfigError(f"{name}: got {value!r}, allowed: {_shown(lo)} to {_shown(hi)}")
     return value
+
+
+def _shown(bound: float) -> str:
+    """A range's bound as people write it: 1048576, not 1.04858e+06; 0.1 stays 0.1."""
+    return str(int(bound)) if float(bound).is_integer() else f"{bound:g}"
 
 
 def _builtin_names() -> str:

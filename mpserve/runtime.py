@@ -32,7 +32,11 @@ def runtime_dir(create: bool = True) -> Path:
     else:
         path = Path(f"/tmp/mpserve-{os.getuid()}")
     if create:
-        path.mkdir(mode=0o700, parents=True, exist_ok=True)
+        try:
+            path.mkdir(mode=0o700, parents=True, exist_ok=True)
+        except OSError as exc:
+            raise ConfigError(f"cannot create the runtime directory {path} ({exc.strerror}); set "
+                              "MPSERVE_RUNTIME_DIR to a folder you can write") from None
         st = path.stat()
         if st.st_uid != os.getuid() or stat.S_IMODE(st.st_mode) & 0o077:
             raise ConfigError(f"runtime directory {path} must be owned by you and closed to others (mode "

@@ -4,7 +4,8 @@ help text.
     SETTINGS ──▶ config.build      YAML keys, types and ranges, checked with the file, key and value
              ├─▶ cli               the typer options of `start`, `worker`, `plan` and `devices`, with their
              │                     environment variables and "(default: …)" help
-             └─▶ markdown_table()  the README's configuration table (a test keeps the two equal)
+             └─▶ markdown_table()  the README's configuration table, with the commands that take each flag (a
+                                   test keeps the two equal, and each command's flags the declared ones)
 
 Precedence: flag > environment > file > default. A setting's ``scope`` says where it lives: ``server``
 (``ServerConfig``, a top-level YAML key), ``model`` (``ModelConfig``, a key of each ``models[]`` entry; a flag
@@ -42,6 +43,7 @@ class Setting:
     range: tuple[float, float] | None = None
     choices: tuple[str, ...] | None = None
     commands: tuple[Command, ...] = _FOR_SERVERS  # the commands that take the flag
+    own_in: tuple[Command, ...] = ()  # commands with a flag of this name of their own (another help, another default)
 
     @property
     def param(self) -> str:
@@ -132,7 +134,8 @@ SETTINGS: tuple[Setting, ...] = (
        "mean, cls or last",
        flag=None, env=None, choices=("mean", "cls", "last")),
     # --- the server -----------------------------------------------------------------------------------
-    _s("server_name", "server", str, "default", "Which local server (several may run side by side)"),
+    _s("server_name", "server", str, "default", "Which local server (several may run side by side)",
+       own_in=("worker",)),
     _s("bind", "server", str, "ipc://$RUNTIME/NAME.sock", "Client address, e.g. tcp://127.0.0.1:5555"),
     _s("workers_bind", "server", str, "ipc://$RUNTIME/NAME.workers.sock",
        "Worker socket address; tcp://0.0.0.0:5556 for remote pools (mpserve worker --connect)"),
@@ -162,7 +165,7 @@ SETTINGS: tuple[Setting, ...] = (
        "sleeps, while the server has CPU to spare and messages come that close together: lower latency for some "
        "CPU (0: sleep at once)", cli_type=float,
        range=(0, 100_000)),
-    _s("curve_secret", "server", str, "none", "Server secret key file (mpserve keygen)"),
+    _s("curve_secret", "server", str, "none", "Server secret key file (mpserve keygen)", own_in=("worker",)),
     _s("curve_clients", "server", str, "none", "Folder of allowed clients' public .key files"),
     _s("curve_workers", "server", str, "none", "Folder of allowed remote pools' public .key files"),
     _s("insecure", "server", bool, "false", "Allow a network --bind without CURVE keys, or a network --http "
@@ -186,7 +189,7 @@ SETTINGS: tuple[Setting, ...] = (
     _s("switch_batch", "server", int, "8", "Requests a resident model may serve while another waits (single "
        "active backend)", flag=None, env=None, range=(1, 100000)),
     _s("lock_dir", "server", str, "$MPSERVE_LOCK_DIR, else /dev/shm/mpserve-locks (created)",
-       "Folder of the host-wide permit locks; it must exist", env=None, commands=("devices",)),
+       "Folder of the host-wide permit locks; it must exist", env=None, commands=("start", "worker", "devices")),
     _s("permit_log", "server", str, "none", "A file that gets one line per permit hold (audits, tests)", flag=None,
        env=None),
     _s("log_level", "server", str, "info", "Log level", choices=("debug", "info", "warning", "error"),
@@ -215,13 +218,14 @@ def for_command(command: Command) -> tuple[Setting, ...]:
 
 def markdown_table() -> str:
     """The README's configuration table."""
-    lines = ["| flag | environment | YAML | default | meaning |", "|---|---|---|---|---|"]
+    lines = ["| flag | commands | environment | YAML | default | meaning |", "|---|---|---|---|---|---|"]
     for s in SETTINGS:
         choices = " " + "\\|".join(s.choices) if s.choices else ""  # a | in a table cell is escaped
         flag = f"`{s.flag}{choices}`" if s.flag else ""
+        commands = ", ".join((*s.commands, *s.own_in)) if s.flag else ""
         env = f"`{s.env}`" if s.env else ""
         yaml = f"`{s.yaml}`" if s.yaml else ""
-        lines.append(f"| {flag} | {env} | {yaml} | {s.default} | {s.help} |")
+        lines.append(f"| {flag} | {commands} | {env} | {yaml} | {s.default} | {s.help} |")
     return "\n".join(lines)
 
 

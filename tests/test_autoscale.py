@@ -154,7 +154,7 @@ def test_the_control_api_changes_one_model_while_another_serves_undisturbed(star
                 (dict(op="scale", model="tiny", min=3), BadRequest, "min 3 is above max 2"),
                 (dict(op="scale", model="tiny", max=5), BadRequest, "max 5 is above 2, the most instances"),
                 (dict(op="scale", model="tiny", min=2, max=1), BadRequest, r"'min' \(2\) is above 'max' \(1\)"),
-                (dict(op="add", path=str(not_gguf)), ConfigError, "cannot read model .*notes.gguf as GGUF"),
+                (dict(op="add", path=str(not_gguf)), ConfigError, "notes.gguf' is not a GGUF model file"),
                 (dict(op="add", path=str(tmp_path / "none.gguf")), ConfigError, "no such model file"),
                 (dict(op="add", model="echo", path=tiny_model_path), BadRequest, "'echo' is served already"),
                 (dict(op="add", model="big", path=tiny_model_path, max=3), ConfigError,

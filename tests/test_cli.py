@@ -70,3 +70,11 @@ def test_make_model_writes_the_same_bytes_twice(tmp_path) -> None:
     assert bad.returncode == 1 and "allowed sizes" in bad.stderr
 
 
+
+
+@pytest.mark.timeout(30)
+def test_version_prints_the_package_version() -> None:
+    from mpserve import __version__
+
+    out = mpserve("--version")
+    assert out.returncode == 0 and out.stdout == f"mpserve {__version__}\n"

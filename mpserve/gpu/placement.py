@@ -185,7 +185,8 @@ def plan(
     cursor = 0
     for model in models:
         allowed = _allowed_devices(model, order)
-        need, draft = _need(model, estimate)
+        need, estimated = _need(model, estimate)
+        draft = estimated.draft if estimated is not None else 0
         for instance in range(model.instances):
             turn = order[cursor:] + order[:cursor]
             candidates = [index for index in turn if index in allowed]
@@ -193,7 +194,7 @@ def plan(
             if chosen is None:
                 roomiest = max(candidates, key=lambda index: room[index] - planned[index])
                 device = devices[order.index(roomiest)]
-                raise ModelDoesNotFit(_does_not_fit(model, instance, need, device, room, planned, budget))
+                raise ModelDoesNotFit(_does_not_fit(model, instance, need, estimated, device, room, planned, budget))
             planned[chosen] += need
             placements.append(Placement(model.name, instance, chosen, need, draft))
             cursor = (order.index(chosen) + 1) % len(order)
@@ -214,23 +215,24 @@ def place_one(
         return Placement(model.name, instance, None, 0)
     order = [device.index for device in devices]
     allowed = _allowed_devices(model, order)
-    need, draft = _need(model, estimate)
+    need, estimated = _need(model, estimate)
+    draft = estimated.draft if estimated is not None else 0
     room = {d.index: d.memory_free if budget is None else min(d.memory_free, budget) for d in devices}
     planned = {index: sum(p.memory for p in live if p.device == index) for index in order}
     roomiest = max((index for index in order if index in allowed), key=lambda index: room[index] - planned[index])
     if room[roomiest] - planned[roomiest] < need:
         device = devices[order.index(roomiest)]
-        raise ModelDoesNotFit(_does_not_fit(model, instance, need, device, room, planned, budget))
+        raise ModelDoesNotFit(_does_not_fit(model, instance, need, estimated, device, room, planned, budget))
     return Placement(model.name, instance, roomiest, need, draft)
 
 
-def _need(model: ModelRequest, estimate: Estimator) -> tuple[int, int]:
-    """The bytes one instance of ``model`` is planned with (declared, else estimated), and the draft model's
-    share of them (0 where declared)."""
+def _need(model: ModelRequest, estimate: Estimator) -> tuple[int, MemoryEstimate | None]:
+    """The bytes one instance of ``model`` is planned with (declared, else estimated), and the estimate's parts
+    (None where declared)."""
     if model.memory is not None:
-        return model.memory, 0
+        return model.memory, None
     estimated = estimate(model)
-    return estimated.total, estimated.draft
+    return estimated.total, estimated
 
 
 def format_plan(placements: Sequence[Placement], devices: Sequence[Device]) -> str:
@@ -275,6 +277,7 @@ def _does_not_fit(
     model: ModelRequest,
     instance: int,
     need: int,
+    estimated: MemoryEstimate | None,
     device: Device,
     room: dict[int, int],
     planned: dict[int, int],
@@ -282,9 +285,13 @@ def _does_not_fit(
 ) -> str:
     offered = "free" if budget is None or budget >= device.memory_free else "budget"
     available = room[device.index] - planned[device.index]
-    if model.memory is None:
-        source = "estimated"
-        hint = f"fewer n_gpu_layers (now {model.n_gpu_layers}), a smaller n_ctx (now {model.n_ctx})"
+    if estimated is not None:
+        kv = f"KV cache {format_memory(estimated.kv_cache)} for parallel {model.parallel} × n_ctx {model.n_ctx}"
+        source = (f"estimated: weights {format_memory(estimated.weights)} + {kv} + overhead "
+                  f"{format_memory(estimated.overhead + estimated.draft)}")
+        context = f"a smaller parallel (now {model.parallel}) or n_ctx (now {model.n_ctx})"
+        layers = f"fewer n_gpu_layers (now {model.n_gpu_layers})"
+        hint = f"{context}, {layers}" if estimated.kv_cache > estimated.weights else f"{layers}, {context}"
     else:
         source = "declared requires.memory"
         hint = "a smaller requires.memory if it overstates the need"

@@ -1,5 +1,6 @@
 """The server process: the broker and the supervisor in one poll loop. It never imports llama_cpp.
 
+    preflight   what `mpserve start` checks before anything starts: the name, each address, the lock folder
     loop        serve(): claims the server name, builds the layout, runs broker + supervisor + watchdog
     broker      ROUTER fronts for clients and workers; per-model queues; routing to slots; the request table
     routing     the broker's decisions as pure functions: which slot a request goes to, what a lost one becomes

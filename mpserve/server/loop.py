@@ -31,6 +31,7 @@ from mpserve.slots import SlotTable
 from .broker import Broker
 from .instances import Instances
 from .layout import build_layout, worker_specs
+from .preflight import bind_problem, claim
 from .residency import Residency
 from .signals import SignalPipe
 from .state import WorkerEntry
@@ -64,13 +65,7 @@ def serve(config: ServerConfig) -> None:
             authenticator.configure_curve(domain="clients", location=config.curve_clients)
             if config.curve_workers is not None:
                 authenticator.configure_curve(domain="workers", location=config.curve_workers)
-        broker = Broker(ctx, paths.front, paths.back, {m.name: config.max_queue for m in config.models},
-                        max_queue_total=config.max_queue_total, client_timeout=config.client_timeout,
-                        max_pending_per_client=config.max_pending_per_client,
-                        curve_secret=config.curve_secret, curve_workers=config.curve_workers,
-                        residency=Residency(config.switch_batch) if config.single_active_backend else None,
-                        heartbeat_interval=config.heartbeat_interval, heartbeat_liveness=config.heartbeat_liveness,
-                        embedding_models=frozenset(m.name for m in config.models if m.embedding))
+        broker = _broker(ctx, config, paths)
         specs = worker_specs(config, layout, paths.back, paths.slots)
         supervisor = Supervisor(config, specs, table, gpus=bool(layout.devices))
         placements = {spec.index: p for spec, p in zip(specs, layout.placements, strict=True)}
@@ -83,12 +78,27 @@ def serve(config: ServerConfig) -> None:
             broker.close()
         if authenticator is not None:
             authenticator.stop()
-        ctx.term()
+        ctx.destroy(linger=0)  # closes what a failed start left open (a socket whose bind failed), then terms
         table.unlink()
         table.close()
         for path in [paths.info, *paths.ipc_files()]:
             path.unlink(missing_ok=True)
         log.info("stopped")
+
+
+def _broker(ctx: zmq.Context[zmq.Socket[bytes]], config: ServerConfig, paths: ServerPaths) -> Broker:
+    """The broker, bound to its addresses; an address taken since ``preflight`` checked it is a ConfigError."""
+    try:
+        return Broker(ctx, paths.front, paths.back, {m.name: config.max_queue for m in config.models},
+                      max_queue_total=config.max_queue_total, client_timeout=config.client_timeout,
+                      max_pending_per_client=config.max_pending_per_client,
+                      curve_secret=config.curve_secret, curve_workers=config.curve_workers,
+                      residency=Residency(config.switch_batch) if config.single_active_backend else None,
+                      heartbeat_interval=config.heartbeat_interval, heartbeat_liveness=config.heartbeat_liveness,
+                      embedding_models=frozenset(m.name for m in config.models if m.embedding))
+    except zmq.ZMQError as exc:
+        raise ConfigError(bind_problem("--bind or --workers-bind", f"{paths.front} or {paths.back}", exc.errno,
+                                       exc.strerror)) from None
 
 
 class _AuthLog(logging.LoggerAdapter):  # type: ignore[type-arg]
@@ -105,18 +115,6 @@ class _AuthLog(logging.LoggerAdapter):  # type: ignore[type-arg]
 
 def _bounds(bounds: tuple[int, int]) -> str:
     return str(bounds[0]) if bounds[0] == bounds[1] else f"{bounds[0]}..{bounds[1]}"
-
-
-def claim(paths: ServerPaths) -> None:
-    """Refuse to start over a live server of the same name; remove what a dead one left behind."""
-    info = ServerInfo.read(paths.name)
-    if info is not None and info.alive() and info.pid != os.getpid():
-        raise ConfigError(f"a server named {paths.name!r} is already running (pid {info.pid}, {info.front}); "
-                          "stop it first or give this one another --server-name")
-    for stale in [paths.info, paths.slots, *paths.ipc_files()]:
-        if stale.exists():
-            log.info("removing %s left by a server that is no longer running", stale)
-            stale.unlink(missing_ok=True)
 
 
 WATCHDOG_PERIOD_S = 0.5

@@ -37,7 +37,8 @@ from mpserve.runtime import ServerInfo, ServerPaths
 from mpserve.slots import SlotTable
 
 from .layout import build_layout, worker_specs
-from .loop import WATCHDOG_PERIOD_S, claim
+from .loop import WATCHDOG_PERIOD_S
+from .preflight import claim
 from .signals import SignalPipe
 from .supervisor import Supervisor
 

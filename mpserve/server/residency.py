@@ -13,13 +13,17 @@ a *resident* model; only its workers on that device may load and compute. The sw
   start (its workers load on their first request).
 
 So every model with waiting requests gets the device within one batch of the others, and a switch
-costs one unload and one load, never a request. This module only decides; the broker acts.
+costs one unload and one load, never a request. This module only decides (and logs each turn: a drain
+begins, a model becomes resident); the broker acts.
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
+
+log = logging.getLogger("mpserve.residency")
 
 
 @dataclass
@@ -69,6 +73,8 @@ class Residency:
             others = [m for m in waiting if m != turn.resident]
             if others and (turn.started >= self.batch or turn.resident not in waiting):
                 turn.next = others[0]
+                log.info("device %d: %s drains after %d request(s) for %s, which has requests waiting", device,
+                         turn.resident, turn.started, turn.next)
         if turn.next is None:
             return []
         if any(count for model, count in running.items() if model != turn.next):
@@ -76,5 +82,7 @@ class Residency:
         leaving = [w for w in loaded if w.model != turn.next]
         if leaving:
             return [w.worker for w in leaving if not w.unloading]
+        log.info("device %d: %s is resident now%s", device, turn.next,
+                 f" (after {turn.resident})" if turn.resident else "")
         turn.resident, turn.next, turn.started = turn.next, None, 0
         return []

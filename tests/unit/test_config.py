@@ -40,7 +40,9 @@ def test_threads_default_to_cores_divided_by_all_instances() -> None:
 
 
 @pytest.mark.parametrize("data, problem", [
-    ({"models": [{"name": "a", "instnces": 2}]}, "models\\[0\\]: unknown key 'instnces'; allowed keys: name"),
+    ({"models": [{"name": "a", "instnces": 2}]},
+     "models\\[0\\]: unknown key 'instnces'; did you mean 'instances'\\? allowed keys: name"),
+    ({"models": [{"name": "a", "zzz": 2}]}, "models\\[0\\]: unknown key 'zzz'; allowed keys: name"),
     ({"max_queu": 3}, "unknown key 'max_queu'"),
     ({"models": [{"instances": "two"}]}, "models\\[0\\].instances: got 'two', expected an integer"),
     ({"models": [{"instances": -1}]}, "instances: got -1, allowed: 0 to 256"),
@@ -90,9 +92,14 @@ def test_busy_poll_is_250_us_by_default_zero_turns_it_off_and_negative_is_refuse
         cfg.build({"busy_poll_us": -1})
 
 
-def test_flag_values_are_checked_like_file_values() -> None:
-    with pytest.raises(ConfigError, match="instances: got -1"):
+def test_flag_values_are_checked_like_file_values_and_named_by_their_flags() -> None:
+    with pytest.raises(ConfigError, match=r"^\[config\] --instances: got -1, allowed: 0 to 256$"):
         cfg.build(model={"instances": -1})
+    with pytest.raises(ConfigError, match=r"^\[config\] --n-ctx: got 5, allowed: 16 to 1048576$"):  # not 1.04858e+06
+        cfg.build(model={"n_ctx": 5})
+    with pytest.raises(ConfigError, match=r"^\[config\] f.yaml: models\[0\].scale_down_after: got 0.0, allowed: 0.1 "
+                                          "to 86400$"):
+        cfg.build({"models": [{"scale_down_after": 0}]}, source="f.yaml")
 
 
 def test_start_with_a_bad_file_exits_before_starting_anything(tmp_path: Path) -> None:
@@ -104,8 +111,30 @@ def test_start_with_a_bad_file_exits_before_starting_anything(tmp_path: Path) ->
     assert "unknown key 'instancs'" in proc.stderr and "Traceback" not in proc.stderr
 
 
+def test_a_model_path_must_be_a_gguf_file_not_a_folder_or_another_file(tmp_path: Path) -> None:
+    (tmp_path / "notes.txt").write_text("not a model")
+    (tmp_path / "m.gguf").write_bytes(b"GGUF")
+    with pytest.raises(ConfigError, match=r"models\[0\].path: '.*notes.txt' is not a GGUF model file"):
+        cfg.build({"models": [{"path": str(tmp_path / "notes.txt")}]})
+    with pytest.raises(ConfigError, match="--model: '.*' is a folder, not a model file; give one of its files: m.gguf"):
+        cfg.build(model={"path": str(tmp_path)})
+    assert cfg.build(model={"path": str(tmp_path / "m.gguf")}).models[0].name == "m"
+
+
+@pytest.mark.parametrize("text, problem", [
+    ("models:\n  - name: a\n   path: x\n", "line 3, column 4: expected <block end>, but found '<block mapping start>'"),
+    ("a: [1,\n", "line 2, column 1: expected the node content, but found '<stream end>'"),
+])
+def test_broken_yaml_is_named_by_its_file_line_and_column_on_one_line(tmp_path: Path, text: str, problem: str) -> None:
+    path = tmp_path / "bad.yaml"
+    path.write_text(text)
+    with pytest.raises(ConfigError) as caught:
+        cfg.load_file(path)
+    assert caught.value.message.startswith(f"{path}: not valid YAML: {problem}") and "\n" not in caught.value.message
+
+
 def test_relative_model_paths_in_a_file_are_relative_to_the_file(tmp_path: Path) -> None:
-    (tmp_path / "m.gguf").write_bytes(b"x")
+    (tmp_path / "m.gguf").write_bytes(b"GGUF")
     config = cfg.build({"models": [{"path": "m.gguf"}]}, base_dir=tmp_path)
     assert config.models[0].path == str(tmp_path / "m.gguf") and config.models[0].name == "m"
 
@@ -131,7 +160,7 @@ def test_instances_are_a_fixed_count_or_bounds_that_flags_override(instances: ob
     ({"min": 1, "most": 2}, {}, "instances: unknown key 'most'; allowed keys: min, max"),
     ({"min": 1, "max": 0}, {}, "instances.max: got 0, allowed: an integer 1 to 256"),
     ({"min": "one"}, {}, "instances.min: got 'one'"),
-    (1, {"max_instances": 0}, "max_instances: got 0, allowed: 1 to 256"),
+    (1, {"max_instances": 0}, "--max-instances: got 0, allowed: 1 to 256"),
     (4, {"max_instances": 2}, "min_instances 4 is above max_instances 2"),
 ])
 def test_bad_instance_bounds_are_refused(instances: object, flags: dict, problem: str) -> None:

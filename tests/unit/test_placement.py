@@ -176,6 +176,19 @@ def test_a_model_that_fits_nowhere_names_model_device_need_room_and_a_hint() -> 
         assert part in error.message
     for hint in ("n_gpu_layers (now 33)", "n_ctx (now 8192)", "another device"):
         assert hint in error.message
+    assert "(estimated: weights 6.2 GiB + KV cache 512.0 MiB for parallel 1 × n_ctx 8192 + overhead 512.0 MiB)" \
+        in error.message
+
+
+@pytest.mark.timeout(10)
+def test_a_model_whose_kv_cache_does_not_fit_says_parallel_and_n_ctx_first() -> None:
+    def estimate(*args: object) -> MemoryEstimate:
+        return MemoryEstimate(GIB // 2, 16 * GIB, GIB // 2)
+
+    wide = request("wide", memory=None, n_ctx=8192, parallel=64)
+    with pytest.raises(ModelDoesNotFit, match=r"KV cache 16\.0 GiB for parallel 64 × n_ctx 8192 .* try a smaller "
+                                              r"parallel \(now 64\) or n_ctx \(now 8192\), fewer n_gpu_layers"):
+        plan([wide], gpus(10), estimate=estimate)
     with pytest.raises(ModelDoesNotFit, match="declared requires.memory.*a smaller requires.memory"):
         plan([request("big", memory=11 * GIB)], gpus(10))
 

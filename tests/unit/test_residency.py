@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import logging
+
 import pytest
 
 from mpserve.server.residency import Loaded, Residency
@@ -37,6 +39,21 @@ def test_after_batch_requests_the_resident_drains_then_unloads_then_the_next_mod
     assert r.decide(0, ["a", "b"], {}, [Loaded(b"wa", "a", True)]) == []  # unloading: asked once only
     assert r.decide(0, ["a", "b"], {}, []) == []  # unloaded: b is resident
     assert r.allows(0, "b") and not r.allows(0, "a")
+
+
+def test_each_turn_is_logged_once_the_drain_and_the_switch(caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.INFO, logger="mpserve.residency")
+    r = Residency(batch=1)
+    r.decide(0, ["a"], {}, [])
+    r.started(0)
+    for _ in range(3):  # the drain is decided once, however often the broker asks
+        r.decide(0, ["a", "b"], {"a": 1}, [Loaded(b"wa", "a", False)])
+    r.decide(0, ["b"], {}, [])
+    assert [rec.getMessage() for rec in caplog.records] == [
+        "device 0: a is resident now",
+        "device 0: a drains after 1 request(s) for b, which has requests waiting",
+        "device 0: b is resident now (after a)",
+    ]
 
 
 def test_a_resident_with_an_empty_queue_hands_over_at_once_whatever_its_count() -> None:

@@ -64,3 +64,12 @@ def test_each_command_has_the_flags_declared_for_it(command: settings.Command) -
         assert s.flag in flags and (s.short is None or s.short in flags), (command, s.key)
         param = next(p for p in click_command.params if s.flag in p.opts)
         assert param.envvar == s.env and s.default in (param.help or ""), (command, s.key)
+
+
+@pytest.mark.parametrize("command", ["start", "worker", "plan", "devices"])
+def test_each_command_takes_no_setting_flag_that_is_not_declared_for_it(command: settings.Command) -> None:
+    """The README's table says which commands take each flag; a command with more would contradict it."""
+    click_command = get_command(app).commands[command]  # type: ignore[attr-defined]
+    flags = {opt for param in click_command.params for opt in param.opts}
+    declared = {s.flag for s in settings.SETTINGS if command in (*s.commands, *s.own_in)}
+    assert {s.flag for s in settings.SETTINGS if s.flag in flags} <= declared, command

@@ -1,0 +1,128 @@
+"""`mpserve start` as a new user tries it: each address, port, folder and model file it cannot use ends the
+command with exit status 1 and one line naming the problem and the fix, and leaves nothing behind (no slot
+table, no info file, no socket, no process). A gateway that dies while the server runs stops the server."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from conftest import ServerProcess
+from helpers import wait_for
+from test_limits import free_port
+
+from mpserve.runtime import pid_alive, runtime_dir
+from mpserve.slots import shm_dir
+
+
+@pytest.fixture
+def busy_port() -> Iterator[int]:
+    """A port something else listens on."""
+    with socket.socket() as listener:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen()
+        yield listener.getsockname()[1]
+
+
+def leftovers(name: str, session: int) -> list[str]:
+    """What a server named ``name`` whose session was ``session`` left: its slot table, its files in the
+    runtime directory, processes of its session or with its name on their command line."""
+    found = [str(p) for p in shm_dir().glob(f"mpserve-{os.getuid()}-{name}.slots")]
+    found += [str(p) for p in runtime_dir(create=False).glob(f"{name}.*")]
+    for proc in Path("/proc").glob("[0-9]*"):
+        try:
+            stat = (proc / "stat").read_text()
+            cmdline = (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue
+        if int(stat.rsplit(")", 1)[1].split()[3]) == session or f" {name} " in f" {cmdline} ":
+            found.append(f"process {proc.name}: {cmdline}")
+    return found
+
+
+def _bad_inputs(tmp: Path, busy: int) -> dict[str, tuple[list[str], str]]:
+    """Case name: (the flags, the one line ``start`` must print)."""
+    return {
+        "bind busy": (["--bind", f"tcp://127.0.0.1:{busy}"], f"--bind tcp://127.0.0.1:{busy}: cannot bind: the "
+                      "address is in use (another server or program listens there); stop it or give another port"),
+        "bind no scheme": (["--bind", "127.0.0.1:5555"], "--bind 127.0.0.1:5555: not a ZeroMQ address; give "
+                           "tcp://HOST:PORT (e.g. tcp://127.0.0.1:5555) or ipc:///PATH"),
+        "bind no permission": (["--bind", "ipc:///sys/mpserve-test.sock"], "--bind ipc:///sys/mpserve-test.sock: "
+                               "cannot bind: no permission to bind it"),
+        "bind no folder": (["--bind", f"ipc://{tmp}/none/x.sock"], f"--bind ipc://{tmp}/none/x.sock: cannot bind: "
+                           "its folder does not exist; create it or give another path"),
+        "workers bind busy": (["--workers-bind", f"tcp://127.0.0.1:{busy}"],
+                              f"--workers-bind tcp://127.0.0.1:{busy}: cannot bind: the address is in use"),
+        "http busy": (["--http", f"127.0.0.1:{busy}"], f"--http 127.0.0.1:{busy}: cannot bind: the address is in "
+                      "use"),
+        "not a gguf": (["--model", "/etc/passwd"], "--model: '/etc/passwd' is not a GGUF model file (it "
+                       "does not start with GGUF); give a .gguf file"),
+        "a folder": (["--model", str(tmp)], f"--model: '{tmp}' is a folder, not a model file; give one of its "
+                     "files: m.gguf"),
+        "no lock dir": (["--lock-dir", str(tmp / "none")], f"--lock-dir {tmp / 'none'}: no such folder; give "
+                        "--lock-dir a folder you can write"),
+        "lock dir not writable": (["--lock-dir", "/proc/self"], "--lock-dir /proc/self: cannot write in it"),
+    }
+
+
+CASES = list(_bad_inputs(Path("/"), 1))
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("case", CASES)
+def test_a_bad_input_ends_start_with_one_line_and_leaves_nothing(case: str, tmp_path: Path, busy_port: int) -> None:
+    (tmp_path / "m.gguf").write_bytes(b"GGUF")  # for "a folder": the message names the model files in it
+    args, line = _bad_inputs(tmp_path, busy_port)[case]
+    name = f"ff{os.getpid()}-{CASES.index(case)}"
+    proc = subprocess.Popen([sys.executable, "-m", "mpserve", "start", "--server-name", name, *args],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    stdout, stderr = proc.communicate(timeout=60)
+    assert proc.returncode == 1, stderr
+    lines = stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"error: [config] {line}"), stderr
+    assert stdout == ""
+    assert leftovers(name, proc.pid) == []
+
+
+def _gateway_pid(name: str) -> int | None:
+    for proc in Path("/proc").glob("[0-9]*"):
+        try:
+            cmdline = (proc / "cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if b"gateway" in cmdline and name.encode() in cmdline:
+            return int(proc.name)
+    return None
+
+
+@pytest.mark.timeout(120)
+def test_the_server_stops_with_status_1_when_its_gateway_dies() -> None:
+    server = ServerProcess("--http", f"127.0.0.1:{free_port()}").wait_ready()
+    workers = [row.pid for row in server.slots() if row.pid > 0]
+    try:
+        gateway = wait_for(lambda: _gateway_pid(server.name), what="the gateway process")
+        os.kill(gateway, signal.SIGKILL)
+        assert server.proc.wait(60) == 1
+    finally:
+        server.stop()
+    assert f"the HTTP gateway (pid {gateway}) was killed by signal 9; stopping the server" in "\n".join(server.log)
+    assert server.log[-1] == (f"error: [internal] the HTTP gateway (pid {gateway}) was killed by signal 9, so the "
+                              "server stopped (its log above says why); fix that and start again")
+    assert server.tracebacks() == [] and leftovers(server.name, session=-1) == []  # no session of its own
+    wait_for(lambda: not any(pid_alive(pid) for pid in workers), what="its workers to exit")
+
+
+@pytest.mark.timeout(60)
+def test_a_runtime_directory_that_cannot_be_made_ends_start_with_one_line() -> None:
+    proc = subprocess.run([sys.executable, "-m", "mpserve", "start"], capture_output=True, text=True, timeout=60,
+                          env={**os.environ, "MPSERVE_RUNTIME_DIR": "/proc/self/mpserve"})
+    assert proc.returncode == 1
+    assert proc.stderr.strip().splitlines() == [
+        "error: [config] cannot create the runtime directory /proc/self/mpserve (No such file or directory); set "
+        "MPSERVE_RUNTIME_DIR to a folder you can write"]
