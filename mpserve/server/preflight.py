@@ -1,7 +1,8 @@
 """What ``mpserve start`` checks before anything starts: every address it binds and every folder it writes.
 
     config, --http ──▶ check_start
-                         ├─ claim            a live server of the same name refuses; a dead one's files go
+                         ├─ refuse_live      a live server of the same name refuses (``serve``'s ``claim``
+                         │                    then removes, and logs, what a dead one left)
                          ├─ the ZeroMQ binds  each bound once with a throwaway socket, then closed (and its
                          │                    ipc file removed): in use, no scheme, no permission, no folder
                          ├─ the HTTP port     bound once and closed, as uvicorn binds it
@@ -37,7 +38,7 @@ _SCHEMES = ("tcp://", "ipc://")
 def check_start(config: ServerConfig, http: tuple[str, int] | None = None) -> None:
     """Raise ``ConfigError`` for the first address or folder that ``mpserve start`` could not use."""
     paths = ServerPaths.for_name(config.server_name, config.bind, config.workers_bind)
-    claim(paths)
+    refuse_live(paths)
     for flag, address in (("--bind", paths.front), ("--workers-bind", paths.back)):
         check_bind(flag, address)
     if http is not None:
@@ -46,12 +47,18 @@ def check_start(config: ServerConfig, http: tuple[str, int] | None = None) -> No
         check_lock_dir(config.lock_dir)
 
 
-def claim(paths: ServerPaths) -> None:
-    """Refuse to start over a live server of the same name; remove what a dead one left behind."""
+def refuse_live(paths: ServerPaths) -> None:
+    """Refuse to start over a live server of the same name."""
     info = ServerInfo.read(paths.name)
     if info is not None and info.alive() and info.pid != os.getpid():
         raise ConfigError(f"a server named {paths.name!r} is already running (pid {info.pid}, {info.front}); "
                           "stop it first or give this one another --server-name")
+
+
+def claim(paths: ServerPaths) -> None:
+    """Refuse to start over a live server of the same name; remove what a dead one left behind (once logging
+    is set up, so that the removal is said)."""
+    refuse_live(paths)
     for stale in [paths.info, paths.slots, *paths.ipc_files()]:
         if stale.exists():
             log.info("removing %s left by a server that is no longer running", stale)
