@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from .kv_types import DEFAULT_KV_TYPE, KV_TYPES
-from .models.builtin import MODEL_SIZES
+from .models.shapes import MODEL_SIZES
 
 Scope = Literal["server", "model", "cli"]
 Command = Literal["start", "worker", "plan", "devices"]
