@@ -4,8 +4,9 @@ help text.
     SETTINGS ──▶ config.build      YAML keys, types and ranges, checked with the file, key and value
              ├─▶ cli               the typer options of `start`, `worker`, `plan` and `devices`, with their
              │                     environment variables and "(default: …)" help
-             └─▶ markdown_table()  the README's configuration table, with the commands that take each flag (a
-                                   test keeps the two equal, and each command's flags the declared ones)
+             └─▶ markdown_table()  the docs' configuration table (docs/configuration.md, generated at each
+                                   build), with the commands that take each flag (tests check each command's
+                                   flags are the declared ones, and the page has every setting)
 
 Precedence: flag > environment > file > default. A setting's ``scope`` says where it lives: ``server``
 (``ServerConfig``, a top-level YAML key), ``model`` (``ModelConfig``, a key of each ``models[]`` entry; a flag
@@ -33,7 +34,7 @@ class Setting:
     key: str  # the ServerConfig / ModelConfig field and the YAML key
     scope: Scope
     kinds: tuple[type, ...]  # what a YAML value may be
-    default: str  # the default as users read it (--help, README)
+    default: str  # the default as users read it (--help, the docs)
     help: str
     flag: str | None = None  # None: file only
     short: str | None = None
@@ -217,7 +218,7 @@ def for_command(command: Command) -> tuple[Setting, ...]:
 
 
 def markdown_table() -> str:
-    """The README's configuration table."""
+    """The configuration table of the docs (docs/configuration.md)."""
     lines = ["| flag | commands | environment | YAML | default | meaning |", "|---|---|---|---|---|---|"]
     for s in SETTINGS:
         choices = " " + "\\|".join(s.choices) if s.choices else ""  # a | in a table cell is escaped
