@@ -3,7 +3,7 @@ they cannot drift from it; ``tests/test_docs.py`` builds the site and checks eac
 
     <!-- generated: NAME --> in a page ──on_page_markdown──▶ GENERATORS[NAME]() ──▶ markdown in its place
 
-    settings     mpserve/settings.py      every setting: flag, commands, environment, YAML key, default
+    settings     mpserve/settings.py      every setting: flag, commands, environment, YAML key, default, meaning
     errors       mpserve/errors.py        every ErrorCode: HTTP status, meaning, whether to retry
     openapi      GET /openapi.json        every route of the gateway: parameters, body fields, statuses
     wire-*       mpserve/protocol.py      the message types, each body's fields with types and limits
@@ -42,10 +42,30 @@ def on_page_markdown(markdown: str, **_: Any) -> str:
     return MARKER.sub(part, markdown)
 
 
-# --- settings and error codes: the tables their modules print --------------------------------------------
+# --- settings and error codes -----------------------------------------------------------------------------
+
+SETTING_GROUPS = {
+    "model": ("Model settings", "Each entry of the file's `models` list; as a flag or variable, every model."),
+    "server": ("Server settings", "The server as a whole: top-level keys of the file."),
+    "cli": ("HTTP gateway flags", "Flags and variables of the gateway `start --http` runs (no file key)."),
+}
+
 
 def settings_part() -> str:
-    return settings.markdown_table()
+    """Every setting of mpserve/settings.py under its group: a heading (its key, for links) and one line with its
+    flag and the commands that take it, its variable, its YAML key and its default, then what it does."""
+    out = []
+    for scope, (title, intro) in SETTING_GROUPS.items():
+        out += [f"## {title}", "", intro, ""]
+        for s in settings.scoped(scope):  # type: ignore[arg-type]
+            ways = []
+            if s.flag:
+                choices = " " + "|".join(s.choices) if s.choices else ""
+                ways.append(f"`{s.flag}{choices}` ({', '.join((*s.commands, *s.own_in))})")
+            ways += [f"`{s.env}`"] * bool(s.env) + [f"`{s.yaml}`"] * bool(s.yaml)
+            out += [f"### {s.key} {{#{s.key.replace('_', '-')}}}", "",
+                    " · ".join(ways) + f" · default: **{s.default}**", "", s.help + ".", ""]
+    return "\n".join(out)
 
 
 def errors_part() -> str:

@@ -4,9 +4,9 @@ help text.
     SETTINGS ──▶ config.build      YAML keys, types and ranges, checked with the file, key and value
              ├─▶ cli               the typer options of `start`, `worker`, `plan` and `devices`, with their
              │                     environment variables and "(default: …)" help
-             └─▶ markdown_table()  the docs' configuration table (docs/configuration.md, generated at each
-                                   build), with the commands that take each flag (tests check each command's
-                                   flags are the declared ones, and the page has every setting)
+             ├─▶ markdown_table()  a table of every setting (python -m mpserve.settings), with the commands
+             │                     that take each flag (a test keeps each command's flags the declared ones)
+             └─▶ docs/hooks.py     the configuration page: a section per setting, at each build of the docs
 
 Precedence: flag > environment > file > default. A setting's ``scope`` says where it lives: ``server``
 (``ServerConfig``, a top-level YAML key), ``model`` (``ModelConfig``, a key of each ``models[]`` entry; a flag
@@ -218,7 +218,7 @@ def for_command(command: Command) -> tuple[Setting, ...]:
 
 
 def markdown_table() -> str:
-    """The configuration table of the docs (docs/configuration.md)."""
+    """Every setting in one table (the docs give each its own section: docs/configuration.md)."""
     lines = ["| flag | commands | environment | YAML | default | meaning |", "|---|---|---|---|---|---|"]
     for s in SETTINGS:
         choices = " " + "\\|".join(s.choices) if s.choices else ""  # a | in a table cell is escaped
