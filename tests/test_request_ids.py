@@ -84,3 +84,24 @@ def test_the_gateway_answers_with_the_id_it_ran_the_request_under(tiny_server, g
         refused = http.post("/v1/completions", json=body, headers={"X-Request-Id": "x" * (REQUEST_ID_CHARS + 1)})
         assert refused.status_code == 400 and refused.json()["error"]["code"] == "bad_request"
         assert "X-Request-Id" in refused.json()["error"]["message"]
+
+
+@pytest.mark.timeout(90)
+def test_a_caller_s_id_still_in_flight_through_the_gateway_is_refused(start_server) -> None:
+    from gateway_thread import GatewayThread
+
+    server = start_server("--n-ctx", "8192").wait_ready()  # 8000 tokens of the tiny model take minutes
+    gateway = GatewayThread(server_name=server.name)
+    body = {"model": "tiny", "prompt": "Hello", "temperature": 0}
+    with httpx.Client(base_url=gateway.url, timeout=30) as http:
+        with http.stream("POST", "/v1/completions", json={**body, "max_tokens": 100000, "stream": True},
+                         headers={"X-Request-Id": "dup-1"}) as running:
+            assert running.headers["x-request-id"] == "dup-1"
+            lines = running.iter_lines()  # kept: a discarded iterator closes the response, and so the request
+            next(line for line in lines if line.startswith("data:"))  # it runs
+            twice = http.post("/v1/completions", json={**body, "max_tokens": 2}, headers={"X-Request-Id": "dup-1"})
+            assert twice.status_code == 400 and twice.headers["x-request-id"] == "dup-1"
+            assert "'dup-1' is already in use" in twice.json()["error"]["message"]
+        again = http.post("/v1/completions", json={**body, "max_tokens": 2}, headers={"X-Request-Id": "dup-1"})
+        assert again.status_code == 200  # ended (the stream was left, which cancels it): the id is free again
+    gateway.stop()
