@@ -14,6 +14,7 @@ import sys
 from pathlib import Path
 from types import ModuleType
 
+import msgpack
 import msgspec
 import pytest
 
@@ -104,6 +105,37 @@ def test_each_documented_limit_names_a_field_and_the_id_limit_holds() -> None:
     assert wire.decode(frames) == wire.Cancel("x" * wire.MAX_ID_CHARS)
     with pytest.raises(errors.ProtocolError, match="longer than 64"):
         wire.decode(wire.encode(wire.Cancel("x" * (wire.MAX_ID_CHARS + 1))))
+
+
+# (message type, a valid body, the field, a value just inside the documented limit, one just past it)
+PROBES = [
+    (wire.MsgType.REQUEST, {"id": "r", "prompt": "x"}, "id", "x" * wire.MAX_ID_CHARS, "x" * (wire.MAX_ID_CHARS + 1)),
+    (wire.MsgType.REQUEST, {"id": "r", "prompt": "x"}, "timeout", 0.001, 0.0009),
+    (wire.MsgType.REQUEST, {"id": "r", "prompt": "x"}, "params", {"max_tokens": wire.MAX_TOKENS_LIMIT},
+     {"max_tokens": wire.MAX_TOKENS_LIMIT + 1}),
+    (wire.MsgType.REQUEST, {"id": "r", "prompt": "x"}, "params", {"stop": ["s"] * wire.MAX_STOP_STRINGS},
+     {"stop": ["s"] * (wire.MAX_STOP_STRINGS + 1)}),
+    (wire.MsgType.REQUEST, {"id": "r", "prompt": "x"}, "params", {"n": wire.MAX_CHOICES}, {"n": wire.MAX_CHOICES + 1}),
+    (wire.MsgType.REQUEST, {"id": "r", "prompt": "x"}, "params", {"logprobs": wire.MAX_TOP_LOGPROBS},
+     {"logprobs": wire.MAX_TOP_LOGPROBS + 1}),
+    (wire.MsgType.EMBED, {"id": "e"}, "texts", ["t"] * wire.MAX_EMBED_INPUTS, ["t"] * (wire.MAX_EMBED_INPUTS + 1)),
+    (wire.MsgType.CONTROL, {"id": "c", "op": "scale", "model": "m"}, "max", wire.MAX_INSTANCES, wire.MAX_INSTANCES + 1),
+    (wire.MsgType.SLOT_ACTION, {"id": "s", "worker": "w0", "action": "erase"}, "slot", 1023, 1024),
+    (wire.MsgType.SLOT_ACTION, {"id": "s", "worker": "w0", "action": "save", "slot": 0}, "filename",
+     "f" * wire.MAX_FILENAME_CHARS, "f" * (wire.MAX_FILENAME_CHARS + 1)),
+]
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("mtype, body, field, inside, past", PROBES)
+def test_the_documented_limits_are_the_decoder_s(mtype: wire.MsgType, body: dict[str, object], field: str,
+                                                 inside: object, past: object) -> None:
+    def decode(value: object) -> object:
+        return wire.decode([wire.VERSION, bytes([mtype]), msgpack.packb({**body, field: value})])
+
+    decode(inside)
+    with pytest.raises((errors.BadRequest, errors.ProtocolError)):
+        decode(past)
 
 
 @pytest.mark.timeout(300)
