@@ -246,8 +246,8 @@ class DirectProcesses:
     shares ``n`` requests among them round-robin, started together (each stops after the time budget), which
     is what the machine gives several instances with no serving layer. Kept for a block, so that they are
     about as old as the server they are measured against: on the reference VM a process that had just loaded
-    the model decoded faster than one that had loaded it minutes, even seconds, earlier (README, "The broker
-    at scale")."""
+    the model decoded faster than one that had loaded it minutes, even seconds, earlier (docs/benchmarks.md,
+    "The broker")."""
 
     def __init__(self, model: str, work: Workload, processes: int, threads: int) -> None:
         self._procs = [subprocess.Popen([sys.executable, "-c", _DIRECT_PROCESS, model, json.dumps(vars(work)),

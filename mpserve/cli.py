@@ -43,7 +43,7 @@ def _main(version: Annotated[bool, typer.Option("--version", callback=_version, 
 
 
 ConfigOption = Annotated[Path | None, typer.Option("--config", "-c", envvar="MPSERVE_CONFIG",
-                                                   help="YAML file (see README).")]
+                                                   help="YAML file (see docs/configuration.md).")]
 
 
 @dataclass(frozen=True)

@@ -25,6 +25,12 @@ by ``mpserve keygen``.
         async for text in client.stream("Hello", max_tokens=16):
             print(text, end="")
 
+Request ids: each client draws a random 64-bit prefix when it is made and numbers its messages after it
+(``3f9c2a7be01d4c55.1``, ``.2``, ...), so an id names one request across clients, processes and hosts in the
+slot table, the console and the logs. ``request_id=`` gives a request an id of the caller's own instead (a
+tracing id: at most ``REQUEST_ID_CHARS`` of letters, digits and ``._:@/+=-``); an id still pending on this
+client is refused.
+
 Structured output: ``json_schema=`` (a dict, or its JSON text) or ``grammar=`` (GBNF text) constrains the
 completion (``mpserve.structured`` lists the supported JSON-Schema keywords).
 """
@@ -34,6 +40,8 @@ from __future__ import annotations
 import asyncio
 import itertools
 import os
+import re
+import secrets
 import threading
 import time
 from collections import deque
@@ -55,6 +63,22 @@ PING_INTERVAL_S = 1.0
 PING_LIVENESS = 3
 CONNECT_TIMEOUT_S = 5.0
 SLOT_TIMEOUT_S = 60.0  # a slot file is written or read between two steps of its instance
+REQUEST_ID_CHARS = 40  # a caller's request id: what the slot table keeps of one (the wire takes MAX_ID_CHARS)
+_REQUEST_ID = re.compile(rf"[A-Za-z0-9._:@/+=-]{{1,{REQUEST_ID_CHARS}}}")
+
+
+def request_ids() -> Iterator[str]:
+    """Request ids no other source makes: a random 64-bit prefix, drawn once, and a counter (hex)."""
+    prefix = secrets.token_hex(8)
+    return (f"{prefix}.{n:x}" for n in itertools.count(1))
+
+
+def check_request_id(value: str) -> str:
+    """A caller's request id, or BadRequest saying what an id may hold."""
+    if not _REQUEST_ID.fullmatch(value):
+        raise BadRequest(f"a request id is 1 to {REQUEST_ID_CHARS} letters, digits and ._:@/+=- characters, "
+                         f"got {value[:REQUEST_ID_CHARS + 8]!r}")
+    return value
 
 
 @dataclass(frozen=True)
@@ -145,7 +169,7 @@ class AsyncClient:
         self._loop: asyncio.AbstractEventLoop | None = None  # the one that watches the socket's descriptor
         self._unsent: deque[tuple[list[bytes], asyncio.Future[None]]] = deque()  # waiting for room (SNDHWM)
         self._pending: dict[str, asyncio.Queue[Any]] = {}
-        self._ids = (f"{os.getpid():x}.{n:x}" for n in itertools.count(1))
+        self._ids = request_ids()
         self._tasks: list[asyncio.Task[None]] = []  # the keep-alive
         self._last_heard = 0.0
         self._pong = asyncio.Event()
@@ -210,19 +234,19 @@ class AsyncClient:
             self._ctx = None
 
     async def generate(self, prompt: str | list[int], *, model: str | None = None, timeout: float | None = None,
-                       **params: Any) -> Result:
+                       request_id: str | None = None, **params: Any) -> Result:
         """Run one completion and return its Result; raises the MpserveError of an ERROR reply. ``prompt``:
-        text, or token ids (taken as they are: no BOS is added)."""
+        text, or token ids (taken as they are: no BOS is added). ``request_id``: the caller's id for it."""
         if params.get("n", 1) != 1:
             raise BadRequest("generate returns one choice; ask for n with choices(prompt, n=...)")
-        return (await self.choices(prompt, n=1, model=model, timeout=timeout, **params))[0]
+        return (await self.choices(prompt, n=1, model=model, timeout=timeout, request_id=request_id, **params))[0]
 
     async def choices(self, prompt: str | list[int], *, n: int, model: str | None = None,
-                      timeout: float | None = None, **params: Any) -> list[Result]:
+                      timeout: float | None = None, request_id: str | None = None, **params: Any) -> list[Result]:
         """``n`` choices of one completion, in index order: run together in ``n`` slots of one instance, which
         computes the prompt once; choice i is seeded with ``seed + i`` (modulo 2**32) when ``seed`` is given.
         A request for more choices than an instance has slots (``parallel``) is refused."""
-        request = self._request(prompt, model, timeout, {**params, "n": n}, stream=False)
+        request = self._request(prompt, model, timeout, {**params, "n": n}, stream=False, request_id=request_id)
         queue = await self._submit(request)
         done: dict[int, Result] = {}
         try:
@@ -236,9 +260,9 @@ class AsyncClient:
         return [done[i] for i in sorted(done)]
 
     def stream(self, prompt: str | list[int], *, model: str | None = None, timeout: float | None = None,
-               **params: Any) -> Stream:
-        """Stream a completion: ``async for text in client.stream(...)``."""
-        return Stream(self, self._request(prompt, model, timeout, params, stream=True))
+               request_id: str | None = None, **params: Any) -> Stream:
+        """Stream a completion: ``async for text in client.stream(...)``; ``stream.id`` is its request id."""
+        return Stream(self, self._request(prompt, model, timeout, params, stream=True, request_id=request_id))
 
     async def cancel(self, request_id: str) -> None:
         await self._send(wire.Cancel(request_id))
@@ -259,7 +283,7 @@ class AsyncClient:
         return answer.text
 
     async def embed(self, inputs: str | list[str] | list[int] | list[list[int]], *, model: str | None = None,
-                    timeout: float | None = None) -> Embedded:
+                    timeout: float | None = None, request_id: str | None = None) -> Embedded:
         """The embeddings of ``inputs`` (a text, texts, token ids, or lists of token ids) by an embedding model
         (``embedding: true``), all computed by one of its instances, as many in one decode as fit."""
         items: list[Any] = [inputs] if isinstance(inputs, str) or (inputs and all(
@@ -268,7 +292,8 @@ class AsyncClient:
         arrays = tuple(wire.pack_tokens(i) for i in items if isinstance(i, list))
         if len(texts) + len(arrays) != len(items) or (texts and arrays):
             raise BadRequest("'input' must be a text, a list of texts, a list of token ids or a list of those lists")
-        msg = wire.Embed(next(self._ids), model, texts, arrays, timeout=timeout or self.timeout)
+        rid = next(self._ids) if request_id is None else check_request_id(request_id)
+        msg = wire.Embed(rid, model, texts, arrays, timeout=timeout or self.timeout)
         answer = await self._ask(msg, None if msg.timeout is None else msg.timeout + 1.0,
                                  Timeout(f"no answer within {msg.timeout} s"))
         assert isinstance(answer, wire.Embeddings)
@@ -313,7 +338,7 @@ class AsyncClient:
     # --- internals ------------------------------------------------------------------------------
 
     def _request(self, prompt: str | list[int], model: str | None, timeout: float | None, params: dict[str, Any],
-                 stream: bool) -> wire.Request:
+                 stream: bool, request_id: str | None = None) -> wire.Request:
         if not isinstance(params.get("json_schema"), (str, type(None))):  # travels as its canonical JSON text
             params = {**params, "json_schema": structured.canonical_json(params["json_schema"])}
         generate = wire.GenerateParams(**{**params, "stop": tuple(params.get("stop", ())),
@@ -323,7 +348,8 @@ class AsyncClient:
             raise BadRequest(f"the prompt is {len(prompt)} characters; the server takes at most "
                              f"{wire.MAX_PROMPT_CHARS} (MAX_PROMPT_CHARS)")
         text, tokens = (prompt, b"") if isinstance(prompt, str) else ("", wire.pack_tokens(prompt))
-        return wire.Request(next(self._ids), text, model, generate, stream,
+        rid = next(self._ids) if request_id is None else check_request_id(request_id)
+        return wire.Request(rid, text, model, generate, stream,
                             timeout if timeout is not None else self.timeout, tokens)
 
     async def _lookup(self, msg: wire.Tokenize) -> wire.Tokens:
@@ -338,8 +364,7 @@ class AsyncClient:
         """Send a message that has one answer and wait for it (``wait`` seconds; None: no limit); raises the
         MpserveError of an ERROR reply, or ``timed_out``."""
         await self.connect()
-        queue: asyncio.Queue[Any] = asyncio.Queue()
-        self._pending[msg.id] = queue
+        queue = self._claim(msg.id)
         try:
             await self._send(msg)
             answer = await asyncio.wait_for(queue.get(), wait)
@@ -357,9 +382,16 @@ class AsyncClient:
         if len(frames[2]) > self.max_message_bytes:
             raise BadRequest(f"the request is {len(frames[2])} bytes encoded; the server takes messages of at "
                              f"most {self.max_message_bytes} bytes (MAX_MESSAGE_BYTES)")
-        queue: asyncio.Queue[Any] = asyncio.Queue()
-        self._pending[request.id] = queue
+        queue = self._claim(request.id)
         await self._write(frames)
+        return queue
+
+    def _claim(self, request_id: str) -> asyncio.Queue[Any]:
+        """The queue of a new request's answers, under its id; an id still pending is refused."""
+        if request_id in self._pending:
+            raise BadRequest(f"request id {request_id!r} is already in use by a pending request of this client")
+        queue: asyncio.Queue[Any] = asyncio.Queue()
+        self._pending[request_id] = queue
         return queue
 
     async def _next(self, queue: asyncio.Queue[Any], request: wire.Request) -> Any:
@@ -528,16 +560,18 @@ class Client:
         return self._loop.is_running()
 
     def generate(self, prompt: str | list[int], *, model: str | None = None, timeout: float | None = None,
-                 **params: Any) -> Result:
-        return self._call(self._async.generate(prompt, model=model, timeout=timeout, **params))
+                 request_id: str | None = None, **params: Any) -> Result:
+        return self._call(self._async.generate(prompt, model=model, timeout=timeout, request_id=request_id, **params))
 
     def choices(self, prompt: str | list[int], *, n: int, model: str | None = None, timeout: float | None = None,
-                **params: Any) -> list[Result]:
-        return self._call(self._async.choices(prompt, n=n, model=model, timeout=timeout, **params))
+                request_id: str | None = None, **params: Any) -> list[Result]:
+        return self._call(self._async.choices(prompt, n=n, model=model, timeout=timeout, request_id=request_id,
+                                              **params))
 
     def stream(self, prompt: str | list[int], *, model: str | None = None, timeout: float | None = None,
-               **params: Any) -> SyncStream:
-        return SyncStream(self, self._async.stream(prompt, model=model, timeout=timeout, **params))
+               request_id: str | None = None, **params: Any) -> SyncStream:
+        return SyncStream(self, self._async.stream(prompt, model=model, timeout=timeout, request_id=request_id,
+                                                   **params))
 
     def cancel(self, request_id: str) -> None:
         self._call(self._async.cancel(request_id))
@@ -551,8 +585,8 @@ class Client:
         return self._call(self._async.detokenize(tokens, model=model, timeout=timeout))
 
     def embed(self, inputs: str | list[str] | list[int] | list[list[int]], *, model: str | None = None,
-              timeout: float | None = None) -> Embedded:
-        return self._call(self._async.embed(inputs, model=model, timeout=timeout))
+              timeout: float | None = None, request_id: str | None = None) -> Embedded:
+        return self._call(self._async.embed(inputs, model=model, timeout=timeout, request_id=request_id))
 
     def stats(self, timeout: float = CONNECT_TIMEOUT_S) -> wire.Stats:
         return self._call(self._async.stats(timeout))

@@ -37,7 +37,8 @@ import yaml
 from . import settings, speculative
 from .errors import ConfigError
 from .kv_types import DEFAULT_KV_TYPE, KV_TYPES
-from .models.builtin import MODEL_SIZES, builtin_model_path
+from .models.builtin import builtin_model_path
+from .models.shapes import MODEL_SIZES
 from .speculative import Speculative
 
 BUILTIN_PREFIX = "builtin:"

@@ -2,8 +2,8 @@
 
 A request always ends with exactly one terminal message; when that message is an ERROR, its ``code`` is an
 ``ErrorCode``, and the client raises the matching exception class. ``CODES`` is the one table of what each
-code means, its HTTP status on the gateway and whether a client should retry; the README's error table is
-checked against it (tests/unit/test_tables.py).
+code means, its HTTP status on the gateway and whether a client should retry; the docs' error tables are
+generated from it (docs/hooks.py, checked by tests/test_docs.py).
 """
 
 from __future__ import annotations
@@ -176,7 +176,7 @@ def http_status(code: str) -> int:
 
 
 def markdown_table() -> str:
-    """The README's table of error codes."""
+    """The table of error codes, as the docs show it (docs/operations.md, docs/protocol.md)."""
     lines = ["| code | HTTP | meaning | retry? |", "|---|---|---|---|"]
     lines += [f"| `{code}` | {info.http_status} | {info.meaning} | {'yes' if info.retryable else 'no'} |"
               for code, info in CODES.items()]

@@ -4,8 +4,9 @@ help text.
     SETTINGS ──▶ config.build      YAML keys, types and ranges, checked with the file, key and value
              ├─▶ cli               the typer options of `start`, `worker`, `plan` and `devices`, with their
              │                     environment variables and "(default: …)" help
-             └─▶ markdown_table()  the README's configuration table, with the commands that take each flag (a
-                                   test keeps the two equal, and each command's flags the declared ones)
+             ├─▶ markdown_table()  a table of every setting (python -m mpserve.settings), with the commands
+             │                     that take each flag (a test keeps each command's flags the declared ones)
+             └─▶ docs/hooks.py     the configuration page: a section per setting, at each build of the docs
 
 Precedence: flag > environment > file > default. A setting's ``scope`` says where it lives: ``server``
 (``ServerConfig``, a top-level YAML key), ``model`` (``ModelConfig``, a key of each ``models[]`` entry; a flag
@@ -18,7 +19,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from .kv_types import DEFAULT_KV_TYPE, KV_TYPES
-from .models.builtin import MODEL_SIZES
+from .models.shapes import MODEL_SIZES
 
 Scope = Literal["server", "model", "cli"]
 Command = Literal["start", "worker", "plan", "devices"]
@@ -33,7 +34,7 @@ class Setting:
     key: str  # the ServerConfig / ModelConfig field and the YAML key
     scope: Scope
     kinds: tuple[type, ...]  # what a YAML value may be
-    default: str  # the default as users read it (--help, README)
+    default: str  # the default as users read it (--help, the docs)
     help: str
     flag: str | None = None  # None: file only
     short: str | None = None
@@ -217,7 +218,7 @@ def for_command(command: Command) -> tuple[Setting, ...]:
 
 
 def markdown_table() -> str:
-    """The README's configuration table."""
+    """Every setting in one table (the docs give each its own section: docs/configuration.md)."""
     lines = ["| flag | commands | environment | YAML | default | meaning |", "|---|---|---|---|---|---|"]
     for s in SETTINGS:
         choices = " " + "\\|".join(s.choices) if s.choices else ""  # a | in a table cell is escaped

@@ -13,8 +13,9 @@ import numpy as np
 import pytest
 
 from mpserve.errors import BadRequest
-from mpserve.models.builtin import MODEL_SIZES, default_model_path
+from mpserve.models.builtin import default_model_path
 from mpserve.models.maker import vocabulary, write_model
+from mpserve.models.shapes import MODEL_SIZES
 
 PROMPTS = ["Hello", "The quick brown fox", "In the beginning", "x", "1 2 3 4"]
 

@@ -61,7 +61,7 @@ attention setting: the same tokens (BOS, then the prompt tokenized without speci
 special tokens parsed), the same context settings, the same prompt decodes, the same sampler chain
 (``mpserve.engine.sampling``). Decoding K sequences in one batch relies on a row's logits not depending on the
 other rows, which holds for the small batches of one token per sequence that llama.cpp's kernels treat
-like one row (README: "Exact output"). Not thread-safe:
+like one row (docs/concepts.md: "Exact output"). Not thread-safe:
 one thread admits, cancels and steps; an on_token callback may call ``cancel`` but not ``admit``.
 """
 

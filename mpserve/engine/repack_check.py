@@ -22,8 +22,8 @@ from pathlib import Path
 
 import llama_cpp
 
-from mpserve.models.builtin import ModelShape
 from mpserve.models.maker import write_shape
+from mpserve.models.shapes import ModelShape
 
 # The weight types llama.cpp's CPU backend repacks (x86 AMX and AVX2/AVX-512, ARM NEON and SVE layouts);
 # Q4_K_M and Q5_K_M also hold Q6_K tensors.

@@ -24,7 +24,8 @@ answers, so what fails early (busy queue, unknown model, bad parameters) gets it
 after that is sent as a last ``data: {"error": ...}`` event, as OpenAI does. An HTTP client that goes away,
 while queued, running or streaming, cancels its request on the server at once. Bodies are checked by
 ``limits`` before anything else reads them, connections by ``guard``: every limit answers at once, in
-OpenAI's shape, naming itself.
+OpenAI's shape, naming itself. Every answer carries its request's ``X-Request-Id``: the caller's, or a new one
+(``request_ids``); a completion or embedding runs under that id on the server.
 
 Starlette on uvicorn: the smallest well-kept asyncio stack here (anyio, h11, click; pure Python), already
 used by llama-cpp-python's own server, and it runs on the loop that ``AsyncClient`` needs.
@@ -66,6 +67,7 @@ from .backend import Backend
 from .guard import ConnectionLimits, uvicorn_options
 from .metrics import CONTENT_TYPE, GatewayMetrics, ServerView
 from .monitor import RestartCounter, gpu_usage, health, monitor
+from .request_ids import RequestIds
 
 log = logging.getLogger("mpserve.gateway")
 
@@ -129,6 +131,7 @@ def create_app(config: GatewayConfig) -> Starlette:
     app = Starlette(routes=routes, lifespan=gateway.lifespan, exception_handlers={HTTPException: _http_error})
     if config.keys:
         app.add_middleware(_RequireKey, keys=config.keys)
+    app.add_middleware(RequestIds)  # outermost: every answer, a refused one too, carries its X-Request-Id
     return app
 
 
@@ -213,8 +216,8 @@ class _Gateway:
         if call.stream:
             return await self._stream(request, client, call, reply, started)
         try:
-            results = await _unless_disconnected(request, client.choices(call.prompt, model=call.model,
-                                                                         **call.generate_kwargs()))
+            results = await _unless_disconnected(request, client.choices(
+                call.prompt, model=call.model, request_id=request.state.request_id, **call.generate_kwargs()))
         except ClientGone:
             self.metrics.outcome(endpoint, ErrorCode.CANCELLED)
             return Response(status_code=204)  # nobody reads it
@@ -227,7 +230,8 @@ class _Gateway:
                       started: float) -> Response:
         endpoint = request.url.path
         try:
-            stream = client.stream(call.prompt, model=call.model, **call.generate_kwargs())  # checks the params
+            stream = client.stream(call.prompt, model=call.model, request_id=request.state.request_id,
+                                   **call.generate_kwargs())  # checks the params
             chunks = stream.__aiter__()  # submits the request on its first step
             first = await _unless_disconnected(request, _first(chunks))
         except ClientGone:
@@ -287,7 +291,8 @@ class _Gateway:
         try:
             call = emb.parse(await limits.read_json(request, self.config.connections.read_timeout))
             client = await self.backend.client()
-            result = await _unless_disconnected(request, client.embed(call.inputs, model=call.model))
+            result = await _unless_disconnected(request, client.embed(call.inputs, model=call.model,
+                                                                      request_id=request.state.request_id))
         except ClientGone:
             self.metrics.outcome(request.url.path, ErrorCode.CANCELLED)
             return Response(status_code=204)

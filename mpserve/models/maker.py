@@ -34,7 +34,7 @@ from pathlib import Path
 import gguf
 import numpy as np
 
-from .builtin import ModelShape, shape_for
+from .shapes import ModelShape, shape_for
 
 _RMS_EPS = 1e-5
 _RESIDUAL_CONSTANT = 1.0

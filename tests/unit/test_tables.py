@@ -1,11 +1,10 @@
-"""The README's tables are the declarations' (settings, error codes), and the declarations agree with the
-config dataclasses and the CLI."""
+"""The declarations (settings, error codes) agree with the config dataclasses and the CLI; the docs' tables are
+generated from them (tests/test_docs.py checks they are whole)."""
 
 from __future__ import annotations
 
 import dataclasses
 import re
-from pathlib import Path
 
 import pytest
 from typer.main import get_command
@@ -16,22 +15,6 @@ from mpserve.cli import app
 from mpserve.gpu.devices import parse_memory
 
 pytestmark = pytest.mark.timeout(10)
-
-README = (Path(__file__).parents[2] / "README.md").read_text()
-
-
-def _table_after(marker: str) -> str:
-    start = README.index(marker)
-    start = README.index("\n", start) + 1
-    return README[start:README.index("\n\n", start)]
-
-
-def test_the_readme_configuration_table_is_the_declarations() -> None:
-    assert _table_after("<!-- settings:") == settings.markdown_table(), "run: python -m mpserve.settings"
-
-
-def test_the_readme_error_table_is_the_code_table() -> None:
-    assert _table_after("<!-- error codes:") == errors.markdown_table(), "run: python -m mpserve.errors"
 
 
 def test_every_error_code_has_a_table_row_and_an_exception_class() -> None:
@@ -68,7 +51,7 @@ def test_each_command_has_the_flags_declared_for_it(command: settings.Command) -
 
 @pytest.mark.parametrize("command", ["start", "worker", "plan", "devices"])
 def test_each_command_takes_no_setting_flag_that_is_not_declared_for_it(command: settings.Command) -> None:
-    """The README's table says which commands take each flag; a command with more would contradict it."""
+    """The configuration page says which commands take each flag; a command with more would contradict it."""
     click_command = get_command(app).commands[command]  # type: ignore[attr-defined]
     flags = {opt for param in click_command.params for opt in param.opts}
     declared = {s.flag for s in settings.SETTINGS if command in (*s.commands, *s.own_in)}

@@ -1,0 +1,447 @@
+// A Node.js client for mpserve, written from its protocol specification (docs/protocol.md): one ZeroMQ DEALER
+// socket carries any number of concurrent requests; answers are sorted by request id.
+//
+//   generate/stream/tokenize/embed ──send queue (one send at a time)──▶ DEALER ──▶ broker (ROUTER)
+//   receive loop: [MPS1, TYPE, BODY] ──▶ the pending request of BODY.id (CHUNKS: each chunk's id)
+//   keep-alive: PING every second while requests are pending; 3 s without a message fails them all
+//
+// Errors are MpserveError subclasses carrying the wire's `code` and whether a retry may succeed (`retryable`).
+
+import { decode, encode } from "@msgpack/msgpack";
+import { randomBytes } from "node:crypto";
+import { existsSync, readFileSync } from "node:fs";
+import { homedir } from "node:os";
+import { join } from "node:path";
+import * as zmq from "zeromq";
+
+export const VERSION = Buffer.from("MPS1");
+export const MAX_ID_CHARS = 64;
+export const MAX_MESSAGE_BYTES = 4 * 1024 * 1024;
+const PING_INTERVAL_MS = 1000;
+const PING_LIVENESS = 3;
+const CONNECT_TIMEOUT_MS = 5000;
+
+export const MsgType = Object.freeze({
+  REQUEST: 0x01, CANCEL: 0x02, PING: 0x03, STATS_QUERY: 0x04, TOKENIZE: 0x05, CONTROL: 0x06, EMBED: 0x07,
+  SLOT_ACTION: 0x08, CHUNK: 0x10, DONE: 0x11, ERROR: 0x12, PONG: 0x13, STATS: 0x14, TOKENS: 0x15,
+  CONTROL_REPLY: 0x16, EMBEDDINGS: 0x17, CHUNKS: 0x18, SLOT_REPLY: 0x19,
+});
+
+// --- errors: one class per code of the protocol's error table ----------------------------------------------
+
+export class MpserveError extends Error {
+  constructor(code, message, { retryable = false, retryAfter = null, requestId = null } = {}) {
+    super(`[${code}] ${message}`);
+    this.name = this.constructor.name;
+    this.code = code;
+    this.retryable = retryable;
+    this.retryAfter = retryAfter;
+    this.requestId = requestId;
+  }
+}
+
+// code: [class name, retryable]
+export const CODES = Object.freeze({
+  bad_request: ["BadRequest", false],
+  unknown_model: ["UnknownModel", false],
+  busy: ["Busy", true],
+  timeout: ["Timeout", true],
+  cancelled: ["Cancelled", false],
+  worker_lost: ["WorkerLost", true],
+  worker_stalled: ["WorkerStalled", true],
+  poison_request: ["PoisonRequest", false],
+  model_failed: ["ModelFailed", false],
+  does_not_fit: ["DoesNotFit", false],
+  shutting_down: ["ShuttingDown", true],
+  connection: ["ConnectionFailed", true],
+  protocol: ["ProtocolError", false],
+  config: ["ConfigError", false],
+  internal: ["InternalError", false],
+});
+
+export const errors = {};
+for (const [code, [name, retryable]] of Object.entries(CODES)) {
+  errors[name] = {
+    [name]: class extends MpserveError {
+      constructor(message, options = {}) {
+        super(code, message, { ...options, retryable });
+      }
+    },
+  }[name];
+}
+export const {
+  BadRequest, UnknownModel, Busy, Timeout, Cancelled, WorkerLost, WorkerStalled, PoisonRequest, ModelFailed,
+  DoesNotFit, ShuttingDown, ConnectionFailed, ProtocolError, ConfigError, InternalError,
+} = errors;
+
+/** The exception for an ERROR body; an unknown code (a newer server) is a plain, non-retryable MpserveError. */
+export function errorFromWire(body) {
+  const known = CODES[body.code];
+  const options = { retryAfter: body.retry_after ?? null, requestId: body.id ?? null };
+  return known ? new errors[known[0]](body.message, options) : new MpserveError(body.code, body.message, options);
+}
+
+// --- ids, tokens, addresses -------------------------------------------------------------------------------
+
+/** Request ids no other client makes: a random 64-bit prefix, then a counter (hex), as the protocol advises. */
+export function requestIds() {
+  const prefix = randomBytes(8).toString("hex");
+  let n = 0;
+  return () => `${prefix}.${(++n).toString(16)}`;
+}
+
+export function packTokens(tokens) {
+  const out = Buffer.alloc(4 * tokens.length);
+  tokens.forEach((t, i) => out.writeInt32LE(t, 4 * i));
+  return out;
+}
+
+export function unpackTokens(bytes) {
+  const buf = Buffer.from(bytes.buffer, bytes.byteOffset, bytes.byteLength);
+  return Array.from({ length: buf.length / 4 }, (_, i) => buf.readInt32LE(4 * i));
+}
+
+function unpackVectors(bytes, dim) {
+  const buf = Buffer.from(bytes.buffer, bytes.byteOffset, bytes.byteLength);
+  const rows = [];
+  for (let off = 0; off < buf.length; off += 4 * dim) {
+    rows.push(Array.from({ length: dim }, (_, i) => buf.readFloatLE(off + 4 * i)));
+  }
+  return rows;
+}
+
+/** The address of the local server `name`, as mpserve's own clients find it (its runtime directory). */
+export function defaultAddress(name = "default") {
+  if (process.env.MPSERVE_ADDRESS) return process.env.MPSERVE_ADDRESS;
+  const runtime = process.env.MPSERVE_RUNTIME_DIR
+    || (process.env.XDG_RUNTIME_DIR ? join(process.env.XDG_RUNTIME_DIR, "mpserve") : `/tmp/mpserve-${process.getuid()}`);
+  return `ipc://${join(runtime, `${name}.sock`)}`;
+}
+
+/** The Z85 keys of a ZeroMQ certificate file (made by `mpserve keygen`). */
+export function readCertificate(path) {
+  const text = readFileSync(path.replace(/^~/, homedir()), "utf8");
+  const key = (name) => (text.match(new RegExp(`${name}\\s*=\\s*"([^"]+)"`)) || [])[1] || null;
+  return { publicKey: key("public-key"), secretKey: key("secret-key") };
+}
+
+// --- the client -------------------------------------------------------------------------------------------
+
+/**
+ * new Client({ address, serverName, timeout, connectTimeout, curveServerKey, curveSecret })
+ *   address: a ZeroMQ address (default: the local server `serverName`, as `mpserve start` binds it)
+ *   timeout: seconds per request, queueing included (default: none)
+ *   curveServerKey / curveSecret: certificate files for a server bound to the network with CURVE
+ */
+export class Client {
+  constructor({ address, serverName = "default", timeout = null, connectTimeout = CONNECT_TIMEOUT_MS / 1000,
+    curveServerKey = null, curveSecret = null } = {}) {
+    this.address = address || defaultAddress(serverName);
+    this.timeout = timeout;
+    this.connectTimeout = connectTimeout;
+    this.models = [];
+    this.maxMessageBytes = MAX_MESSAGE_BYTES;
+    this._curve = curveKeys(curveServerKey, curveSecret);
+    this._ids = requestIds();
+    this._pending = new Map(); // id -> { push(message), fail(error) }
+    this._sends = Promise.resolve();
+    this._sock = null;
+    this._lastHeard = 0;
+    this._pong = null;
+    this._timer = null;
+  }
+
+  async connect() {
+    if (this._sock) return this;
+    if (this.address.startsWith("ipc://") && !existsSync(this.address.slice("ipc://".length))) {
+      throw new ConnectionFailed(`no server is listening at ${this.address}; start one with \`mpserve start\``);
+    }
+    const sock = new zmq.Dealer({ linger: 0 });
+    if (this._curve) {
+      sock.curveServerKey = this._curve.serverKey;
+      sock.curvePublicKey = this._curve.publicKey;
+      sock.curveSecretKey = this._curve.secretKey;
+    }
+    sock.connect(this.address);
+    this._sock = sock;
+    this._lastHeard = Date.now();
+    this._receiving = this._receive(sock);
+    const pong = new Promise((resolve) => { this._pong = resolve; });
+    await this._send(MsgType.PING, { nonce: 0 });
+    const answered = await Promise.race([pong.then(() => true), sleep(this.connectTimeout * 1000).then(() => false)]);
+    if (!answered) {
+      this.close();
+      const hint = this.address.startsWith("tcp://") ? " and does it accept your CURVE keys?" : "?";
+      throw new ConnectionFailed(`no answer from a server at ${this.address} within ${this.connectTimeout} s; `
+        + `is \`mpserve start\` running${hint}`);
+    }
+    this._timer = setInterval(() => this._keepAlive(), PING_INTERVAL_MS);
+    this._timer.unref();
+    return this;
+  }
+
+  close() {
+    clearInterval(this._timer);
+    this._timer = null;
+    this._failAll(new ConnectionFailed("the client was closed"));
+    if (this._sock) {
+      this._sock.close();
+      this._sock = null;
+    }
+  }
+
+  /** One completion: { id, text, finishReason, usage, timings, worker }. `params`: the wire's names. */
+  async generate(prompt, { model = null, timeout = null, requestId = null, ...params } = {}) {
+    const stream = this.stream(prompt, { model, timeout, requestId, ...params, stream: false });
+    for await (const _ of stream); // eslint-disable-line no-unused-vars
+    return stream.result;
+  }
+
+  /** A streamed completion: `for await (const text of client.stream(...))`; then `stream.result`. */
+  stream(prompt, { model = null, timeout = null, requestId = null, stream = true, ...params } = {}) {
+    return new Stream(this, this._request(prompt, model, timeout, requestId, params, stream));
+  }
+
+  /** Stop request `id` (queued or running); its stream ends with a Cancelled error. */
+  async cancel(id) {
+    await this.connect();
+    await this._send(MsgType.CANCEL, { id });
+  }
+
+  /** `text` in the model's tokens: { tokens }. */
+  async tokenize(text, { model = null, addSpecial = false, timeout = null } = {}) {
+    const answer = await this._ask(MsgType.TOKENIZE, { model, text, add_special: addSpecial, timeout: timeout ?? this.timeout });
+    return { tokens: unpackTokens(answer.tokens) };
+  }
+
+  /** The text of token ids. */
+  async detokenize(tokens, { model = null, timeout = null } = {}) {
+    const answer = await this._ask(MsgType.TOKENIZE, { model, tokens: packTokens(tokens), detokenize: true,
+      timeout: timeout ?? this.timeout });
+    return answer.text;
+  }
+
+  /** Embeddings of a text, texts, or arrays of token ids: { vectors, promptTokens }. */
+  async embed(inputs, { model = null, timeout = null, requestId = null } = {}) {
+    const items = typeof inputs === "string" || (inputs.length && inputs.every(Number.isInteger)) ? [inputs] : inputs;
+    const texts = items.filter((i) => typeof i === "string");
+    const arrays = items.filter(Array.isArray).map(packTokens);
+    if (texts.length + arrays.length !== items.length || (texts.length && arrays.length)) {
+      throw new BadRequest("'input' must be a text, a list of texts, a list of token ids or a list of those lists");
+    }
+    const body = { model, timeout: timeout ?? this.timeout, ...(texts.length ? { texts } : { tokens: arrays }) };
+    const answer = await this._ask(MsgType.EMBED, body, requestId);
+    return { vectors: unpackVectors(answer.vectors, answer.dim), promptTokens: answer.prompt_tokens ?? 0 };
+  }
+
+  // --- internals ------------------------------------------------------------------------------------------
+
+  _request(prompt, model, timeout, requestId, params, stream) {
+    const id = requestId ?? this._ids();
+    if (typeof id !== "string" || id.length === 0 || id.length > MAX_ID_CHARS) {
+      throw new BadRequest(`a request id is a string of 1 to ${MAX_ID_CHARS} characters`);
+    }
+    if (params.stop !== undefined && !Array.isArray(params.stop)) params.stop = [params.stop];
+    const body = { id, prompt: typeof prompt === "string" ? prompt : "", model, params, stream,
+      timeout: timeout ?? this.timeout };
+    if (typeof prompt !== "string") body.tokens = packTokens(prompt);
+    return body;
+  }
+
+  /** Register `id` and return the queue its answers arrive in. */
+  _claim(id) {
+    if (this._pending.has(id)) {
+      throw new BadRequest(`request id '${id}' is already in use by a pending request of this client`);
+    }
+    const queue = new Queue();
+    this._pending.set(id, queue);
+    return queue;
+  }
+
+  async _submit(body) {
+    await this.connect();
+    const queue = this._claim(body.id);
+    try {
+      await this._send(MsgType.REQUEST, body);
+    } catch (err) {
+      this._pending.delete(body.id);
+      throw err;
+    }
+    return queue;
+  }
+
+  async _ask(type, body, requestId = null) {
+    await this.connect();
+    const id = requestId ?? this._ids();
+    const queue = this._claim(id);
+    const wait = body.timeout == null ? null : body.timeout * 1000 + 1000;
+    try {
+      await this._send(type, { id, ...body });
+      const answer = await queue.next(wait);
+      if (answer === TIMED_OUT) throw new Timeout(`no answer within ${body.timeout} s`, { requestId: id });
+      if (answer.type === MsgType.ERROR) throw answer.error ?? errorFromWire(answer.body);
+      return answer.body;
+    } finally {
+      this._pending.delete(id);
+    }
+  }
+
+  _send(type, body) {
+    const packed = encode(dropNulls(body));
+    if (packed.length > this.maxMessageBytes) {
+      return Promise.reject(new BadRequest(`the request is ${packed.length} bytes encoded; the server takes messages `
+        + `of at most ${this.maxMessageBytes} bytes (MAX_MESSAGE_BYTES)`));
+    }
+    const sock = this._sock;
+    const sent = this._sends.then(() => sock.send([VERSION, Buffer.from([type]), packed]));
+    this._sends = sent.catch(() => {});
+    return sent;
+  }
+
+  async _receive(sock) {
+    try {
+      for await (const frames of sock) {
+        this._lastHeard = Date.now();
+        this._dispatch(frames);
+      }
+    } catch (err) {
+      if (this._sock === sock) this._failAll(new ConnectionFailed(`the socket failed: ${err.message}`));
+    }
+  }
+
+  _dispatch(frames) {
+    if (frames.length !== 3 || !VERSION.equals(frames[0]) || frames[1].length !== 1) return; // not MPS1: ignored
+    const type = frames[1][0];
+    let body;
+    try {
+      body = decode(frames[2]);
+    } catch {
+      return;
+    }
+    if (type === MsgType.PONG) {
+      this.models = body.models ?? [];
+      if (body.max_message_bytes) this.maxMessageBytes = body.max_message_bytes;
+      if (this._pong) this._pong();
+      return;
+    }
+    for (const one of type === MsgType.CHUNKS ? body : [body]) {
+      const queue = one && this._pending.get(one.id);
+      if (queue) queue.push({ type: type === MsgType.CHUNKS ? MsgType.CHUNK : type, body: one });
+    }
+  }
+
+  _keepAlive() {
+    if (!this._sock || this._pending.size === 0) {
+      this._lastHeard = Date.now();
+      return;
+    }
+    if (Date.now() - this._lastHeard > PING_INTERVAL_MS * PING_LIVENESS) {
+      this._failAll(new ConnectionFailed(`the server at ${this.address} sent nothing for `
+        + `${PING_LIVENESS * PING_INTERVAL_MS / 1000} s`));
+      return;
+    }
+    this._send(MsgType.PING, { nonce: 0 }).catch(() => {});
+  }
+
+  _failAll(error) {
+    for (const queue of this._pending.values()) queue.push({ type: MsgType.ERROR, error });
+    this._pending.clear();
+  }
+}
+
+/** A streamed request: an async iterator of text pieces; `id` is its request id, `result` its DONE. */
+export class Stream {
+  constructor(client, body) {
+    this.client = client;
+    this.id = body.id;
+    this.result = null;
+    this._body = body;
+  }
+
+  async *[Symbol.asyncIterator]() {
+    const queue = await this.client._submit(this._body);
+    const wait = this._body.timeout == null ? null : this._body.timeout * 1000 + 1000;
+    let ended = false; // a terminal message came: nothing to cancel
+    try {
+      for (;;) {
+        const msg = await queue.next(wait);
+        if (msg === TIMED_OUT) throw new Timeout(`no answer within ${this._body.timeout} s`, { requestId: this.id });
+        if (msg.type === MsgType.CHUNK) {
+          yield msg.body.text;
+        } else if (msg.type === MsgType.DONE) {
+          ended = true;
+          this.result = doneResult(msg.body);
+          return;
+        } else {
+          ended = true;
+          throw msg.error ?? errorFromWire(msg.body);
+        }
+      }
+    } finally {
+      if (this.client._pending.delete(this.id) && !ended && this.client._sock) {
+        await this.client._send(MsgType.CANCEL, { id: this.id }).catch(() => {}); // left early: cancel it
+      }
+    }
+  }
+}
+
+function doneResult(body) {
+  return {
+    id: body.id,
+    text: body.text,
+    finishReason: body.finish_reason,
+    usage: { promptTokens: body.usage.prompt_tokens, completionTokens: body.usage.completion_tokens },
+    timings: body.timings,
+    worker: body.worker ?? "",
+  };
+}
+
+const TIMED_OUT = Symbol("timed out");
+
+class Queue {
+  constructor() {
+    this._items = [];
+    this._waiter = null;
+  }
+
+  push(item) {
+    if (this._waiter) {
+      const wake = this._waiter;
+      this._waiter = null;
+      wake(item);
+    } else {
+      this._items.push(item);
+    }
+  }
+
+  next(waitMs = null) {
+    if (this._items.length) return Promise.resolve(this._items.shift());
+    return new Promise((resolve) => {
+      let timer = null;
+      this._waiter = (item) => { clearTimeout(timer); resolve(item); };
+      if (waitMs != null) {
+        timer = setTimeout(() => { this._waiter = null; resolve(TIMED_OUT); }, waitMs);
+      }
+    });
+  }
+}
+
+function curveKeys(serverKey, secret) {
+  if (serverKey == null && secret == null) return null;
+  if (serverKey == null || secret == null) {
+    throw new ConfigError("CURVE needs both curveServerKey (the server's public .key file) and curveSecret "
+      + "(this client's .key_secret file)");
+  }
+  const own = readCertificate(secret);
+  if (!own.secretKey) throw new ConfigError(`${secret} holds no secret key; pass the .key_secret file made by mpserve keygen`);
+  return { serverKey: readCertificate(serverKey).publicKey, publicKey: own.publicKey, secretKey: own.secretKey };
+}
+
+/** A body without its nil fields: a left-out field means its default (nil is not accepted everywhere). */
+function dropNulls(body) {
+  return Object.fromEntries(Object.entries(body).filter(([, v]) => v !== null && v !== undefined));
+}
+
+function sleep(ms) {
+  return new Promise((resolve) => setTimeout(resolve, ms).unref());
+}

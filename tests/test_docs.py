@@ -1,0 +1,159 @@
+"""The documentation site builds strictly (no broken link, anchor or page), its generated pages are whole (every
+setting, error code, wire type, wire field and HTTP route is on them), and the README stays a front page that
+links into it."""
+
+from __future__ import annotations
+
+import dataclasses
+import html
+import importlib.util
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+from types import ModuleType
+
+import msgpack
+import msgspec
+import pytest
+
+from mpserve import errors, settings
+from mpserve import protocol as wire
+
+ROOT = Path(__file__).parents[1]
+
+
+def _hooks() -> ModuleType:
+    spec = importlib.util.spec_from_file_location("docs_hooks", ROOT / "docs" / "hooks.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+hooks = _hooks()
+
+
+@pytest.fixture(scope="module")
+def site(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("site")
+    built = subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(out)], cwd=ROOT,
+                           capture_output=True, text=True, env={**os.environ, "NO_MKDOCS_2_WARNING": "1"}, timeout=240)
+    assert built.returncode == 0, built.stderr[-4000:]
+    return out
+
+
+def _page(site: Path, name: str) -> str:
+    return html.unescape((site / name / "index.html").read_text())
+
+
+def _section(page: str, anchor: str) -> str:
+    """The HTML from the heading with id ``anchor`` to the next heading of its level or above."""
+    m = re.search(rf'<h([1-6]) id="{re.escape(anchor)}"', page)
+    assert m, f"no heading #{anchor}"
+    end = re.compile(rf"<h[1-{m.group(1)}][ >]").search(page, m.end())
+    return page[m.start():end.start() if end else None]
+
+
+def _codes_in_table(section: str) -> set[str]:
+    return set(re.findall(r"<td><code>([^<]+)</code></td>", section))
+
+
+@pytest.mark.timeout(300)
+def test_every_setting_is_on_the_configuration_page(site: Path) -> None:
+    page = _page(site, "configuration")
+    for s in settings.SETTINGS:
+        section = _section(page, s.key.replace("_", "-"))
+        for shown in (s.flag, s.env, s.yaml, s.default, s.help):
+            if shown:
+                assert shown in section, f"{s.key}: {shown!r} is not in its section of the configuration page"
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("name", ["operations", "protocol", "python-client"])
+def test_every_error_code_is_on_the_pages_that_list_them(site: Path, name: str) -> None:
+    rows = _codes_in_table(_page(site, name))
+    assert {code.value for code in errors.ErrorCode} <= rows, f"missing on {name}: run python docs/hooks.py errors"
+
+
+@pytest.mark.timeout(300)
+def test_every_message_type_and_every_field_of_its_body_is_on_the_protocol_page(site: Path) -> None:
+    page = _page(site, "protocol")
+    for mtype in wire.MsgType:
+        assert f"<td>{mtype.name}</td>" in page and f"0x{mtype.value:02x}" in page, mtype.name
+    typed = {obj.TYPE for obj in vars(wire).values() if isinstance(obj, type) and isinstance(
+        getattr(obj, "TYPE", None), wire.MsgType)}
+    documented = {cls.TYPE for cls in hooks.message_classes().values() if hasattr(cls, "TYPE")}
+    assert typed <= documented, f"body classes not on the protocol page: {typed - documented}"
+    for name, cls in hooks.message_classes().items():
+        if name in ("Chunks", "Assigns"):  # arrays of CHUNK and ASSIGN bodies
+            continue
+        fields = {f.name for f in (msgspec.structs.fields(cls) if issubclass(cls, msgspec.Struct)
+                                   else dataclasses.fields(cls))}
+        assert fields == _codes_in_table(_section(page, name.lower())), name
+
+
+@pytest.mark.timeout(30)
+def test_each_documented_limit_names_a_field_and_the_id_limit_holds() -> None:
+    classes = hooks.message_classes()
+    for key in hooks.LIMITS:
+        cls_name, field = key.split(".")
+        names = [f[0] for f in hooks.wire_fields(classes[cls_name])]
+        assert field in names, f"LIMITS names {key}, which is no field"
+    frames = wire.encode(wire.Cancel("x" * wire.MAX_ID_CHARS))
+    assert wire.decode(frames) == wire.Cancel("x" * wire.MAX_ID_CHARS)
+    with pytest.raises(errors.ProtocolError, match="longer than 64"):
+        wire.decode(wire.encode(wire.Cancel("x" * (wire.MAX_ID_CHARS + 1))))
+
+
+# (message type, a valid body, the field, a value just inside the documented limit, one just past it)
+PROBES = [
+    (wire.MsgType.REQUEST, {"id": "r", "prompt": "x"}, "id", "x" * wire.MAX_ID_CHARS, "x" * (wire.MAX_ID_CHARS + 1)),
+    (wire.MsgType.REQUEST, {"id": "r", "prompt": "x"}, "timeout", 0.001, 0.0009),
+    (wire.MsgType.REQUEST, {"id": "r", "prompt": "x"}, "params", {"max_tokens": wire.MAX_TOKENS_LIMIT},
+     {"max_tokens": wire.MAX_TOKENS_LIMIT + 1}),
+    (wire.MsgType.REQUEST, {"id": "r", "prompt": "x"}, "params", {"stop": ["s"] * wire.MAX_STOP_STRINGS},
+     {"stop": ["s"] * (wire.MAX_STOP_STRINGS + 1)}),
+    (wire.MsgType.REQUEST, {"id": "r", "prompt": "x"}, "params", {"n": wire.MAX_CHOICES}, {"n": wire.MAX_CHOICES + 1}),
+    (wire.MsgType.REQUEST, {"id": "r", "prompt": "x"}, "params", {"logprobs": wire.MAX_TOP_LOGPROBS},
+     {"logprobs": wire.MAX_TOP_LOGPROBS + 1}),
+    (wire.MsgType.EMBED, {"id": "e"}, "texts", ["t"] * wire.MAX_EMBED_INPUTS, ["t"] * (wire.MAX_EMBED_INPUTS + 1)),
+    (wire.MsgType.CONTROL, {"id": "c", "op": "scale", "model": "m"}, "max", wire.MAX_INSTANCES, wire.MAX_INSTANCES + 1),
+    (wire.MsgType.SLOT_ACTION, {"id": "s", "worker": "w0", "action": "erase"}, "slot", 1023, 1024),
+    (wire.MsgType.SLOT_ACTION, {"id": "s", "worker": "w0", "action": "save", "slot": 0}, "filename",
+     "f" * wire.MAX_FILENAME_CHARS, "f" * (wire.MAX_FILENAME_CHARS + 1)),
+]
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("mtype, body, field, inside, past", PROBES)
+def test_the_documented_limits_are_the_decoder_s(mtype: wire.MsgType, body: dict[str, object], field: str,
+                                                 inside: object, past: object) -> None:
+    def decode(value: object) -> object:
+        return wire.decode([wire.VERSION, bytes([mtype]), msgpack.packb({**body, field: value})])
+
+    decode(inside)
+    with pytest.raises((errors.BadRequest, errors.ProtocolError)):
+        decode(past)
+
+
+@pytest.mark.timeout(300)
+def test_every_route_of_the_openapi_document_is_on_the_http_page(site: Path) -> None:
+    page = _page(site, "http")
+    doc = hooks.openapi_document()
+    for path, methods in doc["paths"].items():
+        for method in methods:
+            assert f"{method.upper()} <code>{path}</code>" in page, (method, path)
+
+
+@pytest.mark.timeout(300)
+def test_the_readme_is_a_front_page_that_links_into_the_docs(site: Path) -> None:
+    readme = (ROOT / "README.md").read_text()
+    assert len(readme.splitlines()) <= 150
+    assert "pip install uv && uv run --locked mpserve start --instances 4" in readme
+    assert "uv run --locked --extra test python -m pytest" in readme
+    linked = set(re.findall(r"\]\(docs/([a-z-]+)\.md", readme))
+    assert {"getting-started", "configuration", "protocol", "http", "deployment", "operations"} <= linked
+    for name in linked:
+        assert (site / ("" if name == "index" else name) / "index.html").exists(), name
