@@ -5,13 +5,17 @@ PSS counts a page shared by k processes as 1/k in each, so the sum over a server
 server costs, and weights mapped from the same file by several workers are counted once. Each figure is
 set against the model file's size; "per extra instance" is (total with n instances − total with 1) ÷
 (n − 1); a worker's USS (unique set size) is the memory only it holds. Every worker has served one request
-before it is measured, so its buffers are touched. A fresh Python process that loads the model with
+before it is measured, so its buffers are touched. An instance's own llama.cpp context (its KV cache, compute and
+output buffers, as llama.cpp's log reports them when a context with the same settings is built) is what an extra
+instance cannot share: with forked instances (``start_method: fork``) an extra instance should cost no more than
+that plus ``CONTEXT_SLACK_MIB`` of its own process. A fresh Python process that loads the model with
 ``llama_cpp.Llama`` and runs one request is measured the same way, for comparison with one worker.
 """
 
 from __future__ import annotations
 
 import asyncio
+import statistics
 import subprocess
 import sys
 from dataclasses import dataclass
@@ -20,6 +24,7 @@ from typing import Literal
 
 from mpserve.gpu.placement import estimate_model_memory
 from mpserve.kv_types import DEFAULT_KV_TYPE
+from mpserve.repack import host_verdict
 
 from .figures import Case, Figure, Section, Target
 from .load import mpserve_warm_up
@@ -29,13 +34,35 @@ from .settings import Settings
 INSTANCES = (1, 2, 4)
 DEFAULT_N_CTX = 2048  # mpserve's default context size
 TARGET = 0.15
+CONTEXT_SLACK_MIB = 8.0  # what an extra forked instance may add to its own context: its interpreter's private pages
 MEASURED_KV_TYPES = [DEFAULT_KV_TYPE, "bf16", "q8_0", "q5_1", "q5_0", "q4_1", "q4_0", "iq4_nl"]
 _DIRECT = """
 import sys, llama_cpp
+if sys.argv[3] == "off":  # Llama has no parameter for use_extra_bufts: its defaults, with that one off
+    defaults = llama_cpp.llama_cpp.llama_model_default_params
+    def without_repack():
+        params = defaults()
+        params.use_extra_bufts = False
+        return params
+    llama_cpp.llama_cpp.llama_model_default_params = without_repack
 llm = llama_cpp.Llama(model_path=sys.argv[1], n_ctx=int(sys.argv[2]), n_threads=1, flash_attn=True, verbose=False)
 llm.create_completion("Hello", max_tokens=4, temperature=0.0)
 print("ready", flush=True)
 sys.stdin.read()
+"""
+_CONTEXT = """
+import ctypes, re, sys, llama_cpp
+from mpserve.engine.batch import BatchEngine
+sizes = []
+@llama_cpp.llama_log_callback
+def log(level, text, user):
+    found = re.search(rb"(?:KV|compute|output) buffer size =\\s*([0-9.]+) MiB", text)
+    if found:
+        sizes.append(float(found.group(1)))
+llama_cpp.llama_log_set(log, ctypes.c_void_p(0))
+path, n_ctx, repack, kv = sys.argv[1], int(sys.argv[2]), sys.argv[3] == "on", sys.argv[4]
+engine = BatchEngine(path, n_ctx, 1, 1, 0, repack=repack, cache_type_k=kv, cache_type_v=kv)
+print(sum(sizes))
 """
 
 
@@ -84,7 +111,7 @@ def run(settings: Settings) -> Section:
                 figures = [Figure("broker PSS", "MiB"), Figure("worker PSS (mean)", "MiB"),
                            Figure("worker USS (mean)", "MiB"), Figure("total PSS", "MiB")]
                 if n > 1:
-                    figures.append(Figure("per extra instance", "MiB"))
+                    figures += [Figure("per extra instance", "MiB"), Figure("its llama.cpp context", "MiB")]
                 cases[n_ctx, variant, str(n)] = Case({"n_ctx": str(n_ctx), "instances": str(n), **variant.labels()},
                                                      figures)
     for _ in range(settings.repeat):
@@ -102,6 +129,7 @@ def run(settings: Settings) -> Section:
                     case.figure("total PSS").add(totals[n], file_mib)
                     if n > 1:
                         case.figure("per extra instance").add((totals[n] - totals[1]) / (n - 1), file_mib)
+                        case.figure("its llama.cpp context").add(_context_mib(settings.model, n_ctx, variant), file_mib)
     section.cases = list(cases.values())
     for n_ctx in contexts:
         for variant in variants(settings):
@@ -111,6 +139,12 @@ def run(settings: Settings) -> Section:
                 section.targets.append(Target(f"memory per extra instance, {n} instances, n_ctx {n_ctx}, "
                                               f"{settings_text}: < {TARGET:.0%} of the model file", extra.ratio, "<",
                                               TARGET))
+                context = cases[n_ctx, variant, str(n)].figure("its llama.cpp context")
+                if extra.values and context.values:
+                    over = statistics.median(extra.values) - statistics.median(context.values)
+                    section.targets.append(Target(
+                        f"memory per extra instance beyond its own llama.cpp context, {n} instances, n_ctx {n_ctx}, "
+                        f"{settings_text}", over, "<=", CONTEXT_SLACK_MIB, "MiB"))
     kv_sizes = "; ".join(f"n_ctx {n_ctx}: " + ", ".join(
         f"{v.kv} {_kv_cache_mib(settings.model, n_ctx, v.kv):.1f}" for v in variants(settings)[1:])
         for n_ctx in contexts)
@@ -144,7 +178,8 @@ def _server_pss(settings: Settings, instances: int, n_ctx: int, variant: Variant
 
 
 def _direct_pss(model: Path, n_ctx: int) -> float:
-    proc = subprocess.Popen([sys.executable, "-c", _DIRECT, str(model), str(n_ctx)], stdin=subprocess.PIPE,
+    repack = "on" if host_verdict().works else "off"  # as mpserve's default decides it
+    proc = subprocess.Popen([sys.executable, "-c", _DIRECT, str(model), str(n_ctx), repack], stdin=subprocess.PIPE,
                             stdout=subprocess.PIPE, text=True)
     try:
         assert proc.stdout is not None
@@ -154,6 +189,15 @@ def _direct_pss(model: Path, n_ctx: int) -> float:
     finally:
         proc.kill()
         proc.wait()
+
+
+def _context_mib(model: Path, n_ctx: int, variant: Variant) -> float:
+    """The KV cache, compute and output buffers llama.cpp allocates for one instance's context with these
+    settings (one sequence, as an instance with the default ``parallel``), as its log reports them."""
+    repack = "off" if variant.repack == "off" or not host_verdict().works else "on"
+    done = subprocess.run([sys.executable, "-c", _CONTEXT, str(model), str(n_ctx), repack, variant.kv],
+                          capture_output=True, text=True, timeout=300, check=True)
+    return float(done.stdout.strip().splitlines()[-1])
 
 
 def _kv_cache_mib(model: Path, n_ctx: int, kv: str) -> float:
