@@ -11,13 +11,14 @@ The pool runs the busy watchdog for its workers, as the server does for its own:
 nothing for ``stall_timeout`` while busy is stopped (SIGTERM, then SIGKILL) and started again. The broker
 has by then declared it lost (its heartbeats stopped too) and dealt with its requests.
 
-The broker sees a remote worker only fall silent, never how it ended: whatever the cause (a crash, a kill,
-a stall, the pool stopping), its requests are handed over, as after a kill (resumed elsewhere, up to the
-broker's bound on hand-overs per request); no remote death counts toward ``poison_request`` or fails a
-model.
+The broker sees a remote worker leave (LEAVING) or fall silent, never how it ended: whatever the cause (a
+crash, a kill, a stall, the pool stopping or dying), its requests are handed over, as after a kill (resumed
+elsewhere, up to the broker's bound on hand-overs per request); no remote death counts toward
+``poison_request`` or fails a model.
 
-On SIGTERM/SIGINT the pool stops its workers; requests they were running are handed over by the broker's
-rules.
+On SIGTERM/SIGINT the pool terminates its workers: each says LEAVING as it exits, so the broker forgets it at
+once and hands its requests over. A pool killed outright leaves its workers running (they have sessions of
+their own); each notices within a second that the pool is gone and leaves the same way.
 """
 
 from __future__ import annotations
