@@ -625,7 +625,7 @@ def format_table(info: ServerInfo, rows: list[SlotRow]) -> str:
             "LOAD", "SERVED"]
     lines = [head]
     for r in rows:
-        if r.state is SlotState.EMPTY:  # an instance that is not started (it may start as the load grows)
+        if r.state is SlotState.EMPTY:  # a slot of an instance not started (it may start as the load grows)
             continue
         alive = r.pid > 0 and pid_alive(r.pid)
         state = r.state.name.lower() if alive or r.state in (SlotState.DEAD, SlotState.FAILED) else "dead"
@@ -635,7 +635,9 @@ def format_table(info: ServerInfo, rows: list[SlotRow]) -> str:
                       f"{r.load_s:.2f}s", str(r.served)])
     widths = [max(len(line[i]) for line in lines) for i in range(len(head))]
     body = "\n".join("  ".join(c.ljust(w) for c, w in zip(line, widths, strict=True)).rstrip() for line in lines)
-    return f"server {info.name!r} pid {info.pid} at {info.front}\n{body}{_instance_lines(rows)}"
+    started = instance_slots(rows)
+    counts = f"{len(started)} instance(s) (processes), {sum(map(len, started.values()))} slot(s)"
+    return f"server {info.name!r} pid {info.pid} at {info.front}: {counts}\n{body}{_instance_lines(rows)}"
 
 
 def _instance_lines(rows: list[SlotRow]) -> str:
