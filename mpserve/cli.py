@@ -439,11 +439,16 @@ def doctor(
 def plan(given: Given, config_file: ConfigOption = None) -> None:
     """Print where each instance would run and check that it fits, without starting anything."""
     from mpserve.gpu.placement import format_plan
-    from mpserve.server.layout import build_layout
+    from mpserve.server.layout import build_layout, check_host_ram, format_host_ram
 
     with _errors():
-        layout = build_layout(_config(given, config_file))
-        print(format_plan(layout.placements, layout.devices))
+        config = _config(given, config_file)
+        layout = build_layout(config)
+        warnings = check_host_ram(config, layout)
+        print("\n\n".join(part for part in (format_plan(layout.placements, layout.devices),
+                                              format_host_ram(config, layout)) if part))
+        for warning in warnings:
+            typer.echo(f"warning: {warning}", err=True)
 
 
 @app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True, "help_option_names": []})

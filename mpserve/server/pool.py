@@ -37,7 +37,7 @@ from mpserve.doctor import start_warnings
 from mpserve.runtime import ServerInfo, ServerPaths
 from mpserve.slots import SlotTable
 
-from .layout import build_layout, worker_specs
+from .layout import build_layout, check_host_ram, worker_specs
 from .loop import WATCHDOG_PERIOD_S
 from .preflight import claim
 from .signals import SignalPipe
@@ -53,7 +53,7 @@ def run_pool(config: ServerConfig, connect: str, curve_server_key: str | None = 
     paths = ServerPaths.for_name(config.server_name)
     claim(paths)
     layout = build_layout(config)
-    for warning in start_warnings(config, layout.devices):
+    for warning in [*check_host_ram(config, layout), *start_warnings(config, layout.devices)]:
         log.warning("%s", warning)
     pool = f"{socket.gethostname()[:32]}-{os.getpid()}"
     specs = [dataclasses.replace(spec, pool=pool, curve_server_key=curve_server_key, curve_secret=curve_secret,
