@@ -507,3 +507,22 @@ def test_a_done_between_crashes_starts_the_models_count_afresh(broker: Broker) -
         ask(broker, client, "r3")
         ends(broker, taken(workers)["r3"][0], -signal.SIGSEGV)
         assert broker.models["m"].failed is None and broker.models["m"].crash_streak == 1
+
+
+def test_a_remote_worker_that_cannot_be_reached_is_said_so_once_in_words_that_fit_it(
+        broker: Broker, caplog: pytest.LogCaptureFixture) -> None:
+    """No supervisor owns a remote worker: its silence decides; the failed sends are logged once, not every
+    heartbeat, until it is heard from again."""
+    ctx = broker.front.context
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.IDENTITY, b"far-w0")
+    sock.connect("inproc://back")
+    broker._on_ready(b"far-w0", wire.Ready("far-w0", "m", -1, 1, 7, host="elsewhere"), None)
+    sock.close(0)  # its link is down
+    time.sleep(0.1)
+    with caplog.at_level("WARNING", logger="mpserve.broker"):
+        for _ in range(3):
+            broker.send_heartbeats()
+    [said] = [r.getMessage() for r in caplog.records if "cannot send" in r.getMessage()]
+    assert "far-w0 on elsewhere" in said and "declared lost if it stays silent for 5.0 s" in said
+    assert "supervisor" not in said
