@@ -439,11 +439,16 @@ def doctor(
 def plan(given: Given, config_file: ConfigOption = None) -> None:
     """Print where each instance would run and check that it fits, without starting anything."""
     from mpserve.gpu.placement import format_plan
-    from mpserve.server.layout import build_layout
+    from mpserve.server.layout import build_layout, check_host_ram, format_host_ram
 
     with _errors():
-        layout = build_layout(_config(given, config_file))
-        print(format_plan(layout.placements, layout.devices))
+        config = _config(given, config_file)
+        layout = build_layout(config)
+        warnings = check_host_ram(config, layout)
+        print("\n\n".join(part for part in (format_plan(layout.placements, layout.devices),
+                                              format_host_ram(config, layout)) if part))
+        for warning in warnings:
+            typer.echo(f"warning: {warning}", err=True)
 
 
 @app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True, "help_option_names": []})
@@ -625,7 +630,7 @@ def format_table(info: ServerInfo, rows: list[SlotRow]) -> str:
             "LOAD", "SERVED"]
     lines = [head]
     for r in rows:
-        if r.state is SlotState.EMPTY:  # an instance that is not started (it may start as the load grows)
+        if r.state is SlotState.EMPTY:  # a slot of an instance not started (it may start as the load grows)
             continue
         alive = r.pid > 0 and pid_alive(r.pid)
         state = r.state.name.lower() if alive or r.state in (SlotState.DEAD, SlotState.FAILED) else "dead"
@@ -635,7 +640,9 @@ def format_table(info: ServerInfo, rows: list[SlotRow]) -> str:
                       f"{r.load_s:.2f}s", str(r.served)])
     widths = [max(len(line[i]) for line in lines) for i in range(len(head))]
     body = "\n".join("  ".join(c.ljust(w) for c, w in zip(line, widths, strict=True)).rstrip() for line in lines)
-    return f"server {info.name!r} pid {info.pid} at {info.front}\n{body}{_instance_lines(rows)}"
+    started = instance_slots(rows)
+    counts = f"{len(started)} instance(s) (processes), {sum(map(len, started.values()))} slot(s)"
+    return f"server {info.name!r} pid {info.pid} at {info.front}: {counts}\n{body}{_instance_lines(rows)}"
 
 
 def _instance_lines(rows: list[SlotRow]) -> str:

@@ -116,6 +116,7 @@ class ServerConfig:
     gpu_mode: str = "shared"  # or "exclusive": one computing request per GPU, host-wide
     max_active_per_gpu: int | None = None  # None: unlimited (in shared mode)
     gpu_memory_budget: int | None = None  # bytes per device, if less than its free memory
+    ram_budget: int | None = None  # host RAM for the instances on the CPU, if less than is available
     single_active_backend: bool = False
     switch_batch: int = 8  # single active backend: requests a resident model may serve while another waits
     lock_dir: str | None = None  # permit lock files; None: the host-wide default
@@ -262,6 +263,8 @@ def _server_conversions(values: dict[str, Any], source: str) -> dict[str, Any]:
         out["gpus"] = _index_list(out["gpus"], f"{source}: gpus")
     if "gpu_memory_budget" in out:
         out["gpu_memory_budget"] = _bytes(out["gpu_memory_budget"], f"{source}: gpu_memory_budget", parse_memory)
+    if "ram_budget" in out:
+        out["ram_budget"] = _bytes(out["ram_budget"], f"{source}: ram_budget", parse_memory)
     if out.get("gpu_mode", "shared") not in _GPU_MODES:
         raise ConfigError(f"{source}: gpu_mode: got {out['gpu_mode']!r}, allowed: {', '.join(_GPU_MODES)}")
     if out.get("start_method", "fork") not in _START_METHODS:

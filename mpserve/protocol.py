@@ -9,7 +9,7 @@ frame belongs to ZeroMQ and is not described here.
                                                          CONTROL_REPLY, EMBEDDINGS, SLOT_REPLY
     broker  -> worker   [VERSION, TYPE, BODY]            ASSIGN, ASSIGNS, CANCEL, STOP, UNLOAD, TOKENIZE, EMBED,
                                                          SLOT_ACTION
-    worker  -> broker   [VERSION, TYPE, TICKET, BODY]    READY, HEARTBEAT, FAILED, UNLOADED (empty TICKET);
+    worker  -> broker   [VERSION, TYPE, TICKET, BODY]    READY, HEARTBEAT, FAILED, UNLOADED, LEAVING (empty TICKET);
                                                          CHUNK, DONE, ERROR (TICKET of an ASSIGN);
                                                          TOKENS, ERROR (TICKET of a TOKENIZE);
                                                          EMBEDDINGS, ERROR (TICKET of an EMBED);
@@ -114,6 +114,7 @@ class MsgType(IntEnum):
     FAILED = 0x22
     UNLOADED = 0x23
     STEP = 0x24
+    LEAVING = 0x25
     ASSIGN = 0x30
     STOP = 0x31
     UNLOAD = 0x32
@@ -686,7 +687,9 @@ class Usage:
 @dataclass(frozen=True)
 class Timings:
     """Milliseconds. ``queue_ms``: accepted by the broker until assigned; ``prompt_ms``: assigned until
-    the first token; ``generate_ms``: first token until the last."""
+    the first token; ``generate_ms``: first token until the last. For a request handed over (``attempts`` > 1)
+    the whole request's, as its client saw it: queued until first assigned, the first token it got, and the
+    generation across the hand-over."""
 
     queue_ms: float = 0.0
     prompt_ms: float = 0.0
@@ -829,6 +832,20 @@ class Unloaded:
     @classmethod
     def from_wire(cls, body: dict[str, Any]) -> Unloaded:
         return cls(worker=_text(body, "worker", 64))
+
+
+@dataclass(frozen=True)
+class Leaving:
+    """worker -> broker: this worker is exiting (told to stop, terminated, or the server or pool that started it
+    is gone), now: the broker forgets it at once and hands over the requests it ran, which it does not answer."""
+
+    TYPE: ClassVar[MsgType] = MsgType.LEAVING
+    worker: str
+    reason: str = ""
+
+    @classmethod
+    def from_wire(cls, body: dict[str, Any]) -> Leaving:
+        return cls(worker=_text(body, "worker", 64), reason=_text(body, "reason", 256, ""))
 
 
 @dataclass(frozen=True)
@@ -1125,7 +1142,7 @@ class SlotReply:
 _DECODERS: dict[MsgType, Any] = {
     cls.TYPE: cls.from_wire
     for cls in (Request, Cancel, Ping, StatsQuery, Pong, Stats, Chunk, Done, Error, Ready, Heartbeat, Failed,
-                Unloaded, Assign, Stop, Unload, Tokenize, Tokens, Control, ControlReply,
+                Unloaded, Leaving, Assign, Stop, Unload, Tokenize, Tokens, Control, ControlReply,
                 Embed, Embeddings, SlotAction, SlotReply)
 }
 

@@ -185,6 +185,8 @@ SETTINGS: tuple[Setting, ...] = (
        cli_type=int, range=(1, 64)),
     _s("gpu_memory_budget", "server", (str, int), "the device's free memory", "GPU memory to plan with per device, "
        "e.g. 20GiB", commands=("start", "plan")),
+    _s("ram_budget", "server", (str, int), "the host's available memory", "Host RAM to plan the CPU instances "
+       "with, e.g. 16GiB (also capped by MemAvailable and the cgroup's limit)", commands=("start", "worker", "plan")),
     _s("single_active_backend", "server", bool, "false", "At most one model loaded per GPU; models take turns",
        cli_type=bool),
     _s("switch_batch", "server", int, "8", "Requests a resident model may serve while another waits (single "

@@ -6,6 +6,8 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -238,8 +240,8 @@ def test_health_follows_the_server_from_start_to_shutdown(start_server) -> None:
         server = start_server("--instances", "1", "--n-ctx", "8192", name=name).wait_ready()
         running = wait_for(lambda: (r := gw.get("/health")).status_code == 200 and r, 10, "a healthy server")
         assert running.json()["models"]["tiny"] | {"failed": None} == {
-            "ready": 1, "busy": 0, "unloaded": 0, "loading": 0, "down": 0, "queued": 0, "running": 0, "failed": None,
-            "on_demand": False}
+            "ready": 1, "busy": 0, "unloaded": 0, "loading": 0, "down": 0, "ready_slots": 1, "busy_slots": 0,
+            "queued": 0, "running": 0, "failed": None, "on_demand": False}
 
         with httpx.Client(timeout=30) as http, http.stream("POST", f"{gw.url}/v1/completions", json={
                 "model": "tiny", "prompt": "x", "max_tokens": 8000, "temperature": 0, "stream": True}) as stream:
@@ -402,3 +404,68 @@ def test_slots_save_restore_and_erase_over_http_behind_the_api_key(start_server,
             assert refused.status_code == 400 and problem in refused.json()["error"]["message"], refused.text
     finally:
         gw.stop()
+
+
+@pytest.mark.timeout(180)
+def test_instances_count_processes_and_slots_count_slots_everywhere(start_server) -> None:
+    """2 instances × parallel 2: 2 processes and 4 slots in /health, /metrics, /backend/monitor, the console and
+    `mpserve status`, idle and with every slot busy; a fixed count waits for its slots without a scaling warning."""
+    server = start_server("--instances", "2", "--parallel", "2", "--n-ctx", "4096", "--scale-up-after",
+                          "0.2").wait_ready()
+    gw = GatewayThread(server_name=server.name)
+
+    def counts(state: str) -> tuple[float, float]:
+        m = gw.metrics()
+        return (m.get(("mpserve_instances", (("model", "tiny"), ("state", state))), -1.0),
+                m.get(("mpserve_slots", (("model", "tiny"), ("state", state))), -1.0))
+
+    try:
+        tiny = gw.get("/health").json()["models"]["tiny"]
+        assert (tiny["ready"], tiny["busy"], tiny["ready_slots"], tiny["busy_slots"]) == (2, 0, 4, 0)
+        assert counts("idle") == (2, 4) and counts("busy") == (0, 0)
+        assert gw.metrics()["mpserve_registered_instances", (("model", "tiny"),)] == 2
+        body = gw.get("/backend/monitor").json()
+        instances = body["instances"]
+        assert len(instances) == 2 and len({i["pid"] for i in instances}) == 2 and body["slots"] == 4
+        assert all(len(i["slots"]) == 2 and i["kv_capacity"] == 2 * 4096 for i in instances)
+        assert body["rss_bytes"] == sum(i["rss_bytes"] for i in instances)  # each process once, not once a slot
+        assert body["pss_bytes"] == sum(i["pss_bytes"] for i in instances)
+        console = gw.get("/console/state").json()
+        assert [(m["instances"], m["free_slots"]) for m in console["models"]] == [(2, 4)]
+        assert len(console["slots"]) == 4
+        status = subprocess.run([sys.executable, "-m", "mpserve", "status", "--server-name", server.name],
+                                capture_output=True, text=True, timeout=30)
+        assert "2 instance(s) (processes), 4 slot(s)" in status.stdout.splitlines()[0], status.stdout
+
+        done: list[object] = []
+
+        def generate() -> None:
+            with Client(server.address, timeout=150) as client:
+                done.append(client.generate("x", max_tokens=600, temperature=0))
+
+        threads = [threading.Thread(target=generate) for _ in range(5)]  # 4 slots: one waits
+        for thread in threads:
+            thread.start()
+        try:
+            full = wait_for(lambda: (h := gw.get("/health").json()["models"]["tiny"])["busy_slots"] == 4 and h, 30,
+                            "every slot busy")
+            assert (full["ready"], full["busy"], full["ready_slots"]) == (2, 2, 4)
+            assert counts("busy") == (2, 4) and counts("idle") == (0, 0)
+            monitored = gw.get("/backend/monitor").json()["instances"]
+            assert [i["state"] for i in monitored] == ["busy", "busy"]
+            assert sum(s["request"] is not None for i in monitored for s in i["slots"]) == 4
+            time.sleep(0.5)  # the fifth request waits past scale_up_after
+        finally:
+            for thread in threads:
+                thread.join(150)
+        assert len(done) == 5
+    finally:
+        gw.stop()
+    assert not [line for line in server.log if "skipped" in line], "\n".join(server.log)
+    assert not [k for k in scale_events(server) if k.startswith("skip")]
+
+
+def scale_events(server: ServerProcess) -> list[str]:
+    """The scale events the broker counted for the tiny model."""
+    with Client(server.address) as client:
+        return list(client.stats().models["tiny"].scaling.events)

@@ -70,11 +70,12 @@ def test_backend_monitor_shows_each_instances_gpu_memory_once() -> None:
     me = os.getpid()  # a live process, so the rows count as running
     rows = [row(0, me, 0, 0), row(1, me, 0, 0), row(2, me, -1, 1, "cpu-model")]  # two slots of one instance
     out = monitor(rows, None, usage_of(me))
-    assert [i["gpu_memory_bytes"] for i in out["instances"]] == [6 * GIB, 6 * GIB, None]
+    assert [i["gpu_memory_bytes"] for i in out["instances"]] == [6 * GIB, None]
+    assert [[s["slot"] for s in i["slots"]] for i in out["instances"]] == [[0, 1], [2]] and out["slots"] == 3
     assert out["gpu_memory_bytes"] == 6 * GIB
     assert out["gpus"][0]["used"] == 7 * GIB and out["gpus"][0]["processes"][0] == {"pid": me, "used": 6 * GIB}
     nothing = monitor(rows, None, None)
-    assert [i["gpu_memory_bytes"] for i in nothing["instances"]] == [None] * 3
+    assert [i["gpu_memory_bytes"] for i in nothing["instances"]] == [None] * 2
     assert nothing["gpu_memory_bytes"] == 0 and nothing["gpus"] == []
 
 

@@ -254,3 +254,88 @@ def test_a_worker_speaking_another_protocol_version_is_refused_with_both_version
     with Client(server.address) as client:
         assert not client.stats().workers
     assert any("refused a message from worker" in line for line in server.log)
+
+
+def _stream_through_a_pools_end(server: ServerProcess, pools: dict[int, Pool], end: signal.Signals
+                                ) -> tuple[Pool, str]:
+    """A greedy stream while ``end`` hits the pool process (not its workers) running it: the stream goes on
+    elsewhere with the text of the same request run without a break, and its timings are the whole request's.
+    The pool ended, and the worker that ran the request."""
+    prompt, max_tokens = "Once upon a time", 400
+    with Client(server.address, timeout=120) as client, Client(server.address) as watcher:
+        whole = client.generate(prompt, max_tokens=max_tokens, temperature=0)
+        t_sent = time.monotonic()
+        stream = client.stream(prompt, max_tokens=max_tokens, temperature=0)
+        chunks = iter(stream)
+        texts = [next(chunks)]
+        t_first = time.monotonic()
+        running = wait_for(lambda: next((w for w in watcher.stats().workers if w.running), None), 10,
+                           "the request running")
+        ran = running.worker
+        pool = pools[int(ran.rsplit("-w", 1)[0].rsplit("-", 1)[1])]
+        os.kill(running.pid, signal.SIGSTOP)  # so that the pool ends mid-stream, however fast the model is
+        os.kill(pool.proc.pid, end)
+        if end == signal.SIGKILL:
+            pool.proc.wait(10)
+        else:  # the pool passed it on to its workers
+            wait_for(lambda: _pending(running.pid, signal.SIGTERM), 10, "the pool to terminate its workers")
+        os.kill(running.pid, signal.SIGCONT)
+        texts += list(chunks)
+        took = time.monotonic() - t_sent
+    result = stream.result
+    assert result is not None and result.worker != ran and result.timings.attempts == 2
+    assert "".join(texts) == result.text == whole.text and result.usage == whole.usage
+    t = result.timings  # the whole request's: not the first instance's run counted as queueing
+    assert t.queue_ms + t.prompt_ms <= (t_first - t_sent) * 1000
+    assert t.queue_ms + t.prompt_ms + t.generate_ms <= took * 1000
+    return pool, ran
+
+
+def _pending(pid: int, sig: signal.Signals) -> bool:
+    """Whether ``sig`` waits to be delivered to the (stopped) process ``pid``."""
+    status = Path(f"/proc/{pid}/status").read_text().splitlines()
+    masks = [int(line.split()[1], 16) for line in status if line.startswith(("SigPnd:", "ShdPnd:"))]
+    return any(mask >> (sig - 1) & 1 for mask in masks)
+
+
+def _two_pools(start_server, pools) -> tuple[ServerProcess, dict[int, Pool]]:
+    """A broker that declares a silent worker lost only after 30 s, and two pools of 2 instances, by pid."""
+    port = free_port()
+    server = broker(start_server, port, "--heartbeat-interval", "1", "--heartbeat-liveness", "30")
+    started = {}
+    for name in ("pool-a", "pool-b"):
+        pool = pools(name, f"tcp://127.0.0.1:{port}", "--instances", "2", "--n-ctx", "1024")
+        started[pool.proc.pid] = pool
+    wait_for(lambda: sum(registered(server.address).values()) == 4, 60, "both pools to register")
+    return server, started
+
+
+def _left(server: ServerProcess, pool: Pool, within: float) -> Counter[str]:
+    """Wait until ``pool``'s workers are gone from the broker, long before their silence would count (30 s):
+    they left. The broker's counters then."""
+    wait_for(lambda: f"{socket.gethostname()[:32]}-{pool.proc.pid}" not in registered(server.address), within,
+             "the pool's workers to leave")
+    with Client(server.address) as client:
+        counters = Counter(client.stats().counters)
+    assert counters["worker_left"] == 2 and not counters["worker_expired"], counters
+    assert not counters["cancelled"] and not counters["worker_lost"], counters
+    return counters
+
+
+@pytest.mark.timeout(180)
+def test_a_pool_killed_mid_stream_hands_its_requests_over_not_cancelled(start_server, pools) -> None:
+    server, started = _two_pools(start_server, pools)
+    killed, ran = _stream_through_a_pools_end(server, started, signal.SIGKILL)
+    _left(server, killed, 10)  # its workers noticed the pool gone
+    assert any(f"worker {ran} on " in line and "is gone" in line for line in server.log), "\n".join(server.log)
+    assert not [line for line in server.log if "supervisor" in line], "\n".join(server.log)
+
+
+@pytest.mark.timeout(180)
+def test_a_pool_stopped_with_sigterm_deregisters_at_once_and_its_requests_go_on_elsewhere(start_server, pools
+                                                                                        ) -> None:
+    server, started = _two_pools(start_server, pools)
+    stopped, _ = _stream_through_a_pools_end(server, started, signal.SIGTERM)
+    assert stopped.proc.wait(10) == 0
+    _left(server, stopped, 3)
+    assert any("got SIGTERM" in line for line in server.log), "\n".join(server.log)

@@ -126,3 +126,27 @@ def test_a_runtime_directory_that_cannot_be_made_ends_start_with_one_line() -> N
     assert proc.stderr.strip().splitlines() == [
         "error: [config] cannot create the runtime directory /proc/self/mpserve (No such file or directory); set "
         "MPSERVE_RUNTIME_DIR to a folder you can write"]
+
+
+@pytest.mark.timeout(90)
+def test_instances_that_do_not_fit_the_hosts_ram_end_plan_and_start_naming_the_parts() -> None:
+    """The CPU estimate, as a GPU's: weights (once: its instances share them) and each instance's KV cache and
+    buffers, against the RAM available (here --ram-budget, below what 2 instances need)."""
+    args = ["--model", "builtin:bench", "--instances", "2", "--parallel", "4", "--n-ctx", "8192"]
+    planned = subprocess.run([sys.executable, "-m", "mpserve", "plan", *args], capture_output=True, text=True,
+                             timeout=60)
+    assert planned.returncode == 0 and "shared by its instances" in planned.stdout, planned.stderr
+    assert "host RAM:" in planned.stdout and "KV cache" in planned.stdout
+    refused = [*args, "--ram-budget", "200MiB"]
+    planned = subprocess.run([sys.executable, "-m", "mpserve", "plan", *refused], capture_output=True, text=True,
+                             timeout=60)
+    assert planned.returncode == 1 and "error: [does_not_fit] the instances on the CPU need" in planned.stderr
+    for part in ("weights", "KV cache", "parallel 4 × n_ctx 8192", "200.0 MiB is available (ram_budget)",
+                 "a smaller parallel (now 4)"):
+        assert part in planned.stderr, planned.stderr
+    name = f"ram{os.getpid()}"
+    proc = subprocess.Popen([sys.executable, "-m", "mpserve", "start", "--server-name", name, *refused],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    _, stderr = proc.communicate(timeout=60)
+    assert proc.returncode == 1 and "[does_not_fit] the instances on the CPU need" in stderr, stderr
+    assert "Traceback" not in stderr and leftovers(name, proc.pid) == []

@@ -9,8 +9,8 @@
     POST /tokenize, /detokenize                   llama-server's shapes (``gateway.tokens``)
     GET  /health                                  200 while some instance can take a request, else 503
     GET  /metrics                                 Prometheus text
-    GET  /backend/monitor?model=NAME             each instance: pid, state, device, RSS, PSS, GPU memory, served,
-                                                  uptime; each GPU's memory (NVML)
+    GET  /backend/monitor?model=NAME             each instance (process): pid, state, device, RSS, PSS, GPU memory,
+                                                  served, uptime, its slots; each GPU's memory (NVML)
     POST /slots/ID?action=save|restore|erase      llama-server's shape: a slot's KV cells to or from a file
                                                   (``gateway.slots``; ID as SLOT in mpserve status)
     GET  /, /console, /console/state             the web console and its data (``console``)

@@ -11,15 +11,17 @@ Two kinds of metric:
   ``accepted``, ``done``, ``timeout``, ``cancelled``, ``worker_lost``, ``rejected_busy``, the routes by why
   (``routed_kv_prefix``, ``routed_ram_prefix``, ``routed_least_busy``), ... whatever the
   broker counts), each model's instance bounds and scale events (``mpserve_scale_starts_total{reason=...}``,
-  ``..._stops_total``, ``..._skipped_total``), and, for a server on this host, instances by state (slot
-  table), the KV cells each instance holds and their share of all it has, its prompt cache (bytes, hits,
-  misses, evictions), worker restarts and, when NVML answers, each GPU's memory and each instance's share of it.
+  ``..._stops_total``, ``..._skipped_total``), and, for a server on this host, instances (worker processes)
+  and slots by state (slot table), the KV cells each instance holds and their share of all it has, its prompt
+  cache (bytes, hits, misses, evictions), worker restarts and, when NVML answers, each GPU's memory and each
+  instance's share of it.
 
 A scrape fetches STATS first, then renders without awaiting anything, so one scrape sees one snapshot.
 """
 
 from __future__ import annotations
 
+import collections
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
@@ -32,7 +34,7 @@ from mpserve.client import Result
 from mpserve.gpu.memory import GpuUsage, memory_by_pid
 from mpserve.slots import SlotRow, SlotState, instance_slots
 
-from .monitor import state_of
+from .monitor import instance_state, state_of
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
@@ -137,16 +139,7 @@ class _ServerCollector(Collector):
         yield from _scaling_metrics(stats)
         if rows is None:
             return
-        instances = GaugeMetricFamily("mpserve_instances", "Instances by state (slot table)",
-                                      labels=["model", "state"])
-        for name in stats.models:
-            states = {s.name.lower(): 0 for s in SlotState if s is not SlotState.EMPTY} | {"exited": 0}
-            for row in rows:
-                if row.model == name and row.state is not SlotState.EMPTY:
-                    states[state_of(row)] += 1
-            for state, count in states.items():
-                instances.add_metric([name, state], count)
-        yield instances
+        yield from _state_metrics(stats, rows)
         yield from _kv_metrics(rows)
         restarts = CounterMetricFamily("mpserve_worker_restarts", "Worker processes replaced, as observed by the "
                                        "gateway since it first saw this server", labels=["model"])
@@ -155,6 +148,23 @@ class _ServerCollector(Collector):
         yield restarts
         if self.view.gpus:
             yield from _gpu_metrics(self.view.gpus, rows)
+
+
+def _state_metrics(stats: wire.Stats, rows: list[SlotRow]) -> Iterator[Metric]:
+    """Instances (worker processes) by state, and slots by state, per model (slot table)."""
+    instances = GaugeMetricFamily("mpserve_instances", "Instances (worker processes) by state: busy while any of "
+                                  "its slots serves (slot table)", labels=["model", "state"])
+    slots = GaugeMetricFamily("mpserve_slots", "Slots by state (slot table)", labels=["model", "state"])
+    by_instance = instance_slots(rows)
+    for name in stats.models:
+        zero = {s.name.lower(): 0 for s in SlotState if s is not SlotState.EMPTY} | {"exited": 0}
+        groups = [group for (model, _), group in by_instance.items() if model == name]
+        of_instances = zero | collections.Counter(instance_state(group) for group in groups)
+        of_slots = zero | collections.Counter(state_of(r) for group in groups for r in group)
+        for family, counts in ((instances, of_instances), (slots, of_slots)):
+            for state, count in counts.items():
+                family.add_metric([name, state], count)
+    yield from (instances, slots)
 
 
 def _kv_metrics(rows: list[SlotRow]) -> Iterator[Metric]:

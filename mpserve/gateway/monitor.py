@@ -19,7 +19,7 @@ from typing import Any
 from mpserve import protocol as wire
 from mpserve.gpu.memory import GpuUsage, memory_by_pid, read_usage
 from mpserve.runtime import ServerInfo
-from mpserve.slots import SlotRow, SlotState
+from mpserve.slots import SlotRow, SlotState, instance_slots
 
 READY = frozenset({"idle", "busy", "waiting"})  # loaded and able to run a request
 BUSY = frozenset({"busy", "waiting"})
@@ -63,37 +63,64 @@ def _kib_field(path: Path, name: str) -> int | None:
 
 # --- the backend monitor ------------------------------------------------------------------------
 
+def instance_state(slots: Sequence[SlotRow]) -> str:
+    """One state for an instance (one process) from its slots' rows: busy (or else waiting) when a slot serves,
+    else its first slot's (a worker writes its other states to all its rows at once)."""
+    states = [state_of(r) for r in slots]
+    return next((s for s in ("busy", "waiting") if s in states), states[0])
+
+
+@dataclass(frozen=True)
+class SlotView:
+    """One slot of an instance: what it runs."""
+
+    slot: int  # its row in the slot table (SLOT in ``mpserve status``)
+    state: str
+    request: str | None  # the request running now
+    tokens: int  # generated for the current (or last) request
+    kv_cells: int  # KV cells the slot holds, of kv_capacity
+    kv_capacity: int
+
+    @classmethod
+    def of(cls, row: SlotRow) -> SlotView:
+        state = state_of(row)
+        return cls(row.index, state, row.request if state in BUSY and row.request else None, row.tokens,
+                   row.kv_cells, row.kv_capacity)
+
+
 @dataclass(frozen=True)
 class InstanceView:
-    slot: int
+    """One instance: one worker process, its figures counted once, and its slots."""
+
     worker: int
     model: str
     pid: int
-    state: str
+    state: str  # ``instance_state``
     device: str  # "cpu" or "gpuN"
     rss_bytes: int | None
     pss_bytes: int | None
     requests_served: int
     uptime_s: float | None  # since the worker process started; None when it is not running
     load_s: float
-    request: str | None  # the request running now
-    tokens: int  # generated for the current (or last) request
-    gpu_memory_bytes: int | None = None  # what its process holds on GPUs (NVML); None: unknown or on the CPU
-    kv_cells: int = 0  # KV cells the slot holds, of kv_capacity
-    kv_capacity: int = 0
-    prompt_cache_bytes: int = 0  # its instance's host-RAM prompt cache, of prompt_cache_capacity
-    prompt_cache_capacity: int = 0
+    gpu_memory_bytes: int | None  # what its process holds on GPUs (NVML); None: unknown or on the CPU
+    kv_cells: int  # KV cells its slots hold, of kv_capacity
+    kv_capacity: int
+    prompt_cache_bytes: int  # its host-RAM prompt cache, of prompt_cache_capacity
+    prompt_cache_capacity: int
+    slots: tuple[SlotView, ...]
 
     @classmethod
-    def of(cls, row: SlotRow, now: float, gpu_held: Mapping[int, int]) -> InstanceView:
-        state = state_of(row)
-        running = row.pid > 0 and state not in DOWN
-        rss, pss = process_memory(row.pid) if running else (None, None)
-        return cls(row.index, row.worker, row.model, row.pid, state, "cpu" if row.device < 0 else f"gpu{row.device}",
-                   rss, pss, row.served, round(now - row.started, 3) if running and row.started else None,
-                   round(row.load_s, 3), row.request if state in BUSY and row.request else None, row.tokens,
-                   gpu_held.get(row.pid) if running and row.device >= 0 else None, row.kv_cells, row.kv_capacity,
-                   row.cache.bytes, row.cache.capacity)
+    def of(cls, rows: Sequence[SlotRow], now: float, gpu_held: Mapping[int, int]) -> InstanceView:
+        first = rows[0]
+        state = instance_state(rows)
+        running = first.pid > 0 and state not in DOWN
+        rss, pss = process_memory(first.pid) if running else (None, None)
+        return cls(first.worker, first.model, first.pid, state, "cpu" if first.device < 0 else f"gpu{first.device}",
+                   rss, pss, max(r.served for r in rows),  # a worker writes its count to the slot that ended last
+                   round(now - first.started, 3) if running and first.started else None, round(first.load_s, 3),
+                   gpu_held.get(first.pid) if running and first.device >= 0 else None,
+                   sum(r.kv_cells for r in rows), sum(r.kv_capacity for r in rows), first.cache.bytes,
+                   first.cache.capacity, tuple(SlotView.of(r) for r in rows))
 
 
 def gpu_usage(rows: Sequence[SlotRow]) -> list[GpuUsage] | None:
@@ -102,18 +129,20 @@ def gpu_usage(rows: Sequence[SlotRow]) -> list[GpuUsage] | None:
 
 
 def monitor(rows: list[SlotRow], model: str | None, gpus: Sequence[GpuUsage] | None = None) -> dict[str, Any]:
-    """``GET /backend/monitor``: every instance of ``model`` (all models when None), with totals, and each GPU's
-    memory (``gpus``, from ``gpu_usage``; [] when unknown). Slots of one instance share its process, whose GPU
-    memory the total counts once."""
+    """``GET /backend/monitor``: every instance of ``model`` (all models when None) with its slots, the totals
+    (each process counted once, however many slots it has), and each GPU's memory (``gpus``, from ``gpu_usage``;
+    [] when unknown)."""
     now = time.time()
     held = memory_by_pid(gpus)
-    views = [InstanceView.of(r, now, held) for r in rows if r.state is not SlotState.EMPTY and model in (None, r.model)]
+    views = [InstanceView.of(slots, now, held)
+             for (name, _), slots in instance_slots(rows).items() if model in (None, name)]
     return {
         "model": model,
         "instances": [asdict(v) for v in views],
+        "slots": sum(len(v.slots) for v in views),
         "rss_bytes": sum(v.rss_bytes or 0 for v in views),
         "pss_bytes": sum(v.pss_bytes or 0 for v in views),
-        "gpu_memory_bytes": sum({v.pid: v.gpu_memory_bytes for v in views if v.gpu_memory_bytes}.values()),
+        "gpu_memory_bytes": sum(v.gpu_memory_bytes or 0 for v in views),
         "gpus": [asdict(g) for g in gpus or []],
     }
 
@@ -122,15 +151,17 @@ def monitor(rows: list[SlotRow], model: str | None, gpus: Sequence[GpuUsage] | N
 
 @dataclass(frozen=True)
 class ModelHealth:
-    """Instances of one model by what they can do now, and its queue. From the slot table when the server is
-    local, plus the slots of remote pools' workers registered with it (STATS); from STATS alone otherwise,
-    where the broker's registered instances count as ready and the fields it cannot know are None."""
+    """Instances (worker processes) of one model by what they can do now, their slots, and its queue. From the
+    slot table when the server is local, plus remote pools' workers registered with it (STATS); from STATS alone
+    otherwise, where the broker's registered instances count as ready and the fields it cannot know are None."""
 
-    ready: int  # loaded, alive: idle or serving
-    busy: int  # of those, serving a request
+    ready: int  # instances loaded and alive: idle or serving
+    busy: int  # of those, serving a request in some slot
     unloaded: int | None  # alive, registered, model not in memory: loads on the next request
     loading: int | None
     down: int | None  # dead, failed, exited or stopping
+    ready_slots: int  # the slots of the ready instances
+    busy_slots: int  # of those, running a request
     queued: int
     running: int
     failed: str | None  # why the model cannot load, once the supervisor gave up
@@ -144,17 +175,21 @@ class ModelHealth:
 def health(stats: wire.Stats, rows: list[SlotRow] | None) -> dict[str, ModelHealth]:
     out = {}
     for name, m in stats.models.items():
-        if rows is None:
-            out[name] = ModelHealth(m.instances, m.instances - m.free_slots, None, None, None, m.queued, m.running,
-                                    m.failed, _on_demand(m))
-            continue
-        states = Counter(state_of(r) for r in rows if r.model == name and r.state is not SlotState.EMPTY)
-        remote = [w for w in stats.workers if w.host and w.model == name]  # remote pools' slots: not in the table
-        out[name] = ModelHealth(
-            ready=sum(states[s] for s in READY) + sum(w.capacity for w in remote),
-            busy=sum(states[s] for s in BUSY) + sum(w.running for w in remote), unloaded=states["unloaded"],
-            loading=sum(states[s] for s in LOADING), down=sum(states[s] for s in DOWN), queued=m.queued,
-            running=m.running, failed=m.failed, on_demand=_on_demand(m))
+        known = [w for w in stats.workers if w.model == name and (w.host or rows is None)]  # not in the slot table
+        ready, busy = len(known), sum(1 for w in known if w.running)
+        ready_slots, busy_slots = sum(w.capacity for w in known), sum(w.running for w in known)
+        unloaded = loading = down = None
+        if rows is not None:
+            instances = [slots for (model, _), slots in instance_slots(rows).items() if model == name]
+            states = [instance_state(slots) for slots in instances]
+            counts = Counter(states)
+            up = [slots for slots, state in zip(instances, states, strict=True) if state in READY]
+            ready, busy = ready + len(up), busy + sum(counts[s] for s in BUSY)
+            ready_slots += sum(map(len, up))
+            busy_slots += sum(1 for slots in up for r in slots if state_of(r) in BUSY)
+            unloaded, loading, down = counts["unloaded"], sum(counts[s] for s in LOADING), sum(counts[s] for s in DOWN)
+        out[name] = ModelHealth(ready, busy, unloaded, loading, down, ready_slots, busy_slots, m.queued, m.running,
+                                m.failed, _on_demand(m))
     return out
 
 

@@ -44,7 +44,7 @@ def document(version: str) -> dict[str, Any]:
                                              "content": {"application/json": {"schema": {"type": "object"}}}}})},
             "/metrics": {"get": _get("Prometheus text", "text/plain", {"401": errors["401"]})},
             "/backend/monitor": {"get": {
-                **_get("each instance of a server on this host", "application/json",
+                **_get("each instance (worker process) of a server on this host, with its slots", "application/json",
                        {k: errors[k] for k in ("401", "404", "503")}),
                 "parameters": [{"name": "model", "in": "query", "required": False, "schema": {"type": "string"}}]}},
             "/slots/{slot}": {"post": {

@@ -3,7 +3,8 @@
 Pure functions: ``estimate_model_memory`` reads a GGUF header (``mpserve.gguf_header``: the metadata and
 tensor sizes, not the vocabulary), ``plan`` places instances on devices and refuses what does not fit,
 ``place_one`` places one more beside the running ones (scaling up), ``format_plan`` prints the result for
-``mpserve plan``.
+``mpserve plan``. ``estimate_host_memory`` is the same estimate for an instance on the CPU, in host RAM
+(``mpserve.server.host_ram`` checks it).
 
 The estimate follows how llama.cpp fills a GPU: the last ``n_gpu_layers`` repeating blocks, the
 output layer once every block is offloaded (``n_gpu_layers`` of -1 or at least the block count),
@@ -34,6 +35,10 @@ if TYPE_CHECKING:
 
 OVERHEAD = 512 << 20
 """CUDA context (about 300 MiB per process) plus llama.cpp compute buffers; a rough allowance."""
+
+CPU_OVERHEAD = 128 << 20
+"""llama.cpp's CPU compute and output buffers plus the worker process itself (Python, its modules); a rough
+allowance, as OVERHEAD is for a GPU."""
 
 _BLOCK = re.compile(r"blk\.(\d+)\.")
 
@@ -126,6 +131,15 @@ def estimate_request(model: ModelRequest) -> MemoryEstimate:
     draft = estimate_model_memory(model.draft, model.n_ctx, model.n_gpu_layers, model.parallel)
     shared = os.path.realpath(model.draft) == os.path.realpath(model.path)
     return replace(estimate, draft=(0 if shared else draft.weights) + draft.kv_cache)
+
+
+def estimate_host_memory(model: ModelRequest) -> MemoryEstimate:
+    """Host RAM one instance of ``model`` needs running on the CPU: every tensor (the token embeddings too),
+    the KV cache of every layer, ``CPU_OVERHEAD``, and a draft model's weights and KV cache as ``estimate_request``
+    counts them."""
+    on_gpu = estimate_request(replace(model, n_gpu_layers=-1))  # the KV cache and the draft: as all on a device
+    weights = sum(int(tensor.n_bytes) for tensor in _read(model.path).tensors)
+    return MemoryEstimate(weights, on_gpu.kv_cache, CPU_OVERHEAD, on_gpu.draft)
 
 
 def check_kv_types(name: str, gguf_path: str | PathLike[str], cache_type_k: str, cache_type_v: str) -> None:

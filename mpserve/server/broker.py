@@ -43,6 +43,7 @@ or hand-over):
                                   anything else (SIGKILL, SIGTERM, an exit code) ─▶ a hand-over
     stalled (watchdog) ─────────▶ a crash of each request it ran (not of its model)
     remote worker silent, or a new process under a lost one's name ─▶ a hand-over
+    a worker's LEAVING (told to stop, terminated, its server or pool gone) ─▶ a hand-over, at once
 
 A request that has now crashed two workers is failed with ``poison_request``; one that has been handed
 over MAX_HANDOVERS times, with ``worker_lost`` naming that bound; neither is retried again. A model whose
@@ -585,6 +586,7 @@ class Broker:
         entry = self.workers.get(identity)
         if entry is not None:
             entry.last_heard = time.monotonic()
+            entry.unreachable = False
         try:  # a fifth frame: a CHUNK's tokens, a DONE's or ERROR's prompt cache changes, a READY's whole cache
             mtype = wire.parse_header(frames, 5 if len(frames) == 5 and frames[1] in TRAILED else 4)
         except MpserveError as exc:
@@ -613,6 +615,9 @@ class Broker:
             self._on_ready(identity, msg, frames[4] if len(frames) == 5 else None)
         elif isinstance(msg, wire.Failed):
             self.on_failed(msg.model, msg.message)
+        elif isinstance(msg, wire.Leaving):
+            if entry is not None:
+                self._worker_left(entry, msg.reason)
         elif entry is None:  # lost, or registered with the broker before this one: ask it to register
             self._to_worker(identity, wire.Heartbeat(identity.decode(), registered=False))
         elif isinstance(msg, wire.Unloaded):
@@ -663,6 +668,15 @@ class Broker:
             log.info("worker %s on %s registered for %s", identity.decode(), msg.host, msg.model)
         self._dispatch(msg.model)
 
+    def _worker_left(self, entry: WorkerEntry, reason: str) -> None:
+        """A worker said it is exiting (LEAVING): it is forgotten now, not after its silence or its reaping, and
+        the requests it ran are handed over."""
+        self.stats["worker_left"] += 1
+        where = f" on {entry.host}" if entry.index is None else ""
+        log.info("worker %s%s is leaving (%s)%s", entry.identity.decode(), where, reason,
+                 f"; handing over {len(entry.running)} request(s)" if entry.running else "")
+        self._worker_gone(entry, f"worker {entry.identity.decode()}{where} stopped ({reason})", crashed=False)
+
     def _forget_worker(self, entry: WorkerEntry) -> None:
         if self.workers.get(entry.identity) is not entry:
             return
@@ -693,6 +707,8 @@ class Broker:
         if not p.answered:
             p.state = RequestState.ANSWERED
             self.stats["done" if mtype is wire.MsgType.DONE else "worker_error"] += 1
+            if mtype is wire.MsgType.DONE and p.attempts > 1:
+                body = _timed_whole(p, body)
             self._to_client(p.client, [wire.VERSION, type_frame, body])
             if mtype is wire.MsgType.ERROR:
                 self._end_other_choices(p, ErrorCode.CANCELLED, "another choice of the request failed")
@@ -763,6 +779,7 @@ class Broker:
         if p.answered:
             return False
         p.state = RequestState.STREAMING
+        p.first_token = p.first_token or time.monotonic()
         if tokens is not None and len(tokens) % 4 == 0:  # int32 ids
             p.generated += tokens
         else:  # an older worker, or a bad frame: a hand-over would miss tokens
@@ -856,6 +873,7 @@ class Broker:
         p.state = RequestState.RUNNING
         p.worker = identity
         p.assigned = time.monotonic()
+        p.first_assigned = p.first_assigned or p.assigned
         entry.running[p.ticket] = index
         entry.prompts[index] = p.request.prompt
         entry.loaded = True  # an unloaded worker loads its model for the request
@@ -882,12 +900,43 @@ class Broker:
     def _send_worker(self, identity: bytes, frames: list[bytes]) -> None:
         try:
             zmqio.send(self.back, [identity, *frames], zmqio.NOBLOCK)
-        except (zmq.Again, zmq.ZMQError) as exc:  # it died; its sentinel settles its requests
-            log.warning("cannot send to worker %r (%s); waiting for the supervisor to reap it", identity, exc)
+        except (zmq.Again, zmq.ZMQError) as exc:
+            self._unreachable(identity, exc)
+
+    def _unreachable(self, identity: bytes, exc: zmq.ZMQError) -> None:
+        """A send to a worker failed: it died or its link is down. Said once until it is heard from again: a
+        local worker's sentinel settles its requests, a remote one's silence (``expire_workers``)."""
+        entry = self.workers.get(identity)
+        if entry is None or entry.unreachable:
+            return
+        entry.unreachable = True
+        if entry.index is not None:
+            log.warning("cannot send to worker %s (%s); waiting for the supervisor to reap it", identity.decode(), exc)
+        else:
+            expiry = self.heartbeat_interval * self.heartbeat_liveness
+            log.warning("cannot send to worker %s on %s (%s): its link is down; it is declared lost if it stays "
+                        "silent for %.1f s", identity.decode(), entry.host, exc, expiry)
 
     def _stale_deadline(self, ticket: str) -> bool:
         p = self.requests.get(ticket)
         return p is None or p.answered
+
+
+def _timed_whole(p: Pending, body: bytes) -> bytes:
+    """The DONE of a request that was handed over, its timings made the whole request's, as its client saw it
+    (the worker's cover its own part only): queued from accepted until first assigned, then until the first token
+    the client got (or, if none was streamed, this worker's), and generating from there until now, across the
+    hand-over. A body that does not decode goes on as it came."""
+    try:
+        done = wire.decode_body(wire.MsgType.DONE, body)
+    except MpserveError:
+        return body
+    assert isinstance(done, wire.Done)
+    now = time.monotonic()
+    first = p.first_token or p.assigned + done.timings.prompt_ms / 1000
+    timings = dataclasses.replace(done.timings, queue_ms=(p.first_assigned - p.accepted) * 1000,
+                                  prompt_ms=(first - p.first_assigned) * 1000, generate_ms=max(0.0, now - first) * 1000)
+    return wire.pack(dataclasses.replace(done, timings=timings))
 
 
 def crash_verdict(sig: Signals) -> str:

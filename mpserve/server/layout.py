@@ -8,16 +8,19 @@ before any worker starts.
 from __future__ import annotations
 
 import os
+from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
 from mpserve.config import ECHO_MODEL, ModelConfig, ServerConfig
 from mpserve.errors import ConfigError
 from mpserve.gpu.devices import Device, discover
-from mpserve.gpu.placement import ModelRequest, Placement, check_kv_types, plan
+from mpserve.gpu.placement import ModelRequest, Placement, check_kv_types, estimate_host_memory, plan
 from mpserve.repack import repack_for
 from mpserve.speculative import check_draft
 from mpserve.worker.spec import EngineSpec, PermitSpec, StartMode, WorkerSpec, start_mode
+
+from .host_ram import RamNeed, available_ram, check_ram, format_ram
 
 
 @dataclass(frozen=True)
@@ -36,6 +39,29 @@ def build_layout(config: ServerConfig) -> Layout:
     order = {(p.model, p.instance): p for p in placements}
     ordered = [order[(m.name, i)] for m in config.models for i in range(m.instances)]
     return Layout(devices, ordered)
+
+
+def check_host_ram(config: ServerConfig, layout: Layout) -> list[str]:
+    """``ModelDoesNotFit`` when the instances placed on the CPU do not fit the host's RAM (``host_ram``); the
+    warnings to log otherwise."""
+    return check_ram(ram_needs(config, layout), available_ram(config.ram_budget))
+
+
+def format_host_ram(config: ServerConfig, layout: Layout) -> str:
+    """``mpserve plan``'s host RAM lines (none without CPU instances of a model file)."""
+    return format_ram(ram_needs(config, layout), available_ram(config.ram_budget))
+
+
+def ram_needs(config: ServerConfig, layout: Layout) -> list[RamNeed]:
+    """Each model's instances placed on the CPU (the echo backend holds nothing), with how they hold its weights:
+    shared when forked from its zygote or mapped from the file unrepacked, else a copy each."""
+    on_cpu = Counter(p.model for p in layout.placements if p.device is None)
+    models = [m for m in config.models if on_cpu[m.name] and m.path != ECHO_MODEL]
+    if not models:
+        return []
+    modes = start_modes(config, layout)
+    return [RamNeed(m.name, on_cpu[m.name], estimate_host_memory(model_request(m)),
+                    modes[m.name].zygote or not repack_for(m), m.cache_ram, m.parallel, m.n_ctx) for m in models]
 
 
 def model_request(m: ModelConfig) -> ModelRequest:

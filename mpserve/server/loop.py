@@ -30,7 +30,7 @@ from mpserve.slots import SlotTable
 
 from .broker import Broker
 from .instances import Instances
-from .layout import build_layout, worker_specs
+from .layout import build_layout, check_host_ram, worker_specs
 from .preflight import bind_problem, claim
 from .residency import Residency
 from .signals import SignalPipe
@@ -49,10 +49,11 @@ def serve(config: ServerConfig) -> None:
     claim(paths)
     started = time.monotonic()
     layout = build_layout(config)  # refuses what does not fit before anything starts
+    ram_warnings = check_host_ram(config, layout)
     for device in layout.devices:
         log.info("device %d: %s, %.1f GiB free%s", device.index, device.name, device.memory_free / 2**30,
                  " (simulated)" if device.simulated else "")
-    for warning in start_warnings(config, layout.devices):
+    for warning in [*ram_warnings, *start_warnings(config, layout.devices)]:
         log.warning("%s", warning)
     table = SlotTable.create(paths.slots, rows=config.total_slots)
     ctx = zmq.Context()

@@ -11,13 +11,14 @@ The pool runs the busy watchdog for its workers, as the server does for its own:
 nothing for ``stall_timeout`` while busy is stopped (SIGTERM, then SIGKILL) and started again. The broker
 has by then declared it lost (its heartbeats stopped too) and dealt with its requests.
 
-The broker sees a remote worker only fall silent, never how it ended: whatever the cause (a crash, a kill,
-a stall, the pool stopping), its requests are handed over, as after a kill (resumed elsewhere, up to the
-broker's bound on hand-overs per request); no remote death counts toward ``poison_request`` or fails a
-model.
+The broker sees a remote worker leave (LEAVING) or fall silent, never how it ended: whatever the cause (a
+crash, a kill, a stall, the pool stopping or dying), its requests are handed over, as after a kill (resumed
+elsewhere, up to the broker's bound on hand-overs per request); no remote death counts toward
+``poison_request`` or fails a model.
 
-On SIGTERM/SIGINT the pool stops its workers; requests they were running are handed over by the broker's
-rules.
+On SIGTERM/SIGINT the pool terminates its workers: each says LEAVING as it exits, so the broker forgets it at
+once and hands its requests over. A pool killed outright leaves its workers running (they have sessions of
+their own); each notices within a second that the pool is gone and leaves the same way.
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ from mpserve.doctor import start_warnings
 from mpserve.runtime import ServerInfo, ServerPaths
 from mpserve.slots import SlotTable
 
-from .layout import build_layout, worker_specs
+from .layout import build_layout, check_host_ram, worker_specs
 from .loop import WATCHDOG_PERIOD_S
 from .preflight import claim
 from .signals import SignalPipe
@@ -52,7 +53,7 @@ def run_pool(config: ServerConfig, connect: str, curve_server_key: str | None = 
     paths = ServerPaths.for_name(config.server_name)
     claim(paths)
     layout = build_layout(config)
-    for warning in start_warnings(config, layout.devices):
+    for warning in [*check_host_ram(config, layout), *start_warnings(config, layout.devices)]:
         log.warning("%s", warning)
     pool = f"{socket.gethostname()[:32]}-{os.getpid()}"
     specs = [dataclasses.replace(spec, pool=pool, curve_server_key=curve_server_key, curve_secret=curve_secret,

@@ -10,7 +10,8 @@ The rules, first match wins:
     below min                      START ``min``  (or SKIP with ``room``'s reason, e.g. ``does_not_fit``)
     above max                      DRAIN ``max``
     requests wait, no instance     START ``demand`` at once: scale from zero  (or SKIP as above)
-    oldest waited > scale_up_after START ``queue``  (or SKIP ``at_max``, or as above)
+    oldest waited > scale_up_after START ``queue``  (or SKIP ``at_max``, or as above); not for a fixed count
+                                   (min = max), which waits for its instances without a word
     spare for scale_down_after     DRAIN ``idle``: nothing queued and an instance's worth of slots idle all along,
                                    above min; the wait starts afresh after each drain
 
@@ -89,12 +90,13 @@ class Scaler:
             return self._drain(model, "max", now)
         if load.queued and live == 0:
             return self._start(model, "demand", room)
-        if load.queued and load.oldest_wait >= policy.scale_up_after:
+        scales = policy.max > policy.min  # a fixed count (--instances N) never scales up, so never skips either
+        if scales and load.queued and load.oldest_wait >= policy.scale_up_after:
             if live >= policy.max:
                 return self._skip(model, "at_max")
             return self._start(model, "queue", room)
         self._skipped.pop(model, None)
-        if load.queued:
+        if scales and load.queued:
             self._wakes[model] = now + policy.scale_up_after - load.oldest_wait
         if spare and live > policy.min:
             since = self._spare_since.setdefault(model, now)

@@ -53,6 +53,8 @@ class Pending:
     deadline: float | None
     state: RequestState = RequestState.QUEUED
     assigned: float = 0.0  # monotonic, the last assignment
+    first_assigned: float = 0.0  # monotonic: with ``first_token``, the whole request's timings after a hand-over
+    first_token: float = 0.0  # monotonic, its first CHUNK (0: none yet)
     crashes: int = 0  # workers that crashed or stalled under it (``mpserve.server.routing``: crash, hand-over)
     handovers: int = 0  # workers lost under it to causes not its own
     attempts: int = 0
@@ -85,6 +87,7 @@ class WorkerEntry:
     prompts: dict[int, str] = field(default_factory=dict)  # slot -> its last prompt (cached in its KV)
     ram: RamPrefixes = field(default_factory=RamPrefixes)  # what its host-RAM prompt cache holds (CACHE frames)
     draining: bool = False  # being scaled down: no new requests; STOP once it runs nothing
+    unreachable: bool = False  # a send to it failed (said once), until it is heard from again
 
 
 @dataclass

@@ -19,6 +19,8 @@ Each turn takes every waiting broker message, then runs one ``engine.step`` whil
               plain CHUNK, DONE or ERROR when it is one), before anything else the worker sends
     keep alive  heartbeats both ways; register again if the broker went silent; exit if the server died;
               unload the model after ``idle_timeout`` without a request
+    leave     told to STOP, terminated (SIGTERM), or the server (pool) gone: LEAVING, and exit; the requests
+              still running are not answered: the broker hands them over at once, as a lost worker's
 
 The same loop serves models (``BatchEngine``) and the echo backend (``EchoEngine``): one interface,
 ``mpserve.engine.interface.Engine``.
@@ -36,9 +38,11 @@ import random
 import resource
 import select
 import signal
+import socket
 import sys
 import time
 from collections.abc import Callable
+from types import FrameType
 from typing import Any
 
 import zmq
@@ -57,7 +61,6 @@ from .stream import ChunkStream
 
 log = logging.getLogger("mpserve.worker")
 
-PARENT_CHECK_S = 1.0
 REGISTER_BACKOFF_FIRST_S = 0.5
 REGISTER_BACKOFF_MAX_S = 5.0
 CRASH_ON = "MPSERVE_TEST_CRASH_ON"  # the tests' crash injection (see the module's docstring)
@@ -102,8 +105,11 @@ class Worker:
         self._cancelled_tickets: set[str] = set()
         self._served = 0
         self._stopping = False
-        self._server = _watch(spec.parent_pid)
-        self._next_parent_check = 0.0
+        self._leaving: str | None = None  # why the worker leaves on its own (not told to stop): for LEAVING
+        self._wakeup: tuple[socket.socket, socket.socket] | None = None
+        self._server = _watch(spec.parent_pid)  # in the poll too: an idle worker wakes when the server dies
+        if self._server is not None:
+            self._poller.register(self._server, zmq.POLLIN)
         self._next_heartbeat = 0.0
         self._heard = time.monotonic()
         self._must_register = False
@@ -138,8 +144,8 @@ class Worker:
         spec = self._spec
         self._register()
         idle_since = time.monotonic()
-        while not self._stopping:
-            wait_ms = 0 if self._running else int(min(PARENT_CHECK_S, spec.heartbeat_interval) * 1000)
+        while not self._leaving_now():
+            wait_ms = 0 if self._running else int(spec.heartbeat_interval * 1000)
             if self._poller.poll(wait_ms):
                 self._receive_all()
             if self._running:
@@ -150,11 +156,29 @@ class Worker:
                     and time.monotonic() - idle_since >= spec.idle_timeout):
                 log.info("idle for %.0f s; unloading the model until the next request", spec.idle_timeout)
                 self._unload()
-        for ticket in list(self._running):  # stopping with requests running: they end as cancelled
-            self._end(ticket, wire.Error(self._running[ticket].request.id, ErrorCode.CANCELLED,
-                                         "the worker is stopping"))
         self._flush()
         self.set_rows(state=SlotState.STOPPING)
+        # the requests still running are not answered: the broker hands them over as a lost worker's
+        self._send(wire.Leaving(spec.identity.decode(), self._leaving or "told to stop"))
+
+    def _leaving_now(self) -> bool:
+        """Told to stop, or leaving on its own: LEAVING after this turn's step (none if it waits for a permit)."""
+        return self._stopping or self._leaving is not None
+
+    def leave_on(self, signum: int) -> None:
+        """On ``signum`` (SIGTERM), stop after the current step and tell the broker (LEAVING), which hands the
+        running requests over at once. A handler only notes it: the loop acts; the signal wakes its poll."""
+        read, write = socket.socketpair()
+        read.setblocking(False)
+        write.setblocking(False)
+        self._wakeup = read, write  # open for the process's life
+        self._poller.register(read, zmq.POLLIN)
+        signal.set_wakeup_fd(write.fileno())
+
+        def note(signo: int, frame: FrameType | None) -> None:
+            self._leaving = f"it got {signal.Signals(signo).name}"
+
+        signal.signal(signum, note)
 
     # --- the link to the broker ---------------------------------------------------------------------
 
@@ -176,11 +200,11 @@ class Worker:
         that restarted or declared this worker lost gets it back. Also: exit if the server is gone."""
         spec = self._spec
         now = time.monotonic()
-        if now >= self._next_parent_check:
-            self._next_parent_check = now + PARENT_CHECK_S
-            if self._server is None or select.select([self._server], [], [], 0)[0]:
-                log.warning("server (pid %d) is gone; exiting", spec.parent_pid)
-                self._stopping = True
+        if self._leaving is None and (self._server is None or select.select([self._server], [], [], 0)[0]):
+            # every turn (one syscall): the requests of a dead pool's worker are handed over after one step more
+            starter = "pool" if spec.pool else "server"
+            log.warning("its %s (pid %d) is gone; leaving", starter, spec.parent_pid)
+            self._leaving = f"its {starter} (pid {spec.parent_pid}) is gone"
         if now >= self._next_heartbeat:
             self._next_heartbeat = now + spec.heartbeat_interval
             self._send(wire.Heartbeat(spec.identity.decode()))
@@ -298,7 +322,7 @@ class Worker:
             note_tokens()
             if stream is not None and text:
                 stream.push(text)
-            return not self._stopping
+            return True
 
         if self._crash_on is not None and self._crash_on in req.prompt:
             _crash()
@@ -372,8 +396,9 @@ class Worker:
         if self._permits is not None and self._permit is None:
             try:
                 self._permit = self._permits.acquire(stop=self._nothing_left)
-            except Cancelled:  # all were cancelled while queueing: the step below only ends them
-                pass
+            except Cancelled:  # all were cancelled while queueing (the step below only ends them), or it leaves
+                if self._leaving_now():
+                    return
             else:
                 for ticket in self._running:
                     self._rows[self._slot_of[ticket]].update(state=SlotState.BUSY)
@@ -400,7 +425,7 @@ class Worker:
     def _nothing_left(self) -> bool:
         """While queueing for the permit: stop waiting once every running request was cancelled."""
         self._pump()
-        return self._stopping or all(t in self._cancelled_tickets for t in self._running)
+        return self._leaving_now() or all(t in self._cancelled_tickets for t in self._running)
 
     def _end(self, ticket: str, outcome: wire.Done | wire.Error) -> None:
         """Answer a request that ended. The row says idle before the reply goes out: a client holding its

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 import sys
 import time
 from collections.abc import Callable
@@ -97,6 +98,7 @@ def worker_main(spec: WorkerSpec, model: Any = None) -> None:
             worker.set_rows(state=SlotState.UNLOADED)
         else:
             worker.load()
+        worker.leave_on(signal.SIGTERM)  # after the load: a worker terminated while loading ends at once
         worker.run()
     finally:
         if permits is not None:

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import signal
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -333,6 +335,52 @@ def test_a_worker_of_another_worker_protocol_is_refused_with_both_versions_named
         worker.close(0)
 
 
+def test_a_worker_that_leaves_is_forgotten_at_once_and_its_request_resumed_with_the_whole_requests_timings(
+        broker: Broker) -> None:
+    """LEAVING (a pool stopping, or gone): the worker is dropped without waiting for its silence, its streamed
+    request goes on elsewhere, and the DONE's timings are those of the whole request as the client saw it, not
+    of the last worker's part."""
+    with peers(broker, slots=1) as (client, workers):
+        t_asked = time.monotonic()
+        ask(broker, client, "r1")
+        [(first, assign)] = taken(workers).values()
+        time.sleep(0.05)  # queue and prompt: until the first token
+        workers[first].send_multipart(wire.encode_from_worker(wire.Chunk("r1", "ab"), assign.ticket,
+                                                              wire.token_frame([7, 8])))
+        assert broker.back.poll(1000)
+        broker.drain_back()
+        assert answer(client) == wire.Chunk("r1", "ab")
+        t_first = time.monotonic()
+        time.sleep(0.2)  # generating, then the worker leaves
+        workers[first].send_multipart(wire.encode_from_worker(wire.Leaving(first.decode(), "it got SIGTERM")))
+        assert broker.back.poll(1000)
+        broker.drain_back()
+        assert first not in broker.workers and broker.stats["worker_left"] == 1
+        [(second, resumed)] = taken(workers).values()
+        assert second != first and resumed.attempt == 2 and wire.frame_tokens(resumed.generated) == [7, 8]
+        time.sleep(0.1)
+        done = wire.Done("r1", "abcd", "length", wire.Usage(1, 4), wire.Timings(400.0, 2.0, 1.0, attempts=2))
+        workers[second].send_multipart(wire.encode_from_worker(done, resumed.ticket))
+        assert broker.back.poll(1000)
+        broker.drain_back()
+        got = answer(client)
+        t_done = time.monotonic()
+        assert isinstance(got, wire.Done) and got.text == "abcd" and got.timings.attempts == 2
+        t = got.timings
+        assert t.queue_ms + t.prompt_ms <= (t_first - t_asked) * 1000  # not the first worker's run as queueing
+        assert t.prompt_ms >= 50 and t.generate_ms >= 300  # across the hand-over, not the last worker's 1 ms
+        assert t.queue_ms + t.prompt_ms + t.generate_ms <= (t_done - t_asked) * 1000
+
+
+def test_a_leaving_worker_the_broker_does_not_know_is_not_asked_to_register(broker: Broker) -> None:
+    with peers(broker, slots=1) as (_, workers):
+        broker.worker_exited(0, -signal.SIGKILL)
+        workers[b"w0"].send_multipart(wire.encode_from_worker(wire.Leaving("w0", "told to stop")))
+        assert broker.back.poll(1000)
+        broker.drain_back()
+        assert not workers[b"w0"].poll(100) and broker.stats["worker_left"] == 0
+
+
 # --- how a worker ended: a crash, a kill, a model whose workers crash ------------------------------
 
 def ask(broker: Broker, client: zmq.Socket[bytes], rid: str) -> None:
@@ -454,7 +502,27 @@ def test_a_done_between_crashes_starts_the_models_count_afresh(broker: Broker) -
         workers[name].send_multipart(wire.encode_from_worker(done, assign.ticket))
         assert broker.back.poll(1000)
         broker.drain_back()
-        assert answer(client) == done and broker.models["m"].crash_streak == 0
+        got = answer(client)  # its timings are the whole request's: it was handed over (``test_...timings...``)
+        assert dataclasses.replace(got, timings=done.timings) == done and broker.models["m"].crash_streak == 0
         ask(broker, client, "r3")
         ends(broker, taken(workers)["r3"][0], -signal.SIGSEGV)
         assert broker.models["m"].failed is None and broker.models["m"].crash_streak == 1
+
+
+def test_a_remote_worker_that_cannot_be_reached_is_said_so_once_in_words_that_fit_it(
+        broker: Broker, caplog: pytest.LogCaptureFixture) -> None:
+    """No supervisor owns a remote worker: its silence decides; the failed sends are logged once, not every
+    heartbeat, until it is heard from again."""
+    ctx = broker.front.context
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.IDENTITY, b"far-w0")
+    sock.connect("inproc://back")
+    broker._on_ready(b"far-w0", wire.Ready("far-w0", "m", -1, 1, 7, host="elsewhere"), None)
+    sock.close(0)  # its link is down
+    time.sleep(0.1)
+    with caplog.at_level("WARNING", logger="mpserve.broker"):
+        for _ in range(3):
+            broker.send_heartbeats()
+    [said] = [r.getMessage() for r in caplog.records if "cannot send" in r.getMessage()]
+    assert "far-w0 on elsewhere" in said and "declared lost if it stays silent for 5.0 s" in said
+    assert "supervisor" not in said

@@ -54,6 +54,13 @@ def test_never_above_max_and_the_skip_is_reported_once() -> None:
     assert scaler.decide("m", busy, POLICY, fits) == Decision(Action.SKIP, "at_max")
 
 
+def test_a_fixed_count_never_skips_a_scale_up_it_was_never_going_to_make() -> None:
+    scaler = Scaler(Clock())
+    fixed = Policy(min=2, max=2, scale_up_after=2.0, scale_down_after=10.0)
+    assert scaler.decide("m", load(queued=9, wait=5.0, running=2, ready=2), fixed, fits) == NOTHING
+    assert scaler.next_wake() is None  # nothing to wake for: the queue drains as its instances free
+
+
 def test_a_start_that_does_not_fit_is_skipped_and_happens_once_it_fits() -> None:
     scaler = Scaler(Clock())
     waiting = load(queued=2, wait=3.0, running=1)

@@ -89,3 +89,21 @@ def test_the_answers_of_one_step_travel_as_one_step_message(
             entries = wire.step_entries(frames[3])
             assert [(t, ticket) for t, ticket, _, _ in entries] == [(wire.MsgType.DONE, f"t{i}") for i in range(2)]
     assert wire.MsgType.STEP in kinds and wire.MsgType.DONE not in kinds, kinds
+
+
+def test_a_worker_stopping_with_a_request_running_leaves_without_answering_it(
+        link: tuple[zmq.Socket[bytes], WorkerSpec, SlotTable]) -> None:
+    """The broker hands such a request over (LEAVING); an answer would end it for its client."""
+    broker, spec, table = link
+    worker = _worker(broker, spec, table, EchoEngine(parallel=2))
+    assign = wire.Assign("t0", wire.Request("r0", "hi", params=wire.GenerateParams(max_tokens=1000)), 0.0, 1)
+    broker.send_multipart([spec.identity, *wire.encode_assigns([wire.pack(assign)])])
+    broker.send_multipart([spec.identity, *wire.encode(wire.Stop("scaled down"))])
+    worker.run()
+    sent = []
+    while broker.poll(500):
+        frames = broker.recv_multipart()[1:]
+        mtype = wire.parse_header(frames, len(frames))
+        sent.append(wire.decode_body(mtype, frames[3]) if mtype is not wire.MsgType.STEP else mtype)
+    assert not [m for m in sent if isinstance(m, (wire.Done, wire.Error))], sent
+    assert sent[-1] == wire.Leaving("w0", "told to stop")
