@@ -87,7 +87,12 @@ def check_model(request: ModelRequest) -> None:
 
 
 def worker_specs(config: ServerConfig, layout: Layout, backend: str, slots_path: Path) -> list[WorkerSpec]:
-    """One spec per placed instance, at the index and rows ``instance_rows`` keeps for it."""
+    """One spec per placed instance, at the index and rows ``instance_rows`` keeps for it. Every model's repacking
+    is decided here, before the server's loop runs, placed or not: a model that starts at zero would otherwise
+    run the host's repack probe (seconds, in a child) inside the loop when its first request comes, and the
+    loop would answer nobody meanwhile."""
+    for model in config.models:
+        repack_for(model)
     rows = instance_rows(config)
     return [worker_spec(config, layout.devices, placement, *rows[placement.model][placement.instance], backend,
                         slots_path) for placement in layout.placements]

@@ -108,6 +108,16 @@ class Supervisor:
     def start_all(self) -> None:
         for index in self.workers:
             self.spawn(index)
+        if not self.workers:  # every model starts at zero: the fork server would start with the first request
+            self._warm_fork_server()
+
+    def _warm_fork_server(self) -> None:
+        """Start the fork server now and wait until it has imported its modules: the first start through it
+        waits for that, and must not hold up the server's loop (clients would hear nothing meanwhile)."""
+        process = self._mp.Process(target=int, name="mpserve-fork-server-warm-up")
+        process.start()
+        process.join()
+        process.close()
 
     def spawn(self, index: int) -> None:
         handle = self.workers[index]
