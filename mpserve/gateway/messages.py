@@ -190,7 +190,7 @@ def _tool_choice(value: Any) -> tuple[Any, bool | None]:
     if value is None:
         return None, None
     kind = value.get("type") if isinstance(value, dict) else None
-    choice: Any = {"auto": "auto", "any": "required", "none": "none"}.get(kind or "")
+    choice: Any = {"auto": "auto", "any": "required", "none": "none"}.get(kind) if isinstance(kind, str) else None
     if kind == "tool":
         choice = {"type": "function", "function": {"name": value.get("name")}}
     if choice is None or not isinstance(value.get("disable_parallel_tool_use", False), bool):
