@@ -83,6 +83,12 @@ class Embedded:
 
 
 @dataclass(frozen=True)
+class Reranked:
+    scores: list[float]  # one per document, in order: higher is more relevant
+    prompt_tokens: int
+
+
+@dataclass(frozen=True)
 class Tokenized:
     tokens: list[int]
     pieces: list[bytes]  # each token's bytes, when asked for with_pieces; else empty
@@ -273,6 +279,18 @@ class AsyncClient:
                                  Timeout(f"no answer within {msg.timeout} s"))
         assert isinstance(answer, wire.Embeddings)
         return Embedded(answer.rows(), answer.prompt_tokens)
+
+    async def rerank(self, query: str, documents: list[str], *, model: str | None = None,
+                     timeout: float | None = None) -> Reranked:
+        """Each document's relevance to ``query`` by a reranker (``embedding: true, pooling: rank``), in the
+        documents' order, all computed by one of its instances."""
+        if not documents or not all(isinstance(d, str) and d for d in documents):
+            raise BadRequest("'documents' must be a non-empty list of non-empty texts")
+        msg = wire.Embed(next(self._ids), model, tuple(documents), timeout=timeout or self.timeout, query=query)
+        answer = await self._ask(msg, None if msg.timeout is None else msg.timeout + 1.0,
+                                 Timeout(f"no answer within {msg.timeout} s"))
+        assert isinstance(answer, wire.Embeddings)
+        return Reranked([row[0] for row in answer.rows()], answer.prompt_tokens)
 
     async def stats(self, timeout: float = CONNECT_TIMEOUT_S) -> wire.Stats:
         """The broker's counters and per-model queue state."""
@@ -553,6 +571,10 @@ class Client:
     def embed(self, inputs: str | list[str] | list[int] | list[list[int]], *, model: str | None = None,
               timeout: float | None = None) -> Embedded:
         return self._call(self._async.embed(inputs, model=model, timeout=timeout))
+
+    def rerank(self, query: str, documents: list[str], *, model: str | None = None,
+               timeout: float | None = None) -> Reranked:
+        return self._call(self._async.rerank(query, documents, model=model, timeout=timeout))
 
     def stats(self, timeout: float = CONNECT_TIMEOUT_S) -> wire.Stats:
         return self._call(self._async.stats(timeout))

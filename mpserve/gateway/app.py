@@ -6,6 +6,9 @@
     POST /v1/completions, /v1/chat/completions   OpenAI shapes, streamed (server-sent events) or not
     GET  /v1/models                               the served models
     POST /v1/embeddings                           OpenAI's shape (``gateway.embeddings``), embedding models
+    POST /v1/responses, GET|DELETE /v1/responses/{id}   OpenAI's Responses API (``gateway.responses``)
+    POST /v1/messages                             Anthropic's Messages API (``gateway.messages``); x-api-key too
+    POST /v1/rerank, /rerank                      a reranker's scores (``gateway.rerank``), pooling: rank models
     POST /tokenize, /detokenize                   llama-server's shapes (``gateway.tokens``)
     GET  /health                                  200 while some instance can take a request, else 503
     GET  /metrics                                 Prometheus text
@@ -60,6 +63,7 @@ from mpserve.slots import SlotState, locate
 from . import access, console, limits, schema, slots
 from . import embeddings as emb
 from . import openai as oai
+from . import rerank as rr
 from . import tokens as tok
 from .admin import ADMIN_PREFIX, Admin
 from .backend import Backend
@@ -122,6 +126,8 @@ def create_app(config: GatewayConfig) -> Starlette:
         Route("/v1/chat/completions", gateway.chat_completions, methods=["POST"]),
         Route("/v1/models", gateway.list_models, methods=["GET"]),
         Route("/v1/embeddings", gateway.embeddings, methods=["POST"]),
+        Route("/v1/rerank", gateway.rerank, methods=["POST"]),
+        Route("/rerank", gateway.rerank, methods=["POST"]),
         Route("/tokenize", gateway.tokenize, methods=["POST"]),
         Route("/detokenize", gateway.detokenize, methods=["POST"]),
         Route("/health", gateway.get_health, methods=["GET"]),
@@ -304,6 +310,22 @@ class _Gateway:
             return self._unread(request.url.path, exc)
         self.metrics.outcome(request.url.path, "ok")
         return JSONResponse(emb.answer(result, call.model or _sole_model(client), call.encoding_format))
+
+    async def rerank(self, request: Request) -> Response:
+        endpoint = "/v1/rerank"  # and its alias /rerank
+        try:
+            call = rr.parse(await limits.read_json(request, self.config.connections.read_timeout))
+            client = await self.backend.client()
+            result = await _unless_disconnected(request, client.rerank(call.query, call.documents, model=call.model))
+        except ClientGone:
+            self.metrics.outcome(endpoint, ErrorCode.CANCELLED)
+            return Response(status_code=204)
+        except MpserveError as exc:
+            return self._failed(endpoint, exc)
+        except (limits.Refused, ClientDisconnect) as exc:
+            return self._unread(endpoint, exc)
+        self.metrics.outcome(endpoint, "ok")
+        return JSONResponse(rr.answer(call, result, call.model or _sole_model(client)))
 
     async def tokenize(self, request: Request) -> Response:
         try:

@@ -48,6 +48,10 @@ def document(version: str) -> dict[str, Any]:
                                       "security": [{"bearer": []}, {"apiKey": []}, {}]}},
             "/v1/embeddings": {"post": _post("OpenAI embeddings, from a model served with embedding: true",
                                              "EmbeddingRequest", "one vector per input", False, errors)},
+            "/v1/rerank": {"post": _post("a reranker's scores (a model served with pooling: rank), llama-server's "
+                                         "shape", "RerankRequest", "the documents by relevance", False, errors)},
+            "/rerank": {"post": _post("llama-server's name for /v1/rerank", "RerankRequest",
+                                      "the documents by relevance", False, errors)},
             "/v1/models": {"get": _get("the served models", "application/json", {"503": errors["503"],
                                                                                    "401": errors["401"]})},
             "/health": {"get": _get("200 while some instance can take a request", "application/json",
@@ -73,8 +77,8 @@ def document(version: str) -> dict[str, Any]:
         },
         "components": {
             "schemas": {"CompletionRequest": _completion(), "ChatRequest": _chat(), "EmbeddingRequest": _embedding(),
-                        "ResponseRequest": _response(), "MessageRequest": _message(), "Error": _ERROR,
-                        "AnthropicError": _ANTHROPIC_ERROR},
+                        "ResponseRequest": _response(), "RerankRequest": _rerank(), "MessageRequest": _message(),
+                        "Error": _ERROR, "AnthropicError": _ANTHROPIC_ERROR},
             "responses": {f"{prefix}{status}": {"description": why, "content": {"application/json": {
                 "schema": {"$ref": f"#/components/schemas/{shape}"}}}} for status, why in ERROR_STATUSES.items()
                 for prefix, shape in (("E", "Error"), ("A", "AnthropicError"))},
@@ -234,6 +238,16 @@ def _message() -> dict[str, Any]:
             "type": {"type": "string", "enum": ["auto", "any", "tool", "none"]}, "name": {"type": "string"},
             "disable_parallel_tool_use": {"type": "boolean"}}},
         "metadata": {"type": "object"}}}
+
+
+def _rerank() -> dict[str, Any]:
+    text = {"type": "string", "minLength": 1, "maxLength": wire.MAX_PROMPT_CHARS}
+    document = {"oneOf": [text, {"type": "object", "required": ["text"], "properties": {"text": text}}]}
+    return {"type": "object", "required": ["query", "documents"], "additionalProperties": False, "properties": {
+        "model": _nullable({"type": "string", "maxLength": 256}), "query": text,
+        "documents": {"type": "array", "items": document, "minItems": 1, "maxItems": wire.MAX_EMBED_INPUTS},
+        "top_n": _nullable({"type": "integer", "minimum": 1}), "return_documents": _nullable({"type": "boolean"}),
+        "user": _nullable({"type": "string"})}}
 
 
 _ID = {"name": "id", "in": "path", "required": True, "schema": {"type": "string"}}
