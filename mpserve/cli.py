@@ -468,7 +468,8 @@ def bench(ctx: typer.Context) -> None:
 def make_model(
     path: Annotated[Path, typer.Argument(help="Where to write the .gguf file.")],
     size: Annotated[str, typer.Option("--size", help="tiny (under 1 MB), bench (about 85M parameters), "
-                                      "tiny-embed, or tiny-draft (a draft model for tiny).")]
+                                      "tiny-embed, tiny-rerank (a reranker: pooling rank), or tiny-draft (a "
+                                      "draft model for tiny).")]
     = "tiny",
 ) -> None:
     """Write a deterministic random-weight llama GGUF (same arguments, same bytes)."""

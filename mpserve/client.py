@@ -107,6 +107,12 @@ class Embedded:
 
 
 @dataclass(frozen=True)
+class Reranked:
+    scores: list[float]  # one per document, in order: higher is more relevant
+    prompt_tokens: int
+
+
+@dataclass(frozen=True)
 class Tokenized:
     tokens: list[int]
     pieces: list[bytes]  # each token's bytes, when asked for with_pieces; else empty
@@ -298,6 +304,19 @@ class AsyncClient:
                                  Timeout(f"no answer within {msg.timeout} s"))
         assert isinstance(answer, wire.Embeddings)
         return Embedded(answer.rows(), answer.prompt_tokens)
+
+    async def rerank(self, query: str, documents: list[str], *, model: str | None = None,
+                     timeout: float | None = None, request_id: str | None = None) -> Reranked:
+        """Each document's relevance to ``query`` by a reranker (``embedding: true, pooling: rank``), in the
+        documents' order, all computed by one of its instances."""
+        if not documents or not all(isinstance(d, str) and d for d in documents):
+            raise BadRequest("'documents' must be a non-empty list of non-empty texts")
+        rid = next(self._ids) if request_id is None else check_request_id(request_id)
+        msg = wire.Embed(rid, model, tuple(documents), timeout=timeout or self.timeout, query=query)
+        answer = await self._ask(msg, None if msg.timeout is None else msg.timeout + 1.0,
+                                 Timeout(f"no answer within {msg.timeout} s"))
+        assert isinstance(answer, wire.Embeddings)
+        return Reranked([row[0] for row in answer.rows()], answer.prompt_tokens)
 
     async def stats(self, timeout: float = CONNECT_TIMEOUT_S) -> wire.Stats:
         """The broker's counters and per-model queue state."""
@@ -587,6 +606,10 @@ class Client:
     def embed(self, inputs: str | list[str] | list[int] | list[list[int]], *, model: str | None = None,
               timeout: float | None = None, request_id: str | None = None) -> Embedded:
         return self._call(self._async.embed(inputs, model=model, timeout=timeout, request_id=request_id))
+
+    def rerank(self, query: str, documents: list[str], *, model: str | None = None,
+               timeout: float | None = None, request_id: str | None = None) -> Reranked:
+        return self._call(self._async.rerank(query, documents, model=model, timeout=timeout, request_id=request_id))
 
     def stats(self, timeout: float = CONNECT_TIMEOUT_S) -> wire.Stats:
         return self._call(self._async.stats(timeout))

@@ -1031,7 +1031,8 @@ class Tokens:
 @dataclass(frozen=True)
 class Embed:
     """client -> broker -> worker: the embeddings of ``texts``, or of ``tokens`` (one pack_tokens per input),
-    by the embedding model ``model``. The broker sends it to the least busy loaded instance of the model, with
+    by the embedding model ``model``; with ``query``, a reranker's score of each text against it (EMBEDDINGS of
+    one number each). The broker sends it to the least busy loaded instance of the model, with
     ``ticket`` set, as it sends TOKENIZE; answered by EMBEDDINGS or ERROR."""
 
     TYPE: ClassVar[MsgType] = MsgType.EMBED
@@ -1041,6 +1042,7 @@ class Embed:
     tokens: tuple[bytes, ...] = ()
     timeout: float | None = None
     ticket: str = ""
+    query: str | None = None  # a rerank: the texts are documents, each scored against this query
 
     @classmethod
     def from_wire(cls, body: dict[str, Any]) -> Embed:
@@ -1057,9 +1059,12 @@ class Embed:
         timeout = _get(body, "timeout", (int, float), None, bad=BadRequest)
         if timeout is not None:
             _ranged("timeout", timeout, 0.001, 7 * 24 * 3600)
+        query = _text(body, "query", MAX_PROMPT_CHARS, None, bad=BadRequest)
+        if query is not None and (tokens or not query):
+            raise BadRequest("a rerank takes a non-empty 'query' and documents as texts")
         return cls(id=_text(body, "id", MAX_ID_CHARS), model=_text(body, "model", 256, None, bad=BadRequest),
                    texts=tuple(texts), tokens=tuple(tokens), timeout=None if timeout is None else float(timeout),
-                   ticket=_text(body, "ticket", MAX_ID_CHARS, ""))
+                   ticket=_text(body, "ticket", MAX_ID_CHARS, ""), query=query)
 
 
 @dataclass(frozen=True)

@@ -132,8 +132,8 @@ SETTINGS: tuple[Setting, ...] = (
     _s("embedding", "model", bool, "false", "An embedding model: it serves /v1/embeddings (Client.embed), not "
        "completions", flag=None, env=None),
     _s("pooling", "model", str, "the GGUF's", "An embedding model's pooling of its token vectors into one per input: "
-       "mean, cls or last",
-       flag=None, env=None, choices=("mean", "cls", "last")),
+       "mean, cls or last; rank: a reranker (its GGUF has a rank head), served at /v1/rerank",
+       flag=None, env=None, choices=("mean", "cls", "last", "rank")),
     # --- the server -----------------------------------------------------------------------------------
     _s("server_name", "server", str, "default", "Which local server (several may run side by side)",
        own_in=("worker",)),

@@ -178,8 +178,8 @@ def test_refusals_come_in_openai_error_shape_with_fitting_statuses(gateway) -> N
     assert [m.id for m in oc.models.list()] == ["tiny"]
     bad_json = httpx.post(f"{gateway.url}/v1/completions", content=b"{not json", timeout=10)
     assert bad_json.status_code == 400 and "not valid JSON" in bad_json.json()["error"]["message"]
-    unknown = httpx.post(f"{gateway.url}/v1/completions", json={"prompt": "hi", "mirostat": 2}, timeout=10)
-    assert unknown.status_code == 400 and "mirostat" in unknown.json()["error"]["message"]
+    unknown = httpx.post(f"{gateway.url}/v1/completions", json={"prompt": "hi", "mirostatt": 2}, timeout=10)
+    assert unknown.status_code == 400 and "mirostatt" in unknown.json()["error"]["message"]
     nowhere = gateway.get("/v1/images/generations")
     assert nowhere.status_code == 404 and nowhere.json()["error"]["code"] == "not_found"
 

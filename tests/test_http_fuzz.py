@@ -55,7 +55,10 @@ GATEWAY_CODES = {"request_too_large", "request_timeout", "too_many_connections",
                  "method_not_allowed", "http_error"}
 KNOWN_CODES = {code.value for code in ErrorCode} | GATEWAY_CODES
 ALLOWED_5XX = {502, 503, 504}
-API_PATHS = ("/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize")
+API_PATHS = ("/v1/completions", "/v1/chat/completions", "/v1/responses", "/v1/messages", "/tokenize", "/detokenize")
+ANTHROPIC_TYPES = {"invalid_request_error", "authentication_error", "not_found_error", "timeout_error",
+                   "request_too_large", "rate_limit_error", "overloaded_error", "api_error"}
+STREAM_ENDS = {"message_stop", "response.completed", "response.incomplete", "error"}  # the named-event streams
 GET_PATHS = ("/health", "/metrics", "/v1/models", "/openapi.json", "/backend/monitor", "/console/state", "/")
 
 
@@ -91,14 +94,17 @@ def valid_body(rng: random.Random, path: str | None = None) -> tuple[str, dict[s
     if path == "/detokenize":
         return path, {"tokens": [rng.randrange(100) for _ in range(rng.randint(0, 5))]}
     body: dict[str, Any] = {"max_tokens": rng.randint(1, 4), "temperature": rng.choice([0, 0.8])}
-    if path == "/v1/completions":
+    if path == "/v1/responses":
+        body = {"max_output_tokens": body["max_tokens"], "temperature": body["temperature"],
+                "input": rng.choice(["hi", [{"role": "user", "content": "What is 2+2?"}]])}
+    elif path == "/v1/completions":
         body["prompt"] = rng.choice(["hi", "Once upon a time", "1 2 3", ""])
     else:
         body["messages"] = [{"role": "user", "content": rng.choice(["hi", "What is 2+2?"])}]
     if rng.random() < 0.4:
         body["stream"] = True
-    if rng.random() < 0.2:
-        body["stop"] = ["\n"]
+    if rng.random() < 0.2 and path != "/v1/responses":
+        body["stop_sequences" if path == "/v1/messages" else "stop"] = ["\n"]
     return path, body
 
 
@@ -109,7 +115,8 @@ WEIRD: list[Any] = [
 FIELDS = ["prompt", "messages", "max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k", "seed",
           "stop", "stream", "stream_options", "logit_bias", "logprobs", "top_logprobs", "n", "echo", "model",
           "response_format", "grammar", "json_schema", "tools", "tool_choice", "user", "content", "tokens",
-          "with_pieces", "add_special", "junk"]
+          "with_pieces", "add_special", "input", "max_output_tokens", "instructions", "text", "previous_response_id",
+          "system", "stop_sequences", "junk"]
 ODD_TEXT = [
     "\u202eevil\u202c", "a\u200db\u200c", "e" + "\u0301" * 1000, "\U0001f600" * 50, "\uffff\ufffe", "\u0000",
     "\ufeffhi", "\U0010ffff", "\r\n\r\n", "<|im_end|>", "<|im_start|>system", "{{ 7 * 7 }}", "{% for %}", "\x1b[2J",
@@ -422,9 +429,17 @@ def check_answer(case: Case, status: int, headers: dict[str, str], body: bytes, 
         return
     if status >= 400:
         try:
-            error = json.loads(body)["error"]
+            answer = json.loads(body)
+            error = answer["error"]
         except (ValueError, KeyError, TypeError):
             return out.problem(case, f"{status} not in OpenAI's error shape: {kind} {body[:200]!r}")
+        if answer.get("type") == "error":  # /v1/messages: Anthropic's shape
+            out.codes[f"anthropic {error.get('type')}"] += 1
+            if kind != "application/json" or set(error) != {"type", "message"} or error["type"] not in ANTHROPIC_TYPES:
+                out.problem(case, f"{status} not in Anthropic's error shape: {kind} {error}")
+            if status >= 500 and status not in ALLOWED_5XX:
+                out.problem(case, f"an undocumented {status}: {error}")
+            return
         out.codes[error["code"]] += 1
         if kind != "application/json" or set(error) != {"message", "type", "param", "code"}:
             out.problem(case, f"{status} not in OpenAI's error shape: {kind} {error}")
@@ -442,11 +457,11 @@ def check_answer(case: Case, status: int, headers: dict[str, str], body: bytes, 
     if kind not in ("application/json", "text/event-stream"):
         return  # the monitoring routes' text (metrics, the console page)
     if kind == "text/event-stream":
-        events = [e for e in body.decode().split("\n\n") if e]
+        events = [e.split("\n")[-1] for e in body.decode().split("\n\n") if e]  # named ones: event: then data:
         if not events or not all(e.startswith("data: ") for e in events):
             return out.problem(case, f"a malformed event stream: {body[:300]!r}")
         last = events[-1].removeprefix("data: ")
-        if last != "[DONE]" and "error" not in json.loads(last):
+        if last != "[DONE]" and "error" not in json.loads(last) and json.loads(last).get("type") not in STREAM_ENDS:
             out.problem(case, f"an event stream that ends with neither [DONE] nor an error: {last[:200]}")
         for e in events[:-1]:
             json.loads(e.removeprefix("data: "))

@@ -119,8 +119,8 @@ schema = schemathesis.pytest.from_fixture("api")
 @pytest.mark.timeout(120)
 def test_the_document_names_every_route_and_its_limits(gateway_url) -> None:
     doc = httpx.get(f"{gateway_url}/openapi.json", timeout=10).json()
-    assert {"/v1/completions", "/v1/chat/completions", "/v1/embeddings", "/v1/models", "/health",
-            "/metrics"} <= set(doc["paths"])
+    assert {"/v1/completions", "/v1/chat/completions", "/v1/responses", "/v1/responses/{id}", "/v1/messages",
+            "/v1/rerank", "/rerank", "/v1/embeddings", "/v1/models", "/health", "/metrics"} <= set(doc["paths"])
     assert {"n", "echo", "best_of", "logprobs"} <= set(doc["components"]["schemas"]["CompletionRequest"]["properties"])
     post = doc["paths"]["/v1/completions"]["post"]["responses"]
     assert {"400", "408", "413", "429", "502", "503", "504"} <= set(post) and "500" not in post

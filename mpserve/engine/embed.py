@@ -6,6 +6,8 @@
             sequences: ONE llama_decode per batch, every row an output
         ──▶ llama_get_embeddings_seq per sequence: pooled by the GGUF's pooling type, or the configured one
             (mean, cls, last), then L2-normalised as OpenAI and llama-server return them
+    rank(query, [document, ...])   a reranker (pooling rank: its GGUF has a rank head)
+        ──▶ per document the pair's tokens ──▶ the same batches ──▶ the rank head's first output: its score
         ──▶ the cells are cleared for the next batch
 
 A pooled vector equals ``llama_cpp.Llama(embedding=True).embed``'s for the same input up to the norm (that
@@ -29,7 +31,8 @@ from . import vocab
 from .interface import Completion, NoCells, OnToken
 from .model_info import free, load_model
 
-POOLING = {"mean": "LLAMA_POOLING_TYPE_MEAN", "cls": "LLAMA_POOLING_TYPE_CLS", "last": "LLAMA_POOLING_TYPE_LAST"}
+POOLING = {"mean": "LLAMA_POOLING_TYPE_MEAN", "cls": "LLAMA_POOLING_TYPE_CLS", "last": "LLAMA_POOLING_TYPE_LAST",
+           "rank": "LLAMA_POOLING_TYPE_RANK"}
 """``pooling`` settings and llama.cpp's names; unset: the GGUF's."""
 
 MAX_INPUTS_PER_DECODE = 64
@@ -70,6 +73,9 @@ class EmbeddingEngine(NoCells):
             self._ctx = llama_cpp.llama_init_from_model(self._model, params)
             if not self._ctx:
                 raise ValueError("cannot create a llama.cpp context")
+            self.reranker = llama_cpp.llama_pooling_type(self._ctx) == llama_cpp.LLAMA_POOLING_TYPE_RANK
+            if self.reranker:  # the rank head's outputs, not a hidden state
+                self.dim = llama_cpp.llama_model_n_cls_out(self._model)
             if llama_cpp.llama_pooling_type(self._ctx) == llama_cpp.LLAMA_POOLING_TYPE_NONE:
                 raise ValueError("the model's GGUF declares no pooling type, so it has no vector per input; set "
                                  f"pooling: {', '.join(POOLING)} in its models[] entry")
@@ -84,7 +90,31 @@ class EmbeddingEngine(NoCells):
 
     def embed(self, inputs: list[str | list[int]]) -> tuple[np.ndarray, int]:
         """One L2-normalised vector per input (rows of float32), and the input tokens there were."""
-        tokenized = [self._input_tokens(i, value) for i, value in enumerate(inputs)]
+        if self.reranker:
+            raise BadRequest("this model is a reranker (pooling: rank): it scores documents against a query "
+                             "(/v1/rerank, Client.rerank), it has no embeddings")
+        vectors, tokens = self._pooled([self._input_tokens(i, value) for i, value in enumerate(inputs)])
+        norms = np.linalg.norm(vectors, axis=1, keepdims=True)
+        return vectors / np.where(norms > 0, norms, 1), tokens
+
+    def rank(self, query: str, documents: list[str]) -> tuple[np.ndarray, int]:
+        """Each document's score against ``query``: the rank head's first output for the pair's tokens (as
+        llama-server lays a pair out without a rerank template: BOS, the query, EOS, SEP where the vocabulary
+        has one, the document, EOS), and the tokens there were."""
+        if not self.reranker:
+            raise BadRequest("this model is not a reranker: serve one with pooling: rank (its GGUF needs a rank "
+                             "head) to rerank with it")
+        lib, vocab = self._lib, self._vocab
+        sep = [lib.llama_vocab_sep(vocab)] if lib.llama_vocab_sep(vocab) >= 0 else []
+        eos = [lib.llama_vocab_eos(vocab)]
+        head = [lib.llama_vocab_bos(vocab), *self._tokenize(query, False, False), *eos, *sep]
+        pairs = [self._input_tokens(i, head + self._tokenize(doc, False, False) + eos)
+                 for i, doc in enumerate(documents)]
+        scores, tokens = self._pooled(pairs)
+        return scores[:, 0].copy(), tokens
+
+    def _pooled(self, tokenized: list[list[int]]) -> tuple[np.ndarray, int]:
+        """The pooled output of each input, decoded as many at once as fit, and the tokens there were."""
         out = np.zeros((len(tokenized), self.dim), np.float32)
         start = 0
         while start < len(tokenized):
@@ -94,8 +124,7 @@ class EmbeddingEngine(NoCells):
                 end += 1
             self._decode(tokenized[start:end], out[start:end])
             start = end
-        norms = np.linalg.norm(out, axis=1, keepdims=True)
-        return out / np.where(norms > 0, norms, 1), sum(map(len, tokenized))
+        return out, sum(map(len, tokenized))
 
     def _input_tokens(self, i: int, value: str | list[int]) -> list[int]:
         tokens = self._tokenize(value, True, False) if isinstance(value, str) else value

@@ -145,6 +145,10 @@ class Embedder(Protocol):
     """An engine that computes embeddings (``mpserve.engine.embed``)."""
 
     dim: int
+    reranker: bool  # pooling rank: rank, not embed
 
     def embed(self, inputs: list[str | list[int]]) -> tuple[np.ndarray, int]:
         """One L2-normalised float32 vector per input (a text, or token ids), and the tokens there were."""
+
+    def rank(self, query: str, documents: list[str]) -> tuple[np.ndarray, int]:
+        """A reranker's (pooling rank) score of each document against ``query``, and the tokens there were."""

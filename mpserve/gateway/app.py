@@ -6,6 +6,9 @@
     POST /v1/completions, /v1/chat/completions   OpenAI shapes, streamed (server-sent events) or not
     GET  /v1/models                               the served models
     POST /v1/embeddings                           OpenAI's shape (``gateway.embeddings``), embedding models
+    POST /v1/responses, GET|DELETE /v1/responses/{id}   OpenAI's Responses API (``gateway.responses``)
+    POST /v1/messages                             Anthropic's Messages API (``gateway.messages``); x-api-key too
+    POST /v1/rerank, /rerank                      a reranker's scores (``gateway.rerank``), pooling: rank models
     POST /tokenize, /detokenize                   llama-server's shapes (``gateway.tokens``)
     GET  /health                                  200 while some instance can take a request, else 503
     GET  /metrics                                 Prometheus text
@@ -41,15 +44,15 @@ import os
 import signal
 import sys
 import time
-from collections.abc import AsyncGenerator, AsyncIterator, Coroutine
+from collections.abc import AsyncGenerator, AsyncIterator
 from dataclasses import asdict, dataclass, replace
-from typing import Any, TypeVar
+from typing import Any
 
 import uvicorn
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect, Request
-from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 from starlette.types import ASGIApp, Receive, Scope, Send
 
@@ -61,20 +64,28 @@ from mpserve.slots import SlotState, locate
 from . import access, console, limits, schema, slots
 from . import embeddings as emb
 from . import openai as oai
+from . import rerank as rr
 from . import tokens as tok
 from .admin import ADMIN_PREFIX, Admin
 from .backend import Backend
+from .dialect import DialectRoutes
 from .guard import ConnectionLimits, uvicorn_options
+from .messages import Messages
+from .messages import error_body as messages_error
 from .metrics import CONTENT_TYPE, GatewayMetrics, ServerView
 from .monitor import RestartCounter, gpu_usage, health, monitor
 from .request_ids import RequestIds
+from .responses import Responses, ResponseStore, stored_routes
+from .watch import ClientGone
+from .watch import EventStream as _EventStream
+from .watch import first as _first
+from .watch import unless_disconnected as _unless_disconnected
 
 log = logging.getLogger("mpserve.gateway")
 
 SAMPLE_INTERVAL_S = 0.5
 # answered without the API key: load balancers probe /health; the console's page holds no data (its state does)
 OPEN_PATHS = frozenset({"/health", "/openapi.json", *console.PAGE_PATHS})
-T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -111,11 +122,14 @@ def parse_http(value: str) -> tuple[str, int]:
 
 def create_app(config: GatewayConfig) -> Starlette:
     gateway = _Gateway(config)
+    responses_api = Responses(ResponseStore())
     routes = [
         Route("/v1/completions", gateway.completions, methods=["POST"]),
         Route("/v1/chat/completions", gateway.chat_completions, methods=["POST"]),
         Route("/v1/models", gateway.list_models, methods=["GET"]),
         Route("/v1/embeddings", gateway.embeddings, methods=["POST"]),
+        Route("/v1/rerank", gateway.rerank, methods=["POST"]),
+        Route("/rerank", gateway.rerank, methods=["POST"]),
         Route("/tokenize", gateway.tokenize, methods=["POST"]),
         Route("/detokenize", gateway.detokenize, methods=["POST"]),
         Route("/health", gateway.get_health, methods=["GET"]),
@@ -123,6 +137,8 @@ def create_app(config: GatewayConfig) -> Starlette:
         Route("/backend/monitor", gateway.backend_monitor, methods=["GET"]),
         Route("/slots/{slot}", gateway.slot_action, methods=["POST"]),
         Route("/openapi.json", _openapi, methods=["GET"]),
+        *gateway.dialects.routes([responses_api, Messages()]),
+        *stored_routes(responses_api),
         *gateway.console.routes(),
         *Admin(gateway.backend, config.admin_key).routes(),
     ]
@@ -149,10 +165,6 @@ def serve(config: GatewayConfig) -> None:
                 ssl_certfile=config.ssl_certfile, ssl_keyfile=config.ssl_keyfile, **uvicorn_options(config.connections))
 
 
-class ClientGone(Exception):
-    """The HTTP client closed its connection before its answer was ready."""
-
-
 class _Gateway:
     def __init__(self, config: GatewayConfig) -> None:
         self.config = config
@@ -161,6 +173,7 @@ class _Gateway:
         self.metrics = GatewayMetrics()
         self.restarts = RestartCounter()
         self.console = console.Console(self.backend, self.metrics)
+        self.dialects = DialectRoutes(self.backend, self.metrics, config.connections.read_timeout)
 
     @contextlib.asynccontextmanager
     async def lifespan(self, app: Starlette) -> AsyncIterator[None]:
@@ -224,7 +237,7 @@ class _Gateway:
         except MpserveError as exc:
             return self._failed(endpoint, exc)
         self._done(endpoint, reply.model, results, started)
-        return JSONResponse(reply.whole(call.shown(results), results))
+        return JSONResponse(reply.whole(call.shown(results), results), headers=call.headers())
 
     async def _stream(self, request: Request, client: AsyncClient, call: oai.Call, reply: oai.Reply,
                       started: float) -> Response:
@@ -239,7 +252,7 @@ class _Gateway:
             return Response(status_code=204)
         except MpserveError as exc:
             return self._failed(endpoint, exc)
-        return _EventStream(self._events(endpoint, stream, chunks, first, reply, started))
+        return _EventStream(self._events(endpoint, stream, chunks, first, reply, started), call.headers())
 
     async def _events(self, endpoint: str, stream: Stream, chunks: AsyncIterator[str], first: str | None,
                       reply: oai.Reply, started: float) -> AsyncGenerator[bytes, None]:
@@ -302,6 +315,23 @@ class _Gateway:
             return self._unread(request.url.path, exc)
         self.metrics.outcome(request.url.path, "ok")
         return JSONResponse(emb.answer(result, call.model or _sole_model(client), call.encoding_format))
+
+    async def rerank(self, request: Request) -> Response:
+        endpoint = "/v1/rerank"  # and its alias /rerank
+        try:
+            call = rr.parse(await limits.read_json(request, self.config.connections.read_timeout))
+            client = await self.backend.client()
+            result = await _unless_disconnected(request, client.rerank(call.query, call.documents, model=call.model,
+                                                                         request_id=request.state.request_id))
+        except ClientGone:
+            self.metrics.outcome(endpoint, ErrorCode.CANCELLED)
+            return Response(status_code=204)
+        except MpserveError as exc:
+            return self._failed(endpoint, exc)
+        except (limits.Refused, ClientDisconnect) as exc:
+            return self._unread(endpoint, exc)
+        self.metrics.outcome(endpoint, "ok")
+        return JSONResponse(rr.answer(call, result, call.model or _sole_model(client)))
 
     async def tokenize(self, request: Request) -> Response:
         try:
@@ -403,57 +433,8 @@ def _sole_model(client: AsyncClient) -> str:
     return client.models[0] if len(client.models) == 1 else ""
 
 
-async def _first(chunks: AsyncIterator[str]) -> str | None:
-    """The first piece of text, or None for a completion that ended without any."""
-    try:
-        return await chunks.__anext__()
-    except StopAsyncIteration:
-        return None
-
-
-async def _unless_disconnected(request: Request, work: Coroutine[Any, Any, T]) -> T:
-    """Await ``work`` unless the HTTP client disconnects first: then cancel it (which cancels the mpserve
-    request) and raise ClientGone. Starlette only notices a disconnect while a response streams; this
-    covers the time before, when a request may wait in the queue or run for long."""
-    task = asyncio.ensure_future(work)
-    watcher = asyncio.ensure_future(_disconnected(request))
-    done: set[asyncio.Future[Any]] = set()
-    try:
-        done, _ = await asyncio.wait((task, watcher), return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        watcher.cancel()
-        if not task.done():
-            task.cancel()
-            await asyncio.gather(task, return_exceptions=True)
-    if task in done:
-        return task.result()
-    raise ClientGone()
-
-
-async def _disconnected(request: Request) -> None:
-    while (await request.receive())["type"] != "http.disconnect":
-        pass
-
-
 def _event(obj: dict[str, Any]) -> bytes:
     return b"data: " + json.dumps(obj, separators=(",", ":"), ensure_ascii=False).encode() + b"\n\n"
-
-
-class _EventStream(StreamingResponse):
-    """Server-sent events whose generator is always closed when the response ends. When the client leaves
-    while an event is being sent, Starlette cancels the send and leaves the generator to the garbage
-    collector; closing it here cancels the generation at once."""
-
-    def __init__(self, events: AsyncGenerator[bytes, None]) -> None:
-        super().__init__(events, media_type="text/event-stream",
-                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-        self._events = events
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        try:
-            await super().__call__(scope, receive, send)
-        finally:
-            await self._events.aclose()
 
 
 async def _openapi(request: Request) -> Response:
@@ -473,7 +454,8 @@ async def _http_error(request: Request, exc: Exception) -> Response:
 
 class _RequireKey:
     """Answer 401 unless the request carries ``Authorization: Bearer KEY`` with one of the keys (what OpenAI
-    clients send). The comparison takes the same time wherever the keys differ."""
+    clients send), or ``x-api-key: KEY`` (what Anthropic's send; its 401 in Anthropic's shape). The comparison
+    takes the same time wherever the keys differ."""
 
     def __init__(self, app: ASGIApp, keys: tuple[str, ...]) -> None:
         self.app = app
@@ -481,10 +463,12 @@ class _RequireKey:
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http" and scope["path"] not in OPEN_PATHS and not scope["path"].startswith(ADMIN_PREFIX):
-            given = dict(scope["headers"]).get(b"authorization", b"")
+            headers = dict(scope["headers"])
+            given = headers.get(b"authorization") or b"Bearer " + headers.get(b"x-api-key", b"")
             if not access.any_matches(given, self._expected):
                 err = oai.HttpError(401, "invalid_api_key", "a valid API key is required: send the header "
-                                    "'Authorization: Bearer KEY'")
-                await _error_response(err)(scope, receive, send)
+                                    "'Authorization: Bearer KEY' (or 'x-api-key: KEY')")
+                body = messages_error(err) if scope["path"] == Messages.path else err.body()
+                await JSONResponse(body, err.status)(scope, receive, send)
                 return
         await self.app(scope, receive, send)

@@ -15,7 +15,9 @@ instance, which computes the prompt once; choice i is seeded with ``seed + i``; 
 (streamed: each chunk too), tool calls read per choice; ``best_of`` (completions) returns the n best of
 that many (``gateway.best_of``). What mpserve cannot do (``suffix``, ...) is refused with 400 naming the
 parameter, unless it is sent at its neutral value (``suffix: ""``, ...), which clients often do.
-Unrecognised keys are refused like OpenAI refuses them. A ``null`` value means "not given".
+llama-server's extensions (``cache_prompt``, ``n_predict``, ``n_probs``, ...) are mapped or ignored as
+``gateway.extensions`` says; other unrecognised keys are refused like OpenAI refuses them. A ``null`` value
+means "not given".
 
 Defaults are OpenAI's (``OPENAI_DEFAULTS``): what a request leaves out is sampled at temperature 1 with
 top_p 1, no top-k and no repeat penalty, so a request sent here as to OpenAI's API samples alike (llama.cpp's
@@ -51,7 +53,7 @@ from mpserve.errors import BadRequest, MpserveError, http_status
 from mpserve.protocol import ChatTemplate
 from mpserve.structured import JSON_OBJECT_SCHEMA, canonical_json
 
-from . import best_of, logprobs
+from . import best_of, extensions, logprobs
 from . import tools as tc
 from .chat import render
 from .tokens import token_ids
@@ -74,9 +76,12 @@ _KEYS: dict[Kind, frozenset[str]] = {
     "chat": frozenset(_COMMON + ("messages", "max_completion_tokens", "logprobs", "top_logprobs", "tools",
                                   "tool_choice", "parallel_tool_calls")),
 }
-# Parameters mpserve does not implement, with the values that ask for nothing (accepted and ignored), and
-# why a non-neutral value is refused.
-_UNSUPPORTED: dict[str, tuple[tuple[Any, ...], str]] = {
+Unsupported = dict[str, tuple[tuple[Any, ...], str]]
+"""Fields an API has that mpserve does not implement: the values that ask for nothing (accepted), and why
+others are refused."""
+
+
+_UNSUPPORTED: Unsupported = {
     "suffix": (("",), "insertion (suffix) is not supported"),
     "functions": (([],), "the deprecated function calls are not supported; use tools"),
     "function_call": (("none",), "the deprecated function calls are not supported; use tool_choice"),
@@ -99,6 +104,11 @@ class Call:
     echo: bool = False  # a completion's: the prompt comes back before the completion
     echo_text: str = ""  # the prompt's text: a token prompt's is set by with_echo_text
     best: best_of.BestOf | None = None  # a completion's best_of: the n of its choices to return
+    ignored: tuple[str, ...] = ()  # llama-server's extensions it carried that do not apply (``extensions``)
+
+    def headers(self) -> dict[str, str]:
+        """The response's headers: which of the request's fields were ignored."""
+        return {extensions.HEADER: ", ".join(self.ignored)} if self.ignored else {}
 
     def shown(self, results: list[Result]) -> list[Result]:
         """The results to answer with: all of them, or with best_of the best n."""
@@ -129,13 +139,8 @@ def parse(kind: Kind, body: Any) -> Call:
     """Check an OpenAI request body; raises BadRequest with a message that names the culprit."""
     if not isinstance(body, dict):
         raise BadRequest("the request body must be a JSON object")
-    unknown = sorted(set(body) - _KEYS[kind] - set(_UNSUPPORTED))
-    if unknown:
-        raise BadRequest(f"unrecognized request argument(s) supplied: {', '.join(unknown)}")
-    given = {k: v for k, v in body.items() if v is not None}
-    for key, (neutral, why) in _UNSUPPORTED.items():
-        if key in given and given[key] not in neutral:
-            raise BadRequest(f"'{key}' = {given[key]!r:.60} is not supported by mpserve: {why}")
+    body, ignored = extensions.translate(kind == "chat", body)
+    given = given_fields(body, _KEYS[kind], _UNSUPPORTED)
     model = given.get("model")
     if model is not None and not isinstance(model, str):
         raise BadRequest("'model' must be a string")
@@ -179,7 +184,20 @@ def parse(kind: Kind, body: Any) -> Call:
         messages, prompt = (), _prompt(given.get("prompt"))
     return Call(kind, model, prompt, wire.GenerateParams.from_wire(sampling), stream,
                 options.get("include_usage", False), messages, spec, echo=echo,
-                echo_text=prompt if isinstance(prompt, str) else "", best=best)
+                echo_text=prompt if isinstance(prompt, str) else "", best=best, ignored=ignored)
+
+
+def given_fields(body: dict[str, Any], known: frozenset[str], unsupported: Unsupported) -> dict[str, Any]:
+    """The fields a body gives (null: not given); raises BadRequest for a key that is not ``known`` (nor
+    ``unsupported``), and for an unsupported field at other than its neutral value."""
+    unknown = sorted(set(body) - known - set(unsupported))
+    if unknown:
+        raise BadRequest(f"unrecognized request argument(s) supplied: {', '.join(unknown)}")
+    given = {k: v for k, v in body.items() if v is not None}
+    for key, (neutral, why) in unsupported.items():
+        if key in given and given[key] not in neutral:
+            raise BadRequest(f"'{key}' = {given[key]!r:.60} is not supported by mpserve: {why}")
+    return given
 
 
 def _structured(given: dict[str, Any]) -> dict[str, str]:

@@ -11,8 +11,9 @@ from typing import Any
 from mpserve import protocol as wire
 
 from . import embeddings as emb
-from . import limits
+from . import limits, responses
 from . import openai as oai
+from . import tools as tc
 
 ERROR_STATUSES = {
     "400": "bad parameters, not JSON, over a size limit (each names its limit)",
@@ -29,14 +30,28 @@ ERROR_STATUSES = {
 
 def document(version: str) -> dict[str, Any]:
     errors = {status: {"$ref": f"#/components/responses/E{status}"} for status in ERROR_STATUSES}
+    anthropic_errors = {status: {"$ref": f"#/components/responses/A{status}"} for status in ERROR_STATUSES}
     return {
         "openapi": "3.0.3",
         "info": {"title": "mpserve OpenAI-compatible gateway", "version": version},
         "paths": {
             "/v1/completions": {"post": _generation("completions", "CompletionRequest", errors)},
             "/v1/chat/completions": {"post": _generation("chat completions", "ChatRequest", errors)},
+            "/v1/responses": {"post": _generation("Responses (Agents SDK, newer clients)", "ResponseRequest", errors)},
+            "/v1/responses/{id}": {
+                "get": {**_get("a stored response of the caller's API key", "application/json",
+                               {k: errors[k] for k in ("401", "404")}), "parameters": [_ID]},
+                "delete": {**_get("a stored response deleted", "application/json",
+                                  {k: errors[k] for k in ("401", "404")}), "parameters": [_ID]}},
+            "/v1/messages": {"post": {**_post("Anthropic Messages, whole (JSON) or streamed (server-sent events)",
+                                              "MessageRequest", "the message", True, anthropic_errors),
+                                      "security": [{"bearer": []}, {"apiKey": []}, {}]}},
             "/v1/embeddings": {"post": _post("OpenAI embeddings, from a model served with embedding: true",
                                              "EmbeddingRequest", "one vector per input", False, errors)},
+            "/v1/rerank": {"post": _post("a reranker's scores (a model served with pooling: rank), llama-server's "
+                                         "shape", "RerankRequest", "the documents by relevance", False, errors)},
+            "/rerank": {"post": _post("llama-server's name for /v1/rerank", "RerankRequest",
+                                      "the documents by relevance", False, errors)},
             "/v1/models": {"get": _get("the served models", "application/json", {"503": errors["503"],
                                                                                    "401": errors["401"]})},
             "/health": {"get": _get("200 while some instance can take a request", "application/json",
@@ -62,10 +77,13 @@ def document(version: str) -> dict[str, Any]:
         },
         "components": {
             "schemas": {"CompletionRequest": _completion(), "ChatRequest": _chat(), "EmbeddingRequest": _embedding(),
-                        "Error": _ERROR},
-            "responses": {f"E{status}": {"description": why, "content": {"application/json": {
-                "schema": {"$ref": "#/components/schemas/Error"}}}} for status, why in ERROR_STATUSES.items()},
-            "securitySchemes": {"bearer": {"type": "http", "scheme": "bearer"}},
+                        "ResponseRequest": _response(), "RerankRequest": _rerank(), "MessageRequest": _message(),
+                        "Error": _ERROR, "AnthropicError": _ANTHROPIC_ERROR},
+            "responses": {f"{prefix}{status}": {"description": why, "content": {"application/json": {
+                "schema": {"$ref": f"#/components/schemas/{shape}"}}}} for status, why in ERROR_STATUSES.items()
+                for prefix, shape in (("E", "Error"), ("A", "AnthropicError"))},
+            "securitySchemes": {"bearer": {"type": "http", "scheme": "bearer"},
+                                "apiKey": {"type": "apiKey", "in": "header", "name": "x-api-key"}},
         },
     }
 
@@ -151,6 +169,93 @@ def _embedding() -> dict[str, Any]:
         "user": _nullable({"type": "string"})}}
 
 
+def _response() -> dict[str, Any]:
+    text = {"type": "string", "maxLength": wire.MAX_PROMPT_CHARS}
+    part = {"type": "object", "required": ["type", "text"], "properties": {
+        "type": {"type": "string", "enum": ["input_text", "output_text"]}, "text": text}}
+    item = {"oneOf": [
+        {"type": "object", "required": ["role", "content"], "properties": {
+            "type": {"type": "string", "enum": ["message"]},
+            "role": {"type": "string", "enum": list(responses.ROLES)},
+            "content": {"oneOf": [text, {"type": "array", "items": part}]}}},
+        {"type": "object", "required": ["type", "call_id", "name", "arguments"], "properties": {
+            "type": {"type": "string", "enum": ["function_call"]}, "call_id": {"type": "string"},
+            "name": {"type": "string"}, "arguments": {"type": "string"}}},
+        {"type": "object", "required": ["type", "call_id", "output"], "properties": {
+            "type": {"type": "string", "enum": ["function_call_output"]}, "call_id": {"type": "string"},
+            "output": text}}]}
+    tool = {"type": "object", "required": ["type", "name"], "properties": {
+        "type": {"type": "string", "enum": ["function"]}, "name": {"type": "string", "pattern": _TOOL_NAME},
+        "description": {"type": "string"}, "parameters": {"type": "object"}, "strict": _nullable({"type": "boolean"})}}
+    return {"type": "object", "required": ["input"], "additionalProperties": False, "properties": {
+        "model": _nullable({"type": "string", "maxLength": 256}),
+        "input": {"oneOf": [text, {"type": "array", "items": item, "minItems": 1, "maxItems": limits.MAX_MESSAGES}]},
+        "instructions": _nullable(text),
+        "max_output_tokens": _nullable({"type": "integer", "minimum": 1, "maximum": wire.MAX_TOKENS_LIMIT}),
+        "temperature": _nullable({"type": "number", "minimum": 0, "maximum": 2}),
+        "top_p": _nullable({"type": "number", "minimum": 0, "maximum": 1}),
+        "tools": _nullable({"type": "array", "items": tool, "maxItems": tc.MAX_TOOLS}),
+        "tool_choice": _nullable({"oneOf": [{"type": "string", "enum": ["none", "auto", "required"]}, {
+            "type": "object", "required": ["type", "name"], "properties": {
+                "type": {"type": "string", "enum": ["function"]}, "name": {"type": "string"}}}]}),
+        "parallel_tool_calls": _nullable({"type": "boolean"}),
+        "text": _nullable({"type": "object", "properties": {"format": {
+            "type": "object", "required": ["type"], "properties": {
+                "type": {"type": "string", "enum": ["text", "json_object", "json_schema"]}}}}}),
+        "stream": _nullable({"type": "boolean"}), "store": _nullable({"type": "boolean"}),
+        "previous_response_id": _nullable({"type": "string"}),
+        "metadata": _nullable({"type": "object", "additionalProperties": {"type": "string"}, "maxProperties": 16}),
+        "user": _nullable({"type": "string"})}}
+
+
+def _message() -> dict[str, Any]:
+    text = {"type": "string", "maxLength": wire.MAX_PROMPT_CHARS}
+    block = {"type": "object", "required": ["type"], "properties": {
+        "type": {"type": "string", "enum": ["text", "tool_use", "tool_result"]}, "text": text,
+        "id": {"type": "string"}, "name": {"type": "string"}, "input": {"type": "object"},
+        "tool_use_id": {"type": "string"}, "content": {"type": "string"}}}
+    message = {"type": "object", "required": ["role", "content"], "properties": {
+        "role": {"type": "string", "enum": ["user", "assistant"]},
+        "content": {"oneOf": [text, {"type": "array", "items": block}]}}}
+    tool = {"type": "object", "required": ["name", "input_schema"], "properties": {
+        "name": {"type": "string", "pattern": _TOOL_NAME}, "description": {"type": "string"},
+        "input_schema": {"type": "object"}}}
+    stop = {"type": "string", "minLength": 1, "maxLength": wire.MAX_STOP_CHARS}
+    return {"type": "object", "required": ["max_tokens", "messages"], "additionalProperties": False, "properties": {
+        "model": {"type": "string", "maxLength": 256},
+        "max_tokens": {"type": "integer", "minimum": 1, "maximum": wire.MAX_TOKENS_LIMIT},
+        "messages": {"type": "array", "items": message, "minItems": 1, "maxItems": limits.MAX_MESSAGES},
+        "system": {"oneOf": [text, {"type": "array", "items": {"type": "object", "required": ["type", "text"],
+                                                                "properties": {"type": {"enum": ["text"]},
+                                                                               "text": text}}}]},
+        "stop_sequences": {"type": "array", "items": stop, "maxItems": oai.MAX_STOP_STRINGS},
+        "temperature": {"type": "number", "minimum": 0, "maximum": 1},
+        "top_p": {"type": "number", "minimum": 0, "maximum": 1},
+        "top_k": {"type": "integer", "minimum": 0, "maximum": 1 << 20},
+        "stream": {"type": "boolean"},
+        "tools": {"type": "array", "items": tool, "maxItems": tc.MAX_TOOLS},
+        "tool_choice": {"type": "object", "required": ["type"], "properties": {
+            "type": {"type": "string", "enum": ["auto", "any", "tool", "none"]}, "name": {"type": "string"},
+            "disable_parallel_tool_use": {"type": "boolean"}}},
+        "metadata": {"type": "object"}}}
+
+
+def _rerank() -> dict[str, Any]:
+    text = {"type": "string", "minLength": 1, "maxLength": wire.MAX_PROMPT_CHARS}
+    document = {"oneOf": [text, {"type": "object", "required": ["text"], "properties": {"text": text}}]}
+    return {"type": "object", "required": ["query", "documents"], "additionalProperties": False, "properties": {
+        "model": _nullable({"type": "string", "maxLength": 256}), "query": text,
+        "documents": {"type": "array", "items": document, "minItems": 1, "maxItems": wire.MAX_EMBED_INPUTS},
+        "top_n": _nullable({"type": "integer", "minimum": 1}), "return_documents": _nullable({"type": "boolean"}),
+        "user": _nullable({"type": "string"})}}
+
+
+_ID = {"name": "id", "in": "path", "required": True, "schema": {"type": "string"}}
+_TOOL_NAME = "^[a-zA-Z0-9_-]{1,64}$"
+_ANTHROPIC_ERROR = {"type": "object", "required": ["type", "error"], "properties": {
+    "type": {"type": "string", "enum": ["error"]}, "error": {"type": "object", "required": ["type", "message"],
+                                                            "properties": {"type": {"type": "string"},
+                                                                           "message": {"type": "string"}}}}}
 _ERROR = {"type": "object", "required": ["error"], "properties": {"error": {
     "type": "object", "required": ["message", "type", "param", "code"], "properties": {
         "message": {"type": "string"}, "type": {"type": "string"}, "param": {"nullable": True},

@@ -16,6 +16,10 @@ Two properties matter to the serving tests and benchmarks:
   acts as a per-token logit bias: ``_SUPPRESSED_LOGIT_WEIGHT`` for every non-printable token, 0 for the
   rest.
 
+A reranker (``tiny-rerank``) is Qwen 3's architecture, the one whose rank head (``cls.output``) llama.cpp
+reads beside its BERT family: per-head query and key norms, and the head mapping the last token's state to
+the logits of two labels.
+
 A draft model for speculative decoding (``tiny-draft``) is the tiny model cut to its first block: the same
 vocabulary, embeddings and output layer, so its greedy choices often, not always, agree with the tiny model's.
 
@@ -49,6 +53,9 @@ class Token:
     score: float
     kind: gguf.TokenType
 
+
+RANK_LABELS = ("yes", "no")
+"""A reranker's labels (Qwen 3's): llama.cpp's rank pooling softmaxes their logits; the score is the first's."""
 
 UNK_ID = 0
 BOS_ID = 1
@@ -111,7 +118,7 @@ def write_model(path: str | os.PathLike[str], size: str = "tiny", chat_template:
 def write_shape(path: Path, name: str, shape: ModelShape, chat_template: str | None = None) -> None:
     """A model of any ``shape`` written to ``path`` as it is (``write_model`` writes the built-in sizes atomically)."""
     tokens = vocabulary()
-    writer = gguf.GGUFWriter(path, "llama")
+    writer = gguf.GGUFWriter(path, "qwen3" if shape.pooling == "rank" else "llama")
     writer.add_name(name)
     writer.add_file_type(
         gguf.LlamaFileType.MOSTLY_F16 if shape.dtype == "f16" else gguf.LlamaFileType.ALL_F32
@@ -127,6 +134,9 @@ def write_shape(path: Path, name: str, shape: ModelShape, chat_template: str | N
     writer.add_layer_norm_rms_eps(_RMS_EPS)
     if shape.pooling == "mean":
         writer.add_pooling_type(gguf.PoolingType.MEAN)
+    elif shape.pooling == "rank":
+        writer.add_pooling_type(gguf.PoolingType.RANK)
+        writer.add_classifier_output_labels(list(RANK_LABELS))
 
     writer.add_tokenizer_model("llama")
     writer.add_token_list([token.piece for token in tokens])
@@ -195,6 +205,10 @@ def _weights(shape: ModelShape, printable: np.ndarray) -> Iterator[tuple[str, np
             (f"{block}.ffn_up.weight", matrix(n_ff, n_embd)),
             (f"{block}.ffn_down.weight", matrix(n_embd, n_ff, writes_residual=True)),
         ]
+        if shape.pooling == "rank":  # Qwen 3 norms each head's queries and keys
+            head = n_embd // shape.n_head
+            tensors += [(f"{block}.attn_q_norm.weight", np.ones(head, np.float32)),
+                        (f"{block}.attn_k_norm.weight", np.ones(head, np.float32))]
         if layer < shape.written_layers:
             yield from tensors
 
@@ -202,3 +216,5 @@ def _weights(shape: ModelShape, printable: np.ndarray) -> Iterator[tuple[str, np
     output = matrix(len(printable), n_embd)
     output[:, 0] = np.where(printable, 0.0, _SUPPRESSED_LOGIT_WEIGHT)  # exact in f16 too
     yield "output.weight", output
+    if shape.pooling == "rank":  # the rank head: the last token's state to one logit per label
+        yield "cls.output.weight", matrix(len(RANK_LABELS), n_embd)

@@ -25,7 +25,8 @@ class ModelShape:
     n_ctx_train: int
     seed: int
     dtype: Literal["f32", "f16"]
-    pooling: Literal["mean"] | None = None  # an embedding model's pooling type, written to the GGUF
+    pooling: Literal["mean", "rank"] | None = None  # an embedding model's pooling type, written to the GGUF;
+    # rank: a reranker (Qwen 3's architecture, whose rank head llama.cpp reads: cls.output, two labels)
     kept_layers: int | None = None  # a draft: the weights drawn for n_layer blocks, the first kept_layers written
 
     @property
@@ -50,6 +51,10 @@ MODEL_SIZES: dict[str, ModelShape] = {
     # the tiny model as an embedding model: mean pooling declared in the GGUF (serve it with embedding: true)
     "tiny-embed": ModelShape(
         n_embd=64, n_layer=2, n_head=4, n_head_kv=4, n_ff=128, n_ctx_train=2048, seed=1, dtype="f32", pooling="mean"
+    ),
+    # a reranker of the tiny model's size: llama.cpp's rank pooling scores a query and document pair
+    "tiny-rerank": ModelShape(
+        n_embd=64, n_layer=2, n_head=4, n_head_kv=4, n_ff=128, n_ctx_train=2048, seed=3, dtype="f32", pooling="rank"
     ),
     # the tiny model's first block only: a draft model for it (speculative: {type: draft})
     "tiny-draft": ModelShape(

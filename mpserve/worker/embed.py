@@ -1,4 +1,5 @@
-"""A worker's answer to EMBED: the vectors of its embedding model, between two steps.
+"""A worker's answer to EMBED: the vectors of its embedding model (a reranker's scores, for a query), between
+two steps.
 
     broker --EMBED(ticket)--> worker: answer(engine, msg) --EMBEDDINGS or ERROR(ticket)--> broker --> client
 
@@ -20,6 +21,9 @@ def answer(engine: Engine, msg: wire.Embed) -> wire.Embeddings | wire.Error:
         if len(msg.texts) + len(msg.tokens) > most:
             raise BadRequest(f"'input' may hold at most {most} inputs for this model ({engine.dim} numbers each), "
                              f"got {len(msg.texts) + len(msg.tokens)}")
+        if msg.query is not None:
+            scores, tokens = engine.rank(msg.query, list(msg.texts))
+            return wire.Embeddings(msg.id, 1, scores.astype("<f4").tobytes(), tokens)
         inputs: list[str | list[int]] = [*msg.texts, *(wire.unpack_tokens(t, "input") for t in msg.tokens)]
         vectors, tokens = engine.embed(inputs)
         return wire.Embeddings(msg.id, engine.dim, vectors.astype("<f4").tobytes(), tokens)

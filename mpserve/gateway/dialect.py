@@ -1,0 +1,181 @@
+"""Endpoints in other APIs' shapes over the chat path: OpenAI's Responses (``responses``) and Anthropic's
+Messages (``messages``). Each is a translation into the same chat request and out of the same results, so
+templates, tools, structured output, limits, the broker path and metrics are the chat endpoint's.
+
+    HTTP body ──limits──▶ Dialect.parse ──▶ Answer (its chat Call: openai.parse of the translated body)
+        ──▶ the model's chat template ──▶ AsyncClient.choices / stream ──▶ the broker
+    results ──openai.Reply──▶ the chat completion, or its chunks ──Answer──▶ the dialect's object, or events
+    any failure ──▶ Dialect.error_body: the dialect's own error shape, with the status of openai.HttpError
+
+As on the chat endpoint, a streamed answer starts once its first text is ready, so what fails early gets its
+own status; a failure after that is the stream's last event (``Answer.failed``). A client that leaves cancels
+its request. ``owner`` names whose API key sent a request, for what a dialect keeps per key.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import time
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Sequence
+from dataclasses import replace
+from typing import Any, Protocol
+
+from starlette.requests import ClientDisconnect, Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+from mpserve.client import Result, Stream
+from mpserve.errors import ErrorCode, MpserveError
+
+from . import limits
+from . import openai as oai
+from .backend import Backend
+from .metrics import GatewayMetrics
+from .watch import ClientGone, EventStream, first, unless_disconnected
+
+
+class Answer(Protocol):
+    """One request in a dialect: its chat call, and its answer built from the chat endpoint's."""
+
+    call: oai.Call
+
+    def whole(self, completion: dict[str, Any]) -> dict[str, Any]:
+        """The dialect's object from the chat completion (``openai.Reply.whole``)."""
+
+    def opened(self, model: str) -> list[bytes]:
+        """The events that start a stream, before its first chunk."""
+
+    def chunk(self, chunk: dict[str, Any]) -> list[bytes]:
+        """The events of one chat completion chunk (``openai.Reply.chunks``)."""
+
+    def closed(self, last: list[dict[str, Any]], results: list[Result]) -> list[bytes]:
+        """The events from the last chat chunks (``openai.Reply.last``: held tool calls, the finish reason) to
+        the stream's end; ``results`` for the usage."""
+
+    def failed(self, error: oai.HttpError) -> bytes:
+        """The event that ends a stream that failed."""
+
+
+class Dialect(Protocol):
+    path: str  # the route, and the endpoint label of its metrics
+
+    def parse(self, body: Any, owner: str) -> Answer:
+        """Check a body and translate it; raises BadRequest naming the field (the dialect's name for it)."""
+
+    def error_body(self, error: oai.HttpError) -> dict[str, Any]:
+        """An error in the dialect's shape."""
+
+
+def event(name: str, data: dict[str, Any]) -> bytes:
+    """A server-sent event with its name (``event:``), as the Responses and Messages streams send them."""
+    return b"event: " + name.encode() + b"\ndata: " + json.dumps(data, separators=(",", ":"),
+                                                                 ensure_ascii=False).encode() + b"\n\n"
+
+
+def finish_reason(last: list[dict[str, Any]]) -> str:
+    """The finish reason the last chat chunks (``openai.Reply.last``) carry."""
+    return next((c["finish_reason"] for chunk in last for c in chunk["choices"] if c.get("finish_reason")), "stop")
+
+
+def owner(request: Request) -> str:
+    """Who sent the request, for what is kept per API key: a digest of the key it carried (``Authorization:
+    Bearer`` or ``x-api-key``), "" without one."""
+    given = request.headers.get("authorization", "").removeprefix("Bearer ") or request.headers.get("x-api-key", "")
+    return hashlib.sha256(given.encode()).hexdigest()[:32] if given else ""
+
+
+class DialectRoutes:
+    """Serves each dialect's route through the gateway's backend and metrics."""
+
+    def __init__(self, backend: Backend, metrics: GatewayMetrics, read_timeout: float) -> None:
+        self.backend = backend
+        self.metrics = metrics
+        self.read_timeout = read_timeout
+
+    def routes(self, dialects: Sequence[Dialect]) -> list[Route]:
+        """A POST route per dialect, at its path."""
+        def endpoint(dialect: Dialect) -> Callable[[Request], Awaitable[Response]]:
+            async def serve(request: Request) -> Response:
+                return await self.serve(request, dialect)
+            return serve
+        return [Route(d.path, endpoint(d), methods=["POST"]) for d in dialects]
+
+    async def serve(self, request: Request, dialect: Dialect) -> Response:
+        endpoint, started = dialect.path, time.perf_counter()
+        try:
+            body = await limits.read_json(request, self.read_timeout)
+            limits.check_sizes(body)
+            answer = dialect.parse(body, owner(request))
+            client = await self.backend.client()
+            model = answer.call.model or (client.models[0] if len(client.models) == 1 else "")
+            answer.call = answer.call.with_chat_template(await self.backend.chat_template(model))
+        except MpserveError as exc:
+            return self._failed(dialect, exc)
+        except limits.Refused as exc:
+            self.metrics.outcome(endpoint, exc.error.code)
+            response = self._error(dialect, exc.error)
+            response.headers["connection"] = "close"  # the rest of the body is not read
+            return response
+        except ClientDisconnect:
+            self.metrics.outcome(endpoint, ErrorCode.CANCELLED)
+            return Response(status_code=204)
+        call, reply = answer.call, oai.Reply(answer.call, model)
+        try:
+            if call.stream:
+                stream = client.stream(call.prompt, model=call.model, request_id=request.state.request_id,
+                                       **call.generate_kwargs())
+                chunks = stream.__aiter__()  # submits the request on its first step
+                text = await unless_disconnected(request, first(chunks))
+                return EventStream(self._events(dialect, answer, reply, stream, chunks, text, started))
+            results = await unless_disconnected(request, client.choices(
+                call.prompt, model=call.model, request_id=request.state.request_id, **call.generate_kwargs()))
+        except ClientGone:
+            self.metrics.outcome(endpoint, ErrorCode.CANCELLED)
+            return Response(status_code=204)  # nobody reads it
+        except MpserveError as exc:
+            return self._failed(dialect, exc)
+        self._done(endpoint, model, results, started)
+        return JSONResponse(answer.whole(reply.whole(results)))
+
+    async def _events(self, dialect: Dialect, answer: Answer, reply: oai.Reply, stream: Stream,
+                      chunks: AsyncIterator[str], text: str | None, started: float) -> AsyncGenerator[bytes, None]:
+        ended = False
+        try:
+            for out in answer.opened(reply.model):
+                yield out
+            pieces = [text] if text is not None else []
+            while True:
+                for piece in pieces:
+                    for chunk in reply.chunks(piece):
+                        for out in answer.chunk(chunk):
+                            yield out
+                try:
+                    pieces = [await chunks.__anext__()]
+                except StopAsyncIteration:
+                    break
+            self._done(dialect.path, reply.model, stream.results, started)
+            ended = True
+            for out in answer.closed(reply.last(stream.results, {}), stream.results):
+                yield out
+        except MpserveError as exc:
+            ended = True
+            self.metrics.outcome(dialect.path, exc.code)
+            yield answer.failed(oai.HttpError.from_mpserve(exc))
+        finally:
+            if not ended:
+                self.metrics.outcome(dialect.path, ErrorCode.CANCELLED)
+            await chunks.aclose()  # type: ignore[attr-defined]  # an async generator: cancels the request
+
+    def _done(self, endpoint: str, model: str, results: list[Result], started: float) -> None:
+        self.metrics.outcome(endpoint, "ok")
+        self.metrics.done(model, replace(results[0], usage=oai.total_usage(results)), time.perf_counter() - started)
+
+    def _failed(self, dialect: Dialect, exc: MpserveError) -> JSONResponse:
+        self.metrics.outcome(dialect.path, exc.code)
+        return self._error(dialect, oai.HttpError.from_mpserve(exc))
+
+    @staticmethod
+    def _error(dialect: Dialect, error: oai.HttpError) -> JSONResponse:
+        return JSONResponse(dialect.error_body(error), error.status, headers=error.headers())
+

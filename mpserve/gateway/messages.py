@@ -1,0 +1,291 @@
+"""Anthropic's Messages API (``POST /v1/messages``) as a translation of chat completions (``dialect``). No I/O.
+
+    {"system", "messages": [{"role", "content": text | [text | tool_use | tool_result blocks]}], "tools",
+     "tool_choice", "max_tokens", "stop_sequences", ...}
+        ──▶ a chat body: the system text as the system message; an assistant's tool_use blocks as its tool
+            calls; a user's tool_result blocks as tool answers (before the rest of its turn) ──▶ openai.parse
+    the chat completion ──▶ {"type": "message", "content": [text | tool_use blocks], "stop_reason",
+                             "usage": {"input_tokens", "output_tokens"}}
+    its chunks ──▶ message_start, ping, content_block_start, content_block_delta (text_delta, input_json_delta),
+        content_block_stop, ..., message_delta (stop_reason, usage), message_stop
+
+Tools are custom tools (``{"name", "description", "input_schema"}``); ``tool_choice`` auto, any (chat's
+required), tool (a named function) or none, with ``disable_parallel_tool_use``; ``output_config.format``
+(a JSON schema) is chat's ``response_format``. ``temperature``, ``top_p`` and ``top_k``, which the SDK no
+longer sends, are still taken (as ``extra_body``); ``cache_control``, ``metadata``, ``service_tier``, ``speed``
+and the other routing fields are accepted and ignored. ``stop_reason``: end_turn,
+max_tokens or tool_use; a stop sequence ends the turn as end_turn (the engine does not say which stop string
+it met, so ``stop_sequence`` stays null). Errors are Anthropic's ``{"type": "error", "error": {"type",
+"message"}}``. What Anthropic has and mpserve cannot do (images, documents, thinking, server tools, MCP) is
+refused with 400 naming it; a field Anthropic does not have is refused as unrecognized.
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+from mpserve.client import Result
+from mpserve.errors import BadRequest
+
+from . import openai as oai
+from .dialect import event, finish_reason
+
+_KNOWN = frozenset({"model", "max_tokens", "messages", "system", "stop_sequences", "temperature", "top_p", "top_k",
+                    "stream", "tools", "tool_choice", "metadata", "service_tier", "thinking", "container",
+                    "mcp_servers", "context_management", "output_config", "cache_control", "diagnostics",
+                    "inference_geo", "speed", "user_profile_id", "workspace_id"})
+_UNSUPPORTED: oai.Unsupported = {
+    "thinking": (({"type": "disabled"},), "extended thinking is not supported"),
+    "container": ((), "code execution containers are Anthropic's"),
+    "mcp_servers": (([],), "MCP servers are not supported; give the tools"),
+    "context_management": ((), "context management is not supported"),
+}
+STOP_REASONS = {"stop": "end_turn", "length": "max_tokens", "tool_calls": "tool_use"}
+ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+               404: "not_found_error", 408: "timeout_error", 413: "request_too_large", 429: "rate_limit_error",
+               503: "overloaded_error"}
+
+
+class Messages:
+    """The dialect (``dialect.Dialect``) of ``/v1/messages``."""
+
+    path = "/v1/messages"
+
+    @staticmethod
+    def parse(body: Any, owner: str) -> MessageAnswer:
+        if not isinstance(body, dict):
+            raise BadRequest("the request body must be a JSON object")
+        given = oai.given_fields(body, _KNOWN, _UNSUPPORTED)
+        if "max_tokens" not in given:
+            raise BadRequest("'max_tokens' is required")
+        stop = given.get("stop_sequences")
+        if stop is not None and not isinstance(stop, list):
+            raise BadRequest("'stop_sequences' must be a list of strings")
+        system = given.get("system")
+        messages = ([{"role": "system", "content": _text(system, "system")}] if system else []) + \
+            _messages(given.get("messages"))
+        choice, parallel = _tool_choice(given.get("tool_choice"))
+        chat = {"model": given.get("model"), "stream": given.get("stream"), "messages": messages,
+                "max_tokens": given["max_tokens"], "temperature": given.get("temperature"),
+                "top_p": given.get("top_p"), "top_k": given.get("top_k"), "stop": stop,
+                "tools": _tools(given.get("tools")), "tool_choice": choice, "parallel_tool_calls": parallel,
+                "response_format": _format(given.get("output_config"))}
+        return MessageAnswer(oai.parse("chat", {k: v for k, v in chat.items() if v is not None}))
+
+    @staticmethod
+    def error_body(error: oai.HttpError) -> dict[str, Any]:
+        return error_body(error)
+
+
+def error_body(error: oai.HttpError) -> dict[str, Any]:
+    """Anthropic's error shape; the type by status (``api_error`` for the other 5xx)."""
+    kind = ERROR_TYPES.get(error.status, "api_error" if error.status >= 500 else "invalid_request_error")
+    return {"type": "error", "error": {"type": kind, "message": error.message}}
+
+
+# --- requests -----------------------------------------------------------------------------------
+
+def _messages(value: Any) -> list[dict[str, Any]]:
+    if not isinstance(value, list) or not value:
+        raise BadRequest("'messages' is required and must be a non-empty list")
+    out: list[dict[str, Any]] = []
+    for i, message in enumerate(value):
+        where = f"messages[{i}]"
+        if not isinstance(message, dict) or message.get("role") not in ("user", "assistant"):
+            raise BadRequest(f"{where} must be an object whose 'role' is user or assistant")
+        content = message.get("content")
+        if isinstance(content, str):
+            out.append({"role": message["role"], "content": content})
+            continue
+        if not isinstance(content, list):
+            raise BadRequest(f"{where}.content must be a string or a list of content blocks")
+        text, calls, answers = [], [], []
+        for j, block in enumerate(content):
+            kind = block.get("type") if isinstance(block, dict) else None
+            at = f"{where}.content[{j}]"
+            if kind == "text" and isinstance(block.get("text"), str):
+                text.append(block["text"])
+            elif kind == "tool_use" and message["role"] == "assistant":
+                calls.append(_tool_use(block, at))
+            elif kind == "tool_result" and message["role"] == "user":
+                answers.append(_tool_result(block, at))
+            else:
+                raise BadRequest(f"{at}: a {message['role']} message's blocks are text and "
+                                 f"{'tool_use' if message['role'] == 'assistant' else 'tool_result'}; "
+                                 f"{kind!r:.30} is not supported by mpserve (images, documents, thinking)")
+        out += answers
+        if calls:
+            out.append({"role": "assistant", "content": "".join(text) or None, "tool_calls": calls})
+        elif text or not answers:
+            out.append({"role": message["role"], "content": "".join(text)})
+    return out
+
+
+def _tool_use(block: dict[str, Any], where: str) -> dict[str, Any]:
+    if not isinstance(block.get("id"), str) or not isinstance(block.get("name"), str) or \
+            not isinstance(block.get("input"), dict):
+        raise BadRequest(f"{where}: a tool_use block needs 'id', 'name' and 'input' (an object)")
+    return {"id": block["id"], "type": "function",
+            "function": {"name": block["name"], "arguments": json.dumps(block["input"], ensure_ascii=False)}}
+
+
+def _tool_result(block: dict[str, Any], where: str) -> dict[str, Any]:
+    if not isinstance(block.get("tool_use_id"), str):
+        raise BadRequest(f"{where}: a tool_result block needs 'tool_use_id'")
+    content = _text(block.get("content", ""), f"{where}.content")
+    if block.get("is_error"):
+        content = f"Error: {content}"
+    return {"role": "tool", "tool_call_id": block["tool_use_id"], "content": content}
+
+
+def _text(value: Any, where: str) -> str:
+    """A string, or text blocks (their cache_control and citations are ignored)."""
+    if isinstance(value, str):
+        return value
+    if isinstance(value, list) and all(isinstance(b, dict) and b.get("type") == "text" and
+                                       isinstance(b.get("text"), str) for b in value):
+        return "".join(b["text"] for b in value)
+    raise BadRequest(f"'{where}' must be a string or a list of text blocks")
+
+
+def _tools(value: Any) -> list[dict[str, Any]] | None:
+    if value is None:
+        return None
+    if not isinstance(value, list):
+        raise BadRequest("'tools' must be a list of tools")
+    out = []
+    for i, tool in enumerate(value):
+        if not isinstance(tool, dict) or tool.get("type", "custom") != "custom":
+            kind = tool.get("type") if isinstance(tool, dict) else None
+            raise BadRequest(f"tools[{i}].type {kind!r:.40} is not supported by mpserve: only custom tools "
+                             "({\"name\", \"description\", \"input_schema\"}) are; server tools are Anthropic's")
+        function = {"name": tool.get("name"), "parameters": tool.get("input_schema")}
+        if tool.get("description") is not None:
+            function["description"] = tool["description"]
+        out.append({"type": "function", "function": function})
+    return out
+
+
+def _format(config: Any) -> dict[str, Any] | None:
+    """``output_config.format`` (structured output) as chat's ``response_format``; an ``effort`` is refused."""
+    if config is None:
+        return None
+    if not isinstance(config, dict) or not set(config) <= {"format", "effort"}:
+        raise BadRequest("'output_config' must be {\"format\": {\"type\": \"json_schema\", \"schema\": {...}}}")
+    if config.get("effort") is not None:
+        raise BadRequest("'output_config.effort' is not supported by mpserve: effort levels are Claude's")
+    fmt = config.get("format")
+    if fmt is None:
+        return None
+    if not isinstance(fmt, dict) or fmt.get("type") != "json_schema" or not isinstance(fmt.get("schema"), dict):
+        raise BadRequest("'output_config.format' must be {\"type\": \"json_schema\", \"schema\": {...}}")
+    return {"type": "json_schema", "json_schema": {"name": "output", "schema": fmt["schema"]}}
+
+
+def _tool_choice(value: Any) -> tuple[Any, bool | None]:
+    """Chat's tool_choice and parallel_tool_calls."""
+    if value is None:
+        return None, None
+    kind = value.get("type") if isinstance(value, dict) else None
+    choice: Any = {"auto": "auto", "any": "required", "none": "none"}.get(kind) if isinstance(kind, str) else None
+    if kind == "tool":
+        choice = {"type": "function", "function": {"name": value.get("name")}}
+    if choice is None or not isinstance(value.get("disable_parallel_tool_use", False), bool):
+        raise BadRequest("'tool_choice' must be {\"type\": \"auto\" | \"any\" | \"none\"} or {\"type\": \"tool\", "
+                         "\"name\": NAME}, with an optional boolean disable_parallel_tool_use")
+    return choice, not value.get("disable_parallel_tool_use", False)
+
+
+# --- answers ------------------------------------------------------------------------------------
+
+@dataclass
+class MessageAnswer:
+    """One message: whole (``whole``) or streamed (``opened``, ``chunk``, ``closed``)."""
+
+    call: oai.Call
+    id: str = field(default_factory=lambda: f"msg_{uuid.uuid4().hex}")
+    _block: dict[str, Any] | None = None  # the content block being streamed
+    _blocks: int = 0  # content blocks started
+
+    def whole(self, completion: dict[str, Any]) -> dict[str, Any]:
+        choice = completion["choices"][0]
+        message = choice["message"]
+        content = [{"type": "text", "text": message["content"]}] if message.get("content") or \
+            not message.get("tool_calls") else []
+        content += [{"type": "tool_use", "id": _tool_id(c["id"]), "name": c["function"]["name"],
+                     "input": json.loads(c["function"]["arguments"])} for c in message.get("tool_calls") or ()]
+        u = completion["usage"]
+        return {**self._message(completion["model"], content, STOP_REASONS.get(choice["finish_reason"], "end_turn")),
+                "usage": _usage(u["prompt_tokens"], u["completion_tokens"])}
+
+    def opened(self, model: str) -> list[bytes]:
+        return [_event("message_start", message={**self._message(model, [], None), "usage": _usage(0, 0)}),
+                _event("ping")]
+
+    def chunk(self, chunk: dict[str, Any]) -> list[bytes]:
+        out: list[bytes] = []
+        for choice in chunk["choices"]:
+            delta = choice.get("delta", {})
+            if delta.get("content"):
+                if self._block is None or self._block["type"] != "text":
+                    out += self._start({"type": "text", "text": ""})
+                out.append(_event("content_block_delta", index=self._blocks - 1,
+                                  delta={"type": "text_delta", "text": delta["content"]}))
+            for call in delta.get("tool_calls") or ():
+                function = call.get("function", {})
+                if call.get("id"):
+                    out += self._start({"type": "tool_use", "id": _tool_id(call["id"]),
+                                        "name": function.get("name", ""), "input": {}})
+                if function.get("arguments"):
+                    out.append(_event("content_block_delta", index=self._blocks - 1,
+                                      delta={"type": "input_json_delta", "partial_json": function["arguments"]}))
+        return out
+
+    def closed(self, last: list[dict[str, Any]], results: list[Result]) -> list[bytes]:
+        out = [e for chunk in last for e in self.chunk(chunk)]
+        finish = finish_reason(last)
+        if self._blocks == 0:
+            out += self._start({"type": "text", "text": ""})
+        out += self._stop()
+        usage = oai.total_usage(results)
+        return [*out, _event("message_delta", delta={"stop_reason": STOP_REASONS.get(finish, "end_turn"),
+                                                     "stop_sequence": None},
+                             usage=_usage(usage.prompt_tokens, usage.completion_tokens)),
+                _event("message_stop")]
+
+    @staticmethod
+    def failed(error: oai.HttpError) -> bytes:
+        return event("error", error_body(error))
+
+    def _message(self, model: str, content: list[dict[str, Any]], stop_reason: str | None) -> dict[str, Any]:
+        return {"id": self.id, "type": "message", "role": "assistant", "model": model, "content": content,
+                "stop_reason": stop_reason, "stop_sequence": None}
+
+    def _start(self, block: dict[str, Any]) -> list[bytes]:
+        out = self._stop()
+        self._block = block
+        self._blocks += 1
+        return [*out, _event("content_block_start", index=self._blocks - 1, content_block=block)]
+
+    def _stop(self) -> list[bytes]:
+        if self._block is None:
+            return []
+        self._block = None
+        return [_event("content_block_stop", index=self._blocks - 1)]
+
+
+def _event(kind: str, **fields: Any) -> bytes:
+    return event(kind, {"type": kind, **fields})
+
+
+def _usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+    return {"input_tokens": prompt_tokens, "output_tokens": completion_tokens, "cache_creation_input_tokens": 0,
+            "cache_read_input_tokens": 0}
+
+
+def _tool_id(call_id: str) -> str:
+    """Anthropic's tool_use id for a chat tool call's id."""
+    return "toolu_" + call_id.removeprefix("call_")

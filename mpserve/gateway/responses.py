@@ -1,0 +1,436 @@
+"""OpenAI's Responses API (``POST /v1/responses``, ``GET`` / ``DELETE /v1/responses/{id}``) as a translation of
+chat completions (``dialect``), and its stored responses (``stored_routes``).
+
+    {"input": text | [items], "instructions", "tools", "text": {"format"}, "previous_response_id", ...}
+        ──▶ a chat body: instructions as the system message, then the stored conversation of the previous
+            response, then the items: messages (input_text / output_text parts), function_call items as an
+            assistant's tool calls, function_call_output items as tool answers ──▶ openai.parse("chat")
+    the chat completion ──▶ {"object": "response", "status", "output": [message | function_call items],
+                             "usage": {"input_tokens", "output_tokens", ...}}
+    its chunks ──▶ response.created, response.in_progress, response.output_item.added,
+        response.content_part.added, response.output_text.delta ... done, response.function_call_arguments.delta
+        ... done, response.output_item.done, then response.completed (response.incomplete when
+        max_output_tokens cut it), each with its sequence_number
+
+Tools are function tools (``{"type": "function", "name", "parameters"}``), with ``tool_choice`` none, auto,
+required or ``{"type": "function", "name"}``; ``text.format`` is text, json_object or json_schema (``{"type":
+"json_schema", "name", "schema"}``), as chat's ``response_format``. ``store`` (default true, as OpenAI's) keeps
+the response and its conversation in ``ResponseStore``: bounded, in memory, per API key; ``previous_response_id``
+continues one (its instructions are not carried over, as OpenAI documents). A field OpenAI has and mpserve
+cannot honour (built-in tools, reasoning effort, background, images, ...) is refused with 400 naming it,
+unless sent at its neutral value; a field OpenAI does not have is refused as unrecognized.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+import uuid
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Any
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+from mpserve.client import Result
+from mpserve.errors import BadRequest
+
+from . import openai as oai
+from .dialect import event, finish_reason, owner
+
+MAX_STORED_PER_KEY = 256
+"""Responses kept per API key; the oldest goes first."""
+MAX_STORED_KEYS = 64
+"""API keys with stored responses; the key used longest ago loses its responses first."""
+
+_KNOWN = frozenset({
+    "model", "input", "instructions", "max_output_tokens", "temperature", "top_p", "tools", "tool_choice",
+    "parallel_tool_calls", "text", "stream", "stream_options", "store", "previous_response_id", "metadata", "user",
+    "safety_identifier", "prompt_cache_key", "prompt_cache_retention", "service_tier", "truncation", "reasoning",
+    "include", "background", "top_logprobs", "max_tool_calls", "prompt", "conversation", "context_management"})
+_UNSUPPORTED: oai.Unsupported = {
+    "truncation": (("disabled",), "mpserve does not drop input items to fit the context"),
+    "reasoning": (({},), "reasoning effort and summaries are not supported"),
+    "include": (([],), "no extra output (reasoning, logprobs, tool results) is available"),
+    "background": ((False,), "background responses are not supported"),
+    "top_logprobs": ((0,), "log-probabilities are not returned here (use /v1/chat/completions)"),
+    "prompt": ((), "stored prompt templates are OpenAI's"),
+    "conversation": ((), "conversations are not stored; use previous_response_id"),
+    "context_management": ((), "context management is not supported"),
+    "service_tier": (("auto", "default"), "mpserve has one service tier"),
+}
+ROLES = ("user", "assistant", "system", "developer")
+
+
+_Stored = tuple[dict[str, Any], list[dict[str, Any]]]  # a response, and its conversation as chat messages
+_NONE: OrderedDict[str, _Stored] = OrderedDict()
+
+
+class ResponseStore:
+    """Stored responses by API key (``dialect.owner``): each response's object and its conversation (chat
+    messages, its own output last), at most MAX_STORED_PER_KEY per key and MAX_STORED_KEYS keys."""
+
+    def __init__(self, per_key: int = MAX_STORED_PER_KEY, keys: int = MAX_STORED_KEYS) -> None:
+        self._per_key, self._keys = per_key, keys
+        self._stored: OrderedDict[str, OrderedDict[str, _Stored]] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def put(self, owner: str, response: dict[str, Any], conversation: list[dict[str, Any]]) -> None:
+        with self._lock:
+            mine = self._stored.setdefault(owner, OrderedDict())
+            self._stored.move_to_end(owner)
+            mine[response["id"]] = (response, conversation)
+            while len(mine) > self._per_key:
+                mine.popitem(last=False)
+            while len(self._stored) > self._keys:
+                self._stored.popitem(last=False)
+
+    def get(self, owner: str, response_id: str) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+        with self._lock:
+            found = self._stored.get(owner, _NONE).get(response_id)
+        if found is None:
+            raise NotStored(response_id)
+        return found
+
+    def delete(self, owner: str, response_id: str) -> None:
+        with self._lock:
+            if self._stored.get(owner, OrderedDict()).pop(response_id, None) is None:
+                raise NotStored(response_id)
+
+
+class NotStored(BadRequest):
+    def __init__(self, response_id: str) -> None:
+        super().__init__(f"no stored response with id {response_id!r:.80} (responses are kept in memory, the last "
+                         f"{MAX_STORED_PER_KEY} per API key, until the gateway restarts; send store: true to keep one)")
+
+
+class Responses:
+    """The dialect (``dialect.Dialect``) of ``/v1/responses``."""
+
+    path = "/v1/responses"
+
+    def __init__(self, store: ResponseStore) -> None:
+        self.store = store
+
+    def parse(self, body: Any, owner: str) -> ResponseAnswer:
+        if not isinstance(body, dict):
+            raise BadRequest("the request body must be a JSON object")
+        given = oai.given_fields(body, _KNOWN, _UNSUPPORTED)
+        for key in ("store", "stream", "parallel_tool_calls"):
+            if not isinstance(given.get(key, False), bool):
+                raise BadRequest(f"'{key}' must be a boolean")
+        metadata = given.get("metadata", {})
+        if not isinstance(metadata, dict) or len(metadata) > 16 or not all(
+                isinstance(k, str) and isinstance(v, str) for k, v in metadata.items()):
+            raise BadRequest("'metadata' must be an object of at most 16 string values")
+        history: list[dict[str, Any]] = []
+        previous = given.get("previous_response_id")
+        if previous is not None:
+            if not isinstance(previous, str):
+                raise BadRequest("'previous_response_id' must be a string")
+            history = list(self.store.get(owner, previous)[1])
+        instructions = given.get("instructions")
+        if instructions is not None and not isinstance(instructions, str):
+            raise BadRequest("'instructions' must be a string")
+        conversation = history + _items(given.get("input"))
+        chat: dict[str, Any] = {
+            "model": given.get("model"), "stream": given.get("stream"),
+            "messages": ([{"role": "system", "content": instructions}] if instructions else []) + conversation,
+            "temperature": given.get("temperature"), "top_p": given.get("top_p"),
+            "max_tokens": given.get("max_output_tokens"), "user": given.get("user"),
+            "tools": _tools(given.get("tools")), "tool_choice": _tool_choice(given.get("tool_choice")),
+            "parallel_tool_calls": given.get("parallel_tool_calls"), "response_format": _format(given.get("text"))}
+        call = oai.parse("chat", {k: v for k, v in chat.items() if v is not None})
+        echo = {"instructions": instructions, "max_output_tokens": given.get("max_output_tokens"),
+                "metadata": metadata, "parallel_tool_calls": given.get("parallel_tool_calls", True),
+                "previous_response_id": previous, "store": given.get("store", True),
+                "temperature": call.params.temperature, "top_p": call.params.top_p,
+                "text": {"format": given.get("text", {}).get("format", {"type": "text"})},
+                "tool_choice": given.get("tool_choice", "auto"), "tools": given.get("tools", []),
+                "truncation": "disabled", "user": given.get("user")}
+        return ResponseAnswer(call, echo, conversation, self.store, owner)
+
+    @staticmethod
+    def error_body(error: oai.HttpError) -> dict[str, Any]:
+        return error.body()
+
+
+# --- requests -----------------------------------------------------------------------------------
+
+def _items(value: Any) -> list[dict[str, Any]]:
+    """``input`` as chat messages: a text is one user message; consecutive function_call items are one
+    assistant message's tool calls."""
+    if isinstance(value, str):
+        return [{"role": "user", "content": value}]
+    if not isinstance(value, list) or not value:
+        raise BadRequest("'input' is required: a string, or a non-empty list of input items")
+    out: list[dict[str, Any]] = []
+    for i, item in enumerate(value):
+        where = f"input[{i}]"
+        if not isinstance(item, dict):
+            raise BadRequest(f"{where} must be an object (a message, a function_call or a function_call_output)")
+        kind = item.get("type", "message")
+        if kind == "message":
+            role = item.get("role")
+            if role not in ROLES:
+                raise BadRequest(f"{where}.role must be one of {', '.join(ROLES)}")
+            out.append({"role": role, "content": _text(item.get("content"), where)})
+        elif kind == "function_call":
+            call = _function_call(item, where)
+            if out and out[-1]["role"] == "assistant" and out[-1].get("tool_calls"):
+                out[-1]["tool_calls"].append(call)
+            else:
+                out.append({"role": "assistant", "content": None, "tool_calls": [call]})
+        elif kind == "function_call_output":
+            call_id, output = item.get("call_id"), item.get("output")
+            if not isinstance(call_id, str):
+                raise BadRequest(f"{where}.call_id must be a string")
+            out.append({"role": "tool", "tool_call_id": call_id, "content": _text(output, f"{where}.output")})
+        else:
+            raise BadRequest(f"{where}.type {kind!r:.40} is not supported by mpserve: input items are messages, "
+                             "function_call and function_call_output")
+    return out
+
+
+def _text(content: Any, where: str) -> str:
+    """A message's text: a string, or text parts (input_text, output_text)."""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        parts = []
+        for j, part in enumerate(content):
+            kind = part.get("type") if isinstance(part, dict) else None
+            if kind not in ("input_text", "output_text", "text") or not isinstance(part.get("text"), str):
+                raise BadRequest(f"{where}.content[{j}] must be an input_text or output_text part; other parts "
+                                 f"({kind!r:.30}: images, files, audio) are not supported")
+            parts.append(part["text"])
+        return "".join(parts)
+    raise BadRequest(f"{where}.content must be a string or a list of text parts")
+
+
+def _function_call(item: dict[str, Any], where: str) -> dict[str, Any]:
+    call_id, name, arguments = item.get("call_id"), item.get("name"), item.get("arguments", "{}")
+    if not isinstance(call_id, str) or not isinstance(name, str) or not isinstance(arguments, str):
+        raise BadRequest(f"{where}: a function_call needs 'call_id', 'name' and 'arguments' (JSON text) strings")
+    return {"id": call_id, "type": "function", "function": {"name": name, "arguments": arguments}}
+
+
+def _tools(value: Any) -> list[dict[str, Any]] | None:
+    if value is None:
+        return None
+    if not isinstance(value, list):
+        raise BadRequest("'tools' must be a list of function tools")
+    out = []
+    for i, tool in enumerate(value):
+        if not isinstance(tool, dict) or tool.get("type") != "function":
+            kind = tool.get("type") if isinstance(tool, dict) else None
+            raise BadRequest(f"tools[{i}].type {kind!r:.40} is not supported by mpserve: only function tools are "
+                             "(built-in tools such as web_search, file_search or code_interpreter are OpenAI's)")
+        function = {k: tool[k] for k in ("name", "description", "parameters") if tool.get(k) is not None}
+        out.append({"type": "function", "function": function})
+    return out
+
+
+def _tool_choice(value: Any) -> Any:
+    if isinstance(value, dict) and value.get("type") == "function":
+        return {"type": "function", "function": {"name": value.get("name")}}
+    if value is not None and value not in ("none", "auto", "required"):
+        raise BadRequest("'tool_choice' must be none, auto, required or {\"type\": \"function\", \"name\": NAME}")
+    return value
+
+
+def _format(text: Any) -> dict[str, Any] | None:
+    """``text.format`` as chat's ``response_format``."""
+    if text is None:
+        return None
+    fmt = text.get("format", {"type": "text"}) if isinstance(text, dict) else None
+    if not isinstance(fmt, dict) or not set(text) <= {"format", "verbosity"}:
+        raise BadRequest("'text' must be {\"format\": {\"type\": \"text\" | \"json_object\" | \"json_schema\", ...}}")
+    if fmt.get("type") == "json_schema":
+        if not isinstance(fmt.get("name"), str):
+            raise BadRequest("'text.format' json_schema needs a 'name' and a 'schema'")
+        return {"type": "json_schema", "json_schema": {"name": fmt["name"], "schema": fmt.get("schema"),
+                                                        "strict": fmt.get("strict")}}
+    if fmt.get("type") not in ("text", "json_object"):
+        raise BadRequest("'text.format.type' must be text, json_object or json_schema")
+    return {"type": fmt["type"]}
+
+
+# --- answers ------------------------------------------------------------------------------------
+
+@dataclass
+class ResponseAnswer:
+    """One response: whole (``whole``) or streamed (``opened``, ``chunk``, ``closed``), stored when done."""
+
+    call: oai.Call
+    echo: dict[str, Any]  # the request's settings, as a response repeats them
+    conversation: list[dict[str, Any]]  # the chat messages so far, without the instructions
+    store: ResponseStore
+    owner: str
+    id: str = field(default_factory=lambda: f"resp_{uuid.uuid4().hex}")
+    created_at: int = field(default_factory=lambda: int(time.time()))
+    _sequence: int = 0
+    _model: str = ""
+    _output: list[dict[str, Any]] = field(default_factory=list)  # streamed items, in their final state
+    _open: dict[str, Any] | None = None  # the item being streamed
+
+    def whole(self, completion: dict[str, Any]) -> dict[str, Any]:
+        choice = completion["choices"][0]
+        message = choice["message"]
+        output = [_message(message["content"])] if message.get("content") or not message.get("tool_calls") else []
+        output += [_function_item(c) for c in message.get("tool_calls") or ()]
+        u = completion["usage"]
+        return self._finished(completion["model"], output, choice["finish_reason"],
+                              u["prompt_tokens"], u["completion_tokens"])
+
+    def opened(self, model: str) -> list[bytes]:
+        self._model = model
+        started = self._object(model, "in_progress", [], None)
+        return [self._event("response.created", response=started), self._event("response.in_progress",
+                                                                                response=started)]
+
+    def chunk(self, chunk: dict[str, Any]) -> list[bytes]:
+        out: list[bytes] = []
+        for choice in chunk["choices"]:
+            delta = choice.get("delta", {})
+            if delta.get("content"):
+                out += self._text(delta["content"])
+            for call in delta.get("tool_calls") or ():
+                out += self._call_delta(call)
+        return out
+
+    def closed(self, last: list[dict[str, Any]], results: list[Result]) -> list[bytes]:
+        out = [e for chunk in last for e in self.chunk(chunk)]
+        finish = finish_reason(last)
+        if not self._output and self._open is None:
+            out += self._text("")
+        out += self._close()
+        usage = oai.total_usage(results)
+        response = self._finished(self._model, self._output, finish, usage.prompt_tokens, usage.completion_tokens)
+        kind = "response.completed" if response["status"] == "completed" else "response.incomplete"
+        return [*out, self._event(kind, response=response)]
+
+    def failed(self, error: oai.HttpError) -> bytes:
+        return self._event("error", code=error.code, message=error.message, param=None)
+
+    # --- building ---
+
+    def _finished(self, model: str, output: list[dict[str, Any]], finish: str, prompt_tokens: int,
+                  completion_tokens: int) -> dict[str, Any]:
+        usage = {"input_tokens": prompt_tokens, "input_tokens_details": {"cached_tokens": 0},
+                 "output_tokens": completion_tokens, "output_tokens_details": {"reasoning_tokens": 0},
+                 "total_tokens": prompt_tokens + completion_tokens}
+        cut = finish == "length"
+        response = self._object(model, "incomplete" if cut else "completed", output, usage)
+        if cut:
+            response["incomplete_details"] = {"reason": "max_output_tokens"}
+        if self.echo["store"]:
+            self.store.put(self.owner, response, self.conversation + _as_chat(output))
+        return response
+
+    def _object(self, model: str, status: str, output: list[dict[str, Any]],
+                usage: dict[str, Any] | None) -> dict[str, Any]:
+        return {"id": self.id, "object": "response", "created_at": self.created_at, "status": status,
+                "model": model, "output": output, "usage": usage, "error": None, "incomplete_details": None,
+                **self.echo}
+
+    def _event(self, kind: str, **fields: Any) -> bytes:
+        data = {"type": kind, "sequence_number": self._sequence, **fields}
+        self._sequence += 1
+        return event(kind, data)
+
+    def _text(self, text: str) -> list[bytes]:
+        out: list[bytes] = []
+        if self._open is None or self._open["type"] != "message":
+            out += self._close()
+            self._open = _message("")
+            self._open["status"] = "in_progress"
+            index = len(self._output)
+            out.append(self._event("response.output_item.added", output_index=index,
+                                   item={**self._open, "content": []}))
+            out.append(self._event("response.content_part.added", item_id=self._open["id"], output_index=index,
+                                   content_index=0, part={"type": "output_text", "text": "", "annotations": []}))
+        part = self._open["content"][0]
+        part["text"] += text
+        if text:
+            out.append(self._event("response.output_text.delta", item_id=self._open["id"],
+                                   output_index=len(self._output), content_index=0, delta=text, logprobs=[]))
+        return out
+
+    def _call_delta(self, delta: dict[str, Any]) -> list[bytes]:
+        """A chat tool call delta: its id and name open a function_call item, its arguments stream into it."""
+        out: list[bytes] = []
+        function = delta.get("function", {})
+        if delta.get("id"):
+            out += self._close()
+            self._open = {**_function_item({"id": delta["id"], "function": {
+                "name": function.get("name", ""), "arguments": ""}}), "status": "in_progress"}
+            out.append(self._event("response.output_item.added", output_index=len(self._output), item=self._open))
+        if function.get("arguments") and self._open is not None:
+            self._open["arguments"] += function["arguments"]
+            out.append(self._event("response.function_call_arguments.delta", item_id=self._open["id"],
+                                   output_index=len(self._output), delta=function["arguments"]))
+        return out
+
+    def _close(self) -> list[bytes]:
+        """The done events of the item being streamed."""
+        item, self._open = self._open, None
+        if item is None:
+            return []
+        index, item["status"] = len(self._output), "completed"
+        out = []
+        if item["type"] == "message":
+            part = item["content"][0]
+            out += [self._event("response.output_text.done", item_id=item["id"], output_index=index, content_index=0,
+                                text=part["text"], logprobs=[]),
+                    self._event("response.content_part.done", item_id=item["id"], output_index=index,
+                                content_index=0, part=part)]
+        else:
+            out.append(self._event("response.function_call_arguments.done", item_id=item["id"], output_index=index,
+                                   name=item["name"], arguments=item["arguments"]))
+        self._output.append(item)
+        return [*out, self._event("response.output_item.done", output_index=index, item=item)]
+
+
+def _message(text: str) -> dict[str, Any]:
+    return {"type": "message", "id": f"msg_{uuid.uuid4().hex}", "status": "completed", "role": "assistant",
+            "content": [{"type": "output_text", "text": text, "annotations": [], "logprobs": []}]}
+
+
+def _function_item(call: dict[str, Any]) -> dict[str, Any]:
+    return {"type": "function_call", "id": f"fc_{uuid.uuid4().hex}", "call_id": call["id"],
+            "name": call["function"]["name"], "arguments": call["function"]["arguments"], "status": "completed"}
+
+
+def _as_chat(output: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """A response's output as the chat messages that continue its conversation."""
+    text = "".join(p["text"] for item in output if item["type"] == "message" for p in item["content"])
+    calls = [{"id": i["call_id"], "type": "function", "function": {"name": i["name"], "arguments": i["arguments"]}}
+             for i in output if i["type"] == "function_call"]
+    return [{"role": "assistant", "content": text or None, **({"tool_calls": calls} if calls else {})}]
+
+
+def stored_routes(responses: Responses) -> list[Route]:
+    """``GET`` and ``DELETE /v1/responses/{id}``: a stored response of the caller's API key."""
+    async def retrieve(request: Request) -> Response:
+        try:
+            return JSONResponse(responses.store.get(owner(request), request.path_params["id"])[0])
+        except NotStored as exc:
+            return _not_found(exc)
+
+    async def delete(request: Request) -> Response:
+        response_id = request.path_params["id"]
+        try:
+            responses.store.delete(owner(request), response_id)
+        except NotStored as exc:
+            return _not_found(exc)
+        return JSONResponse({"id": response_id, "object": "response", "deleted": True})
+
+    return [Route("/v1/responses/{id}", retrieve, methods=["GET"]),
+            Route("/v1/responses/{id}", delete, methods=["DELETE"])]
+
+
+def _not_found(exc: NotStored) -> JSONResponse:
+    return JSONResponse(oai.HttpError(404, "not_found", exc.message).body(), 404)
