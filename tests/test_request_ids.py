@@ -7,6 +7,7 @@ import asyncio
 
 import httpx
 import pytest
+from helpers import wait_for
 
 from mpserve import AsyncClient, Client
 from mpserve.client import REQUEST_ID_CHARS, check_request_id, request_ids
@@ -102,6 +103,8 @@ def test_a_caller_s_id_still_in_flight_through_the_gateway_is_refused(start_serv
             twice = http.post("/v1/completions", json={**body, "max_tokens": 2}, headers={"X-Request-Id": "dup-1"})
             assert twice.status_code == 400 and twice.headers["x-request-id"] == "dup-1"
             assert "'dup-1' is already in use" in twice.json()["error"]["message"]
-        again = http.post("/v1/completions", json={**body, "max_tokens": 2}, headers={"X-Request-Id": "dup-1"})
-        assert again.status_code == 200  # ended (the stream was left, which cancels it): the id is free again
+        # the stream was left, which cancels the request; once the server has ended it, the id is free again
+        wait_for(lambda: http.post("/v1/completions", json={**body, "max_tokens": 2},
+                                   headers={"X-Request-Id": "dup-1"}).status_code == 200, 30, "the id free again",
+                 interval=0.1)
     gateway.stop()
