@@ -139,6 +139,9 @@ SETTINGS: tuple[Setting, ...] = (
     _s("bind", "server", str, "ipc://$RUNTIME/NAME.sock", "Client address, e.g. tcp://127.0.0.1:5555"),
     _s("workers_bind", "server", str, "ipc://$RUNTIME/NAME.workers.sock",
        "Worker socket address; tcp://0.0.0.0:5556 for remote pools (mpserve worker --connect)"),
+    _s("admin_bind", "server", str, "ipc://$RUNTIME/NAME.admin.sock", "Operator address: the only socket that "
+       "takes control calls and slot actions (mpserve models/load/unload/scale/add/slots, the gateway's /admin/); "
+       "ipc is open to this user alone, tcp needs CURVE admin keys (--curve-admins)"),
     _s("spare_slots", "server", int, "0", "Slot-table rows kept for models added at run time (mpserve add); a "
        "model takes max instances × parallel", cli_type=int, range=(0, 4096)),
     _s("max_queue", "server", int, "256", "Waiting requests per model", cli_type=int, range=(1, 1_000_000)),
@@ -168,6 +171,8 @@ SETTINGS: tuple[Setting, ...] = (
     _s("curve_secret", "server", str, "none", "Server secret key file (mpserve keygen)", own_in=("worker",)),
     _s("curve_clients", "server", str, "none", "Folder of allowed clients' public .key files"),
     _s("curve_workers", "server", str, "none", "Folder of allowed remote pools' public .key files"),
+    _s("curve_admins", "server", str, "none", "Folder of operators' public .key files: the only keys a tcp "
+       "--admin-bind accepts (client keys may generate, not administer)"),
     _s("insecure", "server", bool, "false", "Allow a network --bind without CURVE keys, or a network --http "
        "without an API key (anyone reaching the port may use it)", env=None, cli_type=bool),
     _s("heartbeat_interval", "server", float, "1", "Seconds between heartbeats", cli_type=float,

@@ -80,6 +80,7 @@ class GatewayConfig:
     host: str = "127.0.0.1"
     port: int = 8000
     connect: str | None = None  # a ZeroMQ address; None: the local server named server_name
+    admin_connect: str | None = None  # the server's admin socket (/admin/, /slots); None: the local server's
     server_name: str = "default"
     api_key: str | None = None
     request_timeout: float | None = None  # seconds per request, queueing included; None: no limit
@@ -154,7 +155,7 @@ class _Gateway:
     def __init__(self, config: GatewayConfig) -> None:
         self.config = config
         self.backend = Backend(config.connect, config.server_name, config.request_timeout, config.curve_server_key,
-                               config.curve_secret)
+                               config.curve_secret, config.admin_connect)
         self.metrics = GatewayMetrics()
         self.restarts = RestartCounter()
         self.console = console.Console(self.backend, self.metrics)
@@ -335,7 +336,7 @@ class _Gateway:
                 raise ConnectionFailed(f"slot ids are rows of the slot table of a server on this host; none is "
                                        f"running at {self.backend.address}")
             worker, own = locate(local.rows, slot)
-            client = await self.backend.client()
+            client = await self.backend.admin()
             reply = await client.slot(action, worker, own, name)
         except MpserveError as exc:
             return self._failed("/slots", exc)

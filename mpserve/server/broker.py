@@ -23,6 +23,8 @@
     EMBED       ERROR (EMBEDDINGS or ERROR) is forwarded the same way (``lookups``: ticket -> client, request id,
                 worker). EMBED goes to embedding models only (``embedding: true``), REQUEST to the others
     SLOT_ACTION ─▶ at once to the instance it names; its SLOT_REPLY or ERROR, the same way
+    admin ROUTER ─▶ the same handling, as an operator: CONTROL and SLOT_ACTION come only this way; on the front
+                    they are refused, ERROR ``forbidden`` (``mpserve.server.roles``)
 
 State lives in three tables (``mpserve.server.state``, which draws a request's states): ``requests``
 (ticket -> Pending), ``workers`` (identity -> WorkerEntry) and ``models`` (name -> ModelQueue). Every
@@ -85,6 +87,7 @@ from mpserve.errors import (
 from mpserve.prefix import PREFIX_BLOCK, block_hashes
 from mpserve.protocol import ChatTemplate
 
+from . import roles
 from .residency import Loaded, Residency
 from .routing import (
     MAX_HANDOVERS,
@@ -117,17 +120,23 @@ class Broker:
                  max_queue_total: int = 4096, max_pending_per_client: int = 128, client_timeout: float = 5.0,
                  curve_secret: str | None = None, curve_workers: str | None = None,
                  residency: Residency | None = None, heartbeat_interval: float = 1.0,
-                 heartbeat_liveness: int = 5, embedding_models: frozenset[str] = frozenset()) -> None:
+                 heartbeat_liveness: int = 5, embedding_models: frozenset[str] = frozenset(),
+                 admin_addr: str | None = None, curve_admins: str | None = None) -> None:
         """``models``: name -> max queue length. ``client_timeout``: a client with pending requests that
         sends nothing for this long is taken as gone and its requests are cancelled (clients ping every
         second while they wait). ``curve_secret``: the server's CURVE secret-key file for the front.
         ``residency``: single active backend mode (at most one model loaded per device).
         ``curve_workers``: with ``curve_secret``, the folder of allowed worker keys; the worker socket then
         requires CURVE too. Remote workers silent for ``heartbeat_interval × heartbeat_liveness`` are lost.
-        ``embedding_models``: the models configured ``embedding: true``, which serve EMBED and no REQUEST."""
+        ``embedding_models``: the models configured ``embedding: true``, which serve EMBED and no REQUEST.
+        ``admin_addr``: the operators' socket (``mpserve.server.roles``; None: none, so no operator's call is
+        taken), with CURVE when ``curve_admins`` (their keys) is given."""
         self.embedding_models = embedding_models
         self.front = _router(ctx, front_addr, curve_secret, b"clients")
         self.back = _router(ctx, back_addr, curve_secret if curve_workers else None, b"workers")
+        self.admin = _router(ctx, admin_addr, curve_secret if curve_admins else None, b"admins") if admin_addr else None
+        if admin_addr:
+            roles.owner_only(admin_addr)
         self.heartbeat_interval = heartbeat_interval
         self.heartbeat_liveness = heartbeat_liveness
         self.back.setsockopt(zmq.ROUTER_HANDOVER, 1)  # a restarted worker reuses its identity
@@ -160,6 +169,15 @@ class Broker:
             if not zmqio.readable(self.front):
                 break
             self._from_client(zmqio.recv(self.front, zmqio.NOBLOCK))
+        self.flush()
+
+    def drain_admin(self) -> None:
+        assert self.admin is not None
+        for _ in range(DRAIN_BATCH):
+            if not zmqio.readable(self.admin):
+                break
+            frames = zmqio.recv(self.admin, zmqio.NOBLOCK)
+            self._from_client([roles.admin_client(frames[0]), *frames[1:]], admin=True)
         self.flush()
 
     def drain_back(self) -> None:
@@ -338,10 +356,12 @@ class Broker:
     def close(self) -> None:
         self.front.close(linger=500)
         self.back.close(linger=500)
+        if self.admin is not None:
+            self.admin.close(linger=500)
 
     # --- clients -------------------------------------------------------------------------------
 
-    def _from_client(self, frames: list[bytes]) -> None:
+    def _from_client(self, frames: list[bytes], admin: bool = False) -> None:
         if len(frames) < 2:
             self.stats["dropped_malformed"] += 1
             return
@@ -352,6 +372,7 @@ class Broker:
             mtype = wire.parse_header(frames, 3)
             if mtype not in FROM_CLIENTS:
                 raise ProtocolError(f"a client may not send {mtype.name} messages")
+            roles.check(mtype, admin)
             msg = wire.decode_body(mtype, frames[2])
             if isinstance(msg, wire.Request):
                 self._on_request(client, msg)
@@ -556,7 +577,11 @@ class Broker:
     def _to_client(self, client: bytes, frames: list[bytes]) -> bool:
         """Send without blocking. A client that is gone or not reading loses its requests."""
         try:
-            zmqio.send(self.front, [client, *frames], zmqio.NOBLOCK)
+            if roles.is_admin(client):
+                assert self.admin is not None
+                zmqio.send(self.admin, [roles.routing_id(client), *frames], zmqio.NOBLOCK)
+            else:
+                zmqio.send(self.front, [client, *frames], zmqio.NOBLOCK)
             return True
         except (zmq.Again, zmq.ZMQError) as exc:
             reason = "not reading" if isinstance(exc, zmq.Again) else "gone"
