@@ -87,7 +87,7 @@ from mpserve.errors import (
 from mpserve.prefix import PREFIX_BLOCK, block_hashes
 from mpserve.protocol import ChatTemplate
 
-from . import roles
+from . import link, roles
 from .residency import Loaded, Residency
 from .routing import (
     MAX_HANDOVERS,
@@ -139,7 +139,11 @@ class Broker:
             roles.owner_only(admin_addr)
         self.heartbeat_interval = heartbeat_interval
         self.heartbeat_liveness = heartbeat_liveness
-        self.back.setsockopt(zmq.ROUTER_HANDOVER, 1)  # a restarted worker reuses its identity
+        # no ROUTER_HANDOVER: a connection under a connected worker's name gets none of its messages
+        # (``mpserve.server.link``); ZeroMQ's own heartbeats drop a dead link, so a restarted worker gets its name
+        self.back.setsockopt(zmq.HEARTBEAT_IVL, int(heartbeat_interval * 1000))
+        self.back.setsockopt(zmq.HEARTBEAT_TIMEOUT, int(heartbeat_interval * heartbeat_liveness * 1000))
+        self.link_secret = link.new_secret()  # the proof of the workers the server starts (``Supervisor``)
         self.models = {name: ModelQueue(name, max_queue) for name, max_queue in models.items()}
         self.requests: dict[str, Pending] = {}
         self.by_client: dict[tuple[bytes, str], str] = {}
@@ -672,10 +676,17 @@ class Broker:
                 old.loaded = True
                 self.on_ready(old)
             return
+        index = link.local_index(identity, msg, self.link_secret)
+        refused = link.refusal(identity, msg, index, old)
+        if refused is not None:
+            self.stats["refused_worker_ready"] += 1
+            log.error("refused a READY from %r (pid %d, host %r): %s", identity, msg.pid, msg.host, refused)
+            self._to_worker(identity, wire.Error(None, ErrorCode.PROTOCOL, f"refused by the broker: {refused}"))
+            return
         if old is not None:  # a new process under the same name: whatever the old one ran is lost
             self._worker_gone(old, f"worker {identity.decode()} restarted", crashed=False)
-        local = msg.host == "" and identity[:1] == b"w" and identity[1:].isdigit()
-        entry = WorkerEntry(identity, int(identity[1:]) if local else None, msg.model, msg.device, msg.capacity,
+        local = index is not None
+        entry = WorkerEntry(identity, index, msg.model, msg.device, msg.capacity,
                             msg.pid, msg.loaded, host=msg.host, last_heard=time.monotonic())
         self.workers[identity] = entry
         self._cache_held(entry, cache)
@@ -705,6 +716,10 @@ class Broker:
         p = self._running_on(entry, ticket)
         if p is None or entry is None:
             return
+        if self._foreign(p, mtype, body):
+            if mtype is wire.MsgType.CHUNK:
+                return
+            mtype, type_frame, body = wire.MsgType.ERROR, b"", b""  # answered already: only the slot is freed
         if mtype is wire.MsgType.CHUNK:
             if self._streaming(p, trailer):
                 self._to_client(p.client, [wire.VERSION, type_frame, body])
@@ -758,7 +773,7 @@ class Broker:
         for mtype, ticket, body, trailer in entries:
             if mtype is wire.MsgType.CHUNK:
                 p = self._running_on(entry, ticket)
-                if p is not None and self._streaming(p, trailer):
+                if p is not None and not self._foreign(p, mtype, body) and self._streaming(p, trailer):
                     by_client.setdefault(p.client, []).append(body)
                 continue
             p = self.requests.get(ticket)
@@ -782,6 +797,24 @@ class Broker:
             self.stats["dropped_stale_result"] += 1
             return None
         return p
+
+    def _foreign(self, p: Pending, mtype: wire.MsgType, body: bytes) -> bool:
+        """Whether a worker's answer for ``p`` is malformed or names another request: then ``p`` ends now with
+        ERROR ``internal`` (a running one is cancelled on its worker), counted, instead of a body its client
+        would drop while it waits for its timeout."""
+        if p.answered:
+            return False
+        why = link.foreign(mtype, body, p.request.id)
+        if why is None:
+            return False
+        self.stats["worker_malformed_result"] += 1
+        log.error("worker %r sent %s for request %s; ending it", p.worker, why, p.request.id)
+        message = f"the instance running this request sent {why}; see the server log"
+        if mtype is wire.MsgType.CHUNK:
+            self._cancel(p, ErrorCode.INTERNAL, message)
+        else:
+            self._answer_error(p, ErrorCode.INTERNAL, message)
+        return True
 
     def _streaming(self, p: Pending, tokens: bytes | None) -> bool:
         """A CHUNK of ``p`` arrived: note its tokens; whether it goes on to the client."""

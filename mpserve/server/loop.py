@@ -75,7 +75,7 @@ def serve(config: ServerConfig, gateway_key: Path | None = None) -> None:
                 roles.allow(authenticator, gateway_key, ("clients", "admins"))
         broker = _broker(ctx, config, paths)
         specs = worker_specs(config, layout, paths.back, paths.slots)
-        supervisor = Supervisor(config, specs, table, gpus=bool(layout.devices))
+        supervisor = Supervisor(config, specs, table, gpus=bool(layout.devices), proof=broker.link_secret)
         placements = {spec.index: p for spec, p in zip(specs, layout.placements, strict=True)}
         instances = Instances(config, layout, placements, supervisor, broker, paths.back, paths.slots)
         ServerInfo(paths.name, os.getpid(), paths.front, paths.back, str(paths.slots),
