@@ -233,6 +233,11 @@ def gateway(
     ssl_keyfile: Annotated[str | None, typer.Option(
         "--ssl-keyfile", envvar="MPSERVE_SSL_KEYFILE", help=settings.BY_KEY["ssl_keyfile"].help_text())] = None,
     insecure: Annotated[bool, typer.Option("--insecure", help="Allow a network --http without an API key.")] = False,
+    allowed_origins: Annotated[str | None, typer.Option(
+        "--allowed-origins", envvar="MPSERVE_ALLOWED_ORIGINS",
+        help=settings.BY_KEY["allowed_origins"].help_text())] = None,
+    allowed_hosts: Annotated[str | None, typer.Option(
+        "--allowed-hosts", envvar="MPSERVE_ALLOWED_HOSTS", help=settings.BY_KEY["allowed_hosts"].help_text())] = None,
     max_connections: Annotated[int, typer.Option(
         "--max-connections", envvar="MPSERVE_HTTP_MAX_CONNECTIONS", min=1,
         help="Open HTTP connections at most; past it, new ones get 503 with Retry-After.")] = 1024,
@@ -260,7 +265,13 @@ def gateway(
                                     exit_with_parent=exit_with_parent, api_keys=load_keys(None, api_key_file),
                                     ssl_certfile=ssl_certfile, ssl_keyfile=ssl_keyfile, insecure=insecure,
                                     connections=ConnectionLimits(max_connections, read_timeout),
-                                    admin_key=admin_key))
+                                    admin_key=admin_key, allowed_origins=_names(allowed_origins),
+                                    allowed_hosts=_names(allowed_hosts)))
+
+
+def _names(given: str | None) -> tuple[str, ...]:
+    """A comma-separated list, as --allowed-origins and --allowed-hosts take it."""
+    return tuple(name.strip() for name in (given or "").split(",") if name.strip())
 
 
 class _Gateway:
@@ -319,7 +330,8 @@ def _start_gateway(http: str, config: cfg.ServerConfig, flags: dict[str, Any],
     access.check_tls(flags["ssl_certfile"], flags["ssl_keyfile"])
     keys = {"MPSERVE_API_KEY": flags["api_key"], "MPSERVE_ADMIN_KEY": flags["admin_key"],
             "MPSERVE_CURVE_SERVER_KEY": config.curve_secret if key else None,
-            "MPSERVE_CURVE_CLIENT_SECRET": str(key) if key else None}
+            "MPSERVE_CURVE_CLIENT_SECRET": str(key) if key else None,
+            "MPSERVE_ALLOWED_ORIGINS": flags["allowed_origins"], "MPSERVE_ALLOWED_HOSTS": flags["allowed_hosts"]}
     env = {**os.environ, **{name: key for name, key in keys.items() if key}}
     passed = [arg for key in ("api_key_file", "ssl_certfile", "ssl_keyfile") if flags[key]
               for arg in (settings.BY_KEY[key].flag or "", flags[key])]

@@ -206,6 +206,10 @@ SETTINGS: tuple[Setting, ...] = (
     _s("admin_key", "cli", str, "none", "Open the HTTP control API (/admin/: models, load, unload, scale) to "
        "'Authorization: Bearer KEY'; a key apart from --api-key"),
     _s("api_key_file", "cli", str, "none", "HTTP API keys, one per line (# comments); any of them is accepted"),
+    _s("allowed_origins", "cli", str, "none", "Other origins whose web pages may call the HTTP API, comma-separated "
+       "(e.g. https://app.example; * for any): they get CORS headers; requests from other pages' origins get 403"),
+    _s("allowed_hosts", "cli", str, "none", "More Host names the HTTP API answers, comma-separated (e.g. the name a "
+       "reverse proxy passes on), beside the address it serves; other Host headers get 403"),
     _s("ssl_certfile", "cli", str, "none", "Serve HTTPS: the certificate chain (PEM), with --ssl-keyfile"),
     _s("ssl_keyfile", "cli", str, "none", "The private key (PEM) of --ssl-certfile"),
 )

@@ -63,6 +63,7 @@ from . import openai as oai
 from . import tokens as tok
 from .admin import ADMIN_PREFIX, Admin
 from .backend import Backend
+from .browser import BrowserGuard, host_names
 from .guard import ConnectionLimits, uvicorn_options
 from .metrics import CONTENT_TYPE, GatewayMetrics, ServerView
 from .monitor import RestartCounter, gpu_usage, health, monitor
@@ -94,6 +95,8 @@ class GatewayConfig:
     ssl_keyfile: str | None = None
     insecure: bool = False  # allow a network host without any key
     connections: ConnectionLimits = ConnectionLimits()  # open connections, header and body read timeouts
+    allowed_origins: tuple[str, ...] = ()  # other origins whose pages may call it ("*": any); mpserve.gateway.browser
+    allowed_hosts: tuple[str, ...] = ()  # more Host names than those of the address it serves
 
     @property
     def keys(self) -> tuple[str, ...]:
@@ -130,6 +133,8 @@ def create_app(config: GatewayConfig) -> Starlette:
     app = Starlette(routes=routes, lifespan=gateway.lifespan, exception_handlers={HTTPException: _http_error})
     if config.keys:
         app.add_middleware(_RequireKey, keys=config.keys)
+    app.add_middleware(BrowserGuard, hosts=host_names(config.host, config.allowed_hosts),  # outermost
+                       origins=config.allowed_origins)
     return app
 
 
