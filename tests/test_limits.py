@@ -21,15 +21,11 @@ from mpserve import protocol as wire
 from mpserve.errors import BadRequest
 from mpserve.gateway import limits
 from mpserve.gateway import openai as oai
+from tests.helpers import free_port
 
 READ_TIMEOUT_S = 2.0
 MAX_CONNECTIONS = 64
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 class HttpServer:
