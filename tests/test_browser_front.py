@@ -20,10 +20,8 @@ from conftest import ServerProcess
 from gateway_thread import GatewayThread
 
 from mpserve import Client
+from tests.helpers import CHROMIUM, chromium
 
-CHROMIUM = "/usr/bin/chromium"
-CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
-                 "--disable-component-update", "--disable-sync", "--no-first-run"]
 WAIT_MS = 20_000
 BODY = {"prompt": "hello", "max_tokens": 4}
 
@@ -67,10 +65,8 @@ def front(tiny_server: ServerProcess) -> Iterator[GatewayThread]:
 
 @pytest.fixture(scope="module")
 def browser() -> Iterator[Any]:
-    with sync_api.sync_playwright() as p:
-        chromium = p.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS, headless=True)
-        yield chromium
-        chromium.close()
+    with chromium() as launched:
+        yield launched
 
 
 def page_at(browser: Any, origin: str, html: str = "<p>a page</p>") -> Any:

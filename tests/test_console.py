@@ -14,11 +14,8 @@ import pytest
 from conftest import ServerProcess
 
 from mpserve import Client
-from tests.helpers import free_port
+from tests.helpers import CHROMIUM, chromium, free_port
 
-CHROMIUM = "/usr/bin/chromium"
-CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
-                 "--disable-component-update", "--disable-sync", "--no-first-run"]
 KEY = "console-test-key"
 WAIT_MS = 30_000
 
@@ -53,10 +50,8 @@ def server() -> Iterator[tuple[ServerProcess, str]]:
 
 @pytest.fixture(scope="module")
 def browser() -> Iterator[Any]:
-    with sync_api.sync_playwright() as p:
-        chromium = p.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS, headless=True)
-        yield chromium
-        chromium.close()
+    with chromium() as launched:
+        yield launched
 
 
 @pytest.fixture
