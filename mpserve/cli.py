@@ -16,7 +16,7 @@ import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
@@ -24,8 +24,11 @@ from . import __version__, settings
 from . import config as cfg
 from .errors import BadRequest, ConnectionFailed, InternalError, MpserveError
 from .protocol import ModelControl, Stats
-from .runtime import ServerInfo, pid_alive
+from .runtime import ServerInfo, ServerPaths, pid_alive
 from .slots import SlotRow, SlotState, SlotTable, instance_slots, locate
+
+if TYPE_CHECKING:
+    from .client import Client
 
 app = typer.Typer(add_completion=False, no_args_is_help=True,
                   help="Run several llama.cpp instances behind one ZeroMQ broker.")
@@ -109,13 +112,16 @@ def start(given: Given, config_file: ConfigOption = None) -> None:
     from mpserve.gateway.app import parse_http
     from mpserve.server.loop import serve
     from mpserve.server.preflight import check_start
+    from mpserve.server.roles import gateway_keys
 
     with _errors():
         config = _config(given, config_file)
         http = given.cli["http"]
         check_start(config, parse_http(http) if http else None)
-        with _Gateway(http, config, given.cli) if http else contextlib.nullcontext():
-            serve(config)
+        paths = ServerPaths.for_name(config.server_name, config.bind, config.workers_bind, config.admin_bind)
+        gateway_key = gateway_keys(paths) if http and config.curve_secret else None  # for a CURVE front
+        with _Gateway(http, config, given.cli, gateway_key) if http else contextlib.nullcontext():
+            serve(config, gateway_key)
 
 
 @app.command()
@@ -206,6 +212,9 @@ def gateway(
     = "127.0.0.1:8000",
     connect: Annotated[str | None, typer.Option(
         "--connect", help="The server's ZeroMQ address (default: the local server named by --server-name).")] = None,
+    admin_connect: Annotated[str | None, typer.Option(
+        "--admin-connect", envvar="MPSERVE_ADMIN_CONNECT",
+        help="The server's admin socket, for /admin/ and /slots (default: the local server's).")] = None,
     api_key: Annotated[str | None, typer.Option(
         "--api-key", envvar="MPSERVE_API_KEY", help=settings.BY_KEY["api_key"].help_text())] = None,
     admin_key: Annotated[str | None, typer.Option(
@@ -224,6 +233,11 @@ def gateway(
     ssl_keyfile: Annotated[str | None, typer.Option(
         "--ssl-keyfile", envvar="MPSERVE_SSL_KEYFILE", help=settings.BY_KEY["ssl_keyfile"].help_text())] = None,
     insecure: Annotated[bool, typer.Option("--insecure", help="Allow a network --http without an API key.")] = False,
+    allowed_origins: Annotated[str | None, typer.Option(
+        "--allowed-origins", envvar="MPSERVE_ALLOWED_ORIGINS",
+        help=settings.BY_KEY["allowed_origins"].help_text())] = None,
+    allowed_hosts: Annotated[str | None, typer.Option(
+        "--allowed-hosts", envvar="MPSERVE_ALLOWED_HOSTS", help=settings.BY_KEY["allowed_hosts"].help_text())] = None,
     max_connections: Annotated[int, typer.Option(
         "--max-connections", envvar="MPSERVE_HTTP_MAX_CONNECTIONS", min=1,
         help="Open HTTP connections at most; past it, new ones get 503 with Retry-After.")] = 1024,
@@ -244,13 +258,20 @@ def gateway(
 
     with _errors():
         host, port = parse_http(http)
-        serve_gateway(GatewayConfig(host=host, port=port, connect=connect, server_name=server_name, api_key=api_key,
+        serve_gateway(GatewayConfig(host=host, port=port, connect=connect, admin_connect=admin_connect,
+                                    server_name=server_name, api_key=api_key,
                                     request_timeout=request_timeout, curve_server_key=curve_server_key,
                                     curve_secret=curve_secret, log_level=log_level,
                                     exit_with_parent=exit_with_parent, api_keys=load_keys(None, api_key_file),
                                     ssl_certfile=ssl_certfile, ssl_keyfile=ssl_keyfile, insecure=insecure,
                                     connections=ConnectionLimits(max_connections, read_timeout),
-                                    admin_key=admin_key))
+                                    admin_key=admin_key, allowed_origins=_names(allowed_origins),
+                                    allowed_hosts=_names(allowed_hosts)))
+
+
+def _names(given: str | None) -> tuple[str, ...]:
+    """A comma-separated list, as --allowed-origins and --allowed-hosts take it."""
+    return tuple(name.strip() for name in (given or "").split(",") if name.strip())
 
 
 class _Gateway:
@@ -260,8 +281,8 @@ class _Gateway:
     to the service manager (systemd, Kubernetes), which sees one failed unit instead of a server that runs on
     without its HTTP API."""
 
-    def __init__(self, http: str, config: cfg.ServerConfig, flags: dict[str, Any]) -> None:
-        self._process = _start_gateway(http, config, flags)
+    def __init__(self, http: str, config: cfg.ServerConfig, flags: dict[str, Any], key: Path | None) -> None:
+        self._process = _start_gateway(http, config, flags, key)
         self._lock = threading.Lock()
         self._stopping = False
         self.exited: int | None = None  # the status of a gateway that exited by itself
@@ -293,19 +314,24 @@ class _Gateway:
                                 "start again")
 
 
-def _start_gateway(http: str, config: cfg.ServerConfig, flags: dict[str, Any]) -> subprocess.Popen[bytes]:
+def _start_gateway(http: str, config: cfg.ServerConfig, flags: dict[str, Any],
+                   key: Path | None) -> subprocess.Popen[bytes]:
     """``mpserve gateway`` as a child process, in its own session: Ctrl-C reaches only the server, which
     drains its requests while the gateway keeps streaming them (and answers 503 to new ones); the gateway is
     stopped after that, or stops by itself if the server dies outright. The keys travel in the environment,
-    not in the command line that any user can read. A separate process: in the broker's it would compete
-    with the broker loop for the GIL, and a fault in it could not touch the broker."""
+    not in the command line that any user can read; ``key``, a key pair the server accepts, lets it through a
+    CURVE front (the server's public key is read from its secret key file). A separate process: in the
+    broker's it would compete with the broker loop for the GIL, and a fault in it could not touch the broker."""
     from mpserve.gateway import access
     from mpserve.gateway.app import parse_http
 
     host, _ = parse_http(http)  # refuse a bad value, a network port without a key, before anything starts
     access.check_exposure(host, access.load_keys(flags["api_key"], flags["api_key_file"]), config.insecure)
     access.check_tls(flags["ssl_certfile"], flags["ssl_keyfile"])
-    keys = {"MPSERVE_API_KEY": flags["api_key"], "MPSERVE_ADMIN_KEY": flags["admin_key"]}
+    keys = {"MPSERVE_API_KEY": flags["api_key"], "MPSERVE_ADMIN_KEY": flags["admin_key"],
+            "MPSERVE_CURVE_SERVER_KEY": config.curve_secret if key else None,
+            "MPSERVE_CURVE_CLIENT_SECRET": str(key) if key else None,
+            "MPSERVE_ALLOWED_ORIGINS": flags["allowed_origins"], "MPSERVE_ALLOWED_HOSTS": flags["allowed_hosts"]}
     env = {**os.environ, **{name: key for name, key in keys.items() if key}}
     passed = [arg for key in ("api_key_file", "ssl_certfile", "ssl_keyfile") if flags[key]
               for arg in (settings.BY_KEY[key].flag or "", flags[key])]
@@ -562,7 +588,6 @@ def slots(
 ) -> None:
     """Save an idle slot's KV cells to a file of its model's slot_save_path, restore them from one, or erase
     them: a long conversation survives a restart."""
-    from .client import Client
     from .gpu.devices import format_memory
 
     with _errors():
@@ -574,8 +599,7 @@ def slots(
             worker, local = locate(table.read_all(), slot)
         finally:
             table.close()
-        with Client(info.front, curve_server_key=os.environ.get("MPSERVE_CURVE_SERVER_KEY"),
-                    curve_secret=os.environ.get("MPSERVE_CURVE_CLIENT_SECRET")) as client:
+        with _admin_client(info) as client:
             reply = client.slot(action, worker, local, filename)
         if as_json:
             print(json.dumps({"slot": slot, "worker": worker, **vars(reply)}))
@@ -587,14 +611,12 @@ def slots(
 
 def _control(server_name: str, as_json: bool, op: str, model: str | None = None, low: int | None = None,
              high: int | None = None, path: str | None = None) -> None:
-    from .client import Client
 
     with _errors():
         info = ServerInfo.read(server_name)
         if info is None or not info.alive() or info.role != "broker":
             raise ConnectionFailed(f"no server named {server_name!r} is running; start one with `mpserve start`")
-        with Client(info.front, curve_server_key=os.environ.get("MPSERVE_CURVE_SERVER_KEY"),
-                    curve_secret=os.environ.get("MPSERVE_CURVE_CLIENT_SECRET")) as client:
+        with _admin_client(info) as client:
             reply = client.control(op, model, min=low, max=high, path=path)
         if as_json:
             print(json.dumps({"message": reply.message, "models": [vars(m) for m in reply.models]}))
@@ -602,6 +624,17 @@ def _control(server_name: str, as_json: bool, op: str, model: str | None = None,
         if op != "models":
             typer.echo(reply.message, err=True)
         print(format_models(reply.models))
+
+
+def _admin_client(info: ServerInfo) -> Client:
+    """A client on the server's admin socket: ipc (this user alone) needs no keys; a tcp one takes an operator's
+    CURVE keys from the environment, as `generate` takes a client's."""
+    from .client import Client
+
+    address = info.admin or info.front  # a server older than the admin socket takes operator's calls on its front
+    curve = address.startswith("tcp://")
+    return Client(address, curve_server_key=os.environ.get("MPSERVE_CURVE_SERVER_KEY") if curve else None,
+                  curve_secret=os.environ.get("MPSERVE_CURVE_CLIENT_SECRET") if curve else None)
 
 
 def format_models(rows: list[ModelControl]) -> str:

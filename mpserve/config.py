@@ -94,6 +94,7 @@ class ServerConfig:
     server_name: str = "default"
     bind: str | None = None
     workers_bind: str | None = None
+    admin_bind: str | None = None  # the operators' socket (mpserve.server.roles)
     spare_slots: int = 0  # slot-table rows for models added at run time
     max_queue: int = 256
     max_queue_total: int = 4096
@@ -108,6 +109,7 @@ class ServerConfig:
     curve_secret: str | None = None
     curve_clients: str | None = None
     curve_workers: str | None = None  # folder of allowed remote workers' public keys
+    curve_admins: str | None = None  # folder of operators' public keys (a tcp admin_bind)
     insecure: bool = False
     heartbeat_interval: float = 1.0
     heartbeat_liveness: int = 5  # a remote worker silent for interval × liveness is lost
@@ -158,12 +160,18 @@ class ServerConfig:
             raise ConfigError(f"{source}: workers_bind {self.workers_bind} is reachable from other hosts; give "
                               "--curve-secret FILE --curve-clients DIR --curve-workers DIR (keys from `mpserve "
                               "keygen`), bind to 127.0.0.1, or pass --insecure")
+        if self.admin_bind and self.admin_bind.startswith("tcp://") and self.curve_admins is None:
+            raise ConfigError(f"{source}: admin_bind {self.admin_bind} is a tcp address: give --curve-secret FILE "
+                              "and --curve-admins DIR (the operators' public keys, from `mpserve keygen`), or leave "
+                              "admin_bind to its ipc default, open to this user alone")
+        if self.curve_admins is not None and self.curve_secret is None:
+            raise ConfigError(f"{source}: curve_admins needs curve_secret (the server's secret key file)")
         if self.curve_workers is not None and self.curve_secret is None:
             raise ConfigError(f"{source}: curve_workers needs curve_secret (the server's secret key file)")
         if (self.curve_secret is None) != (self.curve_clients is None):
             raise ConfigError(f"{source}: curve_secret and curve_clients go together (the server's secret key "
                               "file and the folder of allowed client public keys)")
-        for key in ("curve_secret", "curve_clients", "curve_workers"):
+        for key in ("curve_secret", "curve_clients", "curve_workers", "curve_admins"):
             value = getattr(self, key)
             if value is not None and not Path(value).exists():
                 raise ConfigError(f"{source}: {key}: {value} does not exist; create keys with `mpserve keygen`")

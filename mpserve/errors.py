@@ -26,6 +26,7 @@ class ErrorCode(str, Enum):
     SHUTTING_DOWN = "shutting_down"
     CONNECTION = "connection"
     PROTOCOL = "protocol"
+    FORBIDDEN = "forbidden"
     CONFIG = "config"
     INTERNAL = "internal"
 
@@ -63,6 +64,9 @@ CODES: dict[ErrorCode, CodeInfo] = {
     ErrorCode.SHUTTING_DOWN: CodeInfo(503, True, "the server is stopping"),
     ErrorCode.CONNECTION: CodeInfo(503, True, "no server answers at the address (client side)"),
     ErrorCode.PROTOCOL: CodeInfo(400, False, "a malformed message"),
+    ErrorCode.FORBIDDEN: CodeInfo(403, False, "an operator's call (CONTROL, SLOT_ACTION) sent without the admin "
+                                              "credential: the admin socket (`admin_bind`), or over CURVE a key in "
+                                              "`curve_admins`"),
     ErrorCode.CONFIG: CodeInfo(500, False, "a bad setting: file, key, value and what is allowed (at start)"),
     ErrorCode.INTERNAL: CodeInfo(500, False, "a bug or a llama.cpp failure; the server log has the details"),
 }
@@ -134,6 +138,12 @@ class ProtocolError(MpserveError):
     code = ErrorCode.PROTOCOL
 
 
+class Forbidden(MpserveError):
+    """An operator's call on the clients' socket: only the admin socket takes it."""
+
+    code = ErrorCode.FORBIDDEN
+
+
 class ConnectionFailed(MpserveError):
     """The client could not reach a server (not started, stopped, or wrong address)."""
 
@@ -152,7 +162,7 @@ _BY_CODE: dict[str, type[MpserveError]] = {
     cls.code.value: cls
     for cls in (
         BadRequest, UnknownModel, Busy, Timeout, Cancelled, ShuttingDown, WorkerLost, WorkerStalled,
-        PoisonRequest, ModelFailed, ModelDoesNotFit, ProtocolError, ConnectionFailed, ConfigError,
+        PoisonRequest, ModelFailed, ModelDoesNotFit, ProtocolError, Forbidden, ConnectionFailed, ConfigError,
         InternalError,
     )
 }

@@ -781,6 +781,7 @@ class Ready:
     chat_template: str = ""  # the model's chat template (Jinja2, from its GGUF; "" if none or not loaded)
     bos_token: str = ""
     eos_token: str = ""
+    proof: str = ""  # the broker's per-start secret, from its own workers only (mpserve.server.link)
 
     @classmethod
     def from_wire(cls, body: dict[str, Any]) -> Ready:
@@ -789,7 +790,8 @@ class Ready:
                    pid=_get(body, "pid", int), loaded=_get(body, "loaded", bool, True),
                    host=_text(body, "host", 256, ""), protocol=_text(body, "protocol", 16),
                    chat_template=_text(body, "chat_template", MAX_TEMPLATE_CHARS, ""),
-                   bos_token=_text(body, "bos_token", 256, ""), eos_token=_text(body, "eos_token", 256, ""))
+                   bos_token=_text(body, "bos_token", 256, ""), eos_token=_text(body, "eos_token", 256, ""),
+                   proof=_text(body, "proof", 64, ""))
 
 
 @dataclass(frozen=True)

@@ -4,6 +4,8 @@ A server is known by its name (``--server-name``, default "default"). Its files:
 
     $RUNTIME/NAME.sock            the client (front) ipc socket, unless --bind gives another address
     $RUNTIME/NAME.workers.sock    the worker (back) ipc socket
+    $RUNTIME/NAME.admin.sock      the operators' ipc socket (mode 0600), unless --admin-bind gives another
+    $RUNTIME/NAME.gateway.key*    the CURVE key pair of the gateway ``start --http`` runs (a CURVE --bind)
     $RUNTIME/NAME.json            ServerInfo: pid, addresses, slot-table path, models
     /dev/shm/mpserve-UID-NAME.slots   the slot table
 
@@ -51,9 +53,12 @@ class ServerPaths:
     back: str
     info: Path
     slots: Path
+    admin: str = ""
+    gateway_key: Path = Path()  # its secret half; the public half beside it, without "_secret"
 
     @classmethod
-    def for_name(cls, name: str, bind: str | None = None, workers_bind: str | None = None) -> ServerPaths:
+    def for_name(cls, name: str, bind: str | None = None, workers_bind: str | None = None,
+                 admin_bind: str | None = None) -> ServerPaths:
         rdir = runtime_dir()
         return cls(
             name=name,
@@ -61,10 +66,12 @@ class ServerPaths:
             back=workers_bind or f"ipc://{rdir / name}.workers.sock",
             info=rdir / f"{name}.json",
             slots=shm_dir() / f"mpserve-{os.getuid()}-{name}.slots",
+            admin=admin_bind or f"ipc://{rdir / name}.admin.sock",
+            gateway_key=rdir / f"{name}.gateway.key_secret",
         )
 
     def ipc_files(self) -> list[Path]:
-        return [Path(a[len("ipc://"):]) for a in (self.front, self.back) if a.startswith("ipc://")]
+        return [Path(a[len("ipc://"):]) for a in (self.front, self.back, self.admin) if a.startswith("ipc://")]
 
 
 @dataclass(frozen=True)
@@ -79,6 +86,7 @@ class ServerInfo:
     models: list[str]
     started: float
     role: str = "broker"  # or "pool": `mpserve worker`, whose front and back are the remote broker's
+    admin: str = ""  # the operators' address (``mpserve.server.roles``); "" from a server older than it
 
     def write(self, path: Path) -> None:
         tmp = path.with_suffix(".json.tmp")

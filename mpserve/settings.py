@@ -140,6 +140,9 @@ SETTINGS: tuple[Setting, ...] = (
     _s("bind", "server", str, "ipc://$RUNTIME/NAME.sock", "Client address, e.g. tcp://127.0.0.1:5555"),
     _s("workers_bind", "server", str, "ipc://$RUNTIME/NAME.workers.sock",
        "Worker socket address; tcp://0.0.0.0:5556 for remote pools (mpserve worker --connect)"),
+    _s("admin_bind", "server", str, "ipc://$RUNTIME/NAME.admin.sock", "Operator address: the only socket that "
+       "takes control calls and slot actions (mpserve models/load/unload/scale/add/slots, the gateway's /admin/); "
+       "ipc is open to this user alone, tcp needs CURVE admin keys (--curve-admins)"),
     _s("spare_slots", "server", int, "0", "Slot-table rows kept for models added at run time (mpserve add); a "
        "model takes max instances × parallel", cli_type=int, range=(0, 4096)),
     _s("max_queue", "server", int, "256", "Waiting requests per model", cli_type=int, range=(1, 1_000_000)),
@@ -169,6 +172,8 @@ SETTINGS: tuple[Setting, ...] = (
     _s("curve_secret", "server", str, "none", "Server secret key file (mpserve keygen)", own_in=("worker",)),
     _s("curve_clients", "server", str, "none", "Folder of allowed clients' public .key files"),
     _s("curve_workers", "server", str, "none", "Folder of allowed remote pools' public .key files"),
+    _s("curve_admins", "server", str, "none", "Folder of operators' public .key files: the only keys a tcp "
+       "--admin-bind accepts (client keys may generate, not administer)"),
     _s("insecure", "server", bool, "false", "Allow a network --bind without CURVE keys, or a network --http "
        "without an API key (anyone reaching the port may use it)", env=None, cli_type=bool),
     _s("heartbeat_interval", "server", float, "1", "Seconds between heartbeats", cli_type=float,
@@ -204,6 +209,10 @@ SETTINGS: tuple[Setting, ...] = (
     _s("admin_key", "cli", str, "none", "Open the HTTP control API (/admin/: models, load, unload, scale) to "
        "'Authorization: Bearer KEY'; a key apart from --api-key"),
     _s("api_key_file", "cli", str, "none", "HTTP API keys, one per line (# comments); any of them is accepted"),
+    _s("allowed_origins", "cli", str, "none", "Other origins whose web pages may call the HTTP API, comma-separated "
+       "(e.g. https://app.example; * for any): they get CORS headers; requests from other pages' origins get 403"),
+    _s("allowed_hosts", "cli", str, "none", "More Host names the HTTP API answers, comma-separated (e.g. the name a "
+       "reverse proxy passes on), beside the address it serves; other Host headers get 403"),
     _s("ssl_certfile", "cli", str, "none", "Serve HTTPS: the certificate chain (PEM), with --ssl-keyfile"),
     _s("ssl_keyfile", "cli", str, "none", "The private key (PEM) of --ssl-certfile"),
 )

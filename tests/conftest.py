@@ -101,6 +101,11 @@ class ServerProcess:
     def address(self) -> str:
         return self.info.front
 
+    @property
+    def admin(self) -> str:
+        """The operators' socket: the only one that takes control calls and slot actions."""
+        return self.info.admin
+
     def slots(self) -> list[SlotRow]:
         table = SlotTable.attach(Path(self.info.slots), writable=False)
         try:

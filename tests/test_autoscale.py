@@ -50,7 +50,7 @@ def test_a_burst_scales_up_to_max_and_idleness_back_to_min(start_server) -> None
     results = asyncio.run(burst())
     assert len(results) == 40 and most == 3
     assert len({r.worker for r in results}) == 3  # the new instances took requests
-    with Client(server.address) as client:
+    with Client(server.admin) as client:
         wait_for(lambda: client.stats().models["tiny"].instances == 1, 30, "back to one instance")
         events = scaling(client).events
         assert events["start_queue"] == 2 and events["stop_idle"] == 2 and "skip_at_max" in events
@@ -64,7 +64,7 @@ def test_draining_lets_running_streams_finish_with_their_full_text(start_server)
     server = start_server("--instances", "2", "--max-instances", "2", "--parallel", "2").wait_ready()
 
     async def run() -> tuple[list[tuple[str, Result]], list[Result]]:
-        async with AsyncClient(server.address, timeout=100) as client:
+        async with AsyncClient(server.admin, timeout=100) as client:
             async def streamed(i: int) -> tuple[str, Result]:
                 stream = client.stream(f"drain {i}", max_tokens=600, temperature=0)
                 text = "".join([piece async for piece in stream])
@@ -103,7 +103,7 @@ def test_a_scale_up_that_does_not_fit_is_skipped_with_a_log_line_and_a_metric(st
                                           for i in range(16)])  # seconds of queueing, far over scale_up_after
 
     assert len(asyncio.run(burst())) == 16  # every request served, by the one instance that fits
-    with Client(server.address) as client:
+    with Client(server.admin) as client:
         assert scaling(client).events == {"skip_does_not_fit": 1}
         assert client.stats().models["tiny"].instances == 1
         with pytest.raises(ModelDoesNotFit, match="800.0 MiB budget"):
@@ -147,7 +147,7 @@ def test_the_control_api_changes_one_model_while_another_serves_undisturbed(star
     thread = threading.Thread(target=other)
     thread.start()
     try:
-        with Client(server.address, timeout=60) as client:
+        with Client(server.admin, timeout=60) as client:
             before = models(client)
             for bad, error, message in [
                 (dict(op="load", model="nope"), UnknownModel, "served models: echo, tiny"),

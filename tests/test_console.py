@@ -4,7 +4,6 @@ Playwright, against ``mpserve start --http`` with 2 instances × 2 slots of the 
 from __future__ import annotations
 
 import os
-import socket
 import threading
 import time
 from collections.abc import Iterator
@@ -15,10 +14,8 @@ import pytest
 from conftest import ServerProcess
 
 from mpserve import Client
+from tests.helpers import CHROMIUM, chromium, free_port
 
-CHROMIUM = "/usr/bin/chromium"
-CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
-                 "--disable-component-update", "--disable-sync", "--no-first-run"]
 KEY = "console-test-key"
 WAIT_MS = 30_000
 
@@ -27,11 +24,6 @@ sync_api = pytest.importorskip("playwright.sync_api", reason="the browser tests 
 if not os.access(CHROMIUM, os.X_OK):
     pytest.skip(f"no browser: {CHROMIUM} is missing (apt-get install chromium)", allow_module_level=True)
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
@@ -58,10 +50,8 @@ def server() -> Iterator[tuple[ServerProcess, str]]:
 
 @pytest.fixture(scope="module")
 def browser() -> Iterator[Any]:
-    with sync_api.sync_playwright() as p:
-        chromium = p.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS, headless=True)
-        yield chromium
-        chromium.close()
+    with chromium() as launched:
+        yield launched
 
 
 @pytest.fixture

@@ -5,7 +5,6 @@ keys it holds, and a refusal to open a port to the network without keys. All tra
 from __future__ import annotations
 
 import shutil
-import socket
 import stat
 import subprocess
 import sys
@@ -18,6 +17,7 @@ import zmq.auth
 from mpserve import Client
 from mpserve.errors import ConnectionFailed
 from mpserve.runtime import ServerInfo
+from tests.helpers import free_port
 
 REFUSED_CONNECT_S = 2.0
 
@@ -26,11 +26,6 @@ def keygen(directory: Path, name: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run([sys.executable, "-m", "mpserve", "keygen", str(directory), name],
                           capture_output=True, text=True, timeout=60)
 
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @dataclass(frozen=True)

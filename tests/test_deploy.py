@@ -9,7 +9,6 @@ import json
 import os
 import re
 import shlex
-import socket
 import subprocess
 import sys
 import time
@@ -29,6 +28,7 @@ import zmq.auth
 from conftest import _die_with_parent
 
 from mpserve.cli import app
+from tests.helpers import free_port
 
 ROOT = Path(__file__).parent.parent
 MANIFESTS = sorted((ROOT / "deploy" / "kubernetes").glob("*.yaml"))
@@ -157,11 +157,6 @@ def test_images_run_mpserve_start_as_a_non_root_user_and_check_health() -> None:
         users = re.findall(r"^USER (\S+)$", text, re.MULTILINE)
         assert users and users[-1].split(":")[0] not in ("0", "root"), path.name
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def health(port: int) -> int:

@@ -176,8 +176,11 @@ def test_refusals_come_in_openai_error_shape_with_fitting_statuses(gateway) -> N
         oc.completions.create(model="nope", prompt="hi", stream=True)
     assert missing.value.code == "unknown_model"
     assert [m.id for m in oc.models.list()] == ["tiny"]
-    bad_json = httpx.post(f"{gateway.url}/v1/completions", content=b"{not json", timeout=10)
+    bad_json = httpx.post(f"{gateway.url}/v1/completions", content=b"{not json",
+                          headers={"Content-Type": "application/json"}, timeout=10)
     assert bad_json.status_code == 400 and "not valid JSON" in bad_json.json()["error"]["message"]
+    untyped = httpx.post(f"{gateway.url}/v1/completions", content=b'{"prompt": "hi"}', timeout=10)
+    assert untyped.status_code == 415 and untyped.json()["error"]["code"] == "unsupported_media_type"
     unknown = httpx.post(f"{gateway.url}/v1/completions", json={"prompt": "hi", "mirostatt": 2}, timeout=10)
     assert unknown.status_code == 400 and "mirostatt" in unknown.json()["error"]["message"]
     nowhere = gateway.get("/v1/images/generations")

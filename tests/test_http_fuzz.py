@@ -52,7 +52,7 @@ CASE_TIMEOUT_S = 30.0  # a case that gets nothing for this long has hung
 RSS_GROWTH_LIMIT = 0.10
 FD_GROWTH_LIMIT = 8
 GATEWAY_CODES = {"request_too_large", "request_timeout", "too_many_connections", "invalid_http", "not_found",
-                 "method_not_allowed", "http_error"}
+                 "method_not_allowed", "http_error", "invalid_host", "cross_origin", "unsupported_media_type"}
 KNOWN_CODES = {code.value for code in ErrorCode} | GATEWAY_CODES
 ALLOWED_5XX = {502, 503, 504}
 API_PATHS = ("/v1/completions", "/v1/chat/completions", "/v1/responses", "/v1/messages", "/tokenize", "/detokenize")

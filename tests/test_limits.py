@@ -21,15 +21,11 @@ from mpserve import protocol as wire
 from mpserve.errors import BadRequest
 from mpserve.gateway import limits
 from mpserve.gateway import openai as oai
+from tests.helpers import free_port
 
 READ_TIMEOUT_S = 2.0
 MAX_CONNECTIONS = 64
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 class HttpServer:
@@ -108,7 +104,7 @@ def test_http_bodies_over_a_limit_get_openai_errors_naming_it(http) -> None:
         for _ in range(limits.MAX_BODY_BYTES // 65536 + 2):
             yield b" " * 65536
 
-    big = httpx.post(http.url + url, content=chunked(), timeout=10)
+    big = httpx.post(http.url + url, content=chunked(), headers={"Content-Type": "application/json"}, timeout=10)
     _openai_error(big, 413, "request_too_large", "MAX_BODY_BYTES")
     _openai_error(http.post(url, b"[" * 100_000), 400, "bad_request", "MAX_JSON_DEPTH")
     _openai_error(http.post(url, b"[" * 40 + b"]" * 40), 400, "bad_request", "MAX_JSON_DEPTH")
@@ -156,9 +152,9 @@ def test_half_headers_and_trickled_bodies_are_cut_off_after_the_read_timeout(htt
     started = time.monotonic()
     halves = [http.connect() for _ in range(20)]
     for sock in halves:
-        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n")
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n")
     trickle = http.connect()
-    trickle.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+    trickle.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
                     b"Content-Length: 100\r\n\r\n{")
     _served(http)  # normal requests meanwhile
     while not select.select([trickle], [], [], 0.2)[0]:  # a byte now and then: the deadline is for the whole body
@@ -198,11 +194,12 @@ def test_what_is_not_http_gets_a_400_in_openai_shape(http) -> None:
         status, error = _status_and_error(_answer(sock))
     assert status == 400 and error["code"] == "invalid_http"
     with http.connect() as sock:
-        sock.sendall(b"GET / HTTP/1.1\r\nHost: x\r\nX-Big: " + b"a" * 70_000 + b"\r\n\r\n")
+        sock.sendall(b"GET / HTTP/1.1\r\nHost: 127.0.0.1\r\nX-Big: " + b"a" * 70_000 + b"\r\n\r\n")
         status, error = _status_and_error(_answer(sock))
     assert status == 400 and "headers over" in error["message"]
     with http.connect() as sock:  # a body cut by a broken chunk: once a traceback on the vocabulary routes
-        sock.sendall(b"POST /tokenize HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n4\r\n{\"co\r\nzz\r\n")
+        sock.sendall(b"POST /tokenize HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+                     b"Transfer-Encoding: chunked\r\n\r\n4\r\n{\"co\r\nzz\r\n")
         status, error = _status_and_error(_answer(sock))
     assert status == 400 and error["code"] == "invalid_http"
 
@@ -213,7 +210,8 @@ def test_an_upgrade_to_websocket_is_answered_as_plain_http(http) -> None:
     (outside the guard's limits) that closed it without a word."""
     body = json.dumps({"prompt": "hi", "max_tokens": 2}).encode()
     with http.connect() as sock:
-        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nUpgrade: websocket\r\nConnection: Upgrade, close"
-                     b"\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body))
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nUpgrade: websocket\r\n"
+                     b"Connection: Upgrade, close\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
         head, _, answer = _answer(sock).partition(b"\r\n\r\n")
     assert head.startswith(b"HTTP/1.1 200") and json.loads(answer)["usage"]["completion_tokens"] == 2

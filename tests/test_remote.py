@@ -25,14 +25,10 @@ from mpserve import protocol as wire
 from mpserve.engine.batch import PROMPT_CHUNK
 from mpserve.runtime import ServerInfo
 from mpserve.slots import SlotTable
+from tests.helpers import free_port
 
 FAST = ["--heartbeat-interval", "0.25", "--heartbeat-liveness", "4"]  # lost after 1 s of silence
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class Pool:

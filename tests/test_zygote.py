@@ -93,7 +93,7 @@ def test_a_crashed_instance_is_replaced_by_a_fork_of_the_same_zygote(start_serve
 def test_a_killed_zygote_comes_back_while_its_instances_keep_serving(start_server, tmp_path: Path) -> None:
     server, zygote_pid = scalable(start_server, tmp_path, 2, 3)
     pids = worker_pids(server)
-    with Client(server.address) as client:
+    with Client(server.admin) as client:
         stream = client.stream(PROMPTS[0], max_tokens=200, temperature=0, timeout=60)
         chunks = iter(stream)
         next(chunks)
@@ -123,7 +123,7 @@ def test_a_killed_zygote_comes_back_while_its_instances_keep_serving(start_serve
 @pytest.mark.timeout(120)
 def test_unloading_a_model_stops_its_zygote_and_loading_it_starts_one(start_server, tmp_path: Path) -> None:
     server, zygote_pid = scalable(start_server, tmp_path, 1, 2)
-    with Client(server.address) as client:
+    with Client(server.admin) as client:
         client.control("unload", "tiny")
         wait_for(lambda: not running(zygote_pid), 30, "the zygote stopped with the last instance")
         assert not worker_pids(server)

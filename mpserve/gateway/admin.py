@@ -6,7 +6,8 @@
     POST /admin/models/NAME/unload  drain them all (min 0: the next request loads it again)
     POST /admin/models/NAME/scale   {"min": 1, "max": 4}, either or both
 
-    HTTP ──Bearer ADMIN_KEY──▶ Admin ──CONTROL──▶ broker (mpserve.server.instances) ──CONTROL_REPLY──▶ JSON
+    HTTP ──Bearer ADMIN_KEY──▶ Admin ──CONTROL, on the admin socket──▶ broker (mpserve.server.instances)
+                                          ──CONTROL_REPLY──▶ JSON
 
 An answer is ``{"message": ..., "models": [...]}``; an error is OpenAI's error object with the stable code
 (404 ``unknown_model``, 400 ``bad_request``, 503 ``does_not_fit``, ...). Without an admin key every /admin/
@@ -63,7 +64,7 @@ class Admin:
             return _error(refused)
         try:
             given = await _body(request, op) if op in ("scale", "add") else {}
-            client = await self._backend.client()
+            client = await self._backend.admin()
             reply = await client.control(op, given.pop("name", model), **given)
         except MpserveError as exc:
             return _error(oai.HttpError.from_mpserve(exc))

@@ -68,6 +68,7 @@ from . import rerank as rr
 from . import tokens as tok
 from .admin import ADMIN_PREFIX, Admin
 from .backend import Backend
+from .browser import BrowserGuard, host_names
 from .dialect import DialectRoutes
 from .guard import ConnectionLimits, uvicorn_options
 from .messages import Messages
@@ -93,6 +94,7 @@ class GatewayConfig:
     host: str = "127.0.0.1"
     port: int = 8000
     connect: str | None = None  # a ZeroMQ address; None: the local server named server_name
+    admin_connect: str | None = None  # the server's admin socket (/admin/, /slots); None: the local server's
     server_name: str = "default"
     api_key: str | None = None
     request_timeout: float | None = None  # seconds per request, queueing included; None: no limit
@@ -106,6 +108,8 @@ class GatewayConfig:
     ssl_keyfile: str | None = None
     insecure: bool = False  # allow a network host without any key
     connections: ConnectionLimits = ConnectionLimits()  # open connections, header and body read timeouts
+    allowed_origins: tuple[str, ...] = ()  # other origins whose pages may call it ("*": any); mpserve.gateway.browser
+    allowed_hosts: tuple[str, ...] = ()  # more Host names than those of the address it serves
 
     @property
     def keys(self) -> tuple[str, ...]:
@@ -147,6 +151,8 @@ def create_app(config: GatewayConfig) -> Starlette:
     app = Starlette(routes=routes, lifespan=gateway.lifespan, exception_handlers={HTTPException: _http_error})
     if config.keys:
         app.add_middleware(_RequireKey, keys=config.keys)
+    app.add_middleware(BrowserGuard, hosts=host_names(config.host, config.allowed_hosts),
+                       origins=config.allowed_origins)
     app.add_middleware(RequestIds)  # outermost: every answer, a refused one too, carries its X-Request-Id
     return app
 
@@ -169,7 +175,7 @@ class _Gateway:
     def __init__(self, config: GatewayConfig) -> None:
         self.config = config
         self.backend = Backend(config.connect, config.server_name, config.request_timeout, config.curve_server_key,
-                               config.curve_secret)
+                               config.curve_secret, config.admin_connect)
         self.metrics = GatewayMetrics()
         self.restarts = RestartCounter()
         self.console = console.Console(self.backend, self.metrics)
@@ -370,7 +376,7 @@ class _Gateway:
                 raise ConnectionFailed(f"slot ids are rows of the slot table of a server on this host; none is "
                                        f"running at {self.backend.address}")
             worker, own = locate(local.rows, slot)
-            client = await self.backend.client()
+            client = await self.backend.admin()
             reply = await client.slot(action, worker, own, name)
         except MpserveError as exc:
             return self._failed("/slots", exc)

@@ -1,10 +1,12 @@
-"""The gateway's link to one mpserve server: an ``AsyncClient`` for requests and STATS, and, when the server
-runs on this host, its slot table.
+"""The gateway's link to one mpserve server: an ``AsyncClient`` for requests and STATS, a second one on the
+server's admin socket for the operator's calls (/admin/, /slots: CONTROL and SLOT_ACTION, which the clients'
+socket refuses; ``mpserve.server.roles``), and, when the server runs on this host, its slot table.
 
 The gateway may start before its server, outlive it, and see it restart: nothing here fails for good. The
 client connects on first use and tries again on each use until a server answers; the address is looked up
 each time (``--connect`` fixes it; otherwise it follows the named local server's ServerInfo, as clients
-do). A connected client is kept: ZeroMQ reconnects it by itself when the server comes back there.
+do; the admin address likewise: ``--admin-connect``, else the local server's). A connected client is kept:
+ZeroMQ reconnects it by itself when the server comes back there.
 """
 
 from __future__ import annotations
@@ -37,15 +39,20 @@ class LocalSlots:
 
 class Backend:
     def __init__(self, address: str | None, server_name: str, request_timeout: float | None,
-                 curve_server_key: str | None = None, curve_secret: str | None = None) -> None:
+                 curve_server_key: str | None = None, curve_secret: str | None = None,
+                 admin_address: str | None = None) -> None:
         """``address``: a ZeroMQ address, or None for the local server named ``server_name``.
         ``request_timeout``: seconds per request, queueing included (None: no limit). ``curve_*``: key files
-        for a server bound to the network, as for ``AsyncClient`` (read now: bad keys stop the start)."""
+        for a server bound to the network, as for ``AsyncClient`` (read now: bad keys stop the start); on the admin
+        socket they are used for a tcp address only (an ipc one takes no keys). ``admin_address``: the server's
+        admin socket (None: the local server's, from its ServerInfo)."""
         self._address = address
+        self._admin_address = admin_address
         self.server_name = server_name
         self._options: dict[str, Any] = {"timeout": request_timeout, "connect_timeout": CONNECT_TIMEOUT_S,
                                          "curve_server_key": curve_server_key, "curve_secret": curve_secret}
         self._client = AsyncClient(self.address, **self._options)
+        self._admin: AsyncClient | None = None
         self._lock = asyncio.Lock()
         self._templates: dict[str, tuple[ChatTemplate, float]] = {}  # model -> its template, when asked
 
@@ -56,15 +63,35 @@ class Backend:
     async def client(self) -> AsyncClient:
         """A connected client; raises ConnectionFailed while no server answers."""
         async with self._lock:  # one connect at a time: AsyncClient.connect is not re-entrant
-            address = self.address
-            if self._client.address != address:  # the named server came back at another address
-                await self._client.close()
-                self._client = AsyncClient(address, **self._options)
-            if address.startswith("ipc://") and not os.path.exists(address[len("ipc://"):]):
-                # stopped (or not started yet): say so at once rather than after a STATS timeout
-                raise ConnectionFailed(f"no server is listening at {address}")
-            await self._client.connect()  # at once when connected; ZeroMQ reconnects by itself
+            self._client = await self._connected(self._client, self.address)
             return self._client
+
+    async def admin(self) -> AsyncClient:
+        """A connected client on the server's admin socket; raises ConnectionFailed while none answers."""
+        async with self._lock:
+            address = self._admin_address or self._local_admin()
+            self._admin = await self._connected(self._admin, address)
+            return self._admin
+
+    def _local_admin(self) -> str:
+        info = self.local_server()
+        if info is None or not info.admin:
+            raise ConnectionFailed(f"operator's calls go to the server's admin socket; no server on this host runs "
+                                   f"at {self.address}: give the gateway --admin-connect ADDRESS")
+        return info.admin
+
+    async def _connected(self, client: AsyncClient | None, address: str) -> AsyncClient:
+        if client is None or client.address != address:  # the named server came back at another address
+            if client is not None:
+                await client.close()
+            options = self._options if address.startswith("tcp://") or client is self._client else {
+                **self._options, "curve_server_key": None, "curve_secret": None}
+            client = AsyncClient(address, **options)
+        if address.startswith("ipc://") and not os.path.exists(address[len("ipc://"):]):
+            # stopped (or not started yet): say so at once rather than after a STATS timeout
+            raise ConnectionFailed(f"no server is listening at {address}")
+        await client.connect()  # at once when connected; ZeroMQ reconnects by itself
+        return client
 
     async def stats(self) -> wire.Stats | None:
         """The broker's counters and queues, or None when the server does not answer."""
@@ -111,3 +138,5 @@ class Backend:
 
     async def close(self) -> None:
         await self._client.close()
+        if self._admin is not None:
+            await self._admin.close()

@@ -18,9 +18,11 @@ from . import tools as tc
 ERROR_STATUSES = {
     "400": "bad parameters, not JSON, over a size limit (each names its limit)",
     "401": "no valid API key",
+    "403": "a Host that is not the gateway's, or a web page of an origin not in --allowed-origins",
     "404": "the model is not served",
     "408": "the request (its headers, or its body) did not arrive within the read timeout",
     "413": "the body is over MAX_BODY_BYTES",
+    "415": "a POST body that is not application/json",
     "429": "the model's queue is full; Retry-After says when to retry",
     "502": "the instance died or stalled",
     "503": "no server answers, it is shutting down, or the model failed to load or does not fit",
@@ -64,7 +66,8 @@ def document(version: str) -> dict[str, Any]:
                 "parameters": [{"name": "model", "in": "query", "required": False, "schema": {"type": "string"}}]}},
             "/slots/{slot}": {"post": {
                 **_get("an idle slot's KV cells saved to a file of its model's slot_save_path, restored from one, "
-                       "or erased", "application/json", {k: errors[k] for k in ("400", "401", "429", "502", "503")}),
+                       "or erased", "application/json",
+                       {k: errors[k] for k in ("400", "401", "403", "415", "429", "502", "503")}),
                 "security": [{"bearer": []}, {}],
                 "parameters": [{"name": "slot", "in": "path", "required": True, "schema": {"type": "string"}},
                                {"name": "action", "in": "query", "required": True,

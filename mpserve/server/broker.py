@@ -23,6 +23,8 @@
     EMBED       ERROR (EMBEDDINGS or ERROR) is forwarded the same way (``lookups``: ticket -> client, request id,
                 worker). EMBED goes to embedding models only (``embedding: true``), REQUEST to the others
     SLOT_ACTION ─▶ at once to the instance it names; its SLOT_REPLY or ERROR, the same way
+    admin ROUTER ─▶ the same handling, as an operator: CONTROL and SLOT_ACTION come only this way; on the front
+                    they are refused, ERROR ``forbidden`` (``mpserve.server.roles``)
 
 State lives in three tables (``mpserve.server.state``, which draws a request's states): ``requests``
 (ticket -> Pending), ``workers`` (identity -> WorkerEntry) and ``models`` (name -> ModelQueue). Every
@@ -86,6 +88,7 @@ from mpserve.errors import (
 from mpserve.prefix import PREFIX_BLOCK, block_hashes
 from mpserve.protocol import ChatTemplate
 
+from . import link, roles
 from .residency import Loaded, Residency
 from .routing import (
     MAX_HANDOVERS,
@@ -118,20 +121,30 @@ class Broker:
                  max_queue_total: int = 4096, max_pending_per_client: int = 128, client_timeout: float = 5.0,
                  curve_secret: str | None = None, curve_workers: str | None = None,
                  residency: Residency | None = None, heartbeat_interval: float = 1.0,
-                 heartbeat_liveness: int = 5, embedding_models: frozenset[str] = frozenset()) -> None:
+                 heartbeat_liveness: int = 5, embedding_models: frozenset[str] = frozenset(),
+                 admin_addr: str | None = None, curve_admins: str | None = None) -> None:
         """``models``: name -> max queue length. ``client_timeout``: a client with pending requests that
         sends nothing for this long is taken as gone and its requests are cancelled (clients ping every
         second while they wait). ``curve_secret``: the server's CURVE secret-key file for the front.
         ``residency``: single active backend mode (at most one model loaded per device).
         ``curve_workers``: with ``curve_secret``, the folder of allowed worker keys; the worker socket then
         requires CURVE too. Remote workers silent for ``heartbeat_interval × heartbeat_liveness`` are lost.
-        ``embedding_models``: the models configured ``embedding: true``, which serve EMBED and no REQUEST."""
+        ``embedding_models``: the models configured ``embedding: true``, which serve EMBED and no REQUEST.
+        ``admin_addr``: the operators' socket (``mpserve.server.roles``; None: none, so no operator's call is
+        taken), with CURVE when ``curve_admins`` (their keys) is given."""
         self.embedding_models = embedding_models
         self.front = _router(ctx, front_addr, curve_secret, b"clients")
         self.back = _router(ctx, back_addr, curve_secret if curve_workers else None, b"workers")
+        self.admin = _router(ctx, admin_addr, curve_secret if curve_admins else None, b"admins") if admin_addr else None
+        if admin_addr:
+            roles.owner_only(admin_addr)
         self.heartbeat_interval = heartbeat_interval
         self.heartbeat_liveness = heartbeat_liveness
-        self.back.setsockopt(zmq.ROUTER_HANDOVER, 1)  # a restarted worker reuses its identity
+        # no ROUTER_HANDOVER: a connection under a connected worker's name gets none of its messages
+        # (``mpserve.server.link``); ZeroMQ's own heartbeats drop a dead link, so a restarted worker gets its name
+        self.back.setsockopt(zmq.HEARTBEAT_IVL, int(heartbeat_interval * 1000))
+        self.back.setsockopt(zmq.HEARTBEAT_TIMEOUT, int(heartbeat_interval * heartbeat_liveness * 1000))
+        self.link_secret = link.new_secret()  # the proof of the workers the server starts (``Supervisor``)
         self.models = {name: ModelQueue(name, max_queue) for name, max_queue in models.items()}
         self.requests: dict[str, Pending] = {}
         self.by_client: dict[tuple[bytes, str], str] = {}
@@ -161,6 +174,15 @@ class Broker:
             if not zmqio.readable(self.front):
                 break
             self._from_client(zmqio.recv(self.front, zmqio.NOBLOCK))
+        self.flush()
+
+    def drain_admin(self) -> None:
+        assert self.admin is not None
+        for _ in range(DRAIN_BATCH):
+            if not zmqio.readable(self.admin):
+                break
+            frames = zmqio.recv(self.admin, zmqio.NOBLOCK)
+            self._from_client([roles.admin_client(frames[0]), *frames[1:]], admin=True)
         self.flush()
 
     def drain_back(self) -> None:
@@ -339,10 +361,12 @@ class Broker:
     def close(self) -> None:
         self.front.close(linger=500)
         self.back.close(linger=500)
+        if self.admin is not None:
+            self.admin.close(linger=500)
 
     # --- clients -------------------------------------------------------------------------------
 
-    def _from_client(self, frames: list[bytes]) -> None:
+    def _from_client(self, frames: list[bytes], admin: bool = False) -> None:
         if len(frames) < 2:
             self.stats["dropped_malformed"] += 1
             return
@@ -353,6 +377,7 @@ class Broker:
             mtype = wire.parse_header(frames, 3)
             if mtype not in FROM_CLIENTS:
                 raise ProtocolError(f"a client may not send {mtype.name} messages")
+            roles.check(mtype, admin)
             msg = wire.decode_body(mtype, frames[2])
             if isinstance(msg, wire.Request):
                 self._on_request(client, msg)
@@ -557,7 +582,11 @@ class Broker:
     def _to_client(self, client: bytes, frames: list[bytes]) -> bool:
         """Send without blocking. A client that is gone or not reading loses its requests."""
         try:
-            zmqio.send(self.front, [client, *frames], zmqio.NOBLOCK)
+            if roles.is_admin(client):
+                assert self.admin is not None
+                zmqio.send(self.admin, [roles.routing_id(client), *frames], zmqio.NOBLOCK)
+            else:
+                zmqio.send(self.front, [client, *frames], zmqio.NOBLOCK)
             return True
         except (zmq.Again, zmq.ZMQError) as exc:
             reason = "not reading" if isinstance(exc, zmq.Again) else "gone"
@@ -652,10 +681,17 @@ class Broker:
                 old.loaded = True
                 self.on_ready(old)
             return
+        index = link.local_index(identity, msg, self.link_secret)
+        refused = link.refusal(identity, msg, index, old)
+        if refused is not None:
+            self.stats["refused_worker_ready"] += 1
+            log.error("refused a READY from %r (pid %d, host %r): %s", identity, msg.pid, msg.host, refused)
+            self._to_worker(identity, wire.Error(None, ErrorCode.PROTOCOL, f"refused by the broker: {refused}"))
+            return
         if old is not None:  # a new process under the same name: whatever the old one ran is lost
             self._worker_gone(old, f"worker {identity.decode()} restarted", crashed=False)
-        local = msg.host == "" and identity[:1] == b"w" and identity[1:].isdigit()
-        entry = WorkerEntry(identity, int(identity[1:]) if local else None, msg.model, msg.device, msg.capacity,
+        local = index is not None
+        entry = WorkerEntry(identity, index, msg.model, msg.device, msg.capacity,
                             msg.pid, msg.loaded, host=msg.host, last_heard=time.monotonic())
         self.workers[identity] = entry
         self._cache_held(entry, cache)
@@ -694,6 +730,10 @@ class Broker:
         p = self._running_on(entry, ticket)
         if p is None or entry is None:
             return
+        if self._foreign(p, mtype, body):
+            if mtype is wire.MsgType.CHUNK:
+                return
+            mtype, type_frame, body = wire.MsgType.ERROR, b"", b""  # answered already: only the slot is freed
         if mtype is wire.MsgType.CHUNK:
             if self._streaming(p, trailer):
                 self._to_client(p.client, [wire.VERSION, type_frame, body])
@@ -749,7 +789,7 @@ class Broker:
         for mtype, ticket, body, trailer in entries:
             if mtype is wire.MsgType.CHUNK:
                 p = self._running_on(entry, ticket)
-                if p is not None and self._streaming(p, trailer):
+                if p is not None and not self._foreign(p, mtype, body) and self._streaming(p, trailer):
                     by_client.setdefault(p.client, []).append(body)
                 continue
             p = self.requests.get(ticket)
@@ -773,6 +813,24 @@ class Broker:
             self.stats["dropped_stale_result"] += 1
             return None
         return p
+
+    def _foreign(self, p: Pending, mtype: wire.MsgType, body: bytes) -> bool:
+        """Whether a worker's answer for ``p`` is malformed or names another request: then ``p`` ends now with
+        ERROR ``internal`` (a running one is cancelled on its worker), counted, instead of a body its client
+        would drop while it waits for its timeout."""
+        if p.answered:
+            return False
+        why = link.foreign(mtype, body, p.request.id)
+        if why is None:
+            return False
+        self.stats["worker_malformed_result"] += 1
+        log.error("worker %r sent %s for request %s; ending it", p.worker, why, p.request.id)
+        message = f"the instance running this request sent {why}; see the server log"
+        if mtype is wire.MsgType.CHUNK:
+            self._cancel(p, ErrorCode.INTERNAL, message)
+        else:
+            self._answer_error(p, ErrorCode.INTERNAL, message)
+        return True
 
     def _streaming(self, p: Pending, tokens: bytes | None) -> bool:
         """A CHUNK of ``p`` arrived: note its tokens; whether it goes on to the client."""

@@ -17,6 +17,7 @@ import logging
 import os
 import sys
 import time
+from pathlib import Path
 
 import zmq
 from zmq.auth.thread import ThreadAuthenticator
@@ -28,6 +29,7 @@ from mpserve.gpu.memory import EstimateCheck
 from mpserve.runtime import ServerInfo, ServerPaths
 from mpserve.slots import SlotTable
 
+from . import roles
 from .broker import Broker
 from .instances import Instances
 from .layout import build_layout, check_host_ram, worker_specs
@@ -41,11 +43,13 @@ from .waiting import Waiter
 log = logging.getLogger("mpserve.server")
 
 
-def serve(config: ServerConfig) -> None:
+def serve(config: ServerConfig, gateway_key: Path | None = None) -> None:
+    """Serve until a signal stops it. ``gateway_key``: the secret key file of the gateway ``start --http`` runs
+    (``roles.gateway_keys``), whose key the CURVE sockets then accept beside the configured ones."""
     logging.basicConfig(level=config.log_level.upper(), stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("gguf").setLevel(logging.WARNING)
-    paths = ServerPaths.for_name(config.server_name, config.bind, config.workers_bind)
+    paths = ServerPaths.for_name(config.server_name, config.bind, config.workers_bind, config.admin_bind)
     claim(paths)
     started = time.monotonic()
     layout = build_layout(config)  # refuses what does not fit before anything starts
@@ -66,13 +70,17 @@ def serve(config: ServerConfig) -> None:
             authenticator.configure_curve(domain="clients", location=config.curve_clients)
             if config.curve_workers is not None:
                 authenticator.configure_curve(domain="workers", location=config.curve_workers)
+            if config.curve_admins is not None:
+                authenticator.configure_curve(domain="admins", location=config.curve_admins)
+            if gateway_key is not None:
+                roles.allow(authenticator, gateway_key, ("clients", "admins"))
         broker = _broker(ctx, config, paths)
         specs = worker_specs(config, layout, paths.back, paths.slots)
-        supervisor = Supervisor(config, specs, table, gpus=bool(layout.devices))
+        supervisor = Supervisor(config, specs, table, gpus=bool(layout.devices), proof=broker.link_secret)
         placements = {spec.index: p for spec, p in zip(specs, layout.placements, strict=True)}
         instances = Instances(config, layout, placements, supervisor, broker, paths.back, paths.slots)
         ServerInfo(paths.name, os.getpid(), paths.front, paths.back, str(paths.slots),
-                   [m.name for m in config.models], time.time()).write(paths.info)
+                   [m.name for m in config.models], time.time(), admin=paths.admin).write(paths.info)
         _Loop(config, broker, supervisor, instances, started, EstimateCheck(placements, layout.devices)).run()
     finally:
         if broker is not None:
@@ -82,7 +90,8 @@ def serve(config: ServerConfig) -> None:
         ctx.destroy(linger=0)  # closes what a failed start left open (a socket whose bind failed), then terms
         table.unlink()
         table.close()
-        for path in [paths.info, *paths.ipc_files()]:
+        keys = [gateway_key, gateway_key.with_suffix(".key")] if gateway_key is not None else []
+        for path in [paths.info, *paths.ipc_files(), *keys]:
             path.unlink(missing_ok=True)
         log.info("stopped")
 
@@ -96,9 +105,11 @@ def _broker(ctx: zmq.Context[zmq.Socket[bytes]], config: ServerConfig, paths: Se
                       curve_secret=config.curve_secret, curve_workers=config.curve_workers,
                       residency=Residency(config.switch_batch) if config.single_active_backend else None,
                       heartbeat_interval=config.heartbeat_interval, heartbeat_liveness=config.heartbeat_liveness,
-                      embedding_models=frozenset(m.name for m in config.models if m.embedding))
+                      embedding_models=frozenset(m.name for m in config.models if m.embedding),
+                      admin_addr=paths.admin, curve_admins=config.curve_admins)
     except zmq.ZMQError as exc:
-        raise ConfigError(bind_problem("--bind or --workers-bind", f"{paths.front} or {paths.back}", exc.errno,
+        raise ConfigError(bind_problem("--bind, --workers-bind or --admin-bind",
+                                       f"{paths.front}, {paths.back} or {paths.admin}", exc.errno,
                                        exc.strerror)) from None
 
 
@@ -145,6 +156,8 @@ class _Loop:
         with self._signals:
             self._poller.register(self._broker.front, zmq.POLLIN)
             self._poller.register(self._broker.back, zmq.POLLIN)
+            if self._broker.admin is not None:
+                self._poller.register(self._broker.admin, zmq.POLLIN)
             self._poller.register(self._signals.fileno(), zmq.POLLIN)
             self._supervisor.start_all()
             log.info("starting %d instance(s): %s; clients connect to %s", self._config.total_instances,
@@ -173,6 +186,8 @@ class _Loop:
             self._broker.drain_back()
         if self._broker.front in events:
             self._broker.drain_front()
+        if self._broker.admin in events:
+            self._broker.drain_admin()
         for index in self._supervisor.exited(self._poller, events):
             self._reap(index)
         if self._signals.fileno() in events:

@@ -37,9 +37,9 @@ _SCHEMES = ("tcp://", "ipc://")
 
 def check_start(config: ServerConfig, http: tuple[str, int] | None = None) -> None:
     """Raise ``ConfigError`` for the first address or folder that ``mpserve start`` could not use."""
-    paths = ServerPaths.for_name(config.server_name, config.bind, config.workers_bind)
+    paths = ServerPaths.for_name(config.server_name, config.bind, config.workers_bind, config.admin_bind)
     refuse_live(paths)
-    for flag, address in (("--bind", paths.front), ("--workers-bind", paths.back)):
+    for flag, address in (("--bind", paths.front), ("--workers-bind", paths.back), ("--admin-bind", paths.admin)):
         check_bind(flag, address)
     if http is not None:
         check_http(*http)

@@ -30,6 +30,7 @@ failed) and started again for the next one.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import multiprocessing
 import time
@@ -81,15 +82,17 @@ class ModelHealth:
 
 class Supervisor:
     def __init__(self, config: ServerConfig, specs: list[WorkerSpec], table: SlotTable, gpus: bool,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic, proof: str = "") -> None:
         """``gpus``: the host has GPUs a worker may use (then the fork server does not import llama_cpp);
-        ``clock``: the monotonic time restarts and kills are scheduled on (tests inject one).
+        ``clock``: the monotonic time restarts and kills are scheduled on (tests inject one); ``proof``: the
+        broker's secret that its own workers show in their READY (``mpserve.server.link``), given to each.
 
         A process has one fork server, started with the first worker: the ``gpus`` of the first supervisor to
         start one decides its imports."""
         self._mp = multiprocessing.get_context("forkserver")
         self._mp.set_forkserver_preload(preload(gpus))
         self._clock = clock
+        self._proof = proof
         self._table = table
         self._stall_timeout = config.stall_timeout
         self.workers: dict[int, WorkerHandle] = {spec.index: WorkerHandle(spec) for spec in specs}
@@ -121,7 +124,7 @@ class Supervisor:
 
     def spawn(self, index: int) -> None:
         handle = self.workers[index]
-        spec = handle.spec
+        spec = dataclasses.replace(handle.spec, proof=self._proof)
         for slot, row in enumerate(spec.rows):
             self._table.writer(row).update(pid=0, worker=index, slot=slot, state=SlotState.STARTING,
                                            device=spec.device, model=spec.model, request="", tokens=0,

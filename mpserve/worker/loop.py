@@ -188,7 +188,7 @@ class Worker:
         cache = self._engine.cache_snapshot() if self._engine is not None else None  # for a broker that restarted
         ready = wire.Ready(spec.identity.decode(), spec.model, spec.device, spec.engine.parallel, os.getpid(),
                            loaded=self._engine is not None, host=spec.host, chat_template=chat.template,
-                           bos_token=chat.bos_token, eos_token=chat.eos_token)
+                           bos_token=chat.bos_token, eos_token=chat.eos_token, proof=spec.proof)
         self._send(ready, trailer=wire.pack(cache) if cache else None)
         self._registered = True
         self._must_register = False
@@ -210,8 +210,11 @@ class Worker:
             self._send(wire.Heartbeat(spec.identity.decode()))
         silent = now - self._heard > spec.heartbeat_interval * spec.heartbeat_liveness
         if not self._running and (self._must_register or (silent and now >= self._next_register)):
-            if silent:
-                log.warning("no word from the broker for %.1f s; registering again", now - self._heard)
+            if silent:  # on a new connection: the broker takes none under a name still connected (a dead link
+                # it has not dropped yet), and ZeroMQ would keep this one, unheard, for good
+                log.warning("no word from the broker for %.1f s; connecting and registering again", now - self._heard)
+                self._sock.disconnect(spec.backend)
+                self._sock.connect(spec.backend)
             self._register()
             self._register_backoff = min(REGISTER_BACKOFF_MAX_S, self._register_backoff * 2)
             self._next_register = now + self._register_backoff * random.uniform(0.5, 1.5)

@@ -87,6 +87,7 @@ class WorkerSpec:
     log_level: str = "info"
     stream_interval: float = 0.0  # seconds between a streamed request's CHUNKs after its first; 0: every token
     slot_save_path: str | None = None  # the folder of slot files; None: slot save and restore are off
+    proof: str = ""  # the broker's per-start secret its own workers show in READY (mpserve.server.link)
 
     @property
     def rows(self) -> range:

@@ -34,21 +34,25 @@ def broker() -> Iterator[Broker]:
 def test_a_worker_that_loads_on_demand_registers_again_and_counts_as_a_good_load(broker: Broker) -> None:
     seen: list[tuple[int | None, bool]] = []
     broker.on_ready = lambda entry: seen.append((entry.index, entry.loaded))
-    ready = wire.Ready("w0", "m", -1, 2, 1234, loaded=False)
+    ready = wire.Ready("w0", "m", -1, 2, 1234, loaded=False, proof=broker.link_secret)
     broker._on_ready(b"w0", ready, None)
     assert seen == [(0, False)] and len(broker.models["m"].free) == 2
     broker._on_ready(b"w0", ready, None)  # registering again after a silence: nothing new
     assert seen == [(0, False)]
-    broker._on_ready(b"w0", wire.Ready("w0", "m", -1, 2, 1234, loaded=True, chat_template="{{ x }}"), None)
+    broker._on_ready(b"w0", wire.Ready("w0", "m", -1, 2, 1234, loaded=True, chat_template="{{ x }}",
+                                       proof=broker.link_secret), None)
     assert seen == [(0, False), (0, True)]  # the supervisor hears of the good load
     assert len(broker.models["m"].free) == 2 and broker.workers[b"w0"].loaded
     assert broker.snapshot().models["m"].chat_template == "{{ x }}"
 
 
-def test_a_new_process_under_the_same_name_replaces_the_old_entry(broker: Broker) -> None:
-    broker._on_ready(b"w0", wire.Ready("w0", "m", -1, 1, 1234), None)
+def test_a_new_process_takes_a_local_name_only_once_the_old_one_has_exited(broker: Broker) -> None:
+    broker._on_ready(b"w0", wire.Ready("w0", "m", -1, 1, 1234, proof=broker.link_secret), None)
     first: WorkerEntry = broker.workers[b"w0"]
-    broker._on_ready(b"w0", wire.Ready("w0", "m", -1, 1, 5678), None)
+    broker._on_ready(b"w0", wire.Ready("w0", "m", -1, 1, 5678, proof=broker.link_secret), None)
+    assert broker.workers[b"w0"] is first and broker.stats["refused_worker_ready"] == 1  # w0 lives
+    broker.worker_exited(0, 0)
+    broker._on_ready(b"w0", wire.Ready("w0", "m", -1, 1, 5678, proof=broker.link_secret), None)
     assert broker.workers[b"w0"] is not first and broker.workers[b"w0"].pid == 5678
     assert len(broker.models["m"].free) == 1
 
@@ -64,7 +68,7 @@ def peers(broker: Broker, slots: int) -> Iterator[tuple[zmq.Socket[bytes], dict[
         workers[name] = ctx.socket(zmq.DEALER)
         workers[name].setsockopt(zmq.IDENTITY, name)
         workers[name].connect("inproc://back")
-        broker._on_ready(name, wire.Ready(name.decode(), "m", -1, slots, 1), None)
+        broker._on_ready(name, wire.Ready(name.decode(), "m", -1, slots, 1, proof=broker.link_secret), None)
     try:
         yield client, workers
     finally:
@@ -115,7 +119,7 @@ def test_a_request_for_more_choices_than_a_later_instance_has_is_answered_not_le
         while not broker.models["m"].queue:  # accepted: no instance has registered to say how many slots it has
             broker.drain_front()
         assert len(broker.requests) == 4 and broker.snapshot().models["m"].queued == 1
-        broker._on_ready(b"w0", wire.Ready("w0", "m", -1, 2, 1234), None)
+        broker._on_ready(b"w0", wire.Ready("w0", "m", -1, 2, 1234, proof=broker.link_secret), None)
         assert client.poll(2000)
         answer = wire.decode(client.recv_multipart())
         assert isinstance(answer, wire.Error) and answer.id == "r1" and "'n' = 4 is more than the 2 slot(s)" in (
@@ -155,7 +159,7 @@ def test_a_workers_chunks_reach_each_client_in_order_as_one_message_and_before_d
     worker = ctx.socket(zmq.DEALER)
     worker.setsockopt(zmq.IDENTITY, b"w0")
     worker.connect("inproc://back")
-    broker._on_ready(b"w0", wire.Ready("w0", "m", -1, 3, 1), None)
+    broker._on_ready(b"w0", wire.Ready("w0", "m", -1, 3, 1, proof=broker.link_secret), None)
     try:
         for client, ids in zip(clients, (("a1", "a2"), ("b1",)), strict=True):
             client.connect("inproc://front")
@@ -236,7 +240,8 @@ def test_a_worker_registering_with_its_cache_steers_routing_as_its_dones_would(b
     held = wire.pack(wire.CacheChanges(((7, wire.pack_hashes(block_hashes(document))),)))
 
     def register(workers: dict[bytes, zmq.Socket[bytes]], name: bytes, pid: int, cache: bytes | None) -> None:
-        workers[name].send_multipart(wire.encode_from_worker(wire.Ready(name.decode(), "m", -1, 1, pid), "", cache))
+        ready = wire.Ready(name.decode(), "m", -1, 1, pid, proof=broker.link_secret)
+        workers[name].send_multipart(wire.encode_from_worker(ready, "", cache))
         assert broker.back.poll(1000)
         broker.drain_back()
 
@@ -255,8 +260,8 @@ def test_a_worker_registering_with_its_cache_steers_routing_as_its_dones_would(b
         return name
 
     with peers(broker, slots=1) as (client, workers):
-        register(workers, b"w1", 99, held)  # a new process under the name w1, with a cache (a remote pool's)
-        assert broker.workers[b"w1"].pid == 99
+        register(workers, b"w1", 1, held)  # w1 registering again (its broker restarted), with its cache
+        assert broker.workers[b"w1"].ram
         assert routed(client, workers, "r1") == b"w1" and broker.stats["routed_ram_prefix"] == 1
         register(workers, b"w0", 1, held)  # the same process registering again, with what it holds
         assert broker.workers[b"w0"].ram
@@ -270,7 +275,7 @@ def test_a_steps_chunks_reach_a_client_before_its_done_and_the_later_ones_after(
     worker.setsockopt(zmq.IDENTITY, b"w0")
     worker.connect("inproc://back")
     client.connect("inproc://front")
-    broker._on_ready(b"w0", wire.Ready("w0", "m", -1, 2, 1), None)
+    broker._on_ready(b"w0", wire.Ready("w0", "m", -1, 2, 1, proof=broker.link_secret), None)
     try:
         for rid in ("a1", "a2"):
             client.send_multipart(wire.encode(wire.Request(rid, "hi", stream=True)))
@@ -405,7 +410,7 @@ def taken(workers: dict[bytes, zmq.Socket[bytes]]) -> dict[str, tuple[bytes, wir
 def ends(broker: Broker, name: bytes, code: int, slots: int = 1) -> None:
     """Worker ``name`` exits with ``code``, and its replacement (a new process) registers."""
     broker.worker_exited(int(name[1:]), code)
-    broker._on_ready(name, wire.Ready(name.decode(), "m", -1, slots, 2), None)
+    broker._on_ready(name, wire.Ready(name.decode(), "m", -1, slots, 2, proof=broker.link_secret), None)
     broker.flush()
 
 
@@ -455,7 +460,7 @@ def test_a_model_whose_workers_crash_on_different_requests_in_a_row_fails_naming
     worker.connect("inproc://back")
     client = broker.front.context.socket(zmq.DEALER)
     client.connect("inproc://front")
-    broker._on_ready(b"w0", wire.Ready("w0", "m", -1, 2, 1), None)
+    broker._on_ready(b"w0", wire.Ready("w0", "m", -1, 2, 1, proof=broker.link_secret), None)
     try:
         ask(broker, client, "r1")
         assigns(worker, 1)

@@ -1,0 +1,73 @@
+"""The worker link's trust rules: which READY is one of the server's own workers, which name it may take, and
+whether a worker's answer belongs to the request it names. Pure functions; the broker applies them.
+
+    READY ──▶ local_index: a name w0, w1, … AND no host AND the start's secret ─▶ a local worker (its index)
+          │               anything else ─▶ a remote one, whatever name it gives
+          └▶ refusal: an unproven READY under a local worker's name (w0, w1, …), or any READY under the name of a
+                      live local worker from another process ─▶ ERROR ``protocol`` to it, counted, not registered
+    DONE, ERROR ─▶ foreign: a body that does not decode, or answers another request id ─▶ the request ends with
+    CHUNK            ERROR ``internal`` at once (the client would drop it and wait for its timeout), counted
+
+The secret (``new_secret``) is made by the broker at each start and travels to the workers the supervisor
+starts inside their WorkerSpec (pickled through the fork server or a zygote's pipe, never on a command line
+or in the environment), so a process that dials the worker socket cannot learn it. The worker socket does
+not let a second connection take a connected worker's routing name (no ``ROUTER_HANDOVER``), so such a
+process cannot take a live worker's messages either; a worker whose connection was refused so (its old one
+still open) reconnects when the broker stays silent (``mpserve.worker.loop``).
+"""
+
+from __future__ import annotations
+
+import hmac
+import secrets
+
+import msgspec
+
+from mpserve import protocol as wire
+from mpserve.errors import MpserveError
+
+from .state import WorkerEntry
+
+
+def new_secret() -> str:
+    return secrets.token_urlsafe(24)
+
+
+def local_index(identity: bytes, msg: wire.Ready, secret: str) -> int | None:
+    """The index of the server's own worker that sent ``msg``, or None for a remote one."""
+    if not _local_name(identity) or msg.host or not hmac.compare_digest(msg.proof.encode(), secret.encode()):
+        return None
+    return int(identity[1:])
+
+
+def refusal(identity: bytes, msg: wire.Ready, index: int | None, old: WorkerEntry | None) -> str | None:
+    """Why ``msg`` may not register under ``identity`` (None: it may)."""
+    if index is None and _local_name(identity):
+        return ("the names w0, w1, … belong to the server's own workers, and this READY does not prove it is one "
+                "of them; a remote pool's workers register as HOST-PID-wN (`mpserve worker --connect`)")
+    if old is not None and old.index is not None and old.pid != msg.pid:
+        return f"worker {identity.decode()} (pid {old.pid}) is alive under this name"
+    return None
+
+
+class _Answer(msgspec.Struct):
+    id: str | None
+
+
+_ANSWER = msgspec.msgpack.Decoder(_Answer)
+
+
+def foreign(mtype: wire.MsgType, body: bytes, rid: str) -> str | None:
+    """Why a worker's DONE, ERROR or CHUNK ``body`` cannot go to the client of request ``rid`` (None: it can).
+    A terminal body is decoded whole (the client decodes it once); a CHUNK only as far as its id."""
+    try:
+        got = wire.decode_body(mtype, body).id if mtype is not wire.MsgType.CHUNK else _ANSWER.decode(body).id
+    except (MpserveError, msgspec.MsgspecError, ValueError, TypeError) as exc:
+        return f"a malformed {mtype.name} ({exc})"
+    if got != rid:
+        return f"a {mtype.name} for request id {got!r}, not {rid!r}"
+    return None
+
+
+def _local_name(identity: bytes) -> bool:
+    return identity[:1] == b"w" and identity[1:].isdigit()
