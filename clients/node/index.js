@@ -55,6 +55,7 @@ export const CODES = Object.freeze({
   shutting_down: ["ShuttingDown", true],
   connection: ["ConnectionFailed", true],
   protocol: ["ProtocolError", false],
+  forbidden: ["Forbidden", false],
   config: ["ConfigError", false],
   internal: ["InternalError", false],
 });
