@@ -80,7 +80,7 @@ def openapi_document() -> dict[str, Any]:
 
     from mpserve.gateway.app import GatewayConfig, create_app
 
-    with TestClient(create_app(GatewayConfig()), raise_server_exceptions=True) as http:
+    with TestClient(create_app(GatewayConfig()), base_url="http://127.0.0.1", raise_server_exceptions=True) as http:
         response = http.get("/openapi.json")
     response.raise_for_status()
     document: dict[str, Any] = response.json()

@@ -118,12 +118,12 @@ def test_a_scale_up_that_does_not_fit_is_skipped_with_a_log_line_and_a_metric(st
 def test_min_zero_scales_to_zero_and_the_next_request_waits_for_a_load(start_server) -> None:
     server = start_server("--min-instances", "0", "--max-instances", "1", "--scale-down-after", "0.5").wait_ready()
     assert any("no instance runs until a request asks for one" in line for line in server.log)
-    with Client(server.address, timeout=60) as client:
+    with Client(server.address, timeout=60) as client, Client(server.admin) as admin:
         assert client.stats().models["tiny"].instances == 0
         assert client.generate("first", max_tokens=8).usage.completion_tokens == 8
         wait_for(lambda: client.stats().models["tiny"].instances == 0 and scaling(client).draining == 0, 30,
                  "scaled to zero")
-        assert models(client)["tiny"].state == "scaled to zero"
+        assert models(admin)["tiny"].state == "scaled to zero"
         assert client.generate("again", max_tokens=8).usage.completion_tokens == 8
         assert scaling(client).events["start_demand"] == 2
 
