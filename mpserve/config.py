@@ -37,6 +37,7 @@ import yaml
 from . import settings, speculative
 from .errors import ConfigError
 from .kv_types import DEFAULT_KV_TYPE, KV_TYPES
+from .models import templates
 from .models.builtin import builtin_model_path
 from .models.shapes import MODEL_SIZES
 from .speculative import Speculative
@@ -74,6 +75,7 @@ class ModelConfig:
     scale_up_after: float = 2.0  # seconds the oldest waiting request waits before one more instance starts
     scale_down_after: float = 60.0  # seconds an instance's worth of slots idles before one instance drains
     speculative: Speculative | None = None  # speculative decoding (prompt lookup, a draft model); None: off
+    chat_template: str | None = None  # a family's name or a Jinja2 file (mpserve.models.templates); None: the GGUF's
 
     @property
     def bounds(self) -> tuple[int, int]:
@@ -332,6 +334,8 @@ def _model(index: int, entry: Any, overrides: Mapping[str, Any], source: str) ->
                           "to f16, bf16 or f32")
     if "slot_save_path" in values and not Path(values["slot_save_path"]).is_dir():
         raise ConfigError(f"{where}.slot_save_path: {values['slot_save_path']!r} is not a folder; create it first")
+    if "chat_template" in values:
+        values["chat_template"] = templates.check_setting(values["chat_template"], f"{where}.chat_template")
     if "cache_ram" in values:
         values["cache_ram"] = _bytes(values["cache_ram"], f"{where}.cache_ram", parse_memory)
     if "requires" in values:
@@ -443,6 +447,9 @@ def _relative_to(base_dir: Path, entry: Any) -> Any:
     draft = entry.get("speculative")
     if isinstance(draft, dict) and isinstance(draft.get("model"), str) and not Path(draft["model"]).is_absolute():
         entry = {**entry, "speculative": {**draft, "model": str(base_dir / draft["model"])}}
+    template = entry.get("chat_template")
+    if isinstance(template, str) and template not in templates.FAMILIES and not Path(template).is_absolute():
+        entry = {**entry, "chat_template": str(base_dir / template)}
     path = entry.get("path")
     if not isinstance(path, str) or path == ECHO_MODEL or path.startswith(BUILTIN_PREFIX) or Path(path).is_absolute():
         return entry

@@ -125,6 +125,10 @@ SETTINGS: tuple[Setting, ...] = (
     _s("slot_save_path", "model", str, "none", "Folder of slot files: mpserve slots save|restore and POST "
        "/slots/ID?action=save|restore write and read an idle slot's KV cells there (none: off)",
        commands=_FOR_POOLS),
+    _s("chat_template", "model", str, "the GGUF's, else its architecture's family (ChatML for others)",
+       "Chat template: a family's name (chatml, llama3, gemma, mistral, phi, qwen, deepseek) or a Jinja2 file, as "
+       "llama-server's --chat-template and --chat-template-file; it also decides how tool calls are read",
+       commands=_FOR_POOLS),
     _s("devices", "model", list, "any GPU", "Pin the model's instances to these GPU indices, e.g. [1]", flag=None,
        env=None),
     _s("requires", "model", dict, "estimated from the GGUF", "Declared needs per instance: {memory: 7GiB, gpus: 1}",
