@@ -37,7 +37,7 @@ import yaml
 from . import settings, speculative
 from .errors import ConfigError
 from .kv_types import DEFAULT_KV_TYPE, KV_TYPES
-from .models import templates
+from .models import sources, templates
 from .models.builtin import builtin_model_path
 from .models.shapes import MODEL_SIZES
 from .speculative import Speculative
@@ -87,7 +87,7 @@ class ModelConfig:
         """The GGUF file to load ("echo" for the echo backend); writes the built-in model if needed."""
         if self.path.startswith(BUILTIN_PREFIX):
             return str(builtin_model_path(self.path[len(BUILTIN_PREFIX):]))
-        return self.path
+        return sources.local_path(self.path)
 
 
 @dataclass(frozen=True)
@@ -310,8 +310,13 @@ def _model(index: int, entry: Any, overrides: Mapping[str, Any], source: str) ->
     if not _NAME_RE.match(values["name"]):
         raise ConfigError(f"{where}.name: got {values['name']!r}, allowed: letters, digits, '.', '_' and '-', "
                           "starting with a letter or digit, at most 48 characters")
-    if not (path == ECHO_MODEL or path.startswith(BUILTIN_PREFIX)):
-        _check_gguf(Path(path), "--model" if "path" in overrides else f"{where}.path")
+    path_where = "--model" if "path" in overrides else f"{where}.path"
+    if sources.is_source(path):
+        local = sources.check(path, path_where)
+        if local is not None:
+            _check_gguf(local, f"{path_where} ({path})")
+    elif not (path == ECHO_MODEL or path.startswith(BUILTIN_PREFIX)):
+        _check_gguf(Path(path), path_where)
     if path.startswith(BUILTIN_PREFIX) and path[len(BUILTIN_PREFIX):] not in MODEL_SIZES:
         raise ConfigError(f"{where}.path: unknown built-in model {path!r}; allowed: {_builtin_names()}")
     if values.get("pooling") is not None and values["pooling"] not in _POOLINGS:
@@ -366,6 +371,15 @@ def _check_gguf(path: Path, where: str) -> None:
     if magic != GGUF_MAGIC:
         raise ConfigError(f"{where}: {str(path)!r} is not a GGUF model file (it does not start with "
                           f"{GGUF_MAGIC.decode()}); {others}")
+
+
+def pull_sources(config: ServerConfig) -> None:
+    """Download each model named on the Hub that is not in its cache (``mpserve.models.sources``), before
+    anything starts; a download that fails, or a file that is not a GGUF, is a ConfigError."""
+    for model in config.models:
+        local = sources.pull(model.path)
+        if local is not None:
+            _check_gguf(local, f"models[{model.name}].path ({model.path})")
 
 
 def _instance_bounds(values: Mapping[str, Any], where: str) -> tuple[int, int]:
@@ -451,12 +465,16 @@ def _relative_to(base_dir: Path, entry: Any) -> Any:
     if isinstance(template, str) and template not in templates.FAMILIES and not Path(template).is_absolute():
         entry = {**entry, "chat_template": str(base_dir / template)}
     path = entry.get("path")
-    if not isinstance(path, str) or path == ECHO_MODEL or path.startswith(BUILTIN_PREFIX) or Path(path).is_absolute():
+    if (not isinstance(path, str) or path == ECHO_MODEL or path.startswith(BUILTIN_PREFIX) or Path(path).is_absolute()
+            or sources.is_source(path)):
         return entry
     return {**entry, "path": str(base_dir / path)}
 
 
 def _default_name(path: str) -> str:
+    named = sources.default_name(path)
+    if named is not None:
+        return named
     if path.startswith(BUILTIN_PREFIX):
         return path[len(BUILTIN_PREFIX):]
     stem = re.sub(r"[^A-Za-z0-9._-]", "-", Path(path).stem).lstrip("._-")

@@ -16,6 +16,7 @@ from mpserve.config import ECHO_MODEL, ModelConfig, ServerConfig
 from mpserve.errors import ConfigError
 from mpserve.gpu.devices import Device, discover
 from mpserve.gpu.placement import ModelRequest, Placement, check_kv_types, estimate_host_memory, plan
+from mpserve.models.sources import template_hint
 from mpserve.models.templates import template_for
 from mpserve.repack import repack_for
 from mpserve.speculative import check_draft
@@ -129,7 +130,7 @@ def chat_template(model: ModelConfig) -> str | None:
     """The template the model's instances serve (``mpserve.models.templates``); the echo backend has none."""
     if model.path == ECHO_MODEL or model.embedding:
         return None
-    return template_for(model.chat_template, model.resolved_path())
+    return template_for(model.chat_template, model.resolved_path(), template_hint(model.path))
 
 
 def worker_spec(config: ServerConfig, devices: list[Device], placement: Placement, index: int, first_row: int,
