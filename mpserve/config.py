@@ -39,6 +39,7 @@ from .errors import ConfigError
 from .kv_types import DEFAULT_KV_TYPE, KV_TYPES
 from .models import sources, templates
 from .models.builtin import builtin_model_path
+from .models.folder import entries as folder_entries
 from .models.shapes import MODEL_SIZES
 from .speculative import Speculative
 
@@ -124,6 +125,7 @@ class ServerConfig:
     lock_dir: str | None = None  # permit lock files; None: the host-wide default
     permit_log: str | None = None  # append every permit hold interval here (audits, tests)
     log_level: str = "info"
+    models_dir: str | None = None  # a folder whose GGUFs are models too, loaded on demand (mpserve.models.folder)
     threads_total: int = field(default_factory=lambda: len(os.sched_getaffinity(0)))
 
     @property
@@ -234,13 +236,23 @@ def build(file_data: Mapping[str, Any] | None = None, server: Mapping[str, Any] 
     overrides = {k: _checked(k, v, _MODEL_KEYS[k], _FLAGS) for k, v in (model or {}).items()
                  if v is not None}
     raw_models = data.get("models")
+    folder = server_values.get("models_dir")
+    if folder and base_dir is not None and not Path(folder).is_absolute():
+        folder = server_values["models_dir"] = str(base_dir / folder)
     if "path" in overrides or raw_models is None:
-        raw_models = [{}]
-    if not isinstance(raw_models, list) or not raw_models:
+        raw_models = [{}] if "path" in overrides or not folder else []
+    if not isinstance(raw_models, list) or not (raw_models or folder):
         raise ConfigError(f"{source}: 'models' must be a non-empty list of model entries")
     if base_dir is not None:
         raw_models = [_relative_to(base_dir, m) for m in raw_models]
     models = tuple(_model(i, m, overrides, source) for i, m in enumerate(raw_models))
+    if folder:  # its files, but for those configured already; the flags' model settings bar the file
+        shared = {k: v for k, v in overrides.items() if k not in ("path", "name")}
+        taken = {os.path.realpath(m.path) for m in models}
+        found = folder_entries(str(folder), f"{source}: models_dir", taken)
+        models += tuple(_model(len(models) + i, m, shared, source) for i, m in enumerate(found))
+        if not models:
+            raise ConfigError(f"{source}: models_dir: {folder!r} holds no .gguf files and no models are configured")
     names = [m.name for m in models]
     dupes = sorted({n for n in names if names.count(n) > 1})
     if dupes:

@@ -138,6 +138,10 @@ SETTINGS: tuple[Setting, ...] = (
     _s("pooling", "model", str, "the GGUF's", "An embedding model's pooling of its token vectors into one per input: "
        "mean, cls or last",
        flag=None, env=None, choices=("mean", "cls", "last")),
+    _s("models_dir", "server", str, "none", "A folder of GGUF files served as models too, each named by its file's "
+       "stem, listed by GET /v1/models and loaded when a request names it (instances {min: 0, max: 1} unless "
+       "the flags say otherwise), as LocalAI and llama-swap serve a folder; read at start",
+       commands=("start", "plan")),
     # --- the server -----------------------------------------------------------------------------------
     _s("server_name", "server", str, "default", "Which local server (several may run side by side)",
        own_in=("worker",)),

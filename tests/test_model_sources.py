@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 from conftest import ServerProcess
 from fake_hub import COMMIT, FakeHub
+from gateway_thread import GatewayThread
 
 from mpserve import Client
 from mpserve.errors import ConfigError
@@ -234,3 +235,40 @@ def test_an_ollama_name_not_in_the_store_is_refused_naming_what_it_holds(tmp_pat
     assert refused.returncode == 1
     assert (f"ollama://llama3.2:1b is not in Ollama's store ({store}; set OLLAMA_MODELS for another); it holds "
             "tiny:latest; pull it with: ollama pull llama3.2:1b") in refused.stderr
+
+
+# --- a models directory ---------------------------------------------------------------------------------
+
+
+@pytest.mark.timeout(120)
+def test_a_models_directory_is_listed_and_each_model_loads_when_a_request_names_it(
+        tmp_path: Path, start_server: type[ServerProcess]) -> None:
+    folder = tmp_path / "models"
+    folder.mkdir()
+    for name in ("alpha.gguf", "beta.gguf", "big-00002-of-00002.gguf"):
+        (folder / name).write_bytes(TINY)
+    (folder / "notes.txt").write_text("not a model")
+    (tmp_path / "mpserve.yaml").write_text("models_dir: models\nsingle_active_backend: true\n"
+                                           "models:\n  - path: builtin:tiny\n")
+    server = start_server("--config", str(tmp_path / "mpserve.yaml")).wait_ready()
+    gateway = GatewayThread(server_name=server.name)
+    try:
+        client = gateway.openai()
+        assert [m.id for m in client.models.list().data] == ["tiny", "alpha", "beta"]
+        with Client(server.address) as zc:
+            assert {name: m.instances for name, m in zc.stats().models.items()} == {"tiny": 1, "alpha": 0, "beta": 0}
+        for model in ("beta", "alpha", "tiny"):  # one resident at a time: each request loads its model
+            reply = client.completions.create(model=model, prompt="Hello", max_tokens=4, temperature=0)
+            assert reply.model == model and reply.usage.completion_tokens == 4
+    finally:
+        gateway.stop()
+
+
+def test_a_models_directory_that_is_not_a_folder_or_holds_nothing_is_refused(tmp_path: Path) -> None:
+    from mpserve.config import build
+
+    with pytest.raises(ConfigError, match="models_dir: '/nowhere' is not a folder; give the folder that holds"):
+        build({"models_dir": "/nowhere"})
+    with pytest.raises(ConfigError, match="holds no .gguf files and no models are configured"):
+        build({"models_dir": str(tmp_path)})
+    assert [m.name for m in build({"models_dir": str(tmp_path)}, model={"path": "builtin:tiny"}).models] == ["tiny"]
