@@ -114,8 +114,8 @@ def start(given: Given, config_file: ConfigOption = None) -> None:
         config = _config(given, config_file)
         http = given.cli["http"]
         check_start(config, parse_http(http) if http else None)
-        _pull(config)
         with _Gateway(http, config, given.cli) if http else contextlib.nullcontext():
+            _pull(config)  # with the gateway up: /backend/monitor and the console show the downloads
             serve(config)
 
 

@@ -9,15 +9,19 @@ import io
 import json
 import logging
 import os
+import socket
 import subprocess
 import sys
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
+import httpx
 import pytest
 from conftest import ServerProcess
 from fake_hub import COMMIT, FakeHub
 from gateway_thread import GatewayThread
+from helpers import wait_for
 
 from mpserve import Client
 from mpserve.errors import ConfigError
@@ -272,3 +276,29 @@ def test_a_models_directory_that_is_not_a_folder_or_holds_nothing_is_refused(tmp
     with pytest.raises(ConfigError, match="holds no .gguf files and no models are configured"):
         build({"models_dir": str(tmp_path)})
     assert [m.name for m in build({"models_dir": str(tmp_path)}, model={"path": "builtin:tiny"}).models] == ["tiny"]
+
+
+@pytest.mark.timeout(120)
+def test_the_monitor_and_the_console_show_a_download_before_the_server_starts(
+        fake_hub: FakeHub, hf_env: dict[str, str], start_server: type[ServerProcess]) -> None:
+    fake_hub.delay_s = 1.0  # 9 chunks: the download lasts while the gateway comes up
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    url = f"http://127.0.0.1:{port}"
+    server = start_server("--model", "acme/tiny-GGUF:Q4_K_M", "--http", f"127.0.0.1:{port}", env=hf_env)
+
+    def downloading() -> list[dict[str, Any]]:
+        try:
+            return httpx.get(f"{url}/backend/monitor", timeout=2).json().get("downloads")  # type: ignore[no-any-return]
+        except httpx.TransportError:
+            return []
+
+    (shown,) = wait_for(downloading, 60, "a download in /backend/monitor", interval=0.2)
+    assert shown["file"] == "tiny-Q4_K_M.gguf" and shown["total_bytes"] == len(TINY)
+    assert 0 <= shown["done_bytes"] < len(TINY) and shown["pid"] == server.proc.pid
+    console = httpx.get(f"{url}/console/state", timeout=5).json()
+    assert [d["file"] for d in console["downloads"]] == ["tiny-Q4_K_M.gguf"] and console["models"] == []
+    server.wait_ready(60)
+    monitor = httpx.get(f"{url}/backend/monitor", timeout=5).json()
+    assert monitor["downloads"] == [] and monitor["instances"][0]["model"] == "tiny-GGUF-Q4_K_M"

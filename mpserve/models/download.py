@@ -39,15 +39,31 @@ def partial_path(target: Path) -> Path:
 def download(url: str, headers: dict[str, str], target: Path, size: int, sha256: str | None,
              progress: Progress) -> None:
     """``url`` into ``target``: ``size`` bytes whose sha256 is ``sha256`` (None: not checked)."""
-    import httpx
-    from huggingface_hub import get_session, hf_raise_for_status
-
     partial = partial_path(target)
     partial.parent.mkdir(parents=True, exist_ok=True)
     have = partial.stat().st_size if partial.exists() else 0
     if have >= size:  # a whole file refused before (its checksum): start again
         partial.unlink()
         have = 0
+    try:
+        digest = _receive_all(url, headers, partial, size, have, progress)
+    finally:
+        progress.close()
+    if sha256 is not None and digest.hexdigest() != sha256:
+        raise DownloadError(f"checksum mismatch: the file's sha256 is {digest.hexdigest()}, the Hub's {sha256}; "
+                            f"the bytes are kept in {partial}, never served; run the same command again to "
+                            "download it afresh")
+    progress.finish()
+    partial.rename(target)
+
+
+def _receive_all(url: str, headers: dict[str, str], partial: Path, size: int, have: int,
+                 progress: Progress) -> hashlib._Hash:
+    """The rest of the file, from byte ``have`` on, appended to ``partial``; the whole file's digest. A lost
+    connection is taken up again from where it stopped."""
+    import httpx
+    from huggingface_hub import get_session, hf_raise_for_status
+
     digest = hashlib.sha256()
     with partial.open("ab") as file:
         _hash_existing(partial, have, digest)
@@ -76,15 +92,7 @@ def download(url: str, headers: dict[str, str], target: Path, size: int, sha256:
                                         "same command again to resume") from None
                 log.warning("%s: connection lost at %d of %d bytes (%s); resuming", progress.name, have, size, exc)
                 time.sleep(min(0.2 * 2 ** lost, 5.0))
-    if have != size:
-        raise DownloadError(f"the server sent {have} bytes where the Hub says {size}; the bytes are kept in "
-                            f"{partial}, never served; run the same command again to download it afresh")
-    if sha256 is not None and digest.hexdigest() != sha256:
-        raise DownloadError(f"checksum mismatch: the file's sha256 is {digest.hexdigest()}, the Hub's {sha256}; "
-                            f"the bytes are kept in {partial}, never served; run the same command again to "
-                            "download it afresh")
-    progress.finish()
-    partial.rename(target)
+    return digest
 
 
 def _receive(chunks: Iterator[bytes], file: BinaryIO, digest: hashlib._Hash, progress: Progress, have: int,
