@@ -8,7 +8,7 @@
 Unknown repos, revisions and files answer 404 with the Hub's X-Error-Code. Faults for the tests: ``cut_after``
 closes the next body after that many bytes, ``corrupt`` serves a file with a byte changed (its sha256 still the
 right one), ``delay_s`` sleeps between chunks so that a download lasts. ``gets`` records each body GET's path and
-first byte.
+first byte. A repo in ``private`` is hidden (as unknown) from requests without ``Authorization: Bearer TOKEN``.
 """
 
 from __future__ import annotations
@@ -27,8 +27,9 @@ _TREE = re.compile(r"^/api/models/(?P<repo>[^/]+/[^/]+)/tree/(?P<rev>[^/?]+)")
 
 
 class FakeHub:
-    def __init__(self, repos: dict[str, dict[str, bytes]]) -> None:
+    def __init__(self, repos: dict[str, dict[str, bytes]], private: dict[str, str] | None = None) -> None:
         self.repos = repos
+        self.private = private or {}  # repo -> the token that may see it
         self.cut_after: int | None = None
         self.corrupt: set[str] = set()
         self.delay_s = 0.0
@@ -62,7 +63,9 @@ class FakeHub:
         return [start for got, start in self.gets if got == path]
 
     def _missing(self, handler: BaseHTTPRequestHandler, repo: str, rev: str, path: str | None) -> bool:
-        code = ("RepoNotFound" if repo not in self.repos else "RevisionNotFound" if rev not in ("main", COMMIT)
+        hidden = repo in self.private and handler.headers.get("Authorization") != f"Bearer {self.private[repo]}"
+        code = ("RepoNotFound" if repo not in self.repos or hidden
+                else "RevisionNotFound" if rev not in ("main", COMMIT)
                 else "EntryNotFound" if path is not None and path not in self.repos[repo] else None)
         if code is None:
             return False

@@ -38,7 +38,10 @@ TINY = default_model_path().read_bytes()
 @pytest.fixture
 def fake_hub() -> Iterator[FakeHub]:
     served = FakeHub({REPO: {"tiny-Q4_K_M.gguf": TINY, "tiny-Q8_0.gguf": TINY, "notes.gguf": b"not a model",
-                             "README.md": b"# tiny"}})
+                             "README.md": b"# tiny"},
+                      "acme/split-GGUF": {"big-Q8_0-00001-of-00002.gguf": TINY[:300_000],
+                                          "big-Q8_0-00002-of-00002.gguf": TINY[300_000:]},
+                      "acme/private-GGUF": {"tiny-Q4_K_M.gguf": TINY}}, private={"acme/private-GGUF": "sekret"})
     yield served
     served.stop()
 
@@ -158,6 +161,23 @@ def test_a_checksum_mismatch_keeps_the_bytes_serves_nothing_and_the_next_pull_st
     pulled = _mpserve("pull", "acme/tiny-GGUF:Q4_K_M", env=hf_env)
     assert pulled.returncode == 0, pulled.stderr
     assert fake_hub.downloads("tiny-Q4_K_M.gguf") == [0, 0] and Path(pulled.stdout.strip()).read_bytes() == TINY
+
+
+def test_a_split_gguf_comes_with_all_its_parts_side_by_side(fake_hub: FakeHub, hf_env: dict[str, str]) -> None:
+    pulled = _mpserve("pull", "acme/split-GGUF:Q8_0", env=hf_env)
+    assert pulled.returncode == 0, pulled.stderr
+    first = Path(pulled.stdout.strip())
+    assert first.name == "big-Q8_0-00001-of-00002.gguf"  # llama.cpp loads the other parts from its folder
+    assert (first.parent / "big-Q8_0-00002-of-00002.gguf").read_bytes() == TINY[300_000:]
+    assert sorted(path for path, _ in fake_hub.gets) == ["big-Q8_0-00001-of-00002.gguf", "big-Q8_0-00002-of-00002.gguf"]
+
+
+def test_hf_token_opens_a_private_repo(hf_env: dict[str, str]) -> None:
+    hidden = _mpserve("pull", "acme/private-GGUF:Q4_K_M", env=hf_env)
+    assert hidden.returncode == 1 and "set HF_TOKEN if it is private" in hidden.stderr
+    pulled = _mpserve("pull", "acme/private-GGUF:Q4_K_M", env={**hf_env, "HF_TOKEN": "sekret"})
+    assert pulled.returncode == 0, pulled.stderr
+    assert Path(pulled.stdout.strip()).read_bytes() == TINY
 
 
 @pytest.mark.parametrize(("name", "expected"), [
