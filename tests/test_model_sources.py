@@ -220,6 +220,16 @@ def test_servers_starting_at_once_download_the_model_once(fake_hub: FakeHub, hf_
     assert sum("tiny-Q4_K_M.gguf: done" in log for log in logs) == 1
 
 
+def test_two_names_of_one_file_pulled_at_once_download_it_once(fake_hub: FakeHub, hf_env: dict[str, str]) -> None:
+    fake_hub.delay_s = 0.3
+    pulls = [subprocess.Popen([sys.executable, "-m", "mpserve", "pull", name], env={**os.environ, **hf_env},
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for name in ("hf://acme/tiny-GGUF/tiny-Q4_K_M.gguf", "acme/tiny-GGUF:Q4_K_M")]
+    outputs = [p.communicate(timeout=50) for p in pulls]
+    assert [p.returncode for p in pulls] == [0, 0], outputs
+    assert outputs[0][0] == outputs[1][0] and fake_hub.downloads("tiny-Q4_K_M.gguf") == [0]
+
+
 # --- Ollama's store -------------------------------------------------------------------------------------
 
 GEMMA_GO_TEMPLATE = "{{- range .Messages }}<start_of_turn>{{ .Role }}\n{{ .Content }}<end_of_turn>\n{{ end }}"

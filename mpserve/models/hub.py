@@ -121,7 +121,7 @@ def pull(ref: HubRef) -> Path:
     (an unknown repo, revision or file, no network, a checksum mismatch) otherwise."""
     from huggingface_hub import constants
 
-    with _locked(ref):
+    with _locked(re.sub(r"[^A-Za-z0-9._-]", "_", str(ref).removeprefix(PREFIX)), str(ref)):
         found = cached(ref)
         if found is not None:
             return found
@@ -166,9 +166,10 @@ def _fetch(ref: HubRef, filename: str) -> None:
                           "a Hugging Face Hub?")
     storage = Path(constants.HF_HUB_CACHE) / repo_folder_name(repo_id=ref.repo, repo_type="model")
     blob = storage / "blobs" / meta.etag
-    if not blob.is_file():
-        sha256 = meta.etag if re.fullmatch(r"[0-9a-f]{64}", meta.etag) else None  # an LFS file's etag is its sha256
-        download(meta.location, build_hf_headers(), blob, meta.size, sha256, Progress(filename))
+    with _locked(meta.etag, filename):  # the same file under another name (a quant, a path) is pulled once too
+        if not blob.is_file():
+            sha256 = meta.etag if re.fullmatch(r"[0-9a-f]{64}", meta.etag) else None  # an LFS etag is the sha256
+            download(meta.location, build_hf_headers(), blob, meta.size, sha256, Progress(filename))
     link = storage / "snapshots" / meta.commit_hash / filename
     link.parent.mkdir(parents=True, exist_ok=True)
     if not link.exists():
@@ -196,18 +197,18 @@ def _snapshot(ref: HubRef) -> Path | None:
 
 
 @contextmanager
-def _locked(ref: HubRef) -> Iterator[None]:
-    """A host-wide lock per model, in the cache's own lock folder; says so when another process holds it."""
+def _locked(key: str, what: str) -> Iterator[None]:
+    """A host-wide lock named ``key`` (a model, a blob), in the cache's own lock folder; says so, naming
+    ``what``, when another process holds it."""
     from huggingface_hub import constants
 
     folder = Path(constants.HF_HUB_CACHE) / ".locks" / "mpserve"
     folder.mkdir(parents=True, exist_ok=True)
-    name = re.sub(r"[^A-Za-z0-9._-]", "_", str(ref)[len(PREFIX):] if str(ref).startswith(PREFIX) else str(ref))
-    with (folder / f"{name}.lock").open("a") as handle:
+    with (folder / f"{key}.lock").open("a") as handle:
         try:
             fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
-            log.info("%s: another process is downloading it; waiting", ref)
+            log.info("%s: another process is downloading it; waiting", what)
             fcntl.flock(handle, fcntl.LOCK_EX)
         try:
             yield
