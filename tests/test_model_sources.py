@@ -27,7 +27,7 @@ from mpserve import Client
 from mpserve.errors import ConfigError
 from mpserve.models import hub, templates
 from mpserve.models.builtin import default_model_path
-from mpserve.models.progress import Progress
+from mpserve.models.progress import Progress, downloads
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -94,7 +94,10 @@ def test_the_file_is_chosen_by_quantization_as_llama_server_does() -> None:
         "big/m-Q6_K-00001-of-00003.gguf", "big/m-Q6_K-00002-of-00003.gguf", "big/m-Q6_K-00003-of-00003.gguf"]
 
 
-def test_progress_draws_a_bar_on_a_terminal_and_logs_each_tenth_elsewhere(caplog: pytest.LogCaptureFixture) -> None:
+def test_progress_draws_a_bar_on_a_terminal_and_logs_each_tenth_elsewhere(caplog: pytest.LogCaptureFixture,
+                                                                          monkeypatch: pytest.MonkeyPatch,
+                                                                          tmp_path: Path) -> None:
+    monkeypatch.setenv("MPSERVE_RUNTIME_DIR", str(tmp_path))  # its status files, apart from real downloads'
     class Terminal(io.StringIO):
         def isatty(self) -> bool:
             return True
@@ -112,6 +115,9 @@ def test_progress_draws_a_bar_on_a_terminal_and_logs_each_tenth_elsewhere(caplog
         logged.start(1000, done=250)
         for _ in range(75):
             logged.advance(10)
+    assert [d["done_bytes"] for d in downloads()] == [250]  # published when it started; the next after 0.5 s
+    logged.close()
+    assert downloads() == []
     shares = [r.getMessage().split(": ")[1].split(" ")[0] for r in caplog.records[1:]]
     assert caplog.records[0].getMessage() == "m.gguf: resuming at 250 B of 1000 B"
     assert shares == ["30%", "40%", "50%", "60%", "70%", "80%", "90%", "100%"]
@@ -192,6 +198,7 @@ def test_a_bad_hub_source_is_refused_with_what_is_wrong(hf_env: dict[str, str], 
     assert pulled.returncode == 1 and expected in pulled.stderr, pulled.stderr
 
 
+@pytest.mark.timeout(120)
 def test_offline_the_cache_serves_and_a_model_not_in_it_is_refused_before_anything_starts(
         fake_hub: FakeHub, hf_env: dict[str, str], start_server: type[ServerProcess]) -> None:
     offline = {**hf_env, "HF_HUB_OFFLINE": "1"}
@@ -320,15 +327,17 @@ def test_the_monitor_and_the_console_show_a_download_before_the_server_starts(
 
     def downloading() -> list[dict[str, Any]]:
         try:
-            return httpx.get(f"{url}/backend/monitor", timeout=2).json().get("downloads")  # type: ignore[no-any-return]
+            shown = httpx.get(f"{url}/backend/monitor", timeout=2).json().get("downloads", [])
         except httpx.TransportError:
             return []
+        return [d for d in shown if d["file"] == "tiny-Q4_K_M.gguf"]  # this host's downloads: this test's
 
     (shown,) = wait_for(downloading, 60, "a download in /backend/monitor", interval=0.2)
     assert shown["file"] == "tiny-Q4_K_M.gguf" and shown["total_bytes"] == len(TINY)
     assert 0 <= shown["done_bytes"] < len(TINY) and shown["pid"] == server.proc.pid
     console = httpx.get(f"{url}/console/state", timeout=5).json()
-    assert [d["file"] for d in console["downloads"]] == ["tiny-Q4_K_M.gguf"] and console["models"] == []
+    assert "tiny-Q4_K_M.gguf" in [d["file"] for d in console["downloads"]] and console["models"] == []
     server.wait_ready(60)
     monitor = httpx.get(f"{url}/backend/monitor", timeout=5).json()
-    assert monitor["downloads"] == [] and monitor["instances"][0]["model"] == "tiny-GGUF-Q4_K_M"
+    assert "tiny-Q4_K_M.gguf" not in [d["file"] for d in monitor["downloads"]]
+    assert monitor["instances"][0]["model"] == "tiny-GGUF-Q4_K_M"
