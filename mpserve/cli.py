@@ -22,7 +22,7 @@ import typer
 
 from . import __version__, settings
 from . import config as cfg
-from .errors import BadRequest, ConnectionFailed, InternalError, MpserveError
+from .errors import BadRequest, ConfigError, ConnectionFailed, InternalError, MpserveError
 from .protocol import ModelControl, Stats
 from .runtime import ServerInfo, ServerPaths, pid_alive
 from .slots import SlotRow, SlotState, SlotTable, instance_slots, locate
@@ -121,6 +121,7 @@ def start(given: Given, config_file: ConfigOption = None) -> None:
         paths = ServerPaths.for_name(config.server_name, config.bind, config.workers_bind, config.admin_bind)
         gateway_key = gateway_keys(paths) if http and config.curve_secret else None  # for a CURVE front
         with _Gateway(http, config, given.cli, gateway_key) if http else contextlib.nullcontext():
+            _pull(config)  # with the gateway up: /backend/monitor and the console show the downloads
             serve(config, gateway_key)
 
 
@@ -203,7 +204,46 @@ def worker(
 
     with _errors():
         config = _config(given.with_server(server_name=server_name), config_file)
+        _pull(config)
         run_pool(config, connect, curve_server_key, curve_secret)
+
+
+@app.command()
+def pull(
+    names: Annotated[list[str] | None, typer.Argument(help="Models: hf://OWNER/REPO/FILE.gguf, OWNER/REPO:QUANT "
+                                                            "(@REVISION after the repo), ollama://NAME[:TAG].")]
+    = None,
+    config_file: ConfigOption = None,
+) -> None:
+    """Download models from the Hugging Face Hub into its cache ahead of time (a file already there is not
+    downloaded again), and print each model's local file. With --config, the file's models.
+
+    `mpserve start` pulls what is missing itself; HF_TOKEN authorises private and gated repos, HF_ENDPOINT
+    names another Hub, HF_HUB_OFFLINE=1 uses the cache only."""
+    from mpserve.models import sources
+
+    with _errors():
+        entries = [{"path": name, "name": f"m{i}"} for i, name in enumerate(names or [])]
+        for name in names or []:
+            if not sources.is_source(name):
+                raise ConfigError(f"{name!r} is not a model on the Hub or in Ollama's store; write "
+                                  "hf://OWNER/REPO/FILE.gguf, OWNER/REPO:QUANT or ollama://NAME[:TAG]")
+        if not entries and config_file is None:
+            raise ConfigError("name the models to pull, or give --config FILE")
+        config = cfg.build({"models": entries}) if entries else _config(Given({}, {}, {}), config_file)
+        _pull(config)
+        for model in config.models:
+            typer.echo(model.resolved_path())
+
+
+def _pull(config: cfg.ServerConfig) -> None:
+    """The models named on the Hub downloaded unless cached, with progress on stderr (``mpserve.models``)."""
+    import logging
+
+    logging.basicConfig(level=config.log_level.upper(), stream=sys.stderr,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # a line per request otherwise
+    cfg.pull_sources(config)
 
 
 @app.command()

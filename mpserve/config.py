@@ -37,7 +37,9 @@ import yaml
 from . import settings, speculative
 from .errors import ConfigError
 from .kv_types import DEFAULT_KV_TYPE, KV_TYPES
+from .models import sources, templates
 from .models.builtin import builtin_model_path
+from .models.folder import entries as folder_entries
 from .models.shapes import MODEL_SIZES
 from .speculative import Speculative
 
@@ -74,6 +76,7 @@ class ModelConfig:
     scale_up_after: float = 2.0  # seconds the oldest waiting request waits before one more instance starts
     scale_down_after: float = 60.0  # seconds an instance's worth of slots idles before one instance drains
     speculative: Speculative | None = None  # speculative decoding (prompt lookup, a draft model); None: off
+    chat_template: str | None = None  # a family's name or a Jinja2 file (mpserve.models.templates); None: the GGUF's
 
     @property
     def bounds(self) -> tuple[int, int]:
@@ -85,7 +88,7 @@ class ModelConfig:
         """The GGUF file to load ("echo" for the echo backend); writes the built-in model if needed."""
         if self.path.startswith(BUILTIN_PREFIX):
             return str(builtin_model_path(self.path[len(BUILTIN_PREFIX):]))
-        return self.path
+        return sources.local_path(self.path)
 
 
 @dataclass(frozen=True)
@@ -124,6 +127,7 @@ class ServerConfig:
     lock_dir: str | None = None  # permit lock files; None: the host-wide default
     permit_log: str | None = None  # append every permit hold interval here (audits, tests)
     log_level: str = "info"
+    models_dir: str | None = None  # a folder whose GGUFs are models too, loaded on demand (mpserve.models.folder)
     threads_total: int = field(default_factory=lambda: len(os.sched_getaffinity(0)))
 
     @property
@@ -240,13 +244,23 @@ def build(file_data: Mapping[str, Any] | None = None, server: Mapping[str, Any] 
     overrides = {k: _checked(k, v, _MODEL_KEYS[k], _FLAGS) for k, v in (model or {}).items()
                  if v is not None}
     raw_models = data.get("models")
+    folder = server_values.get("models_dir")
+    if folder and base_dir is not None and not Path(folder).is_absolute():
+        folder = server_values["models_dir"] = str(base_dir / folder)
     if "path" in overrides or raw_models is None:
-        raw_models = [{}]
-    if not isinstance(raw_models, list) or not raw_models:
+        raw_models = [{}] if "path" in overrides or not folder else []
+    if not isinstance(raw_models, list) or not (raw_models or folder):
         raise ConfigError(f"{source}: 'models' must be a non-empty list of model entries")
     if base_dir is not None:
         raw_models = [_relative_to(base_dir, m) for m in raw_models]
     models = tuple(_model(i, m, overrides, source) for i, m in enumerate(raw_models))
+    if folder:  # its files, but for those configured already; the flags' model settings bar the file
+        shared = {k: v for k, v in overrides.items() if k not in ("path", "name")}
+        taken = {os.path.realpath(m.path) for m in models}
+        found = folder_entries(str(folder), f"{source}: models_dir", taken)
+        models += tuple(_model(len(models) + i, m, shared, source) for i, m in enumerate(found))
+        if not models:
+            raise ConfigError(f"{source}: models_dir: {folder!r} holds no .gguf files and no models are configured")
     names = [m.name for m in models]
     dupes = sorted({n for n in names if names.count(n) > 1})
     if dupes:
@@ -316,8 +330,13 @@ def _model(index: int, entry: Any, overrides: Mapping[str, Any], source: str) ->
     if not _NAME_RE.match(values["name"]):
         raise ConfigError(f"{where}.name: got {values['name']!r}, allowed: letters, digits, '.', '_' and '-', "
                           "starting with a letter or digit, at most 48 characters")
-    if not (path == ECHO_MODEL or path.startswith(BUILTIN_PREFIX)):
-        _check_gguf(Path(path), "--model" if "path" in overrides else f"{where}.path")
+    path_where = "--model" if "path" in overrides else f"{where}.path"
+    if sources.is_source(path):
+        local = sources.check(path, path_where)
+        if local is not None:
+            _check_gguf(local, f"{path_where} ({path})")
+    elif not (path == ECHO_MODEL or path.startswith(BUILTIN_PREFIX)):
+        _check_gguf(Path(path), path_where)
     if path.startswith(BUILTIN_PREFIX) and path[len(BUILTIN_PREFIX):] not in MODEL_SIZES:
         raise ConfigError(f"{where}.path: unknown built-in model {path!r}; allowed: {_builtin_names()}")
     if values.get("pooling") is not None and values["pooling"] not in _POOLINGS:
@@ -340,6 +359,8 @@ def _model(index: int, entry: Any, overrides: Mapping[str, Any], source: str) ->
                           "to f16, bf16 or f32")
     if "slot_save_path" in values and not Path(values["slot_save_path"]).is_dir():
         raise ConfigError(f"{where}.slot_save_path: {values['slot_save_path']!r} is not a folder; create it first")
+    if "chat_template" in values:
+        values["chat_template"] = templates.check_setting(values["chat_template"], f"{where}.chat_template")
     if "cache_ram" in values:
         values["cache_ram"] = _bytes(values["cache_ram"], f"{where}.cache_ram", parse_memory)
     if "requires" in values:
@@ -370,6 +391,15 @@ def _check_gguf(path: Path, where: str) -> None:
     if magic != GGUF_MAGIC:
         raise ConfigError(f"{where}: {str(path)!r} is not a GGUF model file (it does not start with "
                           f"{GGUF_MAGIC.decode()}); {others}")
+
+
+def pull_sources(config: ServerConfig) -> None:
+    """Download each model named on the Hub that is not in its cache (``mpserve.models.sources``), before
+    anything starts; a download that fails, or a file that is not a GGUF, is a ConfigError."""
+    for model in config.models:
+        local = sources.pull(model.path)
+        if local is not None:
+            _check_gguf(local, f"models[{model.name}].path ({model.path})")
 
 
 def _instance_bounds(values: Mapping[str, Any], where: str) -> tuple[int, int]:
@@ -451,13 +481,20 @@ def _relative_to(base_dir: Path, entry: Any) -> Any:
     draft = entry.get("speculative")
     if isinstance(draft, dict) and isinstance(draft.get("model"), str) and not Path(draft["model"]).is_absolute():
         entry = {**entry, "speculative": {**draft, "model": str(base_dir / draft["model"])}}
+    template = entry.get("chat_template")
+    if isinstance(template, str) and template not in templates.FAMILIES and not Path(template).is_absolute():
+        entry = {**entry, "chat_template": str(base_dir / template)}
     path = entry.get("path")
-    if not isinstance(path, str) or path == ECHO_MODEL or path.startswith(BUILTIN_PREFIX) or Path(path).is_absolute():
+    if (not isinstance(path, str) or path == ECHO_MODEL or path.startswith(BUILTIN_PREFIX) or Path(path).is_absolute()
+            or sources.is_source(path)):
         return entry
     return {**entry, "path": str(base_dir / path)}
 
 
 def _default_name(path: str) -> str:
+    named = sources.default_name(path)
+    if named is not None:
+        return named
     if path.startswith(BUILTIN_PREFIX):
         return path[len(BUILTIN_PREFIX):]
     stem = re.sub(r"[^A-Za-z0-9._-]", "-", Path(path).stem).lstrip("._-")

@@ -125,6 +125,10 @@ SETTINGS: tuple[Setting, ...] = (
     _s("slot_save_path", "model", str, "none", "Folder of slot files: mpserve slots save|restore and POST "
        "/slots/ID?action=save|restore write and read an idle slot's KV cells there (none: off)",
        commands=_FOR_POOLS),
+    _s("chat_template", "model", str, "the GGUF's, else its architecture's family (ChatML for others)",
+       "Chat template: a family's name (chatml, llama3, gemma, mistral, phi, qwen, deepseek) or a Jinja2 file, as "
+       "llama-server's --chat-template and --chat-template-file; it also decides how tool calls are read",
+       commands=_FOR_POOLS),
     _s("devices", "model", list, "any GPU", "Pin the model's instances to these GPU indices, e.g. [1]", flag=None,
        env=None),
     _s("requires", "model", dict, "estimated from the GGUF", "Declared needs per instance: {memory: 7GiB, gpus: 1}",
@@ -134,6 +138,10 @@ SETTINGS: tuple[Setting, ...] = (
     _s("pooling", "model", str, "the GGUF's", "An embedding model's pooling of its token vectors into one per input: "
        "mean, cls or last; rank: a reranker (its GGUF has a rank head), served at /v1/rerank",
        flag=None, env=None, choices=("mean", "cls", "last", "rank")),
+    _s("models_dir", "server", str, "none", "A folder of GGUF files served as models too, each named by its file's "
+       "stem, listed by GET /v1/models and loaded when a request names it (instances {min: 0, max: 1} unless "
+       "the flags say otherwise), as LocalAI and llama-swap serve a folder; read at start",
+       commands=("start", "plan")),
     # --- the server -----------------------------------------------------------------------------------
     _s("server_name", "server", str, "default", "Which local server (several may run side by side)",
        own_in=("worker",)),

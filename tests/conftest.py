@@ -13,7 +13,7 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import pytest
 
@@ -172,6 +172,25 @@ def tiny_model_path() -> str:
 class RealModel:
     path: str
     repack: bool  # False where llama.cpp's repacked CPU kernels crash here: mpserve's own verdict (auto)
+
+    def llama(self, **kwargs: Any) -> Any:
+        """A ``llama_cpp.Llama`` of the model with mpserve's defaults (flash attention on, as auto is on a CPU;
+        one thread; the same weight layout), ``kwargs`` on top."""
+        import llama_cpp
+
+        kwargs = dict(n_threads=1, n_threads_batch=1, flash_attn=True, verbose=False) | kwargs
+        if self.repack:
+            return llama_cpp.Llama(self.path, **kwargs)
+        defaults = llama_cpp.llama_cpp.llama_model_default_params  # Llama has no parameter for use_extra_bufts
+
+        def without_repack() -> Any:
+            params = defaults()
+            params.use_extra_bufts = False
+            return params
+
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(llama_cpp.llama_cpp, "llama_model_default_params", without_repack)
+            return llama_cpp.Llama(self.path, **kwargs)
 
 
 @pytest.fixture(scope="session")

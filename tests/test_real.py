@@ -10,7 +10,6 @@ import asyncio
 from collections.abc import Iterator
 from typing import Any
 
-import llama_cpp
 import pytest
 from conftest import RealModel, ServerProcess
 
@@ -39,20 +38,7 @@ class Reference:
     flash attention on (auto, on a CPU), one thread, the same weight layout."""
 
     def __init__(self, model: RealModel) -> None:
-        kwargs: dict[str, Any] = dict(n_ctx=N_CTX, n_threads=1, n_threads_batch=1, flash_attn=True, verbose=False)
-        if model.repack:
-            self.llm = llama_cpp.Llama(model.path, **kwargs)
-        else:  # Llama has no parameter for llama.cpp's use_extra_bufts: its defaults, with that one off
-            defaults = llama_cpp.llama_cpp.llama_model_default_params
-
-            def without_repack() -> Any:
-                params = defaults()
-                params.use_extra_bufts = False
-                return params
-
-            with pytest.MonkeyPatch.context() as patch:
-                patch.setattr(llama_cpp.llama_cpp, "llama_model_default_params", without_repack)
-                self.llm = llama_cpp.Llama(model.path, **kwargs)
+        self.llm = model.llama(n_ctx=N_CTX)
         self._done: dict[tuple[Any, ...], dict[str, Any]] = {}
 
     def complete(self, prompt: str, max_tokens: int = MAX_TOKENS, logit_bias: dict[int, float] | None = None

@@ -207,9 +207,11 @@ class BatchEngine:
     def __init__(self, path: str, n_ctx: int, parallel: int, threads: int, n_gpu_layers: int, seed: int = 0,
                  step_budget_tokens: int = 64, *, kv_unified: bool = False, flash_attn: str = "auto",
                  repack: bool = True, speculative: Speculative | None = None, cache_type_k: str = DEFAULT_KV_TYPE,
-                 cache_type_v: str = DEFAULT_KV_TYPE, cache_ram: int = 0, model: Any = None) -> None:
+                 cache_type_v: str = DEFAULT_KV_TYPE, cache_ram: int = 0, model: Any = None,
+                 chat_template: str | None = None) -> None:
         """``model``: the llama.cpp model of ``path``, loaded already (by the zygote this process was forked
-        from, ``mpserve.worker.zygote``), used instead of loading the file; the engine owns it from then on."""
+        from, ``mpserve.worker.zygote``), used instead of loading the file; the engine owns it from then on.
+        ``chat_template``: the template it reports instead of the GGUF's (``read_chat_template``)."""
         import llama_cpp
 
         if not 1 <= parallel <= llama_cpp.llama_max_parallel_sequences():
@@ -283,7 +285,7 @@ class BatchEngine:
                 raise
         self._identity = self._slot_identity(cache_type_k, cache_type_v)
         self._batch = Batch(llama_cpp, capacity)
-        self.chat = read_chat_template(llama_cpp, self._model)
+        self.chat = read_chat_template(llama_cpp, self._model, chat_template)
         self._warm_up()
 
     def _slot_identity(self, cache_type_k: str, cache_type_v: str) -> slot_file.Identity:

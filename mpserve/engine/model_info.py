@@ -34,9 +34,10 @@ def free(lib: Any, ctx: Any, model: Any) -> None:
         lib.llama_model_free(model)
 
 
-def read_chat_template(lib: Any, model: Any) -> ChatTemplate:
-    """The chat template of a loaded llama.cpp model (``lib`` is the llama_cpp module)."""
-    source = lib.llama_model_chat_template(model, None)
+def read_chat_template(lib: Any, model: Any, template: str | None = None) -> ChatTemplate:
+    """The chat template of a loaded llama.cpp model (``lib`` is the llama_cpp module): ``template`` when given
+    (the one chosen for it, ``mpserve.models.templates``; "" the ChatML default), else the GGUF's."""
+    source = lib.llama_model_chat_template(model, None) if template is None else template.encode()
     vocab = lib.llama_model_get_vocab(model)
 
     def text(token: int) -> str:

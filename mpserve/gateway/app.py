@@ -59,6 +59,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from mpserve import __version__
 from mpserve.client import AsyncClient, Result, Stream
 from mpserve.errors import ConfigError, ConnectionFailed, ErrorCode, MpserveError, UnknownModel
+from mpserve.models.progress import downloads
 from mpserve.slots import SlotState, locate
 
 from . import access, console, limits, schema, slots
@@ -415,6 +416,8 @@ class _Gateway:
 
     async def backend_monitor(self, request: Request) -> Response:
         local = self.backend.read_slots()
+        if local is None and downloads():  # a server that is still downloading its models: what it downloads
+            return JSONResponse(await asyncio.to_thread(monitor, [], None))
         if local is None:
             return _error_response(oai.HttpError.from_mpserve(ConnectionFailed(
                 f"the backend monitor reads the slot table of a server on this host; none is running at "

@@ -41,6 +41,7 @@ from mpserve import protocol as wire
 from mpserve.errors import ConfigError
 from mpserve.gpu.devices import Device, discover
 from mpserve.gpu.permits import inspect
+from mpserve.models.progress import downloads
 from mpserve.slots import SlotRow, SlotState
 
 from .backend import Backend, LocalSlots
@@ -257,6 +258,7 @@ class Console:
             "outcomes": {"window_s": window_s, "codes": outcomes},
             "series_step_s": SERIES_STEP_S,
             "gpus": gpus, "gpu_error": gpu_error,
+            "downloads": await asyncio.to_thread(downloads),
         })
 
     def _slot(self, row: SlotRow, now: float) -> dict[str, Any]:

@@ -18,6 +18,7 @@ from typing import Any
 
 from mpserve import protocol as wire
 from mpserve.gpu.memory import GpuUsage, memory_by_pid, read_usage
+from mpserve.models.progress import downloads
 from mpserve.runtime import ServerInfo
 from mpserve.slots import SlotRow, SlotState, instance_slots
 
@@ -130,8 +131,8 @@ def gpu_usage(rows: Sequence[SlotRow]) -> list[GpuUsage] | None:
 
 def monitor(rows: list[SlotRow], model: str | None, gpus: Sequence[GpuUsage] | None = None) -> dict[str, Any]:
     """``GET /backend/monitor``: every instance of ``model`` (all models when None) with its slots, the totals
-    (each process counted once, however many slots it has), and each GPU's memory (``gpus``, from ``gpu_usage``;
-    [] when unknown)."""
+    (each process counted once, however many slots it has), each GPU's memory (``gpus``, from ``gpu_usage``;
+    [] when unknown), and the downloads running on this host."""
     now = time.time()
     held = memory_by_pid(gpus)
     views = [InstanceView.of(slots, now, held)
@@ -144,6 +145,7 @@ def monitor(rows: list[SlotRow], model: str | None, gpus: Sequence[GpuUsage] | N
         "pss_bytes": sum(v.pss_bytes or 0 for v in views),
         "gpu_memory_bytes": sum(v.gpu_memory_bytes or 0 for v in views),
         "gpus": [asdict(g) for g in gpus or []],
+        "downloads": downloads(),  # models being downloaded on this host, before their server starts
     }
 
 

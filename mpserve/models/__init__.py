@@ -1,6 +1,13 @@
-"""The project's own models: deterministic random-weight llama GGUFs (``mpserve make-model``, ``builtin:``).
+"""Models: the project's own (deterministic random-weight llama GGUFs, ``mpserve make-model``, ``builtin:``),
+those named on the Hugging Face Hub or in Ollama's store, and the chat template each is served with.
 
-    shapes    the built-in models' shapes (a leaf: no gguf, no numpy)
-    builtin   where they live (finds one without importing gguf or numpy; imports maker only to write one)
-    maker     writes them (same arguments, same bytes)
+    shapes     the built-in models' shapes (a leaf: no gguf, no numpy)
+    builtin    where they live (finds one without importing gguf or numpy; imports maker only to write one)
+    maker      writes them (same arguments, same bytes)
+    sources    a model path that names the Hub or Ollama: checked, pulled, found on this host
+    hub        the Hub: names as llama-server's -hf, the choice of file, the cache, a host-wide lock per file
+    download   one file over HTTP: resumed, checked against its sha256, moved into place when right
+    progress   a download's bar on a terminal, a log line per tenth elsewhere
+    ollama     Ollama's store: a manifest's GGUF blob and template
+    templates  the chat template a model is served with: the setting, the GGUF's, its family's
 """

@@ -16,6 +16,8 @@ from mpserve.config import ECHO_MODEL, ModelConfig, ServerConfig
 from mpserve.errors import ConfigError
 from mpserve.gpu.devices import Device, discover
 from mpserve.gpu.placement import ModelRequest, Placement, check_kv_types, estimate_host_memory, plan
+from mpserve.models.sources import template_hint
+from mpserve.models.templates import template_for
 from mpserve.repack import repack_for
 from mpserve.speculative import check_draft
 from mpserve.worker.spec import EngineSpec, PermitSpec, StartMode, WorkerSpec, start_mode
@@ -124,6 +126,13 @@ def instance_rows(config: ServerConfig) -> dict[str, list[tuple[int, int]]]:
     return rows
 
 
+def chat_template(model: ModelConfig) -> str | None:
+    """The template the model's instances serve (``mpserve.models.templates``); the echo backend has none."""
+    if model.path == ECHO_MODEL or model.embedding:
+        return None
+    return template_for(model.chat_template, model.resolved_path(), template_hint(model.path))
+
+
 def worker_spec(config: ServerConfig, devices: list[Device], placement: Placement, index: int, first_row: int,
                 backend: str, slots_path: Path) -> WorkerSpec:
     model = config.model(placement.model)
@@ -140,7 +149,8 @@ def worker_spec(config: ServerConfig, devices: list[Device], placement: Placemen
                           n_gpu_layers=gpu_layers, parallel=model.parallel, flash_attn=model.flash_attn,
                           repack=repack_for(model), echo_tick_s=model.echo_tick_ms / 1000, embedding=model.embedding,
                           pooling=model.pooling, speculative=model.speculative, cache_type_k=model.cache_type_k,
-                          cache_type_v=model.cache_type_v, cache_ram=model.cache_ram),
+                          cache_type_v=model.cache_type_v, cache_ram=model.cache_ram,
+                          chat_template=chat_template(model)),
         first_row=first_row,
         device=device, backend=backend, slots_path=str(slots_path), parent_pid=os.getpid(),
         idle_timeout=config.idle_timeout, lazy=config.single_active_backend, permit=permit,

@@ -50,6 +50,7 @@ class EngineSpec:
     cache_type_k: str = "f16"  # KV cache types (mpserve.kv_types)
     cache_type_v: str = "f16"
     cache_ram: int = 0  # bytes of host RAM for the prompt cache; 0: none
+    chat_template: str | None = None  # Jinja2 served instead of the GGUF's ("": the ChatML default); None: the GGUF's
 
     @property
     def is_echo(self) -> bool:

@@ -140,7 +140,7 @@ function render(state) {
   $("main").hidden = false;
   renderSlots(state.slots, server.local);
   renderPools(state.pools);
-  renderModels(state.models, state.series_step_s);
+  renderModels(state.models, state.series_step_s, state.downloads || []);
   renderOutcomes(state.outcomes);
   renderGpus(state.gpus, state.gpu_error, server.local);
   updateModelChoice(state.models);
@@ -183,12 +183,23 @@ function figure(value, label) {
   return el("div", { class: "figure" }, el("b", null, value), el("span", null, label));
 }
 
-function renderModels(models, stepS) {
+function renderDownloads(downloads) {
+  return downloads.map((d) => el("div", { class: "model download", "data-download": d.file },
+    el("div", { class: "model-name" }, "downloading " + d.file),
+    el("div", { class: "figures" },
+      figure(Math.floor(100 * d.done_bytes / Math.max(d.total_bytes, 1)) + "%", "done"),
+      figure(bytes(d.done_bytes) + " / " + bytes(d.total_bytes), "size"),
+      figure(bytes(d.bytes_per_s) + "/s", "speed"),
+      figure(duration(d.left_s), "time left"))));
+}
+
+function renderModels(models, stepS, downloads) {
   if (!models.length) {
-    $("models").replaceChildren(el("p", { class: "muted" }, "No models (the server does not answer)."));
+    $("models").replaceChildren(...renderDownloads(downloads), el("p", { class: "muted" },
+      downloads.length ? "The server starts once its models are downloaded." : "No models (the server does not answer)."));
     return;
   }
-  $("models").replaceChildren(...models.map((m) => {
+  $("models").replaceChildren(...renderDownloads(downloads), ...models.map((m) => {
     const series = m.tokens_per_s;
     const known = series.filter((v) => v !== null);
     const now = known.length ? known[known.length - 1] : null;

@@ -1,0 +1,133 @@
+"""Chat templates chosen for a model (``mpserve.models.templates``): the families against llama-cpp-python's chat
+formats, the choice when the GGUF has none, the ``chat_template`` setting, and Gemma 3 270M served with no
+template configured against ``llama_cpp.Llama(chat_format="gemma")``."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from conftest import RealModel, ServerProcess
+from gateway_thread import GatewayThread
+from llama_cpp import llama_chat_format
+
+from mpserve import Client
+from mpserve.config import build
+from mpserve.errors import ConfigError
+from mpserve.gateway.chat import render
+from mpserve.models import templates
+from mpserve.models.maker import write_model
+from mpserve.protocol import ChatTemplate
+
+pytestmark = pytest.mark.timeout(60)
+
+HELLO = [{"role": "user", "content": "Say hello."}]
+CONVERSATION = [{"role": "user", "content": "Name a colour."}, {"role": "assistant", "content": "Blue."},
+                {"role": "user", "content": "Another one."}]
+
+
+def _rendered(family: str, messages: list[dict[str, str]]) -> str:
+    return render(ChatTemplate(templates.FAMILIES[family], "<s>", "</s>"), messages)
+
+
+@pytest.mark.parametrize(("family", "formatter"), [
+    ("gemma", llama_chat_format.format_gemma), ("llama3", llama_chat_format.format_llama3),
+    ("qwen", llama_chat_format.format_qwen), ("mistral", llama_chat_format.format_mistral_instruct)],
+    ids=["gemma", "llama3", "qwen", "mistral"])
+def test_a_family_renders_as_llama_cpp_python_s_chat_format(family: str, formatter: Any) -> None:
+    for messages in ([HELLO] if family == "mistral" else [HELLO, CONVERSATION]):  # theirs: "[/INST]reply</s>"
+        assert _rendered(family, messages) == formatter(messages=messages).prompt
+
+
+def test_gemma_puts_the_system_text_in_the_first_user_turn_and_tool_turns_as_the_tools_prompt_asks() -> None:
+    messages = [{"role": "system", "content": "Be brief."}, *HELLO,
+                {"role": "assistant", "content": "", "tool_calls": [
+                    {"id": "c1", "type": "function", "function": {"name": "greet", "arguments": {"who": "you"}}}]},
+                {"role": "tool", "content": "hello", "tool_call_id": "c1"}]
+    assert _rendered("gemma", messages) == (
+        "<start_of_turn>user\nBe brief.\n\nSay hello.<end_of_turn>\n"
+        '<start_of_turn>model\n<tool_call>\n{"arguments": {"who": "you"}, "name": "greet"}\n</tool_call><end_of_turn>\n'
+        "<start_of_turn>user\n<tool_response>\nhello\n</tool_response><end_of_turn>\n<start_of_turn>model\n")
+
+
+def test_every_family_is_read_by_the_tools_prompt_s_parser() -> None:
+    from mpserve.gateway.tools import parser_for
+
+    assert {parser_for(source) for source in templates.FAMILIES.values()} == {"hermes"}
+
+
+def test_a_gguf_with_its_own_template_keeps_it_and_a_llama_gguf_without_gets_chatml(tmp_path: Path,
+                                                                                    caplog: pytest.LogCaptureFixture
+                                                                                    ) -> None:
+    own = write_model(tmp_path / "own.gguf", "tiny", chat_template="{{ messages[0]['content'] }}")
+    bare = write_model(tmp_path / "bare.gguf", "tiny")
+    assert templates.template_for(None, str(own)) is None
+    with caplog.at_level(logging.INFO, "mpserve.templates"):
+        assert templates.template_for(None, str(bare)) == ""
+        assert templates.template_for(None, str(bare)) == ""
+    assert ["architecture (llama)" in r.getMessage() for r in caplog.records] == [True]  # once
+    assert templates.template_for("gemma", str(own)) == templates.FAMILIES["gemma"]  # the setting wins
+
+
+def test_an_ollama_style_hint_chooses_the_family_by_its_turn_markers(tmp_path: Path) -> None:
+    bare = write_model(tmp_path / "hinted.gguf", "tiny")
+    hint = "{{ range .Messages }}<start_of_turn>{{ .Role }}\n{{ .Content }}<end_of_turn>\n{{ end }}"
+    assert templates.template_for(None, str(bare), hint) == templates.FAMILIES["gemma"]
+
+
+def test_the_setting_takes_a_family_or_a_jinja_file_relative_to_the_config(tmp_path: Path) -> None:
+    (tmp_path / "turns.jinja").write_text("{% for m in messages %}{{ m.content }}{% endfor %}")
+    (tmp_path / "broken.jinja").write_text("{% for m in messages %}")
+    config = build({"models": [{"path": "builtin:tiny", "chat_template": "turns.jinja"},
+                               {"path": "builtin:tiny", "name": "b", "chat_template": "phi"}]}, base_dir=tmp_path)
+    assert [m.chat_template for m in config.models] == [str(tmp_path / "turns.jinja"), "phi"]
+    with pytest.raises(ConfigError, match=r"models\[0\].chat_template: 'gemma4' is neither a template family "
+                                          r"\(chatml, llama3, gemma, mistral, phi, qwen, deepseek\) nor a file"):
+        build({"models": [{"path": "builtin:tiny", "chat_template": "gemma4"}]})
+    with pytest.raises(ConfigError, match="broken.jinja' is not a Jinja2 chat template: line 1"):
+        build({"models": [{"path": "builtin:tiny", "chat_template": "broken.jinja"}]}, base_dir=tmp_path)
+
+
+@pytest.mark.timeout(60)
+def test_a_configured_template_reaches_the_gateway(start_server) -> None:
+    server = start_server("--model", "builtin:tiny", "--chat-template", "llama3").wait_ready()
+    with Client(server.address) as client:
+        assert client.stats().models["tiny"].chat_template == templates.FAMILIES["llama3"]
+
+
+# --- Gemma 3 270M, whose GGUF has no chat template ------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def gemma(real_model: RealModel) -> Iterator[tuple[ServerProcess, GatewayThread]]:
+    server = ServerProcess("--model", real_model.path, "--name", "gemma", "--n-ctx", "512").wait_ready(120)
+    gateway = GatewayThread(server_name=server.name)
+    yield server, gateway
+    gateway.stop()
+    server.stop()
+
+
+@pytest.mark.real
+@pytest.mark.timeout(300)
+def test_gemma_without_a_template_chats_in_its_own_turns_as_llama_cpp_python(
+        real_model: RealModel, gemma: tuple[ServerProcess, GatewayThread]) -> None:
+    server, gateway = gemma
+    with Client(server.address) as client:
+        assert "<start_of_turn>" in client.stats().models["gemma"].chat_template
+    assert any("gemma family's, chosen by its architecture, gemma3" in line for line in server.log)
+    llm = real_model.llama(n_ctx=512, chat_format="gemma")
+    try:
+        for messages in (HELLO, CONVERSATION):
+            reply = gateway.openai().chat.completions.create(model="gemma", messages=messages, max_tokens=24,
+                                                             temperature=0)
+            llm.reset()
+            expected = llm.create_chat_completion(messages=messages, max_tokens=24, temperature=0,
+                                                  repeat_penalty=1.0)
+            assert reply.choices[0].message.content == expected["choices"][0]["message"]["content"]
+            assert reply.choices[0].message.content.strip()  # not the empty reply ChatML gave
+            assert reply.usage.prompt_tokens == expected["usage"]["prompt_tokens"]
+    finally:
+        llm.close()
