@@ -81,8 +81,14 @@ class InstanceView:
     gpu_memory_bytes: int | None = None  # what its process holds on GPUs (NVML); None: unknown or on the CPU
     kv_cells: int = 0  # KV cells the slot holds, of kv_capacity
     kv_capacity: int = 0
-    prompt_cache_bytes: int = 0  # its instance's host-RAM prompt cache, of prompt_cache_capacity
+    prompt_cache_bytes: int = 0  # the host store's RAM tier (the host's), of prompt_cache_capacity
     prompt_cache_capacity: int = 0
+    prompt_cache_disk_bytes: int = 0  # its disk tier, of prompt_cache_disk_capacity (0: none)
+    prompt_cache_disk_capacity: int = 0
+    prompt_cache_hits: int = 0  # this instance's prompts that restored a prefix from the store
+    prompt_cache_misses: int = 0
+    prompt_cache_evictions: int = 0
+    prompt_cache_skipped: int = 0  # bad entries removed, writes not made
 
     @classmethod
     def of(cls, row: SlotRow, now: float, gpu_held: Mapping[int, int]) -> InstanceView:
@@ -93,7 +99,8 @@ class InstanceView:
                    rss, pss, row.served, round(now - row.started, 3) if running and row.started else None,
                    round(row.load_s, 3), row.request if state in BUSY and row.request else None, row.tokens,
                    gpu_held.get(row.pid) if running and row.device >= 0 else None, row.kv_cells, row.kv_capacity,
-                   row.cache.bytes, row.cache.capacity)
+                   row.cache.bytes, row.cache.capacity, row.cache.disk_bytes, row.cache.disk_capacity,
+                   row.cache.hits, row.cache.misses, row.cache.evictions, row.cache.skipped)
 
 
 def gpu_usage(rows: Sequence[SlotRow]) -> list[GpuUsage] | None:

@@ -140,7 +140,7 @@ function render(state) {
   $("main").hidden = false;
   renderSlots(state.slots, server.local);
   renderPools(state.pools);
-  renderModels(state.models, state.series_step_s);
+  renderModels(state.models, state.series_step_s, state.stores);
   renderOutcomes(state.outcomes);
   renderGpus(state.gpus, state.gpu_error, server.local);
   updateModelChoice(state.models);
@@ -183,7 +183,22 @@ function figure(value, label) {
   return el("div", { class: "figure" }, el("b", null, value), el("span", null, label));
 }
 
-function renderModels(models, stepS) {
+function storeLine(store) {
+  if (!store) return null;
+  const disk = store.disk_capacity ? ", disk " + bytes(store.disk_bytes) + " of " + bytes(store.disk_capacity) : "";
+  return el("div", { class: "spark-caption", "data-store": "" }, "host store: RAM " + bytes(store.bytes) + " of " +
+    bytes(store.capacity) + disk + "; " + store.hits + " hits, " + store.misses + " misses, " + store.evictions +
+    " evictions, " + store.skipped + " skipped");
+}
+
+function bytes(n) {
+  const units = ["B", "KiB", "MiB", "GiB", "TiB"];
+  let i = 0;
+  while (n >= 1024 && i < units.length - 1) { n /= 1024; i++; }
+  return (i ? n.toFixed(1) : n) + " " + units[i];
+}
+
+function renderModels(models, stepS, stores) {
   if (!models.length) {
     $("models").replaceChildren(el("p", { class: "muted" }, "No models (the server does not answer)."));
     return;
@@ -203,7 +218,8 @@ function renderModels(models, stepS) {
         figure(rate(now), "tokens/s")),
       sparkline(series, series.length * stepS),
       el("div", { class: "spark-caption" }, "tokens/s over the last " + duration(series.length * stepS) +
-        (known.length ? ", peak " + Math.max(...known).toFixed(0) : "")));
+        (known.length ? ", peak " + Math.max(...known).toFixed(0) : "")),
+      storeLine((stores || {})[m.name]));
   }));
 }
 
