@@ -10,7 +10,9 @@ Why files in a tmpfs folder: every process on the host sees them with no server 
 a write atomic (a reader opens the old name or the new file, never half of one), an open file stays readable
 while another process evicts it, and the kernel frees nothing a process still reads. The disk tier is the
 same layout in another folder (``cache_disk``), written with fsync before the rename, so an entry found
-there after a crash or a reboot is whole.
+there after a crash or a reboot is whole. Every entry is written through to it (by the writer thread, off
+the engine's path), so the disk tier holds what RAM holds and more: a restart, or a reboot that empties the
+tmpfs, finds them there.
 
 Layout of a tier (``root``): ``root/lock`` (fcntl lock), ``root/KEY/ADDRESS.kv`` (entries), and
 ``root/KEY/identity.json`` (what KEY stands for, for people). KEY is a digest of everything a state depends on
@@ -403,7 +405,10 @@ class HostStore:
         if any(tier.path(name).exists() for tier in self._tiers):
             _touch(self._tiers[0].path(name))
             return
-        if not self._store(0, name, data):
+        written = self._store(0, name, data)
+        if len(self._tiers) > 1 and not self._tiers[1].path(name).exists():
+            written = self._store(1, name, data) or written  # written through: the disk tier outlives a reboot
+        if not written:
             return
         with self._lock:
             if summary:
@@ -473,7 +478,7 @@ class HostStore:
         else:
             with self._lock:
                 self._counts["evictions"] += 1
-                if path.parent.name == self.key:
+                if path.parent.name == self.key and not any(t.path(path.name).exists() for t in self._tiers[:level]):
                     entry_id = int(path.name[:15], 16)
                     if self._added.pop(entry_id, None) is None:
                         self._dropped.append(entry_id)
@@ -490,8 +495,11 @@ def _address(key: str, tokens: Sequence[int]) -> str:
 
 
 def _touch(path: Path) -> None:
+    """``path`` is the most recently used now. The time is given, not left to the kernel, whose file times move
+    in ticks of a few ms: a file written just before would tie with it."""
+    now = time.time_ns()
     try:
-        os.utime(path)
+        os.utime(path, ns=(now, now))
     except OSError:
         pass
 

@@ -65,16 +65,20 @@ def test_entries_pushed_out_of_ram_go_to_disk_and_come_back_from_there(tmp_path:
         put(s, [first, 7], first)
         flush(s)
         assert tier_bytes(tmp_path / "ram") <= 2 * STATE and tier_bytes(tmp_path / "disk") <= 3 * STATE
-    stats = s.stats()
-    assert stats.disk_capacity == 3 * STATE and 0 < stats.disk_bytes <= 3 * STATE and stats.evictions == 2
-    entry, _ = s.find([3, 7, 1])
+    stats = s.stats()  # every entry is written through to disk: RAM holds the last, disk the last two
+    assert stats.disk_capacity == 3 * STATE and 0 < stats.disk_bytes <= 3 * STATE and stats.evictions == 3
+    entry, _ = s.find([4, 7, 1])
     assert entry is not None and (tmp_path / "disk" / KEY / entry.name).exists()
+    assert not (tmp_path / "ram" / KEY / entry.name).exists()
     loaded = s.load(entry)
-    assert loaded is not None and bytes(loaded[0]) == bytes(state(3))
+    assert loaded is not None and bytes(loaded[0]) == bytes(state(4))
     assert (tmp_path / "ram" / KEY / entry.name).exists()  # copied back up: the most recently used
+    assert s.find([1, 7])[0] is None  # out of both tiers
     s.close()
-    again = store(tmp_path, ram=2 * STATE, disk=3 * STATE)  # a new process: the disk tier is still there
-    assert again.find([3, 7])[1] == 2
+    again = store(tmp_path / "rebooted", ram=2 * STATE)  # a new process with an empty RAM tier (a reboot) ...
+    again.close()
+    again = HostStore(KEY, {"model": "test"}, tmp_path / "rebooted", 2 * STATE, tmp_path / "disk", 3 * STATE)
+    assert again.find([5, 7])[1] == 2  # ... finds the disk tier's entries
     again.close()
 
 
