@@ -181,3 +181,38 @@ def test_the_entries_with_a_summary_are_told_once_with_one_id_for_every_instance
     assert s.take_changes().dropped == (changes.added[0][0],)
     for s_ in (s, other):
         s_.close()
+
+
+FULL_DISK = """
+import logging, sys
+from pathlib import Path
+from mpserve.engine.host_store import HostStore
+logging.basicConfig(level=logging.WARNING)
+disk = Path(sys.argv[1])
+s = HostStore(sys.argv[2], {}, Path(sys.argv[3]), 1 << 20, disk, 1 << 20)  # the disk tier's size says yes ...
+for first in range(3):
+    s.put([first, 1], bytearray(40000), 40000)  # ... its file system (64 KiB) has room for one entry
+s.close()
+stats = s.stats()
+ram = Path(sys.argv[3])
+print("skipped", stats.skipped, "ram", len(list(ram.rglob("*.kv"))), "disk", len(list(disk.rglob("*.kv"))))
+"""
+
+
+def test_a_full_disk_is_a_logged_skip_and_ram_still_takes_the_entries(tmp_path: Path) -> None:
+    """A real ENOSPC: the disk tier on a 64 KiB tmpfs, mounted in a user and mount namespace of its own."""
+    import shutil
+    import subprocess
+    import sys
+
+    if shutil.which("unshare") is None or subprocess.run(["unshare", "-rm", "true"], capture_output=True).returncode:
+        pytest.skip("unshare -rm (user namespaces) is not available: no small file system to fill")
+    disk, program = tmp_path / "disk", tmp_path / "fill.py"
+    disk.mkdir()
+    program.write_text(FULL_DISK)
+    script = (f"mount -t tmpfs -o size=64k none {disk} && "
+              f"exec {sys.executable} {program} {disk} {KEY} {tmp_path / 'ram'}")
+    proc = subprocess.run(["unshare", "-rm", "sh", "-c", script], capture_output=True, text=True, timeout=30)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.split() == ["skipped", "2", "ram", "3", "disk", "1"], proc.stdout + proc.stderr
+    assert "the tier's file system is full" in proc.stderr and "Traceback" not in proc.stderr
