@@ -124,9 +124,11 @@ def store_changes(engine: BatchEngine) -> wire.CacheChanges:
 def test_a_saved_entry_is_told_with_the_block_hashes_of_the_text_its_tokens_spell_one_of_token_ids_without() -> None:
     engine = tiny_engine(1, 64 << 20)
     try:
-        run(engine, 0, LONG)  # saved into the store once its prompt is computed
+        run(engine, 0, LONG)  # its whole chunks are saved into the store once they are computed
         (_, packed), = store_changes(engine).added
-        spelled = vocab.detokenize(llama_cpp, engine._vocab, engine._tokenize(LONG)[1:])  # after BOS
+        tokens = engine._tokenize(LONG)
+        whole = (len(tokens) - 1) // PROMPT_CHUNK * PROMPT_CHUNK  # what a later prompt can reuse of it
+        spelled = vocab.detokenize(llama_cpp, engine._vocab, tokens[1:whole])  # after BOS
         assert LONG.startswith(spelled) and len(spelled) >= 2 * PREFIX_BLOCK
         assert wire.unpack_hashes(packed) == block_hashes(spelled)  # what the broker computes of LONG, that far
         assert not engine.take_cache_changes()  # told once
@@ -143,7 +145,7 @@ def test_filling_the_store_past_its_size_evicts_and_recent_entries_still_hit() -
         run(probe, 0, others(1)[0])
         assert probe._prompt_cache is not None
         probe._prompt_cache.flush()
-        entry_bytes = probe.cache_stats().bytes  # one entry: one prompt's cells
+        entry_bytes = probe.cache_stats().bytes  # one entry: one chunk of cells
     finally:
         probe.close()
     assert entry_bytes > 0

@@ -34,8 +34,8 @@ equal to one being computed (the n choices of one request) wait for it and take 
 last row's logits (``_twins``): the whole prompt is computed once.
 
 Beyond the slots, the host store (``mpserve.engine.host_store``: shared by every compatible instance on the
-host, in RAM, with a disk tier under it): a prompt's cells are saved there as soon as it is computed (so they
-outlive this instance), and before admission cuts a slot's cells the whole chunks it would lose are saved,
+host, in RAM, with a disk tier under it): a prompt's whole chunks are saved there as soon as they are computed
+(so they outlive this instance), and before admission cuts a slot's cells the whole chunks it would lose are saved,
 unless another slot or the store holds them; a prompt whose whole chunks the store holds more of than any slot
 gets them restored into its slot instead of computed (reported as reused, like cells a slot kept). An entry saved
 from a text prompt carries the block hashes of the text its tokens spell; ``take_cache_changes`` hands the
@@ -451,14 +451,20 @@ class BatchEngine:
                          Path(disk_dir) if disk_dir else None, disk_bytes, self.n_ctx)
 
     def _store_prompt(self, seq: _Sequence) -> None:
-        """Right after ``seq``'s prompt was computed: save its cells into the host store (unless it holds them),
-        so that they outlive this instance (a crash, an unload, a restart with a disk tier)."""
-        store, whole = self._prompt_cache, _whole_cells(seq)
-        if store is None or whole < PROMPT_CHUNK or store.holds(seq.prompt[:seq.n_past]):
+        """After each prompt chunk of ``seq``: once its cells are the most of its prompt a later prompt can reuse
+        (its whole chunks, short of its last token), save them into the host store (unless it holds them), so
+        that they outlive this instance (a crash, an unload, a restart with a disk tier). Saved there, not at
+        the prompt's end: a sliding-window cache has dropped by then cells that a prefix cut back to whole
+        chunks needs, and a state holding exactly the whole chunks is restored without a cut."""
+        store, whole = self._prompt_cache, _whole_chunks(len(seq.prompt) - 1)
+        if store is None or seq.score_prompt or seq.n_past != whole or whole < PROMPT_CHUNK:
+            return
+        kept = seq.prompt[:whole]
+        if store.holds(kept):
             return
         state, size = read_state(self._lib, self._ctx, seq.slot)
         if store.wants(size):
-            store.put(seq.prompt[:seq.n_past], state, size, self._summary_of(seq.prompt, self._texts[seq.slot]))
+            store.put(kept, state, size, self._summary_of(kept, self._texts[seq.slot]))
 
     def _keep_in_cache(self, slot: int, tokens: list[int]) -> None:
         """Before admitting ``tokens`` cuts ``slot``'s cells: save the whole chunks it would lose into the host
@@ -682,8 +688,8 @@ class BatchEngine:
             self._decode()
             if seq.score_prompt:
                 self._score_prompt(seq, seq.n_past - n, n)
+            self._store_prompt(seq)
             if finishing:
-                self._store_prompt(seq)
                 done += self._sample_all([seq, *self._twins(seq)])
         self._steps += 1
         self._step_s += time.perf_counter() - started

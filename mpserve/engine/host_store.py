@@ -193,6 +193,7 @@ class HostStore:
                 _write_atomic(note, json.dumps(identity, indent=1, sort_keys=True).encode(), durable=False)
         self.capacity = sum(t.capacity for t in self._tiers)
         self._index: dict[str, Entry] = {}
+        self._index_lock = threading.RLock()  # the index, read and changed by the engine and the writer thread
         self._counts = {"hits": 0, "misses": 0, "evictions": 0, "skipped": 0}
         self._lock = threading.Lock()  # the counters and changes, shared with the writer thread
         self._added: dict[int, tuple[int, ...]] = {}
@@ -214,7 +215,7 @@ class HostStore:
         with self._lock:
             if any(p[:len(key)] == key for p in self._pending):
                 return True
-        return any(e.tokens[:len(key)] == key for e in self._refresh().values())
+        return any(e.tokens[:len(key)] == key for e in self._refresh())
 
     def put(self, tokens: Sequence[int], state: Any, size: int, summary: tuple[int, ...] = ()) -> None:
         """Queue ``state``, the cells of ``tokens``, for the writer thread (which owns the buffer from now)."""
@@ -229,7 +230,7 @@ class HostStore:
         """The entry sharing the longest prefix with ``tokens`` (one this context has room for), and its length."""
         key = tuple(tokens)
         best, shared = None, 0
-        for entry in self._refresh().values():
+        for entry in self._refresh():
             n = common_prefix(entry.tokens, key)
             if n > shared and len(entry.tokens) < self.n_ctx:
                 best, shared = entry, n
@@ -270,7 +271,7 @@ class HostStore:
         disk = self._tiers[1] if len(self._tiers) > 1 else None
         with self._lock:
             c = dict(self._counts)
-        return CacheStats(ram.capacity, ram.held(), len(self._index), c["hits"], c["misses"], c["evictions"],
+        return CacheStats(ram.capacity, ram.held(), len(self._refresh()), c["hits"], c["misses"], c["evictions"],
                           disk.held() if disk else 0, disk.capacity if disk else 0, c["skipped"])
 
     def take_changes(self) -> Changes:
@@ -284,7 +285,7 @@ class HostStore:
         registering instance tells the broker the host holds."""
         added: list[tuple[int, tuple[int, ...]]] = []
         hashes = 0
-        for entry in self._refresh().values():
+        for entry in self._refresh():
             if entry.summary and len(added) < max_entries and hashes + len(entry.summary) <= max_hashes:
                 added.append((entry.id, entry.summary))
                 hashes += len(entry.summary)
@@ -303,20 +304,21 @@ class HostStore:
 
     # --- the index -------------------------------------------------------------------------------------
 
-    def _refresh(self) -> dict[str, Entry]:
+    def _refresh(self) -> list[Entry]:
         """The entries of this key in any tier, from a listing: new names' headers are read (an entry never
-        changes under its name), names gone are forgotten."""
-        names: set[str] = set()
-        for tier in self._tiers:
-            for name in tier.names() - names:
-                names.add(name)
-                if name not in self._index:
-                    entry = self._read_head(tier, name)
-                    if entry is not None:
-                        self._index[name] = entry
-        for gone in self._index.keys() - names:
-            del self._index[gone]
-        return self._index
+        changes under its name), names gone are forgotten. Both threads ask: the index has a lock of its own."""
+        with self._index_lock:
+            names: set[str] = set()
+            for tier in self._tiers:
+                for name in tier.names() - names:
+                    names.add(name)
+                    if name not in self._index:
+                        entry = self._read_head(tier, name)
+                        if entry is not None:
+                            self._index[name] = entry
+            for gone in self._index.keys() - names:
+                del self._index[gone]
+            return list(self._index.values())
 
     def _read_head(self, tier: _Tier, name: str) -> Entry | None:
         path = tier.path(name)
@@ -373,7 +375,8 @@ class HostStore:
             os.unlink(path)
         except OSError:
             pass
-        self._index.pop(path.name, None)
+        with self._index_lock:
+            self._index.pop(path.name, None)
         with self._lock:
             self._counts["skipped"] += 1
         return None
@@ -400,8 +403,9 @@ class HostStore:
         name = _address(self.key, tokens)
         header = json.dumps({"key": self.key, "tokens": len(tokens), "state_bytes": size,
                              "summary": list(summary)}).encode()
-        body = header + struct.pack(f"<{len(tokens)}i", *tokens) + memoryview(state).cast("B")[:size].tobytes()
-        data = _PREFIX.pack(MAGIC, len(header), zlib.crc32(body)) + body
+        data = bytearray(_PREFIX.size) + header + struct.pack(f"<{len(tokens)}i", *tokens)
+        data += memoryview(state).cast("B")[:size]
+        _PREFIX.pack_into(data, 0, MAGIC, len(header), zlib.crc32(memoryview(data)[_PREFIX.size:]))
         if any(tier.path(name).exists() for tier in self._tiers):
             _touch(self._tiers[0].path(name))
             return
@@ -413,7 +417,7 @@ class HostStore:
         with self._lock:
             if summary:
                 self._added[int(name[:15], 16)] = summary
-        for shorter in [e for e in self._refresh().values() if tokens[:len(e.tokens)] == e.tokens != tokens]:
+        for shorter in [e for e in self._refresh() if tokens[:len(e.tokens)] == e.tokens != tokens]:
             self._forget(shorter)  # this entry serves every prompt the shorter one did
 
     def _forget(self, entry: Entry) -> None:
@@ -423,7 +427,8 @@ class HostStore:
                 os.unlink(tier.path(entry.name))
             except FileNotFoundError:
                 continue
-        self._index.pop(entry.name, None)
+        with self._index_lock:
+            self._index.pop(entry.name, None)
         with self._lock:
             if entry.summary and self._added.pop(entry.id, None) is None:
                 self._dropped.append(entry.id)
@@ -435,7 +440,7 @@ class HostStore:
         tokens = struct.unpack_from(f"<{int(header['tokens'])}i", data, _PREFIX.size + length)
         self._store(0, _address(self.key, tokens), data)
 
-    def _store(self, level: int, name: str, data: bytes) -> bool:
+    def _store(self, level: int, name: str, data: bytes | bytearray) -> bool:
         """Write ``data`` as entry ``name`` into tier ``level``, making room by moving its least recently used
         entries down a tier (or removing them from the last); False if it was not written."""
         tier = self._tiers[level]
@@ -504,7 +509,7 @@ def _touch(path: Path) -> None:
         pass
 
 
-def _write_atomic(path: Path, data: bytes, durable: bool, suffix: str = ".part") -> None:
+def _write_atomic(path: Path, data: bytes | bytearray, durable: bool, suffix: str = ".part") -> None:
     """``data`` as ``path``: a temporary file in the same folder, renamed (after fsync, if ``durable``)."""
     tmp = path.with_name(f".tmp-{os.getpid()}-{threading.get_ident()}{suffix}")
     try:

@@ -46,7 +46,7 @@ def test_the_least_recently_used_entries_leave_first_and_the_tier_never_exceeds_
         put(s, [first, 0, 0], first)
         flush(s)
         assert tier_bytes(tmp_path / "ram") <= 3 * STATE
-    assert {e.tokens for e in s._refresh().values()} == {(4, 0, 0), (5, 0, 0)}
+    assert {e.tokens for e in s._refresh()} == {(4, 0, 0), (5, 0, 0)}
     entry, shared = s.find([4, 0, 0, 9])
     assert entry is not None and shared == 3
     loaded = s.load(entry)  # a hit: 4 is the most recently used now
@@ -54,7 +54,7 @@ def test_the_least_recently_used_entries_leave_first_and_the_tier_never_exceeds_
     time.sleep(0.01)
     put(s, [6, 0], 6)
     flush(s)
-    assert {e.tokens for e in s._refresh().values()} == {(4, 0, 0), (6, 0)}
+    assert {e.tokens for e in s._refresh()} == {(4, 0, 0), (6, 0)}
     assert s.stats().evictions == 4 and s.stats().bytes <= 3 * STATE
     s.close()
 
@@ -89,7 +89,7 @@ def test_a_longer_entry_replaces_its_prefixes_and_a_prefix_of_an_entry_adds_noth
     assert s.holds([1, 2]) and s.holds([1, 2, 3]) and not s.holds([1, 2, 3, 4])
     put(s, [1, 2, 3, 4, 5], summary=(51, 52))
     flush(s)
-    assert [e.tokens for e in s._refresh().values()] == [(1, 2, 3, 4, 5)]
+    assert [e.tokens for e in s._refresh()] == [(1, 2, 3, 4, 5)]
     s.close()
 
 
@@ -98,7 +98,7 @@ def test_truncated_foreign_and_corrupt_entries_are_skipped_and_removed(tmp_path:
     for first in (1, 2, 3):
         put(s, [first, 9], first)
     flush(s)
-    names = {e.tokens[0]: tmp_path / "ram" / KEY / e.name for e in s._refresh().values()}
+    names = {e.tokens[0]: tmp_path / "ram" / KEY / e.name for e in s._refresh()}
     data = names[1].read_bytes()
     names[1].write_bytes(data[:len(data) // 2])  # truncated
     flipped = bytearray(names[2].read_bytes())
@@ -107,7 +107,7 @@ def test_truncated_foreign_and_corrupt_entries_are_skipped_and_removed(tmp_path:
     other = store(tmp_path, ram=10 * STATE, key=compatibility_key({"model": "other"}))
     put(other, [3, 9], 3)  # the same tokens under another key, copied into ours: foreign
     flush(other)
-    foreign = next(iter(other._refresh().values()))
+    foreign = other._refresh()[0]
     names[3].write_bytes((tmp_path / "ram" / other.key / foreign.name).read_bytes())
     fresh = store(tmp_path, ram=10 * STATE)  # another instance, whose index reads the headers afresh
     for first in (1, 2, 3):
@@ -138,7 +138,7 @@ def test_writers_in_several_processes_share_one_size_and_write_one_entry_per_pre
     assert all(p.exitcode == 0 for p in procs)
     assert seen <= 5 * STATE and tier_bytes(tmp_path / "ram") <= 5 * STATE
     s = store(tmp_path, ram=5 * STATE)
-    held = [e.tokens for e in s._refresh().values()]
+    held = [e.tokens for e in s._refresh()]
     assert len(held) == len(set(held)) and len(held) >= 1
     s.close()
 
