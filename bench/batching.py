@@ -22,10 +22,13 @@ One more case needs no peer: prefix reuse. A long prompt is sent twice with diff
 instance with ``--parallel 2``; the second goes to the slot that holds the first one's KV cells, which
 computes only what differs. Its time to first token is set against the first's (a new prefix each repeat).
 
-Pushed out: a long prompt sent again after 8 others went through the only slot, on mpserve with its host-RAM
-prompt cache (``cache_ram``) and without it, and on two instances of one slot each (the broker routes the
-prompt's second sending to the instance whose cache holds it), against ``llama-server --cache-ram``: the time
-to first token of the prompt's second sending, which a cache restores instead of computing.
+Pushed out: a long prompt sent again after 8 others went through the only slot, on mpserve with its host store
+(``cache_ram``) and without it, and on two instances of one slot each (either restores it from the host store),
+against ``llama-server --cache-ram``: the time to first token of the prompt's second sending, which a cache
+restores instead of computing. Each server has a store of its own (``--cache-shm``).
+
+The host store's own cases (4 instances serving many tenants' system prompts, and a single-active-backend swap
+A → B → A) are in ``bench.store_cases``; they need no peer.
 
 And one with a peer: a system prompt shared by every request (a long preamble, then one of the usual
 prompts) at concurrency 4, on ``1×4`` against ``llama-server --parallel 4`` with its prompt cache on
@@ -36,11 +39,13 @@ restored from host memory). mpserve computes the preamble once and copies its KV
 from __future__ import annotations
 
 import asyncio
+import tempfile
 import time
 from contextlib import ExitStack
 
 from mpserve import AsyncClient, Client
 
+from . import store_cases
 from .figures import Case, Figure, Section, Target
 from .load import (
     GATEWAY_FIELDS,
@@ -71,6 +76,8 @@ def run(settings: Settings) -> Section:
     section = Section("batching", "Batching: mpserve --parallel K against llama-server --parallel K",
                       "llama-server --parallel K, same threads, same GGUF (column vs)")
     section.cases.append(_prefix_reuse(settings, section))
+    section.cases.append(store_cases.tenants(settings, section, _tokens_long))
+    section.cases.append(store_cases.swap(settings, section, _tokens_long))
     if settings.llama_server is None:
         section.notes.append("llama-server rows left out: no llama-server binary; put one on PATH or pass "
                              "--llama-server (bench/README.md says how to build it from the llama-cpp-python source "
@@ -102,8 +109,8 @@ def run(settings: Settings) -> Section:
     section.targets.append(Target("TTFT of a long prompt pushed out of the slot by 8 others, mpserve with its "
                                   "prompt cache vs llama-server --cache-ram: ≤ 1.0×", ram[0].figures[0].ratio, "<=",
                                   1.0))
-    section.targets.append(Target("the same with 2 instances, the prompt routed back to the one whose cache holds it: "
-                                  "≤ 1.0×", ram[2].figures[0].ratio, "<=", 1.0))
+    section.targets.append(Target("the same with 2 instances sharing the host store: ≤ 1.0×", ram[2].figures[0].ratio,
+                                  "<=", 1.0))
     section.notes.append(
         f"Greedy, {work.max_tokens} tokens per request, streamed, {work.n_ctx} tokens of context per sequence, "
         "3 requests per lane, contenders taking turns within each repeat. mpserve streams a request's first token "
@@ -207,12 +214,14 @@ def _pushed_out(settings: Settings, section: Section) -> list[Case]:
     common = ["--model", str(settings.model), "--n-ctx", "2048", "--threads", str(settings.cores)]
     restored: dict[str, list[int]] = {case.labels["mpserve instances×slots"]: [] for case in cases}
     with ExitStack() as stack:
+        stores = stack.enter_context(tempfile.TemporaryDirectory(prefix="mppush-"))
         peer = stack.enter_context(HttpServer(
             [str(settings.llama_server), "--model", str(settings.model), "--host", "127.0.0.1", "--port", str(port),
              "--threads", str(settings.cores), "--threads-batch", str(settings.cores), "--parallel", "1",
              "--ctx-size", "2048", "--cache-ram", str(PEER_RAM)], port, "/health"))
-        servers = [stack.enter_context(MpserveServer(*common, "--instances", n, "--cache-ram", size))
-                   for n, size in variants]
+        servers = [stack.enter_context(MpserveServer(*common, "--instances", n, "--cache-ram", size, "--cache-shm",
+                                                     f"{stores}/{i}"))
+                   for i, (n, size) in enumerate(variants)]
         peer.wait_ready()
         for server in servers:
             server.wait_ready()
@@ -235,18 +244,18 @@ def _pushed_out(settings: Settings, section: Section) -> list[Case]:
                          "repeat (timings.cached_tokens): " + "; ".join(f"{name}: {', '.join(map(str, counts))}"
                                                                        for name, counts in restored.items())
                          + ". With 2 instances (one computing at a time, each with every core) the prompts alternate "
-                         "between them, and the broker sends the first one back to the instance whose prompt cache "
-                         "holds it. "
+                         "between them, and either restores the first one from the host store. "
                          "llama-server with cache_prompt true. 8 tokens generated each.")
     return cases
 
 
-def _tokens_long(address: str, text: str, tokens: int) -> str:
+def _tokens_long(address: str, text: str, tokens: int, model: str | None = None) -> str:
     """The shortest repetition of ``text``, cut at a character, that is ``tokens`` tokens or more in the model
-    the server at ``address`` serves (so the case is the same size on any vocabulary)."""
-    with Client(address) as client:
+    the server at ``address`` serves (``model``, if it serves several), so the case is the same size on any
+    vocabulary."""
+    with Client(address, timeout=600) as client:
         def count(candidate: str) -> int:
-            return len(client.tokenize(candidate).tokens)
+            return len(client.tokenize(candidate, model=model).tokens)
 
         while count(text) < tokens:
             text += " " + text

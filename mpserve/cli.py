@@ -728,8 +728,9 @@ def _instance_lines(rows: list[SlotRow]) -> str:
         used, capacity = sum(r.kv_cells for r in slots), sum(r.kv_capacity for r in slots)
         share = f" ({100 * used / capacity:.0f}%)" if capacity else ""
         c = slots[0].cache
-        cache = (f"prompt cache {format_memory(c.bytes)} of {format_memory(c.capacity)}, {c.hits} hits, {c.misses} "
-                 f"misses, {c.evictions} evictions" if c.capacity else "no prompt cache")
+        disk = f", disk {format_memory(c.disk_bytes)} of {format_memory(c.disk_capacity)}" if c.disk_capacity else ""
+        cache = (f"host store RAM {format_memory(c.bytes)} of {format_memory(c.capacity)}{disk}; {c.hits} hits, "
+                 f"{c.misses} misses, {c.evictions} evictions, {c.skipped} skipped" if c.capacity else "no host store")
         lines.append(f"instance w{worker} ({model}): KV cells {used} of {capacity}{share}; {cache}")
     return "\n\n" + "\n".join(lines) if lines else ""
 

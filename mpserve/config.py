@@ -41,6 +41,7 @@ from .models import sources, templates
 from .models.builtin import builtin_model_path
 from .models.folder import entries as folder_entries
 from .models.shapes import MODEL_SIZES
+from .slots import shm_dir
 from .speculative import Speculative
 
 BUILTIN_PREFIX = "builtin:"
@@ -65,7 +66,10 @@ class ModelConfig:
     echo_tick_ms: float = 0.0  # the echo backend's time per step; its pieces are then their CLOCK_MONOTONIC ns
     cache_type_k: str = DEFAULT_KV_TYPE  # KV cache types (mpserve.kv_types); a quantized V needs flash attention
     cache_type_v: str = DEFAULT_KV_TYPE
-    cache_ram: int = 256 << 20  # bytes of host RAM per instance for its prompt cache; 0: off
+    cache_ram: int = 256 << 20  # bytes of the host store's RAM tier, for the whole host; 0: no store
+    cache_shm: str | None = None  # the RAM tier's folder; None: STORE_DIR in the shared-memory folder
+    cache_disk: str | None = None  # the disk tier's folder; None: no disk tier
+    cache_disk_size: int = 4 << 30  # its bytes
     slot_save_path: str | None = None  # the folder of slot files (save and restore); None: off
     devices: tuple[int, ...] | None = None  # pin the model's instances to these GPU indices
     requires_memory: int | None = None  # declared GPU bytes per instance; None: estimated from the GGUF
@@ -83,6 +87,10 @@ class ModelConfig:
         """(min, max) instances; ``instances``, the count started with, is the min."""
         low = self.instances if self.min_instances is None else self.min_instances
         return low, max(low, self.instances if self.max_instances is None else self.max_instances)
+
+    def store_dir(self) -> str:
+        """The host store's RAM tier: ``cache_shm``, else one folder per user in /dev/shm."""
+        return self.cache_shm or str(shm_dir() / f"mpserve-store-{os.getuid()}")
 
     def resolved_path(self) -> str:
         """The GGUF file to load ("echo" for the echo backend); writes the built-in model if needed."""
@@ -315,6 +323,19 @@ def _bytes(value: Any, where: str, parse: Any) -> int:
         raise ConfigError(f"{where}: {exc.message}") from None
 
 
+def _store_folder(value: str, where: str) -> str:
+    """A tier folder of the host store: created if missing (with its parents), and writable."""
+    path = Path(value).expanduser()
+    try:
+        path.mkdir(mode=0o700, parents=True, exist_ok=True)
+    except OSError as exc:
+        raise ConfigError(f"{where}: cannot create the folder {str(path)!r} ({exc.strerror}); give a folder you "
+                          "can write") from None
+    if not path.is_dir() or not os.access(path, os.W_OK | os.X_OK):
+        raise ConfigError(f"{where}: {str(path)!r} is not a folder you can write; give one you can")
+    return str(path)
+
+
 def _model(index: int, entry: Any, overrides: Mapping[str, Any], source: str) -> ModelConfig:
     from mpserve.gpu.devices import parse_memory
 
@@ -361,8 +382,12 @@ def _model(index: int, entry: Any, overrides: Mapping[str, Any], source: str) ->
         raise ConfigError(f"{where}.slot_save_path: {values['slot_save_path']!r} is not a folder; create it first")
     if "chat_template" in values:
         values["chat_template"] = templates.check_setting(values["chat_template"], f"{where}.chat_template")
-    if "cache_ram" in values:
-        values["cache_ram"] = _bytes(values["cache_ram"], f"{where}.cache_ram", parse_memory)
+    for size in ("cache_ram", "cache_disk_size"):
+        if size in values:
+            values[size] = _bytes(values[size], f"{where}.{size}", parse_memory)
+    for folder in ("cache_shm", "cache_disk"):
+        if values.get(folder) is not None:
+            values[folder] = _store_folder(str(values[folder]), f"{where}.{folder}")
     if "requires" in values:
         values["requires_memory"] = _requires(values.pop("requires"), f"{where}.requires")
     if "speculative" in values:

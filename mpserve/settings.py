@@ -119,9 +119,16 @@ SETTINGS: tuple[Setting, ...] = (
        "then differ from the output without speculation); ngram and draft:PATH are short for the defaults; "
        "the flag takes a mapping too, as '{type: draft, model: PATH, n_max: 4}'",
        flag="--speculative", cli_type=str, commands=_SIZING),
-    _s("cache_ram", "model", (str, int), "256MiB", "Host RAM per instance for its prompt cache, e.g. 1GiB: the KV "
-       "cells of prompts that left the slots, restored for a prompt that starts with them, as llama-server's "
-       "--cache-ram (0: off)", commands=_FOR_POOLS),
+    _s("cache_ram", "model", (str, int), "256MiB", "RAM for the host store of saved prompt states, for the whole "
+       "host (every instance and server on it shares one store), e.g. 1GiB: the KV cells of computed prompts, "
+       "restored by any compatible instance for a prompt that starts with them, as llama-server's --cache-ram "
+       "(0: off); servers on one host that give different sizes each keep the store within their own",
+       commands=_FOR_POOLS),
+    _s("cache_shm", "model", str, "/dev/shm/mpserve-store-UID", "Folder of the host store's RAM tier (a tmpfs): "
+       "instances share the entries of one folder", commands=_FOR_POOLS),
+    _s("cache_disk", "model", str, "none", "Folder of the host store's disk tier: entries pushed out of RAM go "
+       "there and survive restarts and reboots (none: off)", commands=_FOR_POOLS),
+    _s("cache_disk_size", "model", (str, int), "4GiB", "Size of the disk tier, e.g. 20GiB", commands=_FOR_POOLS),
     _s("slot_save_path", "model", str, "none", "Folder of slot files: mpserve slots save|restore and POST "
        "/slots/ID?action=save|restore write and read an idle slot's KV cells there (none: off)",
        commands=_FOR_POOLS),

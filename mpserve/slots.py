@@ -23,16 +23,17 @@ from pathlib import Path
 
 from .errors import BadRequest
 
-MAGIC = b"MPSLOT03"
+MAGIC = b"MPSLOT04"
 _HEADER = struct.Struct("<8sII")  # magic, rows, row size
 _SEQ = struct.Struct("<Q")
 # pid, worker, slot, state, device, model, request, tokens, served, started, progress, load_s, kv_cells, kv_capacity,
-# then the instance's prompt cache: bytes, capacity, hits, misses, evictions
-_FIELDS = struct.Struct("<iHHBxh48s40sIQdddIIQQIII")
+# then the host store as the instance sees it: RAM bytes, RAM capacity, hits, misses, evictions, disk bytes,
+# disk capacity, skipped
+_FIELDS = struct.Struct("<iHHBxh48s40sIQdddIIQQIIIQQI")
 _CACHE = 14  # the first prompt-cache field
 STUCK_WRITER_S = 0.5  # a writer descheduled mid-update on a loaded host is waited for (50 ms was not, on 2
 # busy cores); one that died mid-update holds up a reader of its row this long, until the row is written again
-ROW_SIZE = 192  # room for fields to come; the magic changes with the layout
+ROW_SIZE = 256  # room for fields to come; the magic changes with the layout
 assert _SEQ.size + _FIELDS.size <= ROW_SIZE
 
 
@@ -51,13 +52,17 @@ class SlotState(IntEnum):
 
 @dataclass(frozen=True)
 class CacheRow:
-    """An instance's host-RAM prompt cache, as its worker last wrote it (all 0: none, or not loaded)."""
+    """The host store as an instance's worker last wrote it (all 0: none, or not loaded): the tiers' bytes are
+    the host's, the counts this instance's."""
 
-    bytes: int
+    bytes: int  # in the RAM tier
     capacity: int
     hits: int
     misses: int
     evictions: int
+    disk_bytes: int = 0
+    disk_capacity: int = 0
+    skipped: int = 0  # bad entries removed, writes not made (a full disk)
 
     @classmethod
     def empty(cls) -> CacheRow:
@@ -222,7 +227,8 @@ class SlotWriter:
 
     def cache(self, cache: CacheRow) -> None:
         """The instance's prompt cache; not progress (the watchdog's clock is left alone)."""
-        self._values[_CACHE:] = [cache.bytes, cache.capacity, cache.hits, cache.misses, cache.evictions]
+        self._values[_CACHE:] = [cache.bytes, cache.capacity, cache.hits, cache.misses, cache.evictions,
+                                 cache.disk_bytes, cache.disk_capacity, cache.skipped]
         self._write()
 
     def progress(self, tokens: int, kv_cells: int) -> None:

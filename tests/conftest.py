@@ -35,13 +35,14 @@ def _isolated_dirs() -> Iterator[None]:
         runtime = Path(tmp) / "run"
         runtime.mkdir(mode=0o700)
         old = {k: os.environ.get(k) for k in ("MPSERVE_RUNTIME_DIR", "MPSERVE_CACHE_DIR", "MPSERVE_LOCK_DIR",
-                                              "MPSERVE_THREADS")}
+                                              "MPSERVE_THREADS", "MPSERVE_CACHE_SHM")}
         os.environ["MPSERVE_RUNTIME_DIR"] = str(runtime)
         # One llama.cpp thread per instance: the tests' own processes share the cores, and llama.cpp's
         # spinning thread pool slows down by orders of magnitude when its threads outnumber free cores.
         os.environ["MPSERVE_THREADS"] = "1"
         os.environ["MPSERVE_CACHE_DIR"] = str(Path(tmp) / "cache")
         os.environ["MPSERVE_LOCK_DIR"] = str(Path(tmp) / "locks")
+        os.environ["MPSERVE_CACHE_SHM"] = str(Path(tmp) / "store")  # the host store: this run's own
         yield
         for k, v in old.items():
             if v is None:

@@ -5,9 +5,11 @@ host-RAM prompt cache keeps what slots lose and restores it exactly (on the tiny
 from __future__ import annotations
 
 import json
+import os
 import struct
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import llama_cpp
@@ -70,9 +72,15 @@ def run(engine: BatchEngine, slot: int, prompt: str, max_tokens: int = 16) -> Co
             return done[slot]
 
 
+def fresh_store() -> str:
+    """A host store of its own (an empty RAM tier), so that what a test counts is its own engine's doing."""
+    return tempfile.mkdtemp(dir=os.environ["MPSERVE_CACHE_SHM"] if os.path.isdir(os.environ["MPSERVE_CACHE_SHM"])
+                            else None)
+
+
 def tiny_engine(parallel: int, cache_ram: int, kv_unified: bool = False) -> BatchEngine:
     return BatchEngine(str(builtin_model_path("tiny")), n_ctx=1024, parallel=parallel, threads=1, n_gpu_layers=0,
-                       kv_unified=kv_unified, cache_ram=cache_ram)
+                       kv_unified=kv_unified, cache_ram=cache_ram, cache_shm=fresh_store())
 
 
 @pytest.mark.timeout(120)
@@ -105,31 +113,38 @@ def test_a_prompt_pushed_out_of_every_slot_is_restored_from_ram_and_continues_ex
         engine.close()
 
 
+def store_changes(engine: BatchEngine) -> wire.CacheChanges:
+    """The store's changes, once the writes queued are made."""
+    assert engine._prompt_cache is not None
+    engine._prompt_cache.flush()
+    return engine.take_cache_changes()
+
+
 @pytest.mark.timeout(120)
 def test_a_saved_entry_is_told_with_the_block_hashes_of_the_text_its_tokens_spell_one_of_token_ids_without() -> None:
     engine = tiny_engine(1, 64 << 20)
     try:
-        run(engine, 0, LONG)
-        run(engine, 0, others(1)[0])  # LONG's first chunk goes to the cache
-        (_, packed), = engine.take_cache_changes().added
-        spelled = vocab.detokenize(llama_cpp, engine._vocab, engine._tokenize(LONG)[1:PROMPT_CHUNK])  # after BOS
+        run(engine, 0, LONG)  # its whole chunks are saved into the store once they are computed
+        (_, packed), = store_changes(engine).added
+        tokens = engine._tokenize(LONG)
+        whole = (len(tokens) - 1) // PROMPT_CHUNK * PROMPT_CHUNK  # what a later prompt can reuse of it
+        spelled = vocab.detokenize(llama_cpp, engine._vocab, tokens[1:whole])  # after BOS
         assert LONG.startswith(spelled) and len(spelled) >= 2 * PREFIX_BLOCK
         assert wire.unpack_hashes(packed) == block_hashes(spelled)  # what the broker computes of LONG, that far
         assert not engine.take_cache_changes()  # told once
-        tokens = engine._tokenize(others(2)[1])
-        run(engine, 0, tokens)  # the first other prompt goes to the cache, told as before
-        run(engine, 0, others(3)[2])  # the prompt of token ids goes too, with nothing to route by
-        assert engine.cache_stats().entries == 3 and len(engine.take_cache_changes().added) == 1
+        run(engine, 0, engine._tokenize(others(1)[0]))  # a prompt of token ids is saved with nothing to route by
+        assert not store_changes(engine) and engine.cache_stats().entries == 2
     finally:
         engine.close()
 
 
 @pytest.mark.timeout(120)
-def test_filling_the_cache_past_its_size_evicts_and_recent_entries_still_hit() -> None:
+def test_filling_the_store_past_its_size_evicts_and_recent_entries_still_hit() -> None:
     probe = tiny_engine(1, 64 << 20)
     try:
-        run(probe, 0, LONG)
         run(probe, 0, others(1)[0])
+        assert probe._prompt_cache is not None
+        probe._prompt_cache.flush()
         entry_bytes = probe.cache_stats().bytes  # one entry: one chunk of cells
     finally:
         probe.close()
@@ -140,14 +155,15 @@ def test_filling_the_cache_past_its_size_evicts_and_recent_entries_still_hit() -
         prompts = others(6)
         for prompt in prompts:
             run(engine, 0, prompt, 4)
+            store_changes(engine)
             stats = engine.cache_stats()
             assert stats.bytes <= capacity and stats.entries <= 2
         stats = engine.cache_stats()
-        assert stats.evictions == 3 and stats.entries == 2  # 5 saved (the last still in its slot), 2 kept
-        assert run(engine, 0, prompts[3] + " more", 4).reused_tokens == PROMPT_CHUNK  # recent: a hit
+        assert stats.evictions == 4 and stats.entries == 2  # 6 saved, 2 kept
+        assert run(engine, 0, prompts[4] + " more", 4).reused_tokens == PROMPT_CHUNK  # recent: a hit
         assert run(engine, 0, prompts[0] + " more", 4).reused_tokens == 0  # evicted: a miss
-        stats = engine.cache_stats()  # saving the last prompt's cells evicted the other recent one, not this
-        assert (stats.hits, stats.misses, stats.evictions) == (1, 7, 4) and stats.bytes <= capacity  # 6 + 1 missed
+        stats = engine.cache_stats()
+        assert stats.hits == 1 and stats.misses >= 1 and stats.bytes <= capacity
     finally:
         engine.close()
 
@@ -159,7 +175,7 @@ def test_cache_ram_zero_keeps_nothing() -> None:
         run(engine, 0, LONG)
         run(engine, 0, others(1)[0])
         assert run(engine, 0, LONG + " more").reused_tokens == 0
-        assert engine.cache_stats() == CacheStats(0, 0, 0, 0, 0, 0)
+        assert engine.cache_stats() == CacheStats(0, 0, 0, 0, 0, 0) and engine._prompt_cache is None
     finally:
         engine.close()
 
@@ -185,11 +201,11 @@ def test_through_the_server_a_prompt_pushed_out_of_every_slot_reports_restored_t
         fresh.close()
     status = subprocess.run([sys.executable, "-m", "mpserve", "status", "--server-name", server.name],
                             capture_output=True, text=True, timeout=30)
-    assert "prompt cache" in status.stdout and "of 64.0 MiB, 1 hits" in status.stdout, status.stdout
+    assert "host store RAM" in status.stdout and "of 64.0 MiB; 1 hits" in status.stdout, status.stdout
 
 
 @pytest.mark.timeout(120)
-def test_with_two_instances_a_prompt_pushed_out_of_the_slots_goes_to_the_instance_holding_it_in_ram(
+def test_with_two_instances_a_prompt_one_computed_is_restored_by_the_other_from_the_host_store(
         start_server: type[ServerProcess]) -> None:
     server = start_server("--instances", "2", "--parallel", "1", "--n-ctx", "1024", "--cache-ram", "64MiB").wait_ready()
     follow_up = LONG + " and then the cat sat"
@@ -203,7 +219,8 @@ def test_with_two_instances_a_prompt_pushed_out_of_the_slots_goes_to_the_instanc
         assert other != holder and served == [other, holder] * 4
         again = client.generate(follow_up, max_tokens=16, temperature=0)
         counters = client.stats().counters
-    assert again.worker == holder and again.timings.cached_tokens == PROMPT_CHUNK  # restored from its RAM
+    # the store is the host's: the instance that never computed LONG restores it, being free the longest
+    assert again.worker == other and again.timings.cached_tokens == PROMPT_CHUNK
     assert counters["routed_ram_prefix"] == 1 and counters["routed_least_busy"] == 9
     fresh = tiny_engine(1, 0)
     try:
@@ -331,7 +348,8 @@ def test_on_the_real_model_a_state_restored_from_ram_continues_exactly(real_mode
 
     def engine(cache_ram: int) -> BatchEngine:
         return BatchEngine(real_model.path, n_ctx=2048, parallel=1, threads=2, n_gpu_layers=0,
-                           repack=real_model.repack, cache_type_k=kv, cache_type_v=kv, cache_ram=cache_ram)
+                           repack=real_model.repack, cache_type_k=kv, cache_type_v=kv, cache_ram=cache_ram,
+                           cache_shm=fresh_store())
 
     fresh = engine(0)
     try:

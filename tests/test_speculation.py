@@ -9,6 +9,7 @@ import json
 import socket
 import subprocess
 import sys
+import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
@@ -310,7 +311,8 @@ def test_the_draft_keeps_up_with_reused_copied_cached_and_carried_tokens(model_p
     requests = [(p, GenerateParams(max_tokens=24, temperature=0.0)) for p in prompts]
     plain = run(model_path, 2, None, requests)
     engine = BatchEngine(model_path, n_ctx=N_CTX, parallel=2, threads=1, n_gpu_layers=0,
-                         speculative=drafting(draft_path), cache_ram=64 << 20)
+                         speculative=drafting(draft_path), cache_ram=64 << 20,
+                         cache_shm=tempfile.mkdtemp())
     try:
         drafted = serve(engine, requests)
         stats, cache = engine.stats(), engine.cache_stats()

@@ -33,10 +33,11 @@ instead: a system prompt common to many requests is computed once per instance, 
 equal to one being computed (the n choices of one request) wait for it and take all of its cells and its
 last row's logits (``_twins``): the whole prompt is computed once.
 
-Beyond the slots, a host-RAM prompt cache (``cache_ram`` bytes, ``mpserve.engine.prompt_cache``): before
-admission cuts a slot's cells, the whole chunks it would lose are saved there (their sequence state), unless
-another slot or the cache holds them; a prompt whose whole chunks the cache holds more of than any slot gets
-them restored into its slot instead of computed (reported as reused, like cells a slot kept). An entry saved
+Beyond the slots, the host store (``mpserve.engine.host_store``: shared by every compatible instance on the
+host, in RAM, with a disk tier under it): a prompt's whole chunks are saved there as soon as they are computed
+(so they outlive this instance), and before admission cuts a slot's cells the whole chunks it would lose are saved,
+unless another slot or the store holds them; a prompt whose whole chunks the store holds more of than any slot
+gets them restored into its slot instead of computed (reported as reused, like cells a slot kept). An entry saved
 from a text prompt carries the block hashes of the text its tokens spell; ``take_cache_changes`` hands the
 entries added and dropped since the last call to the worker, which tells the broker (its routing sends a
 prompt to the instance holding its prefix).
@@ -89,14 +90,15 @@ from mpserve.protocol import GenerateParams
 from mpserve.speculative import Speculative
 from mpserve.structured import grammar_source
 
-from . import slot_file, vocab
+from . import host_store, slot_file, vocab
 from .draft import DraftModel, Want
 from .grammar import GrammarCache
+from .host_store import HostStore
 from .interface import Completion, OnToken
 from .llama_batch import Batch
 from .logprobs import LogprobsRecorder
 from .model_info import free, load_model, read_chat_template
-from .prompt_cache import CacheStats, Changes, PromptCache, read_state, write_state
+from .prompt_cache import NO_CACHE, CacheStats, Changes, read_state, write_state
 from .sampling import SamplerChain, TextStream
 from .speculation import MAX_ROWS, Drafter, RowCosts, verify
 
@@ -207,11 +209,14 @@ class BatchEngine:
     def __init__(self, path: str, n_ctx: int, parallel: int, threads: int, n_gpu_layers: int, seed: int = 0,
                  step_budget_tokens: int = 64, *, kv_unified: bool = False, flash_attn: str = "auto",
                  repack: bool = True, speculative: Speculative | None = None, cache_type_k: str = DEFAULT_KV_TYPE,
-                 cache_type_v: str = DEFAULT_KV_TYPE, cache_ram: int = 0, model: Any = None,
+                 cache_type_v: str = DEFAULT_KV_TYPE, cache_ram: int = 0, cache_shm: str | None = None,
+                 cache_disk: str | None = None, cache_disk_size: int = 0, model: Any = None,
                  chat_template: str | None = None) -> None:
         """``model``: the llama.cpp model of ``path``, loaded already (by the zygote this process was forked
         from, ``mpserve.worker.zygote``), used instead of loading the file; the engine owns it from then on.
-        ``chat_template``: the template it reports instead of the GGUF's (``read_chat_template``)."""
+        ``cache_ram`` bytes in ``cache_shm`` and ``cache_disk_size`` bytes in ``cache_disk``: the host store's
+        tiers (``mpserve.engine.host_store``; no store without a RAM tier). ``chat_template``: the template it
+        reports instead of the GGUF's (``read_chat_template``)."""
         import llama_cpp
 
         if not 1 <= parallel <= llama_cpp.llama_max_parallel_sequences():
@@ -242,7 +247,7 @@ class BatchEngine:
         self._step_s = self._decode_s = 0.0
         self._computed = self._reused = self._generated = self._copies = self._restored = 0
         self._kv_unified = kv_unified
-        self._prompt_cache = PromptCache(cache_ram)
+        self._prompt_cache: HostStore | None = None
         logging.getLogger("llama-cpp-python").setLevel(logging.ERROR)  # what Llama(verbose=False) does
         llama_cpp.llama_backend_init()
 
@@ -284,6 +289,13 @@ class BatchEngine:
                 self.close()
                 raise
         self._identity = self._slot_identity(cache_type_k, cache_type_v)
+        if cache_ram and cache_shm:
+            try:
+                self._prompt_cache = self._open_store(path, Path(cache_shm), cache_ram, cache_disk, cache_disk_size,
+                                                      flash_attn, repack, n_gpu_layers)
+            except BaseException:
+                self.close()
+                raise
         self._batch = Batch(llama_cpp, capacity)
         self.chat = read_chat_template(llama_cpp, self._model, chat_template)
         self._warm_up()
@@ -425,28 +437,59 @@ class BatchEngine:
             lib.llama_memory_seq_rm(memory, slot, n, -1)
         self._copies += 1
 
-    # --- the host-RAM prompt cache ---------------------------------------------------------------------
+    # --- the host store ----------------------------------------------------------------------------------
+
+    def _open_store(self, path: str, ram_dir: Path, ram_bytes: int, disk_dir: str | None, disk_bytes: int,
+                    flash_attn: str, repack: bool, n_gpu_layers: int) -> HostStore:
+        """The host store's view for this instance: its compatibility key says what its states depend on."""
+        lib = self._lib
+        ram_dir.mkdir(parents=True, exist_ok=True)
+        identity = {"format": host_store.FORMAT, "gguf_sha256": host_store.gguf_digest(path, ram_dir / "models"),
+                    "model": self._identity.model, "type_k": self._identity.cache_type_k,
+                    "type_v": self._identity.cache_type_v, "kv_streams": self._identity.kv_streams,
+                    "flash_attn": flash_attn, "repack": repack, "n_gpu_layers": n_gpu_layers,
+                    "llama_cpp": lib.__version__, "state_seq_version": lib.LLAMA_STATE_SEQ_VERSION}
+        return HostStore(host_store.compatibility_key(identity), identity, ram_dir, ram_bytes,
+                         Path(disk_dir) if disk_dir else None, disk_bytes, self.n_ctx)
+
+    def _store_prompt(self, seq: _Sequence) -> None:
+        """After each prompt chunk of ``seq``: once its cells are the most of its prompt a later prompt can reuse
+        (its whole chunks, short of its last token), save them into the host store (unless it holds them), so
+        that they outlive this instance (a crash, an unload, a restart with a disk tier). Saved there, not at
+        the prompt's end: a sliding-window cache has dropped by then cells that a prefix cut back to whole
+        chunks needs, and a state holding exactly the whole chunks is restored without a cut."""
+        store, whole = self._prompt_cache, _whole_chunks(len(seq.prompt) - 1)
+        if store is None or seq.score_prompt or seq.n_past != whole or whole < PROMPT_CHUNK:
+            return
+        kept = seq.prompt[:whole]
+        if store.holds(kept):
+            return
+        state, size = read_state(self._lib, self._ctx, seq.slot)
+        if store.wants(size):
+            store.put(kept, state, size, self._summary_of(kept, self._texts[seq.slot]))
 
     def _keep_in_cache(self, slot: int, tokens: list[int]) -> None:
-        """Before admitting ``tokens`` cuts ``slot``'s cells: save the whole chunks it would lose into the prompt
-        cache, unless another slot or the cache holds them already."""
-        whole = self._whole[slot]
-        if whole < PROMPT_CHUNK or self._reusable(slot, tokens) >= whole or not self._prompt_cache.capacity:
+        """Before admitting ``tokens`` cuts ``slot``'s cells: save the whole chunks it would lose into the host
+        store, unless another slot or the store holds them already."""
+        whole, store = self._whole[slot], self._prompt_cache
+        if whole < PROMPT_CHUNK or self._reusable(slot, tokens) >= whole or store is None:
             return
         kept = self._cached[slot][:whole]
-        if self._prompt_cache.holds(kept) or self._copy_source(slot, kept + [-1])[1] >= whole:
+        if store.holds(kept) or self._copy_source(slot, kept + [-1])[1] >= whole:
             return
         if not self._lib.llama_memory_seq_rm(self._memory, slot, whole, -1) or not self._holds_cells(slot, whole):
             return  # only whole chunks are worth keeping, and this memory cannot be cut back to them
-        self._prompt_cache.find(tokens)  # the entry the new prompt may restore is used now: this does not evict it
         state, size = read_state(self._lib, self._ctx, slot)
-        if self._prompt_cache.wants(size):
-            self._prompt_cache.put(kept, state, size, self._summary(slot, kept))
+        if store.wants(size):
+            store.put(kept, state, size, self._summary(slot, kept))
 
     def _summary(self, slot: int, kept: list[int]) -> tuple[int, ...]:
-        """What the broker routes by, for a cache entry of ``kept``, the first tokens of ``slot``'s cells: the block
-        hashes of the part of the slot's text prompt those tokens spell (nothing for a prompt of token ids)."""
-        text = self._texts[slot]
+        """What the broker routes by, for a store entry of ``kept``, the first tokens of ``slot``'s cells."""
+        return self._summary_of(kept, self._texts[slot])
+
+    def _summary_of(self, kept: list[int], text: str) -> tuple[int, ...]:
+        """The block hashes of the part of the text prompt ``text`` that ``kept`` spells (nothing for a prompt of
+        token ids)."""
         if not text:
             return ()
         spelled = vocab.detokenize(self._lib, self._vocab, kept[len(self._bos):])
@@ -455,36 +498,39 @@ class BatchEngine:
     def _restore_from_cache(self, slot: int, tokens: list[int], reused: int) -> int:
         """The prompt tokens ``slot`` starts from: ``reused`` of its own cells, or more restored from the prompt
         cache when it holds more whole chunks of ``tokens`` than any slot (a hit)."""
-        reusable = _whole_chunks(len(tokens) - 1)
-        if not self._prompt_cache.capacity or reusable == 0:
+        reusable, store = _whole_chunks(len(tokens) - 1), self._prompt_cache
+        if store is None or reusable == 0:
             return reused
         held = max(reused, self._copy_source(slot, tokens)[1])
         if held >= reusable:
             return reused  # the slots hold all there is to reuse: no need to look
-        entry, shared = self._prompt_cache.find(tokens)
+        entry, shared = store.find(tokens)
         restorable = _whole_chunks(min(shared, reusable))
-        if entry is None or restorable <= held:
-            self._prompt_cache.count(hit=False)
+        loaded = store.load(entry) if entry is not None and restorable > held else None
+        if loaded is None:
+            store.count(hit=False)
             return reused
         lib, memory = self._lib, self._memory
         lib.llama_memory_seq_rm(memory, slot, -1, -1)
-        restored = write_state(lib, self._ctx, slot, entry.state, entry.size)
+        restored = write_state(lib, self._ctx, slot, *loaded)
         if not restored or not lib.llama_memory_seq_rm(memory, slot, restorable, -1) or not self._holds_cells(
                 slot, restorable):
             lib.llama_memory_seq_rm(memory, slot, -1, -1)
-            self._prompt_cache.count(hit=False)
+            store.count(hit=False)
             return 0
-        self._prompt_cache.count(hit=True)
+        store.count(hit=True)
         self._restored += restorable
         return restorable
 
     def cache_stats(self) -> CacheStats:
-        return self._prompt_cache.stats()
+        return self._prompt_cache.stats() if self._prompt_cache is not None else NO_CACHE
 
     def take_cache_changes(self) -> wire.CacheChanges:
-        return _on_wire(self._prompt_cache.take_changes())
+        return _on_wire(self._prompt_cache.take_changes() if self._prompt_cache is not None else Changes())
 
     def cache_snapshot(self) -> wire.CacheChanges:
+        if self._prompt_cache is None:
+            return wire.CacheChanges()
         return _on_wire(self._prompt_cache.snapshot(wire.MAX_CACHE_ITEMS, wire.MAX_CACHE_HASHES))
 
     # --- slot files ----------------------------------------------------------------------------------
@@ -644,6 +690,7 @@ class BatchEngine:
             self._decode()
             if seq.score_prompt:
                 self._score_prompt(seq, seq.n_past - n, n)
+            self._store_prompt(seq)
             if finishing:
                 done += self._sample_all([seq, *self._twins(seq)])
         self._steps += 1
@@ -893,7 +940,9 @@ class BatchEngine:
         self._running.clear()
         self._prefilling.clear()
         self._grammars.close()
-        self._prompt_cache.clear()
+        if self._prompt_cache is not None:
+            self._prompt_cache.close()  # the writes queued finish: the entries outlive this instance
+            self._prompt_cache = None
         if self._draft is not None:
             self._draft.close()
             self._draft = None

@@ -42,7 +42,7 @@ from mpserve.errors import ConfigError
 from mpserve.gpu.devices import Device, discover
 from mpserve.gpu.permits import inspect
 from mpserve.models.progress import downloads
-from mpserve.slots import SlotRow, SlotState
+from mpserve.slots import SlotRow, SlotState, instance_slots
 
 from .backend import Backend, LocalSlots
 from .metrics import GatewayMetrics
@@ -255,6 +255,7 @@ class Console:
             "slots": [self._slot(r, now) for r in local.rows if r.state is not SlotState.EMPTY] if local else [],
             "pools": [_pool(w) for w in stats.workers if w.host or local is None] if stats else [],
             "models": [self._model(name, m, now) for name, m in stats.models.items()] if stats else [],
+            "stores": store_views(local.rows) if local else {},
             "outcomes": {"window_s": window_s, "codes": outcomes},
             "series_step_s": SERIES_STEP_S,
             "gpus": gpus, "gpu_error": gpu_error,
@@ -273,6 +274,23 @@ class Console:
         return {"name": name, "queued": m.queued, "oldest_wait_s": m.oldest_wait_s, "running": m.running,
                 "instances": m.instances, "free_slots": m.free_slots, "failed": m.failed,
                 "tokens_per_s": self.activity.series(name, now)}
+
+
+def store_views(rows: list[SlotRow]) -> dict[str, dict[str, int]]:
+    """Per model: the host store as its instances last saw it (the tiers' bytes, the largest seen) and their
+    counts, added up."""
+    views: dict[str, dict[str, int]] = {}
+    for (model, _), slots in instance_slots(rows).items():
+        c = slots[0].cache
+        if not c.capacity:
+            continue
+        view = views.setdefault(model, dict.fromkeys(("bytes", "capacity", "disk_bytes", "disk_capacity", "hits",
+                                                      "misses", "evictions", "skipped"), 0))
+        for key in ("bytes", "capacity", "disk_bytes", "disk_capacity"):
+            view[key] = max(view[key], getattr(c, key))
+        for key in ("hits", "misses", "evictions", "skipped"):
+            view[key] += getattr(c, key)
+    return views
 
 
 def _pool(w: wire.WorkerStats) -> dict[str, Any]:

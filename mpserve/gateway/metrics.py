@@ -175,20 +175,26 @@ def _kv_metrics(rows: list[SlotRow]) -> Iterator[Metric]:
     ratio = GaugeMetricFamily("mpserve_kv_usage_ratio", "KV cells an instance's slots hold, of all it has "
                               "(parallel x n_ctx)", labels=labels)
     cache = {key: GaugeMetricFamily(f"mpserve_prompt_cache_{key}", text, labels=labels) for key, text in (
-        ("bytes", "Bytes an instance's host-RAM prompt cache holds"),
-        ("capacity_bytes", "Bytes an instance's host-RAM prompt cache may hold (cache_ram)"))}
+        ("bytes", "Bytes the host store's RAM tier holds (all instances on the host), as an instance last saw it"),
+        ("capacity_bytes", "Bytes the host store's RAM tier may hold (cache_ram)"),
+        ("disk_bytes", "Bytes the host store's disk tier holds, as an instance last saw it"),
+        ("disk_capacity_bytes", "Bytes the host store's disk tier may hold (cache_disk_size; 0: no disk tier)"))}
     counts = {key: CounterMetricFamily(f"mpserve_prompt_cache_{key}", text, labels=labels) for key, text in (
-        ("hits", "Prompts that restored a prefix from the instance's host-RAM prompt cache"),
-        ("misses", "Prompts that looked in the prompt cache and found nothing the slots did not hold"),
-        ("evictions", "Prompt cache entries evicted to make room (least recently used first)"))}
+        ("hits", "An instance's prompts that restored a prefix from the host store"),
+        ("misses", "An instance's prompts that looked in the host store and found nothing the slots did not hold"),
+        ("evictions", "Host store entries an instance removed from the last tier to make room (least recently "
+                      "used first)"),
+        ("skipped", "Host store entries an instance skipped and removed as bad (truncated, foreign, corrupt), and "
+                    "writes it could not make (a full disk)"))}
     for (model, worker), slots in instance_slots(rows).items():
         used, capacity = sum(r.kv_cells for r in slots), sum(r.kv_capacity for r in slots)
         key = [model, str(worker)]
         cells.add_metric(key, used)
         ratio.add_metric(key, used / capacity if capacity else 0.0)
         c = slots[0].cache
-        cache["bytes"].add_metric(key, c.bytes)
-        cache["capacity_bytes"].add_metric(key, c.capacity)
+        for name, value in (("bytes", c.bytes), ("capacity_bytes", c.capacity), ("disk_bytes", c.disk_bytes),
+                            ("disk_capacity_bytes", c.disk_capacity)):
+            cache[name].add_metric(key, value)
         for name, family in counts.items():
             family.add_metric(key, getattr(c, name))
     yield from (cells, ratio, *cache.values(), *counts.values())

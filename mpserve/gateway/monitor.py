@@ -106,8 +106,14 @@ class InstanceView:
     gpu_memory_bytes: int | None  # what its process holds on GPUs (NVML); None: unknown or on the CPU
     kv_cells: int  # KV cells its slots hold, of kv_capacity
     kv_capacity: int
-    prompt_cache_bytes: int  # its host-RAM prompt cache, of prompt_cache_capacity
+    prompt_cache_bytes: int  # the host store's RAM tier (the host's), of prompt_cache_capacity
     prompt_cache_capacity: int
+    prompt_cache_disk_bytes: int  # its disk tier, of prompt_cache_disk_capacity (0: none)
+    prompt_cache_disk_capacity: int
+    prompt_cache_hits: int  # this instance's prompts that restored a prefix from the store
+    prompt_cache_misses: int
+    prompt_cache_evictions: int
+    prompt_cache_skipped: int  # bad entries removed, writes not made
     slots: tuple[SlotView, ...]
 
     @classmethod
@@ -116,12 +122,14 @@ class InstanceView:
         state = instance_state(rows)
         running = first.pid > 0 and state not in DOWN
         rss, pss = process_memory(first.pid) if running else (None, None)
+        cache = first.cache
         return cls(first.worker, first.model, first.pid, state, "cpu" if first.device < 0 else f"gpu{first.device}",
                    rss, pss, max(r.served for r in rows),  # a worker writes its count to the slot that ended last
                    round(now - first.started, 3) if running and first.started else None, round(first.load_s, 3),
                    gpu_held.get(first.pid) if running and first.device >= 0 else None,
-                   sum(r.kv_cells for r in rows), sum(r.kv_capacity for r in rows), first.cache.bytes,
-                   first.cache.capacity, tuple(SlotView.of(r) for r in rows))
+                   sum(r.kv_cells for r in rows), sum(r.kv_capacity for r in rows), cache.bytes, cache.capacity,
+                   cache.disk_bytes, cache.disk_capacity, cache.hits, cache.misses, cache.evictions, cache.skipped,
+                   tuple(SlotView.of(r) for r in rows))
 
 
 def gpu_usage(rows: Sequence[SlotRow]) -> list[GpuUsage] | None:

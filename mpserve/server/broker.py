@@ -651,8 +651,7 @@ class Broker:
             self._to_worker(identity, wire.Heartbeat(identity.decode(), registered=False))
         elif isinstance(msg, wire.Unloaded):
             entry.loaded = entry.unloading = False
-            entry.prompts.clear()  # its KV cells and its prompt cache went with the model
-            entry.ram.clear()
+            entry.prompts.clear()  # its KV cells went with the model; the host store keeps its entries
             self._dispatch(entry.model)
 
     def _on_ready(self, identity: bytes, msg: wire.Ready, cache: bytes | None) -> None:
@@ -692,7 +691,8 @@ class Broker:
             self._worker_gone(old, f"worker {identity.decode()} restarted", crashed=False)
         local = index is not None
         entry = WorkerEntry(identity, index, msg.model, msg.device, msg.capacity,
-                            msg.pid, msg.loaded, host=msg.host, last_heard=time.monotonic())
+                            msg.pid, msg.loaded, host=msg.host, last_heard=time.monotonic(),
+                            ram=self.models[msg.model].store(msg.host))
         self.workers[identity] = entry
         self._cache_held(entry, cache)
         mq = self.models[msg.model]
@@ -770,8 +770,8 @@ class Broker:
             log.error("dropped a bad CACHE frame from worker %r: %s", entry.identity, exc)
 
     def _cache_held(self, entry: WorkerEntry, frame: bytes | None) -> None:
-        """A READY's CACHE frame, or none: all that the worker's prompt cache holds."""
-        entry.ram.clear()
+        """A READY's CACHE frame, or none: what the worker's host store holds (added to what other instances on
+        that host told: the view is the host's)."""
         if frame is not None:
             self._cache_changed(entry, frame)
 

@@ -1,13 +1,14 @@
-"""What one instance's host-RAM prompt cache holds, as the broker knows it: the summary of each entry (the block
-hashes of the prompt text it holds, ``mpserve.prefix.block_hashes``), from the CACHE frames its DONEs,
-ERRORs and READYs carry.
+"""What one host's store holds for one model, as the broker knows it: the summary of each entry (the block hashes
+of the prompt text it holds, ``mpserve.prefix.block_hashes``), from the CACHE frames the DONEs, ERRORs and READYs
+of the model's instances on that host carry. An entry's id is the same whichever instance saved it (its content
+address), so the view is the host's (``ModelQueue.store``): it outlives the instances, as the store does.
 
     worker: an entry saved ─┐                     ┌─▶ apply(changes): entries added, entries dropped
             entries evicted ┴─ DONE + CACHE ─────▶┤
                                                   └─▶ longest(prompt's block hashes): the characters of the
                                                       prompt's longest prefix some entry holds (routing)
-    READY + CACHE (all it holds) ──▶ clear, then apply: a broker that restarted learns what a worker kept
-    UNLOADED, or the worker gone ──▶ clear (or the table goes with its WorkerEntry)
+    READY + CACHE (what the store holds) ──▶ apply: a broker that restarted, or a new instance, learns what the
+                                             host's store kept
 
 The view may lag or miss (an entry evicted after the last CACHE frame): it only steers routing, and the
 worker restores what it really holds, so a stale view costs a prompt computed instead of restored, never a

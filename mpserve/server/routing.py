@@ -2,9 +2,10 @@
 becomes of a request whose worker died.
 
     choose_slot(free slots, workers, prompt,   the longest cached prefix, held in KV cells (the slot's own
-                blocks)                        first, then another slot's of its instance) or in the
-                                               instance's host-RAM prompt cache (``blocks``: the prompt's
-                                               block hashes, matched against ``WorkerEntry.ram``)
+                blocks)                        first, then another slot's of its instance) or in its
+                                               host's store (``blocks``: the prompt's block hashes, matched
+                                               against ``WorkerEntry.ram``, one view per host: every
+                                               instance there can restore it, so the least busy one takes it)
                                                > least busy instance > free the longest
     choose_slots(…, n)                         n free slots of one instance (a request for n choices), and
                                                why (``Source``: the broker counts its routes by it)
@@ -56,7 +57,7 @@ class Source(Enum):
     """Why a route was chosen."""
 
     KV = "kv_prefix"  # the prompt's longest cached prefix is in KV cells of the instance
-    RAM = "ram_prefix"  # ... in its host-RAM prompt cache
+    RAM = "ram_prefix"  # ... in its host's store
     LOAD = "least_busy"  # no cached prefix: the least busy instance
 
 

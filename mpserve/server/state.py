@@ -85,7 +85,8 @@ class WorkerEntry:
     last_heard: float = 0.0  # monotonic; remote workers are declared lost when silent too long
     running: dict[str, int] = field(default_factory=dict)  # ticket -> slot
     prompts: dict[int, str] = field(default_factory=dict)  # slot -> its last prompt (cached in its KV)
-    ram: RamPrefixes = field(default_factory=RamPrefixes)  # what its host-RAM prompt cache holds (CACHE frames)
+    ram: RamPrefixes = field(default_factory=RamPrefixes)  # what its host's store holds (CACHE frames); shared
+    # by every instance of the model on that host (``ModelQueue.stores``)
     draining: bool = False  # being scaled down: no new requests; STOP once it runs nothing
     unreachable: bool = False  # a send to it failed (said once), until it is heard from again
 
@@ -103,6 +104,12 @@ class ModelQueue:
     crashed: set[str] = field(default_factory=set)  # ... not among these tickets (``mpserve.server.routing``)
     chat: ChatTemplate = ChatTemplate()  # from the workers' READY; empty until one had the model loaded
     service_ms: float = 0.0  # running mean of assignment-to-answer time, for the busy retry-after hint
+    stores: dict[str, RamPrefixes] = field(default_factory=dict)  # host ("": this one) -> what its store holds
+
+    def store(self, host: str) -> RamPrefixes:
+        """The view of ``host``'s store (one per host: any instance there restores what another saved); it
+        outlives the instances (an unload, a crash), as the store does."""
+        return self.stores.setdefault(host, RamPrefixes())
 
     def refusal(self) -> str:
         """What a request for the failed model is told."""

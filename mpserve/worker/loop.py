@@ -347,7 +347,8 @@ class Worker:
         """The prompt cache, in each of this instance's rows: after a load, an unload and an admission (the only
         time it changes), when it changed (every row is written: each admission would cost ``parallel`` writes)."""
         s = self._engine.cache_stats() if self._engine is not None else None
-        cache = CacheRow(s.bytes, s.capacity, s.hits, s.misses, s.evictions) if s is not None else CacheRow.empty()
+        cache = CacheRow(s.bytes, s.capacity, s.hits, s.misses, s.evictions, s.disk_bytes, s.disk_capacity,
+                         s.skipped) if s is not None else CacheRow.empty()
         if cache == self._cache_row:
             return
         self._cache_row = cache

@@ -49,7 +49,10 @@ class EngineSpec:
     speculative: Speculative | None = None  # speculative decoding; None: off
     cache_type_k: str = "f16"  # KV cache types (mpserve.kv_types)
     cache_type_v: str = "f16"
-    cache_ram: int = 0  # bytes of host RAM for the prompt cache; 0: none
+    cache_ram: int = 0  # bytes of the host store's RAM tier (for the whole host); 0: no store
+    cache_shm: str | None = None  # the RAM tier's folder (a tmpfs)
+    cache_disk: str | None = None  # the disk tier's folder; None: none
+    cache_disk_size: int = 0  # its bytes
     chat_template: str | None = None  # Jinja2 served instead of the GGUF's ("": the ChatML default); None: the GGUF's
 
     @property

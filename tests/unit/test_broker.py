@@ -186,7 +186,8 @@ def test_a_workers_chunks_reach_each_client_in_order_as_one_message_and_before_d
             sock.close(0)
 
 
-def test_cache_frames_steer_routing_to_the_instance_holding_a_prefix_until_it_unloads_or_goes(broker: Broker) -> None:
+def test_cache_frames_say_what_the_host_store_holds_for_every_instance_there_and_the_view_outlives_them(
+        broker: Broker) -> None:
     document = "".join(f"Paragraph {i}: the quick brown fox jumps over the lazy dog. " for i in range(60))
     question = document + " Summarize it."
     held = wire.CacheChanges(((1, wire.pack_hashes(block_hashes(document))),))
@@ -209,16 +210,15 @@ def test_cache_frames_steer_routing_to_the_instance_holding_a_prefix_until_it_un
         return name
 
     with peers(broker, slots=1) as (client, workers):
-        first = served_by(workers, client, "r1", "an unrelated prompt", held)  # it pushed the document to RAM
-        assert broker.workers[first].ram and broker.stats["routed_least_busy"] == 1
-        assert served_by(workers, client, "r2", question) == first  # though the other was free the longest
+        first = served_by(workers, client, "r1", "an unrelated prompt", held)  # it saved the document
+        assert all(w.ram for w in broker.workers.values()) and broker.stats["routed_least_busy"] == 1
+        served_by(workers, client, "r2", question)  # either instance restores it from the host's store
         assert broker.stats["routed_ram_prefix"] == 1
 
         workers[first].send_multipart(wire.encode_from_worker(wire.Unloaded(first.decode())))
         assert broker.back.poll(1000)
         broker.drain_back()
-        assert not broker.workers[first].ram and not broker.workers[first].prompts  # the model took its cells
-        assert served_by(workers, client, "r3", question) != first
+        assert broker.workers[first].ram and not broker.workers[first].prompts  # the store keeps what it saved
 
         bad = wire.encode_from_worker(wire.Done("x", "", "stop", wire.Usage(0, 0), wire.Timings(0, 0, 0)), "nope",
                                       wire.pack({"added": [[1, b"\x00" * 7]]}))
@@ -227,20 +227,19 @@ def test_cache_frames_steer_routing_to_the_instance_holding_a_prefix_until_it_un
         broker.drain_back()
         assert broker.stats["dropped_worker_malformed"] == 1
 
-        holder = served_by(workers, client, "r4", "another unrelated prompt", held)
-        assert broker.workers[holder].ram
-        broker.worker_exited(int(holder[1:]), -signal.SIGKILL)  # a lost worker takes its view with it
-        assert holder not in broker.workers
+        broker.worker_exited(int(first[1:]), -signal.SIGKILL)  # a lost worker: the store outlives it
+        assert first not in broker.workers and broker.models["m"].store("")
 
 
-def test_a_worker_registering_with_its_cache_steers_routing_as_its_dones_would(broker: Broker) -> None:
-    """A broker that restarted knows nothing of a remote worker's prompt cache until the worker registers again:
-    its READY carries the whole cache, which replaces the broker's view."""
+def test_a_worker_registering_with_its_hosts_store_steers_routing_to_that_host(broker: Broker) -> None:
+    """A broker that restarted, or a new instance, learns what a host's store holds when the worker registers:
+    its READY carries the store's entries, and the view is that host's."""
     document = "".join(f"Paragraph {i}: the quick brown fox jumps over the lazy dog. " for i in range(60))
     held = wire.pack(wire.CacheChanges(((7, wire.pack_hashes(block_hashes(document))),)))
 
-    def register(workers: dict[bytes, zmq.Socket[bytes]], name: bytes, pid: int, cache: bytes | None) -> None:
-        ready = wire.Ready(name.decode(), "m", -1, 1, pid, proof=broker.link_secret)
+    def register(workers: dict[bytes, zmq.Socket[bytes]], name: bytes, pid: int, cache: bytes | None,
+                 host: str = "") -> None:
+        ready = wire.Ready(name.decode(), "m", -1, 1, pid, host=host, proof=broker.link_secret)
         workers[name].send_multipart(wire.encode_from_worker(ready, "", cache))
         assert broker.back.poll(1000)
         broker.drain_back()
@@ -260,13 +259,13 @@ def test_a_worker_registering_with_its_cache_steers_routing_as_its_dones_would(b
         return name
 
     with peers(broker, slots=1) as (client, workers):
-        register(workers, b"w1", 1, held)  # w1 registering again (its broker restarted), with its cache
-        assert broker.workers[b"w1"].ram
-        assert routed(client, workers, "r1") == b"w1" and broker.stats["routed_ram_prefix"] == 1
-        register(workers, b"w0", 1, held)  # the same process registering again, with what it holds
-        assert broker.workers[b"w0"].ram
-        register(workers, b"w0", 1, None)  # registering with nothing cached: the view goes
-        assert not broker.workers[b"w0"].ram
+        remote = b"pool-b-99-w0"  # a remote pool's worker (HOST-PID-wN), with its host's store
+        workers[remote] = broker.front.context.socket(zmq.DEALER)
+        workers[remote].setsockopt(zmq.IDENTITY, remote)
+        workers[remote].connect("inproc://back")
+        register(workers, remote, 99, held, host="pool-b")
+        assert broker.workers[remote].ram and not broker.workers[b"w0"].ram  # that host's, not this one's
+        assert routed(client, workers, "r1") == remote and broker.stats["routed_ram_prefix"] == 1
 
 
 def test_a_steps_chunks_reach_a_client_before_its_done_and_the_later_ones_after(broker: Broker) -> None:

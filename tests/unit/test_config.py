@@ -84,6 +84,18 @@ def test_cache_ram_is_a_size_on_by_default_and_zero_turns_it_off() -> None:
     assert cfg.build({"models": [{"cache_ram": 0}]}).models[0].cache_ram == 0
 
 
+def test_the_host_stores_folders_are_created_and_one_that_cannot_be_written_is_refused(tmp_path: Path) -> None:
+    model = cfg.build().models[0]
+    assert model.cache_disk is None and model.cache_disk_size == 4 << 30 and model.store_dir().startswith("/")
+    [model] = cfg.build({"models": [{"cache_disk": str(tmp_path / "a" / "disk"), "cache_disk_size": "1GiB",
+                                     "cache_shm": str(tmp_path / "shm")}]}).models
+    assert (tmp_path / "a" / "disk").is_dir() and model.cache_disk_size == 1 << 30
+    assert model.store_dir() == str(tmp_path / "shm")
+    (tmp_path / "file").write_text("")
+    with pytest.raises(ConfigError, match=r"models\[0\].cache_disk: cannot create the folder .*file/disk"):
+        cfg.build({"models": [{"cache_disk": str(tmp_path / "file" / "disk")}]})
+
+
 def test_busy_poll_is_250_us_by_default_zero_turns_it_off_and_negative_is_refused() -> None:
     assert cfg.build().busy_poll_us == 250
     assert cfg.build({"busy_poll_us": 0}).busy_poll_us == 0

@@ -276,3 +276,21 @@ def test_the_slot_chosen_is_the_one_the_rule_ranks_first_among_all_free_slots(se
     assert choose_slot(free, workers, prompt) == _ranked(free, workers, prompt)
     route = choose_slots(free, workers, prompt, 1)
     assert route is not None and route.slots == [_ranked(free, workers, prompt)]
+
+
+def test_a_prefix_in_the_host_store_goes_to_the_least_busy_instance_of_that_host_and_kv_cells_still_win() -> None:
+    prompt = DOCUMENT + " Summarize it."
+    mq = ModelQueue("m", 8)
+    here, there = mq.store(""), mq.store("pool-b")
+    a, b, c = (worker(n, capacity=2, running=r) for n, r in (("a", 1), ("b", 0), ("c", 0)))
+    a.ram = b.ram = here  # a and b on this host share its store's view; c is a remote pool's
+    c.ram, c.host = there, "pool-b"
+    in_ram(a, DOCUMENT[:3 * PREFIX_BLOCK])  # a saved it: b can restore it as well, and is less busy
+    workers = table(a, b, c)
+    free = [(b"a", 1), (b"c", 0), (b"b", 0)]
+    assert choose_slots(free, workers, prompt, 1, blocks=block_hashes(prompt)) == Route([(b"b", 0)], Source.RAM)
+    b.prompts[0] = DOCUMENT[:4 * PREFIX_BLOCK]  # b's slot holds the prefix in its KV cells, longer than the store's
+    b.running["t"] = 1
+    a.prompts[1] = "something else"
+    assert choose_slots(free, workers, prompt, 1, blocks=block_hashes(prompt)) == Route([(b"b", 0)], Source.KV)
+    assert there.longest(block_hashes(prompt)) == 0  # the other host's store holds none of it

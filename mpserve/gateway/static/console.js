@@ -140,7 +140,7 @@ function render(state) {
   $("main").hidden = false;
   renderSlots(state.slots, server.local);
   renderPools(state.pools);
-  renderModels(state.models, state.series_step_s, state.downloads || []);
+  renderModels(state.models, state.series_step_s, state.downloads || [], state.stores);
   renderOutcomes(state.outcomes);
   renderGpus(state.gpus, state.gpu_error, server.local);
   updateModelChoice(state.models);
@@ -183,6 +183,14 @@ function figure(value, label) {
   return el("div", { class: "figure" }, el("b", null, value), el("span", null, label));
 }
 
+function storeLine(store) {
+  if (!store) return null;
+  const disk = store.disk_capacity ? ", disk " + bytes(store.disk_bytes) + " of " + bytes(store.disk_capacity) : "";
+  return el("div", { class: "spark-caption", "data-store": "" }, "host store: RAM " + bytes(store.bytes) + " of " +
+    bytes(store.capacity) + disk + "; " + store.hits + " hits, " + store.misses + " misses, " + store.evictions +
+    " evictions, " + store.skipped + " skipped");
+}
+
 function renderDownloads(downloads) {
   return downloads.map((d) => el("div", { class: "model download", "data-download": d.file },
     el("div", { class: "model-name" }, "downloading " + d.file),
@@ -193,7 +201,7 @@ function renderDownloads(downloads) {
       figure(duration(d.left_s), "time left"))));
 }
 
-function renderModels(models, stepS, downloads) {
+function renderModels(models, stepS, downloads, stores) {
   if (!models.length) {
     $("models").replaceChildren(...renderDownloads(downloads), el("p", { class: "muted" },
       downloads.length ? "The server starts once its models are downloaded." : "No models (the server does not answer)."));
@@ -214,7 +222,8 @@ function renderModels(models, stepS, downloads) {
         figure(rate(now), "tokens/s")),
       sparkline(series, series.length * stepS),
       el("div", { class: "spark-caption" }, "tokens/s over the last " + duration(series.length * stepS) +
-        (known.length ? ", peak " + Math.max(...known).toFixed(0) : "")));
+        (known.length ? ", peak " + Math.max(...known).toFixed(0) : "")),
+      storeLine((stores || {})[m.name]));
   }));
 }
 

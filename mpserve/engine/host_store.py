@@ -1,0 +1,533 @@
+"""The host store: saved sequence states (``llama_state_seq_get_data``) and their tokens, one store per host,
+shared by every instance of every compatible model, outliving the instances (a crash, a scale-down, an unload,
+a swap) and, with a disk tier, the server and the host.
+
+    engine ─put(tokens, state)─▶ writer thread ─▶ RAM tier ── full: least recently used ─▶ disk tier ── full: removed
+           ─find(prompt)──────▶ index (listing + headers) ─▶ the entry sharing the longest prefix
+           ─load(entry)───────▶ its file, checked (magic, key, address, length, CRC) ─▶ the state, or a miss
+
+Why files in a tmpfs folder: every process on the host sees them with no server in between, a rename makes
+a write atomic (a reader opens the old name or the new file, never half of one), an open file stays readable
+while another process evicts it, and the kernel frees nothing a process still reads. The disk tier is the
+same layout in another folder (``cache_disk``), written with fsync before the rename, so an entry found
+there after a crash or a reboot is whole. Every entry is written through to it (by the writer thread, off
+the engine's path), so the disk tier holds what RAM holds and more: a restart, or a reboot that empties the
+tmpfs, finds them there.
+
+Layout of a tier (``root``): ``root/lock`` (fcntl lock), ``root/KEY/ADDRESS.kv`` (entries), and
+``root/KEY/identity.json`` (what KEY stands for, for people). KEY is a digest of everything a state depends on
+(``compatibility_key``); ADDRESS is a digest of KEY and the entry's tokens (content addressing: two instances
+saving one prefix write one entry). An entry file is
+
+    MAGIC · header length (u32 LE) · CRC32 of the rest (u32 LE) · header (JSON: key, tokens, state bytes,
+    summary) · tokens (int32 LE) · state
+
+Compatibility: llama.cpp refuses a state saved with other KV types, another number of KV streams (a stream
+per slot: ``parallel``; one with ``kv_unified``) or another V layout (flash attention off stores V
+transposed), but takes without a word a state from another model of the same shape (a fine-tune) and one
+computed by other kernels (repacked weights, GPU layers), whose numbers differ slightly. So the key holds the
+GGUF's content digest (not its path), the KV types, the KV streams, the flash attention setting, repacking,
+GPU layers, llama.cpp's version and its state format version. n_ctx is not in it: a state restores into any
+context with room for its cells (``find`` passes over entries longer than the context).
+
+Sizes: every tier has a size, and a writer makes room before it writes, under the tier's lock, from a
+listing of the tier (every key's entries and any temporary file count): no count is kept that a writer
+killed halfway could leave wrong. A temporary file seen under the lock is an orphan (writers hold the lock
+while they write) and is removed. Each writer keeps a tier within its own size, so with two servers of
+different sizes on one host the tier stays within the larger, and shrinks to the smaller whenever its
+server writes. Least recently used is the file's mtime, set on each hit. A bad entry (truncated, foreign,
+a failed CRC) is removed and counted as skipped; so is a write that fails (a full disk: ENOSPC), which is
+logged and never reaches a client.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import errno
+import fcntl
+import hashlib
+import json
+import logging
+import os
+import queue
+import struct
+import threading
+import time
+import zlib
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from mpserve.prefix import common_prefix
+
+from .prompt_cache import CacheStats, Changes
+
+log = logging.getLogger("mpserve.worker")
+
+MAGIC = b"MPKVST01"
+FORMAT = 1  # the entry layout; part of the key
+_PREFIX = struct.Struct("<8sII")  # magic, header length, CRC32 of what follows
+MAX_HEADER_BYTES = 1 << 20
+SUFFIX = ".kv"
+_PART = ".kvpart"  # an entry being written: ".tmp-PID-THREAD.kvpart"
+PENDING_WRITES = 4  # states waiting for the writer thread; admitting waits while this many are queued
+STATS_EVERY_S = 1.0  # a tier's bytes are listed at most this often for stats
+
+
+@dataclass(frozen=True)
+class Entry:
+    name: str  # ADDRESS.kv
+    tokens: tuple[int, ...]
+    summary: tuple[int, ...]
+
+    @property
+    def id(self) -> int:
+        """The entry's id on the wire (CACHE frames): the same for every instance on the host."""
+        return int(self.name[:15], 16)
+
+
+def compatibility_key(fields: dict[str, Any]) -> str:
+    return hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()[:24]
+
+
+def gguf_digest(path: str, cache_dir: Path) -> str:
+    """The SHA-256 of the GGUF file at ``path``: computed once per file version on this host (cached in
+    ``cache_dir`` by device, inode, size and mtime), as a model is many hundred megabytes."""
+    st = os.stat(path)
+    known = cache_dir / f"gguf-{st.st_dev}-{st.st_ino}-{st.st_size}-{st.st_mtime_ns}"
+    try:
+        return known.read_text().strip()
+    except OSError:
+        pass
+    with open(path, "rb") as f:
+        digest = hashlib.file_digest(f, "sha256").hexdigest()
+    try:
+        cache_dir.mkdir(parents=True, exist_ok=True)
+        _write_atomic(known, digest.encode(), durable=False)
+    except OSError as exc:
+        log.warning("cannot note the model's digest in %s (%s); it is computed again next time", cache_dir, exc)
+    return digest
+
+
+class _Tier:
+    """One folder of entries with a size: the RAM tier (tmpfs) or the disk tier."""
+
+    def __init__(self, name: str, root: Path, capacity: int, key: str, durable: bool) -> None:
+        self.name, self.root, self.capacity, self.durable = name, root, capacity, durable
+        self.dir = root / key
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self._held, self._listed_at = 0, 0.0
+
+    @contextmanager
+    def lock(self) -> Iterator[None]:
+        """The tier's lock, across processes; the kernel releases it when its holder dies."""
+        fd = os.open(self.root / "lock", os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            yield
+        finally:
+            os.close(fd)
+
+    def path(self, name: str) -> Path:
+        return self.dir / name
+
+    def listing(self) -> list[tuple[int, int, Path]]:
+        """(mtime ns, bytes, path) of every file in the tier, every key's, least recently used first. Under the
+        lock: temporary files are orphans of a killed writer, and are removed."""
+        found = []
+        for folder in self.root.iterdir():
+            if not folder.is_dir():
+                continue
+            for item in os.scandir(folder):
+                try:
+                    if item.name.endswith(_PART):
+                        os.unlink(item.path)
+                    elif item.name.endswith(SUFFIX):
+                        st = item.stat()
+                        found.append((st.st_mtime_ns, st.st_size, Path(item.path)))
+                except FileNotFoundError:
+                    continue
+        found.sort()
+        self._held, self._listed_at = sum(size for _, size, _ in found), time.monotonic()
+        return found
+
+    def held(self) -> int:
+        """The tier's bytes, listed at most every STATS_EVERY_S."""
+        if time.monotonic() - self._listed_at > STATS_EVERY_S:
+            total = 0
+            for folder in self.root.iterdir():
+                if folder.is_dir():
+                    for item in os.scandir(folder):
+                        if item.name.endswith(SUFFIX):
+                            try:
+                                total += item.stat().st_size
+                            except FileNotFoundError:
+                                continue
+            self._held, self._listed_at = total, time.monotonic()
+        return self._held
+
+    def stale(self) -> None:
+        """The tier changed: the next ``held`` lists it again."""
+        self._listed_at = 0.0
+
+    def names(self) -> set[str]:
+        try:
+            return {n for n in os.listdir(self.dir) if n.endswith(SUFFIX)}
+        except FileNotFoundError:
+            return set()
+
+
+class HostStore:
+    def __init__(self, key: str, identity: dict[str, Any], ram_dir: Path, ram_bytes: int, disk_dir: Path | None = None,
+                 disk_bytes: int = 0, n_ctx: int = 1 << 30) -> None:
+        self.key = key
+        self.n_ctx = n_ctx
+        self._tiers = [_Tier("ram", ram_dir, ram_bytes, key, durable=False)]
+        if disk_dir is not None and disk_bytes > 0:
+            self._tiers.append(_Tier("disk", disk_dir, disk_bytes, key, durable=True))
+        for tier in self._tiers:
+            note = tier.dir / "identity.json"
+            if not note.exists():
+                _write_atomic(note, json.dumps(identity, indent=1, sort_keys=True).encode(), durable=False)
+        self.capacity = sum(t.capacity for t in self._tiers)
+        self._index: dict[str, Entry] = {}
+        self._index_lock = threading.RLock()  # the index, read and changed by the engine and the writer thread
+        self._counts = {"hits": 0, "misses": 0, "evictions": 0, "skipped": 0}
+        self._lock = threading.Lock()  # the counters and changes, shared with the writer thread
+        self._added: dict[int, tuple[int, ...]] = {}
+        self._dropped: list[int] = []
+        self._pending: set[tuple[int, ...]] = set()
+        self._jobs: queue.Queue[tuple[tuple[int, ...], Any, int, tuple[int, ...]] | None] = queue.Queue(PENDING_WRITES)
+        self._writer = threading.Thread(target=self._write_loop, name="host-store-writer", daemon=True)
+        self._writer.start()
+
+    # --- what the engine asks ------------------------------------------------------------------------
+
+    def wants(self, size: int) -> bool:
+        """Whether a state of ``size`` bytes fits a tier at all (it need not be read otherwise)."""
+        return 0 < size + 4096 <= max(t.capacity for t in self._tiers)
+
+    def holds(self, tokens: Sequence[int]) -> bool:
+        """Whether an entry (or a write queued) holds ``tokens`` as a prefix of its own."""
+        key = tuple(tokens)
+        with self._lock:
+            if any(p[:len(key)] == key for p in self._pending):
+                return True
+        return any(e.tokens[:len(key)] == key for e in self._refresh())
+
+    def put(self, tokens: Sequence[int], state: Any, size: int, summary: tuple[int, ...] = ()) -> None:
+        """Queue ``state``, the cells of ``tokens``, for the writer thread (which owns the buffer from now)."""
+        key = tuple(tokens)
+        if not self.wants(size):
+            return
+        with self._lock:
+            self._pending.add(key)
+        self._jobs.put((key, state, size, summary))
+
+    def find(self, tokens: Sequence[int]) -> tuple[Entry | None, int]:
+        """The entry sharing the longest prefix with ``tokens`` (one this context has room for), and its length."""
+        key = tuple(tokens)
+        best, shared = None, 0
+        for entry in self._refresh():
+            n = common_prefix(entry.tokens, key)
+            if n > shared and len(entry.tokens) < self.n_ctx:
+                best, shared = entry, n
+        return best, shared
+
+    def load(self, entry: Entry) -> tuple[Any, int] | None:
+        """``entry``'s state as a byte array, and its size; None if no tier has it whole (a bad file is
+        removed, and counted as skipped). A hit makes it the most recently used; one found on disk only is
+        copied back into RAM."""
+        for tier in self._tiers:
+            path = tier.path(entry.name)
+            try:
+                with open(path, "rb") as f:
+                    data = bytearray(os.fstat(f.fileno()).st_size)
+                    got = f.readinto(data)
+            except FileNotFoundError:
+                continue
+            except OSError as exc:
+                log.warning("cannot read store entry %s: %s", path, exc)
+                continue
+            parsed = self._parse(data[:got], entry.name)
+            if isinstance(parsed, str):
+                self._skip(tier, path, parsed)
+                continue
+            tokens, summary, offset, size = parsed
+            _touch(path)
+            if tier is not self._tiers[0] and self.wants(size):
+                self._copy_up(bytes(data))
+            return (ctypes.c_uint8 * size).from_buffer(data, offset), size
+        return None
+
+    def count(self, hit: bool) -> None:
+        with self._lock:
+            self._counts["hits" if hit else "misses"] += 1
+
+    def stats(self) -> CacheStats:
+        ram = self._tiers[0]
+        disk = self._tiers[1] if len(self._tiers) > 1 else None
+        with self._lock:
+            c = dict(self._counts)
+        return CacheStats(ram.capacity, ram.held(), len(self._refresh()), c["hits"], c["misses"], c["evictions"],
+                          disk.held() if disk else 0, disk.capacity if disk else 0, c["skipped"])
+
+    def take_changes(self) -> Changes:
+        with self._lock:
+            changes = Changes(tuple(self._added.items()), tuple(self._dropped))
+            self._added, self._dropped = {}, []
+        return changes
+
+    def snapshot(self, max_entries: int, max_hashes: int) -> Changes:
+        """Every entry of this key with a summary, as added (up to ``max_entries`` and ``max_hashes``): what a
+        registering instance tells the broker the host holds."""
+        added: list[tuple[int, tuple[int, ...]]] = []
+        hashes = 0
+        for entry in self._refresh():
+            if entry.summary and len(added) < max_entries and hashes + len(entry.summary) <= max_hashes:
+                added.append((entry.id, entry.summary))
+                hashes += len(entry.summary)
+        with self._lock:
+            self._added, self._dropped = {}, []
+        return Changes(tuple(added))
+
+    def flush(self) -> None:
+        """Wait until the writes queued so far are made."""
+        self._jobs.join()
+
+    def close(self) -> None:
+        """Finish the writes queued (the entries outlive this instance), then stop the writer."""
+        self._jobs.put(None)
+        self._writer.join()
+
+    # --- the index -------------------------------------------------------------------------------------
+
+    def _refresh(self) -> list[Entry]:
+        """The entries of this key in any tier, from a listing: new names' headers are read (an entry never
+        changes under its name), names gone are forgotten. Both threads ask: the index has a lock of its own."""
+        with self._index_lock:
+            names: set[str] = set()
+            for tier in self._tiers:
+                for name in tier.names() - names:
+                    names.add(name)
+                    if name not in self._index:
+                        entry = self._read_head(tier, name)
+                        if entry is not None:
+                            self._index[name] = entry
+            for gone in self._index.keys() - names:
+                del self._index[gone]
+            return list(self._index.values())
+
+    def _read_head(self, tier: _Tier, name: str) -> Entry | None:
+        path = tier.path(name)
+        try:
+            with open(path, "rb") as f:
+                head = f.read(_PREFIX.size)
+                if len(head) < _PREFIX.size or head[:8] != MAGIC:
+                    return self._skip(tier, path, "not a store entry")
+                _, length, _ = _PREFIX.unpack(head)
+                if length > MAX_HEADER_BYTES:
+                    return self._skip(tier, path, "its header is too long")
+                header = json.loads(f.read(length))
+                n = int(header["tokens"])
+                raw = f.read(4 * n)
+                if len(raw) != 4 * n:
+                    return self._skip(tier, path, "truncated")
+        except FileNotFoundError:
+            return None
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            return self._skip(tier, path, f"its header cannot be read ({exc})")
+        if header.get("key") != self.key:
+            return self._skip(tier, path, f"foreign: saved under key {header.get('key')!r}, not {self.key!r}")
+        tokens = struct.unpack(f"<{n}i", raw)
+        if _address(self.key, tokens) != name:
+            return self._skip(tier, path, "its name is not its tokens' address")
+        return Entry(name, tokens, tuple(int(h) for h in header.get("summary", ())))
+
+    def _parse(self, data: bytearray, name: str) -> tuple[tuple[int, ...], tuple[int, ...], int, int] | str:
+        """A whole entry file checked: (tokens, summary, state offset, state bytes), or why it is bad."""
+        if len(data) < _PREFIX.size or data[:8] != MAGIC:
+            return "not a store entry"
+        _, length, crc = _PREFIX.unpack_from(data)
+        if zlib.crc32(memoryview(data)[_PREFIX.size:]) != crc:
+            return "truncated or damaged (CRC)"
+        try:
+            header = json.loads(bytes(data[_PREFIX.size:_PREFIX.size + length]))
+            n, size = int(header["tokens"]), int(header["state_bytes"])
+        except (ValueError, KeyError, TypeError):
+            return "its header cannot be read"
+        if header.get("key") != self.key:
+            return "foreign (another key)"
+        start = _PREFIX.size + length
+        if len(data) != start + 4 * n + size:
+            return "truncated"
+        tokens = struct.unpack_from(f"<{n}i", data, start)
+        if _address(self.key, tokens) != name:
+            return "its name is not its tokens' address"
+        return tokens, tuple(header.get("summary", ())), start + 4 * n, size
+
+    def _skip(self, tier: _Tier, path: Path, why: str) -> Entry | None:
+        """Remove the bad entry at ``path``, saying why; None (no entry), for the readers that return one."""
+        log.warning("store entry %s (%s tier) skipped and removed: %s", path.name, tier.name, why)
+        try:
+            os.unlink(path)
+        except OSError:
+            pass
+        with self._index_lock:
+            self._index.pop(path.name, None)
+        with self._lock:
+            self._counts["skipped"] += 1
+        return None
+
+    # --- writing (the writer thread) ----------------------------------------------------------------------
+
+    def _write_loop(self) -> None:
+        while True:
+            job = self._jobs.get()
+            if job is None:
+                self._jobs.task_done()
+                return
+            tokens, state, size, summary = job
+            try:
+                self._write(tokens, state, size, summary)
+            except Exception:  # a store that cannot be written is a store that is not used, never a dead worker
+                log.exception("writing a store entry failed")
+            finally:
+                with self._lock:
+                    self._pending.discard(tokens)
+                self._jobs.task_done()
+
+    def _write(self, tokens: tuple[int, ...], state: Any, size: int, summary: tuple[int, ...]) -> None:
+        name = _address(self.key, tokens)
+        header = json.dumps({"key": self.key, "tokens": len(tokens), "state_bytes": size,
+                             "summary": list(summary)}).encode()
+        data = bytearray(_PREFIX.size) + header + struct.pack(f"<{len(tokens)}i", *tokens)
+        data += memoryview(state).cast("B")[:size]
+        _PREFIX.pack_into(data, 0, MAGIC, len(header), zlib.crc32(memoryview(data)[_PREFIX.size:]))
+        if any(tier.path(name).exists() for tier in self._tiers):
+            _touch(self._tiers[0].path(name))
+            return
+        written = self._store(0, name, data)
+        if len(self._tiers) > 1 and not self._tiers[1].path(name).exists():
+            written = self._store(1, name, data) or written  # written through: the disk tier outlives a reboot
+        if not written:
+            return
+        with self._lock:
+            if summary:
+                self._added[int(name[:15], 16)] = summary
+        for shorter in [e for e in self._refresh() if tokens[:len(e.tokens)] == e.tokens != tokens]:
+            self._forget(shorter)  # this entry serves every prompt the shorter one did
+
+    def _forget(self, entry: Entry) -> None:
+        """Remove ``entry`` from every tier (it adds nothing now)."""
+        for tier in self._tiers:
+            try:
+                os.unlink(tier.path(entry.name))
+            except FileNotFoundError:
+                continue
+        with self._index_lock:
+            self._index.pop(entry.name, None)
+        with self._lock:
+            if entry.summary and self._added.pop(entry.id, None) is None:
+                self._dropped.append(entry.id)
+
+    def _copy_up(self, data: bytes) -> None:
+        """An entry read from disk, into RAM: it is the most recently used now."""
+        _, length, _ = _PREFIX.unpack_from(data)
+        header = json.loads(data[_PREFIX.size:_PREFIX.size + length])
+        tokens = struct.unpack_from(f"<{int(header['tokens'])}i", data, _PREFIX.size + length)
+        self._store(0, _address(self.key, tokens), data)
+
+    def _store(self, level: int, name: str, data: bytes | bytearray) -> bool:
+        """Write ``data`` as entry ``name`` into tier ``level``, making room by moving its least recently used
+        entries down a tier (or removing them from the last); False if it was not written."""
+        tier = self._tiers[level]
+        if len(data) > tier.capacity:
+            return level + 1 < len(self._tiers) and self._store(level + 1, name, data)
+        with tier.lock():
+            listing = tier.listing()
+            held = sum(size for _, size, _ in listing)
+            for _, size, path in listing:
+                if held + len(data) <= tier.capacity:
+                    break
+                self._make_room(level, path)
+                held -= size
+            try:
+                _write_atomic(tier.path(name), data, tier.durable, _PART)
+            except OSError as exc:
+                with self._lock:
+                    self._counts["skipped"] += 1
+                why = "the tier's file system is full" if exc.errno in (errno.ENOSPC, errno.EDQUOT) else exc.strerror
+                log.warning("store entry %s not written to the %s tier (%s): %s; the prompt is computed when "
+                            "asked for again", name, tier.name, tier.root, why)
+                return False
+            finally:
+                tier.stale()
+        return True
+
+    def _make_room(self, level: int, path: Path) -> None:
+        """Evict ``path`` from tier ``level`` (whose lock is held): down into the next tier, if there is one."""
+        if level + 1 < len(self._tiers):
+            lower = self._tiers[level + 1]
+            if not lower.path(path.name).exists():
+                try:
+                    data = path.read_bytes()
+                except OSError:
+                    data = b""
+                if data:
+                    self._store(level + 1, path.name, data)
+            else:
+                _touch(lower.path(path.name))
+        else:
+            with self._lock:
+                self._counts["evictions"] += 1
+                if path.parent.name == self.key and not any(t.path(path.name).exists() for t in self._tiers[:level]):
+                    entry_id = int(path.name[:15], 16)
+                    if self._added.pop(entry_id, None) is None:
+                        self._dropped.append(entry_id)
+        try:
+            os.unlink(path)
+        except FileNotFoundError:
+            pass
+
+
+def _address(key: str, tokens: Sequence[int]) -> str:
+    digest = hashlib.sha256(key.encode())
+    digest.update(struct.pack(f"<{len(tokens)}i", *tokens))
+    return digest.hexdigest()[:32] + SUFFIX
+
+
+def _touch(path: Path) -> None:
+    """``path`` is the most recently used now. The time is given, not left to the kernel, whose file times move
+    in ticks of a few ms: a file written just before would tie with it."""
+    now = time.time_ns()
+    try:
+        os.utime(path, ns=(now, now))
+    except OSError:
+        pass
+
+
+def _write_atomic(path: Path, data: bytes | bytearray, durable: bool, suffix: str = ".part") -> None:
+    """``data`` as ``path``: a temporary file in the same folder, renamed (after fsync, if ``durable``)."""
+    tmp = path.with_name(f".tmp-{os.getpid()}-{threading.get_ident()}{suffix}")
+    try:
+        with open(tmp, "wb") as out:
+            out.write(data)
+            if durable:
+                out.flush()
+                os.fsync(out.fileno())
+        os.replace(tmp, path)
+        if durable:
+            fd = os.open(path.parent, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise

@@ -1,0 +1,128 @@
+"""The host store through real servers: what an instance computed outlives it (kill -9, unload and load, a
+restart with a disk tier), two instances saving one prefix at once write one entry, and a bad entry is skipped,
+removed and computed instead."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+from conftest import ServerProcess
+from test_kv_cache import LONG
+
+from mpserve import Client
+from mpserve.engine.batch import PROMPT_CHUNK
+from mpserve.slots import SlotState
+
+FOLLOW_UP = LONG + " and then the cat sat"
+SERVER = ("--parallel", "1", "--n-ctx", "1024", "--cache-ram", "64MiB")
+
+
+def wait_for(check: Callable[[], object], timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not check():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.05)
+
+
+def entries(folder: Path) -> list[Path]:
+    return sorted(folder.rglob("*.kv"))
+
+
+def worker_pid(server: ServerProcess) -> int:
+    rows = [r for r in server.slots() if r.state is SlotState.IDLE and r.pid > 0]
+    return rows[0].pid if rows else 0
+
+
+@pytest.mark.timeout(120)
+def test_an_instance_killed_with_sigkill_is_replaced_by_one_that_restores_what_it_computed(
+        start_server: type[ServerProcess], tmp_path: Path) -> None:
+    store = tmp_path / "shm"
+    server = start_server(*SERVER, "--cache-shm", str(store)).wait_ready()
+    with Client(server.address, timeout=60) as client:
+        assert client.generate(LONG, max_tokens=4, temperature=0).timings.cached_tokens == 0
+        wait_for(lambda: entries(store), 10, "the prompt's entry in the store")
+        killed = worker_pid(server)
+        os.kill(killed, signal.SIGKILL)
+        wait_for(lambda: worker_pid(server) not in (0, killed), 60, "the replacement instance")
+        again = client.generate(FOLLOW_UP, max_tokens=4, temperature=0)
+    assert again.timings.cached_tokens == PROMPT_CHUNK  # restored by the replacement
+    assert server.slots()[0].cache.hits == 1
+    assert not server.tracebacks(), "\n".join(server.log)
+
+
+@pytest.mark.timeout(120)
+def test_a_model_unloaded_and_loaded_again_restores_its_prompts(start_server: type[ServerProcess],
+                                                                 tmp_path: Path) -> None:
+    store = tmp_path / "shm"
+    server = start_server(*SERVER, "--cache-shm", str(store)).wait_ready()
+    with Client(server.address, timeout=60) as client:
+        client.generate(LONG, max_tokens=4, temperature=0)
+        client.control("unload", "tiny")
+        wait_for(lambda: not worker_pid(server), 30, "the instance to stop")
+        assert entries(store)  # written before the instance went
+        client.control("load", "tiny")
+        again = client.generate(FOLLOW_UP, max_tokens=4, temperature=0)
+    assert again.timings.cached_tokens == PROMPT_CHUNK
+    assert not server.tracebacks(), "\n".join(server.log)
+
+
+@pytest.mark.timeout(120)
+def test_a_server_restarted_with_a_disk_tier_restores_after_its_ram_tier_is_gone(
+        start_server: type[ServerProcess], tmp_path: Path) -> None:
+    disk = tmp_path / "disk"
+    first = start_server(*SERVER, "--cache-shm", str(tmp_path / "shm1"), "--cache-disk", str(disk),
+                         "--cache-disk-size", "64MiB").wait_ready()
+    with Client(first.address, timeout=60) as client:
+        client.generate(LONG, max_tokens=4, temperature=0)
+    wait_for(lambda: entries(disk), 10, "the entry on disk")
+    assert first.stop() == 0
+    second = start_server(*SERVER, "--cache-shm", str(tmp_path / "shm2"), "--cache-disk", str(disk),
+                          "--cache-disk-size", "64MiB").wait_ready()  # as after a reboot: an empty tmpfs
+    with Client(second.address, timeout=60) as client:
+        again = client.generate(FOLLOW_UP, max_tokens=4, temperature=0)
+    assert again.timings.cached_tokens == PROMPT_CHUNK
+    cache = second.slots()[0].cache
+    assert cache.hits == 1 and 0 < cache.disk_bytes <= cache.disk_capacity == 64 << 20
+    assert entries(tmp_path / "shm2")  # the hit was copied back into RAM
+
+
+@pytest.mark.timeout(120)
+def test_two_instances_computing_one_prompt_at_once_write_one_entry_and_bad_entries_are_computed_instead(
+        start_server: type[ServerProcess], tmp_path: Path) -> None:
+    store = tmp_path / "shm"
+    server = start_server(*SERVER, "--instances", "2", "--cache-shm", str(store)).wait_ready()
+    results = []
+    with Client(server.address, timeout=60) as client:
+        def ask() -> None:
+            with Client(server.address, timeout=60) as own:
+                results.append(own.generate(LONG, max_tokens=4, temperature=0))
+
+        threads = [threading.Thread(target=ask) for _ in range(2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert len({r.worker for r in results}) == 2  # one each, at once
+        wait_for(lambda: entries(store), 10, "the entry")
+        time.sleep(0.5)  # the second writer's turn
+        saved = entries(store)
+        assert len(saved) == 1 and not list(store.rglob("*.kvpart"))
+        saved[0].write_bytes(saved[0].read_bytes()[:1000])  # truncated (a reader never sees this from a writer)
+        (saved[0].parent / ("0" * 32 + ".kv")).write_bytes(b"not an entry at all")
+        for pid in {r.pid for r in server.slots() if r.pid > 0}:  # both instances lose their cells: the store
+            os.kill(pid, signal.SIGKILL)  # is the only place left to restore from
+        wait_for(lambda: sum(r.state is SlotState.IDLE for r in server.slots()) == 2, 60, "the replacements")
+        again = client.generate(FOLLOW_UP, max_tokens=4, temperature=0)
+    assert again.timings.cached_tokens == 0  # computed: nothing good to restore
+    assert not (saved[0].parent / ("0" * 32 + ".kv")).exists()
+    wait_for(lambda: saved[0].exists() and saved[0].stat().st_size > 1000, 10, "the prefix saved again, whole")
+    assert sum(r.cache.skipped for r in server.slots()) >= 2
+    assert any("skipped and removed: truncated" in line for line in server.log), "\n".join(server.log)
+    assert not server.tracebacks(), "\n".join(server.log)

@@ -1,0 +1,218 @@
+"""The host store on real files and real processes: least recently used out first, by bytes, never over its
+sizes (with several writers, and one killed halfway); RAM entries spill to disk; bad entries are skipped and
+removed; what the broker hears of."""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import signal
+import time
+from pathlib import Path
+
+import pytest
+
+from mpserve.engine.host_store import HostStore, compatibility_key
+
+pytestmark = pytest.mark.timeout(60)
+
+KEY = compatibility_key({"model": "test"})
+STATE = 4000  # bytes of each test state
+
+
+def state(fill: int) -> bytearray:
+    return bytearray([fill % 256]) * STATE
+
+
+def store(tmp: Path, ram: int, disk: int = 0, key: str = KEY) -> HostStore:
+    return HostStore(key, {"model": "test"}, tmp / "ram", ram, tmp / "disk" if disk else None, disk)
+
+
+def put(s: HostStore, tokens: list[int], fill: int = 1, summary: tuple[int, ...] = ()) -> None:
+    s.put(tokens, state(fill), STATE, summary)
+
+
+def flush(s: HostStore) -> None:
+    s.flush()
+
+
+def tier_bytes(folder: Path) -> int:
+    return sum(f.stat().st_size for f in folder.rglob("*") if f.is_file() and f.name.endswith((".kv", ".kvpart")))
+
+
+def test_the_least_recently_used_entries_leave_first_and_the_tier_never_exceeds_its_size(tmp_path: Path) -> None:
+    s = store(tmp_path, ram=3 * STATE)  # room for two entries with their headers
+    for first in range(1, 6):
+        put(s, [first, 0, 0], first)
+        flush(s)
+        assert tier_bytes(tmp_path / "ram") <= 3 * STATE
+    assert {e.tokens for e in s._refresh()} == {(4, 0, 0), (5, 0, 0)}
+    entry, shared = s.find([4, 0, 0, 9])
+    assert entry is not None and shared == 3
+    loaded = s.load(entry)  # a hit: 4 is the most recently used now
+    assert loaded is not None and bytes(loaded[0]) == bytes(state(4)) and loaded[1] == STATE
+    time.sleep(0.01)
+    put(s, [6, 0], 6)
+    flush(s)
+    assert {e.tokens for e in s._refresh()} == {(4, 0, 0), (6, 0)}
+    assert s.stats().evictions == 4 and s.stats().bytes <= 3 * STATE
+    s.close()
+
+
+def test_entries_pushed_out_of_ram_go_to_disk_and_come_back_from_there(tmp_path: Path) -> None:
+    s = store(tmp_path, ram=2 * STATE, disk=3 * STATE)
+    for first in range(1, 6):
+        put(s, [first, 7], first)
+        flush(s)
+        assert tier_bytes(tmp_path / "ram") <= 2 * STATE and tier_bytes(tmp_path / "disk") <= 3 * STATE
+    stats = s.stats()  # every entry is written through to disk: RAM holds the last, disk the last two
+    assert stats.disk_capacity == 3 * STATE and 0 < stats.disk_bytes <= 3 * STATE and stats.evictions == 3
+    entry, _ = s.find([4, 7, 1])
+    assert entry is not None and (tmp_path / "disk" / KEY / entry.name).exists()
+    assert not (tmp_path / "ram" / KEY / entry.name).exists()
+    loaded = s.load(entry)
+    assert loaded is not None and bytes(loaded[0]) == bytes(state(4))
+    assert (tmp_path / "ram" / KEY / entry.name).exists()  # copied back up: the most recently used
+    assert s.find([1, 7])[0] is None  # out of both tiers
+    s.close()
+    again = store(tmp_path / "rebooted", ram=2 * STATE)  # a new process with an empty RAM tier (a reboot) ...
+    again.close()
+    again = HostStore(KEY, {"model": "test"}, tmp_path / "rebooted", 2 * STATE, tmp_path / "disk", 3 * STATE)
+    assert again.find([5, 7])[1] == 2  # ... finds the disk tier's entries
+    again.close()
+
+
+def test_a_longer_entry_replaces_its_prefixes_and_a_prefix_of_an_entry_adds_nothing(tmp_path: Path) -> None:
+    s = store(tmp_path, ram=10 * STATE)
+    put(s, [1, 2, 3])
+    flush(s)
+    assert s.holds([1, 2]) and s.holds([1, 2, 3]) and not s.holds([1, 2, 3, 4])
+    put(s, [1, 2, 3, 4, 5], summary=(51, 52))
+    flush(s)
+    assert [e.tokens for e in s._refresh()] == [(1, 2, 3, 4, 5)]
+    s.close()
+
+
+def test_truncated_foreign_and_corrupt_entries_are_skipped_and_removed(tmp_path: Path) -> None:
+    s = store(tmp_path, ram=10 * STATE)
+    for first in (1, 2, 3):
+        put(s, [first, 9], first)
+    flush(s)
+    names = {e.tokens[0]: tmp_path / "ram" / KEY / e.name for e in s._refresh()}
+    data = names[1].read_bytes()
+    names[1].write_bytes(data[:len(data) // 2])  # truncated
+    flipped = bytearray(names[2].read_bytes())
+    flipped[-10] ^= 0xFF  # a flipped bit in the state: the CRC catches it
+    names[2].write_bytes(bytes(flipped))
+    other = store(tmp_path, ram=10 * STATE, key=compatibility_key({"model": "other"}))
+    put(other, [3, 9], 3)  # the same tokens under another key, copied into ours: foreign
+    flush(other)
+    foreign = other._refresh()[0]
+    names[3].write_bytes((tmp_path / "ram" / other.key / foreign.name).read_bytes())
+    fresh = store(tmp_path, ram=10 * STATE)  # another instance, whose index reads the headers afresh
+    for first in (1, 2, 3):
+        entry, _ = fresh.find([first, 9])
+        assert entry is None or fresh.load(entry) is None
+        assert not names[first].exists()
+    assert fresh.stats().skipped == 3
+    for s_ in (s, other, fresh):
+        s_.close()
+
+
+def _writer(root: str, first: int, count: int) -> None:
+    s = HostStore(KEY, {"model": "test"}, Path(root), 5 * STATE)
+    for i in range(count):
+        s.put([first + i, 1, 2], state(i), STATE)
+    s.close()
+
+
+def test_writers_in_several_processes_share_one_size_and_write_one_entry_per_prefix(tmp_path: Path) -> None:
+    ctx = multiprocessing.get_context("fork")
+    procs = [ctx.Process(target=_writer, args=(str(tmp_path / "ram"), first, 12)) for first in (0, 0, 100, 200)]
+    for p in procs:
+        p.start()
+    seen = 0
+    while any(p.is_alive() for p in procs):
+        seen = max(seen, tier_bytes(tmp_path / "ram"))
+        time.sleep(0.002)
+    assert all(p.exitcode == 0 for p in procs)
+    assert seen <= 5 * STATE and tier_bytes(tmp_path / "ram") <= 5 * STATE
+    s = store(tmp_path, ram=5 * STATE)
+    held = [e.tokens for e in s._refresh()]
+    assert len(held) == len(set(held)) and len(held) >= 1
+    s.close()
+
+
+def _killed_while_writing(root: str) -> None:
+    """Holds the lock, writes half an entry, and is SIGKILLed there."""
+    s = HostStore(KEY, {"model": "test"}, Path(root), 5 * STATE)
+    with s._tiers[0].lock():
+        (Path(root) / KEY / f".tmp-{os.getpid()}-1.kvpart").write_bytes(b"x" * 3 * STATE)
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+def test_a_writer_killed_halfway_leaves_nothing_that_counts_against_the_size(tmp_path: Path) -> None:
+    ctx = multiprocessing.get_context("fork")
+    p = ctx.Process(target=_killed_while_writing, args=(str(tmp_path / "ram"),))
+    p.start()
+    p.join()
+    assert p.exitcode == -signal.SIGKILL
+    s = store(tmp_path, ram=5 * STATE)  # the lock was released by the kernel: this write does not wait forever
+    for first in range(4):
+        put(s, [first, 5], first)
+    flush(s)
+    assert not list((tmp_path / "ram").rglob("*.kvpart"))
+    assert len(s._refresh()) == 4 and tier_bytes(tmp_path / "ram") <= 5 * STATE
+    s.close()
+
+
+def test_the_entries_with_a_summary_are_told_once_with_one_id_for_every_instance(tmp_path: Path) -> None:
+    s = store(tmp_path, ram=3 * STATE)
+    put(s, [1, 0], 1, summary=(11, 12))
+    put(s, [2, 0], 2)  # no summary (a prompt of token ids): nothing to tell
+    flush(s)
+    changes = s.take_changes()
+    assert [summary for _, summary in changes.added] == [(11, 12)] and not changes.dropped
+    assert not s.take_changes()  # told once
+    other = store(tmp_path, ram=3 * STATE)
+    assert other.snapshot(10, 100).added == changes.added  # the same id: the broker's view is per host
+    put(s, [3, 0], 3, summary=(31,))  # evicts 1
+    flush(s)
+    assert s.take_changes().dropped == (changes.added[0][0],)
+    for s_ in (s, other):
+        s_.close()
+
+
+FULL_DISK = """
+import logging, sys
+from pathlib import Path
+from mpserve.engine.host_store import HostStore
+logging.basicConfig(level=logging.WARNING)
+disk = Path(sys.argv[1])
+s = HostStore(sys.argv[2], {}, Path(sys.argv[3]), 1 << 20, disk, 1 << 20)  # the disk tier's size says yes ...
+for first in range(3):
+    s.put([first, 1], bytearray(40000), 40000)  # ... its file system (64 KiB) has room for one entry
+s.close()
+stats = s.stats()
+ram = Path(sys.argv[3])
+print("skipped", stats.skipped, "ram", len(list(ram.rglob("*.kv"))), "disk", len(list(disk.rglob("*.kv"))))
+"""
+
+
+def test_a_full_disk_is_a_logged_skip_and_ram_still_takes_the_entries(tmp_path: Path) -> None:
+    """A real ENOSPC: the disk tier on a 64 KiB tmpfs, mounted in a user and mount namespace of its own."""
+    import shutil
+    import subprocess
+    import sys
+
+    if shutil.which("unshare") is None or subprocess.run(["unshare", "-rm", "true"], capture_output=True).returncode:
+        pytest.skip("unshare -rm (user namespaces) is not available: no small file system to fill")
+    disk, program = tmp_path / "disk", tmp_path / "fill.py"
+    disk.mkdir()
+    program.write_text(FULL_DISK)
+    script = (f"mount -t tmpfs -o size=64k none {disk} && "
+              f"exec {sys.executable} {program} {disk} {KEY} {tmp_path / 'ram'}")
+    proc = subprocess.run(["unshare", "-rm", "sh", "-c", script], capture_output=True, text=True, timeout=30)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.split() == ["skipped", "2", "ram", "3", "disk", "1"], proc.stdout + proc.stderr
+    assert "the tier's file system is full" in proc.stderr and "Traceback" not in proc.stderr
