@@ -63,6 +63,7 @@ class ModelConfig:
     cache_type_k: str = DEFAULT_KV_TYPE  # KV cache types (mpserve.kv_types); a quantized V needs flash attention
     cache_type_v: str = DEFAULT_KV_TYPE
     cache_ram: int = 256 << 20  # bytes of host RAM per instance for its prompt cache; 0: off
+    reuse: str = "any"  # which cells a prompt starts from: any shared prefix, or exact (whole prompt chunks only)
     slot_save_path: str | None = None  # the folder of slot files (save and restore); None: off
     devices: tuple[int, ...] | None = None  # pin the model's instances to these GPU indices
     requires_memory: int | None = None  # declared GPU bytes per instance; None: estimated from the GGUF
@@ -185,6 +186,7 @@ _FLASH_ATTN_SPELLINGS = {True: "on", False: "off", "true": "on", "false": "off",
                          "yes": "on", "no": "off"}
 _LOG_LEVELS = settings.BY_KEY["log_level"].choices or ()
 _POOLINGS = settings.BY_KEY["pooling"].choices or ()
+_REUSE_MODES = settings.BY_KEY["reuse"].choices or ()
 
 
 def load_file(path: str | os.PathLike[str]) -> dict[str, Any]:
@@ -310,6 +312,9 @@ def _model(index: int, entry: Any, overrides: Mapping[str, Any], source: str) ->
         raise ConfigError(f"{where}.path: unknown built-in model {path!r}; allowed: {_builtin_names()}")
     if values.get("pooling") is not None and values["pooling"] not in _POOLINGS:
         raise ConfigError(f"{where}.pooling: got {values['pooling']!r}, allowed: {', '.join(_POOLINGS)}")
+    if values.get("reuse", "any") not in _REUSE_MODES:
+        raise ConfigError(f"{where}.reuse: got {values['reuse']!r}, allowed: {', '.join(_REUSE_MODES)} (exact: output "
+                          "equal to a fresh computation)")
     if values.get("pooling") is not None and not values.get("embedding"):
         raise ConfigError(f"{where}.pooling: applies to embedding models; set embedding: true too")
     if values.get("embedding") and path == ECHO_MODEL:

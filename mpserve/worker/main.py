@@ -47,7 +47,7 @@ def build_engine(spec: EngineSpec, model: Any = None) -> Engine:
     return BatchEngine(spec.path, spec.n_ctx, spec.parallel, spec.threads, spec.n_gpu_layers, spec.seed,
                        flash_attn=spec.flash_attn, repack=spec.repack, speculative=spec.speculative,
                        cache_type_k=spec.cache_type_k, cache_type_v=spec.cache_type_v, cache_ram=spec.cache_ram,
-                       model=model)
+                       reuse=spec.reuse, model=model)
 
 
 def _builder(model: Any) -> Callable[[EngineSpec], Engine]:

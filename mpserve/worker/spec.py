@@ -50,6 +50,7 @@ class EngineSpec:
     cache_type_k: str = "f16"  # KV cache types (mpserve.kv_types)
     cache_type_v: str = "f16"
     cache_ram: int = 0  # bytes of host RAM for the prompt cache; 0: none
+    reuse: str = "any"  # any shared prefix, or exact: whole prompt chunks only (mpserve.engine.batch)
 
     @property
     def is_echo(self) -> bool:
