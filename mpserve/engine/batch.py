@@ -51,10 +51,11 @@ kernels give a token slightly different numbers depending on how many tokens its
 weights, enough to change a greedy choice), so a prompt's tail computed after reused cells would not give
 what the whole prompt computed at once gives. With ``exact`` only whole chunks are reused, copied or restored,
 so the tokens computed after them are computed in the very chunks a fresh computation uses (a shared prefix
-shorter than a chunk is computed again). Either way the last prompt token is computed (its logits pick the
-first token), and cells that the memory no longer holds (a sliding-window cache drops what its window has
-passed, a recurrent state cannot be cut back) are never reused: the prompt is computed from the start, and the
-log says so once per model.
+shorter than a chunk is computed again), and a sequence with a long context decodes in a llama_decode of its
+own (``_decodes``). Either way the last prompt token is computed (its logits pick the first token), and cells
+that the memory no longer holds (a sliding-window cache drops what its window has passed, a recurrent state
+cannot be cut back) are never reused: the prompt is computed from the start, and the log says so once per
+model.
 
 A request asking for its prompt's log-probabilities (``prompt_logprobs``, for echo) needs a logits row for
 every prompt token: its prefill chunks (of SCORED_CHUNK tokens, which bounds the logits buffer) request
@@ -66,7 +67,7 @@ the same flash attention setting: the same tokens (BOS, then the prompt tokenize
 special tokens parsed), the same context settings, the same prompt decodes, the same sampler chain
 (``mpserve.engine.sampling``). Decoding K sequences in one batch relies on a row's logits not depending on the
 other rows, which holds for the small batches of one token per sequence that llama.cpp's kernels treat
-like one row (README: "Exact output"). Not thread-safe:
+like one row, and for the one-token rows of sequences with short contexts (README: "Exact output"). Not thread-safe:
 one thread admits, cancels and steps; an on_token callback may call ``cancel`` but not ``admit``.
 """
 
@@ -128,6 +129,12 @@ in prompt chunks, so with ``reuse: exact`` they are never reused, copied or kept
 REUSE_MODES = ("any", "exact")
 """What a prompt may start from: ``any`` computed cells holding a prefix of it, of any length; ``exact`` whole
 prompt chunks of them only, so that output equals a fresh computation."""
+
+LONE_KV_CELLS = 256
+"""The most cells a sequence holds and still decodes in a batch with others under ``reuse: exact``: llama.cpp pads
+the cells an attention reads to a multiple of 256, and its CPU flash attention gives a lone query over 512 or more
+of them a kernel of its own (``_decodes``)."""
+
 
 @dataclass(frozen=True)
 class BatchStats:
@@ -637,8 +644,9 @@ class BatchEngine:
         batch = self._batch
         if decoding:
             self._propose(decoding)
+        for together in self._decodes(decoding):
             batch.n = 0
-            for seq in decoding:  # a sequence's next token, then its drafts (if any) at the positions after it
+            for seq in together:  # a sequence's next token, then its drafts (if any) at the positions after it
                 seq.output_row = batch.add(seq.next_token, seq.n_past, seq.slot)
                 for i, token in enumerate(seq.drafts, 1):
                     batch.add(token, seq.n_past + i, seq.slot)
@@ -646,7 +654,7 @@ class BatchEngine:
             rows, seconds = batch.n, self._decode()
             if self._speculative is not None:
                 self._row_costs.observe(rows, seconds)
-            done += self._sample_all(decoding)
+            done += self._sample_all(together)
         for seq in chunks:
             batch.n = 0
             n = _next_chunk(seq)
@@ -668,6 +676,18 @@ class BatchEngine:
         self._steps += 1
         self._step_s += time.perf_counter() - started
         return done
+
+    def _decodes(self, decoding: list[_Sequence]) -> list[list[_Sequence]]:
+        """The decoding sequences grouped by llama_decode: all in one, except with ``reuse: exact`` and a KV
+        stream per slot, where a sequence with more than LONE_KV_CELLS cells decodes alone. llama.cpp gives a
+        lone query over that many cells its own attention kernel (the CPU's flash attention splits the cells
+        among threads and sums the parts), and a batch of several streams another: decoded together, such a
+        sequence gets other numbers than a fresh computation of it, enough to change a greedy choice."""
+        if not self._exact or self._kv_unified or len(decoding) < 2:
+            return [decoding] if decoding else []
+        long = [[seq] for seq in decoding if seq.n_past + 1 > LONE_KV_CELLS]
+        short = [seq for seq in decoding if seq.n_past + 1 <= LONE_KV_CELLS]
+        return ([short] if short else []) + long
 
     def _chunks(self, budget: int) -> list[_Sequence]:
         """The prompts that compute their next chunk this step, in admission order, while ``budget`` prompt
