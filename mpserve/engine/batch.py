@@ -480,9 +480,11 @@ class BatchEngine:
 
     def _restore_from_cache(self, slot: int, tokens: list[int], reused: int) -> int:
         """The prompt tokens ``slot`` starts from: ``reused`` of its own cells, or more restored from the prompt
-        cache when it holds more of ``tokens`` than any slot (with ``reuse: exact``, in whole chunks; a hit)."""
+        cache when it holds more of ``tokens`` than any slot (with ``reuse: exact``, in whole chunks; a hit). A prompt
+        with less than a chunk to reuse does not look (one decode computes it), as a slot's cells are not kept for
+        less."""
         reusable = self._usable(len(tokens) - 1)
-        if not self._prompt_cache.capacity or reusable == 0:
+        if not self._prompt_cache.capacity or reusable < PROMPT_CHUNK:
             return reused
         held = max(reused, self._copy_source(slot, tokens)[1])
         if held >= reusable:
