@@ -33,7 +33,17 @@ A → B → A) are in ``bench.store_cases``; they need no peer.
 And one with a peer: a system prompt shared by every request (a long preamble, then one of the usual
 prompts) at concurrency 4, on ``1×4`` against ``llama-server --parallel 4`` with its prompt cache on
 (``cache_prompt: true``, its best case: a slot reuses its own last prompt, and any prompt it has seen is
-restored from host memory). mpserve computes the preamble once and copies its KV cells to other slots.
+restored from host memory). mpserve computes the preamble once and copies its KV cells to other slots; it
+runs in both reuse modes (``any``, the default, reuses the whole common prefix; ``exact`` whole 512-token
+chunks only).
+
+A chat: 8 turns, each prompt the conversation so far (every earlier question and the server's own reply)
+and a new question, growing to about 3,000 tokens, against ``llama-server --parallel 1 --cache-ram``: the
+time to first token of every turn, in both reuse modes (``any`` reuses the last reply's cells; ``exact``
+computes everything after the last whole chunk again).
+
+llama-server loads its weights without repacking (``--no-repack``) where mpserve's probe finds this CPU's
+repacked kernels crash, as mpserve then does itself.
 """
 
 from __future__ import annotations
@@ -44,6 +54,8 @@ import time
 from contextlib import ExitStack
 
 from mpserve import AsyncClient, Client
+from mpserve.repack import probe
+from mpserve.settings import BY_KEY
 
 from . import store_cases
 from .figures import Case, Figure, Section, Target
@@ -68,6 +80,11 @@ PREAMBLE = ("You are the assistant of a small bakery. Answer questions about ope
 TARGET = 1.0
 TARGET_AT_8 = 1.2
 PEER_RAM = 256  # MiB: llama-server's --cache-ram, as mpserve's default cache_ram
+SHARED_TARGETS = (("tokens/s", ">=", 1.5), ("TTFT p50", "<=", 1.0))  # reuse any vs llama-server, shared preamble
+REUSE_MODES = BY_KEY["reuse"].choices or ()
+CHAT_TURNS = 8
+CHAT_QUESTION_TOKENS = 330  # tokens of each turn's question: 8 turns with their replies make about 3,000
+CHAT_REPLY_TOKENS = 32
 PER_TOKEN = "--stream-interval 0"
 OVER_HTTP = "over HTTP"
 
@@ -103,7 +120,8 @@ def run(settings: Settings) -> Section:
             section.targets.append(Target(
                 f"batching {name} tokens/s vs llama-server --parallel {k} at concurrency {k} ({interface}): "
                 f"≥ {threshold}×", cases[name].figure("tokens/s").ratio, ">=", threshold))
-    section.cases.append(_shared_preamble(settings, section))
+    section.cases += _shared_preamble(settings, section)
+    section.cases += _chat(settings, section)
     ram = _pushed_out(settings, section)
     section.cases += ram
     section.targets.append(Target("TTFT of a long prompt pushed out of the slot by 8 others, mpserve with its "
@@ -120,14 +138,20 @@ def run(settings: Settings) -> Section:
     return section
 
 
+def _peer(settings: Settings, port: int, parallel: int, n_ctx: int, *extra: str) -> HttpServer:
+    """llama-server on ``port`` with mpserve's threads, ``parallel`` slots of ``n_ctx`` tokens each."""
+    repack = [] if probe().works else ["--no-repack"]  # its repacked kernels crash on this CPU: as mpserve does
+    return HttpServer([str(settings.llama_server), "--model", str(settings.model), "--host", "127.0.0.1", "--port",
+                       str(port), "--threads", str(settings.cores), "--threads-batch", str(settings.cores),
+                       "--parallel", str(parallel), "--ctx-size", str(n_ctx * parallel), *repack, *extra],
+                      port, "/health")
+
+
 def _measure(settings: Settings, work: Workload, k: int, contenders: dict[str, list[str]],
              cases: dict[str, Case]) -> None:
     with ExitStack() as stack:
         port = free_port()
-        peer = stack.enter_context(HttpServer(
-            [str(settings.llama_server), "--model", str(settings.model), "--host", "127.0.0.1", "--port", str(port),
-             "--threads", str(settings.cores), "--threads-batch", str(settings.cores), "--parallel", str(k),
-             "--ctx-size", str(work.n_ctx * k)], port, "/health"))
+        peer = stack.enter_context(_peer(settings, port, k, work.n_ctx))
         ours = {name: stack.enter_context(MpserveServer("--model", str(settings.model), "--n-ctx", str(work.n_ctx),
                                                         *args))
                 for name, args in contenders.items()}
@@ -152,32 +176,99 @@ def _measure(settings: Settings, work: Workload, k: int, contenders: dict[str, l
                 _add(cases[name], asyncio.run(load), baseline)
 
 
-def _shared_preamble(settings: Settings, section: Section) -> Case:
-    """Concurrency SHARED_K, every prompt starting with the same long preamble; llama-server's prompt cache on."""
+def _shared_preamble(settings: Settings, section: Section) -> list[Case]:
+    """Concurrency SHARED_K, every prompt starting with the same long preamble, mpserve in each reuse mode;
+    llama-server's prompt cache on."""
     k = SHARED_K
     work = Workload(max_tokens=settings.pick(4, 16), n_ctx=2048, min_requests=1, budget_s=settings.work.budget_s)
     preamble_tokens = settings.pick(192, 1000)
-    case = Case({"mpserve instances×slots": f"1×{k}, shared preamble",
-                 "vs": f"llama-server --parallel {k}, prompt cache on", "concurrency": str(k)},
-                [Figure(m, unit) for m, unit, _ in GENERATION_METRICS])
+    cases = {mode: Case({"mpserve instances×slots": f"1×{k}, shared preamble, reuse {mode}",
+                         "vs": f"llama-server --parallel {k}, prompt cache on", "concurrency": str(k)},
+                        [Figure(m, unit) for m, unit, _ in GENERATION_METRICS]) for mode in REUSE_MODES}
     port = free_port()
-    with HttpServer([str(settings.llama_server), "--model", str(settings.model), "--host", "127.0.0.1", "--port",
-                     str(port), "--threads", str(settings.cores), "--threads-batch", str(settings.cores),
-                     "--parallel", str(k), "--ctx-size", str(work.n_ctx * k)], port, "/health") as peer, \
-            MpserveServer("--model", str(settings.model), "--n-ctx", str(work.n_ctx), "--instances", "1",
-                          "--threads", str(settings.cores), "--parallel", str(k)) as ours:
+    with ExitStack() as stack:
+        peer = stack.enter_context(_peer(settings, port, k, work.n_ctx))
+        ours = {mode: stack.enter_context(MpserveServer(
+            "--model", str(settings.model), "--n-ctx", str(work.n_ctx), "--instances", "1", "--threads",
+            str(settings.cores), "--parallel", str(k), "--reuse", mode)) for mode in REUSE_MODES}
         peer.wait_ready()
-        ours.wait_ready()
-        work = Workload(**{**vars(work), "preamble": _tokens_long(ours.address, PREAMBLE, preamble_tokens)})
-        for r in range(settings.repeat):  # each repeat starts cold on both sides: a new preamble
+        for server in ours.values():
+            server.wait_ready()
+        work = Workload(**{**vars(work), "preamble": _tokens_long(ours["any"].address, PREAMBLE, preamble_tokens)})
+        for r in range(settings.repeat):  # each repeat starts cold on every side: a new preamble
             fresh = Workload(**{**vars(work), "preamble": f"[{r}] {work.preamble}"})
-            _add(case, asyncio.run(mpserve_load(ours.address, fresh, k, 3 * k)),
-                 asyncio.run(http_load(port, fresh, k, 3 * k, {"cache_prompt": True})))
+            baseline = asyncio.run(http_load(port, fresh, k, 3 * k, {"cache_prompt": True}))
+            for mode, server in ours.items():
+                _add(cases[mode], asyncio.run(mpserve_load(server.address, fresh, k, 3 * k)), baseline)
+    for metric, op, threshold in SHARED_TARGETS:
+        section.targets.append(Target(
+            f"shared {preamble_tokens}-token preamble at concurrency {k}, reuse any: {metric} vs llama-server "
+            f"--parallel {k} with its prompt cache {'≥' if op == '>=' else '≤'} {threshold}×",
+            cases["any"].figure(metric).ratio, op, threshold))
     section.notes.append(f"Shared preamble: every prompt starts with the same preamble of {preamble_tokens} tokens "
                          f"({len(work.preamble)} characters; a new one each repeat, so each starts cold), then one of "
                          f"the usual prompts; {work.max_tokens} tokens generated, 3 requests per lane, n_ctx "
-                         f"{work.n_ctx}; llama-server with cache_prompt true.")
-    return case
+                         f"{work.n_ctx}; llama-server with cache_prompt true, measured once per repeat, before the "
+                         "mpserve servers.")
+    return list(cases.values())
+
+
+def _chat(settings: Settings, section: Section) -> list[Case]:
+    """A conversation of CHAT_TURNS turns, each prompt the whole conversation so far with the server's own
+    replies: time to first token per turn, mpserve in each reuse mode against llama-server --cache-ram."""
+    turns = settings.pick(3, CHAT_TURNS)
+    question_tokens = settings.pick(120, CHAT_QUESTION_TOKENS)
+    n_ctx = 4096
+    cases = {mode: Case({"mpserve instances×slots": f"1×1, chat, reuse {mode}",
+                         "vs": f"llama-server --parallel 1 --cache-ram {PEER_RAM}", "concurrency": "1"},
+                        [Figure(f"TTFT turn {t + 1}", "ms") for t in range(turns)], plotted=False)
+             for mode in REUSE_MODES}
+    reused: dict[str, list[int]] = {mode: [] for mode in REUSE_MODES}
+    lengths: list[int] = []
+    port = free_port()
+    with ExitStack() as stack:
+        peer = stack.enter_context(_peer(settings, port, 1, n_ctx, "--cache-ram", str(PEER_RAM)))
+        ours = {mode: stack.enter_context(MpserveServer(
+            "--model", str(settings.model), "--n-ctx", str(n_ctx), "--instances", "1", "--threads",
+            str(settings.cores), "--parallel", "1", "--reuse", mode)) for mode in REUSE_MODES}
+        peer.wait_ready()
+        for server in ours.values():
+            server.wait_ready()
+        address = ours["any"].address
+        for r in range(settings.repeat):
+            questions = [_tokens_long(address, f"Chat {r}, question {t + 1}: " + " ".join(
+                PROMPTS[(r + t) % len(PROMPTS):] + PROMPTS), question_tokens) for t in range(turns)]
+            talks = {side: "" for side in ("peer", *REUSE_MODES)}  # each side's conversation, its own replies
+            for t, question in enumerate(questions):
+                talks["peer"] += f"\nUser: {question}\nAssistant:"
+                sample = http_request(port, _chat_turn(talks["peer"]), 0, {"cache_prompt": True})
+                talks["peer"] += sample.text
+                for mode, server in ours.items():
+                    talks[mode] += f"\nUser: {question}\nAssistant:"
+                    seconds, text, (cached, prompt_tokens) = asyncio.run(_reply(server.address, talks[mode],
+                                                                                       CHAT_REPLY_TOKENS))
+                    talks[mode] += text
+                    cases[mode].figures[t].add(seconds * 1000, sample.ttft_s * 1000)
+                    reused[mode].append(cached)
+                    if mode == "any" and r == 0:
+                        lengths.append(prompt_tokens)
+    for t in range(turns):
+        section.targets.append(Target(
+            f"chat turn {t + 1} of {turns}, reuse any: TTFT vs llama-server --cache-ram ≤ 1.0×",
+            cases["any"].figures[t].ratio, "<=", 1.0))
+    section.notes.append(f"Chat: {turns} turns, each a question of {question_tokens} tokens and a reply of up to "
+                         f"{CHAT_REPLY_TOKENS} tokens (greedy), each prompt the conversation so far with the side's "
+                         f"own replies; prompt tokens per turn (reuse any, first repeat): "
+                         f"{', '.join(map(str, lengths))}; tokens reused per turn (timings.cached_tokens), all "
+                         "repeats: " + "; ".join(f"{mode}: {', '.join(map(str, n))}" for mode, n in reused.items())
+                         + ". llama-server with cache_prompt true.")
+    return list(cases.values())
+
+
+def _chat_turn(conversation: str) -> Workload:
+    """The workload whose request 0 is ``conversation`` as it is, a chat reply long."""
+    return Workload(max_tokens=CHAT_REPLY_TOKENS, n_ctx=4096, min_requests=1, budget_s=60.0, preamble=conversation,
+                    ending=False)
 
 
 def _prefix_reuse(settings: Settings, section: Section) -> Case:
@@ -207,21 +298,19 @@ def _pushed_out(settings: Settings, section: Section) -> list[Case]:
     with its host-RAM prompt cache and without it, and with two instances (the broker routes the prompt back to
     the one holding it), against llama-server with its ``--cache-ram``."""
     length = settings.pick(640, 1000)  # tokens of the model under test
-    variants = (("1", "256MiB"), ("1", "0"), ("2", "256MiB"))
-    cases = [Case({"mpserve instances×slots": f"{n}×1, cache_ram {size}", "vs": f"llama-server --cache-ram {PEER_RAM}",
-                   "concurrency": "1"}, [Figure("TTFT", "ms")], plotted=False) for n, size in variants]
+    variants = (("1", "256MiB", "any"), ("1", "0", "any"), ("2", "256MiB", "any"), ("1", "256MiB", "exact"))
+    cases = [Case({"mpserve instances×slots": f"{n}×1, cache_ram {size}, reuse {mode}",
+                   "vs": f"llama-server --cache-ram {PEER_RAM}", "concurrency": "1"}, [Figure("TTFT", "ms")],
+                  plotted=False) for n, size, mode in variants]
     port = free_port()
     common = ["--model", str(settings.model), "--n-ctx", "2048", "--threads", str(settings.cores)]
     restored: dict[str, list[int]] = {case.labels["mpserve instances×slots"]: [] for case in cases}
     with ExitStack() as stack:
         stores = stack.enter_context(tempfile.TemporaryDirectory(prefix="mppush-"))
-        peer = stack.enter_context(HttpServer(
-            [str(settings.llama_server), "--model", str(settings.model), "--host", "127.0.0.1", "--port", str(port),
-             "--threads", str(settings.cores), "--threads-batch", str(settings.cores), "--parallel", "1",
-             "--ctx-size", "2048", "--cache-ram", str(PEER_RAM)], port, "/health"))
-        servers = [stack.enter_context(MpserveServer(*common, "--instances", n, "--cache-ram", size, "--cache-shm",
-                                                     f"{stores}/{i}"))
-                   for i, (n, size) in enumerate(variants)]
+        peer = stack.enter_context(_peer(settings, port, 1, 2048, "--cache-ram", str(PEER_RAM)))
+        servers = [stack.enter_context(MpserveServer(*common, "--instances", n, "--cache-ram", size, "--reuse", mode,
+                                                     "--cache-shm", f"{stores}/{i}"))
+                   for i, (n, size, mode) in enumerate(variants)]
         peer.wait_ready()
         for server in servers:
             server.wait_ready()
@@ -273,15 +362,22 @@ def _once(text: str) -> Workload:
 
 async def _ttft(address: str, prompt: str) -> tuple[float, tuple[int, int]]:
     """Seconds to the first streamed token; the prompt tokens the worker reused, and the prompt's tokens."""
+    seconds, _, tokens = await _reply(address, prompt, 8)
+    return seconds, tokens
+
+
+async def _reply(address: str, prompt: str, max_tokens: int) -> tuple[float, str, tuple[int, int]]:
+    """Seconds to the first streamed token of a greedy reply to ``prompt``; its text; the prompt tokens the worker
+    reused, and the prompt's tokens."""
     async with AsyncClient(address) as client:
-        stream = client.stream(prompt, max_tokens=8, temperature=0.0)
+        stream = client.stream(prompt, max_tokens=max_tokens, temperature=0.0)
         started = time.perf_counter()
         first = 0.0
         async for _ in stream:
             first = first or time.perf_counter()
         assert stream.result is not None
         result = stream.result
-        return first - started, (result.timings.cached_tokens, result.usage.prompt_tokens)
+        return first - started, result.text, (result.timings.cached_tokens, result.usage.prompt_tokens)
 
 
 def _add(case: Case, served: LoadResult, peer: LoadResult) -> None:

@@ -45,9 +45,10 @@ class Workload:
     min_requests: int  # per measurement; at least 2 per lane at higher concurrency
     budget_s: float  # a measurement sends no new request after this long (it still waits for those sent)
     preamble: str = ""  # put before every prompt: a system prompt all requests share
+    ending: bool = True  # False: the preamble is the whole prompt (a conversation so far)
 
     def prompt(self, i: int) -> str:
-        return self.preamble + PROMPTS[i % len(PROMPTS)]
+        return self.preamble + (PROMPTS[i % len(PROMPTS)] if self.ending else "")
 
     def requests(self, concurrency: int) -> int:
         return max(self.min_requests, 2 * concurrency)
@@ -58,6 +59,7 @@ class Sample:
     ttft_s: float  # request sent until the first token arrived
     latency_s: float  # request sent until the last token arrived
     tokens: int
+    text: str = ""  # what was generated (HTTP requests only)
 
 
 @dataclass(frozen=True)
@@ -160,6 +162,7 @@ def http_request(port: int, work: Workload, i: int, fields: dict[str, Any]) -> S
     first = 0.0
     chunks = 0
     usage: int | None = None
+    pieces: list[str] = []
     try:
         conn.request("POST", "/v1/completions", body, {"Content-Type": "application/json"})
         reply = conn.getresponse()
@@ -174,10 +177,11 @@ def http_request(port: int, work: Workload, i: int, fields: dict[str, Any]) -> S
             if any(choice.get("text") for choice in event.get("choices", ())):
                 first = first or time.perf_counter()
                 chunks += 1
+                pieces += (choice.get("text", "") for choice in event["choices"])
     finally:
         conn.close()
     ended = time.perf_counter()
-    return Sample(first - started, ended - started, usage if usage is not None else chunks)
+    return Sample(first - started, ended - started, usage if usage is not None else chunks, "".join(pieces))
 
 
 # --- llama_cpp in this process ------------------------------------------------------------------------

@@ -1,8 +1,8 @@
 """Which reused prefixes are exact: does a prompt continued from cells another prompt computed give the
 logits a fresh computation gives, when the prefix ends inside a 512-token chunk?
 
-The engine reuses cells in whole 512-token chunks only, because llama.cpp's CPU kernels give a row other
-numbers in batches of other sizes. This measures where that holds. For a prompt P2 of N tokens and a
+With ``reuse: exact`` the engine reuses cells in whole 512-token chunks only, because llama.cpp's CPU kernels
+give a row other numbers in batches of other sizes. This measures where that holds. For a prompt P2 of N tokens and a
 prompt P1 sharing its first A tokens (then another ending):
 
     fresh:  P2 in the decodes create_completion makes: [0, 512), [512, 1024), ... up to N

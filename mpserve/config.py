@@ -70,6 +70,7 @@ class ModelConfig:
     cache_shm: str | None = None  # the RAM tier's folder; None: STORE_DIR in the shared-memory folder
     cache_disk: str | None = None  # the disk tier's folder; None: no disk tier
     cache_disk_size: int = 4 << 30  # its bytes
+    reuse: str = "any"  # which cells a prompt starts from: any shared prefix, or exact (whole prompt chunks only)
     slot_save_path: str | None = None  # the folder of slot files (save and restore); None: off
     devices: tuple[int, ...] | None = None  # pin the model's instances to these GPU indices
     requires_memory: int | None = None  # declared GPU bytes per instance; None: estimated from the GGUF
@@ -207,6 +208,7 @@ _FLASH_ATTN_SPELLINGS = {True: "on", False: "off", "true": "on", "false": "off",
                          "yes": "on", "no": "off"}
 _LOG_LEVELS = settings.BY_KEY["log_level"].choices or ()
 _POOLINGS = settings.BY_KEY["pooling"].choices or ()
+_REUSE_MODES = settings.BY_KEY["reuse"].choices or ()
 
 
 def load_file(path: str | os.PathLike[str]) -> dict[str, Any]:
@@ -362,6 +364,9 @@ def _model(index: int, entry: Any, overrides: Mapping[str, Any], source: str) ->
         raise ConfigError(f"{where}.path: unknown built-in model {path!r}; allowed: {_builtin_names()}")
     if values.get("pooling") is not None and values["pooling"] not in _POOLINGS:
         raise ConfigError(f"{where}.pooling: got {values['pooling']!r}, allowed: {', '.join(_POOLINGS)}")
+    if values.get("reuse", "any") not in _REUSE_MODES:
+        raise ConfigError(f"{where}.reuse: got {values['reuse']!r}, allowed: {', '.join(_REUSE_MODES)} (exact: output "
+                          "equal to a fresh computation)")
     if values.get("pooling") is not None and not values.get("embedding"):
         raise ConfigError(f"{where}.pooling: applies to embedding models; set embedding: true too")
     if values.get("embedding") and path == ECHO_MODEL:

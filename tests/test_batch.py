@@ -56,7 +56,8 @@ def llm(model_path: str) -> Iterator[llama_cpp.Llama]:
 def make_engine(model_path: str, parallel: int, budget: int = 64, kv_unified: bool = False,
                 flash_attn: str = "off") -> BatchEngine:
     return BatchEngine(model_path, n_ctx=N_CTX, parallel=parallel, threads=1, n_gpu_layers=0,
-                       step_budget_tokens=budget, kv_unified=kv_unified, flash_attn=flash_attn)
+                       step_budget_tokens=budget, kv_unified=kv_unified, flash_attn=flash_attn,
+                       reuse="exact")  # these tests compare with a fresh computation
 
 
 class Recorder:
@@ -294,6 +295,68 @@ def test_prompts_admitted_together_compute_their_shared_prefix_once(model_path: 
     assert together[1].reused_tokens == PROMPT_CHUNK  # it waited for the other's first chunk, then copied it
     assert stats.prefix_copies == 1
     assert stats.prompt_tokens_computed == sum(r.prompt_tokens - r.reused_tokens for r in together)
+
+
+@pytest.mark.timeout(300)
+def test_exact_holds_when_long_prompts_sharing_a_preamble_run_at_once(model_path: str) -> None:
+    """Five prompts sharing a preamble longer than a chunk, four slots, run at once with ``reuse: exact``: each
+    token and its log-probability equal a fresh computation's. With contexts past 256 cells, llama.cpp's CPU
+    flash attention computes a lone query with a kernel of its own (its cells split among the threads), so a
+    long sequence decoded in one batch with others got other numbers than alone."""
+    preamble = LONG_PROMPT[:2400]
+    requests = [(preamble + ending, greedy(12, logprobs=1))
+                for ending in (" and then", " so the dog", " but the sea", " or a sky", " the end")]
+
+    def engine(parallel: int) -> BatchEngine:  # two threads: one thread computes a lone query as a batch does
+        return BatchEngine(model_path, n_ctx=N_CTX, parallel=parallel, threads=2, n_gpu_layers=0, reuse="exact")
+
+    fresh = []
+    alone = engine(1)
+    try:
+        for request in requests:
+            alone.erase_slot(0)
+            fresh.extend(serve(alone, [request]))
+    finally:
+        alone.close()
+    together = engine(4)
+    try:
+        at_once = serve(together, requests)
+    finally:
+        together.close()
+    assert [r.reused_tokens for r in at_once].count(PROMPT_CHUNK) >= 3  # the preamble's chunk, copied
+    assert all(r.prompt_tokens > 2 * 256 for r in at_once)
+    for a, f in zip(at_once, fresh, strict=True):
+        assert a.text == f.text
+        assert a.logprobs == f.logprobs
+
+
+@pytest.mark.timeout(120)
+def test_reuse_any_starts_from_a_shared_prefix_of_any_length_generated_tokens_included(model_path: str) -> None:
+    """``reuse: any``: the next turn of a chat computes only what is new (the reply's cells are reused), a prompt
+    shorter than what a slot holds reuses all but its last token, and another slot's cells are copied at any
+    length."""
+    engine = BatchEngine(model_path, n_ctx=N_CTX, parallel=2, threads=1, n_gpu_layers=0)  # reuse: any, the default
+    try:
+        first = serve(engine, [(PROMPTS[3], greedy(24))])[0]
+        turn = PROMPTS[3] + first.text + " And then"
+        slot, reusable = engine.best_slot(turn)
+        assert reusable > first.prompt_tokens  # the reply's cells too
+        before = engine.stats()
+        second = serve(engine, [(turn, greedy(8))])[0]
+        after = engine.stats()
+        assert second.reused_tokens == reusable
+        assert after.prompt_tokens_computed - before.prompt_tokens_computed == second.prompt_tokens - reusable
+        shorter = PROMPTS[3][:20]
+        held = engine.best_slot(shorter)
+        assert held[1] == len(engine._tokenize(shorter)) - 1  # the last prompt token is computed again
+        copies = engine.stats().prefix_copies
+        engine.admit(1 - slot, turn + " more", greedy(4), lambda text, n: True)  # the other slot: copied over
+        while engine.active:
+            engine.step()
+        assert engine.stats().prefix_copies == copies + 1
+        assert engine.kv_cells(1 - slot) > second.prompt_tokens
+    finally:
+        engine.close()
 
 
 @pytest.mark.timeout(60)

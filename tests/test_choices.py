@@ -23,7 +23,8 @@ SAMPLED = {"temperature": 0.9, "top_k": 20, "ignore_eos": True}
 
 @pytest.fixture(scope="module")
 def four_slots() -> Iterator[ServerProcess]:
-    server = ServerProcess("--instances", "1", "--parallel", "4", "--n-ctx", "1280").wait_ready()
+    server = ServerProcess("--instances", "1", "--parallel", "4", "--n-ctx", "1280",
+                           "--reuse", "exact").wait_ready()  # choices are compared with requests of their own
     yield server
     server.stop()
 

@@ -78,9 +78,10 @@ def fresh_store() -> str:
                             else None)
 
 
-def tiny_engine(parallel: int, cache_ram: int, kv_unified: bool = False) -> BatchEngine:
+def tiny_engine(parallel: int, cache_ram: int, kv_unified: bool = False, reuse: str = "exact") -> BatchEngine:
+    """``reuse`` exact unless told: most tests here compare with a fresh computation."""
     return BatchEngine(str(builtin_model_path("tiny")), n_ctx=1024, parallel=parallel, threads=1, n_gpu_layers=0,
-                       kv_unified=kv_unified, cache_ram=cache_ram, cache_shm=fresh_store())
+                       kv_unified=kv_unified, cache_ram=cache_ram, cache_shm=fresh_store(), reuse=reuse)
 
 
 @pytest.mark.timeout(120)
@@ -168,6 +169,26 @@ def test_filling_the_store_past_its_size_evicts_and_recent_entries_still_hit() -
         engine.close()
 
 
+@pytest.mark.timeout(120)
+def test_with_reuse_any_a_conversation_pushed_out_continues_from_its_reply() -> None:
+    """``reuse: any`` keeps all of a slot's cells, the reply's included: the next turn restores them and computes
+    only the new turn, however many chunks they make."""
+    engine = tiny_engine(1, 64 << 20, reuse="any")
+    try:
+        first = run(engine, 0, LONG[:3000])
+        run(engine, 0, others(1)[0])  # pushes the conversation out of the only slot, into the cache
+        before = engine.stats()
+        turn = LONG[:3000] + first.text + " and then"
+        second = run(engine, 0, turn, 4)
+        after, cache = engine.stats(), engine.cache_stats()
+    finally:
+        engine.close()
+    assert first.prompt_tokens % PROMPT_CHUNK and second.reused_tokens > first.prompt_tokens  # the reply's cells too
+    assert after.prompt_tokens_restored - before.prompt_tokens_restored == second.reused_tokens
+    assert after.prompt_tokens_computed - before.prompt_tokens_computed == second.prompt_tokens - second.reused_tokens
+    assert cache.hits == 1
+
+
 @pytest.mark.timeout(60)
 def test_cache_ram_zero_keeps_nothing() -> None:
     engine = tiny_engine(1, 0)
@@ -183,7 +204,8 @@ def test_cache_ram_zero_keeps_nothing() -> None:
 @pytest.mark.timeout(120)
 def test_through_the_server_a_prompt_pushed_out_of_every_slot_reports_restored_tokens_as_cached(
         start_server: type[ServerProcess]) -> None:
-    server = start_server("--parallel", "2", "--n-ctx", "1024", "--cache-ram", "64MiB").wait_ready()
+    server = start_server("--parallel", "2", "--n-ctx", "1024", "--cache-ram", "64MiB",
+                          "--reuse", "exact").wait_ready()
     follow_up = LONG + " and then the cat sat"
     with Client(server.address, timeout=60) as client:
         first = client.generate(LONG, max_tokens=8, temperature=0)
@@ -207,7 +229,8 @@ def test_through_the_server_a_prompt_pushed_out_of_every_slot_reports_restored_t
 @pytest.mark.timeout(120)
 def test_with_two_instances_a_prompt_one_computed_is_restored_by_the_other_from_the_host_store(
         start_server: type[ServerProcess]) -> None:
-    server = start_server("--instances", "2", "--parallel", "1", "--n-ctx", "1024", "--cache-ram", "64MiB").wait_ready()
+    server = start_server("--instances", "2", "--parallel", "1", "--n-ctx", "1024", "--cache-ram", "64MiB",
+                          "--reuse", "exact").wait_ready()
     follow_up = LONG + " and then the cat sat"
     with Client(server.address, timeout=60) as client:
         first = client.generate(LONG, max_tokens=8, temperature=0)
@@ -304,7 +327,7 @@ def mpserve(*args: str) -> subprocess.CompletedProcess[str]:
 @pytest.mark.timeout(180)
 def test_a_slot_saved_with_the_cli_survives_a_restart_and_bad_files_are_refused(
         start_server: type[ServerProcess], tmp_path: Path) -> None:
-    args = ("--n-ctx", "1024", "--cache-ram", "0", "--slot-save-path", str(tmp_path))
+    args = ("--n-ctx", "1024", "--cache-ram", "0", "--slot-save-path", str(tmp_path), "--reuse", "exact")
     follow_up = LONG + " and then the cat sat"
     server = start_server(*args).wait_ready()
     with Client(server.address, timeout=60) as client:
@@ -349,7 +372,7 @@ def test_on_the_real_model_a_state_restored_from_ram_continues_exactly(real_mode
     def engine(cache_ram: int) -> BatchEngine:
         return BatchEngine(real_model.path, n_ctx=2048, parallel=1, threads=2, n_gpu_layers=0,
                            repack=real_model.repack, cache_type_k=kv, cache_type_v=kv, cache_ram=cache_ram,
-                           cache_shm=fresh_store())
+                           cache_shm=fresh_store(), reuse="exact")
 
     fresh = engine(0)
     try:

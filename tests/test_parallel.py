@@ -52,8 +52,8 @@ async def _concurrently(address: str, prompts: list[str], **params: object) -> l
 
 @pytest.mark.timeout(120)
 def test_four_slots_of_one_instance_give_the_same_greedy_text_as_one_at_a_time(start_server) -> None:
-    batched = start_server("--parallel", "4").wait_ready()
-    single = start_server("--parallel", "1").wait_ready()
+    batched = start_server("--parallel", "4", "--reuse", "exact").wait_ready()
+    single = start_server("--parallel", "1", "--reuse", "exact").wait_ready()
     params = {"max_tokens": 40, "temperature": 0}
     together = asyncio.run(_concurrently(batched.address, PROMPTS, **params))
     with Client(single.address) as client:
@@ -103,7 +103,7 @@ def test_cancelling_one_of_four_sequences_leaves_the_others_unchanged(start_serv
     from mpserve import AsyncClient
     from mpserve.errors import Cancelled
 
-    server = start_server("--parallel", "4", "--n-ctx", "2048").wait_ready()
+    server = start_server("--parallel", "4", "--n-ctx", "2048", "--reuse", "exact").wait_ready()
     params = {"max_tokens": 300, "temperature": 0}
     expected = asyncio.run(_concurrently(server.address, PROMPTS[1:], **params))
 

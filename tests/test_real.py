@@ -66,7 +66,8 @@ def reference(real_model: RealModel) -> Iterator[Reference]:
 @pytest.fixture(scope="module", params=[1, 4], ids=["parallel-1", "parallel-4"])
 def server(request: pytest.FixtureRequest, real_model: RealModel) -> Iterator[ServerProcess]:
     server = ServerProcess("--model", real_model.path, "--name", "gemma", "--parallel", str(request.param),
-                           "--n-ctx", str(N_CTX), "--stream-interval", "0").wait_ready(120)  # repack: auto
+                           "--n-ctx", str(N_CTX), "--stream-interval", "0",
+                           "--reuse", "exact").wait_ready(120)  # repack: auto; exact: compared with fresh ones
     yield server
     server.stop()
 

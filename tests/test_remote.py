@@ -190,7 +190,7 @@ def test_a_restarted_broker_learns_what_the_pools_host_store_holds_when_its_work
     port = free_port()
     server = broker(start_server, port, name="cache-view")
     pools("pool-c", f"tcp://127.0.0.1:{port}", "--instances", "2", "--parallel", "1", "--n-ctx", "1024",
-          "--cache-ram", "64MiB")
+          "--cache-ram", "64MiB", "--reuse", "exact")
     wait_for(lambda: sum(registered(server.address).values()) == 2, 30, "the pool to register")
     with Client(server.address, timeout=60) as client:
         holder = client.generate(LONG, max_tokens=8, temperature=0).worker

@@ -59,7 +59,7 @@ def draft_path() -> str:
 def make_engine(model_path: str, parallel: int, speculative: Speculative | None,
                 flash_attn: str = "auto") -> BatchEngine:
     return BatchEngine(model_path, n_ctx=N_CTX, parallel=parallel, threads=1, n_gpu_layers=0,
-                       speculative=speculative, flash_attn=flash_attn)
+                       speculative=speculative, flash_attn=flash_attn, reuse="exact")  # compared with fresh ones
 
 
 def serve(engine: BatchEngine, requests: list[tuple[str, GenerateParams]],
@@ -209,7 +209,7 @@ def test_a_server_that_speculates_answers_http_streamed_and_not_with_the_unspecu
     # tiny-draft costs about what tiny costs (the decodes are mostly overhead): measured sizing would not draft
     setting = "ngram" if kind == "ngram" else f"{{type: draft, model: {draft_path}, sizing: fixed}}"
     server = ServerProcess("--parallel", "2", "--threads", "1", "--n-ctx", str(N_CTX), "--speculative", setting,
-                           "--http", f"127.0.0.1:{port}").wait_ready()
+                           "--reuse", "exact", "--http", f"127.0.0.1:{port}").wait_ready()
     try:
         wait_for(lambda: http_up(url), 30, "the gateway answers /health")
         drafted = accepted = 0
@@ -312,7 +312,7 @@ def test_the_draft_keeps_up_with_reused_copied_cached_and_carried_tokens(model_p
     plain = run(model_path, 2, None, requests)
     engine = BatchEngine(model_path, n_ctx=N_CTX, parallel=2, threads=1, n_gpu_layers=0,
                          speculative=drafting(draft_path), cache_ram=64 << 20,
-                         cache_shm=tempfile.mkdtemp())
+                         cache_shm=tempfile.mkdtemp(), reuse="exact")
     try:
         drafted = serve(engine, requests)
         stats, cache = engine.stats(), engine.cache_stats()

@@ -24,7 +24,7 @@ FREE = "<start_of_turn>user\nWrite a short poem about the sea.<end_of_turn>\n<st
 
 def run(model: RealModel, parallel: int, speculative: Speculative | None, prompts: list[str]) -> list[Completion]:
     engine = BatchEngine(model.path, n_ctx=1024, parallel=parallel, threads=2, n_gpu_layers=0, repack=model.repack,
-                         speculative=speculative)
+                         speculative=speculative, reuse="exact")
     try:
         results: dict[int, Completion] = {}
         for slot, prompt in enumerate(prompts):

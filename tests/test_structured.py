@@ -64,7 +64,8 @@ def assert_valid(text: str, schema: Any) -> None:
 
 @pytest.fixture(scope="module")
 def engine() -> Iterator[BatchEngine]:
-    engine = BatchEngine(str(builtin_model_path("tiny")), n_ctx=1024, parallel=4, threads=1, n_gpu_layers=0)
+    engine = BatchEngine(str(builtin_model_path("tiny")), n_ctx=1024, parallel=4, threads=1, n_gpu_layers=0,
+                         reuse="exact")  # neighbours are compared with their text alone
     yield engine
     engine.close()
 
@@ -139,7 +140,7 @@ def test_llama_cpp_refusing_a_grammar_is_a_bad_request_at_admission(engine: Batc
 
 @pytest.fixture(scope="module")
 def server() -> Iterator[ServerProcess]:
-    server = ServerProcess("--instances", "1", "--parallel", "4").wait_ready()
+    server = ServerProcess("--instances", "1", "--parallel", "4", "--reuse", "exact").wait_ready()
     yield server
     server.stop()
 

@@ -35,34 +35,42 @@ last row's logits (``_twins``): the whole prompt is computed once.
 
 Beyond the slots, the host store (``mpserve.engine.host_store``: shared by every compatible instance on the
 host, in RAM, with a disk tier under it): a prompt's whole chunks are saved there as soon as they are computed
-(so they outlive this instance), and before admission cuts a slot's cells the whole chunks it would lose are saved,
-unless another slot or the store holds them; a prompt whose whole chunks the store holds more of than any slot
-gets them restored into its slot instead of computed (reported as reused, like cells a slot kept). An entry saved
+(so they outlive this instance), and before admission cuts a slot's cells the cells it would lose are saved (all,
+generated tokens included; with ``reuse: exact``, the whole chunks), unless another slot or the store holds them;
+a prompt whose prefix the store holds more of than any slot (with ``reuse: exact``, in whole chunks) gets it
+restored into its slot instead of computed (reported as reused, like cells a slot kept). An entry saved
 from a text prompt carries the block hashes of the text its tokens spell; ``take_cache_changes`` hands the
 entries added and dropped since the last call to the worker, which tells the broker (its routing sends a
 prompt to the instance holding its prefix).
 
-Prompts are computed in chunks of PROMPT_CHUNK tokens from position 0, each chunk in a llama_decode of
-its own: the decodes ``llama_cpp.Llama`` makes for the same prompt. That is what makes reuse exact.
-llama.cpp's CPU kernels give a token slightly different numbers depending on how many tokens its batch
-holds (with quantized weights, enough to change a greedy choice), so a prompt's tail computed after
-reused cells would not give what the whole prompt computed at once gives. Only whole chunks are reused
-or copied, so the tokens computed after them are computed in the very chunks a fresh computation uses;
-a shared prefix shorter than a chunk is computed again. Cells that the memory no longer holds (a
-sliding-window cache drops what its window has passed, a recurrent state cannot be cut back) are never
-reused: the prompt is computed from the start, and the log says so once per model.
+What a prompt may start from is the ``reuse`` mode. ``any`` (the default, llama-server's behaviour): the
+longest prefix any cells hold, at any length, generated tokens included: after a reply a slot's cells hold
+the prompt and the reply (all but the last token sampled), and a cache entry saved from them keeps them all,
+so the next turn of a chat computes only what is new. ``exact``: whole prompt chunks only, so that output
+equals a fresh computation. Prompts are computed in chunks of PROMPT_CHUNK tokens from position 0, each chunk
+in a llama_decode of its own: the decodes ``llama_cpp.Llama`` makes for the same prompt. llama.cpp's CPU
+kernels give a token slightly different numbers depending on how many tokens its batch holds (with quantized
+weights, enough to change a greedy choice), so a prompt's tail computed after reused cells would not give
+what the whole prompt computed at once gives. With ``exact`` only whole chunks are reused, copied or restored,
+so the tokens computed after them are computed in the very chunks a fresh computation uses (a shared prefix
+shorter than a chunk is computed again), and a sequence with a long context decodes in a llama_decode of its
+own (``_decodes``). Either way the last prompt token is computed (its logits pick the first token), and cells
+that the memory no longer holds (a sliding-window cache drops what its window has passed, a recurrent state
+cannot be cut back) are never reused: the prompt is computed from the start, and the log says so once per
+model.
 
 A request asking for its prompt's log-probabilities (``prompt_logprobs``, for echo) needs a logits row for
 every prompt token: its prefill chunks (of SCORED_CHUNK tokens, which bounds the logits buffer) request
 logits on all their rows, scored after the decode (``_score_prompt``); it never starts from cached cells,
 its own or copied (their rows are gone), and its cells are never reused.
 
-Greedy output equals ``llama_cpp.Llama.create_completion(prompt, temperature=0)`` with the same flash
-attention setting: the same tokens (BOS, then the prompt tokenized without specials added and with
+With ``reuse: exact``, greedy output equals ``llama_cpp.Llama.create_completion(prompt, temperature=0)`` with
+the same flash attention setting: the same tokens (BOS, then the prompt tokenized without specials added and with
 special tokens parsed), the same context settings, the same prompt decodes, the same sampler chain
 (``mpserve.engine.sampling``). Decoding K sequences in one batch relies on a row's logits not depending on the
 other rows, which holds for the small batches of one token per sequence that llama.cpp's kernels treat
-like one row (docs/concepts.md: "Exact output"). Not thread-safe:
+like one row, and for the one-token rows of sequences with short contexts (docs/concepts.md: "Exact output").
+Not thread-safe:
 one thread admits, cancels and steps; an on_token callback may call ``cancel`` but not ``admit``.
 """
 
@@ -112,14 +120,24 @@ supports it (always on a CPU), as llama-server does by default."""
 PROMPT_CHUNK = 512
 """Prompt tokens per llama_decode, from position 0: llama_cpp.Llama's batch size (n_batch), so a prompt
 is computed in the decodes create_completion makes. Also the prompt tokens per step while no sequence is
-decoding, and the unit of reuse: cells are reused or copied in whole chunks only."""
+decoding, and with ``reuse: exact`` the unit of reuse: cells are reused or copied in whole chunks only."""
 
 SCORED_CHUNK = 64
 """Prompt tokens per llama_decode for a prompt whose every row is scored (``prompt_logprobs``). Each row's
 logits take a vocabulary's worth of floats, and llama.cpp keeps the largest output buffer a context ever
 needed until the context is freed: scored in whole prompt chunks, one echo request on a model with a large
 vocabulary would leave the instance holding far more memory than its KV cells. These cells are not computed
-in prompt chunks, so they are never reused, copied or kept in the prompt cache (``_whole_cells``)."""
+in prompt chunks, so with ``reuse: exact`` they are never reused, copied or kept in the prompt cache
+(``_whole_cells``)."""
+
+REUSE_MODES = ("any", "exact")
+"""What a prompt may start from: ``any`` computed cells holding a prefix of it, of any length; ``exact`` whole
+prompt chunks of them only, so that output equals a fresh computation."""
+
+LONE_KV_CELLS = 256
+"""The most cells a sequence holds and still decodes in a batch with others under ``reuse: exact``: llama.cpp pads
+the cells an attention reads to a multiple of 256, and its CPU flash attention gives a lone query over 512 or more
+of them a kernel of its own (``_decodes``)."""
 
 
 @dataclass(frozen=True)
@@ -210,13 +228,14 @@ class BatchEngine:
                  step_budget_tokens: int = 64, *, kv_unified: bool = False, flash_attn: str = "auto",
                  repack: bool = True, speculative: Speculative | None = None, cache_type_k: str = DEFAULT_KV_TYPE,
                  cache_type_v: str = DEFAULT_KV_TYPE, cache_ram: int = 0, cache_shm: str | None = None,
-                 cache_disk: str | None = None, cache_disk_size: int = 0, model: Any = None,
+                 cache_disk: str | None = None, cache_disk_size: int = 0, reuse: str = "any", model: Any = None,
                  chat_template: str | None = None) -> None:
         """``model``: the llama.cpp model of ``path``, loaded already (by the zygote this process was forked
         from, ``mpserve.worker.zygote``), used instead of loading the file; the engine owns it from then on.
         ``cache_ram`` bytes in ``cache_shm`` and ``cache_disk_size`` bytes in ``cache_disk``: the host store's
-        tiers (``mpserve.engine.host_store``; no store without a RAM tier). ``chat_template``: the template it
-        reports instead of the GGUF's (``read_chat_template``)."""
+        tiers (``mpserve.engine.host_store``; no store without a RAM tier). ``reuse``: ``any`` starts a prompt
+        from the longest prefix of it that computed cells hold, ``exact`` from whole prompt chunks only (module
+        docstring). ``chat_template``: the template it reports instead of the GGUF's (``read_chat_template``)."""
         import llama_cpp
 
         if not 1 <= parallel <= llama_cpp.llama_max_parallel_sequences():
@@ -225,6 +244,8 @@ class BatchEngine:
             raise ValueError(f"flash_attn must be one of {', '.join(FLASH_ATTN_TYPES)}, got {flash_attn!r}")
         if cache_type_k not in KV_TYPES or cache_type_v not in KV_TYPES:
             raise ValueError(f"cache types must be among {', '.join(KV_TYPES)}, got {cache_type_k!r}, {cache_type_v!r}")
+        if reuse not in REUSE_MODES:
+            raise ValueError(f"reuse must be one of {', '.join(REUSE_MODES)}, got {reuse!r}")
         if step_budget_tokens < 1 or n_ctx < 2:
             raise ValueError("step_budget_tokens must be >= 1 and n_ctx >= 2")
         self._lib = llama_cpp
@@ -247,6 +268,7 @@ class BatchEngine:
         self._step_s = self._decode_s = 0.0
         self._computed = self._reused = self._generated = self._copies = self._restored = 0
         self._kv_unified = kv_unified
+        self._exact = reuse == "exact"
         self._prompt_cache: HostStore | None = None
         logging.getLogger("llama-cpp-python").setLevel(logging.ERROR)  # what Llama(verbose=False) does
         llama_cpp.llama_backend_init()
@@ -364,10 +386,15 @@ class BatchEngine:
                    key=lambda sr: (sr[1], -self._last_used[sr[0]]))
 
     def _reusable(self, slot: int, tokens: list[int]) -> int:
-        """Prompt tokens ``slot``'s cells hold, in whole chunks computed as prompt chunks; the last prompt
-        token is always computed again (its logits pick the first new token)."""
-        return _whole_chunks(min(common_prefix(self._kv_tokens(slot), tokens), len(tokens) - 1,
-                                 self._whole_cells(slot)))
+        """Prompt tokens ``slot``'s cells hold (with ``reuse: exact``, in whole chunks computed as prompt chunks);
+        the last prompt token is always computed again (its logits pick the first new token)."""
+        shared = min(common_prefix(self._kv_tokens(slot), tokens), len(tokens) - 1)
+        return _whole_chunks(min(shared, self._whole_cells(slot))) if self._exact else shared
+
+    def _usable(self, n: int) -> int:
+        """Of ``n`` leading cells or prompt tokens, how many a prompt may start from: all with ``reuse: any``,
+        whole prompt chunks with ``exact``."""
+        return _whole_chunks(n) if self._exact else n
 
     def _whole_cells(self, slot: int) -> int:
         """The leading cells of ``slot`` that are whole prompt chunks (a running sequence's, or what its last
@@ -408,7 +435,7 @@ class BatchEngine:
 
     def _catch_up(self) -> None:
         """Before a step: a prompt still being computed takes over another slot's cells when they hold more
-        of it (whole chunks), whether they were there when it was admitted or were computed since (two
+        of it (``_reusable``), whether they were there when it was admitted or were computed since (two
         requests with one system prompt, admitted together, compute it once)."""
         for seq in self._prefilling:
             if seq.score_prompt:
@@ -421,7 +448,7 @@ class BatchEngine:
                 seq.n_past = shared
 
     def _copy_source(self, slot: int, tokens: list[int]) -> tuple[int, int]:
-        """The other slot whose cells hold the longest prefix of ``tokens`` in whole chunks, and how many
+        """The other slot whose cells hold the longest prefix of ``tokens`` that may be reused, and how many
         tokens of it."""
         return max(((other, self._reusable(other, tokens)) for other in range(self.parallel) if other != slot),
                    key=lambda found: found[1], default=(slot, 0))
@@ -448,7 +475,10 @@ class BatchEngine:
                     "model": self._identity.model, "type_k": self._identity.cache_type_k,
                     "type_v": self._identity.cache_type_v, "kv_streams": self._identity.kv_streams,
                     "flash_attn": flash_attn, "repack": repack, "n_gpu_layers": n_gpu_layers,
-                    "llama_cpp": lib.__version__, "state_seq_version": lib.LLAMA_STATE_SEQ_VERSION}
+                    "llama_cpp": lib.__version__, "state_seq_version": lib.LLAMA_STATE_SEQ_VERSION,
+                    # a state saved with reuse: any may hold cells computed after a prefix of any length, which
+                    # exact must not start from: the two modes keep their entries apart
+                    "reuse": "exact" if self._exact else "any"}
         return HostStore(host_store.compatibility_key(identity), identity, ram_dir, ram_bytes,
                          Path(disk_dir) if disk_dir else None, disk_bytes, self.n_ctx)
 
@@ -469,9 +499,10 @@ class BatchEngine:
             store.put(kept, state, size, self._summary_of(kept, self._texts[seq.slot]))
 
     def _keep_in_cache(self, slot: int, tokens: list[int]) -> None:
-        """Before admitting ``tokens`` cuts ``slot``'s cells: save the whole chunks it would lose into the host
-        store, unless another slot or the store holds them already."""
-        whole, store = self._whole[slot], self._prompt_cache
+        """Before admitting ``tokens`` cuts ``slot``'s cells: save the cells it would lose (all, generated tokens
+        included; with ``reuse: exact``, the whole chunks) into the host store, unless another slot or the store
+        holds them already. Fewer than a chunk's cells are not kept: one decode computes them again."""
+        whole, store = (self._whole[slot] if self._exact else len(self._cached[slot])), self._prompt_cache
         if whole < PROMPT_CHUNK or self._reusable(slot, tokens) >= whole or store is None:
             return
         kept = self._cached[slot][:whole]
@@ -497,15 +528,17 @@ class BatchEngine:
 
     def _restore_from_cache(self, slot: int, tokens: list[int], reused: int) -> int:
         """The prompt tokens ``slot`` starts from: ``reused`` of its own cells, or more restored from the prompt
-        cache when it holds more whole chunks of ``tokens`` than any slot (a hit)."""
-        reusable, store = _whole_chunks(len(tokens) - 1), self._prompt_cache
-        if store is None or reusable == 0:
+        cache when it holds more of ``tokens`` than any slot (with ``reuse: exact``, in whole chunks; a hit). A prompt
+        with less than a chunk to reuse does not look (one decode computes it), as a slot's cells are not kept for
+        less."""
+        reusable, store = self._usable(len(tokens) - 1), self._prompt_cache
+        if store is None or reusable < PROMPT_CHUNK:
             return reused
         held = max(reused, self._copy_source(slot, tokens)[1])
         if held >= reusable:
             return reused  # the slots hold all there is to reuse: no need to look
         entry, shared = store.find(tokens)
-        restorable = _whole_chunks(min(shared, reusable))
+        restorable = self._usable(min(shared, reusable))
         loaded = store.load(entry) if entry is not None and restorable > held else None
         if loaded is None:
             store.count(hit=False)
@@ -604,7 +637,7 @@ class BatchEngine:
         reused = 0 if score_prompt else self._restore_from_cache(slot, tokens, self._take_cells(slot, tokens))
         self._cached[slot] = tokens[:reused]
         self._texts[slot] = prompt if isinstance(prompt, str) else ""
-        self._whole[slot] = reused
+        self._whole[slot] = reused if self._exact else 0  # cells reused at any length are no fresh computation's
         self._uses += 1
         self._last_used[slot] = self._uses
         seed = params.seed if params.seed is not None else self._rng.randrange(2**32 - 1)
@@ -664,8 +697,9 @@ class BatchEngine:
         batch = self._batch
         if decoding:
             self._propose(decoding)
+        for together in self._decodes(decoding):
             batch.n = 0
-            for seq in decoding:  # a sequence's next token, then its drafts (if any) at the positions after it
+            for seq in together:  # a sequence's next token, then its drafts (if any) at the positions after it
                 seq.output_row = batch.add(seq.next_token, seq.n_past, seq.slot)
                 for i, token in enumerate(seq.drafts, 1):
                     batch.add(token, seq.n_past + i, seq.slot)
@@ -673,7 +707,7 @@ class BatchEngine:
             rows, seconds = batch.n, self._decode()
             if self._speculative is not None:
                 self._row_costs.observe(rows, seconds)
-            done += self._sample_all(decoding)
+            done += self._sample_all(together)
         for seq in chunks:
             batch.n = 0
             n = _next_chunk(seq)
@@ -697,6 +731,18 @@ class BatchEngine:
         self._step_s += time.perf_counter() - started
         return done
 
+    def _decodes(self, decoding: list[_Sequence]) -> list[list[_Sequence]]:
+        """The decoding sequences grouped by llama_decode: all in one, except with ``reuse: exact`` and a KV
+        stream per slot, where a sequence with more than LONE_KV_CELLS cells decodes alone. llama.cpp gives a
+        lone query over that many cells its own attention kernel (the CPU's flash attention splits the cells
+        among threads and sums the parts), and a batch of several streams another: decoded together, such a
+        sequence gets other numbers than a fresh computation of it, enough to change a greedy choice."""
+        if not self._exact or self._kv_unified or len(decoding) < 2:
+            return [decoding] if decoding else []
+        long = [[seq] for seq in decoding if seq.n_past + 1 > LONE_KV_CELLS]
+        short = [seq for seq in decoding if seq.n_past + 1 <= LONE_KV_CELLS]
+        return ([short] if short else []) + long
+
     def _chunks(self, budget: int) -> list[_Sequence]:
         """The prompts that compute their next chunk this step, in admission order, while ``budget`` prompt
         tokens last (the first chunk always: a chunk is never cut)."""
@@ -706,7 +752,7 @@ class BatchEngine:
                 break
             if not seq.score_prompt and any(
                     lead.prompt == seq.prompt
-                    or _whole_chunks(min(common_prefix(lead.prompt, seq.prompt), len(seq.prompt) - 1)) > seq.n_past
+                    or self._usable(min(common_prefix(lead.prompt, seq.prompt), len(seq.prompt) - 1)) > seq.n_past
                     for lead in chosen):
                 continue  # an earlier prompt is computing this one's next tokens: copy them when it is done
             chosen.append(seq)
@@ -867,7 +913,7 @@ class BatchEngine:
         if seq in self._prefilling:
             self._prefilling.remove(seq)
         self._cached[seq.slot] = (seq.prompt + seq.generated)[:seq.n_past]
-        self._whole[seq.slot] = _whole_cells(seq)
+        self._whole[seq.slot] = _whole_cells(seq) if self._exact else 0
         first = seq.first_token_at or ended
         return seq.slot, Completion(
             text="".join(seq.pieces), finish_reason=reason, prompt_tokens=len(seq.prompt),

@@ -49,7 +49,7 @@ def build_engine(spec: EngineSpec, model: Any = None) -> Engine:
                        flash_attn=spec.flash_attn, repack=spec.repack, speculative=spec.speculative,
                        cache_type_k=spec.cache_type_k, cache_type_v=spec.cache_type_v, cache_ram=spec.cache_ram,
                        cache_shm=spec.cache_shm, cache_disk=spec.cache_disk, cache_disk_size=spec.cache_disk_size,
-                       model=model, chat_template=spec.chat_template)
+                       reuse=spec.reuse, model=model, chat_template=spec.chat_template)
 
 
 def _builder(model: Any) -> Callable[[EngineSpec], Engine]:

@@ -54,6 +54,7 @@ class EngineSpec:
     cache_disk: str | None = None  # the disk tier's folder; None: none
     cache_disk_size: int = 0  # its bytes
     chat_template: str | None = None  # Jinja2 served instead of the GGUF's ("": the ChatML default); None: the GGUF's
+    reuse: str = "any"  # any shared prefix, or exact: whole prompt chunks only (mpserve.engine.batch)
 
     @property
     def is_echo(self) -> bool:

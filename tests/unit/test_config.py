@@ -57,6 +57,7 @@ def test_threads_default_to_cores_divided_by_all_instances() -> None:
      "cache_type_v: q8_0 is a quantized type, which llama.cpp stores only with flash attention, and flash_attn is off"),
     ({"models": [{"cache_ram": "lots"}]}, "models\\[0\\].cache_ram: memory size 'lots' is not understood"),
     ({"models": [{"cache_ram": [1]}]}, "models\\[0\\].cache_ram: got \\[1\\], expected a string or an integer"),
+    ({"models": [{"reuse": "chunks"}]}, "models\\[0\\].reuse: got 'chunks', allowed: any, exact"),
 ])
 def test_bad_configuration_names_key_value_and_what_is_allowed(data: dict, problem: str) -> None:
     with pytest.raises(ConfigError, match=problem):
@@ -94,6 +95,16 @@ def test_the_host_stores_folders_are_created_and_one_that_cannot_be_written_is_r
     (tmp_path / "file").write_text("")
     with pytest.raises(ConfigError, match=r"models\[0\].cache_disk: cannot create the folder .*file/disk"):
         cfg.build({"models": [{"cache_disk": str(tmp_path / "file" / "disk")}]})
+
+
+def test_reuse_is_any_by_default_and_exact_reaches_the_engine_spec() -> None:
+    from mpserve.server.layout import build_layout, worker_specs
+
+    assert cfg.build().models[0].reuse == "any"
+    config = cfg.build({"models": [{"path": "echo", "reuse": "exact"}]})
+    assert config.models[0].reuse == "exact"
+    [spec] = worker_specs(config, build_layout(config), "tcp://127.0.0.1:1", Path("slots"))
+    assert spec.engine.reuse == "exact"
 
 
 def test_busy_poll_is_250_us_by_default_zero_turns_it_off_and_negative_is_refused() -> None:
