@@ -26,8 +26,8 @@ ANY_ONE: Any = {"type": "any", "disable_parallel_tool_use": True}
 
 @pytest.fixture(scope="module")
 def gateway(real_model: RealModel) -> Iterator[GatewayThread]:
-    server = ServerProcess("--model", real_model.path, "--name", "gemma", "--parallel", "2",
-                           "--n-ctx", "4096").wait_ready(120)
+    server = ServerProcess("--model", real_model.path, "--name", "gemma", "--parallel", "2",  # exact: the same
+                           "--n-ctx", "4096", "--reuse", "exact").wait_ready(120)  # greedy text whatever came before
     gw = GatewayThread(server_name=server.name)
     yield gw
     gw.stop()

@@ -103,7 +103,8 @@ def test_a_configured_template_reaches_the_gateway(start_server) -> None:
 
 @pytest.fixture(scope="module")
 def gemma(real_model: RealModel) -> Iterator[tuple[ServerProcess, GatewayThread]]:
-    server = ServerProcess("--model", real_model.path, "--name", "gemma", "--n-ctx", "512").wait_ready(120)
+    server = ServerProcess("--model", real_model.path, "--name", "gemma", "--n-ctx", "512",
+                           "--reuse", "exact").wait_ready(120)  # compared with a fresh computation
     gateway = GatewayThread(server_name=server.name)
     yield server, gateway
     gateway.stop()

@@ -20,7 +20,7 @@ from mpserve.engine.batch import PROMPT_CHUNK
 from mpserve.slots import SlotState
 
 FOLLOW_UP = LONG + " and then the cat sat"
-SERVER = ("--parallel", "1", "--n-ctx", "1024", "--cache-ram", "64MiB")
+SERVER = ("--parallel", "1", "--n-ctx", "1024", "--cache-ram", "64MiB", "--reuse", "exact")  # whole chunks
 
 
 def wait_for(check: Callable[[], object], timeout: float, what: str) -> None:
