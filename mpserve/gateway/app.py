@@ -27,14 +27,15 @@ while queued, running or streaming, cancels its request on the server at once. B
 OpenAI's shape, naming itself.
 
 Starlette on uvicorn: the smallest well-kept asyncio stack here (anyio, h11, click; pure Python), already
-used by llama-cpp-python's own server, and it runs on the loop that ``AsyncClient`` needs.
+used by llama-cpp-python's own server, and it runs on the loop that ``AsyncClient`` needs. What a streamed
+token costs here is ``encode``'s and ``guard``'s to keep small: events built in C, the events of chunks that
+arrived together sent together, and one socket write per turn of the loop (uvloop measured no gain).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
 import os
 import signal
@@ -44,11 +45,12 @@ from collections.abc import AsyncGenerator, AsyncIterator, Coroutine
 from dataclasses import asdict, dataclass, replace
 from typing import Any, TypeVar
 
+import anyio
 import uvicorn
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect, Request
-from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.responses import Response
 from starlette.routing import Route
 from starlette.types import ASGIApp, Receive, Scope, Send
 
@@ -59,10 +61,12 @@ from mpserve.slots import SlotState, locate
 
 from . import access, console, limits, schema, slots
 from . import embeddings as emb
+from . import encode as enc
 from . import openai as oai
 from . import tokens as tok
 from .admin import ADMIN_PREFIX, Admin
 from .backend import Backend
+from .encode import JSONResponse
 from .guard import ConnectionLimits, uvicorn_options
 from .metrics import CONTENT_TYPE, GatewayMetrics, ServerView
 from .monitor import RestartCounter, gpu_usage, health, monitor
@@ -162,6 +166,7 @@ class _Gateway:
     @contextlib.asynccontextmanager
     async def lifespan(self, app: Starlette) -> AsyncIterator[None]:
         sampler = asyncio.create_task(self._sample())
+        await anyio.sleep(0)  # loads anyio's asyncio backend (MiBs) now, not on the first request that needs it
         log.info("gateway for %s on http://%s:%d", self.backend.address, self.config.host, self.config.port)
         try:
             yield
@@ -235,27 +240,27 @@ class _Gateway:
             return Response(status_code=204)
         except MpserveError as exc:
             return self._failed(endpoint, exc)
-        return _EventStream(self._events(endpoint, stream, chunks, first, reply, started))
+        return enc.EventStream(self._events(endpoint, stream, chunks, first, reply, started))
 
     async def _events(self, endpoint: str, stream: Stream, chunks: AsyncIterator[str], first: str | None,
                       reply: oai.Reply, started: float) -> AsyncGenerator[bytes, None]:
+        """The answer's events; those of chunks that arrived together leave together (one send)."""
         ended = False
+        ready = bytearray()  # events not sent yet: the next chunk has arrived too
         try:
-            for chunk in reply.chunks(first, stream.chunk_logprobs, stream.chunk_index) if first is not None else ():
-                yield _event(chunk)
-            async for text in chunks:
-                for chunk in reply.chunks(text, stream.chunk_logprobs, stream.chunk_index):
-                    yield _event(chunk)
+            async for text in _after(first, chunks):
+                ready += enc.events(reply.chunks(text, stream.chunk_logprobs, stream.chunk_index))
+                if not stream.arrived:
+                    yield bytes(ready)
+                    ready.clear()
             assert stream.result is not None
             self._done(endpoint, reply.model, stream.results, started)
             ended = True
-            for last in reply.last(stream.results, stream.done_logprobs):
-                yield _event(last)
-            yield b"data: [DONE]\n\n"
+            yield bytes(ready + enc.events(reply.last(stream.results, stream.done_logprobs)) + enc.DONE)
         except MpserveError as exc:
             ended = True
             self.metrics.outcome(endpoint, exc.code)
-            yield _event(oai.HttpError.from_mpserve(exc).body())
+            yield bytes(ready + enc.event(oai.HttpError.from_mpserve(exc).body()))
         finally:
             if not ended:
                 self.metrics.outcome(endpoint, ErrorCode.CANCELLED)
@@ -406,12 +411,20 @@ async def _first(chunks: AsyncIterator[str]) -> str | None:
         return None
 
 
+async def _after(first: str | None, chunks: AsyncIterator[str]) -> AsyncIterator[str]:
+    """``first`` (unless None), then ``chunks``."""
+    if first is not None:
+        yield first
+    async for text in chunks:
+        yield text
+
+
 async def _unless_disconnected(request: Request, work: Coroutine[Any, Any, T]) -> T:
     """Await ``work`` unless the HTTP client disconnects first: then cancel it (which cancels the mpserve
     request) and raise ClientGone. Starlette only notices a disconnect while a response streams; this
     covers the time before, when a request may wait in the queue or run for long."""
     task = asyncio.ensure_future(work)
-    watcher = asyncio.ensure_future(_disconnected(request))
+    watcher = asyncio.ensure_future(enc.hang_up(request.receive))
     done: set[asyncio.Future[Any]] = set()
     try:
         done, _ = await asyncio.wait((task, watcher), return_when=asyncio.FIRST_COMPLETED)
@@ -423,32 +436,6 @@ async def _unless_disconnected(request: Request, work: Coroutine[Any, Any, T]) -
     if task in done:
         return task.result()
     raise ClientGone()
-
-
-async def _disconnected(request: Request) -> None:
-    while (await request.receive())["type"] != "http.disconnect":
-        pass
-
-
-def _event(obj: dict[str, Any]) -> bytes:
-    return b"data: " + json.dumps(obj, separators=(",", ":"), ensure_ascii=False).encode() + b"\n\n"
-
-
-class _EventStream(StreamingResponse):
-    """Server-sent events whose generator is always closed when the response ends. When the client leaves
-    while an event is being sent, Starlette cancels the send and leaves the generator to the garbage
-    collector; closing it here cancels the generation at once."""
-
-    def __init__(self, events: AsyncGenerator[bytes, None]) -> None:
-        super().__init__(events, media_type="text/event-stream",
-                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-        self._events = events
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        try:
-            await super().__call__(scope, receive, send)
-        finally:
-            await self._events.aclose()
 
 
 async def _openapi(request: Request) -> Response:
