@@ -44,14 +44,23 @@ computes everything after the last whole chunk again).
 
 llama-server loads its weights without repacking (``--no-repack``) where mpserve's probe finds this CPU's
 repacked kernels crash, as mpserve then does itself.
+
+``python -m bench.batching`` runs the 1×K rows alone (ZeroMQ and over HTTP, against llama-server), and
+variants of the HTTP row with other ``mpserve start`` options (``--variant 'threads-1=--threads 1'``):
+
+    python -m bench.batching [--model GGUF] [--ks 1,2,4,8] [--repeat 3] [--variant NAME=OPTIONS ...]
 """
 
 from __future__ import annotations
 
+import argparse
 import asyncio
+import os
+import shlex
 import tempfile
 import time
 from contextlib import ExitStack
+from pathlib import Path
 
 from mpserve import AsyncClient, Client
 from mpserve.repack import probe
@@ -70,7 +79,7 @@ from .load import (
     mpserve_load,
     mpserve_warm_up,
 )
-from .procs import HttpServer, MpserveServer, free_port, wait_http
+from .procs import HttpServer, MpserveServer, find_llama_server, free_port, wait_http
 from .settings import Settings
 
 KS = (1, 2, 4, 8)
@@ -383,3 +392,48 @@ async def _reply(address: str, prompt: str, max_tokens: int) -> tuple[float, str
 def _add(case: Case, served: LoadResult, peer: LoadResult) -> None:
     for figure, (_, _, read) in zip(case.figures, GENERATION_METRICS, strict=True):
         figure.add(read(served), read(peer))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(prog="python -m bench.batching", description="the 1×K rows of the batching "
+                                     "section alone: mpserve over ZeroMQ and over HTTP against llama-server")
+    parser.add_argument("--model", type=Path, help="GGUF file [default: the built-in bench model]")
+    parser.add_argument("--ks", default=",".join(map(str, KS)), help="concurrencies [default: %(default)s]")
+    parser.add_argument("--repeat", type=int, default=3, help="repeats [default: %(default)s]")
+    parser.add_argument("--llama-server", help="llama-server binary [default: on PATH, else /opt/llama-server*/]")
+    parser.add_argument("--variant", action="append", default=[], metavar="NAME=OPTIONS",
+                        help="one more HTTP row with these `mpserve start` options (may be repeated)")
+    args = parser.parse_args()
+    from mpserve.models.builtin import builtin_model_path
+
+    settings = Settings.make(quick=False, repeat=args.repeat, model=args.model or builtin_model_path("bench"),
+                             llama_server=find_llama_server(args.llama_server))
+    if settings.llama_server is None:
+        parser.error("no llama-server binary: put one on PATH or pass --llama-server")
+    variants = dict(v.split("=", 1) for v in args.variant)
+    work = Workload(max_tokens=64, n_ctx=settings.work.n_ctx, min_requests=1, budget_s=settings.work.budget_s)
+    print(f"{settings.model.name}, {settings.cores} cores, {args.repeat} repeats, {work.max_tokens} tokens per "
+          "request; ratio to llama-server: median [min–max over repeats]")
+    with tempfile.TemporaryDirectory(prefix="mpb-", dir="/tmp") as runtime:
+        os.environ["MPSERVE_RUNTIME_DIR"] = runtime
+        for k in map(int, args.ks.split(",")):
+            one = ["--instances", "1", "--threads", str(settings.cores), "--parallel", str(k)]
+            contenders = {f"1×{k}": one, f"1×{k} {OVER_HTTP}": [*one, "--http", f"127.0.0.1:{free_port()}"]}
+            contenders |= {f"1×{k} {OVER_HTTP}, {name}": [*one, *shlex.split(options), "--http",
+                                                          f"127.0.0.1:{free_port()}"]
+                           for name, options in variants.items()}
+            cases = {name: Case({}, [Figure(m, unit) for m, unit, _ in GENERATION_METRICS]) for name in contenders}
+            _measure(settings, work, k, contenders, cases)
+            for name, case in cases.items():
+                print(f"{name:>40}: " + "; ".join(_ratio(case.figure(m)) for m in ("tokens/s", "TTFT p50")),
+                      flush=True)
+
+
+def _ratio(figure: Figure) -> str:
+    ratios = [v / b for v, b in zip(figure.values, figure.baseline, strict=True) if b]
+    return (f"{figure.metric} {figure.value:.1f} vs {figure.base:.1f} {figure.unit}, "
+            f"{figure.ratio:.2f}× [{min(ratios):.2f}–{max(ratios):.2f}]")
+
+
+if __name__ == "__main__":
+    main()

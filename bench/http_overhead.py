@@ -10,25 +10,33 @@ a time, interleaved (ZeroMQ, HTTP, ZeroMQ, ...) so that drift in the machine's l
 
 Streamed requests (``Client.stream`` against server-sent events) are measured the same way.
 
+Time on a busy host is mostly waiting, so each path's CPU per request is measured too, per process (from
+the scheduler's counters, every thread): the gateway, the server (its broker), the worker, and this
+process (the client: httpx, or mpserve's ZeroMQ client). The paths take turns in blocks of ten requests,
+each block metered alone.
+
     python -m bench.http_overhead [--requests 200] [--max-tokens 8]
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import subprocess
 import sys
 import time
 from collections.abc import Callable
+from dataclasses import dataclass, field
 
 import httpx
 
 from mpserve import Client
 
 from .figures import percentile
-from .procs import MpserveServer, free_port, wait_http
+from .procs import MpserveServer, cpu_seconds, descendants, free_port, wait_http
 
 PROMPT = "The quick brown fox jumps over the lazy dog."
+BLOCK = 10  # requests of one path between turns (and per CPU reading)
 GATEWAY = ("from mpserve.gateway.app import GatewayConfig, serve; "
            "serve(GatewayConfig(port={port}, server_name={name!r}, log_level='warning'))")
 
@@ -67,30 +75,59 @@ def main() -> None:
                             pass
 
                 print(f"echo backend, {args.max_tokens} chunks per request, {args.requests} requests per path, "
-                      f"one at a time; p50 (p90)")
+                      f"one at a time; p50 (p90); CPU µs per request by process")
+                procs = {"gateway": [gateway.pid], "server": [server.proc.pid],
+                         "worker": descendants(server.proc.pid)}
                 for mode, zmq_call, http_call in (("whole", zmq_whole, http_whole),
                                                   ("streamed", zmq_streamed, http_streamed)):
-                    zmq_s, http_s = _interleaved(zmq_call, http_call, args.requests)
-                    z50, h50 = percentile(zmq_s, 50), percentile(http_s, 50)
-                    print(f"{mode:>9}: ZeroMQ {z50 * 1e6:.0f} µs ({percentile(zmq_s, 90) * 1e6:.0f}), "
-                          f"HTTP {h50 * 1e6:.0f} µs ({percentile(http_s, 90) * 1e6:.0f}); "
+                    zmq, web = _interleaved(zmq_call, http_call, args.requests, procs)
+                    z50, h50 = percentile(zmq.seconds, 50), percentile(web.seconds, 50)
+                    print(f"{mode:>9}: ZeroMQ {z50 * 1e6:.0f} µs ({percentile(zmq.seconds, 90) * 1e6:.0f}), "
+                          f"HTTP {h50 * 1e6:.0f} µs ({percentile(web.seconds, 90) * 1e6:.0f}); "
                           f"HTTP adds {(h50 - z50) * 1e6:.0f} µs, ratio {h50 / z50:.2f}×")
+                    for name, path in (("ZeroMQ", zmq), ("HTTP", web)):
+                        print(f"{'':>11}CPU {name:<6} {path.cpu_total():5.0f} µs = " + ", ".join(
+                            f"{proc} {us:.0f}" for proc, us in path.cpu_per_request().items()))
+                    print(f"{'':>11}CPU ratio {web.cpu_total() / zmq.cpu_total():.2f}×")
         finally:
             gateway.terminate()
             gateway.wait(10)
 
 
-def _interleaved(first: Callable[[], None], second: Callable[[], None], n: int) -> tuple[list[float], list[float]]:
+@dataclass
+class _Path:
+    seconds: list[float] = field(default_factory=list)  # per request
+    cpu_s: dict[str, float] = field(default_factory=dict)  # per process, over all requests
+
+    def cpu_per_request(self) -> dict[str, float]:
+        return {proc: s / len(self.seconds) * 1e6 for proc, s in self.cpu_s.items()}
+
+    def cpu_total(self) -> float:
+        return sum(self.cpu_per_request().values())
+
+
+def _interleaved(first: Callable[[], None], second: Callable[[], None], n: int,
+                 procs: dict[str, list[int]]) -> tuple[_Path, _Path]:
     for _ in range(max(5, n // 20)):  # warm up both paths (connections, caches)
         first()
         second()
-    a, b = [], []
-    for _ in range(n):
-        for call, out in ((first, a), (second, b)):
-            t0 = time.perf_counter()
-            call()
-            out.append(time.perf_counter() - t0)
+    a, b = _Path(), _Path()
+    for _ in range(max(1, n // BLOCK)):
+        for call, path in ((first, a), (second, b)):
+            before = _cpu_now(procs)
+            for _ in range(BLOCK):
+                t0 = time.perf_counter()
+                call()
+                path.seconds.append(time.perf_counter() - t0)
+            for proc, seconds in _cpu_now(procs).items():
+                path.cpu_s[proc] = path.cpu_s.get(proc, 0.0) + seconds - before[proc]
     return a, b
+
+
+def _cpu_now(procs: dict[str, list[int]]) -> dict[str, float]:
+    """CPU seconds so far of each group of processes, and of this one (the client)."""
+    return {**{proc: sum(cpu_seconds(pid) for pid in pids) for proc, pids in procs.items()},
+            "client": cpu_seconds(os.getpid())}
 
 
 if __name__ == "__main__":

@@ -122,7 +122,8 @@ class Stream:
     """Async iterator of text chunks; ``result`` holds the final Result once iteration has ended, and
     ``chunk_logprobs`` the log-probabilities of the chunk just yielded (when asked for). With ``n`` choices,
     ``chunk_index`` says whose chunk it was, ``results`` holds every choice's Result (``result`` the first's)
-    and ``done_logprobs`` each DONE's log-probabilities (of the tokens no chunk carried), by choice."""
+    and ``done_logprobs`` each DONE's log-probabilities (of the tokens no chunk carried), by choice.
+    ``arrived`` says whether the next step has its message already (so it will not wait)."""
 
     def __init__(self, client: AsyncClient, request: wire.Request) -> None:
         self._client = client
@@ -135,12 +136,17 @@ class Stream:
         self.done_logprobs: dict[int, wire.Logprobs | None] = {}
         self._done: dict[int, Result] = {}
         self._choice_logprobs: dict[int, list[wire.Logprobs]] = {}
+        self._queue: asyncio.Queue[Any] | None = None
 
     def __aiter__(self) -> AsyncGenerator[str, None]:
         return self._chunks()
 
+    @property
+    def arrived(self) -> bool:
+        return self._queue is not None and not self._queue.empty()
+
     async def _chunks(self) -> AsyncGenerator[str, None]:
-        queue = await self._client._submit(self._request)
+        queue = self._queue = await self._client._submit(self._request)
         try:
             while True:
                 msg = await self._client._next(queue, self._request)

@@ -6,7 +6,9 @@ The gateway may start before its server, outlive it, and see it restart: nothing
 client connects on first use and tries again on each use until a server answers; the address is looked up
 each time (``--connect`` fixes it; otherwise it follows the named local server's ServerInfo, as clients
 do; the admin address likewise: ``--admin-connect``, else the local server's). A connected client is kept:
-ZeroMQ reconnects it by itself when the server comes back there.
+ZeroMQ reconnects it by itself when the server comes back there. The ServerInfo file is read again only when
+it was replaced (a server writes a new one: another inode), so a request costs a ``stat``, not a read and a
+parse.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ from mpserve import protocol as wire
 from mpserve.client import AsyncClient
 from mpserve.errors import ConnectionFailed
 from mpserve.protocol import ChatTemplate
-from mpserve.runtime import ServerInfo, default_address
+from mpserve.runtime import ServerInfo, default_address, runtime_dir
 from mpserve.slots import SlotRow, SlotTable
 
 CONNECT_TIMEOUT_S = 2.0
@@ -48,6 +50,7 @@ class Backend:
         admin socket (None: the local server's, from its ServerInfo)."""
         self._address = address
         self._admin_address = admin_address
+        self._named: tuple[tuple[int, int] | None, str] | None = None  # (the info file's inode and mtime, address)
         self.server_name = server_name
         self._options: dict[str, Any] = {"timeout": request_timeout, "connect_timeout": CONNECT_TIMEOUT_S,
                                          "curve_server_key": curve_server_key, "curve_secret": curve_secret}
@@ -58,7 +61,18 @@ class Backend:
 
     @property
     def address(self) -> str:
-        return self._address or default_address(self.server_name)
+        return self._address or self._named_address()
+
+    def _named_address(self) -> str:
+        """``default_address(server_name)``, looked up again when the server's info file has changed."""
+        try:
+            st = os.stat(runtime_dir(create=False) / f"{self.server_name}.json")
+            seen: tuple[int, int] | None = (st.st_ino, st.st_mtime_ns)
+        except OSError:
+            seen = None
+        if self._named is None or self._named[0] != seen:
+            self._named = (seen, default_address(self.server_name))
+        return self._named[1]
 
     async def client(self) -> AsyncClient:
         """A connected client; raises ConnectionFailed while no server answers."""

@@ -31,8 +31,9 @@ from mpserve.errors import ErrorCode, MpserveError
 from . import limits
 from . import openai as oai
 from .backend import Backend
+from .encode import EventStream
 from .metrics import GatewayMetrics
-from .watch import ClientGone, EventStream, first, unless_disconnected
+from .watch import ClientGone, first, unless_disconnected
 
 
 class Answer(Protocol):

@@ -7,6 +7,11 @@
         not HTTP, or headers over h11's size limit: 400, closed
         Upgrade: websocket:                        answered as plain HTTP (no WebSocket protocol: the
                                                    gateway has no such route, and one would escape these limits)
+    the answer ──▶ _Coalesced: what one turn of the event loop writes ──▶ one write to the socket
+
+uvicorn writes a response's head, each body piece and its end apart, a system call each (and a wake-up of
+the client each); written within one turn of the loop they leave together: a whole answer in one write, a
+stream's head with its first event, its last event with its end.
 
 uvicorn times only the idle wait between requests, so a client that sends half a header holds its
 connection forever; here a deadline starts whenever the connection waits for a request and ends when its
@@ -21,7 +26,7 @@ import asyncio
 import http
 import json
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import h11
 from uvicorn.protocols.http.h11_impl import H11Protocol
@@ -63,7 +68,7 @@ class GuardedH11Protocol(H11Protocol):
     _refused = False
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
-        super().connection_made(transport)
+        super().connection_made(cast(asyncio.Transport, _Coalesced(transport, self.loop)))
         if len(self.connections) > self.limits.max_connections:
             self._refused = True
             self._close_with(oai.HttpError(503, "too_many_connections", f"the gateway has "
@@ -125,3 +130,32 @@ class GuardedH11Protocol(H11Protocol):
         if not self.transport.is_closing():
             self.transport.write(raw_response(err))
             self.transport.close()
+
+
+class _Coalesced:
+    """``transport``, whose writes within one turn of the event loop go out in one write, at its end (and
+    before a close)."""
+
+    def __init__(self, transport: asyncio.Transport, loop: asyncio.AbstractEventLoop) -> None:
+        self._transport = transport
+        self._loop = loop
+        self._parts: list[bytes] = []
+
+    def write(self, data: bytes) -> None:
+        if not self._parts:
+            self._loop.call_soon(self._flush)
+        self._parts.append(data)
+
+    def close(self) -> None:
+        self._flush()
+        self._transport.close()
+
+    def _flush(self) -> None:
+        if self._parts:
+            data = b"".join(self._parts)
+            self._parts.clear()
+            if not self._transport.is_closing():
+                self._transport.write(data)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._transport, name)
