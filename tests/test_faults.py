@@ -354,9 +354,10 @@ def test_after_the_broker_is_killed_its_workers_exit_and_the_name_can_be_reused(
 
 @pytest.mark.timeout(90)
 def test_a_model_that_cannot_load_fails_requests_with_the_load_error_and_does_not_restart_loop(
-        start_server, tmp_path: Path) -> None:
-    bad = tmp_path / "garbage.gguf"
-    bad.write_bytes(b"GGUF" + random.Random(6).randbytes(4096))  # past start's magic check; llama.cpp refuses it
+        start_server, tmp_path: Path, tiny_model_path: str) -> None:
+    bad = tmp_path / "cut.gguf"  # the tiny model cut short in its tensor data: start's checks read its header,
+    whole = Path(tiny_model_path).read_bytes()  # and llama.cpp's loader refuses it
+    bad.write_bytes(whole[:len(whole) * 9 // 10])
     with pytest.raises(Exception) as direct:  # the error llama.cpp gives for this file, loaded directly
         llama_cpp.Llama(model_path=str(bad), verbose=False)
     load_error = str(direct.value)

@@ -62,12 +62,12 @@ def test_a_model_unloaded_and_loaded_again_restores_its_prompts(start_server: ty
                                                                  tmp_path: Path) -> None:
     store = tmp_path / "shm"
     server = start_server(*SERVER, "--cache-shm", str(store)).wait_ready()
-    with Client(server.address, timeout=60) as client:
+    with Client(server.address, timeout=60) as client, Client(server.admin) as admin:
         client.generate(LONG, max_tokens=4, temperature=0)
-        client.control("unload", "tiny")
+        admin.control("unload", "tiny")
         wait_for(lambda: not worker_pid(server), 30, "the instance to stop")
         assert entries(store)  # written before the instance went
-        client.control("load", "tiny")
+        admin.control("load", "tiny")
         again = client.generate(FOLLOW_UP, max_tokens=4, temperature=0)
     assert again.timings.cached_tokens == PROMPT_CHUNK
     assert not server.tracebacks(), "\n".join(server.log)

@@ -90,7 +90,7 @@ def test_a_shared_prefix_goes_where_a_busy_slot_holds_it_and_is_copied(start_ser
 
 @pytest.mark.timeout(120)
 def test_a_repeated_long_prompt_reuses_the_cached_prefix(start_server) -> None:
-    server = start_server("--parallel", "2", "--n-ctx", "1024").wait_ready()
+    server = start_server("--parallel", "2", "--n-ctx", "1024", "--reuse", "exact").wait_ready()  # whole chunks
     with Client(server.address) as client:
         first, second = (client.generate(PREAMBLE + ending, max_tokens=4, temperature=0)
                          for ending in ("First?", "Second?"))

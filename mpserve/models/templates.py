@@ -147,7 +147,10 @@ def _fallback(gguf: str, hint: str) -> str | None:
     """None where the GGUF has a template; else its family's, said once per file (cached)."""
     from mpserve.gguf_header import read_header
 
-    metadata = read_header(gguf).metadata
+    try:
+        metadata = read_header(gguf).metadata
+    except ValueError:  # a header this reader cannot follow: the GGUF's own, as llama.cpp's loader reads it
+        return None
     if metadata.get("tokenizer.chat_template"):
         return None
     architecture = str(metadata.get("general.architecture", "unknown"))
