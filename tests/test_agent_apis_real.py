@@ -45,9 +45,9 @@ def test_the_greedy_text_is_the_same_through_all_three_apis(gateway: GatewayThre
     assert chat and chat == response.output_text == message.content[0].text  # type: ignore[union-attr]
 
 
-@pytest.mark.xfail(strict=True, reason="a known bug found at the merge of chat templates by family: with Gemma's own "
-                   "template an Agents SDK turn ends at max_output_tokens (response.incomplete); strict, so it fails "
-                   "the run once fixed and the mark must go")
+@pytest.mark.xfail(strict=True, reason="a known bug found when the branches were merged (it passed on its own branch; "
+                   "chat templates by family and the new event streams came with the merge): an Agents SDK turn on "
+                   "Gemma ends at max_output_tokens (response.incomplete); strict, so it fails the run once fixed")
 def test_the_agents_sdk_runs_an_agent_with_two_function_tools_to_its_answer(gateway: GatewayThread) -> None:
     import agents
     import openai
