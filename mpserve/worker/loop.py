@@ -208,6 +208,7 @@ class Worker:
         if now >= self._next_heartbeat:
             self._next_heartbeat = now + spec.heartbeat_interval
             self._send(wire.Heartbeat(spec.identity.decode()))
+            self._note_cache()  # what the store's writer thread and other instances changed meanwhile
         silent = now - self._heard > spec.heartbeat_interval * spec.heartbeat_liveness
         if not self._running and (self._must_register or (silent and now >= self._next_register)):
             if silent:  # on a new connection: the broker takes none under a name still connected (a dead link
@@ -344,8 +345,9 @@ class Worker:
                    request=req.id, tokens=0, kv_cells=engine.kv_cells(slot))
 
     def _note_cache(self) -> None:
-        """The prompt cache, in each of this instance's rows: after a load, an unload and an admission (the only
-        time it changes), when it changed (every row is written: each admission would cost ``parallel`` writes)."""
+        """The prompt cache, in each of this instance's rows, when it changed (every row is written): after a load,
+        an unload and an admission, and on each heartbeat (for the store's writer thread, which adds, evicts
+        and skips entries between admissions)."""
         s = self._engine.cache_stats() if self._engine is not None else None
         cache = CacheRow(s.bytes, s.capacity, s.hits, s.misses, s.evictions, s.disk_bytes, s.disk_capacity,
                          s.skipped) if s is not None else CacheRow.empty()
