@@ -166,18 +166,25 @@ def _fetch(ref: HubRef, filename: str) -> None:
                           "a Hugging Face Hub?")
     storage = Path(constants.HF_HUB_CACHE) / repo_folder_name(repo_id=ref.repo, repo_type="model")
     blob = storage / "blobs" / meta.etag
-    with _locked(meta.etag, filename):  # the same file under another name (a quant, a path) is pulled once too
-        if not blob.is_file():
+    link = storage / "snapshots" / meta.commit_hash / filename
+    with _locked(meta.etag, filename):  # the same file under another name (a quant, a path) is pulled once too,
+        if not blob.is_file():  # and its link made once
             sha256 = meta.etag if re.fullmatch(r"[0-9a-f]{64}", meta.etag) else None  # an LFS etag is the sha256
             download(meta.location, build_hf_headers(), blob, meta.size, sha256, Progress(filename))
-    link = storage / "snapshots" / meta.commit_hash / filename
-    link.parent.mkdir(parents=True, exist_ok=True)
-    if not link.exists():
-        link.unlink(missing_ok=True)  # a dangling link
-        link.symlink_to(os.path.relpath(blob, link.parent))
+        if not link.exists():
+            link.parent.mkdir(parents=True, exist_ok=True)
+            link.unlink(missing_ok=True)  # a dangling link
+            link.symlink_to(os.path.relpath(blob, link.parent))
     if ref.revision != meta.commit_hash:
         (storage / "refs").mkdir(exist_ok=True)
-        (storage / "refs" / ref.revision).write_text(meta.commit_hash)
+        _replace_text(storage / "refs" / ref.revision, meta.commit_hash)
+
+
+def _replace_text(path: Path, text: str) -> None:
+    """``path`` holds ``text``, written whole (another pull may be reading it at the same moment)."""
+    part = path.with_name(f".{path.name}.{os.getpid()}.part")
+    part.write_text(text)
+    os.replace(part, path)
 
 
 def _snapshot(ref: HubRef) -> Path | None:
