@@ -447,7 +447,9 @@ def test_instances_count_processes_and_slots_count_slots_everywhere(start_server
 
         def generate() -> None:
             with Client(server.address, timeout=150) as client:
-                done.append(client.generate("x", max_tokens=600, temperature=0))
+                # long enough for the checks below to see every slot busy (the tiny model writes 600 tokens in
+                # a fraction of a second)
+                done.append(client.generate("x", max_tokens=2000, temperature=0, ignore_eos=True))
 
         threads = [threading.Thread(target=generate) for _ in range(5)]  # 4 slots: one waits
         for thread in threads:
@@ -457,9 +459,12 @@ def test_instances_count_processes_and_slots_count_slots_everywhere(start_server
                             "every slot busy")
             assert (full["ready"], full["busy"], full["ready_slots"]) == (2, 2, 4)
             assert counts("busy") == (2, 4) and counts("idle") == (0, 0)
-            monitored = gw.get("/backend/monitor").json()["instances"]
-            assert [i["state"] for i in monitored] == ["busy", "busy"]
-            assert sum(s["request"] is not None for i in monitored for s in i["slots"]) == 4
+            # each slot with its request (a slot whose request just ended shows none until the waiting one takes
+            # it: a snapshot without that gap)
+            wait_for(lambda: (m := gw.get("/backend/monitor").json()["instances"]) and
+                     [i["state"] for i in m] == ["busy", "busy"] and
+                     sum(s["request"] is not None for i in m for s in i["slots"]) == 4, 30,
+                     "the monitor to show 2 busy instances with a request in each of their 4 slots")
             time.sleep(0.5)  # the fifth request waits past scale_up_after
         finally:
             for thread in threads:
