@@ -130,13 +130,15 @@ class ServerProcess:
 
 
 @pytest.fixture
-def start_server() -> Iterator[type[ServerProcess]]:
-    """Start servers with ``start_server(*args).wait_ready()``; all are stopped after the test."""
+def start_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[type[ServerProcess]]:
+    """Start servers with ``start_server(*args).wait_ready()``; all are stopped after the test. The servers of one
+    test share a host store of their own: none holds the prompts an earlier test left."""
     started: list[ServerProcess] = []
+    store = str(tmp_path_factory.mktemp("store"))
 
     class Tracked(ServerProcess):
-        def __init__(self, *args: str, **kwargs: object) -> None:
-            super().__init__(*args, **kwargs)  # type: ignore[arg-type]
+        def __init__(self, *args: str, env: dict[str, str] | None = None, **kwargs: object) -> None:
+            super().__init__(*args, env={"MPSERVE_CACHE_SHM": store, **(env or {})}, **kwargs)  # type: ignore[arg-type]
             started.append(self)
 
     yield Tracked

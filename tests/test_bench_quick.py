@@ -20,23 +20,34 @@ ALWAYS_MEASURED = {"dispatch", "broker", "scaling", "batching", "memory", "start
 MAY_BE_SKIPPED = {"peers", "permits"}  # need optional packages
 
 
+# two runs, each with half the sections, so that a parallel run of the suite can take them at once
+HALVES = {"dispatch": ["dispatch", "broker", "scaling", "peers", "permits"],
+          "batching": ["batching", "memory", "startup", "speculation"]}
+
+
 @pytest.mark.timeout(180)
-def test_quick_bench_reports_every_section_with_baselines(tmp_path: Path) -> None:
-    run = subprocess.run([sys.executable, "-m", "bench", "--quick", "--results", str(tmp_path)], cwd=REPO,
+@pytest.mark.parametrize("half", HALVES)
+def test_quick_bench_reports_every_section_with_baselines(tmp_path: Path, half: str) -> None:
+    # without llama-server, whether or not this machine has one: the same sections run everywhere (its rows are
+    # measured by python -m bench itself)
+    run = subprocess.run([sys.executable, "-m", "bench", "--quick", "--only", ",".join(HALVES[half]),
+                          "--llama-server", "", "--results", str(tmp_path)], cwd=REPO,
                          capture_output=True, text=True, timeout=170)
     assert run.returncode == 0, run.stdout + run.stderr
 
     report = run.stdout
     assert report.startswith("# mpserve bench (quick)")
     assert "## Targets" in report and "compete for CPU" in report
-    for title in ("Dispatch overhead", "The broker at scale", "Scaling", "Peers", "Batching", "Memory", "Permits",
-                  "Start-up", "Speculation"):
-        assert title in report
+    titles = {"dispatch": "Dispatch overhead", "broker": "The broker at scale", "scaling": "Scaling", "peers": "Peers",
+              "batching": "Batching", "memory": "Memory", "permits": "Permits", "startup": "Start-up",
+              "speculation": "Speculation"}
+    for key in HALVES[half]:
+        assert titles[key] in report
 
     (result,) = tmp_path.glob("bench-*.json")
     data = json.loads(result.read_text())
     sections = {s["key"]: s for s in data["sections"]}
-    assert set(sections) == ALWAYS_MEASURED | MAY_BE_SKIPPED
+    assert set(sections) == set(HALVES[half])
     assert all(s["error"] is None for s in sections.values())
     for key, section in sections.items():
         if section["skipped"]:
@@ -49,8 +60,17 @@ def test_quick_bench_reports_every_section_with_baselines(tmp_path: Path) -> Non
                 for number in (figure["median"], figure["baseline_median"], figure["ratio"]):
                     assert math.isfinite(number) and number > 0, (key, case["labels"], figure)
     targets = [t for s in sections.values() for t in s["targets"]]
-    assert {t["text"].split(",")[0] for t in targets} >= {"dispatch p50", "one request"}
-    assert all(isinstance(t["met"], bool) and t["measured"] > 0 for t in targets)
+    # a figure, not a speed: 0 is a legitimate measure (the broker's rate when no step kept its p99 budget)
+    assert all(isinstance(t["met"], bool) and math.isfinite(t["measured"]) and t["measured"] >= 0 for t in targets)
+    if half == "dispatch":
+        assert {t["text"].split(",")[0] for t in targets} >= {"dispatch p50", "one request"}
+
+
+def test_the_halves_are_every_section() -> None:
+    from bench.cli import SECTIONS
+
+    assert sorted(k for keys in HALVES.values() for k in keys) == sorted(SECTIONS)
+    assert set(SECTIONS) - MAY_BE_SKIPPED == ALWAYS_MEASURED
 
 
 @pytest.mark.timeout(120)
