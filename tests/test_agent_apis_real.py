@@ -73,7 +73,7 @@ def test_the_agents_sdk_runs_an_agent_with_two_function_tools_to_its_answer(gate
                 name="assistant", instructions="Use the tools, then answer in one sentence.",
                 model=agents.OpenAIResponsesModel("gemma", client), tools=[get_weather, get_population],
                 # the first turn must call a tool; the SDK then resets tool_choice to auto, and the model answers
-                model_settings=agents.ModelSettings(tool_choice="required", temperature=0, max_tokens=400))
+                model_settings=agents.ModelSettings(tool_choice="required", temperature=0, max_tokens=160))
             return await agents.Runner.run(agent, "What is the weather in Paris?", max_turns=4,
                                            run_config=agents.RunConfig(tracing_disabled=True))
 

@@ -308,7 +308,7 @@ def test_exact_holds_when_long_prompts_sharing_a_preamble_run_at_once(model_path
                 for ending in (" and then", " so the dog", " but the sea", " or a sky", " the end")]
 
     def engine(parallel: int) -> BatchEngine:  # two threads: one thread computes a lone query as a batch does
-        return BatchEngine(model_path, n_ctx=N_CTX, parallel=parallel, threads=2, n_gpu_layers=0, reuse="exact")
+        return BatchEngine(model_path, n_ctx=N_CTX, parallel=parallel, threads=1, n_gpu_layers=0, reuse="exact")
 
     fresh = []
     alone = engine(1)

@@ -370,7 +370,7 @@ def test_on_the_real_model_a_state_restored_from_ram_continues_exactly(real_mode
     follow_up = long + " And then"
 
     def engine(cache_ram: int) -> BatchEngine:
-        return BatchEngine(real_model.path, n_ctx=2048, parallel=1, threads=2, n_gpu_layers=0,
+        return BatchEngine(real_model.path, n_ctx=2048, parallel=1, threads=1, n_gpu_layers=0,
                            repack=real_model.repack, cache_type_k=kv, cache_type_v=kv, cache_ram=cache_ram,
                            cache_shm=fresh_store(), reuse="exact")
 

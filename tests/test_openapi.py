@@ -35,7 +35,7 @@ from schemathesis.checks import content_type_conformance, status_code_conformanc
 from schemathesis.core import NotSet  # noqa: E402
 from schemathesis.core.failures import FailureGroup  # noqa: E402
 
-EXAMPLES_PER_OPERATION = int(os.environ.get("MPSERVE_OPENAPI_EXAMPLES", "40"))
+EXAMPLES_PER_OPERATION = int(os.environ.get("MPSERVE_OPENAPI_EXAMPLES", "20"))
 SEED = os.environ.get("MPSERVE_OPENAPI_SEED")  # unset: derandomized
 LOG = os.environ.get("MPSERVE_OPENAPI_LOG")
 UNTIL = float(os.environ.get("MPSERVE_OPENAPI_UNTIL", "inf"))  # a time.time() after which no case is sent

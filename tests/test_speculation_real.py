@@ -22,8 +22,20 @@ COPY = ("<start_of_turn>user\nRewrite this passage word for word, but say 'tower
 FREE = "<start_of_turn>user\nWrite a short poem about the sea.<end_of_turn>\n<start_of_turn>model\n"
 
 
+_PLAIN: dict[tuple[int, tuple[str, ...]], list[Completion]] = {}
+
+
+def plain(model: RealModel, parallel: int, prompts: list[str]) -> list[Completion]:
+    """The completions without speculation (computed once for the tests that compare with them)."""
+    key = (parallel, tuple(prompts))
+    if key not in _PLAIN:
+        _PLAIN[key] = run(model, parallel, None, prompts)
+    return _PLAIN[key]
+
+
 def run(model: RealModel, parallel: int, speculative: Speculative | None, prompts: list[str]) -> list[Completion]:
-    engine = BatchEngine(model.path, n_ctx=1024, parallel=parallel, threads=2, n_gpu_layers=0, repack=model.repack,
+    # one thread, as the tests' servers have: the suite's other tests share the cores
+    engine = BatchEngine(model.path, n_ctx=1024, parallel=parallel, threads=1, n_gpu_layers=0, repack=model.repack,
                          speculative=speculative, reuse="exact")
     try:
         results: dict[int, Completion] = {}
@@ -40,9 +52,8 @@ def run(model: RealModel, parallel: int, speculative: Speculative | None, prompt
 def test_a_copy_heavy_prompt_takes_most_drafts_and_keeps_the_greedy_text(real_model: RealModel,
                                                                          parallel: int) -> None:
     prompts = [COPY, FREE][:parallel]
-    plain = run(real_model, parallel, None, prompts)
     speculated = run(real_model, parallel, Speculative(), prompts)
-    assert [c.text for c in speculated] == [c.text for c in plain]
+    assert [c.text for c in speculated] == [c.text for c in plain(real_model, parallel, prompts)]
     copy = speculated[0]
     assert copy.accepted_tokens > 0, copy  # how many depends on the decode times measured (a loaded machine)
 
@@ -52,9 +63,8 @@ def test_gemma_as_its_own_draft_model_keeps_the_greedy_text_and_has_its_drafts_t
     decodes the model computes it in): its greedy drafts are the model's greedy choices, every one is taken,
     and the text is the text without speculation."""
     prompts = [COPY, FREE]  # decoded together: the draft's decodes batch both sequences
-    plain = run(real_model, 2, None, prompts)
     draft = Speculative(type="draft", model=real_model.path, n_max=4, sizing="fixed")
     drafted = run(real_model, 2, draft, prompts)
-    assert [c.text for c in drafted] == [c.text for c in plain]
+    assert [c.text for c in drafted] == [c.text for c in plain(real_model, 2, prompts)]
     assert all(0 < c.accepted_tokens == c.draft_tokens for c in drafted), [(c.draft_tokens, c.accepted_tokens)
                                                                           for c in drafted]
