@@ -1,11 +1,13 @@
 """Processes a benchmark starts: mpserve servers, HTTP peer servers, and what they cost in memory.
 
 Every server runs as its own subprocess, started the way a user would start it, and is stopped by the
-``with`` block that started it.
+``with`` block that started it, or by the kernel when the bench dies (killed, or timed out by a test's harness):
+no server outlives its bench to weigh on the next measurement.
 """
 
 from __future__ import annotations
 
+import ctypes
 import glob
 import itertools
 import os
@@ -33,6 +35,14 @@ LLAMA_SERVER_PLACES = ("/opt/llama-server*/llama-server", "/opt/llama-server*/bi
 _names = itertools.count(1)
 
 
+PR_SET_PDEATHSIG = 1
+
+
+def _die_with_parent() -> None:
+    """In the child before it runs: SIGTERM when the bench process is gone."""
+    ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
 class ServerFailed(RuntimeError):
     """A server exited or did not become ready; the message holds the end of its log."""
 
@@ -48,7 +58,7 @@ class MpserveServer:
         self.ready_at = 0.0
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "mpserve", "start", "--server-name", self.name, "--log-level", "info", *args],
-            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, preexec_fn=_die_with_parent)
         self._reader = threading.Thread(target=self._read, daemon=True)
         self._reader.start()
 
@@ -110,7 +120,8 @@ class HttpServer:
         self.url = f"http://127.0.0.1:{port}"
         self._health = self.url + health_path
         self._log = tempfile.TemporaryFile(mode="w+")
-        self.proc = subprocess.Popen(argv, stdout=self._log, stderr=subprocess.STDOUT, text=True)
+        self.proc = subprocess.Popen(argv, stdout=self._log, stderr=subprocess.STDOUT, text=True,
+                                     preexec_fn=_die_with_parent)
 
     def wait_ready(self, timeout: float = READY_TIMEOUT_S) -> None:
         if wait_http(self._health, timeout, alive=lambda: self.proc.poll() is None):

@@ -11,6 +11,7 @@ import json
 import math
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -82,3 +83,28 @@ def test_the_soak_runs_its_mixed_load_and_checks_its_invariants() -> None:
     for row in ("| zmq | stream | done |", "| zmq | cancel |", "| http | hang_up | hung up |",
                 "| http | bad | bad_request |", "| broker |", "| gateway |", "| workers ("):
         assert row in run.stdout, run.stdout
+
+
+@pytest.mark.timeout(90)
+def test_a_bench_killed_mid_run_leaves_no_server_behind(tmp_path: Path) -> None:
+    """A bench killed (as a test's timeout kills it) takes its servers with it: none weighs on what runs next."""
+    script = ("import sys, time\nfrom bench.procs import MpserveServer\n"
+              "server = MpserveServer('--model', 'builtin:tiny')\nserver.wait_ready()\n"
+              "print(server.proc.pid, flush=True)\ntime.sleep(600)\n")
+    bench = subprocess.Popen([sys.executable, "-c", script], cwd=REPO, stdout=subprocess.PIPE, text=True)
+    assert bench.stdout is not None
+    pid = int(bench.stdout.readline())
+    bench.kill()
+    bench.wait(10)
+    deadline = time.monotonic() + 40
+    while _alive(pid):
+        assert time.monotonic() < deadline, f"the bench's server (pid {pid}) outlived it"
+        time.sleep(0.1)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except FileNotFoundError:
+        return False
+    return state != "Z"  # a zombie has exited (its parent, gone, reaps nothing)
