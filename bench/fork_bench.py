@@ -23,7 +23,7 @@ from pathlib import Path
 
 from mpserve import Client
 from mpserve.models.builtin import builtin_model_path
-from mpserve.server.layout import ServerInfo
+from mpserve.runtime import ServerInfo
 from mpserve.slots import SlotState, SlotTable
 
 from .load import Workload, mpserve_load, mpserve_warm_up
@@ -60,7 +60,7 @@ def scale_up_s(model: Path, method: str, folder: Path) -> float:
         assert info is not None
         table = SlotTable.attach(Path(info.slots), writable=False)
         try:
-            with Client(server.address) as client:
+            with Client(info.admin) as client:  # scaling is an operator's call: the admin socket
                 started = time.perf_counter()
                 client.control("scale", "m", min=2)
                 while sum(row.state is SlotState.IDLE for row in table.read_all()) < 2:
