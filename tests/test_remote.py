@@ -173,14 +173,18 @@ def test_a_pool_replaces_a_worker_that_hangs_while_busy(start_server, pools) -> 
 def test_pools_reconnect_to_a_restarted_broker(start_server, pools) -> None:
     port = free_port()
     server = broker(start_server, port, name="restarted")
-    pools("pool-a", f"tcp://127.0.0.1:{port}", "--instances", "2")
+    pool = pools("pool-a", f"tcp://127.0.0.1:{port}", "--instances", "2")
     wait_for(lambda: sum(registered(server.address).values()) == 2, 30, "the pool to register")
     server.stop()
     server = broker(start_server, port, name="restarted")
     restarted = time.monotonic()
     wait_for(lambda: sum(registered(server.address).values()) == 2, 10, "the pool to come back")
     with Client(server.address) as client:
-        assert client.generate("back", max_tokens=4, timeout=10).usage.completion_tokens == 4
+        try:
+            assert client.generate("back", max_tokens=4, timeout=10).usage.completion_tokens == 4
+        except Exception as exc:
+            raise AssertionError("\n".join(["the broker's log:", *server.log, "the pool's log:",
+                                             *pool.log_path.read_text().splitlines()])) from exc
     print(f"\npool served again {time.monotonic() - restarted:.2f} s after the broker restarted")
 
 

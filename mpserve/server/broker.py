@@ -34,7 +34,8 @@ cancelled frees the worker without reaching the client twice. Routing and the re
 functions in ``mpserve.server.routing``.
 
 Worker deaths and stalls arrive from the supervisor (process sentinels in the same poll; a death with the
-worker's exit status), the loss of a remote worker from its silence (``expire_workers``): a request that
+worker's exit status), the loss of a remote worker from its silence or from an ASSIGN its link did not take
+(``expire_workers``): a request that
 had not streamed anything is retried on another instance; one that had is resumed there from the token ids
 its CHUNKs carried (``Pending.generated``: the prompt, then those tokens, for the rest of ``max_tokens``),
 so its client sees one stream. How the worker ended decides what the loss counts as (``routing``: crash
@@ -160,6 +161,7 @@ class Broker:
         self._owned: dict[bytes, int] = {}  # clients -> number of pending requests
         self._deadlines: list[tuple[float, str]] = []
         self._assigns: dict[bytes, list[bytes]] = {}  # worker -> packed ASSIGNs not sent yet (``flush``)
+        self._undelivered: set[bytes] = set()  # remote workers an ASSIGN could not be sent to (``expire_workers``)
         self._tickets = (format(n, "x") for n in itertools.count(1))
         self.on_ready: Callable[[WorkerEntry], None] = lambda entry: None  # set by the server: the
         self.on_failed: Callable[[str, str], None] = lambda model, message: None  # supervisor's view of loads
@@ -244,7 +246,18 @@ class Broker:
         self.flush()
 
     def expire_workers(self, now: float) -> None:
-        """Declare lost the remote workers silent for longer than the heartbeat expiry."""
+        """Declare lost the remote workers silent for longer than the heartbeat expiry, and those an ASSIGN could
+        not be sent to: its request never reached them, and one that talks again on a new link (it reconnected
+        and registers again, as the same process) would otherwise hold it unanswered for good."""
+        undelivered, self._undelivered = self._undelivered, set()  # a hand-over below may add to the next turn's
+        for identity in undelivered:
+            entry = self.workers.get(identity)
+            if entry is not None and entry.index is None:
+                self.stats["worker_link_down"] += 1
+                log.warning("worker %s on %s: a request could not be sent to it; declared lost, its requests go "
+                            "elsewhere", identity.decode(), entry.host)
+                self._worker_gone(entry, f"the link to worker {identity.decode()} on {entry.host} went down",
+                                  crashed=False)
         expiry = self.heartbeat_interval * self.heartbeat_liveness
         for entry in [w for w in self.workers.values() if w.index is None and now - w.last_heard > expiry]:
             self.stats["worker_expired"] += 1
@@ -947,19 +960,22 @@ class Broker:
 
     def _flush_assigns(self, identity: bytes) -> None:
         bodies = self._assigns.pop(identity, None)
-        if bodies:
-            self._send_worker(identity, wire.encode_assigns(bodies))
+        if bodies and not self._send_worker(identity, wire.encode_assigns(bodies)):
+            self._undelivered.add(identity)
 
     def _to_worker(self, identity: bytes, msg: object) -> None:
         """Send ``msg`` after the ASSIGNs still gathered for that worker (a CANCEL never passes its ASSIGN)."""
         self._flush_assigns(identity)
         self._send_worker(identity, wire.encode(msg))
 
-    def _send_worker(self, identity: bytes, frames: list[bytes]) -> None:
+    def _send_worker(self, identity: bytes, frames: list[bytes]) -> bool:
+        """Whether ``frames`` went to the worker's link (ZeroMQ queued them)."""
         try:
             zmqio.send(self.back, [identity, *frames], zmqio.NOBLOCK)
         except (zmq.Again, zmq.ZMQError) as exc:
             self._unreachable(identity, exc)
+            return False
+        return True
 
     def _unreachable(self, identity: bytes, exc: zmq.ZMQError) -> None:
         """A send to a worker failed: it died or its link is down. Said once until it is heard from again: a
@@ -973,7 +989,8 @@ class Broker:
         else:
             expiry = self.heartbeat_interval * self.heartbeat_liveness
             log.warning("cannot send to worker %s on %s (%s): its link is down; it is declared lost if it stays "
-                        "silent for %.1f s", identity.decode(), entry.host, exc, expiry)
+                        "silent for %.1f s, or at once if a request was not sent", identity.decode(), entry.host, exc,
+                        expiry)
 
     def _stale_deadline(self, ticket: str) -> bool:
         p = self.requests.get(ticket)

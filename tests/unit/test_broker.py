@@ -530,3 +530,35 @@ def test_a_remote_worker_that_cannot_be_reached_is_said_so_once_in_words_that_fi
     [said] = [r.getMessage() for r in caplog.records if "cannot send" in r.getMessage()]
     assert "far-w0 on elsewhere" in said and "declared lost if it stays silent for 5.0 s" in said
     assert "supervisor" not in said
+
+
+def test_a_request_not_sent_to_a_remote_worker_goes_elsewhere_even_if_that_worker_talks_again(
+        broker: Broker) -> None:
+    """An ASSIGN that could not be sent (the link was down) never reached the worker; one that reconnects and
+    talks again under its name would hold that request unanswered for good: it is declared lost at once."""
+    ctx = broker.front.context
+    client, far, near = (ctx.socket(zmq.DEALER) for _ in range(3))
+    try:
+        client.connect("inproc://front")
+        far.setsockopt(zmq.IDENTITY, b"far-w0")
+        far.connect("inproc://back")
+        broker._on_ready(b"far-w0", wire.Ready("far-w0", "m", -1, 1, 7, host="elsewhere"), None)
+        far.close(0)  # its link is down
+        time.sleep(0.1)
+        ask(broker, client, "r1")  # assigned to far-w0, the only worker: the send fails
+        broker.flush()
+        # the same process heard from again (on a new link: what the ROUTER hands over, as it receives it)
+        broker._from_worker([b"far-w0", *wire.encode_from_worker(wire.Heartbeat("far-w0"))])
+        assert not broker.workers[b"far-w0"].unreachable
+        near.setsockopt(zmq.IDENTITY, b"near-w0")
+        near.connect("inproc://back")
+        near.send_multipart(wire.encode_from_worker(wire.Ready("near-w0", "m", -1, 1, 8, host="nearby")))
+        assert broker.back.poll(1000)
+        broker.drain_back()  # registered, over its link
+        broker.expire_workers(time.monotonic())
+        assert taken({b"near-w0": near})["r1"][1].attempt == 2  # handed over
+        assert b"far-w0" not in broker.workers and broker.stats["worker_link_down"] == 1
+        assert not broker.stats["worker_expired"]
+    finally:
+        for sock in (client, far, near):
+            sock.close(0)
