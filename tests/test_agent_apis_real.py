@@ -45,10 +45,12 @@ def test_the_greedy_text_is_the_same_through_all_three_apis(gateway: GatewayThre
     assert chat and chat == response.output_text == message.content[0].text  # type: ignore[union-attr]
 
 
-@pytest.mark.xfail(strict=True, reason="a known bug: Gemma 3's GGUF has no chat template; it chatted in ChatML, where "
-                   "this 270M model follows the Hermes tools prompt, and since templates by family in its own turns, "
-                   "where after a tool's result it copies <tool_response> and repeats a token to the output limit "
-                   "(response.incomplete); strict, so it fails the run once fixed")
+@pytest.mark.xfail(strict=True, reason="the model, not the server: after a tool's result Gemma 3 270M calls the same "
+                   "tool again or repeats a token to the output limit, in its own turns with the Hermes tools prompt, "
+                   "in llama.cpp's generic JSON tool format (grammar-constrained, the result as a user turn, a tool "
+                   "turn or in its own turn) and in Gemma's tool_code style, driven by llama_cpp directly; "
+                   "llama-server on the same GGUF degenerates too; in ChatML its 'answer' was a copy of the tool "
+                   "result; strict, so it fails the run once a model here can do it")
 def test_the_agents_sdk_runs_an_agent_with_two_function_tools_to_its_answer(gateway: GatewayThread) -> None:
     import agents
     import openai
