@@ -75,17 +75,26 @@ def document(version: str) -> dict[str, Any]:
                 "requestBody": {"required": False, "content": {"application/json": {"schema": {
                     "type": "object", "properties": {"filename": {
                         "type": "string", "maxLength": wire.MAX_FILENAME_CHARS}}}}}}}},
+            "/tokenize": {"post": _post("a text's token ids (with pieces: each token's text), llama-server's shape",
+                                        "TokenizeRequest", "the tokens", False, errors)},
+            "/detokenize": {"post": _post("the text of token ids, llama-server's shape", "DetokenizeRequest",
+                                          "the text", False, errors)},
+            **_admin(errors),
             "/console/state": {"get": _get("the web console's data", "application/json", {"401": errors["401"]})},
             "/openapi.json": {"get": _get("this document", "application/json", {})},
         },
         "components": {
             "schemas": {"CompletionRequest": _completion(), "ChatRequest": _chat(), "EmbeddingRequest": _embedding(),
                         "ResponseRequest": _response(), "RerankRequest": _rerank(), "MessageRequest": _message(),
+                        "TokenizeRequest": _tokenize(), "DetokenizeRequest": _detokenize(),
+                        "AddModelRequest": _add_model(), "ScaleRequest": _bounds(),
                         "Error": _ERROR, "AnthropicError": _ANTHROPIC_ERROR},
             "responses": {f"{prefix}{status}": {"description": why, "content": {"application/json": {
                 "schema": {"$ref": f"#/components/schemas/{shape}"}}}} for status, why in ERROR_STATUSES.items()
                 for prefix, shape in (("E", "Error"), ("A", "AnthropicError"))},
             "securitySchemes": {"bearer": {"type": "http", "scheme": "bearer"},
+                                "adminBearer": {"type": "http", "scheme": "bearer",
+                                                "description": "the admin key (--admin-key), never the API key"},
                                 "apiKey": {"type": "apiKey", "in": "header", "name": "x-api-key"}},
         },
     }
@@ -110,6 +119,32 @@ def _get(what: str, media: str, errors: dict[str, Any]) -> dict[str, Any]:
     schema = {"type": "object"} if media == "application/json" else {"type": "string"}
     return {"summary": what, "responses": {"200": {"description": what, "content": {media: {"schema": schema}}},
                                            **errors}}
+
+
+def _admin(errors: dict[str, Any]) -> dict[str, Any]:
+    """The control API (``gateway.admin``): its own key; 404 on every path while the gateway has none."""
+    answers = {k: errors[k] for k in ("400", "404", "503")} | {"401": {
+        "description": "no valid admin key", "content": {"application/json": {"schema": {
+            "$ref": "#/components/schemas/Error"}}}}}
+    security: list[dict[str, list[str]]] = [{"adminBearer": []}]
+
+    def call(summary: str, body: str | None, required: bool = True) -> dict[str, Any]:
+        operation = {**_get(summary, "application/json", answers), "security": security}
+        if body is not None:
+            operation["requestBody"] = {"required": required, "content": {"application/json": {
+                "schema": {"$ref": f"#/components/schemas/{body}"}}}}
+        return operation
+
+    return {
+        "/admin/models": {"get": call("every model: its instances taking requests, starting and draining, its "
+                                      "bounds and state", None),
+                          "post": call("serve another model from a GGUF on the server's host", "AddModelRequest")},
+        "/admin/models/{name}/{op}": {"post": {
+            **call("load: start its instances; unload: drain them all; scale: new bounds", "ScaleRequest", False),
+            "parameters": [{"name": "name", "in": "path", "required": True, "schema": {"type": "string"}},
+                           {"name": "op", "in": "path", "required": True,
+                            "schema": {"type": "string", "enum": ["load", "unload", "scale"]}}]}},
+    }
 
 
 def _nullable(schema: dict[str, Any]) -> dict[str, Any]:
@@ -251,6 +286,34 @@ def _rerank() -> dict[str, Any]:
         "documents": {"type": "array", "items": document, "minItems": 1, "maxItems": wire.MAX_EMBED_INPUTS},
         "top_n": _nullable({"type": "integer", "minimum": 1}), "return_documents": _nullable({"type": "boolean"}),
         "user": _nullable({"type": "string"})}}
+
+
+def _tokenize() -> dict[str, Any]:
+    return {"type": "object", "required": ["content"], "additionalProperties": False, "properties": {
+        "content": {"type": "string", "maxLength": wire.MAX_PROMPT_CHARS},
+        "add_special": _nullable({"type": "boolean"}), "with_pieces": _nullable({"type": "boolean"}),
+        "model": _nullable({"type": "string", "maxLength": 256})}}
+
+
+def _detokenize() -> dict[str, Any]:
+    return {"type": "object", "required": ["tokens"], "additionalProperties": False, "properties": {
+        "tokens": {"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": wire.MAX_TOKEN_ID},
+                   "maxItems": wire.MAX_PROMPT_CHARS},
+        "model": _nullable({"type": "string", "maxLength": 256})}}
+
+
+def _bounds() -> dict[str, Any]:
+    """A model's instance bounds (``scale``; ``load`` and ``unload`` take no body)."""
+    return {"type": "object", "additionalProperties": False, "properties": {
+        "min": {"type": "integer", "minimum": 0, "maximum": wire.MAX_INSTANCES},
+        "max": {"type": "integer", "minimum": 1, "maximum": wire.MAX_INSTANCES}}}
+
+
+def _add_model() -> dict[str, Any]:
+    bounds = _bounds()
+    return {**bounds, "required": ["path"], "properties": {
+        **bounds["properties"], "path": {"type": "string", "minLength": 1, "maxLength": 4096},
+        "name": {"type": "string", "minLength": 1, "maxLength": 256}}}
 
 
 _ID = {"name": "id", "in": "path", "required": True, "schema": {"type": "string"}}
