@@ -3,12 +3,20 @@
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import os
 import socket
+import subprocess
+import sys
 import time
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any, TypeVar
 
 import httpx
+import zmq
+
+from mpserve import protocol as wire
 
 T = TypeVar("T")
 
@@ -39,6 +47,96 @@ def free_port() -> int:
         s.bind(("127.0.0.1", 0))
         port: int = s.getsockname()[1]
         return port
+
+
+def mpserve(*args: str, env: dict[str, str] | None = None, timeout: float = 60) -> subprocess.CompletedProcess[str]:
+    """``python -m mpserve ARGS`` run to its end, its output captured; ``env`` on top of this process's."""
+    return subprocess.run([sys.executable, "-m", "mpserve", *args], capture_output=True, text=True, timeout=timeout,
+                          env={**os.environ, **(env or {})})
+
+
+@contextlib.contextmanager
+def dealer(address: str, identity: bytes | None = None, **options: int) -> Iterator[zmq.Socket[bytes]]:
+    """A raw DEALER connected to ``address``, in a context of its own (``options``: socket options by name,
+    ``SNDHWM=10``); what it sends is not checked as mpserve's clients check it."""
+    ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    if identity is not None:
+        sock.setsockopt(zmq.IDENTITY, identity)
+    for name, value in options.items():
+        sock.setsockopt(getattr(zmq, name), value)
+    sock.connect(address)
+    try:
+        yield sock
+    finally:
+        sock.close(0)
+        ctx.term()
+
+
+def raw_request(body: dict[str, Any]) -> list[bytes]:
+    """The frames of a REQUEST whose body is ``body`` as it is, unchecked."""
+    return [wire.VERSION, bytes([wire.MsgType.REQUEST]), wire.msgpack.packb(body)]
+
+
+def answer(sock: zmq.Socket[bytes], timeout: float = 5.0) -> Any:
+    """The next message ``sock`` receives, decoded; fail if none comes within ``timeout`` seconds."""
+    assert sock.poll(int(timeout * 1000)), f"no answer within {timeout} s"
+    return wire.decode(sock.recv_multipart())
+
+
+def process_state(pid: int) -> str | None:
+    """The kernel's one-letter state of ``pid`` (R, S, T, Z…), or None when there is no such process."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except (FileNotFoundError, ProcessLookupError):
+        return None
+    return stat[stat.rindex(")") + 2]
+
+
+def running(pid: int) -> bool:
+    """Alive and not a zombie (a killed worker stays a zombie until someone reaps it)."""
+    return pid > 0 and process_state(pid) not in (None, "Z")
+
+
+def children(pid: int) -> list[int]:
+    """Direct children of ``pid``."""
+    return [int(c) for task in Path(f"/proc/{pid}/task").iterdir() for c in (task / "children").read_text().split()]
+
+
+def live_environ(pid: int) -> dict[str, str]:
+    """The environment of process ``pid`` as its own ``getenv`` (and the CUDA runtime) reads it now: libc's
+    ``environ``, read through /proc/PID/mem. /proc/PID/environ holds the one the process was executed with, and
+    a worker forked from a fork server sets its variables after that. ``pid`` runs this process's libc."""
+    libc = ctypes.CDLL(None)
+    getenv = ctypes.cast(libc.getenv, ctypes.c_void_p).value or 0
+    path = next(line.split()[-1] for line in Path("/proc/self/maps").read_text().splitlines()
+                if int(line[:line.index("-")], 16) <= getenv < int(line.split()[0].split("-")[1], 16))
+    offset = ctypes.addressof(ctypes.c_void_p.in_dll(libc, "environ")) - _mapped_at("self", path)
+    with open(f"/proc/{pid}/mem", "rb", buffering=0) as mem:
+        def read(at: int, n: int) -> bytes:
+            mem.seek(at)
+            return mem.read(n)
+
+        def pointer(at: int) -> int:
+            return int.from_bytes(read(at, 8), sys.byteorder)
+
+        env: dict[str, str] = {}
+        entry = pointer(_mapped_at(str(pid), path) + offset)
+        while at := pointer(entry):
+            text = b""
+            while b"\0" not in text:  # to the end of the string, never past the end of its page
+                text += read(at + len(text), 4096 - (at + len(text)) % 4096)
+            name, _, value = text[:text.index(b"\0")].decode(errors="replace").partition("=")
+            env[name] = value
+            entry += 8
+        return env
+
+
+def _mapped_at(pid: str, path: str) -> int:
+    """Where the file ``path`` (a shared library) starts in the memory of process ``pid``."""
+    return min(int(line[:line.index("-")], 16) for line in Path(f"/proc/{pid}/maps").read_text().splitlines()
+               if line.endswith(" " + path))
 
 
 CHROMIUM = "/usr/bin/chromium"  # the system's package: the browser tests download no browser

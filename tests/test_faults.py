@@ -22,7 +22,7 @@ from typing import Any
 import llama_cpp
 import pytest
 import zmq
-from helpers import wait_for
+from helpers import children, process_state, running, wait_for
 
 from mpserve import AsyncClient, Client
 from mpserve import protocol as wire
@@ -35,25 +35,6 @@ NOT_LIVE = (SlotState.EMPTY, SlotState.DEAD, SlotState.FAILED)  # every other st
 
 
 # --- helpers ------------------------------------------------------------------------------------
-
-def process_state(pid: int) -> str | None:
-    """The kernel's one-letter state of ``pid`` (R, S, T, Z…), or None when there is no such process."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except (FileNotFoundError, ProcessLookupError):
-        return None
-    return stat[stat.rindex(")") + 2]
-
-
-def running(pid: int) -> bool:
-    """Alive and not a zombie (a killed worker stays a zombie until someone reaps it)."""
-    return pid > 0 and process_state(pid) not in (None, "Z")
-
-
-def children(pid: int) -> list[int]:
-    """Direct children of ``pid``."""
-    return [int(c) for task in Path(f"/proc/{pid}/task").iterdir() for c in (task / "children").read_text().split()]
-
 
 def serving_rows(server: Any) -> list[SlotRow] | None:
     """All rows idle or busy with a running worker of their own, or None."""

@@ -7,8 +7,6 @@ import asyncio
 import json
 import os
 import signal
-import subprocess
-import sys
 import threading
 import time
 from collections import Counter
@@ -16,7 +14,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from test_faults import children
+from helpers import children, live_environ, mpserve
 
 from mpserve import AsyncClient, Client
 from mpserve.errors import MpserveError
@@ -162,11 +160,6 @@ def test_single_active_backend_serves_both_models_one_resident_at_a_time(start_s
     print(f"\nsingle active backend: 40 requests, residents sampled {len(residents)} times, ~{switches} switches")
 
 
-def mpserve(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "mpserve", *args], capture_output=True, text=True, timeout=60,
-                          env={**os.environ, **(env or {})})
-
-
 @pytest.mark.timeout(60)
 def test_a_model_over_the_budget_is_refused_before_anything_starts() -> None:
     args = ["--model", "builtin:bench", "--instances", "3", "--simulate-gpus", "1x2GiB"]
@@ -187,6 +180,7 @@ def test_devices_lists_simulated_gpus_with_permit_holders(start_server) -> None:
     server = start_server("--instances", "1", "--simulate-gpus", "2x24GiB", "--gpu-mode", "exclusive",
                           "--gpus", "1", "--n-ctx", "4096").wait_ready()
     assert [r.device for r in server.slots()] == [1]
+    assert live_environ(server.slots()[0].pid)["CUDA_VISIBLE_DEVICES"] == "1"  # the GPU it was placed on
     with Client(server.address) as client:
         stream = client.stream("hold it", max_tokens=3000, temperature=0)
         chunks = iter(stream)
@@ -207,9 +201,17 @@ def _maps_llama(pid: int) -> bool:
 def test_the_fork_server_imports_llama_cpp_only_on_a_host_without_gpus(start_server, gpus: bool) -> None:
     """Workers are forked from a fork server. Where a worker may use a GPU, llama.cpp must be loaded in the
     worker after it sets CUDA_VISIBLE_DEVICES, so the fork server must not have loaded it; without GPUs it
-    has, and the workers, forked from their model's zygote (a child of the fork server), share its pages."""
-    server = start_server("--instances", "2", *(["--simulate-gpus", "1x24GiB"] if gpus else [])).wait_ready()
-    workers = {r.pid for r in server.slots()}
+    has, and the workers, forked from their model's zygote (a child of the fork server), share its pages.
+    Each worker's environment, as the CUDA runtime would read it, names its own GPU only (in PCI bus order),
+    and none on the CPU host."""
+    server = start_server("--instances", "2", *(["--simulate-gpus", "2x24GiB"] if gpus else [])).wait_ready()
+    rows = server.slots()
+    assert sorted(r.device for r in rows) == ([0, 1] if gpus else [-1, -1])
+    for row in rows:
+        env = live_environ(row.pid)
+        assert env["CUDA_VISIBLE_DEVICES"] == (str(row.device) if gpus else ""), (row, env)
+        assert env["CUDA_DEVICE_ORDER"] == "PCI_BUS_ID"
+    workers = {r.pid for r in rows}
     below = [pid for child in children(server.proc.pid) for pid in (child, *children(child))]
     parents = {pid for pid in below if workers & set(children(pid))}
     assert len(parents) == 1, parents

@@ -11,8 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from helpers import wait_for
-from test_faults import children, running
+from helpers import children, running, wait_for
 
 from mpserve import Client
 from mpserve.slots import SlotState
