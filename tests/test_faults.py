@@ -22,10 +22,11 @@ from typing import Any
 import llama_cpp
 import pytest
 import zmq
-from helpers import children, process_state, running, wait_for
+from helpers import children, dealer, process_state, raw_request, running, wait_for
 
 from mpserve import AsyncClient, Client
 from mpserve import protocol as wire
+from mpserve.config import ServerConfig
 from mpserve.errors import ModelFailed, MpserveError
 from mpserve.runtime import ServerInfo
 from mpserve.slots import SlotRow, SlotState
@@ -259,34 +260,35 @@ def test_a_stopped_worker_is_replaced_and_its_request_runs_again_on_the_replacem
 # --- 4. a client that never reads ---------------------------------------------------------------
 
 NON_READER_REQUESTS = 1000
+MAX_PENDING_PER_CLIENT = ServerConfig.max_pending_per_client
 OTHERS_DEADLINE_S = 30.0
 
 
 @pytest.mark.timeout(120)
 def test_a_client_that_never_reads_does_not_hold_up_other_clients(start_server) -> None:
+    """A client sends 1,000 streamed requests and reads nothing: the broker takes as many as one client may
+    have pending (max_pending_per_client, by default) and refuses the rest, busy, each refusal naming that
+    bound (read at the end); another client's requests, sent once each, are neither refused nor lost."""
     server = start_server("--instances", "2").wait_ready()
-    ctx = zmq.Context()
-    hog = ctx.socket(zmq.DEALER)
-    hog.setsockopt(zmq.RCVHWM, 4)
-    hog.setsockopt(zmq.SNDHWM, NON_READER_REQUESTS + 10)
-    hog.setsockopt(zmq.LINGER, 0)
-    hog.connect(server.address)
-    try:
+    with dealer(server.address, RCVHWM=4, SNDHWM=NON_READER_REQUESTS + 10) as hog, Client(server.address) as client:
         for i in range(NON_READER_REQUESTS):
-            body = {"id": f"hog{i}", "prompt": "never read", "params": {"max_tokens": 200, "temperature": 0},
-                    "stream": True}
-            hog.send_multipart([wire.VERSION, bytes([wire.MsgType.REQUEST]), wire.msgpack.packb(body)])
+            hog.send_multipart(raw_request({"id": f"hog{i}", "prompt": "never read", "stream": True,
+                                            "params": {"max_tokens": 200, "temperature": 0}}))
+        counters = wait_for(lambda: (c := client.stats().counters).get("accepted", 0) + c.get("rejected_busy", 0)
+                            == NON_READER_REQUESTS and c, 30, "the broker to answer all of the non-reader's requests")
+        taken = counters["accepted"]  # a request that ended meanwhile left room for one more
+        assert MAX_PENDING_PER_CLIENT <= taken <= MAX_PENDING_PER_CLIENT + counters.get("done", 0), counters
 
         async def others() -> list[float]:
             """20 requests of a well-behaved client, each sent once: none may be refused or lost."""
-            async with AsyncClient(server.address) as client:
+            async with AsyncClient(server.address) as other:
                 async def timed(i: int) -> float:
                     started = time.monotonic()
                     if i % 2:
-                        result = await client.generate(f"other {i}", max_tokens=16, temperature=0,
-                                                       timeout=OTHERS_DEADLINE_S)
+                        result = await other.generate(f"other {i}", max_tokens=16, temperature=0,
+                                                      timeout=OTHERS_DEADLINE_S)
                     else:
-                        s = client.stream(f"other {i}", max_tokens=16, temperature=0, timeout=OTHERS_DEADLINE_S)
+                        s = other.stream(f"other {i}", max_tokens=16, temperature=0, timeout=OTHERS_DEADLINE_S)
                         assert "".join([t async for t in s]) and s.result is not None
                         result = s.result
                     assert result.usage.completion_tokens == 16
@@ -297,24 +299,27 @@ def test_a_client_that_never_reads_does_not_hold_up_other_clients(start_server) 
         started = time.monotonic()
         latencies = asyncio.run(others())
         total_s = time.monotonic() - started
-        with Client(server.address) as client:
-            # the broker holds nothing more of the non-reader's, which still has not read a byte
-            def drained() -> Any:
-                stats = client.stats()
-                return stats if stats.models["tiny"].queued == stats.models["tiny"].running == 0 else None
 
-            stats = wait_for(drained, 10, "the non-reader's requests dropped")
+        def drained() -> Any:  # the broker holds nothing more of the non-reader's, which has not read a byte
+            stats = client.stats()
+            return stats if stats.models["tiny"].queued == stats.models["tiny"].running == 0 else None
+
+        stats = wait_for(drained, 10, "the non-reader's requests dropped")
         dropped = {k: v for k, v in stats.counters.items() if k.startswith(("client_", "cancelled"))}
         print(f"\nnon-reading client: it sent {NON_READER_REQUESTS} streamed requests (200 tokens each) and "
-              f"never read; 20 requests of another client completed in {total_s:.2f} s (slowest "
+              f"never read; {taken} taken; 20 requests of another client completed in {total_s:.2f} s (slowest "
               f"{max(latencies):.2f} s); broker counters {dropped}, done {stats.counters.get('done')}")
         assert server.proc.poll() is None
-        with Client(server.address) as client:
-            assert client.generate("still fine", max_tokens=4, temperature=0, timeout=30).usage.completion_tokens == 4
-        assert not server.tracebacks(), "\n".join(server.log)
-    finally:
-        hog.close(0)
-        ctx.term()
+        assert client.generate("still fine", max_tokens=4, temperature=0, timeout=30).usage.completion_tokens == 4
+        errors = []
+        while hog.poll(1000):  # what it was sent, if it had read
+            if isinstance(message := wire.decode(hog.recv_multipart()), wire.Error):
+                errors.append(message)
+    refusals = [e for e in errors if e.code == "busy"]
+    assert len(refusals) == NON_READER_REQUESTS - taken, collections.Counter(e.code for e in errors)
+    assert all(f"you have {MAX_PENDING_PER_CLIENT} requests pending" in e.message and e.retry_after
+               for e in refusals), refusals[0]
+    assert not server.tracebacks(), "\n".join(server.log)
 
 
 # --- 5. the broker is SIGKILLed -----------------------------------------------------------------

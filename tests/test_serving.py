@@ -9,6 +9,7 @@ import time
 import llama_cpp
 import pytest
 import zmq
+from helpers import answer, dealer, raw_request
 
 from mpserve import AsyncClient, Client
 from mpserve import protocol as wire
@@ -150,6 +151,37 @@ def test_full_queue_answers_busy_with_a_retry_hint(start_server) -> None:
     done = [o for o in outcomes if not isinstance(o, BaseException)]
     assert len(done) == 1 and len(busy) == 2, outcomes
     assert all(b.retry_after and 0 < b.retry_after <= 30 for b in busy)
+
+
+@pytest.mark.timeout(60)
+def test_the_bounds_on_one_clients_requests_and_on_all_waiting_requests_answer_busy(start_server) -> None:
+    """With max_pending_per_client 2 and max_queue_total 2, behind a request that keeps the only instance
+    busy: a client's third request is refused busy naming its bound, while another client's request still
+    queues; the next request, of a client under its own bound, is refused busy naming the server's. A refusal
+    is its request's one answer, with a retry hint; the requests taken all end DONE."""
+    server = start_server("--instances", "1", "--n-ctx", "4096", "--max-pending-per-client", "2",
+                          "--max-queue-total", "2").wait_ready()
+
+    def request(rid: str, stream: bool = False) -> list[bytes]:
+        return raw_request({"id": rid, "prompt": rid, "stream": stream, "params": {"max_tokens": 1000,
+                                                                                  "temperature": 0}})
+
+    with dealer(server.address) as a, dealer(server.address) as b:
+        a.send_multipart(request("a1", stream=True))
+        assert isinstance(answer(a, 30), wire.Chunk)  # the only instance is busy with a1
+        for sock, rid in ((a, "a2"), (a, "a3"), (b, "b1"), (b, "b2")):  # a2 and b1 queue
+            sock.send_multipart(request(rid))
+        ends: dict[str, list[object]] = {}
+        for sock, ids in ((a, {"a1", "a2", "a3"}), (b, {"b1", "b2"})):
+            while not ids <= ends.keys():
+                if isinstance(message := answer(sock, 30), (wire.Done, wire.Error)):
+                    ends.setdefault(message.id, []).append(message)
+            assert not sock.poll(200), "more than one answer to a request"
+    assert {rid for rid, [end] in ends.items() if isinstance(end, wire.Done)} == {"a1", "a2", "b1"}, ends
+    [per_client], [total] = ends["a3"], ends["b2"]
+    assert per_client.code == total.code == "busy" and per_client.retry_after and total.retry_after
+    assert "you have 2 requests pending, the most one client may have" in per_client.message
+    assert "the server has 2 requests waiting" in total.message
 
 
 @pytest.mark.timeout(60)
