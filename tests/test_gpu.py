@@ -9,7 +9,6 @@ import os
 import signal
 import threading
 import time
-from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -17,11 +16,13 @@ import yaml
 from helpers import children, live_environ, mpserve
 
 from mpserve import AsyncClient, Client
+from mpserve.client import Result
 from mpserve.errors import MpserveError
 from mpserve.gpu.permits import max_concurrent, read_holds
 from mpserve.slots import SlotState
 
 LOADED = {SlotState.LOADING, SlotState.IDLE, SlotState.BUSY, SlotState.WAITING}
+SWITCH_BATCH = 3
 
 
 def config_file(tmp_path: Path, name: str, **values: object) -> str:
@@ -30,14 +31,17 @@ def config_file(tmp_path: Path, name: str, **values: object) -> str:
     return str(path)
 
 
-async def load(address: str, n: int, max_tokens: int, concurrency: int, models: list[str] | None = None
-               ) -> list[object]:
-    """``n`` requests, ``concurrency`` at a time, cycling through ``models``; returns results/errors."""
+async def load(address: str, n: int, max_tokens: int, concurrency: int, models: list[str] | None = None,
+               sent: dict[int, float] | None = None) -> list[object]:
+    """``n`` requests, ``concurrency`` at a time, cycling through ``models``; returns results/errors, and notes
+    in ``sent`` when each request was sent (time.monotonic)."""
     sem = asyncio.Semaphore(concurrency)
     async with AsyncClient(address, timeout=120) as client:
         async def one(i: int) -> object:
             async with sem:
                 model = models[i % len(models)] if models else None
+                if sent is not None:
+                    sent[i] = time.monotonic()
                 return await client.generate(f"request {i}", model=model, max_tokens=max_tokens, temperature=0)
 
         return await asyncio.gather(*(one(i) for i in range(n)), return_exceptions=True)
@@ -130,12 +134,15 @@ def _holder_and_waiter(server, timeout: float = 20.0):
 
 @pytest.mark.timeout(180)
 def test_single_active_backend_serves_both_models_one_resident_at_a_time(start_server, tmp_path: Path) -> None:
-    config = config_file(tmp_path, "sab", switch_batch=3, models=[
+    """At most one model resident at any time, and fair turns: while a request of one model waits, the other
+    starts at most ``switch_batch`` requests (a request's start: when it was sent, plus its queue time)."""
+    config = config_file(tmp_path, "sab", switch_batch=SWITCH_BATCH, models=[
         {"name": "a", "path": "builtin:tiny", "instances": 2}, {"name": "b", "path": "builtin:tiny", "instances": 2}])
     server = start_server("--config", config, "--simulate-gpus", "1x24GiB", "--single-active-backend").wait_ready()
     assert all(r.state is SlotState.UNLOADED for r in server.slots())  # nothing loads before it is asked for
 
     residents: list[set[str]] = []
+    sent: dict[int, float] = {}
     stop = threading.Event()
 
     def watch() -> None:
@@ -146,18 +153,22 @@ def test_single_active_backend_serves_both_models_one_resident_at_a_time(start_s
     watcher = threading.Thread(target=watch)
     watcher.start()
     try:
-        outcomes = asyncio.run(load(server.address, 40, 32, 6, models=["a", "b"]))
+        outcomes = asyncio.run(load(server.address, 40, 32, 6, models=["a", "b"], sent=sent))
     finally:
         stop.set()
         watcher.join()
-    assert all(not isinstance(o, BaseException) for o in outcomes), outcomes
-    served = Counter(o.worker for o in outcomes)  # type: ignore[union-attr]
-    assert sum(served.values()) == 40
+    results = [o for o in outcomes if isinstance(o, Result)]
+    assert len(results) == 40, outcomes
     assert max(len(models) for models in residents) == 1  # at most one model resident on the GPU
     seen = {m for models in residents for m in models}
     assert seen == {"a", "b"}
+    started = {i: sent[i] + r.timings.queue_ms / 1000 for i, r in enumerate(results)}
+    model = {i: "ab"[i % 2] for i in started}
+    passed = {i: sum(model[j] != model[i] and sent[i] < started[j] < started[i] for j in started) for i in started}
+    assert max(passed.values()) <= SWITCH_BATCH, sorted((started[i], model[i], passed[i]) for i in started)
     switches = sum(1 for x, y in zip(residents, residents[1:], strict=False) if x and y and x != y)
-    print(f"\nsingle active backend: 40 requests, residents sampled {len(residents)} times, ~{switches} switches")
+    print(f"\nsingle active backend: 40 requests, residents sampled {len(residents)} times, ~{switches} switches; "
+          f"the most requests of the other model started while one waited: {max(passed.values())}")
 
 
 @pytest.mark.timeout(60)
