@@ -99,6 +99,12 @@ def running(pid: int) -> bool:
     return pid > 0 and process_state(pid) not in (None, "Z")
 
 
+def ppid(pid: int) -> int:
+    """The parent of ``pid``."""
+    status = Path(f"/proc/{pid}/status").read_text()
+    return int(next(line.split()[1] for line in status.splitlines() if line.startswith("PPid:")))
+
+
 def children(pid: int) -> list[int]:
     """Direct children of ``pid``."""
     return [int(c) for task in Path(f"/proc/{pid}/task").iterdir() for c in (task / "children").read_text().split()]
