@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import ctypes
 import os
@@ -14,9 +15,12 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 import httpx
+import yaml
 import zmq
 
+from mpserve import AsyncClient
 from mpserve import protocol as wire
+from mpserve.slots import SlotState
 
 T = TypeVar("T")
 
@@ -79,7 +83,7 @@ def raw_request(body: dict[str, Any]) -> list[bytes]:
     return [wire.VERSION, bytes([wire.MsgType.REQUEST]), wire.msgpack.packb(body)]
 
 
-def answer(sock: zmq.Socket[bytes], timeout: float = 5.0) -> Any:
+def received(sock: zmq.Socket[bytes], timeout: float = 5.0) -> Any:
     """The next message ``sock`` receives, decoded; fail if none comes within ``timeout`` seconds."""
     assert sock.poll(int(timeout * 1000)), f"no answer within {timeout} s"
     return wire.decode(sock.recv_multipart())
@@ -108,6 +112,19 @@ def ppid(pid: int) -> int:
 def children(pid: int) -> list[int]:
     """Direct children of ``pid``."""
     return [int(c) for task in Path(f"/proc/{pid}/task").iterdir() for c in (task / "children").read_text().split()]
+
+
+def rss_kib(pid: int) -> int:
+    """The resident memory of ``pid``, in KiB."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1])
+    raise AssertionError(f"no VmRSS for pid {pid}")
+
+
+# glibc's thresholds for a process whose resident size a test measures: big buffers go back to the kernel when
+# freed, and heaps are trimmed early, so that its RSS is what it holds on to
+MALLOC_ENV = {"MALLOC_MMAP_THRESHOLD_": str(256 * 1024), "MALLOC_TRIM_THRESHOLD_": str(128 * 1024)}
 
 
 def live_environ(pid: int) -> dict[str, str]:
@@ -143,6 +160,33 @@ def _mapped_at(pid: str, path: str) -> int:
     """Where the file ``path`` (a shared library) starts in the memory of process ``pid``."""
     return min(int(line[:line.index("-")], 16) for line in Path(f"/proc/{pid}/maps").read_text().splitlines()
                if line.endswith(" " + path))
+
+
+# a row whose model is in memory or on its way there
+LOADED = {SlotState.LOADING, SlotState.IDLE, SlotState.BUSY, SlotState.WAITING}
+
+
+def config_file(tmp_path: Path, name: str, **values: object) -> str:
+    """A config file of ``values`` (``--config``), written in ``tmp_path``."""
+    path = tmp_path / f"{name}.yaml"
+    path.write_text(yaml.safe_dump(values))
+    return str(path)
+
+
+async def load(address: str, n: int, max_tokens: int, concurrency: int, models: list[str] | None = None,
+               sent: dict[int, float] | None = None) -> list[object]:
+    """``n`` requests, ``concurrency`` at a time, cycling through ``models``; returns results/errors, and notes
+    in ``sent`` when each request was sent (time.monotonic)."""
+    sem = asyncio.Semaphore(concurrency)
+    async with AsyncClient(address, timeout=120) as client:
+        async def one(i: int) -> object:
+            async with sem:
+                model = models[i % len(models)] if models else None
+                if sent is not None:
+                    sent[i] = time.monotonic()
+                return await client.generate(f"request {i}", model=model, max_tokens=max_tokens, temperature=0)
+
+        return await asyncio.gather(*(one(i) for i in range(n)), return_exceptions=True)
 
 
 CHROMIUM = "/usr/bin/chromium"  # the system's package: the browser tests download no browser

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import json
 import os
 import random
@@ -21,8 +22,7 @@ from typing import Any
 
 import llama_cpp
 import pytest
-import zmq
-from helpers import children, dealer, process_state, raw_request, running, wait_for
+from helpers import children, dealer, mpserve, process_state, raw_request, running, wait_for
 
 from mpserve import AsyncClient, Client
 from mpserve import protocol as wire
@@ -389,8 +389,7 @@ def test_a_model_that_cannot_load_fails_requests_with_the_load_error_and_does_no
 
     second = request()
     assert load_error in second.message, second.message
-    status = subprocess.run([sys.executable, "-m", "mpserve", "status", "--json", "--server-name", server.name],
-                            capture_output=True, text=True, timeout=30)
+    status = mpserve("status", "--json", "--server-name", server.name, timeout=30)
     assert status.returncode == 0, status.stderr
     assert [s["state"] for s in json.loads(status.stdout)["slots"]] == ["failed"]
     print(f"\nmodel that cannot load: {starts} worker start(s), then failed; requests got model_failed: "
@@ -416,22 +415,19 @@ with Client(sys.argv[1]) as client:
 def test_the_request_of_a_client_that_disappears_is_cancelled(start_server, how: str) -> None:
     server = start_server("--instances", "1", "--threads", "1", "--n-ctx", "8192",
                           "--client-timeout", str(CLIENT_EXPIRY_S)).wait_ready()
-    ctx = zmq.Context()
-    sock = ctx.socket(zmq.DEALER)
-    proc = None
-    try:
+    with contextlib.ExitStack() as stack:
         if how == "process_killed":
             proc = subprocess.Popen([sys.executable, "-c", VANISHING_CLIENT, server.address])
+            stack.callback(lambda: proc.poll() is None and (proc.kill(), proc.wait()))
+            gone = proc.kill
         else:
-            sock.connect(server.address)
-            body = {"id": "vanish", "prompt": "vanish", "params": {"max_tokens": 8000, "temperature": 0}}
-            sock.send_multipart([wire.VERSION, bytes([wire.MsgType.REQUEST]), wire.msgpack.packb(body)])
+            sock = stack.enter_context(dealer(server.address))
+            sock.send_multipart(raw_request({"id": "vanish", "prompt": "vanish",
+                                             "params": {"max_tokens": 8000, "temperature": 0}}))
+            gone = sock.close
         wait_for(lambda: (r := server.slots()[0]).state is SlotState.BUSY and r.tokens > 0, 30,
                  "the instance busy with the client's request")
-        if proc is not None:
-            proc.kill()
-            proc.wait(10)
-        sock.close(0)
+        gone()
         gone_at = time.monotonic()
         row = wait_for(lambda: (r := server.slots()[0]).state is SlotState.IDLE and r, CLIENT_EXPIRY_S + 3,
                        "the instance idle again after its client disappeared")
@@ -442,12 +438,6 @@ def test_the_request_of_a_client_that_disappears_is_cancelled(start_server, how:
         with Client(server.address) as client:
             assert client.generate("next", max_tokens=4, temperature=0, timeout=30).usage.completion_tokens == 4
         assert not server.tracebacks(), "\n".join(server.log)
-    finally:
-        if proc is not None and proc.poll() is None:
-            proc.kill()
-            proc.wait()
-        sock.close(0)
-        ctx.term()
 
 
 @pytest.mark.timeout(90)

@@ -6,8 +6,6 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
-import subprocess
-import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -18,7 +16,7 @@ import openai
 import pytest
 from conftest import ServerProcess
 from gateway_thread import GatewayThread
-from helpers import ppid, wait_for
+from helpers import mpserve, ppid, wait_for
 
 from mpserve import Client
 from mpserve.gateway.openai import CHAT_STOP, COMPLETION_MAX_TOKENS, OPENAI_DEFAULTS, Message, chat_prompt, parse
@@ -441,8 +439,7 @@ def test_instances_count_processes_and_slots_count_slots_everywhere(start_server
         console = gw.get("/console/state").json()
         assert [(m["instances"], m["free_slots"]) for m in console["models"]] == [(2, 4)]
         assert len(console["slots"]) == 4
-        status = subprocess.run([sys.executable, "-m", "mpserve", "status", "--server-name", server.name],
-                                capture_output=True, text=True, timeout=30)
+        status = mpserve("status", "--server-name", server.name, timeout=30)
         assert "2 instance(s) (processes), 4 slot(s)" in status.stdout.splitlines()[0], status.stdout
 
         done: list[object] = []

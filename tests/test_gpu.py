@@ -12,39 +12,15 @@ import time
 from pathlib import Path
 
 import pytest
-import yaml
-from helpers import children, live_environ, mpserve
+from helpers import LOADED, children, config_file, live_environ, load, mpserve
 
-from mpserve import AsyncClient, Client
+from mpserve import Client
 from mpserve.client import Result
 from mpserve.errors import MpserveError
 from mpserve.gpu.permits import max_concurrent, read_holds
 from mpserve.slots import SlotState
 
-LOADED = {SlotState.LOADING, SlotState.IDLE, SlotState.BUSY, SlotState.WAITING}
 SWITCH_BATCH = 3
-
-
-def config_file(tmp_path: Path, name: str, **values: object) -> str:
-    path = tmp_path / f"{name}.yaml"
-    path.write_text(yaml.safe_dump(values))
-    return str(path)
-
-
-async def load(address: str, n: int, max_tokens: int, concurrency: int, models: list[str] | None = None,
-               sent: dict[int, float] | None = None) -> list[object]:
-    """``n`` requests, ``concurrency`` at a time, cycling through ``models``; returns results/errors, and notes
-    in ``sent`` when each request was sent (time.monotonic)."""
-    sem = asyncio.Semaphore(concurrency)
-    async with AsyncClient(address, timeout=120) as client:
-        async def one(i: int) -> object:
-            async with sem:
-                model = models[i % len(models)] if models else None
-                if sent is not None:
-                    sent[i] = time.monotonic()
-                return await client.generate(f"request {i}", model=model, max_tokens=max_tokens, temperature=0)
-
-        return await asyncio.gather(*(one(i) for i in range(n)), return_exceptions=True)
 
 
 @pytest.mark.timeout(120)

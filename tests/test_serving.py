@@ -9,7 +9,7 @@ import time
 import llama_cpp
 import pytest
 import zmq
-from helpers import answer, dealer, raw_request
+from helpers import dealer, raw_request, received
 
 from mpserve import AsyncClient, Client
 from mpserve import protocol as wire
@@ -93,31 +93,20 @@ def test_bad_parameters_are_refused_by_client_and_by_server(tiny_server) -> None
     with Client(tiny_server.address) as client:
         with pytest.raises(BadRequest, match="max_tokens"):
             client.generate("hi", max_tokens=-1)
-    ctx = zmq.Context()
-    sock = ctx.socket(zmq.DEALER)
-    sock.connect(tiny_server.address)
-    try:
-        cases = {
-            "neg": {"max_tokens": -5},
-            "type": {"max_tokens": "ten"},
-            "temp": {"temperature": "hot"},
-            "unknown": {"mirostat": 2},
-        }
+    cases = {
+        "neg": {"max_tokens": -5},
+        "type": {"max_tokens": "ten"},
+        "temp": {"temperature": "hot"},
+        "unknown": {"mirostat": 2},
+    }
+    with dealer(tiny_server.address) as sock:
         for rid, params in cases.items():
-            body = {"id": rid, "prompt": "hi", "params": params}
-            sock.send_multipart([wire.VERSION, bytes([wire.MsgType.REQUEST]), wire.msgpack.packb(body)])
-        answers = {}
-        for _ in cases:
-            assert sock.poll(5000)
-            err = wire.decode(sock.recv_multipart())
-            assert isinstance(err, wire.Error)
-            answers[err.id] = err
-        assert {e.code for e in answers.values()} == {"bad_request"}
-        assert "max_tokens" in answers["neg"].message and "integer" in answers["type"].message
-        assert "mirostat" in answers["unknown"].message
-    finally:
-        sock.close(0)
-        ctx.term()
+            sock.send_multipart(raw_request({"id": rid, "prompt": "hi", "params": params}))
+        answers = {err.id: err for err in (received(sock) for _ in cases)}
+    assert all(isinstance(e, wire.Error) for e in answers.values()), answers
+    assert {e.code for e in answers.values()} == {"bad_request"}
+    assert "max_tokens" in answers["neg"].message and "integer" in answers["type"].message
+    assert "mirostat" in answers["unknown"].message
 
 
 @pytest.mark.timeout(60)
@@ -166,17 +155,24 @@ def test_the_bounds_on_one_clients_requests_and_on_all_waiting_requests_answer_b
         return raw_request({"id": rid, "prompt": rid, "stream": stream, "params": {"max_tokens": 1000,
                                                                                   "temperature": 0}})
 
+    ends: dict[str, list[object]] = {}
+
+    def until(sock: zmq.Socket[bytes], rid: str) -> None:
+        """Read what ``sock`` receives until request ``rid`` has ended, noting every request's ends."""
+        while rid not in ends:
+            if isinstance(message := received(sock, 30), (wire.Done, wire.Error)):
+                ends.setdefault(message.id, []).append(message)
+
     with dealer(server.address) as a, dealer(server.address) as b:
         a.send_multipart(request("a1", stream=True))
-        assert isinstance(answer(a, 30), wire.Chunk)  # the only instance is busy with a1
-        for sock, rid in ((a, "a2"), (a, "a3"), (b, "b1"), (b, "b2")):  # a2 and b1 queue
-            sock.send_multipart(request(rid))
-        ends: dict[str, list[object]] = {}
-        for sock, ids in ((a, {"a1", "a2", "a3"}), (b, {"b1", "b2"})):
-            while not ids <= ends.keys():
-                if isinstance(message := answer(sock, 30), (wire.Done, wire.Error)):
-                    ends.setdefault(message.id, []).append(message)
-            assert not sock.poll(200), "more than one answer to a request"
+        assert isinstance(received(a, 30), wire.Chunk)  # the only instance is busy with a1
+        for sock, first, second in ((a, "a2", "a3"), (b, "b1", "b2")):  # one socket's requests come in order
+            sock.send_multipart(request(first))  # queues
+            sock.send_multipart(request(second))
+            until(sock, second)
+        for sock, rid in ((a, "a1"), (a, "a2"), (b, "b1")):
+            until(sock, rid)
+        assert not a.poll(200) and not b.poll(0), "more than one answer to a request"
     assert {rid for rid, [end] in ends.items() if isinstance(end, wire.Done)} == {"a1", "a2", "b1"}, ends
     [per_client], [total] = ends["a3"], ends["b2"]
     assert per_client.code == total.code == "busy" and per_client.retry_after and total.retry_after
