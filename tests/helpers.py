@@ -128,14 +128,13 @@ MALLOC_ENV = {"MALLOC_MMAP_THRESHOLD_": str(256 * 1024), "MALLOC_TRIM_THRESHOLD_
 
 
 def live_environ(pid: int) -> dict[str, str]:
-    """The environment of process ``pid`` as its own ``getenv`` (and the CUDA runtime) reads it now: libc's
+    """The environment of process ``pid`` as its own ``getenv`` (and the CUDA runtime) reads it now: the C
     ``environ``, read through /proc/PID/mem. /proc/PID/environ holds the one the process was executed with, and
-    a worker forked from a fork server sets its variables after that. ``pid`` runs this process's libc."""
-    libc = ctypes.CDLL(None)
-    getenv = ctypes.cast(libc.getenv, ctypes.c_void_p).value or 0
-    path = next(line.split()[-1] for line in Path("/proc/self/maps").read_text().splitlines()
-                if int(line[:line.index("-")], 16) <= getenv < int(line.split()[0].split("-")[1], 16))
-    offset = ctypes.addressof(ctypes.c_void_p.in_dll(libc, "environ")) - _mapped_at("self", path)
+    a worker forked from a fork server sets its variables after that. ``pid`` runs this process's executable."""
+    address = ctypes.addressof(ctypes.c_void_p.in_dll(ctypes.CDLL(None), "environ"))
+    mine = _mappings("self")
+    path = [name for start, name in mine if start <= address][-1]  # libc's, or the executable's own copy
+    offset = address - min(start for start, name in mine if name == path)
     with open(f"/proc/{pid}/mem", "rb", buffering=0) as mem:
         def read(at: int, n: int) -> bytes:
             mem.seek(at)
@@ -145,7 +144,7 @@ def live_environ(pid: int) -> dict[str, str]:
             return int.from_bytes(read(at, 8), sys.byteorder)
 
         env: dict[str, str] = {}
-        entry = pointer(_mapped_at(str(pid), path) + offset)
+        entry = pointer(min(start for start, name in _mappings(str(pid)) if name == path) + offset)
         while at := pointer(entry):
             text = b""
             while b"\0" not in text:  # to the end of the string, never past the end of its page
@@ -156,10 +155,11 @@ def live_environ(pid: int) -> dict[str, str]:
         return env
 
 
-def _mapped_at(pid: str, path: str) -> int:
-    """Where the file ``path`` (a shared library) starts in the memory of process ``pid``."""
-    return min(int(line[:line.index("-")], 16) for line in Path(f"/proc/{pid}/maps").read_text().splitlines()
-               if line.endswith(" " + path))
+def _mappings(pid: str) -> list[tuple[int, str]]:
+    """Where each file-backed mapping of process ``pid`` starts, and its file, in address order (the
+    anonymous ones, a file's zeroed data among them, lie after theirs)."""
+    rows = (line.split() for line in Path(f"/proc/{pid}/maps").read_text().splitlines())
+    return [(int(row[0].split("-")[0], 16), row[5]) for row in rows if len(row) > 5 and row[5].startswith("/")]
 
 
 # a row whose model is in memory or on its way there
