@@ -196,8 +196,8 @@ def test_the_fork_server_imports_llama_cpp_only_on_a_host_without_gpus(start_ser
     assert sorted(r.device for r in rows) == ([0, 1] if gpus else [-1, -1])
     for row in rows:
         env = live_environ(row.pid)
-        assert env["CUDA_VISIBLE_DEVICES"] == (str(row.device) if gpus else ""), (row, env)
-        assert env["CUDA_DEVICE_ORDER"] == "PCI_BUS_ID"
+        cuda = {name: env.get(name) for name in ("CUDA_VISIBLE_DEVICES", "CUDA_DEVICE_ORDER")}
+        assert cuda == {"CUDA_VISIBLE_DEVICES": str(row.device) if gpus else "", "CUDA_DEVICE_ORDER": "PCI_BUS_ID"}, row
     workers = {r.pid for r in rows}
     below = [pid for child in children(server.proc.pid) for pid in (child, *children(child))]
     parents = {pid for pid in below if workers & set(children(pid))}
