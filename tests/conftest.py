@@ -171,6 +171,17 @@ def tiny_model_path() -> str:
     return str(default_model_path())
 
 
+@pytest.fixture(scope="module")
+def scoring(tiny_model_path: str) -> Iterator[Any]:
+    """The tiny model in a ``llama_cpp.Llama`` that keeps every position's logits, with flash attention on as
+    the servers have it (auto, on a CPU)."""
+    from engines import scoring_llama  # llama_cpp: loaded only by the tests that use it
+
+    llm = scoring_llama(tiny_model_path, flash_attn=True)
+    yield llm
+    llm.close()
+
+
 @dataclass(frozen=True)
 class RealModel:
     path: str

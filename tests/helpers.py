@@ -2,13 +2,25 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
+import ctypes
+import os
 import socket
+import subprocess
+import sys
 import time
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any, TypeVar
 
 import httpx
+import yaml
+import zmq
+
+from mpserve import AsyncClient
+from mpserve import protocol as wire
+from mpserve.slots import SlotState
 
 T = TypeVar("T")
 
@@ -39,6 +51,142 @@ def free_port() -> int:
         s.bind(("127.0.0.1", 0))
         port: int = s.getsockname()[1]
         return port
+
+
+def mpserve(*args: str, env: dict[str, str] | None = None, timeout: float = 60) -> subprocess.CompletedProcess[str]:
+    """``python -m mpserve ARGS`` run to its end, its output captured; ``env`` on top of this process's."""
+    return subprocess.run([sys.executable, "-m", "mpserve", *args], capture_output=True, text=True, timeout=timeout,
+                          env={**os.environ, **(env or {})})
+
+
+@contextlib.contextmanager
+def dealer(address: str, identity: bytes | None = None, **options: int) -> Iterator[zmq.Socket[bytes]]:
+    """A raw DEALER connected to ``address``, in a context of its own (``options``: socket options by name,
+    ``SNDHWM=10``); what it sends is not checked as mpserve's clients check it."""
+    ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    if identity is not None:
+        sock.setsockopt(zmq.IDENTITY, identity)
+    for name, value in options.items():
+        sock.setsockopt(getattr(zmq, name), value)
+    sock.connect(address)
+    try:
+        yield sock
+    finally:
+        sock.close(0)
+        ctx.term()
+
+
+def raw_request(body: dict[str, Any]) -> list[bytes]:
+    """The frames of a REQUEST whose body is ``body`` as it is, unchecked."""
+    return [wire.VERSION, bytes([wire.MsgType.REQUEST]), wire.msgpack.packb(body)]
+
+
+def received(sock: zmq.Socket[bytes], timeout: float = 5.0) -> Any:
+    """The next message ``sock`` receives, decoded; fail if none comes within ``timeout`` seconds."""
+    assert sock.poll(int(timeout * 1000)), f"no answer within {timeout} s"
+    return wire.decode(sock.recv_multipart())
+
+
+def process_state(pid: int) -> str | None:
+    """The kernel's one-letter state of ``pid`` (R, S, T, Z…), or None when there is no such process."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except (FileNotFoundError, ProcessLookupError):
+        return None
+    return stat[stat.rindex(")") + 2]
+
+
+def running(pid: int) -> bool:
+    """Alive and not a zombie (a killed worker stays a zombie until someone reaps it)."""
+    return pid > 0 and process_state(pid) not in (None, "Z")
+
+
+def ppid(pid: int) -> int:
+    """The parent of ``pid``."""
+    status = Path(f"/proc/{pid}/status").read_text()
+    return int(next(line.split()[1] for line in status.splitlines() if line.startswith("PPid:")))
+
+
+def children(pid: int) -> list[int]:
+    """Direct children of ``pid``."""
+    return [int(c) for task in Path(f"/proc/{pid}/task").iterdir() for c in (task / "children").read_text().split()]
+
+
+def rss_kib(pid: int) -> int:
+    """The resident memory of ``pid``, in KiB."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1])
+    raise AssertionError(f"no VmRSS for pid {pid}")
+
+
+# glibc's thresholds for a process whose resident size a test measures: big buffers go back to the kernel when
+# freed, and heaps are trimmed early, so that its RSS is what it holds on to
+MALLOC_ENV = {"MALLOC_MMAP_THRESHOLD_": str(256 * 1024), "MALLOC_TRIM_THRESHOLD_": str(128 * 1024)}
+
+
+def live_environ(pid: int) -> dict[str, str]:
+    """The environment of process ``pid`` as its own ``getenv`` (and the CUDA runtime) reads it now: the C
+    ``environ``, read through /proc/PID/mem. /proc/PID/environ holds the one the process was executed with, and
+    a worker forked from a fork server sets its variables after that. ``pid`` runs this process's executable."""
+    address = ctypes.addressof(ctypes.c_void_p.in_dll(ctypes.CDLL(None), "environ"))
+    mine = _mappings("self")
+    path = [name for start, name in mine if start <= address][-1]  # libc's, or the executable's own copy
+    offset = address - min(start for start, name in mine if name == path)
+    with open(f"/proc/{pid}/mem", "rb", buffering=0) as mem:
+        def read(at: int, n: int) -> bytes:
+            mem.seek(at)
+            return mem.read(n)
+
+        def pointer(at: int) -> int:
+            return int.from_bytes(read(at, 8), sys.byteorder)
+
+        env: dict[str, str] = {}
+        entry = pointer(min(start for start, name in _mappings(str(pid)) if name == path) + offset)
+        while at := pointer(entry):
+            text = b""
+            while b"\0" not in text:  # to the end of the string, never past the end of its page
+                text += read(at + len(text), 4096 - (at + len(text)) % 4096)
+            name, _, value = text[:text.index(b"\0")].decode(errors="replace").partition("=")
+            env[name] = value
+            entry += 8
+        return env
+
+
+def _mappings(pid: str) -> list[tuple[int, str]]:
+    """Where each file-backed mapping of process ``pid`` starts, and its file, in address order (the
+    anonymous ones, a file's zeroed data among them, lie after theirs)."""
+    rows = (line.split() for line in Path(f"/proc/{pid}/maps").read_text().splitlines())
+    return [(int(row[0].split("-")[0], 16), row[5]) for row in rows if len(row) > 5 and row[5].startswith("/")]
+
+
+# a row whose model is in memory or on its way there
+LOADED = {SlotState.LOADING, SlotState.IDLE, SlotState.BUSY, SlotState.WAITING}
+
+
+def config_file(tmp_path: Path, name: str, **values: object) -> str:
+    """A config file of ``values`` (``--config``), written in ``tmp_path``."""
+    path = tmp_path / f"{name}.yaml"
+    path.write_text(yaml.safe_dump(values))
+    return str(path)
+
+
+async def load(address: str, n: int, max_tokens: int, concurrency: int, models: list[str] | None = None,
+               sent: dict[int, float] | None = None) -> list[object]:
+    """``n`` requests, ``concurrency`` at a time, cycling through ``models``; returns results/errors, and notes
+    in ``sent`` when each request was sent (time.monotonic)."""
+    sem = asyncio.Semaphore(concurrency)
+    async with AsyncClient(address, timeout=120) as client:
+        async def one(i: int) -> object:
+            async with sem:
+                model = models[i % len(models)] if models else None
+                if sent is not None:
+                    sent[i] = time.monotonic()
+                return await client.generate(f"request {i}", model=model, max_tokens=max_tokens, temperature=0)
+
+        return await asyncio.gather(*(one(i) for i in range(n)), return_exceptions=True)
 
 
 CHROMIUM = "/usr/bin/chromium"  # the system's package: the browser tests download no browser

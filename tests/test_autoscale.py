@@ -8,17 +8,16 @@ import asyncio
 import json
 import re
 import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
 
 import pytest
+from helpers import LOADED, config_file, load, mpserve, wait_for
 
 from mpserve import protocol as wire
 from mpserve.client import AsyncClient, Client, Result
 from mpserve.errors import BadRequest, ConfigError, ModelDoesNotFit, UnknownModel
-from tests.helpers import wait_for
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -186,21 +185,19 @@ def test_the_control_api_changes_one_model_while_another_serves_undisturbed(star
 def test_the_cli_lists_and_scales_models(start_server) -> None:
     server = start_server("--min-instances", "1", "--max-instances", "2").wait_ready()
 
-    def mpserve(*args: str) -> subprocess.CompletedProcess[str]:
-        return subprocess.run([sys.executable, "-m", "mpserve", *args, "--server-name", server.name],
-                              capture_output=True, text=True, timeout=30)
+    def cli(*args: str) -> subprocess.CompletedProcess[str]:
+        return mpserve(*args, "--server-name", server.name, timeout=30)
 
-    listed = mpserve("models")
+    listed = cli("models")
     assert listed.returncode == 0 and listed.stdout.split("\n")[1].split() == [
         "tiny", "ready", "1", "0", "0", "1", "2", "2", "builtin:tiny"]
-    scaled = mpserve("scale", "tiny", "--max", "1", "--json")
+    scaled = cli("scale", "tiny", "--max", "1", "--json")
     assert scaled.returncode == 0 and json.loads(scaled.stdout)["models"][0]["max"] == 1
-    refused = mpserve("scale", "tiny", "--min", "2")
+    refused = cli("scale", "tiny", "--min", "2")
     assert refused.returncode == 1 and "error: [bad_request] min 2 is above max 1" in refused.stderr
-    missing = mpserve("add", "nowhere.gguf")  # the path is sent absolute: the server has another folder
+    missing = cli("add", "nowhere.gguf")  # the path is sent absolute: the server has another folder
     assert missing.returncode == 1 and f"no such model file '{Path.cwd() / 'nowhere.gguf'}'" in missing.stderr
-    status = subprocess.run([sys.executable, "-m", "mpserve", "status", "--server-name", server.name],
-                            capture_output=True, text=True, timeout=30)
+    status = cli("status")
     assert "scaling tiny: 1..1 instances, 0 starting, 0 draining; events: none" in status.stdout
 
 
@@ -208,7 +205,6 @@ def test_the_cli_lists_and_scales_models(start_server) -> None:
 def test_single_active_backend_and_exclusive_permits_hold_while_instances_come_and_go(start_server,
                                                                                         tmp_path: Path) -> None:
     from mpserve.gpu.permits import max_concurrent, read_holds
-    from tests.test_gpu import LOADED, config_file, load
 
     holds = tmp_path / "holds.log"
     config = config_file(tmp_path, "sab", switch_batch=3, permit_log=str(holds), models=[

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import llama_cpp
 import pytest
+from engines import LONG_PROMPT, N_CTX, PROMPTS, make_engine, make_llama, serve
 
 from mpserve.engine.batch import PROMPT_CHUNK, BatchEngine
 from mpserve.engine.interface import Completion
@@ -18,17 +19,7 @@ from mpserve.models.builtin import builtin_model_path
 from mpserve.protocol import GenerateParams
 
 REPO = Path(__file__).resolve().parent.parent
-N_CTX = 1024
-PROMPTS = [
-    "The quick brown fox",
-    "Once upon a time in the land of",
-    "Hello",
-    "In the beginning was the word, and the word was",
-    "4 + 4 =",
-    "It was the best of times, it was the worst of times",
-]
 LENGTHS = [8, 40, 17, 64, 3, 29]
-LONG_PROMPT = " ".join(f"the {w} of all and" for w in ("cat", "dog", "sea", "sky") * 30)  # 931 tokens
 
 
 def greedy(max_tokens: int, **kw: object) -> GenerateParams:
@@ -40,24 +31,11 @@ def model_path() -> str:
     return str(builtin_model_path("tiny"))
 
 
-def make_llama(model_path: str, flash_attn: str = "off") -> llama_cpp.Llama:
-    """Llama has flash attention on or off; auto is on on a CPU."""
-    return llama_cpp.Llama(model_path, n_ctx=N_CTX, n_threads=1, n_threads_batch=1, flash_attn=flash_attn != "off",
-                           verbose=False)
-
-
 @pytest.fixture(scope="module")
 def llm(model_path: str) -> Iterator[llama_cpp.Llama]:
     llm = make_llama(model_path)
     yield llm
     llm.close()
-
-
-def make_engine(model_path: str, parallel: int, budget: int = 64, kv_unified: bool = False,
-                flash_attn: str = "off") -> BatchEngine:
-    return BatchEngine(model_path, n_ctx=N_CTX, parallel=parallel, threads=1, n_gpu_layers=0,
-                       step_budget_tokens=budget, kv_unified=kv_unified, flash_attn=flash_attn,
-                       reuse="exact")  # these tests compare with a fresh computation
 
 
 class Recorder:
@@ -73,25 +51,6 @@ class Recorder:
         self.pieces.append(text)
         self.steps.append(self.clock[0])
         return self.cancel_after is None or tokens < self.cancel_after
-
-
-def serve(engine: BatchEngine, requests: list[tuple[str, GenerateParams]]) -> list[Completion]:
-    """Run ``requests`` through ``engine``, each admitted into the first free slot as soon as one is free."""
-    results: dict[int, Completion] = {}
-    pending = list(enumerate(requests))
-    by_slot: dict[int, int] = {}
-    clock = [0]
-    while pending or engine.active:
-        for slot in engine.free_slots():
-            if not pending:
-                break
-            i, (prompt, params) = pending.pop(0)
-            engine.admit(slot, prompt, params, Recorder(clock))
-            by_slot[slot] = i
-        for slot, completion in engine.step():
-            results[by_slot.pop(slot)] = completion
-        clock[0] += 1
-    return [results[i] for i in range(len(requests))]
 
 
 def one_at_a_time(model_path: str, requests: list[tuple[str, GenerateParams]], flash_attn: str = "off"

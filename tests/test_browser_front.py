@@ -18,9 +18,9 @@ import httpx
 import pytest
 from conftest import ServerProcess
 from gateway_thread import GatewayThread
+from helpers import CHROMIUM, chromium
 
 from mpserve import Client
-from tests.helpers import CHROMIUM, chromium
 
 WAIT_MS = 20_000
 BODY = {"prompt": "hello", "max_tokens": 4}

@@ -8,8 +8,8 @@ import time
 from pathlib import Path
 
 import pytest
-import zmq
 from conftest import ServerProcess
+from helpers import dealer, received
 
 from mpserve import protocol as wire
 
@@ -24,20 +24,12 @@ def _cpu_s(pid: int) -> float:
 
 
 def _one_at_a_time(address: str, n: int) -> None:
-    ctx = zmq.Context()
-    sock = ctx.socket(zmq.DEALER)
-    sock.setsockopt(zmq.LINGER, 0)
-    sock.connect(address)
-    try:
-        params = wire.GenerateParams(max_tokens=1, temperature=0.0)
+    params = wire.GenerateParams(max_tokens=1, temperature=0.0)
+    with dealer(address) as sock:
         for i in range(n):
             sock.send_multipart(wire.encode(wire.Request(f"r{i}", "ping", None, params)))
-            assert sock.poll(10_000), f"no answer to request {i}"
-            reply = wire.decode(sock.recv_multipart())
+            reply = received(sock, 10)
             assert isinstance(reply, wire.Done) and reply.id == f"r{i}", reply
-    finally:
-        sock.close()
-        ctx.term()
 
 
 @pytest.mark.timeout(60)

@@ -9,9 +9,9 @@ from collections.abc import Iterator
 import httpx
 import pytest
 from conftest import ServerProcess
+from engines import LONG_PROMPT
 from gateway_thread import GatewayThread
 from helpers import wait_for
-from test_batch import LONG_PROMPT
 
 from mpserve import Client
 from mpserve.errors import BadRequest

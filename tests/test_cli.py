@@ -4,14 +4,9 @@ another shell."""
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 
 import pytest
-
-
-def mpserve(*args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "mpserve", *args], capture_output=True, text=True, timeout=timeout)
+from helpers import mpserve
 
 
 @pytest.mark.timeout(120)

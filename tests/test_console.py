@@ -12,9 +12,9 @@ from typing import Any
 import httpx
 import pytest
 from conftest import ServerProcess
+from helpers import CHROMIUM, chromium, free_port
 
 from mpserve import Client
-from tests.helpers import CHROMIUM, chromium, free_port
 
 KEY = "console-test-key"
 WAIT_MS = 30_000

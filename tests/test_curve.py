@@ -7,24 +7,22 @@ from __future__ import annotations
 import shutil
 import stat
 import subprocess
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 import zmq.auth
+from helpers import free_port, mpserve
 
 from mpserve import Client
 from mpserve.errors import ConnectionFailed
 from mpserve.runtime import ServerInfo
-from tests.helpers import free_port
 
 REFUSED_CONNECT_S = 2.0
 
 
 def keygen(directory: Path, name: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "mpserve", "keygen", str(directory), name],
-                          capture_output=True, text=True, timeout=60)
+    return mpserve("keygen", str(directory), name)
 
 
 
@@ -103,8 +101,7 @@ def test_only_clients_whose_public_key_the_server_holds_get_through(start_server
 @pytest.mark.timeout(60)
 def test_binding_every_interface_without_keys_or_insecure_is_refused_at_start() -> None:
     name = "curve-refused"
-    done = subprocess.run([sys.executable, "-m", "mpserve", "start", "--server-name", name,
-                           "--bind", f"tcp://0.0.0.0:{free_port()}"], capture_output=True, text=True, timeout=60)
+    done = mpserve("start", "--server-name", name, "--bind", f"tcp://0.0.0.0:{free_port()}")
     assert done.returncode == 1, done.stdout + done.stderr
     message = done.stderr
     assert "--curve-secret" in message and "--insecure" in message, message

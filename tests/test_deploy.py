@@ -26,9 +26,9 @@ import typer.main
 import yaml
 import zmq.auth
 from conftest import _die_with_parent
+from helpers import free_port, mpserve
 
 from mpserve.cli import app
-from tests.helpers import free_port
 
 ROOT = Path(__file__).parent.parent
 MANIFESTS = sorted((ROOT / "deploy" / "kubernetes").glob("*.yaml"))
@@ -205,8 +205,7 @@ def test_a_broker_without_instances_is_healthy_once_a_curve_pool_registers(start
                                          {"Content-Type": "application/json"})
         with urllib.request.urlopen(request, timeout=30) as reply:
             assert json.loads(reply.read())["usage"]["completion_tokens"] == 4
-        status = subprocess.run([sys.executable, "-m", "mpserve", "status", "--json", "--server-name", server.name],
-                                capture_output=True, text=True, timeout=30, env={**os.environ, **env})
+        status = mpserve("status", "--json", "--server-name", server.name, timeout=30, env=env)
         assert [w["model"] for w in json.loads(status.stdout)["remote"]] == ["tiny"], status.stderr
     finally:
         pool.terminate()

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 from fake_nvml import DATA, FakeNvml
+from helpers import mpserve
 
 from mpserve import config as cfg
 from mpserve.doctor import CUDA_INSTALL, Build, build_problems, collect, format_report, probe_build, start_warnings
@@ -45,8 +46,7 @@ def recorded_nvidia_smi(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> str:
 
 
 def doctor(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "mpserve", "doctor", *args], capture_output=True, text=True,
-                          timeout=60, env={**os.environ, **(env or {})})
+    return mpserve("doctor", *args, env=env)
 
 
 @pytest.mark.timeout(60)

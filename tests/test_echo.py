@@ -9,11 +9,9 @@ import httpx
 import llama_cpp
 import numpy as np
 import pytest
-import test_logprobs
 from conftest import RealModel, ServerProcess
+from engines import LONG_PROMPT, PROMPTS, make_engine, scoring_llama, serve
 from gateway_thread import GatewayThread
-from test_batch import LONG_PROMPT, PROMPTS, make_engine, serve
-from test_logprobs import reference
 
 from mpserve import Client
 from mpserve import protocol as wire
@@ -56,7 +54,7 @@ def check_prompt(llm: llama_cpp.Llama, prompt: str | list[int], lp: wire.Logprob
 @pytest.mark.timeout(180)
 def test_the_engine_scores_every_prompt_token_and_reuses_no_cells() -> None:
     path = str(builtin_model_path("tiny"))
-    llm = reference(path, flash_attn=False)
+    llm = scoring_llama(path, flash_attn=False)
     engine = make_engine(path, 2)
     asked = GenerateParams(max_tokens=4, temperature=0, logprobs=TOP, prompt_logprobs=True)
     try:
@@ -76,7 +74,6 @@ def test_the_engine_scores_every_prompt_token_and_reuses_no_cells() -> None:
         engine.close()
         llm.close()
 
-direct = test_logprobs.direct  # a fixture: a llama_cpp.Llama scoring the tiny model
 
 
 def resident_mib() -> float:
@@ -106,11 +103,11 @@ def test_scoring_a_prompt_on_a_large_vocabulary_does_not_keep_a_chunk_of_logits(
 
 @pytest.mark.timeout(120)
 def test_the_zeromq_path_carries_the_prompt_s_streamed_and_not(tiny_server: ServerProcess,
-                                                                 direct: llama_cpp.Llama) -> None:
+                                                                 scoring: llama_cpp.Llama) -> None:
     with Client(tiny_server.address) as client:
         for prompt in PROMPTS[:2]:
             whole = client.generate(prompt, max_tokens=8, temperature=0, logprobs=TOP, prompt_logprobs=True)
-            check_prompt(direct, prompt, whole.logprobs, 8)
+            check_prompt(scoring, prompt, whole.logprobs, 8)
             stream = client.stream(prompt, max_tokens=8, temperature=0, logprobs=TOP, prompt_logprobs=True)
             assert "".join(stream) == whole.text
             assert stream.result is not None and stream.result.logprobs == whole.logprobs
@@ -120,10 +117,10 @@ def test_the_zeromq_path_carries_the_prompt_s_streamed_and_not(tiny_server: Serv
 
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
-def test_openai_echo_equals_llama_cpp_python_s(gateway: GatewayThread, direct: llama_cpp.Llama, stream: bool) -> None:
+def test_openai_echo_equals_llama_cpp_python_s(gateway: GatewayThread, scoring: llama_cpp.Llama, stream: bool) -> None:
     oc = gateway.openai()
     prompt = PROMPTS[3]
-    expected = direct.create_completion(prompt, max_tokens=10, temperature=0, echo=True, logprobs=TOP)
+    expected = scoring.create_completion(prompt, max_tokens=10, temperature=0, echo=True, logprobs=TOP)
     got = oc.completions.create(model="tiny", prompt=prompt, max_tokens=10, temperature=0, echo=True,
                                 logprobs=TOP, stream=stream)
     chunks = list(got) if stream else [got]
@@ -142,9 +139,9 @@ def test_openai_echo_equals_llama_cpp_python_s(gateway: GatewayThread, direct: l
                                                                   strict=True))
     plain = oc.completions.create(model="tiny", prompt=prompt, max_tokens=10, temperature=0, echo=True)
     assert plain.choices[0].text == text and plain.choices[0].logprobs is None
-    tokens = direct.tokenize(prompt.encode(), add_bos=False)
+    tokens = scoring.tokenize(prompt.encode(), add_bos=False)
     by_ids = oc.completions.create(model="tiny", prompt=tokens, max_tokens=10, temperature=0, echo=True)
-    assert by_ids.choices[0].text.startswith(direct.detokenize(tokens).decode())  # the tokens' text
+    assert by_ids.choices[0].text.startswith(scoring.detokenize(tokens).decode())  # the tokens' text
 
 
 @pytest.mark.timeout(60)

@@ -9,13 +9,13 @@ import collections
 import random
 import time
 from collections.abc import Callable, Iterator
-from pathlib import Path
 from typing import Any
 
 import msgpack
 import pytest
 import zmq
 import zmq.utils.monitor
+from helpers import MALLOC_ENV, rss_kib
 
 from mpserve import Client
 from mpserve import protocol as wire
@@ -25,7 +25,6 @@ SEED = 20240504
 WARMUP_MESSAGES = 5_000
 FUZZ_MESSAGES = 10_000
 RSS_GROWTH_LIMIT = 0.10
-MALLOC_ENV = {"MALLOC_MMAP_THRESHOLD_": str(256 * 1024), "MALLOC_TRIM_THRESHOLD_": str(128 * 1024)}
 SIZE_LIMIT = wire.MAX_MESSAGE_BYTES + 4096  # the front socket's ZMQ_MAXMSGSIZE
 IDS = [f"f{i}" for i in range(40)]  # a small id space, so duplicates and cancels meet pending requests
 
@@ -250,13 +249,6 @@ def _decodes_as_request(body: bytes) -> bool:
 
 
 # --- the tests ----------------------------------------------------------------------------------
-
-def rss_kib(pid: int) -> int:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1])
-    raise AssertionError(f"no VmRSS for pid {pid}")
-
 
 class Fuzzer:
     """Raw DEALERs that send fuzz messages and read every reply, checking each is a well-formed message of

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 from conftest import ServerProcess
-from test_kv_cache import LONG
+from engines import LONG_PROMPT as LONG
 
 from mpserve import Client
 from mpserve.engine.batch import PROMPT_CHUNK

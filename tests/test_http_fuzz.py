@@ -35,9 +35,7 @@ import h11
 import httpx
 import pytest
 from conftest import ServerProcess
-from helpers import http_up, wait_for
-from test_fuzz import MALLOC_ENV, rss_kib
-from test_limits import free_port
+from helpers import MALLOC_ENV, free_port, http_up, rss_kib, wait_for
 
 from mpserve import Client
 from mpserve.errors import ErrorCode

@@ -7,35 +7,27 @@ from __future__ import annotations
 import json
 import os
 import struct
-import subprocess
-import sys
 import tempfile
 from pathlib import Path
 
 import llama_cpp
 import pytest
 from conftest import RealModel, ServerProcess
+from engines import LONG_PROMPT as LONG
+from engines import others, run
+from helpers import mpserve
 
 from mpserve import Client
 from mpserve import protocol as wire
 from mpserve.engine import slot_file, vocab
 from mpserve.engine.batch import PROMPT_CHUNK, BatchEngine
-from mpserve.engine.interface import Completion
 from mpserve.engine.prompt_cache import CacheStats
 from mpserve.errors import BadRequest
 from mpserve.kv_types import KV_TYPES
 from mpserve.models.builtin import builtin_model_path
 from mpserve.prefix import PREFIX_BLOCK, block_hashes
-from mpserve.protocol import GenerateParams
 
 PROMPT = "Once upon a time in the land of"
-
-
-def generate(engine: BatchEngine, prompt: str, max_tokens: int = 8) -> str:
-    engine.admit(0, prompt, GenerateParams(max_tokens=max_tokens, temperature=0.0), lambda text, n: True)
-    while True:
-        for _, completion in engine.step():
-            return completion.text
 
 
 @pytest.mark.timeout(180)
@@ -46,7 +38,7 @@ def test_every_kv_type_generates_and_a_quantized_cache_holds_fewer_bytes() -> No
         engine = BatchEngine(path, n_ctx=128, parallel=1, threads=1, n_gpu_layers=0, flash_attn="on",
                              cache_type_k=name, cache_type_v=name)
         try:
-            assert generate(engine, PROMPT), name
+            assert run(engine, 0, PROMPT, 8).text, name
             state_bytes[name] = llama_cpp.llama_state_seq_get_size(engine._ctx, 0)
         finally:
             engine.close()
@@ -55,22 +47,6 @@ def test_every_kv_type_generates_and_a_quantized_cache_holds_fewer_bytes() -> No
 
 
 # --- the host-RAM prompt cache ---------------------------------------------------------------------------
-
-LONG = " ".join(f"the {w} of all and" for w in ("cat", "dog", "sea", "sky") * 30)  # 931 tokens on the tiny model
-
-
-def others(n: int) -> list[str]:
-    """``n`` long prompts unrelated to LONG from their first token, each at least one whole chunk."""
-    return [f"{i} " + " ".join(f"so {w} and it" for w in ("ant", "bee", "owl", "elk") * 25) for i in range(n)]
-
-
-def run(engine: BatchEngine, slot: int, prompt: str, max_tokens: int = 16) -> Completion:
-    engine.admit(slot, prompt, GenerateParams(max_tokens=max_tokens, temperature=0.0), lambda text, n: True)
-    while True:
-        done = dict(engine.step())
-        if slot in done:
-            return done[slot]
-
 
 def fresh_store() -> str:
     """A host store of its own (an empty RAM tier), so that what a test counts is its own engine's doing."""
@@ -221,8 +197,7 @@ def test_through_the_server_a_prompt_pushed_out_of_every_slot_reports_restored_t
         assert again.text == run(fresh, 0, follow_up).text
     finally:
         fresh.close()
-    status = subprocess.run([sys.executable, "-m", "mpserve", "status", "--server-name", server.name],
-                            capture_output=True, text=True, timeout=30)
+    status = mpserve("status", "--server-name", server.name, timeout=30)
     assert "host store RAM" in status.stdout and "of 64.0 MiB; 1 hits" in status.stdout, status.stdout
 
 
@@ -254,12 +229,10 @@ def test_with_two_instances_a_prompt_one_computed_is_restored_by_the_other_from_
 
 @pytest.mark.timeout(60)
 def test_a_cache_ram_that_is_not_a_size_stops_the_start_before_anything_starts() -> None:
-    proc = subprocess.run([sys.executable, "-m", "mpserve", "start", "--cache-ram", "lots"], capture_output=True,
-                          text=True, timeout=30)
+    proc = mpserve("start", "--cache-ram", "lots", timeout=30)
     assert proc.returncode == 1 and "Traceback" not in proc.stderr
     assert "cache_ram: memory size 'lots' is not understood" in proc.stderr
-    proc = subprocess.run([sys.executable, "-m", "mpserve", "start", "--cache-type-k", "q9"], capture_output=True,
-                          text=True, timeout=30)
+    proc = mpserve("start", "--cache-type-k", "q9", timeout=30)
     assert proc.returncode == 1 and "cache_type_k: got 'q9', allowed: f32, f16, bf16" in proc.stderr
 
 
@@ -318,10 +291,6 @@ def test_a_foreign_or_truncated_slot_file_is_refused_saying_which_and_the_slot_s
         assert run(engine, 0, LONG + " more").reused_tokens == PROMPT_CHUNK  # and works as before
     finally:
         engine.close()
-
-
-def mpserve(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "mpserve", *args], capture_output=True, text=True, timeout=60)
 
 
 @pytest.mark.timeout(180)

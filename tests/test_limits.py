@@ -10,18 +10,15 @@ import time
 from collections.abc import Iterator
 
 import httpx
-import msgpack
 import pytest
-import zmq
 from conftest import ServerProcess
-from helpers import http_up, wait_for
+from helpers import dealer, free_port, http_up, raw_request, received, wait_for
 
 from mpserve import Client
 from mpserve import protocol as wire
 from mpserve.errors import BadRequest
 from mpserve.gateway import limits
 from mpserve.gateway import openai as oai
-from tests.helpers import free_port
 
 READ_TIMEOUT_S = 2.0
 MAX_CONNECTIONS = 64
@@ -79,19 +76,11 @@ def test_prompts_over_the_limits_are_refused_at_once_over_zeromq(http) -> None:
 @pytest.mark.timeout(60)
 def test_a_raw_client_with_a_prompt_over_the_limit_gets_an_error_for_its_request(http) -> None:
     """Without the client's own check: the broker's error still names the request, so it reaches it."""
-    ctx = zmq.Context()
-    sock = ctx.socket(zmq.DEALER)
-    try:
-        sock.connect(http.server.address)
-        body = msgpack.packb({"id": "big", "prompt": "hello " * 200_000, "params": {"max_tokens": 2}})
-        sock.send_multipart([wire.VERSION, bytes([wire.MsgType.REQUEST]), body])
-        assert sock.poll(10_000), "no answer"
-        error = wire.decode(sock.recv_multipart())
-        assert isinstance(error, wire.Error) and error.id == "big" and error.code == "bad_request"
-        assert str(wire.MAX_PROMPT_CHARS) in error.message
-    finally:
-        sock.close(0)
-        ctx.term()
+    with dealer(http.server.address) as sock:
+        sock.send_multipart(raw_request({"id": "big", "prompt": "hello " * 200_000, "params": {"max_tokens": 2}}))
+        error = received(sock, 10)
+    assert isinstance(error, wire.Error) and error.id == "big" and error.code == "bad_request"
+    assert str(wire.MAX_PROMPT_CHARS) in error.message
 
 
 @pytest.mark.timeout(60)

@@ -3,15 +3,13 @@ through a real server (ZeroMQ; HTTP in OpenAI's shapes), streamed and not."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 import httpx
 import llama_cpp
 import numpy as np
 import pytest
 from conftest import ServerProcess
+from engines import PROMPTS, make_engine, scoring_llama, serve
 from gateway_thread import GatewayThread
-from test_batch import N_CTX, PROMPTS, make_engine, serve
 
 from mpserve import Client
 from mpserve import protocol as wire
@@ -21,10 +19,6 @@ from mpserve.protocol import GenerateParams
 
 TOP = 5
 SAMPLING = [{"temperature": 0}, {"temperature": 0.9, "seed": 4}, {"temperature": 1.2, "seed": 11, "top_k": 5}]
-
-
-def reference(path: str, flash_attn: bool) -> llama_cpp.Llama:
-    return llama_cpp.Llama(path, n_ctx=N_CTX, n_threads=1, flash_attn=flash_attn, logits_all=True, verbose=False)
 
 
 def check(llm: llama_cpp.Llama, prompt: str, max_tokens: int, sampling: dict[str, object],
@@ -52,7 +46,7 @@ def check(llm: llama_cpp.Llama, prompt: str, max_tokens: int, sampling: dict[str
 @pytest.mark.parametrize("sampling", SAMPLING, ids=["greedy", "sampled", "sampled-top-k"])
 def test_the_engine_reports_the_log_softmax_of_the_raw_logits(sampling: dict[str, object]) -> None:
     path = str(builtin_model_path("tiny"))
-    llm = reference(path, flash_attn=False)
+    llm = scoring_llama(path, flash_attn=False)
     engine = make_engine(path, 2)
     try:
         for prompt in PROMPTS[:3]:
@@ -64,20 +58,13 @@ def test_the_engine_reports_the_log_softmax_of_the_raw_logits(sampling: dict[str
         llm.close()
 
 
-@pytest.fixture(scope="module")
-def direct(tiny_model_path: str) -> Iterator[llama_cpp.Llama]:
-    llm = reference(tiny_model_path, flash_attn=True)  # = auto, as the server
-    yield llm
-    llm.close()
-
-
 @pytest.mark.timeout(120)
-def test_the_zeromq_path_carries_them_streamed_and_not(tiny_server: ServerProcess, direct: llama_cpp.Llama) -> None:
+def test_the_zeromq_path_carries_them_streamed_and_not(tiny_server: ServerProcess, scoring: llama_cpp.Llama) -> None:
     with Client(tiny_server.address) as client:
         for sampling in SAMPLING[:2]:
             for prompt in PROMPTS[:2]:
                 whole = client.generate(prompt, max_tokens=20, logprobs=TOP, **sampling)
-                check(direct, prompt, 20, sampling, whole.text, whole.logprobs)
+                check(scoring, prompt, 20, sampling, whole.text, whole.logprobs)
                 stream = client.stream(prompt, max_tokens=20, logprobs=TOP, **sampling)
                 text = "".join(stream)
                 assert stream.result is not None and stream.result.logprobs == whole.logprobs

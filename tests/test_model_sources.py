@@ -21,7 +21,7 @@ import pytest
 from conftest import ServerProcess
 from fake_hub import COMMIT, FakeHub
 from gateway_thread import GatewayThread
-from helpers import wait_for
+from helpers import mpserve, wait_for
 
 from mpserve import Client
 from mpserve.errors import ConfigError
@@ -53,8 +53,7 @@ def hf_env(fake_hub: FakeHub, tmp_path: Path) -> dict[str, str]:
 
 
 def _mpserve(*args: str, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "mpserve", *args], env={**os.environ, **env}, capture_output=True,
-                          text=True, timeout=50)
+    return mpserve(*args, env=env, timeout=50)
 
 
 def _storage(env: dict[str, str]) -> Path:

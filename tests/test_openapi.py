@@ -26,9 +26,8 @@ from typing import Any
 import httpx
 import pytest
 from conftest import ServerProcess
-from helpers import http_up, wait_for
+from helpers import free_port, http_up, wait_for
 from hypothesis import HealthCheck, Phase, settings
-from test_limits import free_port
 
 schemathesis = pytest.importorskip("schemathesis")
 from schemathesis.checks import content_type_conformance, status_code_conformance  # noqa: E402

@@ -15,17 +15,16 @@ from collections import Counter
 from pathlib import Path
 
 import pytest
-import zmq
 from conftest import ServerProcess, _die_with_parent
-from helpers import wait_for
-from test_kv_cache import LONG, others
+from engines import LONG_PROMPT as LONG
+from engines import others
+from helpers import dealer, free_port, mpserve, received, wait_for
 
 from mpserve import AsyncClient, Client
 from mpserve import protocol as wire
 from mpserve.engine.batch import PROMPT_CHUNK
 from mpserve.runtime import ServerInfo
 from mpserve.slots import SlotTable
-from tests.helpers import free_port
 
 FAST = ["--heartbeat-interval", "0.25", "--heartbeat-liveness", "4"]  # lost after 1 s of silence
 
@@ -109,8 +108,7 @@ def test_two_pools_share_the_load_of_one_front_end(start_server, pools) -> None:
     by_pool = Counter(r.worker.rsplit("-w", 1)[0] for r in results)  # type: ignore[union-attr]
     assert set(by_pool) == {f"{socket.gethostname()[:32]}-{a.proc.pid}", f"{socket.gethostname()[:32]}-{b.proc.pid}"}
     print(f"\n200 requests over two pools: {dict(by_pool)}")
-    status = subprocess.run([sys.executable, "-m", "mpserve", "status", "--server-name", server.name],
-                            capture_output=True, text=True, timeout=30)
+    status = mpserve("status", "--server-name", server.name, timeout=30)
     assert status.stdout.count("remote ") == 2 and f"host {socket.gethostname()[:32]}" in status.stdout
 
 
@@ -216,8 +214,7 @@ def test_a_pool_without_an_allowed_key_never_gets_a_request(start_server, pools,
     keys = tmp_path / "keys"
     for folder, name in ((keys, "server"), (keys / "clients", "client"), (keys / "workers", "good"),
                          (keys / "others", "bad")):
-        subprocess.run([sys.executable, "-m", "mpserve", "keygen", str(folder), name], check=True, timeout=30,
-                       capture_output=True)
+        assert mpserve("keygen", str(folder), name, timeout=30).returncode == 0
     port = free_port()
     server = broker(start_server, port, "--curve-secret", str(keys / "server.key_secret"),
                     "--curve-clients", str(keys / "clients"), "--curve-workers", str(keys / "workers"))
@@ -237,20 +234,12 @@ def test_a_pool_without_an_allowed_key_never_gets_a_request(start_server, pools,
 def test_a_worker_speaking_another_protocol_version_is_refused_with_both_versions(start_server) -> None:
     port = free_port()
     server = broker(start_server, port)
-    ctx = zmq.Context()
-    sock = ctx.socket(zmq.DEALER)
-    sock.setsockopt(zmq.IDENTITY, b"old-worker")
-    sock.connect(f"tcp://127.0.0.1:{port}")
-    try:
+    with dealer(f"tcp://127.0.0.1:{port}", identity=b"old-worker") as sock:
         ready = wire.Ready("old-worker", "tiny", -1, 1, 1, host="elsewhere")
         sock.send_multipart([b"MPS0", bytes([wire.MsgType.READY]), b"", wire.pack(ready)])
-        assert sock.poll(5000)
-        refusal = wire.decode(sock.recv_multipart())
-        assert isinstance(refusal, wire.Error) and refusal.code == "protocol"
-        assert re.search(r"MPS0.*MPS1|MPS1.*MPS0", refusal.message), refusal.message
-    finally:
-        sock.close(0)
-        ctx.term()
+        refusal = received(sock)
+    assert isinstance(refusal, wire.Error) and refusal.code == "protocol"
+    assert re.search(r"MPS0.*MPS1|MPS1.*MPS0", refusal.message), refusal.message
     with Client(server.address) as client:
         assert not client.stats().workers
     assert any("refused a message from worker" in line for line in server.log)

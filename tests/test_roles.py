@@ -7,22 +7,16 @@ from __future__ import annotations
 
 import shutil
 import stat
-import subprocess
-import sys
 from pathlib import Path
 
 import httpx
 import pytest
+from conftest import ServerProcess
+from helpers import free_port, http_up, mpserve, wait_for
 
 from mpserve import Client
 from mpserve.errors import ConnectionFailed, Forbidden
 from mpserve.runtime import runtime_dir
-from tests.conftest import ServerProcess
-from tests.helpers import free_port, http_up, wait_for
-
-
-def mpserve(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "mpserve", *args], capture_output=True, text=True, timeout=60)
 
 
 @pytest.mark.timeout(120)

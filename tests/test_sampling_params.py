@@ -10,10 +10,10 @@ from typing import Any
 import httpx
 import llama_cpp
 import pytest
-import zmq
 from conftest import ServerProcess
+from engines import PROMPTS, make_engine, make_llama, serve
 from gateway_thread import GatewayThread
-from test_batch import PROMPTS, make_engine, make_llama, serve
+from helpers import dealer, raw_request, received
 
 from mpserve import Client
 from mpserve import protocol as wire
@@ -146,18 +146,10 @@ def test_out_of_range_values_are_refused_on_both_paths_before_any_worker(
                 answer = httpx.post(f"{gateway.url}{path}", json={"model": "tiny", **body, **bad}, timeout=10)
                 assert answer.status_code == 400 and words in answer.json()["error"]["message"], (path, bad)
         # past the client's own checks: the broker refuses the same values with the same words
-        ctx = zmq.Context()
-        sock = ctx.socket(zmq.DEALER)
-        sock.connect(tiny_server.address)
-        try:
+        with dealer(tiny_server.address) as sock:
             for i, (bad, words) in enumerate(BAD):
-                body = {"id": f"bad{i}", "prompt": "hi", "params": bad}
-                sock.send_multipart([wire.VERSION, bytes([wire.MsgType.REQUEST]), wire.msgpack.packb(body)])
-                assert sock.poll(5000)
-                err = wire.decode(sock.recv_multipart())
+                sock.send_multipart(raw_request({"id": f"bad{i}", "prompt": "hi", "params": bad}))
+                err = received(sock)
                 assert isinstance(err, wire.Error) and err.code == "bad_request" and words in err.message, bad
-        finally:
-            sock.close(0)
-            ctx.term()
         assert client.stats().counters.get("accepted", 0) == accepted_before
     assert sum(row.served for row in tiny_server.slots()) == served_before

@@ -9,6 +9,7 @@ import time
 import llama_cpp
 import pytest
 import zmq
+from helpers import dealer, raw_request, received
 
 from mpserve import AsyncClient, Client
 from mpserve import protocol as wire
@@ -92,31 +93,20 @@ def test_bad_parameters_are_refused_by_client_and_by_server(tiny_server) -> None
     with Client(tiny_server.address) as client:
         with pytest.raises(BadRequest, match="max_tokens"):
             client.generate("hi", max_tokens=-1)
-    ctx = zmq.Context()
-    sock = ctx.socket(zmq.DEALER)
-    sock.connect(tiny_server.address)
-    try:
-        cases = {
-            "neg": {"max_tokens": -5},
-            "type": {"max_tokens": "ten"},
-            "temp": {"temperature": "hot"},
-            "unknown": {"mirostat": 2},
-        }
+    cases = {
+        "neg": {"max_tokens": -5},
+        "type": {"max_tokens": "ten"},
+        "temp": {"temperature": "hot"},
+        "unknown": {"mirostat": 2},
+    }
+    with dealer(tiny_server.address) as sock:
         for rid, params in cases.items():
-            body = {"id": rid, "prompt": "hi", "params": params}
-            sock.send_multipart([wire.VERSION, bytes([wire.MsgType.REQUEST]), wire.msgpack.packb(body)])
-        answers = {}
-        for _ in cases:
-            assert sock.poll(5000)
-            err = wire.decode(sock.recv_multipart())
-            assert isinstance(err, wire.Error)
-            answers[err.id] = err
-        assert {e.code for e in answers.values()} == {"bad_request"}
-        assert "max_tokens" in answers["neg"].message and "integer" in answers["type"].message
-        assert "mirostat" in answers["unknown"].message
-    finally:
-        sock.close(0)
-        ctx.term()
+            sock.send_multipart(raw_request({"id": rid, "prompt": "hi", "params": params}))
+        answers = {err.id: err for err in (received(sock) for _ in cases)}
+    assert all(isinstance(e, wire.Error) for e in answers.values()), answers
+    assert {e.code for e in answers.values()} == {"bad_request"}
+    assert "max_tokens" in answers["neg"].message and "integer" in answers["type"].message
+    assert "mirostat" in answers["unknown"].message
 
 
 @pytest.mark.timeout(60)
@@ -150,6 +140,44 @@ def test_full_queue_answers_busy_with_a_retry_hint(start_server) -> None:
     done = [o for o in outcomes if not isinstance(o, BaseException)]
     assert len(done) == 1 and len(busy) == 2, outcomes
     assert all(b.retry_after and 0 < b.retry_after <= 30 for b in busy)
+
+
+@pytest.mark.timeout(60)
+def test_the_bounds_on_one_clients_requests_and_on_all_waiting_requests_answer_busy(start_server) -> None:
+    """With max_pending_per_client 2 and max_queue_total 2, behind a request that keeps the only instance
+    busy: a client's third request is refused busy naming its bound, while another client's request still
+    queues; the next request, of a client under its own bound, is refused busy naming the server's. A refusal
+    is its request's one answer, with a retry hint; the requests taken all end DONE."""
+    server = start_server("--instances", "1", "--n-ctx", "4096", "--max-pending-per-client", "2",
+                          "--max-queue-total", "2").wait_ready()
+
+    def request(rid: str, stream: bool = False) -> list[bytes]:
+        return raw_request({"id": rid, "prompt": rid, "stream": stream, "params": {"max_tokens": 1000,
+                                                                                  "temperature": 0}})
+
+    ends: dict[str, list[object]] = {}
+
+    def until(sock: zmq.Socket[bytes], rid: str) -> None:
+        """Read what ``sock`` receives until request ``rid`` has ended, noting every request's ends."""
+        while rid not in ends:
+            if isinstance(message := received(sock, 30), (wire.Done, wire.Error)):
+                ends.setdefault(message.id, []).append(message)
+
+    with dealer(server.address) as a, dealer(server.address) as b:
+        a.send_multipart(request("a1", stream=True))
+        assert isinstance(received(a, 30), wire.Chunk)  # the only instance is busy with a1
+        for sock, first, second in ((a, "a2", "a3"), (b, "b1", "b2")):  # one socket's requests come in order
+            sock.send_multipart(request(first))  # queues
+            sock.send_multipart(request(second))
+            until(sock, second)
+        for sock, rid in ((a, "a1"), (a, "a2"), (b, "b1")):
+            until(sock, rid)
+        assert not a.poll(200) and not b.poll(0), "more than one answer to a request"
+    assert {rid for rid, [end] in ends.items() if isinstance(end, wire.Done)} == {"a1", "a2", "b1"}, ends
+    [per_client], [total] = ends["a3"], ends["b2"]
+    assert per_client.code == total.code == "busy" and per_client.retry_after and total.retry_after
+    assert "you have 2 requests pending, the most one client may have" in per_client.message
+    assert "the server has 2 requests waiting" in total.message
 
 
 @pytest.mark.timeout(60)

@@ -8,9 +8,7 @@ from __future__ import annotations
 import json
 import socket
 import subprocess
-import sys
 import tempfile
-from collections.abc import Callable
 from pathlib import Path
 
 import httpx
@@ -18,7 +16,8 @@ import llama_cpp
 import numpy as np
 import pytest
 from conftest import ServerProcess
-from helpers import http_up, wait_for
+from engines import serve
+from helpers import http_up, mpserve, wait_for
 from prometheus_client.parser import text_string_to_metric_families
 
 from mpserve.engine.batch import PROMPT_CHUNK, BatchEngine
@@ -60,25 +59,6 @@ def make_engine(model_path: str, parallel: int, speculative: Speculative | None,
                 flash_attn: str = "auto") -> BatchEngine:
     return BatchEngine(model_path, n_ctx=N_CTX, parallel=parallel, threads=1, n_gpu_layers=0,
                        speculative=speculative, flash_attn=flash_attn, reuse="exact")  # compared with fresh ones
-
-
-def serve(engine: BatchEngine, requests: list[tuple[str, GenerateParams]],
-          on_token: Callable[[int], Callable[[str, int], bool]] | None = None) -> list[Completion]:
-    """Each request admitted into the first free slot as soon as one is free; ``on_token(i)`` makes
-    request i's callback."""
-    results: dict[int, Completion] = {}
-    pending = list(enumerate(requests))
-    by_slot: dict[int, int] = {}
-    while pending or engine.active:
-        for slot in engine.free_slots():
-            if not pending:
-                break
-            i, (prompt, params) = pending.pop(0)
-            engine.admit(slot, prompt, params, on_token(i) if on_token else lambda text, n: True)
-            by_slot[slot] = i
-        for slot, completion in engine.step():
-            results[by_slot.pop(slot)] = completion
-    return [results[i] for i in range(len(requests))]
 
 
 def run(model_path: str, parallel: int, speculative: Speculative | None,
@@ -342,8 +322,7 @@ def test_the_draft_keeps_up_with_reused_copied_cached_and_carried_tokens(model_p
 def test_a_missing_draft_or_one_with_another_vocabulary_stops_the_start_before_anything_starts(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     def start(setting: str) -> subprocess.CompletedProcess[str]:
-        return subprocess.run([sys.executable, "-m", "mpserve", "start", "--server-name", f"d{tmp_path.name[-8:]}",
-                               "--speculative", setting], capture_output=True, text=True, timeout=30)
+        return mpserve("start", "--server-name", f"d{tmp_path.name[-8:]}", "--speculative", setting, timeout=30)
 
     missing = start("draft:/no/such/draft.gguf")
     assert missing.returncode == 1 and "Traceback" not in missing.stderr

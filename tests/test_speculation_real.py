@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 from conftest import RealModel
+from engines import finish
 
 from mpserve.engine.batch import BatchEngine
 from mpserve.engine.interface import Completion
@@ -38,11 +39,9 @@ def run(model: RealModel, parallel: int, speculative: Speculative | None, prompt
     engine = BatchEngine(model.path, n_ctx=1024, parallel=parallel, threads=1, n_gpu_layers=0, repack=model.repack,
                          speculative=speculative, reuse="exact")
     try:
-        results: dict[int, Completion] = {}
         for slot, prompt in enumerate(prompts):
             engine.admit(slot, prompt, GenerateParams(max_tokens=64, temperature=0.0), lambda text, n: True)
-        while engine.active:
-            results.update(engine.step())
+        results = finish(engine)
         return [results[slot] for slot in range(len(prompts))]
     finally:
         engine.close()

@@ -14,8 +14,7 @@ from pathlib import Path
 
 import pytest
 from conftest import ServerProcess
-from helpers import wait_for
-from test_limits import free_port
+from helpers import free_port, mpserve, wait_for
 
 from mpserve.runtime import pid_alive, runtime_dir
 from mpserve.slots import shm_dir
@@ -120,8 +119,7 @@ def test_the_server_stops_with_status_1_when_its_gateway_dies() -> None:
 
 @pytest.mark.timeout(60)
 def test_a_runtime_directory_that_cannot_be_made_ends_start_with_one_line() -> None:
-    proc = subprocess.run([sys.executable, "-m", "mpserve", "start"], capture_output=True, text=True, timeout=60,
-                          env={**os.environ, "MPSERVE_RUNTIME_DIR": "/proc/self/mpserve"})
+    proc = mpserve("start", env={"MPSERVE_RUNTIME_DIR": "/proc/self/mpserve"})
     assert proc.returncode == 1
     assert proc.stderr.strip().splitlines() == [
         "error: [config] cannot create the runtime directory /proc/self/mpserve (No such file or directory); set "
@@ -133,13 +131,11 @@ def test_instances_that_do_not_fit_the_hosts_ram_end_plan_and_start_naming_the_p
     """The CPU estimate, as a GPU's: weights (once: its instances share them) and each instance's KV cache and
     buffers, against the RAM available (here --ram-budget, below what 2 instances need)."""
     args = ["--model", "builtin:bench", "--instances", "2", "--parallel", "4", "--n-ctx", "8192"]
-    planned = subprocess.run([sys.executable, "-m", "mpserve", "plan", *args], capture_output=True, text=True,
-                             timeout=60)
+    planned = mpserve("plan", *args)
     assert planned.returncode == 0 and "shared by its instances" in planned.stdout, planned.stderr
     assert "host RAM:" in planned.stdout and "KV cache" in planned.stdout
     refused = [*args, "--ram-budget", "200MiB"]
-    planned = subprocess.run([sys.executable, "-m", "mpserve", "plan", *refused], capture_output=True, text=True,
-                             timeout=60)
+    planned = mpserve("plan", *refused)
     assert planned.returncode == 1 and "error: [does_not_fit] the instances on the CPU need" in planned.stderr
     for part in ("weights", "KV cache", "parallel 4 × n_ctx 8192", "200.0 MiB is available (ram_budget)",
                  "a smaller parallel (now 4)"):

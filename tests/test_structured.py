@@ -14,11 +14,11 @@ from typing import Any
 import jsonschema
 import pytest
 from conftest import ServerProcess
+from engines import finish
 from structured_cases import MAX_TOKENS, PROMPT, SCHEMAS
 
 from mpserve import AsyncClient, Client
 from mpserve.engine.batch import BatchEngine
-from mpserve.engine.interface import Completion
 from mpserve.errors import BadRequest
 from mpserve.models.builtin import builtin_model_path
 from mpserve.protocol import GenerateParams
@@ -47,13 +47,6 @@ def complete(engine: BatchEngine, slot: int, prompt: str, params: GenerateParams
     engine.admit(slot, prompt, params, lambda text, n: pieces.append(text) is None if pieces is not None else True)
 
 
-def run(engine: BatchEngine) -> dict[int, Completion]:
-    done: dict[int, Completion] = {}
-    while engine.active:
-        done.update(engine.step())
-    return done
-
-
 def constrained(schema: Any, temperature: float = 0.0, seed: int = 0) -> GenerateParams:
     return GenerateParams(max_tokens=MAX_TOKENS, temperature=temperature, seed=seed, json_schema=canonical_json(schema))
 
@@ -76,7 +69,7 @@ def test_every_schema_yields_json_that_validates(engine: BatchEngine, temperatur
     for i, schema in enumerate(SCHEMAS):
         pieces: list[str] = []
         complete(engine, 0, PROMPT, constrained(schema, temperature, seed=i), pieces)
-        done = run(engine)[0]
+        done = finish(engine)[0]
         assert done.finish_reason == "stop", (schema, done.text)
         assert "".join(pieces) == done.text
         assert_valid(done.text, schema)
@@ -87,14 +80,14 @@ def test_constrained_and_unconstrained_sequences_share_a_batch(engine: BatchEngi
     alone = []
     for prompt in NEIGHBOUR_PROMPTS:
         complete(engine, 0, prompt, greedy)
-        alone.append(run(engine)[0].text)
+        alone.append(finish(engine)[0].text)
     for first in range(0, len(SCHEMAS), 2):
         pair = SCHEMAS[first:first + 2]
         for slot, schema in enumerate(pair):
             complete(engine, slot, PROMPT, constrained(schema))
         for slot, prompt in enumerate(NEIGHBOUR_PROMPTS, start=2):
             complete(engine, slot, prompt, greedy)
-        done = run(engine)
+        done = finish(engine)
         assert [done[2].text, done[3].text] == alone
         for slot, schema in enumerate(pair):
             assert_valid(done[slot].text, schema)
@@ -102,7 +95,7 @@ def test_constrained_and_unconstrained_sequences_share_a_batch(engine: BatchEngi
 
 def test_a_constrained_completion_cut_by_length_is_returned_as_is(engine: BatchEngine) -> None:
     complete(engine, 1, PROMPT, GenerateParams(max_tokens=6, temperature=0.0, json_schema='{"type":"string"}'))
-    done = run(engine)[1]
+    done = finish(engine)[1]
     assert done.finish_reason == "length" and done.completion_tokens == 6
     assert done.text.startswith('"')
     with pytest.raises(ValueError):
@@ -115,7 +108,7 @@ def test_a_grammar_constrains_and_is_parsed_once(engine: BatchEngine) -> None:
     cached = len(engine._grammars)
     for _ in range(3):
         complete(engine, 0, PROMPT, GenerateParams(max_tokens=20, temperature=0.0, grammar=grammar))
-        done = run(engine)[0]
+        done = finish(engine)[0]
         assert done.finish_reason == "stop"
         texts.append(done.text)
     assert len(set(texts)) == 1 and texts[0].split(" ")[0] in ("yes", "no") and texts[0][-2:].isdigit()
@@ -133,7 +126,7 @@ def test_llama_cpp_refusing_a_grammar_is_a_bad_request_at_admission(engine: Batc
     assert refused >= 8
     assert engine.free_slots() == [0, 1, 2, 3]
     complete(engine, 0, PROMPT, GenerateParams(max_tokens=4, temperature=0.0))
-    assert run(engine)[0].completion_tokens == 4
+    assert finish(engine)[0].completion_tokens == 4
 
 
 # --- the ZeroMQ path ----------------------------------------------------------------------------

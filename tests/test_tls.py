@@ -8,8 +8,6 @@ import datetime
 import ipaddress
 import socket
 import ssl
-import subprocess
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -17,8 +15,7 @@ import httpx
 import openai
 import pytest
 from conftest import ServerProcess
-from helpers import wait_for
-from test_limits import free_port
+from helpers import free_port, mpserve, wait_for
 
 from mpserve.errors import ConfigError
 from mpserve.gateway.access import check_exposure, load_keys
@@ -104,11 +101,9 @@ def test_plain_http_to_the_tls_port_gets_no_http_answer(tls_server) -> None:
 
 @pytest.mark.timeout(60)
 def test_a_network_http_without_a_key_is_refused_at_start() -> None:
-    run = subprocess.run([sys.executable, "-m", "mpserve", "start", "--server-name", "refused", "--http",
-                          f"0.0.0.0:{free_port()}"], capture_output=True, text=True, timeout=50)
+    run = mpserve("start", "--server-name", "refused", "--http", f"0.0.0.0:{free_port()}", timeout=50)
     assert run.returncode == 1 and "--insecure" in run.stderr and "API key" in run.stderr, run.stderr
-    gateway = subprocess.run([sys.executable, "-m", "mpserve", "gateway", "--http", f"0.0.0.0:{free_port()}"],
-                             capture_output=True, text=True, timeout=50)
+    gateway = mpserve("gateway", "--http", f"0.0.0.0:{free_port()}", timeout=50)
     assert gateway.returncode == 1 and "--insecure" in gateway.stderr, gateway.stderr
 
 

@@ -7,6 +7,7 @@ request answered exactly once. Real server, raw ZeroMQ sockets on both sides.
 from __future__ import annotations
 
 import collections
+import contextlib
 import random
 import time
 from typing import Any
@@ -14,24 +15,15 @@ from typing import Any
 import msgpack
 import pytest
 import zmq
+from conftest import ServerProcess
+from helpers import dealer, wait_for
 
 from mpserve import Client
 from mpserve import protocol as wire
-from tests.conftest import ServerProcess
-from tests.helpers import wait_for
 
 SEED = 20261203
 FUZZ_MESSAGES = 10_000
 REQUEST_TIMEOUT_S = 20.0  # the backstop; a request the fuzz broke must end long before it
-
-
-def dealer(ctx: zmq.Context[zmq.Socket[bytes]], address: str, identity: bytes | None = None) -> zmq.Socket[bytes]:
-    sock = ctx.socket(zmq.DEALER)
-    sock.setsockopt(zmq.LINGER, 0)
-    if identity is not None:
-        sock.setsockopt(zmq.IDENTITY, identity)
-    sock.connect(address)
-    return sock
 
 
 def ready(sock: zmq.Socket[bytes], name: str, capacity: int = 2, host: str = "") -> None:
@@ -58,10 +50,8 @@ def echo_server() -> Any:
 
 @pytest.mark.timeout(60)
 def test_an_impostor_under_w0_takes_none_of_w0s_requests_and_its_ready_is_refused(echo_server: ServerProcess) -> None:
-    ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
-    impostor = dealer(ctx, echo_server.info.back, b"w0")  # w0 is connected: this link gets nothing
-    free_name = dealer(ctx, echo_server.info.back, b"w7")  # no worker holds w7, but it is a local name
-    try:
+    # w0 is connected: the impostor's link gets nothing; no worker holds w7, but it is a local name
+    with dealer(echo_server.info.back, b"w0") as impostor, dealer(echo_server.info.back, b"w7") as free_name:
         ready(impostor, "w0")
         ready(free_name, "w7")
         with Client(echo_server.address, timeout=30) as client:
@@ -73,18 +63,12 @@ def test_an_impostor_under_w0_takes_none_of_w0s_requests_and_its_ready_is_refuse
             stats = client.stats()
         assert stats.counters["refused_worker_ready"] >= 1
         assert [w.worker for w in stats.workers] == ["w0"]  # neither registered
-    finally:
-        impostor.close()
-        free_name.close()
-        ctx.term()
 
 
 @pytest.mark.timeout(60)
 def test_a_done_for_another_id_ends_its_request_at_once_with_an_error(echo_server: ServerProcess) -> None:
-    ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
-    worker = dealer(ctx, echo_server.info.back, b"bad-1-w0")  # a remote pool's worker that answers wrong
-    client = dealer(ctx, echo_server.address)
-    try:
+    # a remote pool's worker that answers wrong
+    with dealer(echo_server.info.back, b"bad-1-w0") as worker, dealer(echo_server.address) as client:
         ready(worker, "bad-1-w0", capacity=64, host="bad")
         wait_for(lambda: any(w.worker == "bad-1-w0" for w in Client(echo_server.address).stats().workers), 10,
                  "the remote worker registered")
@@ -108,10 +92,6 @@ def test_a_done_for_another_id_ends_its_request_at_once_with_an_error(echo_serve
         assert len(ends) == 8 and max(t for _, t in ends.values()) < REQUEST_TIMEOUT_S / 2
         codes = collections.Counter(code for code, _ in ends.values())
         assert codes["internal"] == answered and codes["done"] == 8 - answered, codes
-    finally:
-        worker.close()
-        client.close()
-        ctx.term()
 
 
 # --- the worker-side fuzz -------------------------------------------------------------------------------
@@ -158,9 +138,9 @@ def fuzz_answer(rng: random.Random, a: wire.Assign, families: collections.Counte
 @pytest.mark.timeout(240)
 def test_ten_thousand_worker_messages_end_every_request_exactly_once(echo_server: ServerProcess) -> None:
     rng = random.Random(SEED)
-    ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
-    worker = dealer(ctx, echo_server.info.back, b"fz-1-w0")
-    client = dealer(ctx, echo_server.address)
+    stack = contextlib.ExitStack()
+    worker = stack.enter_context(dealer(echo_server.info.back, b"fz-1-w0"))
+    client = stack.enter_context(dealer(echo_server.address))
     ends: collections.Counter[str] = collections.Counter()
     codes: collections.Counter[str] = collections.Counter()
     families: collections.Counter[str] = collections.Counter()
@@ -172,7 +152,7 @@ def test_ten_thousand_worker_messages_end_every_request_exactly_once(echo_server
                 ends[str(msg.id)] += 1
                 codes[msg.code if isinstance(msg, wire.Error) else "done"] += 1
 
-    try:
+    with stack:
         ready(worker, "fz-1-w0", capacity=32, host="fuzz")
         sent, asked, last_beat = 0, 0, 0.0
         while sent < FUZZ_MESSAGES:
@@ -212,7 +192,3 @@ def test_ten_thousand_worker_messages_end_every_request_exactly_once(echo_server
             assert after.generate("after the storm", max_tokens=4).text
         assert stats.counters["worker_malformed_result"] > 0
         assert echo_server.proc.poll() is None and not echo_server.tracebacks(), "\n".join(echo_server.log)
-    finally:
-        worker.close()
-        client.close()
-        ctx.term()

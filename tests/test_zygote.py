@@ -11,8 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from helpers import wait_for
-from test_faults import children, running
+from helpers import children, ppid, running, wait_for
 
 from mpserve import Client
 from mpserve.slots import SlotState
@@ -20,11 +19,6 @@ from mpserve.slots import SlotState
 PROMPTS = ["Once upon a time", "The capital of France is", "1, 2, 3,"]
 FORKED = "instances start from a zygote"
 LOADED = "instances are forked from here"
-
-
-def ppid(pid: int) -> int:
-    status = Path(f"/proc/{pid}/status").read_text()
-    return int(next(line.split()[1] for line in status.splitlines() if line.startswith("PPid:")))
 
 
 def descendants(pid: int) -> list[int]:
