@@ -36,7 +36,7 @@ from pathlib import Path
 
 from mpserve.engine.batch import BatchEngine
 from mpserve.models.builtin import builtin_model_path
-from mpserve.protocol import GenerateParams
+from mpserve.wire.protocol import GenerateParams
 
 from .load import PROMPTS
 from .procs import HttpServer, find_llama_server, free_port

@@ -63,8 +63,8 @@ from contextlib import ExitStack
 from pathlib import Path
 
 from mpserve import AsyncClient, Client
+from mpserve.config.settings import BY_KEY
 from mpserve.repack import probe
-from mpserve.settings import BY_KEY
 
 from . import store_cases
 from .figures import Case, Figure, Section, Target

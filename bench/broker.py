@@ -32,7 +32,7 @@ import msgpack
 import yaml
 import zmq
 
-from mpserve import protocol as wire
+from mpserve.wire import protocol as wire
 
 from .figures import Case, Figure, Section, Target, percentile
 from .procs import MpserveServer, cpu_seconds

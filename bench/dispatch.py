@@ -13,7 +13,7 @@ and what CPU it spends.
 
 Two clients drive mpserve:
 
-- raw DEALER: a plain DEALER socket speaking mpserve.protocol, with requests encoded before the clock
+- raw DEALER: a plain DEALER socket speaking mpserve.wire.protocol, with requests encoded before the clock
   starts and each reply decoded (``protocol.decode``, as any client must). The same loop drives the
   floor, so the ratio is the cost of the broker and worker alone. This is the lowest-overhead path.
 - AsyncClient: mpserve's own asyncio client, one ``generate`` per request. It adds an asyncio task,
@@ -33,8 +33,8 @@ from multiprocessing.synchronize import Event
 import zmq
 
 from mpserve import AsyncClient
-from mpserve import protocol as wire
-from mpserve.runtime import runtime_dir
+from mpserve.config.runtime import runtime_dir
+from mpserve.wire import protocol as wire
 
 from .figures import Case, Figure, Section, Target, percentile
 from .procs import CpuMeter, MpserveServer

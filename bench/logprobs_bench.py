@@ -19,7 +19,7 @@ import time
 
 from mpserve.engine.batch import BatchEngine
 from mpserve.models.builtin import builtin_model_path
-from mpserve.protocol import GenerateParams
+from mpserve.wire.protocol import GenerateParams
 
 PROMPTS = ["Once upon a time", "The quick brown fox", "In the beginning", "Hello world"]
 

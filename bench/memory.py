@@ -22,8 +22,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
+from mpserve.config.kv_types import DEFAULT_KV_TYPE
 from mpserve.gpu.placement import estimate_model_memory
-from mpserve.kv_types import DEFAULT_KV_TYPE
 from mpserve.repack import host_verdict
 
 from .figures import Case, Figure, Section, Target

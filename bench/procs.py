@@ -25,8 +25,8 @@ from collections.abc import Callable
 from pathlib import Path
 from types import TracebackType
 
-from mpserve.runtime import ServerInfo
-from mpserve.slots import SlotTable
+from mpserve.config.runtime import ServerInfo
+from mpserve.wire.slots import SlotTable
 
 READY_TIMEOUT_S = 120.0
 LLAMA_SERVER_PLACES = ("/opt/llama-server*/llama-server", "/opt/llama-server*/bin/llama-server",

@@ -2,7 +2,7 @@
 is lost, duplicated or left behind, and watching its memory.
 
     mpserve start --http (the built-in tiny model, 2 instances, 1 thread each, by default)
-      ▲ ZeroMQ lanes: a raw DEALER speaking mpserve.protocol (so every message is seen): streamed and whole
+      ▲ ZeroMQ lanes: a raw DEALER speaking mpserve.wire.protocol (so every message is seen): streamed and whole
       │   requests, cancels, requests with a short timeout, bad requests; clients that vanish mid-stream
       │   (a DEALER closed after its first chunk: the broker cancels its request once it stops pinging)
       ▲ HTTP lanes (httpx): streamed (server-sent events) and whole completions and chats, bad bodies,
@@ -46,9 +46,9 @@ import msgpack
 import zmq
 import zmq.asyncio
 
-from mpserve import protocol as wire
-from mpserve.runtime import ServerInfo
-from mpserve.slots import SlotState, SlotTable
+from mpserve.config.runtime import ServerInfo
+from mpserve.wire import protocol as wire
+from mpserve.wire.slots import SlotState, SlotTable
 
 from .figures import percentile
 from .procs import MpserveServer, children, free_port, wait_http

@@ -24,7 +24,7 @@ import time
 
 from mpserve.engine.batch import BatchEngine
 from mpserve.models.builtin import builtin_model_path
-from mpserve.protocol import GenerateParams
+from mpserve.wire.protocol import GenerateParams
 
 from .load import PROMPTS
 

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import zmq
 
-from mpserve import protocol as wire
+from mpserve.wire import protocol as wire
 
 ROUNDS = 5
 

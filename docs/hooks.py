@@ -3,10 +3,10 @@ they cannot drift from it; ``tests/test_docs.py`` builds the site and checks eac
 
     <!-- generated: NAME --> in a page ──on_page_markdown──▶ GENERATORS[NAME]() ──▶ markdown in its place
 
-    settings     mpserve/settings.py      every setting: flag, commands, environment, YAML key, default, meaning
-    errors       mpserve/errors.py        every ErrorCode: HTTP status, meaning, whether to retry
-    openapi      GET /openapi.json        every route of the gateway: parameters, body fields, statuses
-    wire-*       mpserve/protocol.py      the message types, each body's fields with types and limits
+    settings     mpserve/config/settings.py   every setting: flag, commands, environment, YAML key, default, meaning
+    errors       mpserve/errors.py            every ErrorCode: HTTP status, meaning, whether to retry
+    openapi      GET /openapi.json            every route of the gateway: parameters, body fields, statuses
+    wire-*       mpserve/wire/protocol.py     the message types, each body's fields with types and limits
     kubernetes   deploy/kubernetes/README.md, its headings one level down and its links named as repo paths
 
 Run ``python docs/hooks.py NAME`` to print one part.
@@ -26,8 +26,9 @@ from typing import Any
 
 import msgspec
 
-from mpserve import errors, settings
-from mpserve import protocol as wire
+from mpserve import errors
+from mpserve.config import settings
+from mpserve.wire import protocol as wire
 
 MARKER = re.compile(r"<!-- generated: ([a-z-]+)[^>]*-->")
 
@@ -52,7 +53,7 @@ SETTING_GROUPS = {
 
 
 def settings_part() -> str:
-    """Every setting of mpserve/settings.py under its group: a heading (its key, for links) and one line with its
+    """Every setting of mpserve/config/settings.py under its group: a heading (its key, for links) and one line with its
     flag and the commands that take it, its variable, its YAML key and its default, then what it does."""
     out = []
     for scope, (title, intro) in SETTING_GROUPS.items():
@@ -160,7 +161,7 @@ def _short(value: Any) -> str:
     return text if len(text) < 40 else text[:37] + "…"
 
 
-# --- the wire, from mpserve/protocol.py --------------------------------------------------------------------
+# --- the wire, from mpserve/wire/protocol.py --------------------------------------------------------------------
 
 ID = f"string, at most {wire.MAX_ID_CHARS} characters (`MAX_ID_CHARS`)"
 MODEL = "string, at most 256 characters"

@@ -1,14 +1,16 @@
 """mpserve: several llama.cpp instances behind one ZeroMQ broker, with per-GPU permits.
 
-Three kinds of process, one subpackage each, over shared leaves:
+Three kinds of process, one subpackage each, over shared groups:
 
     server/   broker + supervisor (never imports llama_cpp)
     worker/   one engine per process, driven by the broker
     gateway/  the OpenAI-compatible HTTP front (talks to the server through the client)
     engine/   the compute core, used by workers (the only importer of llama_cpp; never imports zmq)
-    gpu/      devices, placement, permits          models/  the built-in GGUFs
-    leaves:   errors, protocol, config, settings, runtime, slots, prefix, structured, gguf_header,
-              speculative, zmqio, client, cli, doctor
+    wire/     how they talk: protocol, zmqio, prefix, the slot table
+    config/   what a server is told and where it is found: settings, loader, kv_types, speculative, runtime
+    models/   where models come from (built-in, files, the Hub, Ollama), their GGUF headers, chat templates
+    gpu/      devices, placement, permits
+    leaves:   errors, structured, repack, client, cli, doctor
 
 The clients are loaded on first use, so importing a leaf (as the engine does) does not load ZeroMQ.
 """
@@ -17,10 +19,10 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from .errors import MpserveError
+from mpserve.errors import MpserveError
 
 if TYPE_CHECKING:
-    from .client import AsyncClient, Client, Result
+    from mpserve.client import AsyncClient, Client, Result
 
 __all__ = ["AsyncClient", "Client", "MpserveError", "Result"]
 __version__ = "0.1.0"
@@ -28,7 +30,7 @@ __version__ = "0.1.0"
 
 def __getattr__(name: str) -> Any:
     if name in ("AsyncClient", "Client", "Result"):
-        from . import client
+        from mpserve import client
 
         return getattr(client, name)
     raise AttributeError(f"module 'mpserve' has no attribute {name!r}")

@@ -1,3 +1,3 @@
-from .cli import main
+from mpserve.cli import main
 
 main()

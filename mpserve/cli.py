@@ -20,15 +20,16 @@ from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
-from . import __version__, settings
-from . import config as cfg
-from .errors import BadRequest, ConfigError, ConnectionFailed, InternalError, MpserveError
-from .protocol import ModelControl, Stats
-from .runtime import ServerInfo, ServerPaths, pid_alive
-from .slots import SlotRow, SlotState, SlotTable, instance_slots, locate
+from mpserve import __version__
+from mpserve.config import loader as cfg
+from mpserve.config import settings
+from mpserve.config.runtime import ServerInfo, ServerPaths, pid_alive
+from mpserve.errors import BadRequest, ConfigError, ConnectionFailed, InternalError, MpserveError
+from mpserve.wire.protocol import ModelControl, Stats
+from mpserve.wire.slots import SlotRow, SlotState, SlotTable, instance_slots, locate
 
 if TYPE_CHECKING:
-    from .client import Client
+    from mpserve.client import Client
 
 app = typer.Typer(add_completion=False, no_args_is_help=True,
                   help="Run several llama.cpp instances behind one ZeroMQ broker.")
@@ -62,7 +63,7 @@ class Given:
 
 
 def with_settings(command: settings.Command) -> Callable[[Callable[..., None]], Callable[..., None]]:
-    """Give a command a flag for each setting declared for it (``mpserve.settings``); the command gets
+    """Give a command a flag for each setting declared for it (``mpserve.config.settings``); the command gets
     their values as ``given``."""
 
     def decorate(fn: Callable[..., None]) -> Callable[..., None]:
@@ -152,7 +153,7 @@ def generate(
                                              help=settings.BY_KEY["server_name"].help_text())] = "default",
 ) -> None:
     """Send one request to a running server and print the completion."""
-    from .client import Client
+    from mpserve.client import Client
 
     params: dict[str, Any] = dict(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed,
                   stop=tuple(stop or ()))
@@ -491,7 +492,7 @@ def doctor(
     kernels run here (a probe; mpserve serves without them where they crash), the runtime and lock directories,
     and how the instances of each model of the configuration (the file and flags, as for plan) would start;
     print each problem with its fix. Exit status 1 when there is a problem."""
-    from .doctor import collect, format_report
+    from mpserve.doctor import collect, format_report
 
     with _errors():
         report = collect(config=_config(given, config_file))
@@ -628,7 +629,7 @@ def slots(
 ) -> None:
     """Save an idle slot's KV cells to a file of its model's slot_save_path, restore them from one, or erase
     them: a long conversation survives a restart."""
-    from .gpu.devices import format_memory
+    from mpserve.gpu.devices import format_memory
 
     with _errors():
         info = ServerInfo.read(server_name)
@@ -669,7 +670,7 @@ def _control(server_name: str, as_json: bool, op: str, model: str | None = None,
 def _admin_client(info: ServerInfo) -> Client:
     """A client on the server's admin socket: ipc (this user alone) needs no keys; a tcp one takes an operator's
     CURVE keys from the environment, as `generate` takes a client's."""
-    from .client import Client
+    from mpserve.client import Client
 
     address = info.admin or info.front  # a server older than the admin socket takes operator's calls on its front
     curve = address.startswith("tcp://")
@@ -688,7 +689,7 @@ def format_models(rows: list[ModelControl]) -> str:
 def _broker_stats(info: ServerInfo) -> Stats | None:
     """The broker's STATS (its remote workers, its models' scaling), or None if it does not answer within a
     second. A broker with CURVE keys is asked with the client keys that `generate` takes from the environment."""
-    from .client import Client
+    from mpserve.client import Client
 
     try:
         with Client(info.front, connect_timeout=1.0, curve_server_key=os.environ.get("MPSERVE_CURVE_SERVER_KEY"),

@@ -52,10 +52,11 @@ from typing import Any, TypeVar
 import zmq
 import zmq.auth
 
-from . import protocol as wire
-from . import structured, zmqio
-from .errors import BadRequest, ConfigError, ConnectionFailed, MpserveError, Timeout, error_from_code
-from .runtime import default_address
+from mpserve import structured
+from mpserve.config.runtime import default_address
+from mpserve.errors import BadRequest, ConfigError, ConnectionFailed, MpserveError, Timeout, error_from_code
+from mpserve.wire import protocol as wire
+from mpserve.wire import zmqio
 
 T = TypeVar("T")
 

@@ -31,14 +31,13 @@ from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from mpserve.config.loader import ECHO_MODEL, ServerConfig
+from mpserve.config.runtime import runtime_dir
+from mpserve.errors import ConfigError
 from mpserve.gpu.devices import Device, detect, format_memory
 from mpserve.gpu.permits import default_lock_dir
-
-from .config import ECHO_MODEL, ServerConfig
-from .errors import ConfigError
-from .repack import Verdict
-from .repack import probe as probe_repack
-from .runtime import runtime_dir
+from mpserve.repack import Verdict
+from mpserve.repack import probe as probe_repack
 
 PROBE_TIMEOUT_S = 60.0
 PROBE = """

@@ -33,8 +33,8 @@ import tempfile
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from .config import ECHO_MODEL, ModelConfig
-from .models.builtin import cache_dir
+from mpserve.config.loader import ECHO_MODEL, ModelConfig
+from mpserve.models.builtin import cache_dir
 
 log = logging.getLogger("mpserve.repack")
 

@@ -30,7 +30,7 @@ import re._constants as sre  # type: ignore[import-not-found]  # the parser of t
 import re._parser as sre_parse  # type: ignore[import-not-found]
 from typing import Any
 
-from .errors import BadRequest
+from mpserve.errors import BadRequest
 
 MAX_GRAMMAR_CHARS = 64 * 1024
 """GBNF text, given or compiled from a schema: what llama.cpp parses at admission, and keeps per sequence."""

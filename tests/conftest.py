@@ -17,8 +17,8 @@ from typing import TYPE_CHECKING, Any
 
 import pytest
 
-from mpserve.runtime import ServerInfo
-from mpserve.slots import SlotRow, SlotTable
+from mpserve.config.runtime import ServerInfo
+from mpserve.wire.slots import SlotRow, SlotTable
 
 if TYPE_CHECKING:
     from gateway_thread import GatewayThread

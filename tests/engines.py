@@ -9,7 +9,7 @@ import llama_cpp
 
 from mpserve.engine.batch import BatchEngine
 from mpserve.engine.interface import Completion
-from mpserve.protocol import GenerateParams
+from mpserve.wire.protocol import GenerateParams
 
 N_CTX = 1024
 PROMPTS = [

@@ -19,8 +19,8 @@ import yaml
 import zmq
 
 from mpserve import AsyncClient
-from mpserve import protocol as wire
-from mpserve.slots import SlotState
+from mpserve.wire import protocol as wire
+from mpserve.wire.slots import SlotState
 
 T = TypeVar("T")
 

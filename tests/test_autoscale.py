@@ -15,9 +15,9 @@ from pathlib import Path
 import pytest
 from helpers import LOADED, config_file, load, mpserve, wait_for
 
-from mpserve import protocol as wire
 from mpserve.client import AsyncClient, Client, Result
 from mpserve.errors import BadRequest, ConfigError, ModelDoesNotFit, UnknownModel
+from mpserve.wire import protocol as wire
 
 pytestmark = pytest.mark.timeout(120)
 

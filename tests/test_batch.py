@@ -16,7 +16,7 @@ from mpserve.engine.interface import Completion
 from mpserve.engine.sampling import TextStream
 from mpserve.errors import BadRequest
 from mpserve.models.builtin import builtin_model_path
-from mpserve.protocol import GenerateParams
+from mpserve.wire.protocol import GenerateParams
 
 REPO = Path(__file__).resolve().parent.parent
 LENGTHS = [8, 40, 17, 64, 3, 29]

@@ -11,7 +11,7 @@ import pytest
 from conftest import ServerProcess
 from helpers import dealer, received
 
-from mpserve import protocol as wire
+from mpserve.wire import protocol as wire
 
 REQUESTS = 2000
 IDLE_S = 2.0

@@ -15,12 +15,12 @@ from gateway_thread import GatewayThread
 from llama_cpp import llama_chat_format
 
 from mpserve import Client
-from mpserve.config import build
+from mpserve.config.loader import build
 from mpserve.errors import ConfigError
 from mpserve.gateway.chat import render
 from mpserve.models import templates
 from mpserve.models.maker import write_model
-from mpserve.protocol import ChatTemplate
+from mpserve.wire.protocol import ChatTemplate
 
 pytestmark = pytest.mark.timeout(60)
 

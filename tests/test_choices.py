@@ -16,7 +16,7 @@ from helpers import wait_for
 from mpserve import Client
 from mpserve.errors import BadRequest
 from mpserve.gateway.openai import OPENAI_DEFAULTS
-from mpserve.slots import SlotState
+from mpserve.wire.slots import SlotState
 
 SAMPLED = {"temperature": 0.9, "top_k": 20, "ignore_eos": True}
 

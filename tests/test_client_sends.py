@@ -11,7 +11,7 @@ import pytest
 import zmq
 
 from mpserve import AsyncClient
-from mpserve import protocol as wire
+from mpserve.wire import protocol as wire
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -11,7 +11,7 @@ from helpers import wait_for
 from mpserve import Client
 from mpserve.errors import ErrorCode, ModelFailed, MpserveError, PoisonRequest
 from mpserve.server.routing import MODEL_CRASHES
-from mpserve.slots import SlotState
+from mpserve.wire.slots import SlotState
 from mpserve.worker.loop import CRASH_ON
 
 MARKER = "CRASH-HERE"

@@ -18,8 +18,9 @@ import msgpack
 import msgspec
 import pytest
 
-from mpserve import errors, settings
-from mpserve import protocol as wire
+from mpserve import errors
+from mpserve.config import settings
+from mpserve.wire import protocol as wire
 
 ROOT = Path(__file__).parents[1]
 

@@ -16,7 +16,7 @@ import pytest
 from fake_nvml import DATA, FakeNvml
 from helpers import mpserve
 
-from mpserve import config as cfg
+from mpserve.config import loader as cfg
 from mpserve.doctor import CUDA_INSTALL, Build, build_problems, collect, format_report, probe_build, start_warnings
 from mpserve.gpu.devices import discover, parse_nvidia_smi, parse_simulated
 

@@ -14,11 +14,11 @@ from engines import LONG_PROMPT, PROMPTS, make_engine, scoring_llama, serve
 from gateway_thread import GatewayThread
 
 from mpserve import Client
-from mpserve import protocol as wire
 from mpserve.engine.batch import PROMPT_CHUNK, BatchEngine
 from mpserve.errors import BadRequest
 from mpserve.models.builtin import builtin_model_path
-from mpserve.protocol import GenerateParams
+from mpserve.wire import protocol as wire
+from mpserve.wire.protocol import GenerateParams
 
 TOP = 3
 

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from mpserve import config as cfg
+from mpserve.config import loader as cfg
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 

@@ -12,7 +12,7 @@ import pytest
 from helpers import wait_for
 
 from mpserve import Client
-from mpserve.slots import SlotState
+from mpserve.wire.slots import SlotState
 
 PROMPT = "Once upon a time"
 MAX_TOKENS = 400

@@ -25,11 +25,11 @@ import pytest
 from helpers import children, dealer, mpserve, process_state, raw_request, running, wait_for
 
 from mpserve import AsyncClient, Client
-from mpserve import protocol as wire
-from mpserve.config import ServerConfig
+from mpserve.config.loader import ServerConfig
+from mpserve.config.runtime import ServerInfo
 from mpserve.errors import ModelFailed, MpserveError
-from mpserve.runtime import ServerInfo
-from mpserve.slots import SlotRow, SlotState
+from mpserve.wire import protocol as wire
+from mpserve.wire.slots import SlotRow, SlotState
 
 SERVING = (SlotState.IDLE, SlotState.BUSY)
 NOT_LIVE = (SlotState.EMPTY, SlotState.DEAD, SlotState.FAILED)  # every other state claims a running worker

@@ -18,8 +18,8 @@ import zmq.utils.monitor
 from helpers import MALLOC_ENV, rss_kib
 
 from mpserve import Client
-from mpserve import protocol as wire
 from mpserve.errors import MpserveError
+from mpserve.wire import protocol as wire
 
 SEED = 20240504
 WARMUP_MESSAGES = 5_000

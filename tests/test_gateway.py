@@ -21,8 +21,8 @@ from helpers import mpserve, ppid, wait_for
 from mpserve import Client
 from mpserve.gateway.openai import CHAT_STOP, COMPLETION_MAX_TOKENS, OPENAI_DEFAULTS, Message, chat_prompt, parse
 from mpserve.models.maker import write_model
-from mpserve.protocol import GenerateParams
-from mpserve.slots import SlotState
+from mpserve.wire.protocol import GenerateParams
+from mpserve.wire.slots import SlotState
 
 PROMPTS = ["Hello world", "The quick brown fox"]
 

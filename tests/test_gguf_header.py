@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 from conftest import RealModel
 
-from mpserve.gguf_header import read_header
 from mpserve.models.builtin import builtin_model_path
+from mpserve.models.gguf_header import read_header
 from mpserve.models.maker import vocabulary
 
 

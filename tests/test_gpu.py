@@ -18,7 +18,7 @@ from mpserve import Client
 from mpserve.client import Result
 from mpserve.errors import MpserveError
 from mpserve.gpu.permits import max_concurrent, read_holds
-from mpserve.slots import SlotState
+from mpserve.wire.slots import SlotState
 
 SWITCH_BATCH = 3
 

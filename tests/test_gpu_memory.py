@@ -17,14 +17,14 @@ import pytest
 from fake_nvml import DATA, FakeNvml
 from typer.testing import CliRunner
 
-from mpserve import protocol as wire
 from mpserve.cli import app
 from mpserve.gateway.metrics import GatewayMetrics, ServerView
 from mpserve.gateway.monitor import monitor
 from mpserve.gpu.devices import parse_nvidia_smi, parse_simulated
 from mpserve.gpu.memory import EstimateCheck, GpuProcess, GpuUsage, memory_by_pid, read_usage
 from mpserve.gpu.placement import Placement
-from mpserve.slots import CacheRow, SlotRow, SlotState
+from mpserve.wire import protocol as wire
+from mpserve.wire.slots import CacheRow, SlotRow, SlotState
 
 GIB = 1 << 30
 ONE_GPU = parse_nvidia_smi((DATA / "nvidia-smi-1gpu.csv").read_text())

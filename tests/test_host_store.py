@@ -17,7 +17,7 @@ from engines import LONG_PROMPT as LONG
 
 from mpserve import Client
 from mpserve.engine.batch import PROMPT_CHUNK
-from mpserve.slots import SlotState
+from mpserve.wire.slots import SlotState
 
 FOLLOW_UP = LONG + " and then the cat sat"
 SERVER = ("--parallel", "1", "--n-ctx", "1024", "--cache-ram", "64MiB", "--reuse", "exact")  # whole chunks

@@ -18,14 +18,14 @@ from engines import others, run
 from helpers import mpserve
 
 from mpserve import Client
-from mpserve import protocol as wire
+from mpserve.config.kv_types import KV_TYPES
 from mpserve.engine import slot_file, vocab
 from mpserve.engine.batch import PROMPT_CHUNK, BatchEngine
 from mpserve.engine.prompt_cache import CacheStats
 from mpserve.errors import BadRequest
-from mpserve.kv_types import KV_TYPES
 from mpserve.models.builtin import builtin_model_path
-from mpserve.prefix import PREFIX_BLOCK, block_hashes
+from mpserve.wire import protocol as wire
+from mpserve.wire.prefix import PREFIX_BLOCK, block_hashes
 
 PROMPT = "Once upon a time in the land of"
 

@@ -15,10 +15,10 @@ from conftest import ServerProcess
 from helpers import dealer, free_port, http_up, raw_request, received, wait_for
 
 from mpserve import Client
-from mpserve import protocol as wire
 from mpserve.errors import BadRequest
 from mpserve.gateway import limits
 from mpserve.gateway import openai as oai
+from mpserve.wire import protocol as wire
 
 READ_TIMEOUT_S = 2.0
 MAX_CONNECTIONS = 64

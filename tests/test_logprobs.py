@@ -12,10 +12,10 @@ from engines import PROMPTS, make_engine, scoring_llama, serve
 from gateway_thread import GatewayThread
 
 from mpserve import Client
-from mpserve import protocol as wire
 from mpserve.errors import BadRequest
 from mpserve.models.builtin import builtin_model_path
-from mpserve.protocol import GenerateParams
+from mpserve.wire import protocol as wire
+from mpserve.wire.protocol import GenerateParams
 
 TOP = 5
 SAMPLING = [{"temperature": 0}, {"temperature": 0.9, "seed": 4}, {"temperature": 1.2, "seed": 11, "top_k": 5}]

@@ -305,7 +305,7 @@ def test_a_models_directory_is_listed_and_each_model_loads_when_a_request_names_
 
 
 def test_a_models_directory_that_is_not_a_folder_or_holds_nothing_is_refused(tmp_path: Path) -> None:
-    from mpserve.config import build
+    from mpserve.config.loader import build
 
     with pytest.raises(ConfigError, match="models_dir: '/nowhere' is not a folder; give the folder that holds"):
         build({"models_dir": "/nowhere"})

@@ -9,7 +9,7 @@ import time
 import pytest
 
 from mpserve import Client
-from mpserve.slots import SlotState
+from mpserve.wire.slots import SlotState
 
 
 @pytest.mark.timeout(180)

@@ -21,10 +21,10 @@ from engines import others
 from helpers import dealer, free_port, mpserve, received, wait_for
 
 from mpserve import AsyncClient, Client
-from mpserve import protocol as wire
+from mpserve.config.runtime import ServerInfo
 from mpserve.engine.batch import PROMPT_CHUNK
-from mpserve.runtime import ServerInfo
-from mpserve.slots import SlotTable
+from mpserve.wire import protocol as wire
+from mpserve.wire.slots import SlotTable
 
 FAST = ["--heartbeat-interval", "0.25", "--heartbeat-liveness", "4"]  # lost after 1 s of silence
 

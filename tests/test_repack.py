@@ -16,7 +16,7 @@ import pytest
 from conftest import ServerProcess
 
 from mpserve import repack
-from mpserve.config import ModelConfig
+from mpserve.config.loader import ModelConfig
 
 
 def stand_in(tmp_path: Path, body: str) -> str:

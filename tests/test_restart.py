@@ -20,7 +20,7 @@ from helpers import free_port, http_up, wait_for
 from mpserve import Client
 from mpserve.client import PING_INTERVAL_S, PING_LIVENESS
 from mpserve.errors import ConnectionFailed, ShuttingDown
-from mpserve.slots import SlotState
+from mpserve.wire.slots import SlotState
 
 REQUEST_TIMEOUT_S = 60.0
 PROMPT = "Once upon a time"

@@ -16,11 +16,11 @@ from gateway_thread import GatewayThread
 from helpers import dealer, raw_request, received
 
 from mpserve import Client
-from mpserve import protocol as wire
 from mpserve.engine.batch import BatchEngine
 from mpserve.errors import BadRequest
 from mpserve.models.builtin import builtin_model_path
-from mpserve.protocol import GenerateParams
+from mpserve.wire import protocol as wire
+from mpserve.wire.protocol import GenerateParams
 
 CASES: list[dict[str, Any]] = [
     {"temperature": 0, "presence_penalty": 1.5, "frequency_penalty": 0.8},

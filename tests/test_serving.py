@@ -12,9 +12,9 @@ import zmq
 from helpers import dealer, raw_request, received
 
 from mpserve import AsyncClient, Client
-from mpserve import protocol as wire
 from mpserve.errors import BadRequest, Busy, Cancelled, ConnectionFailed, Timeout, UnknownModel
-from mpserve.slots import SlotState
+from mpserve.wire import protocol as wire
+from mpserve.wire.slots import SlotState
 
 PROMPTS = ["Hello world", "The quick brown fox", "In the beginning", "1 2 3"]
 

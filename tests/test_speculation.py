@@ -20,14 +20,14 @@ from engines import serve
 from helpers import http_up, mpserve, wait_for
 from prometheus_client.parser import text_string_to_metric_families
 
+from mpserve.config.speculative import Speculative
 from mpserve.engine.batch import PROMPT_CHUNK, BatchEngine
 from mpserve.engine.interface import Completion
 from mpserve.engine.speculation import MAX_ROWS
 from mpserve.errors import BadRequest
 from mpserve.models import maker
 from mpserve.models.builtin import builtin_model_path
-from mpserve.protocol import GenerateParams
-from mpserve.speculative import Speculative
+from mpserve.wire.protocol import GenerateParams
 
 pytestmark = pytest.mark.timeout(180)
 

@@ -8,10 +8,10 @@ import pytest
 from conftest import RealModel
 from engines import finish
 
+from mpserve.config.speculative import Speculative
 from mpserve.engine.batch import BatchEngine
 from mpserve.engine.interface import Completion
-from mpserve.protocol import GenerateParams
-from mpserve.speculative import Speculative
+from mpserve.wire.protocol import GenerateParams
 
 pytestmark = [pytest.mark.real, pytest.mark.timeout(600)]
 

@@ -16,8 +16,8 @@ import pytest
 from conftest import ServerProcess
 from helpers import free_port, mpserve, wait_for
 
-from mpserve.runtime import pid_alive, runtime_dir
-from mpserve.slots import shm_dir
+from mpserve.config.runtime import pid_alive, runtime_dir
+from mpserve.wire.slots import shm_dir
 
 
 @pytest.fixture

@@ -21,9 +21,9 @@ from mpserve import AsyncClient, Client
 from mpserve.engine.batch import BatchEngine
 from mpserve.errors import BadRequest
 from mpserve.models.builtin import builtin_model_path
-from mpserve.protocol import GenerateParams
-from mpserve.slots import SlotState
 from mpserve.structured import canonical_json
+from mpserve.wire.protocol import GenerateParams
+from mpserve.wire.slots import SlotState
 
 NEIGHBOUR_PROMPTS = ["The quick brown fox", "Once upon a time in the land of"]
 

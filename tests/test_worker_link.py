@@ -19,7 +19,7 @@ from conftest import ServerProcess
 from helpers import dealer, wait_for
 
 from mpserve import Client
-from mpserve import protocol as wire
+from mpserve.wire import protocol as wire
 
 SEED = 20261203
 FUZZ_MESSAGES = 10_000

@@ -14,7 +14,7 @@ import pytest
 from helpers import children, ppid, running, wait_for
 
 from mpserve import Client
-from mpserve.slots import SlotState
+from mpserve.wire.slots import SlotState
 
 PROMPTS = ["Once upon a time", "The capital of France is", "1, 2, 3,"]
 FORKED = "instances start from a zygote"

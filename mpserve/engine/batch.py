@@ -90,13 +90,13 @@ from typing import Any
 
 import numpy as np
 
-from mpserve import protocol as wire
+from mpserve.config.kv_types import DEFAULT_KV_TYPE, KV_TYPES
+from mpserve.config.speculative import Speculative
 from mpserve.errors import BadRequest, Busy
-from mpserve.kv_types import DEFAULT_KV_TYPE, KV_TYPES
-from mpserve.prefix import block_hashes, common_prefix
-from mpserve.protocol import GenerateParams
-from mpserve.speculative import Speculative
 from mpserve.structured import grammar_source
+from mpserve.wire import protocol as wire
+from mpserve.wire.prefix import block_hashes, common_prefix
+from mpserve.wire.protocol import GenerateParams
 
 from . import host_store, slot_file, vocab
 from .draft import DraftModel, Want

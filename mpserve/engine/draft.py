@@ -45,7 +45,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from mpserve.prefix import common_prefix
+from mpserve.wire.prefix import common_prefix
 
 from .llama_batch import Batch
 from .model_info import free, load_model

@@ -19,9 +19,9 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from mpserve import protocol as wire
 from mpserve.errors import BadRequest
-from mpserve.protocol import ChatTemplate, GenerateParams
+from mpserve.wire import protocol as wire
+from mpserve.wire.protocol import ChatTemplate, GenerateParams
 
 from .interface import Completion, NoCells, OnToken
 

@@ -23,9 +23,9 @@ from typing import Any
 
 import numpy as np
 
-from mpserve import protocol as wire
 from mpserve.errors import BadRequest
-from mpserve.protocol import ChatTemplate, GenerateParams
+from mpserve.wire import protocol as wire
+from mpserve.wire.protocol import ChatTemplate, GenerateParams
 
 from . import vocab
 from .interface import Completion, NoCells, OnToken

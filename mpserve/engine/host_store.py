@@ -60,7 +60,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from mpserve.prefix import common_prefix
+from mpserve.wire.prefix import common_prefix
 
 from .prompt_cache import CacheStats, Changes
 

@@ -30,9 +30,9 @@ from typing import Protocol, runtime_checkable
 
 import numpy as np
 
-from mpserve import protocol as wire
 from mpserve.errors import BadRequest
-from mpserve.protocol import ChatTemplate, GenerateParams
+from mpserve.wire import protocol as wire
+from mpserve.wire.protocol import ChatTemplate, GenerateParams
 
 from .prompt_cache import NO_CACHE, CacheStats
 

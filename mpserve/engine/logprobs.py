@@ -19,7 +19,7 @@ from collections.abc import Callable
 
 import numpy as np
 
-from mpserve import protocol as wire
+from mpserve.wire import protocol as wire
 
 
 class LogprobsRecorder:

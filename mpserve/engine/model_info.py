@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from mpserve.protocol import ChatTemplate
+from mpserve.wire.protocol import ChatTemplate
 
 
 def load_model(lib: Any, path: str, n_gpu_layers: int, repack: bool) -> Any:

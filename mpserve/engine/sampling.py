@@ -30,7 +30,7 @@ from typing import Any
 import llama_cpp
 import numpy as np
 
-from mpserve.protocol import GenerateParams
+from mpserve.wire.protocol import GenerateParams
 
 # llama_cpp.Llama's defaults for what GenerateParams does not carry; create_completion uses them too.
 PENALTY_LAST_N = 64

@@ -44,7 +44,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
-from mpserve.speculative import Speculative
+from mpserve.config.speculative import Speculative
 
 MAX_ROWS = 7
 """Most rows in a decode that holds drafts: the rows for which llama.cpp's CPU kernels give each row what

@@ -1,5 +1,5 @@
 """The HTTP gateway process: an OpenAI-compatible API in front of a server. It talks to the server only
-through ``mpserve.client`` and ``mpserve.protocol`` (and reads the slot table), never imports llama_cpp.
+through ``mpserve.client`` and ``mpserve.wire.protocol`` (and reads the slot table), never imports llama_cpp.
 
     app      Starlette routes, API key, streaming, ``serve``
     limits   what a request body may be (413, 408, 400 naming the limit)

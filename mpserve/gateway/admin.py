@@ -26,8 +26,8 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from mpserve import protocol as wire
 from mpserve.errors import BadRequest, MpserveError
+from mpserve.wire import protocol as wire
 
 from . import openai as oai
 from .backend import Backend

@@ -61,7 +61,7 @@ from mpserve import __version__
 from mpserve.client import AsyncClient, Result, Stream
 from mpserve.errors import ConfigError, ConnectionFailed, ErrorCode, MpserveError, UnknownModel
 from mpserve.models.progress import downloads
-from mpserve.slots import SlotState, locate
+from mpserve.wire.slots import SlotState, locate
 
 from . import access, console, limits, schema, slots
 from . import embeddings as emb

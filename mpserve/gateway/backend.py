@@ -20,12 +20,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from mpserve import protocol as wire
 from mpserve.client import AsyncClient
+from mpserve.config.runtime import ServerInfo, default_address, runtime_dir
 from mpserve.errors import ConnectionFailed
-from mpserve.protocol import ChatTemplate
-from mpserve.runtime import ServerInfo, default_address, runtime_dir
-from mpserve.slots import SlotRow, SlotTable
+from mpserve.wire import protocol as wire
+from mpserve.wire.protocol import ChatTemplate
+from mpserve.wire.slots import SlotRow, SlotTable
 
 CONNECT_TIMEOUT_S = 2.0
 STATS_TIMEOUT_S = 2.0

@@ -16,9 +16,9 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from mpserve import protocol as wire
 from mpserve.client import Result
 from mpserve.errors import BadRequest
+from mpserve.wire import protocol as wire
 
 
 @dataclass(frozen=True)

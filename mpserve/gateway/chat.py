@@ -17,7 +17,7 @@ from datetime import datetime
 from typing import Any
 
 from mpserve.errors import BadRequest
-from mpserve.protocol import ChatTemplate
+from mpserve.wire.protocol import ChatTemplate
 
 
 def render(chat: ChatTemplate, messages: Sequence[tuple[str, str] | dict[str, Any]],

@@ -37,12 +37,12 @@ from starlette.requests import Request
 from starlette.responses import FileResponse, JSONResponse, Response
 from starlette.routing import Route
 
-from mpserve import protocol as wire
 from mpserve.errors import ConfigError
 from mpserve.gpu.devices import Device, discover
 from mpserve.gpu.permits import inspect
 from mpserve.models.progress import downloads
-from mpserve.slots import SlotRow, SlotState, instance_slots
+from mpserve.wire import protocol as wire
+from mpserve.wire.slots import SlotRow, SlotState, instance_slots
 
 from .backend import Backend, LocalSlots
 from .metrics import GatewayMetrics

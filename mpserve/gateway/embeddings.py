@@ -17,9 +17,9 @@ import struct
 from dataclasses import dataclass
 from typing import Any
 
-from mpserve import protocol as wire
 from mpserve.client import Embedded
 from mpserve.errors import BadRequest
+from mpserve.wire import protocol as wire
 
 from .tokens import token_ids
 

@@ -20,8 +20,8 @@ from typing import Any
 
 from starlette.requests import Request
 
-from mpserve import protocol as wire
 from mpserve.errors import BadRequest
+from mpserve.wire import protocol as wire
 
 from . import openai as oai
 

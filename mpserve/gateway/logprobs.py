@@ -13,8 +13,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from mpserve import protocol as wire
 from mpserve.errors import BadRequest
+from mpserve.wire import protocol as wire
 
 
 def requested(chat: bool, given: dict[str, Any]) -> int | None:

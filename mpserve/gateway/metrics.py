@@ -29,10 +29,10 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from mpserve import protocol as wire
 from mpserve.client import Result
 from mpserve.gpu.memory import GpuUsage, memory_by_pid
-from mpserve.slots import SlotRow, SlotState, instance_slots
+from mpserve.wire import protocol as wire
+from mpserve.wire.slots import SlotRow, SlotState, instance_slots
 
 from .monitor import instance_state, state_of
 

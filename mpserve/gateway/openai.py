@@ -47,11 +47,11 @@ from typing import Any, Literal
 
 import msgspec
 
-from mpserve import protocol as wire
 from mpserve.client import Result
 from mpserve.errors import BadRequest, MpserveError, http_status
-from mpserve.protocol import ChatTemplate
 from mpserve.structured import JSON_OBJECT_SCHEMA, canonical_json
+from mpserve.wire import protocol as wire
+from mpserve.wire.protocol import ChatTemplate
 
 from . import best_of, extensions, logprobs
 from . import tools as tc

@@ -12,9 +12,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from mpserve import protocol as wire
 from mpserve.client import Reranked
 from mpserve.errors import BadRequest
+from mpserve.wire import protocol as wire
 
 from . import openai as oai
 

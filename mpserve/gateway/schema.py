@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from mpserve import protocol as wire
+from mpserve.wire import protocol as wire
 
 from . import embeddings as emb
 from . import limits, responses

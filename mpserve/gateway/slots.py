@@ -14,8 +14,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from mpserve import protocol as wire
 from mpserve.errors import BadRequest
+from mpserve.wire import protocol as wire
 
 
 def parse(slot: str, action: str | None) -> tuple[int, str]:

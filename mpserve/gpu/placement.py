@@ -1,6 +1,6 @@
 """How much GPU memory a model needs, and which device each model instance goes to.
 
-Pure functions: ``estimate_model_memory`` reads a GGUF header (``mpserve.gguf_header``: the metadata and
+Pure functions: ``estimate_model_memory`` reads a GGUF header (``mpserve.models.gguf_header``: the metadata and
 tensor sizes, not the vocabulary), ``plan`` places instances on devices and refuses what does not fit,
 ``place_one`` places one more beside the running ones (scaling up), ``format_plan`` prints the result for
 ``mpserve plan``. ``estimate_host_memory`` is the same estimate for an instance on the CPU, in host RAM
@@ -25,13 +25,13 @@ from dataclasses import dataclass, replace
 from os import PathLike
 from typing import TYPE_CHECKING, Any
 
+from mpserve.config.kv_types import DEFAULT_KV_TYPE, KV_TYPES, check_head_size
 from mpserve.errors import ConfigError, ModelDoesNotFit
-from mpserve.kv_types import DEFAULT_KV_TYPE, KV_TYPES, check_head_size
 
 from .devices import Device, format_memory
 
 if TYPE_CHECKING:
-    from mpserve.gguf_header import GGUFHeader
+    from mpserve.models.gguf_header import GGUFHeader
 
 OVERHEAD = 512 << 20
 """CUDA context (about 300 MiB per process) plus llama.cpp compute buffers; a rough allowance."""
@@ -158,7 +158,7 @@ def check_kv_types(name: str, gguf_path: str | PathLike[str], cache_type_k: str,
 def _read(gguf_path: str | PathLike[str]) -> GGUFHeader:
     # imported here: the reader needs gguf and numpy, and a server on CPUs with the default KV types never
     # reads a header, so its start (and every test's) does not pay for importing them
-    from mpserve.gguf_header import read_header
+    from mpserve.models.gguf_header import read_header
 
     try:
         return read_header(gguf_path)

@@ -10,4 +10,5 @@ those named on the Hugging Face Hub or in Ollama's store, and the chat template 
     progress   a download's bar on a terminal, a log line per tenth elsewhere
     ollama     Ollama's store: a manifest's GGUF blob and template
     templates  the chat template a model is served with: the setting, the GGUF's, its family's
+    gguf_header  a GGUF file's metadata and tensor table, read without the tensor data
 """

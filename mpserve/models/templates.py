@@ -145,7 +145,7 @@ def template_for(setting: str | None, gguf: str, hint: str = "") -> str | None:
 @functools.lru_cache(maxsize=64)
 def _fallback(gguf: str, hint: str) -> str | None:
     """None where the GGUF has a template; else its family's, said once per file (cached)."""
-    from mpserve.gguf_header import read_header
+    from mpserve.models.gguf_header import read_header
 
     try:
         metadata = read_header(gguf).metadata

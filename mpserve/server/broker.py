@@ -74,8 +74,6 @@ import msgspec
 import zmq
 import zmq.auth
 
-from mpserve import protocol as wire
-from mpserve import zmqio
 from mpserve.errors import (
     BadRequest,
     Busy,
@@ -86,8 +84,10 @@ from mpserve.errors import (
     ShuttingDown,
     UnknownModel,
 )
-from mpserve.prefix import PREFIX_BLOCK, block_hashes
-from mpserve.protocol import ChatTemplate
+from mpserve.wire import protocol as wire
+from mpserve.wire import zmqio
+from mpserve.wire.prefix import PREFIX_BLOCK, block_hashes
+from mpserve.wire.protocol import ChatTemplate
 
 from . import link, roles
 from .residency import Loaded, Residency

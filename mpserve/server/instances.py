@@ -23,11 +23,11 @@ from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
 
-from mpserve import config as cfg
-from mpserve import protocol as wire
-from mpserve.config import ServerConfig
+from mpserve.config import loader as cfg
+from mpserve.config.loader import ServerConfig
 from mpserve.errors import BadRequest, ConfigError, ModelDoesNotFit, ModelFailed, UnknownModel
 from mpserve.gpu.placement import ModelRequest, Placement, estimate_request, place_one
+from mpserve.wire import protocol as wire
 
 from .broker import Broker
 from .layout import Layout, check_model, instance_rows, model_request, worker_spec

@@ -12,14 +12,14 @@ from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
-from mpserve.config import ECHO_MODEL, ModelConfig, ServerConfig
+from mpserve.config.loader import ECHO_MODEL, ModelConfig, ServerConfig
+from mpserve.config.speculative import check_draft
 from mpserve.errors import ConfigError
 from mpserve.gpu.devices import Device, discover
 from mpserve.gpu.placement import ModelRequest, Placement, check_kv_types, estimate_host_memory, plan
 from mpserve.models.sources import template_hint
 from mpserve.models.templates import template_for
 from mpserve.repack import repack_for
-from mpserve.speculative import check_draft
 from mpserve.worker.spec import EngineSpec, PermitSpec, StartMode, WorkerSpec, start_mode
 
 from .host_ram import RamNeed, available_ram, check_ram, format_ram

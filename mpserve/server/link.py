@@ -23,8 +23,8 @@ import secrets
 
 import msgspec
 
-from mpserve import protocol as wire
 from mpserve.errors import MpserveError
+from mpserve.wire import protocol as wire
 
 from .state import WorkerEntry
 

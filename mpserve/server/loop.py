@@ -22,12 +22,12 @@ from pathlib import Path
 import zmq
 from zmq.auth.thread import ThreadAuthenticator
 
-from mpserve.config import ServerConfig
+from mpserve.config.loader import ServerConfig
+from mpserve.config.runtime import ServerInfo, ServerPaths
 from mpserve.doctor import start_warnings
 from mpserve.errors import ConfigError, ErrorCode
 from mpserve.gpu.memory import EstimateCheck
-from mpserve.runtime import ServerInfo, ServerPaths
-from mpserve.slots import SlotTable
+from mpserve.wire.slots import SlotTable
 
 from . import roles
 from .broker import Broker

@@ -32,10 +32,10 @@ import time
 
 import zmq
 
-from mpserve.config import ServerConfig
+from mpserve.config.loader import ServerConfig
+from mpserve.config.runtime import ServerInfo, ServerPaths
 from mpserve.doctor import start_warnings
-from mpserve.runtime import ServerInfo, ServerPaths
-from mpserve.slots import SlotTable
+from mpserve.wire.slots import SlotTable
 
 from .layout import build_layout, check_host_ram, worker_specs
 from .loop import WATCHDOG_PERIOD_S

@@ -25,10 +25,10 @@ from pathlib import Path
 
 import zmq
 
-from mpserve.config import ServerConfig
+from mpserve.config.loader import ServerConfig
+from mpserve.config.runtime import ServerInfo, ServerPaths
 from mpserve.errors import ConfigError
 from mpserve.gpu.permits import default_lock_dir
-from mpserve.runtime import ServerInfo, ServerPaths
 
 log = logging.getLogger("mpserve.server")
 

@@ -1,5 +1,5 @@
 """What one host's store holds for one model, as the broker knows it: the summary of each entry (the block hashes
-of the prompt text it holds, ``mpserve.prefix.block_hashes``), from the CACHE frames the DONEs, ERRORs and READYs
+of the prompt text it holds, ``mpserve.wire.prefix.block_hashes``), from the CACHE frames the DONEs, ERRORs and READYs
 of the model's instances on that host carry. An entry's id is the same whichever instance saved it (its content
 address), so the view is the host's (``ModelQueue.store``): it outlives the instances, as the store does.
 
@@ -20,8 +20,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from mpserve import protocol as wire
-from mpserve.prefix import PREFIX_BLOCK
+from mpserve.wire import protocol as wire
+from mpserve.wire.prefix import PREFIX_BLOCK
 
 
 class RamPrefixes:

@@ -28,9 +28,9 @@ from pathlib import Path
 import zmq.auth
 from zmq.auth.base import Authenticator
 
-from mpserve import protocol as wire
+from mpserve.config.runtime import ServerPaths
 from mpserve.errors import Forbidden
-from mpserve.runtime import ServerPaths
+from mpserve.wire import protocol as wire
 
 ADMIN_ONLY = frozenset({wire.MsgType.CONTROL, wire.MsgType.SLOT_ACTION})
 ADMIN_TAG = b"\x00admin:"

@@ -42,7 +42,7 @@ from dataclasses import dataclass
 from enum import Enum
 from signal import Signals
 
-from mpserve.prefix import common_prefix
+from mpserve.wire.prefix import common_prefix
 
 from .state import ModelQueue, Pending, RequestState, WorkerEntry
 

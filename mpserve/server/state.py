@@ -30,8 +30,8 @@ from collections import deque
 from dataclasses import dataclass, field
 from enum import Enum
 
-from mpserve import protocol as wire
-from mpserve.protocol import ChatTemplate
+from mpserve.wire import protocol as wire
+from mpserve.wire.protocol import ChatTemplate
 
 from .ram_prefixes import RamPrefixes
 

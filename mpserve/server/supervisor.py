@@ -42,8 +42,8 @@ from typing import Any
 
 import zmq
 
-from mpserve.config import ServerConfig
-from mpserve.slots import SlotState, SlotTable
+from mpserve.config.loader import ServerConfig
+from mpserve.wire.slots import SlotState, SlotTable
 from mpserve.worker.spec import EXIT_LOAD_FAILED, WorkerSpec, preload, run, start_mode
 
 from .routing import describe_exit

@@ -8,9 +8,9 @@ Every input of the message goes to the engine at once, which puts as many as fit
 
 from __future__ import annotations
 
-from mpserve import protocol as wire
 from mpserve.engine.interface import Embedder, Engine
 from mpserve.errors import BadRequest, MpserveError
+from mpserve.wire import protocol as wire
 
 
 def answer(engine: Engine, msg: wire.Embed) -> wire.Embeddings | wire.Error:

@@ -47,13 +47,13 @@ from typing import Any
 
 import zmq
 
-from mpserve import protocol as wire
-from mpserve import zmqio
 from mpserve.engine.interface import Completion, Engine
 from mpserve.errors import Cancelled, ErrorCode, MpserveError
 from mpserve.gpu.permits import DevicePermits, Permit
-from mpserve.protocol import ChatTemplate
-from mpserve.slots import CacheRow, SlotState, SlotWriter
+from mpserve.wire import protocol as wire
+from mpserve.wire import zmqio
+from mpserve.wire.protocol import ChatTemplate
+from mpserve.wire.slots import CacheRow, SlotState, SlotWriter
 
 from . import embed, slot_files, tokens
 from .spec import EXIT_LOAD_FAILED, EngineSpec, WorkerSpec

@@ -28,7 +28,7 @@ import zmq.auth
 from mpserve.engine.echo import EchoEngine
 from mpserve.engine.interface import Engine
 from mpserve.gpu.permits import DevicePermits, HoldLog
-from mpserve.slots import SlotState, SlotTable
+from mpserve.wire.slots import SlotState, SlotTable
 
 from .loop import Worker
 from .spec import EngineSpec, WorkerSpec

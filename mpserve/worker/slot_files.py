@@ -12,9 +12,9 @@ import re
 import time
 from pathlib import Path
 
-from mpserve import protocol as wire
 from mpserve.engine.interface import Engine
 from mpserve.errors import BadRequest, ErrorCode, MpserveError
+from mpserve.wire import protocol as wire
 
 FILENAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 

@@ -23,7 +23,7 @@ import importlib
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
 
-from mpserve.speculative import Speculative
+from mpserve.config.speculative import Speculative
 
 WORKER_MAIN = "mpserve.worker.main"
 ZYGOTE_MAIN = "mpserve.worker.zygote"
@@ -47,7 +47,7 @@ class EngineSpec:
     embedding: bool = False  # an embedding model (mpserve.engine.embed)
     pooling: str | None = None  # its pooling; None: the GGUF's
     speculative: Speculative | None = None  # speculative decoding; None: off
-    cache_type_k: str = "f16"  # KV cache types (mpserve.kv_types)
+    cache_type_k: str = "f16"  # KV cache types (mpserve.config.kv_types)
     cache_type_v: str = "f16"
     cache_ram: int = 0  # bytes of the host store's RAM tier (for the whole host); 0: no store
     cache_shm: str | None = None  # the RAM tier's folder (a tmpfs)

@@ -10,9 +10,9 @@ from __future__ import annotations
 
 from itertools import accumulate
 
-from mpserve import protocol as wire
 from mpserve.engine.interface import Engine
 from mpserve.errors import MpserveError
+from mpserve.wire import protocol as wire
 
 
 def answer(engine: Engine, msg: wire.Tokenize) -> wire.Tokens | wire.Error:

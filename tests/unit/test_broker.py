@@ -12,11 +12,11 @@ from typing import Any
 import pytest
 import zmq
 
-from mpserve import protocol as wire
 from mpserve.errors import ErrorCode
-from mpserve.prefix import block_hashes
 from mpserve.server.broker import Broker, WorkerEntry
 from mpserve.server.routing import MAX_HANDOVERS, MODEL_CRASHES
+from mpserve.wire import protocol as wire
+from mpserve.wire.prefix import block_hashes
 
 pytestmark = pytest.mark.timeout(10)
 

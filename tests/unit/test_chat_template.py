@@ -6,7 +6,7 @@ import pytest
 
 from mpserve.errors import BadRequest
 from mpserve.gateway.chat import render
-from mpserve.protocol import ChatTemplate
+from mpserve.wire.protocol import ChatTemplate
 
 pytestmark = pytest.mark.timeout(10)
 

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from mpserve import config as cfg
+from mpserve.config import loader as cfg
 from mpserve.errors import ConfigError
 
 pytestmark = pytest.mark.timeout(30)

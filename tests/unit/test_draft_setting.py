@@ -7,12 +7,12 @@ from pathlib import Path
 
 import pytest
 
-from mpserve import config
+from mpserve.config import loader as config
+from mpserve.config.speculative import Speculative, check_draft, parse
 from mpserve.errors import ConfigError
 from mpserve.models import maker
 from mpserve.models.builtin import builtin_model_path
 from mpserve.server.layout import check_model, model_request
-from mpserve.speculative import Speculative, check_draft, parse
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -8,10 +8,10 @@ from collections import Counter
 import numpy as np
 import pytest
 
-from mpserve import config
+from mpserve.config import loader as config
+from mpserve.config.speculative import Speculative, parse
 from mpserve.engine.speculation import Drafter, NgramIndex, RowCosts, verify
 from mpserve.errors import ConfigError
-from mpserve.speculative import Speculative, parse
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -7,7 +7,7 @@ import time
 import pytest
 
 from mpserve.engine.echo import EchoEngine
-from mpserve.protocol import GenerateParams
+from mpserve.wire.protocol import GenerateParams
 
 
 def _run(engine: EchoEngine, prompt: str, max_tokens: int) -> tuple[list[str], str]:

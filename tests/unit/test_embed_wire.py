@@ -6,9 +6,9 @@ import struct
 
 import pytest
 
-from mpserve import config as cfg
-from mpserve import protocol as wire
+from mpserve.config import loader as cfg
 from mpserve.errors import BadRequest, ConfigError, ProtocolError
+from mpserve.wire import protocol as wire
 
 pytestmark = pytest.mark.timeout(10)
 

@@ -9,7 +9,7 @@ import random
 
 import pytest
 
-from mpserve.prefix import MAX_BLOCKS, PREFIX_BLOCK, block_hashes, common_prefix
+from mpserve.wire.prefix import MAX_BLOCKS, PREFIX_BLOCK, block_hashes, common_prefix
 
 
 @pytest.mark.timeout(30)

@@ -8,9 +8,9 @@ from typing import Any
 import msgpack
 import pytest
 
-from mpserve import protocol as wire
 from mpserve.errors import BadRequest, MpserveError, ProtocolError
-from mpserve.prefix import MAX_BLOCKS, PREFIX_BLOCK, block_hashes
+from mpserve.wire import protocol as wire
+from mpserve.wire.prefix import MAX_BLOCKS, PREFIX_BLOCK, block_hashes
 
 pytestmark = pytest.mark.timeout(10)
 

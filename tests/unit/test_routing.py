@@ -7,9 +7,7 @@ import signal
 
 import pytest
 
-from mpserve import protocol as wire
 from mpserve.errors import CODES, ErrorCode
-from mpserve.prefix import PREFIX_BLOCK, block_hashes, common_prefix
 from mpserve.server.ram_prefixes import RamPrefixes
 from mpserve.server.routing import (
     CRASH_SIGNALS,
@@ -28,6 +26,8 @@ from mpserve.server.routing import (
     describe_exit,
 )
 from mpserve.server.state import ModelQueue, Pending, RequestState, WorkerEntry
+from mpserve.wire import protocol as wire
+from mpserve.wire.prefix import PREFIX_BLOCK, block_hashes, common_prefix
 
 pytestmark = pytest.mark.timeout(10)
 

@@ -5,9 +5,9 @@ from __future__ import annotations
 import msgpack
 import pytest
 
-from mpserve import protocol as wire
 from mpserve.errors import BadRequest, ProtocolError
-from mpserve.protocol import GenerateParams
+from mpserve.wire import protocol as wire
+from mpserve.wire.protocol import GenerateParams
 
 
 def test_old_requests_get_the_defaults_and_new_ones_round_trip() -> None:

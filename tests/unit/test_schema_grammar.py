@@ -12,7 +12,7 @@ import pytest
 
 from mpserve import structured
 from mpserve.errors import BadRequest
-from mpserve.protocol import GenerateParams
+from mpserve.wire.protocol import GenerateParams
 
 
 def as_regex(gbnf: str) -> re.Pattern[str]:

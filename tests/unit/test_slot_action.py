@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 
-from mpserve import protocol as wire
 from mpserve.errors import BadRequest
 from mpserve.gateway import slots
-from mpserve.slots import CacheRow, SlotRow, SlotState, locate
+from mpserve.wire import protocol as wire
+from mpserve.wire.slots import CacheRow, SlotRow, SlotState, locate
 
 pytestmark = pytest.mark.timeout(10)
 

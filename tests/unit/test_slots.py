@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from mpserve import slots
-from mpserve.slots import SlotState, SlotTable
+from mpserve.wire import slots
+from mpserve.wire.slots import SlotState, SlotTable
 
 pytestmark = pytest.mark.timeout(30)
 

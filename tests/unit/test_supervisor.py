@@ -15,9 +15,9 @@ from pathlib import Path
 
 import pytest
 
-from mpserve import config as cfg
+from mpserve.config import loader as cfg
 from mpserve.server.supervisor import BACKOFF_MAX_S, MAX_LOAD_FAILURES, RETIRE_KILL_S, Supervisor, restart_delay
-from mpserve.slots import SlotState, SlotTable
+from mpserve.wire.slots import SlotState, SlotTable
 from mpserve.worker.spec import EXIT_LOAD_FAILED, EngineSpec, WorkerSpec, start_mode
 
 pytestmark = pytest.mark.timeout(20)

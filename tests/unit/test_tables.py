@@ -9,9 +9,10 @@ import re
 import pytest
 from typer.main import get_command
 
-from mpserve import config as cfg
-from mpserve import errors, settings
+from mpserve import errors
 from mpserve.cli import app
+from mpserve.config import loader as cfg
+from mpserve.config import settings
 from mpserve.gpu.devices import parse_memory
 
 pytestmark = pytest.mark.timeout(10)

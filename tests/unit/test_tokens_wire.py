@@ -5,8 +5,8 @@ from __future__ import annotations
 import msgpack
 import pytest
 
-from mpserve import protocol as wire
 from mpserve.errors import BadRequest, ProtocolError
+from mpserve.wire import protocol as wire
 
 
 def test_tokenize_tokens_and_token_prompts_round_trip() -> None:

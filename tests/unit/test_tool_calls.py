@@ -11,12 +11,12 @@ from typing import Any
 
 import pytest
 
-from mpserve import protocol as wire
 from mpserve.client import Result
 from mpserve.errors import BadRequest
 from mpserve.gateway import openai as oai
 from mpserve.gateway import tools as tc
-from mpserve.protocol import ChatTemplate
+from mpserve.wire import protocol as wire
+from mpserve.wire.protocol import ChatTemplate
 
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {
     "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}},

@@ -9,10 +9,10 @@ from pathlib import Path
 import pytest
 import zmq
 
-from mpserve import protocol as wire
 from mpserve.engine.echo import EchoEngine
 from mpserve.engine.interface import Engine
-from mpserve.slots import SlotTable
+from mpserve.wire import protocol as wire
+from mpserve.wire.slots import SlotTable
 from mpserve.worker.loop import Worker
 from mpserve.worker.spec import EngineSpec, WorkerSpec
 

@@ -1,4 +1,4 @@
-"""``mpserve.zmqio``: multipart messages through pyzmq's backend calls arrive as ``send_multipart`` sends
+"""``mpserve.wire.zmqio``: multipart messages through pyzmq's backend calls arrive as ``send_multipart`` sends
 them and ``recv_multipart`` takes them, and the non-blocking cases raise as those do."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ from collections.abc import Iterator
 import pytest
 import zmq
 
-from mpserve import zmqio
+from mpserve.wire import zmqio
 
 pytestmark = pytest.mark.timeout(30)
 

@@ -1,5 +1,5 @@
 """Server configuration from a YAML file, environment variables and command-line flags; the keys, their
-types, ranges and choices come from their declarations (``mpserve.settings``).
+types, ranges and choices come from their declarations (``mpserve.config.settings``).
 
 Precedence: flag > environment (``MPSERVE_…``, read by the CLI) > file (``--config``) > default. Flags
 and variables that describe a model (``--model``, ``--instances``, ``--threads``, ``--n-ctx``,
@@ -34,15 +34,15 @@ from typing import Any, cast
 
 import yaml
 
-from . import settings, speculative
-from .errors import ConfigError
-from .kv_types import DEFAULT_KV_TYPE, KV_TYPES
-from .models import sources, templates
-from .models.builtin import builtin_model_path
-from .models.folder import entries as folder_entries
-from .models.shapes import MODEL_SIZES
-from .slots import shm_dir
-from .speculative import Speculative
+from mpserve.config import settings, speculative
+from mpserve.config.kv_types import DEFAULT_KV_TYPE, KV_TYPES
+from mpserve.config.speculative import Speculative
+from mpserve.errors import ConfigError
+from mpserve.models import sources, templates
+from mpserve.models.builtin import builtin_model_path
+from mpserve.models.folder import entries as folder_entries
+from mpserve.models.shapes import MODEL_SIZES
+from mpserve.wire.slots import shm_dir
 
 BUILTIN_PREFIX = "builtin:"
 DEFAULT_MODEL = "builtin:tiny"
@@ -64,7 +64,7 @@ class ModelConfig:
     flash_attn: str = "auto"  # llama.cpp's flash attention: auto (on where supported, as llama-server), on, off
     repack: bool | None = None  # llama.cpp's repacked weight layouts; None: auto (on unless they crash here)
     echo_tick_ms: float = 0.0  # the echo backend's time per step; its pieces are then their CLOCK_MONOTONIC ns
-    cache_type_k: str = DEFAULT_KV_TYPE  # KV cache types (mpserve.kv_types); a quantized V needs flash attention
+    cache_type_k: str = DEFAULT_KV_TYPE  # KV cache types (mpserve.config.kv_types); a quantized V needs flash attention
     cache_type_v: str = DEFAULT_KV_TYPE
     cache_ram: int = 256 << 20  # bytes of the host store's RAM tier, for the whole host; 0: no store
     cache_shm: str | None = None  # the RAM tier's folder; None: STORE_DIR in the shared-memory folder

@@ -22,8 +22,8 @@ import stat
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from .errors import ConfigError
-from .slots import shm_dir
+from mpserve.errors import ConfigError
+from mpserve.wire.slots import shm_dir
 
 
 def runtime_dir(create: bool = True) -> Path:

@@ -67,9 +67,9 @@ from typing import Any, ClassVar
 import msgpack
 import msgspec
 
-from . import structured
-from .errors import BadRequest, ProtocolError
-from .prefix import MAX_BLOCKS
+from mpserve import structured
+from mpserve.errors import BadRequest, ProtocolError
+from mpserve.wire.prefix import MAX_BLOCKS
 
 VERSION = b"MPS1"
 WORKER_LINK = "MPS1.1"  # the revision of the broker-worker messages, in every READY: a broker refuses workers
@@ -918,7 +918,7 @@ class Stop:
 class CacheChanges:
     """worker -> broker, the CACHE frame after a DONE or ERROR: what the instance's host-RAM prompt cache gained
     (``added``: an entry's id and its summary, the block hashes of the prompt text it holds,
-    ``mpserve.prefix.block_hashes``, as uint64 little-endian) and lost (``dropped``: ids) since the previous
+    ``mpserve.wire.prefix.block_hashes``, as uint64 little-endian) and lost (``dropped``: ids) since the previous
     CACHE frame. After a READY it is the whole cache (what a broker that restarted learns it from): the most
     recently used entries, up to MAX_CACHE_ITEMS entries and MAX_CACHE_HASHES hashes, nothing dropped. Ids are
     the worker's, unique while its model stays loaded."""

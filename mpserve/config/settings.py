@@ -4,7 +4,7 @@ help text.
     SETTINGS ──▶ config.build      YAML keys, types and ranges, checked with the file, key and value
              ├─▶ cli               the typer options of `start`, `worker`, `plan` and `devices`, with their
              │                     environment variables and "(default: …)" help
-             ├─▶ markdown_table()  a table of every setting (python -m mpserve.settings), with the commands
+             ├─▶ markdown_table()  a table of every setting (python -m mpserve.config.settings), with the commands
              │                     that take each flag (a test keeps each command's flags the declared ones)
              └─▶ docs/hooks.py     the configuration page: a section per setting, at each build of the docs
 
@@ -18,8 +18,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from .kv_types import DEFAULT_KV_TYPE, KV_TYPES
-from .models.shapes import MODEL_SIZES
+from mpserve.config.kv_types import DEFAULT_KV_TYPE, KV_TYPES
+from mpserve.models.shapes import MODEL_SIZES
 
 Scope = Literal["server", "model", "cli"]
 Command = Literal["start", "worker", "plan", "devices"]

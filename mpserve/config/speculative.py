@@ -88,7 +88,7 @@ def check_draft(name: str, target: str | PathLike[str], draft: str | PathLike[st
     """ValueError, naming both files, unless ``draft`` is a GGUF file whose vocabulary is ``target``'s: the
     same number of tokens, the same BOS and EOS ids, and the same text for every token. Drafts are token
     ids of the target's vocabulary, so any other draft would propose noise."""
-    from mpserve.gguf_header import read_header
+    from mpserve.models.gguf_header import read_header
 
     headers = []
     for path in (target, draft):

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from enum import IntEnum
 from pathlib import Path
 
-from .errors import BadRequest
+from mpserve.errors import BadRequest
 
 MAGIC = b"MPSLOT04"
 _HEADER = struct.Struct("<8sII")  # magic, rows, row size
