@@ -387,3 +387,43 @@ def test_on_the_real_model_a_state_restored_from_ram_continues_exactly(real_mode
     finally:
         cached.close()
     assert again.reused_tokens == PROMPT_CHUNK and again.text == expected.text
+
+
+@pytest.mark.real
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("reuse", ["any", "exact"])
+def test_on_a_sliding_window_model_a_prompt_sharing_part_of_a_longer_entry_restores_a_checkpoint(
+        real_model: RealModel, reuse: str) -> None:
+    """Gemma 3 (a window of 512 on most layers): a saved state keeps only its window's last cells on those layers,
+    so an entry longer than the prefix a prompt shares cannot be cut back to it. The prompt restores the longest
+    entry that is all prefix (a checkpoint its prompt saved at a whole chunk) instead of computing from the start,
+    and its greedy text equals a fresh computation."""
+
+    def engine(cache_ram: int) -> BatchEngine:
+        return BatchEngine(real_model.path, n_ctx=2048, parallel=1, threads=2, n_gpu_layers=0,
+                           repack=real_model.repack, cache_ram=cache_ram, cache_shm=fresh_store(), reuse=reuse)
+
+    cached = engine(256 << 20)
+    try:
+        words = (" ".join(f"Line {i} says the {w} went to the {v}." for i, (w, v) in
+                          enumerate(zip(("cat", "dog", "owl") * 60, ("sea", "hill", "town", "wood") * 45, strict=True)))
+                 + " " + " ".join(f"So {w} and it went on." for w in ("ant", "bee", "owl", "elk") * 5))
+        long = cached._tokenize(words)[:2 * PROMPT_CHUNK + 300]
+        other = cached._tokenize(" ".join(f"Row {i} of the other table." for i in range(40)))
+        branch = long[:PROMPT_CHUNK + 200] + cached._tokenize(" And then the whale sang a song.")[1:]
+        run(cached, 0, long)
+        run(cached, 0, other)  # pushes the long prompt's cells out of the only slot, into the store
+        before = cached.stats()
+        again = run(cached, 0, branch)
+        after = cached.stats()
+    finally:
+        cached.close()
+    fresh = engine(0)
+    try:
+        expected = run(fresh, 0, branch)
+    finally:
+        fresh.close()
+    assert again.reused_tokens == PROMPT_CHUNK  # the checkpoint at the first whole chunk
+    assert after.prompt_tokens_restored - before.prompt_tokens_restored == PROMPT_CHUNK
+    assert after.prompt_tokens_computed - before.prompt_tokens_computed == len(branch) - PROMPT_CHUNK
+    assert again.text == expected.text

@@ -35,8 +35,10 @@ last row's logits (``_twins``): the whole prompt is computed once.
 
 Beyond the slots, the host store (``mpserve.engine.host_store``: shared by every compatible instance on the
 host, in RAM, with a disk tier under it): a prompt's whole chunks are saved there as soon as they are computed
-(so they outlive this instance), and before admission cuts a slot's cells the cells it would lose are saved (all,
-generated tokens included; with ``reuse: exact``, the whole chunks), unless another slot or the store holds them;
+(so they outlive this instance; on a model whose saved states cannot be cut back, a sliding-window or recurrent
+one, also checkpoints at PROMPT_CHUNK times each power of two, ``_checkpoint``), and before admission cuts a
+slot's cells the cells it would lose are saved (all, generated tokens included; with ``reuse: exact``, the whole
+chunks), unless another slot or the store holds them;
 a prompt whose prefix the store holds more of than any slot (with ``reuse: exact``, in whole chunks) gets it
 restored into its slot instead of computed (reported as reused, like cells a slot kept). An entry saved
 from a text prompt carries the block hashes of the text its tokens spell; ``take_cache_changes`` hands the
@@ -55,9 +57,13 @@ what the whole prompt computed at once gives. With ``exact`` only whole chunks a
 so the tokens computed after them are computed in the very chunks a fresh computation uses (a shared prefix
 shorter than a chunk is computed again), and a sequence with a long context decodes in a llama_decode of its
 own (``_decodes``). Either way the last prompt token is computed (its logits pick the first token), and cells
-that the memory no longer holds (a sliding-window cache drops what its window has passed, a recurrent state
-cannot be cut back) are never reused: the prompt is computed from the start, and the log says so once per
-model.
+that the memory no longer holds are never reused: the prompt is computed from the start, and the log says so
+once per model. A slot's own cells are all held (a context's sliding-window layers keep every cell: llama.cpp's
+full-size SWA cache, its default outside its server), and so are a restored state's when the prompt extends all
+of its tokens; but a saved state holds on its sliding-window layers only the cells its next token attends to,
+and a recurrent state only its last position, so such states are restored only whole (the host store's
+``cut_back``), from the longest entry that is all prefix of the prompt: a checkpoint, a whole chunk, a
+conversation's cells.
 
 A request asking for its prompt's log-probabilities (``prompt_logprobs``, for echo) needs a logits row for
 every prompt token: its prefill chunks (of SCORED_CHUNK tokens, which bounds the logits buffer) request
@@ -218,6 +224,15 @@ def _whole_cells(seq: _Sequence) -> int:
     return 0 if seq.score_prompt else _whole_chunks(min(seq.n_past, len(seq.prompt)))
 
 
+def _checkpoint(n: int) -> bool:
+    """Whether a prompt's first ``n`` cells are a checkpoint: PROMPT_CHUNK times a power of two. Where saved states
+    cannot be cut back, they are saved at each, so that a later prompt sharing part of a long one restores at
+    least half of what it shares, while a prompt's entries take a few times a state's windowed cells and at most
+    twice its longest entry's other cells."""
+    chunks, rest = divmod(n, PROMPT_CHUNK)
+    return rest == 0 and chunks > 0 and chunks & (chunks - 1) == 0
+
+
 def _next_chunk(seq: _Sequence) -> int:
     """The prompt tokens ``seq`` computes in its next prefill decode."""
     return min(SCORED_CHUNK if seq.score_prompt else PROMPT_CHUNK, len(seq.prompt) - seq.n_past)
@@ -294,6 +309,8 @@ class BatchEngine:
             raise
         self._memory = llama_cpp.llama_get_memory(self._ctx)
         self._n_swa = max(1, llama_cpp.llama_model_n_swa(self._model))  # llama-server's bound for what must stay
+        self._cut_back = not (llama_cpp.llama_model_n_swa(self._model) > 0 or llama_cpp.llama_model_is_recurrent(
+            self._model) or llama_cpp.llama_model_is_hybrid(self._model))  # whether a restored state may be cut back
         self._told_cells_missing = False
         self._speculative = speculative
         if speculative is not None and (llama_cpp.llama_model_is_recurrent(self._model)
@@ -480,18 +497,21 @@ class BatchEngine:
                     # exact must not start from: the two modes keep their entries apart
                     "reuse": "exact" if self._exact else "any"}
         return HostStore(host_store.compatibility_key(identity), identity, ram_dir, ram_bytes,
-                         Path(disk_dir) if disk_dir else None, disk_bytes, self.n_ctx)
+                         Path(disk_dir) if disk_dir else None, disk_bytes, self.n_ctx, self._cut_back)
 
     def _store_prompt(self, seq: _Sequence) -> None:
         """After each prompt chunk of ``seq``: once its cells are the most of its prompt a later prompt can reuse
         (its whole chunks, short of its last token), save them into the host store (unless it holds them), so
         that they outlive this instance (a crash, an unload, a restart with a disk tier). Saved there, not at
         the prompt's end: a sliding-window cache has dropped by then cells that a prefix cut back to whole
-        chunks needs, and a state holding exactly the whole chunks is restored without a cut."""
+        chunks needs, and a state holding exactly the whole chunks is restored without a cut. Where saved states cannot
+        be cut back, also at each checkpoint before them (``_checkpoint``), which a prompt sharing part of this one
+        restores."""
         store, whole = self._prompt_cache, _whole_chunks(len(seq.prompt) - 1)
-        if store is None or seq.score_prompt or seq.n_past != whole or whole < PROMPT_CHUNK:
+        if store is None or seq.score_prompt or whole < PROMPT_CHUNK or not (
+                seq.n_past == whole or seq.n_past < whole and not self._cut_back and _checkpoint(seq.n_past)):
             return
-        kept = seq.prompt[:whole]
+        kept = seq.prompt[:seq.n_past]
         if store.holds(kept):
             return
         state, size = read_state(self._lib, self._ctx, seq.slot)
@@ -537,8 +557,8 @@ class BatchEngine:
         held = max(reused, self._copy_source(slot, tokens)[1])
         if held >= reusable:
             return reused  # the slots hold all there is to reuse: no need to look
-        entry, shared = store.find(tokens)
-        restorable = self._usable(min(shared, reusable))
+        entry, shared = store.find(tokens[:reusable])
+        restorable = self._usable(shared)
         loaded = store.load(entry) if entry is not None and restorable > held else None
         if loaded is None:
             store.count(hit=False)
