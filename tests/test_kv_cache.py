@@ -78,10 +78,12 @@ def fresh_store() -> str:
                             else None)
 
 
-def tiny_engine(parallel: int, cache_ram: int, kv_unified: bool = False, reuse: str = "exact") -> BatchEngine:
-    """``reuse`` exact unless told: most tests here compare with a fresh computation."""
+def tiny_engine(parallel: int, cache_ram: int, kv_unified: bool = False, reuse: str = "exact",
+                store: str | None = None) -> BatchEngine:
+    """``reuse`` exact unless told: most tests here compare with a fresh computation. A store of its own unless
+    given one."""
     return BatchEngine(str(builtin_model_path("tiny")), n_ctx=1024, parallel=parallel, threads=1, n_gpu_layers=0,
-                       kv_unified=kv_unified, cache_ram=cache_ram, cache_shm=fresh_store(), reuse=reuse)
+                       kv_unified=kv_unified, cache_ram=cache_ram, cache_shm=store or fresh_store(), reuse=reuse)
 
 
 @pytest.mark.timeout(120)
@@ -187,6 +189,24 @@ def test_with_reuse_any_a_conversation_pushed_out_continues_from_its_reply() -> 
     assert after.prompt_tokens_restored - before.prompt_tokens_restored == second.reused_tokens
     assert after.prompt_tokens_computed - before.prompt_tokens_computed == second.prompt_tokens - second.reused_tokens
     assert cache.hits == 1
+
+
+@pytest.mark.timeout(120)
+def test_an_engine_closed_leaves_what_its_slots_hold_in_the_store_and_the_next_one_continues_from_it() -> None:
+    """An unload (a single-active-backend swap, a scale-down) closes the engine: its slots' cells, the reply's
+    included, go to the host store, and the next instance continues the conversation from them."""
+    store = fresh_store()
+    engine = tiny_engine(2, 64 << 20, reuse="any", store=store)
+    try:
+        first = run(engine, 1, LONG[:3000])
+    finally:
+        engine.close()
+    engine = tiny_engine(2, 64 << 20, reuse="any", store=store)
+    try:
+        second = run(engine, 0, LONG[:3000] + first.text + " and then", 4)
+    finally:
+        engine.close()
+    assert first.prompt_tokens % PROMPT_CHUNK and second.reused_tokens > first.prompt_tokens  # the reply's cells too
 
 
 @pytest.mark.timeout(60)

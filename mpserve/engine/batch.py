@@ -36,9 +36,9 @@ last row's logits (``_twins``): the whole prompt is computed once.
 Beyond the slots, the host store (``mpserve.engine.host_store``: shared by every compatible instance on the
 host, in RAM, with a disk tier under it): a prompt's whole chunks are saved there as soon as they are computed
 (so they outlive this instance; on a model whose saved states cannot be cut back, a sliding-window or recurrent
-one, also checkpoints at PROMPT_CHUNK times each power of two, ``_checkpoint``), and before admission cuts a
+one, also past PROMPT_CHUNK times each power of two, ``_reaches_checkpoint``), and before admission cuts a
 slot's cells the cells it would lose are saved (all, generated tokens included; with ``reuse: exact``, the whole
-chunks), unless another slot or the store holds them;
+chunks), unless another slot or the store holds them, and so is what every slot holds when the engine closes;
 a prompt whose prefix the store holds more of than any slot (with ``reuse: exact``, in whole chunks) gets it
 restored into its slot instead of computed (reported as reused, like cells a slot kept). An entry saved
 from a text prompt carries the block hashes of the text its tokens spell; ``take_cache_changes`` hands the
@@ -224,13 +224,15 @@ def _whole_cells(seq: _Sequence) -> int:
     return 0 if seq.score_prompt else _whole_chunks(min(seq.n_past, len(seq.prompt)))
 
 
-def _checkpoint(n: int) -> bool:
-    """Whether a prompt's first ``n`` cells are a checkpoint: PROMPT_CHUNK times a power of two. Where saved states
-    cannot be cut back, they are saved at each, so that a later prompt sharing part of a long one restores at
-    least half of what it shares, while a prompt's entries take a few times a state's windowed cells and at most
-    twice its longest entry's other cells."""
-    chunks, rest = divmod(n, PROMPT_CHUNK)
-    return rest == 0 and chunks > 0 and chunks & (chunks - 1) == 0
+def _reaches_checkpoint(start: int, end: int) -> bool:
+    """Whether a chunk that computed cells ``start`` to ``end`` reached a checkpoint: PROMPT_CHUNK times a power of
+    two. Where saved states cannot be cut back, a prompt's cells are saved after each such chunk, so that a later
+    prompt sharing part of a long one restores about half of what it shares or more, while a prompt's entries take
+    a few times a state's windowed cells and about twice its longest entry's other cells."""
+    mark = PROMPT_CHUNK
+    while mark <= start:
+        mark *= 2
+    return mark <= end
 
 
 def _next_chunk(seq: _Sequence) -> int:
@@ -499,17 +501,18 @@ class BatchEngine:
         return HostStore(host_store.compatibility_key(identity), identity, ram_dir, ram_bytes,
                          Path(disk_dir) if disk_dir else None, disk_bytes, self.n_ctx, self._cut_back)
 
-    def _store_prompt(self, seq: _Sequence) -> None:
-        """After each prompt chunk of ``seq``: once its cells are the most of its prompt a later prompt can reuse
-        (its whole chunks, short of its last token), save them into the host store (unless it holds them), so
-        that they outlive this instance (a crash, an unload, a restart with a disk tier). Saved there, not at
-        the prompt's end: a sliding-window cache has dropped by then cells that a prefix cut back to whole
-        chunks needs, and a state holding exactly the whole chunks is restored without a cut. Where saved states cannot
-        be cut back, also at each checkpoint before them (``_checkpoint``), which a prompt sharing part of this one
-        restores."""
-        store, whole = self._prompt_cache, _whole_chunks(len(seq.prompt) - 1)
-        if store is None or seq.score_prompt or whole < PROMPT_CHUNK or not (
-                seq.n_past == whole or seq.n_past < whole and not self._cut_back and _checkpoint(seq.n_past)):
+    def _store_prompt(self, seq: _Sequence, computed: int) -> None:
+        """After each prompt chunk of ``seq`` (``computed`` tokens): once its cells are the most of its prompt a later
+        prompt can reuse (all but its last chunk; with ``reuse: exact``, its whole chunks short of its last token),
+        save them into the host store (unless it holds them), so that they outlive this instance (a crash, an
+        unload, a restart with a disk tier). Saved there, not at the prompt's end: a prompt that extends them
+        restores them without a cut, which a state of a sliding-window model needs. Where saved states cannot be
+        cut back, also after each chunk that reaches a checkpoint (``_reaches_checkpoint``), which a prompt sharing
+        part of this one restores. Chunks run from the cells a prompt started from, so with ``reuse: any`` an
+        entry may end anywhere."""
+        store, left = self._prompt_cache, len(seq.prompt) - seq.n_past
+        if store is None or seq.score_prompt or seq.n_past < PROMPT_CHUNK or left == 0 or not (
+                left <= PROMPT_CHUNK or not self._cut_back and _reaches_checkpoint(seq.n_past - computed, seq.n_past)):
             return
         kept = seq.prompt[:seq.n_past]
         if store.holds(kept):
@@ -744,7 +747,7 @@ class BatchEngine:
             self._decode()
             if seq.score_prompt:
                 self._score_prompt(seq, seq.n_past - n, n)
-            self._store_prompt(seq)
+            self._store_prompt(seq, n)
             if finishing:
                 done += self._sample_all([seq, *self._twins(seq)])
         self._steps += 1
@@ -1000,13 +1003,19 @@ class BatchEngine:
                           self._generated, self._copies, self._restored, self._drafted, self._accepted)
 
     def close(self) -> None:
-        """Free every sampler, the context and the model. Running sequences are dropped unanswered."""
+        """Free every sampler, the context and the model. Running sequences are dropped unanswered. What the slots
+        hold goes to the host store first, as when a prompt that shares nothing cuts it, so that it outlives the
+        instance (an unload, a single-active-backend swap, a scale-down)."""
         for seq in self._running.values():
             seq.sampler.close()
         self._running.clear()
         self._prefilling.clear()
         self._grammars.close()
         if self._prompt_cache is not None:
+            for slot in range(self.parallel):
+                self._keep_in_cache(slot, [])
+                self._lib.llama_memory_seq_rm(self._memory, slot, -1, -1)  # the next slot's cells count alone
+                self._cached[slot] = []
             self._prompt_cache.close()  # the writes queued finish: the entries outlive this instance
             self._prompt_cache = None
         if self._draft is not None:
