@@ -39,7 +39,7 @@ SWAP_TARGET = 0.2
 
 class TokensLong(Protocol):
     def __call__(self, address: str, text: str, tokens: int, model: str | None = None) -> str:
-        """``text`` repeated to ``tokens`` tokens of ``model`` (``bench.batching._tokens_long``)."""
+        """``text`` repeated to ``tokens`` tokens of ``model`` (``bench.batching.tokens_long``)."""
 
 
 def tenants(settings: Settings, section: Section, tokens_long: TokensLong) -> Case:
