@@ -19,7 +19,7 @@ from conftest import RealModel, ServerProcess
 from mpserve import Client
 from mpserve import protocol as wire
 from mpserve.engine import slot_file, vocab
-from mpserve.engine.batch import PROMPT_CHUNK, BatchEngine
+from mpserve.engine.batch import PROMPT_CHUNK, TAIL_TOKENS, BatchEngine
 from mpserve.engine.interface import Completion
 from mpserve.engine.prompt_cache import CacheStats
 from mpserve.errors import BadRequest
@@ -447,3 +447,32 @@ def test_on_a_sliding_window_model_a_prompt_sharing_part_of_a_longer_entry_resto
     assert after.prompt_tokens_restored - before.prompt_tokens_restored == PROMPT_CHUNK
     assert after.prompt_tokens_computed - before.prompt_tokens_computed == len(branch) - PROMPT_CHUNK
     assert again.text == expected.text
+
+
+@pytest.mark.real
+@pytest.mark.timeout(600)
+def test_on_a_sliding_window_model_a_prompt_asked_again_with_another_ending_restores_all_but_its_last_tokens(
+        real_model: RealModel) -> None:
+    """With ``reuse: any`` a prompt's cells are saved before its last TAIL_TOKENS: the same long prompt with another
+    short ending, after the instance that computed it is gone (a swap, an unload), restores all but those."""
+    store = fresh_store()
+
+    def engine() -> BatchEngine:
+        return BatchEngine(real_model.path, n_ctx=2048, parallel=1, threads=2, n_gpu_layers=0,
+                           repack=real_model.repack, cache_ram=256 << 20, cache_shm=store, reuse="any")
+
+    first = engine()
+    try:
+        words = " ".join(f"Line {i} says the cat went to the sea." for i in range(120))
+        long = first._tokenize(words)[:PROMPT_CHUNK + 300]
+        ending = first._tokenize(" First question?")[1:]
+        assert len(ending) <= TAIL_TOKENS
+        run(first, 0, long + ending)
+    finally:
+        first.close()
+    second = engine()
+    try:
+        again = run(second, 0, long + second._tokenize(" Second question?")[1:])
+    finally:
+        second.close()
+    assert again.reused_tokens == len(long) + len(ending) - TAIL_TOKENS
