@@ -28,7 +28,8 @@ against ``llama-server --cache-ram``: the time to first token of the prompt's se
 restores instead of computing. Each server has a store of its own (``--cache-shm``).
 
 The host store's own cases (4 instances serving many tenants' system prompts, and a single-active-backend swap
-A → B → A) are in ``bench.store_cases``; they need no peer.
+A → B → A) are in ``bench.store_cases``; they need no peer. ``python -m bench.cache_ram`` runs pushed out, the
+shared preamble and the chat below against ``llama-server --cache-ram`` over HTTP on both sides.
 
 And one with a peer: a system prompt shared by every request (a long preamble, then one of the usual
 prompts) at concurrency 4, on ``1×4`` against ``llama-server --parallel 4`` with its prompt cache on
@@ -102,8 +103,8 @@ def run(settings: Settings) -> Section:
     section = Section("batching", "Batching: mpserve --parallel K against llama-server --parallel K",
                       "llama-server --parallel K, same threads, same GGUF (column vs)")
     section.cases.append(_prefix_reuse(settings, section))
-    section.cases.append(store_cases.tenants(settings, section, _tokens_long))
-    section.cases.append(store_cases.swap(settings, section, _tokens_long))
+    section.cases.append(store_cases.tenants(settings, section, tokens_long))
+    section.cases.append(store_cases.swap(settings, section, tokens_long))
     if settings.llama_server is None:
         section.notes.append("llama-server rows left out: no llama-server binary; put one on PATH or pass "
                              "--llama-server (bench/README.md says how to build it from the llama-cpp-python source "
@@ -147,7 +148,7 @@ def run(settings: Settings) -> Section:
     return section
 
 
-def _peer(settings: Settings, port: int, parallel: int, n_ctx: int, *extra: str) -> HttpServer:
+def llama_server(settings: Settings, port: int, parallel: int, n_ctx: int, *extra: str) -> HttpServer:
     """llama-server on ``port`` with mpserve's threads, ``parallel`` slots of ``n_ctx`` tokens each."""
     repack = [] if probe().works else ["--no-repack"]  # its repacked kernels crash on this CPU: as mpserve does
     return HttpServer([str(settings.llama_server), "--model", str(settings.model), "--host", "127.0.0.1", "--port",
@@ -160,7 +161,7 @@ def _measure(settings: Settings, work: Workload, k: int, contenders: dict[str, l
              cases: dict[str, Case]) -> None:
     with ExitStack() as stack:
         port = free_port()
-        peer = stack.enter_context(_peer(settings, port, k, work.n_ctx))
+        peer = stack.enter_context(llama_server(settings, port, k, work.n_ctx))
         ours = {name: stack.enter_context(MpserveServer("--model", str(settings.model), "--n-ctx", str(work.n_ctx),
                                                         *args))
                 for name, args in contenders.items()}
@@ -196,14 +197,14 @@ def _shared_preamble(settings: Settings, section: Section) -> list[Case]:
                         [Figure(m, unit) for m, unit, _ in GENERATION_METRICS]) for mode in REUSE_MODES}
     port = free_port()
     with ExitStack() as stack:
-        peer = stack.enter_context(_peer(settings, port, k, work.n_ctx))
+        peer = stack.enter_context(llama_server(settings, port, k, work.n_ctx))
         ours = {mode: stack.enter_context(MpserveServer(
             "--model", str(settings.model), "--n-ctx", str(work.n_ctx), "--instances", "1", "--threads",
             str(settings.cores), "--parallel", str(k), "--reuse", mode)) for mode in REUSE_MODES}
         peer.wait_ready()
         for server in ours.values():
             server.wait_ready()
-        work = Workload(**{**vars(work), "preamble": _tokens_long(ours["any"].address, PREAMBLE, preamble_tokens)})
+        work = Workload(**{**vars(work), "preamble": tokens_long(ours["any"].address, PREAMBLE, preamble_tokens)})
         for r in range(settings.repeat):  # each repeat starts cold on every side: a new preamble
             fresh = Workload(**{**vars(work), "preamble": f"[{r}] {work.preamble}"})
             baseline = asyncio.run(http_load(port, fresh, k, 3 * k, {"cache_prompt": True}))
@@ -236,7 +237,7 @@ def _chat(settings: Settings, section: Section) -> list[Case]:
     lengths: list[int] = []
     port = free_port()
     with ExitStack() as stack:
-        peer = stack.enter_context(_peer(settings, port, 1, n_ctx, "--cache-ram", str(PEER_RAM)))
+        peer = stack.enter_context(llama_server(settings, port, 1, n_ctx, "--cache-ram", str(PEER_RAM)))
         ours = {mode: stack.enter_context(MpserveServer(
             "--model", str(settings.model), "--n-ctx", str(n_ctx), "--instances", "1", "--threads",
             str(settings.cores), "--parallel", "1", "--reuse", mode)) for mode in REUSE_MODES}
@@ -245,7 +246,7 @@ def _chat(settings: Settings, section: Section) -> list[Case]:
             server.wait_ready()
         address = ours["any"].address
         for r in range(settings.repeat):
-            questions = [_tokens_long(address, f"Chat {r}, question {t + 1}: " + " ".join(
+            questions = [tokens_long(address, f"Chat {r}, question {t + 1}: " + " ".join(
                 PROMPTS[(r + t) % len(PROMPTS):] + PROMPTS), question_tokens) for t in range(turns)]
             talks = {side: "" for side in ("peer", *REUSE_MODES)}  # each side's conversation, its own replies
             for t, question in enumerate(questions):
@@ -290,7 +291,7 @@ def _prefix_reuse(settings: Settings, section: Section) -> Case:
                        str(settings.cores), "--parallel", "2") as server:
         server.wait_ready()
         for r in range(settings.repeat):
-            prefix = _tokens_long(server.address, f"Repeat {r}. " + " ".join(PROMPTS[r % len(PROMPTS):] + PROMPTS),
+            prefix = tokens_long(server.address, f"Repeat {r}. " + " ".join(PROMPTS[r % len(PROMPTS):] + PROMPTS),
                                   length)
             first, _ = asyncio.run(_ttft(server.address, prefix + " First question?"))
             again, tokens = asyncio.run(_ttft(server.address, prefix + " Second question?"))
@@ -316,7 +317,7 @@ def _pushed_out(settings: Settings, section: Section) -> list[Case]:
     restored: dict[str, list[int]] = {case.labels["mpserve instances×slots"]: [] for case in cases}
     with ExitStack() as stack:
         stores = stack.enter_context(tempfile.TemporaryDirectory(prefix="mppush-"))
-        peer = stack.enter_context(_peer(settings, port, 1, 2048, "--cache-ram", str(PEER_RAM)))
+        peer = stack.enter_context(llama_server(settings, port, 1, 2048, "--cache-ram", str(PEER_RAM)))
         servers = [stack.enter_context(MpserveServer(*common, "--instances", n, "--cache-ram", size, "--reuse", mode,
                                                      "--cache-shm", f"{stores}/{i}"))
                    for i, (n, size, mode) in enumerate(variants)]
@@ -324,7 +325,7 @@ def _pushed_out(settings: Settings, section: Section) -> list[Case]:
         for server in servers:
             server.wait_ready()
         for r in range(settings.repeat):
-            prompt = _tokens_long(servers[0].address, f"Repeat {r}. " + " ".join(PROMPTS[r % len(PROMPTS):] + PROMPTS),
+            prompt = tokens_long(servers[0].address, f"Repeat {r}. " + " ".join(PROMPTS[r % len(PROMPTS):] + PROMPTS),
                                   length)
             others = [f"Other {r}.{i}. " + " ".join(PROMPTS[i % len(PROMPTS):] + PROMPTS) for i in range(8)]
             again = _once(prompt + " Second question? ")
@@ -347,7 +348,7 @@ def _pushed_out(settings: Settings, section: Section) -> list[Case]:
     return cases
 
 
-def _tokens_long(address: str, text: str, tokens: int, model: str | None = None) -> str:
+def tokens_long(address: str, text: str, tokens: int, model: str | None = None) -> str:
     """The shortest repetition of ``text``, cut at a character, that is ``tokens`` tokens or more in the model
     the server at ``address`` serves (``model``, if it serves several), so the case is the same size on any
     vocabulary."""
@@ -425,11 +426,11 @@ def main() -> None:
             cases = {name: Case({}, [Figure(m, unit) for m, unit, _ in GENERATION_METRICS]) for name in contenders}
             _measure(settings, work, k, contenders, cases)
             for name, case in cases.items():
-                print(f"{name:>40}: " + "; ".join(_ratio(case.figure(m)) for m in ("tokens/s", "TTFT p50")),
+                print(f"{name:>40}: " + "; ".join(ratio_line(case.figure(m)) for m in ("tokens/s", "TTFT p50")),
                       flush=True)
 
 
-def _ratio(figure: Figure) -> str:
+def ratio_line(figure: Figure) -> str:
     ratios = [v / b for v, b in zip(figure.values, figure.baseline, strict=True) if b]
     return (f"{figure.metric} {figure.value:.1f} vs {figure.base:.1f} {figure.unit}, "
             f"{figure.ratio:.2f}× [{min(ratios):.2f}–{max(ratios):.2f}]")

@@ -60,6 +60,7 @@ class Sample:
     latency_s: float  # request sent until the last token arrived
     tokens: int
     text: str = ""  # what was generated (HTTP requests only)
+    cached: int = 0  # prompt tokens the server reused (HTTP: timings.cached_tokens, llama-server's timings.cache_n)
 
 
 @dataclass(frozen=True)
@@ -162,6 +163,7 @@ def http_request(port: int, work: Workload, i: int, fields: dict[str, Any]) -> S
     first = 0.0
     chunks = 0
     usage: int | None = None
+    cached = 0
     pieces: list[str] = []
     try:
         conn.request("POST", "/v1/completions", body, {"Content-Type": "application/json"})
@@ -174,6 +176,8 @@ def http_request(port: int, work: Workload, i: int, fields: dict[str, Any]) -> S
             event: dict[str, Any] = json.loads(line[6:])
             if event.get("usage"):
                 usage = event["usage"]["completion_tokens"]
+            if timings := event.get("timings"):
+                cached = timings.get("cached_tokens", timings.get("cache_n", cached))
             if any(choice.get("text") for choice in event.get("choices", ())):
                 first = first or time.perf_counter()
                 chunks += 1
@@ -181,7 +185,7 @@ def http_request(port: int, work: Workload, i: int, fields: dict[str, Any]) -> S
     finally:
         conn.close()
     ended = time.perf_counter()
-    return Sample(first - started, ended - started, usage if usage is not None else chunks, "".join(pieces))
+    return Sample(first - started, ended - started, usage if usage is not None else chunks, "".join(pieces), cached)
 
 
 # --- llama_cpp in this process ------------------------------------------------------------------------

@@ -10,12 +10,17 @@
                 A's long prompt after B's turn, cold (a prompt A never saw) against restored (one A computed
                 before B took the GPU: A's instance is gone, the host store is not). Both include A's reload.
 
-Each server gets a store folder of its own (``--cache-shm``), so no case restores what another computed.
+Each server gets a store folder of its own (``--cache-shm``), so no case restores what another computed. The
+batching section runs both; alone:
+
+    python -m bench.store_cases [--model GGUF] [--repeat 3] [--cases tenants,swap]
 """
 
 from __future__ import annotations
 
+import argparse
 import asyncio
+import os
 import random
 import tempfile
 import time
@@ -39,7 +44,7 @@ SWAP_TARGET = 0.2
 
 class TokensLong(Protocol):
     def __call__(self, address: str, text: str, tokens: int, model: str | None = None) -> str:
-        """``text`` repeated to ``tokens`` tokens of ``model`` (``bench.batching._tokens_long``)."""
+        """``text`` repeated to ``tokens`` tokens of ``model`` (``bench.batching.tokens_long``)."""
 
 
 def tenants(settings: Settings, section: Section, tokens_long: TokensLong) -> Case:
@@ -141,3 +146,31 @@ def _median_ms(results: list[tuple[float, int]]) -> float:
     ordered = sorted(seconds for seconds, _ in results)
     return 1000 * ordered[len(ordered) // 2]
 
+
+
+def main() -> None:
+    from mpserve.models.builtin import builtin_model_path
+
+    from .batching import ratio_line, tokens_long
+
+    parser = argparse.ArgumentParser(prog="python -m bench.store_cases", description="the host store's own cases")
+    parser.add_argument("--model", type=Path, help="GGUF file [default: the built-in bench model]")
+    parser.add_argument("--repeat", type=int, default=3, help="repeats [default: %(default)s]")
+    parser.add_argument("--cases", default="tenants,swap", help="some of %(default)s")
+    args = parser.parse_args()
+    settings = Settings.make(quick=False, repeat=args.repeat, model=args.model or builtin_model_path("bench"),
+                             llama_server=None)
+    runs = {"tenants": tenants, "swap": swap}
+    with tempfile.TemporaryDirectory(prefix="mpsc-", dir="/tmp") as runtime:
+        os.environ["MPSERVE_RUNTIME_DIR"] = runtime
+        for name in args.cases.split(","):
+            section = Section(name, name, "")
+            case = runs[name](settings, section, tokens_long)
+            print(f"{name}: {case.labels['mpserve instances×slots']} vs {case.labels['vs']}", flush=True)
+            for figure in case.figures:
+                print(f"  {ratio_line(figure)}", flush=True)
+            print(f"  {section.notes[-1]}", flush=True)
+
+
+if __name__ == "__main__":
+    main()

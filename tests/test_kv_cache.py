@@ -20,7 +20,7 @@ from helpers import mpserve
 from mpserve import Client
 from mpserve.config.kv_types import KV_TYPES
 from mpserve.engine import slot_file, vocab
-from mpserve.engine.batch import PROMPT_CHUNK, BatchEngine
+from mpserve.engine.batch import PROMPT_CHUNK, TAIL_TOKENS, BatchEngine
 from mpserve.engine.prompt_cache import CacheStats
 from mpserve.errors import BadRequest
 from mpserve.models.builtin import builtin_model_path
@@ -54,10 +54,12 @@ def fresh_store() -> str:
                             else None)
 
 
-def tiny_engine(parallel: int, cache_ram: int, kv_unified: bool = False, reuse: str = "exact") -> BatchEngine:
-    """``reuse`` exact unless told: most tests here compare with a fresh computation."""
+def tiny_engine(parallel: int, cache_ram: int, kv_unified: bool = False, reuse: str = "exact",
+                store: str | None = None) -> BatchEngine:
+    """``reuse`` exact unless told: most tests here compare with a fresh computation. A store of its own unless
+    given one."""
     return BatchEngine(str(builtin_model_path("tiny")), n_ctx=1024, parallel=parallel, threads=1, n_gpu_layers=0,
-                       kv_unified=kv_unified, cache_ram=cache_ram, cache_shm=fresh_store(), reuse=reuse)
+                       kv_unified=kv_unified, cache_ram=cache_ram, cache_shm=store or fresh_store(), reuse=reuse)
 
 
 @pytest.mark.timeout(120)
@@ -163,6 +165,24 @@ def test_with_reuse_any_a_conversation_pushed_out_continues_from_its_reply() -> 
     assert after.prompt_tokens_restored - before.prompt_tokens_restored == second.reused_tokens
     assert after.prompt_tokens_computed - before.prompt_tokens_computed == second.prompt_tokens - second.reused_tokens
     assert cache.hits == 1
+
+
+@pytest.mark.timeout(120)
+def test_an_engine_closed_leaves_what_its_slots_hold_in_the_store_and_the_next_one_continues_from_it() -> None:
+    """An unload (a single-active-backend swap, a scale-down) closes the engine: its slots' cells, the reply's
+    included, go to the host store, and the next instance continues the conversation from them."""
+    store = fresh_store()
+    engine = tiny_engine(2, 64 << 20, reuse="any", store=store)
+    try:
+        first = run(engine, 1, LONG[:3000])
+    finally:
+        engine.close()
+    engine = tiny_engine(2, 64 << 20, reuse="any", store=store)
+    try:
+        second = run(engine, 0, LONG[:3000] + first.text + " and then", 4)
+    finally:
+        engine.close()
+    assert first.prompt_tokens % PROMPT_CHUNK and second.reused_tokens > first.prompt_tokens  # the reply's cells too
 
 
 @pytest.mark.timeout(60)
@@ -356,3 +376,72 @@ def test_on_the_real_model_a_state_restored_from_ram_continues_exactly(real_mode
     finally:
         cached.close()
     assert again.reused_tokens == PROMPT_CHUNK and again.text == expected.text
+
+
+@pytest.mark.real
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("reuse", ["any", "exact"])
+def test_on_a_sliding_window_model_a_prompt_sharing_part_of_a_longer_entry_restores_a_checkpoint(
+        real_model: RealModel, reuse: str) -> None:
+    """Gemma 3 (a window of 512 on most layers): a saved state keeps only its window's last cells on those layers,
+    so an entry longer than the prefix a prompt shares cannot be cut back to it. The prompt restores the longest
+    entry that is all prefix (a checkpoint its prompt saved at a whole chunk) instead of computing from the start,
+    and its greedy text equals a fresh computation."""
+
+    def engine(cache_ram: int) -> BatchEngine:
+        return BatchEngine(real_model.path, n_ctx=2048, parallel=1, threads=2, n_gpu_layers=0,
+                           repack=real_model.repack, cache_ram=cache_ram, cache_shm=fresh_store(), reuse=reuse)
+
+    cached = engine(256 << 20)
+    try:
+        words = (" ".join(f"Line {i} says the {w} went to the {v}." for i, (w, v) in
+                          enumerate(zip(("cat", "dog", "owl") * 60, ("sea", "hill", "town", "wood") * 45, strict=True)))
+                 + " " + " ".join(f"So {w} and it went on." for w in ("ant", "bee", "owl", "elk") * 5))
+        long = cached._tokenize(words)[:2 * PROMPT_CHUNK + 300]
+        other = cached._tokenize(" ".join(f"Row {i} of the other table." for i in range(40)))
+        branch = long[:PROMPT_CHUNK + 200] + cached._tokenize(" And then the whale sang a song.")[1:]
+        run(cached, 0, long)
+        run(cached, 0, other)  # pushes the long prompt's cells out of the only slot, into the store
+        before = cached.stats()
+        again = run(cached, 0, branch)
+        after = cached.stats()
+    finally:
+        cached.close()
+    fresh = engine(0)
+    try:
+        expected = run(fresh, 0, branch)
+    finally:
+        fresh.close()
+    assert again.reused_tokens == PROMPT_CHUNK  # the checkpoint at the first whole chunk
+    assert after.prompt_tokens_restored - before.prompt_tokens_restored == PROMPT_CHUNK
+    assert after.prompt_tokens_computed - before.prompt_tokens_computed == len(branch) - PROMPT_CHUNK
+    assert again.text == expected.text
+
+
+@pytest.mark.real
+@pytest.mark.timeout(600)
+def test_on_a_sliding_window_model_a_prompt_asked_again_with_another_ending_restores_all_but_its_last_tokens(
+        real_model: RealModel) -> None:
+    """With ``reuse: any`` a prompt's cells are saved before its last TAIL_TOKENS: the same long prompt with another
+    short ending, after the instance that computed it is gone (a swap, an unload), restores all but those."""
+    store = fresh_store()
+
+    def engine() -> BatchEngine:
+        return BatchEngine(real_model.path, n_ctx=2048, parallel=1, threads=2, n_gpu_layers=0,
+                           repack=real_model.repack, cache_ram=256 << 20, cache_shm=store, reuse="any")
+
+    first = engine()
+    try:
+        words = " ".join(f"Line {i} says the cat went to the sea." for i in range(120))
+        long = first._tokenize(words)[:PROMPT_CHUNK + 300]
+        ending = first._tokenize(" First question?")[1:]
+        assert len(ending) <= TAIL_TOKENS
+        run(first, 0, long + ending)
+    finally:
+        first.close()
+    second = engine()
+    try:
+        again = run(second, 0, long + second._tokenize(" Second question?")[1:])
+    finally:
+        second.close()
+    assert again.reused_tokens == len(long) + len(ending) - TAIL_TOKENS

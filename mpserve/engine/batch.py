@@ -35,8 +35,11 @@ last row's logits (``_twins``): the whole prompt is computed once.
 
 Beyond the slots, the host store (``mpserve.engine.host_store``: shared by every compatible instance on the
 host, in RAM, with a disk tier under it): a prompt's whole chunks are saved there as soon as they are computed
-(so they outlive this instance), and before admission cuts a slot's cells the cells it would lose are saved (all,
-generated tokens included; with ``reuse: exact``, the whole chunks), unless another slot or the store holds them;
+(so they outlive this instance; on a model whose saved states cannot be cut back, a sliding-window or recurrent
+one, also past PROMPT_CHUNK times each power of two, ``_reaches_checkpoint``, and with ``reuse: any`` before its
+last TAIL_TOKENS), and before admission cuts a slot's cells the cells it would lose are saved (all, generated
+tokens included; with ``reuse: exact``, the whole chunks), unless another slot or the store holds them, and so
+is what every slot holds when the engine closes;
 a prompt whose prefix the store holds more of than any slot (with ``reuse: exact``, in whole chunks) gets it
 restored into its slot instead of computed (reported as reused, like cells a slot kept). An entry saved
 from a text prompt carries the block hashes of the text its tokens spell; ``take_cache_changes`` hands the
@@ -55,9 +58,13 @@ what the whole prompt computed at once gives. With ``exact`` only whole chunks a
 so the tokens computed after them are computed in the very chunks a fresh computation uses (a shared prefix
 shorter than a chunk is computed again), and a sequence with a long context decodes in a llama_decode of its
 own (``_decodes``). Either way the last prompt token is computed (its logits pick the first token), and cells
-that the memory no longer holds (a sliding-window cache drops what its window has passed, a recurrent state
-cannot be cut back) are never reused: the prompt is computed from the start, and the log says so once per
-model.
+that the memory no longer holds are never reused: the prompt is computed from the start, and the log says so
+once per model. A slot's own cells are all held (a context's sliding-window layers keep every cell: llama.cpp's
+full-size SWA cache, its default outside its server), and so are a restored state's when the prompt extends all
+of its tokens; but a saved state holds on its sliding-window layers only the cells its next token attends to,
+and a recurrent state only its last position, so such states are restored only whole (the host store's
+``cut_back``), from the longest entry that is all prefix of the prompt: a checkpoint, a whole chunk, a
+conversation's cells.
 
 A request asking for its prompt's log-probabilities (``prompt_logprobs``, for echo) needs a logits row for
 every prompt token: its prefill chunks (of SCORED_CHUNK tokens, which bounds the logits buffer) request
@@ -134,6 +141,13 @@ REUSE_MODES = ("any", "exact")
 """What a prompt may start from: ``any`` computed cells holding a prefix of it, of any length; ``exact`` whole
 prompt chunks of them only, so that output equals a fresh computation."""
 
+TAIL_TOKENS = 4
+"""With ``reuse: any``, on a model whose saved states cannot be cut back, a prompt's cells are saved when all but its
+last TAIL_TOKENS are computed (its last decode split there: one more decode, of TAIL_TOKENS), as llama-server
+checkpoints 4 tokens before a prompt's end: a later prompt that repeats it with another short ending (a question
+asked again, a reply regenerated) restores nearly all of it, where the entries of whole chunks and checkpoints
+would leave up to a chunk to compute."""
+
 LONE_KV_CELLS = 256
 """The most cells a sequence holds and still decodes in a batch with others under ``reuse: exact``: llama.cpp pads
 the cells an attention reads to a multiple of 256, and its CPU flash attention gives a lone query over 512 or more
@@ -175,7 +189,7 @@ class _Sequence:
 
     __slots__ = ("slot", "prompt", "n_past", "reused", "max_tokens", "sampler", "text", "on_token", "generated",
                  "phase", "next_token", "output_row", "pieces", "admitted_at", "first_token_at", "cancel_requested",
-                 "logprobs", "carried", "replay", "eog", "score_prompt", "drafter", "drafts")
+                 "logprobs", "carried", "replay", "eog", "score_prompt", "drafter", "drafts", "tail")
 
     def __init__(self, slot: int, prompt: list[int], reused: int, max_tokens: int, sampler: SamplerChain,
                  text: TextStream, on_token: OnToken) -> None:
@@ -202,6 +216,7 @@ class _Sequence:
         self.score_prompt = False  # prompt_logprobs: every prompt token's row is scored, nothing is reused
         self.drafter: Drafter | None = None  # its model speculates
         self.drafts: list[int] = []  # this step's drafts, in the rows after ``output_row``
+        self.tail = False  # its last decode computes its last TAIL_TOKENS alone, its cells saved before them
 
 
 def _by_slot(seq: _Sequence) -> int:
@@ -218,9 +233,24 @@ def _whole_cells(seq: _Sequence) -> int:
     return 0 if seq.score_prompt else _whole_chunks(min(seq.n_past, len(seq.prompt)))
 
 
+def _reaches_checkpoint(start: int, end: int) -> bool:
+    """Whether a chunk that computed cells ``start`` to ``end`` reached a checkpoint: PROMPT_CHUNK times a power of
+    two. Where saved states cannot be cut back, a prompt's cells are saved after each such chunk, so that a later
+    prompt sharing part of a long one restores about half of what it shares or more, while a prompt's entries take
+    a few times a state's windowed cells and about twice its longest entry's other cells."""
+    mark = PROMPT_CHUNK
+    while mark <= start:
+        mark *= 2
+    return mark <= end
+
+
 def _next_chunk(seq: _Sequence) -> int:
-    """The prompt tokens ``seq`` computes in its next prefill decode."""
-    return min(SCORED_CHUNK if seq.score_prompt else PROMPT_CHUNK, len(seq.prompt) - seq.n_past)
+    """The prompt tokens ``seq`` computes in its next prefill decode (before its last TAIL_TOKENS, where it saves
+    its cells there: ``_Sequence.tail``)."""
+    left = len(seq.prompt) - seq.n_past
+    if seq.tail and TAIL_TOKENS < left <= PROMPT_CHUNK:
+        return left - TAIL_TOKENS
+    return min(SCORED_CHUNK if seq.score_prompt else PROMPT_CHUNK, left)
 
 
 class BatchEngine:
@@ -294,6 +324,8 @@ class BatchEngine:
             raise
         self._memory = llama_cpp.llama_get_memory(self._ctx)
         self._n_swa = max(1, llama_cpp.llama_model_n_swa(self._model))  # llama-server's bound for what must stay
+        self._cut_back = not (llama_cpp.llama_model_n_swa(self._model) > 0 or llama_cpp.llama_model_is_recurrent(
+            self._model) or llama_cpp.llama_model_is_hybrid(self._model))  # whether a restored state may be cut back
         self._told_cells_missing = False
         self._speculative = speculative
         if speculative is not None and (llama_cpp.llama_model_is_recurrent(self._model)
@@ -480,18 +512,22 @@ class BatchEngine:
                     # exact must not start from: the two modes keep their entries apart
                     "reuse": "exact" if self._exact else "any"}
         return HostStore(host_store.compatibility_key(identity), identity, ram_dir, ram_bytes,
-                         Path(disk_dir) if disk_dir else None, disk_bytes, self.n_ctx)
+                         Path(disk_dir) if disk_dir else None, disk_bytes, self.n_ctx, self._cut_back)
 
-    def _store_prompt(self, seq: _Sequence) -> None:
-        """After each prompt chunk of ``seq``: once its cells are the most of its prompt a later prompt can reuse
-        (its whole chunks, short of its last token), save them into the host store (unless it holds them), so
-        that they outlive this instance (a crash, an unload, a restart with a disk tier). Saved there, not at
-        the prompt's end: a sliding-window cache has dropped by then cells that a prefix cut back to whole
-        chunks needs, and a state holding exactly the whole chunks is restored without a cut."""
-        store, whole = self._prompt_cache, _whole_chunks(len(seq.prompt) - 1)
-        if store is None or seq.score_prompt or seq.n_past != whole or whole < PROMPT_CHUNK:
+    def _store_prompt(self, seq: _Sequence, computed: int) -> None:
+        """After each prompt chunk of ``seq`` (``computed`` tokens): once its cells are the most of its prompt a later
+        prompt can reuse (all but its last chunk; with ``reuse: exact``, its whole chunks short of its last token),
+        save them into the host store (unless it holds them), so that they outlive this instance (a crash, an
+        unload, a restart with a disk tier). Saved there, not at the prompt's end: a prompt that extends them
+        restores them without a cut, which a state of a sliding-window model needs. Where saved states cannot be
+        cut back, also after each chunk that reaches a checkpoint (``_reaches_checkpoint``), which a prompt sharing
+        part of this one restores, and before its last TAIL_TOKENS (``_Sequence.tail``). Chunks run from the cells a
+        prompt started from, so with ``reuse: any`` an entry may end anywhere."""
+        store, left = self._prompt_cache, len(seq.prompt) - seq.n_past
+        if store is None or seq.score_prompt or seq.n_past < PROMPT_CHUNK or left == 0 or not (
+                left <= PROMPT_CHUNK or not self._cut_back and _reaches_checkpoint(seq.n_past - computed, seq.n_past)):
             return
-        kept = seq.prompt[:whole]
+        kept = seq.prompt[:seq.n_past]
         if store.holds(kept):
             return
         state, size = read_state(self._lib, self._ctx, seq.slot)
@@ -537,8 +573,8 @@ class BatchEngine:
         held = max(reused, self._copy_source(slot, tokens)[1])
         if held >= reusable:
             return reused  # the slots hold all there is to reuse: no need to look
-        entry, shared = store.find(tokens)
-        restorable = self._usable(min(shared, reusable))
+        entry, shared = store.find(tokens[:reusable])
+        restorable = self._usable(shared)
         loaded = store.load(entry) if entry is not None and restorable > held else None
         if loaded is None:
             store.count(hit=False)
@@ -659,6 +695,8 @@ class BatchEngine:
             seq.drafter = Drafter(dataclasses.replace(self._speculative, n_max=n_max,
                                                       n_min=min(n_max, self._speculative.n_min)))
         seq.carried, seq.replay = len(carried), deque(carried)
+        seq.tail = (self._prompt_cache is not None and not self._exact and not self._cut_back and not score_prompt
+                    and len(tokens) - TAIL_TOKENS >= max(reused, PROMPT_CHUNK))
         self._running[slot] = seq
         self._prefilling.append(seq)
         self._reused += reused
@@ -724,7 +762,7 @@ class BatchEngine:
             self._decode()
             if seq.score_prompt:
                 self._score_prompt(seq, seq.n_past - n, n)
-            self._store_prompt(seq)
+            self._store_prompt(seq, n)
             if finishing:
                 done += self._sample_all([seq, *self._twins(seq)])
         self._steps += 1
@@ -980,13 +1018,19 @@ class BatchEngine:
                           self._generated, self._copies, self._restored, self._drafted, self._accepted)
 
     def close(self) -> None:
-        """Free every sampler, the context and the model. Running sequences are dropped unanswered."""
+        """Free every sampler, the context and the model. Running sequences are dropped unanswered. What the slots
+        hold goes to the host store first, as when a prompt that shares nothing cuts it, so that it outlives the
+        instance (an unload, a single-active-backend swap, a scale-down)."""
         for seq in self._running.values():
             seq.sampler.close()
         self._running.clear()
         self._prefilling.clear()
         self._grammars.close()
         if self._prompt_cache is not None:
+            for slot in range(self.parallel):
+                self._keep_in_cache(slot, [])
+                self._lib.llama_memory_seq_rm(self._memory, slot, -1, -1)  # the next slot's cells count alone
+                self._cached[slot] = []
             self._prompt_cache.close()  # the writes queued finish: the entries outlive this instance
             self._prompt_cache = None
         if self._draft is not None:

@@ -30,6 +30,13 @@ GGUF's content digest (not its path), the KV types, the KV streams, the flash at
 GPU layers, llama.cpp's version and its state format version. n_ctx is not in it: a state restores into any
 context with room for its cells (``find`` passes over entries longer than the context).
 
+Cutting back: a state restores with all its cells, and a prompt sharing only part of an entry's tokens cuts the
+restored cells after what it shares. That works where every layer keeps every cell. A sliding-window model's state
+holds, on its windowed layers, only the cells the next token attends to (llama.cpp saves no more), and a recurrent
+state only its last position: restored, such a state serves a prompt that extends all of its tokens and no other
+(``cut_back`` False). Then an entry is never dropped for a longer one that holds its tokens, and ``find`` takes
+the longest entry that is all prefix of the prompt.
+
 Sizes: every tier has a size, and a writer makes room before it writes, under the tier's lock, from a
 listing of the tier (every key's entries and any temporary file count): no count is kept that a writer
 killed halfway could leave wrong. A temporary file seen under the lock is an orphan (writers hold the lock
@@ -181,8 +188,10 @@ class _Tier:
 
 class HostStore:
     def __init__(self, key: str, identity: dict[str, Any], ram_dir: Path, ram_bytes: int, disk_dir: Path | None = None,
-                 disk_bytes: int = 0, n_ctx: int = 1 << 30) -> None:
+                 disk_bytes: int = 0, n_ctx: int = 1 << 30, cut_back: bool = True) -> None:
+        """``cut_back``: whether a restored state may be cut back to a prefix of its tokens (module docstring)."""
         self.key = key
+        self.cut_back = cut_back
         self.n_ctx = n_ctx
         self._tiers = [_Tier("ram", ram_dir, ram_bytes, key, durable=False)]
         if disk_dir is not None and disk_bytes > 0:
@@ -210,12 +219,16 @@ class HostStore:
         return 0 < size + 4096 <= max(t.capacity for t in self._tiers)
 
     def holds(self, tokens: Sequence[int]) -> bool:
-        """Whether an entry (or a write queued) holds ``tokens`` as a prefix of its own."""
+        """Whether an entry (or a write queued) serves ``tokens``: holds them as a prefix of its own (as its own
+        tokens, where states are not cut back)."""
         key = tuple(tokens)
         with self._lock:
-            if any(p[:len(key)] == key for p in self._pending):
+            if any(self._serves(p, key) for p in self._pending):
                 return True
-        return any(e.tokens[:len(key)] == key for e in self._refresh())
+        return any(self._serves(e.tokens, key) for e in self._refresh())
+
+    def _serves(self, held: tuple[int, ...], tokens: tuple[int, ...]) -> bool:
+        return held == tokens or self.cut_back and held[:len(tokens)] == tokens
 
     def put(self, tokens: Sequence[int], state: Any, size: int, summary: tuple[int, ...] = ()) -> None:
         """Queue ``state``, the cells of ``tokens``, for the writer thread (which owns the buffer from now)."""
@@ -227,12 +240,13 @@ class HostStore:
         self._jobs.put((key, state, size, summary))
 
     def find(self, tokens: Sequence[int]) -> tuple[Entry | None, int]:
-        """The entry sharing the longest prefix with ``tokens`` (one this context has room for), and its length."""
+        """The entry sharing the longest prefix with ``tokens`` (one this context has room for; where states are not
+        cut back, one whose tokens are all that prefix), and its length."""
         key = tuple(tokens)
         best, shared = None, 0
         for entry in self._refresh():
             n = common_prefix(entry.tokens, key)
-            if n > shared and len(entry.tokens) < self.n_ctx:
+            if n > shared and len(entry.tokens) < self.n_ctx and (self.cut_back or n == len(entry.tokens)):
                 best, shared = entry, n
         return best, shared
 
@@ -417,6 +431,8 @@ class HostStore:
         with self._lock:
             if summary:
                 self._added[int(name[:15], 16)] = summary
+        if not self.cut_back:
+            return  # a shorter entry serves the prompts that share only part of this one
         for shorter in [e for e in self._refresh() if tokens[:len(e.tokens)] == e.tokens != tokens]:
             self._forget(shorter)  # this entry serves every prompt the shorter one did
 

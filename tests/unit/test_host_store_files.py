@@ -101,6 +101,23 @@ def test_a_longer_entry_replaces_its_prefixes_and_a_prefix_of_an_entry_adds_noth
     s.close()
 
 
+def test_where_states_are_not_cut_back_an_entry_serves_only_prompts_that_extend_all_its_tokens(tmp_path: Path) -> None:
+    """A sliding-window or recurrent model's state restores only whole: a longer entry keeps its prefixes, and a
+    prompt gets the longest entry that is all prefix of it, not a longer one it shares more with."""
+    s = HostStore(KEY, {"model": "test"}, tmp_path / "ram", 10 * STATE, cut_back=False)
+    put(s, [1, 2])
+    put(s, [1, 2, 3, 4, 5])
+    flush(s)
+    assert sorted(e.tokens for e in s._refresh()) == [(1, 2), (1, 2, 3, 4, 5)]  # the shorter one stays
+    assert s.holds([1, 2]) and s.holds([1, 2, 3, 4, 5]) and not s.holds([1, 2, 3])
+    entry, shared = s.find([1, 2, 3, 9])
+    assert entry is not None and entry.tokens == (1, 2) and shared == 2
+    entry, shared = s.find([1, 2, 3, 4, 5, 6])
+    assert entry is not None and shared == 5
+    assert s.find([1, 9]) == (None, 0)
+    s.close()
+
+
 def test_truncated_foreign_and_corrupt_entries_are_skipped_and_removed(tmp_path: Path) -> None:
     s = store(tmp_path, ram=10 * STATE)
     for first in (1, 2, 3):
