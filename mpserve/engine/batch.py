@@ -323,13 +323,13 @@ class BatchEngine:
             self.close()
             raise
         self._memory = llama_cpp.llama_get_memory(self._ctx)
-        self._n_swa = max(1, llama_cpp.llama_model_n_swa(self._model))  # llama-server's bound for what must stay
-        self._cut_back = not (llama_cpp.llama_model_n_swa(self._model) > 0 or llama_cpp.llama_model_is_recurrent(
-            self._model) or llama_cpp.llama_model_is_hybrid(self._model))  # whether a restored state may be cut back
+        n_swa = llama_cpp.llama_model_n_swa(self._model)
+        recurrent = llama_cpp.llama_model_is_recurrent(self._model) or llama_cpp.llama_model_is_hybrid(self._model)
+        self._n_swa = max(1, n_swa)  # llama-server's bound for what must stay
+        self._cut_back = not (n_swa > 0 or recurrent)  # whether a restored state may be cut back
         self._told_cells_missing = False
         self._speculative = speculative
-        if speculative is not None and (llama_cpp.llama_model_is_recurrent(self._model)
-                                        or llama_cpp.llama_model_is_hybrid(self._model)):
+        if speculative is not None and recurrent:
             log.warning("speculative decoding is off: this model's recurrent state cannot drop rejected drafts")
             self._speculative = None
         self._row_costs = RowCosts()
