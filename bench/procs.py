@@ -126,9 +126,10 @@ class HttpServer:
     def wait_ready(self, timeout: float = READY_TIMEOUT_S) -> None:
         if wait_http(self._health, timeout, alive=lambda: self.proc.poll() is None):
             return
-        self.stop()
         self._log.seek(0)
-        raise ServerFailed(f"{self.proc.args[0]} did not become ready:\n{self._log.read()[-2000:]}")
+        log = self._log.read()[-2000:]
+        self.stop()
+        raise ServerFailed(f"{self.proc.args[0]} did not become ready:\n{log}")
 
     def stop(self) -> None:
         if self.proc.poll() is None:
