@@ -20,7 +20,7 @@ from helpers import mpserve
 from mpserve import Client
 from mpserve.config.kv_types import KV_TYPES
 from mpserve.engine import slot_file, vocab
-from mpserve.engine.batch import PROMPT_CHUNK, TAIL_TOKENS, BatchEngine
+from mpserve.engine.batch import ENDING_TOKENS, PROMPT_CHUNK, TAIL_MARKS, TAIL_TOKENS, BatchEngine
 from mpserve.engine.prompt_cache import CacheStats
 from mpserve.errors import BadRequest
 from mpserve.models.builtin import builtin_model_path
@@ -418,12 +418,19 @@ def test_on_a_sliding_window_model_a_prompt_sharing_part_of_a_longer_entry_resto
     assert again.text == expected.text
 
 
+ENDINGS = {"short": (" First question?", " Second question?"),
+           "long": (" First question, about the cat and the sea: where did the cat go, and what did it find there?",
+                    " Second question?")}
+
+
 @pytest.mark.real
 @pytest.mark.timeout(600)
+@pytest.mark.parametrize("endings", ENDINGS.values(), ids=ENDINGS.keys())
 def test_on_a_sliding_window_model_a_prompt_asked_again_with_another_ending_restores_all_but_its_last_tokens(
-        real_model: RealModel) -> None:
-    """With ``reuse: any`` a prompt's cells are saved before its last TAIL_TOKENS: the same long prompt with another
-    short ending, after the instance that computed it is gone (a swap, an unload), restores all but those."""
+        real_model: RealModel, endings: tuple[str, str]) -> None:
+    """With ``reuse: any`` a prompt's cells are saved before its last TAIL_TOKENS and before its last ENDING_TOKENS +
+    TAIL_TOKENS: the same long prompt with another ending, after the instance that computed it is gone (a swap, an
+    unload), restores all but those: the nearest mark before the endings part."""
     store = fresh_store()
 
     def engine() -> BatchEngine:
@@ -434,14 +441,15 @@ def test_on_a_sliding_window_model_a_prompt_asked_again_with_another_ending_rest
     try:
         words = " ".join(f"Line {i} says the cat went to the sea." for i in range(120))
         long = first._tokenize(words)[:PROMPT_CHUNK + 300]
-        ending = first._tokenize(" First question?")[1:]
-        assert len(ending) <= TAIL_TOKENS
+        ending = first._tokenize(endings[0])[1:]
         run(first, 0, long + ending)
     finally:
         first.close()
     second = engine()
     try:
-        again = run(second, 0, long + second._tokenize(" Second question?")[1:])
+        again = run(second, 0, long + second._tokenize(endings[1])[1:])
     finally:
         second.close()
-    assert again.reused_tokens == len(long) + len(ending) - TAIL_TOKENS
+    mark = next(before for before in TAIL_MARKS[::-1] if before >= len(ending))  # the nearest that the ending is in
+    assert TAIL_TOKENS < len(ending) <= ENDING_TOKENS if mark > TAIL_TOKENS else len(ending) <= TAIL_TOKENS
+    assert again.reused_tokens == len(long) + len(ending) - mark

@@ -36,8 +36,8 @@ last row's logits (``_twins``): the whole prompt is computed once.
 Beyond the slots, the host store (``mpserve.engine.host_store``: shared by every compatible instance on the
 host, in RAM, with a disk tier under it): a prompt's whole chunks are saved there as soon as they are computed
 (so they outlive this instance; on a model whose saved states cannot be cut back, a sliding-window or recurrent
-one, also past PROMPT_CHUNK times each power of two, ``_reaches_checkpoint``, and with ``reuse: any`` before its
-last TAIL_TOKENS), and before admission cuts a slot's cells the cells it would lose are saved (all, generated
+one, also past PROMPT_CHUNK times each power of two, ``_reaches_checkpoint``, and with ``reuse: any`` at TAIL_MARKS
+before its end), and before admission cuts a slot's cells the cells it would lose are saved (all, generated
 tokens included; with ``reuse: exact``, the whole chunks), unless another slot or the store holds them, and so
 is what every slot holds when the engine closes;
 a prompt whose prefix the store holds more of than any slot (with ``reuse: exact``, in whole chunks) gets it
@@ -148,6 +148,15 @@ checkpoints 4 tokens before a prompt's end: a later prompt that repeats it with 
 asked again, a reply regenerated) restores nearly all of it, where the entries of whole chunks and checkpoints
 would leave up to a chunk to compute."""
 
+ENDING_TOKENS = 64
+"""... and when all but its last ENDING_TOKENS + TAIL_TOKENS are: the same long prompt (a document, a conversation)
+with another question or instruction at its end, of up to ENDING_TOKENS tokens, restores all but that many more.
+llama-server's other checkpoint near a prompt's end is a batch (512 tokens) before it, which leaves such a prompt
+up to a chunk to compute."""
+
+TAIL_MARKS = (ENDING_TOKENS + TAIL_TOKENS, TAIL_TOKENS)
+"""Where a prompt's cells are saved before its end (tokens before it), nearest the start first."""
+
 LONE_KV_CELLS = 256
 """The most cells a sequence holds and still decodes in a batch with others under ``reuse: exact``: llama.cpp pads
 the cells an attention reads to a multiple of 256, and its CPU flash attention gives a lone query over 512 or more
@@ -189,7 +198,7 @@ class _Sequence:
 
     __slots__ = ("slot", "prompt", "n_past", "reused", "max_tokens", "sampler", "text", "on_token", "generated",
                  "phase", "next_token", "output_row", "pieces", "admitted_at", "first_token_at", "cancel_requested",
-                 "logprobs", "carried", "replay", "eog", "score_prompt", "drafter", "drafts", "tail")
+                 "logprobs", "carried", "replay", "eog", "score_prompt", "drafter", "drafts", "marks")
 
     def __init__(self, slot: int, prompt: list[int], reused: int, max_tokens: int, sampler: SamplerChain,
                  text: TextStream, on_token: OnToken) -> None:
@@ -216,7 +225,7 @@ class _Sequence:
         self.score_prompt = False  # prompt_logprobs: every prompt token's row is scored, nothing is reused
         self.drafter: Drafter | None = None  # its model speculates
         self.drafts: list[int] = []  # this step's drafts, in the rows after ``output_row``
-        self.tail = False  # its last decode computes its last TAIL_TOKENS alone, its cells saved before them
+        self.marks: tuple[int, ...] = ()  # cells where its prefill decodes are split and its cells saved (TAIL_MARKS)
 
 
 def _by_slot(seq: _Sequence) -> int:
@@ -245,12 +254,10 @@ def _reaches_checkpoint(start: int, end: int) -> bool:
 
 
 def _next_chunk(seq: _Sequence) -> int:
-    """The prompt tokens ``seq`` computes in its next prefill decode (before its last TAIL_TOKENS, where it saves
-    its cells there: ``_Sequence.tail``)."""
-    left = len(seq.prompt) - seq.n_past
-    if seq.tail and TAIL_TOKENS < left <= PROMPT_CHUNK:
-        return left - TAIL_TOKENS
-    return min(SCORED_CHUNK if seq.score_prompt else PROMPT_CHUNK, left)
+    """The prompt tokens ``seq`` computes in its next prefill decode: a chunk, ended early at its next mark, where its
+    cells are saved (``_Sequence.marks``)."""
+    n = min(SCORED_CHUNK if seq.score_prompt else PROMPT_CHUNK, len(seq.prompt) - seq.n_past)
+    return next((mark - seq.n_past for mark in seq.marks if seq.n_past < mark < seq.n_past + n), n)
 
 
 class BatchEngine:
@@ -521,7 +528,7 @@ class BatchEngine:
         unload, a restart with a disk tier). Saved there, not at the prompt's end: a prompt that extends them
         restores them without a cut, which a state of a sliding-window model needs. Where saved states cannot be
         cut back, also after each chunk that reaches a checkpoint (``_reaches_checkpoint``), which a prompt sharing
-        part of this one restores, and before its last TAIL_TOKENS (``_Sequence.tail``). Chunks run from the cells a
+        part of this one restores, and at its marks before its end (``_Sequence.marks``). Chunks run from the cells a
         prompt started from, so with ``reuse: any`` an entry may end anywhere."""
         store, left = self._prompt_cache, len(seq.prompt) - seq.n_past
         if store is None or seq.score_prompt or seq.n_past < PROMPT_CHUNK or left == 0 or not (
@@ -695,8 +702,9 @@ class BatchEngine:
             seq.drafter = Drafter(dataclasses.replace(self._speculative, n_max=n_max,
                                                       n_min=min(n_max, self._speculative.n_min)))
         seq.carried, seq.replay = len(carried), deque(carried)
-        seq.tail = (self._prompt_cache is not None and not self._exact and not self._cut_back and not score_prompt
-                    and len(tokens) - TAIL_TOKENS >= max(reused, PROMPT_CHUNK))
+        if self._prompt_cache is not None and not self._exact and not self._cut_back and not score_prompt:
+            seq.marks = tuple(mark for mark in (len(tokens) - before for before in TAIL_MARKS)
+                              if mark > reused and mark >= PROMPT_CHUNK)
         self._running[slot] = seq
         self._prefilling.append(seq)
         self._reused += reused
