@@ -700,6 +700,8 @@ class Broker:
             log.error("refused a READY from %r (pid %d, host %r): %s", identity, msg.pid, msg.host, refused)
             self._to_worker(identity, wire.Error(None, ErrorCode.PROTOCOL, f"refused by the broker: {refused}"))
             return
+        if index is None and not self._answered(identity, msg):
+            return
         if old is not None:  # a new process under the same name: whatever the old one ran is lost
             self._worker_gone(old, f"worker {identity.decode()} restarted", crashed=False)
         local = index is not None
@@ -716,6 +718,20 @@ class Broker:
         else:
             log.info("worker %s on %s registered for %s", identity.decode(), msg.host, msg.model)
         self._dispatch(msg.model)
+
+    def _answered(self, identity: bytes, msg: wire.Ready) -> bool:
+        """Answer a remote worker's READY at once (a heartbeat), so that it hears the broker before its silence
+        makes it connect again. Whether it could: a READY that came over a connection already closing registers
+        nothing. A remote worker outlives brokers: one that connected again while a restarted broker was not
+        reading yet (starting) left such a connection, its READY unread, and ZeroMQ refused the new connection the
+        name the old one still held. Registered, the worker would be unreachable and each request sent to it
+        handed over; unanswered, it hears nothing, and connects and registers again."""
+        if self._send_worker(identity, wire.encode(wire.Heartbeat(identity.decode()))):
+            return True
+        self.stats["unanswered_ready"] += 1
+        log.warning("worker %s%s: its READY came over a connection that is closing; not registered until it "
+                    "registers again", identity.decode(), f" on {msg.host}" if msg.host else "")
+        return False
 
     def _worker_left(self, entry: WorkerEntry, reason: str) -> None:
         """A worker said it is exiting (LEAVING): it is forgotten now, not after its silence or its reaping, and
