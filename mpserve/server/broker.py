@@ -56,6 +56,9 @@ and the settings to try), its requests with it; the server's loop stops the supe
 
 The broker never blocks on a client: sends are non-blocking, and a client that cannot take a message
 (gone, or not reading past its high-water mark) has its requests cancelled.
+
+At debug level the broker logs each request as it is queued and each start on a worker, in the order it
+handles them: the order of its decisions, which no client's clock can reconstruct.
 """
 
 from __future__ import annotations
@@ -460,6 +463,7 @@ class Broker:
         self._owned[client] = self._owned.get(client, 0) + n
         self.stats["accepted"] += 1
         mq.queue.append(tickets[0])
+        log.debug("request %s of %s: queued, %d waiting", req.id, model, len(mq.queue))
         self._dispatch(model)
 
     def _too_many_choices(self, mq: ModelQueue, n: int) -> str | None:
@@ -964,6 +968,8 @@ class Broker:
         entry.running[p.ticket] = index
         entry.prompts[index] = p.request.prompt
         entry.loaded = True  # an unloaded worker loads its model for the request
+        log.debug("request %s of %s: started on worker %s, attempt %d", p.request.id, p.model, identity.decode(),
+                  p.attempts)
         body = wire.pack(wire.Assign(p.ticket, p.request, (time.monotonic() - p.accepted) * 1000, p.attempts,
                                      slot=index, report_tokens=True, generated=bytes(p.generated), index=p.index))
         waiting = self._assigns.setdefault(identity, [])
