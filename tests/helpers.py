@@ -173,17 +173,14 @@ def config_file(tmp_path: Path, name: str, **values: object) -> str:
     return str(path)
 
 
-async def load(address: str, n: int, max_tokens: int, concurrency: int, models: list[str] | None = None,
-               sent: dict[int, float] | None = None) -> list[object]:
-    """``n`` requests, ``concurrency`` at a time, cycling through ``models``; returns results/errors, and notes
-    in ``sent`` when each request was sent (time.monotonic)."""
+async def load(address: str, n: int, max_tokens: int, concurrency: int, models: list[str] | None = None
+               ) -> list[object]:
+    """``n`` requests, ``concurrency`` at a time, cycling through ``models``; returns results/errors."""
     sem = asyncio.Semaphore(concurrency)
     async with AsyncClient(address, timeout=120) as client:
         async def one(i: int) -> object:
             async with sem:
                 model = models[i % len(models)] if models else None
-                if sent is not None:
-                    sent[i] = time.monotonic()
                 return await client.generate(f"request {i}", model=model, max_tokens=max_tokens, temperature=0)
 
         return await asyncio.gather(*(one(i) for i in range(n)), return_exceptions=True)

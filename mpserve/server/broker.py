@@ -56,6 +56,9 @@ and the settings to try), its requests with it; the server's loop stops the supe
 
 The broker never blocks on a client: sends are non-blocking, and a client that cannot take a message
 (gone, or not reading past its high-water mark) has its requests cancelled.
+
+At debug level the broker logs each request as it is queued and each start on a worker, in the order it
+handles them: the order of its decisions, which no client's clock can reconstruct.
 """
 
 from __future__ import annotations
@@ -460,6 +463,7 @@ class Broker:
         self._owned[client] = self._owned.get(client, 0) + n
         self.stats["accepted"] += 1
         mq.queue.append(tickets[0])
+        log.debug("request %s of %s: queued, %d waiting", req.id, model, len(mq.queue))
         self._dispatch(model)
 
     def _too_many_choices(self, mq: ModelQueue, n: int) -> str | None:
@@ -700,6 +704,8 @@ class Broker:
             log.error("refused a READY from %r (pid %d, host %r): %s", identity, msg.pid, msg.host, refused)
             self._to_worker(identity, wire.Error(None, ErrorCode.PROTOCOL, f"refused by the broker: {refused}"))
             return
+        if index is None and not self._answered(identity, msg):
+            return
         if old is not None:  # a new process under the same name: whatever the old one ran is lost
             self._worker_gone(old, f"worker {identity.decode()} restarted", crashed=False)
         local = index is not None
@@ -716,6 +722,20 @@ class Broker:
         else:
             log.info("worker %s on %s registered for %s", identity.decode(), msg.host, msg.model)
         self._dispatch(msg.model)
+
+    def _answered(self, identity: bytes, msg: wire.Ready) -> bool:
+        """Answer a remote worker's READY at once (a heartbeat), so that it hears the broker before its silence
+        makes it connect again. Whether it could: a READY that came over a connection already closing registers
+        nothing. A remote worker outlives brokers: one that connected again while a restarted broker was not
+        reading yet (starting) left such a connection, its READY unread, and ZeroMQ refused the new connection the
+        name the old one still held. Registered, the worker would be unreachable and each request sent to it
+        handed over; unanswered, it hears nothing, and connects and registers again."""
+        if self._send_worker(identity, wire.encode(wire.Heartbeat(identity.decode()))):
+            return True
+        self.stats["unanswered_ready"] += 1
+        log.warning("worker %s%s: its READY came over a connection that is closing; not registered until it "
+                    "registers again", identity.decode(), f" on {msg.host}" if msg.host else "")
+        return False
 
     def _worker_left(self, entry: WorkerEntry, reason: str) -> None:
         """A worker said it is exiting (LEAVING): it is forgotten now, not after its silence or its reaping, and
@@ -948,6 +968,8 @@ class Broker:
         entry.running[p.ticket] = index
         entry.prompts[index] = p.request.prompt
         entry.loaded = True  # an unloaded worker loads its model for the request
+        log.debug("request %s of %s: started on worker %s, attempt %d", p.request.id, p.model, identity.decode(),
+                  p.attempts)
         body = wire.pack(wire.Assign(p.ticket, p.request, (time.monotonic() - p.accepted) * 1000, p.attempts,
                                      slot=index, report_tokens=True, generated=bytes(p.generated), index=p.index))
         waiting = self._assigns.setdefault(identity, [])

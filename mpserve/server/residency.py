@@ -5,9 +5,9 @@ a *resident* model; only its workers on that device may load and compute. The sw
 
 - The resident model keeps the device while it is the only one with waiting requests.
 - Once another model has requests waiting for the device, the resident may start at most
-  ``batch`` more requests (counted since it became resident); then, or as soon as its own queue on
-  the device is empty, the device *drains*: nothing new starts on it, and the next resident is the
-  waiting model whose oldest request is oldest.
+  ``batch`` more requests (counted since it became resident), however many of its slots are free at
+  once; then, or as soon as its own queue on the device is empty, the device *drains*: nothing new
+  starts on it, and the next resident is the waiting model whose oldest request is oldest.
 - When the draining model has no request left running on the device, its loaded workers there are
   told to unload; when the last one has confirmed, the next model becomes resident and its requests
   start (its workers load on their first request).
@@ -31,6 +31,7 @@ class DeviceTurn:
     resident: str | None = None
     started: int = 0  # requests started on the device since ``resident`` got it
     next: str | None = None  # set while the resident drains
+    contested: bool = False  # another model had requests waiting for the device at the last ``decide``
 
 
 @dataclass(frozen=True)
@@ -48,9 +49,12 @@ class Residency:
         self.turns: dict[int, DeviceTurn] = {}
 
     def allows(self, device: int, model: str) -> bool:
-        """May a request of ``model`` start on ``device`` now?"""
+        """May a request of ``model`` start on ``device`` now? Not once the resident has started its batch while
+        another model waits, though slots are free: the broker starts requests on every free slot between two
+        ``decide`` calls, and the drain begins only at the next."""
         turn = self.turns.setdefault(device, DeviceTurn())
-        return turn.next is None and turn.resident == model
+        spent = turn.contested and turn.started >= self.batch
+        return turn.next is None and turn.resident == model and not spent
 
     def started(self, device: int) -> None:
         self.turns[device].started += 1
@@ -64,7 +68,13 @@ class Residency:
         """
         turn = self.turns.setdefault(device, DeviceTurn())
         waiting = list(waiting)
-        loaded = list(loaded)
+        unload = self._advance(device, turn, waiting, running, list(loaded))
+        turn.contested = any(m != turn.resident for m in waiting)
+        return unload
+
+    def _advance(self, device: int, turn: DeviceTurn, waiting: list[str], running: Mapping[str, int],
+                 loaded: list[Loaded]) -> list[bytes]:
+        """``decide``'s step: a drain begun, or ended and the next model resident; the workers to unload."""
         if turn.resident is None:
             if not waiting:
                 return []

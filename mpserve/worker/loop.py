@@ -214,11 +214,22 @@ class Worker:
             if silent:  # on a new connection: the broker takes none under a name still connected (a dead link
                 # it has not dropped yet), and ZeroMQ would keep this one, unheard, for good
                 log.warning("no word from the broker for %.1f s; connecting and registering again", now - self._heard)
-                self._sock.disconnect(spec.backend)
-                self._sock.connect(spec.backend)
+                self._reconnect()
             self._register()
             self._register_backoff = min(REGISTER_BACKOFF_MAX_S, self._register_backoff * 2)
             self._next_register = now + self._register_backoff * random.uniform(0.5, 1.5)
+
+    def _reconnect(self) -> None:
+        """A new connection to the broker, the old one dropped at once with what it still held (LINGER 0 for the
+        disconnect only). Left to linger, to deliver what it held, the old one could still reach a broker that came
+        back, which took this worker's name from its stale READY, lost it when that connection closed, and refused
+        the new connection that claimed the name meanwhile: registered, the worker was unreachable until it gave
+        up waiting and connected again."""
+        linger = self._sock.getsockopt(zmq.LINGER)  # for the socket's close: its last messages (LEAVING) go out
+        self._sock.setsockopt(zmq.LINGER, 0)
+        self._sock.disconnect(self._spec.backend)
+        self._sock.setsockopt(zmq.LINGER, linger)
+        self._sock.connect(self._spec.backend)
 
     def _receive_all(self) -> None:
         """Take every waiting broker message and act on each; then send the answers that gave (an ASSIGN

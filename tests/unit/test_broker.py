@@ -243,6 +243,7 @@ def test_a_worker_registering_with_its_hosts_store_steers_routing_to_that_host(b
         workers[name].send_multipart(wire.encode_from_worker(ready, "", cache))
         assert broker.back.poll(1000)
         broker.drain_back()
+        assert isinstance(wire.decode(workers[name].recv_multipart()), wire.Heartbeat)  # a remote one's: answered
 
     def routed(client: zmq.Socket[bytes], workers: dict[bytes, zmq.Socket[bytes]], rid: str) -> bytes:
         client.send_multipart(wire.encode(wire.Request(rid, document + " Summarize it.")))
@@ -532,6 +533,18 @@ def test_a_remote_worker_that_cannot_be_reached_is_said_so_once_in_words_that_fi
     assert "supervisor" not in said
 
 
+def test_a_remote_workers_ready_that_cannot_be_answered_registers_nothing(
+        broker: Broker, caplog: pytest.LogCaptureFixture) -> None:
+    """A READY that came over a connection the broker can no longer send on (here: none) would register a worker
+    every request sent to it is lost to; unanswered, the worker connects and registers again by itself."""
+    with caplog.at_level("WARNING", logger="mpserve.broker"):
+        broker._on_ready(b"far-w0", wire.Ready("far-w0", "m", -1, 1, 7, host="elsewhere"), None)
+    assert not broker.workers and not broker.models["m"].free and broker.stats["unanswered_ready"] == 1
+    assert [r.getMessage() for r in caplog.records] == [
+        "worker far-w0 on elsewhere: its READY came over a connection that is closing; not registered until it "
+        "registers again"]
+
+
 def test_a_request_not_sent_to_a_remote_worker_goes_elsewhere_even_if_that_worker_talks_again(
         broker: Broker) -> None:
     """An ASSIGN that could not be sent (the link was down) never reached the worker; one that reconnects and
@@ -555,6 +568,7 @@ def test_a_request_not_sent_to_a_remote_worker_goes_elsewhere_even_if_that_worke
         near.send_multipart(wire.encode_from_worker(wire.Ready("near-w0", "m", -1, 1, 8, host="nearby")))
         assert broker.back.poll(1000)
         broker.drain_back()  # registered, over its link
+        assert isinstance(wire.decode(near.recv_multipart()), wire.Heartbeat)  # answered at once
         broker.expire_workers(time.monotonic())
         assert taken({b"near-w0": near})["r1"][1].attempt == 2  # handed over
         assert b"far-w0" not in broker.workers and broker.stats["worker_link_down"] == 1

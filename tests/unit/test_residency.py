@@ -41,6 +41,26 @@ def test_after_batch_requests_the_resident_drains_then_unloads_then_the_next_mod
     assert r.allows(0, "b") and not r.allows(0, "a")
 
 
+def test_a_resident_with_more_free_slots_than_its_batch_starts_only_its_batch_while_another_waits() -> None:
+    """The broker fills every free slot between two ``decide`` calls: a resident given the device while another
+    model waits must stop at its batch within that pass, not at the next decide."""
+    r = Residency(batch=1)
+    r.decide(0, ["a", "b"], {}, [])  # a is resident; b waits
+    assert r.allows(0, "a")
+    r.started(0)
+    assert not r.allows(0, "a")  # a second free slot of a stays free: b is next
+    assert r.decide(0, ["a", "b"], {"a": 1}, [Loaded(b"wa", "a", False)]) == []  # the drain
+    assert not r.allows(0, "a") and not r.allows(0, "b")
+
+
+def test_a_resident_nobody_else_waits_for_fills_its_free_slots_past_its_batch() -> None:
+    r = Residency(batch=1)
+    r.decide(0, ["a"], {}, [])
+    for _ in range(3):
+        assert r.allows(0, "a")
+        r.started(0)
+
+
 def test_each_turn_is_logged_once_the_drain_and_the_switch(caplog: pytest.LogCaptureFixture) -> None:
     caplog.set_level(logging.INFO, logger="mpserve.residency")
     r = Residency(batch=1)
