@@ -155,10 +155,11 @@ llama-server's other checkpoint near a prompt's end is a batch (512 tokens) befo
 up to a chunk to compute."""
 
 TAIL_MARKS = (ENDING_TOKENS + TAIL_TOKENS, TAIL_TOKENS)
-"""Where a prompt's cells are saved before its end (tokens before it), nearest the start first. Not within
-ENDING_TOKENS of the cells the prompt started from: it computed next to nothing there (a shared preamble with its
-own question), and what a later prompt that repeats it would compute again costs less than the state copy and
-the store write this prompt's first token would wait for."""
+"""Where a prompt's cells are saved before its end (tokens before it), nearest the start first. Only where the
+prompt computed at least a chunk (PROMPT_CHUNK) since the cells it started from: a mark splits a decode, and a
+small decode costs far more per token than a big one, so its first token waits longer (a chat's turn, which starts
+from the conversation so far, or a shared preamble with its own question); a later prompt that repeats a short
+computation would start where this one did and compute less than a chunk again."""
 
 LONE_KV_CELLS = 256
 """The most cells a sequence holds and still decodes in a batch with others under ``reuse: exact``: llama.cpp pads
@@ -707,7 +708,7 @@ class BatchEngine:
         seq.carried, seq.replay = len(carried), deque(carried)
         if self._prompt_cache is not None and not self._exact and not self._cut_back and not score_prompt:
             seq.marks = tuple(mark for mark in (len(tokens) - before for before in TAIL_MARKS)
-                              if mark >= max(reused + ENDING_TOKENS, PROMPT_CHUNK))
+                              if mark >= reused + PROMPT_CHUNK)
         self._running[slot] = seq
         self._prefilling.append(seq)
         self._reused += reused
