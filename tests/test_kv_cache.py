@@ -20,7 +20,7 @@ from helpers import mpserve
 from mpserve import Client
 from mpserve.config.kv_types import KV_TYPES
 from mpserve.engine import slot_file, vocab
-from mpserve.engine.batch import ENDING_TOKENS, PROMPT_CHUNK, TAIL_MARKS, TAIL_TOKENS, BatchEngine
+from mpserve.engine.batch import ENDING_TOKENS, PROMPT_CHUNK, TAIL_TOKENS, BatchEngine
 from mpserve.engine.prompt_cache import CacheStats
 from mpserve.errors import BadRequest
 from mpserve.models.builtin import builtin_model_path
@@ -418,16 +418,17 @@ def test_on_a_sliding_window_model_a_prompt_sharing_part_of_a_longer_entry_resto
     assert again.text == expected.text
 
 
-ENDINGS = {"short": (" First question?", " Second question?"),
-           "long": (" First question, about the cat and the sea: where did the cat go, and what did it find there?",
-                    " Second question?")}
+ENDINGS = {  # the first ask's ending and the second's, and the mark before the end that the second restores up to
+    "short": (" First question?", " Second question?", TAIL_TOKENS),
+    "long": (" First question, about the cat and the sea: where did the cat go, and what did it find there?",
+             " Second question?", ENDING_TOKENS + TAIL_TOKENS)}
 
 
 @pytest.mark.real
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("endings", ENDINGS.values(), ids=ENDINGS.keys())
 def test_on_a_sliding_window_model_a_prompt_asked_again_with_another_ending_restores_all_but_its_last_tokens(
-        real_model: RealModel, endings: tuple[str, str]) -> None:
+        real_model: RealModel, endings: tuple[str, str, int]) -> None:
     """With ``reuse: any`` a prompt's cells are saved before its last TAIL_TOKENS and before its last ENDING_TOKENS +
     TAIL_TOKENS: the same long prompt with another ending, after the instance that computed it is gone (a swap, an
     unload), restores all but those: the nearest mark before the endings part."""
@@ -450,6 +451,6 @@ def test_on_a_sliding_window_model_a_prompt_asked_again_with_another_ending_rest
         again = run(second, 0, long + second._tokenize(endings[1])[1:])
     finally:
         second.close()
-    mark = next(before for before in TAIL_MARKS[::-1] if before >= len(ending))  # the nearest that the ending is in
-    assert TAIL_TOKENS < len(ending) <= ENDING_TOKENS if mark > TAIL_TOKENS else len(ending) <= TAIL_TOKENS
+    mark = endings[2]
+    assert len(ending) <= mark and (mark == TAIL_TOKENS or len(ending) > TAIL_TOKENS)  # after this mark, no later one
     assert again.reused_tokens == len(long) + len(ending) - mark
