@@ -3,8 +3,8 @@ through ``mpserve.client`` and ``mpserve.wire.protocol`` (and reads the slot tab
 
     app      Starlette routes, API key, streaming, ``serve``
     limits   what a request body may be (413, 408, 400 naming the limit)
-    guard    the connections: header timeout, bound on open connections, uvicorn's h11 protocol, one write
-             per turn of the event loop
+    guard    the connections: header timeout, bound on open connections and head size, uvicorn's httptools
+             protocol, one write per turn of the event loop
     encode   answers onto the wire: JSON (msgspec) and server-sent events, the events of a step in one send
     access   API keys (also from a file), TLS files, no network port without a key unless --insecure
     schema   the OpenAPI document (``/openapi.json``)

@@ -30,10 +30,11 @@ while queued, running or streaming, cancels its request on the server at once. B
 OpenAI's shape, naming itself. Every answer carries its request's ``X-Request-Id``: the caller's, or a new one
 (``request_ids``); a completion or embedding runs under that id on the server.
 
-Starlette on uvicorn: the smallest well-kept asyncio stack here (anyio, h11, click; pure Python), already
-used by llama-cpp-python's own server, and it runs on the loop that ``AsyncClient`` needs. What a streamed
-token costs here is ``encode``'s and ``guard``'s to keep small: events built in C, the events of chunks that
-arrived together sent together, and one socket write per turn of the loop (uvloop measured no gain).
+Starlette on uvicorn: the smallest well-kept asyncio stack here, already used by llama-cpp-python's own
+server, and it runs on the loop that ``AsyncClient`` needs; requests are parsed by httptools (llhttp, in C:
+``guard``). What a streamed token costs here is ``encode``'s and ``guard``'s to keep small: events built in
+C, the events of chunks that arrived together sent together, and one socket write per turn of the loop
+(uvloop measured no gain beyond the spread between runs).
 """
 
 from __future__ import annotations

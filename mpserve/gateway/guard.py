@@ -1,13 +1,19 @@
-"""The gateway's connections: uvicorn's h11 protocol with the limits a network front needs.
+"""The gateway's connections: uvicorn's httptools protocol with the limits a network front needs.
 
-    TCP (or TLS) connection ──▶ GuardedH11Protocol ──▶ the Starlette app
+    TCP (or TLS) connection ──▶ GuardedHttpToolsProtocol ──▶ the Starlette app
         over max_connections open:                 503 with Retry-After, closed at once
         request headers not complete within read_timeout of waiting for them (slowloris): 408, closed
         idle between requests for keep_alive:      closed (uvicorn's own timeout)
-        not HTTP, or headers over h11's size limit: 400, closed
-        Upgrade: websocket:                        answered as plain HTTP (no WebSocket protocol: the
-                                                   gateway has no such route, and one would escape these limits)
+        not HTTP, or a request line and headers over max_header_bytes: 400, closed
+        Upgrade (websocket or any):                answered as plain HTTP, then closed (no WebSocket protocol:
+                                                   the gateway has no such route, and one would escape these
+                                                   limits); with a body, 400: llhttp leaves it unparsed
     the answer ──▶ _Coalesced: what one turn of the event loop writes ──▶ one write to the socket
+
+httptools (llhttp, in C) parses where h11 parsed in Python: the gateway's own cost per request is what a
+2-core host takes from llama.cpp's threads (``python -m bench.http_overhead`` shows it per process). llhttp
+sets no bound on a request's head, so it is counted here: the line and headers as they are parsed, and what
+arrives while a head is still incomplete (a header trickled in pieces is buffered by the parser unseen).
 
 uvicorn writes a response's head, each body piece and its end apart, a system call each (and a wake-up of
 the client each); written within one turn of the loop they leave together: a whole answer in one write, a
@@ -25,13 +31,15 @@ from __future__ import annotations
 import asyncio
 import http
 import json
+import logging
 from dataclasses import dataclass
 from typing import Any, cast
 
-import h11
-from uvicorn.protocols.http.h11_impl import H11Protocol
+from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from . import openai as oai
+
+log = logging.getLogger("mpserve.gateway")
 
 
 @dataclass(frozen=True)
@@ -39,15 +47,14 @@ class ConnectionLimits:
     max_connections: int = 1024
     read_timeout: float = 30.0  # seconds for a request's headers (and, in the app, for its body)
     keep_alive: float = 5.0  # seconds a connection may stay idle between requests
-    max_header_bytes: int = 16 * 1024  # a request line and headers (h11's incomplete-event limit)
+    max_header_bytes: int = 16 * 1024  # a request line and headers
     retry_after: float = 1.0  # what a refused connection is told
 
 
 def uvicorn_options(limits: ConnectionLimits) -> dict[str, Any]:
     """Keyword arguments for ``uvicorn.run`` / ``uvicorn.Config``: the protocol bound to these limits."""
-    bound = type("GuardedH11Protocol", (GuardedH11Protocol,), {"limits": limits})
-    return {"http": bound, "ws": "none", "timeout_keep_alive": limits.keep_alive, "h11_max_incomplete_event_size":
-            limits.max_header_bytes}
+    bound = type("GuardedHttpToolsProtocol", (GuardedHttpToolsProtocol,), {"limits": limits})
+    return {"http": bound, "ws": "none", "timeout_keep_alive": limits.keep_alive}
 
 
 def raw_response(err: oai.HttpError) -> bytes:
@@ -60,12 +67,19 @@ def raw_response(err: oai.HttpError) -> bytes:
     return head.encode() + b"\r\n" + body
 
 
-class GuardedH11Protocol(H11Protocol):
+class _Refused(Exception):
+    """Raised from a parser callback, the refusal set: llhttp stops, and uvicorn answers ``send_400_response``."""
+
+
+class GuardedHttpToolsProtocol(HttpToolsProtocol):
     limits = ConnectionLimits()
 
     _deadline: asyncio.TimerHandle | None = None
-    _waiting_since: object = None  # the request cycle that was current when the deadline was armed
-    _refused = False
+    _awaiting_head = True  # from the connection or a request's end until the next request's headers are complete
+    _head_arrived = 0  # bytes that arrived while awaiting the head
+    _head_parsed = 0  # the head's line and headers, as the parser has passed them
+    _refused = False  # over max_connections: nothing it sends is read
+    _refusal: oai.HttpError | None = None  # why a request is refused, where it is known
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(cast(asyncio.Transport, _Coalesced(transport, self.loop)))
@@ -84,33 +98,67 @@ class GuardedH11Protocol(H11Protocol):
     def data_received(self, data: bytes) -> None:
         if self._refused:
             return
-        if self.conn.their_state is h11.IDLE and self._head_too_large(data):
-            self.send_400_response("Invalid HTTP request received.")
-            return
+        if self._awaiting_head:
+            self._head_arrived += len(data)
         super().data_received(data)
+        if self._awaiting_head and self._head_arrived > self.limits.max_header_bytes:  # still incomplete
+            self._refusal = self._head_too_large()
+            self.send_400_response("Invalid HTTP request received.")
 
-    def handle_events(self) -> None:
-        super().handle_events()
-        if self.cycle is not self._waiting_since:  # a request's headers are complete
-            self._disarm()
+    # parser callbacks: the head's size as it is parsed (a head that came whole in one read is caught here)
+
+    def on_message_begin(self) -> None:
+        super().on_message_begin()
+        self._head_parsed = 0
+
+    def on_url(self, url: bytes) -> None:
+        self._count(len(url))
+        super().on_url(url)
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        self._count(len(name) + len(value) + 4)
+        super().on_header(name, value)
+
+    def on_headers_complete(self) -> None:
+        self._awaiting_head = False
+        self._disarm()
+        upgrade = self.parser.should_upgrade()  # httptools then reads no body: what follows is the new protocol's
+        if upgrade and _declares_body(self.headers):
+            self._refusal = oai.HttpError(400, "invalid_http", "a request that asks for an Upgrade cannot carry a "
+                                          "body here (the gateway has no WebSocket route): send it without the "
+                                          "Upgrade header")
+            raise _Refused
+        super().on_headers_complete()
+        if upgrade:
+            self.cycle.keep_alive = False  # llhttp parses nothing after it: this answer ends the connection
+
+    def on_message_complete(self) -> None:
+        super().on_message_complete()
+        self._awaiting_head, self._head_arrived = True, 0  # what follows is the next request's head
 
     def on_response_complete(self) -> None:
-        self._arm()  # before uvicorn starts a pipelined request, which then disarms it
+        if not self.pipeline:  # else the next request, its headers complete, starts now
+            self._arm()
         super().on_response_complete()
 
     def send_400_response(self, msg: str) -> None:
-        self._close_with(oai.HttpError(400, "invalid_http", f"{msg} (not HTTP/1.1, or headers over "
-                                       f"{self.limits.max_header_bytes} bytes)"))
+        self._close_with(self._refusal or oai.HttpError(400, "invalid_http", f"{msg} (not HTTP/1.1)"))
 
-    def _head_too_large(self, data: bytes) -> bool:
-        """h11 limits only a head that arrives in pieces; this also one that comes in a single read."""
-        pending = self.conn.trailing_data[0] + data
-        end = pending.find(b"\r\n\r\n", 0, self.limits.max_header_bytes + 4)
-        return end == -1 and len(pending) > self.limits.max_header_bytes
+    def _unsupported_upgrade_warning(self) -> None:
+        log.debug("an Upgrade request answered as plain HTTP (the gateway has no WebSocket route)")
+
+    def _count(self, size: int) -> None:
+        self._head_parsed += size
+        if self._head_parsed > self.limits.max_header_bytes:
+            self._refusal = self._head_too_large()
+            raise _Refused
+
+    def _head_too_large(self) -> oai.HttpError:
+        return oai.HttpError(400, "invalid_http", f"request line and headers over "
+                             f"{self.limits.max_header_bytes} bytes (the gateway's limit)")
 
     def _arm(self) -> None:
         self._disarm()
-        self._waiting_since = self.cycle
         self._deadline = self.loop.call_later(self.limits.read_timeout, self._too_slow)
 
     def _disarm(self) -> None:
@@ -120,7 +168,7 @@ class GuardedH11Protocol(H11Protocol):
 
     def _too_slow(self) -> None:
         self._deadline = None
-        if self.conn.their_state is h11.IDLE:  # part of a request's head came, or none at all
+        if self._awaiting_head:  # part of a request's head came, or none at all
             self._close_with(oai.HttpError(408, "request_timeout", f"the request headers did not arrive within "
                                            f"{self.limits.read_timeout:g} s (the gateway's read timeout)"))
         elif not self.transport.is_closing():
@@ -130,6 +178,12 @@ class GuardedH11Protocol(H11Protocol):
         if not self.transport.is_closing():
             self.transport.write(raw_response(err))
             self.transport.close()
+
+
+def _declares_body(headers: list[tuple[bytes, bytes]]) -> bool:
+    """Whether a request's headers (names in lower case) announce a body."""
+    return any(name == b"transfer-encoding" or (name == b"content-length" and value.strip() != b"0")
+               for name, value in headers)
 
 
 class _Coalesced:
