@@ -220,7 +220,7 @@ class _Gateway:
         return await self._generate(request, "chat")
 
     async def _generate(self, request: Request, kind: oai.Kind) -> Response:
-        endpoint = request.url.path
+        endpoint = request.scope["path"]
         started = time.perf_counter()
         try:
             body = await limits.read_json(request, self.config.connections.read_timeout)
@@ -252,7 +252,7 @@ class _Gateway:
 
     async def _stream(self, request: Request, client: AsyncClient, call: oai.Call, reply: oai.Reply,
                       started: float) -> Response:
-        endpoint = request.url.path
+        endpoint = request.scope["path"]
         try:
             stream = client.stream(call.prompt, model=call.model, request_id=request.state.request_id,
                                    **call.generate_kwargs())  # checks the params
@@ -318,13 +318,13 @@ class _Gateway:
             result = await _unless_disconnected(request, client.embed(call.inputs, model=call.model,
                                                                       request_id=request.state.request_id))
         except ClientGone:
-            self.metrics.outcome(request.url.path, ErrorCode.CANCELLED)
+            self.metrics.outcome(request.scope["path"], ErrorCode.CANCELLED)
             return Response(status_code=204)
         except MpserveError as exc:
-            return self._failed(request.url.path, exc)
+            return self._failed(request.scope["path"], exc)
         except (limits.Refused, ClientDisconnect) as exc:
-            return self._unread(request.url.path, exc)
-        self.metrics.outcome(request.url.path, "ok")
+            return self._unread(request.scope["path"], exc)
+        self.metrics.outcome(request.scope["path"], "ok")
         return JSONResponse(emb.answer(result, call.model or _sole_model(client), call.encoding_format))
 
     async def rerank(self, request: Request) -> Response:
@@ -351,10 +351,10 @@ class _Gateway:
             result = await client.tokenize(call.content, model=call.model, add_special=call.add_special,
                                            with_pieces=call.with_pieces)
         except MpserveError as exc:
-            return self._failed(request.url.path, exc)
+            return self._failed(request.scope["path"], exc)
         except (limits.Refused, ClientDisconnect) as exc:
-            return self._unread(request.url.path, exc)
-        self.metrics.outcome(request.url.path, "ok")
+            return self._unread(request.scope["path"], exc)
+        self.metrics.outcome(request.scope["path"], "ok")
         return JSONResponse(tok.tokenize_answer(result, call.with_pieces))
 
     async def detokenize(self, request: Request) -> Response:
@@ -363,10 +363,10 @@ class _Gateway:
             client = await self.backend.client()
             content = await client.detokenize(tokens, model=model)
         except MpserveError as exc:
-            return self._failed(request.url.path, exc)
+            return self._failed(request.scope["path"], exc)
         except (limits.Refused, ClientDisconnect) as exc:
-            return self._unread(request.url.path, exc)
-        self.metrics.outcome(request.url.path, "ok")
+            return self._unread(request.scope["path"], exc)
+        self.metrics.outcome(request.scope["path"], "ok")
         return JSONResponse({"content": content})
 
     # --- slots ----------------------------------------------------------------------------------

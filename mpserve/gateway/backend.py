@@ -51,6 +51,7 @@ class Backend:
         self._address = address
         self._admin_address = admin_address
         self._named: tuple[tuple[int, int] | None, str] | None = None  # (the info file's inode and mtime, address)
+        self._info_file = runtime_dir(create=False) / f"{server_name}.json"  # looked at on every request
         self.server_name = server_name
         self._options: dict[str, Any] = {"timeout": request_timeout, "connect_timeout": CONNECT_TIMEOUT_S,
                                          "curve_server_key": curve_server_key, "curve_secret": curve_secret}
@@ -66,7 +67,7 @@ class Backend:
     def _named_address(self) -> str:
         """``default_address(server_name)``, looked up again when the server's info file has changed."""
         try:
-            st = os.stat(runtime_dir(create=False) / f"{self.server_name}.json")
+            st = os.stat(self._info_file)
             seen: tuple[int, int] | None = (st.st_ino, st.st_mtime_ns)
         except OSError:
             seen = None
