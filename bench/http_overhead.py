@@ -15,18 +15,28 @@ the scheduler's counters, every thread): the gateway, the server (its broker), t
 process (the client: httpx, or mpserve's ZeroMQ client). The paths take turns in blocks of ten requests,
 each block metered alone.
 
-    python -m bench.http_overhead [--requests 200] [--max-tokens 8]
+With py-spy on PATH, the gateway's share is then split by layer: py-spy samples the gateway while this
+process sends it HTTP requests back to back, and each sample goes to the layer of its innermost frame that
+is in one (``LAYERS``): time in C goes to the Python function that called it (a socket write to asyncio's
+transport, a ZeroMQ send to pyzmq), and time in the standard library's helpers (dataclasses, enum, pathlib)
+to the layer that called them.
+
+    python -m bench.http_overhead [--requests 200] [--max-tokens 8] [--profile-s 5]
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 import time
-from collections.abc import Callable
+from collections import Counter
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import httpx
 
@@ -39,12 +49,23 @@ PROMPT = "The quick brown fox jumps over the lazy dog."
 BLOCK = 10  # requests of one path between turns (and per CPU reading)
 GATEWAY = ("from mpserve.gateway.app import GatewayConfig, serve; "
            "serve(GatewayConfig(port={port}, server_name={name!r}, log_level='warning'))")
+LAYERS = (  # a frame's layer: the first with a fragment of the frame's file path (as "/path/file.py:line)")
+    ("HTTP server (uvicorn, httptools, the guard)", ("/uvicorn/", "httptools", "mpserve/gateway/guard.py")),
+    ("Starlette and the middleware", ("/starlette/", "mpserve/gateway/request_ids.py", "mpserve/gateway/browser.py")),
+    ("JSON and SSE framing", ("mpserve/gateway/encode.py", "/json/", "msgspec")),
+    ("link to the broker (AsyncClient, wire, pyzmq)", ("mpserve/client.py", "mpserve/wire/", "/zmq/")),
+    ("metrics (prometheus_client)", ("prometheus_client", "mpserve/gateway/metrics.py")),
+    ("OpenAI shapes and the gateway's own logic", ("mpserve/gateway/",)),
+    ("event loop and socket I/O (asyncio)", ("/asyncio/", "selectors.py")),
+)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--requests", type=int, default=200, help="requests per path and mode")
     parser.add_argument("--max-tokens", type=int, default=8, help="echo chunks per request")
+    parser.add_argument("--profile-s", type=float, default=5.0, help="seconds of py-spy on the gateway per mode "
+                        "(0: none)")
     args = parser.parse_args()
     with MpserveServer("--model", "echo", "--instances", "1") as server:
         server.wait_ready()
@@ -89,6 +110,10 @@ def main() -> None:
                         print(f"{'':>11}CPU {name:<6} {path.cpu_total():5.0f} µs = " + ", ".join(
                             f"{proc} {us:.0f}" for proc, us in path.cpu_per_request().items()))
                     print(f"{'':>11}CPU ratio {web.cpu_total() / zmq.cpu_total():.2f}×")
+                    if args.profile_s > 0 and shutil.which("py-spy"):
+                        print(f"{'':>11}gateway by layer: {_layers(gateway.pid, http_call, args.profile_s)}")
+                if args.profile_s > 0 and not shutil.which("py-spy"):
+                    print("no py-spy on PATH: the gateway was not split by layer (pip install py-spy)")
         finally:
             gateway.terminate()
             gateway.wait(10)
@@ -122,6 +147,42 @@ def _interleaved(first: Callable[[], None], second: Callable[[], None], n: int,
             for proc, seconds in _cpu_now(procs).items():
                 path.cpu_s[proc] = path.cpu_s.get(proc, 0.0) + seconds - before[proc]
     return a, b
+
+
+def _layers(pid: int, call: Callable[[], None], seconds: float) -> str:
+    """py-spy on ``pid`` while ``call`` runs back to back for ``seconds``: its busy samples' shares by layer."""
+    with tempfile.TemporaryDirectory() as tmp:
+        output = Path(tmp) / "gateway.txt"
+        spy = subprocess.Popen(["py-spy", "record", "--pid", str(pid), "--duration", str(max(1, round(seconds))),
+                                "--rate", "1000", "--format", "raw", "--output", str(output), "--nonblocking"],
+                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        while spy.poll() is None:
+            call()
+        if not output.exists():
+            return "py-spy wrote no profile (it needs ptrace rights over the gateway)"
+        shares = layer_shares(output.read_text().splitlines())
+    return ", ".join(f"{layer} {share:.0%}" for layer, share in shares.items())
+
+
+def layer_shares(raw: Iterable[str]) -> dict[str, float]:
+    """py-spy's raw lines (``frame;frame;... count``, innermost last) as each layer's share of the samples,
+    largest first. py-spy leaves out a thread that is not running (without ``--idle``), so the event loop's poll
+    counts only for the system call's own work."""
+    counts: Counter[str] = Counter()
+    for line in raw:
+        stack, _, count = line.rpartition(" ")
+        if not stack:
+            continue
+        frames = stack.split(";")
+        counts[next((layer for frame in reversed(frames) if (layer := _layer(frame))), "other")] += int(count)
+    total = sum(counts.values()) or 1
+    return {layer: n / total for layer, n in counts.most_common()}
+
+
+def _layer(frame: str) -> str | None:
+    """The layer of a py-spy frame, ``function (path:line)``; the path is relative where it is on sys.path."""
+    path = "/" + frame[frame.rfind("(") + 1:]
+    return next((layer for layer, places in LAYERS if any(place in path for place in places)), None)
 
 
 def _cpu_now(procs: dict[str, list[int]]) -> dict[str, float]:
