@@ -47,9 +47,12 @@ llama-server loads its weights without repacking (``--no-repack``) where mpserve
 repacked kernels crash, as mpserve then does itself.
 
 ``python -m bench.batching`` runs the 1×K rows alone (ZeroMQ and over HTTP, against llama-server), and
-variants of the HTTP row with other ``mpserve start`` options (``--variant 'threads-1=--threads 1'``):
+variants of the HTTP row with other ``mpserve start`` options (``--variant 'threads-1=--threads 1'``); a variant
+given with ``--pinned`` instead has its worker's threads pinned to the first CPU this bench may use and the
+serving processes (the server's broker, its gateway, the zygote) to the others, once it is ready:
 
     python -m bench.batching [--model GGUF] [--ks 1,2,4,8] [--repeat 3] [--variant NAME=OPTIONS ...]
+                             [--pinned NAME=OPTIONS ...]
 """
 
 from __future__ import annotations
@@ -80,7 +83,7 @@ from .load import (
     mpserve_load,
     mpserve_warm_up,
 )
-from .procs import HttpServer, MpserveServer, find_llama_server, free_port, wait_http
+from .procs import HttpServer, MpserveServer, find_llama_server, free_port, pin_spare_core, wait_http
 from .settings import Settings
 
 KS = (1, 2, 4, 8)
@@ -158,7 +161,7 @@ def llama_server(settings: Settings, port: int, parallel: int, n_ctx: int, *extr
 
 
 def _measure(settings: Settings, work: Workload, k: int, contenders: dict[str, list[str]],
-             cases: dict[str, Case]) -> None:
+             cases: dict[str, Case], pinned: frozenset[str] = frozenset()) -> None:
     with ExitStack() as stack:
         port = free_port()
         peer = stack.enter_context(llama_server(settings, port, k, work.n_ctx))
@@ -171,6 +174,8 @@ def _measure(settings: Settings, work: Workload, k: int, contenders: dict[str, l
         asyncio.run(http_load(port, work, k, k))
         for name, server in ours.items():
             server.wait_ready()
+            if name in pinned:
+                pin_spare_core(server)
             if name in gateways:
                 if not wait_http(f"http://127.0.0.1:{gateways[name]}/health"):
                     raise RuntimeError(f"mpserve's gateway for {name} did not answer on port {gateways[name]}")
@@ -404,6 +409,9 @@ def main() -> None:
     parser.add_argument("--llama-server", help="llama-server binary [default: on PATH, else /opt/llama-server*/]")
     parser.add_argument("--variant", action="append", default=[], metavar="NAME=OPTIONS",
                         help="one more HTTP row with these `mpserve start` options (may be repeated)")
+    parser.add_argument("--pinned", action="append", default=[], metavar="NAME=OPTIONS",
+                        help="the same, the worker's threads pinned to one CPU and the serving processes to the "
+                        "others (may be repeated)")
     args = parser.parse_args()
     from mpserve.models.builtin import builtin_model_path
 
@@ -411,7 +419,8 @@ def main() -> None:
                              llama_server=find_llama_server(args.llama_server))
     if settings.llama_server is None:
         parser.error("no llama-server binary: put one on PATH or pass --llama-server")
-    variants = dict(v.split("=", 1) for v in args.variant)
+    variants = dict(v.split("=", 1) for v in [*args.variant, *args.pinned])
+    pinned = {name for name, _ in (v.split("=", 1) for v in args.pinned)}
     work = Workload(max_tokens=64, n_ctx=settings.work.n_ctx, min_requests=1, budget_s=settings.work.budget_s)
     print(f"{settings.model.name}, {settings.cores} cores, {args.repeat} repeats, {work.max_tokens} tokens per "
           "request; ratio to llama-server: median [min–max over repeats]")
@@ -424,7 +433,8 @@ def main() -> None:
                                                           f"127.0.0.1:{free_port()}"]
                            for name, options in variants.items()}
             cases = {name: Case({}, [Figure(m, unit) for m, unit, _ in GENERATION_METRICS]) for name in contenders}
-            _measure(settings, work, k, contenders, cases)
+            _measure(settings, work, k, contenders, cases,
+                     frozenset(f"1×{k} {OVER_HTTP}, {name}" for name in pinned))
             for name, case in cases.items():
                 print(f"{name:>40}: " + "; ".join(ratio_line(case.figure(m)) for m in ("tokens/s", "TTFT p50")),
                       flush=True)

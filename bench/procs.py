@@ -215,6 +215,20 @@ def descendants(pid: int) -> list[int]:
     return found
 
 
+def pin_spare_core(server: MpserveServer) -> None:
+    """Every thread of ``server``'s workers on the first CPU this process may use, and of its other processes
+    (the broker, the gateway, the zygote) on the rest."""
+    cpus = sorted(os.sched_getaffinity(0))
+    if len(cpus) < 2:
+        raise ValueError("pinning leaves a CPU to the serving processes: this process may use only one")
+    workers = set(server.worker_pids())
+    serving = [server.proc.pid, *(pid for pid in descendants(server.proc.pid) if pid not in workers)]
+    for pids, mask in ((workers, cpus[:1]), (serving, cpus[1:])):
+        for pid in pids:
+            for task in Path(f"/proc/{pid}/task").iterdir():
+                os.sched_setaffinity(int(task.name), mask)
+
+
 class CpuMeter:
     """CPU time (every thread, from the scheduler's nanosecond counters) that some processes, and this one,
     use over a block."""
