@@ -19,7 +19,8 @@ With py-spy on PATH, the gateway's share is then split by layer: py-spy samples 
 process sends it HTTP requests back to back, and each sample goes to the layer of its innermost frame that
 is in one (``LAYERS``): time in C goes to the Python function that called it (a socket write to asyncio's
 transport, a ZeroMQ send to pyzmq), and time in the standard library's helpers (dataclasses, enum, pathlib)
-to the layer that called them.
+to the layer that called them. py-spy counts a thread that waits for a CPU as busy, so where cores are few
+a call that wakes another process also collects the wait for the CPU that follows it.
 
     python -m bench.http_overhead [--requests 200] [--max-tokens 8] [--profile-s 5]
 """
