@@ -419,8 +419,7 @@ def main() -> None:
                              llama_server=find_llama_server(args.llama_server))
     if settings.llama_server is None:
         parser.error("no llama-server binary: put one on PATH or pass --llama-server")
-    variants = dict(v.split("=", 1) for v in [*args.variant, *args.pinned])
-    pinned = {name for name, _ in (v.split("=", 1) for v in args.pinned)}
+    variants, pinned = (dict(v.split("=", 1) for v in given) for given in (args.variant, args.pinned))
     work = Workload(max_tokens=64, n_ctx=settings.work.n_ctx, min_requests=1, budget_s=settings.work.budget_s)
     print(f"{settings.model.name}, {settings.cores} cores, {args.repeat} repeats, {work.max_tokens} tokens per "
           "request; ratio to llama-server: median [min–max over repeats]")
@@ -428,13 +427,12 @@ def main() -> None:
         os.environ["MPSERVE_RUNTIME_DIR"] = runtime
         for k in map(int, args.ks.split(",")):
             one = ["--instances", "1", "--threads", str(settings.cores), "--parallel", str(k)]
-            contenders = {f"1×{k}": one, f"1×{k} {OVER_HTTP}": [*one, "--http", f"127.0.0.1:{free_port()}"]}
-            contenders |= {f"1×{k} {OVER_HTTP}, {name}": [*one, *shlex.split(options), "--http",
-                                                          f"127.0.0.1:{free_port()}"]
-                           for name, options in variants.items()}
+            row = f"1×{k} {OVER_HTTP}"
+            contenders = {f"1×{k}": one, row: [*one, "--http", f"127.0.0.1:{free_port()}"]}
+            contenders |= {f"{row}, {name}": [*one, *shlex.split(options), "--http", f"127.0.0.1:{free_port()}"]
+                           for name, options in (variants | pinned).items()}
             cases = {name: Case({}, [Figure(m, unit) for m, unit, _ in GENERATION_METRICS]) for name in contenders}
-            _measure(settings, work, k, contenders, cases,
-                     frozenset(f"1×{k} {OVER_HTTP}, {name}" for name in pinned))
+            _measure(settings, work, k, contenders, cases, frozenset(f"{row}, {name}" for name in pinned))
             for name, case in cases.items():
                 print(f"{name:>40}: " + "; ".join(ratio_line(case.figure(m)) for m in ("tokens/s", "TTFT p50")),
                       flush=True)

@@ -35,7 +35,7 @@ import zmq
 from mpserve.wire import protocol as wire
 
 from .figures import Case, Figure, Section, Target, percentile
-from .procs import MpserveServer, cpu_seconds
+from .procs import MpserveServer, cpu_seconds, py_spy
 from .settings import Settings
 
 BUDGET_MS = 5.0  # the added p99 latency the issue allows
@@ -251,10 +251,7 @@ class _Profile:
 
 def _profile(pid: int, seconds: float, tmp: Path) -> _Profile:
     output = tmp / f"py-spy-{pid}.txt"
-    process = subprocess.Popen(["py-spy", "record", "--pid", str(pid), "--duration", str(max(1, int(seconds))),
-                                "--format", "raw", "--output", str(output), "--nonblocking"],
-                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    return _Profile(process, output)
+    return _Profile(py_spy(pid, seconds, output), output)
 
 
 def _top_functions(spy: _Profile) -> list[str]:

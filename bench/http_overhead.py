@@ -44,7 +44,7 @@ import httpx
 from mpserve import Client
 
 from .figures import percentile
-from .procs import MpserveServer, cpu_seconds, descendants, free_port, wait_http
+from .procs import MpserveServer, cpu_seconds, descendants, free_port, py_spy, wait_http
 
 PROMPT = "The quick brown fox jumps over the lazy dog."
 BLOCK = 10  # requests of one path between turns (and per CPU reading)
@@ -154,9 +154,7 @@ def _layers(pid: int, call: Callable[[], None], seconds: float) -> str:
     """py-spy on ``pid`` while ``call`` runs back to back for ``seconds``: its busy samples' shares by layer."""
     with tempfile.TemporaryDirectory() as tmp:
         output = Path(tmp) / "gateway.txt"
-        spy = subprocess.Popen(["py-spy", "record", "--pid", str(pid), "--duration", str(max(1, round(seconds))),
-                                "--rate", "1000", "--format", "raw", "--output", str(output), "--nonblocking"],
-                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        spy = py_spy(pid, seconds, output, rate=1000)
         while spy.poll() is None:
             call()
         if not output.exists():

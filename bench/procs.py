@@ -215,6 +215,14 @@ def descendants(pid: int) -> list[int]:
     return found
 
 
+def py_spy(pid: int, seconds: float, output: Path, rate: int = 100) -> subprocess.Popen[bytes]:
+    """py-spy sampling ``pid`` for ``seconds`` (whole, at least one) ``rate`` times a second without pausing it,
+    its collapsed stacks (``--format raw``: ``frame;frame;... count``, innermost last) going to ``output``."""
+    return subprocess.Popen(["py-spy", "record", "--pid", str(pid), "--duration", str(max(1, int(seconds))),
+                             "--rate", str(rate), "--format", "raw", "--output", str(output), "--nonblocking"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+
 def pin_spare_core(server: MpserveServer) -> None:
     """Every thread of ``server``'s workers on the first CPU this process may use, and of its other processes
     (the broker, the gateway, the zygote) on the rest."""
