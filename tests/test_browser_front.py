@@ -28,7 +28,8 @@ BODY = {"prompt": "hello", "max_tokens": 4}
 sync_api = pytest.importorskip("playwright.sync_api", reason="the browser tests need playwright (pip install "
                                "playwright; no browser download: they use the system's chromium)")
 if not os.access(CHROMIUM, os.X_OK):
-    pytest.skip(f"no browser: {CHROMIUM} is missing (apt-get install chromium)", allow_module_level=True)
+    pytest.skip(f"no browser: {CHROMIUM} is missing (tests/run installs it: apt-get install chromium)",
+                allow_module_level=True)
 
 PAGES: dict[str, str] = {}  # path -> HTML, served on two ports of 127.0.0.1: two other origins on loopback
 

@@ -24,10 +24,11 @@ NODE_CLIENT = Path(__file__).parents[1] / "clients" / "node"
 def _node() -> str:
     node = shutil.which("node")
     if node is None:
-        pytest.fail("Node.js is not installed: install Node 18 or newer (e.g. apt-get install nodejs npm), then "
-                    "run `npm ci --prefix clients/node`")
+        pytest.fail("Node.js is not installed: tests/run installs it (apt-get install nodejs npm) and the client's "
+                    "packages (npm ci --prefix clients/node)")
     if not (NODE_CLIENT / "node_modules" / "zeromq").is_dir():
-        pytest.fail("the Node.js client's packages are not installed: run `npm ci --prefix clients/node`")
+        pytest.fail("the Node.js client's packages are not installed: tests/run installs them "
+                    "(npm ci --prefix clients/node)")
     return node
 
 
