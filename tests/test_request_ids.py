@@ -7,11 +7,12 @@ import asyncio
 
 import httpx
 import pytest
-from helpers import wait_for
+from helpers import dealer, raw_request, received, wait_for
 
 from mpserve import AsyncClient, Client
 from mpserve.client import REQUEST_ID_CHARS, check_request_id, request_ids
 from mpserve.errors import BadRequest
+from mpserve.wire import protocol as wire
 
 
 @pytest.mark.timeout(10)
@@ -48,22 +49,49 @@ def test_four_clients_of_one_process_show_four_ids_in_the_slot_table(tiny_server
 
 
 @pytest.mark.timeout(60)
-def test_a_caller_s_id_is_taken_and_an_id_still_pending_is_refused(tiny_server) -> None:
+def test_a_caller_s_id_is_taken_and_an_id_still_pending_is_refused_by_the_client(tiny_server) -> None:
+    """The client refuses an id it has pending before sending anything, and the stream that holds the id is not
+    disturbed: read to its end, it is whole (were the second request sent, the broker's refusal would take the
+    id's queue, and the first stream would hang)."""
     async def main() -> None:
         async with AsyncClient(tiny_server.address) as client:
             result = await client.generate("Hello", max_tokens=4, temperature=0, request_id="trace-1")
             assert result.text
             assert "trace-1" in {row.request for row in tiny_server.slots()}
-            long = client.stream("Hello", max_tokens=2000, request_id="trace-2")
+            long = client.stream("Hello", max_tokens=2000, temperature=0, request_id="trace-2")
             chunks = long.__aiter__()
-            await chunks.__anext__()
-            with pytest.raises(BadRequest, match="'trace-2' is already in use"):
+            first = await chunks.__anext__()
+            with pytest.raises(BadRequest, match="'trace-2' is already in use by a pending request of this client"):
                 await client.generate("Hello", max_tokens=4, request_id="trace-2")
-            await chunks.aclose()  # type: ignore[attr-defined]
+            text = first + "".join([piece async for piece in chunks])
+            whole = await client.generate("Hello", max_tokens=2000, temperature=0)
+            assert text == whole.text
             with pytest.raises(BadRequest, match="letters, digits"):
                 await client.generate("Hello", request_id="no spaces")
 
     asyncio.run(main())
+
+
+@pytest.mark.timeout(60)
+def test_an_id_still_pending_is_refused_by_the_broker_and_its_stream_ends_once(tiny_server) -> None:
+    """A raw DEALER (no client-side check) sends a second request under the id of its running stream: the broker
+    answers that one ERROR ``bad_request``, and the stream goes on to exactly one DONE."""
+    body = {"id": "dup-raw", "prompt": "Hello", "stream": True, "params": {"max_tokens": 2000, "temperature": 0}}
+    with dealer(tiny_server.address) as sock:
+        sock.send_multipart(raw_request(body))
+        assert isinstance(received(sock, 30), (wire.Chunk, wire.Chunks))  # it runs
+        sock.send_multipart(raw_request({**body, "params": {"max_tokens": 4}}))
+        ends: list[object] = []
+        while not any(isinstance(m, wire.Done) for m in ends):
+            message = received(sock, 30)
+            assert getattr(message, "id", "dup-raw") == "dup-raw"
+            if isinstance(message, (wire.Done, wire.Error)):
+                ends.append(message)
+        assert not sock.poll(500), "nothing more after the DONE"
+    refusal, done = ends
+    assert isinstance(refusal, wire.Error) and refusal.code == "bad_request", refusal
+    assert "'dup-raw' is already in use" in refusal.message
+    assert isinstance(done, wire.Done)
 
 
 @pytest.mark.timeout(60)
