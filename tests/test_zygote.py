@@ -83,6 +83,27 @@ def test_a_crashed_instance_is_replaced_by_a_fork_of_the_same_zygote(start_serve
     assert not server.tracebacks(), "\n".join(server.log)
 
 
+def gguf_mappings(pid: int) -> set[tuple[str, str]]:
+    """The address ranges at which process ``pid`` maps GGUF files, with each file's path."""
+    rows = (line.split() for line in Path(f"/proc/{pid}/maps").read_text().splitlines())
+    return {(row[0], row[5]) for row in rows if len(row) > 5 and row[5].endswith(".gguf")}
+
+
+@pytest.mark.timeout(120)
+def test_forked_instances_map_the_zygote_s_weights_and_load_none_of_their_own(start_server) -> None:
+    """llama.cpp maps the model file when it loads it: each instance has exactly the zygote's mappings of it,
+    inherited at the fork, and no mapping of its own (an instance that loaded the model again would map the file
+    a second time, at another address)."""
+    server = start_server("--instances", "2").wait_ready()
+    pids = worker_pids(server)
+    zygote_pid = ppid(min(pids))
+    weights = gguf_mappings(zygote_pid)
+    assert weights, "the zygote maps no GGUF file"
+    for pid in pids:
+        assert gguf_mappings(pid) == weights, pid
+    assert greedy(server, 4)
+
+
 @pytest.mark.timeout(180)
 def test_a_killed_zygote_comes_back_while_its_instances_keep_serving(start_server, tmp_path: Path) -> None:
     server, zygote_pid = scalable(start_server, tmp_path, 2, 3)
