@@ -391,8 +391,9 @@ class Reply:
             else:
                 choices.append({"index": r.index, "text": self._echoed(r.text, r.index), "logprobs": lp,
                                 "finish_reason": r.finish_reason})
-        return self._envelope(self._object, choices) | {"usage": usage(total_usage(generated or results)),
-                                                         "timings": dataclasses.asdict(results[0].timings)}
+        return self._envelope(self._object, choices) | {
+            "usage": usage(total_usage(generated or results), results[0].timings.cached_tokens),
+            "timings": dataclasses.asdict(results[0].timings)}
 
     def chunks(self, text: str, lp: wire.Logprobs | None = None, index: int = 0) -> list[dict[str, Any]]:
         """The chunks for a piece of choice ``index``'s streamed text: none while it is held back (a request
@@ -429,7 +430,8 @@ class Reply:
                 "logprobs": self._logprobs(lps.get(r.index), r.index)}]))
         if self.call.include_usage:
             chunks.append(self._envelope(self._chunk_object, []) | {
-                "usage": usage(total_usage(results)), "timings": dataclasses.asdict(results[0].timings)})
+                "usage": usage(total_usage(results), results[0].timings.cached_tokens),
+                "timings": dataclasses.asdict(results[0].timings)})
         return chunks
 
     def _logprobs(self, lp: wire.Logprobs | None, index: int) -> dict[str, Any] | None:
@@ -501,9 +503,11 @@ def total_usage(results: list[Result]) -> wire.Usage:
     return wire.Usage(results[0].usage.prompt_tokens, sum(r.usage.completion_tokens for r in results))
 
 
-def usage(u: wire.Usage) -> dict[str, int]:
+def usage(u: wire.Usage, cached: int) -> dict[str, Any]:
+    """``u`` as OpenAI shows it; ``cached``: the prompt tokens taken from a cache instead of computed
+    (``timings.cached_tokens``), counted in ``prompt_tokens`` too, as OpenAI counts them."""
     return {"prompt_tokens": u.prompt_tokens, "completion_tokens": u.completion_tokens,
-            "total_tokens": u.total_tokens}
+            "total_tokens": u.total_tokens, "prompt_tokens_details": {"cached_tokens": cached}}
 
 
 # --- errors -------------------------------------------------------------------------------------
