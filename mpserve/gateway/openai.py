@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import math
 import time
 import uuid
@@ -57,6 +58,8 @@ from . import best_of, extensions, logprobs
 from . import tools as tc
 from .chat import render
 from .tokens import token_ids
+
+log = logging.getLogger("mpserve.gateway")
 
 Kind = Literal["completion", "chat"]
 
@@ -382,11 +385,13 @@ class Reply:
             if self.call.kind == "chat":
                 message: dict[str, Any] = {"role": "assistant", "content": r.text}
                 finish = r.finish_reason
-                found = self._tool_calls(r.text)
-                if found is not None:
+                found = self._tool_calls(r.text, r.finish_reason)
+                if found is not None and found[1]:
                     message = {"role": "assistant", "content": found[0] or None,
                                "tool_calls": [c.as_openai() for c in found[1]]}
-                    finish = "tool_calls"
+                    finish = _calls_finish(finish)
+                elif found is not None:  # a forced reply cut before its first call completed: no call, no text
+                    message["content"] = found[0]
                 choices.append({"index": r.index, "message": message, "logprobs": lp, "finish_reason": finish})
             else:
                 choices.append({"index": r.index, "text": self._echoed(r.text, r.index), "logprobs": lp,
@@ -416,7 +421,7 @@ class Reply:
         for r in results:
             state, finish = self._state(r.index), r.finish_reason
             if state.held is not None:
-                found = self._tool_calls(state.held)
+                found = self._tool_calls(state.held, finish)
                 if found is None:
                     chunks.append(self._envelope(self._chunk_object, [self._choice(state.held, None, r.index)]))
                 else:
@@ -424,7 +429,7 @@ class Reply:
                         chunks.append(self._envelope(self._chunk_object, [self._choice(found[0], None, r.index)]))
                     chunks += [self._envelope(self._chunk_object, [self._delta(delta, r.index)])
                                for delta in _call_deltas(found[1])]
-                    finish = "tool_calls"
+                    finish = _calls_finish(finish) if found[1] else finish
                 state.held = None
             chunks.append(self._envelope(self._chunk_object, [self._choice("", finish, r.index) | {
                 "logprobs": self._logprobs(lps.get(r.index), r.index)}]))
@@ -444,12 +449,20 @@ class Reply:
         state.null_first = state.null_first and lp.prompt == 0
         return shape
 
-    def _tool_calls(self, text: str) -> tuple[str, list[tc.ToolCall]] | None:
-        """(content, calls) when the reply holds tool calls; a forced one is read as the JSON it is."""
-        if self.call.tools is None:
+    def _tool_calls(self, text: str, finish: str) -> tuple[str, list[tc.ToolCall]] | None:
+        """(content, calls) when the reply holds tool calls. A forced reply is always calls, never content: the
+        JSON it is, or, cut by max_tokens (``finish``), the calls that completed before the cut (maybe none)."""
+        tools = self.call.tools
+        if tools is None:
             return None
-        content, calls = tc.parse_calls(text, "json" if self.call.tools.forced else self.call.parser,
-                                        self.call.tools.tools)
+        if tools.forced:
+            calls, cut = tc.forced_calls(text, tools.tools)
+            if cut:
+                log.warning("a reply constrained to tool calls ended (finish_reason %s) before its JSON did: its %d "
+                            "complete call(s) are returned, the unfinished one after them is dropped; a larger "
+                            "max_tokens lets it finish", finish, len(calls))
+            return "", calls
+        content, calls = tc.parse_calls(text, self.call.parser, tools.tools)
         return (content, calls) if calls else None
 
     def _delta(self, delta: dict[str, Any], index: int) -> dict[str, Any]:
@@ -481,6 +494,11 @@ class Reply:
 
     def _envelope(self, obj: str, choices: list[dict[str, Any]]) -> dict[str, Any]:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model, "choices": choices}
+
+
+def _calls_finish(finish: str) -> str:
+    """The finish reason of a reply that holds tool calls: ``length`` when max_tokens cut it, as OpenAI says."""
+    return finish if finish == "length" else "tool_calls"
 
 
 def _may_be_call(text: str) -> bool:
