@@ -37,12 +37,12 @@ def refusal(mq: ModelQueue, loading: bool, now: float) -> str:
     lost = mq.lost
     if lost is None:
         return (f"no instance of model {name} has registered with this server: it starts none here, or they failed "
-                f"to start (see the server log); connect a pool that serves it (mpserve worker --connect) or load it "
-                f"here (mpserve load {name})")
+                f"to start (see the server log); connect a pool that serves it (mpserve worker --connect) or start it "
+                f"here (mpserve load {name}, within its max instances)")
     ago = f"{now - lost.at:.0f} s ago"
     if lost.remote:
         return (f"the pool serving model {name} is gone: its last instance was lost {ago} ({lost.what}) and none "
-                f"has registered since; start the pool again (mpserve worker --connect) or load the model here "
-                f"(mpserve load {name})")
+                f"has registered since; start the pool again (mpserve worker --connect) or start the model here "
+                f"(mpserve load {name}, within its max instances)")
     return (f"model {name} has no instance: its last one went {ago} ({lost.what}) and none is starting; load it "
             f"again (mpserve load {name}) or see the server log")
