@@ -355,7 +355,8 @@ class Reply:
 
     With tools, a streamed reply is held back while it may be a tool call (a forced reply always is; under
     ``auto`` while it begins like one, ``TOOL_CALL_STARTS``): at its end, its calls go out as ``delta.tool_calls``
-    chunks (per call: its id and name, then its arguments), or the text as content when it holds none.
+    chunks (per call: its id and name, then its arguments), or the text as content when it holds none (never
+    a forced reply's: its calls that completed, ``tools.forced_calls``).
     Under ``auto`` a reply that begins as prose streams as content, so only calls at its start are found."""
 
     def __init__(self, call: Call, model: str) -> None:
