@@ -261,8 +261,8 @@ def gateway(
     admin_key: Annotated[str | None, typer.Option(
         "--admin-key", envvar="MPSERVE_ADMIN_KEY", help=settings.BY_KEY["admin_key"].help_text())] = None,
     request_timeout: Annotated[float | None, typer.Option(
-        "--request-timeout", envvar="MPSERVE_REQUEST_TIMEOUT",
-        help="Seconds per request, queueing included; past it: 504 (default: no limit).")] = None,
+        "--request-timeout", envvar="MPSERVE_REQUEST_TIMEOUT", min=0.1,
+        help=settings.BY_KEY["request_timeout"].help_text())] = None,
     curve_server_key: Annotated[str | None, typer.Option(
         "--curve-server-key", envvar="MPSERVE_CURVE_SERVER_KEY", help="The server's public key file.")] = None,
     curve_secret: Annotated[str | None, typer.Option(
@@ -374,8 +374,8 @@ def _start_gateway(http: str, config: cfg.ServerConfig, flags: dict[str, Any],
             "MPSERVE_CURVE_CLIENT_SECRET": str(key) if key else None,
             "MPSERVE_ALLOWED_ORIGINS": flags["allowed_origins"], "MPSERVE_ALLOWED_HOSTS": flags["allowed_hosts"]}
     env = {**os.environ, **{name: key for name, key in keys.items() if key}}
-    passed = [arg for key in ("api_key_file", "ssl_certfile", "ssl_keyfile") if flags[key]
-              for arg in (settings.BY_KEY[key].flag or "", flags[key])]
+    passed = [arg for key in ("api_key_file", "ssl_certfile", "ssl_keyfile", "request_timeout") if flags[key]
+              for arg in (settings.BY_KEY[key].flag or "", str(flags[key]))]
     return subprocess.Popen([sys.executable, "-m", "mpserve", "gateway", "--http", http, "--server-name",
                              config.server_name, "--log-level", config.log_level, "--exit-with-parent", *passed,
                              *(["--insecure"] if config.insecure else [])], env=env, start_new_session=True)

@@ -22,6 +22,7 @@ class ErrorCode(str, Enum):
     WORKER_STALLED = "worker_stalled"
     POISON_REQUEST = "poison_request"
     MODEL_FAILED = "model_failed"
+    NO_INSTANCE = "no_instance"
     DOES_NOT_FIT = "does_not_fit"
     SHUTTING_DOWN = "shutting_down"
     CONNECTION = "connection"
@@ -59,6 +60,10 @@ CODES: dict[ErrorCode, CodeInfo] = {
     ErrorCode.MODEL_FAILED: CodeInfo(503, False, "the model failed to load 3 times in a row (the message has the "
                                                  "load error), or its instances crashed on 3 different requests in "
                                                  "a row (the message names the signal and the settings to try)"),
+    ErrorCode.NO_INSTANCE: CodeInfo(503, True, "no instance of the model could serve the request within "
+                                               "`no_instance_timeout` (none registered, its pool gone), or its "
+                                               "`timeout` passed while the model was still loading; the message says "
+                                               "which and what to do"),
     ErrorCode.DOES_NOT_FIT: CodeInfo(503, False, "the model does not fit the device's memory (at start, or a "
                                                  "load)"),
     ErrorCode.SHUTTING_DOWN: CodeInfo(503, True, "the server is stopping"),
@@ -130,6 +135,10 @@ class ModelFailed(MpserveError):
     code = ErrorCode.MODEL_FAILED
 
 
+class NoInstance(MpserveError):
+    code = ErrorCode.NO_INSTANCE
+
+
 class ModelDoesNotFit(MpserveError):
     code = ErrorCode.DOES_NOT_FIT
 
@@ -161,8 +170,8 @@ class InternalError(MpserveError):
 _BY_CODE: dict[str, type[MpserveError]] = {
     cls.code.value: cls
     for cls in (
-        BadRequest, UnknownModel, Busy, Timeout, Cancelled, ShuttingDown, WorkerLost, WorkerStalled,
-        PoisonRequest, ModelFailed, ModelDoesNotFit, ProtocolError, Forbidden, ConnectionFailed, ConfigError,
+        BadRequest, UnknownModel, Busy, Timeout, Cancelled, ShuttingDown, WorkerLost, WorkerStalled, PoisonRequest,
+        ModelFailed, NoInstance, ModelDoesNotFit, ProtocolError, Forbidden, ConnectionFailed, ConfigError,
         InternalError,
     )
 }

@@ -1,7 +1,8 @@
 """Structured output and tools through the HTTP gateway, with the official openai client: response_format
 json_object and json_schema, ``beta.chat.completions.parse`` with a pydantic model, tools with tool_choice
-required and named (valid calls every time, streamed ones reassembling to the same), a round trip with a
-tool's answer, and malformed input answered 400."""
+required and named (valid calls every time, streamed ones reassembling to the same; cut by max_tokens, the
+calls that completed and never text, through chat, responses and messages), a round trip with a tool's answer,
+and malformed input answered 400."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import json
 from collections.abc import Iterator
 from typing import Any
 
+import anthropic
 import httpx
 import jsonschema
 import openai
@@ -117,6 +119,52 @@ def test_forced_tool_calls_are_valid_every_time_and_stream_the_same(gateway: Gat
         assert finish == "tool_calls"
         assert [(c["name"], json.loads(c["arguments"])) for c in calls.values()] == \
             [(c.function.name, json.loads(c.function.arguments)) for c in message.tool_calls]
+
+
+def test_a_forced_reply_cut_by_max_tokens_is_the_calls_it_completed_never_text(gateway: GatewayThread) -> None:
+    kw: dict[str, Any] = dict(tools=TOOLS, tool_choice="required")  # greedy; parallel_tool_calls: 1 to 4 calls
+    uncut = chat(gateway, max_tokens=400, **kw)
+    full = [(c.function.name, c.function.arguments) for c in uncut.choices[0].message.tool_calls]
+    assert uncut.choices[0].finish_reason == "tool_calls" and len(full) >= 2, full  # the greedy reply of this model
+    returned = set()
+    for max_tokens in range(1, uncut.usage.completion_tokens, 12):
+        whole = chat(gateway, max_tokens=max_tokens, **kw).choices[0]
+        calls = [(c.function.name, c.function.arguments) for c in whole.message.tool_calls or ()]
+        assert whole.finish_reason == "length" and not whole.message.content, (max_tokens, whole)
+        assert calls == full[:len(calls)] and len(calls) < len(full)  # those that completed, the cut one dropped
+        returned.add(len(calls))
+        streamed: dict[int, list[str]] = {}
+        finish = None
+        for chunk in chat(gateway, max_tokens=max_tokens, stream=True, **kw):
+            assert not chunk.choices[0].delta.content, chunk  # no text, streamed either
+            for delta in chunk.choices[0].delta.tool_calls or ():
+                got = streamed.setdefault(delta.index, ["", ""])
+                got[0] += delta.function.name or "" if delta.function else ""
+                got[1] += delta.function.arguments or "" if delta.function else ""
+            finish = chunk.choices[0].finish_reason or finish
+        assert finish == "length" and [tuple(c) for c in streamed.values()] == calls
+    assert 0 in returned and len(returned) > 1  # cut before its first call ended, and after one or more had
+
+
+def test_a_cut_forced_reply_is_calls_not_text_through_responses_and_messages_too(gateway: GatewayThread) -> None:
+    functions: list[Any] = [{"type": "function", **t["function"]} for t in TOOLS]
+    claude = anthropic.Anthropic(base_url=gateway.url, api_key="unused", max_retries=0, timeout=30)
+    for max_tokens in (1, 60, 120):
+        response = gateway.openai().responses.create(model="tiny", input=ASK[0]["content"], tools=functions,
+                                                     tool_choice="required", max_output_tokens=max_tokens,
+                                                     temperature=0)
+        assert response.status == "incomplete" and not response.output_text, response.output
+        calls = [i for i in response.output if i.type == "function_call"]
+        assert all(isinstance(json.loads(i.arguments), dict) for i in calls)
+        assert all(i.type == "function_call" or (i.type == "message" and not i.content[0].text)  # type: ignore[union-attr]
+                   for i in response.output), response.output
+        message = claude.messages.create(
+            model="tiny", max_tokens=max_tokens, messages=ASK, tool_choice={"type": "any"},
+            tools=[{"name": f["name"], "input_schema": f["parameters"]} for f in functions],
+            extra_body={"temperature": 0})
+        assert message.stop_reason == "max_tokens"
+        assert all(b.type == "tool_use" or (b.type == "text" and not b.text) for b in message.content), message
+        assert [b.name for b in message.content if b.type == "tool_use"] == [i.name for i in calls]
 
 
 def test_a_round_trip_with_a_tool_answer(gateway: GatewayThread) -> None:

@@ -51,6 +51,7 @@ export const CODES = Object.freeze({
   worker_stalled: ["WorkerStalled", true],
   poison_request: ["PoisonRequest", false],
   model_failed: ["ModelFailed", false],
+  no_instance: ["NoInstance", true],
   does_not_fit: ["DoesNotFit", false],
   shutting_down: ["ShuttingDown", true],
   connection: ["ConnectionFailed", true],
@@ -72,7 +73,7 @@ for (const [code, [name, retryable]] of Object.entries(CODES)) {
 }
 export const {
   BadRequest, UnknownModel, Busy, Timeout, Cancelled, WorkerLost, WorkerStalled, PoisonRequest, ModelFailed,
-  DoesNotFit, ShuttingDown, ConnectionFailed, ProtocolError, ConfigError, InternalError,
+  NoInstance, DoesNotFit, ShuttingDown, ConnectionFailed, ProtocolError, ConfigError, InternalError,
 } = errors;
 
 /** The exception for an ERROR body; an unknown code (a newer server) is a plain, non-retryable MpserveError. */

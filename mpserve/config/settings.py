@@ -181,6 +181,10 @@ SETTINGS: tuple[Setting, ...] = (
        cli_type=float, range=(0, 86400 * 365)),
     _s("client_timeout", "server", float, "5", "Cancel the requests of a client silent this long, in s",
        cli_type=float, range=(1, 3600)),
+    _s("no_instance_timeout", "server", float, "60", "Seconds a request waits while no instance of its model is "
+       "registered or loading (none started here, its pool gone, its last instance lost and not restarted); past "
+       "it: ERROR no_instance (HTTP 503) saying why, a stream after the text it had. While an instance loads, "
+       "requests wait for it", cli_type=float, range=(0.1, 86400)),
     _s("stream_interval", "server", float, "0.02", "Seconds between a streamed request's chunks after its first; "
        "the tokens in between go together (0: a chunk per token)", cli_type=float, range=(0, 1),
        commands=_FOR_POOLS),
@@ -224,6 +228,9 @@ SETTINGS: tuple[Setting, ...] = (
     # --- flags of `mpserve start` that are not in the file ----------------------------------------------
     _s("http", "cli", str, "none", "Also serve the OpenAI-compatible HTTP API on HOST:PORT (see mpserve gateway)",
        env=None),
+    _s("request_timeout", "cli", float, "none", "Seconds an HTTP request may take, queueing included (the gateway's "
+       "bound, also on mpserve gateway): past it, 504; or 503 no_instance, saying why, while its model has no "
+       "instance (no_instance_timeout bounds that wait without it)", cli_type=float, range=(0.1, 86400)),
     _s("api_key", "cli", str, "none", "Require 'Authorization: Bearer KEY' on HTTP requests (/health excepted)"),
     _s("admin_key", "cli", str, "none", "Open the HTTP control API (/admin/: models, load, unload, scale) to "
        "'Authorization: Bearer KEY'; a key apart from --api-key"),

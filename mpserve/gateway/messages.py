@@ -219,10 +219,11 @@ class MessageAnswer:
                      "input": json.loads(c["function"]["arguments"])} for c in message.get("tool_calls") or ()]
         u = completion["usage"]
         return {**self._message(completion["model"], content, STOP_REASONS.get(choice["finish_reason"], "end_turn")),
-                "usage": _usage(u["prompt_tokens"], u["completion_tokens"])}
+                "usage": _usage(u["prompt_tokens"], u["completion_tokens"],
+                                u["prompt_tokens_details"]["cached_tokens"])}
 
     def opened(self, model: str) -> list[bytes]:
-        return [_event("message_start", message={**self._message(model, [], None), "usage": _usage(0, 0)}),
+        return [_event("message_start", message={**self._message(model, [], None), "usage": _usage(0, 0, 0)}),
                 _event("ping")]
 
     def chunk(self, chunk: dict[str, Any]) -> list[bytes]:
@@ -253,7 +254,8 @@ class MessageAnswer:
         usage = oai.total_usage(results)
         return [*out, _event("message_delta", delta={"stop_reason": STOP_REASONS.get(finish, "end_turn"),
                                                      "stop_sequence": None},
-                             usage=_usage(usage.prompt_tokens, usage.completion_tokens)),
+                             usage=_usage(usage.prompt_tokens, usage.completion_tokens,
+                                          results[0].timings.cached_tokens)),
                 _event("message_stop")]
 
     @staticmethod
@@ -281,9 +283,11 @@ def _event(kind: str, **fields: Any) -> bytes:
     return event(kind, {"type": kind, **fields})
 
 
-def _usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
-    return {"input_tokens": prompt_tokens, "output_tokens": completion_tokens, "cache_creation_input_tokens": 0,
-            "cache_read_input_tokens": 0}
+def _usage(prompt_tokens: int, completion_tokens: int, cached: int) -> dict[str, int]:
+    """Anthropic's usage: ``cached`` prompt tokens were read from a cache (``timings.cached_tokens``); as Anthropic
+    counts them, ``input_tokens`` are the others (the prompt is their sum)."""
+    return {"input_tokens": prompt_tokens - cached, "output_tokens": completion_tokens,
+            "cache_creation_input_tokens": 0, "cache_read_input_tokens": cached}
 
 
 def _tool_id(call_id: str) -> str:

@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import math
 import time
 import uuid
@@ -57,6 +58,8 @@ from . import best_of, extensions, logprobs
 from . import tools as tc
 from .chat import render
 from .tokens import token_ids
+
+log = logging.getLogger("mpserve.gateway")
 
 Kind = Literal["completion", "chat"]
 
@@ -352,7 +355,8 @@ class Reply:
 
     With tools, a streamed reply is held back while it may be a tool call (a forced reply always is; under
     ``auto`` while it begins like one, ``TOOL_CALL_STARTS``): at its end, its calls go out as ``delta.tool_calls``
-    chunks (per call: its id and name, then its arguments), or the text as content when it holds none.
+    chunks (per call: its id and name, then its arguments), or the text as content when it holds none (never
+    a forced reply's: its calls that completed, ``tools.forced_calls``).
     Under ``auto`` a reply that begins as prose streams as content, so only calls at its start are found."""
 
     def __init__(self, call: Call, model: str) -> None:
@@ -382,17 +386,20 @@ class Reply:
             if self.call.kind == "chat":
                 message: dict[str, Any] = {"role": "assistant", "content": r.text}
                 finish = r.finish_reason
-                found = self._tool_calls(r.text)
-                if found is not None:
+                found = self._tool_calls(r.text, r.finish_reason)
+                if found is not None and found[1]:
                     message = {"role": "assistant", "content": found[0] or None,
                                "tool_calls": [c.as_openai() for c in found[1]]}
-                    finish = "tool_calls"
+                    finish = _calls_finish(finish)
+                elif found is not None:  # a forced reply cut before its first call completed: no call, no text
+                    message["content"] = found[0]
                 choices.append({"index": r.index, "message": message, "logprobs": lp, "finish_reason": finish})
             else:
                 choices.append({"index": r.index, "text": self._echoed(r.text, r.index), "logprobs": lp,
                                 "finish_reason": r.finish_reason})
-        return self._envelope(self._object, choices) | {"usage": usage(total_usage(generated or results)),
-                                                         "timings": dataclasses.asdict(results[0].timings)}
+        return self._envelope(self._object, choices) | {
+            "usage": usage(total_usage(generated or results), results[0].timings.cached_tokens),
+            "timings": dataclasses.asdict(results[0].timings)}
 
     def chunks(self, text: str, lp: wire.Logprobs | None = None, index: int = 0) -> list[dict[str, Any]]:
         """The chunks for a piece of choice ``index``'s streamed text: none while it is held back (a request
@@ -415,7 +422,7 @@ class Reply:
         for r in results:
             state, finish = self._state(r.index), r.finish_reason
             if state.held is not None:
-                found = self._tool_calls(state.held)
+                found = self._tool_calls(state.held, finish)
                 if found is None:
                     chunks.append(self._envelope(self._chunk_object, [self._choice(state.held, None, r.index)]))
                 else:
@@ -423,13 +430,14 @@ class Reply:
                         chunks.append(self._envelope(self._chunk_object, [self._choice(found[0], None, r.index)]))
                     chunks += [self._envelope(self._chunk_object, [self._delta(delta, r.index)])
                                for delta in _call_deltas(found[1])]
-                    finish = "tool_calls"
+                    finish = _calls_finish(finish) if found[1] else finish
                 state.held = None
             chunks.append(self._envelope(self._chunk_object, [self._choice("", finish, r.index) | {
                 "logprobs": self._logprobs(lps.get(r.index), r.index)}]))
         if self.call.include_usage:
             chunks.append(self._envelope(self._chunk_object, []) | {
-                "usage": usage(total_usage(results)), "timings": dataclasses.asdict(results[0].timings)})
+                "usage": usage(total_usage(results), results[0].timings.cached_tokens),
+                "timings": dataclasses.asdict(results[0].timings)})
         return chunks
 
     def _logprobs(self, lp: wire.Logprobs | None, index: int) -> dict[str, Any] | None:
@@ -442,12 +450,20 @@ class Reply:
         state.null_first = state.null_first and lp.prompt == 0
         return shape
 
-    def _tool_calls(self, text: str) -> tuple[str, list[tc.ToolCall]] | None:
-        """(content, calls) when the reply holds tool calls; a forced one is read as the JSON it is."""
-        if self.call.tools is None:
+    def _tool_calls(self, text: str, finish: str) -> tuple[str, list[tc.ToolCall]] | None:
+        """(content, calls) when the reply holds tool calls. A forced reply is always calls, never content: the
+        JSON it is, or, cut by max_tokens (``finish``), the calls that completed before the cut (maybe none)."""
+        tools = self.call.tools
+        if tools is None:
             return None
-        content, calls = tc.parse_calls(text, "json" if self.call.tools.forced else self.call.parser,
-                                        self.call.tools.tools)
+        if tools.forced:
+            calls, cut = tc.forced_calls(text, tools.tools)
+            if cut:
+                log.warning("a reply constrained to tool calls ended (finish_reason %s) before its JSON did: its %d "
+                            "complete call(s) are returned, the unfinished one after them is dropped; a larger "
+                            "max_tokens lets it finish", finish, len(calls))
+            return "", calls
+        content, calls = tc.parse_calls(text, self.call.parser, tools.tools)
         return (content, calls) if calls else None
 
     def _delta(self, delta: dict[str, Any], index: int) -> dict[str, Any]:
@@ -481,6 +497,11 @@ class Reply:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model, "choices": choices}
 
 
+def _calls_finish(finish: str) -> str:
+    """The finish reason of a reply that holds tool calls: ``length`` when max_tokens cut it, as OpenAI says."""
+    return finish if finish == "length" else "tool_calls"
+
+
 def _may_be_call(text: str) -> bool:
     start = text.lstrip()
     return any(start.startswith(s) or s.startswith(start) for s in TOOL_CALL_STARTS)
@@ -501,9 +522,11 @@ def total_usage(results: list[Result]) -> wire.Usage:
     return wire.Usage(results[0].usage.prompt_tokens, sum(r.usage.completion_tokens for r in results))
 
 
-def usage(u: wire.Usage) -> dict[str, int]:
+def usage(u: wire.Usage, cached: int) -> dict[str, Any]:
+    """``u`` as OpenAI shows it; ``cached``: the prompt tokens taken from a cache instead of computed
+    (``timings.cached_tokens``), counted in ``prompt_tokens`` too, as OpenAI counts them."""
     return {"prompt_tokens": u.prompt_tokens, "completion_tokens": u.completion_tokens,
-            "total_tokens": u.total_tokens}
+            "total_tokens": u.total_tokens, "prompt_tokens_details": {"cached_tokens": cached}}
 
 
 # --- errors -------------------------------------------------------------------------------------

@@ -36,6 +36,7 @@ from starlette.routing import Route
 
 from mpserve.client import Result
 from mpserve.errors import BadRequest
+from mpserve.wire import protocol as wire
 
 from . import openai as oai
 from .dialect import event, finish_reason, owner
@@ -282,8 +283,8 @@ class ResponseAnswer:
         output = [_message(message["content"])] if message.get("content") or not message.get("tool_calls") else []
         output += [_function_item(c) for c in message.get("tool_calls") or ()]
         u = completion["usage"]
-        return self._finished(completion["model"], output, choice["finish_reason"],
-                              u["prompt_tokens"], u["completion_tokens"])
+        return self._finished(completion["model"], output, choice["finish_reason"], wire.Usage(
+            u["prompt_tokens"], u["completion_tokens"]), u["prompt_tokens_details"]["cached_tokens"])
 
     def opened(self, model: str) -> list[bytes]:
         self._model = model
@@ -307,8 +308,8 @@ class ResponseAnswer:
         if not self._output and self._open is None:
             out += self._text("")
         out += self._close()
-        usage = oai.total_usage(results)
-        response = self._finished(self._model, self._output, finish, usage.prompt_tokens, usage.completion_tokens)
+        response = self._finished(self._model, self._output, finish, oai.total_usage(results),
+                                  results[0].timings.cached_tokens)
         kind = "response.completed" if response["status"] == "completed" else "response.incomplete"
         return [*out, self._event(kind, response=response)]
 
@@ -317,11 +318,13 @@ class ResponseAnswer:
 
     # --- building ---
 
-    def _finished(self, model: str, output: list[dict[str, Any]], finish: str, prompt_tokens: int,
-                  completion_tokens: int) -> dict[str, Any]:
-        usage = {"input_tokens": prompt_tokens, "input_tokens_details": {"cached_tokens": 0},
-                 "output_tokens": completion_tokens, "output_tokens_details": {"reasoning_tokens": 0},
-                 "total_tokens": prompt_tokens + completion_tokens}
+    def _finished(self, model: str, output: list[dict[str, Any]], finish: str, u: wire.Usage,
+                  cached: int) -> dict[str, Any]:
+        """``cached``: the input tokens taken from a cache (``timings.cached_tokens``), counted in
+        ``input_tokens`` too, as OpenAI counts them."""
+        usage = {"input_tokens": u.prompt_tokens, "input_tokens_details": {"cached_tokens": cached},
+                 "output_tokens": u.completion_tokens, "output_tokens_details": {"reasoning_tokens": 0},
+                 "total_tokens": u.total_tokens}
         cut = finish == "length"
         response = self._object(model, "incomplete" if cut else "completed", output, usage)
         if cut:

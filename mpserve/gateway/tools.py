@@ -6,8 +6,10 @@
                                            │    the completion is constrained by ({"name", "arguments"}, or
                                            │    a list of them with parallel_tool_calls)
     completion text ──parse_calls──────────┴──▶ (content, calls); calls [] means plain content
+    forced completion ──forced_calls───────────▶ (calls, cut): never content
 
-A forced completion is read with the generic JSON parser (its shape is the schema's). Under ``auto`` the
+A forced completion is JSON of the schema's shape, read as such (``forced_calls``): cut by max_tokens, the
+calls that completed before the cut are its calls and the cut one is dropped. Under ``auto`` the
 text is read after the fact by the parser of the model's family, chosen from its chat template
 (``parser_for``), then by the generic one: Hermes / Qwen ``<tool_call>{...}</tool_call>``, Llama 3.x
 ``{"name": ..., "parameters": {...}}`` (optionally after ``<|python_tag|>``, several separated by ``;``),
@@ -131,7 +133,8 @@ def _tool(value: Any, i: int) -> Tool:
 
 def forced_schema(spec: ToolSpec) -> dict[str, Any]:
     """The JSON Schema a forced reply is constrained by: one call of the named function, or of any
-    (required), or with parallel_tool_calls under required, a list of 1 to MAX_PARALLEL_CALLS calls."""
+    (required), or with parallel_tool_calls under required, a list of 1 to MAX_PARALLEL_CALLS calls, of any of
+    the functions and in any order (the same call may come more than once)."""
     def call(tool: Tool) -> dict[str, Any]:
         return {"type": "object", "properties": {"name": {"const": tool.name}, "arguments": tool.parameters},
                 "required": ["name", "arguments"], "additionalProperties": False}
@@ -170,6 +173,26 @@ def parse_calls(text: str, parser: Parser, tools: tuple[Tool, ...]) -> tuple[str
             if raw and all(c is not None for c in calls):
                 return content, [c for c in calls if c is not None]
     return text, []
+
+
+def forced_calls(text: str, tools: tuple[Tool, ...]) -> tuple[list[ToolCall], bool]:
+    """The calls of a forced reply (``forced_schema``'s JSON: a call, or a list of them), and whether it ends in a
+    call cut short (max_tokens), which is left out: only the calls that completed before it are read."""
+    body, names = text.strip(), {t.name for t in tools}
+    whole = _json(body)
+    if whole is not None:
+        raw = whole if isinstance(whole, list) else [whole]
+        return [c for c in (_call(r, names) for r in raw) if c is not None], False
+    complete, decoder, i = [], json.JSONDecoder(), 1
+    while body.startswith("[") and i < len(body):  # a list: its calls up to the cut one
+        while i < len(body) and body[i] in " \t\r\n,":
+            i += 1
+        try:
+            value, i = decoder.raw_decode(body, i)
+        except ValueError:
+            break
+        complete.append(value)
+    return [c for c in (_call(r, names) for r in complete) if c is not None], True
 
 
 def _call(raw: Any, names: set[str]) -> ToolCall | None:

@@ -4,6 +4,7 @@
     loop        serve(): claims the server name, builds the layout, runs broker + supervisor + watchdog
     broker      ROUTER fronts for clients and workers; per-model queues; routing to slots; the request table
     routing     the broker's decisions as pure functions: which slot a request goes to, what a lost one becomes
+    unserved    how long a request waits while no instance of its model is up or loading, and what it is told
     ram_prefixes  what each instance's host-RAM prompt cache holds, from the CACHE frames of its DONEs and READY
     supervisor  starts (through a fork server), reaps and restarts worker processes (``mpserve.worker.spec.run``)
     zygotes     a model's zygote as the supervisor sees it: fork requests over a pipe, a handle per forked worker

@@ -54,6 +54,11 @@ workers crashed on MODEL_CRASHES different requests in a row is failed (``model_
 and the settings to try), its requests with it; the server's loop stops the supervisor restarting it.
 (``worker_lost`` also remains for a worker that streamed without reporting its tokens.)
 
+A queued request whose model has no instance registered or loading for ``no_instance_timeout`` ends
+``no_instance`` saying why (``mpserve.server.unserved``): none ever registered, its pool gone, its last instance
+lost; so does a stream whose last instance was lost, after its text, and a request whose ``timeout`` passes
+while it waits for a model with no instance (still loading, or one of those).
+
 The broker never blocks on a client: sends are non-blocking, and a client that cannot take a message
 (gone, or not reading past its high-water mark) has its requests cancelled.
 
@@ -92,7 +97,7 @@ from mpserve.wire import zmqio
 from mpserve.wire.prefix import PREFIX_BLOCK, block_hashes
 from mpserve.wire.protocol import ChatTemplate
 
-from . import link, roles
+from . import link, roles, unserved
 from .residency import Loaded, Residency
 from .routing import (
     MAX_HANDOVERS,
@@ -104,7 +109,7 @@ from .routing import (
     crash_streak,
     describe_exit,
 )
-from .state import ModelQueue, Pending, RequestState, WorkerEntry
+from .state import Lost, ModelQueue, Pending, RequestState, WorkerEntry
 
 log = logging.getLogger("mpserve.broker")
 
@@ -126,7 +131,8 @@ class Broker:
                  curve_secret: str | None = None, curve_workers: str | None = None,
                  residency: Residency | None = None, heartbeat_interval: float = 1.0,
                  heartbeat_liveness: int = 5, embedding_models: frozenset[str] = frozenset(),
-                 admin_addr: str | None = None, curve_admins: str | None = None) -> None:
+                 admin_addr: str | None = None, curve_admins: str | None = None,
+                 no_instance_timeout: float = unserved.DEFAULT_TIMEOUT_S) -> None:
         """``models``: name -> max queue length. ``client_timeout``: a client with pending requests that
         sends nothing for this long is taken as gone and its requests are cancelled (clients ping every
         second while they wait). ``curve_secret``: the server's CURVE secret-key file for the front.
@@ -135,7 +141,8 @@ class Broker:
         requires CURVE too. Remote workers silent for ``heartbeat_interval × heartbeat_liveness`` are lost.
         ``embedding_models``: the models configured ``embedding: true``, which serve EMBED and no REQUEST.
         ``admin_addr``: the operators' socket (``mpserve.server.roles``; None: none, so no operator's call is
-        taken), with CURVE when ``curve_admins`` (their keys) is given."""
+        taken), with CURVE when ``curve_admins`` (their keys) is given. ``no_instance_timeout``: how long a
+        queued request waits while no instance of its model is registered or loading (``mpserve.server.unserved``)."""
         self.embedding_models = embedding_models
         self.front = _router(ctx, front_addr, curve_secret, b"clients")
         self.back = _router(ctx, back_addr, curve_secret if curve_workers else None, b"workers")
@@ -160,6 +167,7 @@ class Broker:
         self.max_queue_total = max_queue_total
         self.max_pending_per_client = max_pending_per_client
         self.client_timeout = client_timeout
+        self.no_instance_timeout = no_instance_timeout
         self._heard: dict[bytes, float] = {}  # clients with pending requests -> last message time
         self._owned: dict[bytes, int] = {}  # clients -> number of pending requests
         self._deadlines: list[tuple[float, str]] = []
@@ -171,6 +179,7 @@ class Broker:
         self.on_drained: Callable[[WorkerEntry], None] = lambda entry: None  # a drained worker was told to STOP
         self.on_control: Callable[[wire.Control], wire.ControlReply] = _no_control
         self.scaling_of: Callable[[str], wire.ModelScaling] = lambda model: wire.ModelScaling()  # for STATS
+        self.loading: Callable[[str], bool] = lambda model: False  # an instance of the model is starting
 
     # --- the event sources -------------------------------------------------------------------
 
@@ -213,8 +222,40 @@ class Broker:
             if self._stale_deadline(ticket):
                 continue
             p = self.requests[ticket]
+            if p.worker is None and not self._registered(p.model):
+                self._unserved(p, unserved.refusal(self.models[p.model], self.loading(p.model), now))
+                continue
             self.stats[ErrorCode.TIMEOUT] += 1
             self._cancel(p, ErrorCode.TIMEOUT, f"request did not finish within its timeout of {p.request.timeout} s")
+
+    def expire_unserved(self, now: float) -> None:
+        """End the queued requests of each model that no instance could serve for ``no_instance_timeout``
+        (``mpserve.server.unserved``)."""
+        for mq in list(self.models.values()):
+            if self._registered(mq.name) or self.loading(mq.name):
+                mq.unserved_since = None
+                continue
+            since = mq.unserved_since = mq.unserved_since or now
+            ending = [t for t in mq.queue if unserved.due(self.requests[t].accepted, since, now,
+                                                          self.no_instance_timeout)]
+            if ending:
+                message = unserved.refusal(mq, False, now)
+                log.warning("%d request(s) of %s waited %.0f s (no_instance_timeout) with no instance to serve "
+                            "them; ending them: %s", len(ending), mq.name, self.no_instance_timeout, message)
+            for ticket in ending:
+                self._unserved(self.requests[ticket], message)
+
+    def _registered(self, model: str) -> bool:
+        """Whether an instance of ``model`` that takes requests is registered."""
+        return any(w.model == model and not w.draining for w in self.workers.values())
+
+    def _unserved(self, p: Pending, message: str) -> None:
+        """End queued ``p``, whose model no instance serves: ERROR ``no_instance`` with ``message``."""
+        queue = self.models[p.model].queue
+        if p.ticket in queue:  # not the other choices of a request for n: they wait with the first
+            queue.remove(p.ticket)
+        self.stats[ErrorCode.NO_INSTANCE] += 1
+        self._answer_error(p, ErrorCode.NO_INSTANCE, message, retry_after=MAX_RETRY_AFTER_S)
 
     def expire_clients(self, now: float) -> None:
         """Cancel the requests of clients that stopped sending (closed, killed, or partitioned)."""
@@ -277,6 +318,8 @@ class Broker:
         """A worker died, stalled or was lost: settle its requests by the rules, each counting a crash if
         ``crashed``, else a hand-over."""
         self._forget_worker(entry)
+        if self.models[entry.model].instances == 0:
+            self.models[entry.model].lost = Lost(what, time.monotonic(), remote=entry.index is None)
         self._lookups_lost(entry.identity, what)
         for ticket in sorted(entry.running):
             p = self.requests.get(ticket)

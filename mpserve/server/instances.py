@@ -64,6 +64,7 @@ class Instances:
         broker.on_drained = self._drained
         broker.on_control = self.control
         broker.scaling_of = self.scaling
+        broker.loading = lambda name: self._starting(name) > 0
 
     def next_wake(self) -> float | None:
         wake = self._scaler.next_wake()

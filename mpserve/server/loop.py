@@ -106,7 +106,8 @@ def _broker(ctx: zmq.Context[zmq.Socket[bytes]], config: ServerConfig, paths: Se
                       residency=Residency(config.switch_batch) if config.single_active_backend else None,
                       heartbeat_interval=config.heartbeat_interval, heartbeat_liveness=config.heartbeat_liveness,
                       embedding_models=frozenset(m.name for m in config.models if m.embedding),
-                      admin_addr=paths.admin, curve_admins=config.curve_admins)
+                      admin_addr=paths.admin, curve_admins=config.curve_admins,
+                      no_instance_timeout=config.no_instance_timeout)
     except zmq.ZMQError as exc:
         raise ConfigError(bind_problem("--bind, --workers-bind or --admin-bind",
                                        f"{paths.front}, {paths.back} or {paths.admin}", exc.errno,
@@ -199,6 +200,7 @@ class _Loop:
             self._watch_progress()
             self._broker.expire_clients(now)
             self._broker.expire_workers(now)
+            self._broker.expire_unserved(now)
         if now >= self._next_heartbeat:
             self._next_heartbeat = now + self._config.heartbeat_interval
             self._broker.send_heartbeats()

@@ -91,6 +91,16 @@ class WorkerEntry:
     unreachable: bool = False  # a send to it failed (said once), until it is heard from again
 
 
+@dataclass(frozen=True)
+class Lost:
+    """How a model's last instance went: ``what`` happened (the broker's words), ``at`` (monotonic), and whether it
+    was a remote pool's."""
+
+    what: str
+    at: float
+    remote: bool
+
+
 @dataclass
 class ModelQueue:
     name: str
@@ -105,6 +115,8 @@ class ModelQueue:
     chat: ChatTemplate = ChatTemplate()  # from the workers' READY; empty until one had the model loaded
     service_ms: float = 0.0  # running mean of assignment-to-answer time, for the busy retry-after hint
     stores: dict[str, RamPrefixes] = field(default_factory=dict)  # host ("": this one) -> what its store holds
+    unserved_since: float | None = None  # monotonic: since when no instance can serve it (``mpserve.server.unserved``)
+    lost: Lost | None = None  # how its last instance went, once one did
 
     def store(self, host: str) -> RamPrefixes:
         """The view of ``host``'s store (one per host: any instance there restores what another saved); it

@@ -576,3 +576,39 @@ def test_a_request_not_sent_to_a_remote_worker_goes_elsewhere_even_if_that_worke
     finally:
         for sock in (client, far, near):
             sock.close(0)
+
+
+def test_a_request_waits_for_a_loading_instance_and_otherwise_ends_no_instance_after_the_bound() -> None:
+    ctx = zmq.Context()
+    broker = Broker(ctx, "inproc://front-unserved", "inproc://back-unserved", {"m": 8}, no_instance_timeout=3.0)
+    client = ctx.socket(zmq.DEALER)
+    client.connect("inproc://front-unserved")
+    try:
+        loading = True
+        broker.loading = lambda model: loading
+        client.send_multipart(wire.encode(wire.Request("r1", "hi", timeout=5.0)))
+        assert broker.front.poll(1000)
+        broker.drain_front()
+        now = time.monotonic()
+        broker.expire_unserved(now + 60)  # an instance loads: the request waits for it, past the bound
+        assert not client.poll(50)
+        broker.expire(now + 5)  # its own timeout: the model is still loading
+        error = answer(client)
+        assert (error.id, error.code) == ("r1", ErrorCode.NO_INSTANCE) and "still loading" in error.message
+
+        loading = False
+        client.send_multipart(wire.encode(wire.Request("r2", "hi")))
+        assert broker.front.poll(1000)
+        broker.drain_front()
+        now = time.monotonic()
+        broker.expire_unserved(now)  # unserved from now
+        broker.expire_unserved(now + 2.9)
+        assert not client.poll(50)
+        broker.expire_unserved(now + 3.0)
+        error = answer(client)
+        assert (error.id, error.code) == ("r2", ErrorCode.NO_INSTANCE) and "has registered" in error.message
+        assert not broker.requests and not broker.models["m"].queue
+    finally:
+        client.close(0)
+        broker.close()
+        ctx.term()

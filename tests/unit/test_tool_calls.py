@@ -142,6 +142,45 @@ def test_forced_choices_constrain_with_a_schema_of_the_functions() -> None:
                            "tool_choice": "required", "response_format": {"type": "json_object"}})
 
 
+def test_required_without_parallel_calls_allows_exactly_one_call() -> None:
+    one = oai.parse("chat", {"messages": [{"role": "user", "content": "hi"}], "tools": TOOLS,
+                             "tool_choice": "required", "parallel_tool_calls": False})
+    schema = json.loads(one.params.json_schema or "")
+    assert "type" not in schema and len(schema["anyOf"]) == 2  # one call object of either function, not a list
+    assert all(c["required"] == ["name", "arguments"] for c in schema["anyOf"])
+
+
+@pytest.mark.parametrize(("text", "calls", "cut"), [
+    ('[{"name": "get_weather", "arguments": {"city": "Paris"}}, {"name": "get_time", "arguments": {}}]',
+     [WEATHER, TIME], False),
+    ('{"name": "get_time", "arguments": {}}', [TIME], False),
+    ('[{"name": "get_weather", "arguments": {"city": "Paris"}},\n {"name": "get_time", "argu', [WEATHER], True),
+    ('[{"name": "get_weather", "arguments": {"city": "Paris"}}', [WEATHER], True),
+    ('[{"name": "get_weather", "arguments": {"ci', [], True),
+    ('{"name": "get_time", "argu', [], True),
+    ("[", [], True),
+])
+def test_a_forced_reply_is_its_complete_calls_even_when_cut(text: str, calls: list[Any], cut: bool) -> None:
+    found, was_cut = tc.forced_calls(text, SPEC.tools)
+    assert [(c.name, json.loads(c.arguments)) for c in found] == calls and was_cut is cut
+
+
+def test_a_cut_forced_reply_is_never_content_whole_or_streamed() -> None:
+    call = oai.parse("chat", {"messages": [{"role": "user", "content": "hi"}], "tools": TOOLS,
+                              "tool_choice": "required", "stream": True})
+    text = '[{"name": "get_time", "arguments": {}}, {"name": "get_weather", "arguments": {"ci'
+    result = Result("r", text, "length", wire.Usage(3, 20), wire.Timings(), "w0")
+    message = oai.Reply(call, "tiny").whole([result])["choices"][0]
+    assert message["finish_reason"] == "length" and not message["message"]["content"]
+    assert [c["function"]["name"] for c in message["message"]["tool_calls"]] == ["get_time"]
+    reply = oai.Reply(call, "tiny")
+    chunks = reply.chunks(text[:30]) + reply.chunks(text[30:]) + reply.last([result], {})
+    deltas = [c["choices"][0]["delta"] for c in chunks if c["choices"]]
+    assert not any(d.get("content") for d in deltas)
+    assert [d["tool_calls"][0]["function"].get("name") for d in deltas if d.get("tool_calls")] == ["get_time", None]
+    assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+
+
 HISTORY = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Weather in Paris?"},
            {"role": "assistant", "content": None, "tool_calls": [{"id": "call_1", "type": "function", "function": {
                "name": "get_weather", "arguments": "{\"city\": \"Paris\"}"}}]},
