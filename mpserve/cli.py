@@ -281,7 +281,12 @@ def gateway(
         "--allowed-hosts", envvar="MPSERVE_ALLOWED_HOSTS", help=settings.BY_KEY["allowed_hosts"].help_text())] = None,
     max_connections: Annotated[int, typer.Option(
         "--max-connections", envvar="MPSERVE_HTTP_MAX_CONNECTIONS", min=1,
-        help="Open HTTP connections at most; past it, new ones get 503 with Retry-After.")] = 1024,
+        help="Open HTTP connections at most; past it, new ones get 503 with Retry-After, except a few kept for "
+             "GET /health.")] = 1024,
+    max_connections_per_client: Annotated[int, typer.Option(
+        "--max-connections-per-client", envvar="MPSERVE_HTTP_MAX_CONNECTIONS_PER_CLIENT", min=1,
+        help="Open HTTP connections from one client address at most (behind a reverse proxy, every client's "
+             "address is the proxy's: raise it to --max-connections); past it, 503 with Retry-After.")] = 256,
     read_timeout: Annotated[float, typer.Option(
         "--read-timeout", envvar="MPSERVE_HTTP_READ_TIMEOUT", min=0.1,
         help="Seconds a client has to send a request's headers, and again its body (408 past it).")] = 30.0,
@@ -305,7 +310,8 @@ def gateway(
                                     curve_secret=curve_secret, log_level=log_level,
                                     exit_with_parent=exit_with_parent, api_keys=load_keys(None, api_key_file),
                                     ssl_certfile=ssl_certfile, ssl_keyfile=ssl_keyfile, insecure=insecure,
-                                    connections=ConnectionLimits(max_connections, read_timeout),
+                                    connections=ConnectionLimits(max_connections, max_connections_per_client,
+                                                                read_timeout),
                                     admin_key=admin_key, allowed_origins=_names(allowed_origins),
                                     allowed_hosts=_names(allowed_hosts)))
 
