@@ -25,7 +25,7 @@ from mpserve.config import loader as cfg
 from mpserve.config import settings
 from mpserve.config.runtime import ServerInfo, ServerPaths, pid_alive
 from mpserve.errors import BadRequest, ConfigError, ConnectionFailed, InternalError, MpserveError
-from mpserve.wire.protocol import ModelControl, Stats
+from mpserve.wire.protocol import MAX_PROMPT_CHARS, ModelControl, Stats
 from mpserve.wire.slots import SlotRow, SlotState, SlotTable, instance_slots, locate
 
 if TYPE_CHECKING:
@@ -290,6 +290,13 @@ def gateway(
     read_timeout: Annotated[float, typer.Option(
         "--read-timeout", envvar="MPSERVE_HTTP_READ_TIMEOUT", min=0.1,
         help="Seconds a client has to send a request's headers, and again its body (408 past it).")] = 30.0,
+    template_timeout: Annotated[float, typer.Option(
+        "--template-timeout", envvar="MPSERVE_HTTP_TEMPLATE_TIMEOUT", min=0.01,
+        help="Seconds a chat template may take to render a request's messages (400 naming it past them).")] = 2.0,
+    template_max_chars: Annotated[int, typer.Option(
+        "--template-max-chars", envvar="MPSERVE_HTTP_TEMPLATE_MAX_CHARS", min=1,
+        help="Characters a chat template may write, or build in any string or list (400 naming it past them).")]
+    = MAX_PROMPT_CHARS,
     log_level: Annotated[str, typer.Option("--log-level", envvar="MPSERVE_LOG_LEVEL")] = "info",
     exit_with_parent: Annotated[bool, typer.Option("--exit-with-parent", hidden=True)] = False,
     server_name: Annotated[str, typer.Option("--server-name", envvar="MPSERVE_SERVER_NAME",
@@ -300,6 +307,7 @@ def gateway(
     from mpserve.gateway.access import load_keys
     from mpserve.gateway.app import GatewayConfig, parse_http
     from mpserve.gateway.app import serve as serve_gateway
+    from mpserve.gateway.chat import TemplateBudget
     from mpserve.gateway.guard import ConnectionLimits
 
     with _errors():
@@ -312,6 +320,7 @@ def gateway(
                                     ssl_certfile=ssl_certfile, ssl_keyfile=ssl_keyfile, insecure=insecure,
                                     connections=ConnectionLimits(max_connections, max_connections_per_client,
                                                                 read_timeout),
+                                    templates=TemplateBudget(template_timeout, template_max_chars),
                                     admin_key=admin_key, allowed_origins=_names(allowed_origins),
                                     allowed_hosts=_names(allowed_hosts)))
 

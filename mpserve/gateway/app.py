@@ -73,6 +73,7 @@ from . import tokens as tok
 from .admin import ADMIN_PREFIX, Admin
 from .backend import Backend
 from .browser import BrowserGuard, host_names
+from .chat import Renderer, TemplateBudget
 from .dialect import DialectRoutes
 from .encode import JSONResponse
 from .guard import ConnectionLimits, uvicorn_options
@@ -112,6 +113,7 @@ class GatewayConfig:
     ssl_keyfile: str | None = None
     insecure: bool = False  # allow a network host without any key
     connections: ConnectionLimits = ConnectionLimits()  # open connections, header and body read timeouts
+    templates: TemplateBudget = TemplateBudget()  # a chat template's render: its time and output (gateway.chat)
     allowed_origins: tuple[str, ...] = ()  # other origins whose pages may call it ("*": any); mpserve.gateway.browser
     allowed_hosts: tuple[str, ...] = ()  # more Host names than those of the address it serves
 
@@ -183,7 +185,8 @@ class _Gateway:
         self.metrics = GatewayMetrics()
         self.restarts = RestartCounter()
         self.console = console.Console(self.backend, self.metrics)
-        self.dialects = DialectRoutes(self.backend, self.metrics, config.connections.read_timeout)
+        self.renderer = Renderer(config.templates)
+        self.dialects = DialectRoutes(self.backend, self.metrics, config.connections.read_timeout, self.renderer)
 
     @contextlib.asynccontextmanager
     async def lifespan(self, app: Starlette) -> AsyncIterator[None]:
@@ -194,6 +197,7 @@ class _Gateway:
             yield
         finally:
             sampler.cancel()
+            self.renderer.close()
             await self.backend.close()
 
     async def _sample(self) -> None:
@@ -229,7 +233,7 @@ class _Gateway:
             client = await self.backend.client()
             model = call.model or _sole_model(client)
             if kind == "chat":
-                call = call.with_chat_template(await self.backend.chat_template(model))
+                call = await call.with_chat_template(await self.backend.chat_template(model), self.renderer, model)
             elif call.echo and not isinstance(call.prompt, str):  # the text of a token prompt, to echo
                 call = call.with_echo_text(await client.detokenize(call.prompt, model=call.model))
         except MpserveError as exc:
