@@ -297,6 +297,14 @@ def gateway(
         "--template-max-chars", envvar="MPSERVE_HTTP_TEMPLATE_MAX_CHARS", min=1,
         help="Characters a chat template may write, or build in any string or list (400 naming it past them).")]
     = MAX_PROMPT_CHARS,
+    responses_store: Annotated[str, typer.Option(
+        "--responses-store", envvar="MPSERVE_HTTP_RESPONSES_STORE",
+        help="Memory for stored responses (/v1/responses with store), all API keys together, e.g. 1GiB; past it, "
+             "the oldest go first.")] = "256MiB",
+    responses_store_per_key: Annotated[str, typer.Option(
+        "--responses-store-per-key", envvar="MPSERVE_HTTP_RESPONSES_STORE_PER_KEY",
+        help="Memory for one API key's stored responses; past it, that key's oldest go first (a larger response "
+             "is not kept).")] = "32MiB",
     log_level: Annotated[str, typer.Option("--log-level", envvar="MPSERVE_LOG_LEVEL")] = "info",
     exit_with_parent: Annotated[bool, typer.Option("--exit-with-parent", hidden=True)] = False,
     server_name: Annotated[str, typer.Option("--server-name", envvar="MPSERVE_SERVER_NAME",
@@ -309,6 +317,8 @@ def gateway(
     from mpserve.gateway.app import serve as serve_gateway
     from mpserve.gateway.chat import TemplateBudget
     from mpserve.gateway.guard import ConnectionLimits
+    from mpserve.gateway.responses import StoreBudget
+    from mpserve.gpu.devices import parse_memory
 
     with _errors():
         host, port = parse_http(http)
@@ -321,6 +331,8 @@ def gateway(
                                     connections=ConnectionLimits(max_connections, max_connections_per_client,
                                                                 read_timeout),
                                     templates=TemplateBudget(template_timeout, template_max_chars),
+                                    responses=StoreBudget(parse_memory(responses_store),
+                                                          parse_memory(responses_store_per_key)),
                                     admin_key=admin_key, allowed_origins=_names(allowed_origins),
                                     allowed_hosts=_names(allowed_hosts)))
 

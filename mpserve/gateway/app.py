@@ -82,7 +82,7 @@ from .messages import error_body as messages_error
 from .metrics import CONTENT_TYPE, GatewayMetrics, ServerView
 from .monitor import RestartCounter, gpu_usage, health, monitor
 from .request_ids import RequestIds
-from .responses import Responses, ResponseStore, stored_routes
+from .responses import Responses, ResponseStore, StoreBudget, stored_routes
 from .watch import ClientGone
 from .watch import first as _first
 from .watch import unless_disconnected as _unless_disconnected
@@ -114,6 +114,7 @@ class GatewayConfig:
     insecure: bool = False  # allow a network host without any key
     connections: ConnectionLimits = ConnectionLimits()  # open connections, header and body read timeouts
     templates: TemplateBudget = TemplateBudget()  # a chat template's render: its time and output (gateway.chat)
+    responses: StoreBudget = StoreBudget()  # the bytes of stored responses, per API key and in all
     allowed_origins: tuple[str, ...] = ()  # other origins whose pages may call it ("*": any); mpserve.gateway.browser
     allowed_hosts: tuple[str, ...] = ()  # more Host names than those of the address it serves
 
@@ -132,7 +133,7 @@ def parse_http(value: str) -> tuple[str, int]:
 
 def create_app(config: GatewayConfig) -> Starlette:
     gateway = _Gateway(config)
-    responses_api = Responses(ResponseStore())
+    responses_api = Responses(ResponseStore(config.responses))
     routes = [
         Route("/v1/completions", gateway.completions, methods=["POST"]),
         Route("/v1/chat/completions", gateway.chat_completions, methods=["POST"]),
