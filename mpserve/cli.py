@@ -25,7 +25,7 @@ from mpserve.config import loader as cfg
 from mpserve.config import settings
 from mpserve.config.runtime import ServerInfo, ServerPaths, pid_alive
 from mpserve.errors import BadRequest, ConfigError, ConnectionFailed, InternalError, MpserveError
-from mpserve.wire.protocol import ModelControl, Stats
+from mpserve.wire.protocol import MAX_PROMPT_CHARS, ModelControl, Stats
 from mpserve.wire.slots import SlotRow, SlotState, SlotTable, instance_slots, locate
 
 if TYPE_CHECKING:
@@ -281,10 +281,30 @@ def gateway(
         "--allowed-hosts", envvar="MPSERVE_ALLOWED_HOSTS", help=settings.BY_KEY["allowed_hosts"].help_text())] = None,
     max_connections: Annotated[int, typer.Option(
         "--max-connections", envvar="MPSERVE_HTTP_MAX_CONNECTIONS", min=1,
-        help="Open HTTP connections at most; past it, new ones get 503 with Retry-After.")] = 1024,
+        help="Open HTTP connections at most; past it, new ones get 503 with Retry-After, except a few kept for "
+             "GET /health.")] = 1024,
+    max_connections_per_client: Annotated[int, typer.Option(
+        "--max-connections-per-client", envvar="MPSERVE_HTTP_MAX_CONNECTIONS_PER_CLIENT", min=1,
+        help="Open HTTP connections from one client address at most (behind a reverse proxy, every client's "
+             "address is the proxy's: raise it to --max-connections); past it, 503 with Retry-After.")] = 256,
     read_timeout: Annotated[float, typer.Option(
         "--read-timeout", envvar="MPSERVE_HTTP_READ_TIMEOUT", min=0.1,
         help="Seconds a client has to send a request's headers, and again its body (408 past it).")] = 30.0,
+    template_timeout: Annotated[float, typer.Option(
+        "--template-timeout", envvar="MPSERVE_HTTP_TEMPLATE_TIMEOUT", min=0.01,
+        help="Seconds a chat template may take to render a request's messages (400 naming it past them).")] = 2.0,
+    template_max_chars: Annotated[int, typer.Option(
+        "--template-max-chars", envvar="MPSERVE_HTTP_TEMPLATE_MAX_CHARS", min=1,
+        help="Characters a chat template may write, or build in any string or list (400 naming it past them).")]
+    = MAX_PROMPT_CHARS,
+    responses_store: Annotated[str, typer.Option(
+        "--responses-store", envvar="MPSERVE_HTTP_RESPONSES_STORE",
+        help="Memory for stored responses (/v1/responses with store), all API keys together, e.g. 1GiB; past it, "
+             "the oldest go first.")] = "256MiB",
+    responses_store_per_key: Annotated[str, typer.Option(
+        "--responses-store-per-key", envvar="MPSERVE_HTTP_RESPONSES_STORE_PER_KEY",
+        help="Memory for one API key's stored responses; past it, that key's oldest go first (a larger response "
+             "is not kept).")] = "32MiB",
     log_level: Annotated[str, typer.Option("--log-level", envvar="MPSERVE_LOG_LEVEL")] = "info",
     exit_with_parent: Annotated[bool, typer.Option("--exit-with-parent", hidden=True)] = False,
     server_name: Annotated[str, typer.Option("--server-name", envvar="MPSERVE_SERVER_NAME",
@@ -295,7 +315,10 @@ def gateway(
     from mpserve.gateway.access import load_keys
     from mpserve.gateway.app import GatewayConfig, parse_http
     from mpserve.gateway.app import serve as serve_gateway
+    from mpserve.gateway.chat import TemplateBudget
     from mpserve.gateway.guard import ConnectionLimits
+    from mpserve.gateway.responses import StoreBudget
+    from mpserve.gpu.devices import parse_memory
 
     with _errors():
         host, port = parse_http(http)
@@ -305,7 +328,11 @@ def gateway(
                                     curve_secret=curve_secret, log_level=log_level,
                                     exit_with_parent=exit_with_parent, api_keys=load_keys(None, api_key_file),
                                     ssl_certfile=ssl_certfile, ssl_keyfile=ssl_keyfile, insecure=insecure,
-                                    connections=ConnectionLimits(max_connections, read_timeout),
+                                    connections=ConnectionLimits(max_connections, max_connections_per_client,
+                                                                read_timeout),
+                                    templates=TemplateBudget(template_timeout, template_max_chars),
+                                    responses=StoreBudget(parse_memory(responses_store),
+                                                          parse_memory(responses_store_per_key)),
                                     admin_key=admin_key, allowed_origins=_names(allowed_origins),
                                     allowed_hosts=_names(allowed_hosts)))
 

@@ -5,10 +5,13 @@ template configured against ``llama_cpp.Llama(chat_format="gemma")``."""
 from __future__ import annotations
 
 import logging
+import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 from conftest import RealModel, ServerProcess
 from gateway_thread import GatewayThread
@@ -96,6 +99,63 @@ def test_a_configured_template_reaches_the_gateway(start_server) -> None:
     server = start_server("--model", "builtin:tiny", "--chat-template", "llama3").wait_ready()
     with Client(server.address) as client:
         assert client.stats().models["tiny"].chat_template == templates.FAMILIES["llama3"]
+
+
+# --- a template that loops for ever or fails, served by a real gateway -----------------------------------
+
+TEMPLATE_BUDGET_S = 2.0  # the gateway's default --template-timeout
+HOSTILE = ("{% if messages[-1]['content'] == 'spin' %}"
+           "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}{% endif %}"
+           "{% if messages[-1]['content'] == 'divide' %}{{ 1/0 }}{% endif %}"
+           "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}assistant: ")
+
+
+@pytest.fixture
+def hostile(start_server, tmp_path: Path) -> Iterator[GatewayThread]:
+    (tmp_path / "hostile.jinja").write_text(HOSTILE)
+    server = start_server("--model", "builtin:tiny", "--chat-template", str(tmp_path / "hostile.jinja")).wait_ready()
+    gateway = GatewayThread(server_name=server.name)
+    yield gateway
+    gateway.stop()
+
+
+def _chat(gateway: GatewayThread, content: str, path: str = "/v1/chat/completions") -> httpx.Response:
+    body = ({"model": "tiny", "max_output_tokens": 2, "input": content} if path == "/v1/responses" else
+            {"model": "tiny", "max_tokens": 2, "messages": [{"role": "user", "content": content}]})
+    return httpx.post(gateway.url + path, json=body, timeout=60)
+
+
+def test_a_template_that_loops_for_ever_is_a_400_within_its_budget_while_health_is_answered(
+        hostile: GatewayThread) -> None:
+    """Jinja2's sandbox caps one range, not a loop inside a loop; rendered on the event loop, such a template
+    held up every request and /health for as long as it ran."""
+    assert _chat(hostile, "hi").status_code == 200
+    answers: list[httpx.Response] = []
+    started = time.monotonic()
+    spinning = threading.Thread(target=lambda: answers.append(_chat(hostile, "spin")))
+    spinning.start()
+    health: list[float] = []
+    while spinning.is_alive() and time.monotonic() - started < TEMPLATE_BUDGET_S + 30:
+        asked = time.monotonic()
+        assert hostile.get("/health").status_code == 200
+        health.append(time.monotonic() - asked)
+    spinning.join(60)
+    took = time.monotonic() - started
+    assert answers and answers[0].status_code == 400, answers[0].text if answers else "no answer"
+    error = answers[0].json()["error"]
+    assert error["code"] == "bad_request" and error["message"].startswith(
+        f"the chat template of model 'tiny' did not finish within {TEMPLATE_BUDGET_S:g} s"), error
+    assert took < TEMPLATE_BUDGET_S + 3, took  # the budget is the documented bound
+    assert len(health) >= 5, health  # answered all along, not once the render ended
+    assert _chat(hostile, "hi").status_code == 200
+
+
+def test_any_template_error_is_a_400_naming_the_template_on_every_chat_route(hostile: GatewayThread) -> None:
+    for path in ("/v1/chat/completions", "/v1/responses"):
+        answer = _chat(hostile, "divide", path)
+        assert answer.status_code == 400 and answer.headers["content-type"] == "application/json", answer.text
+        assert answer.json()["error"]["message"] == ("the chat template of model 'tiny' failed at line 1: "
+                                                     "ZeroDivisionError: division by zero"), answer.text
 
 
 # --- Gemma 3 270M, whose GGUF has no chat template ------------------------------------------------------

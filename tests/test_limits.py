@@ -16,12 +16,13 @@ from helpers import dealer, free_port, http_up, raw_request, received, wait_for
 
 from mpserve import Client
 from mpserve.errors import BadRequest
-from mpserve.gateway import limits
+from mpserve.gateway import guard, limits
 from mpserve.gateway import openai as oai
 from mpserve.wire import protocol as wire
 
 READ_TIMEOUT_S = 2.0
 MAX_CONNECTIONS = 64
+PER_CLIENT = 32  # connections from one address: two addresses of 127.0.0.0/8 fill the gateway
 
 
 
@@ -33,15 +34,17 @@ class HttpServer:
         return httpx.post(self.url + path, content=body, headers={"content-type": "application/json", **headers},
                           timeout=10)
 
-    def connect(self) -> socket.socket:
-        return socket.create_connection(("127.0.0.1", self.port), timeout=10)
+    def connect(self, source: str = "127.0.0.1") -> socket.socket:
+        """A connection from ``source``, an address of 127.0.0.0/8 (each is another client address)."""
+        return socket.create_connection(("127.0.0.1", self.port), timeout=10, source_address=(source, 0))
 
 
 @pytest.fixture(scope="module")
 def http() -> Iterator[HttpServer]:
     port = free_port()
     server = ServerProcess("--http", f"127.0.0.1:{port}", env={
-        "MPSERVE_HTTP_READ_TIMEOUT": str(READ_TIMEOUT_S), "MPSERVE_HTTP_MAX_CONNECTIONS": str(MAX_CONNECTIONS)})
+        "MPSERVE_HTTP_READ_TIMEOUT": str(READ_TIMEOUT_S), "MPSERVE_HTTP_MAX_CONNECTIONS": str(MAX_CONNECTIONS),
+        "MPSERVE_HTTP_MAX_CONNECTIONS_PER_CLIENT": str(PER_CLIENT)})
     server.wait_ready()
     front = HttpServer(server, port)
     wait_for(lambda: http_up(front.url), 30, "the gateway answers /health")
@@ -162,18 +165,44 @@ def test_half_headers_and_trickled_bodies_are_cut_off_after_the_read_timeout(htt
     assert time.monotonic() - started < READ_TIMEOUT_S + 5
 
 
+def _refused(answer: bytes, words: str) -> None:
+    status, error = _status_and_error(answer)
+    assert status == 503 and error["code"] == "too_many_connections" and words in error["message"], error
+    assert b"\r\nretry-after: 1\r\n" in answer.lower()
+
+
+def _asked(sock: socket.socket, request: bytes) -> bytes:
+    sock.sendall(request)
+    return _answer(sock)
+
+
 @pytest.mark.timeout(60)
-def test_connections_over_the_bound_get_503_with_retry_after(http) -> None:
-    held = [http.connect() for _ in range(MAX_CONNECTIONS)]
+def test_one_address_cannot_take_every_connection_and_health_is_answered_when_all_are_taken(http) -> None:
+    """A client address holds at most its share; once every connection is taken (by two addresses here),
+    GET /health is still answered, from the few held back for it, so a load balancer keeps the node, while
+    anything else, and connections past the reserve, get 503 with Retry-After."""
+    health = b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n"
+    body = json.dumps({"prompt": "hi", "max_tokens": 2}).encode()
+    completion = (b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+                  b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+    held = [http.connect("127.0.0.2") for _ in range(PER_CLIENT)]
+    reserved: list[socket.socket] = []
     try:
-        extra = http.connect()
-        answer = _answer(extra)
-        extra.close()
-        status, error = _status_and_error(answer)
-        assert status == 503 and error["code"] == "too_many_connections" and str(MAX_CONNECTIONS) in error["message"]
-        assert b"\r\nretry-after: 1\r\n" in answer.lower()
+        with http.connect("127.0.0.2") as sock:  # one more from the same address: refused at once
+            _refused(_answer(sock), f"127.0.0.2 has {PER_CLIENT} connections open")
+        assert front_ok(http.post("/v1/completions", body))  # other addresses are served
+        held += [http.connect("127.0.0.3") for _ in range(MAX_CONNECTIONS - PER_CLIENT)]
+        with http.connect() as sock:  # every connection taken: /health still answered, then closed
+            head, _, answer = _asked(sock, health).partition(b"\r\n\r\n")
+        assert head.startswith(b"HTTP/1.1 200") and b"\r\nconnection: close" in head.lower(), head
+        assert json.loads(answer)["status"] == "ok"
+        with http.connect() as sock:
+            _refused(_asked(sock, completion), f"{MAX_CONNECTIONS} connections open, its limit")
+        reserved = [http.connect("127.0.0.4") for _ in range(guard.ConnectionLimits.health_reserve)]
+        with http.connect("127.0.0.5") as sock:  # past the reserve too: refused before it sends anything
+            _refused(_answer(sock), f"{MAX_CONNECTIONS} connections open, its limit")
     finally:
-        for sock in held:
+        for sock in held + reserved:
             sock.close()
     wait_for(lambda: http_up(http.url), 10, "served again once the connections are closed")
     _served(http)

@@ -13,7 +13,7 @@ through ``mpserve.client`` and ``mpserve.wire.protocol`` (and reads the slot tab
     backend  the server as the gateway sees it: one AsyncClient, STATS, the slot table
     metrics  ``/metrics`` (Prometheus)
     monitor  ``/health`` and ``/backend/monitor``
-    chat     chat templates rendered into prompts (sandboxed Jinja2)
+    chat     chat templates rendered into prompts (sandboxed Jinja2, off the event loop, within budgets)
     console  the web console's state (``/console/state``); its page is in static/
     admin    the control API over HTTP (``/admin/``), behind its own key
 """

@@ -73,6 +73,7 @@ from . import tokens as tok
 from .admin import ADMIN_PREFIX, Admin
 from .backend import Backend
 from .browser import BrowserGuard, host_names
+from .chat import Renderer, TemplateBudget
 from .dialect import DialectRoutes
 from .encode import JSONResponse
 from .guard import ConnectionLimits, uvicorn_options
@@ -81,7 +82,7 @@ from .messages import error_body as messages_error
 from .metrics import CONTENT_TYPE, GatewayMetrics, ServerView
 from .monitor import RestartCounter, gpu_usage, health, monitor
 from .request_ids import RequestIds
-from .responses import Responses, ResponseStore, stored_routes
+from .responses import Responses, ResponseStore, StoreBudget, stored_routes
 from .watch import ClientGone
 from .watch import first as _first
 from .watch import unless_disconnected as _unless_disconnected
@@ -112,6 +113,8 @@ class GatewayConfig:
     ssl_keyfile: str | None = None
     insecure: bool = False  # allow a network host without any key
     connections: ConnectionLimits = ConnectionLimits()  # open connections, header and body read timeouts
+    templates: TemplateBudget = TemplateBudget()  # a chat template's render: its time and output (gateway.chat)
+    responses: StoreBudget = StoreBudget()  # the bytes of stored responses, per API key and in all
     allowed_origins: tuple[str, ...] = ()  # other origins whose pages may call it ("*": any); mpserve.gateway.browser
     allowed_hosts: tuple[str, ...] = ()  # more Host names than those of the address it serves
 
@@ -130,7 +133,7 @@ def parse_http(value: str) -> tuple[str, int]:
 
 def create_app(config: GatewayConfig) -> Starlette:
     gateway = _Gateway(config)
-    responses_api = Responses(ResponseStore())
+    responses_api = Responses(ResponseStore(config.responses))
     routes = [
         Route("/v1/completions", gateway.completions, methods=["POST"]),
         Route("/v1/chat/completions", gateway.chat_completions, methods=["POST"]),
@@ -183,7 +186,8 @@ class _Gateway:
         self.metrics = GatewayMetrics()
         self.restarts = RestartCounter()
         self.console = console.Console(self.backend, self.metrics)
-        self.dialects = DialectRoutes(self.backend, self.metrics, config.connections.read_timeout)
+        self.renderer = Renderer(config.templates)
+        self.dialects = DialectRoutes(self.backend, self.metrics, config.connections.read_timeout, self.renderer)
 
     @contextlib.asynccontextmanager
     async def lifespan(self, app: Starlette) -> AsyncIterator[None]:
@@ -194,6 +198,7 @@ class _Gateway:
             yield
         finally:
             sampler.cancel()
+            self.renderer.close()
             await self.backend.close()
 
     async def _sample(self) -> None:
@@ -229,7 +234,7 @@ class _Gateway:
             client = await self.backend.client()
             model = call.model or _sole_model(client)
             if kind == "chat":
-                call = call.with_chat_template(await self.backend.chat_template(model))
+                call = await call.with_chat_template(await self.backend.chat_template(model), self.renderer, model)
             elif call.echo and not isinstance(call.prompt, str):  # the text of a token prompt, to echo
                 call = call.with_echo_text(await client.detokenize(call.prompt, model=call.model))
         except MpserveError as exc:

@@ -31,6 +31,7 @@ from mpserve.errors import ErrorCode, MpserveError
 from . import limits
 from . import openai as oai
 from .backend import Backend
+from .chat import Renderer
 from .encode import EventStream
 from .metrics import GatewayMetrics
 from .watch import ClientGone, first, unless_disconnected
@@ -89,10 +90,11 @@ def owner(request: Request) -> str:
 class DialectRoutes:
     """Serves each dialect's route through the gateway's backend and metrics."""
 
-    def __init__(self, backend: Backend, metrics: GatewayMetrics, read_timeout: float) -> None:
+    def __init__(self, backend: Backend, metrics: GatewayMetrics, read_timeout: float, renderer: Renderer) -> None:
         self.backend = backend
         self.metrics = metrics
         self.read_timeout = read_timeout
+        self.renderer = renderer
 
     def routes(self, dialects: Sequence[Dialect]) -> list[Route]:
         """A POST route per dialect, at its path."""
@@ -110,7 +112,8 @@ class DialectRoutes:
             answer = dialect.parse(body, owner(request))
             client = await self.backend.client()
             model = answer.call.model or (client.models[0] if len(client.models) == 1 else "")
-            answer.call = answer.call.with_chat_template(await self.backend.chat_template(model))
+            answer.call = await answer.call.with_chat_template(await self.backend.chat_template(model),
+                                                               self.renderer, model)
         except MpserveError as exc:
             return self._failed(dialect, exc)
         except limits.Refused as exc:

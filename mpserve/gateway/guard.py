@@ -1,7 +1,10 @@
 """The gateway's connections: uvicorn's httptools protocol with the limits a network front needs.
 
     TCP (or TLS) connection ──▶ GuardedHttpToolsProtocol ──▶ the Starlette app
-        over max_connections open:                 503 with Retry-After, closed at once
+        over max_connections_per_client from its address: 503 with Retry-After, closed at once
+        over max_connections open:                 only GET /health is answered (one of HEALTH_RESERVE
+                                                   connections kept for it, closed after its answer); any
+                                                   other request, or past the reserve, 503 with Retry-After
         request headers not complete within read_timeout of waiting for them (slowloris): 408, closed
         idle between requests for keep_alive:      closed (uvicorn's own timeout)
         not HTTP, or a request line and headers over max_header_bytes: 400, closed
@@ -22,7 +25,10 @@ stream's head with its first event, its last event with its end.
 uvicorn times only the idle wait between requests, so a client that sends half a header holds its
 connection forever; here a deadline starts whenever the connection waits for a request and ends when its
 headers are complete. uvicorn's own ``limit_concurrency`` answers in plain text, and only once a request
-arrives; this bound counts connections as they open. Every answer is OpenAI's error object. A body that
+arrives; this bound counts connections as they open. One client address cannot take them all: a cap per
+address leaves the rest to others, and a load balancer's probe of ``/health`` is answered from connections
+held back for it even when every other one is taken, so the node is not dropped while a client floods it.
+Every answer is OpenAI's error object. A body that
 trickles is ``limits``' (408 from the app).
 """
 
@@ -32,6 +38,7 @@ import asyncio
 import http
 import json
 import logging
+from collections import Counter
 from dataclasses import dataclass
 from typing import Any, cast
 
@@ -42,18 +49,23 @@ from . import openai as oai
 log = logging.getLogger("mpserve.gateway")
 
 
+HEALTH_PATH = b"/health"
+
+
 @dataclass(frozen=True)
 class ConnectionLimits:
     max_connections: int = 1024
+    max_connections_per_client: int = 256  # from one client address (behind a proxy: all of them)
     read_timeout: float = 30.0  # seconds for a request's headers (and, in the app, for its body)
     keep_alive: float = 5.0  # seconds a connection may stay idle between requests
     max_header_bytes: int = 16 * 1024  # a request line and headers
     retry_after: float = 1.0  # what a refused connection is told
+    health_reserve: int = 8  # connections past max_connections that may ask for /health alone
 
 
 def uvicorn_options(limits: ConnectionLimits) -> dict[str, Any]:
     """Keyword arguments for ``uvicorn.run`` / ``uvicorn.Config``: the protocol bound to these limits."""
-    bound = type("GuardedHttpToolsProtocol", (GuardedHttpToolsProtocol,), {"limits": limits})
+    bound = type("GuardedHttpToolsProtocol", (GuardedHttpToolsProtocol,), {"limits": limits, "peers": Counter()})
     return {"http": bound, "ws": "none", "timeout_keep_alive": limits.keep_alive}
 
 
@@ -73,26 +85,37 @@ class _Refused(Exception):
 
 class GuardedHttpToolsProtocol(HttpToolsProtocol):
     limits = ConnectionLimits()
+    peers: Counter[str] = Counter()  # open connections by client address (``uvicorn_options`` gives one per server)
 
     _deadline: asyncio.TimerHandle | None = None
     _awaiting_head = True  # from the connection or a request's end until the next request's headers are complete
     _head_arrived = 0  # bytes that arrived while awaiting the head
     _head_parsed = 0  # the head's line and headers, as the parser has passed them
-    _refused = False  # over max_connections: nothing it sends is read
+    _refused = False  # over a limit: nothing it sends is read
+    _peer: str | None = None  # the client address it is counted under
+    _health_only = False  # over max_connections, within the reserve: GET /health alone is answered
     _refusal: oai.HttpError | None = None  # why a request is refused, where it is known
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(cast(asyncio.Transport, _Coalesced(transport, self.loop)))
-        if len(self.connections) > self.limits.max_connections:
-            self._refused = True
-            self._close_with(oai.HttpError(503, "too_many_connections", f"the gateway has "
-                                           f"{self.limits.max_connections} connections open, its limit; retry "
-                                           "later", self.limits.retry_after))
-            return
-        self._arm()
+        self._peer = self.client[0] if self.client else "local"
+        self.peers[self._peer] += 1
+        if self.peers[self._peer] > self.limits.max_connections_per_client:
+            self._refuse(f"{self._peer} has {self.limits.max_connections_per_client} connections open to the "
+                         "gateway, its limit per client address; close some, or retry later")
+        elif len(self.connections) > self.limits.max_connections + self.limits.health_reserve:
+            self._refuse(self._full())
+        else:
+            self._health_only = len(self.connections) > self.limits.max_connections
+            self._arm()
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._disarm()
+        if self._peer is not None:
+            self.peers[self._peer] -= 1
+            if not self.peers[self._peer]:
+                del self.peers[self._peer]
+            self._peer = None
         super().connection_lost(exc)
 
     def data_received(self, data: bytes) -> None:
@@ -128,9 +151,13 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
                                           "body here (the gateway has no WebSocket route): send it without the "
                                           "Upgrade header")
             raise _Refused
+        if self._health_only and (self.parser.get_method() != b"GET" or self.url.partition(b"?")[0] != HEALTH_PATH):
+            self._refusal = oai.HttpError(503, "too_many_connections", self._full() + " (connections past it "
+                                          "answer GET /health alone)", self.limits.retry_after)
+            raise _Refused
         super().on_headers_complete()
-        if upgrade:
-            self.cycle.keep_alive = False  # llhttp parses nothing after it: this answer ends the connection
+        if upgrade or self._health_only:  # after an Upgrade llhttp parses nothing; a reserved one is freed
+            self.cycle.keep_alive = False
 
     def on_message_complete(self) -> None:
         super().on_message_complete()
@@ -152,6 +179,13 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
         if self._head_parsed > self.limits.max_header_bytes:
             self._refusal = self._head_too_large()
             raise _Refused
+
+    def _full(self) -> str:
+        return f"the gateway has {self.limits.max_connections} connections open, its limit; retry later"
+
+    def _refuse(self, why: str) -> None:
+        self._refused = True
+        self._close_with(oai.HttpError(503, "too_many_connections", why, self.limits.retry_after))
 
     def _head_too_large(self) -> oai.HttpError:
         return oai.HttpError(400, "invalid_http", f"request line and headers over "

@@ -24,8 +24,8 @@ top_p 1, no top-k and no repeat penalty, so a request sent here as to OpenAI's A
 min-p 0.05 stays). The ZeroMQ client keeps llama.cpp's defaults (``protocol.GenerateParams``).
 
 Chat prompts are formatted with the model's own chat template, from its GGUF (``Call.with_chat_template``,
-``mpserve.gateway.chat``); a model without one gets a ChatML default (``chat_prompt``), which also stops
-generation at ``<|im_end|>``.
+``mpserve.gateway.chat``: within a time and output budget, off the event loop); a model without one gets a
+ChatML default (``chat_prompt``), which also stops generation at ``<|im_end|>``.
 
 Structured output: ``response_format`` ``{"type": "json_object"}`` (any JSON object) or ``{"type":
 "json_schema", "json_schema": {"name", "schema", "strict"}}``, and llama-server's ``grammar`` (GBNF) and
@@ -56,7 +56,7 @@ from mpserve.wire.protocol import ChatTemplate
 
 from . import best_of, extensions, logprobs
 from . import tools as tc
-from .chat import render
+from .chat import Renderer
 from .tokens import token_ids
 
 log = logging.getLogger("mpserve.gateway")
@@ -124,15 +124,17 @@ class Call:
         """Keyword arguments for ``AsyncClient.choices`` / ``stream`` (``n`` among them)."""
         return msgspec.structs.asdict(self.params)
 
-    def with_chat_template(self, chat: ChatTemplate) -> Call:
-        """A chat's prompt from the model's template; without one, from the ChatML default, which also stops
-        at ``<|im_end|>``. Raises BadRequest when the template fails or refuses the messages."""
+    async def with_chat_template(self, chat: ChatTemplate, renderer: Renderer, model: str) -> Call:
+        """A chat's prompt from ``model``'s template, rendered by ``renderer`` (off the event loop); without one,
+        from the ChatML default, which also stops at ``<|im_end|>``. Raises BadRequest when the template fails,
+        refuses the messages or goes over its budget."""
         if chat:
             messages = [m.for_template() for m in self.messages]
             if self.tools is not None and "tools" not in chat.template:  # it cannot show them: the default prompt
                 messages = _with_system(messages, tc.tools_prompt(self.tools))
             tools = [t.as_openai() for t in self.tools.tools] if self.tools is not None else None
-            return dataclasses.replace(self, prompt=render(chat, messages, tools), parser=tc.parser_for(chat.template))
+            prompt = await renderer.render(chat, messages, tools, model)
+            return dataclasses.replace(self, prompt=prompt, parser=tc.parser_for(chat.template))
         stop = self.params.stop if CHAT_STOP in self.params.stop else (*self.params.stop, CHAT_STOP)
         return dataclasses.replace(self, prompt=chat_prompt(self.messages, self.tools),
                                    params=msgspec.structs.replace(self.params, stop=stop))

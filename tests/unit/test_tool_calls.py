@@ -5,6 +5,7 @@ reassembled."""
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import json
 from typing import Any
@@ -15,6 +16,7 @@ from mpserve.client import Result
 from mpserve.errors import BadRequest
 from mpserve.gateway import openai as oai
 from mpserve.gateway import tools as tc
+from mpserve.gateway.chat import Renderer
 from mpserve.wire import protocol as wire
 from mpserve.wire.protocol import ChatTemplate
 
@@ -187,8 +189,16 @@ HISTORY = [{"role": "system", "content": "Be brief."}, {"role": "user", "content
            {"role": "tool", "tool_call_id": "call_1", "content": "18 C"}]
 
 
+def _templated(call: oai.Call, chat: ChatTemplate) -> oai.Call:
+    renderer = Renderer()
+    try:
+        return asyncio.run(call.with_chat_template(chat, renderer, "m"))
+    finally:
+        renderer.close()
+
+
 def test_the_chatml_default_renders_tools_calls_and_answers() -> None:
-    call = oai.parse("chat", {"messages": HISTORY, "tools": TOOLS}).with_chat_template(ChatTemplate())
+    call = _templated(oai.parse("chat", {"messages": HISTORY, "tools": TOOLS}), ChatTemplate())
     assert call.prompt.startswith("<|im_start|>system\nBe brief.\n\n# Tools\n")
     assert '{"type": "function", "function": {"name": "get_weather"' in call.prompt
     assert ('<|im_start|>assistant\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n'
@@ -201,8 +211,8 @@ def test_a_template_gets_the_tools_variable_or_the_default_prompt() -> None:
     with_tools = ChatTemplate("{% for t in tools %}[{{ t.function.name }}]{% endfor %}{% for m in messages %}"
                               "{{ m.role }}:{{ m.content }}{% for c in m.tool_calls or [] %}"
                               "<{{ c.function.arguments.city }}>{% endfor %};{% endfor %}")
-    call = oai.parse("chat", {"messages": HISTORY, "tools": TOOLS}).with_chat_template(with_tools)
+    call = _templated(oai.parse("chat", {"messages": HISTORY, "tools": TOOLS}), with_tools)
     assert call.prompt == "[get_weather][get_time]system:Be brief.;user:Weather in Paris?;assistant:<Paris>;tool:18 C;"
     plain = ChatTemplate("{% for m in messages %}{{ m.role }}:{{ m.content }};{% endfor %}")
-    call = oai.parse("chat", {"messages": HISTORY[:2], "tools": TOOLS}).with_chat_template(plain)
+    call = _templated(oai.parse("chat", {"messages": HISTORY[:2], "tools": TOOLS}), plain)
     assert call.prompt.startswith("system:Be brief.\n\n# Tools\n") and call.parser == "json"
