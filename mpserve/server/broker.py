@@ -21,7 +21,8 @@
 
     TOKENIZE ─▶ at once to the least busy loaded instance of the model (no slot, no queue); its TOKENS or
     EMBED       ERROR (EMBEDDINGS or ERROR) is forwarded the same way (``lookups``: ticket -> client, request id,
-                worker). EMBED goes to embedding models only (``embedding: true``), REQUEST to the others
+                worker), taken from that worker only. EMBED goes to embedding models only (``embedding: true``),
+                REQUEST to the others
     SLOT_ACTION ─▶ at once to the instance it names; its SLOT_REPLY or ERROR, the same way
     admin ROUTER ─▶ the same handling, as an operator: CONTROL and SLOT_ACTION come only this way; on the front
                     they are refused, ERROR ``forbidden`` (``mpserve.server.roles``)
@@ -32,6 +33,16 @@ accepted request ends with exactly one terminal message to its client (DONE or E
 state records that it was sent, so a late worker reply for a request that already timed out or was
 cancelled frees the worker without reaching the client twice. Routing and the retry rules are pure
 functions in ``mpserve.server.routing``.
+
+The worker socket trusts a peer once it registered (READY, by ``mpserve.server.link``'s rules), and for its own
+requests only:
+
+    peer not registered ──▶ READY: registered, or refused · FAILED proving a local worker: its supervisor counts
+                            it · HEARTBEAT: asked to register · anything else: dropped, counted
+                            (``dropped_unregistered``), logged
+    registered worker ──▶ an answer counts under a ticket the broker gave that worker; under another's, or none
+                          live, it is dropped and counted
+    any message whose handling raises ──▶ logged, counted (``worker_message_failed``), dropped; the broker serves on
 
 Worker deaths and stalls arrive from the supervisor (process sentinels in the same poll; a death with the
 worker's exit status), the loss of a remote worker from its silence or from an ASSIGN its link did not take
@@ -116,6 +127,8 @@ CHUNK_FRAME = wire.TYPE_FRAMES[wire.MsgType.CHUNK]
 TRAILED = {CHUNK_FRAME, *(wire.TYPE_FRAMES[t] for t in (wire.MsgType.DONE, wire.MsgType.ERROR, wire.MsgType.READY))
            }  # may have a 5th frame
 CHUNKS_FRAME = wire.TYPE_FRAMES[wire.MsgType.CHUNKS]
+LOOKUP_ANSWERS = {wire.MsgType.TOKENS, wire.MsgType.EMBEDDINGS, wire.MsgType.SLOT_REPLY, wire.MsgType.ERROR}
+UNREGISTERED_LOG_S = 10.0  # messages from peers not registered are counted each, logged at most this often
 FROM_CLIENTS = {wire.MsgType.REQUEST, wire.MsgType.CANCEL, wire.MsgType.PING, wire.MsgType.TOKENIZE,
                 wire.MsgType.EMBED, wire.MsgType.STATS_QUERY, wire.MsgType.SLOT_ACTION, wire.MsgType.CONTROL}
 
@@ -166,8 +179,9 @@ class Broker:
         self._assigns: dict[bytes, list[bytes]] = {}  # worker -> packed ASSIGNs not sent yet (``flush``)
         self._undelivered: set[bytes] = set()  # remote workers an ASSIGN could not be sent to (``expire_workers``)
         self._tickets = (format(n, "x") for n in itertools.count(1))
+        self._unregistered_logged = -UNREGISTERED_LOG_S  # when a message from an unregistered peer was last logged
         self.on_ready: Callable[[WorkerEntry], None] = lambda entry: None  # set by the server: the
-        self.on_failed: Callable[[str, str], None] = lambda model, message: None  # supervisor's view of loads
+        self.on_failed: Callable[[int, str], None] = lambda index, message: None  # supervisor's view of loads
         self.on_drained: Callable[[WorkerEntry], None] = lambda entry: None  # a drained worker was told to STOP
         self.on_control: Callable[[wire.Control], wire.ControlReply] = _no_control
         self.scaling_of: Callable[[str], wire.ModelScaling] = lambda model: wire.ModelScaling()  # for STATS
@@ -625,6 +639,15 @@ class Broker:
     # --- workers -------------------------------------------------------------------------------
 
     def _from_worker(self, frames: list[bytes]) -> None:
+        """One message on the worker socket. One that raises is logged, counted and dropped: the broker serves on
+        (a bug, or a message no check foresaw, costs that message, not the server)."""
+        try:
+            self._worker_message(frames)
+        except Exception:
+            self.stats["worker_message_failed"] += 1
+            log.exception("internal error while handling a message from worker %r; dropped it", frames[0])
+
+    def _worker_message(self, frames: list[bytes]) -> None:
         if len(frames) < 2:
             self.stats["dropped_worker_malformed"] += 1
             return
@@ -640,9 +663,10 @@ class Broker:
             log.warning("refused a message from worker %r: %s", identity, exc)
             self._to_worker(identity, wire.Error(None, exc.code, f"refused by the broker: {exc.message}"))
             return
-        lookup = self.lookups.pop(frames[2].decode(errors="replace"), None) if frames[2] else None
-        if lookup is not None:  # TOKENS or ERROR answering a TOKENIZE
-            self._to_client(lookup[0], [wire.VERSION, frames[1], frames[3]])
+        if entry is None and mtype is not wire.MsgType.READY:
+            self._from_unregistered(identity, mtype, frames[3])
+            return
+        if frames[2] and self._lookup_answered(identity, mtype, frames[2].decode(errors="replace"), frames[3]):
             return
         if mtype is wire.MsgType.STEP:
             self._worker_step(identity, frames[3])
@@ -650,6 +674,9 @@ class Broker:
         if mtype in (wire.MsgType.CHUNK, wire.MsgType.DONE, wire.MsgType.ERROR):
             self._worker_result(identity, mtype, frames[2].decode(errors="replace"), frames[1], frames[3],
                                 frames[4] if len(frames) == 5 else None)
+            return
+        if mtype in LOOKUP_ANSWERS:  # for a lookup no longer here (its client went, its worker was lost)
+            self.stats["dropped_stale_result"] += 1
             return
         try:
             msg = wire.decode_body(mtype, frames[3])
@@ -659,17 +686,75 @@ class Broker:
             return
         if isinstance(msg, wire.Ready):
             self._on_ready(identity, msg, frames[4] if len(frames) == 5 else None)
-        elif isinstance(msg, wire.Failed):
-            self.on_failed(msg.model, msg.message)
+            return
+        assert entry is not None
+        if isinstance(msg, wire.Failed):
+            self._load_failed(entry, msg.message)
         elif isinstance(msg, wire.Leaving):
-            if entry is not None:
-                self._worker_left(entry, msg.reason)
-        elif entry is None:  # lost, or registered with the broker before this one: ask it to register
-            self._to_worker(identity, wire.Heartbeat(identity.decode(), registered=False))
+            self._worker_left(entry, msg.reason)
         elif isinstance(msg, wire.Unloaded):
             entry.loaded = entry.unloading = False
             entry.prompts.clear()  # its KV cells went with the model; the host store keeps its entries
             self._dispatch(entry.model)
+
+    def _from_unregistered(self, identity: bytes, mtype: wire.MsgType, body: bytes) -> None:
+        """A message from a peer that is not a registered worker: nothing of it is acted on, but a FAILED that
+        proves it comes from one of the server's own workers (which fail to load before they register). A
+        HEARTBEAT or UNLOADED is a worker that was lost, or registered with the broker before this one: it is
+        asked to register; anything else is dropped, counted (``dropped_unregistered``) and logged."""
+        if mtype is wire.MsgType.FAILED and self._local_load_failed(identity, body):
+            return
+        if mtype in (wire.MsgType.HEARTBEAT, wire.MsgType.UNLOADED):
+            self._to_worker(identity, wire.Heartbeat(identity.decode(errors="replace"), registered=False))
+            return
+        if mtype is wire.MsgType.LEAVING:  # a worker this broker had already forgotten
+            return
+        self.stats["dropped_unregistered"] += 1
+        now = time.monotonic()
+        if now - self._unregistered_logged >= UNREGISTERED_LOG_S:
+            self._unregistered_logged = now
+            log.warning("dropped a %s from %r, which is not a registered worker (%d such messages so far; said at "
+                        "most every %.0f s)", mtype.name, identity, self.stats["dropped_unregistered"],
+                        UNREGISTERED_LOG_S)
+
+    def _local_load_failed(self, identity: bytes, body: bytes) -> bool:
+        """Whether ``body`` is the FAILED of one of the server's own workers (``link.local_index``): its supervisor
+        is told."""
+        try:
+            failed = wire.decode_body(wire.MsgType.FAILED, body)
+        except MpserveError:
+            return False
+        assert isinstance(failed, wire.Failed)
+        index = link.local_index(identity, failed, self.link_secret)
+        if index is not None:
+            self.on_failed(index, failed.message)
+        return index is not None
+
+    def _lookup_answered(self, identity: bytes, mtype: wire.MsgType, ticket: str, body: bytes) -> bool:
+        """Whether the message answered a lookup (TOKENIZE, EMBED, SLOT_ACTION): its answer (TOKENS, EMBEDDINGS,
+        SLOT_REPLY or ERROR) goes to its client, taken only from the worker the lookup was sent to; an answer of
+        another type, or from another worker, under a lookup's ticket is dropped and counted, and the lookup
+        still waits for its worker."""
+        lookup = self.lookups.get(ticket)
+        if lookup is None:
+            return False
+        client, _, worker = lookup
+        if worker != identity or mtype not in LOOKUP_ANSWERS:
+            self.stats["dropped_foreign_lookup_answer"] += 1
+            log.error("dropped a %s from worker %r under the ticket of a lookup sent to %r", mtype.name, identity,
+                      worker)
+            return True
+        del self.lookups[ticket]
+        self._to_client(client, [wire.VERSION, wire.TYPE_FRAMES[mtype], body])
+        return True
+
+    def _load_failed(self, entry: WorkerEntry, message: str) -> None:
+        """A registered worker could not load its model (on demand): a local one's supervisor counts it; a remote
+        one's pool does (it is said in the log)."""
+        if entry.index is not None:
+            self.on_failed(entry.index, message)
+        else:
+            log.error("worker %r on %s could not load %s: %s", entry.identity, entry.host, entry.model, message)
 
     def _on_ready(self, identity: bytes, msg: wire.Ready, cache: bytes | None) -> None:
         """A worker registered (again): ``cache`` is its whole prompt cache's CACHE frame, if it holds any."""

@@ -576,3 +576,25 @@ def test_a_request_not_sent_to_a_remote_worker_goes_elsewhere_even_if_that_worke
     finally:
         for sock in (client, far, near):
             sock.close(0)
+
+
+def test_a_lookup_is_answered_only_by_the_worker_it_was_sent_to(broker: Broker) -> None:
+    with peers(broker, slots=1) as (client, workers):
+        client.send_multipart(wire.encode(wire.Tokenize("t1", "m", "hi")))
+        assert broker.front.poll(1000)
+        broker.drain_front()
+        asked = next(name for name, sock in workers.items() if sock.poll(1000))
+        ticket = wire.decode(workers[asked].recv_multipart()).ticket
+        other = next(name for name in workers if name != asked)
+        forged = wire.encode_from_worker(wire.Tokens("t1", wire.pack_tokens([6])), ticket)
+        workers[other].send_multipart(forged)  # the right ticket, from another worker
+        assert broker.back.poll(1000)
+        broker.drain_back()
+        assert not client.poll(100) and broker.stats["dropped_foreign_lookup_answer"] == 1
+        workers[asked].send_multipart(wire.encode_from_worker(wire.Tokens("t1", wire.pack_tokens([1, 2])), ticket))
+        assert broker.back.poll(1000)
+        broker.drain_back()
+        answer = wire.decode(client.recv_multipart()) if client.poll(1000) else None
+        assert isinstance(answer, wire.Tokens) and wire.unpack_tokens(answer.tokens) == [1, 2]
+        assert not broker.lookups
+
