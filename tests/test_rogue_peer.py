@@ -105,6 +105,7 @@ def test_lookup_answers_sprayed_under_guessed_tickets_neither_delay_nor_forge_an
     assert len(answers) == LOOKUPS
     after = counters(echo_server)
     assert after["dropped_stale_result"] - stale >= GUESSED_TICKETS  # the spray was read, and dropped
+    assert after.get("dropped_foreign_lookup_answer", 0) == 0  # no guess named a live lookup
     assert not echo_server.tracebacks(), "\n".join(echo_server.log)
 
 

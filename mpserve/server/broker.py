@@ -40,8 +40,8 @@ requests only:
     peer not registered ──▶ READY: registered, or refused · FAILED proving a local worker: its supervisor counts
                             it · HEARTBEAT: asked to register · anything else: dropped, counted
                             (``dropped_unregistered``), logged
-    registered worker ──▶ an answer counts under a ticket the broker gave that worker; under another's, or none
-                          live, it is dropped and counted
+    registered worker ──▶ an answer counts under a ticket the broker gave that worker (tickets are random:
+                          ``new_ticket``); under another's, or none live, it is dropped and counted
     any message whose handling raises ──▶ logged, counted (``worker_message_failed``), dropped; the broker serves on
 
 Worker deaths and stalls arrive from the supervisor (process sentinels in the same poll; a death with the
@@ -76,8 +76,8 @@ from __future__ import annotations
 
 import dataclasses
 import heapq
-import itertools
 import logging
+import secrets
 import time
 from collections import Counter, deque
 from collections.abc import Callable
@@ -127,6 +127,7 @@ CHUNK_FRAME = wire.TYPE_FRAMES[wire.MsgType.CHUNK]
 TRAILED = {CHUNK_FRAME, *(wire.TYPE_FRAMES[t] for t in (wire.MsgType.DONE, wire.MsgType.ERROR, wire.MsgType.READY))
            }  # may have a 5th frame
 CHUNKS_FRAME = wire.TYPE_FRAMES[wire.MsgType.CHUNKS]
+TICKET_BYTES = 16
 LOOKUP_ANSWERS = {wire.MsgType.TOKENS, wire.MsgType.EMBEDDINGS, wire.MsgType.SLOT_REPLY, wire.MsgType.ERROR}
 UNREGISTERED_LOG_S = 10.0  # messages from peers not registered are counted each, logged at most this often
 FROM_CLIENTS = {wire.MsgType.REQUEST, wire.MsgType.CANCEL, wire.MsgType.PING, wire.MsgType.TOKENIZE,
@@ -178,7 +179,6 @@ class Broker:
         self._deadlines: list[tuple[float, str]] = []
         self._assigns: dict[bytes, list[bytes]] = {}  # worker -> packed ASSIGNs not sent yet (``flush``)
         self._undelivered: set[bytes] = set()  # remote workers an ASSIGN could not be sent to (``expire_workers``)
-        self._tickets = (format(n, "x") for n in itertools.count(1))
         self._unregistered_logged = -UNREGISTERED_LOG_S  # when a message from an unregistered peer was last logged
         self.on_ready: Callable[[WorkerEntry], None] = lambda entry: None  # set by the server: the
         self.on_failed: Callable[[int, str], None] = lambda index, message: None  # supervisor's view of loads
@@ -292,10 +292,9 @@ class Broker:
         ``crashed``, else a hand-over."""
         self._forget_worker(entry)
         self._lookups_lost(entry.identity, what)
-        for ticket in sorted(entry.running):
-            p = self.requests.get(ticket)
-            if p is not None:
-                self._after_loss(p, what, crashed)
+        lost = [self.requests[t] for t in entry.running if t in self.requests]
+        for p in sorted(lost, key=lambda p: (p.accepted, p.index)):
+            self._after_loss(p, what, crashed)
         self._dispatch(entry.model)
 
     def _model_crashed(self, entry: WorkerEntry, sig: Signals) -> None:
@@ -464,7 +463,7 @@ class Broker:
             raise BadRequest(refusal)
         now = time.monotonic()
         self._heard.setdefault(client, now)
-        tickets = tuple(next(self._tickets) for _ in range(n))
+        tickets = tuple(new_ticket() for _ in range(n))
         for i, ticket in enumerate(tickets):  # a request for n: one row per choice, with its own parameters
             one = req if n == 1 else msgspec.structs.replace(req, params=req.params.choice_params(i))
             p = Pending(ticket, client, one, model, now, now + req.timeout if req.timeout else None,
@@ -498,7 +497,7 @@ class Broker:
         if not loaded:
             raise Busy(f"no instance of model {model} has it loaded now; retry once one has", retry_after=1.0)
         worker = min(loaded, key=lambda w: len(w.running))
-        ticket = next(self._tickets)
+        ticket = new_ticket()
         self.lookups[ticket] = (client, msg.id, worker.identity)
         self.stats["tokenize" if isinstance(msg, wire.Tokenize) else "embed"] += 1
         self._to_worker(worker.identity, dataclasses.replace(msg, ticket=ticket))
@@ -516,7 +515,7 @@ class Broker:
         worker = self.workers.get(msg.worker.encode())
         if worker is None or not worker.loaded:
             raise BadRequest(f"no loaded instance {msg.worker!r}; `mpserve status` lists the instances and slots")
-        ticket = next(self._tickets)
+        ticket = new_ticket()
         self.lookups[ticket] = (client, msg.id, worker.identity)
         self.stats[f"slot_{msg.action}"] += 1
         self._to_worker(worker.identity, dataclasses.replace(msg, ticket=ticket))
@@ -1102,6 +1101,12 @@ class Broker:
     def _stale_deadline(self, ticket: str) -> bool:
         p = self.requests.get(ticket)
         return p is None or p.answered
+
+
+def new_ticket() -> str:
+    """The name a request or lookup goes by between the broker and its worker: random, so that no other peer of the
+    worker socket can guess it (a worker's answer counts only under a ticket the broker gave it)."""
+    return secrets.token_urlsafe(TICKET_BYTES)
 
 
 def _timed_whole(p: Pending, body: bytes) -> bytes:

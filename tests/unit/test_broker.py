@@ -598,3 +598,14 @@ def test_a_lookup_is_answered_only_by_the_worker_it_was_sent_to(broker: Broker) 
         assert isinstance(answer, wire.Tokens) and wire.unpack_tokens(answer.tokens) == [1, 2]
         assert not broker.lookups
 
+
+def test_tickets_are_random_and_a_worker_registers_only_under_its_connections_name(broker: Broker) -> None:
+    with peers(broker, slots=2) as (client, workers):
+        for i in range(4):
+            client.send_multipart(wire.encode(wire.Request(f"r{i}", "hi")))
+        assert broker.front.poll(1000)
+        broker.drain_front()
+        tickets = [a.ticket for sock in workers.values() for a in assigns(sock, 2)]
+    assert len(set(tickets)) == 4 and all(len(t) >= 22 for t in tickets)  # 128 random bits each
+    broker._on_ready(b"pool-1-w0", wire.Ready("pool-1-w1", "m", -1, 1, 1, host="pool"), None)
+    assert b"pool-1-w0" not in broker.workers and broker.stats["refused_worker_ready"] == 1
