@@ -43,6 +43,8 @@ requests only:
     registered worker ──▶ an answer counts under a ticket the broker gave that worker (tickets are random:
                           ``new_ticket``); under another's, or none live, it is dropped and counted
     any message whose handling raises ──▶ logged, counted (``worker_message_failed``), dropped; the broker serves on
+    a READY's chat template ──▶ ``mpserve.server.chat``: a local instance's first is the model's; a remote pool's
+                                that differs is refused, never handed out
 
 Worker deaths and stalls arrive from the supervisor (process sentinels in the same poll; a death with the
 worker's exit status), the loss of a remote worker from its silence or from an ASSIGN its link did not take
@@ -103,7 +105,7 @@ from mpserve.wire import zmqio
 from mpserve.wire.prefix import PREFIX_BLOCK, block_hashes
 from mpserve.wire.protocol import ChatTemplate
 
-from . import link, roles
+from . import chat, link, roles
 from .residency import Loaded, Residency
 from .routing import (
     MAX_HANDOVERS,
@@ -140,7 +142,8 @@ class Broker:
                  curve_secret: str | None = None, curve_workers: str | None = None,
                  residency: Residency | None = None, heartbeat_interval: float = 1.0,
                  heartbeat_liveness: int = 5, embedding_models: frozenset[str] = frozenset(),
-                 admin_addr: str | None = None, curve_admins: str | None = None) -> None:
+                 admin_addr: str | None = None, curve_admins: str | None = None,
+                 chat_templates: dict[str, str] | None = None) -> None:
         """``models``: name -> max queue length. ``client_timeout``: a client with pending requests that
         sends nothing for this long is taken as gone and its requests are cancelled (clients ping every
         second while they wait). ``curve_secret``: the server's CURVE secret-key file for the front.
@@ -149,8 +152,11 @@ class Broker:
         requires CURVE too. Remote workers silent for ``heartbeat_interval × heartbeat_liveness`` are lost.
         ``embedding_models``: the models configured ``embedding: true``, which serve EMBED and no REQUEST.
         ``admin_addr``: the operators' socket (``mpserve.server.roles``; None: none, so no operator's call is
-        taken), with CURVE when ``curve_admins`` (their keys) is given."""
+        taken), with CURVE when ``curve_admins`` (their keys) is given. ``chat_templates``: the template each model
+        is served with by the server's configuration (``layout.served_template``), which a remote pool's must equal
+        (``mpserve.server.chat``); a model not in it takes no pool's."""
         self.embedding_models = embedding_models
+        self.chat_templates = chat_templates or {}
         self.front = _router(ctx, front_addr, curve_secret, b"clients")
         self.back = _router(ctx, back_addr, curve_secret if curve_workers else None, b"workers")
         self.admin = _router(ctx, admin_addr, curve_secret if curve_admins else None, b"admins") if admin_addr else None
@@ -770,19 +776,18 @@ class Broker:
             self._to_worker(identity, wire.Error(None, ErrorCode.UNKNOWN_MODEL,
                                                  f"this broker does not serve {msg.model!r}"))
             return
-        if msg.chat_template:  # every instance of a model loads the same file; the latest word stands
-            self.models[msg.model].chat = ChatTemplate(msg.chat_template, msg.bos_token, msg.eos_token)
         old = self.workers.get(identity)
         if old is not None and old.pid == msg.pid and old.model == msg.model:
             # the same process registering again: it had not heard from us, or it loaded its model on demand,
             # which the supervisor counts as a good load (its model's failed loads start afresh)
+            self._take_chat(identity, msg, old.index is not None)
             self._cache_held(old, cache)
             if msg.loaded and old.index is not None:
                 old.loaded = True
                 self.on_ready(old)
             return
         index = link.local_index(identity, msg, self.link_secret)
-        refused = link.refusal(identity, msg, index, old)
+        refused = link.refusal(identity, msg, index, old) or self._chat_refusal(msg, index is not None)
         if refused is not None:
             self.stats["refused_worker_ready"] += 1
             log.error("refused a READY from %r (pid %d, host %r): %s", identity, msg.pid, msg.host, refused)
@@ -793,6 +798,7 @@ class Broker:
         if old is not None:  # a new process under the same name: whatever the old one ran is lost
             self._worker_gone(old, f"worker {identity.decode()} restarted", crashed=False)
         local = index is not None
+        self._take_chat(identity, msg, local)
         entry = WorkerEntry(identity, index, msg.model, msg.device, msg.capacity,
                             msg.pid, msg.loaded, host=msg.host, last_heard=time.monotonic(),
                             ram=self.models[msg.model].store(msg.host))
@@ -806,6 +812,32 @@ class Broker:
         else:
             log.info("worker %s on %s registered for %s", identity.decode(), msg.host, msg.model)
         self._dispatch(msg.model)
+
+    def _chat_verdict(self, msg: wire.Ready, local: bool) -> chat.Verdict:
+        mq = self.models[msg.model]
+        return chat.judge(chat.Held(mq.chat, mq.chat_local), self.chat_templates.get(msg.model),
+                          ChatTemplate(msg.chat_template, msg.bos_token, msg.eos_token), local)
+
+    def _chat_refusal(self, msg: wire.Ready, local: bool) -> str | None:
+        """Why a remote pool's READY may not register: its chat template differs from the model's
+        (``mpserve.server.chat``)."""
+        if local or self._chat_verdict(msg, local) is not chat.Verdict.DIFFERS:
+            return None
+        mq = self.models[msg.model]
+        return chat.differs(msg.model, chat.Held(mq.chat, mq.chat_local))
+
+    def _take_chat(self, identity: bytes, msg: wire.Ready, local: bool) -> None:
+        """The template a registering worker brings: taken (a local instance's first, or a pool's that is the
+        server's own while none is known), or, if it differs from the model's, logged and counted, never taken."""
+        verdict = self._chat_verdict(msg, local)
+        mq = self.models[msg.model]
+        if verdict is chat.Verdict.TAKE:
+            mq.chat, mq.chat_local = ChatTemplate(msg.chat_template, msg.bos_token, msg.eos_token), local
+        elif verdict is chat.Verdict.DIFFERS:
+            self.stats["chat_template_differs"] += 1
+            log.warning("worker %r%s serves model %s with another chat template (or BOS or EOS token text) than the "
+                        "one the server hands out; kept that one", identity, f" on {msg.host}" if msg.host else "",
+                        msg.model)
 
     def _answered(self, identity: bytes, msg: wire.Ready) -> bool:
         """Answer a remote worker's READY at once (a heartbeat), so that it hears the broker before its silence

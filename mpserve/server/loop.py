@@ -34,7 +34,7 @@ from mpserve.wire.slots import SlotTable
 from . import roles
 from .broker import Broker
 from .instances import Instances
-from .layout import build_layout, check_host_ram, worker_specs
+from .layout import build_layout, check_host_ram, served_template, worker_specs
 from .preflight import bind_problem, claim
 from .residency import Residency
 from .signals import SignalPipe
@@ -108,7 +108,8 @@ def _broker(ctx: zmq.Context[zmq.Socket[bytes]], config: ServerConfig, paths: Se
                       residency=Residency(config.switch_batch) if config.single_active_backend else None,
                       heartbeat_interval=config.heartbeat_interval, heartbeat_liveness=config.heartbeat_liveness,
                       embedding_models=frozenset(m.name for m in config.models if m.embedding),
-                      admin_addr=paths.admin, curve_admins=config.curve_admins)
+                      admin_addr=paths.admin, curve_admins=config.curve_admins,
+                      chat_templates={m.name: t for m in config.models if (t := served_template(m)) is not None})
     except zmq.ZMQError as exc:
         raise ConfigError(bind_problem("--bind, --workers-bind or --admin-bind",
                                        f"{paths.front}, {paths.back} or {paths.admin}", exc.errno,
