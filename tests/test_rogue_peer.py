@@ -15,8 +15,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import zmq
+import zmq.auth
 from conftest import ServerProcess
-from helpers import children, dealer, received, running, wait_for
+from helpers import children, config_file, dealer, free_port, received, running, wait_for
 
 from mpserve import Client
 from mpserve.wire import protocol as wire
@@ -224,3 +226,38 @@ def test_a_remote_ready_with_another_chat_template_changes_nothing_a_chat_render
         gateway.stop()
     assert reply.usage is not None and reply.usage.prompt_tokens == direct.usage.prompt_tokens
     assert reply.choices[0].message.content == direct.text
+
+
+# --- the models a remote pool's key may serve ---------------------------------------------------------------------
+
+@pytest.mark.timeout(60)
+def test_a_pool_key_limited_to_some_models_registers_for_those_only(start_server, tmp_path: Path) -> None:
+    keys = tmp_path / "keys"
+    for folder, name in ((keys, "server"), (keys / "clients", "client"), (keys / "workers", "limited"),
+                         (keys / "workers", "free")):
+        folder.mkdir(parents=True, exist_ok=True)
+        zmq.auth.create_certificates(str(folder), name)
+    port = free_port()
+    config = config_file(tmp_path, "pools", worker_models={"limited": ["other"]}, models=[
+        {"path": "builtin:tiny", "instances": 0}, {"path": "echo", "name": "other", "instances": 0}])
+    server = start_server("--config", config, "--workers-bind", f"tcp://127.0.0.1:{port}",
+                          "--curve-secret", str(keys / "server.key_secret"), "--curve-clients", str(keys / "clients"),
+                          "--curve-workers", str(keys / "workers")).wait_ready()
+    back, server_key = f"tcp://127.0.0.1:{port}", keys / "server.key"
+
+    def register(identity: str, model: str, key: str) -> Any:
+        public, secret = zmq.auth.load_certificate(keys / "workers" / f"{key}.key_secret")
+        with dealer(back, identity.encode(), CURVE_SERVERKEY=zmq.auth.load_certificate(server_key)[0],
+                    CURVE_PUBLICKEY=public, CURVE_SECRETKEY=secret) as sock:
+            sock.send_multipart(wire.encode_from_worker(wire.Ready(identity, model, -1, 1, 1, host="pool")))
+            return received(sock, 10)
+
+    refusal = register("lim-1-w0", "tiny", "limited")
+    assert isinstance(refusal, wire.Error) and "its key limited may serve other, not tiny" in refusal.message
+    assert isinstance(register("lim-1-w1", "other", "limited"), wire.Heartbeat)  # registered: answered at once
+    assert isinstance(register("free-1-w0", "tiny", "free"), wire.Heartbeat)
+    with Client(server.address, curve_server_key=str(server_key),
+                curve_secret=str(keys / "clients" / "client.key_secret")) as client:
+        stats = client.stats()
+    assert stats.counters["refused_worker_ready"] == 1
+    assert any("limited" in line and "not tiny" in line for line in server.log), "\n".join(server.log)

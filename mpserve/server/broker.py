@@ -43,6 +43,7 @@ requests only:
     registered worker ──▶ an answer counts under a ticket the broker gave that worker (tickets are random:
                           ``new_ticket``); under another's, or none live, it is dropped and counted
     any message whose handling raises ──▶ logged, counted (``worker_message_failed``), dropped; the broker serves on
+    a remote pool's READY ──▶ refused for a model its key may not serve (``mpserve.server.pool_keys``)
     a READY's chat template ──▶ ``mpserve.server.chat``: a local instance's first is the model's; a remote pool's
                                 that differs is refused, never handed out
 
@@ -105,7 +106,8 @@ from mpserve.wire import zmqio
 from mpserve.wire.prefix import PREFIX_BLOCK, block_hashes
 from mpserve.wire.protocol import ChatTemplate
 
-from . import chat, link, roles
+from . import chat, link, pool_keys, roles
+from .pool_keys import PoolKey
 from .residency import Loaded, Residency
 from .routing import (
     MAX_HANDOVERS,
@@ -143,7 +145,8 @@ class Broker:
                  residency: Residency | None = None, heartbeat_interval: float = 1.0,
                  heartbeat_liveness: int = 5, embedding_models: frozenset[str] = frozenset(),
                  admin_addr: str | None = None, curve_admins: str | None = None,
-                 chat_templates: dict[str, str] | None = None) -> None:
+                 chat_templates: dict[str, str] | None = None, pool_keys: dict[str, PoolKey] | None = None
+                 ) -> None:
         """``models``: name -> max queue length. ``client_timeout``: a client with pending requests that
         sends nothing for this long is taken as gone and its requests are cancelled (clients ping every
         second while they wait). ``curve_secret``: the server's CURVE secret-key file for the front.
@@ -154,9 +157,11 @@ class Broker:
         ``admin_addr``: the operators' socket (``mpserve.server.roles``; None: none, so no operator's call is
         taken), with CURVE when ``curve_admins`` (their keys) is given. ``chat_templates``: the template each model
         is served with by the server's configuration (``layout.served_template``), which a remote pool's must equal
-        (``mpserve.server.chat``); a model not in it takes no pool's."""
+        (``mpserve.server.chat``); a model not in it takes no pool's. ``pool_keys``: the remote pools' keys whose
+        models are limited (``mpserve.server.pool_keys``), by their public key in Z85."""
         self.embedding_models = embedding_models
         self.chat_templates = chat_templates or {}
+        self.pool_keys = pool_keys or {}
         self.front = _router(ctx, front_addr, curve_secret, b"clients")
         self.back = _router(ctx, back_addr, curve_secret if curve_workers else None, b"workers")
         self.admin = _router(ctx, admin_addr, curve_secret if curve_admins else None, b"admins") if admin_addr else None
@@ -214,7 +219,10 @@ class Broker:
         for _ in range(DRAIN_BATCH):
             if not zmqio.readable(self.back):
                 break
-            self._from_worker(zmqio.recv(self.back, zmqio.NOBLOCK))
+            if self.pool_keys:  # which key each message came with: READY is checked against its models
+                self._from_worker(*zmqio.recv_keyed(self.back, zmqio.NOBLOCK))
+            else:
+                self._from_worker(zmqio.recv(self.back, zmqio.NOBLOCK))
         self.flush()
 
     def flush(self) -> None:
@@ -643,16 +651,17 @@ class Broker:
 
     # --- workers -------------------------------------------------------------------------------
 
-    def _from_worker(self, frames: list[bytes]) -> None:
-        """One message on the worker socket. One that raises is logged, counted and dropped: the broker serves on
-        (a bug, or a message no check foresaw, costs that message, not the server)."""
+    def _from_worker(self, frames: list[bytes], key: str = "") -> None:
+        """One message on the worker socket (``key``: the CURVE key its peer proved, when the keys' models are
+        limited). One that raises is logged, counted and dropped: the broker serves on (a bug, or a message no
+        check foresaw, costs that message, not the server)."""
         try:
-            self._worker_message(frames)
+            self._worker_message(frames, key)
         except Exception:
             self.stats["worker_message_failed"] += 1
             log.exception("internal error while handling a message from worker %r; dropped it", frames[0])
 
-    def _worker_message(self, frames: list[bytes]) -> None:
+    def _worker_message(self, frames: list[bytes], key: str) -> None:
         if len(frames) < 2:
             self.stats["dropped_worker_malformed"] += 1
             return
@@ -690,7 +699,7 @@ class Broker:
             log.error("dropped a bad %s from worker %r: %s", mtype.name, identity, exc)
             return
         if isinstance(msg, wire.Ready):
-            self._on_ready(identity, msg, frames[4] if len(frames) == 5 else None)
+            self._on_ready(identity, msg, frames[4] if len(frames) == 5 else None, key)
             return
         assert entry is not None
         if isinstance(msg, wire.Failed):
@@ -761,8 +770,9 @@ class Broker:
         else:
             log.error("worker %r on %s could not load %s: %s", entry.identity, entry.host, entry.model, message)
 
-    def _on_ready(self, identity: bytes, msg: wire.Ready, cache: bytes | None) -> None:
-        """A worker registered (again): ``cache`` is its whole prompt cache's CACHE frame, if it holds any."""
+    def _on_ready(self, identity: bytes, msg: wire.Ready, cache: bytes | None, key: str = "") -> None:
+        """A worker registered (again): ``cache`` is its whole prompt cache's CACHE frame, if it holds any; ``key``
+        the CURVE key it connected with (``pool_keys``: which models it may serve)."""
         if msg.protocol != wire.WORKER_LINK:
             log.error("worker %r on %s speaks the worker protocol %r, this broker %r; refused (run the same mpserve "
                       "version on the pool's host)", identity, msg.host or "this host", msg.protocol, wire.WORKER_LINK)
@@ -787,7 +797,9 @@ class Broker:
                 self.on_ready(old)
             return
         index = link.local_index(identity, msg, self.link_secret)
-        refused = link.refusal(identity, msg, index, old) or self._chat_refusal(msg, index is not None)
+        refused = (link.refusal(identity, msg, index, old)
+                   or (pool_keys.refusal(self.pool_keys.get(key), msg.model) if index is None else None)
+                   or self._chat_refusal(msg, index is not None))
         if refused is not None:
             self.stats["refused_worker_ready"] += 1
             log.error("refused a READY from %r (pid %d, host %r): %s", identity, msg.pid, msg.host, refused)

@@ -35,6 +35,7 @@ from . import roles
 from .broker import Broker
 from .instances import Instances
 from .layout import build_layout, check_host_ram, served_template, worker_specs
+from .pool_keys import pool_keys
 from .preflight import bind_problem, claim
 from .residency import Residency
 from .signals import SignalPipe
@@ -109,7 +110,9 @@ def _broker(ctx: zmq.Context[zmq.Socket[bytes]], config: ServerConfig, paths: Se
                       heartbeat_interval=config.heartbeat_interval, heartbeat_liveness=config.heartbeat_liveness,
                       embedding_models=frozenset(m.name for m in config.models if m.embedding),
                       admin_addr=paths.admin, curve_admins=config.curve_admins,
-                      chat_templates={m.name: t for m in config.models if (t := served_template(m)) is not None})
+                      chat_templates={m.name: t for m in config.models if (t := served_template(m)) is not None},
+                      pool_keys=pool_keys(config.curve_workers, config.worker_models)
+                      if config.curve_workers and config.worker_models else None)
     except zmq.ZMQError as exc:
         raise ConfigError(bind_problem("--bind, --workers-bind or --admin-bind",
                                        f"{paths.front}, {paths.back} or {paths.admin}", exc.errno,
