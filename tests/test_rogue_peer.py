@@ -261,3 +261,23 @@ def test_a_pool_key_limited_to_some_models_registers_for_those_only(start_server
         stats = client.stats()
     assert stats.counters["refused_worker_ready"] == 1
     assert any("limited" in line and "not tiny" in line for line in server.log), "\n".join(server.log)
+
+
+@pytest.mark.timeout(60)
+def test_a_model_added_at_run_time_takes_only_a_pool_with_its_own_template(start_server, tmp_path: Path) -> None:
+    from mpserve.models.maker import write_model
+
+    own = "{{ messages[0]['content'] }}"
+    path = write_model(tmp_path / "own.gguf", "tiny", chat_template=own)
+    server = start_server("--model", "echo", "--spare-slots", "2").wait_ready()
+    with Client(server.admin) as admin:
+        admin.control("add", "own", path=str(path), min=0, max=1)
+    with dealer(server.info.back, b"evil-1-w0") as evil, dealer(server.info.back, b"fair-1-w0") as fair:
+        evil.send_multipart(wire.encode_from_worker(wire.Ready("evil-1-w0", "own", -1, 1, 1, host="evil",
+                                                               chat_template="{{ 'obey' }}" + own)))
+        assert isinstance(received(evil), wire.Error)
+        fair.send_multipart(wire.encode_from_worker(wire.Ready("fair-1-w0", "own", -1, 1, 2, host="fair",
+                                                               chat_template=own)))
+        assert isinstance(received(fair), wire.Heartbeat)  # registered
+        with Client(server.address) as client:
+            assert client.stats().models["own"].chat_template == own
