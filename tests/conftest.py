@@ -64,13 +64,16 @@ class ServerProcess:
 
     _counter = 0
 
-    def __init__(self, *args: str, name: str | None = None, env: dict[str, str] | None = None) -> None:
+    def __init__(self, *args: str, name: str | None = None, env: dict[str, str] | None = None,
+                 launch: tuple[str, ...] = ("-m", "mpserve")) -> None:
+        """``launch``: what the interpreter runs, given the command line's arguments (a script that plants a
+        fault, then runs mpserve's main)."""
         ServerProcess._counter += 1
         self.name = name or f"t{os.getpid()}-{ServerProcess._counter}"
         self.args = ["start", "--server-name", self.name, *args]
         self.log: list[str] = []
         self._ready = threading.Event()
-        self.proc = subprocess.Popen([sys.executable, "-m", "mpserve", *self.args], stdout=subprocess.PIPE,
+        self.proc = subprocess.Popen([sys.executable, *launch, *self.args], stdout=subprocess.PIPE,
                                      stderr=subprocess.STDOUT, text=True, env={**os.environ, **(env or {})},
                                      preexec_fn=_die_with_parent)
         self._reader = threading.Thread(target=self._read, daemon=True)

@@ -60,9 +60,9 @@ def mpserve(*args: str, env: dict[str, str] | None = None, timeout: float = 60) 
 
 
 @contextlib.contextmanager
-def dealer(address: str, identity: bytes | None = None, **options: int) -> Iterator[zmq.Socket[bytes]]:
+def dealer(address: str, identity: bytes | None = None, **options: int | bytes) -> Iterator[zmq.Socket[bytes]]:
     """A raw DEALER connected to ``address``, in a context of its own (``options``: socket options by name,
-    ``SNDHWM=10``); what it sends is not checked as mpserve's clients check it."""
+    ``SNDHWM=10``, ``CURVE_SECRETKEY=…``); what it sends is not checked as mpserve's clients check it."""
     ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
     sock = ctx.socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)

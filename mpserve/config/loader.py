@@ -122,6 +122,7 @@ class ServerConfig:
     curve_secret: str | None = None
     curve_clients: str | None = None
     curve_workers: str | None = None  # folder of allowed remote workers' public keys
+    worker_models: dict[str, tuple[str, ...]] | None = None  # key name in curve_workers -> the models it may serve
     curve_admins: str | None = None  # folder of operators' public keys (a tcp admin_bind)
     insecure: bool = False
     heartbeat_interval: float = 1.0
@@ -182,6 +183,9 @@ class ServerConfig:
             raise ConfigError(f"{source}: curve_admins needs curve_secret (the server's secret key file)")
         if self.curve_workers is not None and self.curve_secret is None:
             raise ConfigError(f"{source}: curve_workers needs curve_secret (the server's secret key file)")
+        if self.worker_models is not None and self.curve_workers is None:
+            raise ConfigError(f"{source}: worker_models names keys of curve_workers: give --curve-workers DIR (the "
+                              "remote pools' public keys, from `mpserve keygen`)")
         if (self.curve_secret is None) != (self.curve_clients is None):
             raise ConfigError(f"{source}: curve_secret and curve_clients go together (the server's secret key "
                               "file and the folder of allowed client public keys)")
@@ -298,12 +302,26 @@ def _server_conversions(values: dict[str, Any], source: str) -> dict[str, Any]:
         out["gpu_memory_budget"] = _bytes(out["gpu_memory_budget"], f"{source}: gpu_memory_budget", parse_memory)
     if "ram_budget" in out:
         out["ram_budget"] = _bytes(out["ram_budget"], f"{source}: ram_budget", parse_memory)
+    if "worker_models" in out:
+        out["worker_models"] = _worker_models(out["worker_models"], f"{source}: worker_models")
     if out.get("gpu_mode", "shared") not in _GPU_MODES:
         raise ConfigError(f"{source}: gpu_mode: got {out['gpu_mode']!r}, allowed: {', '.join(_GPU_MODES)}")
     if out.get("start_method", "fork") not in _START_METHODS:
         raise ConfigError(f"{source}: start_method: got {out['start_method']!r}, allowed: "
                           f"{', '.join(_START_METHODS)}")
     return out
+
+
+def _worker_models(value: dict[Any, Any], where: str) -> dict[str, tuple[str, ...]]:
+    """``{KEY: [MODEL, ...]}``: each key's name (its KEY.key in curve_workers) and the names of its models."""
+    limits = {}
+    for key, models in value.items():
+        if (not isinstance(key, str) or not _NAME_RE.match(key) or not isinstance(models, list)
+                or not all(isinstance(m, str) and m for m in models)):
+            raise ConfigError(f"{where}: got {key!r}: {models!r}, expected a key's name (its KEY.key file in "
+                              "curve_workers) and a list of model names, e.g. {pool-a: [llama, qwen]}")
+        limits[key] = tuple(models)
+    return limits
 
 
 def _index_list(value: Any, where: str) -> tuple[int, ...]:

@@ -195,6 +195,10 @@ SETTINGS: tuple[Setting, ...] = (
     _s("curve_secret", "server", str, "none", "Server secret key file (mpserve keygen)", own_in=("worker",)),
     _s("curve_clients", "server", str, "none", "Folder of allowed clients' public .key files"),
     _s("curve_workers", "server", str, "none", "Folder of allowed remote pools' public .key files"),
+    _s("worker_models", "server", dict, "none: any served model",
+       "The models a remote pool's key may serve, {KEY: [MODEL, ...]}, KEY the name of its public key file in "
+       "curve_workers (KEY.key); a READY for another model is refused, naming the key and the model; a key not "
+       "named may serve any model", flag=None, env=None),
     _s("curve_admins", "server", str, "none", "Folder of operators' public .key files: the only keys a tcp "
        "--admin-bind accepts (client keys may generate, not administer)"),
     _s("insecure", "server", bool, "false", "Allow a network --bind without CURVE keys, or a network --http "

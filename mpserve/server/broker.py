@@ -21,7 +21,8 @@
 
     TOKENIZE ─▶ at once to the least busy loaded instance of the model (no slot, no queue); its TOKENS or
     EMBED       ERROR (EMBEDDINGS or ERROR) is forwarded the same way (``lookups``: ticket -> client, request id,
-                worker). EMBED goes to embedding models only (``embedding: true``), REQUEST to the others
+                worker), taken from that worker only. EMBED goes to embedding models only (``embedding: true``),
+                REQUEST to the others
     SLOT_ACTION ─▶ at once to the instance it names; its SLOT_REPLY or ERROR, the same way
     admin ROUTER ─▶ the same handling, as an operator: CONTROL and SLOT_ACTION come only this way; on the front
                     they are refused, ERROR ``forbidden`` (``mpserve.server.roles``)
@@ -32,6 +33,19 @@ accepted request ends with exactly one terminal message to its client (DONE or E
 state records that it was sent, so a late worker reply for a request that already timed out or was
 cancelled frees the worker without reaching the client twice. Routing and the retry rules are pure
 functions in ``mpserve.server.routing``.
+
+The worker socket trusts a peer once it registered (READY, by ``mpserve.server.link``'s rules), and for its own
+requests only:
+
+    peer not registered ──▶ READY: registered, or refused · FAILED proving a local worker: its supervisor counts
+                            it · HEARTBEAT: asked to register · anything else: dropped, counted
+                            (``dropped_unregistered``), logged
+    registered worker ──▶ an answer counts under a ticket the broker gave that worker (tickets are random:
+                          ``new_ticket``); under another's, or none live, it is dropped and counted
+    any message whose handling raises ──▶ logged, counted (``worker_message_failed``), dropped; the broker serves on
+    a remote pool's READY ──▶ refused for a model its key may not serve (``mpserve.server.pool_keys``)
+    a READY's chat template ──▶ ``mpserve.server.chat``: a local instance's first is the model's; a remote pool's
+                                that differs is refused, never handed out
 
 Worker deaths and stalls arrive from the supervisor (process sentinels in the same poll; a death with the
 worker's exit status), the loss of a remote worker from its silence or from an ASSIGN its link did not take
@@ -70,8 +84,8 @@ from __future__ import annotations
 
 import dataclasses
 import heapq
-import itertools
 import logging
+import secrets
 import time
 from collections import Counter, deque
 from collections.abc import Callable
@@ -97,7 +111,8 @@ from mpserve.wire import zmqio
 from mpserve.wire.prefix import PREFIX_BLOCK, block_hashes
 from mpserve.wire.protocol import ChatTemplate
 
-from . import link, roles, unserved
+from . import chat, link, pool_keys, roles, unserved
+from .pool_keys import PoolKey
 from .residency import Loaded, Residency
 from .routing import (
     MAX_HANDOVERS,
@@ -121,6 +136,9 @@ CHUNK_FRAME = wire.TYPE_FRAMES[wire.MsgType.CHUNK]
 TRAILED = {CHUNK_FRAME, *(wire.TYPE_FRAMES[t] for t in (wire.MsgType.DONE, wire.MsgType.ERROR, wire.MsgType.READY))
            }  # may have a 5th frame
 CHUNKS_FRAME = wire.TYPE_FRAMES[wire.MsgType.CHUNKS]
+TICKET_BYTES = 16
+LOOKUP_ANSWERS = {wire.MsgType.TOKENS, wire.MsgType.EMBEDDINGS, wire.MsgType.SLOT_REPLY, wire.MsgType.ERROR}
+UNREGISTERED_LOG_S = 10.0  # messages from peers not registered are counted each, logged at most this often
 FROM_CLIENTS = {wire.MsgType.REQUEST, wire.MsgType.CANCEL, wire.MsgType.PING, wire.MsgType.TOKENIZE,
                 wire.MsgType.EMBED, wire.MsgType.STATS_QUERY, wire.MsgType.SLOT_ACTION, wire.MsgType.CONTROL}
 
@@ -132,7 +150,9 @@ class Broker:
                  residency: Residency | None = None, heartbeat_interval: float = 1.0,
                  heartbeat_liveness: int = 5, embedding_models: frozenset[str] = frozenset(),
                  admin_addr: str | None = None, curve_admins: str | None = None,
-                 no_instance_timeout: float = unserved.DEFAULT_TIMEOUT_S) -> None:
+                 no_instance_timeout: float = unserved.DEFAULT_TIMEOUT_S,
+                 chat_templates: dict[str, str] | None = None, pool_keys: dict[str, PoolKey] | None = None
+                 ) -> None:
         """``models``: name -> max queue length. ``client_timeout``: a client with pending requests that
         sends nothing for this long is taken as gone and its requests are cancelled (clients ping every
         second while they wait). ``curve_secret``: the server's CURVE secret-key file for the front.
@@ -142,8 +162,14 @@ class Broker:
         ``embedding_models``: the models configured ``embedding: true``, which serve EMBED and no REQUEST.
         ``admin_addr``: the operators' socket (``mpserve.server.roles``; None: none, so no operator's call is
         taken), with CURVE when ``curve_admins`` (their keys) is given. ``no_instance_timeout``: how long a
-        queued request waits while no instance of its model is registered or loading (``mpserve.server.unserved``)."""
+        queued request waits while no instance of its model is registered or loading (``mpserve.server.unserved``).
+        ``chat_templates``: the template each model
+        is served with by the server's configuration (``layout.served_template``), which a remote pool's must equal
+        (``mpserve.server.chat``); a model not in it takes no pool's. ``pool_keys``: the remote pools' keys whose
+        models are limited (``mpserve.server.pool_keys``), by their public key in Z85."""
         self.embedding_models = embedding_models
+        self.chat_templates = chat_templates or {}
+        self.pool_keys = pool_keys or {}
         self.front = _router(ctx, front_addr, curve_secret, b"clients")
         self.back = _router(ctx, back_addr, curve_secret if curve_workers else None, b"workers")
         self.admin = _router(ctx, admin_addr, curve_secret if curve_admins else None, b"admins") if admin_addr else None
@@ -173,9 +199,9 @@ class Broker:
         self._deadlines: list[tuple[float, str]] = []
         self._assigns: dict[bytes, list[bytes]] = {}  # worker -> packed ASSIGNs not sent yet (``flush``)
         self._undelivered: set[bytes] = set()  # remote workers an ASSIGN could not be sent to (``expire_workers``)
-        self._tickets = (format(n, "x") for n in itertools.count(1))
+        self._unregistered_logged = -UNREGISTERED_LOG_S  # when a message from an unregistered peer was last logged
         self.on_ready: Callable[[WorkerEntry], None] = lambda entry: None  # set by the server: the
-        self.on_failed: Callable[[str, str], None] = lambda model, message: None  # supervisor's view of loads
+        self.on_failed: Callable[[int, str], None] = lambda index, message: None  # supervisor's view of loads
         self.on_drained: Callable[[WorkerEntry], None] = lambda entry: None  # a drained worker was told to STOP
         self.on_control: Callable[[wire.Control], wire.ControlReply] = _no_control
         self.scaling_of: Callable[[str], wire.ModelScaling] = lambda model: wire.ModelScaling()  # for STATS
@@ -203,7 +229,10 @@ class Broker:
         for _ in range(DRAIN_BATCH):
             if not zmqio.readable(self.back):
                 break
-            self._from_worker(zmqio.recv(self.back, zmqio.NOBLOCK))
+            if self.pool_keys:  # which key each message came with: READY is checked against its models
+                self._from_worker(*zmqio.recv_keyed(self.back, zmqio.NOBLOCK))
+            else:
+                self._from_worker(zmqio.recv(self.back, zmqio.NOBLOCK))
         self.flush()
 
     def flush(self) -> None:
@@ -321,10 +350,9 @@ class Broker:
         if self.models[entry.model].instances == 0:
             self.models[entry.model].lost = Lost(what, time.monotonic(), remote=entry.index is None)
         self._lookups_lost(entry.identity, what)
-        for ticket in sorted(entry.running):
-            p = self.requests.get(ticket)
-            if p is not None:
-                self._after_loss(p, what, crashed)
+        lost = [self.requests[t] for t in entry.running if t in self.requests]
+        for p in sorted(lost, key=lambda p: (p.accepted, p.index)):
+            self._after_loss(p, what, crashed)
         self._dispatch(entry.model)
 
     def _model_crashed(self, entry: WorkerEntry, sig: Signals) -> None:
@@ -493,7 +521,7 @@ class Broker:
             raise BadRequest(refusal)
         now = time.monotonic()
         self._heard.setdefault(client, now)
-        tickets = tuple(next(self._tickets) for _ in range(n))
+        tickets = tuple(new_ticket() for _ in range(n))
         for i, ticket in enumerate(tickets):  # a request for n: one row per choice, with its own parameters
             one = req if n == 1 else msgspec.structs.replace(req, params=req.params.choice_params(i))
             p = Pending(ticket, client, one, model, now, now + req.timeout if req.timeout else None,
@@ -527,7 +555,7 @@ class Broker:
         if not loaded:
             raise Busy(f"no instance of model {model} has it loaded now; retry once one has", retry_after=1.0)
         worker = min(loaded, key=lambda w: len(w.running))
-        ticket = next(self._tickets)
+        ticket = new_ticket()
         self.lookups[ticket] = (client, msg.id, worker.identity)
         self.stats["tokenize" if isinstance(msg, wire.Tokenize) else "embed"] += 1
         self._to_worker(worker.identity, dataclasses.replace(msg, ticket=ticket))
@@ -545,7 +573,7 @@ class Broker:
         worker = self.workers.get(msg.worker.encode())
         if worker is None or not worker.loaded:
             raise BadRequest(f"no loaded instance {msg.worker!r}; `mpserve status` lists the instances and slots")
-        ticket = next(self._tickets)
+        ticket = new_ticket()
         self.lookups[ticket] = (client, msg.id, worker.identity)
         self.stats[f"slot_{msg.action}"] += 1
         self._to_worker(worker.identity, dataclasses.replace(msg, ticket=ticket))
@@ -667,7 +695,17 @@ class Broker:
 
     # --- workers -------------------------------------------------------------------------------
 
-    def _from_worker(self, frames: list[bytes]) -> None:
+    def _from_worker(self, frames: list[bytes], key: str = "") -> None:
+        """One message on the worker socket (``key``: the CURVE key its peer proved, when the keys' models are
+        limited). One that raises is logged, counted and dropped: the broker serves on (a bug, or a message no
+        check foresaw, costs that message, not the server)."""
+        try:
+            self._worker_message(frames, key)
+        except Exception:
+            self.stats["worker_message_failed"] += 1
+            log.exception("internal error while handling a message from worker %r; dropped it", frames[0])
+
+    def _worker_message(self, frames: list[bytes], key: str) -> None:
         if len(frames) < 2:
             self.stats["dropped_worker_malformed"] += 1
             return
@@ -683,9 +721,10 @@ class Broker:
             log.warning("refused a message from worker %r: %s", identity, exc)
             self._to_worker(identity, wire.Error(None, exc.code, f"refused by the broker: {exc.message}"))
             return
-        lookup = self.lookups.pop(frames[2].decode(errors="replace"), None) if frames[2] else None
-        if lookup is not None:  # TOKENS or ERROR answering a TOKENIZE
-            self._to_client(lookup[0], [wire.VERSION, frames[1], frames[3]])
+        if entry is None and mtype is not wire.MsgType.READY:
+            self._from_unregistered(identity, mtype, frames[3])
+            return
+        if frames[2] and self._lookup_answered(identity, mtype, frames[2].decode(errors="replace"), frames[3]):
             return
         if mtype is wire.MsgType.STEP:
             self._worker_step(identity, frames[3])
@@ -694,6 +733,9 @@ class Broker:
             self._worker_result(identity, mtype, frames[2].decode(errors="replace"), frames[1], frames[3],
                                 frames[4] if len(frames) == 5 else None)
             return
+        if mtype in LOOKUP_ANSWERS:  # for a lookup no longer here (its client went, its worker was lost)
+            self.stats["dropped_stale_result"] += 1
+            return
         try:
             msg = wire.decode_body(mtype, frames[3])
         except MpserveError as exc:
@@ -701,21 +743,80 @@ class Broker:
             log.error("dropped a bad %s from worker %r: %s", mtype.name, identity, exc)
             return
         if isinstance(msg, wire.Ready):
-            self._on_ready(identity, msg, frames[4] if len(frames) == 5 else None)
-        elif isinstance(msg, wire.Failed):
-            self.on_failed(msg.model, msg.message)
+            self._on_ready(identity, msg, frames[4] if len(frames) == 5 else None, key)
+            return
+        assert entry is not None
+        if isinstance(msg, wire.Failed):
+            self._load_failed(entry, msg.message)
         elif isinstance(msg, wire.Leaving):
-            if entry is not None:
-                self._worker_left(entry, msg.reason)
-        elif entry is None:  # lost, or registered with the broker before this one: ask it to register
-            self._to_worker(identity, wire.Heartbeat(identity.decode(), registered=False))
+            self._worker_left(entry, msg.reason)
         elif isinstance(msg, wire.Unloaded):
             entry.loaded = entry.unloading = False
             entry.prompts.clear()  # its KV cells went with the model; the host store keeps its entries
             self._dispatch(entry.model)
 
-    def _on_ready(self, identity: bytes, msg: wire.Ready, cache: bytes | None) -> None:
-        """A worker registered (again): ``cache`` is its whole prompt cache's CACHE frame, if it holds any."""
+    def _from_unregistered(self, identity: bytes, mtype: wire.MsgType, body: bytes) -> None:
+        """A message from a peer that is not a registered worker: nothing of it is acted on, but a FAILED that
+        proves it comes from one of the server's own workers (which fail to load before they register). A
+        HEARTBEAT or UNLOADED is a worker that was lost, or registered with the broker before this one: it is
+        asked to register; anything else is dropped, counted (``dropped_unregistered``) and logged."""
+        if mtype is wire.MsgType.FAILED and self._local_load_failed(identity, body):
+            return
+        if mtype in (wire.MsgType.HEARTBEAT, wire.MsgType.UNLOADED):
+            self._to_worker(identity, wire.Heartbeat(identity.decode(errors="replace"), registered=False))
+            return
+        if mtype is wire.MsgType.LEAVING:  # a worker this broker had already forgotten
+            return
+        self.stats["dropped_unregistered"] += 1
+        now = time.monotonic()
+        if now - self._unregistered_logged >= UNREGISTERED_LOG_S:
+            self._unregistered_logged = now
+            log.warning("dropped a %s from %r, which is not a registered worker (%d such messages so far; said at "
+                        "most every %.0f s)", mtype.name, identity, self.stats["dropped_unregistered"],
+                        UNREGISTERED_LOG_S)
+
+    def _local_load_failed(self, identity: bytes, body: bytes) -> bool:
+        """Whether ``body`` is the FAILED of one of the server's own workers (``link.local_index``): its supervisor
+        is told."""
+        try:
+            failed = wire.decode_body(wire.MsgType.FAILED, body)
+        except MpserveError:
+            return False
+        assert isinstance(failed, wire.Failed)
+        index = link.local_index(identity, failed, self.link_secret)
+        if index is not None:
+            self.on_failed(index, failed.message)
+        return index is not None
+
+    def _lookup_answered(self, identity: bytes, mtype: wire.MsgType, ticket: str, body: bytes) -> bool:
+        """Whether the message answered a lookup (TOKENIZE, EMBED, SLOT_ACTION): its answer (TOKENS, EMBEDDINGS,
+        SLOT_REPLY or ERROR) goes to its client, taken only from the worker the lookup was sent to; an answer of
+        another type, or from another worker, under a lookup's ticket is dropped and counted, and the lookup
+        still waits for its worker."""
+        lookup = self.lookups.get(ticket)
+        if lookup is None:
+            return False
+        client, _, worker = lookup
+        if worker != identity or mtype not in LOOKUP_ANSWERS:
+            self.stats["dropped_foreign_lookup_answer"] += 1
+            log.error("dropped a %s from worker %r under the ticket of a lookup sent to %r", mtype.name, identity,
+                      worker)
+            return True
+        del self.lookups[ticket]
+        self._to_client(client, [wire.VERSION, wire.TYPE_FRAMES[mtype], body])
+        return True
+
+    def _load_failed(self, entry: WorkerEntry, message: str) -> None:
+        """A registered worker could not load its model (on demand): a local one's supervisor counts it; a remote
+        one's pool does (it is said in the log)."""
+        if entry.index is not None:
+            self.on_failed(entry.index, message)
+        else:
+            log.error("worker %r on %s could not load %s: %s", entry.identity, entry.host, entry.model, message)
+
+    def _on_ready(self, identity: bytes, msg: wire.Ready, cache: bytes | None, key: str = "") -> None:
+        """A worker registered (again): ``cache`` is its whole prompt cache's CACHE frame, if it holds any; ``key``
+        the CURVE key it connected with (``pool_keys``: which models it may serve)."""
         if msg.protocol != wire.WORKER_LINK:
             log.error("worker %r on %s speaks the worker protocol %r, this broker %r; refused (run the same mpserve "
                       "version on the pool's host)", identity, msg.host or "this host", msg.protocol, wire.WORKER_LINK)
@@ -729,19 +830,20 @@ class Broker:
             self._to_worker(identity, wire.Error(None, ErrorCode.UNKNOWN_MODEL,
                                                  f"this broker does not serve {msg.model!r}"))
             return
-        if msg.chat_template:  # every instance of a model loads the same file; the latest word stands
-            self.models[msg.model].chat = ChatTemplate(msg.chat_template, msg.bos_token, msg.eos_token)
         old = self.workers.get(identity)
         if old is not None and old.pid == msg.pid and old.model == msg.model:
             # the same process registering again: it had not heard from us, or it loaded its model on demand,
             # which the supervisor counts as a good load (its model's failed loads start afresh)
+            self._take_chat(identity, msg, old.index is not None)
             self._cache_held(old, cache)
             if msg.loaded and old.index is not None:
                 old.loaded = True
                 self.on_ready(old)
             return
         index = link.local_index(identity, msg, self.link_secret)
-        refused = link.refusal(identity, msg, index, old)
+        refused = (link.refusal(identity, msg, index, old)
+                   or (pool_keys.refusal(self.pool_keys.get(key), msg.model) if index is None else None)
+                   or self._chat_refusal(msg, index is not None))
         if refused is not None:
             self.stats["refused_worker_ready"] += 1
             log.error("refused a READY from %r (pid %d, host %r): %s", identity, msg.pid, msg.host, refused)
@@ -752,6 +854,7 @@ class Broker:
         if old is not None:  # a new process under the same name: whatever the old one ran is lost
             self._worker_gone(old, f"worker {identity.decode()} restarted", crashed=False)
         local = index is not None
+        self._take_chat(identity, msg, local)
         entry = WorkerEntry(identity, index, msg.model, msg.device, msg.capacity,
                             msg.pid, msg.loaded, host=msg.host, last_heard=time.monotonic(),
                             ram=self.models[msg.model].store(msg.host))
@@ -765,6 +868,32 @@ class Broker:
         else:
             log.info("worker %s on %s registered for %s", identity.decode(), msg.host, msg.model)
         self._dispatch(msg.model)
+
+    def _chat_verdict(self, msg: wire.Ready, local: bool) -> chat.Verdict:
+        mq = self.models[msg.model]
+        return chat.judge(chat.Held(mq.chat, mq.chat_local), self.chat_templates.get(msg.model),
+                          ChatTemplate(msg.chat_template, msg.bos_token, msg.eos_token), local)
+
+    def _chat_refusal(self, msg: wire.Ready, local: bool) -> str | None:
+        """Why a remote pool's READY may not register: its chat template differs from the model's
+        (``mpserve.server.chat``)."""
+        if local or self._chat_verdict(msg, local) is not chat.Verdict.DIFFERS:
+            return None
+        mq = self.models[msg.model]
+        return chat.differs(msg.model, chat.Held(mq.chat, mq.chat_local))
+
+    def _take_chat(self, identity: bytes, msg: wire.Ready, local: bool) -> None:
+        """The template a registering worker brings: taken (a local instance's first, or a pool's that is the
+        server's own while none is known), or, if it differs from the model's, logged and counted, never taken."""
+        verdict = self._chat_verdict(msg, local)
+        mq = self.models[msg.model]
+        if verdict is chat.Verdict.TAKE:
+            mq.chat, mq.chat_local = ChatTemplate(msg.chat_template, msg.bos_token, msg.eos_token), local
+        elif verdict is chat.Verdict.DIFFERS:
+            self.stats["chat_template_differs"] += 1
+            log.warning("worker %r%s serves model %s with another chat template (or BOS or EOS token text) than the "
+                        "one the server hands out; kept that one", identity, f" on {msg.host}" if msg.host else "",
+                        msg.model)
 
     def _answered(self, identity: bytes, msg: wire.Ready) -> bool:
         """Answer a remote worker's READY at once (a heartbeat), so that it hears the broker before its silence
@@ -1060,6 +1189,12 @@ class Broker:
     def _stale_deadline(self, ticket: str) -> bool:
         p = self.requests.get(ticket)
         return p is None or p.answered
+
+
+def new_ticket() -> str:
+    """The name a request or lookup goes by between the broker and its worker: random, so that no other peer of the
+    worker socket can guess it (a worker's answer counts only under a ticket the broker gave it)."""
+    return secrets.token_urlsafe(TICKET_BYTES)
 
 
 def _timed_whole(p: Pending, body: bytes) -> bytes:

@@ -30,7 +30,7 @@ from mpserve.gpu.placement import ModelRequest, Placement, estimate_request, pla
 from mpserve.wire import protocol as wire
 
 from .broker import Broker
-from .layout import Layout, check_model, instance_rows, model_request, worker_spec
+from .layout import Layout, check_model, instance_rows, model_request, served_template, worker_spec
 from .scaling import Action, Decision, Load, Policy, Scaler
 from .state import ModelQueue, WorkerEntry
 from .supervisor import ModelHealth, Supervisor
@@ -145,6 +145,9 @@ class Instances:
         self._broker.models[model.name] = ModelQueue(model.name, self._config.max_queue)
         if model.embedding:
             self._broker.embedding_models |= {model.name}
+        template = served_template(model)
+        if template is not None:  # the one a remote pool of the model must serve (``mpserve.server.chat``)
+            self._broker.chat_templates[model.name] = template
         log.info("add %s: %s, instances %d..%d (control call)", model.name, model.path, low, high)
         self.tick(force=True)
         return self._reply(call, f"add {model.name}: instances {low}..{high}")

@@ -133,6 +133,22 @@ def chat_template(model: ModelConfig) -> str | None:
     return template_for(model.chat_template, model.resolved_path(), template_hint(model.path))
 
 
+def served_template(model: ModelConfig) -> str | None:
+    """The text of the template the model's instances serve (``chat_template``, else the GGUF's own, read from its
+    header as llama.cpp reads it), which a remote pool's must equal (``mpserve.server.chat``); None where the
+    server cannot tell: the echo backend, an embedding model, a header this reader cannot follow."""
+    from mpserve.models.gguf_header import read_header  # numpy and gguf: imported late, as placement does
+
+    chosen = chat_template(model)
+    if chosen is not None or model.path == ECHO_MODEL or model.embedding:
+        return chosen
+    try:
+        own = read_header(model.resolved_path()).metadata.get("tokenizer.chat_template", "")
+    except (ValueError, OSError):
+        return None
+    return own if isinstance(own, str) else None
+
+
 def worker_spec(config: ServerConfig, devices: list[Device], placement: Placement, index: int, first_row: int,
                 backend: str, slots_path: Path) -> WorkerSpec:
     model = config.model(placement.model)

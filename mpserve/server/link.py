@@ -3,8 +3,11 @@ whether a worker's answer belongs to the request it names. Pure functions; the b
 
     READY ──▶ local_index: a name w0, w1, … AND no host AND the start's secret ─▶ a local worker (its index)
           │               anything else ─▶ a remote one, whatever name it gives
-          └▶ refusal: an unproven READY under a local worker's name (w0, w1, …), or any READY under the name of a
-                      live local worker from another process ─▶ ERROR ``protocol`` to it, counted, not registered
+          └▶ refusal: an unproven READY under a local worker's name (w0, w1, …), a READY whose worker is not its
+                      connection's routing name, or any READY under the name of a live local worker from another
+                      process ─▶ ERROR ``protocol`` to it, counted, not registered
+    FAILED from a peer not registered ─▶ local_index's test (a local name and the start's secret): the load
+                      failure of that local worker; anything else is dropped (``Broker``)
     DONE, ERROR ─▶ foreign: a body that does not decode, or answers another request id ─▶ the request ends with
     CHUNK            ERROR ``internal`` at once (the client would drop it and wait for its timeout), counted
 
@@ -33,9 +36,10 @@ def new_secret() -> str:
     return secrets.token_urlsafe(24)
 
 
-def local_index(identity: bytes, msg: wire.Ready, secret: str) -> int | None:
-    """The index of the server's own worker that sent ``msg``, or None for a remote one."""
-    if not _local_name(identity) or msg.host or not hmac.compare_digest(msg.proof.encode(), secret.encode()):
+def local_index(identity: bytes, msg: wire.Ready | wire.Failed, secret: str) -> int | None:
+    """The index of the server's own worker that sent ``msg``, or None for a remote one (or an impostor)."""
+    host = msg.host if isinstance(msg, wire.Ready) else ""
+    if not _local_name(identity) or host or not hmac.compare_digest(msg.proof.encode(), secret.encode()):
         return None
     return int(identity[1:])
 
@@ -45,6 +49,9 @@ def refusal(identity: bytes, msg: wire.Ready, index: int | None, old: WorkerEntr
     if index is None and _local_name(identity):
         return ("the names w0, w1, … belong to the server's own workers, and this READY does not prove it is one "
                 "of them; a remote pool's workers register as HOST-PID-wN (`mpserve worker --connect`)")
+    if identity != msg.worker.encode():
+        return (f"its READY names worker {msg.worker!r}, its connection {identity!r}: a worker registers under its "
+                "connection's routing name")
     if old is not None and old.index is not None and old.pid != msg.pid:
         return f"worker {identity.decode()} (pid {old.pid}) is alive under this name"
     return None

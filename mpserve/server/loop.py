@@ -9,6 +9,8 @@ state is touched from a signal handler or a second thread.
 Shutdown (SIGTERM/SIGINT): new requests get ERROR ``shutting_down``; queued and running ones finish
 within ``grace`` seconds, after which they get ``shutting_down`` too; workers are told to stop, then
 terminated; the slot table, the sockets and the info file are removed. A second signal skips the grace.
+An error that escapes the loop ends it the same way, at once: its workers and zygotes are stopped, and
+``mpserve start`` exits with status 1 (a server that serves nothing does not stay up).
 """
 
 from __future__ import annotations
@@ -32,7 +34,8 @@ from mpserve.wire.slots import SlotTable
 from . import roles
 from .broker import Broker
 from .instances import Instances
-from .layout import build_layout, check_host_ram, worker_specs
+from .layout import build_layout, check_host_ram, served_template, worker_specs
+from .pool_keys import pool_keys
 from .preflight import bind_problem, claim
 from .residency import Residency
 from .signals import SignalPipe
@@ -107,7 +110,10 @@ def _broker(ctx: zmq.Context[zmq.Socket[bytes]], config: ServerConfig, paths: Se
                       heartbeat_interval=config.heartbeat_interval, heartbeat_liveness=config.heartbeat_liveness,
                       embedding_models=frozenset(m.name for m in config.models if m.embedding),
                       admin_addr=paths.admin, curve_admins=config.curve_admins,
-                      no_instance_timeout=config.no_instance_timeout)
+                      no_instance_timeout=config.no_instance_timeout,
+                      chat_templates={m.name: t for m in config.models if (t := served_template(m)) is not None},
+                      pool_keys=pool_keys(config.curve_workers, config.worker_models)
+                      if config.curve_workers and config.worker_models else None)
     except zmq.ZMQError as exc:
         raise ConfigError(bind_problem("--bind, --workers-bind or --admin-bind",
                                        f"{paths.front}, {paths.back} or {paths.admin}", exc.errno,
@@ -154,27 +160,38 @@ class _Loop:
         broker.on_failed = supervisor.load_failed
 
     def run(self) -> None:
+        """Serve until a signal stops it. An error that escapes the loop (the broker's state is no longer to be
+        trusted) stops every worker and zygote at once, then goes on up: ``mpserve start`` ends with exit status
+        1, and no child outlives it (a worker left running would hold the server's exit, and its device)."""
         with self._signals:
-            self._poller.register(self._broker.front, zmq.POLLIN)
-            self._poller.register(self._broker.back, zmq.POLLIN)
-            if self._broker.admin is not None:
-                self._poller.register(self._broker.admin, zmq.POLLIN)
-            self._poller.register(self._signals.fileno(), zmq.POLLIN)
-            self._supervisor.start_all()
-            log.info("starting %d instance(s): %s; clients connect to %s", self._config.total_instances,
-                     ", ".join(f"{m.name}×{_bounds(m.bounds)}" for m in self._config.models),
-                     self._broker_addr())
-            if self._config.total_instances == 0 and any(m.bounds[1] for m in self._config.models):
-                self._announced = True
-                log.info("ready: no instance runs until a request asks for one")
-            elif self._config.total_instances == 0:
-                self._announced = True
-                log.info("ready: no local instances; waiting for remote pools at %s",
-                         self._broker.back.getsockopt_string(zmq.LAST_ENDPOINT))
-            while self._turn():
-                pass
-            self._broker.stop_workers()
-            self._supervisor.stop_all(timeout=5.0)
+            try:
+                self._serve()
+            except BaseException:
+                log.critical("the server's loop failed; stopping its workers and exiting", exc_info=True)
+                self._supervisor.stop_all(timeout=0.0)
+                raise
+
+    def _serve(self) -> None:
+        self._poller.register(self._broker.front, zmq.POLLIN)
+        self._poller.register(self._broker.back, zmq.POLLIN)
+        if self._broker.admin is not None:
+            self._poller.register(self._broker.admin, zmq.POLLIN)
+        self._poller.register(self._signals.fileno(), zmq.POLLIN)
+        self._supervisor.start_all()
+        log.info("starting %d instance(s): %s; clients connect to %s", self._config.total_instances,
+                 ", ".join(f"{m.name}×{_bounds(m.bounds)}" for m in self._config.models),
+                 self._broker_addr())
+        if self._config.total_instances == 0 and any(m.bounds[1] for m in self._config.models):
+            self._announced = True
+            log.info("ready: no instance runs until a request asks for one")
+        elif self._config.total_instances == 0:
+            self._announced = True
+            log.info("ready: no local instances; waiting for remote pools at %s",
+                     self._broker.back.getsockopt_string(zmq.LAST_ENDPOINT))
+        while self._turn():
+            pass
+        self._broker.stop_workers()
+        self._supervisor.stop_all(timeout=5.0)
 
     def _broker_addr(self) -> str:
         return self._broker.front.getsockopt_string(zmq.LAST_ENDPOINT)

@@ -112,7 +112,9 @@ class ModelQueue:
     # its workers crash on every request; once failed, it serves nothing more
     crash_streak: int = 0  # its workers' crashes since its last DONE, each on a request new to the streak ...
     crashed: set[str] = field(default_factory=set)  # ... not among these tickets (``mpserve.server.routing``)
-    chat: ChatTemplate = ChatTemplate()  # from the workers' READY; empty until one had the model loaded
+    chat: ChatTemplate = ChatTemplate()  # from the workers' READY (``mpserve.server.chat``); empty until one had
+    # the model loaded
+    chat_local: bool = False  # ``chat`` came from a local instance: no READY changes it
     service_ms: float = 0.0  # running mean of assignment-to-answer time, for the busy retry-after hint
     stores: dict[str, RamPrefixes] = field(default_factory=dict)  # host ("": this one) -> what its store holds
     unserved_since: float | None = None  # monotonic: since when no instance can serve it (``mpserve.server.unserved``)

@@ -275,9 +275,12 @@ class Supervisor:
                     handle.spec.model, describe_exit(code), delay)
         return code
 
-    def load_failed(self, model: str, message: str) -> None:
-        """A worker reported FAILED; its exit follows and is counted by reap()."""
-        self.health[model].pending_messages[:] = [message]
+    def load_failed(self, index: int, message: str) -> None:
+        """Worker ``index`` reported FAILED; its exit follows and is counted by reap() (an index no worker holds:
+        one scaled down meanwhile, nothing to count)."""
+        handle = self.workers.get(index)
+        if handle is not None:
+            self.health[handle.spec.model].pending_messages[:] = [message]
 
     def model_failed(self, model: str, message: str) -> None:
         """The broker failed ``model`` (its workers crash whatever the request): as after failed loads, none of

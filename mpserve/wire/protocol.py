@@ -811,17 +811,19 @@ class Heartbeat:
 
 @dataclass(frozen=True)
 class Failed:
-    """worker -> broker: the model could not be loaded; the worker exits after sending this."""
+    """worker -> broker: the model could not be loaded; the worker exits after sending this. A local worker
+    sends it before its READY, so it carries the same ``proof`` (``mpserve.server.link``)."""
 
     TYPE: ClassVar[MsgType] = MsgType.FAILED
     worker: str
     model: str
     message: str
+    proof: str = ""
 
     @classmethod
     def from_wire(cls, body: dict[str, Any]) -> Failed:
         return cls(worker=_text(body, "worker", 64), model=_text(body, "model", 256),
-                   message=_text(body, "message", 64 * 1024))
+                   message=_text(body, "message", 64 * 1024), proof=_text(body, "proof", 64, ""))
 
 
 @dataclass(frozen=True)

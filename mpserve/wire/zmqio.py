@@ -3,6 +3,7 @@ plain int flags: the broker, the worker and the clients send and receive every m
 
     send(sock, frames, NOBLOCK)   a frame at a time, SNDMORE on all but the last
     recv(sock, NOBLOCK)           a frame at a time while RCVMORE
+    recv_keyed(sock, NOBLOCK)     the same, and the CURVE key its peer proved (the first frame's User-Id)
     readable(sock)                a message is waiting (EVENTS & POLLIN), without a receive that fails
     events(sock)                  EVENTS: POLLIN and POLLOUT as ints
 
@@ -44,6 +45,20 @@ def recv(sock: zmq.Socket[Any], flags: int = 0) -> list[bytes]:
     while _get(sock, _RCVMORE):
         frames.append(_recv(sock, flags))
     return frames
+
+
+def recv_keyed(sock: zmq.Socket[Any], flags: int = 0) -> tuple[list[bytes], str]:
+    """Receive one multipart message, and the key its peer proved (CURVE: the authenticator's ``User-Id``, the
+    public key in Z85; "" on a socket without CURVE). The first frame is taken whole, as a Frame, to read it."""
+    first = _recv(sock, flags, False)
+    try:
+        key = first.get("User-Id")
+    except zmq.ZMQError:  # no such property: no authenticator on this socket
+        key = ""
+    frames = [first.bytes]
+    while _get(sock, _RCVMORE):
+        frames.append(_recv(sock, flags))
+    return frames, key if isinstance(key, str) else ""
 
 
 def readable(sock: zmq.Socket[Any]) -> bool:

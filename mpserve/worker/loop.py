@@ -131,7 +131,8 @@ class Worker:
         except Exception as exc:  # any load failure is reported the same way
             log.error("cannot load %s: %s", self._spec.engine.path, exc)
             self.set_rows(state=SlotState.FAILED)
-            self._send(wire.Failed(self._spec.identity.decode(), self._spec.model, f"{type(exc).__name__}: {exc}"))
+            self._send(wire.Failed(self._spec.identity.decode(), self._spec.model, f"{type(exc).__name__}: {exc}",
+                                   proof=self._spec.proof))
             sys.exit(EXIT_LOAD_FAILED)
         self.set_rows(state=SlotState.IDLE, load_s=time.perf_counter() - t0)
         self._note_cache()

@@ -612,3 +612,36 @@ def test_a_request_waits_for_a_loading_instance_and_otherwise_ends_no_instance_a
         client.close(0)
         broker.close()
         ctx.term()
+
+
+def test_a_lookup_is_answered_only_by_the_worker_it_was_sent_to(broker: Broker) -> None:
+    with peers(broker, slots=1) as (client, workers):
+        client.send_multipart(wire.encode(wire.Tokenize("t1", "m", "hi")))
+        assert broker.front.poll(1000)
+        broker.drain_front()
+        asked = next(name for name, sock in workers.items() if sock.poll(1000))
+        ticket = wire.decode(workers[asked].recv_multipart()).ticket
+        other = next(name for name in workers if name != asked)
+        forged = wire.encode_from_worker(wire.Tokens("t1", wire.pack_tokens([6])), ticket)
+        workers[other].send_multipart(forged)  # the right ticket, from another worker
+        assert broker.back.poll(1000)
+        broker.drain_back()
+        assert not client.poll(100) and broker.stats["dropped_foreign_lookup_answer"] == 1
+        workers[asked].send_multipart(wire.encode_from_worker(wire.Tokens("t1", wire.pack_tokens([1, 2])), ticket))
+        assert broker.back.poll(1000)
+        broker.drain_back()
+        answer = wire.decode(client.recv_multipart()) if client.poll(1000) else None
+        assert isinstance(answer, wire.Tokens) and wire.unpack_tokens(answer.tokens) == [1, 2]
+        assert not broker.lookups
+
+
+def test_tickets_are_random_and_a_worker_registers_only_under_its_connections_name(broker: Broker) -> None:
+    with peers(broker, slots=2) as (client, workers):
+        for i in range(4):
+            client.send_multipart(wire.encode(wire.Request(f"r{i}", "hi")))
+        assert broker.front.poll(1000)
+        broker.drain_front()
+        tickets = [a.ticket for sock in workers.values() for a in assigns(sock, 2)]
+    assert len(set(tickets)) == 4 and all(len(t) >= 22 for t in tickets)  # 128 random bits each
+    broker._on_ready(b"pool-1-w0", wire.Ready("pool-1-w1", "m", -1, 1, 1, host="pool"), None)
+    assert b"pool-1-w0" not in broker.workers and broker.stats["refused_worker_ready"] == 1

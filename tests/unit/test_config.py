@@ -189,3 +189,28 @@ def test_instances_are_a_fixed_count_or_bounds_that_flags_override(instances: ob
 def test_bad_instance_bounds_are_refused(instances: object, flags: dict, problem: str) -> None:
     with pytest.raises(ConfigError, match=problem):
         cfg.build({"models": [{"path": "echo", "instances": instances}]}, model=flags)
+
+
+def test_worker_models_limit_named_pool_keys_and_need_the_keys_folder(tmp_path: Path) -> None:
+    import zmq.auth
+
+    from mpserve.server.pool_keys import pool_keys, refusal
+
+    (tmp_path / "workers").mkdir()
+    public, _ = zmq.auth.create_certificates(str(tmp_path / "workers"), "pool-a")
+    zmq.auth.create_certificates(str(tmp_path), "server")
+    curve = {"curve_secret": str(tmp_path / "server.key_secret"), "curve_clients": str(tmp_path),
+             "curve_workers": str(tmp_path / "workers")}
+    config = cfg.build({**curve, "worker_models": {"pool-a": ["tiny"]}})
+    assert config.worker_models == {"pool-a": ("tiny",)}
+    keys = pool_keys(str(tmp_path / "workers"), config.worker_models)
+    key = keys[zmq.auth.load_certificate(public)[0].decode()]
+    assert refusal(key, "tiny") is None and refusal(None, "other") is None  # a key not named: any model
+    assert refusal(key, "other") == ("its key pool-a may serve tiny, not other (worker_models in the server's "
+                                     "configuration; add other to the key's list there to allow it)")
+    with pytest.raises(ConfigError, match=r"worker_models: pool-b: cannot read the public key .*pool-b.key"):
+        pool_keys(str(tmp_path / "workers"), {"pool-b": ("tiny",)})
+    with pytest.raises(ConfigError, match="worker_models names keys of curve_workers: give --curve-workers DIR"):
+        cfg.build({"worker_models": {"pool-a": ["tiny"]}})
+    with pytest.raises(ConfigError, match=r"config: worker_models: got 'pool-a': 'tiny', expected a key's name"):
+        cfg.build({**curve, "worker_models": {"pool-a": "tiny"}})

@@ -97,7 +97,7 @@ def test_tick_restarts_a_worker_only_once_its_backoff_is_over(supervisor, monkey
 
 def test_three_failed_loads_in_a_row_mark_the_model_failed_and_stop_restarts(supervisor) -> None:
     sup, _, table = supervisor
-    sup.load_failed("echo", "bad magic")
+    sup.load_failed(0, "bad magic")
     for _ in range(MAX_LOAD_FAILURES):
         assert sup.health["echo"].failed_message is None
         handle = sup.workers[0]
