@@ -26,9 +26,10 @@ from pathlib import Path
 import zmq
 
 from mpserve.config.loader import ServerConfig
+from mpserve.config.private import check_private_dir
 from mpserve.config.runtime import ServerInfo, ServerPaths
 from mpserve.errors import ConfigError
-from mpserve.gpu.permits import default_lock_dir
+from mpserve.gpu.permits import LOCK_FOLDER, default_lock_dir
 
 log = logging.getLogger("mpserve.server")
 
@@ -125,11 +126,13 @@ def check_http(host: str, port: int) -> None:
 
 
 def check_lock_dir(given: str | None) -> None:
-    """The permit lock folder (``--lock-dir``, else the default) exists and takes a new file."""
+    """The permit lock folder (``--lock-dir``, else the default) exists, is private to this user (0700, ours) and
+    takes a new file."""
     path = Path(given) if given is not None else default_lock_dir()
     fix = "give --lock-dir a folder you can write (every server of this host must use the same one)"
     if not path.is_dir():
         raise ConfigError(f"--lock-dir {path}: {'not a folder' if path.exists() else 'no such folder'}; {fix}")
+    check_private_dir(path, LOCK_FOLDER)
     try:
         with tempfile.TemporaryFile(dir=path):
             pass
