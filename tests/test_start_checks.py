@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 import signal
 import socket
+import stat
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -14,9 +15,12 @@ from pathlib import Path
 
 import pytest
 from conftest import ServerProcess
-from helpers import free_port, mpserve, wait_for
+from helpers import as_other_user, free_port, mpserve, shared_place, wait_for
 
+from mpserve.config import loader
 from mpserve.config.runtime import pid_alive, runtime_dir
+from mpserve.errors import ConfigError
+from mpserve.server.preflight import check_start
 from mpserve.wire.slots import shm_dir
 
 
@@ -124,6 +128,35 @@ def test_a_runtime_directory_that_cannot_be_made_ends_start_with_one_line() -> N
     assert proc.stderr.strip().splitlines() == [
         "error: [config] cannot create the runtime directory /proc/self/mpserve (No such file or directory); set "
         "MPSERVE_RUNTIME_DIR to a folder you can write"]
+
+
+@pytest.mark.timeout(60)
+def test_a_store_folder_another_user_made_first_ends_start_with_one_line_naming_it_and_the_fix() -> None:
+    with shared_place() as shared:
+        store = shared / "mpserve-store-0"  # the name is predictable, and /dev/shm is emptied at boot
+        assert as_other_user(lambda: store.mkdir(mode=0o777)) == "ok"
+        proc = mpserve("start", "--server-name", f"fs{os.getpid()}", env={"MPSERVE_CACHE_SHM": str(store)})
+        assert proc.returncode == 1, proc.stderr
+        assert proc.stderr.strip().splitlines() == [
+            f"error: [config] command line: models[0].cache_shm: the host store's ram tier folder {store} belongs to "
+            f"user 65534, not to you ({os.geteuid()}): another user may read or change what is in it; remove it "
+            f"(rm -r {store}, as root) or give a folder of yours"]
+        assert list(store.iterdir()) == []
+
+
+@pytest.mark.timeout(30)
+def test_the_default_store_folder_is_checked_at_start_too(monkeypatch: pytest.MonkeyPatch) -> None:
+    with shared_place() as shared:
+        monkeypatch.setattr(loader, "shm_dir", lambda: shared)
+        monkeypatch.delenv("MPSERVE_CACHE_SHM")
+        config = loader.build(server={"server_name": f"fd{os.getpid()}"})
+        store = shared / f"mpserve-store-{os.getuid()}"
+        assert config.models[0].store_dir() == str(store)
+        check_start(config)
+        assert stat.S_IMODE(store.stat().st_mode) == 0o700  # made private
+        store.chmod(0o777)
+        with pytest.raises(ConfigError, match=f"ram tier folder {store} is open to other users .*chmod 700"):
+            check_start(config)
 
 
 @pytest.mark.timeout(90)

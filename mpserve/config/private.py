@@ -14,6 +14,7 @@ is this process's user and its mode opens nothing to others, and a file is opene
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 import stat
@@ -29,18 +30,20 @@ class PlantedFile(OSError):
     """A name that is not a regular file of this user's: a link, a folder, a device, another user's file."""
 
 
-def private_dir(path: Path, what: str, create: bool = True) -> Path:
-    """``path`` as a folder of this user's that nobody else may enter (made 0700 if missing, with its parents);
-    ``what`` names it in the ``ConfigError`` that refuses it otherwise."""
-    if create:
-        try:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            os.mkdir(path, FOLDER_MODE)
-        except FileExistsError:
-            pass
-        except OSError as exc:
-            raise ConfigError(f"cannot create the {what} {path} ({exc.strerror}); give a folder you can write") \
-                from None
+def private_dir(path: Path, what: str) -> Path:
+    """``path`` as a folder of this user's that nobody else may enter (made 0700 if missing, with its missing
+    parents); ``what`` names it in the ``ConfigError`` that refuses it otherwise."""
+    missing = []
+    folder = path
+    while not os.path.lexists(folder):
+        missing.append(folder)
+        folder = folder.parent
+    try:
+        for folder in reversed(missing):
+            with contextlib.suppress(FileExistsError):  # made by another process meanwhile: checked below
+                os.mkdir(folder, FOLDER_MODE)
+    except OSError as exc:
+        raise ConfigError(f"cannot create the {what} {path} ({exc.strerror}); give a folder you can write") from None
     check_private_dir(path, what)
     return path
 

@@ -6,7 +6,9 @@
                          ├─ the ZeroMQ binds  each bound once with a throwaway socket, then closed (and its
                          │                    ipc file removed): in use, no scheme, no permission, no folder
                          ├─ the HTTP port     bound once and closed, as uvicorn binds it
-                         └─ the lock folder   a file made and removed in it, when it is given or permits are used
+                         ├─ the lock folder   a file made and removed in it, when it is given or permits are used
+                         └─ the store folder  each model's host store RAM tier: made 0700, or refused unless it is
+                                              this user's alone (``mpserve.config.private``)
 
 A failure is a ``ConfigError``: one line naming the address or path, what is wrong and the fix, raised before
 the slot table, the sockets, the gateway or any worker exists, so a refused start leaves nothing behind. The
@@ -25,8 +27,8 @@ from pathlib import Path
 
 import zmq
 
-from mpserve.config.loader import ServerConfig
-from mpserve.config.private import check_private_dir
+from mpserve.config.loader import ECHO_MODEL, ServerConfig, tier_folder
+from mpserve.config.private import check_private_dir, private_dir
 from mpserve.config.runtime import ServerInfo, ServerPaths
 from mpserve.errors import ConfigError
 from mpserve.gpu.permits import LOCK_FOLDER, default_lock_dir
@@ -46,6 +48,9 @@ def check_start(config: ServerConfig, http: tuple[str, int] | None = None) -> No
         check_http(*http)
     if config.lock_dir is not None or config.permit_capacity is not None:
         check_lock_dir(config.lock_dir)
+    for model in config.models:  # the default store folder too: the config checks only the folders it is given
+        if model.cache_ram and model.path != ECHO_MODEL:
+            private_dir(Path(model.store_dir()), tier_folder("ram"))
 
 
 def refuse_live(paths: ServerPaths) -> None:
