@@ -8,6 +8,7 @@ import ctypes
 import os
 import shutil
 import socket
+import struct
 import subprocess
 import sys
 import tempfile
@@ -17,6 +18,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 import httpx
+import numpy as np
 import pytest
 import yaml
 import zmq
@@ -246,3 +248,17 @@ def shared_place() -> Iterator[Path]:
         yield path
     finally:
         shutil.rmtree(path, ignore_errors=True)
+
+
+def gguf_with_array(path: Path, count: int) -> Path:
+    """The built-in tiny model with one more metadata key, ``x.bigarr``: an array of ``count`` distinct int32 (a
+    file of 4 × ``count`` bytes more, that llama.cpp still loads)."""
+    from mpserve.models.builtin import builtin_model_path
+
+    whole = builtin_model_path("tiny").read_bytes()
+    n_tensors, n_kv = struct.unpack_from("<QQ", whole, 8)
+    key = b"x.bigarr"  # 8 bytes: the entry takes a multiple of 32 bytes, so the tensor data stays aligned
+    values = np.arange(1000, 1000 + count, dtype="<i4").tobytes()
+    entry = struct.pack("<Q", len(key)) + key + struct.pack("<IIQ", 9, 5, count) + values  # ARRAY of INT32
+    path.write_bytes(whole[:8] + struct.pack("<QQ", n_tensors, n_kv + 1) + entry + whole[24:])
+    return path
