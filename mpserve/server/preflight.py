@@ -66,7 +66,7 @@ def claim(paths: ServerPaths) -> None:
     is set up, so that the removal is said)."""
     refuse_live(paths)
     for stale in [paths.info, paths.slots, *paths.ipc_files()]:
-        if stale.exists():
+        if os.path.lexists(stale):  # a link too, even one to nothing: the slot table is made anew, never through one
             log.info("removing %s left by a server that is no longer running", stale)
             stale.unlink(missing_ok=True)
 
