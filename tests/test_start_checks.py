@@ -18,9 +18,9 @@ from conftest import ServerProcess
 from helpers import as_other_user, free_port, mpserve, shared_place, wait_for
 
 from mpserve.config import loader
-from mpserve.config.runtime import pid_alive, runtime_dir
+from mpserve.config.runtime import ServerPaths, pid_alive, runtime_dir
 from mpserve.errors import ConfigError
-from mpserve.server.preflight import check_start
+from mpserve.server.preflight import check_start, claim
 from mpserve.wire.slots import shm_dir
 
 
@@ -179,3 +179,17 @@ def test_instances_that_do_not_fit_the_hosts_ram_end_plan_and_start_naming_the_p
     _, stderr = proc.communicate(timeout=60)
     assert proc.returncode == 1 and "[does_not_fit] the instances on the CPU need" in stderr, stderr
     assert "Traceback" not in stderr and leftovers(name, proc.pid) == []
+
+
+@pytest.mark.timeout(30)
+def test_a_leftover_the_servers_user_cannot_remove_is_refused_in_one_line() -> None:
+    with shared_place() as shared:
+        planted = shared / "mpserve-65534-x.slots"
+        planted.write_bytes(b"")  # another user's (root's, here), in a sticky folder the server cannot clear
+        paths = ServerPaths(f"fl{os.getpid()}", "tcp://127.0.0.1:1", "tcp://127.0.0.1:2", shared / "none.json",
+                            planted)
+        outcome = as_other_user(lambda: claim(paths))
+        assert outcome == (f"ConfigError: [config] cannot remove {planted}, which is in the way of this server's "
+                           "(Operation not permitted); remove it as its owner or root, or give this server another "
+                           "--server-name"), outcome
+        assert planted.exists()

@@ -68,7 +68,12 @@ def claim(paths: ServerPaths) -> None:
     for stale in [paths.info, paths.slots, *paths.ipc_files()]:
         if os.path.lexists(stale):  # a link too, even one to nothing: the slot table is made anew, never through one
             log.info("removing %s left by a server that is no longer running", stale)
-            stale.unlink(missing_ok=True)
+            try:
+                stale.unlink(missing_ok=True)
+            except OSError as exc:  # another user's, in a sticky folder such as /dev/shm
+                raise ConfigError(f"cannot remove {stale}, which is in the way of this server's ({exc.strerror}); "
+                                  "remove it as its owner or root, or give this server another --server-name") \
+                    from None
 
 
 def check_bind(flag: str, address: str) -> None:
