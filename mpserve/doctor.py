@@ -244,10 +244,6 @@ def _lock_directory() -> Directory:
     try:
         path = default_lock_dir()  # created if absent, as every server and `mpserve devices` do
     except ConfigError as exc:
-        return Directory("locks", "?", "unusable", Problem(exc.message, "set MPSERVE_LOCK_DIR to a writable "
-                                                                         "folder shared by the host's servers"))
-    if not os.access(path, os.W_OK | os.X_OK):
-        return Directory("locks", str(path), "not writable", Problem(
-            f"lock directory {path} is not writable by you: GPU permits cannot be taken",
-            f"chmod 1777 {path} (shared by every user's servers, like /tmp), or set MPSERVE_LOCK_DIR"))
-    return Directory("locks", str(path), "ok (writable; every server of this host must use it)")
+        return Directory("locks", "?", "unusable", Problem(exc.message, "set MPSERVE_LOCK_DIR to a folder of "
+                                                                         "yours (mode 0700) that your servers share"))
+    return Directory("locks", str(path), "ok (yours, mode 0700; every server of yours on this host must use it)")

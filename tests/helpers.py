@@ -6,15 +6,20 @@ import asyncio
 import contextlib
 import ctypes
 import os
+import shutil
 import socket
+import struct
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, TypeVar
 
 import httpx
+import numpy as np
+import pytest
 import yaml
 import zmq
 
@@ -202,3 +207,58 @@ def chromium() -> Iterator[Any]:
             yield browser
         finally:
             browser.close()
+
+
+OTHER_USER = 65534  # "nobody": the second local user of the tests that play one
+
+
+def as_other_user(action: Callable[[], object]) -> str:
+    """Run ``action`` in a forked child that dropped to another local user (uid and gid 65534, no other groups),
+    as a second user of a shared host would; its outcome: "ok", or the exception's type and text. Only root can
+    switch users, and the suite runs as root on CI; elsewhere the test is skipped (tests/allowed_skips.txt)."""
+    if os.geteuid() != 0:
+        pytest.skip("acting as a second local user needs root (the suite runs as root on CI)")
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover - the child
+        os.close(read)
+        try:
+            os.setgroups([])
+            os.setgid(OTHER_USER)
+            os.setuid(OTHER_USER)
+            action()
+            outcome = "ok"
+        except BaseException as exc:
+            outcome = f"{type(exc).__name__}: {exc}"
+        os.write(write, outcome.encode())
+        os._exit(0)
+    os.close(write)
+    with os.fdopen(read, "rb") as answer:
+        outcome = answer.read().decode()
+    os.waitpid(pid, 0)
+    return outcome
+
+
+@contextlib.contextmanager
+def shared_place() -> Iterator[Path]:
+    """A folder every local user may create names in (sticky and world-writable, like /dev/shm and /tmp)."""
+    path = Path(tempfile.mkdtemp(prefix="mpt-shared-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None))
+    os.chmod(path, 0o1777)
+    try:
+        yield path
+    finally:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+def gguf_with_array(path: Path, count: int) -> Path:
+    """The built-in tiny model with one more metadata key, ``x.bigarr``: an array of ``count`` distinct int32 (a
+    file of 4 × ``count`` bytes more, that llama.cpp still loads)."""
+    from mpserve.models.builtin import builtin_model_path
+
+    whole = builtin_model_path("tiny").read_bytes()
+    n_tensors, n_kv = struct.unpack_from("<QQ", whole, 8)
+    key = b"x.bigarr"  # 8 bytes: the entry takes a multiple of 32 bytes, so the tensor data stays aligned
+    values = np.arange(1000, 1000 + count, dtype="<i4").tobytes()
+    entry = struct.pack("<Q", len(key)) + key + struct.pack("<IIQ", 9, 5, count) + values  # ARRAY of INT32
+    path.write_bytes(whole[:8] + struct.pack("<QQ", n_tensors, n_kv + 1) + entry + whole[24:])
+    return path

@@ -4,10 +4,14 @@ removed and computed instead."""
 
 from __future__ import annotations
 
+import hashlib
+import json
 import os
 import signal
+import struct
 import threading
 import time
+import zlib
 from collections.abc import Callable
 from pathlib import Path
 
@@ -17,6 +21,7 @@ from engines import LONG_PROMPT as LONG
 
 from mpserve import Client
 from mpserve.engine.batch import PROMPT_CHUNK
+from mpserve.engine.host_store import MAGIC
 from mpserve.wire.slots import SlotState
 
 FOLLOW_UP = LONG + " and then the cat sat"
@@ -126,4 +131,29 @@ def test_two_instances_computing_one_prompt_at_once_write_one_entry_and_bad_entr
     wait_for(lambda: sum(r.cache.skipped for r in server.slots()) >= 2, 10,
              "both bad entries counted as skipped (the rows have it within a heartbeat)")
     assert any("skipped and removed: truncated" in line for line in server.log), "\n".join(server.log)
+    assert not server.tracebacks(), "\n".join(server.log)
+
+
+@pytest.mark.timeout(120)
+def test_a_poisoned_entry_is_a_counted_miss_and_the_model_keeps_serving(start_server: type[ServerProcess],
+                                                                       tmp_path: Path) -> None:
+    store = tmp_path / "shm"
+    server = start_server(*SERVER, "--cache-shm", str(store)).wait_ready()
+    with Client(server.address, timeout=60) as client:
+        client.generate(LONG, max_tokens=4, temperature=0)
+        wait_for(lambda: entries(store), 10, "the prompt's entry in the store")
+        key_folder = entries(store)[0].parent
+        header = json.dumps({"key": key_folder.name, "tokens": 1, "state_bytes": 0, "summary": "abc"}).encode()
+        body = header + struct.pack("<i", 1)
+        poisoned = key_folder / (hashlib.sha256(key_folder.name.encode() + body[-4:]).hexdigest()[:32] + ".kv")
+        poisoned.write_bytes(  # about 100 bytes, at the right address, that once made every worker exit at load
+            MAGIC + struct.pack("<II", len(header), zlib.crc32(body)) + body)
+        killed = worker_pid(server)
+        os.kill(killed, signal.SIGKILL)  # its replacement reads the store's entries as it registers
+        wait_for(lambda: worker_pid(server) not in (0, killed), 60, "the replacement instance")
+        assert client.generate(FOLLOW_UP, max_tokens=4, temperature=0).timings.cached_tokens == PROMPT_CHUNK
+    assert not poisoned.exists()
+    wait_for(lambda: sum(r.cache.skipped for r in server.slots()) == 1, 10, "the bad entry counted as skipped")
+    assert any("skipped and removed: its summary is not" in line for line in server.log), "\n".join(server.log)
+    assert [p.name for p in store.iterdir() if p.is_dir()] == [key_folder.name]  # no digest cache in it
     assert not server.tracebacks(), "\n".join(server.log)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import stat
 import struct
 import tempfile
 from pathlib import Path
@@ -309,6 +310,26 @@ def test_a_foreign_or_truncated_slot_file_is_refused_saying_which_and_the_slot_s
                 engine.restore_slot(0, tmp_path / name)
             assert engine.kv_cells(0) == held  # refused before llama.cpp saw it: the slot keeps its cells
         assert run(engine, 0, LONG + " more").reused_tokens == PROMPT_CHUNK  # and works as before
+    finally:
+        engine.close()
+
+
+@pytest.mark.timeout(120)
+def test_a_slot_file_is_its_users_alone_and_a_link_or_a_negative_count_is_refused(tmp_path: Path) -> None:
+    engine = tiny_engine(1, 0)
+    try:
+        run(engine, 0, LONG)
+        (tmp_path / ".good.bin.tmp").symlink_to(tmp_path / "victim")  # a planted link at the temporary name
+        engine.save_slot(0, tmp_path / "good.bin")
+        assert stat.S_IMODE((tmp_path / "good.bin").stat().st_mode) == 0o600 and not (tmp_path / "victim").exists()
+        (tmp_path / "link.bin").symlink_to(tmp_path / "good.bin")
+        (tmp_path / "negative.bin").write_bytes(with_header((tmp_path / "good.bin").read_bytes(), n_tokens=-1))
+        held = engine.kv_cells(0)
+        for name, problem in (("link.bin", "'link.bin' is not a slot file of this server's"),
+                              ("negative.bin", "'negative.bin' is truncated or damaged")):
+            with pytest.raises(BadRequest, match=problem):
+                engine.restore_slot(0, tmp_path / name)
+            assert engine.kv_cells(0) == held
     finally:
         engine.close()
 

@@ -18,7 +18,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from helpers import wait_for
+from helpers import as_other_user, shared_place, wait_for
 
 from mpserve.errors import ConfigError, Timeout
 from mpserve.gpu.permits import (
@@ -26,6 +26,7 @@ from mpserve.gpu.permits import (
     HoldInterval,
     PermitHolder,
     default_lock_dir,
+    inspect,
     max_concurrent,
     read_holds,
 )
@@ -104,7 +105,7 @@ class Child:
 @pytest.fixture
 def lock_dir(tmp_path: Path) -> Path:
     path = tmp_path / "locks"
-    path.mkdir()
+    path.mkdir(mode=0o700)
     return path
 
 
@@ -339,10 +340,67 @@ def test_unsafe_device_keys_are_refused(lock_dir: Path, key: str) -> None:
 
 
 @pytest.mark.timeout(10)
-def test_default_lock_dir_is_shared_by_all_users(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("MPSERVE_LOCK_DIR", str(tmp_path / "shared"))
+def test_the_default_lock_folder_and_its_files_are_private_to_their_user(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("MPSERVE_LOCK_DIR", str(tmp_path / "mine"))
     path = default_lock_dir()
-    assert path == tmp_path / "shared"
-    assert stat.S_IMODE(path.stat().st_mode) == 0o1777
+    assert path == tmp_path / "mine" and stat.S_IMODE(path.stat().st_mode) == 0o700
     with DevicePermits(KEY, 1):
-        assert stat.S_IMODE((path / f"{KEY}.lock").stat().st_mode) == 0o666
+        lock_file = path / f"{KEY}.lock"
+        assert stat.S_IMODE(lock_file.stat().st_mode) == 0o600
+        tmp_path.chmod(0o755)  # even with its folder opened to them, another user cannot open it to lock a byte
+        (tmp_path / "mine").chmod(0o711)
+        assert as_other_user(lambda: os.open(lock_file, os.O_RDONLY)).startswith("PermissionError")
+
+
+@pytest.mark.timeout(10)
+def test_a_lock_folder_another_user_made_is_refused_and_its_planted_link_is_never_followed(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    victim = tmp_path / "victim"
+    victim.write_text("precious")
+    with shared_place() as shared:
+        locks = shared / "locks"
+
+        def plant() -> None:  # the other user makes the folder first (/dev/shm is emptied at boot) and a link
+            locks.mkdir(mode=0o777)
+            locks.chmod(0o1777)
+            (locks / f"{KEY}.lock").symlink_to(victim)
+
+        assert as_other_user(plant) == "ok"
+        with pytest.raises(ConfigError, match=f"the permit lock folder {locks} belongs to user 65534.*remove it"):
+            DevicePermits(KEY, 1, locks)
+        monkeypatch.setenv("MPSERVE_LOCK_DIR", str(locks))
+        with pytest.raises(ConfigError, match="belongs to user 65534"):
+            default_lock_dir()
+    assert victim.read_text() == "precious"
+
+
+@pytest.mark.timeout(10)
+@pytest.mark.parametrize("mode", [0o755, 0o1777])
+def test_a_lock_folder_open_to_others_is_refused_with_the_fix(lock_dir: Path, mode: int) -> None:
+    lock_dir.chmod(mode)
+    with pytest.raises(ConfigError, match=f"open to other users .*chmod 700 {lock_dir}"):
+        DevicePermits(KEY, 1, lock_dir)
+
+
+@pytest.mark.timeout(10)
+@pytest.mark.parametrize("planted", ["link", "short file", "long file", "foreign header", "fifo"])
+def test_a_lock_file_that_is_not_ours_is_refused_and_left_as_it_is(lock_dir: Path, tmp_path: Path,
+                                                                      planted: str) -> None:
+    victim, path = tmp_path / "victim", lock_dir / f"{KEY}.lock"
+    victim.write_bytes(b"precious" * 1000)
+    if planted == "link":
+        path.symlink_to(victim)
+    elif planted == "fifo":
+        os.mkfifo(path, 0o600)
+    else:
+        path.write_bytes({"short file": b"precious", "long file": b"precious" * 1000,
+                          "foreign header": b"x" * 4096}[planted])
+        os.chmod(path, 0o600)
+    before = path.read_bytes() if path.is_file() else b""
+    with pytest.raises(ConfigError, match=f"{path}.*remove it"):
+        DevicePermits(KEY, 1, lock_dir)
+    assert victim.read_bytes() == b"precious" * 1000
+    if before:
+        assert path.read_bytes() == before  # never truncated nor reset
+    assert inspect(KEY, lock_dir) is None

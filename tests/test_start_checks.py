@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 import signal
 import socket
+import stat
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -14,9 +15,12 @@ from pathlib import Path
 
 import pytest
 from conftest import ServerProcess
-from helpers import free_port, mpserve, wait_for
+from helpers import as_other_user, free_port, mpserve, shared_place, wait_for
 
-from mpserve.config.runtime import pid_alive, runtime_dir
+from mpserve.config import loader
+from mpserve.config.runtime import ServerPaths, pid_alive, runtime_dir
+from mpserve.errors import ConfigError
+from mpserve.server.preflight import check_start, claim
 from mpserve.wire.slots import shm_dir
 
 
@@ -66,7 +70,7 @@ def _bad_inputs(tmp: Path, busy: int) -> dict[str, tuple[list[str], str]]:
                      "files: m.gguf"),
         "no lock dir": (["--lock-dir", str(tmp / "none")], f"--lock-dir {tmp / 'none'}: no such folder; give "
                         "--lock-dir a folder you can write"),
-        "lock dir not writable": (["--lock-dir", "/proc/self"], "--lock-dir /proc/self: cannot write in it"),
+        "lock dir shared": (["--lock-dir", "/tmp"], "the permit lock folder /tmp "),  # others may enter it
     }
 
 
@@ -126,6 +130,35 @@ def test_a_runtime_directory_that_cannot_be_made_ends_start_with_one_line() -> N
         "MPSERVE_RUNTIME_DIR to a folder you can write"]
 
 
+@pytest.mark.timeout(60)
+def test_a_store_folder_another_user_made_first_ends_start_with_one_line_naming_it_and_the_fix() -> None:
+    with shared_place() as shared:
+        store = shared / "mpserve-store-0"  # the name is predictable, and /dev/shm is emptied at boot
+        assert as_other_user(lambda: store.mkdir(mode=0o777)) == "ok"
+        proc = mpserve("start", "--server-name", f"fs{os.getpid()}", env={"MPSERVE_CACHE_SHM": str(store)})
+        assert proc.returncode == 1, proc.stderr
+        assert proc.stderr.strip().splitlines() == [
+            f"error: [config] command line: models[0].cache_shm: the host store's ram tier folder {store} belongs to "
+            f"user 65534, not to you ({os.geteuid()}): another user may read or change what is in it; remove it "
+            f"(rm -r {store}, as root) or give a folder of yours"]
+        assert list(store.iterdir()) == []
+
+
+@pytest.mark.timeout(30)
+def test_the_default_store_folder_is_checked_at_start_too(monkeypatch: pytest.MonkeyPatch) -> None:
+    with shared_place() as shared:
+        monkeypatch.setattr(loader, "shm_dir", lambda: shared)
+        monkeypatch.delenv("MPSERVE_CACHE_SHM")
+        config = loader.build(server={"server_name": f"fd{os.getpid()}"})
+        store = shared / f"mpserve-store-{os.getuid()}"
+        assert config.models[0].store_dir() == str(store)
+        check_start(config)
+        assert stat.S_IMODE(store.stat().st_mode) == 0o700  # made private
+        store.chmod(0o777)
+        with pytest.raises(ConfigError, match=f"ram tier folder {store} is open to other users .*chmod 700"):
+            check_start(config)
+
+
 @pytest.mark.timeout(90)
 def test_instances_that_do_not_fit_the_hosts_ram_end_plan_and_start_naming_the_parts() -> None:
     """The CPU estimate, as a GPU's: weights (once: its instances share them) and each instance's KV cache and
@@ -146,3 +179,17 @@ def test_instances_that_do_not_fit_the_hosts_ram_end_plan_and_start_naming_the_p
     _, stderr = proc.communicate(timeout=60)
     assert proc.returncode == 1 and "[does_not_fit] the instances on the CPU need" in stderr, stderr
     assert "Traceback" not in stderr and leftovers(name, proc.pid) == []
+
+
+@pytest.mark.timeout(30)
+def test_a_leftover_the_servers_user_cannot_remove_is_refused_in_one_line() -> None:
+    with shared_place() as shared:
+        planted = shared / "mpserve-65534-x.slots"
+        planted.write_bytes(b"")  # another user's (root's, here), in a sticky folder the server cannot clear
+        paths = ServerPaths(f"fl{os.getpid()}", "tcp://127.0.0.1:1", "tcp://127.0.0.1:2", shared / "none.json",
+                            planted)
+        outcome = as_other_user(lambda: claim(paths))
+        assert outcome == (f"ConfigError: [config] cannot remove {planted}, which is in the way of this server's "
+                           "(Operation not permitted); remove it as its owner or root, or give this server another "
+                           "--server-name"), outcome
+        assert planted.exists()

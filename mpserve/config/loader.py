@@ -36,6 +36,7 @@ import yaml
 
 from mpserve.config import settings, speculative
 from mpserve.config.kv_types import DEFAULT_KV_TYPE, KV_TYPES
+from mpserve.config.private import private_dir
 from mpserve.config.speculative import Speculative
 from mpserve.errors import ConfigError
 from mpserve.models import sources, templates
@@ -98,6 +99,11 @@ class ModelConfig:
         if self.path.startswith(BUILTIN_PREFIX):
             return str(builtin_model_path(self.path[len(BUILTIN_PREFIX):]))
         return sources.local_path(self.path)
+
+
+def tier_folder(tier: str) -> str:
+    """How the folder of the host store's ``tier`` ("ram", "disk") is named where it is refused."""
+    return f"host store's {tier} tier folder"
 
 
 @dataclass(frozen=True)
@@ -344,15 +350,14 @@ def _bytes(value: Any, where: str, parse: Any) -> int:
         raise ConfigError(f"{where}: {exc.message}") from None
 
 
-def _store_folder(value: str, where: str) -> str:
-    """A tier folder of the host store: created if missing (with its parents), and writable."""
-    path = Path(value).expanduser()
+def _store_folder(value: str, tier: str, where: str) -> str:
+    """The folder of the host store's ``tier``: created 0700 if missing (with its parents), refused unless it is
+    this user's alone (``mpserve.config.private``) and writable."""
     try:
-        path.mkdir(mode=0o700, parents=True, exist_ok=True)
-    except OSError as exc:
-        raise ConfigError(f"{where}: cannot create the folder {str(path)!r} ({exc.strerror}); give a folder you "
-                          "can write") from None
-    if not path.is_dir() or not os.access(path, os.W_OK | os.X_OK):
+        path = private_dir(Path(value).expanduser(), tier_folder(tier))
+    except ConfigError as exc:
+        raise ConfigError(f"{where}: {exc.message}") from None
+    if not os.access(path, os.W_OK | os.X_OK):
         raise ConfigError(f"{where}: {str(path)!r} is not a folder you can write; give one you can")
     return str(path)
 
@@ -409,9 +414,9 @@ def _model(index: int, entry: Any, overrides: Mapping[str, Any], source: str) ->
     for size in ("cache_ram", "cache_disk_size"):
         if size in values:
             values[size] = _bytes(values[size], f"{where}.{size}", parse_memory)
-    for folder in ("cache_shm", "cache_disk"):
+    for folder, tier in (("cache_shm", "ram"), ("cache_disk", "disk")):
         if values.get(folder) is not None:
-            values[folder] = _store_folder(str(values[folder]), f"{where}.{folder}")
+            values[folder] = _store_folder(str(values[folder]), tier, f"{where}.{folder}")
     if "requires" in values:
         values["requires_memory"] = _requires(values.pop("requires"), f"{where}.requires")
     if "speculative" in values:

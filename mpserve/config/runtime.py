@@ -18,12 +18,13 @@ from __future__ import annotations
 
 import json
 import os
-import stat
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from mpserve.errors import ConfigError
 from mpserve.wire.slots import shm_dir
+
+from .private import check_private_dir
 
 
 def runtime_dir(create: bool = True) -> Path:
@@ -39,10 +40,7 @@ def runtime_dir(create: bool = True) -> Path:
         except OSError as exc:
             raise ConfigError(f"cannot create the runtime directory {path} ({exc.strerror}); set "
                               "MPSERVE_RUNTIME_DIR to a folder you can write") from None
-        st = path.stat()
-        if st.st_uid != os.getuid() or stat.S_IMODE(st.st_mode) & 0o077:
-            raise ConfigError(f"runtime directory {path} must be owned by you and closed to others (mode "
-                              f"0700); fix it with: chmod 700 {path}, or set MPSERVE_RUNTIME_DIR")
+        check_private_dir(path, "runtime directory")
     return path
 
 

@@ -223,8 +223,9 @@ SETTINGS: tuple[Setting, ...] = (
        cli_type=bool),
     _s("switch_batch", "server", int, "8", "Requests a resident model may serve while another waits (single "
        "active backend)", flag=None, env=None, range=(1, 100000)),
-    _s("lock_dir", "server", str, "$MPSERVE_LOCK_DIR, else /dev/shm/mpserve-locks (created)",
-       "Folder of the host-wide permit locks; it must exist", env=None, commands=("start", "worker", "devices")),
+    _s("lock_dir", "server", str, "$MPSERVE_LOCK_DIR, else /dev/shm/mpserve-locks-UID (created)",
+       "Folder of the host-wide permit locks; it must exist, be yours and closed to others (mode 0700)", env=None,
+       commands=("start", "worker", "devices")),
     _s("permit_log", "server", str, "none", "A file that gets one line per permit hold (audits, tests)", flag=None,
        env=None),
     _s("log_level", "server", str, "info", "Log level", choices=("debug", "info", "warning", "error"),

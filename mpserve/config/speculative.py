@@ -47,6 +47,8 @@ class Speculative:
 
 _RANGES = {"n_max": (1, 64), "n_min": (1, 64), "ngram_min": (1, 16), "ngram_max": (1, 16)}
 _TOKENS_KEY = "tokenizer.ggml.tokens"
+_SPECIAL_KEYS = ("tokenizer.ggml.bos_token_id", "tokenizer.ggml.eos_token_id")
+_DRAFT_CHECK = frozenset({_TOKENS_KEY, *_SPECIAL_KEYS})  # the metadata a draft's vocabulary check reads
 
 
 def parse(value: Mapping[str, Any] | str) -> Speculative:
@@ -93,7 +95,7 @@ def check_draft(name: str, target: str | PathLike[str], draft: str | PathLike[st
     headers = []
     for path in (target, draft):
         try:
-            headers.append(read_header(path, strings=(_TOKENS_KEY,)))
+            headers.append(read_header(path, _DRAFT_CHECK.__contains__))
         except (OSError, ValueError) as exc:
             raise ValueError(f"model {name!r}: cannot read {path} as GGUF: {exc}") from None
     tokens = [header.metadata.get(_TOKENS_KEY) for header in headers]
@@ -103,7 +105,7 @@ def check_draft(name: str, target: str | PathLike[str], draft: str | PathLike[st
     prefix = f"model {name!r}: the draft model {draft} does not have the vocabulary of {target}"
     if len(tokens[0]) != len(tokens[1]):
         raise ValueError(f"{prefix}: {len(tokens[1])} tokens against {len(tokens[0])}")
-    for key in ("tokenizer.ggml.bos_token_id", "tokenizer.ggml.eos_token_id"):
+    for key in _SPECIAL_KEYS:
         ids = [header.metadata.get(key) for header in headers]
         if ids[0] != ids[1]:
             raise ValueError(f"{prefix}: {key} is {ids[1]} against {ids[0]}")

@@ -100,6 +100,7 @@ import numpy as np
 from mpserve.config.kv_types import DEFAULT_KV_TYPE, KV_TYPES
 from mpserve.config.speculative import Speculative
 from mpserve.errors import BadRequest, Busy
+from mpserve.models.builtin import cache_dir
 from mpserve.structured import grammar_source
 from mpserve.wire import protocol as wire
 from mpserve.wire.prefix import block_hashes, common_prefix
@@ -513,8 +514,7 @@ class BatchEngine:
                     flash_attn: str, repack: bool, n_gpu_layers: int) -> HostStore:
         """The host store's view for this instance: its compatibility key says what its states depend on."""
         lib = self._lib
-        ram_dir.mkdir(parents=True, exist_ok=True)
-        identity = {"format": host_store.FORMAT, "gguf_sha256": host_store.gguf_digest(path, ram_dir / "models"),
+        identity = {"format": host_store.FORMAT, "gguf_sha256": host_store.gguf_digest(path, cache_dir() / "digests"),
                     "model": self._identity.model, "type_k": self._identity.cache_type_k,
                     "type_v": self._identity.cache_type_v, "kv_streams": self._identity.kv_streams,
                     "flash_attn": flash_attn, "repack": repack, "n_gpu_layers": n_gpu_layers,

@@ -15,7 +15,10 @@ the engine's path), so the disk tier holds what RAM holds and more: a restart, o
 tmpfs, finds them there.
 
 Layout of a tier (``root``): ``root/lock`` (fcntl lock), ``root/KEY/ADDRESS.kv`` (entries), and
-``root/KEY/identity.json`` (what KEY stands for, for people). KEY is a digest of everything a state depends on
+``root/KEY/identity.json`` (what KEY stands for, for people). The tiers are this user's alone
+(``mpserve.config.private``): each folder 0700 and refused (``ConfigError``, naming it and the fix) if another
+user owns it or others may enter it, each file 0600, made new (O_EXCL, no link followed) and opened without
+following a link, as an entry's tokens are a prompt's text. KEY is a digest of everything a state depends on
 (``compatibility_key``); ADDRESS is a digest of KEY and the entry's tokens (content addressing: two instances
 saving one prefix write one entry). An entry file is
 
@@ -43,8 +46,10 @@ killed halfway could leave wrong. A temporary file seen under the lock is an orp
 while they write) and is removed. Each writer keeps a tier within its own size, so with two servers of
 different sizes on one host the tier stays within the larger, and shrinks to the smaller whenever its
 server writes. Least recently used is the file's mtime, set on each hit. A bad entry (truncated, foreign,
-a failed CRC) is removed and counted as skipped; so is a write that fails (a full disk: ENOSPC), which is
-logged and never reaches a client.
+a failed CRC, a header that is not this layout's: counts that do not add up to the file's size, a summary that
+is not block hashes, a link or a file that is not ours) is removed and counted as skipped, never an exception
+(every read is bounded by the file's size before anything is allocated for it); so is a write that fails (a
+full disk: ENOSPC), which is logged and never reaches a client.
 """
 
 from __future__ import annotations
@@ -57,6 +62,7 @@ import json
 import logging
 import os
 import queue
+import re
 import struct
 import threading
 import time
@@ -65,9 +71,12 @@ from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeGuard
 
-from mpserve.wire.prefix import common_prefix
+from mpserve.config.loader import tier_folder
+from mpserve.config.private import FILE_MODE, PlantedFile, create_private, open_private, private_dir
+from mpserve.errors import ConfigError
+from mpserve.wire.prefix import MAX_BLOCKS, common_prefix
 
 from .prompt_cache import CacheStats, Changes
 
@@ -78,6 +87,7 @@ FORMAT = 1  # the entry layout; part of the key
 _PREFIX = struct.Struct("<8sII")  # magic, header length, CRC32 of what follows
 MAX_HEADER_BYTES = 1 << 20
 SUFFIX = ".kv"
+_SHA256 = re.compile(r"[0-9a-f]{64}")
 _PART = ".kvpart"  # an entry being written: ".tmp-PID-THREAD.kvpart"
 PENDING_WRITES = 4  # states waiting for the writer thread; admitting waits while this many are queued
 STATS_EVERY_S = 1.0  # a tier's bytes are listed at most this often for stats
@@ -101,17 +111,23 @@ def compatibility_key(fields: dict[str, Any]) -> str:
 
 def gguf_digest(path: str, cache_dir: Path) -> str:
     """The SHA-256 of the GGUF file at ``path``: computed once per file version on this host (cached in
-    ``cache_dir`` by device, inode, size and mtime), as a model is many hundred megabytes."""
+    ``cache_dir``, a private folder of this user's outside the store, by device, inode, size and mtime), as a
+    model is many hundred megabytes. A cached digest is a store key's part: nobody else may write one."""
     st = os.stat(path)
     known = cache_dir / f"gguf-{st.st_dev}-{st.st_ino}-{st.st_size}-{st.st_mtime_ns}"
     try:
-        return known.read_text().strip()
-    except OSError:
-        pass
-    with open(path, "rb") as f:
-        digest = hashlib.file_digest(f, "sha256").hexdigest()
+        private_dir(cache_dir, "digest cache folder")
+    except ConfigError as exc:
+        log.warning("%s; the model's digest is computed at every load meanwhile", exc.message)
+        return _sha256(path)
     try:
-        cache_dir.mkdir(parents=True, exist_ok=True)
+        noted = _read_private(known, 64).decode()
+        if _SHA256.fullmatch(noted):
+            return noted
+    except (OSError, UnicodeDecodeError):
+        pass
+    digest = _sha256(path)
+    try:
         _write_atomic(known, digest.encode(), durable=False)
     except OSError as exc:
         log.warning("cannot note the model's digest in %s (%s); it is computed again next time", cache_dir, exc)
@@ -123,14 +139,14 @@ class _Tier:
 
     def __init__(self, name: str, root: Path, capacity: int, key: str, durable: bool) -> None:
         self.name, self.root, self.capacity, self.durable = name, root, capacity, durable
-        self.dir = root / key
-        self.dir.mkdir(parents=True, exist_ok=True)
+        private_dir(root, tier_folder(name))
+        self.dir = private_dir(root / key, tier_folder(name))
         self._held, self._listed_at = 0, 0.0
 
     @contextmanager
     def lock(self) -> Iterator[None]:
         """The tier's lock, across processes; the kernel releases it when its holder dies."""
-        fd = os.open(self.root / "lock", os.O_RDWR | os.O_CREAT, 0o600)
+        fd = os.open(self.root / "lock", os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, FILE_MODE)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX)
             yield
@@ -257,15 +273,16 @@ class HostStore:
         for tier in self._tiers:
             path = tier.path(entry.name)
             try:
-                with open(path, "rb") as f:
-                    data = bytearray(os.fstat(f.fileno()).st_size)
-                    got = f.readinto(data)
+                data = _read_private(path)
             except FileNotFoundError:
+                continue
+            except PlantedFile as exc:
+                self._skip(tier, path, exc.strerror or str(exc))
                 continue
             except OSError as exc:
                 log.warning("cannot read store entry %s: %s", path, exc)
                 continue
-            parsed = self._parse(data[:got], entry.name)
+            parsed = self._parse(data, entry.name)
             if isinstance(parsed, str):
                 self._skip(tier, path, parsed)
                 continue
@@ -335,52 +352,42 @@ class HostStore:
             return list(self._index.values())
 
     def _read_head(self, tier: _Tier, name: str) -> Entry | None:
+        """The entry ``name`` of ``tier`` from its header and tokens, each part checked and each read bounded by
+        the file's size; a bad one is skipped (removed and counted), never an exception."""
         path = tier.path(name)
         try:
-            with open(path, "rb") as f:
+            with os.fdopen(open_private(path), "rb") as f:
+                file_size = os.fstat(f.fileno()).st_size
                 head = f.read(_PREFIX.size)
-                if len(head) < _PREFIX.size or head[:8] != MAGIC:
-                    return self._skip(tier, path, "not a store entry")
-                _, length, _ = _PREFIX.unpack(head)
-                if length > MAX_HEADER_BYTES:
-                    return self._skip(tier, path, "its header is too long")
-                header = json.loads(f.read(length))
-                n = int(header["tokens"])
-                raw = f.read(4 * n)
-                if len(raw) != 4 * n:
-                    return self._skip(tier, path, "truncated")
+                if len(head) == _PREFIX.size:
+                    head += f.read(min(_PREFIX.unpack(head)[1], MAX_HEADER_BYTES))
+                header = _header(head, file_size, self.key)
+                if isinstance(header, str):
+                    return self._skip(tier, path, header)
+                raw = f.read(4 * header.tokens)  # no more than the file holds: _header checked its sizes
         except FileNotFoundError:
             return None
-        except (OSError, ValueError, KeyError, TypeError) as exc:
-            return self._skip(tier, path, f"its header cannot be read ({exc})")
-        if header.get("key") != self.key:
-            return self._skip(tier, path, f"foreign: saved under key {header.get('key')!r}, not {self.key!r}")
-        tokens = struct.unpack(f"<{n}i", raw)
+        except OSError as exc:
+            return self._skip(tier, path, f"it cannot be read ({exc.strerror or exc})")
+        if len(raw) != 4 * header.tokens:
+            return self._skip(tier, path, "truncated")
+        tokens = struct.unpack(f"<{header.tokens}i", raw)
         if _address(self.key, tokens) != name:
             return self._skip(tier, path, "its name is not its tokens' address")
-        return Entry(name, tokens, tuple(int(h) for h in header.get("summary", ())))
+        return Entry(name, tokens, header.summary)
 
     def _parse(self, data: bytearray, name: str) -> tuple[tuple[int, ...], tuple[int, ...], int, int] | str:
         """A whole entry file checked: (tokens, summary, state offset, state bytes), or why it is bad."""
-        if len(data) < _PREFIX.size or data[:8] != MAGIC:
-            return "not a store entry"
-        _, length, crc = _PREFIX.unpack_from(data)
-        if zlib.crc32(memoryview(data)[_PREFIX.size:]) != crc:
+        header = _header(data, len(data), self.key)
+        if isinstance(header, str):
+            return header
+        if zlib.crc32(memoryview(data)[_PREFIX.size:]) != header.crc:
             return "truncated or damaged (CRC)"
-        try:
-            header = json.loads(bytes(data[_PREFIX.size:_PREFIX.size + length]))
-            n, size = int(header["tokens"]), int(header["state_bytes"])
-        except (ValueError, KeyError, TypeError):
-            return "its header cannot be read"
-        if header.get("key") != self.key:
-            return "foreign (another key)"
-        start = _PREFIX.size + length
-        if len(data) != start + 4 * n + size:
-            return "truncated"
-        tokens = struct.unpack_from(f"<{n}i", data, start)
+        start = _PREFIX.size + header.length
+        tokens = struct.unpack_from(f"<{header.tokens}i", data, start)
         if _address(self.key, tokens) != name:
             return "its name is not its tokens' address"
-        return tokens, tuple(header.get("summary", ())), start + 4 * n, size
+        return tokens, header.summary, start + 4 * header.tokens, header.state_bytes
 
     def _skip(self, tier: _Tier, path: Path, why: str) -> Entry | None:
         """Remove the bad entry at ``path``, saying why; None (no entry), for the readers that return one."""
@@ -509,6 +516,66 @@ class HostStore:
             pass
 
 
+@dataclass(frozen=True)
+class _Header:
+    length: int  # of the JSON header
+    crc: int
+    tokens: int
+    state_bytes: int
+    summary: tuple[int, ...]
+
+
+def _header(data: bytes | bytearray, file_size: int, key: str) -> _Header | str:
+    """The header of an entry file of ``file_size`` bytes that starts with ``data``, checked (the magic, the JSON,
+    this key, counts that add up to the file's size, a summary of block hashes), or why the entry is bad."""
+    if len(data) < _PREFIX.size or data[:8] != MAGIC:
+        return "not a store entry"
+    _, length, crc = _PREFIX.unpack_from(data)
+    if length > MAX_HEADER_BYTES:
+        return "its header is too long"
+    if len(data) < _PREFIX.size + length:
+        return "truncated"
+    try:
+        fields = json.loads(bytes(data[_PREFIX.size:_PREFIX.size + length]))
+    except (ValueError, RecursionError):
+        return "its header is not JSON"
+    if not isinstance(fields, dict):
+        return "its header is not a JSON object"
+    if fields.get("key") != key:
+        return "foreign (saved under another key)"
+    tokens, state_bytes, summary = fields.get("tokens"), fields.get("state_bytes"), fields.get("summary", [])
+    if not (_count(tokens) and _count(state_bytes)):
+        return "its token or state count is not a count"
+    expected = _PREFIX.size + length + 4 * tokens + state_bytes  # bounds both counts by the file's size
+    if expected != file_size:
+        return f"{'truncated' if expected > file_size else 'padded'}: its counts say {expected} bytes, the file has " \
+               f"{file_size}"
+    if not (isinstance(summary, list) and len(summary) <= MAX_BLOCKS
+            and all(type(h) is int and 0 <= h < 1 << 64 for h in summary)):
+        return "its summary is not a list of block hashes"
+    return _Header(length, crc, tokens, state_bytes, tuple(summary))
+
+
+def _count(value: object) -> TypeGuard[int]:
+    return type(value) is int and value >= 0
+
+
+def _sha256(path: str) -> str:
+    with open(path, "rb") as f:
+        return hashlib.file_digest(f, "sha256").hexdigest()
+
+
+def _read_private(path: Path, most: int | None = None) -> bytearray:
+    """The bytes of the regular file of ours at ``path`` (not followed if a link), at most ``most``: never more
+    than the file has when opened."""
+    with os.fdopen(open_private(path), "rb") as f:
+        size = os.fstat(f.fileno()).st_size
+        data = bytearray(size if most is None else min(size, most))
+        got = f.readinto(data)
+    del data[got:]
+    return data
+
+
 def _address(key: str, tokens: Sequence[int]) -> str:
     digest = hashlib.sha256(key.encode())
     digest.update(struct.pack(f"<{len(tokens)}i", *tokens))
@@ -526,17 +593,18 @@ def _touch(path: Path) -> None:
 
 
 def _write_atomic(path: Path, data: bytes | bytearray, durable: bool, suffix: str = ".part") -> None:
-    """``data`` as ``path``: a temporary file in the same folder, renamed (after fsync, if ``durable``)."""
+    """``data`` as ``path``, 0600: a new temporary file in the same folder, renamed (after fsync, if ``durable``)."""
     tmp = path.with_name(f".tmp-{os.getpid()}-{threading.get_ident()}{suffix}")
+    tmp.unlink(missing_ok=True)  # a dead writer's that had our pid and thread id
     try:
-        with open(tmp, "wb") as out:
+        with os.fdopen(create_private(tmp, os.O_WRONLY), "wb") as out:
             out.write(data)
             if durable:
                 out.flush()
                 os.fsync(out.fileno())
         os.replace(tmp, path)
         if durable:
-            fd = os.open(path.parent, os.O_RDONLY)
+            fd = os.open(path.parent, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
             try:
                 os.fsync(fd)
             finally:

@@ -20,6 +20,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from mpserve.config.private import PlantedFile, create_private, open_private
 from mpserve.errors import BadRequest
 
 MAGIC = b"MPSLOTF1"
@@ -49,11 +50,13 @@ class SlotFile:
 
 
 def write(path: Path, saved: SlotFile) -> None:
-    """Write ``saved`` to ``path`` atomically (a temporary file in the same folder, then renamed)."""
+    """Write ``saved`` to ``path`` atomically (a new temporary file in the same folder, 0600, then renamed): a
+    conversation's cells are its text."""
     header = json.dumps({**asdict(saved.identity), "n_tokens": len(saved.tokens), "whole": saved.whole,
                          "state_bytes": saved.size}).encode()
     tmp = path.with_name(f".{path.name}.tmp")
-    with open(tmp, "wb") as out:
+    tmp.unlink(missing_ok=True)  # an earlier save's, cut short
+    with os.fdopen(create_private(tmp, os.O_WRONLY), "wb") as out:
         out.write(MAGIC + _LENGTH.pack(len(header)) + header)
         out.write(struct.pack(f"<{len(saved.tokens)}i", *saved.tokens))
         out.write(bytes(saved.state)[:saved.size])
@@ -61,11 +64,16 @@ def write(path: Path, saved: SlotFile) -> None:
 
 
 def read(path: Path, expected: Identity) -> SlotFile:
-    """The slot file at ``path``, checked against ``expected``; ``BadRequest`` saying what does not match."""
+    """The slot file at ``path`` (a regular file of this user's: a link is not followed), checked against
+    ``expected``; ``BadRequest`` saying what does not match."""
     try:
-        data = path.read_bytes()
+        with os.fdopen(open_private(path), "rb") as f:
+            data = f.read()
     except FileNotFoundError:
         raise BadRequest(f"no slot file {path.name!r}") from None
+    except PlantedFile:
+        raise BadRequest(f"{path.name!r} is not a slot file of this server's (a link, or not a regular file of "
+                         "its user's)") from None
     except OSError as exc:
         raise BadRequest(f"cannot read slot file {path.name!r}: {exc.strerror}") from None
     name = path.name
@@ -81,6 +89,8 @@ def read(path: Path, expected: Identity) -> SlotFile:
         header = json.loads(data[start:start + length])
         identity = Identity(**{k: header[k] for k in Identity.__dataclass_fields__})
         n_tokens, whole, state_bytes = int(header["n_tokens"]), int(header["whole"]), int(header["state_bytes"])
+        if min(n_tokens, state_bytes) < 0:
+            raise ValueError("a negative count")
     except (ValueError, KeyError, TypeError):
         raise BadRequest(f"slot file {name!r} is truncated or damaged: its header cannot be read") from None
     if identity.model != expected.model or (identity.n_params, identity.model_size) != (

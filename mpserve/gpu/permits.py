@@ -1,8 +1,14 @@
 """Host-wide, crash-safe counting permits per GPU.
 
 A ``DevicePermits(key, capacity)`` lets at most ``capacity`` holders use one device at once, across
-every process on the host, including separate servers started by different users. A holder that
-dies, even by SIGKILL, gives its permit back at once and with nobody's help.
+every process of this user on the host, separate servers included. A holder that dies, even by
+SIGKILL, gives its permit back at once and with nobody's help.
+
+The lock folder and its files are this user's alone (``mpserve.config.private``): the folder 0700 and
+refused if another user owns it or others may enter it, a file 0600, made whole under a temporary
+name and linked into place, opened without following a link, and used only with this layout's size
+and header (a planted file or link is refused, never truncated or rewritten). Another user's servers
+thus never share, lock up or overwrite this user's permits.
 
 Why open-file-description byte-range locks
 ------------------------------------------
@@ -59,7 +65,8 @@ The lock bytes sit at offsets past the data (locks are advisory and never touch 
     PERMIT_BASE + i      permit slot i
     QUEUE_BASE + j       queue place j
 
-Descriptors are opened close-on-exec, and a process forked from a user closes its copies at once
+Each acquire's description is opened through ``/proc/self/fd`` from the first one, never by the path
+again. Descriptors are opened close-on-exec, and a process forked from a user closes its copies at once
 (``os.register_at_fork``): a forked child keeping a copy would otherwise keep the parent's locks
 alive after the parent died.
 """
@@ -84,6 +91,7 @@ from functools import cache
 from pathlib import Path
 from typing import Any
 
+from mpserve.config.private import PlantedFile, check_private_dir, create_private, open_private, private_dir
 from mpserve.errors import Cancelled, ConfigError, Timeout
 
 MAX_CAPACITY = 64
@@ -108,6 +116,7 @@ _FIRST_POLL = 50e-6
 _HEAD_POLL = 500e-6  # the first waiter in line: it is the one whose wait idles the device
 _QUEUE_POLL = 1e-3  # the others only watch for their turn to come
 
+LOCK_FOLDER = "permit lock folder"
 _KEY = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 
 
@@ -181,7 +190,7 @@ class DevicePermits:
             raise ConfigError(f"permit capacity {capacity} is outside 1..{MAX_CAPACITY} (or None: unlimited)")
         self.device_key = device_key
         self.capacity = capacity
-        self.path = (lock_dir if lock_dir is not None else default_lock_dir()) / f"{device_key}.lock"
+        self.path = _lock_folder(lock_dir) / f"{device_key}.lock"
         self._on_hold = on_hold
         self._pid = os.getpid()
         self._guard = threading.Lock()
@@ -190,9 +199,9 @@ class DevicePermits:
         self._held: set[Permit] = set()
         self._closed = False
         with ExitStack() as undo:
-            self._inspect_fd = _open_shared_file(self.path)
+            self._inspect_fd = _open_lock_file(self.path)
             undo.callback(os.close, self._inspect_fd)
-            self._records = _Records(self.path)
+            self._records = _Records(self._inspect_fd)
             undo.callback(self._records.close)
             self._join()
             undo.pop_all()
@@ -360,7 +369,7 @@ class DevicePermits:
         with self._guard:
             if self._idle_fds:
                 return self._idle_fds.pop()
-            fd = os.open(self.path, os.O_RDWR | os.O_CLOEXEC)
+            fd = _reopen(self._inspect_fd)
             self._fds.add(fd)
             return fd
 
@@ -401,16 +410,16 @@ class PermitState:
 
 def inspect(device_key: str, lock_dir: Path | None = None) -> PermitState | None:
     """The holders and waiters of a device's permits, without joining them; None if nobody has used the
-    device's permits since the lock file was made (or no server uses permits)."""
-    path = (lock_dir if lock_dir is not None else default_lock_dir()) / f"{device_key}.lock"
+    device's permits since the lock file was made (or no server uses permits, or the file is not one of ours)."""
+    path = _lock_folder(lock_dir) / f"{device_key}.lock"
     try:
-        fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
-    except FileNotFoundError:
+        fd = open_private(path, os.O_RDWR)
+    except OSError:  # none, or not one of ours: no server of this user uses the device's permits
         return None
     try:
-        if not _is_locked(fd, _USERS_BYTE):
+        if _lock_file_problem(fd) or not _is_locked(fd, _USERS_BYTE):
             return None
-        records = _Records(path)
+        records = _Records(fd)
         try:
             capacity = records.stored_capacity() or None
             return PermitState(capacity, _holders(fd, records, capacity or 0), _waiters(fd, records))
@@ -452,7 +461,7 @@ class HoldLog:
     def __call__(self, hold: HoldInterval) -> None:
         slot = -1 if hold.slot is None else hold.slot
         line = f"{hold.device_key} {hold.pid} {slot} {hold.start!r} {hold.end!r}\n"
-        fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o666)
+        fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
         try:
             os.write(fd, line.encode())
         finally:
@@ -479,22 +488,24 @@ def max_concurrent(holds: Iterable[HoldInterval]) -> int:
 
 
 def default_lock_dir() -> Path:
-    """``$MPSERVE_LOCK_DIR``, else ``mpserve-locks`` under /dev/shm (or the temp dir), shared by all users."""
+    """``$MPSERVE_LOCK_DIR``, else ``mpserve-locks-UID`` under /dev/shm (or the temp dir): this user's servers
+    meet there. Made 0700 if missing, refused if another user owns it or others may enter it."""
     configured = os.environ.get("MPSERVE_LOCK_DIR")
     if configured:
         path = Path(configured)
     else:
         shm = Path("/dev/shm")
         base = shm if shm.is_dir() and os.access(shm, os.W_OK) else Path(tempfile.gettempdir())
-        path = base / "mpserve-locks"
-    try:
-        os.mkdir(path)
-        os.chmod(path, 0o1777)  # sticky and world-writable, like /tmp: every user's servers meet here
-    except FileExistsError:
-        pass
-    except OSError as exc:
-        raise ConfigError(f"cannot create lock directory {path}: {exc.strerror}") from exc
-    return path
+        path = base / f"mpserve-locks-{os.geteuid()}"
+    return private_dir(path, LOCK_FOLDER)
+
+
+def _lock_folder(given: Path | None) -> Path:
+    """``given`` once checked private (it must exist), else the default folder."""
+    if given is None:
+        return default_lock_dir()
+    check_private_dir(given, LOCK_FOLDER)
+    return given
 
 
 # -- the file's records ----------------------------------------------------------------------------
@@ -503,14 +514,8 @@ def default_lock_dir() -> Path:
 class _Records:
     """Typed views of the shared mmap: the header and the holder and waiter columns."""
 
-    def __init__(self, path: Path) -> None:
-        fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)  # a description of its own, never locked
-        try:
-            if os.fstat(fd).st_size < _FILE_SIZE:
-                os.ftruncate(fd, _FILE_SIZE)  # growing only, with zeros: safe to race
-            self._map = mmap.mmap(fd, _FILE_SIZE)
-        finally:
-            os.close(fd)
+    def __init__(self, fd: int) -> None:
+        self._map = mmap.mmap(fd, _FILE_SIZE)  # of a file ``_lock_file_problem`` passed: whole and ours
         view = memoryview(self._map)
 
         def part(offset: int, count: int) -> memoryview:
@@ -532,15 +537,14 @@ class _Records:
             view,
         ]
 
-    def stored_capacity(self) -> int | None:
-        """The header's capacity (0 = unlimited), or None when the header is blank or foreign."""
-        magic, version, capacity, _ = _HEADER.unpack_from(self._map)
-        return capacity if magic == _MAGIC and version == _LAYOUT_VERSION else None
+    def stored_capacity(self) -> int:
+        """The header's capacity (0 = unlimited)."""
+        capacity: int = _HEADER.unpack_from(self._map)[2]
+        return capacity
 
     def reset(self, capacity: int) -> None:
         """Start afresh; only for the sole user of the file."""
-        self._map[:] = bytes(_FILE_SIZE)
-        _HEADER.pack_into(self._map, 0, _MAGIC, _LAYOUT_VERSION, capacity, 1)
+        self._map[:] = _blank(capacity)
 
     def draw_ticket(self) -> int:
         """Only under the ticket lock."""
@@ -599,21 +603,73 @@ def _is_locked(fd: int, offset: int) -> bool:
 # -- small helpers ---------------------------------------------------------------------------------
 
 
-def _open_shared_file(path: Path) -> int:
-    """Open the lock file read-write, creating it writable by every user.
+def _open_lock_file(path: Path) -> int:
+    """The device's lock file, read-write, in a folder ``default_lock_dir`` (or ``check_private_dir``) passed.
 
-    O_EXCL first, then a plain open: with fs.protected_regular, O_CREAT on another user's file in a
-    sticky directory fails even when the file itself is writable.
+    A new one is written whole under a temporary name and linked into place (a link fails if any name is there,
+    a planted symbolic link included), so nobody ever opens a partial one. An existing one is opened without
+    following a link and used only if it is a regular file of this user's with the size and header of this
+    layout; anything else is refused, never truncated or rewritten.
     """
     try:
         try:
-            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o666)
-            os.fchmod(fd, 0o666)
-            return fd
-        except FileExistsError:
-            return os.open(path, os.O_RDWR | os.O_CLOEXEC)
+            fd = open_private(path, os.O_RDWR)
+        except FileNotFoundError:
+            fd = _make_lock_file(path)
+    except PlantedFile as exc:
+        raise ConfigError(f"{exc.strerror}: it is not a permit lock file this server made; remove it "
+                          f"(rm {path}) and check who can write in {path.parent}") from None
     except OSError as exc:
-        raise ConfigError(f"cannot open permit lock file {path}: {exc.strerror}") from exc
+        raise ConfigError(f"cannot open permit lock file {path}: {exc.strerror}") from None
+    problem = _lock_file_problem(fd)
+    if problem:
+        os.close(fd)
+        raise ConfigError(f"permit lock file {path} {problem}: it is not one this version of mpserve made; "
+                          f"remove it (rm {path}) when no server uses the device")
+    return fd
+
+
+def _make_lock_file(path: Path) -> int:
+    """A new lock file at ``path`` (or the one another process linked there first), read-write."""
+    part = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.part")
+    part.unlink(missing_ok=True)  # a dead process's with our pid, in our own folder
+    fd = create_private(part, os.O_RDWR)
+    try:
+        os.write(fd, _blank(0))
+        os.link(part, path)
+    except FileExistsError:
+        os.close(fd)
+        return open_private(path, os.O_RDWR)
+    except BaseException:
+        os.close(fd)
+        raise
+    finally:
+        part.unlink(missing_ok=True)
+    return fd
+
+
+def _lock_file_problem(fd: int) -> str:
+    """What is wrong with the opened lock file, or "" if it has this layout's size and header."""
+    size = os.fstat(fd).st_size
+    if size != _FILE_SIZE:
+        return f"has {size} bytes, not {_FILE_SIZE}"
+    magic, version, _, _ = _HEADER.unpack(os.pread(fd, _HEADER.size, 0))
+    if magic != _MAGIC or version != _LAYOUT_VERSION:
+        return "has a foreign header"
+    return ""
+
+
+def _blank(capacity: int) -> bytes:
+    """A lock file's bytes before anyone has used it (``capacity`` 0: as yet unlimited)."""
+    data = bytearray(_FILE_SIZE)
+    _HEADER.pack_into(data, 0, _MAGIC, _LAYOUT_VERSION, capacity, 1)
+    return bytes(data)
+
+
+def _reopen(fd: int) -> int:
+    """A new open file description of the file behind ``fd`` (its own OFD locks), never its path again: the name
+    could have been replaced since."""
+    return os.open(f"/proc/self/fd/{fd}", os.O_RDWR | os.O_CLOEXEC)
 
 
 def _never() -> bool:
@@ -632,9 +688,7 @@ def _nap(deadline: float | None, delay: float) -> bool:
     return True
 
 
-def _describe(capacity: int | None) -> str:
-    if capacity is None:
-        return "unknown (a foreign lock file layout)"
+def _describe(capacity: int) -> str:
     return "unlimited" if capacity == 0 else str(capacity)
 
 

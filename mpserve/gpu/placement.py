@@ -41,6 +41,8 @@ CPU_OVERHEAD = 128 << 20
 allowance, as OVERHEAD is for a GPU."""
 
 _BLOCK = re.compile(r"blk\.(\d+)\.")
+_ATTENTION_KEYS = frozenset({"embedding_length", "block_count", "attention.head_count", "attention.head_count_kv",
+                             "attention.key_length", "attention.value_length"})  # after "ARCH."
 
 
 @dataclass(frozen=True)
@@ -161,9 +163,14 @@ def _read(gguf_path: str | PathLike[str]) -> GGUFHeader:
     from mpserve.models.gguf_header import read_header
 
     try:
-        return read_header(gguf_path)
+        return read_header(gguf_path, _estimate_needs)
     except (OSError, ValueError) as exc:
         raise ConfigError(f"cannot read model {gguf_path} as GGUF: {exc}") from exc
+
+
+def _estimate_needs(key: str) -> bool:
+    """Whether the estimate reads metadata ``key``: the architecture, and its keys that ``_attention`` reads."""
+    return key == "general.architecture" or key.partition(".")[2] in _ATTENTION_KEYS
 
 
 def _attention(reader: GGUFHeader, gguf_path: object) -> _Attention:

@@ -1,21 +1,23 @@
 """A GGUF file's header: its metadata and tensor table, read without touching the tensor data.
 
-    file ──mmap──► magic, version, counts
-                   key/values ─► scalars and strings kept; numeric arrays kept (one numpy read each);
-                                 string arrays (a vocabulary, merges) skipped, each string by its length,
-                                 unless named in ``strings`` (a draft model's vocabulary check)
+    file ──mmap──► magic, version, counts (each bounded by the bytes left: a count no file could hold is refused)
+                   key/values ─► the keys ``keep`` accepts: scalars, strings, arrays (numbers: one numpy read)
+                                 every other key stepped over without building its value (a string by its
+                                 length, an array of fixed-size values at once)
                    tensor infos ─► name, shape, type ─► bytes on disk (gguf's block sizes)
 
 ``gguf.GGUFReader`` builds an object per field part, so a real model's vocabulary (hundreds of thousands
 of strings) costs seconds; the memory estimate (``mpserve.gpu.placement``) needs a handful of keys and the
-tensor sizes, which this reads in a single pass over the header. String arrays are left out of
-``metadata`` unless asked for: nothing that reads the header for sizes needs a token list.
+tensor sizes, which this reads in a single pass over the header. Each reader names the keys it needs
+(``keep``), so a file's other metadata, however large, is never built in the server: a model file is the
+operator's choice but not always the operator's making. A kept array has at most ``MAX_KEPT_ITEMS`` values.
 """
 
 from __future__ import annotations
 
 import mmap
 import struct
+from collections.abc import Callable
 from dataclasses import dataclass
 from os import PathLike
 from typing import Any, Literal
@@ -24,6 +26,11 @@ import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFValueType
 
 MAGIC = b"GGUF"
+MAX_KEPT_ITEMS = 1 << 20  # values of one kept array: past any vocabulary's size
+_MAX_DIMS = 4  # GGML_MAX_DIMS
+_KV_BYTES = 8 + 4 + 1  # the least a key/value takes: an empty key, its type, a one-byte value
+_TENSOR_BYTES = 8 + 4 + 4 + 8  # an empty name, no dimensions, its type and its data's offset
+_ITEM_BYTES = {"string": 8, "array": 12}  # the least a string or an array inside an array takes
 
 _SCALARS: dict[GGUFValueType, str] = {
     GGUFValueType.UINT8: "B", GGUFValueType.INT8: "b", GGUFValueType.UINT16: "H", GGUFValueType.INT16: "h",
@@ -32,7 +39,7 @@ _SCALARS: dict[GGUFValueType, str] = {
 }
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class TensorInfo:
     name: str
     shape: tuple[int, ...]
@@ -43,22 +50,25 @@ class TensorInfo:
 @dataclass(frozen=True)
 class GGUFHeader:
     version: int
-    metadata: dict[str, Any]  # str, int, float, bool, or a list of numbers; string arrays only if asked for
+    metadata: dict[str, Any]  # the kept keys: str, int, float, bool, or a list of them
     tensors: tuple[TensorInfo, ...]
 
 
-def read_header(path: str | PathLike[str], strings: tuple[str, ...] = ()) -> GGUFHeader:
-    """The header of the GGUF file at ``path``, with the string arrays named in ``strings`` as lists of str.
-    Raises ValueError when it is not a GGUF file (or is cut short), OSError when it cannot be read."""
+def read_header(path: str | PathLike[str], keep: Callable[[str], bool]) -> GGUFHeader:
+    """The header of the GGUF file at ``path``, with the metadata keys ``keep`` accepts. Raises ValueError when it
+    is not a GGUF file (or is cut short, or a kept array is longer than ``MAX_KEPT_ITEMS``), OSError when it
+    cannot be read."""
     with open(path, "rb") as file:
         try:
             data = mmap.mmap(file.fileno(), 0, access=mmap.ACCESS_READ)
         except ValueError as exc:  # an empty file cannot be mapped
             raise ValueError("not a GGUF file (empty)") from exc
     try:
-        return _Cursor(data, strings).header()
+        return _Cursor(data, keep).header()
     except struct.error as exc:
         raise ValueError(f"GGUF header cut short ({exc})") from exc
+    except RecursionError:
+        raise ValueError("GGUF metadata nests arrays too deep") from None
     finally:
         data.close()
 
@@ -66,9 +76,9 @@ def read_header(path: str | PathLike[str], strings: tuple[str, ...] = ()) -> GGU
 class _Cursor:
     """Reads the header front to back; ``order`` is the file's byte order, told by its version field."""
 
-    def __init__(self, data: mmap.mmap, strings: tuple[str, ...] = ()) -> None:
+    def __init__(self, data: mmap.mmap, keep: Callable[[str], bool]) -> None:
         self.data = data
-        self.strings = strings
+        self.keep = keep
         self.at = 0
         self.order: Literal["<", ">"] = "<"
 
@@ -84,14 +94,22 @@ class _Cursor:
         if version < 2:
             raise ValueError(f"GGUF version {version} is not supported (2 and later are)")
         n_tensors, n_kv = self.scalar("Q"), self.scalar("Q")
+        self.fits(n_kv, _KV_BYTES, "key/values")
         metadata: dict[str, Any] = {}
         for _ in range(n_kv):
             key = self.string()
-            value = self.value(GGUFValueType(self.scalar("I")), key in self.strings)
+            kind = GGUFValueType(self.scalar("I"))
+            value = self.value(kind, key) if self.keep(key) else self.skip_items(kind, 1)
             if value is not _SKIPPED:
                 metadata[key] = value
+        self.fits(n_tensors, _TENSOR_BYTES, "tensors")
         tensors = tuple(self.tensor() for _ in range(n_tensors))
         return GGUFHeader(version, metadata, tensors)
+
+    def fits(self, count: int, least: int, what: str) -> None:
+        """Refuse ``count`` items of at least ``least`` bytes each when the bytes left cannot hold them."""
+        if count * least > len(self.data) - self.at:
+            raise struct.error(f"{count} {what} cannot fit in the {len(self.data) - self.at} bytes left")
 
     def scalar(self, code: str) -> Any:
         (value,) = struct.unpack_from(self.order + code, self.data, self.at)
@@ -106,43 +124,58 @@ class _Cursor:
         self.at += n
         return raw.decode("utf-8", errors="replace")
 
-    def value(self, kind: GGUFValueType, keep_strings: bool = False) -> Any:
+    def value(self, kind: GGUFValueType, key: str) -> Any:
+        """The value of kept ``key``: a scalar, a string, or an array of either, of at most ``MAX_KEPT_ITEMS``
+        values (an array of arrays, which no reader needs, is skipped)."""
         if kind == GGUFValueType.STRING:
             return self.string()
         if kind != GGUFValueType.ARRAY:
             return self.scalar(_SCALARS[kind])
         item, count = GGUFValueType(self.scalar("I")), self.scalar("Q")
+        if count > MAX_KEPT_ITEMS:
+            raise ValueError(f"GGUF metadata {key!r} is an array of {count} values, more than the "
+                             f"{MAX_KEPT_ITEMS} mpserve reads")
         if item in _SCALARS:
             dtype = np.dtype(_SCALARS[item]).newbyteorder(self.order)
+            self.fits(count, dtype.itemsize, "array values")
             values = np.frombuffer(self.data, dtype, count, self.at)
             self.at += count * dtype.itemsize
             return values.tolist()
-        if item == GGUFValueType.STRING and keep_strings:
+        if item == GGUFValueType.STRING:
+            self.fits(count, _ITEM_BYTES["string"], "strings")
             return [self.string() for _ in range(count)]
-        self.skip_items(item, count)
-        return _SKIPPED
+        return self.skip_items(item, count)
 
-    def skip_items(self, kind: GGUFValueType, count: int) -> None:
+    def skip_items(self, kind: GGUFValueType, count: int) -> object:
         """Step over ``count`` values of ``kind``: fixed-size ones at once, a string by its length, an
-        array by its own type and count."""
+        array by its own type and count; none is built (``_SKIPPED``)."""
         if kind in _SCALARS:
+            self.fits(count, struct.calcsize(_SCALARS[kind]), "values")
             self.at += count * struct.calcsize(_SCALARS[kind])
         elif kind == GGUFValueType.STRING:
+            self.fits(count, _ITEM_BYTES["string"], "strings")
             length = struct.Struct(self.order + "Q").unpack_from
             data, at = self.data, self.at
             for _ in range(count):
                 at += 8 + length(data, at)[0]
             self.at = at
         else:
+            self.fits(count, _ITEM_BYTES["array"], "arrays")
             for _ in range(count):
                 item, n = GGUFValueType(self.scalar("I")), self.scalar("Q")
                 self.skip_items(item, n)
+        return _SKIPPED
 
     def tensor(self) -> TensorInfo:
         name = self.string()
-        shape = tuple(self.scalar("Q") for _ in range(self.scalar("I")))
+        n_dims = self.scalar("I")
+        if n_dims > _MAX_DIMS:
+            raise ValueError(f"GGUF tensor {name!r} has {n_dims} dimensions, more than GGML's {_MAX_DIMS}")
+        shape = tuple(self.scalar("Q") for _ in range(n_dims))
         kind = GGMLQuantizationType(self.scalar("I"))
         self.scalar("Q")  # the offset of its data: not needed for sizes
+        if kind not in GGML_QUANT_SIZES:
+            raise ValueError(f"GGUF tensor {name!r} has type {kind.name}, whose size gguf does not know")
         block, block_bytes = GGML_QUANT_SIZES[kind]
         n_elements = int(np.prod(shape, dtype=np.int64)) if shape else 1
         return TensorInfo(name, shape, kind, n_elements // block * block_bytes)

@@ -148,7 +148,7 @@ def _fallback(gguf: str, hint: str) -> str | None:
     from mpserve.models.gguf_header import read_header
 
     try:
-        metadata = read_header(gguf).metadata
+        metadata = read_header(gguf, {"tokenizer.chat_template", "general.architecture"}.__contains__).metadata
     except ValueError:  # a header this reader cannot follow: the GGUF's own, as llama.cpp's loader reads it
         return None
     if metadata.get("tokenizer.chat_template"):

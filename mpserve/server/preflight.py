@@ -6,7 +6,9 @@
                          ├─ the ZeroMQ binds  each bound once with a throwaway socket, then closed (and its
                          │                    ipc file removed): in use, no scheme, no permission, no folder
                          ├─ the HTTP port     bound once and closed, as uvicorn binds it
-                         └─ the lock folder   a file made and removed in it, when it is given or permits are used
+                         ├─ the lock folder   a file made and removed in it, when it is given or permits are used
+                         └─ the store folder  each model's host store RAM tier: made 0700, or refused unless it is
+                                              this user's alone (``mpserve.config.private``)
 
 A failure is a ``ConfigError``: one line naming the address or path, what is wrong and the fix, raised before
 the slot table, the sockets, the gateway or any worker exists, so a refused start leaves nothing behind. The
@@ -25,10 +27,11 @@ from pathlib import Path
 
 import zmq
 
-from mpserve.config.loader import ServerConfig
+from mpserve.config.loader import ECHO_MODEL, ServerConfig, tier_folder
+from mpserve.config.private import check_private_dir, private_dir
 from mpserve.config.runtime import ServerInfo, ServerPaths
 from mpserve.errors import ConfigError
-from mpserve.gpu.permits import default_lock_dir
+from mpserve.gpu.permits import LOCK_FOLDER, default_lock_dir
 
 log = logging.getLogger("mpserve.server")
 
@@ -45,6 +48,9 @@ def check_start(config: ServerConfig, http: tuple[str, int] | None = None) -> No
         check_http(*http)
     if config.lock_dir is not None or config.permit_capacity is not None:
         check_lock_dir(config.lock_dir)
+    for model in config.models:  # the default store folder too: the config checks only the folders it is given
+        if model.cache_ram and model.path != ECHO_MODEL:
+            private_dir(Path(model.store_dir()), tier_folder("ram"))
 
 
 def refuse_live(paths: ServerPaths) -> None:
@@ -60,9 +66,14 @@ def claim(paths: ServerPaths) -> None:
     is set up, so that the removal is said)."""
     refuse_live(paths)
     for stale in [paths.info, paths.slots, *paths.ipc_files()]:
-        if stale.exists():
+        if os.path.lexists(stale):  # a link too, even one to nothing: the slot table is made anew, never through one
             log.info("removing %s left by a server that is no longer running", stale)
-            stale.unlink(missing_ok=True)
+            try:
+                stale.unlink(missing_ok=True)
+            except OSError as exc:  # another user's, in a sticky folder such as /dev/shm
+                raise ConfigError(f"cannot remove {stale}, which is in the way of this server's ({exc.strerror}); "
+                                  "remove it as its owner or root, or give this server another --server-name") \
+                    from None
 
 
 def check_bind(flag: str, address: str) -> None:
@@ -125,11 +136,13 @@ def check_http(host: str, port: int) -> None:
 
 
 def check_lock_dir(given: str | None) -> None:
-    """The permit lock folder (``--lock-dir``, else the default) exists and takes a new file."""
+    """The permit lock folder (``--lock-dir``, else the default) exists, is private to this user (0700, ours) and
+    takes a new file."""
     path = Path(given) if given is not None else default_lock_dir()
     fix = "give --lock-dir a folder you can write (every server of this host must use the same one)"
     if not path.is_dir():
         raise ConfigError(f"--lock-dir {path}: {'not a folder' if path.exists() else 'no such folder'}; {fix}")
+    check_private_dir(path, LOCK_FOLDER)
     try:
         with tempfile.TemporaryFile(dir=path):
             pass

@@ -21,7 +21,8 @@ from dataclasses import dataclass
 from enum import IntEnum
 from pathlib import Path
 
-from mpserve.errors import BadRequest
+from mpserve.config.private import create_private
+from mpserve.errors import BadRequest, ConfigError
 
 MAGIC = b"MPSLOT04"
 _HEADER = struct.Struct("<8sII")  # magic, rows, row size
@@ -122,8 +123,13 @@ class SlotTable:
 
     @classmethod
     def create(cls, path: Path, rows: int) -> SlotTable:
+        """A new table at ``path`` (0600, never through a link), which the caller cleared of a dead server's."""
         size = _HEADER.size + rows * ROW_SIZE
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
+        try:
+            fd = create_private(path)
+        except FileExistsError:
+            raise ConfigError(f"the slot table {path} appeared after it was cleared: another process makes files "
+                              f"under this name; stop it, or give this server another --server-name") from None
         os.ftruncate(fd, size)
         mm = mmap.mmap(fd, size)
         _HEADER.pack_into(mm, 0, MAGIC, rows, ROW_SIZE)

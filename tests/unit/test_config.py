@@ -93,7 +93,8 @@ def test_the_host_stores_folders_are_created_and_one_that_cannot_be_written_is_r
     assert (tmp_path / "a" / "disk").is_dir() and model.cache_disk_size == 1 << 30
     assert model.store_dir() == str(tmp_path / "shm")
     (tmp_path / "file").write_text("")
-    with pytest.raises(ConfigError, match=r"models\[0\].cache_disk: cannot create the folder .*file/disk"):
+    with pytest.raises(ConfigError, match=r"models\[0\].cache_disk: cannot create the host store's disk tier folder "
+                                          r".*file/disk"):
         cfg.build({"models": [{"cache_disk": str(tmp_path / "file" / "disk")}]})
 
 

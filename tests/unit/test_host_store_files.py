@@ -5,15 +5,24 @@ removed; what the broker hears of."""
 from __future__ import annotations
 
 import contextlib
+import hashlib
+import json
 import multiprocessing
 import os
 import signal
+import stat
+import struct
 import time
+import zlib
 from pathlib import Path
 
 import pytest
+from helpers import as_other_user, shared_place
 
+from mpserve.config import loader as cfg
+from mpserve.engine import host_store
 from mpserve.engine.host_store import HostStore, compatibility_key
+from mpserve.errors import ConfigError
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -235,9 +244,119 @@ def test_a_full_disk_is_a_logged_skip_and_ram_still_takes_the_entries(tmp_path: 
     disk, program = tmp_path / "disk", tmp_path / "fill.py"
     disk.mkdir()
     program.write_text(FULL_DISK)
-    script = (f"mount -t tmpfs -o size=64k none {disk} && "
+    script = (f"mount -t tmpfs -o size=64k,mode=700 none {disk} && "
               f"exec {sys.executable} {program} {disk} {KEY} {tmp_path / 'ram'}")
     proc = subprocess.run(["unshare", "-rm", "sh", "-c", script], capture_output=True, text=True, timeout=30)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.split() == ["skipped", "2", "ram", "3", "disk", "1"], proc.stdout + proc.stderr
     assert "the tier's file system is full" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def raw_entry(header: object, tail: bytes = b"") -> bytes:
+    """An entry file as a writer lays it out, with any header (a JSON value, or raw bytes) and what follows it."""
+    body = (header if isinstance(header, bytes) else json.dumps(header).encode()) + tail
+    return host_store.MAGIC + struct.pack("<II", len(body) - len(tail), zlib.crc32(body)) + body
+
+
+MALFORMED = {
+    "huge token count": {"key": KEY, "tokens": 10**15, "state_bytes": 4, "summary": []},
+    "negative token count": {"key": KEY, "tokens": -3, "state_bytes": 4, "summary": []},
+    "a token count that is text": {"key": KEY, "tokens": "2", "state_bytes": 4, "summary": []},
+    "a state too long for the file": {"key": KEY, "tokens": 1, "state_bytes": 1 << 40, "summary": []},
+    "a summary that is text": {"key": KEY, "tokens": 1, "state_bytes": 4, "summary": "abc"},
+    "a summary past 64 bits": {"key": KEY, "tokens": 1, "state_bytes": 4, "summary": [1 << 70]},
+    "a summary of floats": {"key": KEY, "tokens": 1, "state_bytes": 4, "summary": [1.5]},
+    "a header that is a list": [KEY, 1, 4],
+    "a header nested past the parser": b"[" * 100_000,
+    "a header that is not UTF-8": b"\xff\xfe{}",
+}
+
+
+def test_malformed_entries_and_planted_files_are_counted_misses_that_are_removed_never_an_exception(
+        tmp_path: Path) -> None:
+    s = store(tmp_path, ram=1 << 20)
+    put(s, [5, 6], 5, summary=(56,))
+    flush(s)
+    folder = tmp_path / "ram" / KEY
+    planted = []
+    for i, header in enumerate(MALFORMED.values()):
+        planted.append(folder / f"{i:032x}.kv")
+        planted[-1].write_bytes(raw_entry(header, struct.pack("<i", 7) + b"\0" * 4))
+    victim = tmp_path / "victim"
+    victim.write_bytes(raw_entry({"key": KEY, "tokens": 1, "state_bytes": 0}, struct.pack("<i", 7)))
+    planted.append(folder / f"{len(planted):032x}.kv")
+    planted[-1].symlink_to(victim)  # never read through, never the victim removed
+    planted.append(folder / f"{len(planted):032x}.kv")
+    os.mkfifo(planted[-1])  # a reader that opened it would wait for ever
+    fresh = store(tmp_path, ram=1 << 20)  # another instance, whose index reads every header afresh
+    assert fresh.snapshot(10, 100).added[0][1] == (56,)  # what a registering worker asks: the good entry only
+    entry, shared = fresh.find([5, 6, 7])
+    assert entry is not None and shared == 2 and fresh.load(entry) is not None
+    assert [p.name for p in planted if os.path.lexists(p)] == []
+    assert fresh.stats().skipped == len(planted) and victim.exists()
+    for s_ in (s, fresh):
+        s_.close()
+
+
+def test_the_stores_folders_and_files_are_closed_to_other_users(tmp_path: Path) -> None:
+    s = HostStore(KEY, {"model": "test"}, tmp_path / "ram", 1 << 20, tmp_path / "disk", 1 << 20)
+    put(s, [1, 2], 1)
+    flush(s)
+    s.close()
+    for tier in ("ram", "disk"):
+        root = tmp_path / tier
+        folders = [root, *[p for p in root.rglob("*") if p.is_dir()]]
+        files = [p for p in root.rglob("*") if p.is_file()]
+        assert {stat.S_IMODE(p.stat().st_mode) for p in folders} == {0o700}
+        assert {p.name.rsplit(".", 1)[-1] for p in files} == {"kv", "json", "lock"}  # lock, identity, the entry
+        assert {stat.S_IMODE(p.stat().st_mode) for p in files} == {0o600}
+    tmp_path.chmod(0o755)  # the test's own folder opened, as /dev/shm is: the store's folders still refuse
+    entry = next((tmp_path / "ram").rglob("*.kv"))
+    assert as_other_user(lambda: os.listdir(tmp_path / "ram")).startswith("PermissionError")
+    assert as_other_user(lambda: entry.read_bytes()).startswith("PermissionError")
+
+
+@pytest.mark.parametrize("made", ["by another user", "open to others", "a link another user planted"])
+def test_a_store_folder_that_is_not_ours_alone_is_refused_naming_it_and_the_fix(made: str) -> None:
+    with shared_place() as shared:
+        folder = shared / "mpserve-store-0"  # a predictable name, made before the server starts
+        if made == "open to others":
+            folder.mkdir(mode=0o755)
+            folder.chmod(0o755)
+            fix = "close it with: chmod 700"
+        elif made == "by another user":
+            assert as_other_user(lambda: folder.mkdir(mode=0o777)) == "ok"
+            fix = "belongs to user 65534.*remove it"
+        else:
+            theirs = shared / "theirs"
+            assert as_other_user(lambda: (theirs.mkdir(mode=0o777), folder.symlink_to(theirs))) == "ok"
+            fix = "is a symbolic link; remove it"
+        refused = f"host store's ram tier folder {folder} .*{fix}"
+        with pytest.raises(ConfigError, match=refused):
+            store_at(folder)
+        with pytest.raises(ConfigError, match=f"models\\[0\\].cache_shm: the {refused}"):
+            cfg.build({"models": [{"cache_shm": str(folder)}]})
+        assert list(Path(os.path.realpath(folder)).iterdir()) == []  # nothing written into it
+
+
+def store_at(ram: Path) -> HostStore:
+    return HostStore(KEY, {"model": "test"}, ram, 1 << 20)
+
+
+def test_the_models_digest_is_noted_in_a_private_folder_and_a_bad_note_is_never_believed(tmp_path: Path) -> None:
+    model = tmp_path / "m.gguf"
+    model.write_bytes(b"GGUF" + bytes(1000))
+    right = hashlib.sha256(model.read_bytes()).hexdigest()
+    notes = tmp_path / "digests"
+    assert host_store.gguf_digest(str(model), notes) == right
+    [note] = notes.iterdir()
+    assert stat.S_IMODE(notes.stat().st_mode) == 0o700 and stat.S_IMODE(note.stat().st_mode) == 0o600
+    note.write_text("0" * 64)
+    os.chmod(notes, 0o777)  # anyone could have written that note: the folder is refused, the digest computed
+    assert host_store.gguf_digest(str(model), notes) == right
+    os.chmod(notes, 0o700)
+    note.unlink()
+    note.symlink_to(tmp_path / "elsewhere")  # a link is not followed, to read or to write
+    (tmp_path / "elsewhere").write_text("1" * 64)
+    assert host_store.gguf_digest(str(model), notes) == right
+    assert (tmp_path / "elsewhere").read_text() == "1" * 64

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import multiprocessing
+import stat
 import time
 from pathlib import Path
 
 import pytest
 
+from mpserve.errors import ConfigError
 from mpserve.wire import slots
 from mpserve.wire.slots import SlotState, SlotTable
 
@@ -68,3 +70,15 @@ def test_attach_refuses_a_file_that_is_not_a_slot_table(tmp_path: Path) -> None:
     (tmp_path / "x").write_bytes(b"not a table at all, definitely not")
     with pytest.raises(ValueError, match="not a slot table"):
         SlotTable.attach(tmp_path / "x")
+
+
+def test_the_table_is_made_0600_and_never_through_a_link(tmp_path: Path) -> None:
+    victim = tmp_path / "victim"
+    victim.write_bytes(b"precious")
+    (tmp_path / "s").symlink_to(victim)  # planted at the table's name (in /dev/shm the name is predictable)
+    with pytest.raises(ConfigError, match=f"the slot table {tmp_path / 's'} appeared after it was cleared"):
+        SlotTable.create(tmp_path / "s", rows=1)
+    assert victim.read_bytes() == b"precious"
+    table = SlotTable.create(tmp_path / "t", rows=1)
+    assert stat.S_IMODE((tmp_path / "t").stat().st_mode) == 0o600
+    table.close()
