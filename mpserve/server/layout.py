@@ -143,7 +143,8 @@ def served_template(model: ModelConfig) -> str | None:
     if chosen is not None or model.path == ECHO_MODEL or model.embedding:
         return chosen
     try:
-        own = read_header(model.resolved_path()).metadata.get("tokenizer.chat_template", "")
+        key = "tokenizer.chat_template"
+        own = read_header(model.resolved_path(), key.__eq__).metadata.get(key, "")
     except (ValueError, OSError):
         return None
     return own if isinstance(own, str) else None
