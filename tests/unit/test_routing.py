@@ -63,6 +63,20 @@ def test_a_prefix_shorter_than_the_minimum_does_not_count() -> None:
     assert choose_slot([(b"a", 0), (b"b", 0)], workers, short + "abc" * 20) == (b"a", 0)  # free the longest
 
 
+def test_a_prefix_of_exactly_the_minimum_counts() -> None:
+    exact = PREAMBLE[:MIN_SHARED_PREFIX]
+    workers = table(worker("a"), worker("b", prompts={0: exact + "xyz"}))
+    free = [(b"a", 0), (b"b", 0)]
+    assert choose_slot(free, workers, exact) == (b"b", 0)  # the whole prompt is the minimum
+    assert choose_slot(free, workers, exact + "abc") == (b"b", 0)  # the prompts share the minimum
+
+
+def test_a_two_slot_instance_holding_the_prefix_in_its_other_slot_is_a_kv_route() -> None:
+    pair = worker("b", capacity=2, running=1, prompts={0: PREAMBLE + "q0"})
+    workers = table(worker("a", capacity=2), pair)
+    assert choose_slots([(b"a", 0), (b"b", 1)], workers, PREAMBLE + "q1", 1) == Route([(b"b", 1)], Source.KV)
+
+
 def test_a_batching_instance_holding_the_prefix_in_another_slot_is_preferred_and_its_holder_first() -> None:
     busy = worker("b", capacity=4, running=1, prompts={0: PREAMBLE + "q0", 1: "unrelated prompt, long enough...."})
     workers = table(worker("a", capacity=4), busy)
@@ -116,6 +130,15 @@ def test_a_prompt_pushed_out_of_every_slot_goes_to_the_instance_holding_it_in_ra
     free = [(b"a", 0), (b"b", 0)]  # a free the longest: without the cache it would go there
     assert choose_slot(free, workers, prompt) == (b"a", 0)  # the prompt's block hashes not given: not looked at
     assert choose_slots(free, workers, prompt, 1, blocks=block_hashes(prompt)) == Route([(b"b", 0)], Source.RAM)
+    assert choose_slot(free, workers, prompt, blocks=block_hashes(prompt)) == (b"b", 0)
+
+
+def test_n_choices_go_to_the_instance_whose_host_store_holds_the_prompt() -> None:
+    prompt = DOCUMENT + " Summarize it."
+    workers = table(worker("a", capacity=2), in_ram(worker("b", capacity=2), DOCUMENT[:3 * PREFIX_BLOCK]))
+    free = [(b"a", 0), (b"a", 1), (b"b", 0), (b"b", 1)]
+    assert choose_slots(free, workers, prompt, 2, blocks=block_hashes(prompt)) == Route([(b"b", 0), (b"b", 1)],
+                                                                                        Source.RAM)
 
 
 def test_the_longest_prefix_in_ram_wins_and_an_unrelated_one_does_not_count() -> None:
@@ -181,6 +204,7 @@ def test_n_choices_take_n_free_slots_of_one_instance_or_wait() -> None:
     assert choose_slots(free, workers, "hi", 4) is None  # no instance has 4 free: the request waits
     assert choose_slots(free, workers, "hi", 1) == Route([choose_slot(free, workers, "hi")], Source.LOAD)
     assert choose_slots(free, workers, "hi", 2, device=7) is None
+    assert choose_slots(free, workers, "hi", 1, device=7) is None
 
 
 @pytest.mark.parametrize("state, crashes, generated, known, outcome", [
@@ -220,8 +244,8 @@ def test_only_a_crash_signal_is_a_crash(code: int | None, crash: signal.Signals 
 
 
 def test_an_exit_status_in_words() -> None:
-    assert [describe_exit(c) for c in (-signal.SIGSEGV, -signal.SIGKILL, 1, None, -200)] == [
-        "signal SIGSEGV", "signal SIGKILL", "code 1", "unknown status", "signal 200"]
+    assert [describe_exit(c) for c in (-signal.SIGSEGV, -signal.SIGKILL, 1, 0, None, -200)] == [
+        "signal SIGSEGV", "signal SIGKILL", "code 1", "code 0", "unknown status", "signal 200"]
 
 
 def test_a_models_crash_streak_grows_once_per_crash_with_a_request_new_to_it() -> None:

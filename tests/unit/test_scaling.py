@@ -69,10 +69,76 @@ def test_a_start_that_does_not_fit_is_skipped_and_happens_once_it_fits() -> None
     assert scaler.decide("m", waiting, POLICY, fits) == Decision(Action.START, "queue")
 
 
+def test_a_skip_after_a_start_is_reported_again() -> None:
+    scaler = Scaler(Clock())
+    waiting = load(queued=2, wait=3.0, running=1)
+    assert scaler.decide("m", waiting, POLICY, never) == Decision(Action.SKIP, "does_not_fit")
+    assert scaler.decide("m", waiting, POLICY, fits) == Decision(Action.START, "queue")
+    assert scaler.decide("m", load(queued=2, wait=3.0, running=2, ready=2), POLICY, never) == Decision(
+        Action.SKIP, "does_not_fit")  # a new episode
+
+
+@pytest.mark.parametrize("policy, busy, reason", [
+    (POLICY, load(ready=0), "min"),
+    (Policy(min=0, max=2, scale_up_after=30.0, scale_down_after=10.0), load(queued=1, ready=0), "demand"),
+    (POLICY, load(queued=2, wait=3.0, running=1), "queue"),
+])
+def test_each_model_reports_its_own_skip_once(policy: Policy, busy: Load, reason: str) -> None:
+    scaler = Scaler(Clock())
+    for told in (Decision(Action.SKIP, "does_not_fit"), NOTHING):
+        assert [scaler.decide(model, busy, policy, never) for model in ("a", "b")] == [told, told], reason
+    assert [scaler.decide(model, busy, policy, fits) for model in ("a", "b")] == [Decision(Action.START, reason)] * 2
+
+
+def test_forgetting_a_model_starts_its_skips_wakes_and_idle_period_afresh() -> None:
+    clock = Clock()
+    scaler = Scaler(clock)
+    waiting = load(queued=2, wait=3.0, running=1)
+    assert scaler.decide("m", waiting, POLICY, never) == Decision(Action.SKIP, "does_not_fit")
+    scaler.forget("m")
+    assert scaler.decide("m", waiting, POLICY, never) == Decision(Action.SKIP, "does_not_fit")  # told again
+    three = load(ready=3, running=2)
+    assert scaler.decide("m", three, POLICY, fits) == NOTHING  # spare from now
+    clock.now += 9.0
+    scaler.forget("m")
+    assert scaler.next_wake() is None
+    clock.now += 1.0
+    assert scaler.decide("m", three, POLICY, fits) == NOTHING  # the idle period starts again at this decision
+    clock.now += 10.0
+    assert scaler.decide("m", three, POLICY, fits) == Decision(Action.DRAIN, "idle")
+
+
+def test_a_wait_that_ended_leaves_no_wake() -> None:
+    scaler = Scaler(Clock())
+    assert scaler.decide("m", load(queued=1, wait=0.5, running=1), POLICY, fits) == NOTHING
+    assert scaler.next_wake() is not None
+    assert scaler.decide("m", load(running=1), POLICY, fits) == NOTHING
+    assert scaler.next_wake() is None
+
+
 def test_below_min_starts_and_above_max_drains() -> None:
     scaler = Scaler(Clock())
     assert scaler.decide("m", load(ready=0), POLICY, fits) == Decision(Action.START, "min")
     assert scaler.decide("m", load(ready=4), POLICY, fits) == Decision(Action.DRAIN, "max")
+
+
+def test_a_drain_for_max_starts_the_idle_period_afresh() -> None:
+    clock = Clock()
+    scaler = Scaler(clock)
+    assert scaler.decide("m", load(ready=4), POLICY, fits) == Decision(Action.DRAIN, "max")
+    clock.now += 5.0
+    assert scaler.decide("m", load(ready=3), POLICY, fits) == NOTHING
+    clock.now += 5.0
+    assert scaler.decide("m", load(ready=3), POLICY, fits) == Decision(Action.DRAIN, "idle")  # a period after it
+
+
+def test_a_model_that_may_scale_to_zero_drains_its_last_idle_instance() -> None:
+    clock = Clock()
+    scaler = Scaler(clock)
+    zero = Policy(min=0, max=2, scale_up_after=30.0, scale_down_after=10.0)
+    assert scaler.decide("m", load(ready=1), zero, fits) == NOTHING
+    clock.now += 10.0
+    assert scaler.decide("m", load(ready=1), zero, fits) == Decision(Action.DRAIN, "idle")
 
 
 def test_from_zero_a_request_starts_an_instance_at_once() -> None:
