@@ -21,7 +21,6 @@ from mpserve.config import loader
 from mpserve.config.runtime import ServerPaths, pid_alive, runtime_dir
 from mpserve.errors import ConfigError
 from mpserve.server.preflight import check_start, claim
-from mpserve.wire.slots import shm_dir
 
 
 @pytest.fixture
@@ -36,7 +35,7 @@ def busy_port() -> Iterator[int]:
 def leftovers(name: str, session: int) -> list[str]:
     """What a server named ``name`` whose session was ``session`` left: its slot table, its files in the
     runtime directory, processes of its session or with its name on their command line."""
-    found = [str(p) for p in shm_dir().glob(f"mpserve-{os.getuid()}-{name}.slots")]
+    found = [str(p) for p in [ServerPaths.for_name(name).slots] if p.exists()]
     found += [str(p) for p in runtime_dir(create=False).glob(f"{name}.*")]
     for proc in Path("/proc").glob("[0-9]*"):
         try:

@@ -7,7 +7,8 @@ A server is known by its name (``--server-name``, default "default"). Its files:
     $RUNTIME/NAME.admin.sock      the operators' ipc socket (mode 0600), unless --admin-bind gives another
     $RUNTIME/NAME.gateway.key*    the CURVE key pair of the gateway ``start --http`` runs (a CURVE --bind)
     $RUNTIME/NAME.json            ServerInfo: pid, addresses, slot-table path, models
-    /dev/shm/mpserve-UID-NAME.slots   the slot table
+    /dev/shm/mpserve-UID-TAG-NAME.slots   the slot table (TAG: of $RUNTIME's path, so that servers of one name
+                                         in two runtime folders never take each other's)
 
 $RUNTIME is $MPSERVE_RUNTIME_DIR, else $XDG_RUNTIME_DIR/mpserve, else /tmp/mpserve-UID; it is created
 with mode 0700 and refused if another user owns it or others can open it, so only this user can reach the
@@ -16,6 +17,7 @@ ipc sockets.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 from dataclasses import asdict, dataclass
@@ -44,6 +46,12 @@ def runtime_dir(create: bool = True) -> Path:
     return path
 
 
+def _tag(folder: Path) -> str:
+    """A short name for ``folder``: servers are named within their runtime folder, and the slot tables of all of
+    them lie in one shared folder."""
+    return hashlib.sha256(os.fsencode(folder)).hexdigest()[:8]
+
+
 @dataclass(frozen=True)
 class ServerPaths:
     name: str
@@ -63,7 +71,7 @@ class ServerPaths:
             front=bind or f"ipc://{rdir / name}.sock",
             back=workers_bind or f"ipc://{rdir / name}.workers.sock",
             info=rdir / f"{name}.json",
-            slots=shm_dir() / f"mpserve-{os.getuid()}-{name}.slots",
+            slots=shm_dir() / f"mpserve-{os.getuid()}-{_tag(rdir)}-{name}.slots",
             admin=admin_bind or f"ipc://{rdir / name}.admin.sock",
             gateway_key=rdir / f"{name}.gateway.key_secret",
         )
