@@ -98,11 +98,11 @@ HEADER_BAD = [  # (what the file is, its bytes, its name, the reason the listing
     ("another magic", entry_file((1,), magic=b"MPKVST99"), address((1,)), "not a store entry"),
     ("a header over the longest", MAGIC + struct.pack("<II", MAX_HEADER_BYTES + 1, 0) + b"{}",
      address((1,)), "its header is too long"),
-    ("tokens cut short", entry_file((1, 2, 3))[:-len(STATE) - 2], address((1, 2, 3)), "truncated"),
-    ("a header that is not JSON", entry_file((1,), header=b"{not json"), address((1,)),
-     "its header cannot be read (Expecting property name enclosed in double quotes: line 1 column 2 (char 1))"),
-    ("another key's entry", entry_file((1,), key=FOREIGN), address((1,)),
-     f"foreign: saved under key {FOREIGN!r}, not {KEY!r}"),
+    ("tokens cut short", entry_file((1, 2, 3))[:-len(STATE) - 2], address((1, 2, 3)),
+     f"truncated: its counts say {len(entry_file((1, 2, 3)))} bytes, the file has "
+     f"{len(entry_file((1, 2, 3))) - len(STATE) - 2}"),
+    ("a header that is not JSON", entry_file((1,), header=b"{not json"), address((1,)), "its header is not JSON"),
+    ("another key's entry", entry_file((1,), key=FOREIGN), address((1,)), "foreign (saved under another key)"),
     ("another address", entry_file((1,)), address((2,)), "its name is not its tokens' address"),
 ]
 
@@ -132,9 +132,10 @@ def with_crc(data: bytes) -> bytes:
 LOAD_BAD = [  # (what the file became after it was listed, its bytes, the reason the load gives)
     ("another magic", entry_file((1,), magic=b"MPKVST99"), "not a store entry"),
     ("a flipped bit", damaged_crc(entry_file((1,))), "truncated or damaged (CRC)"),
-    ("only the prefix", MAGIC + struct.pack("<II", 0, 0), "its header cannot be read"),
-    ("another key's entry", entry_file((1,), key=FOREIGN), "foreign (another key)"),
-    ("state cut short", with_crc(entry_file((1,))[:-5]), "truncated"),
+    ("only the prefix", MAGIC + struct.pack("<II", 0, 0), "its header is not JSON"),
+    ("another key's entry", entry_file((1,), key=FOREIGN), "foreign (saved under another key)"),
+    ("state cut short", with_crc(entry_file((1,))[:-5]),
+     f"truncated: its counts say {len(entry_file((1,)))} bytes, the file has {len(entry_file((1,))) - 5}"),
     ("another entry's tokens", entry_file((2,)), "its name is not its tokens' address"),
 ]
 
