@@ -6,7 +6,7 @@ help text.
              │                     environment variables and "(default: …)" help
              ├─▶ markdown_table()  a table of every setting (python -m mpserve.config.settings), with the commands
              │                     that take each flag (a test keeps each command's flags the declared ones)
-             └─▶ docs/hooks.py     the configuration page: a section per setting, at each build of the docs
+             └─▶ docs/hooks.py     the configuration page: a section per setting, rewritten by `--write`
 
 Precedence: flag > environment > file > default. A setting's ``scope`` says where it lives: ``server``
 (``ServerConfig``, a top-level YAML key), ``model`` (``ModelConfig``, a key of each ``models[]`` entry; a flag
