@@ -226,9 +226,9 @@ def pull(
     with _errors():
         entries = [{"path": name, "name": f"m{i}"} for i, name in enumerate(names or [])]
         for name in names or []:
-            if not sources.is_source(name):
-                raise ConfigError(f"{name!r} is not a model on the Hub or in Ollama's store; write "
-                                  "hf://OWNER/REPO/FILE.gguf, OWNER/REPO:QUANT or ollama://NAME[:TAG]")
+            if not sources.is_source(name):  # said without asking the Hub: pull may be offline
+                why = sources.not_a_file(name) if "/" in name else f"{name!r} is no Hub or Ollama name"
+                raise ConfigError(f"{why}; pull takes {sources.FORMS} (a local file or builtin: needs no pull)")
         if not entries and config_file is None:
             raise ConfigError("name the models to pull, or give --config FILE")
         config = cfg.build({"models": entries}) if entries else _config(Given({}, {}, {}), config_file)
