@@ -772,18 +772,25 @@ def format_table(info: ServerInfo, rows: list[SlotRow]) -> str:
 
 
 def _instance_lines(rows: list[SlotRow]) -> str:
-    """Per instance: the KV cells its slots hold, of all it has, and its prompt cache."""
+    """Per instance: the KV cells its slots hold, of all it has, and its counts in the host store; then the host
+    store's tiers once, as they are the host's (every model's and server's on it), not an instance's."""
     from mpserve.gpu.devices import format_memory
 
-    lines = []
+    lines, tiers = [], []
     for (model, worker), slots in instance_slots(rows).items():
         used, capacity = sum(r.kv_cells for r in slots), sum(r.kv_capacity for r in slots)
         share = f" ({100 * used / capacity:.0f}%)" if capacity else ""
         c = slots[0].cache
-        disk = f", disk {format_memory(c.disk_bytes)} of {format_memory(c.disk_capacity)}" if c.disk_capacity else ""
-        cache = (f"host store RAM {format_memory(c.bytes)} of {format_memory(c.capacity)}{disk}; {c.hits} hits, "
-                 f"{c.misses} misses, {c.evictions} evictions, {c.skipped} skipped" if c.capacity else "no host store")
+        cache = (f"host store: {c.hits} hits, {c.misses} misses, {c.evictions} evictions, {c.skipped} skipped"
+                 if c.capacity else "no host store")
         lines.append(f"instance w{worker} ({model}): KV cells {used} of {capacity}{share}; {cache}")
+        tiers += [c] if c.capacity else []
+    if tiers:  # each instance wrote the host's figures when it last touched the store: the largest is the latest
+        ram, disk = max(tiers, key=lambda c: c.bytes), max(tiers, key=lambda c: c.disk_bytes)
+        on_disk = (f", disk {format_memory(disk.disk_bytes)} of {format_memory(disk.disk_capacity)}"
+                   if disk.disk_capacity else "")
+        lines.append(f"host store (host-wide, every model and server on this host): RAM {format_memory(ram.bytes)} "
+                     f"of {format_memory(ram.capacity)}{on_disk}")
     return "\n\n" + "\n".join(lines) if lines else ""
 
 

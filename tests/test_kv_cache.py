@@ -218,7 +218,9 @@ def test_through_the_server_a_prompt_pushed_out_of_every_slot_reports_restored_t
     finally:
         fresh.close()
     status = mpserve("status", "--server-name", server.name, timeout=30)
-    assert "host store RAM" in status.stdout and "of 64.0 MiB; 1 hits" in status.stdout, status.stdout
+    assert status.stdout.count("of 64.0 MiB") == 1, status.stdout  # the host's figure, once
+    assert "\nhost store (host-wide, every model and server on this host): RAM " in status.stdout
+    assert "KV cells" in status.stdout and "; host store: 1 hits, " in status.stdout
 
 
 @pytest.mark.timeout(120)
