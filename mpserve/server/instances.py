@@ -211,9 +211,12 @@ class Instances:
         return sum(1 for w in self._broker.workers.values() if w.model == name and w.draining)
 
     def _starting(self, name: str) -> int:
-        """Started (or waiting to restart) and not registered yet."""
-        return sum(1 for h in self._supervisor.workers.values()
-                   if h.spec.model == name and not h.registered and not h.retiring
+        """Started (or waiting to restart) and not registered yet, or registered and lost by the broker (stalled,
+        left) while its process exits: the supervisor starts it again then. Not draining, so no cause to start
+        another (its index is held: a start would be skipped as if one drained)."""
+        known = {w.index for w in self._broker.workers.values() if w.index is not None}
+        return sum(1 for index, h in self._supervisor.workers.items()
+                   if h.spec.model == name and not h.retiring and (not h.registered or index not in known)
                    and (h.process is not None or h.restart_at is not None))
 
     def _free_instance(self, name: str) -> tuple[int, int] | None:
