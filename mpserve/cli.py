@@ -534,7 +534,8 @@ def plan(given: Given, config_file: ConfigOption = None) -> None:
         config = _config(given, config_file)
         layout = build_layout(config)
         warnings = check_host_ram(config, layout)
-        print("\n\n".join(part for part in (format_plan(layout.placements, layout.devices),
+        print("\n\n".join(part for part in (format_plan(layout.placements, layout.devices,
+                                                          config.single_active_backend),
                                               format_host_ram(config, layout)) if part))
         for warning in warnings:
             typer.echo(f"warning: {warning}", err=True)

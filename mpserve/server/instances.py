@@ -134,7 +134,8 @@ class Instances:
                               "with a larger --spare-slots")
         live = list(self._placements.values())
         for instance in range(max(low, 1)):
-            live.append(place_one(request, instance, live, self._devices, self._config.gpu_memory_budget))
+            live.append(place_one(request, instance, live, self._devices, self._config.gpu_memory_budget,
+                                  single_active=self._config.single_active_backend))
         self._config = dataclasses.replace(self._config, models=(*self._config.models, model))
         self._rows = instance_rows(self._config)
         self._requests[model.name] = request
@@ -165,7 +166,7 @@ class Instances:
             return "draining"  # every index of the model is held, some by instances still draining
         try:
             placement = place_one(self._requests[name], free[0], list(self._placements.values()), self._devices,
-                                  self._config.gpu_memory_budget)
+                                  self._config.gpu_memory_budget, single_active=self._config.single_active_backend)
         except ModelDoesNotFit as exc:
             self._misfits[name] = exc.message
             return "does_not_fit"
@@ -236,7 +237,8 @@ class Instances:
             raise ModelFailed(mq.refusal())
         live = list(self._placements.values())
         for instance in range(len(self._ready(name)) + self._starting(name), low):
-            live.append(place_one(self._requests[name], instance, live, self._devices, self._config.gpu_memory_budget))
+            live.append(place_one(self._requests[name], instance, live, self._devices, self._config.gpu_memory_budget,
+                                  single_active=self._config.single_active_backend))
 
     def _count(self, name: str, event: str) -> None:
         self._events[name][event] += 1
