@@ -8,13 +8,23 @@ llama-cpp-python installs a callback of its own when it is imported, which reads
 numbered before ggml renumbered them (it takes a warning for an error) and prints what it keeps to stderr, so
 every warning reached the server's output whatever its log level. ``install`` replaces it in the process
 that loads a model (a worker, a zygote); llama.cpp's reason for a failed load is an ERROR line and still shows.
+
+Some of llama.cpp's reasons bypass its log: its grammar parser writes them to the process's stderr
+(``fprintf``). ``reasons`` collects, around one call, those lines and the ERROR lines of the log, so that a
+refusal can name llama.cpp's reason.
 """
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import logging
+import os
 import re
+import sys
+import tempfile
+from collections.abc import Iterator
+from dataclasses import dataclass, field
 from typing import Any
 
 log = logging.getLogger("mpserve.llama")
@@ -32,7 +42,7 @@ HARMLESS = (
     re.compile(r"using full-size SWA cache"),
 )
 
-_state: dict[str, Any] = {"level": NONE, "line": "", "callback": None}
+_state: dict[str, Any] = {"level": NONE, "line": "", "callback": None, "errors": None}
 
 
 def install(lib: Any) -> None:
@@ -56,3 +66,37 @@ def record(level: int, line: str) -> None:
     """One whole line of llama.cpp's log at ggml ``level``, as mpserve logs it."""
     if line.strip() and not any(p.search(line) for p in HARMLESS):
         log.log(LEVELS.get(level, logging.DEBUG), "%s", line.rstrip())
+        if level == ERROR and _state["errors"] is not None:
+            _state["errors"].append(line.strip())
+
+
+@dataclass
+class Said:
+    """What llama.cpp wrote during a ``reasons`` block, filled in when the block ends."""
+
+    printed: list[str] = field(default_factory=list)  # to stderr directly, each line
+    errors: list[str] = field(default_factory=list)  # its log's ERROR lines
+
+
+@contextlib.contextmanager
+def reasons() -> Iterator[Said]:
+    """What llama.cpp writes in this block (a call in this thread): to stderr directly, and as ERROR log lines.
+    The process's stderr goes to a file meanwhile and is written back whole after, so nothing is lost."""
+    said = Said()
+    sys.stderr.flush()
+    saved = os.dup(2)
+    with tempfile.TemporaryFile() as caught:
+        os.dup2(caught.fileno(), 2)
+        _state["errors"] = said.errors
+        try:
+            yield said
+        finally:
+            _state["errors"] = None
+            os.dup2(saved, 2)
+            os.close(saved)
+            caught.seek(0)
+            written = caught.read()
+            if written:
+                os.write(2, written)
+            said.printed[:] = [line.strip() for line in written.decode("utf-8", "replace").splitlines()
+                               if line.strip()]
