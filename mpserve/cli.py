@@ -244,7 +244,8 @@ def pull(
         entries = [{"path": name, "name": f"m{i}"} for i, name in enumerate(names or [])]
         for name in names or []:
             if not sources.is_source(name):  # said without asking the Hub: pull may be offline
-                why = sources.not_a_file(name) if "/" in name else f"{name!r} is no Hub or Ollama name"
+                why = (f"{name!r} is a file here" if os.path.exists(name) else sources.not_a_file(name)
+                       if "/" in name else f"{name!r} is no Hub or Ollama name")
                 raise ConfigError(f"{why}; pull takes {sources.FORMS} (a local file or builtin: needs no pull)")
         if not entries and config_file is None:
             raise ConfigError("name the models to pull, or give --config FILE")

@@ -96,6 +96,9 @@ def test_a_hub_repo_named_without_its_quantization_gets_the_forms_offline(hf_env
     pulled = _mpserve("pull", REPO, env=offline)
     assert pulled.returncode == 1 and f"{REPO}:Q4_K_M" in pulled.stderr, pulled.stderr
     assert "not a model on the Hub" not in pulled.stderr and "pull takes hf://OWNER/REPO/FILE.gguf" in pulled.stderr
+    for local, said in ((__file__, "is a file here; pull takes"), ("acme/none.gguf", "no such model file")):
+        refused = _mpserve("pull", local, env=offline)
+        assert refused.returncode == 1 and said in refused.stderr and ":Q4_K_M" not in refused.stderr, refused.stderr
     helped = _mpserve("start", "--help", env={"COLUMNS": "400"})
     for form in ("hf://OWNER/REPO/FILE.gguf", "OWNER/REPO:QUANT", "ollama://NAME:TAG"):
         assert form in helped.stdout, form

@@ -89,8 +89,8 @@ def repo_without_quant(spec: str) -> str | None:
     """What to write instead, when ``spec`` reads as a Hub repo named without its quantization
     (``OWNER/REPO``, no such file here); None otherwise."""
     found = _REPO.match(spec)
-    if found is None or found.group("quant") is not None or os.path.exists(spec):
-        return None
+    if found is None or found.group("quant") is not None or os.path.exists(spec) or spec.lower().endswith(".gguf"):
+        return None  # a .gguf name is a file's
     return (f"{spec!r} is no file here; if it is a repo on the Hugging Face Hub, name its quantization, "
             f"{spec}:{DEFAULT_QUANTS[0]} (or :{DEFAULT_QUANTS[1]}, ...), or a file of it, hf://{spec}/FILE.gguf")
 
