@@ -1,20 +1,26 @@
-"""The docs' generated parts, made from the code at every build (mkdocs hook: ``hooks:`` in mkdocs.yml), so
-they cannot drift from it; ``tests/test_docs.py`` builds the site and checks each part is whole.
+"""The docs' generated parts, made from the code and kept in the pages themselves, so a page reads the same on
+GitHub, in an editor and on the site; one command rewrites them, and a stale one fails the strict build
+(mkdocs hook: ``hooks:`` in mkdocs.yml) and tests/test_docs.py.
 
-    <!-- generated: NAME --> in a page ──on_page_markdown──▶ GENERATORS[NAME]() ──▶ markdown in its place
+    <!-- generated: NAME -->            ──GENERATORS[NAME]()──▶  the part, up to <!-- end generated -->
+    <!-- generated: file PATH -->       ──the file at PATH───▶  a fenced code block of it
 
     settings     mpserve/config/settings.py   every setting: flag, commands, environment, YAML key, default, meaning
     errors       mpserve/errors.py            every ErrorCode: HTTP status, meaning, whether to retry
     openapi      GET /openapi.json            every route of the gateway: parameters, body fields, statuses
     wire-*       mpserve/wire/protocol.py     the message types, each body's fields with types and limits
     kubernetes   deploy/kubernetes/README.md, its headings one level down and its links named as repo paths
+    file PATH    an example file of the repository (examples/two_models.yaml, ...)
 
-Run ``python docs/hooks.py NAME`` to print one part.
+    python docs/hooks.py --write    rewrites every stale part of docs/*.md (the command development.md names)
+    python docs/hooks.py --check    lists the stale parts, exit status 1 when there is one
+    python docs/hooks.py NAME       prints one part
 """
 
 from __future__ import annotations
 
 import dataclasses
+import logging
 import posixpath
 import re
 import sys
@@ -30,17 +36,61 @@ from mpserve import errors
 from mpserve.config import settings
 from mpserve.wire import protocol as wire
 
-MARKER = re.compile(r"<!-- generated: ([a-z-]+)[^>]*-->")
+ROOT = Path(__file__).resolve().parents[1]
+COMMAND = "uv run --locked --extra docs python docs/hooks.py --write"
+# each marker on a line of its own (one named in a sentence, in backquotes, is no marker)
+OPENING = re.compile(r"^<!-- generated: ([^>\n]*?) -->$", re.M)
+BLOCK = re.compile(r"^<!-- generated: (?P<spec>[^>\n]*?) -->\n(?P<body>.*?)^<!-- end generated -->$", re.M | re.S)
+log = logging.getLogger("mkdocs.hooks.generated")  # under "mkdocs": a warning fails the --strict build
 
 
-def on_page_markdown(markdown: str, **_: Any) -> str:
-    """mkdocs' hook: every marker replaced by its part; an unknown name stops the build."""
-    def part(m: re.Match[str]) -> str:
-        name = m.group(1)
-        if name not in GENERATORS:
-            raise KeyError(f"docs: no generator {name!r}; known: {', '.join(GENERATORS)}")
-        return GENERATORS[name]()
-    return MARKER.sub(part, markdown)
+def on_page_markdown(markdown: str, page: Any, **_: Any) -> str:
+    """mkdocs' hook: a stale part is a warning (so ``--strict`` fails) naming the command that rewrites it; the
+    site shows every part as the code makes it now."""
+    for spec in stale(markdown):
+        log.warning("docs/%s: the generated part '%s' is stale: run `%s`", page.file.src_uri, spec, COMMAND)
+    return render(markdown)
+
+
+def render(markdown: str) -> str:
+    """``markdown`` with the part between each pair of markers made again; a marker without its end, or an
+    unknown name, raises."""
+    if len(OPENING.findall(markdown)) != len(BLOCK.findall(markdown)):
+        raise ValueError("docs: a `<!-- generated: NAME -->` marker has no `<!-- end generated -->` after it")
+    return BLOCK.sub(lambda m: block(m.group("spec")), markdown)
+
+
+def stale(markdown: str) -> list[str]:
+    """The spec of each part of ``markdown`` that differs from what the code makes now."""
+    return [m.group("spec") for m in BLOCK.finditer(markdown) if m.group(0) != block(m.group("spec"))]
+
+
+def block(spec: str) -> str:
+    return f"<!-- generated: {spec} -->\n\n{part(spec).strip()}\n\n<!-- end generated -->"
+
+
+def part(spec: str) -> str:
+    name, _, argument = spec.partition(" ")
+    if name == "file":
+        return file_part(argument)
+    if name not in GENERATORS or argument:
+        raise KeyError(f"docs: no generator {spec!r}; known: file PATH, {', '.join(GENERATORS)}")
+    return GENERATORS[name]()
+
+
+FENCES = {".yaml": "yaml", ".yml": "yaml", ".service": "ini", ".py": "python", ".sh": "sh"}
+
+
+def file_part(path: str) -> str:
+    """A file of the repository as a fenced code block, its language from its suffix."""
+    source = (ROOT / path).resolve()
+    if not source.is_relative_to(ROOT) or source.suffix not in FENCES:
+        raise ValueError(f"docs: {path!r} is no file of the repository with a suffix of {', '.join(FENCES)}")
+    return f"```{FENCES[source.suffix]}\n{source.read_text().rstrip()}\n```"
+
+
+def pages() -> list[Path]:
+    return sorted((ROOT / "docs").glob("*.md"))
 
 
 # --- settings and error codes -----------------------------------------------------------------------------
@@ -53,8 +103,9 @@ SETTING_GROUPS = {
 
 
 def settings_part() -> str:
-    """Every setting of mpserve/config/settings.py under its group: a heading (its key, for links) and one line with its
-    flag and the commands that take it, its variable, its YAML key and its default, then what it does."""
+    """Every setting of mpserve/config/settings.py under its group: a heading (its key, so its anchor is `#n_ctx`
+    on GitHub and on the site alike) and one line with its flag and the commands that take it, its variable, its
+    YAML key and its default, then what it does."""
     out = []
     for scope, (title, intro) in SETTING_GROUPS.items():
         out += [f"## {title}", "", intro, ""]
@@ -64,7 +115,7 @@ def settings_part() -> str:
                 choices = " " + "|".join(s.choices) if s.choices else ""
                 ways.append(f"`{s.flag}{choices}` ({', '.join((*s.commands, *s.own_in))})")
             ways += [f"`{s.env}`"] * bool(s.env) + [f"`{s.yaml}`"] * bool(s.yaml)
-            out += [f"### {s.key} {{#{s.key.replace('_', '-')}}}", "",
+            out += [f"### {s.key}", "",
                     " · ".join(ways) + f" · default: **{s.default}**", "", s.help + ".", ""]
     return "\n".join(out)
 
@@ -275,7 +326,13 @@ def _wire_type(hint: Any) -> str:
     if hint in simple:
         return simple[hint]
     name = getattr(hint, "__name__", str(hint))
-    return f"map ([{name}](#{name.lower()}))"
+    return f"map ([{name}](#{anchor(hint)}))"
+
+
+def anchor(cls: Any) -> str:
+    """The anchor of a body class's heading, as mkdocs and GitHub both make it: `#request-0x01`, `#usage`."""
+    mtype = getattr(cls, "TYPE", None)
+    return f"{mtype.name.lower()}-0x{mtype.value:02x}" if mtype is not None else cls.__name__.lower()
 
 
 def field_table(cls: type) -> str:
@@ -292,8 +349,7 @@ def _messages_part(names: tuple[str, ...]) -> Callable[[], str]:
         for name in names:
             cls = getattr(wire, name)
             mtype = getattr(cls, "TYPE", None)
-            title = f"### {mtype.name} (0x{mtype.value:02x}) {{#{name.lower()}}}" if mtype is not None else \
-                f"### {name}"
+            title = f"### {mtype.name} (0x{mtype.value:02x})" if mtype is not None else f"### {name}"
             doc = (cls.__doc__ or "").strip()
             if doc.startswith(name + "("):  # a dataclass's generated signature says nothing
                 doc = ""
@@ -355,7 +411,6 @@ def nested_part() -> str:
 
 # --- files of the repository shown in a page -------------------------------------------------------------
 
-ROOT = Path(__file__).resolve().parents[1]
 LINK = re.compile(r"\[([^\]]+)\]\(([^)#]+)\)")
 
 
@@ -387,5 +442,22 @@ GENERATORS: dict[str, Callable[[], str]] = {
 }
 
 
+def main(argv: list[str]) -> int:
+    if argv[:1] == ["--write"] or argv[:1] == ["--check"]:
+        found = [(page, spec) for page in pages() for spec in stale(page.read_text())]
+        for page, spec in found:
+            print(f"{page.relative_to(ROOT)}: '{spec}' {'rewritten' if argv[0] == '--write' else 'is stale'}")
+        if argv[0] == "--write":
+            for page in {page for page, _ in found}:
+                page.write_text(render(page.read_text()))
+            return 0
+        return 1 if found else 0
+    if len(argv) == 1 and not argv[0].startswith("-"):
+        print(part(argv[0]))
+        return 0
+    print(__doc__, file=sys.stderr)
+    return 2
+
+
 if __name__ == "__main__":
-    print(GENERATORS[sys.argv[1]]())
+    sys.exit(main(sys.argv[1:]))

@@ -13,7 +13,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any
@@ -23,7 +23,7 @@ import typer
 from mpserve import __version__
 from mpserve.config import loader as cfg
 from mpserve.config import settings
-from mpserve.config.runtime import ServerInfo, ServerPaths, pid_alive
+from mpserve.config.runtime import ServerInfo, ServerPaths, pid_alive, runtime_dir
 from mpserve.errors import BadRequest, ConfigError, ConnectionFailed, InternalError, MpserveError
 from mpserve.wire.protocol import MAX_PROMPT_CHARS, ModelControl, Stats
 from mpserve.wire.slots import SlotRow, SlotState, SlotTable, instance_slots, locate
@@ -48,6 +48,23 @@ def _main(version: Annotated[bool, typer.Option("--version", callback=_version, 
 
 ConfigOption = Annotated[Path | None, typer.Option("--config", "-c", envvar="MPSERVE_CONFIG",
                                                    help="YAML file (see docs/configuration.md).")]
+
+
+@dataclass(frozen=True)
+class _Curve:
+    """The CURVE keys an operator command talks to a tcp server with (files; None: not given)."""
+
+    server_key: str | None
+    secret: str | None
+
+
+CurveServerKeyOption = Annotated[str | None, typer.Option(
+    "--curve-server-key", envvar="MPSERVE_CURVE_SERVER_KEY",
+    help="The server's public key file, for a server on tcp:// with CURVE keys.")]
+CurveSecretOption = Annotated[str | None, typer.Option(
+    "--curve-secret", envvar="MPSERVE_CURVE_CLIENT_SECRET",
+    help="Your secret key file, for a server on tcp:// with CURVE keys (its public half in the server's allowed "
+         "keys).")]
 
 
 @dataclass(frozen=True)
@@ -226,9 +243,10 @@ def pull(
     with _errors():
         entries = [{"path": name, "name": f"m{i}"} for i, name in enumerate(names or [])]
         for name in names or []:
-            if not sources.is_source(name):
-                raise ConfigError(f"{name!r} is not a model on the Hub or in Ollama's store; write "
-                                  "hf://OWNER/REPO/FILE.gguf, OWNER/REPO:QUANT or ollama://NAME[:TAG]")
+            if not sources.is_source(name):  # said without asking the Hub: pull may be offline
+                why = (f"{name!r} is a file here" if os.path.exists(name) else sources.not_a_file(name)
+                       if "/" in name else f"{name!r} is no Hub or Ollama name")
+                raise ConfigError(f"{why}; pull takes {sources.FORMS} (a local file or builtin: needs no pull)")
         if not entries and config_file is None:
             raise ConfigError("name the models to pull, or give --config FILE")
         config = cfg.build({"models": entries}) if entries else _config(Given({}, {}, {}), config_file)
@@ -426,18 +444,20 @@ def status(
         "--remote/--no-remote", help="Also ask the broker for the instances of remote pools.")] = True,
     server_name: Annotated[str, typer.Option("--server-name", envvar="MPSERVE_SERVER_NAME",
                                              help=settings.BY_KEY["server_name"].help_text())] = "default",
+    curve_server_key: CurveServerKeyOption = None, curve_secret: CurveSecretOption = None,
 ) -> None:
     """Show the slot table of a running server (read from shared memory, no request needed), and the
     instances that remote pools registered with it."""
     with _errors():
         info = ServerInfo.read(server_name)
         if info is None or not info.alive():
-            raise ConnectionFailed(f"no server named {server_name!r} is running; start one with `mpserve start`")
+            raise _no_server(server_name)
         table = SlotTable.attach(Path(info.slots), writable=False)
+        curve = _Curve(curve_server_key, curve_secret)
         try:
             while True:
                 rows = table.read_all()
-                stats = _broker_stats(info) if remote and info.role == "broker" else None
+                stats = _broker_stats(info, curve) if remote and info.role == "broker" else None
                 pools = [w for w in stats.workers if w.host] if stats is not None else []
                 scaled = {name: m.scaling for name, m in stats.models.items()} if stats is not None else {}
                 if as_json:
@@ -468,17 +488,20 @@ def status(
 @app.command()
 @with_settings("devices")
 def devices(
-    given: Given,
+    given: Given, config_file: ConfigOption = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print devices as JSON.")] = False,
 ) -> None:
     """List the GPUs found (NVML, nvidia-smi, or simulated) and who holds or waits for their permits; with NVML
-    (mpserve[nvml]), also the memory used and the processes holding it."""
+    (mpserve\\[nvml]), also the memory used and the processes holding it.
+
+    Give the --config (or the --simulate-gpus, --gpus, --lock-dir) a server was started with to see its GPUs,
+    simulated ones included, and its permits."""
     from mpserve.gpu.devices import discover, format_memory
     from mpserve.gpu.memory import read_usage
     from mpserve.gpu.permits import inspect
 
     with _errors():
-        config = cfg.build(server=given.server)
+        config = _config(given, config_file)
         found = discover(config.gpus, config.simulate_gpus)
         live = {u.uuid: u for u in read_usage() or []} if any(not d.simulated for d in found) else {}
         rows: list[dict[str, Any]] = []
@@ -539,7 +562,8 @@ def plan(given: Given, config_file: ConfigOption = None) -> None:
         config = _config(given, config_file)
         layout = build_layout(config)
         warnings = check_host_ram(config, layout)
-        print("\n\n".join(part for part in (format_plan(layout.placements, layout.devices),
+        print("\n\n".join(part for part in (format_plan(layout.placements, layout.devices,
+                                                          config.single_active_backend),
                                               format_host_ram(config, layout)) if part))
         for warning in warnings:
             typer.echo(f"warning: {warning}", err=True)
@@ -603,21 +627,24 @@ JsonOption = Annotated[bool, typer.Option("--json", help="Print the models as JS
 
 
 @app.command()
-def models(server_name: ServerNameOption = "default", as_json: JsonOption = False) -> None:
+def models(server_name: ServerNameOption = "default", as_json: JsonOption = False,
+           curve_server_key: CurveServerKeyOption = None, curve_secret: CurveSecretOption = None) -> None:
     """List a running server's models: instances taking requests, starting and draining; bounds; state."""
-    _control(server_name, as_json, "models")
+    _control(server_name, _Curve(curve_server_key, curve_secret), as_json, "models")
 
 
 @app.command()
-def load(model: ModelArgument, server_name: ServerNameOption = "default", as_json: JsonOption = False) -> None:
+def load(model: ModelArgument, server_name: ServerNameOption = "default", as_json: JsonOption = False,
+         curve_server_key: CurveServerKeyOption = None, curve_secret: CurveSecretOption = None) -> None:
     """Start a model's instances now (its min becomes at least 1)."""
-    _control(server_name, as_json, "load", model)
+    _control(server_name, _Curve(curve_server_key, curve_secret), as_json, "load", model)
 
 
 @app.command()
-def unload(model: ModelArgument, server_name: ServerNameOption = "default", as_json: JsonOption = False) -> None:
+def unload(model: ModelArgument, server_name: ServerNameOption = "default", as_json: JsonOption = False,
+           curve_server_key: CurveServerKeyOption = None, curve_secret: CurveSecretOption = None) -> None:
     """Drain every instance of a model (running requests finish); min becomes 0, so the next request loads it."""
-    _control(server_name, as_json, "unload", model)
+    _control(server_name, _Curve(curve_server_key, curve_secret), as_json, "unload", model)
 
 
 @app.command()
@@ -626,9 +653,10 @@ def scale(
     low: Annotated[int | None, typer.Option("--min", help="Fewest instances (0: none while idle).")] = None,
     high: Annotated[int | None, typer.Option("--max", help="Most instances, up to the max it started with.")] = None,
     server_name: ServerNameOption = "default", as_json: JsonOption = False,
+    curve_server_key: CurveServerKeyOption = None, curve_secret: CurveSecretOption = None,
 ) -> None:
     """Change a model's instance bounds at run time."""
-    _control(server_name, as_json, "scale", model, low, high)
+    _control(server_name, _Curve(curve_server_key, curve_secret), as_json, "scale", model, low, high)
 
 
 @app.command()
@@ -638,12 +666,13 @@ def add(
     low: Annotated[int | None, typer.Option("--min", help="Fewest instances (default: 1).")] = None,
     high: Annotated[int | None, typer.Option("--max", help="Most instances (default: min).")] = None,
     server_name: ServerNameOption = "default", as_json: JsonOption = False,
+    curve_server_key: CurveServerKeyOption = None, curve_secret: CurveSecretOption = None,
 ) -> None:
     """Serve another model at run time, refused as at start when it is not a GGUF or does not fit (the server
     needs --spare-slots for its rows)."""
     given = str(path)
     where = given if given == cfg.ECHO_MODEL or given.startswith(cfg.BUILTIN_PREFIX) else str(path.resolve())
-    _control(server_name, as_json, "add", name, low, high, where)
+    _control(server_name, _Curve(curve_server_key, curve_secret), as_json, "add", name, low, high, where)
 
 
 @app.command()
@@ -653,6 +682,7 @@ def slots(
     filename: Annotated[str, typer.Argument(help="A file name in the model's slot_save_path (save, restore).")] = "",
     server_name: ServerNameOption = "default",
     as_json: Annotated[bool, typer.Option("--json", help="Print the result as JSON.")] = False,
+    curve_server_key: CurveServerKeyOption = None, curve_secret: CurveSecretOption = None,
 ) -> None:
     """Save an idle slot's KV cells to a file of its model's slot_save_path, restore them from one, or erase
     them: a long conversation survives a restart."""
@@ -661,13 +691,13 @@ def slots(
     with _errors():
         info = ServerInfo.read(server_name)
         if info is None or not info.alive() or info.role != "broker":
-            raise ConnectionFailed(f"no server named {server_name!r} is running; start one with `mpserve start`")
+            raise _no_server(server_name)
         table = SlotTable.attach(Path(info.slots), writable=False)
         try:
             worker, local = locate(table.read_all(), slot)
         finally:
             table.close()
-        with _admin_client(info) as client:
+        with _admin_client(info, _Curve(curve_server_key, curve_secret)) as client:
             reply = client.slot(action, worker, local, filename)
         if as_json:
             print(json.dumps({"slot": slot, "worker": worker, **vars(reply)}))
@@ -677,14 +707,14 @@ def slots(
         print(f"{done} slot {slot} ({worker} slot {local}): {reply.tokens} tokens{where} in {reply.ms:.0f} ms")
 
 
-def _control(server_name: str, as_json: bool, op: str, model: str | None = None, low: int | None = None,
-             high: int | None = None, path: str | None = None) -> None:
+def _control(server_name: str, curve: _Curve, as_json: bool, op: str, model: str | None = None,
+             low: int | None = None, high: int | None = None, path: str | None = None) -> None:
 
     with _errors():
         info = ServerInfo.read(server_name)
         if info is None or not info.alive() or info.role != "broker":
-            raise ConnectionFailed(f"no server named {server_name!r} is running; start one with `mpserve start`")
-        with _admin_client(info) as client:
+            raise _no_server(server_name)
+        with _admin_client(info, curve) as client:
             reply = client.control(op, model, min=low, max=high, path=path)
         if as_json:
             print(json.dumps({"message": reply.message, "models": [vars(m) for m in reply.models]}))
@@ -694,15 +724,40 @@ def _control(server_name: str, as_json: bool, op: str, model: str | None = None,
         print(format_models(reply.models))
 
 
-def _admin_client(info: ServerInfo) -> Client:
+def _admin_client(info: ServerInfo, curve: _Curve) -> contextlib.AbstractContextManager[Client]:
     """A client on the server's admin socket: ipc (this user alone) needs no keys; a tcp one takes an operator's
-    CURVE keys from the environment, as `generate` takes a client's."""
-    from mpserve.client import Client
-
+    CURVE keys (--curve-server-key, --curve-secret or their variables), as `generate` takes a client's."""
     address = info.admin or info.front  # a server older than the admin socket takes operator's calls on its front
-    curve = address.startswith("tcp://")
-    return Client(address, curve_server_key=os.environ.get("MPSERVE_CURVE_SERVER_KEY") if curve else None,
-                  curve_secret=os.environ.get("MPSERVE_CURVE_CLIENT_SECRET") if curve else None)
+    return _client(address, curve if address.startswith("tcp://") else _Curve(None, None))
+
+
+@contextlib.contextmanager
+def _client(address: str, curve: _Curve, connect_timeout: float | None = None) -> Iterator[Client]:
+    """A client of ``address``, connected; a server that does not answer gets an error naming the CURVE keys'
+    flags and variables (a CURVE server drops a client without the right keys, silently)."""
+    from mpserve.client import CONNECT_TIMEOUT_S, Client
+
+    try:
+        client = Client(address, curve_server_key=curve.server_key, curve_secret=curve.secret,
+                        connect_timeout=connect_timeout or CONNECT_TIMEOUT_S)
+    except ConnectionFailed as exc:
+        if address.startswith("tcp://") or os.path.exists(address.removeprefix("ipc://")):  # it did not answer
+            given = "the keys given" if curve.server_key and curve.secret else "no keys"
+            raise ConnectionFailed(f"{exc.message}; a server with CURVE keys drops a client without its keys "
+                                   f"({given} here): give --curve-server-key (MPSERVE_CURVE_SERVER_KEY), the "
+                                   "server's public key file, and --curve-secret (MPSERVE_CURVE_CLIENT_SECRET), "
+                                   "your secret key file, whose public half the server allows") from None
+        raise
+    with client:
+        yield client
+
+
+def _no_server(name: str) -> ConnectionFailed:
+    """No server ``name`` runs here: the error names those that do."""
+    running = sorted(info.name for path in runtime_dir(create=False).glob("*.json")
+                     if (info := ServerInfo.read(path.stem)) is not None and info.alive())
+    others = f"running here: {', '.join(running)} (--server-name NAME)" if running else "none runs here"
+    return ConnectionFailed(f"no server named {name!r} is running ({others}); start one with `mpserve start`")
 
 
 def format_models(rows: list[ModelControl]) -> str:
@@ -713,16 +768,14 @@ def format_models(rows: list[ModelControl]) -> str:
     return "\n".join("  ".join(c.ljust(w) for c, w in zip(line, widths, strict=True)).rstrip() for line in lines)
 
 
-def _broker_stats(info: ServerInfo) -> Stats | None:
-    """The broker's STATS (its remote workers, its models' scaling), or None if it does not answer within a
-    second. A broker with CURVE keys is asked with the client keys that `generate` takes from the environment."""
-    from mpserve.client import Client
-
+def _broker_stats(info: ServerInfo, curve: _Curve) -> Stats | None:
+    """The broker's STATS (its remote workers, its models' scaling), or None, said on stderr, if it does not
+    answer within a second. A broker with CURVE keys is asked with ``curve``, as `generate` asks it."""
     try:
-        with Client(info.front, connect_timeout=1.0, curve_server_key=os.environ.get("MPSERVE_CURVE_SERVER_KEY"),
-                    curve_secret=os.environ.get("MPSERVE_CURVE_CLIENT_SECRET")) as client:
+        with _client(info.front, curve, connect_timeout=1.0) as client:
             return client.stats(timeout=1.0)
-    except MpserveError:
+    except MpserveError as exc:
+        typer.echo(f"note: remote pools and scaling not shown: {exc.message}", err=True)
         return None
 
 
@@ -748,18 +801,25 @@ def format_table(info: ServerInfo, rows: list[SlotRow]) -> str:
 
 
 def _instance_lines(rows: list[SlotRow]) -> str:
-    """Per instance: the KV cells its slots hold, of all it has, and its prompt cache."""
+    """Per instance: the KV cells its slots hold, of all it has, and its counts in the host store; then the host
+    store's tiers once, as they are the host's (every model's and server's on it), not an instance's."""
     from mpserve.gpu.devices import format_memory
 
-    lines = []
+    lines, tiers = [], []
     for (model, worker), slots in instance_slots(rows).items():
         used, capacity = sum(r.kv_cells for r in slots), sum(r.kv_capacity for r in slots)
         share = f" ({100 * used / capacity:.0f}%)" if capacity else ""
         c = slots[0].cache
-        disk = f", disk {format_memory(c.disk_bytes)} of {format_memory(c.disk_capacity)}" if c.disk_capacity else ""
-        cache = (f"host store RAM {format_memory(c.bytes)} of {format_memory(c.capacity)}{disk}; {c.hits} hits, "
-                 f"{c.misses} misses, {c.evictions} evictions, {c.skipped} skipped" if c.capacity else "no host store")
+        cache = (f"host store: {c.hits} hits, {c.misses} misses, {c.evictions} evictions, {c.skipped} skipped"
+                 if c.capacity else "no host store")
         lines.append(f"instance w{worker} ({model}): KV cells {used} of {capacity}{share}; {cache}")
+        tiers += [c] if c.capacity else []
+    if tiers:  # each instance wrote the host's figures when it last touched the store: the largest is the latest
+        ram, disk = max(tiers, key=lambda c: c.bytes), max(tiers, key=lambda c: c.disk_bytes)
+        on_disk = (f", disk {format_memory(disk.disk_bytes)} of {format_memory(disk.disk_capacity)}"
+                   if disk.disk_capacity else "")
+        lines.append(f"host store (host-wide, every model and server on this host): RAM {format_memory(ram.bytes)} "
+                     f"of {format_memory(ram.capacity)}{on_disk}")
     return "\n\n" + "\n".join(lines) if lines else ""
 
 

@@ -22,12 +22,14 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import logging
 import os
 import shutil
 import stat
 import subprocess
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -133,7 +135,21 @@ def collect(build: Build | None = None, simulate: str | None = None,
 def _start_modes(config: ServerConfig) -> dict[str, str]:
     from mpserve.server.layout import build_layout, start_modes
 
-    return {name: str(mode) for name, mode in start_modes(config, build_layout(config)).items()}
+    with _verdict_unlogged():
+        return {name: str(mode) for name, mode in start_modes(config, build_layout(config)).items()}
+
+
+@contextmanager
+def _verdict_unlogged() -> Iterator[None]:
+    """The layout asks for the repack verdict as a server does, which logs it; the report has a line of its own
+    for it, so it is not printed twice."""
+    logger = logging.getLogger("mpserve.repack")
+    level = logger.level
+    logger.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
 
 
 def build_problems(build: Build, gpus: Sequence[Device]) -> list[Problem]:

@@ -67,7 +67,8 @@ CODES: dict[ErrorCode, CodeInfo] = {
     ErrorCode.DOES_NOT_FIT: CodeInfo(503, False, "the model does not fit the device's memory (at start, or a "
                                                  "load)"),
     ErrorCode.SHUTTING_DOWN: CodeInfo(503, True, "the server is stopping"),
-    ErrorCode.CONNECTION: CodeInfo(503, True, "no server answers at the address (client side)"),
+    ErrorCode.CONNECTION: CodeInfo(503, True, "no server answers at the address (client side), or the Hugging "
+                                              "Face Hub cannot be reached for a model to download"),
     ErrorCode.PROTOCOL: CodeInfo(400, False, "a malformed message"),
     ErrorCode.FORBIDDEN: CodeInfo(403, False, "an operator's call (CONTROL, SLOT_ACTION) sent without the admin "
                                               "credential: the admin socket (`admin_bind`), or over CURVE a key in "

@@ -73,3 +73,14 @@ def test_version_prints_the_package_version() -> None:
 
     out = mpserve("--version")
     assert out.returncode == 0 and out.stdout == f"mpserve {__version__}\n"
+
+
+@pytest.mark.timeout(60)
+def test_devices_help_names_the_nvml_extra_and_devices_reads_a_servers_config(tmp_path) -> None:
+    helped = mpserve("devices", "--help", env={"COLUMNS": "300"})
+    assert "(mpserve[nvml])" in helped.stdout  # not eaten as Rich markup
+    config = tmp_path / "c.yaml"
+    config.write_text("simulate_gpus: 2x24GiB\nmodels:\n  - path: echo\n")
+    shown = mpserve("devices", "--config", str(config), env={"MPSERVE_SIMULATE_GPUS": ""})
+    assert shown.returncode == 0, shown.stderr
+    assert shown.stdout.count("(simulated)  24.0 GiB free of 24.0 GiB") == 2, shown.stdout

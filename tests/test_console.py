@@ -97,8 +97,12 @@ def test_four_slot_rows_and_a_playground_completion_streams_in(server, page) -> 
     devices = page.locator("#slots tbody td[data-label=device]").all_text_contents()
     assert sorted(devices) == ["gpu0", "gpu0", "gpu1", "gpu1"]
     assert page.locator("#gpus .gpu").count() == 2
-    store = page.wait_for_selector("#models [data-store]")  # the host store under its model
-    assert store.text_content().startswith("host store: RAM ") and "of 256.0 MiB" in store.text_content()
+    # the host store's tiers once, said to be the host's; under its model, that model's counts only
+    host = page.wait_for_selector("#models [data-store-host]")
+    assert host.text_content().startswith("Host store (host-wide: every model and server on this host): RAM ")
+    assert "of 256.0 MiB" in host.text_content() and page.locator("#models [data-store-host]").count() == 1
+    store = page.wait_for_selector("#models [data-model] [data-store]")
+    assert store.text_content().startswith("host store, this model: ") and "MiB" not in store.text_content()
 
     prompt = "The console shows"
     page.check("input[name=kind][value=completion]")

@@ -1,12 +1,13 @@
-"""The documentation site builds strictly (no broken link, anchor or page), its generated pages are whole (every
-setting, error code, wire type, wire field and HTTP route is on them), and the README stays a front page that
-links into it."""
+"""The documentation site builds strictly (no broken link, anchor or page), its generated parts are current and
+whole (every setting, error code, wire type, wire field and HTTP route is on them; a stale part fails the build),
+and the README stays a front page that links into it."""
 
 from __future__ import annotations
 
 import dataclasses
 import html
 import importlib.util
+import logging
 import os
 import re
 import subprocess
@@ -65,7 +66,7 @@ def _codes_in_table(section: str) -> set[str]:
 def test_every_setting_is_on_the_configuration_page(site: Path) -> None:
     page = _page(site, "configuration")
     for s in settings.SETTINGS:
-        section = _section(page, s.key.replace("_", "-"))
+        section = _section(page, s.key)
         for shown in (s.flag, s.env, s.yaml, s.default, s.help):
             if shown:
                 assert shown in section, f"{s.key}: {shown!r} is not in its section of the configuration page"
@@ -92,7 +93,7 @@ def test_every_message_type_and_every_field_of_its_body_is_on_the_protocol_page(
             continue
         fields = {f.name for f in (msgspec.structs.fields(cls) if issubclass(cls, msgspec.Struct)
                                    else dataclasses.fields(cls))}
-        assert fields == _codes_in_table(_section(page, name.lower())), name
+        assert fields == _codes_in_table(_section(page, hooks.anchor(cls))), name
 
 
 @pytest.mark.timeout(30)
@@ -159,3 +160,34 @@ def test_the_readme_is_a_front_page_that_links_into_the_docs(site: Path) -> None
     assert {"getting-started", "configuration", "protocol", "http", "deployment", "operations"} <= linked
     for name in linked:
         assert (site / ("" if name == "index" else name) / "index.html").exists(), name
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("page", [p.name for p in hooks.pages()])
+def test_the_generated_parts_kept_in_each_page_are_current(page: str) -> None:
+    text = (ROOT / "docs" / page).read_text()
+    assert "--8<--" not in text, f"docs/{page}: a snippet line shows literally on GitHub; use a generated file part"
+    assert hooks.stale(text) == [], f"docs/{page}: stale generated parts: run `{hooks.COMMAND}`"
+
+
+class _Page:
+    class file:  # noqa: N801 (the shape of mkdocs' Page.file)
+        src_uri = "configuration.md"
+
+
+@pytest.mark.timeout(60)
+def test_a_stale_part_fails_the_strict_build_naming_the_command(caplog: pytest.LogCaptureFixture) -> None:
+    text = (ROOT / "docs" / "configuration.md").read_text()
+    first = settings.SETTINGS[0]
+    stale = text.replace(f"### {first.key}\n", f"### {first.key}_renamed\n", 1)
+    assert stale != text and hooks.stale(stale) == ["settings"]
+    with caplog.at_level(logging.WARNING, logger="mkdocs"):
+        rendered = hooks.on_page_markdown(stale, page=_Page)
+    # a warning of an "mkdocs" logger is what --strict counts as a failure
+    assert [r.name.split(".")[0] for r in caplog.records] == ["mkdocs"]
+    assert "'settings' is stale" in caplog.text and hooks.COMMAND in caplog.text
+    assert rendered == text  # the site shows the part as the code makes it
+    example = text.replace("max_queue: 128", "max_queue: 64", 1)
+    assert example != text and hooks.stale(example) == ["file examples/two_models.yaml"]
+    with pytest.raises(ValueError, match="end generated"):
+        hooks.render(text.replace("<!-- end generated -->", "", 1))

@@ -163,3 +163,14 @@ def test_doctor_says_how_each_models_instances_start_and_why(tmp_path: Path) -> 
     assert "  m: fork server (GPU layers: CUDA cannot be used across a fork" in text
     spawned = json.loads(doctor("--json", "--config", str(config), "--start-method", "spawn").stdout)
     assert set(spawned["start_modes"].values()) == {"fork server (start_method: spawn; each instance loads the model)"}
+
+
+def test_doctor_prints_the_repack_verdict_once(tmp_path: Path) -> None:
+    # a host whose probe found the repacked kernels crashing, as its cached verdict says (no probe is run)
+    from mpserve import repack
+
+    crashed = repack.Verdict(False, "SIGSEGV at the first decode of Q4_0 weights", repack.host_key())
+    (tmp_path / f"repack-{repack.host_key()}.json").write_text(json.dumps(
+        {"version": repack.CACHE_VERSION, **asdict(crashed), "cached": True}))
+    done = doctor(env={"MPSERVE_CACHE_DIR": str(tmp_path)})
+    assert (done.stdout + done.stderr).count(crashed.summary) == 1, done.stdout + done.stderr

@@ -72,6 +72,8 @@ def test_a_stream_whose_instance_stops_continues_on_another_after_the_stall_time
     with Client(server.address) as client:
         _handed_over(server, client, signal.SIGSTOP)
     assert not server.tracebacks(), "\n".join(server.log)
+    # the stalled instance is replaced, not scaled: nothing drains, and no scale-up is tried (nor said skipped)
+    assert not [line for line in server.log if "scale-up of" in line], "\n".join(server.log)
 
 
 @pytest.mark.timeout(120)

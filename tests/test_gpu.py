@@ -143,6 +143,10 @@ def test_single_active_backend_serves_both_models_one_resident_at_a_time(start_s
     events = wait_for(lambda: _queued_and_started(server.log, 40), 10, "the broker's log of 40 requests")
     passed = _most_started_while_another_waited(events)
     assert passed <= SWITCH_BATCH, events
+    with Client(server.address) as client:  # each switch counted once: /metrics' single_active_swaps event
+        swaps = client.stats().counters.get("single_active_swaps")
+    assert swaps == sum(": a is resident now (after b)" in line or ": b is resident now (after a)" in line
+                        for line in server.log) >= 1, "\n".join(server.log)
     switches = sum(1 for x, y in zip(residents, residents[1:], strict=False) if x and y and x != y)
     print(f"\nsingle active backend: 40 requests, residents sampled {len(residents)} times, ~{switches} switches; "
           f"the most requests of one model started while the other waited: {passed}")

@@ -1,6 +1,6 @@
 """The host store through real servers: what an instance computed outlives it (kill -9, unload and load, a
-restart with a disk tier), two instances saving one prefix at once write one entry, and a bad entry is skipped,
-removed and computed instead."""
+server restart from the RAM tier, a restart with a disk tier after the RAM tier is gone), two instances saving
+one prefix at once write one entry, and a bad entry is skipped, removed and computed instead."""
 
 from __future__ import annotations
 
@@ -76,6 +76,21 @@ def test_a_model_unloaded_and_loaded_again_restores_its_prompts(start_server: ty
         again = client.generate(FOLLOW_UP, max_tokens=4, temperature=0)
     assert again.timings.cached_tokens == PROMPT_CHUNK
     assert not server.tracebacks(), "\n".join(server.log)
+
+
+@pytest.mark.timeout(120)
+def test_a_server_restarted_without_a_disk_tier_restores_from_the_ram_tier_it_left(
+        start_server: type[ServerProcess], tmp_path: Path) -> None:
+    store = tmp_path / "shm"  # a folder of files: it outlives every process, the server's too
+    first = start_server(*SERVER, "--cache-shm", str(store)).wait_ready()
+    with Client(first.address, timeout=60) as client:
+        client.generate(LONG, max_tokens=4, temperature=0)
+    wait_for(lambda: entries(store), 10, "the prompt's entry in the store")
+    assert first.stop() == 0
+    second = start_server(*SERVER, "--cache-shm", str(store)).wait_ready()
+    with Client(second.address, timeout=60) as client:
+        again = client.generate(FOLLOW_UP, max_tokens=4, temperature=0)
+    assert again.timings.cached_tokens == PROMPT_CHUNK and second.slots()[0].cache.hits == 1
 
 
 @pytest.mark.timeout(120)

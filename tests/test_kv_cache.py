@@ -5,6 +5,7 @@ host-RAM prompt cache keeps what slots lose and restores it exactly (on the tiny
 from __future__ import annotations
 
 import json
+import logging
 import os
 import stat
 import struct
@@ -219,7 +220,9 @@ def test_through_the_server_a_prompt_pushed_out_of_every_slot_reports_restored_t
     finally:
         fresh.close()
     status = mpserve("status", "--server-name", server.name, timeout=30)
-    assert "host store RAM" in status.stdout and "of 64.0 MiB; 1 hits" in status.stdout, status.stdout
+    assert status.stdout.count("of 64.0 MiB") == 1, status.stdout  # the host's figure, once
+    assert "\nhost store (host-wide, every model and server on this host): RAM " in status.stdout
+    assert "KV cells" in status.stdout and "; host store: 1 hits, " in status.stdout
 
 
 @pytest.mark.timeout(120)
@@ -399,6 +402,46 @@ def test_on_the_real_model_a_state_restored_from_ram_continues_exactly(real_mode
     assert again.reused_tokens == PROMPT_CHUNK and again.text == expected.text
 
 
+def _gemma(real_model: RealModel, cache_ram: int, reuse: str) -> BatchEngine:
+    return BatchEngine(real_model.path, n_ctx=2048, parallel=1, threads=2, n_gpu_layers=0, repack=real_model.repack,
+                       cache_ram=cache_ram, cache_shm=fresh_store(), reuse=reuse)
+
+
+def _long_other_branch(engine: BatchEngine) -> tuple[list[int], list[int], list[int]]:
+    """A prompt of two whole chunks and more, an unrelated one, and one sharing a chunk and 200 tokens of the
+    first."""
+    words = (" ".join(f"Line {i} says the {w} went to the {v}." for i, (w, v) in
+                      enumerate(zip(("cat", "dog", "owl") * 60, ("sea", "hill", "town", "wood") * 45, strict=True)))
+             + " " + " ".join(f"So {w} and it went on." for w in ("ant", "bee", "owl", "elk") * 5))
+    long = engine._tokenize(words)[:2 * PROMPT_CHUNK + 300]
+    other = engine._tokenize(" ".join(f"Row {i} of the other table." for i in range(40)))
+    branch = long[:PROMPT_CHUNK + 200] + engine._tokenize(" And then the whale sang a song.")[1:]
+    return long, other, branch
+
+
+@pytest.mark.real
+@pytest.mark.timeout(600)
+def test_on_a_sliding_window_model_a_prompt_sharing_part_of_a_slot_s_restored_cells_is_said_to_restore_instead(
+        real_model: RealModel, caplog: pytest.LogCaptureFixture) -> None:
+    """A slot holding a restored state (whose windowed layers keep only its last cells) cannot keep a part of it
+    for a prompt that shares only that part; the log says what happens then, and it happens: a checkpoint is
+    restored, nothing is computed from the start."""
+    engine = _gemma(real_model, 256 << 20, "any")
+    try:
+        long, other, branch = _long_other_branch(engine)
+        run(engine, 0, long)
+        run(engine, 0, other)  # the long prompt's cells go to the store
+        run(engine, 0, long + engine._tokenize(" The end.")[1:])  # restored whole: the slot holds restored cells
+        with caplog.at_level(logging.INFO, logger="mpserve.worker"):
+            again = run(engine, 0, branch)
+    finally:
+        engine.close()
+    assert again.reused_tokens == PROMPT_CHUNK  # the checkpoint at the first whole chunk, restored
+    said = [r.getMessage() for r in caplog.records if "sliding-window" in r.getMessage()]
+    assert len(said) == 1 and "restores instead the host store's longest entry that is all prefix of it" in said[0]
+    assert "computed from the start" not in said[0]
+
+
 @pytest.mark.real
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("reuse", ["any", "exact"])
@@ -410,17 +453,11 @@ def test_on_a_sliding_window_model_a_prompt_sharing_part_of_a_longer_entry_resto
     and its greedy text equals a fresh computation."""
 
     def engine(cache_ram: int) -> BatchEngine:
-        return BatchEngine(real_model.path, n_ctx=2048, parallel=1, threads=2, n_gpu_layers=0,
-                           repack=real_model.repack, cache_ram=cache_ram, cache_shm=fresh_store(), reuse=reuse)
+        return _gemma(real_model, cache_ram, reuse)
 
     cached = engine(256 << 20)
     try:
-        words = (" ".join(f"Line {i} says the {w} went to the {v}." for i, (w, v) in
-                          enumerate(zip(("cat", "dog", "owl") * 60, ("sea", "hill", "town", "wood") * 45, strict=True)))
-                 + " " + " ".join(f"So {w} and it went on." for w in ("ant", "bee", "owl", "elk") * 5))
-        long = cached._tokenize(words)[:2 * PROMPT_CHUNK + 300]
-        other = cached._tokenize(" ".join(f"Row {i} of the other table." for i in range(40)))
-        branch = long[:PROMPT_CHUNK + 200] + cached._tokenize(" And then the whale sang a song.")[1:]
+        long, other, branch = _long_other_branch(cached)
         run(cached, 0, long)
         run(cached, 0, other)  # pushes the long prompt's cells out of the only slot, into the store
         before = cached.stats()

@@ -77,6 +77,42 @@ def test_hub_names_parse_as_llama_server_s_and_local_paths_stay_paths(tmp_path: 
         hub.parse("hf://just-a-name")
 
 
+@pytest.mark.parametrize("name", [
+    "hf://acme/tiny-GGUF/../../x.gguf", "hf://acme/tiny-GGUF/sub/../../../x.gguf", "hf://acme/tiny-GGUF//etc/x.gguf",
+    "hf://acme/tiny-GGUF/./x.gguf", "hf://acme/tiny-GGUF/..\\..\\x.gguf", "hf://acme/tiny-GGUF@../x.gguf",
+    "hf://acme/tiny-GGUF@..:Q4_K_M", "acme/tiny-GGUF@..:Q4_K_M", "acme/tiny-GGUF@a\\b:Q4_K_M"])
+def test_a_hub_file_or_revision_that_leaves_the_repo_is_refused(name: str) -> None:
+    with pytest.raises(ConfigError, match="leaves the repo"):
+        hub.parse(name)
+
+
+def test_a_hub_repo_named_without_its_quantization_gets_the_forms_offline(hf_env: dict[str, str]) -> None:
+    offline = {**hf_env, "HF_ENDPOINT": "http://127.0.0.1:9"}  # nothing is asked of any Hub
+    started = _mpserve("start", "--model", REPO, "--server-name", f"noq{os.getpid()}", env=offline)
+    assert started.returncode == 1, started.stderr
+    assert f"'{REPO}' is no file here; if it is a repo on the Hugging Face Hub, name its quantization, " \
+           f"{REPO}:Q4_K_M" in started.stderr
+    assert "hf://OWNER/REPO/FILE.gguf" in started.stderr and "ollama://NAME" in started.stderr
+    pulled = _mpserve("pull", REPO, env=offline)
+    assert pulled.returncode == 1 and f"{REPO}:Q4_K_M" in pulled.stderr, pulled.stderr
+    assert "not a model on the Hub" not in pulled.stderr and "pull takes hf://OWNER/REPO/FILE.gguf" in pulled.stderr
+    for local, said in ((__file__, "is a file here; pull takes"), ("acme/none.gguf", "no such model file")):
+        refused = _mpserve("pull", local, env=offline)
+        assert refused.returncode == 1 and said in refused.stderr and ":Q4_K_M" not in refused.stderr, refused.stderr
+    helped = _mpserve("start", "--help", env={"COLUMNS": "400"})
+    for form in ("hf://OWNER/REPO/FILE.gguf", "OWNER/REPO:QUANT", "ollama://NAME:TAG"):
+        assert form in helped.stdout, form
+
+
+def test_a_hub_that_cannot_be_reached_is_a_connection_error_not_a_config_one(hf_env: dict[str, str]) -> None:
+    with socket.socket() as closed:
+        closed.bind(("127.0.0.1", 0))
+        port = closed.getsockname()[1]  # bound, never listening: connections are refused
+        pulled = _mpserve("pull", f"{REPO}:Q4_K_M", env={**hf_env, "HF_ENDPOINT": f"http://127.0.0.1:{port}"})
+    assert pulled.returncode == 1
+    assert f"error: [connection] cannot reach the Hub (http://127.0.0.1:{port}) for {REPO}:Q4_K_M" in pulled.stderr
+
+
 def test_the_file_is_chosen_by_quantization_as_llama_server_does() -> None:
     files = ["README.md", "m-Q8_0.gguf", "m-Q4_K_M.gguf", "m-IQ4_XS.gguf", "mmproj-m-Q4_K_M.gguf",
              "big/m-Q6_K-00001-of-00002.gguf", "big/m-Q6_K-00002-of-00002.gguf"]
@@ -275,6 +311,39 @@ def test_an_ollama_name_not_in_the_store_is_refused_naming_what_it_holds(tmp_pat
     assert refused.returncode == 1
     assert (f"ollama://llama3.2:1b is not in Ollama's store ({store}; set OLLAMA_MODELS for another); it holds "
             "tiny:latest; pull it with: ollama pull llama3.2:1b") in refused.stderr
+
+
+@pytest.mark.parametrize(("change", "expected"), [
+    (lambda m: {"schemaVersion": 2}, "is not one Ollama writes (Object missing required field `layers`)"),
+    (lambda m: "{not json", "is not one Ollama writes (JSON is malformed"),
+    (lambda m: {"layers": [{**m["layers"][0], "digest": "sha256:../../../etc/passwd"}]},
+     "is not one Ollama writes (Expected `str` matching regex '^sha256:[0-9a-f]{64}$' - at `$.layers[0].digest`)"),
+    (lambda m: {"layers": [{**m["layers"][0], "digest": "sha512:" + "0" * 128}]}, "at `$.layers[0].digest`"),
+], ids=["no-layers", "not-json", "digest-path", "digest-kind"])
+def test_a_corrupt_ollama_manifest_is_refused_in_one_line(tmp_path: Path, change: Any, expected: str) -> None:
+    store = _ollama_store(tmp_path / "ollama")
+    manifest = store / "manifests" / "registry.ollama.ai" / "library" / "tiny" / "latest"
+    changed = change(json.loads(manifest.read_text()))
+    manifest.write_text(changed if isinstance(changed, str) else json.dumps(changed))
+    refused = _mpserve("pull", "ollama://tiny", env={"OLLAMA_MODELS": str(store)})
+    assert refused.returncode == 1
+    assert refused.stderr.count("\n") == 1 and "Traceback" not in refused.stderr, refused.stderr
+    assert refused.stderr.startswith("error: [config] ") and expected in refused.stderr, refused.stderr
+    assert f"ollama://tiny: its manifest {manifest} is not one Ollama writes" in refused.stderr
+    assert "pull it again with: ollama pull tiny:latest" in refused.stderr
+
+
+def test_an_ollama_blob_that_differs_from_its_digest_is_refused_before_anything_starts(tmp_path: Path) -> None:
+    store = _ollama_store(tmp_path / "ollama")
+    env = {"OLLAMA_MODELS": str(store)}
+    assert _mpserve("pull", "ollama://tiny", env=env).returncode == 0
+    blob = store / "blobs" / f"sha256-{hashlib.sha256(TINY).hexdigest()}"
+    blob.write_bytes(TINY[:-1] + bytes([TINY[-1] ^ 1]))  # still a GGUF, one bit changed
+    for command in (["pull", "ollama://tiny"], ["start", "--model", "ollama://tiny", "--server-name",
+                                                f"bit{os.getpid()}"]):
+        refused = _mpserve(*command, env=env)
+        assert refused.returncode == 1
+        assert f"ollama://tiny: its model blob {blob} does not match its digest" in refused.stderr, refused.stderr
 
 
 # --- a models directory ---------------------------------------------------------------------------------

@@ -15,6 +15,7 @@ from collections import Counter
 from pathlib import Path
 
 import pytest
+import zmq.auth
 from conftest import ServerProcess, _die_with_parent
 from engines import LONG_PROMPT as LONG
 from engines import others
@@ -228,6 +229,18 @@ def test_a_pool_without_an_allowed_key_never_gets_a_request(start_server, pools,
         pools("pool-good", f"tcp://127.0.0.1:{port}", *curve, "--curve-secret", str(keys / "workers/good.key_secret"))
         wait_for(lambda: [w for w in client.stats().workers if w.host], 30, "the allowed pool to register")
         assert client.generate("hi", max_tokens=4, timeout=20).worker.startswith(socket.gethostname()[:32])
+    bad_key = zmq.auth.load_certificate(str(keys / "others" / "bad.key"))[0].decode()
+    refusal = next(line for line in server.log if "refused a connection" in line)
+    assert f"client_key={bad_key}" in refusal and "b'" not in refusal  # the key as its file writes it
+    unkeyed = mpserve("status", "--server-name", server.name, timeout=30)
+    assert unkeyed.returncode == 0 and "remote " not in unkeyed.stdout
+    assert "--curve-server-key (MPSERVE_CURVE_SERVER_KEY)" in unkeyed.stderr, unkeyed.stderr
+    assert "--curve-secret (MPSERVE_CURVE_CLIENT_SECRET)" in unkeyed.stderr
+    keyed = mpserve("status", "--server-name", server.name, "--curve-server-key", client_keys["curve_server_key"],
+                    "--curve-secret", client_keys["curve_secret"], timeout=30)
+    assert keyed.returncode == 0 and "remote " in keyed.stdout and not keyed.stderr, keyed.stderr
+    elsewhere = mpserve("models", "--server-name", f"{server.name}-not", timeout=30)
+    assert elsewhere.returncode == 1 and "running here: " in elsewhere.stderr and server.name in elsewhere.stderr
 
 
 @pytest.mark.timeout(60)

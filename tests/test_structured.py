@@ -197,3 +197,4 @@ def test_the_cli_takes_schema_and_grammar_files(server: ServerProcess, tmp_path:
     grammar_file.write_text("root ::= nothing")
     out = subprocess.run(base + ["--grammar", str(grammar_file)], capture_output=True, text=True, timeout=60)
     assert out.returncode == 1 and "error: [bad_request]" in out.stderr and "not valid GBNF" in out.stderr
+    assert "llama.cpp says \"Undefined rule identifier 'nothing'\"" in out.stderr, out.stderr  # llama.cpp's reason

@@ -430,13 +430,13 @@ def _model(index: int, entry: Any, overrides: Mapping[str, Any], source: str) ->
 def _check_gguf(path: Path, where: str) -> None:
     """A model file must be a file that starts as GGUF files do (its magic), so that a wrong path is refused at
     start rather than by three failed loads."""
-    others = f"give a .gguf file, {_builtin_names()}, or echo"
+    others = f"give a .gguf file, {sources.FORMS}, {_builtin_names()}, or echo"
     if path.is_dir():
         found = sorted(p.name for p in path.glob("*.gguf"))[:3]
         raise ConfigError(f"{where}: {str(path)!r} is a folder, not a model file; "
                           + (f"give one of its files: {', '.join(found)}" if found else others))
     if not path.is_file():
-        raise ConfigError(f"{where}: no such model file {str(path)!r}; {others}")
+        raise ConfigError(f"{where}: {sources.not_a_file(str(path))}; {others}")
     try:
         with path.open("rb") as file:
             magic = file.read(len(GGUF_MAGIC))

@@ -6,7 +6,7 @@ help text.
              │                     environment variables and "(default: …)" help
              ├─▶ markdown_table()  a table of every setting (python -m mpserve.config.settings), with the commands
              │                     that take each flag (a test keeps each command's flags the declared ones)
-             └─▶ docs/hooks.py     the configuration page: a section per setting, at each build of the docs
+             └─▶ docs/hooks.py     the configuration page: a section per setting, rewritten by `--write`
 
 Precedence: flag > environment > file > default. A setting's ``scope`` says where it lives: ``server``
 (``ServerConfig``, a top-level YAML key), ``model`` (``ModelConfig``, a key of each ``models[]`` entry; a flag
@@ -74,7 +74,9 @@ SETTINGS: tuple[Setting, ...] = (
     _s("name", "model", str, "the file's stem", "Name clients use for the model", env="MPSERVE_MODEL_NAME",
        commands=_FOR_POOLS),
     _s("path", "model", str, "builtin:tiny",
-       f"GGUF file, {', '.join('builtin:' + m for m in MODEL_SIZES)}, or echo (no model)",
+       "GGUF file; a model on the Hugging Face Hub, hf://OWNER/REPO/FILE.gguf or OWNER/REPO:QUANT "
+       "(hf://OWNER/REPO:QUANT, @REVISION after the repo); one in Ollama's store, ollama://NAME or ollama://NAME:TAG; "
+       f"{', '.join('builtin:' + m for m in MODEL_SIZES)}; or echo (no model)",
        flag="--model", short="-m", env="MPSERVE_MODEL", commands=("start", "worker", "plan")),
     _s("instances", "model", (int, dict), "1", "Worker processes per model; {min: 1, max: 4} in the file lets the "
        "count follow the load", short="-n", cli_type=int, range=(0, 256), commands=("start", "worker", "plan")),

@@ -10,4 +10,5 @@
     echo        ``EchoEngine``: answers with the prompt, no model (benchmarks of the serving path)
     embed       ``EmbeddingEngine``: a model served with embedding: true, one pooled vector per input
     model_info  what a loaded model reports about itself (its chat template)
+    llama_log   llama.cpp's log as records of ``mpserve.llama``, the known-harmless lines left out
 """

@@ -58,9 +58,10 @@ what the whole prompt computed at once gives. With ``exact`` only whole chunks a
 so the tokens computed after them are computed in the very chunks a fresh computation uses (a shared prefix
 shorter than a chunk is computed again), and a sequence with a long context decodes in a llama_decode of its
 own (``_decodes``). Either way the last prompt token is computed (its logits pick the first token), and cells
-that the memory no longer holds are never reused: the prompt is computed from the start, and the log says so
-once per model. A slot's own cells are all held (a context's sliding-window layers keep every cell: llama.cpp's
-full-size SWA cache, its default outside its server), and so are a restored state's when the prompt extends all
+that the memory no longer holds are never reused: the prompt restores the host store's longest entry that is
+all prefix of it instead (else is computed from the start), and the log says so once per model. A slot's own
+cells are all held (a context's sliding-window layers keep every cell: llama.cpp's full-size SWA cache, its
+default outside its server), and so are a restored state's when the prompt extends all
 of its tokens; but a saved state holds on its sliding-window layers only the cells its next token attends to,
 and a recurrent state only its last position, so such states are restored only whole (the host store's
 ``cut_back``), from the longest entry that is all prefix of the prompt: a checkpoint, a whole chunk, a
@@ -457,9 +458,12 @@ class BatchEngine:
             return True
         if not self._told_cells_missing:
             self._told_cells_missing = True
-            log.warning("this model's memory does not keep the cells of a cached prefix (sliding-window or "
-                        "recurrent layers): prompts that share a prefix with an earlier one are computed from "
-                        "the start")
+            instead = ("restores instead the host store's longest entry that is all prefix of it (a checkpoint "
+                       "at a whole chunk) and computes the rest" if self._prompt_cache is not None else
+                       "is computed from the start (no host store here: cache_ram 0)")
+            log.info("this model's sliding-window (or recurrent) layers keep only the last cells of a restored "
+                     "state, so a prompt sharing only part of a slot's restored cells cannot keep them: it %s "
+                     "(said once)", instead)
         return False
 
     def _kv_tokens(self, slot: int) -> list[int]:

@@ -7,7 +7,8 @@ once per distinct GBNF text and cloned for each sequence.
 
 A pristine sampler is never added to a chain, so it never accepts a token: ``llama_sampler_clone`` of it
 copies the parsed rules and the start state, which skips parsing the text again. llama.cpp prints why it
-could not parse a grammar to the worker's log; the request gets BadRequest with the first line of the text.
+could not parse a grammar to the process's stderr and its log (``llama_log.reasons`` collects both): the
+request gets BadRequest with that reason and the first line of the text.
 """
 
 from __future__ import annotations
@@ -18,6 +19,8 @@ from typing import Any
 import llama_cpp
 
 from mpserve.errors import BadRequest
+
+from .llama_log import Said, reasons
 
 CACHED_GRAMMARS = 32
 
@@ -34,11 +37,11 @@ class GrammarCache:
         """A fresh grammar sampler for ``text``, owned by the caller (a chain it is added to frees it)."""
         pristine = self._parsed.get(text)
         if pristine is None:
-            pristine = llama_cpp.llama_sampler_init_grammar(self._vocab, text.encode(), b"root")
+            with reasons() as said:
+                pristine = llama_cpp.llama_sampler_init_grammar(self._vocab, text.encode(), b"root")
             if not pristine:
                 first = text.strip().splitlines()[0] if text.strip() else ""
-                raise BadRequest(f"'grammar' is not valid GBNF (llama.cpp could not parse it; it begins "
-                                 f"{first[:80]!r})")
+                raise BadRequest(f"'grammar' is not valid GBNF: {_reason(said)} (it begins {first[:80]!r})")
             self._parsed[text] = pristine
             while len(self._parsed) > self._size:
                 llama_cpp.llama_sampler_free(self._parsed.popitem(last=False)[1])
@@ -52,3 +55,10 @@ class GrammarCache:
         for sampler in self._parsed.values():
             llama_cpp.llama_sampler_free(sampler)
         self._parsed.clear()
+
+
+def _reason(said: Said) -> str:
+    """llama.cpp's words for a grammar it could not parse: its parser's error, else its log's error lines."""
+    parsed = [line.split("error parsing grammar: ", 1)[1] for line in said.printed if "error parsing grammar: " in line]
+    found = parsed or [line for line in said.errors if line != "failed to parse grammar"]
+    return f"llama.cpp says {'; '.join(found)!r}" if found else "llama.cpp could not parse it (it gave no reason)"

@@ -12,11 +12,14 @@ from typing import Any
 
 from mpserve.wire.protocol import ChatTemplate
 
+from .llama_log import install as install_log
+
 
 def load_model(lib: Any, path: str, n_gpu_layers: int, repack: bool) -> Any:
     """The llama.cpp model in ``path``, ``n_gpu_layers`` of its layers on the GPU (-1: all); ``repack``:
     llama.cpp's repacked weight layouts for this CPU. ValueError, in ``llama_cpp.Llama``'s words, if it
-    cannot be loaded (the log has llama.cpp's reason)."""
+    cannot be loaded (the log has llama.cpp's reason: ``mpserve.engine.llama_log``)."""
+    install_log(lib)
     params = lib.llama_model_default_params()
     params.n_gpu_layers = 0x7FFFFFFF if n_gpu_layers == -1 else n_gpu_layers
     params.use_extra_bufts = repack  # llama_cpp.Llama keeps llama.cpp's default: on

@@ -255,7 +255,7 @@ class Console:
             "slots": [self._slot(r, now) for r in local.rows if r.state is not SlotState.EMPTY] if local else [],
             "pools": [_pool(w) for w in stats.workers if w.host or local is None] if stats else [],
             "models": [self._model(name, m, now) for name, m in stats.models.items()] if stats else [],
-            "stores": store_views(local.rows) if local else {},
+            "store": store_view(local.rows) if local else None,
             "outcomes": {"window_s": window_s, "codes": outcomes},
             "series_step_s": SERIES_STEP_S,
             "gpus": gpus, "gpu_error": gpu_error,
@@ -276,21 +276,22 @@ class Console:
                 "tokens_per_s": self.activity.series(name, now)}
 
 
-def store_views(rows: list[SlotRow]) -> dict[str, dict[str, int]]:
-    """Per model: the host store as its instances last saw it (the tiers' bytes, the largest seen) and their
-    counts, added up."""
-    views: dict[str, dict[str, int]] = {}
+def store_view(rows: list[SlotRow]) -> dict[str, Any] | None:
+    """The host store: its tiers, which are the host's (every model's and every server's on this host; the
+    largest figure an instance last wrote), once; and per model, its instances' counts added up. None when no
+    instance has one."""
+    host = dict.fromkeys(("bytes", "capacity", "disk_bytes", "disk_capacity"), 0)
+    models: dict[str, dict[str, int]] = {}
     for (model, _), slots in instance_slots(rows).items():
         c = slots[0].cache
         if not c.capacity:
             continue
-        view = views.setdefault(model, dict.fromkeys(("bytes", "capacity", "disk_bytes", "disk_capacity", "hits",
-                                                      "misses", "evictions", "skipped"), 0))
-        for key in ("bytes", "capacity", "disk_bytes", "disk_capacity"):
-            view[key] = max(view[key], getattr(c, key))
-        for key in ("hits", "misses", "evictions", "skipped"):
-            view[key] += getattr(c, key)
-    return views
+        for key in host:
+            host[key] = max(host[key], getattr(c, key))
+        counts = models.setdefault(model, dict.fromkeys(("hits", "misses", "evictions", "skipped"), 0))
+        for key in counts:
+            counts[key] += getattr(c, key)
+    return {"host": host, "models": models} if models else None
 
 
 def _pool(w: wire.WorkerStats) -> dict[str, Any]:

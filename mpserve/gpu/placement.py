@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import os
 import re
+from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from os import PathLike
@@ -190,25 +191,28 @@ def plan(
     devices: Sequence[Device],
     budget: int | None = None,
     estimate: Estimator = estimate_request,
+    single_active: bool = False,
 ) -> list[Placement]:
     """Place every instance, round robin over each model's allowed devices, within free memory.
 
     A device offers its free memory, or ``budget`` if smaller. The round robin runs across models,
     so single-instance models spread too; an instance skips devices that are already full. With no
     devices everything runs on the CPU, unchecked. ``ModelDoesNotFit`` when an instance fits nowhere.
+    ``single_active`` (single active backend): one model at a time is resident on a device, so an instance
+    needs room beside its own model's instances there, not beside every model's.
     """
     if not devices:
         return [Placement(model.name, instance, None, 0) for model in models for instance in range(model.instances)]
     order = [device.index for device in devices]
     room = {d.index: d.memory_free if budget is None else min(d.memory_free, budget) for d in devices}
-    planned = dict.fromkeys(order, 0)
-    placements = []
+    placements: list[Placement] = []
     cursor = 0
     for model in models:
         allowed = _allowed_devices(model, order)
         need, estimated = _need(model, estimate)
         draft = estimated.draft if estimated is not None else 0
         for instance in range(model.instances):
+            planned = _planned(placements, order, model.name if single_active else None)
             turn = order[cursor:] + order[:cursor]
             candidates = [index for index in turn if index in allowed]
             chosen = next((index for index in candidates if room[index] - planned[index] >= need), None)
@@ -216,10 +220,16 @@ def plan(
                 roomiest = max(candidates, key=lambda index: room[index] - planned[index])
                 device = devices[order.index(roomiest)]
                 raise ModelDoesNotFit(_does_not_fit(model, instance, need, estimated, device, room, planned, budget))
-            planned[chosen] += need
             placements.append(Placement(model.name, instance, chosen, need, draft))
             cursor = (order.index(chosen) + 1) % len(order)
     return placements
+
+
+def _planned(placements: Sequence[Placement], order: Sequence[int], model: str | None) -> dict[int, int]:
+    """The memory planned on each device: every instance's, or only ``model``'s instances' (single active
+    backend, where the other models are not resident beside it)."""
+    return {index: sum(p.memory for p in placements if p.device == index and model in (None, p.model))
+            for index in order}
 
 
 def place_one(
@@ -229,9 +239,11 @@ def place_one(
     devices: Sequence[Device],
     budget: int | None = None,
     estimate: Estimator = estimate_request,
+    single_active: bool = False,
 ) -> Placement:
-    """One more instance of ``model`` beside the ``live`` instances of every model, by ``plan``'s rules:
-    the allowed device with the most room left goes first; ``ModelDoesNotFit`` when none has room."""
+    """One more instance of ``model`` beside the ``live`` instances of every model (of ``model`` alone with
+    ``single_active``), by ``plan``'s rules: the allowed device with the most room left goes first;
+    ``ModelDoesNotFit`` when none has room."""
     if not devices:
         return Placement(model.name, instance, None, 0)
     order = [device.index for device in devices]
@@ -239,7 +251,7 @@ def place_one(
     need, estimated = _need(model, estimate)
     draft = estimated.draft if estimated is not None else 0
     room = {d.index: d.memory_free if budget is None else min(d.memory_free, budget) for d in devices}
-    planned = {index: sum(p.memory for p in live if p.device == index) for index in order}
+    planned = _planned(live, order, model.name if single_active else None)
     roomiest = max((index for index in order if index in allowed), key=lambda index: room[index] - planned[index])
     if room[roomiest] - planned[roomiest] < need:
         device = devices[order.index(roomiest)]
@@ -256,8 +268,9 @@ def _need(model: ModelRequest, estimate: Estimator) -> tuple[int, MemoryEstimate
     return estimated.total, estimated
 
 
-def format_plan(placements: Sequence[Placement], devices: Sequence[Device]) -> str:
-    """One row per instance, then each device's planned total against its free memory."""
+def format_plan(placements: Sequence[Placement], devices: Sequence[Device], single_active: bool = False) -> str:
+    """One row per instance, then each device's planned total against its free memory: with ``single_active``,
+    the most any one model's instances there need (only one model is resident at a time)."""
     by_index = {device.index: device for device in devices}
     rows = [("MODEL", "INSTANCE", "DEVICE", "MEMORY")]
     for placement in placements:
@@ -274,9 +287,15 @@ def format_plan(placements: Sequence[Placement], devices: Sequence[Device]) -> s
     if devices:
         lines.append("")
     for device in devices:
-        total = sum(p.memory for p in placements if p.device == device.index)
+        here = [p for p in placements if p.device == device.index]
+        by_model = Counter[str]()
+        for p in here:
+            by_model[p.model] += p.memory
+        total = max(by_model.values(), default=0) if single_active else sum(by_model.values())
         label = _device_label(device)
-        lines.append(f"{label}: {format_memory(total)} planned of {format_memory(device.memory_free)} free")
+        largest = (f" (single active backend: the largest of {len(by_model)} models, one resident at a time)"
+                   if single_active and len(by_model) > 1 else "")
+        lines.append(f"{label}: {format_memory(total)} planned of {format_memory(device.memory_free)} free{largest}")
     return "\n".join(lines)
 
 

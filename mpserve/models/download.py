@@ -32,6 +32,10 @@ class DownloadError(Exception):
     """A download that did not end with the right file in place; ``str`` says why and what to do."""
 
 
+class ConnectionLost(DownloadError):
+    """The connection was lost more than ``RETRIES`` times in a row: the network, not the file."""
+
+
 def partial_path(target: Path) -> Path:
     return target.with_name(target.name + ".incomplete")
 
@@ -87,9 +91,9 @@ def _receive_all(url: str, headers: dict[str, str], partial: Path, size: int, ha
                 have = file.tell()  # what reached the file before the connection was lost
                 lost += 1
                 if lost > RETRIES:
-                    raise DownloadError(f"the connection was lost {lost} times in a row, the last at {have} of "
-                                        f"{size} bytes ({exc}); the {have} bytes are kept in {partial}: run the "
-                                        "same command again to resume") from None
+                    raise ConnectionLost(f"the connection was lost {lost} times in a row, the last at {have} of "
+                                         f"{size} bytes ({exc}); the {have} bytes are kept in {partial}: run the "
+                                         "same command again to resume") from None
                 log.warning("%s: connection lost at %d of %d bytes (%s); resuming", progress.name, have, size, exc)
                 time.sleep(min(0.2 * 2 ** lost, 5.0))
     return digest

@@ -25,9 +25,9 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
-from mpserve.errors import ConfigError
+from mpserve.errors import ConfigError, ConnectionFailed, MpserveError
 
-from .download import DownloadError, download
+from .download import ConnectionLost, DownloadError, download
 from .progress import Progress
 
 log = logging.getLogger("mpserve.hub")
@@ -39,6 +39,8 @@ _NAME = r"[A-Za-z0-9][A-Za-z0-9._-]*"
 _REPO = re.compile(rf"^(?P<repo>{_NAME}/{_NAME})(?:@(?P<rev>[^:/@]+))?(?::(?P<quant>[A-Za-z0-9_.-]+))?$")
 _FILE = re.compile(rf"^(?P<repo>{_NAME}/{_NAME})(?:@(?P<rev>[^:/@]+))?/(?P<file>.+\.gguf)$", re.IGNORECASE)
 _COMMIT = re.compile(r"^[0-9a-f]{40}$")
+_ETAG = re.compile(r"^[0-9a-f]{40}$|^[0-9a-f]{64}$")  # a blob's git sha1 or, for an LFS file, its sha256
+FORMS = "hf://OWNER/REPO/FILE.gguf, hf://OWNER/REPO[:QUANT] or OWNER/REPO:QUANT (@REVISION after the repo if not main)"
 
 
 @dataclass(frozen=True)
@@ -63,15 +65,34 @@ def parse(spec: str) -> HubRef | None:
         rest = spec[len(PREFIX):]
         found = _FILE.match(rest) or _REPO.match(rest)
         if found is None:
-            raise ConfigError(f"{spec!r} is not a Hub model; write hf://OWNER/REPO/FILE.gguf, hf://OWNER/REPO:QUANT "
-                              "or OWNER/REPO:QUANT, with @REVISION after the repo if not main")
+            raise ConfigError(f"{spec!r} is not a Hub model; write {FORMS}")
     else:
         found = _REPO.match(spec)
         if found is None or found.group("quant") is None or os.path.exists(spec):
             return None
     groups = found.groupdict()
-    return HubRef(groups["repo"], groups.get("rev") or "main", groups.get("file"),
-                  groups.get("quant"))
+    revision = groups.get("rev") or "main"
+    for what, text in (("revision", revision), ("file", groups.get("file") or "")):
+        if text and not _inside(text):
+            raise ConfigError(f"{spec!r}: its {what} {text!r} leaves the repo (a '..', '.' or empty segment, a "
+                              "leading '/' or a backslash); name a file inside it, as the Hub lists them")
+    return HubRef(groups["repo"], revision, groups.get("file"), groups.get("quant"))
+
+
+def _inside(path: str) -> bool:
+    """``path`` (a file in a repo, a revision) names something under the repo's snapshot folder and nothing
+    outside it."""
+    return "\\" not in path and "\0" not in path and all(part not in ("", ".", "..") for part in path.split("/"))
+
+
+def repo_without_quant(spec: str) -> str | None:
+    """What to write instead, when ``spec`` reads as a Hub repo named without its quantization
+    (``OWNER/REPO``, no such file here); None otherwise."""
+    found = _REPO.match(spec)
+    if found is None or found.group("quant") is not None or os.path.exists(spec) or spec.lower().endswith(".gguf"):
+        return None  # a .gguf name is a file's
+    return (f"{spec!r} is no file here; if it is a repo on the Hugging Face Hub, name its quantization, "
+            f"{spec}:{DEFAULT_QUANTS[0]} (or :{DEFAULT_QUANTS[1]}, ...), or a file of it, hf://{spec}/FILE.gguf")
 
 
 def choose(files: Sequence[str], quant: str | None) -> str:
@@ -117,8 +138,9 @@ def cached(ref: HubRef) -> Path | None:
 
 
 def pull(ref: HubRef) -> Path:
-    """The model's first file, downloaded (with its other parts) unless cached; ConfigError naming what is wrong
-    (an unknown repo, revision or file, no network, a checksum mismatch) otherwise."""
+    """The model's first file, downloaded (with its other parts) unless cached; otherwise ConnectionFailed when
+    the Hub cannot be reached (or the connection is lost too often), ConfigError naming what else is wrong (an
+    unknown repo, revision or file, a checksum mismatch)."""
     from huggingface_hub import constants
 
     with _locked(re.sub(r"[^A-Za-z0-9._-]", "_", str(ref).removeprefix(PREFIX)), str(ref)):
@@ -133,10 +155,12 @@ def pull(ref: HubRef) -> Path:
             filename = ref.filename or _choose_online(ref)
             for part in parts(filename):
                 _fetch(ref, part)
+        except ConnectionLost as exc:
+            raise ConnectionFailed(f"{ref}: {exc}") from None
         except DownloadError as exc:
             raise ConfigError(f"{ref}: {exc}") from None
         except Exception as exc:  # huggingface_hub's and httpx's errors, in a user's words
-            raise ConfigError(_explained(ref, exc)) from None
+            raise _explained(ref, exc) from None
     found = cached(ref)
     if found is None:
         raise ConfigError(f"{ref}: downloaded, yet not found in the cache ({constants.HF_HUB_CACHE})")
@@ -148,9 +172,13 @@ def _choose_online(ref: HubRef) -> str:
 
     files = HfApi().list_repo_files(ref.repo, revision=ref.revision)
     try:
-        return choose(files, ref.quant)
+        chosen = choose(files, ref.quant)
     except ValueError as exc:
         raise ConfigError(f"{ref}: {exc}") from None
+    if not _inside(chosen):
+        raise ConfigError(f"{ref}: the Hub listed a file {chosen!r} outside the repo; is HF_ENDPOINT a Hugging Face "
+                          "Hub?")
+    return chosen
 
 
 def _fetch(ref: HubRef, filename: str) -> None:
@@ -164,6 +192,9 @@ def _fetch(ref: HubRef, filename: str) -> None:
     if meta.commit_hash is None or meta.etag is None or meta.size is None:
         raise ConfigError(f"{ref}: the Hub's answer for {filename} lacks its commit, etag or size; is HF_ENDPOINT "
                           "a Hugging Face Hub?")
+    if not _COMMIT.match(meta.commit_hash) or not _ETAG.match(meta.etag):
+        raise ConfigError(f"{ref}: the Hub's answer for {filename} names a commit {meta.commit_hash!r} or etag "
+                          f"{meta.etag!r} that is not hexadecimal; is HF_ENDPOINT a Hugging Face Hub?")
     storage = Path(constants.HF_HUB_CACHE) / repo_folder_name(repo_id=ref.repo, repo_type="model")
     blob = storage / "blobs" / meta.etag
     link = storage / "snapshots" / meta.commit_hash / filename
@@ -223,8 +254,9 @@ def _locked(key: str, what: str) -> Iterator[None]:
             fcntl.flock(handle, fcntl.LOCK_UN)
 
 
-def _explained(ref: HubRef, exc: Exception) -> str:
-    """``exc`` (from huggingface_hub or httpx) as a user reads it: what is wrong with ``ref`` and the fix."""
+def _explained(ref: HubRef, exc: Exception) -> MpserveError:
+    """``exc`` (from huggingface_hub or httpx) as a user reads it: what is wrong with ``ref`` and the fix; a
+    Hub that cannot be reached is ConnectionFailed, the rest ConfigError."""
     import httpx
     from huggingface_hub import constants
     from huggingface_hub.errors import (
@@ -235,21 +267,22 @@ def _explained(ref: HubRef, exc: Exception) -> str:
         RevisionNotFoundError,
     )
 
-    if isinstance(exc, ConfigError):
-        return exc.message
+    if isinstance(exc, MpserveError):
+        return exc
     if isinstance(exc, GatedRepoError):
-        return (f"{ref.repo} is a gated repo: accept its terms on the Hub and set HF_TOKEN to a token of that "
-                "account")
+        return ConfigError(f"{ref.repo} is a gated repo: accept its terms on the Hub and set HF_TOKEN to a token of "
+                           "that account")
     if isinstance(exc, RepositoryNotFoundError):
-        return (f"no repo {ref.repo} on the Hub ({constants.ENDPOINT}); check its name, or set HF_TOKEN if it is "
-                "private")
+        return ConfigError(f"no repo {ref.repo} on the Hub ({constants.ENDPOINT}); check its name, or set HF_TOKEN "
+                           "if it is private")
     if isinstance(exc, RevisionNotFoundError):
-        return f"{ref.repo} has no revision {ref.revision!r}; give a branch, tag or commit of it"
+        return ConfigError(f"{ref.repo} has no revision {ref.revision!r}; give a branch, tag or commit of it")
     if isinstance(exc, EntryNotFoundError):
-        return f"{ref.repo} has no file {ref.filename!r} at {ref.revision}; mpserve pull {ref.repo}:QUANT chooses one"
+        return ConfigError(f"{ref.repo} has no file {ref.filename!r} at {ref.revision}; mpserve pull "
+                           f"{ref.repo}:QUANT chooses one")
     if isinstance(exc, httpx.TransportError):
-        return (f"cannot reach the Hub ({constants.ENDPOINT}) for {ref}: {exc}; try again, or set HF_HUB_OFFLINE=1 "
-                "to serve what the cache holds")
+        return ConnectionFailed(f"cannot reach the Hub ({constants.ENDPOINT}) for {ref}: {exc}; try again, or set "
+                                "HF_HUB_OFFLINE=1 to serve what the cache holds")
     if isinstance(exc, HfHubHTTPError):
-        return f"the Hub refused {ref}: {exc}".splitlines()[0]
+        return ConfigError(f"the Hub refused {ref}: {exc}".splitlines()[0])
     raise exc

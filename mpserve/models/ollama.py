@@ -2,18 +2,23 @@
 
     ollama://NAME[:TAG] ──split──▶ registry.ollama.ai/library/NAME/TAG (USER/NAME: registry.ollama.ai/USER/NAME,
                                    HOST/NS/NAME: as written; TAG: latest)
-        ──find──▶ $OLLAMA_MODELS (else ~/.ollama/models)/manifests/HOST/NS/NAME/TAG, a JSON manifest
+        ──find──▶ $OLLAMA_MODELS (else ~/.ollama/models)/manifests/HOST/NS/NAME/TAG, a JSON manifest whose
+                  digests are sha256:HEX (64 digits), else refused
                   ├─ layer application/vnd.ollama.image.model ────▶ blobs/sha256-HEX, the GGUF
                   └─ layer application/vnd.ollama.image.template ─▶ blobs/sha256-HEX, a Go template, which
                      names the chat template family where the GGUF has none (mpserve.models.templates)
+        ──verify──▶ the GGUF's sha256 equal to its digest (`pull`, `start`, `worker`, before anything starts)
 """
 
 from __future__ import annotations
 
-import json
+import hashlib
 import os
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Annotated
+
+import msgspec
 
 from mpserve.errors import ConfigError
 
@@ -21,11 +26,25 @@ PREFIX = "ollama://"
 REGISTRY = "registry.ollama.ai"
 _MODEL = "application/vnd.ollama.image.model"
 _TEMPLATE = "application/vnd.ollama.image.template"
+Digest = Annotated[str, msgspec.Meta(pattern="^sha256:[0-9a-f]{64}$")]
+
+
+class _Layer(msgspec.Struct):
+    mediaType: str  # noqa: N815 (the manifest's own key)
+    digest: Digest
+
+
+class _Manifest(msgspec.Struct):
+    """What mpserve reads of an Ollama manifest (an OCI image manifest); other keys are Ollama's."""
+
+    layers: list[_Layer]
 
 
 @dataclass(frozen=True)
 class OllamaModel:
+    spec: str  # ollama://NAME[:TAG]
     model: Path  # the GGUF blob
+    digest: str  # its manifest digest, sha256:HEX
     template: str  # Ollama's chat template (Go text/template), "" if the manifest has none
 
 
@@ -55,18 +74,41 @@ def find(spec: str) -> OllamaModel:
         held = f"it holds {', '.join(pulled[:8])}" if pulled else "it holds no models"
         raise ConfigError(f"{spec} is not in Ollama's store ({store()}; set OLLAMA_MODELS for another); {held}; "
                           f"pull it with: ollama pull {name}:{tag}")
+    again = f"pull it again with: ollama pull {name}:{tag}"
     try:
-        layers = json.loads(manifest.read_text())["layers"]
-        digests = {layer["mediaType"]: layer["digest"] for layer in layers}
-    except (OSError, ValueError, KeyError, TypeError) as exc:
-        raise ConfigError(f"{spec}: cannot read its manifest {manifest}: {exc}") from None
+        layers = msgspec.json.decode(manifest.read_bytes(), type=_Manifest).layers
+    except OSError as exc:
+        raise ConfigError(f"{spec}: cannot read its manifest {manifest}: {exc.strerror}") from None
+    except msgspec.DecodeError as exc:  # not JSON, or not a manifest (the digests' form included)
+        raise ConfigError(f"{spec}: its manifest {manifest} is not one Ollama writes ({exc}); {again}") from None
+    digests = {layer.mediaType: layer.digest for layer in layers}
     if _MODEL not in digests:
-        raise ConfigError(f"{spec}: its manifest {manifest} names no model layer")
+        raise ConfigError(f"{spec}: its manifest {manifest} names no model layer; {again}")
     model = _blob(digests[_MODEL])
     if not model.is_file():
-        raise ConfigError(f"{spec}: its model blob {model} is missing; pull it again with: ollama pull {name}:{tag}")
-    template = _blob(digests[_TEMPLATE]) if _TEMPLATE in digests else None
-    return OllamaModel(model, template.read_text(errors="replace") if template and template.is_file() else "")
+        raise ConfigError(f"{spec}: its model blob {model} is missing; {again}")
+    template = ""
+    if _TEMPLATE in digests and _blob(digests[_TEMPLATE]).is_file():
+        data = _blob(digests[_TEMPLATE]).read_bytes()
+        if f"sha256:{hashlib.sha256(data).hexdigest()}" != digests[_TEMPLATE]:
+            raise ConfigError(f"{spec}: its template blob {_blob(digests[_TEMPLATE])} does not match its digest; "
+                              f"{again}")
+        template = data.decode(errors="replace")
+    return OllamaModel(spec, model, digests[_MODEL], template)
+
+
+def verify(found: OllamaModel) -> None:
+    """The GGUF blob's content is what its manifest names (a file changed or damaged since Ollama pulled it is
+    refused); it reads the whole file."""
+    digest = hashlib.sha256()
+    with found.model.open("rb") as blob:
+        while chunk := blob.read(1 << 20):
+            digest.update(chunk)
+    if f"sha256:{digest.hexdigest()}" != found.digest:
+        name, tag = split(found.spec)
+        raise ConfigError(f"{found.spec}: its model blob {found.model} does not match its digest (its sha256 is "
+                          f"{digest.hexdigest()}); the file was changed or damaged; pull it again with: ollama pull "
+                          f"{name}:{tag}")
 
 
 def _blob(digest: str) -> Path:

@@ -3,7 +3,7 @@ in Ollama's store (``mpserve.models.ollama``); a plain path, builtin: and echo a
 
     path ──check()──────▶ at config time: a well-formed name (Hub), a model in the store (Ollama)
          ──pull()───────▶ `mpserve pull`, `mpserve start` and `mpserve worker` before anything starts: the Hub
-                          model downloaded unless cached, checked to be a GGUF
+                          model downloaded unless cached, an Ollama blob checked against its digest; a GGUF
          ──local_path()─▶ the GGUF file to load (no network: the cache, the store)
          ──template_hint()─▶ Ollama's template, for choosing a chat template family (mpserve.models.templates)
 """
@@ -16,6 +16,14 @@ from pathlib import Path
 from mpserve.errors import ConfigError
 
 from . import hub, ollama
+
+FORMS = f"{hub.FORMS}, ollama://NAME[:TAG]"
+
+
+def not_a_file(path: str) -> str:
+    """Why ``path``, which names no file here, may not be what was meant: a Hub repo named without its
+    quantization gets what to write; anything else, that there is no such file."""
+    return hub.repo_without_quant(path) or f"no such model file {path!r}"
 
 
 def is_source(path: str) -> bool:
@@ -41,7 +49,9 @@ def pull(path: str) -> Path | None:
     if ref is not None:
         return hub.pull(ref)
     if path.startswith(ollama.PREFIX):
-        return ollama.find(path).model
+        found = ollama.find(path)
+        ollama.verify(found)
+        return found.model
     return None
 
 

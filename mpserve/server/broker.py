@@ -587,7 +587,8 @@ class Broker:
     def snapshot(self, nonce: int = 0) -> wire.Stats:
         running: Counter[str] = Counter(w.model for w in self.workers.values() for _ in w.running)
         now = time.monotonic()
-        return wire.Stats(nonce, self.accepting, dict(self.stats), {
+        swaps = {"single_active_swaps": self.residency.swaps} if self.residency is not None else {}
+        return wire.Stats(nonce, self.accepting, {**self.stats, **swaps}, {
             name: wire.ModelStats(len(mq.queue), running[name], mq.instances, len(mq.free), mq.failed,
                                   mq.chat.template, mq.chat.bos_token, mq.chat.eos_token,
                                   round(now - self.requests[mq.queue[0]].accepted, 3) if mq.queue else 0.0,

@@ -135,7 +135,8 @@ class Instances:
                               "with a larger --spare-slots")
         live = list(self._placements.values())
         for instance in range(max(low, 1)):
-            live.append(place_one(request, instance, live, self._devices, self._config.gpu_memory_budget))
+            live.append(place_one(request, instance, live, self._devices, self._config.gpu_memory_budget,
+                                  single_active=self._config.single_active_backend))
         self._config = dataclasses.replace(self._config, models=(*self._config.models, model))
         self._rows = instance_rows(self._config)
         self._requests[model.name] = request
@@ -169,7 +170,7 @@ class Instances:
             return "draining"  # every index of the model is held, some by instances still draining
         try:
             placement = place_one(self._requests[name], free[0], list(self._placements.values()), self._devices,
-                                  self._config.gpu_memory_budget)
+                                  self._config.gpu_memory_budget, single_active=self._config.single_active_backend)
         except ModelDoesNotFit as exc:
             self._misfits[name] = exc.message
             return "does_not_fit"
@@ -215,9 +216,12 @@ class Instances:
         return sum(1 for w in self._broker.workers.values() if w.model == name and w.draining)
 
     def _starting(self, name: str) -> int:
-        """Started (or waiting to restart) and not registered yet."""
-        return sum(1 for h in self._supervisor.workers.values()
-                   if h.spec.model == name and not h.registered and not h.retiring
+        """Started (or waiting to restart) and not registered yet, or registered and lost by the broker (stalled,
+        left) while its process exits: the supervisor starts it again then. Not draining, so no cause to start
+        another (its index is held: a start would be skipped as if one drained)."""
+        known = {w.index for w in self._broker.workers.values() if w.index is not None}
+        return sum(1 for index, h in self._supervisor.workers.items()
+                   if h.spec.model == name and not h.retiring and (not h.registered or index not in known)
                    and (h.process is not None or h.restart_at is not None))
 
     def _free_instance(self, name: str) -> tuple[int, int] | None:
@@ -237,7 +241,8 @@ class Instances:
             raise ModelFailed(mq.refusal())
         live = list(self._placements.values())
         for instance in range(len(self._ready(name)) + self._starting(name), low):
-            live.append(place_one(self._requests[name], instance, live, self._devices, self._config.gpu_memory_budget))
+            live.append(place_one(self._requests[name], instance, live, self._devices, self._config.gpu_memory_budget,
+                                  single_active=self._config.single_active_backend))
 
     def _count(self, name: str, event: str) -> None:
         self._events[name][event] += 1

@@ -37,7 +37,7 @@ def build_layout(config: ServerConfig) -> Layout:
     requests = [model_request(m) for m in config.models]
     for request in requests:
         check_model(request)
-    placements = plan(requests, devices, config.gpu_memory_budget)
+    placements = plan(requests, devices, config.gpu_memory_budget, single_active=config.single_active_backend)
     order = {(p.model, p.instance): p for p in placements}
     ordered = [order[(m.name, i)] for m in config.models for i in range(m.instances)]
     return Layout(devices, ordered)

@@ -127,7 +127,9 @@ class _AuthLog(logging.LoggerAdapter):  # type: ignore[type-arg]
         super().__init__(logging.getLogger("mpserve.auth"), {})
 
     def debug(self, msg: object, *args: object, **kwargs: object) -> None:
-        text = str(msg) % args if args else str(msg)
+        # a client's key comes as z85 bytes: shown as its text (the form of its public key file), not as b'...'
+        shown = tuple(a.decode("ascii", "replace") if isinstance(a, bytes) else a for a in args)
+        text = str(msg) % shown if shown else str(msg)
         if "DENIED" in text:
             self.warning("refused a connection: %s", text)
 

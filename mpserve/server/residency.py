@@ -47,6 +47,7 @@ class Residency:
     def __init__(self, batch: int) -> None:
         self.batch = batch
         self.turns: dict[int, DeviceTurn] = {}
+        self.swaps = 0  # a device's resident model replaced by another, on every device (the broker's STATS)
 
     def allows(self, device: int, model: str) -> bool:
         """May a request of ``model`` start on ``device`` now? Not once the resident has started its batch while
@@ -94,5 +95,6 @@ class Residency:
             return [w.worker for w in leaving if not w.unloading]
         log.info("device %d: %s is resident now%s", device, turn.next,
                  f" (after {turn.resident})" if turn.resident else "")
+        self.swaps += turn.resident is not None
         turn.resident, turn.next, turn.started = turn.next, None, 0
         return []

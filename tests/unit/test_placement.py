@@ -264,3 +264,17 @@ def test_one_more_instance_goes_where_most_room_is_left_after_the_running_ones()
         place_one(request("a", memory=2 * GIB), 2, live, gpus(10, 10), budget=7 * GIB)
     assert place_one(request("a", memory=2 * GIB, devices=(0,)), 2, live, gpus(10, 10)).device == 0
     assert place_one(request("a"), 3, live, []) == Placement("a", 3, None, 0)
+
+
+def test_with_single_active_backend_a_device_holds_its_largest_model_not_every_model() -> None:
+    devices = gpus(10)
+    models = [request("a", instances=2, memory=4 * GIB), request("b", memory=6 * GIB)]
+    with pytest.raises(ModelDoesNotFit):  # 14 GiB resident at once
+        plan(models, devices)
+    placed = plan(models, devices, single_active=True)  # a's 8 GiB or b's 6 GiB, never both
+    assert [p.device for p in placed] == [0, 0, 0]
+    assert ("GPU 0 (Test GPU): 8.0 GiB planned of 10.0 GiB free (single active backend: the largest of 2 models, "
+            "one resident at a time)") in format_plan(placed, devices, single_active=True).splitlines()
+    assert place_one(request("b", memory=4 * GIB), 1, placed, devices, single_active=True).device == 0
+    with pytest.raises(ModelDoesNotFit):  # b's second instance beside its first: 6 + 6 GiB
+        place_one(request("b", memory=6 * GIB), 1, placed, devices, single_active=True)

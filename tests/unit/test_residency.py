@@ -37,8 +37,9 @@ def test_after_batch_requests_the_resident_drains_then_unloads_then_the_next_mod
     assert not r.allows(0, "a") and not r.allows(0, "b")
     assert r.decide(0, ["a", "b"], {}, loaded) == [b"wa"]  # a is done: tell its worker to unload
     assert r.decide(0, ["a", "b"], {}, [Loaded(b"wa", "a", True)]) == []  # unloading: asked once only
+    assert r.swaps == 0  # a's first turn is no swap
     assert r.decide(0, ["a", "b"], {}, []) == []  # unloaded: b is resident
-    assert r.allows(0, "b") and not r.allows(0, "a")
+    assert r.allows(0, "b") and not r.allows(0, "a") and r.swaps == 1
 
 
 def test_a_resident_with_more_free_slots_than_its_batch_starts_only_its_batch_while_another_waits() -> None:

@@ -140,7 +140,7 @@ function render(state) {
   $("main").hidden = false;
   renderSlots(state.slots, server.local);
   renderPools(state.pools);
-  renderModels(state.models, state.series_step_s, state.downloads || [], state.stores);
+  renderModels(state.models, state.series_step_s, state.downloads || [], state.store);
   renderOutcomes(state.outcomes);
   renderGpus(state.gpus, state.gpu_error, server.local);
   updateModelChoice(state.models);
@@ -183,12 +183,20 @@ function figure(value, label) {
   return el("div", { class: "figure" }, el("b", null, value), el("span", null, label));
 }
 
-function storeLine(store) {
+// The host store's tiers are the host's (every model and server on it): shown once, above the models; each
+// model shows only its own instances' counts.
+function hostStoreLine(store) {
   if (!store) return null;
-  const disk = store.disk_capacity ? ", disk " + bytes(store.disk_bytes) + " of " + bytes(store.disk_capacity) : "";
-  return el("div", { class: "spark-caption", "data-store": "" }, "host store: RAM " + bytes(store.bytes) + " of " +
-    bytes(store.capacity) + disk + "; " + store.hits + " hits, " + store.misses + " misses, " + store.evictions +
-    " evictions, " + store.skipped + " skipped");
+  const h = store.host;
+  const disk = h.disk_capacity ? ", disk " + bytes(h.disk_bytes) + " of " + bytes(h.disk_capacity) : "";
+  return el("p", { class: "muted", "data-store-host": "" }, "Host store (host-wide: every model and server on " +
+    "this host): RAM " + bytes(h.bytes) + " of " + bytes(h.capacity) + disk);
+}
+
+function storeLine(counts) {
+  if (!counts) return null;
+  return el("div", { class: "spark-caption", "data-store": "" }, "host store, this model: " + counts.hits +
+    " hits, " + counts.misses + " misses, " + counts.evictions + " evictions, " + counts.skipped + " skipped");
 }
 
 function renderDownloads(downloads) {
@@ -201,13 +209,14 @@ function renderDownloads(downloads) {
       figure(duration(d.left_s), "time left"))));
 }
 
-function renderModels(models, stepS, downloads, stores) {
+function renderModels(models, stepS, downloads, store) {
   if (!models.length) {
     $("models").replaceChildren(...renderDownloads(downloads), el("p", { class: "muted" },
       downloads.length ? "The server starts once its models are downloaded." : "No models (the server does not answer)."));
     return;
   }
-  $("models").replaceChildren(...renderDownloads(downloads), ...models.map((m) => {
+  const host = hostStoreLine(store);
+  $("models").replaceChildren(...renderDownloads(downloads), ...(host ? [host] : []), ...models.map((m) => {
     const series = m.tokens_per_s;
     const known = series.filter((v) => v !== null);
     const now = known.length ? known[known.length - 1] : null;
@@ -223,7 +232,7 @@ function renderModels(models, stepS, downloads, stores) {
       sparkline(series, series.length * stepS),
       el("div", { class: "spark-caption" }, "tokens/s over the last " + duration(series.length * stepS) +
         (known.length ? ", peak " + Math.max(...known).toFixed(0) : "")),
-      storeLine((stores || {})[m.name]));
+      storeLine(store ? store.models[m.name] : null));
   }));
 }
 
