@@ -8,6 +8,7 @@ import select
 import socket
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import httpx
 import pytest
@@ -16,7 +17,7 @@ from helpers import dealer, free_port, http_up, raw_request, received, wait_for
 
 from mpserve import Client
 from mpserve.errors import BadRequest
-from mpserve.gateway import guard, limits
+from mpserve.gateway import guard
 from mpserve.gateway import openai as oai
 from mpserve.wire import protocol as wire
 
@@ -89,14 +90,19 @@ def test_a_raw_client_with_a_prompt_over_the_limit_gets_an_error_for_its_request
     assert str(wire.MAX_PROMPT_CHARS) in error.message
 
 
+BODY_BYTES = 4 * 1024 * 1024  # the body limit as the docs state it, not read from the code that enforces it
+
+
 @pytest.mark.timeout(60)
 def test_http_bodies_over_a_limit_get_openai_errors_naming_it(http) -> None:
+    assert "`MAX_BODY_BYTES` (4 MiB)" in (Path(__file__).parents[1] / "docs" / "http.md").read_text()
     url = "/v1/completions"
     for path in (url, "/tokenize", "/detokenize"):  # the vocabulary routes' once gave a plain-text 500
-        _openai_error(http.post(path, b" " * (limits.MAX_BODY_BYTES + 1)), 413, "request_too_large", "MAX_BODY_BYTES")
+        _openai_error(http.post(path, b" " * (BODY_BYTES + 1)), 413, "request_too_large", "MAX_BODY_BYTES")
+    _openai_error(http.post(url, b" " * BODY_BYTES), 400, "bad_request", "not valid JSON")  # at the limit: read
 
     def chunked() -> Iterator[bytes]:  # no Content-Length: counted as it arrives
-        for _ in range(limits.MAX_BODY_BYTES // 65536 + 2):
+        for _ in range(BODY_BYTES // 65536 + 2):
             yield b" " * 65536
 
     big = httpx.post(http.url + url, content=chunked(), headers={"Content-Type": "application/json"}, timeout=10)
@@ -201,6 +207,9 @@ def test_one_address_cannot_take_every_connection_and_health_is_answered_when_al
         reserved = [http.connect("127.0.0.4") for _ in range(guard.ConnectionLimits.health_reserve)]
         with http.connect("127.0.0.5") as sock:  # past the reserve too: refused before it sends anything
             _refused(_answer(sock), f"{MAX_CONNECTIONS} connections open, its limit")
+        last = completion.replace(b"\r\n\r\n", b"\r\nConnection: close\r\n\r\n", 1)
+        for sock in (held[PER_CLIENT - 1], held[-1]):  # the last connection each address was allowed: served
+            assert _asked(sock, last).startswith(b"HTTP/1.1 200"), "a connection within the limits was refused"
     finally:
         for sock in held + reserved:
             sock.close()
