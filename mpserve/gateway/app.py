@@ -45,9 +45,8 @@ import logging
 import os
 import signal
 import sys
-import time
-from collections.abc import AsyncGenerator, AsyncIterator
-from dataclasses import asdict, dataclass, replace
+from collections.abc import AsyncIterator
+from dataclasses import asdict, dataclass
 
 import anyio
 import uvicorn
@@ -59,14 +58,12 @@ from starlette.routing import Route
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from mpserve import __version__
-from mpserve.client import AsyncClient, Result, Stream
 from mpserve.errors import ConfigError, ConnectionFailed, ErrorCode, MpserveError, UnknownModel
 from mpserve.models.progress import downloads
 from mpserve.wire.slots import SlotState, locate
 
 from . import access, console, limits, schema, slots
 from . import embeddings as emb
-from . import encode as enc
 from . import openai as oai
 from . import rerank as rr
 from . import tokens as tok
@@ -74,7 +71,7 @@ from .admin import ADMIN_PREFIX, Admin
 from .backend import Backend
 from .browser import BrowserGuard, host_names
 from .chat import Renderer, TemplateBudget
-from .dialect import DialectRoutes
+from .dialect import OpenAI, Pipeline, sole_model
 from .encode import JSONResponse
 from .guard import ConnectionLimits, uvicorn_options
 from .messages import Messages
@@ -84,7 +81,6 @@ from .monitor import RestartCounter, gpu_usage, health, monitor
 from .request_ids import RequestIds
 from .responses import Responses, ResponseStore, StoreBudget, stored_routes
 from .watch import ClientGone
-from .watch import first as _first
 from .watch import unless_disconnected as _unless_disconnected
 
 log = logging.getLogger("mpserve.gateway")
@@ -135,8 +131,7 @@ def create_app(config: GatewayConfig) -> Starlette:
     gateway = _Gateway(config)
     responses_api = Responses(ResponseStore(config.responses))
     routes = [
-        Route("/v1/completions", gateway.completions, methods=["POST"]),
-        Route("/v1/chat/completions", gateway.chat_completions, methods=["POST"]),
+        *gateway.pipeline.routes([OpenAI("completion"), OpenAI("chat")]),
         Route("/v1/models", gateway.list_models, methods=["GET"]),
         Route("/v1/embeddings", gateway.embeddings, methods=["POST"]),
         Route("/v1/rerank", gateway.rerank, methods=["POST"]),
@@ -148,7 +143,7 @@ def create_app(config: GatewayConfig) -> Starlette:
         Route("/backend/monitor", gateway.backend_monitor, methods=["GET"]),
         Route("/slots/{slot}", gateway.slot_action, methods=["POST"]),
         Route("/openapi.json", _openapi, methods=["GET"]),
-        *gateway.dialects.routes([responses_api, Messages()]),
+        *gateway.pipeline.routes([responses_api, Messages()]),
         *stored_routes(responses_api),
         *gateway.console.routes(),
         *Admin(gateway.backend, config.admin_key).routes(),
@@ -187,7 +182,7 @@ class _Gateway:
         self.restarts = RestartCounter()
         self.console = console.Console(self.backend, self.metrics)
         self.renderer = Renderer(config.templates)
-        self.dialects = DialectRoutes(self.backend, self.metrics, config.connections.read_timeout, self.renderer)
+        self.pipeline = Pipeline(self.backend, self.metrics, config.connections.read_timeout, self.renderer)
 
     @contextlib.asynccontextmanager
     async def lifespan(self, app: Starlette) -> AsyncIterator[None]:
@@ -215,88 +210,6 @@ class _Gateway:
                 os.kill(os.getpid(), signal.SIGTERM)  # once: uvicorn shuts down gracefully (a second would force it)
                 return
             await asyncio.sleep(SAMPLE_INTERVAL_S)
-
-    # --- generation -----------------------------------------------------------------------------
-
-    async def completions(self, request: Request) -> Response:
-        return await self._generate(request, "completion")
-
-    async def chat_completions(self, request: Request) -> Response:
-        return await self._generate(request, "chat")
-
-    async def _generate(self, request: Request, kind: oai.Kind) -> Response:
-        endpoint = request.scope["path"]
-        started = time.perf_counter()
-        try:
-            body = await limits.read_json(request, self.config.connections.read_timeout)
-            limits.check_sizes(body)
-            call = oai.parse(kind, body)
-            client = await self.backend.client()
-            model = call.model or _sole_model(client)
-            if kind == "chat":
-                call = await call.with_chat_template(await self.backend.chat_template(model), self.renderer, model)
-            elif call.echo and not isinstance(call.prompt, str):  # the text of a token prompt, to echo
-                call = call.with_echo_text(await client.detokenize(call.prompt, model=call.model))
-        except MpserveError as exc:
-            return self._failed(endpoint, exc)
-        except (limits.Refused, ClientDisconnect) as exc:
-            return self._unread(endpoint, exc)
-        reply = oai.Reply(call, model)
-        if call.stream:
-            return await self._stream(request, client, call, reply, started)
-        try:
-            results = await _unless_disconnected(request, client.choices(
-                call.prompt, model=call.model, request_id=request.state.request_id, **call.generate_kwargs()))
-        except ClientGone:
-            self.metrics.outcome(endpoint, ErrorCode.CANCELLED)
-            return Response(status_code=204)  # nobody reads it
-        except MpserveError as exc:
-            return self._failed(endpoint, exc)
-        self._done(endpoint, reply.model, results, started)
-        return JSONResponse(reply.whole(call.shown(results), results), headers=call.headers())
-
-    async def _stream(self, request: Request, client: AsyncClient, call: oai.Call, reply: oai.Reply,
-                      started: float) -> Response:
-        endpoint = request.scope["path"]
-        try:
-            stream = client.stream(call.prompt, model=call.model, request_id=request.state.request_id,
-                                   **call.generate_kwargs())  # checks the params
-            chunks = stream.__aiter__()  # submits the request on its first step
-            first = await _unless_disconnected(request, _first(chunks))
-        except ClientGone:
-            self.metrics.outcome(endpoint, ErrorCode.CANCELLED)
-            return Response(status_code=204)
-        except MpserveError as exc:
-            return self._failed(endpoint, exc)
-        return enc.EventStream(self._events(endpoint, stream, chunks, first, reply, started), call.headers())
-
-    async def _events(self, endpoint: str, stream: Stream, chunks: AsyncIterator[str], first: str | None,
-                      reply: oai.Reply, started: float) -> AsyncGenerator[bytes, None]:
-        """The answer's events; those of chunks that arrived together leave together (one send)."""
-        ended = False
-        ready = bytearray()  # events not sent yet: the next chunk has arrived too
-        try:
-            async for text in _after(first, chunks):
-                ready += enc.events(reply.chunks(text, stream.chunk_logprobs, stream.chunk_index))
-                if not stream.arrived:
-                    yield bytes(ready)
-                    ready.clear()
-            assert stream.result is not None
-            self._done(endpoint, reply.model, stream.results, started)
-            ended = True
-            yield bytes(ready + enc.events(reply.last(stream.results, stream.done_logprobs)) + enc.DONE)
-        except MpserveError as exc:
-            ended = True
-            self.metrics.outcome(endpoint, exc.code)
-            yield bytes(ready + enc.event(oai.HttpError.from_mpserve(exc).body()))
-        finally:
-            if not ended:
-                self.metrics.outcome(endpoint, ErrorCode.CANCELLED)
-            await chunks.aclose()  # type: ignore[attr-defined]  # an async generator: cancels the request
-
-    def _done(self, endpoint: str, model: str, results: list[Result], started: float) -> None:
-        self.metrics.outcome(endpoint, "ok")
-        self.metrics.done(model, replace(results[0], usage=oai.total_usage(results)), time.perf_counter() - started)
 
     def _failed(self, endpoint: str, exc: MpserveError) -> Response:
         self.metrics.outcome(endpoint, exc.code)
@@ -330,7 +243,7 @@ class _Gateway:
         except (limits.Refused, ClientDisconnect) as exc:
             return self._unread(request.scope["path"], exc)
         self.metrics.outcome(request.scope["path"], "ok")
-        return JSONResponse(emb.answer(result, call.model or _sole_model(client), call.encoding_format))
+        return JSONResponse(emb.answer(result, call.model or sole_model(client), call.encoding_format))
 
     async def rerank(self, request: Request) -> Response:
         endpoint = "/v1/rerank"  # and its alias /rerank
@@ -347,7 +260,7 @@ class _Gateway:
         except (limits.Refused, ClientDisconnect) as exc:
             return self._unread(endpoint, exc)
         self.metrics.outcome(endpoint, "ok")
-        return JSONResponse(rr.answer(call, result, call.model or _sole_model(client)))
+        return JSONResponse(rr.answer(call, result, call.model or sole_model(client)))
 
     async def tokenize(self, request: Request) -> Response:
         try:
@@ -445,19 +358,6 @@ class _Gateway:
 
 
 # --- helpers ------------------------------------------------------------------------------------
-
-def _sole_model(client: AsyncClient) -> str:
-    """The model a request that names none runs on (the broker refuses it when several are served)."""
-    return client.models[0] if len(client.models) == 1 else ""
-
-
-async def _after(first: str | None, chunks: AsyncIterator[str]) -> AsyncIterator[str]:
-    """``first`` (unless None), then ``chunks``."""
-    if first is not None:
-        yield first
-    async for text in chunks:
-        yield text
-
 
 async def _openapi(request: Request) -> Response:
     return JSONResponse(schema.document(__version__))

@@ -1,15 +1,18 @@
-"""Endpoints in other APIs' shapes over the chat path: OpenAI's Responses (``responses``) and Anthropic's
-Messages (``messages``). Each is a translation into the same chat request and out of the same results, so
-templates, tools, structured output, limits, the broker path and metrics are the chat endpoint's.
+"""The generation pipeline: every endpoint that generates text is a dialect of it. OpenAI's completions and
+chat completions are the plain case (``OpenAI``: the request is the call, the answer is the completion);
+OpenAI's Responses (``responses``) and Anthropic's Messages (``messages``) translate into a chat call and out
+of the chat completion, so templates, tools, structured output, limits, the broker path and metrics are one.
 
-    HTTP body ──limits──▶ Dialect.parse ──▶ Answer (its chat Call: openai.parse of the translated body)
-        ──▶ the model's chat template ──▶ AsyncClient.choices / stream ──▶ the broker
-    results ──openai.Reply──▶ the chat completion, or its chunks ──Answer──▶ the dialect's object, or events
-    any failure ──▶ Dialect.error_body: the dialect's own error shape, with the status of openai.HttpError
+    HTTP body ──limits──▶ Dialect.parse ──▶ Answer (its Call: openai.parse, of the translated body for a dialect)
+        ──▶ prepared: a chat's prompt from the model's chat template; an echoed token prompt's text
+        ──▶ AsyncClient.choices / stream, with the call's GenerateParams as they are ──▶ the broker
+    results ──openai.Reply──▶ the completion, or its chunks ──Answer──▶ the dialect's object, or events
+    any failure ──▶ Dialect.error_body: the dialect's own error shape, with the status of HttpError
 
-As on the chat endpoint, a streamed answer starts once its first text is ready, so what fails early gets its
-own status; a failure after that is the stream's last event (``Answer.failed``). A client that leaves cancels
-its request. ``owner`` names whose API key sent a request, for what a dialect keeps per key.
+A streamed answer starts once its first text is ready, so what fails early (busy queue, unknown model, bad
+parameters) gets its own status; a failure after that is the stream's last event (``Answer.failed``). The
+events of chunks that arrived together leave in one send. A client that leaves, while queued, running or
+streaming, cancels its request. ``owner`` names whose API key sent a request, for what a dialect keeps per key.
 """
 
 from __future__ import annotations
@@ -18,42 +21,42 @@ import hashlib
 import json
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Sequence
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Any, Protocol
 
 from starlette.requests import ClientDisconnect, Request
-from starlette.responses import JSONResponse, Response
+from starlette.responses import Response
 from starlette.routing import Route
 
-from mpserve.client import Result, Stream
+from mpserve.client import AsyncClient, Result, Stream
 from mpserve.errors import ErrorCode, MpserveError
 
-from . import limits
+from . import encode, limits
 from . import openai as oai
 from .backend import Backend
 from .chat import Renderer
-from .encode import EventStream
+from .encode import EventStream, JSONResponse
 from .metrics import GatewayMetrics
 from .watch import ClientGone, first, unless_disconnected
 
 
 class Answer(Protocol):
-    """One request in a dialect: its chat call, and its answer built from the chat endpoint's."""
+    """One request in a dialect: its call, and its answer built from the completion's."""
 
     call: oai.Call
 
     def whole(self, completion: dict[str, Any]) -> dict[str, Any]:
-        """The dialect's object from the chat completion (``openai.Reply.whole``)."""
+        """The dialect's object from the completion (``openai.Reply.whole``)."""
 
     def opened(self, model: str) -> list[bytes]:
         """The events that start a stream, before its first chunk."""
 
     def chunk(self, chunk: dict[str, Any]) -> list[bytes]:
-        """The events of one chat completion chunk (``openai.Reply.chunks``)."""
+        """The events of one completion chunk (``openai.Reply.chunks``)."""
 
     def closed(self, last: list[dict[str, Any]], results: list[Result]) -> list[bytes]:
-        """The events from the last chat chunks (``openai.Reply.last``: held tool calls, the finish reason) to
-        the stream's end; ``results`` for the usage."""
+        """The events from the last chunks (``openai.Reply.last``: held tool calls, the finish reason) to the
+        stream's end; ``results`` for the usage."""
 
     def failed(self, error: oai.HttpError) -> bytes:
         """The event that ends a stream that failed."""
@@ -67,6 +70,48 @@ class Dialect(Protocol):
 
     def error_body(self, error: oai.HttpError) -> dict[str, Any]:
         """An error in the dialect's shape."""
+
+
+class OpenAI:
+    """The plain dialect: OpenAI's completions (``kind`` completion) or chat completions, as they are."""
+
+    def __init__(self, kind: oai.Kind) -> None:
+        self.kind = kind
+        self.path = "/v1/chat/completions" if kind == "chat" else "/v1/completions"
+
+    def parse(self, body: Any, owner: str) -> Plain:
+        return Plain(oai.parse(self.kind, body))
+
+    @staticmethod
+    def error_body(error: oai.HttpError) -> dict[str, Any]:
+        return error.body()
+
+
+@dataclass
+class Plain:
+    """An OpenAI request's answer: the completion itself, its chunks as ``data:`` events, then ``[DONE]``."""
+
+    call: oai.Call
+
+    @staticmethod
+    def whole(completion: dict[str, Any]) -> dict[str, Any]:
+        return completion
+
+    @staticmethod
+    def opened(model: str) -> list[bytes]:
+        return []
+
+    @staticmethod
+    def chunk(chunk: dict[str, Any]) -> list[bytes]:
+        return [encode.event(chunk)]
+
+    @staticmethod
+    def closed(last: list[dict[str, Any]], results: list[Result]) -> list[bytes]:
+        return [encode.events(last), encode.DONE]
+
+    @staticmethod
+    def failed(error: oai.HttpError) -> bytes:
+        return encode.event(error.body())
 
 
 def event(name: str, data: dict[str, Any]) -> bytes:
@@ -87,7 +132,12 @@ def owner(request: Request) -> str:
     return hashlib.sha256(given.encode()).hexdigest()[:32] if given else ""
 
 
-class DialectRoutes:
+def sole_model(client: AsyncClient) -> str:
+    """The model a request that names none runs on (the broker refuses it when several are served)."""
+    return client.models[0] if len(client.models) == 1 else ""
+
+
+class Pipeline:
     """Serves each dialect's route through the gateway's backend and metrics."""
 
     def __init__(self, backend: Backend, metrics: GatewayMetrics, read_timeout: float, renderer: Renderer) -> None:
@@ -111,9 +161,8 @@ class DialectRoutes:
             limits.check_sizes(body)
             answer = dialect.parse(body, owner(request))
             client = await self.backend.client()
-            model = answer.call.model or (client.models[0] if len(client.models) == 1 else "")
-            answer.call = await answer.call.with_chat_template(await self.backend.chat_template(model),
-                                                               self.renderer, model)
+            model = answer.call.model or sole_model(client)
+            answer.call = await self._prepared(answer.call, client, model)
         except MpserveError as exc:
             return self._failed(dialect, exc)
         except limits.Refused as exc:
@@ -121,51 +170,56 @@ class DialectRoutes:
             response = self._error(dialect, exc.error)
             response.headers["connection"] = "close"  # the rest of the body is not read
             return response
-        except ClientDisconnect:
+        except ClientDisconnect:  # a broken chunk, a hang-up
             self.metrics.outcome(endpoint, ErrorCode.CANCELLED)
-            return Response(status_code=204)
+            return Response(status_code=204)  # nobody reads it
         call, reply = answer.call, oai.Reply(answer.call, model)
         try:
             if call.stream:
                 stream = client.stream(call.prompt, model=call.model, request_id=request.state.request_id,
-                                       **call.generate_kwargs())
+                                       params=call.params)
                 chunks = stream.__aiter__()  # submits the request on its first step
                 text = await unless_disconnected(request, first(chunks))
-                return EventStream(self._events(dialect, answer, reply, stream, chunks, text, started))
+                return EventStream(self._events(dialect, answer, reply, stream, chunks, text, started),
+                                   call.headers())
             results = await unless_disconnected(request, client.choices(
-                call.prompt, model=call.model, request_id=request.state.request_id, **call.generate_kwargs()))
+                call.prompt, model=call.model, request_id=request.state.request_id, params=call.params))
         except ClientGone:
             self.metrics.outcome(endpoint, ErrorCode.CANCELLED)
             return Response(status_code=204)  # nobody reads it
         except MpserveError as exc:
             return self._failed(dialect, exc)
         self._done(endpoint, model, results, started)
-        return JSONResponse(answer.whole(reply.whole(results)))
+        return JSONResponse(answer.whole(reply.whole(call.shown(results), results)), headers=call.headers())
+
+    async def _prepared(self, call: oai.Call, client: AsyncClient, model: str) -> oai.Call:
+        """A chat's prompt from ``model``'s chat template; a completion echoing a token prompt, with its text."""
+        if call.kind == "chat":
+            return await call.with_chat_template(await self.backend.chat_template(model), self.renderer, model)
+        if call.echo and not isinstance(call.prompt, str):
+            return call.with_echo_text(await client.detokenize(call.prompt, model=call.model))
+        return call
 
     async def _events(self, dialect: Dialect, answer: Answer, reply: oai.Reply, stream: Stream,
                       chunks: AsyncIterator[str], text: str | None, started: float) -> AsyncGenerator[bytes, None]:
+        """The answer's events; those of chunks that arrived together leave together (one send)."""
         ended = False
+        ready = bytearray(b"".join(answer.opened(reply.model)))  # events not sent yet: more have arrived
         try:
-            for out in answer.opened(reply.model):
-                yield out
-            pieces = [text] if text is not None else []
-            while True:
-                for piece in pieces:
-                    for chunk in reply.chunks(piece):
-                        for out in answer.chunk(chunk):
-                            yield out
-                try:
-                    pieces = [await chunks.__anext__()]
-                except StopAsyncIteration:
-                    break
+            async for piece in _after(text, chunks):
+                for chunk in reply.chunks(piece, stream.chunk_logprobs, stream.chunk_index):
+                    ready += b"".join(answer.chunk(chunk))
+                if not stream.arrived:
+                    yield bytes(ready)
+                    ready.clear()
             self._done(dialect.path, reply.model, stream.results, started)
             ended = True
-            for out in answer.closed(reply.last(stream.results, {}), stream.results):
-                yield out
+            yield bytes(ready + b"".join(answer.closed(reply.last(stream.results, stream.done_logprobs),
+                                                       stream.results)))
         except MpserveError as exc:
             ended = True
             self.metrics.outcome(dialect.path, exc.code)
-            yield answer.failed(oai.HttpError.from_mpserve(exc))
+            yield bytes(ready + answer.failed(oai.HttpError.from_mpserve(exc)))
         finally:
             if not ended:
                 self.metrics.outcome(dialect.path, ErrorCode.CANCELLED)
@@ -183,3 +237,10 @@ class DialectRoutes:
     def _error(dialect: Dialect, error: oai.HttpError) -> JSONResponse:
         return JSONResponse(dialect.error_body(error), error.status, headers=error.headers())
 
+
+async def _after(first: str | None, chunks: AsyncIterator[str]) -> AsyncIterator[str]:
+    """``first`` (unless None), then ``chunks``."""
+    if first is not None:
+        yield first
+    async for text in chunks:
+        yield text

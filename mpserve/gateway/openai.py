@@ -120,10 +120,6 @@ class Call:
     def with_echo_text(self, text: str) -> Call:
         return dataclasses.replace(self, echo_text=text)
 
-    def generate_kwargs(self) -> dict[str, Any]:
-        """Keyword arguments for ``AsyncClient.choices`` / ``stream`` (``n`` among them)."""
-        return msgspec.structs.asdict(self.params)
-
     async def with_chat_template(self, chat: ChatTemplate, renderer: Renderer, model: str) -> Call:
         """A chat's prompt from ``model``'s template, rendered by ``renderer`` (off the event loop); without one,
         from the ChatML default, which also stops at ``<|im_end|>``. Raises BadRequest when the template fails,
