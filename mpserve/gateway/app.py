@@ -5,35 +5,35 @@
 
     POST /v1/completions, /v1/chat/completions   OpenAI shapes, streamed (server-sent events) or not
     GET  /v1/models                               the served models
-    POST /v1/embeddings                           OpenAI's shape (``gateway.embeddings``), embedding models
-    POST /v1/responses, GET|DELETE /v1/responses/{id}   OpenAI's Responses API (``gateway.responses``)
-    POST /v1/messages                             Anthropic's Messages API (``gateway.messages``); x-api-key too
-    POST /v1/rerank, /rerank                      a reranker's scores (``gateway.rerank``), pooling: rank models
-    POST /tokenize, /detokenize                   llama-server's shapes (``gateway.tokens``)
+    POST /v1/embeddings                           OpenAI's shape (``api.embeddings``), embedding models
+    POST /v1/responses, GET|DELETE /v1/responses/{id}   OpenAI's Responses API (``api.responses``)
+    POST /v1/messages                             Anthropic's Messages API (``api.messages``); x-api-key too
+    POST /v1/rerank, /rerank                      a reranker's scores (``api.rerank``), pooling: rank models
+    POST /tokenize, /detokenize                   llama-server's shapes (``api.tokens``)
     GET  /health                                  200 while some instance can take a request, else 503
     GET  /metrics                                 Prometheus text
     GET  /backend/monitor?model=NAME             each instance (process): pid, state, device, RSS, PSS, GPU memory,
                                                   served, uptime, its slots; each GPU's memory (NVML)
     POST /slots/ID?action=save|restore|erase      llama-server's shape: a slot's KV cells to or from a file
-                                                  (``gateway.slots``; ID as SLOT in mpserve status)
-    GET  /, /console, /console/state             the web console and its data (``console``)
-    GET  /admin/models, POST /admin/models/NAME/load|unload|scale   the control API, with --admin-key (``admin``)
-    GET  /openapi.json                            the OpenAPI document of all this (``schema``)
+                                                  (``ops.slots``; ID as SLOT in mpserve status)
+    GET  /, /console, /console/state             the web console and its data (``ops.console``)
+    GET  /admin/models, POST /admin/models/NAME/load|unload|scale   the control API, with --admin-key (``ops.admin``)
+    GET  /openapi.json                            the OpenAPI document of all this (``api.schema``)
 
-The gateway is a separate process from the server, so HTTP parsing never competes with the broker's loop;
-it can start before its server and outlive it (answering 503). Errors are OpenAI's error object with the
-stable mpserve code (``openai``). A streamed request waits for its first piece of text before it
-answers, so what fails early (busy queue, unknown model, bad parameters) gets its own HTTP status; a failure
-after that is sent as a last ``data: {"error": ...}`` event, as OpenAI does. An HTTP client that goes away,
-while queued, running or streaming, cancels its request on the server at once. Bodies are checked by
-``limits`` before anything else reads them, connections by ``guard``: every limit answers at once, in
-OpenAI's shape, naming itself. Every answer carries its request's ``X-Request-Id``: the caller's, or a new one
-(``request_ids``); a completion or embedding runs under that id on the server.
+The gateway is a separate process from the server, so HTTP parsing never competes with the broker's loop; it can
+start before its server and outlive it (answering 503). Errors are OpenAI's error object with the stable mpserve
+code (``http.errors``). Every generating route is one pipeline (``api.dialect``). A streamed request waits for its
+first piece of text before it answers, so what fails early (busy queue, unknown model, bad parameters) gets its
+own HTTP status; a failure after that is sent as a last ``data: {"error": ...}`` event, as OpenAI does. An HTTP
+client that goes away, while queued, running or streaming, cancels its request on the server at once. Bodies are
+checked by ``http.limits`` before anything else reads them, connections by ``http.guard``: every limit answers at
+once, in OpenAI's shape, naming itself. Every answer carries its request's ``X-Request-Id``: the caller's, or a
+new one (``http.request_ids``); a completion or embedding runs under that id on the server.
 
-Starlette on uvicorn: the smallest well-kept asyncio stack here, already used by llama-cpp-python's own
-server, and it runs on the loop that ``AsyncClient`` needs; requests are parsed by httptools (llhttp, in C:
-``guard``). What a streamed token costs here is ``encode``'s and ``guard``'s to keep small: events built in
-C, the events of chunks that arrived together sent together, and one socket write per turn of the loop
+Starlette on uvicorn: the smallest well-kept asyncio stack here, already used by llama-cpp-python's own server,
+and it runs on the loop that ``AsyncClient`` needs; requests are parsed by httptools (llhttp, in C:
+``http.guard``). What a streamed token costs here is ``http.encode``'s and ``http.guard``'s to keep small: events
+built in C, the events of chunks that arrived together sent together, and one socket write per turn of the loop
 (uvloop measured no gain beyond the spread between runs).
 """
 
@@ -62,26 +62,28 @@ from mpserve.errors import ConfigError, ConnectionFailed, ErrorCode, MpserveErro
 from mpserve.models.progress import downloads
 from mpserve.wire.slots import SlotState, locate
 
-from . import access, console, limits, schema, slots
-from . import embeddings as emb
-from . import openai as oai
-from . import rerank as rr
-from . import tokens as tok
-from .admin import ADMIN_PREFIX, Admin
+from .api import embeddings as emb
+from .api import rerank as rr
+from .api import schema
+from .api import tokens as tok
+from .api.chat import Renderer, TemplateBudget
+from .api.dialect import OpenAI, Pipeline, sole_model
+from .api.messages import Messages
+from .api.messages import error_body as messages_error
+from .api.responses import Responses, ResponseStore, StoreBudget, stored_routes
 from .backend import Backend
-from .browser import BrowserGuard, host_names
-from .chat import Renderer, TemplateBudget
-from .dialect import OpenAI, Pipeline, sole_model
-from .encode import JSONResponse
-from .guard import ConnectionLimits, uvicorn_options
-from .messages import Messages
-from .messages import error_body as messages_error
-from .metrics import CONTENT_TYPE, GatewayMetrics, ServerView
-from .monitor import RestartCounter, gpu_usage, health, monitor
-from .request_ids import RequestIds
-from .responses import Responses, ResponseStore, StoreBudget, stored_routes
-from .watch import ClientGone
-from .watch import unless_disconnected as _unless_disconnected
+from .http import access, limits
+from .http.browser import BrowserGuard, host_names
+from .http.encode import JSONResponse
+from .http.errors import HttpError
+from .http.guard import ConnectionLimits, uvicorn_options
+from .http.request_ids import RequestIds
+from .http.watch import ClientGone
+from .http.watch import unless_disconnected as _unless_disconnected
+from .ops import console, slots
+from .ops.admin import ADMIN_PREFIX, Admin
+from .ops.metrics import CONTENT_TYPE, GatewayMetrics, ServerView
+from .ops.monitor import RestartCounter, gpu_usage, health, monitor
 
 log = logging.getLogger("mpserve.gateway")
 
@@ -109,9 +111,9 @@ class GatewayConfig:
     ssl_keyfile: str | None = None
     insecure: bool = False  # allow a network host without any key
     connections: ConnectionLimits = ConnectionLimits()  # open connections, header and body read timeouts
-    templates: TemplateBudget = TemplateBudget()  # a chat template's render: its time and output (gateway.chat)
+    templates: TemplateBudget = TemplateBudget()  # a chat template's render: its time and output (api.chat)
     responses: StoreBudget = StoreBudget()  # the bytes of stored responses, per API key and in all
-    allowed_origins: tuple[str, ...] = ()  # other origins whose pages may call it ("*": any); mpserve.gateway.browser
+    allowed_origins: tuple[str, ...] = ()  # other origins whose pages may call it ("*": any): http.browser
     allowed_hosts: tuple[str, ...] = ()  # more Host names than those of the address it serves
 
     @property
@@ -213,7 +215,7 @@ class _Gateway:
 
     def _failed(self, endpoint: str, exc: MpserveError) -> Response:
         self.metrics.outcome(endpoint, exc.code)
-        return _error_response(oai.HttpError.from_mpserve(exc))
+        return _error_response(HttpError.from_mpserve(exc))
 
     def _unread(self, endpoint: str, exc: limits.Refused | ClientDisconnect) -> Response:
         """The answer to a body that was not read whole: refused (the rest of it is not read, so the connection
@@ -311,7 +313,7 @@ class _Gateway:
     async def list_models(self, request: Request) -> Response:
         stats = await self.backend.stats()
         if stats is None:
-            return _error_response(oai.HttpError.from_mpserve(self._unreachable()))
+            return _error_response(HttpError.from_mpserve(self._unreachable()))
         local = self.backend.read_slots()
         created = int(local.server.started) if local is not None else 0
         return JSONResponse({"object": "list", "data": [
@@ -341,13 +343,13 @@ class _Gateway:
         if local is None and downloads():  # a server that is still downloading its models: what it downloads
             return JSONResponse(await asyncio.to_thread(monitor, [], None))
         if local is None:
-            return _error_response(oai.HttpError.from_mpserve(ConnectionFailed(
+            return _error_response(HttpError.from_mpserve(ConnectionFailed(
                 f"the backend monitor reads the slot table of a server on this host; none is running at "
                 f"{self.backend.address}")))
         model = request.query_params.get("model")
         served = sorted({r.model for r in local.rows if r.state is not SlotState.EMPTY})
         if model is not None and model not in served:
-            return _error_response(oai.HttpError.from_mpserve(UnknownModel(
+            return _error_response(HttpError.from_mpserve(UnknownModel(
                 f"model {model!r} is not served here; served models: {', '.join(served)}")))
         # /proc/PID/smaps_rollup walks the process's page tables, NVML is a driver call: off the event loop
         rows = local.rows
@@ -363,7 +365,7 @@ async def _openapi(request: Request) -> Response:
     return JSONResponse(schema.document(__version__))
 
 
-def _error_response(err: oai.HttpError) -> JSONResponse:
+def _error_response(err: HttpError) -> JSONResponse:
     return JSONResponse(err.body(), err.status, headers=err.headers())
 
 
@@ -371,7 +373,7 @@ async def _http_error(request: Request, exc: Exception) -> Response:
     """Starlette's own errors (no such route, wrong method) in OpenAI's shape."""
     assert isinstance(exc, HTTPException)
     code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code, "http_error")
-    return _error_response(oai.HttpError(exc.status_code, code, f"{request.method} {request.url.path}: {exc.detail}"))
+    return _error_response(HttpError(exc.status_code, code, f"{request.method} {request.url.path}: {exc.detail}"))
 
 
 class _RequireKey:
@@ -388,7 +390,7 @@ class _RequireKey:
             headers = dict(scope["headers"])
             given = headers.get(b"authorization") or b"Bearer " + headers.get(b"x-api-key", b"")
             if not access.any_matches(given, self._expected):
-                err = oai.HttpError(401, "invalid_api_key", "a valid API key is required: send the header "
+                err = HttpError(401, "invalid_api_key", "a valid API key is required: send the header "
                                     "'Authorization: Bearer KEY' (or 'x-api-key: KEY')")
                 body = messages_error(err) if scope["path"] == Messages.path else err.body()
                 await JSONResponse(body, err.status)(scope, receive, send)

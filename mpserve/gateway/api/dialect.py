@@ -31,13 +31,14 @@ from starlette.routing import Route
 from mpserve.client import AsyncClient, Result, Stream
 from mpserve.errors import ErrorCode, MpserveError
 
-from . import encode, limits
+from ..backend import Backend
+from ..http import encode, limits
+from ..http.encode import EventStream, JSONResponse
+from ..http.errors import HttpError
+from ..http.watch import ClientGone, first, unless_disconnected
+from ..ops.metrics import GatewayMetrics
 from . import openai as oai
-from .backend import Backend
 from .chat import Renderer
-from .encode import EventStream, JSONResponse
-from .metrics import GatewayMetrics
-from .watch import ClientGone, first, unless_disconnected
 
 
 class Answer(Protocol):
@@ -58,7 +59,7 @@ class Answer(Protocol):
         """The events from the last chunks (``openai.Reply.last``: held tool calls, the finish reason) to the
         stream's end; ``results`` for the usage."""
 
-    def failed(self, error: oai.HttpError) -> bytes:
+    def failed(self, error: HttpError) -> bytes:
         """The event that ends a stream that failed."""
 
 
@@ -68,7 +69,7 @@ class Dialect(Protocol):
     def parse(self, body: Any, owner: str) -> Answer:
         """Check a body and translate it; raises BadRequest naming the field (the dialect's name for it)."""
 
-    def error_body(self, error: oai.HttpError) -> dict[str, Any]:
+    def error_body(self, error: HttpError) -> dict[str, Any]:
         """An error in the dialect's shape."""
 
 
@@ -83,7 +84,7 @@ class OpenAI:
         return Plain(oai.parse(self.kind, body))
 
     @staticmethod
-    def error_body(error: oai.HttpError) -> dict[str, Any]:
+    def error_body(error: HttpError) -> dict[str, Any]:
         return error.body()
 
 
@@ -110,7 +111,7 @@ class Plain:
         return [encode.events(last), encode.DONE]
 
     @staticmethod
-    def failed(error: oai.HttpError) -> bytes:
+    def failed(error: HttpError) -> bytes:
         return encode.event(error.body())
 
 
@@ -219,7 +220,7 @@ class Pipeline:
         except MpserveError as exc:
             ended = True
             self.metrics.outcome(dialect.path, exc.code)
-            yield bytes(ready + answer.failed(oai.HttpError.from_mpserve(exc)))
+            yield bytes(ready + answer.failed(HttpError.from_mpserve(exc)))
         finally:
             if not ended:
                 self.metrics.outcome(dialect.path, ErrorCode.CANCELLED)
@@ -231,10 +232,10 @@ class Pipeline:
 
     def _failed(self, dialect: Dialect, exc: MpserveError) -> JSONResponse:
         self.metrics.outcome(dialect.path, exc.code)
-        return self._error(dialect, oai.HttpError.from_mpserve(exc))
+        return self._error(dialect, HttpError.from_mpserve(exc))
 
     @staticmethod
-    def _error(dialect: Dialect, error: oai.HttpError) -> JSONResponse:
+    def _error(dialect: Dialect, error: HttpError) -> JSONResponse:
         return JSONResponse(dialect.error_body(error), error.status, headers=error.headers())
 
 
