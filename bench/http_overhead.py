@@ -51,11 +51,12 @@ BLOCK = 10  # requests of one path between turns (and per CPU reading)
 GATEWAY = ("from mpserve.gateway.app import GatewayConfig, serve; "
            "serve(GatewayConfig(port={port}, server_name={name!r}, log_level='warning'))")
 LAYERS = (  # a frame's layer: the first with a fragment of the frame's file path (as "/path/file.py:line)")
-    ("HTTP server (uvicorn, httptools, the guard)", ("/uvicorn/", "httptools", "mpserve/gateway/guard.py")),
-    ("Starlette and the middleware", ("/starlette/", "mpserve/gateway/request_ids.py", "mpserve/gateway/browser.py")),
-    ("JSON and SSE framing", ("mpserve/gateway/encode.py", "/json/", "msgspec")),
+    ("HTTP server (uvicorn, httptools, the guard)", ("/uvicorn/", "httptools", "mpserve/gateway/http/guard.py")),
+    ("Starlette and the middleware", ("/starlette/", "mpserve/gateway/http/request_ids.py",
+                                      "mpserve/gateway/http/browser.py")),
+    ("JSON and SSE framing", ("mpserve/gateway/http/encode.py", "/json/", "msgspec")),
     ("link to the broker (AsyncClient, wire, pyzmq)", ("mpserve/client.py", "mpserve/wire/", "/zmq/")),
-    ("metrics (prometheus_client)", ("prometheus_client", "mpserve/gateway/metrics.py")),
+    ("metrics (prometheus_client)", ("prometheus_client", "mpserve/gateway/ops/metrics.py")),
     ("OpenAI shapes and the gateway's own logic", ("mpserve/gateway/",)),
     ("event loop and socket I/O (asyncio)", ("/asyncio/", "selectors.py")),
 )

@@ -330,12 +330,12 @@ def gateway(
 ) -> None:
     """Serve an OpenAI-compatible HTTP API for a server: /v1/completions, /v1/chat/completions, /v1/models,
     /health, /metrics (Prometheus) and /backend/monitor. It may start before the server (503 until ready)."""
-    from mpserve.gateway.access import load_keys
+    from mpserve.gateway.api.chat import TemplateBudget
+    from mpserve.gateway.api.responses import StoreBudget
     from mpserve.gateway.app import GatewayConfig, parse_http
     from mpserve.gateway.app import serve as serve_gateway
-    from mpserve.gateway.chat import TemplateBudget
-    from mpserve.gateway.guard import ConnectionLimits
-    from mpserve.gateway.responses import StoreBudget
+    from mpserve.gateway.http.access import load_keys
+    from mpserve.gateway.http.guard import ConnectionLimits
     from mpserve.gpu.devices import parse_memory
 
     with _errors():
@@ -408,8 +408,8 @@ def _start_gateway(http: str, config: cfg.ServerConfig, flags: dict[str, Any],
     not in the command line that any user can read; ``key``, a key pair the server accepts, lets it through a
     CURVE front (the server's public key is read from its secret key file). A separate process: in the
     broker's it would compete with the broker loop for the GIL, and a fault in it could not touch the broker."""
-    from mpserve.gateway import access
     from mpserve.gateway.app import parse_http
+    from mpserve.gateway.http import access
 
     host, _ = parse_http(http)  # refuse a bad value, a network port without a key, before anything starts
     access.check_exposure(host, access.load_keys(flags["api_key"], flags["api_key_file"]), config.insecure)

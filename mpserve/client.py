@@ -254,12 +254,16 @@ class AsyncClient:
             raise BadRequest("generate returns one choice; ask for n with choices(prompt, n=...)")
         return (await self.choices(prompt, n=1, model=model, timeout=timeout, request_id=request_id, **params))[0]
 
-    async def choices(self, prompt: str | list[int], *, n: int, model: str | None = None,
-                      timeout: float | None = None, request_id: str | None = None, **params: Any) -> list[Result]:
+    async def choices(self, prompt: str | list[int], *, n: int | None = None, model: str | None = None,
+                      timeout: float | None = None, request_id: str | None = None,
+                      params: wire.GenerateParams | None = None, **sampling: Any) -> list[Result]:
         """``n`` choices of one completion, in index order: run together in ``n`` slots of one instance, which
         computes the prompt once; choice i is seeded with ``seed + i`` (modulo 2**32) when ``seed`` is given.
-        A request for more choices than an instance has slots (``parallel``) is refused."""
-        request = self._request(prompt, model, timeout, {**params, "n": n}, stream=False, request_id=request_id)
+        A request for more choices than an instance has slots (``parallel``) is refused. The parameters are
+        ``sampling``'s keywords and ``n``, or ``params`` as they are (with their ``n``)."""
+        request = self._request(prompt, model, timeout, _params(params, sampling, n), stream=False,
+                                request_id=request_id)
+        n = request.params.n
         queue = await self._submit(request)
         done: dict[int, Result] = {}
         try:
@@ -273,9 +277,12 @@ class AsyncClient:
         return [done[i] for i in sorted(done)]
 
     def stream(self, prompt: str | list[int], *, model: str | None = None, timeout: float | None = None,
-               request_id: str | None = None, **params: Any) -> Stream:
-        """Stream a completion: ``async for text in client.stream(...)``; ``stream.id`` is its request id."""
-        return Stream(self, self._request(prompt, model, timeout, params, stream=True, request_id=request_id))
+               request_id: str | None = None, params: wire.GenerateParams | None = None,
+               **sampling: Any) -> Stream:
+        """Stream a completion: ``async for text in client.stream(...)``; ``stream.id`` is its request id. The
+        parameters are ``sampling``'s keywords, or ``params`` as they are."""
+        return Stream(self, self._request(prompt, model, timeout, _params(params, sampling), stream=True,
+                                          request_id=request_id))
 
     async def cancel(self, request_id: str) -> None:
         await self._send(wire.Cancel(request_id))
@@ -363,13 +370,8 @@ class AsyncClient:
 
     # --- internals ------------------------------------------------------------------------------
 
-    def _request(self, prompt: str | list[int], model: str | None, timeout: float | None, params: dict[str, Any],
-                 stream: bool, request_id: str | None = None) -> wire.Request:
-        if not isinstance(params.get("json_schema"), (str, type(None))):  # travels as its canonical JSON text
-            params = {**params, "json_schema": structured.canonical_json(params["json_schema"])}
-        generate = wire.GenerateParams(**{**params, "stop": tuple(params.get("stop", ())),
-                                          "logit_bias": wire.logit_bias_pairs(params.get("logit_bias", ()))})
-        generate.validate()
+    def _request(self, prompt: str | list[int], model: str | None, timeout: float | None,
+                 generate: wire.GenerateParams, stream: bool, request_id: str | None = None) -> wire.Request:
         if isinstance(prompt, str) and len(prompt) > wire.MAX_PROMPT_CHARS:
             raise BadRequest(f"the prompt is {len(prompt)} characters; the server takes at most "
                              f"{wire.MAX_PROMPT_CHARS} (MAX_PROMPT_CHARS)")
@@ -530,6 +532,24 @@ class AsyncClient:
         for queue in self._pending.values():
             queue.put_nowait(err)
         self._pending.clear()
+
+
+def _params(params: wire.GenerateParams | None, sampling: dict[str, Any], n: int | None = None) -> wire.GenerateParams:
+    """``params`` as they are (a GenerateParams is checked where it is made: ``GenerateParams.from_wire``, and
+    by the broker), or the keyword arguments ``sampling`` (and ``n``) made into one and checked."""
+    if params is not None:
+        if sampling or n not in (None, params.n):
+            raise BadRequest(f"give the parameters as params= or as keywords, not both (got params= and "
+                             f"{', '.join(sorted(sampling)) or 'n'})")
+        return params
+    if n is not None:
+        sampling = {**sampling, "n": n}
+    if not isinstance(sampling.get("json_schema"), (str, type(None))):  # travels as its canonical JSON text
+        sampling = {**sampling, "json_schema": structured.canonical_json(sampling["json_schema"])}
+    generate = wire.GenerateParams(**{**sampling, "stop": tuple(sampling.get("stop", ())),
+                                      "logit_bias": wire.logit_bias_pairs(sampling.get("logit_bias", ()))})
+    generate.validate()
+    return generate
 
 
 def _curve_keys(server_key: str | None, secret: str | None) -> tuple[bytes, bytes, bytes] | None:

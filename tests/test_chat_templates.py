@@ -20,7 +20,7 @@ from llama_cpp import llama_chat_format
 from mpserve import Client
 from mpserve.config.loader import build
 from mpserve.errors import ConfigError
-from mpserve.gateway.chat import render
+from mpserve.gateway.api.chat import render
 from mpserve.models import templates
 from mpserve.models.maker import write_model
 from mpserve.wire.protocol import ChatTemplate
@@ -57,7 +57,7 @@ def test_gemma_puts_the_system_text_in_the_first_user_turn_and_tool_turns_as_the
 
 
 def test_every_family_is_read_by_the_tools_prompt_s_parser() -> None:
-    from mpserve.gateway.tools import parser_for
+    from mpserve.gateway.api.tools import parser_for
 
     assert {parser_for(source) for source in templates.FAMILIES.values()} == {"hermes"}
 

@@ -15,7 +15,7 @@ from helpers import wait_for
 
 from mpserve import Client
 from mpserve.errors import BadRequest
-from mpserve.gateway.openai import OPENAI_DEFAULTS
+from mpserve.gateway.api.openai import OPENAI_DEFAULTS
 from mpserve.wire.slots import SlotState
 
 SAMPLED = {"temperature": 0.9, "top_k": 20, "ignore_eos": True}

@@ -19,7 +19,7 @@ from gateway_thread import GatewayThread
 from helpers import mpserve, ppid, wait_for
 
 from mpserve import Client
-from mpserve.gateway.openai import CHAT_STOP, COMPLETION_MAX_TOKENS, OPENAI_DEFAULTS, Message, chat_prompt, parse
+from mpserve.gateway.api.openai import CHAT_STOP, COMPLETION_MAX_TOKENS, OPENAI_DEFAULTS, Message, chat_prompt, parse
 from mpserve.models.maker import write_model
 from mpserve.wire.protocol import GenerateParams
 from mpserve.wire.slots import SlotState

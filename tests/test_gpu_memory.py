@@ -18,8 +18,8 @@ from fake_nvml import DATA, FakeNvml
 from typer.testing import CliRunner
 
 from mpserve.cli import app
-from mpserve.gateway.metrics import GatewayMetrics, ServerView
-from mpserve.gateway.monitor import monitor
+from mpserve.gateway.ops.metrics import GatewayMetrics, ServerView
+from mpserve.gateway.ops.monitor import monitor
 from mpserve.gpu.devices import parse_nvidia_smi, parse_simulated
 from mpserve.gpu.memory import EstimateCheck, GpuProcess, GpuUsage, memory_by_pid, read_usage
 from mpserve.gpu.placement import Placement

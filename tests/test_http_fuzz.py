@@ -39,7 +39,7 @@ from helpers import MALLOC_ENV, free_port, http_up, rss_kib, wait_for
 
 from mpserve import Client
 from mpserve.errors import ErrorCode
-from mpserve.gateway import limits
+from mpserve.gateway.http import limits
 
 SEED = 20261201
 HTTP_FUZZ_REQUESTS = int(os.environ.get("MPSERVE_HTTP_FUZZ_REQUESTS", "10000"))

@@ -17,8 +17,8 @@ from helpers import dealer, free_port, http_up, raw_request, received, wait_for
 
 from mpserve import Client
 from mpserve.errors import BadRequest
-from mpserve.gateway import guard
-from mpserve.gateway import openai as oai
+from mpserve.gateway.api import openai as oai
+from mpserve.gateway.http import guard
 from mpserve.wire import protocol as wire
 
 READ_TIMEOUT_S = 2.0

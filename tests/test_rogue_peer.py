@@ -192,7 +192,7 @@ CHAT = [{"role": "user", "content": "What is the capital of France?"}]
 def test_a_remote_ready_with_another_chat_template_changes_nothing_a_chat_renders(start_server) -> None:
     from gateway_thread import GatewayThread
 
-    from mpserve.gateway.chat import render
+    from mpserve.gateway.api.chat import render
     from mpserve.models.templates import FAMILIES
 
     server = start_server("--model", "builtin:tiny", "--chat-template", "llama3").wait_ready()

@@ -18,7 +18,7 @@ from conftest import ServerProcess
 from helpers import free_port, mpserve, wait_for
 
 from mpserve.errors import ConfigError
-from mpserve.gateway.access import check_exposure, load_keys
+from mpserve.gateway.http.access import check_exposure, load_keys
 
 x509 = pytest.importorskip("cryptography.x509")
 from cryptography.hazmat.primitives import hashes, serialization  # noqa: E402

@@ -5,35 +5,35 @@
 
     POST /v1/completions, /v1/chat/completions   OpenAI shapes, streamed (server-sent events) or not
     GET  /v1/models                               the served models
-    POST /v1/embeddings                           OpenAI's shape (``gateway.embeddings``), embedding models
-    POST /v1/responses, GET|DELETE /v1/responses/{id}   OpenAI's Responses API (``gateway.responses``)
-    POST /v1/messages                             Anthropic's Messages API (``gateway.messages``); x-api-key too
-    POST /v1/rerank, /rerank                      a reranker's scores (``gateway.rerank``), pooling: rank models
-    POST /tokenize, /detokenize                   llama-server's shapes (``gateway.tokens``)
+    POST /v1/embeddings                           OpenAI's shape (``api.embeddings``), embedding models
+    POST /v1/responses, GET|DELETE /v1/responses/{id}   OpenAI's Responses API (``api.responses``)
+    POST /v1/messages                             Anthropic's Messages API (``api.messages``); x-api-key too
+    POST /v1/rerank, /rerank                      a reranker's scores (``api.rerank``), pooling: rank models
+    POST /tokenize, /detokenize                   llama-server's shapes (``api.tokens``)
     GET  /health                                  200 while some instance can take a request, else 503
     GET  /metrics                                 Prometheus text
     GET  /backend/monitor?model=NAME             each instance (process): pid, state, device, RSS, PSS, GPU memory,
                                                   served, uptime, its slots; each GPU's memory (NVML)
     POST /slots/ID?action=save|restore|erase      llama-server's shape: a slot's KV cells to or from a file
-                                                  (``gateway.slots``; ID as SLOT in mpserve status)
-    GET  /, /console, /console/state             the web console and its data (``console``)
-    GET  /admin/models, POST /admin/models/NAME/load|unload|scale   the control API, with --admin-key (``admin``)
-    GET  /openapi.json                            the OpenAPI document of all this (``schema``)
+                                                  (``ops.slots``; ID as SLOT in mpserve status)
+    GET  /, /console, /console/state             the web console and its data (``ops.console``)
+    GET  /admin/models, POST /admin/models/NAME/load|unload|scale   the control API, with --admin-key (``ops.admin``)
+    GET  /openapi.json                            the OpenAPI document of all this (``api.schema``)
 
-The gateway is a separate process from the server, so HTTP parsing never competes with the broker's loop;
-it can start before its server and outlive it (answering 503). Errors are OpenAI's error object with the
-stable mpserve code (``openai``). A streamed request waits for its first piece of text before it
-answers, so what fails early (busy queue, unknown model, bad parameters) gets its own HTTP status; a failure
-after that is sent as a last ``data: {"error": ...}`` event, as OpenAI does. An HTTP client that goes away,
-while queued, running or streaming, cancels its request on the server at once. Bodies are checked by
-``limits`` before anything else reads them, connections by ``guard``: every limit answers at once, in
-OpenAI's shape, naming itself. Every answer carries its request's ``X-Request-Id``: the caller's, or a new one
-(``request_ids``); a completion or embedding runs under that id on the server.
+The gateway is a separate process from the server, so HTTP parsing never competes with the broker's loop; it can
+start before its server and outlive it (answering 503). Errors are OpenAI's error object with the stable mpserve
+code (``http.errors``). Every generating route is one pipeline (``api.dialect``). A streamed request waits for its
+first piece of text before it answers, so what fails early (busy queue, unknown model, bad parameters) gets its
+own HTTP status; a failure after that is sent as a last ``data: {"error": ...}`` event, as OpenAI does. An HTTP
+client that goes away, while queued, running or streaming, cancels its request on the server at once. Bodies are
+checked by ``http.limits`` before anything else reads them, connections by ``http.guard``: every limit answers at
+once, in OpenAI's shape, naming itself. Every answer carries its request's ``X-Request-Id``: the caller's, or a
+new one (``http.request_ids``); a completion or embedding runs under that id on the server.
 
-Starlette on uvicorn: the smallest well-kept asyncio stack here, already used by llama-cpp-python's own
-server, and it runs on the loop that ``AsyncClient`` needs; requests are parsed by httptools (llhttp, in C:
-``guard``). What a streamed token costs here is ``encode``'s and ``guard``'s to keep small: events built in
-C, the events of chunks that arrived together sent together, and one socket write per turn of the loop
+Starlette on uvicorn: the smallest well-kept asyncio stack here, already used by llama-cpp-python's own server,
+and it runs on the loop that ``AsyncClient`` needs; requests are parsed by httptools (llhttp, in C:
+``http.guard``). What a streamed token costs here is ``http.encode``'s and ``http.guard``'s to keep small: events
+built in C, the events of chunks that arrived together sent together, and one socket write per turn of the loop
 (uvloop measured no gain beyond the spread between runs).
 """
 
@@ -45,9 +45,8 @@ import logging
 import os
 import signal
 import sys
-import time
-from collections.abc import AsyncGenerator, AsyncIterator
-from dataclasses import asdict, dataclass, replace
+from collections.abc import AsyncIterator
+from dataclasses import asdict, dataclass
 
 import anyio
 import uvicorn
@@ -59,33 +58,32 @@ from starlette.routing import Route
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from mpserve import __version__
-from mpserve.client import AsyncClient, Result, Stream
 from mpserve.errors import ConfigError, ConnectionFailed, ErrorCode, MpserveError, UnknownModel
 from mpserve.models.progress import downloads
 from mpserve.wire.slots import SlotState, locate
 
-from . import access, console, limits, schema, slots
-from . import embeddings as emb
-from . import encode as enc
-from . import openai as oai
-from . import rerank as rr
-from . import tokens as tok
-from .admin import ADMIN_PREFIX, Admin
+from .api import embeddings as emb
+from .api import rerank as rr
+from .api import schema
+from .api import tokens as tok
+from .api.chat import Renderer, TemplateBudget
+from .api.dialect import OpenAI, Pipeline, sole_model
+from .api.messages import Messages
+from .api.messages import error_body as messages_error
+from .api.responses import Responses, ResponseStore, StoreBudget, stored_routes
 from .backend import Backend
-from .browser import BrowserGuard, host_names
-from .chat import Renderer, TemplateBudget
-from .dialect import DialectRoutes
-from .encode import JSONResponse
-from .guard import ConnectionLimits, uvicorn_options
-from .messages import Messages
-from .messages import error_body as messages_error
-from .metrics import CONTENT_TYPE, GatewayMetrics, ServerView
-from .monitor import RestartCounter, gpu_usage, health, monitor
-from .request_ids import RequestIds
-from .responses import Responses, ResponseStore, StoreBudget, stored_routes
-from .watch import ClientGone
-from .watch import first as _first
-from .watch import unless_disconnected as _unless_disconnected
+from .http import access, limits
+from .http.browser import BrowserGuard, host_names
+from .http.encode import JSONResponse
+from .http.errors import HttpError
+from .http.guard import ConnectionLimits, uvicorn_options
+from .http.request_ids import RequestIds
+from .http.watch import ClientGone
+from .http.watch import unless_disconnected as _unless_disconnected
+from .ops import console, slots
+from .ops.admin import ADMIN_PREFIX, Admin
+from .ops.metrics import CONTENT_TYPE, GatewayMetrics, ServerView
+from .ops.monitor import RestartCounter, gpu_usage, health, monitor
 
 log = logging.getLogger("mpserve.gateway")
 
@@ -113,9 +111,9 @@ class GatewayConfig:
     ssl_keyfile: str | None = None
     insecure: bool = False  # allow a network host without any key
     connections: ConnectionLimits = ConnectionLimits()  # open connections, header and body read timeouts
-    templates: TemplateBudget = TemplateBudget()  # a chat template's render: its time and output (gateway.chat)
+    templates: TemplateBudget = TemplateBudget()  # a chat template's render: its time and output (api.chat)
     responses: StoreBudget = StoreBudget()  # the bytes of stored responses, per API key and in all
-    allowed_origins: tuple[str, ...] = ()  # other origins whose pages may call it ("*": any); mpserve.gateway.browser
+    allowed_origins: tuple[str, ...] = ()  # other origins whose pages may call it ("*": any): http.browser
     allowed_hosts: tuple[str, ...] = ()  # more Host names than those of the address it serves
 
     @property
@@ -135,8 +133,7 @@ def create_app(config: GatewayConfig) -> Starlette:
     gateway = _Gateway(config)
     responses_api = Responses(ResponseStore(config.responses))
     routes = [
-        Route("/v1/completions", gateway.completions, methods=["POST"]),
-        Route("/v1/chat/completions", gateway.chat_completions, methods=["POST"]),
+        *gateway.pipeline.routes([OpenAI("completion"), OpenAI("chat")]),
         Route("/v1/models", gateway.list_models, methods=["GET"]),
         Route("/v1/embeddings", gateway.embeddings, methods=["POST"]),
         Route("/v1/rerank", gateway.rerank, methods=["POST"]),
@@ -148,7 +145,7 @@ def create_app(config: GatewayConfig) -> Starlette:
         Route("/backend/monitor", gateway.backend_monitor, methods=["GET"]),
         Route("/slots/{slot}", gateway.slot_action, methods=["POST"]),
         Route("/openapi.json", _openapi, methods=["GET"]),
-        *gateway.dialects.routes([responses_api, Messages()]),
+        *gateway.pipeline.routes([responses_api, Messages()]),
         *stored_routes(responses_api),
         *gateway.console.routes(),
         *Admin(gateway.backend, config.admin_key).routes(),
@@ -187,7 +184,7 @@ class _Gateway:
         self.restarts = RestartCounter()
         self.console = console.Console(self.backend, self.metrics)
         self.renderer = Renderer(config.templates)
-        self.dialects = DialectRoutes(self.backend, self.metrics, config.connections.read_timeout, self.renderer)
+        self.pipeline = Pipeline(self.backend, self.metrics, config.connections.read_timeout, self.renderer)
 
     @contextlib.asynccontextmanager
     async def lifespan(self, app: Starlette) -> AsyncIterator[None]:
@@ -216,91 +213,9 @@ class _Gateway:
                 return
             await asyncio.sleep(SAMPLE_INTERVAL_S)
 
-    # --- generation -----------------------------------------------------------------------------
-
-    async def completions(self, request: Request) -> Response:
-        return await self._generate(request, "completion")
-
-    async def chat_completions(self, request: Request) -> Response:
-        return await self._generate(request, "chat")
-
-    async def _generate(self, request: Request, kind: oai.Kind) -> Response:
-        endpoint = request.scope["path"]
-        started = time.perf_counter()
-        try:
-            body = await limits.read_json(request, self.config.connections.read_timeout)
-            limits.check_sizes(body)
-            call = oai.parse(kind, body)
-            client = await self.backend.client()
-            model = call.model or _sole_model(client)
-            if kind == "chat":
-                call = await call.with_chat_template(await self.backend.chat_template(model), self.renderer, model)
-            elif call.echo and not isinstance(call.prompt, str):  # the text of a token prompt, to echo
-                call = call.with_echo_text(await client.detokenize(call.prompt, model=call.model))
-        except MpserveError as exc:
-            return self._failed(endpoint, exc)
-        except (limits.Refused, ClientDisconnect) as exc:
-            return self._unread(endpoint, exc)
-        reply = oai.Reply(call, model)
-        if call.stream:
-            return await self._stream(request, client, call, reply, started)
-        try:
-            results = await _unless_disconnected(request, client.choices(
-                call.prompt, model=call.model, request_id=request.state.request_id, **call.generate_kwargs()))
-        except ClientGone:
-            self.metrics.outcome(endpoint, ErrorCode.CANCELLED)
-            return Response(status_code=204)  # nobody reads it
-        except MpserveError as exc:
-            return self._failed(endpoint, exc)
-        self._done(endpoint, reply.model, results, started)
-        return JSONResponse(reply.whole(call.shown(results), results), headers=call.headers())
-
-    async def _stream(self, request: Request, client: AsyncClient, call: oai.Call, reply: oai.Reply,
-                      started: float) -> Response:
-        endpoint = request.scope["path"]
-        try:
-            stream = client.stream(call.prompt, model=call.model, request_id=request.state.request_id,
-                                   **call.generate_kwargs())  # checks the params
-            chunks = stream.__aiter__()  # submits the request on its first step
-            first = await _unless_disconnected(request, _first(chunks))
-        except ClientGone:
-            self.metrics.outcome(endpoint, ErrorCode.CANCELLED)
-            return Response(status_code=204)
-        except MpserveError as exc:
-            return self._failed(endpoint, exc)
-        return enc.EventStream(self._events(endpoint, stream, chunks, first, reply, started), call.headers())
-
-    async def _events(self, endpoint: str, stream: Stream, chunks: AsyncIterator[str], first: str | None,
-                      reply: oai.Reply, started: float) -> AsyncGenerator[bytes, None]:
-        """The answer's events; those of chunks that arrived together leave together (one send)."""
-        ended = False
-        ready = bytearray()  # events not sent yet: the next chunk has arrived too
-        try:
-            async for text in _after(first, chunks):
-                ready += enc.events(reply.chunks(text, stream.chunk_logprobs, stream.chunk_index))
-                if not stream.arrived:
-                    yield bytes(ready)
-                    ready.clear()
-            assert stream.result is not None
-            self._done(endpoint, reply.model, stream.results, started)
-            ended = True
-            yield bytes(ready + enc.events(reply.last(stream.results, stream.done_logprobs)) + enc.DONE)
-        except MpserveError as exc:
-            ended = True
-            self.metrics.outcome(endpoint, exc.code)
-            yield bytes(ready + enc.event(oai.HttpError.from_mpserve(exc).body()))
-        finally:
-            if not ended:
-                self.metrics.outcome(endpoint, ErrorCode.CANCELLED)
-            await chunks.aclose()  # type: ignore[attr-defined]  # an async generator: cancels the request
-
-    def _done(self, endpoint: str, model: str, results: list[Result], started: float) -> None:
-        self.metrics.outcome(endpoint, "ok")
-        self.metrics.done(model, replace(results[0], usage=oai.total_usage(results)), time.perf_counter() - started)
-
     def _failed(self, endpoint: str, exc: MpserveError) -> Response:
         self.metrics.outcome(endpoint, exc.code)
-        return _error_response(oai.HttpError.from_mpserve(exc))
+        return _error_response(HttpError.from_mpserve(exc))
 
     def _unread(self, endpoint: str, exc: limits.Refused | ClientDisconnect) -> Response:
         """The answer to a body that was not read whole: refused (the rest of it is not read, so the connection
@@ -330,7 +245,7 @@ class _Gateway:
         except (limits.Refused, ClientDisconnect) as exc:
             return self._unread(request.scope["path"], exc)
         self.metrics.outcome(request.scope["path"], "ok")
-        return JSONResponse(emb.answer(result, call.model or _sole_model(client), call.encoding_format))
+        return JSONResponse(emb.answer(result, call.model or sole_model(client), call.encoding_format))
 
     async def rerank(self, request: Request) -> Response:
         endpoint = "/v1/rerank"  # and its alias /rerank
@@ -347,7 +262,7 @@ class _Gateway:
         except (limits.Refused, ClientDisconnect) as exc:
             return self._unread(endpoint, exc)
         self.metrics.outcome(endpoint, "ok")
-        return JSONResponse(rr.answer(call, result, call.model or _sole_model(client)))
+        return JSONResponse(rr.answer(call, result, call.model or sole_model(client)))
 
     async def tokenize(self, request: Request) -> Response:
         try:
@@ -398,7 +313,7 @@ class _Gateway:
     async def list_models(self, request: Request) -> Response:
         stats = await self.backend.stats()
         if stats is None:
-            return _error_response(oai.HttpError.from_mpserve(self._unreachable()))
+            return _error_response(HttpError.from_mpserve(self._unreachable()))
         local = self.backend.read_slots()
         created = int(local.server.started) if local is not None else 0
         return JSONResponse({"object": "list", "data": [
@@ -428,13 +343,13 @@ class _Gateway:
         if local is None and downloads():  # a server that is still downloading its models: what it downloads
             return JSONResponse(await asyncio.to_thread(monitor, [], None))
         if local is None:
-            return _error_response(oai.HttpError.from_mpserve(ConnectionFailed(
+            return _error_response(HttpError.from_mpserve(ConnectionFailed(
                 f"the backend monitor reads the slot table of a server on this host; none is running at "
                 f"{self.backend.address}")))
         model = request.query_params.get("model")
         served = sorted({r.model for r in local.rows if r.state is not SlotState.EMPTY})
         if model is not None and model not in served:
-            return _error_response(oai.HttpError.from_mpserve(UnknownModel(
+            return _error_response(HttpError.from_mpserve(UnknownModel(
                 f"model {model!r} is not served here; served models: {', '.join(served)}")))
         # /proc/PID/smaps_rollup walks the process's page tables, NVML is a driver call: off the event loop
         rows = local.rows
@@ -446,24 +361,11 @@ class _Gateway:
 
 # --- helpers ------------------------------------------------------------------------------------
 
-def _sole_model(client: AsyncClient) -> str:
-    """The model a request that names none runs on (the broker refuses it when several are served)."""
-    return client.models[0] if len(client.models) == 1 else ""
-
-
-async def _after(first: str | None, chunks: AsyncIterator[str]) -> AsyncIterator[str]:
-    """``first`` (unless None), then ``chunks``."""
-    if first is not None:
-        yield first
-    async for text in chunks:
-        yield text
-
-
 async def _openapi(request: Request) -> Response:
     return JSONResponse(schema.document(__version__))
 
 
-def _error_response(err: oai.HttpError) -> JSONResponse:
+def _error_response(err: HttpError) -> JSONResponse:
     return JSONResponse(err.body(), err.status, headers=err.headers())
 
 
@@ -471,7 +373,7 @@ async def _http_error(request: Request, exc: Exception) -> Response:
     """Starlette's own errors (no such route, wrong method) in OpenAI's shape."""
     assert isinstance(exc, HTTPException)
     code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code, "http_error")
-    return _error_response(oai.HttpError(exc.status_code, code, f"{request.method} {request.url.path}: {exc.detail}"))
+    return _error_response(HttpError(exc.status_code, code, f"{request.method} {request.url.path}: {exc.detail}"))
 
 
 class _RequireKey:
@@ -488,7 +390,7 @@ class _RequireKey:
             headers = dict(scope["headers"])
             given = headers.get(b"authorization") or b"Bearer " + headers.get(b"x-api-key", b"")
             if not access.any_matches(given, self._expected):
-                err = oai.HttpError(401, "invalid_api_key", "a valid API key is required: send the header "
+                err = HttpError(401, "invalid_api_key", "a valid API key is required: send the header "
                                     "'Authorization: Bearer KEY' (or 'x-api-key: KEY')")
                 body = messages_error(err) if scope["path"] == Messages.path else err.body()
                 await JSONResponse(body, err.status)(scope, receive, send)

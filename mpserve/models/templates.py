@@ -13,7 +13,7 @@ formats, as Hugging Face chat templates: ``messages`` with ``add_generation_prom
 engines add BOS). ``chatml`` is the gateway's own default prompt (``""``: no template, which also stops at
 ``<|im_end|>``). Tool calls in a conversation's history, and tools' answers, are written as the gateway's
 tools prompt asks for them (``<tool_call>`` and ``<tool_response>``, Hermes' format), so a family template
-and the ChatML default read tool calls the same way (``mpserve.gateway.tools.parser_for``). A system or
+and the ChatML default read tool calls the same way (``mpserve.gateway.api.tools.parser_for``). A system or
 developer message goes where the family puts it: its own turn, or before the first user message (Gemma,
 Mistral).
 """

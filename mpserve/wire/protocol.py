@@ -174,7 +174,7 @@ def _limit(key: str, value: str, max_chars: int, bad: type[Exception]) -> None:
 @dataclass(frozen=True)
 class ChatTemplate:
     """A model's chat template as it travels: read by the worker that loads the model (READY), kept by the
-    broker per model (STATS), rendered by the gateway (``mpserve.gateway.chat``)."""
+    broker per model (STATS), rendered by the gateway (``mpserve.gateway.api.chat``)."""
 
     template: str = ""  # Jinja2 source; "" when the model has none
     bos_token: str = ""

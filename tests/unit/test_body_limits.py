@@ -1,4 +1,4 @@
-"""The request body's limits (mpserve.gateway.limits) on their own, on a Starlette request fed through ASGI's
+"""The request body's limits (mpserve.gateway.http.limits) on their own, on a Starlette request fed through ASGI's
 receive: each limit holds at its bound and one past it, and each refusal names its limit. tests/test_limits.py
 proves the same over a real socket; these fail on a one-line change to a bound or a check."""
 
@@ -12,7 +12,7 @@ import pytest
 from starlette.requests import Request
 
 from mpserve.errors import BadRequest
-from mpserve.gateway import limits
+from mpserve.gateway.http import limits
 from mpserve.wire import protocol as wire
 
 pytestmark = pytest.mark.timeout(20)

@@ -8,7 +8,7 @@ import time
 import pytest
 
 from mpserve.errors import BadRequest
-from mpserve.gateway.chat import TemplateBudget, render
+from mpserve.gateway.api.chat import TemplateBudget, render
 from mpserve.wire.protocol import ChatTemplate
 
 pytestmark = pytest.mark.timeout(10)

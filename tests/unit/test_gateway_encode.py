@@ -10,8 +10,8 @@ from typing import Any
 
 import pytest
 
-from mpserve.gateway import encode
-from mpserve.gateway.guard import _Coalesced
+from mpserve.gateway.http import encode
+from mpserve.gateway.http.guard import _Coalesced
 
 pytestmark = pytest.mark.timeout(30)
 

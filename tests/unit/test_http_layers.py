@@ -16,9 +16,9 @@ ASGI = "run_asgi (uvicorn/protocols/http/httptools_impl.py:420);__call__ (starle
 def test_each_sample_goes_to_its_innermost_frame_that_has_a_layer() -> None:
     raw = [
         f"{LOOP};EpollSelector.select (selectors.py:468) 40",  # the poll's system call: the loop's
-        f"{LOOP};{ASGI};_generate (/srv/mpserve/gateway/app.py:243);__init__ (<string>:3) 30",  # a dataclass's
+        f"{LOOP};{ASGI};serve (/srv/mpserve/gateway/api/dialect.py:165);__init__ (<string>:3) 30",  # a dataclass's
         f"{LOOP};_on_events (/srv/mpserve/client.py:473);decode (/srv/mpserve/wire/protocol.py:1312) 20",
-        f"{LOOP};data_received (/srv/mpserve/gateway/guard.py:95) 10",
+        f"{LOOP};data_received (/srv/mpserve/gateway/http/guard.py:95) 10",
         "",
     ]
     assert list(layer_shares(raw).items()) == [

@@ -198,7 +198,7 @@ def test_models_are_decided_apart_and_the_wake_is_the_nearest_wait() -> None:
 
 
 def test_metrics_carry_bounds_and_scale_events_by_reason_through_the_wire() -> None:
-    from mpserve.gateway.metrics import GatewayMetrics, ServerView
+    from mpserve.gateway.ops.metrics import GatewayMetrics, ServerView
     from mpserve.wire import protocol as wire
 
     scaling = wire.ModelScaling(1, 3, 4, starting=1, events={"start_queue": 2, "stop_idle": 1,
@@ -215,7 +215,7 @@ def test_metrics_carry_bounds_and_scale_events_by_reason_through_the_wire() -> N
 
 
 def test_a_model_scaled_to_zero_counts_as_able_to_serve_for_health() -> None:
-    from mpserve.gateway.monitor import health
+    from mpserve.gateway.ops.monitor import health
     from mpserve.wire import protocol as wire
 
     def stats(low: int, high: int) -> wire.Stats:

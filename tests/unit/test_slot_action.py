@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from mpserve.errors import BadRequest
-from mpserve.gateway import slots
+from mpserve.gateway.ops import slots
 from mpserve.wire import protocol as wire
 from mpserve.wire.slots import CacheRow, SlotRow, SlotState, locate
 

@@ -1,4 +1,4 @@
-"""Tool calls (mpserve.gateway.tools and the chat shapes in mpserve.gateway.openai): the parsers on outputs
+"""Tool calls (mpserve.gateway.api.tools and the chat shapes in mpserve.gateway.api.openai): the parsers on outputs
 of each model family, written by hand from the formats' documentation, malformed ones included (plain
 content, never an error); the tools prompt of the ChatML default; streamed replies held back and
 reassembled."""
@@ -14,9 +14,9 @@ import pytest
 
 from mpserve.client import Result
 from mpserve.errors import BadRequest
-from mpserve.gateway import openai as oai
-from mpserve.gateway import tools as tc
-from mpserve.gateway.chat import Renderer
+from mpserve.gateway.api import openai as oai
+from mpserve.gateway.api import tools as tc
+from mpserve.gateway.api.chat import Renderer
 from mpserve.wire import protocol as wire
 from mpserve.wire.protocol import ChatTemplate
 

@@ -30,6 +30,7 @@ from typing import Any
 from mpserve.client import Result
 from mpserve.errors import BadRequest
 
+from ..http.errors import HttpError
 from . import openai as oai
 from .dialect import event, finish_reason
 
@@ -76,11 +77,11 @@ class Messages:
         return MessageAnswer(oai.parse("chat", {k: v for k, v in chat.items() if v is not None}))
 
     @staticmethod
-    def error_body(error: oai.HttpError) -> dict[str, Any]:
+    def error_body(error: HttpError) -> dict[str, Any]:
         return error_body(error)
 
 
-def error_body(error: oai.HttpError) -> dict[str, Any]:
+def error_body(error: HttpError) -> dict[str, Any]:
     """Anthropic's error shape; the type by status (``api_error`` for the other 5xx)."""
     kind = ERROR_TYPES.get(error.status, "api_error" if error.status >= 500 else "invalid_request_error")
     return {"type": "error", "error": {"type": kind, "message": error.message}}
@@ -259,7 +260,7 @@ class MessageAnswer:
                 _event("message_stop")]
 
     @staticmethod
-    def failed(error: oai.HttpError) -> bytes:
+    def failed(error: HttpError) -> bytes:
         return event("error", error_body(error))
 
     def _message(self, model: str, content: list[dict[str, Any]], stop_reason: str | None) -> dict[str, Any]:

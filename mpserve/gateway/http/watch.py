@@ -1,5 +1,5 @@
 """The HTTP client while its answer is made: the wait that notices it leave before the answer starts. Shared by
-every generating endpoint (``app``, ``dialect``); once an event stream starts, ``encode.EventStream`` watches.
+every generating endpoint (``api.dialect``) and ``app``; once an event stream starts, ``encode.EventStream`` watches.
 
     request ──unless_disconnected(work)──▶ work's result, or ClientGone (work cancelled: the mpserve request
                                            is cancelled with it)

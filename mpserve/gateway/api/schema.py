@@ -1,6 +1,6 @@
 """The gateway's OpenAPI 3.0 document (``GET /openapi.json``), built from the same limits the code enforces,
-so standard tools can check and fuzz the API. Error statuses are those ``errors.CODES``, ``limits`` and
-``guard`` answer with; the 5xx ones a client may see are 502 (an instance died or stalled), 503 (no server,
+so standard tools can check and fuzz the API. Error statuses are those ``errors.CODES``, ``http.limits`` and
+``http.guard`` answer with; the 5xx ones a client may see are 502 (an instance died or stalled), 503 (no server,
 shutting down, a model that failed or does not fit) and 504 (the request's timeout).
 """
 
@@ -10,9 +10,10 @@ from typing import Any
 
 from mpserve.wire import protocol as wire
 
+from ..http import limits
 from . import embeddings as emb
-from . import limits, responses
 from . import openai as oai
+from . import responses
 from . import tools as tc
 
 ERROR_STATUSES = {
@@ -122,7 +123,7 @@ def _get(what: str, media: str, errors: dict[str, Any]) -> dict[str, Any]:
 
 
 def _admin(errors: dict[str, Any]) -> dict[str, Any]:
-    """The control API (``gateway.admin``): its own key; 404 on every path while the gateway has none."""
+    """The control API (``ops.admin``): its own key; 404 on every path while the gateway has none."""
     answers = {k: errors[k] for k in ("400", "404", "503")} | {"401": {
         "description": "no valid admin key", "content": {"application/json": {"schema": {
             "$ref": "#/components/schemas/Error"}}}}}

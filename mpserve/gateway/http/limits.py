@@ -23,7 +23,7 @@ from starlette.requests import Request
 from mpserve.errors import BadRequest
 from mpserve.wire import protocol as wire
 
-from . import openai as oai
+from .errors import HttpError
 
 MAX_BODY_BYTES = wire.MAX_MESSAGE_BYTES
 MAX_JSON_DEPTH = 32  # an OpenAI body needs five levels (messages, a message, its content parts, a part)
@@ -35,7 +35,7 @@ _LONE_SURROGATE = re.compile("[\ud800-\udfff]")
 class Refused(Exception):
     """A body refused with a status of its own (413, 408), as an OpenAI error."""
 
-    def __init__(self, error: oai.HttpError) -> None:
+    def __init__(self, error: HttpError) -> None:
         super().__init__(error.message)
         self.error = error
 
@@ -48,7 +48,7 @@ async def read_json(request: Request, timeout: float) -> Any:
     try:
         body = await asyncio.wait_for(_read(request), timeout)
     except asyncio.TimeoutError:
-        raise Refused(oai.HttpError(408, "request_timeout", f"the request body did not arrive within {timeout:g} s "
+        raise Refused(HttpError(408, "request_timeout", f"the request body did not arrive within {timeout:g} s "
                                     "(the gateway's read timeout)")) from None
     try:
         value = json.loads(body)
@@ -62,7 +62,7 @@ async def read_json(request: Request, timeout: float) -> Any:
 
 
 def check_sizes(body: Any) -> None:
-    """Refuse what is too large to render or send before ``openai.parse`` looks at it."""
+    """Refuse what is too large to render or send before ``api.openai.parse`` looks at it."""
     if not isinstance(body, dict):
         return  # parse refuses it
     prompt, messages = body.get("prompt"), body.get("messages")
@@ -82,7 +82,7 @@ async def _read(request: Request) -> bytes:
 
 
 def _too_large(size: int) -> Refused:
-    return Refused(oai.HttpError(413, "request_too_large", f"the request body is {size} bytes or more; at most "
+    return Refused(HttpError(413, "request_too_large", f"the request body is {size} bytes or more; at most "
                                  f"{MAX_BODY_BYTES} (MAX_BODY_BYTES)"))
 
 

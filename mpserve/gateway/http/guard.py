@@ -44,7 +44,7 @@ from typing import Any, cast
 
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
-from . import openai as oai
+from .errors import HttpError
 
 log = logging.getLogger("mpserve.gateway")
 
@@ -69,7 +69,7 @@ def uvicorn_options(limits: ConnectionLimits) -> dict[str, Any]:
     return {"http": bound, "ws": "none", "timeout_keep_alive": limits.keep_alive}
 
 
-def raw_response(err: oai.HttpError) -> bytes:
+def raw_response(err: HttpError) -> bytes:
     """A whole HTTP/1.1 response that closes the connection, for answers outside any request cycle."""
     body = json.dumps(err.body()).encode()
     headers = {"content-type": "application/json", "content-length": str(len(body)), "connection": "close",
@@ -94,7 +94,7 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
     _refused = False  # over a limit: nothing it sends is read
     _peer: str | None = None  # the client address it is counted under
     _health_only = False  # over max_connections, within the reserve: GET /health alone is answered
-    _refusal: oai.HttpError | None = None  # why a request is refused, where it is known
+    _refusal: HttpError | None = None  # why a request is refused, where it is known
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(cast(asyncio.Transport, _Coalesced(transport, self.loop)))
@@ -147,12 +147,12 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
         self._disarm()
         upgrade = self.parser.should_upgrade()  # httptools then reads no body: what follows is the new protocol's
         if upgrade and _declares_body(self.headers):
-            self._refusal = oai.HttpError(400, "invalid_http", "a request that asks for an Upgrade cannot carry a "
+            self._refusal = HttpError(400, "invalid_http", "a request that asks for an Upgrade cannot carry a "
                                           "body here (the gateway has no WebSocket route): send it without the "
                                           "Upgrade header")
             raise _Refused
         if self._health_only and (self.parser.get_method() != b"GET" or self.url.partition(b"?")[0] != HEALTH_PATH):
-            self._refusal = oai.HttpError(503, "too_many_connections", self._full() + " (connections past it "
+            self._refusal = HttpError(503, "too_many_connections", self._full() + " (connections past it "
                                           "answer GET /health alone)", self.limits.retry_after)
             raise _Refused
         super().on_headers_complete()
@@ -169,7 +169,7 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
         super().on_response_complete()
 
     def send_400_response(self, msg: str) -> None:
-        self._close_with(self._refusal or oai.HttpError(400, "invalid_http", f"{msg} (not HTTP/1.1)"))
+        self._close_with(self._refusal or HttpError(400, "invalid_http", f"{msg} (not HTTP/1.1)"))
 
     def _unsupported_upgrade_warning(self) -> None:
         log.debug("an Upgrade request answered as plain HTTP (the gateway has no WebSocket route)")
@@ -185,10 +185,10 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
 
     def _refuse(self, why: str) -> None:
         self._refused = True
-        self._close_with(oai.HttpError(503, "too_many_connections", why, self.limits.retry_after))
+        self._close_with(HttpError(503, "too_many_connections", why, self.limits.retry_after))
 
-    def _head_too_large(self) -> oai.HttpError:
-        return oai.HttpError(400, "invalid_http", f"request line and headers over "
+    def _head_too_large(self) -> HttpError:
+        return HttpError(400, "invalid_http", f"request line and headers over "
                              f"{self.limits.max_header_bytes} bytes (the gateway's limit)")
 
     def _arm(self) -> None:
@@ -203,12 +203,12 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
     def _too_slow(self) -> None:
         self._deadline = None
         if self._awaiting_head:  # part of a request's head came, or none at all
-            self._close_with(oai.HttpError(408, "request_timeout", f"the request headers did not arrive within "
+            self._close_with(HttpError(408, "request_timeout", f"the request headers did not arrive within "
                                            f"{self.limits.read_timeout:g} s (the gateway's read timeout)"))
         elif not self.transport.is_closing():
             self.transport.close()  # what is left of a request whose answer has gone out
 
-    def _close_with(self, err: oai.HttpError) -> None:
+    def _close_with(self, err: HttpError) -> None:
         if not self.transport.is_closing():
             self.transport.write(raw_response(err))
             self.transport.close()

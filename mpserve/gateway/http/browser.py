@@ -27,7 +27,7 @@ from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any
 
 from . import access
-from .openai import HttpError
+from .errors import HttpError
 
 Scope = MutableMapping[str, Any]
 Message = MutableMapping[str, Any]

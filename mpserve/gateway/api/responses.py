@@ -40,6 +40,7 @@ from mpserve.client import Result
 from mpserve.errors import BadRequest
 from mpserve.wire import protocol as wire
 
+from ..http.errors import HttpError
 from . import openai as oai
 from .dialect import event, finish_reason, owner
 
@@ -187,7 +188,7 @@ class Responses:
         return ResponseAnswer(call, echo, conversation, self.store, owner)
 
     @staticmethod
-    def error_body(error: oai.HttpError) -> dict[str, Any]:
+    def error_body(error: HttpError) -> dict[str, Any]:
         return error.body()
 
 
@@ -346,7 +347,7 @@ class ResponseAnswer:
         kind = "response.completed" if response["status"] == "completed" else "response.incomplete"
         return [*out, self._event(kind, response=response)]
 
-    def failed(self, error: oai.HttpError) -> bytes:
+    def failed(self, error: HttpError) -> bytes:
         return self._event("error", code=error.code, message=error.message, param=None)
 
     # --- building ---
@@ -469,4 +470,4 @@ def stored_routes(responses: Responses) -> list[Route]:
 
 
 def _not_found(exc: NotStored) -> JSONResponse:
-    return JSONResponse(oai.HttpError(404, "not_found", exc.message).body(), 404)
+    return JSONResponse(HttpError(404, "not_found", exc.message).body(), 404)

@@ -6,7 +6,7 @@
                                            counters, from which come the tokens/s series and the outcomes
                                            of the last minutes
     GET /console/state ──▶ STATS (queues, remote pools) + slot table + Activity + GPUs and permits ──▶ JSON
-    GET /, /console, /static/console.{css,js} ──▶ the files in mpserve/gateway/static (plain HTML, CSS, JavaScript)
+    GET /, /console, /static/console.{css,js} ──▶ the files in mpserve/gateway/ops/static (plain HTML, CSS, JavaScript)
 
 The page and its files hold no data and are served without the API key; the state is behind the key like
 every other route (the gateway's middleware), so without the key the page shows nothing but its key prompt.
@@ -44,7 +44,7 @@ from mpserve.models.progress import downloads
 from mpserve.wire import protocol as wire
 from mpserve.wire.slots import SlotRow, SlotState, instance_slots
 
-from .backend import Backend, LocalSlots
+from ..backend import Backend, LocalSlots
 from .metrics import GatewayMetrics
 from .monitor import state_of
 

@@ -29,8 +29,8 @@ from starlette.routing import Route
 from mpserve.errors import BadRequest, MpserveError
 from mpserve.wire import protocol as wire
 
-from . import openai as oai
-from .backend import Backend
+from ..backend import Backend
+from ..http.errors import HttpError
 
 ADMIN_PREFIX = "/admin/"
 _OPS = ("load", "unload", "scale")
@@ -55,7 +55,7 @@ class Admin:
     async def call(self, request: Request) -> Response:
         op = request.path_params["op"]
         if op not in _OPS:
-            return _error(oai.HttpError(404, "not_found", f"no admin call {op!r}; calls: {', '.join(_OPS)}"))
+            return _error(HttpError(404, "not_found", f"no admin call {op!r}; calls: {', '.join(_OPS)}"))
         return await self._control(request, op, request.path_params["name"])
 
     async def _control(self, request: Request, op: str, model: str | None = None) -> Response:
@@ -67,14 +67,14 @@ class Admin:
             client = await self._backend.admin()
             reply = await client.control(op, given.pop("name", model), **given)
         except MpserveError as exc:
-            return _error(oai.HttpError.from_mpserve(exc))
+            return _error(HttpError.from_mpserve(exc))
         return JSONResponse({"message": reply.message, "models": [asdict(m) for m in reply.models]})
 
-    def _refused(self, request: Request) -> oai.HttpError | None:
+    def _refused(self, request: Request) -> HttpError | None:
         if self._expected is None:
-            return oai.HttpError(404, "not_found", "the control API is off; start the gateway with --admin-key")
+            return HttpError(404, "not_found", "the control API is off; start the gateway with --admin-key")
         if not hmac.compare_digest(request.headers.get("authorization", "").encode(), self._expected):
-            return oai.HttpError(401, "invalid_admin_key", "a valid admin key is required: send the header "
+            return HttpError(401, "invalid_admin_key", "a valid admin key is required: send the header "
                                  "'Authorization: Bearer ADMIN_KEY'")
         return None
 
@@ -100,5 +100,5 @@ async def _body(request: Request, op: str) -> dict[str, Any]:
     return body
 
 
-def _error(err: oai.HttpError) -> JSONResponse:
+def _error(err: HttpError) -> JSONResponse:
     return JSONResponse(err.body(), err.status, headers=err.headers())

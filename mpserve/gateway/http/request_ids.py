@@ -19,7 +19,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from mpserve.client import check_request_id, request_ids
 from mpserve.errors import BadRequest
 
-from .openai import HttpError
+from .errors import HttpError
 
 HEADER = b"x-request-id"
 

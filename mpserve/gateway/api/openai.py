@@ -1,6 +1,7 @@
-"""OpenAI's HTTP shapes: request bodies in, mpserve parameters out; results and errors out in OpenAI's form.
+"""OpenAI's HTTP shapes: request bodies in, mpserve parameters out; results out in OpenAI's form (its errors:
+``http.errors``).
 
-No I/O here, so that ``gateway.py`` keeps only the routing and this mapping can be read (and tested) alone.
+No I/O here, so that the pipeline (``dialect``) only serves and this mapping can be read (and tested) alone.
 
 Parameters. ``max_tokens`` (chat also ``max_completion_tokens``), ``temperature``, ``top_p``, ``seed``,
 ``stop`` (a string or a list), ``presence_penalty``, ``frequency_penalty`` and ``logit_bias`` (token id to
@@ -8,15 +9,15 @@ bias) map one to one; ``top_k``, ``repeat_penalty``, ``min_p``, ``typical_p`` an
 too (llama.cpp's and llama-server's names), and ``speculative_n_max`` (drafts a step; 0: no speculation).
 They are then checked by ``protocol.GenerateParams``, so the
 HTTP and ZeroMQ paths refuse the same values with the same words. ``logprobs`` (chat: with ``top_logprobs``)
-come back in OpenAI's shapes (``gateway.logprobs``). ``echo`` (completions) puts the prompt before the
+come back in OpenAI's shapes (``logprobs``). ``echo`` (completions) puts the prompt before the
 completion and, with ``logprobs``, its tokens' log-probabilities before the completion's (the first one's
 null, as OpenAI sends it; text offsets from the start of the prompt). ``n`` choices run together in one
 instance, which computes the prompt once; choice i is seeded with ``seed + i``; each comes with its index
 (streamed: each chunk too), tool calls read per choice; ``best_of`` (completions) returns the n best of
-that many (``gateway.best_of``). What mpserve cannot do (``suffix``, ...) is refused with 400 naming the
+that many (``best_of``). What mpserve cannot do (``suffix``, ...) is refused with 400 naming the
 parameter, unless it is sent at its neutral value (``suffix: ""``, ...), which clients often do.
 llama-server's extensions (``cache_prompt``, ``n_predict``, ``n_probs``, ...) are mapped or ignored as
-``gateway.extensions`` says; other unrecognised keys are refused like OpenAI refuses them. A ``null`` value
+``extensions`` says; other unrecognised keys are refused like OpenAI refuses them. A ``null`` value
 means "not given".
 
 Defaults are OpenAI's (``OPENAI_DEFAULTS``): what a request leaves out is sampled at temperature 1 with
@@ -24,14 +25,14 @@ top_p 1, no top-k and no repeat penalty, so a request sent here as to OpenAI's A
 min-p 0.05 stays). The ZeroMQ client keeps llama.cpp's defaults (``protocol.GenerateParams``).
 
 Chat prompts are formatted with the model's own chat template, from its GGUF (``Call.with_chat_template``,
-``mpserve.gateway.chat``: within a time and output budget, off the event loop); a model without one gets a
+``mpserve.gateway.api.chat``: within a time and output budget, off the event loop); a model without one gets a
 ChatML default (``chat_prompt``), which also stops generation at ``<|im_end|>``.
 
 Structured output: ``response_format`` ``{"type": "json_object"}`` (any JSON object) or ``{"type":
 "json_schema", "json_schema": {"name", "schema", "strict"}}``, and llama-server's ``grammar`` (GBNF) and
 ``json_schema`` extensions, become ``GenerateParams.json_schema`` / ``grammar`` (checked and compiled by
 ``mpserve.structured``, as on the ZeroMQ path). Tools (chat): ``tools``, ``tool_choice`` and
-``parallel_tool_calls`` as ``mpserve.gateway.tools`` describes; history messages may carry assistant
+``parallel_tool_calls`` as ``mpserve.gateway.api.tools`` describes; history messages may carry assistant
 ``tool_calls`` and ``role: "tool"`` answers.
 """
 
@@ -40,7 +41,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
-import math
 import time
 import uuid
 from dataclasses import dataclass
@@ -49,7 +49,7 @@ from typing import Any, Literal
 import msgspec
 
 from mpserve.client import Result
-from mpserve.errors import BadRequest, MpserveError, http_status
+from mpserve.errors import BadRequest
 from mpserve.structured import JSON_OBJECT_SCHEMA, canonical_json
 from mpserve.wire import protocol as wire
 from mpserve.wire.protocol import ChatTemplate
@@ -119,10 +119,6 @@ class Call:
 
     def with_echo_text(self, text: str) -> Call:
         return dataclasses.replace(self, echo_text=text)
-
-    def generate_kwargs(self) -> dict[str, Any]:
-        """Keyword arguments for ``AsyncClient.choices`` / ``stream`` (``n`` among them)."""
-        return msgspec.structs.asdict(self.params)
 
     async def with_chat_template(self, chat: ChatTemplate, renderer: Renderer, model: str) -> Call:
         """A chat's prompt from ``model``'s template, rendered by ``renderer`` (off the event loop); without one,
@@ -529,37 +525,3 @@ def usage(u: wire.Usage, cached: int) -> dict[str, Any]:
     (``timings.cached_tokens``), counted in ``prompt_tokens`` too, as OpenAI counts them."""
     return {"prompt_tokens": u.prompt_tokens, "completion_tokens": u.completion_tokens,
             "total_tokens": u.total_tokens, "prompt_tokens_details": {"cached_tokens": cached}}
-
-
-# --- errors -------------------------------------------------------------------------------------
-
-@dataclass(frozen=True)
-class HttpError:
-    """An error as OpenAI sends it: ``{"error": {"message", "type", "param", "code"}}``; ``code`` is the
-    stable mpserve code (or a gateway one: ``invalid_api_key``, ``not_found``, ``method_not_allowed``)."""
-
-    status: int
-    code: str
-    message: str
-    retry_after: float | None = None
-
-    @classmethod
-    def from_mpserve(cls, exc: MpserveError) -> HttpError:
-        return cls(http_status(exc.code), exc.code, exc.message, exc.retry_after)
-
-    @property
-    def type(self) -> str:
-        if self.status == 401:
-            return "authentication_error"
-        if self.status == 429:
-            return "rate_limit_error"
-        return "invalid_request_error" if self.status < 500 else "server_error"
-
-    def body(self) -> dict[str, Any]:
-        return {"error": {"message": self.message, "type": self.type, "param": None, "code": self.code}}
-
-    def headers(self) -> dict[str, str]:
-        """``Retry-After`` (whole seconds, at least 1) on 429 and 503: both are worth retrying."""
-        if self.status not in (429, 503):
-            return {}
-        return {"Retry-After": str(max(1, math.ceil(self.retry_after or 1)))}

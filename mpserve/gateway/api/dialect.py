@@ -1,0 +1,247 @@
+"""The generation pipeline: every endpoint that generates text is a dialect of it. OpenAI's completions and
+chat completions are the plain case (``OpenAI``: the request is the call, the answer is the completion);
+OpenAI's Responses (``responses``) and Anthropic's Messages (``messages``) translate into a chat call and out
+of the chat completion, so templates, tools, structured output, limits, the broker path and metrics are one.
+
+    HTTP body ──limits──▶ Dialect.parse ──▶ Answer (its Call: openai.parse, of the translated body for a dialect)
+        ──▶ prepared: a chat's prompt from the model's chat template; an echoed token prompt's text
+        ──▶ AsyncClient.choices / stream, with the call's GenerateParams as they are ──▶ the broker
+    results ──openai.Reply──▶ the completion, or its chunks ──Answer──▶ the dialect's object, or events
+    any failure ──▶ Dialect.error_body: the dialect's own error shape, with the status of HttpError
+
+A streamed answer starts once its first text is ready, so what fails early (busy queue, unknown model, bad
+parameters) gets its own status; a failure after that is the stream's last event (``Answer.failed``). The
+events of chunks that arrived together leave in one send. A client that leaves, while queued, running or
+streaming, cancels its request. ``owner`` names whose API key sent a request, for what a dialect keeps per key.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import time
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Sequence
+from dataclasses import dataclass, replace
+from typing import Any, Protocol
+
+from starlette.requests import ClientDisconnect, Request
+from starlette.responses import Response
+from starlette.routing import Route
+
+from mpserve.client import AsyncClient, Result, Stream
+from mpserve.errors import ErrorCode, MpserveError
+
+from ..backend import Backend
+from ..http import encode, limits
+from ..http.encode import EventStream, JSONResponse
+from ..http.errors import HttpError
+from ..http.watch import ClientGone, first, unless_disconnected
+from ..ops.metrics import GatewayMetrics
+from . import openai as oai
+from .chat import Renderer
+
+
+class Answer(Protocol):
+    """One request in a dialect: its call, and its answer built from the completion's."""
+
+    call: oai.Call
+
+    def whole(self, completion: dict[str, Any]) -> dict[str, Any]:
+        """The dialect's object from the completion (``openai.Reply.whole``)."""
+
+    def opened(self, model: str) -> list[bytes]:
+        """The events that start a stream, before its first chunk."""
+
+    def chunk(self, chunk: dict[str, Any]) -> list[bytes]:
+        """The events of one completion chunk (``openai.Reply.chunks``)."""
+
+    def closed(self, last: list[dict[str, Any]], results: list[Result]) -> list[bytes]:
+        """The events from the last chunks (``openai.Reply.last``: held tool calls, the finish reason) to the
+        stream's end; ``results`` for the usage."""
+
+    def failed(self, error: HttpError) -> bytes:
+        """The event that ends a stream that failed."""
+
+
+class Dialect(Protocol):
+    path: str  # the route, and the endpoint label of its metrics
+
+    def parse(self, body: Any, owner: str) -> Answer:
+        """Check a body and translate it; raises BadRequest naming the field (the dialect's name for it)."""
+
+    def error_body(self, error: HttpError) -> dict[str, Any]:
+        """An error in the dialect's shape."""
+
+
+class OpenAI:
+    """The plain dialect: OpenAI's completions (``kind`` completion) or chat completions, as they are."""
+
+    def __init__(self, kind: oai.Kind) -> None:
+        self.kind = kind
+        self.path = "/v1/chat/completions" if kind == "chat" else "/v1/completions"
+
+    def parse(self, body: Any, owner: str) -> Plain:
+        return Plain(oai.parse(self.kind, body))
+
+    @staticmethod
+    def error_body(error: HttpError) -> dict[str, Any]:
+        return error.body()
+
+
+@dataclass
+class Plain:
+    """An OpenAI request's answer: the completion itself, its chunks as ``data:`` events, then ``[DONE]``."""
+
+    call: oai.Call
+
+    @staticmethod
+    def whole(completion: dict[str, Any]) -> dict[str, Any]:
+        return completion
+
+    @staticmethod
+    def opened(model: str) -> list[bytes]:
+        return []
+
+    @staticmethod
+    def chunk(chunk: dict[str, Any]) -> list[bytes]:
+        return [encode.event(chunk)]
+
+    @staticmethod
+    def closed(last: list[dict[str, Any]], results: list[Result]) -> list[bytes]:
+        return [encode.events(last), encode.DONE]
+
+    @staticmethod
+    def failed(error: HttpError) -> bytes:
+        return encode.event(error.body())
+
+
+def event(name: str, data: dict[str, Any]) -> bytes:
+    """A server-sent event with its name (``event:``), as the Responses and Messages streams send them."""
+    return b"event: " + name.encode() + b"\ndata: " + json.dumps(data, separators=(",", ":"),
+                                                                 ensure_ascii=False).encode() + b"\n\n"
+
+
+def finish_reason(last: list[dict[str, Any]]) -> str:
+    """The finish reason the last chat chunks (``openai.Reply.last``) carry."""
+    return next((c["finish_reason"] for chunk in last for c in chunk["choices"] if c.get("finish_reason")), "stop")
+
+
+def owner(request: Request) -> str:
+    """Who sent the request, for what is kept per API key: a digest of the key it carried (``Authorization:
+    Bearer`` or ``x-api-key``), "" without one."""
+    given = request.headers.get("authorization", "").removeprefix("Bearer ") or request.headers.get("x-api-key", "")
+    return hashlib.sha256(given.encode()).hexdigest()[:32] if given else ""
+
+
+def sole_model(client: AsyncClient) -> str:
+    """The model a request that names none runs on (the broker refuses it when several are served)."""
+    return client.models[0] if len(client.models) == 1 else ""
+
+
+class Pipeline:
+    """Serves each dialect's route through the gateway's backend and metrics."""
+
+    def __init__(self, backend: Backend, metrics: GatewayMetrics, read_timeout: float, renderer: Renderer) -> None:
+        self.backend = backend
+        self.metrics = metrics
+        self.read_timeout = read_timeout
+        self.renderer = renderer
+
+    def routes(self, dialects: Sequence[Dialect]) -> list[Route]:
+        """A POST route per dialect, at its path."""
+        def endpoint(dialect: Dialect) -> Callable[[Request], Awaitable[Response]]:
+            async def serve(request: Request) -> Response:
+                return await self.serve(request, dialect)
+            return serve
+        return [Route(d.path, endpoint(d), methods=["POST"]) for d in dialects]
+
+    async def serve(self, request: Request, dialect: Dialect) -> Response:
+        endpoint, started = dialect.path, time.perf_counter()
+        try:
+            body = await limits.read_json(request, self.read_timeout)
+            limits.check_sizes(body)
+            answer = dialect.parse(body, owner(request))
+            client = await self.backend.client()
+            model = answer.call.model or sole_model(client)
+            answer.call = await self._prepared(answer.call, client, model)
+        except MpserveError as exc:
+            return self._failed(dialect, exc)
+        except limits.Refused as exc:
+            self.metrics.outcome(endpoint, exc.error.code)
+            response = self._error(dialect, exc.error)
+            response.headers["connection"] = "close"  # the rest of the body is not read
+            return response
+        except ClientDisconnect:  # a broken chunk, a hang-up
+            self.metrics.outcome(endpoint, ErrorCode.CANCELLED)
+            return Response(status_code=204)  # nobody reads it
+        call, reply = answer.call, oai.Reply(answer.call, model)
+        try:
+            if call.stream:
+                stream = client.stream(call.prompt, model=call.model, request_id=request.state.request_id,
+                                       params=call.params)
+                chunks = stream.__aiter__()  # submits the request on its first step
+                text = await unless_disconnected(request, first(chunks))
+                return EventStream(self._events(dialect, answer, reply, stream, chunks, text, started),
+                                   call.headers())
+            results = await unless_disconnected(request, client.choices(
+                call.prompt, model=call.model, request_id=request.state.request_id, params=call.params))
+        except ClientGone:
+            self.metrics.outcome(endpoint, ErrorCode.CANCELLED)
+            return Response(status_code=204)  # nobody reads it
+        except MpserveError as exc:
+            return self._failed(dialect, exc)
+        self._done(endpoint, model, results, started)
+        return JSONResponse(answer.whole(reply.whole(call.shown(results), results)), headers=call.headers())
+
+    async def _prepared(self, call: oai.Call, client: AsyncClient, model: str) -> oai.Call:
+        """A chat's prompt from ``model``'s chat template; a completion echoing a token prompt, with its text."""
+        if call.kind == "chat":
+            return await call.with_chat_template(await self.backend.chat_template(model), self.renderer, model)
+        if call.echo and not isinstance(call.prompt, str):
+            return call.with_echo_text(await client.detokenize(call.prompt, model=call.model))
+        return call
+
+    async def _events(self, dialect: Dialect, answer: Answer, reply: oai.Reply, stream: Stream,
+                      chunks: AsyncIterator[str], text: str | None, started: float) -> AsyncGenerator[bytes, None]:
+        """The answer's events; those of chunks that arrived together leave together (one send)."""
+        ended = False
+        ready = bytearray(b"".join(answer.opened(reply.model)))  # events not sent yet: more have arrived
+        try:
+            async for piece in _after(text, chunks):
+                for chunk in reply.chunks(piece, stream.chunk_logprobs, stream.chunk_index):
+                    ready += b"".join(answer.chunk(chunk))
+                if not stream.arrived:
+                    yield bytes(ready)
+                    ready.clear()
+            self._done(dialect.path, reply.model, stream.results, started)
+            ended = True
+            yield bytes(ready + b"".join(answer.closed(reply.last(stream.results, stream.done_logprobs),
+                                                       stream.results)))
+        except MpserveError as exc:
+            ended = True
+            self.metrics.outcome(dialect.path, exc.code)
+            yield bytes(ready + answer.failed(HttpError.from_mpserve(exc)))
+        finally:
+            if not ended:
+                self.metrics.outcome(dialect.path, ErrorCode.CANCELLED)
+            await chunks.aclose()  # type: ignore[attr-defined]  # an async generator: cancels the request
+
+    def _done(self, endpoint: str, model: str, results: list[Result], started: float) -> None:
+        self.metrics.outcome(endpoint, "ok")
+        self.metrics.done(model, replace(results[0], usage=oai.total_usage(results)), time.perf_counter() - started)
+
+    def _failed(self, dialect: Dialect, exc: MpserveError) -> JSONResponse:
+        self.metrics.outcome(dialect.path, exc.code)
+        return self._error(dialect, HttpError.from_mpserve(exc))
+
+    @staticmethod
+    def _error(dialect: Dialect, error: HttpError) -> JSONResponse:
+        return JSONResponse(dialect.error_body(error), error.status, headers=error.headers())
+
+
+async def _after(first: str | None, chunks: AsyncIterator[str]) -> AsyncIterator[str]:
+    """``first`` (unless None), then ``chunks``."""
+    if first is not None:
+        yield first
+    async for text in chunks:
+        yield text
