@@ -7,10 +7,14 @@ Three kinds of process, one subpackage each, over shared groups:
     gateway/  the OpenAI-compatible HTTP front (talks to the server through the client)
     engine/   the compute core, used by workers (the only importer of llama_cpp; never imports zmq)
     wire/     how they talk: protocol, zmqio, prefix, the slot table
-    config/   what a server is told and where it is found: settings, loader, kv_types, speculative, runtime
+    config/   what a server is told: settings, loader, sizes, kv_types, speculative
     models/   where models come from (built-in, files, the Hub, Ollama), their GGUF headers, chat templates
-    gpu/      devices, placement, permits
-    leaves:   errors, structured, repack, client, cli, doctor
+    gpu/      devices, placement, permits, memory
+    leaves:   errors (the code table), structured (grammar checks), private (files in shared places),
+              runtime (a running server's sockets and description), repack, llama_build (the build's probe),
+              client, cli, doctor
+
+No two packages import each other (pyproject's import contracts): a lower group never imports a higher one.
 
 The clients are loaded on first use, so importing a leaf (as the engine does) does not load ZeroMQ.
 """

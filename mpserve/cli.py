@@ -23,8 +23,8 @@ import typer
 from mpserve import __version__
 from mpserve.config import loader as cfg
 from mpserve.config import settings
-from mpserve.config.runtime import ServerInfo, ServerPaths, pid_alive, runtime_dir
 from mpserve.errors import BadRequest, ConfigError, ConnectionFailed, InternalError, MpserveError
+from mpserve.runtime import ServerInfo, ServerPaths, pid_alive, runtime_dir
 from mpserve.wire.protocol import MAX_PROMPT_CHARS, ModelControl, Stats
 from mpserve.wire.slots import SlotRow, SlotState, SlotTable, instance_slots, locate
 
@@ -330,13 +330,13 @@ def gateway(
 ) -> None:
     """Serve an OpenAI-compatible HTTP API for a server: /v1/completions, /v1/chat/completions, /v1/models,
     /health, /metrics (Prometheus) and /backend/monitor. It may start before the server (503 until ready)."""
+    from mpserve.config.sizes import parse_memory
     from mpserve.gateway.access import load_keys
     from mpserve.gateway.app import GatewayConfig, parse_http
     from mpserve.gateway.app import serve as serve_gateway
     from mpserve.gateway.chat import TemplateBudget
     from mpserve.gateway.guard import ConnectionLimits
     from mpserve.gateway.responses import StoreBudget
-    from mpserve.gpu.devices import parse_memory
 
     with _errors():
         host, port = parse_http(http)

@@ -53,8 +53,8 @@ import zmq
 import zmq.auth
 
 from mpserve import structured
-from mpserve.config.runtime import default_address
 from mpserve.errors import BadRequest, ConfigError, ConnectionFailed, MpserveError, Timeout, error_from_code
+from mpserve.runtime import default_address
 from mpserve.wire import protocol as wire
 from mpserve.wire import zmqio
 

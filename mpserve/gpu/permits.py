@@ -4,7 +4,7 @@ A ``DevicePermits(key, capacity)`` lets at most ``capacity`` holders use one dev
 every process of this user on the host, separate servers included. A holder that dies, even by
 SIGKILL, gives its permit back at once and with nobody's help.
 
-The lock folder and its files are this user's alone (``mpserve.config.private``): the folder 0700 and
+The lock folder and its files are this user's alone (``mpserve.private``): the folder 0700 and
 refused if another user owns it or others may enter it, a file 0600, made whole under a temporary
 name and linked into place, opened without following a link, and used only with this layout's size
 and header (a planted file or link is refused, never truncated or rewritten). Another user's servers
@@ -91,8 +91,8 @@ from functools import cache
 from pathlib import Path
 from typing import Any
 
-from mpserve.config.private import PlantedFile, check_private_dir, create_private, open_private, private_dir
 from mpserve.errors import Cancelled, ConfigError, Timeout
+from mpserve.private import PlantedFile, check_private_dir, create_private, open_private, private_dir
 
 MAX_CAPACITY = 64
 QUEUE_PLACES = 64

@@ -21,8 +21,8 @@ from dataclasses import dataclass
 from enum import IntEnum
 from pathlib import Path
 
-from mpserve.config.private import create_private
 from mpserve.errors import BadRequest, ConfigError
+from mpserve.private import create_private
 
 MAGIC = b"MPSLOT04"
 _HEADER = struct.Struct("<8sII")  # magic, rows, row size
