@@ -569,19 +569,6 @@ def plan(given: Given, config_file: ConfigOption = None) -> None:
             typer.echo(f"warning: {warning}", err=True)
 
 
-@app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True, "help_option_names": []})
-def bench(ctx: typer.Context) -> None:
-    """Run the benchmarks (`python -m bench`, from a checkout): every argument is passed on; see --help."""
-    sys.path.insert(0, os.getcwd())
-    try:
-        from bench.cli import main as bench_main
-    except ImportError:
-        typer.echo("error: the benchmarks live in the source checkout's bench/ folder; run mpserve bench from "
-                   "there (cd to the checkout), or python -m bench", err=True)
-        raise typer.Exit(1) from None
-    raise typer.Exit(bench_main(ctx.args))
-
-
 @app.command("make-model")
 def make_model(
     path: Annotated[Path, typer.Argument(help="Where to write the .gguf file.")],
