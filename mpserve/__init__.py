@@ -1,18 +1,24 @@
 """mpserve: several llama.cpp instances behind one ZeroMQ broker, with per-GPU permits.
 
-Three kinds of process, one subpackage each, over shared groups:
+Three kinds of process, one subpackage each, over shared groups and leaf modules:
 
-    server/   broker + supervisor (never imports llama_cpp)
-    worker/   one engine per process, driven by the broker
-    gateway/  the OpenAI-compatible HTTP front (talks to the server through the client)
-    engine/   the compute core, used by workers (the only importer of llama_cpp; never imports zmq)
-    wire/     how they talk: protocol, zmqio, prefix, the slot table
-    config/   what a server is told: settings, loader, sizes, kv_types, speculative
-    models/   where models come from (built-in, files, the Hub, Ollama), their GGUF headers, chat templates
-    gpu/      devices, placement, permits, memory
-    leaves:   errors (the code table), structured (grammar checks), private (files in shared places),
-              runtime (a running server's sockets and description), repack, llama_build (the build's probe),
-              client, cli, doctor
+    server/      broker + supervisor (never imports llama_cpp)
+    worker/      one engine per process, driven by the broker
+    gateway/     the OpenAI-compatible HTTP front (talks to the server through the client)
+    engine/      the compute core, used by workers (the only importer of llama_cpp; never imports zmq)
+    wire/        how they talk: protocol, zmqio, prefix, the slot table
+    config/      what a server is told: settings, loader, sizes, kv_types, speculative
+    models/      where models come from (built-in, files, the Hub, Ollama), their GGUF headers, chat templates
+    gpu/         devices, placement, permits, memory
+    errors       the error codes, one table, and the exceptions that carry them
+    structured   grammar checks, JSON Schema → GBNF (the gateway checks, the engine compiles)
+    private      this user's folders and files in shared places: 0700/0600, checked, never through a link
+    runtime      where a running server keeps its sockets and description, and how other processes find it
+    repack       whether llama.cpp may repack weights on this host (a probe in a child, its verdict cached)
+    llama_build  the installed llama.cpp build, probed in a child, and what keeps it from the GPUs found
+    client       ``Client`` / ``AsyncClient``: the ZeroMQ clients
+    cli          the ``mpserve`` command line
+    doctor       ``mpserve doctor``: what this host offers, and what to fix
 
 No two packages import each other (pyproject's import contracts): a lower group never imports a higher one.
 

@@ -1,4 +1,15 @@
-"""The ``mpserve`` command line: start, generate, status, models, load, unload, scale, make-model."""
+"""The ``mpserve`` command line: one typer command per verb, each a thin layer over the package that does the work.
+
+    serving     start (a server; --http adds a gateway), worker (a pool for a broker elsewhere), gateway (HTTP)
+    requests    generate (one request, printed)
+    looking     status (the slot table), models (a server's models), devices (GPUs and their permits), plan (where
+                instances would run), doctor (this host, and what to fix)
+    changing    load, unload, scale, add (a server's models at run time), slots (a slot's KV file: save, restore, erase)
+    files       pull (models from the Hub, ahead of time), make-model (a random-weight GGUF), keygen (a CURVE key pair)
+
+Server settings come from ``mpserve.config.settings`` (``with_settings``: one declaration gives a command its flags);
+the benchmarks are not a command but ``python -m bench`` from a checkout.
+"""
 
 from __future__ import annotations
 
