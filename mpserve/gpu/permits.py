@@ -39,9 +39,10 @@ wait for a place unordered.
 
 Waiting polls with a short backoff instead of sleeping in F_OFD_SETLKW: a blocking lock call
 cannot be given a timeout from Python, nor wait for any one of several bytes. The first waiter in
-line polls every 50 us doubling to 500 us, the others up to every 1 ms. A permit thus passes to
-the next holder in about a third of a millisecond (bench/permits_bench.py), small beside a model
-request, while a waiting head costs about 3% of a core and each waiter behind it about 1%.
+line polls from ``_FIRST_POLL``, doubling up to ``_HEAD_POLL``; the others only watch for their turn, up
+to ``_QUEUE_POLL``. A permit thus passes to the next holder within about one head poll, small beside a
+model request (``python -m bench.permits_bench`` measures the hand-off), while a waiter's polls cost only
+a small share of a core.
 
 Capacity: stored in the file, mismatches refused
 ------------------------------------------------

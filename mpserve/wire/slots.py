@@ -32,8 +32,9 @@ _SEQ = struct.Struct("<Q")
 # disk capacity, skipped
 _FIELDS = struct.Struct("<iHHBxh48s40sIQdddIIQQIIIQQI")
 _CACHE = 14  # the first prompt-cache field
-STUCK_WRITER_S = 0.5  # a writer descheduled mid-update on a loaded host is waited for (50 ms was not, on 2
-# busy cores); one that died mid-update holds up a reader of its row this long, until the row is written again
+STUCK_WRITER_S = 0.5  # a writer descheduled mid-update on a loaded host is waited for (a wait a tenth of this
+# gave up on live writers on a busy small host); one that died mid-update holds up a reader of its row this long,
+# until the row is written again
 ROW_SIZE = 256  # room for fields to come; the magic changes with the layout
 assert _SEQ.size + _FIELDS.size <= ROW_SIZE
 
