@@ -20,6 +20,12 @@ Three kinds of process, one subpackage each, over shared groups and leaf modules
     cli          the ``mpserve`` command line
     doctor       ``mpserve doctor``: what this host offers, and what to fix
 
+Words. The host store: the KV cells of computed prompts saved for the whole host, in RAM and on disk (``cache_ram``,
+``cache_disk``; "prompt cache" in llama-server's words). A slot, three ways: a row of the slot table (one sequence
+place of an instance, SLOT in ``mpserve status``: ``wire.slots``), the KV file an idle slot's cells are saved to
+(``mpserve slots save``: ``worker.slot_files``), and llama-server's HTTP route ``/slots/SLOT`` that saves and
+restores them (``gateway.slots``), whose SLOT is that row.
+
 No two packages import each other (pyproject's import contracts): a lower group never imports a higher one.
 
 The clients are loaded on first use, so importing a leaf (as the engine does) does not load ZeroMQ.
