@@ -33,7 +33,7 @@ from multiprocessing.synchronize import Event
 import zmq
 
 from mpserve import AsyncClient
-from mpserve.config.runtime import runtime_dir
+from mpserve.runtime import runtime_dir
 from mpserve.wire import protocol as wire
 
 from .figures import Case, Figure, Section, Target, percentile

@@ -22,8 +22,8 @@ import time
 from pathlib import Path
 
 from mpserve import Client
-from mpserve.config.runtime import ServerInfo
 from mpserve.models.builtin import builtin_model_path
+from mpserve.runtime import ServerInfo
 from mpserve.wire.slots import SlotState, SlotTable
 
 from .load import Workload, mpserve_load, mpserve_warm_up

@@ -25,11 +25,11 @@ import tempfile
 import time
 from pathlib import Path
 
-from mpserve.doctor import build_problems, probe_build
 from mpserve.gpu.devices import Device, detect, format_memory
 from mpserve.gpu.memory import memory_by_pid, read_usage
 from mpserve.gpu.permits import max_concurrent, read_holds
 from mpserve.gpu.placement import estimate_model_memory
+from mpserve.llama_build import build_problems, probe_build
 
 from .load import LoadResult, Workload, mpserve_load, mpserve_warm_up
 from .procs import MpserveServer

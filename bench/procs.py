@@ -25,7 +25,7 @@ from collections.abc import Callable
 from pathlib import Path
 from types import TracebackType
 
-from mpserve.config.runtime import ServerInfo
+from mpserve.runtime import ServerInfo
 from mpserve.wire.slots import SlotTable
 
 READY_TIMEOUT_S = 120.0

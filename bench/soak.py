@@ -46,7 +46,7 @@ import msgpack
 import zmq
 import zmq.asyncio
 
-from mpserve.config.runtime import ServerInfo
+from mpserve.runtime import ServerInfo
 from mpserve.wire import protocol as wire
 from mpserve.wire.slots import SlotState, SlotTable
 

@@ -398,7 +398,7 @@ def limits_part() -> str:
              "MAX_TOP_LOGPROBS": "most probable tokens reported per token", "MAX_EMBED_INPUTS": "inputs per EMBED",
              "MAX_CHOICES": "choices (`n`) per request", "MAX_TOKEN_ID": "highest token id (int32)",
              "MAX_TEMPLATE_CHARS": "characters of a chat template", "MAX_INSTANCES": "CONTROL's `min` and `max`",
-             "MAX_FILENAME_CHARS": "characters of a slot file's name"}
+             "MAX_FILENAME_CHARS": "characters of a KV file's name"}
     rows = ["| constant | value | what it bounds |", "|---|---|---|"]
     rows += [f"| `{name}` | {getattr(wire, name)} | {what} |" for name, what in names.items()]
     return "\n".join(rows + ["", f"`VERSION` is `{wire.VERSION.decode()}`; the broker–worker link revision "

@@ -1,16 +1,32 @@
 """mpserve: several llama.cpp instances behind one ZeroMQ broker, with per-GPU permits.
 
-Three kinds of process, one subpackage each, over shared groups:
+Three kinds of process, one subpackage each, over shared groups and leaf modules:
 
-    server/   broker + supervisor (never imports llama_cpp)
-    worker/   one engine per process, driven by the broker
-    gateway/  the OpenAI-compatible HTTP front (talks to the server through the client)
-    engine/   the compute core, used by workers (the only importer of llama_cpp; never imports zmq)
-    wire/     how they talk: protocol, zmqio, prefix, the slot table
-    config/   what a server is told and where it is found: settings, loader, kv_types, speculative, runtime
-    models/   where models come from (built-in, files, the Hub, Ollama), their GGUF headers, chat templates
-    gpu/      devices, placement, permits
-    leaves:   errors, structured, repack, client, cli, doctor
+    server/      broker + supervisor (never imports llama_cpp)
+    worker/      one engine per process, driven by the broker
+    gateway/     the OpenAI-compatible HTTP front (talks to the server through the client)
+    engine/      the compute core, used by workers (the only importer of llama_cpp; never imports zmq)
+    wire/        how they talk: protocol, zmqio, prefix, the slot table
+    config/      what a server is told: settings, loader, sizes, kv_types, speculative
+    models/      where models come from (built-in, files, the Hub, Ollama), their GGUF headers, chat templates
+    gpu/         devices, placement, permits, memory
+    errors       the error codes, one table, and the exceptions that carry them
+    structured   grammar checks, JSON Schema → GBNF (the gateway checks, the engine compiles)
+    private      this user's folders and files in shared places: 0700/0600, checked, never through a link
+    runtime      where a running server keeps its sockets and description, and how other processes find it
+    repack       whether llama.cpp may repack weights on this host (a probe in a child, its verdict cached)
+    llama_build  the installed llama.cpp build, probed in a child, and what keeps it from the GPUs found
+    client       ``Client`` / ``AsyncClient``: the ZeroMQ clients
+    cli          the ``mpserve`` command line
+    doctor       ``mpserve doctor``: what this host offers, and what to fix
+
+Words. The host store: the KV cells of computed prompts saved for the whole host, in RAM and on disk (``cache_ram``,
+``cache_disk``; "prompt cache" in llama-server's words). A slot, three ways: a row of the slot table (one sequence
+place of an instance, SLOT in ``mpserve status``: ``wire.slots``), the KV file an idle slot's cells are saved to
+(``mpserve slots save``: ``worker.slot_files``), and llama-server's HTTP route ``/slots/SLOT`` that saves and
+restores them (``gateway.slots``), whose SLOT is that row.
+
+No two packages import each other (pyproject's import contracts): a lower group never imports a higher one.
 
 The clients are loaded on first use, so importing a leaf (as the engine does) does not load ZeroMQ.
 """

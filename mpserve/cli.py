@@ -1,4 +1,15 @@
-"""The ``mpserve`` command line: start, generate, status, models, load, unload, scale, make-model."""
+"""The ``mpserve`` command line: one typer command per verb, each a thin layer over the package that does the work.
+
+    serving     start (a server; --http adds a gateway), worker (a pool for a broker elsewhere), gateway (HTTP)
+    requests    generate (one request, printed)
+    looking     status (the slot table), models (a server's models), devices (GPUs and their permits), plan (where
+                instances would run), doctor (this host, and what to fix)
+    changing    load, unload, scale, add (a server's models at run time), slots (a slot's KV file: save, restore, erase)
+    files       pull (models from the Hub, ahead of time), make-model (a random-weight GGUF), keygen (a CURVE key pair)
+
+Server settings come from ``mpserve.config.settings`` (``with_settings``: one declaration gives a command its flags);
+the benchmarks are not a command but ``python -m bench`` from a checkout.
+"""
 
 from __future__ import annotations
 
@@ -23,8 +34,8 @@ import typer
 from mpserve import __version__
 from mpserve.config import loader as cfg
 from mpserve.config import settings
-from mpserve.config.runtime import ServerInfo, ServerPaths, pid_alive, runtime_dir
 from mpserve.errors import BadRequest, ConfigError, ConnectionFailed, InternalError, MpserveError
+from mpserve.runtime import ServerInfo, ServerPaths, pid_alive, runtime_dir
 from mpserve.wire.protocol import MAX_PROMPT_CHARS, ModelControl, Stats
 from mpserve.wire.slots import SlotRow, SlotState, SlotTable, instance_slots, locate
 
@@ -330,13 +341,13 @@ def gateway(
 ) -> None:
     """Serve an OpenAI-compatible HTTP API for a server: /v1/completions, /v1/chat/completions, /v1/models,
     /health, /metrics (Prometheus) and /backend/monitor. It may start before the server (503 until ready)."""
+    from mpserve.config.sizes import parse_memory
     from mpserve.gateway.api.chat import TemplateBudget
     from mpserve.gateway.api.responses import StoreBudget
     from mpserve.gateway.app import GatewayConfig, parse_http
     from mpserve.gateway.app import serve as serve_gateway
     from mpserve.gateway.http.access import load_keys
     from mpserve.gateway.http.guard import ConnectionLimits
-    from mpserve.gpu.devices import parse_memory
 
     with _errors():
         host, port = parse_http(http)
@@ -567,19 +578,6 @@ def plan(given: Given, config_file: ConfigOption = None) -> None:
                                               format_host_ram(config, layout)) if part))
         for warning in warnings:
             typer.echo(f"warning: {warning}", err=True)
-
-
-@app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True, "help_option_names": []})
-def bench(ctx: typer.Context) -> None:
-    """Run the benchmarks (`python -m bench`, from a checkout): every argument is passed on; see --help."""
-    sys.path.insert(0, os.getcwd())
-    try:
-        from bench.cli import main as bench_main
-    except ImportError:
-        typer.echo("error: the benchmarks live in the source checkout's bench/ folder; run mpserve bench from "
-                   "there (cd to the checkout), or python -m bench", err=True)
-        raise typer.Exit(1) from None
-    raise typer.Exit(bench_main(ctx.args))
 
 
 @app.command("make-model")

@@ -53,8 +53,8 @@ import zmq
 import zmq.auth
 
 from mpserve import structured
-from mpserve.config.runtime import default_address
 from mpserve.errors import BadRequest, ConfigError, ConnectionFailed, MpserveError, Timeout, error_from_code
+from mpserve.runtime import default_address
 from mpserve.wire import protocol as wire
 from mpserve.wire import zmqio
 
@@ -63,7 +63,7 @@ T = TypeVar("T")
 PING_INTERVAL_S = 1.0
 PING_LIVENESS = 3
 CONNECT_TIMEOUT_S = 5.0
-SLOT_TIMEOUT_S = 60.0  # a slot file is written or read between two steps of its instance
+SLOT_TIMEOUT_S = 60.0  # a KV file is written or read between two steps of its instance
 REQUEST_ID_CHARS = 40  # a caller's request id: what the slot table keeps of one (the wire takes MAX_ID_CHARS)
 _REQUEST_ID = re.compile(rf"[A-Za-z0-9._:@/+=-]{{1,{REQUEST_ID_CHARS}}}")
 

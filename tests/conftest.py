@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 import pytest
 
-from mpserve.config.runtime import ServerInfo
+from mpserve.runtime import ServerInfo
 from mpserve.wire.slots import SlotRow, SlotTable
 
 if TYPE_CHECKING:

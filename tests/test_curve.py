@@ -15,8 +15,8 @@ import zmq.auth
 from helpers import free_port, mpserve
 
 from mpserve import Client
-from mpserve.config.runtime import ServerInfo
 from mpserve.errors import ConnectionFailed
+from mpserve.runtime import ServerInfo
 
 REFUSED_CONNECT_S = 2.0
 

@@ -17,8 +17,9 @@ from fake_nvml import DATA, FakeNvml
 from helpers import mpserve
 
 from mpserve.config import loader as cfg
-from mpserve.doctor import CUDA_INSTALL, Build, build_problems, collect, format_report, probe_build, start_warnings
+from mpserve.doctor import collect, format_report
 from mpserve.gpu.devices import discover, parse_nvidia_smi, parse_simulated
+from mpserve.llama_build import CUDA_INSTALL, Build, build_problems, probe_build, start_warnings
 
 CPU_BUILD = Build("0.3.0", "CPU : SSE3 = 1 | AVX2 = 1 | OPENMP = 1 | ", gpu_offload=False)
 CUDA_BUILD = Build("0.3.0", "CPU : SSE3 = 1 | AVX2 = 1 | CUDA : ARCHS = 900 | USE_GRAPHS = 1 | ", gpu_offload=True)

@@ -26,8 +26,8 @@ from helpers import children, dealer, mpserve, process_state, raw_request, runni
 
 from mpserve import AsyncClient, Client
 from mpserve.config.loader import ServerConfig
-from mpserve.config.runtime import ServerInfo
 from mpserve.errors import ModelFailed, MpserveError
+from mpserve.runtime import ServerInfo
 from mpserve.wire import protocol as wire
 from mpserve.wire.slots import SlotRow, SlotState
 

@@ -4,6 +4,7 @@ thread of the test process, on a free port), in front of real servers running th
 from __future__ import annotations
 
 import asyncio
+import itertools
 import os
 import signal
 import threading
@@ -221,13 +222,15 @@ def test_metrics_count_the_requests_sent(gateway) -> None:
     ratios = {labels: value for (name, labels), value in after.items() if name == "mpserve_kv_usage_ratio"}
     assert len(cells) == 2 and cells.keys() == ratios.keys() and sum(cells.values()) > 0
     assert all(0 <= ratios[labels] < 1 and (ratios[labels] > 0) == (cells[labels] > 0) for labels in cells)
-    for labels in cells:  # the host store as each instance sees it: on by default, no disk tier, these short
-        assert after["mpserve_prompt_cache_capacity_bytes", labels] == 256 << 20  # prompts neither hit nor miss
-        assert 0 <= after["mpserve_prompt_cache_bytes", labels] <= 256 << 20  # the host's (other tests' entries)
-        assert after["mpserve_prompt_cache_disk_capacity_bytes", labels] == 0
-        assert after["mpserve_prompt_cache_disk_bytes", labels] == 0
+    # the host store as each instance sees it: on by default, no disk tier, these short prompts neither hit nor
+    # miss; under its names and, for one release, its former ones (docs/operations.md)
+    for labels, store in itertools.product(cells, ("mpserve_host_store_", "mpserve_prompt_cache_")):
+        assert after[f"{store}capacity_bytes", labels] == 256 << 20
+        assert 0 <= after[f"{store}bytes", labels] <= 256 << 20  # the host's (other tests' entries)
+        assert after[f"{store}disk_capacity_bytes", labels] == 0
+        assert after[f"{store}disk_bytes", labels] == 0
         for counter in ("hits", "misses", "evictions", "skipped"):
-            assert after[f"mpserve_prompt_cache_{counter}_total", labels] == 0
+            assert after[f"{store}{counter}_total", labels] == 0
 
 
 @pytest.mark.timeout(60)

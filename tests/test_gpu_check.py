@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 from fake_nvml import DATA
 
-from mpserve.doctor import CUDA_INSTALL, probe_build
 from mpserve.gpu.devices import discover
+from mpserve.llama_build import CUDA_INSTALL, probe_build
 
 ROOT = Path(__file__).parent.parent
 

@@ -22,8 +22,8 @@ from engines import others
 from helpers import dealer, free_port, mpserve, received, wait_for
 
 from mpserve import AsyncClient, Client
-from mpserve.config.runtime import ServerInfo
 from mpserve.engine.batch import PROMPT_CHUNK
+from mpserve.runtime import ServerInfo
 from mpserve.wire import protocol as wire
 from mpserve.wire.slots import SlotTable
 

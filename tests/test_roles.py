@@ -15,8 +15,8 @@ from conftest import ServerProcess
 from helpers import free_port, http_up, mpserve, wait_for
 
 from mpserve import Client
-from mpserve.config.runtime import runtime_dir
 from mpserve.errors import ConnectionFailed, Forbidden
+from mpserve.runtime import runtime_dir
 
 
 @pytest.mark.timeout(120)

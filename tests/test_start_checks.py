@@ -18,8 +18,8 @@ from conftest import ServerProcess
 from helpers import as_other_user, free_port, mpserve, shared_place, wait_for
 
 from mpserve.config import loader
-from mpserve.config.runtime import ServerPaths, pid_alive, runtime_dir
 from mpserve.errors import ConfigError
+from mpserve.runtime import ServerPaths, pid_alive, runtime_dir
 from mpserve.server.preflight import check_start, claim
 
 

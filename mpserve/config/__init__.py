@@ -1,9 +1,8 @@
-"""What a server is told, and where it is found.
+"""What a server is told (where a running one is found is ``mpserve.runtime``'s).
 
     settings      every setting declared once (name, types, range, default, flag, environment, help)
     loader        the configuration built from a YAML file, environment variables and flags
+    sizes         memory sizes as settings write them ("24GiB") read into bytes
     kv_types      llama.cpp's KV cache types: names, ggml ids, bytes per element
     speculative   a model's speculative decoding setting
-    runtime       where a running server keeps its sockets and description, and how others find it
-    private       this user's folders and files in shared places: made 0700/0600, checked, never through a link
 """

@@ -36,13 +36,14 @@ import yaml
 
 from mpserve.config import settings, speculative
 from mpserve.config.kv_types import DEFAULT_KV_TYPE, KV_TYPES
-from mpserve.config.private import private_dir
+from mpserve.config.sizes import parse_memory
 from mpserve.config.speculative import Speculative
 from mpserve.errors import ConfigError
 from mpserve.models import sources, templates
 from mpserve.models.builtin import builtin_model_path
 from mpserve.models.folder import entries as folder_entries
 from mpserve.models.shapes import MODEL_SIZES
+from mpserve.private import private_dir
 from mpserve.wire.slots import shm_dir
 
 BUILTIN_PREFIX = "builtin:"
@@ -299,7 +300,6 @@ def build(file_data: Mapping[str, Any] | None = None, server: Mapping[str, Any] 
 
 def _server_conversions(values: dict[str, Any], source: str) -> dict[str, Any]:
     """Turn file/flag spellings into ServerConfig's types: "0,2" -> (0, 2), "20GiB" -> bytes."""
-    from mpserve.gpu.devices import parse_memory
 
     out = dict(values)
     if "gpus" in out:
@@ -352,7 +352,7 @@ def _bytes(value: Any, where: str, parse: Any) -> int:
 
 def _store_folder(value: str, tier: str, where: str) -> str:
     """The folder of the host store's ``tier``: created 0700 if missing (with its parents), refused unless it is
-    this user's alone (``mpserve.config.private``) and writable."""
+    this user's alone (``mpserve.private``) and writable."""
     try:
         path = private_dir(Path(value).expanduser(), tier_folder(tier))
     except ConfigError as exc:
@@ -363,7 +363,6 @@ def _store_folder(value: str, tier: str, where: str) -> str:
 
 
 def _model(index: int, entry: Any, overrides: Mapping[str, Any], source: str) -> ModelConfig:
-    from mpserve.gpu.devices import parse_memory
 
     where = f"{source}: models[{index}]"
     if not isinstance(entry, dict):
@@ -491,7 +490,6 @@ def _flash_attn(value: str | bool, where: str) -> str:
 
 
 def _requires(value: dict[str, Any], where: str) -> int | None:
-    from mpserve.gpu.devices import parse_memory
 
     _check_keys(value, _REQUIRES_KEYS, where)
     for key, kind in _REQUIRES_KEYS.items():

@@ -132,10 +132,10 @@ SETTINGS: tuple[Setting, ...] = (
        "there and survive restarts and reboots (none: off)", commands=_FOR_POOLS),
     _s("cache_disk_size", "model", (str, int), "4GiB", "Size of the disk tier, e.g. 20GiB", commands=_FOR_POOLS),
     _s("reuse", "model", str, "any", "Which computed KV cells a prompt starts from: any reuses the longest prefix "
-       "it shares with a slot's cells (its own or another's, generated tokens included) or the prompt cache, at any "
+       "it shares with a slot's cells (its own or another's, generated tokens included) or the host store, at any "
        "length, as llama-server does; exact reuses whole 512-token prompt chunks only, so output equals a fresh "
        "computation of the prompt (the reproducibility mode)", choices=("any", "exact"), commands=_FOR_POOLS),
-    _s("slot_save_path", "model", str, "none", "Folder of slot files: mpserve slots save|restore and POST "
+    _s("slot_save_path", "model", str, "none", "Folder of KV files: mpserve slots save|restore and POST "
        "/slots/ID?action=save|restore write and read an idle slot's KV cells there (none: off)",
        commands=_FOR_POOLS),
     _s("chat_template", "model", str, "the GGUF's, else its architecture's family (ChatML for others)",

@@ -16,7 +16,7 @@ tmpfs, finds them there.
 
 Layout of a tier (``root``): ``root/lock`` (fcntl lock), ``root/KEY/ADDRESS.kv`` (entries), and
 ``root/KEY/identity.json`` (what KEY stands for, for people). The tiers are this user's alone
-(``mpserve.config.private``): each folder 0700 and refused (``ConfigError``, naming it and the fix) if another
+(``mpserve.private``): each folder 0700 and refused (``ConfigError``, naming it and the fix) if another
 user owns it or others may enter it, each file 0600, made new (O_EXCL, no link followed) and opened without
 following a link, as an entry's tokens are a prompt's text. KEY is a digest of everything a state depends on
 (``compatibility_key``); ADDRESS is a digest of KEY and the entry's tokens (content addressing: two instances
@@ -74,8 +74,8 @@ from pathlib import Path
 from typing import Any, TypeGuard
 
 from mpserve.config.loader import tier_folder
-from mpserve.config.private import FILE_MODE, PlantedFile, create_private, open_private, private_dir
 from mpserve.errors import ConfigError
+from mpserve.private import FILE_MODE, PlantedFile, create_private, open_private, private_dir
 from mpserve.wire.prefix import MAX_BLOCKS, common_prefix
 
 from .prompt_cache import CacheStats, Changes

@@ -20,8 +20,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from mpserve.config.private import PlantedFile, create_private, open_private
 from mpserve.errors import BadRequest
+from mpserve.private import PlantedFile, create_private, open_private
 
 MAGIC = b"MPSLOTF1"
 _LENGTH = struct.Struct("<I")

@@ -21,8 +21,8 @@ from pathlib import Path
 from typing import Any
 
 from mpserve.client import AsyncClient
-from mpserve.config.runtime import ServerInfo, default_address, runtime_dir
 from mpserve.errors import ConnectionFailed
+from mpserve.runtime import ServerInfo, default_address, runtime_dir
 from mpserve.wire import protocol as wire
 from mpserve.wire.protocol import ChatTemplate
 from mpserve.wire.slots import SlotRow, SlotTable

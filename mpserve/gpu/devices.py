@@ -24,6 +24,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from mpserve.config.sizes import parse_memory
 from mpserve.errors import ConfigError
 
 SIMULATE_ENV = "MPSERVE_SIMULATE_GPUS"
@@ -31,19 +32,6 @@ NVIDIA_SMI_QUERY = "index,name,uuid,memory.total,memory.free"
 NVIDIA_SMI_TIMEOUT_S = 10.0
 
 _MIB = 1 << 20
-_UNITS = {
-    "": 1,
-    "b": 1,
-    "kb": 10**3,
-    "mb": 10**6,
-    "gb": 10**9,
-    "tb": 10**12,
-    "kib": 1 << 10,
-    "mib": 1 << 20,
-    "gib": 1 << 30,
-    "tib": 1 << 40,
-}
-_SIZE = re.compile(r"\s*(\d+(?:\.\d*)?)\s*([A-Za-z]*)\s*")
 _COUNT_TIMES = re.compile(r"\s*(\d+)\s*[xX]\s*(.+)")
 
 
@@ -107,18 +95,6 @@ def restrict(devices: Sequence[Device], allowed: Sequence[int]) -> list[Device]:
         have = ", ".join(f"GPU {d.index} ({d.name})" for d in devices) or "no GPUs"
         raise ConfigError(f"GPU {', '.join(map(str, missing))} is not on this host; it has {have}")
     return [device for device in devices if device.index in allowed]
-
-
-def parse_memory(text: str) -> int:
-    """Bytes from "24GiB", "512MiB", "7GB", "1.5GiB" or a plain byte count such as "1024"."""
-    match = _SIZE.fullmatch(text)
-    unit = match.group(2).lower() if match else None
-    if match is None or unit not in _UNITS:
-        raise ConfigError(
-            f"memory size {text!r} is not understood: write a number of bytes, or a number with a unit: "
-            "B, KB, MB, GB, TB (powers of 1000) or KiB, MiB, GiB, TiB (powers of 1024), e.g. '24GiB'"
-        )
-    return int(float(match.group(1)) * _UNITS[unit])
 
 
 def format_memory(size: int) -> str:

@@ -4,7 +4,7 @@ A ``DevicePermits(key, capacity)`` lets at most ``capacity`` holders use one dev
 every process of this user on the host, separate servers included. A holder that dies, even by
 SIGKILL, gives its permit back at once and with nobody's help.
 
-The lock folder and its files are this user's alone (``mpserve.config.private``): the folder 0700 and
+The lock folder and its files are this user's alone (``mpserve.private``): the folder 0700 and
 refused if another user owns it or others may enter it, a file 0600, made whole under a temporary
 name and linked into place, opened without following a link, and used only with this layout's size
 and header (a planted file or link is refused, never truncated or rewritten). Another user's servers
@@ -39,9 +39,10 @@ wait for a place unordered.
 
 Waiting polls with a short backoff instead of sleeping in F_OFD_SETLKW: a blocking lock call
 cannot be given a timeout from Python, nor wait for any one of several bytes. The first waiter in
-line polls every 50 us doubling to 500 us, the others up to every 1 ms. A permit thus passes to
-the next holder in about a third of a millisecond (bench/permits_bench.py), small beside a model
-request, while a waiting head costs about 3% of a core and each waiter behind it about 1%.
+line polls from ``_FIRST_POLL``, doubling up to ``_HEAD_POLL``; the others only watch for their turn, up
+to ``_QUEUE_POLL``. A permit thus passes to the next holder within about one head poll, small beside a
+model request (``python -m bench.permits_bench`` measures the hand-off), while a waiter's polls cost only
+a small share of a core.
 
 Capacity: stored in the file, mismatches refused
 ------------------------------------------------
@@ -91,8 +92,8 @@ from functools import cache
 from pathlib import Path
 from typing import Any
 
-from mpserve.config.private import PlantedFile, check_private_dir, create_private, open_private, private_dir
 from mpserve.errors import Cancelled, ConfigError, Timeout
+from mpserve.private import PlantedFile, check_private_dir, create_private, open_private, private_dir
 
 MAX_CAPACITY = 64
 QUEUE_PLACES = 64

@@ -9,6 +9,7 @@ those named on the Hugging Face Hub or in Ollama's store, and the chat template 
     download   one file over HTTP: resumed, checked against its sha256, moved into place when right
     progress   a download's bar on a terminal, a log line per tenth elsewhere
     ollama     Ollama's store: a manifest's GGUF blob and template
+    folder     a models directory (``models_dir``): its GGUF files served by file stem
     templates  the chat template a model is served with: the setting, the GGUF's, its family's
     gguf_header  a GGUF file's metadata and tensor table, read without the tensor data
 """

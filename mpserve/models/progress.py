@@ -19,7 +19,7 @@ import time
 from pathlib import Path
 from typing import Any, TextIO
 
-from mpserve.config.runtime import pid_alive, runtime_dir
+from mpserve.runtime import pid_alive, runtime_dir
 
 log = logging.getLogger("mpserve.download")
 

@@ -4,14 +4,20 @@
     loop        serve(): claims the server name, builds the layout, runs broker + supervisor + watchdog
     broker      ROUTER fronts for clients and workers; per-model queues; routing to slots; the request table
     routing     the broker's decisions as pure functions: which slot a request goes to, what a lost one becomes
+    link        the worker link's trust rules: whose READY, which name, whose answer (pure functions)
+    roles       who may do what on the ZeroMQ side: a message's role is the socket it arrived on
+    pool_keys   which models a remote pool's CURVE key may serve (``worker_models``)
+    state       the rows of the broker's tables: requests, workers, models
+    chat        which chat template the broker hands out for a model, and what a READY's template becomes
     unserved    how long a request waits while no instance of its model is up or loading, and what it is told
-    ram_prefixes  what each instance's host-RAM prompt cache holds, from the CACHE frames of its DONEs and READY
+    ram_prefixes  what each instance's host store holds in RAM, from the CACHE frames of its DONEs and READY
     supervisor  starts (through a fork server), reaps and restarts worker processes (``mpserve.worker.spec.run``)
     zygotes     a model's zygote as the supervisor sees it: fork requests over a pipe, a handle per forked worker
     instances   each model's live instances: scaling decisions carried out, the control API (CONTROL)
     scaling     when a model's instance count changes: start on queueing, drain on idle, within min..max
     residency   single active backend: which model holds each GPU, and when they take turns
     layout      devices discovered, instances placed, worker specs built (also ``mpserve plan``)
+    host_ram    whether the instances on the CPU fit the host's RAM (before anything starts, and in plan)
     pool        ``mpserve worker --connect``: a supervisor without a broker, for remote hosts
     signals     a self-pipe that turns signals into something the poll loop can wait on
     waiting     how the loop waits: busy polling for a moment after a message, where the server has CPU to spare

@@ -3,7 +3,7 @@
     clients ──DEALER──▶ front ROUTER ─┐                  ┌─ back ROUTER ◀──DEALER── workers
                                       ▼                  ▲
     validate ─▶ per-model FIFO queue ─▶ assign to a free slot of that model (the one whose last prompt
-                                        shares the longest prefix, or whose instance's prompt cache holds
+                                        shares the longest prefix, or whose instance's host store holds
                                         it, as its DONEs' CACHE frames said; else one of the least busy
                                         instance)
                                       ▲                  │
@@ -715,7 +715,7 @@ class Broker:
         if entry is not None:
             entry.last_heard = time.monotonic()
             entry.unreachable = False
-        try:  # a fifth frame: a CHUNK's tokens, a DONE's or ERROR's prompt cache changes, a READY's whole cache
+        try:  # a fifth frame: a CHUNK's tokens, a DONE's or ERROR's host store changes, a READY's whole store
             mtype = wire.parse_header(frames, 5 if len(frames) == 5 and frames[1] in TRAILED else 4)
         except MpserveError as exc:
             self.stats["dropped_worker_malformed"] += 1
@@ -816,7 +816,7 @@ class Broker:
             log.error("worker %r on %s could not load %s: %s", entry.identity, entry.host, entry.model, message)
 
     def _on_ready(self, identity: bytes, msg: wire.Ready, cache: bytes | None, key: str = "") -> None:
-        """A worker registered (again): ``cache`` is its whole prompt cache's CACHE frame, if it holds any; ``key``
+        """A worker registered (again): ``cache`` is its whole host store's CACHE frame, if it holds any; ``key``
         the CURVE key it connected with (``pool_keys``: which models it may serve)."""
         if msg.protocol != wire.WORKER_LINK:
             log.error("worker %r on %s speaks the worker protocol %r, this broker %r; refused (run the same mpserve "
@@ -968,7 +968,7 @@ class Broker:
         self._dispatch(entry.model)
 
     def _cache_changed(self, entry: WorkerEntry, frame: bytes) -> None:
-        """A CACHE frame: what the worker's prompt cache gained and lost, for routing."""
+        """A CACHE frame: what the worker's host store gained and lost, for routing."""
         try:
             entry.ram.apply(wire.frame_cache(frame))
         except MpserveError as exc:
@@ -1105,7 +1105,7 @@ class Broker:
         return route.slots
 
     def _blocks(self, mq: ModelQueue, p: Pending) -> tuple[int, ...]:
-        """``p``'s prompt's block hashes, for routing by what the instances' prompt caches hold: computed once per
+        """``p``'s prompt's block hashes, for routing by what the instances' host stores hold: computed once per
         request, and only once some free instance holds anything in its cache."""
         if p.blocks is None:
             if len(p.request.prompt) < PREFIX_BLOCK or not any(self.workers[w].ram for w, _ in mq.free):

@@ -25,10 +25,10 @@ import zmq
 from zmq.auth.thread import ThreadAuthenticator
 
 from mpserve.config.loader import ServerConfig
-from mpserve.config.runtime import ServerInfo, ServerPaths
-from mpserve.doctor import start_warnings
 from mpserve.errors import ConfigError, ErrorCode
 from mpserve.gpu.memory import EstimateCheck
+from mpserve.llama_build import start_warnings
+from mpserve.runtime import ServerInfo, ServerPaths
 from mpserve.wire.slots import SlotTable
 
 from . import roles

@@ -33,8 +33,8 @@ import time
 import zmq
 
 from mpserve.config.loader import ServerConfig
-from mpserve.config.runtime import ServerInfo, ServerPaths
-from mpserve.doctor import start_warnings
+from mpserve.llama_build import start_warnings
+from mpserve.runtime import ServerInfo, ServerPaths
 from mpserve.wire.slots import SlotTable
 
 from .layout import build_layout, check_host_ram, worker_specs

@@ -8,7 +8,7 @@
                          ├─ the HTTP port     bound once and closed, as uvicorn binds it
                          ├─ the lock folder   a file made and removed in it, when it is given or permits are used
                          └─ the store folder  each model's host store RAM tier: made 0700, or refused unless it is
-                                              this user's alone (``mpserve.config.private``)
+                                              this user's alone (``mpserve.private``)
 
 A failure is a ``ConfigError``: one line naming the address or path, what is wrong and the fix, raised before
 the slot table, the sockets, the gateway or any worker exists, so a refused start leaves nothing behind. The
@@ -28,10 +28,10 @@ from pathlib import Path
 import zmq
 
 from mpserve.config.loader import ECHO_MODEL, ServerConfig, tier_folder
-from mpserve.config.private import check_private_dir, private_dir
-from mpserve.config.runtime import ServerInfo, ServerPaths
 from mpserve.errors import ConfigError
 from mpserve.gpu.permits import LOCK_FOLDER, default_lock_dir
+from mpserve.private import check_private_dir, private_dir
+from mpserve.runtime import ServerInfo, ServerPaths
 
 log = logging.getLogger("mpserve.server")
 

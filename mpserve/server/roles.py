@@ -28,8 +28,8 @@ from pathlib import Path
 import zmq.auth
 from zmq.auth.base import Authenticator
 
-from mpserve.config.runtime import ServerPaths
 from mpserve.errors import Forbidden
+from mpserve.runtime import ServerPaths
 from mpserve.wire import protocol as wire
 
 ADMIN_ONLY = frozenset({wire.MsgType.CONTROL, wire.MsgType.SLOT_ACTION})

@@ -72,7 +72,7 @@ def choose_slot(free: Iterable[tuple[bytes, int]], workers: Mapping[bytes, Worke
     """A free slot (on ``device``, if given), in ``free``'s order (longest free first). First choice: one
     that can start from the longest cached prefix of ``prompt`` (at least MIN_SHARED_PREFIX characters),
     held in its own KV cells or, in a batching instance, in another slot's, which the worker copies, or in its
-    instance's host-RAM prompt cache (``blocks``, the prompt's block hashes: whole blocks of it), which the
+    instance's host store in RAM (``blocks``, the prompt's block hashes: whole blocks of it), which the
     worker restores. Of equal lengths, KV cells before RAM (a restore copies the state in; both spare the
     prefill), and the slot holding the prefix itself before the others. Otherwise: a slot of the least busy
     instance (running sequences per slot), so that requests spread over instances before they share one's
@@ -86,7 +86,7 @@ def _best(free: Iterable[tuple[bytes, int]], workers: Mapping[bytes, WorkerEntry
     best: tuple[bytes, int] | None = None
     best_key: tuple[int, bool, int, float] = (-1, False, 0, 0.0)
     held: dict[bytes, int] = {}  # worker -> the longest prefix any of its slots holds
-    in_ram: dict[bytes, int] = {}  # worker -> the longest prefix its prompt cache holds
+    in_ram: dict[bytes, int] = {}  # worker -> the longest prefix its host store holds
     alike: set[bytes] = set()  # workers none of whose slots holds a prefix to route by: their slots rank alike,
     for identity, slot in free:  # so the first free one (free the longest) stands for all
         if identity in alike:

@@ -21,8 +21,8 @@ from dataclasses import dataclass
 from enum import IntEnum
 from pathlib import Path
 
-from mpserve.config.private import create_private
 from mpserve.errors import BadRequest, ConfigError
+from mpserve.private import create_private
 
 MAGIC = b"MPSLOT04"
 _HEADER = struct.Struct("<8sII")  # magic, rows, row size
@@ -31,9 +31,10 @@ _SEQ = struct.Struct("<Q")
 # then the host store as the instance sees it: RAM bytes, RAM capacity, hits, misses, evictions, disk bytes,
 # disk capacity, skipped
 _FIELDS = struct.Struct("<iHHBxh48s40sIQdddIIQQIIIQQI")
-_CACHE = 14  # the first prompt-cache field
-STUCK_WRITER_S = 0.5  # a writer descheduled mid-update on a loaded host is waited for (50 ms was not, on 2
-# busy cores); one that died mid-update holds up a reader of its row this long, until the row is written again
+_CACHE = 14  # the first host-store field
+STUCK_WRITER_S = 0.5  # a writer descheduled mid-update on a loaded host is waited for (a wait a tenth of this
+# gave up on live writers on a busy small host); one that died mid-update holds up a reader of its row this long,
+# until the row is written again
 ROW_SIZE = 256  # room for fields to come; the magic changes with the layout
 assert _SEQ.size + _FIELDS.size <= ROW_SIZE
 
@@ -87,7 +88,7 @@ class SlotRow:
     load_s: float  # seconds the model took to load
     kv_cells: int  # KV cells the slot holds now: its running sequence's, or what its last request left
     kv_capacity: int  # KV cells the slot may hold (n_ctx)
-    cache: CacheRow  # its instance's prompt cache (the same in each of the instance's rows)
+    cache: CacheRow  # the host store as its instance sees it (the same in each of the instance's rows)
 
 
 def instance_slots(rows: list[SlotRow]) -> dict[tuple[str, int], list[SlotRow]]:
@@ -232,7 +233,7 @@ class SlotWriter:
         _SEQ.pack_into(self._mm, self._offset, seq + 1)
 
     def cache(self, cache: CacheRow) -> None:
-        """The instance's prompt cache; not progress (the watchdog's clock is left alone)."""
+        """The host store as the instance sees it; not progress (the watchdog's clock is left alone)."""
         self._values[_CACHE:] = [cache.bytes, cache.capacity, cache.hits, cache.misses, cache.evictions,
                                  cache.disk_bytes, cache.disk_capacity, cache.skipped]
         self._write()

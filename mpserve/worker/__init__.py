@@ -6,4 +6,6 @@
     loop    ``Worker``: broker messages in, one engine step per turn, answers out
     stream  ``ChunkStream``: a streamed request's text gathered into CHUNK messages
     embed   the answer to EMBED: an embedding engine's vectors
+    tokens  the answer to TOKENIZE: the loaded model's vocabulary, between two steps
+    slot_files  SLOT_ACTION: an idle slot's KV cells saved to a KV file, restored from one, or erased
 """

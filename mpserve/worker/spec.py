@@ -91,7 +91,7 @@ class WorkerSpec:
     first_row: int = 0  # its slot-table rows: first_row .. first_row + engine.parallel - 1
     log_level: str = "info"
     stream_interval: float = 0.0  # seconds between a streamed request's CHUNKs after its first; 0: every token
-    slot_save_path: str | None = None  # the folder of slot files; None: slot save and restore are off
+    slot_save_path: str | None = None  # the folder of KV files; None: slot save and restore are off
     proof: str = ""  # the broker's per-start secret its own workers show in READY (mpserve.server.link)
 
     @property

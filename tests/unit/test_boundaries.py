@@ -4,9 +4,11 @@ imports; this checks what really gets loaded, lazy imports included)."""
 
 from __future__ import annotations
 
+import ast
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -35,3 +37,19 @@ def test_the_server_gateway_and_cli_start_without_numpy_and_gguf(entry: str) -> 
     code = f"import sys, {entry}; print(sorted(m for m in ('numpy', 'gguf') if m in sys.modules))"
     loaded = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=60).stdout
     assert loaded.strip() == "[]", f"{entry} loads {loaded.strip()}"
+
+
+def test_the_package_never_reaches_into_a_checkout() -> None:
+    """The benchmarks are a checkout's scripts (``python -m bench``): no module of mpserve imports them, nor edits
+    sys.path to find them."""
+    package = Path(__file__).resolve().parents[2] / "mpserve"
+    found = []
+    for path in sorted(package.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            names = ([a.name for a in node.names] if isinstance(node, ast.Import)
+                     else [node.module or ""] if isinstance(node, ast.ImportFrom) and node.level == 0 else [])
+            found += [f"{path.name}:{node.lineno} imports {n}" for n in names if n.split(".")[0] == "bench"]
+            if (isinstance(node, ast.Attribute) and node.attr == "path" and isinstance(node.value, ast.Name)
+                    and node.value.id == "sys"):
+                found.append(f"{path.name}:{node.lineno} uses sys.path")
+    assert found == []

@@ -13,8 +13,8 @@ import zmq
 import zmq.auth
 from zmq.auth.base import Authenticator
 
-from mpserve.config.runtime import ServerPaths
 from mpserve.errors import Forbidden
+from mpserve.runtime import ServerPaths
 from mpserve.server import roles
 from mpserve.wire import protocol as wire
 

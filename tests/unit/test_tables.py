@@ -13,7 +13,7 @@ from mpserve import errors
 from mpserve.cli import app
 from mpserve.config import loader as cfg
 from mpserve.config import settings
-from mpserve.gpu.devices import parse_memory
+from mpserve.config.sizes import parse_memory
 
 pytestmark = pytest.mark.timeout(10)
 

@@ -24,6 +24,7 @@ from __future__ import annotations
 import collections
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
+from typing import TypeVar
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
@@ -168,36 +169,49 @@ def _state_metrics(stats: wire.Stats, rows: list[SlotRow]) -> Iterator[Metric]:
 
 
 def _kv_metrics(rows: list[SlotRow]) -> Iterator[Metric]:
-    """Per instance (slot table): the KV cells its slots hold and their share of all it has; its prompt cache."""
+    """Per instance (slot table): the KV cells its slots hold and their share of all it has; the host store as it
+    sees it, under its names and, for one release, its former ones (``STORE_BEFORE``)."""
     labels = ["model", "worker"]
     cells = GaugeMetricFamily("mpserve_kv_cells_used", "KV cells an instance's slots hold (slot table)",
                               labels=labels)
     ratio = GaugeMetricFamily("mpserve_kv_usage_ratio", "KV cells an instance's slots hold, of all it has "
                               "(parallel x n_ctx)", labels=labels)
-    cache = {key: GaugeMetricFamily(f"mpserve_prompt_cache_{key}", text, labels=labels) for key, text in (
+    cache = _store_families(GaugeMetricFamily, labels, (
         ("bytes", "Bytes the host store's RAM tier holds (all instances on the host), as an instance last saw it"),
         ("capacity_bytes", "Bytes the host store's RAM tier may hold (cache_ram)"),
         ("disk_bytes", "Bytes the host store's disk tier holds, as an instance last saw it"),
-        ("disk_capacity_bytes", "Bytes the host store's disk tier may hold (cache_disk_size; 0: no disk tier)"))}
-    counts = {key: CounterMetricFamily(f"mpserve_prompt_cache_{key}", text, labels=labels) for key, text in (
+        ("disk_capacity_bytes", "Bytes the host store's disk tier may hold (cache_disk_size; 0: no disk tier)")))
+    counts = _store_families(CounterMetricFamily, labels, (
         ("hits", "An instance's prompts that restored a prefix from the host store"),
         ("misses", "An instance's prompts that looked in the host store and found nothing the slots did not hold"),
         ("evictions", "Host store entries an instance removed from the last tier to make room (least recently "
                       "used first)"),
         ("skipped", "Host store entries an instance skipped and removed as bad (truncated, foreign, corrupt), and "
-                    "writes it could not make (a full disk)"))}
+                    "writes it could not make (a full disk)")))
     for (model, worker), slots in instance_slots(rows).items():
         used, capacity = sum(r.kv_cells for r in slots), sum(r.kv_capacity for r in slots)
         key = [model, str(worker)]
         cells.add_metric(key, used)
         ratio.add_metric(key, used / capacity if capacity else 0.0)
         c = slots[0].cache
-        for name, value in (("bytes", c.bytes), ("capacity_bytes", c.capacity), ("disk_bytes", c.disk_bytes),
-                            ("disk_capacity_bytes", c.disk_capacity)):
-            cache[name].add_metric(key, value)
-        for name, family in counts.items():
-            family.add_metric(key, getattr(c, name))
+        values = {"bytes": c.bytes, "capacity_bytes": c.capacity, "disk_bytes": c.disk_bytes,
+                  "disk_capacity_bytes": c.disk_capacity} | {name: getattr(c, name) for name, _ in counts}
+        for (name, _), family in (cache | counts).items():
+            family.add_metric(key, values[name])
     yield from (cells, ratio, *cache.values(), *counts.values())
+
+
+STORE = "mpserve_host_store_"
+STORE_BEFORE = "mpserve_prompt_cache_"  # the same figures' former names, kept for one release (docs/operations.md)
+_Family = TypeVar("_Family", GaugeMetricFamily, CounterMetricFamily)
+
+
+def _store_families(family: type[_Family], labels: list[str],
+                    texts: tuple[tuple[str, str], ...]) -> dict[tuple[str, str], _Family]:
+    """A family per host-store figure under each name: ``(figure, prefix) -> family``."""
+    return {(name, prefix): family(prefix + name, text if prefix == STORE else f"{text} (former name of "
+                                   f"{STORE}{name}, removed in the next release)", labels=labels)
+            for prefix in (STORE, STORE_BEFORE) for name, text in texts}
 
 
 def _scaling_metrics(stats: wire.Stats) -> Iterator[Metric]:

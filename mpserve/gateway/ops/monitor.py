@@ -16,9 +16,9 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from mpserve.config.runtime import ServerInfo
 from mpserve.gpu.memory import GpuUsage, memory_by_pid, read_usage
 from mpserve.models.progress import downloads
+from mpserve.runtime import ServerInfo
 from mpserve.wire import protocol as wire
 from mpserve.wire.slots import SlotRow, SlotState, instance_slots
 

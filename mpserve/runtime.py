@@ -24,9 +24,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from mpserve.errors import ConfigError
+from mpserve.private import check_private_dir
 from mpserve.wire.slots import shm_dir
-
-from .private import check_private_dir
 
 
 def runtime_dir(create: bool = True) -> Path:
