@@ -12,7 +12,7 @@ GitHub, in an editor and on the site; one command rewrites them, and a stale one
     kubernetes   deploy/kubernetes/README.md, its headings one level down and its links named as repo paths
     file PATH    an example file of the repository (examples/two_models.yaml, ...)
 
-    python docs/hooks.py --write    rewrites every stale part of docs/*.md (the command development.md names)
+    python docs/hooks.py --write    rewrites every stale part of docs/**/*.md (the command development.md names)
     python docs/hooks.py --check    lists the stale parts, exit status 1 when there is one
     python docs/hooks.py NAME       prints one part
 """
@@ -90,7 +90,7 @@ def file_part(path: str) -> str:
 
 
 def pages() -> list[Path]:
-    return sorted((ROOT / "docs").glob("*.md"))
+    return sorted((ROOT / "docs").rglob("*.md"))
 
 
 # --- settings and error codes -----------------------------------------------------------------------------

@@ -156,14 +156,16 @@ def test_the_readme_is_a_front_page_that_links_into_the_docs(site: Path) -> None
     assert "pip install uv && uv run --locked mpserve start --instances 4" in readme
     assert "```sh\ntests/run\n```" in readme  # the test command, which .ci/run runs as it is
     assert (ROOT / ".ci" / "run").read_text().rstrip().endswith("tests/run")
-    linked = set(re.findall(r"\]\(docs/([a-z-]+)\.md", readme))
-    assert {"getting-started", "configuration", "protocol", "http", "deployment", "operations"} <= linked
-    for name in linked:
-        assert (site / ("" if name == "index" else name) / "index.html").exists(), name
+    linked = set(re.findall(r"\]\(docs/([a-z/-]+)\.md", readme))
+    assert {"getting-started", "concepts/index", "how-it-works/index", "configuration", "protocol", "http",
+            "deployment", "operations", "benchmarks"} <= linked
+    for name in linked:  # docs/x.md is x/index.html on the site, docs/x/index.md x/index.html
+        assert (ROOT / "docs" / f"{name}.md").is_file(), f"README.md links to docs/{name}.md, which is no page"
+        assert (site / (f"{name}.html" if name.split("/")[-1] == "index" else f"{name}/index.html")).is_file(), name
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("page", [p.name for p in hooks.pages()])
+@pytest.mark.parametrize("page", [str(p.relative_to(ROOT / "docs")) for p in hooks.pages()])
 def test_the_generated_parts_kept_in_each_page_are_current(page: str) -> None:
     text = (ROOT / "docs" / page).read_text()
     assert "--8<--" not in text, f"docs/{page}: a snippet line shows literally on GitHub; use a generated file part"
