@@ -11,8 +11,9 @@ GitHub, in an editor and on the site; one command rewrites them, and a stale one
     wire-*       mpserve/wire/protocol.py     the message types, each body's fields with types and limits
     kubernetes   deploy/kubernetes/README.md, its headings one level down and its links named as repo paths
     file PATH    an example file of the repository (examples/two_models.yaml, ...)
+    plot NAME    docs/results/NAME.json   a benchmark plot's image and the commands and dates of its figures
 
-    python docs/hooks.py --write    rewrites every stale part of docs/*.md (the command development.md names)
+    python docs/hooks.py --write    rewrites every stale part of docs/**/*.md (the command development.md names)
     python docs/hooks.py --check    lists the stale parts, exit status 1 when there is one
     python docs/hooks.py NAME       prints one part
 """
@@ -31,6 +32,7 @@ from pathlib import Path
 from typing import Any
 
 import msgspec
+import plots  # docs/plots.py: mkdocs, like `python docs/hooks.py`, has this folder on sys.path
 
 from mpserve import errors
 from mpserve.config import settings
@@ -73,8 +75,10 @@ def part(spec: str) -> str:
     name, _, argument = spec.partition(" ")
     if name == "file":
         return file_part(argument)
+    if name == "plot":
+        return plots.caption(argument)
     if name not in GENERATORS or argument:
-        raise KeyError(f"docs: no generator {spec!r}; known: file PATH, {', '.join(GENERATORS)}")
+        raise KeyError(f"docs: no generator {spec!r}; known: file PATH, plot NAME, {', '.join(GENERATORS)}")
     return GENERATORS[name]()
 
 
@@ -90,7 +94,7 @@ def file_part(path: str) -> str:
 
 
 def pages() -> list[Path]:
-    return sorted((ROOT / "docs").glob("*.md"))
+    return sorted((ROOT / "docs").rglob("*.md"))
 
 
 # --- settings and error codes -----------------------------------------------------------------------------

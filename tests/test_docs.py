@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 import html
 import importlib.util
+import json
 import logging
 import os
 import re
@@ -27,14 +28,20 @@ ROOT = Path(__file__).parents[1]
 
 
 def _hooks() -> ModuleType:
+    """docs/hooks.py loaded as mkdocs loads a hook: its folder on sys.path while it runs (it imports plots.py)."""
     spec = importlib.util.spec_from_file_location("docs_hooks", ROOT / "docs" / "hooks.py")
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    sys.path.insert(0, str(ROOT / "docs"))
+    try:
+        spec.loader.exec_module(module)
+    finally:
+        sys.path.remove(str(ROOT / "docs"))
     return module
 
 
 hooks = _hooks()
+plots = hooks.plots
 
 
 @pytest.fixture(scope="module")
@@ -156,14 +163,16 @@ def test_the_readme_is_a_front_page_that_links_into_the_docs(site: Path) -> None
     assert "pip install uv && uv run --locked mpserve start --instances 4" in readme
     assert "```sh\ntests/run\n```" in readme  # the test command, which .ci/run runs as it is
     assert (ROOT / ".ci" / "run").read_text().rstrip().endswith("tests/run")
-    linked = set(re.findall(r"\]\(docs/([a-z-]+)\.md", readme))
-    assert {"getting-started", "configuration", "protocol", "http", "deployment", "operations"} <= linked
-    for name in linked:
-        assert (site / ("" if name == "index" else name) / "index.html").exists(), name
+    linked = set(re.findall(r"\]\(docs/([a-z/-]+)\.md", readme))
+    assert {"getting-started", "concepts/index", "how-it-works/index", "configuration", "protocol", "http",
+            "deployment", "operations", "benchmarks"} <= linked
+    for name in linked:  # docs/x.md is x/index.html on the site, docs/x/index.md x/index.html
+        assert (ROOT / "docs" / f"{name}.md").is_file(), f"README.md links to docs/{name}.md, which is no page"
+        assert (site / (f"{name}.html" if name.split("/")[-1] == "index" else f"{name}/index.html")).is_file(), name
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("page", [p.name for p in hooks.pages()])
+@pytest.mark.parametrize("page", [str(p.relative_to(ROOT / "docs")) for p in hooks.pages()])
 def test_the_generated_parts_kept_in_each_page_are_current(page: str) -> None:
     text = (ROOT / "docs" / page).read_text()
     assert "--8<--" not in text, f"docs/{page}: a snippet line shows literally on GitHub; use a generated file part"
@@ -191,3 +200,44 @@ def test_a_stale_part_fails_the_strict_build_naming_the_command(caplog: pytest.L
     assert example != text and hooks.stale(example) == ["file examples/two_models.yaml"]
     with pytest.raises(ValueError, match="end generated"):
         hooks.render(text.replace("<!-- end generated -->", "", 1))
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("name", plots.names())
+def test_each_result_file_is_plotted_on_the_benchmarks_page_with_its_commands_and_dates(site: Path, name: str) -> None:
+    plot = plots.load(name)
+    page = _page(site, "benchmarks")
+    assert f'src="../plots/{name}.svg"' in page, f"docs/benchmarks.md has no `<!-- generated: plot {name} -->`"
+    svg = html.unescape((site / "plots" / f"{name}.svg").read_text())
+    assert svg.startswith("<?xml") and "</svg>" in svg and plot.title in svg
+    for run in plot.runs:
+        assert f"<code>{run.command}</code> (recorded {run.date}, {run.recorded_in})" in page, run.command
+        if plot.kind == "bars":
+            assert all(line in svg for x in run.x for line in str(x).split("\n")), run.x
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("name", plots.names())
+def test_every_plotted_figure_is_one_the_benchmark_pages_report(name: str) -> None:
+    """A plot draws figures already written down with their runs, never new ones."""
+    text = "".join((ROOT / "docs" / page).read_text() for page in ("benchmarks.md", "benchmarks-history.md"))
+    for run in plots.load(name).runs:
+        for value in [*run.y, *(run.low or []), *(run.high or [])]:
+            if value is not None:
+                assert {f"{value:.2f}", f"{value:.1f}"} & set(re.findall(r"\d+\.\d+", text)), (run.label, value)
+
+
+@pytest.mark.timeout(30)
+def test_a_result_file_that_breaks_a_rule_is_refused_naming_it(tmp_path: Path,
+                                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    good = {"panel": "p", "label": "l", "command": "python -m bench --only memory", "date": "2026-12-03",
+            "recorded_in": "0f46866", "x": [1, 2], "y": [1.0, 2.0]}
+    monkeypatch.setattr(plots, "RESULTS", tmp_path)
+    for broken, says in [({"panel": "q"}, "panel 'q'"), ({"date": "yesterday"}, "date"),
+                         ({"command": "make bench"}, "command"), ({"y": [1.0]}, "one value per point"),
+                         ({"x": ["a", "b"]}, "numbers"), ({"seconds": 3}, "seconds")]:
+        plot = {"title": "t", "kind": "lines", "xlabel": "", "ylabel": "", "panels": ["p"],
+                "runs": [good, {**good, **broken}]}
+        (tmp_path / "bad.json").write_text(json.dumps(plot))
+        with pytest.raises(ValueError, match=f"docs/results/bad.json: .*{re.escape(says)}"):
+            plots.load("bad")

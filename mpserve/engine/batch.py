@@ -77,7 +77,7 @@ the same flash attention setting: the same tokens (BOS, then the prompt tokenize
 special tokens parsed), the same context settings, the same prompt decodes, the same sampler chain
 (``mpserve.engine.sampling``). Decoding K sequences in one batch relies on a row's logits not depending on the
 other rows, which holds for the small batches of one token per sequence that llama.cpp's kernels treat
-like one row, and for the one-token rows of sequences with short contexts (docs/concepts.md: "Exact output").
+like one row, and for the one-token rows of sequences with short contexts (docs/how-it-works/exact-output.md).
 Not thread-safe:
 one thread admits, cancels and steps; an on_token callback may call ``cancel`` but not ``admit``.
 """
