@@ -23,7 +23,7 @@ from helpers import dealer, free_port, mpserve, received, wait_for
 
 from mpserve import AsyncClient, Client
 from mpserve.config.runtime import ServerInfo
-from mpserve.engine.batch import PROMPT_CHUNK
+from mpserve.engine.sequence import PROMPT_CHUNK
 from mpserve.wire import protocol as wire
 from mpserve.wire.slots import SlotTable
 
