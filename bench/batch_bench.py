@@ -35,6 +35,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from mpserve.engine.batch import BatchEngine
+from mpserve.engine.settings import EngineSettings
 from mpserve.models.builtin import builtin_model_path
 from mpserve.wire.protocol import GenerateParams
 
@@ -71,8 +72,8 @@ def main(argv: list[str] | None = None) -> None:
         row = Row(k)
         rows.append(row)
         _progress(f"K={k}: loading")
-        engines = {name: BatchEngine(str(model), n_ctx=args.n_ctx, parallel=k, threads=args.threads, n_gpu_layers=0,
-                                     kv_unified=args.kv_unified, flash_attn=fa)
+        engines = {name: BatchEngine(EngineSettings(str(model), n_ctx=args.n_ctx, parallel=k, threads=args.threads,
+                                                    n_gpu_layers=0, kv_unified=args.kv_unified, flash_attn=fa))
                    for name, fa in ENGINES.items()}
         peer = _start_llama_server(server, model, k, args) if server else None
         try:
@@ -138,8 +139,8 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
 
 
 def _texts_alone(model: Path, prompts: list[str], flash_attn: str, args: argparse.Namespace) -> dict[str, str]:
-    engine = BatchEngine(str(model), n_ctx=args.n_ctx, parallel=1, threads=args.threads, n_gpu_layers=0,
-                         kv_unified=args.kv_unified, flash_attn=flash_attn)
+    engine = BatchEngine(EngineSettings(str(model), n_ctx=args.n_ctx, parallel=1, threads=args.threads, n_gpu_layers=0,
+                                        kv_unified=args.kv_unified, flash_attn=flash_attn))
     try:
         return _run_engine(engine, prompts, args.max_tokens)[0]
     finally:

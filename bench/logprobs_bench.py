@@ -18,6 +18,7 @@ import statistics
 import time
 
 from mpserve.engine.batch import BatchEngine
+from mpserve.engine.settings import EngineSettings
 from mpserve.models.builtin import builtin_model_path
 from mpserve.wire.protocol import GenerateParams
 
@@ -45,7 +46,8 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true")
     args = parser.parse_args()
     size, tokens, repeat = ("tiny", 16, 1) if args.quick else ("bench", args.tokens, args.repeat)
-    engine = BatchEngine(str(builtin_model_path(size)), n_ctx=512, parallel=1, threads=args.threads, n_gpu_layers=0)
+    engine = BatchEngine(EngineSettings(str(builtin_model_path(size)), n_ctx=512, parallel=1, threads=args.threads,
+                                        n_gpu_layers=0))
     try:
         rates: dict[str, list[float]] = {"without": [], f"logprobs {args.top}": []}
         for _ in range(repeat):

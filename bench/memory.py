@@ -53,6 +53,7 @@ sys.stdin.read()
 _CONTEXT = """
 import ctypes, re, sys, llama_cpp
 from mpserve.engine.batch import BatchEngine
+from mpserve.engine.settings import EngineSettings
 sizes = []
 @llama_cpp.llama_log_callback
 def log(level, text, user):
@@ -61,7 +62,7 @@ def log(level, text, user):
         sizes.append(float(found.group(1)))
 llama_cpp.llama_log_set(log, ctypes.c_void_p(0))
 path, n_ctx, repack, kv = sys.argv[1], int(sys.argv[2]), sys.argv[3] == "on", sys.argv[4]
-engine = BatchEngine(path, n_ctx, 1, 1, 0, repack=repack, cache_type_k=kv, cache_type_v=kv)
+engine = BatchEngine(EngineSettings(path, n_ctx, 1, 1, 0, repack=repack, cache_type_k=kv, cache_type_v=kv))
 print(sum(sizes))
 """
 

@@ -23,6 +23,7 @@ import sys
 import time
 
 from mpserve.engine.batch import BatchEngine
+from mpserve.engine.settings import EngineSettings
 from mpserve.models.builtin import builtin_model_path
 from mpserve.wire.protocol import GenerateParams
 
@@ -57,7 +58,8 @@ def main(argv: list[str] | None = None) -> None:
     constrained = GenerateParams(max_tokens=n, temperature=0.0, json_schema=json.dumps(SCHEMA))
     print("| K | unconstrained tok/s | JSON schema tok/s | ratio | grammar cost per token |\n|---|---|---|---|---|")
     for k in args.ks:
-        engine = BatchEngine(model, n_ctx=512, parallel=k, threads=args.threads, n_gpu_layers=args.n_gpu_layers)
+        engine = BatchEngine(EngineSettings(model, n_ctx=512, parallel=k, threads=args.threads,
+                                            n_gpu_layers=args.n_gpu_layers))
         try:
             run(engine, k, plain), run(engine, k, constrained)  # warm; the grammar is parsed once, then cloned
             rates: dict[str, list[float]] = {"plain": [], "schema": []}

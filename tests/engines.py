@@ -9,6 +9,7 @@ import llama_cpp
 
 from mpserve.engine.batch import BatchEngine
 from mpserve.engine.interface import Completion
+from mpserve.engine.settings import EngineSettings
 from mpserve.wire.protocol import GenerateParams
 
 N_CTX = 1024
@@ -41,9 +42,9 @@ def scoring_llama(path: str, flash_attn: bool) -> llama_cpp.Llama:
 
 def make_engine(model_path: str, parallel: int, budget: int = 64, kv_unified: bool = False,
                 flash_attn: str = "off") -> BatchEngine:
-    return BatchEngine(model_path, n_ctx=N_CTX, parallel=parallel, threads=1, n_gpu_layers=0,
-                       step_budget_tokens=budget, kv_unified=kv_unified, flash_attn=flash_attn,
-                       reuse="exact")  # these tests compare with a fresh computation
+    return BatchEngine(EngineSettings(model_path, n_ctx=N_CTX, parallel=parallel, threads=1, n_gpu_layers=0,
+                                      step_budget_tokens=budget, kv_unified=kv_unified, flash_attn=flash_attn,
+                                      reuse="exact"))  # these tests compare with a fresh computation
 
 
 def serve(engine: BatchEngine, requests: list[tuple[str, GenerateParams]],

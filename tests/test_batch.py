@@ -11,9 +11,11 @@ import llama_cpp
 import pytest
 from engines import LONG_PROMPT, N_CTX, PROMPTS, make_engine, make_llama, serve
 
-from mpserve.engine.batch import PROMPT_CHUNK, BatchEngine
+from mpserve.engine.batch import BatchEngine
 from mpserve.engine.interface import Completion
 from mpserve.engine.sampling import TextStream
+from mpserve.engine.sequence import PROMPT_CHUNK
+from mpserve.engine.settings import EngineSettings
 from mpserve.errors import BadRequest
 from mpserve.models.builtin import builtin_model_path
 from mpserve.wire.protocol import GenerateParams
@@ -267,7 +269,8 @@ def test_exact_holds_when_long_prompts_sharing_a_preamble_run_at_once(model_path
                 for ending in (" and then", " so the dog", " but the sea", " or a sky", " the end")]
 
     def engine(parallel: int) -> BatchEngine:  # two threads: one thread computes a lone query as a batch does
-        return BatchEngine(model_path, n_ctx=N_CTX, parallel=parallel, threads=1, n_gpu_layers=0, reuse="exact")
+        return BatchEngine(EngineSettings(model_path, n_ctx=N_CTX, parallel=parallel, threads=1, n_gpu_layers=0,
+                                          reuse="exact"))
 
     fresh = []
     alone = engine(1)
@@ -294,7 +297,8 @@ def test_reuse_any_starts_from_a_shared_prefix_of_any_length_generated_tokens_in
     """``reuse: any``: the next turn of a chat computes only what is new (the reply's cells are reused), a prompt
     shorter than what a slot holds reuses all but its last token, and another slot's cells are copied at any
     length."""
-    engine = BatchEngine(model_path, n_ctx=N_CTX, parallel=2, threads=1, n_gpu_layers=0)  # reuse: any, the default
+    # reuse: any, the default
+    engine = BatchEngine(EngineSettings(model_path, n_ctx=N_CTX, parallel=2, threads=1, n_gpu_layers=0))
     try:
         first = serve(engine, [(PROMPTS[3], greedy(24))])[0]
         turn = PROMPTS[3] + first.text + " And then"
@@ -307,7 +311,7 @@ def test_reuse_any_starts_from_a_shared_prefix_of_any_length_generated_tokens_in
         assert after.prompt_tokens_computed - before.prompt_tokens_computed == second.prompt_tokens - reusable
         shorter = PROMPTS[3][:20]
         held = engine.best_slot(shorter)
-        assert held[1] == len(engine._tokenize(shorter)) - 1  # the last prompt token is computed again
+        assert held[1] == len(engine._context.tokenize_prompt(shorter)) - 1  # the last prompt token is computed again
         copies = engine.stats().prefix_copies
         engine.admit(1 - slot, turn + " more", greedy(4), lambda text, n: True)  # the other slot: copied over
         while engine.active:
@@ -396,7 +400,7 @@ def test_a_sequence_resumed_from_carried_tokens_continues_as_if_never_interrupte
 
 @pytest.mark.timeout(60)
 def test_a_prompt_longer_than_the_context_is_a_bad_request(model_path: str) -> None:
-    engine = BatchEngine(model_path, n_ctx=64, parallel=2, threads=1, n_gpu_layers=0)
+    engine = BatchEngine(EngineSettings(model_path, n_ctx=64, parallel=2, threads=1, n_gpu_layers=0))
     try:
         with pytest.raises(BadRequest):
             engine.admit(0, LONG_PROMPT, greedy(4), lambda text, n: True)

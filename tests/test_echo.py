@@ -14,7 +14,9 @@ from engines import LONG_PROMPT, PROMPTS, make_engine, scoring_llama, serve
 from gateway_thread import GatewayThread
 
 from mpserve import Client
-from mpserve.engine.batch import PROMPT_CHUNK, BatchEngine
+from mpserve.engine.batch import BatchEngine
+from mpserve.engine.sequence import PROMPT_CHUNK
+from mpserve.engine.settings import EngineSettings
 from mpserve.errors import BadRequest
 from mpserve.models.builtin import builtin_model_path
 from mpserve.wire import protocol as wire
@@ -86,7 +88,8 @@ def resident_mib() -> float:
 def test_scoring_a_prompt_on_a_large_vocabulary_does_not_keep_a_chunk_of_logits(real_model: RealModel) -> None:
     """llama.cpp keeps the largest logits buffer a context needed: scored in whole 512-token chunks, one echo
     request left Gemma's instance holding 512 rows of 262,144 logits (+0.9 GiB) for good."""
-    engine = BatchEngine(real_model.path, n_ctx=1024, parallel=1, threads=1, n_gpu_layers=0, repack=real_model.repack)
+    engine = BatchEngine(EngineSettings(real_model.path, n_ctx=1024, parallel=1, threads=1, n_gpu_layers=0,
+                                        repack=real_model.repack))
     prompt = "The history of the steam engine is long. " * 50
     try:
         serve(engine, [(prompt, GenerateParams(max_tokens=2, temperature=0))])

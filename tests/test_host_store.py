@@ -20,8 +20,8 @@ from conftest import ServerProcess
 from engines import LONG_PROMPT as LONG
 
 from mpserve import Client
-from mpserve.engine.batch import PROMPT_CHUNK
 from mpserve.engine.host_store import MAGIC
+from mpserve.engine.sequence import PROMPT_CHUNK
 from mpserve.wire.slots import SlotState
 
 FOLLOW_UP = LONG + " and then the cat sat"

@@ -22,8 +22,10 @@ from helpers import mpserve
 from mpserve import Client
 from mpserve.config.kv_types import KV_TYPES
 from mpserve.engine import slot_file, vocab
-from mpserve.engine.batch import ENDING_TOKENS, PROMPT_CHUNK, TAIL_TOKENS, BatchEngine
-from mpserve.engine.prompt_cache import CacheStats
+from mpserve.engine.batch import BatchEngine
+from mpserve.engine.sequence import ENDING_TOKENS, PROMPT_CHUNK, TAIL_TOKENS
+from mpserve.engine.settings import EngineSettings
+from mpserve.engine.store_stats import CacheStats
 from mpserve.errors import BadRequest
 from mpserve.models.builtin import builtin_model_path
 from mpserve.wire import protocol as wire
@@ -37,11 +39,11 @@ def test_every_kv_type_generates_and_a_quantized_cache_holds_fewer_bytes() -> No
     path = str(builtin_model_path("bench"))
     state_bytes = {}
     for name in KV_TYPES:
-        engine = BatchEngine(path, n_ctx=128, parallel=1, threads=1, n_gpu_layers=0, flash_attn="on",
-                             cache_type_k=name, cache_type_v=name)
+        engine = BatchEngine(EngineSettings(path, n_ctx=128, parallel=1, threads=1, n_gpu_layers=0, flash_attn="on",
+                                            cache_type_k=name, cache_type_v=name))
         try:
             assert run(engine, 0, PROMPT, 8).text, name
-            state_bytes[name] = llama_cpp.llama_state_seq_get_size(engine._ctx, 0)
+            state_bytes[name] = llama_cpp.llama_state_seq_get_size(engine._context.ctx, 0)
         finally:
             engine.close()
     assert state_bytes["q8_0"] < state_bytes["f16"] == state_bytes["bf16"] < state_bytes["f32"]
@@ -60,8 +62,9 @@ def tiny_engine(parallel: int, cache_ram: int, kv_unified: bool = False, reuse: 
                 store: str | None = None) -> BatchEngine:
     """``reuse`` exact unless told: most tests here compare with a fresh computation. A store of its own unless
     given one."""
-    return BatchEngine(str(builtin_model_path("tiny")), n_ctx=1024, parallel=parallel, threads=1, n_gpu_layers=0,
-                       kv_unified=kv_unified, cache_ram=cache_ram, cache_shm=store or fresh_store(), reuse=reuse)
+    return BatchEngine(EngineSettings(str(builtin_model_path("tiny")), n_ctx=1024, parallel=parallel, threads=1,
+                                      n_gpu_layers=0, kv_unified=kv_unified, cache_ram=cache_ram,
+                                      cache_shm=store or fresh_store(), reuse=reuse))
 
 
 @pytest.mark.timeout(120)
@@ -79,8 +82,8 @@ def test_a_prompt_pushed_out_of_every_slot_is_restored_from_ram_and_continues_ex
         run(engine, 0, LONG)
         for i, prompt in enumerate(others(8)):  # 8 other prompts, over both slots: LONG's cells are gone
             run(engine, i % 2, prompt)
-        assert all(engine.kv_cells(slot) and engine._cached[slot][1:4] != engine._tokenize(LONG)[1:4]
-                   for slot in (0, 1))
+        long = engine._context.tokenize_prompt(LONG)
+        assert all(engine.kv_cells(slot) and engine._cells.cached[slot][1:4] != long[1:4] for slot in (0, 1))
         before = engine.stats()
         again = run(engine, 1, follow_up)
         after = engine.stats()
@@ -96,8 +99,8 @@ def test_a_prompt_pushed_out_of_every_slot_is_restored_from_ram_and_continues_ex
 
 def store_changes(engine: BatchEngine) -> wire.CacheChanges:
     """The store's changes, once the writes queued are made."""
-    assert engine._prompt_cache is not None
-    engine._prompt_cache.flush()
+    assert engine._keeping.store is not None
+    engine._keeping.store.flush()
     return engine.take_cache_changes()
 
 
@@ -107,13 +110,14 @@ def test_a_saved_entry_is_told_with_the_block_hashes_of_the_text_its_tokens_spel
     try:
         run(engine, 0, LONG)  # its whole chunks are saved into the store once they are computed
         (_, packed), = store_changes(engine).added
-        tokens = engine._tokenize(LONG)
+        tokens = engine._context.tokenize_prompt(LONG)
         whole = (len(tokens) - 1) // PROMPT_CHUNK * PROMPT_CHUNK  # what a later prompt can reuse of it
-        spelled = vocab.detokenize(llama_cpp, engine._vocab, tokens[1:whole])  # after BOS
+        spelled = vocab.detokenize(llama_cpp, engine._context.vocab, tokens[1:whole])  # after BOS
         assert LONG.startswith(spelled) and len(spelled) >= 2 * PREFIX_BLOCK
         assert wire.unpack_hashes(packed) == block_hashes(spelled)  # what the broker computes of LONG, that far
         assert not engine.take_cache_changes()  # told once
-        run(engine, 0, engine._tokenize(others(1)[0]))  # a prompt of token ids is saved with nothing to route by
+        # a prompt of token ids is saved with nothing to route by
+        run(engine, 0, engine._context.tokenize_prompt(others(1)[0]))
         assert not store_changes(engine) and engine.cache_stats().entries == 2
     finally:
         engine.close()
@@ -124,8 +128,8 @@ def test_filling_the_store_past_its_size_evicts_and_recent_entries_still_hit() -
     probe = tiny_engine(1, 64 << 20)
     try:
         run(probe, 0, others(1)[0])
-        assert probe._prompt_cache is not None
-        probe._prompt_cache.flush()
+        assert probe._keeping.store is not None
+        probe._keeping.store.flush()
         entry_bytes = probe.cache_stats().bytes  # one entry: one chunk of cells
     finally:
         probe.close()
@@ -194,7 +198,7 @@ def test_cache_ram_zero_keeps_nothing() -> None:
         run(engine, 0, LONG)
         run(engine, 0, others(1)[0])
         assert run(engine, 0, LONG + " more").reused_tokens == 0
-        assert engine.cache_stats() == CacheStats(0, 0, 0, 0, 0, 0) and engine._prompt_cache is None
+        assert engine.cache_stats() == CacheStats(0, 0, 0, 0, 0, 0) and engine._keeping.store is None
     finally:
         engine.close()
 
@@ -383,9 +387,9 @@ def test_on_the_real_model_a_state_restored_from_ram_continues_exactly(real_mode
     follow_up = long + " And then"
 
     def engine(cache_ram: int) -> BatchEngine:
-        return BatchEngine(real_model.path, n_ctx=2048, parallel=1, threads=1, n_gpu_layers=0,
-                           repack=real_model.repack, cache_type_k=kv, cache_type_v=kv, cache_ram=cache_ram,
-                           cache_shm=fresh_store(), reuse="exact")
+        return BatchEngine(EngineSettings(real_model.path, n_ctx=2048, parallel=1, threads=1, n_gpu_layers=0,
+                                          repack=real_model.repack, cache_type_k=kv, cache_type_v=kv,
+                                          cache_ram=cache_ram, cache_shm=fresh_store(), reuse="exact"))
 
     fresh = engine(0)
     try:
@@ -403,8 +407,9 @@ def test_on_the_real_model_a_state_restored_from_ram_continues_exactly(real_mode
 
 
 def _gemma(real_model: RealModel, cache_ram: int, reuse: str) -> BatchEngine:
-    return BatchEngine(real_model.path, n_ctx=2048, parallel=1, threads=2, n_gpu_layers=0, repack=real_model.repack,
-                       cache_ram=cache_ram, cache_shm=fresh_store(), reuse=reuse)
+    return BatchEngine(EngineSettings(real_model.path, n_ctx=2048, parallel=1, threads=2, n_gpu_layers=0,
+                                      repack=real_model.repack, cache_ram=cache_ram, cache_shm=fresh_store(),
+                                      reuse=reuse))
 
 
 def _long_other_branch(engine: BatchEngine) -> tuple[list[int], list[int], list[int]]:
@@ -413,9 +418,9 @@ def _long_other_branch(engine: BatchEngine) -> tuple[list[int], list[int], list[
     words = (" ".join(f"Line {i} says the {w} went to the {v}." for i, (w, v) in
                       enumerate(zip(("cat", "dog", "owl") * 60, ("sea", "hill", "town", "wood") * 45, strict=True)))
              + " " + " ".join(f"So {w} and it went on." for w in ("ant", "bee", "owl", "elk") * 5))
-    long = engine._tokenize(words)[:2 * PROMPT_CHUNK + 300]
-    other = engine._tokenize(" ".join(f"Row {i} of the other table." for i in range(40)))
-    branch = long[:PROMPT_CHUNK + 200] + engine._tokenize(" And then the whale sang a song.")[1:]
+    long = engine._context.tokenize_prompt(words)[:2 * PROMPT_CHUNK + 300]
+    other = engine._context.tokenize_prompt(" ".join(f"Row {i} of the other table." for i in range(40)))
+    branch = long[:PROMPT_CHUNK + 200] + engine._context.tokenize_prompt(" And then the whale sang a song.")[1:]
     return long, other, branch
 
 
@@ -431,7 +436,8 @@ def test_on_a_sliding_window_model_a_prompt_sharing_part_of_a_slot_s_restored_ce
         long, other, branch = _long_other_branch(engine)
         run(engine, 0, long)
         run(engine, 0, other)  # the long prompt's cells go to the store
-        run(engine, 0, long + engine._tokenize(" The end.")[1:])  # restored whole: the slot holds restored cells
+        # restored whole: the slot holds restored cells
+        run(engine, 0, long + engine._context.tokenize_prompt(" The end.")[1:])
         with caplog.at_level(logging.INFO, logger="mpserve.worker"):
             again = run(engine, 0, branch)
     finally:
@@ -493,20 +499,20 @@ def test_on_a_sliding_window_model_a_prompt_asked_again_with_another_ending_rest
     store = fresh_store()
 
     def engine() -> BatchEngine:
-        return BatchEngine(real_model.path, n_ctx=2048, parallel=1, threads=2, n_gpu_layers=0,
-                           repack=real_model.repack, cache_ram=256 << 20, cache_shm=store, reuse="any")
+        return BatchEngine(EngineSettings(real_model.path, n_ctx=2048, parallel=1, threads=2, n_gpu_layers=0,
+                                          repack=real_model.repack, cache_ram=256 << 20, cache_shm=store, reuse="any"))
 
     first = engine()
     try:
         words = " ".join(f"Line {i} says the cat went to the sea." for i in range(120))
-        long = first._tokenize(words)[:PROMPT_CHUNK + 300]
-        ending = first._tokenize(endings[0])[1:]
+        long = first._context.tokenize_prompt(words)[:PROMPT_CHUNK + 300]
+        ending = first._context.tokenize_prompt(endings[0])[1:]
         run(first, 0, long + ending)
     finally:
         first.close()
     second = engine()
     try:
-        again = run(second, 0, long + second._tokenize(endings[1])[1:])
+        again = run(second, 0, long + second._context.tokenize_prompt(endings[1])[1:])
     finally:
         second.close()
     mark = endings[2]

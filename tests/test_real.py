@@ -14,7 +14,7 @@ import pytest
 from conftest import RealModel, ServerProcess
 
 from mpserve import AsyncClient, Client
-from mpserve.engine.batch import PROMPT_CHUNK
+from mpserve.engine.sequence import PROMPT_CHUNK
 
 pytestmark = [pytest.mark.real, pytest.mark.timeout(300)]
 

@@ -22,7 +22,7 @@ from engines import others
 from helpers import dealer, free_port, mpserve, received, wait_for
 
 from mpserve import AsyncClient, Client
-from mpserve.engine.batch import PROMPT_CHUNK
+from mpserve.engine.sequence import PROMPT_CHUNK
 from mpserve.runtime import ServerInfo
 from mpserve.wire import protocol as wire
 from mpserve.wire.slots import SlotTable

@@ -21,8 +21,10 @@ from helpers import http_up, mpserve, wait_for
 from prometheus_client.parser import text_string_to_metric_families
 
 from mpserve.config.speculative import Speculative
-from mpserve.engine.batch import PROMPT_CHUNK, BatchEngine
+from mpserve.engine.batch import BatchEngine
 from mpserve.engine.interface import Completion
+from mpserve.engine.sequence import PROMPT_CHUNK
+from mpserve.engine.settings import EngineSettings
 from mpserve.engine.speculation import MAX_ROWS
 from mpserve.errors import BadRequest
 from mpserve.models import maker
@@ -57,8 +59,9 @@ def draft_path() -> str:
 
 def make_engine(model_path: str, parallel: int, speculative: Speculative | None,
                 flash_attn: str = "auto") -> BatchEngine:
-    return BatchEngine(model_path, n_ctx=N_CTX, parallel=parallel, threads=1, n_gpu_layers=0,
-                       speculative=speculative, flash_attn=flash_attn, reuse="exact")  # compared with fresh ones
+    return BatchEngine(EngineSettings(model_path, n_ctx=N_CTX, parallel=parallel, threads=1, n_gpu_layers=0,
+                                      speculative=speculative, flash_attn=flash_attn,
+                                      reuse="exact"))  # compared with fresh ones
 
 
 def run(model_path: str, parallel: int, speculative: Speculative | None,
@@ -164,9 +167,9 @@ def test_cancelling_mid_speculation_leaves_the_slot_reusable_with_its_cells_righ
         cancelled = done[0]
         assert cancelled.finish_reason == "cancelled" and cancelled.accepted_tokens > 0
         assert fresh.text.startswith(cancelled.text)
-        kept = len(engine._cached[0])  # prompt and kept tokens with cells (the last token drawn has none)
+        kept = len(engine._cells.cached[0])  # prompt and kept tokens with cells (the last token drawn has none)
         assert kept == cancelled.prompt_tokens + cancelled.completion_tokens - 1
-        assert llama_cpp.llama_memory_seq_pos_max(engine._memory, 0) == kept - 1
+        assert llama_cpp.llama_memory_seq_pos_max(engine._context.memory, 0) == kept - 1
         assert engine.best_slot(prompt) == (0, PROMPT_CHUNK)
         again = serve(engine, [(prompt, params)])[0]
         assert again.reused_tokens == PROMPT_CHUNK and again.text == fresh.text and again.accepted_tokens > 0
@@ -290,9 +293,9 @@ def test_the_draft_keeps_up_with_reused_copied_cached_and_carried_tokens(model_p
     prompts = [*shared[:2], *others, shared[2], LONG_PROMPT[:900] + " and", shared[0]]
     requests = [(p, GenerateParams(max_tokens=24, temperature=0.0)) for p in prompts]
     plain = run(model_path, 2, None, requests)
-    engine = BatchEngine(model_path, n_ctx=N_CTX, parallel=2, threads=1, n_gpu_layers=0,
-                         speculative=drafting(draft_path), cache_ram=64 << 20,
-                         cache_shm=tempfile.mkdtemp(), reuse="exact")
+    engine = BatchEngine(EngineSettings(model_path, n_ctx=N_CTX, parallel=2, threads=1, n_gpu_layers=0,
+                                        speculative=drafting(draft_path), cache_ram=64 << 20,
+                                        cache_shm=tempfile.mkdtemp(), reuse="exact"))
     try:
         drafted = serve(engine, requests)
         stats, cache = engine.stats(), engine.cache_stats()

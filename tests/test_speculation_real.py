@@ -11,6 +11,7 @@ from engines import finish
 from mpserve.config.speculative import Speculative
 from mpserve.engine.batch import BatchEngine
 from mpserve.engine.interface import Completion
+from mpserve.engine.settings import EngineSettings
 from mpserve.wire.protocol import GenerateParams
 
 pytestmark = [pytest.mark.real, pytest.mark.timeout(600)]
@@ -36,8 +37,8 @@ def plain(model: RealModel, parallel: int, prompts: list[str]) -> list[Completio
 
 def run(model: RealModel, parallel: int, speculative: Speculative | None, prompts: list[str]) -> list[Completion]:
     # one thread, as the tests' servers have: the suite's other tests share the cores
-    engine = BatchEngine(model.path, n_ctx=1024, parallel=parallel, threads=1, n_gpu_layers=0, repack=model.repack,
-                         speculative=speculative, reuse="exact")
+    engine = BatchEngine(EngineSettings(model.path, n_ctx=1024, parallel=parallel, threads=1, n_gpu_layers=0,
+                                        repack=model.repack, speculative=speculative, reuse="exact"))
     try:
         for slot, prompt in enumerate(prompts):
             engine.admit(slot, prompt, GenerateParams(max_tokens=64, temperature=0.0), lambda text, n: True)

@@ -19,6 +19,7 @@ from structured_cases import MAX_TOKENS, PROMPT, SCHEMAS
 
 from mpserve import AsyncClient, Client
 from mpserve.engine.batch import BatchEngine
+from mpserve.engine.settings import EngineSettings
 from mpserve.errors import BadRequest
 from mpserve.models.builtin import builtin_model_path
 from mpserve.structured import canonical_json
@@ -57,8 +58,8 @@ def assert_valid(text: str, schema: Any) -> None:
 
 @pytest.fixture(scope="module")
 def engine() -> Iterator[BatchEngine]:
-    engine = BatchEngine(str(builtin_model_path("tiny")), n_ctx=1024, parallel=4, threads=1, n_gpu_layers=0,
-                         reuse="exact")  # neighbours are compared with their text alone
+    engine = BatchEngine(EngineSettings(str(builtin_model_path("tiny")), n_ctx=1024, parallel=4, threads=1,
+                                        n_gpu_layers=0, reuse="exact"))  # neighbours are compared with their text alone
     yield engine
     engine.close()
 

@@ -4,7 +4,7 @@ takes, for the placement estimate.
 
     settings (choices) ──▶ config (checked: a quantized V needs flash attention)
                        ──▶ gpu.placement (bytes per element × cells × layers)
-                       ──▶ engine.batch (llama_context_params.type_k / type_v)
+                       ──▶ engine.context (llama_context_params.type_k / type_v)
 
 A quantized type stores blocks of ``block`` elements in ``block_bytes`` bytes; a head's size must be a whole
 number of blocks (``check_head_size``).

@@ -19,7 +19,7 @@ the target verifies them in its next decode as it does prompt-lookup drafts (``m
 
 One rule, "keep the common prefix, decode the rest", keeps the draft in step with the target without a
 hook anywhere else: tokens the target took, drafts it rejected, a new request in the slot, a prefix copied
-from another slot, cells restored from the prompt cache or a slot file, tokens carried over from a lost
+from another slot, cells restored from the host store or a slot file, tokens carried over from a lost
 instance all come out as a prefix to keep and a tail to decode. The cells of rejected drafts therefore go
 at the sequence's next sync, not right after verification.
 

@@ -75,10 +75,11 @@ from typing import Any, TypeGuard
 
 from mpserve.config.loader import tier_folder
 from mpserve.errors import ConfigError
-from mpserve.private import FILE_MODE, PlantedFile, create_private, open_private, private_dir
+from mpserve.private import FILE_MODE, PlantedFile, open_private, private_dir
 from mpserve.wire.prefix import MAX_BLOCKS, common_prefix
 
-from .prompt_cache import CacheStats, Changes
+from .store_files import read_private, sha256, touch, write_atomic
+from .store_stats import CacheStats, Changes
 
 log = logging.getLogger("mpserve.worker")
 
@@ -119,16 +120,16 @@ def gguf_digest(path: str, cache_dir: Path) -> str:
         private_dir(cache_dir, "digest cache folder")
     except ConfigError as exc:
         log.warning("%s; the model's digest is computed at every load meanwhile", exc.message)
-        return _sha256(path)
+        return sha256(path)
     try:
-        noted = _read_private(known, 64).decode()
+        noted = read_private(known, 64).decode()
         if _SHA256.fullmatch(noted):
             return noted
     except (OSError, UnicodeDecodeError):
         pass
-    digest = _sha256(path)
+    digest = sha256(path)
     try:
-        _write_atomic(known, digest.encode(), durable=False)
+        write_atomic(known, digest.encode(), durable=False)
     except OSError as exc:
         log.warning("cannot note the model's digest in %s (%s); it is computed again next time", cache_dir, exc)
     return digest
@@ -215,7 +216,7 @@ class HostStore:
         for tier in self._tiers:
             note = tier.dir / "identity.json"
             if not note.exists():
-                _write_atomic(note, json.dumps(identity, indent=1, sort_keys=True).encode(), durable=False)
+                write_atomic(note, json.dumps(identity, indent=1, sort_keys=True).encode(), durable=False)
         self.capacity = sum(t.capacity for t in self._tiers)
         self._index: dict[str, Entry] = {}
         self._index_lock = threading.RLock()  # the index, read and changed by the engine and the writer thread
@@ -273,7 +274,7 @@ class HostStore:
         for tier in self._tiers:
             path = tier.path(entry.name)
             try:
-                data = _read_private(path)
+                data = read_private(path)
             except FileNotFoundError:
                 continue
             except PlantedFile as exc:
@@ -287,7 +288,7 @@ class HostStore:
                 self._skip(tier, path, parsed)
                 continue
             tokens, summary, offset, size = parsed
-            _touch(path)
+            touch(path)
             if tier is not self._tiers[0] and self.wants(size):
                 self._copy_up(bytes(data))
             return (ctypes.c_uint8 * size).from_buffer(data, offset), size
@@ -428,7 +429,7 @@ class HostStore:
         data += memoryview(state).cast("B")[:size]
         _PREFIX.pack_into(data, 0, MAGIC, len(header), zlib.crc32(memoryview(data)[_PREFIX.size:]))
         if any(tier.path(name).exists() for tier in self._tiers):
-            _touch(self._tiers[0].path(name))
+            touch(self._tiers[0].path(name))
             return
         written = self._store(0, name, data)
         if len(self._tiers) > 1 and not self._tiers[1].path(name).exists():
@@ -478,7 +479,7 @@ class HostStore:
                 self._make_room(level, path)
                 held -= size
             try:
-                _write_atomic(tier.path(name), data, tier.durable, _PART)
+                write_atomic(tier.path(name), data, tier.durable, _PART)
             except OSError as exc:
                 with self._lock:
                     self._counts["skipped"] += 1
@@ -502,7 +503,7 @@ class HostStore:
                 if data:
                     self._store(level + 1, path.name, data)
             else:
-                _touch(lower.path(path.name))
+                touch(lower.path(path.name))
         else:
             with self._lock:
                 self._counts["evictions"] += 1
@@ -560,58 +561,7 @@ def _count(value: object) -> TypeGuard[int]:
     return type(value) is int and value >= 0
 
 
-def _sha256(path: str) -> str:
-    with open(path, "rb") as f:
-        return hashlib.file_digest(f, "sha256").hexdigest()
-
-
-def _read_private(path: Path, most: int | None = None) -> bytearray:
-    """The bytes of the regular file of ours at ``path`` (not followed if a link), at most ``most``: never more
-    than the file has when opened."""
-    with os.fdopen(open_private(path), "rb") as f:
-        size = os.fstat(f.fileno()).st_size
-        data = bytearray(size if most is None else min(size, most))
-        got = f.readinto(data)
-    del data[got:]
-    return data
-
-
 def _address(key: str, tokens: Sequence[int]) -> str:
     digest = hashlib.sha256(key.encode())
     digest.update(struct.pack(f"<{len(tokens)}i", *tokens))
     return digest.hexdigest()[:32] + SUFFIX
-
-
-def _touch(path: Path) -> None:
-    """``path`` is the most recently used now. The time is given, not left to the kernel, whose file times move
-    in ticks of a few ms: a file written just before would tie with it."""
-    now = time.time_ns()
-    try:
-        os.utime(path, ns=(now, now))
-    except OSError:
-        pass
-
-
-def _write_atomic(path: Path, data: bytes | bytearray, durable: bool, suffix: str = ".part") -> None:
-    """``data`` as ``path``, 0600: a new temporary file in the same folder, renamed (after fsync, if ``durable``)."""
-    tmp = path.with_name(f".tmp-{os.getpid()}-{threading.get_ident()}{suffix}")
-    tmp.unlink(missing_ok=True)  # a dead writer's that had our pid and thread id
-    try:
-        with os.fdopen(create_private(tmp, os.O_WRONLY), "wb") as out:
-            out.write(data)
-            if durable:
-                out.flush()
-                os.fsync(out.fileno())
-        os.replace(tmp, path)
-        if durable:
-            fd = os.open(path.parent, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
-            try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
-        raise

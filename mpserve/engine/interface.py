@@ -12,7 +12,7 @@
     TOKENIZE ──tokenize / token_bytes──▶  the model's vocabulary, between steps
     EMBED    ──embed(inputs)──▶   an ``Embedder`` (EmbeddingEngine, a model served with embedding: true)
     row      ──kv_cells(slot)──▶   the KV cells the slot holds (the slot table shows them)
-    row      ──cache_stats()───▶   the host-RAM prompt cache's bytes, hits, misses, evictions
+    row      ──cache_stats()───▶   the host store's bytes, hits, misses, evictions
     DONE     ──take_cache_changes()──▶  its entries added and dropped since the last take (the CACHE frame)
     READY    ──cache_snapshot()──▶  all its entries (the CACHE frame of a registration)
     SLOT_ACTION ──save_slot / restore_slot / erase_slot──▶  an idle slot's cells to or from a file
@@ -34,7 +34,7 @@ from mpserve.errors import BadRequest
 from mpserve.wire import protocol as wire
 from mpserve.wire.protocol import ChatTemplate, GenerateParams
 
-from .prompt_cache import NO_CACHE, CacheStats
+from .store_stats import NO_CACHE, CacheStats
 
 OnToken = Callable[[str, int], bool]
 """Called with each new piece of text and the number of tokens generated so far; returns False to stop
@@ -104,13 +104,13 @@ class Engine(Protocol):
         """The KV cells ``slot`` holds now (its running sequence's, or what its last request left)."""
 
     def cache_stats(self) -> CacheStats:
-        """The host-RAM prompt cache's size and counters."""
+        """The host store's size and counters."""
 
     def take_cache_changes(self) -> wire.CacheChanges:
-        """The host-RAM prompt cache's entries added (with their summaries) and dropped since the last take."""
+        """The host store's entries added (with their summaries) and dropped since the last take."""
 
     def cache_snapshot(self) -> wire.CacheChanges:
-        """All the host-RAM prompt cache's entries with a summary, as added; the next take starts from here."""
+        """All the host store's entries with a summary, as added; the next take starts from here."""
 
     def take_logprobs(self, slot: int) -> wire.Logprobs | None:
         """The log-probabilities of the tokens the sequence in ``slot`` generated since the last take (when

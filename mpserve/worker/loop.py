@@ -2,7 +2,7 @@
 
     broker --ASSIGN/CANCEL/STOP/UNLOAD/TOKENIZE/SLOT_ACTION--> worker
     worker --READY/FAILED/UNLOADED, then CHUNK*/DONE|ERROR (TOKENS, SLOT_REPLY) per ticket--> broker
-           (a DONE or ERROR carries the prompt cache's changes since the last one: the CACHE frame; a READY
+           (a DONE or ERROR carries the host store's changes since the last one: the CACHE frame; a READY
            all its entries, so that a broker that restarted learns them)
 
 Each turn takes every waiting broker message, then runs one ``engine.step`` while any sequence runs:
@@ -291,7 +291,7 @@ class Worker:
         zmqio.send(self._sock, wire.encode_from_worker(msg, ticket, trailer))
 
     def _answer(self, outcome: wire.Done | wire.Error, ticket: str) -> None:
-        """A request's DONE or ERROR, with a CACHE frame when the prompt cache gained or lost entries since the
+        """A request's DONE or ERROR, with a CACHE frame when the host store gained or lost entries since the
         last one (the broker's routing learns from it where prefixes are); it goes out with the step's."""
         changes = self._engine.take_cache_changes() if self._engine is not None else None
         self._queue(outcome.TYPE, ticket, wire.pack(outcome), wire.pack(changes) if changes else None)
@@ -357,8 +357,8 @@ class Worker:
                    request=req.id, tokens=0, kv_cells=engine.kv_cells(slot))
 
     def _note_cache(self) -> None:
-        """The prompt cache, in each of this instance's rows, when it changed (every row is written): after a load,
-        an unload and an admission, and on each heartbeat (for the store's writer thread, which adds, evicts
+        """The host store's figures, in each of this instance's rows, when they changed (every row is written): after
+        a load, an unload and an admission, and on each heartbeat (for the store's writer thread, which adds, evicts
         and skips entries between admissions)."""
         s = self._engine.cache_stats() if self._engine is not None else None
         cache = CacheRow(s.bytes, s.capacity, s.hits, s.misses, s.evictions, s.disk_bytes, s.disk_capacity,

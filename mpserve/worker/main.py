@@ -44,12 +44,14 @@ def build_engine(spec: EngineSpec, model: Any = None) -> Engine:
         return EmbeddingEngine(spec.path, spec.n_ctx, spec.parallel, spec.threads, spec.n_gpu_layers, spec.pooling,
                                spec.repack, model=model)
     from mpserve.engine.batch import BatchEngine  # imports llama_cpp, now that CUDA_VISIBLE_DEVICES is set
+    from mpserve.engine.settings import EngineSettings
 
-    return BatchEngine(spec.path, spec.n_ctx, spec.parallel, spec.threads, spec.n_gpu_layers, spec.seed,
-                       flash_attn=spec.flash_attn, repack=spec.repack, speculative=spec.speculative,
-                       cache_type_k=spec.cache_type_k, cache_type_v=spec.cache_type_v, cache_ram=spec.cache_ram,
-                       cache_shm=spec.cache_shm, cache_disk=spec.cache_disk, cache_disk_size=spec.cache_disk_size,
-                       reuse=spec.reuse, model=model, chat_template=spec.chat_template)
+    settings = EngineSettings(spec.path, spec.n_ctx, spec.parallel, spec.threads, spec.n_gpu_layers, spec.seed,
+                              flash_attn=spec.flash_attn, repack=spec.repack, speculative=spec.speculative,
+                              cache_type_k=spec.cache_type_k, cache_type_v=spec.cache_type_v, cache_ram=spec.cache_ram,
+                              cache_shm=spec.cache_shm, cache_disk=spec.cache_disk,
+                              cache_disk_size=spec.cache_disk_size, reuse=spec.reuse, chat_template=spec.chat_template)
+    return BatchEngine(settings, model)
 
 
 def _builder(model: Any) -> Callable[[EngineSpec], Engine]:

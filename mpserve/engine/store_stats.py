@@ -1,17 +1,13 @@
-"""What the engine and the worker know of a prompt store (``mpserve.engine.host_store``): its figures, the
-changes the broker hears of, and how a sequence's state is copied out of and into a llama.cpp context.
+"""What the engine and the worker know of the host store (``mpserve.engine.host_store``): its figures and the
+changes the broker hears of (a sequence's state is copied out of and into a context by ``context.Context``).
 
-    engine ─read_state(slot)──▶ a byte array (llama_state_seq_get_data) ──▶ HostStore.put
-    engine ◀─write_state(slot)── a byte array (llama_state_seq_set_data) ◀── HostStore.load
     HostStore ─stats()────────▶ CacheStats ──▶ the slot table's rows (status, /metrics, the monitor)
     HostStore ─take_changes()─▶ Changes ──▶ CACHE frames (the broker routes by the entries' summaries)
 """
 
 from __future__ import annotations
 
-import ctypes
 from dataclasses import dataclass
-from typing import Any
 
 
 @dataclass(frozen=True)
@@ -39,19 +35,3 @@ class Changes:
 
     def __bool__(self) -> bool:
         return bool(self.added or self.dropped)
-
-
-def read_state(lib: Any, ctx: Any, seq: int) -> tuple[Any, int]:
-    """Sequence ``seq``'s state (its KV cells) as a byte array, and its size (0: nothing to read)."""
-    size = lib.llama_state_seq_get_size(ctx, seq)
-    if not size:
-        return None, 0
-    buffer = (ctypes.c_uint8 * size)()
-    written = lib.llama_state_seq_get_data(ctx, buffer, size, seq)
-    return (buffer, written) if written == size else (None, 0)
-
-
-def write_state(lib: Any, ctx: Any, seq: int, state: Any, size: int) -> bool:
-    """Replace sequence ``seq``'s cells with ``state`` (from ``read_state``); False if llama.cpp refused it, which
-    leaves the sequence empty."""
-    return bool(lib.llama_state_seq_set_data(ctx, state, size, seq))  # the bytes read; 0: failed

@@ -1,0 +1,103 @@
+"""Which rows go into the next decodes: the running sequences by slot, the prompts by admission order.
+
+    admit ──add(seq)──▶ running[slot], prefilling (admission order)
+    step  ──cancelled()──▶ the sequences a cancel ended
+          ──decoding()───▶ DECODE sequences in slot order ──decodes()──▶ grouped into llama_decode calls
+          ──chunks(any decoding)──▶ the prompts computing their next chunk this step, within the token budget
+          ──twins(lead)──▶ prompts equal to one just computed (``cells.share`` gives them its cells)
+    finish ──remove(seq)──▶ out of the batch
+
+Rows go in slot order: with a KV stream per slot, llama.cpp splits a batch into micro-batches where the sequence ids
+are out of order, and every micro-batch is one more pass over the weights. Pure: no llama.cpp here.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Iterable
+
+from mpserve.wire.prefix import common_prefix
+
+from .sequence import PROMPT_CHUNK, Phase, Sequence, next_chunk, usable
+
+LONE_KV_CELLS = 256
+"""The most cells a sequence holds and still decodes in a batch with others under ``reuse: exact``: llama.cpp pads
+the cells an attention reads to a multiple of 256, and its CPU flash attention gives a lone query over 512 or more
+of them a kernel of its own (``decodes``)."""
+
+
+class Scheduler:
+    def __init__(self, step_budget_tokens: int, *, exact: bool, kv_unified: bool) -> None:
+        """``step_budget_tokens``: the prompt tokens a step computes while sequences decode (at least one chunk);
+        while none does, a whole PROMPT_CHUNK."""
+        self._budget = step_budget_tokens
+        self._idle_budget = max(step_budget_tokens, PROMPT_CHUNK)
+        self._exact, self._kv_unified = exact, kv_unified
+        self.running: dict[int, Sequence] = {}
+        self.prefilling: deque[Sequence] = deque()  # admission order
+
+    def add(self, seq: Sequence) -> None:
+        self.running[seq.slot] = seq
+        self.prefilling.append(seq)
+
+    def remove(self, seq: Sequence) -> None:
+        del self.running[seq.slot]
+        self.prefilled([seq])
+
+    def prefilled(self, seqs: Iterable[Sequence]) -> None:
+        """``seqs`` have all their prompt's cells: no more chunks for them."""
+        for seq in seqs:
+            if seq in self.prefilling:
+                self.prefilling.remove(seq)
+
+    def clear(self) -> None:
+        self.running.clear()
+        self.prefilling.clear()
+
+    def cancelled(self) -> list[Sequence]:
+        return [seq for seq in self.running.values() if seq.cancel_requested]
+
+    def decoding(self) -> list[Sequence]:
+        """The sequences that decode a token this step, in slot order."""
+        return sorted((seq for seq in self.running.values() if seq.phase is Phase.DECODE), key=_by_slot)
+
+    def decodes(self, decoding: list[Sequence]) -> list[list[Sequence]]:
+        """The decoding sequences grouped by llama_decode: all in one, except with ``reuse: exact`` and a KV
+        stream per slot, where a sequence with more than LONE_KV_CELLS cells decodes alone. llama.cpp gives a
+        lone query over that many cells its own attention kernel (the CPU's flash attention splits the cells
+        among threads and sums the parts), and a batch of several streams another: decoded together, such a
+        sequence gets other numbers than a fresh computation of it, enough to change a greedy choice."""
+        if not self._exact or self._kv_unified or len(decoding) < 2:
+            return [decoding] if decoding else []
+        long = [[seq] for seq in decoding if seq.n_past + 1 > LONE_KV_CELLS]
+        short = [seq for seq in decoding if seq.n_past + 1 <= LONE_KV_CELLS]
+        return ([short] if short else []) + long
+
+    def chunks(self, decoding: bool) -> list[Sequence]:
+        """The prompts that compute their next chunk this step, in admission order, while the step's budget of
+        prompt tokens lasts (the first chunk always: a chunk is never cut); ``decoding``: whether sequences decode
+        this step too."""
+        budget = self._budget if decoding else self._idle_budget
+        chosen: list[Sequence] = []
+        for seq in self.prefilling:
+            if chosen and budget < next_chunk(seq):
+                break
+            if not seq.score_prompt and any(lead.prompt == seq.prompt or self._shared(lead, seq) > seq.n_past
+                                            for lead in chosen):
+                continue  # an earlier prompt is computing this one's next tokens: copy them when it is done
+            chosen.append(seq)
+            budget -= next_chunk(seq)
+        return chosen
+
+    def _shared(self, lead: Sequence, seq: Sequence) -> int:
+        """The tokens of ``seq``'s prompt that ``lead``'s cells will hold and ``seq`` may reuse."""
+        return usable(min(common_prefix(lead.prompt, seq.prompt), len(seq.prompt) - 1), self._exact)
+
+    def twins(self, lead: Sequence) -> list[Sequence]:
+        """The prompts waiting that equal ``lead``'s (the choices of a request for n), to take its cells when its
+        last chunk is decoded."""
+        return [seq for seq in self.prefilling if seq.prompt == lead.prompt and not seq.score_prompt]
+
+
+def _by_slot(seq: Sequence) -> int:
+    return seq.slot

@@ -1,0 +1,72 @@
+"""What a ``BatchEngine`` is built with: one frozen object, checked before anything loads.
+
+    worker spec (mpserve.worker.spec) ──EngineSettings(...)──▶ check() ──▶ BatchEngine(settings, model)
+                                                                          ├─ context   path, n_ctx, parallel, threads,
+                                                                          │            GPU layers, KV types, flash
+                                                                          │            attention, repack, template
+                                                                          ├─ scheduler step_budget_tokens
+                                                                          ├─ cells     reuse, kv_unified
+                                                                          └─ keeping   the host store's tiers
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from mpserve.config.kv_types import DEFAULT_KV_TYPE, KV_TYPES
+from mpserve.config.speculative import Speculative
+
+FLASH_ATTN_TYPES = {"auto": "LLAMA_FLASH_ATTN_TYPE_AUTO", "on": "LLAMA_FLASH_ATTN_TYPE_ENABLED",
+                    "off": "LLAMA_FLASH_ATTN_TYPE_DISABLED"}
+"""``flash_attn`` settings and llama.cpp's names for them; auto: llama.cpp turns it on where the device
+supports it (always on a CPU), as llama-server does by default."""
+
+REUSE_MODES = ("any", "exact")
+"""What a prompt may start from: ``any`` computed cells holding a prefix of it, of any length; ``exact`` whole
+prompt chunks of them only, so that output equals a fresh computation."""
+
+
+@dataclass(frozen=True)
+class EngineSettings:
+    """``cache_ram`` bytes in ``cache_shm`` and ``cache_disk_size`` bytes in ``cache_disk``: the host store's tiers
+    (``mpserve.engine.host_store``; no store without a RAM tier). ``reuse``: ``any`` starts a prompt from the longest
+    prefix of it that computed cells hold, ``exact`` from whole prompt chunks only (``mpserve.engine.batch``).
+    ``chat_template``: the template the engine reports instead of the GGUF's (``read_chat_template``)."""
+
+    path: str
+    n_ctx: int
+    parallel: int
+    threads: int
+    n_gpu_layers: int
+    seed: int = 0
+    step_budget_tokens: int = 64
+    kv_unified: bool = False
+    flash_attn: str = "auto"
+    repack: bool = True
+    speculative: Speculative | None = None
+    cache_type_k: str = DEFAULT_KV_TYPE
+    cache_type_v: str = DEFAULT_KV_TYPE
+    cache_ram: int = 0
+    cache_shm: str | None = None
+    cache_disk: str | None = None
+    cache_disk_size: int = 0
+    reuse: str = "any"
+    chat_template: str | None = None
+
+    @property
+    def exact(self) -> bool:
+        return self.reuse == "exact"
+
+    def check(self, max_parallel: int) -> None:
+        """ValueError naming the first setting out of its range (``max_parallel``: llama.cpp's most sequences)."""
+        if not 1 <= self.parallel <= max_parallel:
+            raise ValueError(f"parallel must be 1..{max_parallel}, got {self.parallel}")
+        if self.flash_attn not in FLASH_ATTN_TYPES:
+            raise ValueError(f"flash_attn must be one of {', '.join(FLASH_ATTN_TYPES)}, got {self.flash_attn!r}")
+        if self.cache_type_k not in KV_TYPES or self.cache_type_v not in KV_TYPES:
+            raise ValueError(f"cache types must be among {', '.join(KV_TYPES)}, got {self.cache_type_k!r}, "
+                             f"{self.cache_type_v!r}")
+        if self.reuse not in REUSE_MODES:
+            raise ValueError(f"reuse must be one of {', '.join(REUSE_MODES)}, got {self.reuse!r}")
+        if self.step_budget_tokens < 1 or self.n_ctx < 2:
+            raise ValueError("step_budget_tokens must be >= 1 and n_ctx >= 2")

@@ -1,0 +1,86 @@
+"""Which rows go into the next decodes (``mpserve.engine.scheduler``) and how a prompt is cut into them
+(``mpserve.engine.sequence``): slot order, the step's token budget, prompts computed once, lone long sequences."""
+
+from __future__ import annotations
+
+import pytest
+from engine_fakes import sequence
+
+from mpserve.engine.scheduler import LONE_KV_CELLS, Scheduler
+from mpserve.engine.sequence import PROMPT_CHUNK, SCORED_CHUNK, TAIL_MARKS, next_chunk, reaches_checkpoint, tail_marks
+
+pytestmark = pytest.mark.timeout(10)
+
+
+def scheduler(budget: int = 64, *, exact: bool = False, kv_unified: bool = False) -> Scheduler:
+    return Scheduler(budget, exact=exact, kv_unified=kv_unified)
+
+
+def test_decoding_rows_go_in_slot_order_and_prompts_in_admission_order() -> None:
+    s = scheduler()
+    for slot in (2, 0, 1):
+        s.add(sequence(slot, [slot] * 10, 10, decoding=slot != 1))
+    assert [seq.slot for seq in s.decoding()] == [0, 2]
+    assert [seq.slot for seq in s.prefilling] == [2, 0, 1]
+    s.remove(s.running[0])
+    assert sorted(s.running) == [1, 2] and [seq.slot for seq in s.prefilling] == [2, 1]
+
+
+def test_a_step_computes_prompt_chunks_within_its_budget_and_never_cuts_one() -> None:
+    s = scheduler(64)
+    first, second, third = sequence(0, [1] * 1000), sequence(1, [2] * 40), sequence(2, [3] * 20)
+    for seq in (first, second, third):
+        s.add(seq)
+    # while others decode: the first chunk whole (over the budget), then nothing more
+    assert s.chunks(decoding=True) == [first]
+    # idle: a whole chunk's worth of tokens, in admission order
+    assert s.chunks(decoding=False) == [first]
+    first.n_past = 1000 - 10
+    assert s.chunks(decoding=True) == [first, second]  # 10 + 40 fit in 64; the 20 more do not
+    assert s.chunks(decoding=False) == [first, second, third]
+
+
+def test_a_prompt_another_chosen_prompt_is_computing_waits_to_copy_it() -> None:
+    s = scheduler(4 * PROMPT_CHUNK)
+    lead, twin, sharing, scored = (sequence(0, [1] * 300), sequence(1, [1] * 300), sequence(2, [1] * 200 + [2] * 50),
+                                   sequence(3, [1] * 300))
+    scored.score_prompt = True
+    for seq in (lead, twin, sharing, scored):
+        s.add(seq)
+    assert s.chunks(decoding=False) == [lead, scored]  # a scored prompt computes its own rows
+    s.prefilled([lead])  # its last chunk decoded
+    assert s.twins(lead) == [twin] and lead not in s.prefilling
+    exact = scheduler(4 * PROMPT_CHUNK, exact=True)
+    for seq in (lead, sharing):
+        exact.add(seq)
+    assert exact.chunks(decoding=False) == [lead, sharing]  # exact copies whole chunks only: 200 is none
+
+
+def test_exact_decodes_a_long_sequence_alone_with_a_stream_per_slot() -> None:
+    short, long = sequence(0, [1] * 10, 10, decoding=True), sequence(1, [2] * 400, LONE_KV_CELLS, decoding=True)
+    assert scheduler(exact=True).decodes([short, long]) == [[short], [long]]
+    assert scheduler(exact=True, kv_unified=True).decodes([short, long]) == [[short, long]]
+    assert scheduler().decodes([short, long]) == [[short, long]]
+    assert scheduler(exact=True).decodes([]) == []
+    long.n_past = LONE_KV_CELLS - 1
+    assert scheduler(exact=True).decodes([short, long]) == [[short, long]]
+
+
+def test_a_prompt_is_cut_into_chunks_scored_chunks_and_at_its_marks() -> None:
+    seq = sequence(0, [1] * 1300)
+    assert next_chunk(seq) == PROMPT_CHUNK
+    seq.n_past = 1024
+    assert next_chunk(seq) == 1300 - 1024
+    seq.marks = tail_marks(1300, 0)
+    assert seq.marks == tuple(1300 - before for before in TAIL_MARKS)
+    assert next_chunk(seq) == seq.marks[0] - 1024
+    assert tail_marks(1300, 1300 - PROMPT_CHUNK) == ()  # less than a chunk computed: no split
+    scored = sequence(0, [1] * 1300)
+    scored.score_prompt = True
+    assert next_chunk(scored) == SCORED_CHUNK
+
+
+def test_checkpoints_fall_at_a_chunk_times_a_power_of_two() -> None:
+    assert reaches_checkpoint(0, PROMPT_CHUNK) and reaches_checkpoint(PROMPT_CHUNK, 2 * PROMPT_CHUNK)
+    assert not reaches_checkpoint(2 * PROMPT_CHUNK, 3 * PROMPT_CHUNK)
+    assert reaches_checkpoint(3 * PROMPT_CHUNK, 4 * PROMPT_CHUNK) and not reaches_checkpoint(0, PROMPT_CHUNK - 1)
