@@ -26,7 +26,10 @@ def _members(package: Path) -> set[str]:
     return modules | {p.name for p in package.iterdir() if (p / "__init__.py").is_file()}
 
 
-@pytest.mark.parametrize("package", sorted(str(p.parent.relative_to(PACKAGE)) for p in PACKAGE.glob("*/**/__init__.py")))
+PACKAGES = sorted(str(p.parent.relative_to(PACKAGE)) for p in PACKAGE.glob("*/**/__init__.py"))
+
+
+@pytest.mark.parametrize("package", PACKAGES)
 def test_a_package_map_lists_each_of_its_modules(package: str) -> None:
     folder = PACKAGE / package
     assert sorted(_members(folder) - _listed(folder)) == [], f"mpserve/{package}/__init__.py's map misses them"
