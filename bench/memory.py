@@ -51,16 +51,18 @@ print("ready", flush=True)
 sys.stdin.read()
 """
 _CONTEXT = """
-import ctypes, re, sys, llama_cpp
+import logging, re, sys
 from mpserve.engine.batch import BatchEngine
 from mpserve.engine.settings import EngineSettings
 sizes = []
-@llama_cpp.llama_log_callback
-def log(level, text, user):
-    found = re.search(rb"(?:KV|compute|output) buffer size =\\s*([0-9.]+) MiB", text)
-    if found:
-        sizes.append(float(found.group(1)))
-llama_cpp.llama_log_set(log, ctypes.c_void_p(0))
+class Sizes(logging.Handler):  # llama.cpp's log reaches mpserve.llama (mpserve.engine.llama_log), its INFO as DEBUG
+    def emit(self, record):
+        found = re.search(r"(?:KV|compute|output) buffer size =\\s*([0-9.]+) MiB", record.getMessage())
+        if found:
+            sizes.append(float(found.group(1)))
+llama = logging.getLogger("mpserve.llama")
+llama.setLevel(logging.DEBUG)
+llama.addHandler(Sizes())
 path, n_ctx, repack, kv = sys.argv[1], int(sys.argv[2]), sys.argv[3] == "on", sys.argv[4]
 engine = BatchEngine(EngineSettings(path, n_ctx, 1, 1, 0, repack=repack, cache_type_k=kv, cache_type_v=kv))
 print(sum(sizes))
