@@ -243,3 +243,17 @@ def test_a_body_nested_past_the_decoders_depth_is_refused_and_has_no_id() -> Non
     with pytest.raises(ProtocolError):  # the broker answers it with an ERROR, without its id
         wire.decode([wire.VERSION, b"\x01", deep])
     assert wire.peek_id(deep) is None
+
+
+@pytest.mark.parametrize("mtype, body, error", [
+    (wire.MsgType.REQUEST, {"id": "r", "prompt": "p", "later": 1}, BadRequest),
+    (wire.MsgType.REQUEST, {"id": "r", "prompt": "p", "params": {"later": 1}}, BadRequest),
+    (wire.MsgType.CONTROL, {"id": "c", "op": "models", "later": 1}, BadRequest),
+    (wire.MsgType.PING, {"nonce": 1, "later": 1}, ProtocolError),
+    (wire.MsgType.DONE, {"id": "r", "text": "", "finish_reason": "stop", "usage": {}, "timings": {}, "later": 1},
+     ProtocolError),
+])
+def test_a_field_the_receiver_does_not_know_is_refused_naming_it(mtype: wire.MsgType, body: dict[str, Any],
+                                                                 error: type[MpserveError]) -> None:
+    with pytest.raises(error, match="unknown (field|parameter) 'later'; allowed: "):
+        wire.decode_body(mtype, msgpack.packb(body))
