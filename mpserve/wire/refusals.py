@@ -11,6 +11,7 @@ Only a refused body is decoded a second time (untyped, for the value to name).
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import re
 import typing
@@ -72,7 +73,8 @@ def _walk(root: Any, steps: list[str | int]) -> tuple[Any, Any, str | int]:
         kind, _ = _strip(kind)
         if typing.get_origin(kind) is dict:  # a map's key: its value's type
             kind = typing.get_args(kind)[1]
-        elif isinstance(step, str) and isinstance(kind, type) and issubclass(kind, msgspec.Struct):
+        elif isinstance(step, str) and isinstance(kind, type) and (issubclass(kind, msgspec.Struct)
+                                                                   or dataclasses.is_dataclass(kind)):
             owner, key = kind, step
             kind = typing.get_type_hints(kind, include_extras=True).get(step, Any)
         elif isinstance(step, int):

@@ -124,6 +124,8 @@ def test_a_malformed_step_is_refused(batch: bytes, problem: str) -> None:
     ([wire.VERSION, b"\x01", msgpack.packb([1, 2])], "must be a msgpack map"),
     ([wire.VERSION, b"\x01", msgpack.packb({"prompt": "x"})], "missing field 'id'"),
     ([wire.VERSION, b"\x01", msgpack.packb({"id": 5, "prompt": "x"})], "'id' must be a string"),
+    ([wire.VERSION, b"\x11", msgpack.packb({"id": "r", "text": "", "finish_reason": "stop", "usage": {},
+                                            "timings": {"queue_ms": "x"}})], "field 'queue_ms' must be a number"),
 ])
 def test_malformed_messages_raise_protocol_errors(frames: list[bytes], problem: str) -> None:
     with pytest.raises(ProtocolError, match=problem):
