@@ -288,7 +288,7 @@ class Request(Body, frozen=True, forbid_unknown_fields=True):
     # is, instead of ``prompt``
 
     def check(self) -> None:
-        self.params.validate()
+        self.params.check()  # decoded: its types and limits were checked already
         if any(t < 0 for t in unpack_tokens(self.tokens)):
             raise BadRequest("prompt token ids must be >= 0")
 
