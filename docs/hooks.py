@@ -8,7 +8,7 @@ GitHub, in an editor and on the site; one command rewrites them, and a stale one
     settings     mpserve/config/settings.py   every setting: flag, commands, environment, YAML key, default, meaning
     errors       mpserve/errors.py            every ErrorCode: HTTP status, meaning, whether to retry
     openapi      GET /openapi.json            every route of the gateway: parameters, body fields, statuses
-    wire-*       mpserve/wire/protocol.py     the message types, each body's fields with types and limits
+    wire-*       mpserve/wire/messages.py     the message types, each body's fields with types and limits
     kubernetes   deploy/kubernetes/README.md, its headings one level down and its links named as repo paths
     file PATH    an example file of the repository (examples/two_models.yaml, ...)
     plot NAME    docs/results/NAME.json   a benchmark plot's image and the commands and dates of its figures
@@ -216,33 +216,26 @@ def _short(value: Any) -> str:
     return text if len(text) < 40 else text[:37] + "…"
 
 
-# --- the wire, from mpserve/wire/protocol.py --------------------------------------------------------------------
+# --- the wire, from mpserve/wire/messages.py --------------------------------------------------------------------
 
 ID = f"string, at most {wire.MAX_ID_CHARS} characters (`MAX_ID_CHARS`)"
 MODEL = "string, at most 256 characters"
 TIMEOUT = "seconds, 0.001 to 604800 (7 days)"
 TOKENS = "int32 little-endian token ids (`pack_tokens`)"
 
-# The limits ``from_wire`` and ``check`` enforce, by ``Class.field``; the types and defaults come from the
-# classes themselves. tests/test_docs.py checks every key names a field and that the limits it can probe hold.
+# The limits ``check`` enforces and what a field's type alone does not say, by ``Class.field``; the types, defaults,
+# the limits declared with ``Meta`` and the sampling parameters' meanings come from the classes themselves.
+# tests/test_docs.py checks every key names a field and that the limits it can probe hold.
 LIMITS: dict[str, str] = {
     "Request.id": ID, "Request.prompt": f"at most {wire.MAX_PROMPT_CHARS} characters (`MAX_PROMPT_CHARS`)",
     "Request.model": MODEL + "; may be left out when the server serves one model", "Request.timeout": TIMEOUT,
     "Request.tokens": f"{TOKENS}, at most {wire.MAX_PROMPT_CHARS}, each ≥ 0; replaces `prompt` when not empty",
-    "GenerateParams.max_tokens": f"1 to {wire.MAX_TOKENS_LIMIT}", "GenerateParams.temperature": "0 to 100 (0: greedy)",
-    "GenerateParams.top_p": "0 to 1", "GenerateParams.top_k": "0 to 1048576",
-    "GenerateParams.seed": "0 to 2³² − 1", "GenerateParams.repeat_penalty": "0.01 to 100",
+    "GenerateParams.seed": "0 to 2³² − 1",
     "GenerateParams.stop": f"at most {wire.MAX_STOP_STRINGS} strings of 1 to {wire.MAX_STOP_CHARS} characters",
-    "GenerateParams.presence_penalty": "−2 to 2", "GenerateParams.frequency_penalty": "−2 to 2",
-    "GenerateParams.logit_bias": f"array of `[token id, bias]` pairs, at most {wire.MAX_LOGIT_BIAS}; "
-                                 "bias −100 to 100",
-    "GenerateParams.min_p": "0 to 1", "GenerateParams.typical_p": "0 to 1",
-    "GenerateParams.logprobs": f"0 to {wire.MAX_TOP_LOGPROBS}",
-    "GenerateParams.grammar": "GBNF text, at most 64 KiB; not with `json_schema`",
-    "GenerateParams.json_schema": "a JSON Schema as JSON text, at most 64 KiB; not with `grammar`",
+    "GenerateParams.logit_bias": f"at most {wire.MAX_LOGIT_BIAS} pairs; bias −100 to 100",
+    "GenerateParams.grammar": "at most 64 KiB", "GenerateParams.json_schema": "at most 64 KiB",
     "GenerateParams.prompt_logprobs": "needs `logprobs`", "GenerateParams.n": f"1 to {wire.MAX_CHOICES}, "
                                                                              "and at most the model's `parallel`",
-    "GenerateParams.speculative_n_max": "0 to 64",
     "Cancel.id": ID, "Chunk.id": ID, "Chunk.text": f"at most {wire.MAX_PROMPT_CHARS} characters",
     "Chunk.index": f"0 to {wire.MAX_CHOICES - 1}", "Done.id": ID, "Done.index": f"0 to {wire.MAX_CHOICES - 1}",
     "Done.finish_reason": "`length` or `stop` (or `tool_calls` over HTTP)",
@@ -340,11 +333,30 @@ def anchor(cls: Any) -> str:
 
 
 def field_table(cls: type) -> str:
-    name = cls.__name__
     rows = ["| field | type | default | limits |", "|---|---|---|---|"]
-    rows += [f"| `{field}` | {kind} | {default} | {LIMITS.get(f'{name}.{field}', '')} |"
+    rows += [f"| `{field}` | {kind} | {default} | {field_limits(cls, field)} |"
              for field, kind, default in wire_fields(cls)]
     return "\n".join(rows)
+
+
+def field_limits(cls: type, field: str) -> str:
+    """What LIMITS says of ``cls.field``, else the limits its type declares (``Meta``), then its meaning."""
+    metas = _metas(typing.get_type_hints(cls, include_extras=True)[field])
+    bound = {k: getattr(m, k) for m in metas for k in ("ge", "le", "max_length", "description")
+             if getattr(m, k, None) is not None}
+    declared = f"{_short(bound['ge'])} to {_short(bound['le'])}" if "ge" in bound and "le" in bound else \
+        f"at most {bound['max_length']}" if "max_length" in bound else ""
+    written = LIMITS.get(f"{cls.__name__}.{field}", declared)
+    return "; ".join(part for part in (written, bound.get("description", "")) if part)
+
+
+def _metas(hint: Any) -> list[msgspec.Meta]:
+    """The Meta of a field's type, through ``X | None``."""
+    if typing.get_origin(hint) is typing.Annotated:
+        return [m for m in hint.__metadata__ if isinstance(m, msgspec.Meta)]
+    if typing.get_origin(hint) in (typing.Union, types.UnionType):
+        return [m for a in typing.get_args(hint) if a is not type(None) for m in _metas(a)]
+    return []
 
 
 def _messages_part(names: tuple[str, ...]) -> Callable[[], str]:

@@ -29,6 +29,7 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any
 
+import msgspec
 import typer
 
 from mpserve import __version__
@@ -203,7 +204,7 @@ def generate(
         assert result is not None
         if as_json:
             print(json.dumps({"text": result.text, "finish_reason": result.finish_reason,
-                              "usage": vars(result.usage), "timings": vars(result.timings),
+                              "usage": msgspec.structs.asdict(result.usage), "timings": vars(result.timings),
                               "worker": result.worker}))
         else:
             t = result.timings
@@ -473,7 +474,8 @@ def status(
                 scaled = {name: m.scaling for name, m in stats.models.items()} if stats is not None else {}
                 if as_json:
                     print(json.dumps({"server": info.name, "pid": info.pid, "address": info.front,
-                                      "slots": [_row_json(r) for r in rows], "remote": [vars(w) for w in pools],
+                                      "slots": [_row_json(r) for r in rows],
+                                      "remote": [msgspec.structs.asdict(w) for w in pools],
                                       "scaling": {name: vars(sc) for name, sc in scaled.items()}}))
                 else:
                     if watch:
@@ -698,7 +700,7 @@ def slots(
         with _admin_client(info, _Curve(curve_server_key, curve_secret)) as client:
             reply = client.slot(action, worker, local, filename)
         if as_json:
-            print(json.dumps({"slot": slot, "worker": worker, **vars(reply)}))
+            print(json.dumps({"slot": slot, "worker": worker, **msgspec.structs.asdict(reply)}))
             return
         done = {"save": "saved", "restore": "restored", "erase": "erased"}[reply.action]
         where = f" ({format_memory(reply.bytes)}, {filename})" if reply.action != "erase" else ""

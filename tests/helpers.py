@@ -85,7 +85,7 @@ def dealer(address: str, identity: bytes | None = None, **options: int | bytes) 
 
 def raw_request(body: dict[str, Any]) -> list[bytes]:
     """The frames of a REQUEST whose body is ``body`` as it is, unchecked."""
-    return [wire.VERSION, bytes([wire.MsgType.REQUEST]), wire.msgpack.packb(body)]
+    return [wire.VERSION, bytes([wire.MsgType.REQUEST]), wire.pack(body)]
 
 
 def received(sock: zmq.Socket[bytes], timeout: float = 5.0) -> Any:

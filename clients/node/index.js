@@ -17,6 +17,12 @@ import * as zmq from "zeromq";
 export const VERSION = Buffer.from("MPS1");
 export const MAX_ID_CHARS = 64;
 export const MAX_MESSAGE_BYTES = 4 * 1024 * 1024;
+/** The sampling parameters a request takes, in the protocol's order (GenerateParams; a test compares them). */
+export const SAMPLING_PARAMS = Object.freeze([
+  "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "repeat_penalty", "presence_penalty",
+  "frequency_penalty", "logit_bias", "min_p", "typical_p", "ignore_eos", "logprobs", "grammar", "json_schema",
+  "prompt_logprobs", "n", "speculative_n_max",
+]);
 const PING_INTERVAL_MS = 1000;
 const PING_LIVENESS = 3;
 const CONNECT_TIMEOUT_MS = 5000;
@@ -243,7 +249,14 @@ export class Client {
     if (typeof id !== "string" || id.length === 0 || id.length > MAX_ID_CHARS) {
       throw new BadRequest(`a request id is a string of 1 to ${MAX_ID_CHARS} characters`);
     }
+    const unknown = Object.keys(params).filter((key) => !SAMPLING_PARAMS.includes(key));
+    if (unknown.length) {
+      throw new BadRequest(`unknown parameter(s) ${unknown.join(", ")}; allowed: ${SAMPLING_PARAMS.join(", ")}`);
+    }
     if (params.stop !== undefined && !Array.isArray(params.stop)) params.stop = [params.stop];
+    if (params.logit_bias && !Array.isArray(params.logit_bias)) {  // OpenAI's map: the wire's [token id, bias] pairs
+      params.logit_bias = Object.entries(params.logit_bias).map(([token, bias]) => [Number(token), bias]);
+    }
     const body = { id, prompt: typeof prompt === "string" ? prompt : "", model, params, stream,
       timeout: timeout ?? this.timeout };
     if (typeof prompt !== "string") body.tokens = packTokens(prompt);

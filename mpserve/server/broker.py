@@ -558,7 +558,7 @@ class Broker:
         ticket = new_ticket()
         self.lookups[ticket] = (client, msg.id, worker.identity)
         self.stats["tokenize" if isinstance(msg, wire.Tokenize) else "embed"] += 1
-        self._to_worker(worker.identity, dataclasses.replace(msg, ticket=ticket))
+        self._to_worker(worker.identity, msgspec.structs.replace(msg, ticket=ticket))
 
     def _on_embed(self, client: bytes, msg: wire.Embed) -> None:
         """As TOKENIZE, for embedding models only."""
@@ -576,7 +576,7 @@ class Broker:
         ticket = new_ticket()
         self.lookups[ticket] = (client, msg.id, worker.identity)
         self.stats[f"slot_{msg.action}"] += 1
-        self._to_worker(worker.identity, dataclasses.replace(msg, ticket=ticket))
+        self._to_worker(worker.identity, msgspec.structs.replace(msg, ticket=ticket))
 
     def _lookups_lost(self, identity: bytes, what: str) -> None:
         for ticket, (client, rid, worker) in list(self.lookups.items()):
@@ -1212,7 +1212,7 @@ def _timed_whole(p: Pending, body: bytes) -> bytes:
     first = p.first_token or p.assigned + done.timings.prompt_ms / 1000
     timings = dataclasses.replace(done.timings, queue_ms=(p.first_assigned - p.accepted) * 1000,
                                   prompt_ms=(first - p.first_assigned) * 1000, generate_ms=max(0.0, now - first) * 1000)
-    return wire.pack(dataclasses.replace(done, timings=timings))
+    return wire.pack(msgspec.structs.replace(done, timings=timings))
 
 
 def crash_verdict(sig: Signals) -> str:

@@ -1,7 +1,10 @@
 """How mpserve's processes talk: the messages, their transport, and what they share in memory.
 
-    protocol   the wire: ``[VERSION, TYPE, BODY]`` frames, msgpack bodies decoded into frozen classes with
-               size limits (clients ⇄ broker ⇄ workers)
+    protocol   the wire as callers import it: messages and framing in one name (clients ⇄ broker ⇄ workers)
+    messages   every body a frozen msgspec Struct: fields with their limits, the rules across them (``check``);
+               ``GenerateParams`` is where each sampling parameter is declared
+    framing    ``[VERSION, TYPE, BODY]`` frames, STEP/CHUNKS/ASSIGNS batches, decoding each body once
+    refusals   msgspec's verdict on a bad body as a BadRequest or ProtocolError naming field, value and range
     zmqio      multipart messages through pyzmq's backend calls (broker, workers, clients)
     prefix     common prefixes, and the block hashes of text prefixes that travel from worker to broker
     slots      the slot table: a shared-memory file of one row per slot (workers write, anyone reads)

@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import signal
 import time
 from collections.abc import Iterator
 from typing import Any
 
+import msgspec
 import pytest
 import zmq
 
@@ -508,7 +508,7 @@ def test_a_done_between_crashes_starts_the_models_count_afresh(broker: Broker) -
         assert broker.back.poll(1000)
         broker.drain_back()
         got = answer(client)  # its timings are the whole request's: it was handed over (``test_...timings...``)
-        assert dataclasses.replace(got, timings=done.timings) == done and broker.models["m"].crash_streak == 0
+        assert msgspec.structs.replace(got, timings=done.timings) == done and broker.models["m"].crash_streak == 0
         ask(broker, client, "r3")
         ends(broker, taken(workers)["r3"][0], -signal.SIGSEGV)
         assert broker.models["m"].failed is None and broker.models["m"].crash_streak == 1

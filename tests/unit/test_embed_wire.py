@@ -17,19 +17,20 @@ def test_embed_round_trips_and_refuses_what_no_worker_should_see() -> None:
     for msg in (wire.Embed("e1", "emb", texts=("a", "b")), wire.Embed("e2", tokens=(wire.pack_tokens([1, 2]),))):
         assert wire.decode(wire.encode(msg)) == msg
     for body, words in [({}, "not empty"), ({"texts": ["a"], "tokens": [wire.pack_tokens([1])]}, "not empty"),
-                        ({"texts": [""]}, "non-empty string"), ({"texts": [3]}, "non-empty string"),
-                        ({"texts": ["x"] * 2049}, "at most 2048 inputs"),
-                        ({"tokens": [wire.pack_tokens([-1])]}, "token ids >= 0"), ({"tokens": [b""]}, "non-empty"),
+                        ({"texts": [""]}, "each 'texts' must hold 1 to"), ({"texts": [3]}, "'texts' must be a string"),
+                        ({"texts": ["x"] * 2049}, "'texts' must hold at most 2048 items"),
+                        ({"tokens": [wire.pack_tokens([-1])]}, "token ids >= 0"),
+                            ({"tokens": [b""]}, "each 'tokens' must hold at least 1 bytes"),
                         ({"texts": ["x"], "timeout": 0}, "'timeout' must be between")]:
         with pytest.raises(BadRequest, match=words):
-            wire.Embed.from_wire({"id": "e", **body})
+            wire.decode_as(wire.Embed, wire.pack({"id": "e", **body}))
 
 
 def test_embeddings_carry_float32_rows() -> None:
     msg = wire.Embeddings("e", 2, struct.pack("<4f", 1, 0, 0.5, -0.5), 7)
     assert wire.decode(wire.encode(msg)).rows() == [[1.0, 0.0], [0.5, -0.5]]
     with pytest.raises(ProtocolError, match="float32 vectors of 2"):
-        wire.Embeddings.from_wire({"id": "e", "dim": 2, "vectors": b"\0" * 12})
+        wire.decode_as(wire.Embeddings, wire.pack({"id": "e", "dim": 2, "vectors": b"\0" * 12}))
 
 
 def test_pooling_belongs_to_embedding_models() -> None:

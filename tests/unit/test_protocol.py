@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import random
+import re
 from typing import Any
 
 import msgpack
 import pytest
 
 from mpserve.errors import BadRequest, MpserveError, ProtocolError
+from mpserve.wire import messages
 from mpserve.wire import protocol as wire
 from mpserve.wire.prefix import MAX_BLOCKS, PREFIX_BLOCK, block_hashes
 
@@ -44,7 +46,7 @@ def test_a_chunk_may_carry_its_token_ids_and_an_assign_the_tokens_to_resume_from
     old = wire.decode(wire.encode(wire.Assign("t1", wire.Request("r1", "hi"), 1.0, 1)))  # what an old broker sends
     assert not old.report_tokens and old.generated == b""
     with pytest.raises(ProtocolError, match="int32"):
-        wire.Assign.from_wire({**msgpack.unpackb(wire.pack(assign)), "generated": b"\x00" * 5})
+        wire.decode_as(wire.Assign, wire.pack({**msgpack.unpackb(wire.pack(assign)), "generated": b"\x00" * 5}))
 
 
 def test_a_done_may_carry_the_prompt_caches_changes_in_a_cache_frame() -> None:
@@ -60,11 +62,11 @@ def test_a_done_may_carry_the_prompt_caches_changes_in_a_cache_frame() -> None:
 
 @pytest.mark.parametrize("body, problem", [
     ({"added": [[1, b"\x00" * 7]]}, "a CACHE entry"),  # not whole uint64s
-    ({"added": [[1, b"\x00" * 8 * (MAX_BLOCKS + 1)]]}, "a CACHE entry"),  # more blocks than a text has
-    ({"added": [[-1, b""]]}, "a CACHE entry"), ({"added": [["1", b""]]}, "a CACHE entry"),
-    ({"added": [[True, b""]]}, "a CACHE entry"), ({"added": [[1]]}, "a CACHE entry"),
-    ({"added": "x"}, "'added' must be a list"), ({"dropped": [1, 2**63]}, "entry ids"),
-    ({"dropped": list(range(5000))}, "not valid msgpack"),  # a list longer than any frame may hold
+    ({"added": [[1, b"\x00" * 8 * (MAX_BLOCKS + 1)]]}, "'added' must hold at most"),  # more blocks than a text has
+    ({"added": [[-1, b""]]}, "'added' must be between 0"), ({"added": [["1", b""]]}, "'added' must be an integer"),
+    ({"added": [[True, b""]]}, "'added' must be an integer"), ({"added": [[1]]}, "'added' must hold 2 items"),
+    ({"added": "x"}, "'added' must be a list"), ({"dropped": [1, 2**63]}, "'dropped' must be between 0"),
+    ({"dropped": list(range(5000))}, "'dropped' must hold at most 4096"),  # longer than any frame may hold
 ])
 def test_a_malformed_cache_frame_is_refused(body: dict[str, object], problem: str) -> None:
     with pytest.raises(ProtocolError, match=problem):
@@ -122,6 +124,8 @@ def test_a_malformed_step_is_refused(batch: bytes, problem: str) -> None:
     ([wire.VERSION, b"\x01", msgpack.packb([1, 2])], "must be a msgpack map"),
     ([wire.VERSION, b"\x01", msgpack.packb({"prompt": "x"})], "missing field 'id'"),
     ([wire.VERSION, b"\x01", msgpack.packb({"id": 5, "prompt": "x"})], "'id' must be a string"),
+    ([wire.VERSION, b"\x11", msgpack.packb({"id": "r", "text": "", "finish_reason": "stop", "usage": {},
+                                            "timings": {"queue_ms": "x"}})], "field 'queue_ms' must be a number"),
 ])
 def test_malformed_messages_raise_protocol_errors(frames: list[bytes], problem: str) -> None:
     with pytest.raises(ProtocolError, match=problem):
@@ -144,7 +148,7 @@ def test_bad_parameters_are_bad_requests(params: dict[str, object], problem: str
 
 def test_oversized_bodies_are_refused_before_decoding() -> None:
     with pytest.raises(ProtocolError, match="over the limit"):
-        wire.unpack_body(b"\x00" * (wire.MAX_MESSAGE_BYTES + 1))
+        wire.decode_body(wire.MsgType.PING, b"\x00" * (wire.MAX_MESSAGE_BYTES + 1))
 
 
 def test_the_id_of_an_invalid_request_can_still_be_read() -> None:
@@ -167,16 +171,16 @@ def test_the_id_of_an_invalid_request_can_still_be_read() -> None:
 ])
 def test_control_calls_are_checked_naming_the_parameter(body: dict, problem: str) -> None:
     with pytest.raises(BadRequest, match=problem):
-        wire.Control.from_wire(body)
+        wire.decode_as(wire.Control, wire.pack(body))
 
 
 def test_model_stats_from_a_newer_server_keep_the_fields_this_client_knows() -> None:
     body = msgpack.unpackb(wire.pack(wire.Stats(0, True, {}, {"m": wire.ModelStats(1, 0, 1, 0)})))
     body["models"]["m"]["later_field"] = 1
     body["models"]["m"]["scaling"]["later_too"] = 2
-    assert wire.Stats.from_wire(body).models["m"] == wire.ModelStats(1, 0, 1, 0)
+    assert wire.decode_as(wire.Stats, wire.pack(body)).models["m"] == wire.ModelStats(1, 0, 1, 0)
     del body["models"]["m"]["scaling"]  # and from an older server, without scaling
-    assert wire.Stats.from_wire(body).models["m"].scaling == wire.ModelScaling()
+    assert wire.decode_as(wire.Stats, wire.pack(body)).models["m"].scaling == wire.ModelScaling()
 
 
 _ODD = [None, True, False, 0, -1, 7, 1.5, -0.5, float("nan"), float("inf"), 2**40, "", "x", "x" * 70, "é" * 300,
@@ -192,9 +196,10 @@ def _outcome(decode: Any, body: bytes) -> object:
 
 
 @pytest.mark.parametrize("seed", range(300))
-def test_the_fast_decoder_gives_what_the_checked_one_gives_for_any_request_or_assign(seed: int) -> None:
-    """REQUEST and ASSIGN are decoded by msgspec first: for any body, the message or the error must be the
-    one ``from_wire`` gives (the same error for a body with several problems too)."""
+def test_any_request_or_assign_is_decoded_or_refused_naming_its_problem(seed: int) -> None:
+    """REQUEST and ASSIGN(S) are decoded once, by msgspec: for any body, the message, or a BadRequest or
+    ProtocolError whose message names the field (a refused parameter is a BadRequest, a refused id a
+    ProtocolError), never another exception."""
     rng = random.Random(seed)
     request: dict[str, Any] = {"id": "r1", "prompt": "hello", "model": "m", "stream": True, "timeout": 5.0,
                                "params": {"max_tokens": 4, "temperature": 0.0, "stop": ["\n"], "seed": 3}}
@@ -210,19 +215,14 @@ def test_the_fast_decoder_gives_what_the_checked_one_gives_for_any_request_or_as
     assign: dict[str, Any] = {"ticket": rng.choice(["t1", "t" * 70]), "request": request, "queue_ms": 0.5,
                               "attempt": 1, "slot": rng.choice([0, 1, "0"]), "index": rng.choice([0, 3, 200, -1]),
                               "generated": rng.choice([b"", b"\x01\x00\x00\x00", b"\x01"])}
-    for mtype, body, slow in ((wire.MsgType.REQUEST, request, wire.Request.from_wire),
-                              (wire.MsgType.ASSIGN, assign, wire.Assign.from_wire)):
-        packed = msgpack.packb(body, use_bin_type=True)
-        fast = _outcome(lambda b, t=mtype: wire.decode_body(t, b), packed)
-        checked = _outcome(lambda b, f=slow: f(wire.unpack_body(b)), packed)
-        assert fast == checked, (body, fast, checked)
     valid = {"ticket": "t0", "request": {"id": "r0", "prompt": "hi"}, "queue_ms": 0, "attempt": 1}
-    batch = [valid, assign] if seed % 2 else [assign, valid]
-    packed = msgpack.packb(batch, use_bin_type=True)
-    fast = _outcome(lambda b: wire.decode_body(wire.MsgType.ASSIGNS, b), packed)
-    checked = _outcome(lambda b: wire.Assigns(tuple(wire.Assign.from_wire(item) for item in msgpack.unpackb(b))),
-                       packed)
-    assert fast == checked, (batch, fast, checked)
+    for mtype, body in ((wire.MsgType.REQUEST, request), (wire.MsgType.ASSIGN, assign),
+                        (wire.MsgType.ASSIGNS, [valid, assign] if seed % 2 else [assign, valid])):
+        outcome = _outcome(lambda b, t=mtype: wire.decode_body(t, b), msgpack.packb(body, use_bin_type=True))
+        if isinstance(outcome, tuple):
+            kind, message = outcome
+            assert kind in (BadRequest, ProtocolError) and "'" in message, (body, outcome)
+            assert kind is ProtocolError or not re.search(r"^(field )?'(id|ticket)'", message), (body, outcome)
 
 
 def test_parameters_seen_valid_pass_again_and_invalid_ones_are_refused_every_time() -> None:
@@ -235,6 +235,27 @@ def test_parameters_seen_valid_pass_again_and_invalid_ones_are_refused_every_tim
     with pytest.raises(BadRequest, match="'ignore_eos' must be a boolean"):  # unhashable: still named
         wire.GenerateParams(ignore_eos=[True]).validate()
     wire.GenerateParams(stop=["x"]).validate()
-    for i in range(3 * wire._VALID_KEPT):  # distinct valid sets: the memo stays bounded
+    for i in range(3 * messages._VALID_KEPT):  # distinct valid sets: the memo stays bounded
         wire.GenerateParams(max_tokens=1 + i).validate()
-    assert len(wire._VALID) <= wire._VALID_KEPT
+    assert len(messages._VALID) <= messages._VALID_KEPT
+
+
+def test_a_body_nested_past_the_decoders_depth_is_refused_and_has_no_id() -> None:
+    deep = b"\x81\xa2id" + b"\x91" * 100_000 + b"\xc0"  # {"id": [[[...nil...]]]}
+    with pytest.raises(ProtocolError):  # the broker answers it with an ERROR, without its id
+        wire.decode([wire.VERSION, b"\x01", deep])
+    assert wire.peek_id(deep) is None
+
+
+@pytest.mark.parametrize("mtype, body, error", [
+    (wire.MsgType.REQUEST, {"id": "r", "prompt": "p", "later": 1}, BadRequest),
+    (wire.MsgType.REQUEST, {"id": "r", "prompt": "p", "params": {"later": 1}}, BadRequest),
+    (wire.MsgType.CONTROL, {"id": "c", "op": "models", "later": 1}, BadRequest),
+    (wire.MsgType.PING, {"nonce": 1, "later": 1}, ProtocolError),
+    (wire.MsgType.DONE, {"id": "r", "text": "", "finish_reason": "stop", "usage": {}, "timings": {}, "later": 1},
+     ProtocolError),
+])
+def test_a_field_the_receiver_does_not_know_is_refused_naming_it(mtype: wire.MsgType, body: dict[str, Any],
+                                                                 error: type[MpserveError]) -> None:
+    with pytest.raises(error, match="unknown (field|parameter) 'later'; allowed: "):
+        wire.decode_body(mtype, msgpack.packb(body))

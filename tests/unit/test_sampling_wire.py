@@ -35,8 +35,18 @@ def test_old_requests_get_the_defaults_and_new_ones_round_trip() -> None:
 def test_bad_values_are_bad_requests_naming_the_parameter(params: dict[str, object], problem: str) -> None:
     with pytest.raises(BadRequest, match=problem):
         wire.GenerateParams.from_wire(params)
+    bias = params.get("logit_bias")
+    if bias is not None:  # on the wire: the pairs OpenAI's map stands for, refused naming the parameter
+        params, problem = {"logit_bias": [[k, v] for k, v in bias.items()] if isinstance(bias, dict) else bias}, \
+            "'logit_bias'"
     with pytest.raises(BadRequest, match=problem):  # as the broker decodes it
         wire.decode([wire.VERSION, b"\x01", msgpack.packb({"id": "a", "prompt": "p", "params": params})])
+
+
+def test_on_the_wire_logit_bias_is_the_pairs_its_declaration_names() -> None:
+    body = msgpack.packb({"id": "a", "prompt": "p", "params": {"logit_bias": {"3": 1.0}}})
+    with pytest.raises(BadRequest, match="field 'logit_bias' must be a list, got a map"):
+        wire.decode([wire.VERSION, b"\x01", body])
 
 
 def test_choice_i_is_seeded_seed_plus_i_and_asks_for_one() -> None:
@@ -47,7 +57,7 @@ def test_choice_i_is_seeded_seed_plus_i_and_asks_for_one() -> None:
     for n in (0, 129):
         with pytest.raises(BadRequest, match="'n' must be between 1 and 128"):
             GenerateParams.from_wire({"n": n})
-    chunk = wire.Chunk.from_wire(msgpack.unpackb(wire.pack(wire.Chunk("r", "x", index=3))))
-    assert chunk.index == 3 and wire.Chunk.from_wire({"id": "r", "text": "x"}).index == 0
-    with pytest.raises(ProtocolError, match="'index' must be 0..127"):
-        wire.Chunk.from_wire({"id": "r", "text": "x", "index": 128})
+    chunk = wire.decode_as(wire.Chunk, wire.pack(wire.Chunk("r", "x", index=3)))
+    assert chunk.index == 3 and wire.decode_as(wire.Chunk, wire.pack({"id": "r", "text": "x"})).index == 0
+    with pytest.raises(ProtocolError, match="'index' must be between 0 and 127, got 128"):
+        wire.decode_as(wire.Chunk, wire.pack({"id": "r", "text": "x", "index": 128}))
