@@ -491,7 +491,7 @@ class BatchEngine:
 
     def token_bytes(self, token: int) -> bytes:
         self._context.in_vocabulary([token], "tokens")
-        return self._context.piece_bytes(token)
+        return self._context.text_bytes(token)
 
     # --- lifetime -----------------------------------------------------------------------------------
 

@@ -199,6 +199,10 @@ class Context:
     def piece_bytes(self, token: int) -> bytes:
         return self.piece(token)[0]
 
+    def text_bytes(self, token: int) -> bytes:
+        """``token``'s bytes with a special token as its text (``piece`` gives a generated one's: nothing)."""
+        return vocab.piece(self.lib, self.vocab, token)
+
     def piece(self, token: int) -> tuple[bytes, bool]:
         """``token``'s text bytes, and whether it ends a generation."""
         known = self._pieces.get(token)
