@@ -27,6 +27,22 @@ def stand_in(tmp_path: Path, body: str) -> str:
     return str(script)
 
 
+def quantized(folder: Path, kind: str) -> str:
+    """The built-in tiny model quantized by llama.cpp to ``kind`` (Q4_0, ...), in ``folder``."""
+    import ctypes
+
+    import llama_cpp
+
+    from mpserve.models.builtin import builtin_model_path
+
+    target = folder / f"tiny-{kind}.gguf"
+    params = llama_cpp.llama_model_quantize_default_params()
+    params.ftype, params.nthread = getattr(llama_cpp, f"LLAMA_FTYPE_MOSTLY_{kind}"), 1
+    assert llama_cpp.llama_model_quantize(str(builtin_model_path("tiny")).encode(), str(target).encode(),
+                                          ctypes.byref(params)) == 0
+    return str(target)
+
+
 @pytest.mark.timeout(30)
 def test_a_crashing_probe_turns_repacking_off_names_the_signal_and_is_cached(tmp_path: Path) -> None:
     crashing = stand_in(tmp_path, 'echo "try Q4_K_M"; kill -SEGV $$')
@@ -76,7 +92,7 @@ def test_an_explicit_setting_wins_over_the_verdict_and_echo_loads_no_weights(mon
 
 @pytest.mark.timeout(120)
 def test_a_server_on_the_defaults_serves_without_repacking_where_the_verdict_says_crash_and_says_so_once(
-        start_server: type[ServerProcess]) -> None:
+        start_server: type[ServerProcess], tmp_path: Path) -> None:
     """The verdict of a crashing host, cached for this host's key, as the probe would leave it."""
     cache = Path(os.environ["MPSERVE_CACHE_DIR"])
     entry = cache / f"repack-{repack.host_key()}.json"
@@ -84,8 +100,9 @@ def test_a_server_on_the_defaults_serves_without_repacking_where_the_verdict_say
     cache.mkdir(parents=True, exist_ok=True)
     entry.write_text(json.dumps({"version": repack.CACHE_VERSION, "works": False, "key": repack.host_key(),
                                  "detail": "SIGILL at the first decode of Q4_0 weights", "cached": True}))
-    try:
-        server = start_server("--instances", "2", "--log-level", "debug").wait_ready()
+    try:  # quantized, so that llama.cpp has weights to repack: what it loaded is in its log (mpserve.llama)
+        server = start_server("--model", quantized(tmp_path, "Q4_0"), "--name", "tiny", "--instances", "2",
+                              "--log-level", "debug").wait_ready()
         from mpserve import Client
 
         with Client(server.address, timeout=30) as client:
@@ -93,6 +110,8 @@ def test_a_server_on_the_defaults_serves_without_repacking_where_the_verdict_say
         said = [line for line in server.log if "repacked CPU kernels crash on this host" in line]
         assert len(said) == 1 and "SIGILL at the first decode of Q4_0 weights" in said[0], server.log
         assert any("repack=False" in line for line in server.log), "a worker's spec does not show repack off"
+        buffers = [line for line in server.log if "model buffer size" in line]
+        assert buffers and all("CPU_Mapped model buffer" in line for line in buffers), buffers  # none repacked
     finally:
         if before is None:
             entry.unlink()
