@@ -471,6 +471,8 @@ class HostStore:
         if len(data) > tier.capacity:
             return level + 1 < len(self._tiers) and self._store(level + 1, name, data)
         with tier.lock():
+            if tier.path(name).exists():  # another instance wrote it since ``_write`` looked: not twice
+                return False
             listing = tier.listing()
             held = sum(size for _, size, _ in listing)
             for _, size, path in listing:
