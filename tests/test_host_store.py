@@ -4,6 +4,7 @@ one prefix at once write one entry, and a bad entry is skipped, removed and comp
 
 from __future__ import annotations
 
+import ctypes
 import hashlib
 import json
 import os
@@ -113,11 +114,41 @@ def test_a_server_restarted_with_a_disk_tier_restores_after_its_ram_tier_is_gone
     assert entries(tmp_path / "shm2")  # the hit was copied back into RAM
 
 
+class Renames:
+    """The names renamed into ``folder`` since this was made (Linux's inotify: IN_MOVED_TO, and IN_CREATE, whose
+    events between two renames keep the kernel from merging those into one)."""
+
+    IN_MOVED_TO, IN_CREATE, IN_NONBLOCK = 0x80, 0x100, 0o4000
+
+    def __init__(self, folder: Path) -> None:
+        self._libc = ctypes.CDLL(None, use_errno=True)
+        self._fd = self._libc.inotify_init1(self.IN_NONBLOCK)
+        assert self._fd >= 0 and self._libc.inotify_add_watch(self._fd, os.fsencode(folder),
+                                                                     self.IN_MOVED_TO | self.IN_CREATE) >= 0
+
+    def into_place(self) -> list[str]:
+        try:
+            data = os.read(self._fd, 65536)
+        except BlockingIOError:
+            return []
+        finally:
+            os.close(self._fd)
+        names, at = [], 0
+        while at < len(data):  # struct inotify_event: wd, mask, cookie, len, then the name
+            _, mask, _, length = struct.unpack_from("iIII", data, at)
+            if mask & self.IN_MOVED_TO:
+                names.append(data[at + 16:at + 16 + length].rstrip(b"\0").decode())
+            at += 16 + length
+        return names
+
+
 @pytest.mark.timeout(120)
 def test_two_instances_computing_one_prompt_at_once_write_one_entry_and_bad_entries_are_computed_instead(
         start_server: type[ServerProcess], tmp_path: Path) -> None:
     store = tmp_path / "shm"
     server = start_server(*SERVER, "--instances", "2", "--cache-shm", str(store)).wait_ready()
+    (folder,) = [p for p in store.iterdir() if p.is_dir()]  # the model's compatibility key, made at load
+    renames = Renames(folder)  # an entry is written under a temporary name and renamed into place
     results = []
     with Client(server.address, timeout=60) as client:
         def ask() -> None:
@@ -134,6 +165,7 @@ def test_two_instances_computing_one_prompt_at_once_write_one_entry_and_bad_entr
         time.sleep(0.5)  # the second writer's turn
         saved = entries(store)
         assert len(saved) == 1 and not list(store.rglob("*.kvpart"))
+        assert renames.into_place() == [saved[0].name]  # written once: the second writer found it there
         saved[0].write_bytes(saved[0].read_bytes()[:1000])  # truncated (a reader never sees this from a writer)
         (saved[0].parent / ("0" * 32 + ".kv")).write_bytes(b"not an entry at all")
         for pid in {r.pid for r in server.slots() if r.pid > 0}:  # both instances lose their cells: the store
