@@ -4,11 +4,12 @@
     the CPU placements ──▶ RamNeed per model (``estimate_host_memory``: one instance's parts)
         weights        once for the model when its instances share them (forked from its zygote, or the
                        file's pages mapped read-only by each, when nothing is repacked); else once per instance
-        per instance   KV cache (parallel × n_ctx cells), compute buffers and the process, its prompt cache
-                       (cache_ram: a ceiling, filled as prompts come)
+        per instance   KV cache (parallel × n_ctx cells), compute buffers and the process
+        once           the host store (cache_ram, one store for the whole host: a ceiling, filled as prompts come;
+                       the largest of the models' where they differ)
     ──▶ against the RAM available: MemAvailable, the cgroup's headroom when lower, ram_budget when lower
     ──▶ ModelDoesNotFit when what must be resident does not fit (the parts named, and what to change first);
-        a warning when only the prompt caches' ceilings do not
+        a warning when only the host store's ceiling does not
 
 Instances on a GPU are not counted here (their weights and KV cache are on the device), nor instances that a
 model scales up to later.
@@ -33,7 +34,7 @@ class RamNeed:
     instances: int
     one: MemoryEstimate  # one instance's parts (``estimate_host_memory``)
     shared: bool  # its instances share one copy of the weights
-    prompt_cache: int  # per instance: cache_ram
+    host_store: int  # cache_ram: the ceiling of the one host store, which every instance shares
     parallel: int
     n_ctx: int
 
@@ -43,12 +44,8 @@ class RamNeed:
 
     @property
     def resident(self) -> int:
-        """What its instances hold once loaded, before any prompt is cached."""
+        """What its instances hold once loaded, before any prompt is kept in the host store."""
         return self.weights + self.instances * (self.one.kv_cache + self.one.overhead + self.one.draft)
-
-    @property
-    def total(self) -> int:
-        return self.resident + self.instances * self.prompt_cache
 
     def parts(self) -> str:
         copies = "once, shared by its instances" if self.shared or self.instances == 1 else \
@@ -56,8 +53,8 @@ class RamNeed:
         draft = f" + draft model {format_memory(self.one.draft)}" if self.one.draft else ""
         return (f"model {self.model!r}, {self.instances} instance(s): weights {format_memory(self.one.weights)} "
                 f"{copies}; per instance KV cache {format_memory(self.one.kv_cache)} for parallel {self.parallel} × "
-                f"n_ctx {self.n_ctx} + compute buffers {format_memory(self.one.overhead)}{draft} + prompt cache up to "
-                f"{format_memory(self.prompt_cache)}")
+                f"n_ctx {self.n_ctx} + compute buffers {format_memory(self.one.overhead)}{draft}; the host store up to "
+                f"{format_memory(self.host_store)}")
 
     def hint(self) -> str:
         """What to change first: what is most of its need."""
@@ -89,10 +86,10 @@ def available_ram(budget: int | None = None) -> Available | None:
 
 def check_ram(needs: Sequence[RamNeed], available: Available | None) -> list[str]:
     """``ModelDoesNotFit`` when what the CPU instances hold once loaded exceeds ``available``; the warnings to log
-    otherwise (their prompt caches' ceilings do not fit)."""
+    otherwise (the host store's ceiling does not fit)."""
     if available is None or not needs:
         return []
-    resident, total = sum(n.resident for n in needs), sum(n.total for n in needs)
+    resident, total = _resident_and_total(needs)
     if resident > available.bytes:
         worst = max(needs, key=lambda n: n.resident)
         raise ModelDoesNotFit(
@@ -100,10 +97,10 @@ def check_ram(needs: Sequence[RamNeed], available: Available | None) -> list[str
             f"{'; '.join(n.parts() for n in needs)}) but {format_memory(available.bytes)} is available "
             f"({available.source}); try for model {worst.model!r} {worst.hint()}")
     if total > available.bytes:
-        return [f"the prompt caches may grow to {format_memory(total - resident)} of host RAM (cache_ram per "
-                f"instance), more than the {format_memory(available.bytes - resident)} left beside the models "
-                f"({format_memory(available.bytes)} available, {available.source}); lower cache_ram, or the host may "
-                "swap"]
+        return [f"the host store may grow to {format_memory(total - resident)} of host RAM (cache_ram, one store "
+                f"for the whole host), more than the {format_memory(available.bytes - resident)} left beside the "
+                f"models ({format_memory(available.bytes)} available, {available.source}); lower cache_ram, or the "
+                "host may swap"]
     return []
 
 
@@ -111,12 +108,19 @@ def format_ram(needs: Sequence[RamNeed], available: Available | None) -> str:
     """``mpserve plan``'s lines: each model's parts, then the total against what is available."""
     if not needs:
         return ""
-    resident, total = sum(n.resident for n in needs), sum(n.total for n in needs)
+    resident, total = _resident_and_total(needs)
     where = f"{format_memory(available.bytes)} available ({available.source})" if available is not None else \
         "an unknown amount available"
     return "\n".join([*(n.parts() for n in needs),
-                      f"host RAM: {format_memory(resident)} planned, {format_memory(total)} with full prompt caches, "
+                      f"host RAM: {format_memory(resident)} planned, {format_memory(total)} with a full host store, "
                       f"of {where}"])
+
+
+def _resident_and_total(needs: Sequence[RamNeed]) -> tuple[int, int]:
+    """What the instances hold once loaded, and that with the host store full: one store for the host, as large
+    as the largest ``cache_ram`` among the models."""
+    resident = sum(n.resident for n in needs)
+    return resident, resident + max(n.host_store for n in needs)
 
 
 def _meminfo() -> Available | None:

@@ -1,5 +1,5 @@
 """The host RAM check of the instances that run on the CPU (mpserve.server.host_ram): weights once when the
-instances share them, each instance's KV cache, buffers and prompt cache, against what is available."""
+instances share them, each instance's KV cache and buffers, the host store once, against what is available."""
 
 from __future__ import annotations
 
@@ -15,15 +15,14 @@ MIB = 1 << 20
 
 
 def need(instances: int = 2, shared: bool = True, weights: int = 1000, kv: int = 100, parallel: int = 2,
-         prompt_cache: int = 256) -> RamNeed:
-    return RamNeed("m", instances, MemoryEstimate(weights * MIB, kv * MIB, 50 * MIB), shared, prompt_cache * MIB,
+         host_store: int = 256) -> RamNeed:
+    return RamNeed("m", instances, MemoryEstimate(weights * MIB, kv * MIB, 50 * MIB), shared, host_store * MIB,
                    parallel, 4096)
 
 
 def test_shared_weights_count_once_and_a_copy_per_instance_counts_each() -> None:
     assert need(shared=True).resident == (1000 + 2 * 150) * MIB
     assert need(shared=False).resident == (2 * 1000 + 2 * 150) * MIB
-    assert need(shared=True).total == (1000 + 2 * 150 + 2 * 256) * MIB
 
 
 def test_what_must_be_resident_and_does_not_fit_is_refused_with_its_parts_and_the_lever_first() -> None:
@@ -38,9 +37,12 @@ def test_what_must_be_resident_and_does_not_fit_is_refused_with_its_parts_and_th
     assert "try for model 'm' a smaller parallel (now 8) or n_ctx (now 4096)" in refused.value.message
 
 
-def test_prompt_caches_that_may_not_fit_warn_and_what_fits_says_nothing() -> None:
-    [warning] = check_ram([need()], Available(1500 * MIB, "MemAvailable"))
-    assert "prompt caches may grow to 512.0 MiB" in warning and "cache_ram" in warning
+def test_a_host_store_that_may_not_fit_warns_once_for_the_host_and_what_fits_says_nothing() -> None:
+    [warning] = check_ram([need()], Available(1400 * MIB, "MemAvailable"))  # 1,300 resident + one store of 256
+    assert "host store may grow to 256.0 MiB" in warning and "cache_ram" in warning
+    [warning] = check_ram([need(), need(host_store=512)], Available(3000 * MIB, "MemAvailable"))  # the largest
+    assert "host store may grow to 512.0 MiB" in warning
+    assert check_ram([need()], Available(1600 * MIB, "MemAvailable")) == []  # not 2 × 256: one store per host
     assert check_ram([need()], Available(8000 * MIB, "MemAvailable")) == []
     assert check_ram([], Available(1, "ram_budget")) == [] and check_ram([need()], None) == []
 
@@ -52,4 +54,4 @@ def test_the_budget_caps_what_the_host_has_and_plan_prints_the_parts() -> None:
     assert available_ram(1 << 60) == host
     lines = format_ram([need()], Available(8000 * MIB, "MemAvailable")).splitlines()
     assert lines[0].startswith("model 'm', 2 instance(s): weights 1000.0 MiB once, shared by its instances")
-    assert lines[1] == "host RAM: 1.3 GiB planned, 1.8 GiB with full prompt caches, of 7.8 GiB available (MemAvailable)"
+    assert lines[1] == "host RAM: 1.3 GiB planned, 1.5 GiB with a full host store, of 7.8 GiB available (MemAvailable)"
