@@ -17,7 +17,6 @@ import importlib.util
 import logging
 import os
 import shutil
-import stat
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
@@ -28,6 +27,7 @@ from mpserve.errors import ConfigError
 from mpserve.gpu.devices import Device, detect, format_memory
 from mpserve.gpu.permits import default_lock_dir
 from mpserve.llama_build import Build, Problem, build_problems, probe_build
+from mpserve.private import check_private_dir
 from mpserve.repack import Verdict
 from mpserve.repack import probe as probe_repack
 from mpserve.runtime import runtime_dir
@@ -139,19 +139,18 @@ def _notes(build: Build, gpus: Sequence[Device], source: str) -> list[str]:
 
 def _runtime_directory() -> Directory:
     path = runtime_dir(create=False)
-    try:
-        st = path.stat()
-    except FileNotFoundError:
+    if not os.path.lexists(path):
         parent = next(p for p in path.parents if p.exists())
         if not os.access(parent, os.W_OK | os.X_OK):
             return Directory("runtime", str(path), "cannot be created", Problem(
                 f"runtime directory {path} does not exist and {parent} is not writable",
                 "set MPSERVE_RUNTIME_DIR to a folder of yours"))
         return Directory("runtime", str(path), "created, mode 0700, at the first start")
-    if st.st_uid != os.getuid() or stat.S_IMODE(st.st_mode) & 0o077:
-        return Directory("runtime", str(path), "not private", Problem(
-            f"runtime directory {path} must be owned by you and closed to others (its ipc sockets are the "
-            "server's doors)", f"chmod 700 {path}, or set MPSERVE_RUNTIME_DIR"))
+    try:
+        check_private_dir(path, "runtime directory")  # its ipc sockets are the server's doors
+    except ConfigError as exc:
+        return Directory("runtime", str(path), "not private",
+                         Problem(exc.message, "do as it says, or set MPSERVE_RUNTIME_DIR to a folder of yours"))
     return Directory("runtime", str(path), "ok (yours, mode 0700)")
 
 
