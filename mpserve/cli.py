@@ -20,7 +20,6 @@ import json
 import logging
 import os
 import signal
-import subprocess
 import sys
 import threading
 import time
@@ -42,6 +41,7 @@ from mpserve.wire.slots import SlotRow, SlotState, SlotTable, instance_slots, lo
 
 if TYPE_CHECKING:
     from mpserve.client import Client
+    from mpserve.gateway.app import GatewayConfig
 
 app = typer.Typer(add_completion=False, no_args_is_help=True,
                   help="Run several llama.cpp instances behind one ZeroMQ broker.")
@@ -336,6 +336,10 @@ def gateway(
         help="Memory for one API key's stored responses; past it, that key's oldest go first (a larger response "
              "is not kept).")] = "32MiB",
     log_level: Annotated[str, typer.Option("--log-level", envvar="MPSERVE_LOG_LEVEL")] = "info",
+    http_workers: Annotated[int, typer.Option(
+        "--http-workers", envvar="MPSERVE_HTTP_WORKERS", min=1, max=64,
+        help=settings.BY_KEY["http_workers"].help_text())] = 1,
+    fd: Annotated[int | None, typer.Option("--fd", hidden=True)] = None,
     exit_with_parent: Annotated[bool, typer.Option("--exit-with-parent", hidden=True)] = False,
     server_name: Annotated[str, typer.Option("--server-name", envvar="MPSERVE_SERVER_NAME",
                                              help=settings.BY_KEY["server_name"].help_text())] = "default",
@@ -344,27 +348,53 @@ def gateway(
     /health, /metrics (Prometheus) and /backend/monitor. It may start before the server (503 until ready)."""
     from mpserve.config.sizes import parse_memory
     from mpserve.gateway.api.chat import TemplateBudget
-    from mpserve.gateway.api.responses import StoreBudget
+    from mpserve.gateway.api.response_store import StoreBudget
     from mpserve.gateway.app import GatewayConfig, parse_http
-    from mpserve.gateway.app import serve as serve_gateway
     from mpserve.gateway.http.access import load_keys
     from mpserve.gateway.http.guard import ConnectionLimits
 
     with _errors():
         host, port = parse_http(http)
-        serve_gateway(GatewayConfig(host=host, port=port, connect=connect, admin_connect=admin_connect,
-                                    server_name=server_name, api_key=api_key,
-                                    request_timeout=request_timeout, curve_server_key=curve_server_key,
-                                    curve_secret=curve_secret, log_level=log_level,
-                                    exit_with_parent=exit_with_parent, api_keys=load_keys(None, api_key_file),
-                                    ssl_certfile=ssl_certfile, ssl_keyfile=ssl_keyfile, insecure=insecure,
-                                    connections=ConnectionLimits(max_connections, max_connections_per_client,
-                                                                read_timeout),
-                                    templates=TemplateBudget(template_timeout, template_max_chars),
-                                    responses=StoreBudget(parse_memory(responses_store),
-                                                          parse_memory(responses_store_per_key)),
-                                    admin_key=admin_key, allowed_origins=_names(allowed_origins),
-                                    allowed_hosts=_names(allowed_hosts)))
+        config = GatewayConfig(host=host, port=port, connect=connect, admin_connect=admin_connect,
+                       server_name=server_name, api_key=api_key,
+                       request_timeout=request_timeout, curve_server_key=curve_server_key,
+                       curve_secret=curve_secret, log_level=log_level,
+                       exit_with_parent=exit_with_parent, api_keys=load_keys(None, api_key_file),
+                       ssl_certfile=ssl_certfile, ssl_keyfile=ssl_keyfile, insecure=insecure,
+                       connections=ConnectionLimits(max_connections, max_connections_per_client,
+                                                   read_timeout),
+                       templates=TemplateBudget(template_timeout, template_max_chars),
+                       responses=StoreBudget(parse_memory(responses_store),
+                                             parse_memory(responses_store_per_key)),
+                       admin_key=admin_key, allowed_origins=_names(allowed_origins),
+                       allowed_hosts=_names(allowed_hosts))
+        _serve_gateways(config, http_workers, fd)
+
+
+def _serve_gateways(config: GatewayConfig, workers: int, fd: int | None) -> None:
+    """One gateway in this process, or ``workers`` of them in children on one port (``gateway.fleet``), this
+    process their parent until SIGINT or SIGTERM."""
+    from mpserve.gateway import app as gateway_app
+    from mpserve.gateway import fleet
+
+    if workers == 1:
+        gateway_app.serve(config, fd)
+        return
+    logging.basicConfig(level=config.log_level.upper(), stream=sys.stderr,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    gateway_app.check(config)
+    ended = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: ended.set())
+    argv = [sys.executable, "-m", "mpserve", *sys.argv[1:]]
+    gateways = fleet.Fleet(fleet.listen(config.host, config.port), workers,
+                           functools.partial(fleet.child_command, argv), dict(os.environ), lambda _: ended.set())
+    logging.getLogger("mpserve.gateway").info("%d gateway processes on http://%s:%d: %s", workers, config.host,
+                                              config.port, " ".join(map(str, gateways.pids)))
+    ended.wait()
+    gateways.stop()
+    if gateways.gave_up is not None:
+        raise InternalError(f"{gateways.gave_up} (its log above says why); fix that and start again")
 
 
 def _names(given: str | None) -> tuple[str, ...]:
@@ -373,53 +403,43 @@ def _names(given: str | None) -> tuple[str, ...]:
 
 
 class _Gateway:
-    """The gateway that ``start --http`` runs, watched: a thread waits for it, and if it exits while the server
-    runs, the thread logs it and interrupts the server (SIGINT, as Ctrl-C: a graceful stop), and leaving the
-    ``with`` raises ``InternalError`` (exit status 1). Stopping, rather than restarting it, leaves the restart
-    to the service manager (systemd, Kubernetes), which sees one failed unit instead of a server that runs on
-    without its HTTP API."""
+    """The gateway processes that ``start --http`` runs (``--http-workers``, on one port: ``gateway.fleet``), each
+    started again when it dies; the port stays served by the others meanwhile. If they keep dying as they start,
+    the fleet gives up: it interrupts the server (SIGINT, as Ctrl-C: a graceful stop), and leaving the ``with``
+    raises ``InternalError`` (exit status 1), for the service manager to see one failed unit instead of a server
+    that runs on without its HTTP API."""
 
     def __init__(self, http: str, config: cfg.ServerConfig, flags: dict[str, Any], key: Path | None) -> None:
-        self._process = _start_gateway(http, config, flags, key)
-        self._lock = threading.Lock()
-        self._stopping = False
-        self.exited: int | None = None  # the status of a gateway that exited by itself
-        threading.Thread(target=self._watch, name="gateway-watch", daemon=True).start()
+        from mpserve.gateway import fleet
+        from mpserve.gateway.app import parse_http
 
-    def _watch(self) -> None:
-        status = self._process.wait()
-        with self._lock:
-            if self._stopping:
-                return
-            self.exited = status
-            logging.getLogger("mpserve.server").error("%s; stopping the server", self._ended())
-            os.kill(os.getpid(), signal.SIGINT)
+        command, env = _gateway_command(http, config, flags, key)
+        self.fleet = fleet.Fleet(fleet.listen(*parse_http(http)), flags["http_workers"] or 1, command, env,
+                                 self._give_up)
 
-    def _ended(self) -> str:
-        status = self.exited or 0
-        how = f"was killed by signal {-status}" if status < 0 else f"exited with status {status}"
-        return f"the HTTP gateway (pid {self._process.pid}) {how}"
+    def _give_up(self, reason: str) -> None:
+        os.kill(os.getpid(), signal.SIGINT)
 
     def __enter__(self) -> _Gateway:
         return self
 
     def __exit__(self, exc_type: object, exc: BaseException | None, tb: object) -> None:
-        with self._lock:
-            self._stopping = True
-        _stop_gateway(self._process)
-        if self.exited is not None:
-            raise InternalError(f"{self._ended()}, so the server stopped (its log above says why); fix that and "
+        self.fleet.stop()
+        if self.fleet.gave_up is not None:
+            raise InternalError(f"{self.fleet.gave_up}, so the server stopped (its log above says why); fix that and "
                                 "start again")
 
 
-def _start_gateway(http: str, config: cfg.ServerConfig, flags: dict[str, Any],
-                   key: Path | None) -> subprocess.Popen[bytes]:
-    """``mpserve gateway`` as a child process, in its own session: Ctrl-C reaches only the server, which
-    drains its requests while the gateway keeps streaming them (and answers 503 to new ones); the gateway is
-    stopped after that, or stops by itself if the server dies outright. The keys travel in the environment,
-    not in the command line that any user can read; ``key``, a key pair the server accepts, lets it through a
-    CURVE front (the server's public key is read from its secret key file). A separate process: in the
-    broker's it would compete with the broker loop for the GIL, and a fault in it could not touch the broker."""
+def _gateway_command(http: str, config: cfg.ServerConfig, flags: dict[str, Any],
+                     key: Path | None) -> tuple[Callable[[int], list[str]], dict[str, str]]:
+    """How to run one ``mpserve gateway`` child on an inherited socket, and its environment. Each child runs in
+    its own session: Ctrl-C reaches only the server, which drains its requests while the gateways keep streaming
+    them (and answer 503 to new ones); they are stopped after that, or stop by themselves if the server dies
+    outright. The keys travel in the environment, not in the command line that any user can read; ``key``, a key
+    pair the server accepts, lets them through a CURVE front (the server's public key is read from its secret key
+    file). Processes apart from the server's: in the broker's, the gateway would compete with the broker loop for
+    the GIL, and a fault in it could not touch the broker."""
+    from mpserve.gateway import fleet
     from mpserve.gateway.app import parse_http
     from mpserve.gateway.http import access
 
@@ -433,18 +453,9 @@ def _start_gateway(http: str, config: cfg.ServerConfig, flags: dict[str, Any],
     env = {**os.environ, **{name: key for name, key in keys.items() if key}}
     passed = [arg for key in ("api_key_file", "ssl_certfile", "ssl_keyfile", "request_timeout") if flags[key]
               for arg in (settings.BY_KEY[key].flag or "", str(flags[key]))]
-    return subprocess.Popen([sys.executable, "-m", "mpserve", "gateway", "--http", http, "--server-name",
-                             config.server_name, "--log-level", config.log_level, "--exit-with-parent", *passed,
-                             *(["--insecure"] if config.insecure else [])], env=env, start_new_session=True)
-
-
-def _stop_gateway(process: subprocess.Popen[bytes]) -> None:
-    process.terminate()
-    try:
-        process.wait(10)
-    except subprocess.TimeoutExpired:
-        process.kill()
-        process.wait()
+    argv = [sys.executable, "-m", "mpserve", "gateway", "--http", http, "--server-name", config.server_name,
+            "--log-level", config.log_level, *passed, *(["--insecure"] if config.insecure else [])]
+    return functools.partial(fleet.child_command, argv), env
 
 
 @app.command()

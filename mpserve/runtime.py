@@ -7,6 +7,7 @@ A server is known by its name (``--server-name``, default "default"). Its files:
     $RUNTIME/NAME.admin.sock      the operators' ipc socket (mode 0600), unless --admin-bind gives another
     $RUNTIME/NAME.gateway.key*    the CURVE key pair of the gateway ``start --http`` runs (a CURVE --bind)
     $RUNTIME/NAME.json            ServerInfo: pid, addresses, slot-table path, models
+    $RUNTIME/NAME.responses-PORT.sqlite  the stored responses of the gateway processes on HTTP port PORT
     /dev/shm/mpserve-UID-TAG-NAME.slots   the slot table (TAG: of $RUNTIME's path, so that servers of one name
                                          in two runtime folders never take each other's)
 

@@ -9,7 +9,7 @@ import httpx
 import pytest
 from gateway_thread import GatewayThread
 
-from mpserve.gateway.api.responses import StoreBudget
+from mpserve.gateway.api.response_store import StoreBudget
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -1,11 +1,10 @@
 """`mpserve start` as a new user tries it: each address, port, folder and model file it cannot use ends the
 command with exit status 1 and one line naming the problem and the fix, and leaves nothing behind (no slot
-table, no info file, no socket, no process). A gateway that dies while the server runs stops the server."""
+table, no info file, no socket, no process)."""
 
 from __future__ import annotations
 
 import os
-import signal
 import socket
 import stat
 import subprocess
@@ -14,12 +13,11 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from conftest import ServerProcess
-from helpers import as_other_user, free_port, mpserve, shared_place, wait_for
+from helpers import as_other_user, mpserve, shared_place
 
 from mpserve.config import loader
 from mpserve.errors import ConfigError
-from mpserve.runtime import ServerPaths, pid_alive, runtime_dir
+from mpserve.runtime import ServerPaths, runtime_dir
 from mpserve.server.preflight import check_start, claim
 
 
@@ -90,34 +88,6 @@ def test_a_bad_input_ends_start_with_one_line_and_leaves_nothing(case: str, tmp_
     assert len(lines) == 1 and lines[0].startswith(f"error: [config] {line}"), stderr
     assert stdout == ""
     assert leftovers(name, proc.pid) == []
-
-
-def _gateway_pid(name: str) -> int | None:
-    for proc in Path("/proc").glob("[0-9]*"):
-        try:
-            cmdline = (proc / "cmdline").read_bytes().split(b"\0")
-        except OSError:
-            continue
-        if b"gateway" in cmdline and name.encode() in cmdline:
-            return int(proc.name)
-    return None
-
-
-@pytest.mark.timeout(120)
-def test_the_server_stops_with_status_1_when_its_gateway_dies() -> None:
-    server = ServerProcess("--http", f"127.0.0.1:{free_port()}").wait_ready()
-    workers = [row.pid for row in server.slots() if row.pid > 0]
-    try:
-        gateway = wait_for(lambda: _gateway_pid(server.name), what="the gateway process")
-        os.kill(gateway, signal.SIGKILL)
-        assert server.proc.wait(60) == 1
-    finally:
-        server.stop()
-    assert f"the HTTP gateway (pid {gateway}) was killed by signal 9; stopping the server" in "\n".join(server.log)
-    assert server.log[-1] == (f"error: [internal] the HTTP gateway (pid {gateway}) was killed by signal 9, so the "
-                              "server stopped (its log above says why); fix that and start again")
-    assert server.tracebacks() == [] and leftovers(server.name, session=-1) == []  # no session of its own
-    wait_for(lambda: not any(pid_alive(pid) for pid in workers), what="its workers to exit")
 
 
 @pytest.mark.timeout(60)

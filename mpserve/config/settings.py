@@ -235,6 +235,9 @@ SETTINGS: tuple[Setting, ...] = (
     # --- flags of `mpserve start` that are not in the file ----------------------------------------------
     _s("http", "cli", str, "none", "Also serve the OpenAI-compatible HTTP API on HOST:PORT (see mpserve gateway)",
        env=None),
+    _s("http_workers", "cli", int, "1", "Gateway processes serving --http on one port (also on mpserve gateway): "
+       "each is started again when it dies, and a death cuts only the connections it held", cli_type=int,
+       range=(1, 64)),
     _s("request_timeout", "cli", float, "none", "Seconds an HTTP request may take, queueing included (the gateway's "
        "bound, also on mpserve gateway): past it, 504; or 503 no_instance, saying why, while its model has no "
        "instance (no_instance_timeout bounds that wait without it)", cli_type=float, range=(0.1, 86400)),

@@ -5,6 +5,7 @@ Three layers under the composition root, each importing only those below it:
     app ──▶ api (what a request means) ──▶ ops (what the operator sees) ──▶ backend ──▶ http (the connection)
 
     app                Starlette routes, API key, ``serve``: the layers put together
+    fleet              several gateway processes on one port (--http-workers), each started again when it dies
     backend            the server as the gateway sees it: one AsyncClient, STATS, the slot table
     http/              connections and bodies, before any API reads them
       errors           HttpError: an error as an HTTP answer (status, OpenAI's error object, Retry-After)
@@ -21,6 +22,7 @@ Three layers under the composition root, each importing only those below it:
       openai           OpenAI request and response shapes ↔ mpserve requests and results (``_SAMPLING``: the
                        sampling fields taken)
       responses        OpenAI's Responses API, a dialect, and its stored responses
+      response_store   the stored responses: one SQLite file that the gateway processes of a port share
       messages         Anthropic's Messages API, a dialect
       extensions       llama-server's request fields, mapped or ignored
       tools            tool calls: the tools prompt, forced-call schemas, parsers

@@ -44,6 +44,7 @@ import contextlib
 import logging
 import os
 import signal
+import socket
 import sys
 from collections.abc import AsyncIterator
 from dataclasses import asdict, dataclass
@@ -64,13 +65,14 @@ from mpserve.wire.slots import SlotState, locate
 
 from .api import embeddings as emb
 from .api import rerank as rr
-from .api import schema
+from .api import response_store, schema
 from .api import tokens as tok
 from .api.chat import Renderer, TemplateBudget
 from .api.dialect import OpenAI, Pipeline, sole_model
 from .api.messages import Messages
 from .api.messages import error_body as messages_error
-from .api.responses import Responses, ResponseStore, StoreBudget, stored_routes
+from .api.response_store import ResponseStore, StoreBudget
+from .api.responses import Responses, stored_routes
 from .backend import Backend
 from .http import access, limits
 from .http.browser import BrowserGuard, host_names
@@ -131,7 +133,7 @@ def parse_http(value: str) -> tuple[str, int]:
 
 def create_app(config: GatewayConfig) -> Starlette:
     gateway = _Gateway(config)
-    responses_api = Responses(ResponseStore(config.responses))
+    responses_api = Responses(gateway.responses)
     routes = [
         *gateway.pipeline.routes([OpenAI("completion"), OpenAI("chat")]),
         Route("/v1/models", gateway.list_models, methods=["GET"]),
@@ -161,18 +163,27 @@ def create_app(config: GatewayConfig) -> Starlette:
     return app
 
 
-def serve(config: GatewayConfig) -> None:
-    """Run the gateway in the foreground until SIGINT or SIGTERM."""
-    logging.basicConfig(level=config.log_level.upper(), stream=sys.stderr,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+def check(config: GatewayConfig) -> None:
+    """Refuse what must not be served (``ConfigError``): TLS files that do not load, a network address without a
+    key; warn of a network address open to anyone."""
     access.check_tls(config.ssl_certfile, config.ssl_keyfile)
     access.check_exposure(config.host, config.keys, config.insecure)
     if not config.keys and not access.loopback(config.host):
         log.warning("listening on %s without an API key: anyone who can reach the port can use the models "
                     "(set --api-key or MPSERVE_API_KEY)", config.host)
-    uvicorn.run(create_app(config), host=config.host, port=config.port, log_level=config.log_level,
-                log_config=None, access_log=config.log_level == "debug",  # log_config None: our log format
-                ssl_certfile=config.ssl_certfile, ssl_keyfile=config.ssl_keyfile, **uvicorn_options(config.connections))
+
+
+def serve(config: GatewayConfig, fd: int | None = None) -> None:
+    """Run the gateway in the foreground until SIGINT or SIGTERM: on ``config``'s address, or on the listening
+    socket ``fd`` a fleet's parent bound (``fleet``)."""
+    logging.basicConfig(level=config.log_level.upper(), stream=sys.stderr,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    check(config)
+    server = uvicorn.Server(uvicorn.Config(
+        create_app(config), host=config.host, port=config.port, log_level=config.log_level,
+        log_config=None, access_log=config.log_level == "debug",  # log_config None: our log format
+        ssl_certfile=config.ssl_certfile, ssl_keyfile=config.ssl_keyfile, **uvicorn_options(config.connections)))
+    server.run(sockets=None if fd is None else [socket.socket(fileno=fd)])
 
 
 class _Gateway:
@@ -185,6 +196,7 @@ class _Gateway:
         self.console = console.Console(self.backend, self.metrics)
         self.renderer = Renderer(config.templates)
         self.pipeline = Pipeline(self.backend, self.metrics, config.connections.read_timeout, self.renderer)
+        self.responses = ResponseStore(response_store.path_for(config.server_name, config.port), config.responses)
 
     @contextlib.asynccontextmanager
     async def lifespan(self, app: Starlette) -> AsyncIterator[None]:
@@ -196,6 +208,7 @@ class _Gateway:
         finally:
             sampler.cancel()
             self.renderer.close()
+            self.responses.close()
             await self.backend.close()
 
     async def _sample(self) -> None:

@@ -15,20 +15,17 @@ chat completions (``dialect``), and its stored responses (``stored_routes``).
 Tools are function tools (``{"type": "function", "name", "parameters"}``), with ``tool_choice`` none, auto,
 required or ``{"type": "function", "name"}``; ``text.format`` is text, json_object or json_schema (``{"type":
 "json_schema", "name", "schema"}``), as chat's ``response_format``. ``store`` (default true, as OpenAI's) keeps
-the response and its conversation in ``ResponseStore``: in memory, per API key, within a byte budget per key
-and one in all; ``previous_response_id`` continues one (its instructions are not carried over, as OpenAI
-documents). A field OpenAI has and mpserve cannot honour (built-in tools, reasoning effort, background,
-images, ...) is refused with 400 naming it, unless sent at its neutral value; a field OpenAI does not have is
-refused as unrecognized.
+the response and its conversation in ``response_store.ResponseStore``: per API key, within a byte budget per
+key and one in all, in a file every gateway process of the port shares; ``previous_response_id`` continues one
+(its instructions are not carried over, as OpenAI documents). A field OpenAI has and mpserve cannot honour
+(built-in tools, reasoning effort, background, images, ...) is refused with 400 naming it, unless sent at its
+neutral value; a field OpenAI does not have is refused as unrecognized.
 """
 
 from __future__ import annotations
 
-import json
-import threading
 import time
 import uuid
-from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -43,11 +40,7 @@ from mpserve.wire import protocol as wire
 from ..http.errors import HttpError
 from . import openai as oai
 from .dialect import event, finish_reason, owner
-
-STORE_BYTES = 256 * 1024 * 1024
-"""Bytes of stored responses in all (--responses-store); past it, the oldest response of any key goes first."""
-STORE_BYTES_PER_KEY = 32 * 1024 * 1024
-"""Bytes of stored responses per API key (--responses-store-per-key); past it, that key's oldest goes first."""
+from .response_store import NotStored, ResponseStore
 
 _KNOWN = frozenset({
     "model", "input", "instructions", "max_output_tokens", "temperature", "top_p", "tools", "tool_choice",
@@ -66,79 +59,6 @@ _UNSUPPORTED: oai.Unsupported = {
     "service_tier": (("auto", "default"), "mpserve has one service tier"),
 }
 ROLES = ("user", "assistant", "system", "developer")
-
-
-_Stored = tuple[dict[str, Any], list[dict[str, Any]]]  # a response, and its conversation as chat messages
-
-
-@dataclass(frozen=True)
-class StoreBudget:
-    total: int = STORE_BYTES
-    per_key: int = STORE_BYTES_PER_KEY
-
-
-class ResponseStore:
-    """Stored responses by API key (``dialect.owner``): each response's object and its conversation (chat
-    messages, its own output last), kept as their JSON text, so that what is counted is what is held: within
-    ``budget.per_key`` bytes per key and ``budget.total`` in all, the oldest dropped first. A response larger
-    than a key's budget is not kept."""
-
-    def __init__(self, budget: StoreBudget = StoreBudget()) -> None:
-        self.budget = budget
-        self._stored: OrderedDict[tuple[str, str], bytes] = OrderedDict()  # (owner, id): oldest first
-        self._owners: dict[str, dict[str, None]] = {}  # owner: the ids of its responses, oldest first
-        self._owner_bytes: dict[str, int] = {}
-        self._bytes = 0
-        self._lock = threading.Lock()
-
-    def put(self, owner: str, response: dict[str, Any], conversation: list[dict[str, Any]]) -> None:
-        data = json.dumps([response, conversation], ensure_ascii=False, separators=(",", ":")).encode()
-        with self._lock:
-            self._drop(owner, response["id"])
-            if len(data) > self.budget.per_key:
-                return
-            mine = self._owners.setdefault(owner, {})
-            self._stored[owner, response["id"]], mine[response["id"]] = data, None
-            self._owner_bytes[owner] = self._owner_bytes.get(owner, 0) + len(data)
-            self._bytes += len(data)
-            while self._owner_bytes[owner] > self.budget.per_key:
-                self._drop(owner, next(iter(mine)))
-            while self._bytes > self.budget.total:
-                self._drop(*next(iter(self._stored)))
-
-    def get(self, owner: str, response_id: str) -> _Stored:
-        with self._lock:
-            data = self._stored.get((owner, response_id))
-        if data is None:
-            raise self.not_stored(response_id)
-        response, conversation = json.loads(data)
-        return response, conversation
-
-    def delete(self, owner: str, response_id: str) -> None:
-        with self._lock:
-            if not self._drop(owner, response_id):
-                raise self.not_stored(response_id)
-
-    def not_stored(self, response_id: str) -> NotStored:
-        return NotStored(f"no stored response with id {response_id!r:.80} (responses are kept in the gateway's "
-                         f"memory until it restarts, at most {self.budget.per_key} bytes of them per API key and "
-                         f"{self.budget.total} in all, the oldest dropped first; send store: true to keep one)")
-
-    def _drop(self, owner: str, response_id: str) -> bool:
-        data = self._stored.pop((owner, response_id), None)
-        if data is None:
-            return False
-        self._bytes -= len(data)
-        self._owner_bytes[owner] -= len(data)
-        mine = self._owners[owner]
-        del mine[response_id]
-        if not mine:
-            del self._owners[owner], self._owner_bytes[owner]
-        return True
-
-
-class NotStored(BadRequest):
-    """A response id that is not (or no longer) stored for the caller's key."""
 
 
 class Responses:

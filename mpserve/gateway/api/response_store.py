@@ -1,0 +1,158 @@
+"""The Responses API's stored responses, in one SQLite file that every gateway process of a port shares.
+
+    put(owner, response, conversation) ──▶ one transaction (BEGIN IMMEDIATE: writers take turns, across
+                                           processes): the row replaced; then, oldest first, that owner's rows
+                                           dropped past ``budget.per_key`` bytes and anyone's past ``budget.total``
+    get(owner, id) / delete(owner, id) ──▶ that owner's row only (an owner: ``dialect.owner``, the caller's key)
+
+The file is ``$RUNTIME/NAME.responses-PORT.sqlite`` (``path_for``): in the runtime folder, which is this user's
+alone (0700), created 0600 and never through a link. Several gateway processes on one port (``--http-workers``)
+see one store, so a response stored through one is found through any; one that restarts finds them too. Each
+row holds the response's object and its conversation (chat messages, its own output last) as their JSON text,
+so what is counted is what is held. A response larger than a key's budget is not kept.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sqlite3
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from mpserve.errors import BadRequest, ConfigError
+from mpserve.private import PlantedFile, create_private, open_private
+from mpserve.runtime import runtime_dir
+
+STORE_BYTES = 256 * 1024 * 1024
+"""Bytes of stored responses in all (--responses-store); past it, the oldest response of any key goes first."""
+STORE_BYTES_PER_KEY = 32 * 1024 * 1024
+"""Bytes of stored responses per API key (--responses-store-per-key); past it, that key's oldest goes first."""
+BUSY_TIMEOUT_MS = 5000  # how long a process waits for another's write
+
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS responses (
+    seq INTEGER PRIMARY KEY AUTOINCREMENT,  -- the order they were stored in: the oldest go first
+    owner TEXT NOT NULL,
+    id TEXT NOT NULL,
+    data BLOB NOT NULL,
+    UNIQUE (owner, id)
+);
+CREATE INDEX IF NOT EXISTS by_owner ON responses (owner, seq);
+"""
+
+Stored = tuple[dict[str, Any], list[dict[str, Any]]]  # a response, and its conversation as chat messages
+
+
+@dataclass(frozen=True)
+class StoreBudget:
+    total: int = STORE_BYTES
+    per_key: int = STORE_BYTES_PER_KEY
+
+
+class NotStored(BadRequest):
+    """A response id that is not (or no longer) stored for the caller's key."""
+
+
+def path_for(server_name: str, port: int) -> Path:
+    return runtime_dir() / f"{server_name}.responses-{port}.sqlite"
+
+
+class ResponseStore:
+    """Stored responses by owner, within ``budget``, in the SQLite file at ``path``."""
+
+    def __init__(self, path: Path, budget: StoreBudget = StoreBudget()) -> None:
+        self.budget = budget
+        self.path = path
+        _check_file(path)
+        self._db = sqlite3.connect(path, timeout=BUSY_TIMEOUT_MS / 1000, isolation_level=None,
+                                   check_same_thread=False)
+        self._lock = threading.Lock()  # one connection, used by the event loop and threads alike
+        with self._lock:
+            self._db.execute("PRAGMA journal_mode=WAL")  # readers never wait for a writer
+            self._db.execute("PRAGMA synchronous=NORMAL")
+            self._db.executescript(_SCHEMA)
+
+    def put(self, owner: str, response: dict[str, Any], conversation: list[dict[str, Any]]) -> None:
+        data = json.dumps([response, conversation], ensure_ascii=False, separators=(",", ":")).encode()
+        with self._lock, self._transaction() as db:
+            db.execute("DELETE FROM responses WHERE owner = ? AND id = ?", (owner, response["id"]))
+            if len(data) > self.budget.per_key:
+                return
+            db.execute("INSERT INTO responses (owner, id, data) VALUES (?, ?, ?)", (owner, response["id"], data))
+            _drop_oldest(db, "WHERE owner = ?", (owner,), self.budget.per_key)
+            _drop_oldest(db, "", (), self.budget.total)
+
+    def get(self, owner: str, response_id: str) -> Stored:
+        with self._lock:
+            row = self._db.execute("SELECT data FROM responses WHERE owner = ? AND id = ?",
+                                   (owner, response_id)).fetchone()
+        if row is None:
+            raise self.not_stored(response_id)
+        response, conversation = json.loads(row[0])
+        return response, conversation
+
+    def delete(self, owner: str, response_id: str) -> None:
+        with self._lock:
+            gone = self._db.execute("DELETE FROM responses WHERE owner = ? AND id = ?", (owner, response_id))
+        if not gone.rowcount:
+            raise self.not_stored(response_id)
+
+    def not_stored(self, response_id: str) -> NotStored:
+        return NotStored(f"no stored response with id {response_id!r:.80} (responses are kept by the gateway, at "
+                         f"most {self.budget.per_key} bytes of them per API key and {self.budget.total} in all, the "
+                         "oldest dropped first; send store: true to keep one)")
+
+    def close(self) -> None:
+        with self._lock:
+            self._db.close()
+
+    def _transaction(self) -> _Immediate:
+        return _Immediate(self._db)
+
+
+class _Immediate:
+    """``BEGIN IMMEDIATE`` … ``COMMIT`` (``ROLLBACK`` on an exception): the write lock taken at the start, so two
+    processes' budgets never interleave."""
+
+    def __init__(self, db: sqlite3.Connection) -> None:
+        self._db = db
+
+    def __enter__(self) -> sqlite3.Connection:
+        self._db.execute("BEGIN IMMEDIATE")
+        return self._db
+
+    def __exit__(self, exc_type: object, exc: BaseException | None, tb: object) -> None:
+        self._db.execute("ROLLBACK" if exc_type is not None else "COMMIT")
+
+
+def _drop_oldest(db: sqlite3.Connection, where: str, args: tuple[str, ...], budget: int) -> None:
+    """Rows of ``where`` dropped, oldest first, until their bytes are within ``budget``."""
+    (held,) = db.execute(f"SELECT COALESCE(SUM(LENGTH(data)), 0) FROM responses {where}", args).fetchone()
+    rows = db.execute(f"SELECT seq, LENGTH(data) FROM responses {where} ORDER BY seq", args)
+    doomed = []
+    for seq, size in rows:
+        if held <= budget:
+            break
+        doomed.append((seq,))
+        held -= size
+    db.executemany("DELETE FROM responses WHERE seq = ?", doomed)
+
+
+def _check_file(path: Path) -> None:
+    """The store's file created 0600 if missing; refused (``ConfigError``) if its name is a link, another user's
+    file or not a file."""
+    try:
+        fd = create_private(path)
+    except FileExistsError:
+        try:
+            fd = open_private(path)
+        except (PlantedFile, OSError) as exc:
+            raise ConfigError(f"cannot use the stored responses' file {path} ({exc.strerror or exc}); remove it "
+                              f"(rm {path})") from None
+    except OSError as exc:
+        raise ConfigError(f"cannot create the stored responses' file {path} ({exc.strerror}); set "
+                          "MPSERVE_RUNTIME_DIR to a folder you can write") from None
+    os.close(fd)

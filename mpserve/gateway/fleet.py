@@ -1,0 +1,147 @@
+"""Several gateway processes on one HTTP port, each started again when it dies: gunicorn's arbiter, small.
+
+    parent (``mpserve start --http`` or ``mpserve gateway --http-workers N``)
+      listen(HOST:PORT) once ──▶ one listening socket, inherited by every child (``--fd``): the kernel gives each
+                                 new connection to one child, and a connection not yet accepted waits in the one
+                                 shared queue, so a child's death loses only the connections it had accepted
+      N × ``mpserve gateway --fd FD …`` (a child: ``app.serve`` on the inherited socket; it stops by itself once its
+                                         parent is gone: ``--exit-with-parent``)
+      a thread per child waits for it ──▶ it died: logged, started again after RESTART_DELAY_S (doubling up to
+                                          MAX_RESTART_DELAY_S while it keeps dying young, within YOUNG_S of its
+                                          start); GIVE_UP_AFTER young deaths in a row: ``on_give_up`` (the server
+                                          stops with exit status 1, as a gateway that cannot run is a fault for the
+                                          service manager to report, not to hide behind restarts)
+      stop() ──▶ SIGTERM to each child (uvicorn finishes its streams), SIGKILL after STOP_TIMEOUT_S
+
+What the children share lives where each can reach it: the server (over ZeroMQ) and the stored responses (a
+SQLite file in the runtime folder, ``api.response_store``). What each counts for itself stays its own: a scrape of
+``/metrics`` reads one child's HTTP counters (the server's figures in it are the same from any child).
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import socket
+import subprocess
+import threading
+import time
+from collections.abc import Callable, Sequence
+
+from mpserve.errors import ConfigError
+
+log = logging.getLogger("mpserve.gateway")
+
+RESTART_DELAY_S = 0.5
+MAX_RESTART_DELAY_S = 10.0
+YOUNG_S = 10.0  # a child that dies sooner after its start counts toward giving up
+GIVE_UP_AFTER = 5
+STOP_TIMEOUT_S = 10.0
+BACKLOG = 2048  # uvicorn's
+
+
+def listen(host: str, port: int) -> socket.socket:
+    """The listening socket every child serves, bound as uvicorn binds one (IPv6 for a host with a colon,
+    SO_REUSEADDR), inheritable."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+        sock.listen(BACKLOG)
+    except OSError as exc:
+        sock.close()
+        raise ConfigError(f"--http {host}:{port}: cannot listen ({exc.strerror}); give a free port") from None
+    sock.set_inheritable(True)
+    return sock
+
+
+def describe(status: int) -> str:
+    return f"was killed by signal {-status}" if status < 0 else f"exited with status {status}"
+
+
+class Fleet:
+    """``workers`` children, each run by ``command(fd)`` (its argv, given the listening socket's descriptor) with
+    ``env``; ``on_give_up(reason)`` is called once, from a watch thread, when children keep dying young."""
+
+    def __init__(self, sock: socket.socket, workers: int, command: Callable[[int], Sequence[str]],
+                 env: dict[str, str], on_give_up: Callable[[str], None]) -> None:
+        self._sock = sock
+        self._command = command
+        self._env = env
+        self._on_give_up = on_give_up
+        self._lock = threading.Lock()
+        self._stopping = threading.Event()
+        self._children: list[subprocess.Popen[bytes] | None] = [None] * workers
+        self.restarts = 0
+        self.gave_up: str | None = None
+        for index in range(workers):
+            self._spawn(index)
+            threading.Thread(target=self._watch, args=(index,), name=f"gateway-watch-{index}", daemon=True).start()
+
+    @property
+    def pids(self) -> list[int]:
+        with self._lock:
+            return [child.pid for child in self._children if child is not None]
+
+    def _spawn(self, index: int) -> subprocess.Popen[bytes]:
+        fd = self._sock.fileno()
+        child = subprocess.Popen(list(self._command(fd)), env=self._env, pass_fds=(fd,), start_new_session=True)
+        with self._lock:
+            self._children[index] = child
+        return child
+
+    def _watch(self, index: int) -> None:
+        delay, young = RESTART_DELAY_S, 0
+        while True:
+            with self._lock:
+                child = self._children[index]
+            assert child is not None
+            started = time.monotonic()
+            status = child.wait()
+            if self._stopping.is_set():
+                return
+            young = young + 1 if time.monotonic() - started < YOUNG_S else 0
+            if young >= GIVE_UP_AFTER:
+                self._give_up(f"the HTTP gateway (pid {child.pid}) {describe(status)}, the {young}th in a row within "
+                              f"{YOUNG_S:g} s of its start")
+                return
+            delay = delay * 2 if young else RESTART_DELAY_S
+            delay = min(delay, MAX_RESTART_DELAY_S)
+            log.error("the HTTP gateway (pid %d) %s; starting another in %.1f s (the other gateway processes, if "
+                      "any, serve the port meanwhile)", child.pid, describe(status), delay)
+            if self._stopping.wait(delay):
+                return
+            with self._lock:
+                self.restarts += 1
+            log.info("the HTTP gateway started again: pid %d", self._spawn(index).pid)
+
+    def _give_up(self, reason: str) -> None:
+        with self._lock:
+            if self.gave_up is not None:
+                return
+            self.gave_up = reason
+        log.error("%s; stopping", reason)
+        self._on_give_up(reason)
+
+    def stop(self) -> None:
+        """Each child stopped gracefully (SIGTERM), killed past STOP_TIMEOUT_S; the socket closed."""
+        self._stopping.set()
+        with self._lock:
+            children = [child for child in self._children if child is not None]
+        for child in children:
+            if child.poll() is None:
+                child.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + STOP_TIMEOUT_S
+        for child in children:
+            try:
+                child.wait(max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                child.kill()
+                child.wait()
+        self._sock.close()
+
+
+def child_command(argv: Sequence[str], fd: int) -> list[str]:
+    """``mpserve gateway`` ARGV, as one child of a fleet: on the inherited socket ``fd``, one process."""
+    return [*argv, "--http-workers", "1", "--fd", str(fd), "--exit-with-parent"]

@@ -1,0 +1,164 @@
+"""Several gateway processes on one port (``--http-workers``, ``mpserve.gateway.fleet``): a gateway process that
+dies takes only the connections it held, the others serve on, and it is started again; stored responses are
+found through any of them; gateways that keep dying as they start stop the server (exit status 1)."""
+
+from __future__ import annotations
+
+import http.client
+import json
+import os
+import signal
+from pathlib import Path
+
+import httpx
+import pytest
+from conftest import ServerProcess
+from helpers import free_port, wait_for
+
+from mpserve.runtime import pid_alive
+
+PROMPT = "Once upon a time"
+TOKENS = 300
+
+
+def _gateways(server: ServerProcess) -> list[int]:
+    """The pids of the server's gateway processes."""
+    found = []
+    for proc in Path("/proc").glob("[0-9]*"):
+        try:
+            cmdline = (proc / "cmdline").read_bytes().split(b"\0")
+            stat = (proc / "stat").read_text()
+        except OSError:
+            continue
+        if b"gateway" in cmdline and b"--fd" in cmdline and int(stat.rsplit(")", 1)[1].split()[1]) == server.proc.pid:
+            found.append(int(proc.name))
+    return sorted(found)
+
+
+def _holder(gateways: list[int], port: int, client_port: int) -> int:
+    """Which gateway process holds the accepted end of the client's connection from ``client_port``."""
+    inode = None
+    for line in Path("/proc/net/tcp").read_text().splitlines()[1:]:
+        fields = line.split()
+        local, remote = (int(end.split(":")[1], 16) for end in fields[1:3])
+        if local == port and remote == client_port:
+            inode = fields[9]
+    assert inode is not None
+    for pid in gateways:
+        for fd in Path(f"/proc/{pid}/fd").iterdir():
+            try:
+                if os.readlink(fd) == f"socket:[{inode}]":
+                    return pid
+            except OSError:
+                continue
+    raise AssertionError(f"no gateway holds the connection from port {client_port}")
+
+
+def _open_stream(port: int) -> http.client.HTTPConnection:
+    """A streamed completion whose first event has been read."""
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
+    conn.request("POST", "/v1/completions", json.dumps({"model": "tiny", "prompt": PROMPT, "max_tokens": TOKENS,
+                                                        "temperature": 0, "stream": True, "ignore_eos": True}),
+                 {"content-type": "application/json"})
+    conn.response = response = conn.getresponse()  # type: ignore[attr-defined]
+    assert response.status == 200
+    assert response.readline().startswith(b"data: ")
+    return conn
+
+
+def _rest(conn: http.client.HTTPConnection) -> bytes:
+    data: bytes = conn.response.read()  # type: ignore[attr-defined]
+    return data
+
+
+@pytest.mark.timeout(240)
+def test_a_dead_gateway_takes_only_its_connections_and_comes_back() -> None:
+    port = free_port()
+    server = ServerProcess("--model", "builtin:tiny", "--http", f"127.0.0.1:{port}", "--http-workers", "2",
+                           "--parallel", "4").wait_ready()
+    try:
+        first = wait_for(lambda: _gateways(server) if len(_gateways(server)) == 2 else None, timeout=60,
+                         what="two gateway processes")
+        wait_for(lambda: httpx.get(f"http://127.0.0.1:{port}/health").status_code == 200, timeout=60,
+                 what="the gateway to answer")
+        streams: dict[int, list[http.client.HTTPConnection]] = {pid: [] for pid in first}
+        for _ in range(12):  # until each gateway holds one
+            conn = _open_stream(port)
+            streams[_holder(first, port, conn.sock.getsockname()[1])].append(conn)
+            if all(streams.values()):
+                break
+        assert all(streams.values()), "the kernel gave every connection to one gateway"
+        doomed, survivor = first
+        os.kill(doomed, signal.SIGKILL)
+        for conn in streams[survivor]:  # the other gateway's streams end whole
+            assert _rest(conn).rstrip().endswith(b"data: [DONE]")
+        for conn in streams[doomed]:  # the dead one's were cut
+            with pytest.raises((http.client.IncompleteRead, ConnectionError)):
+                _rest(conn)
+        for _ in range(6):  # served meanwhile, by the survivor, and then by either
+            answer = httpx.post(f"http://127.0.0.1:{port}/v1/completions", timeout=60,
+                                json={"model": "tiny", "prompt": PROMPT, "max_tokens": 4})
+            assert answer.status_code == 200, answer.text
+        replaced = wait_for(lambda: _gateways(server) if len(_gateways(server)) == 2 and doomed not in
+                            _gateways(server) else None, timeout=60, what="the dead gateway to be replaced")
+        assert survivor in replaced
+        assert server.proc.poll() is None
+        assert any(f"the HTTP gateway (pid {doomed}) was killed by signal 9; starting another" in line
+                   for line in server.log)
+    finally:
+        server.stop()
+    assert server.tracebacks() == []
+
+
+@pytest.mark.timeout(120)
+def test_a_stored_response_is_found_through_any_gateway_process() -> None:
+    port = free_port()
+    server = ServerProcess("--model", "echo", "--http", f"127.0.0.1:{port}", "--http-workers", "2").wait_ready()
+    try:
+        wait_for(lambda: len(_gateways(server)) == 2, timeout=60, what="two gateway processes")
+        wait_for(lambda: httpx.get(f"http://127.0.0.1:{port}/health").status_code == 200, timeout=60,
+                 what="the gateway to answer")
+        url = f"http://127.0.0.1:{port}/v1/responses"
+        ids = []
+        holders = set()
+        for i in range(8):  # a new connection each: the kernel spreads them over both processes
+            with httpx.Client() as client:
+                answer = client.post(url, json={"model": "echo", "input": f"remember {i}", "max_output_tokens": 4})
+                assert answer.status_code == 200, answer.text
+                ids.append(answer.json()["id"])
+        for response_id in ids:
+            conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+            conn.connect()
+            holders.add(_holder(_gateways(server), port, conn.sock.getsockname()[1]))
+            conn.request("GET", f"/v1/responses/{response_id}")
+            answer = conn.getresponse()
+            assert answer.status == 200, answer.read()
+            conn.close()
+        assert len(holders) == 2, "every lookup went to one gateway process: nothing shown"
+    finally:
+        server.stop()
+
+
+@pytest.mark.timeout(120)
+def test_gateways_that_keep_dying_as_they_start_stop_the_server() -> None:
+    server = ServerProcess("--model", "echo", "--http", f"127.0.0.1:{free_port()}").wait_ready()
+    killed: list[int] = []
+
+    def kill_next() -> bool:
+        for pid in _gateways(server):
+            if pid not in killed:
+                os.kill(pid, signal.SIGKILL)
+                killed.append(pid)
+        return server.proc.poll() is not None
+
+    try:
+        wait_for(kill_next, timeout=90, what="the server to give up on its gateway")
+        assert server.proc.wait(30) == 1
+    finally:
+        server.stop()
+    assert len(killed) == 5
+    assert server.log[-1] == (f"error: [internal] the HTTP gateway (pid {killed[-1]}) was killed by signal 9, the "
+                              "5th in a row within 10 s of its start, so the server stopped (its log above says "
+                              "why); fix that and start again")
+    assert server.tracebacks() == []
+    assert not any(pid_alive(pid) for pid in killed)
