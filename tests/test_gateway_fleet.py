@@ -162,3 +162,78 @@ def test_gateways_that_keep_dying_as_they_start_stop_the_server() -> None:
                               "why); fix that and start again")
     assert server.tracebacks() == []
     assert not any(pid_alive(pid) for pid in killed)
+
+
+def _connected(port: int) -> tuple[http.client.HTTPConnection, int]:
+    """A new connection to the port, and the client's end's port."""
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
+    conn.connect()
+    return conn, conn.sock.getsockname()[1]
+
+
+CHAT = {"model": "tiny", "messages": [{"role": "user", "content": "Tell me a story"}], "max_tokens": 1500,
+        "temperature": 0, "stream": True, "ignore_eos": True}
+
+
+def _datas(raw: bytes) -> list[str]:
+    return [line[6:].decode() for line in raw.splitlines() if line.startswith(b"data: ")]
+
+
+def _content(datas: list[str]) -> str:
+    return "".join(json.loads(d)["choices"][0]["delta"].get("content") or "" for d in datas
+                   if d != "[DONE]" and json.loads(d)["choices"])
+
+
+@pytest.mark.timeout(240)
+def test_a_stream_is_read_on_through_another_gateway_process_and_ends_saying_so_if_its_own_died() -> None:
+    port = free_port()
+    server = ServerProcess("--model", "builtin:tiny", "--http", f"127.0.0.1:{port}", "--http-workers", "2",
+                           "--reuse", "exact").wait_ready()
+    try:
+        wait_for(lambda: len(_gateways(server)) == 2, timeout=60, what="two gateway processes")
+        wait_for(lambda: httpx.get(f"http://127.0.0.1:{port}/health").status_code == 200, timeout=60,
+                 what="the gateway to answer")
+        with httpx.stream("POST", f"http://127.0.0.1:{port}/v1/chat/completions", json=CHAT, timeout=120) as whole:
+            reference = _content(_datas(whole.read()))
+
+        def started(request_id: str) -> int:
+            """The gateway process that produces the stream it starts, read up to its first event's id."""
+            conn, client_port = _connected(port)
+            producer = _holder(_gateways(server), port, client_port)
+            conn.request("POST", "/v1/chat/completions", json.dumps(CHAT),
+                         {"content-type": "application/json", "x-request-id": request_id})
+            answer = conn.getresponse()
+            assert answer.status == 200 and answer.readline() == b"id: 0\n"
+            conn.close()
+            return producer
+
+        def elsewhere(producer: int, request_id: str) -> bytes:
+            """The stream read on from after event 0 through the gateway process that does not produce it."""
+            for _ in range(20):
+                conn, client_port = _connected(port)
+                if _holder(_gateways(server), port, client_port) != producer:
+                    conn.request("POST", "/v1/chat/completions", json.dumps(CHAT),
+                                 {"content-type": "application/json", "x-request-id": request_id,
+                                  "last-event-id": "0"})
+                    answer = conn.getresponse()
+                    assert answer.status == 200
+                    data: bytes = answer.read()
+                    return data
+                conn.close()
+            raise AssertionError("every connection went to the producing gateway process")
+
+        producer = started("live-1")
+        rest = elsewhere(producer, "live-1")  # while the producer streams it
+        assert rest.startswith(b"id: 1\n") and rest.rstrip().endswith(b"data: [DONE]")
+        again = httpx.post(f"http://127.0.0.1:{port}/v1/chat/completions", json=CHAT, timeout=120,
+                           headers={"x-request-id": "live-1", "last-event-id": "0"})
+        assert again.content == rest  # after its end, through either process
+        assert _content(_datas(rest)) != "" and reference.endswith(_content(_datas(rest)))
+
+        producer = started("doomed-1")
+        os.kill(producer, signal.SIGKILL)
+        cut = elsewhere(producer, "doomed-1")
+        last = json.loads(_datas(cut)[-1])
+        assert last["error"]["code"] == "connection" and "died before its end" in last["error"]["message"]
+    finally:
+        server.stop()

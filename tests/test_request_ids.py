@@ -131,7 +131,8 @@ def test_a_caller_s_id_still_in_flight_through_the_gateway_is_refused(start_serv
             twice = http.post("/v1/completions", json={**body, "max_tokens": 2}, headers={"X-Request-Id": "dup-1"})
             assert twice.status_code == 400 and twice.headers["x-request-id"] == "dup-1"
             assert "'dup-1' is already in use" in twice.json()["error"]["message"]
-        # the stream was left, which cancels the request; once the server has ended it, the id is free again
+        # the stream was left: named by the caller, it runs on for its client to come back (journal.GRACE_S), then
+        # is cancelled; once the server has ended it, the id is free again
         wait_for(lambda: http.post("/v1/completions", json={**body, "max_tokens": 2},
                                    headers={"X-Request-Id": "dup-1"}).status_code == 200, 30, "the id free again",
                  interval=0.1)

@@ -23,6 +23,7 @@ Three layers under the composition root, each importing only those below it:
                        sampling fields taken)
       responses        OpenAI's Responses API, a dialect, and its stored responses
       response_store   the stored responses: one SQLite file that the gateway processes of a port share
+      journal          resumable streams and background responses: their events in that file, read on by id
       messages         Anthropic's Messages API, a dialect
       extensions       llama-server's request fields, mapped or ignored
       tools            tool calls: the tools prompt, forced-call schemas, parsers

@@ -69,6 +69,7 @@ from .api import response_store, schema
 from .api import tokens as tok
 from .api.chat import Renderer, TemplateBudget
 from .api.dialect import OpenAI, Pipeline, sole_model
+from .api.journal import Journal
 from .api.messages import Messages
 from .api.messages import error_body as messages_error
 from .api.response_store import ResponseStore, StoreBudget
@@ -133,7 +134,7 @@ def parse_http(value: str) -> tuple[str, int]:
 
 def create_app(config: GatewayConfig) -> Starlette:
     gateway = _Gateway(config)
-    responses_api = Responses(gateway.responses)
+    responses_api = Responses(gateway.responses, gateway.journal)
     routes = [
         *gateway.pipeline.routes([OpenAI("completion"), OpenAI("chat")]),
         Route("/v1/models", gateway.list_models, methods=["GET"]),
@@ -195,8 +196,11 @@ class _Gateway:
         self.restarts = RestartCounter()
         self.console = console.Console(self.backend, self.metrics)
         self.renderer = Renderer(config.templates)
-        self.pipeline = Pipeline(self.backend, self.metrics, config.connections.read_timeout, self.renderer)
-        self.responses = ResponseStore(response_store.path_for(config.server_name, config.port), config.responses)
+        stored = response_store.path_for(config.server_name, config.port)
+        self.responses = ResponseStore(stored, config.responses)
+        self.journal = Journal(stored)
+        self.pipeline = Pipeline(self.backend, self.metrics, config.connections.read_timeout, self.renderer,
+                                 self.journal)
 
     @contextlib.asynccontextmanager
     async def lifespan(self, app: Starlette) -> AsyncIterator[None]:
@@ -208,6 +212,7 @@ class _Gateway:
         finally:
             sampler.cancel()
             self.renderer.close()
+            await self.journal.close()
             self.responses.close()
             await self.backend.close()
 

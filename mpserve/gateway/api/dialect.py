@@ -13,6 +13,13 @@ A streamed answer starts once its first text is ready, so what fails early (busy
 parameters) gets its own status; a failure after that is the stream's last event (``Answer.failed``). The
 events of chunks that arrived together leave in one send. A client that leaves, while queued, running or
 streaming, cancels its request. ``owner`` names whose API key sent a request, for what a dialect keeps per key.
+
+A stream whose caller named it (``X-Request-Id``), and a background response, is resumable (``journal``): its
+generation runs in a task of its own, each event is journaled with its ``id:``, and the answer reads the journal:
+
+    stream + the caller's X-Request-Id ──▶ Journal.begin ──▶ Journal.produce(the events) ──▶ EventStream(tail)
+    the same request + Last-Event-ID: N ──▶ EventStream(Journal.tail after N), no new generation
+    a background response ──▶ produced to its end whoever reads it; the POST answers at once (``background``)
 """
 
 from __future__ import annotations
@@ -29,7 +36,7 @@ from starlette.responses import Response
 from starlette.routing import Route
 
 from mpserve.client import AsyncClient, Result, Stream
-from mpserve.errors import ErrorCode, MpserveError
+from mpserve.errors import BadRequest, ErrorCode, MpserveError
 
 from ..backend import Backend
 from ..http import encode, limits
@@ -39,6 +46,7 @@ from ..http.watch import ClientGone, first, unless_disconnected
 from ..ops.metrics import GatewayMetrics
 from . import openai as oai
 from .chat import Renderer
+from .journal import Journal, NoStream
 
 
 class Answer(Protocol):
@@ -141,11 +149,13 @@ def sole_model(client: AsyncClient) -> str:
 class Pipeline:
     """Serves each dialect's route through the gateway's backend and metrics."""
 
-    def __init__(self, backend: Backend, metrics: GatewayMetrics, read_timeout: float, renderer: Renderer) -> None:
+    def __init__(self, backend: Backend, metrics: GatewayMetrics, read_timeout: float, renderer: Renderer,
+                 journal: Journal) -> None:
         self.backend = backend
         self.metrics = metrics
         self.read_timeout = read_timeout
         self.renderer = renderer
+        self.journal = journal
 
     def routes(self, dialects: Sequence[Dialect]) -> list[Route]:
         """A POST route per dialect, at its path."""
@@ -161,6 +171,9 @@ class Pipeline:
             body = await limits.read_json(request, self.read_timeout)
             limits.check_sizes(body)
             answer = dialect.parse(body, owner(request))
+            resumed = request.headers.get("last-event-id")
+            if resumed is not None:
+                return self._resume(request, answer, body, resumed)
             client = await self.backend.client()
             model = answer.call.model or sole_model(client)
             answer.call = await self._prepared(answer.call, client, model)
@@ -175,7 +188,13 @@ class Pipeline:
             self.metrics.outcome(endpoint, ErrorCode.CANCELLED)
             return Response(status_code=204)  # nobody reads it
         call, reply = answer.call, oai.Reply(answer.call, model)
+        background = getattr(answer, "background", None)
+        if background is not None:
+            return await self._background(request, dialect, answer, reply, client, background)
+        key = request.headers.get("x-request-id") if call.stream else None  # the caller's: resumable
         try:
+            if key is not None:
+                return await self._resumable(request, dialect, answer, reply, client, key, body, started)
             if call.stream:
                 stream = client.stream(call.prompt, model=call.model, request_id=request.state.request_id,
                                        params=call.params)
@@ -192,6 +211,57 @@ class Pipeline:
             return self._failed(dialect, exc)
         self._done(endpoint, model, results, started)
         return JSONResponse(answer.whole(reply.whole(call.shown(results), results)), headers=call.headers())
+
+    async def _resumable(self, request: Request, dialect: Dialect, answer: Answer, reply: oai.Reply,
+                         client: AsyncClient, key: str, body: Any, started: float) -> Response:
+        """A stream under the caller's id, journaled: it runs on for GRACE_S if its client leaves, and a request
+        with the same id and body and ``Last-Event-ID`` reads on (``_resume``)."""
+        who, call = owner(request), answer.call
+        self.journal.begin(who, key, _digest(body))
+        try:
+            stream = client.stream(call.prompt, model=call.model, request_id=request.state.request_id,
+                                   params=call.params)
+            chunks = stream.__aiter__()
+            text = await unless_disconnected(request, first(chunks))
+        except BaseException:
+            self.journal.forget(who, key)
+            raise
+        self.journal.produce(who, key, self._events(dialect, answer, reply, stream, chunks, text, started))
+        return EventStream(self._tail(answer, who, key, -1), call.headers())
+
+    def _resume(self, request: Request, answer: Answer, body: Any, given: str) -> Response:
+        """The events of the stream named by the caller's ``X-Request-Id`` after the one ``given`` names."""
+        key = request.headers.get("x-request-id")
+        if key is None:
+            raise BadRequest("Last-Event-ID resumes a stream by its X-Request-Id: send the same X-Request-Id as the "
+                             "request it resumes")
+        if not given.strip().isdigit():
+            raise BadRequest(f"Last-Event-ID must be the id of an event of the stream (a number), got {given!r:.40}")
+        who = owner(request)
+        try:
+            if self.journal.stream(who, key).digest != _digest(body):
+                raise BadRequest(f"the stream with X-Request-Id {key!r} was another request: resume it with its own "
+                                 "body, or use another id for this one")
+        except NoStream as exc:
+            return JSONResponse(HttpError(404, "not_found", exc.message).body(), 404)
+        return EventStream(self._tail(answer, who, key, int(given)), answer.call.headers())
+
+    async def _background(self, request: Request, dialect: Dialect, answer: Answer, reply: oai.Reply,
+                          client: AsyncClient, background: Background) -> Response:
+        """A response produced to its end in a task of its own, whoever reads it; the POST answers at once: the
+        response in progress, or its stream (read on with ``GET …?stream=true&starting_after=N``)."""
+        who, call, key = owner(request), replace(answer.call, stream=True), background.key
+        reply = oai.Reply(call, reply.model)
+        self.journal.begin(who, key, key, background.head)
+        stream = client.stream(call.prompt, model=call.model, request_id=request.state.request_id, params=call.params)
+        self.journal.produce(who, key, self._events(dialect, answer, reply, stream, stream.__aiter__(), None,
+                                                    time.perf_counter()), background=True)
+        if answer.call.stream:
+            return EventStream(self._tail(answer, who, key, -1), call.headers())
+        return JSONResponse(json.loads(background.head), headers=call.headers())
+
+    def _tail(self, answer: Answer, who: str, key: str, after: int) -> AsyncGenerator[bytes, None]:
+        return self.journal.tail(who, key, after, lambda exc, _: answer.failed(HttpError.from_mpserve(exc)))
 
     async def _prepared(self, call: oai.Call, client: AsyncClient, model: str) -> oai.Call:
         """A chat's prompt from ``model``'s chat template; a completion echoing a token prompt, with its text."""
@@ -237,6 +307,19 @@ class Pipeline:
     @staticmethod
     def _error(dialect: Dialect, error: HttpError) -> JSONResponse:
         return JSONResponse(dialect.error_body(error), error.status, headers=error.headers())
+
+
+@dataclass(frozen=True)
+class Background:
+    """What a dialect's answer that runs in the background (a Responses ``background: true``) gives the
+    pipeline: its key in the journal, and what it is while it runs (JSON)."""
+
+    key: str
+    head: bytes
+
+
+def _digest(body: Any) -> str:
+    return hashlib.sha256(json.dumps(body, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
 
 
 async def _after(first: str | None, chunks: AsyncIterator[str]) -> AsyncIterator[str]:

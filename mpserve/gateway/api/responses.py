@@ -24,6 +24,7 @@ neutral value; a field OpenAI does not have is refused as unrecognized.
 
 from __future__ import annotations
 
+import json
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -37,9 +38,11 @@ from mpserve.client import Result
 from mpserve.errors import BadRequest
 from mpserve.wire import protocol as wire
 
+from ..http.encode import EventStream
 from ..http.errors import HttpError
 from . import openai as oai
-from .dialect import event, finish_reason, owner
+from .dialect import Background, event, finish_reason, owner
+from .journal import Journal, NoStream
 from .response_store import NotStored, ResponseStore
 
 _KNOWN = frozenset({
@@ -51,7 +54,6 @@ _UNSUPPORTED: oai.Unsupported = {
     "truncation": (("disabled",), "mpserve does not drop input items to fit the context"),
     "reasoning": (({},), "reasoning effort and summaries are not supported"),
     "include": (([],), "no extra output (reasoning, logprobs, tool results) is available"),
-    "background": ((False,), "background responses are not supported"),
     "top_logprobs": ((0,), "log-probabilities are not returned here (use /v1/chat/completions)"),
     "prompt": ((), "stored prompt templates are OpenAI's"),
     "conversation": ((), "conversations are not stored; use previous_response_id"),
@@ -66,14 +68,15 @@ class Responses:
 
     path = "/v1/responses"
 
-    def __init__(self, store: ResponseStore) -> None:
+    def __init__(self, store: ResponseStore, journal: Journal) -> None:
         self.store = store
+        self.journal = journal
 
     def parse(self, body: Any, owner: str) -> ResponseAnswer:
         if not isinstance(body, dict):
             raise BadRequest("the request body must be a JSON object")
         given = oai.given_fields(body, _KNOWN, _UNSUPPORTED)
-        for key in ("store", "stream", "parallel_tool_calls"):
+        for key in ("store", "stream", "parallel_tool_calls", "background"):
             if not isinstance(given.get(key, False), bool):
                 raise BadRequest(f"'{key}' must be a boolean")
         metadata = given.get("metadata", {})
@@ -104,8 +107,14 @@ class Responses:
                 "temperature": call.params.temperature, "top_p": call.params.top_p,
                 "text": {"format": given.get("text", {}).get("format", {"type": "text"})},
                 "tool_choice": given.get("tool_choice", "auto"), "tools": given.get("tools", []),
-                "truncation": "disabled", "user": given.get("user")}
-        return ResponseAnswer(call, echo, conversation, self.store, owner)
+                "truncation": "disabled", "user": given.get("user"), "background": given.get("background", False)}
+        answer = ResponseAnswer(call, echo, conversation, self.store, owner)
+        if given.get("background"):
+            if not echo["store"]:
+                raise BadRequest("'background' needs 'store': a background response is read when it is done "
+                                 "(GET /v1/responses/{id}), so it must be stored")
+            answer.background = Background(answer.id, json.dumps(answer.head("queued")).encode())
+        return answer
 
     @staticmethod
     def error_body(error: HttpError) -> dict[str, Any]:
@@ -230,6 +239,11 @@ class ResponseAnswer:
     _model: str = ""
     _output: list[dict[str, Any]] = field(default_factory=list)  # streamed items, in their final state
     _open: dict[str, Any] | None = None  # the item being streamed
+    background: Background | None = None  # ``background: true``: run to its end whoever reads it
+
+    def head(self, status: str) -> dict[str, Any]:
+        """The response before it has output (a background one, queued; or cancelled)."""
+        return self._object(self.call.model or "", status, [], None)
 
     def whole(self, completion: dict[str, Any]) -> dict[str, Any]:
         choice = completion["choices"][0]
@@ -268,7 +282,8 @@ class ResponseAnswer:
         return [*out, self._event(kind, response=response)]
 
     def failed(self, error: HttpError) -> bytes:
-        return self._event("error", code=error.code, message=error.message, param=None)
+        self._sequence += 1
+        return _error_event(error, self._sequence - 1)
 
     # --- building ---
 
@@ -370,12 +385,28 @@ def _as_chat(output: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 def stored_routes(responses: Responses) -> list[Route]:
-    """``GET`` and ``DELETE /v1/responses/{id}``: a stored response of the caller's API key."""
+    """``GET`` and ``DELETE /v1/responses/{id}``: a stored response of the caller's API key; a background one
+    while it runs too, and its events again (``?stream=true&starting_after=N``); ``POST …/cancel`` stops one."""
     async def retrieve(request: Request) -> Response:
+        who, response_id = owner(request), request.path_params["id"]
         try:
-            return JSONResponse(responses.store.get(owner(request), request.path_params["id"])[0])
+            if request.query_params.get("stream") == "true":
+                return _stream_again(responses.journal, who, response_id, request.query_params.get("starting_after"))
+            try:
+                return JSONResponse(responses.store.get(who, response_id)[0])
+            except NotStored:
+                return JSONResponse(_running(responses.journal, who, response_id))
         except NotStored as exc:
             return _not_found(exc)
+        except BadRequest as exc:
+            return JSONResponse(HttpError.from_mpserve(exc).body(), 400)
+
+    async def cancel(request: Request) -> Response:
+        who, response_id = owner(request), request.path_params["id"]
+        if not responses.journal.cancel(who, response_id):
+            return _not_found(NotStored(f"no background response {response_id!r:.80} is in progress: only one that "
+                                        "runs can be cancelled"))
+        return JSONResponse(_running(responses.journal, who, response_id, "cancelled"))
 
     async def delete(request: Request) -> Response:
         response_id = request.path_params["id"]
@@ -386,7 +417,36 @@ def stored_routes(responses: Responses) -> list[Route]:
         return JSONResponse({"id": response_id, "object": "response", "deleted": True})
 
     return [Route("/v1/responses/{id}", retrieve, methods=["GET"]),
-            Route("/v1/responses/{id}", delete, methods=["DELETE"])]
+            Route("/v1/responses/{id}", delete, methods=["DELETE"]),
+            Route("/v1/responses/{id}/cancel", cancel, methods=["POST"])]
+
+
+def _running(journal: Journal, who: str, response_id: str, status: str | None = None) -> dict[str, Any]:
+    """A background response not stored (yet): in progress, or how it ended without output (cancelled, failed)."""
+    try:
+        stream = journal.stream(who, response_id)
+    except NoStream:
+        raise NotStored(f"no stored response with id {response_id!r:.80}") from None
+    head: dict[str, Any] = json.loads(stream.head or b"{}")
+    if not head:
+        raise NotStored(f"no stored response with id {response_id!r:.80}")
+    state = status or {"running": "in_progress", "cancelling": "cancelled", "cancelled": "cancelled"}.get(
+        stream.state, "failed")
+    return {**head, "status": state}
+
+
+def _stream_again(journal: Journal, who: str, response_id: str, after: str | None) -> Response:
+    """A background response's events after ``starting_after`` (all of them without it), then on as they come."""
+    if after is not None and not after.isdigit():
+        raise BadRequest(f"starting_after must be an event's sequence_number, got {after!r:.40}")
+    _running(journal, who, response_id)  # NotStored unless it is a background response of the caller's
+    return EventStream(journal.tail(who, response_id, int(after) if after is not None else -1,
+                                    lambda exc, seq: _error_event(HttpError.from_mpserve(exc), seq)))
+
+
+def _error_event(error: HttpError, sequence: int) -> bytes:
+    return event("error", {"type": "error", "sequence_number": sequence, "code": error.code,
+                           "message": error.message, "param": None})
 
 
 def _not_found(exc: NotStored) -> JSONResponse:

@@ -42,10 +42,18 @@ def document(version: str) -> dict[str, Any]:
             "/v1/chat/completions": {"post": _generation("chat completions", "ChatRequest", errors)},
             "/v1/responses": {"post": _generation("Responses (Agents SDK, newer clients)", "ResponseRequest", errors)},
             "/v1/responses/{id}": {
-                "get": {**_get("a stored response of the caller's API key", "application/json",
-                               {k: errors[k] for k in ("401", "404")}), "parameters": [_ID]},
+                "get": {**_get("a stored response of the caller's API key, or a background one in progress; with "
+                               "stream=true, a background response's events after starting_after (server-sent "
+                               "events)", "application/json", {k: errors[k] for k in ("400", "401", "404")}),
+                        "parameters": [_ID, {"name": "stream", "in": "query", "required": False,
+                                             "schema": {"type": "string", "enum": ["true", "false"]}},
+                                       {"name": "starting_after", "in": "query", "required": False,
+                                        "schema": {"type": "integer", "minimum": 0}}]},
                 "delete": {**_get("a stored response deleted", "application/json",
                                   {k: errors[k] for k in ("401", "404")}), "parameters": [_ID]}},
+            "/v1/responses/{id}/cancel": {
+                "post": {**_get("a background response in progress stopped", "application/json",
+                                {k: errors[k] for k in ("401", "404")}), "parameters": [_ID]}},
             "/v1/messages": {"post": {**_post("Anthropic Messages, whole (JSON) or streamed (server-sent events)",
                                               "MessageRequest", "the message", True, anthropic_errors),
                                       "security": [{"bearer": []}, {"apiKey": []}, {}]}},
@@ -242,6 +250,7 @@ def _response() -> dict[str, Any]:
             "type": "object", "required": ["type"], "properties": {
                 "type": {"type": "string", "enum": ["text", "json_object", "json_schema"]}}}}}),
         "stream": _nullable({"type": "boolean"}), "store": _nullable({"type": "boolean"}),
+        "background": _nullable({"type": "boolean"}),
         "previous_response_id": _nullable({"type": "string"}),
         "metadata": _nullable({"type": "object", "additionalProperties": {"type": "string"}, "maxProperties": 16}),
         "user": _nullable({"type": "string"})}}

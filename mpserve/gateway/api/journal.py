@@ -1,0 +1,267 @@
+"""Streams that outlive their connection: each event of a resumable stream is written to the gateway's SQLite
+file as it is made, so that a client that lost its connection reads on from the last event it had, through any
+gateway process of the port.
+
+    producer (a task of its own, apart from any connection: ``Journal.produce``)
+        the dialect's event batches ──split into events──▶ rows (owner, key, seq 0, 1, …) ──▶ the stream's end
+        no reader for GRACE_S (a stream, not a background response) ──▶ stopped: its generation cancelled
+    reader (an HTTP answer: ``Journal.tail``)
+        rows with seq > after, each as ``id: SEQ`` + its event ──▶ waits for more (woken at once in the
+        producing process, every POLL_S from another) ──▶ the stream's end
+        the producing process died before the end ──▶ what was journaled, then the dialect's error event
+                                                      (``connection``): the client sends the request again
+
+A stream is keyed by its owner (the caller's key, ``dialect.owner``) and a key: a chat or completions stream's
+``X-Request-Id`` (the caller's), a background response's id. Its ``digest`` is its request body's: a resume that
+names the key with another body is refused (409). Ended streams are kept KEEP_S, then dropped as new ones begin;
+an owner keeps at most MAX_STREAMS of them. The file is ``response_store``'s (the same private file).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import sqlite3
+import threading
+import time
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from mpserve.errors import BadRequest, ConnectionFailed, MpserveError
+from mpserve.runtime import pid_alive
+
+from .response_store import BUSY_TIMEOUT_MS
+
+GRACE_S = 10.0  # how long a stream without a reader runs on, for its client to come back
+KEEP_S = 600.0  # how long an ended stream can still be read again
+MAX_STREAMS = 256  # streams kept per owner, the oldest ended ones dropped first
+POLL_S = 0.05  # how often a reader in another process looks for new events
+SEEN_EVERY_S = 1.0  # how often a reader marks the stream as read (``seen``), for the producer's grace
+
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS streams (
+    owner TEXT NOT NULL,
+    key TEXT NOT NULL,
+    digest TEXT NOT NULL,     -- its request body's
+    pid INTEGER NOT NULL,     -- the gateway process producing it
+    state TEXT NOT NULL,      -- running, cancelling (asked to stop), ended, cancelled
+    started REAL NOT NULL,    -- wall clock (seconds since the epoch): read by other processes
+    seen REAL NOT NULL,       -- a reader's latest look
+    ended REAL,
+    head BLOB,                -- what a background response is while it runs (its object, JSON)
+    PRIMARY KEY (owner, key)
+);
+CREATE TABLE IF NOT EXISTS events (
+    owner TEXT NOT NULL,
+    key TEXT NOT NULL,
+    seq INTEGER NOT NULL,
+    data BLOB NOT NULL,
+    PRIMARY KEY (owner, key, seq)
+);
+"""
+
+
+class NoStream(BadRequest):
+    """No stream of that key to read on (never started, ended too long ago, or another caller's): 404."""
+
+
+@dataclass(frozen=True)
+class Stream:
+    state: str
+    pid: int
+    digest: str
+    head: bytes | None
+
+
+class Journal:
+    """The streams of this gateway's port, in the SQLite file at ``path``."""
+
+    def __init__(self, path: Path) -> None:
+        self._db = sqlite3.connect(path, timeout=BUSY_TIMEOUT_MS / 1000, isolation_level=None,
+                                   check_same_thread=False)
+        self._lock = threading.Lock()
+        with self._lock:
+            self._db.execute("PRAGMA journal_mode=WAL")
+            self._db.executescript(_SCHEMA)
+        self._wake: dict[tuple[str, str], asyncio.Event] = {}  # streams produced here: their readers' bell
+        self._cancel: dict[tuple[str, str], asyncio.Event] = {}
+        self._tasks: set[asyncio.Task[None]] = set()  # the producers
+
+    async def close(self) -> None:
+        """Every stream produced here stopped (its generation cancelled, its state written), then the file."""
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        with self._lock:
+            self._db.close()
+
+    # --- producing ---
+
+    def begin(self, owner: str, key: str, digest: str, head: bytes | None = None) -> None:
+        """A new stream ``key``; ``Conflict`` if one of that key is running."""
+        now = time.time()
+        with self._lock:
+            db = self._db
+            db.execute("BEGIN IMMEDIATE")
+            try:
+                _forget_old(db, owner, now)
+                row = db.execute("SELECT state, pid FROM streams WHERE owner = ? AND key = ?", (owner, key)).fetchone()
+                if row is not None and row[0] in ("running", "cancelling") and (row[1] == os.getpid()
+                                                                                or pid_alive(row[1])):
+                    raise BadRequest(f"a stream with request id {key!r} is running; resume it (send the header "
+                                   "Last-Event-ID with the id of the last event you have) or use another id")
+                db.execute("DELETE FROM events WHERE owner = ? AND key = ?", (owner, key))
+                db.execute("INSERT OR REPLACE INTO streams (owner, key, digest, pid, state, started, seen, head) "
+                           "VALUES (?, ?, ?, ?, 'running', ?, ?, ?)", (owner, key, digest, os.getpid(), now, now, head))
+                db.execute("COMMIT")
+            except BaseException:
+                db.execute("ROLLBACK")
+                raise
+        self._wake[owner, key] = asyncio.Event()
+        self._cancel[owner, key] = asyncio.Event()
+
+    def produce(self, owner: str, key: str, frames: AsyncGenerator[bytes, None], background: bool = False) -> None:
+        """Run ``frames`` (the stream's event batches) to its end in a task of its own, journaling each event.
+        Unless ``background``, the stream is stopped (``frames`` closed: its generation cancelled) once no
+        reader has looked at it for GRACE_S."""
+        task = asyncio.get_running_loop().create_task(self._produce(owner, key, frames, background))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _produce(self, owner: str, key: str, frames: AsyncGenerator[bytes, None], background: bool) -> None:
+        seq, state = 0, "ended"
+        cancel = self._cancel[owner, key]
+        try:
+            async for batch in _until(frames, cancel):
+                events = [e + b"\n\n" for e in batch.split(b"\n\n") if e]
+                with self._lock:
+                    self._db.executemany("INSERT INTO events (owner, key, seq, data) VALUES (?, ?, ?, ?)",
+                                         [(owner, key, seq + i, e) for i, e in enumerate(events)])
+                seq += len(events)
+                self._ring(owner, key)
+                seen, now_state = self._look(owner, key)
+                if now_state == "cancelling" or (not background and time.time() - seen > GRACE_S):
+                    state = "cancelled"
+                    break
+            else:
+                if cancel.is_set():
+                    state = "cancelled"
+        finally:
+            await frames.aclose()
+            with self._lock:
+                self._db.execute("UPDATE streams SET state = ?, ended = ? WHERE owner = ? AND key = ?",
+                                 (state, time.time(), owner, key))
+            self._ring(owner, key)
+            self._wake.pop((owner, key), None)
+            self._cancel.pop((owner, key), None)
+
+    def forget(self, owner: str, key: str) -> None:
+        """A stream begun here that never started producing (its request was refused) taken back."""
+        with self._lock:
+            self._db.execute("DELETE FROM streams WHERE owner = ? AND key = ? AND pid = ?", (owner, key, os.getpid()))
+        self._wake.pop((owner, key), None)
+        self._cancel.pop((owner, key), None)
+
+    def cancel(self, owner: str, key: str) -> bool:
+        """Stop a running stream, produced in this process or another; False if none of that key runs."""
+        with self._lock:
+            changed = self._db.execute("UPDATE streams SET state = 'cancelling' WHERE owner = ? AND key = ? AND "
+                                       "state = 'running'", (owner, key)).rowcount
+        event = self._cancel.get((owner, key))
+        if event is not None:
+            event.set()
+        return bool(changed)
+
+    def _ring(self, owner: str, key: str) -> None:
+        bell = self._wake.get((owner, key))
+        if bell is not None:
+            bell.set()
+            self._wake[owner, key] = asyncio.Event()
+
+    def _look(self, owner: str, key: str) -> tuple[float, str]:
+        """When a reader last looked at the stream, and its state."""
+        with self._lock:
+            row = self._db.execute("SELECT seen, state FROM streams WHERE owner = ? AND key = ?",
+                                   (owner, key)).fetchone()
+        return (float(row[0]), str(row[1])) if row else (0.0, "cancelling")
+
+    # --- reading ---
+
+    def stream(self, owner: str, key: str) -> Stream:
+        """Stream ``key`` of ``owner``'s; ``NoStream`` if there is none."""
+        with self._lock:
+            row = self._db.execute("SELECT state, pid, digest, head FROM streams WHERE owner = ? AND key = ?",
+                                   (owner, key)).fetchone()
+        if row is None:
+            raise NoStream(f"no stream with id {key!r:.80} to resume: it never started, ended more than "
+                           f"{KEEP_S:g} s ago, or was another key's; send the request again without Last-Event-ID")
+        return Stream(*row)
+
+    async def tail(self, owner: str, key: str, after: int,
+                   orphaned: Callable[[MpserveError, int], bytes]) -> AsyncGenerator[bytes, None]:
+        """The stream's events after event ``after``, each with its ``id:``, as they come, to its end;
+        ``orphaned(error, seq)``, the dialect's error event as event ``seq``, if its producer died before the end."""
+        looked = 0.0
+        while True:
+            bell = self._wake.get((owner, key))
+            now = time.time()
+            with self._lock:
+                if now - looked >= SEEN_EVERY_S:
+                    self._db.execute("UPDATE streams SET seen = ? WHERE owner = ? AND key = ?", (now, owner, key))
+                    looked = now
+                rows = self._db.execute("SELECT seq, data FROM events WHERE owner = ? AND key = ? AND seq > ? "
+                                        "ORDER BY seq", (owner, key, after)).fetchall()
+                state = self._db.execute("SELECT state, pid FROM streams WHERE owner = ? AND key = ?",
+                                         (owner, key)).fetchone()
+            if rows:
+                after = rows[-1][0]
+                yield b"".join(b"id: %d\n" % seq + data for seq, data in rows)
+                continue
+            if state is None or state[0] not in ("running", "cancelling"):
+                return
+            if state[1] != os.getpid() and not pid_alive(state[1]):
+                yield orphaned(_orphaned(state[1]), after + 1)
+                return
+            if bell is None:
+                await asyncio.sleep(POLL_S)
+            else:
+                with contextlib.suppress(asyncio.TimeoutError):
+                    await asyncio.wait_for(bell.wait(), SEEN_EVERY_S)
+
+
+async def _until(frames: AsyncGenerator[bytes, None], cancel: asyncio.Event) -> AsyncIterator[bytes]:
+    """``frames``' items until ``cancel`` is set."""
+    while not cancel.is_set():
+        step = asyncio.ensure_future(anext(frames))
+        stop = asyncio.ensure_future(cancel.wait())
+        try:
+            await asyncio.wait((step, stop), return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            stop.cancel()
+        if not step.done():
+            step.cancel()
+            with contextlib.suppress(asyncio.CancelledError, StopAsyncIteration):
+                await step
+            return
+        try:
+            yield step.result()
+        except StopAsyncIteration:
+            return
+
+
+def _orphaned(pid: int) -> MpserveError:
+    return ConnectionFailed(f"the gateway process that ran this stream (pid {pid}) died before its end; the events "
+                            "above are all it made: send the request again")
+
+
+def _forget_old(db: sqlite3.Connection, owner: str, now: float) -> None:
+    """Streams ended more than KEEP_S ago dropped; past MAX_STREAMS of ``owner``'s, its oldest ended ones."""
+    old = db.execute("SELECT owner, key FROM streams WHERE state IN ('ended', 'cancelled') AND ended < ?",
+                     (now - KEEP_S,)).fetchall()
+    extra = db.execute("SELECT owner, key FROM streams WHERE owner = ? AND state IN ('ended', 'cancelled') "
+                       "ORDER BY started DESC LIMIT -1 OFFSET ?", (owner, MAX_STREAMS - 1)).fetchall()
+    for gone in {*old, *extra}:
+        db.execute("DELETE FROM events WHERE owner = ? AND key = ?", gone)
+        db.execute("DELETE FROM streams WHERE owner = ? AND key = ?", gone)
