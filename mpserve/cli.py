@@ -4,7 +4,8 @@
     requests    generate (one request, printed)
     looking     status (the slot table), models (a server's models), devices (GPUs and their permits), plan (where
                 instances would run), doctor (this host, and what to fix)
-    changing    load, unload, scale, add (a server's models at run time), slots (a slot's KV file: save, restore, erase)
+    changing    load, unload, scale, add (a server's models at run time), reload (its configuration read again),
+                slots (a slot's KV file: save, restore, erase)
     files       pull (models from the Hub, ahead of time), make-model (a random-weight GGUF), keygen (a CURVE key pair)
 
 Server settings come from ``mpserve.config.settings`` (``with_settings``: one declaration gives a command its flags);
@@ -152,7 +153,7 @@ def start(given: Given, config_file: ConfigOption = None) -> None:
         gateway_key = gateway_keys(paths) if http and config.curve_secret else None  # for a CURVE front
         with _Gateway(http, config, given.cli, gateway_key) if http else contextlib.nullcontext():
             _pull(config)  # with the gateway up: /backend/monitor and the console show the downloads
-            serve(config, gateway_key)
+            serve(config, gateway_key, reread=lambda: _config(given, config_file))
 
 
 @app.command()
@@ -693,6 +694,15 @@ def add(
 
 
 @app.command()
+def reload(server_name: ServerNameOption = "default", as_json: JsonOption = False,
+           curve_server_key: CurveServerKeyOption = None, curve_secret: CurveSecretOption = None) -> None:
+    """Make a running server read its configuration again (as SIGHUP does) and apply what changed: queue bounds,
+    timeouts and log level at once, models added, removed (drained) or scaled; what needs a restart is named and
+    keeps its running value. A configuration that does not validate is refused whole: nothing changes."""
+    _control(server_name, _Curve(curve_server_key, curve_secret), as_json, "reload")
+
+
+@app.command()
 def slots(
     action: Annotated[str, typer.Argument(help="save, restore or erase.")],
     slot: Annotated[int, typer.Argument(help="The slot: SLOT in mpserve status.")],
@@ -736,7 +746,9 @@ def _control(server_name: str, curve: _Curve, as_json: bool, op: str, model: str
         if as_json:
             print(json.dumps({"message": reply.message, "models": [vars(m) for m in reply.models]}))
             return
-        if op != "models":
+        if op == "reload":
+            print(reply.message)
+        elif op != "models":
             typer.echo(reply.message, err=True)
         print(format_models(reply.models))
 

@@ -204,6 +204,7 @@ class Broker:
         self.on_failed: Callable[[int, str], None] = lambda index, message: None  # supervisor's view of loads
         self.on_drained: Callable[[WorkerEntry], None] = lambda entry: None  # a drained worker was told to STOP
         self.on_control: Callable[[wire.Control], wire.ControlReply] = _no_control
+        self.removed: set[str] = set()  # models a reload removed: new requests refused, the rest finish
         self.scaling_of: Callable[[str], wire.ModelScaling] = lambda model: wire.ModelScaling()  # for STATS
         self.loading: Callable[[str], bool] = lambda model: False  # an instance of the model is starting
 
@@ -601,12 +602,16 @@ class Broker:
         return sum(len(mq.queue) for mq in self.models.values())
 
     def _resolve_model(self, name: str | None) -> str:
+        served = [m for m in self.models if m not in self.removed]
         if name is None:
-            if len(self.models) == 1:
-                return next(iter(self.models))
-            raise BadRequest(f"this server serves several models ({', '.join(self.models)}); name one")
+            if len(served) == 1:
+                return served[0]
+            raise BadRequest(f"this server serves several models ({', '.join(served)}); name one")
+        if name in self.removed:
+            raise UnknownModel(f"model {name!r} was removed from the configuration (mpserve reload); served models: "
+                               f"{', '.join(served)}")
         if name not in self.models:
-            raise UnknownModel(f"model {name!r} is not served here; served models: {', '.join(self.models)}")
+            raise UnknownModel(f"model {name!r} is not served here; served models: {', '.join(served)}")
         return name
 
     def _retry_after(self, mq: ModelQueue) -> float:

@@ -6,6 +6,7 @@ control API.
                    ├ DRAIN  the ready instance running least ─▶ broker.drain ─▶ STOP once idle ─▶ supervisor.retire
                    └ SKIP   one log line and one counted event
     CONTROL (broker) ─▶ Instances.control(): models / load / unload / scale / add, checked before any change
+    a reload (``mpserve.server.reload``, the loop) ─▶ checked / add, check_bounds / rescale, retire
 
 Worker indices and slot-table rows are fixed at start for every model's max (``layout.instance_rows``); a
 new instance takes its model's lowest free index, so a scale-up never resizes the table and ``max`` can be
@@ -119,6 +120,13 @@ class Instances:
         low = 1 if call.min is None else call.min
         entry = {"path": call.path, "instances": {"min": low, "max": max(low, 1) if call.max is None else call.max}}
         model = cfg.added_model({**entry, **({"name": call.model} if call.model else {})}, len(self.policies), "add")
+        self.add(model, self.checked(model), "control call")
+        low, high = model.bounds
+        return self._reply(call, f"add {model.name}: instances {low}..{high}")
+
+    def checked(self, model: cfg.ModelConfig, more: tuple[cfg.ModelConfig, ...] = ()) -> ModelRequest:
+        """What serving ``model`` asks (after the models of ``more`` are added too), or the reason it cannot be
+        served, raised before anything changes."""
         if model.name in self.policies:
             raise BadRequest(f"model {model.name!r} is served already; give the new one another name (--name)")
         request = model_request(model)
@@ -128,7 +136,7 @@ class Instances:
             request = request if request.memory is not None or not self._devices else dataclasses.replace(
                 request, memory=estimated.total)
         low, high = model.bounds
-        used = sum(m.bounds[1] * m.parallel for m in self._config.models)
+        used = sum(m.bounds[1] * m.parallel for m in (*self._config.models, *more))
         if used + high * model.parallel > self._table_rows:
             raise ConfigError(f"add: {model.name} needs {high * model.parallel} slot-table row(s) (max {high} × "
                               f"parallel {model.parallel}) and {self._table_rows - used} are left; start the server "
@@ -137,6 +145,11 @@ class Instances:
         for instance in range(max(low, 1)):
             live.append(place_one(request, instance, live, self._devices, self._config.gpu_memory_budget,
                                   single_active=self._config.single_active_backend))
+        return request
+
+    def add(self, model: cfg.ModelConfig, request: ModelRequest, why: str) -> None:
+        """Serve ``model`` (``checked`` gave ``request``): its tables, then its instances as the load asks."""
+        low, high = model.bounds
         self._config = dataclasses.replace(self._config, models=(*self._config.models, model))
         self._rows = instance_rows(self._config)
         self._requests[model.name] = request
@@ -149,9 +162,33 @@ class Instances:
         template = served_template(model)
         if template is not None:  # the one a remote pool of the model must serve (``mpserve.server.chat``)
             self._broker.chat_templates[model.name] = template
-        log.info("add %s: %s, instances %d..%d (control call)", model.name, model.path, low, high)
+        log.info("add %s: %s, instances %d..%d (%s)", model.name, model.path, low, high, why)
         self.tick(force=True)
-        return self._reply(call, f"add {model.name}: instances {low}..{high}")
+
+    def model(self, name: str) -> cfg.ModelConfig:
+        """The settings ``name`` is served with."""
+        return self._config.model(name)
+
+    def check_bounds(self, name: str, low: int, high: int) -> None:
+        """``BadRequest`` (or ``does_not_fit``) if ``name`` cannot run ``low`` .. ``high`` instances."""
+        self._check(name, low, high)
+
+    def rescale(self, model: cfg.ModelConfig) -> None:
+        """A reload's new bounds and scaling delays of a model (``check_bounds`` passed)."""
+        low, high = model.bounds
+        self.policies[model.name] = Policy(low, high, model.scale_up_after, model.scale_down_after)
+        self._scaler.forget(model.name)
+        self.tick(force=True)
+
+    def retire(self, name: str) -> None:
+        """A model a reload removed: its instances drain once they run nothing, and none starts again but for its
+        requests still queued."""
+        policy = self.policies[name]
+        policy.min = 0
+        self._scaler.forget(name)
+        for entry in self._ready(name):
+            self._count(name, "stop_unload")
+            self._broker.drain(entry.identity)
 
     # --- decisions -------------------------------------------------------------------------------
 

@@ -15,22 +15,29 @@ An error that escapes the loop ends it the same way, at once: its workers and zy
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import logging
 import os
+import signal
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import zmq
 from zmq.auth.thread import ThreadAuthenticator
 
-from mpserve.config.loader import ServerConfig
-from mpserve.errors import ConfigError, ErrorCode
+from mpserve.config.loader import ECHO_MODEL, ModelConfig, ServerConfig
+from mpserve.errors import ConfigError, ErrorCode, MpserveError, ShuttingDown
 from mpserve.gpu.memory import EstimateCheck
+from mpserve.gpu.placement import ModelRequest
 from mpserve.llama_build import start_warnings
 from mpserve.runtime import ServerInfo, ServerPaths
+from mpserve.wire import protocol as wire
 from mpserve.wire.slots import SlotTable
 
+from . import reload as reloading
 from . import roles
 from .broker import Broker
 from .instances import Instances
@@ -46,9 +53,11 @@ from .waiting import Waiter
 log = logging.getLogger("mpserve.server")
 
 
-def serve(config: ServerConfig, gateway_key: Path | None = None) -> None:
+def serve(config: ServerConfig, gateway_key: Path | None = None,
+          reread: Callable[[], ServerConfig] | None = None) -> None:
     """Serve until a signal stops it. ``gateway_key``: the secret key file of the gateway ``start --http`` runs
-    (``roles.gateway_keys``), whose key the CURVE sockets then accept beside the configured ones."""
+    (``roles.gateway_keys``), whose key the CURVE sockets then accept beside the configured ones. ``reread``:
+    the configuration read again as at start, for a reload (SIGHUP, ``mpserve reload``); None: no reload."""
     logging.basicConfig(level=config.log_level.upper(), stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("gguf").setLevel(logging.WARNING)
@@ -84,7 +93,8 @@ def serve(config: ServerConfig, gateway_key: Path | None = None) -> None:
         instances = Instances(config, layout, placements, supervisor, broker, paths.back, paths.slots)
         ServerInfo(paths.name, os.getpid(), paths.front, paths.back, str(paths.slots),
                    [m.name for m in config.models], time.time(), admin=paths.admin).write(paths.info)
-        _Loop(config, broker, supervisor, instances, started, EstimateCheck(placements, layout.devices)).run()
+        _Loop(config, broker, supervisor, instances, started, EstimateCheck(placements, layout.devices),
+              reread).run()
     finally:
         if broker is not None:
             broker.close()
@@ -143,8 +153,9 @@ WATCHDOG_PERIOD_S = 0.5
 
 class _Loop:
     def __init__(self, config: ServerConfig, broker: Broker, supervisor: Supervisor, instances: Instances,
-                 started: float, estimates: EstimateCheck) -> None:
+                 started: float, estimates: EstimateCheck, reread: Callable[[], ServerConfig] | None) -> None:
         self._config = config
+        self._reread = reread
         self._broker = broker
         self._supervisor = supervisor
         self._instances = instances
@@ -155,11 +166,13 @@ class _Loop:
         self._ready: set[int] = set()
         self._announced = False
         self._grace_deadline: float | None = None
-        self._signals = SignalPipe()
+        self._signals = SignalPipe((signal.SIGTERM, signal.SIGINT, signal.SIGHUP))
         self._poller = zmq.Poller()
         self._waiter = Waiter(config.busy_poll_us / 1e6)
         broker.on_ready = self._on_ready
         broker.on_failed = supervisor.load_failed
+        control = broker.on_control  # the instances' calls; a reload is the loop's own
+        broker.on_control = lambda call: self._reload_call(call, control) if call.op == "reload" else control(call)
 
     def run(self) -> None:
         """Serve until a signal stops it. An error that escapes the loop (the broker's state is no longer to be
@@ -277,7 +290,12 @@ class _Loop:
             log.info("ready: %d instance(s) in %.2f s", len(self._ready), time.monotonic() - self._started)
 
     def _on_signals(self) -> None:
-        if not self._signals.received():
+        received = self._signals.received()
+        if signal.SIGHUP in received:
+            received.discard(signal.SIGHUP)
+            with contextlib.suppress(MpserveError):  # logged by reload
+                self.reload("SIGHUP")
+        if not received:
             return
         if self._grace_deadline is not None:
             log.warning("second signal: stopping now")
@@ -287,3 +305,77 @@ class _Loop:
         self._grace_deadline = time.monotonic() + self._config.grace
         log.info("shutting down: finishing %d request(s) within %.0f s", self._broker.in_flight(),
                  self._config.grace)
+
+    def _reload_call(self, call: wire.Control,
+                     control: Callable[[wire.Control], wire.ControlReply]) -> wire.ControlReply:
+        """``mpserve reload``: what changed, and the models as they now are."""
+        lines = self.reload("mpserve reload")
+        return wire.ControlReply(call.id, "\n".join(lines), control(wire.Control(call.id, "models")).models)
+
+    def reload(self, why: str) -> list[str]:
+        """The configuration read again and what changed applied (``mpserve.server.reload``); one line per
+        change. A configuration that does not validate, or a change that cannot be made, refuses the whole reload
+        (raised, and logged): the running configuration stays."""
+        try:
+            if self._reread is None:
+                raise ConfigError("this server was not started from a configuration it can read again")
+            if self._grace_deadline is not None:
+                raise ShuttingDown("the server is stopping; a reload waits for the next start")
+            new = self._reread()
+            running = dataclasses.replace(self._config, models=tuple(
+                m for m in self._config.models if m.name not in self._broker.removed))
+            changes = reloading.diff(running, new)
+            requests = self._checked(changes)
+        except MpserveError as exc:
+            log.error("reload (%s) refused, the running configuration stays: %s", why, exc.message)
+            raise
+        for model in changes.added:
+            if model.name in self._broker.removed:
+                self._broker.removed.discard(model.name)
+                self._instances.rescale(model)
+            else:
+                self._instances.add(model, requests[model.name], "reload")
+        for model in changes.bounds.values():
+            self._instances.rescale(model)
+        for name in changes.removed:
+            self._broker.removed.add(name)
+            self._instances.retire(name)
+        for key, (_, value) in changes.at_once.items():
+            self._apply(key, value)
+        self._config = reloading.applied(running, changes)
+        lines = changes.lines()
+        for line in lines:
+            log.info("reload (%s): %s", why, line)
+        return lines
+
+    def _checked(self, changes: reloading.Changes) -> dict[str, ModelRequest]:
+        """What each added model asks, once every change is known to be possible; raises otherwise."""
+        for model in changes.bounds.values():
+            self._instances.check_bounds(model.name, *model.bounds)
+        requests: dict[str, ModelRequest] = {}
+        added: tuple[ModelConfig, ...] = ()
+        for model in changes.added:
+            if model.name in self._broker.removed:  # served again: its tables and settings are there
+                differ = reloading.settings_differ(self._instances.model(model.name), model)
+                if differ:
+                    raise ConfigError(f"models[{model.name}] was removed by a reload and comes back with other "
+                                      f"settings ({', '.join(differ)}): give it another name, or restart")
+                self._instances.check_bounds(model.name, *model.bounds)
+                continue
+            local = model.resolved_path()
+            if model.path != ECHO_MODEL and not os.path.isfile(local):
+                raise ConfigError(f"models[{model.name}].path {model.path}: no such file here; download it first "
+                                  f"(mpserve pull {model.path}), then reload")
+            requests[model.name] = self._instances.checked(model, added)
+            added = (*added, model)
+        return requests
+
+    def _apply(self, key: str, value: object) -> None:
+        """A server setting that applies at once (``reload.AT_ONCE``)."""
+        if key == "max_queue":
+            for mq in self._broker.models.values():
+                mq.max_queue = int(value)  # type: ignore[call-overload]
+        elif key == "log_level":
+            logging.getLogger().setLevel(str(value).upper())
+        elif key != "grace":  # the loop reads grace from its configuration
+            setattr(self._broker, key, value)

@@ -46,7 +46,7 @@ MAX_EMBED_INPUTS = 2048  # inputs of one EMBED (OpenAI's limit)
 MAX_TOKEN_ID = 2**31 - 1  # token ids travel as int32 (pack_tokens)
 MAX_CHOICES = 128  # ``n``: choices one request may ask for (OpenAI's limit; an instance's parallel caps it too)
 MAX_TIMEOUT_S = 7 * 24 * 3600
-CONTROL_OPS = ("models", "load", "unload", "scale", "add")
+CONTROL_OPS = ("models", "load", "unload", "scale", "add", "reload")
 MAX_INSTANCES = 256
 SLOT_ACTIONS = ("save", "restore", "erase")
 MAX_FILENAME_CHARS = 128
@@ -334,7 +334,8 @@ class Control(Body, frozen=True, forbid_unknown_fields=True):
 
     ``models`` lists the models; ``load`` starts a model's instances (min at least 1); ``unload`` drains them
     all (min 0: the next request loads it again); ``scale`` sets ``min`` and/or ``max``; ``add`` serves the GGUF
-    at ``path`` as a new model (``model`` names it; the file's stem if None) with ``min`` (1) .. ``max``."""
+    at ``path`` as a new model (``model`` names it; the file's stem if None) with ``min`` (1) .. ``max``;
+    ``reload`` reads the server's configuration again and applies what changed (``mpserve.server.reload``)."""
 
     TYPE: ClassVar[MsgType] = MsgType.CONTROL
     REFUSED_AS: ClassVar[type[MpserveError]] = BadRequest
@@ -348,7 +349,7 @@ class Control(Body, frozen=True, forbid_unknown_fields=True):
     def check(self) -> None:
         if self.op not in CONTROL_OPS:
             raise BadRequest(f"'op' must be one of {', '.join(CONTROL_OPS)}, got {self.op!r}")
-        if self.op not in ("models", "add") and self.model is None:
+        if self.op not in ("models", "add", "reload") and self.model is None:
             raise BadRequest(f"'model' is needed for {self.op}")
         if (self.op == "add") != (self.path is not None):
             raise BadRequest("'path' is needed for add" if self.op == "add" else f"'path' is for add, not {self.op}")

@@ -1,0 +1,99 @@
+"""A reload: the configuration read again and what changed applied, with nothing restarted that need not be.
+
+    SIGHUP, or CONTROL reload (``mpserve reload``) ──▶ the loop calls ``reread()``: the file and the flags the
+        server started with, read again (a ConfigError refuses the whole reload: the running configuration stays)
+        ──▶ diff(running, new) ──▶ Changes:
+              at once     the server's queue bounds, pending requests per client, client and no-instance timeouts,
+                          grace and log level (AT_ONCE: the broker's and the loop's own values)
+              bounds      a model's instances (min, max) and its scale-up / scale-down delays: as ``scale``
+              added       a model: as ``add``, with every setting of its entry
+              removed     a model: new requests refused at once (``unknown_model``, naming the reload), queued and
+                          running ones finish, its instances drain
+              kept        anything else that differs (an address, a key folder, a model's file or a setting that
+                          needs a new context): one line each saying it needs a restart; it keeps its running value
+        ──▶ ``Changes.lines()``: one line per change, logged and answered to ``mpserve reload``
+
+``diff`` is a pure function of the two configurations; the loop applies what it returns (``ServerLoop.reload``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+from mpserve.config.loader import ModelConfig, ServerConfig
+
+AT_ONCE = ("max_queue", "max_queue_total", "max_pending_per_client", "client_timeout", "no_instance_timeout",
+           "grace", "log_level")
+"""Server settings a reload applies at once."""
+DERIVED = frozenset({"models", "threads_total"})  # compared model by model, or not a setting
+MODEL_AT_ONCE = frozenset({"instances", "min_instances", "max_instances", "scale_up_after", "scale_down_after"})
+
+
+@dataclass(frozen=True)
+class Changes:
+    at_once: dict[str, tuple[Any, Any]] = field(default_factory=dict)  # setting -> (running, new)
+    bounds: dict[str, ModelConfig] = field(default_factory=dict)  # model -> its new entry (bounds, delays)
+    added: tuple[ModelConfig, ...] = ()
+    removed: tuple[str, ...] = ()
+    kept: tuple[str, ...] = ()  # one line each: what differs and needs a restart
+
+    def __bool__(self) -> bool:
+        return bool(self.at_once or self.bounds or self.added or self.removed or self.kept)
+
+    def lines(self) -> list[str]:
+        out = [f"{key}: {old} -> {new}" for key, (old, new) in self.at_once.items()]
+        out += [f"models[{name}]: instances {_bounds(m)}, scale_up_after {m.scale_up_after:g} s, scale_down_after "
+                f"{m.scale_down_after:g} s" for name, m in self.bounds.items()]
+        out += [f"models[{m.name}]: added ({m.path}, instances {_bounds(m)})" for m in self.added]
+        out += [f"models[{name}]: removed (new requests refused; its requests finish, then its instances drain)"
+                for name in self.removed]
+        out += [f"{line}: needs a restart; the running value stays" for line in self.kept]
+        return out or ["nothing changed"]
+
+
+def diff(running: ServerConfig, new: ServerConfig) -> Changes:
+    """What a reload from ``running`` to ``new`` changes, and what it must keep."""
+    at_once, kept = {}, []
+    for f in dataclasses.fields(ServerConfig):
+        old, now = getattr(running, f.name), getattr(new, f.name)
+        if f.name in DERIVED or old == now:
+            continue
+        if f.name in AT_ONCE:
+            at_once[f.name] = (old, now)
+        else:
+            kept.append(f"{f.name} {old!r} -> {now!r}")
+    before = {m.name: m for m in running.models}
+    after = {m.name: m for m in new.models}
+    bounds = {}
+    for name in before.keys() & after.keys():
+        changed = [f.name for f in dataclasses.fields(ModelConfig)
+                   if getattr(before[name], f.name) != getattr(after[name], f.name)]
+        if any(key in MODEL_AT_ONCE for key in changed):
+            bounds[name] = after[name]
+        kept += settings_differ(before[name], after[name])
+    return Changes(at_once, {n: bounds[n] for n in sorted(bounds)},
+                   tuple(after[n] for n in after if n not in before), tuple(n for n in before if n not in after),
+                   tuple(kept))
+
+
+def settings_differ(running: ModelConfig, new: ModelConfig) -> list[str]:
+    """A model's settings that differ and that a reload cannot change (not ``MODEL_AT_ONCE``), one line each."""
+    return [f"models[{running.name}].{f.name} {getattr(running, f.name)!r} -> {getattr(new, f.name)!r}"
+            for f in dataclasses.fields(ModelConfig)
+            if f.name not in MODEL_AT_ONCE and getattr(running, f.name) != getattr(new, f.name)]
+
+
+def applied(running: ServerConfig, changes: Changes) -> ServerConfig:
+    """The configuration that runs after ``changes``: the new values of what applied, the running ones of what is
+    kept, the models added and the bounds changed (removed models stay in it until they are forgotten)."""
+    models = tuple(dataclasses.replace(m, **{k: getattr(changes.bounds[m.name], k) for k in MODEL_AT_ONCE})
+                   if m.name in changes.bounds else m for m in running.models)
+    return dataclasses.replace(running, models=(*models, *changes.added),
+                               **{key: new for key, (_, new) in changes.at_once.items()})
+
+
+def _bounds(model: ModelConfig) -> str:
+    low, high = model.bounds
+    return str(low) if low == high else f"{low}..{high}"

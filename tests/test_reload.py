@@ -1,0 +1,92 @@
+"""``mpserve reload`` (and SIGHUP) under a steady load: a changed limit, an added model, a removed model and a
+changed context size; no request fails, and what changed (or needs a restart) is said, one line each; a
+configuration that does not validate is refused whole and changes nothing."""
+
+from __future__ import annotations
+
+import signal
+import threading
+from pathlib import Path
+
+import pytest
+import yaml
+from conftest import ServerProcess
+from helpers import mpserve, wait_for
+
+from mpserve.client import Client
+from mpserve.errors import MpserveError, UnknownModel
+
+pytestmark = pytest.mark.timeout(180)
+
+
+def _write(path: Path, **values: object) -> None:
+    path.write_text(yaml.safe_dump(values))
+
+
+def _steady(address: str, models: list[str], stop: threading.Event, failures: list[str], done: list[int]) -> None:
+    """Requests one after another on each model in turn until ``stop``; any failure recorded."""
+    with Client(address, timeout=60) as client:
+        i = 0
+        while not stop.is_set():
+            model = models[i % len(models)]
+            try:
+                client.generate(f"request {i}", model=model, max_tokens=16)
+                done[0] += 1
+            except UnknownModel:
+                if model not in ("old",):  # the removed model's refusals are what a reload promised
+                    raise
+                models.remove("old")
+            except MpserveError as exc:
+                failures.append(f"{model}: {exc.code}: {exc.message}")
+            i += 1
+
+
+def test_a_reload_under_load_applies_what_it_can_and_names_the_rest(start_server, tmp_path: Path) -> None:
+    config = tmp_path / "pool.yaml"
+    models = [{"name": "keep", "path": "echo", "n_ctx": 2048, "parallel": 2, "echo_tick_ms": 2},
+              {"name": "old", "path": "echo", "parallel": 2, "echo_tick_ms": 2}]
+    _write(config, max_queue=64, models=models)
+    server: ServerProcess = start_server("--config", str(config), "--spare-slots", "2").wait_ready()
+    stop, failures, done = threading.Event(), [], [0]
+    threads = [threading.Thread(target=_steady, args=(server.address, ["keep", "old"], stop, failures, done))
+               for _ in range(4)]
+    for t in threads:
+        t.start()
+    try:
+        wait_for(lambda: done[0] > 20, 30, "the load to run")
+        _write(config, max_queue=32, models=[{**models[0], "n_ctx": 4096},
+                                             {"name": "new", "path": "echo", "parallel": 2, "echo_tick_ms": 2}])
+        answer = mpserve("reload", "--server-name", server.name)
+        assert answer.returncode == 0, answer.stderr
+        lines = answer.stdout.splitlines()
+        assert "max_queue: 64 -> 32" in lines
+        assert "models[new]: added (echo, instances 1)" in lines
+        assert any(line.startswith("models[old]: removed") for line in lines)
+        assert "models[keep].n_ctx 2048 -> 4096: needs a restart; the running value stays" in lines
+        with Client(server.address, timeout=60) as client:
+            assert client.generate("hello", model="new", max_tokens=4).text
+            with pytest.raises(UnknownModel, match="removed from the configuration"):
+                client.generate("hello", model="old", max_tokens=4)
+        before = done[0]
+        wait_for(lambda: done[0] > before + 20, 30, "the load to go on")
+    finally:
+        stop.set()
+        for t in threads:
+            t.join(60)
+    assert failures == []
+    status = mpserve("models", "--server-name", server.name)
+    assert "new" in status.stdout
+
+    _write(config, max_queue="many", models=models)  # does not validate: refused whole
+    refused = mpserve("reload", "--server-name", server.name)
+    assert refused.returncode == 1 and "max_queue" in refused.stderr
+    with Client(server.address, timeout=60) as client:
+        assert client.generate("hello", model="new", max_tokens=4).text  # what ran stays
+
+    _write(config, max_queue=32, models=[{**models[0], "n_ctx": 4096}, {**models[1]},
+                                         {"name": "new", "path": "echo", "parallel": 2, "echo_tick_ms": 2}])
+    server.proc.send_signal(signal.SIGHUP)  # the same, by signal: "old" is served again
+    wait_for(lambda: any("reload (SIGHUP): models[old]: added" in line for line in server.log), 30,
+             "the SIGHUP reload")
+    with Client(server.address, timeout=60) as client:
+        assert client.generate("hello", model="old", max_tokens=4).text

@@ -1,0 +1,35 @@
+"""What a reload changes (``mpserve.server.reload.diff``): settings applied at once, model bounds, models added and
+removed, and the rest named as needing a restart with its running value kept."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from mpserve.config.loader import ModelConfig, ServerConfig
+from mpserve.server import reload
+
+A = ModelConfig("a", "echo")
+B = ModelConfig("b", "echo", instances=2)
+
+
+def test_nothing_changed_says_so() -> None:
+    config = ServerConfig(models=(A, B))
+    changes = reload.diff(config, config)
+    assert not changes and changes.lines() == ["nothing changed"]
+
+
+def test_each_kind_of_change_is_sorted_into_its_place() -> None:
+    running = ServerConfig(models=(A, B), max_queue=256, bind="ipc:///x")
+    c = ModelConfig("c", "builtin:tiny")
+    new = ServerConfig(models=(dataclasses.replace(A, max_instances=3, n_ctx=4096), c), max_queue=8,
+                       bind="tcp://0.0.0.0:5555", no_instance_timeout=5.0)
+    changes = reload.diff(running, new)
+    assert changes.at_once == {"max_queue": (256, 8), "no_instance_timeout": (60.0, 5.0)}
+    assert list(changes.bounds) == ["a"] and changes.bounds["a"].bounds == (1, 3)
+    assert changes.added == (c,) and changes.removed == ("b",)
+    assert changes.kept == ("bind 'ipc:///x' -> 'tcp://0.0.0.0:5555'", "models[a].n_ctx 2048 -> 4096")
+    assert "models[a].n_ctx 2048 -> 4096: needs a restart; the running value stays" in changes.lines()
+    after = reload.applied(running, changes)
+    assert after.max_queue == 8 and after.bind == "ipc:///x"  # applied at once, kept
+    assert [m.name for m in after.models] == ["a", "b", "c"]
+    assert after.model("a").bounds == (1, 3) and after.model("a").n_ctx == 2048
