@@ -28,8 +28,9 @@ from mpserve.errors import BadRequest, MpserveError, ProtocolError
 from mpserve.wire import refusals
 from mpserve.wire.prefix import MAX_BLOCKS
 
-WORKER_LINK = "MPS1.1"  # the revision of the broker-worker messages, in every READY: a broker refuses workers
-# of another (1.1: STEP replaced the worker's CHUNKS, and ASSIGNS came), so a remote pool is upgraded with it
+WORKER_LINK = "MPS1.2"  # the revision of the broker-worker messages, in every READY: a broker refuses workers
+# of another (1.1: STEP replaced the worker's CHUNKS, and ASSIGNS came; 1.2: ASSIGN's salt), so a remote pool is
+# upgraded with it
 MAX_MESSAGE_BYTES = 4 * 1024 * 1024
 MAX_CACHE_ITEMS = 4096  # entries per list in a CACHE frame
 MAX_CACHE_HASHES = 1 << 14  # hashes a broker keeps per instance (and a READY's CACHE frame carries at most)
@@ -49,6 +50,9 @@ CONTROL_OPS = ("models", "load", "unload", "scale", "add")
 MAX_INSTANCES = 256
 SLOT_ACTIONS = ("save", "restore", "erase")
 MAX_FILENAME_CHARS = 128
+MAX_CACHE_SALT_CHARS = 256  # vLLM's cache_salt
+MAX_TENANT_CHARS = 64
+MAX_SALT_BYTES = 32
 
 
 class MsgType(IntEnum):
@@ -286,6 +290,9 @@ class Request(Body, frozen=True, forbid_unknown_fields=True):
     timeout: Timeout | None = None
     tokens: Annotated[Packed, Meta(max_length=4 * MAX_PROMPT_CHARS)] = b""  # a prompt of token ids, taken as it
     # is, instead of ``prompt``
+    cache_salt: Annotated[str, Meta(max_length=MAX_CACHE_SALT_CHARS)] | None = None  # shares reuse with the
+    # requests naming the same (``mpserve.wire.salt``); None: the tenant's own
+    tenant: Annotated[str, Meta(max_length=MAX_TENANT_CHARS)] = ""  # whose request: "" the default tenant
 
     def check(self) -> None:
         self.params.check()  # decoded: its types and limits were checked already
@@ -780,6 +787,8 @@ class Assign(Body, frozen=True, forbid_unknown_fields=True):
     generated: Annotated[Packed, Meta(max_length=4 * MAX_TOKENS_LIMIT)] = b""  # resuming: the tokens the lost
     # instance streamed (a TOKENS frame's encoding)
     index: Choice = 0  # the choice this assignment is, of a request for n (its request asks for one)
+    salt: Annotated[bytes, Meta(max_length=MAX_SALT_BYTES)] = b""  # its reuse namespace (``mpserve.wire.salt``):
+    # the cells and store entries it may start from are those computed under the same salt
 
     def check(self) -> None:
         """Its request's rules first, then its own."""
