@@ -161,11 +161,11 @@ class BatchEngine:
         """The KV cells ``slot`` holds now: its running sequence's, or what its last request left."""
         return self._cells.kv_cells(slot)
 
-    def best_slot(self, prompt: str) -> tuple[int, int]:
-        """The free slot whose cells share the longest prefix with ``prompt``, and how many prompt tokens ``admit``
-        would reuse there (``Cells.best_slot``)."""
+    def best_slot(self, prompt: str, salt: bytes = b"") -> tuple[int, int]:
+        """The free slot whose cells share the longest prefix with ``prompt`` under ``salt``, and how many prompt
+        tokens ``admit`` would reuse there (``Cells.best_slot``)."""
         free = self.free_slots()
-        return self._cells.best_slot(free, self._context.tokenize_prompt(prompt) if free else [])
+        return self._cells.best_slot(free, self._context.tokenize_prompt(prompt) if free else [], salt)
 
     # --- the host store ------------------------------------------------------------------------------
 
@@ -218,7 +218,7 @@ class BatchEngine:
     # --- requests -----------------------------------------------------------------------------------
 
     def admit(self, slot: int, prompt: str | list[int], params: GenerateParams, on_token: OnToken,
-              carried: collections.abc.Sequence[int] = ()) -> None:
+              carried: collections.abc.Sequence[int] = (), salt: bytes = b"") -> None:
         """Start ``prompt`` in free slot ``slot``; its prompt is computed by the coming steps. A prompt of
         token ids is taken as it is (no BOS added), as create_completion takes one. ``carried``:
         the tokens another instance generated for this request before it was lost. They are decoded one a
@@ -226,7 +226,8 @@ class BatchEngine:
         penalties see them): a batched prefill orders attention's sums otherwise, which can turn a greedy
         choice at a near-tie. Their text opens the completion without reaching ``on_token`` (the client has
         it, and their log-probabilities), and what the text stream held back at the cut stays held back: the
-        sequence continues as if never interrupted."""
+        sequence continues as if never interrupted. ``salt``: its reuse namespace (``mpserve.wire.salt``): it
+        starts from cells (its slot's, another's, the host store's) computed under the same salt only."""
         if not 0 <= slot < self.parallel or slot in self._scheduler.running:
             raise ValueError(f"slot {slot} is not a free slot of 0..{self.parallel - 1}")
         context, keeping = self._context, self._keeping
@@ -244,16 +245,16 @@ class BatchEngine:
         # prompt_logprobs needs every prompt row, which cached cells no longer have (a hand-over's client has
         # the prompt's already: carried tokens skip it)
         score_prompt = params.prompt_logprobs and params.logprobs is not None and not carried
-        keeping.keep(slot, tokens)
+        keeping.keep(slot, tokens, salt)
         if score_prompt:
             context.seq_rm(slot, -1, -1)
-        reused = 0 if score_prompt else keeping.restore(slot, tokens, self._cells.take_cells(slot, tokens))
-        self._cells.start(slot, tokens, reused, prompt if isinstance(prompt, str) else "")
+        reused = 0 if score_prompt else keeping.restore(slot, tokens, self._cells.take_cells(slot, tokens, salt), salt)
+        self._cells.start(slot, tokens, reused, prompt if isinstance(prompt, str) else "", salt)
         seed = params.seed if params.seed is not None else self._rng.randrange(2**32 - 1)
         seq = Sequence(
             slot, tokens, reused, max_tokens,
             SamplerChain(context.n_vocab, params, seed, context.eog_tokens() if params.ignore_eos else (), grammar),
-            TextStream(params.stop, strip_leading_space=not prompt), on_token,
+            TextStream(params.stop, strip_leading_space=not prompt), on_token, salt,
         )
         self._equip(seq, params, score_prompt)
         seq.carried, seq.replay = len(carried), deque(carried)

@@ -80,12 +80,14 @@ class Sequence:
 
     __slots__ = ("slot", "prompt", "n_past", "reused", "max_tokens", "sampler", "text", "on_token", "generated",
                  "phase", "next_token", "output_row", "pieces", "admitted_at", "first_token_at", "cancel_requested",
-                 "logprobs", "carried", "replay", "eog", "score_prompt", "drafter", "drafts", "marks")
+                 "logprobs", "carried", "replay", "eog", "score_prompt", "drafter", "drafts", "marks",
+                 "salt")
 
     def __init__(self, slot: int, prompt: list[int], reused: int, max_tokens: int, sampler: SamplerChain,
-                 text: TextStream, on_token: OnToken) -> None:
+                 text: TextStream, on_token: OnToken, salt: bytes = b"") -> None:
         self.slot = slot
         self.prompt = prompt
+        self.salt = salt  # its reuse namespace (``mpserve.wire.salt``): it shares cells only with the same
         self.n_past = reused  # tokens of this sequence that have KV cells: prompt, then generated
         self.reused = reused
         self.max_tokens = max_tokens
