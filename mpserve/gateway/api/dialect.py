@@ -13,6 +13,11 @@ A streamed answer starts once its first text is ready, so what fails early (busy
 parameters) gets its own status; a failure after that is the stream's last event (``Answer.failed``). The
 events of chunks that arrived together leave in one send. A client that leaves, while queued, running or
 streaming, cancels its request. ``owner`` names whose API key sent a request, for what a dialect keeps per key.
+
+Every dialect takes vLLM's ``cache_salt`` (``take_cache_salt``): the requests that name one may reuse each other's
+cached prefixes, whoever sends them. Without it a request reuses only what its own tenant's requests computed (the
+tenant of its API key, ``http.keys``; one tenant for all when the gateway has no keys). A request runs at the broker
+under its tenant and its id under the tenant's tag (``keys.broker_id``).
 """
 
 from __future__ import annotations
@@ -29,10 +34,11 @@ from starlette.responses import Response
 from starlette.routing import Route
 
 from mpserve.client import AsyncClient, Result, Stream
-from mpserve.errors import ErrorCode, MpserveError
+from mpserve.errors import BadRequest, ErrorCode, MpserveError
+from mpserve.wire import protocol as wire
 
 from ..backend import Backend
-from ..http import encode, limits
+from ..http import encode, keys, limits
 from ..http.encode import EventStream, JSONResponse
 from ..http.errors import HttpError
 from ..http.watch import ClientGone, first, unless_disconnected
@@ -127,10 +133,21 @@ def finish_reason(last: list[dict[str, Any]]) -> str:
 
 
 def owner(request: Request) -> str:
-    """Who sent the request, for what is kept per API key: a digest of the key it carried (``Authorization:
-    Bearer`` or ``x-api-key``), "" without one."""
-    given = request.headers.get("authorization", "").removeprefix("Bearer ") or request.headers.get("x-api-key", "")
-    return hashlib.sha256(given.encode()).hexdigest()[:32] if given else ""
+    """Who sent the request, for what is kept per API key: a digest of the one key it carried (``Authorization:
+    Bearer`` or ``x-api-key``, ``keys.credential``: the key the key check read), "" without one."""
+    given = keys.credential(request).removeprefix(b"Bearer ")
+    return hashlib.sha256(given).hexdigest()[:32] if given else ""
+
+
+def take_cache_salt(body: Any) -> str | None:
+    """The body's ``cache_salt``, taken out of it (the dialects' own fields do not hold it); None without one."""
+    if not isinstance(body, dict):
+        return None  # the dialect refuses the body
+    salt = body.pop("cache_salt", None)
+    if salt is not None and not (isinstance(salt, str) and 0 < len(salt) <= wire.MAX_CACHE_SALT_CHARS):
+        raise BadRequest(f"'cache_salt' must be a non-empty string of at most {wire.MAX_CACHE_SALT_CHARS} "
+                         f"characters, got {str(salt)[:40]!r}")
+    return salt
 
 
 def sole_model(client: AsyncClient) -> str:
@@ -160,6 +177,7 @@ class Pipeline:
         try:
             body = await limits.read_json(request, self.read_timeout)
             limits.check_sizes(body)
+            cache_salt = take_cache_salt(body)
             answer = dialect.parse(body, owner(request))
             client = await self.backend.client()
             model = answer.call.model or sole_model(client)
@@ -175,16 +193,18 @@ class Pipeline:
             self.metrics.outcome(endpoint, ErrorCode.CANCELLED)
             return Response(status_code=204)  # nobody reads it
         call, reply = answer.call, oai.Reply(answer.call, model)
+        rid, tenant = keys.broker_id(request), keys.tenant(request)
         try:
             if call.stream:
-                stream = client.stream(call.prompt, model=call.model, request_id=request.state.request_id,
-                                       params=call.params)
+                stream = client.stream(call.prompt, model=call.model, request_id=rid, params=call.params,
+                                       cache_salt=cache_salt, tenant=tenant)
                 chunks = stream.__aiter__()  # submits the request on its first step
                 text = await unless_disconnected(request, first(chunks))
                 return EventStream(self._events(dialect, answer, reply, stream, chunks, text, started),
                                    call.headers())
             results = await unless_disconnected(request, client.choices(
-                call.prompt, model=call.model, request_id=request.state.request_id, params=call.params))
+                call.prompt, model=call.model, request_id=rid, params=call.params, cache_salt=cache_salt,
+                tenant=tenant))
         except ClientGone:
             self.metrics.outcome(endpoint, ErrorCode.CANCELLED)
             return Response(status_code=204)  # nobody reads it
