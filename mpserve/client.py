@@ -28,8 +28,13 @@ by ``mpserve keygen``.
 Request ids: each client draws a random 64-bit prefix when it is made and numbers its messages after it
 (``3f9c2a7be01d4c55.1``, ``.2``, ...), so an id names one request across clients, processes and hosts in the
 slot table, the console and the logs. ``request_id=`` gives a request an id of the caller's own instead (a
-tracing id: at most ``REQUEST_ID_CHARS`` of letters, digits and ``._:@/+=-``); an id still pending on this
-client is refused.
+tracing id: letters, digits and ``._:@/+=-``, at most ``wire.MAX_ID_CHARS``, of which the slot table keeps
+``REQUEST_ID_CHARS``: what the gateway takes from its callers, before it puts their tenant's tag in front); an
+id still pending on this client is refused.
+
+Reuse: ``cache_salt=`` names the namespace a request's prompt may reuse cached prefixes in (vLLM's field,
+``mpserve.wire.salt``): the requests naming one share, whoever sends them; without it a request reuses what
+its tenant computed. ``tenant=`` is the gateway's, for the tenant of its caller's key.
 
 Structured output: ``json_schema=`` (a dict, or its JSON text) or ``grammar=`` (GBNF text) constrains the
 completion (``mpserve.structured`` lists the supported JSON-Schema keywords).
@@ -64,8 +69,8 @@ PING_INTERVAL_S = 1.0
 PING_LIVENESS = 3
 CONNECT_TIMEOUT_S = 5.0
 SLOT_TIMEOUT_S = 60.0  # a KV file is written or read between two steps of its instance
-REQUEST_ID_CHARS = 40  # a caller's request id: what the slot table keeps of one (the wire takes MAX_ID_CHARS)
-_REQUEST_ID = re.compile(rf"[A-Za-z0-9._:@/+=-]{{1,{REQUEST_ID_CHARS}}}")
+REQUEST_ID_CHARS = 40  # an HTTP caller's request id: what the slot table keeps of one (the wire takes MAX_ID_CHARS)
+_REQUEST_ID = re.compile(r"[A-Za-z0-9._:@/+=-]+")
 
 
 def request_ids() -> Iterator[str]:
@@ -74,11 +79,11 @@ def request_ids() -> Iterator[str]:
     return (f"{prefix}.{n:x}" for n in itertools.count(1))
 
 
-def check_request_id(value: str) -> str:
-    """A caller's request id, or BadRequest saying what an id may hold."""
-    if not _REQUEST_ID.fullmatch(value):
-        raise BadRequest(f"a request id is 1 to {REQUEST_ID_CHARS} letters, digits and ._:@/+=- characters, "
-                         f"got {value[:REQUEST_ID_CHARS + 8]!r}")
+def check_request_id(value: str, limit: int = REQUEST_ID_CHARS) -> str:
+    """A caller's request id of at most ``limit`` characters, or BadRequest saying what an id may hold."""
+    if len(value) > limit or not _REQUEST_ID.fullmatch(value):
+        raise BadRequest(f"a request id is 1 to {limit} letters, digits and ._:@/+=- characters, "
+                         f"got {value[:limit + 8]!r}")
     return value
 
 
@@ -256,13 +261,14 @@ class AsyncClient:
 
     async def choices(self, prompt: str | list[int], *, n: int | None = None, model: str | None = None,
                       timeout: float | None = None, request_id: str | None = None,
-                      params: wire.GenerateParams | None = None, **sampling: Any) -> list[Result]:
+                      params: wire.GenerateParams | None = None, cache_salt: str | None = None, tenant: str = "",
+                      **sampling: Any) -> list[Result]:
         """``n`` choices of one completion, in index order: run together in ``n`` slots of one instance, which
         computes the prompt once; choice i is seeded with ``seed + i`` (modulo 2**32) when ``seed`` is given.
         A request for more choices than an instance has slots (``parallel``) is refused. The parameters are
         ``sampling``'s keywords and ``n``, or ``params`` as they are (with their ``n``)."""
         request = self._request(prompt, model, timeout, _params(params, sampling, n), stream=False,
-                                request_id=request_id)
+                                request_id=request_id, cache_salt=cache_salt, tenant=tenant)
         n = request.params.n
         queue = await self._submit(request)
         done: dict[int, Result] = {}
@@ -278,11 +284,11 @@ class AsyncClient:
 
     def stream(self, prompt: str | list[int], *, model: str | None = None, timeout: float | None = None,
                request_id: str | None = None, params: wire.GenerateParams | None = None,
-               **sampling: Any) -> Stream:
+               cache_salt: str | None = None, tenant: str = "", **sampling: Any) -> Stream:
         """Stream a completion: ``async for text in client.stream(...)``; ``stream.id`` is its request id. The
         parameters are ``sampling``'s keywords, or ``params`` as they are."""
         return Stream(self, self._request(prompt, model, timeout, _params(params, sampling), stream=True,
-                                          request_id=request_id))
+                                          request_id=request_id, cache_salt=cache_salt, tenant=tenant))
 
     async def cancel(self, request_id: str) -> None:
         await self._send(wire.Cancel(request_id))
@@ -312,7 +318,7 @@ class AsyncClient:
         arrays = tuple(wire.pack_tokens(i) for i in items if isinstance(i, list))
         if len(texts) + len(arrays) != len(items) or (texts and arrays):
             raise BadRequest("'input' must be a text, a list of texts, a list of token ids or a list of those lists")
-        rid = next(self._ids) if request_id is None else check_request_id(request_id)
+        rid = next(self._ids) if request_id is None else check_request_id(request_id, wire.MAX_ID_CHARS)
         msg = wire.Embed(rid, model, texts, arrays, timeout=timeout or self.timeout)
         answer = await self._ask(msg, None if msg.timeout is None else msg.timeout + 1.0,
                                  Timeout(f"no answer within {msg.timeout} s"))
@@ -325,7 +331,7 @@ class AsyncClient:
         documents' order, all computed by one of its instances."""
         if not documents or not all(isinstance(d, str) and d for d in documents):
             raise BadRequest("'documents' must be a non-empty list of non-empty texts")
-        rid = next(self._ids) if request_id is None else check_request_id(request_id)
+        rid = next(self._ids) if request_id is None else check_request_id(request_id, wire.MAX_ID_CHARS)
         msg = wire.Embed(rid, model, tuple(documents), timeout=timeout or self.timeout, query=query)
         answer = await self._ask(msg, None if msg.timeout is None else msg.timeout + 1.0,
                                  Timeout(f"no answer within {msg.timeout} s"))
@@ -371,14 +377,15 @@ class AsyncClient:
     # --- internals ------------------------------------------------------------------------------
 
     def _request(self, prompt: str | list[int], model: str | None, timeout: float | None,
-                 generate: wire.GenerateParams, stream: bool, request_id: str | None = None) -> wire.Request:
+                 generate: wire.GenerateParams, stream: bool, request_id: str | None = None,
+                 cache_salt: str | None = None, tenant: str = "") -> wire.Request:
         if isinstance(prompt, str) and len(prompt) > wire.MAX_PROMPT_CHARS:
             raise BadRequest(f"the prompt is {len(prompt)} characters; the server takes at most "
                              f"{wire.MAX_PROMPT_CHARS} (MAX_PROMPT_CHARS)")
         text, tokens = (prompt, b"") if isinstance(prompt, str) else ("", wire.pack_tokens(prompt))
-        rid = next(self._ids) if request_id is None else check_request_id(request_id)
-        return wire.Request(rid, text, model, generate, stream,
-                            timeout if timeout is not None else self.timeout, tokens)
+        rid = next(self._ids) if request_id is None else check_request_id(request_id, wire.MAX_ID_CHARS)
+        return wire.Request(rid, text, model, generate, stream, timeout if timeout is not None else self.timeout,
+                            tokens, cache_salt=cache_salt, tenant=tenant)
 
     async def _lookup(self, msg: wire.Tokenize) -> wire.Tokens:
         """Send a TOKENIZE and wait for its TOKENS; raises the MpserveError of an ERROR reply."""

@@ -7,6 +7,7 @@ import asyncio
 import itertools
 import os
 import signal
+import stat
 import threading
 import time
 from collections.abc import Iterator
@@ -387,22 +388,29 @@ def test_a_request_past_its_timeout_is_a_504(single_server) -> None:
 
 
 @pytest.mark.timeout(60)
-def test_slots_save_restore_and_erase_over_http_behind_the_api_key(start_server, tmp_path) -> None:
+def test_slots_save_restore_and_erase_over_http_take_the_admin_key_only(start_server, tmp_path) -> None:
+    """A slot holds any tenant's cells: an inference key may not save, restore or erase it (a tenant could
+    read or wipe another's), the admin key may, and a saved file is its user's alone."""
     server = start_server("--slot-save-path", str(tmp_path)).wait_ready()
-    gw = GatewayThread(server_name=server.name, api_key="sesame")
+    gw = GatewayThread(server_name=server.name, api_key="sesame", admin_key="operator")
     try:
         gw.openai("sesame").completions.create(model="tiny", prompt="Hello there", max_tokens=4)
 
-        def post(action: str, body: Any = None, slot: str = "0", key: str = "sesame") -> httpx.Response:
+        def post(action: str, body: Any = None, slot: str = "0", key: str = "operator") -> httpx.Response:
             return httpx.post(f"{gw.url}/slots/{slot}", params={"action": action}, json=body, timeout=30,
                               headers={"Authorization": f"Bearer {key}"})
 
-        assert post("save", {"filename": "a.bin"}, key="wrong").status_code == 401
+        for key in ("wrong", "sesame"):
+            for action, call in (("save", {"filename": "a.bin"}), ("erase", None)):
+                refused = post(action, call, key=key)
+                assert refused.status_code == 401 and refused.json()["error"]["code"] == "invalid_admin_key"
+        assert not (tmp_path / "a.bin").exists() and server.slots()[0].kv_cells > 0
         saved = post("save", {"filename": "a.bin"})
         assert saved.status_code == 200, saved.text
         body = saved.json()
         assert body["id_slot"] == 0 and body["n_saved"] == server.slots()[0].kv_cells > 0
         assert body["n_written"] == (tmp_path / "a.bin").stat().st_size and "save_ms" in body["timings"]
+        assert stat.S_IMODE((tmp_path / "a.bin").stat().st_mode) == 0o600
         assert post("erase").json() == {"id_slot": 0, "n_erased": body["n_saved"]}
         restored = post("restore", {"filename": "a.bin"}).json()
         assert restored["n_restored"] == body["n_saved"] == server.slots()[0].kv_cells

@@ -65,6 +65,7 @@ from __future__ import annotations
 
 import collections.abc
 import dataclasses
+import hashlib
 import logging
 import random
 import time
@@ -174,11 +175,11 @@ class BatchEngine:
         """The KV cells ``slot`` holds now: its running sequence's, or what its last request left."""
         return self._cells.kv_cells(slot)
 
-    def best_slot(self, prompt: str) -> tuple[int, int]:
-        """The free slot whose cells share the longest prefix with ``prompt``, and how many prompt tokens ``admit``
-        would reuse there (``Cells.best_slot``)."""
+    def best_slot(self, prompt: str, salt: bytes = b"") -> tuple[int, int]:
+        """The free slot whose cells share the longest prefix with ``prompt`` under ``salt``, and how many prompt
+        tokens ``admit`` would reuse there (``Cells.best_slot``)."""
         free = self.free_slots()
-        return self._cells.best_slot(free, self._context.tokenize_prompt(prompt) if free else [])
+        return self._cells.best_slot(free, self._context.tokenize_prompt(prompt) if free else [], salt)
 
     # --- the host store ------------------------------------------------------------------------------
 
@@ -257,8 +258,8 @@ class BatchEngine:
     # --- requests -----------------------------------------------------------------------------------
 
     def admit(self, slot: int, prompt: str | list[int], params: GenerateParams, on_token: OnToken,
-              carried: collections.abc.Sequence[int] = (), adapters: collections.abc.Sequence[tuple[str, float]] = ()
-              ) -> None:
+              carried: collections.abc.Sequence[int] = (), adapters: collections.abc.Sequence[tuple[str, float]] = (),
+              salt: bytes = b"") -> None:
         """Start ``prompt`` in free slot ``slot``; its prompt is computed by the coming steps. A prompt of
         token ids is taken as it is (no BOS added), as create_completion takes one. ``carried``:
         the tokens another instance generated for this request before it was lost. They are decoded one a
@@ -267,7 +268,10 @@ class BatchEngine:
         choice at a near-tie. Their text opens the completion without reaching ``on_token`` (the client has
         it, and their log-probabilities), and what the text stream held back at the cut stays held back: the
         sequence continues as if never interrupted. ``adapters``: the LoRA adapters (names loaded here) and scales
-        it runs under (UnknownModel for a name not loaded)."""
+        it runs under (UnknownModel for a name not loaded). ``salt``: its reuse namespace (``mpserve.wire.salt``):
+        it starts from cells (its slot's, another's, the host store's) computed under the same salt only; under
+        adapters, the salt is the request's with their loads mixed in (``reuse_key``), so that cells computed under
+        other adapters are never reused whatever salt the broker gave."""
         if not 0 <= slot < self.parallel or slot in self._scheduler.running:
             raise ValueError(f"slot {slot} is not a free slot of 0..{self.parallel - 1}")
         context, keeping = self._context, self._keeping
@@ -286,17 +290,18 @@ class BatchEngine:
         # prompt_logprobs needs every prompt row, which cached cells no longer have (a hand-over's client has
         # the prompt's already: carried tokens skip it)
         score_prompt = params.prompt_logprobs and params.logprobs is not None and not carried
-        keeping.keep(slot, tokens, space)
+        key = reuse_key(salt, space)
+        keeping.keep(slot, tokens, key)
         if score_prompt:
             context.seq_rm(slot, -1, -1)
-        own = 0 if score_prompt else self._cells.take_cells(slot, tokens, space)
-        reused = own if score_prompt or space else keeping.restore(slot, tokens, own)  # the store: base cells only
-        self._cells.start(slot, tokens, reused, prompt if isinstance(prompt, str) else "", space)
+        own = 0 if score_prompt else self._cells.take_cells(slot, tokens, key)
+        reused = own if score_prompt or space else keeping.restore(slot, tokens, own, key)  # the store: base cells
+        self._cells.start(slot, tokens, reused, prompt if isinstance(prompt, str) else "", key, space)
         seed = params.seed if params.seed is not None else self._rng.randrange(2**32 - 1)
         seq = Sequence(
             slot, tokens, reused, max_tokens,
             SamplerChain(context.n_vocab, params, seed, context.eog_tokens() if params.ignore_eos else (), grammar),
-            TextStream(params.stop, strip_leading_space=not prompt), on_token,
+            TextStream(params.stop, strip_leading_space=not prompt), on_token, key,
         )
         self._equip(seq, params, score_prompt)
         seq.carried, seq.replay = len(carried), deque(carried)
@@ -559,3 +564,9 @@ class BatchEngine:
             self._draft.close()
             self._draft = None
         self._context.close()
+
+
+def reuse_key(salt: bytes, space: bytes) -> bytes:
+    """The key a sequence's cells are reused under: the request's salt, with the loads of the adapters it runs under
+    (``space``) mixed in when it has any."""
+    return salt if not space else hashlib.sha256(b"adapters\0" + salt + b"\0" + space).digest()[:16]

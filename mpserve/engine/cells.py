@@ -1,16 +1,20 @@
 """What each slot's KV cells hold, and how a prompt gets the most of them: its own slot's, another slot's copied,
 or (by ``keeping``) the host store's restored.
 
-    best_slot(free, tokens) ──▶ the free slot sharing the longest prefix (ties: least recently used)
-    admit ──take_cells(slot, tokens)──▶ cut the slot after the prefix it holds ──▶ reused (0: memory cannot cut)
-          ──start(slot, tokens, reused, text)──▶ cached / texts / whole, per slot
+    best_slot(free, tokens, salt) ──▶ the free slot sharing the longest prefix (ties: least recently used)
+    admit ──take_cells(slot, tokens, salt)──▶ cut the slot after the prefix it holds ──▶ reused (0: memory cannot
+          cut, or its cells are another salt's) ──start(slot, tokens, reused, text, salt)──▶ cached / texts / whole
+          / salts, per slot
     step  ──catch_up(prefilling)──▶ a prompt copies another slot's longer prefix (copy_source, copy_prefix)
           ──share(lead, twins)───▶ prompts equal to one just computed take all its cells
     finish ──finished(seq)──▶ the slot keeps its cells for the next prompt that starts the same
 
 Per slot: ``cached`` (tokens with cells, when no sequence runs there), ``texts`` (the text prompt they begin with),
-``whole`` (the leading ones computed as whole prompt chunks, what ``reuse: exact`` may start from), ``spaces`` (the
-LoRA adapters they were computed under, ``Sequence.space``: a prompt reuses only cells of its own space). The rules of
+``whole`` (the leading ones computed as whole prompt chunks, what ``reuse: exact`` may start from), ``salts`` (the
+reuse namespace they were computed under, ``mpserve.wire.salt``: a prompt reuses, copies or shares the cells of its
+own salt only, so nothing computed for one tenant is reused for another; a sequence under LoRA adapters has a salt
+of its own for them, ``BatchEngine.admit``), ``spaces`` (the adapters they were computed under, ``Sequence.space``:
+``keeping`` stores none of them, nor does a slot file). The rules of
 what may be reused (``reusable``) and what the memory still holds (``holds_cells``) are here too. The KV memory is
 reached through ``Memory`` only: the unit tests drive this with a fake.
 """
@@ -49,27 +53,27 @@ class Cells:
         self.cached: list[list[int]] = [[] for _ in range(parallel)]  # tokens with KV cells, per slot
         self.texts = [""] * parallel  # the text prompt those tokens begin with ("": token ids, or unknown)
         self.whole = [0] * parallel  # of those, the leading ones computed (or copied) as whole prompt chunks
-        self.spaces = [b""] * parallel  # what they were computed under (``Sequence.space``; b"": the base model)
+        self.salts = [b""] * parallel  # the salt its cells were computed under (its running sequence's)
+        self.spaces = [b""] * parallel  # the adapters they were computed under (``Sequence.space``; b"": none)
         self._last_used = [0] * parallel
         self._uses = 0
         self._told_cells_missing = False
         self.reused = self.copies = 0  # counters: prompt tokens reused, admissions that copied another slot's cells
 
-    def best_slot(self, free: list[int], tokens: list[int], space: bytes = b"") -> tuple[int, int]:
-        """The free slot whose cached tokens share the longest prefix with ``tokens``, and how many prompt tokens
-        ``admit`` would reuse there. Ties go to the least recently used slot, so a prompt with nothing to reuse does
-        not evict another prompt's prefix when it need not."""
+    def best_slot(self, free: list[int], tokens: list[int], salt: bytes = b"") -> tuple[int, int]:
+        """The free slot whose cached tokens share the longest prefix with ``tokens`` under ``salt``, and how many
+        prompt tokens ``admit`` would reuse there. Ties go to the least recently used slot, so a prompt with nothing
+        to reuse does not evict another prompt's prefix when it need not."""
         if not free:
             raise Busy("no free slot")
-        return max(((slot, self.reusable(slot, tokens, space)) for slot in free),
+        return max(((slot, self.reusable(slot, tokens, salt)) for slot in free),
                    key=lambda sr: (sr[1], -self._last_used[sr[0]]))
 
-    def reusable(self, slot: int, tokens: list[int], space: bytes = b"") -> int:
-        """Prompt tokens ``slot``'s cells hold (with ``reuse: exact``, in whole chunks computed as prompt chunks);
-        the last prompt token is always computed again (its logits pick the first new token). None unless they were
-        computed in ``space`` (under the same adapters)."""
-        seq = self._running.get(slot)
-        if (seq.space if seq is not None else self.spaces[slot]) != space:
+    def reusable(self, slot: int, tokens: list[int], salt: bytes = b"") -> int:
+        """Prompt tokens ``slot``'s cells hold for a prompt of ``salt`` (with ``reuse: exact``, in whole chunks
+        computed as prompt chunks): none if they were computed under another salt. The last prompt token is always
+        computed again (its logits pick the first new token)."""
+        if self.salt_of(slot) != salt:
             return 0
         shared = min(common_prefix(self.kv_tokens(slot), tokens), len(tokens) - 1)
         return whole_chunks(min(shared, self.whole_cells(slot))) if self._exact else shared
@@ -103,6 +107,11 @@ class Cells:
                      "(said once)", instead)
         return False
 
+    def salt_of(self, slot: int) -> bytes:
+        """The salt ``slot``'s cells were computed under: its running sequence's, or its last request's."""
+        seq = self._running.get(slot)
+        return seq.salt if seq is not None else self.salts[slot]
+
     def kv_tokens(self, slot: int) -> list[int]:
         """The tokens whose KV cells ``slot`` holds now: a running sequence's prompt and generated tokens
         decoded so far, else what its last request left."""
@@ -114,20 +123,23 @@ class Cells:
         seq = self._running.get(slot)
         return seq.n_past if seq is not None else len(self.cached[slot])
 
-    def take_cells(self, slot: int, tokens: list[int], space: bytes = b"") -> int:
-        """Cut ``slot``'s cells after the prefix of ``tokens`` they hold in ``space``; returns its length. (A longer
-        prefix in another slot is copied over by ``catch_up`` before the next step.)"""
-        own = self.reusable(slot, tokens, space)
+    def take_cells(self, slot: int, tokens: list[int], salt: bytes = b"") -> int:
+        """Cut ``slot``'s cells after the prefix of ``tokens`` they hold under ``salt``; returns its length. (A
+        longer prefix in another slot is copied over by ``catch_up`` before the next step.)"""
+        own = self.reusable(slot, tokens, salt)
         if not self._memory.seq_rm(slot, own, -1) or not self.holds_cells(slot, own):
             self._memory.seq_rm(slot, -1, -1)  # whole-sequence removal never fails
             return 0
         return own
 
-    def start(self, slot: int, tokens: list[int], reused: int, text: str, space: bytes = b"") -> None:
-        """A prompt admitted into ``slot`` starts from its first ``reused`` tokens' cells, computed in ``space``."""
+    def start(self, slot: int, tokens: list[int], reused: int, text: str, salt: bytes = b"",
+              space: bytes = b"") -> None:
+        """A prompt of ``salt`` (under the adapters of ``space``) admitted into ``slot`` starts from its first
+        ``reused`` tokens' cells."""
         self.cached[slot] = tokens[:reused]
-        self.spaces[slot] = space
         self.texts[slot] = text
+        self.salts[slot] = salt
+        self.spaces[slot] = space
         self.whole[slot] = reused if self._exact else 0  # cells reused at any length are no fresh computation's
         self._uses += 1
         self._last_used[slot] = self._uses
@@ -140,7 +152,7 @@ class Cells:
         for seq in prefilling:
             if seq.score_prompt:
                 continue
-            source, shared = self.copy_source(seq.slot, seq.prompt, seq.space)
+            source, shared = self.copy_source(seq.slot, seq.prompt, seq.salt)
             if shared > seq.n_past and self.holds_cells(source, shared):
                 self.copy_prefix(source, seq.slot, shared)
                 self._count_reused(seq, shared)
@@ -162,10 +174,10 @@ class Cells:
         seq.reused += n_past - seq.n_past
         seq.n_past = n_past
 
-    def copy_source(self, slot: int, tokens: list[int], space: bytes = b"") -> tuple[int, int]:
-        """The other slot whose cells hold the longest prefix of ``tokens`` that may be reused in ``space``, and how
-        many tokens of it."""
-        return max(((other, self.reusable(other, tokens, space)) for other in range(self.parallel) if other != slot),
+    def copy_source(self, slot: int, tokens: list[int], salt: bytes = b"") -> tuple[int, int]:
+        """The other slot whose cells hold the longest prefix of ``tokens`` that a prompt of ``salt`` may reuse,
+        and how many tokens of it."""
+        return max(((other, self.reusable(other, tokens, salt)) for other in range(self.parallel) if other != slot),
                    key=lambda found: found[1], default=(slot, 0))
 
     def copy_prefix(self, source: int, slot: int, n: int) -> None:
@@ -183,11 +195,12 @@ class Cells:
         """``seq`` left the batch: its slot keeps its cells (all but the last token sampled, which has none)."""
         self.cached[seq.slot] = seq.kv_tokens()
         self.whole[seq.slot] = whole_cells(seq) if self._exact else 0
-        self.spaces[seq.slot] = seq.space
 
     def set(self, slot: int, tokens: list[int], whole: int) -> None:
-        """``slot``'s cells were replaced (a slot file restored, or emptied): they hold ``tokens``."""
-        self.cached[slot], self.whole[slot], self.texts[slot], self.spaces[slot] = tokens, whole, "", b""
+        """``slot``'s cells were replaced (a slot file restored by the operator, or emptied): they hold ``tokens``,
+        for the default tenant's prompts (the empty salt)."""
+        self.cached[slot], self.whole[slot], self.texts[slot], self.salts[slot] = tokens, whole, "", b""
+        self.spaces[slot] = b""
 
     def erase(self, slot: int) -> int:
         """Drop ``slot``'s cells; how many it held."""

@@ -50,8 +50,9 @@ class EchoEngine(NoCells, NoAdapters):
         return [slot for slot in range(self.parallel) if slot not in self._running]
 
     def admit(self, slot: int, prompt: str | list[int], params: GenerateParams, on_token: OnToken,
-              carried: Sequence[int] = (), adapters: Sequence[tuple[str, float]] = ()) -> None:
-        """``carried`` is ignored: echo has no tokens, so its requests are never resumed (``tokens`` is empty)."""
+              carried: Sequence[int] = (), adapters: Sequence[tuple[str, float]] = (), salt: bytes = b"") -> None:
+        """``carried`` is ignored: echo has no tokens, so its requests are never resumed (``tokens`` is empty); nor
+        cells, so ``salt`` has nothing to keep apart."""
         if not 0 <= slot < self.parallel or slot in self._running:
             raise ValueError(f"slot {slot} is not a free slot of 0..{self.parallel - 1}")
         refuse_adapters(adapters)

@@ -160,7 +160,7 @@ class EmbeddingEngine(NoCells, NoAdapters):
         return list(range(self.parallel))
 
     def admit(self, slot: int, prompt: str | list[int], params: GenerateParams, on_token: OnToken,
-              carried: Sequence[int] = (), adapters: Sequence[tuple[str, float]] = ()) -> None:
+              carried: Sequence[int] = (), adapters: Sequence[tuple[str, float]] = (), salt: bytes = b"") -> None:
         raise BadRequest("this model is served with embedding: true; it computes embeddings, not completions")
 
     def tokens(self, slot: int) -> Sequence[int]:

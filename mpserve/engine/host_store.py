@@ -2,8 +2,9 @@
 shared by every instance of every compatible model, outliving the instances (a crash, a scale-down, an unload,
 a swap) and, with a disk tier, the server and the host.
 
-    engine ─put(tokens, state)─▶ writer thread ─▶ RAM tier ── full: least recently used ─▶ disk tier ── full: removed
-           ─find(prompt)──────▶ index (listing + headers) ─▶ the entry sharing the longest prefix
+    engine ─put(tokens, state, salt)─▶ writer thread ─▶ RAM tier ── full: least recently used ─▶ disk tier ── full:
+                                                                                                      removed
+           ─find(prompt, salt)──────▶ index (listing + headers) ─▶ the entry of that salt sharing the longest prefix
            ─load(entry)───────▶ its file, checked (magic, key, address, length, CRC) ─▶ the state, or a miss
 
 Why files in a tmpfs folder: every process on the host sees them with no server in between, a rename makes
@@ -19,11 +20,16 @@ Layout of a tier (``root``): ``root/lock`` (fcntl lock), ``root/KEY/ADDRESS.kv``
 (``mpserve.private``): each folder 0700 and refused (``ConfigError``, naming it and the fix) if another
 user owns it or others may enter it, each file 0600, made new (O_EXCL, no link followed) and opened without
 following a link, as an entry's tokens are a prompt's text. KEY is a digest of everything a state depends on
-(``compatibility_key``); ADDRESS is a digest of KEY and the entry's tokens (content addressing: two instances
-saving one prefix write one entry). An entry file is
+(``compatibility_key``); ADDRESS is a digest of KEY, the entry's salt and its tokens (content addressing: two
+instances saving one prefix under one salt write one entry). An entry file is
 
     MAGIC · header length (u32 LE) · CRC32 of the rest (u32 LE) · header (JSON: key, tokens, state bytes,
-    summary) · tokens (int32 LE) · state
+    summary, and the salt in hex unless empty) · tokens (int32 LE) · state
+
+The salt is the reuse namespace of the request whose cells an entry holds (``mpserve.wire.salt``: empty for the
+default tenant, else a digest of the tenant or of the ``cache_salt`` it named). An entry serves a prompt of its own
+salt only, in both tiers: ``find`` and ``holds`` pass over the others, and its address depends on it, so one
+tenant's prefix saved by another tenant's request is another entry. The empty salt leaves addresses as they were.
 
 Compatibility: llama.cpp refuses a state saved with other KV types, another number of KV streams (a stream
 per slot: ``parallel``; one with ``kv_unified``) or another V layout (flash attention off stores V
@@ -89,6 +95,7 @@ _PREFIX = struct.Struct("<8sII")  # magic, header length, CRC32 of what follows
 MAX_HEADER_BYTES = 1 << 20
 SUFFIX = ".kv"
 _SHA256 = re.compile(r"[0-9a-f]{64}")
+_SALT = re.compile(r"(?:[0-9a-f]{2}){0,32}")  # an entry's salt in hex (mpserve.wire.salt: at most 32 bytes)
 _PART = ".kvpart"  # an entry being written: ".tmp-PID-THREAD.kvpart"
 PENDING_WRITES = 4  # states waiting for the writer thread; admitting waits while this many are queued
 STATS_EVERY_S = 1.0  # a tier's bytes are listed at most this often for stats
@@ -99,6 +106,7 @@ class Entry:
     name: str  # ADDRESS.kv
     tokens: tuple[int, ...]
     summary: tuple[int, ...]
+    salt: bytes = b""  # the reuse namespace it serves
 
     @property
     def id(self) -> int:
@@ -224,8 +232,9 @@ class HostStore:
         self._lock = threading.Lock()  # the counters and changes, shared with the writer thread
         self._added: dict[int, tuple[int, ...]] = {}
         self._dropped: list[int] = []
-        self._pending: set[tuple[int, ...]] = set()
-        self._jobs: queue.Queue[tuple[tuple[int, ...], Any, int, tuple[int, ...]] | None] = queue.Queue(PENDING_WRITES)
+        self._pending: set[tuple[bytes, tuple[int, ...]]] = set()  # (salt, tokens) queued for the writer
+        self._jobs: queue.Queue[tuple[tuple[int, ...], Any, int, tuple[int, ...], bytes] | None] = queue.Queue(
+            PENDING_WRITES)
         self._writer = threading.Thread(target=self._write_loop, name="host-store-writer", daemon=True)
         self._writer.start()
 
@@ -235,33 +244,37 @@ class HostStore:
         """Whether a state of ``size`` bytes fits a tier at all (it need not be read otherwise)."""
         return 0 < size + 4096 <= max(t.capacity for t in self._tiers)
 
-    def holds(self, tokens: Sequence[int]) -> bool:
-        """Whether an entry (or a write queued) serves ``tokens``: holds them as a prefix of its own (as its own
-        tokens, where states are not cut back)."""
+    def holds(self, tokens: Sequence[int], salt: bytes = b"") -> bool:
+        """Whether an entry (or a write queued) of ``salt`` serves ``tokens``: holds them as a prefix of its own (as
+        its own tokens, where states are not cut back)."""
         key = tuple(tokens)
         with self._lock:
-            if any(self._serves(p, key) for p in self._pending):
+            if any(s == salt and self._serves(p, key) for s, p in self._pending):
                 return True
-        return any(self._serves(e.tokens, key) for e in self._refresh())
+        return any(e.salt == salt and self._serves(e.tokens, key) for e in self._refresh())
 
     def _serves(self, held: tuple[int, ...], tokens: tuple[int, ...]) -> bool:
         return held == tokens or self.cut_back and held[:len(tokens)] == tokens
 
-    def put(self, tokens: Sequence[int], state: Any, size: int, summary: tuple[int, ...] = ()) -> None:
-        """Queue ``state``, the cells of ``tokens``, for the writer thread (which owns the buffer from now)."""
+    def put(self, tokens: Sequence[int], state: Any, size: int, summary: tuple[int, ...] = (),
+            salt: bytes = b"") -> None:
+        """Queue ``state``, the cells of ``tokens`` computed under ``salt``, for the writer thread (which owns the
+        buffer from now)."""
         key = tuple(tokens)
         if not self.wants(size):
             return
         with self._lock:
-            self._pending.add(key)
-        self._jobs.put((key, state, size, summary))
+            self._pending.add((salt, key))
+        self._jobs.put((key, state, size, summary, salt))
 
-    def find(self, tokens: Sequence[int]) -> tuple[Entry | None, int]:
-        """The entry sharing the longest prefix with ``tokens`` (one this context has room for; where states are not
-        cut back, one whose tokens are all that prefix), and its length."""
+    def find(self, tokens: Sequence[int], salt: bytes = b"") -> tuple[Entry | None, int]:
+        """The entry of ``salt`` sharing the longest prefix with ``tokens`` (one this context has room for; where
+        states are not cut back, one whose tokens are all that prefix), and its length."""
         key = tuple(tokens)
         best, shared = None, 0
         for entry in self._refresh():
+            if entry.salt != salt:
+                continue
             n = common_prefix(entry.tokens, key)
             if n > shared and len(entry.tokens) < self.n_ctx and (self.cut_back or n == len(entry.tokens)):
                 best, shared = entry, n
@@ -373,9 +386,9 @@ class HostStore:
         if len(raw) != 4 * header.tokens:
             return self._skip(tier, path, "truncated")
         tokens = struct.unpack(f"<{header.tokens}i", raw)
-        if _address(self.key, tokens) != name:
+        if _address(self.key, tokens, header.salt) != name:
             return self._skip(tier, path, "its name is not its tokens' address")
-        return Entry(name, tokens, header.summary)
+        return Entry(name, tokens, header.summary, header.salt)
 
     def _parse(self, data: bytearray, name: str) -> tuple[tuple[int, ...], tuple[int, ...], int, int] | str:
         """A whole entry file checked: (tokens, summary, state offset, state bytes), or why it is bad."""
@@ -386,7 +399,7 @@ class HostStore:
             return "truncated or damaged (CRC)"
         start = _PREFIX.size + header.length
         tokens = struct.unpack_from(f"<{header.tokens}i", data, start)
-        if _address(self.key, tokens) != name:
+        if _address(self.key, tokens, header.salt) != name:
             return "its name is not its tokens' address"
         return tokens, header.summary, start + 4 * header.tokens, header.state_bytes
 
@@ -411,20 +424,22 @@ class HostStore:
             if job is None:
                 self._jobs.task_done()
                 return
-            tokens, state, size, summary = job
+            tokens, state, size, summary, salt = job
             try:
-                self._write(tokens, state, size, summary)
+                self._write(tokens, state, size, summary, salt)
             except Exception:  # a store that cannot be written is a store that is not used, never a dead worker
                 log.exception("writing a store entry failed")
             finally:
                 with self._lock:
-                    self._pending.discard(tokens)
+                    self._pending.discard((salt, tokens))
                 self._jobs.task_done()
 
-    def _write(self, tokens: tuple[int, ...], state: Any, size: int, summary: tuple[int, ...]) -> None:
-        name = _address(self.key, tokens)
-        header = json.dumps({"key": self.key, "tokens": len(tokens), "state_bytes": size,
-                             "summary": list(summary)}).encode()
+    def _write(self, tokens: tuple[int, ...], state: Any, size: int, summary: tuple[int, ...], salt: bytes) -> None:
+        name = _address(self.key, tokens, salt)
+        fields: dict[str, Any] = {"key": self.key, "tokens": len(tokens), "state_bytes": size, "summary": list(summary)}
+        if salt:
+            fields["salt"] = salt.hex()
+        header = json.dumps(fields).encode()
         data = bytearray(_PREFIX.size) + header + struct.pack(f"<{len(tokens)}i", *tokens)
         data += memoryview(state).cast("B")[:size]
         _PREFIX.pack_into(data, 0, MAGIC, len(header), zlib.crc32(memoryview(data)[_PREFIX.size:]))
@@ -441,7 +456,7 @@ class HostStore:
                 self._added[int(name[:15], 16)] = summary
         if not self.cut_back:
             return  # a shorter entry serves the prompts that share only part of this one
-        for shorter in [e for e in self._refresh() if tokens[:len(e.tokens)] == e.tokens != tokens]:
+        for shorter in [e for e in self._refresh() if e.salt == salt and tokens[:len(e.tokens)] == e.tokens != tokens]:
             self._forget(shorter)  # this entry serves every prompt the shorter one did
 
     def _forget(self, entry: Entry) -> None:
@@ -462,7 +477,7 @@ class HostStore:
         _, length, _ = _PREFIX.unpack_from(data)
         header = json.loads(data[_PREFIX.size:_PREFIX.size + length])
         tokens = struct.unpack_from(f"<{int(header['tokens'])}i", data, _PREFIX.size + length)
-        self._store(0, _address(self.key, tokens), data)
+        self._store(0, _address(self.key, tokens, bytes.fromhex(header.get("salt", ""))), data)
 
     def _store(self, level: int, name: str, data: bytes | bytearray) -> bool:
         """Write ``data`` as entry ``name`` into tier ``level``, making room by moving its least recently used
@@ -526,6 +541,7 @@ class _Header:
     tokens: int
     state_bytes: int
     summary: tuple[int, ...]
+    salt: bytes
 
 
 def _header(data: bytes | bytearray, file_size: int, key: str) -> _Header | str:
@@ -556,14 +572,19 @@ def _header(data: bytes | bytearray, file_size: int, key: str) -> _Header | str:
     if not (isinstance(summary, list) and len(summary) <= MAX_BLOCKS
             and all(type(h) is int and 0 <= h < 1 << 64 for h in summary)):
         return "its summary is not a list of block hashes"
-    return _Header(length, crc, tokens, state_bytes, tuple(summary))
+    salt = fields.get("salt", "")
+    if not (isinstance(salt, str) and _SALT.fullmatch(salt)):
+        return "its salt is not a salt in hex"
+    return _Header(length, crc, tokens, state_bytes, tuple(summary), bytes.fromhex(salt))
 
 
 def _count(value: object) -> TypeGuard[int]:
     return type(value) is int and value >= 0
 
 
-def _address(key: str, tokens: Sequence[int]) -> str:
-    digest = hashlib.sha256(key.encode())
+def _address(key: str, tokens: Sequence[int], salt: bytes = b"") -> str:
+    """An entry's name: a digest of the key, the salt (none when empty: the addresses from before salts) and the
+    tokens. A salted key text holds a "/", which no key has, and is longer: no salt's address is another's."""
+    digest = hashlib.sha256((f"{key}/{salt.hex()}" if salt else key).encode())
     digest.update(struct.pack(f"<{len(tokens)}i", *tokens))
     return digest.hexdigest()[:32] + SUFFIX

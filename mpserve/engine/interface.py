@@ -118,10 +118,11 @@ class Engine(Protocol):
     def free_slots(self) -> list[int]: ...
 
     def admit(self, slot: int, prompt: str | list[int], params: GenerateParams, on_token: OnToken,
-              carried: Sequence[int] = (), adapters: Sequence[tuple[str, float]] = ()) -> None:
+              carried: Sequence[int] = (), adapters: Sequence[tuple[str, float]] = (), salt: bytes = b"") -> None:
         """``prompt``: text (tokenized with BOS), or token ids taken as they are; ``carried``: the tokens a
         lost instance generated for this request, replayed before it goes on; ``adapters``: the LoRA adapters
-        (loaded names) and scales it runs under (UnknownModel for a name not loaded)."""
+        (loaded names) and scales it runs under (UnknownModel for a name not loaded); ``salt``: its reuse namespace
+        (``mpserve.wire.salt``), the only cells it may start from being those computed under the same."""
 
     def adapter_names(self) -> tuple[str, ...]:
         """The LoRA adapters loaded, by name."""

@@ -1,17 +1,19 @@
 """When a slot's cells are saved to the host store, and when a prompt restores them from it.
 
     prompt chunk decoded ──save_computed(seq, n)──▶ all but its last chunk, a checkpoint, a mark ──▶ HostStore.put
-    admit, before the cut ──keep(slot, tokens)───▶ the cells the slot would lose (none another slot or the store
-                                                   holds) ──▶ HostStore.put
-    admit ──restore(slot, tokens, reused)──▶ HostStore.find ─ more than any slot holds? ─▶ load ─▶ write_state
+    admit, before the cut ──keep(slot, tokens, salt)───▶ the cells the slot would lose (none another slot or the
+                                                   store holds) ──▶ HostStore.put
+    admit ──restore(slot, tokens, reused, salt)──▶ HostStore.find ─ more than any slot holds? ─▶ load ─▶ write_state
                                              (a hit: the prompt starts there) or the slot's own ``reused`` (a miss)
     close ──▶ every slot's cells kept, the writes queued finish
     stats / take_changes / snapshot ──▶ the worker (slot table rows, CACHE frames the broker routes by)
 
 The host store (``mpserve.engine.host_store``) is shared by every compatible instance on the host, in RAM with a
 disk tier under it. An entry saved from a text prompt carries the block hashes of the text its tokens spell
-(``summary_of``): the broker sends a prompt to the instance holding its prefix. The store holds the base model's
-cells only: those computed under LoRA adapters (``Sequence.space``) are neither saved nor restored. What a slot
+(``summary_of``): the broker sends a prompt to the instance holding its prefix. Every entry is saved under the salt
+its cells were computed under (``mpserve.wire.salt``) and restored for a prompt of that salt only; its block hashes
+are keyed with it, so the broker's view of the store matches a prompt of the same salt only. Cells computed under
+LoRA adapters (``Sequence.space``) are neither saved nor restored: the store holds the base model's. What a slot
 holds and may reuse is ``cells``'; llama.cpp's state bytes come from ``context``.
 """
 
@@ -92,51 +94,51 @@ class Keeping:
                 left <= PROMPT_CHUNK or not self._cut_back and reaches_checkpoint(seq.n_past - computed, seq.n_past)):
             return
         kept = seq.prompt[:seq.n_past]
-        if store.holds(kept):
+        if store.holds(kept, seq.salt):
             return
         state, size = self._states.read_state(seq.slot)
         if store.wants(size):
-            store.put(kept, state, size, self.summary_of(kept, self._cells.texts[seq.slot]))
+            store.put(kept, state, size, self.summary_of(kept, self._cells.texts[seq.slot], seq.salt), seq.salt)
 
-    def keep(self, slot: int, tokens: list[int], space: bytes = b"") -> None:
-        """Before admitting ``tokens`` cuts ``slot``'s cells: save the cells it would lose (all, generated tokens
-        included; with ``reuse: exact``, the whole chunks) into the host store, unless another slot or the store
-        holds them already. Fewer than a chunk's cells are not kept: one decode computes them again, nor cells
-        computed under adapters. ``space``: the admitted prompt's."""
+    def keep(self, slot: int, tokens: list[int], salt: bytes = b"") -> None:
+        """Before admitting ``tokens`` (of ``salt``) cuts ``slot``'s cells: save the cells it would lose (all,
+        generated tokens included; with ``reuse: exact``, the whole chunks) into the host store under the salt they
+        were computed under, unless another slot or the store holds them already. Fewer than a chunk's cells are not
+        kept: one decode computes them again, nor cells computed under adapters."""
         cells, store = self._cells, self.store
         whole = cells.whole[slot] if self._exact else len(cells.cached[slot])
-        if whole < PROMPT_CHUNK or cells.spaces[slot] or cells.reusable(slot, tokens, space) >= whole or store is None:
+        if whole < PROMPT_CHUNK or cells.spaces[slot] or cells.reusable(slot, tokens, salt) >= whole or store is None:
             return
-        kept = cells.cached[slot][:whole]
-        if store.holds(kept) or cells.copy_source(slot, kept + [-1])[1] >= whole:
+        kept, held_salt = cells.cached[slot][:whole], cells.salts[slot]
+        if store.holds(kept, held_salt) or cells.copy_source(slot, kept + [-1], held_salt)[1] >= whole:
             return
         if not self._states.seq_rm(slot, whole, -1) or not cells.holds_cells(slot, whole):
             return  # only whole chunks are worth keeping, and this memory cannot be cut back to them
         state, size = self._states.read_state(slot)
         if store.wants(size):
-            store.put(kept, state, size, self.summary_of(kept, cells.texts[slot]))
+            store.put(kept, state, size, self.summary_of(kept, cells.texts[slot], held_salt), held_salt)
 
-    def summary_of(self, kept: list[int], text: str) -> tuple[int, ...]:
-        """The block hashes of the part of the text prompt ``text`` that ``kept`` spells (nothing for a prompt of
-        token ids): what the broker routes by."""
+    def summary_of(self, kept: list[int], text: str, salt: bytes) -> tuple[int, ...]:
+        """The block hashes, keyed with ``salt``, of the part of the text prompt ``text`` that ``kept`` spells
+        (nothing for a prompt of token ids): what the broker routes by."""
         if not text:
             return ()
         spelled = self._states.detokenize(kept[len(self._states.bos):])
-        return block_hashes(text[:common_prefix(spelled, text)])
+        return block_hashes(text[:common_prefix(spelled, text)], salt)
 
-    def restore(self, slot: int, tokens: list[int], reused: int) -> int:
+    def restore(self, slot: int, tokens: list[int], reused: int, salt: bytes = b"") -> int:
         """The prompt tokens ``slot`` starts from: ``reused`` of its own cells, or more restored from the host store
-        when it holds more of ``tokens`` than any slot (with ``reuse: exact``, in whole chunks; a hit). A prompt
-        with less than a chunk to reuse does not look (one decode computes it), as a slot's cells are not kept for
-        less."""
+        when it holds more of ``tokens`` under ``salt`` than any slot (with ``reuse: exact``, in whole chunks; a
+        hit). A prompt with less than a chunk to reuse does not look (one decode computes it), as a slot's cells are
+        not kept for less."""
         cells, store = self._cells, self.store
         reusable = cells.usable(len(tokens) - 1)
         if store is None or reusable < PROMPT_CHUNK:
             return reused
-        held = max(reused, cells.copy_source(slot, tokens)[1])
+        held = max(reused, cells.copy_source(slot, tokens, salt)[1])
         if held >= reusable:
             return reused  # the slots hold all there is to reuse: no need to look
-        entry, shared = store.find(tokens[:reusable])
+        entry, shared = store.find(tokens[:reusable], salt)
         restorable = cells.usable(shared)
         loaded = store.load(entry) if entry is not None and restorable > held else None
         if loaded is None:

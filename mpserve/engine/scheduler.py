@@ -86,8 +86,8 @@ class Scheduler:
                 continue
             if chosen and budget < next_chunk(seq):
                 break
-            if not seq.score_prompt and any(lead.prompt == seq.prompt or self._shared(lead, seq) > seq.n_past
-                                            for lead in chosen):
+            if not seq.score_prompt and any(lead.salt == seq.salt and (
+                    lead.prompt == seq.prompt or self._shared(lead, seq) > seq.n_past) for lead in chosen):
                 continue  # an earlier prompt is computing this one's next tokens: copy them when it is done
             chosen.append(seq)
             budget -= next_chunk(seq)
@@ -98,10 +98,10 @@ class Scheduler:
         return usable(min(common_prefix(lead.prompt, seq.prompt), len(seq.prompt) - 1), self._exact)
 
     def twins(self, lead: Sequence) -> list[Sequence]:
-        """The prompts waiting that equal ``lead``'s (the choices of a request for n), to take its cells when its
-        last chunk is decoded."""
+        """The prompts waiting that equal ``lead``'s under its salt (the choices of a request for n), to take its
+        cells when its last chunk is decoded."""
         return [seq for seq in self.prefilling
-                if seq.prompt == lead.prompt and not seq.score_prompt and seq.space == lead.space]
+                if seq.prompt == lead.prompt and seq.salt == lead.salt and not seq.score_prompt]
 
 
 def _by_slot(seq: Sequence) -> int:

@@ -81,12 +81,13 @@ class Sequence:
     __slots__ = ("slot", "prompt", "n_past", "reused", "max_tokens", "sampler", "text", "on_token", "generated",
                  "phase", "next_token", "output_row", "pieces", "admitted_at", "first_token_at", "cancel_requested",
                  "logprobs", "carried", "replay", "eog", "score_prompt", "drafter", "drafts", "marks", "adapters",
-                 "space")
+                 "space", "salt")
 
     def __init__(self, slot: int, prompt: list[int], reused: int, max_tokens: int, sampler: SamplerChain,
-                 text: TextStream, on_token: OnToken) -> None:
+                 text: TextStream, on_token: OnToken, salt: bytes = b"") -> None:
         self.slot = slot
         self.prompt = prompt
+        self.salt = salt  # its reuse namespace (``mpserve.wire.salt``): it shares cells only with the same
         self.n_past = reused  # tokens of this sequence that have KV cells: prompt, then generated
         self.reused = reused
         self.max_tokens = max_tokens
@@ -110,7 +111,7 @@ class Sequence:
         self.drafts: list[int] = []  # this step's drafts, in the rows after ``output_row``
         self.marks: tuple[int, ...] = ()  # cells where its prefill decodes are split and its cells saved (TAIL_MARKS)
         self.adapters: tuple[tuple[str, float], ...] = ()  # its LoRA adapters and scales (``adapters``); (): none
-        self.space = b""  # what its cells are computed under (its adapters' loads): reused only by the same
+        self.space = b""  # the adapters' loads its cells are computed under (in its salt too: ``BatchEngine.admit``)
 
     def kv_tokens(self) -> list[int]:
         """The tokens whose KV cells it holds: its prompt and generated tokens decoded so far."""

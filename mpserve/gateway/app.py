@@ -15,7 +15,8 @@
     GET  /backend/monitor?model=NAME             each instance (process): pid, state, device, RSS, PSS, GPU memory,
                                                   served, uptime, its slots; each GPU's memory (NVML)
     POST /slots/ID?action=save|restore|erase      llama-server's shape: a slot's KV cells to or from a file
-                                                  (``ops.slots``; ID as SLOT in mpserve status)
+                                                  (``ops.slots``; ID as SLOT in mpserve status), with the admin
+                                                  key only: a slot holds any tenant's cells
     GET  /, /console, /console/state             the web console and its data (``ops.console``)
     GET  /admin/models, POST /admin/models/NAME/load|unload|scale   the control API, with --admin-key (``ops.admin``)
     GET  /openapi.json                            the OpenAPI document of all this (``api.schema``)
@@ -28,7 +29,13 @@ own HTTP status; a failure after that is sent as a last ``data: {"error": ...}``
 client that goes away, while queued, running or streaming, cancels its request on the server at once. Bodies are
 checked by ``http.limits`` before anything else reads them, connections by ``http.guard``: every limit answers at
 once, in OpenAI's shape, naming itself. Every answer carries its request's ``X-Request-Id``: the caller's, or a
-new one (``http.request_ids``); a completion or embedding runs under that id on the server.
+new one (``http.request_ids``); a completion or embedding runs under that id on the server, behind its tenant's
+tag (``http.keys``).
+
+Tenants: with API keys, each key is a tenant (``http.keys``): a request carries exactly one key header (400
+otherwise), its prompts reuse only what its own tenant's prompts computed (or those naming its ``cache_salt``), and
+its ids are its own. The console's state and the backend monitor show a key its own requests; the admin key, let
+through to those two views, shows every tenant's. /slots and /admin/ take the admin key alone.
 
 Starlette on uvicorn: the smallest well-kept asyncio stack here, already used by llama-cpp-python's own server,
 and it runs on the loop that ``AsyncClient`` needs; requests are parsed by httptools (llhttp, in C:
@@ -75,7 +82,7 @@ from .api.messages import error_body as messages_error
 from .api.response_store import ResponseStore, StoreBudget
 from .api.responses import Responses, stored_routes
 from .backend import Backend
-from .http import access, limits
+from .http import access, keys, limits
 from .http.browser import BrowserGuard, host_names
 from .http.encode import JSONResponse
 from .http.errors import HttpError
@@ -86,13 +93,15 @@ from .http.watch import unless_disconnected as _unless_disconnected
 from .ops import console, slots
 from .ops.admin import ADMIN_PREFIX, Admin
 from .ops.metrics import CONTENT_TYPE, GatewayMetrics, ServerView
-from .ops.monitor import RestartCounter, gpu_usage, health, monitor
+from .ops.monitor import RestartCounter, gpu_usage, health, monitor, viewer_of
 
 log = logging.getLogger("mpserve.gateway")
 
 SAMPLE_INTERVAL_S = 0.5
 # answered without the API key: load balancers probe /health; the console's page holds no data (its state does)
 OPEN_PATHS = frozenset({"/health", "/openapi.json", *console.PAGE_PATHS})
+SLOTS_PREFIX = "/slots/"  # the admin key's, checked by the route (as /admin/ is)
+ADMIN_VIEWS = frozenset({"/console/state", "/backend/monitor"})  # the admin key sees every tenant's requests there
 
 
 @dataclass(frozen=True)
@@ -151,15 +160,16 @@ def create_app(config: GatewayConfig) -> Starlette:
         *gateway.pipeline.routes([responses_api, Messages()]),
         *stored_routes(responses_api),
         *gateway.console.routes(),
-        *Admin(gateway.backend, config.admin_key).routes(),
+        *gateway.admin.routes(),
     ]
     if config.admin_key and config.admin_key == config.api_key:
         raise ConfigError("the admin key must differ from the API key: the API key must not open the control API")
     app = Starlette(routes=routes, lifespan=gateway.lifespan, exception_handlers={HTTPException: _http_error})
     if config.keys:
-        app.add_middleware(_RequireKey, keys=config.keys)
+        app.add_middleware(_RequireKey, api_keys=config.keys, admin_key=config.admin_key)
     app.add_middleware(BrowserGuard, hosts=host_names(config.host, config.allowed_hosts),
                        origins=config.allowed_origins)
+    app.add_middleware(keys.OneKey)  # before the key check: it reads the one key this records
     app.add_middleware(RequestIds)  # outermost: every answer, a refused one too, carries its X-Request-Id
     return app
 
@@ -195,6 +205,7 @@ class _Gateway:
         self.metrics = GatewayMetrics()
         self.restarts = RestartCounter()
         self.console = console.Console(self.backend, self.metrics)
+        self.admin = Admin(self.backend, config.admin_key)
         self.renderer = Renderer(config.templates)
         stored = response_store.path_for(config.server_name, config.port)
         self.responses = ResponseStore(stored, config.responses)
@@ -254,7 +265,7 @@ class _Gateway:
             call = emb.parse(await limits.read_json(request, self.config.connections.read_timeout))
             client = await self.backend.client()
             result = await _unless_disconnected(request, client.embed(call.inputs, model=call.model,
-                                                                      request_id=request.state.request_id))
+                                                                      request_id=keys.broker_id(request)))
         except ClientGone:
             self.metrics.outcome(request.scope["path"], ErrorCode.CANCELLED)
             return Response(status_code=204)
@@ -271,7 +282,7 @@ class _Gateway:
             call = rr.parse(await limits.read_json(request, self.config.connections.read_timeout))
             client = await self.backend.client()
             result = await _unless_disconnected(request, client.rerank(call.query, call.documents, model=call.model,
-                                                                         request_id=request.state.request_id))
+                                                                         request_id=keys.broker_id(request)))
         except ClientGone:
             self.metrics.outcome(endpoint, ErrorCode.CANCELLED)
             return Response(status_code=204)
@@ -310,6 +321,11 @@ class _Gateway:
     # --- slots ----------------------------------------------------------------------------------
 
     async def slot_action(self, request: Request) -> Response:
+        """The operator's call: any slot holds any tenant's cells, so only the admin key opens it."""
+        refused = self.admin.refused(request)
+        if refused is not None:
+            self.metrics.outcome("/slots", refused.code)
+            return _error_response(refused)
         try:
             slot, action = slots.parse(request.path_params["slot"], request.query_params.get("action"))
             name = "" if action == "erase" else slots.filename(
@@ -370,8 +386,8 @@ class _Gateway:
             return _error_response(HttpError.from_mpserve(UnknownModel(
                 f"model {model!r} is not served here; served models: {', '.join(served)}")))
         # /proc/PID/smaps_rollup walks the process's page tables, NVML is a driver call: off the event loop
-        rows = local.rows
-        return JSONResponse(await asyncio.to_thread(lambda: monitor(rows, model, gpu_usage(rows))))
+        rows, viewer = local.rows, viewer_of(request)
+        return JSONResponse(await asyncio.to_thread(lambda: monitor(rows, model, gpu_usage(rows), viewer)))
 
     def _unreachable(self) -> ConnectionFailed:
         return ConnectionFailed(f"no mpserve server answers at {self.backend.address}")
@@ -396,18 +412,25 @@ async def _http_error(request: Request, exc: Exception) -> Response:
 
 class _RequireKey:
     """Answer 401 unless the request carries ``Authorization: Bearer KEY`` with one of the keys (what OpenAI
-    clients send), or ``x-api-key: KEY`` (what Anthropic's send; its 401 in Anthropic's shape). The comparison
-    takes the same time wherever the keys differ."""
+    clients send), or ``x-api-key: KEY`` (what Anthropic's send; its 401 in Anthropic's shape): the one key
+    header ``keys.OneKey`` recorded. The key's tenant goes into the request's state. On ``ADMIN_VIEWS`` the admin
+    key passes too, as the admin's. The comparison takes the same time wherever the keys differ."""
 
-    def __init__(self, app: ASGIApp, keys: tuple[str, ...]) -> None:
+    def __init__(self, app: ASGIApp, api_keys: tuple[str, ...], admin_key: str | None = None) -> None:
         self.app = app
-        self._expected = tuple(f"Bearer {key}".encode() for key in keys)
+        self._expected = tuple(f"Bearer {key}".encode() for key in api_keys)
+        self._admin = (f"Bearer {admin_key}".encode(),) if admin_key else ()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and scope["path"] not in OPEN_PATHS and not scope["path"].startswith(ADMIN_PREFIX):
-            headers = dict(scope["headers"])
-            given = headers.get(b"authorization") or b"Bearer " + headers.get(b"x-api-key", b"")
-            if not access.any_matches(given, self._expected):
+        path = scope["path"] if scope["type"] == "http" else ""
+        if path and path not in OPEN_PATHS and not path.startswith((ADMIN_PREFIX, SLOTS_PREFIX)):
+            state = scope.setdefault("state", {})
+            given: bytes = state.get("credential", b"")
+            if path in ADMIN_VIEWS and access.any_matches(given, self._admin):
+                state["admin"] = True
+            elif access.any_matches(given, self._expected):
+                state["tenant"] = keys.tenant_of(given.removeprefix(b"Bearer "))
+            else:
                 err = HttpError(401, "invalid_api_key", "a valid API key is required: send the header "
                                     "'Authorization: Bearer KEY' (or 'x-api-key: KEY')")
                 body = messages_error(err) if scope["path"] == Messages.path else err.body()

@@ -110,6 +110,7 @@ from mpserve.wire import protocol as wire
 from mpserve.wire import zmqio
 from mpserve.wire.prefix import PREFIX_BLOCK, block_hashes
 from mpserve.wire.protocol import ChatTemplate
+from mpserve.wire.salt import reuse_salt
 
 from . import chat, link, pool_keys, roles, unserved
 from .pool_keys import PoolKey
@@ -1101,7 +1102,8 @@ class Broker:
     def _take_slots(self, mq: ModelQueue, p: Pending, device: int | None = None) -> list[tuple[bytes, int]] | None:
         """Take the free slot ``routing.choose_slot`` picks (on ``device``, if given), or for a request for n
         the n slots of one instance ``routing.choose_slots`` picks; count why (``routed_kv_prefix``, ...)."""
-        route = choose_slots(mq.free, self.workers, p.request.prompt, p.slots_needed, device, self._blocks(mq, p))
+        route = choose_slots(mq.free, self.workers, p.request.prompt, p.slots_needed, device, self._blocks(mq, p),
+                             _salt(p))
         if route is None:
             return None
         for slot in route.slots:
@@ -1115,7 +1117,7 @@ class Broker:
         if p.blocks is None:
             if len(p.request.prompt) < PREFIX_BLOCK or not any(self.workers[w].ram for w, _ in mq.free):
                 return ()
-            p.blocks = block_hashes(p.request.prompt)
+            p.blocks = block_hashes(p.request.prompt, _salt(p))
         return p.blocks
 
     def _refuse_head(self, mq: ModelQueue, p: Pending) -> bool:
@@ -1144,12 +1146,13 @@ class Broker:
         p.assigned = time.monotonic()
         p.first_assigned = p.first_assigned or p.assigned
         entry.running[p.ticket] = index
-        entry.prompts[index] = p.request.prompt
+        entry.prompts[index] = (_salt(p), p.request.prompt)
         entry.loaded = True  # an unloaded worker loads its model for the request
         log.debug("request %s of %s: started on worker %s, attempt %d", p.request.id, p.model, identity.decode(),
                   p.attempts)
         body = wire.pack(wire.Assign(p.ticket, p.request, (time.monotonic() - p.accepted) * 1000, p.attempts,
-                                     slot=index, report_tokens=True, generated=bytes(p.generated), index=p.index))
+                                     slot=index, report_tokens=True, generated=bytes(p.generated), index=p.index,
+                                     salt=_salt(p)))
         waiting = self._assigns.setdefault(identity, [])
         if waiting and sum(map(len, waiting)) + len(body) > wire.MAX_MESSAGE_BYTES:
             self._flush_assigns(identity)
@@ -1246,3 +1249,10 @@ def _router(ctx: zmq.Context[Any], addr: str, curve_secret: str | None, zap_doma
     sock.bind(addr)
     return sock
 
+
+def _salt(p: Pending) -> bytes:
+    """``p``'s reuse namespace (``mpserve.wire.salt``), computed once: what routing matches its prompt under, and
+    what its worker reuses cells under."""
+    if p.salt is None:
+        p.salt = reuse_salt(p.request.tenant, p.request.cache_salt, p.request.adapters)
+    return p.salt

@@ -2,11 +2,14 @@
 becomes of a request whose worker died.
 
     choose_slot(free slots, workers, prompt,   the longest cached prefix, held in KV cells (the slot's own
-                blocks)                        first, then another slot's of its instance) or in its
+                blocks, salt)                  first, then another slot's of its instance) or in its
                                                host's store (``blocks``: the prompt's block hashes, matched
                                                against ``WorkerEntry.ram``, one view per host: every
                                                instance there can restore it, so the least busy one takes it)
-                                               > least busy instance > free the longest
+                                               > least busy instance > free the longest. A slot's last
+                                               prompt counts only under the request's salt (and the block
+                                               hashes are keyed with it): what one tenant's prompts left
+                                               never draws another tenant's (``mpserve.wire.salt``)
     choose_slots(…, n)                         n free slots of one instance (a request for n choices), and
                                                why (``Source``: the broker counts its routes by it)
     crash_signal(exit code)                    the signal of a local worker's death, if it is one a request
@@ -68,7 +71,7 @@ class Route:
 
 
 def choose_slot(free: Iterable[tuple[bytes, int]], workers: Mapping[bytes, WorkerEntry], prompt: str,
-                device: int | None = None, blocks: Sequence[int] = ()) -> tuple[bytes, int] | None:
+                device: int | None = None, blocks: Sequence[int] = (), salt: bytes = b"") -> tuple[bytes, int] | None:
     """A free slot (on ``device``, if given), in ``free``'s order (longest free first). First choice: one
     that can start from the longest cached prefix of ``prompt`` (at least MIN_SHARED_PREFIX characters),
     held in its own KV cells or, in a batching instance, in another slot's, which the worker copies, or in its
@@ -76,13 +79,20 @@ def choose_slot(free: Iterable[tuple[bytes, int]], workers: Mapping[bytes, Worke
     worker restores. Of equal lengths, KV cells before RAM (a restore copies the state in; both spare the
     prefill), and the slot holding the prefix itself before the others. Otherwise: a slot of the least busy
     instance (running sequences per slot), so that requests spread over instances before they share one's
-    batch. Among equals, the slot free the longest."""
-    best = _best(free, workers, prompt, device, blocks)
+    batch. Among equals, the slot free the longest. Slots' prompts count under ``salt`` only; ``blocks`` are
+    hashed with it."""
+    best = _best(free, workers, prompt, device, blocks, salt)
     return best[0] if best is not None else None
 
 
+def _held(entry: WorkerEntry, slot: int, salt: bytes) -> str:
+    """``slot``'s last prompt, as far as a prompt of ``salt`` may reuse it: "" if it was another salt's."""
+    held_salt, text = entry.prompts.get(slot, (b"", ""))
+    return text if held_salt == salt else ""
+
+
 def _best(free: Iterable[tuple[bytes, int]], workers: Mapping[bytes, WorkerEntry], prompt: str,
-          device: int | None, blocks: Sequence[int]) -> tuple[tuple[bytes, int], Source] | None:
+          device: int | None, blocks: Sequence[int], salt: bytes) -> tuple[tuple[bytes, int], Source] | None:
     best: tuple[bytes, int] | None = None
     best_key: tuple[int, bool, int, float] = (-1, False, 0, 0.0)
     held: dict[bytes, int] = {}  # worker -> the longest prefix any of its slots holds
@@ -96,9 +106,9 @@ def _best(free: Iterable[tuple[bytes, int]], workers: Mapping[bytes, WorkerEntry
             continue
         own = anywhere = ram = 0
         if len(prompt) >= MIN_SHARED_PREFIX:
-            own = common_prefix(entry.prompts.get(slot, ""), prompt)
+            own = common_prefix(_held(entry, slot, salt), prompt)
             if entry.capacity > 1 and identity not in held:
-                held[identity] = max((common_prefix(p, prompt) for p in entry.prompts.values()), default=0)
+                held[identity] = max((common_prefix(_held(entry, s, salt), prompt) for s in entry.prompts), default=0)
             anywhere = max(own, held.get(identity, 0))
         if not _at_least(held.get(identity, own)):
             alike.add(identity)
@@ -115,19 +125,19 @@ def _best(free: Iterable[tuple[bytes, int]], workers: Mapping[bytes, WorkerEntry
 
 
 def choose_slots(free: Iterable[tuple[bytes, int]], workers: Mapping[bytes, WorkerEntry], prompt: str, n: int,
-                 device: int | None = None, blocks: Sequence[int] = ()) -> Route | None:
+                 device: int | None = None, blocks: Sequence[int] = (), salt: bytes = b"") -> Route | None:
     """``n`` free slots of one instance (on ``device``, if given): the first as ``choose_slot`` picks it among
     the instances with ``n`` free, then that instance's other free ones, longest free first; None if no
     instance has ``n`` free slots."""
     if n == 1:  # every instance with a free slot has room
-        best = _best(free, workers, prompt, device, blocks)
+        best = _best(free, workers, prompt, device, blocks, salt)
         return None if best is None else Route([best[0]], best[1])
     free = list(free)
     count: dict[bytes, int] = {}
     for identity, _ in free:
         count[identity] = count.get(identity, 0) + 1
     roomy = [f for f in free if count[f[0]] >= n]
-    best = _best(roomy, workers, prompt, device, blocks)
+    best = _best(roomy, workers, prompt, device, blocks, salt)
     if best is None:
         return None
     first, source = best

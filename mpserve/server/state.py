@@ -65,6 +65,7 @@ class Pending:
     index: int = 0  # which choice this row is
     slots_needed: int = 1  # queued as a request for n: the n free slots of one instance it waits for
     blocks: tuple[int, ...] | None = None  # its prompt's block hashes, once routing needed them
+    salt: bytes | None = None  # its reuse namespace (``mpserve.wire.salt``), once routing needed it
 
     @property
     def answered(self) -> bool:
@@ -84,7 +85,8 @@ class WorkerEntry:
     host: str = ""
     last_heard: float = 0.0  # monotonic; remote workers are declared lost when silent too long
     running: dict[str, int] = field(default_factory=dict)  # ticket -> slot
-    prompts: dict[int, str] = field(default_factory=dict)  # slot -> its last prompt (cached in its KV)
+    prompts: dict[int, tuple[bytes, str]] = field(default_factory=dict)  # slot -> the salt and text of its last
+    # prompt (cached in its KV; reused for a prompt of the same salt only, ``mpserve.wire.salt``)
     ram: RamPrefixes = field(default_factory=RamPrefixes)  # what its host's store holds (CACHE frames); shared
     # by every instance of the model on that host (``ModelQueue.stores``)
     draining: bool = False  # being scaled down: no new requests; STOP once it runs nothing

@@ -7,5 +7,6 @@
     refusals   msgspec's verdict on a bad body as a BadRequest or ProtocolError naming field, value and range
     zmqio      multipart messages through pyzmq's backend calls (broker, workers, clients)
     prefix     common prefixes, and the block hashes of text prefixes that travel from worker to broker
+    salt       a request's reuse namespace: what it may reuse of what others computed (tenants kept apart)
     slots      the slot table: a shared-memory file of one row per slot (workers write, anyone reads)
 """

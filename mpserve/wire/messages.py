@@ -29,8 +29,8 @@ from mpserve.wire import refusals
 from mpserve.wire.prefix import MAX_BLOCKS
 
 WORKER_LINK = "MPS1.2"  # the revision of the broker-worker messages, in every READY: a broker refuses workers
-# of another (1.1: STEP replaced the worker's CHUNKS, and ASSIGNS came; 1.2: LoRA adapters: READY's, ADAPTER_ACTION),
-# so a remote pool is upgraded with it
+# of another (1.1: STEP replaced the worker's CHUNKS, and ASSIGNS came; 1.2: LoRA adapters: READY's, ADAPTER_ACTION;
+# ASSIGN's salt), so a remote pool is upgraded with it
 MAX_MESSAGE_BYTES = 4 * 1024 * 1024
 MAX_CACHE_ITEMS = 4096  # entries per list in a CACHE frame
 MAX_CACHE_HASHES = 1 << 14  # hashes a broker keeps per instance (and a READY's CACHE frame carries at most)
@@ -55,6 +55,9 @@ MAX_LOADED_ADAPTERS = 256  # LoRA adapters one instance reports loaded
 ADAPTER_OPS = ("load", "unload")
 MAX_ADAPTER_SCALE = 4.0  # the largest scale magnitude of one (llama-server takes any; past this, output is noise)
 ADAPTER_NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$"  # no ':' (``model: BASE:NAME``), no '/', no spaces
+MAX_CACHE_SALT_CHARS = 256  # vLLM's cache_salt
+MAX_TENANT_CHARS = 64
+MAX_SALT_BYTES = 32
 
 
 class MsgType(IntEnum):
@@ -298,6 +301,9 @@ class Request(Body, frozen=True, forbid_unknown_fields=True):
     # is, instead of ``prompt``
     adapters: Annotated[tuple[tuple[AdapterName, AdapterScale], ...], Meta(max_length=MAX_ADAPTERS)] = ()  # LoRA
     # adapters (names the model serves) and scales; (): the base model
+    cache_salt: Annotated[str, Meta(max_length=MAX_CACHE_SALT_CHARS)] | None = None  # shares reuse with the
+    # requests naming the same (``mpserve.wire.salt``); None: the tenant's own
+    tenant: Annotated[str, Meta(max_length=MAX_TENANT_CHARS)] = ""  # whose request: "" the default tenant
 
     def check(self) -> None:
         self.params.check()  # decoded: its types and limits were checked already
@@ -799,6 +805,8 @@ class Assign(Body, frozen=True, forbid_unknown_fields=True):
     generated: Annotated[Packed, Meta(max_length=4 * MAX_TOKENS_LIMIT)] = b""  # resuming: the tokens the lost
     # instance streamed (a TOKENS frame's encoding)
     index: Choice = 0  # the choice this assignment is, of a request for n (its request asks for one)
+    salt: Annotated[bytes, Meta(max_length=MAX_SALT_BYTES)] = b""  # its reuse namespace (``mpserve.wire.salt``):
+    # the cells and store entries it may start from are those computed under the same salt
 
     def check(self) -> None:
         """Its request's rules first, then its own."""

@@ -2,9 +2,11 @@
 text's prefixes that travels between worker and broker.
 
     common_prefix(a, b)    the length of the common prefix: the broker (texts), the batch engine (tokens)
-    block_hashes(text)     a stable 64-bit hash of text[:B], text[:2B], … (B = PREFIX_BLOCK characters):
-                           the worker sends those of each host-RAM cache entry's text, the broker computes
-                           those of a prompt and finds the longest run of them an instance holds
+    block_hashes(text, salt)  a stable 64-bit hash of text[:B], text[:2B], … (B = PREFIX_BLOCK characters),
+                           keyed with the reuse salt (``mpserve.wire.salt``): the worker sends those of each
+                           host-RAM cache entry's text under the entry's salt, the broker computes those of a
+                           prompt under its request's and finds the longest run of them an instance holds, so
+                           an entry of one salt never steers a prompt of another
 
 ``common_prefix`` is a binary search over slice comparisons: each comparison runs in C, so a
 100,000-character prompt takes about 17 of them instead of a Python-level loop over every character.
@@ -37,10 +39,11 @@ def common_prefix(a: T, b: T) -> int:
     return lo
 
 
-def block_hashes(text: str) -> tuple[int, ...]:
+def block_hashes(text: str, salt: bytes = b"") -> tuple[int, ...]:
     """The hashes of ``text``'s first PREFIX_BLOCK, 2 × PREFIX_BLOCK, … characters (whole blocks only, at most
-    MAX_BLOCKS), the same in every process."""
-    running = hashlib.blake2b(digest_size=8)
+    MAX_BLOCKS) under ``salt`` (a blake2b key: the empty salt gives the unkeyed hashes), the same in every
+    process."""
+    running = hashlib.blake2b(digest_size=8, key=salt)
     hashes = []
     for end in range(PREFIX_BLOCK, min(len(text), PREFIX_BLOCK * MAX_BLOCKS) + 1, PREFIX_BLOCK):
         running.update(text[end - PREFIX_BLOCK:end].encode("utf-8", "surrogatepass"))

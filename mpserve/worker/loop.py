@@ -353,7 +353,7 @@ class Worker:
             _crash()
         try:
             engine.admit(slot, wire.unpack_tokens(req.tokens) if req.tokens else req.prompt, req.params, on_token,
-                         wire.frame_tokens(assign.generated), req.adapters)
+                         wire.frame_tokens(assign.generated), req.adapters, assign.salt)
         except MpserveError as exc:
             self._answer(wire.Error(req.id, exc.code, exc.message), assign.ticket)
             return

@@ -17,6 +17,7 @@ from mpserve.server.broker import Broker, WorkerEntry
 from mpserve.server.routing import MAX_HANDOVERS, MODEL_CRASHES
 from mpserve.wire import protocol as wire
 from mpserve.wire.prefix import block_hashes
+from mpserve.wire.salt import reuse_salt
 
 pytestmark = pytest.mark.timeout(10)
 
@@ -645,3 +646,38 @@ def test_tickets_are_random_and_a_worker_registers_only_under_its_connections_na
     assert len(set(tickets)) == 4 and all(len(t) >= 22 for t in tickets)  # 128 random bits each
     broker._on_ready(b"pool-1-w0", wire.Ready("pool-1-w1", "m", -1, 1, 1, host="pool"), None)
     assert b"pool-1-w0" not in broker.workers and broker.stats["refused_worker_ready"] == 1
+
+
+def test_a_requests_salt_goes_with_its_assign_and_a_slots_last_prompt_draws_only_the_same_salt(broker: Broker) -> None:
+    """The broker salts each request (``mpserve.wire.salt``: tenant, or cache_salt in its stead), sends the salt
+    in its ASSIGN for the worker's reuse, and routes by a slot's last prompt only under the same salt."""
+    prompt = "A memo that runs long enough to route by: the offer closes on 12 March at 41 dollars per share."
+
+    def routed(client: zmq.Socket[bytes], workers: dict[bytes, zmq.Socket[bytes]], rid: str,
+               **fields: Any) -> tuple[bytes, wire.Assign]:
+        client.send_multipart(wire.encode(wire.Request(rid, prompt, **fields)))
+        assert broker.front.poll(1000)
+        broker.drain_front()
+        name = next(name for name, sock in workers.items() if sock.poll(1000))
+        assign = assigns(workers[name], 1)[0]
+        done = wire.Done(rid, "ok", "length", wire.Usage(1, 1), wire.Timings(0, 0, 0))
+        workers[name].send_multipart(wire.encode_from_worker(done, assign.ticket))
+        assert broker.back.poll(1000)
+        broker.drain_back()
+        answer(client)
+        return name, assign
+
+    a, b = "key:" + "a" * 16, "key:" + "b" * 16
+    with peers(broker, slots=1) as (client, workers):
+        first, assign = routed(client, workers, "r1", tenant=a)
+        assert assign.salt == reuse_salt(a, None, ()) != b""
+        other, assign = routed(client, workers, "r2", tenant=b)
+        assert assign.salt == reuse_salt(b, None, ()) and other != first  # A's slot draws nothing of B's
+        assert broker.stats["routed_kv_prefix"] == 0
+        again, assign = routed(client, workers, "r3", tenant=a)
+        assert again == first and broker.stats["routed_kv_prefix"] == 1  # A's own prompt, in A's slot
+        shared, assign = routed(client, workers, "r4", tenant=b, cache_salt="public")
+        assert assign.salt == reuse_salt(a, "public", ())
+        assert routed(client, workers, "r5", tenant=a, cache_salt="public")[0] == shared  # one salt: shared
+        assert broker.stats["routed_kv_prefix"] == 2
+        assert routed(client, workers, "r6")[1].salt == b""  # the default tenant: as before

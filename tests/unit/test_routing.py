@@ -37,7 +37,8 @@ assert len(PREAMBLE) >= MIN_SHARED_PREFIX
 
 def worker(name: str, capacity: int = 1, device: int = -1, running: int = 0,
            prompts: dict[int, str] | None = None) -> WorkerEntry:
-    entry = WorkerEntry(name.encode(), None, "m", device, capacity, pid=1, prompts=prompts or {})
+    entry = WorkerEntry(name.encode(), None, "m", device, capacity, pid=1,
+                        prompts={slot: (b"", text) for slot, text in (prompts or {}).items()})
     entry.running = {f"t{i}": i for i in range(running)}
     return entry
 
@@ -82,7 +83,7 @@ def test_a_batching_instance_holding_the_prefix_in_another_slot_is_preferred_and
     workers = table(worker("a", capacity=4), busy)
     free = [(b"a", 0), (b"b", 1), (b"b", 2)]
     assert choose_slot(free, workers, PREAMBLE + "q1") == (b"b", 1)  # b holds it (slot 0 runs); 1 is free first
-    busy.prompts[2] = PREAMBLE + "q9"
+    busy.prompts[2] = (b"", PREAMBLE + "q9")
     assert choose_slot(free, workers, PREAMBLE + "q1") == (b"b", 2)  # the slot that holds it itself
 
 
@@ -269,8 +270,8 @@ def _ranked(free: list[tuple[bytes, int]], workers: dict[bytes, WorkerEntry], pr
     (its own slot's first), else the least busy instance; among equals the first in ``free``."""
     def key(f: tuple[bytes, int]) -> tuple[int, int, float]:
         entry = workers[f[0]]
-        own = common_prefix(entry.prompts.get(f[1], ""), prompt) if len(prompt) >= MIN_SHARED_PREFIX else 0
-        anywhere = max([own] + [common_prefix(p, prompt) for p in entry.prompts.values()]
+        own = common_prefix(entry.prompts.get(f[1], (b"", ""))[1], prompt) if len(prompt) >= MIN_SHARED_PREFIX else 0
+        anywhere = max([own] + [common_prefix(p, prompt) for _, p in entry.prompts.values()]
                        if len(prompt) >= MIN_SHARED_PREFIX and entry.capacity > 1 else [own])
         at_least = [s if s >= MIN_SHARED_PREFIX else 0 for s in (anywhere, own)]
         return at_least[0], at_least[1], -len(entry.running) / entry.capacity
@@ -288,7 +289,7 @@ def test_the_slot_chosen_is_the_one_the_rule_ranks_first_among_all_free_slots(se
     for entry in workers.values():
         for slot in range(entry.capacity):
             if rng.random() < 0.3:
-                entry.prompts[slot] = rng.choice(texts)
+                entry.prompts[slot] = (b"", rng.choice(texts))
             if rng.random() < 0.7:
                 free.append((entry.identity, slot))
             else:
@@ -313,8 +314,8 @@ def test_a_prefix_in_the_host_store_goes_to_the_least_busy_instance_of_that_host
     workers = table(a, b, c)
     free = [(b"a", 1), (b"c", 0), (b"b", 0)]
     assert choose_slots(free, workers, prompt, 1, blocks=block_hashes(prompt)) == Route([(b"b", 0)], Source.RAM)
-    b.prompts[0] = DOCUMENT[:4 * PREFIX_BLOCK]  # b's slot holds the prefix in its KV cells, longer than the store's
+    b.prompts[0] = (b"", DOCUMENT[:4 * PREFIX_BLOCK])  # its KV cells hold the prefix, longer than the store
     b.running["t"] = 1
-    a.prompts[1] = "something else"
+    a.prompts[1] = (b"", "something else")
     assert choose_slots(free, workers, prompt, 1, blocks=block_hashes(prompt)) == Route([(b"b", 0)], Source.KV)
     assert there.longest(block_hashes(prompt)) == 0  # the other host's store holds none of it

@@ -20,6 +20,11 @@ generation runs in a task of its own, each event is journaled with its ``id:``, 
     stream + the caller's X-Request-Id ──▶ Journal.begin ──▶ Journal.produce(the events) ──▶ EventStream(tail)
     the same request + Last-Event-ID: N ──▶ EventStream(Journal.tail after N), no new generation
     a background response ──▶ produced to its end whoever reads it; the POST answers at once (``background``)
+
+Every dialect takes vLLM's ``cache_salt`` (``take_cache_salt``): the requests that name one may reuse each other's
+cached prefixes, whoever sends them. Without it a request reuses only what its own tenant's requests computed (the
+tenant of its API key, ``http.keys``; one tenant for all when the gateway has no keys). A request runs at the broker
+under its tenant and its id under the tenant's tag (``keys.broker_id``).
 """
 
 from __future__ import annotations
@@ -37,9 +42,10 @@ from starlette.routing import Route
 
 from mpserve.client import AsyncClient, Result, Stream
 from mpserve.errors import BadRequest, ErrorCode, MpserveError
+from mpserve.wire import protocol as wire
 
 from ..backend import Backend
-from ..http import encode, limits
+from ..http import encode, keys, limits
 from ..http.encode import EventStream, JSONResponse
 from ..http.errors import HttpError
 from ..http.watch import ClientGone, first, unless_disconnected
@@ -135,10 +141,21 @@ def finish_reason(last: list[dict[str, Any]]) -> str:
 
 
 def owner(request: Request) -> str:
-    """Who sent the request, for what is kept per API key: a digest of the key it carried (``Authorization:
-    Bearer`` or ``x-api-key``), "" without one."""
-    given = request.headers.get("authorization", "").removeprefix("Bearer ") or request.headers.get("x-api-key", "")
-    return hashlib.sha256(given.encode()).hexdigest()[:32] if given else ""
+    """Who sent the request, for what is kept per API key: a digest of the one key it carried (``Authorization:
+    Bearer`` or ``x-api-key``, ``keys.credential``: the key the key check read), "" without one."""
+    given = keys.credential(request).removeprefix(b"Bearer ")
+    return hashlib.sha256(given).hexdigest()[:32] if given else ""
+
+
+def take_cache_salt(body: Any) -> str | None:
+    """The body's ``cache_salt``, taken out of it (the dialects' own fields do not hold it); None without one."""
+    if not isinstance(body, dict):
+        return None  # the dialect refuses the body
+    salt = body.pop("cache_salt", None)
+    if salt is not None and not (isinstance(salt, str) and 0 < len(salt) <= wire.MAX_CACHE_SALT_CHARS):
+        raise BadRequest(f"'cache_salt' must be a non-empty string of at most {wire.MAX_CACHE_SALT_CHARS} "
+                         f"characters, got {str(salt)[:40]!r}")
+    return salt
 
 
 def sole_model(client: AsyncClient) -> str:
@@ -170,6 +187,7 @@ class Pipeline:
         try:
             body = await limits.read_json(request, self.read_timeout)
             limits.check_sizes(body)
+            cache_salt = take_cache_salt(body)
             answer = dialect.parse(body, owner(request))
             resumed = request.headers.get("last-event-id")
             if resumed is not None:
@@ -188,22 +206,25 @@ class Pipeline:
             self.metrics.outcome(endpoint, ErrorCode.CANCELLED)
             return Response(status_code=204)  # nobody reads it
         call, reply = answer.call, oai.Reply(answer.call, model)
+        rid, tenant = keys.broker_id(request), keys.tenant(request)
+        ask = Ask(rid, cache_salt, tenant)
         background = getattr(answer, "background", None)
         if background is not None:
-            return await self._background(request, dialect, answer, reply, client, background)
+            return await self._background(request, dialect, answer, reply, client, background, ask)
         key = request.headers.get("x-request-id") if call.stream else None  # the caller's: resumable
         try:
             if key is not None:
-                return await self._resumable(request, dialect, answer, reply, client, key, body, started)
+                return await self._resumable(request, dialect, answer, reply, client, key, body, started, ask)
             if call.stream:
-                stream = client.stream(call.prompt, model=call.model, request_id=request.state.request_id,
-                                       params=call.params)
+                stream = client.stream(call.prompt, model=call.model, request_id=rid, params=call.params,
+                                       cache_salt=cache_salt, tenant=tenant)
                 chunks = stream.__aiter__()  # submits the request on its first step
                 text = await unless_disconnected(request, first(chunks))
                 return EventStream(self._events(dialect, answer, reply, stream, chunks, text, started),
                                    call.headers())
             results = await unless_disconnected(request, client.choices(
-                call.prompt, model=call.model, request_id=request.state.request_id, params=call.params))
+                call.prompt, model=call.model, request_id=rid, params=call.params, cache_salt=cache_salt,
+                tenant=tenant))
         except ClientGone:
             self.metrics.outcome(endpoint, ErrorCode.CANCELLED)
             return Response(status_code=204)  # nobody reads it
@@ -213,14 +234,14 @@ class Pipeline:
         return JSONResponse(answer.whole(reply.whole(call.shown(results), results)), headers=call.headers())
 
     async def _resumable(self, request: Request, dialect: Dialect, answer: Answer, reply: oai.Reply,
-                         client: AsyncClient, key: str, body: Any, started: float) -> Response:
+                         client: AsyncClient, key: str, body: Any, started: float, ask: Ask) -> Response:
         """A stream under the caller's id, journaled: it runs on for GRACE_S if its client leaves, and a request
         with the same id and body and ``Last-Event-ID`` reads on (``_resume``)."""
         who, call = owner(request), answer.call
         self.journal.begin(who, key, _digest(body))
         try:
-            stream = client.stream(call.prompt, model=call.model, request_id=request.state.request_id,
-                                   params=call.params)
+            stream = client.stream(call.prompt, model=call.model, params=call.params, request_id=ask.request_id,
+                                   cache_salt=ask.cache_salt, tenant=ask.tenant)
             chunks = stream.__aiter__()
             text = await unless_disconnected(request, first(chunks))
         except BaseException:
@@ -247,13 +268,14 @@ class Pipeline:
         return EventStream(self._tail(answer, who, key, int(given)), answer.call.headers())
 
     async def _background(self, request: Request, dialect: Dialect, answer: Answer, reply: oai.Reply,
-                          client: AsyncClient, background: Background) -> Response:
+                          client: AsyncClient, background: Background, ask: Ask) -> Response:
         """A response produced to its end in a task of its own, whoever reads it; the POST answers at once: the
         response in progress, or its stream (read on with ``GET …?stream=true&starting_after=N``)."""
         who, call, key = owner(request), replace(answer.call, stream=True), background.key
         reply = oai.Reply(call, reply.model)
         self.journal.begin(who, key, key, background.head)
-        stream = client.stream(call.prompt, model=call.model, request_id=request.state.request_id, params=call.params)
+        stream = client.stream(call.prompt, model=call.model, params=call.params, request_id=ask.request_id,
+                               cache_salt=ask.cache_salt, tenant=ask.tenant)
         self.journal.produce(who, key, self._events(dialect, answer, reply, stream, stream.__aiter__(), None,
                                                     time.perf_counter()), background=True)
         if answer.call.stream:
@@ -307,6 +329,16 @@ class Pipeline:
     @staticmethod
     def _error(dialect: Dialect, error: HttpError) -> JSONResponse:
         return JSONResponse(dialect.error_body(error), error.status, headers=error.headers())
+
+
+@dataclass(frozen=True)
+class Ask:
+    """Who a request is asked for at the broker: its id there (under its tenant's tag), its cache_salt, its
+    tenant."""
+
+    request_id: str
+    cache_salt: str | None
+    tenant: str
 
 
 @dataclass(frozen=True)

@@ -76,8 +76,8 @@ def document(version: str) -> dict[str, Any]:
             "/slots/{slot}": {"post": {
                 **_get("an idle slot's KV cells saved to a file of its model's slot_save_path, restored from one, "
                        "or erased", "application/json",
-                       {k: errors[k] for k in ("400", "401", "403", "415", "429", "502", "503")}),
-                "security": [{"bearer": []}, {}],
+                       {k: errors[k] for k in ("400", "401", "403", "404", "415", "429", "502", "503")}),
+                "security": [{"adminBearer": []}],
                 "parameters": [{"name": "slot", "in": "path", "required": True, "schema": {"type": "string"}},
                                {"name": "action", "in": "query", "required": True,
                                 "schema": {"type": "string", "enum": list(wire.SLOT_ACTIONS)}}],
@@ -176,6 +176,7 @@ def _sampling() -> dict[str, Any]:
                                      "additionalProperties": False}),
         "user": _nullable({"type": "string"}),
         "n": _nullable({"type": "integer", "minimum": 1, "maximum": wire.MAX_CHOICES}),
+        "cache_salt": _nullable({"type": "string", "minLength": 1, "maxLength": wire.MAX_CACHE_SALT_CHARS}),
     }
 
 

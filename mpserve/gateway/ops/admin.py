@@ -12,7 +12,8 @@
 An answer is ``{"message": ..., "models": [...]}``; an error is OpenAI's error object with the stable code
 (404 ``unknown_model``, 400 ``bad_request``, 503 ``does_not_fit``, ...). Without an admin key every /admin/
 path answers 404: the control API is off. The inference key never opens these paths, and the admin key opens
-only these.
+only these, /slots (a slot's cells to and from files: any tenant's) and, as the admin's, the console's state and
+the backend monitor.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from mpserve.errors import BadRequest, MpserveError
 from mpserve.wire import protocol as wire
 
 from ..backend import Backend
+from ..http import keys
 from ..http.errors import HttpError
 
 ADMIN_PREFIX = "/admin/"
@@ -59,7 +61,7 @@ class Admin:
         return await self._control(request, op, request.path_params["name"])
 
     async def _control(self, request: Request, op: str, model: str | None = None) -> Response:
-        refused = self._refused(request)
+        refused = self.refused(request)
         if refused is not None:
             return _error(refused)
         try:
@@ -70,10 +72,13 @@ class Admin:
             return _error(HttpError.from_mpserve(exc))
         return JSONResponse({"message": reply.message, "models": [asdict(m) for m in reply.models]})
 
-    def _refused(self, request: Request) -> HttpError | None:
+    def refused(self, request: Request) -> HttpError | None:
+        """Why ``request`` may not make an operator's call (/admin/, /slots), None if it may: it carries the admin
+        key, as its one key header (``keys.credential``)."""
         if self._expected is None:
-            return HttpError(404, "not_found", "the control API is off; start the gateway with --admin-key")
-        if not hmac.compare_digest(request.headers.get("authorization", "").encode(), self._expected):
+            return HttpError(404, "not_found", "the operator's calls (/admin/, /slots) are off; start the gateway "
+                                 "with --admin-key")
+        if not hmac.compare_digest(keys.credential(request), self._expected):
             return HttpError(401, "invalid_admin_key", "a valid admin key is required: send the header "
                                  "'Authorization: Bearer ADMIN_KEY'")
         return None

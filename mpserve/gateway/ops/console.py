@@ -9,7 +9,9 @@
     GET /, /console, /static/console.{css,js} ──▶ the files in mpserve/gateway/ops/static (plain HTML, CSS, JavaScript)
 
 The page and its files hold no data and are served without the API key; the state is behind the key like
-every other route (the gateway's middleware), so without the key the page shows nothing but its key prompt.
+every other route (the gateway's middleware), so without the key the page shows nothing but its key prompt. A
+keyed caller's state shows its own requests (ids, tokens, rates) and of other tenants' slots only that they are
+busy; the admin key's shows every request (``monitor.Viewer``).
 The page polls rather than listening to server-sent events: EventSource cannot send an ``Authorization``
 header, so the key would have to travel in the URL, which access logs keep.
 
@@ -46,7 +48,7 @@ from mpserve.wire.slots import SlotRow, SlotState, instance_slots
 
 from ..backend import Backend, LocalSlots
 from .metrics import GatewayMetrics
-from .monitor import state_of
+from .monitor import Viewer, state_of, viewer_of
 
 STATIC_DIR = Path(__file__).with_name("static")
 FILES = {"console.css": "text/css", "console.js": "text/javascript"}
@@ -238,6 +240,7 @@ class Console:
         return _file(name, FILES[name])
 
     async def state(self, request: Request) -> Response:
+        viewer = viewer_of(request)
         stats = await self.backend.stats()
         local = self.backend.read_slots()
         now = time.time()
@@ -252,7 +255,8 @@ class Console:
             "server": {"name": self.backend.server_name, "address": self.backend.address,
                        "reachable": stats is not None, "accepting": stats.accepting if stats else False,
                        "local": local is not None, "started": local.server.started if local else None},
-            "slots": [self._slot(r, now) for r in local.rows if r.state is not SlotState.EMPTY] if local else [],
+            "slots": [self._slot(r, now, viewer) for r in local.rows if r.state is not SlotState.EMPTY]
+            if local else [],
             "pools": [_pool(w) for w in stats.workers if w.host or local is None] if stats else [],
             "models": [self._model(name, m, now) for name, m in stats.models.items()] if stats else [],
             "store": store_view(local.rows) if local else None,
@@ -262,13 +266,15 @@ class Console:
             "downloads": await asyncio.to_thread(downloads),
         })
 
-    def _slot(self, row: SlotRow, now: float) -> dict[str, Any]:
-        state = state_of(row)
+    def _slot(self, row: SlotRow, now: float, viewer: Viewer) -> dict[str, Any]:
+        state, shown = state_of(row), viewer.request(row)
         state_s, rate = self.activity.slot(row, now)
+        mine = viewer.sees_all or shown is not None
         return {"index": row.index, "worker": row.worker, "slot": row.slot, "pid": row.pid, "state": state,
                 "model": row.model, "device": "cpu" if row.device < 0 else f"gpu{row.device}",
-                "request": row.request if state in ("busy", "waiting") else None, "tokens": row.tokens,
-                "tokens_per_s": rate, "state_s": state_s, "served": row.served, "load_s": round(row.load_s, 2)}
+                "request": shown if state in ("busy", "waiting") else None, "tokens": row.tokens if mine else None,
+                "tokens_per_s": rate if mine else None, "state_s": state_s, "served": row.served,
+                "load_s": round(row.load_s, 2)}
 
     def _model(self, name: str, m: wire.ModelStats, now: float) -> dict[str, Any]:
         return {"name": name, "queued": m.queued, "oldest_wait_s": m.oldest_wait_s, "running": m.running,

@@ -5,22 +5,30 @@ registered) and, for a server on this host, the slot table plus ``/proc`` (each 
 memory) and, when NVML answers, each GPU's memory and what each instance's process holds on it. A row's
 state is what its worker last wrote; a worker killed outright cannot update it, so a row whose process is
 gone (or a zombie not yet reaped) counts as ``exited`` whatever it says.
+
+Whose requests a view shows is its ``Viewer``'s: every request for the admin key (and on a gateway without API
+keys, whose callers are one tenant); a keyed caller sees its own requests (ids, token counts, KV cells) and of
+the others only that a slot is busy, never what runs there (``http.keys``: its ids carry its tenant's tag).
 """
 
 from __future__ import annotations
 
 import time
 from collections import Counter
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
+
+from starlette.requests import Request
 
 from mpserve.gpu.memory import GpuUsage, memory_by_pid, read_usage
 from mpserve.models.progress import downloads
 from mpserve.runtime import ServerInfo
 from mpserve.wire import protocol as wire
 from mpserve.wire.slots import SlotRow, SlotState, instance_slots
+
+from ..http import keys
 
 READY = frozenset({"idle", "busy", "waiting"})  # loaded and able to run a request
 BUSY = frozenset({"busy", "waiting"})
@@ -72,21 +80,50 @@ def instance_state(slots: Sequence[SlotRow]) -> str:
 
 
 @dataclass(frozen=True)
+class Viewer:
+    """Whose requests a view shows: every one (``tenant`` None: the admin, or a gateway without API keys), or
+    those of ``tenant`` alone, under the ids its caller gave them."""
+
+    tenant: str | None = None
+
+    @property
+    def sees_all(self) -> bool:
+        return self.tenant is None
+
+    def request(self, row: SlotRow) -> str | None:
+        """``row``'s request id as this viewer may see it: None if it is not the viewer's (or there is none)."""
+        if not row.request:
+            return None
+        return row.request if self.tenant is None else keys.own_id(row.request, self.tenant)
+
+
+ADMIN = Viewer()
+
+
+def viewer_of(request: Request) -> Viewer:
+    """Who asks for a view: the admin (its key, which the key check let through to the views, or any caller of a
+    gateway without API keys: one tenant) or the tenant of the caller's key."""
+    tenant = keys.tenant(request)
+    return ADMIN if keys.is_admin(request) or not tenant else Viewer(tenant)
+
+
+@dataclass(frozen=True)
 class SlotView:
-    """One slot of an instance: what it runs."""
+    """One slot of an instance: what it runs (its request's figures: None where they are not the viewer's)."""
 
     slot: int  # its row in the slot table (SLOT in ``mpserve status``)
     state: str
     request: str | None  # the request running now
-    tokens: int  # generated for the current (or last) request
-    kv_cells: int  # KV cells the slot holds, of kv_capacity
+    tokens: int | None  # generated for the current (or last) request
+    kv_cells: int | None  # KV cells the slot holds, of kv_capacity
     kv_capacity: int
 
     @classmethod
-    def of(cls, row: SlotRow) -> SlotView:
-        state = state_of(row)
-        return cls(row.index, state, row.request if state in BUSY and row.request else None, row.tokens,
-                   row.kv_cells, row.kv_capacity)
+    def of(cls, row: SlotRow, viewer: Viewer = ADMIN) -> SlotView:
+        state, shown = state_of(row), viewer.request(row)
+        if not viewer.sees_all and shown is None:
+            return cls(row.index, state, None, None, None, row.kv_capacity)
+        return cls(row.index, state, shown if state in BUSY else None, row.tokens, row.kv_cells, row.kv_capacity)
 
 
 @dataclass(frozen=True)
@@ -104,7 +141,7 @@ class InstanceView:
     uptime_s: float | None  # since the worker process started; None when it is not running
     load_s: float
     gpu_memory_bytes: int | None  # what its process holds on GPUs (NVML); None: unknown or on the CPU
-    kv_cells: int  # KV cells its slots hold, of kv_capacity
+    kv_cells: int | None  # KV cells its slots hold, of kv_capacity (None: some hold others' requests' cells)
     kv_capacity: int
     prompt_cache_bytes: int  # the host store's RAM tier (the host's), of prompt_cache_capacity
     prompt_cache_capacity: int
@@ -117,8 +154,10 @@ class InstanceView:
     slots: tuple[SlotView, ...]
 
     @classmethod
-    def of(cls, rows: Sequence[SlotRow], now: float, gpu_held: Mapping[int, int]) -> InstanceView:
+    def of(cls, rows: Sequence[SlotRow], now: float, gpu_held: Mapping[int, int],
+           viewer: Viewer = ADMIN) -> InstanceView:
         first = rows[0]
+        slots = tuple(SlotView.of(r, viewer) for r in rows)
         state = instance_state(rows)
         running = first.pid > 0 and state not in DOWN
         rss, pss = process_memory(first.pid) if running else (None, None)
@@ -127,9 +166,15 @@ class InstanceView:
                    rss, pss, max(r.served for r in rows),  # a worker writes its count to the slot that ended last
                    round(now - first.started, 3) if running and first.started else None, round(first.load_s, 3),
                    gpu_held.get(first.pid) if running and first.device >= 0 else None,
-                   sum(r.kv_cells for r in rows), sum(r.kv_capacity for r in rows), cache.bytes, cache.capacity,
+                   _total(s.kv_cells for s in slots), sum(r.kv_capacity for r in rows), cache.bytes, cache.capacity,
                    cache.disk_bytes, cache.disk_capacity, cache.hits, cache.misses, cache.evictions, cache.skipped,
-                   tuple(SlotView.of(r) for r in rows))
+                   slots)
+
+
+def _total(counts: Iterable[int | None]) -> int | None:
+    """The sum of ``counts``, None if any is unknown to the viewer."""
+    known = list(counts)
+    return None if None in known else sum(c for c in known if c is not None)
 
 
 def gpu_usage(rows: Sequence[SlotRow]) -> list[GpuUsage] | None:
@@ -137,13 +182,14 @@ def gpu_usage(rows: Sequence[SlotRow]) -> list[GpuUsage] | None:
     return read_usage() if any(r.device >= 0 and r.state is not SlotState.EMPTY for r in rows) else None
 
 
-def monitor(rows: list[SlotRow], model: str | None, gpus: Sequence[GpuUsage] | None = None) -> dict[str, Any]:
-    """``GET /backend/monitor``: every instance of ``model`` (all models when None) with its slots, the totals
-    (each process counted once, however many slots it has), each GPU's memory (``gpus``, from ``gpu_usage``;
-    [] when unknown), and the downloads running on this host."""
+def monitor(rows: list[SlotRow], model: str | None, gpus: Sequence[GpuUsage] | None = None,
+            viewer: Viewer = ADMIN) -> dict[str, Any]:
+    """``GET /backend/monitor``: every instance of ``model`` (all models when None) with its slots (their requests
+    as ``viewer`` may see them), the totals (each process counted once, however many slots it has), each GPU's
+    memory (``gpus``, from ``gpu_usage``; [] when unknown), and the downloads running on this host."""
     now = time.time()
     held = memory_by_pid(gpus)
-    views = [InstanceView.of(slots, now, held)
+    views = [InstanceView.of(slots, now, held, viewer)
              for (name, _), slots in instance_slots(rows).items() if model in (None, name)]
     return {
         "model": model,
