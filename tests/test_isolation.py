@@ -15,7 +15,7 @@ from conftest import ServerProcess
 from gateway_thread import GatewayThread
 from helpers import config_file, wait_for
 
-from mpserve.gateway.api.responses import StoreBudget
+from mpserve.gateway.api.response_store import StoreBudget
 
 pytestmark = pytest.mark.timeout(120)
 
