@@ -286,6 +286,10 @@ class Request(Body, frozen=True, forbid_unknown_fields=True):
     timeout: Timeout | None = None
     tokens: Annotated[Packed, Meta(max_length=4 * MAX_PROMPT_CHARS)] = b""  # a prompt of token ids, taken as it
     # is, instead of ``prompt``
+    priority: Annotated[int, Meta(ge=-100, le=100)] = 0  # higher starts first; capped by the tenant's max_priority
+    cache_salt: Annotated[str, Meta(max_length=256)] | None = None  # requests with one salt may share cached cells
+    tenant: Annotated[str, Meta(max_length=64)] = ""  # honoured on the admin socket only (the gateway's); on the
+    # clients' socket the broker takes it from the connection (a CURVE client's key; "" for the local user)
 
     def check(self) -> None:
         self.params.check()  # decoded: its types and limits were checked already
@@ -450,6 +454,22 @@ class ModelScaling:
     events: dict[str, int] = field(default_factory=dict)
 
 
+@dataclass
+class TenantStats:
+    """One tenant's figures since start (``mpserve.server.tenants``): requests accepted, tokens of those that ended,
+    seconds its requests waited before they started, requests refused over its limits, its running requests
+    preempted; and now: its requests running and queued. A dataclass, as ModelStats."""
+
+    requests: int = 0
+    prompt_tokens: int = 0
+    generated_tokens: int = 0
+    queue_s: float = 0.0
+    refusals: int = 0
+    preemptions: int = 0
+    running: int = 0
+    queued: int = 0
+
+
 @dataclass(frozen=True)
 class ModelStats:
     queued: int
@@ -484,6 +504,7 @@ class Stats(Body, frozen=True, forbid_unknown_fields=True):
     counters: dict[str, int]
     models: dict[str, ModelStats]
     workers: list[WorkerStats] = msgspec.field(default_factory=list)
+    tenants: dict[str, TenantStats] = msgspec.field(default_factory=dict)  # the busiest by name, then "other"
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,134 @@
+"""Tenants on a real server: the order their queued requests start in (priority, then weighted fair shares), their
+limits (refused, naming the limit), the pending cap per tenant the gateway names, and their figures in STATS.
+
+One instance of the echo backend with one slot and a clock (``echo_tick_ms``): with one slot, requests end in the
+order they started. A long request holds the slot while the others queue; then they run one by one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from conftest import ServerProcess
+from helpers import config_file, wait_for
+
+from mpserve import AsyncClient, Client
+from mpserve.errors import Busy, Forbidden
+
+pytestmark = pytest.mark.timeout(90)
+
+KEY_A = "key:" + "a" * 16
+KEY_B = "key:" + "b" * 16
+KEY_C = "key:" + "c" * 16
+TICK_MS = 5
+HOLD_TOKENS = 400  # the request that holds the slot: about 2 s
+PENDING = 10  # max_pending_per_client
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
+    tmp = tmp_path_factory.mktemp("tenants")
+    config = config_file(Path(tmp), "tenants", max_pending_per_client=PENDING, models=[
+        {"name": "echo", "path": "echo", "echo_tick_ms": TICK_MS, "instances": 1, "parallel": 1}], tenants={
+        KEY_A: {"weight": 1}, KEY_B: {"weight": 3, "max_priority": 10},
+        KEY_C: {"max_running": 1, "max_queued": 1, "tokens_per_minute": 60}, "local": {"max_priority": 100}})
+    proc = ServerProcess("--config", config).wait_ready()
+    yield proc
+    proc.stop()
+    assert not proc.tracebacks(), "\n".join(proc.log)
+
+
+async def _order_behind_a_hold(address: str, requests: list[tuple[str, str, int]]) -> list[str]:
+    """Hold the one slot, queue ``requests`` (tenant, label, priority) in this order, and return their labels in
+    the order they ended (with one slot: the order they started)."""
+    ended: list[str] = []
+    async with AsyncClient(address, timeout=60) as client:
+        hold = asyncio.ensure_future(client.generate("x" * HOLD_TOKENS, max_tokens=HOLD_TOKENS))
+        await _until_running(client)
+
+        async def one(tenant: str, label: str, priority: int) -> None:
+            await client.generate(label, max_tokens=2, tenant=tenant, priority=priority)
+            ended.append(label)
+
+        queued = [asyncio.ensure_future(one(*r)) for r in requests]
+        await hold
+        await asyncio.gather(*queued)
+    return ended
+
+
+async def _until_running(client: AsyncClient) -> None:
+    deadline = time.monotonic() + 10
+    while (await client.stats()).models["echo"].running == 0:
+        assert time.monotonic() < deadline, "the holding request did not start"
+        await asyncio.sleep(0.01)
+
+
+def test_a_tenant_of_weight_three_starts_three_requests_for_one_of_weight_one(server: ServerProcess) -> None:
+    requests = [(KEY_A, f"a{i}", 0) for i in range(8)] + [(KEY_B, f"b{i}", 0) for i in range(8)]  # a's came first
+    ended = asyncio.run(_order_behind_a_hold(server.admin, requests))
+    assert sorted(ended) == sorted(label for _, label, _ in requests)
+    first = [label[0] for label in ended[:8]]
+    assert 5 <= first.count("b") <= 7, ended  # 3 : 1 while both wait (6 : 2); FIFO would start a's 8 first
+    assert [x for x in ended if x[0] == "a"] == [f"a{i}" for i in range(8)]  # a tenant's own: in order
+
+
+def test_priority_goes_first_but_only_up_to_the_tenants_ceiling(server: ServerProcess) -> None:
+    requests = [(KEY_A, "a0", 0), (KEY_A, "a1", 0), (KEY_A, "a-urgent", 50), (KEY_B, "b-urgent", 10),
+                ("", "local-urgent", 20)]
+    ended = asyncio.run(_order_behind_a_hold(server.admin, requests))
+    # local's ceiling is 100, b's 10; a's is 0, so its 50 counts as 0 and waits its turn
+    assert ended == ["local-urgent", "b-urgent", "a0", "a1", "a-urgent"]
+
+
+def test_limits_refuse_naming_the_limit_its_value_and_the_use(server: ServerProcess) -> None:
+    async def run() -> None:
+        async with AsyncClient(server.admin, timeout=60) as client:
+            hold = asyncio.ensure_future(client.generate("x" * HOLD_TOKENS, max_tokens=HOLD_TOKENS, tenant=KEY_C))
+            await _until_running(client)
+            queued = asyncio.ensure_future(client.generate("q", max_tokens=2, tenant=KEY_C))
+            await asyncio.sleep(0.2)
+            with pytest.raises(Busy, match=rf"tenant {KEY_C} has 1 requests queued, its max_queued \(1\), and 1 "
+                                           r"running, its max_running 1") as refused:
+                await client.generate("over", max_tokens=2, tenant=KEY_C)
+            assert refused.value.retry_after
+            await client.generate("other", max_tokens=2, tenant=KEY_A)  # another tenant passes it
+            await hold
+            await queued
+            with pytest.raises(Busy, match=rf"tenant {KEY_C} has used \d+ tokens \(prompt and generated\) in the "
+                                           r"last 60 s, its tokens_per_minute \(60\)") as refused:
+                await client.generate("more", max_tokens=2, tenant=KEY_C)
+            assert 0 < (refused.value.retry_after or 0) <= 60
+            figures = (await client.stats()).tenants[KEY_C]
+            assert figures.refusals == 2 and figures.requests == 2 and figures.generated_tokens == HOLD_TOKENS + 2
+            assert figures.queue_s > 0 and figures.running == figures.queued == 0
+
+    asyncio.run(run())
+
+
+def test_the_pending_cap_counts_each_tenant_the_gateway_names_apart(server: ServerProcess) -> None:
+    async def run() -> None:
+        async with AsyncClient(server.admin, timeout=60) as client:
+            hold = asyncio.ensure_future(client.generate("x" * HOLD_TOKENS, max_tokens=HOLD_TOKENS, tenant=KEY_A))
+            await _until_running(client)
+            filling = [asyncio.ensure_future(client.generate("f", max_tokens=2, tenant=KEY_A))
+                       for _ in range(PENDING - 1)]
+            await asyncio.sleep(0.2)
+            with pytest.raises(Busy, match=rf"tenant {KEY_A} has {PENDING} requests pending, the most one client"):
+                await client.generate("over", max_tokens=2, tenant=KEY_A)
+            assert (await client.generate("b", max_tokens=2, tenant=KEY_B)).text  # not refused for a's
+            await asyncio.gather(hold, *filling)
+
+    asyncio.run(run())
+
+
+def test_a_client_socket_request_is_its_connections_and_names_no_other_tenant(server: ServerProcess) -> None:
+    with Client(server.address, timeout=30) as client:
+        with pytest.raises(Forbidden, match="'tenant' is named only over the server's admin socket"):
+            client.generate("hi", max_tokens=2, tenant=KEY_B)
+        assert client.generate("hi", max_tokens=2, priority=100).text  # local's ceiling is 100
+        wait_for(lambda: client.stats().tenants.get("local", None), 5, "the local tenant's figures")
+        assert client.stats().tenants["local"].requests >= 1
