@@ -8,13 +8,16 @@ order they started. A long request holds the slot while the others queue; then t
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import httpx
 import pytest
 from conftest import ServerProcess
-from helpers import config_file, wait_for
+from helpers import config_file, free_port, http_up, wait_for
 
 from mpserve import AsyncClient, Client
 from mpserve.errors import Busy, Forbidden
@@ -24,6 +27,7 @@ pytestmark = pytest.mark.timeout(90)
 KEY_A = "key:" + "a" * 16
 KEY_B = "key:" + "b" * 16
 KEY_C = "key:" + "c" * 16
+FIRST = "key:" + hashlib.sha256(b"first-key").hexdigest()[:16]  # the tenant of the API key "first-key"
 TICK_MS = 5
 HOLD_TOKENS = 400  # the request that holds the slot: about 2 s
 PENDING = 10  # max_pending_per_client
@@ -132,3 +136,36 @@ def test_a_client_socket_request_is_its_connections_and_names_no_other_tenant(se
         assert client.generate("hi", max_tokens=2, priority=100).text  # local's ceiling is 100
         wait_for(lambda: client.stats().tenants.get("local", None), 5, "the local tenant's figures")
         assert client.stats().tenants["local"].requests >= 1
+
+
+def test_over_http_one_keys_requests_leave_every_other_key_served(tmp_path: Path) -> None:
+    """Two API keys on one gateway: the first fills the pending share (max_pending_per_client) with long streams;
+    its next request is 429 naming its tenant, with Retry-After, and the second key's request is served."""
+    port = free_port()
+    keys = tmp_path / "keys"
+    keys.write_text("first-key\nsecond-key\n")
+    config = config_file(tmp_path, "http", max_pending_per_client=3, models=[
+        {"name": "echo", "path": "echo", "echo_tick_ms": TICK_MS, "instances": 1, "parallel": 2}])
+    server = ServerProcess("--config", config, "--http", f"127.0.0.1:{port}", "--api-key-file", str(keys))
+    try:
+        server.wait_ready()
+        url = f"http://127.0.0.1:{port}"
+        wait_for(lambda: http_up(url), 30, "the gateway answers /health")
+
+        def post(key: str, max_tokens: int) -> httpx.Response:
+            return httpx.post(url + "/v1/completions", json={"prompt": "x" * max_tokens, "max_tokens": max_tokens},
+                              headers={"authorization": f"Bearer {key}"}, timeout=60)
+
+        with ThreadPoolExecutor(4) as pool, Client(server.admin) as admin:
+            long = [pool.submit(post, "first-key", HOLD_TOKENS) for _ in range(3)]
+            wait_for(lambda: FIRST in (t := admin.stats().tenants) and t[FIRST].requests == 3, 10,
+                     "the first key's 3 requests")
+            over = post("first-key", 2)
+            assert over.status_code == 429 and int(over.headers["retry-after"]) >= 1, over.text
+            assert f"tenant {FIRST} has 3 requests pending" in over.json()["error"]["message"]
+            served = post("second-key", 2)
+            assert served.status_code == 200, served.text
+            assert all(f.result().status_code == 200 for f in long)
+    finally:
+        server.stop()
+    assert not server.tracebacks(), "\n".join(server.log)

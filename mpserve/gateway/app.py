@@ -395,4 +395,5 @@ class _RequireKey:
                 body = messages_error(err) if scope["path"] == Messages.path else err.body()
                 await JSONResponse(body, err.status)(scope, receive, send)
                 return
+            scope.setdefault("state", {})["tenant"] = access.tenant(given.removeprefix(b"Bearer "))
         await self.app(scope, receive, send)

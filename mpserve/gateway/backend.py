@@ -1,6 +1,7 @@
 """The gateway's link to one mpserve server: an ``AsyncClient`` for requests and STATS, a second one on the
 server's admin socket for the operator's calls (/admin/, /slots: CONTROL and SLOT_ACTION, which the clients'
-socket refuses; ``mpserve.server.roles``), and, when the server runs on this host, its slot table.
+socket refuses; ``mpserve.server.roles``) and for the requests of callers with an API key (each names its key's
+tenant, which the broker takes on that socket only), and, when the server runs on this host, its slot table.
 
 The gateway may start before its server, outlive it, and see it restart: nothing here fails for good. The
 client connects on first use and tries again on each use until a server answers; the address is looked up
@@ -80,6 +81,12 @@ class Backend:
         async with self._lock:  # one connect at a time: AsyncClient.connect is not re-entrant
             self._client = await self._connected(self._client, self.address)
             return self._client
+
+    async def for_tenant(self, tenant: str) -> AsyncClient:
+        """The client a caller's generate requests go by: the default tenant's ("") on the clients' socket; a
+        keyed caller's on the admin socket, the one where the broker takes the ``tenant`` a request names (it
+        counts, queues and limits per tenant)."""
+        return await self.admin() if tenant else await self.client()
 
     async def admin(self) -> AsyncClient:
         """A connected client on the server's admin socket; raises ConnectionFailed while none answers."""

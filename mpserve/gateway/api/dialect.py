@@ -161,7 +161,8 @@ class Pipeline:
             body = await limits.read_json(request, self.read_timeout)
             limits.check_sizes(body)
             answer = dialect.parse(body, owner(request))
-            client = await self.backend.client()
+            tenant = getattr(request.state, "tenant", "")  # the API key's, where the gateway requires keys
+            client = await self.backend.for_tenant(tenant)
             model = answer.call.model or sole_model(client)
             answer.call = await self._prepared(answer.call, client, model)
         except MpserveError as exc:
@@ -178,13 +179,14 @@ class Pipeline:
         try:
             if call.stream:
                 stream = client.stream(call.prompt, model=call.model, request_id=request.state.request_id,
-                                       params=call.params)
+                                       params=call.params, tenant=tenant)
                 chunks = stream.__aiter__()  # submits the request on its first step
                 text = await unless_disconnected(request, first(chunks))
                 return EventStream(self._events(dialect, answer, reply, stream, chunks, text, started),
                                    call.headers())
             results = await unless_disconnected(request, client.choices(
-                call.prompt, model=call.model, request_id=request.state.request_id, params=call.params))
+                call.prompt, model=call.model, request_id=request.state.request_id, params=call.params,
+                tenant=tenant))
         except ClientGone:
             self.metrics.outcome(endpoint, ErrorCode.CANCELLED)
             return Response(status_code=204)  # nobody reads it

@@ -3,12 +3,14 @@ gateway reachable from the network has a key unless the user said ``--insecure``
 the ZeroMQ front). Checked at start, before anything listens.
 
     --api-key KEY, --api-key-file FILE ──▶ load_keys ──▶ app's key middleware (constant-time compare)
+                                                         └─▶ the caller's tenant, by the key's digest (``tenant``)
     --http HOST, keys, --insecure       ──▶ check_exposure (ConfigError: refused at start)
     --ssl-certfile, --ssl-keyfile       ──▶ check_tls ──▶ uvicorn (https)
 """
 
 from __future__ import annotations
 
+import hashlib
 import hmac
 import ipaddress
 from pathlib import Path
@@ -29,6 +31,12 @@ def load_keys(key: str | None, key_file: str | None) -> tuple[str, ...]:
             raise ConfigError(f"--api-key-file: {key_file} holds no key (one per line)")
         keys += found
     return tuple(keys)
+
+
+def tenant(key: bytes) -> str:
+    """The tenant an API key's caller is to the server: "key:" and the first 16 hex digits of the key's sha256 (the
+    server's ``tenants`` section names keys so; the key itself never leaves the gateway)."""
+    return "key:" + hashlib.sha256(key).hexdigest()[:16]
 
 
 def any_matches(given: bytes, expected: tuple[bytes, ...]) -> bool:
