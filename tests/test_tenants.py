@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import json
+import re
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -17,7 +19,7 @@ from pathlib import Path
 import httpx
 import pytest
 from conftest import ServerProcess
-from helpers import config_file, free_port, http_up, wait_for
+from helpers import config_file, free_port, http_up, mpserve, wait_for
 
 from mpserve import AsyncClient, Client
 from mpserve.errors import Busy, Forbidden
@@ -166,6 +168,20 @@ def test_over_http_one_keys_requests_leave_every_other_key_served(tmp_path: Path
             served = post("second-key", 2)
             assert served.status_code == 200, served.text
             assert all(f.result().status_code == 200 for f in long)
+        metrics = httpx.get(url + "/metrics", headers={"authorization": "Bearer second-key"}, timeout=10).text
+        assert f'mpserve_tenant_requests_total{{tenant="{FIRST}"}} 3.0' in metrics
+        assert f'mpserve_tenant_generated_tokens_total{{tenant="{FIRST}"}} {3.0 * HOLD_TOKENS}' in metrics
+        assert f'mpserve_tenant_running{{tenant="{FIRST}"}} 0.0' in metrics
     finally:
         server.stop()
     assert not server.tracebacks(), "\n".join(server.log)
+
+
+def test_status_shows_each_tenants_figures(server: ServerProcess) -> None:
+    asyncio.run(_order_behind_a_hold(server.admin, [(KEY_B, "b", 0)]))
+    shown = mpserve("status", "--server-name", server.name)
+    assert shown.returncode == 0, shown.stderr
+    line = next(line for line in shown.stdout.splitlines() if line.startswith(f"tenant {KEY_B}:"))
+    assert re.search(r": 0 running, 0 queued; \d+ requests, \d+ prompt and [1-9]\d* generated tokens", line), line
+    as_json = json.loads(mpserve("status", "--json", "--server-name", server.name).stdout)
+    assert as_json["tenants"][KEY_B]["generated_tokens"] >= 2 and as_json["tenants"]["local"]["requests"] >= 1
