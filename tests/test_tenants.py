@@ -18,6 +18,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+import zmq.auth
 from conftest import ServerProcess
 from helpers import config_file, free_port, http_up, mpserve, wait_for
 
@@ -185,3 +186,46 @@ def test_status_shows_each_tenants_figures(server: ServerProcess) -> None:
     assert re.search(r": 0 running, 0 queued; \d+ requests, \d+ prompt and [1-9]\d* generated tokens", line), line
     as_json = json.loads(mpserve("status", "--json", "--server-name", server.name).stdout)
     assert as_json["tenants"][KEY_B]["generated_tokens"] >= 2 and as_json["tenants"]["local"]["requests"] >= 1
+
+
+def test_on_curve_each_client_key_is_a_tenant_of_its_own(tmp_path: Path) -> None:
+    keys, allowed = tmp_path / "keys", tmp_path / "allowed"
+    allowed.mkdir()
+    for name in ("server", "alice", "bob"):
+        assert mpserve("keygen", str(keys), name).returncode == 0
+    for name in ("alice", "bob"):
+        (allowed / f"{name}.key").write_bytes((keys / f"{name}.key").read_bytes())
+    alice = zmq.auth.load_certificate(str(keys / "alice.key"))[0].decode()
+    address = f"tcp://127.0.0.1:{free_port()}"
+    config = config_file(tmp_path, "curve", models=[
+        {"name": "echo", "path": "echo", "echo_tick_ms": TICK_MS, "instances": 1, "parallel": 2}],
+        tenants={alice: {"max_running": 1, "max_queued": 0}})
+    server = ServerProcess("--config", config, "--bind", address, "--curve-secret", str(keys / "server.key_secret"),
+                           "--curve-clients", str(allowed))
+
+    def client(name: str) -> AsyncClient:
+        return AsyncClient(address, curve_server_key=str(keys / "server.key"),
+                           curve_secret=str(keys / f"{name}.key_secret"), timeout=60)
+
+    async def run() -> None:
+        async with client("alice") as a, client("bob") as b:
+            hold = asyncio.ensure_future(a.generate("x" * HOLD_TOKENS, max_tokens=HOLD_TOKENS))
+            await _until_running(a)
+            with pytest.raises(Busy, match=rf"tenant {re.escape(alice)} has 0 requests queued, its max_queued \(0\), "
+                                           r"and 1 running, its max_running 1"):
+                await a.generate("over", max_tokens=2)
+            with pytest.raises(Forbidden, match="'tenant' is named only over the server's admin socket"):
+                await a.generate("as bob", max_tokens=2, tenant=KEY_B)
+            assert (await b.generate("bob's", max_tokens=2)).usage.completion_tokens == 2  # the other slot
+            await hold
+            tenants = (await b.stats()).tenants
+            assert tenants[alice].requests == 1 and tenants[alice].refusals == 1
+            assert [t for t in tenants if t != alice and t != "local"] == [
+                zmq.auth.load_certificate(str(keys / "bob.key"))[0].decode()]
+
+    try:
+        server.wait_ready()
+        asyncio.run(run())
+    finally:
+        server.stop()
+    assert not server.tracebacks(), "\n".join(server.log)

@@ -518,8 +518,10 @@ class Broker:
     def _tenant(self, req: wire.Request, connection: str, admin: bool) -> str:
         """Whose ``req`` is: on the admin socket, the tenant it names (the gateway's caller); on the clients'
         socket, its connection's (a ``tenant`` naming another is refused)."""
-        if admin or req.tenant == connection:
+        if admin:
             return req.tenant
+        if req.tenant in ("", connection):
+            return connection
         raise Forbidden(f"'tenant' is named only over the server's admin socket (the gateway's); on this socket a "
                         f"request is its connection's, {shown(connection)}: leave 'tenant' out")
 
