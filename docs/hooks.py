@@ -273,7 +273,7 @@ CLIENT_MESSAGES = ("Request", "Cancel", "Ping", "StatsQuery", "Tokenize", "Contr
 ANSWERS = ("Chunk", "Chunks", "Done", "Error", "Pong", "Stats", "Tokens", "ControlReply", "Embeddings", "SlotReply")
 WORKER_LINK_MESSAGES = ("Ready", "Heartbeat", "Failed", "Unloaded", "Leaving", "Assign", "Assigns", "Stop", "Unload")
 NESTED = ("GenerateParams", "Usage", "Timings", "Logprobs", "ModelStats", "ModelScaling", "WorkerStats",
-          "ModelControl", "CacheChanges")
+          "TenantStats", "ModelControl", "CacheChanges")
 
 
 def message_classes() -> dict[str, type]:
