@@ -49,7 +49,7 @@ def shown(tenant: str) -> str:
     return "local" if tenant == LOCAL else tenant
 
 
-@dataclass
+@dataclass(slots=True)
 class _Queued:
     tenant: str
     priority: int
@@ -118,7 +118,10 @@ class FairQueue:
             return
         band = self._bands[entry.priority]
         line = band[entry.tenant]
-        line.remove(ticket)
+        if line[0] == ticket:  # the head, which starts
+            line.popleft()
+        else:
+            line.remove(ticket)
         if not line:
             del band[entry.tenant]
             if not band:
@@ -136,12 +139,21 @@ class FairQueue:
     def head(self, eligible: Callable[[str], bool] = lambda tenant: True) -> str | None:
         """The ticket that starts next: the highest band's first put back, else its tenants' by least virtual
         finish among those ``eligible`` says may start one more (None: none may)."""
-        for priority in sorted(self._bands.keys() | self._front.keys(), reverse=True):
+        bands = self._bands
+        priorities = sorted(bands.keys() | self._front.keys(), reverse=True) if self._front or len(bands) > 1 \
+            else bands.keys()
+        for priority in priorities:
             front = self._front.get(priority)
             if front:
                 return front[0]
+            band = bands[priority]
+            if len(band) == 1:  # one tenant waits in this band
+                tenant, line = next(iter(band.items()))
+                if eligible(tenant):
+                    return line[0]
+                continue
             best: tuple[float, int, str] | None = None
-            for tenant, line in self._bands[priority].items():
+            for tenant, line in band.items():
                 if not eligible(tenant):
                     continue
                 key = (self._finish[tenant], self._entries[line[0]].seq, line[0])
