@@ -229,3 +229,19 @@ def test_on_curve_each_client_key_is_a_tenant_of_its_own(tmp_path: Path) -> None
     finally:
         server.stop()
     assert not server.tracebacks(), "\n".join(server.log)
+
+
+def test_a_gateway_that_cannot_reach_the_admin_socket_serves_keys_as_its_own(server: ServerProcess,
+                                                                              tmp_path: Path) -> None:
+    """A keyed gateway whose server's admin socket it cannot reach (a remote server without --admin-connect) still
+    serves: its keys' requests go on the clients' socket, as one tenant."""
+    from gateway_thread import GatewayThread  # uvicorn and openai: loaded only by the tests that use it
+
+    gateway = GatewayThread(server_name=server.name, api_key="the-key", admin_connect=f"ipc://{tmp_path}/none")
+    try:
+        for _ in range(2):
+            answer = httpx.post(gateway.url + "/v1/completions", json={"prompt": "hi", "max_tokens": 2},
+                                headers={"authorization": "Bearer the-key"}, timeout=30)
+            assert answer.status_code == 200, answer.text
+    finally:
+        gateway.stop()

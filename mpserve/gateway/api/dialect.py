@@ -162,7 +162,7 @@ class Pipeline:
             limits.check_sizes(body)
             answer = dialect.parse(body, owner(request))
             tenant = getattr(request.state, "tenant", "")  # the API key's, where the gateway requires keys
-            client = await self.backend.for_tenant(tenant)
+            client, tenant = await self.backend.for_tenant(tenant)
             model = answer.call.model or sole_model(client)
             answer.call = await self._prepared(answer.call, client, model)
         except MpserveError as exc:
