@@ -55,6 +55,7 @@ class _Queued:
     priority: int
     cost: float  # estimated slot-seconds
     seq: int  # arrival order, for ties
+    back: bool  # put back (``requeue``): first in its band, not charged again
 
 
 class FairQueue:
@@ -87,21 +88,21 @@ class FairQueue:
 
     def append(self, ticket: str, tenant: str = LOCAL, priority: int = 0, cost: float = 1.0) -> None:
         """Queue ``ticket`` behind its tenant's others of its priority."""
-        self._add(ticket, tenant, priority, cost)
+        self._add(ticket, tenant, priority, cost, False)
         self._bands.setdefault(priority, {}).setdefault(tenant, deque()).append(ticket)
 
     def requeue(self, ticket: str, tenant: str = LOCAL, priority: int = 0, cost: float = 1.0) -> None:
         """Queue ``ticket`` first in its band (behind those put back before it): it had started, and lost its
         slot. Not charged again when it starts."""
-        self._add(ticket, tenant, priority, cost)
+        self._add(ticket, tenant, priority, cost, True)
         self._front.setdefault(priority, deque()).append(ticket)
 
     def oldest(self) -> str:
         """The ticket queued longest ago (put back: when it came back)."""
         return next(iter(self._entries))
 
-    def _add(self, ticket: str, tenant: str, priority: int, cost: float) -> None:
-        self._entries[ticket] = _Queued(tenant, priority, cost, next(self._seq))
+    def _add(self, ticket: str, tenant: str, priority: int, cost: float, back: bool) -> None:
+        self._entries[ticket] = _Queued(tenant, priority, cost, next(self._seq), back)
         waiting = self._waiting.get(tenant, 0)
         if not waiting:  # it begins to wait: from now, not from when it was last served
             self._finish[tenant] = max(self._finish.get(tenant, 0.0), self._clock)
@@ -109,32 +110,22 @@ class FairQueue:
 
     def remove(self, ticket: str) -> None:
         """Take ``ticket`` out (cancelled, timed out, refused); not charged."""
-        entry = self._take(ticket)
-        front = self._front.get(entry.priority)
-        if front is not None and ticket in front:
-            front.remove(ticket)
-            if not front:
-                del self._front[entry.priority]
-            return
-        band = self._bands[entry.priority]
-        line = band[entry.tenant]
-        if line[0] == ticket:  # the head, which starts
-            line.popleft()
-        else:
-            line.remove(ticket)
-        if not line:
-            del band[entry.tenant]
-            if not band:
-                del self._bands[entry.priority]
-
-    def _take(self, ticket: str) -> _Queued:
         entry = self._entries.pop(ticket)
-        left = self._waiting[entry.tenant] - 1
+        tenant, priority = entry.tenant, entry.priority
+        left = self._waiting[tenant] - 1
         if left:
-            self._waiting[entry.tenant] = left
+            self._waiting[tenant] = left
         else:
-            del self._waiting[entry.tenant]
-        return entry
+            del self._waiting[tenant]
+        if entry.back:
+            if _emptied(self._front[priority], ticket):
+                del self._front[priority]
+            return
+        band = self._bands[priority]
+        if _emptied(band[tenant], ticket):
+            del band[tenant]
+            if not band:
+                del self._bands[priority]
 
     def head(self, eligible: Callable[[str], bool] = lambda tenant: True) -> str | None:
         """The ticket that starts next: the highest band's first put back, else its tenants' by least virtual
@@ -166,13 +157,15 @@ class FairQueue:
     def pop(self, ticket: str) -> None:
         """``ticket`` (the head) starts: its tenant's finish advances by its cost, the clock to its start."""
         entry = self._entries[ticket]
-        front = self._front.get(entry.priority)
-        if front is None or ticket not in front:
-            start = self._finish[entry.tenant]
-            self._clock = max(self._clock, start)
-            self._finish[entry.tenant] = start + entry.cost / self._weight(entry.tenant)
+        if not entry.back:
+            tenant = entry.tenant
+            start = self._finish[tenant]
+            if start > self._clock:
+                self._clock = start
+            self._finish[tenant] = start + entry.cost / self._weight(tenant)
         self.remove(ticket)
-        self._forget_idle()
+        if len(self._finish) > 2 * len(self._waiting) + 64:
+            self._forget_idle()
 
     def charge(self, tenant: str, seconds: float) -> None:
         """A request of ``tenant`` ended: it used ``seconds`` more slot time than its cost said (less if
@@ -183,8 +176,16 @@ class FairQueue:
     def _forget_idle(self) -> None:
         """Forget the finish of tenants that wait for nothing and whose finish the clock has passed: they start from
         the clock when they wait again anyway."""
-        if len(self._finish) > 2 * len(self._waiting) + 64:
-            self._finish = {t: f for t, f in self._finish.items() if f > self._clock or t in self._waiting}
+        self._finish = {t: f for t, f in self._finish.items() if f > self._clock or t in self._waiting}
+
+
+def _emptied(line: deque[str], ticket: str) -> bool:
+    """Take ``ticket`` out of ``line``; whether that emptied it."""
+    if line[0] == ticket:  # the head, which starts
+        line.popleft()
+    else:
+        line.remove(ticket)
+    return not line
 
 
 @dataclass
