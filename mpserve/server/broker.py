@@ -553,8 +553,9 @@ class Broker:
         if refusal is not None:
             raise BadRequest(refusal)
         now = time.monotonic()
-        would_wait = bool(mq.queue) or len(mq.free) < n or not self.ledger.may_start(tenant, n)
-        self.ledger.admit(tenant, sum(q.queue.waiting(tenant) for q in self.models.values()), would_wait, now)
+        if self.ledger.limited(tenant):
+            would_wait = bool(mq.queue) or len(mq.free) < n or not self.ledger.may_start(tenant, n)
+            self.ledger.admit(tenant, sum(q.queue.waiting(tenant) for q in self.models.values()), would_wait, now)
         priority = self.ledger.priority(tenant, req.priority)
         if req.tenant != tenant or req.priority != priority:  # what the worker and routing see is what holds
             req = msgspec.structs.replace(req, tenant=tenant, priority=priority)
@@ -575,8 +576,9 @@ class Broker:
         self.stats["accepted"] += 1
         self.ledger.accepted(tenant)
         mq.queue.append(tickets[0], tenant, priority, cost * n)
-        log.debug("request %s of %s (tenant %s, priority %d): queued, %d waiting", req.id, model, shown(tenant),
-                  priority, len(mq.queue))
+        if log.isEnabledFor(logging.DEBUG):
+            log.debug("request %s of %s (tenant %s, priority %d): queued, %d waiting", req.id, model, shown(tenant),
+                      priority, len(mq.queue))
         self._dispatch(model)
 
     def _too_many_choices(self, mq: ModelQueue, n: int) -> str | None:
@@ -1107,7 +1109,7 @@ class Broker:
             return
         mq = self.models[model]
         while mq.queue and mq.free:
-            ticket = mq.queue.head(self.ledger.may_start)
+            ticket = mq.queue.head(self.ledger.eligible)
             if ticket is None:  # every tenant waiting is at its max_running
                 break
             p = self.requests[ticket]
@@ -1135,7 +1137,7 @@ class Broker:
             for model in models:
                 mq = self.models[model]
                 while mq.queue and self.residency.allows(device, model):
-                    ticket = mq.queue.head(self.ledger.may_start)
+                    ticket = mq.queue.head(self.ledger.eligible)
                     if ticket is None:
                         break
                     p = self.requests[ticket]

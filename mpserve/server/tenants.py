@@ -63,6 +63,7 @@ class FairQueue:
 
     def __init__(self, weight: Callable[[str], float] = lambda tenant: 1.0) -> None:
         self._weight = weight
+        self._weights: dict[str, float] = {}  # tenant -> its weight, taken when it begins to wait
         self._entries: dict[str, _Queued] = {}
         self._front: dict[int, deque[str]] = {}  # priority -> tickets put back, first in their band
         self._bands: dict[int, dict[str, deque[str]]] = {}  # priority -> tenant -> its tickets, in arrival order
@@ -106,6 +107,7 @@ class FairQueue:
         waiting = self._waiting.get(tenant, 0)
         if not waiting:  # it begins to wait: from now, not from when it was last served
             self._finish[tenant] = max(self._finish.get(tenant, 0.0), self._clock)
+            self._weights[tenant] = self._weight(tenant)
         self._waiting[tenant] = waiting + 1
 
     def remove(self, ticket: str) -> None:
@@ -127,25 +129,27 @@ class FairQueue:
             if not band:
                 del self._bands[priority]
 
-    def head(self, eligible: Callable[[str], bool] = lambda tenant: True) -> str | None:
+    def head(self, eligible: Callable[[str], bool] | None = None) -> str | None:
         """The ticket that starts next: the highest band's first put back, else its tenants' by least virtual
-        finish among those ``eligible`` says may start one more (None: none may)."""
+        finish among those ``eligible`` says may start one more (None: any may); None if none may."""
         bands = self._bands
-        priorities = sorted(bands.keys() | self._front.keys(), reverse=True) if self._front or len(bands) > 1 \
-            else bands.keys()
-        for priority in priorities:
+        if not self._front and len(bands) == 1:  # the common case: one band
+            band = next(iter(bands.values()))
+            if len(band) == 1 and eligible is None:  # and one tenant waits in it
+                return next(iter(band.values()))[0]
+        for priority in sorted(bands.keys() | self._front.keys(), reverse=True):
             front = self._front.get(priority)
             if front:
                 return front[0]
             band = bands[priority]
             if len(band) == 1:  # one tenant waits in this band
                 tenant, line = next(iter(band.items()))
-                if eligible(tenant):
+                if eligible is None or eligible(tenant):
                     return line[0]
                 continue
             best: tuple[float, int, str] | None = None
             for tenant, line in band.items():
-                if not eligible(tenant):
+                if eligible is not None and not eligible(tenant):
                     continue
                 key = (self._finish[tenant], self._entries[line[0]].seq, line[0])
                 if best is None or key < best:
@@ -162,7 +166,7 @@ class FairQueue:
             start = self._finish[tenant]
             if start > self._clock:
                 self._clock = start
-            self._finish[tenant] = start + entry.cost / self._weight(tenant)
+            self._finish[tenant] = start + entry.cost / self._weights[tenant]
         self.remove(ticket)
         if len(self._finish) > 2 * len(self._waiting) + 64:
             self._forget_idle()
@@ -171,12 +175,13 @@ class FairQueue:
         """A request of ``tenant`` ended: it used ``seconds`` more slot time than its cost said (less if
         negative)."""
         if tenant in self._finish:
-            self._finish[tenant] += seconds / self._weight(tenant)
+            self._finish[tenant] += seconds / self._weights[tenant]
 
     def _forget_idle(self) -> None:
         """Forget the finish of tenants that wait for nothing and whose finish the clock has passed: they start from
         the clock when they wait again anyway."""
         self._finish = {t: f for t, f in self._finish.items() if f > self._clock or t in self._waiting}
+        self._weights = {t: w for t, w in self._weights.items() if t in self._finish}
 
 
 def _emptied(line: deque[str], ticket: str) -> bool:
@@ -200,8 +205,17 @@ class Ledger:
     """Every tenant's running requests, tokens of the last minute, and figures; the limits checked against them."""
 
     def __init__(self, tenants: Tenants | None) -> None:
-        self.tenants = tenants
         self._accounts: dict[str, _Account] = {}
+        self.configure(tenants)
+
+    def configure(self, tenants: Tenants | None) -> None:
+        """Take the ``tenants`` section (at start, or a new one): weights apply to tenants as they begin to wait,
+        ceilings and limits to the next request."""
+        self.tenants = tenants
+        capped = tenants is not None and any(
+            s.max_running is not None for s in (tenants.default, *tenants.declared.values()))
+        # what ``FairQueue.head`` asks whether a tenant may start one more; None: no tenant has a max_running
+        self.eligible: Callable[[str], bool] | None = self.may_start if capped else None
 
     def settings(self, tenant: str) -> Tenant:
         return self.tenants.of(tenant) if self.tenants is not None else UNCAPPED
@@ -214,7 +228,15 @@ class Ledger:
         return self.settings(tenant).weight
 
     def _account(self, tenant: str) -> _Account:
-        return self._accounts.setdefault(tenant, _Account())
+        account = self._accounts.get(tenant)
+        if account is None:
+            account = self._accounts[tenant] = _Account()
+        return account
+
+    def limited(self, tenant: str) -> bool:
+        """Whether ``tenant`` has a limit ``admit`` checks."""
+        settings = self.settings(tenant)
+        return settings.max_queued is not None or settings.tokens_per_minute is not None
 
     def running(self, tenant: str) -> int:
         account = self._accounts.get(tenant)
