@@ -113,6 +113,7 @@ async def ttfts(client: AsyncClient, setup: Setup, label: str) -> tuple[list[flo
 async def isolation(address: str, setup: Setup) -> tuple[float, float, int, int]:
     """The other tenant's median TTFT idle and under the flood, its refusals, and the flood's requests done."""
     async with AsyncClient(address, timeout=3600) as client:
+        await ttfts(client, setup, "warm-up")  # every instance past its first requests
         idle, _ = await ttfts(client, setup, "idle")
         flood = [asyncio.ensure_future(client.generate(f"flood {i}", max_tokens=setup.tokens, temperature=0,
                                                         ignore_eos=True, tenant=FLOODER)) for i in range(FLOOD)]
