@@ -284,7 +284,7 @@ ANSWERS = ("Chunk", "Chunks", "Done", "Error", "Pong", "Stats", "Tokens", "Contr
 WORKER_LINK_MESSAGES = ("Ready", "Heartbeat", "Failed", "Unloaded", "Leaving", "Assign", "Assigns", "Stop", "Unload",
                         "AdapterAction", "AdapterReply")
 NESTED = ("GenerateParams", "Usage", "Timings", "Logprobs", "ModelStats", "ModelScaling", "WorkerStats",
-          "ModelControl", "CacheChanges")
+          "TenantStats", "ModelControl", "CacheChanges")
 
 
 def message_classes() -> dict[str, type]:

@@ -470,8 +470,8 @@ def status(
                                              help=settings.BY_KEY["server_name"].help_text())] = "default",
     curve_server_key: CurveServerKeyOption = None, curve_secret: CurveSecretOption = None,
 ) -> None:
-    """Show the slot table of a running server (read from shared memory, no request needed), and the
-    instances that remote pools registered with it."""
+    """Show the slot table of a running server (read from shared memory, no request needed), the instances that
+    remote pools registered with it, and each tenant's figures (its busiest by name, the rest as other)."""
     with _errors():
         info = ServerInfo.read(server_name)
         if info is None or not info.alive():
@@ -484,11 +484,13 @@ def status(
                 stats = _broker_stats(info, curve) if remote and info.role == "broker" else None
                 pools = [w for w in stats.workers if w.host] if stats is not None else []
                 scaled = {name: m.scaling for name, m in stats.models.items()} if stats is not None else {}
+                tenants = stats.tenants if stats is not None else {}
                 if as_json:
                     print(json.dumps({"server": info.name, "pid": info.pid, "address": info.front,
                                       "slots": [_row_json(r) for r in rows],
                                       "remote": [msgspec.structs.asdict(w) for w in pools],
-                                      "scaling": {name: vars(sc) for name, sc in scaled.items()}}))
+                                      "scaling": {name: vars(sc) for name, sc in scaled.items()},
+                                      "tenants": {name: asdict(t) for name, t in tenants.items()}}))
                 else:
                     if watch:
                         sys.stdout.write("\033[H\033[2J")
@@ -501,6 +503,11 @@ def status(
                     for w in pools:
                         print(f"remote  {w.worker}  host {w.host}  pid {w.pid}  {w.model}  "
                               f"{'cpu' if w.device < 0 else f'gpu{w.device}'}  running {w.running}/{w.capacity}")
+                    for name, t in sorted(tenants.items(), key=lambda item: -item[1].requests):
+                        print(f"tenant {name}: {t.running} running, {t.queued} queued; {t.requests} requests, "
+                              f"{t.prompt_tokens} prompt and {t.generated_tokens} generated tokens, "
+                              f"{t.queue_s:.1f} s queued, {t.refusals} refused over a limit, {t.preemptions} "
+                              "preempted")
                 if not watch:
                     return
                 time.sleep(interval)

@@ -45,7 +45,10 @@ class CodeInfo:
 CODES: dict[ErrorCode, CodeInfo] = {
     ErrorCode.BAD_REQUEST: CodeInfo(400, False, "invalid parameters, duplicate id, prompt longer than the context"),
     ErrorCode.UNKNOWN_MODEL: CodeInfo(404, False, "the model is not served; the message lists those that are"),
-    ErrorCode.BUSY: CodeInfo(429, True, "the model's queue is full; `retry_after` suggests when to retry"),
+    ErrorCode.BUSY: CodeInfo(429, True, "the model's queue is full, or the caller's tenant is at one of its limits "
+                                        "(`max_queued`, `tokens_per_minute`, `max_pending_per_client`), which the "
+                                        "message names with its value and the use; `retry_after` suggests when to "
+                                        "retry"),
     ErrorCode.TIMEOUT: CodeInfo(504, True, "the request's `timeout` passed, queued or running"),
     ErrorCode.CANCELLED: CodeInfo(500, False, "cancelled by the client"),
     ErrorCode.WORKER_LOST: CodeInfo(502, True, "the instance died after it had streamed text without reporting "
@@ -72,7 +75,8 @@ CODES: dict[ErrorCode, CodeInfo] = {
     ErrorCode.PROTOCOL: CodeInfo(400, False, "a malformed message"),
     ErrorCode.FORBIDDEN: CodeInfo(403, False, "an operator's call (CONTROL, SLOT_ACTION) sent without the admin "
                                               "credential: the admin socket (`admin_bind`), or over CURVE a key in "
-                                              "`curve_admins`"),
+                                              "`curve_admins`; or a request on the clients' socket naming a "
+                                              "`tenant` other than its connection's"),
     ErrorCode.CONFIG: CodeInfo(500, False, "a bad setting: file, key, value and what is allowed (at start)"),
     ErrorCode.INTERNAL: CodeInfo(500, False, "a bug or a llama.cpp failure; the server log has the details"),
 }
@@ -149,7 +153,8 @@ class ProtocolError(MpserveError):
 
 
 class Forbidden(MpserveError):
-    """An operator's call on the clients' socket: only the admin socket takes it."""
+    """An operator's call on the clients' socket: only the admin socket takes it; or a request there that names
+    another tenant than its connection's."""
 
     code = ErrorCode.FORBIDDEN
 

@@ -85,6 +85,15 @@ def test_the_soak_runs_its_mixed_load_and_checks_its_invariants() -> None:
         assert row in run.stdout, run.stdout
 
 
+@pytest.mark.timeout(120)
+def test_the_tenants_bench_prints_each_target_with_its_figure() -> None:
+    run = subprocess.run([sys.executable, "-m", "bench.tenants", "--quick", "--seconds", "5"], cwd=REPO,
+                         capture_output=True, text=True, timeout=110)
+    assert run.returncode == 0, run.stdout + run.stderr
+    targets = [line for line in run.stdout.splitlines() if line.startswith("target: ")]
+    assert len(targets) == 3 and all(line.endswith(("met: yes", "met: no")) for line in targets), run.stdout
+
+
 @pytest.mark.timeout(90)
 def test_a_bench_killed_mid_run_leaves_no_server_behind(tmp_path: Path) -> None:
     """A bench killed (as a test's timeout kills it) takes its servers with it: none weighs on what runs next."""

@@ -5,4 +5,5 @@
     sizes         memory sizes as settings write them ("24GiB") read into bytes
     kv_types      llama.cpp's KV cache types: names, ggml ids, bytes per element
     speculative   a model's speculative decoding setting
+    tenants       the tenants section: each tenant's weight, priority ceiling and limits
 """

@@ -38,6 +38,7 @@ from mpserve.config import settings, speculative
 from mpserve.config.kv_types import DEFAULT_KV_TYPE, KV_TYPES
 from mpserve.config.sizes import parse_memory
 from mpserve.config.speculative import Speculative
+from mpserve.config.tenants import Tenants, parse_tenants
 from mpserve.errors import ConfigError
 from mpserve.models import sources, templates
 from mpserve.models.builtin import builtin_model_path
@@ -131,6 +132,7 @@ class ServerConfig:
     curve_workers: str | None = None  # folder of allowed remote workers' public keys
     worker_models: dict[str, tuple[str, ...]] | None = None  # key name in curve_workers -> the models it may serve
     curve_admins: str | None = None  # folder of operators' public keys (a tcp admin_bind)
+    tenants: Tenants | None = None  # None: no section, nothing capped (mpserve.config.tenants)
     insecure: bool = False
     heartbeat_interval: float = 1.0
     heartbeat_liveness: int = 5  # a remote worker silent for interval × liveness is lost
@@ -310,6 +312,8 @@ def _server_conversions(values: dict[str, Any], source: str) -> dict[str, Any]:
         out["ram_budget"] = _bytes(out["ram_budget"], f"{source}: ram_budget", parse_memory)
     if "worker_models" in out:
         out["worker_models"] = _worker_models(out["worker_models"], f"{source}: worker_models")
+    if "tenants" in out:
+        out["tenants"] = parse_tenants(out["tenants"], f"{source}: tenants")
     if out.get("gpu_mode", "shared") not in _GPU_MODES:
         raise ConfigError(f"{source}: gpu_mode: got {out['gpu_mode']!r}, allowed: {', '.join(_GPU_MODES)}")
     if out.get("start_method", "fork") not in _START_METHODS:

@@ -201,6 +201,11 @@ SETTINGS: tuple[Setting, ...] = (
        "The models a remote pool's key may serve, {KEY: [MODEL, ...]}, KEY the name of its public key file in "
        "curve_workers (KEY.key); a READY for another model is refused, naming the key and the model; a key not "
        "named may serve any model", flag=None, env=None),
+    _s("tenants", "server", dict, "none: one share, no limits, any priority",
+       "Who the broker tells apart and each one's share and limits, {TENANT: {weight, max_priority, max_running, "
+       "max_queued, tokens_per_minute}}, TENANT an API key's digest (key: and the first 16 hex digits of its "
+       "sha256), a CURVE client's public key, local, or default for every other (mpserve.config.tenants)",
+       flag=None, env=None),
     _s("curve_admins", "server", str, "none", "Folder of operators' public .key files: the only keys a tcp "
        "--admin-bind accepts (client keys may generate, not administer)"),
     _s("insecure", "server", bool, "false", "Allow a network --bind without CURVE keys, or a network --http "

@@ -1,6 +1,7 @@
 """The gateway's link to one mpserve server: an ``AsyncClient`` for requests and STATS, a second one on the
 server's admin socket for the operator's calls (/admin/, /slots: CONTROL and SLOT_ACTION, which the clients'
-socket refuses; ``mpserve.server.roles``), and, when the server runs on this host, its slot table.
+socket refuses; ``mpserve.server.roles``) and for the requests of callers with an API key (each names its key's
+tenant, which the broker takes on that socket only), and, when the server runs on this host, its slot table.
 
 The gateway may start before its server, outlive it, and see it restart: nothing here fails for good. The
 client connects on first use and tries again on each use until a server answers; the address is looked up
@@ -14,6 +15,7 @@ parse.
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import time
 from dataclasses import dataclass
@@ -27,10 +29,13 @@ from mpserve.wire import protocol as wire
 from mpserve.wire.protocol import ChatTemplate
 from mpserve.wire.slots import SlotRow, SlotTable
 
+log = logging.getLogger("mpserve.gateway")
+
 CONNECT_TIMEOUT_S = 2.0
 STATS_TIMEOUT_S = 2.0
 TEMPLATE_TTL_S = 30.0  # how long a model's chat template is used before the broker is asked again ...
 NO_TEMPLATE_TTL_S = 2.0  # ... and how long "none yet" is (an instance may be loading the model)
+NO_ADMIN_RETRY_S = 30.0  # how long keyed callers' requests go to the clients' socket once the admin one failed
 
 
 @dataclass(frozen=True)
@@ -59,6 +64,8 @@ class Backend:
         self._admin: AsyncClient | None = None
         self._lock = asyncio.Lock()
         self._templates: dict[str, tuple[ChatTemplate, float]] = {}  # model -> its template, when asked
+        self._said_no_admin = False  # that keyed callers' requests cannot go to the admin socket
+        self._no_admin_until = 0.0  # monotonic: until then they go to the clients' socket without trying it
 
     @property
     def address(self) -> str:
@@ -80,6 +87,23 @@ class Backend:
         async with self._lock:  # one connect at a time: AsyncClient.connect is not re-entrant
             self._client = await self._connected(self._client, self.address)
             return self._client
+
+    async def for_tenant(self, tenant: str) -> tuple[AsyncClient, str]:
+        """The client a caller's generate requests go by, and the tenant they name: the default tenant's ("")
+        on the clients' socket; a keyed caller's on the admin socket, the one where the broker takes the
+        ``tenant`` a request names (it counts, queues and limits per tenant). A server whose admin socket the
+        gateway cannot reach (a remote one without ``--admin-connect``) gets them on the clients' socket, as the
+        gateway's own, for NO_ADMIN_RETRY_S before it is tried again; said once in the log."""
+        if tenant and time.monotonic() >= self._no_admin_until:
+            try:
+                return await self.admin(), tenant
+            except ConnectionFailed as exc:
+                self._no_admin_until = time.monotonic() + NO_ADMIN_RETRY_S
+                if not self._said_no_admin:
+                    self._said_no_admin = True
+                    log.warning("requests of API keys go to the server as the gateway's own, one tenant (give the "
+                                "gateway --admin-connect to have them counted per key): %s", exc)
+        return await self.client(), ""
 
     async def admin(self) -> AsyncClient:
         """A connected client on the server's admin socket; raises ConnectionFailed while none answers."""

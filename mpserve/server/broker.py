@@ -2,7 +2,7 @@
 
     clients ──DEALER──▶ front ROUTER ─┐                  ┌─ back ROUTER ◀──DEALER── workers
                                       ▼                  ▲
-    validate ─▶ per-model FIFO queue ─▶ assign to a free slot of that model (the one whose last prompt
+    validate ─▶ per-model queue ───────▶ assign to a free slot of that model (the one whose last prompt
                                         shares the longest prefix, or whose instance's host store holds
                                         it, as its DONEs' CACHE frames said; else one of the least busy
                                         instance)
@@ -13,6 +13,11 @@
         ASSIGNs of one turn       ──▶ per worker, gathered and sent as one ASSIGNS (``flush``, at the end
                                       of each drain and of each loop turn; before anything else sent to
                                       that worker)
+
+    tenants ─▶ each request is its tenant's: on the clients' socket its connection's (a CURVE client's key; "" on
+               ipc), on the admin socket the ``tenant`` the gateway names; counted, queued and limited per tenant
+               (``mpserve.server.tenants``: priority, then weighted fair shares of slot time; max_running passes a
+               tenant over, max_queued and tokens_per_minute refuse, ERROR ``busy`` naming the limit)
 
     n choices ─▶ n rows in ``requests``, one per choice (seeded seed, seed+1, …), queued as one: it starts once
                 n slots of one instance are free, all n together (``routing.choose_slots``); each choice's
@@ -96,10 +101,12 @@ import msgspec
 import zmq
 import zmq.auth
 
+from mpserve.config.tenants import Tenants
 from mpserve.errors import (
     BadRequest,
     Busy,
     ErrorCode,
+    Forbidden,
     ModelFailed,
     MpserveError,
     ProtocolError,
@@ -126,6 +133,7 @@ from .routing import (
     describe_exit,
 )
 from .state import Lost, ModelQueue, Pending, RequestState, WorkerEntry
+from .tenants import FairQueue, Ledger, shown
 
 log = logging.getLogger("mpserve.broker")
 
@@ -152,8 +160,8 @@ class Broker:
                  heartbeat_liveness: int = 5, embedding_models: frozenset[str] = frozenset(),
                  admin_addr: str | None = None, curve_admins: str | None = None,
                  no_instance_timeout: float = unserved.DEFAULT_TIMEOUT_S,
-                 chat_templates: dict[str, str] | None = None, pool_keys: dict[str, PoolKey] | None = None
-                 ) -> None:
+                 chat_templates: dict[str, str] | None = None, pool_keys: dict[str, PoolKey] | None = None,
+                 tenants: Tenants | None = None) -> None:
         """``models``: name -> max queue length. ``client_timeout``: a client with pending requests that
         sends nothing for this long is taken as gone and its requests are cancelled (clients ping every
         second while they wait). ``curve_secret``: the server's CURVE secret-key file for the front.
@@ -167,7 +175,8 @@ class Broker:
         ``chat_templates``: the template each model
         is served with by the server's configuration (``layout.served_template``), which a remote pool's must equal
         (``mpserve.server.chat``); a model not in it takes no pool's. ``pool_keys``: the remote pools' keys whose
-        models are limited (``mpserve.server.pool_keys``), by their public key in Z85."""
+        models are limited (``mpserve.server.pool_keys``), by their public key in Z85.
+        ``tenants``: the ``tenants`` section (``mpserve.server.tenants``; None: one share, no limits)."""
         self.embedding_models = embedding_models
         self.chat_templates = chat_templates or {}
         self.pool_keys = pool_keys or {}
@@ -183,7 +192,9 @@ class Broker:
         self.back.setsockopt(zmq.HEARTBEAT_IVL, int(heartbeat_interval * 1000))
         self.back.setsockopt(zmq.HEARTBEAT_TIMEOUT, int(heartbeat_interval * heartbeat_liveness * 1000))
         self.link_secret = link.new_secret()  # the proof of the workers the server starts (``Supervisor``)
-        self.models = {name: ModelQueue(name, max_queue) for name, max_queue in models.items()}
+        self.ledger = Ledger(tenants)
+        self.front_keyed = curve_secret is not None  # a client's tenant is the CURVE key it proved
+        self.models = {name: self.new_queue(name, max_queue) for name, max_queue in models.items()}
         self.requests: dict[str, Pending] = {}
         self.by_client: dict[tuple[bytes, str], str] = {}
         self.workers: dict[bytes, WorkerEntry] = {}
@@ -197,6 +208,7 @@ class Broker:
         self.no_instance_timeout = no_instance_timeout
         self._heard: dict[bytes, float] = {}  # clients with pending requests -> last message time
         self._owned: dict[bytes, int] = {}  # clients -> number of pending requests
+        self._capped: dict[bytes, int] = {}  # pending requests per client, or per tenant the gateway named
         self._deadlines: list[tuple[float, str]] = []
         self._assigns: dict[bytes, list[bytes]] = {}  # worker -> packed ASSIGNs not sent yet (``flush``)
         self._undelivered: set[bytes] = set()  # remote workers an ASSIGN could not be sent to (``expire_workers``)
@@ -209,13 +221,20 @@ class Broker:
         self.scaling_of: Callable[[str], wire.ModelScaling] = lambda model: wire.ModelScaling()  # for STATS
         self.loading: Callable[[str], bool] = lambda model: False  # an instance of the model is starting
 
+    def new_queue(self, name: str, max_queue: int) -> ModelQueue:
+        """The queue of a model, its tenants weighted by their settings."""
+        return ModelQueue(name, max_queue, FairQueue(self.ledger.weight))
+
     # --- the event sources -------------------------------------------------------------------
 
     def drain_front(self) -> None:
         for _ in range(DRAIN_BATCH):
             if not zmqio.readable(self.front):
                 break
-            self._from_client(zmqio.recv(self.front, zmqio.NOBLOCK))
+            if self.front_keyed:  # the key each client proved is its tenant
+                self._from_client(*zmqio.recv_keyed(self.front, zmqio.NOBLOCK))
+            else:
+                self._from_client(zmqio.recv(self.front, zmqio.NOBLOCK))
         self.flush()
 
     def drain_admin(self) -> None:
@@ -224,7 +243,7 @@ class Broker:
             if not zmqio.readable(self.admin):
                 break
             frames = zmqio.recv(self.admin, zmqio.NOBLOCK)
-            self._from_client([roles.admin_client(frames[0]), *frames[1:]], admin=True)
+            self._from_client([roles.admin_client(frames[0]), *frames[1:]], "", admin=True)
         self.flush()
 
     def drain_back(self) -> None:
@@ -374,7 +393,7 @@ class Broker:
     def _after_loss(self, p: Pending, what: str, crashed: bool) -> None:
         """Settle one request of a worker that died or stalled: requeue it first in line (from its streamed
         tokens, if any), or fail it; a request of a failed model ends ``model_failed``."""
-        p.worker = None
+        self._left_slot(p)
         if p.answered:
             self._finish(p)
             return
@@ -404,7 +423,7 @@ class Broker:
             log.info("%s request %s: %s", f"resuming after {len(p.generated) // 4} tokens" if resumed
                      else "retrying", p.request.id, what)
             p.state = RequestState.QUEUED
-            mq.queue.appendleft(p.ticket)
+            mq.queue.requeue(p.ticket, p.tenant, p.priority, p.cost)
 
     def model_failed(self, model: str, message: str) -> None:
         """The supervisor gave up loading ``model`` (``message``: the load error)."""
@@ -414,8 +433,9 @@ class Broker:
         """The model serves nothing more: its queued requests, and those of its workers that die from now on,
         end ``model_failed``, and new ones are refused; ``reason`` follows "model NAME " in the message."""
         mq.failed = reason
-        while mq.queue:
-            self._answer_error(self.requests[mq.queue.popleft()], ErrorCode.MODEL_FAILED, mq.refusal())
+        for ticket in mq.queue:
+            mq.queue.remove(ticket)
+            self._answer_error(self.requests[ticket], ErrorCode.MODEL_FAILED, mq.refusal())
 
     def drain(self, identity: bytes) -> None:
         """Scale down: the worker gets no new request; once it runs none it is told to STOP (``on_drained``)."""
@@ -455,7 +475,8 @@ class Broker:
 
     # --- clients -------------------------------------------------------------------------------
 
-    def _from_client(self, frames: list[bytes], admin: bool = False) -> None:
+    def _from_client(self, frames: list[bytes], tenant: str = "", admin: bool = False) -> None:
+        """One message from a client; ``tenant``: its connection's (the CURVE key it proved), on the front."""
         if len(frames) < 2:
             self.stats["dropped_malformed"] += 1
             return
@@ -469,7 +490,7 @@ class Broker:
             roles.check(mtype, admin)
             msg = wire.decode_body(mtype, frames[2])
             if isinstance(msg, wire.Request):
-                self._on_request(client, msg)
+                self._on_request(client, msg, self._tenant(msg, tenant, admin), admin)
             elif isinstance(msg, wire.Cancel):
                 self._on_cancel(client, msg)
             elif isinstance(msg, wire.Ping):
@@ -496,7 +517,17 @@ class Broker:
             self._to_client(client, wire.encode(wire.Error(rid, ErrorCode.INTERNAL,
                                                            "internal error; see the server log")))
 
-    def _on_request(self, client: bytes, req: wire.Request) -> None:
+    def _tenant(self, req: wire.Request, connection: str, admin: bool) -> str:
+        """Whose ``req`` is: on the admin socket, the tenant it names (the gateway's caller); on the clients'
+        socket, its connection's (a ``tenant`` naming another is refused)."""
+        if admin:
+            return req.tenant
+        if req.tenant in ("", connection):
+            return connection
+        raise Forbidden(f"'tenant' is named only over the server's admin socket (the gateway's); on this socket a "
+                        f"request is its connection's, {shown(connection)}: leave 'tenant' out")
+
+    def _on_request(self, client: bytes, req: wire.Request, tenant: str = "", admin: bool = False) -> None:
         if not self.accepting:
             raise ShuttingDown("the server is shutting down; retry after it restarts", retry_after=1.0)
         if (client, req.id) in self.by_client:
@@ -514,29 +545,42 @@ class Broker:
         if self.queued() >= self.max_queue_total:
             raise Busy(f"the server has {self.max_queue_total} requests waiting; try again later",
                        retry_after=self._retry_after(mq))
-        if self._owned.get(client, 0) >= self.max_pending_per_client:
-            raise Busy(f"you have {self.max_pending_per_client} requests pending, the most one client may have; "
-                       "wait for some to finish", retry_after=self._retry_after(mq))
+        capped = _cap_key(client, tenant)
+        if self._capped.get(capped, 0) >= self.max_pending_per_client:
+            whose = f"tenant {shown(tenant)} has" if capped != client else "you have"
+            raise Busy(f"{whose} {self.max_pending_per_client} requests pending, the most one client may have "
+                       "(max_pending_per_client); wait for some to finish", retry_after=self._retry_after(mq))
         n = req.params.n
         refusal = self._too_many_choices(mq, n) if n > 1 else None  # one choice fits any instance
         if refusal is not None:
             raise BadRequest(refusal)
         now = time.monotonic()
+        if self.ledger.limited(tenant):
+            would_wait = bool(mq.queue) or len(mq.free) < n or not self.ledger.may_start(tenant, n)
+            self.ledger.admit(tenant, sum(q.queue.waiting(tenant) for q in self.models.values()), would_wait, now)
+        priority = self.ledger.priority(tenant, req.priority)
+        if req.tenant != tenant or req.priority != priority:  # what the worker and routing see is what holds
+            req = msgspec.structs.replace(req, tenant=tenant, priority=priority)
+        cost = (mq.service_ms or DEFAULT_SERVICE_MS) / 1000
         self._heard.setdefault(client, now)
         tickets = tuple(new_ticket() for _ in range(n))
         for i, ticket in enumerate(tickets):  # a request for n: one row per choice, with its own parameters
             one = req if n == 1 else msgspec.structs.replace(req, params=req.params.choice_params(i))
             p = Pending(ticket, client, one, model, now, now + req.timeout if req.timeout else None,
-                        group=tickets if n > 1 else (), index=i)
+                        group=tickets if n > 1 else (), index=i, tenant=tenant, priority=priority, cost=cost)
             self.requests[ticket] = p
             if p.deadline is not None:
                 heapq.heappush(self._deadlines, (p.deadline, ticket))
         self.requests[tickets[0]].slots_needed = n
         self.by_client[(client, req.id)] = tickets[0]
         self._owned[client] = self._owned.get(client, 0) + n
+        self._capped[capped] = self._capped.get(capped, 0) + n
         self.stats["accepted"] += 1
-        mq.queue.append(tickets[0])
-        log.debug("request %s of %s: queued, %d waiting", req.id, model, len(mq.queue))
+        self.ledger.accepted(tenant)
+        mq.queue.append(tickets[0], tenant, priority, cost * n)
+        if log.isEnabledFor(logging.DEBUG):
+            log.debug("request %s of %s (tenant %s, priority %d): queued, %d waiting", req.id, model, shown(tenant),
+                      priority, len(mq.queue))
         self._dispatch(model)
 
     def _too_many_choices(self, mq: ModelQueue, n: int) -> str | None:
@@ -593,11 +637,12 @@ class Broker:
         return wire.Stats(nonce, self.accepting, {**self.stats, **swaps}, {
             name: wire.ModelStats(len(mq.queue), running[name], mq.instances, len(mq.free), mq.failed,
                                   mq.chat.template, mq.chat.bos_token, mq.chat.eos_token,
-                                  round(now - self.requests[mq.queue[0]].accepted, 3) if mq.queue else 0.0,
+                                  round(now - self.requests[mq.queue.oldest()].accepted, 3) if mq.queue else 0.0,
                                   self.scaling_of(name))
             for name, mq in self.models.items()
         }, [wire.WorkerStats(w.identity.decode(), w.model, w.host, w.pid, w.device, w.capacity, len(w.running))
-            for w in self.workers.values()])
+            for w in self.workers.values()],
+            self.ledger.figures(lambda tenant: sum(mq.queue.waiting(tenant) for mq in self.models.values())))
 
     def queued(self) -> int:
         return sum(len(mq.queue) for mq in self.models.values())
@@ -667,6 +712,12 @@ class Broker:
             self.by_client[key] = left[0].ticket
         else:
             self.by_client.pop(key, None)
+        capped = _cap_key(p.client, p.tenant)
+        left_capped = self._capped.get(capped, 0) - 1
+        if left_capped > 0:
+            self._capped[capped] = left_capped
+        else:
+            self._capped.pop(capped, None)
         owned = self._owned.get(p.client, 0) - 1
         if owned > 0:
             self._owned[p.client] = owned
@@ -951,11 +1002,12 @@ class Broker:
                 self._to_client(p.client, [wire.VERSION, type_frame, body])
             return
         slot = entry.running.pop(ticket)
-        p.worker = None
+        self._left_slot(p)
         mq = self.models[entry.model]
         if mtype is wire.MsgType.DONE:  # the engine works: its model's crash streak starts afresh
             mq.crash_streak = 0
             mq.crashed.clear()
+            self._used(p, body)
         if not p.answered:
             p.state = RequestState.ANSWERED
             self.stats["done" if mtype is wire.MsgType.DONE else "worker_error"] += 1
@@ -1063,12 +1115,15 @@ class Broker:
             return
         mq = self.models[model]
         while mq.queue and mq.free:
-            p = self.requests[mq.queue[0]]
+            ticket = mq.queue.head(self.ledger.eligible)
+            if ticket is None:  # every tenant waiting is at its max_running
+                break
+            p = self.requests[ticket]
             slots = self._take_slots(mq, p)
             if slots is None and not self._refuse_head(mq, p):  # a request for n waits for n slots of one instance
                 break
             if slots is not None:
-                mq.queue.popleft()
+                mq.queue.pop(ticket)
                 self._assign_choices(p, slots)
 
     def _dispatch_resident(self) -> None:
@@ -1079,7 +1134,7 @@ class Broker:
             here = [w for w in self.workers.values() if w.device == device]
             models = {w.model for w in here}
             waiting = sorted((m for m in models if self.models[m].queue),
-                             key=lambda m: self.requests[self.models[m].queue[0]].accepted)
+                             key=lambda m: self.requests[self.models[m].queue.oldest()].accepted)
             running = Counter(w.model for w in here for _ in w.running)
             loaded = [Loaded(w.identity, w.model, w.unloading) for w in here if w.loaded]
             for identity in self.residency.decide(device, waiting, running, loaded):
@@ -1088,13 +1143,16 @@ class Broker:
             for model in models:
                 mq = self.models[model]
                 while mq.queue and self.residency.allows(device, model):
-                    p = self.requests[mq.queue[0]]
+                    ticket = mq.queue.head(self.ledger.eligible)
+                    if ticket is None:
+                        break
+                    p = self.requests[ticket]
                     slots = self._take_slots(mq, p, device)
                     if slots is None:
                         if self._refuse_head(mq, p):
                             continue
                         break
-                    mq.queue.popleft()
+                    mq.queue.pop(ticket)
                     for _ in slots:
                         self.residency.started(device)
                     self._assign_choices(p, slots)
@@ -1125,7 +1183,7 @@ class Broker:
         accepted) would hold the queue up for ever: answer it. Whether it was."""
         refusal = self._too_many_choices(mq, p.slots_needed)
         if refusal is not None:
-            mq.queue.popleft()
+            mq.queue.remove(p.ticket)
             self._answer_error(p, ErrorCode.BAD_REQUEST, refusal)
         return refusal is not None
 
@@ -1144,6 +1202,7 @@ class Broker:
         p.state = RequestState.RUNNING
         p.worker = identity
         p.assigned = time.monotonic()
+        self.ledger.started(p.tenant, 0.0 if p.first_assigned else p.assigned - p.accepted)
         p.first_assigned = p.first_assigned or p.assigned
         entry.running[p.ticket] = index
         entry.prompts[index] = (_salt(p), p.request.prompt)
@@ -1195,9 +1254,28 @@ class Broker:
                         "silent for %.1f s, or at once if a request was not sent", identity.decode(), entry.host, exc,
                         expiry)
 
+    def _left_slot(self, p: Pending) -> None:
+        """``p`` no longer holds its slot (it ended, or its worker was lost): its tenant's running count drops, and
+        its tenant is charged the slot time it used beyond (or short of) its cost."""
+        p.worker = None
+        self.ledger.stopped(p.tenant)
+        self.models[p.model].queue.charge(p.tenant, time.monotonic() - p.assigned - p.cost)
+
+    def _used(self, p: Pending, done: bytes) -> None:
+        """``p`` ended with DONE ``done``: its tokens count for its tenant."""
+        usage = wire.peek_usage(done)
+        if usage is not None:
+            self.ledger.used(p.tenant, usage.prompt_tokens, usage.completion_tokens, time.monotonic())
+
     def _stale_deadline(self, ticket: str) -> bool:
         p = self.requests.get(ticket)
         return p is None or p.answered
+
+
+def _cap_key(client: bytes, tenant: str) -> bytes:
+    """Whose pending requests max_pending_per_client counts: a client's, but the gateway's (on the admin socket)
+    per tenant it names, so that one of its callers cannot fill the gateway's share for all."""
+    return b"\0tenant:" + tenant.encode() if tenant and roles.is_admin(client) else client
 
 
 def new_ticket() -> str:

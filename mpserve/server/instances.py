@@ -33,7 +33,7 @@ from mpserve.wire import protocol as wire
 from .broker import Broker
 from .layout import Layout, check_model, instance_rows, model_request, served_template, worker_spec
 from .scaling import Action, Decision, Load, Policy, Scaler
-from .state import ModelQueue, WorkerEntry
+from .state import WorkerEntry
 from .supervisor import ModelHealth, Supervisor
 
 log = logging.getLogger("mpserve.scaling")
@@ -156,7 +156,7 @@ class Instances:
         self.policies[model.name] = Policy(low, high, model.scale_up_after, model.scale_down_after)
         self._events[model.name] = Counter()
         self._supervisor.health[model.name] = ModelHealth()
-        self._broker.models[model.name] = ModelQueue(model.name, self._config.max_queue)
+        self._broker.models[model.name] = self._broker.new_queue(model.name, self._config.max_queue)
         if model.embedding:
             self._broker.embedding_models |= {model.name}
         template = served_template(model)
@@ -195,7 +195,7 @@ class Instances:
     def _load(self, name: str, now: float) -> Load:
         mq = self._broker.models[name]
         ready = self._ready(name)
-        oldest = now - self._broker.requests[mq.queue[0]].accepted if mq.queue else 0.0
+        oldest = now - self._broker.requests[mq.queue.oldest()].accepted if mq.queue else 0.0
         return Load(len(mq.queue), oldest, sum(len(w.running) for w in ready), len(ready), self._starting(name),
                     self._config.model(name).parallel)
 

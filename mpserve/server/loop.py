@@ -123,7 +123,7 @@ def _broker(ctx: zmq.Context[zmq.Socket[bytes]], config: ServerConfig, paths: Se
                       no_instance_timeout=config.no_instance_timeout,
                       chat_templates={m.name: t for m in config.models if (t := served_template(m)) is not None},
                       pool_keys=pool_keys(config.curve_workers, config.worker_models)
-                      if config.curve_workers and config.worker_models else None)
+                      if config.curve_workers and config.worker_models else None, tenants=config.tenants)
     except zmq.ZMQError as exc:
         raise ConfigError(bind_problem("--bind, --workers-bind or --admin-bind",
                                        f"{paths.front}, {paths.back} or {paths.admin}", exc.errno,

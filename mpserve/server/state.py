@@ -34,6 +34,7 @@ from mpserve.wire import protocol as wire
 from mpserve.wire.protocol import ChatTemplate
 
 from .ram_prefixes import RamPrefixes
+from .tenants import FairQueue
 
 
 class RequestState(Enum):
@@ -66,6 +67,9 @@ class Pending:
     slots_needed: int = 1  # queued as a request for n: the n free slots of one instance it waits for
     blocks: tuple[int, ...] | None = None  # its prompt's block hashes, once routing needed them
     salt: bytes | None = None  # its reuse namespace (``mpserve.wire.salt``), once routing needed it
+    tenant: str = ""  # whose it is (``mpserve.server.tenants``): its connection's, or the gateway's word for it
+    priority: int = 0  # as asked, capped by its tenant's max_priority: higher starts first
+    cost: float = 0.0  # the slot seconds its tenant was charged for it when it started (``FairQueue``)
 
     @property
     def answered(self) -> bool:
@@ -107,7 +111,7 @@ class Lost:
 class ModelQueue:
     name: str
     max_queue: int
-    queue: deque[str] = field(default_factory=deque)  # tickets, FIFO
+    queue: FairQueue = field(default_factory=FairQueue)  # tickets, by priority, then fair shares of the tenants
     free: deque[tuple[bytes, int]] = field(default_factory=deque)  # (worker, slot), longest-free first
     instances: int = 0  # workers registered (READY) and alive
     failed: str | None = None  # why the model failed, after "model NAME " (``refusal``): it cannot be loaded, or

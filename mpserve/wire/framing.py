@@ -69,6 +69,7 @@ from mpserve.wire.messages import (
     Chunk,
     Chunks,
     MsgType,
+    Usage,
     decoder,
     pack,
 )
@@ -213,3 +214,19 @@ def peek_id(body: bytes) -> str | None:
     except (msgspec.ValidationError, msgspec.DecodeError, RecursionError):  # msgspec's error for deep nesting
         return None
     return rid if isinstance(rid, str) and len(rid) <= MAX_ID_CHARS else None
+
+
+class _Used(msgspec.Struct):
+    usage: Usage
+
+
+_PEEK_USAGE = msgspec.msgpack.Decoder(_Used)
+
+
+def peek_usage(body: bytes) -> Usage | None:
+    """A DONE body's token counts alone (the broker counts them per tenant and forwards the body as it came);
+    None for a body without them."""
+    try:
+        return _PEEK_USAGE.decode(body).usage
+    except (msgspec.ValidationError, msgspec.DecodeError, RecursionError):
+        return None

@@ -301,9 +301,12 @@ class Request(Body, frozen=True, forbid_unknown_fields=True):
     # is, instead of ``prompt``
     adapters: Annotated[tuple[tuple[AdapterName, AdapterScale], ...], Meta(max_length=MAX_ADAPTERS)] = ()  # LoRA
     # adapters (names the model serves) and scales; (): the base model
+    priority: Annotated[int, Meta(ge=-100, le=100)] = 0  # higher starts first; capped by the tenant's max_priority
     cache_salt: Annotated[str, Meta(max_length=MAX_CACHE_SALT_CHARS)] | None = None  # shares reuse with the
     # requests naming the same (``mpserve.wire.salt``); None: the tenant's own
-    tenant: Annotated[str, Meta(max_length=MAX_TENANT_CHARS)] = ""  # whose request: "" the default tenant
+    tenant: Annotated[str, Meta(max_length=MAX_TENANT_CHARS)] = ""  # honoured on the admin socket only (the
+    # gateway's); on the clients' socket the broker takes it from the connection (a CURVE client's key; "" for the
+    # local user)
 
     def check(self) -> None:
         self.params.check()  # decoded: its types and limits were checked already
@@ -472,6 +475,22 @@ class ModelScaling:
     events: dict[str, int] = field(default_factory=dict)
 
 
+@dataclass
+class TenantStats:
+    """One tenant's figures since start (``mpserve.server.tenants``): requests accepted, tokens of those that ended,
+    seconds its requests waited before they started, requests refused over its limits, its running requests
+    preempted; and now: its requests running and queued. A dataclass, as ModelStats."""
+
+    requests: int = 0
+    prompt_tokens: int = 0
+    generated_tokens: int = 0
+    queue_s: float = 0.0
+    refusals: int = 0
+    preemptions: int = 0
+    running: int = 0
+    queued: int = 0
+
+
 @dataclass(frozen=True)
 class ModelStats:
     queued: int
@@ -506,6 +525,7 @@ class Stats(Body, frozen=True, forbid_unknown_fields=True):
     counters: dict[str, int]
     models: dict[str, ModelStats]
     workers: list[WorkerStats] = msgspec.field(default_factory=list)
+    tenants: dict[str, TenantStats] = msgspec.field(default_factory=dict)  # the busiest by name, then "other"
 
 
 @dataclass(frozen=True)

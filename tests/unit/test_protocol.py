@@ -159,7 +159,8 @@ def test_the_id_of_an_invalid_request_can_still_be_read() -> None:
 
 
 @pytest.mark.parametrize("body, problem", [
-    ({"id": "c", "op": "grow", "model": "m"}, "'op' must be one of models, load, unload, scale, add, reload, got 'grow'"),
+    ({"id": "c", "op": "grow", "model": "m"},
+     "'op' must be one of models, load, unload, scale, add, reload, got 'grow'"),
     ({"id": "c", "op": "load"}, "'model' is needed for load"),
     ({"id": "c", "op": "scale", "model": "m"}, "scale needs 'min', 'max' or both"),
     ({"id": "c", "op": "scale", "model": "m", "min": -1}, "'min' must be between 0 and 256, got -1"),

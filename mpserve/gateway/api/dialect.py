@@ -147,6 +147,13 @@ def owner(request: Request) -> str:
     return hashlib.sha256(given).hexdigest()[:32] if given else ""
 
 
+def fallback_salt(tenant: str, cache_salt: str | None) -> str:
+    """The cache_salt of a keyed caller's request sent as the gateway's own (``Backend.for_tenant`` could not reach
+    the admin socket, where the broker takes its tenant): its tenant's, or the caller's under a prefix of its own,
+    so that no caller can name another tenant's."""
+    return f"shared:{cache_salt}" if cache_salt is not None else f"tenant:{tenant}"
+
+
 def take_cache_salt(body: Any) -> str | None:
     """The body's ``cache_salt``, taken out of it (the dialects' own fields do not hold it); None without one."""
     if not isinstance(body, dict):
@@ -192,7 +199,9 @@ class Pipeline:
             resumed = request.headers.get("last-event-id")
             if resumed is not None:
                 return self._resume(request, answer, body, resumed)
-            client = await self.backend.client()
+            client, tenant = await self.backend.for_tenant(keys.tenant(request))
+            if keys.tenant(request) and not tenant:  # sent as the gateway's own: its prompts still kept apart
+                cache_salt = fallback_salt(keys.tenant(request), cache_salt)
             model = answer.call.model or sole_model(client)
             answer.call = await self._prepared(answer.call, client, model)
         except MpserveError as exc:
@@ -206,8 +215,8 @@ class Pipeline:
             self.metrics.outcome(endpoint, ErrorCode.CANCELLED)
             return Response(status_code=204)  # nobody reads it
         call, reply = answer.call, oai.Reply(answer.call, model)
-        rid, tenant = keys.broker_id(request), keys.tenant(request)
-        ask = Ask(rid, cache_salt, tenant)
+        ask = Ask(keys.broker_id(request), cache_salt, tenant)
+        rid = ask.request_id
         background = getattr(answer, "background", None)
         if background is not None:
             return await self._background(request, dialect, answer, reply, client, background, ask)

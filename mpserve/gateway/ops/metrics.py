@@ -11,7 +11,10 @@ Two kinds of metric:
   ``accepted``, ``done``, ``timeout``, ``cancelled``, ``worker_lost``, ``rejected_busy``, the routes by why
   (``routed_kv_prefix``, ``routed_ram_prefix``, ``routed_least_busy``), ... whatever the
   broker counts), each model's instance bounds and scale events (``mpserve_scale_starts_total{reason=...}``,
-  ``..._stops_total``, ``..._skipped_total``), and, for a server on this host, instances (worker processes)
+  ``..._stops_total``, ``..._skipped_total``), per tenant (``mpserve_tenant_…{tenant=...}``: requests, prompt and
+  generated tokens, queue seconds, limit refusals, preemptions, running and queued now; the broker names its
+  busiest tenants, API keys by digest, and sums the rest as ``other``, so the label values are bounded), and, for
+  a server on this host, instances (worker processes)
   and slots by state (slot table), the KV cells each instance holds and their share of all it has, its prompt
   cache (bytes, hits, misses, evictions), worker restarts and, when NVML answers, each GPU's memory and each
   instance's share of it.
@@ -138,6 +141,7 @@ class _ServerCollector(Collector):
             events.add_metric([event], value)
         yield events
         yield from _scaling_metrics(stats)
+        yield from _tenant_metrics(stats)
         if rows is None:
             return
         yield from _state_metrics(stats, rows)
@@ -234,6 +238,29 @@ def _scaling_metrics(stats: wire.Stats) -> Iterator[Metric]:
                 counters[kind].add_metric([name, reason], count)
     yield from gauges.values()
     yield from counters.values()
+
+
+_TENANT_FIGURES = (
+    ("requests", CounterMetricFamily, "Requests the broker accepted from the tenant"),
+    ("prompt_tokens", CounterMetricFamily, "Prompt tokens of the tenant's requests that ended"),
+    ("generated_tokens", CounterMetricFamily, "Tokens generated for the tenant's requests that ended"),
+    ("queue_seconds", CounterMetricFamily, "Seconds the tenant's requests waited in the queue before they started"),
+    ("refusals", CounterMetricFamily, "The tenant's requests refused over one of its limits (max_queued, "
+                                      "tokens_per_minute)"),
+    ("preemptions", CounterMetricFamily, "The tenant's running requests preempted for ones of higher priority"),
+    ("running", GaugeMetricFamily, "The tenant's requests running now"),
+    ("queued", GaugeMetricFamily, "The tenant's requests waiting now"),
+)
+
+
+def _tenant_metrics(stats: wire.Stats) -> Iterator[Metric]:
+    """Per tenant, as the broker names them (its busiest, then ``other``)."""
+    for name, family, text in _TENANT_FIGURES:
+        metric = family(f"mpserve_tenant_{name}", text, labels=["tenant"])
+        field = "queue_s" if name == "queue_seconds" else name
+        for tenant, figures in sorted(stats.tenants.items()):
+            metric.add_metric([tenant], getattr(figures, field))
+        yield metric
 
 
 def _gpu_metrics(gpus: Sequence[GpuUsage], rows: list[SlotRow]) -> Iterator[Metric]:

@@ -1,0 +1,247 @@
+"""Tenants on a real server: the order their queued requests start in (priority, then weighted fair shares), their
+limits (refused, naming the limit), the pending cap per tenant the gateway names, and their figures in STATS.
+
+One instance of the echo backend with one slot and a clock (``echo_tick_ms``): with one slot, requests end in the
+order they started. A long request holds the slot while the others queue; then they run one by one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import re
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import httpx
+import pytest
+import zmq.auth
+from conftest import ServerProcess
+from helpers import config_file, free_port, http_up, mpserve, wait_for
+
+from mpserve import AsyncClient, Client
+from mpserve.errors import Busy, Forbidden
+
+pytestmark = pytest.mark.timeout(90)
+
+KEY_A = "key:" + "a" * 16
+KEY_B = "key:" + "b" * 16
+KEY_C = "key:" + "c" * 16
+FIRST = "key:" + hashlib.sha256(b"first-key").hexdigest()[:16]  # the tenant of the API key "first-key"
+TICK_MS = 5
+HOLD_TOKENS = 400  # the request that holds the slot: about 2 s
+PENDING = 10  # max_pending_per_client
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
+    tmp = tmp_path_factory.mktemp("tenants")
+    config = config_file(Path(tmp), "tenants", max_pending_per_client=PENDING, models=[
+        {"name": "echo", "path": "echo", "echo_tick_ms": TICK_MS, "instances": 1, "parallel": 1}], tenants={
+        KEY_A: {"weight": 1}, KEY_B: {"weight": 3, "max_priority": 10},
+        KEY_C: {"max_running": 1, "max_queued": 1, "tokens_per_minute": 60}, "local": {"max_priority": 100}})
+    proc = ServerProcess("--config", config).wait_ready()
+    yield proc
+    proc.stop()
+    assert not proc.tracebacks(), "\n".join(proc.log)
+
+
+async def _order_behind_a_hold(address: str, requests: list[tuple[str, str, int]]) -> list[str]:
+    """Hold the one slot, queue ``requests`` (tenant, label, priority) in this order, and return their labels in
+    the order they ended (with one slot: the order they started)."""
+    ended: list[str] = []
+    async with AsyncClient(address, timeout=60) as client:
+        hold = asyncio.ensure_future(client.generate("x" * HOLD_TOKENS, max_tokens=HOLD_TOKENS))
+        await _until_running(client)
+
+        async def one(tenant: str, label: str, priority: int) -> None:
+            await client.generate(label, max_tokens=2, tenant=tenant, priority=priority)
+            ended.append(label)
+
+        queued = [asyncio.ensure_future(one(*r)) for r in requests]
+        await hold
+        await asyncio.gather(*queued)
+    return ended
+
+
+async def _until_running(client: AsyncClient) -> None:
+    deadline = time.monotonic() + 10
+    while (await client.stats()).models["echo"].running == 0:
+        assert time.monotonic() < deadline, "the holding request did not start"
+        await asyncio.sleep(0.01)
+
+
+def test_a_tenant_of_weight_three_starts_three_requests_for_one_of_weight_one(server: ServerProcess) -> None:
+    requests = [(KEY_A, f"a{i}", 0) for i in range(8)] + [(KEY_B, f"b{i}", 0) for i in range(8)]  # a's came first
+    ended = asyncio.run(_order_behind_a_hold(server.admin, requests))
+    assert sorted(ended) == sorted(label for _, label, _ in requests)
+    first = [label[0] for label in ended[:8]]
+    assert 5 <= first.count("b") <= 7, ended  # 3 : 1 while both wait (6 : 2); FIFO would start a's 8 first
+    assert [x for x in ended if x[0] == "a"] == [f"a{i}" for i in range(8)]  # a tenant's own: in order
+
+
+def test_priority_goes_first_but_only_up_to_the_tenants_ceiling(server: ServerProcess) -> None:
+    requests = [(KEY_A, "a0", 0), (KEY_A, "a1", 0), (KEY_A, "a-urgent", 50), (KEY_B, "b-urgent", 10),
+                ("", "local-urgent", 20)]
+    ended = asyncio.run(_order_behind_a_hold(server.admin, requests))
+    # local's ceiling is 100, b's 10; a's is 0, so its 50 counts as 0 and waits its turn
+    assert ended == ["local-urgent", "b-urgent", "a0", "a1", "a-urgent"]
+
+
+def test_limits_refuse_naming_the_limit_its_value_and_the_use(server: ServerProcess) -> None:
+    async def run() -> None:
+        async with AsyncClient(server.admin, timeout=60) as client:
+            hold = asyncio.ensure_future(client.generate("x" * HOLD_TOKENS, max_tokens=HOLD_TOKENS, tenant=KEY_C))
+            await _until_running(client)
+            queued = asyncio.ensure_future(client.generate("q", max_tokens=2, tenant=KEY_C))
+            await asyncio.sleep(0.2)
+            with pytest.raises(Busy, match=rf"tenant {KEY_C} has 1 requests queued, its max_queued \(1\), and 1 "
+                                           r"running, its max_running 1") as refused:
+                await client.generate("over", max_tokens=2, tenant=KEY_C)
+            assert refused.value.retry_after
+            await client.generate("other", max_tokens=2, tenant=KEY_A)  # another tenant passes it
+            await hold
+            await queued
+            with pytest.raises(Busy, match=rf"tenant {KEY_C} has used \d+ tokens \(prompt and generated\) in the "
+                                           r"last 60 s, its tokens_per_minute \(60\)") as refused:
+                await client.generate("more", max_tokens=2, tenant=KEY_C)
+            assert 0 < (refused.value.retry_after or 0) <= 60
+            figures = (await client.stats()).tenants[KEY_C]
+            assert figures.refusals == 2 and figures.requests == 2 and figures.generated_tokens == HOLD_TOKENS + 2
+            assert figures.queue_s > 0 and figures.running == figures.queued == 0
+
+    asyncio.run(run())
+
+
+def test_the_pending_cap_counts_each_tenant_the_gateway_names_apart(server: ServerProcess) -> None:
+    async def run() -> None:
+        async with AsyncClient(server.admin, timeout=60) as client:
+            hold = asyncio.ensure_future(client.generate("x" * HOLD_TOKENS, max_tokens=HOLD_TOKENS, tenant=KEY_A))
+            await _until_running(client)
+            filling = [asyncio.ensure_future(client.generate("f", max_tokens=2, tenant=KEY_A))
+                       for _ in range(PENDING - 1)]
+            await asyncio.sleep(0.2)
+            with pytest.raises(Busy, match=rf"tenant {KEY_A} has {PENDING} requests pending, the most one client"):
+                await client.generate("over", max_tokens=2, tenant=KEY_A)
+            assert (await client.generate("b", max_tokens=2, tenant=KEY_B)).text  # not refused for a's
+            await asyncio.gather(hold, *filling)
+
+    asyncio.run(run())
+
+
+def test_a_client_socket_request_is_its_connections_and_names_no_other_tenant(server: ServerProcess) -> None:
+    with Client(server.address, timeout=30) as client:
+        with pytest.raises(Forbidden, match="'tenant' is named only over the server's admin socket"):
+            client.generate("hi", max_tokens=2, tenant=KEY_B)
+        assert client.generate("hi", max_tokens=2, priority=100).text  # local's ceiling is 100
+        wait_for(lambda: client.stats().tenants.get("local", None), 5, "the local tenant's figures")
+        assert client.stats().tenants["local"].requests >= 1
+
+
+def test_over_http_one_keys_requests_leave_every_other_key_served(tmp_path: Path) -> None:
+    """Two API keys on one gateway: the first fills the pending share (max_pending_per_client) with long streams;
+    its next request is 429 naming its tenant, with Retry-After, and the second key's request is served."""
+    port = free_port()
+    keys = tmp_path / "keys"
+    keys.write_text("first-key\nsecond-key\n")
+    config = config_file(tmp_path, "http", max_pending_per_client=3, models=[
+        {"name": "echo", "path": "echo", "echo_tick_ms": TICK_MS, "instances": 1, "parallel": 2}])
+    server = ServerProcess("--config", config, "--http", f"127.0.0.1:{port}", "--api-key-file", str(keys))
+    try:
+        server.wait_ready()
+        url = f"http://127.0.0.1:{port}"
+        wait_for(lambda: http_up(url), 30, "the gateway answers /health")
+
+        def post(key: str, max_tokens: int) -> httpx.Response:
+            return httpx.post(url + "/v1/completions", json={"prompt": "x" * max_tokens, "max_tokens": max_tokens},
+                              headers={"authorization": f"Bearer {key}"}, timeout=60)
+
+        with ThreadPoolExecutor(4) as pool, Client(server.admin) as admin:
+            long = [pool.submit(post, "first-key", HOLD_TOKENS) for _ in range(3)]
+            wait_for(lambda: FIRST in (t := admin.stats().tenants) and t[FIRST].requests == 3, 10,
+                     "the first key's 3 requests")
+            over = post("first-key", 2)
+            assert over.status_code == 429 and int(over.headers["retry-after"]) >= 1, over.text
+            assert f"tenant {FIRST} has 3 requests pending" in over.json()["error"]["message"]
+            served = post("second-key", 2)
+            assert served.status_code == 200, served.text
+            assert all(f.result().status_code == 200 for f in long)
+        metrics = httpx.get(url + "/metrics", headers={"authorization": "Bearer second-key"}, timeout=10).text
+        assert f'mpserve_tenant_requests_total{{tenant="{FIRST}"}} 3.0' in metrics
+        assert f'mpserve_tenant_generated_tokens_total{{tenant="{FIRST}"}} {3.0 * HOLD_TOKENS}' in metrics
+        assert f'mpserve_tenant_running{{tenant="{FIRST}"}} 0.0' in metrics
+    finally:
+        server.stop()
+    assert not server.tracebacks(), "\n".join(server.log)
+
+
+def test_status_shows_each_tenants_figures(server: ServerProcess) -> None:
+    asyncio.run(_order_behind_a_hold(server.admin, [(KEY_B, "b", 0)]))
+    shown = mpserve("status", "--server-name", server.name)
+    assert shown.returncode == 0, shown.stderr
+    line = next(line for line in shown.stdout.splitlines() if line.startswith(f"tenant {KEY_B}:"))
+    assert re.search(r": 0 running, 0 queued; \d+ requests, \d+ prompt and [1-9]\d* generated tokens", line), line
+    as_json = json.loads(mpserve("status", "--json", "--server-name", server.name).stdout)
+    assert as_json["tenants"][KEY_B]["generated_tokens"] >= 2 and as_json["tenants"]["local"]["requests"] >= 1
+
+
+def test_on_curve_each_client_key_is_a_tenant_of_its_own(tmp_path: Path) -> None:
+    keys, allowed = tmp_path / "keys", tmp_path / "allowed"
+    allowed.mkdir()
+    for name in ("server", "alice", "bob"):
+        assert mpserve("keygen", str(keys), name).returncode == 0
+    for name in ("alice", "bob"):
+        (allowed / f"{name}.key").write_bytes((keys / f"{name}.key").read_bytes())
+    alice = zmq.auth.load_certificate(str(keys / "alice.key"))[0].decode()
+    address = f"tcp://127.0.0.1:{free_port()}"
+    config = config_file(tmp_path, "curve", models=[
+        {"name": "echo", "path": "echo", "echo_tick_ms": TICK_MS, "instances": 1, "parallel": 2}],
+        tenants={alice: {"max_running": 1, "max_queued": 0}})
+    server = ServerProcess("--config", config, "--bind", address, "--curve-secret", str(keys / "server.key_secret"),
+                           "--curve-clients", str(allowed))
+
+    def client(name: str) -> AsyncClient:
+        return AsyncClient(address, curve_server_key=str(keys / "server.key"),
+                           curve_secret=str(keys / f"{name}.key_secret"), timeout=60)
+
+    async def run() -> None:
+        async with client("alice") as a, client("bob") as b:
+            hold = asyncio.ensure_future(a.generate("x" * HOLD_TOKENS, max_tokens=HOLD_TOKENS))
+            await _until_running(a)
+            with pytest.raises(Busy, match=rf"tenant {re.escape(alice)} has 0 requests queued, its max_queued \(0\), "
+                                           r"and 1 running, its max_running 1"):
+                await a.generate("over", max_tokens=2)
+            with pytest.raises(Forbidden, match="'tenant' is named only over the server's admin socket"):
+                await a.generate("as bob", max_tokens=2, tenant=KEY_B)
+            assert (await b.generate("bob's", max_tokens=2)).usage.completion_tokens == 2  # the other slot
+            await hold
+            tenants = (await b.stats()).tenants
+            assert tenants[alice].requests == 1 and tenants[alice].refusals == 1
+            assert [t for t in tenants if t != alice and t != "local"] == [
+                zmq.auth.load_certificate(str(keys / "bob.key"))[0].decode()]
+
+    try:
+        server.wait_ready()
+        asyncio.run(run())
+    finally:
+        server.stop()
+    assert not server.tracebacks(), "\n".join(server.log)
+
+
+def test_a_gateway_that_cannot_reach_the_admin_socket_serves_keys_as_its_own(server: ServerProcess,
+                                                                              tmp_path: Path) -> None:
+    """A keyed gateway whose server's admin socket it cannot reach (a remote server without --admin-connect) still
+    serves: its keys' requests go on the clients' socket, as one tenant."""
+    from gateway_thread import GatewayThread  # uvicorn and openai: loaded only by the tests that use it
+
+    gateway = GatewayThread(server_name=server.name, api_key="the-key", admin_connect=f"ipc://{tmp_path}/none")
+    try:
+        for _ in range(2):
+            answer = httpx.post(gateway.url + "/v1/completions", json={"prompt": "hi", "max_tokens": 2},
+                                headers={"authorization": "Bearer the-key"}, timeout=30)
+            assert answer.status_code == 200, answer.text
+    finally:
+        gateway.stop()
