@@ -25,10 +25,12 @@ pytestmark = pytest.mark.timeout(10)
 @pytest.fixture
 def broker() -> Iterator[Broker]:
     ctx = zmq.Context()
-    broker = Broker(ctx, "inproc://front", "inproc://back", {"m": 8})
+    broker = Broker(ctx, "inproc://front", "inproc://back", {"m": 8}, admin_addr="inproc://admin")
     yield broker
     broker.front.close(0)
     broker.back.close(0)
+    assert broker.admin is not None
+    broker.admin.close(0)
     ctx.term()
 
 
@@ -655,20 +657,22 @@ def test_a_requests_salt_goes_with_its_assign_and_a_slots_last_prompt_draws_only
 
     def routed(client: zmq.Socket[bytes], workers: dict[bytes, zmq.Socket[bytes]], rid: str,
                **fields: Any) -> tuple[bytes, wire.Assign]:
-        client.send_multipart(wire.encode(wire.Request(rid, prompt, **fields)))
-        assert broker.front.poll(1000)
-        broker.drain_front()
+        admin.send_multipart(wire.encode(wire.Request(rid, prompt, **fields)))  # where a tenant may be named
+        assert broker.admin is not None and broker.admin.poll(1000)
+        broker.drain_admin()
         name = next(name for name, sock in workers.items() if sock.poll(1000))
         assign = assigns(workers[name], 1)[0]
         done = wire.Done(rid, "ok", "length", wire.Usage(1, 1), wire.Timings(0, 0, 0))
         workers[name].send_multipart(wire.encode_from_worker(done, assign.ticket))
         assert broker.back.poll(1000)
         broker.drain_back()
-        answer(client)
+        answer(admin)
         return name, assign
 
     a, b = "key:" + "a" * 16, "key:" + "b" * 16
-    with peers(broker, slots=1) as (client, workers):
+    admin = broker.front.context.socket(zmq.DEALER)
+    admin.connect("inproc://admin")
+    with peers(broker, slots=1) as (client, workers), contextlib.closing(admin):
         first, assign = routed(client, workers, "r1", tenant=a)
         assert assign.salt == reuse_salt(a, None, ()) != b""
         other, assign = routed(client, workers, "r2", tenant=b)

@@ -3,7 +3,7 @@ gateway reachable from the network has a key unless the user said ``--insecure``
 the ZeroMQ front). Checked at start, before anything listens.
 
     --api-key KEY, --api-key-file FILE ──▶ load_keys ──▶ app's key middleware (constant-time compare)
-                                                         └─▶ the caller's tenant, by the key's digest (``tenant``)
+
     --http HOST, keys, --insecure       ──▶ check_exposure (ConfigError: refused at start)
     --ssl-certfile, --ssl-keyfile       ──▶ check_tls ──▶ uvicorn (https)
 """
