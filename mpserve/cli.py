@@ -109,6 +109,8 @@ def with_settings(command: settings.Command) -> Callable[[Callable[..., None]], 
                 value = kwargs.pop(s.param)
                 if s.cli_type is bool:  # an unset switch is unset; a --no-… switch sets its setting false
                     value = (not s.negated) if value else None
+                elif isinstance(value, (list, tuple)) and not value:  # a repeatable flag not given
+                    value = None
                 values[s.scope][s.key] = value
             fn(given=Given(**values), **kwargs)
 
@@ -573,6 +575,8 @@ def plan(given: Given, config_file: ConfigOption = None) -> None:
 
     with _errors():
         config = _config(given, config_file)
+        for model in config.models:
+            cfg.check_adapters(model, pulled=False)
         layout = build_layout(config)
         warnings = check_host_ram(config, layout)
         print("\n\n".join(part for part in (format_plan(layout.placements, layout.devices,

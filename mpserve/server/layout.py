@@ -63,7 +63,8 @@ def ram_needs(config: ServerConfig, layout: Layout) -> list[RamNeed]:
         return []
     modes = start_modes(config, layout)
     return [RamNeed(m.name, on_cpu[m.name], estimate_host_memory(model_request(m)),
-                    modes[m.name].zygote or not repack_for(m), m.cache_ram, m.parallel, m.n_ctx) for m in models]
+                    modes[m.name].zygote or not repack_for(m), m.cache_ram, m.parallel, m.n_ctx, modes[m.name].zygote)
+            for m in models]
 
 
 def model_request(m: ModelConfig) -> ModelRequest:
@@ -72,7 +73,8 @@ def model_request(m: ModelConfig) -> ModelRequest:
                         n_gpu_layers=-1 if m.n_gpu_layers is None else m.n_gpu_layers, parallel=m.parallel,
                         devices=m.devices, memory=0 if m.path == ECHO_MODEL and m.requires_memory is None
                         else m.requires_memory, cache_type_k=m.cache_type_k, cache_type_v=m.cache_type_v,
-                        draft=m.speculative.model if m.speculative is not None and m.path != ECHO_MODEL else None)
+                        draft=m.speculative.model if m.speculative is not None and m.path != ECHO_MODEL else None,
+                        adapters=tuple(m.adapter_paths().values()))
 
 
 def check_model(request: ModelRequest) -> None:
