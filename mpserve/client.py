@@ -45,7 +45,7 @@ import secrets
 import threading
 import time
 from collections import deque
-from collections.abc import AsyncGenerator, Coroutine, Iterator
+from collections.abc import AsyncGenerator, Coroutine, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -55,10 +55,12 @@ import zmq.auth
 from mpserve import structured
 from mpserve.errors import BadRequest, ConfigError, ConnectionFailed, MpserveError, Timeout, error_from_code
 from mpserve.runtime import default_address
+from mpserve.wire import adapters as wire_adapters
 from mpserve.wire import protocol as wire
 from mpserve.wire import zmqio
 
 T = TypeVar("T")
+Adapters = Mapping[str, float] | Sequence[str | tuple[str, float]] | None  # LoRA adapters: {name: scale}, or names
 
 PING_INTERVAL_S = 1.0
 PING_LIVENESS = 3
@@ -247,22 +249,26 @@ class AsyncClient:
             self._ctx = None
 
     async def generate(self, prompt: str | list[int], *, model: str | None = None, timeout: float | None = None,
-                       request_id: str | None = None, **params: Any) -> Result:
+                       request_id: str | None = None, adapters: Adapters = None, **params: Any) -> Result:
         """Run one completion and return its Result; raises the MpserveError of an ERROR reply. ``prompt``:
-        text, or token ids (taken as they are: no BOS is added). ``request_id``: the caller's id for it."""
+        text, or token ids (taken as they are: no BOS is added). ``request_id``: the caller's id for it.
+        ``adapters``: the model's LoRA adapters to apply, ``{name: scale}`` or a list of names (scale 1); a
+        ``model`` of ``BASE:NAME`` applies NAME too (``mpserve.wire.adapters``)."""
         if params.get("n", 1) != 1:
             raise BadRequest("generate returns one choice; ask for n with choices(prompt, n=...)")
-        return (await self.choices(prompt, n=1, model=model, timeout=timeout, request_id=request_id, **params))[0]
+        return (await self.choices(prompt, n=1, model=model, timeout=timeout, request_id=request_id,
+                                   adapters=adapters, **params))[0]
 
     async def choices(self, prompt: str | list[int], *, n: int | None = None, model: str | None = None,
                       timeout: float | None = None, request_id: str | None = None,
-                      params: wire.GenerateParams | None = None, **sampling: Any) -> list[Result]:
+                      params: wire.GenerateParams | None = None, adapters: Adapters = None,
+                      **sampling: Any) -> list[Result]:
         """``n`` choices of one completion, in index order: run together in ``n`` slots of one instance, which
         computes the prompt once; choice i is seeded with ``seed + i`` (modulo 2**32) when ``seed`` is given.
         A request for more choices than an instance has slots (``parallel``) is refused. The parameters are
         ``sampling``'s keywords and ``n``, or ``params`` as they are (with their ``n``)."""
         request = self._request(prompt, model, timeout, _params(params, sampling, n), stream=False,
-                                request_id=request_id)
+                                request_id=request_id, adapters=adapters)
         n = request.params.n
         queue = await self._submit(request)
         done: dict[int, Result] = {}
@@ -278,11 +284,11 @@ class AsyncClient:
 
     def stream(self, prompt: str | list[int], *, model: str | None = None, timeout: float | None = None,
                request_id: str | None = None, params: wire.GenerateParams | None = None,
-               **sampling: Any) -> Stream:
+               adapters: Adapters = None, **sampling: Any) -> Stream:
         """Stream a completion: ``async for text in client.stream(...)``; ``stream.id`` is its request id. The
         parameters are ``sampling``'s keywords, or ``params`` as they are."""
         return Stream(self, self._request(prompt, model, timeout, _params(params, sampling), stream=True,
-                                          request_id=request_id))
+                                          request_id=request_id, adapters=adapters))
 
     async def cancel(self, request_id: str) -> None:
         await self._send(wire.Cancel(request_id))
@@ -371,14 +377,16 @@ class AsyncClient:
     # --- internals ------------------------------------------------------------------------------
 
     def _request(self, prompt: str | list[int], model: str | None, timeout: float | None,
-                 generate: wire.GenerateParams, stream: bool, request_id: str | None = None) -> wire.Request:
+                 generate: wire.GenerateParams, stream: bool, request_id: str | None = None,
+                 adapters: Adapters = None) -> wire.Request:
         if isinstance(prompt, str) and len(prompt) > wire.MAX_PROMPT_CHARS:
             raise BadRequest(f"the prompt is {len(prompt)} characters; the server takes at most "
                              f"{wire.MAX_PROMPT_CHARS} (MAX_PROMPT_CHARS)")
         text, tokens = (prompt, b"") if isinstance(prompt, str) else ("", wire.pack_tokens(prompt))
         rid = next(self._ids) if request_id is None else check_request_id(request_id)
+        model, chosen = wire_adapters.selection(model, adapters)
         return wire.Request(rid, text, model, generate, stream,
-                            timeout if timeout is not None else self.timeout, tokens)
+                            timeout if timeout is not None else self.timeout, tokens, adapters=chosen)
 
     async def _lookup(self, msg: wire.Tokenize) -> wire.Tokens:
         """Send a TOKENIZE and wait for its TOKENS; raises the MpserveError of an ERROR reply."""
@@ -606,18 +614,19 @@ class Client:
         return self._loop.is_running()
 
     def generate(self, prompt: str | list[int], *, model: str | None = None, timeout: float | None = None,
-                 request_id: str | None = None, **params: Any) -> Result:
-        return self._call(self._async.generate(prompt, model=model, timeout=timeout, request_id=request_id, **params))
+                 request_id: str | None = None, adapters: Adapters = None, **params: Any) -> Result:
+        return self._call(self._async.generate(prompt, model=model, timeout=timeout, request_id=request_id,
+                                               adapters=adapters, **params))
 
     def choices(self, prompt: str | list[int], *, n: int, model: str | None = None, timeout: float | None = None,
-                request_id: str | None = None, **params: Any) -> list[Result]:
+                request_id: str | None = None, adapters: Adapters = None, **params: Any) -> list[Result]:
         return self._call(self._async.choices(prompt, n=n, model=model, timeout=timeout, request_id=request_id,
-                                              **params))
+                                              adapters=adapters, **params))
 
     def stream(self, prompt: str | list[int], *, model: str | None = None, timeout: float | None = None,
-               request_id: str | None = None, **params: Any) -> SyncStream:
+               request_id: str | None = None, adapters: Adapters = None, **params: Any) -> SyncStream:
         return SyncStream(self, self._async.stream(prompt, model=model, timeout=timeout, request_id=request_id,
-                                                   **params))
+                                                   adapters=adapters, **params))
 
     def cancel(self, request_id: str) -> None:
         self._call(self._async.cancel(request_id))

@@ -20,11 +20,11 @@ from pathlib import Path
 from typing import Any
 
 from mpserve.errors import ConfigError
+from mpserve.wire.adapters import NAME_RE
 
 from . import sources
 from .gguf_header import GGUFHeader, TensorInfo, read_header
 
-NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,47}$")  # as a model's name: no ':', which BASE:NAME splits at
 _KEYS = ("general.type", "adapter.type", "general.architecture")
 _LORA = re.compile(r"^(?P<base>.+)\.lora_(?P<part>[ab])$")
 FIX = "give a LoRA adapter GGUF made for this model (convert_lora_to_gguf.py --base THE_MODEL's folder, or mpserve " \
@@ -44,7 +44,7 @@ def parse(value: Mapping[str, Any] | list[Any] | tuple[Any, ...], where: str) ->
     for name, source in pairs:
         if not isinstance(name, str) or not NAME_RE.match(name):
             raise ConfigError(f"{where}: adapter name {name!r}: allowed letters, digits, '.', '_' and '-', starting "
-                              "with a letter or digit, at most 48 characters")
+                              "with a letter or digit, at most 64 characters")
         if not isinstance(source, str) or not source:
             raise ConfigError(f"{where}.{name}: got {source!r}, expected a LoRA GGUF file, {sources.FORMS}")
         if name in names:

@@ -106,6 +106,7 @@ from mpserve.errors import (
     ShuttingDown,
     UnknownModel,
 )
+from mpserve.wire import adapters as wire_adapters
 from mpserve.wire import protocol as wire
 from mpserve.wire import zmqio
 from mpserve.wire.prefix import PREFIX_BLOCK, block_hashes
@@ -501,6 +502,11 @@ class Broker:
             raise BadRequest(f"request id {req.id!r} is already in use by one of your pending requests")
         model = self._resolve_model(req.model)
         mq = self.models[model]
+        if req.adapters:  # one set, however written: sorted, each served (``mpserve.wire.adapters``)
+            unserved = wire_adapters.unknown(req.adapters, mq.adapters, model)
+            if unserved is not None:
+                raise unserved
+            req = msgspec.structs.replace(req, adapters=wire_adapters.normal(req.adapters))
         if model in self.embedding_models:
             raise BadRequest(f"model {model} is an embedding model (embedding: true in its models[] entry): it "
                              "computes embeddings (/v1/embeddings, Client.embed), not completions")
@@ -592,7 +598,7 @@ class Broker:
             name: wire.ModelStats(len(mq.queue), running[name], mq.instances, len(mq.free), mq.failed,
                                   mq.chat.template, mq.chat.bos_token, mq.chat.eos_token,
                                   round(now - self.requests[mq.queue[0]].accepted, 3) if mq.queue else 0.0,
-                                  self.scaling_of(name))
+                                  self.scaling_of(name), list(mq.adapters))
             for name, mq in self.models.items()
         }, [wire.WorkerStats(w.identity.decode(), w.model, w.host, w.pid, w.device, w.capacity, len(w.running))
             for w in self.workers.values()])

@@ -119,6 +119,7 @@ class ModelQueue:
     stores: dict[str, RamPrefixes] = field(default_factory=dict)  # host ("": this one) -> what its store holds
     unserved_since: float | None = None  # monotonic: since when no instance can serve it (``mpserve.server.unserved``)
     lost: Lost | None = None  # how its last instance went, once one did
+    adapters: list[str] = field(default_factory=list)  # its LoRA adapters, in declaration order (a request's ids)
 
     def store(self, host: str) -> RamPrefixes:
         """The view of ``host``'s store (one per host: any instance there restores what another saved); it

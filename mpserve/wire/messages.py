@@ -49,6 +49,9 @@ CONTROL_OPS = ("models", "load", "unload", "scale", "add")
 MAX_INSTANCES = 256
 SLOT_ACTIONS = ("save", "restore", "erase")
 MAX_FILENAME_CHARS = 128
+MAX_ADAPTERS = 8  # LoRA adapters one request may choose
+MAX_ADAPTER_SCALE = 4.0  # the largest scale magnitude of one (llama-server takes any; past this, output is noise)
+ADAPTER_NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$"  # no ':' (``model: BASE:NAME``), no '/', no spaces
 
 
 class MsgType(IntEnum):
@@ -92,6 +95,8 @@ Timeout = Annotated[float, Meta(ge=0.001, le=MAX_TIMEOUT_S)]
 Choice = Annotated[int, Meta(ge=0, le=MAX_CHOICES - 1)]
 Message = Annotated[str, Meta(max_length=64 * 1024)]
 Packed = bytes  # int32 little-endian token ids (pack_tokens), or another packed column
+AdapterName = Annotated[str, Meta(pattern=ADAPTER_NAME_PATTERN, description="a LoRA adapter's name")]
+AdapterScale = Annotated[float, Meta(ge=-MAX_ADAPTER_SCALE, le=MAX_ADAPTER_SCALE, description="its scale")]
 
 M = TypeVar("M", bound="Body")
 
@@ -286,11 +291,16 @@ class Request(Body, frozen=True, forbid_unknown_fields=True):
     timeout: Timeout | None = None
     tokens: Annotated[Packed, Meta(max_length=4 * MAX_PROMPT_CHARS)] = b""  # a prompt of token ids, taken as it
     # is, instead of ``prompt``
+    adapters: Annotated[tuple[tuple[AdapterName, AdapterScale], ...], Meta(max_length=MAX_ADAPTERS)] = ()  # LoRA
+    # adapters (names the model serves) and scales; (): the base model
 
     def check(self) -> None:
         self.params.check()  # decoded: its types and limits were checked already
         if any(t < 0 for t in unpack_tokens(self.tokens)):
             raise BadRequest("prompt token ids must be >= 0")
+        names = [name for name, _ in self.adapters]
+        if len(set(names)) != len(names):
+            raise BadRequest(f"'adapters' names an adapter twice ({', '.join(names)}); give each once, with its scale")
 
 
 class Cancel(Body, frozen=True, forbid_unknown_fields=True):
@@ -462,6 +472,7 @@ class ModelStats:
     eos_token: str = ""
     oldest_wait_s: float = 0.0  # how long the request at the head of the queue has waited; 0 when none waits
     scaling: ModelScaling = field(default_factory=ModelScaling)
+    adapters: list[str] = field(default_factory=list)  # its LoRA adapters, in declaration order (a request's ids)
 
 
 class WorkerStats(Body, frozen=True, forbid_unknown_fields=True):

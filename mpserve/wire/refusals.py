@@ -131,6 +131,9 @@ def _words(detail: str, key: str | int, kind: Any, value: Any, owner: Any, each:
         span = length[3] if not length[2] else _span(limits.get("min_length"), limits.get("max_length"))
         return f"{name} must hold {span} {unit}, got {size}"
     shown = "" if value is ... else f", got {value!r:.60}"
+    pattern = next((m.pattern for m in metas if m.pattern is not None), None)
+    if pattern is not None and "matching regex" in detail:
+        return f"{name} must match {pattern}{shown}"
     return f"{name} must be between {limits.get('ge')} and {limits.get('le')}{shown}"
 
 

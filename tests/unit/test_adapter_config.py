@@ -6,32 +6,14 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import gguf
-import numpy as np
 import pytest
+from helpers import write_adapter
 
 from mpserve.config import loader
 from mpserve.errors import ConfigError
 from mpserve.gpu.placement import estimate_request
 from mpserve.models.builtin import builtin_model_path
 from mpserve.server.layout import model_request
-
-
-def write_adapter(path: Path, arch: str = "llama", kind: str = "adapter", lora: str = "lora", rank: int = 4,
-                  pairs: dict[str, tuple[int, int]] | None = None) -> Path:
-    """An adapter-shaped GGUF: each pair adapts a base tensor of ``(n_in, n_out)`` (ggml's order) at ``rank``."""
-    writer = gguf.GGUFWriter(str(path), arch)
-    writer.add_type(kind)
-    writer.add_string("adapter.type", lora)
-    writer.add_float32("adapter.lora.alpha", float(rank))
-    for name, (n_in, n_out) in (pairs or {"blk.0.attn_q.weight": (64, 64)}).items():
-        writer.add_tensor(f"{name}.lora_a", np.zeros((rank, n_in), np.float32))  # numpy order: ne reversed
-        writer.add_tensor(f"{name}.lora_b", np.zeros((n_out, rank), np.float32))
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    return path
 
 
 def build(tmp: Path, adapters: object, **model: object) -> loader.ServerConfig:

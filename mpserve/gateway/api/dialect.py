@@ -30,6 +30,7 @@ from starlette.routing import Route
 
 from mpserve.client import AsyncClient, Result, Stream
 from mpserve.errors import ErrorCode, MpserveError
+from mpserve.wire import adapters as wire_adapters
 
 from ..backend import Backend
 from ..http import encode, limits
@@ -162,8 +163,10 @@ class Pipeline:
             limits.check_sizes(body)
             answer = dialect.parse(body, owner(request))
             client = await self.backend.client()
-            model = answer.call.model or sole_model(client)
-            answer.call = await self._prepared(answer.call, client, model)
+            model = answer.call.model or sole_model(client)  # BASE:NAME names an adapter: answered with it
+            base = wire_adapters.split_model(model)[0] or model
+            adapters = await self._adapters(answer.call, base)
+            answer.call = await self._prepared(answer.call, client, base)
         except MpserveError as exc:
             return self._failed(dialect, exc)
         except limits.Refused as exc:
@@ -178,13 +181,14 @@ class Pipeline:
         try:
             if call.stream:
                 stream = client.stream(call.prompt, model=call.model, request_id=request.state.request_id,
-                                       params=call.params)
+                                       params=call.params, adapters=adapters)
                 chunks = stream.__aiter__()  # submits the request on its first step
                 text = await unless_disconnected(request, first(chunks))
                 return EventStream(self._events(dialect, answer, reply, stream, chunks, text, started),
                                    call.headers())
             results = await unless_disconnected(request, client.choices(
-                call.prompt, model=call.model, request_id=request.state.request_id, params=call.params))
+                call.prompt, model=call.model, request_id=request.state.request_id, params=call.params,
+                adapters=adapters))
         except ClientGone:
             self.metrics.outcome(endpoint, ErrorCode.CANCELLED)
             return Response(status_code=204)  # nobody reads it
@@ -193,12 +197,21 @@ class Pipeline:
         self._done(endpoint, model, results, started)
         return JSONResponse(answer.whole(reply.whole(call.shown(results), results)), headers=call.headers())
 
+    async def _adapters(self, call: oai.Call, model: str) -> wire_adapters.Selection:
+        """The adapters of llama-server's ``lora`` field, by name: its ids count in the model's declaration."""
+        if not call.lora:
+            return ()
+        declared = await self.backend.adapters(model) if any("id" in i for i in call.lora if isinstance(i, dict)) \
+            else []
+        return wire_adapters.from_lora(call.lora, declared, model)
+
     async def _prepared(self, call: oai.Call, client: AsyncClient, model: str) -> oai.Call:
         """A chat's prompt from ``model``'s chat template; a completion echoing a token prompt, with its text."""
         if call.kind == "chat":
             return await call.with_chat_template(await self.backend.chat_template(model), self.renderer, model)
         if call.echo and not isinstance(call.prompt, str):
-            return call.with_echo_text(await client.detokenize(call.prompt, model=call.model))
+            return call.with_echo_text(await client.detokenize(call.prompt,
+                                                               model=wire_adapters.split_model(call.model)[0]))
         return call
 
     async def _events(self, dialect: Dialect, answer: Answer, reply: oai.Reply, stream: Stream,
