@@ -1102,13 +1102,22 @@ class Broker:
     def _take_slots(self, mq: ModelQueue, p: Pending, device: int | None = None) -> list[tuple[bytes, int]] | None:
         """Take the free slot ``routing.choose_slot`` picks (on ``device``, if given), or for a request for n
         the n slots of one instance ``routing.choose_slots`` picks; count why (``routed_kv_prefix``, ...)."""
-        route = choose_slots(mq.free, self.workers, p.request.prompt, p.slots_needed, device, self._blocks(mq, p))
+        route = choose_slots(mq.free, self.workers, p.request.prompt, p.slots_needed, device, self._blocks(mq, p),
+                             p.request.adapters, self._adapter_sets(mq))
         if route is None:
             return None
         for slot in route.slots:
             mq.free.remove(slot)
         self.stats[f"routed_{route.source.value}"] += 1
         return route.slots
+
+    def _adapter_sets(self, mq: ModelQueue) -> dict[bytes, set[tuple[tuple[str, float], ...]]] | None:
+        """The LoRA adapter sets each instance of the model runs requests of (``routing.affinity``); None for a
+        model without adapters."""
+        if not mq.adapters:
+            return None
+        return {w.identity: {self.requests[t].request.adapters for t in w.running if t in self.requests}
+                for w in self.workers.values() if w.model == mq.name}
 
     def _blocks(self, mq: ModelQueue, p: Pending) -> tuple[int, ...]:
         """``p``'s prompt's block hashes, for routing by what the instances' host stores hold: computed once per

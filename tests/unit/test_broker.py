@@ -645,3 +645,26 @@ def test_tickets_are_random_and_a_worker_registers_only_under_its_connections_na
     assert len(set(tickets)) == 4 and all(len(t) >= 22 for t in tickets)  # 128 random bits each
     broker._on_ready(b"pool-1-w0", wire.Ready("pool-1-w1", "m", -1, 1, 1, host="pool"), None)
     assert b"pool-1-w0" not in broker.workers and broker.stats["refused_worker_ready"] == 1
+
+
+def test_requests_of_one_adapter_set_go_to_the_instance_running_that_set(broker: Broker) -> None:
+    broker.models["m"].adapters = ["fr", "de"]
+    with peers(broker, slots=4) as (client, workers):
+        def send(rid: str, adapters: tuple[tuple[str, float], ...]) -> bytes:
+            client.send_multipart(wire.encode(wire.Request(rid, "hi", adapters=adapters)))
+            assert broker.front.poll(1000)
+            broker.drain_front()
+            chosen = next(name for name, sock in workers.items() if sock.poll(200))
+            assert assigns(workers[chosen], 1)[0].request.adapters == adapters
+            return chosen
+
+        fr = send("f1", (("fr", 1.0),))
+        de = send("d1", (("de", 1.0),))  # the other instance is idle: it takes the other set
+        assert {fr, de} == {b"w0", b"w1"}
+        assert send("f2", (("fr", 1.0),)) == fr and send("f3", (("fr", 1.0),)) == fr  # batches with its set, though
+        assert send("d2", (("de", 1.0),)) == de  # the other instance is less busy
+        client.send_multipart(wire.encode(wire.Request("x", "hi", adapters=(("es", 1.0),))))
+        assert broker.front.poll(1000)
+        broker.drain_front()
+        error = wire.decode(client.recv_multipart())
+        assert error.code == "unknown_adapter" and "served adapters: m:fr (id 0), m:de (id 1)" in error.message

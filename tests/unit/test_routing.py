@@ -104,6 +104,28 @@ def test_requests_spread_over_instances_before_sharing_one_batch() -> None:
     assert taken == [b"a", b"b", b"a", b"b"]
 
 
+FR, DE = (("fr", 1.0),), (("de", 1.0),)
+
+
+def test_requests_of_one_adapter_set_go_where_that_set_runs_before_an_idle_or_a_mixed_instance() -> None:
+    workers = table(worker("idle", capacity=4), worker("fr", capacity=4, running=3),
+                    worker("de", capacity=4, running=1))
+    free = [(b"idle", 0), (b"de", 1), (b"fr", 3)]
+    sets = {b"idle": set(), b"fr": {FR}, b"de": {DE}}
+    assert choose_slot(free, workers, "hi", adapters=FR, sets=sets) == (b"fr", 3)  # batches with its set, however busy
+    assert choose_slot(free, workers, "hi", adapters=(("it", 1.0),), sets=sets) == (b"idle", 0)  # switches at once
+    assert choose_slot(free[1:], workers, "hi", adapters=(("it", 1.0),), sets=sets) == (b"de", 1)  # then least busy
+    assert choose_slot(free, workers, "hi", adapters=FR, sets=None) == (b"idle", 0)  # a model without adapters
+
+
+def test_the_base_models_requests_still_spread_over_instances_and_avoid_adapted_ones() -> None:
+    workers = table(worker("a", capacity=2, running=1), worker("b", capacity=2), worker("c", capacity=2, running=1))
+    sets = {b"a": {()}, b"b": set(), b"c": {FR}}
+    free = [(b"a", 1), (b"c", 1), (b"b", 0)]
+    assert choose_slot(free, workers, "hi", sets=sets) == (b"b", 0)  # the idle one, as least busy
+    assert choose_slot(free[:2], workers, "hi", sets=sets) == (b"a", 1)  # not the one running an adapter
+
+
 def test_a_device_filter_keeps_to_that_device_and_none_found_is_none() -> None:
     workers = table(worker("a", device=0), worker("b", device=1))
     assert choose_slot([(b"a", 0), (b"b", 0)], workers, "hi", device=1) == (b"b", 0)
