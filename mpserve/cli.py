@@ -593,12 +593,18 @@ def make_model(
                                       "tiny-embed, tiny-rerank (a reranker: pooling rank), or tiny-draft (a "
                                       "draft model for tiny).")]
     = "tiny",
+    lora_for: Annotated[Path | None, typer.Option("--lora-for", help="Write a random LoRA adapter for this base "
+                                                  "GGUF instead of a model (--size is then ignored).")] = None,
+    seed: Annotated[int, typer.Option("--seed", help="The adapter's random seed (with --lora-for).")] = 0,
+    rank: Annotated[int, typer.Option("--rank", help="The adapter's rank, 1 to 256 (with --lora-for).")] = 8,
 ) -> None:
-    """Write a deterministic random-weight llama GGUF (same arguments, same bytes)."""
+    """Write a deterministic random-weight llama GGUF, or with --lora-for a random LoRA adapter GGUF for a base
+    model (same arguments, same bytes)."""
+    from mpserve.models.lora_maker import write_lora
     from mpserve.models.maker import write_model
 
     with _errors():
-        out = write_model(path, size)
+        out = write_lora(path, lora_for, seed, rank) if lora_for is not None else write_model(path, size)
         typer.echo(f"wrote {out} ({out.stat().st_size / 1e6:.1f} MB)")
 
 

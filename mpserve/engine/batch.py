@@ -18,6 +18,9 @@ free slots and calls ``step`` in a loop; each module below does one job of it:
       keep      keeping.save_computed: a prompt's cells to the host store as its chunks are computed
       ─▶ [(slot, Completion)] of the sequences that ended
     cancel(slot)   the sequence ends at the start of the next step
+    load_adapter / unload_adapter   LoRA adapters (``adapters``): a sequence runs under the set its request chose;
+                   the sets take turns by step (llama.cpp applies adapters per context), and cells computed under
+                   one set are reused by the same set only
 
 Slots are llama.cpp sequence ids 0..parallel-1, and the context holds ``parallel * n_ctx`` KV cells. By default
 every slot has a stream of ``n_ctx`` cells of its own (llama-server's layout with ``--parallel``): a token attends
@@ -76,6 +79,7 @@ from mpserve.wire import protocol as wire
 from mpserve.wire.protocol import GenerateParams
 
 from . import slot_file
+from .adapters import Adapters, AdapterSet, Loaded, Turns
 from .cells import Cells
 from .context import Context
 from .draft import DraftModel, Want
@@ -111,9 +115,12 @@ class BatchStats:
 
 
 class BatchEngine:
-    def __init__(self, settings: EngineSettings, model: Any = None) -> None:
+    def __init__(self, settings: EngineSettings, model: Any = None,
+                 adapters: collections.abc.Mapping[str, Loaded] | None = None) -> None:
         """``model``: the llama.cpp model of ``settings.path``, loaded already (by the zygote this process was forked
-        from, ``mpserve.worker.zygote``), used instead of loading the file; the engine owns it from then on."""
+        from, ``mpserve.worker.zygote``), used instead of loading the file; the engine owns it from then on.
+        ``adapters``: LoRA adapters loaded onto ``model`` already (the zygote's); those of ``settings.adapters``
+        not among them are loaded here."""
         self.n_ctx, self.parallel = settings.n_ctx, settings.parallel
         self._exact = settings.exact
         self._rng = random.Random(settings.seed)
@@ -129,7 +136,13 @@ class BatchEngine:
             log.warning("speculative decoding is off: this model's recurrent state cannot drop rejected drafts")
             self._speculative = None
         self._row_costs = RowCosts()
+        self._turns = Turns()
+        self._last_adapters: list[AdapterSet] = [()] * self.parallel
+        self._adapters = Adapters(context.lib, context.model, settings.path, adapters or {})
         try:
+            for name, path in settings.adapters:
+                if name not in self._adapters.names():
+                    self._adapters.load(name, path)
             if self._speculative is not None and self._speculative.model is not None:
                 self._draft = DraftModel(context.lib, self._speculative.model, settings.path, context.model,
                                          context.params(PROMPT_CHUNK, False), settings.n_gpu_layers, settings.repack,
@@ -183,6 +196,9 @@ class BatchEngine:
     def save_slot(self, slot: int, path: Path) -> int:
         """Write idle ``slot``'s cells and their tokens to ``path`` (``mpserve.engine.slot_file``); the tokens."""
         self._idle(slot)
+        if self._cells.spaces[slot]:
+            raise BadRequest(f"slot {slot}'s cells were computed under LoRA adapters, and slot files hold the base "
+                             "model's only; save a slot that served a request without adapters")
         tokens = self._cells.cached[slot]
         state, size = self._context.read_state(slot)
         if not tokens or not size:
@@ -209,6 +225,29 @@ class BatchEngine:
         self._idle(slot)
         return self._cells.erase(slot)
 
+    # --- LoRA adapters -------------------------------------------------------------------------------
+
+    def adapter_names(self) -> tuple[str, ...]:
+        """The adapters loaded here, by name."""
+        return self._adapters.names()
+
+    def load_adapter(self, name: str, path: str) -> None:
+        """Load the LoRA adapter GGUF ``path`` as ``name``; BadRequest naming what is wrong with it."""
+        self._adapters.load(name, path)
+
+    def unload_adapter(self, name: str) -> None:
+        """Free adapter ``name``; BadRequest while a sequence runs under it (its requests drain first)."""
+        users = sum(1 for seq in self._scheduler.running.values() if any(n == name for n, _ in seq.adapters))
+        if users:
+            raise BadRequest(f"adapter {name!r} is in use by {users} running request(s); stop sending it requests "
+                             "and unload it once they are done")
+        self._adapters.unload(name, self._context.ctx)
+
+    def slot_adapters(self, slot: int) -> AdapterSet:
+        """The adapters ``slot``'s sequence runs under (its last one's, when idle)."""
+        seq = self._scheduler.running.get(slot)
+        return seq.adapters if seq is not None else self._last_adapters[slot]
+
     def _idle(self, slot: int) -> None:
         if not 0 <= slot < self.parallel:
             raise BadRequest(f"slot {slot} is not a slot of this instance (0..{self.parallel - 1})")
@@ -218,7 +257,8 @@ class BatchEngine:
     # --- requests -----------------------------------------------------------------------------------
 
     def admit(self, slot: int, prompt: str | list[int], params: GenerateParams, on_token: OnToken,
-              carried: collections.abc.Sequence[int] = ()) -> None:
+              carried: collections.abc.Sequence[int] = (), adapters: collections.abc.Sequence[tuple[str, float]] = ()
+              ) -> None:
         """Start ``prompt`` in free slot ``slot``; its prompt is computed by the coming steps. A prompt of
         token ids is taken as it is (no BOS added), as create_completion takes one. ``carried``:
         the tokens another instance generated for this request before it was lost. They are decoded one a
@@ -226,10 +266,12 @@ class BatchEngine:
         penalties see them): a batched prefill orders attention's sums otherwise, which can turn a greedy
         choice at a near-tie. Their text opens the completion without reaching ``on_token`` (the client has
         it, and their log-probabilities), and what the text stream held back at the cut stays held back: the
-        sequence continues as if never interrupted."""
+        sequence continues as if never interrupted. ``adapters``: the LoRA adapters (names loaded here) and scales
+        it runs under (UnknownModel for a name not loaded)."""
         if not 0 <= slot < self.parallel or slot in self._scheduler.running:
             raise ValueError(f"slot {slot} is not a free slot of 0..{self.parallel - 1}")
         context, keeping = self._context, self._keeping
+        chosen, space = self._adapters.chosen(adapters)
         tokens = context.tokenize_prompt(prompt) if isinstance(prompt, str) else context.in_vocabulary(prompt, "prompt")
         context.in_vocabulary([t for t, _ in params.logit_bias], "logit_bias")
         source = grammar_source(params.grammar, params.json_schema)
@@ -244,11 +286,12 @@ class BatchEngine:
         # prompt_logprobs needs every prompt row, which cached cells no longer have (a hand-over's client has
         # the prompt's already: carried tokens skip it)
         score_prompt = params.prompt_logprobs and params.logprobs is not None and not carried
-        keeping.keep(slot, tokens)
+        keeping.keep(slot, tokens, space)
         if score_prompt:
             context.seq_rm(slot, -1, -1)
-        reused = 0 if score_prompt else keeping.restore(slot, tokens, self._cells.take_cells(slot, tokens))
-        self._cells.start(slot, tokens, reused, prompt if isinstance(prompt, str) else "")
+        own = 0 if score_prompt else self._cells.take_cells(slot, tokens, space)
+        reused = own if score_prompt or space else keeping.restore(slot, tokens, own)  # the store: base cells only
+        self._cells.start(slot, tokens, reused, prompt if isinstance(prompt, str) else "", space)
         seed = params.seed if params.seed is not None else self._rng.randrange(2**32 - 1)
         seq = Sequence(
             slot, tokens, reused, max_tokens,
@@ -258,6 +301,8 @@ class BatchEngine:
         self._equip(seq, params, score_prompt)
         seq.carried, seq.replay = len(carried), deque(carried)
         seq.marks = keeping.marks(tokens, reused, score_prompt)
+        seq.adapters, seq.space = chosen, space
+        self._last_adapters[slot] = chosen
         self._scheduler.add(seq)
 
     def _equip(self, seq: Sequence, params: GenerateParams, score_prompt: bool) -> None:
@@ -301,8 +346,10 @@ class BatchEngine:
         done = [self._finish(seq, "cancelled") for seq in scheduler.cancelled()]
         if self.parallel > 1:
             self._cells.catch_up(scheduler.prefilling)
-        decoding = scheduler.decoding()
-        chunks = scheduler.chunks(bool(decoding))
+        turn = self._turns.next(seq.adapters for seq in scheduler.running.values())
+        self._adapters.apply(self._context.ctx, turn)
+        decoding = [seq for seq in scheduler.decoding() if seq.adapters == turn]
+        chunks = scheduler.chunks(bool(decoding), turn)
         if decoding:
             self._propose(decoding)
         for together in scheduler.decodes(decoding):

@@ -9,7 +9,8 @@ or (by ``keeping``) the host store's restored.
     finish ──finished(seq)──▶ the slot keeps its cells for the next prompt that starts the same
 
 Per slot: ``cached`` (tokens with cells, when no sequence runs there), ``texts`` (the text prompt they begin with),
-``whole`` (the leading ones computed as whole prompt chunks, what ``reuse: exact`` may start from). The rules of
+``whole`` (the leading ones computed as whole prompt chunks, what ``reuse: exact`` may start from), ``spaces`` (the
+LoRA adapters they were computed under, ``Sequence.space``: a prompt reuses only cells of its own space). The rules of
 what may be reused (``reusable``) and what the memory still holds (``holds_cells``) are here too. The KV memory is
 reached through ``Memory`` only: the unit tests drive this with a fake.
 """
@@ -48,23 +49,28 @@ class Cells:
         self.cached: list[list[int]] = [[] for _ in range(parallel)]  # tokens with KV cells, per slot
         self.texts = [""] * parallel  # the text prompt those tokens begin with ("": token ids, or unknown)
         self.whole = [0] * parallel  # of those, the leading ones computed (or copied) as whole prompt chunks
+        self.spaces = [b""] * parallel  # what they were computed under (``Sequence.space``; b"": the base model)
         self._last_used = [0] * parallel
         self._uses = 0
         self._told_cells_missing = False
         self.reused = self.copies = 0  # counters: prompt tokens reused, admissions that copied another slot's cells
 
-    def best_slot(self, free: list[int], tokens: list[int]) -> tuple[int, int]:
+    def best_slot(self, free: list[int], tokens: list[int], space: bytes = b"") -> tuple[int, int]:
         """The free slot whose cached tokens share the longest prefix with ``tokens``, and how many prompt tokens
         ``admit`` would reuse there. Ties go to the least recently used slot, so a prompt with nothing to reuse does
         not evict another prompt's prefix when it need not."""
         if not free:
             raise Busy("no free slot")
-        return max(((slot, self.reusable(slot, tokens)) for slot in free),
+        return max(((slot, self.reusable(slot, tokens, space)) for slot in free),
                    key=lambda sr: (sr[1], -self._last_used[sr[0]]))
 
-    def reusable(self, slot: int, tokens: list[int]) -> int:
+    def reusable(self, slot: int, tokens: list[int], space: bytes = b"") -> int:
         """Prompt tokens ``slot``'s cells hold (with ``reuse: exact``, in whole chunks computed as prompt chunks);
-        the last prompt token is always computed again (its logits pick the first new token)."""
+        the last prompt token is always computed again (its logits pick the first new token). None unless they were
+        computed in ``space`` (under the same adapters)."""
+        seq = self._running.get(slot)
+        if (seq.space if seq is not None else self.spaces[slot]) != space:
+            return 0
         shared = min(common_prefix(self.kv_tokens(slot), tokens), len(tokens) - 1)
         return whole_chunks(min(shared, self.whole_cells(slot))) if self._exact else shared
 
@@ -108,18 +114,19 @@ class Cells:
         seq = self._running.get(slot)
         return seq.n_past if seq is not None else len(self.cached[slot])
 
-    def take_cells(self, slot: int, tokens: list[int]) -> int:
-        """Cut ``slot``'s cells after the prefix of ``tokens`` they hold; returns its length. (A longer prefix
-        in another slot is copied over by ``catch_up`` before the next step.)"""
-        own = self.reusable(slot, tokens)
+    def take_cells(self, slot: int, tokens: list[int], space: bytes = b"") -> int:
+        """Cut ``slot``'s cells after the prefix of ``tokens`` they hold in ``space``; returns its length. (A longer
+        prefix in another slot is copied over by ``catch_up`` before the next step.)"""
+        own = self.reusable(slot, tokens, space)
         if not self._memory.seq_rm(slot, own, -1) or not self.holds_cells(slot, own):
             self._memory.seq_rm(slot, -1, -1)  # whole-sequence removal never fails
             return 0
         return own
 
-    def start(self, slot: int, tokens: list[int], reused: int, text: str) -> None:
-        """A prompt admitted into ``slot`` starts from its first ``reused`` tokens' cells."""
+    def start(self, slot: int, tokens: list[int], reused: int, text: str, space: bytes = b"") -> None:
+        """A prompt admitted into ``slot`` starts from its first ``reused`` tokens' cells, computed in ``space``."""
         self.cached[slot] = tokens[:reused]
+        self.spaces[slot] = space
         self.texts[slot] = text
         self.whole[slot] = reused if self._exact else 0  # cells reused at any length are no fresh computation's
         self._uses += 1
@@ -133,7 +140,7 @@ class Cells:
         for seq in prefilling:
             if seq.score_prompt:
                 continue
-            source, shared = self.copy_source(seq.slot, seq.prompt)
+            source, shared = self.copy_source(seq.slot, seq.prompt, seq.space)
             if shared > seq.n_past and self.holds_cells(source, shared):
                 self.copy_prefix(source, seq.slot, shared)
                 self._count_reused(seq, shared)
@@ -155,10 +162,10 @@ class Cells:
         seq.reused += n_past - seq.n_past
         seq.n_past = n_past
 
-    def copy_source(self, slot: int, tokens: list[int]) -> tuple[int, int]:
-        """The other slot whose cells hold the longest prefix of ``tokens`` that may be reused, and how many
-        tokens of it."""
-        return max(((other, self.reusable(other, tokens)) for other in range(self.parallel) if other != slot),
+    def copy_source(self, slot: int, tokens: list[int], space: bytes = b"") -> tuple[int, int]:
+        """The other slot whose cells hold the longest prefix of ``tokens`` that may be reused in ``space``, and how
+        many tokens of it."""
+        return max(((other, self.reusable(other, tokens, space)) for other in range(self.parallel) if other != slot),
                    key=lambda found: found[1], default=(slot, 0))
 
     def copy_prefix(self, source: int, slot: int, n: int) -> None:
@@ -176,10 +183,11 @@ class Cells:
         """``seq`` left the batch: its slot keeps its cells (all but the last token sampled, which has none)."""
         self.cached[seq.slot] = seq.kv_tokens()
         self.whole[seq.slot] = whole_cells(seq) if self._exact else 0
+        self.spaces[seq.slot] = seq.space
 
     def set(self, slot: int, tokens: list[int], whole: int) -> None:
         """``slot``'s cells were replaced (a slot file restored, or emptied): they hold ``tokens``."""
-        self.cached[slot], self.whole[slot], self.texts[slot] = tokens, whole, ""
+        self.cached[slot], self.whole[slot], self.texts[slot], self.spaces[slot] = tokens, whole, "", b""
 
     def erase(self, slot: int) -> int:
         """Drop ``slot``'s cells; how many it held."""

@@ -10,8 +10,9 @@
 
 The host store (``mpserve.engine.host_store``) is shared by every compatible instance on the host, in RAM with a
 disk tier under it. An entry saved from a text prompt carries the block hashes of the text its tokens spell
-(``summary_of``): the broker sends a prompt to the instance holding its prefix. What a slot holds and may reuse is
-``cells``'; llama.cpp's state bytes come from ``context``.
+(``summary_of``): the broker sends a prompt to the instance holding its prefix. The store holds the base model's
+cells only: those computed under LoRA adapters (``Sequence.space``) are neither saved nor restored. What a slot
+holds and may reuse is ``cells``'; llama.cpp's state bytes come from ``context``.
 """
 
 from __future__ import annotations
@@ -87,7 +88,7 @@ class Keeping:
         part of this one restores, and at its marks before its end (``Sequence.marks``). Chunks run from the cells a
         prompt started from, so with ``reuse: any`` an entry may end anywhere."""
         store, left = self.store, len(seq.prompt) - seq.n_past
-        if store is None or seq.score_prompt or seq.n_past < PROMPT_CHUNK or left == 0 or not (
+        if store is None or seq.score_prompt or seq.space or seq.n_past < PROMPT_CHUNK or left == 0 or not (
                 left <= PROMPT_CHUNK or not self._cut_back and reaches_checkpoint(seq.n_past - computed, seq.n_past)):
             return
         kept = seq.prompt[:seq.n_past]
@@ -97,13 +98,14 @@ class Keeping:
         if store.wants(size):
             store.put(kept, state, size, self.summary_of(kept, self._cells.texts[seq.slot]))
 
-    def keep(self, slot: int, tokens: list[int]) -> None:
+    def keep(self, slot: int, tokens: list[int], space: bytes = b"") -> None:
         """Before admitting ``tokens`` cuts ``slot``'s cells: save the cells it would lose (all, generated tokens
         included; with ``reuse: exact``, the whole chunks) into the host store, unless another slot or the store
-        holds them already. Fewer than a chunk's cells are not kept: one decode computes them again."""
+        holds them already. Fewer than a chunk's cells are not kept: one decode computes them again, nor cells
+        computed under adapters. ``space``: the admitted prompt's."""
         cells, store = self._cells, self.store
         whole = cells.whole[slot] if self._exact else len(cells.cached[slot])
-        if whole < PROMPT_CHUNK or cells.reusable(slot, tokens) >= whole or store is None:
+        if whole < PROMPT_CHUNK or cells.spaces[slot] or cells.reusable(slot, tokens, space) >= whole or store is None:
             return
         kept = cells.cached[slot][:whole]
         if store.holds(kept) or cells.copy_source(slot, kept + [-1])[1] >= whole:

@@ -3,8 +3,10 @@
     admit ──add(seq)──▶ running[slot], prefilling (admission order)
     step  ──cancelled()──▶ the sequences a cancel ended
           ──decoding()───▶ DECODE sequences in slot order ──decodes()──▶ grouped into llama_decode calls
-          ──chunks(any decoding)──▶ the prompts computing their next chunk this step, within the token budget
-          ──twins(lead)──▶ prompts equal to one just computed (``cells.share`` gives them its cells)
+          ──chunks(any decoding, turn)──▶ the prompts computing their next chunk this step, within the token budget
+                                          (those of the adapter set whose turn it is: ``adapters.Turns``)
+          ──twins(lead)──▶ prompts equal to one just computed, under the same adapters (``cells.share`` gives
+                           them its cells)
     finish ──remove(seq)──▶ out of the batch
 
 Rows go in slot order: with a KV stream per slot, llama.cpp splits a batch into micro-batches where the sequence ids
@@ -73,13 +75,15 @@ class Scheduler:
         short = [seq for seq in decoding if seq.n_past + 1 <= LONE_KV_CELLS]
         return ([short] if short else []) + long
 
-    def chunks(self, decoding: bool) -> list[Sequence]:
-        """The prompts that compute their next chunk this step, in admission order, while the step's budget of
-        prompt tokens lasts (the first chunk always: a chunk is never cut); ``decoding``: whether sequences decode
-        this step too."""
+    def chunks(self, decoding: bool, turn: tuple[tuple[str, float], ...] = ()) -> list[Sequence]:
+        """The prompts under the adapters ``turn`` that compute their next chunk this step, in admission order,
+        while the step's budget of prompt tokens lasts (the first chunk always: a chunk is never cut);
+        ``decoding``: whether sequences decode this step too."""
         budget = self._budget if decoding else self._idle_budget
         chosen: list[Sequence] = []
         for seq in self.prefilling:
+            if seq.adapters != turn:
+                continue
             if chosen and budget < next_chunk(seq):
                 break
             if not seq.score_prompt and any(lead.prompt == seq.prompt or self._shared(lead, seq) > seq.n_past
@@ -96,7 +100,8 @@ class Scheduler:
     def twins(self, lead: Sequence) -> list[Sequence]:
         """The prompts waiting that equal ``lead``'s (the choices of a request for n), to take its cells when its
         last chunk is decoded."""
-        return [seq for seq in self.prefilling if seq.prompt == lead.prompt and not seq.score_prompt]
+        return [seq for seq in self.prefilling
+                if seq.prompt == lead.prompt and not seq.score_prompt and seq.space == lead.space]
 
 
 def _by_slot(seq: Sequence) -> int:

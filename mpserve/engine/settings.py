@@ -6,7 +6,8 @@
                                                                           │            attention, repack, template
                                                                           ├─ scheduler step_budget_tokens
                                                                           ├─ cells     reuse, kv_unified
-                                                                          └─ keeping   the host store's tiers
+                                                                          ├─ keeping   the host store's tiers
+                                                                          └─ adapters  LoRA adapters to load
 """
 
 from __future__ import annotations
@@ -52,6 +53,7 @@ class EngineSettings:
     cache_disk_size: int = 0
     reuse: str = "any"
     chat_template: str | None = None
+    adapters: tuple[tuple[str, str], ...] = ()  # LoRA adapters to load: (name, path) (``mpserve.engine.adapters``)
 
     @property
     def exact(self) -> bool:

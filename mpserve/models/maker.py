@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import os
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -98,13 +98,17 @@ def write_model(path: str | os.PathLike[str], size: str = "tiny", chat_template:
     since both write the same bytes.
     """
     shape = shape_for(size)
-    target = Path(path)
+    return write_atomically(Path(path), lambda tmp: write_shape(tmp, f"mpserve-{size}", shape, chat_template))
+
+
+def write_atomically(target: Path, write: Callable[[Path], None]) -> Path:
+    """``write`` a file to a temporary path beside ``target``, then move it into place: ``target``."""
     target.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp_name = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=".tmp")
     os.close(fd)
     tmp = Path(tmp_name)
     try:
-        write_shape(tmp, f"mpserve-{size}", shape, chat_template)
+        write(tmp)
         with open(tmp, "rb") as written:
             os.fsync(written.fileno())
         tmp.chmod(0o644)  # mkstemp creates 0600; a model file is not a secret
@@ -153,6 +157,11 @@ def write_shape(path: Path, name: str, shape: ModelShape, chat_template: str | N
     printable = np.array([token.kind == gguf.TokenType.NORMAL for token in tokens])
     for tensor_name, tensor in _weights(shape, printable):
         writer.add_tensor(tensor_name, tensor)
+    finish(writer)
+
+
+def finish(writer: gguf.GGUFWriter) -> None:
+    """Write out what ``writer`` was given: header, metadata, tensors; then close it."""
     try:
         writer.write_header_to_file()
         writer.write_kv_data_to_file()
