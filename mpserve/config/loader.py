@@ -479,7 +479,7 @@ def check_adapters(model: ModelConfig, pulled: bool = True) -> None:
         return
     base = model.resolved_path()
     for name, path in model.adapter_paths().items():
-        adapter_sources.check(path, base, f"models[{model.name}].adapters.{name}")
+        adapter_sources.check(name, path, base, f"models[{model.name}].adapters")
 
 
 def _instance_bounds(values: Mapping[str, Any], where: str) -> tuple[int, int]:

@@ -4,8 +4,8 @@
         ──parse()─────▶ ((NAME, source), ...) in declaration order (a request's ``lora`` ids count in it); a name
                         as model names are written, a plain path a file here, a Hub source well-formed
         ──check()─────▶ at start and in ``mpserve plan``, after the Hub sources are pulled: the adapter's GGUF
-                        header says general.type "adapter", adapter.type "lora" and the model's architecture, and
-                        each lora_a/lora_b pair has the shapes llama.cpp checks against the base tensor it adapts
+                        header against the model's (``mpserve.models.lora_file``: a LoRA adapter, of the model's
+                        architecture, each lora_a/lora_b pair shaped for the base tensor it adapts)
     their tensors' bytes are counted in the memory estimate (``mpserve.gpu.placement``)
 
 Only headers are read (``mpserve.models.gguf_header``): an adapter refused here would otherwise fail in every
@@ -14,21 +14,15 @@ instance's load, after the fork. Each refusal is one line naming the file and wh
 
 from __future__ import annotations
 
-import re
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from mpserve.errors import ConfigError
+from mpserve.errors import BadRequest, ConfigError
 from mpserve.wire.adapters import NAME_RE
 
 from . import sources
-from .gguf_header import GGUFHeader, TensorInfo, read_header
-
-_KEYS = ("general.type", "adapter.type", "general.architecture")
-_LORA = re.compile(r"^(?P<base>.+)\.lora_(?P<part>[ab])$")
-FIX = "give a LoRA adapter GGUF made for this model (convert_lora_to_gguf.py --base THE_MODEL's folder, or mpserve " \
-      "make-model ADAPTER.gguf --lora-for MODEL.gguf)"
+from .lora_file import check_adapter
 
 Declared = tuple[tuple[str, str], ...]
 
@@ -53,7 +47,8 @@ def parse(value: Mapping[str, Any] | list[Any] | tuple[Any, ...], where: str) ->
         if sources.is_source(source):
             sources.check(source, f"{where}.{name}")
         elif not Path(source).is_file():
-            raise ConfigError(f"{where}.{name}: {sources.not_a_file(source)}; give the adapter's .gguf file")
+            raise ConfigError(f"{where}.{name}: no such adapter file {source!r}; give the adapter's .gguf file, or "
+                              f"{sources.FORMS}")
     return tuple(pairs)
 
 
@@ -69,59 +64,10 @@ def local(source: str) -> str:
     return sources.local_path(source) if sources.is_source(source) else source
 
 
-def check(adapter: str, model: str, where: str) -> None:
-    """ConfigError, one line naming ``adapter`` and the fix, unless the GGUF at ``adapter`` is a LoRA adapter of
-    the architecture of the model at ``model`` whose every tensor pair fits the base tensor it adapts."""
-    head = _header(adapter, where)
-    kind, lora = head.metadata.get("general.type"), head.metadata.get("adapter.type")
-    if kind != "adapter" or lora != "lora":
-        found = (f"its adapter.type is {lora!r}, not 'lora'" if kind == "adapter" else
-                 f"its general.type is {kind!r}, not 'adapter'" if kind else "it has no general.type: a model file")
-        raise ConfigError(f"{where}: {adapter!r} is not a LoRA adapter ({found}); {FIX}")
-    base = _header(model, where)
-    arch, base_arch = head.metadata.get("general.architecture"), base.metadata.get("general.architecture")
-    if arch != base_arch:
-        raise ConfigError(f"{where}: {adapter!r} is an adapter for architecture {arch!r}, and the model is "
-                          f"{base_arch!r}; {FIX}")
-    problem = shape_problem(head.tensors, {t.name: t for t in base.tensors})
-    if problem is not None:
-        raise ConfigError(f"{where}: {adapter!r} does not fit the model: {problem}; {FIX}")
-
-
-def shape_problem(tensors: tuple[TensorInfo, ...], base: Mapping[str, TensorInfo]) -> str | None:
-    """What llama.cpp's adapter load would refuse of these lora_a/lora_b tensors against the base tensors
-    (llama-adapter.cpp's checks, in GGUF's dimension order: a is [in, rank], b is [rank, out]); None if nothing."""
-    pairs: dict[str, dict[str, TensorInfo]] = {}
-    for tensor in tensors:
-        found = _LORA.match(tensor.name)
-        if found is not None:
-            pairs.setdefault(found["base"], {})[found["part"]] = tensor
-    if not pairs:
-        return "it has no lora_a/lora_b tensors"
-    for name, pair in sorted(pairs.items()):
-        if set(pair) != {"a", "b"}:
-            return f"{name} has lora_{'a' if 'a' in pair else 'b'} without its other half"
-        target = base.get(name)
-        if target is None:
-            return f"it adapts {name}, which the model does not have"
-        a, b, w = pair["a"].shape, pair["b"].shape, target.shape
-        if len(a) < 2 or len(b) < 2 or len(w) < 2:
-            return f"{name}: a LoRA pair adapts a matrix"
-        if name.startswith("token_embd"):  # llama.cpp stores this pair the other way round
-            fits = w[0] == b[1] and w[1] == a[1]
-        else:
-            fits = w[0] == a[0] and w[1] == b[1] and a[1] == b[0]
-        if not fits:
-            return f"{name} is {list(w)} in the model, and its lora_a {list(a)} and lora_b {list(b)} do not fit it"
-    return None
-
-
-def _header(path: str, where: str) -> GGUFHeader:
+def check(name: str, adapter: str, model: str, where: str) -> None:
+    """ConfigError, one line naming ``where``, ``adapter`` and the fix, unless the GGUF at ``adapter`` is a LoRA
+    adapter for the model at ``model`` (``lora_file.check_adapter``: its type, architecture and tensor shapes)."""
     try:
-        return read_header(path, lambda key: key in _KEYS)
-    except FileNotFoundError:
-        raise ConfigError(f"{where}: no such adapter file {path!r}; give the adapter's .gguf file") from None
-    except OSError as exc:
-        raise ConfigError(f"{where}: cannot read {path!r}: {exc.strerror}") from None
-    except ValueError as exc:
-        raise ConfigError(f"{where}: {path!r}: {exc}; {FIX}") from None
+        check_adapter(name, adapter, model)
+    except BadRequest as exc:
+        raise ConfigError(f"{where}: {exc.message}") from None

@@ -46,18 +46,18 @@ def test_a_bad_adapter_is_refused_in_one_line_naming_the_file_and_the_fix(case: 
     adapters: object = {"x": str(bad)}
     if case == "model file":
         adapters = {"x": str(builtin_model_path("tiny"))}
-        expected = "is not a LoRA adapter (it has no general.type: a model file)"
+        expected = "is a model GGUF, not a LoRA adapter"
     elif case == "architecture":
         write_adapter(bad, arch="gemma3")
-        expected = "is an adapter for architecture 'gemma3', and the model is 'llama'"
+        expected = "adapts a 'gemma3' model, and this model is 'llama'"
     elif case == "shape":
         write_adapter(bad, pairs={"blk.0.attn_q.weight": (64, 96)})
-        expected = "blk.0.attn_q.weight is [64, 64] in the model, and its lora_a [64, 4] and lora_b [4, 96]"
+        expected = "'blk.0.attn_q.weight' pair has shapes [64, 4] and [4, 96]"
     elif case == "missing tensor":
         write_adapter(bad, pairs={"blk.9.attn_q.weight": (64, 64)})
-        expected = "it adapts blk.9.attn_q.weight, which the model does not have"
+        expected = "'blk.9.attn_q.weight.lora_a' has no tensor of that name"
     elif case == "missing file":
-        expected = "no such model file"
+        expected = "no such adapter file"
     elif case == "name":
         write_adapter(bad)
         adapters, expected = {"base:x": str(bad)}, "adapter name 'base:x': allowed letters"
