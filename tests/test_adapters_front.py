@@ -113,3 +113,23 @@ def test_the_node_client_chooses_adapters(server: ServerProcess) -> None:
     assert seen["named"] == seen["chosen"] == expected
     assert seen["unknown"]["code"] == "unknown_adapter" and seen["unknown"]["isUnknownAdapter"]
     assert "served adapters: tiny:fr (id 0), tiny:de (id 1)" in seen["unknown"]["message"]
+
+
+def test_metrics_count_requests_and_tokens_per_adapter(gateway: object) -> None:
+    def counted() -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+        return {k: v for k, v in gateway.metrics().items() if k[0].startswith("mpserve_adapter_")}  # type: ignore
+
+    before = counted()
+    for body in ({"model": "tiny:fr"}, {"model": "tiny", "lora": [{"name": "fr"}, {"id": 1, "scale": 0.5}]},
+                 {"model": "tiny"}):
+        assert post(gateway, "/v1/completions", {**body, "prompt": "hello", "max_tokens": 3}).status_code == 200
+    after = counted()
+
+    def grew(name: str, **labels: str) -> float:
+        key = (name, tuple(sorted({"model": "tiny", **labels}.items())))
+        return after.get(key, 0.0) - before.get(key, 0.0)
+
+    assert grew("mpserve_adapter_requests_total", adapter="fr") == 2
+    assert grew("mpserve_adapter_requests_total", adapter="de") == 1
+    assert grew("mpserve_adapter_tokens_total", adapter="fr", kind="generated") == 6
+    assert grew("mpserve_adapter_tokens_total", adapter="de", kind="generated") == 3

@@ -166,6 +166,7 @@ class Pipeline:
             model = answer.call.model or sole_model(client)  # BASE:NAME names an adapter: answered with it
             base = wire_adapters.split_model(model)[0] or model
             adapters = await self._adapters(answer.call, base)
+            chosen = base, wire_adapters.selection(model, adapters)[1]  # what the metrics count it under
             answer.call = await self._prepared(answer.call, client, base)
         except MpserveError as exc:
             return self._failed(dialect, exc)
@@ -184,7 +185,7 @@ class Pipeline:
                                        params=call.params, adapters=adapters)
                 chunks = stream.__aiter__()  # submits the request on its first step
                 text = await unless_disconnected(request, first(chunks))
-                return EventStream(self._events(dialect, answer, reply, stream, chunks, text, started),
+                return EventStream(self._events(dialect, answer, reply, stream, chunks, text, started, chosen),
                                    call.headers())
             results = await unless_disconnected(request, client.choices(
                 call.prompt, model=call.model, request_id=request.state.request_id, params=call.params,
@@ -194,7 +195,7 @@ class Pipeline:
             return Response(status_code=204)  # nobody reads it
         except MpserveError as exc:
             return self._failed(dialect, exc)
-        self._done(endpoint, model, results, started)
+        self._done(endpoint, chosen, results, started)
         return JSONResponse(answer.whole(reply.whole(call.shown(results), results)), headers=call.headers())
 
     async def _adapters(self, call: oai.Call, model: str) -> wire_adapters.Selection:
@@ -215,7 +216,8 @@ class Pipeline:
         return call
 
     async def _events(self, dialect: Dialect, answer: Answer, reply: oai.Reply, stream: Stream,
-                      chunks: AsyncIterator[str], text: str | None, started: float) -> AsyncGenerator[bytes, None]:
+                      chunks: AsyncIterator[str], text: str | None, started: float,
+                      chosen: tuple[str, wire_adapters.Selection]) -> AsyncGenerator[bytes, None]:
         """The answer's events; those of chunks that arrived together leave together (one send)."""
         ended = False
         ready = bytearray(b"".join(answer.opened(reply.model)))  # events not sent yet: more have arrived
@@ -226,7 +228,7 @@ class Pipeline:
                 if not stream.arrived:
                     yield bytes(ready)
                     ready.clear()
-            self._done(dialect.path, reply.model, stream.results, started)
+            self._done(dialect.path, chosen, stream.results, started)
             ended = True
             yield bytes(ready + b"".join(answer.closed(reply.last(stream.results, stream.done_logprobs),
                                                        stream.results)))
@@ -239,9 +241,13 @@ class Pipeline:
                 self.metrics.outcome(dialect.path, ErrorCode.CANCELLED)
             await chunks.aclose()  # type: ignore[attr-defined]  # an async generator: cancels the request
 
-    def _done(self, endpoint: str, model: str, results: list[Result], started: float) -> None:
+    def _done(self, endpoint: str, chosen: tuple[str, wire_adapters.Selection], results: list[Result],
+              started: float) -> None:
+        """Count a completed request under its model and each of its LoRA adapters."""
         self.metrics.outcome(endpoint, "ok")
-        self.metrics.done(model, replace(results[0], usage=oai.total_usage(results)), time.perf_counter() - started)
+        model, adapters = chosen
+        self.metrics.done(model, replace(results[0], usage=oai.total_usage(results)), time.perf_counter() - started,
+                          tuple(name for name, _ in adapters))
 
     def _failed(self, dialect: Dialect, exc: MpserveError) -> JSONResponse:
         self.metrics.outcome(dialect.path, exc.code)
