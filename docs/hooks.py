@@ -220,6 +220,7 @@ def _short(value: Any) -> str:
 
 ID = f"string, at most {wire.MAX_ID_CHARS} characters (`MAX_ID_CHARS`)"
 MODEL = "string, at most 256 characters"
+ADAPTER_NAME = f"a LoRA adapter's name, `{wire.ADAPTER_NAME_PATTERN}`"
 TIMEOUT = "seconds, 0.001 to 604800 (7 days)"
 TOKENS = "int32 little-endian token ids (`pack_tokens`)"
 
@@ -267,11 +268,21 @@ LIMITS: dict[str, str] = {
     "Logprobs.top_tokens": TOKENS + ", `top` per token", "Logprobs.top_logprobs": "float64, `top` per token",
     "Logprobs.piece_ends": TOKENS + " (byte offsets into `pieces`)",
     "CacheChanges.added": f"at most {wire.MAX_CACHE_ITEMS} `[id, uint64 hashes]` entries",
+    "Request.adapters": f"at most {wire.MAX_ADAPTERS} `[name, scale]`: names the model serves, scales "
+                        f"{-wire.MAX_ADAPTER_SCALE:g} to {wire.MAX_ADAPTER_SCALE:g}",
+    "Ready.adapters": f"the LoRA adapters loaded, at most {wire.MAX_LOADED_ADAPTERS}",
+    "AdapterAction.id": ID, "AdapterAction.op": "one of " + ", ".join(f"`{op}`" for op in wire.ADAPTER_OPS),
+    "AdapterAction.name": ADAPTER_NAME, "AdapterAction.model": MODEL,
+    "AdapterAction.path": "at most 4096 characters; only for `load`: a LoRA adapter GGUF on the worker's host",
+    "AdapterAction.ticket": "set by the broker",
+    "AdapterReply.id": ID, "AdapterReply.name": ADAPTER_NAME,
+    "AdapterReply.adapters": f"the instance's adapters now, at most {wire.MAX_LOADED_ADAPTERS}",
 }
 
 CLIENT_MESSAGES = ("Request", "Cancel", "Ping", "StatsQuery", "Tokenize", "Control", "Embed", "SlotAction")
 ANSWERS = ("Chunk", "Chunks", "Done", "Error", "Pong", "Stats", "Tokens", "ControlReply", "Embeddings", "SlotReply")
-WORKER_LINK_MESSAGES = ("Ready", "Heartbeat", "Failed", "Unloaded", "Leaving", "Assign", "Assigns", "Stop", "Unload")
+WORKER_LINK_MESSAGES = ("Ready", "Heartbeat", "Failed", "Unloaded", "Leaving", "Assign", "Assigns", "Stop", "Unload",
+                        "AdapterAction", "AdapterReply")
 NESTED = ("GenerateParams", "Usage", "Timings", "Logprobs", "ModelStats", "ModelScaling", "WorkerStats",
           "ModelControl", "CacheChanges")
 

@@ -4,6 +4,7 @@ loops that run requests through an engine, and the prompts several tests use."""
 from __future__ import annotations
 
 from collections.abc import Callable
+from pathlib import Path
 
 import llama_cpp
 
@@ -38,6 +39,13 @@ def make_llama(model_path: str, flash_attn: str = "off") -> llama_cpp.Llama:
 def scoring_llama(path: str, flash_attn: bool) -> llama_cpp.Llama:
     """A Llama that keeps every position's logits (``scores``), to check log-probabilities against."""
     return llama_cpp.Llama(path, n_ctx=N_CTX, n_threads=1, flash_attn=flash_attn, logits_all=True, verbose=False)
+
+
+def adapters_for(base: str, folder: Path, names: tuple[str, ...]) -> dict[str, str]:
+    """Random LoRA adapters for the model ``base`` written in ``folder``: name -> path, adapter i of seed i."""
+    from mpserve.models.lora_maker import write_lora
+
+    return {name: str(write_lora(folder / f"{name}.gguf", base, seed=i)) for i, name in enumerate(names)}
 
 
 def make_engine(model_path: str, parallel: int, budget: int = 64, kv_unified: bool = False,

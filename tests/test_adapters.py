@@ -11,7 +11,7 @@ from pathlib import Path
 
 import llama_cpp
 import pytest
-from engines import LONG_PROMPT, N_CTX, PROMPTS
+from engines import LONG_PROMPT, N_CTX, PROMPTS, adapters_for
 
 from mpserve.engine.batch import BatchEngine
 from mpserve.engine.interface import Completion
@@ -29,14 +29,13 @@ Choice = tuple[str, float] | None  # an adapter and its scale; None: the base mo
 
 
 @pytest.fixture(scope="module")
-def tiny() -> str:
-    return str(builtin_model_path("tiny"))
+def tiny(tiny_model_path: str) -> str:
+    return tiny_model_path
 
 
 @pytest.fixture(scope="module")
 def tiny_adapters(tiny: str, tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
-    folder = tmp_path_factory.mktemp("adapters")
-    return {name: str(write_lora(folder / f"{name}.gguf", tiny, seed=i)) for i, name in enumerate(NAMES)}
+    return adapters_for(tiny, tmp_path_factory.mktemp("adapters"), NAMES)
 
 
 def engine(path: str, adapters: dict[str, str], parallel: int, repack: bool = True) -> BatchEngine:
@@ -116,7 +115,7 @@ def test_each_adapter_and_the_base_give_llama_cpp_text_alone_and_all_at_once(
 def test_gemma_adapters_give_llama_cpp_text(real_model: object, tmp_path: Path) -> None:
     """Gemma 3 270M (quantized) with two random adapters and the base, at once on parallel 4."""
     path, repack = real_model.path, real_model.repack  # type: ignore[attr-defined]
-    adapters = {name: str(write_lora(tmp_path / f"{name}.gguf", path, seed=i)) for i, name in enumerate(NAMES[:2])}
+    adapters = adapters_for(path, tmp_path, NAMES[:2])
     choices: list[Choice] = [None, ("a0", 1.0), ("a1", 0.75)]
     requests = [(prompt, choices[i % 3], 16) for i, prompt in enumerate(["The capital of France is"] * 3 + PROMPTS[:3])]
 

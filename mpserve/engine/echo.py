@@ -23,7 +23,7 @@ from mpserve.errors import BadRequest
 from mpserve.wire import protocol as wire
 from mpserve.wire.protocol import ChatTemplate, GenerateParams
 
-from .interface import Completion, NoCells, OnToken
+from .interface import Completion, NoAdapters, NoCells, OnToken, refuse_adapters
 
 
 @dataclass
@@ -37,7 +37,7 @@ class _Echo:
     cancel_requested: bool = False
 
 
-class EchoEngine(NoCells):
+class EchoEngine(NoCells, NoAdapters):
     chat = ChatTemplate()
 
     def __init__(self, parallel: int = 1, tick: float = 0.0) -> None:
@@ -50,10 +50,11 @@ class EchoEngine(NoCells):
         return [slot for slot in range(self.parallel) if slot not in self._running]
 
     def admit(self, slot: int, prompt: str | list[int], params: GenerateParams, on_token: OnToken,
-              carried: Sequence[int] = ()) -> None:
+              carried: Sequence[int] = (), adapters: Sequence[tuple[str, float]] = ()) -> None:
         """``carried`` is ignored: echo has no tokens, so its requests are never resumed (``tokens`` is empty)."""
         if not 0 <= slot < self.parallel or slot in self._running:
             raise ValueError(f"slot {slot} is not a free slot of 0..{self.parallel - 1}")
+        refuse_adapters(adapters)
         if params.logprobs is not None:
             raise BadRequest("the echo backend has no log-probabilities")
         if not isinstance(prompt, str):

@@ -28,7 +28,7 @@ from mpserve.wire import protocol as wire
 from mpserve.wire.protocol import ChatTemplate, GenerateParams
 
 from . import vocab
-from .interface import Completion, NoCells, OnToken
+from .interface import Completion, NoAdapters, NoCells, OnToken
 from .model_info import free, load_model
 
 POOLING = {"mean": "LLAMA_POOLING_TYPE_MEAN", "cls": "LLAMA_POOLING_TYPE_CLS", "last": "LLAMA_POOLING_TYPE_LAST",
@@ -39,7 +39,7 @@ MAX_INPUTS_PER_DECODE = 64
 """Sequences one decode may hold (the context's ``n_seq_max``); more inputs take more decodes."""
 
 
-class EmbeddingEngine(NoCells):
+class EmbeddingEngine(NoCells, NoAdapters):
     chat = ChatTemplate()
 
     def __init__(self, path: str, n_ctx: int, parallel: int, threads: int, n_gpu_layers: int,
@@ -160,7 +160,7 @@ class EmbeddingEngine(NoCells):
         return list(range(self.parallel))
 
     def admit(self, slot: int, prompt: str | list[int], params: GenerateParams, on_token: OnToken,
-              carried: Sequence[int] = ()) -> None:
+              carried: Sequence[int] = (), adapters: Sequence[tuple[str, float]] = ()) -> None:
         raise BadRequest("this model is served with embedding: true; it computes embeddings, not completions")
 
     def tokens(self, slot: int) -> Sequence[int]:

@@ -16,6 +16,8 @@
     DONE     ──take_cache_changes()──▶  its entries added and dropped since the last take (the CACHE frame)
     READY    ──cache_snapshot()──▶  all its entries (the CACHE frame of a registration)
     SLOT_ACTION ──save_slot / restore_slot / erase_slot──▶  an idle slot's cells to or from a file
+    ADAPTER_ACTION ──load_adapter / unload_adapter──▶  a LoRA adapter loaded or freed (``adapter_names``: READY's;
+                                                    ``slot_adapters``: what each slot row shows)
 
 Engines know nothing of processes, sockets or the slot table; one thread calls them. ``on_token`` gets
 each new piece of text and the number of tokens generated so far, and returns False to stop generating.
@@ -30,7 +32,7 @@ from typing import Protocol, runtime_checkable
 
 import numpy as np
 
-from mpserve.errors import BadRequest
+from mpserve.errors import BadRequest, UnknownModel
 from mpserve.wire import protocol as wire
 from mpserve.wire.protocol import ChatTemplate, GenerateParams
 
@@ -80,8 +82,31 @@ class NoCells:
         raise BadRequest(_NO_CELLS)
 
 
+class NoAdapters:
+    """The Engine methods of an engine that takes no LoRA adapters (echo, embeddings)."""
+
+    def adapter_names(self) -> tuple[str, ...]:
+        return ()
+
+    def load_adapter(self, name: str, path: str) -> None:
+        raise BadRequest(_NO_ADAPTERS)
+
+    def unload_adapter(self, name: str) -> None:
+        raise UnknownModel(f"no adapter {name!r} is loaded for this model (adapters served: none)")
+
+    def slot_adapters(self, slot: int) -> tuple[tuple[str, float], ...]:
+        return ()
+
+
+def refuse_adapters(adapters: Sequence[tuple[str, float]]) -> None:
+    """UnknownModel for a request that chose adapters, on an engine that has none."""
+    if adapters:
+        raise UnknownModel(f"no adapter {adapters[0][0]!r} is loaded for this model (adapters served: none)")
+
+
 NO_CHANGES = wire.CacheChanges()
 _NO_CELLS = "this model keeps no KV cells in its slots to save, restore or erase"
+_NO_ADAPTERS = "this backend takes no LoRA adapters; give adapters to a model served by llama.cpp"
 
 
 class Engine(Protocol):
@@ -93,9 +118,23 @@ class Engine(Protocol):
     def free_slots(self) -> list[int]: ...
 
     def admit(self, slot: int, prompt: str | list[int], params: GenerateParams, on_token: OnToken,
-              carried: Sequence[int] = ()) -> None:
+              carried: Sequence[int] = (), adapters: Sequence[tuple[str, float]] = ()) -> None:
         """``prompt``: text (tokenized with BOS), or token ids taken as they are; ``carried``: the tokens a
-        lost instance generated for this request, replayed before it goes on."""
+        lost instance generated for this request, replayed before it goes on; ``adapters``: the LoRA adapters
+        (loaded names) and scales it runs under (UnknownModel for a name not loaded)."""
+
+    def adapter_names(self) -> tuple[str, ...]:
+        """The LoRA adapters loaded, by name."""
+
+    def load_adapter(self, name: str, path: str) -> None:
+        """Load the LoRA adapter GGUF ``path`` as ``name`` (BadRequest naming what is wrong with it)."""
+
+    def unload_adapter(self, name: str) -> None:
+        """Free adapter ``name`` (BadRequest while a sequence runs under it; UnknownModel if not loaded)."""
+
+    def slot_adapters(self, slot: int) -> tuple[tuple[str, float], ...]:
+        """The adapters ``slot``'s running (or last) sequence runs under."""
+
 
     def tokens(self, slot: int) -> Sequence[int]:
         """The tokens the sequence in ``slot`` sampled so far (not the carried ones), then the

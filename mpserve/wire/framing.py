@@ -7,12 +7,13 @@ ROUTER sockets see a routing-identity frame first; that frame belongs to ZeroMQ 
     broker  -> client   [VERSION, TYPE, BODY]            CHUNK, CHUNKS, DONE, ERROR, PONG, STATS, TOKENS,
                                                          CONTROL_REPLY, EMBEDDINGS, SLOT_REPLY
     broker  -> worker   [VERSION, TYPE, BODY]            ASSIGN, ASSIGNS, CANCEL, STOP, UNLOAD, TOKENIZE, EMBED,
-                                                         SLOT_ACTION
+                                                         SLOT_ACTION, ADAPTER_ACTION
     worker  -> broker   [VERSION, TYPE, TICKET, BODY]    READY, HEARTBEAT, FAILED, UNLOADED, LEAVING (empty TICKET);
                                                          CHUNK, DONE, ERROR (TICKET of an ASSIGN);
                                                          TOKENS, ERROR (TICKET of a TOKENIZE);
                                                          EMBEDDINGS, ERROR (TICKET of an EMBED);
-                                                         SLOT_REPLY, ERROR (TICKET of a SLOT_ACTION)
+                                                         SLOT_REPLY, ERROR (TICKET of a SLOT_ACTION);
+                                                         ADAPTER_REPLY, ERROR (TICKET of an ADAPTER_ACTION)
                         [VERSION, CHUNK, TICKET, BODY, TOKENS]  when the ASSIGN asked for ``report_tokens``
                         [VERSION, DONE|ERROR, TICKET, BODY, CACHE]  when the prompt cache changed
                         [VERSION, READY, b"", BODY, CACHE]  when the worker's prompt cache holds entries

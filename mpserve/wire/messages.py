@@ -28,8 +28,9 @@ from mpserve.errors import BadRequest, MpserveError, ProtocolError
 from mpserve.wire import refusals
 from mpserve.wire.prefix import MAX_BLOCKS
 
-WORKER_LINK = "MPS1.1"  # the revision of the broker-worker messages, in every READY: a broker refuses workers
-# of another (1.1: STEP replaced the worker's CHUNKS, and ASSIGNS came), so a remote pool is upgraded with it
+WORKER_LINK = "MPS1.2"  # the revision of the broker-worker messages, in every READY: a broker refuses workers
+# of another (1.1: STEP replaced the worker's CHUNKS, and ASSIGNS came; 1.2: LoRA adapters: READY's, ADAPTER_ACTION),
+# so a remote pool is upgraded with it
 MAX_MESSAGE_BYTES = 4 * 1024 * 1024
 MAX_CACHE_ITEMS = 4096  # entries per list in a CACHE frame
 MAX_CACHE_HASHES = 1 << 14  # hashes a broker keeps per instance (and a READY's CACHE frame carries at most)
@@ -50,6 +51,8 @@ MAX_INSTANCES = 256
 SLOT_ACTIONS = ("save", "restore", "erase")
 MAX_FILENAME_CHARS = 128
 MAX_ADAPTERS = 8  # LoRA adapters one request may choose
+MAX_LOADED_ADAPTERS = 256  # LoRA adapters one instance reports loaded
+ADAPTER_OPS = ("load", "unload")
 MAX_ADAPTER_SCALE = 4.0  # the largest scale magnitude of one (llama-server takes any; past this, output is noise)
 ADAPTER_NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$"  # no ':' (``model: BASE:NAME``), no '/', no spaces
 
@@ -73,6 +76,7 @@ class MsgType(IntEnum):
     EMBEDDINGS = 0x17
     CHUNKS = 0x18
     SLOT_REPLY = 0x19
+    ADAPTER_REPLY = 0x1A
     READY = 0x20
     HEARTBEAT = 0x21
     FAILED = 0x22
@@ -83,6 +87,7 @@ class MsgType(IntEnum):
     STOP = 0x31
     UNLOAD = 0x32
     ASSIGNS = 0x33
+    ADAPTER_ACTION = 0x34
 
 
 # --- the field types that recur -----------------------------------------------------------------
@@ -725,6 +730,9 @@ class Ready(Body, frozen=True, forbid_unknown_fields=True):
     eos_token: Name = ""
     proof: Annotated[str, Meta(max_length=64)] = ""  # the broker's per-start secret, from its own workers only
     # (mpserve.server.link)
+    adapters: Annotated[tuple[AdapterName, ...], Meta(max_length=MAX_LOADED_ADAPTERS)] = ()  # the LoRA adapters
+    # loaded (the requests it can take: ``Request.adapters`` of these names); the slot table shows which each slot
+    # runs
 
 
 class Heartbeat(Body, frozen=True, forbid_unknown_fields=True):
@@ -806,6 +814,41 @@ class Assigns(msgspec.Struct, frozen=True):
     assigns: tuple[Assign, ...]
 
 
+class AdapterAction(Body, frozen=True, forbid_unknown_fields=True):
+    """(client ->) broker -> worker: ``load`` LoRA adapter ``name`` of ``model`` from ``path`` (a GGUF on the
+    worker's host, checked against its model), or ``unload`` it (refused while a request runs under it: the broker
+    stops assigning it and waits for them first). The broker sends it to an instance with ``ticket`` set; each
+    answers ADAPTER_REPLY or ERROR."""
+
+    TYPE: ClassVar[MsgType] = MsgType.ADAPTER_ACTION
+    REFUSED_AS: ClassVar[type[MpserveError]] = BadRequest
+    id: Id
+    op: Annotated[str, Meta(max_length=16)]
+    name: AdapterName
+    model: Name | None = None
+    path: Annotated[str, Meta(max_length=4096)] = ""
+    ticket: Ticket = ""
+
+    def check(self) -> None:
+        if self.op not in ADAPTER_OPS:
+            raise BadRequest(f"'op' must be one of {', '.join(ADAPTER_OPS)}, got {self.op!r}")
+        if (self.op == "load") != bool(self.path):
+            raise BadRequest("'path' names the adapter file to load: give it with 'load', and only then")
+
+
+class AdapterReply(Body, frozen=True, forbid_unknown_fields=True):
+    """worker -> broker (-> client): what ADAPTER_ACTION ``id`` did on instance ``worker``, the adapters it has
+    loaded now, and the milliseconds it took."""
+
+    TYPE: ClassVar[MsgType] = MsgType.ADAPTER_REPLY
+    id: Id
+    worker: Id
+    op: Annotated[str, Meta(max_length=16)]
+    name: AdapterName
+    adapters: Annotated[tuple[AdapterName, ...], Meta(max_length=MAX_LOADED_ADAPTERS)] = ()
+    ms: float = 0.0
+
+
 CacheId = Annotated[int, Meta(ge=0, le=2**63 - 1)]
 
 
@@ -831,5 +874,6 @@ class CacheChanges(Body, frozen=True, forbid_unknown_fields=True):
 
 MESSAGES: tuple[Any, ...] = (Request, Cancel, Ping, StatsQuery, Pong, Stats, Chunk, Done, Error, Ready,
                                     Heartbeat, Failed, Unloaded, Leaving, Assign, Stop, Unload, Tokenize, Tokens,
-                                    Control, ControlReply, Embed, Embeddings, SlotAction, SlotReply)
+                                    Control, ControlReply, Embed, Embeddings, SlotAction, SlotReply, AdapterAction,
+                                    AdapterReply)
 """The message types whose BODY is one map (CHUNKS, ASSIGNS and STEP are arrays: ``mpserve.wire.framing``)."""

@@ -24,14 +24,16 @@ from pathlib import Path
 from mpserve.errors import BadRequest, ConfigError
 from mpserve.private import create_private
 
-MAGIC = b"MPSLOT04"
+MAGIC = b"MPSLOT05"
 _HEADER = struct.Struct("<8sII")  # magic, rows, row size
 _SEQ = struct.Struct("<Q")
 # pid, worker, slot, state, device, model, request, tokens, served, started, progress, load_s, kv_cells, kv_capacity,
 # then the host store as the instance sees it: RAM bytes, RAM capacity, hits, misses, evictions, disk bytes,
-# disk capacity, skipped
-_FIELDS = struct.Struct("<iHHBxh48s40sIQdddIIQQIIIQQI")
+# disk capacity, skipped; then the LoRA adapters the slot's sequence runs under (``adapter_label``)
+_FIELDS = struct.Struct("<iHHBxh48s40sIQdddIIQQIIIQQI40s")
 _CACHE = 14  # the first host-store field
+_ADAPTERS = 22
+ADAPTER_LABEL_BYTES = 40
 STUCK_WRITER_S = 0.5  # a writer descheduled mid-update on a loaded host is waited for (a wait a tenth of this
 # gave up on live writers on a busy small host); one that died mid-update holds up a reader of its row this long,
 # until the row is written again
@@ -89,6 +91,14 @@ class SlotRow:
     kv_cells: int  # KV cells the slot holds now: its running sequence's, or what its last request left
     kv_capacity: int  # KV cells the slot may hold (n_ctx)
     cache: CacheRow  # the host store as its instance sees it (the same in each of the instance's rows)
+    adapters: str = ""  # the LoRA adapters its running (or last) sequence runs under (``adapter_label``); "": none
+
+
+def adapter_label(adapters: tuple[tuple[str, float], ...]) -> str:
+    """A sequence's adapters as its slot row shows them: names sorted, each with ``*scale`` unless 1, joined by
+    ``+`` ("a+b*0.5"); "" for none. Past ADAPTER_LABEL_BYTES it is cut, ending in "~" (adapter names are ASCII)."""
+    label = "+".join(name if scale == 1.0 else f"{name}*{scale:g}" for name, scale in sorted(adapters) if scale)
+    return label if len(label) <= ADAPTER_LABEL_BYTES else label[:ADAPTER_LABEL_BYTES - 1] + "~"
 
 
 def instance_slots(rows: list[SlotRow]) -> dict[tuple[str, int], list[SlotRow]]:
@@ -174,7 +184,8 @@ class SlotTable:
         pid, worker, slot, state, device, model, request, tokens, served, started, progress, load_s, kv_cells, \
             kv_capacity = fields[:_CACHE]
         return SlotRow(index, pid, worker, slot, SlotState(state), device, _text(model), _text(request),
-                       tokens, served, started, progress, load_s, kv_cells, kv_capacity, CacheRow(*fields[_CACHE:]))
+                       tokens, served, started, progress, load_s, kv_cells, kv_capacity,
+                       CacheRow(*fields[_CACHE:_ADAPTERS]), _text(fields[_ADAPTERS]))
 
     def read_all(self) -> list[SlotRow]:
         return [self.read(i) for i in range(self.rows)]
@@ -201,7 +212,7 @@ class SlotWriter:
                state: SlotState | None = None, device: int | None = None, model: str | None = None,
                request: str | None = None, tokens: int | None = None, served: int | None = None,
                started: float | None = None, load_s: float | None = None, kv_cells: int | None = None,
-               kv_capacity: int | None = None) -> None:
+               kv_capacity: int | None = None, adapters: str | None = None) -> None:
         v = self._values
         for i, value in enumerate((pid, worker, slot, state, device)):
             if value is not None:
@@ -223,6 +234,8 @@ class SlotWriter:
             v[12] = kv_cells
         if kv_capacity is not None:
             v[13] = kv_capacity
+        if adapters is not None:
+            v[_ADAPTERS] = adapters.encode()[:ADAPTER_LABEL_BYTES]
         self._write()
 
     def _write(self) -> None:
@@ -234,7 +247,7 @@ class SlotWriter:
 
     def cache(self, cache: CacheRow) -> None:
         """The host store as the instance sees it; not progress (the watchdog's clock is left alone)."""
-        self._values[_CACHE:] = [cache.bytes, cache.capacity, cache.hits, cache.misses, cache.evictions,
+        self._values[_CACHE:_ADAPTERS] = [cache.bytes, cache.capacity, cache.hits, cache.misses, cache.evictions,
                                  cache.disk_bytes, cache.disk_capacity, cache.skipped]
         self._write()
 

@@ -1,7 +1,7 @@
 """A worker's loop: one engine, ``parallel`` slots, driven by the broker's messages over one DEALER.
 
-    broker --ASSIGN/CANCEL/STOP/UNLOAD/TOKENIZE/SLOT_ACTION--> worker
-    worker --READY/FAILED/UNLOADED, then CHUNK*/DONE|ERROR (TOKENS, SLOT_REPLY) per ticket--> broker
+    broker --ASSIGN/CANCEL/STOP/UNLOAD/TOKENIZE/SLOT_ACTION/ADAPTER_ACTION--> worker
+    worker --READY/FAILED/UNLOADED, then CHUNK*/DONE|ERROR (TOKENS, SLOT_REPLY, ADAPTER_REPLY) per ticket--> broker
            (a DONE or ERROR carries the host store's changes since the last one: the CACHE frame; a READY
            all its entries, so that a broker that restarted learns them)
 
@@ -10,7 +10,9 @@ Each turn takes every waiting broker message, then runs one ``engine.step`` whil
     receive   ASSIGN (several: ASSIGNS): admit the request into the slot the broker chose (another free one
               if that is taken); CANCEL: the sequence ends at the next step; STOP; UNLOAD (only when idle);
               TOKENIZE, EMBED: answered at once (``mpserve.worker.tokens``, ``mpserve.worker.embed``);
-              SLOT_ACTION: an idle slot saved, restored or erased at once (``mpserve.worker.slot_files``)
+              SLOT_ACTION: an idle slot saved, restored or erased at once (``mpserve.worker.slot_files``);
+              ADAPTER_ACTION: a LoRA adapter loaded or unloaded at once (``mpserve.worker.adapter_actions``): READY
+              names the adapters loaded, and each slot row the ones its sequence runs under
     permit    with GPU permits, the first running sequence takes the device's permit (host-wide); the
               last one to end gives it back
     step      every running sequence advances by one token (a prompt by a chunk); pieces stream out as
@@ -32,6 +34,7 @@ it is admitted, as an engine that faults on a request does (``tests/test_crashes
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import random
@@ -53,9 +56,9 @@ from mpserve.gpu.permits import DevicePermits, Permit
 from mpserve.wire import protocol as wire
 from mpserve.wire import zmqio
 from mpserve.wire.protocol import ChatTemplate
-from mpserve.wire.slots import CacheRow, SlotState, SlotWriter
+from mpserve.wire.slots import CacheRow, SlotState, SlotWriter, adapter_label
 
-from . import embed, slot_files, tokens
+from . import adapter_actions, embed, slot_files, tokens
 from .spec import EXIT_LOAD_FAILED, EngineSpec, WorkerSpec
 from .stream import ChunkStream
 
@@ -94,6 +97,7 @@ class Worker:
         self._poller.register(sock, zmq.POLLIN)
         self._rows = rows
         self._build_engine = build_engine
+        self._adapters = dict(spec.engine.adapters)  # declared, then as loaded and unloaded since (adapter_actions)
         self._permits = permits
         self._permit: Permit | None = None
         self._engine: Engine | None = None
@@ -127,7 +131,7 @@ class Worker:
         self.set_rows(state=SlotState.LOADING)
         t0 = time.perf_counter()
         try:
-            self._engine = self._build_engine(self._spec.engine)
+            self._engine = self._build_engine(dataclasses.replace(self._spec.engine, adapters=dict(self._adapters)))
         except Exception as exc:  # any load failure is reported the same way
             log.error("cannot load %s: %s", self._spec.engine.path, exc)
             self.set_rows(state=SlotState.FAILED)
@@ -189,7 +193,9 @@ class Worker:
         cache = self._engine.cache_snapshot() if self._engine is not None else None  # for a broker that restarted
         ready = wire.Ready(spec.identity.decode(), spec.model, spec.device, spec.engine.parallel, os.getpid(),
                            loaded=self._engine is not None, host=spec.host, chat_template=chat.template,
-                           bos_token=chat.bos_token, eos_token=chat.eos_token, proof=spec.proof)
+                           bos_token=chat.bos_token, eos_token=chat.eos_token, proof=spec.proof,
+                           adapters=self._engine.adapter_names() if self._engine is not None else
+                           tuple(sorted(self._adapters)))
         self._send(ready, trailer=wire.pack(cache) if cache else None)
         self._registered = True
         self._must_register = False
@@ -274,6 +280,9 @@ class Worker:
             if isinstance(reply, wire.SlotReply) and self._engine is not None:
                 self._rows[msg.slot].update(kv_cells=self._engine.kv_cells(msg.slot))
             self._send(reply, msg.ticket)
+        elif isinstance(msg, wire.AdapterAction):
+            self._send(adapter_actions.answer(self._engine, self._adapters, self._spec.engine.path,
+                                              self._spec.identity.decode(), msg), msg.ticket)
         elif isinstance(msg, wire.Tokenize):
             self._send(tokens.answer(self._engine, msg) if self._engine is not None else wire.Error(
                 msg.id, ErrorCode.BUSY, "the model is not loaded here now; retry"), msg.ticket)
@@ -344,7 +353,7 @@ class Worker:
             _crash()
         try:
             engine.admit(slot, wire.unpack_tokens(req.tokens) if req.tokens else req.prompt, req.params, on_token,
-                         wire.frame_tokens(assign.generated))
+                         wire.frame_tokens(assign.generated), req.adapters)
         except MpserveError as exc:
             self._answer(wire.Error(req.id, exc.code, exc.message), assign.ticket)
             return
@@ -354,7 +363,8 @@ class Worker:
         if stream is not None:
             self._streams[assign.ticket] = stream
         row.update(state=SlotState.BUSY if self._permit or not self._permits else SlotState.WAITING,
-                   request=req.id, tokens=0, kv_cells=engine.kv_cells(slot))
+                   request=req.id, tokens=0, kv_cells=engine.kv_cells(slot),
+                   adapters=adapter_label(engine.slot_adapters(slot)))
 
     def _note_cache(self) -> None:
         """The host store's figures, in each of this instance's rows, when they changed (every row is written): after

@@ -20,7 +20,7 @@ llama_cpp is imported in each worker after it sets CUDA_VISIBLE_DEVICES, as the 
 from __future__ import annotations
 
 import importlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 
 from mpserve.config.speculative import Speculative
@@ -55,6 +55,8 @@ class EngineSpec:
     cache_disk_size: int = 0  # its bytes
     chat_template: str | None = None  # Jinja2 served instead of the GGUF's ("": the ChatML default); None: the GGUF's
     reuse: str = "any"  # any shared prefix, or exact: whole prompt chunks only (mpserve.engine.batch)
+    adapters: dict[str, str] = field(default_factory=dict)  # LoRA adapters: name -> local GGUF path, loaded after
+    # the model (by a zygote before it forks, so that its instances share them: mpserve.engine.adapters)
 
     @property
     def is_echo(self) -> bool:

@@ -1,8 +1,9 @@
 """A model's zygote: a process that loads the model's weights once and forks the model's instances, which then
 share those pages copy-on-write instead of each holding its own copy.
 
-    supervisor --fork server--> zygote_main: CUDA hidden, own session, the llama.cpp model loaded (no context,
-                                no decode: llama.cpp's thread pool and OpenMP are not started before a fork)
+    supervisor --fork server--> zygote_main: CUDA hidden, own session, the llama.cpp model loaded and its LoRA
+                                adapters onto it (no context, no decode: llama.cpp's thread pool and OpenMP are
+                                not started before a fork)
     supervisor --WorkerSpec over the pipe--> zygote --os.fork--> child: worker_main(spec, model), the loop a
                                                                  started worker runs; it makes its own context
                                                                  and warms it up (its first decode)
@@ -41,6 +42,7 @@ def zygote_main(engine: EngineSpec, model: str, conn: Connection, log_level: str
     logging.basicConfig(level=log_level.upper(), stream=sys.stderr,
                         format=f"%(asctime)s %(levelname)s zygote ({model}): %(message)s")
     weights = _load(engine)
+    adapters = _load_adapters(engine, weights)
     children: dict[int, int] = {}  # pidfd -> pid, until reaped
     try:
         while True:
@@ -52,7 +54,7 @@ def zygote_main(engine: EngineSpec, model: str, conn: Connection, log_level: str
                 conn.send(("exited", pid, os.waitstatus_to_exitcode(status)))
             if conn.fileno() in ready:
                 spec: WorkerSpec = conn.recv()
-                pid = _fork(spec, weights, conn, children)
+                pid = _fork(spec, weights, adapters, conn, children)
                 if pid:
                     children[os.pidfd_open(pid)] = pid
                 conn.send(("forked", spec.index, pid))
@@ -79,7 +81,25 @@ def _load(engine: EngineSpec) -> Any:
     return weights
 
 
-def _fork(spec: WorkerSpec, weights: Any, conn: Connection, children: dict[int, int]) -> int:
+def _load_adapters(engine: EngineSpec, weights: Any) -> dict[str, Any]:
+    """The model's LoRA adapters loaded onto ``weights``, so that every instance shares their tensors; none if one
+    cannot be (each instance then loads them itself, and one that cannot reports why)."""
+    if weights is None or not engine.adapters:
+        return {}
+    import llama_cpp
+
+    from mpserve.engine.adapters import preload
+    from mpserve.errors import MpserveError
+
+    try:
+        return preload(llama_cpp, weights, engine.path, engine.adapters)
+    except MpserveError as exc:
+        log.warning("cannot load the adapters here (%s); each instance tries them itself", exc.message)
+        return {}
+
+
+def _fork(spec: WorkerSpec, weights: Any, adapters: dict[str, Any], conn: Connection,
+          children: dict[int, int]) -> int:
     """Fork the instance ``spec`` describes; the child runs the worker and never returns. The child's pid (0 if
     the fork failed)."""
     sys.stdout.flush()
@@ -96,7 +116,7 @@ def _fork(spec: WorkerSpec, weights: Any, conn: Connection, children: dict[int, 
         conn.close()
         for fd in children:
             os.close(fd)
-        worker_main(spec, weights)
+        worker_main(spec, weights, adapters)
         code = 0
     except SystemExit as exc:
         code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
