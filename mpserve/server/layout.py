@@ -171,7 +171,7 @@ def worker_spec(config: ServerConfig, devices: list[Device], placement: Placemen
                           cache_type_v=model.cache_type_v, cache_ram=model.cache_ram,
                           cache_shm=model.store_dir(), cache_disk=model.cache_disk,
                           cache_disk_size=model.cache_disk_size, chat_template=chat_template(model),
-                          reuse=model.reuse),
+                          reuse=model.reuse, adapters=model.adapter_paths()),
         first_row=first_row,
         device=device, backend=backend, slots_path=str(slots_path), parent_pid=os.getpid(),
         idle_timeout=config.idle_timeout, lazy=config.single_active_backend, permit=permit,
