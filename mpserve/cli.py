@@ -38,7 +38,7 @@ from mpserve.config import settings
 from mpserve.errors import BadRequest, ConfigError, ConnectionFailed, InternalError, MpserveError
 from mpserve.runtime import ServerInfo, ServerPaths, pid_alive, runtime_dir
 from mpserve.wire.protocol import MAX_PROMPT_CHARS, ModelControl, Stats
-from mpserve.wire.slots import SlotRow, SlotState, SlotTable, instance_slots, locate
+from mpserve.wire.slots import BASE_LABEL, SlotRow, SlotState, SlotTable, active_sets, instance_slots, locate
 
 if TYPE_CHECKING:
     from mpserve.client import Client
@@ -791,8 +791,8 @@ def _broker_stats(info: ServerInfo, curve: _Curve) -> Stats | None:
 
 def format_table(info: ServerInfo, rows: list[SlotRow]) -> str:
     now = time.time()
-    head = ["SLOT", "WORKER", "PID", "STATE", "MODEL", "DEVICE", "REQUEST", "TOKENS", "KV CELLS", "IDLE/BUSY FOR",
-            "LOAD", "SERVED"]
+    head = ["SLOT", "WORKER", "PID", "STATE", "MODEL", "DEVICE", "REQUEST", "ADAPTERS", "TOKENS", "KV CELLS",
+            "IDLE/BUSY FOR", "LOAD", "SERVED"]
     lines = [head]
     for r in rows:
         if r.state is SlotState.EMPTY:  # a slot of an instance not started (it may start as the load grows)
@@ -800,7 +800,7 @@ def format_table(info: ServerInfo, rows: list[SlotRow]) -> str:
         alive = r.pid > 0 and pid_alive(r.pid)
         state = r.state.name.lower() if alive or r.state in (SlotState.DEAD, SlotState.FAILED) else "dead"
         lines.append([str(r.index), str(r.worker), str(r.pid or "-"), state, r.model,
-                      "cpu" if r.device < 0 else f"gpu{r.device}", r.request or "-", str(r.tokens),
+                      "cpu" if r.device < 0 else f"gpu{r.device}", r.request or "-", r.adapters or "-", str(r.tokens),
                       f"{r.kv_cells}/{r.kv_capacity}", f"{now - r.progress:.1f}s" if r.progress else "-",
                       f"{r.load_s:.2f}s", str(r.served)])
     widths = [max(len(line[i]) for line in lines) for i in range(len(head))]
@@ -822,7 +822,9 @@ def _instance_lines(rows: list[SlotRow]) -> str:
         c = slots[0].cache
         cache = (f"host store: {c.hits} hits, {c.misses} misses, {c.evictions} evictions, {c.skipped} skipped"
                  if c.capacity else "no host store")
-        lines.append(f"instance w{worker} ({model}): KV cells {used} of {capacity}{share}; {cache}")
+        sets = active_sets(slots)
+        active = f"; adapter sets running: {', '.join(sets)}" if any(s != BASE_LABEL for s in sets) else ""
+        lines.append(f"instance w{worker} ({model}): KV cells {used} of {capacity}{share}; {cache}{active}")
         tiers += [c] if c.capacity else []
     if tiers:  # each instance wrote the host's figures when it last touched the store: the largest is the latest
         ram, disk = max(tiers, key=lambda c: c.bytes), max(tiers, key=lambda c: c.disk_bytes)

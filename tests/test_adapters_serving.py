@@ -78,3 +78,34 @@ def test_the_gateway_s_lora_list_gives_the_same_text(server: ServerProcess, adap
                 llama_cpp.Llama, tiny_model_path, adapters[NAMES[index]], scale, PROMPTS[0], 10)
     finally:
         gw.stop()
+
+
+@pytest.mark.timeout(120)
+def test_status_the_console_and_the_monitor_show_each_instance_s_active_sets(
+        start_server: type[ServerProcess], adapters: dict[str, str]) -> None:
+    flags = [arg for name, path in adapters.items() for arg in ("--lora", f"{name}={path}")]
+    server = start_server("--model", "builtin:tiny", "--instances", "2", "--parallel", "4", *flags).wait_ready()
+    from gateway_thread import GatewayThread
+
+    from mpserve import Client
+    from mpserve.cli import format_table
+
+    gw = GatewayThread(server_name=server.name)
+    try:
+        with Client(server.address) as client:
+            streams = [client.stream(f"hello {i}", adapters={"a1": 0.5}, max_tokens=100000) for i in range(3)]
+            for stream in streams:
+                next(iter(stream))  # running now: routed together, to the instance that runs their set
+            shown = format_table(server.info, server.slots())  # what `mpserve status` prints, while they run
+            for stream in streams:
+                client.cancel(stream.id)
+        assert "ADAPTERS" in shown and "adapter sets running: a1*0.5" in shown, shown
+        # a slot shows the set its running or last sequence ran under
+        monitor = gw.get("/backend/monitor").json()
+        shown_sets = [[s["adapters"] for s in i["slots"] if s["adapters"]] for i in monitor["instances"]]
+        assert sorted(shown_sets) == [[], ["a1*0.5"] * 3]
+        console = gw.get("/console/state").json()
+        assert sorted(s["adapters"] for s in console["slots"]) == [""] * 5 + ["a1*0.5"] * 3
+        assert console["models"][0]["adapters"] == list(NAMES)
+    finally:
+        gw.stop()

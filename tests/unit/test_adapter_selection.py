@@ -39,3 +39,16 @@ def test_the_broker_names_the_adapters_served() -> None:
     assert isinstance(missing, UnknownAdapter) and "no LoRA adapter 'it'" in missing.message
     assert adapters.unknown((("fr", 1.0),), DECLARED, "tiny") is None
     assert "declare them in its models[].adapters" in str(adapters.unknown((("fr", 1.0),), [], "tiny"))
+
+
+def test_an_instance_s_active_sets_are_those_its_running_slots_show() -> None:
+    from mpserve.wire.slots import CacheRow, SlotRow, SlotState, active_sets
+
+    def row(state: SlotState, label: str) -> SlotRow:
+        return SlotRow(0, 1, 0, 0, state, -1, "m", "r", 0, 0, 0.0, 0.0, 0.0, 0, 0, CacheRow(0, 0, 0, 0, 0, 0, 0, 0),
+                       label)
+
+    rows = [row(SlotState.BUSY, "fr"), row(SlotState.BUSY, ""), row(SlotState.IDLE, "de"),
+            row(SlotState.WAITING, "fr"), row(SlotState.BUSY, "de*0.5+fr")]
+    assert active_sets(rows) == ["base", "de*0.5+fr", "fr"]  # an idle slot's last set is not active
+    assert active_sets(rows[2:3]) == []

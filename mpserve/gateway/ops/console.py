@@ -268,11 +268,12 @@ class Console:
         return {"index": row.index, "worker": row.worker, "slot": row.slot, "pid": row.pid, "state": state,
                 "model": row.model, "device": "cpu" if row.device < 0 else f"gpu{row.device}",
                 "request": row.request if state in ("busy", "waiting") else None, "tokens": row.tokens,
-                "tokens_per_s": rate, "state_s": state_s, "served": row.served, "load_s": round(row.load_s, 2)}
+                "tokens_per_s": rate, "state_s": state_s, "served": row.served, "load_s": round(row.load_s, 2),
+                "adapters": row.adapters}
 
     def _model(self, name: str, m: wire.ModelStats, now: float) -> dict[str, Any]:
         return {"name": name, "queued": m.queued, "oldest_wait_s": m.oldest_wait_s, "running": m.running,
-                "instances": m.instances, "free_slots": m.free_slots, "failed": m.failed,
+                "instances": m.instances, "free_slots": m.free_slots, "failed": m.failed, "adapters": m.adapters,
                 "tokens_per_s": self.activity.series(name, now)}
 
 

@@ -20,7 +20,7 @@ from mpserve.gpu.memory import GpuUsage, memory_by_pid, read_usage
 from mpserve.models.progress import downloads
 from mpserve.runtime import ServerInfo
 from mpserve.wire import protocol as wire
-from mpserve.wire.slots import SlotRow, SlotState, instance_slots
+from mpserve.wire.slots import SlotRow, SlotState, active_sets, instance_slots
 
 READY = frozenset({"idle", "busy", "waiting"})  # loaded and able to run a request
 BUSY = frozenset({"busy", "waiting"})
@@ -81,12 +81,13 @@ class SlotView:
     tokens: int  # generated for the current (or last) request
     kv_cells: int  # KV cells the slot holds, of kv_capacity
     kv_capacity: int
+    adapters: str  # the LoRA adapters its running (or last) sequence runs under; "": the base model
 
     @classmethod
     def of(cls, row: SlotRow) -> SlotView:
         state = state_of(row)
         return cls(row.index, state, row.request if state in BUSY and row.request else None, row.tokens,
-                   row.kv_cells, row.kv_capacity)
+                   row.kv_cells, row.kv_capacity, row.adapters)
 
 
 @dataclass(frozen=True)
@@ -114,6 +115,7 @@ class InstanceView:
     prompt_cache_misses: int
     prompt_cache_evictions: int
     prompt_cache_skipped: int  # bad entries removed, writes not made
+    active_adapters: list[str]  # the LoRA adapter sets its running sequences use ("base": none), taking turns
     slots: tuple[SlotView, ...]
 
     @classmethod
@@ -129,7 +131,7 @@ class InstanceView:
                    gpu_held.get(first.pid) if running and first.device >= 0 else None,
                    sum(r.kv_cells for r in rows), sum(r.kv_capacity for r in rows), cache.bytes, cache.capacity,
                    cache.disk_bytes, cache.disk_capacity, cache.hits, cache.misses, cache.evictions, cache.skipped,
-                   tuple(SlotView.of(r) for r in rows))
+                   active_sets(rows), tuple(SlotView.of(r) for r in rows))
 
 
 def gpu_usage(rows: Sequence[SlotRow]) -> list[GpuUsage] | None:
