@@ -717,6 +717,41 @@ def slots(
         print(f"{done} slot {slot} ({worker} slot {local}): {reply.tokens} tokens{where} in {reply.ms:.0f} ms")
 
 
+@app.command()
+def adapters(
+    action: Annotated[str, typer.Argument(help="list, load or unload.")],
+    model: Annotated[str | None, typer.Argument(help="The model (load, unload).")] = None,
+    name: Annotated[str | None, typer.Argument(help="The adapter's name (load, unload).")] = None,
+    path: Annotated[str | None, typer.Argument(help="The adapter's GGUF file on the server's host (load).")] = None,
+    server_name: ServerNameOption = "default", as_json: JsonOption = False,
+    curve_server_key: CurveServerKeyOption = None, curve_secret: CurveSecretOption = None,
+) -> None:
+    """List each model's LoRA adapters, load one into every instance of a model, or unload one once the requests
+    using it have finished, without a restart."""
+    with _errors():
+        if action not in ("list", "load", "unload"):
+            raise BadRequest(f"no adapters action {action!r}; give list, load MODEL NAME PATH or unload MODEL NAME")
+        if action != "list" and (model is None or name is None or (action == "load") != (path is not None)):
+            raise BadRequest("give load MODEL NAME PATH (a GGUF on the server's host) or unload MODEL NAME")
+        info = ServerInfo.read(server_name)
+        if info is None or not info.alive() or info.role != "broker":
+            raise _no_server(server_name)
+        with _admin_client(info, _Curve(curve_server_key, curve_secret)) as client:
+            if action == "list":
+                served = {m: s.adapters for m, s in client.stats().models.items()}
+                print(json.dumps(served) if as_json else "\n".join(
+                    f"{m}:{a} (id {i})" for m, names in served.items() for i, a in enumerate(names)))
+                return
+            assert model is not None and name is not None
+            path = str(Path(path).resolve()) if path is not None else ""  # the server's host is this one, or says so
+            reply = client.adapter(action, model, name, path)
+        if as_json:
+            print(json.dumps(msgspec.structs.asdict(reply)))
+            return
+        print(f"{action}ed adapter {name!r} of model {model!r} ({reply.ms:.0f} ms); its adapters now: "
+              f"{', '.join(reply.adapters) or 'none'}")
+
+
 def _control(server_name: str, curve: _Curve, as_json: bool, op: str, model: str | None = None,
              low: int | None = None, high: int | None = None, path: str | None = None) -> None:
 

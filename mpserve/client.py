@@ -374,6 +374,18 @@ class AsyncClient:
         assert isinstance(answer, wire.SlotReply)
         return answer
 
+    async def adapter(self, op: str, model: str | None, name: str, path: str = "",
+                      timeout: float = SLOT_TIMEOUT_S) -> wire.AdapterReply:
+        """An operator's call on the admin socket: ``load`` LoRA adapter ``name`` of ``model`` from ``path`` (a GGUF
+        on the server's host) into every instance, or ``unload`` it once the requests using it have finished; a
+        refused one raises its error."""
+        msg = wire.AdapterAction(next(self._ids), op, name, model, path)
+        msg.validate()
+        answer = await self._ask(msg, timeout, ConnectionFailed(
+            f"no answer from the server at {self.address} within {timeout:g} s"))
+        assert isinstance(answer, wire.AdapterReply)
+        return answer
+
     # --- internals ------------------------------------------------------------------------------
 
     def _request(self, prompt: str | list[int], model: str | None, timeout: float | None,
@@ -395,7 +407,8 @@ class AsyncClient:
         assert isinstance(answer, wire.Tokens)
         return answer
 
-    async def _ask(self, msg: wire.Tokenize | wire.Control | wire.Embed | wire.SlotAction, wait: float | None,
+    async def _ask(self, msg: wire.Tokenize | wire.Control | wire.Embed | wire.SlotAction | wire.AdapterAction,
+                   wait: float | None,
                    timed_out: MpserveError) -> Any:
         """Send a message that has one answer and wait for it (``wait`` seconds; None: no limit); raises the
         MpserveError of an ERROR reply, or ``timed_out``."""
@@ -657,6 +670,10 @@ class Client:
     def slot(self, action: str, worker: str, slot: int, filename: str = "",
              timeout: float = SLOT_TIMEOUT_S) -> wire.SlotReply:
         return self._call(self._async.slot(action, worker, slot, filename, timeout))
+
+    def adapter(self, op: str, model: str | None, name: str, path: str = "",
+                timeout: float = SLOT_TIMEOUT_S) -> wire.AdapterReply:
+        return self._call(self._async.adapter(op, model, name, path, timeout))
 
     def close(self) -> None:
         if self.open:

@@ -113,6 +113,7 @@ from mpserve.wire.prefix import PREFIX_BLOCK, block_hashes
 from mpserve.wire.protocol import ChatTemplate
 
 from . import chat, link, pool_keys, roles, unserved
+from .adapter_ops import AdapterOps
 from .pool_keys import PoolKey
 from .residency import Loaded, Residency
 from .routing import (
@@ -141,7 +142,8 @@ TICKET_BYTES = 16
 LOOKUP_ANSWERS = {wire.MsgType.TOKENS, wire.MsgType.EMBEDDINGS, wire.MsgType.SLOT_REPLY, wire.MsgType.ERROR}
 UNREGISTERED_LOG_S = 10.0  # messages from peers not registered are counted each, logged at most this often
 FROM_CLIENTS = {wire.MsgType.REQUEST, wire.MsgType.CANCEL, wire.MsgType.PING, wire.MsgType.TOKENIZE,
-                wire.MsgType.EMBED, wire.MsgType.STATS_QUERY, wire.MsgType.SLOT_ACTION, wire.MsgType.CONTROL}
+                wire.MsgType.EMBED, wire.MsgType.STATS_QUERY, wire.MsgType.SLOT_ACTION, wire.MsgType.ADAPTER_ACTION,
+                wire.MsgType.CONTROL}
 
 
 class Broker:
@@ -188,6 +190,7 @@ class Broker:
         self.by_client: dict[tuple[bytes, str], str] = {}
         self.workers: dict[bytes, WorkerEntry] = {}
         self.lookups: dict[str, tuple[bytes, str, bytes]] = {}  # TOKENIZE ticket -> client, id, worker
+        self.adapter_ops = AdapterOps(self)  # LoRA adapters loaded and unloaded at run time
         self.stats: Counter[str] = Counter()
         self.accepting = True
         self.residency = residency
@@ -247,6 +250,8 @@ class Broker:
         return self._deadlines[0][0] if self._deadlines else None
 
     def expire(self, now: float) -> None:
+        if self.adapter_ops.draining:  # unloads whose adapter's last requests may have ended
+            self.adapter_ops.drain()
         while self._deadlines and self._deadlines[0][0] <= now:
             _, ticket = heapq.heappop(self._deadlines)
             if self._stale_deadline(ticket):
@@ -351,6 +356,7 @@ class Broker:
         if self.models[entry.model].instances == 0:
             self.models[entry.model].lost = Lost(what, time.monotonic(), remote=entry.index is None)
         self._lookups_lost(entry.identity, what)
+        self.adapter_ops.lost(entry.identity)
         lost = [self.requests[t] for t in entry.running if t in self.requests]
         for p in sorted(lost, key=lambda p: (p.accepted, p.index)):
             self._after_loss(p, what, crashed)
@@ -482,6 +488,8 @@ class Broker:
                 self._to_client(client, wire.encode(self.snapshot(msg.nonce)))
             elif isinstance(msg, wire.SlotAction):
                 self._on_slot_action(client, msg)
+            elif isinstance(msg, wire.AdapterAction):
+                self.adapter_ops.start(client, msg)
             else:  # CONTROL, the last of FROM_CLIENTS
                 self._to_client(client, wire.encode(self.on_control(msg)))
         except MpserveError as exc:
@@ -733,6 +741,8 @@ class Broker:
             return
         if frames[2] and self._lookup_answered(identity, mtype, frames[2].decode(errors="replace"), frames[3]):
             return
+        if frames[2] and self.adapter_ops.answered(identity, mtype, frames[2].decode(errors="replace"), frames[3]):
+            return
         if mtype is wire.MsgType.STEP:
             self._worker_step(identity, frames[3])
             return
@@ -864,7 +874,7 @@ class Broker:
         self._take_chat(identity, msg, local)
         entry = WorkerEntry(identity, index, msg.model, msg.device, msg.capacity,
                             msg.pid, msg.loaded, host=msg.host, last_heard=time.monotonic(),
-                            ram=self.models[msg.model].store(msg.host))
+                            ram=self.models[msg.model].store(msg.host), adapters=frozenset(msg.adapters))
         self.workers[identity] = entry
         self._cache_held(entry, cache)
         mq = self.models[msg.model]
@@ -874,6 +884,7 @@ class Broker:
             self.on_ready(entry)
         else:
             log.info("worker %s on %s registered for %s", identity.decode(), msg.host, msg.model)
+        self.adapter_ops.registered(entry)
         self._dispatch(msg.model)
 
     def _chat_verdict(self, msg: wire.Ready, local: bool) -> chat.Verdict:
@@ -1102,7 +1113,9 @@ class Broker:
     def _take_slots(self, mq: ModelQueue, p: Pending, device: int | None = None) -> list[tuple[bytes, int]] | None:
         """Take the free slot ``routing.choose_slot`` picks (on ``device``, if given), or for a request for n
         the n slots of one instance ``routing.choose_slots`` picks; count why (``routed_kv_prefix``, ...)."""
-        route = choose_slots(mq.free, self.workers, p.request.prompt, p.slots_needed, device, self._blocks(mq, p),
+        names = {name for name, _ in p.request.adapters}
+        free = [f for f in mq.free if names <= self.workers[f[0]].adapters] if names else mq.free  # those loaded
+        route = choose_slots(free, self.workers, p.request.prompt, p.slots_needed, device, self._blocks(mq, p),
                              p.request.adapters, self._adapter_sets(mq))
         if route is None:
             return None

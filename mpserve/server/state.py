@@ -89,6 +89,8 @@ class WorkerEntry:
     # by every instance of the model on that host (``ModelQueue.stores``)
     draining: bool = False  # being scaled down: no new requests; STOP once it runs nothing
     unreachable: bool = False  # a send to it failed (said once), until it is heard from again
+    adapters: frozenset[str] = frozenset()  # the LoRA adapters it has loaded (READY, ADAPTER_REPLY): it runs only
+    # requests whose adapters are all among them
 
 
 @dataclass(frozen=True)
@@ -120,6 +122,8 @@ class ModelQueue:
     unserved_since: float | None = None  # monotonic: since when no instance can serve it (``mpserve.server.unserved``)
     lost: Lost | None = None  # how its last instance went, once one did
     adapters: list[str] = field(default_factory=list)  # its LoRA adapters, in declaration order (a request's ids)
+    adapter_paths: dict[str, str] = field(default_factory=dict)  # those loaded at run time: name -> file (a new
+    # instance is sent them: ``mpserve.server.adapter_ops``)
 
     def store(self, host: str) -> RamPrefixes:
         """The view of ``host``'s store (one per host: any instance there restores what another saved); it

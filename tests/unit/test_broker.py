@@ -650,6 +650,8 @@ def test_tickets_are_random_and_a_worker_registers_only_under_its_connections_na
 def test_requests_of_one_adapter_set_go_to_the_instance_running_that_set(broker: Broker) -> None:
     broker.models["m"].adapters = ["fr", "de"]
     with peers(broker, slots=4) as (client, workers):
+        for entry in broker.workers.values():
+            entry.adapters = frozenset({"fr", "de"})
         def send(rid: str, adapters: tuple[tuple[str, float], ...]) -> bytes:
             client.send_multipart(wire.encode(wire.Request(rid, "hi", adapters=adapters)))
             assert broker.front.poll(1000)
