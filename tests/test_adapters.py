@@ -160,6 +160,21 @@ def test_cells_computed_under_one_adapter_are_never_reused_under_another(
         eng.close()
 
 
+def test_one_prompt_under_several_sets_at_once_is_computed_under_each(
+        tiny: str, tiny_adapters: dict[str, str]) -> None:
+    """Equal prompts admitted together share one computation (``twins``) only under the same adapters."""
+    choices: list[Choice] = [("a0", 1.0), ("a1", 1.0), None, ("a0", 1.0)]
+    requests = [(PROMPTS[1], choice, 10) for choice in choices]
+    expected = [reference(llama_cpp.Llama, tiny, tiny_adapters[c[0]] if c else None, 1.0, p, n) for p, c, n in requests]
+    eng = engine(tiny, tiny_adapters, parallel=4)
+    try:
+        done = serve(eng, requests)
+    finally:
+        eng.close()
+    assert [c.text for c in done] == expected and len(set(expected)) == 3
+    assert [c.reused_tokens for c in done[:3]] == [0, 0, 0] and done[3].reused_tokens == done[3].prompt_tokens
+
+
 def test_sets_take_turns_by_step(tiny: str, tiny_adapters: dict[str, str]) -> None:
     """Two sequences of a0 decode together; the base and a1 wait their turn: one step each, round robin."""
     eng = engine(tiny, tiny_adapters, parallel=4)

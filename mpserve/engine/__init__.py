@@ -7,6 +7,7 @@
     sequence     a request in its slot (``Sequence``, ``Phase``), prompt chunks, marks and checkpoints
     scheduler    which rows go into the next decodes: decoding sequences, prompt chunks within the budget
     cells        what each slot's KV cells hold: reuse in the slot, copies from another, catching up, twins
+    adapters     LoRA adapters: loaded onto the model, chosen per sequence, applied per step (sets take turns)
     keeping      when cells are saved to and restored from the host store ("where is a prefix restored")
     context      the llama.cpp context: model, KV memory, decode, state bytes, tokens and pieces
     host_store   the host store: saved sequence states shared by the host's instances, RAM and disk tiers

@@ -300,7 +300,7 @@ class BatchEngine:
         )
         self._equip(seq, params, score_prompt)
         seq.carried, seq.replay = len(carried), deque(carried)
-        seq.marks = keeping.marks(tokens, reused, score_prompt)
+        seq.marks = () if space else keeping.marks(tokens, reused, score_prompt)  # marks save cells in the store
         seq.adapters, seq.space = chosen, space
         self._last_adapters[slot] = chosen
         self._scheduler.add(seq)

@@ -8,4 +8,5 @@
     embed   the answer to EMBED: an embedding engine's vectors
     tokens  the answer to TOKENIZE: the loaded model's vocabulary, between two steps
     slot_files  SLOT_ACTION: an idle slot's KV cells saved to a KV file, restored from one, or erased
+    adapter_actions  ADAPTER_ACTION: a LoRA adapter loaded or unloaded, kept across model loads
 """
