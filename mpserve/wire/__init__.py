@@ -7,5 +7,6 @@
     refusals   msgspec's verdict on a bad body as a BadRequest or ProtocolError naming field, value and range
     zmqio      multipart messages through pyzmq's backend calls (broker, workers, clients)
     prefix     common prefixes, and the block hashes of text prefixes that travel from worker to broker
+    adapters   a request's LoRA adapters: BASE:NAME, llama-server's lora ids, one sorted set, the 404 naming those
     slots      the slot table: a shared-memory file of one row per slot (workers write, anyone reads)
 """
