@@ -71,32 +71,38 @@ def run(settings: Settings) -> Section:
                 "--parallel", str(PARALLEL), "--threads", threads, *declared, "--http", f"127.0.0.1:{port}"))
             peer_port = free_port()
             peer = stack.enter_context(llama_server(settings, peer_port, PEER_PARALLEL, work.n_ctx,
-                                                    *_peer_flags(files)))
+                                                    *_peer_flags(files))) if settings.llama_server else None
             server.wait_ready()
             if not wait_http(f"http://127.0.0.1:{port}/health"):
                 raise RuntimeError(f"mpserve's gateway did not answer on port {port}")
-            peer.wait_ready()
+            asyncio.run(_load(port, work, ADAPTERS + 1, ADAPTERS + 1, GATEWAY_FIELDS, _mixed))  # warm up
+            if peer is not None:
+                peer.wait_ready()
+                asyncio.run(_load(peer_port, work, ADAPTERS + 1, ADAPTERS + 1, LLAMA_SERVER_FIELDS, _mixed))
             n = 2 * CONCURRENCY
-            for fields, target in ((GATEWAY_FIELDS, port), (LLAMA_SERVER_FIELDS, peer_port)):  # warm up
-                asyncio.run(_load(target, work, ADAPTERS + 1, ADAPTERS + 1, fields, _mixed))
             for _ in range(settings.repeat):
                 mixed = asyncio.run(_load(port, work, CONCURRENCY, n, GATEWAY_FIELDS, _mixed))
-                base = asyncio.run(_load(port, work, CONCURRENCY, n, GATEWAY_FIELDS, lambda i: {}))
-                theirs = asyncio.run(_load(peer_port, work, CONCURRENCY, n, LLAMA_SERVER_FIELDS, _mixed))
-                _add(vs_base, mixed, base)
-                _add(vs_peer, mixed, theirs)
+                _add(vs_base, mixed, asyncio.run(_load(port, work, CONCURRENCY, n, GATEWAY_FIELDS, lambda i: {})))
+                if peer is not None:
+                    _add(vs_peer, mixed, asyncio.run(_load(peer_port, work, CONCURRENCY, n, LLAMA_SERVER_FIELDS,
+                                                           _mixed)))
         cost = _adapter_cost(settings, work, files, threads)
         size = sum(f.stat().st_size for f in files) / len(files) / 2**20
     memory = Case({"mpserve": f"{INSTANCES}×{PARALLEL}", "vs": "the adapter's file"},
                   [Figure("host memory per adapter", "MiB")], plotted=False)
     memory.figures[0].add(cost, size)
-    section.cases = [vs_base, vs_peer, memory]
+    section.cases = [vs_base, *([vs_peer] if settings.llama_server else []), memory]
+    section.targets.append(Target(f"tokens/s, {ADAPTERS} adapters + base vs the base alone, {CONCURRENCY} at once: "
+                                  f"≥ {VS_BASE}×", vs_base.figure("tokens/s").ratio, ">=", VS_BASE))
+    if settings.llama_server:
+        section.targets += [
+            Target(f"tokens/s vs llama-server --parallel {PEER_PARALLEL} with the same adapters (HTTP, both sides): "
+                   f"≥ {VS_PEER}×", vs_peer.figure("tokens/s").ratio, ">=", VS_PEER),
+            Target("TTFT p50 vs the same llama-server: < 1.0×", vs_peer.figure("TTFT p50").ratio, "<", TTFT_VS_PEER)]
+    else:
+        section.notes.append("llama-server rows left out: no llama-server binary; put one on PATH or pass "
+                             "--llama-server (bench/README.md says how to build it)")
     section.targets += [
-        Target(f"tokens/s, {ADAPTERS} adapters + base vs the base alone, {CONCURRENCY} at once: ≥ {VS_BASE}×",
-               vs_base.figure("tokens/s").ratio, ">=", VS_BASE),
-        Target(f"tokens/s vs llama-server --parallel {PEER_PARALLEL} with the same adapters (HTTP, both sides): "
-               f"≥ {VS_PEER}×", vs_peer.figure("tokens/s").ratio, ">=", VS_PEER),
-        Target("TTFT p50 vs the same llama-server: < 1.0×", vs_peer.figure("TTFT p50").ratio, "<", TTFT_VS_PEER),
         Target(f"host memory of one more adapter vs its file, {INSTANCES} instances: ≤ {MEMORY}×",
                memory.figures[0].ratio, "<=", MEMORY),
     ]
