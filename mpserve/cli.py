@@ -4,8 +4,8 @@
     requests    generate (one request, printed)
     looking     status (the slot table), models (a server's models), devices (GPUs and their permits), plan (where
                 instances would run), doctor (this host, and what to fix)
-    changing    load, unload, scale, add (a server's models at run time), slots (a slot's KV file: save, restore, erase),
-                adapters (a model's LoRA adapters: list, load, unload)
+    changing    load, unload, scale, add (a server's models at run time), slots (a slot's KV file: save, restore,
+                erase), adapters (a model's LoRA adapters: list, load, unload)
     files       pull (models from the Hub, ahead of time), make-model (a random-weight GGUF), keygen (a CURVE key pair)
 
 Server settings come from ``mpserve.config.settings`` (``with_settings``: one declaration gives a command its flags);

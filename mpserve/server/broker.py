@@ -84,6 +84,7 @@ from __future__ import annotations
 
 import dataclasses
 import heapq
+import itertools
 import logging
 import secrets
 import time
@@ -119,12 +120,14 @@ from .residency import Loaded, Residency
 from .routing import (
     MAX_HANDOVERS,
     MODEL_CRASHES,
+    QUEUE_WINDOW,
     AfterLoss,
     after_loss,
     choose_slots,
     crash_signal,
     crash_streak,
     describe_exit,
+    pick_queued,
 )
 from .state import Lost, ModelQueue, Pending, RequestState, WorkerEntry
 
@@ -1075,11 +1078,13 @@ class Broker:
         mq = self.models[model]
         while mq.queue and mq.free:
             p = self.requests[mq.queue[0]]
+            if mq.adapters:  # a younger request may go first, to batch with an instance's adapters
+                p = self._batching_next(mq)
             slots = self._take_slots(mq, p)
             if slots is None and not self._refuse_head(mq, p):  # a request for n waits for n slots of one instance
                 break
             if slots is not None:
-                mq.queue.popleft()
+                mq.queue.remove(p.ticket)
                 self._assign_choices(p, slots)
 
     def _dispatch_resident(self) -> None:
@@ -1124,6 +1129,17 @@ class Broker:
         self.stats[f"routed_{route.source.value}"] += 1
         return route.slots
 
+    def _batching_next(self, mq: ModelQueue) -> Pending:
+        """The queued request ``routing.pick_queued`` sends next; the oldest counts each time it is passed over."""
+        sets = self._adapter_sets(mq) or {}
+        free = {w for w, _ in mq.free}
+        alone = {next(iter(s)) for w, s in sets.items() if w in free and len(s) == 1}
+        window = [self.requests[t] for t in itertools.islice(mq.queue, QUEUE_WINDOW)]
+        chosen = window[pick_queued([(p.request.adapters, p.passed) for p in window], alone)]
+        if chosen is not window[0]:
+            window[0].passed += 1
+        return chosen
+
     def _adapter_sets(self, mq: ModelQueue) -> dict[bytes, set[tuple[tuple[str, float], ...]]] | None:
         """The LoRA adapter sets each instance of the model runs requests of (``routing.affinity``); None for a
         model without adapters."""
@@ -1146,7 +1162,7 @@ class Broker:
         accepted) would hold the queue up for ever: answer it. Whether it was."""
         refusal = self._too_many_choices(mq, p.slots_needed)
         if refusal is not None:
-            mq.queue.popleft()
+            mq.queue.remove(p.ticket)
             self._answer_error(p, ErrorCode.BAD_REQUEST, refusal)
         return refusal is not None
 

@@ -10,6 +10,9 @@ becomes of a request whose worker died.
                                                the request's set alone, then idle, then running others
                                                > least busy instance > free the longest
     affinity(request's set, sets running)      how cheaply an instance takes a request's LoRA adapters
+    pick_queued(window, sets run alone)        which queued request goes next: the oldest, or a younger one
+                                               that an instance with a free slot can batch with its own
+                                               set (the oldest passed over at most MAX_PASSED times)
     choose_slots(…, n)                         n free slots of one instance (a request for n choices), and
                                                why (``Source``: the broker counts its routes by it)
     crash_signal(exit code)                    the signal of a local worker's death, if it is one a request
@@ -54,6 +57,8 @@ MAX_HANDOVERS = 8  # workers a request may lose to causes not its own before it 
 MODEL_CRASHES = 3  # crashes in a row on different requests that fail the model
 CRASH_SIGNALS = frozenset({Signals.SIGSEGV, Signals.SIGBUS, Signals.SIGFPE, Signals.SIGILL, Signals.SIGABRT})
 MIN_SHARED_PREFIX = 32  # characters a prompt must share with a slot's last one to be routed to it
+MAX_PASSED = 4  # times the oldest queued request may be passed over for one that batches with an instance's set
+QUEUE_WINDOW = 16  # queued requests looked at for one that batches with an instance's set
 
 
 class Source(Enum):
@@ -69,15 +74,25 @@ Sets = Mapping[bytes, Collection[tuple[tuple[str, float], ...]]]
 
 
 def affinity(adapters: tuple[tuple[str, float], ...], running: Collection[tuple[tuple[str, float], ...]]) -> int:
-    """How cheaply an instance running requests of the adapter sets ``running`` takes one of ``adapters``: 2 when
-    it runs that set alone (they batch together), 1 when idle (it switches at once), 0 when it runs another set
-    (sequences of different sets take turns by decode step). The base model's requests rank an instance running
-    the base alone as an idle one, so that plain traffic spreads over instances as before."""
+    """How cheaply an instance running requests of the adapter sets ``running`` takes one of ``adapters`` (the base
+    model's, (), is a set too): 2 when it runs that set alone (they batch together), 1 when idle (it switches at
+    once), 0 when it runs another set (sequences of different sets take turns by decode step). Only a model with
+    adapters is routed so; plain traffic spreads over instances by load."""
     if not running:
         return 1
-    if all(s == adapters for s in running):
-        return 2 if adapters else 1
-    return 0
+    return 2 if all(s == adapters for s in running) else 0
+
+
+def pick_queued(window: Sequence[tuple[tuple[tuple[str, float], ...], int]],
+                alone: Collection[tuple[tuple[str, float], ...]]) -> int:
+    """Which of the oldest queued requests (``window``: each one's adapter set and the times it was passed over)
+    goes next, for a model with adapters: the oldest, unless its set is not among ``alone`` (the sets that an
+    instance with a free slot runs alone) and a younger one's is, so that one batches there; the oldest is passed
+    over at most MAX_PASSED times, then goes whatever it batches with."""
+    head, passed = window[0]
+    if head in alone or passed >= MAX_PASSED:
+        return 0
+    return next((i for i, (adapters, _) in enumerate(window) if adapters in alone), 0)
 
 
 @dataclass(frozen=True)

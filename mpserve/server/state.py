@@ -65,6 +65,7 @@ class Pending:
     index: int = 0  # which choice this row is
     slots_needed: int = 1  # queued as a request for n: the n free slots of one instance it waits for
     blocks: tuple[int, ...] | None = None  # its prompt's block hashes, once routing needed them
+    passed: int = 0  # times a younger request went first, to batch with an instance's adapters (``pick_queued``)
 
     @property
     def answered(self) -> bool:

@@ -670,3 +670,34 @@ def test_requests_of_one_adapter_set_go_to_the_instance_running_that_set(broker:
         broker.drain_front()
         error = wire.decode(client.recv_multipart())
         assert error.code == "unknown_adapter" and "served adapters: m:fr (id 0), m:de (id 1)" in error.message
+
+
+def test_a_freed_slot_takes_a_younger_request_of_its_instance_s_set_before_an_older_of_another(
+        broker: Broker) -> None:
+    broker.models["m"].adapters = ["fr", "de", "es"]
+    with peers(broker, slots=2) as (client, workers):
+        for entry in broker.workers.values():
+            entry.adapters = frozenset({"fr", "de", "es"})
+        placed: dict[str, tuple[bytes, str]] = {}  # request id -> its worker and ticket
+
+        def send(rid: str, name: str) -> None:
+            client.send_multipart(wire.encode(wire.Request(rid, "hi", adapters=((name, 1.0),))))
+            assert broker.front.poll(1000)
+            broker.drain_front()
+            for identity, sock in workers.items():
+                while sock.poll(50):
+                    for a in assigns(sock, 1):
+                        placed[a.request.id] = (identity, a.ticket)
+
+        for rid, name in (("f1", "fr"), ("d1", "de"), ("f2", "fr"), ("d2", "de"), ("e1", "es"), ("f3", "fr")):
+            send(rid, name)
+        assert {rid: w for rid, (w, _) in placed.items()} == {"f1": placed["f1"][0], "f2": placed["f1"][0],
+                                                              "d1": placed["d1"][0], "d2": placed["d1"][0]}
+        fr_worker, ticket = placed["f1"]
+        workers[fr_worker].send_multipart(wire.encode_from_worker(
+            wire.Done("f1", "x", "length", wire.Usage(1, 1), wire.Timings(0, 0, 0)), ticket))
+        assert broker.back.poll(1000)
+        broker.drain_back()
+        assert workers[fr_worker].poll(1000)
+        assert [a.request.id for a in assigns(workers[fr_worker], 1)] == ["f3"]  # batches with f2; e1 waits
+        assert broker.requests[broker.models["m"].queue[0]].request.id == "e1"
