@@ -20,7 +20,7 @@ from datetime import datetime
 from importlib.metadata import version
 from pathlib import Path
 
-from . import batching, broker, dispatch, memory, peers, permits, scaling, speculation_bench, startup
+from . import adapters_bench, batching, broker, dispatch, memory, peers, permits, scaling, speculation_bench, startup
 from .figures import Section
 from .procs import find_llama_server
 from .report import markdown, write_json, write_plots
@@ -29,7 +29,7 @@ from .settings import Settings
 SECTIONS: dict[str, Callable[[Settings], Section]] = {
     "dispatch": dispatch.run, "broker": broker.run, "scaling": scaling.run, "peers": peers.run,
     "batching": batching.run, "memory": memory.run, "permits": permits.run, "startup": startup.run,
-    "speculation": speculation_bench.run,
+    "speculation": speculation_bench.run, "adapters": adapters_bench.run,
 }
 RESULTS = Path(__file__).parent / "results"
 

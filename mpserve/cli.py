@@ -5,7 +5,7 @@
     looking     status (the slot table), models (a server's models), devices (GPUs and their permits), plan (where
                 instances would run), doctor (this host, and what to fix)
     changing    load, unload, scale, add (a server's models at run time), reload (its configuration read again),
-                slots (a slot's KV file: save, restore, erase)
+                slots (a slot's KV file: save, restore, erase), adapters (a model's LoRA adapters: list, load, unload)
     files       pull (models from the Hub, ahead of time), make-model (a random-weight GGUF), keygen (a CURVE key pair)
 
 Server settings come from ``mpserve.config.settings`` (``with_settings``: one declaration gives a command its flags);
@@ -38,7 +38,7 @@ from mpserve.config import settings
 from mpserve.errors import BadRequest, ConfigError, ConnectionFailed, InternalError, MpserveError
 from mpserve.runtime import ServerInfo, ServerPaths, pid_alive, runtime_dir
 from mpserve.wire.protocol import MAX_PROMPT_CHARS, ModelControl, Stats
-from mpserve.wire.slots import SlotRow, SlotState, SlotTable, instance_slots, locate
+from mpserve.wire.slots import BASE_LABEL, SlotRow, SlotState, SlotTable, active_sets, instance_slots, locate
 
 if TYPE_CHECKING:
     from mpserve.client import Client
@@ -110,6 +110,8 @@ def with_settings(command: settings.Command) -> Callable[[Callable[..., None]], 
                 value = kwargs.pop(s.param)
                 if s.cli_type is bool:  # an unset switch is unset; a --no-… switch sets its setting false
                     value = (not s.negated) if value else None
+                elif isinstance(value, (list, tuple)) and not value:  # a repeatable flag not given
+                    value = None
                 values[s.scope][s.key] = value
             fn(given=Given(**values), **kwargs)
 
@@ -592,6 +594,8 @@ def plan(given: Given, config_file: ConfigOption = None) -> None:
 
     with _errors():
         config = _config(given, config_file)
+        for model in config.models:
+            cfg.check_adapters(model, pulled=False)
         layout = build_layout(config)
         warnings = check_host_ram(config, layout)
         print("\n\n".join(part for part in (format_plan(layout.placements, layout.devices,
@@ -741,6 +745,41 @@ def slots(
         print(f"{done} slot {slot} ({worker} slot {local}): {reply.tokens} tokens{where} in {reply.ms:.0f} ms")
 
 
+@app.command()
+def adapters(
+    action: Annotated[str, typer.Argument(help="list, load or unload.")],
+    model: Annotated[str | None, typer.Argument(help="The model (load, unload).")] = None,
+    name: Annotated[str | None, typer.Argument(help="The adapter's name (load, unload).")] = None,
+    path: Annotated[str | None, typer.Argument(help="The adapter's GGUF file on the server's host (load).")] = None,
+    server_name: ServerNameOption = "default", as_json: JsonOption = False,
+    curve_server_key: CurveServerKeyOption = None, curve_secret: CurveSecretOption = None,
+) -> None:
+    """List each model's LoRA adapters, load one into every instance of a model, or unload one once the requests
+    using it have finished, without a restart."""
+    with _errors():
+        if action not in ("list", "load", "unload"):
+            raise BadRequest(f"no adapters action {action!r}; give list, load MODEL NAME PATH or unload MODEL NAME")
+        if action != "list" and (model is None or name is None or (action == "load") != (path is not None)):
+            raise BadRequest("give load MODEL NAME PATH (a GGUF on the server's host) or unload MODEL NAME")
+        info = ServerInfo.read(server_name)
+        if info is None or not info.alive() or info.role != "broker":
+            raise _no_server(server_name)
+        with _admin_client(info, _Curve(curve_server_key, curve_secret)) as client:
+            if action == "list":
+                served = {m: s.adapters for m, s in client.stats().models.items()}
+                print(json.dumps(served) if as_json else "\n".join(
+                    f"{m}:{a} (id {i})" for m, names in served.items() for i, a in enumerate(names)))
+                return
+            assert model is not None and name is not None
+            path = str(Path(path).resolve()) if path is not None else ""  # the server's host is this one, or says so
+            reply = client.adapter(action, model, name, path)
+        if as_json:
+            print(json.dumps(msgspec.structs.asdict(reply)))
+            return
+        print(f"{action}ed adapter {name!r} of model {model!r} ({reply.ms:.0f} ms); its adapters now: "
+              f"{', '.join(reply.adapters) or 'none'}")
+
+
 def _control(server_name: str, curve: _Curve, as_json: bool, op: str, model: str | None = None,
              low: int | None = None, high: int | None = None, path: str | None = None) -> None:
 
@@ -817,8 +856,8 @@ def _broker_stats(info: ServerInfo, curve: _Curve) -> Stats | None:
 
 def format_table(info: ServerInfo, rows: list[SlotRow]) -> str:
     now = time.time()
-    head = ["SLOT", "WORKER", "PID", "STATE", "MODEL", "DEVICE", "REQUEST", "TOKENS", "KV CELLS", "IDLE/BUSY FOR",
-            "LOAD", "SERVED"]
+    head = ["SLOT", "WORKER", "PID", "STATE", "MODEL", "DEVICE", "REQUEST", "ADAPTERS", "TOKENS", "KV CELLS",
+            "IDLE/BUSY FOR", "LOAD", "SERVED"]
     lines = [head]
     for r in rows:
         if r.state is SlotState.EMPTY:  # a slot of an instance not started (it may start as the load grows)
@@ -826,7 +865,7 @@ def format_table(info: ServerInfo, rows: list[SlotRow]) -> str:
         alive = r.pid > 0 and pid_alive(r.pid)
         state = r.state.name.lower() if alive or r.state in (SlotState.DEAD, SlotState.FAILED) else "dead"
         lines.append([str(r.index), str(r.worker), str(r.pid or "-"), state, r.model,
-                      "cpu" if r.device < 0 else f"gpu{r.device}", r.request or "-", str(r.tokens),
+                      "cpu" if r.device < 0 else f"gpu{r.device}", r.request or "-", r.adapters or "-", str(r.tokens),
                       f"{r.kv_cells}/{r.kv_capacity}", f"{now - r.progress:.1f}s" if r.progress else "-",
                       f"{r.load_s:.2f}s", str(r.served)])
     widths = [max(len(line[i]) for line in lines) for i in range(len(head))]
@@ -848,7 +887,9 @@ def _instance_lines(rows: list[SlotRow]) -> str:
         c = slots[0].cache
         cache = (f"host store: {c.hits} hits, {c.misses} misses, {c.evictions} evictions, {c.skipped} skipped"
                  if c.capacity else "no host store")
-        lines.append(f"instance w{worker} ({model}): KV cells {used} of {capacity}{share}; {cache}")
+        sets = active_sets(slots)
+        active = f"; adapter sets running: {', '.join(sets)}" if any(s != BASE_LABEL for s in sets) else ""
+        lines.append(f"instance w{worker} ({model}): KV cells {used} of {capacity}{share}; {cache}{active}")
         tiers += [c] if c.capacity else []
     if tiers:  # each instance wrote the host's figures when it last touched the store: the largest is the latest
         ram, disk = max(tiers, key=lambda c: c.bytes), max(tiers, key=lambda c: c.disk_bytes)

@@ -50,7 +50,7 @@ import secrets
 import threading
 import time
 from collections import deque
-from collections.abc import AsyncGenerator, Coroutine, Iterator
+from collections.abc import AsyncGenerator, Coroutine, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -60,10 +60,12 @@ import zmq.auth
 from mpserve import structured
 from mpserve.errors import BadRequest, ConfigError, ConnectionFailed, MpserveError, Timeout, error_from_code
 from mpserve.runtime import default_address
+from mpserve.wire import adapters as wire_adapters
 from mpserve.wire import protocol as wire
 from mpserve.wire import zmqio
 
 T = TypeVar("T")
+Adapters = Mapping[str, float] | Sequence[str | tuple[str, float]] | None  # LoRA adapters: {name: scale}, or names
 
 PING_INTERVAL_S = 1.0
 PING_LIVENESS = 3
@@ -252,26 +254,29 @@ class AsyncClient:
             self._ctx = None
 
     async def generate(self, prompt: str | list[int], *, model: str | None = None, timeout: float | None = None,
-                       request_id: str | None = None, **params: Any) -> Result:
+                       request_id: str | None = None, adapters: Adapters = None, **params: Any) -> Result:
         """Run one completion and return its Result; raises the MpserveError of an ERROR reply. ``prompt``:
         text, or token ids (taken as they are: no BOS is added). ``request_id``: the caller's id for it.
         ``priority`` (-100..100, higher starts first, capped by the tenant's ``max_priority``), ``cache_salt``
         (requests with one salt may share cached prompts) and ``tenant`` (on the admin socket only: whose the
-        request is) go with the request; the other keywords are sampling parameters."""
+        request is) go with the request; ``adapters``: the model's LoRA adapters to apply, ``{name: scale}`` or a
+        list of names (scale 1); a ``model`` of ``BASE:NAME`` applies NAME too (``mpserve.wire.adapters``); the
+        other keywords are sampling parameters."""
         if params.get("n", 1) != 1:
             raise BadRequest("generate returns one choice; ask for n with choices(prompt, n=...)")
-        return (await self.choices(prompt, n=1, model=model, timeout=timeout, request_id=request_id, **params))[0]
+        return (await self.choices(prompt, n=1, model=model, timeout=timeout, request_id=request_id,
+                                   adapters=adapters, **params))[0]
 
     async def choices(self, prompt: str | list[int], *, n: int | None = None, model: str | None = None,
                       timeout: float | None = None, request_id: str | None = None,
                       params: wire.GenerateParams | None = None, priority: int = 0, cache_salt: str | None = None,
-                      tenant: str = "", **sampling: Any) -> list[Result]:
+                      tenant: str = "", adapters: Adapters = None, **sampling: Any) -> list[Result]:
         """``n`` choices of one completion, in index order: run together in ``n`` slots of one instance, which
         computes the prompt once; choice i is seeded with ``seed + i`` (modulo 2**32) when ``seed`` is given.
         A request for more choices than an instance has slots (``parallel``) is refused. The parameters are
         ``sampling``'s keywords and ``n``, or ``params`` as they are (with their ``n``)."""
         request = self._request(prompt, model, timeout, _params(params, sampling, n), stream=False,
-                                request_id=request_id, owner=_Owner(priority, cache_salt, tenant))
+                                request_id=request_id, owner=_Owner(priority, cache_salt, tenant), adapters=adapters)
         n = request.params.n
         queue = await self._submit(request)
         done: dict[int, Result] = {}
@@ -287,12 +292,14 @@ class AsyncClient:
 
     def stream(self, prompt: str | list[int], *, model: str | None = None, timeout: float | None = None,
                request_id: str | None = None, params: wire.GenerateParams | None = None, priority: int = 0,
-               cache_salt: str | None = None, tenant: str = "", **sampling: Any) -> Stream:
+               cache_salt: str | None = None, tenant: str = "", adapters: Adapters = None,
+               **sampling: Any) -> Stream:
         """Stream a completion: ``async for text in client.stream(...)``; ``stream.id`` is its request id. The
         parameters are ``sampling``'s keywords, or ``params`` as they are; ``priority``, ``cache_salt`` and
         ``tenant`` as for ``generate``."""
         return Stream(self, self._request(prompt, model, timeout, _params(params, sampling), stream=True,
-                                          request_id=request_id, owner=_Owner(priority, cache_salt, tenant)))
+                                          request_id=request_id, owner=_Owner(priority, cache_salt, tenant),
+                                          adapters=adapters))
 
     async def cancel(self, request_id: str) -> None:
         await self._send(wire.Cancel(request_id))
@@ -378,19 +385,33 @@ class AsyncClient:
         assert isinstance(answer, wire.SlotReply)
         return answer
 
+    async def adapter(self, op: str, model: str | None, name: str, path: str = "",
+                      timeout: float = SLOT_TIMEOUT_S) -> wire.AdapterReply:
+        """An operator's call on the admin socket: ``load`` LoRA adapter ``name`` of ``model`` from ``path`` (a GGUF
+        on the server's host) into every instance, or ``unload`` it once the requests using it have finished; a
+        refused one raises its error."""
+        msg = wire.AdapterAction(next(self._ids), op, name, model, path)
+        msg.validate()
+        answer = await self._ask(msg, timeout, ConnectionFailed(
+            f"no answer from the server at {self.address} within {timeout:g} s"))
+        assert isinstance(answer, wire.AdapterReply)
+        return answer
+
     # --- internals ------------------------------------------------------------------------------
 
     def _request(self, prompt: str | list[int], model: str | None, timeout: float | None,
                  generate: wire.GenerateParams, stream: bool, request_id: str | None = None,
-                 owner: _Owner | None = None) -> wire.Request:
+                 owner: _Owner | None = None, adapters: Adapters = None) -> wire.Request:
         if isinstance(prompt, str) and len(prompt) > wire.MAX_PROMPT_CHARS:
             raise BadRequest(f"the prompt is {len(prompt)} characters; the server takes at most "
                              f"{wire.MAX_PROMPT_CHARS} (MAX_PROMPT_CHARS)")
         text, tokens = (prompt, b"") if isinstance(prompt, str) else ("", wire.pack_tokens(prompt))
         rid = next(self._ids) if request_id is None else check_request_id(request_id, wire.MAX_ID_CHARS)
         owner = owner or _Owner()
+        model, chosen = wire_adapters.selection(model, adapters)
         request = wire.Request(rid, text, model, generate, stream, timeout if timeout is not None else self.timeout,
-                               tokens, priority=owner.priority, cache_salt=owner.cache_salt, tenant=owner.tenant)
+                               tokens, adapters=chosen, priority=owner.priority, cache_salt=owner.cache_salt,
+                               tenant=owner.tenant)
         if owner != _Owner():
             request.validate()  # its bounds, as the broker would refuse them
         return request
@@ -402,7 +423,8 @@ class AsyncClient:
         assert isinstance(answer, wire.Tokens)
         return answer
 
-    async def _ask(self, msg: wire.Tokenize | wire.Control | wire.Embed | wire.SlotAction, wait: float | None,
+    async def _ask(self, msg: wire.Tokenize | wire.Control | wire.Embed | wire.SlotAction | wire.AdapterAction,
+                   wait: float | None,
                    timed_out: MpserveError) -> Any:
         """Send a message that has one answer and wait for it (``wait`` seconds; None: no limit); raises the
         MpserveError of an ERROR reply, or ``timed_out``."""
@@ -630,18 +652,19 @@ class Client:
         return self._loop.is_running()
 
     def generate(self, prompt: str | list[int], *, model: str | None = None, timeout: float | None = None,
-                 request_id: str | None = None, **params: Any) -> Result:
-        return self._call(self._async.generate(prompt, model=model, timeout=timeout, request_id=request_id, **params))
+                 request_id: str | None = None, adapters: Adapters = None, **params: Any) -> Result:
+        return self._call(self._async.generate(prompt, model=model, timeout=timeout, request_id=request_id,
+                                               adapters=adapters, **params))
 
     def choices(self, prompt: str | list[int], *, n: int, model: str | None = None, timeout: float | None = None,
-                request_id: str | None = None, **params: Any) -> list[Result]:
+                request_id: str | None = None, adapters: Adapters = None, **params: Any) -> list[Result]:
         return self._call(self._async.choices(prompt, n=n, model=model, timeout=timeout, request_id=request_id,
-                                              **params))
+                                              adapters=adapters, **params))
 
     def stream(self, prompt: str | list[int], *, model: str | None = None, timeout: float | None = None,
-               request_id: str | None = None, **params: Any) -> SyncStream:
+               request_id: str | None = None, adapters: Adapters = None, **params: Any) -> SyncStream:
         return SyncStream(self, self._async.stream(prompt, model=model, timeout=timeout, request_id=request_id,
-                                                   **params))
+                                                   adapters=adapters, **params))
 
     def cancel(self, request_id: str) -> None:
         self._call(self._async.cancel(request_id))
@@ -672,6 +695,10 @@ class Client:
     def slot(self, action: str, worker: str, slot: int, filename: str = "",
              timeout: float = SLOT_TIMEOUT_S) -> wire.SlotReply:
         return self._call(self._async.slot(action, worker, slot, filename, timeout))
+
+    def adapter(self, op: str, model: str | None, name: str, path: str = "",
+                timeout: float = SLOT_TIMEOUT_S) -> wire.AdapterReply:
+        return self._call(self._async.adapter(op, model, name, path, timeout))
 
     def close(self) -> None:
         if self.open:

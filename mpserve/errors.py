@@ -15,6 +15,7 @@ from enum import Enum
 class ErrorCode(str, Enum):
     BAD_REQUEST = "bad_request"
     UNKNOWN_MODEL = "unknown_model"
+    UNKNOWN_ADAPTER = "unknown_adapter"
     BUSY = "busy"
     TIMEOUT = "timeout"
     CANCELLED = "cancelled"
@@ -45,6 +46,8 @@ class CodeInfo:
 CODES: dict[ErrorCode, CodeInfo] = {
     ErrorCode.BAD_REQUEST: CodeInfo(400, False, "invalid parameters, duplicate id, prompt longer than the context"),
     ErrorCode.UNKNOWN_MODEL: CodeInfo(404, False, "the model is not served; the message lists those that are"),
+    ErrorCode.UNKNOWN_ADAPTER: CodeInfo(404, False, "the model serves no LoRA adapter of that name (or id); the "
+                                                    "message lists those it serves"),
     ErrorCode.BUSY: CodeInfo(429, True, "the model's queue is full, or the caller's tenant is at one of its limits "
                                         "(`max_queued`, `tokens_per_minute`, `max_pending_per_client`), which the "
                                         "message names with its value and the use; `retry_after` suggests when to "
@@ -106,6 +109,10 @@ class BadRequest(MpserveError):
 
 class UnknownModel(MpserveError):
     code = ErrorCode.UNKNOWN_MODEL
+
+
+class UnknownAdapter(MpserveError):
+    code = ErrorCode.UNKNOWN_ADAPTER
 
 
 class Busy(MpserveError):
@@ -176,9 +183,9 @@ class InternalError(MpserveError):
 _BY_CODE: dict[str, type[MpserveError]] = {
     cls.code.value: cls
     for cls in (
-        BadRequest, UnknownModel, Busy, Timeout, Cancelled, ShuttingDown, WorkerLost, WorkerStalled, PoisonRequest,
-        ModelFailed, NoInstance, ModelDoesNotFit, ProtocolError, Forbidden, ConnectionFailed, ConfigError,
-        InternalError,
+        BadRequest, UnknownModel, UnknownAdapter, Busy, Timeout, Cancelled, ShuttingDown, WorkerLost, WorkerStalled,
+        PoisonRequest, ModelFailed, NoInstance, ModelDoesNotFit, ProtocolError, Forbidden, ConnectionFailed,
+        ConfigError, InternalError,
     )
 }
 

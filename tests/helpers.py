@@ -17,6 +17,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, TypeVar
 
+import gguf
 import httpx
 import numpy as np
 import pytest
@@ -261,4 +262,21 @@ def gguf_with_array(path: Path, count: int) -> Path:
     values = np.arange(1000, 1000 + count, dtype="<i4").tobytes()
     entry = struct.pack("<Q", len(key)) + key + struct.pack("<IIQ", 9, 5, count) + values  # ARRAY of INT32
     path.write_bytes(whole[:8] + struct.pack("<QQ", n_tensors, n_kv + 1) + entry + whole[24:])
+    return path
+
+
+def write_adapter(path: Path, arch: str = "llama", kind: str = "adapter", lora: str = "lora", rank: int = 4,
+                  pairs: dict[str, tuple[int, int]] | None = None) -> Path:
+    """An adapter-shaped GGUF: each pair adapts a base tensor of ``(n_in, n_out)`` (ggml's order) at ``rank``."""
+    writer = gguf.GGUFWriter(str(path), arch)
+    writer.add_type(kind)
+    writer.add_string("adapter.type", lora)
+    writer.add_float32("adapter.lora.alpha", float(rank))
+    for name, (n_in, n_out) in (pairs or {"blk.0.attn_q.weight": (64, 64)}).items():
+        writer.add_tensor(f"{name}.lora_a", np.zeros((rank, n_in), np.float32))  # numpy order: ne reversed
+        writer.add_tensor(f"{name}.lora_b", np.zeros((n_out, rank), np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
     return path

@@ -17,12 +17,12 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parent.parent
-ALWAYS_MEASURED = {"dispatch", "broker", "scaling", "batching", "memory", "startup", "speculation"}
+ALWAYS_MEASURED = {"dispatch", "broker", "scaling", "batching", "memory", "startup", "speculation", "adapters"}
 MAY_BE_SKIPPED = {"peers", "permits"}  # need optional packages
 
 
 # two runs, each with half the sections, so that a parallel run of the suite can take them at once
-HALVES = {"dispatch": ["dispatch", "broker", "scaling", "peers", "permits"],
+HALVES = {"dispatch": ["dispatch", "broker", "scaling", "peers", "permits", "adapters"],
           "batching": ["batching", "memory", "startup", "speculation"]}
 
 
@@ -41,7 +41,7 @@ def test_quick_bench_reports_every_section_with_baselines(tmp_path: Path, half: 
     assert "## Targets" in report and "compete for CPU" in report
     titles = {"dispatch": "Dispatch overhead", "broker": "The broker at scale", "scaling": "Scaling", "peers": "Peers",
               "batching": "Batching", "memory": "Memory", "permits": "Permits", "startup": "Start-up",
-              "speculation": "Speculation"}
+              "speculation": "Speculation", "adapters": "LoRA adapters"}
     for key in HALVES[half]:
         assert titles[key] in report
 

@@ -10,6 +10,7 @@ import subprocess
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import yaml
@@ -32,6 +33,15 @@ def _node() -> str:
     return node
 
 
+def run_script(script: str, address: str) -> dict[str, Any]:
+    """What ``clients/node/test/SCRIPT`` saw against the server at ``address``: the JSON of its last line."""
+    run = subprocess.run([_node(), f"test/{script}", address], cwd=NODE_CLIENT, capture_output=True, text=True,
+                         timeout=100)
+    assert run.returncode == 0, run.stderr
+    seen: dict[str, Any] = json.loads(run.stdout.strip().splitlines()[-1])
+    return seen
+
+
 @pytest.fixture(scope="module")
 def server() -> Iterator[ServerProcess]:
     with tempfile.TemporaryDirectory() as tmp:
@@ -46,10 +56,7 @@ def server() -> Iterator[ServerProcess]:
 
 @pytest.mark.timeout(120)
 def test_the_node_client_against_a_real_server(server: ServerProcess) -> None:
-    run = subprocess.run([_node(), "test/against_server.mjs", server.address], cwd=NODE_CLIENT, capture_output=True,
-                         text=True, timeout=100)
-    assert run.returncode == 0, run.stderr
-    seen = json.loads(run.stdout.strip().splitlines()[-1])
+    seen = run_script("against_server.mjs", server.address)
     with Client(server.address) as python:
         expected = python.generate("The quick brown fox", model="tiny", max_tokens=24, temperature=0)
         expected_tokens = python.tokenize("The quick brown fox", model="tiny").tokens

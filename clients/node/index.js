@@ -50,6 +50,7 @@ export class MpserveError extends Error {
 export const CODES = Object.freeze({
   bad_request: ["BadRequest", false],
   unknown_model: ["UnknownModel", false],
+  unknown_adapter: ["UnknownAdapter", false],
   busy: ["Busy", true],
   timeout: ["Timeout", true],
   cancelled: ["Cancelled", false],
@@ -78,8 +79,8 @@ for (const [code, [name, retryable]] of Object.entries(CODES)) {
   }[name];
 }
 export const {
-  BadRequest, UnknownModel, Busy, Timeout, Cancelled, WorkerLost, WorkerStalled, PoisonRequest, ModelFailed,
-  NoInstance, DoesNotFit, ShuttingDown, ConnectionFailed, ProtocolError, ConfigError, InternalError,
+  BadRequest, UnknownModel, UnknownAdapter, Busy, Timeout, Cancelled, WorkerLost, WorkerStalled, PoisonRequest,
+  ModelFailed, NoInstance, DoesNotFit, ShuttingDown, ConnectionFailed, ProtocolError, ConfigError, InternalError,
 } = errors;
 
 /** The exception for an ERROR body; an unknown code (a newer server) is a plain, non-retryable MpserveError. */
@@ -198,16 +199,18 @@ export class Client {
     }
   }
 
-  /** One completion: { id, text, finishReason, usage, timings, worker }. `params`: the wire's names. */
-  async generate(prompt, { model = null, timeout = null, requestId = null, ...params } = {}) {
-    const stream = this.stream(prompt, { model, timeout, requestId, ...params, stream: false });
+  /** One completion: { id, text, finishReason, usage, timings, worker }. `params`: the wire's names. `adapters`:
+   * the model's LoRA adapters to apply, { name: scale } or [name, ...] (scale 1); a `model` of BASE:NAME applies
+   * NAME too. */
+  async generate(prompt, { model = null, timeout = null, requestId = null, adapters = null, ...params } = {}) {
+    const stream = this.stream(prompt, { model, timeout, requestId, adapters, ...params, stream: false });
     for await (const _ of stream); // eslint-disable-line no-unused-vars
     return stream.result;
   }
 
   /** A streamed completion: `for await (const text of client.stream(...))`; then `stream.result`. */
-  stream(prompt, { model = null, timeout = null, requestId = null, stream = true, ...params } = {}) {
-    return new Stream(this, this._request(prompt, model, timeout, requestId, params, stream));
+  stream(prompt, { model = null, timeout = null, requestId = null, stream = true, adapters = null, ...params } = {}) {
+    return new Stream(this, this._request(prompt, model, timeout, requestId, params, stream, adapters));
   }
 
   /** Stop request `id` (queued or running); its stream ends with a Cancelled error. */
@@ -244,7 +247,7 @@ export class Client {
 
   // --- internals ------------------------------------------------------------------------------------------
 
-  _request(prompt, model, timeout, requestId, params, stream) {
+  _request(prompt, model, timeout, requestId, params, stream, adapters = null) {
     const id = requestId ?? this._ids();
     if (typeof id !== "string" || id.length === 0 || id.length > MAX_ID_CHARS) {
       throw new BadRequest(`a request id is a string of 1 to ${MAX_ID_CHARS} characters`);
@@ -257,9 +260,11 @@ export class Client {
     if (params.logit_bias && !Array.isArray(params.logit_bias)) {  // OpenAI's map: the wire's [token id, bias] pairs
       params.logit_bias = Object.entries(params.logit_bias).map(([token, bias]) => [Number(token), bias]);
     }
-    const body = { id, prompt: typeof prompt === "string" ? prompt : "", model, params, stream,
+    const [base, chosen] = adapterSelection(model, adapters);
+    const body = { id, prompt: typeof prompt === "string" ? prompt : "", model: base, params, stream,
       timeout: timeout ?? this.timeout };
     if (typeof prompt !== "string") body.tokens = packTokens(prompt);
+    if (chosen.length) body.adapters = chosen;
     return body;
   }
 
@@ -459,4 +464,23 @@ function dropNulls(body) {
 
 function sleep(ms) {
   return new Promise((resolve) => setTimeout(resolve, ms).unref());
+}
+
+/** A request's model and LoRA adapters, as the protocol's `adapters` ([name, scale] pairs, sorted by name): `model`
+ * BASE:NAME applies NAME at scale 1; `adapters` is { name: scale } or a list of names. */
+function adapterSelection(model, adapters) {
+  const at = model === null ? -1 : model.indexOf(":");
+  const base = at < 0 ? model : model.slice(0, at);
+  const given = at < 0 ? [] : [[model.slice(at + 1), 1.0]];
+  if (Array.isArray(adapters)) given.push(...adapters.map((a) => (Array.isArray(a) ? a : [a, 1.0])));
+  else if (adapters) given.push(...Object.entries(adapters));
+  const names = given.map(([name]) => name);
+  const twice = names.find((name, i) => names.indexOf(name) !== i);
+  if (twice !== undefined) {
+    throw new BadRequest(`LoRA adapter '${twice}' is given twice; give each adapter once, with its scale`);
+  }
+  const bad = given.find(([, scale]) => typeof scale !== "number" || !Number.isFinite(scale));
+  if (bad !== undefined) throw new BadRequest(`LoRA adapter '${bad[0]}': scale ${bad[1]} must be a number`);
+  const chosen = given.filter(([, scale]) => scale !== 0);  // scale 0: off
+  return [base, chosen.sort(([a], [b]) => (a < b ? -1 : a > b ? 1 : 0))];
 }

@@ -40,6 +40,7 @@ from mpserve.config.sizes import parse_memory
 from mpserve.config.speculative import Speculative
 from mpserve.config.tenants import Tenants, parse_tenants
 from mpserve.errors import ConfigError
+from mpserve.models import adapters as adapter_sources
 from mpserve.models import sources, templates
 from mpserve.models.builtin import builtin_model_path
 from mpserve.models.folder import entries as folder_entries
@@ -85,6 +86,7 @@ class ModelConfig:
     scale_down_after: float = 60.0  # seconds an instance's worth of slots idles before one instance drains
     speculative: Speculative | None = None  # speculative decoding (prompt lookup, a draft model); None: off
     chat_template: str | None = None  # a family's name or a Jinja2 file (mpserve.models.templates); None: the GGUF's
+    adapters: adapter_sources.Declared = ()  # LoRA adapters (name, source), in declaration order (models.adapters)
 
     @property
     def bounds(self) -> tuple[int, int]:
@@ -101,6 +103,10 @@ class ModelConfig:
         if self.path.startswith(BUILTIN_PREFIX):
             return str(builtin_model_path(self.path[len(BUILTIN_PREFIX):]))
         return sources.local_path(self.path)
+
+    def adapter_paths(self) -> dict[str, str]:
+        """Each adapter's GGUF on this host, by name, in declaration order (Hub sources pulled first)."""
+        return {name: adapter_sources.local(source) for name, source in self.adapters}
 
 
 def tier_folder(tier: str) -> str:
@@ -277,9 +283,12 @@ def build(file_data: Mapping[str, Any] | None = None, server: Mapping[str, Any] 
         raise ConfigError(f"{source}: 'models' must be a non-empty list of model entries")
     if base_dir is not None:
         raw_models = [_relative_to(base_dir, m) for m in raw_models]
+    if "adapters" in overrides and len(raw_models) != 1:
+        raise ConfigError(f"--lora declares adapters of the model given with --model; {source} has "
+                          f"{len(raw_models)} models: give --model, or declare them in its models[].adapters")
     models = tuple(_model(i, m, overrides, source) for i, m in enumerate(raw_models))
     if folder:  # its files, but for those configured already; the flags' model settings bar the file
-        shared = {k: v for k, v in overrides.items() if k not in ("path", "name")}
+        shared = {k: v for k, v in overrides.items() if k not in ("path", "name", "adapters")}
         taken = {os.path.realpath(m.path) for m in models}
         found = folder_entries(str(folder), f"{source}: models_dir", taken)
         models += tuple(_model(len(models) + i, m, shared, source) for i, m in enumerate(found))
@@ -420,6 +429,9 @@ def _model(index: int, entry: Any, overrides: Mapping[str, Any], source: str) ->
     for folder, tier in (("cache_shm", "ram"), ("cache_disk", "disk")):
         if values.get(folder) is not None:
             values[folder] = _store_folder(str(values[folder]), tier, f"{where}.{folder}")
+    if "adapters" in values:
+        values["adapters"] = _adapters(values["adapters"], path,
+                                       "--lora" if "adapters" in overrides else f"{where}.adapters")
     if "requires" in values:
         values["requires_memory"] = _requires(values.pop("requires"), f"{where}.requires")
     if "speculative" in values:
@@ -451,12 +463,27 @@ def _check_gguf(path: Path, where: str) -> None:
 
 
 def pull_sources(config: ServerConfig) -> None:
-    """Download each model named on the Hub that is not in its cache (``mpserve.models.sources``), before
-    anything starts; a download that fails, or a file that is not a GGUF, is a ConfigError."""
+    """Download each model and adapter named on the Hub that is not in its cache (``mpserve.models.sources``),
+    before anything starts, then check each adapter against its model; a download that fails, a file that is not a
+    GGUF, or an adapter that does not fit its model is a ConfigError."""
     for model in config.models:
         local = sources.pull(model.path)
         if local is not None:
             _check_gguf(local, f"models[{model.name}].path ({model.path})")
+        for _, source in model.adapters:
+            sources.pull(source)
+        check_adapters(model)
+
+
+def check_adapters(model: ModelConfig, pulled: bool = True) -> None:
+    """Each of the model's adapters against its GGUF header (``mpserve.models.adapters.check``). Not ``pulled``
+    (before the downloads): only a model whose files are all on this host already."""
+    files = (model.path, *(source for _, source in model.adapters))
+    if not model.adapters or not pulled and any(sources.is_source(f) for f in files):
+        return
+    base = model.resolved_path()
+    for name, path in model.adapter_paths().items():
+        adapter_sources.check(name, path, base, f"models[{model.name}].adapters")
 
 
 def _instance_bounds(values: Mapping[str, Any], where: str) -> tuple[int, int]:
@@ -482,6 +509,14 @@ def _instance_bounds(values: Mapping[str, Any], where: str) -> tuple[int, int]:
 def added_model(entry: Mapping[str, Any], index: int, source: str) -> ModelConfig:
     """A model added at run time, checked as a ``models[]`` entry of the file is (paths as given)."""
     return _model(index, dict(entry), {}, source)
+
+
+def _adapters(value: Any, path: str, where: str) -> adapter_sources.Declared:
+    """The declared adapters (``mpserve.models.adapters.parse``); the echo backend has no weights to adapt."""
+    declared = adapter_sources.parse(value, where)
+    if declared and path == ECHO_MODEL:
+        raise ConfigError(f"{where}: the echo backend has no weights to adapt; give the model's GGUF file as path")
+    return declared
 
 
 def _flash_attn(value: str | bool, where: str) -> str:
@@ -537,6 +572,10 @@ def _relative_to(base_dir: Path, entry: Any) -> Any:
     draft = entry.get("speculative")
     if isinstance(draft, dict) and isinstance(draft.get("model"), str) and not Path(draft["model"]).is_absolute():
         entry = {**entry, "speculative": {**draft, "model": str(base_dir / draft["model"])}}
+    declared = entry.get("adapters")
+    if isinstance(declared, dict):
+        entry = {**entry, "adapters": {k: v if not isinstance(v, str) or Path(v).is_absolute() or sources.is_source(v)
+                                       else str(base_dir / v) for k, v in declared.items()}}
     template = entry.get("chat_template")
     if isinstance(template, str) and template not in templates.FAMILIES and not Path(template).is_absolute():
         entry = {**entry, "chat_template": str(base_dir / template)}

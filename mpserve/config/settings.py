@@ -39,7 +39,7 @@ class Setting:
     flag: str | None = None  # None: file only
     short: str | None = None
     env: str | None = None
-    cli_type: type = str  # what the flag parses its value as
+    cli_type: Any = str  # what the flag parses its value as (list[str]: a repeatable flag)
     negated: bool = False  # a bool flag that sets the setting false (--no-repack: repack false)
     range: tuple[float, float] | None = None
     choices: tuple[str, ...] | None = None
@@ -142,6 +142,11 @@ SETTINGS: tuple[Setting, ...] = (
        "Chat template: a family's name (chatml, llama3, gemma, mistral, phi, qwen, deepseek) or a Jinja2 file, as "
        "llama-server's --chat-template and --chat-template-file; it also decides how tool calls are read",
        commands=_FOR_POOLS),
+    _s("adapters", "model", (dict, list), "none", "LoRA adapters served with the model, {NAME: PATH, ...} (a GGUF "
+       "adapter file, or a Hub source as for path), each checked against the model at start and loaded once per "
+       "host; a request picks one with the model BASE:NAME or llama-server's lora list (ids in this order); the "
+       "flag, NAME=PATH and repeatable, declares them for the model given with --model",
+       flag="--lora", env=None, cli_type=list[str], commands=_SIZING),
     _s("devices", "model", list, "any GPU", "Pin the model's instances to these GPU indices, e.g. [1]", flag=None,
        env=None),
     _s("requires", "model", dict, "estimated from the GGUF", "Declared needs per instance: {memory: 7GiB, gpus: 1}",

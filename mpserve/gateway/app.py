@@ -4,7 +4,7 @@
                         │ for a server on this host: its slot table and /proc (health, monitor, metrics)
 
     POST /v1/completions, /v1/chat/completions   OpenAI shapes, streamed (server-sent events) or not
-    GET  /v1/models                               the served models
+    GET  /v1/models                               the served models, and each LoRA adapter as MODEL:NAME (its parent)
     POST /v1/embeddings                           OpenAI's shape (``api.embeddings``), embedding models
     POST /v1/responses, GET|DELETE /v1/responses/{id}   OpenAI's Responses API (``api.responses``)
     POST /v1/messages                             Anthropic's Messages API (``api.messages``); x-api-key too
@@ -68,6 +68,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from mpserve import __version__
 from mpserve.errors import ConfigError, ConnectionFailed, ErrorCode, MpserveError, UnknownModel
 from mpserve.models.progress import downloads
+from mpserve.wire.adapters import SEPARATOR
 from mpserve.wire.slots import SlotState, locate
 
 from .api import embeddings as emb
@@ -351,7 +352,10 @@ class _Gateway:
         local = self.backend.read_slots()
         created = int(local.server.started) if local is not None else 0
         return JSONResponse({"object": "list", "data": [
-            {"id": name, "object": "model", "created": created, "owned_by": "mpserve"} for name in stats.models]})
+            entry for name, model in stats.models.items() for entry in [
+                {"id": name, "object": "model", "created": created, "owned_by": "mpserve"},
+                *({"id": f"{name}{SEPARATOR}{adapter}", "object": "model", "created": created, "owned_by": "mpserve",
+                   "parent": name} for adapter in model.adapters)]]})
 
     async def get_health(self, request: Request) -> Response:
         stats = await self.backend.stats()

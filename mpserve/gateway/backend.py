@@ -66,6 +66,7 @@ class Backend:
         self._templates: dict[str, tuple[ChatTemplate, float]] = {}  # model -> its template, when asked
         self._said_no_admin = False  # that keyed callers' requests cannot go to the admin socket
         self._no_admin_until = 0.0  # monotonic: until then they go to the clients' socket without trying it
+        self._adapters: dict[str, tuple[list[str], float]] = {}  # model -> its LoRA adapters, when asked
 
     @property
     def address(self) -> str:
@@ -152,6 +153,18 @@ class Backend:
         chat = ChatTemplate(found.chat_template, found.bos_token, found.eos_token) if found else ChatTemplate()
         self._templates[model] = (chat, time.monotonic())
         return chat
+
+    async def adapters(self, model: str) -> list[str]:
+        """``model``'s LoRA adapters in declaration order (a request's ``lora`` ids count in it), asked again once
+        NO_TEMPLATE_TTL_S old: an operator may load or unload one at any time."""
+        known = self._adapters.get(model)
+        if known is not None and time.monotonic() - known[1] < NO_TEMPLATE_TTL_S:
+            return known[0]
+        stats = await self.stats()
+        found = stats.models.get(model) if stats is not None else None
+        names = list(found.adapters) if found is not None else []
+        self._adapters[model] = (names, time.monotonic())
+        return names
 
     def local_server(self) -> ServerInfo | None:
         """The running server on this host at our address, if it is one; only such a server has a slot

@@ -54,10 +54,11 @@ class MemoryEstimate:
     kv_cache: int
     overhead: int
     draft: int = 0  # a draft model's weights and KV cache
+    adapters: int = 0  # the LoRA adapters' tensors
 
     @property
     def total(self) -> int:
-        return self.weights + self.kv_cache + self.overhead + self.draft
+        return self.weights + self.kv_cache + self.overhead + self.draft + self.adapters
 
 
 @dataclass(frozen=True)
@@ -74,6 +75,7 @@ class ModelRequest:
     cache_type_k: str = DEFAULT_KV_TYPE
     cache_type_v: str = DEFAULT_KV_TYPE
     draft: str | None = None  # the draft model's GGUF file (speculative decoding); None: none
+    adapters: tuple[str, ...] = ()  # the LoRA adapters' GGUF files
 
 
 @dataclass(frozen=True)
@@ -126,9 +128,10 @@ def estimate_model_memory(
 
 
 def estimate_request(model: ModelRequest) -> MemoryEstimate:
-    """``estimate_model_memory`` with a model's settings, its draft model's added."""
+    """``estimate_model_memory`` with a model's settings, its adapters' and its draft model's added."""
     estimate = estimate_model_memory(model.path, model.n_ctx, model.n_gpu_layers, model.parallel,
                                      model.cache_type_k, model.cache_type_v)
+    estimate = replace(estimate, adapters=sum(sum(t.n_bytes for t in _read(a).tensors) for a in model.adapters))
     if model.draft is None:
         return estimate
     draft = estimate_model_memory(model.draft, model.n_ctx, model.n_gpu_layers, model.parallel)
@@ -142,7 +145,7 @@ def estimate_host_memory(model: ModelRequest) -> MemoryEstimate:
     counts them."""
     on_gpu = estimate_request(replace(model, n_gpu_layers=-1))  # the KV cache and the draft: as all on a device
     weights = sum(int(tensor.n_bytes) for tensor in _read(model.path).tensors)
-    return MemoryEstimate(weights, on_gpu.kv_cache, CPU_OVERHEAD, on_gpu.draft)
+    return MemoryEstimate(weights, on_gpu.kv_cache, CPU_OVERHEAD, on_gpu.draft, on_gpu.adapters)
 
 
 def check_kv_types(name: str, gguf_path: str | PathLike[str], cache_type_k: str, cache_type_v: str) -> None:

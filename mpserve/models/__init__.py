@@ -6,6 +6,7 @@ those named on the Hugging Face Hub or in Ollama's store, and the chat template 
     maker      writes them (same arguments, same bytes)
     lora_maker random LoRA adapters for a given base GGUF (``make-model --lora-for``; same arguments, same bytes)
     lora_file  a LoRA adapter GGUF checked against its model from the two headers (refused with one line)
+    adapters   a model's declared adapters (models[].adapters, --lora): parsed in order, checked by lora_file
     sources    a model path that names the Hub or Ollama: checked, pulled, found on this host
     hub        the Hub: names as llama-server's -hf, the choice of file, the cache, a host-wide lock per file
     download   one file over HTTP: resumed, checked against its sha256, moved into place when right

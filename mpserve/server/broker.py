@@ -89,6 +89,7 @@ from __future__ import annotations
 
 import dataclasses
 import heapq
+import itertools
 import logging
 import secrets
 import time
@@ -113,6 +114,7 @@ from mpserve.errors import (
     ShuttingDown,
     UnknownModel,
 )
+from mpserve.wire import adapters as wire_adapters
 from mpserve.wire import protocol as wire
 from mpserve.wire import zmqio
 from mpserve.wire.prefix import PREFIX_BLOCK, block_hashes
@@ -120,17 +122,20 @@ from mpserve.wire.protocol import ChatTemplate
 from mpserve.wire.salt import reuse_salt
 
 from . import chat, link, pool_keys, roles, unserved
+from .adapter_ops import AdapterOps
 from .pool_keys import PoolKey
 from .residency import Loaded, Residency
 from .routing import (
     MAX_HANDOVERS,
     MODEL_CRASHES,
+    QUEUE_WINDOW,
     AfterLoss,
     after_loss,
     choose_slots,
     crash_signal,
     crash_streak,
     describe_exit,
+    pick_queued,
 )
 from .state import Lost, ModelQueue, Pending, RequestState, WorkerEntry
 from .tenants import FairQueue, Ledger, shown
@@ -149,7 +154,8 @@ TICKET_BYTES = 16
 LOOKUP_ANSWERS = {wire.MsgType.TOKENS, wire.MsgType.EMBEDDINGS, wire.MsgType.SLOT_REPLY, wire.MsgType.ERROR}
 UNREGISTERED_LOG_S = 10.0  # messages from peers not registered are counted each, logged at most this often
 FROM_CLIENTS = {wire.MsgType.REQUEST, wire.MsgType.CANCEL, wire.MsgType.PING, wire.MsgType.TOKENIZE,
-                wire.MsgType.EMBED, wire.MsgType.STATS_QUERY, wire.MsgType.SLOT_ACTION, wire.MsgType.CONTROL}
+                wire.MsgType.EMBED, wire.MsgType.STATS_QUERY, wire.MsgType.SLOT_ACTION, wire.MsgType.ADAPTER_ACTION,
+                wire.MsgType.CONTROL}
 
 
 class Broker:
@@ -199,6 +205,7 @@ class Broker:
         self.by_client: dict[tuple[bytes, str], str] = {}
         self.workers: dict[bytes, WorkerEntry] = {}
         self.lookups: dict[str, tuple[bytes, str, bytes]] = {}  # TOKENIZE ticket -> client, id, worker
+        self.adapter_ops = AdapterOps(self)  # LoRA adapters loaded and unloaded at run time
         self.stats: Counter[str] = Counter()
         self.accepting = True
         self.residency = residency
@@ -267,6 +274,8 @@ class Broker:
         return self._deadlines[0][0] if self._deadlines else None
 
     def expire(self, now: float) -> None:
+        if self.adapter_ops.draining:  # unloads whose adapter's last requests may have ended
+            self.adapter_ops.drain()
         while self._deadlines and self._deadlines[0][0] <= now:
             _, ticket = heapq.heappop(self._deadlines)
             if self._stale_deadline(ticket):
@@ -371,6 +380,7 @@ class Broker:
         if self.models[entry.model].instances == 0:
             self.models[entry.model].lost = Lost(what, time.monotonic(), remote=entry.index is None)
         self._lookups_lost(entry.identity, what)
+        self.adapter_ops.lost(entry.identity)
         lost = [self.requests[t] for t in entry.running if t in self.requests]
         for p in sorted(lost, key=lambda p: (p.accepted, p.index)):
             self._after_loss(p, what, crashed)
@@ -504,6 +514,8 @@ class Broker:
                 self._to_client(client, wire.encode(self.snapshot(msg.nonce)))
             elif isinstance(msg, wire.SlotAction):
                 self._on_slot_action(client, msg)
+            elif isinstance(msg, wire.AdapterAction):
+                self.adapter_ops.start(client, msg)
             else:  # CONTROL, the last of FROM_CLIENTS
                 self._to_client(client, wire.encode(self.on_control(msg)))
         except MpserveError as exc:
@@ -534,6 +546,11 @@ class Broker:
             raise BadRequest(f"request id {req.id!r} is already in use by one of your pending requests")
         model = self._resolve_model(req.model)
         mq = self.models[model]
+        if req.adapters:  # one set, however written: sorted, each served (``mpserve.wire.adapters``)
+            unserved = wire_adapters.unknown(req.adapters, mq.adapters, model)
+            if unserved is not None:
+                raise unserved
+            req = msgspec.structs.replace(req, adapters=wire_adapters.normal(req.adapters))
         if model in self.embedding_models:
             raise BadRequest(f"model {model} is an embedding model (embedding: true in its models[] entry): it "
                              "computes embeddings (/v1/embeddings, Client.embed), not completions")
@@ -638,7 +655,7 @@ class Broker:
             name: wire.ModelStats(len(mq.queue), running[name], mq.instances, len(mq.free), mq.failed,
                                   mq.chat.template, mq.chat.bos_token, mq.chat.eos_token,
                                   round(now - self.requests[mq.queue.oldest()].accepted, 3) if mq.queue else 0.0,
-                                  self.scaling_of(name))
+                                  self.scaling_of(name), list(mq.adapters))
             for name, mq in self.models.items()
         }, [wire.WorkerStats(w.identity.decode(), w.model, w.host, w.pid, w.device, w.capacity, len(w.running))
             for w in self.workers.values()],
@@ -784,6 +801,8 @@ class Broker:
             return
         if frames[2] and self._lookup_answered(identity, mtype, frames[2].decode(errors="replace"), frames[3]):
             return
+        if frames[2] and self.adapter_ops.answered(identity, mtype, frames[2].decode(errors="replace"), frames[3]):
+            return
         if mtype is wire.MsgType.STEP:
             self._worker_step(identity, frames[3])
             return
@@ -915,7 +934,7 @@ class Broker:
         self._take_chat(identity, msg, local)
         entry = WorkerEntry(identity, index, msg.model, msg.device, msg.capacity,
                             msg.pid, msg.loaded, host=msg.host, last_heard=time.monotonic(),
-                            ram=self.models[msg.model].store(msg.host))
+                            ram=self.models[msg.model].store(msg.host), adapters=frozenset(msg.adapters))
         self.workers[identity] = entry
         self._cache_held(entry, cache)
         mq = self.models[msg.model]
@@ -925,6 +944,7 @@ class Broker:
             self.on_ready(entry)
         else:
             log.info("worker %s on %s registered for %s", identity.decode(), msg.host, msg.model)
+        self.adapter_ops.registered(entry)
         self._dispatch(msg.model)
 
     def _chat_verdict(self, msg: wire.Ready, local: bool) -> chat.Verdict:
@@ -1119,11 +1139,13 @@ class Broker:
             if ticket is None:  # every tenant waiting is at its max_running
                 break
             p = self.requests[ticket]
+            if mq.adapters:  # a younger request of its tenant may go first, to batch with an instance's adapters
+                p = self._batching_next(mq, p)
             slots = self._take_slots(mq, p)
             if slots is None and not self._refuse_head(mq, p):  # a request for n waits for n slots of one instance
                 break
             if slots is not None:
-                mq.queue.pop(ticket)
+                mq.queue.pop(p.ticket)
                 self._assign_choices(p, slots)
 
     def _dispatch_resident(self) -> None:
@@ -1160,14 +1182,40 @@ class Broker:
     def _take_slots(self, mq: ModelQueue, p: Pending, device: int | None = None) -> list[tuple[bytes, int]] | None:
         """Take the free slot ``routing.choose_slot`` picks (on ``device``, if given), or for a request for n
         the n slots of one instance ``routing.choose_slots`` picks; count why (``routed_kv_prefix``, ...)."""
-        route = choose_slots(mq.free, self.workers, p.request.prompt, p.slots_needed, device, self._blocks(mq, p),
-                             _salt(p))
+        names = {name for name, _ in p.request.adapters}
+        free = [f for f in mq.free if names <= self.workers[f[0]].adapters] if names else mq.free  # those loaded
+        route = choose_slots(free, self.workers, p.request.prompt, p.slots_needed, device, self._blocks(mq, p),
+                             _salt(p), p.request.adapters, self._adapter_sets(mq))
         if route is None:
             return None
         for slot in route.slots:
             mq.free.remove(slot)
         self.stats[f"routed_{route.source.value}"] += 1
         return route.slots
+
+    def _batching_next(self, mq: ModelQueue, head: Pending) -> Pending:
+        """The queued request ``routing.pick_queued`` sends next, of those of ``head``'s tenant and priority (the
+        fair queue chose them: another tenant's never goes first for batching); the oldest counts each time it is
+        passed over."""
+        sets = self._adapter_sets(mq) or {}
+        free = {w for w, _ in mq.free}
+        alone = {next(iter(s)) for w, s in sets.items() if w in free and len(s) == 1}
+        line = mq.queue.line(head.tenant, head.priority)
+        if not line or line[0] != head.ticket:  # put back after a preemption or a loss: it goes as it is
+            return head
+        window = [self.requests[t] for t in itertools.islice(line, QUEUE_WINDOW)]
+        chosen = window[pick_queued([(p.request.adapters, p.passed) for p in window], alone)]
+        if chosen is not window[0]:
+            window[0].passed += 1
+        return chosen
+
+    def _adapter_sets(self, mq: ModelQueue) -> dict[bytes, set[tuple[tuple[str, float], ...]]] | None:
+        """The LoRA adapter sets each instance of the model runs requests of (``routing.affinity``); None for a
+        model without adapters."""
+        if not mq.adapters:
+            return None
+        return {w.identity: {self.requests[t].request.adapters for t in w.running if t in self.requests}
+                for w in self.workers.values() if w.model == mq.name}
 
     def _blocks(self, mq: ModelQueue, p: Pending) -> tuple[int, ...]:
         """``p``'s prompt's block hashes, for routing by what the instances' host stores hold: computed once per

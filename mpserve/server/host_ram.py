@@ -4,6 +4,8 @@
     the CPU placements ──▶ RamNeed per model (``estimate_host_memory``: one instance's parts)
         weights        once for the model when its instances share them (forked from its zygote, or the
                        file's pages mapped read-only by each, when nothing is repacked); else once per instance
+        adapters       its LoRA adapters: once when forked from its zygote (loaded before the fork), else once
+                       per instance
         per instance   KV cache (parallel × n_ctx cells), compute buffers and the process
         once           the host store (cache_ram, one store for the whole host: a ceiling, filled as prompts come;
                        the largest of the models' where they differ)
@@ -37,10 +39,13 @@ class RamNeed:
     host_store: int  # cache_ram: the ceiling of the one host store, which every instance shares
     parallel: int
     n_ctx: int
+    forked: bool = False  # forked from its zygote, which loaded the adapters: they are shared too
 
     @property
     def weights(self) -> int:
-        return self.one.weights * (1 if self.shared else self.instances)
+        """The model's weights and its adapters', as many times as they are loaded."""
+        return (self.one.weights * (1 if self.shared else self.instances)
+                + self.one.adapters * (1 if self.forked else self.instances))
 
     @property
     def resident(self) -> int:
@@ -51,6 +56,9 @@ class RamNeed:
         copies = "once, shared by its instances" if self.shared or self.instances == 1 else \
             f"× {self.instances} (each instance loads its own)"
         draft = f" + draft model {format_memory(self.one.draft)}" if self.one.draft else ""
+        if self.one.adapters:
+            copies += f"; LoRA adapters {format_memory(self.one.adapters)} " + (
+                "once, shared" if self.forked or self.instances == 1 else f"× {self.instances}")
         return (f"model {self.model!r}, {self.instances} instance(s): weights {format_memory(self.one.weights)} "
                 f"{copies}; per instance KV cache {format_memory(self.one.kv_cache)} for parallel {self.parallel} × "
                 f"n_ctx {self.n_ctx} + compute buffers {format_memory(self.one.overhead)}{draft}; the host store up to "

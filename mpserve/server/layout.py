@@ -63,7 +63,8 @@ def ram_needs(config: ServerConfig, layout: Layout) -> list[RamNeed]:
         return []
     modes = start_modes(config, layout)
     return [RamNeed(m.name, on_cpu[m.name], estimate_host_memory(model_request(m)),
-                    modes[m.name].zygote or not repack_for(m), m.cache_ram, m.parallel, m.n_ctx) for m in models]
+                    modes[m.name].zygote or not repack_for(m), m.cache_ram, m.parallel, m.n_ctx, modes[m.name].zygote)
+            for m in models]
 
 
 def model_request(m: ModelConfig) -> ModelRequest:
@@ -72,7 +73,8 @@ def model_request(m: ModelConfig) -> ModelRequest:
                         n_gpu_layers=-1 if m.n_gpu_layers is None else m.n_gpu_layers, parallel=m.parallel,
                         devices=m.devices, memory=0 if m.path == ECHO_MODEL and m.requires_memory is None
                         else m.requires_memory, cache_type_k=m.cache_type_k, cache_type_v=m.cache_type_v,
-                        draft=m.speculative.model if m.speculative is not None and m.path != ECHO_MODEL else None)
+                        draft=m.speculative.model if m.speculative is not None and m.path != ECHO_MODEL else None,
+                        adapters=tuple(m.adapter_paths().values()))
 
 
 def check_model(request: ModelRequest) -> None:
@@ -169,7 +171,7 @@ def worker_spec(config: ServerConfig, devices: list[Device], placement: Placemen
                           cache_type_v=model.cache_type_v, cache_ram=model.cache_ram,
                           cache_shm=model.store_dir(), cache_disk=model.cache_disk,
                           cache_disk_size=model.cache_disk_size, chat_template=chat_template(model),
-                          reuse=model.reuse),
+                          reuse=model.reuse, adapters=model.adapter_paths()),
         first_row=first_row,
         device=device, backend=backend, slots_path=str(slots_path), parent_pid=os.getpid(),
         idle_timeout=config.idle_timeout, lazy=config.single_active_backend, permit=permit,

@@ -112,7 +112,7 @@ def serve(config: ServerConfig, gateway_key: Path | None = None,
 def _broker(ctx: zmq.Context[zmq.Socket[bytes]], config: ServerConfig, paths: ServerPaths) -> Broker:
     """The broker, bound to its addresses; an address taken since ``preflight`` checked it is a ConfigError."""
     try:
-        return Broker(ctx, paths.front, paths.back, {m.name: config.max_queue for m in config.models},
+        broker = Broker(ctx, paths.front, paths.back, {m.name: config.max_queue for m in config.models},
                       max_queue_total=config.max_queue_total, client_timeout=config.client_timeout,
                       max_pending_per_client=config.max_pending_per_client,
                       curve_secret=config.curve_secret, curve_workers=config.curve_workers,
@@ -128,6 +128,9 @@ def _broker(ctx: zmq.Context[zmq.Socket[bytes]], config: ServerConfig, paths: Se
         raise ConfigError(bind_problem("--bind, --workers-bind or --admin-bind",
                                        f"{paths.front}, {paths.back} or {paths.admin}", exc.errno,
                                        exc.strerror)) from None
+    for model in config.models:  # the LoRA adapters a request may name, in declaration order (its ids)
+        broker.models[model.name].adapters = [name for name, _ in model.adapters]
+    return broker
 
 
 class _AuthLog(logging.LoggerAdapter):  # type: ignore[type-arg]

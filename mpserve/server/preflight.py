@@ -7,8 +7,10 @@
                          │                    ipc file removed): in use, no scheme, no permission, no folder
                          ├─ the HTTP port     bound once and closed, as uvicorn binds it
                          ├─ the lock folder   a file made and removed in it, when it is given or permits are used
-                         └─ the store folder  each model's host store RAM tier: made 0700, or refused unless it is
-                                              this user's alone (``mpserve.private``)
+                         ├─ the store folder  each model's host store RAM tier: made 0700, or refused unless it is
+                         │                    this user's alone (``mpserve.private``)
+                         └─ the adapters      each LoRA adapter's GGUF header against its model's (those on the Hub
+                                              once pulled, by ``config.pull_sources``)
 
 A failure is a ``ConfigError``: one line naming the address or path, what is wrong and the fix, raised before
 the slot table, the sockets, the gateway or any worker exists, so a refused start leaves nothing behind. The
@@ -27,7 +29,7 @@ from pathlib import Path
 
 import zmq
 
-from mpserve.config.loader import ECHO_MODEL, ServerConfig, tier_folder
+from mpserve.config.loader import ECHO_MODEL, ServerConfig, check_adapters, tier_folder
 from mpserve.errors import ConfigError
 from mpserve.gpu.permits import LOCK_FOLDER, default_lock_dir
 from mpserve.private import check_private_dir, private_dir
@@ -51,6 +53,7 @@ def check_start(config: ServerConfig, http: tuple[str, int] | None = None) -> No
     for model in config.models:  # the default store folder too: the config checks only the folders it is given
         if model.cache_ram and model.path != ECHO_MODEL:
             private_dir(Path(model.store_dir()), tier_folder("ram"))
+        check_adapters(model, pulled=False)  # those on the Hub: once pulled (``pull_sources``)
 
 
 def refuse_live(paths: ServerPaths) -> None:

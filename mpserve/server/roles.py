@@ -32,7 +32,7 @@ from mpserve.errors import Forbidden
 from mpserve.runtime import ServerPaths
 from mpserve.wire import protocol as wire
 
-ADMIN_ONLY = frozenset({wire.MsgType.CONTROL, wire.MsgType.SLOT_ACTION})
+ADMIN_ONLY = frozenset({wire.MsgType.CONTROL, wire.MsgType.SLOT_ACTION, wire.MsgType.ADAPTER_ACTION})
 ADMIN_TAG = b"\x00admin:"
 
 
@@ -54,8 +54,8 @@ def check(mtype: wire.MsgType, admin: bool) -> None:
     """Refuse an operator's call that did not come through the admin socket."""
     if mtype in ADMIN_ONLY and not admin:
         raise Forbidden(f"{mtype.name} is an operator's call, and this is the clients' socket: send it to the "
-                        "server's admin socket (admin_bind; `mpserve models`, `load`, `unload`, `scale`, `add` and "
-                        "`slots` use it), over CURVE with a key in the server's curve_admins folder")
+                        "server's admin socket (admin_bind; `mpserve models`, `load`, `unload`, `scale`, `add`, "
+                        "`slots` and `adapters` use it), over CURVE with a key in the server's curve_admins folder")
 
 
 def owner_only(address: str) -> None:

@@ -6,10 +6,16 @@ becomes of a request whose worker died.
                                                host's store (``blocks``: the prompt's block hashes, matched
                                                against ``WorkerEntry.ram``, one view per host: every
                                                instance there can restore it, so the least busy one takes it)
+                                               > the instance's adapter sets (``affinity``): running
+                                               the request's set alone, then idle, then running others
                                                > least busy instance > free the longest. A slot's last
                                                prompt counts only under the request's salt (and the block
                                                hashes are keyed with it): what one tenant's prompts left
                                                never draws another tenant's (``mpserve.wire.salt``)
+    affinity(request's set, sets running)      how cheaply an instance takes a request's LoRA adapters
+    pick_queued(window, sets run alone)        which queued request goes next: the oldest, or a younger one
+                                               that an instance with a free slot can batch with its own
+                                               set (the oldest passed over at most MAX_PASSED times)
     choose_slots(…, n)                         n free slots of one instance (a request for n choices), and
                                                why (``Source``: the broker counts its routes by it)
     crash_signal(exit code)                    the signal of a local worker's death, if it is one a request
@@ -54,6 +60,8 @@ MAX_HANDOVERS = 8  # workers a request may lose to causes not its own before it 
 MODEL_CRASHES = 3  # crashes in a row on different requests that fail the model
 CRASH_SIGNALS = frozenset({Signals.SIGSEGV, Signals.SIGBUS, Signals.SIGFPE, Signals.SIGILL, Signals.SIGABRT})
 MIN_SHARED_PREFIX = 32  # characters a prompt must share with a slot's last one to be routed to it
+MAX_PASSED = 4  # times the oldest queued request may be passed over for one that batches with an instance's set
+QUEUE_WINDOW = 16  # queued requests looked at for one that batches with an instance's set
 
 
 class Source(Enum):
@@ -64,6 +72,32 @@ class Source(Enum):
     LOAD = "least_busy"  # no cached prefix: the least busy instance
 
 
+Sets = Mapping[bytes, Collection[tuple[tuple[str, float], ...]]]
+"""Each instance's adapter sets in use: those of the requests it runs (``Request.adapters``)."""
+
+
+def affinity(adapters: tuple[tuple[str, float], ...], running: Collection[tuple[tuple[str, float], ...]]) -> int:
+    """How cheaply an instance running requests of the adapter sets ``running`` takes one of ``adapters`` (the base
+    model's, (), is a set too): 2 when it runs that set alone (they batch together), 1 when idle (it switches at
+    once), 0 when it runs another set (sequences of different sets take turns by decode step). Only a model with
+    adapters is routed so; plain traffic spreads over instances by load."""
+    if not running:
+        return 1
+    return 2 if all(s == adapters for s in running) else 0
+
+
+def pick_queued(window: Sequence[tuple[tuple[tuple[str, float], ...], int]],
+                alone: Collection[tuple[tuple[str, float], ...]]) -> int:
+    """Which of the oldest queued requests (``window``: each one's adapter set and the times it was passed over)
+    goes next, for a model with adapters: the oldest, unless its set is not among ``alone`` (the sets that an
+    instance with a free slot runs alone) and a younger one's is, so that one batches there; the oldest is passed
+    over at most MAX_PASSED times, then goes whatever it batches with."""
+    head, passed = window[0]
+    if head in alone or passed >= MAX_PASSED:
+        return 0
+    return next((i for i, (adapters, _) in enumerate(window) if adapters in alone), 0)
+
+
 @dataclass(frozen=True)
 class Route:
     slots: list[tuple[bytes, int]]
@@ -71,17 +105,19 @@ class Route:
 
 
 def choose_slot(free: Iterable[tuple[bytes, int]], workers: Mapping[bytes, WorkerEntry], prompt: str,
-                device: int | None = None, blocks: Sequence[int] = (), salt: bytes = b"") -> tuple[bytes, int] | None:
+                device: int | None = None, blocks: Sequence[int] = (), salt: bytes = b"",
+                adapters: tuple[tuple[str, float], ...] = (), sets: Sets | None = None) -> tuple[bytes, int] | None:
     """A free slot (on ``device``, if given), in ``free``'s order (longest free first). First choice: one
     that can start from the longest cached prefix of ``prompt`` (at least MIN_SHARED_PREFIX characters),
     held in its own KV cells or, in a batching instance, in another slot's, which the worker copies, or in its
     instance's host store in RAM (``blocks``, the prompt's block hashes: whole blocks of it), which the
     worker restores. Of equal lengths, KV cells before RAM (a restore copies the state in; both spare the
-    prefill), and the slot holding the prefix itself before the others. Otherwise: a slot of the least busy
-    instance (running sequences per slot), so that requests spread over instances before they share one's
-    batch. Among equals, the slot free the longest. Slots' prompts count under ``salt`` only; ``blocks`` are
-    hashed with it."""
-    best = _best(free, workers, prompt, device, blocks, salt)
+    prefill), and the slot holding the prefix itself before the others. Otherwise: an instance by the request's
+    ``adapters`` against the sets its requests use (``sets``; ``affinity``), so that requests of one set batch
+    together; then a slot of the least busy instance (running sequences per slot), so that requests spread over
+    instances before they share one's batch. Among equals, the slot free the longest. Slots' prompts count under
+    ``salt`` only; ``blocks`` are hashed with it."""
+    best = _best(free, workers, prompt, device, blocks, salt, adapters, sets)
     return best[0] if best is not None else None
 
 
@@ -92,9 +128,10 @@ def _held(entry: WorkerEntry, slot: int, salt: bytes) -> str:
 
 
 def _best(free: Iterable[tuple[bytes, int]], workers: Mapping[bytes, WorkerEntry], prompt: str,
-          device: int | None, blocks: Sequence[int], salt: bytes) -> tuple[tuple[bytes, int], Source] | None:
+          device: int | None, blocks: Sequence[int], salt: bytes, adapters: tuple[tuple[str, float], ...] = (),
+          sets: Sets | None = None) -> tuple[tuple[bytes, int], Source] | None:
     best: tuple[bytes, int] | None = None
-    best_key: tuple[int, bool, int, float] = (-1, False, 0, 0.0)
+    best_key: tuple[int, bool, int, int, float] = (-1, False, 0, 0, 0.0)
     held: dict[bytes, int] = {}  # worker -> the longest prefix any of its slots holds
     in_ram: dict[bytes, int] = {}  # worker -> the longest prefix its host store holds
     alike: set[bytes] = set()  # workers none of whose slots holds a prefix to route by: their slots rank alike,
@@ -116,7 +153,9 @@ def _best(free: Iterable[tuple[bytes, int]], workers: Mapping[bytes, WorkerEntry
             if identity not in in_ram:
                 in_ram[identity] = entry.ram.longest(blocks)
             ram = in_ram[identity]
-        key = (_at_least(max(anywhere, ram)), anywhere >= ram, _at_least(own), -len(entry.running) / entry.capacity)
+        fit = affinity(adapters, sets.get(identity, ())) if sets is not None else 1
+        key = (_at_least(max(anywhere, ram)), anywhere >= ram, _at_least(own), fit,
+               -len(entry.running) / entry.capacity)
         if key > best_key:  # strictly better: among equals the first, free the longest, stays
             best, best_key = (identity, slot), key
     if best is None:
@@ -125,19 +164,20 @@ def _best(free: Iterable[tuple[bytes, int]], workers: Mapping[bytes, WorkerEntry
 
 
 def choose_slots(free: Iterable[tuple[bytes, int]], workers: Mapping[bytes, WorkerEntry], prompt: str, n: int,
-                 device: int | None = None, blocks: Sequence[int] = (), salt: bytes = b"") -> Route | None:
+                 device: int | None = None, blocks: Sequence[int] = (), salt: bytes = b"",
+                 adapters: tuple[tuple[str, float], ...] = (), sets: Sets | None = None) -> Route | None:
     """``n`` free slots of one instance (on ``device``, if given): the first as ``choose_slot`` picks it among
     the instances with ``n`` free, then that instance's other free ones, longest free first; None if no
     instance has ``n`` free slots."""
     if n == 1:  # every instance with a free slot has room
-        best = _best(free, workers, prompt, device, blocks, salt)
+        best = _best(free, workers, prompt, device, blocks, salt, adapters, sets)
         return None if best is None else Route([best[0]], best[1])
     free = list(free)
     count: dict[bytes, int] = {}
     for identity, _ in free:
         count[identity] = count.get(identity, 0) + 1
     roomy = [f for f in free if count[f[0]] >= n]
-    best = _best(roomy, workers, prompt, device, blocks, salt)
+    best = _best(roomy, workers, prompt, device, blocks, salt, adapters, sets)
     if best is None:
         return None
     first, source = best

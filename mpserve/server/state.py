@@ -70,6 +70,7 @@ class Pending:
     tenant: str = ""  # whose it is (``mpserve.server.tenants``): its connection's, or the gateway's word for it
     priority: int = 0  # as asked, capped by its tenant's max_priority: higher starts first
     cost: float = 0.0  # the slot seconds its tenant was charged for it when it started (``FairQueue``)
+    passed: int = 0  # times a younger request went first, to batch with an instance's adapters (``pick_queued``)
 
     @property
     def answered(self) -> bool:
@@ -95,6 +96,8 @@ class WorkerEntry:
     # by every instance of the model on that host (``ModelQueue.stores``)
     draining: bool = False  # being scaled down: no new requests; STOP once it runs nothing
     unreachable: bool = False  # a send to it failed (said once), until it is heard from again
+    adapters: frozenset[str] = frozenset()  # the LoRA adapters it has loaded (READY, ADAPTER_REPLY): it runs only
+    # requests whose adapters are all among them
 
 
 @dataclass(frozen=True)
@@ -125,6 +128,9 @@ class ModelQueue:
     stores: dict[str, RamPrefixes] = field(default_factory=dict)  # host ("": this one) -> what its store holds
     unserved_since: float | None = None  # monotonic: since when no instance can serve it (``mpserve.server.unserved``)
     lost: Lost | None = None  # how its last instance went, once one did
+    adapters: list[str] = field(default_factory=list)  # its LoRA adapters, in declaration order (a request's ids)
+    adapter_paths: dict[str, str] = field(default_factory=dict)  # those loaded at run time: name -> file (a new
+    # instance is sent them: ``mpserve.server.adapter_ops``)
 
     def store(self, host: str) -> RamPrefixes:
         """The view of ``host``'s store (one per host: any instance there restores what another saved); it

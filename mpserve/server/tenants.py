@@ -32,7 +32,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 from collections import deque
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 from mpserve.config.tenants import LOCAL, UNCAPPED, Tenant, Tenants
@@ -97,6 +97,10 @@ class FairQueue:
         slot. Not charged again when it starts."""
         self._add(ticket, tenant, priority, cost, True)
         self._front.setdefault(priority, deque()).append(ticket)
+
+    def line(self, tenant: str, priority: int) -> Sequence[str]:
+        """``tenant``'s tickets of ``priority`` in arrival order (those put back are not in it)."""
+        return self._bands.get(priority, {}).get(tenant, ())
 
     def oldest(self) -> str:
         """The ticket queued longest ago (put back: when it came back)."""

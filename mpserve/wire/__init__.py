@@ -8,5 +8,6 @@
     zmqio      multipart messages through pyzmq's backend calls (broker, workers, clients)
     prefix     common prefixes, and the block hashes of text prefixes that travel from worker to broker
     salt       a request's reuse namespace: what it may reuse of what others computed (tenants kept apart)
+    adapters   a request's LoRA adapters: BASE:NAME, llama-server's lora ids, one sorted set, the 404 naming those
     slots      the slot table: a shared-memory file of one row per slot (workers write, anyone reads)
 """

@@ -503,6 +503,7 @@ class ModelStats:
     eos_token: str = ""
     oldest_wait_s: float = 0.0  # how long the request at the head of the queue has waited; 0 when none waits
     scaling: ModelScaling = field(default_factory=ModelScaling)
+    adapters: list[str] = field(default_factory=list)  # its LoRA adapters, in declaration order (a request's ids)
 
 
 class WorkerStats(Body, frozen=True, forbid_unknown_fields=True):

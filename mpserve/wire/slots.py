@@ -17,6 +17,7 @@ import mmap
 import os
 import struct
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from enum import IntEnum
 from pathlib import Path
@@ -99,6 +100,15 @@ def adapter_label(adapters: tuple[tuple[str, float], ...]) -> str:
     ``+`` ("a+b*0.5"); "" for none. Past ADAPTER_LABEL_BYTES it is cut, ending in "~" (adapter names are ASCII)."""
     label = "+".join(name if scale == 1.0 else f"{name}*{scale:g}" for name, scale in sorted(adapters) if scale)
     return label if len(label) <= ADAPTER_LABEL_BYTES else label[:ADAPTER_LABEL_BYTES - 1] + "~"
+
+
+BASE_LABEL = "base"  # the base model in a list of adapter sets
+
+
+def active_sets(slots: Sequence[SlotRow]) -> list[str]:
+    """The adapter sets an instance's running sequences use (``adapter_label``s, the base model as BASE_LABEL),
+    sorted; [] when none runs."""
+    return sorted({r.adapters or BASE_LABEL for r in slots if r.state in (SlotState.BUSY, SlotState.WAITING)})
 
 
 def instance_slots(rows: list[SlotRow]) -> dict[tuple[str, int], list[SlotRow]]:

@@ -685,3 +685,57 @@ def test_a_requests_salt_goes_with_its_assign_and_a_slots_last_prompt_draws_only
         assert routed(client, workers, "r5", tenant=a, cache_salt="public")[0] == shared  # one salt: shared
         assert broker.stats["routed_kv_prefix"] == 2
         assert routed(client, workers, "r6")[1].salt == b""  # the default tenant: as before
+def test_requests_of_one_adapter_set_go_to_the_instance_running_that_set(broker: Broker) -> None:
+    broker.models["m"].adapters = ["fr", "de"]
+    with peers(broker, slots=4) as (client, workers):
+        for entry in broker.workers.values():
+            entry.adapters = frozenset({"fr", "de"})
+        def send(rid: str, adapters: tuple[tuple[str, float], ...]) -> bytes:
+            client.send_multipart(wire.encode(wire.Request(rid, "hi", adapters=adapters)))
+            assert broker.front.poll(1000)
+            broker.drain_front()
+            chosen = next(name for name, sock in workers.items() if sock.poll(200))
+            assert assigns(workers[chosen], 1)[0].request.adapters == adapters
+            return chosen
+
+        fr = send("f1", (("fr", 1.0),))
+        de = send("d1", (("de", 1.0),))  # the other instance is idle: it takes the other set
+        assert {fr, de} == {b"w0", b"w1"}
+        assert send("f2", (("fr", 1.0),)) == fr and send("f3", (("fr", 1.0),)) == fr  # batches with its set, though
+        assert send("d2", (("de", 1.0),)) == de  # the other instance is less busy
+        client.send_multipart(wire.encode(wire.Request("x", "hi", adapters=(("es", 1.0),))))
+        assert broker.front.poll(1000)
+        broker.drain_front()
+        error = wire.decode(client.recv_multipart())
+        assert error.code == "unknown_adapter" and "served adapters: m:fr (id 0), m:de (id 1)" in error.message
+
+
+def test_a_freed_slot_takes_a_younger_request_of_its_instance_s_set_before_an_older_of_another(
+        broker: Broker) -> None:
+    broker.models["m"].adapters = ["fr", "de", "es"]
+    with peers(broker, slots=2) as (client, workers):
+        for entry in broker.workers.values():
+            entry.adapters = frozenset({"fr", "de", "es"})
+        placed: dict[str, tuple[bytes, str]] = {}  # request id -> its worker and ticket
+
+        def send(rid: str, name: str) -> None:
+            client.send_multipart(wire.encode(wire.Request(rid, "hi", adapters=((name, 1.0),))))
+            assert broker.front.poll(1000)
+            broker.drain_front()
+            for identity, sock in workers.items():
+                while sock.poll(50):
+                    for a in assigns(sock, 1):
+                        placed[a.request.id] = (identity, a.ticket)
+
+        for rid, name in (("f1", "fr"), ("d1", "de"), ("f2", "fr"), ("d2", "de"), ("e1", "es"), ("f3", "fr")):
+            send(rid, name)
+        assert {rid: w for rid, (w, _) in placed.items()} == {"f1": placed["f1"][0], "f2": placed["f1"][0],
+                                                              "d1": placed["d1"][0], "d2": placed["d1"][0]}
+        fr_worker, ticket = placed["f1"]
+        workers[fr_worker].send_multipart(wire.encode_from_worker(
+            wire.Done("f1", "x", "length", wire.Usage(1, 1), wire.Timings(0, 0, 0)), ticket))
+        assert broker.back.poll(1000)
+        broker.drain_back()
+        assert workers[fr_worker].poll(1000)
+        assert [a.request.id for a in assigns(workers[fr_worker], 1)] == ["f3"]  # batches with f2; e1 waits
+        assert broker.requests[broker.models["m"].queue[0]].request.id == "e1"

@@ -22,16 +22,17 @@ pytestmark = pytest.mark.timeout(10)
 
 
 @pytest.mark.parametrize("mtype", list(wire.MsgType))
-def test_only_control_and_slot_actions_need_the_admin_socket(mtype: wire.MsgType) -> None:
+def test_only_control_slot_and_adapter_actions_need_the_admin_socket(mtype: wire.MsgType) -> None:
     roles.check(mtype, admin=True)  # an operator may send anything
-    if mtype not in (wire.MsgType.CONTROL, wire.MsgType.SLOT_ACTION):
+    if mtype not in (wire.MsgType.CONTROL, wire.MsgType.SLOT_ACTION, wire.MsgType.ADAPTER_ACTION):
         roles.check(mtype, admin=False)
         return
     with pytest.raises(Forbidden) as refused:
         roles.check(mtype, admin=False)
     assert refused.value.message == (
         f"{mtype.name} is an operator's call, and this is the clients' socket: send it to the server's admin socket "
-        "(admin_bind; `mpserve models`, `load`, `unload`, `scale`, `add` and `slots` use it), over CURVE with a key "
+        "(admin_bind; `mpserve models`, `load`, `unload`, `scale`, `add`, `slots` and `adapters` use it), over CURVE "
+        "with a key "
         "in the server's curve_admins folder")
 
 

@@ -13,6 +13,7 @@ from mpserve.server.routing import (
     CRASH_SIGNALS,
     MAX_CRASHES,
     MAX_HANDOVERS,
+    MAX_PASSED,
     MIN_SHARED_PREFIX,
     MODEL_CRASHES,
     AfterLoss,
@@ -24,6 +25,7 @@ from mpserve.server.routing import (
     crash_signal,
     crash_streak,
     describe_exit,
+    pick_queued,
 )
 from mpserve.server.state import ModelQueue, Pending, RequestState, WorkerEntry
 from mpserve.wire import protocol as wire
@@ -103,6 +105,38 @@ def test_requests_spread_over_instances_before_sharing_one_batch() -> None:
         workers[slot[0]].running[f"t{len(taken)}"] = slot[1]
         taken.append(slot[0])
     assert taken == [b"a", b"b", b"a", b"b"]
+
+
+FR, DE = (("fr", 1.0),), (("de", 1.0),)
+
+
+def test_requests_of_one_adapter_set_go_where_that_set_runs_before_an_idle_or_a_mixed_instance() -> None:
+    workers = table(worker("idle", capacity=4), worker("fr", capacity=4, running=3),
+                    worker("de", capacity=4, running=1))
+    free = [(b"idle", 0), (b"de", 1), (b"fr", 3)]
+    sets = {b"idle": set(), b"fr": {FR}, b"de": {DE}}
+    assert choose_slot(free, workers, "hi", adapters=FR, sets=sets) == (b"fr", 3)  # batches with its set, however busy
+    assert choose_slot(free, workers, "hi", adapters=(("it", 1.0),), sets=sets) == (b"idle", 0)  # switches at once
+    assert choose_slot(free[1:], workers, "hi", adapters=(("it", 1.0),), sets=sets) == (b"de", 1)  # then least busy
+    assert choose_slot(free, workers, "hi", adapters=FR, sets=None) == (b"idle", 0)  # a model without adapters
+
+
+def test_the_base_model_is_one_more_set_of_a_model_with_adapters_and_plain_traffic_spreads() -> None:
+    workers = table(worker("a", capacity=2, running=1), worker("b", capacity=2), worker("c", capacity=2, running=1))
+    sets = {b"a": {()}, b"b": set(), b"c": {FR}}
+    free = [(b"c", 1), (b"b", 0), (b"a", 1)]
+    assert choose_slot(free, workers, "hi", sets=sets) == (b"a", 1)  # batches with the base model's requests
+    assert choose_slot(free[:2], workers, "hi", sets=sets) == (b"b", 0)  # then idle, not the one running an adapter
+    assert choose_slot(free, workers, "hi") == (b"b", 0)  # a model without adapters: the least busy
+
+
+def test_a_younger_request_goes_first_where_it_batches_and_the_oldest_is_passed_over_a_bounded_number_of_times(
+        ) -> None:
+    window = [(DE, 0), ((), 0), (FR, 0)]
+    assert pick_queued(window, alone={FR}) == 2  # an instance runs fr alone and has a free slot
+    assert pick_queued(window, alone={DE, FR}) == 0  # the oldest batches too: it goes
+    assert pick_queued(window, alone=set()) == 0  # nothing batches: the oldest
+    assert pick_queued([(DE, MAX_PASSED), *window[1:]], alone={FR}) == 0  # passed over enough
 
 
 def test_a_device_filter_keeps_to_that_device_and_none_found_is_none() -> None:

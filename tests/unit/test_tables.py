@@ -31,8 +31,8 @@ def test_declared_defaults_are_the_dataclass_defaults(config_class: type, scope:
         if s.key == "requires":  # YAML's requires: {memory} is the field requires_memory
             continue
         default = fields[s.key].default
-        if default is None or default is dataclasses.MISSING:
-            continue  # described in words ("every GPU found")
+        if default is None or default is dataclasses.MISSING or default == ():
+            continue  # described in words ("every GPU found", "none")
         if s.key in ("cache_ram", "cache_disk_size"):  # a size, shown as people write it
             assert parse_memory(s.default) == default, (s.key, default, s.default)
             continue

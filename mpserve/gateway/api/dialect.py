@@ -42,6 +42,7 @@ from starlette.routing import Route
 
 from mpserve.client import AsyncClient, Result, Stream
 from mpserve.errors import BadRequest, ErrorCode, MpserveError
+from mpserve.wire import adapters as wire_adapters
 from mpserve.wire import protocol as wire
 
 from ..backend import Backend
@@ -202,8 +203,11 @@ class Pipeline:
             client, tenant = await self.backend.for_tenant(keys.tenant(request))
             if keys.tenant(request) and not tenant:  # sent as the gateway's own: its prompts still kept apart
                 cache_salt = fallback_salt(keys.tenant(request), cache_salt)
-            model = answer.call.model or sole_model(client)
-            answer.call = await self._prepared(answer.call, client, model)
+            model = answer.call.model or sole_model(client)  # BASE:NAME names an adapter: answered with it
+            base = wire_adapters.split_model(model)[0] or model
+            adapters = await self._adapters(answer.call, base)
+            chosen = base, wire_adapters.selection(model, adapters)[1]  # what the metrics count it under
+            answer.call = await self._prepared(answer.call, client, base)
         except MpserveError as exc:
             return self._failed(dialect, exc)
         except limits.Refused as exc:
@@ -215,7 +219,7 @@ class Pipeline:
             self.metrics.outcome(endpoint, ErrorCode.CANCELLED)
             return Response(status_code=204)  # nobody reads it
         call, reply = answer.call, oai.Reply(answer.call, model)
-        ask = Ask(keys.broker_id(request), cache_salt, tenant)
+        ask = Ask(keys.broker_id(request), cache_salt, tenant, adapters, chosen)
         rid = ask.request_id
         background = getattr(answer, "background", None)
         if background is not None:
@@ -226,20 +230,20 @@ class Pipeline:
                 return await self._resumable(request, dialect, answer, reply, client, key, body, started, ask)
             if call.stream:
                 stream = client.stream(call.prompt, model=call.model, request_id=rid, params=call.params,
-                                       cache_salt=cache_salt, tenant=tenant)
+                                       cache_salt=cache_salt, tenant=tenant, adapters=adapters)
                 chunks = stream.__aiter__()  # submits the request on its first step
                 text = await unless_disconnected(request, first(chunks))
-                return EventStream(self._events(dialect, answer, reply, stream, chunks, text, started),
+                return EventStream(self._events(dialect, answer, reply, stream, chunks, text, started, chosen),
                                    call.headers())
             results = await unless_disconnected(request, client.choices(
                 call.prompt, model=call.model, request_id=rid, params=call.params, cache_salt=cache_salt,
-                tenant=tenant))
+                tenant=tenant, adapters=adapters))
         except ClientGone:
             self.metrics.outcome(endpoint, ErrorCode.CANCELLED)
             return Response(status_code=204)  # nobody reads it
         except MpserveError as exc:
             return self._failed(dialect, exc)
-        self._done(endpoint, model, results, started)
+        self._done(endpoint, chosen, results, started)
         return JSONResponse(answer.whole(reply.whole(call.shown(results), results)), headers=call.headers())
 
     async def _resumable(self, request: Request, dialect: Dialect, answer: Answer, reply: oai.Reply,
@@ -250,13 +254,14 @@ class Pipeline:
         self.journal.begin(who, key, _digest(body))
         try:
             stream = client.stream(call.prompt, model=call.model, params=call.params, request_id=ask.request_id,
-                                   cache_salt=ask.cache_salt, tenant=ask.tenant)
+                                   cache_salt=ask.cache_salt, tenant=ask.tenant, adapters=ask.adapters)
             chunks = stream.__aiter__()
             text = await unless_disconnected(request, first(chunks))
         except BaseException:
             self.journal.forget(who, key)
             raise
-        self.journal.produce(who, key, self._events(dialect, answer, reply, stream, chunks, text, started))
+        self.journal.produce(who, key, self._events(dialect, answer, reply, stream, chunks, text, started,
+                                                    ask.counted))
         return EventStream(self._tail(answer, who, key, -1), call.headers())
 
     def _resume(self, request: Request, answer: Answer, body: Any, given: str) -> Response:
@@ -284,26 +289,35 @@ class Pipeline:
         reply = oai.Reply(call, reply.model)
         self.journal.begin(who, key, key, background.head)
         stream = client.stream(call.prompt, model=call.model, params=call.params, request_id=ask.request_id,
-                               cache_salt=ask.cache_salt, tenant=ask.tenant)
+                               cache_salt=ask.cache_salt, tenant=ask.tenant, adapters=ask.adapters)
         self.journal.produce(who, key, self._events(dialect, answer, reply, stream, stream.__aiter__(), None,
-                                                    time.perf_counter()), background=True)
+                                                    time.perf_counter(), ask.counted), background=True)
         if answer.call.stream:
             return EventStream(self._tail(answer, who, key, -1), call.headers())
         return JSONResponse(json.loads(background.head), headers=call.headers())
 
     def _tail(self, answer: Answer, who: str, key: str, after: int) -> AsyncGenerator[bytes, None]:
         return self.journal.tail(who, key, after, lambda exc, _: answer.failed(HttpError.from_mpserve(exc)))
+    async def _adapters(self, call: oai.Call, model: str) -> wire_adapters.Selection:
+        """The adapters of llama-server's ``lora`` field, by name: its ids count in the model's declaration."""
+        if not call.lora:
+            return ()
+        declared = await self.backend.adapters(model) if any("id" in i for i in call.lora if isinstance(i, dict)) \
+            else []
+        return wire_adapters.from_lora(call.lora, declared, model)
 
     async def _prepared(self, call: oai.Call, client: AsyncClient, model: str) -> oai.Call:
         """A chat's prompt from ``model``'s chat template; a completion echoing a token prompt, with its text."""
         if call.kind == "chat":
             return await call.with_chat_template(await self.backend.chat_template(model), self.renderer, model)
         if call.echo and not isinstance(call.prompt, str):
-            return call.with_echo_text(await client.detokenize(call.prompt, model=call.model))
+            return call.with_echo_text(await client.detokenize(call.prompt,
+                                                               model=wire_adapters.split_model(call.model)[0]))
         return call
 
     async def _events(self, dialect: Dialect, answer: Answer, reply: oai.Reply, stream: Stream,
-                      chunks: AsyncIterator[str], text: str | None, started: float) -> AsyncGenerator[bytes, None]:
+                      chunks: AsyncIterator[str], text: str | None, started: float,
+                      chosen: tuple[str, wire_adapters.Selection]) -> AsyncGenerator[bytes, None]:
         """The answer's events; those of chunks that arrived together leave together (one send)."""
         ended = False
         ready = bytearray(b"".join(answer.opened(reply.model)))  # events not sent yet: more have arrived
@@ -314,7 +328,7 @@ class Pipeline:
                 if not stream.arrived:
                     yield bytes(ready)
                     ready.clear()
-            self._done(dialect.path, reply.model, stream.results, started)
+            self._done(dialect.path, chosen, stream.results, started)
             ended = True
             yield bytes(ready + b"".join(answer.closed(reply.last(stream.results, stream.done_logprobs),
                                                        stream.results)))
@@ -327,9 +341,13 @@ class Pipeline:
                 self.metrics.outcome(dialect.path, ErrorCode.CANCELLED)
             await chunks.aclose()  # type: ignore[attr-defined]  # an async generator: cancels the request
 
-    def _done(self, endpoint: str, model: str, results: list[Result], started: float) -> None:
+    def _done(self, endpoint: str, chosen: tuple[str, wire_adapters.Selection], results: list[Result],
+              started: float) -> None:
+        """Count a completed request under its model and each of its LoRA adapters."""
         self.metrics.outcome(endpoint, "ok")
-        self.metrics.done(model, replace(results[0], usage=oai.total_usage(results)), time.perf_counter() - started)
+        model, adapters = chosen
+        self.metrics.done(model, replace(results[0], usage=oai.total_usage(results)), time.perf_counter() - started,
+                          tuple(name for name, _ in adapters))
 
     def _failed(self, dialect: Dialect, exc: MpserveError) -> JSONResponse:
         self.metrics.outcome(dialect.path, exc.code)
@@ -342,12 +360,14 @@ class Pipeline:
 
 @dataclass(frozen=True)
 class Ask:
-    """Who a request is asked for at the broker: its id there (under its tenant's tag), its cache_salt, its
-    tenant."""
+    """How a request is asked of the broker: its id there (under its tenant's tag), its cache_salt, its tenant,
+    its LoRA adapters."""
 
     request_id: str
     cache_salt: str | None
     tenant: str
+    adapters: wire_adapters.Selection
+    counted: tuple[str, wire_adapters.Selection]  # the model and adapters its figures count under
 
 
 @dataclass(frozen=True)

@@ -4,6 +4,7 @@ names where mpserve has the setting, dropped where it does not apply. No I/O her
     body ──translate──▶ (the body in OpenAI's and mpserve's names, the extensions dropped)
         n_predict ──▶ max_tokens (-1, llama-server's "until the end", leaves it to mpserve's default)
         n_probs   ──▶ logprobs N (completions), logprobs true and top_logprobs N (chat)
+        lora      ──▶ kept: the LoRA adapters to apply (``openai.Call.lora``, resolved by ``adapters``)
         IGNORED   ──▶ dropped; the response says which in its ``X-Mpserve-Ignored`` header
 
 llama-server's names that are mpserve's too (top_k, min_p, typical_p, repeat_penalty, ignore_eos, seed,
@@ -27,7 +28,7 @@ IGNORED = frozenset({
     "return_progress", "post_sampling_probs", "response_fields", "min_keep", "repeat_last_n", "penalize_nl",
     "mirostat", "mirostat_tau", "mirostat_eta", "dynatemp_range", "dynatemp_exponent", "xtc_probability",
     "xtc_threshold", "dry_multiplier", "dry_base", "dry_allowed_length", "dry_penalty_last_n",
-    "dry_sequence_breakers", "top_n_sigma", "lora", "chat_template_kwargs", "reasoning_format", "parse_tool_calls",
+    "dry_sequence_breakers", "top_n_sigma", "chat_template_kwargs", "reasoning_format", "parse_tool_calls",
     "thinking_forced_open", "add_generation_prompt",
 })
 """llama-server's request fields that mpserve accepts and does not apply."""

@@ -37,7 +37,7 @@ from .dialect import event, finish_reason
 _KNOWN = frozenset({"model", "max_tokens", "messages", "system", "stop_sequences", "temperature", "top_p", "top_k",
                     "stream", "tools", "tool_choice", "metadata", "service_tier", "thinking", "container",
                     "mcp_servers", "context_management", "output_config", "cache_control", "diagnostics",
-                    "inference_geo", "speed", "user_profile_id", "workspace_id"})
+                    "inference_geo", "speed", "user_profile_id", "workspace_id", "lora"})
 _UNSUPPORTED: oai.Unsupported = {
     "thinking": (({"type": "disabled"},), "extended thinking is not supported"),
     "container": ((), "code execution containers are Anthropic's"),
@@ -73,7 +73,7 @@ class Messages:
                 "max_tokens": given["max_tokens"], "temperature": given.get("temperature"),
                 "top_p": given.get("top_p"), "top_k": given.get("top_k"), "stop": stop,
                 "tools": _tools(given.get("tools")), "tool_choice": choice, "parallel_tool_calls": parallel,
-                "response_format": _format(given.get("output_config"))}
+                "response_format": _format(given.get("output_config")), "lora": given.get("lora")}
         return MessageAnswer(oai.parse("chat", {k: v for k, v in chat.items() if v is not None}))
 
     @staticmethod

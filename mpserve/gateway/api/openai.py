@@ -73,7 +73,7 @@ MAX_STOP_STRINGS = wire.MAX_STOP_STRINGS - 1
 _SAMPLING = ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "repeat_penalty",
              "presence_penalty", "frequency_penalty", "logit_bias", "min_p", "typical_p", "ignore_eos", "n",
              "speculative_n_max")
-_COMMON = ("model", "stream", "stream_options", "user", "response_format", "grammar", "json_schema") + _SAMPLING
+_COMMON = ("model", "stream", "stream_options", "user", "response_format", "grammar", "json_schema", "lora") + _SAMPLING
 _KEYS: dict[Kind, frozenset[str]] = {
     "completion": frozenset(_COMMON + ("prompt", "logprobs", "echo", "best_of")),
     "chat": frozenset(_COMMON + ("messages", "max_completion_tokens", "logprobs", "top_logprobs", "tools",
@@ -108,6 +108,7 @@ class Call:
     echo_text: str = ""  # the prompt's text: a token prompt's is set by with_echo_text
     best: best_of.BestOf | None = None  # a completion's best_of: the n of its choices to return
     ignored: tuple[str, ...] = ()  # llama-server's extensions it carried that do not apply (``extensions``)
+    lora: list[Any] | None = None  # llama-server's LoRA adapters, [{"id": 0, "scale": 0.5}] (``api.adapters``)
 
     def headers(self) -> dict[str, str]:
         """The response's headers: which of the request's fields were ignored."""
@@ -148,6 +149,9 @@ def parse(kind: Kind, body: Any) -> Call:
     stream = given.get("stream", False)
     if not isinstance(stream, bool):
         raise BadRequest("'stream' must be a boolean")
+    lora = given.get("lora")
+    if lora is not None and not isinstance(lora, list):
+        raise BadRequest("'lora' must be a list like [{\"id\": 0, \"scale\": 0.5}]")
     options = given.get("stream_options", {})
     if not isinstance(options, dict) or not isinstance(options.get("include_usage", False), bool):
         raise BadRequest("'stream_options' must be an object like {\"include_usage\": true}")
@@ -185,7 +189,7 @@ def parse(kind: Kind, body: Any) -> Call:
         messages, prompt = (), _prompt(given.get("prompt"))
     return Call(kind, model, prompt, wire.GenerateParams.from_wire(sampling), stream,
                 options.get("include_usage", False), messages, spec, echo=echo,
-                echo_text=prompt if isinstance(prompt, str) else "", best=best, ignored=ignored)
+                echo_text=prompt if isinstance(prompt, str) else "", best=best, ignored=ignored, lora=lora)
 
 
 def given_fields(body: dict[str, Any], known: frozenset[str], unsupported: Unsupported) -> dict[str, Any]:

@@ -49,7 +49,8 @@ _KNOWN = frozenset({
     "model", "input", "instructions", "max_output_tokens", "temperature", "top_p", "tools", "tool_choice",
     "parallel_tool_calls", "text", "stream", "stream_options", "store", "previous_response_id", "metadata", "user",
     "safety_identifier", "prompt_cache_key", "prompt_cache_retention", "service_tier", "truncation", "reasoning",
-    "include", "background", "top_logprobs", "max_tool_calls", "prompt", "conversation", "context_management"})
+    "include", "background", "top_logprobs", "max_tool_calls", "prompt", "conversation", "context_management",
+    "lora"})
 _UNSUPPORTED: oai.Unsupported = {
     "truncation": (("disabled",), "mpserve does not drop input items to fit the context"),
     "reasoning": (({},), "reasoning effort and summaries are not supported"),
@@ -99,7 +100,8 @@ class Responses:
             "temperature": given.get("temperature"), "top_p": given.get("top_p"),
             "max_tokens": given.get("max_output_tokens"), "user": given.get("user"),
             "tools": _tools(given.get("tools")), "tool_choice": _tool_choice(given.get("tool_choice")),
-            "parallel_tool_calls": given.get("parallel_tool_calls"), "response_format": _format(given.get("text"))}
+            "parallel_tool_calls": given.get("parallel_tool_calls"), "response_format": _format(given.get("text")),
+            "lora": given.get("lora")}
         call = oai.parse("chat", {k: v for k, v in chat.items() if v is not None})
         echo = {"instructions": instructions, "max_output_tokens": given.get("max_output_tokens"),
                 "metadata": metadata, "parallel_tool_calls": given.get("parallel_tool_calls", True),

@@ -97,6 +97,7 @@ def document(version: str) -> dict[str, Any]:
                         "ResponseRequest": _response(), "RerankRequest": _rerank(), "MessageRequest": _message(),
                         "TokenizeRequest": _tokenize(), "DetokenizeRequest": _detokenize(),
                         "AddModelRequest": _add_model(), "ScaleRequest": _bounds(),
+                        "LoadAdapterRequest": _load_adapter(),
                         "Error": _ERROR, "AnthropicError": _ANTHROPIC_ERROR},
             "responses": {f"{prefix}{status}": {"description": why, "content": {"application/json": {
                 "schema": {"$ref": f"#/components/schemas/{shape}"}}}} for status, why in ERROR_STATUSES.items()
@@ -153,6 +154,13 @@ def _admin(errors: dict[str, Any]) -> dict[str, Any]:
             "parameters": [{"name": "name", "in": "path", "required": True, "schema": {"type": "string"}},
                            {"name": "op", "in": "path", "required": True,
                             "schema": {"type": "string", "enum": ["load", "unload", "scale"]}}]}},
+        "/admin/adapters": {"get": call("each model's LoRA adapters, in declaration order", None),
+                            "post": call("load a LoRA adapter (a GGUF on the server's host) into every instance of "
+                                         "a model", "LoadAdapterRequest")},
+        "/admin/adapters/{model}/{name}": {"delete": {
+            **call("unload a LoRA adapter once the requests using it have finished", None),
+            "parameters": [{"name": key, "in": "path", "required": True, "schema": {"type": "string"}}
+                           for key in ("model", "name")]}},
     }
 
 
@@ -325,6 +333,13 @@ def _add_model() -> dict[str, Any]:
     return {**bounds, "required": ["path"], "properties": {
         **bounds["properties"], "path": {"type": "string", "minLength": 1, "maxLength": 4096},
         "name": {"type": "string", "minLength": 1, "maxLength": 256}}}
+
+
+def _load_adapter() -> dict[str, Any]:
+    text = {"type": "string", "minLength": 1, "maxLength": 4096}
+    return {"type": "object", "additionalProperties": False, "required": ["model", "name", "path"],
+            "properties": {"model": text, "name": {"type": "string", "pattern": wire.ADAPTER_NAME_PATTERN},
+                           "path": text}}
 
 
 _ID = {"name": "id", "in": "path", "required": True, "schema": {"type": "string"}}

@@ -5,6 +5,9 @@
     POST /admin/models/NAME/load    start its instances (min at least 1)
     POST /admin/models/NAME/unload  drain them all (min 0: the next request loads it again)
     POST /admin/models/NAME/scale   {"min": 1, "max": 4}, either or both
+    GET  /admin/adapters            each model's LoRA adapters, in declaration order
+    POST /admin/adapters            {"model": "m", "name": "fr", "path": "/fr.gguf"}: load one into every instance
+    DELETE /admin/adapters/MODEL/NAME  unload one, once the requests using it have finished (ADAPTER_ACTION)
 
     HTTP ──Bearer ADMIN_KEY──▶ Admin ──CONTROL, on the admin socket──▶ broker (mpserve.server.instances)
                                           ──CONTROL_REPLY──▶ JSON
@@ -23,11 +26,12 @@ import json
 from dataclasses import asdict
 from typing import Any
 
+import msgspec
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from mpserve.errors import BadRequest, MpserveError
+from mpserve.errors import BadRequest, ConnectionFailed, MpserveError
 from mpserve.wire import protocol as wire
 
 from ..backend import Backend
@@ -46,7 +50,38 @@ class Admin:
     def routes(self) -> list[Route]:
         return [Route("/admin/models", self.models, methods=["GET"]),
                 Route("/admin/models", self.add, methods=["POST"]),
-                Route("/admin/models/{name}/{op}", self.call, methods=["POST"])]
+                Route("/admin/models/{name}/{op}", self.call, methods=["POST"]),
+                Route("/admin/adapters", self.adapters, methods=["GET", "POST"]),
+                Route("/admin/adapters/{model}/{name}", self.unload_adapter, methods=["DELETE"])]
+
+    async def adapters(self, request: Request) -> Response:
+        """GET: each model's adapters; POST: load one."""
+        refused = self.refused(request)
+        if refused is not None:
+            return _error(refused)
+        try:
+            if request.method == "GET":
+                stats = await self._backend.stats()
+                if stats is None:
+                    raise ConnectionFailed(f"no mpserve server answers at {self._backend.address}")
+                return JSONResponse({name: m.adapters for name, m in stats.models.items()})
+            given = await _adapter_body(request)
+            client = await self._backend.admin()
+            reply = await client.adapter("load", given["model"], given["name"], given["path"])
+        except MpserveError as exc:
+            return _error(HttpError.from_mpserve(exc))
+        return JSONResponse(msgspec.structs.asdict(reply))
+
+    async def unload_adapter(self, request: Request) -> Response:
+        refused = self.refused(request)
+        if refused is not None:
+            return _error(refused)
+        try:
+            client = await self._backend.admin()
+            reply = await client.adapter("unload", request.path_params["model"], request.path_params["name"])
+        except MpserveError as exc:
+            return _error(HttpError.from_mpserve(exc))
+        return JSONResponse(msgspec.structs.asdict(reply))
 
     async def models(self, request: Request) -> Response:
         return await self._control(request, "models")
@@ -102,6 +137,18 @@ async def _body(request: Request, op: str) -> dict[str, Any]:
         if not isinstance(value, str if text else int) or isinstance(value, bool):
             raise BadRequest(f"'{key}' must be {'a string' if text else 'an integer'}, got {value!r}")
     wire.Control("check", op, body.get("name", "model"), body.get("min"), body.get("max"), body.get("path")).validate()
+    return body
+
+
+async def _adapter_body(request: Request) -> dict[str, str]:
+    example = '{"model": "m", "name": "fr", "path": "/adapters/fr.gguf"}'
+    try:
+        body = json.loads(await request.body() or b"{}")
+    except ValueError:
+        raise BadRequest(f"the body must be a JSON object like {example}") from None
+    if not isinstance(body, dict) or set(body) != {"model", "name", "path"} or not all(
+            isinstance(v, str) for v in body.values()):
+        raise BadRequest(f"the body must be a JSON object of the strings model, name and path, like {example}")
     return body
 
 

@@ -274,11 +274,11 @@ class Console:
                 "model": row.model, "device": "cpu" if row.device < 0 else f"gpu{row.device}",
                 "request": shown if state in ("busy", "waiting") else None, "tokens": row.tokens if mine else None,
                 "tokens_per_s": rate if mine else None, "state_s": state_s, "served": row.served,
-                "load_s": round(row.load_s, 2)}
+                "load_s": round(row.load_s, 2), "adapters": row.adapters if mine else None}
 
     def _model(self, name: str, m: wire.ModelStats, now: float) -> dict[str, Any]:
         return {"name": name, "queued": m.queued, "oldest_wait_s": m.oldest_wait_s, "running": m.running,
-                "instances": m.instances, "free_slots": m.free_slots, "failed": m.failed,
+                "instances": m.instances, "free_slots": m.free_slots, "failed": m.failed, "adapters": m.adapters,
                 "tokens_per_s": self.activity.series(name, now)}
 
 

@@ -3,9 +3,10 @@
 Two kinds of metric:
 
 - measured in the gateway, for the requests that pass through it: requests by endpoint and outcome code
-  (``ok`` or the stable error code), prompt and generated tokens, speculative decoding's proposed and
-  accepted draft tokens (from the DONE timings) and their ratio, time to first token (queueing plus prompt
-  processing, from the DONE timings) and latency (HTTP request in to DONE out, measured here);
+  (``ok`` or the stable error code), prompt and generated tokens (by model, and by LoRA adapter: a request
+  under two counts for each), speculative decoding's proposed and accepted draft tokens (from the DONE timings)
+  and their ratio, time to first token (queueing plus prompt processing, from the DONE timings) and latency
+  (HTTP request in to DONE out, measured here);
 - read from the server at scrape time: queue depth, requests in flight and registered instances per model
   (STATS), the broker's counters since the server started (``mpserve_broker_events_total{event=...}``:
   ``accepted``, ``done``, ``timeout``, ``cancelled``, ``worker_lost``, ``rejected_busy``, the routes by why
@@ -76,6 +77,11 @@ class GatewayMetrics:
         self.acceptance = Gauge("mpserve_draft_acceptance_ratio", "Speculative decoding: accepted over proposed "
                                 "draft tokens, all completed requests so far", ["model"], registry=self.registry)
         self._drafts: dict[str, tuple[int, int]] = {}  # model -> proposed, accepted
+        self.adapter_requests = Counter("mpserve_adapter_requests", "Completed requests that ran under a LoRA "
+                                        "adapter, by model and adapter", ["model", "adapter"], registry=self.registry)
+        self.adapter_tokens = Counter("mpserve_adapter_tokens", "Prompt and generated tokens of the completed "
+                                      "requests that ran under a LoRA adapter", ["model", "adapter", "kind"],
+                                      registry=self.registry)
         self.latency = Histogram("mpserve_request_latency_seconds", "HTTP request received to DONE, measured in "
                                  "the gateway", ["model"], buckets=LATENCY_BUCKETS, registry=self.registry)
         self._server = _ServerCollector()
@@ -84,9 +90,14 @@ class GatewayMetrics:
     def outcome(self, endpoint: str, code: str) -> None:
         self.requests.labels(endpoint, code).inc()
 
-    def done(self, model: str, result: Result, elapsed_s: float) -> None:
+    def done(self, model: str, result: Result, elapsed_s: float, adapters: Sequence[str] = ()) -> None:
+        """A completed request of ``model``, run under the LoRA ``adapters`` (names)."""
         self.prompt_tokens.labels(model).inc(result.usage.prompt_tokens)
         self.generated_tokens.labels(model).inc(result.usage.completion_tokens)
+        for adapter in adapters:
+            self.adapter_requests.labels(model, adapter).inc()
+            self.adapter_tokens.labels(model, adapter, "prompt").inc(result.usage.prompt_tokens)
+            self.adapter_tokens.labels(model, adapter, "generated").inc(result.usage.completion_tokens)
         t = result.timings
         self.ttft.labels(model).observe((t.queue_ms + t.prompt_ms) / 1000)
         if t.draft_tokens:

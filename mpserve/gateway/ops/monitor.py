@@ -26,7 +26,7 @@ from mpserve.gpu.memory import GpuUsage, memory_by_pid, read_usage
 from mpserve.models.progress import downloads
 from mpserve.runtime import ServerInfo
 from mpserve.wire import protocol as wire
-from mpserve.wire.slots import SlotRow, SlotState, instance_slots
+from mpserve.wire.slots import SlotRow, SlotState, active_sets, instance_slots
 
 from ..http import keys
 
@@ -117,13 +117,15 @@ class SlotView:
     tokens: int | None  # generated for the current (or last) request
     kv_cells: int | None  # KV cells the slot holds, of kv_capacity
     kv_capacity: int
+    adapters: str  # the LoRA adapters its running (or last) sequence runs under; "": the base model
 
     @classmethod
     def of(cls, row: SlotRow, viewer: Viewer = ADMIN) -> SlotView:
         state, shown = state_of(row), viewer.request(row)
         if not viewer.sees_all and shown is None:
-            return cls(row.index, state, None, None, None, row.kv_capacity)
-        return cls(row.index, state, shown if state in BUSY else None, row.tokens, row.kv_cells, row.kv_capacity)
+            return cls(row.index, state, None, None, None, row.kv_capacity, "")
+        return cls(row.index, state, shown if state in BUSY else None, row.tokens, row.kv_cells, row.kv_capacity,
+                   row.adapters)
 
 
 @dataclass(frozen=True)
@@ -151,6 +153,7 @@ class InstanceView:
     prompt_cache_misses: int
     prompt_cache_evictions: int
     prompt_cache_skipped: int  # bad entries removed, writes not made
+    active_adapters: list[str]  # the LoRA adapter sets its running sequences use ("base": none), taking turns
     slots: tuple[SlotView, ...]
 
     @classmethod
@@ -168,7 +171,7 @@ class InstanceView:
                    gpu_held.get(first.pid) if running and first.device >= 0 else None,
                    _total(s.kv_cells for s in slots), sum(r.kv_capacity for r in rows), cache.bytes, cache.capacity,
                    cache.disk_bytes, cache.disk_capacity, cache.hits, cache.misses, cache.evictions, cache.skipped,
-                   slots)
+                   active_sets(rows), slots)
 
 
 def _total(counts: Iterable[int | None]) -> int | None:

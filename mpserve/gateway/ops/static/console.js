@@ -155,6 +155,7 @@ function renderSlots(slots, local) {
     cell("model", s.model),
     cell("device", s.device),
     cell("request", s.request || "–", "request"),
+    cell("adapters", s.adapters || "–", "adapters"),
     cell("tokens", s.tokens ?? "–", "num"),  // null: another tenant's request
     cell("tok/s", rate(s.tokens_per_s), "num"),
     cell("in state", duration(s.state_s), "num"),

@@ -1,0 +1,168 @@
+"""LoRA adapters loaded and unloaded while the server runs: an operator's ADAPTER_ACTION, carried to every instance of
+the model, answered once each has.
+
+    ADAPTER_ACTION load (admin socket) ──▶ to each loaded instance of the model, a ticket each ──▶ every
+        ADAPTER_REPLY in: the name joins the model's adapters (requests may name it; an instance that registers
+        later is sent it too) ──▶ the operator gets the last ADAPTER_REPLY; the first ERROR otherwise
+    ADAPTER_ACTION unload ──▶ the name leaves the model's adapters at once (a new request naming it is
+        unknown_adapter); the requests queued or running under it finish ──▶ then to each instance that has it
+        ──▶ the operator's answer as for a load
+
+An instance runs a request only with every adapter it names loaded (``WorkerEntry.adapters``, from its READY and its
+replies): while a load is on its way, the instances that have it take those requests, and one that does not yet
+waits for them. So no request fails for a load or an unload.
+"""
+
+from __future__ import annotations
+
+import logging
+import secrets
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from mpserve.errors import BadRequest, MpserveError
+from mpserve.wire import adapters as wire_adapters
+from mpserve.wire import protocol as wire
+
+if TYPE_CHECKING:
+    from .broker import Broker
+    from .state import WorkerEntry
+
+log = logging.getLogger("mpserve.broker")
+
+
+@dataclass
+class Op:
+    """One operator's call: who asked, what, and the instances still to answer."""
+
+    client: bytes
+    action: wire.AdapterAction
+    model: str
+    waiting: set[bytes] = field(default_factory=set)
+    sent: bool = False  # an unload: sent once no request uses the adapter
+    reply: wire.AdapterReply | None = None
+    error: wire.Error | None = None
+
+
+class AdapterOps:
+    """The broker's adapter calls in flight (``ops``), by the ticket each instance answers under (``tickets``)."""
+
+    def __init__(self, broker: Broker) -> None:
+        self.broker = broker
+        self.tickets: dict[str, tuple[Op | None, bytes]] = {}  # None: a load the broker sent a new instance
+        self.draining: list[Op] = []  # unloads waiting for their adapter's requests to finish
+
+    def start(self, client: bytes, msg: wire.AdapterAction) -> None:
+        """An operator's call; BadRequest or UnknownAdapter when it cannot be done."""
+        model = self.broker._resolve_model(msg.model)
+        mq = self.broker.models[model]
+        op = Op(client, msg, model)
+        if msg.op == "load":
+            if msg.name in mq.adapters:
+                raise BadRequest(f"model {model!r} serves adapter {msg.name!r} already; unload it first to load "
+                                 "another file under that name")
+            targets = self.instances(model)
+            if not targets:
+                raise BadRequest(f"no instance of model {model!r} is loaded now; load the model first (mpserve load "
+                                 f"{model}), then the adapter")
+            self.send(op, targets)
+            return
+        refused = wire_adapters.unknown(((msg.name, 1.0),), mq.adapters, model)
+        if refused is not None:
+            raise refused
+        mq.adapters.remove(msg.name)  # new requests are refused; those accepted finish first
+        mq.adapter_paths.pop(msg.name, None)
+        self.draining.append(op)
+        self.drain()
+
+    def instances(self, model: str, having: str | None = None) -> list[WorkerEntry]:
+        """The model's instances that can take a call now (with the adapter ``having``, if given)."""
+        return [w for w in self.broker.workers.values() if w.model == model and w.loaded and not w.unloading
+                and (having is None or having in w.adapters)]
+
+    def send(self, op: Op | None, targets: list[WorkerEntry], action: wire.AdapterAction | None = None) -> None:
+        """The call to each of ``targets``, each under a ticket of its own."""
+        action = action or (op.action if op is not None else None)
+        assert action is not None
+        for worker in targets:
+            ticket = secrets.token_urlsafe(16)
+            self.tickets[ticket] = (op, worker.identity)
+            if op is not None:
+                op.waiting.add(worker.identity)
+            self.broker._to_worker(worker.identity, wire.AdapterAction(
+                action.id, action.op, action.name, action.model, action.path, ticket))
+
+    def drain(self) -> None:
+        """Send each unload whose adapter no request queued or running uses any more (called as requests end)."""
+        for op in [op for op in self.draining if not self.in_use(op.model, op.action.name)]:
+            self.draining.remove(op)
+            op.sent = True
+            targets = self.instances(op.model, having=op.action.name)
+            if targets:
+                self.send(op, targets)
+            else:
+                self.finish(op)
+
+    def in_use(self, model: str, name: str) -> bool:
+        return any(p.model == model and any(n == name for n, _ in p.request.adapters)
+                   for p in self.broker.requests.values())
+
+    def answered(self, identity: bytes, mtype: wire.MsgType, ticket: str, body: bytes) -> bool:
+        """Whether the message answered an adapter call: its instance's adapters are updated, and the call is
+        answered once every instance has."""
+        found = self.tickets.get(ticket)
+        if found is None or mtype not in (wire.MsgType.ADAPTER_REPLY, wire.MsgType.ERROR):
+            return False
+        op, worker = found
+        if worker != identity:
+            return False
+        del self.tickets[ticket]
+        try:
+            msg = wire.decode_body(mtype, body)
+        except MpserveError as exc:
+            msg = wire.Error(None, exc.code, exc.message)
+        entry = self.broker.workers.get(identity)
+        if isinstance(msg, wire.AdapterReply) and entry is not None:
+            entry.adapters = frozenset(msg.adapters)
+            self.broker._dispatch(entry.model)  # it may take requests for that adapter now
+        elif isinstance(msg, wire.Error):
+            log.error("instance %s: adapter call failed: %s", identity.decode(), msg.message)
+        if op is not None:
+            op.waiting.discard(identity)
+            if isinstance(msg, wire.AdapterReply):
+                op.reply = msg
+            elif op.error is None:
+                op.error = msg
+            if not op.waiting:
+                self.finish(op)
+        return True
+
+    def finish(self, op: Op) -> None:
+        """Answer the operator: a load joins the model's adapters when every instance loaded it."""
+        mq = self.broker.models[op.model]
+        action = op.action
+        if op.error is None and action.op == "load":
+            mq.adapters.append(action.name)
+            mq.adapter_paths[action.name] = action.path
+        if op.error is not None:
+            answer: wire.AdapterReply | wire.Error = wire.Error(action.id, op.error.code, op.error.message)
+        else:
+            answer = op.reply or wire.AdapterReply(action.id, "", action.op, action.name, tuple(mq.adapters))
+        self.broker._to_client(op.client, wire.encode(answer))
+
+    def registered(self, entry: WorkerEntry) -> None:
+        """A new instance without some adapters loaded since the start: sent each."""
+        mq = self.broker.models[entry.model]
+        for name, path in mq.adapter_paths.items():
+            if name not in entry.adapters and entry.loaded:
+                self.send(None, [entry], wire.AdapterAction("broker", "load", name, entry.model, path))
+
+    def lost(self, identity: bytes) -> None:
+        """An instance that went away answers nothing more: the calls waiting for it go on without it."""
+        for ticket, (op, worker) in list(self.tickets.items()):
+            if worker == identity:
+                del self.tickets[ticket]
+                if op is not None:
+                    op.waiting.discard(identity)
+                    if not op.waiting:
+                        self.finish(op)
