@@ -22,7 +22,6 @@ from mpserve.errors import BadRequest, ConfigError
 from mpserve.wire.adapters import NAME_RE
 
 from . import sources
-from .lora_file import check_adapter
 
 Declared = tuple[tuple[str, str], ...]
 
@@ -66,7 +65,10 @@ def local(source: str) -> str:
 
 def check(name: str, adapter: str, model: str, where: str) -> None:
     """ConfigError, one line naming ``where``, ``adapter`` and the fix, unless the GGUF at ``adapter`` is a LoRA
-    adapter for the model at ``model`` (``lora_file.check_adapter``: its type, architecture and tensor shapes)."""
+    adapter for the model at ``model`` (``lora_file.check_adapter``: its type, architecture and tensor shapes).
+    Imported here: reading a GGUF takes numpy and gguf, which the server's and the gateway's processes never load."""
+    from .lora_file import check_adapter
+
     try:
         check_adapter(name, adapter, model)
     except BadRequest as exc:

@@ -738,4 +738,4 @@ def test_a_freed_slot_takes_a_younger_request_of_its_instance_s_set_before_an_ol
         broker.drain_back()
         assert workers[fr_worker].poll(1000)
         assert [a.request.id for a in assigns(workers[fr_worker], 1)] == ["f3"]  # batches with f2; e1 waits
-        assert broker.requests[broker.models["m"].queue[0]].request.id == "e1"
+        assert broker.requests[broker.models["m"].queue.oldest()].request.id == "e1"
