@@ -247,22 +247,24 @@ class AsyncClient:
             self._ctx = None
 
     async def generate(self, prompt: str | list[int], *, model: str | None = None, timeout: float | None = None,
-                       request_id: str | None = None, **params: Any) -> Result:
+                       request_id: str | None = None, priority: int = 0, **params: Any) -> Result:
         """Run one completion and return its Result; raises the MpserveError of an ERROR reply. ``prompt``:
-        text, or token ids (taken as they are: no BOS is added). ``request_id``: the caller's id for it."""
+        text, or token ids (taken as they are: no BOS is added). ``request_id``: the caller's id for it.
+        ``priority``: -100..100, higher is more urgent (``wire.Request.priority``)."""
         if params.get("n", 1) != 1:
             raise BadRequest("generate returns one choice; ask for n with choices(prompt, n=...)")
-        return (await self.choices(prompt, n=1, model=model, timeout=timeout, request_id=request_id, **params))[0]
+        return (await self.choices(prompt, n=1, model=model, timeout=timeout, request_id=request_id,
+                                   priority=priority, **params))[0]
 
     async def choices(self, prompt: str | list[int], *, n: int | None = None, model: str | None = None,
-                      timeout: float | None = None, request_id: str | None = None,
+                      timeout: float | None = None, request_id: str | None = None, priority: int = 0,
                       params: wire.GenerateParams | None = None, **sampling: Any) -> list[Result]:
         """``n`` choices of one completion, in index order: run together in ``n`` slots of one instance, which
         computes the prompt once; choice i is seeded with ``seed + i`` (modulo 2**32) when ``seed`` is given.
         A request for more choices than an instance has slots (``parallel``) is refused. The parameters are
         ``sampling``'s keywords and ``n``, or ``params`` as they are (with their ``n``)."""
         request = self._request(prompt, model, timeout, _params(params, sampling, n), stream=False,
-                                request_id=request_id)
+                                request_id=request_id, priority=priority)
         n = request.params.n
         queue = await self._submit(request)
         done: dict[int, Result] = {}
@@ -277,12 +279,12 @@ class AsyncClient:
         return [done[i] for i in sorted(done)]
 
     def stream(self, prompt: str | list[int], *, model: str | None = None, timeout: float | None = None,
-               request_id: str | None = None, params: wire.GenerateParams | None = None,
+               request_id: str | None = None, priority: int = 0, params: wire.GenerateParams | None = None,
                **sampling: Any) -> Stream:
         """Stream a completion: ``async for text in client.stream(...)``; ``stream.id`` is its request id. The
         parameters are ``sampling``'s keywords, or ``params`` as they are."""
         return Stream(self, self._request(prompt, model, timeout, _params(params, sampling), stream=True,
-                                          request_id=request_id))
+                                          request_id=request_id, priority=priority))
 
     async def cancel(self, request_id: str) -> None:
         await self._send(wire.Cancel(request_id))
@@ -371,14 +373,15 @@ class AsyncClient:
     # --- internals ------------------------------------------------------------------------------
 
     def _request(self, prompt: str | list[int], model: str | None, timeout: float | None,
-                 generate: wire.GenerateParams, stream: bool, request_id: str | None = None) -> wire.Request:
+                 generate: wire.GenerateParams, stream: bool, request_id: str | None = None,
+                 priority: int = 0) -> wire.Request:
         if isinstance(prompt, str) and len(prompt) > wire.MAX_PROMPT_CHARS:
             raise BadRequest(f"the prompt is {len(prompt)} characters; the server takes at most "
                              f"{wire.MAX_PROMPT_CHARS} (MAX_PROMPT_CHARS)")
         text, tokens = (prompt, b"") if isinstance(prompt, str) else ("", wire.pack_tokens(prompt))
         rid = next(self._ids) if request_id is None else check_request_id(request_id)
-        return wire.Request(rid, text, model, generate, stream,
-                            timeout if timeout is not None else self.timeout, tokens)
+        return wire.Request(rid, text, model, generate, stream, timeout if timeout is not None else self.timeout,
+                            tokens, priority)
 
     async def _lookup(self, msg: wire.Tokenize) -> wire.Tokens:
         """Send a TOKENIZE and wait for its TOKENS; raises the MpserveError of an ERROR reply."""

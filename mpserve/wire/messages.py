@@ -28,8 +28,9 @@ from mpserve.errors import BadRequest, MpserveError, ProtocolError
 from mpserve.wire import refusals
 from mpserve.wire.prefix import MAX_BLOCKS
 
-WORKER_LINK = "MPS1.1"  # the revision of the broker-worker messages, in every READY: a broker refuses workers
-# of another (1.1: STEP replaced the worker's CHUNKS, and ASSIGNS came), so a remote pool is upgraded with it
+WORKER_LINK = "MPS1.2"  # the revision of the broker-worker messages, in every READY: a broker refuses workers
+# of another (1.1: STEP replaced the worker's CHUNKS, and ASSIGNS came; 1.2: PREEMPT and PARKED), so a remote
+# pool is upgraded with it
 MAX_MESSAGE_BYTES = 4 * 1024 * 1024
 MAX_CACHE_ITEMS = 4096  # entries per list in a CACHE frame
 MAX_CACHE_HASHES = 1 << 14  # hashes a broker keeps per instance (and a READY's CACHE frame carries at most)
@@ -76,10 +77,12 @@ class MsgType(IntEnum):
     UNLOADED = 0x23
     STEP = 0x24
     LEAVING = 0x25
+    PARKED = 0x26
     ASSIGN = 0x30
     STOP = 0x31
     UNLOAD = 0x32
     ASSIGNS = 0x33
+    PREEMPT = 0x34
 
 
 # --- the field types that recur -----------------------------------------------------------------
@@ -286,6 +289,8 @@ class Request(Body, frozen=True, forbid_unknown_fields=True):
     timeout: Timeout | None = None
     tokens: Annotated[Packed, Meta(max_length=4 * MAX_PROMPT_CHARS)] = b""  # a prompt of token ids, taken as it
     # is, instead of ``prompt``
+    priority: Annotated[int, Meta(ge=-100, le=100)] = 0  # higher is more urgent: queued ahead of lower ones, and
+    # may preempt a running one of lower priority (``mpserve.server.preemption``)
 
     def check(self) -> None:
         self.params.check()  # decoded: its types and limits were checked already
@@ -462,6 +467,7 @@ class ModelStats:
     eos_token: str = ""
     oldest_wait_s: float = 0.0  # how long the request at the head of the queue has waited; 0 when none waits
     scaling: ModelScaling = field(default_factory=ModelScaling)
+    preempted: int = 0  # its requests preempted since start, to give their slots to ones of higher priority
 
 
 class WorkerStats(Body, frozen=True, forbid_unknown_fields=True):
@@ -788,6 +794,23 @@ class Assign(Body, frozen=True, forbid_unknown_fields=True):
             raise ProtocolError(f"field 'generated' must be int32 token ids, at most {MAX_TOKENS_LIMIT}")
 
 
+class Preempt(Body, frozen=True, forbid_unknown_fields=True):
+    """broker -> worker: park the sequence of ASSIGN ``ticket`` and free its slot (``mpserve.server.preemption``).
+    The worker answers PARKED under that ticket, or nothing if the request ended first (its DONE or ERROR says
+    so). A later ASSIGN with the same ticket resumes the parked sequence; a CANCEL of it forgets it."""
+
+    TYPE: ClassVar[MsgType] = MsgType.PREEMPT
+    ticket: Ticket
+
+
+class Parked(Body, frozen=True, forbid_unknown_fields=True):
+    """worker -> broker, under the TICKET of an ASSIGN: request ``id`` was parked after its CHUNKs so far; its slot
+    is free. A TOKENS frame may follow with the ids it generated since its last CHUNK (text still held back)."""
+
+    TYPE: ClassVar[MsgType] = MsgType.PARKED
+    id: Id
+
+
 class Assigns(msgspec.Struct, frozen=True):
     """Several ASSIGNs for one worker in one message, in the order the broker made them."""
 
@@ -820,5 +843,6 @@ class CacheChanges(Body, frozen=True, forbid_unknown_fields=True):
 
 MESSAGES: tuple[Any, ...] = (Request, Cancel, Ping, StatsQuery, Pong, Stats, Chunk, Done, Error, Ready,
                                     Heartbeat, Failed, Unloaded, Leaving, Assign, Stop, Unload, Tokenize, Tokens,
-                                    Control, ControlReply, Embed, Embeddings, SlotAction, SlotReply)
+                                    Control, ControlReply, Embed, Embeddings, SlotAction, SlotReply, Preempt,
+                                    Parked)
 """The message types whose BODY is one map (CHUNKS, ASSIGNS and STEP are arrays: ``mpserve.wire.framing``)."""
