@@ -45,6 +45,7 @@ class EchoEngine(NoCells):
         self.tick = tick  # seconds per step; 0: no wait, and the pieces are the prompt's
         self._next_tick = 0.0
         self._running: dict[int, _Echo] = {}
+        self._parked: dict[str, _Echo] = {}
 
     def free_slots(self) -> list[int]:
         return [slot for slot in range(self.parallel) if slot not in self._running]
@@ -80,6 +81,24 @@ class EchoEngine(NoCells):
         if echo is not None:
             echo.cancel_requested = True
 
+    def park(self, slot: int, key: str) -> bool:
+        echo = self._running.get(slot)
+        if echo is None or echo.cancel_requested:
+            return False
+        self._parked[key] = self._running.pop(slot)
+        return True
+
+    def resume(self, key: str, slot: int, on_token: OnToken) -> bool:
+        echo = self._parked.pop(key, None)
+        if echo is None:
+            return False
+        echo.on_token = on_token
+        self._running[slot] = echo
+        return True
+
+    def drop(self, key: str) -> None:
+        self._parked.pop(key, None)
+
     def step(self) -> list[tuple[int, Completion]]:
         """The next piece of every running sequence (after the next tick, with one)."""
         if self.tick:
@@ -110,3 +129,4 @@ class EchoEngine(NoCells):
 
     def close(self) -> None:
         self._running.clear()
+        self._parked.clear()

@@ -172,6 +172,15 @@ class EmbeddingEngine(NoCells):
     def cancel(self, slot: int) -> None:
         """Nothing runs in a slot."""
 
+    def park(self, slot: int, key: str) -> bool:
+        return False  # nothing runs in a slot
+
+    def resume(self, key: str, slot: int, on_token: OnToken) -> bool:
+        return False  # nothing was parked
+
+    def drop(self, key: str) -> None:
+        """Nothing is parked."""
+
     def step(self) -> list[tuple[int, Completion]]:
         return []
 

@@ -1,6 +1,7 @@
 """Which rows go into the next decodes: the running sequences by slot, the prompts by admission order.
 
-    admit ──add(seq)──▶ running[slot], prefilling (admission order)
+    admit ──add(seq)──▶ running[slot], prefilling (admission order; a parked sequence resumed: while its prompt
+                        is not all computed)
     step  ──cancelled()──▶ the sequences a cancel ended
           ──decoding()───▶ DECODE sequences in slot order ──decodes()──▶ grouped into llama_decode calls
           ──chunks(any decoding)──▶ the prompts computing their next chunk this step, within the token budget
@@ -38,7 +39,8 @@ class Scheduler:
 
     def add(self, seq: Sequence) -> None:
         self.running[seq.slot] = seq
-        self.prefilling.append(seq)
+        if seq.phase is Phase.PREFILL:
+            self.prefilling.append(seq)
 
     def remove(self, seq: Sequence) -> None:
         del self.running[seq.slot]
