@@ -4,6 +4,7 @@
     loop        serve(): claims the server name, builds the layout, runs broker + supervisor + watchdog
     broker      ROUTER fronts for clients and workers; per-model queues; routing to slots; the request table
     routing     the broker's decisions as pure functions: which slot a request goes to, what a lost one becomes
+    preemption  which running requests give their slots to waiting ones of higher priority (pure functions)
     link        the worker link's trust rules: whose READY, which name, whose answer (pure functions)
     roles       who may do what on the ZeroMQ side: a message's role is the socket it arrived on
     pool_keys   which models a remote pool's CURVE key may serve (``worker_models``)

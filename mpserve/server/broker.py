@@ -2,12 +2,17 @@
 
     clients ──DEALER──▶ front ROUTER ─┐                  ┌─ back ROUTER ◀──DEALER── workers
                                       ▼                  ▲
-    validate ─▶ per-model FIFO queue ─▶ assign to a free slot of that model (the one whose last prompt
+    validate ─▶ per-model queue ─▶ assign to a free slot of that model (the one whose last prompt
                                         shares the longest prefix, or whose instance's host store holds
                                         it, as its DONEs' CACHE frames said; else one of the least busy
                                         instance)
                                       ▲                  │
         CHUNK/DONE/ERROR bodies ◀─────┴── forwarded unchanged, looked up by ticket
+    a queue by priority (``Request.priority``, higher first; equal ones in order of arrival); when requests still
+    wait and no slot is free, running requests of lower priority are preempted (``mpserve.server.preemption``):
+    PREEMPT ─▶ the worker parks the sequence ─▶ PARKED: its slot is free, the request queued again, resumed later
+    on that worker by an ASSIGN under its ticket
+
         STEP (one worker step)    ──▶ in order; per client, the step's CHUNK bodies spliced into one CHUNKS
                                       (one: a CHUNK), sent before that client's next DONE or ERROR
         ASSIGNs of one turn       ──▶ per worker, gathered and sent as one ASSIGNS (``flush``, at the end
@@ -111,7 +116,7 @@ from mpserve.wire import zmqio
 from mpserve.wire.prefix import PREFIX_BLOCK, block_hashes
 from mpserve.wire.protocol import ChatTemplate
 
-from . import chat, link, pool_keys, roles, unserved
+from . import chat, link, pool_keys, preemption, roles, unserved
 from .pool_keys import PoolKey
 from .residency import Loaded, Residency
 from .routing import (
@@ -133,8 +138,8 @@ MAX_RETRY_AFTER_S = 30.0
 DRAIN_BATCH = 256
 ASSIGN_BATCH = 64  # ASSIGNs gathered for one worker before they go without waiting for the turn's end
 CHUNK_FRAME = wire.TYPE_FRAMES[wire.MsgType.CHUNK]
-TRAILED = {CHUNK_FRAME, *(wire.TYPE_FRAMES[t] for t in (wire.MsgType.DONE, wire.MsgType.ERROR, wire.MsgType.READY))
-           }  # may have a 5th frame
+TRAILED = {CHUNK_FRAME, *(wire.TYPE_FRAMES[t] for t in (wire.MsgType.DONE, wire.MsgType.ERROR, wire.MsgType.READY,
+                                                       wire.MsgType.PARKED))}  # may have a 5th frame
 CHUNKS_FRAME = wire.TYPE_FRAMES[wire.MsgType.CHUNKS]
 TICKET_BYTES = 16
 LOOKUP_ANSWERS = {wire.MsgType.TOKENS, wire.MsgType.EMBEDDINGS, wire.MsgType.SLOT_REPLY, wire.MsgType.ERROR}
@@ -533,7 +538,7 @@ class Broker:
         self.by_client[(client, req.id)] = tickets[0]
         self._owned[client] = self._owned.get(client, 0) + n
         self.stats["accepted"] += 1
-        mq.queue.append(tickets[0])
+        self._enqueue(mq, self.requests[tickets[0]])
         log.debug("request %s of %s: queued, %d waiting", req.id, model, len(mq.queue))
         self._dispatch(model)
 
@@ -592,7 +597,7 @@ class Broker:
             name: wire.ModelStats(len(mq.queue), running[name], mq.instances, len(mq.free), mq.failed,
                                   mq.chat.template, mq.chat.bos_token, mq.chat.eos_token,
                                   round(now - self.requests[mq.queue[0]].accepted, 3) if mq.queue else 0.0,
-                                  self.scaling_of(name))
+                                  self.scaling_of(name), mq.preempted)
             for name, mq in self.models.items()
         }, [wire.WorkerStats(w.identity.decode(), w.model, w.host, w.pid, w.device, w.capacity, len(w.running))
             for w in self.workers.values()])
@@ -655,6 +660,7 @@ class Broker:
 
     def _finish(self, p: Pending) -> None:
         self.requests.pop(p.ticket, None)
+        self._unpark(p)
         key = (p.client, p.request.id)
         left = self._choices(p) if p.group else []
         if left:  # a request for n: its id stays in use until its last choice is done
@@ -730,7 +736,7 @@ class Broker:
         if mtype is wire.MsgType.STEP:
             self._worker_step(identity, frames[3])
             return
-        if mtype in (wire.MsgType.CHUNK, wire.MsgType.DONE, wire.MsgType.ERROR):
+        if mtype in wire.STEPPED:
             self._worker_result(identity, mtype, frames[2].decode(errors="replace"), frames[1], frames[3],
                                 frames[4] if len(frames) == 5 else None)
             return
@@ -754,6 +760,7 @@ class Broker:
         elif isinstance(msg, wire.Unloaded):
             entry.loaded = entry.unloading = False
             entry.prompts.clear()  # its KV cells went with the model; the host store keeps its entries
+            self._unpin(entry)
             self._dispatch(entry.model)
 
     def _from_unregistered(self, identity: bytes, mtype: wire.MsgType, body: bytes) -> None:
@@ -927,11 +934,12 @@ class Broker:
         mq = self.models[entry.model]
         mq.instances -= 1
         mq.free = deque(f for f in mq.free if f[0] != entry.identity)
+        self._unpin(entry)
 
     def _worker_result(self, identity: bytes, mtype: wire.MsgType, ticket: str, type_frame: bytes,
                        body: bytes, trailer: bytes | None) -> None:
         entry = self.workers.get(identity)
-        if trailer is not None and entry is not None and mtype is not wire.MsgType.CHUNK:
+        if trailer is not None and entry is not None and mtype not in (wire.MsgType.CHUNK, wire.MsgType.PARKED):
             self._cache_changed(entry, trailer)  # whether or not the request is still there
         p = self._running_on(entry, ticket)
         if p is None or entry is None:
@@ -943,6 +951,9 @@ class Broker:
         if mtype is wire.MsgType.CHUNK:
             if self._streaming(p, trailer):
                 self._to_client(p.client, [wire.VERSION, type_frame, body])
+            return
+        if mtype is wire.MsgType.PARKED:
+            self._on_parked(entry, p, trailer)
             return
         slot = entry.running.pop(ticket)
         p.worker = None
@@ -1056,14 +1067,19 @@ class Broker:
             self._dispatch_resident()
             return
         mq = self.models[model]
-        while mq.queue and mq.free:
-            p = self.requests[mq.queue[0]]
+        passed = 0  # parked requests at the front whose instance has no slot free: the requests behind pass them
+        while passed < len(mq.queue) and mq.free:
+            p = self.requests[mq.queue[passed]]
             slots = self._take_slots(mq, p)
+            if slots is None and p.parked_on is not None:
+                passed += 1
+                continue
             if slots is None and not self._refuse_head(mq, p):  # a request for n waits for n slots of one instance
                 break
             if slots is not None:
-                mq.queue.popleft()
+                del mq.queue[passed]
                 self._assign_choices(p, slots)
+        self._preempt_for(mq)
 
     def _dispatch_resident(self) -> None:
         """Single active backend: advance each device's turn (unloading what must leave), then start the
@@ -1096,7 +1112,8 @@ class Broker:
     def _take_slots(self, mq: ModelQueue, p: Pending, device: int | None = None) -> list[tuple[bytes, int]] | None:
         """Take the free slot ``routing.choose_slot`` picks (on ``device``, if given), or for a request for n
         the n slots of one instance ``routing.choose_slots`` picks; count why (``routed_kv_prefix``, ...)."""
-        route = choose_slots(mq.free, self.workers, p.request.prompt, p.slots_needed, device, self._blocks(mq, p))
+        free = mq.free if p.parked_on is None else [f for f in mq.free if f[0] == p.parked_on]  # where it is held
+        route = choose_slots(free, self.workers, p.request.prompt, p.slots_needed, device, self._blocks(mq, p))
         if route is None:
             return None
         for slot in route.slots:
@@ -1118,7 +1135,7 @@ class Broker:
         accepted) would hold the queue up for ever: answer it. Whether it was."""
         refusal = self._too_many_choices(mq, p.slots_needed)
         if refusal is not None:
-            mq.queue.popleft()
+            mq.queue.remove(p.ticket)
             self._answer_error(p, ErrorCode.BAD_REQUEST, refusal)
         return refusal is not None
 
@@ -1133,6 +1150,8 @@ class Broker:
     def _assign(self, p: Pending, slot: tuple[bytes, int]) -> None:
         identity, index = slot
         entry = self.workers[identity]
+        entry.parked.discard(p.ticket)  # parked there: the ASSIGN under its ticket resumes it
+        p.parked_on = None
         p.attempts += 1
         p.state = RequestState.RUNNING
         p.worker = identity
@@ -1152,6 +1171,113 @@ class Broker:
         waiting.append(body)
         if len(waiting) >= ASSIGN_BATCH:
             self._flush_assigns(identity)
+
+    # --- priority and preemption ---------------------------------------------------------------
+
+    def _enqueue(self, mq: ModelQueue, p: Pending) -> None:
+        """Queue ``p`` by priority, higher first; of equal priorities, in order of arrival (``accepted``): a
+        preempted request goes back ahead of those of its priority that came after it."""
+        queue, key = mq.queue, (-p.request.priority, p.accepted)
+        at = len(queue)
+        while at and key < self._queue_key(queue[at - 1]):
+            at -= 1
+        queue.insert(at, p.ticket)
+
+    def _queue_key(self, ticket: str) -> tuple[int, float]:
+        p = self.requests[ticket]
+        return -p.request.priority, p.accepted
+
+    def _preempt_for(self, mq: ModelQueue) -> None:
+        """Requests of ``mq`` wait and none of its slots is free: preempt the running requests
+        ``preemption.victims`` picks, each on its worker (PREEMPT; its PARKED frees the slot)."""
+        if not mq.queue or mq.free or mq.failed is not None:
+            return
+        running, room, in_flight = [], {}, 0
+        for entry in self.workers.values():
+            if entry.model != mq.name or entry.draining:
+                continue
+            room[entry.identity] = entry.capacity - len(entry.parked)
+            for ticket in entry.running:
+                p = self.requests.get(ticket)
+                if p is None or p.answered:
+                    continue
+                if p.preempting:
+                    in_flight += 1
+                    room[entry.identity] -= 1
+                else:
+                    running.append(preemption.Running(ticket, p.request.priority, p.first_assigned, p.preemptions,
+                                                      entry.identity))
+        if not running:
+            return
+        lowest = min(r.priority for r in running)
+        waiting: list[int] = []
+        for ticket in mq.queue:  # highest priority first: only those above the lowest running one may preempt
+            p = self.requests[ticket]
+            if p.request.priority <= lowest or len(waiting) > len(running) + in_flight:
+                break
+            if p.parked_on is None and p.slots_needed == 1:
+                waiting.append(p.request.priority)
+        for ticket in preemption.victims(waiting, running, room, in_flight):
+            p = self.requests[ticket]
+            p.preempting = True
+            assert p.worker is not None
+            log.debug("request %s of %s: preempting it on worker %s", p.request.id, p.model, p.worker.decode())
+            self._to_worker(p.worker, wire.Preempt(ticket))
+
+    def _on_parked(self, entry: WorkerEntry, p: Pending, tokens: bytes | None) -> None:
+        """PARKED: ``entry`` holds ``p``'s sequence and its slot is free; ``p`` is queued again at its priority,
+        to resume there (a request cancelled meanwhile is forgotten there too)."""
+        slot = entry.running.pop(p.ticket)
+        p.worker = None
+        p.preempting = False
+        mq = self.models[entry.model]
+        if p.answered or entry.draining:  # a draining worker's: it resumes elsewhere, from its tokens
+            self._to_worker(entry.identity, wire.Cancel(p.ticket))
+        if p.answered:
+            self._finish(p)
+        else:
+            if tokens is not None and len(tokens) % 4 == 0:
+                p.generated += tokens
+            elif tokens is not None:
+                p.tokens_known = False
+            p.state = RequestState.QUEUED
+            p.preemptions += 1
+            if not entry.draining:
+                p.parked_on = entry.identity
+                entry.parked.add(p.ticket)
+            self._count_preemption(mq, p)
+            self._enqueue(mq, p)
+        if entry.draining:
+            self._stop_if_drained(entry)
+        else:
+            mq.free.append((entry.identity, slot))
+        self._dispatch(entry.model)
+
+    def _count_preemption(self, mq: ModelQueue, p: Pending) -> None:
+        """Count ``p``'s preemption: in all and per model. (A per-tenant counter takes ``p.request``'s tenant here.)"""
+        self.stats["preempted"] += 1
+        mq.preempted += 1
+        log.debug("request %s of %s: parked (preempted %d time(s)), queued again", p.request.id, p.model,
+                  p.preemptions)
+
+    def _unpark(self, p: Pending) -> None:
+        """``p`` ends while parked: its worker forgets its sequence."""
+        if p.parked_on is None:
+            return
+        entry = self.workers.get(p.parked_on)
+        p.parked_on = None
+        if entry is not None:
+            entry.parked.discard(p.ticket)
+            self._to_worker(entry.identity, wire.Cancel(p.ticket))
+
+    def _unpin(self, entry: WorkerEntry) -> None:
+        """``entry`` no longer holds the sequences parked on it (it was lost, or unloaded its model): those
+        requests resume on any instance, from the tokens they streamed."""
+        for ticket in entry.parked:
+            p = self.requests.get(ticket)
+            if p is not None and p.parked_on == entry.identity:
+                p.parked_on = None
+        entry.parked.clear()
 
     def _flush_assigns(self, identity: bytes) -> None:
         bodies = self._assigns.pop(identity, None)

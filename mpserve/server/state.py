@@ -10,6 +10,8 @@ A request's life in the broker (``RequestState``; llama.cpp's server draws its `
                    └── worker died or stalled: resumed with the tokens ────┤ (``generated``: every
                        streamed so far, the rest of max_tokens             │  CHUNK's token ids)
                                                                            ▼
+    RUNNING or STREAMING ──PREEMPT, its worker's PARKED──▶ QUEUED, parked on that worker (``parked_on``): it
+                           resumes there, where its sequence is held (``mpserve.server.preemption``)
     any state ──DONE / ERROR / cancel / timeout / client gone / worker lost──▶ ANSWERED ──▶ removed
 
 ANSWERED means its one terminal message was sent (or the client is gone). A request answered while a worker
@@ -65,6 +67,9 @@ class Pending:
     index: int = 0  # which choice this row is
     slots_needed: int = 1  # queued as a request for n: the n free slots of one instance it waits for
     blocks: tuple[int, ...] | None = None  # its prompt's block hashes, once routing needed them
+    preempting: bool = False  # a PREEMPT went to its worker; its PARKED (or its end) has not come back
+    preemptions: int = 0  # times it was preempted (``preemption.MAX_PREEMPTIONS`` bounds them)
+    parked_on: bytes | None = None  # queued again after a preemption: the worker holding its sequence
 
     @property
     def answered(self) -> bool:
@@ -89,6 +94,7 @@ class WorkerEntry:
     # by every instance of the model on that host (``ModelQueue.stores``)
     draining: bool = False  # being scaled down: no new requests; STOP once it runs nothing
     unreachable: bool = False  # a send to it failed (said once), until it is heard from again
+    parked: set[str] = field(default_factory=set)  # tickets of the queued requests whose sequence it holds parked
 
 
 @dataclass(frozen=True)
@@ -119,6 +125,7 @@ class ModelQueue:
     stores: dict[str, RamPrefixes] = field(default_factory=dict)  # host ("": this one) -> what its store holds
     unserved_since: float | None = None  # monotonic: since when no instance can serve it (``mpserve.server.unserved``)
     lost: Lost | None = None  # how its last instance went, once one did
+    preempted: int = 0  # its requests preempted since start
 
     def store(self, host: str) -> RamPrefixes:
         """The view of ``host``'s store (one per host: any instance there restores what another saved); it
