@@ -307,8 +307,9 @@ class BatchEngine:
 
     def park(self, slot: int, key: str) -> bool:
         """Take the sequence running in ``slot`` out of the batch, held under ``key`` with its KV cells read out
-        (``_Parked``); the slot is free, its cells left there for the next prompt that starts the same. False if
-        nothing runs there (it ended) or a cancel ends it."""
+        (``_Parked``); the slot is free and counted empty (left for reuse, its cells would be copied into the host
+        store when the next prompt cuts them, on the path of the request that preempted it). False if nothing runs
+        there (it ended) or a cancel ends it."""
         seq = self._scheduler.running.get(slot)
         if seq is None or seq.cancel_requested:
             return False
@@ -317,7 +318,7 @@ class BatchEngine:
             log.warning("llama.cpp could not read slot %d's cells; its sequence runs on, not parked", slot)
             return False
         self._scheduler.remove(seq)
-        self._cells.finished(seq)
+        self._cells.set(slot, [], 0)
         self._parked[key] = _Parked(seq, state, size)
         return True
 

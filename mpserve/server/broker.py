@@ -974,7 +974,7 @@ class Broker:
         self._finish(p)
         if entry.draining:
             self._stop_if_drained(entry)
-        else:
+        elif not p.preempting:  # a request that ended before its PREEMPT came: its slot is given already
             mq.free.append((identity, slot))
         self._dispatch(entry.model)
 
@@ -1189,10 +1189,11 @@ class Broker:
 
     def _preempt_for(self, mq: ModelQueue) -> None:
         """Requests of ``mq`` wait and none of its slots is free: preempt the running requests
-        ``preemption.victims`` picks, each on its worker (PREEMPT; its PARKED frees the slot)."""
+        ``preemption.victims`` picks. Each victim's worker gets PREEMPT, then the ASSIGN of the waiting request it
+        gives way to, into its slot: the worker parks one and admits the other in the same turn."""
         if not mq.queue or mq.free or mq.failed is not None:
             return
-        running, room, in_flight = [], {}, 0
+        running, room = [], {}
         for entry in self.workers.values():
             if entry.model != mq.name or entry.draining:
                 continue
@@ -1202,7 +1203,6 @@ class Broker:
                 if p is None or p.answered:
                     continue
                 if p.preempting:
-                    in_flight += 1
                     room[entry.identity] -= 1
                 else:
                     running.append(preemption.Running(ticket, p.request.priority, p.first_assigned, p.preemptions,
@@ -1210,24 +1210,29 @@ class Broker:
         if not running:
             return
         lowest = min(r.priority for r in running)
-        waiting: list[int] = []
+        waiting: list[Pending] = []
         for ticket in mq.queue:  # highest priority first: only those above the lowest running one may preempt
             p = self.requests[ticket]
-            if p.request.priority <= lowest or len(waiting) > len(running) + in_flight:
+            if p.request.priority <= lowest or len(waiting) == len(running):
                 break
             if p.parked_on is None and p.slots_needed == 1:
-                waiting.append(p.request.priority)
-        for ticket in preemption.victims(waiting, running, room, in_flight):
-            p = self.requests[ticket]
-            p.preempting = True
-            assert p.worker is not None
-            log.debug("request %s of %s: preempting it on worker %s", p.request.id, p.model, p.worker.decode())
-            self._to_worker(p.worker, wire.Preempt(ticket))
+                waiting.append(p)
+        chosen = preemption.victims([p.request.priority for p in waiting], running, room)
+        for p, ticket in zip(waiting, chosen, strict=False):
+            victim = self.requests[ticket]
+            identity = victim.worker
+            assert identity is not None
+            victim.preempting = True
+            log.debug("request %s of %s: preempted on worker %s for request %s", victim.request.id, mq.name,
+                      identity.decode(), p.request.id)
+            self._to_worker(identity, wire.Preempt(ticket))
+            mq.queue.remove(p.ticket)
+            self._assign(p, (identity, self.workers[identity].running[ticket]))
 
     def _on_parked(self, entry: WorkerEntry, p: Pending, tokens: bytes | None) -> None:
-        """PARKED: ``entry`` holds ``p``'s sequence and its slot is free; ``p`` is queued again at its priority,
-        to resume there (a request cancelled meanwhile is forgotten there too)."""
-        slot = entry.running.pop(p.ticket)
+        """PARKED: ``entry`` holds ``p``'s sequence (its slot serves the request it gave way to); ``p`` is queued
+        again at its priority, to resume there (a request cancelled meanwhile is forgotten there too)."""
+        del entry.running[p.ticket]
         p.worker = None
         p.preempting = False
         mq = self.models[entry.model]
@@ -1235,22 +1240,18 @@ class Broker:
             self._to_worker(entry.identity, wire.Cancel(p.ticket))
         if p.answered:
             self._finish(p)
-        else:
-            if tokens is not None and len(tokens) % 4 == 0:
-                p.generated += tokens
-            elif tokens is not None:
-                p.tokens_known = False
-            p.state = RequestState.QUEUED
-            p.preemptions += 1
-            if not entry.draining:
-                p.parked_on = entry.identity
-                entry.parked.add(p.ticket)
-            self._count_preemption(mq, p)
-            self._enqueue(mq, p)
-        if entry.draining:
-            self._stop_if_drained(entry)
-        else:
-            mq.free.append((entry.identity, slot))
+            return
+        if tokens is not None and len(tokens) % 4 == 0:
+            p.generated += tokens
+        elif tokens is not None:
+            p.tokens_known = False
+        p.state = RequestState.QUEUED
+        p.preemptions += 1
+        if not entry.draining:
+            p.parked_on = entry.identity
+            entry.parked.add(p.ticket)
+        self._count_preemption(mq, p)
+        self._enqueue(mq, p)
         self._dispatch(entry.model)
 
     def _count_preemption(self, mq: ModelQueue, p: Pending) -> None:

@@ -1,11 +1,15 @@
 """Preemption: which running requests give their slots to waiting ones of higher priority.
 
     broker dispatch: a model's queue still waits and no slot of it is free
-        ──victims(waiting, running, room, in_flight)──▶ the tickets to preempt ──PREEMPT──▶ their workers
-    worker: the request's text so far out, its sequence parked whole (``BatchEngine.park``) ──PARKED──▶ broker
-    broker: the slot is free (the waiting request takes it); the parked request is queued again at its own
-        priority, ahead of the requests of that priority that came after it, pinned to that worker
+        ──victims(waiting, running, room)──▶ the tickets to preempt ──PREEMPT, then the waiting request's ASSIGN
+        into the victim's slot──▶ its worker, which parks the sequence (``BatchEngine.park``) and admits the
+        waiting request in the same turn (no step between them)
+    worker: the request's text so far out, its sequence parked whole ──PARKED──▶ broker
+    broker: the parked request is queued again at its own priority, ahead of the requests of that priority that
+        came after it, pinned to that worker
         ──a slot of that worker free again──▶ ASSIGN under its ticket ──▶ the worker resumes the sequence there
+    (a victim that ended before its PREEMPT came answers DONE or ERROR as usual; its slot is the waiting one's
+    all the same)
 
 What is parked, and where: the worker keeps the sequence itself (``engine.batch._Parked``): its sampler chain,
 so that a seeded sampler's random state, a grammar's state and the penalties go on where they were, its text
@@ -23,13 +27,14 @@ token ids it streamed (exact for greedy output).
 
 The rules, pure here:
 
-- The waiting requests are taken in queue order (highest priority first); the first ``in_flight`` of them already
-  have a preemption on its way (PREEMPT sent, PARKED not back). Each next one gets at most one victim, and the first
-  that finds none ends the search (a later one has no higher priority).
+- The waiting requests are taken in queue order (highest priority first). Each gets at most one victim, and the
+  first that finds none ends the search (a later one has no higher priority).
 - A victim runs a request of lower priority than the waiting one's: the lowest priority; of equal ones, the one that
   started last (the least work disturbed, and the longest-running requests finish).
 - A request preempted MAX_PREEMPTIONS times is no longer a victim: it runs to its end, so that a stream of urgent
-  requests delays it a bounded number of times.
+  requests delays it a bounded number of times. Ties go to the request started last, so the same one gives way
+  each time until the bound; a preemption costs it only the wait (nothing is computed again), so the bound is
+  generous.
 - A worker with no ``room`` left (as many sequences parked as it has slots) gives no victim.
 """
 
@@ -38,7 +43,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-MAX_PREEMPTIONS = 3
+MAX_PREEMPTIONS = 8
 """How many times one request may be preempted; after that it runs to its end."""
 
 
@@ -53,15 +58,15 @@ class Running:
     worker: bytes
 
 
-def victims(waiting: Sequence[int], running: Sequence[Running], room: Mapping[bytes, int],
-            in_flight: int = 0) -> list[str]:
-    """The tickets to preempt, one for each of the ``waiting`` requests' priorities (in queue order) that can
-    have one, after the first ``in_flight``. ``running``: the requests of the model that run and are not being
-    preempted already; ``room``: per worker, how many more sequences it may hold parked."""
+def victims(waiting: Sequence[int], running: Sequence[Running], room: Mapping[bytes, int]) -> list[str]:
+    """The tickets to preempt, one for each of the first ``waiting`` requests' priorities (in queue order) that
+    can have one: the i-th victim's slot goes to the i-th waiting request. ``running``: the requests of the
+    model that run and are not being preempted already; ``room``: per worker, how many more sequences it may
+    hold parked."""
     left = {worker: n for worker, n in room.items()}
     pool = [r for r in running if r.preemptions < MAX_PREEMPTIONS]
     chosen: list[str] = []
-    for priority in waiting[in_flight:]:
+    for priority in waiting:
         candidates = [r for r in pool if r.priority < priority and left.get(r.worker, 0) > 0]
         if not candidates:
             break

@@ -34,12 +34,6 @@ def test_one_victim_for_each_waiting_request_that_can_have_one() -> None:
     assert victims([5, 5, 5, 5], running, {W: 9}) == ["b", "a", "c"]
 
 
-def test_preemptions_on_their_way_cover_the_first_waiting() -> None:
-    running = [run("a", started=1), run("b", started=2)]
-    assert victims([5, 5], running, ROOM, in_flight=1) == ["b"]
-    assert victims([5], running, ROOM, in_flight=1) == []
-
-
 def test_a_request_preempted_often_enough_runs_to_its_end() -> None:
     running = [run("tired", priority=-5, preemptions=MAX_PREEMPTIONS), run("fresh", priority=0)]
     assert victims([1], running, ROOM) == ["fresh"]
