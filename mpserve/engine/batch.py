@@ -234,7 +234,7 @@ class BatchEngine:
     # --- requests -----------------------------------------------------------------------------------
 
     def admit(self, slot: int, prompt: str | list[int], params: GenerateParams, on_token: OnToken,
-              carried: collections.abc.Sequence[int] = ()) -> None:
+              carried: collections.abc.Sequence[int] = (), alone: bool = False) -> None:
         """Start ``prompt`` in free slot ``slot``; its prompt is computed by the coming steps. A prompt of
         token ids is taken as it is (no BOS added), as create_completion takes one. ``carried``:
         the tokens another instance generated for this request before it was lost. They are decoded one a
@@ -242,7 +242,8 @@ class BatchEngine:
         penalties see them): a batched prefill orders attention's sums otherwise, which can turn a greedy
         choice at a near-tie. Their text opens the completion without reaching ``on_token`` (the client has
         it, and their log-probabilities), and what the text stream held back at the cut stays held back: the
-        sequence continues as if never interrupted."""
+        sequence continues as if never interrupted. ``alone``: its first prompt chunk is the next step's only
+        decode (``Scheduler.urgent``)."""
         if not 0 <= slot < self.parallel or slot in self._scheduler.running:
             raise ValueError(f"slot {slot} is not a free slot of 0..{self.parallel - 1}")
         context, keeping = self._context, self._keeping
@@ -274,6 +275,7 @@ class BatchEngine:
         self._equip(seq, params, score_prompt)
         seq.carried, seq.replay = len(carried), deque(carried)
         seq.marks = keeping.marks(tokens, reused, score_prompt)
+        seq.alone = alone
         self._scheduler.add(seq)
 
     def _equip(self, seq: Sequence, params: GenerateParams, score_prompt: bool) -> None:
@@ -367,8 +369,13 @@ class BatchEngine:
         done = [self._finish(seq, "cancelled") for seq in scheduler.cancelled()]
         if self.parallel > 1:
             self._cells.catch_up(scheduler.prefilling)
-        decoding = scheduler.decoding()
-        chunks = scheduler.chunks(bool(decoding))
+        urgent = scheduler.urgent()
+        if urgent is not None:
+            urgent.alone = False
+            decoding, chunks = [], [urgent]
+        else:
+            decoding = scheduler.decoding()
+            chunks = scheduler.chunks(bool(decoding))
         if decoding:
             self._propose(decoding)
         for together in scheduler.decodes(decoding):

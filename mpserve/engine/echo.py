@@ -51,8 +51,9 @@ class EchoEngine(NoCells):
         return [slot for slot in range(self.parallel) if slot not in self._running]
 
     def admit(self, slot: int, prompt: str | list[int], params: GenerateParams, on_token: OnToken,
-              carried: Sequence[int] = ()) -> None:
-        """``carried`` is ignored: echo has no tokens, so its requests are never resumed (``tokens`` is empty)."""
+              carried: Sequence[int] = (), alone: bool = False) -> None:
+        """``carried`` is ignored: echo has no tokens, so its requests are never resumed (``tokens`` is empty);
+        ``alone`` too: every sequence makes its piece each step."""
         if not 0 <= slot < self.parallel or slot in self._running:
             raise ValueError(f"slot {slot} is not a free slot of 0..{self.parallel - 1}")
         if params.logprobs is not None:

@@ -160,7 +160,7 @@ class EmbeddingEngine(NoCells):
         return list(range(self.parallel))
 
     def admit(self, slot: int, prompt: str | list[int], params: GenerateParams, on_token: OnToken,
-              carried: Sequence[int] = ()) -> None:
+              carried: Sequence[int] = (), alone: bool = False) -> None:
         raise BadRequest("this model is served with embedding: true; it computes embeddings, not completions")
 
     def tokens(self, slot: int) -> Sequence[int]:

@@ -95,9 +95,10 @@ class Engine(Protocol):
     def free_slots(self) -> list[int]: ...
 
     def admit(self, slot: int, prompt: str | list[int], params: GenerateParams, on_token: OnToken,
-              carried: Sequence[int] = ()) -> None:
+              carried: Sequence[int] = (), alone: bool = False) -> None:
         """``prompt``: text (tokenized with BOS), or token ids taken as they are; ``carried``: the tokens a
-        lost instance generated for this request, replayed before it goes on."""
+        lost instance generated for this request, replayed before it goes on; ``alone``: it goes ahead of the
+        running sequences (higher priority): its first prompt chunk is the next step's only decode."""
 
     def tokens(self, slot: int) -> Sequence[int]:
         """The tokens the sequence in ``slot`` sampled so far (not the carried ones), then the

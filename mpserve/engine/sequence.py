@@ -80,7 +80,7 @@ class Sequence:
 
     __slots__ = ("slot", "prompt", "n_past", "reused", "max_tokens", "sampler", "text", "on_token", "generated",
                  "phase", "next_token", "output_row", "pieces", "admitted_at", "first_token_at", "cancel_requested",
-                 "logprobs", "carried", "replay", "eog", "score_prompt", "drafter", "drafts", "marks")
+                 "logprobs", "carried", "replay", "eog", "score_prompt", "drafter", "drafts", "marks", "alone")
 
     def __init__(self, slot: int, prompt: list[int], reused: int, max_tokens: int, sampler: SamplerChain,
                  text: TextStream, on_token: OnToken) -> None:
@@ -108,6 +108,7 @@ class Sequence:
         self.drafter: Drafter | None = None  # its model speculates
         self.drafts: list[int] = []  # this step's drafts, in the rows after ``output_row``
         self.marks: tuple[int, ...] = ()  # cells where its prefill decodes are split and its cells saved (TAIL_MARKS)
+        self.alone = False  # its next prompt chunk is the next step's only decode (``Scheduler.urgent``)
 
     def kv_tokens(self) -> list[int]:
         """The tokens whose KV cells it holds: its prompt and generated tokens decoded so far."""

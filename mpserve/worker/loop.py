@@ -351,9 +351,10 @@ class Worker:
         if not resumed and self._crash_on is not None and self._crash_on in req.prompt:
             _crash()
         try:
-            if not resumed:
+            if not resumed:  # ahead of every running request (it may have preempted one): its prompt goes first
+                ahead = bool(self._running) and all(req.priority > a.request.priority for a in self._running.values())
                 engine.admit(slot, wire.unpack_tokens(req.tokens) if req.tokens else req.prompt, req.params,
-                             on_token, wire.frame_tokens(assign.generated))
+                             on_token, wire.frame_tokens(assign.generated), alone=ahead)
         except MpserveError as exc:
             self._answer(wire.Error(req.id, exc.code, exc.message), assign.ticket)
             return

@@ -102,3 +102,14 @@ def test_checkpoints_fall_at_a_chunk_times_a_power_of_two() -> None:
     assert reaches_checkpoint(0, PROMPT_CHUNK) and reaches_checkpoint(PROMPT_CHUNK, 2 * PROMPT_CHUNK)
     assert not reaches_checkpoint(2 * PROMPT_CHUNK, 3 * PROMPT_CHUNK)
     assert reaches_checkpoint(3 * PROMPT_CHUNK, 4 * PROMPT_CHUNK) and not reaches_checkpoint(0, PROMPT_CHUNK - 1)
+
+
+def test_a_prompt_admitted_ahead_of_the_running_ones_is_the_urgent_one() -> None:
+    s = scheduler()
+    s.add(sequence(0, [1] * 10, 10, decoding=True))
+    s.add(sequence(1, [2] * 10))
+    assert s.urgent() is None
+    ahead = sequence(2, [3] * 10)
+    ahead.alone = True
+    s.add(ahead)
+    assert s.urgent() is ahead
