@@ -10,8 +10,8 @@
         CHUNK/DONE/ERROR bodies ◀─────┴── forwarded unchanged, looked up by ticket
     a queue by priority (``Request.priority``, higher first; equal ones in order of arrival); when requests still
     wait and no slot is free, running requests of lower priority are preempted (``mpserve.server.preemption``):
-    PREEMPT ─▶ the worker parks the sequence ─▶ PARKED: its slot is free, the request queued again, resumed later
-    on that worker by an ASSIGN under its ticket
+    PREEMPT, then the waiting request's ASSIGN into that slot ─▶ the worker parks one and admits the other ─▶
+    PARKED: the preempted request queued again, resumed later on that worker by an ASSIGN under its ticket
 
         STEP (one worker step)    ──▶ in order; per client, the step's CHUNK bodies spliced into one CHUNKS
                                       (one: a CHUNK), sent before that client's next DONE or ERROR
