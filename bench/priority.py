@@ -2,7 +2,7 @@
 same request on the idle server, through a real server (one instance, ``--parallel P``, threads = cores).
 
     idle      the interactive request (priority 10, a short prompt, a few tokens, streamed) alone, ``--samples``
-              times: its TTFT p50
+              times before the load and as many after it: its TTFT p50
     loaded    a batch client keeps every slot busy with long generations (priority 0, ``ignore_eos``) and
               ``--queued`` more waiting, each sent again as it ends; the interactive request ``--samples`` times,
               one after another: its TTFT p50, and the preemptions the server counted
@@ -75,7 +75,10 @@ async def measure(address: str, parallel: int, queued: int, samples: int, tokens
         for task in load:
             task.cancel()
         await asyncio.gather(*load, return_exceptions=True)
-        return idle, loaded, preempted
+        while (await client.stats()).models and next(iter((await client.stats()).models.values())).running:
+            await asyncio.sleep(0.05)  # the batch requests cancelled
+        idle += [await ttft(client, 2 * samples + i, tokens) for i in range(samples)]  # idle again: before and
+        return idle, loaded, preempted  # after the load, so that a change in the host's own load weighs on both
 
 
 def main() -> None:
