@@ -10,6 +10,8 @@ after some hundreds of tokens), which would say nothing of the preemption."""
 from __future__ import annotations
 
 import asyncio
+import os
+import signal
 from typing import Any
 
 import pytest
@@ -116,3 +118,37 @@ def test_a_preempted_request_of_the_real_model_gives_the_text_of_its_uninterrupt
     assert order == ["urgent", "low0"], "the urgent request waited for the slot"
     assert stats.counters["preempted"] == 1
     assert streamed == [(expected[0], expected[0])]
+
+
+@pytest.mark.timeout(300)
+def test_a_parked_request_whose_instance_dies_continues_from_its_streamed_tokens(start_server) -> None:
+    server = start_server("--parallel", "1", "--reuse", "exact", "--threads", "1", "--n-ctx", "4096").wait_ready()
+    low = {"max_tokens": 1200, "temperature": 0}
+    expected = asyncio.run(_alone(server.address, low, [LOW]))[0]
+
+    async def run() -> tuple[str, str, Any]:
+        async with AsyncClient(server.address, timeout=300) as client:
+            started, urgent_started = asyncio.Event(), asyncio.Event()
+
+            async def stream(prompt: str, priority: int, event: asyncio.Event, **params: Any) -> tuple[str, str]:
+                s = client.stream(prompt, priority=priority, **params)
+                chunks = []
+                async for text in s:
+                    chunks.append(text)
+                    event.set()
+                assert s.result is not None
+                return "".join(chunks), s.result.text
+
+            parked = asyncio.create_task(stream(LOW, 0, started, **low))
+            await asyncio.wait_for(started.wait(), 120)
+            urgent = asyncio.create_task(stream(URGENT, 10, urgent_started, max_tokens=3000, temperature=0,
+                                                ignore_eos=True))
+            await asyncio.wait_for(urgent_started.wait(), 120)  # the low one is parked on the worker now
+            assert not parked.done()
+            os.kill(server.slots()[0].pid, signal.SIGKILL)
+            (chunks, text), _ = await asyncio.gather(parked, urgent)
+            return chunks, text, await client.stats()
+
+    chunks, text, stats = asyncio.run(run())
+    assert stats.counters["preempted"] == 1
+    assert chunks == text == expected, "the parked request did not continue exactly from its streamed tokens"
