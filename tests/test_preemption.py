@@ -17,6 +17,7 @@ from typing import Any
 import pytest
 
 from mpserve import AsyncClient
+from mpserve.errors import Cancelled
 
 LOW = "Once upon a time"
 URGENT = "Answer at once:"
@@ -152,3 +153,37 @@ def test_a_parked_request_whose_instance_dies_continues_from_its_streamed_tokens
     chunks, text, stats = asyncio.run(run())
     assert stats.counters["preempted"] == 1
     assert chunks == text == expected, "the parked request did not continue exactly from its streamed tokens"
+
+
+@pytest.mark.timeout(300)
+def test_a_parked_request_cancelled_is_forgotten_and_its_room_serves_the_next_preemption(start_server) -> None:
+    server = start_server("--parallel", "1", "--threads", "1", "--n-ctx", "4096").wait_ready()
+
+    async def run() -> list[str]:
+        order: list[str] = []
+        async with AsyncClient(server.address, timeout=300) as client:
+            async def one(name: str, priority: int, started: asyncio.Event, **params: Any) -> None:
+                s = client.stream(f"{name}: {LOW}", priority=priority, temperature=0, request_id=name, **params)
+                try:
+                    async for _ in s:
+                        started.set()
+                    order.append(name)
+                except Cancelled:
+                    order.append(f"{name} cancelled")
+
+            events = {name: asyncio.Event() for name in ("low1", "urgent1", "low2", "urgent2")}
+            low1 = asyncio.create_task(one("low1", 0, events["low1"], max_tokens=2000))
+            await asyncio.wait_for(events["low1"].wait(), 120)
+            urgent1 = asyncio.create_task(one("urgent1", 10, events["urgent1"], max_tokens=2000, ignore_eos=True))
+            await asyncio.wait_for(events["urgent1"].wait(), 120)  # low1 is parked
+            await client.cancel("low1")
+            await asyncio.gather(low1, urgent1)
+            low2 = asyncio.create_task(one("low2", 0, events["low2"], max_tokens=2000))
+            await asyncio.wait_for(events["low2"].wait(), 120)
+            await one("urgent2", 10, events["urgent2"], max_tokens=8)
+            await low2
+            return order
+
+    # without the parked request forgotten, the instance would count it parked still (room for one, as it has one
+    # slot) and urgent2 would wait for low2 to end
+    assert asyncio.run(run()) == ["low1 cancelled", "urgent1", "urgent2", "low2"]
