@@ -19,8 +19,9 @@ would have been without the preemption, greedy or seeded, and no token is stream
 PARKED hold all it streamed; PARKED carries the ids of tokens whose text is still held back). The host store is not
 used for this: it may evict an entry at any time, and with ``reuse: exact`` restores only whole prompt chunks, so a
 sequence resumed from it would have to replay its tokens on a fresh sampler, which a seeded sampler's random state
-does not survive. (Its cells do reach the host store as any slot's do: the next prompt admitted into the slot keeps
-what its cut loses.) The price: a parked request resumes only on its own instance, and each instance holds at most
+does not survive. Nor are its cells copied there on the way: once parked its slot counts empty, so the admission
+of the request that takes the slot spends no time keeping them (that request, ahead of every running one, then
+computes its first prompt chunk alone in the next step: ``Scheduler.urgent``). The price: a parked request resumes only on its own instance, and each instance holds at most
 as many parked sequences as it has slots (``room``), so the memory they take is bounded by its KV cells'. If that
 instance is lost meanwhile, the request is handed over like a lost worker's running one: resumed elsewhere from the
 token ids it streamed (exact for greedy output).
