@@ -11,7 +11,7 @@ same request on the idle server, through a real server (one instance, ``--parall
 Target: loaded p50 ≤ 1.5× idle p50. The figure without preemption, for scale, is the batch job's own length: the
 interactive request would wait for a slot behind every queued generation.
 
-    python -m bench.priority                     # bench model, 2 slots, 32 queued, 9 samples
+    python -m bench.priority                     # bench model, 2 slots, 32 queued, 15 samples
     python -m bench.priority --model PATH        # another GGUF (Gemma 3 270M)
     python -m bench.priority --quick             # tiny model, fewer samples: the harness works
 """
@@ -86,13 +86,13 @@ def main() -> None:
     parser.add_argument("--model", default="builtin:bench")
     parser.add_argument("--parallel", type=int, default=2)
     parser.add_argument("--queued", type=int, default=32)
-    parser.add_argument("--samples", type=int, default=9)
+    parser.add_argument("--samples", type=int, default=15)
     parser.add_argument("--tokens", type=int, default=8, help="tokens of each interactive request")
     parser.add_argument("--batch-tokens", type=int, default=1024, help="tokens of each batch request")
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     parser.add_argument("--quick", action="store_true")
     args = parser.parse_args()
-    model, samples, batch_tokens = ("builtin:tiny", 5, 4096) if args.quick else (
+    model, samples, batch_tokens = ("builtin:tiny", 9, 4096) if args.quick else (
         args.model, args.samples, args.batch_tokens)
     with MpserveServer("--model", model, "--instances", "1", "--parallel", str(args.parallel), "--threads",
                        str(args.threads), "--n-ctx", str(batch_tokens + 64)) as server:
