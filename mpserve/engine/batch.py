@@ -21,6 +21,7 @@ free slots and calls ``step`` in a loop; each module below does one job of it:
     load_adapter / unload_adapter   LoRA adapters (``adapters``): a sequence runs under the set its request chose;
                    the sets take turns by step (llama.cpp applies adapters per context), and cells computed under
                    one set are reused by the same set only
+    park(slot, key) / resume(key, slot, on_token)   a running sequence out of the batch and back (``_Parked``)
 
 Slots are llama.cpp sequence ids 0..parallel-1, and the context holds ``parallel * n_ctx`` KV cells. By default
 every slot has a stream of ``n_ctx`` cells of its own (llama-server's layout with ``--parallel``): a token attends
@@ -90,7 +91,7 @@ from .keeping import Keeping, open_store
 from .logprobs import LogprobsRecorder
 from .sampling import SamplerChain, TextStream
 from .scheduler import Scheduler
-from .sequence import PROMPT_CHUNK, Phase, Sequence, next_chunk
+from .sequence import PROMPT_CHUNK, Phase, Sequence, next_chunk, whole_cells
 from .settings import EngineSettings
 from .speculation import MAX_ROWS, Drafter, RowCosts, verify
 from .store_stats import CacheStats
@@ -113,6 +114,20 @@ class BatchStats:
     prompt_tokens_restored: int  # of those reused: restored from the host store
     draft_tokens: int = 0  # proposed by speculation and verified
     accepted_tokens: int = 0  # of those, the ones the sequences kept
+
+
+@dataclass(frozen=True)
+class _Parked:
+    """A sequence out of the batch (preempted: ``mpserve.server.preemption``), whole: its Sequence object as it was
+    between two steps (its sampler chain, so a seeded sampler's random state, a grammar's state and the penalties'
+    window go on where they were; its text stream with what it holds back; its log-probabilities not yet taken),
+    and its slot's KV cells read out (``Context.read_state``: ``size`` bytes, none before its first decode). Held in
+    this process's memory, not the host store, which may evict an entry or hold only whole chunks of it:
+    written back into a slot, the cells are the very ones it had, so it decodes on as if never stopped."""
+
+    seq: Sequence
+    state: Any
+    size: int
 
 
 class BatchEngine:
@@ -159,6 +174,7 @@ class BatchEngine:
         self._cells = Cells(context, self.parallel, self._scheduler.running, exact=self._exact,
                             kv_unified=settings.kv_unified, n_swa=context.n_swa, has_store=store is not None)
         self._keeping = Keeping(store, self._cells, context, exact=self._exact, cut_back=context.cut_back)
+        self._parked: dict[str, _Parked] = {}
         self.chat = context.chat
         context.warm_up()
 
@@ -259,7 +275,7 @@ class BatchEngine:
 
     def admit(self, slot: int, prompt: str | list[int], params: GenerateParams, on_token: OnToken,
               carried: collections.abc.Sequence[int] = (), adapters: collections.abc.Sequence[tuple[str, float]] = (),
-              salt: bytes = b"") -> None:
+              salt: bytes = b"", alone: bool = False) -> None:
         """Start ``prompt`` in free slot ``slot``; its prompt is computed by the coming steps. A prompt of
         token ids is taken as it is (no BOS added), as create_completion takes one. ``carried``:
         the tokens another instance generated for this request before it was lost. They are decoded one a
@@ -271,7 +287,8 @@ class BatchEngine:
         it runs under (UnknownModel for a name not loaded). ``salt``: its reuse namespace (``mpserve.wire.salt``):
         it starts from cells (its slot's, another's, the host store's) computed under the same salt only; under
         adapters, the salt is the request's with their loads mixed in (``reuse_key``), so that cells computed under
-        other adapters are never reused whatever salt the broker gave."""
+        other adapters are never reused whatever salt the broker gave. ``alone``: its first prompt chunk is the next
+        step's only decode (``Scheduler.urgent``)."""
         if not 0 <= slot < self.parallel or slot in self._scheduler.running:
             raise ValueError(f"slot {slot} is not a free slot of 0..{self.parallel - 1}")
         context, keeping = self._context, self._keeping
@@ -307,6 +324,7 @@ class BatchEngine:
         seq.carried, seq.replay = len(carried), deque(carried)
         seq.marks = () if space else keeping.marks(tokens, reused, score_prompt)  # marks save cells in the store
         seq.adapters, seq.space = chosen, space
+        seq.alone = alone
         self._last_adapters[slot] = chosen
         self._scheduler.add(seq)
 
@@ -337,6 +355,57 @@ class BatchEngine:
         if seq is not None:
             seq.cancel_requested = True
 
+    # --- parking: a sequence out of the batch for a while, and back ---------------------------------
+
+    def park(self, slot: int, key: str) -> bool:
+        """Take the sequence running in ``slot`` out of the batch, held under ``key`` with its KV cells read out
+        (``_Parked``); the slot is free and counted empty (left for reuse, its cells would be copied into the host
+        store when the next prompt cuts them, on the path of the request that preempted it). False if nothing runs
+        there (it ended) or a cancel ends it."""
+        seq = self._scheduler.running.get(slot)
+        if seq is None or seq.cancel_requested:
+            return False
+        state, size = self._context.read_state(slot) if seq.n_past else (None, 0)
+        if seq.n_past and not size:
+            log.warning("llama.cpp could not read slot %d's cells; its sequence runs on, not parked", slot)
+            return False
+        self._scheduler.remove(seq)
+        self._cells.set(slot, [], 0)
+        self._parked[key] = _Parked(seq, state, size)
+        return True
+
+    def resume(self, key: str, slot: int, on_token: OnToken) -> bool:
+        """Put the sequence parked under ``key`` back into free ``slot``, its cells written there as they were read,
+        its text now going to ``on_token``: it goes on from the token it was to decode next, with the same sampler
+        (random state, grammar, penalties). False if nothing is parked under ``key`` (or llama.cpp refused the
+        cells: then it is dropped, and the caller starts the request again)."""
+        parked = self._parked.pop(key, None)
+        if parked is None:
+            return False
+        if not 0 <= slot < self.parallel or slot in self._scheduler.running:
+            self._parked[key] = parked
+            raise ValueError(f"slot {slot} is not a free slot of 0..{self.parallel - 1}")
+        seq = parked.seq
+        if parked.size:
+            if not self._context.write_state(slot, parked.state, parked.size):
+                log.warning("llama.cpp refused a parked sequence's cells; it starts again in slot %d", slot)
+                self._cells.erase(slot)
+                seq.sampler.close()
+                return False
+        else:
+            self._context.seq_rm(slot, -1, -1)
+        self._cells.set(slot, seq.kv_tokens(), whole_cells(seq))
+        seq.slot, seq.on_token = slot, on_token
+        self._last_adapters[slot] = seq.adapters
+        self._scheduler.add(seq)
+        return True
+
+    def drop(self, key: str) -> None:
+        """Forget the sequence parked under ``key``, if one is."""
+        parked = self._parked.pop(key, None)
+        if parked is not None:
+            parked.seq.sampler.close()
+
     def take_logprobs(self, slot: int) -> wire.Logprobs | None:
         """The log-probabilities of the tokens ``slot``'s sequence generated since the last take."""
         seq = self._scheduler.running.get(slot)
@@ -351,10 +420,16 @@ class BatchEngine:
         done = [self._finish(seq, "cancelled") for seq in scheduler.cancelled()]
         if self.parallel > 1:
             self._cells.catch_up(scheduler.prefilling)
-        turn = self._turns.next(seq.adapters for seq in scheduler.running.values())
-        self._adapters.apply(self._context.ctx, turn)
-        decoding = [seq for seq in scheduler.decoding() if seq.adapters == turn]
-        chunks = scheduler.chunks(bool(decoding), turn)
+        urgent = scheduler.urgent()
+        if urgent is not None:  # ahead of the rest, under its own adapters
+            urgent.alone = False
+            self._adapters.apply(self._context.ctx, urgent.adapters)
+            decoding, chunks = [], [urgent]
+        else:
+            turn = self._turns.next(seq.adapters for seq in scheduler.running.values())
+            self._adapters.apply(self._context.ctx, turn)
+            decoding = [seq for seq in scheduler.decoding() if seq.adapters == turn]
+            chunks = scheduler.chunks(bool(decoding), turn)
         if decoding:
             self._propose(decoding)
         for together in scheduler.decodes(decoding):
@@ -557,6 +632,8 @@ class BatchEngine:
         hold goes to the host store first (``Keeping.close``), so that it outlives the instance."""
         for seq in self._scheduler.running.values():
             seq.sampler.close()
+        for key in list(self._parked):
+            self.drop(key)
         self._scheduler.clear()
         self._grammars.close()
         self._keeping.close()

@@ -195,6 +195,7 @@ class Cells:
         """``seq`` left the batch: its slot keeps its cells (all but the last token sampled, which has none)."""
         self.cached[seq.slot] = seq.kv_tokens()
         self.whole[seq.slot] = whole_cells(seq) if self._exact else 0
+        self.salts[seq.slot], self.spaces[seq.slot] = seq.salt, seq.space  # (a resumed one came in by ``set``)
 
     def set(self, slot: int, tokens: list[int], whole: int) -> None:
         """``slot``'s cells were replaced (a slot file restored by the operator, or emptied): they hold ``tokens``,

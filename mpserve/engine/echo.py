@@ -45,14 +45,16 @@ class EchoEngine(NoCells, NoAdapters):
         self.tick = tick  # seconds per step; 0: no wait, and the pieces are the prompt's
         self._next_tick = 0.0
         self._running: dict[int, _Echo] = {}
+        self._parked: dict[str, _Echo] = {}
 
     def free_slots(self) -> list[int]:
         return [slot for slot in range(self.parallel) if slot not in self._running]
 
     def admit(self, slot: int, prompt: str | list[int], params: GenerateParams, on_token: OnToken,
-              carried: Sequence[int] = (), adapters: Sequence[tuple[str, float]] = (), salt: bytes = b"") -> None:
+              carried: Sequence[int] = (), adapters: Sequence[tuple[str, float]] = (), salt: bytes = b"",
+              alone: bool = False) -> None:
         """``carried`` is ignored: echo has no tokens, so its requests are never resumed (``tokens`` is empty); nor
-        cells, so ``salt`` has nothing to keep apart."""
+        cells, so ``salt`` has nothing to keep apart; ``alone`` too: every sequence makes its piece each step."""
         if not 0 <= slot < self.parallel or slot in self._running:
             raise ValueError(f"slot {slot} is not a free slot of 0..{self.parallel - 1}")
         refuse_adapters(adapters)
@@ -81,6 +83,24 @@ class EchoEngine(NoCells, NoAdapters):
         echo = self._running.get(slot)
         if echo is not None:
             echo.cancel_requested = True
+
+    def park(self, slot: int, key: str) -> bool:
+        echo = self._running.get(slot)
+        if echo is None or echo.cancel_requested:
+            return False
+        self._parked[key] = self._running.pop(slot)
+        return True
+
+    def resume(self, key: str, slot: int, on_token: OnToken) -> bool:
+        echo = self._parked.pop(key, None)
+        if echo is None:
+            return False
+        echo.on_token = on_token
+        self._running[slot] = echo
+        return True
+
+    def drop(self, key: str) -> None:
+        self._parked.pop(key, None)
 
     def step(self) -> list[tuple[int, Completion]]:
         """The next piece of every running sequence (after the next tick, with one)."""
@@ -112,3 +132,4 @@ class EchoEngine(NoCells, NoAdapters):
 
     def close(self) -> None:
         self._running.clear()
+        self._parked.clear()

@@ -160,7 +160,8 @@ class EmbeddingEngine(NoCells, NoAdapters):
         return list(range(self.parallel))
 
     def admit(self, slot: int, prompt: str | list[int], params: GenerateParams, on_token: OnToken,
-              carried: Sequence[int] = (), adapters: Sequence[tuple[str, float]] = (), salt: bytes = b"") -> None:
+              carried: Sequence[int] = (), adapters: Sequence[tuple[str, float]] = (), salt: bytes = b"",
+              alone: bool = False) -> None:
         raise BadRequest("this model is served with embedding: true; it computes embeddings, not completions")
 
     def tokens(self, slot: int) -> Sequence[int]:
@@ -171,6 +172,15 @@ class EmbeddingEngine(NoCells, NoAdapters):
 
     def cancel(self, slot: int) -> None:
         """Nothing runs in a slot."""
+
+    def park(self, slot: int, key: str) -> bool:
+        return False  # nothing runs in a slot
+
+    def resume(self, key: str, slot: int, on_token: OnToken) -> bool:
+        return False  # nothing was parked
+
+    def drop(self, key: str) -> None:
+        """Nothing is parked."""
 
     def step(self) -> list[tuple[int, Completion]]:
         return []

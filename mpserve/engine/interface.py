@@ -8,7 +8,9 @@
                                       an end-of-generation token last, if one ended it)
     loop     ──step()──────────▶      one round for every running sequence; on_token per new piece
              ◀──[(slot, Completion)]  the sequences that ended in it
-    CANCEL   ──cancel(slot)────▶      that sequence ends at the start of the next step
+    CANCEL   ──cancel(slot)────▶      that sequence ends at the start of the next step (a parked one: drop(key))
+    PREEMPT  ──park(slot, key)─▶      that sequence out of the batch, held whole; its slot free
+    ASSIGN   ──resume(key, slot, …)─▶ a parked sequence back in a free slot, going on where it stopped
     TOKENIZE ──tokenize / token_bytes──▶  the model's vocabulary, between steps
     EMBED    ──embed(inputs)──▶   an ``Embedder`` (EmbeddingEngine, a model served with embedding: true)
     row      ──kv_cells(slot)──▶   the KV cells the slot holds (the slot table shows them)
@@ -118,11 +120,14 @@ class Engine(Protocol):
     def free_slots(self) -> list[int]: ...
 
     def admit(self, slot: int, prompt: str | list[int], params: GenerateParams, on_token: OnToken,
-              carried: Sequence[int] = (), adapters: Sequence[tuple[str, float]] = (), salt: bytes = b"") -> None:
+              carried: Sequence[int] = (), adapters: Sequence[tuple[str, float]] = (), salt: bytes = b"",
+              alone: bool = False) -> None:
         """``prompt``: text (tokenized with BOS), or token ids taken as they are; ``carried``: the tokens a
         lost instance generated for this request, replayed before it goes on; ``adapters``: the LoRA adapters
         (loaded names) and scales it runs under (UnknownModel for a name not loaded); ``salt``: its reuse namespace
-        (``mpserve.wire.salt``), the only cells it may start from being those computed under the same."""
+        (``mpserve.wire.salt``), the only cells it may start from being those computed under the same; ``alone``:
+        it goes ahead of the running sequences (higher priority): its first prompt chunk is the next step's only
+        decode."""
 
     def adapter_names(self) -> tuple[str, ...]:
         """The LoRA adapters loaded, by name."""
@@ -174,6 +179,17 @@ class Engine(Protocol):
         """The text of ``token`` (special tokens as written); BadRequest for an id outside the vocabulary."""
 
     def cancel(self, slot: int) -> None: ...
+
+    def park(self, slot: int, key: str) -> bool:
+        """Take the sequence in ``slot`` out of the batch, held under ``key``; its slot is free. False if nothing
+        runs there (it ended) or it is being cancelled."""
+
+    def resume(self, key: str, slot: int, on_token: OnToken) -> bool:
+        """Put the sequence parked under ``key`` back into free ``slot``, its text going to ``on_token``: it goes
+        on exactly where it stopped. False if none is parked under ``key`` (the caller admits the request)."""
+
+    def drop(self, key: str) -> None:
+        """Forget the sequence parked under ``key``, if one is."""
 
     def step(self) -> list[tuple[int, Completion]]: ...
 

@@ -1,7 +1,9 @@
 """Which rows go into the next decodes: the running sequences by slot, the prompts by admission order.
 
-    admit ──add(seq)──▶ running[slot], prefilling (admission order)
+    admit ──add(seq)──▶ running[slot], prefilling (admission order; a parked sequence resumed: while its prompt
+                        is not all computed)
     step  ──cancelled()──▶ the sequences a cancel ended
+          ──urgent()─────▶ a prompt admitted to go first: its next chunk is the step's only decode, or else
           ──decoding()───▶ DECODE sequences in slot order ──decodes()──▶ grouped into llama_decode calls
           ──chunks(any decoding, turn)──▶ the prompts computing their next chunk this step, within the token budget
                                           (those of the adapter set whose turn it is: ``adapters.Turns``)
@@ -40,7 +42,8 @@ class Scheduler:
 
     def add(self, seq: Sequence) -> None:
         self.running[seq.slot] = seq
-        self.prefilling.append(seq)
+        if seq.phase is Phase.PREFILL:
+            self.prefilling.append(seq)
 
     def remove(self, seq: Sequence) -> None:
         del self.running[seq.slot]
@@ -58,6 +61,12 @@ class Scheduler:
 
     def cancelled(self) -> list[Sequence]:
         return [seq for seq in self.running.values() if seq.cancel_requested]
+
+    def urgent(self) -> Sequence | None:
+        """A prompt admitted ahead of the running sequences (``Sequence.alone``: a request of higher priority than
+        theirs), whose next chunk is this step's only decode: its first token comes as soon as it would on an idle
+        instance, while the others wait one step (which changes none of their numbers)."""
+        return next((seq for seq in self.prefilling if seq.alone), None)
 
     def decoding(self) -> list[Sequence]:
         """The sequences that decode a token this step, in slot order."""

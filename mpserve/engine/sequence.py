@@ -81,7 +81,7 @@ class Sequence:
     __slots__ = ("slot", "prompt", "n_past", "reused", "max_tokens", "sampler", "text", "on_token", "generated",
                  "phase", "next_token", "output_row", "pieces", "admitted_at", "first_token_at", "cancel_requested",
                  "logprobs", "carried", "replay", "eog", "score_prompt", "drafter", "drafts", "marks", "adapters",
-                 "space", "salt")
+                 "space", "salt", "alone")
 
     def __init__(self, slot: int, prompt: list[int], reused: int, max_tokens: int, sampler: SamplerChain,
                  text: TextStream, on_token: OnToken, salt: bytes = b"") -> None:
@@ -112,6 +112,7 @@ class Sequence:
         self.marks: tuple[int, ...] = ()  # cells where its prefill decodes are split and its cells saved (TAIL_MARKS)
         self.adapters: tuple[tuple[str, float], ...] = ()  # its LoRA adapters and scales (``adapters``); (): none
         self.space = b""  # the adapters' loads its cells are computed under (in its salt too: ``BatchEngine.admit``)
+        self.alone = False  # its next prompt chunk is the next step's only decode (``Scheduler.urgent``)
 
     def kv_tokens(self) -> list[int]:
         """The tokens whose KV cells it holds: its prompt and generated tokens decoded so far."""

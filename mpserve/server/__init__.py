@@ -6,6 +6,7 @@
     routing     the broker's decisions as pure functions: which slot a request goes to, what a lost one becomes
     tenants     per tenant: the order queued requests start in (priority, fair shares), limits and figures
     adapter_ops LoRA adapters loaded and unloaded at run time: to every instance, an unload after its requests
+    preemption  which running requests give their slots to waiting ones of higher priority (pure functions)
     link        the worker link's trust rules: whose READY, which name, whose answer (pure functions)
     roles       who may do what on the ZeroMQ side: a message's role is the socket it arrived on
     pool_keys   which models a remote pool's CURVE key may serve (``worker_models``)

@@ -8,6 +8,11 @@
                                         instance)
                                       ▲                  │
         CHUNK/DONE/ERROR bodies ◀─────┴── forwarded unchanged, looked up by ticket
+    a queue by priority (``Request.priority``, higher first; equal ones in order of arrival); when requests still
+    wait and no slot is free, running requests of lower priority are preempted (``mpserve.server.preemption``):
+    PREEMPT, then the waiting request's ASSIGN into that slot ─▶ the worker parks one and admits the other ─▶
+    PARKED: the preempted request queued again, resumed later on that worker by an ASSIGN under its ticket
+
         STEP (one worker step)    ──▶ in order; per client, the step's CHUNK bodies spliced into one CHUNKS
                                       (one: a CHUNK), sent before that client's next DONE or ERROR
         ASSIGNs of one turn       ──▶ per worker, gathered and sent as one ASSIGNS (``flush``, at the end
@@ -121,7 +126,7 @@ from mpserve.wire.prefix import PREFIX_BLOCK, block_hashes
 from mpserve.wire.protocol import ChatTemplate
 from mpserve.wire.salt import reuse_salt
 
-from . import chat, link, pool_keys, roles, unserved
+from . import chat, link, pool_keys, preemption, roles, unserved
 from .adapter_ops import AdapterOps
 from .pool_keys import PoolKey
 from .residency import Loaded, Residency
@@ -147,8 +152,8 @@ MAX_RETRY_AFTER_S = 30.0
 DRAIN_BATCH = 256
 ASSIGN_BATCH = 64  # ASSIGNs gathered for one worker before they go without waiting for the turn's end
 CHUNK_FRAME = wire.TYPE_FRAMES[wire.MsgType.CHUNK]
-TRAILED = {CHUNK_FRAME, *(wire.TYPE_FRAMES[t] for t in (wire.MsgType.DONE, wire.MsgType.ERROR, wire.MsgType.READY))
-           }  # may have a 5th frame
+TRAILED = {CHUNK_FRAME, *(wire.TYPE_FRAMES[t] for t in (wire.MsgType.DONE, wire.MsgType.ERROR, wire.MsgType.READY,
+                                                       wire.MsgType.PARKED))}  # may have a 5th frame
 CHUNKS_FRAME = wire.TYPE_FRAMES[wire.MsgType.CHUNKS]
 TICKET_BYTES = 16
 LOOKUP_ANSWERS = {wire.MsgType.TOKENS, wire.MsgType.EMBEDDINGS, wire.MsgType.SLOT_REPLY, wire.MsgType.ERROR}
@@ -655,7 +660,7 @@ class Broker:
             name: wire.ModelStats(len(mq.queue), running[name], mq.instances, len(mq.free), mq.failed,
                                   mq.chat.template, mq.chat.bos_token, mq.chat.eos_token,
                                   round(now - self.requests[mq.queue.oldest()].accepted, 3) if mq.queue else 0.0,
-                                  self.scaling_of(name), list(mq.adapters))
+                                  self.scaling_of(name), list(mq.adapters), mq.preempted)
             for name, mq in self.models.items()
         }, [wire.WorkerStats(w.identity.decode(), w.model, w.host, w.pid, w.device, w.capacity, len(w.running))
             for w in self.workers.values()],
@@ -723,6 +728,7 @@ class Broker:
 
     def _finish(self, p: Pending) -> None:
         self.requests.pop(p.ticket, None)
+        self._unpark(p)
         key = (p.client, p.request.id)
         left = self._choices(p) if p.group else []
         if left:  # a request for n: its id stays in use until its last choice is done
@@ -806,7 +812,7 @@ class Broker:
         if mtype is wire.MsgType.STEP:
             self._worker_step(identity, frames[3])
             return
-        if mtype in (wire.MsgType.CHUNK, wire.MsgType.DONE, wire.MsgType.ERROR):
+        if mtype in wire.STEPPED:
             self._worker_result(identity, mtype, frames[2].decode(errors="replace"), frames[1], frames[3],
                                 frames[4] if len(frames) == 5 else None)
             return
@@ -830,6 +836,7 @@ class Broker:
         elif isinstance(msg, wire.Unloaded):
             entry.loaded = entry.unloading = False
             entry.prompts.clear()  # its KV cells went with the model; the host store keeps its entries
+            self._unpin(entry)
             self._dispatch(entry.model)
 
     def _from_unregistered(self, identity: bytes, mtype: wire.MsgType, body: bytes) -> None:
@@ -1004,11 +1011,12 @@ class Broker:
         mq = self.models[entry.model]
         mq.instances -= 1
         mq.free = deque(f for f in mq.free if f[0] != entry.identity)
+        self._unpin(entry)
 
     def _worker_result(self, identity: bytes, mtype: wire.MsgType, ticket: str, type_frame: bytes,
                        body: bytes, trailer: bytes | None) -> None:
         entry = self.workers.get(identity)
-        if trailer is not None and entry is not None and mtype is not wire.MsgType.CHUNK:
+        if trailer is not None and entry is not None and mtype not in (wire.MsgType.CHUNK, wire.MsgType.PARKED):
             self._cache_changed(entry, trailer)  # whether or not the request is still there
         p = self._running_on(entry, ticket)
         if p is None or entry is None:
@@ -1020,6 +1028,9 @@ class Broker:
         if mtype is wire.MsgType.CHUNK:
             if self._streaming(p, trailer):
                 self._to_client(p.client, [wire.VERSION, type_frame, body])
+            return
+        if mtype is wire.MsgType.PARKED:
+            self._on_parked(entry, p, trailer)
             return
         slot = entry.running.pop(ticket)
         self._left_slot(p)
@@ -1041,7 +1052,7 @@ class Broker:
         self._finish(p)
         if entry.draining:
             self._stop_if_drained(entry)
-        else:
+        elif not p.preempting:  # a request that ended before its PREEMPT came: its slot is given already
             mq.free.append((identity, slot))
         self._dispatch(entry.model)
 
@@ -1134,19 +1145,24 @@ class Broker:
             self._dispatch_resident()
             return
         mq = self.models[model]
+        passed: set[str] = set()  # parked requests whose instance has no slot free: the requests behind pass them
         while mq.queue and mq.free:
-            ticket = mq.queue.head(self.ledger.eligible)
-            if ticket is None:  # every tenant waiting is at its max_running
+            ticket = mq.queue.head(self.ledger.eligible, passed)
+            if ticket is None:  # every tenant waiting is at its max_running, or passed
                 break
             p = self.requests[ticket]
             if mq.adapters:  # a younger request of its tenant may go first, to batch with an instance's adapters
                 p = self._batching_next(mq, p)
             slots = self._take_slots(mq, p)
+            if slots is None and p.parked_on is not None:
+                passed.add(p.ticket)
+                continue
             if slots is None and not self._refuse_head(mq, p):  # a request for n waits for n slots of one instance
                 break
             if slots is not None:
                 mq.queue.pop(p.ticket)
                 self._assign_choices(p, slots)
+        self._preempt_for(mq)
 
     def _dispatch_resident(self) -> None:
         """Single active backend: advance each device's turn (unloading what must leave), then start the
@@ -1184,6 +1200,8 @@ class Broker:
         the n slots of one instance ``routing.choose_slots`` picks; count why (``routed_kv_prefix``, ...)."""
         names = {name for name, _ in p.request.adapters}
         free = [f for f in mq.free if names <= self.workers[f[0]].adapters] if names else mq.free  # those loaded
+        if p.parked_on is not None:  # where its sequence is held
+            free = [f for f in free if f[0] == p.parked_on]
         route = choose_slots(free, self.workers, p.request.prompt, p.slots_needed, device, self._blocks(mq, p),
                              _salt(p), p.request.adapters, self._adapter_sets(mq))
         if route is None:
@@ -1246,6 +1264,8 @@ class Broker:
     def _assign(self, p: Pending, slot: tuple[bytes, int]) -> None:
         identity, index = slot
         entry = self.workers[identity]
+        entry.parked.discard(p.ticket)  # parked there: the ASSIGN under its ticket resumes it
+        p.parked_on = None
         p.attempts += 1
         p.state = RequestState.RUNNING
         p.worker = identity
@@ -1267,6 +1287,102 @@ class Broker:
         waiting.append(body)
         if len(waiting) >= ASSIGN_BATCH:
             self._flush_assigns(identity)
+
+    # --- priority and preemption ---------------------------------------------------------------
+
+    def _preempt_for(self, mq: ModelQueue) -> None:
+        """Requests of ``mq`` wait and none of its slots is free: preempt the running requests
+        ``preemption.victims`` picks. Each victim's worker gets PREEMPT, then the ASSIGN of the waiting request it
+        gives way to, into its slot: the worker parks one and admits the other in the same turn."""
+        if not mq.queue or mq.free or mq.failed is not None:
+            return
+        running, room = [], {}
+        for entry in self.workers.values():
+            if entry.model != mq.name or entry.draining:
+                continue
+            room[entry.identity] = entry.capacity - len(entry.parked)
+            for ticket in entry.running:
+                p = self.requests.get(ticket)
+                if p is None or p.answered:
+                    continue
+                if p.preempting:
+                    room[entry.identity] -= 1
+                else:
+                    running.append(preemption.Running(ticket, p.priority, p.first_assigned, p.preemptions,
+                                                      entry.identity))
+        if not running:
+            return
+        waiting: list[Pending] = []
+        for ticket in mq.queue.above(min(r.priority for r in running)):  # only those above the lowest running one
+            p = self.requests[ticket]
+            if len(waiting) == len(running):
+                break
+            if p.parked_on is None and p.slots_needed == 1 and self.ledger.may_start(p.tenant):
+                waiting.append(p)
+        chosen = preemption.victims([p.priority for p in waiting], running, room)
+        for p, ticket in zip(waiting, chosen, strict=False):
+            victim = self.requests[ticket]
+            identity = victim.worker
+            assert identity is not None
+            victim.preempting = True
+            log.debug("request %s of %s: preempted on worker %s for request %s", victim.request.id, mq.name,
+                      identity.decode(), p.request.id)
+            self._to_worker(identity, wire.Preempt(ticket))
+            mq.queue.remove(p.ticket)
+            self._assign(p, (identity, self.workers[identity].running[ticket]))
+
+    def _on_parked(self, entry: WorkerEntry, p: Pending, tokens: bytes | None) -> None:
+        """PARKED: ``entry`` holds ``p``'s sequence (its slot serves the request it gave way to); ``p`` is queued
+        again at its priority, to resume there (a request cancelled meanwhile is forgotten there too)."""
+        del entry.running[p.ticket]
+        p.worker = None
+        p.preempting = False
+        mq = self.models[entry.model]
+        if p.answered or entry.draining:  # a draining worker's: it resumes elsewhere, from its tokens
+            self._to_worker(entry.identity, wire.Cancel(p.ticket))
+        if p.answered:
+            self._finish(p)
+            return
+        if tokens is not None and len(tokens) % 4 == 0:
+            p.generated += tokens
+        elif tokens is not None:
+            p.tokens_known = False
+        self._left_slot(p)
+        p.state = RequestState.QUEUED
+        p.preemptions += 1
+        if not entry.draining:
+            p.parked_on = entry.identity
+            entry.parked.add(p.ticket)
+        self._count_preemption(mq, p)
+        mq.queue.requeue(p.ticket, p.tenant, p.priority, p.cost)  # first of its priority, not charged again
+        self._dispatch(entry.model)
+
+    def _count_preemption(self, mq: ModelQueue, p: Pending) -> None:
+        """Count ``p``'s preemption: in all, per model and per tenant."""
+        self.stats["preempted"] += 1
+        mq.preempted += 1
+        self.ledger.preempted(p.tenant)
+        log.debug("request %s of %s: parked (preempted %d time(s)), queued again", p.request.id, p.model,
+                  p.preemptions)
+
+    def _unpark(self, p: Pending) -> None:
+        """``p`` ends while parked: its worker forgets its sequence."""
+        if p.parked_on is None:
+            return
+        entry = self.workers.get(p.parked_on)
+        p.parked_on = None
+        if entry is not None:
+            entry.parked.discard(p.ticket)
+            self._to_worker(entry.identity, wire.Cancel(p.ticket))
+
+    def _unpin(self, entry: WorkerEntry) -> None:
+        """``entry`` no longer holds the sequences parked on it (it was lost, or unloaded its model): those
+        requests resume on any instance, from the tokens they streamed."""
+        for ticket in entry.parked:
+            p = self.requests.get(ticket)
+            if p is not None and p.parked_on == entry.identity:
+                p.parked_on = None
+        entry.parked.clear()
 
     def _flush_assigns(self, identity: bytes) -> None:
         bodies = self._assigns.pop(identity, None)

@@ -10,6 +10,8 @@ A request's life in the broker (``RequestState``; llama.cpp's server draws its `
                    └── worker died or stalled: resumed with the tokens ────┤ (``generated``: every
                        streamed so far, the rest of max_tokens             │  CHUNK's token ids)
                                                                            ▼
+    RUNNING or STREAMING ──PREEMPT, its worker's PARKED──▶ QUEUED, parked on that worker (``parked_on``): it
+                           resumes there, where its sequence is held (``mpserve.server.preemption``)
     any state ──DONE / ERROR / cancel / timeout / client gone / worker lost──▶ ANSWERED ──▶ removed
 
 ANSWERED means its one terminal message was sent (or the client is gone). A request answered while a worker
@@ -71,6 +73,9 @@ class Pending:
     priority: int = 0  # as asked, capped by its tenant's max_priority: higher starts first
     cost: float = 0.0  # the slot seconds its tenant was charged for it when it started (``FairQueue``)
     passed: int = 0  # times a younger request went first, to batch with an instance's adapters (``pick_queued``)
+    preempting: bool = False  # a PREEMPT went to its worker; its PARKED (or its end) has not come back
+    preemptions: int = 0  # times it was preempted (``preemption.MAX_PREEMPTIONS`` bounds them)
+    parked_on: bytes | None = None  # queued again after a preemption: the worker holding its sequence
 
     @property
     def answered(self) -> bool:
@@ -98,6 +103,7 @@ class WorkerEntry:
     unreachable: bool = False  # a send to it failed (said once), until it is heard from again
     adapters: frozenset[str] = frozenset()  # the LoRA adapters it has loaded (READY, ADAPTER_REPLY): it runs only
     # requests whose adapters are all among them
+    parked: set[str] = field(default_factory=set)  # tickets of the queued requests whose sequence it holds parked
 
 
 @dataclass(frozen=True)
@@ -131,6 +137,7 @@ class ModelQueue:
     adapters: list[str] = field(default_factory=list)  # its LoRA adapters, in declaration order (a request's ids)
     adapter_paths: dict[str, str] = field(default_factory=dict)  # those loaded at run time: name -> file (a new
     # instance is sent them: ``mpserve.server.adapter_ops``)
+    preempted: int = 0  # its requests preempted since start
 
     def store(self, host: str) -> RamPrefixes:
         """The view of ``host``'s store (one per host: any instance there restores what another saved); it

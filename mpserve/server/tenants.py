@@ -32,7 +32,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 from collections import deque
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Collection, Iterator, Sequence
 from dataclasses import dataclass, field
 
 from mpserve.config.tenants import LOCAL, UNCAPPED, Tenant, Tenants
@@ -98,6 +98,14 @@ class FairQueue:
         self._add(ticket, tenant, priority, cost, True)
         self._front.setdefault(priority, deque()).append(ticket)
 
+    def above(self, floor: int) -> list[str]:
+        """The tickets of a priority above ``floor``, highest first; of one priority, those put back first, then by
+        arrival."""
+        if max(self._bands.keys() | self._front.keys(), default=floor) <= floor:  # the common case: none
+            return []
+        found = [(t, e) for t, e in self._entries.items() if e.priority > floor]
+        return [t for t, _ in sorted(found, key=lambda te: (-te[1].priority, not te[1].back, te[1].seq))]
+
     def line(self, tenant: str, priority: int) -> Sequence[str]:
         """``tenant``'s tickets of ``priority`` in arrival order (those put back are not in it)."""
         return self._bands.get(priority, {}).get(tenant, ())
@@ -133,18 +141,21 @@ class FairQueue:
             if not band:
                 del self._bands[priority]
 
-    def head(self, eligible: Callable[[str], bool] | None = None) -> str | None:
-        """The ticket that starts next: the highest band's first put back, else its tenants' by least virtual
-        finish among those ``eligible`` says may start one more (None: any may); None if none may."""
+    def head(self, eligible: Callable[[str], bool] | None = None, passed: Collection[str] = ()) -> str | None:
+        """The ticket that starts next: the highest band's first put back (but those ``passed``: put back after a
+        preemption, their instance has no slot free), else its tenants' by least virtual finish among those
+        ``eligible`` says may start one more (None: any may); None if none may."""
         bands = self._bands
         if not self._front and len(bands) == 1:  # the common case: one band
             band = next(iter(bands.values()))
             if len(band) == 1 and eligible is None:  # and one tenant waits in it
                 return next(iter(band.values()))[0]
         for priority in sorted(bands.keys() | self._front.keys(), reverse=True):
-            front = self._front.get(priority)
-            if front:
-                return front[0]
+            front = next((t for t in self._front.get(priority, ()) if t not in passed), None)
+            if front is not None:
+                return front
+            if priority not in bands:
+                continue
             band = bands[priority]
             if len(band) == 1:  # one tenant waits in this band
                 tenant, line = next(iter(band.items()))

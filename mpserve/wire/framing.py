@@ -7,14 +7,15 @@ ROUTER sockets see a routing-identity frame first; that frame belongs to ZeroMQ 
     broker  -> client   [VERSION, TYPE, BODY]            CHUNK, CHUNKS, DONE, ERROR, PONG, STATS, TOKENS,
                                                          CONTROL_REPLY, EMBEDDINGS, SLOT_REPLY
     broker  -> worker   [VERSION, TYPE, BODY]            ASSIGN, ASSIGNS, CANCEL, STOP, UNLOAD, TOKENIZE, EMBED,
-                                                         SLOT_ACTION, ADAPTER_ACTION
+                                                         SLOT_ACTION, ADAPTER_ACTION, PREEMPT
     worker  -> broker   [VERSION, TYPE, TICKET, BODY]    READY, HEARTBEAT, FAILED, UNLOADED, LEAVING (empty TICKET);
-                                                         CHUNK, DONE, ERROR (TICKET of an ASSIGN);
+                                                         CHUNK, DONE, ERROR, PARKED (TICKET of an ASSIGN);
                                                          TOKENS, ERROR (TICKET of a TOKENIZE);
                                                          EMBEDDINGS, ERROR (TICKET of an EMBED);
                                                          SLOT_REPLY, ERROR (TICKET of a SLOT_ACTION);
                                                          ADAPTER_REPLY, ERROR (TICKET of an ADAPTER_ACTION)
                         [VERSION, CHUNK, TICKET, BODY, TOKENS]  when the ASSIGN asked for ``report_tokens``
+                        [VERSION, PARKED, TICKET, BODY, TOKENS]  when tokens came since the last CHUNK
                         [VERSION, DONE|ERROR, TICKET, BODY, CACHE]  when the prompt cache changed
                         [VERSION, READY, b"", BODY, CACHE]  when the worker's prompt cache holds entries
                         [VERSION, STEP, b"", BATCH]      the CHUNKs, DONEs and ERRORs of one step, in order
@@ -32,7 +33,7 @@ Batches keep the message count from growing with the number of sequences a step 
 message costs a send, a wake-up and a receive in two processes):
 
 - STEP (worker -> broker) carries what one worker step produced for several requests: its BATCH is a
-  msgpack array of ``[TYPE, TICKET, BODY, TRAILER or nil]`` (TYPE: CHUNK, DONE or ERROR; TRAILER: the
+  msgpack array of ``[TYPE, TICKET, BODY, TRAILER or nil]`` (TYPE: CHUNK, DONE, ERROR or PARKED; TRAILER: the
   TOKENS or CACHE frame the message has on its own), in the order the worker made them.
 - CHUNKS (broker -> client) carries the CHUNKs of one STEP meant for one client: its BODY is a msgpack
   array of those CHUNK bodies, spliced together unchanged (``splice_array``).
@@ -76,7 +77,7 @@ from mpserve.wire.messages import (
 
 VERSION = b"MPS1"
 TYPE_FRAMES: dict[MsgType, bytes] = {t: bytes([t]) for t in MsgType}
-STEPPED = frozenset({MsgType.CHUNK, MsgType.DONE, MsgType.ERROR})  # what a STEP may carry
+STEPPED = frozenset({MsgType.CHUNK, MsgType.DONE, MsgType.ERROR, MsgType.PARKED})  # what a STEP may carry
 _TYPES = {t.value: t for t in MsgType}  # a dict lookup: much cheaper than MsgType(value), once per message
 _CLASSES: dict[MsgType, Any] = {cls.TYPE: cls for cls in MESSAGES}
 _CLASSES[MsgType.CHUNKS] = tuple[Chunk, ...]

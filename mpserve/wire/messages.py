@@ -30,7 +30,7 @@ from mpserve.wire.prefix import MAX_BLOCKS
 
 WORKER_LINK = "MPS1.2"  # the revision of the broker-worker messages, in every READY: a broker refuses workers
 # of another (1.1: STEP replaced the worker's CHUNKS, and ASSIGNS came; 1.2: LoRA adapters: READY's, ADAPTER_ACTION;
-# ASSIGN's salt), so a remote pool is upgraded with it
+# ASSIGN's salt; PREEMPT and PARKED), so a remote pool is upgraded with it
 MAX_MESSAGE_BYTES = 4 * 1024 * 1024
 MAX_CACHE_ITEMS = 4096  # entries per list in a CACHE frame
 MAX_CACHE_HASHES = 1 << 14  # hashes a broker keeps per instance (and a READY's CACHE frame carries at most)
@@ -86,11 +86,13 @@ class MsgType(IntEnum):
     UNLOADED = 0x23
     STEP = 0x24
     LEAVING = 0x25
+    PARKED = 0x26
     ASSIGN = 0x30
     STOP = 0x31
     UNLOAD = 0x32
     ASSIGNS = 0x33
     ADAPTER_ACTION = 0x34
+    PREEMPT = 0x35
 
 
 # --- the field types that recur -----------------------------------------------------------------
@@ -301,7 +303,8 @@ class Request(Body, frozen=True, forbid_unknown_fields=True):
     # is, instead of ``prompt``
     adapters: Annotated[tuple[tuple[AdapterName, AdapterScale], ...], Meta(max_length=MAX_ADAPTERS)] = ()  # LoRA
     # adapters (names the model serves) and scales; (): the base model
-    priority: Annotated[int, Meta(ge=-100, le=100)] = 0  # higher starts first; capped by the tenant's max_priority
+    priority: Annotated[int, Meta(ge=-100, le=100)] = 0  # higher is more urgent: queued ahead of lower ones, and
+    # may preempt a running one of lower priority (``mpserve.server.preemption``); capped by the tenant's max_priority
     cache_salt: Annotated[str, Meta(max_length=MAX_CACHE_SALT_CHARS)] | None = None  # shares reuse with the
     # requests naming the same (``mpserve.wire.salt``); None: the tenant's own
     tenant: Annotated[str, Meta(max_length=MAX_TENANT_CHARS)] = ""  # honoured on the admin socket only (the
@@ -504,6 +507,7 @@ class ModelStats:
     oldest_wait_s: float = 0.0  # how long the request at the head of the queue has waited; 0 when none waits
     scaling: ModelScaling = field(default_factory=ModelScaling)
     adapters: list[str] = field(default_factory=list)  # its LoRA adapters, in declaration order (a request's ids)
+    preempted: int = 0  # its requests preempted since start, to give their slots to ones of higher priority
 
 
 class WorkerStats(Body, frozen=True, forbid_unknown_fields=True):
@@ -836,6 +840,23 @@ class Assign(Body, frozen=True, forbid_unknown_fields=True):
             raise ProtocolError(f"field 'generated' must be int32 token ids, at most {MAX_TOKENS_LIMIT}")
 
 
+class Preempt(Body, frozen=True, forbid_unknown_fields=True):
+    """broker -> worker: park the sequence of ASSIGN ``ticket`` and free its slot (``mpserve.server.preemption``).
+    The worker answers PARKED under that ticket, or nothing if the request ended first (its DONE or ERROR says
+    so). A later ASSIGN with the same ticket resumes the parked sequence; a CANCEL of it forgets it."""
+
+    TYPE: ClassVar[MsgType] = MsgType.PREEMPT
+    ticket: Ticket
+
+
+class Parked(Body, frozen=True, forbid_unknown_fields=True):
+    """worker -> broker, under the TICKET of an ASSIGN: request ``id`` was parked after its CHUNKs so far; its slot
+    is free. A TOKENS frame may follow with the ids it generated since its last CHUNK (text still held back)."""
+
+    TYPE: ClassVar[MsgType] = MsgType.PARKED
+    id: Id
+
+
 class Assigns(msgspec.Struct, frozen=True):
     """Several ASSIGNs for one worker in one message, in the order the broker made them."""
 
@@ -904,5 +925,5 @@ class CacheChanges(Body, frozen=True, forbid_unknown_fields=True):
 MESSAGES: tuple[Any, ...] = (Request, Cancel, Ping, StatsQuery, Pong, Stats, Chunk, Done, Error, Ready,
                                     Heartbeat, Failed, Unloaded, Leaving, Assign, Stop, Unload, Tokenize, Tokens,
                                     Control, ControlReply, Embed, Embeddings, SlotAction, SlotReply, AdapterAction,
-                                    AdapterReply)
+                                    AdapterReply, Preempt, Parked)
 """The message types whose BODY is one map (CHUNKS, ASSIGNS and STEP are arrays: ``mpserve.wire.framing``)."""

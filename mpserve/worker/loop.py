@@ -1,14 +1,17 @@
 """A worker's loop: one engine, ``parallel`` slots, driven by the broker's messages over one DEALER.
 
-    broker --ASSIGN/CANCEL/STOP/UNLOAD/TOKENIZE/SLOT_ACTION/ADAPTER_ACTION--> worker
-    worker --READY/FAILED/UNLOADED, then CHUNK*/DONE|ERROR (TOKENS, SLOT_REPLY, ADAPTER_REPLY) per ticket--> broker
+    broker --ASSIGN/CANCEL/PREEMPT/STOP/UNLOAD/TOKENIZE/SLOT_ACTION/ADAPTER_ACTION--> worker
+    worker --READY/FAILED/UNLOADED, then CHUNK*/DONE|ERROR|PARKED (TOKENS, SLOT_REPLY, ADAPTER_REPLY) per ticket-->
+           broker
            (a DONE or ERROR carries the host store's changes since the last one: the CACHE frame; a READY
            all its entries, so that a broker that restarted learns them)
 
 Each turn takes every waiting broker message, then runs one ``engine.step`` while any sequence runs:
 
     receive   ASSIGN (several: ASSIGNS): admit the request into the slot the broker chose (another free one
-              if that is taken); CANCEL: the sequence ends at the next step; STOP; UNLOAD (only when idle);
+              if that is taken; a ticket it parked: that sequence resumed there); CANCEL: the sequence ends at
+              the next step (a parked one is forgotten); PREEMPT: the sequence parked (``_preempt``); STOP;
+              UNLOAD (only when idle);
               TOKENIZE, EMBED: answered at once (``mpserve.worker.tokens``, ``mpserve.worker.embed``);
               SLOT_ACTION: an idle slot saved, restored or erased at once (``mpserve.worker.slot_files``);
               ADAPTER_ACTION: a LoRA adapter loaded or unloaded at once (``mpserve.worker.adapter_actions``): READY
@@ -44,7 +47,7 @@ import signal
 import socket
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from types import FrameType
 from typing import Any
 
@@ -67,10 +70,6 @@ log = logging.getLogger("mpserve.worker")
 REGISTER_BACKOFF_FIRST_S = 0.5
 REGISTER_BACKOFF_MAX_S = 5.0
 CRASH_ON = "MPSERVE_TEST_CRASH_ON"  # the tests' crash injection (see the module's docstring)
-
-
-def _nothing() -> None:
-    pass
 
 
 def _crash() -> None:
@@ -104,6 +103,8 @@ class Worker:
         self._running: dict[str, wire.Assign] = {}  # ticket -> its assignment
         self._slot_of: dict[str, int] = {}
         self._streams: dict[str, ChunkStream] = {}  # ticket -> its streamed text, for streamed requests
+        self._noted: dict[str, _Noted] = {}  # ticket -> the token ids its text streams with (``report_tokens``)
+        self._parked: set[str] = set()  # tickets whose sequence the engine holds parked (``_preempt``)
         self._out = _Outbox()  # this step's CHUNKs, DONEs and ERRORs, sent together
         self._cache_row: CacheRow | None = None  # as the rows last had it (``_note_cache``)
         self._cancelled_tickets: set[str] = set()
@@ -256,7 +257,7 @@ class Worker:
             return
         if isinstance(msg, wire.Heartbeat) and not msg.registered:
             self._must_register = True  # the broker does not know this worker (any more)
-            for ticket in self._running:  # the tickets of running requests are void
+            for ticket in [*self._running, *self._parked]:  # the tickets of its requests are void
                 self._cancel(ticket)
         elif isinstance(msg, wire.Error):
             log.error("the broker refused this worker: %s", msg.message)
@@ -270,6 +271,8 @@ class Worker:
                 log.error("asked to unload while serving; ignored")
         elif isinstance(msg, wire.Cancel):
             self._cancel(msg.id)
+        elif isinstance(msg, wire.Preempt):
+            self._preempt(msg.ticket)
         elif isinstance(msg, wire.Assign):
             self._accept(msg)
         elif isinstance(msg, wire.Assigns):
@@ -320,6 +323,7 @@ class Worker:
         if self._engine is not None:
             self._engine.close()
             self._engine = None
+        self._parked.clear()  # a resume admits them again, from their tokens
         self.set_rows(state=SlotState.UNLOADED, kv_cells=0)
         self._note_cache()
         self._send(wire.Unloaded(self._spec.identity.decode()))
@@ -340,20 +344,27 @@ class Worker:
         slot = assign.slot if assign.slot in free else free[0]
         req = assign.request
         row = self._rows[slot]
-        stream, note_tokens = self._stream(assign, slot)
+        stream, noted = self._stream(assign, slot)
 
         def on_token(text: str, tokens: int) -> bool:
             row.progress(tokens, engine.kv_cells(slot))
-            note_tokens()
+            if noted is not None:
+                noted.note()
             if stream is not None and text:
                 stream.push(text)
             return True
 
-        if self._crash_on is not None and self._crash_on in req.prompt:
+        resumed = assign.ticket in self._parked and engine.resume(assign.ticket, slot, on_token)
+        self._parked.discard(assign.ticket)
+        if resumed and noted is not None:
+            noted.seen = len(engine.tokens(slot))  # reported before it was parked
+        if not resumed and self._crash_on is not None and self._crash_on in req.prompt:
             _crash()
         try:
-            engine.admit(slot, wire.unpack_tokens(req.tokens) if req.tokens else req.prompt, req.params, on_token,
-                         wire.frame_tokens(assign.generated), req.adapters, assign.salt)
+            if not resumed:  # ahead of every running request (it may have preempted one): its prompt goes first
+                ahead = bool(self._running) and all(req.priority > a.request.priority for a in self._running.values())
+                engine.admit(slot, wire.unpack_tokens(req.tokens) if req.tokens else req.prompt, req.params,
+                             on_token, wire.frame_tokens(assign.generated), req.adapters, assign.salt, alone=ahead)
         except MpserveError as exc:
             self._answer(wire.Error(req.id, exc.code, exc.message), assign.ticket)
             return
@@ -362,6 +373,8 @@ class Worker:
         self._slot_of[assign.ticket] = slot
         if stream is not None:
             self._streams[assign.ticket] = stream
+        if noted is not None:
+            self._noted[assign.ticket] = noted
         row.update(state=SlotState.BUSY if self._permit or not self._permits else SlotState.WAITING,
                    request=req.id, tokens=0, kv_cells=engine.kv_cells(slot),
                    adapters=adapter_label(engine.slot_adapters(slot)))
@@ -383,38 +396,58 @@ class Worker:
         if ticket in self._slot_of and self._engine is not None:
             self._engine.cancel(self._slot_of[ticket])
             self._cancelled_tickets.add(ticket)
+        elif ticket in self._parked:
+            self._parked.discard(ticket)
+            if self._engine is not None:
+                self._engine.drop(ticket)
 
-    def _stream(self, assign: wire.Assign, slot: int) -> tuple[ChunkStream | None, Callable[[], None]]:
+    def _preempt(self, ticket: str) -> None:
+        """PREEMPT: the request's text gathered so far goes out, its sequence is parked (``Engine.park``: held
+        whole, to resume exactly where it stopped when an ASSIGN with its ticket comes) and its slot is free;
+        PARKED says so, after those CHUNKs, with the ids of the tokens noted since (their text held back by the
+        engine). Nothing if the request ended or is ending: its DONE or ERROR answers it."""
+        slot, engine = self._slot_of.get(ticket), self._engine
+        if slot is None or engine is None or ticket in self._cancelled_tickets:
+            return
+        stream = self._streams.get(ticket)
+        if stream is not None:
+            stream.flush()
+        if not engine.park(slot, ticket):
+            return
+        assign = self._running.pop(ticket)
+        del self._slot_of[ticket]
+        self._streams.pop(ticket, None)
+        noted = self._noted.pop(ticket, None)
+        held = noted.take() if noted is not None else []
+        self._parked.add(ticket)
+        self._rows[slot].update(state=SlotState.IDLE, kv_cells=engine.kv_cells(slot))
+        self._queue(wire.MsgType.PARKED, ticket, wire.pack(wire.Parked(assign.request.id)),
+                    wire.token_frame(held) if held else None)
+        if not self._running and self._permit is not None:
+            self._permit.release()
+            self._permit = None
+
+    def _stream(self, assign: wire.Assign, slot: int) -> tuple[ChunkStream | None, _Noted | None]:
         """Where a streamed request's text goes, with the log-probabilities of its tokens when asked for (None
-        if the request is not streamed), and what on_token
-        calls first. With ``report_tokens`` that notes the ids of the tokens the engine gave since (while the
-        sequence runs: its last text may go out after it ended), and each CHUNK carries those noted since
-        the last one (their text is in it, or held back by the engine), so the broker can resume the
-        request elsewhere."""
+        if the request is not streamed), and with ``report_tokens`` the ids of the tokens the engine gave, which
+        on_token notes (while the sequence runs: its last text may go out after it ended): each CHUNK carries
+        those noted since the last one (their text is in it, or held back by the engine), so the broker can
+        resume the request elsewhere."""
         if not assign.request.stream:
-            return None, _nothing
+            return None, None
         request_id, ticket, engine, index = assign.request.id, assign.ticket, self._engine, assign.index
         assert engine is not None
         if not assign.report_tokens:
             return ChunkStream(lambda text: self._queue(
                 wire.MsgType.CHUNK, ticket, wire.pack(wire.Chunk(request_id, text, engine.take_logprobs(slot), index)),
-                None), self._spec.stream_interval), _nothing
-        noted: list[int] = []  # since the last CHUNK
-        seen = 0
-
-        def note() -> None:
-            nonlocal seen
-            assert self._engine is not None
-            new = self._engine.tokens(slot)[seen:]
-            seen += len(new)
-            noted.extend(new)
+                None), self._spec.stream_interval), None
+        noted = _Noted(lambda: engine.tokens(slot))
 
         def send(text: str) -> None:
             self._queue(wire.MsgType.CHUNK, ticket, wire.pack(wire.Chunk(request_id, text, engine.take_logprobs(slot),
-                                                                         index)), wire.token_frame(noted))
-            noted.clear()
+                                                                         index)), wire.token_frame(noted.take()))
 
-        return ChunkStream(send, self._spec.stream_interval), note
+        return ChunkStream(send, self._spec.stream_interval), noted
 
     # --- stepping -----------------------------------------------------------------------------------
 
@@ -461,6 +494,7 @@ class Worker:
         assign = self._running.pop(ticket)
         self._cancelled_tickets.discard(ticket)
         slot = self._slot_of.pop(ticket)
+        self._noted.pop(ticket, None)
         self._served += 1
         self._rows[slot].update(state=SlotState.IDLE, served=self._served,
                                 kv_cells=self._engine.kv_cells(slot) if self._engine is not None else 0)
@@ -480,6 +514,28 @@ class Worker:
                          accepted_tokens=result.accepted_tokens),
             worker=self._spec.identity.decode(), logprobs=result.logprobs, index=assign.index,
         )
+
+
+class _Noted:
+    """The ids of the tokens a streamed request's sequence gave since its last CHUNK (``Assign.report_tokens``):
+    noted as each token comes (``seen``: how many of the sequence's tokens were), taken by the next CHUNK, or by
+    PARKED when the sequence is parked with their text held back."""
+
+    __slots__ = ("_tokens", "seen", "_ids")
+
+    def __init__(self, tokens: Callable[[], Sequence[int]]) -> None:
+        self._tokens = tokens
+        self.seen = 0
+        self._ids: list[int] = []
+
+    def note(self) -> None:
+        new = self._tokens()[self.seen:]
+        self.seen += len(new)
+        self._ids.extend(new)
+
+    def take(self) -> list[int]:
+        ids, self._ids = self._ids, []
+        return ids
 
 
 class _Outbox:

@@ -7,7 +7,15 @@ import pytest
 from engine_fakes import sequence
 
 from mpserve.engine.scheduler import LONE_KV_CELLS, Scheduler
-from mpserve.engine.sequence import PROMPT_CHUNK, SCORED_CHUNK, TAIL_MARKS, next_chunk, reaches_checkpoint, tail_marks
+from mpserve.engine.sequence import (
+    PROMPT_CHUNK,
+    SCORED_CHUNK,
+    TAIL_MARKS,
+    Phase,
+    next_chunk,
+    reaches_checkpoint,
+    tail_marks,
+)
 
 pytestmark = pytest.mark.timeout(10)
 
@@ -19,11 +27,21 @@ def scheduler(budget: int = 64, *, exact: bool = False, kv_unified: bool = False
 def test_decoding_rows_go_in_slot_order_and_prompts_in_admission_order() -> None:
     s = scheduler()
     for slot in (2, 0, 1):
-        s.add(sequence(slot, [slot] * 10, 10, decoding=slot != 1))
+        s.add(sequence(slot, [slot] * 10, 10))
+    for slot in (2, 0):
+        s.running[slot].phase = Phase.DECODE
     assert [seq.slot for seq in s.decoding()] == [0, 2]
     assert [seq.slot for seq in s.prefilling] == [2, 0, 1]
     s.remove(s.running[0])
     assert sorted(s.running) == [1, 2] and [seq.slot for seq in s.prefilling] == [2, 1]
+
+
+def test_a_sequence_resumed_while_decoding_computes_no_prompt() -> None:
+    s = scheduler()
+    s.add(sequence(0, [1] * 10, 10, decoding=True))  # a parked sequence put back (``BatchEngine.resume``)
+    s.add(sequence(1, [2] * 10, 4))  # one parked before its prompt was all computed
+    assert [seq.slot for seq in s.decoding()] == [0]
+    assert [seq.slot for seq in s.prefilling] == [1]
 
 
 def test_a_step_computes_prompt_chunks_within_its_budget_and_never_cuts_one() -> None:
@@ -84,3 +102,14 @@ def test_checkpoints_fall_at_a_chunk_times_a_power_of_two() -> None:
     assert reaches_checkpoint(0, PROMPT_CHUNK) and reaches_checkpoint(PROMPT_CHUNK, 2 * PROMPT_CHUNK)
     assert not reaches_checkpoint(2 * PROMPT_CHUNK, 3 * PROMPT_CHUNK)
     assert reaches_checkpoint(3 * PROMPT_CHUNK, 4 * PROMPT_CHUNK) and not reaches_checkpoint(0, PROMPT_CHUNK - 1)
+
+
+def test_a_prompt_admitted_ahead_of_the_running_ones_is_the_urgent_one() -> None:
+    s = scheduler()
+    s.add(sequence(0, [1] * 10, 10, decoding=True))
+    s.add(sequence(1, [2] * 10))
+    assert s.urgent() is None
+    ahead = sequence(2, [3] * 10)
+    ahead.alone = True
+    s.add(ahead)
+    assert s.urgent() is ahead

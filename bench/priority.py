@@ -1,0 +1,114 @@
+"""Priority: the time to first token of an urgent request while a batch job keeps every slot busy, against the
+same request on the idle server, through a real server (one instance, ``--parallel P``, threads = cores).
+
+    idle      the interactive request (priority 10, a short prompt, a few tokens, streamed) alone, ``--samples``
+              times before the load and as many after it: its TTFT p50
+    loaded    a batch client keeps every slot busy with long generations (priority 0, ``ignore_eos``) and
+              ``--queued`` more waiting, each sent again as it ends; the interactive request ``--samples`` times,
+              one after another: its TTFT p50, and the preemptions the server counted
+              (``mpserve.server.preemption``: each sample parks a batch sequence, which resumes afterwards)
+
+Target: loaded p50 ≤ 1.5× idle p50. The figure without preemption, for scale, is the batch job's own length: the
+interactive request would wait for a slot behind every queued generation.
+
+    python -m bench.priority                     # bench model, 2 slots, 32 queued, 15 samples
+    python -m bench.priority --model PATH        # another GGUF (Gemma 3 270M)
+    python -m bench.priority --quick             # tiny model, fewer samples: the harness works
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import statistics
+import time
+
+from mpserve import AsyncClient
+
+from .figures import Target
+from .procs import MpserveServer
+
+URGENT = "Reply at once: what is the capital of France?"
+BATCH = "Write a long report about the history of"
+TARGET = 1.5
+
+
+async def ttft(client: AsyncClient, n: int, tokens: int) -> float:
+    """Seconds from sending the ``n``-th interactive request (a prompt of its own: nothing cached) to its first
+    text."""
+    started = time.perf_counter()
+    first = 0.0
+    async for _ in client.stream(f"{n}. {URGENT}", priority=10, max_tokens=tokens, temperature=0):
+        first = first or time.perf_counter() - started
+    return first
+
+
+async def measure(address: str, parallel: int, queued: int, samples: int, tokens: int,
+                  batch_tokens: int) -> tuple[list[float], list[float], int]:
+    """The interactive request's TTFTs idle, then loaded, and the preemptions counted meanwhile."""
+    async with AsyncClient(address, timeout=3600) as client:
+        await ttft(client, -1, tokens)  # warm: the first request after the start is not one of the samples
+        idle = [await ttft(client, i, tokens) for i in range(samples)]
+        stop = asyncio.Event()
+
+        async def batch(i: int) -> None:
+            n = 0
+            while not stop.is_set():
+                await client.generate(f"{BATCH} {i}.{n}", priority=0, max_tokens=batch_tokens, ignore_eos=True,
+                                      temperature=0.8, seed=i)
+                n += 1
+
+        load = [asyncio.create_task(batch(i)) for i in range(parallel + queued)]
+        while True:  # every slot busy, the rest queued
+            model = next(iter((await client.stats()).models.values()))
+            if model.running == parallel and model.queued >= queued:
+                break
+            await asyncio.sleep(0.05)
+        before = (await client.stats()).counters.get("preempted", 0)
+        loaded = []
+        for i in range(samples):
+            loaded.append(await ttft(client, samples + i, tokens))
+            await asyncio.sleep(0.2)  # the parked sequence resumes between samples
+        preempted = (await client.stats()).counters.get("preempted", 0) - before
+        stop.set()
+        for task in load:
+            task.cancel()
+        await asyncio.gather(*load, return_exceptions=True)
+        while (await client.stats()).models and next(iter((await client.stats()).models.values())).running:
+            await asyncio.sleep(0.05)  # the batch requests cancelled
+        idle += [await ttft(client, 2 * samples + i, tokens) for i in range(samples)]  # idle again: before and
+        return idle, loaded, preempted  # after the load, so that a change in the host's own load weighs on both
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="builtin:bench")
+    parser.add_argument("--parallel", type=int, default=2)
+    parser.add_argument("--queued", type=int, default=32)
+    parser.add_argument("--samples", type=int, default=15)
+    parser.add_argument("--tokens", type=int, default=8, help="tokens of each interactive request")
+    parser.add_argument("--batch-tokens", type=int, default=1024, help="tokens of each batch request")
+    parser.add_argument("--threads", type=int, default=os.cpu_count() or 1)
+    parser.add_argument("--quick", action="store_true")
+    args = parser.parse_args()
+    model, samples, batch_tokens = ("builtin:tiny", 9, 4096) if args.quick else (
+        args.model, args.samples, args.batch_tokens)
+    with MpserveServer("--model", model, "--instances", "1", "--parallel", str(args.parallel), "--threads",
+                       str(args.threads), "--n-ctx", str(batch_tokens + 64)) as server:
+        server.wait_ready()
+        idle, loaded, preempted = asyncio.run(measure(server.address, args.parallel, args.queued, samples,
+                                                      args.tokens, batch_tokens))
+    idle_p50, loaded_p50 = statistics.median(idle), statistics.median(loaded)
+    print(f"| {model}, 1 instance × parallel {args.parallel}, {args.threads} threads, {args.queued} queued, "
+          f"{samples} samples | TTFT p50 (ms) | max (ms) |")
+    print("|---|---|---|")
+    print(f"| idle | {idle_p50 * 1000:.1f} | {max(idle) * 1000:.1f} |")
+    print(f"| loaded, priority 10 | {loaded_p50 * 1000:.1f} | {max(loaded) * 1000:.1f} |")
+    print(f"\npreemptions: {preempted} for {samples} interactive requests")
+    target = Target(f"loaded TTFT p50 ≤ {TARGET}× idle", loaded_p50 / idle_p50, "<=", TARGET)
+    print(f"- {target.text}: {target.measured:.2f}× — {'met' if target.met else 'NOT met'}")
+
+
+if __name__ == "__main__":
+    main()
