@@ -54,7 +54,8 @@ async def _order_behind_a_hold(address: str, requests: list[tuple[str, str, int]
     the order they ended (with one slot: the order they started)."""
     ended: list[str] = []
     async with AsyncClient(address, timeout=60) as client:
-        hold = asyncio.ensure_future(client.generate("x" * HOLD_TOKENS, max_tokens=HOLD_TOKENS))
+        hold = asyncio.ensure_future(client.generate("x" * HOLD_TOKENS, max_tokens=HOLD_TOKENS, priority=100))  # no
+        # request waits above it: none preempts it (tests/test_preemption.py), so the queue's order shows alone
         await _until_running(client)
 
         async def one(tenant: str, label: str, priority: int) -> None:

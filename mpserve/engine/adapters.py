@@ -133,3 +133,9 @@ class Turns:
         later = [s for s in waiting if self._last is not None and s > self._last]
         self._last = later[0] if later else waiting[0]
         return self._last
+
+
+def reuse_key(salt: bytes, space: bytes) -> bytes:
+    """The key a sequence's cells are reused under: the request's salt, with the loads of the adapters it runs under
+    (``space``) mixed in when it has any."""
+    return salt if not space else hashlib.sha256(b"adapters\0" + salt + b"\0" + space).digest()[:16]

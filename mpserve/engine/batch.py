@@ -66,7 +66,6 @@ from __future__ import annotations
 
 import collections.abc
 import dataclasses
-import hashlib
 import logging
 import random
 import time
@@ -81,7 +80,7 @@ from mpserve.wire import protocol as wire
 from mpserve.wire.protocol import GenerateParams
 
 from . import slot_file
-from .adapters import Adapters, AdapterSet, Loaded, Turns
+from .adapters import Adapters, AdapterSet, Loaded, Turns, reuse_key
 from .cells import Cells
 from .context import Context
 from .draft import DraftModel, Want
@@ -89,9 +88,10 @@ from .grammar import GrammarCache
 from .interface import Completion, OnToken
 from .keeping import Keeping, open_store
 from .logprobs import LogprobsRecorder
+from .parking import Parking
 from .sampling import SamplerChain, TextStream
 from .scheduler import Scheduler
-from .sequence import PROMPT_CHUNK, Phase, Sequence, next_chunk, whole_cells
+from .sequence import PROMPT_CHUNK, Phase, Sequence, next_chunk
 from .settings import EngineSettings
 from .speculation import MAX_ROWS, Drafter, RowCosts, verify
 from .store_stats import CacheStats
@@ -114,20 +114,6 @@ class BatchStats:
     prompt_tokens_restored: int  # of those reused: restored from the host store
     draft_tokens: int = 0  # proposed by speculation and verified
     accepted_tokens: int = 0  # of those, the ones the sequences kept
-
-
-@dataclass(frozen=True)
-class _Parked:
-    """A sequence out of the batch (preempted: ``mpserve.server.preemption``), whole: its Sequence object as it was
-    between two steps (its sampler chain, so a seeded sampler's random state, a grammar's state and the penalties'
-    window go on where they were; its text stream with what it holds back; its log-probabilities not yet taken),
-    and its slot's KV cells read out (``Context.read_state``: ``size`` bytes, none before its first decode). Held in
-    this process's memory, not the host store, which may evict an entry or hold only whole chunks of it:
-    written back into a slot, the cells are the very ones it had, so it decodes on as if never stopped."""
-
-    seq: Sequence
-    state: Any
-    size: int
 
 
 class BatchEngine:
@@ -174,7 +160,7 @@ class BatchEngine:
         self._cells = Cells(context, self.parallel, self._scheduler.running, exact=self._exact,
                             kv_unified=settings.kv_unified, n_swa=context.n_swa, has_store=store is not None)
         self._keeping = Keeping(store, self._cells, context, exact=self._exact, cut_back=context.cut_back)
-        self._parked: dict[str, _Parked] = {}
+        self._parking = Parking(context, self._cells, self._scheduler)
         self.chat = context.chat
         context.warm_up()
 
@@ -358,53 +344,19 @@ class BatchEngine:
     # --- parking: a sequence out of the batch for a while, and back ---------------------------------
 
     def park(self, slot: int, key: str) -> bool:
-        """Take the sequence running in ``slot`` out of the batch, held under ``key`` with its KV cells read out
-        (``_Parked``); the slot is free and counted empty (left for reuse, its cells would be copied into the host
-        store when the next prompt cuts them, on the path of the request that preempted it). False if nothing runs
-        there (it ended) or a cancel ends it."""
-        seq = self._scheduler.running.get(slot)
-        if seq is None or seq.cancel_requested:
-            return False
-        state, size = self._context.read_state(slot) if seq.n_past else (None, 0)
-        if seq.n_past and not size:
-            log.warning("llama.cpp could not read slot %d's cells; its sequence runs on, not parked", slot)
-            return False
-        self._scheduler.remove(seq)
-        self._cells.set(slot, [], 0)
-        self._parked[key] = _Parked(seq, state, size)
-        return True
+        """The sequence running in ``slot`` out of the batch, held under ``key`` (``parking``)."""
+        return self._parking.park(slot, key)
 
     def resume(self, key: str, slot: int, on_token: OnToken) -> bool:
-        """Put the sequence parked under ``key`` back into free ``slot``, its cells written there as they were read,
-        its text now going to ``on_token``: it goes on from the token it was to decode next, with the same sampler
-        (random state, grammar, penalties). False if nothing is parked under ``key`` (or llama.cpp refused the
-        cells: then it is dropped, and the caller starts the request again)."""
-        parked = self._parked.pop(key, None)
-        if parked is None:
-            return False
-        if not 0 <= slot < self.parallel or slot in self._scheduler.running:
-            self._parked[key] = parked
-            raise ValueError(f"slot {slot} is not a free slot of 0..{self.parallel - 1}")
-        seq = parked.seq
-        if parked.size:
-            if not self._context.write_state(slot, parked.state, parked.size):
-                log.warning("llama.cpp refused a parked sequence's cells; it starts again in slot %d", slot)
-                self._cells.erase(slot)
-                seq.sampler.close()
-                return False
-        else:
-            self._context.seq_rm(slot, -1, -1)
-        self._cells.set(slot, seq.kv_tokens(), whole_cells(seq))
-        seq.slot, seq.on_token = slot, on_token
-        self._last_adapters[slot] = seq.adapters
-        self._scheduler.add(seq)
-        return True
+        """The sequence parked under ``key`` back into free ``slot`` (``parking``)."""
+        resumed = self._parking.resume(key, slot, on_token)
+        if resumed:
+            self._last_adapters[slot] = self._scheduler.running[slot].adapters
+        return resumed
 
     def drop(self, key: str) -> None:
         """Forget the sequence parked under ``key``, if one is."""
-        parked = self._parked.pop(key, None)
-        if parked is not None:
-            parked.seq.sampler.close()
+        self._parking.drop(key)
 
     def take_logprobs(self, slot: int) -> wire.Logprobs | None:
         """The log-probabilities of the tokens ``slot``'s sequence generated since the last take."""
@@ -632,8 +584,7 @@ class BatchEngine:
         hold goes to the host store first (``Keeping.close``), so that it outlives the instance."""
         for seq in self._scheduler.running.values():
             seq.sampler.close()
-        for key in list(self._parked):
-            self.drop(key)
+        self._parking.close()
         self._scheduler.clear()
         self._grammars.close()
         self._keeping.close()
@@ -642,8 +593,3 @@ class BatchEngine:
             self._draft = None
         self._context.close()
 
-
-def reuse_key(salt: bytes, space: bytes) -> bytes:
-    """The key a sequence's cells are reused under: the request's salt, with the loads of the adapters it runs under
-    (``space``) mixed in when it has any."""
-    return salt if not space else hashlib.sha256(b"adapters\0" + salt + b"\0" + space).digest()[:16]
