@@ -187,3 +187,39 @@ def test_a_parked_request_cancelled_is_forgotten_and_its_room_serves_the_next_pr
     # without the parked request forgotten, the instance would count it parked still (room for one, as it has one
     # slot) and urgent2 would wait for low2 to end
     assert asyncio.run(run()) == ["low1 cancelled", "urgent1", "urgent2", "low2"]
+
+
+@pytest.mark.timeout(300)
+def test_an_http_request_names_its_priority_and_preempts_too(start_server) -> None:
+    import httpx
+    from gateway_thread import GatewayThread
+
+    server = start_server("--parallel", "1", "--reuse", "exact", "--threads", "1", "--n-ctx", "2048").wait_ready()
+    gateway = GatewayThread(server_name=server.name)
+    url = f"{gateway.url}/v1/completions"
+    try:
+        refused = httpx.post(url, json={"model": "tiny", "prompt": URGENT, "priority": 1000}, timeout=30)
+        assert refused.status_code == 400 and "'priority' must be an integer from -100 to 100" in refused.text
+
+        async def run() -> list[str]:
+            order: list[str] = []
+            async with AsyncClient(server.address, timeout=300) as client:
+                async def low() -> None:
+                    async for _ in client.stream(LOW, max_tokens=1200, temperature=0):
+                        started.set()
+                    order.append("low")
+
+                started = asyncio.Event()
+                task = asyncio.create_task(low())
+                await asyncio.wait_for(started.wait(), 120)
+                async with httpx.AsyncClient(timeout=300) as http:
+                    answer = await http.post(url, json={"model": "tiny", "prompt": URGENT, "max_tokens": 8,
+                                                        "temperature": 0, "priority": 10})
+                assert answer.status_code == 200, answer.text
+                order.append("urgent")
+                await task
+            return order
+
+        assert asyncio.run(run()) == ["urgent", "low"], "the HTTP request's priority did not reach the broker"
+    finally:
+        gateway.stop()

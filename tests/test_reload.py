@@ -90,3 +90,22 @@ def test_a_reload_under_load_applies_what_it_can_and_names_the_rest(start_server
              "the SIGHUP reload")
     with Client(server.address, timeout=60) as client:
         assert client.generate("hello", model="old", max_tokens=4).text
+
+
+def test_a_reload_applies_a_tenants_section_at_once(start_server, tmp_path: Path) -> None:
+    config = tmp_path / "pool.yaml"
+    models = [{"name": "echo", "path": "echo", "parallel": 2, "echo_tick_ms": 5}]
+    _write(config, models=models)
+    server: ServerProcess = start_server("--config", str(config)).wait_ready()
+    with Client(server.address, timeout=60) as client:
+        assert client.generate("hello", max_tokens=4).text  # no limit yet
+        _write(config, models=models, tenants={"local": {"max_running": 1, "max_queued": 0}})
+        answer = mpserve("reload", "--server-name", server.name)
+        assert answer.returncode == 0, answer.stderr
+        assert "tenants: none -> 1 tenant(s) declared" in answer.stdout.splitlines()
+        chunks = iter(client.stream("hold the slot", max_tokens=2000))
+        next(chunks)  # running: the tenant's one
+        with pytest.raises(MpserveError, match="max_queued") as refused:
+            client.generate("one too many", max_tokens=4)
+        assert refused.value.code == "busy"
+        assert "".join(chunks)  # the running one ends whole

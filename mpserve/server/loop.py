@@ -380,5 +380,7 @@ class _Loop:
                 mq.max_queue = int(value)  # type: ignore[call-overload]
         elif key == "log_level":
             logging.getLogger().setLevel(str(value).upper())
+        elif key == "tenants":
+            self._broker.ledger.configure(value)  # type: ignore[arg-type]
         elif key != "grace":  # the loop reads grace from its configuration
             setattr(self._broker, key, value)

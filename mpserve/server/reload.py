@@ -4,7 +4,7 @@
         server started with, read again (a ConfigError refuses the whole reload: the running configuration stays)
         ──▶ diff(running, new) ──▶ Changes:
               at once     the server's queue bounds, pending requests per client, client and no-instance timeouts,
-                          grace and log level (AT_ONCE: the broker's and the loop's own values)
+                          grace, log level and tenants (AT_ONCE: the broker's and the loop's own values)
               bounds      a model's instances (min, max) and its scale-up / scale-down delays: as ``scale``
               added       a model: as ``add``, with every setting of its entry
               removed     a model: new requests refused at once (``unknown_model``, naming the reload), queued and
@@ -23,9 +23,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from mpserve.config.loader import ModelConfig, ServerConfig
+from mpserve.config.tenants import Tenants
 
 AT_ONCE = ("max_queue", "max_queue_total", "max_pending_per_client", "client_timeout", "no_instance_timeout",
-           "grace", "log_level")
+           "grace", "log_level", "tenants")
 """Server settings a reload applies at once."""
 DERIVED = frozenset({"models", "threads_total"})  # compared model by model, or not a setting
 MODEL_AT_ONCE = frozenset({"instances", "min_instances", "max_instances", "scale_up_after", "scale_down_after"})
@@ -43,7 +44,7 @@ class Changes:
         return bool(self.at_once or self.bounds or self.added or self.removed or self.kept)
 
     def lines(self) -> list[str]:
-        out = [f"{key}: {old} -> {new}" for key, (old, new) in self.at_once.items()]
+        out = [f"{key}: {_shown(old)} -> {_shown(new)}" for key, (old, new) in self.at_once.items()]
         out += [f"models[{name}]: instances {_bounds(m)}, scale_up_after {m.scale_up_after:g} s, scale_down_after "
                 f"{m.scale_down_after:g} s" for name, m in self.bounds.items()]
         out += [f"models[{m.name}]: added ({m.path}, instances {_bounds(m)})" for m in self.added]
@@ -97,3 +98,12 @@ def applied(running: ServerConfig, changes: Changes) -> ServerConfig:
 def _bounds(model: ModelConfig) -> str:
     low, high = model.bounds
     return str(low) if low == high else f"{low}..{high}"
+
+
+def _shown(value: Any) -> str:
+    """A setting's value in one line: the tenants section by the tenants it declares."""
+    if isinstance(value, Tenants):
+        return f"{len(value.declared)} tenant(s) declared" if value.declared else "no tenant declared"
+    if value is None:
+        return "none"
+    return str(value)

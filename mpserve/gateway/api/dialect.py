@@ -166,6 +166,18 @@ def take_cache_salt(body: Any) -> str | None:
     return salt
 
 
+def take_priority(body: Any) -> int:
+    """The body's ``priority`` (vLLM's and SGLang's field: higher is more urgent), taken out of it; 0 without one.
+    The broker caps it at the caller's tenant's ``max_priority``."""
+    if not isinstance(body, dict):
+        return 0
+    priority = body.pop("priority", 0)
+    if not isinstance(priority, int) or isinstance(priority, bool) or not -100 <= priority <= 100:
+        raise BadRequest(f"'priority' must be an integer from -100 to 100 (higher is more urgent), got "
+                         f"{str(priority)[:40]!r}")
+    return priority
+
+
 def sole_model(client: AsyncClient) -> str:
     """The model a request that names none runs on (the broker refuses it when several are served)."""
     return client.models[0] if len(client.models) == 1 else ""
@@ -195,7 +207,7 @@ class Pipeline:
         try:
             body = await limits.read_json(request, self.read_timeout)
             limits.check_sizes(body)
-            cache_salt = take_cache_salt(body)
+            cache_salt, priority = take_cache_salt(body), take_priority(body)
             answer = dialect.parse(body, owner(request))
             resumed = request.headers.get("last-event-id")
             if resumed is not None:
@@ -219,7 +231,7 @@ class Pipeline:
             self.metrics.outcome(endpoint, ErrorCode.CANCELLED)
             return Response(status_code=204)  # nobody reads it
         call, reply = answer.call, oai.Reply(answer.call, model)
-        ask = Ask(keys.broker_id(request), cache_salt, tenant, adapters, chosen)
+        ask = Ask(keys.broker_id(request), cache_salt, tenant, adapters, chosen, priority)
         rid = ask.request_id
         background = getattr(answer, "background", None)
         if background is not None:
@@ -230,14 +242,14 @@ class Pipeline:
                 return await self._resumable(request, dialect, answer, reply, client, key, body, started, ask)
             if call.stream:
                 stream = client.stream(call.prompt, model=call.model, request_id=rid, params=call.params,
-                                       cache_salt=cache_salt, tenant=tenant, adapters=adapters)
+                                       cache_salt=cache_salt, tenant=tenant, adapters=adapters, priority=priority)
                 chunks = stream.__aiter__()  # submits the request on its first step
                 text = await unless_disconnected(request, first(chunks))
                 return EventStream(self._events(dialect, answer, reply, stream, chunks, text, started, chosen),
                                    call.headers())
             results = await unless_disconnected(request, client.choices(
                 call.prompt, model=call.model, request_id=rid, params=call.params, cache_salt=cache_salt,
-                tenant=tenant, adapters=adapters))
+                tenant=tenant, adapters=adapters, priority=priority))
         except ClientGone:
             self.metrics.outcome(endpoint, ErrorCode.CANCELLED)
             return Response(status_code=204)  # nobody reads it
@@ -254,7 +266,8 @@ class Pipeline:
         self.journal.begin(who, key, _digest(body))
         try:
             stream = client.stream(call.prompt, model=call.model, params=call.params, request_id=ask.request_id,
-                                   cache_salt=ask.cache_salt, tenant=ask.tenant, adapters=ask.adapters)
+                                   cache_salt=ask.cache_salt, tenant=ask.tenant, adapters=ask.adapters,
+                                   priority=ask.priority)
             chunks = stream.__aiter__()
             text = await unless_disconnected(request, first(chunks))
         except BaseException:
@@ -289,7 +302,8 @@ class Pipeline:
         reply = oai.Reply(call, reply.model)
         self.journal.begin(who, key, key, background.head)
         stream = client.stream(call.prompt, model=call.model, params=call.params, request_id=ask.request_id,
-                               cache_salt=ask.cache_salt, tenant=ask.tenant, adapters=ask.adapters)
+                               cache_salt=ask.cache_salt, tenant=ask.tenant, adapters=ask.adapters,
+                               priority=ask.priority)
         self.journal.produce(who, key, self._events(dialect, answer, reply, stream, stream.__aiter__(), None,
                                                     time.perf_counter(), ask.counted), background=True)
         if answer.call.stream:
@@ -361,13 +375,14 @@ class Pipeline:
 @dataclass(frozen=True)
 class Ask:
     """How a request is asked of the broker: its id there (under its tenant's tag), its cache_salt, its tenant,
-    its LoRA adapters."""
+    its LoRA adapters, its priority."""
 
     request_id: str
     cache_salt: str | None
     tenant: str
     adapters: wire_adapters.Selection
     counted: tuple[str, wire_adapters.Selection]  # the model and adapters its figures count under
+    priority: int
 
 
 @dataclass(frozen=True)
