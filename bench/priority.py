@@ -94,13 +94,19 @@ def main() -> None:
     args = parser.parse_args()
     model, samples, batch_tokens = ("builtin:tiny", 9, 4096) if args.quick else (
         args.model, args.samples, args.batch_tokens)
-    with MpserveServer("--model", model, "--instances", "1", "--parallel", str(args.parallel), "--threads",
-                       str(args.threads), "--n-ctx", str(batch_tokens + 64)) as server:
+    report(model, args.parallel, args.queued, samples, args.tokens, batch_tokens, args.threads)
+
+
+def report(model: str, parallel: int, queued: int, samples: int, tokens: int, batch_tokens: int,
+           threads: int) -> None:
+    """Run the measure on its own server and print its table and its target."""
+    with MpserveServer("--model", model, "--instances", "1", "--parallel", str(parallel), "--threads",
+                       str(threads), "--n-ctx", str(batch_tokens + 64)) as server:
         server.wait_ready()
-        idle, loaded, preempted = asyncio.run(measure(server.address, args.parallel, args.queued, samples,
-                                                      args.tokens, batch_tokens))
+        idle, loaded, preempted = asyncio.run(measure(server.address, parallel, queued, samples, tokens,
+                                                      batch_tokens))
     idle_p50, loaded_p50 = statistics.median(idle), statistics.median(loaded)
-    print(f"| {model}, 1 instance × parallel {args.parallel}, {args.threads} threads, {args.queued} queued, "
+    print(f"| {model}, 1 instance × parallel {parallel}, {threads} threads, {queued} queued, "
           f"{samples} samples | TTFT p50 (ms) | max (ms) |")
     print("|---|---|---|")
     print(f"| idle | {idle_p50 * 1000:.1f} | {max(idle) * 1000:.1f} |")
@@ -108,7 +114,6 @@ def main() -> None:
     print(f"\npreemptions: {preempted} for {samples} interactive requests")
     target = Target(f"loaded TTFT p50 ≤ {TARGET}× idle", loaded_p50 / idle_p50, "<=", TARGET)
     print(f"- {target.text}: {target.measured:.2f}× — {'met' if target.met else 'NOT met'}")
-
 
 if __name__ == "__main__":
     main()

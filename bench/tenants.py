@@ -8,6 +8,9 @@
                 token (streamed, median) against the same requests on the idle server, and its refusals.
                 The tenants' default entry has ``max_running`` one less than the slots, so a flood leaves one slot
                 for the others. Target: TTFT ≤ 2× idle, and no 429 (ERROR ``busy``) for the other tenant.
+    priority    (``bench.priority``) a batch tenant keeps every slot of one instance busy and 32 queued; an
+                interactive request at priority 10 preempts one: its TTFT p50 against the idle server's.
+                Target: ≤ 1.5× idle.
 
 Both through the server's admin socket, each request naming its tenant (as the gateway does for each API key).
 Greedy, ``ignore_eos``: every request generates its ``max_tokens``.
@@ -20,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import statistics
 import tempfile
 import time
@@ -33,6 +37,7 @@ from mpserve import AsyncClient
 from mpserve.errors import Busy
 from mpserve.runtime import ServerInfo
 
+from . import priority
 from .procs import MpserveServer
 
 WEIGHTS = {"key:" + "1" * 16: 1, "key:" + "2" * 16: 2, "key:" + "4" * 16: 4}
@@ -160,6 +165,9 @@ def main() -> None:
           f"{'yes' if ratio <= TTFT_TARGET else 'no'}")
     print(f"target: the other tenant never refused (429); measured: {refused} of {PROBES} refused; met: "
           f"{'yes' if refused == 0 else 'no'}")
+    print("priority: a batch tenant keeps every slot busy and 32 queued; an interactive request at priority 10")
+    priority.report(setup.model, setup.parallel, 32, 9 if args.quick else 15, 8, 4096 if args.quick else 1024,
+                    os.cpu_count() or 1)
 
 
 if __name__ == "__main__":
