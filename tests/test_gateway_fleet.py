@@ -9,6 +9,7 @@ import json
 import os
 import signal
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -18,7 +19,7 @@ from helpers import free_port, wait_for
 from mpserve.runtime import pid_alive
 
 PROMPT = "Once upon a time"
-TOKENS = 300
+TOKENS = 1900  # long enough that a stream is still running when its gateway is killed
 
 
 def _gateways(server: ServerProcess) -> list[int]:
@@ -36,14 +37,23 @@ def _gateways(server: ServerProcess) -> list[int]:
 
 
 def _holder(gateways: list[int], port: int, client_port: int) -> int:
-    """Which gateway process holds the accepted end of the client's connection from ``client_port``."""
+    """Which gateway process holds the accepted end of the client's connection from ``client_port`` (waited for:
+    a new connection waits in the port's queue until a process accepts it)."""
+    found: int | None = wait_for(lambda: _accepted_by(gateways, port, client_port), timeout=10,
+                                 what=f"a gateway to accept the connection from port {client_port}")
+    assert found is not None
+    return found
+
+
+def _accepted_by(gateways: list[int], port: int, client_port: int) -> int | None:
     inode = None
     for line in Path("/proc/net/tcp").read_text().splitlines()[1:]:
         fields = line.split()
         local, remote = (int(end.split(":")[1], 16) for end in fields[1:3])
         if local == port and remote == client_port:
             inode = fields[9]
-    assert inode is not None
+    if inode is None:
+        return None
     for pid in gateways:
         for fd in Path(f"/proc/{pid}/fd").iterdir():
             try:
@@ -51,7 +61,7 @@ def _holder(gateways: list[int], port: int, client_port: int) -> int:
                     return pid
             except OSError:
                 continue
-    raise AssertionError(f"no gateway holds the connection from port {client_port}")
+    return None
 
 
 def _open_stream(port: int) -> http.client.HTTPConnection:
@@ -75,7 +85,7 @@ def _rest(conn: http.client.HTTPConnection) -> bytes:
 def test_a_dead_gateway_takes_only_its_connections_and_comes_back() -> None:
     port = free_port()
     server = ServerProcess("--model", "builtin:tiny", "--http", f"127.0.0.1:{port}", "--http-workers", "2",
-                           "--parallel", "4").wait_ready()
+                           "--parallel", "4", "--n-ctx", "2048").wait_ready()
     try:
         first = wait_for(lambda: _gateways(server) if len(_gateways(server)) == 2 else None, timeout=60,
                          what="two gateway processes")
@@ -115,26 +125,37 @@ def test_a_stored_response_is_found_through_any_gateway_process() -> None:
     port = free_port()
     server = ServerProcess("--model", "echo", "--http", f"127.0.0.1:{port}", "--http-workers", "2").wait_ready()
     try:
-        wait_for(lambda: len(_gateways(server)) == 2, timeout=60, what="two gateway processes")
+        gateways = wait_for(lambda: _gateways(server) if len(_gateways(server)) == 2 else None, timeout=60,
+                            what="two gateway processes")
         wait_for(lambda: httpx.get(f"http://127.0.0.1:{port}/health").status_code == 200, timeout=60,
                  what="the gateway to answer")
-        url = f"http://127.0.0.1:{port}/v1/responses"
-        ids = []
-        holders = set()
-        for i in range(8):  # a new connection each: the kernel spreads them over both processes
-            with httpx.Client() as client:
-                answer = client.post(url, json={"model": "echo", "input": f"remember {i}", "max_output_tokens": 4})
-                assert answer.status_code == 200, answer.text
-                ids.append(answer.json()["id"])
-        for response_id in ids:
-            conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
-            conn.connect()
-            holders.add(_holder(_gateways(server), port, conn.sock.getsockname()[1]))
-            conn.request("GET", f"/v1/responses/{response_id}")
+        by_process: dict[int, http.client.HTTPConnection] = {}
+        for _ in range(40):  # a kept-alive connection to each process (the kernel picks who accepts)
+            conn, client_port = _connected(port)
+            holder = _holder(gateways, port, client_port)
+            if holder in by_process:
+                conn.close()
+            else:
+                by_process[holder] = conn
+            if len(by_process) == 2:
+                break
+        assert len(by_process) == 2, "every connection went to one gateway process"
+
+        def call(conn: http.client.HTTPConnection, method: str, path: str, body: object = None) -> tuple[int, Any]:
+            conn.request(method, path, None if body is None else json.dumps(body),
+                         {"content-type": "application/json"})
             answer = conn.getresponse()
-            assert answer.status == 200, answer.read()
+            return answer.status, json.loads(answer.read())
+
+        first, second = by_process.values()
+        for storing, reading in ((first, second), (second, first)):
+            status, stored = call(storing, "POST", "/v1/responses",
+                                  {"model": "echo", "input": "remember this", "max_output_tokens": 4})
+            assert status == 200, stored
+            status, found = call(reading, "GET", f"/v1/responses/{stored['id']}")
+            assert status == 200 and found["id"] == stored["id"], found
+        for conn in by_process.values():
             conn.close()
-        assert len(holders) == 2, "every lookup went to one gateway process: nothing shown"
     finally:
         server.stop()
 

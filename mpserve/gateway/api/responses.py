@@ -396,8 +396,11 @@ def stored_routes(responses: Responses) -> list[Route]:
                 return _stream_again(responses.journal, who, response_id, request.query_params.get("starting_after"))
             try:
                 return JSONResponse(responses.store.get(who, response_id)[0])
-            except NotStored:
-                return JSONResponse(_running(responses.journal, who, response_id))
+            except NotStored as missing:
+                try:
+                    return JSONResponse(_running(responses.journal, who, response_id))
+                except NotStored:
+                    return _not_found(missing)  # the store's words: how long responses are kept
         except NotStored as exc:
             return _not_found(exc)
         except BadRequest as exc:
