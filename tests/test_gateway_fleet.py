@@ -55,7 +55,11 @@ def _accepted_by(gateways: list[int], port: int, client_port: int) -> int | None
     if inode is None:
         return None
     for pid in gateways:
-        for fd in Path(f"/proc/{pid}/fd").iterdir():
+        try:
+            fds = list(Path(f"/proc/{pid}/fd").iterdir())
+        except OSError:  # it has just died
+            continue
+        for fd in fds:
             try:
                 if os.readlink(fd) == f"socket:[{inode}]":
                     return pid
@@ -64,9 +68,8 @@ def _accepted_by(gateways: list[int], port: int, client_port: int) -> int | None
     return None
 
 
-def _open_stream(port: int) -> http.client.HTTPConnection:
-    """A streamed completion whose first event has been read."""
-    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
+def _open_stream(conn: http.client.HTTPConnection) -> http.client.HTTPConnection:
+    """A streamed completion on ``conn`` whose first event has been read."""
     conn.request("POST", "/v1/completions", json.dumps({"model": "tiny", "prompt": PROMPT, "max_tokens": TOKENS,
                                                         "temperature": 0, "stream": True, "ignore_eos": True}),
                  {"content-type": "application/json"})
@@ -74,6 +77,28 @@ def _open_stream(port: int) -> http.client.HTTPConnection:
     assert response.status == 200
     assert response.readline().startswith(b"data: ")
     return conn
+
+
+def _connected(port: int) -> tuple[http.client.HTTPConnection, int]:
+    """A new connection to the port, and the client's end's port."""
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
+    conn.connect()
+    return conn, conn.sock.getsockname()[1]
+
+
+def _one_each(gateways: list[int], port: int) -> dict[int, http.client.HTTPConnection]:
+    """A connection accepted by each gateway process (the kernel picks who accepts: new ones until each has one)."""
+    by_process: dict[int, http.client.HTTPConnection] = {}
+    for _ in range(40):
+        conn, client_port = _connected(port)
+        holder = _holder(gateways, port, client_port)
+        if holder in by_process:
+            conn.close()
+        else:
+            by_process[holder] = conn
+        if len(by_process) == len(gateways):
+            return by_process
+    raise AssertionError("every connection went to one gateway process")
 
 
 def _rest(conn: http.client.HTTPConnection) -> bytes:
@@ -91,20 +116,12 @@ def test_a_dead_gateway_takes_only_its_connections_and_comes_back() -> None:
                          what="two gateway processes")
         wait_for(lambda: httpx.get(f"http://127.0.0.1:{port}/health").status_code == 200, timeout=60,
                  what="the gateway to answer")
-        streams: dict[int, list[http.client.HTTPConnection]] = {pid: [] for pid in first}
-        for _ in range(12):  # until each gateway holds one
-            conn = _open_stream(port)
-            streams[_holder(first, port, conn.sock.getsockname()[1])].append(conn)
-            if all(streams.values()):
-                break
-        assert all(streams.values()), "the kernel gave every connection to one gateway"
+        streams = {pid: _open_stream(conn) for pid, conn in _one_each(first, port).items()}
         doomed, survivor = first
         os.kill(doomed, signal.SIGKILL)
-        for conn in streams[survivor]:  # the other gateway's streams end whole
-            assert _rest(conn).rstrip().endswith(b"data: [DONE]")
-        for conn in streams[doomed]:  # the dead one's were cut
-            with pytest.raises((http.client.IncompleteRead, ConnectionError)):
-                _rest(conn)
+        assert _rest(streams[survivor]).rstrip().endswith(b"data: [DONE]")  # the other gateway's stream ends whole
+        with pytest.raises((http.client.IncompleteRead, ConnectionError)):  # the dead one's was cut
+            _rest(streams[doomed])
         for _ in range(6):  # served meanwhile, by the survivor, and then by either
             answer = httpx.post(f"http://127.0.0.1:{port}/v1/completions", timeout=60,
                                 json={"model": "tiny", "prompt": PROMPT, "max_tokens": 4})
@@ -129,17 +146,7 @@ def test_a_stored_response_is_found_through_any_gateway_process() -> None:
                             what="two gateway processes")
         wait_for(lambda: httpx.get(f"http://127.0.0.1:{port}/health").status_code == 200, timeout=60,
                  what="the gateway to answer")
-        by_process: dict[int, http.client.HTTPConnection] = {}
-        for _ in range(40):  # a kept-alive connection to each process (the kernel picks who accepts)
-            conn, client_port = _connected(port)
-            holder = _holder(gateways, port, client_port)
-            if holder in by_process:
-                conn.close()
-            else:
-                by_process[holder] = conn
-            if len(by_process) == 2:
-                break
-        assert len(by_process) == 2, "every connection went to one gateway process"
+        by_process = _one_each(gateways, port)  # kept alive: each stays with its process
 
         def call(conn: http.client.HTTPConnection, method: str, path: str, body: object = None) -> tuple[int, Any]:
             conn.request(method, path, None if body is None else json.dumps(body),
@@ -183,13 +190,6 @@ def test_gateways_that_keep_dying_as_they_start_stop_the_server() -> None:
                               "why); fix that and start again")
     assert server.tracebacks() == []
     assert not any(pid_alive(pid) for pid in killed)
-
-
-def _connected(port: int) -> tuple[http.client.HTTPConnection, int]:
-    """A new connection to the port, and the client's end's port."""
-    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
-    conn.connect()
-    return conn, conn.sock.getsockname()[1]
 
 
 CHAT = {"model": "tiny", "messages": [{"role": "user", "content": "Tell me a story"}], "max_tokens": 1500,
