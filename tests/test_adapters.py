@@ -132,6 +132,26 @@ def test_gemma_adapters_give_llama_cpp_text(real_model: object, tmp_path: Path) 
     assert len(set(expected[:3])) == 3  # one prompt, three texts: each adapter changes greedy output
 
 
+@pytest.mark.timeout(300)
+def test_gemma_sequences_of_one_adapter_running_at_once_give_llama_cpp_text(real_model: object, tmp_path: Path
+                                                                            ) -> None:
+    """Three prompts under one adapter at once: with ``reuse: exact`` each decodes alone (llama.cpp multiplies the
+    adapter's float tensors by two rows or more with other kernels than by one) and gets llama.cpp's lone text."""
+    path, repack = real_model.path, real_model.repack  # type: ignore[attr-defined]
+    adapter = adapters_for(path, tmp_path, NAMES[:1])
+
+    def llama(*args: object, **kwargs: object) -> object:
+        return real_model.llama(**kwargs)  # type: ignore[attr-defined]
+
+    requests: list[tuple[str, Choice, int]] = [(prompt, ("a0", 1.0), 12) for prompt in PROMPTS[:3]]
+    expected = [reference(llama, path, adapter["a0"], 1.0, p, n) for p, _, n in requests]
+    eng = engine(path, adapter, parallel=3, repack=repack)
+    try:
+        assert [c.text for c in serve(eng, requests)] == expected
+    finally:
+        eng.close()
+
+
 def test_cells_computed_under_one_adapter_are_never_reused_under_another(
         tiny: str, tiny_adapters: dict[str, str]) -> None:
     """A long prompt computed under a0 leaves whole chunks in its slot; the same prompt under a1 (its own slot, or
