@@ -13,6 +13,7 @@ import llama_cpp
 import pytest
 from engines import LONG_PROMPT, N_CTX, PROMPTS, adapters_for
 
+from mpserve.engine.adapters import TURN_STEPS
 from mpserve.engine.batch import BatchEngine
 from mpserve.engine.interface import Completion
 from mpserve.engine.settings import EngineSettings
@@ -195,8 +196,9 @@ def test_one_prompt_under_several_sets_at_once_is_computed_under_each(
     assert [c.reused_tokens for c in done[:3]] == [0, 0, 0] and done[3].reused_tokens == done[3].prompt_tokens
 
 
-def test_sets_take_turns_by_step(tiny: str, tiny_adapters: dict[str, str]) -> None:
-    """Two sequences of a0 decode together; the base and a1 wait their turn: one step each, round robin."""
+def test_sets_take_turns_of_several_steps(tiny: str, tiny_adapters: dict[str, str]) -> None:
+    """Two sequences of a0 decode together; the base and a1 wait their turn: TURN_STEPS steps each (each switch
+    rebuilds llama.cpp's compute graphs), round robin."""
     eng = engine(tiny, tiny_adapters, parallel=4)
     steps: dict[int, list[int]] = {}
     clock = [0]
@@ -218,7 +220,10 @@ def test_sets_take_turns_by_step(tiny: str, tiny_adapters: dict[str, str]) -> No
         eng.close()
     assert steps[0] == steps[1]  # one set: one decode
     assert len({s for seq in steps.values() for s in seq}) == 3 * 6  # three sets, never two in one step
-    assert [steps[slot][1] - steps[slot][0] for slot in (0, 2, 3)] == [3, 3, 3]  # each waits for the two others
+    firsts = {slot: steps[slot][0] for slot in (0, 2, 3)}
+    assert sorted(firsts.values()) == [0, TURN_STEPS, 2 * TURN_STEPS]  # a turn each, round robin
+    for slot, first in firsts.items():  # a turn: TURN_STEPS steps in a row, a token each
+        assert steps[slot][:TURN_STEPS] == list(range(first, first + TURN_STEPS))
 
 
 def test_bad_adapters_are_refused_with_what_to_give_instead(tiny: str, tiny_adapters: dict[str, str],
