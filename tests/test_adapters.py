@@ -4,6 +4,7 @@ model and on Gemma 3 270M; turns by adapter set; cells never reused across sets;
 
 from __future__ import annotations
 
+import platform
 import subprocess
 import sys
 from collections.abc import Callable
@@ -262,3 +263,37 @@ def test_bad_adapters_are_refused_with_what_to_give_instead(tiny: str, tiny_adap
         assert eng.adapter_names() == ("b",)
     finally:
         eng.close()
+
+
+HEAP_PROBE = """
+import ctypes, sys
+from mpserve.engine.batch import BatchEngine
+from mpserve.engine.settings import EngineSettings
+from mpserve.wire.protocol import GenerateParams
+eng = BatchEngine(EngineSettings(sys.argv[1], n_ctx=256, parallel=1, threads=1, n_gpu_layers=0,
+                                 adapters=(("a0", sys.argv[2]),)))
+eng.admit(0, "Hello", GenerateParams(max_tokens=2), lambda text, k: True, adapters=(("a0", 1.0),))
+while eng.active:
+    eng.step()
+eng.close()
+libc = ctypes.CDLL(None)
+libc.malloc.restype, libc.malloc.argtypes, libc.free.argtypes = ctypes.c_void_p, [ctypes.c_size_t], [ctypes.c_void_p]
+libc.free(libc.malloc(8 << 20))  # as llama.cpp frees a compute buffer when it reserves anew
+block = libc.malloc(1 << 20)
+heap = [line.split()[0].split("-") for line in open("/proc/self/maps") if line.rstrip().endswith("[heap]")]
+print(any(int(start, 16) <= block < int(end, 16) for start, end in heap))
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux") or "glibc" not in " ".join(platform.libc_ver()),
+                    reason="glibc's malloc")
+def test_an_engine_that_changed_adapters_gives_freed_large_blocks_back(tiny: str, tiny_adapters: dict[str, str]
+                                                                        ) -> None:
+    """llama.cpp frees and allocates its buffers at each change of adapters; glibc would then serve blocks that size
+    from the heap, which the process keeps (an instance's private memory grew with each set it ran). Once the engine
+    has run a request under an adapter, a block of a MiB allocated after a larger one was freed still gets a mapping
+    of its own."""
+    probe = subprocess.run([sys.executable, "-c", HEAP_PROBE, tiny, tiny_adapters["a0"]], capture_output=True,
+                           text=True, timeout=60)
+    assert probe.returncode == 0, probe.stderr[-2000:]
+    assert probe.stdout.split()[-1] == "False"

@@ -7,7 +7,8 @@
     admit ──chosen(adapters)──▶ the request's set, canonical (sorted by name, no zero scale), every name known,
                                 and its ``space``: what the sequence's cells are computed under
     step  ──Turns.next(sets of the running sequences)──▶ the set whose sequences run this step (a few in a row)
-          ──apply(ctx, set)──▶ llama_set_adapters_lora, when the context has another
+          ──apply(ctx, set)──▶ llama_set_adapters_lora, when the context has another (the first time:
+                               heap.keep_large_blocks_mapped, as llama.cpp reallocates its buffers at each change)
 
 llama.cpp applies adapters per context, not per sequence, so sequences whose sets differ cannot share a decode: they
 take turns of a few steps (llama-server's rule: requests with different adapters are not batched together), round
@@ -29,6 +30,8 @@ from typing import Any
 
 from mpserve.errors import BadRequest, UnknownModel
 from mpserve.models.lora_file import check_adapter
+
+from .heap import keep_large_blocks_mapped
 
 AdapterSet = tuple[tuple[str, float], ...]
 """Adapter names and scales: a request's choice, canonical once ``chosen``; () is the base model."""
@@ -66,6 +69,7 @@ class Adapters:
         self._lib, self._model, self._base = lib, model, base
         self._loaded = dict(loaded)
         self._applied: tuple[float, ...] | None = ()  # serials and scales the context has now (a fresh one: none)
+        self._switched = False  # whether the context has changed sets yet
 
     def names(self) -> tuple[str, ...]:
         return tuple(sorted(self._loaded))
@@ -109,6 +113,9 @@ class Adapters:
         scales = (ctypes.c_float * n)(*(scale for _, scale in loaded)) if n else None
         if self._lib.llama_set_adapters_lora(ctx, handles, n, scales) != 0:
             raise RuntimeError(f"llama_set_adapters_lora failed for {adapters}")
+        if not self._switched:
+            keep_large_blocks_mapped()
+            self._switched = True
         self._applied = applied
 
     def _known(self, name: str) -> Loaded:
