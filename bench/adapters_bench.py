@@ -13,7 +13,7 @@
 
 llama.cpp applies adapters per context, so llama-server does not batch requests of different adapters together
 (its slots take turns); mpserve routes a request to an instance that runs its set, and an instance's sets take turns
-by decode step.
+of a few decode steps.
 """
 
 from __future__ import annotations

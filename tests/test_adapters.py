@@ -4,6 +4,7 @@ model and on Gemma 3 270M; turns by adapter set; cells never reused across sets;
 
 from __future__ import annotations
 
+import platform
 import subprocess
 import sys
 from collections.abc import Callable
@@ -13,6 +14,7 @@ import llama_cpp
 import pytest
 from engines import LONG_PROMPT, N_CTX, PROMPTS, adapters_for
 
+from mpserve.engine.adapters import TURN_STEPS
 from mpserve.engine.batch import BatchEngine
 from mpserve.engine.interface import Completion
 from mpserve.engine.settings import EngineSettings
@@ -132,6 +134,26 @@ def test_gemma_adapters_give_llama_cpp_text(real_model: object, tmp_path: Path) 
     assert len(set(expected[:3])) == 3  # one prompt, three texts: each adapter changes greedy output
 
 
+@pytest.mark.timeout(300)
+def test_gemma_sequences_of_one_adapter_running_at_once_give_llama_cpp_text(real_model: object, tmp_path: Path
+                                                                            ) -> None:
+    """Three prompts under one adapter at once: with ``reuse: exact`` each decodes alone (llama.cpp multiplies the
+    adapter's float tensors by two rows or more with other kernels than by one) and gets llama.cpp's lone text."""
+    path, repack = real_model.path, real_model.repack  # type: ignore[attr-defined]
+    adapter = adapters_for(path, tmp_path, NAMES[:1])
+
+    def llama(*args: object, **kwargs: object) -> object:
+        return real_model.llama(**kwargs)  # type: ignore[attr-defined]
+
+    requests: list[tuple[str, Choice, int]] = [(prompt, ("a0", 1.0), 12) for prompt in PROMPTS[:3]]
+    expected = [reference(llama, path, adapter["a0"], 1.0, p, n) for p, _, n in requests]
+    eng = engine(path, adapter, parallel=3, repack=repack)
+    try:
+        assert [c.text for c in serve(eng, requests)] == expected
+    finally:
+        eng.close()
+
+
 def test_cells_computed_under_one_adapter_are_never_reused_under_another(
         tiny: str, tiny_adapters: dict[str, str]) -> None:
     """A long prompt computed under a0 leaves whole chunks in its slot; the same prompt under a1 (its own slot, or
@@ -175,8 +197,9 @@ def test_one_prompt_under_several_sets_at_once_is_computed_under_each(
     assert [c.reused_tokens for c in done[:3]] == [0, 0, 0] and done[3].reused_tokens == done[3].prompt_tokens
 
 
-def test_sets_take_turns_by_step(tiny: str, tiny_adapters: dict[str, str]) -> None:
-    """Two sequences of a0 decode together; the base and a1 wait their turn: one step each, round robin."""
+def test_sets_take_turns_of_several_steps(tiny: str, tiny_adapters: dict[str, str]) -> None:
+    """Two sequences of a0 decode together; the base and a1 wait their turn: TURN_STEPS steps each (each switch
+    rebuilds llama.cpp's compute graphs), round robin."""
     eng = engine(tiny, tiny_adapters, parallel=4)
     steps: dict[int, list[int]] = {}
     clock = [0]
@@ -198,7 +221,10 @@ def test_sets_take_turns_by_step(tiny: str, tiny_adapters: dict[str, str]) -> No
         eng.close()
     assert steps[0] == steps[1]  # one set: one decode
     assert len({s for seq in steps.values() for s in seq}) == 3 * 6  # three sets, never two in one step
-    assert [steps[slot][1] - steps[slot][0] for slot in (0, 2, 3)] == [3, 3, 3]  # each waits for the two others
+    firsts = {slot: steps[slot][0] for slot in (0, 2, 3)}
+    assert sorted(firsts.values()) == [0, TURN_STEPS, 2 * TURN_STEPS]  # a turn each, round robin
+    for slot, first in firsts.items():  # a turn: TURN_STEPS steps in a row, a token each
+        assert steps[slot][:TURN_STEPS] == list(range(first, first + TURN_STEPS))
 
 
 def test_bad_adapters_are_refused_with_what_to_give_instead(tiny: str, tiny_adapters: dict[str, str],
@@ -237,3 +263,37 @@ def test_bad_adapters_are_refused_with_what_to_give_instead(tiny: str, tiny_adap
         assert eng.adapter_names() == ("b",)
     finally:
         eng.close()
+
+
+HEAP_PROBE = """
+import ctypes, sys
+from mpserve.engine.batch import BatchEngine
+from mpserve.engine.settings import EngineSettings
+from mpserve.wire.protocol import GenerateParams
+eng = BatchEngine(EngineSettings(sys.argv[1], n_ctx=256, parallel=1, threads=1, n_gpu_layers=0,
+                                 adapters=(("a0", sys.argv[2]),)))
+eng.admit(0, "Hello", GenerateParams(max_tokens=2), lambda text, k: True, adapters=(("a0", 1.0),))
+while eng.active:
+    eng.step()
+eng.close()
+libc = ctypes.CDLL(None)
+libc.malloc.restype, libc.malloc.argtypes, libc.free.argtypes = ctypes.c_void_p, [ctypes.c_size_t], [ctypes.c_void_p]
+libc.free(libc.malloc(8 << 20))  # as llama.cpp frees a compute buffer when it reserves anew
+block = libc.malloc(1 << 20)
+heap = [line.split()[0].split("-") for line in open("/proc/self/maps") if line.rstrip().endswith("[heap]")]
+print(any(int(start, 16) <= block < int(end, 16) for start, end in heap))
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux") or "glibc" not in " ".join(platform.libc_ver()),
+                    reason="glibc's malloc")
+def test_an_engine_that_changed_adapters_gives_freed_large_blocks_back(tiny: str, tiny_adapters: dict[str, str]
+                                                                        ) -> None:
+    """llama.cpp frees and allocates its buffers at each change of adapters; glibc would then serve blocks that size
+    from the heap, which the process keeps (an instance's private memory grew with each set it ran). Once the engine
+    has run a request under an adapter, a block of a MiB allocated after a larger one was freed still gets a mapping
+    of its own."""
+    probe = subprocess.run([sys.executable, "-c", HEAP_PROBE, tiny, tiny_adapters["a0"]], capture_output=True,
+                           text=True, timeout=60)
+    assert probe.returncode == 0, probe.stderr[-2000:]
+    assert probe.stdout.split()[-1] == "False"

@@ -6,15 +6,17 @@
     unload(name)       llama_adapter_lora_free (the engine refuses while a sequence uses it)
     admit ──chosen(adapters)──▶ the request's set, canonical (sorted by name, no zero scale), every name known,
                                 and its ``space``: what the sequence's cells are computed under
-    step  ──Turns.next(sets of the running sequences)──▶ the set whose sequences run this step
-          ──apply(ctx, set)──▶ llama_set_adapters_lora, when the context has another
+    step  ──Turns.next(sets of the running sequences)──▶ the set whose sequences run this step (a few in a row)
+          ──apply(ctx, set)──▶ llama_set_adapters_lora, when the context has another (the first time:
+                               heap.keep_large_blocks_mapped, as llama.cpp reallocates its buffers at each change)
 
-llama.cpp applies adapters per context, not per sequence, so sequences whose sets differ cannot share a decode:
-they take turns by step (llama-server's rule: requests with different adapters are not batched together), round
-robin among the sets that have work, and the sequences of one set decode together. Cells computed under one set
-are not valid under another: ``space`` keys them (``cells``), b"" for the base model, and the host store and slot
-files keep base cells only. A space names the adapters' loads (``Loaded.serial``), not only their names, so an
-adapter unloaded and loaded again from another file never meets cells computed under the first.
+llama.cpp applies adapters per context, not per sequence, so sequences whose sets differ cannot share a decode: they
+take turns of a few steps (llama-server's rule: requests with different adapters are not batched together), round
+robin among the sets that have work, and the sequences of one set decode together. A switch costs a rebuild of
+llama.cpp's graphs and compute buffers, hence turns of several steps (``TURN_STEPS``) rather than one. Cells
+computed under one set are not valid under another: ``space`` keys them (``cells``), b"" for the base model, and the
+host store and slot files keep base cells only. A space names the adapters' loads (``Loaded.serial``), not only
+their names, so an adapter unloaded and loaded again from another file never meets cells computed under the first.
 """
 
 from __future__ import annotations
@@ -28,6 +30,8 @@ from typing import Any
 
 from mpserve.errors import BadRequest, UnknownModel
 from mpserve.models.lora_file import check_adapter
+
+from .heap import keep_large_blocks_mapped
 
 AdapterSet = tuple[tuple[str, float], ...]
 """Adapter names and scales: a request's choice, canonical once ``chosen``; () is the base model."""
@@ -65,6 +69,7 @@ class Adapters:
         self._lib, self._model, self._base = lib, model, base
         self._loaded = dict(loaded)
         self._applied: tuple[float, ...] | None = ()  # serials and scales the context has now (a fresh one: none)
+        self._switched = False  # whether the context has changed sets yet
 
     def names(self) -> tuple[str, ...]:
         return tuple(sorted(self._loaded))
@@ -108,6 +113,9 @@ class Adapters:
         scales = (ctypes.c_float * n)(*(scale for _, scale in loaded)) if n else None
         if self._lib.llama_set_adapters_lora(ctx, handles, n, scales) != 0:
             raise RuntimeError(f"llama_set_adapters_lora failed for {adapters}")
+        if not self._switched:
+            keep_large_blocks_mapped()
+            self._switched = True
         self._applied = applied
 
     def _known(self, name: str) -> Loaded:
@@ -119,19 +127,30 @@ class Adapters:
         return loaded
 
 
-class Turns:
-    """Which adapter set's sequences run a step: the sets with work take turns, round robin in a fixed order."""
+TURN_STEPS = 4
+"""The most steps in a row one adapter set runs while another waits: a switch makes the next llama_decode rebuild
+llama.cpp's graphs and compute buffers (``llama_set_adapters_lora`` marks the context's scheduler for a reserve), so
+a set keeps its turn a few steps, and a waiting set's tokens come at most that many steps per other set later."""
 
-    def __init__(self) -> None:
+
+class Turns:
+    """Which adapter set's sequences run a step: the sets with work take turns, round robin in a fixed order, each
+    for up to ``steps`` steps in a row."""
+
+    def __init__(self, steps: int = TURN_STEPS) -> None:
+        self._steps = steps
         self._last: AdapterSet | None = None
+        self._held = 0  # steps in a row ``_last`` has run
 
     def next(self, sets: Iterable[AdapterSet]) -> AdapterSet:
         waiting = sorted(set(sets))
-        if len(waiting) < 2:
-            self._last = waiting[0] if waiting else None
-            return waiting[0] if waiting else ()
+        if not waiting:
+            return ()
+        if self._last in waiting and (len(waiting) == 1 or self._held < self._steps):
+            self._held += 1
+            return self._last
         later = [s for s in waiting if self._last is not None and s > self._last]
-        self._last = later[0] if later else waiting[0]
+        self._last, self._held = later[0] if later else waiting[0], 1
         return self._last
 
 

@@ -19,9 +19,9 @@ free slots and calls ``step`` in a loop; each module below does one job of it:
       ─▶ [(slot, Completion)] of the sequences that ended
     cancel(slot)   the sequence ends at the start of the next step
     load_adapter / unload_adapter   LoRA adapters (``adapters``): a sequence runs under the set its request chose;
-                   the sets take turns by step (llama.cpp applies adapters per context), and cells computed under
-                   one set are reused by the same set only
-    park(slot, key) / resume(key, slot, on_token)   a running sequence out of the batch and back (``_Parked``)
+                   the sets take turns of a few steps (llama.cpp applies adapters per context), and cells computed
+                   under one set are reused by the same set only
+    park(slot, key) / resume(key, slot, on_token)   a running sequence out of the batch and back (``parking``)
 
 Slots are llama.cpp sequence ids 0..parallel-1, and the context holds ``parallel * n_ctx`` KV cells. By default
 every slot has a stream of ``n_ctx`` cells of its own (llama-server's layout with ``--parallel``): a token attends

@@ -73,16 +73,21 @@ class Scheduler:
         return sorted((seq for seq in self.running.values() if seq.phase is Phase.DECODE), key=_by_slot)
 
     def decodes(self, decoding: list[Sequence]) -> list[list[Sequence]]:
-        """The decoding sequences grouped by llama_decode: all in one, except with ``reuse: exact`` and a KV
-        stream per slot, where a sequence with more than LONE_KV_CELLS cells decodes alone. llama.cpp gives a
-        lone query over that many cells its own attention kernel (the CPU's flash attention splits the cells
-        among threads and sums the parts), and a batch of several streams another: decoded together, such a
-        sequence gets other numbers than a fresh computation of it, enough to change a greedy choice."""
-        if not self._exact or self._kv_unified or len(decoding) < 2:
+        """The decoding sequences grouped by llama_decode: all in one, except with ``reuse: exact``, where a
+        sequence under LoRA adapters decodes alone, and so does one with more than LONE_KV_CELLS cells when each slot
+        has a KV stream. An adapter's tensors are float, and llama.cpp's CPU multiplies a float matrix by a lone row
+        with its dot products, by two rows or more with its llamafile kernels (``llamafile_sgemm`` declines n < 2),
+        which sum in another order; the base model's quantized weights go through one kernel whatever the rows.
+        llama.cpp gives a lone query over LONE_KV_CELLS cells its own attention kernel (the CPU's flash attention
+        splits the cells among threads and sums the parts), and a batch of several streams another. Decoded
+        together, such a sequence gets other numbers than a fresh computation of it, enough to change a greedy
+        choice."""
+        if not self._exact or len(decoding) < 2:
             return [decoding] if decoding else []
-        long = [[seq] for seq in decoding if seq.n_past + 1 > LONE_KV_CELLS]
-        short = [seq for seq in decoding if seq.n_past + 1 <= LONE_KV_CELLS]
-        return ([short] if short else []) + long
+        alone = [seq for seq in decoding
+                 if seq.adapters or (not self._kv_unified and seq.n_past + 1 > LONE_KV_CELLS)]
+        together = [seq for seq in decoding if seq not in alone]
+        return ([together] if together else []) + [[seq] for seq in alone]
 
     def chunks(self, decoding: bool, turn: tuple[tuple[str, float], ...] = ()) -> list[Sequence]:
         """The prompts under the adapters ``turn`` that compute their next chunk this step, in admission order,

@@ -79,7 +79,7 @@ Sets = Mapping[bytes, Collection[tuple[tuple[str, float], ...]]]
 def affinity(adapters: tuple[tuple[str, float], ...], running: Collection[tuple[tuple[str, float], ...]]) -> int:
     """How cheaply an instance running requests of the adapter sets ``running`` takes one of ``adapters`` (the base
     model's, (), is a set too): 2 when it runs that set alone (they batch together), 1 when idle (it switches at
-    once), 0 when it runs another set (sequences of different sets take turns by decode step). Only a model with
+    once), 0 when it runs another set (sequences of different sets take turns of a few decode steps). Only a model with
     adapters is routed so; plain traffic spreads over instances by load."""
     if not running:
         return 1

@@ -16,21 +16,34 @@ AB = (("a", 1.0), ("b", 1.0))
 
 
 def test_sets_with_work_take_turns_round_robin_and_one_set_runs_every_step() -> None:
-    turns = Turns()
+    turns = Turns(steps=1)
     assert [turns.next([(), A, A]) for _ in range(4)] == [(), A, (), A]
     assert [turns.next([B, (), A, AB]) for _ in range(5)] == [AB, B, (), A, AB]  # after A's turn: the next in order
     assert [turns.next([A]) for _ in range(3)] == [A, A, A]
-    assert turns.next([]) == ()
-    assert [turns.next([A, B]) for _ in range(3)] == [A, B, A]
+    assert [turns.next([A, B]) for _ in range(3)] == [B, A, B]
+
+
+def test_a_set_keeps_its_turn_for_several_steps_while_others_wait() -> None:
+    turns = Turns(steps=3)
+    assert [turns.next([(), A]) for _ in range(8)] == [(), (), (), A, A, A, (), ()]
+    assert [turns.next([A]) for _ in range(5)] == [A] * 5  # alone: no bound
+    assert [turns.next([A, B]) for _ in range(4)] == [B, B, B, A]  # A ran 5 steps: B's turn at once
+
+
+def test_a_turn_goes_on_after_steps_with_nothing_running() -> None:
+    turns = Turns(steps=2)
+    assert turns.next([A, B]) == A
+    assert turns.next([]) == ()  # no turn
+    assert [turns.next([A, B]) for _ in range(3)] == [A, B, B]
 
 
 def test_a_set_arriving_waits_at_most_one_turn_of_each_other_set() -> None:
-    turns, runs = Turns(), []
-    for step in range(12):
+    turns, runs = Turns(steps=2), []
+    for step in range(16):
         sets = [(), A] + ([B] if step >= 5 else [])
         runs.append(turns.next(sets))
     after = runs[5:]
-    assert B in after[:3] and all(after.count(s) >= 2 for s in ((), A, B))
+    assert B in after[:2 * 2 + 1] and all(after.count(s) >= 2 for s in ((), A, B))
 
 
 @pytest.mark.parametrize(("adapters", "words"), [

@@ -84,6 +84,14 @@ def test_exact_decodes_a_long_sequence_alone_with_a_stream_per_slot() -> None:
     assert scheduler(exact=True).decodes([short, long]) == [[short, long]]
 
 
+def test_exact_decodes_each_sequence_under_adapters_alone() -> None:
+    one, two = sequence(0, [1] * 10, 10, decoding=True), sequence(1, [2] * 10, 10, decoding=True)
+    one.adapters = two.adapters = (("a", 1.0),)
+    assert scheduler(exact=True).decodes([one, two]) == [[one], [two]]
+    assert scheduler(exact=True, kv_unified=True).decodes([one, two]) == [[one], [two]]
+    assert scheduler().decodes([one, two]) == [[one, two]]
+
+
 def test_a_prompt_is_cut_into_chunks_scored_chunks_and_at_its_marks() -> None:
     seq = sequence(0, [1] * 1300)
     assert next_chunk(seq) == PROMPT_CHUNK
