@@ -8,6 +8,7 @@
     scheduler    which rows go into the next decodes: decoding sequences, prompt chunks within the budget
     cells        what each slot's KV cells hold: reuse in the slot, copies from another, catching up, twins
     adapters     LoRA adapters: loaded onto the model, chosen per sequence, applied per step (sets take turns)
+    heap         what llama.cpp frees given back to the system once adapter sets change (glibc's mmap threshold)
     parking      a running sequence out of the batch whole, and back where it stopped (priority preemption)
     keeping      when cells are saved to and restored from the host store ("where is a prefix restored")
     context      the llama.cpp context: model, KV memory, decode, state bytes, tokens and pieces
