@@ -57,8 +57,8 @@ def test_four_choices_compute_the_prompt_once_and_equal_four_seeded_requests(fou
 @pytest.mark.timeout(180)
 def test_streamed_choices_come_with_their_index_and_take_four_slots_at_once(four_slots: ServerProcess) -> None:
     with Client(four_slots.address, timeout=120) as client:
-        whole = client.choices("Hello world", n=4, max_tokens=80, seed=3, **SAMPLED)
-        stream = client.stream("Hello world", n=4, max_tokens=80, seed=3, **SAMPLED)
+        whole = client.choices("Hello world", n=4, max_tokens=400, seed=3, **SAMPLED)
+        stream = client.stream("Hello world", n=4, max_tokens=400, seed=3, **SAMPLED)
         texts = ["", "", "", ""]
         busy = 0
         for text in stream:

@@ -292,7 +292,7 @@ def test_monitor_reports_each_instance_and_a_killed_worker_shows_everywhere(star
         # the worker serving a stream dies: the stream continues on the other instance, /health and metrics
         # see the death. Its replacement would be forked and loaded within tens of milliseconds: the zygote it
         # is forked from is stopped meanwhile, so that /health is read while the instance is down.
-        stream = iter(oc.completions.create(model="tiny", prompt="x", max_tokens=300, temperature=0, stream=True))
+        stream = iter(oc.completions.create(model="tiny", prompt="x", max_tokens=1500, temperature=0, stream=True))
         next(stream)
         busy = next(r for r in server.slots() if r.state is SlotState.BUSY)
         zygote = ppid(busy.pid)
