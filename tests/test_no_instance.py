@@ -19,6 +19,7 @@ from test_remote import FAST, Pool, registered
 
 from mpserve import Client
 from mpserve.errors import ErrorCode, NoInstance
+from mpserve.runtime import ServerPaths
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -47,6 +48,7 @@ def pool() -> Iterator[Callable[[str], Pool]]:
     for p in started:
         if p.proc.poll() is None:
             p.stop()
+        ServerPaths.for_name(p.name).slots.unlink(missing_ok=True)  # a SIGKILLed pool leaves its slot table
 
 
 def post_chat(gw: GatewayThread) -> tuple[httpx.Response, float]:
