@@ -153,9 +153,10 @@ def start(given: Given, config_file: ConfigOption = None) -> None:
         check_start(config, parse_http(http) if http else None)
         paths = ServerPaths.for_name(config.server_name, config.bind, config.workers_bind, config.admin_bind)
         gateway_key = gateway_keys(paths) if http and config.curve_secret else None  # for a CURVE front
-        with _Gateway(http, config, given.cli, gateway_key) if http else contextlib.nullcontext():
+        with _Gateway(http, config, given.cli, gateway_key) if http else contextlib.nullcontext() as gateways:
             _pull(config)  # with the gateway up: /backend/monitor and the console show the downloads
-            serve(config, gateway_key, reread=lambda: _config(given, config_file))
+            serve(config, gateway_key, reread=lambda: _config(given, config_file),
+                  reloaded=(lambda: gateways.fleet.signal(signal.SIGHUP)) if gateways is not None else None)
 
 
 @app.command()
@@ -363,6 +364,7 @@ def gateway(
                        request_timeout=request_timeout, curve_server_key=curve_server_key,
                        curve_secret=curve_secret, log_level=log_level,
                        exit_with_parent=exit_with_parent, api_keys=load_keys(None, api_key_file),
+                       api_key_file=api_key_file,
                        ssl_certfile=ssl_certfile, ssl_keyfile=ssl_keyfile, insecure=insecure,
                        connections=ConnectionLimits(max_connections, max_connections_per_client,
                                                    read_timeout),
@@ -392,6 +394,7 @@ def _serve_gateways(config: GatewayConfig, workers: int, fd: int | None) -> None
     argv = [sys.executable, "-m", "mpserve", *sys.argv[1:]]
     gateways = fleet.Fleet(fleet.listen(config.host, config.port), workers,
                            functools.partial(fleet.child_command, argv), dict(os.environ), lambda _: ended.set())
+    signal.signal(signal.SIGHUP, lambda *_: gateways.signal(signal.SIGHUP))  # the key file read again
     logging.getLogger("mpserve.gateway").info("%d gateway processes on http://%s:%d: %s", workers, config.host,
                                               config.port, " ".join(map(str, gateways.pids)))
     ended.wait()

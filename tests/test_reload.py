@@ -8,10 +8,11 @@ import signal
 import threading
 from pathlib import Path
 
+import httpx
 import pytest
 import yaml
 from conftest import ServerProcess
-from helpers import mpserve, wait_for
+from helpers import free_port, mpserve, wait_for
 
 from mpserve.client import Client
 from mpserve.errors import MpserveError, UnknownModel
@@ -109,3 +110,22 @@ def test_a_reload_applies_a_tenants_section_at_once(start_server, tmp_path: Path
             client.generate("one too many", max_tokens=4)
         assert refused.value.code == "busy"
         assert "".join(chunks)  # the running one ends whole
+
+
+def test_a_reload_reads_the_gateways_api_key_file_again(start_server, tmp_path: Path) -> None:
+    keys = tmp_path / "keys"
+    keys.write_text("key-a\n")
+    port = free_port()
+    server: ServerProcess = start_server("--model", "echo", "--http", f"127.0.0.1:{port}", "--http-workers", "2",
+                                         "--api-key-file", str(keys)).wait_ready()
+
+    def status(key: str) -> int:
+        return httpx.get(f"http://127.0.0.1:{port}/v1/models", headers={"authorization": f"Bearer {key}"},
+                         timeout=10).status_code
+
+    wait_for(lambda: status("key-a") == 200, 60, "the gateway to take key-a")
+    assert status("key-b") == 401
+    keys.write_text("# key-a is revoked\nkey-b\n")
+    assert mpserve("reload", "--server-name", server.name).returncode == 0
+    for _ in range(8):  # new connections: either gateway process may answer
+        wait_for(lambda: status("key-b") == 200 and status("key-a") == 401, 30, "every gateway to read the file")

@@ -120,6 +120,7 @@ class GatewayConfig:
     exit_with_parent: bool = False  # for `mpserve start --http`: stop when the server process is gone
     admin_key: str | None = None  # opens /admin/ (the control API) and nothing else; None: /admin/ is off
     api_keys: tuple[str, ...] = ()  # accepted too (--api-key-file)
+    api_key_file: str | None = None  # where api_keys came from: read again on SIGHUP
     ssl_certfile: str | None = None  # with ssl_keyfile: serve https
     ssl_keyfile: str | None = None
     insecure: bool = False  # allow a network host without any key
@@ -166,8 +167,9 @@ def create_app(config: GatewayConfig) -> Starlette:
     if config.admin_key and config.admin_key == config.api_key:
         raise ConfigError("the admin key must differ from the API key: the API key must not open the control API")
     app = Starlette(routes=routes, lifespan=gateway.lifespan, exception_handlers={HTTPException: _http_error})
+    app.state.keys = access.KeyRing(config.api_key, config.api_key_file, config.keys)
     if config.keys:
-        app.add_middleware(_RequireKey, api_keys=config.keys, admin_key=config.admin_key)
+        app.add_middleware(_RequireKey, ring=app.state.keys, admin_key=config.admin_key)
     app.add_middleware(BrowserGuard, hosts=host_names(config.host, config.allowed_hosts),
                        origins=config.allowed_origins)
     app.add_middleware(keys.OneKey)  # before the key check: it reads the one key this records
@@ -187,12 +189,14 @@ def check(config: GatewayConfig) -> None:
 
 def serve(config: GatewayConfig, fd: int | None = None) -> None:
     """Run the gateway in the foreground until SIGINT or SIGTERM: on ``config``'s address, or on the listening
-    socket ``fd`` a fleet's parent bound (``fleet``)."""
+    socket ``fd`` a fleet's parent bound (``fleet``). SIGHUP reads the API key file again."""
     logging.basicConfig(level=config.log_level.upper(), stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     check(config)
+    app = create_app(config)
+    signal.signal(signal.SIGHUP, lambda *_: app.state.keys.reload())
     server = uvicorn.Server(uvicorn.Config(
-        create_app(config), host=config.host, port=config.port, log_level=config.log_level,
+        app, host=config.host, port=config.port, log_level=config.log_level,
         log_config=None, access_log=config.log_level == "debug",  # log_config None: our log format
         ssl_certfile=config.ssl_certfile, ssl_keyfile=config.ssl_keyfile, **uvicorn_options(config.connections)))
     server.run(sockets=None if fd is None else [socket.socket(fileno=fd)])
@@ -420,9 +424,9 @@ class _RequireKey:
     header ``keys.OneKey`` recorded. The key's tenant goes into the request's state. On ``ADMIN_VIEWS`` the admin
     key passes too, as the admin's. The comparison takes the same time wherever the keys differ."""
 
-    def __init__(self, app: ASGIApp, api_keys: tuple[str, ...], admin_key: str | None = None) -> None:
+    def __init__(self, app: ASGIApp, ring: access.KeyRing, admin_key: str | None = None) -> None:
         self.app = app
-        self._expected = tuple(f"Bearer {key}".encode() for key in api_keys)
+        self._ring = ring  # read at each request: a reload (SIGHUP) changes its keys
         self._admin = (f"Bearer {admin_key}".encode(),) if admin_key else ()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -432,7 +436,7 @@ class _RequireKey:
             given: bytes = state.get("credential", b"")
             if path in ADMIN_VIEWS and access.any_matches(given, self._admin):
                 state["admin"] = True
-            elif access.any_matches(given, self._expected):
+            elif access.any_matches(given, self._ring.expected):
                 state["tenant"] = keys.tenant_of(given.removeprefix(b"Bearer "))
             else:
                 err = HttpError(401, "invalid_api_key", "a valid API key is required: send the header "

@@ -11,6 +11,8 @@
                                           start); GIVE_UP_AFTER young deaths in a row: ``on_give_up`` (the server
                                           stops with exit status 1, as a gateway that cannot run is a fault for the
                                           service manager to report, not to hide behind restarts)
+      signal(SIGHUP) ──▶ each child reads its API key file again (a reload: ``mpserve reload``, or SIGHUP to the
+                         parent of ``mpserve gateway --http-workers N``)
       stop() ──▶ SIGTERM to each child (uvicorn finishes its streams), SIGKILL after STOP_TIMEOUT_S
 
 What the children share lives where each can reach it: the server (over ZeroMQ) and the stored responses (a
@@ -123,6 +125,13 @@ class Fleet:
             self.gave_up = reason
         log.error("%s; stopping", reason)
         self._on_give_up(reason)
+
+    def signal(self, sig: int) -> None:
+        """``sig`` to each live child (SIGHUP: they read their API key file again)."""
+        with self._lock:
+            children = [child for child in self._children if child is not None and child.poll() is None]
+        for child in children:
+            child.send_signal(sig)
 
     def stop(self) -> None:
         """Each child stopped gracefully (SIGTERM), killed past STOP_TIMEOUT_S; the socket closed."""

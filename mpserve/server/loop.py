@@ -54,10 +54,11 @@ log = logging.getLogger("mpserve.server")
 
 
 def serve(config: ServerConfig, gateway_key: Path | None = None,
-          reread: Callable[[], ServerConfig] | None = None) -> None:
+          reread: Callable[[], ServerConfig] | None = None, reloaded: Callable[[], None] | None = None) -> None:
     """Serve until a signal stops it. ``gateway_key``: the secret key file of the gateway ``start --http`` runs
     (``roles.gateway_keys``), whose key the CURVE sockets then accept beside the configured ones. ``reread``:
-    the configuration read again as at start, for a reload (SIGHUP, ``mpserve reload``); None: no reload."""
+    the configuration read again as at start, for a reload (SIGHUP, ``mpserve reload``); None: no reload.
+    ``reloaded``: called after a reload applied (the gateways ``start --http`` runs read their keys again)."""
     logging.basicConfig(level=config.log_level.upper(), stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("gguf").setLevel(logging.WARNING)
@@ -94,7 +95,7 @@ def serve(config: ServerConfig, gateway_key: Path | None = None,
         ServerInfo(paths.name, os.getpid(), paths.front, paths.back, str(paths.slots),
                    [m.name for m in config.models], time.time(), admin=paths.admin).write(paths.info)
         _Loop(config, broker, supervisor, instances, started, EstimateCheck(placements, layout.devices),
-              reread).run()
+              reread, reloaded).run()
     finally:
         if broker is not None:
             broker.close()
@@ -156,9 +157,11 @@ WATCHDOG_PERIOD_S = 0.5
 
 class _Loop:
     def __init__(self, config: ServerConfig, broker: Broker, supervisor: Supervisor, instances: Instances,
-                 started: float, estimates: EstimateCheck, reread: Callable[[], ServerConfig] | None) -> None:
+                 started: float, estimates: EstimateCheck, reread: Callable[[], ServerConfig] | None,
+                 reloaded: Callable[[], None] | None = None) -> None:
         self._config = config
         self._reread = reread
+        self._reloaded = reloaded
         self._broker = broker
         self._supervisor = supervisor
         self._instances = instances
@@ -346,6 +349,8 @@ class _Loop:
         for key, (_, value) in changes.at_once.items():
             self._apply(key, value)
         self._config = reloading.applied(running, changes)
+        if self._reloaded is not None:
+            self._reloaded()
         lines = changes.lines()
         for line in lines:
             log.info("reload (%s): %s", why, line)

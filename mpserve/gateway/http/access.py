@@ -12,9 +12,12 @@ from __future__ import annotations
 
 import hmac
 import ipaddress
+import logging
 from pathlib import Path
 
 from mpserve.errors import ConfigError
+
+log = logging.getLogger("mpserve.gateway")
 
 
 def load_keys(key: str | None, key_file: str | None) -> tuple[str, ...]:
@@ -30,6 +33,31 @@ def load_keys(key: str | None, key_file: str | None) -> tuple[str, ...]:
             raise ConfigError(f"--api-key-file: {key_file} holds no key (one per line)")
         keys += found
     return tuple(keys)
+
+
+class KeyRing:
+    """The API keys a gateway takes, as ``Authorization`` carries them: the key given and those of
+    ``--api-key-file``, read again by ``reload`` (SIGHUP: ``mpserve reload`` sends it to the gateways it runs). A
+    file that cannot be read, or holds no key, is logged and the keys in use stay."""
+
+    def __init__(self, key: str | None, key_file: str | None, keys: tuple[str, ...]) -> None:
+        self._key, self._file = key, key_file
+        self.expected = _bearer(keys)
+
+    def reload(self) -> None:
+        if self._file is None:
+            return
+        try:
+            keys = load_keys(self._key, self._file)
+        except ConfigError as exc:
+            log.error("API keys not read again, the keys in use stay: %s", exc.message)
+            return
+        self.expected = _bearer(keys)
+        log.info("API keys read again from %s: %d key(s)", self._file, len(keys))
+
+
+def _bearer(keys: tuple[str, ...]) -> tuple[bytes, ...]:
+    return tuple(f"Bearer {key}".encode() for key in keys)
 
 
 def any_matches(given: bytes, expected: tuple[bytes, ...]) -> bool:
