@@ -1054,7 +1054,21 @@ class Broker:
             self._stop_if_drained(entry)
         elif not p.preempting:  # a request that ended before its PREEMPT came: its slot is given already
             mq.free.append((identity, slot))
-        self._dispatch(entry.model)
+        self._dispatch_freed(entry.model, p.tenant)
+
+    def _dispatch_freed(self, model: str, tenant: str) -> None:
+        """A request of ``tenant`` left a slot of ``model``: dispatch that model, and the others where the tenant
+        waits at its max_running (its running count is one for all models)."""
+        self._dispatch(model)
+        if self.ledger.settings(tenant).max_running is not None:
+            for name, mq in self.models.items():
+                if name != model and mq.queue.waiting(tenant):
+                    self._dispatch(name)
+
+    def dispatch_all(self) -> None:
+        """Every model's queue looked at again (a reload changed the tenants' limits)."""
+        for name in self.models:
+            self._dispatch(name)
 
     def _cache_changed(self, entry: WorkerEntry, frame: bytes) -> None:
         """A CACHE frame: what the worker's host store gained and lost, for routing."""
@@ -1266,6 +1280,7 @@ class Broker:
         entry = self.workers[identity]
         entry.parked.discard(p.ticket)  # parked there: the ASSIGN under its ticket resumes it
         p.parked_on = None
+        p.preempting = False  # a PREEMPT that went to a worker lost meanwhile concerns this run no more
         p.attempts += 1
         p.state = RequestState.RUNNING
         p.worker = identity
@@ -1317,8 +1332,9 @@ class Broker:
             p = self.requests[ticket]
             if len(waiting) == len(running):
                 break
-            if p.parked_on is None and p.slots_needed == 1 and self.ledger.may_start(p.tenant):
-                waiting.append(p)
+            if p.parked_on is None and p.slots_needed == 1 and self.ledger.may_start(p.tenant) and all(
+                    {name for name, _ in p.request.adapters} <= self.workers[w].adapters for w in room):
+                waiting.append(p)  # (one whose adapters some instance has not loaded yet waits for a free slot)
         chosen = preemption.victims([p.priority for p in waiting], running, room)
         for p, ticket in zip(waiting, chosen, strict=False):
             victim = self.requests[ticket]
@@ -1340,8 +1356,10 @@ class Broker:
         mq = self.models[entry.model]
         if p.answered or entry.draining:  # a draining worker's: it resumes elsewhere, from its tokens
             self._to_worker(entry.identity, wire.Cancel(p.ticket))
-        if p.answered:
+        if p.answered:  # cancelled or timed out while its PREEMPT went: it ran until now
+            self._left_slot(p)
             self._finish(p)
+            self._dispatch_freed(entry.model, p.tenant)
             return
         if tokens is not None and len(tokens) % 4 == 0:
             p.generated += tokens

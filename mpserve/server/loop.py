@@ -387,5 +387,6 @@ class _Loop:
             logging.getLogger().setLevel(str(value).upper())
         elif key == "tenants":
             self._broker.ledger.configure(value)  # type: ignore[arg-type]
+            self._broker.dispatch_all()  # a limit raised or gone lets waiting requests start
         elif key != "grace":  # the loop reads grace from its configuration
             setattr(self._broker, key, value)
