@@ -133,3 +133,19 @@ def test_a_background_response_can_be_cancelled_and_needs_store(exact: GatewayTh
     assert all(json.loads(d)["type"] != "response.completed" for d in datas)
     assert httpx.get(url, timeout=30).json()["status"] == "cancelled"
     assert httpx.post(f"{url}/cancel", timeout=30).status_code == 404
+
+
+def test_a_stream_nobody_read_on_ends_its_resume_saying_it_was_stopped(exact: GatewayThread,
+                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    from mpserve.gateway.api import journal
+
+    monkeypatch.setattr(journal, "GRACE_S", 0.0)  # stopped at its next batch once its client has left
+    url, headers = f"{exact.url}/v1/chat/completions", {"X-Request-Id": "left-1"}
+    body = {**BODY, "max_tokens": 1500}
+    with httpx.stream("POST", url, json=body, headers=headers, timeout=60) as first:
+        next(_events(first.iter_lines()))
+    with httpx.stream("POST", url, json=body, headers={**headers, "Last-Event-ID": "0"}, timeout=60) as again:
+        datas = [data for _, data in _events(again.iter_lines())]
+    assert datas[-1] != "[DONE]" and json.loads(datas[-1])["error"]["code"] == "cancelled"  # not a silent end
+    cancel = httpx.post(f"{exact.url}/v1/responses/left-1/cancel", timeout=30)  # a chat stream: no response
+    assert cancel.status_code == 404

@@ -86,10 +86,13 @@ class Fleet:
         with self._lock:
             return [child.pid for child in self._children if child is not None]
 
-    def _spawn(self, index: int) -> subprocess.Popen[bytes]:
-        fd = self._sock.fileno()
-        child = subprocess.Popen(list(self._command(fd)), env=self._env, pass_fds=(fd,), start_new_session=True)
+    def _spawn(self, index: int) -> subprocess.Popen[bytes] | None:
+        """Child ``index`` started, unless the fleet is stopping (a restart that ``stop`` came before)."""
         with self._lock:
+            if self._stopping.is_set():
+                return None
+            fd = self._sock.fileno()
+            child = subprocess.Popen(list(self._command(fd)), env=self._env, pass_fds=(fd,), start_new_session=True)
             self._children[index] = child
         return child
 
@@ -114,9 +117,12 @@ class Fleet:
                       "any, serve the port meanwhile)", child.pid, describe(status), delay)
             if self._stopping.wait(delay):
                 return
+            child = self._spawn(index)
+            if child is None:
+                return
             with self._lock:
                 self.restarts += 1
-            log.info("the HTTP gateway started again: pid %d", self._spawn(index).pid)
+            log.info("the HTTP gateway started again: pid %d", child.pid)
 
     def _give_up(self, reason: str) -> None:
         with self._lock:
@@ -135,8 +141,8 @@ class Fleet:
 
     def stop(self) -> None:
         """Each child stopped gracefully (SIGTERM), killed past STOP_TIMEOUT_S; the socket closed."""
-        self._stopping.set()
         with self._lock:
+            self._stopping.set()
             children = [child for child in self._children if child is not None]
         for child in children:
             if child.poll() is None:

@@ -30,7 +30,9 @@ under its tenant and its id under the tenant's tag (``keys.broker_id``).
 from __future__ import annotations
 
 import hashlib
+import hmac
 import json
+import secrets
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass, replace
@@ -148,11 +150,18 @@ def owner(request: Request) -> str:
     return hashlib.sha256(given).hexdigest()[:32] if given else ""
 
 
+_FALLBACK_SECRET = secrets.token_bytes(16)  # this process's: a tenant's fallback salt no caller can name
+
+
 def fallback_salt(tenant: str, cache_salt: str | None) -> str:
     """The cache_salt of a keyed caller's request sent as the gateway's own (``Backend.for_tenant`` could not reach
-    the admin socket, where the broker takes its tenant): its tenant's, or the caller's under a prefix of its own,
-    so that no caller can name another tenant's."""
-    return f"shared:{cache_salt}" if cache_salt is not None else f"tenant:{tenant}"
+    the admin socket, where the broker takes its tenant): the caller's under a prefix of its own, or without one
+    a keyed digest of its tenant, so that no caller can name another tenant's (every caller may name any salt:
+    the digest's key is this process's secret, so a tenant's prompts are shared by its requests through this
+    gateway process only, for as long as the admin socket cannot be reached)."""
+    if cache_salt is not None:
+        return f"shared:{cache_salt}"
+    return "tenant:" + hmac.new(_FALLBACK_SECRET, tenant.encode(), hashlib.sha256).hexdigest()[:32]
 
 
 def take_cache_salt(body: Any) -> str | None:

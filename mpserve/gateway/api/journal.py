@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import os
 import sqlite3
 import threading
@@ -29,10 +30,12 @@ from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from mpserve.errors import BadRequest, ConnectionFailed, MpserveError
+from mpserve.errors import BadRequest, Cancelled, ConnectionFailed, MpserveError
 from mpserve.runtime import pid_alive
 
 from .response_store import BUSY_TIMEOUT_MS
+
+log = logging.getLogger("mpserve.gateway")
 
 GRACE_S = 10.0  # how long a stream without a reader runs on, for its client to come back
 KEEP_S = 600.0  # how long an ended stream can still be read again
@@ -148,11 +151,25 @@ class Journal:
             else:
                 if cancel.is_set():
                     state = "cancelled"
+        except asyncio.CancelledError:
+            state = "cancelled"  # the gateway stops (``close``)
+            raise
         finally:
-            await frames.aclose()
+            try:
+                await frames.aclose()  # its generation cancelled, if it had not ended
+            finally:
+                self._ended(owner, key, state)
+
+    def _ended(self, owner: str, key: str, state: str) -> None:
+        """The stream's end written, its readers woken; whatever the file says, it is forgotten here."""
+        try:
             with self._lock:
                 self._db.execute("UPDATE streams SET state = ?, ended = ? WHERE owner = ? AND key = ?",
                                  (state, time.time(), owner, key))
+        except sqlite3.Error as exc:
+            log.error("the end of stream %r was not written (%s); its readers end as for a gateway that died", key,
+                      exc)
+        finally:
             self._ring(owner, key)
             self._wake.pop((owner, key), None)
             self._cancel.pop((owner, key), None)
@@ -197,7 +214,10 @@ class Journal:
         if row is None:
             raise NoStream(f"no stream with id {key!r:.80} to resume: it never started, ended more than "
                            f"{KEEP_S:g} s ago, or was another key's; send the request again without Last-Event-ID")
-        return Stream(*row)
+        stream = Stream(*row)
+        if stream.state in ("running", "cancelling") and not _alive(stream.pid):
+            return Stream("orphaned", stream.pid, stream.digest, stream.head)  # its gateway process died
+        return stream
 
     async def tail(self, owner: str, key: str, after: int,
                    orphaned: Callable[[MpserveError, int], bytes]) -> AsyncGenerator[bytes, None]:
@@ -219,9 +239,14 @@ class Journal:
                 after = rows[-1][0]
                 yield b"".join(b"id: %d\n" % seq + data for seq, data in rows)
                 continue
+            if state is not None and state[0] == "cancelled":
+                yield orphaned(Cancelled("the stream was stopped before its end (cancelled, or no client read it "
+                                         f"for {GRACE_S:g} s); the events above are all it made: send the request "
+                                         "again"), after + 1)
+                return
             if state is None or state[0] not in ("running", "cancelling"):
                 return
-            if state[1] != os.getpid() and not pid_alive(state[1]):
+            if not _alive(state[1]):
                 yield orphaned(_orphaned(state[1]), after + 1)
                 return
             if bell is None:
@@ -238,6 +263,11 @@ async def _until(frames: AsyncGenerator[bytes, None], cancel: asyncio.Event) -> 
         stop = asyncio.ensure_future(cancel.wait())
         try:
             await asyncio.wait((step, stop), return_when=asyncio.FIRST_COMPLETED)
+        except BaseException:  # cancelled (the gateway stops): the step ends first, so ``frames`` can be closed
+            step.cancel()
+            with contextlib.suppress(BaseException):
+                await step
+            raise
         finally:
             stop.cancel()
         if not step.done():
@@ -256,10 +286,17 @@ def _orphaned(pid: int) -> MpserveError:
                             "above are all it made: send the request again")
 
 
+def _alive(pid: int) -> bool:
+    return pid == os.getpid() or pid_alive(pid)
+
+
 def _forget_old(db: sqlite3.Connection, owner: str, now: float) -> None:
-    """Streams ended more than KEEP_S ago dropped; past MAX_STREAMS of ``owner``'s, its oldest ended ones."""
+    """Streams ended more than KEEP_S ago dropped, and those whose gateway process died more than KEEP_S after
+    they began; past MAX_STREAMS of ``owner``'s, its oldest ended ones."""
     old = db.execute("SELECT owner, key FROM streams WHERE state IN ('ended', 'cancelled') AND ended < ?",
                      (now - KEEP_S,)).fetchall()
+    old += [(o, k) for o, k, pid in db.execute("SELECT owner, key, pid FROM streams WHERE state IN ('running', "
+                                               "'cancelling') AND started < ?", (now - KEEP_S,)) if not _alive(pid)]
     extra = db.execute("SELECT owner, key FROM streams WHERE owner = ? AND state IN ('ended', 'cancelled') "
                        "ORDER BY started DESC LIMIT -1 OFFSET ?", (owner, MAX_STREAMS - 1)).fetchall()
     for gone in {*old, *extra}:

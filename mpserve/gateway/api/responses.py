@@ -408,10 +408,14 @@ def stored_routes(responses: Responses) -> list[Route]:
 
     async def cancel(request: Request) -> Response:
         who, response_id = owner(request), request.path_params["id"]
-        if not responses.journal.cancel(who, response_id):
+        try:
+            running = _running(responses.journal, who, response_id)  # a background response of the caller's
+        except NotStored:
+            running = {}
+        if running.get("status") != "in_progress" or not responses.journal.cancel(who, response_id):
             return _not_found(NotStored(f"no background response {response_id!r:.80} is in progress: only one that "
                                         "runs can be cancelled"))
-        return JSONResponse(_running(responses.journal, who, response_id, "cancelled"))
+        return JSONResponse({**running, "status": "cancelled"})
 
     async def delete(request: Request) -> Response:
         response_id = request.path_params["id"]
@@ -426,8 +430,9 @@ def stored_routes(responses: Responses) -> list[Route]:
             Route("/v1/responses/{id}/cancel", cancel, methods=["POST"])]
 
 
-def _running(journal: Journal, who: str, response_id: str, status: str | None = None) -> dict[str, Any]:
-    """A background response not stored (yet): in progress, or how it ended without output (cancelled, failed)."""
+def _running(journal: Journal, who: str, response_id: str) -> dict[str, Any]:
+    """A background response not stored (yet): in progress, or how it ended without output (cancelled; failed,
+    its gateway process dead too)."""
     try:
         stream = journal.stream(who, response_id)
     except NoStream:
@@ -435,8 +440,8 @@ def _running(journal: Journal, who: str, response_id: str, status: str | None = 
     head: dict[str, Any] = json.loads(stream.head or b"{}")
     if not head:
         raise NotStored(f"no stored response with id {response_id!r:.80}")
-    state = status or {"running": "in_progress", "cancelling": "cancelled", "cancelled": "cancelled"}.get(
-        stream.state, "failed")
+    state = {"running": "in_progress", "cancelling": "cancelled", "cancelled": "cancelled"}.get(stream.state,
+                                                                                                  "failed")
     return {**head, "status": state}
 
 

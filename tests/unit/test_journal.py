@@ -1,0 +1,63 @@
+"""The journal of resumable streams (``mpserve.gateway.api.journal``) on its own, on a SQLite file: a gateway that
+stops ends its streams as cancelled (their readers told so), and a stream whose gateway process died shows so."""
+
+from __future__ import annotations
+
+import asyncio
+import subprocess
+import sys
+from collections.abc import AsyncGenerator
+from pathlib import Path
+
+import pytest
+
+from mpserve.errors import MpserveError
+from mpserve.gateway.api.journal import Journal
+
+pytestmark = pytest.mark.timeout(30)
+
+
+async def _endless() -> AsyncGenerator[bytes, None]:
+    n = 0
+    while True:
+        yield b"data: %d\n\n" % n
+        n += 1
+        await asyncio.sleep(0.01)
+
+
+def _error(exc: MpserveError, seq: int) -> bytes:
+    return b"data: error %s\n\n" % exc.code.value.encode()
+
+
+def test_a_gateway_that_stops_ends_its_streams_as_cancelled(tmp_path: Path) -> None:
+    async def run() -> list[bytes]:
+        journal = Journal(tmp_path / "j.sqlite")
+        journal.begin("o", "k", "digest")
+        journal.produce("o", "k", _endless())
+        await asyncio.sleep(0.1)
+        await journal.close()  # cancels the producer: its generator closed, its end written
+        again = Journal(tmp_path / "j.sqlite")
+        assert again.stream("o", "k").state == "cancelled"
+        frames = [frame async for frame in again.tail("o", "k", 2, _error)]
+        await again.close()
+        return frames
+
+    frames = asyncio.run(run())
+    assert frames[0].startswith(b"id: 3\ndata: 3") and frames[-1] == b"data: error cancelled\n\n"
+
+
+def test_a_stream_whose_gateway_process_died_is_orphaned(tmp_path: Path) -> None:
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True,
+                          check=True)
+    pid = int(dead.stdout)
+
+    async def run() -> None:
+        journal = Journal(tmp_path / "j.sqlite")
+        journal.begin("o", "k", "digest", b"{}")
+        journal._db.execute("UPDATE streams SET pid = ? WHERE key = 'k'", (pid,))  # as a process that died wrote it
+        assert journal.stream("o", "k").state == "orphaned"
+        frames = [frame async for frame in journal.tail("o", "k", -1, _error)]
+        assert frames == [b"data: error connection\n\n"]
+        await journal.close()
+
+    asyncio.run(run())
