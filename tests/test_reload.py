@@ -129,3 +129,16 @@ def test_a_reload_reads_the_gateways_api_key_file_again(start_server, tmp_path: 
     assert mpserve("reload", "--server-name", server.name).returncode == 0
     for _ in range(8):  # new connections: either gateway process may answer
         wait_for(lambda: status("key-b") == 200 and status("key-a") == 401, 30, "every gateway to read the file")
+
+
+def test_a_model_added_by_mpserve_add_and_then_written_in_the_file_reloads(start_server, tmp_path: Path) -> None:
+    config = tmp_path / "pool.yaml"
+    models = [{"name": "keep", "path": "echo"}]
+    _write(config, models=models)
+    server: ServerProcess = start_server("--config", str(config), "--spare-slots", "2").wait_ready()
+    added = mpserve("add", "echo", "--name", "extra", "--server-name", server.name)
+    assert added.returncode == 0, added.stderr
+    _write(config, models=[*models, {"name": "extra", "path": "echo", "instances": 1}])
+    answer = mpserve("reload", "--server-name", server.name)
+    assert answer.returncode == 0, answer.stderr  # it was refused: "served already"
+    assert "models[extra]: added" not in answer.stdout

@@ -165,6 +165,10 @@ class Instances:
         log.info("add %s: %s, instances %d..%d (%s)", model.name, model.path, low, high, why)
         self.tick(force=True)
 
+    def models(self) -> tuple[cfg.ModelConfig, ...]:
+        """Every model served: those of the start, and those added since (``add``, a reload)."""
+        return self._config.models
+
     def model(self, name: str) -> cfg.ModelConfig:
         """The settings ``name`` is served with."""
         return self._config.model(name)

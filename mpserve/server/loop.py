@@ -328,8 +328,9 @@ class _Loop:
             if self._grace_deadline is not None:
                 raise ShuttingDown("the server is stopping; a reload waits for the next start")
             new = self._reread()
-            running = dataclasses.replace(self._config, models=tuple(
-                m for m in self._config.models if m.name not in self._broker.removed))
+            known = {m.name: m for m in self._config.models}  # with the bounds reloads gave them
+            running = dataclasses.replace(self._config, models=tuple(  # and those `mpserve add` gave the instances
+                known.get(m.name, m) for m in self._instances.models() if m.name not in self._broker.removed))
             changes = reloading.diff(running, new)
             requests = self._checked(changes)
         except MpserveError as exc:
