@@ -33,7 +33,7 @@ from pathlib import Path
 from mpserve.errors import BadRequest, Cancelled, ConnectionFailed, MpserveError
 from mpserve.runtime import pid_alive
 
-from .response_store import BUSY_TIMEOUT_MS
+from .response_store import open_db
 
 log = logging.getLogger("mpserve.gateway")
 
@@ -82,12 +82,8 @@ class Journal:
     """The streams of this gateway's port, in the SQLite file at ``path``."""
 
     def __init__(self, path: Path) -> None:
-        self._db = sqlite3.connect(path, timeout=BUSY_TIMEOUT_MS / 1000, isolation_level=None,
-                                   check_same_thread=False)
+        self._db = open_db(path, _SCHEMA)
         self._lock = threading.Lock()
-        with self._lock:
-            self._db.execute("PRAGMA journal_mode=WAL")
-            self._db.executescript(_SCHEMA)
         self._wake: dict[tuple[str, str], asyncio.Event] = {}  # streams produced here: their readers' bell
         self._cancel: dict[tuple[str, str], asyncio.Event] = {}
         self._tasks: set[asyncio.Task[None]] = set()  # the producers

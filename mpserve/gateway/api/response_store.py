@@ -66,14 +66,8 @@ class ResponseStore:
     def __init__(self, path: Path, budget: StoreBudget = StoreBudget()) -> None:
         self.budget = budget
         self.path = path
-        _check_file(path)
-        self._db = sqlite3.connect(path, timeout=BUSY_TIMEOUT_MS / 1000, isolation_level=None,
-                                   check_same_thread=False)
+        self._db = open_db(path, _SCHEMA)
         self._lock = threading.Lock()  # one connection, used by the event loop and threads alike
-        with self._lock:
-            self._db.execute("PRAGMA journal_mode=WAL")  # readers never wait for a writer
-            self._db.execute("PRAGMA synchronous=NORMAL")
-            self._db.executescript(_SCHEMA)
 
     def put(self, owner: str, response: dict[str, Any], conversation: list[dict[str, Any]]) -> None:
         data = json.dumps([response, conversation], ensure_ascii=False, separators=(",", ":")).encode()
@@ -139,6 +133,17 @@ def _drop_oldest(db: sqlite3.Connection, where: str, args: tuple[str, ...], budg
         doomed.append((seq,))
         held -= size
     db.executemany("DELETE FROM responses WHERE seq = ?", doomed)
+
+
+def open_db(path: Path, schema: str) -> sqlite3.Connection:
+    """A connection to the gateway's SQLite file at ``path`` (checked or created private first), its tables made:
+    autocommit, write-ahead log (readers never wait for a writer), usable from any thread (its user holds a lock)."""
+    _check_file(path)
+    db = sqlite3.connect(path, timeout=BUSY_TIMEOUT_MS / 1000, isolation_level=None, check_same_thread=False)
+    db.execute("PRAGMA journal_mode=WAL")
+    db.execute("PRAGMA synchronous=NORMAL")
+    db.executescript(schema)
+    return db
 
 
 def _check_file(path: Path) -> None:
