@@ -15,6 +15,7 @@ from test_broker import peers, taken
 
 from mpserve.config.tenants import Tenant, Tenants
 from mpserve.server.broker import Broker
+from mpserve.server.state import Pending
 from mpserve.wire import protocol as wire
 
 pytestmark = pytest.mark.timeout(30)
@@ -48,13 +49,18 @@ def _done(broker: Broker, rid: str) -> None:
     _answer(broker, rid, wire.MsgType.DONE, wire.Done(rid, "x", "stop", wire.Usage(1, 1), wire.Timings(0, 0, 0)))
 
 
+def _preempting(client: zmq.Socket[bytes], broker: Broker, workers: dict[bytes, zmq.Socket[bytes]]) -> Pending:
+    """Two requests of priority 0 in the two slots, then one of priority 10: the victim its PREEMPT went to."""
+    _request(client, broker, "a", 0)
+    _request(client, broker, "b", 0)
+    taken(workers)
+    _request(client, broker, "urgent", 10)
+    return next(p for p in broker.requests.values() if p.preempting)
+
+
 def test_a_victim_cancelled_while_its_preempt_goes_leaves_its_tenant_s_count(broker: Broker) -> None:
     with peers(broker, slots=1) as (client, workers):
-        _request(client, broker, "a", 0)
-        _request(client, broker, "b", 0)
-        taken(workers)
-        _request(client, broker, "urgent", 10)
-        victim = next(p for p in broker.requests.values() if p.preempting)
+        victim = _preempting(client, broker, workers)
         client.send_multipart(wire.encode(wire.Cancel(victim.request.id)))
         assert broker.front.poll(1000)
         broker.drain_front()
@@ -65,11 +71,7 @@ def test_a_victim_cancelled_while_its_preempt_goes_leaves_its_tenant_s_count(bro
 
 def test_a_victim_whose_worker_dies_before_it_parks_gives_its_next_slot_back(broker: Broker) -> None:
     with peers(broker, slots=1) as (client, workers):
-        _request(client, broker, "a", 0)
-        _request(client, broker, "b", 0)
-        taken(workers)
-        _request(client, broker, "urgent", 10)
-        victim = next(p for p in broker.requests.values() if p.preempting)
+        victim = _preempting(client, broker, workers)
         lost = victim.worker
         assert lost is not None
         broker.worker_exited(int(lost[1:]), 0)
