@@ -4,6 +4,7 @@ started with `--workers-bind`, heartbeats both ways, loss and re-registration, b
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import re
 import signal
@@ -279,9 +280,10 @@ def _stream_through_a_pools_end(server: ServerProcess, pools: dict[int, Pool], e
         os.kill(pool.proc.pid, end)
         if end == signal.SIGKILL:
             pool.proc.wait(10)
-        else:  # the pool passed it on to its workers
+        else:  # the pool passed it on to its workers (and kills them 2 s later: a slow poll may find it gone)
             wait_for(lambda: _pending(running.pid, signal.SIGTERM), 10, "the pool to terminate its workers")
-        os.kill(running.pid, signal.SIGCONT)
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(running.pid, signal.SIGCONT)
         texts += list(chunks)
         took = time.monotonic() - t_sent
     result = stream.result
@@ -294,8 +296,11 @@ def _stream_through_a_pools_end(server: ServerProcess, pools: dict[int, Pool], e
 
 
 def _pending(pid: int, sig: signal.Signals) -> bool:
-    """Whether ``sig`` waits to be delivered to the (stopped) process ``pid``."""
-    status = Path(f"/proc/{pid}/status").read_text().splitlines()
+    """Whether ``sig`` waits to be delivered to the (stopped) process ``pid``, or the process is gone."""
+    try:
+        status = Path(f"/proc/{pid}/status").read_text().splitlines()
+    except FileNotFoundError:
+        return True
     masks = [int(line.split()[1], 16) for line in status if line.startswith(("SigPnd:", "ShdPnd:"))]
     return any(mask >> (sig - 1) & 1 for mask in masks)
 
