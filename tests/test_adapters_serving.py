@@ -93,9 +93,11 @@ def test_status_the_console_and_the_monitor_show_each_instance_s_active_sets(
     gw = GatewayThread(server_name=server.name)
     try:
         with Client(server.address) as client:
-            streams = [client.stream(f"hello {i}", adapters={"a1": 0.5}, max_tokens=100000) for i in range(3)]
-            for stream in streams:
-                next(iter(stream))  # running now: routed together, to the instance that runs their set
+            streams = [client.stream(f"hello {i}", adapters={"a1": 0.5}, max_tokens=100000, ignore_eos=True)
+                       for i in range(3)]  # running until cancelled, whatever the random weights say
+            running = [iter(stream) for stream in streams]  # kept: an iterator dropped cancels its request
+            for chunks in running:
+                next(chunks)  # running now: routed together, to the instance that runs their set
             shown = format_table(server.info, server.slots())  # what `mpserve status` prints, while they run
             for stream in streams:
                 client.cancel(stream.id)
