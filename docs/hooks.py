@@ -277,12 +277,18 @@ LIMITS: dict[str, str] = {
     "AdapterAction.ticket": "set by the broker",
     "AdapterReply.id": ID, "AdapterReply.name": ADAPTER_NAME,
     "AdapterReply.adapters": f"the instance's adapters now, at most {wire.MAX_LOADED_ADAPTERS}",
+    "Request.reattach": "sent again after the server went silent ([adoption](operations.md#when-the-server-dies))",
+    "Ready.live": "an orphaned instance's held requests, for the server that adopts it",
+    "Heartbeat.pid": "from a broker: its server's process id, which an adopted instance watches",
+    "Pong.server": "this start of the server; another one tells a client to send its requests again",
+    "Live.text": f"at most {4 * wire.MAX_PROMPT_CHARS} characters: the whole text it streamed",
+    "Live.generated": f"{TOKENS}, at most {wire.MAX_TOKENS_LIMIT}: the ids it generated",
 }
 
 CLIENT_MESSAGES = ("Request", "Cancel", "Ping", "StatsQuery", "Tokenize", "Control", "Embed", "SlotAction")
 ANSWERS = ("Chunk", "Chunks", "Done", "Error", "Pong", "Stats", "Tokens", "ControlReply", "Embeddings", "SlotReply")
 WORKER_LINK_MESSAGES = ("Ready", "Heartbeat", "Failed", "Unloaded", "Leaving", "Assign", "Assigns", "Stop", "Unload",
-                        "AdapterAction", "AdapterReply", "Preempt", "Parked")
+                        "AdapterAction", "AdapterReply", "Preempt", "Parked", "Live")
 NESTED = ("GenerateParams", "Usage", "Timings", "Logprobs", "ModelStats", "ModelScaling", "WorkerStats",
           "TenantStats", "ModelControl", "CacheChanges")
 

@@ -11,7 +11,18 @@ once from the coroutine that makes them (the callback sends those that met the h
 Liveness follows the Paranoid Pirate pattern, both ways: while requests are pending the client pings
 every ``PING_INTERVAL_S`` (so the broker can tell a waiting client from a vanished one, whose requests it
 cancels), any message from the server counts as its heartbeat, and after ``PING_INTERVAL_S ×
-PING_LIVENESS`` of silence every pending request fails with ``ConnectionFailed``.
+PING_LIVENESS`` of silence the server is taken as gone. Its completions then reattach (``reattach`` seconds,
+``REATTACH_S`` by default; 0: they fail at once), unless a local server was stopped (its socket file is gone: a
+server that died leaves it until the next start binds it again): the client connects afresh and sends each again with
+``reattach`` set, again after each silence, until a server answers or the time is up (then ``ConnectionFailed``).
+A server that adopted the instance holding the request (``mpserve.server.adoption``) goes on with it and streams
+its whole text so far first; any other runs it anew. The client drops the text it delivered already, checking it
+is the same (a sampled request without a seed that ran anew differs: ``ConnectionFailed``), so no text repeats:
+
+    chunk ─▶ _Track.fresh: the part past what this choice delivered ─▶ the request's queue
+    silence ─▶ _reattach: new socket, each completion sent again, every choice's text to be seen again
+
+Tokenize, embed, stats and the operators' calls fail at the first silence, as before.
 A server that is not running is reported at connect time. A request too large for the server (its
 prompt over ``MAX_PROMPT_CHARS``, or its message over the limit the server tells in PONG, which its socket
 would drop in silence) raises BadRequest before it is sent.
@@ -54,6 +65,7 @@ from collections.abc import AsyncGenerator, Coroutine, Iterator, Mapping, Sequen
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
+import msgspec
 import zmq
 import zmq.auth
 
@@ -70,6 +82,7 @@ Adapters = Mapping[str, float] | Sequence[str | tuple[str, float]] | None  # LoR
 PING_INTERVAL_S = 1.0
 PING_LIVENESS = 3
 CONNECT_TIMEOUT_S = 5.0
+REATTACH_S = 30.0  # how long completions wait for a server to come back after it went silent
 SLOT_TIMEOUT_S = 60.0  # a KV file is written or read between two steps of its instance
 REQUEST_ID_CHARS = 40  # an HTTP caller's request id: what the slot table keeps of one (the wire takes MAX_ID_CHARS)
 _REQUEST_ID = re.compile(r"[A-Za-z0-9._:@/+=-]+")
@@ -176,12 +189,59 @@ class Stream:
                 await self._client._abandon(self._request.id)
 
 
+class _Track:
+    """A completion sent and not answered yet, as a reattach needs it: the request, and each choice's text delivered
+    so far; while it is streamed again after a reattach, how far the new text has matched it (``_replay``)."""
+
+    __slots__ = ("request", "server", "_seen", "_replay")
+
+    def __init__(self, request: wire.Request, server: str) -> None:
+        self.request = request
+        self.server: str | None = server  # the start of the server it was last sent to (its PONGs name it); None:
+        # sent again on a new connection, to whichever start answers there next
+        self._seen: dict[int, str] = {}
+        self._replay: dict[int, int] = {}  # choice -> how much of its seen text came again
+
+    def reattached(self) -> None:
+        self._replay = {index: 0 for index, text in self._seen.items() if text}
+
+    def fresh(self, index: int, text: str) -> str:
+        """The part of ``text`` (the next chunk of choice ``index``) not delivered already; raises
+        ConnectionFailed if what came again differs from what was delivered."""
+        seen = self._seen.get(index, "")
+        at = self._replay.get(index)
+        if at is None:
+            self._seen[index] = seen + text
+            return text
+        again = seen[at:at + len(text)]
+        if not text.startswith(again):
+            raise ConnectionFailed(f"request {self.request.id}: after the server came back it ran again, and its "
+                                   "text differs from what was streamed before (a sampled request needs a seed to "
+                                   "repeat); its stream ends here")
+        at += len(again)
+        if at >= len(seen):
+            del self._replay[index]
+        else:
+            self._replay[index] = at
+        new = text[len(again):]
+        self._seen[index] = seen + new
+        return new
+
+
 class AsyncClient:
     def __init__(self, address: str | None = None, *, server_name: str = "default",
                  timeout: float | None = None, connect_timeout: float = CONNECT_TIMEOUT_S,
-                 curve_server_key: str | None = None, curve_secret: str | None = None) -> None:
+                 curve_server_key: str | None = None, curve_secret: str | None = None,
+                 reattach: float = REATTACH_S) -> None:
+        """``reattach``: seconds the completions in flight wait for a server that went silent to come back (the
+        same one restarted, adopting the instances that ran them: ``mpserve.server.adoption``); 0: they fail at the
+        first silence."""
         self.address = address or default_address(server_name)
         self.timeout = timeout
+        self.reattach = reattach
+        self._tracks: dict[str, _Track] = {}  # the completions sent, by id (those still pending are reattached)
+        self._silent_since: float | None = None  # the server went silent then, and has not answered since
+        self._server = ""  # the start of the server answering (its PONGs say), "" until one did
         self._connect_timeout = connect_timeout
         self._curve = _curve_keys(curve_server_key, curve_secret)
         self._ctx: zmq.Context[Any] | None = None
@@ -211,6 +271,21 @@ class AsyncClient:
         if self.address.startswith("ipc://") and not os.path.exists(self.address[len("ipc://"):]):
             raise ConnectionFailed(f"no server is listening at {self.address}; start one with `mpserve start`")
         self._ctx = zmq.Context()
+        self._open()
+        self._tasks = [asyncio.get_running_loop().create_task(self._keep_alive())]
+        await self._send(wire.Ping(0))
+        try:
+            await asyncio.wait_for(self._pong.wait(), self._connect_timeout)
+        except asyncio.TimeoutError:
+            await self.close()
+            hint = " and does it accept your CURVE keys?" if self.address.startswith("tcp://") else "?"
+            raise ConnectionFailed(f"no answer from a server at {self.address} within "
+                                   f"{self._connect_timeout:g} s; is `mpserve start` running{hint}") from None
+
+    def _open(self) -> None:
+        """The DEALER socket, connected (ZeroMQ connects in the background: to an address nobody listens on yet
+        too), its descriptor watched by the running loop."""
+        assert self._ctx is not None
         self._sock = self._ctx.socket(zmq.DEALER)
         self._sock.setsockopt(zmq.LINGER, 0)
         self._sock.setsockopt(zmq.MAXMSGSIZE, 4 * wire.MAX_MESSAGE_BYTES + 4096)
@@ -223,15 +298,6 @@ class AsyncClient:
         loop = asyncio.get_running_loop()
         self._loop = loop
         loop.add_reader(self._sock.fileno(), self._on_events)
-        self._tasks = [loop.create_task(self._keep_alive())]
-        await self._send(wire.Ping(0))
-        try:
-            await asyncio.wait_for(self._pong.wait(), self._connect_timeout)
-        except asyncio.TimeoutError:
-            await self.close()
-            hint = " and does it accept your CURVE keys?" if self.address.startswith("tcp://") else "?"
-            raise ConnectionFailed(f"no answer from a server at {self.address} within "
-                                   f"{self._connect_timeout:g} s; is `mpserve start` running{hint}") from None
 
     async def close(self) -> None:
         for task in self._tasks:
@@ -448,6 +514,9 @@ class AsyncClient:
             raise BadRequest(f"the request is {len(frames[2])} bytes encoded; the server takes messages of at "
                              f"most {self.max_message_bytes} bytes (MAX_MESSAGE_BYTES)")
         queue = self._claim(request.id)
+        if len(self._tracks) > 2 * len(self._pending) + 16:  # those answered, dropped now and then
+            self._tracks = {rid: t for rid, t in self._tracks.items() if rid in self._pending}
+        self._tracks[request.id] = _Track(request, self._server)
         await self._write(frames)
         return queue
 
@@ -530,23 +599,69 @@ class AsyncClient:
             await asyncio.sleep(PING_INTERVAL_S / 2)
             now = time.monotonic()
             if not self._pending:
-                self._last_heard = now
+                self._last_heard, self._silent_since = now, None
             elif now - self._last_heard > PING_INTERVAL_S * PING_LIVENESS:
-                self._fail_all(ConnectionFailed(f"the server at {self.address} stopped answering "
-                                                f"({now - self._last_heard:.1f} s of silence)"))
+                first = self._silent_since is None
+                since = self._silent_since = self._silent_since or self._last_heard
+                failed = ConnectionFailed(f"the server at {self.address} stopped answering ({now - since:.1f} s of "
+                                          "silence)")
+                completions = [rid for rid in self._pending if rid in self._tracks]
+                if not completions or now - since > self.reattach or first and self._stopped():
+                    self._fail_all(failed)
+                else:
+                    for rid in [rid for rid in self._pending if rid not in self._tracks]:
+                        self._pending.pop(rid).put_nowait(failed)
+                    await self._reattach(completions)
             elif now - pinged >= PING_INTERVAL_S:
                 pinged = now
                 await self._send(wire.Ping(1))
+
+    def _stopped(self) -> bool:
+        """Whether the local server was stopped, not killed: a stop removes its socket file, which a server that died
+        leaves until the next start of its name (which binds it again at once)."""
+        return self.address.startswith("ipc://") and not os.path.exists(self.address[len("ipc://"):])
+
+    def _restarted(self, server: str) -> None:
+        """The server answering is another start than the one the pending completions were sent to (ZeroMQ
+        reconnected to it before any silence showed): they are sent to it again, marked ``reattach``."""
+        first, self._server = not self._server, server
+        again = []
+        for rid in [rid for rid in self._pending if rid in self._tracks]:
+            track = self._tracks[rid]
+            if track.server is None:  # sent again to this start already
+                track.server = server
+            elif track.server != server:
+                again.append(rid)
+        if not first and again and self.reattach and self._loop is not None:
+            self._tasks.append(self._loop.create_task(self._reattach(again, reconnect=False)))
+
+    async def _reattach(self, completions: list[str], reconnect: bool = True) -> None:
+        """Connect afresh (``reconnect``) and send each completion again, marked ``reattach``; the text each choice
+        delivered is to be seen again before anything new (``_Track``)."""
+        if reconnect and self._sock is not None and self._loop is not None:
+            self._loop.remove_reader(self._sock.fileno())
+            self._sock.close()
+            self._open()  # what waits for room (``_unsent``) goes out on the new socket
+        for rid in completions:
+            track = self._tracks.get(rid)
+            if track is None or rid not in self._pending:
+                continue
+            track.reattached()
+            track.server = None if reconnect else self._server
+            await self._write(wire.encode(msgspec.structs.replace(track.request, reattach=True)))
 
     def _deliver(self, frames: list[bytes]) -> None:
         try:
             msg = wire.decode(frames)
         except MpserveError:
             return  # a server speaking another protocol; the request will time out or fail liveness
+        self._silent_since = None
         if isinstance(msg, wire.Pong):
             self.models = msg.models
             self.max_message_bytes = msg.max_message_bytes or wire.MAX_MESSAGE_BYTES
             self._pong.set()
+            if msg.server and msg.server != self._server:
+                self._restarted(msg.server)
             return
         if isinstance(msg, wire.Stats):
             waiter = self._stats_waiters.get(msg.nonce)
@@ -562,8 +677,21 @@ class AsyncClient:
         for one in msg.chunks if isinstance(msg, wire.Chunks) else (msg,):
             request_id = getattr(one, "id", None)
             queue = self._pending.get(request_id) if isinstance(request_id, str) else None
-            if queue is not None:
-                queue.put_nowait(one)
+            if queue is None:
+                continue
+            track = self._tracks.get(one.id) if isinstance(one, wire.Chunk) else None
+            if track is not None:
+                try:
+                    text = track.fresh(one.index, one.text)
+                except ConnectionFailed as exc:
+                    del self._pending[one.id]
+                    queue.put_nowait(exc)
+                    continue
+                if not text:
+                    continue
+                if text != one.text:  # its start came again: what is left of it (its log-probabilities are not)
+                    one = msgspec.structs.replace(one, text=text, logprobs=None)
+            queue.put_nowait(one)
 
     def _fail_all(self, err: MpserveError) -> None:
         for queue in self._pending.values():
@@ -619,13 +747,14 @@ class Client:
 
     def __init__(self, address: str | None = None, *, server_name: str = "default",
                  timeout: float | None = None, connect_timeout: float = CONNECT_TIMEOUT_S,
-                 curve_server_key: str | None = None, curve_secret: str | None = None) -> None:
+                 curve_server_key: str | None = None, curve_secret: str | None = None,
+                 reattach: float = REATTACH_S) -> None:
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="mpserve-client", daemon=True)
         self._thread.start()
         self._async = AsyncClient(address, server_name=server_name, timeout=timeout,
                                   connect_timeout=connect_timeout, curve_server_key=curve_server_key,
-                                  curve_secret=curve_secret)
+                                  curve_secret=curve_secret, reattach=reattach)
         self.address = self._async.address
         try:
             self._call(self._async.connect())

@@ -325,8 +325,9 @@ def test_a_client_that_never_reads_does_not_hold_up_other_clients(start_server) 
 # --- 5. the broker is SIGKILLed -----------------------------------------------------------------
 
 @pytest.mark.timeout(90)
-def test_after_the_broker_is_killed_its_workers_exit_and_the_name_can_be_reused(start_server) -> None:
-    server = start_server("--instances", "2").wait_ready()
+def test_after_the_broker_is_killed_its_workers_exit_with_adopt_wait_0_and_the_name_can_be_reused(start_server
+                                                                                                     ) -> None:
+    server = start_server("--instances", "2", "--adopt-wait", "0").wait_ready()  # the default: test_adoption
     info = server.info
     worker_pids = [r.pid for r in server.slots()]
     helpers = children(server.proc.pid)  # the fork server the workers came from, multiprocessing's tracker

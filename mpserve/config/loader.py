@@ -130,6 +130,7 @@ class ServerConfig:
     start_method: str = "fork"  # or "spawn" (mpserve.worker.spec.start_mode)
     idle_timeout: float = 0.0  # 0: never unload
     client_timeout: float = 5.0
+    adopt_wait: float = 30.0  # a dead server's instances wait this long for the next one to adopt them (0: exit)
     no_instance_timeout: float = 60.0  # a request waits this long while no instance of its model is up or loading
     stream_interval: float = 0.02  # seconds between a streamed request's chunks after its first; 0: every token
     busy_poll_us: float = 250.0  # the broker polls this long after a message before it sleeps (mpserve.server.waiting)

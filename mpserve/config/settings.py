@@ -188,6 +188,9 @@ SETTINGS: tuple[Setting, ...] = (
        cli_type=float, range=(0, 86400 * 365)),
     _s("client_timeout", "server", float, "5", "Cancel the requests of a client silent this long, in s",
        cli_type=float, range=(1, 3600)),
+    _s("adopt_wait", "server", float, "30", "Seconds the instances of a server that died hold their requests for "
+       "the next server of the same name to adopt them (their model stays loaded, their streams go on); 0: they "
+       "exit with it", cli_type=float, range=(0, 3600)),
     _s("no_instance_timeout", "server", float, "60", "Seconds a request waits while no instance of its model is "
        "registered or loading (none started here, its pool gone, its last instance lost and not restarted); past "
        "it: ERROR no_instance (HTTP 503) saying why, a stream after the text it had. While an instance loads, "

@@ -66,6 +66,7 @@ from starlette.routing import Route
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from mpserve import __version__
+from mpserve.client import REATTACH_S
 from mpserve.errors import ConfigError, ConnectionFailed, ErrorCode, MpserveError, UnknownModel
 from mpserve.models.progress import downloads
 from mpserve.wire.adapters import SEPARATOR
@@ -206,7 +207,10 @@ class _Gateway:
     def __init__(self, config: GatewayConfig) -> None:
         self.config = config
         self.backend = Backend(config.connect, config.server_name, config.request_timeout, config.curve_server_key,
-                               config.curve_secret, config.admin_connect)
+                               config.curve_secret, config.admin_connect,
+                               # a gateway of `start --http` stops with its server: its streams do not wait for
+                               # the next one (which takes the port once this gateway is gone)
+                               reattach=0.0 if config.exit_with_parent else REATTACH_S)
         self.metrics = GatewayMetrics()
         self.restarts = RestartCounter()
         self.console = console.Console(self.backend, self.metrics)

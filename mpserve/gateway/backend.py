@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from mpserve.client import AsyncClient
+from mpserve.client import REATTACH_S, AsyncClient
 from mpserve.errors import ConnectionFailed
 from mpserve.runtime import ServerInfo, default_address, runtime_dir
 from mpserve.wire import protocol as wire
@@ -47,19 +47,21 @@ class LocalSlots:
 class Backend:
     def __init__(self, address: str | None, server_name: str, request_timeout: float | None,
                  curve_server_key: str | None = None, curve_secret: str | None = None,
-                 admin_address: str | None = None) -> None:
+                 admin_address: str | None = None, reattach: float = REATTACH_S) -> None:
         """``address``: a ZeroMQ address, or None for the local server named ``server_name``.
         ``request_timeout``: seconds per request, queueing included (None: no limit). ``curve_*``: key files
         for a server bound to the network, as for ``AsyncClient`` (read now: bad keys stop the start); on the admin
         socket they are used for a tcp address only (an ipc one takes no keys). ``admin_address``: the server's
-        admin socket (None: the local server's, from its ServerInfo)."""
+        admin socket (None: the local server's, from its ServerInfo). ``reattach``: how long the streams in flight
+        wait for a server that went silent to come back (``AsyncClient``)."""
         self._address = address
         self._admin_address = admin_address
         self._named: tuple[tuple[int, int] | None, str] | None = None  # (the info file's inode and mtime, address)
         self._info_file = runtime_dir(create=False) / f"{server_name}.json"  # looked at on every request
         self.server_name = server_name
         self._options: dict[str, Any] = {"timeout": request_timeout, "connect_timeout": CONNECT_TIMEOUT_S,
-                                         "curve_server_key": curve_server_key, "curve_secret": curve_secret}
+                                         "curve_server_key": curve_server_key, "curve_secret": curve_secret,
+                                         "reattach": reattach}
         self._client = AsyncClient(self.address, **self._options)
         self._admin: AsyncClient | None = None
         self._lock = asyncio.Lock()

@@ -96,6 +96,7 @@ import dataclasses
 import heapq
 import itertools
 import logging
+import os
 import secrets
 import time
 from collections import Counter, deque
@@ -126,7 +127,7 @@ from mpserve.wire.prefix import PREFIX_BLOCK, block_hashes
 from mpserve.wire.protocol import ChatTemplate
 from mpserve.wire.salt import reuse_salt
 
-from . import chat, link, pool_keys, preemption, roles, unserved
+from . import adoption, chat, link, pool_keys, preemption, roles, unserved
 from .adapter_ops import AdapterOps
 from .pool_keys import PoolKey
 from .residency import Loaded, Residency
@@ -203,6 +204,10 @@ class Broker:
         self.back.setsockopt(zmq.HEARTBEAT_IVL, int(heartbeat_interval * 1000))
         self.back.setsockopt(zmq.HEARTBEAT_TIMEOUT, int(heartbeat_interval * heartbeat_liveness * 1000))
         self.link_secret = link.new_secret()  # the proof of the workers the server starts (``Supervisor``)
+        self.start_id = secrets.token_hex(8)  # this start, in every PONG: a client that sees another one reattaches
+        self.adopted_secrets: tuple[str, ...] = ()  # those of the instances it adopts (``adoption``)
+        self.adoptions = adoption.Adoptions()
+        self._held: list[tuple[bytes, wire.Request, str, bool]] = []  # reattached, waiting for the adoptees
         self.ledger = Ledger(tenants)
         self.front_keyed = curve_secret is not None  # a client's tenant is the CURVE key it proved
         self.models = {name: self.new_queue(name, max_queue) for name, max_queue in models.items()}
@@ -376,7 +381,7 @@ class Broker:
 
     def send_heartbeats(self) -> None:
         for identity in list(self.workers):
-            self._to_worker(identity, wire.Heartbeat(identity.decode()))
+            self._to_worker(identity, wire.Heartbeat(identity.decode(), pid=os.getpid()))
 
     def _worker_gone(self, entry: WorkerEntry, what: str, crashed: bool) -> None:
         """A worker died, stalled or was lost: settle its requests by the rules, each counting a crash if
@@ -509,7 +514,8 @@ class Broker:
             elif isinstance(msg, wire.Cancel):
                 self._on_cancel(client, msg)
             elif isinstance(msg, wire.Ping):
-                pong = wire.Pong(msg.nonce, tuple(self.models), wire.MAX_MESSAGE_BYTES)  # the limit: clients check
+                pong = wire.Pong(msg.nonce, tuple(self.models), wire.MAX_MESSAGE_BYTES,  # the limit: clients check
+                                 self.start_id)
                 self._to_client(client, wire.encode(pong))
             elif isinstance(msg, wire.Tokenize):
                 self._on_tokenize(client, msg)
@@ -548,7 +554,15 @@ class Broker:
         if not self.accepting:
             raise ShuttingDown("the server is shutting down; retry after it restarts", retry_after=1.0)
         if (client, req.id) in self.by_client:
+            if req.reattach:  # it reached this start already (sent as the client reconnected): it runs here
+                return
             raise BadRequest(f"request id {req.id!r} is already in use by one of your pending requests")
+        if req.reattach:
+            if self._reattach(client, req, tenant):
+                return
+            if self.adoptions.expecting(time.monotonic()):  # its instance may not have registered yet
+                self._held.append((client, req, tenant, admin))
+                return
         model = self._resolve_model(req.model)
         mq = self.models[model]
         if req.adapters:  # one set, however written: sorted, each served (``mpserve.wire.adapters``)
@@ -867,7 +881,7 @@ class Broker:
         except MpserveError:
             return False
         assert isinstance(failed, wire.Failed)
-        index = link.local_index(identity, failed, self.link_secret)
+        index = link.local_index(identity, failed, self.secrets_of(identity))
         if index is not None:
             self.on_failed(index, failed.message)
         return index is not None
@@ -924,7 +938,7 @@ class Broker:
                 old.loaded = True
                 self.on_ready(old)
             return
-        index = link.local_index(identity, msg, self.link_secret)
+        index = link.local_index(identity, msg, self.secrets_of(identity))
         refused = (link.refusal(identity, msg, index, old)
                    or (pool_keys.refusal(self.pool_keys.get(key), msg.model) if index is None else None)
                    or self._chat_refusal(msg, index is not None))
@@ -947,12 +961,119 @@ class Broker:
         mq = self.models[msg.model]
         mq.instances += 1
         mq.free.extend((identity, slot) for slot in range(msg.capacity))
+        if local and identity in self.adoptions.expected:
+            self._adopt(entry, msg.live)
         if local:
             self.on_ready(entry)
         else:
             log.info("worker %s on %s registered for %s", identity.decode(), msg.host, msg.model)
         self.adapter_ops.registered(entry)
         self._dispatch(msg.model)
+
+    # --- adoption: the instances and requests of the server that died before this one ----------------
+
+    @property
+    def secrets(self) -> tuple[str, ...]:
+        """The proofs this server's local workers show: this start's, then the adopted instances' (``adoption``)."""
+        return (self.link_secret, *self.adopted_secrets)
+
+    def secrets_of(self, identity: bytes) -> tuple[str, ...]:
+        """The proofs local worker ``identity`` may show: an adoptee's (expected, or adopted) may be the secret of
+        the server before this one; any other's is this start's (an instance of that server it did not adopt, whose
+        index a new instance took, is refused)."""
+        return self.secrets if identity in self.adoptions.adoptees else (self.link_secret,)
+
+    def expect(self, indexes: list[int], secrets: tuple[str, ...], wait: float) -> None:
+        """The instances at ``indexes`` outlived the server before this one, whose ``secrets`` they show: a
+        reattached request this broker does not know waits for them up to ``wait`` seconds (they bring theirs)."""
+        self.adopted_secrets = secrets
+        self.adoptions.expected = {f"w{i}".encode() for i in indexes}
+        self.adoptions.adoptees = set(self.adoptions.expected)
+        self.adoptions.until = time.monotonic() + wait
+
+    def _adopt(self, entry: WorkerEntry, live: tuple[wire.Live, ...]) -> None:
+        """An adoptee registered with the requests it holds, parked: each waits for its client to reattach."""
+        self.adoptions.expected.discard(entry.identity)
+        now = time.monotonic()
+        for one in live:
+            assign, req = one.assign, one.assign.request
+            p = Pending(assign.ticket, b"", req, entry.model, now, None, attempts=assign.attempt,
+                        generated=bytearray(one.generated), tokens_known=assign.report_tokens, index=assign.index,
+                        tenant=req.tenant, priority=req.priority, first_assigned=now,
+                        first_token=now if one.text else 0.0, parked_on=entry.identity,
+                        state=RequestState.STREAMING if one.text else RequestState.QUEUED)
+            entry.parked.add(p.ticket)
+            self.adoptions.hold(p, one.text, now)
+        self.stats["adopted_requests"] += len(live)
+        log.info("adopted worker %s (pid %d) of the server before this one, holding %d request(s) for their clients",
+                 entry.identity.decode(), entry.pid, len(live))
+        if not self.adoptions.expected:
+            self._release_held()
+
+    def _reattach(self, client: bytes, req: wire.Request, tenant: str) -> bool:
+        """A client sent ``req`` again after the server before this one died: if an adoptee holds it (every choice),
+        it goes on there, its whole text so far streamed first. False: this broker does not hold it (run it anew)."""
+        rows = self.adoptions.take(tenant, req.id)
+        if len(rows) != req.params.n or req.model is not None and self._resolve_model(req.model) != rows[0][0].model:
+            for p, _ in rows:
+                self._forget_adopted(p)
+            return False
+        now = time.monotonic()
+        rows.sort(key=lambda row: row[0].index)
+        tickets = tuple(p.ticket for p, _ in rows)
+        mq = self.models[rows[0][0].model]
+        for p, text in rows:
+            p.client, p.request = client, msgspec.structs.replace(p.request, timeout=req.timeout)
+            p.group = tickets if len(tickets) > 1 else ()
+            p.deadline = now + req.timeout if req.timeout else None
+            if p.parked_on not in self.workers:  # its instance was lost meanwhile: it resumes from its tokens
+                p.parked_on = None
+            self.requests[p.ticket] = p
+            if p.deadline is not None:
+                heapq.heappush(self._deadlines, (p.deadline, p.ticket))
+            if req.stream and text:
+                self._to_client(client, wire.encode(wire.Chunk(req.id, text, None, p.index)))
+            mq.queue.requeue(p.ticket, tenant, p.priority, p.cost)
+        self.by_client[(client, req.id)] = tickets[0]
+        self._owned[client] = self._owned.get(client, 0) + len(rows)
+        capped = _cap_key(client, tenant)
+        self._capped[capped] = self._capped.get(capped, 0) + len(rows)
+        self._heard.setdefault(client, now)
+        self.stats["reattached"] += 1
+        log.debug("request %s of %s: reattached to its adopted sequence(s)", req.id, mq.name)
+        self._dispatch(mq.name)
+        return True
+
+    def _forget_adopted(self, p: Pending) -> None:
+        """An adopted request no client took: its instance forgets it."""
+        entry = self.workers.get(p.parked_on) if p.parked_on is not None else None
+        if entry is not None:
+            entry.parked.discard(p.ticket)
+            self._to_worker(entry.identity, wire.Cancel(p.ticket))
+
+    def expire_adoptions(self, now: float) -> None:
+        """Forget the adopted requests no client reattached to in time, and stop expecting adoptees past their
+        wait (the reattached requests held for them run anew)."""
+        for p in self.adoptions.expired(now):
+            self.stats["adopted_unclaimed"] += 1
+            self._forget_adopted(p)
+        if self._held and not self.adoptions.expecting(now):
+            self._release_held()
+
+    def adoptee_lost(self, index: int) -> None:
+        """Adoptee ``index`` exited, or was killed for not registering in time: it brings nothing."""
+        self.adoptions.expected.discard(f"w{index}".encode())
+        if not self.adoptions.expected:
+            self._release_held()
+
+    def _release_held(self) -> None:
+        """The reattached requests held for the adoptees, taken again now that none is expected."""
+        held, self._held = self._held, []
+        for client, req, tenant, admin in held:
+            try:
+                self._on_request(client, req, tenant, admin)
+            except MpserveError as exc:
+                self._to_client(client, wire.encode(wire.Error(req.id, exc.code, exc.message, exc.retry_after)))
 
     def _chat_verdict(self, msg: wire.Ready, local: bool) -> chat.Verdict:
         mq = self.models[msg.model]

@@ -11,7 +11,8 @@ whether a worker's answer belongs to the request it names. Pure functions; the b
     DONE, ERROR ─▶ foreign: a body that does not decode, or answers another request id ─▶ the request ends with
     CHUNK            ERROR ``internal`` at once (the client would drop it and wait for its timeout), counted
 
-The secret (``new_secret``) is made by the broker at each start and travels to the workers the supervisor
+The secret (``new_secret``) is made by the broker at each start (an instance adopted from a server that died keeps
+showing the secret of the start that made it: ``mpserve.server.adoption``) and travels to the workers the supervisor
 starts inside their WorkerSpec (pickled through the fork server or a zygote's pipe, never on a command line
 or in the environment), so a process that dials the worker socket cannot learn it. The worker socket does
 not let a second connection take a connected worker's routing name (no ``ROUTER_HANDOVER``), so such a
@@ -36,10 +37,13 @@ def new_secret() -> str:
     return secrets.token_urlsafe(24)
 
 
-def local_index(identity: bytes, msg: wire.Ready | wire.Failed, secret: str) -> int | None:
-    """The index of the server's own worker that sent ``msg``, or None for a remote one (or an impostor)."""
+def local_index(identity: bytes, msg: wire.Ready | wire.Failed, secrets: tuple[str, ...]) -> int | None:
+    """The index of the server's own worker that sent ``msg``, or None for a remote one (or an impostor).
+    ``secrets``: this start's, then those of the instances it adopts (``mpserve.server.adoption``)."""
     host = msg.host if isinstance(msg, wire.Ready) else ""
-    if not _local_name(identity) or host or not hmac.compare_digest(msg.proof.encode(), secret.encode()):
+    proof = msg.proof.encode()
+    if (not _local_name(identity) or host
+            or not any([hmac.compare_digest(proof, secret.encode()) for secret in secrets])):
         return None
     return int(identity[1:])
 

@@ -37,13 +37,13 @@ from mpserve.runtime import ServerInfo, ServerPaths
 from mpserve.wire import protocol as wire
 from mpserve.wire.slots import SlotTable
 
+from . import adoption, roles
 from . import reload as reloading
-from . import roles
 from .broker import Broker
 from .instances import Instances
 from .layout import build_layout, check_host_ram, served_template, worker_specs
 from .pool_keys import pool_keys
-from .preflight import bind_problem, claim
+from .preflight import bind_problem, claim, refuse_live
 from .residency import Residency
 from .signals import SignalPipe
 from .state import WorkerEntry
@@ -63,9 +63,12 @@ def serve(config: ServerConfig, gateway_key: Path | None = None,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("gguf").setLevel(logging.WARNING)
     paths = ServerPaths.for_name(config.server_name, config.bind, config.workers_bind, config.admin_bind)
-    claim(paths)
+    refuse_live(paths)
     started = time.monotonic()
     layout = build_layout(config)  # refuses what does not fit before anything starts
+    survivors = adoption.survey(paths, worker_specs(config, layout, paths.back, paths.slots)) \
+        if config.adopt_wait else adoption.Survivors()
+    claim(paths)
     ram_warnings = check_host_ram(config, layout)
     for device in layout.devices:
         log.info("device %d: %s, %.1f GiB free%s", device.index, device.name, device.memory_free / 2**30,
@@ -88,6 +91,9 @@ def serve(config: ServerConfig, gateway_key: Path | None = None,
             if gateway_key is not None:
                 roles.allow(authenticator, gateway_key, ("clients", "admins"))
         broker = _broker(ctx, config, paths)
+        if survivors.pids:
+            broker.expect(sorted(survivors.pids), survivors.secrets, config.adopt_wait)
+        adoption.write_secrets(paths, broker.secrets if survivors.pids else (broker.link_secret,))
         specs = worker_specs(config, layout, paths.back, paths.slots)
         supervisor = Supervisor(config, specs, table, gpus=bool(layout.devices), proof=broker.link_secret)
         placements = {spec.index: p for spec, p in zip(specs, layout.placements, strict=True)}
@@ -95,7 +101,8 @@ def serve(config: ServerConfig, gateway_key: Path | None = None,
         ServerInfo(paths.name, os.getpid(), paths.front, paths.back, str(paths.slots),
                    [m.name for m in config.models], time.time(), admin=paths.admin).write(paths.info)
         _Loop(config, broker, supervisor, instances, started, EstimateCheck(placements, layout.devices),
-              reread, reloaded).run()
+              reread, reloaded, survivors.pids).run()
+        adoption.remove_secrets(paths)  # a clean stop: no instance is left to adopt
     finally:
         if broker is not None:
             broker.close()
@@ -158,8 +165,9 @@ WATCHDOG_PERIOD_S = 0.5
 class _Loop:
     def __init__(self, config: ServerConfig, broker: Broker, supervisor: Supervisor, instances: Instances,
                  started: float, estimates: EstimateCheck, reread: Callable[[], ServerConfig] | None,
-                 reloaded: Callable[[], None] | None = None) -> None:
+                 reloaded: Callable[[], None] | None = None, adopted: dict[int, int] | None = None) -> None:
         self._config = config
+        self._adopted = adopted or {}
         self._reread = reread
         self._reloaded = reloaded
         self._broker = broker
@@ -198,7 +206,7 @@ class _Loop:
         if self._broker.admin is not None:
             self._poller.register(self._broker.admin, zmq.POLLIN)
         self._poller.register(self._signals.fileno(), zmq.POLLIN)
-        self._supervisor.start_all()
+        self._supervisor.start_all(self._adopted, self._config.adopt_wait)
         log.info("starting %d instance(s): %s; clients connect to %s", self._config.total_instances,
                  ", ".join(f"{m.name}×{_bounds(m.bounds)}" for m in self._config.models),
                  self._broker_addr())
@@ -239,6 +247,7 @@ class _Loop:
             self._broker.expire_clients(now)
             self._broker.expire_workers(now)
             self._broker.expire_unserved(now)
+            self._broker.expire_adoptions(now)
         if now >= self._next_heartbeat:
             self._next_heartbeat = now + self._config.heartbeat_interval
             self._broker.send_heartbeats()
@@ -278,6 +287,7 @@ class _Loop:
         self._ready.discard(index)
         code = self._supervisor.reap(index)
         self._broker.worker_exited(index, code)
+        self._broker.adoptee_lost(index)
         loads = self._supervisor.health[model].failed_message
         failed = self._broker.models[model].failed
         if loads is not None and failed is None:

@@ -46,6 +46,7 @@ from mpserve.config.loader import ServerConfig
 from mpserve.wire.slots import SlotState, SlotTable
 from mpserve.worker.spec import EXIT_LOAD_FAILED, WorkerSpec, preload, run, start_mode
 
+from .adoption import AdoptedWorker
 from .routing import describe_exit
 from .zygotes import ForkedWorker, Zygote
 
@@ -58,7 +59,7 @@ KILL_AFTER_S = 2.0  # a stalled worker gets SIGTERM, then SIGKILL this much late
 RETIRE_KILL_S = 10.0  # a scaled-down worker told to stop is killed if it is still there this much later
 ZYGOTE_EXIT_S = 2.0  # a zygote whose pipe was closed is killed if it has not exited this much later
 
-WorkerProcess = BaseProcess | ForkedWorker
+WorkerProcess = BaseProcess | ForkedWorker | AdoptedWorker
 
 
 @dataclass
@@ -71,6 +72,7 @@ class WorkerHandle:
     stalled: bool = False  # being stopped by the busy watchdog
     kill_at: float | None = None  # when SIGKILL follows the watchdog's SIGTERM
     retiring: bool = False  # scaled down: told to stop; removed, not restarted, once it exits
+    adopting: bool = False  # an instance of the server before this one: killed at ``kill_at`` unless it registers
 
 
 @dataclass
@@ -108,9 +110,15 @@ class Supervisor:
         self._retired_zygotes: list[Zygote] = []  # to stop at the next watch, once their pipe is unregistered
         self._told: set[str] = set()  # models whose start mode was logged
 
-    def start_all(self) -> None:
+    def start_all(self, adopted: dict[int, int] | None = None, wait: float = 0.0) -> None:
+        """Start every worker, but those ``adopted`` (index -> pid: the instances the server before this one left,
+        ``mpserve.server.adoption``), which are watched instead, and killed if not registered within ``wait`` s."""
+        adopted = adopted or {}
         for index in self.workers:
-            self.spawn(index)
+            if index in adopted:
+                self._adopt(index, adopted[index], wait)
+            else:
+                self.spawn(index)
         if not self.workers:  # every model starts at zero: the fork server would start with the first request
             self._warm_fork_server()
 
@@ -142,6 +150,13 @@ class Supervisor:
         handle.process, handle.restart_at = process, None
         self._unwatched.append(index)
         log.debug("started worker %d (pid %s) for %s", index, process.pid, spec.model)
+
+    def _adopt(self, index: int, pid: int, wait: float) -> None:
+        handle = self.workers[index]
+        handle.process, handle.adopting, handle.kill_at = AdoptedWorker(pid), True, self._clock() + wait
+        self._unwatched.append(index)
+        log.info("worker %d (pid %d, %s) outlived the server before this one; adopting it", index, pid,
+                 handle.spec.model)
 
     def _zygote(self, spec: WorkerSpec) -> Zygote:
         """The model's zygote, started if it has none."""
@@ -303,6 +318,8 @@ class Supervisor:
         does the model's count of failed loads."""
         handle = self.workers[index]
         handle.registered, handle.crashes = True, 0
+        if handle.adopting:
+            handle.adopting, handle.kill_at = False, None
         self._zygote_deaths.pop(handle.spec.model, None)
         if loaded:
             self.health[handle.spec.model].load_failures = 0
@@ -345,6 +362,9 @@ class Supervisor:
                     self._zygote(spec)
         for index, handle in self.workers.items():
             if handle.kill_at is not None and handle.kill_at <= now and handle.process is not None:
+                if handle.adopting:
+                    log.warning("worker %d (pid %s) did not register within its adoption wait; killing it", index,
+                                handle.process.pid)
                 handle.process.kill()
                 handle.kill_at = None
             if restart and handle.restart_at is not None and handle.restart_at <= now:

@@ -31,15 +31,38 @@ from mpserve.worker.spec import EngineSpec, WorkerSpec, zygote_run
 log = logging.getLogger("mpserve.supervisor")
 
 
-class ForkedWorker:
+class PidfdHandle:
+    """A process the supervisor did not start itself, signalled through its pidfd: what a forked instance and an
+    adopted one (``mpserve.server.adoption``) share."""
+
+    _pidfd: int | None = None
+    _done: int | None = None  # an eventfd, readable at once: for an instance that has no pidfd
+
+    def terminate(self) -> None:
+        self._send(signal.SIGTERM)
+
+    def kill(self) -> None:
+        self._send(signal.SIGKILL)
+
+    def close(self) -> None:
+        for fd in (self._pidfd, self._done):
+            if fd is not None:
+                os.close(fd)
+        self._pidfd = self._done = None
+
+    def _send(self, sig: int) -> None:
+        if self._pidfd is not None:
+            with contextlib.suppress(ProcessLookupError):  # exited, not reaped yet
+                signal.pidfd_send_signal(self._pidfd, sig)
+
+
+class ForkedWorker(PidfdHandle):
     """One instance forked by a zygote, as the supervisor sees it."""
 
     def __init__(self, zygote: Zygote) -> None:
         self._zygote = zygote
         self.pid: int | None = None  # None until the zygote says it forked
         self.exitcode: int | None = None
-        self._pidfd: int | None = None
-        self._done: int | None = None  # an eventfd, readable at once: for an instance that has no pidfd
         self._finished = False  # exited, with its exit code known or never to be known
         self._signals: list[int] = []  # asked for before the pid was known
 
@@ -98,24 +121,11 @@ class ForkedWorker:
             else:
                 self._gone_unreported(left)
 
-    def terminate(self) -> None:
-        self._send(signal.SIGTERM)
-
-    def kill(self) -> None:
-        self._send(signal.SIGKILL)
-
-    def close(self) -> None:
-        for fd in (self._pidfd, self._done):
-            if fd is not None:
-                os.close(fd)
-        self._pidfd = self._done = None
-
     def _send(self, sig: int) -> None:
         if self.pid is None and not self._finished:
             self._signals.append(sig)
-        elif self._pidfd is not None and not self._finished:
-            with contextlib.suppress(ProcessLookupError):  # exited, not reaped yet
-                signal.pidfd_send_signal(self._pidfd, sig)
+        elif not self._finished:
+            super()._send(sig)
 
 
 class Zygote:

@@ -28,9 +28,10 @@ from mpserve.errors import BadRequest, MpserveError, ProtocolError
 from mpserve.wire import refusals
 from mpserve.wire.prefix import MAX_BLOCKS
 
-WORKER_LINK = "MPS1.2"  # the revision of the broker-worker messages, in every READY: a broker refuses workers
+WORKER_LINK = "MPS1.3"  # the revision of the broker-worker messages, in every READY: a broker refuses workers
 # of another (1.1: STEP replaced the worker's CHUNKS, and ASSIGNS came; 1.2: LoRA adapters: READY's, ADAPTER_ACTION;
-# ASSIGN's salt; PREEMPT and PARKED), so a remote pool is upgraded with it
+# ASSIGN's salt; PREEMPT and PARKED; 1.3: adoption: READY's live requests, HEARTBEAT's pid), so a remote pool is
+# upgraded with it
 MAX_MESSAGE_BYTES = 4 * 1024 * 1024
 MAX_CACHE_ITEMS = 4096  # entries per list in a CACHE frame
 MAX_CACHE_HASHES = 1 << 14  # hashes a broker keeps per instance (and a READY's CACHE frame carries at most)
@@ -310,6 +311,9 @@ class Request(Body, frozen=True, forbid_unknown_fields=True):
     tenant: Annotated[str, Meta(max_length=MAX_TENANT_CHARS)] = ""  # honoured on the admin socket only (the
     # gateway's); on the clients' socket the broker takes it from the connection (a CURVE client's key; "" for the
     # local user)
+    reattach: bool = False  # sent again after the server went silent: a server that took over this request (its
+    # instance outlived the one that died, ``mpserve.server.adoption``) goes on with it, streaming its whole text so
+    # far first; any other runs it anew. Either way the client drops the text it had (``mpserve.client``)
 
     def check(self) -> None:
         self.params.check()  # decoded: its types and limits were checked already
@@ -461,6 +465,8 @@ class Pong(Body, frozen=True, forbid_unknown_fields=True):
     nonce: int = 0
     models: tuple[str, ...] = ()
     max_message_bytes: int = 0  # the largest message BODY the server takes; 0 (an older server): MAX_MESSAGE_BYTES
+    server: Annotated[str, Meta(max_length=64)] = ""  # this start of the server: another one after a restart (the
+    # requests sent before it are sent again, ``mpserve.client``); "" from an older server
 
 
 @dataclass(frozen=True)
@@ -764,6 +770,12 @@ class Ready(Body, frozen=True, forbid_unknown_fields=True):
     adapters: Annotated[tuple[AdapterName, ...], Meta(max_length=MAX_LOADED_ADAPTERS)] = ()  # the LoRA adapters
     # loaded (the requests it can take: ``Request.adapters`` of these names); the slot table shows which each slot
     # runs
+    live: tuple[Live, ...] = ()  # an instance whose server died: the requests it holds parked, for the server that
+    # adopts it (``mpserve.server.adoption``)
+
+    def check(self) -> None:
+        for one in self.live:
+            one.check()
 
 
 class Heartbeat(Body, frozen=True, forbid_unknown_fields=True):
@@ -774,6 +786,7 @@ class Heartbeat(Body, frozen=True, forbid_unknown_fields=True):
     TYPE: ClassVar[MsgType] = MsgType.HEARTBEAT
     worker: Id
     registered: bool = True
+    pid: int = 0  # from a broker: its server's process, which a local worker watches (0 from a worker)
 
 
 class Failed(Body, frozen=True, forbid_unknown_fields=True):
@@ -836,6 +849,21 @@ class Assign(Body, frozen=True, forbid_unknown_fields=True):
     def check(self) -> None:
         """Its request's rules first, then its own."""
         self.request.check()
+        if len(self.generated) % 4:
+            raise ProtocolError(f"field 'generated' must be int32 token ids, at most {MAX_TOKENS_LIMIT}")
+
+
+class Live(Body, frozen=True, forbid_unknown_fields=True):
+    """In an adopted worker's READY: a request it ran when its server died, parked since (``Preempt``'s way): its
+    ASSIGN, the ``text`` it streamed so far (whole: the dead broker may have dropped some) and every token id it
+    generated (``Assign.generated``'s encoding), so the broker that adopts it can resume it there or elsewhere."""
+
+    assign: Assign
+    text: Annotated[str, Meta(max_length=4 * MAX_PROMPT_CHARS)] = ""
+    generated: Annotated[Packed, Meta(max_length=4 * MAX_TOKENS_LIMIT)] = b""
+
+    def check(self) -> None:
+        self.assign.check()
         if len(self.generated) % 4:
             raise ProtocolError(f"field 'generated' must be int32 token ids, at most {MAX_TOKENS_LIMIT}")
 

@@ -171,10 +171,16 @@ class SlotTable:
             raise ValueError(f"{path} is not a slot table of this version of mpserve")
         return cls(path, fd, mm, rows, owner=False)
 
-    def writer(self, index: int) -> SlotWriter:
+    def writer(self, index: int, like: SlotWriter | None = None) -> SlotWriter:
+        """The writer of row ``index``; ``like``: another table's writer whose fields it takes, and writes at once
+        (an adopted instance's rows, moved into its new server's table)."""
         if not 0 <= index < self.rows:
             raise IndexError(f"slot {index} out of range 0..{self.rows - 1}")
-        return SlotWriter(self._mm, _HEADER.size + index * ROW_SIZE)
+        writer = SlotWriter(self._mm, _HEADER.size + index * ROW_SIZE)
+        if like is not None:
+            writer._values = list(like._values)
+            writer._write()
+        return writer
 
     def read(self, index: int) -> SlotRow:
         offset = _HEADER.size + index * ROW_SIZE

@@ -24,6 +24,10 @@ Each turn takes every waiting broker message, then runs one ``engine.step`` whil
               plain CHUNK, DONE or ERROR when it is one), before anything else the worker sends
     keep alive  heartbeats both ways; register again if the broker went silent; exit if the server died;
               unload the model after ``idle_timeout`` without a request
+    orphaned  the server died (its pidfd readable) and ``adopt_wait`` is set: every running sequence is parked, the
+              link connects afresh, and READY goes out with LIVE (each held request: its ASSIGN, the text it
+              streamed, its token ids) until a new server's broker answers (HEARTBEAT with its pid, watched from then
+              on: ``mpserve.server.adoption``); its rows move to the new slot table. None within ``adopt_wait``: leave
     leave     told to STOP, terminated (SIGTERM), or the server (pool) gone: LEAVING, and exit; the requests
               still running are not answered: the broker hands them over at once, as a lost worker's
 
@@ -48,6 +52,7 @@ import socket
 import sys
 import time
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from types import FrameType
 from typing import Any
 
@@ -59,7 +64,7 @@ from mpserve.gpu.permits import DevicePermits, Permit
 from mpserve.wire import protocol as wire
 from mpserve.wire import zmqio
 from mpserve.wire.protocol import ChatTemplate
-from mpserve.wire.slots import CacheRow, SlotState, SlotWriter, adapter_label
+from mpserve.wire.slots import CacheRow, SlotState, SlotTable, SlotWriter, adapter_label
 
 from . import adapter_actions, embed, slot_files, tokens
 from .spec import EXIT_LOAD_FAILED, EngineSpec, WorkerSpec
@@ -104,7 +109,9 @@ class Worker:
         self._slot_of: dict[str, int] = {}
         self._streams: dict[str, ChunkStream] = {}  # ticket -> its streamed text, for streamed requests
         self._noted: dict[str, _Noted] = {}  # ticket -> the token ids its text streams with (``report_tokens``)
-        self._parked: set[str] = set()  # tickets whose sequence the engine holds parked (``_preempt``)
+        self._parked: dict[str, _Held] = {}  # tickets whose sequence the engine holds parked (``_preempt``)
+        self._said: dict[str, list[str]] = {}  # ticket -> the text it streamed so far (a LIVE's, if orphaned)
+        self._orphan_until: float | None = None  # orphaned (its server died): when it gives up waiting for another
         self._out = _Outbox()  # this step's CHUNKs, DONEs and ERRORs, sent together
         self._cache_row: CacheRow | None = None  # as the rows last had it (``_note_cache``)
         self._cancelled_tickets: set[str] = set()
@@ -196,7 +203,7 @@ class Worker:
                            loaded=self._engine is not None, host=spec.host, chat_template=chat.template,
                            bos_token=chat.bos_token, eos_token=chat.eos_token, proof=spec.proof,
                            adapters=self._engine.adapter_names() if self._engine is not None else
-                           tuple(sorted(self._adapters)))
+                           tuple(sorted(self._adapters)), live=self._live() if self._orphan_until is not None else ())
         self._send(ready, trailer=wire.pack(cache) if cache else None)
         self._registered = True
         self._must_register = False
@@ -208,12 +215,19 @@ class Worker:
         that restarted or declared this worker lost gets it back. Also: exit if the server is gone."""
         spec = self._spec
         now = time.monotonic()
-        if self._leaving is None and (self._server is None or select.select([self._server], [], [], 0)[0]):
+        if self._orphan_until is not None:
+            if now >= self._orphan_until:
+                log.warning("no server adopted it within %g s; leaving", spec.adopt_wait)
+                self._leaving = f"its server died, and none adopted it within {spec.adopt_wait:g} s"
+        elif self._leaving is None and (self._server is None or select.select([self._server], [], [], 0)[0]):
             # every turn (one syscall): the requests of a dead pool's worker are handed over after one step more
             starter = "pool" if spec.pool else "server"
-            log.warning("its %s (pid %d) is gone; leaving", starter, spec.parent_pid)
-            self._leaving = f"its {starter} (pid {spec.parent_pid}) is gone"
-        if now >= self._next_heartbeat:
+            if spec.adopt_wait and not spec.pool:
+                self._orphaned()
+            else:
+                log.warning("its %s (pid %d) is gone; leaving", starter, spec.parent_pid)
+                self._leaving = f"its {starter} (pid {spec.parent_pid}) is gone"
+        if now >= self._next_heartbeat and self._orphan_until is None:
             self._next_heartbeat = now + spec.heartbeat_interval
             self._send(wire.Heartbeat(spec.identity.decode()))
             self._note_cache()  # what the store's writer thread and other instances changed meanwhile
@@ -226,6 +240,59 @@ class Worker:
             self._register()
             self._register_backoff = min(REGISTER_BACKOFF_MAX_S, self._register_backoff * 2)
             self._next_register = now + self._register_backoff * random.uniform(0.5, 1.5)
+
+    def _orphaned(self) -> None:
+        """The server died: park what runs, forget what was on its way to the dead broker, connect afresh and offer
+        the held requests to the next server (READY with LIVE) for ``adopt_wait`` seconds (``Worker.run`` goes on
+        turning: nothing runs, so it waits for the broker's messages a heartbeat at a time)."""
+        for ticket in list(self._running):
+            if ticket not in self._cancelled_tickets:
+                self._park(ticket)
+        self._out.take()
+        self._watch_server(None)
+        log.warning("its server died; holding %d request(s) for a new server to adopt this instance (%g s at most)",
+                    len(self._parked), self._spec.adopt_wait)
+        self._orphan_until = time.monotonic() + self._spec.adopt_wait
+        self._reconnect()
+        self._must_register = True
+        self._register_backoff = REGISTER_BACKOFF_FIRST_S
+
+    def _adopted(self, server_pid: int) -> None:
+        """A new server's broker took this worker (its HEARTBEAT with the server's pid): watch that server from now
+        on, and move the rows into its slot table (made anew at the same path)."""
+        self._orphan_until = None
+        self._watch_server(server_pid)
+        try:
+            table = SlotTable.attach(Path(self._spec.slots_path))
+        except (OSError, ValueError) as exc:
+            log.warning("adopted by the server (pid %d), but its slot table is not usable (%s); the rows stay "
+                        "unseen", server_pid, exc)
+        else:
+            self._rows = [table.writer(row, like=old) for row, old in zip(self._spec.rows, self._rows, strict=True)]
+        log.info("adopted by the server (pid %d); holding %d request(s) for it", server_pid, len(self._parked))
+
+    def _watch_server(self, pid: int | None) -> None:
+        """Watch server ``pid`` (None: none) instead of the one watched so far."""
+        if self._server is not None:
+            self._poller.unregister(self._server)
+            os.close(self._server)
+        self._server = _watch(pid) if pid is not None else None
+        if self._server is not None:
+            self._poller.register(self._server, zmq.POLLIN)
+
+    def _live(self) -> tuple[wire.Live, ...]:
+        """The held requests, for a new server to adopt (the parked ones whose whole text this instance streamed: a
+        request it took over from another instance runs again from its start), within one message's size."""
+        live, size = [], 0
+        for ticket, held in self._parked.items():
+            if held.assign.generated:
+                continue
+            one = wire.Live(held.assign, "".join(self._said.get(ticket, ())), wire.token_frame(held.tokens))
+            size += len(wire.pack(one))
+            if size > wire.MAX_MESSAGE_BYTES // 2:
+                break
+            live.append(one)
+        return tuple(live)
 
     def _reconnect(self) -> None:
         """A new connection to the broker, the old one dropped at once with what it still held (LINGER 0 for the
@@ -257,8 +324,11 @@ class Worker:
             return
         if isinstance(msg, wire.Heartbeat) and not msg.registered:
             self._must_register = True  # the broker does not know this worker (any more)
-            for ticket in [*self._running, *self._parked]:  # the tickets of its requests are void
-                self._cancel(ticket)
+            if self._orphan_until is None:  # an orphan's held requests go in its READY, for the broker to adopt
+                for ticket in [*self._running, *self._parked]:  # the tickets of its requests are void
+                    self._cancel(ticket)
+        elif isinstance(msg, wire.Heartbeat) and self._orphan_until is not None and msg.pid:
+            self._adopted(msg.pid)
         elif isinstance(msg, wire.Error):
             log.error("the broker refused this worker: %s", msg.message)
             sys.exit(EXIT_LOAD_FAILED)
@@ -323,7 +393,9 @@ class Worker:
         if self._engine is not None:
             self._engine.close()
             self._engine = None
-        self._parked.clear()  # a resume admits them again, from their tokens
+        for ticket in self._parked:  # a resume admits them again, from their tokens
+            self._said.pop(ticket, None)
+        self._parked.clear()
         self.set_rows(state=SlotState.UNLOADED, kv_cells=0)
         self._note_cache()
         self._send(wire.Unloaded(self._spec.identity.decode()))
@@ -355,7 +427,7 @@ class Worker:
             return True
 
         resumed = assign.ticket in self._parked and engine.resume(assign.ticket, slot, on_token)
-        self._parked.discard(assign.ticket)
+        self._parked.pop(assign.ticket, None)
         if resumed and noted is not None:
             noted.seen = len(engine.tokens(slot))  # reported before it was parked
         if not resumed and self._crash_on is not None and self._crash_on in req.prompt:
@@ -397,7 +469,8 @@ class Worker:
             self._engine.cancel(self._slot_of[ticket])
             self._cancelled_tickets.add(ticket)
         elif ticket in self._parked:
-            self._parked.discard(ticket)
+            del self._parked[ticket]
+            self._said.pop(ticket, None)
             if self._engine is not None:
                 self._engine.drop(ticket)
 
@@ -409,23 +482,32 @@ class Worker:
         slot, engine = self._slot_of.get(ticket), self._engine
         if slot is None or engine is None or ticket in self._cancelled_tickets:
             return
+        held = self._park(ticket)
+        if held is not None:
+            self._queue(wire.MsgType.PARKED, ticket, wire.pack(wire.Parked(self._parked[ticket].assign.request.id)),
+                        wire.token_frame(held) if held else None)
+
+    def _park(self, ticket: str) -> list[int] | None:
+        """Park the sequence of ``ticket`` (its text so far sent first) and free its slot; the ids of the tokens
+        noted since its last CHUNK, or None if it could not be parked (it ended, or is ending)."""
+        slot, engine = self._slot_of[ticket], self._engine
+        assert engine is not None
         stream = self._streams.get(ticket)
         if stream is not None:
             stream.flush()
+        tokens = list(engine.tokens(slot))  # a sequence still running: no end-of-generation token among them
         if not engine.park(slot, ticket):
-            return
+            return None
         assign = self._running.pop(ticket)
         del self._slot_of[ticket]
         self._streams.pop(ticket, None)
         noted = self._noted.pop(ticket, None)
-        held = noted.take() if noted is not None else []
-        self._parked.add(ticket)
+        self._parked[ticket] = _Held(assign, tokens)
         self._rows[slot].update(state=SlotState.IDLE, kv_cells=engine.kv_cells(slot))
-        self._queue(wire.MsgType.PARKED, ticket, wire.pack(wire.Parked(assign.request.id)),
-                    wire.token_frame(held) if held else None)
         if not self._running and self._permit is not None:
             self._permit.release()
             self._permit = None
+        return noted.take() if noted is not None else []
 
     def _stream(self, assign: wire.Assign, slot: int) -> tuple[ChunkStream | None, _Noted | None]:
         """Where a streamed request's text goes, with the log-probabilities of its tokens when asked for (None
@@ -437,13 +519,18 @@ class Worker:
             return None, None
         request_id, ticket, engine, index = assign.request.id, assign.ticket, self._engine, assign.index
         assert engine is not None
+        said = self._said.setdefault(ticket, [])  # a resumed sequence's goes on
         if not assign.report_tokens:
-            return ChunkStream(lambda text: self._queue(
-                wire.MsgType.CHUNK, ticket, wire.pack(wire.Chunk(request_id, text, engine.take_logprobs(slot), index)),
-                None), self._spec.stream_interval), None
+            def send_text(text: str) -> None:
+                said.append(text)
+                self._queue(wire.MsgType.CHUNK, ticket, wire.pack(wire.Chunk(
+                    request_id, text, engine.take_logprobs(slot), index)), None)
+
+            return ChunkStream(send_text, self._spec.stream_interval), None
         noted = _Noted(lambda: engine.tokens(slot))
 
         def send(text: str) -> None:
+            said.append(text)
             self._queue(wire.MsgType.CHUNK, ticket, wire.pack(wire.Chunk(request_id, text, engine.take_logprobs(slot),
                                                                          index)), wire.token_frame(noted.take()))
 
@@ -495,6 +582,7 @@ class Worker:
         self._cancelled_tickets.discard(ticket)
         slot = self._slot_of.pop(ticket)
         self._noted.pop(ticket, None)
+        self._said.pop(ticket, None)
         self._served += 1
         self._rows[slot].update(state=SlotState.IDLE, served=self._served,
                                 kv_cells=self._engine.kv_cells(slot) if self._engine is not None else 0)
@@ -514,6 +602,14 @@ class Worker:
                          accepted_tokens=result.accepted_tokens),
             worker=self._spec.identity.decode(), logprobs=result.logprobs, index=assign.index,
         )
+
+
+@dataclasses.dataclass(frozen=True)
+class _Held:
+    """A parked sequence's request: its ASSIGN, and the ids of the tokens it generated here before it was parked."""
+
+    assign: wire.Assign
+    tokens: list[int]
 
 
 class _Noted:

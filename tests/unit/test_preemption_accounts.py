@@ -6,11 +6,11 @@ requests) and the queues right."""
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
 import zmq
+from brokers import broker_fixture  # noqa: F401  (the fixture "broker")
 from test_broker import peers, taken
 
 from mpserve.config.tenants import Tenant, Tenants
@@ -19,16 +19,6 @@ from mpserve.server.state import Pending
 from mpserve.wire import protocol as wire
 
 pytestmark = pytest.mark.timeout(30)
-
-
-@pytest.fixture
-def broker() -> Iterator[Broker]:
-    ctx = zmq.Context()
-    broker = Broker(ctx, "inproc://front", "inproc://back", {"m": 8})
-    yield broker
-    broker.front.close(0)
-    broker.back.close(0)
-    ctx.term()
 
 
 def _request(client: zmq.Socket[bytes], broker: Broker, rid: str, priority: int, **fields: Any) -> None:

@@ -1,0 +1,187 @@
+"""A server that takes over the instances of the one that died before it (SIGKILL, a crash, the OOM killer): the
+weights stay where they are loaded, and the requests those instances ran go on.
+
+    previous start:  NAME.link (0600): the secrets its instances prove themselves with (``link``), its own and
+                     those it adopted; the slot table: each instance's pid, worker index, model and start time
+    the server dies ─▶ each instance parks what it runs and offers it for ``adopt_wait`` seconds (READY with LIVE,
+                     ``mpserve.worker.loop``); its clients, silent, send their requests again (``Request.reattach``)
+    start ─▶ survey(paths, specs) before the dead server's files are cleared: the instances whose process still
+             runs (this user's, started when its row says), at the same index with the same model and rows
+          ─▶ the supervisor starts every other instance and watches these (``AdoptedWorker``: a pidfd); the broker
+             accepts their secrets and keeps the reattached requests it cannot place until they registered
+             (``Broker.expect``): each READY's LIVE requests wait, parked there, for their clients (``Adoptions``)
+    an instance that does not register within ``adopt_wait`` ─▶ SIGKILL, and started anew as any lost one
+
+The secret file is written through ``create_private`` and read through ``open_private`` (a regular file of this
+user's, never through a link): a process of another user cannot plant secrets that would let its workers in.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import select
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from mpserve.private import PlantedFile, create_private, open_private
+from mpserve.runtime import ServerPaths, runtime_dir
+from mpserve.wire.slots import SlotState, SlotTable
+from mpserve.worker.spec import WorkerSpec
+
+from .state import Pending
+from .zygotes import PidfdHandle
+
+log = logging.getLogger("mpserve.server")
+
+START_SLACK_S = 1.0  # an instance's process may start this much before its row's start time (clocks' rounding)
+START_LATE_S = 600.0  # ... or this much after it (a zygote loads the weights before it forks the first instance)
+HOLD_S = 60.0  # an adopted request no client reattached to within this long is cancelled on its instance
+
+
+def secrets_path(paths: ServerPaths) -> Path:
+    return runtime_dir() / f"{paths.name}.link"
+
+
+@dataclass(frozen=True)
+class Survivors:
+    """What the dead server left to adopt: the secrets its instances prove themselves with, and each instance whose
+    process runs on, by worker index (its pid)."""
+
+    secrets: tuple[str, ...] = ()
+    pids: dict[int, int] = field(default_factory=dict)
+
+
+def survey(paths: ServerPaths, specs: list[WorkerSpec]) -> Survivors:
+    """The instances the dead server of ``paths`` left running that this start may adopt: at the index of a spec
+    with the same model and slot-table rows. Nothing when its secret file or slot table is missing or unusable."""
+    secrets = _read_secrets(secrets_path(paths))
+    if not secrets:
+        return Survivors()
+    try:
+        table = SlotTable.attach(paths.slots, writable=False)
+    except (OSError, ValueError):
+        return Survivors()
+    try:
+        rows = table.read_all()
+    finally:
+        table.close()
+    by_index = {spec.index: spec for spec in specs}
+    found: dict[int, int] = {}
+    for index in {r.worker for r in rows if r.state not in (SlotState.EMPTY, SlotState.DEAD, SlotState.FAILED)}:
+        mine = [r for r in rows if r.worker == index and r.state is not SlotState.EMPTY]
+        spec = by_index.get(index)
+        pid = mine[0].pid
+        if (spec is None or not pid or any(r.pid != pid or r.model != spec.model for r in mine)
+                or sorted(r.index for r in mine) != list(spec.rows)):
+            continue
+        if _ours_since(pid, mine[0].started):
+            found[index] = pid
+    return Survivors(secrets, found)
+
+
+def _ours_since(pid: int, started: float) -> bool:
+    """Whether process ``pid`` runs, is this user's, and started when the row's ``started`` says (not a later
+    process that took a reused pid)."""
+    try:
+        if os.stat(f"/proc/{pid}").st_uid != os.getuid():
+            return False
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        boot = next(float(line.split()[1]) for line in Path("/proc/stat").read_text().splitlines()
+                    if line.startswith("btime "))
+    except (OSError, ValueError, IndexError, StopIteration):
+        return False
+    if fields[0] == "Z":
+        return False
+    began = boot + int(fields[19]) / os.sysconf("SC_CLK_TCK")
+    return started - START_SLACK_S <= began <= started + START_LATE_S
+
+
+def _read_secrets(path: Path) -> tuple[str, ...]:
+    try:
+        fd = open_private(path)
+    except FileNotFoundError:
+        return ()
+    except PlantedFile as exc:
+        log.warning("not adopting any instance: %s is not a file of this user's own (%s)", path, exc)
+        return ()
+    with os.fdopen(fd) as file:
+        try:
+            secrets = json.load(file)
+        except ValueError:
+            return ()
+    return tuple(s for s in secrets if isinstance(s, str)) if isinstance(secrets, list) else ()
+
+
+def write_secrets(paths: ServerPaths, secrets: tuple[str, ...]) -> None:
+    """This start's secret file: its own secret and those of the instances it adopts (which a later start must take
+    too, should it adopt them again)."""
+    path = secrets_path(paths)
+    path.unlink(missing_ok=True)
+    with os.fdopen(create_private(path, os.O_WRONLY), "w") as file:
+        json.dump(list(secrets), file)
+
+
+def remove_secrets(paths: ServerPaths) -> None:
+    secrets_path(paths).unlink(missing_ok=True)
+
+
+class AdoptedWorker(PidfdHandle):
+    """An instance of the dead server, as the supervisor sees it: the surface of a multiprocessing process (pid,
+    sentinel, exitcode, is_alive, terminate, kill, join, close) over a pidfd. Its parent is not this server, so its
+    exit code is unknown (None): its end counts as a lost instance's."""
+
+    def __init__(self, pid: int) -> None:
+        self.pid = pid
+        self.exitcode: int | None = None
+        try:
+            self._pidfd = os.pidfd_open(pid)
+        except ProcessLookupError:
+            self._done = os.eventfd(1)
+
+    @property
+    def sentinel(self) -> int | None:
+        return self._pidfd if self._pidfd is not None else self._done
+
+    def is_alive(self) -> bool:
+        return self._pidfd is not None and not _readable(self._pidfd, 0.0)
+
+    def join(self, timeout: float | None = None) -> None:
+        if self._pidfd is not None:
+            _readable(self._pidfd, timeout)
+
+
+def _readable(fd: int, timeout: float | None) -> bool:
+    return bool(select.select([fd], [], [], timeout)[0])
+
+
+@dataclass
+class Adoptions:
+    """The broker's side: the requests adopted instances brought (by tenant and request id: each choice's row and
+    the text it streamed), waiting for their clients until ``HOLD_S`` after they came; and the instances still
+    expected, until when."""
+
+    waiting: dict[tuple[str, str], list[tuple[Pending, str]]] = field(default_factory=dict)
+    since: dict[tuple[str, str], float] = field(default_factory=dict)
+    expected: set[bytes] = field(default_factory=set)  # identities of adoptable instances not registered yet
+    adoptees: set[bytes] = field(default_factory=set)  # every adoptable instance's, registered or not
+    until: float = 0.0  # monotonic: when the broker stops expecting them
+
+    def expecting(self, now: float) -> bool:
+        """Whether an adoptable instance may still register (a reattached request unknown yet waits for it)."""
+        return bool(self.expected) and now < self.until
+
+    def hold(self, p: Pending, text: str, now: float) -> None:
+        key = (p.tenant, p.request.id)
+        self.waiting.setdefault(key, []).append((p, text))
+        self.since.setdefault(key, now)
+
+    def take(self, tenant: str, request_id: str) -> list[tuple[Pending, str]]:
+        self.since.pop((tenant, request_id), None)
+        return self.waiting.pop((tenant, request_id), [])
+
+    def expired(self, now: float) -> list[Pending]:
+        """The rows no client reattached to within HOLD_S, taken out."""
+        old = [key for key, since in self.since.items() if now - since > HOLD_S]
+        return [p for key in old for p, _ in self.take(*key)]

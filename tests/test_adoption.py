@@ -1,0 +1,198 @@
+"""The server dies under load and comes back (``mpserve.server.adoption``): its instances outlive it, holding their
+requests; the next server of the same name adopts them (no model loaded again), and the clients, silent for a
+moment, reattach: every stream finishes with the text of an uninterrupted run, none of it twice. Without a server
+back within their bounds, the clients fail ``connection`` and the instances exit, as before."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import statistics
+import threading
+import time
+
+import httpx
+import pytest
+from helpers import wait_for
+
+from mpserve import Client
+from mpserve.client import PING_INTERVAL_S, PING_LIVENESS
+from mpserve.errors import ConnectionFailed
+
+PROMPTS = [f"Once upon a time, {i} " for i in range(8)]
+MAX_TOKENS = 600
+ARGS = ("--instances", "2", "--parallel", "4", "--n-ctx", "2048")
+
+
+def _running(pid: int) -> bool:
+    try:
+        return not open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0] == "Z"
+    except OSError:
+        return False
+
+
+def _worker_pids(server) -> list[int]:
+    return sorted({r.pid for r in server.slots() if r.pid})
+
+
+class _Streamer(threading.Thread):
+    """One greedy stream, its chunks timed: the text, the result's, the longest pause between two chunks, or the
+    error that ended it."""
+
+    def __init__(self, address: str, prompt: str, reattach: float = 30.0) -> None:
+        super().__init__()
+        self.address, self.prompt, self.reattach = address, prompt, reattach
+        self.started = threading.Event()
+        self.text = ""
+        self.result = ""
+        self.pause = 0.0
+        self.error: Exception | None = None
+
+    def run(self) -> None:
+        try:
+            with Client(self.address, timeout=120, reattach=self.reattach) as client:
+                stream = client.stream(self.prompt, max_tokens=MAX_TOKENS, temperature=0)
+                last, parts = None, []
+                for text in stream:
+                    now = time.monotonic()
+                    self.pause = max(self.pause, now - last) if last is not None else 0.0
+                    last = now
+                    parts.append(text)
+                    self.started.set()
+                self.text = "".join(parts)
+                assert stream.result is not None
+                self.result = stream.result.text
+        except Exception as exc:  # noqa: BLE001 - recorded, asserted by the test
+            self.error = exc
+            self.started.set()
+
+
+def _freeze(pids: list[int], sig: signal.Signals) -> None:
+    for pid in pids:
+        os.kill(pid, sig)
+
+
+@pytest.mark.timeout(180)
+def test_a_server_killed_with_8_streams_and_started_again_5_s_later_finishes_each_exactly_on_its_instance(
+        start_server) -> None:
+    server = start_server(*ARGS).wait_ready()
+    with Client(server.address) as client:
+        whole = [client.generate(p, max_tokens=MAX_TOKENS, temperature=0).text for p in PROMPTS]
+    pids = _worker_pids(server)
+    streams = [_Streamer(server.address, p) for p in PROMPTS]
+    for s in streams:
+        s.start()
+    assert all(s.started.wait(60) for s in streams)
+    _freeze(pids, signal.SIGSTOP)  # however fast the model, nothing ends before the server is gone
+    server.proc.kill()
+    server.proc.wait(10)
+    _freeze(pids, signal.SIGCONT)
+    time.sleep(5)  # what a service manager's restart delay does
+    again = start_server(*ARGS, name=server.name).wait_ready()
+    for s in streams:
+        s.join(120)
+    assert [s.error for s in streams] == [None] * len(streams)
+    assert [s.text for s in streams] == whole, "a stream's text differs from its uninterrupted run"
+    assert [s.result for s in streams] == whole
+    wait_for(lambda: _worker_pids(again) == pids, 10, "the adopted instances in the new slot table")
+    with Client(again.address) as client:
+        counters = client.stats().counters
+    assert counters["adopted_requests"] == len(PROMPTS), counters
+    assert counters["reattached"] == len(PROMPTS), counters
+    assert not any("instances are forked from here" in line for line in again.log), "a model was loaded again"
+    pauses = sorted(s.pause for s in streams)
+    print(f"\nserver SIGKILLed with {len(streams)} streams, started again 5 s later: all exact on the same instances "
+          f"(pids {pids}); longest pause per stream p50 {statistics.median(pauses):.1f} s, max {pauses[-1]:.1f} s")
+    again.stop()
+    wait_for(lambda: not any(_running(p) for p in pids), 15, "the adopted instances to stop with their server")
+    assert not again.tracebacks(), "\n".join(again.log)
+
+
+@pytest.mark.timeout(90)
+def test_without_a_server_back_the_streams_fail_connection_after_their_reattach_bound_and_the_instances_exit(
+        start_server) -> None:
+    server = start_server(*ARGS, "--adopt-wait", "3").wait_ready()
+    pids = _worker_pids(server)
+    streams = [_Streamer(server.address, p, reattach=2.0) for p in PROMPTS[:2]]
+    for s in streams:
+        s.start()
+    assert all(s.started.wait(60) for s in streams)
+    _freeze(pids, signal.SIGSTOP)
+    server.proc.kill()
+    killed = time.monotonic()
+    server.proc.wait(10)
+    _freeze(pids, signal.SIGCONT)
+    for s in streams:
+        s.join(60)
+    failed_s = time.monotonic() - killed
+    assert all(isinstance(s.error, ConnectionFailed) for s in streams), [s.error for s in streams]
+    assert failed_s < PING_INTERVAL_S * PING_LIVENESS + 2.0 + 5.0, failed_s
+    wait_for(lambda: not any(_running(p) for p in pids), 15, "the instances to exit once their adoption wait is over")
+    print(f"\nno server back: the streams failed connection {failed_s:.1f} s after the kill (reattach bound 2 s); "
+          "the instances exited after their 3 s adoption wait")
+
+
+@pytest.mark.timeout(90)
+def test_with_adopt_wait_0_the_instances_exit_with_their_server_and_the_next_one_loads_its_own(start_server) -> None:
+    server = start_server("--instances", "2", "--adopt-wait", "0").wait_ready()
+    pids = _worker_pids(server)
+    server.proc.kill()
+    server.proc.wait(10)
+    wait_for(lambda: not any(_running(p) for p in pids), 10, "the instances to exit with their server")
+    again = start_server("--instances", "2", name=server.name).wait_ready()
+    assert not set(_worker_pids(again)) & set(pids)
+    assert not again.tracebacks(), "\n".join(again.log)
+
+
+def _http_stream(url: str, prompt: str, out: dict[str, object], started: threading.Event) -> None:
+    """A greedy completion streamed over HTTP: its text, or what ended it."""
+    body = {"prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0, "stream": True}
+    parts: list[str] = []
+    try:
+        with httpx.stream("POST", url + "/v1/completions", json=body, timeout=120) as response:
+            for line in response.iter_lines():
+                if not line.startswith("data: {"):
+                    continue
+                event = json.loads(line[6:])
+                if "error" in event:
+                    out["error"] = event["error"]
+                    return
+                parts.append(event["choices"][0]["text"])
+                started.set()
+        out["text"] = "".join(parts)
+    except httpx.HTTPError as exc:
+        out["error"] = exc
+    finally:
+        started.set()
+
+
+@pytest.mark.timeout(180)
+def test_http_streams_through_a_gateway_of_its_own_go_on_over_the_servers_death(start_server) -> None:
+    from gateway_thread import GatewayThread
+
+    server = start_server(*ARGS).wait_ready()
+    prompts = PROMPTS[:2]
+    with Client(server.address) as client:
+        whole = [client.generate(p, max_tokens=MAX_TOKENS, temperature=0).text for p in prompts]
+    pids = _worker_pids(server)
+    gateway = GatewayThread(server_name=server.name)
+    try:
+        outs: list[dict[str, object]] = [{} for _ in prompts]
+        started = [threading.Event() for _ in prompts]
+        threads = [threading.Thread(target=_http_stream, args=(gateway.url, p, o, e))
+                   for p, o, e in zip(prompts, outs, started, strict=True)]
+        for t in threads:
+            t.start()
+        assert all(e.wait(60) for e in started)
+        _freeze(pids, signal.SIGSTOP)
+        server.proc.kill()
+        server.proc.wait(10)
+        _freeze(pids, signal.SIGCONT)
+        time.sleep(2)
+        start_server(*ARGS, name=server.name).wait_ready()
+        for t in threads:
+            t.join(120)
+        assert [o.get("text") for o in outs] == whole, outs
+    finally:
+        gateway.stop()

@@ -1,0 +1,143 @@
+"""Adoption's rules, driven directly: which READY may show the dead server's secret, what an adoptee's LIVE
+requests become, a client's reattach to them (or to nothing), and the client's side: text that comes again is
+dropped, text that differs ends the stream."""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+from brokers import broker_fixture  # noqa: F401  (the fixture "broker")
+
+from mpserve.client import _Track
+from mpserve.errors import ConnectionFailed
+from mpserve.server import adoption
+from mpserve.server.broker import Broker
+from mpserve.wire import protocol as wire
+
+pytestmark = pytest.mark.timeout(10)
+
+OLD = "the-secret-of-the-server-that-died"
+
+
+def _sent(broker: Broker) -> tuple[list[tuple[bytes, Any]], list[tuple[bytes, Any]]]:
+    """What the broker sends from now on: to clients, and to workers (each decoded)."""
+    clients: list[tuple[bytes, Any]] = []
+    workers: list[tuple[bytes, Any]] = []
+
+    def to_client(client: bytes, frames: list[bytes]) -> bool:
+        clients.append((client, wire.decode(frames)))
+        return True
+
+    def to_worker(identity: bytes, frames: list[bytes]) -> bool:
+        workers.append((identity, wire.decode(frames[:3] if len(frames) > 3 else frames)))
+        return True
+
+    broker._to_client = to_client  # type: ignore[method-assign]
+    broker._send_worker = to_worker  # type: ignore[method-assign]
+    return clients, workers
+
+
+def _live(rid: str, ticket: str, text: str, tenant: str = "") -> wire.Live:
+    request = wire.Request(rid, "Once upon a time", stream=True, tenant=tenant)
+    return wire.Live(wire.Assign(ticket, request, 0.0, 1, report_tokens=True), text, wire.token_frame([5, 6, 7]))
+
+
+def test_only_an_expected_adoptee_may_show_the_dead_servers_secret(broker: Broker) -> None:
+    broker.expect([1], (OLD,), wait=30)
+    clients, workers = _sent(broker)
+    broker._on_ready(b"w0", wire.Ready("w0", "m", -1, 2, 100, proof=OLD), None)  # not among the survivors
+    assert b"w0" not in broker.workers and broker.stats["refused_worker_ready"] == 1
+    broker._on_ready(b"w1", wire.Ready("w1", "m", -1, 2, 101, proof=OLD), None)
+    assert broker.workers[b"w1"].index == 1
+    broker._on_ready(b"w0", wire.Ready("w0", "m", -1, 2, 102, proof=broker.link_secret), None)  # this start's own
+    assert broker.workers[b"w0"].index == 0
+
+
+def test_a_reattached_request_gets_its_whole_text_then_resumes_where_its_sequence_is_parked(broker: Broker) -> None:
+    broker.expect([0], (OLD,), wait=30)
+    clients, workers = _sent(broker)
+    broker._on_ready(b"w0", wire.Ready("w0", "m", -1, 2, 100, proof=OLD,
+                                       live=(_live("r1", "T1", "Hello, wor"),)), None)
+    assert broker.stats["adopted_requests"] == 1 and broker.workers[b"w0"].parked == {"T1"}
+    assert "T1" not in broker.requests  # until its client comes back
+    broker._on_request(b"client", wire.Request("r1", "Once upon a time", stream=True, reattach=True))
+    broker.flush()
+    assert clients == [(b"client", wire.Chunk("r1", "Hello, wor"))]
+    [(to, assigns)] = workers
+    assert to == b"w0" and [a.ticket for a in getattr(assigns, "assigns", (assigns,))] == ["T1"]
+    p = broker.requests["T1"]
+    assert p.client == b"client" and bytes(p.generated) == wire.token_frame([5, 6, 7]) and p.tokens_known
+    assert broker.stats["reattached"] == 1
+
+
+def test_a_reattach_another_tenant_sends_finds_nothing_and_runs_anew(broker: Broker) -> None:
+    broker.expect([0], (OLD,), wait=30)
+    clients, workers = _sent(broker)
+    broker._on_ready(b"w0", wire.Ready("w0", "m", -1, 2, 100, proof=OLD,
+                                       live=(_live("r1", "T1", "secret text", tenant="key:aaaa"),)), None)
+    broker._on_request(b"other", wire.Request("r1", "Once upon a time", stream=True, reattach=True), tenant="key:bbbb")
+    assert not any(isinstance(m, wire.Chunk) for _, m in clients)
+    assert broker.stats["reattached"] == 0 and broker.stats["accepted"] == 1  # a request of its own
+    assert "T1" not in broker.requests
+
+
+def test_a_reattach_before_its_adoptee_registered_waits_for_it(broker: Broker) -> None:
+    broker.expect([0], (OLD,), wait=30)
+    clients, workers = _sent(broker)
+    broker._on_request(b"client", wire.Request("r1", "Once upon a time", stream=True, reattach=True))
+    assert broker.stats["accepted"] == 0 and broker.stats["reattached"] == 0  # held
+    broker._on_ready(b"w0", wire.Ready("w0", "m", -1, 2, 100, proof=OLD, live=(_live("r1", "T1", "Hi"),)), None)
+    assert broker.stats["reattached"] == 1 and clients == [(b"client", wire.Chunk("r1", "Hi"))]
+
+
+def test_a_held_reattach_runs_anew_once_the_adoptees_are_no_longer_expected(broker: Broker) -> None:
+    broker.expect([0], (OLD,), wait=30)
+    _sent(broker)
+    broker._on_request(b"client", wire.Request("r1", "Once upon a time", stream=True, reattach=True))
+    broker.adoptee_lost(0)  # killed for not registering in time
+    assert broker.stats["accepted"] == 1 and broker.stats["reattached"] == 0
+
+
+def test_an_adopted_request_no_client_comes_back_for_is_forgotten_on_its_instance(broker: Broker) -> None:
+    broker.expect([0], (OLD,), wait=30)
+    clients, workers = _sent(broker)
+    broker._on_ready(b"w0", wire.Ready("w0", "m", -1, 2, 100, proof=OLD, live=(_live("r1", "T1", "Hi"),)), None)
+    broker.expire_adoptions(time.monotonic() + adoption.HOLD_S + 1)
+    assert (b"w0", wire.Cancel("T1")) in workers and not broker.workers[b"w0"].parked
+    assert broker.stats["adopted_unclaimed"] == 1
+
+
+def test_text_that_comes_again_after_a_reattach_is_dropped_and_the_rest_delivered() -> None:
+    track = _Track(wire.Request("r1", "p", stream=True), "start-1")
+    assert track.fresh(0, "Hello") == "Hello"
+    assert track.fresh(0, ", wor") == ", wor"
+    track.reattached()
+    assert track.fresh(0, "Hel") == ""  # the whole text so far, in pieces
+    assert track.fresh(0, "lo, world") == "ld"
+    assert track.fresh(0, "!") == "!"
+
+
+def test_text_that_differs_after_a_reattach_ends_the_stream() -> None:
+    track = _Track(wire.Request("r1", "p", stream=True), "start-1")
+    track.fresh(0, "Hello")
+    track.reattached()
+    with pytest.raises(ConnectionFailed, match="differs"):
+        track.fresh(0, "Help")
+
+
+def test_a_secret_file_that_is_a_link_adopts_nothing(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("MPSERVE_RUNTIME_DIR", str(tmp_path))
+    from mpserve.runtime import ServerPaths
+    paths = ServerPaths.for_name("linked")
+    planted = tmp_path / "planted.json"
+    planted.write_text(f'["{OLD}"]')
+    os.symlink(planted, adoption.secrets_path(paths))
+    assert adoption.survey(paths, []) == adoption.Survivors()
+    adoption.secrets_path(paths).unlink()
+    adoption.write_secrets(paths, (OLD,))
+    assert adoption._read_secrets(adoption.secrets_path(paths)) == (OLD,)
+    assert adoption.secrets_path(paths).stat().st_mode & 0o777 == 0o600
