@@ -288,7 +288,7 @@ LIMITS: dict[str, str] = {
 CLIENT_MESSAGES = ("Request", "Cancel", "Ping", "StatsQuery", "Tokenize", "Control", "Embed", "SlotAction")
 ANSWERS = ("Chunk", "Chunks", "Done", "Error", "Pong", "Stats", "Tokens", "ControlReply", "Embeddings", "SlotReply")
 WORKER_LINK_MESSAGES = ("Ready", "Heartbeat", "Failed", "Unloaded", "Leaving", "Assign", "Assigns", "Stop", "Unload",
-                        "AdapterAction", "AdapterReply", "Preempt", "Parked", "Live")
+                        "AdapterAction", "AdapterReply", "Preempt", "Parked", "HandOff", "Live")
 NESTED = ("GenerateParams", "Usage", "Timings", "Logprobs", "ModelStats", "ModelScaling", "WorkerStats",
           "TenantStats", "ModelControl", "CacheChanges")
 

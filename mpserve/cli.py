@@ -5,6 +5,7 @@
     looking     status (the slot table), models (a server's models), devices (GPUs and their permits), plan (where
                 instances would run), doctor (this host, and what to fix)
     changing    load, unload, scale, add (a server's models at run time), reload (its configuration read again),
+                upgrade (the mpserve installed now takes over, adopting the instances),
                 slots (a slot's KV file: save, restore, erase), adapters (a model's LoRA adapters: list, load, unload)
     files       pull (models from the Hub, ahead of time), make-model (a random-weight GGUF), keygen (a CURVE key pair)
 
@@ -155,8 +156,12 @@ def start(given: Given, config_file: ConfigOption = None) -> None:
         gateway_key = gateway_keys(paths) if http and config.curve_secret else None  # for a CURVE front
         with _Gateway(http, config, given.cli, gateway_key) if http else contextlib.nullcontext() as gateways:
             _pull(config)  # with the gateway up: /backend/monitor and the console show the downloads
-            serve(config, gateway_key, reread=lambda: _config(given, config_file),
-                  reloaded=(lambda: gateways.fleet.signal(signal.SIGHUP)) if gateways is not None else None)
+            upgrading = serve(config, gateway_key, reread=lambda: _config(given, config_file),
+                              reloaded=(lambda: gateways.fleet.signal(signal.SIGHUP)) if gateways is not None else None)
+    if upgrading:  # the mpserve installed now, in this process (its pid stays, for the service manager)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os.execv(sys.executable, [sys.executable, "-m", "mpserve", *sys.argv[1:]])
 
 
 @app.command()
@@ -714,6 +719,38 @@ def reload(server_name: ServerNameOption = "default", as_json: JsonOption = Fals
     timeouts and log level at once, models added, removed (drained) or scaled; what needs a restart is named and
     keeps its running value. A configuration that does not validate is refused whole: nothing changes."""
     _control(server_name, _Curve(curve_server_key, curve_secret), as_json, "reload")
+
+
+@app.command()
+def upgrade(server_name: ServerNameOption = "default",
+            wait: Annotated[float, typer.Option("--wait", help="Seconds to wait for the new start to answer.")] = 120.0,
+            ) -> None:
+    """Hand a running server over to the mpserve installed now, without an outage (as SIGUSR2 does): its instances
+    hold their requests, the server starts again in its own process (its pid stays) and adopts them, and the
+    clients reattach. Prints the new start's version once it answers."""
+    from mpserve.client import Client
+
+    with _errors():
+        info = ServerInfo.read(server_name)
+        if info is None or not info.alive() or info.role != "broker":
+            raise _no_server(server_name)
+        os.kill(info.pid, signal.SIGUSR2)
+        deadline = time.monotonic() + wait
+        while True:
+            new = ServerInfo.read(server_name)
+            if new is not None and new.started != info.started and new.alive():
+                try:
+                    with Client(new.front, connect_timeout=2.0) as client:
+                        client.stats()
+                    break
+                except MpserveError:
+                    pass
+            if time.monotonic() > deadline:
+                raise ConnectionFailed(f"server {server_name!r} (pid {info.pid}) did not come back within {wait:g} s "
+                                       "after the hand-off; see its log")
+            time.sleep(0.2)
+        print(f"upgraded {server_name}: mpserve {new.version or 'unknown'} (was {info.version or 'unknown'}), "
+              f"pid {new.pid}")
 
 
 @app.command()

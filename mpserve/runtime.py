@@ -93,6 +93,7 @@ class ServerInfo:
     started: float
     role: str = "broker"  # or "pool": `mpserve worker`, whose front and back are the remote broker's
     admin: str = ""  # the operators' address (``mpserve.server.roles``); "" from a server older than it
+    version: str = ""  # the mpserve that runs it ("" from a server older than this field)
 
     def write(self, path: Path) -> None:
         tmp = path.with_suffix(".json.tmp")

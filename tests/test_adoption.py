@@ -9,6 +9,8 @@ import json
 import os
 import signal
 import statistics
+import subprocess
+import sys
 import threading
 import time
 
@@ -196,3 +198,33 @@ def test_http_streams_through_a_gateway_of_its_own_go_on_over_the_servers_death(
         assert [o.get("text") for o in outs] == whole, outs
     finally:
         gateway.stop()
+
+
+@pytest.mark.timeout(180)
+def test_an_upgrade_under_8_streams_fails_none_and_loads_no_model(start_server) -> None:
+    """``mpserve upgrade`` (SIGUSR2): the server hands its instances off and starts again in its own process (the
+    mpserve installed now: here the same one); the streams go on exactly, on the same instances."""
+    server = start_server(*ARGS).wait_ready()
+    with Client(server.address) as client:
+        whole = [client.generate(p, max_tokens=MAX_TOKENS, temperature=0).text for p in PROMPTS]
+    pids, before = _worker_pids(server), server.info
+    streams = [_Streamer(server.address, p) for p in PROMPTS]
+    for s in streams:
+        s.start()
+    assert all(s.started.wait(60) for s in streams)
+    upgraded = subprocess.run([sys.executable, "-m", "mpserve", "upgrade", "--server-name", server.name],
+                              capture_output=True, text=True, timeout=90)
+    assert upgraded.returncode == 0, upgraded.stderr
+    assert f"pid {server.proc.pid}" in upgraded.stdout, upgraded.stdout
+    for s in streams:
+        s.join(120)
+    assert [s.error for s in streams] == [None] * len(streams)
+    assert [s.text for s in streams] == whole and [s.result for s in streams] == whole
+    after = server.info
+    assert after.pid == before.pid and after.started > before.started  # the same process, started again
+    wait_for(lambda: _worker_pids(server) == pids, 10, "the handed-off instances in the new slot table")
+    assert sum("ready:" in line for line in server.log) == 2
+    assert sum("instances are forked from here" in line for line in server.log) == 1, "a model was loaded again"
+    print(f"\nupgrade under {len(streams)} streams: none failed, all exact, instances kept (pids {pids}); "
+          f"longest pause per stream max {max(s.pause for s in streams):.1f} s")
+    assert not server.tracebacks(), "\n".join(server.log)

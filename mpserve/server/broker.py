@@ -208,6 +208,8 @@ class Broker:
         self.adopted_secrets: tuple[str, ...] = ()  # those of the instances it adopts (``adoption``)
         self.adoptions = adoption.Adoptions()
         self._held: list[tuple[bytes, wire.Request, str, bool]] = []  # reattached, waiting for the adoptees
+        self.handing: set[bytes] = set()  # an upgrade: the instances told HAND_OFF that have not answered yet
+        self.accepting_heartbeats = True  # False once handing off
         self.ledger = Ledger(tenants)
         self.front_keyed = curve_secret is not None  # a client's tenant is the CURVE key it proved
         self.models = {name: self.new_queue(name, max_queue) for name, max_queue in models.items()}
@@ -380,6 +382,8 @@ class Broker:
         self.flush()
 
     def send_heartbeats(self) -> None:
+        if not self.accepting_heartbeats:
+            return
         for identity in list(self.workers):
             self._to_worker(identity, wire.Heartbeat(identity.decode(), pid=os.getpid()))
 
@@ -486,6 +490,15 @@ class Broker:
     def stop_workers(self) -> None:
         for identity in list(self.workers):
             self._to_worker(identity, wire.Stop("server shutting down"))
+
+    def hand_off(self) -> None:
+        """An upgrade: every local instance is told to hold its requests for the next start (HAND_OFF); the broker
+        sends no heartbeat from now on (one would tell an instance it was adopted). ``handing``: those that have not
+        answered yet (their READY)."""
+        self.handing = {w.identity for w in self.workers.values() if w.index is not None}
+        for identity in self.handing:
+            self._to_worker(identity, wire.HandOff("the server is upgrading"))
+        self.accepting_heartbeats = False
 
     def close(self) -> None:
         self.front.close(linger=500)
@@ -931,7 +944,9 @@ class Broker:
         old = self.workers.get(identity)
         if old is not None and old.pid == msg.pid and old.model == msg.model:
             # the same process registering again: it had not heard from us, or it loaded its model on demand,
-            # which the supervisor counts as a good load (its model's failed loads start afresh)
+            # which the supervisor counts as a good load (its model's failed loads start afresh), or it answers
+            # a HAND_OFF
+            self.handing.discard(identity)
             self._take_chat(identity, msg, old.index is not None)
             self._cache_held(old, cache)
             if msg.loaded and old.index is not None:

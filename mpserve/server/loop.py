@@ -28,6 +28,7 @@ from pathlib import Path
 import zmq
 from zmq.auth.thread import ThreadAuthenticator
 
+from mpserve import __version__
 from mpserve.config.loader import ECHO_MODEL, ModelConfig, ServerConfig
 from mpserve.errors import ConfigError, ErrorCode, MpserveError, ShuttingDown
 from mpserve.gpu.memory import EstimateCheck
@@ -54,11 +55,13 @@ log = logging.getLogger("mpserve.server")
 
 
 def serve(config: ServerConfig, gateway_key: Path | None = None,
-          reread: Callable[[], ServerConfig] | None = None, reloaded: Callable[[], None] | None = None) -> None:
-    """Serve until a signal stops it. ``gateway_key``: the secret key file of the gateway ``start --http`` runs
-    (``roles.gateway_keys``), whose key the CURVE sockets then accept beside the configured ones. ``reread``:
-    the configuration read again as at start, for a reload (SIGHUP, ``mpserve reload``); None: no reload.
-    ``reloaded``: called after a reload applied (the gateways ``start --http`` runs read their keys again)."""
+          reread: Callable[[], ServerConfig] | None = None, reloaded: Callable[[], None] | None = None) -> bool:
+    """Serve until a signal stops it; True when it stopped to upgrade (SIGUSR2: its instances were handed off, and
+    the caller starts the server again in this process, ``mpserve.server.adoption``). ``gateway_key``: the secret
+    key file of the gateway ``start --http`` runs (``roles.gateway_keys``), whose key the CURVE sockets then accept
+    beside the configured ones. ``reread``: the configuration read again as at start, for a reload (SIGHUP,
+    ``mpserve reload``); None: no reload. ``reloaded``: called after a reload applied (the gateways ``start --http``
+    runs read their keys again)."""
     logging.basicConfig(level=config.log_level.upper(), stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("gguf").setLevel(logging.WARNING)
@@ -79,6 +82,7 @@ def serve(config: ServerConfig, gateway_key: Path | None = None,
     ctx = zmq.Context()
     broker = None
     authenticator = None
+    upgrading = False
     try:
         if config.curve_clients is not None:
             authenticator = ThreadAuthenticator(ctx, log=_AuthLog())
@@ -99,17 +103,23 @@ def serve(config: ServerConfig, gateway_key: Path | None = None,
         placements = {spec.index: p for spec, p in zip(specs, layout.placements, strict=True)}
         instances = Instances(config, layout, placements, supervisor, broker, paths.back, paths.slots)
         ServerInfo(paths.name, os.getpid(), paths.front, paths.back, str(paths.slots),
-                   [m.name for m in config.models], time.time(), admin=paths.admin).write(paths.info)
-        _Loop(config, broker, supervisor, instances, started, EstimateCheck(placements, layout.devices),
-              reread, reloaded, survivors.pids).run()
-        adoption.remove_secrets(paths)  # a clean stop: no instance is left to adopt
+                   [m.name for m in config.models], time.time(), admin=paths.admin,
+                   version=__version__).write(paths.info)
+        loop = _Loop(config, broker, supervisor, instances, started, EstimateCheck(placements, layout.devices),
+                     reread, reloaded, survivors.pids)
+        loop.run()
+        upgrading = loop.upgrading
+        if not upgrading:
+            adoption.remove_secrets(paths)  # a clean stop: no instance is left to adopt
+        return upgrading
     finally:
         if broker is not None:
             broker.close()
         if authenticator is not None:
             authenticator.stop()
         ctx.destroy(linger=0)  # closes what a failed start left open (a socket whose bind failed), then terms
-        table.unlink()
+        if not upgrading:  # the next start reads which instances to adopt from it
+            table.unlink()
         table.close()
         keys = [gateway_key, gateway_key.with_suffix(".key")] if gateway_key is not None else []
         for path in [paths.info, *paths.ipc_files(), *keys]:
@@ -160,6 +170,7 @@ def _bounds(bounds: tuple[int, int]) -> str:
 
 
 WATCHDOG_PERIOD_S = 0.5
+HAND_OFF_S = 5.0  # an upgrade waits this long at most for the instances to answer HAND_OFF
 
 
 class _Loop:
@@ -180,7 +191,9 @@ class _Loop:
         self._ready: set[int] = set()
         self._announced = False
         self._grace_deadline: float | None = None
-        self._signals = SignalPipe((signal.SIGTERM, signal.SIGINT, signal.SIGHUP))
+        self._signals = SignalPipe((signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR2))
+        self._hand_off_deadline: float | None = None  # upgrading (SIGUSR2): when the instances have answered
+        self.upgrading = False  # the loop ended to hand the instances to the next start, in this process
         self._poller = zmq.Poller()
         self._waiter = Waiter(config.busy_poll_us / 1e6)
         broker.on_ready = self._on_ready
@@ -207,7 +220,8 @@ class _Loop:
             self._poller.register(self._broker.admin, zmq.POLLIN)
         self._poller.register(self._signals.fileno(), zmq.POLLIN)
         self._supervisor.start_all(self._adopted, self._config.adopt_wait)
-        log.info("starting %d instance(s): %s; clients connect to %s", self._config.total_instances,
+        log.info("mpserve %s: starting %d instance(s): %s; clients connect to %s", __version__,
+                 self._config.total_instances,
                  ", ".join(f"{m.name}×{_bounds(m.bounds)}" for m in self._config.models),
                  self._broker_addr())
         if self._config.total_instances == 0 and any(m.bounds[1] for m in self._config.models):
@@ -219,6 +233,9 @@ class _Loop:
                      self._broker.back.getsockopt_string(zmq.LAST_ENDPOINT))
         while self._turn():
             pass
+        if self.upgrading:
+            self._supervisor.hand_off()
+            return
         self._broker.stop_workers()
         self._supervisor.stop_all(timeout=5.0)
 
@@ -255,6 +272,12 @@ class _Loop:
         if self._grace_deadline is None:
             self._instances.tick()
         self._broker.flush()  # the ASSIGNs this turn made: one message per worker
+        if self._hand_off_deadline is not None and (not self._broker.handing or now >= self._hand_off_deadline):
+            if self._broker.handing:
+                log.warning("upgrading: %d instance(s) did not answer the hand-off in time; the next start adopts "
+                            "them all the same if they wait", len(self._broker.handing))
+            self.upgrading = True
+            return False
         if self._grace_deadline is None:
             return True
         if self._broker.in_flight() == 0:
@@ -307,6 +330,12 @@ class _Loop:
 
     def _on_signals(self) -> None:
         received = self._signals.received()
+        if signal.SIGUSR2 in received:
+            received.discard(signal.SIGUSR2)
+            if self._grace_deadline is None and self._hand_off_deadline is None:
+                self._hand_off_deadline = time.monotonic() + HAND_OFF_S
+                self._broker.hand_off()
+                log.info("upgrading: handing %d instance(s) to the next start", len(self._broker.handing))
         if signal.SIGHUP in received:
             received.discard(signal.SIGHUP)
             with contextlib.suppress(MpserveError):  # logged by reload

@@ -370,6 +370,17 @@ class Supervisor:
             if restart and handle.restart_at is not None and handle.restart_at <= now:
                 self.spawn(index)
 
+    def hand_off(self) -> None:
+        """An upgrade: the registered instances are left running for the next start to adopt; those still starting
+        are terminated (they never learned of the hand-off), and the zygotes stop."""
+        for handle in self.workers.values():
+            if handle.process is not None and not handle.registered:
+                handle.process.terminate()
+        for zygote in [*self._zygotes.values(), *self._retired_zygotes]:
+            zygote.close(ZYGOTE_EXIT_S)
+        self._zygotes.clear()
+        self._retired_zygotes.clear()
+
     def stop_all(self, timeout: float) -> None:
         """Wait for workers that were told to stop; terminate, then kill, what remains. A worker still starting
         (not registered, so the broker could not tell it to stop) is terminated at once."""

@@ -30,8 +30,8 @@ from mpserve.wire.prefix import MAX_BLOCKS
 
 WORKER_LINK = "MPS1.3"  # the revision of the broker-worker messages, in every READY: a broker refuses workers
 # of another (1.1: STEP replaced the worker's CHUNKS, and ASSIGNS came; 1.2: LoRA adapters: READY's, ADAPTER_ACTION;
-# ASSIGN's salt; PREEMPT and PARKED; 1.3: adoption: READY's live requests, HEARTBEAT's pid), so a remote pool is
-# upgraded with it
+# ASSIGN's salt; PREEMPT and PARKED; 1.3: adoption: READY's live requests, HEARTBEAT's pid, HAND_OFF), so a remote
+# pool is upgraded with it
 MAX_MESSAGE_BYTES = 4 * 1024 * 1024
 MAX_CACHE_ITEMS = 4096  # entries per list in a CACHE frame
 MAX_CACHE_HASHES = 1 << 14  # hashes a broker keeps per instance (and a READY's CACHE frame carries at most)
@@ -94,6 +94,7 @@ class MsgType(IntEnum):
     ASSIGNS = 0x33
     ADAPTER_ACTION = 0x34
     PREEMPT = 0x35
+    HAND_OFF = 0x36
 
 
 # --- the field types that recur -----------------------------------------------------------------
@@ -823,6 +824,15 @@ class Unload(Body, frozen=True, forbid_unknown_fields=True):
     reason: Name = ""
 
 
+class HandOff(Body, frozen=True, forbid_unknown_fields=True):
+    """broker -> worker: the server hands its instances to its next start (an upgrade: ``mpserve upgrade``): park
+    what runs and offer it to the next broker, as when the server dies (``mpserve.server.adoption``), answering this
+    broker with READY and its LIVE requests first."""
+
+    TYPE: ClassVar[MsgType] = MsgType.HAND_OFF
+    reason: Name = ""
+
+
 class Stop(Body, frozen=True, forbid_unknown_fields=True):
     """broker -> worker: finish nothing new and exit."""
 
@@ -953,5 +963,5 @@ class CacheChanges(Body, frozen=True, forbid_unknown_fields=True):
 MESSAGES: tuple[Any, ...] = (Request, Cancel, Ping, StatsQuery, Pong, Stats, Chunk, Done, Error, Ready,
                                     Heartbeat, Failed, Unloaded, Leaving, Assign, Stop, Unload, Tokenize, Tokens,
                                     Control, ControlReply, Embed, Embeddings, SlotAction, SlotReply, AdapterAction,
-                                    AdapterReply, Preempt, Parked)
+                                    AdapterReply, Preempt, Parked, HandOff)
 """The message types whose BODY is one map (CHUNKS, ASSIGNS and STEP are arrays: ``mpserve.wire.framing``)."""

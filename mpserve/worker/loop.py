@@ -1,6 +1,6 @@
 """A worker's loop: one engine, ``parallel`` slots, driven by the broker's messages over one DEALER.
 
-    broker --ASSIGN/CANCEL/PREEMPT/STOP/UNLOAD/TOKENIZE/SLOT_ACTION/ADAPTER_ACTION--> worker
+    broker --ASSIGN/CANCEL/PREEMPT/STOP/HAND_OFF/UNLOAD/TOKENIZE/SLOT_ACTION/ADAPTER_ACTION--> worker
     worker --READY/FAILED/UNLOADED, then CHUNK*/DONE|ERROR|PARKED (TOKENS, SLOT_REPLY, ADAPTER_REPLY) per ticket-->
            broker
            (a DONE or ERROR carries the host store's changes since the last one: the CACHE frame; a READY
@@ -27,7 +27,8 @@ Each turn takes every waiting broker message, then runs one ``engine.step`` whil
     orphaned  the server died (its pidfd readable) and ``adopt_wait`` is set: every running sequence is parked, the
               link connects afresh, and READY goes out with LIVE (each held request: its ASSIGN, the text it
               streamed, its token ids) until a new server's broker answers (HEARTBEAT with its pid, watched from then
-              on: ``mpserve.server.adoption``); its rows move to the new slot table. None within ``adopt_wait``: leave
+              on: ``mpserve.server.adoption``); its rows move to the new slot table. None within ``adopt_wait``: leave.
+              HAND_OFF (an upgrade) does the same, its READY answering the broker that is handing it off first
     leave     told to STOP, terminated (SIGTERM), or the server (pool) gone: LEAVING, and exit; the requests
               still running are not answered: the broker hands them over at once, as a lost worker's
 
@@ -74,6 +75,8 @@ log = logging.getLogger("mpserve.worker")
 
 REGISTER_BACKOFF_FIRST_S = 0.5
 REGISTER_BACKOFF_MAX_S = 5.0
+ORPHAN_RETRY_S = 2.0  # orphaned: READY again, on a new link, after this long without a word from a broker
+HAND_OFF_WAIT_S = 30.0  # handed off with adopt_wait 0: how long it waits for the next server all the same
 CRASH_ON = "MPSERVE_TEST_CRASH_ON"  # the tests' crash injection (see the module's docstring)
 
 
@@ -231,7 +234,8 @@ class Worker:
             self._next_heartbeat = now + spec.heartbeat_interval
             self._send(wire.Heartbeat(spec.identity.decode()))
             self._note_cache()  # what the store's writer thread and other instances changed meanwhile
-        silent = now - self._heard > spec.heartbeat_interval * spec.heartbeat_liveness
+        silent = now - self._heard > (spec.heartbeat_interval * spec.heartbeat_liveness if self._orphan_until is None
+                                      else ORPHAN_RETRY_S)
         if not self._running and (self._must_register or (silent and now >= self._next_register)):
             if silent:  # on a new connection: the broker takes none under a name still connected (a dead link
                 # it has not dropped yet), and ZeroMQ would keep this one, unheard, for good
@@ -241,10 +245,12 @@ class Worker:
             self._register_backoff = min(REGISTER_BACKOFF_MAX_S, self._register_backoff * 2)
             self._next_register = now + self._register_backoff * random.uniform(0.5, 1.5)
 
-    def _orphaned(self) -> None:
+    def _orphaned(self, reconnect: bool = True) -> None:
         """The server died: park what runs, forget what was on its way to the dead broker, connect afresh and offer
         the held requests to the next server (READY with LIVE) for ``adopt_wait`` seconds (``Worker.run`` goes on
-        turning: nothing runs, so it waits for the broker's messages a heartbeat at a time)."""
+        turning: nothing runs, so it waits for the broker's messages a heartbeat at a time), again on a new link
+        after each ORPHAN_RETRY_S of silence. Handed off (``reconnect`` False): the first READY answers the broker
+        handing it off, on the link it has."""
         for ticket in list(self._running):
             if ticket not in self._cancelled_tickets:
                 self._park(ticket)
@@ -252,8 +258,10 @@ class Worker:
         self._watch_server(None)
         log.warning("its server died; holding %d request(s) for a new server to adopt this instance (%g s at most)",
                     len(self._parked), self._spec.adopt_wait)
-        self._orphan_until = time.monotonic() + self._spec.adopt_wait
-        self._reconnect()
+        now = time.monotonic()
+        self._orphan_until = now + (self._spec.adopt_wait or HAND_OFF_WAIT_S)
+        if reconnect:
+            self._reconnect()
         self._must_register = True
         self._register_backoff = REGISTER_BACKOFF_FIRST_S
 
@@ -334,6 +342,9 @@ class Worker:
             sys.exit(EXIT_LOAD_FAILED)
         elif isinstance(msg, wire.Stop):
             self._stopping = True
+        elif isinstance(msg, wire.HandOff):
+            if self._orphan_until is None and not self._spec.pool:
+                self._orphaned(reconnect=False)
         elif isinstance(msg, wire.Unload):
             if not self._running:
                 self._unload()
