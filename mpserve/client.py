@@ -12,9 +12,10 @@ Liveness follows the Paranoid Pirate pattern, both ways: while requests are pend
 every ``PING_INTERVAL_S`` (so the broker can tell a waiting client from a vanished one, whose requests it
 cancels), any message from the server counts as its heartbeat, and after ``PING_INTERVAL_S ×
 PING_LIVENESS`` of silence the server is taken as gone. Its completions then reattach (``reattach`` seconds,
-``REATTACH_S`` by default; 0: they fail at once), unless a local server was stopped (its socket file is gone: a
-server that died leaves it until the next start binds it again): the client connects afresh and sends each again with
-``reattach`` set, again after each silence, until a server answers or the time is up (then ``ConnectionFailed``).
+``REATTACH_S`` by default; 0: they fail at once), unless a local server was stopped (``_stopped``: its socket
+and secret files are gone, where a server that died leaves the secret file): the client connects afresh and
+sends each again with ``reattach`` set, again after each silence, until a server answers or the time is up (then
+``ConnectionFailed``).
 A server that adopted the instance holding the request (``mpserve.server.adoption``) goes on with it and streams
 its whole text so far first; any other runs it anew. The client drops the text it delivered already, checking it
 is the same (a sampled request without a seed that ran anew differs: ``ConnectionFailed``), so no text repeats:
@@ -617,9 +618,16 @@ class AsyncClient:
                 await self._send(wire.Ping(1))
 
     def _stopped(self) -> bool:
-        """Whether the local server was stopped, not killed: a stop removes its socket file, which a server that died
-        leaves until the next start of its name (which binds it again at once)."""
-        return self.address.startswith("ipc://") and not os.path.exists(self.address[len("ipc://"):])
+        """Whether the local server at its default address was stopped, not killed: a stop removes its socket and
+        its secret file (``NAME.link``, ``mpserve.server.adoption``); a server that died leaves the secret file,
+        which the next start of its name rewrites (its socket may be missing while it starts). A server at an
+        address of the caller's own choosing is waited for (the reattach bound)."""
+        if not self.address.startswith("ipc://"):
+            return False
+        socket_file = self.address[len("ipc://"):]
+        if not socket_file.endswith(".sock") or os.path.exists(socket_file):
+            return False
+        return not os.path.exists(socket_file[:-len(".sock")] + ".link")
 
     def _restarted(self, server: str) -> None:
         """The server answering is another start than the one the pending completions were sent to (ZeroMQ
