@@ -451,7 +451,7 @@ def _gateway_command(http: str, config: cfg.ServerConfig, flags: dict[str, Any],
     file). Processes apart from the server's: in the broker's, the gateway would compete with the broker loop for
     the GIL, and a fault in it could not touch the broker."""
     from mpserve.gateway import fleet
-    from mpserve.gateway.app import parse_http
+    from mpserve.gateway.app import STOPS_WITH_SERVER, parse_http
     from mpserve.gateway.http import access
 
     host, _ = parse_http(http)  # refuse a bad value, a network port without a key, before anything starts
@@ -461,7 +461,7 @@ def _gateway_command(http: str, config: cfg.ServerConfig, flags: dict[str, Any],
             "MPSERVE_CURVE_SERVER_KEY": config.curve_secret if key else None,
             "MPSERVE_CURVE_CLIENT_SECRET": str(key) if key else None,
             "MPSERVE_ALLOWED_ORIGINS": flags["allowed_origins"], "MPSERVE_ALLOWED_HOSTS": flags["allowed_hosts"]}
-    env = {**os.environ, **{name: key for name, key in keys.items() if key}}
+    env = {**os.environ, **{name: key for name, key in keys.items() if key}, STOPS_WITH_SERVER: "1"}
     passed = [arg for key in ("api_key_file", "ssl_certfile", "ssl_keyfile", "request_timeout") if flags[key]
               for arg in (settings.BY_KEY[key].flag or "", str(flags[key]))]
     argv = [sys.executable, "-m", "mpserve", "gateway", "--http", http, "--server-name", config.server_name,

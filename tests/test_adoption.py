@@ -16,7 +16,7 @@ import time
 
 import httpx
 import pytest
-from helpers import wait_for
+from helpers import free_port, http_up, wait_for
 
 from mpserve import Client
 from mpserve.client import PING_INTERVAL_S, PING_LIVENESS
@@ -42,9 +42,9 @@ class _Streamer(threading.Thread):
     """One greedy stream, its chunks timed: the text, the result's, the longest pause between two chunks, or the
     error that ended it."""
 
-    def __init__(self, address: str, prompt: str, reattach: float = 30.0) -> None:
+    def __init__(self, address: str, prompt: str, reattach: float = 30.0, max_tokens: int = MAX_TOKENS) -> None:
         super().__init__()
-        self.address, self.prompt, self.reattach = address, prompt, reattach
+        self.address, self.prompt, self.reattach, self.max_tokens = address, prompt, reattach, max_tokens
         self.started = threading.Event()
         self.text = ""
         self.result = ""
@@ -54,7 +54,7 @@ class _Streamer(threading.Thread):
     def run(self) -> None:
         try:
             with Client(self.address, timeout=120, reattach=self.reattach) as client:
-                stream = client.stream(self.prompt, max_tokens=MAX_TOKENS, temperature=0)
+                stream = client.stream(self.prompt, max_tokens=self.max_tokens, temperature=0)
                 last, parts = None, []
                 for text in stream:
                     now = time.monotonic()
@@ -109,6 +109,48 @@ def test_a_server_killed_with_8_streams_and_started_again_5_s_later_finishes_eac
     again.stop()
     wait_for(lambda: not any(_running(p) for p in pids), 15, "the adopted instances to stop with their server")
     assert not again.tracebacks(), "\n".join(again.log)
+
+
+def _kill_frozen(server, pids: list[int]) -> None:
+    """SIGKILL the server while its instances are stopped (so that nothing ends meanwhile, however fast the model)."""
+    _freeze(pids, signal.SIGSTOP)
+    server.proc.kill()
+    server.proc.wait(10)
+    _freeze(pids, signal.SIGCONT)
+
+
+def _counters(server) -> dict[str, int]:
+    with Client(server.address) as client:
+        return dict(client.stats().counters)
+
+
+@pytest.mark.timeout(180)
+def test_a_server_killed_again_after_it_adopted_its_instances_has_them_adopted_again_with_their_requests(
+        start_server) -> None:
+    """What one adoption took on (its requests resumed from their parked sequences) the next adopts again, rather
+    than running them anew: a server restarted over and over (a crash loop) costs its streams pauses only."""
+    server = start_server(*ARGS).wait_ready()
+    prompts, tokens = PROMPTS[:4], 1200
+    with Client(server.address) as client:
+        whole = [client.generate(p, max_tokens=tokens, temperature=0).text for p in prompts]
+    pids = _worker_pids(server)
+    streams = [_Streamer(server.address, p, max_tokens=tokens) for p in prompts]
+    for s in streams:
+        s.start()
+    assert all(s.started.wait(60) for s in streams)
+    _kill_frozen(server, pids)
+    second = start_server(*ARGS, name=server.name).wait_ready()
+    wait_for(lambda: _counters(second).get("reattached") == len(prompts), 30, "the streams reattached")
+    wait_for(lambda: _worker_pids(second) == pids, 10, "the adopted instances in the new slot table")
+    _kill_frozen(second, pids)
+    third = start_server(*ARGS, name=server.name).wait_ready()
+    for s in streams:
+        s.join(120)
+    assert [s.error for s in streams] == [None] * len(streams)
+    assert [s.text for s in streams] == whole
+    counters = _counters(third)
+    assert counters.get("adopted_requests") == len(prompts) == counters.get("reattached"), counters
+    assert not third.tracebacks(), "\n".join(third.log)
 
 
 @pytest.mark.timeout(90)
@@ -171,33 +213,36 @@ def _http_stream(url: str, prompt: str, out: dict[str, object], started: threadi
 
 @pytest.mark.timeout(180)
 def test_http_streams_through_a_gateway_of_its_own_go_on_over_the_servers_death(start_server) -> None:
-    from gateway_thread import GatewayThread
-
+    """``mpserve gateway --http-workers 2``, a service of its own (its processes exit with their parent, not with the
+    server): its streams wait for the server to come back and go on exactly."""
     server = start_server(*ARGS).wait_ready()
-    prompts = PROMPTS[:2]
+    prompts = PROMPTS[:4]
     with Client(server.address) as client:
         whole = [client.generate(p, max_tokens=MAX_TOKENS, temperature=0).text for p in prompts]
     pids = _worker_pids(server)
-    gateway = GatewayThread(server_name=server.name)
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    gateway = subprocess.Popen([sys.executable, "-m", "mpserve", "gateway", "--server-name", server.name, "--http",
+                                f"127.0.0.1:{port}", "--http-workers", "2"], stdout=subprocess.DEVNULL,
+                               stderr=subprocess.STDOUT)
     try:
+        wait_for(lambda: http_up(url), 30, "the gateway answers")
         outs: list[dict[str, object]] = [{} for _ in prompts]
         started = [threading.Event() for _ in prompts]
-        threads = [threading.Thread(target=_http_stream, args=(gateway.url, p, o, e))
+        threads = [threading.Thread(target=_http_stream, args=(url, p, o, e))
                    for p, o, e in zip(prompts, outs, started, strict=True)]
         for t in threads:
             t.start()
         assert all(e.wait(60) for e in started)
-        _freeze(pids, signal.SIGSTOP)
-        server.proc.kill()
-        server.proc.wait(10)
-        _freeze(pids, signal.SIGCONT)
+        _kill_frozen(server, pids)
         time.sleep(2)
         start_server(*ARGS, name=server.name).wait_ready()
         for t in threads:
             t.join(120)
         assert [o.get("text") for o in outs] == whole, outs
     finally:
-        gateway.stop()
+        gateway.terminate()
+        gateway.wait(30)
 
 
 @pytest.mark.timeout(180)

@@ -98,6 +98,7 @@ from .ops.metrics import CONTENT_TYPE, GatewayMetrics, ServerView
 from .ops.monitor import RestartCounter, gpu_usage, health, monitor, viewer_of
 
 log = logging.getLogger("mpserve.gateway")
+STOPS_WITH_SERVER = "MPSERVE_GATEWAY_OF_START"  # set in the environment of the gateways `mpserve start --http` runs
 
 SAMPLE_INTERVAL_S = 0.5
 # answered without the API key: load balancers probe /health; the console's page holds no data (its state does)
@@ -203,6 +204,12 @@ def serve(config: GatewayConfig, fd: int | None = None) -> None:
     server.run(sockets=None if fd is None else [socket.socket(fileno=fd)])
 
 
+def _started_by_its_server(config: GatewayConfig) -> bool:
+    """Whether this gateway process is one of ``mpserve start --http``'s, which stop with their server (a fleet
+    of ``mpserve gateway --http-workers N`` exits with its parent too, a gateway of its own)."""
+    return config.exit_with_parent and os.environ.get(STOPS_WITH_SERVER) == "1"
+
+
 class _Gateway:
     def __init__(self, config: GatewayConfig) -> None:
         self.config = config
@@ -210,7 +217,7 @@ class _Gateway:
                                config.curve_secret, config.admin_connect,
                                # a gateway of `start --http` stops with its server: its streams do not wait for
                                # the next one (which takes the port once this gateway is gone)
-                               reattach=0.0 if config.exit_with_parent else REATTACH_S)
+                               reattach=0.0 if _started_by_its_server(config) else REATTACH_S)
         self.metrics = GatewayMetrics()
         self.restarts = RestartCounter()
         self.console = console.Console(self.backend, self.metrics)

@@ -1007,8 +1007,11 @@ class Broker:
         self.adoptions.until = time.monotonic() + wait
 
     def _adopt(self, entry: WorkerEntry, live: tuple[wire.Live, ...]) -> None:
-        """An adoptee registered with the requests it holds, parked: each waits for its client to reattach."""
+        """An adoptee registered with the requests it holds, parked: each waits for its client to reattach. It hears
+        at once that it was adopted (a HEARTBEAT with this server's pid: it moves its rows into this start's slot
+        table, where the next start would look for it)."""
         self.adoptions.expected.discard(entry.identity)
+        self._to_worker(entry.identity, wire.Heartbeat(entry.identity.decode(), pid=os.getpid()))
         now = time.monotonic()
         for one in live:
             assign, req = one.assign, one.assign.request

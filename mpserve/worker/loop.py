@@ -114,6 +114,8 @@ class Worker:
         self._noted: dict[str, _Noted] = {}  # ticket -> the token ids its text streams with (``report_tokens``)
         self._parked: dict[str, _Held] = {}  # tickets whose sequence the engine holds parked (``_preempt``)
         self._said: dict[str, list[str]] = {}  # ticket -> the text it streamed so far (a LIVE's, if orphaned)
+        self._taken_over: set[str] = set()  # tickets admitted with another instance's tokens: their text is not all
+        # here (``_live``)
         self._orphan_until: float | None = None  # orphaned (its server died): when it gives up waiting for another
         self._out = _Outbox()  # this step's CHUNKs, DONEs and ERRORs, sent together
         self._cache_row: CacheRow | None = None  # as the rows last had it (``_note_cache``)
@@ -293,7 +295,7 @@ class Worker:
         request it took over from another instance runs again from its start), within one message's size."""
         live, size = [], 0
         for ticket, held in self._parked.items():
-            if held.assign.generated:
+            if ticket in self._taken_over:
                 continue
             one = wire.Live(held.assign, "".join(self._said.get(ticket, ())), wire.token_frame(held.tokens))
             size += len(wire.pack(one))
@@ -406,6 +408,7 @@ class Worker:
             self._engine = None
         for ticket in self._parked:  # a resume admits them again, from their tokens
             self._said.pop(ticket, None)
+            self._taken_over.discard(ticket)
         self._parked.clear()
         self.set_rows(state=SlotState.UNLOADED, kv_cells=0)
         self._note_cache()
@@ -439,6 +442,8 @@ class Worker:
 
         resumed = assign.ticket in self._parked and engine.resume(assign.ticket, slot, on_token)
         self._parked.pop(assign.ticket, None)
+        if not resumed and assign.generated:  # handed over from another instance (a resumed one goes on here)
+            self._taken_over.add(assign.ticket)
         if resumed and noted is not None:
             noted.seen = len(engine.tokens(slot))  # reported before it was parked
         if not resumed and self._crash_on is not None and self._crash_on in req.prompt:
@@ -482,6 +487,7 @@ class Worker:
         elif ticket in self._parked:
             del self._parked[ticket]
             self._said.pop(ticket, None)
+            self._taken_over.discard(ticket)
             if self._engine is not None:
                 self._engine.drop(ticket)
 
@@ -594,6 +600,7 @@ class Worker:
         slot = self._slot_of.pop(ticket)
         self._noted.pop(ticket, None)
         self._said.pop(ticket, None)
+        self._taken_over.discard(ticket)
         self._served += 1
         self._rows[slot].update(state=SlotState.IDLE, served=self._served,
                                 kv_cells=self._engine.kv_cells(slot) if self._engine is not None else 0)
