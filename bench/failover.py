@@ -112,6 +112,7 @@ class Run:
         self.kills: Counter[str] = Counter()
         self.chaos_over = threading.Event()
         self.took = 0.0  # the last phase's seconds
+        self.streams_done = threading.Event()  # the phase's streams have all ended
 
     # --- the processes ---------------------------------------------------------------------------------
 
@@ -183,6 +184,7 @@ class Run:
                 self.kill_one(rng)
                 next_kill += self.args.every
         self.chaos_over.set()
+        self.streams_done.wait()  # the servers this thread started get SIGTERM when it ends (PR_SET_PDEATHSIG)
 
     # --- the streams -------------------------------------------------------------------------------------
 
@@ -267,6 +269,7 @@ class Run:
             async with httpx.AsyncClient() as http:
                 quiet = await self.phase(http, client, chaos=False)
                 self.chaos_over.clear()
+                self.streams_done.clear()
                 loud = await self.phase(http, client, chaos=True)
         return references, quiet, loud
 
@@ -277,6 +280,7 @@ class Run:
         t0 = time.monotonic()
         timer.start()
         outcomes = [one for ran in await asyncio.gather(*tasks) for one in ran]
+        self.streams_done.set()
         timer.join()
         self.took = time.monotonic() - t0
         return outcomes
