@@ -67,7 +67,8 @@ def test_a_reattached_request_gets_its_whole_text_then_resumes_where_its_sequenc
     broker._on_request(b"client", wire.Request("r1", "Once upon a time", stream=True, reattach=True))
     broker.flush()
     assert clients == [(b"client", wire.Chunk("r1", "Hello, wor"))]
-    [(to, assigns)] = workers
+    assert workers[0] == (b"w0", wire.Heartbeat("w0", pid=os.getpid()))  # adopted: told at once, with the pid
+    [(to, assigns)] = workers[1:]
     assert to == b"w0" and [a.ticket for a in getattr(assigns, "assigns", (assigns,))] == ["T1"]
     p = broker.requests["T1"]
     assert p.client == b"client" and bytes(p.generated) == wire.token_frame([5, 6, 7]) and p.tokens_known
