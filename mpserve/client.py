@@ -194,26 +194,26 @@ class _Track:
     """A completion sent and not answered yet, as a reattach needs it: the request, and each choice's text delivered
     so far; while it is streamed again after a reattach, how far the new text has matched it (``_replay``)."""
 
-    __slots__ = ("request", "server", "_seen", "_replay")
+    __slots__ = ("request", "server", "_pieces", "_replay")
 
     def __init__(self, request: wire.Request, server: str) -> None:
         self.request = request
         self.server: str | None = server  # the start of the server it was last sent to (its PONGs name it); None:
         # sent again on a new connection, to whichever start answers there next
-        self._seen: dict[int, str] = {}
-        self._replay: dict[int, int] = {}  # choice -> how much of its seen text came again
+        self._pieces: dict[int, list[str]] = {}  # choice -> the text delivered, piece by piece
+        self._replay: dict[int, tuple[str, int]] = {}  # choice -> its text delivered, and how much of it came again
 
     def reattached(self) -> None:
-        self._replay = {index: 0 for index, text in self._seen.items() if text}
+        self._replay = {index: ("".join(pieces), 0) for index, pieces in self._pieces.items() if pieces}
 
     def fresh(self, index: int, text: str) -> str:
         """The part of ``text`` (the next chunk of choice ``index``) not delivered already; raises
         ConnectionFailed if what came again differs from what was delivered."""
-        seen = self._seen.get(index, "")
-        at = self._replay.get(index)
-        if at is None:
-            self._seen[index] = seen + text
+        pieces = self._pieces.setdefault(index, [])
+        if index not in self._replay:
+            pieces.append(text)
             return text
+        seen, at = self._replay[index]
         again = seen[at:at + len(text)]
         if not text.startswith(again):
             raise ConnectionFailed(f"request {self.request.id}: after the server came back it ran again, and its "
@@ -223,9 +223,10 @@ class _Track:
         if at >= len(seen):
             del self._replay[index]
         else:
-            self._replay[index] = at
+            self._replay[index] = (seen, at)
         new = text[len(again):]
-        self._seen[index] = seen + new
+        if new:
+            pieces.append(new)
         return new
 
 

@@ -21,7 +21,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import select
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -31,7 +30,7 @@ from mpserve.wire.slots import SlotState, SlotTable
 from mpserve.worker.spec import WorkerSpec
 
 from .state import Pending
-from .zygotes import PidfdHandle
+from .zygotes import PidfdHandle, readable
 
 log = logging.getLogger("mpserve.server")
 
@@ -145,15 +144,10 @@ class AdoptedWorker(PidfdHandle):
         return self._pidfd if self._pidfd is not None else self._done
 
     def is_alive(self) -> bool:
-        return self._pidfd is not None and not _readable(self._pidfd, 0.0)
+        return self._pidfd is not None and not readable(self._pidfd, 0.0)
 
     def join(self, timeout: float | None = None) -> None:
-        if self._pidfd is not None:
-            _readable(self._pidfd, timeout)
-
-
-def _readable(fd: int, timeout: float | None) -> bool:
-    return bool(select.select([fd], [], [], timeout)[0])
+        readable(self._pidfd, timeout)
 
 
 @dataclass

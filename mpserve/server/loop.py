@@ -69,8 +69,8 @@ def serve(config: ServerConfig, gateway_key: Path | None = None,
     refuse_live(paths)
     started = time.monotonic()
     layout = build_layout(config)  # refuses what does not fit before anything starts
-    survivors = adoption.survey(paths, worker_specs(config, layout, paths.back, paths.slots)) \
-        if config.adopt_wait else adoption.Survivors()
+    specs = worker_specs(config, layout, paths.back, paths.slots)
+    survivors = adoption.survey(paths, specs) if config.adopt_wait else adoption.Survivors()
     claim(paths)
     ram_warnings = check_host_ram(config, layout)
     for device in layout.devices:
@@ -97,8 +97,7 @@ def serve(config: ServerConfig, gateway_key: Path | None = None,
         broker = _broker(ctx, config, paths)
         if survivors.pids:
             broker.expect(sorted(survivors.pids), survivors.secrets, config.adopt_wait)
-        adoption.write_secrets(paths, broker.secrets if survivors.pids else (broker.link_secret,))
-        specs = worker_specs(config, layout, paths.back, paths.slots)
+        adoption.write_secrets(paths, broker.secrets)
         supervisor = Supervisor(config, specs, table, gpus=bool(layout.devices), proof=broker.link_secret)
         placements = {spec.index: p for spec, p in zip(specs, layout.placements, strict=True)}
         instances = Instances(config, layout, placements, supervisor, broker, paths.back, paths.slots)

@@ -102,7 +102,7 @@ class ForkedWorker(PidfdHandle):
 
     def _gone_unreported(self, wait: float) -> bool:
         """Its zygote is gone, and so is the instance (waiting up to ``wait`` s for that)."""
-        if not self._zygote.alive and _readable(self._pidfd, wait):
+        if not self._zygote.alive and readable(self._pidfd, wait):
             self._finished = True
         return self._finished
 
@@ -203,5 +203,6 @@ class Zygote:
         return code
 
 
-def _readable(fd: int | None, wait: float) -> bool:
+def readable(fd: int | None, wait: float | None) -> bool:
+    """Whether ``fd`` (a pidfd: its process exited) is readable within ``wait`` seconds (None: for ever)."""
     return fd is not None and bool(select.select([fd], [], [], wait)[0])

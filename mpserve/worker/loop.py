@@ -124,9 +124,8 @@ class Worker:
         self._stopping = False
         self._leaving: str | None = None  # why the worker leaves on its own (not told to stop): for LEAVING
         self._wakeup: tuple[socket.socket, socket.socket] | None = None
-        self._server = _watch(spec.parent_pid)  # in the poll too: an idle worker wakes when the server dies
-        if self._server is not None:
-            self._poller.register(self._server, zmq.POLLIN)
+        self._server: int | None = None
+        self._watch_server(spec.parent_pid)  # in the poll too: an idle worker wakes when the server dies
         self._next_heartbeat = 0.0
         self._heard = time.monotonic()
         self._must_register = False
