@@ -23,7 +23,7 @@ from enum import IntEnum
 from pathlib import Path
 
 from mpserve.errors import BadRequest, ConfigError
-from mpserve.private import create_private
+from mpserve.private import create_private, open_private
 
 MAGIC = b"MPSLOT05"
 _HEADER = struct.Struct("<8sII")  # magic, rows, row size
@@ -158,7 +158,9 @@ class SlotTable:
 
     @classmethod
     def attach(cls, path: Path, writable: bool = True) -> SlotTable:
-        fd = os.open(path, os.O_RDWR if writable else os.O_RDONLY)
+        """The table at ``path``, only as a regular file of this user's, never through a link (an instance adopted
+        by a new server attaches the one that server made: ``mpserve.server.adoption``)."""
+        fd = open_private(path, os.O_RDWR if writable else os.O_RDONLY)
         size = os.fstat(fd).st_size
         if size < _HEADER.size:
             os.close(fd)

@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from mpserve.errors import ConfigError
+from mpserve.private import PlantedFile
 from mpserve.wire import slots
 from mpserve.wire.slots import SlotState, SlotTable
 
@@ -81,4 +82,14 @@ def test_the_table_is_made_0600_and_never_through_a_link(tmp_path: Path) -> None
     assert victim.read_bytes() == b"precious"
     table = SlotTable.create(tmp_path / "t", rows=1)
     assert stat.S_IMODE((tmp_path / "t").stat().st_mode) == 0o600
+    table.close()
+
+
+def test_a_table_is_attached_only_as_itself_never_through_a_link(tmp_path: Path) -> None:
+    """A worker (an adopted one too) writes the table it attaches: a link planted at its name is refused, and the
+    file it points at is left alone."""
+    table = SlotTable.create(tmp_path / "real", rows=1)
+    (tmp_path / "s").symlink_to(tmp_path / "real")
+    with pytest.raises(PlantedFile, match="symbolic link"):
+        SlotTable.attach(tmp_path / "s")
     table.close()
