@@ -272,7 +272,8 @@ class AsyncClient:
             return
         if self.address.startswith("ipc://") and not os.path.exists(self.address[len("ipc://"):]):
             raise ConnectionFailed(f"no server is listening at {self.address}; start one with `mpserve start`")
-        self._ctx = zmq.Context()
+        self._ctx = zmq.Context.instance()  # never terminated: a term can hang on a socket whose CURVE
+        # handshake failed (libzmq #2733, pyzmq #626), and the sockets close with LINGER 0
         self._open()
         self._tasks = [asyncio.get_running_loop().create_task(self._keep_alive())]
         await self._send(wire.Ping(0))
@@ -317,9 +318,7 @@ class AsyncClient:
                 self._loop = None
             self._sock.close()
             self._sock = None
-        if self._ctx is not None:
-            self._ctx.term()
-            self._ctx = None
+        self._ctx = None
 
     async def generate(self, prompt: str | list[int], *, model: str | None = None, timeout: float | None = None,
                        request_id: str | None = None, adapters: Adapters = None, **params: Any) -> Result:
