@@ -132,9 +132,9 @@ def run(settings: Settings) -> Section:
                                  "tok/s.")
     section.notes.append(f"Model {model.name}; {max_tokens} tokens a request; one stream; --threads {threads} "
                          "everywhere; llama-server --spec-type ngram-simple --spec-draft-n-max 8 (its own n-gram "
-                         "lookup); mpserve --speculative ngram (n_max 8, at most 7 rows a decode, so the greedy "
-                         "text is the text without speculation), and with exact: false (as many rows as the drafts "
-                         "need, as llama-server); mpserve+draft: "
+                         "lookup); mpserve --speculative ngram (n_max 8, at most 7 rows a decode, 3 with repacked "
+                         "weights, so the greedy text is the text without speculation), and with exact: false (as "
+                         "many rows as the drafts need, as llama-server); mpserve+draft: "
                          f"the model as its own draft model, {DRAFT} (measured sizing would not draft: a draft as "
                          "dear as the model never pays).")
     return section

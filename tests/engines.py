@@ -82,6 +82,19 @@ def finish(engine: BatchEngine) -> dict[int, Completion]:
     return done
 
 
+def greedy_together(settings: EngineSettings, prompts: list[str], max_tokens: int) -> list[Completion]:
+    """``prompts`` admitted at once into slots 0, 1, ... of a new engine of ``settings``, greedy, stepped until
+    all complete; the engine closed."""
+    engine = BatchEngine(settings)
+    try:
+        for slot, prompt in enumerate(prompts):
+            engine.admit(slot, prompt, GenerateParams(max_tokens=max_tokens, temperature=0.0), lambda text, n: True)
+        results = finish(engine)
+        return [results[slot] for slot in range(len(prompts))]
+    finally:
+        engine.close()
+
+
 def run(engine: BatchEngine, slot: int, prompt: str | list[int], max_tokens: int = 16) -> Completion:
     """One greedy request on ``slot``, stepped until it completes."""
     engine.admit(slot, prompt, GenerateParams(max_tokens=max_tokens, temperature=0.0), lambda text, n: True)

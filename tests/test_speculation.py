@@ -25,7 +25,7 @@ from mpserve.engine.batch import BatchEngine
 from mpserve.engine.interface import Completion
 from mpserve.engine.sequence import PROMPT_CHUNK
 from mpserve.engine.settings import EngineSettings
-from mpserve.engine.speculation import MAX_ROWS
+from mpserve.engine.speculation import STORED_ROWS
 from mpserve.errors import BadRequest
 from mpserve.models import maker
 from mpserve.models.builtin import builtin_model_path
@@ -229,8 +229,8 @@ def test_a_request_may_draft_less_or_not_at_all(model_path: str) -> None:
 @pytest.mark.parametrize("exact", [True, False])
 def test_a_decode_verifies_more_rows_than_the_exact_bound_only_with_exact_false(model_path: str,
                                                                                 exact: bool) -> None:
-    """With ``exact`` a decode holds at most MAX_ROWS rows, whatever n_max asks; with ``exact: false`` it holds
-    as many drafts as n_max and the lookup give."""
+    """With ``exact`` a decode holds at most STORED_ROWS rows (float weights: none repacked), whatever n_max asks;
+    with ``exact: false`` it holds as many drafts as n_max and the lookup give."""
     engine = make_engine(model_path, 1, Speculative(n_max=12, sizing="fixed", exact=exact))
     rows: list[int] = []
     observe = engine._row_costs.observe
@@ -240,7 +240,7 @@ def test_a_decode_verifies_more_rows_than_the_exact_bound_only_with_exact_false(
     finally:
         engine.close()
     assert done[0].accepted_tokens > 0
-    assert (max(rows) <= MAX_ROWS) if exact else (max(rows) > MAX_ROWS), rows
+    assert (max(rows) <= STORED_ROWS) if exact else (max(rows) > STORED_ROWS), rows
 
 
 # --- a draft model ---------------------------------------------------------------------------------------

@@ -6,13 +6,11 @@ from __future__ import annotations
 
 import pytest
 from conftest import RealModel
-from engines import finish
+from engines import greedy_together
 
 from mpserve.config.speculative import Speculative
-from mpserve.engine.batch import BatchEngine
 from mpserve.engine.interface import Completion
 from mpserve.engine.settings import EngineSettings
-from mpserve.wire.protocol import GenerateParams
 
 pytestmark = [pytest.mark.real, pytest.mark.timeout(600)]
 
@@ -37,15 +35,8 @@ def plain(model: RealModel, parallel: int, prompts: list[str]) -> list[Completio
 
 def run(model: RealModel, parallel: int, speculative: Speculative | None, prompts: list[str]) -> list[Completion]:
     # one thread, as the tests' servers have: the suite's other tests share the cores
-    engine = BatchEngine(EngineSettings(model.path, n_ctx=1024, parallel=parallel, threads=1, n_gpu_layers=0,
-                                        repack=model.repack, speculative=speculative, reuse="exact"))
-    try:
-        for slot, prompt in enumerate(prompts):
-            engine.admit(slot, prompt, GenerateParams(max_tokens=64, temperature=0.0), lambda text, n: True)
-        results = finish(engine)
-        return [results[slot] for slot in range(len(prompts))]
-    finally:
-        engine.close()
+    return greedy_together(EngineSettings(model.path, n_ctx=1024, parallel=parallel, threads=1, n_gpu_layers=0,
+                                          repack=model.repack, speculative=speculative, reuse="exact"), prompts, 64)
 
 
 @pytest.mark.parametrize("parallel", [1, 2])

@@ -116,10 +116,10 @@ SETTINGS: tuple[Setting, ...] = (
        "ngram_min: 2, ngram_max: 4} drafts up to n_max tokens a step from the sequence's own prompt and output "
        "(prompt lookup), {type: draft, model: PATH, n_max: 8} has a draft model with the same vocabulary "
        "propose them, and one decode verifies them; output is unchanged; sizing: measured drafts what the "
-       "measured times say pays, fixed always n_max; exact: false lets a decode verify more than the 7 rows "
-       "llama.cpp's CPU kernels compute as they compute one (faster on copy-heavy text, and greedy output may "
-       "then differ from the output without speculation); ngram and draft:PATH are short for the defaults; "
-       "the flag takes a mapping too, as '{type: draft, model: PATH, n_max: 4}'",
+       "measured times say pays, fixed always n_max; exact: false lets a decode verify more than the rows "
+       "llama.cpp's CPU kernels compute as they compute one (7; 3 with repacked weights), faster on copy-heavy "
+       "text, and greedy output may then differ from the output without speculation; ngram and draft:PATH are "
+       "short for the defaults; the flag takes a mapping too, as '{type: draft, model: PATH, n_max: 4}'",
        flag="--speculative", cli_type=str, commands=_SIZING),
     _s("cache_ram", "model", (str, int), "256MiB", "RAM for the host store of saved prompt states, for the whole "
        "host (every instance and server on it shares one store), e.g. 1GiB: the KV cells of computed prompts, "

@@ -30,8 +30,8 @@ class Speculative:
     ``sizing`` measured: as many as the measured decode times and the sequence's acceptance say pay (the
     draft model's decodes counted too), fixed: ``n_max`` whenever the decode has rows for them. ``exact``:
     a decode that verifies drafts holds only as many rows as llama.cpp's CPU kernels compute exactly as a
-    lone row (``mpserve.engine.speculation.MAX_ROWS``), so the output equals the output without
-    speculation token for token; false: as many as the drafts need (llama-server's way), whose larger
+    lone row (``mpserve.engine.speculation.exact_rows``: fewer with repacked weights), so the output equals
+    the output without speculation token for token; false: as many as the drafts need (llama-server's way), whose larger
     batches go through other kernels, faster per row, whose logits differ from a lone row's, so a close
     greedy choice may differ from the unspeculated one."""
 

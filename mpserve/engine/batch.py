@@ -93,7 +93,7 @@ from .sampling import SamplerChain, TextStream
 from .scheduler import Scheduler
 from .sequence import PROMPT_CHUNK, Phase, Sequence, next_chunk
 from .settings import EngineSettings
-from .speculation import MAX_ROWS, Drafter, RowCosts, verify
+from .speculation import Drafter, RowCosts, exact_rows, verify
 from .store_stats import CacheStats
 
 log = logging.getLogger("mpserve.worker")
@@ -129,9 +129,11 @@ class BatchEngine:
         self._steps = 0
         self._step_s = 0.0
         self._computed = self._generated = self._drafted = self._accepted = 0
-        self._scheduler = Scheduler(settings.step_budget_tokens, exact=self._exact, kv_unified=settings.kv_unified)
         self._draft: DraftModel | None = None  # speculative type draft
         self._context = context = Context(settings, model)
+        self._exact_rows = exact_rows(context.repacked)
+        self._scheduler = Scheduler(settings.step_budget_tokens, exact=self._exact, kv_unified=settings.kv_unified,
+                                    exact_rows=self._exact_rows)
         self._grammars = GrammarCache(context.vocab)
         self._speculative = settings.speculative
         if self._speculative is not None and context.recurrent:
@@ -434,13 +436,13 @@ class BatchEngine:
 
     def _propose(self, decoding: list[Sequence]) -> None:
         """This step's drafts of the sequences that speculate, in slot order, while the decode has rows
-        for them (at most MAX_ROWS in all, so every row gets the logits it gets alone; with ``exact: false``
+        for them (at most ``exact_rows`` in all, so every row gets the logits it gets alone; with ``exact: false``
         as many as the batch holds): looked up in the sequence's tokens, or sized here and made by the draft
         model, for all of them at once."""
         rows = len(decoding)
         if self._speculative is None:
             return
-        max_rows = MAX_ROWS if self._speculative.exact else len(self._context.batch.token)
+        max_rows = self._exact_rows if self._speculative.exact else len(self._context.batch.token)
         draft, wanted = self._draft, list[tuple[Sequence, int]]()
         draft_s = draft.draft_s(self._row_costs.expected(1)) if draft is not None else 0.0
         for seq in decoding:

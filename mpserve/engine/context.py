@@ -25,7 +25,7 @@ from mpserve.errors import BadRequest
 
 from . import slot_file, vocab
 from .llama_batch import Batch
-from .model_info import free, load_model, read_chat_template
+from .model_info import float_weights, free, load_model, read_chat_template
 from .sequence import PROMPT_CHUNK
 from .settings import FLASH_ATTN_TYPES, EngineSettings
 
@@ -66,6 +66,7 @@ class Context:
                               or llama_cpp.llama_model_is_hybrid(self.model))
         self.n_swa = max(1, n_swa)  # llama-server's bound for what must stay
         self.cut_back = not (n_swa > 0 or self.recurrent)  # whether a restored state may be cut back
+        self.repacked = settings.repack and not float_weights(llama_cpp, self.model)  # what the CPU may repack
         self.identity = self._slot_identity()
         self.batch = Batch(llama_cpp, capacity)
         self.chat = read_chat_template(llama_cpp, self.model, settings.chat_template)

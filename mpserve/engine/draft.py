@@ -9,7 +9,7 @@ the target verifies them in its next decode as it does prompt-lookup drafts (``m
                 for that slot (within the prompt, whole chunks of it); the cells after it removed
                 (llama_memory_seq_rm; all of the slot's where the memory cannot cut there or no longer
                 holds what the prefix needs); the rest of ``tokens`` decoded in the decodes the model
-                computed them in: the prompt a chunk a decode, generated tokens at most MAX_ROWS rows a
+                computed them in: the prompt a chunk a decode, generated tokens at most ``exact_rows`` rows a
                 decode, several sequences' together
         draft   a sequence's first draft: the argmax of its last token's row; while it wants more, its
                 latest draft decoded at the next position (one decode for all the sequences that do) and
@@ -48,8 +48,8 @@ import numpy as np
 from mpserve.wire.prefix import common_prefix
 
 from .llama_batch import Batch
-from .model_info import free, load_model
-from .speculation import MAX_ROWS, ROW_COST_KEEP
+from .model_info import float_weights, free, load_model
+from .speculation import ROW_COST_KEEP, exact_rows
 
 
 class Want(NamedTuple):
@@ -73,6 +73,7 @@ class DraftModel:
         self._chunk = chunk
         self._own_model = os.path.realpath(path) != os.path.realpath(target_path)
         self._model: Any = load_model(lib, path, n_gpu_layers, repack) if self._own_model else target_model
+        self._rows = exact_rows(repack and not float_weights(lib, self._model))
         self._ctx: Any = None
         try:
             self._check(path, target_path, target_model)
@@ -130,7 +131,7 @@ class DraftModel:
         """Decode what each sequence's cells lack, in the decodes the model computed them in: prompt tokens
         a chunk a decode, from whole chunks (a token's numbers depend on how many rows its batch holds, and
         a draft that computes a token otherwise than the model may pick otherwise at a near-tie), generated
-        ones at most MAX_ROWS rows a decode (every row as alone); each sequence's first draft."""
+        ones at most ``exact_rows`` rows a decode (every row as alone); each sequence's first draft."""
         chunks: list[tuple[int, int, int]] = []  # (index in wants, start, end)
         tails: list[tuple[int, int, int]] = []
         for i, want in enumerate(wants):
@@ -139,11 +140,11 @@ class DraftModel:
                 end = min(start - start % self._chunk + self._chunk, want.n_prompt)
                 chunks.append((i, start, end))
                 start = end
-            for at in range(start, len(want.tokens), MAX_ROWS):
-                tails.append((i, at, min(at + MAX_ROWS, len(want.tokens))))
+            for at in range(start, len(want.tokens), self._rows):
+                tails.append((i, at, min(at + self._rows, len(want.tokens))))
         packed: list[list[tuple[int, int, int]]] = []  # the tails, several sequences' in a decode
         for tail in tails:
-            if not packed or sum(end - begin for _, begin, end in packed[-1]) + tail[2] - tail[1] > MAX_ROWS:
+            if not packed or sum(end - begin for _, begin, end in packed[-1]) + tail[2] - tail[1] > self._rows:
                 packed.append([])
             packed[-1].append(tail)
         drafts: list[list[int]] = [[] for _ in wants]

@@ -8,6 +8,7 @@ reports about the model it loaded: its chat template and the token texts templat
 
 from __future__ import annotations
 
+import ctypes
 from typing import Any
 
 from mpserve.wire.protocol import ChatTemplate
@@ -35,6 +36,20 @@ def free(lib: Any, ctx: Any, model: Any) -> None:
         lib.llama_free(ctx)
     if model:
         lib.llama_model_free(model)
+
+
+FLOAT_FILE_TYPES = frozenset({0, 1, 32})
+"""llama.cpp's ``llama_ftype`` of weights kept as floats (ALL_F32, MOSTLY_F16, MOSTLY_BF16): none that its CPU
+backend repacks."""
+
+
+def float_weights(lib: Any, model: Any) -> bool:
+    """Whether a loaded model's weights are floats (its GGUF's ``general.file_type``); a file that does not say is
+    taken as quantized."""
+    value = ctypes.create_string_buffer(32)
+    if lib.llama_model_meta_val_str(model, b"general.file_type", value, len(value)) < 0:
+        return False
+    return value.value.isdigit() and int(value.value) in FLOAT_FILE_TYPES
 
 
 def read_chat_template(lib: Any, model: Any, template: str | None = None) -> ChatTemplate:

@@ -31,12 +31,13 @@ of them a kernel of its own (``decodes``)."""
 
 
 class Scheduler:
-    def __init__(self, step_budget_tokens: int, *, exact: bool, kv_unified: bool) -> None:
+    def __init__(self, step_budget_tokens: int, *, exact: bool, kv_unified: bool, exact_rows: int) -> None:
         """``step_budget_tokens``: the prompt tokens a step computes while sequences decode (at least one chunk);
-        while none does, a whole PROMPT_CHUNK."""
+        while none does, a whole PROMPT_CHUNK; ``exact_rows``: the most rows a decode holds under ``reuse: exact``
+        (``mpserve.engine.speculation.exact_rows``)."""
         self._budget = step_budget_tokens
         self._idle_budget = max(step_budget_tokens, PROMPT_CHUNK)
-        self._exact, self._kv_unified = exact, kv_unified
+        self._exact, self._kv_unified, self._exact_rows = exact, kv_unified, exact_rows
         self.running: dict[int, Sequence] = {}
         self.prefilling: deque[Sequence] = deque()  # admission order
 
@@ -73,11 +74,13 @@ class Scheduler:
         return sorted((seq for seq in self.running.values() if seq.phase is Phase.DECODE), key=_by_slot)
 
     def decodes(self, decoding: list[Sequence]) -> list[list[Sequence]]:
-        """The decoding sequences grouped by llama_decode: all in one, except with ``reuse: exact``, where a
-        sequence under LoRA adapters decodes alone, and so does one with more than LONE_KV_CELLS cells when each slot
-        has a KV stream. An adapter's tensors are float, and llama.cpp's CPU multiplies a float matrix by a lone row
-        with its dot products, by two rows or more with its llamafile kernels (``llamafile_sgemm`` declines n < 2),
-        which sum in another order; the base model's quantized weights go through one kernel whatever the rows.
+        """The decoding sequences grouped by llama_decode: all in one, except with ``reuse: exact``, where the others
+        decode ``exact_rows`` at most a decode, a sequence under LoRA adapters decodes alone, and so does one with
+        more than LONE_KV_CELLS cells when each slot has a KV stream. An adapter's tensors are float, and llama.cpp's
+        CPU multiplies a float matrix by a lone row with its dot products, by two rows or more with its llamafile
+        kernels (``llamafile_sgemm`` declines n < 2), which sum in another order; the base model's quantized weights
+        go through one kernel up to ``exact_rows`` rows (as stored: a dot product per row; repacked: a gemv per
+        row up to 3 rows, a gemm of 4 rows at a time beyond).
         llama.cpp gives a lone query over LONE_KV_CELLS cells its own attention kernel (the CPU's flash attention
         splits the cells among threads and sums the parts), and a batch of several streams another. Decoded
         together, such a sequence gets other numbers than a fresh computation of it, enough to change a greedy
@@ -87,7 +90,8 @@ class Scheduler:
         alone = [seq for seq in decoding
                  if seq.adapters or (not self._kv_unified and seq.n_past + 1 > LONE_KV_CELLS)]
         together = [seq for seq in decoding if seq not in alone]
-        return ([together] if together else []) + [[seq] for seq in alone]
+        rows = self._exact_rows
+        return [together[at:at + rows] for at in range(0, len(together), rows)] + [[seq] for seq in alone]
 
     def chunks(self, decoding: bool, turn: tuple[tuple[str, float], ...] = ()) -> list[Sequence]:
         """The prompts under the adapters ``turn`` that compute their next chunk this step, in admission order,

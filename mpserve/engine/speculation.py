@@ -23,10 +23,13 @@ p, take it, and go on only if y == x. ``verify`` draws with the sequence's sampl
 distribution of that chain (logit bias, penalties, grammar, top-k, top-p, min-p, temperature) at each
 position, the chain sees exactly the tokens the sequence keeps, and it draws once per kept token, as it
 does without speculation: with the same logits, a sequence (greedy, or sampled with a seed) gets the very
-tokens it gets without speculation. The logits are the same while a decode holds at most ``MAX_ROWS``
+tokens it gets without speculation. The logits are the same while a decode holds at most ``exact_rows``
 rows: with quantized weights llama.cpp's CPU matrix kernels give every row of a batch that small the very
 numbers it gets alone (float weights: to the last bits, as for sequences decoded together), and larger
-batches go through kernels whose sums differ from a lone row's, enough to change a greedy choice.
+batches go through kernels whose sums differ from a lone row's, enough to change a greedy choice. How
+small depends on the weights' layout: as stored, up to ``STORED_ROWS``; repacked for this CPU, ggml's
+repacked matrix product computes batches of more than ``REPACKED_ROWS`` rows four rows at a time (gemm)
+and smaller ones a row at a time (gemv), as it computes a lone row.
 ``exact: false`` lifts that bound (the batch's size is the only one): the drafts are verified the same way,
 on logits of the same model computed by those other kernels.
 
@@ -46,9 +49,18 @@ from typing import NamedTuple
 
 from mpserve.config.speculative import Speculative
 
-MAX_ROWS = 7
-"""Most rows in a decode that holds drafts: the rows for which llama.cpp's CPU kernels give each row what
-it gets alone (see the module docstring)."""
+STORED_ROWS = 7
+"""Most rows in a decode that holds drafts, weights as stored: the rows for which llama.cpp's CPU kernels
+give each row what it gets alone (see the module docstring)."""
+
+REPACKED_ROWS = 3
+"""The same with weights repacked for this CPU (ggml-cpu's repack.cpp: ``nrows > 3`` takes the gemm)."""
+
+
+def exact_rows(repack: bool) -> int:
+    """Most rows in a decode that holds drafts, for weights loaded repacked (``repack``) or as stored."""
+    return REPACKED_ROWS if repack else STORED_ROWS
+
 
 CANDIDATES = 8
 """Earlier occurrences of the tail looked at for the longest match, most recent first."""

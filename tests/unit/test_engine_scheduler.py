@@ -20,8 +20,8 @@ from mpserve.engine.sequence import (
 pytestmark = pytest.mark.timeout(10)
 
 
-def scheduler(budget: int = 64, *, exact: bool = False, kv_unified: bool = False) -> Scheduler:
-    return Scheduler(budget, exact=exact, kv_unified=kv_unified)
+def scheduler(budget: int = 64, *, exact: bool = False, kv_unified: bool = False, exact_rows: int = 7) -> Scheduler:
+    return Scheduler(budget, exact=exact, kv_unified=kv_unified, exact_rows=exact_rows)
 
 
 def test_decoding_rows_go_in_slot_order_and_prompts_in_admission_order() -> None:
@@ -82,6 +82,13 @@ def test_exact_decodes_a_long_sequence_alone_with_a_stream_per_slot() -> None:
     assert scheduler(exact=True).decodes([]) == []
     long.n_past = LONE_KV_CELLS - 1
     assert scheduler(exact=True).decodes([short, long]) == [[short, long]]
+
+
+def test_exact_decodes_at_most_the_rows_the_kernels_compute_as_a_lone_row() -> None:
+    seqs = [sequence(slot, [slot] * 10, 10, decoding=True) for slot in range(5)]
+    assert scheduler(exact=True, exact_rows=3).decodes(seqs) == [seqs[:3], seqs[3:]]  # repacked weights
+    assert scheduler(exact=True, exact_rows=7).decodes(seqs) == [seqs]
+    assert scheduler(exact_rows=3).decodes(seqs) == [seqs]  # reuse: any promises nothing of the kind
 
 
 def test_exact_decodes_each_sequence_under_adapters_alone() -> None:

@@ -76,7 +76,7 @@ def test_a_cache_salt_named_by_two_tenants_shares_their_cells() -> None:
 
 
 def test_twins_and_prompts_being_computed_are_shared_under_one_salt_only() -> None:
-    scheduler = Scheduler(4096, exact=False, kv_unified=False)
+    scheduler = Scheduler(4096, exact=False, kv_unified=False, exact_rows=7)
     lead, twin, other = sequence(0, A), sequence(1, A), sequence(2, A)
     lead.salt = twin.salt = SA
     other.salt = SB
