@@ -147,9 +147,11 @@ class Stream:
     and ``done_logprobs`` each DONE's log-probabilities (of the tokens no chunk carried), by choice.
     ``arrived`` says whether the next step has its message already (so it will not wait)."""
 
-    def __init__(self, client: AsyncClient, request: wire.Request) -> None:
+    def __init__(self, client: AsyncClient, request: wire.Request, delivered: Mapping[int, str] | None = None
+                 ) -> None:
         self._client = client
         self._request = request
+        self._delivered = delivered
         self.id = request.id
         self.result: Result | None = None
         self.chunk_logprobs: wire.Logprobs | None = None
@@ -168,7 +170,7 @@ class Stream:
         return self._queue is not None and not self._queue.empty()
 
     async def _chunks(self) -> AsyncGenerator[str, None]:
-        queue = self._queue = await self._client._submit(self._request)
+        queue = self._queue = await self._client._submit(self._request, self._delivered)
         try:
             while True:
                 msg = await self._client._next(queue, self._request)
@@ -205,6 +207,11 @@ class _Track:
 
     def reattached(self) -> None:
         self._replay = {index: ("".join(pieces), 0) for index, pieces in self._pieces.items() if pieces}
+
+    def resumed(self, delivered: Mapping[int, str]) -> None:
+        """Sent again by another client than the one that delivered ``delivered`` (each choice's text so far)."""
+        self._pieces = {index: [text] for index, text in delivered.items() if text}
+        self.reattached()
 
     def fresh(self, index: int, text: str) -> str:
         """The part of ``text`` (the next chunk of choice ``index``) not delivered already; raises
@@ -360,13 +367,18 @@ class AsyncClient:
     def stream(self, prompt: str | list[int], *, model: str | None = None, timeout: float | None = None,
                request_id: str | None = None, params: wire.GenerateParams | None = None, priority: int = 0,
                cache_salt: str | None = None, tenant: str = "", adapters: Adapters = None,
-               **sampling: Any) -> Stream:
+               delivered: Mapping[int, str] | None = None, **sampling: Any) -> Stream:
         """Stream a completion: ``async for text in client.stream(...)``; ``stream.id`` is its request id. The
         parameters are ``sampling``'s keywords, or ``params`` as they are; ``priority``, ``cache_salt`` and
-        ``tenant`` as for ``generate``."""
-        return Stream(self, self._request(prompt, model, timeout, _params(params, sampling), stream=True,
-                                          request_id=request_id, owner=_Owner(priority, cache_salt, tenant),
-                                          adapters=adapters))
+        ``tenant`` as for ``generate``. ``delivered``: the text each choice of this request delivered already
+        through another client that died (a gateway process's stream taken over by another): the request is sent
+        marked ``reattach``, and that text, as it comes again, is dropped (checked equal: ConnectionFailed if
+        not)."""
+        request = self._request(prompt, model, timeout, _params(params, sampling), stream=True,
+                                request_id=request_id, owner=_Owner(priority, cache_salt, tenant), adapters=adapters)
+        if delivered is not None:
+            request = msgspec.structs.replace(request, reattach=True)
+        return Stream(self, request, delivered)
 
     async def cancel(self, request_id: str) -> None:
         await self._send(wire.Cancel(request_id))
@@ -508,7 +520,8 @@ class AsyncClient:
             raise answer
         return answer
 
-    async def _submit(self, request: wire.Request) -> asyncio.Queue[Any]:
+    async def _submit(self, request: wire.Request, delivered: Mapping[int, str] | None = None
+                      ) -> asyncio.Queue[Any]:
         await self.connect()
         frames = wire.encode(request)
         if len(frames[2]) > self.max_message_bytes:
@@ -517,7 +530,9 @@ class AsyncClient:
         queue = self._claim(request.id)
         if len(self._tracks) > 2 * len(self._pending) + 16:  # those answered, dropped now and then
             self._tracks = {rid: t for rid, t in self._tracks.items() if rid in self._pending}
-        self._tracks[request.id] = _Track(request, self._server)
+        track = self._tracks[request.id] = _Track(request, self._server)
+        if delivered is not None:
+            track.resumed(delivered)
         await self._write(frames)
         return queue
 

@@ -61,3 +61,39 @@ def test_a_stream_whose_gateway_process_died_is_orphaned(tmp_path: Path) -> None
         await journal.close()
 
     asyncio.run(run())
+
+
+def _dead_pid() -> int:
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True,
+                          check=True)
+    return int(dead.stdout)
+
+
+def test_a_stream_whose_gateway_process_died_is_taken_over_once_with_the_pieces_its_events_were_made_of(
+        tmp_path: Path) -> None:
+    pid = _dead_pid()
+
+    async def batches(fed: list[tuple[int, str]]) -> AsyncGenerator[bytes, None]:
+        for pieces, events in (([(0, "Hel"), (0, "lo")], b"data: a\n\ndata: b\n\n"), ([(1, " you")], b"data: c\n\n")):
+            fed.extend(pieces)
+            yield events
+        await asyncio.sleep(30)  # still running when its process "dies"
+
+    async def run() -> None:
+        journal = Journal(tmp_path / "j.sqlite")
+        journal.begin("o", "k", "digest")
+        fed: list[tuple[int, str]] = []
+        journal.produce("o", "k", batches(fed), fed=fed)
+        await asyncio.sleep(0.2)
+        journal._db.execute("UPDATE streams SET pid = ? WHERE key = 'k'", (pid,))  # as a process that died wrote it
+        assert journal.stream("o", "k").state == "orphaned"
+        taken = journal.take_over("o", "k")
+        assert taken is not None and taken.next_seq == 3 and taken.pieces == [(0, "Hel"), (0, "lo"), (1, " you")]
+        assert journal.stream("o", "k").state == "running" and journal.take_over("o", "k") is None  # ours now
+
+        journal.begin("o", "bg", "bg", b"{}")  # a background response: no body to send again
+        journal._db.execute("UPDATE streams SET pid = ? WHERE key = 'bg'", (pid,))
+        assert journal.take_over("o", "bg") is None
+        await journal.close()
+
+    asyncio.run(run())

@@ -19,6 +19,8 @@ generation runs in a task of its own, each event is journaled with its ``id:``, 
 
     stream + the caller's X-Request-Id ──▶ Journal.begin ──▶ Journal.produce(the events) ──▶ EventStream(tail)
     the same request + Last-Event-ID: N ──▶ EventStream(Journal.tail after N), no new generation
+        its producing process died ──▶ Journal.take_over ──▶ the request again, with the text its events had
+        (``AsyncClient.stream(delivered=…)``), the answer's state replayed from their pieces ──▶ Journal.produce
     a background response ──▶ produced to its end whoever reads it; the POST answers at once (``background``)
 
 Every dialect takes vLLM's ``cache_salt`` (``take_cache_salt``): the requests that name one may reuse each other's
@@ -55,7 +57,7 @@ from ..http.watch import ClientGone, first, unless_disconnected
 from ..ops.metrics import GatewayMetrics
 from . import openai as oai
 from .chat import Renderer
-from .journal import Journal, NoStream
+from .journal import Journal, NoStream, Pieces
 
 
 class Answer(Protocol):
@@ -218,9 +220,11 @@ class Pipeline:
             limits.check_sizes(body)
             cache_salt, priority = take_cache_salt(body), take_priority(body)
             answer = dialect.parse(body, owner(request))
-            resumed = request.headers.get("last-event-id")
-            if resumed is not None:
-                return self._resume(request, answer, body, resumed)
+            resumed = None  # the stream a Last-Event-ID resumes, whose producing process died: taken over
+            if request.headers.get("last-event-id") is not None:
+                resumed = self._resumed(request, body, request.headers["last-event-id"])
+                if self.journal.stream(owner(request), resumed[0]).state != "orphaned":
+                    return EventStream(self._tail(answer, owner(request), *resumed), answer.call.headers())
             client, tenant = await self.backend.for_tenant(keys.tenant(request))
             if keys.tenant(request) and not tenant:  # sent as the gateway's own: its prompts still kept apart
                 cache_salt = fallback_salt(keys.tenant(request), cache_salt)
@@ -229,6 +233,8 @@ class Pipeline:
             adapters = await self._adapters(answer.call, base)
             chosen = base, wire_adapters.selection(model, adapters)[1]  # what the metrics count it under
             answer.call = await self._prepared(answer.call, client, base)
+        except NoStream as exc:
+            return JSONResponse(HttpError(404, "not_found", exc.message).body(), 404)
         except MpserveError as exc:
             return self._failed(dialect, exc)
         except limits.Refused as exc:
@@ -242,6 +248,8 @@ class Pipeline:
         call, reply = answer.call, oai.Reply(answer.call, model)
         ask = Ask(keys.broker_id(request), cache_salt, tenant, adapters, chosen, priority)
         rid = ask.request_id
+        if resumed is not None:
+            return self._take_over(request, dialect, answer, reply, client, resumed, started, ask)
         background = getattr(answer, "background", None)
         if background is not None:
             return await self._background(request, dialect, answer, reply, client, background, ask)
@@ -282,26 +290,44 @@ class Pipeline:
         except BaseException:
             self.journal.forget(who, key)
             raise
+        fed: Pieces = []
         self.journal.produce(who, key, self._events(dialect, answer, reply, stream, chunks, text, started,
-                                                    ask.counted))
+                                                    ask.counted, fed), fed=fed)
         return EventStream(self._tail(answer, who, key, -1), call.headers())
 
-    def _resume(self, request: Request, answer: Answer, body: Any, given: str) -> Response:
-        """The events of the stream named by the caller's ``X-Request-Id`` after the one ``given`` names."""
+    def _resumed(self, request: Request, body: Any, given: str) -> tuple[str, int]:
+        """The key of the stream a request with ``Last-Event-ID: given`` resumes (its caller's ``X-Request-Id``), and
+        the event it read last; BadRequest if it cannot be, NoStream if there is none."""
         key = request.headers.get("x-request-id")
         if key is None:
             raise BadRequest("Last-Event-ID resumes a stream by its X-Request-Id: send the same X-Request-Id as the "
                              "request it resumes")
         if not given.strip().isdigit():
             raise BadRequest(f"Last-Event-ID must be the id of an event of the stream (a number), got {given!r:.40}")
-        who = owner(request)
-        try:
-            if self.journal.stream(who, key).digest != _digest(body):
-                raise BadRequest(f"the stream with X-Request-Id {key!r} was another request: resume it with its own "
-                                 "body, or use another id for this one")
-        except NoStream as exc:
-            return JSONResponse(HttpError(404, "not_found", exc.message).body(), 404)
-        return EventStream(self._tail(answer, who, key, int(given)), answer.call.headers())
+        if self.journal.stream(owner(request), key).digest != _digest(body):
+            raise BadRequest(f"the stream with X-Request-Id {key!r} was another request: resume it with its own "
+                             "body, or use another id for this one")
+        return key, int(given)
+
+    def _take_over(self, request: Request, dialect: Dialect, answer: Answer, reply: oai.Reply, client: AsyncClient,
+                   resumed: tuple[str, int], started: float, ask: Ask) -> Response:
+        """A stream whose producing gateway process died, produced on here: the request sent again with the text
+        its journaled events had, which comes again and is dropped; its answer's state replayed from the pieces
+        of text it had taken. If another process took it over first, or it cannot be, it is read as it is."""
+        (key, after), who, call = resumed, owner(request), answer.call
+        taken = self.journal.take_over(who, key)
+        if taken is not None:
+            delivered: dict[int, str] = {}
+            for index, piece in taken.pieces:
+                delivered[index] = delivered.get(index, "") + piece
+            stream = client.stream(call.prompt, model=call.model, params=call.params, request_id=ask.request_id,
+                                   cache_salt=ask.cache_salt, tenant=ask.tenant, adapters=ask.adapters,
+                                   priority=ask.priority, delivered=delivered)
+            fed: Pieces = []
+            self.journal.produce(who, key, self._events(dialect, answer, reply, stream, stream.__aiter__(), None,
+                                                        started, ask.counted, fed, replay=taken.pieces),
+                                 fed=fed, start=taken.next_seq)
+        return EventStream(self._tail(answer, who, key, after), call.headers())
 
     async def _background(self, request: Request, dialect: Dialect, answer: Answer, reply: oai.Reply,
                           client: AsyncClient, background: Background, ask: Ask) -> Response:
@@ -340,12 +366,22 @@ class Pipeline:
 
     async def _events(self, dialect: Dialect, answer: Answer, reply: oai.Reply, stream: Stream,
                       chunks: AsyncIterator[str], text: str | None, started: float,
-                      chosen: tuple[str, wire_adapters.Selection]) -> AsyncGenerator[bytes, None]:
-        """The answer's events; those of chunks that arrived together leave together (one send)."""
+                      chosen: tuple[str, wire_adapters.Selection], fed: Pieces | None = None,
+                      replay: Pieces | None = None) -> AsyncGenerator[bytes, None]:
+        """The answer's events; those of chunks that arrived together leave together (one send). ``fed``: where
+        each piece of text taken is appended (``Journal.produce``); ``replay``: the pieces an earlier producer of
+        this stream took, whose events were sent: taken again for the answer's state, their events not sent."""
         ended = False
         ready = bytearray(b"".join(answer.opened(reply.model)))  # events not sent yet: more have arrived
+        if replay:
+            for index, piece in replay:
+                for chunk in reply.chunks(piece, None, index):
+                    answer.chunk(chunk)
+            ready.clear()
         try:
             async for piece in _after(text, chunks):
+                if fed is not None:
+                    fed.append((stream.chunk_index, piece))
                 for chunk in reply.chunks(piece, stream.chunk_logprobs, stream.chunk_index):
                     ready += b"".join(answer.chunk(chunk))
                 if not stream.arrived:

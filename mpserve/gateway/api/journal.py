@@ -8,8 +8,12 @@ gateway process of the port.
     reader (an HTTP answer: ``Journal.tail``)
         rows with seq > after, each as ``id: SEQ`` + its event ──▶ waits for more (woken at once in the
         producing process, every POLL_S from another) ──▶ the stream's end
-        the producing process died before the end ──▶ what was journaled, then the dialect's error event
-                                                      (``connection``): the client sends the request again
+    takeover (a reader whose stream's producing process died before the end: ``Journal.take_over``)
+        the stream claimed for this process (one reader wins) ──▶ the pieces of text each journaled batch was
+        made of ──▶ a new producer: the request sent again (``reattach``), the text it had dropped as it comes
+        again, the dialect's state rebuilt from those pieces, its events numbered on from the last journaled
+        a stream that cannot be taken over (a background response: no body to send again; one being cancelled)
+        ──▶ what was journaled, then the dialect's error event (``connection``): the client sends it again
 
 A stream is keyed by its owner (the caller's key, ``dialect.owner``) and a key: a chat or completions stream's
 ``X-Request-Id`` (the caller's), a background response's id. Its ``digest`` is its request body's: a resume that
@@ -21,12 +25,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 import os
 import sqlite3
 import threading
 import time
-from collections.abc import AsyncGenerator, AsyncIterator, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -63,7 +68,17 @@ CREATE TABLE IF NOT EXISTS events (
     data BLOB NOT NULL,
     PRIMARY KEY (owner, key, seq)
 );
+CREATE TABLE IF NOT EXISTS fed (  -- the text a batch of events was made of, for a takeover
+    owner TEXT NOT NULL,
+    key TEXT NOT NULL,
+    seq INTEGER NOT NULL,     -- the batch's first event's
+    pieces BLOB NOT NULL,     -- JSON: [[choice index, text], ...] in the order the dialect took them
+    PRIMARY KEY (owner, key, seq)
+);
 """
+
+Pieces = list[tuple[int, str]]
+"""Streamed text as the dialect took it: (choice index, piece), in order."""
 
 
 class NoStream(BadRequest):
@@ -76,6 +91,14 @@ class Stream:
     pid: int
     digest: str
     head: bytes | None
+
+
+@dataclass(frozen=True)
+class Taken:
+    """A stream this process took over: the seq its next event gets, and the pieces its events were made of."""
+
+    next_seq: int
+    pieces: Pieces
 
 
 class Journal:
@@ -101,43 +124,60 @@ class Journal:
     def begin(self, owner: str, key: str, digest: str, head: bytes | None = None) -> None:
         """A new stream ``key``; ``Conflict`` if one of that key is running."""
         now = time.time()
-        with self._lock:
-            db = self._db
-            db.execute("BEGIN IMMEDIATE")
-            try:
-                _forget_old(db, owner, now)
-                row = db.execute("SELECT state, pid FROM streams WHERE owner = ? AND key = ?", (owner, key)).fetchone()
-                if row is not None and row[0] in ("running", "cancelling") and (row[1] == os.getpid()
-                                                                                or pid_alive(row[1])):
-                    raise BadRequest(f"a stream with request id {key!r} is running; resume it (send the header "
-                                   "Last-Event-ID with the id of the last event you have) or use another id")
-                db.execute("DELETE FROM events WHERE owner = ? AND key = ?", (owner, key))
-                db.execute("INSERT OR REPLACE INTO streams (owner, key, digest, pid, state, started, seen, head) "
-                           "VALUES (?, ?, ?, ?, 'running', ?, ?, ?)", (owner, key, digest, os.getpid(), now, now, head))
-                db.execute("COMMIT")
-            except BaseException:
-                db.execute("ROLLBACK")
-                raise
+        with self._transaction() as db:
+            _forget_old(db, owner, now)
+            row = db.execute("SELECT state, pid FROM streams WHERE owner = ? AND key = ?", (owner, key)).fetchone()
+            if row is not None and row[0] in ("running", "cancelling") and (row[1] == os.getpid()
+                                                                            or pid_alive(row[1])):
+                raise BadRequest(f"a stream with request id {key!r} is running; resume it (send the header "
+                                 "Last-Event-ID with the id of the last event you have) or use another id")
+            db.execute("DELETE FROM events WHERE owner = ? AND key = ?", (owner, key))
+            db.execute("DELETE FROM fed WHERE owner = ? AND key = ?", (owner, key))
+            db.execute("INSERT OR REPLACE INTO streams (owner, key, digest, pid, state, started, seen, head) "
+                       "VALUES (?, ?, ?, ?, 'running', ?, ?, ?)", (owner, key, digest, os.getpid(), now, now, head))
+        self._produced_here(owner, key)
+
+    def _produced_here(self, owner: str, key: str) -> None:
         self._wake[owner, key] = asyncio.Event()
         self._cancel[owner, key] = asyncio.Event()
 
-    def produce(self, owner: str, key: str, frames: AsyncGenerator[bytes, None], background: bool = False) -> None:
-        """Run ``frames`` (the stream's event batches) to its end in a task of its own, journaling each event.
-        Unless ``background``, the stream is stopped (``frames`` closed: its generation cancelled) once no
-        reader has looked at it for GRACE_S."""
-        task = asyncio.get_running_loop().create_task(self._produce(owner, key, frames, background))
+    @contextlib.contextmanager
+    def _transaction(self) -> Iterator[sqlite3.Connection]:
+        """The file, in a transaction that holds its write lock from the start (committed unless this raises)."""
+        with self._lock:
+            self._db.execute("BEGIN IMMEDIATE")
+            try:
+                yield self._db
+            except BaseException:
+                self._db.execute("ROLLBACK")
+                raise
+            self._db.execute("COMMIT")
+
+    def produce(self, owner: str, key: str, frames: AsyncGenerator[bytes, None], background: bool = False,
+                fed: Pieces | None = None, start: int = 0) -> None:
+        """Run ``frames`` (the stream's event batches) to its end in a task of its own, journaling each event,
+        numbered from ``start``. ``fed``: a list the frames append the pieces of text they take to; each batch's
+        are journaled with it (and the list emptied), for a takeover. Unless ``background``, the stream is
+        stopped (``frames`` closed: its generation cancelled) once no reader has looked at it for GRACE_S."""
+        task = asyncio.get_running_loop().create_task(self._produce(owner, key, frames, background, fed, start))
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
-    async def _produce(self, owner: str, key: str, frames: AsyncGenerator[bytes, None], background: bool) -> None:
-        seq, state = 0, "ended"
+    async def _produce(self, owner: str, key: str, frames: AsyncGenerator[bytes, None], background: bool,
+                       fed: Pieces | None, seq: int) -> None:
+        state = "ended"
         cancel = self._cancel[owner, key]
         try:
             async for batch in _until(frames, cancel):
                 events = [e + b"\n\n" for e in batch.split(b"\n\n") if e]
-                with self._lock:
-                    self._db.executemany("INSERT INTO events (owner, key, seq, data) VALUES (?, ?, ?, ?)",
-                                         [(owner, key, seq + i, e) for i, e in enumerate(events)])
+                with self._transaction() as db:
+                    db.executemany("INSERT INTO events (owner, key, seq, data) VALUES (?, ?, ?, ?)",
+                                   [(owner, key, seq + i, e) for i, e in enumerate(events)])
+                    if fed:
+                        db.execute("INSERT INTO fed (owner, key, seq, pieces) VALUES (?, ?, ?, ?)",
+                                   (owner, key, seq, json.dumps(fed)))
+                if fed:
+                    fed.clear()
                 seq += len(events)
                 self._ring(owner, key)
                 seen, now_state = self._look(owner, key)
@@ -169,6 +209,28 @@ class Journal:
             self._ring(owner, key)
             self._wake.pop((owner, key), None)
             self._cancel.pop((owner, key), None)
+
+    def take_over(self, owner: str, key: str) -> Taken | None:
+        """Claim a running stream whose producing process died, for a new producer in this process: None if it is
+        not (any more) such a stream, or it cannot be taken over (a background response, one asked to stop, one
+        journaled without the text of its events)."""
+        with self._transaction() as db:
+            row = db.execute("SELECT state, pid, head FROM streams WHERE owner = ? AND key = ?",
+                             (owner, key)).fetchone()
+            if row is None or row[0] != "running" or row[2] is not None or _alive(row[1]):
+                return None
+            last = db.execute("SELECT MAX(seq) FROM events WHERE owner = ? AND key = ?", (owner, key)).fetchone()
+            batches = db.execute("SELECT seq, pieces FROM fed WHERE owner = ? AND key = ? ORDER BY seq",
+                                 (owner, key)).fetchall()
+            next_seq = 0 if last[0] is None else int(last[0]) + 1
+            if next_seq and not batches:
+                return None
+            db.execute("UPDATE streams SET pid = ?, seen = ? WHERE owner = ? AND key = ?",
+                       (os.getpid(), time.time(), owner, key))
+        self._produced_here(owner, key)
+        log.info("stream %r: its gateway process (pid %d) died; taken over here after %d events", key, row[1],
+                 next_seq)
+        return Taken(next_seq, [(int(i), str(t)) for _, pieces in batches for i, t in json.loads(pieces)])
 
     def forget(self, owner: str, key: str) -> None:
         """A stream begun here that never started producing (its request was refused) taken back."""
@@ -297,4 +359,5 @@ def _forget_old(db: sqlite3.Connection, owner: str, now: float) -> None:
                        "ORDER BY started DESC LIMIT -1 OFFSET ?", (owner, MAX_STREAMS - 1)).fetchall()
     for gone in {*old, *extra}:
         db.execute("DELETE FROM events WHERE owner = ? AND key = ?", gone)
+        db.execute("DELETE FROM fed WHERE owner = ? AND key = ?", gone)
         db.execute("DELETE FROM streams WHERE owner = ? AND key = ?", gone)
