@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import statistics
 import subprocess
@@ -188,6 +189,47 @@ def test_with_adopt_wait_0_the_instances_exit_with_their_server_and_the_next_one
     wait_for(lambda: not any(_running(p) for p in pids), 10, "the instances to exit with their server")
     again = start_server("--instances", "2", name=server.name).wait_ready()
     assert not set(_worker_pids(again)) & set(pids)
+    assert not again.tracebacks(), "\n".join(again.log)
+
+
+@pytest.mark.timeout(180)
+def test_an_instance_lost_while_the_server_was_down_is_forked_by_the_adopted_zygote_without_loading_the_model(
+        start_server) -> None:
+    server = start_server("--instances", "2").wait_ready()
+    with Client(server.address) as client:
+        before = client.generate("Hello there", max_tokens=16, temperature=0).text
+    pids = _worker_pids(server)
+    server.proc.kill()
+    server.proc.wait(10)
+    os.kill(pids[0], signal.SIGKILL)  # the next start must start this one again
+    again = start_server("--instances", "2", name=server.name).wait_ready()
+    wait_for(lambda: len(_worker_pids(again)) == 2 and pids[0] not in _worker_pids(again), 60,
+             "the lost instance started again")
+    adopted = [line for line in again.log if "outlived the server before this one; adopted" in line]
+    assert adopted, "\n".join(again.log)
+    zygote = int(re.search(r"zygote \(pid (\d+)\)", adopted[0]).group(1))  # type: ignore[union-attr]
+    assert not any("instances are forked from here" in line for line in again.log), "a model was loaded again"
+    with Client(again.address) as client:  # the text of the first start, from either instance
+        assert [client.generate("Hello there", max_tokens=16, temperature=0).text for _ in range(4)] == [before] * 4
+    again.stop()
+    wait_for(lambda: not _running(zygote), 15, "the adopted zygote to stop with its server")
+    assert not again.tracebacks(), "\n".join(again.log)
+
+
+@pytest.mark.timeout(180)
+def test_a_zygote_that_loaded_the_model_otherwise_than_the_next_start_would_is_stopped_and_a_new_one_loads_it(
+        start_server) -> None:
+    server = start_server("--instances", "1", "--n-ctx", "512").wait_ready()
+    pids = _worker_pids(server)
+    server.proc.kill()
+    server.proc.wait(10)
+    os.kill(pids[0], signal.SIGKILL)
+    again = start_server("--instances", "1", "--n-ctx", "1024", name=server.name).wait_ready()
+    refused = [line for line in again.log if "loaded the model otherwise; stopping it" in line]
+    assert refused, "\n".join(again.log)
+    zygote = int(re.search(r"zygote \(pid (\d+)\)", refused[0]).group(1))  # type: ignore[union-attr]
+    wait_for(lambda: not _running(zygote), 15, "the refused zygote to stop")
+    assert any("instances are forked from here" in line for line in again.log)  # its own zygote loaded the model
     assert not again.tracebacks(), "\n".join(again.log)
 
 

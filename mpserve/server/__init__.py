@@ -12,7 +12,8 @@
     pool_keys   which models a remote pool's CURVE key may serve (``worker_models``)
     state       the rows of the broker's tables: requests, workers, models
     chat        which chat template the broker hands out for a model, and what a READY's template becomes
-    adoption    a server that died: its instances hold their requests; the next start adopts them (no model loads)
+    adoption    a server that died: its instances hold their requests, its zygotes their weights; the next start
+                adopts them (no model loads)
     unserved    how long a request waits while no instance of its model is up or loading, and what it is told
     ram_prefixes  what each instance's host store holds in RAM, from the CACHE frames of its DONEs and READY
     supervisor  starts (through a fork server), reaps and restarts worker processes (``mpserve.worker.spec.run``)

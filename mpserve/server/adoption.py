@@ -11,6 +11,9 @@ weights stay where they are loaded, and the requests those instances ran go on.
              accepts their secrets and keeps the reattached requests it cannot place until they registered
              (``Broker.expect``): each READY's LIVE requests wait, parked there, for their clients (``Adoptions``)
     an instance that does not register within ``adopt_wait`` ─▶ SIGKILL, and started anew as any lost one
+    the first instance this start forks of a model ─▶ adopt_zygote: the dead server's zygote of the model, waiting
+             at its socket (``mpserve.worker.zygote``), proven both ways with the dead server's secret, this user's,
+             holding the weights this start would load ─▶ it forks the instances; nothing is loaded again
 
 The secret file is written through ``create_private`` and read through ``open_private`` (a regular file of this
 user's, never through a link): a process of another user cannot plant secrets that would let its workers in.
@@ -18,25 +21,32 @@ user's, never through a link): a process of another user cannot plant secrets th
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import json
 import logging
 import os
+import socket
+import struct
 from dataclasses import dataclass, field
+from multiprocessing import AuthenticationError, connection
+from multiprocessing.connection import Connection
 from pathlib import Path
 
 from mpserve.private import PlantedFile, create_private, open_private
 from mpserve.runtime import ServerPaths, runtime_dir
 from mpserve.wire.slots import SlotState, SlotTable
-from mpserve.worker.spec import WorkerSpec
+from mpserve.worker.spec import EngineSpec, WorkerSpec, revision
 
 from .state import Pending
-from .zygotes import PidfdHandle, readable
+from .zygotes import PidfdHandle, Zygote, readable
 
 log = logging.getLogger("mpserve.server")
 
 START_SLACK_S = 1.0  # an instance's process may start this much before its row's start time (clocks' rounding)
 START_LATE_S = 600.0  # ... or this much after it (a zygote loads the weights before it forks the first instance)
 HOLD_S = 60.0  # an adopted request no client reattached to within this long is cancelled on its instance
+ZYGOTE_CONNECT_S = 2.0  # how long a zygote waiting to be adopted may take to answer each step
 
 
 def secrets_path(paths: ServerPaths) -> Path:
@@ -54,14 +64,15 @@ class Survivors:
 
 def survey(paths: ServerPaths, specs: list[WorkerSpec]) -> Survivors:
     """The instances the dead server of ``paths`` left running that this start may adopt: at the index of a spec
-    with the same model and slot-table rows. Nothing when its secret file or slot table is missing or unusable."""
+    with the same model and slot-table rows. Nothing when its secret file is missing or unusable, no instance when its
+    slot table is (its zygotes may still be adopted)."""
     secrets = _read_secrets(secrets_path(paths))
     if not secrets:
         return Survivors()
     try:
         table = SlotTable.attach(paths.slots, writable=False)
     except (OSError, ValueError):
-        return Survivors()
+        return Survivors(secrets)
     try:
         rows = table.read_all()
     finally:
@@ -124,6 +135,70 @@ def write_secrets(paths: ServerPaths, secrets: tuple[str, ...]) -> None:
 
 def remove_secrets(paths: ServerPaths) -> None:
     secrets_path(paths).unlink(missing_ok=True)
+
+
+def adopt_zygote(model: str, engine: EngineSpec, path: Path, secrets: tuple[str, ...], proof: str) -> Zygote | None:
+    """The zygote of ``model`` that the server before this one left waiting at ``path``: a process of this user's
+    that proves it knows one of ``secrets`` (as this server proves it to it), runs this code (``revision``) and
+    loaded ``engine``'s model as this start would; told this start's secret (``proof``), for the start after it.
+    None if there is none (or it is told to stop: other code, another engine)."""
+    for secret in secrets:
+        try:
+            answer = _zygote_connection(path, secret.encode())
+        except AuthenticationError:
+            continue  # a secret of an instance it adopted, not its server's: the next one
+        if answer is None:
+            return None
+        conn, pid = answer
+        said = conn.recv() if conn.poll(ZYGOTE_CONNECT_S) else None
+        if not (isinstance(said, tuple) and len(said) == 4 and said[:2] == ("adopted", pid)):
+            conn.close()
+            return None
+        if said[2:] != (revision(), dataclasses.asdict(engine)):
+            log.info("%s's zygote (pid %d) of the server before this one runs other code (%s) or loaded the model "
+                     "otherwise; stopping it", model, pid, said[2])
+            with contextlib.suppress(OSError):
+                conn.send(None)
+            conn.close()
+            return None
+        conn.send(proof)
+        log.info("%s's zygote (pid %d) outlived the server before this one; adopted: its weights fork the instances",
+                 model, pid)
+        return Zygote(model, conn, AdoptedWorker(pid))
+    return None
+
+
+def _zygote_connection(path: Path, secret: bytes) -> tuple[Connection, int] | None:
+    """A connection to the zygote listening at ``path`` and its pid, proven both ways with ``secret``; None if
+    nobody of this user's listens there (AuthenticationError if it knows another secret)."""
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock.settimeout(ZYGOTE_CONNECT_S)
+    try:
+        sock.connect(str(path))
+        pid, uid, _ = struct.unpack("3i", sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED,
+                                                         struct.calcsize("3i")))
+    except OSError:
+        sock.close()
+        return None
+    if uid != os.getuid():
+        log.warning("not adopting the zygote at %s: its process is another user's (uid %d)", path, uid)
+        sock.close()
+        return None
+    sock.settimeout(None)
+    conn = Connection(sock.detach())
+    try:
+        if not conn.poll(ZYGOTE_CONNECT_S):  # it has not taken the connection: not waiting to be adopted
+            conn.close()
+            return None
+        connection.answer_challenge(conn, secret)
+        connection.deliver_challenge(conn, secret)
+    except AuthenticationError:
+        conn.close()
+        raise
+    except (EOFError, OSError):
+        conn.close()
+        return None
+    return conn, pid
 
 
 class AdoptedWorker(PidfdHandle):

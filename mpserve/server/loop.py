@@ -105,7 +105,7 @@ def serve(config: ServerConfig, gateway_key: Path | None = None,
                    [m.name for m in config.models], time.time(), admin=paths.admin,
                    version=__version__).write(paths.info)
         loop = _Loop(config, broker, supervisor, instances, started, EstimateCheck(placements, layout.devices),
-                     reread, reloaded, survivors.pids)
+                     reread, reloaded, survivors)
         loop.run()
         upgrading = loop.upgrading
         if not upgrading:
@@ -175,9 +175,10 @@ HAND_OFF_S = 5.0  # an upgrade waits this long at most for the instances to answ
 class _Loop:
     def __init__(self, config: ServerConfig, broker: Broker, supervisor: Supervisor, instances: Instances,
                  started: float, estimates: EstimateCheck, reread: Callable[[], ServerConfig] | None,
-                 reloaded: Callable[[], None] | None = None, adopted: dict[int, int] | None = None) -> None:
+                 reloaded: Callable[[], None] | None = None,
+                 survivors: adoption.Survivors | None = None) -> None:
         self._config = config
-        self._adopted = adopted or {}
+        self._survivors = survivors or adoption.Survivors()
         self._reread = reread
         self._reloaded = reloaded
         self._broker = broker
@@ -218,7 +219,7 @@ class _Loop:
         if self._broker.admin is not None:
             self._poller.register(self._broker.admin, zmq.POLLIN)
         self._poller.register(self._signals.fileno(), zmq.POLLIN)
-        self._supervisor.start_all(self._adopted, self._config.adopt_wait)
+        self._supervisor.start_all(self._survivors.pids, self._config.adopt_wait, self._survivors.secrets)
         log.info("mpserve %s: starting %d instance(s): %s; clients connect to %s", __version__,
                  self._config.total_instances,
                  ", ".join(f"{m.name}×{_bounds(m.bounds)}" for m in self._config.models),

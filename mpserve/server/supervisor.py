@@ -44,11 +44,12 @@ import zmq
 
 from mpserve.config.loader import ServerConfig
 from mpserve.wire.slots import SlotState, SlotTable
-from mpserve.worker.spec import EXIT_LOAD_FAILED, WorkerSpec, preload, run, start_mode
+from mpserve.worker.spec import EXIT_LOAD_FAILED, Adoptable, WorkerSpec, preload, run, start_mode
 
+from . import adoption
 from .adoption import AdoptedWorker
 from .routing import describe_exit
-from .zygotes import ForkedWorker, Zygote
+from .zygotes import ForkedWorker, Zygote, socket_path
 
 log = logging.getLogger("mpserve.supervisor")
 
@@ -109,11 +110,16 @@ class Supervisor:
         self._zygote_deaths: Counter[str] = Counter()  # in a row, before an instance it forked registered
         self._retired_zygotes: list[Zygote] = []  # to stop at the next watch, once their pipe is unregistered
         self._told: set[str] = set()  # models whose start mode was logged
+        self._server_name, self._adopt_wait = config.server_name, config.adopt_wait
 
-    def start_all(self, adopted: dict[int, int] | None = None, wait: float = 0.0) -> None:
+    def start_all(self, adopted: dict[int, int] | None = None, wait: float = 0.0, secrets: tuple[str, ...] = ()
+                  ) -> None:
         """Start every worker, but those ``adopted`` (index -> pid: the instances the server before this one left,
-        ``mpserve.server.adoption``), which are watched instead, and killed if not registered within ``wait`` s."""
+        ``mpserve.server.adoption``), which are watched instead, and killed if not registered within ``wait`` s;
+        ``secrets``: that server's, whose zygotes this start adopts first."""
         adopted = adopted or {}
+        if secrets:
+            self._adopt_zygotes(secrets)
         for index in self.workers:
             if index in adopted:
                 self._adopt(index, adopted[index], wait)
@@ -162,10 +168,24 @@ class Supervisor:
         """The model's zygote, started if it has none."""
         zygote = self._zygotes.get(spec.model)
         if zygote is None:
-            zygote = self._zygotes[spec.model] = Zygote(self._mp, spec.model, spec.engine, self._log_level)
+            path = socket_path(self._server_name, spec.model)
+            adoptable = Adoptable(str(path), self._proof, self._adopt_wait) if self._adopt_wait else None
+            zygote = self._zygotes[spec.model] = Zygote.start(self._mp, spec.model, spec.engine, self._log_level,
+                                                              adoptable)
             self._zygote_restart.pop(spec.model, None)
             log.debug("started %s's zygote (pid %s)", spec.model, zygote.process.pid)
         return zygote
+
+    def _adopt_zygotes(self, secrets: tuple[str, ...]) -> None:
+        """The zygotes the server before this one left (``secrets``: its), of the models whose instances this start
+        forks from a zygote, adopted (``adoption.adopt_zygote``): the instances it must start are forked from the
+        weights they hold."""
+        for spec in {handle.spec.model: handle.spec for handle in self.workers.values()}.values():
+            path = socket_path(self._server_name, spec.model)
+            if start_mode(spec, self._start_method).zygote and path.exists():
+                zygote = adoption.adopt_zygote(spec.model, spec.engine, path, secrets, self._proof)
+                if zygote is not None:
+                    self._zygotes[spec.model] = zygote
 
     def _zygote_gone(self, model: str) -> None:
         """A zygote died: collect it, and start it again (after a backoff if it keeps dying) while the model
@@ -372,11 +392,13 @@ class Supervisor:
 
     def hand_off(self) -> None:
         """An upgrade: the registered instances are left running for the next start to adopt; those still starting
-        are terminated (they never learned of the hand-off), and the zygotes stop."""
+        are terminated (they never learned of the hand-off), and the zygotes wait to be adopted too."""
         for handle in self.workers.values():
             if handle.process is not None and not handle.registered:
                 handle.process.terminate()
-        for zygote in [*self._zygotes.values(), *self._retired_zygotes]:
+        for zygote in self._zygotes.values():
+            zygote.hand_off()  # each waits for the next start to adopt it
+        for zygote in self._retired_zygotes:
             zygote.close(ZYGOTE_EXIT_S)
         self._zygotes.clear()
         self._retired_zygotes.clear()

@@ -5,6 +5,11 @@ supervisor's fork server, asked over a pipe to fork each instance, and a handle 
     zygote ──("forked", index, pid)──▶ Zygote.pump ─▶ handle.pid, and a pidfd as its sentinel
     zygote ──("exited", pid, code)───▶ Zygote.pump ─▶ handle.exitcode
     zygote gone (EOF on the pipe) ───▶ Zygote.pump ─▶ its handles orphaned
+    Zygote.close ──None, EOF──▶ the zygote exits; Zygote.hand_off (an upgrade) ──EOF──▶ it waits to be adopted
+
+A zygote whose server died waits at ``socket_path`` to be adopted (``mpserve.worker.zygote``); the next start
+connects there before it would start one (``mpserve.server.adoption.adopt_zygote``), and drives it over that
+connection as over the pipe: its instances are forked from the weights it loaded then.
 
 ``ForkedWorker`` has the surface the supervisor uses of a multiprocessing process (pid, sentinel, exitcode,
 is_alive, terminate, kill, join, close). Its sentinel is a pidfd, readable once the instance has exited (a
@@ -18,15 +23,20 @@ eventfd that is readable from the start.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import logging
 import os
 import select
 import signal
 import time
 from collections import deque
+from multiprocessing.connection import Connection
 from multiprocessing.context import ForkServerContext
+from pathlib import Path
+from typing import Protocol
 
-from mpserve.worker.spec import EngineSpec, WorkerSpec, zygote_run
+from mpserve.runtime import runtime_dir
+from mpserve.worker.spec import Adoptable, EngineSpec, WorkerSpec, zygote_run
 
 log = logging.getLogger("mpserve.supervisor")
 
@@ -128,20 +138,46 @@ class ForkedWorker(PidfdHandle):
             super()._send(sig)
 
 
+class ZygoteProcess(Protocol):
+    """What the supervisor uses of a zygote's process: a multiprocessing process it started, or an adopted one's
+    pidfd handle."""
+
+    @property
+    def pid(self) -> int | None: ...
+    @property
+    def exitcode(self) -> int | None: ...
+    def is_alive(self) -> bool: ...
+    def join(self, timeout: float | None = None) -> None: ...
+    def kill(self) -> None: ...
+    def close(self) -> None: ...
+
+
+def socket_path(server: str, model: str) -> Path:
+    """Where the zygote of ``model`` of server ``server`` waits to be adopted, should its server die."""
+    return runtime_dir() / f"{server}.zygote-{hashlib.sha256(model.encode()).hexdigest()[:16]}.sock"
+
+
 class Zygote:
     """A model's zygote process and the instances it forked that it has not reported reaped."""
 
-    def __init__(self, mp: ForkServerContext, model: str, engine: EngineSpec, log_level: str) -> None:
-        ours, theirs = mp.Pipe()
+    def __init__(self, model: str, conn: Connection, process: ZygoteProcess) -> None:
         self.model = model
-        self.process = mp.Process(target=zygote_run, args=(engine, model, theirs, log_level),
-                                  name=f"mpserve-zygote-{model}", daemon=False)
-        self.process.start()
-        theirs.close()
-        self._conn = ours
+        self.process = process
+        self._conn = conn
         self.alive = True
         self._pending: deque[ForkedWorker] = deque()  # asked, not answered yet, in order
         self._forked: dict[int, ForkedWorker] = {}  # pid -> instance, until the zygote reports its exit
+
+    @classmethod
+    def start(cls, mp: ForkServerContext, model: str, engine: EngineSpec, log_level: str,
+              adoptable: Adoptable | None) -> Zygote:
+        """A new zygote for ``model``, started through the fork server."""
+        ours, theirs = mp.Pipe()
+        process = mp.Process(target=zygote_run, args=(engine, model, theirs, log_level, adoptable),
+                             name=f"mpserve-zygote-{model}", daemon=False)
+        process.start()
+        theirs.close()
+        return cls(model, ours, process)
 
     def fileno(self) -> int:
         """Readable when the zygote has something to say, or has gone."""
@@ -191,7 +227,10 @@ class Zygote:
         return len(self._pending) + len(self._forked)
 
     def close(self, timeout: float) -> int | None:
-        """Close the pipe (the zygote exits, its instances keep running) and collect the zygote; its exit code."""
+        """Tell the zygote to stop and close the pipe (it exits, its instances keep running), and collect it; its
+        exit code."""
+        with contextlib.suppress(OSError):
+            self._conn.send(None)
         self._conn.close()
         self._gone()
         self.process.join(timeout)
@@ -201,6 +240,11 @@ class Zygote:
         code = self.process.exitcode
         self.process.close()
         return code
+
+    def hand_off(self) -> None:
+        """An upgrade: the pipe closed without a word, so the zygote waits for the next start to adopt it."""
+        self._conn.close()
+        self._gone()
 
 
 def readable(fd: int | None, wait: float | None) -> bool:

@@ -6,6 +6,7 @@ server imports.
                                                --forkserver(zygote_run, engine, pipe)--> a model's zygote
                                                --spec over the pipe--> forked from the zygote, which loaded
                                                                        the model (``mpserve.worker.zygote``)
+                                               (the next start adopts a zygote whose server died: ``Adoptable``)
 
 ``start_mode`` says which of the two starts a model's instances get: a zygote for a model that keeps its
 weights on the CPU for the instance's whole life, the fork server otherwise.
@@ -121,10 +122,31 @@ def run(spec: WorkerSpec) -> None:
     importlib.import_module(WORKER_MAIN).worker_main(spec)
 
 
-def zygote_run(engine: EngineSpec, model: str, conn: Connection, log_level: str) -> None:
+@dataclass(frozen=True)
+class Adoptable:
+    """How a zygote whose server died waits for the next start of it (``mpserve.worker.zygote``): listening at
+    ``path`` (a socket in the runtime folder) for ``wait`` seconds for a server of this user's that proves it
+    knows ``secret`` (its server's link secret), as the server proves it knows the zygote's."""
+
+    path: str
+    secret: str
+    wait: float
+
+
+def revision() -> str:
+    """The code a zygote forks instances of: mpserve's version and its worker link's revision (a zygote adopted by a
+    start of other code would fork instances of its own)."""
+    from mpserve import __version__
+    from mpserve.wire.messages import WORKER_LINK
+
+    return f"{__version__} {WORKER_LINK}"
+
+
+def zygote_run(engine: EngineSpec, model: str, conn: Connection, log_level: str,
+               adoptable: Adoptable | None = None) -> None:
     """A zygote's entry point: load ``engine``'s model, then fork an instance for each WorkerSpec ``conn``
     brings (``mpserve.worker.zygote``)."""
-    importlib.import_module(ZYGOTE_MAIN).zygote_main(engine, model, conn, log_level)
+    importlib.import_module(ZYGOTE_MAIN).zygote_main(engine, model, conn, log_level, adoptable)
 
 
 @dataclass(frozen=True)

@@ -13,53 +13,167 @@ share those pages copy-on-write instead of each holding its own copy.
 A child needs nothing of the zygote once forked: it runs in its own session, watches the server (its spec's
 ``parent_pid``), not the zygote, and outlives a zygote that dies. Nothing in a child writes to the weights:
 llama.cpp reads them, and a child that unloads frees only its own mapping (a later load reads the file). The
-zygote exits when the supervisor closes its end of the pipe or dies, and leaves its children running. If the
-model cannot be loaded here, the zygote forks children without it: each loads the file and reports the
-failure as a started worker does.
+zygote exits when the supervisor says stop (None) and closes its end of the pipe, and leaves its children
+running. If the model cannot be loaded here, the zygote forks children without it: each loads the file and
+reports the failure as a started worker does.
+
+A server that dies (or execs itself for an upgrade) closes the pipe without a word: the zygote, ``Adoptable``,
+keeps its weights and waits for the next start of that server, so that it loads nothing again:
+
+    pipe EOF ──▶ listen at adoptable.path (created 0600 in the private runtime folder) for adoptable.wait s,
+                 reaping children meanwhile (their exits are nobody's news now)
+    a connection from a process of this user's (SO_PEERCRED) that proves it knows the secret, and to which
+    the zygote proves it too (``multiprocessing.connection``'s challenge, both ways)
+        ──▶ ("adopted", pid, revision, engine as a dict) ──▶ the new server: the pipe's protocol again on that
+            connection; it sends its own secret (a str) for the adoption after it, or None (another mpserve or
+            another engine: stop)
+    nobody within the wait ──▶ exit (the children, adoptable themselves, stay)
 """
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import logging
 import os
 import select
+import socket
+import struct
 import sys
 import time
 import traceback
+from multiprocessing import AuthenticationError, connection
 from multiprocessing.connection import Connection
 from typing import Any
 
 from .main import worker_main
-from .spec import EngineSpec, WorkerSpec
+from .spec import Adoptable, EngineSpec, WorkerSpec, revision
 
 log = logging.getLogger("mpserve.zygote")
 
 
-def zygote_main(engine: EngineSpec, model: str, conn: Connection, log_level: str) -> None:
+def zygote_main(engine: EngineSpec, model: str, conn: Connection, log_level: str,
+                adoptable: Adoptable | None = None) -> None:
     os.environ["CUDA_DEVICE_ORDER"] = "PCI_BUS_ID"
     os.environ["CUDA_VISIBLE_DEVICES"] = ""  # a CPU model: no CUDA context here, before or after a fork
     os.setsid()  # as a worker: Ctrl-C reaches the server, which stops the zygote when it is done
     logging.basicConfig(level=log_level.upper(), stream=sys.stderr,
                         format=f"%(asctime)s %(levelname)s zygote ({model}): %(message)s")
     weights = _load(engine)
-    adapters = _load_adapters(engine, weights)
-    children: dict[int, int] = {}  # pidfd -> pid, until reaped
+    zygote = _Zygote(engine, weights, _load_adapters(engine, weights), adoptable)
     try:
-        while True:
-            ready, _, _ = select.select([conn.fileno(), *children], [], [])
-            for fd in [fd for fd in ready if fd in children]:
-                pid = children.pop(fd)
-                os.close(fd)
-                _, status = os.waitpid(pid, 0)
-                conn.send(("exited", pid, os.waitstatus_to_exitcode(status)))
-            if conn.fileno() in ready:
-                spec: WorkerSpec = conn.recv()
-                pid = _fork(spec, weights, adapters, conn, children)
+        current: Connection | None = conn
+        while current is not None and not zygote.serve(current):
+            current.close()
+            current = zygote.wait_for_server()
+    finally:
+        zygote.close()
+    log.debug("exiting, %d instance(s) keep running", len(zygote.children))
+
+
+class _Zygote:
+    def __init__(self, engine: EngineSpec, weights: Any, adapters: dict[str, Any],
+                 adoptable: Adoptable | None) -> None:
+        self.engine, self.weights, self.adapters = engine, weights, adapters
+        self.children: dict[int, int] = {}  # pidfd -> pid, until reaped
+        self.adoptable = adoptable
+        self.listener = _listen(adoptable.path) if adoptable is not None and adoptable.wait > 0 else None
+
+    def serve(self, conn: Connection) -> bool:
+        """Fork what the server asks for over ``conn``, and report each fork and each exit, until it says stop
+        (True) or is gone (False)."""
+        try:
+            while True:
+                ready, _, _ = select.select([conn.fileno(), *self.children], [], [])
+                for pid, code in self._reap([fd for fd in ready if fd in self.children]):
+                    conn.send(("exited", pid, code))
+                if conn.fileno() not in ready:
+                    continue
+                msg = conn.recv()
+                if msg is None:
+                    return True
+                if isinstance(msg, str):  # the secret of the server that adopted this zygote: for the next one
+                    if self.adoptable is not None:
+                        self.adoptable = dataclasses.replace(self.adoptable, secret=msg)
+                    continue
+                spec: WorkerSpec = msg
+                pid = _fork(spec, self.weights, self.adapters, [conn, self.listener], self.children)
                 if pid:
-                    children[os.pidfd_open(pid)] = pid
+                    self.children[os.pidfd_open(pid)] = pid
                 conn.send(("forked", spec.index, pid))
-    except (EOFError, OSError):  # the supervisor closed the pipe, or is gone
-        log.debug("the supervisor is gone; exiting, %d instance(s) keep running", len(children))
+        except (EOFError, OSError):  # the server closed the pipe without a word, or is gone
+            return False
+
+    def wait_for_server(self) -> Connection | None:
+        """The connection of the next start of the server, once it proved itself; None if none came in time."""
+        if self.listener is None or self.adoptable is None:
+            return None
+        deadline = time.monotonic() + self.adoptable.wait
+        log.warning("the server is gone; waiting %g s for its next start to adopt this zygote (%d instance(s) keep "
+                    "running)", self.adoptable.wait, len(self.children))
+        while (left := deadline - time.monotonic()) > 0:
+            ready, _, _ = select.select([self.listener.fileno(), *self.children], [], [], left)
+            self._reap([fd for fd in ready if fd in self.children])
+            if self.listener.fileno() in ready:
+                conn = _proven(self.listener, self.adoptable.secret.encode())
+                if conn is not None:
+                    conn.send(("adopted", os.getpid(), revision(), dataclasses.asdict(self.engine)))
+                    log.info("adopted by a new start of the server")
+                    return conn
+        log.warning("no server adopted this zygote within %g s; exiting", self.adoptable.wait)
+        return None
+
+    def _reap(self, fds: list[int]) -> list[tuple[int, int]]:
+        """The children whose pidfd is readable, reaped: (pid, exit code) each."""
+        gone = []
+        for fd in fds:
+            pid = self.children.pop(fd)
+            os.close(fd)
+            _, status = os.waitpid(pid, 0)
+            gone.append((pid, os.waitstatus_to_exitcode(status)))
+        return gone
+
+    def close(self) -> None:
+        if self.listener is not None and self.adoptable is not None:
+            with contextlib.suppress(OSError):  # ours still (a later zygote of the model may have bound it anew)
+                if os.stat(self.adoptable.path).st_ino == os.fstat(self.listener.fileno()).st_ino:
+                    os.unlink(self.adoptable.path)
+            self.listener.close()
+
+
+def _listen(path: str) -> socket.socket:
+    """A listening socket at ``path``, this user's only (0600, in the private runtime folder)."""
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(path)  # a zygote's before, that died (the folder is this user's alone)
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    old = os.umask(0o177)
+    try:
+        listener.bind(path)
+    finally:
+        os.umask(old)
+    listener.listen(4)
+    return listener
+
+
+def _proven(listener: socket.socket, secret: bytes) -> Connection | None:
+    """The connection waiting on ``listener``, if it comes from a process of this user's and proves it knows
+    ``secret`` (as this one proves it to it); None otherwise."""
+    sock, _ = listener.accept()
+    _, uid, _ = struct.unpack("3i", sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i")))
+    if uid != os.getuid():
+        log.warning("refused a connection of uid %d: only this user's server may adopt this zygote", uid)
+        sock.close()
+        return None
+    sock.setblocking(True)
+    conn = Connection(sock.detach())
+    try:
+        connection.deliver_challenge(conn, secret)
+        connection.answer_challenge(conn, secret)
+    except (AuthenticationError, EOFError, OSError) as exc:
+        log.warning("refused a connection that did not prove it knows the server's secret (%s)", exc)
+        conn.close()
+        return None
+    return conn
 
 
 def _load(engine: EngineSpec) -> Any:
@@ -98,7 +212,7 @@ def _load_adapters(engine: EngineSpec, weights: Any) -> dict[str, Any]:
         return {}
 
 
-def _fork(spec: WorkerSpec, weights: Any, adapters: dict[str, Any], conn: Connection,
+def _fork(spec: WorkerSpec, weights: Any, adapters: dict[str, Any], own: list[Connection | socket.socket | None],
           children: dict[int, int]) -> int:
     """Fork the instance ``spec`` describes; the child runs the worker and never returns. The child's pid (0 if
     the fork failed)."""
@@ -113,7 +227,9 @@ def _fork(spec: WorkerSpec, weights: Any, adapters: dict[str, Any], conn: Connec
         return pid
     code = 1
     try:
-        conn.close()
+        for item in own:  # the zygote's: the pipe, its listening socket
+            if item is not None:
+                item.close()
         for fd in children:
             os.close(fd)
         worker_main(spec, weights, adapters)
