@@ -144,12 +144,22 @@ class Run:
         return sorted({r.pid for r in rows if r.pid}, key=lambda pid: pid not in busy)
 
     def zygotes(self) -> list[int]:
-        """The current server's zygotes: the fork server's children that are not instances."""
-        server = self.servers[-1].proc
-        assert server is not None
-        instances = set(self.instances())
-        forkservers = [pid for pid in children(server.pid) if "forkserver" in _cmdline(pid)]
-        return [pid for fs in forkservers for pid in children(fs) if pid not in instances]
+        """The server's zygotes, those a start adopted too (not its fork server's children): the processes that hold
+        a socket listening at one of its zygote paths (``mpserve.server.zygotes.socket_path``)."""
+        inodes = set()
+        for line in Path("/proc/net/unix").read_text().splitlines()[1:]:
+            fields = line.split()
+            if len(fields) >= 8 and Path(fields[7]).name.startswith(f"{self.name}.zygote-"):
+                inodes.add(f"socket:[{fields[6]}]")
+        found = []
+        for proc in Path("/proc").iterdir():
+            if proc.name.isdigit():
+                try:
+                    if any(os.readlink(fd) in inodes for fd in (proc / "fd").iterdir()):
+                        found.append(int(proc.name))
+                except OSError:
+                    continue  # gone, or not this user's
+        return found
 
     def kill_one(self, rng: random.Random) -> str | None:
         """SIGKILL a random victim; its kind, or None if none of any kind could be found."""
@@ -288,13 +298,6 @@ class Run:
     def quiet(self) -> None:
         time.sleep(self.args.seconds)
         self.chaos_over.set()
-
-
-def _cmdline(pid: int) -> str:
-    try:
-        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-    except OSError:
-        return ""
 
 
 def _gemma() -> str:

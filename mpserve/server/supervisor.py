@@ -181,22 +181,33 @@ class Supervisor:
         forks from a zygote, adopted (``adoption.adopt_zygote``): the instances it must start are forked from the
         weights they hold."""
         for spec in {handle.spec.model: handle.spec for handle in self.workers.values()}.values():
-            path = socket_path(self._server_name, spec.model)
-            if start_mode(spec, self._start_method).zygote and path.exists():
-                zygote = adoption.adopt_zygote(spec.model, spec.engine, path, secrets, self._proof)
+            if start_mode(spec, self._start_method).zygote:
+                zygote = self._adopt_zygote(spec, secrets) or self._adopt_zygote(spec, secrets, spare=True)
                 if zygote is not None:
                     self._zygotes[spec.model] = zygote
+
+    def _adopt_zygote(self, spec: WorkerSpec, secrets: tuple[str, ...], spare: bool = False) -> Zygote | None:
+        """The zygote (or its ``spare``) of ``spec``'s model waiting at its socket, if one is and proves ``secrets``."""
+        path = socket_path(self._server_name, spec.model, spare)
+        return adoption.adopt_zygote(spec.model, spec.engine, path, secrets, self._proof) if path.exists() else None
 
     def _zygote_gone(self, model: str) -> None:
         """A zygote died: collect it, and start it again (after a backoff if it keeps dying) while the model
         has instances. The instances it forked keep running."""
         zygote = self._zygotes.pop(model)
         pid, code = zygote.process.pid, zygote.close(ZYGOTE_EXIT_S)
-        self._zygote_deaths[model] += 1
         running = sum(1 for h in self.workers.values() if h.spec.model == model and h.process is not None)
         if not self._needs_zygote(model):
             log.warning("%s's zygote (pid %s) exited with %s", model, pid, describe_exit(code))
             return
+        spec = next(h.spec for h in self.workers.values() if h.spec.model == model)
+        spare = self._adopt_zygote(spec, (self._proof,), spare=True)
+        if spare is not None:
+            self._zygotes[model] = spare
+            log.warning("%s's zygote (pid %s) exited with %s; its spare (pid %s) took its place, its %d instance(s) "
+                        "keep running", model, pid, describe_exit(code), spare.process.pid, running)
+            return
+        self._zygote_deaths[model] += 1
         delay = restart_delay(self._zygote_deaths[model])
         self._zygote_restart[model] = self._clock() + delay
         log.warning("%s's zygote (pid %s) exited with %s; its %d instance(s) keep running; restarting it in %.1f s",

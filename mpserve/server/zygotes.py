@@ -9,7 +9,8 @@ supervisor's fork server, asked over a pipe to fork each instance, and a handle 
 
 A zygote whose server died waits at ``socket_path`` to be adopted (``mpserve.worker.zygote``); the next start
 connects there before it would start one (``mpserve.server.adoption.adopt_zygote``), and drives it over that
-connection as over the pipe: its instances are forked from the weights it loaded then.
+connection as over the pipe: its instances are forked from the weights it loaded then. A zygote that dies itself
+is replaced by its spare, adopted the same way at ``socket_path(…, spare=True)`` (``Supervisor._zygote_gone``).
 
 ``ForkedWorker`` has the surface the supervisor uses of a multiprocessing process (pid, sentinel, exitcode,
 is_alive, terminate, kill, join, close). Its sentinel is a pidfd, readable once the instance has exited (a
@@ -152,9 +153,12 @@ class ZygoteProcess(Protocol):
     def close(self) -> None: ...
 
 
-def socket_path(server: str, model: str) -> Path:
-    """Where the zygote of ``model`` of server ``server`` waits to be adopted, should its server die."""
-    return runtime_dir() / f"{server}.zygote-{hashlib.sha256(model.encode()).hexdigest()[:16]}.sock"
+def socket_path(server: str, model: str, spare: bool = False) -> Path:
+    """Where the zygote of ``model`` of server ``server`` waits to be adopted, should its server die; ``spare``:
+    where its spare waits to take its place (``Adoptable.spare_path``)."""
+    adoptable = Adoptable(str(runtime_dir() / f"{server}.zygote-{hashlib.sha256(model.encode()).hexdigest()[:16]}"
+                              ".sock"), "", 0.0)
+    return Path(adoptable.spare_path if spare else adoptable.path)
 
 
 class Zygote:

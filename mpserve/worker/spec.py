@@ -132,6 +132,11 @@ class Adoptable:
     secret: str
     wait: float
 
+    @property
+    def spare_path(self) -> str:
+        """Where the zygote's spare waits (``mpserve.worker.zygote``)."""
+        return self.path.removesuffix(".sock") + ".spare.sock"
+
 
 def revision() -> str:
     """The code a zygote forks instances of: mpserve's version and its worker link's revision (a zygote adopted by a

@@ -28,6 +28,15 @@ keeps its weights and waits for the next start of that server, so that it loads 
             connection; it sends its own secret (a str) for the adoption after it, or None (another mpserve or
             another engine: stop)
     nobody within the wait ──▶ exit (the children, adoptable themselves, stay)
+
+A zygote that is killed itself would leave its model to be loaded again. So each keeps a spare: a fork of itself
+(single-threaded, no context: safe to fork), its weights shared copy-on-write, that closes the zygote's pipe and
+listening socket and waits at ``Adoptable.spare_path`` while the zygote lives, and ``adoptable.wait`` s after:
+
+    zygote dies ──▶ the server sees its pipe end ──▶ connects to the spare, both prove the secret ──▶ the spare
+        listens at the zygote's path, forks a spare of its own, and forks the instances from then on
+    the zygote stops (None), or gives up waiting ──▶ it kills its spare first
+    the zygote learns a new server's secret ──▶ its spare is replaced by one that knows it
 """
 
 from __future__ import annotations
@@ -37,6 +46,7 @@ import dataclasses
 import logging
 import os
 import select
+import signal
 import socket
 import struct
 import sys
@@ -61,14 +71,9 @@ def zygote_main(engine: EngineSpec, model: str, conn: Connection, log_level: str
                         format=f"%(asctime)s %(levelname)s zygote ({model}): %(message)s")
     weights = _load(engine)
     zygote = _Zygote(engine, weights, _load_adapters(engine, weights), adoptable)
-    try:
-        current: Connection | None = conn
-        while current is not None and not zygote.serve(current):
-            current.close()
-            current = zygote.wait_for_server()
-    finally:
-        zygote.close()
-    log.debug("exiting, %d instance(s) keep running", len(zygote.children))
+    zygote.listen()
+    zygote.fork_spare(conn)
+    zygote.run(conn)
 
 
 class _Zygote:
@@ -76,8 +81,24 @@ class _Zygote:
                  adoptable: Adoptable | None) -> None:
         self.engine, self.weights, self.adapters = engine, weights, adapters
         self.children: dict[int, int] = {}  # pidfd -> pid, until reaped
-        self.adoptable = adoptable
-        self.listener = _listen(adoptable.path) if adoptable is not None and adoptable.wait > 0 else None
+        self.adoptable = adoptable if adoptable is not None and adoptable.wait > 0 else None
+        self.listener: socket.socket | None = None
+        self.spare: tuple[int, int] | None = None  # its spare's (pid, pidfd)
+
+    def listen(self) -> None:
+        """Listen where a server that lost this zygote's server looks for it (``Adoptable.path``)."""
+        if self.adoptable is not None:
+            self.listener = _listen(self.adoptable.path)
+
+    def run(self, conn: Connection | None) -> None:
+        """Serve ``conn``'s server, then each server that adopts this zygote, until one says stop or none comes."""
+        try:
+            while conn is not None and not self.serve(conn):
+                conn.close()
+                conn = self.wait_for_server()
+        finally:
+            self.close()
+        log.debug("exiting, %d instance(s) keep running", len(self.children))
 
     def serve(self, conn: Connection) -> bool:
         """Fork what the server asks for over ``conn``, and report each fork and each exit, until it says stop
@@ -95,9 +116,11 @@ class _Zygote:
                 if isinstance(msg, str):  # the secret of the server that adopted this zygote: for the next one
                     if self.adoptable is not None:
                         self.adoptable = dataclasses.replace(self.adoptable, secret=msg)
+                        self.fork_spare(conn)  # one that knows it
                     continue
                 spec: WorkerSpec = msg
-                pid = _fork(spec, self.weights, self.adapters, [conn, self.listener], self.children)
+                spare = [self.spare[1]] if self.spare is not None else []
+                pid = _fork(spec, self.weights, self.adapters, [conn, self.listener], [*self.children, *spare])
                 if pid:
                     self.children[os.pidfd_open(pid)] = pid
                 conn.send(("forked", spec.index, pid))
@@ -123,6 +146,82 @@ class _Zygote:
         log.warning("no server adopted this zygote within %g s; exiting", self.adoptable.wait)
         return None
 
+    def fork_spare(self, conn: Connection) -> None:
+        """A copy of this zygote, its weights shared (copy-on-write), that takes its place should it be killed
+        (``_wait_as_spare``); the one before it stopped."""
+        if self.adoptable is None:
+            return
+        self._stop_spare()
+        parent = os.getpid()
+        sys.stderr.flush()
+        try:
+            pid = os.fork()
+        except OSError as exc:
+            log.warning("cannot fork a spare (%s): a zygote killed will load the model again", exc)
+            return
+        if pid:
+            self.spare = (pid, os.pidfd_open(pid))
+            return
+        code = 1
+        try:
+            for item in (conn, self.listener):  # the server sees the pipe's end when the zygote dies, not later
+                if item is not None:
+                    item.close()
+            for fd in self.children:
+                os.close(fd)
+            self.children, self.listener = {}, None
+            promoted = self._wait_as_spare(parent)
+            if promoted is not None:
+                self.listen()
+            self.run(promoted)
+            code = 0
+        except BaseException:
+            traceback.print_exc()
+        finally:
+            sys.stderr.flush()
+            os._exit(code)
+
+    def _wait_as_spare(self, parent: int) -> Connection | None:
+        """As a spare: wait while zygote ``parent`` lives (and adoptable.wait s after it died) for its server to
+        take this one in its place; the connection, once it proved itself, or None."""
+        assert self.adoptable is not None
+        try:
+            alive: int | None = os.pidfd_open(parent)
+        except ProcessLookupError:
+            alive = None
+        deadline = None if alive is not None else time.monotonic() + self.adoptable.wait
+        listener = _listen(self.adoptable.spare_path)
+        try:
+            while deadline is None or (left := deadline - time.monotonic()) > 0:
+                watched = [listener.fileno(), *([alive] if alive is not None else [])]
+                ready, _, _ = select.select(watched, [], [], None if deadline is None else left)
+                if alive is not None and alive in ready:
+                    os.close(alive)
+                    alive, deadline = None, time.monotonic() + self.adoptable.wait
+                    log.warning("the zygote (pid %d) died; this spare waits %g s for its server", parent,
+                                self.adoptable.wait)
+                if listener.fileno() in ready:
+                    conn = _proven(listener, self.adoptable.secret.encode())
+                    if conn is not None:
+                        conn.send(("adopted", os.getpid(), revision(), dataclasses.asdict(self.engine)))
+                        log.info("the zygote's spare takes its place (pid %d)", os.getpid())
+                        return conn
+            return None
+        finally:
+            _unlisten(listener, self.adoptable.spare_path)
+
+    def _stop_spare(self) -> None:
+        if self.spare is not None:
+            pid, pidfd = self.spare
+            with contextlib.suppress(ProcessLookupError):
+                signal.pidfd_send_signal(pidfd, signal.SIGKILL)
+            os.waitpid(pid, 0)
+            os.close(pidfd)
+            self.spare = None
+            if self.adoptable is not None:
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(self.adoptable.spare_path)  # what it listened at (only this zygote's spares do)
+
     def _reap(self, fds: list[int]) -> list[tuple[int, int]]:
         """The children whose pidfd is readable, reaped: (pid, exit code) each."""
         gone = []
@@ -134,11 +233,9 @@ class _Zygote:
         return gone
 
     def close(self) -> None:
+        self._stop_spare()
         if self.listener is not None and self.adoptable is not None:
-            with contextlib.suppress(OSError):  # ours still (a later zygote of the model may have bound it anew)
-                if os.stat(self.adoptable.path).st_ino == os.fstat(self.listener.fileno()).st_ino:
-                    os.unlink(self.adoptable.path)
-            self.listener.close()
+            _unlisten(self.listener, self.adoptable.path)
 
 
 def _listen(path: str) -> socket.socket:
@@ -153,6 +250,15 @@ def _listen(path: str) -> socket.socket:
         os.umask(old)
     listener.listen(4)
     return listener
+
+
+def _unlisten(listener: socket.socket, path: str) -> None:
+    """Stop listening, and remove the socket at ``path`` if it is still this one's (a later zygote of the model may
+    have bound it anew)."""
+    with contextlib.suppress(OSError):
+        if os.stat(path).st_ino == os.fstat(listener.fileno()).st_ino:
+            os.unlink(path)
+    listener.close()
 
 
 def _proven(listener: socket.socket, secret: bytes) -> Connection | None:
@@ -213,7 +319,7 @@ def _load_adapters(engine: EngineSpec, weights: Any) -> dict[str, Any]:
 
 
 def _fork(spec: WorkerSpec, weights: Any, adapters: dict[str, Any], own: list[Connection | socket.socket | None],
-          children: dict[int, int]) -> int:
+          fds: list[int]) -> int:
     """Fork the instance ``spec`` describes; the child runs the worker and never returns. The child's pid (0 if
     the fork failed)."""
     sys.stdout.flush()
@@ -230,7 +336,7 @@ def _fork(spec: WorkerSpec, weights: Any, adapters: dict[str, Any], own: list[Co
         for item in own:  # the zygote's: the pipe, its listening socket
             if item is not None:
                 item.close()
-        for fd in children:
+        for fd in fds:  # the zygote's pidfds: of its children and its spare
             os.close(fd)
         worker_main(spec, weights, adapters)
         code = 0
