@@ -111,6 +111,11 @@ def test_a_killed_zygote_s_spare_takes_its_place_while_its_instances_keep_servin
     pids = worker_pids(server)
     spares = set(children(zygote_pid)) - pids  # a copy of the zygote, its weights shared, waiting
     assert len(spares) == 1, spares
+    killed = spares.pop()
+    os.kill(killed, signal.SIGKILL)  # a spare killed: its zygote forks another
+    wait_for(lambda: len(set(children(zygote_pid)) - pids) == 1 and killed not in children(zygote_pid), 10,
+             "another spare")
+    spares = set(children(zygote_pid)) - pids
     with Client(server.admin) as client:
         stream = client.stream(PROMPTS[0], max_tokens=200, temperature=0, timeout=60)
         chunks = iter(stream)

@@ -105,9 +105,12 @@ class _Zygote:
         (True) or is gone (False)."""
         try:
             while True:
-                ready, _, _ = select.select([conn.fileno(), *self.children], [], [])
+                spare = [self.spare[1]] if self.spare is not None else []
+                ready, _, _ = select.select([conn.fileno(), *self.children, *spare], [], [])
                 for pid, code in self._reap([fd for fd in ready if fd in self.children]):
                     conn.send(("exited", pid, code))
+                if spare and spare[0] in ready:  # the spare was killed: another
+                    self.fork_spare(conn)
                 if conn.fileno() not in ready:
                     continue
                 msg = conn.recv()
