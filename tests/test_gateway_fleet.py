@@ -8,6 +8,7 @@ import http.client
 import json
 import os
 import signal
+import time
 from pathlib import Path
 from typing import Any
 
@@ -206,7 +207,7 @@ def _content(datas: list[str]) -> str:
 
 
 @pytest.mark.timeout(240)
-def test_a_stream_is_read_on_through_another_gateway_process_which_takes_it_over_if_its_own_died() -> None:
+def test_streams_are_read_on_through_another_gateway_process_which_takes_them_over_if_their_own_died() -> None:
     port = free_port()
     server = ServerProcess("--model", "builtin:tiny", "--http", f"127.0.0.1:{port}", "--http-workers", "2",
                            "--reuse", "exact").wait_ready()
@@ -260,5 +261,28 @@ def test_a_stream_is_read_on_through_another_gateway_process_which_takes_it_over
         assert _content(_datas(first) + _datas(rest)) == reference  # nothing lost, nothing twice
         ids = [int(line[4:]) for line in rest.splitlines() if line.startswith(b"id: ")]
         assert ids == list(range(1, len(ids) + 1))
+
+        # a background response whose gateway process dies: the other one takes it over when it is read
+        body = {"model": "tiny", "input": "Tell me a story", "max_output_tokens": 1500, "temperature": 0}
+        whole = httpx.post(f"http://127.0.0.1:{port}/v1/responses", json=body, timeout=120).json()
+        conn, client_port = _connected(port)
+        producer = _holder(_gateways(server), port, client_port)
+        conn.request("POST", "/v1/responses", json.dumps({**body, "background": True}),
+                     {"content-type": "application/json"})
+        head = json.loads(conn.getresponse().read())
+        conn.close()
+        time.sleep(0.5)  # some of it made by the producer
+        os.kill(producer, signal.SIGKILL)
+        wait_for(lambda: _gateways(server) and producer not in _gateways(server), 30, "the gateway process gone")
+        with httpx.stream("GET", f"http://127.0.0.1:{port}/v1/responses/{head['id']}", params={"stream": "true"},
+                          timeout=120) as again:
+            events = [json.loads(d) for d in _datas(again.read())]
+        numbers = [e["sequence_number"] for e in events]
+        assert numbers == list(range(len(events))), numbers
+        assert events[-1]["type"] == f"response.{whole['status']}", events[-1]
+        text = "".join(e["delta"] for e in events if e["type"] == "response.output_text.delta")
+        assert text == whole["output"][0]["content"][0]["text"]
+        stored = httpx.get(f"http://127.0.0.1:{port}/v1/responses/{head['id']}", timeout=30).json()
+        assert stored["status"] == whole["status"] and stored["id"] == head["id"]
     finally:
         server.stop()

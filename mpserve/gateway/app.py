@@ -162,7 +162,7 @@ def create_app(config: GatewayConfig) -> Starlette:
         Route("/slots/{slot}", gateway.slot_action, methods=["POST"]),
         Route("/openapi.json", _openapi, methods=["GET"]),
         *gateway.pipeline.routes([responses_api, Messages()]),
-        *stored_routes(responses_api),
+        *stored_routes(responses_api, gateway.pipeline),
         *gateway.console.routes(),
         *gateway.admin.routes(),
     ]

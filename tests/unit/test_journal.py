@@ -91,9 +91,14 @@ def test_a_stream_whose_gateway_process_died_is_taken_over_once_with_the_pieces_
         assert taken is not None and taken.next_seq == 3 and taken.pieces == [(0, "Hel"), (0, "lo"), (1, " you")]
         assert journal.stream("o", "k").state == "running" and journal.take_over("o", "k") is None  # ours now
 
-        journal.begin("o", "bg", "bg", b"{}")  # a background response: no body to send again
+        journal.begin("o", "bg", "bg", b"{}")  # a background response without its request: none to send again
         journal._db.execute("UPDATE streams SET pid = ? WHERE key = 'bg'", (pid,))
         assert journal.take_over("o", "bg") is None
+        journal.begin("o", "bg2", "bg2", b'{"id": "bg2"}', b'{"body": {}}')  # one with it
+        journal._db.execute("UPDATE streams SET pid = ? WHERE key = 'bg2'", (pid,))
+        again = journal.take_over("o", "bg2")
+        assert again is not None and (again.head, again.request, again.next_seq) == (b'{"id": "bg2"}',
+                                                                                    b'{"body": {}}', 0)
         await journal.close()
 
     asyncio.run(run())

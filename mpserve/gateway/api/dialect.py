@@ -57,7 +57,7 @@ from ..http.watch import ClientGone, first, unless_disconnected
 from ..ops.metrics import GatewayMetrics
 from . import openai as oai
 from .chat import Renderer
-from .journal import Journal, NoStream, Pieces
+from .journal import Journal, NoStream, Pieces, Taken
 
 
 class Answer(Protocol):
@@ -90,6 +90,13 @@ class Dialect(Protocol):
 
     def error_body(self, error: HttpError) -> dict[str, Any]:
         """An error in the dialect's shape."""
+
+
+class Revivable(Dialect, Protocol):
+    """A dialect with background answers, which another gateway process can take over (``Pipeline.revive``)."""
+
+    def resumed(self, body: Any, owner: str, head: bytes) -> Answer:
+        """``body`` parsed again as the background answer whose object was ``head`` (its id, its creation)."""
 
 
 class OpenAI:
@@ -225,14 +232,7 @@ class Pipeline:
                 resumed = self._resumed(request, body, request.headers["last-event-id"])
                 if self.journal.stream(owner(request), resumed[0]).state != "orphaned":
                     return EventStream(self._tail(answer, owner(request), *resumed), answer.call.headers())
-            client, tenant = await self.backend.for_tenant(keys.tenant(request))
-            if keys.tenant(request) and not tenant:  # sent as the gateway's own: its prompts still kept apart
-                cache_salt = fallback_salt(keys.tenant(request), cache_salt)
-            model = answer.call.model or sole_model(client)  # BASE:NAME names an adapter: answered with it
-            base = wire_adapters.split_model(model)[0] or model
-            adapters = await self._adapters(answer.call, base)
-            chosen = base, wire_adapters.selection(model, adapters)[1]  # what the metrics count it under
-            answer.call = await self._prepared(answer.call, client, base)
+            client, reply, ask = await self._asked(request, answer, cache_salt, priority)
         except NoStream as exc:
             return JSONResponse(HttpError(404, "not_found", exc.message).body(), 404)
         except MpserveError as exc:
@@ -245,35 +245,50 @@ class Pipeline:
         except ClientDisconnect:  # a broken chunk, a hang-up
             self.metrics.outcome(endpoint, ErrorCode.CANCELLED)
             return Response(status_code=204)  # nobody reads it
-        call, reply = answer.call, oai.Reply(answer.call, model)
-        ask = Ask(keys.broker_id(request), cache_salt, tenant, adapters, chosen, priority)
-        rid = ask.request_id
+        call, rid = answer.call, ask.request_id
         if resumed is not None:
             return self._take_over(request, dialect, answer, reply, client, resumed, started, ask)
         background = getattr(answer, "background", None)
         if background is not None:
-            return await self._background(request, dialect, answer, reply, client, background, ask)
+            asked = json.dumps({"body": body, "cache_salt": cache_salt, "priority": priority}).encode()
+            return await self._background(request, dialect, answer, reply, client, background, ask, asked)
         key = request.headers.get("x-request-id") if call.stream else None  # the caller's: resumable
         try:
             if key is not None:
                 return await self._resumable(request, dialect, answer, reply, client, key, body, started, ask)
             if call.stream:
                 stream = client.stream(call.prompt, model=call.model, request_id=rid, params=call.params,
-                                       cache_salt=cache_salt, tenant=tenant, adapters=adapters, priority=priority)
+                                       cache_salt=ask.cache_salt, tenant=ask.tenant, adapters=ask.adapters,
+                                       priority=ask.priority)
                 chunks = stream.__aiter__()  # submits the request on its first step
                 text = await unless_disconnected(request, first(chunks))
-                return EventStream(self._events(dialect, answer, reply, stream, chunks, text, started, chosen),
+                return EventStream(self._events(dialect, answer, reply, stream, chunks, text, started, ask.counted),
                                    call.headers())
             results = await unless_disconnected(request, client.choices(
-                call.prompt, model=call.model, request_id=rid, params=call.params, cache_salt=cache_salt,
-                tenant=tenant, adapters=adapters, priority=priority))
+                call.prompt, model=call.model, request_id=rid, params=call.params, cache_salt=ask.cache_salt,
+                tenant=ask.tenant, adapters=ask.adapters, priority=ask.priority))
         except ClientGone:
             self.metrics.outcome(endpoint, ErrorCode.CANCELLED)
             return Response(status_code=204)  # nobody reads it
         except MpserveError as exc:
             return self._failed(dialect, exc)
-        self._done(endpoint, chosen, results, started)
+        self._done(endpoint, ask.counted, results, started)
         return JSONResponse(answer.whole(reply.whole(call.shown(results), results)), headers=call.headers())
+
+    async def _asked(self, request: Request, answer: Answer, cache_salt: str | None, priority: int
+                     ) -> tuple[AsyncClient, oai.Reply, Ask]:
+        """The client (the caller's tenant's), the reply and the ask for ``answer``, its call prepared (a chat's
+        prompt from the model's template)."""
+        client, tenant = await self.backend.for_tenant(keys.tenant(request))
+        if keys.tenant(request) and not tenant:  # sent as the gateway's own: its prompts still kept apart
+            cache_salt = fallback_salt(keys.tenant(request), cache_salt)
+        model = answer.call.model or sole_model(client)  # BASE:NAME names an adapter: answered with it
+        base = wire_adapters.split_model(model)[0] or model
+        adapters = await self._adapters(answer.call, base)
+        chosen = base, wire_adapters.selection(model, adapters)[1]  # what the metrics count it under
+        answer.call = await self._prepared(answer.call, client, base)
+        return client, oai.Reply(answer.call, model), Ask(keys.broker_id(request), cache_salt, tenant, adapters,
+                                                          chosen, priority)
 
     async def _resumable(self, request: Request, dialect: Dialect, answer: Answer, reply: oai.Reply,
                          client: AsyncClient, key: str, body: Any, started: float, ask: Ask) -> Response:
@@ -317,12 +332,9 @@ class Pipeline:
         (key, after), who, call = resumed, owner(request), answer.call
         taken = self.journal.take_over(who, key)
         if taken is not None:
-            delivered: dict[int, str] = {}
-            for index, piece in taken.pieces:
-                delivered[index] = delivered.get(index, "") + piece
             stream = client.stream(call.prompt, model=call.model, params=call.params, request_id=ask.request_id,
                                    cache_salt=ask.cache_salt, tenant=ask.tenant, adapters=ask.adapters,
-                                   priority=ask.priority, delivered=delivered)
+                                   priority=ask.priority, delivered=_delivered(taken.pieces))
             fed: Pieces = []
             self.journal.produce(who, key, self._events(dialect, answer, reply, stream, stream.__aiter__(), None,
                                                         started, ask.counted, fed, replay=taken.pieces),
@@ -330,20 +342,50 @@ class Pipeline:
         return EventStream(self._tail(answer, who, key, after), call.headers())
 
     async def _background(self, request: Request, dialect: Dialect, answer: Answer, reply: oai.Reply,
-                          client: AsyncClient, background: Background, ask: Ask) -> Response:
+                          client: AsyncClient, background: Background, ask: Ask, asked: bytes) -> Response:
         """A response produced to its end in a task of its own, whoever reads it; the POST answers at once: the
-        response in progress, or its stream (read on with ``GET …?stream=true&starting_after=N``)."""
-        who, call, key = owner(request), replace(answer.call, stream=True), background.key
-        reply = oai.Reply(call, reply.model)
-        self.journal.begin(who, key, key, background.head)
+        response in progress, or its stream (read on with ``GET …?stream=true&starting_after=N``). ``asked``: its
+        request, journaled for a takeover (``revive``)."""
+        who, key = owner(request), background.key
+        self.journal.begin(who, key, key, background.head, asked)
+        self._produce_background(dialect, answer, reply, client, ask, who, key)
+        if answer.call.stream:
+            return EventStream(self._tail(answer, who, key, -1), answer.call.headers())
+        return JSONResponse(json.loads(background.head), headers=answer.call.headers())
+
+    def _produce_background(self, dialect: Dialect, answer: Answer, reply: oai.Reply, client: AsyncClient, ask: Ask,
+                            who: str, key: str, taken: Taken | None = None) -> None:
+        """Run a background response, streamed, into the journal; ``taken``: from where its dead producer left it."""
+        call = replace(answer.call, stream=True)
+        delivered = _delivered(taken.pieces) if taken is not None else None
         stream = client.stream(call.prompt, model=call.model, params=call.params, request_id=ask.request_id,
                                cache_salt=ask.cache_salt, tenant=ask.tenant, adapters=ask.adapters,
-                               priority=ask.priority)
-        self.journal.produce(who, key, self._events(dialect, answer, reply, stream, stream.__aiter__(), None,
-                                                    time.perf_counter(), ask.counted), background=True)
-        if answer.call.stream:
-            return EventStream(self._tail(answer, who, key, -1), call.headers())
-        return JSONResponse(json.loads(background.head), headers=call.headers())
+                               priority=ask.priority, delivered=delivered)
+        fed: Pieces = []
+        self.journal.produce(who, key, self._events(dialect, answer, oai.Reply(call, reply.model), stream,
+                                                    stream.__aiter__(), None, time.perf_counter(), ask.counted, fed,
+                                                    replay=taken.pieces if taken is not None else None),
+                             background=True, fed=fed, start=taken.next_seq if taken is not None else 0)
+
+    async def revive(self, request: Request, dialect: Revivable, key: str) -> None:
+        """A background response whose gateway process died, taken over by this one (any reader of it does this):
+        its journaled request sent again, the text it had made dropped as it comes again, its answer's state
+        replayed; a request that cannot be sent again ends it with the dialect's error event."""
+        who = owner(request)
+        taken = self.journal.take_over(who, key)
+        if taken is None or taken.request is None or taken.head is None:
+            return
+        asked = json.loads(taken.request)
+        answer = None
+        try:
+            answer = dialect.resumed(asked["body"], who, taken.head)
+            client, reply, ask = await self._asked(request, answer, asked["cache_salt"], asked["priority"])
+        except MpserveError as exc:
+            error = HttpError.from_mpserve(exc)
+            event = answer.failed(error) if answer is not None else encode.event(error.body())
+            self.journal.failed(who, key, event, taken.next_seq)
+            return
+        self._produce_background(dialect, answer, reply, client, ask, who, key, taken)
 
     def _tail(self, answer: Answer, who: str, key: str, after: int) -> AsyncGenerator[bytes, None]:
         return self.journal.tail(who, key, after, lambda exc, _: answer.failed(HttpError.from_mpserve(exc)))
@@ -441,6 +483,14 @@ class Background:
 
 def _digest(body: Any) -> str:
     return hashlib.sha256(json.dumps(body, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+
+
+def _delivered(pieces: Pieces) -> dict[int, str]:
+    """Each choice's text, from the pieces the dialect took."""
+    delivered: dict[int, str] = {}
+    for index, piece in pieces:
+        delivered[index] = delivered.get(index, "") + piece
+    return delivered
 
 
 async def _after(first: str | None, chunks: AsyncIterator[str]) -> AsyncIterator[str]:

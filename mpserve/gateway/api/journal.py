@@ -68,6 +68,12 @@ CREATE TABLE IF NOT EXISTS events (
     data BLOB NOT NULL,
     PRIMARY KEY (owner, key, seq)
 );
+CREATE TABLE IF NOT EXISTS asked (  -- a background response's request, for a takeover
+    owner TEXT NOT NULL,
+    key TEXT NOT NULL,
+    request BLOB NOT NULL,    -- JSON, as the pipeline keeps it
+    PRIMARY KEY (owner, key)
+);
 CREATE TABLE IF NOT EXISTS fed (  -- the text a batch of events was made of, for a takeover
     owner TEXT NOT NULL,
     key TEXT NOT NULL,
@@ -95,10 +101,13 @@ class Stream:
 
 @dataclass(frozen=True)
 class Taken:
-    """A stream this process took over: the seq its next event gets, and the pieces its events were made of."""
+    """A stream this process took over: the seq its next event gets, the pieces its events were made of, and for a
+    background response its head and request (``begin``'s)."""
 
     next_seq: int
     pieces: Pieces
+    head: bytes | None = None
+    request: bytes | None = None
 
 
 class Journal:
@@ -121,8 +130,10 @@ class Journal:
 
     # --- producing ---
 
-    def begin(self, owner: str, key: str, digest: str, head: bytes | None = None) -> None:
-        """A new stream ``key``; ``Conflict`` if one of that key is running."""
+    def begin(self, owner: str, key: str, digest: str, head: bytes | None = None, request: bytes | None = None
+              ) -> None:
+        """A new stream ``key``; BadRequest if one of that key is running. ``head`` and ``request``: a background
+        response's object while it runs, and its request as ``take_over`` gives it back."""
         now = time.time()
         with self._transaction() as db:
             _forget_old(db, owner, now)
@@ -131,10 +142,11 @@ class Journal:
                                                                             or pid_alive(row[1])):
                 raise BadRequest(f"a stream with request id {key!r} is running; resume it (send the header "
                                  "Last-Event-ID with the id of the last event you have) or use another id")
-            db.execute("DELETE FROM events WHERE owner = ? AND key = ?", (owner, key))
-            db.execute("DELETE FROM fed WHERE owner = ? AND key = ?", (owner, key))
+            _delete(db, (owner, key))
             db.execute("INSERT OR REPLACE INTO streams (owner, key, digest, pid, state, started, seen, head) "
                        "VALUES (?, ?, ?, ?, 'running', ?, ?, ?)", (owner, key, digest, os.getpid(), now, now, head))
+            if request is not None:
+                db.execute("INSERT INTO asked (owner, key, request) VALUES (?, ?, ?)", (owner, key, request))
         self._produced_here(owner, key)
 
     def _produced_here(self, owner: str, key: str) -> None:
@@ -212,12 +224,15 @@ class Journal:
 
     def take_over(self, owner: str, key: str) -> Taken | None:
         """Claim a running stream whose producing process died, for a new producer in this process: None if it is
-        not (any more) such a stream, or it cannot be taken over (a background response, one asked to stop, one
-        journaled without the text of its events)."""
+        not (any more) such a stream, or it cannot be taken over (one asked to stop, a background response without
+        its request, one journaled without the text of its events)."""
         with self._transaction() as db:
             row = db.execute("SELECT state, pid, head FROM streams WHERE owner = ? AND key = ?",
                              (owner, key)).fetchone()
-            if row is None or row[0] != "running" or row[2] is not None or _alive(row[1]):
+            if row is None or row[0] != "running" or _alive(row[1]):
+                return None
+            request = db.execute("SELECT request FROM asked WHERE owner = ? AND key = ?", (owner, key)).fetchone()
+            if row[2] is not None and request is None:
                 return None
             last = db.execute("SELECT MAX(seq) FROM events WHERE owner = ? AND key = ?", (owner, key)).fetchone()
             batches = db.execute("SELECT seq, pieces FROM fed WHERE owner = ? AND key = ? ORDER BY seq",
@@ -230,7 +245,14 @@ class Journal:
         self._produced_here(owner, key)
         log.info("stream %r: its gateway process (pid %d) died; taken over here after %d events", key, row[1],
                  next_seq)
-        return Taken(next_seq, [(int(i), str(t)) for _, pieces in batches for i, t in json.loads(pieces)])
+        return Taken(next_seq, [(int(i), str(t)) for _, pieces in batches for i, t in json.loads(pieces)], row[2],
+                     request[0] if request is not None else None)
+
+    def failed(self, owner: str, key: str, event: bytes, seq: int) -> None:
+        """A stream taken over whose request cannot be sent again: ``event`` (the dialect's error) ends it."""
+        with self._transaction() as db:
+            db.execute("INSERT INTO events (owner, key, seq, data) VALUES (?, ?, ?, ?)", (owner, key, seq, event))
+        self._ended(owner, key, "ended")
 
     def forget(self, owner: str, key: str) -> None:
         """A stream begun here that never started producing (its request was refused) taken back."""
@@ -358,6 +380,11 @@ def _forget_old(db: sqlite3.Connection, owner: str, now: float) -> None:
     extra = db.execute("SELECT owner, key FROM streams WHERE owner = ? AND state IN ('ended', 'cancelled') "
                        "ORDER BY started DESC LIMIT -1 OFFSET ?", (owner, MAX_STREAMS - 1)).fetchall()
     for gone in {*old, *extra}:
-        db.execute("DELETE FROM events WHERE owner = ? AND key = ?", gone)
-        db.execute("DELETE FROM fed WHERE owner = ? AND key = ?", gone)
+        _delete(db, gone)
         db.execute("DELETE FROM streams WHERE owner = ? AND key = ?", gone)
+
+
+def _delete(db: sqlite3.Connection, stream: tuple[str, str]) -> None:
+    """What is kept of a stream besides its row: its events, the text they were made of, its request."""
+    for table in ("events", "fed", "asked"):
+        db.execute(f"DELETE FROM {table} WHERE owner = ? AND key = ?", stream)  # noqa: S608 - a table of ours

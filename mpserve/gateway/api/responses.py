@@ -17,13 +17,16 @@ required or ``{"type": "function", "name"}``; ``text.format`` is text, json_obje
 "json_schema", "name", "schema"}``), as chat's ``response_format``. ``store`` (default true, as OpenAI's) keeps
 the response and its conversation in ``response_store.ResponseStore``: per API key, within a byte budget per
 key and one in all, in a file every gateway process of the port shares; ``previous_response_id`` continues one
-(its instructions are not carried over, as OpenAI documents). A field OpenAI has and mpserve cannot honour
-(built-in tools, reasoning effort, background, images, ...) is refused with 400 naming it, unless sent at its
-neutral value; a field OpenAI does not have is refused as unrecognized.
+(its instructions are not carried over, as OpenAI documents). ``background: true`` runs a response to its end
+whoever reads it (``dialect.Pipeline``), its request journaled so that another gateway process takes it over when
+it is read after its own died (``Pipeline.revive``). A field OpenAI has and mpserve cannot honour (built-in tools,
+reasoning effort, images, ...) is refused with 400 naming it, unless sent at its neutral value; a field OpenAI
+does not have is refused as unrecognized.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import time
 import uuid
@@ -41,7 +44,7 @@ from mpserve.wire import protocol as wire
 from ..http.encode import EventStream
 from ..http.errors import HttpError
 from . import openai as oai
-from .dialect import Background, event, finish_reason, owner
+from .dialect import Background, Pipeline, event, finish_reason, owner
 from .journal import Journal, NoStream
 from .response_store import NotStored, ResponseStore
 
@@ -116,6 +119,14 @@ class Responses:
                 raise BadRequest("'background' needs 'store': a background response is read when it is done "
                                  "(GET /v1/responses/{id}), so it must be stored")
             answer.background = Background(answer.id, json.dumps(answer.head("queued")).encode())
+        return answer
+
+    def resumed(self, body: Any, owner: str, head: bytes) -> ResponseAnswer:
+        """The background response whose object was ``head``, parsed again from its request ``body`` (``revive``)."""
+        answer = self.parse(body, owner)
+        known = json.loads(head)
+        answer.id, answer.created_at = known["id"], known["created_at"]
+        answer.background = Background(answer.id, head)
         return answer
 
     @staticmethod
@@ -386,12 +397,16 @@ def _as_chat(output: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return [{"role": "assistant", "content": text or None, **({"tool_calls": calls} if calls else {})}]
 
 
-def stored_routes(responses: Responses) -> list[Route]:
+def stored_routes(responses: Responses, pipeline: Pipeline) -> list[Route]:
     """``GET`` and ``DELETE /v1/responses/{id}``: a stored response of the caller's API key; a background one
-    while it runs too, and its events again (``?stream=true&starting_after=N``); ``POST …/cancel`` stops one."""
+    while it runs too (taken over here if its gateway process died: ``Pipeline.revive``), and its events again
+    (``?stream=true&starting_after=N``); ``POST …/cancel`` stops one."""
     async def retrieve(request: Request) -> Response:
         who, response_id = owner(request), request.path_params["id"]
         try:
+            with contextlib.suppress(NoStream):
+                if responses.journal.stream(who, response_id).state == "orphaned":
+                    await pipeline.revive(request, responses, response_id)
             if request.query_params.get("stream") == "true":
                 return _stream_again(responses.journal, who, response_id, request.query_params.get("starting_after"))
             try:
