@@ -45,6 +45,8 @@ if TYPE_CHECKING:
     from mpserve.client import Client
     from mpserve.gateway.app import GatewayConfig
 
+LISTEN_AFTER_DEATH_S = 10.0  # how long start --http waits for the gateways of a server that died to let its port go
+
 app = typer.Typer(add_completion=False, no_args_is_help=True,
                   help="Run several llama.cpp instances behind one ZeroMQ broker.")
 
@@ -143,7 +145,9 @@ def start(given: Given, config_file: ConfigOption = None) -> None:
     Every address, folder and model file is checked first: a problem ends the command with exit status 1 and
     one line naming it and the fix, before anything starts. With --http, if the gateway exits while the server
     runs, the server stops too and the command ends with exit status 1 (a service manager restarts both)."""
+    from mpserve.gateway import fleet
     from mpserve.gateway.app import parse_http
+    from mpserve.server.adoption import died_before
     from mpserve.server.loop import serve
     from mpserve.server.preflight import check_start
     from mpserve.server.roles import gateway_keys
@@ -151,13 +155,17 @@ def start(given: Given, config_file: ConfigOption = None) -> None:
     with _errors():
         config = _config(given, config_file)
         http = given.cli["http"]
-        check_start(config, parse_http(http) if http else None)
+        # the port is checked unless an upgrade hands it over, or the gateways of a server that died still hold it
+        checked = http and fleet.HANDED_FD not in os.environ and not died_before(config.server_name)
+        check_start(config, parse_http(http) if checked else None)
         paths = ServerPaths.for_name(config.server_name, config.bind, config.workers_bind, config.admin_bind)
         gateway_key = gateway_keys(paths) if http and config.curve_secret else None  # for a CURVE front
         with _Gateway(http, config, given.cli, gateway_key) if http else contextlib.nullcontext() as gateways:
             _pull(config)  # with the gateway up: /backend/monitor and the console show the downloads
             upgrading = serve(config, gateway_key, reread=lambda: _config(given, config_file),
                               reloaded=(lambda: gateways.fleet.signal(signal.SIGHUP)) if gateways is not None else None)
+            if upgrading and gateways is not None:
+                gateways.hand_over()
     if upgrading:  # the mpserve installed now, in this process (its pid stays, for the service manager)
         sys.stdout.flush()
         sys.stderr.flush()
@@ -302,6 +310,9 @@ def gateway(
     request_timeout: Annotated[float | None, typer.Option(
         "--request-timeout", envvar="MPSERVE_REQUEST_TIMEOUT", min=0.1,
         help=settings.BY_KEY["request_timeout"].help_text())] = None,
+    reattach: Annotated[float, typer.Option(
+        "--reattach", envvar="MPSERVE_REATTACH", min=0, max=3600, help=settings.BY_KEY["reattach"].help_text())]
+    = float(settings.BY_KEY["reattach"].default),
     curve_server_key: Annotated[str | None, typer.Option(
         "--curve-server-key", envvar="MPSERVE_CURVE_SERVER_KEY", help="The server's public key file.")] = None,
     curve_secret: Annotated[str | None, typer.Option(
@@ -366,7 +377,7 @@ def gateway(
         host, port = parse_http(http)
         config = GatewayConfig(host=host, port=port, connect=connect, admin_connect=admin_connect,
                        server_name=server_name, api_key=api_key,
-                       request_timeout=request_timeout, curve_server_key=curve_server_key,
+                       request_timeout=request_timeout, reattach=reattach, curve_server_key=curve_server_key,
                        curve_secret=curve_secret, log_level=log_level,
                        exit_with_parent=exit_with_parent, api_keys=load_keys(None, api_key_file),
                        api_key_file=api_key_file,
@@ -423,10 +434,23 @@ class _Gateway:
     def __init__(self, http: str, config: cfg.ServerConfig, flags: dict[str, Any], key: Path | None) -> None:
         from mpserve.gateway import fleet
         from mpserve.gateway.app import parse_http
+        from mpserve.server.adoption import died_before
 
+        host, port = parse_http(http)
+        handed = fleet.handed_over(host, port)  # an upgrade: the socket of the start before this one, and its gateways
         command, env = _gateway_command(http, config, flags, key)
-        self.fleet = fleet.Fleet(fleet.listen(*parse_http(http)), flags["http_workers"] or 1, command, env,
-                                 self._give_up)
+        if handed is not None:
+            sock = handed[0]
+        else:  # the gateways of the server before this one, if it died, let the port go as they notice
+            sock = fleet.listen(host, port, LISTEN_AFTER_DEATH_S if died_before(config.server_name) else 0.0)
+        self.fleet = fleet.Fleet(sock, flags["http_workers"] or 1, command, env, self._give_up)
+        fleet.drain(handed[1] if handed is not None else [])
+        self._handed_over = False
+
+    def hand_over(self) -> None:
+        """An upgrade: the port and the gateways go on to the start that follows in this process."""
+        self.fleet.hand_over()
+        self._handed_over = True
 
     def _give_up(self, reason: str) -> None:
         os.kill(os.getpid(), signal.SIGINT)
@@ -435,7 +459,8 @@ class _Gateway:
         return self
 
     def __exit__(self, exc_type: object, exc: BaseException | None, tb: object) -> None:
-        self.fleet.stop()
+        if not self._handed_over:
+            self.fleet.stop()
         if self.fleet.gave_up is not None:
             raise InternalError(f"{self.fleet.gave_up}, so the server stopped (its log above says why); fix that and "
                                 "start again")
@@ -445,13 +470,14 @@ def _gateway_command(http: str, config: cfg.ServerConfig, flags: dict[str, Any],
                      key: Path | None) -> tuple[Callable[[int], list[str]], dict[str, str]]:
     """How to run one ``mpserve gateway`` child on an inherited socket, and its environment. Each child runs in
     its own session: Ctrl-C reaches only the server, which drains its requests while the gateways keep streaming
-    them (and answer 503 to new ones); they are stopped after that, or stop by themselves if the server dies
-    outright. The keys travel in the environment, not in the command line that any user can read; ``key``, a key
-    pair the server accepts, lets them through a CURVE front (the server's public key is read from its secret key
-    file). Processes apart from the server's: in the broker's, the gateway would compete with the broker loop for
-    the GIL, and a fault in it could not touch the broker."""
+    them (and answer 503 to new ones); they are stopped after that. If the server dies outright, they let the port
+    go for its next start's gateways, and finish their streams on that start (reattached) before they exit. The
+    keys travel in the environment, not in the command line that any user can read; ``key``, a key pair the server
+    accepts, lets them through a CURVE front (the server's public key is read from its secret key file).
+    Processes apart from the server's: in the broker's, the gateway would compete with the broker loop for the
+    GIL, and a fault in it could not touch the broker."""
     from mpserve.gateway import fleet
-    from mpserve.gateway.app import STOPS_WITH_SERVER, parse_http
+    from mpserve.gateway.app import parse_http
     from mpserve.gateway.http import access
 
     host, _ = parse_http(http)  # refuse a bad value, a network port without a key, before anything starts
@@ -461,8 +487,9 @@ def _gateway_command(http: str, config: cfg.ServerConfig, flags: dict[str, Any],
             "MPSERVE_CURVE_SERVER_KEY": config.curve_secret if key else None,
             "MPSERVE_CURVE_CLIENT_SECRET": str(key) if key else None,
             "MPSERVE_ALLOWED_ORIGINS": flags["allowed_origins"], "MPSERVE_ALLOWED_HOSTS": flags["allowed_hosts"]}
-    env = {**os.environ, **{name: key for name, key in keys.items() if key}, STOPS_WITH_SERVER: "1"}
-    passed = [arg for key in ("api_key_file", "ssl_certfile", "ssl_keyfile", "request_timeout") if flags[key]
+    env = {**os.environ, **{name: key for name, key in keys.items() if key}}
+    passed = [arg for key in ("api_key_file", "ssl_certfile", "ssl_keyfile", "request_timeout", "reattach")
+              if flags[key] is not None
               for arg in (settings.BY_KEY[key].flag or "", str(flags[key]))]
     argv = [sys.executable, "-m", "mpserve", "gateway", "--http", http, "--server-name", config.server_name,
             "--log-level", config.log_level, *passed, *(["--insecure"] if config.insecure else [])]

@@ -9,6 +9,7 @@ import json
 import os
 import re
 import signal
+import socket
 import statistics
 import subprocess
 import sys
@@ -18,7 +19,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from helpers import free_port, http_up, wait_for
+from helpers import children, free_port, http_up, wait_for
 
 from mpserve import Client
 from mpserve.client import PING_INTERVAL_S, PING_LIVENESS
@@ -255,6 +256,19 @@ def _http_stream(url: str, prompt: str, out: dict[str, object], started: threadi
         started.set()
 
 
+def _http_streams(url: str, prompts: list[str]) -> tuple[list[dict[str, object]], list[threading.Thread]]:
+    """A thread streaming each prompt over HTTP (``_http_stream``), once each has its first text: what each gets
+    (filled in when its thread ends), and the threads."""
+    outs: list[dict[str, object]] = [{} for _ in prompts]
+    started = [threading.Event() for _ in prompts]
+    threads = [threading.Thread(target=_http_stream, args=(url, p, o, e))
+               for p, o, e in zip(prompts, outs, started, strict=True)]
+    for t in threads:
+        t.start()
+    assert all(e.wait(60) for e in started)
+    return outs, threads
+
+
 @pytest.mark.timeout(180)
 def test_http_streams_through_a_gateway_of_its_own_go_on_over_the_servers_death(start_server) -> None:
     """``mpserve gateway --http-workers 2``, a service of its own (its processes exit with their parent, not with the
@@ -271,13 +285,7 @@ def test_http_streams_through_a_gateway_of_its_own_go_on_over_the_servers_death(
                                stderr=subprocess.STDOUT)
     try:
         wait_for(lambda: http_up(url), 30, "the gateway answers")
-        outs: list[dict[str, object]] = [{} for _ in prompts]
-        started = [threading.Event() for _ in prompts]
-        threads = [threading.Thread(target=_http_stream, args=(url, p, o, e))
-                   for p, o, e in zip(prompts, outs, started, strict=True)]
-        for t in threads:
-            t.start()
-        assert all(e.wait(60) for e in started)
+        outs, threads = _http_streams(url, prompts)
         _kill_frozen(server, pids)
         time.sleep(2)
         start_server(*ARGS, name=server.name).wait_ready()
@@ -287,6 +295,32 @@ def test_http_streams_through_a_gateway_of_its_own_go_on_over_the_servers_death(
     finally:
         gateway.terminate()
         gateway.wait(30)
+
+
+@pytest.mark.timeout(180)
+def test_http_streams_through_the_gateways_of_start_http_go_on_over_the_servers_death(start_server) -> None:
+    """``mpserve start --http --http-workers 2`` (the gateways are the server's children): killed, its gateways let
+    the port go for the next start's and finish their streams on that start; each streams exactly."""
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    args = (*ARGS, "--http", f"127.0.0.1:{port}", "--http-workers", "2")
+    server = start_server(*args).wait_ready()
+    prompts = PROMPTS[:4]
+    with Client(server.address) as client:
+        whole = [client.generate(p, max_tokens=MAX_TOKENS, temperature=0).text for p in prompts]
+    wait_for(lambda: http_up(url), 30, "the gateway answers")
+    outs, threads = _http_streams(url, prompts)
+    _kill_frozen(server, _worker_pids(server))
+    time.sleep(2)
+    again = start_server(*args, name=server.name).wait_ready()
+    for t in threads:
+        t.join(120)
+    assert [o.get("text") for o in outs] == whole, outs
+    wait_for(lambda: http_up(url), 30, "the next start's gateways answer")
+    with httpx.Client(timeout=60) as http:
+        answer = http.post(url + "/v1/completions", json={"prompt": prompts[0], "max_tokens": 16, "temperature": 0})
+    assert answer.status_code == 200 and whole[0].startswith(answer.json()["choices"][0]["text"])
+    assert not again.tracebacks(), "\n".join(again.log)
 
 
 @pytest.mark.timeout(180)
@@ -316,4 +350,49 @@ def test_an_upgrade_under_8_streams_fails_none_and_loads_no_model(start_server) 
     assert sum("instances are forked from here" in line for line in server.log) == 1, "a model was loaded again"
     print(f"\nupgrade under {len(streams)} streams: none failed, all exact, instances kept (pids {pids}); "
           f"longest pause per stream max {max(s.pause for s in streams):.1f} s")
+    assert not server.tracebacks(), "\n".join(server.log)
+
+
+@pytest.mark.timeout(180)
+def test_an_upgrade_of_start_http_keeps_the_port_served_and_its_http_streams_exact(start_server) -> None:
+    """``mpserve upgrade`` of ``start --http --http-workers 2``: the next start serves the very listening socket (its
+    gateways start on it), the old gateways finish their streams on the next start and exit; no connection to the
+    port is refused meanwhile."""
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    server = start_server(*ARGS, "--http", f"127.0.0.1:{port}", "--http-workers", "2").wait_ready()
+    prompts = PROMPTS[:4]
+    with Client(server.address) as client:
+        whole = [client.generate(p, max_tokens=MAX_TOKENS, temperature=0).text for p in prompts]
+    wait_for(lambda: http_up(url), 30, "the gateway answers")
+    old_gateways = {pid for pid in children(server.proc.pid)
+                    if b"gateway" in Path(f"/proc/{pid}/cmdline").read_bytes()}
+    assert len(old_gateways) == 2, old_gateways
+    outs, threads = _http_streams(url, prompts)
+    refused: list[Exception] = []
+    probing = threading.Event()
+
+    def probe() -> None:  # a new connection every 50 ms all along the upgrade
+        while not probing.is_set():
+            try:
+                with socket.create_connection(("127.0.0.1", port), timeout=5):
+                    pass
+            except OSError as exc:
+                refused.append(exc)
+            time.sleep(0.05)
+
+    prober = threading.Thread(target=probe)
+    prober.start()
+    try:
+        upgraded = subprocess.run([sys.executable, "-m", "mpserve", "upgrade", "--server-name", server.name],
+                                  capture_output=True, text=True, timeout=90)
+        assert upgraded.returncode == 0, upgraded.stderr
+        for t in threads:
+            t.join(120)
+    finally:
+        probing.set()
+        prober.join()
+    assert [o.get("text") for o in outs] == whole, outs
+    assert refused == []
+    wait_for(lambda: not any(_running(p) for p in old_gateways), 30, "the old gateways to exit")
     assert not server.tracebacks(), "\n".join(server.log)

@@ -1,8 +1,8 @@
 """What clients see when the server dies and is restarted (what systemd's ``Restart=on-failure`` does with
 examples/systemd/mpserve.service) without adoption (``--adopt-wait 0``, a client with ``reattach=0``; the default,
 where the streams go on, is ``test_adoption``'s): a request in flight fails with ``connection`` within the client's
-liveness window, not at its timeout, over ZeroMQ and over HTTP (an ``error`` event of that code: a gateway of
-``start --http`` stops with its server); once a server of the same name is back, a retry succeeds, on the same
+liveness window, not at its timeout, over ZeroMQ and over HTTP (an ``error`` event of that code: the gateways of
+``start --http`` with ``--reattach 0``); once a server of the same name is back, a retry succeeds, on the same
 ZeroMQ client and on the same HTTP port.
 And when it is stopped with a signal (``systemctl stop`` or ``restart``): a request in flight goes on for
 ``grace`` seconds, then ends ``shutting_down``; a second signal ends it at once."""
@@ -49,7 +49,8 @@ def _http_stream(url: str, outcome: list[object], streaming: threading.Event) ->
 @pytest.mark.timeout(120)
 def test_in_flight_requests_fail_promptly_and_a_retry_succeeds_once_the_server_is_back(start_server) -> None:
     port = free_port()
-    args = ("--instances", "2", "--n-ctx", "8192", "--http", f"127.0.0.1:{port}", "--adopt-wait", "0")
+    args = ("--instances", "2", "--n-ctx", "8192", "--http", f"127.0.0.1:{port}", "--adopt-wait", "0",
+            "--reattach", "0")
     server = start_server(*args).wait_ready()
     url = f"http://127.0.0.1:{port}"
     wait_for(lambda: http_up(url), 30, "the gateway answers")

@@ -254,6 +254,10 @@ SETTINGS: tuple[Setting, ...] = (
     _s("request_timeout", "cli", float, "none", "Seconds an HTTP request may take, queueing included (the gateway's "
        "bound, also on mpserve gateway): past it, 504; or 503 no_instance, saying why, while its model has no "
        "instance (no_instance_timeout bounds that wait without it)", cli_type=float, range=(0.1, 86400)),
+    _s("reattach", "cli", float, "30", "Seconds the gateway's requests in flight wait for a server that stopped "
+       "answering (killed, or upgraded, and started again) before they fail with connection; they reattach to its "
+       "next start, and no text comes twice (also on mpserve gateway; 0: fail at once)", cli_type=float,
+       range=(0, 3600)),
     _s("api_key", "cli", str, "none", "Require 'Authorization: Bearer KEY' on HTTP requests (/health excepted)"),
     _s("admin_key", "cli", str, "none", "Open the HTTP control API (/admin/: models, load, unload, scale) to "
        "'Authorization: Bearer KEY'; a key apart from --api-key"),

@@ -98,7 +98,6 @@ from .ops.metrics import CONTENT_TYPE, GatewayMetrics, ServerView
 from .ops.monitor import RestartCounter, gpu_usage, health, monitor, viewer_of
 
 log = logging.getLogger("mpserve.gateway")
-STOPS_WITH_SERVER = "MPSERVE_GATEWAY_OF_START"  # set in the environment of the gateways `mpserve start --http` runs
 
 SAMPLE_INTERVAL_S = 0.5
 # answered without the API key: load balancers probe /health; the console's page holds no data (its state does)
@@ -116,6 +115,7 @@ class GatewayConfig:
     server_name: str = "default"
     api_key: str | None = None
     request_timeout: float | None = None  # seconds per request, queueing included; None: no limit
+    reattach: float = REATTACH_S  # seconds its requests in flight wait for a server that stopped answering
     curve_server_key: str | None = None  # for a server bound to the network: its public key file
     curve_secret: str | None = None  # and this gateway's secret key file (mpserve keygen)
     log_level: str = "info"
@@ -204,20 +204,11 @@ def serve(config: GatewayConfig, fd: int | None = None) -> None:
     server.run(sockets=None if fd is None else [socket.socket(fileno=fd)])
 
 
-def _started_by_its_server(config: GatewayConfig) -> bool:
-    """Whether this gateway process is one of ``mpserve start --http``'s, which stop with their server (a fleet
-    of ``mpserve gateway --http-workers N`` exits with its parent too, a gateway of its own)."""
-    return config.exit_with_parent and os.environ.get(STOPS_WITH_SERVER) == "1"
-
-
 class _Gateway:
     def __init__(self, config: GatewayConfig) -> None:
         self.config = config
         self.backend = Backend(config.connect, config.server_name, config.request_timeout, config.curve_server_key,
-                               config.curve_secret, config.admin_connect,
-                               # a gateway of `start --http` stops with its server: its streams do not wait for
-                               # the next one (which takes the port once this gateway is gone)
-                               reattach=0.0 if _started_by_its_server(config) else REATTACH_S)
+                               config.curve_secret, config.admin_connect, config.reattach)
         self.metrics = GatewayMetrics()
         self.restarts = RestartCounter()
         self.console = console.Console(self.backend, self.metrics)
@@ -245,7 +236,9 @@ class _Gateway:
 
     async def _sample(self) -> None:
         """Watch the slot table for restarts and for the console; with ``exit_with_parent``, stop once the
-        parent is gone."""
+        parent is gone: new connections are left to the next start's gateways (the port is let go at once), and
+        the streams in flight go on, waiting for the next server to reattach to (a server killed and started
+        again: ``mpserve.client``), then this process exits."""
         parent = os.getppid()
         while True:
             local = self.backend.read_slots()
@@ -253,7 +246,7 @@ class _Gateway:
                 self.restarts.observe(local.server, local.rows)
             self.console.observe(local)
             if self.config.exit_with_parent and os.getppid() != parent:
-                log.warning("the server that started this gateway is gone; stopping")
+                log.warning("the process that started this gateway is gone; stopping once its streams end")
                 os.kill(os.getpid(), signal.SIGTERM)  # once: uvicorn shuts down gracefully (a second would force it)
                 return
             await asyncio.sleep(SAMPLE_INTERVAL_S)

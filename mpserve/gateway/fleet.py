@@ -4,8 +4,9 @@
       listen(HOST:PORT) once ──▶ one listening socket, inherited by every child (``--fd``): the kernel gives each
                                  new connection to one child, and a connection not yet accepted waits in the one
                                  shared queue, so a child's death loses only the connections it had accepted
-      N × ``mpserve gateway --fd FD …`` (a child: ``app.serve`` on the inherited socket; it stops by itself once its
-                                         parent is gone: ``--exit-with-parent``)
+      N × ``mpserve gateway --fd FD …`` (a child: ``app.serve`` on the inherited socket; once its parent is gone
+                                         it lets the socket go, finishes its streams and exits:
+                                         ``--exit-with-parent``)
       a thread per child waits for it ──▶ it died: logged, started again after RESTART_DELAY_S (doubling up to
                                           MAX_RESTART_DELAY_S while it keeps dying young, within YOUNG_S of its
                                           start); GIVE_UP_AFTER young deaths in a row: ``on_give_up`` (the server
@@ -14,6 +15,10 @@
       signal(SIGHUP) ──▶ each child reads its API key file again (a reload: ``mpserve reload``, or SIGHUP to the
                          parent of ``mpserve gateway --http-workers N``)
       stop() ──▶ SIGTERM to each child (uvicorn finishes its streams), SIGKILL after STOP_TIMEOUT_S
+      hand_over() (``mpserve upgrade``: the server executes the mpserve installed now, in its own process) ──▶ the
+          listening socket and the children's pids, in the environment, across the exec ──▶ ``handed_over`` in the
+          next start: its children serve that very socket (no connection refused), and the old ones are told to
+          stop (``drain``): each lets the socket go and finishes its streams, reattached to the next server
 
 What the children share lives where each can reach it: the server (over ZeroMQ) and the stored responses (a
 SQLite file in the runtime folder, ``api.response_store``). What each counts for itself stays its own: a scrape of
@@ -22,13 +27,17 @@ SQLite file in the runtime folder, ``api.response_store``). What each counts for
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import logging
+import os
 import signal
 import socket
 import subprocess
 import threading
 import time
 from collections.abc import Callable, Sequence
+from pathlib import Path
 
 from mpserve.errors import ConfigError
 
@@ -40,22 +49,30 @@ YOUNG_S = 10.0  # a child that dies sooner after its start counts toward giving 
 GIVE_UP_AFTER = 5
 STOP_TIMEOUT_S = 10.0
 BACKLOG = 2048  # uvicorn's
+LISTEN_RETRY_S = 0.1
+HANDED_FD, HANDED_PIDS = "MPSERVE_HANDED_HTTP_FD", "MPSERVE_HANDED_HTTP_PIDS"  # an upgrade's
 
 
-def listen(host: str, port: int) -> socket.socket:
+def listen(host: str, port: int, wait: float = 0.0) -> socket.socket:
     """The listening socket every child serves, bound as uvicorn binds one (IPv6 for a host with a colon,
-    SO_REUSEADDR), inheritable."""
+    SO_REUSEADDR), inheritable. ``wait``: how long a port in use may take to be let go (the gateways of a server
+    that died let it go as they notice, and finish their streams)."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
-    try:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.bind((host, port))
-        sock.listen(BACKLOG)
-    except OSError as exc:
-        sock.close()
-        raise ConfigError(f"--http {host}:{port}: cannot listen ({exc.strerror}); give a free port") from None
-    sock.set_inheritable(True)
-    return sock
+    deadline = time.monotonic() + wait
+    while True:
+        sock = socket.socket(family, socket.SOCK_STREAM)
+        try:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            sock.bind((host, port))
+            sock.listen(BACKLOG)
+        except OSError as exc:
+            sock.close()
+            if exc.errno == errno.EADDRINUSE and time.monotonic() < deadline:
+                time.sleep(LISTEN_RETRY_S)
+                continue
+            raise ConfigError(f"--http {host}:{port}: cannot listen ({exc.strerror}); give a free port") from None
+        sock.set_inheritable(True)
+        return sock
 
 
 def describe(status: int) -> str:
@@ -155,6 +172,56 @@ class Fleet:
                 child.kill()
                 child.wait()
         self._sock.close()
+
+
+    def hand_over(self) -> None:
+        """The listening socket and the children left to the start that follows in this process (an upgrade: it
+        execs), in the environment: no child is restarted from now on."""
+        with self._lock:
+            self._stopping.set()
+            pids = [child.pid for child in self._children if child is not None and child.poll() is None]
+        os.environ[HANDED_FD] = str(self._sock.fileno())
+        os.environ[HANDED_PIDS] = ",".join(map(str, pids))
+
+
+def handed_over(host: str, port: int) -> tuple[socket.socket, list[int]] | None:
+    """The listening socket on ``host:port`` and the gateway children that a start before this one in this process
+    handed over (``Fleet.hand_over``), taken out of the environment; None if there are none (or the descriptor is
+    not such a socket)."""
+    fd, pids = os.environ.pop(HANDED_FD, None), os.environ.pop(HANDED_PIDS, "")
+    if fd is None or not fd.isdigit():
+        return None
+    try:
+        sock = socket.socket(fileno=int(fd))
+        listening = sock.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN) and sock.getsockname()[1] == port
+    except OSError:
+        return None
+    if not listening:
+        log.warning("the HTTP socket handed over (descriptor %s) is not listening on %s:%d; binding anew", fd, host,
+                    port)
+        return None
+    sock.set_inheritable(True)
+    return sock, [int(pid) for pid in pids.split(",") if pid.isdigit() and ppid(int(pid)) == os.getpid()]
+
+
+def drain(pids: list[int]) -> None:
+    """The gateway children of the start before this one (an upgrade) stopped gracefully, and reaped: each lets
+    the listening socket go and finishes its streams first."""
+    for pid in pids:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGTERM)
+        threading.Thread(target=os.waitpid, args=(pid, 0), name=f"gateway-drain-{pid}", daemon=True).start()
+    if pids:
+        log.info("the gateway processes of the start before this one finish their streams: %s",
+                 " ".join(map(str, pids)))
+
+
+def ppid(pid: int) -> int:
+    """The parent of process ``pid`` (0 if it is gone)."""
+    try:
+        return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+    except (OSError, ValueError, IndexError):
+        return 0
 
 
 def child_command(argv: Sequence[str], fd: int) -> list[str]:

@@ -50,7 +50,16 @@ ZYGOTE_CONNECT_S = 2.0  # how long a zygote waiting to be adopted may take to an
 
 
 def secrets_path(paths: ServerPaths) -> Path:
-    return runtime_dir() / f"{paths.name}.link"
+    return _secrets_file(paths.name)
+
+
+def died_before(name: str) -> bool:
+    """Whether the last server of ``name`` died without stopping (its secret file is left)."""
+    return _secrets_file(name).exists()
+
+
+def _secrets_file(name: str) -> Path:
+    return runtime_dir() / f"{name}.link"
 
 
 @dataclass(frozen=True)
