@@ -74,6 +74,17 @@ def create_private(path: Path, flags: int = os.O_RDWR) -> int:
     return os.open(path, flags | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, FILE_MODE)
 
 
+def check_private(path: Path) -> None:
+    """``path`` is a regular file of this user's, not a link (``PlantedFile`` otherwise, ``FileNotFoundError`` if
+    there is none), checked without opening it: for a file another part of this process may hold open with POSIX
+    locks (an SQLite database), which closing any descriptor of it would release."""
+    st = os.lstat(path)
+    if stat.S_ISLNK(st.st_mode):
+        raise PlantedFile(errno.ELOOP, f"{path} is a symbolic link")
+    if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid():
+        raise PlantedFile(0, f"{path} is not a regular file of yours")
+
+
 def open_private(path: Path, flags: int = os.O_RDONLY) -> int:
     """A descriptor of the existing file at ``path`` when it is a regular file of this user's (not followed if a
     link); ``PlantedFile`` otherwise, ``FileNotFoundError`` if there is none."""

@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from mpserve.errors import BadRequest, ConfigError
-from mpserve.private import PlantedFile, create_private, open_private
+from mpserve.private import PlantedFile, check_private, create_private
 from mpserve.runtime import runtime_dir
 
 STORE_BYTES = 256 * 1024 * 1024
@@ -148,16 +148,22 @@ def open_db(path: Path, schema: str) -> sqlite3.Connection:
 
 def _check_file(path: Path) -> None:
     """The store's file created 0600 if missing; refused (``ConfigError``) if its name is a link, another user's
-    file or not a file."""
+    file or not a file. An existing one is checked without opening it: this process may hold it open already (the
+    journal and the store each connect), and closing a descriptor of it would drop that connection's locks, which
+    tell the other processes' SQLite that it is in use (one closing last would then delete the write-ahead log
+    under the others)."""
     try:
-        fd = create_private(path)
-    except FileExistsError:
-        try:
-            fd = open_private(path)
-        except (PlantedFile, OSError) as exc:
-            raise ConfigError(f"cannot use the stored responses' file {path} ({exc.strerror or exc}); remove it "
-                              f"(rm {path})") from None
+        check_private(path)
+        return
+    except FileNotFoundError:
+        pass
+    except (PlantedFile, OSError) as exc:
+        raise ConfigError(f"cannot use the stored responses' file {path} ({exc.strerror or exc}); remove it "
+                          f"(rm {path})") from None
+    try:
+        os.close(create_private(path))
+    except FileExistsError:  # another gateway process created it meanwhile
+        _check_file(path)
     except OSError as exc:
         raise ConfigError(f"cannot create the stored responses' file {path} ({exc.strerror}); set "
                           "MPSERVE_RUNTIME_DIR to a folder you can write") from None
-    os.close(fd)
