@@ -84,6 +84,7 @@ from .api.messages import error_body as messages_error
 from .api.response_store import ResponseStore, StoreBudget
 from .api.responses import Responses, stored_routes
 from .backend import Backend
+from .fleet import PARENT_ENV
 from .http import access, keys, limits
 from .http.browser import BrowserGuard, host_names
 from .http.encode import JSONResponse
@@ -239,7 +240,7 @@ class _Gateway:
         parent is gone: new connections are left to the next start's gateways (the port is let go at once), and
         the streams in flight go on, waiting for the next server to reattach to (a server killed and started
         again: ``mpserve.client``), then this process exits."""
-        parent = os.getppid()
+        parent = int(os.environ.get(PARENT_ENV, os.getppid()))
         while True:
             local = self.backend.read_slots()
             if local is not None:

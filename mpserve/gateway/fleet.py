@@ -51,6 +51,7 @@ STOP_TIMEOUT_S = 10.0
 BACKLOG = 2048  # uvicorn's
 LISTEN_RETRY_S = 0.1
 HANDED_FD, HANDED_PIDS = "MPSERVE_HANDED_HTTP_FD", "MPSERVE_HANDED_HTTP_PIDS"  # an upgrade's
+PARENT_ENV = "MPSERVE_GATEWAY_PARENT"  # a child's parent's pid: one that died before the child looked is seen too
 
 
 def listen(host: str, port: int, wait: float = 0.0) -> socket.socket:
@@ -109,7 +110,8 @@ class Fleet:
             if self._stopping.is_set():
                 return None
             fd = self._sock.fileno()
-            child = subprocess.Popen(list(self._command(fd)), env=self._env, pass_fds=(fd,), start_new_session=True)
+            child = subprocess.Popen(list(self._command(fd)), env={**self._env, PARENT_ENV: str(os.getpid())},
+                                     pass_fds=(fd,), start_new_session=True)
             self._children[index] = child
         return child
 
