@@ -3,7 +3,17 @@
 //
 //   generate/stream/tokenize/embed ──send queue (one send at a time)──▶ DEALER ──▶ broker (ROUTER)
 //   receive loop: [MPS1, TYPE, BODY] ──▶ the pending request of BODY.id (CHUNKS: each chunk's id)
-//   keep-alive: PING every second while requests are pending; 3 s without a message fails them all
+//   keep-alive: PING every second while requests are pending; 3 s without a message: the server is gone
+//
+// When the server is gone, the other calls fail at once and the completions reattach (protocol.md's Reattach, as
+// the Python client does) for `reattach` seconds (0: they fail at once), unless a local server was stopped (its
+// socket file and NAME.link are gone; one that died leaves NAME.link). Each is sent again, marked `reattach`, on a
+// new DEALER after each silence, or on the same one when a PONG names another server start; the server streams its
+// whole text so far (it adopted the request) or runs it anew, and the text each choice delivered already is dropped
+// as it comes again, checked equal (an unseeded sampled request that ran anew differs: ConnectionFailed):
+//
+//   CHUNK ──▶ Track.fresh: the part past what its choice delivered ──▶ the pending request's queue
+//   silence ──▶ _reattach: new DEALER, each completion sent again, every choice's text to be seen again
 //
 // Errors are MpserveError subclasses carrying the wire's `code` and whether a retry may succeed (`retryable`).
 
@@ -26,6 +36,7 @@ export const SAMPLING_PARAMS = Object.freeze([
 const PING_INTERVAL_MS = 1000;
 const PING_LIVENESS = 3;
 const CONNECT_TIMEOUT_MS = 5000;
+const REATTACH_S = 30; // how long completions wait for a server to come back after it went silent
 
 export const MsgType = Object.freeze({
   REQUEST: 0x01, CANCEL: 0x02, PING: 0x03, STATS_QUERY: 0x04, TOKENIZE: 0x05, CONTROL: 0x06, EMBED: 0x07,
@@ -137,25 +148,31 @@ export function readCertificate(path) {
 // --- the client -------------------------------------------------------------------------------------------
 
 /**
- * new Client({ address, serverName, timeout, connectTimeout, curveServerKey, curveSecret })
+ * new Client({ address, serverName, timeout, connectTimeout, curveServerKey, curveSecret, reattach })
  *   address: a ZeroMQ address (default: the local server `serverName`, as `mpserve start` binds it)
  *   timeout: seconds per request, queueing included (default: none)
+ *   reattach: seconds the completions in flight wait for a server that went silent to come back (the same one
+ *     restarted, adopting the instances that ran them); 0: they fail at the first silence (default 30)
  *   curveServerKey / curveSecret: certificate files for a server bound to the network with CURVE
  */
 export class Client {
   constructor({ address, serverName = "default", timeout = null, connectTimeout = CONNECT_TIMEOUT_MS / 1000,
-    curveServerKey = null, curveSecret = null } = {}) {
+    curveServerKey = null, curveSecret = null, reattach = REATTACH_S } = {}) {
     this.address = address || defaultAddress(serverName);
     this.timeout = timeout;
     this.connectTimeout = connectTimeout;
+    this.reattach = reattach;
     this.models = [];
     this.maxMessageBytes = MAX_MESSAGE_BYTES;
     this._curve = curveKeys(curveServerKey, curveSecret);
     this._ids = requestIds();
-    this._pending = new Map(); // id -> { push(message), fail(error) }
+    this._pending = new Map(); // id -> the Queue of its answers
+    this._tracks = new Map(); // id -> the Track of a pending completion (what a reattach needs)
     this._sends = Promise.resolve();
     this._sock = null;
     this._lastHeard = 0;
+    this._silentSince = null; // the server went silent then, and has not answered since
+    this._server = ""; // the start of the server answering (its PONGs say), "" until one did
     this._pong = null;
     this._timer = null;
   }
@@ -165,16 +182,7 @@ export class Client {
     if (this.address.startsWith("ipc://") && !existsSync(this.address.slice("ipc://".length))) {
       throw new ConnectionFailed(`no server is listening at ${this.address}; start one with \`mpserve start\``);
     }
-    const sock = new zmq.Dealer({ linger: 0 });
-    if (this._curve) {
-      sock.curveServerKey = this._curve.serverKey;
-      sock.curvePublicKey = this._curve.publicKey;
-      sock.curveSecretKey = this._curve.secretKey;
-    }
-    sock.connect(this.address);
-    this._sock = sock;
-    this._lastHeard = Date.now();
-    this._receiving = this._receive(sock);
+    this._open();
     const pong = new Promise((resolve) => { this._pong = resolve; });
     await this._send(MsgType.PING, { nonce: 0 });
     const answered = await Promise.race([pong.then(() => true), sleep(this.connectTimeout * 1000).then(() => false)]);
@@ -268,6 +276,21 @@ export class Client {
     return body;
   }
 
+  /** A new DEALER socket, connected (ZeroMQ connects in the background: to an address nobody listens on yet too),
+   * its messages received. */
+  _open() {
+    const sock = new zmq.Dealer({ linger: 0 });
+    if (this._curve) {
+      sock.curveServerKey = this._curve.serverKey;
+      sock.curvePublicKey = this._curve.publicKey;
+      sock.curveSecretKey = this._curve.secretKey;
+    }
+    sock.connect(this.address);
+    this._sock = sock;
+    this._lastHeard = Date.now();
+    this._receive(sock);
+  }
+
   /** Register `id` and return the queue its answers arrive in. */
   _claim(id) {
     if (this._pending.has(id)) {
@@ -281,13 +304,20 @@ export class Client {
   async _submit(body) {
     await this.connect();
     const queue = this._claim(body.id);
+    this._tracks.set(body.id, new Track(body, this._server));
     try {
       await this._send(MsgType.REQUEST, body);
     } catch (err) {
-      this._pending.delete(body.id);
+      this._forget(body.id);
       throw err;
     }
     return queue;
+  }
+
+  /** A request ended: whether it was still pending. */
+  _forget(id) {
+    this._tracks.delete(id);
+    return this._pending.delete(id);
   }
 
   async _ask(type, body, requestId = null) {
@@ -322,6 +352,7 @@ export class Client {
     try {
       for await (const frames of sock) {
         this._lastHeard = Date.now();
+        this._silentSince = null;
         this._dispatch(frames);
       }
     } catch (err) {
@@ -342,30 +373,103 @@ export class Client {
       this.models = body.models ?? [];
       if (body.max_message_bytes) this.maxMessageBytes = body.max_message_bytes;
       if (this._pong) this._pong();
+      if (body.server && body.server !== this._server) this._restarted(body.server);
       return;
     }
+    const chunks = type === MsgType.CHUNK || type === MsgType.CHUNKS;
     for (const one of type === MsgType.CHUNKS ? body : [body]) {
       const queue = one && this._pending.get(one.id);
-      if (queue) queue.push({ type: type === MsgType.CHUNKS ? MsgType.CHUNK : type, body: one });
+      if (!queue) continue;
+      const track = chunks && this._tracks.get(one.id);
+      if (!track) {
+        queue.push({ type: chunks ? MsgType.CHUNK : type, body: one });
+        continue;
+      }
+      let text;
+      try {
+        text = track.fresh(one.index ?? 0, one.text);
+      } catch (error) {
+        this._forget(one.id);
+        queue.push({ type: MsgType.ERROR, error });
+        continue;
+      }
+      if (text) queue.push({ type: MsgType.CHUNK, body: { ...one, text } });
     }
   }
 
+  /** While requests are pending: ping every second; after PING_LIVENESS s of silence, reattach the completions
+   * (again after each silence, for `reattach` s) and fail the rest. */
   _keepAlive() {
+    const now = Date.now();
     if (!this._sock || this._pending.size === 0) {
-      this._lastHeard = Date.now();
+      this._lastHeard = now;
+      this._silentSince = null;
       return;
     }
-    if (Date.now() - this._lastHeard > PING_INTERVAL_MS * PING_LIVENESS) {
-      this._failAll(new ConnectionFailed(`the server at ${this.address} sent nothing for `
-        + `${PING_LIVENESS * PING_INTERVAL_MS / 1000} s`));
+    if (now - this._lastHeard <= PING_INTERVAL_MS * PING_LIVENESS) {
+      this._send(MsgType.PING, { nonce: 0 }).catch(() => {});
       return;
     }
-    this._send(MsgType.PING, { nonce: 0 }).catch(() => {});
+    const first = this._silentSince === null;
+    const since = this._silentSince ??= this._lastHeard;
+    const error = new ConnectionFailed(`the server at ${this.address} stopped answering (`
+      + `${((now - since) / 1000).toFixed(1)} s of silence)`);
+    const completions = [...this._pending.keys()].filter((id) => this._tracks.has(id));
+    if (!completions.length || now - since > this.reattach * 1000 || (first && this._stopped())) {
+      this._failAll(error);
+      return;
+    }
+    for (const [id, queue] of this._pending) {
+      if (!this._tracks.has(id)) {
+        this._pending.delete(id);
+        queue.push({ type: MsgType.ERROR, error });
+      }
+    }
+    this._reattach(completions);
+  }
+
+  /** Whether the local server at an ipc address of NAME.sock was stopped, not killed: a stop removes its socket and
+   * its secret file NAME.link; a server that died leaves NAME.link, which its next start rewrites (its socket may be
+   * missing while it starts). A server at another address is waited for (the reattach bound). */
+  _stopped() {
+    if (!this.address.startsWith("ipc://")) return false;
+    const socketFile = this.address.slice("ipc://".length);
+    if (!socketFile.endsWith(".sock") || existsSync(socketFile)) return false;
+    return !existsSync(`${socketFile.slice(0, -".sock".length)}.link`);
+  }
+
+  /** The server answering is another start than the one the pending completions were sent to (ZeroMQ reconnected
+   * to it before any silence showed): they are sent to it again, marked `reattach`. */
+  _restarted(server) {
+    const first = !this._server;
+    this._server = server;
+    const again = [];
+    for (const [id, track] of this._tracks) {
+      if (track.server === null) track.server = server; // sent again to this start already
+      else if (track.server !== server) again.push(id);
+    }
+    if (!first && again.length && this.reattach) this._reattach(again, false);
+  }
+
+  /** Connect afresh (`reconnect`: a new DEALER) and send each completion again, marked `reattach`; the text each
+   * choice delivered is to be seen again before anything new (Track). */
+  _reattach(ids, reconnect = true) {
+    if (reconnect) {
+      const old = this._sock;
+      this._open();
+      old.close();
+    }
+    for (const id of ids) {
+      const track = this._tracks.get(id);
+      track.reattached(reconnect ? null : this._server);
+      this._send(MsgType.REQUEST, { ...track.body, reattach: true }).catch(() => {}); // failed: silence fails it
+    }
   }
 
   _failAll(error) {
     for (const queue of this._pending.values()) queue.push({ type: MsgType.ERROR, error });
     this._pending.clear();
+    this._tracks.clear();
   }
 }
 
@@ -398,10 +502,50 @@ export class Stream {
         }
       }
     } finally {
-      if (this.client._pending.delete(this.id) && !ended && this.client._sock) {
+      if (this.client._forget(this.id) && !ended && this.client._sock) {
         await this.client._send(MsgType.CANCEL, { id: this.id }).catch(() => {}); // left early: cancel it
       }
     }
+  }
+}
+
+/** A completion sent and not answered yet, as a reattach needs it: its REQUEST body; the start of the server it was
+ * last sent to (its PONGs name it; null: sent again on a new connection, to whichever start answers there next); each
+ * choice's text delivered; while it is streamed again after a reattach, how much of that text came again. */
+class Track {
+  constructor(body, server) {
+    this.body = body;
+    this.server = server;
+    this._delivered = new Map(); // choice index -> its text delivered
+    this._replay = new Map(); // choice index -> how much of its text delivered came again
+  }
+
+  /** Sent again, to `server`: every choice's text delivered is to come again first. */
+  reattached(server) {
+    this.server = server;
+    this._replay = new Map([...this._delivered].filter(([, text]) => text).map(([index]) => [index, 0]));
+  }
+
+  /** The part of `text` (the next chunk of choice `index`) not delivered already; throws ConnectionFailed if what
+   * came again differs from what was delivered. */
+  fresh(index, text) {
+    const delivered = this._delivered.get(index) ?? "";
+    const at = this._replay.get(index);
+    if (at === undefined) {
+      this._delivered.set(index, delivered + text);
+      return text;
+    }
+    const again = delivered.slice(at, at + text.length);
+    if (!text.startsWith(again)) {
+      throw new ConnectionFailed(`request ${this.body.id}: after the server came back it ran again, and its text `
+        + "differs from what was streamed before (a sampled request needs a seed to repeat); its stream ends here",
+      { requestId: this.body.id });
+    }
+    if (at + again.length < delivered.length) this._replay.set(index, at + again.length);
+    else this._replay.delete(index);
+    const rest = text.slice(again.length);
+    this._delivered.set(index, delivered + rest);
+    return rest;
   }
 }
 
