@@ -1,8 +1,10 @@
 """Tenants on a real server: the order their queued requests start in (priority, then weighted fair shares), their
-limits (refused, naming the limit), the pending cap per tenant the gateway names, and their figures in STATS.
+limits (refused, naming the limit), the pending cap per tenant the gateway names, and their figures in STATS; over
+HTTP, a tenant is an API key and a refusal for its limits is a 429 with Retry-After, while other keys are served.
 
-One instance of the echo backend with one slot and a clock (``echo_tick_ms``): with one slot, requests end in the
-order they started. A long request holds the slot while the others queue; then they run one by one.
+One instance of the echo backend with a clock (``echo_tick_ms``), mostly with one slot: with one slot, requests end
+in the order they started. A long request holds the slot while the others queue; then they run one by one. The
+servers behind a gateway, and the one on CURVE, have two slots, one left for another tenant.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import re
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from pathlib import Path
 
 import httpx
@@ -30,7 +33,8 @@ pytestmark = pytest.mark.timeout(90)
 KEY_A = "key:" + "a" * 16
 KEY_B = "key:" + "b" * 16
 KEY_C = "key:" + "c" * 16
-FIRST = "key:" + hashlib.sha256(b"first-key").hexdigest()[:16]  # the tenant of the API key "first-key"
+API_KEYS = ("first-key", "second-key", "third-key")  # the keys of a gateway (_keyed_gateway)
+FIRST, SECOND, THIRD = ("key:" + hashlib.sha256(key.encode()).hexdigest()[:16] for key in API_KEYS)  # their tenants
 TICK_MS = 5
 HOLD_TOKENS = 400  # the request that holds the slot: about 2 s
 PENDING = 10  # max_pending_per_client
@@ -142,41 +146,106 @@ def test_a_client_socket_request_is_its_connections_and_names_no_other_tenant(se
         assert client.stats().tenants["local"].requests >= 1
 
 
-def test_over_http_one_keys_requests_leave_every_other_key_served(tmp_path: Path) -> None:
-    """Two API keys on one gateway: the first fills the pending share (max_pending_per_client) with long streams;
-    its next request is 429 naming its tenant, with Retry-After, and the second key's request is served."""
+@contextmanager
+def _keyed_gateway(tmp_path: Path, **config: object) -> Iterator[tuple[ServerProcess, str]]:
+    """A server of ``config`` (one instance of the echo backend, two slots) with a gateway whose API keys are
+    ``API_KEYS``: the server and the gateway's URL."""
     port = free_port()
     keys = tmp_path / "keys"
-    keys.write_text("first-key\nsecond-key\n")
-    config = config_file(tmp_path, "http", max_pending_per_client=3, models=[
-        {"name": "echo", "path": "echo", "echo_tick_ms": TICK_MS, "instances": 1, "parallel": 2}])
-    server = ServerProcess("--config", config, "--http", f"127.0.0.1:{port}", "--api-key-file", str(keys))
+    keys.write_text("\n".join(API_KEYS) + "\n")
+    path = config_file(tmp_path, "http", models=[
+        {"name": "echo", "path": "echo", "echo_tick_ms": TICK_MS, "instances": 1, "parallel": 2}], **config)
+    server = ServerProcess("--config", path, "--http", f"127.0.0.1:{port}", "--api-key-file", str(keys))
     try:
         server.wait_ready()
         url = f"http://127.0.0.1:{port}"
         wait_for(lambda: http_up(url), 30, "the gateway answers /health")
+        yield server, url
+    finally:
+        server.stop()
+    assert not server.tracebacks(), "\n".join(server.log)
 
-        def post(key: str, max_tokens: int) -> httpx.Response:
-            return httpx.post(url + "/v1/completions", json={"prompt": "x" * max_tokens, "max_tokens": max_tokens},
-                              headers={"authorization": f"Bearer {key}"}, timeout=60)
 
+def _post(url: str, key: str, max_tokens: int) -> httpx.Response:
+    return httpx.post(url + "/v1/completions", json={"prompt": "x" * max_tokens, "max_tokens": max_tokens},
+                      headers={"authorization": f"Bearer {key}"}, timeout=60)
+
+
+def test_over_http_one_keys_requests_leave_every_other_key_served(tmp_path: Path) -> None:
+    """Two API keys on one gateway: the first fills the pending share (max_pending_per_client) with long streams;
+    its next request is 429 naming its tenant, with Retry-After, and the second key's request is served."""
+    with _keyed_gateway(tmp_path, max_pending_per_client=3) as (server, url):
         with ThreadPoolExecutor(4) as pool, Client(server.admin) as admin:
-            long = [pool.submit(post, "first-key", HOLD_TOKENS) for _ in range(3)]
+            long = [pool.submit(_post, url, "first-key", HOLD_TOKENS) for _ in range(3)]
             wait_for(lambda: FIRST in (t := admin.stats().tenants) and t[FIRST].requests == 3, 10,
                      "the first key's 3 requests")
-            over = post("first-key", 2)
+            over = _post(url, "first-key", 2)
             assert over.status_code == 429 and int(over.headers["retry-after"]) >= 1, over.text
             assert f"tenant {FIRST} has 3 requests pending" in over.json()["error"]["message"]
-            served = post("second-key", 2)
+            served = _post(url, "second-key", 2)
             assert served.status_code == 200, served.text
             assert all(f.result().status_code == 200 for f in long)
         metrics = httpx.get(url + "/metrics", headers={"authorization": "Bearer second-key"}, timeout=10).text
         assert f'mpserve_tenant_requests_total{{tenant="{FIRST}"}} 3.0' in metrics
         assert f'mpserve_tenant_generated_tokens_total{{tenant="{FIRST}"}} {3.0 * HOLD_TOKENS}' in metrics
         assert f'mpserve_tenant_running{{tenant="{FIRST}"}} 0.0' in metrics
-    finally:
-        server.stop()
-    assert not server.tracebacks(), "\n".join(server.log)
+
+
+@pytest.fixture(scope="module")
+def limited_gateway(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[ServerProcess, str]]:
+    """A gateway whose first key's tenant may have 1 request running and 1 queued, the second's 60 tokens a
+    minute; the third key's is unlimited."""
+    with _keyed_gateway(tmp_path_factory.mktemp("limited"), tenants={
+            FIRST: {"max_running": 1, "max_queued": 1}, SECOND: {"tokens_per_minute": 60}}) as started:
+        yield started
+
+
+def _refused_for_its_limit(answer: httpx.Response) -> str:
+    """The error message of ``answer``, once checked to be a 429 ``busy`` with Retry-After (whole seconds, at least
+    1)."""
+    assert answer.status_code == 429, answer.text
+    assert answer.json()["error"]["code"] == "busy", answer.text
+    assert int(answer.headers["retry-after"]) >= 1, answer.headers
+    message: str = answer.json()["error"]["message"]
+    return message
+
+
+@pytest.mark.timeout(60)
+def test_over_http_a_tenant_over_max_queued_gets_429_naming_the_limit_and_its_use(
+        limited_gateway: tuple[ServerProcess, str]) -> None:
+    server, url = limited_gateway
+    with ThreadPoolExecutor(2) as pool, Client(server.admin) as admin:
+        hold = pool.submit(_post, url, "first-key", HOLD_TOKENS)
+        wait_for(lambda: FIRST in (t := admin.stats().tenants) and t[FIRST].running == 1, 10, "the holding request")
+        queued = pool.submit(_post, url, "first-key", 2)  # waits: its tenant runs its max_running
+        wait_for(lambda: admin.stats().tenants[FIRST].queued == 1, 10, "the queued request")
+        over = _post(url, "first-key", 2)
+        assert f"tenant {FIRST} has 1 requests queued, its max_queued (1), and 1 running, its max_running 1" in (
+            _refused_for_its_limit(over))
+        assert over.headers["retry-after"] == "1"  # a queued request ends soon
+        served = _post(url, "third-key", 2)  # the other slot
+        assert served.status_code == 200, served.text
+        assert hold.result().status_code == 200 and queued.result().status_code == 200
+        assert admin.stats().tenants[FIRST].refusals == 1
+
+
+@pytest.mark.timeout(60)
+def test_over_http_a_tenant_over_tokens_per_minute_gets_429_naming_the_limit_and_its_use(
+        limited_gateway: tuple[ServerProcess, str]) -> None:
+    server, url = limited_gateway
+    with Client(server.admin) as admin:
+        first = _post(url, "second-key", 80)  # admitted with none used; uses more than the 60
+        assert first.status_code == 200, first.text
+        figures = admin.stats().tenants[SECOND]
+        used = figures.prompt_tokens + figures.generated_tokens
+        assert used >= 80
+        over = _post(url, "second-key", 2)
+        assert (f"tenant {SECOND} has used {used} tokens (prompt and generated) in the last 60 s, its "
+                "tokens_per_minute (60)") in _refused_for_its_limit(over)
+        assert int(over.headers["retry-after"]) <= 60  # when the first request's tokens leave the window
+        served = _post(url, "third-key", 2)
+        assert served.status_code == 200, served.text
+        assert admin.stats().tenants[SECOND].refusals == 1
 
 
 def test_status_shows_each_tenants_figures(server: ServerProcess) -> None:
