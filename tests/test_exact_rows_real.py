@@ -1,6 +1,7 @@
 """``reuse: exact`` on a real model (Gemma 3 270M Q4_K_M, in-process), its weights repacked for this CPU where
-llama.cpp's repacked kernels run here: four sequences decoding together each get the greedy text they get alone. Repacked weights compute a decode of more than three rows with another kernel (a gemm of four rows
-at a time), so the engine splits such decodes (``mpserve.engine.speculation.exact_rows``)."""
+llama.cpp's repacked kernels run here: four sequences decoding together each get the greedy text they get alone.
+Repacked weights compute a decode of more than three rows with another kernel (a gemm of four rows at a time), so
+the engine splits such decodes (``mpserve.engine.speculation.exact_rows``)."""
 
 from __future__ import annotations
 
