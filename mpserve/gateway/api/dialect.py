@@ -332,13 +332,7 @@ class Pipeline:
         (key, after), who, call = resumed, owner(request), answer.call
         taken = self.journal.take_over(who, key)
         if taken is not None:
-            stream = client.stream(call.prompt, model=call.model, params=call.params, request_id=ask.request_id,
-                                   cache_salt=ask.cache_salt, tenant=ask.tenant, adapters=ask.adapters,
-                                   priority=ask.priority, delivered=_delivered(taken.pieces))
-            fed: Pieces = []
-            self.journal.produce(who, key, self._events(dialect, answer, reply, stream, stream.__aiter__(), None,
-                                                        started, ask.counted, fed, replay=taken.pieces),
-                                 fed=fed, start=taken.next_seq)
+            self._produce(dialect, answer, reply, client, ask, who, key, started, taken, background=False)
         return EventStream(self._tail(answer, who, key, after), call.headers())
 
     async def _background(self, request: Request, dialect: Dialect, answer: Answer, reply: oai.Reply,
@@ -348,24 +342,24 @@ class Pipeline:
         request, journaled for a takeover (``revive``)."""
         who, key = owner(request), background.key
         self.journal.begin(who, key, key, background.head, asked)
-        self._produce_background(dialect, answer, reply, client, ask, who, key)
+        self._produce(dialect, answer, reply, client, ask, who, key, time.perf_counter(), None, background=True)
         if answer.call.stream:
             return EventStream(self._tail(answer, who, key, -1), answer.call.headers())
         return JSONResponse(json.loads(background.head), headers=answer.call.headers())
 
-    def _produce_background(self, dialect: Dialect, answer: Answer, reply: oai.Reply, client: AsyncClient, ask: Ask,
-                            who: str, key: str, taken: Taken | None = None) -> None:
-        """Run a background response, streamed, into the journal; ``taken``: from where its dead producer left it."""
+    def _produce(self, dialect: Dialect, answer: Answer, reply: oai.Reply, client: AsyncClient, ask: Ask, who: str,
+                 key: str, started: float, taken: Taken | None, background: bool) -> None:
+        """Run ``answer``'s call, streamed, into the journal as stream ``key`` (``Journal.produce``); ``taken``: from
+        where its dead producer left it (its text dropped as it comes again, the answer's state replayed)."""
         call = replace(answer.call, stream=True)
-        delivered = _delivered(taken.pieces) if taken is not None else None
         stream = client.stream(call.prompt, model=call.model, params=call.params, request_id=ask.request_id,
                                cache_salt=ask.cache_salt, tenant=ask.tenant, adapters=ask.adapters,
-                               priority=ask.priority, delivered=delivered)
+                               priority=ask.priority, delivered=_delivered(taken.pieces) if taken is not None else None)
         fed: Pieces = []
         self.journal.produce(who, key, self._events(dialect, answer, oai.Reply(call, reply.model), stream,
-                                                    stream.__aiter__(), None, time.perf_counter(), ask.counted, fed,
+                                                    stream.__aiter__(), None, started, ask.counted, fed,
                                                     replay=taken.pieces if taken is not None else None),
-                             background=True, fed=fed, start=taken.next_seq if taken is not None else 0)
+                             background=background, fed=fed, start=taken.next_seq if taken is not None else 0)
 
     async def revive(self, request: Request, dialect: Revivable, key: str) -> None:
         """A background response whose gateway process died, taken over by this one (any reader of it does this):
@@ -385,7 +379,7 @@ class Pipeline:
             event = answer.failed(error) if answer is not None else encode.event(error.body())
             self.journal.failed(who, key, event, taken.next_seq)
             return
-        self._produce_background(dialect, answer, reply, client, ask, who, key, taken)
+        self._produce(dialect, answer, reply, client, ask, who, key, time.perf_counter(), taken, background=True)
 
     def _tail(self, answer: Answer, who: str, key: str, after: int) -> AsyncGenerator[bytes, None]:
         return self.journal.tail(who, key, after, lambda exc, _: answer.failed(HttpError.from_mpserve(exc)))
