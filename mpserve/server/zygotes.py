@@ -37,7 +37,7 @@ from pathlib import Path
 from typing import Protocol
 
 from mpserve.runtime import runtime_dir
-from mpserve.worker.spec import Adoptable, EngineSpec, WorkerSpec, zygote_run
+from mpserve.worker.spec import Adoptable, EngineSpec, WorkerSpec, spare_path, zygote_run
 
 log = logging.getLogger("mpserve.supervisor")
 
@@ -156,9 +156,8 @@ class ZygoteProcess(Protocol):
 def socket_path(server: str, model: str, spare: bool = False) -> Path:
     """Where the zygote of ``model`` of server ``server`` waits to be adopted, should its server die; ``spare``:
     where its spare waits to take its place (``Adoptable.spare_path``)."""
-    adoptable = Adoptable(str(runtime_dir() / f"{server}.zygote-{hashlib.sha256(model.encode()).hexdigest()[:16]}"
-                              ".sock"), "", 0.0)
-    return Path(adoptable.spare_path if spare else adoptable.path)
+    path = str(runtime_dir() / f"{server}.zygote-{hashlib.sha256(model.encode()).hexdigest()[:16]}.sock")
+    return Path(spare_path(path) if spare else path)
 
 
 class Zygote:

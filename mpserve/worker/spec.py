@@ -135,7 +135,12 @@ class Adoptable:
     @property
     def spare_path(self) -> str:
         """Where the zygote's spare waits (``mpserve.worker.zygote``)."""
-        return self.path.removesuffix(".sock") + ".spare.sock"
+        return spare_path(self.path)
+
+
+def spare_path(path: str) -> str:
+    """Where the spare of the zygote waiting at ``path`` waits."""
+    return path.removesuffix(".sock") + ".spare.sock"
 
 
 def revision() -> str:

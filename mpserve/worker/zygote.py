@@ -141,9 +141,8 @@ class _Zygote:
             ready, _, _ = select.select([self.listener.fileno(), *self.children], [], [], left)
             self._reap([fd for fd in ready if fd in self.children])
             if self.listener.fileno() in ready:
-                conn = _proven(self.listener, self.adoptable.secret.encode())
+                conn = self._adopted_by(self.listener)
                 if conn is not None:
-                    conn.send(("adopted", os.getpid(), revision(), dataclasses.asdict(self.engine)))
                     log.info("adopted by a new start of the server")
                     return conn
         log.warning("no server adopted this zygote within %g s; exiting", self.adoptable.wait)
@@ -204,14 +203,21 @@ class _Zygote:
                     log.warning("the zygote (pid %d) died; this spare waits %g s for its server", parent,
                                 self.adoptable.wait)
                 if listener.fileno() in ready:
-                    conn = _proven(listener, self.adoptable.secret.encode())
+                    conn = self._adopted_by(listener)
                     if conn is not None:
-                        conn.send(("adopted", os.getpid(), revision(), dataclasses.asdict(self.engine)))
                         log.info("the zygote's spare takes its place (pid %d)", os.getpid())
                         return conn
             return None
         finally:
             _unlisten(listener, self.adoptable.spare_path)
+
+    def _adopted_by(self, listener: socket.socket) -> Connection | None:
+        """The connection waiting on ``listener``, once it proved itself, told who this zygote is."""
+        assert self.adoptable is not None
+        conn = _proven(listener, self.adoptable.secret.encode())
+        if conn is not None:
+            conn.send(("adopted", os.getpid(), revision(), dataclasses.asdict(self.engine)))
+        return conn
 
     def _stop_spare(self) -> None:
         if self.spare is not None:
