@@ -8,7 +8,6 @@ import http.client
 import json
 import os
 import signal
-import time
 from pathlib import Path
 from typing import Any
 
@@ -271,7 +270,9 @@ def test_streams_are_read_on_through_another_gateway_process_which_takes_them_ov
                      {"content-type": "application/json"})
         head = json.loads(conn.getresponse().read())
         conn.close()
-        time.sleep(0.5)  # some of it made by the producer
+        with httpx.stream("GET", f"http://127.0.0.1:{port}/v1/responses/{head['id']}", params={"stream": "true"},
+                          timeout=60) as some:
+            next(line for line in some.iter_lines() if line.startswith("data: "))  # the producer has made some
         os.kill(producer, signal.SIGKILL)
         wait_for(lambda: _gateways(server) and producer not in _gateways(server), 30, "the gateway process gone")
         with httpx.stream("GET", f"http://127.0.0.1:{port}/v1/responses/{head['id']}", params={"stream": "true"},
