@@ -218,20 +218,30 @@ def test_an_instance_lost_while_the_server_was_down_is_forked_by_the_adopted_zyg
 
 
 @pytest.mark.timeout(180)
-def test_a_zygote_that_loaded_the_model_otherwise_than_the_next_start_would_is_stopped_and_a_new_one_loads_it(
-        start_server) -> None:
-    server = start_server("--instances", "1", "--n-ctx", "512").wait_ready()
+def test_a_zygote_that_loaded_other_weights_than_the_next_start_would_is_stopped_and_a_new_one_loads_them(
+        start_server, tiny_model_path: str, tmp_path: Path) -> None:
+    server = start_server("--instances", "1", "--n-ctx", "512", "--name", "tiny").wait_ready()
     pids = _worker_pids(server)
     server.proc.kill()
     server.proc.wait(10)
     os.kill(pids[0], signal.SIGKILL)
-    again = start_server("--instances", "1", "--n-ctx", "1024", name=server.name).wait_ready()
-    refused = [line for line in again.log if "loaded the model otherwise; stopping it" in line]
-    assert refused, "\n".join(again.log)
+    again = start_server("--instances", "1", "--n-ctx", "1024", "--name", "tiny", name=server.name).wait_ready()
+    assert any("zygote (pid" in line and "adopted" in line for line in again.log), "\n".join(again.log)
+    assert not any("instances are forked from here" in line for line in again.log)  # another context, same weights
+
+    pids = _worker_pids(again)
+    again.proc.kill()
+    again.proc.wait(10)
+    os.kill(pids[0], signal.SIGKILL)
+    other = tmp_path / "other.gguf"  # the same bytes, another file: other weights as far as a zygote can tell
+    other.write_bytes(Path(tiny_model_path).read_bytes())
+    third = start_server("--instances", "1", "--model", str(other), "--name", "tiny", name=server.name).wait_ready()
+    refused = [line for line in third.log if "loaded the model otherwise; stopping it" in line]
+    assert refused, "\n".join(third.log)
     zygote = int(re.search(r"zygote \(pid (\d+)\)", refused[0]).group(1))  # type: ignore[union-attr]
     wait_for(lambda: not _running(zygote), 15, "the refused zygote to stop")
-    assert any("instances are forked from here" in line for line in again.log)  # its own zygote loaded the model
-    assert not again.tracebacks(), "\n".join(again.log)
+    assert any("instances are forked from here" in line for line in third.log)  # its own zygote loaded the model
+    assert not third.tracebacks(), "\n".join(third.log)
 
 
 def _http_stream(url: str, prompt: str, out: dict[str, object], started: threading.Event) -> None:

@@ -22,7 +22,6 @@ user's, never through a link): a process of another user cannot plant secrets th
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import json
 import logging
 import os
@@ -36,7 +35,7 @@ from pathlib import Path
 from mpserve.private import PlantedFile, create_private, open_private
 from mpserve.runtime import ServerPaths, runtime_dir
 from mpserve.wire.slots import SlotState, SlotTable
-from mpserve.worker.spec import EngineSpec, WorkerSpec, revision
+from mpserve.worker.spec import EngineSpec, WorkerSpec, revision, weights_of
 
 from .state import Pending
 from .zygotes import PidfdHandle, Zygote, readable
@@ -149,8 +148,9 @@ def remove_secrets(paths: ServerPaths) -> None:
 def adopt_zygote(model: str, engine: EngineSpec, path: Path, secrets: tuple[str, ...], proof: str) -> Zygote | None:
     """The zygote of ``model`` that the server before this one left waiting at ``path``: a process of this user's
     that proves it knows one of ``secrets`` (as this server proves it to it), runs this code (``revision``) and
-    loaded ``engine``'s model as this start would; told this start's secret (``proof``), for the start after it.
-    None if there is none (or it is told to stop: other code, another engine)."""
+    loaded the weights this start would (``EngineSpec.weights``; the context it forks may differ); told this start's
+    secret (``proof``), for the start after it. None if there is none (or it is told to stop: other code, other
+    weights)."""
     for secret in secrets:
         try:
             answer = _zygote_connection(path, secret.encode())
@@ -163,7 +163,7 @@ def adopt_zygote(model: str, engine: EngineSpec, path: Path, secrets: tuple[str,
         if not (isinstance(said, tuple) and len(said) == 4 and said[:2] == ("adopted", pid)):
             conn.close()
             return None
-        if said[2:] != (revision(), dataclasses.asdict(engine)):
+        if said[2] != revision() or not isinstance(said[3], dict) or weights_of(said[3]) != engine.weights():
             log.info("%s's zygote (pid %d) of the server before this one runs other code (%s) or loaded the model "
                      "otherwise; stopping it", model, pid, said[2])
             with contextlib.suppress(OSError):
@@ -173,7 +173,7 @@ def adopt_zygote(model: str, engine: EngineSpec, path: Path, secrets: tuple[str,
         conn.send(proof)
         log.info("%s's zygote (pid %d) outlived the server before this one; adopted: its weights fork the instances",
                  model, pid)
-        return Zygote(model, conn, AdoptedWorker(pid))
+        return Zygote(model, conn, AdoptedWorker(pid), engine.weights())
     return None
 
 

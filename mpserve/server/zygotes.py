@@ -163,8 +163,10 @@ def socket_path(server: str, model: str, spare: bool = False) -> Path:
 class Zygote:
     """A model's zygote process and the instances it forked that it has not reported reaped."""
 
-    def __init__(self, model: str, conn: Connection, process: ZygoteProcess) -> None:
+    def __init__(self, model: str, conn: Connection, process: ZygoteProcess, weights: dict[str, object]) -> None:
+        """``weights``: what it loaded (``EngineSpec.weights``): the instances it may fork."""
         self.model = model
+        self.weights = weights
         self.process = process
         self._conn = conn
         self.alive = True
@@ -180,7 +182,7 @@ class Zygote:
                              name=f"mpserve-zygote-{model}", daemon=False)
         process.start()
         theirs.close()
-        return cls(model, ours, process)
+        return cls(model, ours, process, engine.weights())
 
     def fileno(self) -> int:
         """Readable when the zygote has something to say, or has gone."""

@@ -21,7 +21,7 @@ llama_cpp is imported in each worker after it sets CUDA_VISIBLE_DEVICES, as the 
 from __future__ import annotations
 
 import importlib
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from multiprocessing.connection import Connection
 
 from mpserve.config.speculative import Speculative
@@ -62,6 +62,21 @@ class EngineSpec:
     @property
     def is_echo(self) -> bool:
         return self.path == "echo"
+
+    def weights(self) -> dict[str, object]:
+        """What a zygote loaded for this engine (``WEIGHT_FIELDS``): an instance of another engine with the same
+        weights may be forked from it (another context size, batch, KV types or draft model)."""
+        return weights_of(asdict(self))
+
+
+WEIGHT_FIELDS = ("path", "n_gpu_layers", "repack", "adapters")
+"""The EngineSpec fields a zygote's weights depend on: the file, the layers offloaded, the repacked layouts and the
+LoRA adapters applied onto them."""
+
+
+def weights_of(engine: dict[str, object]) -> dict[str, object]:
+    """``WEIGHT_FIELDS`` of an EngineSpec given as a dict (as a zygote tells an adopting server its own)."""
+    return {key: engine.get(key) for key in WEIGHT_FIELDS}
 
 
 @dataclass(frozen=True)
