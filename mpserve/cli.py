@@ -533,6 +533,10 @@ def status(
                         sys.stdout.write("\033[H\033[2J")
                     print(format_table(info, rows))
                     for name, sc in scaled.items():
+                        if sc.settings:
+                            rolling = (f"; rolling: {sc.previous} instance(s) still on the settings before the "
+                                       "reload" if sc.previous else "")
+                            print(f"model {name}: {sc.settings}{rolling}")
                         if sc.min != sc.ceiling or sc.events:  # a model whose count may change
                             events = ", ".join(f"{k} {v}" for k, v in sorted(sc.events.items())) or "none"
                             print(f"scaling {name}: {sc.min}..{sc.max} instances, {sc.starting} starting, "
@@ -743,8 +747,9 @@ def add(
 def reload(server_name: ServerNameOption = "default", as_json: JsonOption = False,
            curve_server_key: CurveServerKeyOption = None, curve_secret: CurveSecretOption = None) -> None:
     """Make a running server read its configuration again (as SIGHUP does) and apply what changed: queue bounds,
-    timeouts and log level at once, models added, removed (drained) or scaled; what needs a restart is named and
-    keeps its running value. A configuration that does not validate is refused whole: nothing changes."""
+    timeouts, tenants and log level at once, models added, removed (drained) or scaled, and a model whose file,
+    n_ctx, parallel, KV types or draft changed rolled onto them, one instance at a time; what needs a restart is
+    named and keeps its running value. A configuration that does not validate is refused whole: nothing changes."""
     _control(server_name, _Curve(curve_server_key, curve_secret), as_json, "reload")
 
 

@@ -171,7 +171,8 @@ def test_the_control_api_changes_one_model_while_another_serves_undisturbed(star
                      "tiny unloaded")
             assert models(client)["tiny"].min == 0 and scaling(client).events == {
                 "start_min": 2, "stop_unload": 2}
-            assert scaling(client, "echo") == wire.ModelScaling(1, 1, 1)
+            assert scaling(client, "echo") == wire.ModelScaling(
+                    1, 1, 1, settings="echo, n_ctx 2048, parallel 1, KV f16/f16")
             added = client.control("add", "t2", path=tiny_model_path, max=2)
             assert added.message == "add t2: instances 1..2" and list(models(client)) == ["echo", "tiny", "t2"]
             assert client.generate("added", model="t2", max_tokens=4).usage.completion_tokens == 4

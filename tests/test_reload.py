@@ -63,7 +63,7 @@ def test_a_reload_under_load_applies_what_it_can_and_names_the_rest(start_server
         assert "max_queue: 64 -> 32" in lines
         assert "models[new]: added (echo, instances 1)" in lines
         assert any(line.startswith("models[old]: removed") for line in lines)
-        assert "models[keep].n_ctx 2048 -> 4096: needs a restart; the running value stays" in lines
+        assert "models[keep]: n_ctx 2048 -> 4096: rolling (its instances replaced one at a time)" in lines
         with Client(server.address, timeout=60) as client:
             assert client.generate("hello", model="new", max_tokens=4).text
             with pytest.raises(UnknownModel, match="removed from the configuration"):
@@ -77,6 +77,9 @@ def test_a_reload_under_load_applies_what_it_can_and_names_the_rest(start_server
     assert failures == []
     status = mpserve("models", "--server-name", server.name)
     assert "new" in status.stdout
+    wait_for(lambda: "model keep: echo, n_ctx 4096, parallel 2" in (status := mpserve(
+        "status", "--server-name", server.name).stdout) and "rolling" not in status, 30, "the roll to end")
+    assert any("roll of keep done" in line for line in server.log)
 
     _write(config, max_queue="many", models=models)  # does not validate: refused whole
     refused = mpserve("reload", "--server-name", server.name)

@@ -258,8 +258,8 @@ def test_stats_count_what_happened(start_server) -> None:
         stats = client.stats()
     assert stats.accepting and stats.counters["accepted"] == 3 and stats.counters["done"] == 3
     assert stats.counters["rejected_unknown_model"] == 1
-    assert stats.models["tiny"] == wire.ModelStats(queued=0, running=0, instances=2, free_slots=2,
-                                                   scaling=wire.ModelScaling(min=2, max=2, ceiling=2))
+    scaling = wire.ModelScaling(min=2, max=2, ceiling=2, settings="builtin:tiny, n_ctx 2048, parallel 1, KV f16/f16")
+    assert stats.models["tiny"] == wire.ModelStats(queued=0, running=0, instances=2, free_slots=2, scaling=scaling)
 
 
 @pytest.mark.timeout(60)

@@ -20,7 +20,9 @@
     zygotes     a model's zygote as the supervisor sees it: fork requests over a pipe, a handle per forked worker
     instances   each model's live instances: scaling decisions carried out, the control API (CONTROL)
     scaling     when a model's instance count changes: start on queueing, drain on idle, within min..max
-    reload      what a reload (SIGHUP, ``mpserve reload``) changes: applied at once, models added, removed, scaled
+    reload      what a reload (SIGHUP, ``mpserve reload``) changes: applied at once, models added, removed, scaled,
+                rolled
+    rolling     a model's instances replaced one at a time onto settings a reload changed (pure decisions)
     residency   single active backend: which model holds each GPU, and when they take turns
     layout      devices discovered, instances placed, worker specs built (also ``mpserve plan``)
     host_ram    whether the instances on the CPU fit the host's RAM (before anything starts, and in plan)

@@ -6,11 +6,13 @@ control API.
                    ├ DRAIN  the ready instance running least ─▶ broker.drain ─▶ STOP once idle ─▶ supervisor.retire
                    └ SKIP   one log line and one counted event
     CONTROL (broker) ─▶ Instances.control(): models / load / unload / scale / add, checked before any change
-    a reload (``mpserve.server.reload``, the loop) ─▶ checked / add, check_bounds / rescale, retire
+    a reload (``mpserve.server.reload``, the loop) ─▶ checked / add, check_bounds / rescale, retire,
+                                                     check_roll / roll (``mpserve.server.rolling``)
 
 Worker indices and slot-table rows are fixed at start for every model's max (``layout.instance_rows``); a
 new instance takes its model's lowest free index, so a scale-up never resizes the table and ``max`` can be
-changed at run time up to that ceiling only; a model added at run time takes rows kept by ``spare_slots``.
+changed at run time up to that ceiling only; a model added at run time takes rows kept by ``spare_slots``, as does
+a roll onto a larger ``parallel`` (``rolling.allocate``).
 Scale events are counted per model; the broker's STATS carries them (``scaling``) to ``/metrics``,
 ``mpserve models`` and ``mpserve status``. Remote pools' workers are not counted or scaled here.
 """
@@ -21,7 +23,7 @@ import dataclasses
 import logging
 import time
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from mpserve.config import loader as cfg
@@ -30,14 +32,17 @@ from mpserve.errors import BadRequest, ConfigError, ModelDoesNotFit, ModelFailed
 from mpserve.gpu.placement import ModelRequest, Placement, estimate_request, place_one
 from mpserve.wire import protocol as wire
 
+from . import rolling
 from .broker import Broker
 from .layout import Layout, check_model, instance_rows, model_request, served_template, worker_spec
+from .rolling import Roll, Step, Turn
 from .scaling import Action, Decision, Load, Policy, Scaler
 from .state import WorkerEntry
 from .supervisor import ModelHealth, Supervisor
 
 log = logging.getLogger("mpserve.scaling")
 
+Planned = Sequence[tuple[list[tuple[int, int]], int]]  # rows other rolls of a reload take: (index, first row), width
 TICK_S = 0.05  # decisions are taken at most this often; the loop wakes for the scaler's next deadline
 
 
@@ -55,6 +60,7 @@ class Instances:
         self._slots_path = slots_path
         self._clock = clock
         self._rows = instance_rows(config)
+        self._width = {m.name: m.parallel for m in config.models}  # slot-table rows each index of a model holds
         self._table_rows = config.total_slots
         self._requests = {m.name: self._sized(model_request(m)) for m in config.models}
         self.policies = {m.name: Policy(*m.bounds, m.scale_up_after, m.scale_down_after) for m in config.models}
@@ -62,6 +68,7 @@ class Instances:
         self._events: dict[str, Counter[str]] = {m.name: Counter() for m in config.models}
         self._next_tick = 0.0
         self._misfits: dict[str, str] = {}  # model -> why its last scale-up did not fit
+        self._rolls: dict[str, Roll] = {}  # models whose instances are being replaced (``roll``)
         broker.on_drained = self._drained
         broker.on_control = self.control
         broker.scaling_of = self.scaling
@@ -81,6 +88,8 @@ class Instances:
             del self._placements[index]  # a scaled-down worker has exited: its memory is free
         for name, policy in self.policies.items():
             if self._broker.models[name].failed is None:
+                if name in self._rolls:
+                    self._roll_step(name)
                 self._decide(name, policy, now)
 
     def _decide(self, name: str, policy: Policy, now: float) -> None:
@@ -136,11 +145,10 @@ class Instances:
             request = request if request.memory is not None or not self._devices else dataclasses.replace(
                 request, memory=estimated.total)
         low, high = model.bounds
-        used = sum(m.bounds[1] * m.parallel for m in (*self._config.models, *more))
-        if used + high * model.parallel > self._table_rows:
+        if self._allocate(high, model.parallel, more) is None:
             raise ConfigError(f"add: {model.name} needs {high * model.parallel} slot-table row(s) (max {high} × "
-                              f"parallel {model.parallel}) and {self._table_rows - used} are left; start the server "
-                              "with a larger --spare-slots")
+                              f"parallel {model.parallel}) and {self._table_rows - len(self._taken(more))} are left; "
+                              "start the server with a larger --spare-slots")
         live = list(self._placements.values())
         for instance in range(max(low, 1)):
             live.append(place_one(request, instance, live, self._devices, self._config.gpu_memory_budget,
@@ -150,8 +158,10 @@ class Instances:
     def add(self, model: cfg.ModelConfig, request: ModelRequest, why: str) -> None:
         """Serve ``model`` (``checked`` gave ``request``): its tables, then its instances as the load asks."""
         low, high = model.bounds
+        rows = self._allocate(high, model.parallel)
+        assert rows is not None  # checked
         self._config = dataclasses.replace(self._config, models=(*self._config.models, model))
-        self._rows = instance_rows(self._config)
+        self._rows[model.name], self._width[model.name] = rows, model.parallel
         self._requests[model.name] = request
         self.policies[model.name] = Policy(low, high, model.scale_up_after, model.scale_down_after)
         self._events[model.name] = Counter()
@@ -190,6 +200,8 @@ class Instances:
         policy = self.policies[name]
         policy.min = 0
         self._scaler.forget(name)
+        if self._rolls.pop(name, None) is not None:
+            self._supervisor.keep_zygote(name, False)
         for entry in self._ready(name):
             self._count(name, "stop_unload")
             self._broker.drain(entry.identity)
@@ -220,27 +232,131 @@ class Instances:
 
     def _act(self, name: str, decision: Decision, load: Load, placed: list[tuple[int, Placement]]) -> None:
         if decision.action is Action.START:
-            index, placement = placed[-1]
-            rows = self._rows[name][placement.instance]
-            spec = worker_spec(self._config, self._devices, placement, rows[0], rows[1], self._backend,
-                               self._slots_path)
-            self._placements[index] = placement
-            self._supervisor.add(spec)
-            self._count(name, f"start_{decision.reason}")
-            where = "cpu" if placement.device is None else f"gpu{placement.device}"
+            index, where = self._start(name, placed[-1][1], decision.reason)
             log.info("scale up %s (%s): starting worker %d on %s; %d queued, the oldest for %.1f s", name,
                      decision.reason, index, where, load.queued, load.oldest_wait)
         elif decision.action is Action.DRAIN:
-            entry = min(self._ready(name), key=lambda w: (len(w.running), -(w.index or 0)))
+            old = self._rolls[name].old if name in self._rolls else set()  # a roll's old instances go first
+            entry = min(self._ready(name), key=lambda w: (w.index not in old, len(w.running), -(w.index or 0)))
             self._count(name, f"stop_{decision.reason}")
             log.info("scale down %s (%s): draining worker %s; %d instance(s) stay", name, decision.reason,
                      entry.identity.decode(), load.ready - 1)
             self._broker.drain(entry.identity)
         elif decision.action is Action.SKIP:
+            if decision.reason == "draining" and name in self._rolls:
+                return  # a roll drains an instance to start its replacement at its index: nothing to report
             self._count(name, f"skip_{decision.reason}")
             why = self._misfits.pop(name, "") if decision.reason == "does_not_fit" else ""
             log.warning("scale-up of %s skipped (%s); %d queued, the oldest for %.1f s%s", name, decision.reason,
                         load.queued, load.oldest_wait, f": {why}" if why else "")
+
+    def _start(self, name: str, placement: Placement, reason: str) -> tuple[int, str]:
+        """Start an instance of ``name`` at ``placement`` (``_room`` found it); its index and where it runs."""
+        index, first_row = self._rows[name][placement.instance]
+        spec = worker_spec(self._config, self._devices, placement, index, first_row, self._backend, self._slots_path)
+        self._placements[index] = placement
+        self._supervisor.add(spec)
+        self._count(name, f"start_{reason}")
+        return index, "cpu" if placement.device is None else f"gpu{placement.device}"
+
+    # --- rolls -----------------------------------------------------------------------------------
+
+    def check_roll(self, model: cfg.ModelConfig, planned: Planned = ()) -> list[tuple[int, int]] | None:
+        """The slot-table rows ``model``'s instances take on its new settings (None: the rows they hold), besides
+        those ``planned`` for other rolls of the same reload, or the reason they cannot, raised before anything
+        changes."""
+        if model.path != cfg.ECHO_MODEL:
+            check_model(model_request(model))  # a file that is not a GGUF is refused here
+        name, width = model.name, self._width[model.name]
+        if model.parallel <= width:
+            return None
+        count = len(self._rows[name])
+        rows = self._allocate(count, model.parallel, planned=planned)
+        if rows is None:
+            free = self._table_rows - len(self._taken(planned=planned))
+            raise ConfigError(f"models[{name}].parallel {self._config.model(name).parallel} -> {model.parallel}: its "
+                              f"{count} instance(s) need {count * model.parallel} free slot-table row(s) for the "
+                              f"roll and {free} are free; start the server with a larger --spare-slots, or restart "
+                              "it with the new parallel")
+        return rows
+
+    def roll(self, model: cfg.ModelConfig, rows: list[tuple[int, int]] | None) -> None:
+        """Serve ``model`` (an entry a reload changed; ``check_roll`` gave ``rows``) on its new settings: every
+        instance started from now on gets them, and the running ones are replaced one at a time
+        (``mpserve.server.rolling``). A model that had failed is tried again."""
+        name = model.name
+        target = len(self._ready(name)) + self._starting(name)
+        self._config = dataclasses.replace(self._config, models=tuple(
+            model if m.name == name else m for m in self._config.models))
+        if rows is not None:
+            self._rows[name], self._width[name] = rows, model.parallel
+        self._requests[name] = self._sized(model_request(model))
+        template = served_template(model)
+        if template is not None:
+            self._broker.chat_templates[name] = template
+        else:
+            self._broker.chat_templates.pop(name, None)
+        mq = self._broker.models[name]
+        if mq.failed is not None:
+            mq.failed, mq.crash_streak = None, 0
+            self._supervisor.health[name] = ModelHealth()
+        self._rolls[name] = Roll(self._supervisor.supersede(name), target)
+        self._supervisor.keep_zygote(name, True)
+        log.info("rolling %s onto %s: %d instance(s) to replace, one at a time", name, rolling.settings(model),
+                 len(self._rolls[name].old))
+        self.tick(force=True)
+
+    def _roll_step(self, name: str) -> None:
+        roll = self._rolls[name]
+        roll.old &= self._supervisor.workers.keys()  # those that exited are gone
+        entries = [w for w in self._broker.workers.values() if w.model == name and w.index is not None]
+        old_ready = [w for w in entries if w.index in roll.old and not w.draining]
+        starting = self._starting(name)
+        busy = starting > 0 or any(w.draining for w in entries)
+        placed: list[tuple[int, Placement]] = []
+        turn = Turn(len(roll.old), starting + sum(1 for w in entries if w.index not in roll.old and not w.draining),
+                    busy, not busy and self._room(name, placed) is None, bool(old_ready))
+        action = rolling.step(roll, turn)
+        if action is Step.DONE:
+            del self._rolls[name]
+            self._supervisor.keep_zygote(name, False)
+            self._count(name, "roll_done")
+            log.info("roll of %s done: its instances run %s", name, rolling.settings(self._config.model(name)))
+        elif action is Step.START:
+            index, where = self._start(name, placed[-1][1], "roll")
+            log.info("roll of %s: starting worker %d on %s with the new settings; %d old instance(s) left", name,
+                     index, where, turn.old)
+        elif action is Step.DRAIN:
+            entry = min(old_ready, key=lambda w: (len(w.running), -(w.index or 0)))
+            self._count(name, "stop_roll")
+            log.info("roll of %s: draining worker %s (on the old settings, %d request(s) to finish); %d old "
+                     "instance(s) left", name, entry.identity.decode(), len(entry.running), turn.old)
+            self._broker.drain(entry.identity)
+
+    def _taken(self, more: tuple[cfg.ModelConfig, ...] = (), planned: Planned = ()) -> set[int]:
+        """The slot-table rows a model reserves or a worker holds (and those ``planned``, and those the models of
+        ``more`` would take)."""
+        reserved = [(rows, self._width[name]) for name, rows in self._rows.items()] + list(planned)
+        taken = {r for rows, width in reserved for _, first in rows for r in range(first, first + width)}
+        taken |= {r for handle in self._supervisor.workers.values() for r in handle.spec.rows}
+        first = self._next_index(planned)
+        for model in more:
+            found = rolling.allocate(taken, self._table_rows, model.bounds[1], model.parallel, first)
+            taken |= {r for _, row in found or () for r in range(row, row + model.parallel)}
+            first += model.bounds[1]
+        return taken
+
+    def _allocate(self, count: int, width: int, more: tuple[cfg.ModelConfig, ...] = (), planned: Planned = ()
+                  ) -> list[tuple[int, int]] | None:
+        """(worker index, first row) for ``count`` new indices of ``width`` rows (after ``more``'s and those
+        ``planned``), or None."""
+        first = self._next_index(planned) + sum(m.bounds[1] for m in more)
+        return rolling.allocate(self._taken(more, planned), self._table_rows, count, width, first)
+
+    def _next_index(self, planned: Planned = ()) -> int:
+        """The lowest worker index above every index a model reserves or a worker holds (or one ``planned``)."""
+        lists = [*self._rows.values(), *(rows for rows, _ in planned)]
+        return max([i for rows in lists for i, _ in rows] + list(self._supervisor.workers), default=-1) + 1
 
     def _drained(self, entry: WorkerEntry) -> None:
         if entry.index is not None and entry.index in self._supervisor.workers:
@@ -293,7 +409,8 @@ class Instances:
         policy = self.policies[name]
         return wire.ModelScaling(
             policy.min, policy.max, self._config.model(name).bounds[1], self._starting(name), self._draining(name),
-            dict(self._events[name]))
+            dict(self._events[name]), rolling.settings(self._config.model(name)),
+            len(self._rolls[name].old) if name in self._rolls else 0)
 
     def _reply(self, call: wire.Control, message: str) -> wire.ControlReply:
         rows = []

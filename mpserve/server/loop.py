@@ -371,7 +371,7 @@ class _Loop:
             running = dataclasses.replace(self._config, models=tuple(  # and those `mpserve add` gave the instances
                 known.get(m.name, m) for m in self._instances.models() if m.name not in self._broker.removed))
             changes = reloading.diff(running, new)
-            requests = self._checked(changes)
+            requests, rows = self._checked(changes)
         except MpserveError as exc:
             log.error("reload (%s) refused, the running configuration stays: %s", why, exc.message)
             raise
@@ -386,6 +386,8 @@ class _Loop:
         for name in changes.removed:
             self._broker.removed.add(name)
             self._instances.retire(name)
+        for name, (model, _) in changes.rolled.items():
+            self._instances.roll(model, rows[name])
         for key, (_, value) in changes.at_once.items():
             self._apply(key, value)
         self._config = reloading.applied(running, changes)
@@ -396,10 +398,17 @@ class _Loop:
             log.info("reload (%s): %s", why, line)
         return lines
 
-    def _checked(self, changes: reloading.Changes) -> dict[str, ModelRequest]:
-        """What each added model asks, once every change is known to be possible; raises otherwise."""
+    def _checked(self, changes: reloading.Changes
+                 ) -> tuple[dict[str, ModelRequest], dict[str, list[tuple[int, int]] | None]]:
+        """What each added model asks, and the rows each rolled one takes, once every change is known to be
+        possible; raises otherwise."""
         for model in changes.bounds.values():
             self._instances.check_bounds(model.name, *model.bounds)
+        rows: dict[str, list[tuple[int, int]] | None] = {}
+        for name, (model, _) in changes.rolled.items():
+            _local_file(model)
+            rows[name] = self._instances.check_roll(model, [(r, changes.rolled[n][0].parallel)
+                                                            for n, r in rows.items() if r is not None])
         requests: dict[str, ModelRequest] = {}
         added: tuple[ModelConfig, ...] = ()
         for model in changes.added:
@@ -410,13 +419,11 @@ class _Loop:
                                       f"settings ({', '.join(differ)}): give it another name, or restart")
                 self._instances.check_bounds(model.name, *model.bounds)
                 continue
-            local = model.resolved_path()
-            if model.path != ECHO_MODEL and not os.path.isfile(local):
-                raise ConfigError(f"models[{model.name}].path {model.path}: no such file here; download it first "
-                                  f"(mpserve pull {model.path}), then reload")
+            _local_file(model)
             requests[model.name] = self._instances.checked(model, added)
             added = (*added, model)
-        return requests
+        return requests, rows
+
 
     def _apply(self, key: str, value: object) -> None:
         """A server setting that applies at once (``reload.AT_ONCE``)."""
@@ -430,3 +437,10 @@ class _Loop:
             self._broker.dispatch_all()  # a limit raised or gone lets waiting requests start
         elif key != "grace":  # the loop reads grace from its configuration
             setattr(self._broker, key, value)
+
+
+def _local_file(model: ModelConfig) -> None:
+    """``ConfigError`` unless the model's file is on this host (a reload does not download)."""
+    if model.path != ECHO_MODEL and not os.path.isfile(model.resolved_path()):
+        raise ConfigError(f"models[{model.name}].path {model.path}: no such file here; download it first "
+                          f"(mpserve pull {model.path}), then reload")

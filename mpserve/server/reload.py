@@ -9,8 +9,12 @@
               added       a model: as ``add``, with every setting of its entry
               removed     a model: new requests refused at once (``unknown_model``, naming the reload), queued and
                           running ones finish, its instances drain
-              kept        anything else that differs (an address, a key folder, a model's file or a setting that
-                          needs a new context): one line each saying it needs a restart; it keeps its running value
+              rolled      a model's settings that need a new context or other weights (n_ctx, parallel, KV types,
+                          the draft model, its file, ...): its instances replaced one at a time
+                          (``mpserve.server.rolling``)
+              kept        anything else that differs (an address, a key folder, what a model serves: embeddings,
+                          their pooling, its adapters): one line each saying it needs a restart; it keeps its
+                          running value
         ──▶ ``Changes.lines()``: one line per change, logged and answered to ``mpserve reload``
 
 ``diff`` is a pure function of the two configurations; the loop applies what it returns (``ServerLoop.reload``).
@@ -30,6 +34,9 @@ AT_ONCE = ("max_queue", "max_queue_total", "max_pending_per_client", "client_tim
 """Server settings a reload applies at once."""
 DERIVED = frozenset({"models", "threads_total"})  # compared model by model, or not a setting
 MODEL_AT_ONCE = frozenset({"instances", "min_instances", "max_instances", "scale_up_after", "scale_down_after"})
+MODEL_KEPT = frozenset({"name", "embedding", "pooling", "adapters"})
+"""A model's settings a reload cannot change: what it serves (the API its requests take), and its LoRA adapters
+(``mpserve adapters`` loads and unloads them at run time). Every other one rolls its instances."""
 
 
 @dataclass(frozen=True)
@@ -38,10 +45,12 @@ class Changes:
     bounds: dict[str, ModelConfig] = field(default_factory=dict)  # model -> its new entry (bounds, delays)
     added: tuple[ModelConfig, ...] = ()
     removed: tuple[str, ...] = ()
+    rolled: dict[str, tuple[ModelConfig, tuple[str, ...]]] = field(default_factory=dict)  # model -> its new entry,
+    # and what changed ("n_ctx 2048 -> 4096")
     kept: tuple[str, ...] = ()  # one line each: what differs and needs a restart
 
     def __bool__(self) -> bool:
-        return bool(self.at_once or self.bounds or self.added or self.removed or self.kept)
+        return bool(self.at_once or self.bounds or self.added or self.removed or self.rolled or self.kept)
 
     def lines(self) -> list[str]:
         out = [f"{key}: {_shown(old)} -> {_shown(new)}" for key, (old, new) in self.at_once.items()]
@@ -50,6 +59,8 @@ class Changes:
         out += [f"models[{m.name}]: added ({m.path}, instances {_bounds(m)})" for m in self.added]
         out += [f"models[{name}]: removed (new requests refused; its requests finish, then its instances drain)"
                 for name in self.removed]
+        out += [f"models[{name}]: {', '.join(what)}: rolling (its instances replaced one at a time)"
+                for name, (_, what) in self.rolled.items()]
         out += [f"{line}: needs a restart; the running value stays" for line in self.kept]
         return out or ["nothing changed"]
 
@@ -67,16 +78,21 @@ def diff(running: ServerConfig, new: ServerConfig) -> Changes:
             kept.append(f"{f.name} {old!r} -> {now!r}")
     before = {m.name: m for m in running.models}
     after = {m.name: m for m in new.models}
-    bounds = {}
-    for name in before.keys() & after.keys():
+    bounds, rolled = {}, {}
+    for name in sorted(before.keys() & after.keys()):
         changed = [f.name for f in dataclasses.fields(ModelConfig)
                    if getattr(before[name], f.name) != getattr(after[name], f.name)]
         if any(key in MODEL_AT_ONCE for key in changed):
             bounds[name] = after[name]
-        kept += settings_differ(before[name], after[name])
-    return Changes(at_once, {n: bounds[n] for n in sorted(bounds)},
-                   tuple(after[n] for n in after if n not in before), tuple(n for n in before if n not in after),
-                   tuple(kept))
+        rolls = [key for key in changed if key not in MODEL_AT_ONCE | MODEL_KEPT]
+        if rolls:
+            entry = dataclasses.replace(after[name], **{key: getattr(before[name], key) for key in MODEL_KEPT})
+            rolled[name] = (entry, tuple(f"{key} {_shown(getattr(before[name], key))} -> "
+                                         f"{_shown(getattr(after[name], key))}" for key in rolls))
+        kept += [f"models[{name}].{key} {getattr(before[name], key)!r} -> {getattr(after[name], key)!r}"
+                 for key in changed if key in MODEL_KEPT]
+    return Changes(at_once, bounds, tuple(after[n] for n in after if n not in before),
+                   tuple(n for n in before if n not in after), rolled, tuple(kept))
 
 
 def settings_differ(running: ModelConfig, new: ModelConfig) -> list[str]:
@@ -88,8 +104,9 @@ def settings_differ(running: ModelConfig, new: ModelConfig) -> list[str]:
 
 def applied(running: ServerConfig, changes: Changes) -> ServerConfig:
     """The configuration that runs after ``changes``: the new values of what applied, the running ones of what is
-    kept, the models added and the bounds changed (removed models stay in it until they are forgotten)."""
-    models = tuple(dataclasses.replace(m, **{k: getattr(changes.bounds[m.name], k) for k in MODEL_AT_ONCE})
+    kept, the models added, rolled and the bounds changed (removed models stay in it until they are forgotten)."""
+    models = tuple(changes.rolled[m.name][0] if m.name in changes.rolled else
+                   dataclasses.replace(m, **{k: getattr(changes.bounds[m.name], k) for k in MODEL_AT_ONCE})
                    if m.name in changes.bounds else m for m in running.models)
     return dataclasses.replace(running, models=(*models, *changes.added),
                                **{key: new for key, (_, new) in changes.at_once.items()})

@@ -74,6 +74,7 @@ class WorkerHandle:
     kill_at: float | None = None  # when SIGKILL follows the watchdog's SIGTERM
     retiring: bool = False  # scaled down: told to stop; removed, not restarted, once it exits
     adopting: bool = False  # an instance of the server before this one: killed at ``kill_at`` unless it registers
+    superseded: bool = False  # retiring because a roll replaces it (``Supervisor.supersede``)
 
 
 @dataclass
@@ -110,6 +111,7 @@ class Supervisor:
         self._zygote_deaths: Counter[str] = Counter()  # in a row, before an instance it forked registered
         self._retired_zygotes: list[Zygote] = []  # to stop at the next watch, once their pipe is unregistered
         self._told: set[str] = set()  # models whose start mode was logged
+        self._kept: set[str] = set()  # models being rolled: their zygote stays (``keep_zygote``)
         self._server_name, self._adopt_wait = config.server_name, config.adopt_wait
 
     def start_all(self, adopted: dict[int, int] | None = None, wait: float = 0.0, secrets: tuple[str, ...] = ()
@@ -165,8 +167,14 @@ class Supervisor:
                  handle.spec.model)
 
     def _zygote(self, spec: WorkerSpec) -> Zygote:
-        """The model's zygote, started if it has none."""
+        """The model's zygote, started if it has none, or if it holds other weights than ``spec`` asks (a reload
+        gave the model another file: the old zygote is stopped, its instances run on)."""
         zygote = self._zygotes.get(spec.model)
+        if zygote is not None and zygote.weights != spec.engine.weights():
+            log.info("%s's instances now load other weights (%s): stopping the zygote that holds the old ones "
+                     "(pid %s); a new one loads them", spec.model, spec.engine.path, zygote.process.pid)
+            self._retired_zygotes.append(self._zygotes.pop(spec.model))
+            zygote = None
         if zygote is None:
             path = socket_path(self._server_name, spec.model)
             adoptable = Adoptable(str(path), self._proof, self._adopt_wait) if self._adopt_wait else None
@@ -214,9 +222,41 @@ class Supervisor:
                     model, pid, describe_exit(code), running, delay)
 
     def _needs_zygote(self, model: str) -> bool:
-        """The model has an instance running or to restart, not one being retired only."""
-        return any(h.spec.model == model and not h.retiring and (h.process is not None or h.restart_at is not None)
-                   for h in self.workers.values())
+        """The model has an instance running or to restart, not one being retired only, or is being rolled onto
+        new settings (``keep_zygote``)."""
+        return model in self._kept or any(
+            h.spec.model == model and not h.retiring and (h.process is not None or h.restart_at is not None)
+            for h in self.workers.values())
+
+    def keep_zygote(self, model: str, keep: bool) -> None:
+        """A roll (``mpserve.server.rolling``) replaces the model's instances one by one: its zygote stays while
+        the roll runs, even between an old instance's exit and its replacement's start."""
+        if keep:
+            self._kept.add(model)
+        else:
+            self._kept.discard(model)
+            self._release_zygote(model)
+
+    def supersede(self, model: str) -> set[int]:
+        """A roll begins: the model's workers are replaced, so none is restarted from its old spec; each running one
+        is removed once it exits (as a retired one, but killed only once drained) and one waiting to restart is
+        removed now. The indices of the running ones."""
+        running: set[int] = set()
+        for index, handle in list(self.workers.items()):
+            if handle.spec.model != model or handle.retiring:
+                continue
+            if handle.process is None:
+                self._forget(index)
+                continue
+            handle.retiring = handle.superseded = True
+            running.add(index)
+        return running
+
+    def _forget(self, index: int) -> None:
+        """Remove a worker that is not running (and free its rows)."""
+        handle = self.workers.pop(index)
+        for row in handle.spec.rows:
+            self._table.writer(row).update(pid=0, state=SlotState.EMPTY, request="", tokens=0)
 
     def _release_zygote(self, model: str) -> None:
         """Stop the model's zygote (freeing the weights it holds) if it has no instance left to fork."""
@@ -293,10 +333,9 @@ class Supervisor:
         handle.process = None
         handle.stalled, handle.kill_at = False, None
         if handle.retiring:
-            del self.workers[index]
-            for row in handle.spec.rows:  # free for the next instance at this index
-                self._table.writer(row).update(pid=0, state=SlotState.EMPTY, request="", tokens=0)
-            log.info("worker %d (pid %s, %s) stopped: scaled down", index, pid, handle.spec.model)
+            self._forget(index)  # its rows free for the next instance at this index
+            log.info("worker %d (pid %s, %s) stopped: %s", index, pid, handle.spec.model,
+                     "replaced by a roll" if handle.superseded else "scaled down")
             self._release_zygote(handle.spec.model)
             return code
         health = self.health[handle.spec.model]

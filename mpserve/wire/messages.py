@@ -473,7 +473,8 @@ class Pong(Body, frozen=True, forbid_unknown_fields=True):
 @dataclass(frozen=True)
 class ModelScaling:
     """A model's instance bounds (``ceiling``: the most the server was sized for at start) and its scale
-    events since start, by kind and reason (``start_queue``, ``stop_idle``, ``skip_does_not_fit``, ...).
+    events since start, by kind and reason (``start_queue``, ``stop_idle``, ``skip_does_not_fit``, ``stop_roll``,
+    ...).
     Like ModelStats and ModelControl, a dataclass: msgspec leaves a newer server's extra fields out, and the
     gateway answers it as JSON with ``dataclasses.asdict``, as it does Timings."""
 
@@ -483,6 +484,8 @@ class ModelScaling:
     starting: int = 0
     draining: int = 0
     events: dict[str, int] = field(default_factory=dict)
+    settings: str = ""  # the settings its instances start with (``mpserve.server.rolling.settings``)
+    previous: int = 0  # instances still running on the settings before a reload (a roll in progress)
 
 
 @dataclass
