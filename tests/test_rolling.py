@@ -99,3 +99,16 @@ def test_a_roll_that_needs_more_slot_rows_than_are_free_is_refused_whole(start_s
     assert not any("max_queue: 64 -> 32" in line for line in server.log)  # refused whole: nothing applied
     with Client(server.address, timeout=30) as client:
         assert client.generate("hello", model="e", max_tokens=4).text
+
+
+def test_a_roll_whose_new_settings_do_not_fit_where_the_old_ran_is_refused_whole(start_server, tmp_path: Path) -> None:
+    config = tmp_path / "pool.yaml"
+    model = {"name": "tiny", "path": "builtin:tiny", "instances": 2}
+    config.write_text(yaml.safe_dump({"models": [model]}))
+    server: ServerProcess = start_server("--config", str(config), "--simulate-gpus", "1x24GiB").wait_ready()
+    config.write_text(yaml.safe_dump({"models": [{**model, "requires": {"memory": "16GiB"}}]}))  # two do not fit
+    refused = mpserve("reload", "--server-name", server.name)
+    assert refused.returncode == 1 and "does_not_fit" in refused.stderr, refused.stderr
+    assert "model tiny: builtin:tiny, n_ctx 2048" in mpserve("status", "--server-name", server.name).stdout
+    with Client(server.address, timeout=30) as client:
+        assert client.generate("hello", model="tiny", max_tokens=4).text

@@ -265,9 +265,14 @@ class Instances:
         """The slot-table rows ``model``'s instances take on its new settings (None: the rows they hold), besides
         those ``planned`` for other rolls of the same reload, or the reason they cannot, raised before anything
         changes."""
+        name, width = model.name, self._width[model.name]
         if model.path != cfg.ECHO_MODEL:
             check_model(model_request(model))  # a file that is not a GGUF is refused here
-        name, width = model.name, self._width[model.name]
+            request = self._sized(model_request(model))
+            live = [p for p in self._placements.values() if p.model != name]  # the new ones replace the old
+            for instance in range(len(self._ready(name)) + self._starting(name)):
+                live.append(place_one(request, instance, live, self._devices, self._config.gpu_memory_budget,
+                                      single_active=self._config.single_active_backend))
         if model.parallel <= width:
             return None
         count = len(self._rows[name])
@@ -300,7 +305,8 @@ class Instances:
         if mq.failed is not None:
             mq.failed, mq.crash_streak = None, 0
             self._supervisor.health[name] = ModelHealth()
-        self._rolls[name] = Roll(self._supervisor.supersede(name), target)
+        before = self._rolls[name].old if name in self._rolls else set()  # a roll not over: its old ones too
+        self._rolls[name] = Roll(self._supervisor.supersede(name) | before, target)
         self._supervisor.keep_zygote(name, True)
         log.info("rolling %s onto %s: %d instance(s) to replace, one at a time", name, rolling.settings(model),
                  len(self._rolls[name].old))
