@@ -471,6 +471,25 @@ class Broker:
         self._dispatch(entry.model)
         self.flush()
 
+    def hand_over(self, identity: bytes) -> bool:
+        """A roll replaces the worker (``mpserve.server.rolling``): where each request it runs can go on elsewhere
+        from the tokens it streamed (as after a worker's loss: ``routing.after_loss``), it is told to STOP now, and
+        its LEAVING hands them over, first in line; else it drains as a scaled-down one does. Whether it hands
+        them over."""
+        entry = self.workers[identity]
+        running = [self.requests[t] for t in entry.running if t in self.requests]
+        if any(p.handovers + 1 >= MAX_HANDOVERS or (p.state is RequestState.STREAMING and not
+                                                    (p.generated and p.tokens_known)) for p in running):
+            self.drain(identity)
+            return False
+        entry.draining = True
+        mq = self.models[entry.model]
+        mq.free = deque(f for f in mq.free if f[0] != identity)
+        self._to_worker(identity, wire.Stop("replaced by a roll"))
+        self.on_drained(entry)
+        self.flush()
+        return True
+
     def _stop_if_drained(self, entry: WorkerEntry) -> None:
         if entry.draining and not entry.running:
             self._to_worker(entry.identity, wire.Stop("scaled down"))

@@ -335,9 +335,11 @@ class Instances:
         elif action is Step.DRAIN:
             entry = min(old_ready, key=lambda w: (len(w.running), -(w.index or 0)))
             self._count(name, "stop_roll")
-            log.info("roll of %s: draining worker %s (on the old settings, %d request(s) to finish); %d old "
-                     "instance(s) left", name, entry.identity.decode(), len(entry.running), turn.old)
-            self._broker.drain(entry.identity)
+            running = len(entry.running)
+            handed = self._broker.hand_over(entry.identity)
+            how = "stopping" if not running else "handing over the requests of" if handed else "draining"
+            log.info("roll of %s: %s worker %s (on the old settings, running %d request(s)); %d old instance(s) "
+                     "left", name, how, entry.identity.decode(), running, turn.old)
 
     def _taken(self, more: tuple[cfg.ModelConfig, ...] = (), planned: Planned = ()) -> set[int]:
         """The slot-table rows a model reserves or a worker holds (and those ``planned``, and those the models of

@@ -8,8 +8,10 @@
         WAIT   an instance of the model is starting, or one is draining
         START  one on the new settings, where an index is free and it fits (blue/green: every old one still
                serves, and the new one takes requests beside them)
-        DRAIN  the old one running least: it takes nothing new, finishes what it runs (its streams go on to their
-               end, no hand-over needed), then exits; its index is free for its replacement (drain, then swap)
+        DRAIN  the old one running least: it takes nothing new and is told to stop at once; its requests are
+               handed over (``Broker.hand_over``: each goes on elsewhere, first in line, from the tokens it
+               streamed, as after a worker's loss), or, where one could not go on so, it finishes them first; it
+               exits, and its index is free for its replacement (drain, then swap)
     no old instance left, and as many new ones as the old were (or no room for more) ──▶ DONE
 
 A zygote (``mpserve.worker.zygote``) whose weights the new settings keep forks the new instances as it forked the
