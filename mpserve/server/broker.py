@@ -947,7 +947,7 @@ class Broker:
     def _on_ready(self, identity: bytes, msg: wire.Ready, cache: bytes | None, key: str = "") -> None:
         """A worker registered (again): ``cache`` is its whole host store's CACHE frame, if it holds any; ``key``
         the CURVE key it connected with (``pool_keys``: which models it may serve)."""
-        if msg.protocol != wire.WORKER_LINK:
+        if msg.protocol not in (wire.WORKER_LINK, wire.PREVIOUS_LINK):
             log.error("worker %r on %s speaks the worker protocol %r, this broker %r; refused (run the same mpserve "
                       "version on the pool's host)", identity, msg.host or "this host", msg.protocol, wire.WORKER_LINK)
             self._to_worker(identity, wire.Error(None, ErrorCode.PROTOCOL, (
@@ -989,7 +989,8 @@ class Broker:
         self._take_chat(identity, msg, local)
         entry = WorkerEntry(identity, index, msg.model, msg.device, msg.capacity,
                             msg.pid, msg.loaded, host=msg.host, last_heard=time.monotonic(),
-                            ram=self.models[msg.model].store(msg.host), adapters=frozenset(msg.adapters))
+                            ram=self.models[msg.model].store(msg.host), adapters=frozenset(msg.adapters),
+                            code=f"{msg.version} {msg.protocol}")
         self.workers[identity] = entry
         self._cache_held(entry, cache)
         mq = self.models[msg.model]

@@ -31,6 +31,7 @@ from mpserve.config.loader import ServerConfig
 from mpserve.errors import BadRequest, ConfigError, ModelDoesNotFit, ModelFailed, UnknownModel
 from mpserve.gpu.placement import ModelRequest, Placement, estimate_request, place_one
 from mpserve.wire import protocol as wire
+from mpserve.worker.spec import revision
 
 from . import rolling
 from .broker import Broker
@@ -312,6 +313,22 @@ class Instances:
                  len(self._rolls[name].old))
         self.tick(force=True)
 
+    def outdated(self, entry: WorkerEntry) -> None:
+        """A local instance of other code registered (adopted after an upgrade to another mpserve version): it
+        serves until a roll replaces it with one of this code (``mpserve.server.rolling``), one at a time, with
+        the instances of other code that register after it."""
+        name = entry.model
+        if entry.index is None or name not in self.policies:
+            return
+        roll = self._rolls.get(name)
+        if roll is None:
+            roll = self._rolls[name] = Roll(set(), 0)
+            self._supervisor.keep_zygote(name, True)
+            log.info("%s: instances of another mpserve version (%s) were adopted; rolling them onto this one (%s), "
+                     "one at a time", name, entry.code, revision())
+        roll.old |= self._supervisor.supersede(name, {entry.index})
+        roll.target = max(roll.target, len(self._ready(name)) + self._starting(name))
+
     def _roll_step(self, name: str) -> None:
         roll = self._rolls[name]
         roll.old &= self._supervisor.workers.keys()  # those that exited are gone
@@ -330,16 +347,15 @@ class Instances:
             log.info("roll of %s done: its instances run %s", name, rolling.settings(self._config.model(name)))
         elif action is Step.START:
             index, where = self._start(name, placed[-1][1], "roll")
-            log.info("roll of %s: starting worker %d on %s with the new settings; %d old instance(s) left", name,
-                     index, where, turn.old)
+            log.info("roll of %s: starting worker %d on %s; %d old instance(s) left", name, index, where, turn.old)
         elif action is Step.DRAIN:
             entry = min(old_ready, key=lambda w: (len(w.running), -(w.index or 0)))
             self._count(name, "stop_roll")
             running = len(entry.running)
             handed = self._broker.hand_over(entry.identity)
             how = "stopping" if not running else "handing over the requests of" if handed else "draining"
-            log.info("roll of %s: %s worker %s (on the old settings, running %d request(s)); %d old instance(s) "
-                     "left", name, how, entry.identity.decode(), running, turn.old)
+            log.info("roll of %s: %s worker %s (an old instance, running %d request(s)); %d old instance(s) left",
+                     name, how, entry.identity.decode(), running, turn.old)
 
     def _taken(self, more: tuple[cfg.ModelConfig, ...] = (), planned: Planned = ()) -> set[int]:
         """The slot-table rows a model reserves or a worker holds (and those ``planned``, and those the models of

@@ -37,6 +37,7 @@ from mpserve.llama_build import start_warnings
 from mpserve.runtime import ServerInfo, ServerPaths
 from mpserve.wire import protocol as wire
 from mpserve.wire.slots import SlotTable
+from mpserve.worker.spec import revision
 
 from . import adoption, roles
 from . import reload as reloading
@@ -321,6 +322,8 @@ class _Loop:
     def _on_ready(self, entry: WorkerEntry) -> None:
         assert entry.index is not None  # the broker tells of its local workers only
         self._supervisor.registered(entry.index, entry.loaded)
+        if entry.code != revision():
+            self._instances.outdated(entry)
         self._ready.add(entry.index)
         if entry.loaded and entry.index is not None:
             self._estimates.ready(entry.index, entry.pid)

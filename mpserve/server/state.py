@@ -104,6 +104,7 @@ class WorkerEntry:
     adapters: frozenset[str] = frozenset()  # the LoRA adapters it has loaded (READY, ADAPTER_REPLY): it runs only
     # requests whose adapters are all among them
     parked: set[str] = field(default_factory=set)  # tickets of the queued requests whose sequence it holds parked
+    code: str = ""  # its mpserve version and link revision (``mpserve.worker.spec.revision``'s form; READY's)
 
 
 @dataclass(frozen=True)

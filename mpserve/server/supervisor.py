@@ -237,13 +237,13 @@ class Supervisor:
             self._kept.discard(model)
             self._release_zygote(model)
 
-    def supersede(self, model: str) -> set[int]:
-        """A roll begins: the model's workers are replaced, so none is restarted from its old spec; each running one
-        is removed once it exits (as a retired one, but killed only once drained) and one waiting to restart is
-        removed now. The indices of the running ones."""
+    def supersede(self, model: str, only: set[int] | None = None) -> set[int]:
+        """A roll begins: the model's workers (or those of ``only``) are replaced, so none is restarted from its old
+        spec; each running one is removed once it exits (as a retired one, but killed only once drained) and one
+        waiting to restart is removed now. The indices of the running ones."""
         running: set[int] = set()
         for index, handle in list(self.workers.items()):
-            if handle.spec.model != model or handle.retiring:
+            if handle.spec.model != model or handle.retiring or (only is not None and index not in only):
                 continue
             if handle.process is None:
                 self._forget(index)

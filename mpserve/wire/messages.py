@@ -28,10 +28,13 @@ from mpserve.errors import BadRequest, MpserveError, ProtocolError
 from mpserve.wire import refusals
 from mpserve.wire.prefix import MAX_BLOCKS
 
-WORKER_LINK = "MPS1.3"  # the revision of the broker-worker messages, in every READY: a broker refuses workers
-# of another (1.1: STEP replaced the worker's CHUNKS, and ASSIGNS came; 1.2: LoRA adapters: READY's, ADAPTER_ACTION;
-# ASSIGN's salt; PREEMPT and PARKED; 1.3: adoption: READY's live requests, HEARTBEAT's pid, HAND_OFF), so a remote
-# pool is upgraded with it
+WORKER_LINK = "MPS1.4"  # the revision of the broker-worker messages, in every READY: a broker refuses workers
+# of another but PREVIOUS_LINK (1.1: STEP replaced the worker's CHUNKS, and ASSIGNS came; 1.2: LoRA adapters: READY's,
+# ADAPTER_ACTION; ASSIGN's salt; PREEMPT and PARKED; 1.3: adoption: READY's live requests, HEARTBEAT's pid,
+# HAND_OFF; 1.4: READY's version), so a remote pool is upgraded with it
+PREVIOUS_LINK = "MPS1.3"  # a revision whose workers a broker of this one still takes: its messages are this one's
+# but for fields this one added with a default; an upgrade's adopted instances of it serve until a roll replaces
+# them (``mpserve.server.rolling``)
 MAX_MESSAGE_BYTES = 4 * 1024 * 1024
 MAX_CACHE_ITEMS = 4096  # entries per list in a CACHE frame
 MAX_CACHE_HASHES = 1 << 14  # hashes a broker keeps per instance (and a READY's CACHE frame carries at most)
@@ -765,6 +768,7 @@ class Ready(Body, frozen=True, forbid_unknown_fields=True):
     loaded: bool = True
     host: Name = ""  # set by workers of remote pools
     protocol: Annotated[str, Meta(max_length=16)] = WORKER_LINK
+    version: Name = ""  # the worker's mpserve version ("" from a worker of PREVIOUS_LINK)
     chat_template: Annotated[str, Meta(max_length=MAX_TEMPLATE_CHARS)] = ""  # the model's chat template (Jinja2,
     # from its GGUF; "" if none or not loaded)
     bos_token: Name = ""

@@ -59,6 +59,7 @@ from typing import Any
 
 import zmq
 
+from mpserve import __version__
 from mpserve.engine.interface import Completion, Engine
 from mpserve.errors import Cancelled, ErrorCode, MpserveError
 from mpserve.gpu.permits import DevicePermits, Permit
@@ -204,7 +205,8 @@ class Worker:
         chat = self._engine.chat if self._engine is not None else ChatTemplate()
         cache = self._engine.cache_snapshot() if self._engine is not None else None  # for a broker that restarted
         ready = wire.Ready(spec.identity.decode(), spec.model, spec.device, spec.engine.parallel, os.getpid(),
-                           loaded=self._engine is not None, host=spec.host, chat_template=chat.template,
+                           loaded=self._engine is not None, host=spec.host, version=__version__,
+                           chat_template=chat.template,
                            bos_token=chat.bos_token, eos_token=chat.eos_token, proof=spec.proof,
                            adapters=self._engine.adapter_names() if self._engine is not None else
                            tuple(sorted(self._adapters)), live=self._live() if self._orphan_until is not None else ())

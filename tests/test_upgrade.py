@@ -1,0 +1,74 @@
+"""An upgrade to another mpserve version under load (``mpserve upgrade``): the new start adopts the old version's
+instances (their worker link revision is the previous one, which it still takes) and rolls them onto its own code
+one at a time, each handing its streams over (``mpserve.server.rolling``). No stream fails or changes; the model
+is loaded once more (the old zygote's code is not the new one's), while the old instances serve.
+
+The old version is this code with another version string and the previous link revision, copied to a folder that
+is "installed" through PYTHONPATH (a link); the upgrade installs the new one by pointing the link at this
+checkout, as an upgrade in place changes what the environment imports."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from helpers import wait_for
+from test_adoption import ARGS, MAX_TOKENS, PROMPTS, _Streamer, _worker_pids
+
+from mpserve import Client
+from mpserve.wire.messages import PREVIOUS_LINK, WORKER_LINK
+
+REPO = Path(__file__).resolve().parent.parent
+OLD_VERSION = "0.0.9+old"
+
+
+def _old_version(folder: Path) -> Path:
+    """This checkout's package as the previous version: another version string, the previous link revision."""
+    shutil.copytree(REPO / "mpserve", folder / "mpserve", ignore=shutil.ignore_patterns("__pycache__"))
+    for name, old, new in (("__init__.py", '__version__ = "', f'__version__ = "{OLD_VERSION}"  # '),
+                           ("wire/messages.py", f'WORKER_LINK = "{WORKER_LINK}"', f'WORKER_LINK = "{PREVIOUS_LINK}"')):
+        path = folder / "mpserve" / name
+        text = path.read_text()
+        assert old in text, (name, old)
+        path.write_text(text.replace(old, new, 1))
+    return folder
+
+
+@pytest.mark.timeout(240)
+def test_an_upgrade_to_another_version_rolls_the_adopted_instances_onto_it_with_no_stream_failed(
+        start_server, tmp_path: Path) -> None:
+    installed = tmp_path / "site-packages"
+    installed.symlink_to(_old_version(tmp_path / "old"))
+    server = start_server(*ARGS, env={"PYTHONPATH": str(installed), "PYTHONSAFEPATH": "1"}).wait_ready()
+    assert server.info.version == OLD_VERSION
+    with Client(server.address) as client:
+        whole = [client.generate(p, max_tokens=MAX_TOKENS, temperature=0).text for p in PROMPTS]
+    old_pids = _worker_pids(server)
+    streams = [_Streamer(server.address, p) for p in PROMPTS]
+    for s in streams:
+        s.start()
+    assert all(s.started.wait(60) for s in streams)
+
+    installed.unlink()
+    installed.symlink_to(REPO)  # the new version installed in place
+    upgraded = subprocess.run([sys.executable, "-m", "mpserve", "upgrade", "--server-name", server.name],
+                              capture_output=True, text=True, timeout=120)
+    assert upgraded.returncode == 0, upgraded.stderr
+    assert f"(was {OLD_VERSION})" in upgraded.stdout, upgraded.stdout
+    for s in streams:
+        s.join(150)
+    assert [s.error for s in streams] == [None] * len(streams)
+    assert [s.text for s in streams] == whole and [s.result for s in streams] == whole
+
+    wait_for(lambda: any("roll of tiny done" in line for line in server.log), 60, "the roll onto the new version")
+    new_pids = _worker_pids(server)
+    assert len(new_pids) == 2 and not set(new_pids) & set(old_pids), (old_pids, new_pids)
+    log = "\n".join(server.log)
+    assert "instances of another mpserve version" in log and f"{OLD_VERSION} {PREVIOUS_LINK}" in log, log
+    assert sum("instances are forked from here" in line for line in server.log) == 2, log  # once more, no more
+    steps = [line for line in server.log if "roll of tiny:" in line]
+    assert sum("starting worker" in line for line in steps) == 2, steps  # one at a time, each its own step
+    assert not server.tracebacks(), log
