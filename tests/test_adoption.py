@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import signal
 import socket
 import statistics
@@ -19,11 +20,12 @@ from pathlib import Path
 
 import httpx
 import pytest
-from helpers import children, free_port, http_up, wait_for
+from helpers import children, free_port, http_up, mpserve, wait_for
 
 from mpserve import Client
 from mpserve.client import PING_INTERVAL_S, PING_LIVENESS
 from mpserve.errors import ConnectionFailed
+from mpserve.runtime import runtime_dir
 
 PROMPTS = [f"Once upon a time, {i} " for i in range(8)]
 MAX_TOKENS = 600
@@ -331,6 +333,83 @@ def test_http_streams_through_the_gateways_of_start_http_go_on_over_the_servers_
         answer = http.post(url + "/v1/completions", json={"prompt": prompts[0], "max_tokens": 16, "temperature": 0})
     assert answer.status_code == 200 and whole[0].startswith(answer.json()["choices"][0]["text"])
     assert not again.tracebacks(), "\n".join(again.log)
+
+
+def _curve_http(tmp_path: Path) -> tuple[tuple[str, ...], dict[str, str], str]:
+    """``start --http`` on a CURVE ``--bind`` (its gateways reattach within 10 s, or fail): its arguments, a client's
+    keys for the front, and the gateways' URL."""
+    keys, clients = tmp_path / "keys", tmp_path / "clients"
+    for name in ("server", "alice"):
+        assert mpserve("keygen", str(keys), name).returncode == 0
+    clients.mkdir()
+    shutil.copy(keys / "alice.key", clients)
+    port = free_port()
+    args = ("--instances", "2", "--parallel", "2", "--n-ctx", "1024", "--bind", f"tcp://127.0.0.1:{free_port()}",
+            "--curve-secret", str(keys / "server.key_secret"), "--curve-clients", str(clients), "--http",
+            f"127.0.0.1:{port}", "--reattach", "10")
+    curve = {"curve_server_key": str(keys / "server.key"), "curve_secret": str(keys / "alice.key_secret")}
+    return args, curve, f"http://127.0.0.1:{port}"
+
+
+def _join_curve_streams(threads: list[threading.Thread], log: list[str]) -> None:
+    """Wait for the HTTP streams, 30 s at most; none of their gateways was refused by the server (CURVE)."""
+    deadline = time.monotonic() + 30
+    for t in threads:
+        t.join(max(0.0, deadline - time.monotonic()))
+    assert not [line for line in log if "refused a connection" in line]
+
+
+@pytest.mark.timeout(90)
+def test_http_streams_through_the_gateways_of_start_http_on_a_curve_front_go_on_over_the_servers_death(
+        start_server, tmp_path: Path) -> None:
+    """``start --http`` on a CURVE ``--bind``: its gateways reach the front with a key pair of their own. Killed, the
+    next start keeps that pair (the dead server's gateways hold it), so they reattach and their streams finish."""
+    args, curve, url = _curve_http(tmp_path)
+    server = start_server(*args).wait_ready()
+    prompts = PROMPTS[:2]
+    with Client(server.address, **curve) as client:
+        whole = [client.generate(p, max_tokens=MAX_TOKENS, temperature=0).text for p in prompts]
+    wait_for(lambda: http_up(url), 30, "the gateway answers")
+    key_file = runtime_dir() / f"{server.name}.gateway.key_secret"
+    key = key_file.read_bytes()
+    outs, threads = _http_streams(url, prompts)
+    _kill_frozen(server, _worker_pids(server))
+    again = start_server(*args, name=server.name).wait_ready()
+    _join_curve_streams(threads, again.log)
+    assert [o.get("text") for o in outs] == whole, outs
+    assert key_file.read_bytes() == key  # the pair they hold
+    assert again.stop() == 0
+    assert not list(runtime_dir().glob(f"{server.name}.gateway.key*"))  # a clean stop ends it
+    assert not again.tracebacks(), "\n".join(again.log)
+
+
+@pytest.mark.timeout(90)
+def test_an_upgrade_of_start_http_on_a_curve_front_hands_its_gateways_key_pair_on(start_server, tmp_path: Path) -> None:
+    """``mpserve upgrade`` of ``start --http`` on a CURVE ``--bind``: the next start keeps the pair, so the old
+    gateways finish their streams on it, and its own gateways reach it with the same key."""
+    args, curve, url = _curve_http(tmp_path)
+    server = start_server(*args).wait_ready()
+    prompts = PROMPTS[:2]
+    with Client(server.address, **curve) as client:
+        whole = [client.generate(p, max_tokens=MAX_TOKENS, temperature=0).text for p in prompts]
+    wait_for(lambda: http_up(url), 30, "the gateway answers")
+    old_gateway = next(pid for pid in children(server.proc.pid)
+                       if b"gateway" in Path(f"/proc/{pid}/cmdline").read_bytes())
+    key_file = runtime_dir() / f"{server.name}.gateway.key_secret"
+    key = key_file.read_bytes()
+    before = server.info.started
+    outs, threads = _http_streams(url, prompts)
+    server.proc.send_signal(signal.SIGUSR2)  # what `mpserve upgrade` does (it then waits on the front, keyless)
+    wait_for(lambda: sum("ready:" in line for line in server.log) == 2, 30, "the next start")
+    assert server.info.started > before
+    _join_curve_streams(threads, server.log)
+    assert [o.get("text") for o in outs] == whole, outs
+    assert key_file.read_bytes() == key
+    wait_for(lambda: not _running(old_gateway), 30, "the old gateway to exit")
+    with httpx.Client(timeout=60) as http:  # through the next start's own gateway
+        answer = http.post(url + "/v1/completions", json={"prompt": prompts[0], "max_tokens": 16, "temperature": 0})
+    assert answer.status_code == 200 and whole[0].startswith(answer.json()["choices"][0]["text"]), answer.text
+    assert not server.tracebacks(), "\n".join(server.log)
 
 
 @pytest.mark.timeout(180)

@@ -109,8 +109,9 @@ def serve(config: ServerConfig, gateway_key: Path | None = None,
                      reread, reloaded, survivors)
         loop.run()
         upgrading = loop.upgrading
-        if not upgrading:
-            adoption.remove_secrets(paths)  # a clean stop: no instance is left to adopt
+        if not upgrading:  # a clean stop: no instance is left to adopt, nor a gateway to reattach
+            adoption.remove_secrets(paths)
+            roles.remove_gateway_keys(paths)
         return upgrading
     finally:
         if broker is not None:
@@ -121,8 +122,7 @@ def serve(config: ServerConfig, gateway_key: Path | None = None,
         if not upgrading:  # the next start reads which instances to adopt from it
             table.unlink()
         table.close()
-        keys = [gateway_key, gateway_key.with_suffix(".key")] if gateway_key is not None else []
-        for path in [paths.info, *paths.ipc_files(), *keys]:
+        for path in [paths.info, *paths.ipc_files()]:
             path.unlink(missing_ok=True)
         log.info("stopped")
 

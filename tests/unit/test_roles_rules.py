@@ -13,7 +13,7 @@ import zmq
 import zmq.auth
 from zmq.auth.base import Authenticator
 
-from mpserve.errors import Forbidden
+from mpserve.errors import ConfigError, Forbidden
 from mpserve.runtime import ServerPaths
 from mpserve.server import roles
 from mpserve.wire import protocol as wire
@@ -63,23 +63,84 @@ def paths(folder: Path) -> ServerPaths:
                        gateway_key=folder / "srv.gateway.key_secret")
 
 
-def test_the_gateways_key_pair_is_fresh_its_secret_half_private_and_planted_links_are_not_followed(
+def test_the_gateways_key_pair_is_fresh_its_secret_half_private_and_a_lone_planted_link_is_not_followed(
         tmp_path: Path) -> None:
     target = tmp_path / "elsewhere"
     target.write_text("not yours\n")
-    (tmp_path / "srv.gateway.key_secret").symlink_to(target)
-    (tmp_path / "srv.gateway.key").symlink_to(target)
+    for lone in ("srv.gateway.key_secret", "srv.gateway.key"):  # one half only: no pair was left, a fresh one is made
+        (tmp_path / lone).symlink_to(target)
+        secret = roles.gateway_keys(paths(tmp_path))
+        assert secret == tmp_path / "srv.gateway.key_secret"
+        assert target.read_text() == "not yours\n"  # the link was removed, not written through
+        public_file = tmp_path / "srv.gateway.key"
+        for half in (secret, public_file):
+            assert not half.is_symlink() and half.is_file()
+        assert stat.S_IMODE(os.stat(secret).st_mode) == 0o600
+        public, secret_key = zmq.auth.load_certificate(secret)
+        assert secret_key is not None and zmq.curve_public(secret_key) == public
+        assert zmq.auth.load_certificate(public_file) == (public, None)
+        roles.remove_gateway_keys(paths(tmp_path))
+        assert not secret.exists() and not public_file.exists()
+
+
+def test_the_pair_a_server_left_is_kept_for_its_gateways_and_a_clean_stop_ends_it(tmp_path: Path) -> None:
+    """The server before this one died or upgraded: its gateways hold the pair, the next start keeps it (a public
+    half open to others is no secret); after a clean stop the next start makes a new one."""
     secret = roles.gateway_keys(paths(tmp_path))
-    assert secret == tmp_path / "srv.gateway.key_secret"
-    assert target.read_text() == "not yours\n"  # the links were removed, not written through
-    public_file = tmp_path / "srv.gateway.key"
-    for half in (secret, public_file):
-        assert not half.is_symlink() and half.is_file()
-    assert stat.S_IMODE(os.stat(secret).st_mode) == 0o600
-    public, secret_key = zmq.auth.load_certificate(secret)
-    assert secret_key is not None and zmq.auth.load_certificate(public_file) == (public, None)
-    assert roles.gateway_keys(paths(tmp_path)) == secret  # again, with no link: a new pair in place of the old
-    assert zmq.auth.load_certificate(secret)[0] != public
+    kept = secret.read_bytes()
+    (tmp_path / "srv.gateway.key").chmod(0o644)
+    assert roles.gateway_keys(paths(tmp_path)) == secret and secret.read_bytes() == kept
+    roles.remove_gateway_keys(paths(tmp_path))
+    assert roles.gateway_keys(paths(tmp_path)) == secret and secret.read_bytes() != kept
+
+
+def _link_to_a_copy(half: Path) -> None:
+    copy = half.with_name("copy")
+    copy.write_bytes(half.read_bytes())
+    copy.chmod(0o600)
+    half.unlink()
+    half.symlink_to(copy)
+
+
+def _another_pair(tmp_path: Path) -> None:
+    other = tmp_path / "other"
+    other.mkdir()
+    roles.gateway_keys(paths(other))
+    (tmp_path / "srv.gateway.key").write_bytes((other / "srv.gateway.key").read_bytes())
+
+
+PLANTED = {
+    "the secret half a link": lambda d: _link_to_a_copy(d / "srv.gateway.key_secret"),
+    "the public half a link": lambda d: _link_to_a_copy(d / "srv.gateway.key"),
+    "the secret half open to others": lambda d: (d / "srv.gateway.key_secret").chmod(0o644),
+    "the secret half a folder": lambda d: ((d / "srv.gateway.key_secret").unlink(),
+                                           (d / "srv.gateway.key_secret").mkdir()),
+    "the public half of another pair": _another_pair,
+    "no secret key": lambda d: (d / "srv.gateway.key_secret").write_bytes((d / "srv.gateway.key").read_bytes()),
+    "no key at all": lambda d: (d / "srv.gateway.key").write_text("curve\n    public-key\n"),
+    "not a key": lambda d: (d / "srv.gateway.key").write_text('public-key = "short"\n'),
+}
+
+
+@pytest.mark.parametrize("planted", list(PLANTED))
+def test_a_left_pair_that_is_not_this_users_own_private_one_is_refused_never_let_in(tmp_path: Path,
+                                                                                   planted: str) -> None:
+    secret = roles.gateway_keys(paths(tmp_path))
+    public = tmp_path / "srv.gateway.key"
+    PLANTED[planted](tmp_path)
+    before = {half: half.read_bytes() for half in (secret, public) if half.is_file()}
+    with pytest.raises(ConfigError) as refused:
+        roles.gateway_keys(paths(tmp_path))
+    assert f"remove it (rm {secret} {public}) and start again" in refused.value.message
+    assert {half: half.read_bytes() for half in (secret, public) if half.is_file()} == before  # nor replaced
+
+
+def test_a_left_pair_of_another_user_is_refused(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    roles.gateway_keys(paths(tmp_path))
+    me = os.geteuid()
+    monkeypatch.setattr(os, "geteuid", lambda: me + 1)  # the files are now another user's
+    with pytest.raises(ConfigError, match="is not a regular file of yours"):
+        roles.gateway_keys(paths(tmp_path))
 
 
 def test_the_gateways_key_is_let_in_to_the_domains_named_beside_the_keys_there(tmp_path: Path) -> None:
