@@ -570,6 +570,14 @@ class AsyncClient:
     async def _write(self, frames: list[bytes]) -> None:
         """Send at once if the socket has room (its high-water mark not reached), else when it has (in
         order, after those already waiting); then take what the send made readable."""
+        sent = self._put(frames)
+        if sent is not None:
+            await sent
+
+    def _put(self, frames: list[bytes]) -> asyncio.Future[None] | None:
+        """``_write`` without the wait: None if sent at once, else the future set once it is. The keep-alive
+        sends so: a socket that never gets room (a server that refuses this client's CURVE key holds no
+        connection to it) must not stop it from counting the silence to its bound."""
         sock = self._sock
         if sock is None:
             raise ConnectionFailed("the client was closed")
@@ -580,11 +588,11 @@ class AsyncClient:
                 pass
             else:
                 self._on_events()
-                return
+                return None
         sent: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self._unsent.append((frames, sent))
         self._on_events()
-        await sent
+        return sent
 
     def _on_events(self) -> None:
         """The socket's descriptor is readable, or a send may have changed what the socket holds: deliver every
@@ -630,7 +638,7 @@ class AsyncClient:
                     await self._reattach(completions)
             elif now - pinged >= PING_INTERVAL_S:
                 pinged = now
-                await self._send(wire.Ping(1))
+                self._put(wire.encode(wire.Ping(1)))
 
     def _stopped(self) -> bool:
         """Whether the local server at its default address was stopped, not killed: a stop removes its socket and
@@ -671,7 +679,7 @@ class AsyncClient:
                 continue
             track.reattached()
             track.server = None if reconnect else self._server
-            await self._write(wire.encode(msgspec.structs.replace(track.request, reattach=True)))
+            self._put(wire.encode(msgspec.structs.replace(track.request, reattach=True)))
 
     def _deliver(self, frames: list[bytes]) -> None:
         try:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import shutil
 import stat
 import subprocess
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -107,3 +108,25 @@ def test_binding_every_interface_without_keys_or_insecure_is_refused_at_start() 
     assert "--curve-secret" in message and "--insecure" in message, message
     assert "Traceback" not in message
     assert ServerInfo.read(name) is None, "a refused server published itself"
+
+
+@pytest.mark.timeout(60)
+def test_a_client_whose_key_the_restarted_server_refuses_fails_connection_within_its_reattach_bound(
+        start_server, keys: Keys, tmp_path: Path) -> None:
+    address = f"tcp://127.0.0.1:{free_port()}"
+    args = ("--instances", "1", "--threads", "1", "--bind", address, "--curve-secret", keys.secret("server"))
+    server = start_server(*args, "--curve-clients", str(keys.allowed)).wait_ready()
+    nobody = tmp_path / "nobody"  # the next start holds no client key: alice is refused from then on
+    nobody.mkdir()
+    with Client(address, curve_server_key=keys.public("server"), curve_secret=keys.secret("alice"), timeout=60,
+                reattach=4.0) as client:
+        pieces = iter(client.stream("a long story", max_tokens=100_000, temperature=0))
+        next(pieces)
+        server.proc.kill()
+        server.proc.wait(10)
+        start_server(*args, "--curve-clients", str(nobody), name=server.name).wait_ready()
+        began = time.monotonic()
+        with pytest.raises(ConnectionFailed):
+            for _ in pieces:
+                pass
+        assert time.monotonic() - began < 4.0 + 10.0  # the bound, and the silence that tells the server gone
