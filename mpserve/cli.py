@@ -756,12 +756,11 @@ def reload(server_name: ServerNameOption = "default", as_json: JsonOption = Fals
 @app.command()
 def upgrade(server_name: ServerNameOption = "default",
             wait: Annotated[float, typer.Option("--wait", help="Seconds to wait for the new start to answer.")] = 120.0,
-            ) -> None:
+            curve_server_key: CurveServerKeyOption = None, curve_secret: CurveSecretOption = None) -> None:
     """Hand a running server over to the mpserve installed now, without an outage (as SIGUSR2 does): its instances
     hold their requests, the server starts again in its own process (its pid stays) and adopts them, and the
-    clients reattach. Prints the new start's version once it answers."""
-    from mpserve.client import Client
-
+    clients reattach. Prints the new start's version once it answers (on its admin socket, as `mpserve models`
+    asks: a tcp one with an operator's CURVE keys)."""
     with _errors():
         info = ServerInfo.read(server_name)
         if info is None or not info.alive() or info.role != "broker":
@@ -772,7 +771,7 @@ def upgrade(server_name: ServerNameOption = "default",
             new = ServerInfo.read(server_name)
             if new is not None and new.started != info.started and new.alive():
                 try:
-                    with Client(new.front, connect_timeout=2.0) as client:
+                    with _admin_client(new, _Curve(curve_server_key, curve_secret), connect_timeout=2.0) as client:
                         client.stats()
                     break
                 except MpserveError:
@@ -871,11 +870,12 @@ def _control(server_name: str, curve: _Curve, as_json: bool, op: str, model: str
         print(format_models(reply.models))
 
 
-def _admin_client(info: ServerInfo, curve: _Curve) -> contextlib.AbstractContextManager[Client]:
+def _admin_client(info: ServerInfo, curve: _Curve, connect_timeout: float | None = None
+                  ) -> contextlib.AbstractContextManager[Client]:
     """A client on the server's admin socket: ipc (this user alone) needs no keys; a tcp one takes an operator's
     CURVE keys (--curve-server-key, --curve-secret or their variables), as `generate` takes a client's."""
     address = info.admin or info.front  # a server older than the admin socket takes operator's calls on its front
-    return _client(address, curve if address.startswith("tcp://") else _Curve(None, None))
+    return _client(address, curve if address.startswith("tcp://") else _Curve(None, None), connect_timeout)
 
 
 @contextlib.contextmanager

@@ -399,7 +399,9 @@ def test_an_upgrade_of_start_http_on_a_curve_front_hands_its_gateways_key_pair_o
     key = key_file.read_bytes()
     before = server.info.started
     outs, threads = _http_streams(url, prompts)
-    server.proc.send_signal(signal.SIGUSR2)  # what `mpserve upgrade` does (it then waits on the front, keyless)
+    upgraded = subprocess.run([sys.executable, "-m", "mpserve", "upgrade", "--server-name", server.name, "--wait",
+                               "30"], capture_output=True, text=True, timeout=60)  # it asks on the ipc admin socket
+    assert upgraded.returncode == 0, upgraded.stderr
     wait_for(lambda: sum("ready:" in line for line in server.log) == 2, 30, "the next start")
     assert server.info.started > before
     _join_curve_streams(threads, server.log)
