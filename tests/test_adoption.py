@@ -220,15 +220,18 @@ def test_an_instance_lost_while_the_server_was_down_is_forked_by_the_adopted_zyg
 
 
 @pytest.mark.timeout(180)
-def test_a_zygote_that_loaded_other_weights_than_the_next_start_would_is_stopped_and_a_new_one_loads_them(
+def test_a_start_with_other_settings_adopts_the_zygote_and_rolls_its_instances_but_not_one_of_other_weights(
         start_server, tiny_model_path: str, tmp_path: Path) -> None:
     server = start_server("--instances", "1", "--n-ctx", "512", "--name", "tiny").wait_ready()
     pids = _worker_pids(server)
     server.proc.kill()
     server.proc.wait(10)
-    os.kill(pids[0], signal.SIGKILL)
     again = start_server("--instances", "1", "--n-ctx", "1024", "--name", "tiny", name=server.name).wait_ready()
     assert any("zygote (pid" in line and "adopted" in line for line in again.log), "\n".join(again.log)
+    # its instance, adopted, runs the n_ctx before: rolled onto this start's, forked from the same weights
+    wait_for(lambda: [(r.pid not in pids, r.kv_capacity) for r in again.slots() if r.pid] == [(True, 1024)], 30,
+             "the adopted instance replaced by one of this start's settings")
+    assert any("instances of other settings than this start's were adopted" in line for line in again.log)
     assert not any("instances are forked from here" in line for line in again.log)  # another context, same weights
 
     pids = _worker_pids(again)

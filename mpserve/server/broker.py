@@ -990,7 +990,7 @@ class Broker:
         entry = WorkerEntry(identity, index, msg.model, msg.device, msg.capacity,
                             msg.pid, msg.loaded, host=msg.host, last_heard=time.monotonic(),
                             ram=self.models[msg.model].store(msg.host), adapters=frozenset(msg.adapters),
-                            code=f"{msg.version} {msg.protocol}")
+                            code=f"{msg.version} {msg.protocol}", engine=msg.engine)
         self.workers[identity] = entry
         self._cache_held(entry, cache)
         mq = self.models[msg.model]

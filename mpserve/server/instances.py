@@ -314,9 +314,10 @@ class Instances:
         self.tick(force=True)
 
     def outdated(self, entry: WorkerEntry) -> None:
-        """A local instance of other code registered (adopted after an upgrade to another mpserve version): it
-        serves until a roll replaces it with one of this code (``mpserve.server.rolling``), one at a time, with
-        the instances of other code that register after it."""
+        """A local instance of other code or other settings registered (adopted after an upgrade to another
+        mpserve version, or from a server started with another configuration): it serves until a roll replaces it
+        with one of this code and settings (``mpserve.server.rolling``), one at a time, with the other such
+        instances that register after it."""
         name = entry.model
         if entry.index is None or name not in self.policies:
             return
@@ -324,8 +325,9 @@ class Instances:
         if roll is None:
             roll = self._rolls[name] = Roll(set(), 0)
             self._supervisor.keep_zygote(name, True)
-            log.info("%s: instances of another mpserve version (%s) were adopted; rolling them onto this one (%s), "
-                     "one at a time", name, entry.code, revision())
+            other = (f"another mpserve version ({entry.code}) than this one ({revision()})" if entry.code != revision()
+                     else "other settings than this start's")
+            log.info("%s: instances of %s were adopted; rolling them onto this start's, one at a time", name, other)
         roll.old |= self._supervisor.supersede(name, {entry.index})
         roll.target = max(roll.target, len(self._ready(name)) + self._starting(name))
 

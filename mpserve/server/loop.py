@@ -322,8 +322,8 @@ class _Loop:
     def _on_ready(self, entry: WorkerEntry) -> None:
         assert entry.index is not None  # the broker tells of its local workers only
         self._supervisor.registered(entry.index, entry.loaded)
-        if entry.code != revision():
-            self._instances.outdated(entry)
+        if entry.code != revision() or entry.engine != self._supervisor.workers[entry.index].spec.engine.digest():
+            self._instances.outdated(entry)  # adopted from a server of other code, or of other settings
         self._ready.add(entry.index)
         if entry.loaded and entry.index is not None:
             self._estimates.ready(entry.index, entry.pid)

@@ -105,6 +105,7 @@ class WorkerEntry:
     # requests whose adapters are all among them
     parked: set[str] = field(default_factory=set)  # tickets of the queued requests whose sequence it holds parked
     code: str = ""  # its mpserve version and link revision (``mpserve.worker.spec.revision``'s form; READY's)
+    engine: str = ""  # a digest of the settings it runs (``EngineSpec.digest``; READY's)
 
 
 @dataclass(frozen=True)

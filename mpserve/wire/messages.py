@@ -31,7 +31,7 @@ from mpserve.wire.prefix import MAX_BLOCKS
 WORKER_LINK = "MPS1.4"  # the revision of the broker-worker messages, in every READY: a broker refuses workers
 # of another but PREVIOUS_LINK (1.1: STEP replaced the worker's CHUNKS, and ASSIGNS came; 1.2: LoRA adapters: READY's,
 # ADAPTER_ACTION; ASSIGN's salt; PREEMPT and PARKED; 1.3: adoption: READY's live requests, HEARTBEAT's pid,
-# HAND_OFF; 1.4: READY's version), so a remote pool is upgraded with it
+# HAND_OFF; 1.4: READY's version and engine), so a remote pool is upgraded with it
 PREVIOUS_LINK = "MPS1.3"  # a revision whose workers a broker of this one still takes: its messages are this one's
 # but for fields this one added with a default; an upgrade's adopted instances of it serve until a roll replaces
 # them (``mpserve.server.rolling``)
@@ -769,6 +769,7 @@ class Ready(Body, frozen=True, forbid_unknown_fields=True):
     host: Name = ""  # set by workers of remote pools
     protocol: Annotated[str, Meta(max_length=16)] = WORKER_LINK
     version: Name = ""  # the worker's mpserve version ("" from a worker of PREVIOUS_LINK)
+    engine: Annotated[str, Meta(max_length=64)] = ""  # a digest of the settings it runs (``EngineSpec.digest``)
     chat_template: Annotated[str, Meta(max_length=MAX_TEMPLATE_CHARS)] = ""  # the model's chat template (Jinja2,
     # from its GGUF; "" if none or not loaded)
     bos_token: Name = ""

@@ -206,6 +206,7 @@ class Worker:
         cache = self._engine.cache_snapshot() if self._engine is not None else None  # for a broker that restarted
         ready = wire.Ready(spec.identity.decode(), spec.model, spec.device, spec.engine.parallel, os.getpid(),
                            loaded=self._engine is not None, host=spec.host, version=__version__,
+                           engine=spec.engine.digest(),
                            chat_template=chat.template,
                            bos_token=chat.bos_token, eos_token=chat.eos_token, proof=spec.proof,
                            adapters=self._engine.adapter_names() if self._engine is not None else

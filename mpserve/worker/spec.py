@@ -20,7 +20,9 @@ llama_cpp is imported in each worker after it sets CUDA_VISIBLE_DEVICES, as the 
 
 from __future__ import annotations
 
+import hashlib
 import importlib
+import json
 from dataclasses import asdict, dataclass, field
 from multiprocessing.connection import Connection
 
@@ -62,6 +64,12 @@ class EngineSpec:
     @property
     def is_echo(self) -> bool:
         return self.path == "echo"
+
+    def digest(self) -> str:
+        """A short digest of every field: a server tells an instance it adopted that runs other settings than it
+        would start it with (READY's ``engine``) from one that runs the same."""
+        text = json.dumps(asdict(self), sort_keys=True, default=str)
+        return hashlib.sha256(text.encode()).hexdigest()[:16]
 
     def weights(self) -> dict[str, object]:
         """What a zygote loaded for this engine (``WEIGHT_FIELDS``): an instance of another engine with the same
