@@ -125,7 +125,8 @@ class ServerProcess:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()
-        self._reader.join(5)
+        self._reader.join(1.0)  # the rest of its log; the pipe stays open while a child it left runs (an instance
+        # waiting to be adopted after a kill), so its end is not waited for
         return self.proc.returncode
 
     def tracebacks(self) -> list[str]:
