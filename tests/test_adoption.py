@@ -16,10 +16,12 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import httpx
 import pytest
+from conftest import ServerProcess
 from helpers import children, free_port, http_up, mpserve, wait_for
 
 from mpserve import Client
@@ -354,6 +356,19 @@ def _curve_http(tmp_path: Path) -> tuple[tuple[str, ...], dict[str, str], str]:
     return args, curve, f"http://127.0.0.1:{port}"
 
 
+def _curve_http_server(start_server, tmp_path: Path) -> tuple[tuple[str, ...], str, ServerProcess, list[str],
+                                                              list[str]]:
+    """A ``start --http`` server on a CURVE front (``_curve_http``), its gateway answering: its arguments, the
+    gateways' URL, the server, two prompts and their greedy texts."""
+    args, curve, url = _curve_http(tmp_path)
+    server = start_server(*args).wait_ready()
+    prompts = PROMPTS[:2]
+    with Client(server.address, **curve) as client:
+        whole = [client.generate(p, max_tokens=MAX_TOKENS, temperature=0).text for p in prompts]
+    wait_for(lambda: http_up(url), 30, "the gateway answers")
+    return args, url, server, prompts, whole
+
+
 def _join_curve_streams(threads: list[threading.Thread], log: list[str]) -> None:
     """Wait for the HTTP streams, 30 s at most; none of their gateways was refused by the server (CURVE)."""
     deadline = time.monotonic() + 30
@@ -367,12 +382,7 @@ def test_http_streams_through_the_gateways_of_start_http_on_a_curve_front_go_on_
         start_server, tmp_path: Path) -> None:
     """``start --http`` on a CURVE ``--bind``: its gateways reach the front with a key pair of their own. Killed, the
     next start keeps that pair (the dead server's gateways hold it), so they reattach and their streams finish."""
-    args, curve, url = _curve_http(tmp_path)
-    server = start_server(*args).wait_ready()
-    prompts = PROMPTS[:2]
-    with Client(server.address, **curve) as client:
-        whole = [client.generate(p, max_tokens=MAX_TOKENS, temperature=0).text for p in prompts]
-    wait_for(lambda: http_up(url), 30, "the gateway answers")
+    args, url, server, prompts, whole = _curve_http_server(start_server, tmp_path)
     key_file = runtime_dir() / f"{server.name}.gateway.key_secret"
     key = key_file.read_bytes()
     outs, threads = _http_streams(url, prompts)
@@ -390,12 +400,7 @@ def test_http_streams_through_the_gateways_of_start_http_on_a_curve_front_go_on_
 def test_an_upgrade_of_start_http_on_a_curve_front_hands_its_gateways_key_pair_on(start_server, tmp_path: Path) -> None:
     """``mpserve upgrade`` of ``start --http`` on a CURVE ``--bind``: the next start keeps the pair, so the old
     gateways finish their streams on it, and its own gateways reach it with the same key."""
-    args, curve, url = _curve_http(tmp_path)
-    server = start_server(*args).wait_ready()
-    prompts = PROMPTS[:2]
-    with Client(server.address, **curve) as client:
-        whole = [client.generate(p, max_tokens=MAX_TOKENS, temperature=0).text for p in prompts]
-    wait_for(lambda: http_up(url), 30, "the gateway answers")
+    _, url, server, prompts, whole = _curve_http_server(start_server, tmp_path)
     old_gateway = next(pid for pid in children(server.proc.pid)
                        if b"gateway" in Path(f"/proc/{pid}/cmdline").read_bytes())
     key_file = runtime_dir() / f"{server.name}.gateway.key_secret"
@@ -417,6 +422,25 @@ def test_an_upgrade_of_start_http_on_a_curve_front_hands_its_gateways_key_pair_o
     assert not server.tracebacks(), "\n".join(server.log)
 
 
+def upgrade_under_streams(server: ServerProcess, whole: list[str], installed: Callable[[], None] = lambda: None
+                          ) -> tuple[subprocess.CompletedProcess[str], list[_Streamer]]:
+    """``mpserve upgrade`` while a greedy stream of each of PROMPTS runs (``installed`` called before it: a new
+    version put in place): it answers, and each stream ends with its uninterrupted run's text (``whole``)."""
+    streams = [_Streamer(server.address, p) for p in PROMPTS]
+    for s in streams:
+        s.start()
+    assert all(s.started.wait(60) for s in streams)
+    installed()
+    upgraded = subprocess.run([sys.executable, "-m", "mpserve", "upgrade", "--server-name", server.name],
+                              capture_output=True, text=True, timeout=120)
+    assert upgraded.returncode == 0, upgraded.stderr
+    for s in streams:
+        s.join(150)
+    assert [s.error for s in streams] == [None] * len(streams)
+    assert [s.text for s in streams] == whole and [s.result for s in streams] == whole
+    return upgraded, streams
+
+
 @pytest.mark.timeout(180)
 def test_an_upgrade_under_8_streams_fails_none_and_loads_no_model(start_server) -> None:
     """``mpserve upgrade`` (SIGUSR2): the server hands its instances off and starts again in its own process (the
@@ -425,18 +449,8 @@ def test_an_upgrade_under_8_streams_fails_none_and_loads_no_model(start_server) 
     with Client(server.address) as client:
         whole = [client.generate(p, max_tokens=MAX_TOKENS, temperature=0).text for p in PROMPTS]
     pids, before = _worker_pids(server), server.info
-    streams = [_Streamer(server.address, p) for p in PROMPTS]
-    for s in streams:
-        s.start()
-    assert all(s.started.wait(60) for s in streams)
-    upgraded = subprocess.run([sys.executable, "-m", "mpserve", "upgrade", "--server-name", server.name],
-                              capture_output=True, text=True, timeout=90)
-    assert upgraded.returncode == 0, upgraded.stderr
+    upgraded, streams = upgrade_under_streams(server, whole)
     assert f"pid {server.proc.pid}" in upgraded.stdout, upgraded.stdout
-    for s in streams:
-        s.join(120)
-    assert [s.error for s in streams] == [None] * len(streams)
-    assert [s.text for s in streams] == whole and [s.result for s in streams] == whole
     after = server.info
     assert after.pid == before.pid and after.started > before.started  # the same process, started again
     wait_for(lambda: _worker_pids(server) == pids, 10, "the handed-off instances in the new slot table")

@@ -10,13 +10,11 @@ checkout, as an upgrade in place changes what the environment imports."""
 from __future__ import annotations
 
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 from helpers import wait_for
-from test_adoption import ARGS, MAX_TOKENS, PROMPTS, _Streamer, _worker_pids
+from test_adoption import ARGS, MAX_TOKENS, PROMPTS, _worker_pids, upgrade_under_streams
 
 from mpserve import Client
 from mpserve.wire.messages import PREVIOUS_LINK, WORKER_LINK
@@ -47,21 +45,13 @@ def test_an_upgrade_to_another_version_rolls_the_adopted_instances_onto_it_with_
     with Client(server.address) as client:
         whole = [client.generate(p, max_tokens=MAX_TOKENS, temperature=0).text for p in PROMPTS]
     old_pids = _worker_pids(server)
-    streams = [_Streamer(server.address, p) for p in PROMPTS]
-    for s in streams:
-        s.start()
-    assert all(s.started.wait(60) for s in streams)
 
-    installed.unlink()
-    installed.symlink_to(REPO)  # the new version installed in place
-    upgraded = subprocess.run([sys.executable, "-m", "mpserve", "upgrade", "--server-name", server.name],
-                              capture_output=True, text=True, timeout=120)
-    assert upgraded.returncode == 0, upgraded.stderr
+    def install_the_new_version() -> None:  # in place: the environment imports this checkout from now on
+        installed.unlink()
+        installed.symlink_to(REPO)
+
+    upgraded, _ = upgrade_under_streams(server, whole, install_the_new_version)
     assert f"(was {OLD_VERSION})" in upgraded.stdout, upgraded.stdout
-    for s in streams:
-        s.join(150)
-    assert [s.error for s in streams] == [None] * len(streams)
-    assert [s.text for s in streams] == whole and [s.result for s in streams] == whole
 
     wait_for(lambda: any("roll of tiny done" in line for line in server.log), 60, "the roll onto the new version")
     new_pids = _worker_pids(server)
