@@ -1,6 +1,6 @@
 """``mpserve reload`` (and SIGHUP) under a steady load: a changed limit, an added model, a removed model and a
-changed context size; no request fails, and what changed (or needs a restart) is said, one line each; a
-configuration that does not validate is refused whole and changes nothing."""
+changed context size (a roll: ``tests/test_rolling.py``); no request fails, and what changed is said, one line
+each; a configuration that does not validate is refused whole and changes nothing."""
 
 from __future__ import annotations
 
@@ -87,13 +87,14 @@ def test_a_reload_under_load_applies_what_it_can_and_names_the_rest(start_server
     with Client(server.address, timeout=60) as client:
         assert client.generate("hello", model="new", max_tokens=4).text  # what ran stays
 
-    _write(config, max_queue=32, models=[{**models[0], "n_ctx": 4096}, {**models[1]},
+    _write(config, max_queue=32, models=[{**models[0], "n_ctx": 4096}, {**models[1], "n_ctx": 1024},
                                          {"name": "new", "path": "echo", "parallel": 2, "echo_tick_ms": 2}])
-    server.proc.send_signal(signal.SIGHUP)  # the same, by signal: "old" is served again
+    server.proc.send_signal(signal.SIGHUP)  # the same, by signal: "old" is served again, with another n_ctx
     wait_for(lambda: any("reload (SIGHUP): models[old]: added" in line for line in server.log), 30,
              "the SIGHUP reload")
     with Client(server.address, timeout=60) as client:
         assert client.generate("hello", model="old", max_tokens=4).text
+    assert "model old: echo, n_ctx 1024, parallel 2" in mpserve("status", "--server-name", server.name).stdout
 
 
 def test_a_reload_applies_a_tenants_section_at_once(start_server, tmp_path: Path) -> None:

@@ -381,6 +381,8 @@ class _Loop:
         for model in changes.added:
             if model.name in self._broker.removed:
                 self._broker.removed.discard(model.name)
+                if model.name in rows:  # it comes back with other settings
+                    self._instances.roll(model, rows[model.name])
                 self._instances.rescale(model)
             else:
                 self._instances.add(model, requests[model.name], "reload")
@@ -403,30 +405,35 @@ class _Loop:
 
     def _checked(self, changes: reloading.Changes
                  ) -> tuple[dict[str, ModelRequest], dict[str, list[tuple[int, int]] | None]]:
-        """What each added model asks, and the rows each rolled one takes, once every change is known to be
-        possible; raises otherwise."""
+        """What each added model asks, and the rows each rolled one takes (a model removed before and served
+        again with other settings rolls too), once every change is known to be possible; raises otherwise."""
         for model in changes.bounds.values():
             self._instances.check_bounds(model.name, *model.bounds)
-        rows: dict[str, list[tuple[int, int]] | None] = {}
-        for name, (model, _) in changes.rolled.items():
-            _local_file(model)
-            rows[name] = self._instances.check_roll(model, [(r, changes.rolled[n][0].parallel)
-                                                            for n, r in rows.items() if r is not None])
+        rolls = [model for model, _ in changes.rolled.values()]
         requests: dict[str, ModelRequest] = {}
         added: tuple[ModelConfig, ...] = ()
         for model in changes.added:
-            if model.name in self._broker.removed:  # served again: its tables and settings are there
-                differ = reloading.settings_differ(self._instances.model(model.name), model)
-                if differ:
-                    raise ConfigError(f"models[{model.name}] was removed by a reload and comes back with other "
-                                      f"settings ({', '.join(differ)}): give it another name, or restart")
+            if model.name in self._broker.removed:  # served again: its tables are there, its settings may roll
+                removed = self._instances.model(model.name)
+                kept = [key for key in sorted(reloading.MODEL_KEPT) if getattr(removed, key) != getattr(model, key)]
+                if kept:
+                    raise ConfigError(f"models[{model.name}] was removed by a reload and comes back serving "
+                                      f"otherwise ({', '.join(kept)}): give it another name, or restart")
+                if reloading.settings_differ(removed, model):
+                    rolls.append(model)
                 self._instances.check_bounds(model.name, *model.bounds)
                 continue
             _local_file(model)
             requests[model.name] = self._instances.checked(model, added)
             added = (*added, model)
+        rows: dict[str, list[tuple[int, int]] | None] = {}
+        planned: list[tuple[list[tuple[int, int]], int]] = []  # the rows the rolls before take, with their width
+        for model in rolls:
+            _local_file(model)
+            rows[model.name] = found = self._instances.check_roll(model, planned)
+            if found is not None:
+                planned.append((found, model.parallel))
         return requests, rows
-
 
     def _apply(self, key: str, value: object) -> None:
         """A server setting that applies at once (``reload.AT_ONCE``)."""
