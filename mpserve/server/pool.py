@@ -16,9 +16,10 @@ crash, a kill, a stall, the pool stopping or dying), its requests are handed ove
 elsewhere, up to the broker's bound on hand-overs per request); no remote death counts toward
 ``poison_request`` or fails a model.
 
-On SIGTERM/SIGINT the pool terminates its workers: each says LEAVING as it exits, so the broker forgets it at
-once and hands its requests over. A pool killed outright leaves its workers running (they have sessions of
-their own); each notices within a second that the pool is gone and leaves the same way.
+On SIGTERM/SIGINT the pool terminates its workers: each says LEAVING as it exits (within ``LEAVE_GRACE_S``,
+else it is killed), so the broker forgets it at once and hands its requests over. A pool killed outright leaves
+its workers running (they have sessions of their own); each notices within a second that the pool is gone and
+leaves the same way.
 """
 
 from __future__ import annotations
@@ -44,6 +45,9 @@ from .signals import SignalPipe
 from .supervisor import Supervisor
 
 log = logging.getLogger("mpserve.pool")
+
+LEAVE_GRACE_S = 10.0  # a worker told to stop finishes its step and says LEAVING (the broker hands its requests over at
+# once); a step of a large model on a busy host can take seconds, and one killed first is lost only at its silence
 
 
 def run_pool(config: ServerConfig, connect: str, curve_server_key: str | None = None,
@@ -96,4 +100,4 @@ def _supervise(supervisor: Supervisor) -> None:
                 for index in supervisor.stalled():
                     supervisor.stop_stalled(index)
             supervisor.tick(now)
-        supervisor.stop_all(timeout=0)
+        supervisor.stop_all(timeout=0, leave_grace=LEAVE_GRACE_S)

@@ -453,25 +453,26 @@ class Supervisor:
         self._zygotes.clear()
         self._retired_zygotes.clear()
 
-    def stop_all(self, timeout: float) -> None:
-        """Wait for workers that were told to stop; terminate, then kill, what remains. A worker still starting
+    def stop_all(self, timeout: float, leave_grace: float = KILL_AFTER_S) -> None:
+        """Wait up to ``timeout`` s for workers that were told to stop; terminate what remains (each finishes its
+        step and says LEAVING) and wait up to ``leave_grace`` s; kill what still remains. A worker still starting
         (not registered, so the broker could not tell it to stop) is terminated at once."""
         for handle in self.workers.values():
             handle.restart_at = None
             if handle.process is not None and not handle.registered and handle.process.is_alive():
                 handle.process.terminate()
-        deadline = time.monotonic() + timeout
-        for sig_step in ("wait", "terminate", "kill"):
-            for handle in self.workers.values():
-                if handle.process is None:
-                    continue
-                if sig_step == "terminate" and handle.process.is_alive():
-                    handle.process.terminate()
-                elif sig_step == "kill" and handle.process.is_alive():
-                    handle.process.kill()
-                handle.process.join(max(0.0, deadline - time.monotonic()) if sig_step == "wait" else 2.0)
-            if not any(h.process is not None and h.process.is_alive() for h in self.workers.values()):
+        for step, wait in (("wait", timeout), ("terminate", leave_grace), ("kill", KILL_AFTER_S)):
+            alive = [h.process for h in self.workers.values() if h.process is not None and h.process.is_alive()]
+            if not alive:
                 break
+            for process in alive:
+                if step == "terminate":
+                    process.terminate()
+                elif step == "kill":
+                    process.kill()
+            deadline = time.monotonic() + wait
+            for process in alive:
+                process.join(max(0.0, deadline - time.monotonic()))
         for handle in self.workers.values():
             if handle.process is not None:
                 handle.process.join(1.0)
