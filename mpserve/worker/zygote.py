@@ -52,6 +52,7 @@ import struct
 import sys
 import time
 import traceback
+import weakref
 from multiprocessing import AuthenticationError, connection
 from multiprocessing.connection import Connection
 from typing import Any
@@ -257,17 +258,28 @@ def _listen(path: str) -> socket.socket:
         listener.bind(path)
     finally:
         os.umask(old)
+    _BOUND[listener] = _file_id(path)
     listener.listen(4)
     return listener
 
 
 def _unlisten(listener: socket.socket, path: str) -> None:
-    """Stop listening, and remove the socket at ``path`` if it is still this one's (a later zygote of the model may
-    have bound it anew)."""
+    """Stop listening, and remove the socket file at ``path`` if it is still the one this listener bound (a later
+    zygote of the model may have bound it anew: a new file)."""
     with contextlib.suppress(OSError):
-        if os.stat(path).st_ino == os.fstat(listener.fileno()).st_ino:
+        if _file_id(path) == _BOUND.get(listener):
             os.unlink(path)
     listener.close()
+
+
+_BOUND: weakref.WeakKeyDictionary[socket.socket, tuple[int, int]] = weakref.WeakKeyDictionary()
+"""The file each listener bound: a socket's own descriptor names its socket, not the file (``fstat`` gives the socket
+file system's inode), so the file is known by what ``stat`` said right after the bind."""
+
+
+def _file_id(path: str) -> tuple[int, int]:
+    st = os.lstat(path)
+    return st.st_dev, st.st_ino
 
 
 def _proven(listener: socket.socket, secret: bytes) -> Connection | None:
