@@ -95,6 +95,13 @@ class Outcome:
     pause: float = 0.0
     error: str | None = None
     resumes: int = 0
+    last: float = field(default_factory=time.monotonic)  # when the last piece came (or the stream began)
+
+    def add(self, piece: str) -> None:
+        """A piece of text came: the pause since the last one counts."""
+        now = time.monotonic()
+        self.pause, self.last = max(self.pause, now - self.last), now
+        self.text += piece
 
 
 class Run:
@@ -219,13 +226,10 @@ class Run:
     async def zmq_stream(self, client: AsyncClient, prompt: str, schema: dict[str, Any] | None) -> Outcome:
         out = Outcome("zeromq")
         extra: dict[str, Any] = {"json_schema": schema} if schema else {}
-        last = time.monotonic()
         try:
             async for piece in client.stream(prompt, max_tokens=self.args.tokens, temperature=0, timeout=900,
                                              **extra):
-                now = time.monotonic()
-                out.pause, last = max(out.pause, now - last), now
-                out.text += piece
+                out.add(piece)
         except MpserveError as exc:
             out.error = exc.code
         return out
@@ -249,7 +253,6 @@ class Run:
             body["json_schema"] = schema
         key = f"failover-{os.getpid()}-{tag}"
         last_id: str | None = None
-        last = time.monotonic()
         for attempt in range(50):
             headers = {"X-Request-Id": key, **({"Last-Event-ID": last_id} if last_id is not None else {})}
             try:
@@ -269,9 +272,7 @@ class Run:
                             if "error" in event:
                                 out.error = str(event["error"].get("code"))
                                 return out
-                            now = time.monotonic()
-                            out.pause, last = max(out.pause, now - last), now
-                            out.text += event["choices"][0]["text"]
+                            out.add(event["choices"][0]["text"])
             except (httpx.HTTPError, OSError) as exc:
                 out.error = type(exc).__name__
             out.resumes += 1

@@ -82,12 +82,9 @@ class Run:
 
     def one(self, client: Client, prompt: str) -> Outcome:
         out = Outcome("zeromq")
-        last = time.monotonic()
         try:
             for piece in client.stream(prompt, model="m", max_tokens=self.args.tokens, temperature=0, timeout=600):
-                now = time.monotonic()
-                out.pause, last = max(out.pause, now - last), now
-                out.text += piece
+                out.add(piece)
         except MpserveError as exc:
             out.error = exc.code
         return out
