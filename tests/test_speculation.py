@@ -321,6 +321,35 @@ def test_the_draft_keeps_up_with_reused_copied_cached_and_carried_tokens(model_p
     assert resumed[0].accepted_tokens > 0
 
 
+def test_the_draft_keeps_a_slots_cells_for_requests_of_the_same_reuse_key_only(model_path: str,
+                                                                               draft_path: str) -> None:
+    """Tenant B's request leaves its prompt's cells in the draft; tenant A's request with B's very prompt (a
+    guess at it) starts the draft from none of them, as it starts the model from none, while B's next request
+    starts from them: the draft's cells are keyed as the slot's (the salt, with the adapters' loads)."""
+    prompt, params = LONG_PROMPT[:1800], GenerateParams(max_tokens=12, temperature=0.0)
+    engine = make_engine(model_path, 1, drafting(draft_path))
+    draft = engine._draft
+    assert draft is not None
+    kept: list[int] = []  # per draft sync: the prompt tokens whose draft cells a sequence started from
+    sync = draft._sync
+    draft._sync = lambda want: (kept.append(start := sync(want)), start)[1]  # type: ignore[method-assign]
+
+    def draft_start(salt: bytes) -> int:
+        kept.clear()
+        engine.admit(0, prompt, params, lambda text, n: True, salt=salt)
+        while engine.active:
+            engine.step()
+        return kept[0]
+
+    try:
+        assert draft_start(b"tenant B".ljust(16)) == 0
+        assert draft_start(b"tenant B".ljust(16)) >= PROMPT_CHUNK  # the same key: the draft keeps its prompt
+        assert draft_start(b"tenant A".ljust(16)) == 0  # another tenant's guess: nothing of B's
+        assert draft_start(b"tenant B".ljust(16)) == 0  # nor does B get A's back
+    finally:
+        engine.close()
+
+
 @pytest.mark.timeout(60)
 def test_a_missing_draft_or_one_with_another_vocabulary_stops_the_start_before_anything_starts(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -455,7 +455,8 @@ class BatchEngine:
                     wanted.append((seq, k))
                     rows += k
         if draft is not None and wanted:
-            made = draft.propose([Want(seq.slot, seq.prompt + seq.generated, len(seq.prompt), k) for seq, k in wanted])
+            made = draft.propose([Want(seq.slot, seq.prompt + seq.generated, len(seq.prompt), k, seq.salt)
+                                  for seq, k in wanted])
             for (seq, _), drafts in zip(wanted, made, strict=True):
                 seq.drafts = drafts
 

@@ -3,10 +3,11 @@ context, on a model with the target's vocabulary, proposes the next tokens of ea
 the target verifies them in its next decode as it does prompt-lookup drafts (``mpserve.engine.speculation``).
 
     BatchEngine.step: the sequences that draft this step, and how many tokens each (Drafter.size)
-      DraftModel.propose([Want(slot, tokens, n_prompt, k), ...])   tokens: prompt, generated, the one
-                                                                   decoded now
+      DraftModel.propose([Want(slot, tokens, n_prompt, k, key), ...])   tokens: prompt, generated, the one
+                                                                        decoded now; key: its reuse key
         sync    per sequence: the common prefix of ``tokens`` and the tokens whose cells the draft holds
-                for that slot (within the prompt, whole chunks of it); the cells after it removed
+                for that slot (within the prompt, whole chunks of it), none when those cells were computed
+                under another reuse key (``reuse_key``: tenant's salt, adapters); the cells after it removed
                 (llama_memory_seq_rm; all of the slot's where the memory cannot cut there or no longer
                 holds what the prefix needs); the rest of ``tokens`` decoded in the decodes the model
                 computed them in: the prompt a chunk a decode, generated tokens at most ``exact_rows`` rows a
@@ -22,6 +23,11 @@ hook anywhere else: tokens the target took, drafts it rejected, a new request in
 from another slot, cells restored from the host store or a slot file, tokens carried over from a lost
 instance all come out as a prefix to keep and a tail to decode. The cells of rejected drafts therefore go
 at the sequence's next sync, not right after verification.
+
+The draft's cells belong to whoever computed them, as the slot's cells do (``mpserve.engine.cells``): a slot's
+cells are kept only for a sequence of the same reuse key. Otherwise a tenant could time a guess at another
+tenant's prompt by how fast its drafts came (a kept prefix skips the draft's prefill), even with the target's
+cells unshared.
 
 Output is unchanged: a greedy draft is a deterministic function of tokens the sequence already has, so
 verification's acceptance rule (see ``mpserve.engine.speculation``) keeps the target's distribution
@@ -54,12 +60,14 @@ from .speculation import ROW_COST_KEEP, exact_rows
 
 class Want(NamedTuple):
     """A sequence that drafts this step: its slot, its tokens (prompt, generated, the last one the token the
-    model decodes now), how many of them are its prompt's, and how many drafts it wants (at least 1)."""
+    model decodes now), how many of them are its prompt's, how many drafts it wants (at least 1), and the key
+    its cells are reused under (``reuse_key``)."""
 
     slot: int
     tokens: list[int]
     n_prompt: int
     k: int
+    key: bytes
 
 
 class DraftModel:
@@ -90,6 +98,7 @@ class DraftModel:
         self._n_swa = max(1, lib.llama_model_n_swa(self._model))
         self._size_ratio = lib.llama_model_size(self._model) / max(1, lib.llama_model_size(target_model))
         self._held: list[list[int]] = [[] for _ in range(params.n_seq_max)]  # tokens with cells, per slot
+        self._keys: list[bytes] = [b"" for _ in range(params.n_seq_max)]  # the reuse key they were computed under
         self._batch = Batch(lib, chunk)
         self._draft_s: float | None = None  # seconds of a drafting decode (moving average)
         self._batch.add(0, 0, 0)  # llama.cpp sets up its graphs on the first decode: not in the first step
@@ -135,7 +144,7 @@ class DraftModel:
         chunks: list[tuple[int, int, int]] = []  # (index in wants, start, end)
         tails: list[tuple[int, int, int]] = []
         for i, want in enumerate(wants):
-            start = self._sync(want.slot, want.tokens, want.n_prompt)
+            start = self._sync(want)
             while start < want.n_prompt:
                 end = min(start - start % self._chunk + self._chunk, want.n_prompt)
                 chunks.append((i, start, end))
@@ -162,13 +171,15 @@ class DraftModel:
                 drafts[i].append(self._argmax(row))
         return drafts
 
-    def _sync(self, slot: int, tokens: list[int], n_prompt: int) -> int:
-        """Keep the slot's cells of the longest prefix of ``tokens`` they hold, cut to whole chunks within the
-        prompt and never all of ``tokens`` (the last one is decoded for its row); the position decoding
-        starts at."""
-        held = self._held[slot]
+    def _sync(self, want: Want) -> int:
+        """Keep the slot's cells of the longest prefix of the tokens they hold, cut to whole chunks within the
+        prompt and never all of the tokens (the last one is decoded for its row), and none computed under
+        another key; the position decoding starts at."""
+        slot, tokens = want.slot, want.tokens
+        held = self._held[slot] if self._keys[slot] == want.key else []
+        self._keys[slot] = want.key
         keep = min(common_prefix(held, tokens), len(tokens) - 1)
-        if keep < n_prompt:
+        if keep < want.n_prompt:
             keep -= keep % self._chunk
         lib, memory = self._lib, self._memory
         pos_min = lib.llama_memory_seq_pos_min(memory, slot)
