@@ -14,7 +14,7 @@ import hashlib
 import json
 import re
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from pathlib import Path
@@ -27,6 +27,7 @@ from helpers import config_file, free_port, http_up, mpserve, wait_for
 
 from mpserve import AsyncClient, Client
 from mpserve.errors import Busy, Forbidden
+from mpserve.wire.messages import Stats
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -34,6 +35,7 @@ KEY_A = "key:" + "a" * 16
 KEY_B = "key:" + "b" * 16
 KEY_C = "key:" + "c" * 16
 API_KEYS = ("first-key", "second-key", "third-key")  # the keys of a gateway (_keyed_gateway)
+ADMIN_KEY = "operator-key"  # the gateway's --admin-key (_keyed_gateway)
 FIRST, SECOND, THIRD = ("key:" + hashlib.sha256(key.encode()).hexdigest()[:16] for key in API_KEYS)  # their tenants
 TICK_MS = 5
 HOLD_TOKENS = 400  # the request that holds the slot: about 2 s
@@ -72,11 +74,21 @@ async def _order_behind_a_hold(address: str, requests: list[tuple[str, str, int]
     return ended
 
 
-async def _until_running(client: AsyncClient) -> None:
+async def _until(client: AsyncClient, what: str, check: Callable[[Stats], bool]) -> None:
     deadline = time.monotonic() + 10
-    while (await client.stats()).models["echo"].running == 0:
-        assert time.monotonic() < deadline, "the holding request did not start"
+    while not check(await client.stats()):
+        assert time.monotonic() < deadline, f"not within 10 s: {what}"
         await asyncio.sleep(0.01)
+
+
+async def _until_queued(client: AsyncClient, tenant: str, count: int) -> None:
+    """Until ``count`` requests of ``tenant`` wait in the broker's queue: it has them all."""
+    await _until(client, f"{count} requests of {tenant} queued",
+                 lambda s: tenant in s.tenants and s.tenants[tenant].queued >= count)
+
+
+async def _until_running(client: AsyncClient) -> None:
+    await _until(client, "the holding request running", lambda s: s.models["echo"].running > 0)
 
 
 def test_a_tenant_of_weight_three_starts_three_requests_for_one_of_weight_one(server: ServerProcess) -> None:
@@ -102,7 +114,7 @@ def test_limits_refuse_naming_the_limit_its_value_and_the_use(server: ServerProc
             hold = asyncio.ensure_future(client.generate("x" * HOLD_TOKENS, max_tokens=HOLD_TOKENS, tenant=KEY_C))
             await _until_running(client)
             queued = asyncio.ensure_future(client.generate("q", max_tokens=2, tenant=KEY_C))
-            await asyncio.sleep(0.2)
+            await _until_queued(client, KEY_C, 1)
             with pytest.raises(Busy, match=rf"tenant {KEY_C} has 1 requests queued, its max_queued \(1\), and 1 "
                                            r"running, its max_running 1") as refused:
                 await client.generate("over", max_tokens=2, tenant=KEY_C)
@@ -128,7 +140,7 @@ def test_the_pending_cap_counts_each_tenant_the_gateway_names_apart(server: Serv
             await _until_running(client)
             filling = [asyncio.ensure_future(client.generate("f", max_tokens=2, tenant=KEY_A))
                        for _ in range(PENDING - 1)]
-            await asyncio.sleep(0.2)
+            await _until_queued(client, KEY_A, PENDING - 1)
             with pytest.raises(Busy, match=rf"tenant {KEY_A} has {PENDING} requests pending, the most one client"):
                 await client.generate("over", max_tokens=2, tenant=KEY_A)
             assert (await client.generate("b", max_tokens=2, tenant=KEY_B)).text  # not refused for a's
@@ -149,13 +161,14 @@ def test_a_client_socket_request_is_its_connections_and_names_no_other_tenant(se
 @contextmanager
 def _keyed_gateway(tmp_path: Path, **config: object) -> Iterator[tuple[ServerProcess, str]]:
     """A server of ``config`` (one instance of the echo backend, two slots) with a gateway whose API keys are
-    ``API_KEYS``: the server and the gateway's URL."""
+    ``API_KEYS`` and whose admin key is ``ADMIN_KEY``: the server and the gateway's URL."""
     port = free_port()
     keys = tmp_path / "keys"
     keys.write_text("\n".join(API_KEYS) + "\n")
     path = config_file(tmp_path, "http", models=[
         {"name": "echo", "path": "echo", "echo_tick_ms": TICK_MS, "instances": 1, "parallel": 2}], **config)
-    server = ServerProcess("--config", path, "--http", f"127.0.0.1:{port}", "--api-key-file", str(keys))
+    server = ServerProcess("--config", path, "--http", f"127.0.0.1:{port}", "--api-key-file", str(keys),
+                           env={"MPSERVE_ADMIN_KEY": ADMIN_KEY})
     try:
         server.wait_ready()
         url = f"http://127.0.0.1:{port}"
@@ -173,7 +186,8 @@ def _post(url: str, key: str, max_tokens: int) -> httpx.Response:
 
 def test_over_http_one_keys_requests_leave_every_other_key_served(tmp_path: Path) -> None:
     """Two API keys on one gateway: the first fills the pending share (max_pending_per_client) with long streams;
-    its next request is 429 naming its tenant, with Retry-After, and the second key's request is served."""
+    its next request is 429 naming its tenant, with Retry-After, and the second key's request is served. /metrics
+    shows the admin key every tenant's series, and the second key its own alone."""
     with _keyed_gateway(tmp_path, max_pending_per_client=3) as (server, url):
         with ThreadPoolExecutor(4) as pool, Client(server.admin) as admin:
             long = [pool.submit(_post, url, "first-key", HOLD_TOKENS) for _ in range(3)]
@@ -185,10 +199,14 @@ def test_over_http_one_keys_requests_leave_every_other_key_served(tmp_path: Path
             served = _post(url, "second-key", 2)
             assert served.status_code == 200, served.text
             assert all(f.result().status_code == 200 for f in long)
-        metrics = httpx.get(url + "/metrics", headers={"authorization": "Bearer second-key"}, timeout=10).text
+        metrics = httpx.get(url + "/metrics", headers={"authorization": f"Bearer {ADMIN_KEY}"}, timeout=10).text
         assert f'mpserve_tenant_requests_total{{tenant="{FIRST}"}} 3.0' in metrics
         assert f'mpserve_tenant_generated_tokens_total{{tenant="{FIRST}"}} {3.0 * HOLD_TOKENS}' in metrics
         assert f'mpserve_tenant_running{{tenant="{FIRST}"}} 0.0' in metrics
+        assert f'mpserve_tenant_requests_total{{tenant="{SECOND}"}} 1.0' in metrics
+        own = httpx.get(url + "/metrics", headers={"authorization": "Bearer second-key"}, timeout=10).text
+        assert f'mpserve_tenant_requests_total{{tenant="{SECOND}"}} 1.0' in own
+        assert FIRST not in own, "a tenant's key sees another tenant's series"
 
 
 @pytest.fixture(scope="module")

@@ -34,8 +34,9 @@ tag (``http.keys``).
 
 Tenants: with API keys, each key is a tenant (``http.keys``): a request carries exactly one key header (400
 otherwise), its prompts reuse only what its own tenant's prompts computed (or those naming its ``cache_salt``), and
-its ids are its own. The console's state and the backend monitor show a key its own requests; the admin key, let
-through to those two views, shows every tenant's. /slots and /admin/ take the admin key alone.
+its ids are its own. The console's state and the backend monitor show a key its own requests, /metrics its own
+tenant's series; the admin key, let through to those three views, shows every tenant's. /slots and /admin/ take
+the admin key alone.
 
 Starlette on uvicorn: the smallest well-kept asyncio stack here, already used by llama-cpp-python's own server,
 and it runs on the loop that ``AsyncClient`` needs; requests are parsed by httptools (llhttp, in C:
@@ -104,7 +105,7 @@ SAMPLE_INTERVAL_S = 0.5
 # answered without the API key: load balancers probe /health; the console's page holds no data (its state does)
 OPEN_PATHS = frozenset({"/health", "/openapi.json", *console.PAGE_PATHS})
 SLOTS_PREFIX = "/slots/"  # the admin key's, checked by the route (as /admin/ is)
-ADMIN_VIEWS = frozenset({"/console/state", "/backend/monitor"})  # the admin key sees every tenant's requests there
+ADMIN_VIEWS = frozenset({"/console/state", "/backend/monitor", "/metrics"})  # the admin key sees every tenant's there
 
 
 @dataclass(frozen=True)
@@ -382,7 +383,8 @@ class _Gateway:
         stats = await self.backend.stats()
         local = self.backend.read_slots() if stats is not None else None
         gpus = await asyncio.to_thread(gpu_usage, local.rows) if local is not None else None
-        view = ServerView(stats, local.rows if local is not None else None, dict(self.restarts.counts), gpus)
+        view = ServerView(stats, local.rows if local is not None else None, dict(self.restarts.counts), gpus,
+                          viewer_of(request))
         return Response(self.metrics.render(view), media_type=CONTENT_TYPE)
 
     async def backend_monitor(self, request: Request) -> Response:

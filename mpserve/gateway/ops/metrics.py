@@ -14,7 +14,8 @@ Two kinds of metric:
   broker counts), each model's instance bounds and scale events (``mpserve_scale_starts_total{reason=...}``,
   ``..._stops_total``, ``..._skipped_total``), per tenant (``mpserve_tenant_…{tenant=...}``: requests, prompt and
   generated tokens, queue seconds, limit refusals, preemptions, running and queued now; the broker names its
-  busiest tenants, API keys by digest, and sums the rest as ``other``, so the label values are bounded), and, for
+  busiest tenants, API keys by digest, and sums the rest as ``other``, so the label values are bounded: every
+  tenant's series for the admin key or a gateway without API keys, the caller's own alone for a tenant's key), and, for
   a server on this host, instances (worker processes)
   and slots by state (slot table), the KV cells each instance holds and their share of all it has, its prompt
   cache (bytes, hits, misses, evictions), worker restarts and, when NVML answers, each GPU's memory and each
@@ -39,7 +40,7 @@ from mpserve.gpu.memory import GpuUsage, memory_by_pid
 from mpserve.wire import protocol as wire
 from mpserve.wire.slots import SlotRow, SlotState, instance_slots
 
-from .monitor import instance_state, state_of
+from .monitor import ADMIN, Viewer, instance_state, state_of
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
@@ -49,12 +50,14 @@ LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0,
 @dataclass(frozen=True)
 class ServerView:
     """What a scrape read from the server: STATS (None: unreachable), the slot table (None: not local), the
-    restarts counted so far per model, and NVML's view of the GPUs (None: no GPU instance, or no NVML)."""
+    restarts counted so far per model, NVML's view of the GPUs (None: no GPU instance, or no NVML), and who
+    asked (whose per-tenant series it may see)."""
 
     stats: wire.Stats | None
     rows: list[SlotRow] | None
     restarts: Mapping[str, int]
     gpus: Sequence[GpuUsage] | None = None
+    viewer: Viewer = ADMIN
 
 
 class GatewayMetrics:
@@ -152,7 +155,7 @@ class _ServerCollector(Collector):
             events.add_metric([event], value)
         yield events
         yield from _scaling_metrics(stats)
-        yield from _tenant_metrics(stats)
+        yield from _tenant_metrics(stats, self.view.viewer)
         if rows is None:
             return
         yield from _state_metrics(stats, rows)
@@ -264,12 +267,15 @@ _TENANT_FIGURES = (
 )
 
 
-def _tenant_metrics(stats: wire.Stats) -> Iterator[Metric]:
-    """Per tenant, as the broker names them (its busiest, then ``other``)."""
+def _tenant_metrics(stats: wire.Stats, viewer: Viewer) -> Iterator[Metric]:
+    """Per tenant, as the broker names them (its busiest, then ``other``): every one for the admin, the viewer's
+    own alone for a tenant (none while the broker sums it into ``other``)."""
+    shown = [(tenant, figures) for tenant, figures in sorted(stats.tenants.items())
+             if viewer.sees_all or tenant == viewer.tenant]
     for name, family, text in _TENANT_FIGURES:
         metric = family(f"mpserve_tenant_{name}", text, labels=["tenant"])
         field = "queue_s" if name == "queue_seconds" else name
-        for tenant, figures in sorted(stats.tenants.items()):
+        for tenant, figures in shown:
             metric.add_metric([tenant], getattr(figures, field))
         yield metric
 
