@@ -155,14 +155,20 @@ def test_two_instances_computing_one_prompt_at_once_write_one_entry_and_bad_entr
             with Client(server.address, timeout=60) as own:
                 results.append(own.generate(LONG, max_tokens=4, temperature=0))
 
+        instances = {r.pid for r in server.slots() if r.pid > 0}
+        for pid in instances:  # neither can finish its request before the other has one: the broker, finding the
+            os.kill(pid, signal.SIGSTOP)  # first instance's one slot taken, hands the second request to the other
         threads = [threading.Thread(target=ask) for _ in range(2)]
         for t in threads:
             t.start()
+        wait_for(lambda: sorted(w.running for w in client.stats().workers) == [1, 1], 30, "a request on each")
+        for pid in instances:
+            os.kill(pid, signal.SIGCONT)
         for t in threads:
             t.join()
         assert len({r.worker for r in results}) == 2  # one each, at once
         wait_for(lambda: entries(store), 10, "the entry")
-        time.sleep(0.5)  # the second writer's turn
+        time.sleep(0.5)  # not a wait: the second writer's turn, for a rename that must not come
         saved = entries(store)
         assert len(saved) == 1 and not list(store.rglob("*.kvpart"))
         assert renames.into_place() == [saved[0].name]  # written once: the second writer found it there
