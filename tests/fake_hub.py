@@ -124,6 +124,6 @@ class FakeHub:
         for offset in range(start, end, 64 << 10):
             handler.wfile.write(data[offset:min(end, offset + (64 << 10))])
             handler.wfile.flush()
-            time.sleep(self.delay_s)
+            time.sleep(self.delay_s)  # not a wait: the slow hub this fake plays
         if cut is not None:
             handler.close_connection = True

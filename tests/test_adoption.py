@@ -97,7 +97,7 @@ def test_a_server_killed_with_8_streams_and_started_again_5_s_later_finishes_eac
     server.proc.kill()
     server.proc.wait(10)
     _freeze(pids, signal.SIGCONT)
-    time.sleep(5)  # what a service manager's restart delay does
+    time.sleep(5)  # not a wait: what a service manager's restart delay does
     again = start_server(*ARGS, name=server.name).wait_ready()
     for s in streams:
         s.join(120)
@@ -304,7 +304,7 @@ def test_http_streams_through_a_gateway_of_its_own_go_on_over_the_servers_death(
         wait_for(lambda: http_up(url), 30, "the gateway answers")
         outs, threads = _http_streams(url, prompts)
         _kill_frozen(server, pids)
-        time.sleep(2)
+        time.sleep(2)  # not a wait: a service manager's restart delay
         start_server(*ARGS, name=server.name).wait_ready()
         for t in threads:
             t.join(120)
@@ -328,7 +328,7 @@ def test_http_streams_through_the_gateways_of_start_http_go_on_over_the_servers_
     wait_for(lambda: http_up(url), 30, "the gateway answers")
     outs, threads = _http_streams(url, prompts)
     _kill_frozen(server, _worker_pids(server))
-    time.sleep(2)
+    time.sleep(2)  # not a wait: a service manager's restart delay
     again = start_server(*args, name=server.name).wait_ready()
     for t in threads:
         t.join(120)

@@ -60,7 +60,7 @@ def test_sends_past_the_high_water_mark_wait_for_room_and_all_arrive_in_order(tm
     async def main() -> None:
         async with AsyncClient(address) as client:
             sends = [asyncio.ensure_future(client.cancel(f"c{i}")) for i in range(MESSAGES)]
-            await asyncio.sleep(0.5)
+            await asyncio.sleep(0.5)  # not a wait: time for sends that would not block to have gone
             assert not all(s.done() for s in sends), "the socket never filled: the test sends too little"
             server.release.set()
             await asyncio.wait_for(asyncio.gather(*sends), 30)

@@ -475,7 +475,7 @@ def test_instances_count_processes_and_slots_count_slots_everywhere(start_server
                      [i["state"] for i in m] == ["busy", "busy"] and
                      sum(s["request"] is not None for i in m for s in i["slots"]) == 4, 30,
                      "the monitor to show 2 busy instances with a request in each of their 4 slots")
-            time.sleep(0.5)  # the fifth request waits past scale_up_after
+            time.sleep(0.5)  # not a wait: the fifth request waits past scale_up_after
         finally:
             for thread in threads:
                 thread.join(150)

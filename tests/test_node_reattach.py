@@ -58,7 +58,7 @@ def test_node_streams_of_a_server_killed_and_started_again_5_s_later_finish_each
     node = _NodeStreams(server.address, reattach=30)
     assert node.started.wait(60), "the Node streams did not start"
     _kill_frozen(server, pids)  # frozen meanwhile: however fast the model, nothing ends before the server is gone
-    time.sleep(5)  # what a service manager's restart delay does
+    time.sleep(5)  # not a wait: what a service manager's restart delay does
     again = start_server(*ARGS, name=server.name).wait_ready()
     streams = node.seen(120)
     assert [s["error"] for s in streams] == [None] * len(PROMPTS)

@@ -97,7 +97,8 @@ def test_the_lowest_priority_gives_way_and_comes_back_before_later_requests_of_i
             # queued behind the two running ones, then the urgent one (sent in this order on one connection);
             # "later0" can start only once "p0" is done, if "p0" resumes first: "p1" holds the other slot longer
             later = asyncio.create_task(one("later0", "A later one of priority 0", 0, 2000))
-            await asyncio.sleep(0.05)
+            while not sum(m.queued for m in (await client.stats()).models.values()):
+                await asyncio.sleep(0.01)
             assert not order, "a request ended before the urgent one came: make them longer"
             await one("urgent", URGENT, 5, 8)
             await asyncio.gather(*background, later)

@@ -274,7 +274,7 @@ def test_stats_tell_how_long_the_head_of_a_queue_has_waited(start_server) -> Non
             waiter = asyncio.create_task(client.generate("wait", max_tokens=4))
             while (await client.stats()).models["tiny"].queued == 0:
                 await asyncio.sleep(0.01)
-            await asyncio.sleep(0.3)
+            await asyncio.sleep(0.3)  # not a wait: the queued request's wait, which is measured
             waiting = await client.stats()
             holder.cancel()
             await asyncio.gather(holder, waiter, return_exceptions=True)

@@ -108,6 +108,23 @@ def test_priority_goes_first_but_only_up_to_the_tenants_ceiling(server: ServerPr
     assert ended == ["local-urgent", "b-urgent", "a0", "a1", "a-urgent"]
 
 
+def test_without_a_tenants_section_a_key_cannot_jump_the_queue_by_asking(tmp_path: Path) -> None:
+    """No ``tenants`` section: a keyed tenant's priority 100 counts as 0 (it waits behind another key's request
+    that came first), the local user's 20 still counts, and the server warns once, naming the tenant."""
+    config = config_file(tmp_path, "untenanted", models=[
+        {"name": "echo", "path": "echo", "echo_tick_ms": TICK_MS, "instances": 1, "parallel": 1}])
+    proc = ServerProcess("--config", config).wait_ready()
+    try:
+        requests = [(KEY_A, "a0", 0), (KEY_B, "b-urgent", 100), ("", "local-urgent", 20)]
+        ended = asyncio.run(_order_behind_a_hold(proc.admin, requests))
+        assert ended[0] == "local-urgent" and ended.index("a0") < ended.index("b-urgent"), ended
+        wait_for(lambda: any(f"tenant {KEY_B} asked for priority 100, lowered to 0" in line for line in proc.log),
+                 what="the warning")
+    finally:
+        proc.stop()
+    assert not proc.tracebacks(), "\n".join(proc.log)
+
+
 def test_limits_refuse_naming_the_limit_its_value_and_the_use(server: ServerProcess) -> None:
     async def run() -> None:
         async with AsyncClient(server.admin, timeout=60) as client:

@@ -180,7 +180,7 @@ def test_ten_thousand_worker_messages_end_every_request_exactly_once(echo_server
             client.send_multipart(wire.encode(wire.Ping(0)))
             client.poll(100)
             take_client()
-        time.sleep(0.3)  # a second answer, if any, would come now
+        time.sleep(0.3)  # not a wait: a second answer, if any, would come now
         take_client()
         print(f"\nworker fuzz: {sent} messages (seed {SEED}), kinds {dict(families)}; {asked} requests, "
               f"ends {dict(codes)}")

@@ -352,21 +352,21 @@ def test_a_worker_that_leaves_is_forgotten_at_once_and_its_request_resumed_with_
         t_asked = time.monotonic()
         ask(broker, client, "r1")
         [(first, assign)] = taken(workers).values()
-        time.sleep(0.05)  # queue and prompt: until the first token
+        time.sleep(0.05)  # not a wait: queue and prompt, the time before the first token
         workers[first].send_multipart(wire.encode_from_worker(wire.Chunk("r1", "ab"), assign.ticket,
                                                               wire.token_frame([7, 8])))
         assert broker.back.poll(1000)
         broker.drain_back()
         assert answer(client) == wire.Chunk("r1", "ab")
         t_first = time.monotonic()
-        time.sleep(0.2)  # generating, then the worker leaves
+        time.sleep(0.2)  # not a wait: generating, then the worker leaves
         workers[first].send_multipart(wire.encode_from_worker(wire.Leaving(first.decode(), "it got SIGTERM")))
         assert broker.back.poll(1000)
         broker.drain_back()
         assert first not in broker.workers and broker.stats["worker_left"] == 1
         [(second, resumed)] = taken(workers).values()
         assert second != first and resumed.attempt == 2 and wire.frame_tokens(resumed.generated) == [7, 8]
-        time.sleep(0.1)
+        time.sleep(0.1)  # not a wait: the second instance's part of the time
         done = wire.Done("r1", "abcd", "length", wire.Usage(1, 4), wire.Timings(400.0, 2.0, 1.0, attempts=2))
         workers[second].send_multipart(wire.encode_from_worker(done, resumed.ticket))
         assert broker.back.poll(1000)
@@ -527,7 +527,7 @@ def test_a_remote_worker_that_cannot_be_reached_is_said_so_once_in_words_that_fi
     sock.connect("inproc://back")
     broker._on_ready(b"far-w0", wire.Ready("far-w0", "m", -1, 1, 7, host="elsewhere"), None)
     sock.close(0)  # its link is down
-    time.sleep(0.1)
+    time.sleep(0.1)  # not a wait: inproc's disconnect reaches the ROUTER unseen by any call
     with caplog.at_level("WARNING", logger="mpserve.broker"):
         for _ in range(3):
             broker.send_heartbeats()
@@ -560,7 +560,7 @@ def test_a_request_not_sent_to_a_remote_worker_goes_elsewhere_even_if_that_worke
         far.connect("inproc://back")
         broker._on_ready(b"far-w0", wire.Ready("far-w0", "m", -1, 1, 7, host="elsewhere"), None)
         far.close(0)  # its link is down
-        time.sleep(0.1)
+        time.sleep(0.1)  # not a wait: inproc's disconnect reaches the ROUTER unseen by any call
         ask(broker, client, "r1")  # assigned to far-w0, the only worker: the send fails
         broker.flush()
         # the same process heard from again (on a new link: what the ROUTER hands over, as it receives it)

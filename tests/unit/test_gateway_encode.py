@@ -55,7 +55,7 @@ def test_writes_within_one_turn_leave_in_one_write_and_close_flushes_first() -> 
         coalesced.write(b"head")
         coalesced.write(b"body")
         assert real.writes == []
-        await asyncio.sleep(0)
+        await asyncio.sleep(0)  # not a wait: a turn of the event loop
         assert real.writes == [b"headbody"]
         coalesced.write(b"end")
         coalesced.close()

@@ -68,7 +68,7 @@ def test_the_least_recently_used_entries_leave_first_and_the_tier_never_exceeds_
     assert entry is not None and shared == 3
     loaded = s.load(entry)  # a hit: 4 is the most recently used now
     assert loaded is not None and bytes(loaded[0]) == bytes(state(4)) and loaded[1] == STATE
-    time.sleep(0.01)
+    time.sleep(0.01)  # not a wait: a later access time than the entry's
     put(s, [6, 0], 6)
     flush(s)
     assert {e.tokens for e in s._refresh()} == {(4, 0, 0), (6, 0)}

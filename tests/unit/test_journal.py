@@ -34,7 +34,8 @@ def test_a_gateway_that_stops_ends_its_streams_as_cancelled(tmp_path: Path) -> N
         journal = Journal(tmp_path / "j.sqlite")
         journal.begin("o", "k", "digest")
         journal.produce("o", "k", _endless())
-        await asyncio.sleep(0.1)
+        while journal._db.execute("SELECT count(*) FROM events").fetchone()[0] < 4:  # the tail below reads from 3
+            await asyncio.sleep(0.01)
         await journal.close()  # cancels the producer: its generator closed, its end written
         again = Journal(tmp_path / "j.sqlite")
         assert again.stream("o", "k").state == "cancelled"
@@ -77,14 +78,17 @@ def test_a_stream_whose_gateway_process_died_is_taken_over_once_with_the_pieces_
         for pieces, events in (([(0, "Hel"), (0, "lo")], b"data: a\n\ndata: b\n\n"), ([(1, " you")], b"data: c\n\n")):
             fed.extend(pieces)
             yield events
-        await asyncio.sleep(30)  # still running when its process "dies"
+        journaled.set()  # asked for more: both batches are written
+        await asyncio.sleep(30)  # not a wait: still running when its process "dies"
+
+    journaled = asyncio.Event()
 
     async def run() -> None:
         journal = Journal(tmp_path / "j.sqlite")
         journal.begin("o", "k", "digest")
         fed: list[tuple[int, str]] = []
         journal.produce("o", "k", batches(fed), fed=fed)
-        await asyncio.sleep(0.2)
+        await asyncio.wait_for(journaled.wait(), 10)
         journal._db.execute("UPDATE streams SET pid = ? WHERE key = 'k'", (pid,))  # as a process that died wrote it
         assert journal.stream("o", "k").state == "orphaned"
         taken = journal.take_over("o", "k")
