@@ -209,7 +209,7 @@ SETTINGS: tuple[Setting, ...] = (
        "The models a remote pool's key may serve, {KEY: [MODEL, ...]}, KEY the name of its public key file in "
        "curve_workers (KEY.key); a READY for another model is refused, naming the key and the model; a key not "
        "named may serve any model", flag=None, env=None),
-    _s("tenants", "server", dict, "none: one share, no limits, any priority",
+    _s("tenants", "server", dict, "none: one share, no limits, priority up to 0 but the local user's",
        "Who the broker tells apart and each one's share and limits, {TENANT: {weight, max_priority, max_running, "
        "max_queued, tokens_per_minute}}, TENANT an API key's digest (key: and the first 16 hex digits of its "
        "sha256), a CURVE client's public key, local, or default for every other (mpserve.config.tenants)",

@@ -14,7 +14,9 @@ limits.
       default: {max_running: 4}    # every tenant not listed
 
 The ``default`` entry is what an unlisted tenant gets (weight 1, max_priority 0, no limits, if it is absent too).
-Without a ``tenants`` section nothing is capped: every tenant has weight 1, no limit, and any priority.
+Without a ``tenants`` section every tenant has weight 1 and no limit; the local tenant may ask for any priority,
+every other (an API key, a CURVE key) up to ``KEYED.max_priority`` (0), so that no key jumps the others' queues
+by asking: a section raises it.
 """
 
 from __future__ import annotations
@@ -47,6 +49,7 @@ class Tenant:
 
 
 UNCAPPED = Tenant()
+KEYED = Tenant(max_priority=0)  # a tenant other than the local one, without a ``tenants`` section
 
 
 @dataclass(frozen=True)

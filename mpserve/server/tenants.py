@@ -24,20 +24,25 @@ it gets every slot.
 
 The ``Ledger`` counts per tenant what is running, the tokens of the last minute (prompt and generated tokens of
 the requests that ended, each counted when its DONE came), and the figures (``wire.TenantStats``); it refuses a
-request over a limit with ``Busy`` naming the limit, its value and the tenant's use.
+request over a limit with ``Busy`` naming the limit, its value and the tenant's use. Without a ``tenants`` section
+a keyed tenant's priority is capped all the same (``KEYED``), with a warning the first time each one asks for
+more.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import itertools
+import logging
 from collections import deque
 from collections.abc import Callable, Collection, Iterator, Sequence
 from dataclasses import dataclass, field
 
-from mpserve.config.tenants import LOCAL, UNCAPPED, Tenant, Tenants
+from mpserve.config.tenants import KEYED, LOCAL, UNCAPPED, Tenant, Tenants
 from mpserve.errors import Busy
 from mpserve.wire import protocol as wire
+
+log = logging.getLogger(__name__)
 
 WINDOW_S = 60.0  # tokens_per_minute's window
 TOP_TENANTS = 16  # tenants shown by name in the figures; the rest are summed as OTHER
@@ -221,6 +226,7 @@ class Ledger:
 
     def __init__(self, tenants: Tenants | None) -> None:
         self._accounts: dict[str, _Account] = {}
+        self._warned: set[str] = set()  # keyed tenants told that their priority was capped without a section
         self.configure(tenants)
 
     def configure(self, tenants: Tenants | None) -> None:
@@ -233,11 +239,19 @@ class Ledger:
         self.eligible: Callable[[str], bool] | None = self.may_start if capped else None
 
     def settings(self, tenant: str) -> Tenant:
-        return self.tenants.of(tenant) if self.tenants is not None else UNCAPPED
+        if self.tenants is not None:
+            return self.tenants.of(tenant)
+        return UNCAPPED if tenant == LOCAL else KEYED
 
     def priority(self, tenant: str, asked: int) -> int:
         """``asked``, capped by the tenant's ceiling."""
-        return min(asked, self.settings(tenant).max_priority)
+        ceiling = self.settings(tenant).max_priority
+        if asked > ceiling and self.tenants is None and tenant not in self._warned:
+            self._warned.add(tenant)
+            log.warning("tenant %s asked for priority %d, lowered to %d: without a tenants section a tenant other "
+                        "than the local one may ask for %d at most; declare its max_priority in the tenants section "
+                        "to allow more", shown(tenant), asked, ceiling, ceiling)
+        return min(asked, ceiling)
 
     def weight(self, tenant: str) -> float:
         return self.settings(tenant).weight

@@ -132,8 +132,15 @@ def test_tokens_per_minute_counts_a_sliding_window_of_prompt_and_generated_token
     ledger.admit(KEY_B, 0, False, now=20.0)  # another tenant has a window of its own
 
 
-def test_priorities_are_capped_by_the_tenants_ceiling_only_with_a_tenants_section() -> None:
-    assert Ledger(None).priority(KEY_A, 100) == 100
+def test_priorities_are_capped_by_the_tenants_ceiling_a_keyed_one_at_0_without_a_section(
+        caplog: pytest.LogCaptureFixture) -> None:
+    unsectioned = Ledger(None)
+    assert unsectioned.priority(KEY_A, 100) == 0 and unsectioned.priority(KEY_A, -5) == -5
+    assert unsectioned.priority("", 100) == 100  # the local user (and a gateway without keys) may ask for any
+    assert unsectioned.priority(KEY_A, 50) == 0 and unsectioned.priority(KEY_B, 1) == 0
+    warned = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert len(warned) == 2 and f"tenant {KEY_A} asked for priority 100, lowered to 0" in warned[0]  # once a key
+    assert "declare its max_priority in the tenants section" in warned[1]
     ledger = Ledger(parse_tenants({KEY_A: {"max_priority": 10}, "default": {}}))
     assert ledger.priority(KEY_A, 50) == 10 and ledger.priority(KEY_A, -5) == -5
     assert ledger.priority(KEY_B, 50) == 0  # the default ceiling of a declared section
