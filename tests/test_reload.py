@@ -16,6 +16,7 @@ from helpers import free_port, mpserve, wait_for
 
 from mpserve.client import Client
 from mpserve.errors import MpserveError, UnknownModel
+from mpserve.models import templates
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -146,3 +147,24 @@ def test_a_model_added_by_mpserve_add_and_then_written_in_the_file_reloads(start
     answer = mpserve("reload", "--server-name", server.name)
     assert answer.returncode == 0, answer.stderr  # it was refused: "served already"
     assert "models[extra]: added" not in answer.stdout
+
+
+@pytest.mark.timeout(120)
+def test_a_reload_that_changes_the_chat_template_puts_the_new_one_in_force(start_server, tiny_model_path: str,
+                                                                          tmp_path: Path) -> None:
+    """Once the roll is over, the broker hands out (STATS, which gateways render chats with) the reload's template,
+    a family's or ChatML's (""), not the one the instances it replaced loaded; no instance's was logged as kept."""
+    config = tmp_path / "pool.yaml"
+    model = {"name": "tiny", "path": tiny_model_path, "parallel": 2, "chat_template": "llama3"}
+    _write(config, spare_slots=4, models=[model])
+    server: ServerProcess = start_server("--config", str(config)).wait_ready()
+    with Client(server.address, timeout=60) as client:
+        assert client.stats().models["tiny"].chat_template == templates.FAMILIES["llama3"]
+        for rolls, family in enumerate(("gemma", "chatml"), 1):  # chatml: "", the gateway's ChatML default
+            _write(config, spare_slots=4, models=[{**model, "chat_template": family}])
+            answer = mpserve("reload", "--server-name", server.name)
+            assert answer.returncode == 0, answer.stderr
+            wait_for(lambda n=rolls: "rolling" not in mpserve("status", "--server-name", server.name).stdout
+                     and sum("roll of tiny done" in line for line in server.log) == n, 60, "the roll to end")
+            assert client.stats().models["tiny"].chat_template == templates.FAMILIES[family], family
+    assert not any("kept that one" in line for line in server.log), "\n".join(server.log)

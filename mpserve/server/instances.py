@@ -33,7 +33,7 @@ from mpserve.gpu.placement import ModelRequest, Placement, estimate_request, pla
 from mpserve.wire import protocol as wire
 from mpserve.worker.spec import revision
 
-from . import rolling
+from . import chat, rolling
 from .broker import Broker
 from .layout import Layout, check_model, instance_rows, model_request, served_template, worker_spec
 from .rolling import Roll, Step, Turn
@@ -303,6 +303,8 @@ class Instances:
         else:
             self._broker.chat_templates.pop(name, None)
         mq = self._broker.models[name]
+        held = chat.rolled(chat.Held(mq.chat, mq.chat_local), template)  # the reload's template in force
+        mq.chat, mq.chat_local = held.chat, held.local
         if mq.failed is not None:
             mq.failed, mq.crash_streak = None, 0
             self._supervisor.health[name] = ModelHealth()

@@ -9,7 +9,7 @@ import pytest
 import zmq
 
 from mpserve.server.broker import Broker
-from mpserve.server.chat import Held, Verdict, judge
+from mpserve.server.chat import Held, Verdict, judge, rolled
 from mpserve.wire import protocol as wire
 from mpserve.wire.protocol import ChatTemplate
 
@@ -80,3 +80,16 @@ def test_the_broker_hands_out_the_servers_template_whatever_pools_say(broker: Br
     held = broker.snapshot().models["m"]
     assert (held.chat_template, held.eos_token) == (OWN.template, "<eos>")
     assert broker.stats["chat_template_differs"] == 2
+
+
+def test_a_reload_that_changes_the_template_hands_out_the_new_one_at_once_and_keeps_it() -> None:
+    """Rolled onto settings whose template is NEW: handed out at once with the BOS and EOS held so far; the first new
+    instance's READY gives its own texts, an old instance's template is not taken back once a new one is held."""
+    new = ChatTemplate("{{ 'new' }}", "<s>", "<eos2>")
+    held = rolled(Held(OWN, local=True), new.template)
+    assert held == Held(ChatTemplate(new.template, OWN.bos_token, OWN.eos_token), local=False)
+    assert rolled(Held(OWN, local=True), None) == Held(OWN)  # the server cannot tell: the first new READY says
+    assert judge(held, new.template, new, local=True) is Verdict.TAKE
+    from_new = Held(new, local=True)
+    assert judge(from_new, new.template, OWN, local=True) is Verdict.DIFFERS  # an old instance: logged, not taken
+    assert judge(Held(OWN, local=True), new.template, new, local=True) is Verdict.TAKE  # the reload's, over the old
