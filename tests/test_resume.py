@@ -5,12 +5,19 @@ naming the fix."""
 
 from __future__ import annotations
 
+import contextlib
 import json
+import sqlite3
 from collections.abc import Iterator
+from pathlib import Path
 
 import httpx
 import pytest
 from gateway_thread import GatewayThread
+from helpers import wait_for
+
+from mpserve import Client
+from mpserve.gateway.api.response_store import path_for
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -133,6 +140,44 @@ def test_a_background_response_can_be_cancelled_and_needs_store(exact: GatewayTh
     assert all(json.loads(d)["type"] != "response.completed" for d in datas)
     assert httpx.get(url, timeout=30).json()["status"] == "cancelled"
     assert httpx.post(f"{url}/cancel", timeout=30).status_code == 404
+
+
+def _journaled(path: Path, key: str) -> int:
+    """The rows the journal holds of stream ``key``: its own, its events, its request, the text of its batches."""
+    with contextlib.closing(sqlite3.connect(path)) as db:
+        return sum(db.execute(f"SELECT count(*) FROM {table} WHERE key = ?", (key,)).fetchone()[0]  # noqa: S608
+                   for table in ("streams", "events", "asked", "fed"))
+
+
+def test_deleting_a_background_response_deletes_it_and_stops_it_while_it_runs(start_server) -> None:
+    """A DELETE of a background response, ended or running: it is no longer read (whole, or its events again), its
+    journal keeps nothing of it (its prompt included), and one that ran is stopped and never stored after."""
+    server = start_server("--parallel", "2").wait_ready()
+    gateway = GatewayThread(server_name=server.name)
+    file = path_for(server.name, int(gateway.url.rsplit(":", 1)[1]))
+    body = {"model": "tiny", "input": "Tell me a story", "temperature": 0, "background": True}
+    try:
+        ended = httpx.post(f"{gateway.url}/v1/responses", json={**body, "max_output_tokens": 8}, timeout=30).json()
+        running = httpx.post(f"{gateway.url}/v1/responses", json={**body, "max_output_tokens": 4000},
+                             timeout=30).json()
+        urls = [f"{gateway.url}/v1/responses/{r['id']}" for r in (ended, running)]
+        wait_for(lambda: httpx.get(urls[0], timeout=10).json()["status"] == "incomplete", 30, "the first one's end")
+        wait_for(lambda: httpx.get(urls[1], timeout=10).json()["status"] == "in_progress", 30, "the second running")
+        assert all(_journaled(file, r["id"]) > 0 for r in (ended, running))
+        for url, response in zip(urls, (ended, running), strict=True):
+            deleted = httpx.delete(url, timeout=30)
+            assert deleted.status_code == 200 and deleted.json() == {"id": response["id"], "object": "response",
+                                                                     "deleted": True}
+            assert httpx.get(url, timeout=30).status_code == 404
+            assert httpx.get(url, params={"stream": "true"}, timeout=30).status_code == 404
+            assert _journaled(file, response["id"]) == 0
+            assert httpx.delete(url, timeout=30).status_code == 404
+        with Client(server.address) as client:
+            wait_for(lambda: client.stats().counters.get("cancelled") == 1, 30, "the running one cancelled")
+            assert client.stats().models["tiny"].running == 0
+        assert httpx.get(urls[1], timeout=30).status_code == 404 and _journaled(file, running["id"]) == 0
+    finally:
+        gateway.stop()
 
 
 def test_a_stream_nobody_read_on_ends_its_resume_saying_it_was_stopped(exact: GatewayThread,

@@ -13,6 +13,7 @@ import pytest
 
 from mpserve.errors import MpserveError
 from mpserve.gateway.api.journal import Journal
+from mpserve.gateway.api.response_store import NotStored, ResponseStore
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -104,5 +105,39 @@ def test_a_stream_whose_gateway_process_died_is_taken_over_once_with_the_pieces_
         assert again is not None and (again.head, again.request, again.next_seq) == (b'{"id": "bg2"}',
                                                                                     b'{"body": {}}', 0)
         await journal.close()
+
+    asyncio.run(run())
+
+
+def test_a_deleted_background_response_leaves_nothing_and_its_producer_elsewhere_writes_nothing_more(
+        tmp_path: Path) -> None:
+    """``delete`` in the producing process stops the producer at once; a delete by another process (its row gone,
+    this process's producer not told) stops it at its next batch, which is not written. Neither leaves a row, and
+    a put of the deleted response's id is refused in the store (it could end meanwhile)."""
+    def rows(journal: Journal, key: str) -> int:
+        return sum(journal._db.execute(f"SELECT count(*) FROM {table} WHERE key = ?", (key,)).fetchone()[0]  # noqa: S608
+                   for table in ("streams", "events", "asked", "fed"))
+
+    async def run() -> None:
+        journal, store = Journal(tmp_path / "j.sqlite"), ResponseStore(tmp_path / "j.sqlite")
+        for key in ("here", "elsewhere"):
+            journal.begin("o", key, key, b'{"id": "%s"}' % key.encode(), b'{"body": {}}')
+            journal.produce("o", key, _endless(), background=True)
+        while rows(journal, "here") < 4 or rows(journal, "elsewhere") < 4:
+            await asyncio.sleep(0.01)  # not a wait: the producers are writing
+        assert journal.delete("o", "here") and rows(journal, "here") == 0
+        with journal._lock:  # as another gateway process's delete: the row goes, nobody here is told
+            for table in ("streams", "events", "asked", "fed"):
+                journal._db.execute(f"DELETE FROM {table} WHERE key = 'elsewhere'")  # noqa: S608
+        while journal._tasks:
+            await asyncio.sleep(0.01)  # not a wait: both producers end
+        assert rows(journal, "here") == rows(journal, "elsewhere") == 0
+        assert not journal.delete("o", "here")
+        store.delete("o", "here", journaled=True)
+        store.put("o", {"id": "here"}, [])  # the response ending after its delete
+        with pytest.raises(NotStored):
+            store.get("o", "here")
+        await journal.close()
+        store.close()
 
     asyncio.run(run())

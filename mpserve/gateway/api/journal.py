@@ -18,7 +18,9 @@ gateway process of the port.
 A stream is keyed by its owner (the caller's key, ``dialect.owner``) and a key: a chat or completions stream's
 ``X-Request-Id`` (the caller's), a background response's id. Its ``digest`` is its request body's: a resume that
 names the key with another body is refused (409). Ended streams are kept KEEP_S, then dropped as new ones begin;
-an owner keeps at most MAX_STREAMS of them. The file is ``response_store``'s (the same private file).
+an owner keeps at most MAX_STREAMS of them. A background response deleted (``DELETE /v1/responses/{id}``:
+``Journal.delete``) goes at once, events, request and all; its producer, in this process or another, writes
+nothing more and stops at its next batch. The file is ``response_store``'s (the same private file).
 """
 
 from __future__ import annotations
@@ -182,12 +184,9 @@ class Journal:
         try:
             async for batch in _until(frames, cancel):
                 events = [e + b"\n\n" for e in batch.split(b"\n\n") if e]
-                with self._transaction() as db:
-                    db.executemany("INSERT INTO events (owner, key, seq, data) VALUES (?, ?, ?, ?)",
-                                   [(owner, key, seq + i, e) for i, e in enumerate(events)])
-                    if fed:
-                        db.execute("INSERT INTO fed (owner, key, seq, pieces) VALUES (?, ?, ?, ?)",
-                                   (owner, key, seq, json.dumps(fed)))
+                if not self._write(owner, key, seq, events, fed):
+                    state = "cancelled"  # deleted meanwhile
+                    break
                 if fed:
                     fed.clear()
                 seq += len(events)
@@ -207,6 +206,19 @@ class Journal:
                 await frames.aclose()  # its generation cancelled, if it had not ended
             finally:
                 self._ended(owner, key, state)
+
+    def _write(self, owner: str, key: str, seq: int, events: list[bytes], fed: Pieces | None) -> bool:
+        """A batch's ``events``, numbered from ``seq``, and the pieces of text they were made of journaled; False,
+        nothing written, if the stream is gone (deleted)."""
+        with self._transaction() as db:
+            if db.execute("SELECT 1 FROM streams WHERE owner = ? AND key = ?", (owner, key)).fetchone() is None:
+                return False
+            db.executemany("INSERT INTO events (owner, key, seq, data) VALUES (?, ?, ?, ?)",
+                           [(owner, key, seq + i, e) for i, e in enumerate(events)])
+            if fed:
+                db.execute("INSERT INTO fed (owner, key, seq, pieces) VALUES (?, ?, ?, ?)",
+                           (owner, key, seq, json.dumps(fed)))
+        return True
 
     def _ended(self, owner: str, key: str, state: str) -> None:
         """The stream's end written, its readers woken; whatever the file says, it is forgotten here."""
@@ -260,6 +272,20 @@ class Journal:
             self._db.execute("DELETE FROM streams WHERE owner = ? AND key = ? AND pid = ?", (owner, key, os.getpid()))
         self._wake.pop((owner, key), None)
         self._cancel.pop((owner, key), None)
+
+    def delete(self, owner: str, key: str) -> bool:
+        """Background response ``key`` of ``owner``'s gone from the journal (its events, its request, its row), and
+        stopped if it runs; False if there is none."""
+        with self._transaction() as db:
+            gone = db.execute("DELETE FROM streams WHERE owner = ? AND key = ? AND head IS NOT NULL",
+                              (owner, key)).rowcount
+            if gone:
+                _delete(db, (owner, key))
+        event = self._cancel.get((owner, key))
+        if gone and event is not None:
+            event.set()
+        self._ring(owner, key)
+        return bool(gone)
 
     def cancel(self, owner: str, key: str) -> bool:
         """Stop a running stream, produced in this process or another; False if none of that key runs."""

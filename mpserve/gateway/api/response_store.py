@@ -3,7 +3,9 @@
     put(owner, response, conversation) ──▶ one transaction (BEGIN IMMEDIATE: writers take turns, across
                                            processes): the row replaced; then, oldest first, that owner's rows
                                            dropped past ``budget.per_key`` bytes and anyone's past ``budget.total``
-    get(owner, id) / delete(owner, id) ──▶ that owner's row only (an owner: ``dialect.owner``, the caller's key)
+    get(owner, id) / delete(owner, id) ──▶ that owner's row only (an owner: ``dialect.owner``, the caller's key);
+                                           a background response's delete leaves a mark for DELETED_KEEP_S under
+                                           which no put stores the id again (one ending meanwhile, in any process)
 
 The file is ``$RUNTIME/NAME.responses-PORT.sqlite`` (``path_for``): in the runtime folder, which is this user's
 alone (0700), created 0600 and never through a link. Several gateway processes on one port (``--http-workers``)
@@ -18,6 +20,7 @@ import json
 import os
 import sqlite3
 import threading
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -31,6 +34,7 @@ STORE_BYTES = 256 * 1024 * 1024
 STORE_BYTES_PER_KEY = 32 * 1024 * 1024
 """Bytes of stored responses per API key (--responses-store-per-key); past it, that key's oldest goes first."""
 BUSY_TIMEOUT_MS = 5000  # how long a process waits for another's write
+DELETED_KEEP_S = 3600.0  # how long a deleted response's id is refused a put
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS responses (
@@ -41,6 +45,12 @@ CREATE TABLE IF NOT EXISTS responses (
     UNIQUE (owner, id)
 );
 CREATE INDEX IF NOT EXISTS by_owner ON responses (owner, seq);
+CREATE TABLE IF NOT EXISTS deleted (  -- ids deleted: a put of one is refused (a background response that ended late)
+    owner TEXT NOT NULL,
+    id TEXT NOT NULL,
+    at REAL NOT NULL,                   -- wall clock (seconds since the epoch)
+    PRIMARY KEY (owner, id)
+);
 """
 
 Stored = tuple[dict[str, Any], list[dict[str, Any]]]  # a response, and its conversation as chat messages
@@ -73,7 +83,8 @@ class ResponseStore:
         data = json.dumps([response, conversation], ensure_ascii=False, separators=(",", ":")).encode()
         with self._lock, self._transaction() as db:
             db.execute("DELETE FROM responses WHERE owner = ? AND id = ?", (owner, response["id"]))
-            if len(data) > self.budget.per_key:
+            if len(data) > self.budget.per_key or db.execute(
+                    "SELECT 1 FROM deleted WHERE owner = ? AND id = ?", (owner, response["id"])).fetchone():
                 return
             db.execute("INSERT INTO responses (owner, id, data) VALUES (?, ?, ?)", (owner, response["id"], data))
             _drop_oldest(db, "WHERE owner = ?", (owner,), self.budget.per_key)
@@ -88,10 +99,16 @@ class ResponseStore:
         response, conversation = json.loads(row[0])
         return response, conversation
 
-    def delete(self, owner: str, response_id: str) -> None:
-        with self._lock:
-            gone = self._db.execute("DELETE FROM responses WHERE owner = ? AND id = ?", (owner, response_id))
-        if not gone.rowcount:
+    def delete(self, owner: str, response_id: str, journaled: bool = False) -> None:
+        """The response dropped; NotStored if there was none and it was not ``journaled`` (a background response
+        whose journal was just deleted: it could end and be put meanwhile, so a put of its id is refused from now)."""
+        now = time.time()
+        with self._lock, self._transaction() as db:
+            db.execute("DELETE FROM deleted WHERE at < ?", (now - DELETED_KEEP_S,))
+            gone = db.execute("DELETE FROM responses WHERE owner = ? AND id = ?", (owner, response_id)).rowcount
+            if journaled:
+                db.execute("INSERT OR REPLACE INTO deleted (owner, id, at) VALUES (?, ?, ?)", (owner, response_id, now))
+        if not gone and not journaled:
             raise self.not_stored(response_id)
 
     def not_stored(self, response_id: str) -> NotStored:

@@ -400,7 +400,8 @@ def _as_chat(output: list[dict[str, Any]]) -> list[dict[str, Any]]:
 def stored_routes(responses: Responses, pipeline: Pipeline) -> list[Route]:
     """``GET`` and ``DELETE /v1/responses/{id}``: a stored response of the caller's API key; a background one
     while it runs too (taken over here if its gateway process died: ``Pipeline.revive``), and its events again
-    (``?stream=true&starting_after=N``); ``POST …/cancel`` stops one."""
+    (``?stream=true&starting_after=N``); a DELETE drops all of that, stopping one that runs; ``POST …/cancel``
+    stops one."""
     async def retrieve(request: Request) -> Response:
         who, response_id = owner(request), request.path_params["id"]
         try:
@@ -433,9 +434,9 @@ def stored_routes(responses: Responses, pipeline: Pipeline) -> list[Route]:
         return JSONResponse({**running, "status": "cancelled"})
 
     async def delete(request: Request) -> Response:
-        response_id = request.path_params["id"]
+        who, response_id = owner(request), request.path_params["id"]
         try:
-            responses.store.delete(owner(request), response_id)
+            responses.store.delete(who, response_id, journaled=responses.journal.delete(who, response_id))
         except NotStored as exc:
             return _not_found(exc)
         return JSONResponse({"id": response_id, "object": "response", "deleted": True})

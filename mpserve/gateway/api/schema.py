@@ -49,7 +49,8 @@ def document(version: str) -> dict[str, Any]:
                                              "schema": {"type": "string", "enum": ["true", "false"]}},
                                        {"name": "starting_after", "in": "query", "required": False,
                                         "schema": {"type": "integer", "minimum": 0}}]},
-                "delete": {**_get("a stored response deleted", "application/json",
+                "delete": {**_get("a stored response deleted; a background one whole (its events and request too), "
+                                  "stopped first if in progress", "application/json",
                                   {k: errors[k] for k in ("401", "404")}), "parameters": [_ID]}},
             "/v1/responses/{id}/cancel": {
                 "post": {**_get("a background response in progress stopped", "application/json",
