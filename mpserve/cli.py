@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING, Annotated, Any
 import msgspec
 import typer
 
-from mpserve import __version__
+from mpserve import __version__, children
 from mpserve.config import loader as cfg
 from mpserve.config import settings
 from mpserve.errors import BadRequest, ConfigError, ConnectionFailed, InternalError, MpserveError
@@ -169,7 +169,7 @@ def start(given: Given, config_file: ConfigOption = None) -> None:
     if upgrading:  # the mpserve installed now, in this process (its pid stays, for the service manager)
         sys.stdout.flush()
         sys.stderr.flush()
-        os.execv(sys.executable, [sys.executable, "-m", "mpserve", *sys.argv[1:]])
+        os.execv(sys.executable, children.python("-m", "mpserve", *sys.argv[1:]))
 
 
 @app.command()
@@ -407,7 +407,7 @@ def _serve_gateways(config: GatewayConfig, workers: int, fd: int | None) -> None
     ended = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: ended.set())
-    argv = [sys.executable, "-m", "mpserve", *sys.argv[1:]]
+    argv = children.python("-m", "mpserve", *sys.argv[1:])
     gateways = fleet.Fleet(fleet.listen(config.host, config.port), workers,
                            functools.partial(fleet.child_command, argv), dict(os.environ), lambda _: ended.set())
     signal.signal(signal.SIGHUP, lambda *_: gateways.signal(signal.SIGHUP))  # the key file read again
@@ -491,7 +491,7 @@ def _gateway_command(http: str, config: cfg.ServerConfig, flags: dict[str, Any],
     passed = [arg for key in ("api_key_file", "ssl_certfile", "ssl_keyfile", "request_timeout", "reattach")
               if flags[key] is not None
               for arg in (settings.BY_KEY[key].flag or "", str(flags[key]))]
-    argv = [sys.executable, "-m", "mpserve", "gateway", "--http", http, "--server-name", config.server_name,
+    argv = [*children.python("-m", "mpserve", "gateway", "--http", http, "--server-name", config.server_name),
             "--log-level", config.log_level, *passed, *(["--insecure"] if config.insecure else [])]
     return functools.partial(fleet.child_command, argv), env
 

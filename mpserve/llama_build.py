@@ -22,6 +22,7 @@ import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+from mpserve import children
 from mpserve.config.loader import ECHO_MODEL, ServerConfig
 from mpserve.gpu.devices import Device
 
@@ -58,7 +59,8 @@ class Build:
 def probe_build(python: str = sys.executable, timeout: float = PROBE_TIMEOUT_S) -> Build:
     """Import llama_cpp in a child interpreter and ask it what it can do."""
     try:
-        done = subprocess.run([python, "-c", PROBE], capture_output=True, text=True, timeout=timeout)
+        done = subprocess.run(children.python("-c", PROBE, executable=python), capture_output=True, text=True,
+                              timeout=timeout)
     except subprocess.TimeoutExpired:
         return Build(None, error=f"importing llama_cpp took over {timeout:g} s")
     if done.returncode != 0:

@@ -33,6 +33,7 @@ import tempfile
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from mpserve import children
 from mpserve.config.loader import ECHO_MODEL, ModelConfig
 from mpserve.models.builtin import cache_dir
 
@@ -104,8 +105,8 @@ def _run_probe(python: str, key: str, timeout: float) -> tuple[Verdict, bool]:
     """The probe's verdict and whether it is conclusive (worth caching)."""
     with tempfile.TemporaryDirectory(prefix="mpserve-repack-") as tmp:
         try:
-            done = subprocess.run([python, "-m", "mpserve.engine.repack_check", tmp], capture_output=True,
-                                  text=True, timeout=timeout)
+            done = subprocess.run(children.python("-m", "mpserve.engine.repack_check", tmp, executable=python),
+                                  capture_output=True, text=True, timeout=timeout)
         except subprocess.TimeoutExpired:
             return Verdict(True, f"the probe did not finish within {timeout:g} s; left on", key), False
     tried = [line.split(" ", 1)[1] for line in done.stdout.splitlines() if line.startswith("try ")]

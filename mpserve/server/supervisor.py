@@ -42,6 +42,7 @@ from typing import Any
 
 import zmq
 
+from mpserve import children
 from mpserve.config.loader import ServerConfig
 from mpserve.wire.slots import SlotState, SlotTable
 from mpserve.worker.spec import EXIT_LOAD_FAILED, Adoptable, WorkerSpec, preload, run, start_mode
@@ -92,7 +93,9 @@ class Supervisor:
         broker's secret that its own workers show in their READY (``mpserve.server.link``), given to each.
 
         A process has one fork server, started with the first worker: the ``gpus`` of the first supervisor to
-        start one decides its imports."""
+        start one decides its imports; the fork server, which multiprocessing starts with ``-c``, gets the working
+        directory off its path (``children.keep_off_path``)."""
+        children.keep_off_path()
         self._mp = multiprocessing.get_context("forkserver")
         self._mp.set_forkserver_preload(preload(gpus))
         self._clock = clock

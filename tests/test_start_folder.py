@@ -1,0 +1,43 @@
+"""A server started from a folder that holds packages named as its own (a clone's parent folder, a shared /tmp):
+none of its processes imports them (``mpserve.children``), so the start serves and the planted code never runs."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import httpx
+import pytest
+from conftest import ServerProcess
+from helpers import free_port, http_up, wait_for
+
+from mpserve import Client
+
+PLANTED = "import pathlib\npathlib.Path({marker!r}).write_text('ran')\n"  # a package that has none of mpserve's modules
+
+
+def plant(folder: Path, marker: Path) -> Path:
+    """``folder`` with packages ``mpserve`` and ``llama_cpp`` that write ``marker`` when imported."""
+    folder.mkdir()
+    for name in ("mpserve", "llama_cpp"):
+        (folder / name).mkdir()
+        (folder / name / "__init__.py").write_text(PLANTED.format(marker=str(marker)))
+    return folder
+
+
+@pytest.mark.timeout(120)
+def test_a_start_from_a_folder_holding_a_planted_mpserve_serves_and_runs_none_of_it(
+        start_server: type[ServerProcess], tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    marker = tmp_path / "the-planted-code-ran"
+    monkeypatch.chdir(plant(tmp_path / "shared", marker))
+    port = free_port()
+    script = Path(sys.executable).parent / "mpserve"  # as an operator starts it: the installed command
+    server = start_server("--model", "builtin:tiny", "--instances", "2", "--http", f"127.0.0.1:{port}",
+                          "--http-workers", "2", launch=(str(script),)).wait_ready()
+    with Client(server.address, timeout=30) as client:
+        assert client.generate("from a shared folder", max_tokens=4).usage.completion_tokens == 4
+    wait_for(lambda: http_up(f"http://127.0.0.1:{port}"), 30, "the HTTP gateways up")
+    r = httpx.post(f"http://127.0.0.1:{port}/v1/completions", timeout=30,
+                   json={"model": "tiny", "prompt": "over HTTP", "max_tokens": 4})
+    assert r.status_code == 200, r.text
+    assert not marker.exists(), "a process of the server imported the planted package"
