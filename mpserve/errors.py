@@ -64,8 +64,10 @@ CODES: dict[ErrorCode, CodeInfo] = {
                                                    "(SIGSEGV, SIGBUS, SIGFPE, SIGILL, SIGABRT) or stalled; it is "
                                                    "not retried again"),
     ErrorCode.MODEL_FAILED: CodeInfo(503, False, "the model failed to load 3 times in a row (the message has the "
-                                                 "load error), or its instances crashed on 3 different requests in "
-                                                 "a row (the message names the signal and the settings to try)"),
+                                                 "load error), its instance or its zygote exited 5 times in a row "
+                                                 "before it started (the server log has why), or its instances "
+                                                 "crashed on 3 different requests in a row (the message names the "
+                                                 "signal and the settings to try)"),
     ErrorCode.NO_INSTANCE: CodeInfo(503, True, "no instance of the model could serve the request within "
                                                "`no_instance_timeout` (none registered, its pool gone), or its "
                                                "`timeout` passed while the model was still loading; the message says "

@@ -255,6 +255,8 @@ class _Loop:
             self._broker.drain_admin()
         for index in self._supervisor.exited(self._poller, events):
             self._reap(index)
+        while self._supervisor.failing:
+            self._agree(self._supervisor.failing.pop())
         if self._signals.fileno() in events:
             self._on_signals()
         now = time.monotonic()
@@ -305,13 +307,17 @@ class _Loop:
 
     def _reap(self, index: int) -> None:
         """A worker exited: the supervisor collects it, the broker settles its requests by how it ended (a crash
-        or a kill), and a model either of them failed is failed on both sides (the supervisor: its loads fail;
-        the broker: its workers crash whatever the request)."""
+        or a kill), and a model either of them failed is failed on both sides (``_agree``)."""
         model = self._supervisor.workers[index].spec.model
         self._ready.discard(index)
         code = self._supervisor.reap(index)
         self._broker.worker_exited(index, code)
         self._broker.adoptee_lost(index)
+        self._agree(model)
+
+    def _agree(self, model: str) -> None:
+        """A model failed on either side (the supervisor's: its loads or starts fail; the broker's: its workers crash
+        whatever the request) is failed on both."""
         loads = self._supervisor.health[model].failed_message
         failed = self._broker.models[model].failed
         if loads is not None and failed is None:

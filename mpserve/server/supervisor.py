@@ -3,10 +3,11 @@
 It follows gunicorn's arbiter: a table of workers by index, death noticed through process sentinels
 (which the broker's poll loop watches, so no signal handler does work), restarts with a capped
 exponential backoff, and a halt instead of a restart loop for a model that cannot load: three failed
-loads in a row mark the model failed. ``reap`` returns how a worker ended (its exit status), which the
-server's loop hands to the broker: the broker tells a crash from a kill, and fails a model whose workers
-crash whatever the request, which the loop passes back (``model_failed``: no more restarts, as after
-failed loads).
+loads in a row mark the model failed, and so do MAX_START_FAILURES deaths in a row of an instance, or of its
+zygote, before it started (``failing``: the loop tells the broker). ``reap`` returns how a worker ended (its exit
+status), which the server's loop hands to the broker: the broker tells a crash from a kill, and fails a model whose
+workers crash whatever the request, which the loop passes back (``model_failed``: no more restarts, as after failed
+loads).
 
 Workers are started with multiprocessing's "forkserver" method:
 
@@ -55,6 +56,7 @@ from .zygotes import ForkedWorker, Zygote, socket_path
 log = logging.getLogger("mpserve.supervisor")
 
 MAX_LOAD_FAILURES = 3
+MAX_START_FAILURES = 5  # a model's instance, or its zygote, dying this many times in a row before it started fails it
 BACKOFF_FIRST_S = 0.5
 BACKOFF_MAX_S = 30.0
 KILL_AFTER_S = 2.0  # a stalled worker gets SIGTERM, then SIGKILL this much later
@@ -116,6 +118,7 @@ class Supervisor:
         self._told: set[str] = set()  # models whose start mode was logged
         self._kept: set[str] = set()  # models being rolled: their zygote stays (``keep_zygote``)
         self._server_name, self._adopt_wait = config.server_name, config.adopt_wait
+        self.failing: list[str] = []  # models failed here that the broker has not been told of (``_start_failed``)
 
     def start_all(self, adopted: dict[int, int] | None = None, wait: float = 0.0, secrets: tuple[str, ...] = ()
                   ) -> None:
@@ -219,6 +222,10 @@ class Supervisor:
                         "keep running", model, pid, describe_exit(code), spare.process.pid, running)
             return
         self._zygote_deaths[model] += 1
+        if self._zygote_deaths[model] >= MAX_START_FAILURES:
+            self._start_failed(model, f"its zygote exited with {describe_exit(code)} {self._zygote_deaths[model]} "
+                                      "times in a row before an instance of it started")
+            return
         delay = restart_delay(self._zygote_deaths[model])
         self._zygote_restart[model] = self._clock() + delay
         log.warning("%s's zygote (pid %s) exited with %s; its %d instance(s) keep running; restarting it in %.1f s",
@@ -354,9 +361,14 @@ class Supervisor:
             return code
         self._mark(handle.spec, SlotState.DEAD)
         # A worker that had registered is replaced at once (its death was the request's or the host's
-        # doing, and the requests wait); one that died on its way up backs off, to not boot-loop.
+        # doing, and the requests wait); one that died on its way up backs off, to not boot-loop, and fails its
+        # model once it died MAX_START_FAILURES times so (its requests would wait for it for ever).
         handle.crashes = 0 if handle.registered else handle.crashes + 1
         handle.registered = False
+        if handle.crashes >= MAX_START_FAILURES:
+            self._start_failed(handle.spec.model, f"its instance exited with {describe_exit(code)} {handle.crashes} "
+                                                  "times in a row before it started")
+            return code
         delay = restart_delay(handle.crashes)
         handle.restart_at = self._clock() + delay
         log.warning("worker %d (pid %s, %s) exited with %s; restarting in %.1f s", index, pid,
@@ -380,6 +392,17 @@ class Supervisor:
                 handle.restart_at = None
                 self._mark(handle.spec, SlotState.FAILED)
         self._release_zygote(model)
+
+    def _start_failed(self, model: str, message: str) -> None:
+        """``model``'s processes keep dying before they start: failed as by the broker, and left in ``failing`` for
+        the server's loop to tell the broker (which ends its queued requests ``model_failed``)."""
+        log.error("model %s failed: %s; not retrying (the lines above say why)", model, message)
+        self.model_failed(model, message)
+        self._zygote_deaths.pop(model, None)
+        for handle in self.workers.values():
+            if handle.spec.model == model:
+                handle.crashes = 0  # a load of the model starts counting afresh
+        self.failing.append(model)
 
     def _mark(self, spec: WorkerSpec, state: SlotState) -> None:
         """Write a dead worker's rows (their writer is gone, so the supervisor may)."""

@@ -16,7 +16,14 @@ from pathlib import Path
 import pytest
 
 from mpserve.config import loader as cfg
-from mpserve.server.supervisor import BACKOFF_MAX_S, MAX_LOAD_FAILURES, RETIRE_KILL_S, Supervisor, restart_delay
+from mpserve.server.supervisor import (
+    BACKOFF_MAX_S,
+    MAX_LOAD_FAILURES,
+    MAX_START_FAILURES,
+    RETIRE_KILL_S,
+    Supervisor,
+    restart_delay,
+)
 from mpserve.wire.slots import SlotState, SlotTable
 from mpserve.worker.spec import EXIT_LOAD_FAILED, EngineSpec, WorkerSpec, start_mode
 
@@ -167,3 +174,17 @@ def test_a_model_gets_a_zygote_only_while_its_instances_keep_its_weights_on_the_
     spec = dataclasses.replace(WorkerSpec(0, "m", engine, -1, "inproc://x", "slots", 1), **spec_changes)
     mode = start_mode(spec, method)
     assert mode.zygote is zygote and why in mode.why
+
+
+def test_a_worker_that_keeps_dying_before_it_starts_fails_its_model_and_is_not_restarted(supervisor) -> None:
+    sup, _, table = supervisor
+    for _ in range(MAX_START_FAILURES):
+        assert sup.health["echo"].failed_message is None
+        handle = sup.workers[0]
+        handle.process, handle.restart_at = exited(1), None  # as spawn() leaves it
+        sup.reap(0)
+    assert sup.health["echo"].failed_message == f"its instance exited with code 1 {MAX_START_FAILURES} times in a " \
+                                                "row before it started"
+    assert sup.failing == ["echo"]  # for the loop to tell the broker, which ends the queued requests
+    assert sup.workers[0].restart_at is None
+    assert table.read_all()[0].state is SlotState.FAILED
