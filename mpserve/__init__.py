@@ -11,7 +11,8 @@ Three kinds of process, one subpackage each, over shared groups and leaf modules
     models/      where models come from (built-in, files, the Hub, Ollama), their GGUF headers, chat templates
     gpu/         devices, placement, permits, memory
     errors       the error codes, one table, and the exceptions that carry them
-    structured   grammar checks, JSON Schema → GBNF (the gateway checks, the engine compiles)
+    structured   grammar checks, JSON Schema → GBNF (the gateway and the broker check, the engine compiles)
+    digit_ranges GBNF for the decimal integers in a range (the schema compiler's bounded numbers)
     private      this user's folders and files in shared places: 0700/0600, checked, never through a link
     runtime      where a running server keeps its sockets and description, and how other processes find it
     repack       whether llama.cpp may repack weights on this host (a probe in a child, its verdict cached)

@@ -1,11 +1,18 @@
 """Structured output: grammars and JSON Schemas checked, and schemas compiled to GBNF, in one place.
 
     GenerateParams.validate ──▶ check_grammar(text)      size and nesting (llama.cpp parses it at admission)
-    (client, broker, worker) └─▶ schema_grammar(text)    JSON Schema ──▶ GBNF, cached per distinct schema
+    (client, gateway,        └─▶ check_schema(text)      size and shape: JSON, an object, its properties counted
+     broker, worker)
     BatchEngine.admit        ──▶ grammar_source(params)  the GBNF text a sequence's grammar sampler gets
+                                  └─▶ schema_grammar(text)  JSON Schema ──▶ GBNF, within MAX_COMPILE_S and the
+                                                            grammar's size; kept per distinct schema, refusals
+                                                            per digest
 
-Every path (``Client``, the broker, the HTTP gateway, the worker) checks a request with these functions,
-so they refuse the same input with the same words, and no llama_cpp is imported here. The compiler is
+Every path (``Client``, the broker, the HTTP gateway, the worker) checks a request with the cheap checks, so
+they refuse the same input with the same words; a schema is compiled once, by the worker that admits it (the
+broker and the gateway never compile: a slow compile there would stall every request), and no llama_cpp is
+imported here. Compiling is linear in the schema and stops at the first rule past the grammar's size limit or
+at the time budget, and a schema refused once is refused again from its digest, without compiling. The compiler is
 mpserve's own: it refuses, naming it, every keyword it cannot enforce, so that what a constrained
 completion produces always validates against the schema (a completion cut by ``max_tokens`` excepted).
 
@@ -23,25 +30,34 @@ each group in the schema's order.
 from __future__ import annotations
 
 import functools
+import hashlib
 import json
 import math
 import re
 import re._constants as sre  # type: ignore[import-not-found]  # the parser of the re module itself
 import re._parser as sre_parse  # type: ignore[import-not-found]
-from typing import Any
+import time
+from collections import OrderedDict
+from collections.abc import Callable
+from typing import Any, TypeVar
 
+from mpserve.digit_ranges import MAX_DIGITS, integers, naturals
 from mpserve.errors import BadRequest
 
 MAX_GRAMMAR_CHARS = 64 * 1024
 """GBNF text, given or compiled from a schema: what llama.cpp parses at admission, and keeps per sequence."""
 MAX_SCHEMA_CHARS = 64 * 1024
+LEAST_PROPERTY_CHARS = 40  # of grammar, at least, per property: its rule's line and the object's use of it
+MAX_SCHEMA_PROPERTIES = MAX_GRAMMAR_CHARS // LEAST_PROPERTY_CHARS  # more could never fit the grammar: refused
+MAX_COMPILE_S = 1.0  # a schema still compiling after this long is refused
+REFUSALS_KEPT = 256  # refused schemas remembered (by digest) so that sending one again costs no compile
+T = TypeVar("T")
 MAX_GRAMMAR_NESTING = 64  # parentheses in a GBNF text (llama.cpp's parser recurses per level)
 MAX_GRAMMAR_REPEATS = 16384  # the {m,n} counts of a GBNF text, summed (llama.cpp expands each into copies)
 _GBNF_TOKENS = re.compile(r'"(?:\\.|[^"\\])*"|\[(?:\\.|[^\]\\])*\]|#[^\n]*|[()]'
                           r'|\{\s*(?P<low>\d*)\s*(?P<comma>,)?\s*(?P<high>\d*)\s*\}')
 MAX_SCHEMA_DEPTH = 32  # nested subschemas
 MAX_REPEAT = 256  # minLength/maxLength, minItems/maxItems and {m,n} in patterns
-MAX_DIGITS = 15  # integer digits generated for an integer or number without an upper bound
 DECIMALS = 6  # fraction digits of a bounded number
 
 ANNOTATIONS = frozenset({"title", "description", "default", "examples", "$schema", "$id", "$comment",
@@ -128,10 +144,31 @@ def grammar_source(grammar: str | None, json_schema: str | None) -> str | None:
     return schema_grammar(json_schema) if json_schema is not None else None
 
 
-@functools.lru_cache(maxsize=64)
-def schema_grammar(text: str) -> str:
-    """GBNF for the JSON Schema ``text``; raises BadRequest naming an unsupported keyword, a bad value or
-    a grammar over MAX_GRAMMAR_CHARS."""
+def _refusals_kept(check: Callable[[str], T]) -> Callable[[str], T]:
+    """``check`` that refuses a text it refused before from its digest, without running again."""
+    refused: OrderedDict[bytes, str] = OrderedDict()
+
+    @functools.wraps(check)
+    def kept(text: str) -> T:
+        digest = hashlib.sha256(text.encode(errors="surrogatepass")).digest()
+        if digest in refused:
+            refused.move_to_end(digest)
+            raise BadRequest(refused[digest])
+        try:
+            return check(text)
+        except BadRequest as exc:
+            refused[digest] = exc.message
+            while len(refused) > REFUSALS_KEPT:
+                refused.popitem(last=False)
+            raise
+    return kept
+
+
+@_refusals_kept
+def check_schema(text: str) -> dict[str, Any]:
+    """The JSON Schema ``text`` read, if its size and shape allow compiling it: at most MAX_SCHEMA_CHARS, a
+    JSON object, at most MAX_SCHEMA_PROPERTIES properties in all its subschemas (``$defs`` included). Linear
+    in the text: the broker and the gateway run it where the worker compiles."""
     if len(text) > MAX_SCHEMA_CHARS:
         raise BadRequest(f"'json_schema' is {len(text)} characters, over the limit of {MAX_SCHEMA_CHARS}")
     try:
@@ -142,14 +179,36 @@ def schema_grammar(text: str) -> str:
         raise BadRequest("'json_schema' nests too deep to be read") from None
     if not isinstance(schema, dict):
         raise BadRequest(f"'json_schema' must be a JSON object, got {type(schema).__name__}")
+    properties, nodes = 0, [schema]
+    while nodes:
+        node = nodes.pop()
+        if isinstance(node, dict):
+            found = node.get("properties")
+            properties += len(found) if isinstance(found, dict) else 0
+            nodes.extend(node.values())
+        elif isinstance(node, list):
+            nodes.extend(node)
+    if properties > MAX_SCHEMA_PROPERTIES:
+        raise BadRequest(f"'json_schema' has {properties} properties in all, over the limit of "
+                         f"{MAX_SCHEMA_PROPERTIES} (each takes at least {LEAST_PROPERTY_CHARS} of the grammar's "
+                         f"{MAX_GRAMMAR_CHARS} characters); simplify the schema")
+    return schema
+
+
+@functools.lru_cache(maxsize=64)
+@_refusals_kept
+def schema_grammar(text: str) -> str:
+    """GBNF for the JSON Schema ``text``; raises BadRequest naming an unsupported keyword, a bad value, a
+    grammar over MAX_GRAMMAR_CHARS or a compile over MAX_COMPILE_S."""
+    schema = check_schema(text)
     try:
-        grammar = _Compiler(schema).grammar()
+        grammar = _Compiler(schema, time.monotonic() + MAX_COMPILE_S).grammar()
     except RecursionError:  # a const or enum value nested deeper than json.dumps goes
         raise BadRequest("'json_schema' nests too deep to be compiled") from None
-    if len(grammar) > MAX_GRAMMAR_CHARS or _measure(grammar, "json_schema")[1] > MAX_GRAMMAR_REPEATS:
-        raise BadRequest(f"json_schema: its grammar would be {len(grammar)} characters with "
-                         f"{_measure(grammar, 'json_schema')[1]} repetitions, over the limits of {MAX_GRAMMAR_CHARS} "
-                         f"and {MAX_GRAMMAR_REPEATS}; simplify the schema")
+    repeated = _measure(grammar, "json_schema")[1]
+    if len(grammar) > MAX_GRAMMAR_CHARS or repeated > MAX_GRAMMAR_REPEATS:
+        raise BadRequest(f"json_schema: its grammar would be {len(grammar)} characters with {repeated} repetitions, "
+                         f"over the limits of {MAX_GRAMMAR_CHARS} and {MAX_GRAMMAR_REPEATS}; simplify the schema")
     return grammar
 
 
@@ -177,9 +236,13 @@ def _json_literal(value: Any) -> str:
 class _Compiler:
     """One schema's rules: each subschema becomes a rule, named after its path, shared when equal."""
 
-    def __init__(self, schema: dict[str, Any]) -> None:
+    def __init__(self, schema: dict[str, Any], deadline: float) -> None:
         self._root = schema
+        self._deadline = deadline
         self._rules: dict[str, str] = {}
+        self._chars = 0  # the rules' text so far
+        self._named: dict[tuple[str, str], str] = {}  # (a rule's name before its -N, its body) -> its rule
+        self._last: dict[str, int] = {}  # a name -> the last N tried for it
         self._base: set[str] = {"ws"}
         self._refs: dict[str, str] = {}  # $ref -> its rule's name (reserved before its body is compiled)
 
@@ -199,13 +262,28 @@ class _Compiler:
         return base
 
     def _rule(self, path: str, body: str) -> str:
-        name = "r" + re.sub(r"[^a-zA-Z0-9]+", "-", path).strip("-")[:40] or "r"
-        candidate, i = name, 1
-        while candidate in self._rules and self._rules[candidate] != body:
-            i += 1
-            candidate = f"{name}-{i}"
-        self._rules[candidate] = body
+        """A rule for ``body``, named after ``path``; an equal rule of that name is shared. Names are cut to 40
+        characters, so many may collide: each name counts its ``-N`` on, keeping this linear."""
+        name = "r" + re.sub(r"[^a-zA-Z0-9]+", "-", path).strip("-")[:40]
+        shared = self._named.get((name, body))
+        if shared is not None and self._rules[shared] == body:
+            return shared
+        candidate = name
+        while candidate in self._rules:
+            self._last[name] = self._last.get(name, 1) + 1
+            candidate = f"{name}-{self._last[name]}"
+        self._named[(name, body)] = candidate
+        self._set(candidate, body)
         return candidate
+
+    def _set(self, name: str, body: str) -> None:
+        """Rule ``name`` is ``body``: refused as soon as the rules pass the grammar's size limit."""
+        before = self._rules.get(name)
+        self._chars += len(body) + (len(name) + len(" ::= \n") if before is None else -len(before))
+        self._rules[name] = body
+        if self._chars > MAX_GRAMMAR_CHARS:
+            raise BadRequest(f"json_schema: its grammar would be over the limit of {MAX_GRAMMAR_CHARS} characters "
+                             f"(compiling stopped at rule {name}); simplify the schema")
 
     # --- subschemas -----------------------------------------------------------------------------
 
@@ -213,6 +291,8 @@ class _Compiler:
         """An expression (usually a rule name) generating exactly the JSON texts this subschema allows."""
         if depth > MAX_SCHEMA_DEPTH:
             raise _bad(path, f"the schema nests deeper than {MAX_SCHEMA_DEPTH} levels")
+        if time.monotonic() > self._deadline:
+            raise _bad(path, f"compiling the schema took over {MAX_COMPILE_S:g} s, its limit; simplify the schema")
         if schema is True or schema == {}:
             return self._use("value")
         if not isinstance(schema, dict):
@@ -275,9 +355,9 @@ class _Compiler:
                 raise _bad(path, f"'$ref' {ref!r:.80} points at nothing")
             target = target[part]
         name = self._rule("ref-" + ref[2:], "")  # reserved, so a recursive reference finds it
-        self._rules[name] = "ref-placeholder"
+        self._set(name, "ref-placeholder")
         self._refs[ref] = name
-        self._rules[name] = self._visit(target, ref, depth + 1)
+        self._set(name, self._visit(target, ref, depth + 1))
         return name
 
     def _object(self, schema: dict[str, Any], path: str, depth: int) -> str:
@@ -373,7 +453,7 @@ class _Compiler:
         if low is not None and high is not None and low > high:
             raise _bad(path, "no integer lies in the range, and mpserve generates numbers in a range from "
                              "their integer part: widen it")
-        whole = _integers(low, high)
+        whole = integers(low, high)
         if integer:
             return self._rule(path, f"( {whole} ) ws")
         # k.fraction lies in [k, k + 1): allowed for k >= 0 whose k + 1 is within the upper bound
@@ -381,7 +461,7 @@ class _Compiler:
                   default=None)
         start = max(low or 0, 0)
         if top is None or top >= start:
-            fraction = f'( {_naturals(start, top)} ) "." [0-9]{{1,{DECIMALS}}}'
+            fraction = f'( {naturals(start, top)} ) "." [0-9]{{1,{DECIMALS}}}'
             return self._rule(path, f"( {fraction} | {whole} ) ws")
         return self._rule(path, f"( {whole} ) ws")
 
@@ -395,49 +475,6 @@ def _implied_type(keys: set[str]) -> str | None:
         if keys & words:
             return kind
     return None
-
-
-def _integers(low: int | None, high: int | None) -> str:
-    """GBNF for the JSON integers in [low, high] (None: unbounded that side)."""
-    alternatives = []
-    if low is None or low < 0:  # negatives: "-" then the naturals from 1 (or -high) up to -low
-        top = -1 if high is None else min(high, -1)
-        if top < 0 and (low is None or low <= top):
-            alternatives.append(f'"-" ( {_naturals(-top, None if low is None else -low)} )')
-    if high is None or high >= 0:
-        alternatives.append(_naturals(max(low or 0, 0), high))
-    return " | ".join(f"( {a} )" for a in alternatives)
-
-
-def _naturals(low: int, high: int | None) -> str:
-    """GBNF for the decimal numbers (no leading zeros) in [low, high]; high None: up to MAX_DIGITS digits."""
-    alternatives = []
-    last = len(str(high)) if high is not None else MAX_DIGITS
-    for digits in range(len(str(low)), last + 1):
-        lo = max(low, 10 ** (digits - 1) if digits > 1 else 0)
-        hi = min(high, 10 ** digits - 1) if high is not None else 10 ** digits - 1
-        if high is None and lo == 10 ** (digits - 1) and digits > 1:  # every longer number is allowed
-            alternatives.append(f"[1-9] [0-9]{{{digits - 1},{MAX_DIGITS - 1}}}")
-            break
-        if lo <= hi:
-            alternatives.append(_same_length(str(lo), str(hi)))
-    return " | ".join(alternatives)
-
-
-def _same_length(lo: str, hi: str) -> str:
-    """GBNF for the digit strings of one length between ``lo`` and ``hi``."""
-    if lo == hi:
-        return f'"{lo}"'
-    n = len(lo) - 1
-    if lo[1:] == "0" * n and hi[1:] == "9" * n:
-        return f"[{lo[0]}-{hi[0]}]" + (f" [0-9]{{{n}}}" if n else "")
-    if lo[0] == hi[0]:
-        return f'"{lo[0]}" ( {_same_length(lo[1:], hi[1:])} )'
-    parts = [f'"{lo[0]}" ( {_same_length(lo[1:], "9" * n)} )']
-    if int(lo[0]) + 1 <= int(hi[0]) - 1:
-        parts.append(f"[{int(lo[0]) + 1}-{int(hi[0]) - 1}] [0-9]{{{n}}}")
-    parts.append(f'"{hi[0]}" ( {_same_length("0" * n, hi[1:])} )')
-    return " | ".join(f"( {p} )" for p in parts)
 
 
 class _Pattern:

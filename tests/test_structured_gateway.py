@@ -207,6 +207,23 @@ def test_malformed_structured_requests_are_400(gateway: GatewayThread) -> None:
     assert chat(gateway, max_tokens=4).usage.completion_tokens == 4
 
 
+@pytest.mark.timeout(60)
+def test_a_schema_too_large_to_compile_is_400_naming_the_field_before_compiling(gateway: GatewayThread) -> None:
+    """Issue 59's schema: a $ref to a definition with a 48-character name holding 5,800 properties. It took the
+    gateway's event loop, then the broker's, 13 s each to compile and refuse; its properties are counted now."""
+    name = "D" * 48
+    schema = {"$ref": f"#/$defs/{name}", "$defs": {name: {"type": "object",
+                                                          "properties": {f"p{i}": {} for i in range(5800)}}}}
+    response = httpx.post(f"{gateway.url}/v1/chat/completions", timeout=30, json={
+        "model": "tiny", "messages": ASK, "max_tokens": 4,
+        "response_format": {"type": "json_schema", "json_schema": {"name": "big", "schema": schema}}})
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["code"] == "bad_request"
+    assert error["message"].startswith("'json_schema' has 5800 properties in all, over the limit of"), error
+    assert httpx.get(f"{gateway.url}/health", timeout=10).status_code == 200
+
+
 def test_openai_client_errors_are_bad_request(gateway: GatewayThread) -> None:
     with pytest.raises(openai.BadRequestError, match="keyword 'oneOf' is not supported"):
         chat(gateway, response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": {

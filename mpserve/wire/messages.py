@@ -231,7 +231,7 @@ class GenerateParams(Body, frozen=True, forbid_unknown_fields=True):
         if self.grammar is not None:
             structured.check_grammar(self.grammar)
         if self.json_schema is not None:
-            structured.schema_grammar(self.json_schema)  # compiled once per distinct schema, then cached
+            structured.check_schema(self.json_schema)  # its size and shape: the worker compiles it
 
     def choice_params(self, index: int) -> GenerateParams:
         """Choice ``index``'s parameters: one choice, seeded with seed + index (modulo 2**32) when seeded."""
