@@ -22,7 +22,7 @@ from typing import Any
 
 import llama_cpp
 import pytest
-from helpers import children, dealer, mpserve, process_state, raw_request, running, wait_for
+from helpers import children, dealer, mpserve, process_state, raw_request, received, running, wait_for
 
 from mpserve import AsyncClient, Client
 from mpserve.config.loader import ServerConfig
@@ -439,6 +439,31 @@ def test_the_request_of_a_client_that_disappears_is_cancelled(start_server, how:
         with Client(server.address) as client:
             assert client.generate("next", max_tokens=4, temperature=0, timeout=30).usage.completion_tokens == 4
         assert not server.tracebacks(), "\n".join(server.log)
+
+
+@pytest.mark.timeout(90)
+def test_a_silent_client_that_comes_back_reads_an_error_for_each_request_cancelled(start_server) -> None:
+    """A client the broker expired may only have stalled (a gateway busy for longer than the expiry): each of
+    its requests is answered with an ERROR, so that it ends them when it reads again, instead of waiting for
+    good."""
+    server = start_server("--instances", "1", "--threads", "1", "--n-ctx", "8192",
+                          "--client-timeout", str(CLIENT_EXPIRY_S)).wait_ready()
+    with dealer(server.address) as sock:
+        for rid in ("stalled-1", "stalled-2"):  # the first runs, the second waits in the queue
+            sock.send_multipart(raw_request({"id": rid, "prompt": rid,
+                                             "params": {"max_tokens": 8000, "temperature": 0}}))
+        wait_for(lambda: (r := server.slots()[0]).state is SlotState.BUSY and r.tokens > 0, 30,
+                 "the instance busy with the client's first request")
+        wait_for(lambda: server.slots()[0].state is SlotState.IDLE, CLIENT_EXPIRY_S + 10,
+                 "the instance idle again once the silent client expired")
+        errors = {}
+        while len(errors) < 2:
+            message = received(sock, 10)
+            if isinstance(message, wire.Error):
+                errors[message.id] = message
+        assert set(errors) == {"stalled-1", "stalled-2"}
+        assert all(e.code == "cancelled" and "sent nothing for 5 s" in e.message for e in errors.values()), errors
+    assert not server.tracebacks(), "\n".join(server.log)
 
 
 @pytest.mark.timeout(90)

@@ -336,7 +336,7 @@ class Broker:
             self.stats["client_expired"] += 1
             log.warning("client %s sent nothing for %.0f s; cancelling its requests", client.hex(),
                         self.client_timeout)
-            self._drop_client(client)
+            self._drop_client(client, f"cancelled: this client sent nothing for {self.client_timeout:g} s")
 
     def worker_stalled(self, index: int, silent_s: float) -> None:
         """The supervisor is about to kill a worker that stopped making progress: its requests go elsewhere
@@ -810,12 +810,15 @@ class Broker:
             self._drop_client(client)
             return False
 
-    def _drop_client(self, client: bytes) -> None:
-        """Stop everything a client asked for; nothing more is sent to it."""
+    def _drop_client(self, client: bytes, why: str = "") -> None:
+        """Stop everything a client asked for. A client that only went silent gets an ERROR ``why`` per request,
+        which ends them if it comes back; to one that is gone or not reading (no ``why``) nothing more is sent."""
         for (owner, _), ticket in list(self.by_client.items()):
             p = self.requests.get(ticket)
             if owner == client and p is not None and not p.answered:
                 self.stats["cancelled_client_gone"] += 1
+                if why:  # its other choices end with it
+                    self._cancel(p, ErrorCode.CANCELLED, why)
                 for choice in [c for c in self._choices(p) if not c.answered]:
                     choice.state = RequestState.ANSWERED  # nothing more can reach it
                     self._cancel(choice, ErrorCode.CANCELLED, "client gone")
