@@ -349,12 +349,12 @@ def gateway(
     = MAX_PROMPT_CHARS,
     responses_store: Annotated[str, typer.Option(
         "--responses-store", envvar="MPSERVE_HTTP_RESPONSES_STORE",
-        help="Memory for stored responses (/v1/responses with store), all API keys together, e.g. 1GiB; past it, "
-             "the oldest go first.")] = "256MiB",
+        help="Memory for stored responses (/v1/responses with store) and ended resumable streams' events, all API "
+             "keys together, e.g. 1GiB; past it, the oldest streams go first, then the oldest responses.")] = "256MiB",
     responses_store_per_key: Annotated[str, typer.Option(
         "--responses-store-per-key", envvar="MPSERVE_HTTP_RESPONSES_STORE_PER_KEY",
-        help="Memory for one API key's stored responses; past it, that key's oldest go first (a larger response "
-             "is not kept).")] = "32MiB",
+        help="Memory for one API key's stored responses and ended resumable streams' events; past it, that key's "
+             "oldest streams go first, then its oldest responses (a larger response is not kept).")] = "32MiB",
     log_level: Annotated[str, typer.Option("--log-level", envvar="MPSERVE_LOG_LEVEL")] = "info",
     http_workers: Annotated[int, typer.Option(
         "--http-workers", envvar="MPSERVE_HTTP_WORKERS", min=1, max=64,

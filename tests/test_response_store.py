@@ -1,5 +1,6 @@
-"""The Responses API's stored responses are bounded in bytes, per API key and in all, the oldest going first:
-a real gateway in front of the echo backend, whose answers are as large as their prompts."""
+"""The Responses API's stored responses are bounded in bytes, per API key and in all, the oldest going first, and
+the journaled events of a key's streams count in them: a real gateway in front of the echo backend, whose answers
+are as large as their prompts."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ from collections.abc import Iterator
 import httpx
 import pytest
 from gateway_thread import GatewayThread
+from helpers import wait_for
 
 from mpserve.gateway.api.response_store import StoreBudget
 
@@ -58,3 +60,28 @@ def test_the_oldest_response_of_any_key_goes_first_past_the_total(store: Gateway
     assert not _kept(store, "key-a", first["key-a"][0])  # the oldest of all
     assert all(_kept(store, "key-d", i) for i in newest)
     assert _kept(store, "key-c", first["key-c"][1])
+
+
+def _background(gateway: GatewayThread, key: str) -> str:
+    """A background response of ``key`` to an input of ENTRY_CHARS, run to its end: stored (about 31 kB), and
+    journaled (its events, about 54 kB, and its request: about 75 kB)."""
+    headers = {"authorization": f"Bearer {key}"}
+    answer = httpx.post(f"{gateway.url}/v1/responses", headers=headers, timeout=30, json={
+        "model": "echo", "input": "x " * (ENTRY_CHARS // 2), "max_output_tokens": 2, "background": True})
+    assert answer.status_code == 200, answer.text
+    url = f"{gateway.url}/v1/responses/{answer.json()['id']}"
+    wait_for(lambda: httpx.get(url, headers=headers, timeout=10).json()["status"] == "incomplete", 30, "its end")
+    return url
+
+
+def test_a_keys_journaled_streams_count_in_its_bytes_and_go_before_its_responses(store: GatewayThread) -> None:
+    headers = {"authorization": "Bearer key-a"}
+
+    def streamed(url: str) -> int:
+        return httpx.get(url, headers=headers, params={"stream": "true"}, timeout=10).status_code
+
+    first = _background(store, "key-a")
+    assert streamed(first) == 200  # stored and journaled: about 106 kB of the 110
+    second = _background(store, "key-a")
+    assert streamed(first) == streamed(second) == 404  # both streams' events would be over: they went, oldest first
+    assert all(httpx.get(url, headers=headers, timeout=10).status_code == 200 for url in (first, second))

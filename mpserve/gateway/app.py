@@ -218,7 +218,7 @@ class _Gateway:
         self.renderer = Renderer(config.templates)
         stored = response_store.path_for(config.server_name, config.port)
         self.responses = ResponseStore(stored, config.responses)
-        self.journal = Journal(stored)
+        self.journal = Journal(stored, config.responses)
         self.pipeline = Pipeline(self.backend, self.metrics, config.connections.read_timeout, self.renderer,
                                  self.journal)
 

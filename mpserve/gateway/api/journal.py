@@ -18,9 +18,11 @@ gateway process of the port.
 A stream is keyed by its owner (the caller's key, ``dialect.owner``) and a key: a chat or completions stream's
 ``X-Request-Id`` (the caller's), a background response's id. Its ``digest`` is its request body's: a resume that
 names the key with another body is refused (409). Ended streams are kept KEEP_S, then dropped as new ones begin;
-an owner keeps at most MAX_STREAMS of them. A background response deleted (``DELETE /v1/responses/{id}``:
-``Journal.delete``) goes at once, events, request and all; its producer, in this process or another, writes
-nothing more and stops at its next batch. The file is ``response_store``'s (the same private file).
+an owner keeps at most MAX_STREAMS of them, and their bytes count in the stored responses' budget from their end
+(``response_store.make_room``: past it, the oldest ended streams go first). A background response deleted
+(``DELETE /v1/responses/{id}``: ``Journal.delete``) goes at once, events, request and all; its producer, in this
+process or another, writes nothing more and stops at its next batch. The file is ``response_store``'s (the same
+private file).
 """
 
 from __future__ import annotations
@@ -40,7 +42,8 @@ from pathlib import Path
 from mpserve.errors import BadRequest, Cancelled, ConnectionFailed, MpserveError
 from mpserve.runtime import pid_alive
 
-from .response_store import open_db
+from .response_store import SCHEMA as STORE_SCHEMA
+from .response_store import StoreBudget, drop_stream, make_room, open_db
 
 log = logging.getLogger("mpserve.gateway")
 
@@ -115,8 +118,11 @@ class Taken:
 class Journal:
     """The streams of this gateway's port, in the SQLite file at ``path``."""
 
-    def __init__(self, path: Path) -> None:
-        self._db = open_db(path, _SCHEMA)
+    def __init__(self, path: Path, budget: StoreBudget | None = None) -> None:
+        """``budget``: the stored responses' (the default's without), which an ended stream's bytes count in
+        (``make_room``)."""
+        self._budget = budget or StoreBudget()
+        self._db = open_db(path, STORE_SCHEMA + _SCHEMA)
         self._lock = threading.Lock()
         self._wake: dict[tuple[str, str], asyncio.Event] = {}  # streams produced here: their readers' bell
         self._cancel: dict[tuple[str, str], asyncio.Event] = {}
@@ -144,8 +150,8 @@ class Journal:
                                                                             or pid_alive(row[1])):
                 raise BadRequest(f"a stream with request id {key!r} is running; resume it (send the header "
                                  "Last-Event-ID with the id of the last event you have) or use another id")
-            _delete(db, (owner, key))
-            db.execute("INSERT OR REPLACE INTO streams (owner, key, digest, pid, state, started, seen, head) "
+            drop_stream(db, owner, key)
+            db.execute("INSERT INTO streams (owner, key, digest, pid, state, started, seen, head) "
                        "VALUES (?, ?, ?, ?, 'running', ?, ?, ?)", (owner, key, digest, os.getpid(), now, now, head))
             if request is not None:
                 db.execute("INSERT INTO asked (owner, key, request) VALUES (?, ?, ?)", (owner, key, request))
@@ -221,11 +227,16 @@ class Journal:
         return True
 
     def _ended(self, owner: str, key: str, state: str) -> None:
-        """The stream's end written, its readers woken; whatever the file says, it is forgotten here."""
+        """The stream's end written, and the bytes it holds counted in the budget (room made: ``make_room``); its
+        readers woken; whatever the file says, it is forgotten here."""
         try:
-            with self._lock:
-                self._db.execute("UPDATE streams SET state = ?, ended = ? WHERE owner = ? AND key = ?",
-                                 (state, time.time(), owner, key))
+            now = time.time()
+            with self._transaction() as db:
+                if db.execute("UPDATE streams SET state = ?, ended = ? WHERE owner = ? AND key = ?",
+                              (state, now, owner, key)).rowcount:
+                    db.execute("INSERT OR REPLACE INTO sizes (owner, key, bytes, ended) VALUES (?, ?, ?, ?)",
+                               (owner, key, _bytes(db, owner, key), now))
+                    make_room(db, owner, self._budget)
         except sqlite3.Error as exc:
             log.error("the end of stream %r was not written (%s); its readers end as for a gateway that died", key,
                       exc)
@@ -268,8 +279,10 @@ class Journal:
 
     def forget(self, owner: str, key: str) -> None:
         """A stream begun here that never started producing (its request was refused) taken back."""
-        with self._lock:
-            self._db.execute("DELETE FROM streams WHERE owner = ? AND key = ? AND pid = ?", (owner, key, os.getpid()))
+        with self._transaction() as db:
+            if db.execute("SELECT 1 FROM streams WHERE owner = ? AND key = ? AND pid = ?",
+                          (owner, key, os.getpid())).fetchone():
+                drop_stream(db, owner, key)
         self._wake.pop((owner, key), None)
         self._cancel.pop((owner, key), None)
 
@@ -277,15 +290,15 @@ class Journal:
         """Background response ``key`` of ``owner``'s gone from the journal (its events, its request, its row), and
         stopped if it runs; False if there is none."""
         with self._transaction() as db:
-            gone = db.execute("DELETE FROM streams WHERE owner = ? AND key = ? AND head IS NOT NULL",
-                              (owner, key)).rowcount
+            gone = db.execute("SELECT 1 FROM streams WHERE owner = ? AND key = ? AND head IS NOT NULL",
+                              (owner, key)).fetchone() is not None
             if gone:
-                _delete(db, (owner, key))
+                drop_stream(db, owner, key)
         event = self._cancel.get((owner, key))
         if gone and event is not None:
             event.set()
         self._ring(owner, key)
-        return bool(gone)
+        return gone
 
     def cancel(self, owner: str, key: str) -> bool:
         """Stop a running stream, produced in this process or another; False if none of that key runs."""
@@ -406,11 +419,14 @@ def _forget_old(db: sqlite3.Connection, owner: str, now: float) -> None:
     extra = db.execute("SELECT owner, key FROM streams WHERE owner = ? AND state IN ('ended', 'cancelled') "
                        "ORDER BY started DESC LIMIT -1 OFFSET ?", (owner, MAX_STREAMS - 1)).fetchall()
     for gone in {*old, *extra}:
-        _delete(db, gone)
-        db.execute("DELETE FROM streams WHERE owner = ? AND key = ?", gone)
+        drop_stream(db, *gone)
 
 
-def _delete(db: sqlite3.Connection, stream: tuple[str, str]) -> None:
-    """What is kept of a stream besides its row: its events, the text they were made of, its request."""
-    for table in ("events", "fed", "asked"):
-        db.execute(f"DELETE FROM {table} WHERE owner = ? AND key = ?", stream)  # noqa: S608 - a table of ours
+def _bytes(db: sqlite3.Connection, owner: str, key: str) -> int:
+    """What the file keeps of a stream: its events, the text they were made of, its request and head."""
+    parts = ("SELECT COALESCE(SUM(LENGTH(data)), 0) FROM events WHERE owner = ?1 AND key = ?2",
+             "SELECT COALESCE(SUM(LENGTH(pieces)), 0) FROM fed WHERE owner = ?1 AND key = ?2",
+             "SELECT COALESCE(SUM(LENGTH(request)), 0) FROM asked WHERE owner = ?1 AND key = ?2",
+             "SELECT COALESCE(SUM(LENGTH(head)), 0) FROM streams WHERE owner = ?1 AND key = ?2")
+    (total,) = db.execute("SELECT " + " + ".join(f"({part})" for part in parts), (owner, key)).fetchone()
+    return int(total)

@@ -1,8 +1,11 @@
 """The Responses API's stored responses, in one SQLite file that every gateway process of a port shares.
 
     put(owner, response, conversation) ──▶ one transaction (BEGIN IMMEDIATE: writers take turns, across
-                                           processes): the row replaced; then, oldest first, that owner's rows
-                                           dropped past ``budget.per_key`` bytes and anyone's past ``budget.total``
+                                           processes): the row replaced; then ``make_room``
+    make_room(db, owner, budget)         ──▶ (also at the end of a journaled stream: ``journal``) past
+                                           ``budget.per_key`` bytes of that owner's, then past ``budget.total``
+                                           of anyone's: ended journaled streams dropped, oldest first, then
+                                           stored responses, oldest first
     get(owner, id) / delete(owner, id) ──▶ that owner's row only (an owner: ``dialect.owner``, the caller's key);
                                            a background response's delete leaves a mark for DELETED_KEEP_S under
                                            which no put stores the id again (one ending meanwhile, in any process)
@@ -11,7 +14,10 @@ The file is ``$RUNTIME/NAME.responses-PORT.sqlite`` (``path_for``): in the runti
 alone (0700), created 0600 and never through a link. Several gateway processes on one port (``--http-workers``)
 see one store, so a response stored through one is found through any; one that restarts finds them too. Each
 row holds the response's object and its conversation (chat messages, its own output last) as their JSON text,
-so what is counted is what is held. A response larger than a key's budget is not kept.
+so what is counted is what is held. A response larger than a key's budget is not kept. The journal of resumable
+streams (``journal``) is in the same file, and in the same budget: an ended stream's events, the text they were
+made of and its request count from its end (``sizes``), and go before any stored response does; a running stream
+is never cut.
 """
 
 from __future__ import annotations
@@ -30,13 +36,15 @@ from mpserve.private import PlantedFile, check_private, create_private
 from mpserve.runtime import runtime_dir
 
 STORE_BYTES = 256 * 1024 * 1024
-"""Bytes of stored responses in all (--responses-store); past it, the oldest response of any key goes first."""
+"""Bytes of stored responses and ended journaled streams in all (--responses-store); past it, the oldest stream of
+any key goes first, then the oldest response."""
 STORE_BYTES_PER_KEY = 32 * 1024 * 1024
-"""Bytes of stored responses per API key (--responses-store-per-key); past it, that key's oldest goes first."""
+"""Bytes of stored responses and ended journaled streams per API key (--responses-store-per-key); past it, that
+key's oldest stream goes first, then its oldest response."""
 BUSY_TIMEOUT_MS = 5000  # how long a process waits for another's write
 DELETED_KEEP_S = 3600.0  # how long a deleted response's id is refused a put
 
-_SCHEMA = """
+SCHEMA = """
 CREATE TABLE IF NOT EXISTS responses (
     seq INTEGER PRIMARY KEY AUTOINCREMENT,  -- the order they were stored in: the oldest go first
     owner TEXT NOT NULL,
@@ -45,6 +53,13 @@ CREATE TABLE IF NOT EXISTS responses (
     UNIQUE (owner, id)
 );
 CREATE INDEX IF NOT EXISTS by_owner ON responses (owner, seq);
+CREATE TABLE IF NOT EXISTS sizes (  -- ended journaled streams (``journal``): the bytes they hold, in the budget
+    owner TEXT NOT NULL,
+    key TEXT NOT NULL,
+    bytes INTEGER NOT NULL,
+    ended REAL NOT NULL,              -- wall clock (seconds since the epoch): the oldest go first
+    PRIMARY KEY (owner, key)
+);
 CREATE TABLE IF NOT EXISTS deleted (  -- ids deleted: a put of one is refused (a background response that ended late)
     owner TEXT NOT NULL,
     id TEXT NOT NULL,
@@ -76,7 +91,7 @@ class ResponseStore:
     def __init__(self, path: Path, budget: StoreBudget = StoreBudget()) -> None:
         self.budget = budget
         self.path = path
-        self._db = open_db(path, _SCHEMA)
+        self._db = open_db(path, SCHEMA)
         self._lock = threading.Lock()  # one connection, used by the event loop and threads alike
 
     def put(self, owner: str, response: dict[str, Any], conversation: list[dict[str, Any]]) -> None:
@@ -87,8 +102,7 @@ class ResponseStore:
                     "SELECT 1 FROM deleted WHERE owner = ? AND id = ?", (owner, response["id"])).fetchone():
                 return
             db.execute("INSERT INTO responses (owner, id, data) VALUES (?, ?, ?)", (owner, response["id"], data))
-            _drop_oldest(db, "WHERE owner = ?", (owner,), self.budget.per_key)
-            _drop_oldest(db, "", (), self.budget.total)
+            make_room(db, owner, self.budget)
 
     def get(self, owner: str, response_id: str) -> Stored:
         with self._lock:
@@ -139,9 +153,36 @@ class _Immediate:
         self._db.execute("ROLLBACK" if exc_type is not None else "COMMIT")
 
 
+STREAM_TABLES = ("events", "fed", "asked", "sizes", "streams")
+"""Where a journaled stream is kept (``journal``), its row last."""
+
+
+def drop_stream(db: sqlite3.Connection, owner: str, key: str) -> None:
+    """Everything the file keeps of journaled stream ``key`` of ``owner``'s."""
+    for table in STREAM_TABLES:
+        db.execute(f"DELETE FROM {table} WHERE owner = ? AND key = ?", (owner, key))  # noqa: S608 - a table of ours
+
+
+def make_room(db: sqlite3.Connection, owner: str, budget: StoreBudget) -> None:
+    """``owner``'s bytes brought within ``budget.per_key``, then everyone's within ``budget.total``."""
+    _drop_oldest(db, "WHERE owner = ?", (owner,), budget.per_key)
+    _drop_oldest(db, "", (), budget.total)
+
+
 def _drop_oldest(db: sqlite3.Connection, where: str, args: tuple[str, ...], budget: int) -> None:
-    """Rows of ``where`` dropped, oldest first, until their bytes are within ``budget``."""
-    (held,) = db.execute(f"SELECT COALESCE(SUM(LENGTH(data)), 0) FROM responses {where}", args).fetchone()
+    """Of the bytes of ``where`` (stored responses, ended journaled streams), ended streams dropped, oldest first,
+    then responses, oldest first, until they are within ``budget``."""
+    (stored,) = db.execute(f"SELECT COALESCE(SUM(LENGTH(data)), 0) FROM responses {where}", args).fetchone()
+    (journaled,) = db.execute(f"SELECT COALESCE(SUM(bytes), 0) FROM sizes {where}", args).fetchone()
+    held = stored + journaled
+    if held <= budget:
+        return
+    for stream_owner, key, size in db.execute(f"SELECT owner, key, bytes FROM sizes {where} ORDER BY ended",
+                                              args).fetchall():
+        if held <= budget:
+            return
+        drop_stream(db, stream_owner, key)
+        held -= size
     rows = db.execute(f"SELECT seq, LENGTH(data) FROM responses {where} ORDER BY seq", args)
     doomed = []
     for seq, size in rows:
