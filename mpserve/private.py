@@ -5,6 +5,9 @@ made private, checked before use, opened without following links, as PostgreSQL 
                                       else ConfigError: one line naming the folder and the fix
     create_private(path) ──O_CREAT|O_EXCL|O_NOFOLLOW, 0600──▶ a descriptor of a new file (never a planted one)
     open_private(path) ──O_NOFOLLOW, fstat: a regular file, ours──▶ a descriptor, or PlantedFile
+    read_guarded(path) ──open, fstat: owned by us or root, nobody else may write it (nor read it, a secret's)──▶
+                         its bytes; else ConfigError: one line naming the file and the fix (an API key file, the
+                         configuration file: another user who may change them would let itself in)
 
 Another local user can create a name in a sticky folder like /dev/shm before us (the names are predictable): a
 folder that is not ours, or that others may write, could then be swapped, read or filled by them, and a link
@@ -100,3 +103,26 @@ def open_private(path: Path, flags: int = os.O_RDONLY) -> int:
         raise PlantedFile(0, f"{path} is not a regular file of yours")
     os.set_blocking(fd, True)
     return fd
+
+
+def read_guarded(path: str | os.PathLike[str], what: str, secret: bool = False) -> bytes:
+    """The bytes of the file at ``path`` (a link is followed: a mounted secret is one), checked once opened: a
+    regular file that a user other than this one or root owns, or that others may write, or with ``secret`` read, is
+    refused with ``ConfigError`` (``what`` names it); ``OSError`` if it cannot be read."""
+    with open(os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK), "rb") as file:  # O_NONBLOCK: a FIFO
+        st = os.fstat(file.fileno())
+        if stat.S_ISREG(st.st_mode):
+            _check_guarded(path, what, st, secret)
+        os.set_blocking(file.fileno(), True)
+        return file.read()
+
+
+def _check_guarded(path: str | os.PathLike[str], what: str, st: os.stat_result, secret: bool) -> None:
+    mode, me = stat.S_IMODE(st.st_mode), os.geteuid()
+    if st.st_uid not in (me, 0):
+        raise ConfigError(f"the {what} {path} belongs to user {st.st_uid}, who may change it; use a file of yours: "
+                          f"chown {me} {path} (as root), then chmod 600 {path}")
+    if mode & (0o077 if secret else 0o022):
+        open_to = "changed" if mode & 0o022 else "read"
+        raise ConfigError(f"the {what} {path} may be {open_to} by other users (mode {mode:04o}); close it: "
+                          f"chmod 600 {path}")

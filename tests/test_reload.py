@@ -120,6 +120,7 @@ def test_a_reload_applies_a_tenants_section_at_once(start_server, tmp_path: Path
 def test_a_reload_reads_the_gateways_api_key_file_again(start_server, tmp_path: Path) -> None:
     keys = tmp_path / "keys"
     keys.write_text("key-a\n")
+    keys.chmod(0o600)  # a key file others may read is refused
     port = free_port()
     server: ServerProcess = start_server("--model", "echo", "--http", f"127.0.0.1:{port}", "--http-workers", "2",
                                          "--api-key-file", str(keys)).wait_ready()

@@ -182,6 +182,7 @@ def _keyed_gateway(tmp_path: Path, **config: object) -> Iterator[tuple[ServerPro
     port = free_port()
     keys = tmp_path / "keys"
     keys.write_text("\n".join(API_KEYS) + "\n")
+    keys.chmod(0o600)  # a key file others may read is refused
     path = config_file(tmp_path, "http", models=[
         {"name": "echo", "path": "echo", "echo_tick_ms": TICK_MS, "instances": 1, "parallel": 2}], **config)
     server = ServerProcess("--config", path, "--http", f"127.0.0.1:{port}", "--api-key-file", str(keys),

@@ -51,6 +51,7 @@ def tls_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, 
     cert, key = self_signed(folder)
     keys = folder / "keys"
     keys.write_text(f"# the gateway's keys\n{KEYS[0]}\n\n{KEYS[1]}\n")
+    keys.chmod(0o600)  # a key file others may read is refused
     port = free_port()
     server = ServerProcess("--http", f"127.0.0.1:{port}", "--ssl-certfile", str(cert), "--ssl-keyfile", str(key),
                            "--api-key-file", str(keys)).wait_ready()
@@ -110,6 +111,7 @@ def test_a_network_http_without_a_key_is_refused_at_start() -> None:
 def test_keys_come_one_per_line_and_an_empty_file_is_refused(tmp_path) -> None:
     keys = tmp_path / "keys"
     keys.write_text(" a \n# no\n\nb\n")
+    keys.chmod(0o600)
     assert load_keys("k", str(keys)) == ("k", "a", "b")
     keys.write_text("# only a comment\n")
     with pytest.raises(ConfigError, match="holds no key"):

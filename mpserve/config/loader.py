@@ -6,7 +6,7 @@ and variables that describe a model (``--model``, ``--instances``, ``--threads``
 ``--n-gpu-layers``) apply to every model; ``--model`` replaces the file's model list with that one model.
 
 A bad value is a ``ConfigError`` naming the key, the value and what is allowed; nothing starts with a
-half-valid configuration.
+half-valid configuration, or with a file others may change (``private.read_guarded``).
 
 Example file::
 
@@ -45,7 +45,7 @@ from mpserve.models import sources, templates
 from mpserve.models.builtin import builtin_model_path
 from mpserve.models.folder import entries as folder_entries
 from mpserve.models.shapes import MODEL_SIZES
-from mpserve.private import private_dir
+from mpserve.private import private_dir, read_guarded
 from mpserve.wire.slots import shm_dir
 
 BUILTIN_PREFIX = "builtin:"
@@ -234,7 +234,7 @@ _REUSE_MODES = settings.BY_KEY["reuse"].choices or ()
 
 def load_file(path: str | os.PathLike[str]) -> dict[str, Any]:
     try:
-        text = Path(path).read_text()
+        text = read_guarded(path, "configuration file").decode()
     except (OSError, UnicodeDecodeError) as exc:
         raise ConfigError(f"cannot read config file {path}: {getattr(exc, 'strerror', None) or exc}") from None
     try:

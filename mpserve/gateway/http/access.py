@@ -2,7 +2,8 @@
 gateway reachable from the network has a key unless the user said ``--insecure`` (the same rule as CURVE on
 the ZeroMQ front). Checked at start, before anything listens.
 
-    --api-key KEY, --api-key-file FILE ──▶ load_keys ──▶ app's key middleware (constant-time compare)
+    --api-key KEY, --api-key-file FILE ──▶ load_keys (the file: this user's or root's, closed to others) ──▶
+                                           app's key middleware (constant-time compare)
 
     --http HOST, keys, --insecure       ──▶ check_exposure (ConfigError: refused at start)
     --ssl-certfile, --ssl-keyfile       ──▶ check_tls ──▶ uvicorn (https)
@@ -16,16 +17,18 @@ import logging
 from pathlib import Path
 
 from mpserve.errors import ConfigError
+from mpserve.private import read_guarded
 
 log = logging.getLogger("mpserve.gateway")
 
 
 def load_keys(key: str | None, key_file: str | None) -> tuple[str, ...]:
-    """The key given and those of the file: one per line; blank lines and lines starting with # skipped."""
+    """The key given and those of the file: one per line; blank lines and lines starting with # skipped. A file
+    other users may read or write is refused (``private.read_guarded``)."""
     keys = [key] if key else []
     if key_file is not None:
         try:
-            lines = Path(key_file).read_text().splitlines()
+            lines = read_guarded(key_file, "API key file", secret=True).decode().splitlines()
         except (OSError, UnicodeDecodeError) as exc:
             raise ConfigError(f"--api-key-file: cannot read {key_file}: {exc}") from None
         found = [line.strip() for line in lines if line.strip() and not line.lstrip().startswith("#")]
