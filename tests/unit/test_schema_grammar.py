@@ -20,6 +20,7 @@ import pytest
 from mpserve import structured
 from mpserve.digit_ranges import integers
 from mpserve.errors import BadRequest
+from mpserve.wire import protocol as wire
 from mpserve.wire.protocol import GenerateParams
 
 
@@ -155,10 +156,15 @@ def test_the_wire_check_refuses_too_many_properties_and_never_compiles(monkeypat
     issue = defined(5800)
     with pytest.raises(BadRequest, match=r"'json_schema' has 5800 properties in all, over the limit of 1638"):
         GenerateParams.from_wire({"json_schema": issue})
+    with pytest.raises(BadRequest, match="5800 properties"):  # the broker's decode of a REQUEST
+        wire.decode([wire.VERSION, bytes([wire.MsgType.REQUEST]),
+                     wire.pack({"id": "r", "prompt": "p", "params": {"json_schema": issue}})])
     with pytest.raises(BadRequest, match="5800 properties"):
         structured.schema_grammar(issue)  # the worker refuses it before compiling too
     unsupported = structured.canonical_json({"type": "object", "properties": {"a": {"not": {}}}})
     assert GenerateParams.from_wire({"json_schema": unsupported}).json_schema == unsupported
+    assert isinstance(wire.decode([wire.VERSION, bytes([wire.MsgType.REQUEST]), wire.pack(
+        {"id": "r", "prompt": "p", "params": {"json_schema": unsupported}})]), wire.Request)
 
 
 def lines_run(call: Callable[[], object]) -> int:
