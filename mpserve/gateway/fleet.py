@@ -16,9 +16,11 @@
                          parent of ``mpserve gateway --http-workers N``)
       stop() ──▶ SIGTERM to each child (uvicorn finishes its streams), SIGKILL after STOP_TIMEOUT_S
       hand_over() (``mpserve upgrade``: the server executes the mpserve installed now, in its own process) ──▶ the
-          listening socket and the children's pids, in the environment, across the exec ──▶ ``handed_over`` in the
-          next start: its children serve that very socket (no connection refused), and the old ones are told to
-          stop (``drain``): each lets the socket go and finishes its streams, reattached to the next server
+          listening socket, the children's pids and this process's, in the environment, across the exec ──▶
+          ``handed_over`` in the next start (only in the process that handed them over, only a socket listening on
+          the very address ``--http`` names): its children serve that very socket (no connection refused), and the
+          old ones are told to stop (``drain``): each lets the socket go and finishes its streams, reattached to the
+          next server
 
 What the children share lives where each can reach it: the server (over ZeroMQ) and the stored responses (a
 SQLite file in the runtime folder, ``api.response_store``). What each counts for itself stays its own: a scrape of
@@ -51,6 +53,7 @@ STOP_TIMEOUT_S = 10.0
 BACKLOG = 2048  # uvicorn's
 LISTEN_RETRY_S = 0.1
 HANDED_FD, HANDED_PIDS = "MPSERVE_HANDED_HTTP_FD", "MPSERVE_HANDED_HTTP_PIDS"  # an upgrade's
+HANDED_BY = "MPSERVE_HANDED_HTTP_BY"  # the pid of the process that handed them over: this one, across its exec
 PARENT_ENV = "MPSERVE_GATEWAY_PARENT"  # a child's parent's pid: one that died before the child looked is seen too
 
 
@@ -184,18 +187,24 @@ class Fleet:
             pids = [child.pid for child in self._children if child is not None and child.poll() is None]
         os.environ[HANDED_FD] = str(self._sock.fileno())
         os.environ[HANDED_PIDS] = ",".join(map(str, pids))
+        os.environ[HANDED_BY] = str(os.getpid())
 
 
 def handed_over(host: str, port: int) -> tuple[socket.socket, list[int]] | None:
     """The listening socket on ``host:port`` and the gateway children that a start before this one in this process
-    handed over (``Fleet.hand_over``), taken out of the environment; None if there are none (or the descriptor is
-    not such a socket)."""
+    handed over (``Fleet.hand_over``), taken out of the environment; None if there are none, if they were not handed
+    over in this process (variables inherited from another), or if the descriptor is not a socket listening on that
+    very address (one on another host, such as 0.0.0.0 for 127.0.0.1, would escape the checks made on ``host``)."""
     fd, pids = os.environ.pop(HANDED_FD, None), os.environ.pop(HANDED_PIDS, "")
+    by = os.environ.pop(HANDED_BY, None)
     if fd is None or not fd.isdigit():
+        return None
+    if by != str(os.getpid()):
+        log.warning("ignoring %s=%s: it was not handed over by an upgrade of this process; binding anew", HANDED_FD, fd)
         return None
     try:
         sock = socket.socket(fileno=int(fd))
-        listening = sock.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN) and sock.getsockname()[1] == port
+        listening = sock.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN) and _bound_to(sock, host, port)
     except OSError:
         return None
     if not listening:
@@ -204,6 +213,18 @@ def handed_over(host: str, port: int) -> tuple[socket.socket, list[int]] | None:
         return None
     sock.set_inheritable(True)
     return sock, [int(pid) for pid in pids.split(",") if pid.isdigit() and ppid(int(pid)) == os.getpid()]
+
+
+def _bound_to(sock: socket.socket, host: str, port: int) -> bool:
+    """Whether ``sock`` is bound where ``listen(host, port)`` binds: the same family, address and port."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    if sock.family != family or sock.getsockname()[1] != port:
+        return False
+    try:
+        addresses = {info[4][0] for info in socket.getaddrinfo(host, port, family, socket.SOCK_STREAM)}
+    except OSError:
+        return False
+    return bool(sock.getsockname()[0] in addresses)
 
 
 def drain(pids: list[int]) -> None:
