@@ -23,7 +23,7 @@ keeps its weights and waits for the next start of that server, so that it loads 
     pipe EOF ──▶ listen at adoptable.path (created 0600 in the private runtime folder) for adoptable.wait s,
                  reaping children meanwhile (their exits are nobody's news now)
     a connection from a process of this user's (SO_PEERCRED) that proves it knows the secret, and to which
-    the zygote proves it too (``multiprocessing.connection``'s challenge, both ways)
+    the zygote proves it too (``multiprocessing.connection``'s challenge, both ways, within CHALLENGE_TIMEOUT_S)
         ──▶ ("adopted", pid, revision, engine as a dict) ──▶ the new server: the pipe's protocol again on that
             connection; it sends its own secret (a str) for the adoption after it, or None (another mpserve or
             another engine: stop)
@@ -61,6 +61,8 @@ from .main import worker_main
 from .spec import Adoptable, EngineSpec, WorkerSpec, revision
 
 log = logging.getLogger("mpserve.zygote")
+
+CHALLENGE_TIMEOUT_S = 5.0  # a connection that has not proven itself by then is refused
 
 
 def zygote_main(engine: EngineSpec, model: str, conn: Connection, log_level: str,
@@ -292,15 +294,26 @@ def _proven(listener: socket.socket, secret: bytes) -> Connection | None:
         sock.close()
         return None
     sock.setblocking(True)
-    conn = Connection(sock.detach())
+    _time_limit(sock, CHALLENGE_TIMEOUT_S)  # a peer that says nothing is refused, not waited for
+    conn = Connection(sock.dup().detach())
     try:
         connection.deliver_challenge(conn, secret)
         connection.answer_challenge(conn, secret)
-    except (AuthenticationError, EOFError, OSError) as exc:
+    except (AuthenticationError, EOFError, OSError) as exc:  # OSError: EAGAIN, past the time limit
         log.warning("refused a connection that did not prove it knows the server's secret (%s)", exc)
         conn.close()
+        sock.close()
         return None
+    _time_limit(sock, 0.0)  # proven: the server may be quiet for as long as it likes
+    sock.close()
     return conn
+
+
+def _time_limit(sock: socket.socket, seconds: float) -> None:
+    """Each read and write on ``sock``'s descriptor fails (EAGAIN) after ``seconds`` without progress (0: never)."""
+    limit = struct.pack("ll", int(seconds), int(seconds % 1 * 1_000_000))
+    for option in (socket.SO_RCVTIMEO, socket.SO_SNDTIMEO):
+        sock.setsockopt(socket.SOL_SOCKET, option, limit)
 
 
 def _load(engine: EngineSpec) -> Any:
