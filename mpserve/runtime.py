@@ -113,13 +113,21 @@ class ServerInfo:
 
 
 def pid_alive(pid: int) -> bool:
+    """Whether process ``pid`` runs: not gone, and not a zombie (killed or exited, its parent not having reaped it
+    yet: ``kill(pid, 0)`` still finds it)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
     except PermissionError:
+        pass
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_bytes()
+    except FileNotFoundError:
+        return False
+    except OSError:  # no /proc: what kill said
         return True
-    return True
+    return stat[stat.rindex(b")") + 2:][:1] not in (b"Z", b"X")  # the state, after the name in parentheses
 
 
 def default_address(name: str = "default") -> str:

@@ -255,6 +255,7 @@ def test_streams_are_read_on_through_another_gateway_process_which_takes_them_ov
 
         producer, first = started("doomed-1")
         os.kill(producer, signal.SIGKILL)
+        wait_for(lambda: not pid_alive(producer), timeout=10, what="the producing gateway process to die")
         rest = elsewhere(producer, "doomed-1")  # the other process takes the stream over: the request again
         assert rest.startswith(b"id: 1\n") and rest.rstrip().endswith(b"data: [DONE]"), rest[-300:]
         assert _content(_datas(first) + _datas(rest)) == reference  # nothing lost, nothing twice
