@@ -57,8 +57,8 @@ With ``reuse: exact``, greedy output equals ``llama_cpp.Llama.create_completion(
 same flash attention setting: the same tokens (BOS, then the prompt tokenized without specials added and with
 special tokens parsed), the same context settings, the same prompt decodes, the same sampler chain
 (``mpserve.engine.sampling``). Decoding K sequences in one batch relies on a row's logits not depending on the
-other rows, which holds for the small batches of one token per sequence that llama.cpp's kernels treat like one
-row, and for the one-token rows of sequences with short contexts (docs/how-it-works/exact-output.md). Not
+other rows: true of quantized weights' small batches of one token per sequence with short contexts, never of float
+weights, whose sequences decode one a decode (``scheduler.together_rows``, docs/how-it-works/exact-output.md). Not
 thread-safe: one thread admits, cancels and steps; an on_token callback may call ``cancel`` but not ``admit``.
 """
 
@@ -90,7 +90,7 @@ from .keeping import Keeping, open_store
 from .logprobs import LogprobsRecorder
 from .parking import Parking
 from .sampling import SamplerChain, TextStream
-from .scheduler import Scheduler
+from .scheduler import Scheduler, together_rows
 from .sequence import PROMPT_CHUNK, Phase, Sequence, next_chunk
 from .settings import EngineSettings
 from .speculation import Drafter, RowCosts, exact_rows, verify
@@ -133,7 +133,7 @@ class BatchEngine:
         self._context = context = Context(settings, model)
         self._exact_rows = exact_rows(context.repacked)
         self._scheduler = Scheduler(settings.step_budget_tokens, exact=self._exact, kv_unified=settings.kv_unified,
-                                    exact_rows=self._exact_rows)
+                                    exact_rows=together_rows(self._exact_rows, context.float_weights))
         self._grammars = GrammarCache(context.vocab)
         self._speculative = settings.speculative
         if self._speculative is not None and context.recurrent:

@@ -66,7 +66,8 @@ class Context:
                               or llama_cpp.llama_model_is_hybrid(self.model))
         self.n_swa = max(1, n_swa)  # llama-server's bound for what must stay
         self.cut_back = not (n_swa > 0 or self.recurrent)  # whether a restored state may be cut back
-        self.repacked = settings.repack and not float_weights(llama_cpp, self.model)  # what the CPU may repack
+        self.float_weights = float_weights(llama_cpp, self.model)  # F32, F16, BF16: never repacked
+        self.repacked = settings.repack and not self.float_weights  # what the CPU may repack
         self.identity = self._slot_identity()
         self.batch = Batch(llama_cpp, capacity)
         self.chat = read_chat_template(llama_cpp, self.model, settings.chat_template)

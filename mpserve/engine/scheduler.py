@@ -5,14 +5,15 @@
     step  ──cancelled()──▶ the sequences a cancel ended
           ──urgent()─────▶ a prompt admitted to go first: its next chunk is the step's only decode, or else
           ──decoding()───▶ DECODE sequences in slot order ──decodes()──▶ grouped into llama_decode calls
+                                                     (``reuse: exact``: at most ``together_rows`` a call)
           ──chunks(any decoding, turn)──▶ the prompts computing their next chunk this step, within the token budget
                                           (those of the adapter set whose turn it is: ``adapters.Turns``)
           ──twins(lead)──▶ prompts equal to one just computed, under the same adapters (``cells.share`` gives
                            them its cells)
     finish ──remove(seq)──▶ out of the batch
 
-Rows go in slot order: with a KV stream per slot, llama.cpp splits a batch into micro-batches where the sequence ids
-are out of order, and every micro-batch is one more pass over the weights. Pure: no llama.cpp here.
+Rows go in slot order: with a KV stream per slot, llama.cpp puts only consecutive sequence ids, in order, in one
+micro-batch, and every micro-batch is one more pass over the weights. Pure: no llama.cpp here.
 """
 
 from __future__ import annotations
@@ -75,12 +76,12 @@ class Scheduler:
 
     def decodes(self, decoding: list[Sequence]) -> list[list[Sequence]]:
         """The decoding sequences grouped by llama_decode: all in one, except with ``reuse: exact``, where the others
-        decode ``exact_rows`` at most a decode, a sequence under LoRA adapters decodes alone, and so does one with
-        more than LONE_KV_CELLS cells when each slot has a KV stream. An adapter's tensors are float, and llama.cpp's
-        CPU multiplies a float matrix by a lone row with its dot products, by two rows or more with its llamafile
-        kernels (``llamafile_sgemm`` declines n < 2), which sum in another order; the base model's quantized weights
-        go through one kernel up to ``exact_rows`` rows (as stored: a dot product per row; repacked: a gemv per
-        row up to 3 rows, a gemm of 4 rows at a time beyond).
+        decode ``exact_rows`` at most a decode (one with float weights: ``together_rows``), a sequence under LoRA
+        adapters decodes alone, and so does one with more than LONE_KV_CELLS cells when each slot has a KV stream.
+        An adapter's tensors are float, and llama.cpp's CPU multiplies a float matrix by two rows or more with other
+        kernels than a lone row (``together_rows``); the base model's quantized weights go through one kernel up to
+        ``exact_rows`` rows (as stored: a dot product per row; repacked: a gemv per row up to 3 rows, a gemm of 4
+        rows at a time beyond).
         llama.cpp gives a lone query over LONE_KV_CELLS cells its own attention kernel (the CPU's flash attention
         splits the cells among threads and sums the parts), and a batch of several streams another. Decoded
         together, such a sequence gets other numbers than a fresh computation of it, enough to change a greedy
@@ -120,6 +121,19 @@ class Scheduler:
         cells when its last chunk is decoded."""
         return [seq for seq in self.prefilling
                 if seq.prompt == lead.prompt and seq.salt == lead.salt and not seq.score_prompt]
+
+
+def together_rows(exact_rows: int, float_weights: bool) -> int:
+    """The most sequences one decode holds under ``reuse: exact`` (the Scheduler's ``exact_rows``): ``exact_rows``,
+    the rows llama.cpp's CPU computes as it computes a lone row (``mpserve.engine.speculation.exact_rows``), with
+    quantized weights; one with float weights (F32, F16, BF16). llama.cpp multiplies a float matrix by a lone row
+    with its dot products (``ggml_vec_dot_f16``: several vector accumulators, added at the end) and by two rows or
+    more with llamafile's tinyBLAS (``llamafile_sgemm`` declines n < 2; one accumulator a dot product), which sum in
+    another order: every row of such a decode differs from the lone row a fresh computation decodes, in its last
+    bits, and over a long greedy stream that turns a choice. llama.cpp puts the rows of consecutive slots in one
+    micro-batch, so no grouping of several float rows avoids it, and a decode a sequence costs what the
+    micro-batches of one decode cost: a pass over the weights each."""
+    return 1 if float_weights else exact_rows
 
 
 def _by_slot(seq: Sequence) -> int:
