@@ -19,6 +19,7 @@ class ErrorCode(str, Enum):
     BUSY = "busy"
     TIMEOUT = "timeout"
     CANCELLED = "cancelled"
+    GRAMMAR_TOO_COMPLEX = "grammar_too_complex"
     WORKER_LOST = "worker_lost"
     WORKER_STALLED = "worker_stalled"
     POISON_REQUEST = "poison_request"
@@ -54,6 +55,12 @@ CODES: dict[ErrorCode, CodeInfo] = {
                                         "retry"),
     ErrorCode.TIMEOUT: CodeInfo(504, True, "the request's `timeout` passed, queued or running"),
     ErrorCode.CANCELLED: CodeInfo(500, False, "cancelled by the client"),
+    ErrorCode.GRAMMAR_TOO_COMPLEX: CodeInfo(400, False, "the request's grammar (given, or compiled from its JSON "
+                                                        "Schema) opens too many alternatives that begin alike at one "
+                                                        "point (refused at admission), or one sampling step under it "
+                                                        "ran past its budget (the request ends there, the others on "
+                                                        "its instance go on); the message names the measure and the "
+                                                        "limit"),
     ErrorCode.WORKER_LOST: CodeInfo(502, True, "the instance died after it had streamed text without reporting "
                                                "its tokens (a worker older than the hand-over), or the request lost 8 "
                                                "instances that were killed or went away, the bound on hand-overs; "
@@ -129,6 +136,12 @@ class Cancelled(MpserveError):
     code = ErrorCode.CANCELLED
 
 
+class GrammarTooComplex(MpserveError):
+    """A grammar whose sampling would hold up the instance: refused at admission, or ended at a step too long."""
+
+    code = ErrorCode.GRAMMAR_TOO_COMPLEX
+
+
 class ShuttingDown(MpserveError):
     code = ErrorCode.SHUTTING_DOWN
 
@@ -185,9 +198,9 @@ class InternalError(MpserveError):
 _BY_CODE: dict[str, type[MpserveError]] = {
     cls.code.value: cls
     for cls in (
-        BadRequest, UnknownModel, UnknownAdapter, Busy, Timeout, Cancelled, ShuttingDown, WorkerLost, WorkerStalled,
-        PoisonRequest, ModelFailed, NoInstance, ModelDoesNotFit, ProtocolError, Forbidden, ConnectionFailed,
-        ConfigError, InternalError,
+        BadRequest, UnknownModel, UnknownAdapter, Busy, Timeout, Cancelled, GrammarTooComplex, ShuttingDown,
+        WorkerLost, WorkerStalled, PoisonRequest, ModelFailed, NoInstance, ModelDoesNotFit, ProtocolError, Forbidden,
+        ConnectionFailed, ConfigError, InternalError,
     )
 }
 

@@ -20,13 +20,16 @@ from structured_cases import MAX_TOKENS, PROMPT, SCHEMAS
 from mpserve import AsyncClient, Client
 from mpserve.engine.batch import BatchEngine
 from mpserve.engine.settings import EngineSettings
-from mpserve.errors import BadRequest
+from mpserve.errors import BadRequest, ErrorCode, GrammarTooComplex
 from mpserve.models.builtin import builtin_model_path
 from mpserve.structured import canonical_json, schema_grammar
 from mpserve.wire.protocol import GenerateParams
 from mpserve.wire.slots import SlotState
 
 NEIGHBOUR_PROMPTS = ["The quick brown fox", "Once upon a time in the land of"]
+# alternatives that begin alike: llama.cpp would keep a parse stack for each at every step
+AMBIGUOUS_GRAMMAR = "root ::= " + " | ".join(f'"the same beginning, then {i}"' for i in range(340))
+AMBIGUOUS_PATTERN = {"type": "string", "pattern": "^(" + "|".join(f"ab{i}" for i in range(150)) + ")$"}
 
 # GBNF that llama.cpp refuses (found at admission) and text refused before it (size, nesting, no root)
 BAD_GRAMMARS = [
@@ -130,6 +133,40 @@ def test_llama_cpp_refusing_a_grammar_is_a_bad_request_at_admission(engine: Batc
     assert finish(engine)[0].completion_tokens == 4
 
 
+def test_a_grammar_of_too_many_alternatives_alike_is_refused_at_admission_by_its_ambiguity(
+        engine: BatchEngine) -> None:
+    for params in (GenerateParams(max_tokens=8, grammar=AMBIGUOUS_GRAMMAR),
+                   GenerateParams(max_tokens=8, json_schema=canonical_json(AMBIGUOUS_PATTERN))):
+        params.validate()  # the cheap checks let it through: its ambiguity is measured where it is admitted
+        with pytest.raises(GrammarTooComplex, match=r"more than 64 alternatives that begin alike"):
+            complete(engine, 0, PROMPT, params)
+    assert engine.free_slots() == [0, 1, 2, 3]
+    fewer = "root ::= " + " | ".join(f'"the same beginning, then {i}"' for i in range(50))
+    complete(engine, 0, PROMPT, GenerateParams(max_tokens=40, temperature=0.0, grammar=fewer))
+    assert finish(engine)[0].text.startswith("the same beginning, then ")
+
+
+def test_a_grammar_step_past_its_budget_ends_its_request_by_name_and_its_neighbour_completes() -> None:
+    """A budget no grammar step can keep (none): the constrained sequence ends at its first step with
+    grammar_too_complex; the unconstrained one in the same batch gives the text it gives alone."""
+    engine = BatchEngine(EngineSettings(str(builtin_model_path("tiny")), n_ctx=1024, parallel=2, threads=1,
+                                        n_gpu_layers=0, reuse="exact", grammar_step_s=0.0))
+    try:
+        greedy = GenerateParams(max_tokens=24, temperature=0.0)
+        complete(engine, 1, NEIGHBOUR_PROMPTS[0], greedy)
+        alone = finish(engine)[1].text
+        complete(engine, 0, PROMPT, GenerateParams(max_tokens=24, temperature=0.0, grammar='root ::= "ok" [0-9]+'))
+        complete(engine, 1, NEIGHBOUR_PROMPTS[0], greedy)
+        done = finish(engine)
+        assert done[0].finish_reason == "error" and done[0].completion_tokens == 0, done[0]
+        assert done[0].error is not None and done[0].error.code is ErrorCode.GRAMMAR_TOO_COMPLEX
+        assert "past its budget" in done[0].error.message
+        assert done[1].finish_reason == "length" and done[1].text == alone
+        assert engine.free_slots() == [0, 1]
+    finally:
+        engine.close()
+
+
 # --- the ZeroMQ path ----------------------------------------------------------------------------
 
 @pytest.fixture(scope="module")
@@ -183,6 +220,16 @@ def test_malformed_grammars_and_schemas_are_bad_requests_and_the_worker_serves_o
         assert client.generate(PROMPT, max_tokens=4, temperature=0).usage.completion_tokens == 4
     assert {row.pid for row in server.slots() if row.state is not SlotState.EMPTY} == pids
     assert not server.tracebacks()
+
+
+def test_an_ambiguous_grammar_is_refused_by_its_code_over_zeromq(server: ServerProcess) -> None:
+    with Client(server.address, timeout=60) as client:
+        with pytest.raises(GrammarTooComplex) as refused:
+            client.generate(PROMPT, max_tokens=8, grammar=AMBIGUOUS_GRAMMAR)
+        assert refused.value.code is ErrorCode.GRAMMAR_TOO_COMPLEX
+        with pytest.raises(GrammarTooComplex):
+            client.generate(PROMPT, max_tokens=8, json_schema=AMBIGUOUS_PATTERN)
+        assert client.generate(PROMPT, max_tokens=4, temperature=0).usage.completion_tokens == 4
 
 
 def test_the_cli_takes_schema_and_grammar_files(server: ServerProcess, tmp_path: Any) -> None:

@@ -134,7 +134,7 @@ class BatchEngine:
         self._exact_rows = exact_rows(context.repacked)
         self._scheduler = Scheduler(settings.step_budget_tokens, exact=self._exact, kv_unified=settings.kv_unified,
                                     exact_rows=together_rows(self._exact_rows, context.float_weights))
-        self._grammars = GrammarCache(context.vocab)
+        self._grammars = GrammarCache(context.vocab, settings.grammar_step_s)
         self._speculative = settings.speculative
         if self._speculative is not None and context.recurrent:
             log.warning("speculative decoding is off: this model's recurrent state cannot drop rejected drafts")
@@ -502,7 +502,8 @@ class BatchEngine:
         """Sample ``seq``'s next token and hand its text out; the finish reason if it ended."""
         if seq.replay:
             return self._replay(seq)
-        token = seq.sampler.sample(self._context.ctx, seq.output_row)
+        if (token := seq.sampler.sample(self._context.ctx, seq.output_row)) < 0:
+            return "error"  # its grammar's step ran past the budget: ``seq.sampler.refused`` says so
         if not seq.first_token_at:
             seq.first_token_at = time.perf_counter()
         piece, end_of_generation = self._context.piece(token)
@@ -562,7 +563,7 @@ class BatchEngine:
             text="".join(seq.pieces), finish_reason=reason, prompt_tokens=len(seq.prompt),
             completion_tokens=len(seq.generated), prompt_s=first - seq.admitted_at, generate_s=ended - first,
             reused_tokens=seq.reused, logprobs=seq.logprobs.take() if seq.logprobs is not None else None,
-            draft_tokens=seq.drafter.proposed if seq.drafter is not None else 0,
+            draft_tokens=seq.drafter.proposed if seq.drafter is not None else 0, error=seq.sampler.refused,
             accepted_tokens=seq.drafter.accepted if seq.drafter is not None else 0,
         )
 

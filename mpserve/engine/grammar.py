@@ -1,42 +1,63 @@
 """Grammar samplers for constrained sequences: llama.cpp's own (``llama_sampler_init_grammar``), parsed
 once per distinct GBNF text and cloned for each sequence.
 
-    BatchEngine.admit ──GBNF text──▶ GrammarCache.sampler(text) ──▶ a clone, first in that sequence's chain
-                                        │ miss: llama_sampler_init_grammar (parse), kept as a pristine copy
+    BatchEngine.admit ──GBNF text──▶ GrammarCache.sampler(text) ──▶ a Grammar: a clone and the step budget, which
+                                        │                            that sequence's chain checks its draws with
+                                        │ miss: ambiguity(text) over MAX_AMBIGUITY ──▶ GrammarTooComplex
+                                        │       llama_sampler_init_grammar (parse), kept as a pristine copy
                                         │ NULL: llama.cpp could not parse it ──▶ BadRequest at admission
 
 A pristine sampler is never added to a chain, so it never accepts a token: ``llama_sampler_clone`` of it
 copies the parsed rules and the start state, which skips parsing the text again. llama.cpp prints why it
 could not parse a grammar to the process's stderr and its log (``llama_log.reasons`` collects both): the
-request gets BadRequest with that reason and the first line of the text.
+request gets BadRequest with that reason and the first line of the text. A grammar is measured before it is
+parsed (``mpserve.engine.ambiguity``): one that would hold too many parse stacks at a step is refused by name,
+since every step of the batch would wait on it.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
+from dataclasses import dataclass
 from typing import Any
 
 import llama_cpp
 
-from mpserve.errors import BadRequest
+from mpserve.errors import BadRequest, GrammarTooComplex
 
+from .ambiguity import MAX_AMBIGUITY, ambiguity
 from .llama_log import Said, reasons
 
 CACHED_GRAMMARS = 32
 
 
-class GrammarCache:
-    """Parsed grammars of one model's vocabulary, least recently used dropped first; ``close`` frees them."""
+@dataclass(frozen=True)
+class Grammar:
+    """A sequence's grammar sampler (its owner frees it) and the seconds one step may spend in it."""
 
-    def __init__(self, vocab: Any, size: int = CACHED_GRAMMARS) -> None:
+    sampler: Any
+    step_budget_s: float
+
+
+class GrammarCache:
+    """Parsed grammars of one model's vocabulary, least recently used dropped first; ``close`` frees them.
+    ``step_budget_s``: what each sequence's grammar may spend on one step (``SamplerChain``)."""
+
+    def __init__(self, vocab: Any, step_budget_s: float, size: int = CACHED_GRAMMARS) -> None:
         self._vocab = vocab
+        self._budget = step_budget_s
         self._size = size
         self._parsed: OrderedDict[str, Any] = OrderedDict()
 
-    def sampler(self, text: str) -> Any:
-        """A fresh grammar sampler for ``text``, owned by the caller (a chain it is added to frees it)."""
+    def sampler(self, text: str) -> Grammar:
+        """A fresh grammar sampler for ``text``, owned by the caller; GrammarTooComplex for an ambiguity past
+        MAX_AMBIGUITY, BadRequest for a text llama.cpp cannot parse."""
         pristine = self._parsed.get(text)
         if pristine is None:
+            if (measured := ambiguity(text)) > MAX_AMBIGUITY:
+                raise GrammarTooComplex(f"the grammar opens more than {MAX_AMBIGUITY} alternatives that begin alike "
+                                        f"at one point ({measured} or more parse stacks at one step); merge their "
+                                        "common beginnings, or use fewer alternatives")
             with reasons() as said:
                 pristine = llama_cpp.llama_sampler_init_grammar(self._vocab, text.encode(), b"root")
             if not pristine:
@@ -46,7 +67,7 @@ class GrammarCache:
             while len(self._parsed) > self._size:
                 llama_cpp.llama_sampler_free(self._parsed.popitem(last=False)[1])
         self._parsed.move_to_end(text)
-        return llama_cpp.llama_sampler_clone(pristine)
+        return Grammar(llama_cpp.llama_sampler_clone(pristine), self._budget)
 
     def __len__(self) -> int:
         return len(self._parsed)

@@ -34,7 +34,7 @@ from typing import Protocol, runtime_checkable
 
 import numpy as np
 
-from mpserve.errors import BadRequest, UnknownModel
+from mpserve.errors import BadRequest, MpserveError, UnknownModel
 from mpserve.wire import protocol as wire
 from mpserve.wire.protocol import ChatTemplate, GenerateParams
 
@@ -48,7 +48,7 @@ generating (cancellation)."""
 @dataclass(frozen=True)
 class Completion:
     text: str
-    finish_reason: str  # "length" | "stop" | "cancelled"
+    finish_reason: str  # "length" | "stop" | "cancelled" | "error" (``error`` says why)
     prompt_tokens: int
     completion_tokens: int
     prompt_s: float
@@ -57,6 +57,7 @@ class Completion:
     logprobs: wire.Logprobs | None = None  # asked for: those of tokens ``take_logprobs`` did not take
     draft_tokens: int = 0  # speculation: tokens proposed and verified
     accepted_tokens: int = 0  # of those, the ones kept
+    error: MpserveError | None = None  # why it ended with an error: its grammar's step past the budget
 
 
 class NoCells:

@@ -9,9 +9,14 @@ Two pieces, one of each per running sequence:
   tokens, then greedy at temperature 0, else top-k, typical, top-p, min-p, temperature and a seeded draw.
   ``ignore_eos`` biases every end-of-generation token by minus infinity, as llama-server does. The chain
   owns its random state, so a seeded sequence does not depend on what else is in the batch. A constrained
-  sequence (a grammar or a JSON Schema) gets a grammar sampler first in its chain (``mpserve.engine.grammar``):
-  it rules out every token the grammar does not allow at this point, so constrained and unconstrained
-  sequences share one batch.
+  sequence (a grammar or a JSON Schema) has a grammar sampler beside its chain (``mpserve.engine.grammar``),
+  driven as llama.cpp's own ``common_sampler_sample`` drives it (sample, then check): the chain draws from
+  every token, the grammar checks the one drawn, and only where it rules that one out does it rule out every
+  token it does not allow, and the chain draws again; the token is then accepted by both. Greedy, this is the
+  token the grammar first in the chain would give; and constrained and unconstrained sequences share one batch.
+  A grammar's work on one step (the check, the whole vocabulary where the check failed, the accept) has a
+  budget of processor time (what the step cost, whatever else the host runs): past it, the sequence ends with
+  GrammarTooComplex (``refused``), and the others in the batch go on.
   Greedy with nothing that changes the logits (no penalty, bias or grammar) needs no chain: the token is
   the first largest logit, which is what the chain's greedy sampler picks, read straight from the logits
   row instead of copying the whole vocabulary into a candidate array first.
@@ -23,41 +28,46 @@ Two pieces, one of each per running sequence:
 from __future__ import annotations
 
 import codecs
+import ctypes
 import math
+import time
 from collections.abc import Sequence
 from typing import Any
 
 import llama_cpp
 import numpy as np
 
+from mpserve.errors import GrammarTooComplex
 from mpserve.wire.protocol import GenerateParams
+
+from .grammar import Grammar
 
 # llama_cpp.Llama's defaults for what GenerateParams does not carry; create_completion uses them too.
 PENALTY_LAST_N = 64
 MIN_KEEP = 1
+TOKEN_DATA = np.dtype([("id", np.int32), ("logit", np.float32), ("p", np.float32)])  # llama_token_data's layout
 
 
 class SamplerChain:
     """A native llama.cpp sampler chain for one sequence; ``close`` frees it."""
 
     def __init__(self, n_vocab: int, params: GenerateParams, seed: int, eog_tokens: Sequence[int] = (),
-                 grammar: Any = None) -> None:
+                 grammar: Grammar | None = None) -> None:
         """``eog_tokens``: the vocabulary's end-of-generation tokens, which ``params.ignore_eos`` bans;
-        ``grammar``: the sequence's grammar sampler (a GrammarCache clone), or None."""
+        ``grammar``: the sequence's grammar (a GrammarCache clone, owned from here), or None."""
         self._n_vocab = n_vocab
         self._argmax = (params.temperature == 0.0 and params.repeat_penalty == 1.0 and not params.frequency_penalty
                         and not params.presence_penalty and not params.logit_bias and not params.ignore_eos
                         and grammar is None)  # the chain would change nothing
         self._chain: Any = None
+        self._grammar = grammar
+        self.refused: GrammarTooComplex | None = None  # why the last ``sample`` gave -1
         if self._argmax:
             return
         chain_params = llama_cpp.llama_sampler_chain_default_params()
         chain_params.no_perf = True
         self._chain = llama_cpp.llama_sampler_chain_init(chain_params)
         add = self._add
-        # --- structured output: the sequence's grammar sampler (a GrammarCache clone), first in the chain
-        if grammar is not None:
-            add(grammar)
         # --- logit bias and OpenAI's penalties
         biases = list(params.logit_bias)
         if params.ignore_eos:
@@ -86,7 +96,32 @@ class SamplerChain:
         if self._argmax:
             row = np.ctypeslib.as_array(llama_cpp.llama_get_logits_ith(ctx, output_index), (self._n_vocab,))
             return int(np.argmax(row))
+        if self._grammar is not None:
+            return self._constrained(ctx, output_index, self._grammar)
         token: int = llama_cpp.llama_sampler_sample(self._chain, ctx, output_index)
+        return token
+
+    def _constrained(self, ctx: Any, output_index: int, grammar: Grammar) -> int:
+        """Sample, then check (``common_sampler_sample``); -1, with ``refused`` set, where the grammar's part of the
+        step (the processor time its calls took) ran past its budget."""
+        logits = np.ctypeslib.as_array(llama_cpp.llama_get_logits_ith(ctx, output_index), (self._n_vocab,))
+        candidates = _Candidates(logits)
+        llama_cpp.llama_sampler_apply(self._chain, candidates.array)
+        token = candidates.selected()
+        checked = (llama_cpp.llama_token_data * 1)(llama_cpp.llama_token_data(token, 1.0, 0.0))
+        spent = _timed(grammar.sampler, _array(ctypes.addressof(checked), 1))
+        if math.isinf(checked[0].logit):  # ruled out: the grammar rules out all it does not allow, and a new draw
+            candidates = _Candidates(logits)
+            spent += _timed(grammar.sampler, candidates.array)
+            llama_cpp.llama_sampler_apply(self._chain, candidates.array)
+            token = candidates.selected()
+        spent += _timed(grammar.sampler, None, token)
+        llama_cpp.llama_sampler_accept(self._chain, token)
+        if spent > grammar.step_budget_s:
+            self.refused = GrammarTooComplex(f"a sampling step under the request's grammar took {spent:.3f} s of "
+                                             f"processor time, past its budget of {grammar.step_budget_s} s; the "
+                                             "request ends here")
+            return -1
         return token
 
     # --- resuming a sequence another instance started -------------------------------------------------
@@ -94,12 +129,47 @@ class SamplerChain:
     def accept(self, tokens: list[int]) -> None:
         """Record tokens sampled before (elsewhere), so the penalties see them as this chain's own."""
         for token in tokens:
+            if self._grammar is not None:
+                llama_cpp.llama_sampler_accept(self._grammar.sampler, token)
             llama_cpp.llama_sampler_accept(self._chain, token)
 
     def close(self) -> None:
         if self._chain is not None:
             llama_cpp.llama_sampler_free(self._chain)
             self._chain = None
+        if self._grammar is not None:
+            llama_cpp.llama_sampler_free(self._grammar.sampler)
+            self._grammar = None
+
+
+class _Candidates:
+    """Every token of a logits row as a llama_token_data_array (``array``), for samplers to narrow in place."""
+
+    def __init__(self, logits: np.ndarray) -> None:
+        self.data = np.empty(len(logits), TOKEN_DATA)
+        self.data["id"] = np.arange(len(logits), dtype=np.int32)
+        self.data["logit"], self.data["p"] = logits, 0.0
+        self.array = _array(self.data.ctypes.data, len(logits))
+
+    def selected(self) -> int:
+        """The token the last sampler of a chain chose."""
+        return int(self.data["id"][self.array.contents.selected])
+
+
+def _timed(sampler: Any, candidates: Any, token: int = -1) -> float:
+    """Processor time of this thread spent by ``sampler`` on ``candidates`` (None: accepting ``token``)."""
+    started = time.thread_time()
+    if candidates is None:
+        llama_cpp.llama_sampler_accept(sampler, token)
+    else:
+        llama_cpp.llama_sampler_apply(sampler, candidates)
+    return time.thread_time() - started
+
+
+def _array(address: int, size: int) -> Any:
+    """A pointer to a llama_token_data_array over ``size`` entries at ``address``, none selected, not sorted."""
+    data = ctypes.cast(address, ctypes.POINTER(llama_cpp.llama_token_data))
+    return ctypes.pointer(llama_cpp.llama_token_data_array(data, size, -1, False))
 
 
 def _logit_bias(n_vocab: int, biases: list[tuple[int, float]]) -> Any:

@@ -22,6 +22,11 @@ FLASH_ATTN_TYPES = {"auto": "LLAMA_FLASH_ATTN_TYPE_AUTO", "on": "LLAMA_FLASH_ATT
 """``flash_attn`` settings and llama.cpp's names for them; auto: llama.cpp turns it on where the device
 supports it (always on a CPU), as llama-server does by default."""
 
+GRAMMAR_STEP_S = 0.5
+"""Seconds of processor time a grammar's part of one sampling step may take: a JSON grammar's check of the token
+drawn takes microseconds, its pass over a large vocabulary milliseconds; a grammar past this holds up every
+sequence of the batch."""
+
 REUSE_MODES = ("any", "exact")
 """What a prompt may start from: ``any`` computed cells holding a prefix of it, of any length; ``exact`` whole
 prompt chunks of them only, so that output equals a fresh computation."""
@@ -32,7 +37,9 @@ class EngineSettings:
     """``cache_ram`` bytes in ``cache_shm`` and ``cache_disk_size`` bytes in ``cache_disk``: the host store's tiers
     (``mpserve.engine.host_store``; no store without a RAM tier). ``reuse``: ``any`` starts a prompt from the longest
     prefix of it that computed cells hold, ``exact`` from whole prompt chunks only (``mpserve.engine.batch``).
-    ``chat_template``: the template the engine reports instead of the GGUF's (``read_chat_template``)."""
+    ``chat_template``: the template the engine reports instead of the GGUF's (``read_chat_template``).
+    ``grammar_step_s``: what a constrained sequence's grammar may spend on one step before the sequence ends with
+    GrammarTooComplex (``mpserve.engine.sampling``)."""
 
     path: str
     n_ctx: int
@@ -54,6 +61,7 @@ class EngineSettings:
     reuse: str = "any"
     chat_template: str | None = None
     adapters: tuple[tuple[str, str], ...] = ()  # LoRA adapters to load: (name, path) (``mpserve.engine.adapters``)
+    grammar_step_s: float = GRAMMAR_STEP_S
 
     @property
     def exact(self) -> bool:

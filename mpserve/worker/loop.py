@@ -615,6 +615,8 @@ class Worker:
         req = assign.request
         if result.finish_reason == "cancelled":
             return wire.Error(req.id, ErrorCode.CANCELLED, "cancelled")
+        if result.error is not None:
+            return wire.Error(req.id, result.error.code, result.error.message)
         return wire.Done(
             req.id, result.text, result.finish_reason, wire.Usage(result.prompt_tokens, result.completion_tokens),
             wire.Timings(assign.queue_ms, result.prompt_s * 1000, result.generate_s * 1000, assign.attempt,
