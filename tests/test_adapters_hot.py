@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Iterator
+from pathlib import Path
 
 import llama_cpp
 import pytest
@@ -91,7 +92,9 @@ def test_the_cli_and_the_admin_api_load_list_and_unload(server: ServerProcess, a
     assert listed.returncode == 0 and "tiny:a0" in listed.stdout, listed.stderr
     done = mpserve("adapters", "load", "tiny", "a2", adapters["a2"], *name)
     assert done.returncode == 0 and "loaded adapter 'a2' of model 'tiny'" in done.stdout, done.stderr
-    bad = mpserve("adapters", "load", "tiny", "a9", str(server.info.slots), *name)
+    junk = Path(adapters["a2"]).parent / "not-a-lora.gguf"  # in a folder hot loads may read (adapter_dir)
+    junk.write_bytes(b"not a GGUF")
+    bad = mpserve("adapters", "load", "tiny", "a9", str(junk), *name)
     assert bad.returncode == 1 and len(bad.stderr.strip().splitlines()) == 1 and "LoRA" in bad.stderr, bad.stderr
     gw = GatewayThread(server_name=server.name, admin_key="sesame")
     try:

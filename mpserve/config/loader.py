@@ -76,6 +76,7 @@ class ModelConfig:
     cache_disk_size: int = 4 << 30  # its bytes
     reuse: str = "any"  # which cells a prompt starts from: any shared prefix, or exact (whole prompt chunks only)
     slot_save_path: str | None = None  # the folder of slot files (save and restore); None: off
+    adapter_dir: str | None = None  # the folder hot-loaded adapters must be in; None: the model's and its adapters'
     devices: tuple[int, ...] | None = None  # pin the model's instances to these GPU indices
     requires_memory: int | None = None  # declared GPU bytes per instance; None: estimated from the GGUF
     embedding: bool = False  # serves embeddings (mpserve.engine.embed), not completions
@@ -420,8 +421,9 @@ def _model(index: int, entry: Any, overrides: Mapping[str, Any], source: str) ->
         raise ConfigError(f"{where}.cache_type_v: {v_type} is a quantized type, which llama.cpp stores only with "
                           "flash attention, and flash_attn is off; set flash_attn to auto or on, or cache_type_v "
                           "to f16, bf16 or f32")
-    if "slot_save_path" in values and not Path(values["slot_save_path"]).is_dir():
-        raise ConfigError(f"{where}.slot_save_path: {values['slot_save_path']!r} is not a folder; create it first")
+    for folder in ("slot_save_path", "adapter_dir"):
+        if folder in values and not Path(values[folder]).is_dir():
+            raise ConfigError(f"{where}.{folder}: {values[folder]!r} is not a folder; create it first")
     if "chat_template" in values:
         values["chat_template"] = templates.check_setting(values["chat_template"], f"{where}.chat_template")
     for size in ("cache_ram", "cache_disk_size"):

@@ -147,6 +147,9 @@ SETTINGS: tuple[Setting, ...] = (
        "host; a request picks one with the model BASE:NAME or llama-server's lora list (ids in this order); the "
        "flag, NAME=PATH and repeatable, declares them for the model given with --model",
        flag="--lora", env=None, cli_type=list[str], commands=_SIZING),
+    _s("adapter_dir", "model", str, "the folders of the model file and of its declared adapters",
+       "Folder that an adapter loaded while the server runs (POST /admin/adapters, the admin socket's ADAPTER_ACTION) "
+       "must be in, links and .. resolved; a path elsewhere is refused with bad_request", commands=_FOR_POOLS),
     _s("devices", "model", list, "any GPU", "Pin the model's instances to these GPU indices, e.g. [1]", flag=None,
        env=None),
     _s("requires", "model", dict, "estimated from the GGUF", "Declared needs per instance: {memory: 7GiB, gpus: 1}",

@@ -369,8 +369,7 @@ class Worker:
                 self._rows[msg.slot].update(kv_cells=self._engine.kv_cells(msg.slot))
             self._send(reply, msg.ticket)
         elif isinstance(msg, wire.AdapterAction):
-            self._send(adapter_actions.answer(self._engine, self._adapters, self._spec.engine.path,
-                                              self._spec.identity.decode(), msg), msg.ticket)
+            self._send(adapter_actions.answer(self._engine, self._adapters, self._spec, msg), msg.ticket)
         elif isinstance(msg, wire.Tokenize):
             self._send(tokens.answer(self._engine, msg) if self._engine is not None else wire.Error(
                 msg.id, ErrorCode.BUSY, "the model is not loaded here now; retry"), msg.ticket)

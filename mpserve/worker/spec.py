@@ -118,6 +118,7 @@ class WorkerSpec:
     log_level: str = "info"
     stream_interval: float = 0.0  # seconds between a streamed request's CHUNKs after its first; 0: every token
     slot_save_path: str | None = None  # the folder of KV files; None: slot save and restore are off
+    adapter_dir: str | None = None  # the folder adapters loaded at runtime must be in (``adapter_actions.folders``)
     proof: str = ""  # the broker's per-start secret its own workers show in READY (mpserve.server.link)
     adopt_wait: float = 0.0  # its server died: how long it holds its requests, parked, for a new server to adopt it
     # (``mpserve.server.adoption``); 0: it leaves at once
