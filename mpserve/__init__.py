@@ -14,6 +14,7 @@ Three kinds of process, one subpackage each, over shared groups and leaf modules
     structured   grammar checks, JSON Schema → GBNF (the gateway and the broker check, the engine compiles)
     digit_ranges GBNF for the decimal integers in a range (the schema compiler's bounded numbers)
     private      this user's folders and files in shared places: 0700/0600, checked, never through a link
+    children     how a Python child is started: never with its working directory on its sys.path
     runtime      where a running server keeps its sockets and description, and how other processes find it
     repack       whether llama.cpp may repack weights on this host (a probe in a child, its verdict cached)
     llama_build  the installed llama.cpp build, probed in a child, and what keeps it from the GPUs found
