@@ -39,7 +39,8 @@ class Clock:
 
 
 @pytest.fixture
-def supervisor(tmp_path: Path) -> Iterator[tuple[Supervisor, Clock, SlotTable]]:
+def supervisor(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[tuple[Supervisor, Clock, SlotTable]]:
+    monkeypatch.setenv("PYTHONSAFEPATH", "1")  # as the supervisor sets it: gone again after the test
     table = SlotTable.create(tmp_path / "slots", 1)
     spec = WorkerSpec(0, "echo", EngineSpec("echo", 512, 1, 0), -1, "inproc://x", str(tmp_path / "slots"), 1)
     clock = Clock()
