@@ -12,10 +12,11 @@ import httpx
 import pytest
 import yaml
 from conftest import ServerProcess
-from helpers import free_port, mpserve, wait_for
+from helpers import free_port, http_up, mpserve, wait_for
 
 from mpserve.client import Client
 from mpserve.errors import MpserveError, UnknownModel
+from mpserve.gateway.backend import TEMPLATE_TTL_S
 from mpserve.models import templates
 
 pytestmark = pytest.mark.timeout(180)
@@ -153,19 +154,35 @@ def test_a_model_added_by_mpserve_add_and_then_written_in_the_file_reloads(start
 @pytest.mark.timeout(120)
 def test_a_reload_that_changes_the_chat_template_puts_the_new_one_in_force(start_server, tiny_model_path: str,
                                                                           tmp_path: Path) -> None:
-    """Once the roll is over, the broker hands out (STATS, which gateways render chats with) the reload's template,
-    a family's or ChatML's (""), not the one the instances it replaced loaded; no instance's was logged as kept."""
+    """The broker hands out the reload's template (STATS), a family's or ChatML's (""), not the one the instances it
+    replaced loaded, and no instance's was logged as kept; the gateways ``start --http`` runs render chats with it
+    from the reload on (a chat's prompt tokens are another count under each template), well before they would ask
+    the broker again (TEMPLATE_TTL_S)."""
     config = tmp_path / "pool.yaml"
     model = {"name": "tiny", "path": tiny_model_path, "parallel": 2, "chat_template": "llama3"}
     _write(config, spare_slots=4, models=[model])
-    server: ServerProcess = start_server("--config", str(config)).wait_ready()
+    port = free_port()
+    server: ServerProcess = start_server("--config", str(config), "--http", f"127.0.0.1:{port}").wait_ready()
+
+    def prompt_tokens() -> int:
+        answer = httpx.post(f"http://127.0.0.1:{port}/v1/chat/completions", timeout=60, json={
+            "model": "tiny", "max_tokens": 1, "messages": [{"role": "user", "content": "hi"}]})
+        assert answer.status_code == 200, answer.text
+        count: int = answer.json()["usage"]["prompt_tokens"]
+        return count
+
+    wait_for(lambda: http_up(f"http://127.0.0.1:{port}"), 30, "the gateway")
+    counts = [prompt_tokens()]
     with Client(server.address, timeout=60) as client:
         assert client.stats().models["tiny"].chat_template == templates.FAMILIES["llama3"]
         for rolls, family in enumerate(("gemma", "chatml"), 1):  # chatml: "", the gateway's ChatML default
             _write(config, spare_slots=4, models=[{**model, "chat_template": family}])
             answer = mpserve("reload", "--server-name", server.name)
             assert answer.returncode == 0, answer.stderr
+            wait_for(lambda: prompt_tokens() != counts[-1], TEMPLATE_TTL_S / 2, f"the gateway to render {family}")
+            counts.append(prompt_tokens())
             wait_for(lambda n=rolls: "rolling" not in mpserve("status", "--server-name", server.name).stdout
                      and sum("roll of tiny done" in line for line in server.log) == n, 60, "the roll to end")
             assert client.stats().models["tiny"].chat_template == templates.FAMILIES[family], family
+    assert len(set(counts)) == 3, counts
     assert not any("kept that one" in line for line in server.log), "\n".join(server.log)

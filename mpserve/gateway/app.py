@@ -49,6 +49,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import os
 import signal
@@ -172,6 +173,7 @@ def create_app(config: GatewayConfig) -> Starlette:
         raise ConfigError("the admin key must differ from the API key: the API key must not open the control API")
     app = Starlette(routes=routes, lifespan=gateway.lifespan, exception_handlers={HTTPException: _http_error})
     app.state.keys = access.KeyRing(config.api_key, config.api_key_file, config.keys)
+    app.state.reload = functools.partial(_reload, app.state.keys, gateway.backend)
     if config.keys:
         app.add_middleware(_RequireKey, ring=app.state.keys, admin_key=config.admin_key)
     app.add_middleware(BrowserGuard, hosts=host_names(config.host, config.allowed_hosts),
@@ -179,6 +181,13 @@ def create_app(config: GatewayConfig) -> Starlette:
     app.add_middleware(keys.OneKey)  # before the key check: it reads the one key this records
     app.add_middleware(RequestIds)  # outermost: every answer, a refused one too, carries its X-Request-Id
     return app
+
+
+def _reload(ring: access.KeyRing, backend: Backend) -> None:
+    """A reload (SIGHUP): the API key file read again, and the chat templates asked of the server again at the next
+    chat, so that a template the reload changed is in force at once."""
+    ring.reload()
+    backend.forget_templates()
 
 
 def check(config: GatewayConfig) -> None:
@@ -193,12 +202,13 @@ def check(config: GatewayConfig) -> None:
 
 def serve(config: GatewayConfig, fd: int | None = None) -> None:
     """Run the gateway in the foreground until SIGINT or SIGTERM: on ``config``'s address, or on the listening
-    socket ``fd`` a fleet's parent bound (``fleet``). SIGHUP reads the API key file again."""
+    socket ``fd`` a fleet's parent bound (``fleet``). SIGHUP (a reload) reads the API key file again and asks the
+    server for the chat templates again."""
     logging.basicConfig(level=config.log_level.upper(), stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     check(config)
     app = create_app(config)
-    signal.signal(signal.SIGHUP, lambda *_: app.state.keys.reload())
+    signal.signal(signal.SIGHUP, lambda *_: app.state.reload())
     server = uvicorn.Server(uvicorn.Config(
         app, host=config.host, port=config.port, log_level=config.log_level,
         log_config=None, access_log=config.log_level == "debug",  # log_config None: our log format

@@ -156,6 +156,10 @@ class Backend:
         self._templates[model] = (chat, time.monotonic())
         return chat
 
+    def forget_templates(self) -> None:
+        """Ask the broker for each model's chat template again at its next chat (a reload may have changed one)."""
+        self._templates.clear()
+
     async def adapters(self, model: str) -> list[str]:
         """``model``'s LoRA adapters in declaration order (a request's ``lora`` ids count in it), asked again once
         NO_TEMPLATE_TTL_S old: an operator may load or unload one at any time."""

@@ -12,8 +12,8 @@
                                           start); GIVE_UP_AFTER young deaths in a row: ``on_give_up`` (the server
                                           stops with exit status 1, as a gateway that cannot run is a fault for the
                                           service manager to report, not to hide behind restarts)
-      signal(SIGHUP) ──▶ each child reads its API key file again (a reload: ``mpserve reload``, or SIGHUP to the
-                         parent of ``mpserve gateway --http-workers N``)
+      signal(SIGHUP) ──▶ each child reads its API key file again and asks for the chat templates again (a reload:
+                         ``mpserve reload``, or SIGHUP to the parent of ``mpserve gateway --http-workers N``)
       stop() ──▶ SIGTERM to each child (uvicorn finishes its streams), SIGKILL after STOP_TIMEOUT_S
       hand_over() (``mpserve upgrade``: the server executes the mpserve installed now, in its own process) ──▶ the
           listening socket, the children's pids and this process's, in the environment, across the exec ──▶
@@ -155,7 +155,7 @@ class Fleet:
         self._on_give_up(reason)
 
     def signal(self, sig: int) -> None:
-        """``sig`` to each live child (SIGHUP: they read their API key file again)."""
+        """``sig`` to each live child (SIGHUP: they read their API key file and ask for the templates again)."""
         with self._lock:
             children = [child for child in self._children if child is not None and child.poll() is None]
         for child in children:
