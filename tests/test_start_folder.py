@@ -25,10 +25,12 @@ LAUNCHER = """
 import os
 import sys
 
+from mpserve import children
 from mpserve.cli import main
 
 if __name__ == "__main__":
     os.environ["PYTHONPATH"] = sys.argv.pop(1)
+    children.check_importable = lambda: None  # the start would refuse this at once; here its processes are to fail
     sys.argv[0] = "mpserve"
     main()
 """

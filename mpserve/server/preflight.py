@@ -3,6 +3,7 @@
     config, --http ──▶ check_start
                          ├─ refuse_live      a live server of the same name refuses (``serve``'s ``claim``
                          │                    then removes, and logs, what a dead one left)
+                         ├─ the children      they import this server's mpserve (``children.check_importable``)
                          ├─ the ZeroMQ binds  each bound once with a throwaway socket, then closed (and its
                          │                    ipc file removed): in use, no scheme, no permission, no folder
                          ├─ the HTTP port     bound once and closed, as uvicorn binds it
@@ -29,6 +30,7 @@ from pathlib import Path
 
 import zmq
 
+from mpserve import children
 from mpserve.config.loader import ECHO_MODEL, ServerConfig, check_adapters, tier_folder
 from mpserve.errors import ConfigError
 from mpserve.gpu.permits import LOCK_FOLDER, default_lock_dir
@@ -44,6 +46,7 @@ def check_start(config: ServerConfig, http: tuple[str, int] | None = None) -> No
     """Raise ``ConfigError`` for the first address or folder that ``mpserve start`` could not use."""
     paths = ServerPaths.for_name(config.server_name, config.bind, config.workers_bind, config.admin_bind)
     refuse_live(paths)
+    children.check_importable()  # the fork server, its zygotes and workers: the mpserve this process runs
     for flag, address in (("--bind", paths.front), ("--workers-bind", paths.back), ("--admin-bind", paths.admin)):
         check_bind(flag, address)
     if http is not None:
