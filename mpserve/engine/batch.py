@@ -89,12 +89,13 @@ from .interface import Completion, OnToken
 from .keeping import Keeping, open_store
 from .logprobs import LogprobsRecorder
 from .parking import Parking
-from .sampling import SamplerChain, TextStream
+from .sampling import TextStream
 from .scheduler import Scheduler, together_rows
 from .sequence import PROMPT_CHUNK, Phase, Sequence, next_chunk
 from .settings import EngineSettings
 from .speculation import Drafter, RowCosts, exact_rows, verify
 from .store_stats import CacheStats
+from .thinking import Phases, sampler_for
 
 log = logging.getLogger("mpserve.worker")
 
@@ -126,15 +127,14 @@ class BatchEngine:
         self.n_ctx, self.parallel = settings.n_ctx, settings.parallel
         self._exact = settings.exact
         self._rng = random.Random(settings.seed)
-        self._steps = 0
-        self._step_s = 0.0
+        self._steps, self._step_s = 0, 0.0
         self._computed = self._generated = self._drafted = self._accepted = 0
         self._draft: DraftModel | None = None  # speculative type draft
         self._context = context = Context(settings, model)
         self._exact_rows = exact_rows(context.repacked)
         self._scheduler = Scheduler(settings.step_budget_tokens, exact=self._exact, kv_unified=settings.kv_unified,
                                     exact_rows=together_rows(self._exact_rows, context.float_weights))
-        self._grammars = GrammarCache(context.vocab, settings.grammar_step_s)
+        self._grammars, self._reasoning = GrammarCache(context.vocab, settings.grammar_step_s), settings.reasoning
         self._speculative = settings.speculative
         if self._speculative is not None and context.recurrent:
             log.warning("speculative decoding is off: this model's recurrent state cannot drop rejected drafts")
@@ -305,7 +305,7 @@ class BatchEngine:
         seed = params.seed if params.seed is not None else self._rng.randrange(2**32 - 1)
         seq = Sequence(
             slot, tokens, reused, max_tokens,
-            SamplerChain(context.n_vocab, params, seed, context.eog_tokens() if params.ignore_eos else (), grammar),
+            sampler_for(context, params, seed, grammar, self._reasoning, self.n_ctx),  # thinking's Phases too
             TextStream(params.stop, strip_leading_space=not prompt), on_token, key,
         )
         self._equip(seq, params, score_prompt)
@@ -565,7 +565,7 @@ class BatchEngine:
             reused_tokens=seq.reused, logprobs=seq.logprobs.take() if seq.logprobs is not None else None,
             draft_tokens=seq.drafter.proposed if seq.drafter is not None else 0, error=seq.sampler.refused,
             accepted_tokens=seq.drafter.accepted if seq.drafter is not None else 0,
-        )
+            reasoning_tokens=seq.sampler.spent if isinstance(seq.sampler, Phases) else 0)
 
     # --- the vocabulary ------------------------------------------------------------------------------
 

@@ -58,6 +58,7 @@ class Completion:
     draft_tokens: int = 0  # speculation: tokens proposed and verified
     accepted_tokens: int = 0  # of those, the ones kept
     error: MpserveError | None = None  # why it ended with an error: its grammar's step past the budget
+    reasoning_tokens: int = 0  # of its tokens, those of its thinking (``mpserve.engine.thinking``)
 
 
 class NoCells:

@@ -27,6 +27,7 @@ if TYPE_CHECKING:  # what a sequence carries; their modules import llama_cpp, wh
     from .logprobs import LogprobsRecorder
     from .sampling import SamplerChain, TextStream
     from .speculation import Drafter
+    from .thinking import Phases
 
 PROMPT_CHUNK = 512
 """Prompt tokens per llama_decode, from position 0: llama_cpp.Llama's batch size (n_batch), so a prompt
@@ -83,7 +84,7 @@ class Sequence:
                  "logprobs", "carried", "replay", "eog", "score_prompt", "drafter", "drafts", "marks", "adapters",
                  "space", "salt", "alone")
 
-    def __init__(self, slot: int, prompt: list[int], reused: int, max_tokens: int, sampler: SamplerChain,
+    def __init__(self, slot: int, prompt: list[int], reused: int, max_tokens: int, sampler: SamplerChain | Phases,
                  text: TextStream, on_token: OnToken, salt: bytes = b"") -> None:
         self.slot = slot
         self.prompt = prompt

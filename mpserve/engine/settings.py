@@ -7,7 +7,8 @@
                                                                           ├─ scheduler step_budget_tokens
                                                                           ├─ cells     reuse, kv_unified
                                                                           ├─ keeping   the host store's tiers
-                                                                          └─ adapters  LoRA adapters to load
+                                                                          ├─ adapters  LoRA adapters to load
+                                                                          └─ thinking  reasoning: budgets, close message
 """
 
 from __future__ import annotations
@@ -16,6 +17,8 @@ from dataclasses import dataclass
 
 from mpserve.config.kv_types import DEFAULT_KV_TYPE, KV_TYPES
 from mpserve.config.speculative import Speculative
+from mpserve.errors import BadRequest
+from mpserve.wire.protocol import GenerateParams
 
 FLASH_ATTN_TYPES = {"auto": "LLAMA_FLASH_ATTN_TYPE_AUTO", "on": "LLAMA_FLASH_ATTN_TYPE_ENABLED",
                     "off": "LLAMA_FLASH_ATTN_TYPE_DISABLED"}
@@ -30,6 +33,29 @@ sequence of the batch."""
 REUSE_MODES = ("any", "exact")
 """What a prompt may start from: ``any`` computed cells holding a prefix of it, of any length; ``exact`` whole
 prompt chunks of them only, so that output equals a fresh computation."""
+
+
+REASONING_BUDGETS = (("low", 1024), ("medium", 4096), ("high", 16384))
+"""A model's thinking budget in tokens for each ``reasoning_effort``, unless its configuration sets its own."""
+
+
+@dataclass(frozen=True)
+class Reasoning:
+    """A model's thinking settings (``mpserve.engine.thinking``): its budget per effort, and the message written
+    before the end tag that a budget forces ("" for none)."""
+
+    budgets: tuple[tuple[str, int], ...] = REASONING_BUDGETS
+    close_message: str = ""
+
+    def budget(self, params: GenerateParams, n_ctx: int) -> int:
+        """The thinking budget of ``params`` in tokens (-1: none); BadRequest for one past the context."""
+        budget = params.reasoning_budget
+        if budget is None:
+            budget = dict(self.budgets)[params.reasoning_effort or "medium"]
+        elif budget > n_ctx:
+            raise BadRequest(f"'reasoning_budget' = {budget} is more than the context holds ({n_ctx} tokens a "
+                             "sequence); give at most that, or -1 for no limit")
+        return budget
 
 
 @dataclass(frozen=True)
@@ -62,6 +88,7 @@ class EngineSettings:
     chat_template: str | None = None
     adapters: tuple[tuple[str, str], ...] = ()  # LoRA adapters to load: (name, path) (``mpserve.engine.adapters``)
     grammar_step_s: float = GRAMMAR_STEP_S
+    reasoning: Reasoning = Reasoning()
 
     @property
     def exact(self) -> bool:

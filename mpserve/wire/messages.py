@@ -163,6 +163,8 @@ def _param(low: float, high: float, meaning: str) -> Meta:
 
 Bias = tuple[Annotated[int, Meta(ge=0, le=MAX_TOKEN_ID)], Annotated[float, Meta(ge=-100.0, le=100.0)]]
 StopString = Annotated[str, Meta(min_length=1, max_length=MAX_STOP_CHARS)]
+REASONING_EFFORTS = ("low", "medium", "high")
+MAX_REASONING_TAG_CHARS = 64
 
 
 class GenerateParams(Body, frozen=True, forbid_unknown_fields=True):
@@ -197,6 +199,15 @@ class GenerateParams(Body, frozen=True, forbid_unknown_fields=True):
     n: Annotated[int, _param(1, MAX_CHOICES, "choices, choice i seeded with seed + i")] = 1
     speculative_n_max: Annotated[int, _param(0, 64, "most tokens drafted a step for this request (0: none); nil: "
                                                     "the model's setting")] | None = None
+    reasoning_end: Annotated[str, Meta(min_length=1, max_length=MAX_REASONING_TAG_CHARS, description=(
+        "the tag that ends the thinking the prompt opened: the reply thinks first, within reasoning_budget, then "
+        "answers, its grammar or json_schema applying from the tag on; nil: no thinking"))] | None = None
+    reasoning_budget: Annotated[int, _param(-1, MAX_TOKENS_LIMIT, "most tokens the thinking takes before its end "
+                                                                  "tag is forced (-1: no limit); nil: the model's "
+                                                                  "budget for reasoning_effort")] | None = None
+    reasoning_effort: Annotated[str, Meta(max_length=8, description="low, medium or high: the model's budget for "
+                                                                    "it when reasoning_budget is nil; nil: medium")
+                                ] | None = None
 
     @classmethod
     def from_wire(cls, values: dict[str, Any]) -> GenerateParams:
@@ -228,6 +239,9 @@ class GenerateParams(Body, frozen=True, forbid_unknown_fields=True):
             raise BadRequest("'prompt_logprobs' needs 'logprobs' (the number of top tokens to report, 0..20)")
         if self.grammar is not None and self.json_schema is not None:
             raise BadRequest("give 'grammar' or 'json_schema', not both")
+        if self.reasoning_effort is not None and self.reasoning_effort not in REASONING_EFFORTS:
+            raise BadRequest(f"'reasoning_effort' must be one of {', '.join(REASONING_EFFORTS)}, got "
+                             f"{self.reasoning_effort!r}")
         if self.grammar is not None:
             structured.check_grammar(self.grammar)
         if self.json_schema is not None:
@@ -652,6 +666,8 @@ class Chunks(msgspec.Struct, frozen=True):
 class Usage(Body, frozen=True, forbid_unknown_fields=True):
     prompt_tokens: int = 0
     completion_tokens: int = 0
+    reasoning_tokens: Annotated[int, Meta(description="of the completion's tokens, those of its thinking, its end "
+                                                      "tag included")] = 0
 
     @property
     def total_tokens(self) -> int:

@@ -616,8 +616,9 @@ class Worker:
             return wire.Error(req.id, ErrorCode.CANCELLED, "cancelled")
         if result.error is not None:
             return wire.Error(req.id, result.error.code, result.error.message)
+        usage = wire.Usage(result.prompt_tokens, result.completion_tokens, result.reasoning_tokens)
         return wire.Done(
-            req.id, result.text, result.finish_reason, wire.Usage(result.prompt_tokens, result.completion_tokens),
+            req.id, result.text, result.finish_reason, usage,
             wire.Timings(assign.queue_ms, result.prompt_s * 1000, result.generate_s * 1000, assign.attempt,
                          cached_tokens=result.reused_tokens, draft_tokens=result.draft_tokens,
                          accepted_tokens=result.accepted_tokens),

@@ -1,0 +1,75 @@
+"""Thinking as a phase of the sequence (``mpserve.engine.thinking``), on the built-in tiny model, whose random
+weights never write the end tag: the budget closes the thinking to the token, the request's JSON schema holds
+from the end tag on and never inside the thinking, and a budget past the context is refused."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+
+import jsonschema
+import pytest
+from engines import serve
+
+from mpserve.engine.batch import BatchEngine
+from mpserve.engine.settings import EngineSettings, Reasoning
+from mpserve.engine.thinking import closing_tokens
+from mpserve.errors import BadRequest
+from mpserve.models.builtin import builtin_model_path
+from mpserve.structured import canonical_json
+from mpserve.wire.protocol import GenerateParams
+
+PROMPT = "<|im_start|>user\nWhat is two and two?<|im_end|>\n<|im_start|>assistant\n<think>\n"
+END = "</think>"
+SCHEMA = {"type": "object", "properties": {"answer": {"type": "integer"}, "sure": {"type": "boolean"}},
+          "required": ["answer", "sure"], "additionalProperties": False}
+N_CTX = 1024
+
+
+@pytest.fixture(scope="module")
+def engine() -> Iterator[BatchEngine]:
+    engine = BatchEngine(EngineSettings(str(builtin_model_path("tiny")), n_ctx=N_CTX, parallel=4, threads=1,
+                                        n_gpu_layers=0, reasoning=Reasoning(close_message="Time to answer.")))
+    yield engine
+    engine.close()
+
+
+def forced(engine: BatchEngine) -> int:
+    """How many tokens the budget forces: the close message, a newline and the end tag."""
+    return len(closing_tokens(lambda text: engine.tokenize(text, False), engine.token_bytes, "Time to answer.\n" + END))
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("budget", [0, 1, 7, 40])
+def test_the_budget_closes_the_thinking_to_the_token(engine: BatchEngine, budget: int) -> None:
+    params = GenerateParams(max_tokens=120, temperature=1.0, seed=budget, ignore_eos=True, reasoning_end=END,
+                            reasoning_budget=budget)
+    [done] = serve(engine, [(PROMPT, params)])
+    thinking, closed, _answer = done.text.partition(END)
+    assert closed and thinking.endswith("Time to answer.\n")
+    assert done.reasoning_tokens == budget + forced(engine)
+    assert done.completion_tokens == 120
+
+
+@pytest.mark.timeout(300)
+def test_a_json_schema_holds_after_the_thinking_for_many_seeds(engine: BatchEngine) -> None:
+    requests = [(PROMPT, GenerateParams(max_tokens=200, temperature=1.0, seed=seed, reasoning_end=END,
+                                        reasoning_budget=12, json_schema=canonical_json(SCHEMA)))
+                for seed in range(16)]
+    for done in serve(engine, requests):
+        thinking, closed, answer = done.text.partition(END)
+        assert closed and thinking.removesuffix("Time to answer.\n").strip(), done.text  # it thought freely
+        jsonschema.validate(json.loads(answer), SCHEMA)
+        assert done.finish_reason == "stop"
+
+
+@pytest.mark.timeout(60)
+def test_an_effort_takes_the_model_s_budget_for_it_and_a_budget_past_the_context_is_refused(
+        engine: BatchEngine) -> None:
+    low = dict(Reasoning().budgets)["low"]
+    params = GenerateParams(max_tokens=8, temperature=0.0, reasoning_end=END, reasoning_effort="low")
+    [done] = serve(engine, [(PROMPT, params)])
+    assert done.reasoning_tokens == 8 < low  # still thinking when max_tokens ended it
+    with pytest.raises(BadRequest, match=f"'reasoning_budget' = {N_CTX + 1} is more than the context holds"):
+        engine.admit(0, PROMPT, GenerateParams(reasoning_end=END, reasoning_budget=N_CTX + 1), lambda t, n: True)
+    assert engine.free_slots() == [0, 1, 2, 3]
