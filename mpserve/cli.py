@@ -837,9 +837,9 @@ def adapters(
             raise _no_server(server_name)
         with _admin_client(info, _Curve(curve_server_key, curve_secret)) as client:
             if action == "list":
-                served = {m: s.adapters for m, s in client.stats().models.items()}
-                print(json.dumps(served) if as_json else "\n".join(
-                    f"{m}:{a} (id {i})" for m, names in served.items() for i, a in enumerate(names)))
+                served = {m: s.served_adapters() for m, s in client.stats().models.items()}
+                print(json.dumps({m: list(ids) for m, ids in served.items()}) if as_json else "\n".join(
+                    f"{m}:{a} (id {i})" for m, ids in served.items() for a, i in ids.items()))
                 return
             assert model is not None and name is not None
             path = str(Path(path).resolve()) if path is not None else ""  # the server's host is this one, or says so

@@ -47,8 +47,8 @@ class CodeInfo:
 CODES: dict[ErrorCode, CodeInfo] = {
     ErrorCode.BAD_REQUEST: CodeInfo(400, False, "invalid parameters, duplicate id, prompt longer than the context"),
     ErrorCode.UNKNOWN_MODEL: CodeInfo(404, False, "the model is not served; the message lists those that are"),
-    ErrorCode.UNKNOWN_ADAPTER: CodeInfo(404, False, "the model serves no LoRA adapter of that name (or id); the "
-                                                    "message lists those it serves"),
+    ErrorCode.UNKNOWN_ADAPTER: CodeInfo(404, False, "the model serves no LoRA adapter of that name; the message "
+                                                    "lists those it serves, with their ids"),
     ErrorCode.BUSY: CodeInfo(429, True, "the model's queue is full, or the caller's tenant is at one of its limits "
                                         "(`max_queued`, `tokens_per_minute`, `max_pending_per_client`), which the "
                                         "message names with its value and the use; `retry_after` suggests when to "

@@ -1,6 +1,7 @@
 """LoRA adapters at the front: declared with --lora, listed by /v1/models as MODEL:NAME, chosen by the model field,
 llama-server's lora list (ids in declaration order, or names) or the clients' adapters argument; an unknown adapter
-is a 404 naming those served, a scale out of range a 400, and a bad adapter file ends the start in one line."""
+is a 404 naming those served, an unknown id or a scale out of range a 400, and a bad adapter file ends the start in
+one line."""
 
 from __future__ import annotations
 
@@ -62,7 +63,7 @@ def test_each_api_takes_the_model_field_and_the_lora_list(gateway: object, path:
     assert unknown.status_code == 404, unknown.text
     assert "no LoRA adapter 'es'" in unknown.text and "tiny:fr (id 0), tiny:de (id 1)" in unknown.text
     no_id = post(gateway, path, {**body, "model": "tiny", "lora": [{"id": 2}], budget: 4})
-    assert no_id.status_code == 404 and "no LoRA adapter with id 2" in no_id.text
+    assert no_id.status_code == 400 and "no LoRA adapter with id 2" in no_id.text
     too_strong = post(gateway, path, {**body, "model": "tiny", "lora": [{"id": 0, "scale": 9}], budget: 4})
     assert too_strong.status_code == 400 and "scale 9.0 is out of range; give a number from -4 to 4" in too_strong.text
 

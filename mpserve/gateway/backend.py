@@ -18,6 +18,7 @@ import asyncio
 import logging
 import os
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -68,7 +69,7 @@ class Backend:
         self._templates: dict[str, tuple[ChatTemplate, float]] = {}  # model -> its template, when asked
         self._said_no_admin = False  # that keyed callers' requests cannot go to the admin socket
         self._no_admin_until = 0.0  # monotonic: until then they go to the clients' socket without trying it
-        self._adapters: dict[str, tuple[list[str], float]] = {}  # model -> its LoRA adapters, when asked
+        self._adapters: dict[str, tuple[dict[str, int], float]] = {}  # model -> its LoRA adapters' ids, when asked
 
     @property
     def address(self) -> str:
@@ -160,17 +161,18 @@ class Backend:
         """Ask the broker for each model's chat template again at its next chat (a reload may have changed one)."""
         self._templates.clear()
 
-    async def adapters(self, model: str) -> list[str]:
-        """``model``'s LoRA adapters in declaration order (a request's ``lora`` ids count in it), asked again once
-        NO_TEMPLATE_TTL_S old: an operator may load or unload one at any time."""
+    async def adapters(self, model: str, ids: Iterable[object] = ()) -> dict[str, int]:
+        """``model``'s LoRA adapters and their ids (a request's ``lora`` ids), asked again once NO_TEMPLATE_TTL_S
+        old, or at once for one of ``ids`` not among them: an operator may load or unload one at any time."""
         known = self._adapters.get(model)
-        if known is not None and time.monotonic() - known[1] < NO_TEMPLATE_TTL_S:
+        if known is not None and time.monotonic() - known[1] < NO_TEMPLATE_TTL_S \
+                and all(i in known[0].values() for i in ids):
             return known[0]
         stats = await self.stats()
         found = stats.models.get(model) if stats is not None else None
-        names = list(found.adapters) if found is not None else []
-        self._adapters[model] = (names, time.monotonic())
-        return names
+        served = found.served_adapters() if found is not None else {}
+        self._adapters[model] = (served, time.monotonic())
+        return served
 
     def local_server(self) -> ServerInfo | None:
         """The running server on this host at our address, if it is one; only such a server has a slot

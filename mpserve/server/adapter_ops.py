@@ -142,7 +142,7 @@ class AdapterOps:
         mq = self.broker.models[op.model]
         action = op.action
         if op.error is None and action.op == "load":
-            mq.adapters.append(action.name)
+            mq.adapters.add(action.name)
             mq.adapter_paths[action.name] = action.path
         if op.error is not None:
             answer: wire.AdapterReply | wire.Error = wire.Error(action.id, op.error.code, op.error.message)

@@ -700,13 +700,13 @@ class Broker:
 
     def snapshot(self, nonce: int = 0) -> wire.Stats:
         running: Counter[str] = Counter(w.model for w in self.workers.values() for _ in w.running)
-        now = time.monotonic()
-        swaps = {"single_active_swaps": self.residency.swaps} if self.residency is not None else {}
+        now, swaps = time.monotonic(), {"single_active_swaps": self.residency.swaps} if self.residency else {}
         return wire.Stats(nonce, self.accepting, {**self.stats, **swaps}, {
             name: wire.ModelStats(len(mq.queue), running[name], mq.instances, len(mq.free), mq.failed,
                                   mq.chat.template, mq.chat.bos_token, mq.chat.eos_token,
                                   round(now - self.requests[mq.queue.oldest()].accepted, 3) if mq.queue else 0.0,
-                                  self.scaling_of(name), list(mq.adapters), mq.preempted)
+                                  self.scaling_of(name), list(mq.adapters), mq.preempted,
+                                  list(mq.adapters.values()))
             for name, mq in self.models.items()
         }, [wire.WorkerStats(w.identity.decode(), w.model, w.host, w.pid, w.device, w.capacity, len(w.running))
             for w in self.workers.values()],

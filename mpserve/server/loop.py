@@ -36,6 +36,7 @@ from mpserve.gpu.placement import ModelRequest
 from mpserve.llama_build import start_warnings
 from mpserve.runtime import ServerInfo, ServerPaths
 from mpserve.wire import protocol as wire
+from mpserve.wire.adapters import Served
 from mpserve.wire.slots import SlotTable
 from mpserve.worker.spec import revision
 
@@ -146,8 +147,8 @@ def _broker(ctx: zmq.Context[zmq.Socket[bytes]], config: ServerConfig, paths: Se
         raise ConfigError(bind_problem("--bind, --workers-bind or --admin-bind",
                                        f"{paths.front}, {paths.back} or {paths.admin}", exc.errno,
                                        exc.strerror)) from None
-    for model in config.models:  # the LoRA adapters a request may name, in declaration order (its ids)
-        broker.models[model.name].adapters = [name for name, _ in model.adapters]
+    for model in config.models:  # the LoRA adapters a request may name, with ids in declaration order
+        broker.models[model.name].adapters = Served(name for name, _ in model.adapters)
     return broker
 
 

@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 from enum import Enum
 
 from mpserve.wire import protocol as wire
+from mpserve.wire.adapters import Served
 from mpserve.wire.protocol import ChatTemplate
 
 from .ram_prefixes import RamPrefixes
@@ -136,7 +137,7 @@ class ModelQueue:
     stores: dict[str, RamPrefixes] = field(default_factory=dict)  # host ("": this one) -> what its store holds
     unserved_since: float | None = None  # monotonic: since when no instance can serve it (``mpserve.server.unserved``)
     lost: Lost | None = None  # how its last instance went, once one did
-    adapters: list[str] = field(default_factory=list)  # its LoRA adapters, in declaration order (a request's ids)
+    adapters: Served = field(default_factory=Served)  # its LoRA adapters served now, with their ids
     adapter_paths: dict[str, str] = field(default_factory=dict)  # those loaded at run time: name -> file (a new
     # instance is sent them: ``mpserve.server.adapter_ops``)
     preempted: int = 0  # its requests preempted since start

@@ -4,8 +4,12 @@
                                                        finite within ±MAX_SCALE, at most MAX_ADAPTERS
     the clients' ``model`` BASE:NAME ──split_model()──▶ BASE, and NAME at scale 1 (vLLM's way of naming one)
     llama-server's ``lora`` [{"id": 0, "scale": 0.5}, {"name": "fr"}] ──from_lora()──▶ names, given the model's
-                                                       declared ones in order (ids count in it)
+                                                       adapters served and their ids (``Served``)
     the broker, against the model's adapters ──unknown()──▶ the 404 naming the ones served
+
+An adapter's id is given once: the declared ones count from 0 in their order, one loaded while the server runs gets
+the next id never given, and an unloaded one's id is not given again. So an id names one adapter for the server's
+life, and a client that sends an id of an adapter since unloaded is refused, never served by another.
 
 A selection is kept sorted by name: the same adapters at the same scales are one set, however a client wrote them,
 so requests of one set batch together and share their cells (``mpserve.wire.salt`` digests it).
@@ -15,7 +19,7 @@ from __future__ import annotations
 
 import math
 import re
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 from mpserve.errors import BadRequest, UnknownAdapter
@@ -76,23 +80,49 @@ def selection(model: str | None, adapters: Mapping[str, float] | Sequence[Any] |
     return base, normal(given)
 
 
-def from_lora(items: Any, declared: Sequence[str], model: str) -> Selection:
-    """llama-server's ``lora`` field: a list of ``{"id": N, "scale": S}`` (N: the adapter's place in the model's
-    declaration, from 0), or ``{"name": NAME, "scale": S}``; scale 1 when not given. BadRequest when malformed,
-    UnknownAdapter for an id or a name the model does not have."""
+class Served(Mapping[str, int]):
+    """A model's adapters served now, name -> id, in the order of their ids (module docstring: ids are not reused)."""
+
+    def __init__(self, names: Iterable[str] = ()) -> None:
+        self._ids = {name: i for i, name in enumerate(names)}
+        self._given = len(self._ids)  # ids given since start: the next one's
+
+    def add(self, name: str) -> int:
+        """``name`` served under a new id, which it returns."""
+        self._ids[name], self._given = self._given, self._given + 1
+        return self._ids[name]
+
+    def remove(self, name: str) -> None:
+        del self._ids[name]
+
+    def __getitem__(self, name: str) -> int:
+        return self._ids[name]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._ids)
+
+    def __len__(self) -> int:
+        return len(self._ids)
+
+
+def from_lora(items: Any, served: Mapping[str, int], model: str) -> Selection:
+    """llama-server's ``lora`` field: a list of ``{"id": N, "scale": S}`` (N: the adapter's id in ``served``, name
+    -> id), or ``{"name": NAME, "scale": S}``; scale 1 when not given. BadRequest when malformed or for an id no
+    adapter served has (never given, or its adapter unloaded), UnknownAdapter for a name the model does not have."""
     if not isinstance(items, list):
         raise BadRequest("'lora' must be a list like [{\"id\": 0, \"scale\": 0.5}]")
     given: list[tuple[str, float]] = []
+    names = {i: name for name, i in served.items()}
     for item in items:
         if not isinstance(item, dict) or set(item) - {"id", "name", "scale"} or ("id" in item) == ("name" in item):
             raise BadRequest(f"'lora': got {item!r:.80}; each item is {{\"id\": N, \"scale\": S}} or "
                              "{\"name\": NAME, \"scale\": S}")
         if "id" in item:
             index = item["id"]
-            if not isinstance(index, int) or isinstance(index, bool) or not 0 <= index < len(declared):
-                raise UnknownAdapter(f"model {model!r} has no LoRA adapter with id {index!r}; "
-                                     + _served(model, declared))
-            name = declared[index]
+            if not isinstance(index, int) or isinstance(index, bool) or index not in names:
+                raise BadRequest(f"'lora': model {model!r} serves no LoRA adapter with id {index!r} (an unloaded "
+                                 "adapter's id is not reused); " + _served(model, served))
+            name = names[index]
         else:
             name = item["name"]
             if not isinstance(name, str):
@@ -102,19 +132,19 @@ def from_lora(items: Any, declared: Sequence[str], model: str) -> Selection:
     return normal(given)
 
 
-def unknown(adapters: Selection, declared: Sequence[str], model: str) -> UnknownAdapter | None:
+def unknown(adapters: Selection, served: Mapping[str, int], model: str) -> UnknownAdapter | None:
     """The error for the first of ``adapters`` the model does not serve; None when it serves them all."""
-    missing = [name for name, _ in adapters if name not in declared]
+    missing = [name for name, _ in adapters if name not in served]
     if not missing:
         return None
-    return UnknownAdapter(f"model {model!r} has no LoRA adapter {missing[0]!r}; " + _served(model, declared))
+    return UnknownAdapter(f"model {model!r} has no LoRA adapter {missing[0]!r}; " + _served(model, served))
 
 
-def _served(model: str, declared: Sequence[str]) -> str:
-    if not declared:
+def _served(model: str, served: Mapping[str, int]) -> str:
+    if not served:
         return f"it serves none (declare them in its models[].adapters, or load one: mpserve adapters load {model} " \
                "NAME PATH)"
-    return f"served adapters: {', '.join(f'{model}{SEPARATOR}{n} (id {i})' for i, n in enumerate(declared))}"
+    return f"served adapters: {', '.join(f'{model}{SEPARATOR}{n} (id {i})' for n, i in served.items())}"
 
 
 def _scale(value: Any, name: str) -> float:

@@ -533,8 +533,14 @@ class ModelStats:
     eos_token: str = ""
     oldest_wait_s: float = 0.0  # how long the request at the head of the queue has waited; 0 when none waits
     scaling: ModelScaling = field(default_factory=ModelScaling)
-    adapters: list[str] = field(default_factory=list)  # its LoRA adapters, in declaration order (a request's ids)
+    adapters: list[str] = field(default_factory=list)  # its LoRA adapters, in the order of their ids
     preempted: int = 0  # its requests preempted since start, to give their slots to ones of higher priority
+    adapter_ids: list[int] = field(default_factory=list)  # each adapter's id (llama-server's), never reused
+
+    def served_adapters(self) -> dict[str, int]:
+        """Each adapter's id by its name (a server that sends no ids counts them in its list, as before)."""
+        ids = self.adapter_ids if len(self.adapter_ids) == len(self.adapters) else range(len(self.adapters))
+        return dict(zip(self.adapters, ids, strict=True))
 
 
 class WorkerStats(Body, frozen=True, forbid_unknown_fields=True):

@@ -8,7 +8,7 @@ import pytest
 from mpserve.errors import BadRequest, UnknownAdapter
 from mpserve.wire import adapters
 
-DECLARED = ["fr", "de", "es"]
+DECLARED = adapters.Served(["fr", "de", "es"])
 
 
 def test_a_selection_is_one_set_however_it_is_written() -> None:
@@ -20,8 +20,9 @@ def test_a_selection_is_one_set_however_it_is_written() -> None:
 
 
 @pytest.mark.parametrize(("lora", "error", "words"), [
-    ([{"id": 3}], UnknownAdapter, "no LoRA adapter with id 3; served adapters: tiny:fr (id 0), tiny:de (id 1)"),
-    ([{"id": True}], UnknownAdapter, "with id True"),
+    ([{"id": 3}], BadRequest, "no LoRA adapter with id 3 (an unloaded adapter's id is not reused); served "
+                              "adapters: tiny:fr (id 0), tiny:de (id 1)"),
+    ([{"id": True}], BadRequest, "with id True"),
     ([{"id": 0, "scale": 4.5}], BadRequest, "scale 4.5 is out of range; give a number from -4 to 4"),
     ([{"id": 0, "scale": "1"}], BadRequest, "scale '1' must be a number"),
     ([{"id": 0}, {"name": "fr"}], BadRequest, "'fr' is given twice"),
@@ -38,7 +39,17 @@ def test_the_broker_names_the_adapters_served() -> None:
     missing = adapters.unknown((("it", 1.0),), DECLARED, "tiny")
     assert isinstance(missing, UnknownAdapter) and "no LoRA adapter 'it'" in missing.message
     assert adapters.unknown((("fr", 1.0),), DECLARED, "tiny") is None
-    assert "declare them in its models[].adapters" in str(adapters.unknown((("fr", 1.0),), [], "tiny"))
+    assert "declare them in its models[].adapters" in str(adapters.unknown((("fr", 1.0),), {}, "tiny"))
+
+
+def test_an_id_is_given_once_and_an_unloaded_one_s_id_is_refused() -> None:
+    served = adapters.Served(["french", "support"])
+    served.remove("french")
+    assert served.add("german") == 2 and served.add("french") == 3 and dict(served) == {
+        "support": 1, "german": 2, "french": 3}
+    assert adapters.from_lora([{"id": 1}, {"id": 2, "scale": 0.5}], served, "m") == (("german", 0.5), ("support", 1.0))
+    with pytest.raises(BadRequest, match="serves no LoRA adapter with id 0 .* m:support \\(id 1\\), m:german"):
+        adapters.from_lora([{"id": 0}], served, "m")
 
 
 def test_an_instance_s_active_sets_are_those_its_running_slots_show() -> None:

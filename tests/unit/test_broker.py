@@ -16,6 +16,7 @@ from mpserve.errors import ErrorCode
 from mpserve.server.broker import Broker, WorkerEntry
 from mpserve.server.routing import MAX_HANDOVERS, MODEL_CRASHES
 from mpserve.wire import protocol as wire
+from mpserve.wire.adapters import Served
 from mpserve.wire.prefix import block_hashes
 from mpserve.wire.salt import reuse_salt
 
@@ -686,7 +687,7 @@ def test_a_requests_salt_goes_with_its_assign_and_a_slots_last_prompt_draws_only
         assert broker.stats["routed_kv_prefix"] == 2
         assert routed(client, workers, "r6")[1].salt == b""  # the default tenant: as before
 def test_requests_of_one_adapter_set_go_to_the_instance_running_that_set(broker: Broker) -> None:
-    broker.models["m"].adapters = ["fr", "de"]
+    broker.models["m"].adapters = Served(["fr", "de"])
     with peers(broker, slots=4) as (client, workers):
         for entry in broker.workers.values():
             entry.adapters = frozenset({"fr", "de"})
@@ -712,7 +713,7 @@ def test_requests_of_one_adapter_set_go_to_the_instance_running_that_set(broker:
 
 def test_a_freed_slot_takes_a_younger_request_of_its_instance_s_set_before_an_older_of_another(
         broker: Broker) -> None:
-    broker.models["m"].adapters = ["fr", "de", "es"]
+    broker.models["m"].adapters = Served(["fr", "de", "es"])
     with peers(broker, slots=2) as (client, workers):
         for entry in broker.workers.values():
             entry.adapters = frozenset({"fr", "de", "es"})

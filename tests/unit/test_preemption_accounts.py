@@ -17,6 +17,7 @@ from mpserve.config.tenants import Tenant, Tenants
 from mpserve.server.broker import Broker
 from mpserve.server.state import Pending
 from mpserve.wire import protocol as wire
+from mpserve.wire.adapters import Served
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -99,7 +100,7 @@ def test_a_tenant_at_its_max_running_starts_on_another_model_once_one_ends() -> 
 
 
 def test_an_urgent_request_preempts_only_where_its_adapters_are_loaded(broker: Broker) -> None:
-    broker.models["m"].adapters = ["x"]
+    broker.models["m"].adapters = Served(["x"])
     with peers(broker, slots=1) as (client, workers):
         broker.workers[b"w0"].adapters = frozenset({"x"})  # w1 registered before a runtime load reached it
         _request(client, broker, "a", 0)

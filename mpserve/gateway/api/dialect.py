@@ -384,12 +384,12 @@ class Pipeline:
     def _tail(self, answer: Answer, who: str, key: str, after: int) -> AsyncGenerator[bytes, None]:
         return self.journal.tail(who, key, after, lambda exc, _: answer.failed(HttpError.from_mpserve(exc)))
     async def _adapters(self, call: oai.Call, model: str) -> wire_adapters.Selection:
-        """The adapters of llama-server's ``lora`` field, by name: its ids count in the model's declaration."""
+        """The adapters of llama-server's ``lora`` field, by name: its ids are the server's (``wire.adapters``)."""
         if not call.lora:
             return ()
-        declared = await self.backend.adapters(model) if any("id" in i for i in call.lora if isinstance(i, dict)) \
-            else []
-        return wire_adapters.from_lora(call.lora, declared, model)
+        ids = [i["id"] for i in call.lora if isinstance(i, dict) and "id" in i]
+        served = await self.backend.adapters(model, ids) if ids else {}
+        return wire_adapters.from_lora(call.lora, served, model)
 
     async def _prepared(self, call: oai.Call, client: AsyncClient, model: str) -> oai.Call:
         """A chat's prompt from ``model``'s chat template; a completion echoing a token prompt, with its text."""

@@ -155,7 +155,7 @@ def _admin(errors: dict[str, Any]) -> dict[str, Any]:
             "parameters": [{"name": "name", "in": "path", "required": True, "schema": {"type": "string"}},
                            {"name": "op", "in": "path", "required": True,
                             "schema": {"type": "string", "enum": ["load", "unload", "scale"]}}]}},
-        "/admin/adapters": {"get": call("each model's LoRA adapters, in declaration order", None),
+        "/admin/adapters": {"get": call("each model's LoRA adapters, in the order of their ids", None),
                             "post": call("load a LoRA adapter (a GGUF on the server's host) into every instance of "
                                          "a model", "LoadAdapterRequest")},
         "/admin/adapters/{model}/{name}": {"delete": {

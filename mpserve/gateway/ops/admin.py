@@ -5,7 +5,7 @@
     POST /admin/models/NAME/load    start its instances (min at least 1)
     POST /admin/models/NAME/unload  drain them all (min 0: the next request loads it again)
     POST /admin/models/NAME/scale   {"min": 1, "max": 4}, either or both
-    GET  /admin/adapters            each model's LoRA adapters, in declaration order
+    GET  /admin/adapters            each model's LoRA adapters, in the order of their ids
     POST /admin/adapters            {"model": "m", "name": "fr", "path": "/fr.gguf"}: load one into every instance
     DELETE /admin/adapters/MODEL/NAME  unload one, once the requests using it have finished (ADAPTER_ACTION)
 
