@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from collections.abc import Iterator
 from pathlib import Path
@@ -10,7 +11,8 @@ import pytest
 import zmq
 
 from mpserve.engine.echo import EchoEngine
-from mpserve.engine.interface import Engine
+from mpserve.engine.interface import Completion, Engine
+from mpserve.errors import GrammarTooComplex
 from mpserve.wire import protocol as wire
 from mpserve.wire.slots import SlotTable
 from mpserve.worker.loop import Worker
@@ -22,6 +24,14 @@ pytestmark = pytest.mark.timeout(10)
 class _FailingStep(EchoEngine):
     def step(self) -> list[tuple[int, object]]:
         raise RuntimeError("llama_decode returned -1")
+
+
+class _GrammarPastBudget(EchoEngine):
+    """Slot 0's sequence ends as a grammar step past its budget ends it (``mpserve.engine.sampling``)."""
+
+    def step(self) -> list[tuple[int, Completion]]:
+        return [(slot, dataclasses.replace(done, finish_reason="error", error=GrammarTooComplex("past its budget"))
+                 if slot == 0 else done) for slot, done in super().step()]
 
 
 @pytest.fixture
@@ -89,6 +99,26 @@ def test_the_answers_of_one_step_travel_as_one_step_message(
             entries = wire.step_entries(frames[3])
             assert [(t, ticket) for t, ticket, _, _ in entries] == [(wire.MsgType.DONE, f"t{i}") for i in range(2)]
     assert wire.MsgType.STEP in kinds and wire.MsgType.DONE not in kinds, kinds
+
+
+def test_a_sequence_ended_by_its_grammars_budget_is_an_error_of_that_code_and_its_neighbour_is_done(
+        link: tuple[zmq.Socket[bytes], WorkerSpec, SlotTable]) -> None:
+    broker, spec, table = link
+    worker = _worker(broker, spec, table, _GrammarPastBudget(parallel=2))
+    assigns = [wire.Assign(f"t{i}", wire.Request(f"r{i}", "hi", params=wire.GenerateParams(max_tokens=1)), 0.0, 1,
+                           slot=i) for i in range(2)]
+    broker.send_multipart([spec.identity, *wire.encode_assigns([wire.pack(a) for a in assigns])])
+    broker.send_multipart([spec.identity, *wire.encode(wire.Stop("done"))])
+    worker.run()
+    answers = {}
+    while broker.poll(500):
+        frames = broker.recv_multipart()[1:]
+        if wire.parse_header(frames, len(frames)) is wire.MsgType.STEP:
+            answers |= {ticket: wire.decode_body(t, body) for t, ticket, body, _ in wire.step_entries(frames[3])}
+    refused, done = answers["t0"], answers["t1"]
+    assert isinstance(refused, wire.Error) and (refused.code, refused.message) == ("grammar_too_complex",
+                                                                                   "past its budget"), refused
+    assert isinstance(done, wire.Done) and done.id == "r1", done
 
 
 def test_a_worker_stopping_with_a_request_running_leaves_without_answering_it(
