@@ -179,13 +179,17 @@ def _resolve(doc: dict[str, Any], node: dict[str, Any]) -> dict[str, Any]:
 
 
 def _body_table(doc: dict[str, Any], schema: dict[str, Any]) -> list[str]:
+    """One row per field; fields described alike (llama-server's ignored ones, say) share one row."""
     required = set(schema.get("required", ()))
-    rows = ["| body field | type | required | limits |", "|---|---|---|---|"]
+    rows: dict[str, list[str]] = {}  # a row's other cells -> its fields
     for name, prop in schema.get("properties", {}).items():
         prop = _resolve(doc, prop)
-        rows.append(f"| `{name}` | {_schema_type(doc, prop)} | {'yes' if name in required else 'no'} | "
-                    f"{_constraints(prop)} |")
-    return [*rows, ""]
+        meaning = "; ".join(filter(None, (_constraints(prop), prop.get("description", ""))))
+        cells = f"{_schema_type(doc, prop)} | {'yes' if name in required else 'no'} | {meaning}"
+        rows.setdefault(cells if prop.get("description") else f"{name}\0{cells}", []).append(name)
+    return ["| body field | type | required | limits and meaning |", "|---|---|---|---|",
+            *(f"| {', '.join(f'`{n}`' for n in names)} | {key.split(chr(0))[-1]} |" for key, names in rows.items()),
+            ""]
 
 
 def _schema_type(doc: dict[str, Any], schema: dict[str, Any]) -> str:

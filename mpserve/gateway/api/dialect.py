@@ -173,6 +173,10 @@ def fallback_salt(tenant: str, cache_salt: str | None) -> str:
     return "tenant:" + hmac.new(_FALLBACK_SECRET, tenant.encode(), hashlib.sha256).hexdigest()[:32]
 
 
+PIPELINE_FIELDS = frozenset({"cache_salt", "priority"})
+"""The fields every dialect's body may carry that the pipeline takes out before the dialect reads it."""
+
+
 def take_cache_salt(body: Any) -> str | None:
     """The body's ``cache_salt``, taken out of it (the dialects' own fields do not hold it); None without one."""
     if not isinstance(body, dict):
@@ -189,7 +193,9 @@ def take_priority(body: Any) -> int:
     The broker caps it at the caller's tenant's ``max_priority``."""
     if not isinstance(body, dict):
         return 0
-    priority = body.pop("priority", 0)
+    priority = body.pop("priority", None)
+    if priority is None:  # null: not given, as every field
+        return 0
     if not isinstance(priority, int) or isinstance(priority, bool) or not -100 <= priority <= 100:
         raise BadRequest(f"'priority' must be an integer from -100 to 100 (higher is more urgent), got "
                          f"{str(priority)[:40]!r}")

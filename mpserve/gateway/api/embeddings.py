@@ -24,6 +24,7 @@ from mpserve.wire import protocol as wire
 from .tokens import token_ids
 
 FORMATS = ("float", "base64")
+FIELDS = frozenset({"input", "model", "encoding_format", "user", "dimensions"})  # "dimensions" only as null
 
 
 @dataclass(frozen=True)
@@ -36,7 +37,7 @@ class EmbedCall:
 def parse(body: Any) -> EmbedCall:
     if not isinstance(body, dict):
         raise BadRequest("the request body must be a JSON object")
-    unknown = sorted(set(body) - {"input", "model", "encoding_format", "user", "dimensions"})
+    unknown = sorted(set(body) - FIELDS)
     if unknown:
         raise BadRequest(f"unrecognized request argument(s) supplied: {', '.join(unknown)}")
     given = {k: v for k, v in body.items() if v is not None}

@@ -32,6 +32,9 @@ IGNORED = frozenset({
     "thinking_forced_open", "add_generation_prompt",
 })
 """llama-server's request fields that mpserve accepts and does not apply."""
+MAPPED = ("n_predict", "n_probs")
+FIELDS = IGNORED | frozenset(MAPPED)
+"""Every llama-server field taken here (the OpenAPI document lists each)."""
 
 
 def translate(chat: bool, body: dict[str, Any]) -> tuple[dict[str, Any], tuple[str, ...]]:

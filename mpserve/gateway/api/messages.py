@@ -34,11 +34,11 @@ from ..http.errors import HttpError
 from . import openai as oai
 from .dialect import event, finish_reason
 
-_KNOWN = frozenset({"model", "max_tokens", "messages", "system", "stop_sequences", "temperature", "top_p", "top_k",
+FIELDS = frozenset({"model", "max_tokens", "messages", "system", "stop_sequences", "temperature", "top_p", "top_k",
                     "stream", "tools", "tool_choice", "metadata", "service_tier", "thinking", "container",
                     "mcp_servers", "context_management", "output_config", "cache_control", "diagnostics",
                     "inference_geo", "speed", "user_profile_id", "workspace_id", "lora"})
-_UNSUPPORTED: oai.Unsupported = {
+UNSUPPORTED: oai.Unsupported = {
     "thinking": (({"type": "disabled"},), "extended thinking is not supported"),
     "container": ((), "code execution containers are Anthropic's"),
     "mcp_servers": (([],), "MCP servers are not supported; give the tools"),
@@ -59,7 +59,7 @@ class Messages:
     def parse(body: Any, owner: str) -> MessageAnswer:
         if not isinstance(body, dict):
             raise BadRequest("the request body must be a JSON object")
-        given = oai.given_fields(body, _KNOWN, _UNSUPPORTED)
+        given = oai.given_fields(body, FIELDS, UNSUPPORTED)
         if "max_tokens" not in given:
             raise BadRequest("'max_tokens' is required")
         stop = given.get("stop_sequences")

@@ -74,7 +74,7 @@ _SAMPLING = ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "rep
              "presence_penalty", "frequency_penalty", "logit_bias", "min_p", "typical_p", "ignore_eos", "n",
              "speculative_n_max")
 _COMMON = ("model", "stream", "stream_options", "user", "response_format", "grammar", "json_schema", "lora") + _SAMPLING
-_KEYS: dict[Kind, frozenset[str]] = {
+FIELDS: dict[Kind, frozenset[str]] = {
     "completion": frozenset(_COMMON + ("prompt", "logprobs", "echo", "best_of")),
     "chat": frozenset(_COMMON + ("messages", "max_completion_tokens", "logprobs", "top_logprobs", "tools",
                                   "tool_choice", "parallel_tool_calls")),
@@ -84,7 +84,7 @@ Unsupported = dict[str, tuple[tuple[Any, ...], str]]
 others are refused."""
 
 
-_UNSUPPORTED: Unsupported = {
+UNSUPPORTED: Unsupported = {
     "suffix": (("",), "insertion (suffix) is not supported"),
     "functions": (([],), "the deprecated function calls are not supported; use tools"),
     "function_call": (("none",), "the deprecated function calls are not supported; use tool_choice"),
@@ -142,7 +142,7 @@ def parse(kind: Kind, body: Any) -> Call:
     if not isinstance(body, dict):
         raise BadRequest("the request body must be a JSON object")
     body, ignored = extensions.translate(kind == "chat", body)
-    given = given_fields(body, _KEYS[kind], _UNSUPPORTED)
+    given = given_fields(body, FIELDS[kind], UNSUPPORTED)
     model = given.get("model")
     if model is not None and not isinstance(model, str):
         raise BadRequest("'model' must be a string")

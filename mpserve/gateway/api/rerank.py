@@ -18,7 +18,7 @@ from mpserve.wire import protocol as wire
 
 from . import openai as oai
 
-_KNOWN = frozenset({"model", "query", "documents", "top_n", "return_documents", "user"})
+FIELDS = frozenset({"model", "query", "documents", "top_n", "return_documents", "user"})
 
 
 @dataclass(frozen=True)
@@ -33,7 +33,7 @@ class RerankCall:
 def parse(body: Any) -> RerankCall:
     if not isinstance(body, dict):
         raise BadRequest("the request body must be a JSON object")
-    given = oai.given_fields(body, _KNOWN, {})
+    given = oai.given_fields(body, FIELDS, {})
     model, query, documents = given.get("model"), given.get("query"), given.get("documents")
     if model is not None and not isinstance(model, str):
         raise BadRequest("'model' must be a string")

@@ -48,13 +48,13 @@ from .dialect import Background, Pipeline, event, finish_reason, owner
 from .journal import Journal, NoStream
 from .response_store import NotStored, ResponseStore
 
-_KNOWN = frozenset({
+FIELDS = frozenset({
     "model", "input", "instructions", "max_output_tokens", "temperature", "top_p", "tools", "tool_choice",
     "parallel_tool_calls", "text", "stream", "stream_options", "store", "previous_response_id", "metadata", "user",
     "safety_identifier", "prompt_cache_key", "prompt_cache_retention", "service_tier", "truncation", "reasoning",
     "include", "background", "top_logprobs", "max_tool_calls", "prompt", "conversation", "context_management",
     "lora"})
-_UNSUPPORTED: oai.Unsupported = {
+UNSUPPORTED: oai.Unsupported = {
     "truncation": (("disabled",), "mpserve does not drop input items to fit the context"),
     "reasoning": (({},), "reasoning effort and summaries are not supported"),
     "include": (([],), "no extra output (reasoning, logprobs, tool results) is available"),
@@ -79,7 +79,7 @@ class Responses:
     def parse(self, body: Any, owner: str) -> ResponseAnswer:
         if not isinstance(body, dict):
             raise BadRequest("the request body must be a JSON object")
-        given = oai.given_fields(body, _KNOWN, _UNSUPPORTED)
+        given = oai.given_fields(body, FIELDS, UNSUPPORTED)
         for key in ("store", "stream", "parallel_tool_calls", "background"):
             if not isinstance(given.get(key, False), bool):
                 raise BadRequest(f"'{key}' must be a boolean")

@@ -12,9 +12,11 @@ from mpserve.wire import protocol as wire
 
 from ..http import limits
 from . import embeddings as emb
+from . import messages, responses
 from . import openai as oai
-from . import responses
+from . import schema_fields as fields
 from . import tools as tc
+from .schema_fields import TOOL_NAME, nullable
 
 ERROR_STATUSES = {
     "400": "bad parameters, not JSON, over a size limit (each names its limit)",
@@ -165,27 +167,24 @@ def _admin(errors: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def _nullable(schema: dict[str, Any]) -> dict[str, Any]:
-    return {**schema, "nullable": True}
-
-
 def _sampling() -> dict[str, Any]:
     stop = {"type": "string", "minLength": 1, "maxLength": wire.MAX_STOP_CHARS}
     return {
-        "model": _nullable({"type": "string", "maxLength": 256}),
-        "max_tokens": _nullable({"type": "integer", "minimum": 1, "maximum": wire.MAX_TOKENS_LIMIT}),
-        "temperature": _nullable({"type": "number", "minimum": 0, "maximum": 100}),
-        "top_p": _nullable({"type": "number", "minimum": 0, "maximum": 1}),
-        "top_k": _nullable({"type": "integer", "minimum": 0, "maximum": 1 << 20}),
-        "seed": _nullable({"type": "integer", "minimum": 0, "maximum": 2**32 - 1}),
-        "repeat_penalty": _nullable({"type": "number", "minimum": 0.01, "maximum": 100}),
-        "stop": _nullable({"oneOf": [stop, {"type": "array", "items": stop, "maxItems": oai.MAX_STOP_STRINGS}]}),
-        "stream": _nullable({"type": "boolean"}),
-        "stream_options": _nullable({"type": "object", "properties": {"include_usage": {"type": "boolean"}},
+        "model": nullable({"type": "string", "maxLength": 256}),
+        "max_tokens": nullable({"type": "integer", "minimum": 1, "maximum": wire.MAX_TOKENS_LIMIT}),
+        "temperature": nullable({"type": "number", "minimum": 0, "maximum": 100}),
+        "top_p": nullable({"type": "number", "minimum": 0, "maximum": 1}),
+        "top_k": nullable({"type": "integer", "minimum": 0, "maximum": 1 << 20}),
+        "seed": nullable({"type": "integer", "minimum": 0, "maximum": 2**32 - 1}),
+        "repeat_penalty": nullable({"type": "number", "minimum": 0.01, "maximum": 100}),
+        "stop": nullable({"oneOf": [stop, {"type": "array", "items": stop, "maxItems": oai.MAX_STOP_STRINGS}]}),
+        "stream": nullable({"type": "boolean"}),
+        "stream_options": nullable({"type": "object", "properties": {"include_usage": {"type": "boolean"}},
                                      "additionalProperties": False}),
-        "user": _nullable({"type": "string"}),
-        "n": _nullable({"type": "integer", "minimum": 1, "maximum": wire.MAX_CHOICES}),
-        "cache_salt": _nullable({"type": "string", "minLength": 1, "maxLength": wire.MAX_CACHE_SALT_CHARS}),
+        "user": nullable({"type": "string"}),
+        "n": nullable({"type": "integer", "minimum": 1, "maximum": wire.MAX_CHOICES}),
+        **fields.sampling(), **fields.structured(), **fields.pipeline(), **fields.llama_server(),
+        **fields.unsupported(oai.UNSUPPORTED),
     }
 
 
@@ -193,24 +192,29 @@ def _completion() -> dict[str, Any]:
     prompt = {"type": "string", "maxLength": wire.MAX_PROMPT_CHARS}
     return {"type": "object", "required": ["prompt"], "additionalProperties": False, "properties": {
         "prompt": {"oneOf": [prompt, {"type": "array", "items": prompt, "minItems": 1, "maxItems": 1}]},
-        "logprobs": _nullable({"type": "integer", "minimum": 0, "maximum": wire.MAX_TOP_LOGPROBS}),
-        "echo": _nullable({"type": "boolean"}),
-        "best_of": _nullable({"type": "integer", "minimum": 1, "maximum": wire.MAX_CHOICES}),
+        "logprobs": nullable({"type": "integer", "minimum": 0, "maximum": wire.MAX_TOP_LOGPROBS}),
+        "echo": nullable({"type": "boolean"}),
+        "best_of": nullable({"type": "integer", "minimum": 1, "maximum": wire.MAX_CHOICES}),
         **_sampling()}}
 
 
 def _chat() -> dict[str, Any]:
     part = {"type": "object", "required": ["type", "text"],
             "properties": {"type": {"type": "string", "enum": ["text"]}, "text": {"type": "string"}}}
+    call = {"type": "object", "required": ["function"], "properties": {
+        "id": {"type": "string"}, "type": {"type": "string", "enum": ["function"]},
+        "function": {"type": "object", "required": ["name"], "properties": {
+            "name": {"type": "string"}, "arguments": {"type": "string"}}}}}
     message = {"type": "object", "required": ["role"], "properties": {
         "role": {"type": "string", "enum": list(oai.CHAT_ROLES)},
-        "content": _nullable({"oneOf": [{"type": "string"}, {"type": "array", "items": part}]})}}
+        "content": nullable({"oneOf": [{"type": "string"}, {"type": "array", "items": part}]}),
+        "tool_calls": nullable({"type": "array", "items": call}), "tool_call_id": {"type": "string"}}}
     return {"type": "object", "required": ["messages"], "additionalProperties": False, "properties": {
         "messages": {"type": "array", "items": message, "minItems": 1, "maxItems": limits.MAX_MESSAGES},
-        "max_completion_tokens": _nullable({"type": "integer", "minimum": 1, "maximum": wire.MAX_TOKENS_LIMIT}),
-        "logprobs": _nullable({"type": "boolean"}),
-        "top_logprobs": _nullable({"type": "integer", "minimum": 0, "maximum": wire.MAX_TOP_LOGPROBS}),
-        **_sampling()}}
+        "max_completion_tokens": nullable({"type": "integer", "minimum": 1, "maximum": wire.MAX_TOKENS_LIMIT}),
+        "logprobs": nullable({"type": "boolean"}),
+        "top_logprobs": nullable({"type": "integer", "minimum": 0, "maximum": wire.MAX_TOP_LOGPROBS}),
+        **_sampling(), **fields.chat_tools()}}
 
 
 def _embedding() -> dict[str, Any]:
@@ -221,9 +225,10 @@ def _embedding() -> dict[str, Any]:
     return {"type": "object", "required": ["input"], "additionalProperties": False, "properties": {
         "input": {"oneOf": [text, {"type": "array", "items": text, **many}, ids,
                             {"type": "array", "items": ids, **many}]},
-        "model": _nullable({"type": "string", "maxLength": 256}),
-        "encoding_format": _nullable({"type": "string", "enum": list(emb.FORMATS)}),
-        "user": _nullable({"type": "string"})}}
+        "model": nullable({"type": "string", "maxLength": 256}),
+        "encoding_format": nullable({"type": "string", "enum": list(emb.FORMATS)}),
+        "user": nullable({"type": "string"}),
+        **fields.unsupported({"dimensions": ((), "a model's embeddings have its own size")})}}
 
 
 def _response() -> dict[str, Any]:
@@ -242,28 +247,32 @@ def _response() -> dict[str, Any]:
             "type": {"type": "string", "enum": ["function_call_output"]}, "call_id": {"type": "string"},
             "output": text}}]}
     tool = {"type": "object", "required": ["type", "name"], "properties": {
-        "type": {"type": "string", "enum": ["function"]}, "name": {"type": "string", "pattern": _TOOL_NAME},
-        "description": {"type": "string"}, "parameters": {"type": "object"}, "strict": _nullable({"type": "boolean"})}}
+        "type": {"type": "string", "enum": ["function"]}, "name": {"type": "string", "pattern": TOOL_NAME},
+        "description": {"type": "string"}, "parameters": {"type": "object"}, "strict": nullable({"type": "boolean"})}}
     return {"type": "object", "required": ["input"], "additionalProperties": False, "properties": {
-        "model": _nullable({"type": "string", "maxLength": 256}),
+        "model": nullable({"type": "string", "maxLength": 256}),
         "input": {"oneOf": [text, {"type": "array", "items": item, "minItems": 1, "maxItems": limits.MAX_MESSAGES}]},
-        "instructions": _nullable(text),
-        "max_output_tokens": _nullable({"type": "integer", "minimum": 1, "maximum": wire.MAX_TOKENS_LIMIT}),
-        "temperature": _nullable({"type": "number", "minimum": 0, "maximum": 2}),
-        "top_p": _nullable({"type": "number", "minimum": 0, "maximum": 1}),
-        "tools": _nullable({"type": "array", "items": tool, "maxItems": tc.MAX_TOOLS}),
-        "tool_choice": _nullable({"oneOf": [{"type": "string", "enum": ["none", "auto", "required"]}, {
+        "instructions": nullable(text),
+        "max_output_tokens": nullable({"type": "integer", "minimum": 1, "maximum": wire.MAX_TOKENS_LIMIT}),
+        "temperature": nullable({"type": "number", "minimum": 0, "maximum": 2}),
+        "top_p": nullable({"type": "number", "minimum": 0, "maximum": 1}),
+        "tools": nullable({"type": "array", "items": tool, "maxItems": tc.MAX_TOOLS}),
+        "tool_choice": nullable({"oneOf": [{"type": "string", "enum": ["none", "auto", "required"]}, {
             "type": "object", "required": ["type", "name"], "properties": {
                 "type": {"type": "string", "enum": ["function"]}, "name": {"type": "string"}}}]}),
-        "parallel_tool_calls": _nullable({"type": "boolean"}),
-        "text": _nullable({"type": "object", "properties": {"format": {
+        "parallel_tool_calls": nullable({"type": "boolean"}),
+        "text": nullable({"type": "object", "properties": {"format": {
             "type": "object", "required": ["type"], "properties": {
                 "type": {"type": "string", "enum": ["text", "json_object", "json_schema"]}}}}}),
-        "stream": _nullable({"type": "boolean"}), "store": _nullable({"type": "boolean"}),
-        "background": _nullable({"type": "boolean"}),
-        "previous_response_id": _nullable({"type": "string"}),
-        "metadata": _nullable({"type": "object", "additionalProperties": {"type": "string"}, "maxProperties": 16}),
-        "user": _nullable({"type": "string"})}}
+        "stream": nullable({"type": "boolean"}), "store": nullable({"type": "boolean"}),
+        "background": nullable({"type": "boolean"}),
+        "previous_response_id": nullable({"type": "string"}),
+        "metadata": nullable({"type": "object", "additionalProperties": {"type": "string"}, "maxProperties": 16}),
+        "user": nullable({"type": "string"}),
+        "stream_options": _sampling()["stream_options"], **fields.pipeline(),
+        **fields.ignored(("safety_identifier", "prompt_cache_key", "prompt_cache_retention", "max_tool_calls"),
+                         "OpenAI"),
+        **fields.unsupported(responses.UNSUPPORTED)}}
 
 
 def _message() -> dict[str, Any]:
@@ -276,7 +285,7 @@ def _message() -> dict[str, Any]:
         "role": {"type": "string", "enum": ["user", "assistant"]},
         "content": {"oneOf": [text, {"type": "array", "items": block}]}}}
     tool = {"type": "object", "required": ["name", "input_schema"], "properties": {
-        "name": {"type": "string", "pattern": _TOOL_NAME}, "description": {"type": "string"},
+        "name": {"type": "string", "pattern": TOOL_NAME}, "description": {"type": "string"},
         "input_schema": {"type": "object"}}}
     stop = {"type": "string", "minLength": 1, "maxLength": wire.MAX_STOP_CHARS}
     return {"type": "object", "required": ["max_tokens", "messages"], "additionalProperties": False, "properties": {
@@ -295,31 +304,38 @@ def _message() -> dict[str, Any]:
         "tool_choice": {"type": "object", "required": ["type"], "properties": {
             "type": {"type": "string", "enum": ["auto", "any", "tool", "none"]}, "name": {"type": "string"},
             "disable_parallel_tool_use": {"type": "boolean"}}},
-        "metadata": {"type": "object"}}}
+        "metadata": {"type": "object"},
+        "output_config": {"type": "object", "properties": {"format": {
+            "type": "object", "required": ["type", "schema"], "properties": {
+                "type": {"type": "string", "enum": ["json_schema"]}, "schema": {"type": "object"}}}}},
+        **fields.pipeline(),
+        **fields.ignored(("cache_control", "diagnostics", "inference_geo", "service_tier", "speed",
+                          "user_profile_id", "workspace_id"), "Anthropic"),
+        **fields.unsupported(messages.UNSUPPORTED)}}
 
 
 def _rerank() -> dict[str, Any]:
     text = {"type": "string", "minLength": 1, "maxLength": wire.MAX_PROMPT_CHARS}
     document = {"oneOf": [text, {"type": "object", "required": ["text"], "properties": {"text": text}}]}
     return {"type": "object", "required": ["query", "documents"], "additionalProperties": False, "properties": {
-        "model": _nullable({"type": "string", "maxLength": 256}), "query": text,
+        "model": nullable({"type": "string", "maxLength": 256}), "query": text,
         "documents": {"type": "array", "items": document, "minItems": 1, "maxItems": wire.MAX_EMBED_INPUTS},
-        "top_n": _nullable({"type": "integer", "minimum": 1}), "return_documents": _nullable({"type": "boolean"}),
-        "user": _nullable({"type": "string"})}}
+        "top_n": nullable({"type": "integer", "minimum": 1}), "return_documents": nullable({"type": "boolean"}),
+        "user": nullable({"type": "string"})}}
 
 
 def _tokenize() -> dict[str, Any]:
     return {"type": "object", "required": ["content"], "additionalProperties": False, "properties": {
         "content": {"type": "string", "maxLength": wire.MAX_PROMPT_CHARS},
-        "add_special": _nullable({"type": "boolean"}), "with_pieces": _nullable({"type": "boolean"}),
-        "model": _nullable({"type": "string", "maxLength": 256})}}
+        "add_special": nullable({"type": "boolean"}), "with_pieces": nullable({"type": "boolean"}),
+        "model": nullable({"type": "string", "maxLength": 256})}}
 
 
 def _detokenize() -> dict[str, Any]:
     return {"type": "object", "required": ["tokens"], "additionalProperties": False, "properties": {
         "tokens": {"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": wire.MAX_TOKEN_ID},
                    "maxItems": wire.MAX_PROMPT_CHARS},
-        "model": _nullable({"type": "string", "maxLength": 256})}}
+        "model": nullable({"type": "string", "maxLength": 256})}}
 
 
 def _bounds() -> dict[str, Any]:
@@ -344,7 +360,6 @@ def _load_adapter() -> dict[str, Any]:
 
 
 _ID = {"name": "id", "in": "path", "required": True, "schema": {"type": "string"}}
-_TOOL_NAME = "^[a-zA-Z0-9_-]{1,64}$"
 _ANTHROPIC_ERROR = {"type": "object", "required": ["type", "error"], "properties": {
     "type": {"type": "string", "enum": ["error"]}, "error": {"type": "object", "required": ["type", "message"],
                                                             "properties": {"type": {"type": "string"},

@@ -17,6 +17,8 @@ from mpserve.client import Tokenized
 from mpserve.errors import BadRequest
 from mpserve.wire import protocol as wire
 
+TOKENIZE_FIELDS = frozenset({"content", "add_special", "with_pieces", "model"})
+DETOKENIZE_FIELDS = frozenset({"tokens", "model"})
 
 @dataclass(frozen=True)
 class TokenizeCall:
@@ -27,7 +29,7 @@ class TokenizeCall:
 
 
 def parse_tokenize(body: Any) -> TokenizeCall:
-    given = _object(body, {"content", "add_special", "with_pieces", "model"})
+    given = _object(body, TOKENIZE_FIELDS)
     content = given.get("content")
     if not isinstance(content, str) or len(content) > wire.MAX_PROMPT_CHARS:
         raise BadRequest(f"'content' is required and must be a string of at most {wire.MAX_PROMPT_CHARS} characters")
@@ -39,7 +41,7 @@ def parse_tokenize(body: Any) -> TokenizeCall:
 
 
 def parse_detokenize(body: Any) -> tuple[str | None, list[int]]:
-    given = _object(body, {"tokens", "model"})
+    given = _object(body, DETOKENIZE_FIELDS)
     return _model(given), token_ids(given.get("tokens"), "tokens")
 
 
@@ -68,7 +70,7 @@ def _piece(data: bytes) -> str | list[int]:
         return list(data)
 
 
-def _object(body: Any, keys: set[str]) -> dict[str, Any]:
+def _object(body: Any, keys: frozenset[str]) -> dict[str, Any]:
     if not isinstance(body, dict):
         raise BadRequest("the request body must be a JSON object")
     unknown = sorted(set(body) - keys)

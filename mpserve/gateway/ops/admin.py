@@ -119,13 +119,15 @@ class Admin:
         return None
 
 
-_BODIES = {"scale": ({"min", "max"}, '{"min": 1, "max": 4}'),
-           "add": ({"path", "name", "min", "max"}, '{"path": "/models/m.gguf", "name": "m", "min": 1, "max": 2}')}
+BODIES = {"scale": ({"min", "max"}, '{"min": 1, "max": 4}'),
+          "add": ({"path", "name", "min", "max"}, '{"path": "/models/m.gguf", "name": "m", "min": 1, "max": 2}')}
+"""The fields of a model call's body (the OpenAPI document lists each), and an example."""
+ADAPTER_FIELDS = frozenset({"model", "name", "path"})  # a LoRA adapter load's body, each field required
 
 
 async def _body(request: Request, op: str) -> dict[str, Any]:
     """The call's JSON object; checked here for shape, by ``wire.Control`` for the rest."""
-    keys, example = _BODIES[op]
+    keys, example = BODIES[op]
     try:
         body = json.loads(await request.body() or b"{}")
     except ValueError:
@@ -146,7 +148,7 @@ async def _adapter_body(request: Request) -> dict[str, str]:
         body = json.loads(await request.body() or b"{}")
     except ValueError:
         raise BadRequest(f"the body must be a JSON object like {example}") from None
-    if not isinstance(body, dict) or set(body) != {"model", "name", "path"} or not all(
+    if not isinstance(body, dict) or set(body) != ADAPTER_FIELDS or not all(
             isinstance(v, str) for v in body.values()):
         raise BadRequest(f"the body must be a JSON object of the strings model, name and path, like {example}")
     return body
