@@ -88,7 +88,7 @@ def test_the_setting_takes_a_family_or_a_jinja_file_relative_to_the_config(tmp_p
                                {"path": "builtin:tiny", "name": "b", "chat_template": "phi"}]}, base_dir=tmp_path)
     assert [m.chat_template for m in config.models] == [str(tmp_path / "turns.jinja"), "phi"]
     with pytest.raises(ConfigError, match=r"models\[0\].chat_template: 'gemma4' is neither a template family "
-                                          r"\(chatml, llama3, gemma, mistral, phi, qwen, deepseek\) nor a file"):
+                                          r"\(chatml, llama3, gemma, mistral, phi, qwen, qwen3, deepseek\) nor a file"):
         build({"models": [{"path": "builtin:tiny", "chat_template": "gemma4"}]})
     with pytest.raises(ConfigError, match="broken.jinja' is not a Jinja2 chat template: line 1"):
         build({"models": [{"path": "builtin:tiny", "chat_template": "broken.jinja"}]}, base_dir=tmp_path)

@@ -31,7 +31,7 @@ export const MAX_MESSAGE_BYTES = 4 * 1024 * 1024;
 export const SAMPLING_PARAMS = Object.freeze([
   "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "repeat_penalty", "presence_penalty",
   "frequency_penalty", "logit_bias", "min_p", "typical_p", "ignore_eos", "logprobs", "grammar", "json_schema",
-  "prompt_logprobs", "n", "speculative_n_max",
+  "prompt_logprobs", "n", "speculative_n_max", "reasoning_end", "reasoning_budget", "reasoning_effort",
 ]);
 const PING_INTERVAL_MS = 1000;
 const PING_LIVENESS = 3;

@@ -139,8 +139,9 @@ SETTINGS: tuple[Setting, ...] = (
        "/slots/ID?action=save|restore write and read an idle slot's KV cells there (none: off)",
        commands=_FOR_POOLS),
     _s("chat_template", "model", str, "the GGUF's, else its architecture's family (ChatML for others)",
-       "Chat template: a family's name (chatml, llama3, gemma, mistral, phi, qwen, deepseek) or a Jinja2 file, as "
-       "llama-server's --chat-template and --chat-template-file; it also decides how tool calls are read",
+       "Chat template: a family's name (chatml, llama3, gemma, mistral, phi, qwen, qwen3, deepseek) or a Jinja2 file, "
+       "as llama-server's --chat-template and --chat-template-file; it also decides how tool calls are read and "
+       "whether replies think (docs/reasoning.md)",
        commands=_FOR_POOLS),
     _s("adapters", "model", (dict, list), "none", "LoRA adapters served with the model, {NAME: PATH, ...} (a GGUF "
        "adapter file, or a Hub source as for path), each checked against the model at start and loaded once per "

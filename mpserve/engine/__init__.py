@@ -19,6 +19,7 @@
     sampling     each sequence's sampler chain and its text (stop strings, UTF-8 pieces)
     grammar      grammar samplers (GBNF, JSON schema), parsed once and cloned per sequence
     ambiguity    a grammar's parse stacks at one step, measured before it is parsed (refused past a bound)
+    thinking     thinking, a phase of decoding: free under a token budget, its end tag forced, then the grammar
     logprobs     the log-probabilities a sequence records, packed for the wire
     speculation  speculative decoding: prompt-lookup drafts from a sequence's own tokens, sized, verified
                  with its chain

@@ -87,14 +87,20 @@ FAMILIES: dict[str, str] = {
     "phi": _turns(_system_turn("<|system|>\n", "<|end|>\n"), "<|user|>\n", "<|assistant|>\n", "<|end|>\n"),
     "qwen": _turns(_system_turn("<|im_start|>system\n", "<|im_end|>\n", "You are a helpful assistant."),
                    "<|im_start|>user\n", "<|im_start|>assistant\n", "<|im_end|>\n"),
+    "qwen3": _turns(_system_turn("<|im_start|>system\n", "<|im_end|>\n"), "<|im_start|>user\n",
+                    "<|im_start|>assistant\n", "<|im_end|>\n")
+    + "{% if add_generation_prompt and enable_thinking is defined and enable_thinking is false %}"
+    + _lit("<think>\n\n</think>\n\n") + "{% endif %}",
     "deepseek": _turns("{{ system }}", "<｜User｜>", "<｜Assistant｜>", "",
                        assistant_end=_lit("<｜end▁of▁sentence｜>")),
 }
-"""Each family's template by the name ``chat_template`` takes (``chatml``: the gateway's default)."""
+"""Each family's template by the name ``chat_template`` takes (``chatml``: the gateway's default). ``qwen3`` thinks
+(Qwen 3's format): its reply opens with ``<think>``, which the gateway writes when the thinking is on
+(``mpserve.gateway.api.reasoning``); ``enable_thinking`` false writes an empty thinking instead."""
 
 ARCHITECTURES: dict[str, str] = {
     "gemma": "gemma", "gemma2": "gemma", "gemma3": "gemma", "gemma3n": "gemma", "gemma-embedding": "gemma",
-    "qwen": "qwen", "qwen2": "qwen", "qwen2moe": "qwen", "qwen2vl": "qwen", "qwen3": "qwen", "qwen3moe": "qwen",
+    "qwen": "qwen", "qwen2": "qwen", "qwen2moe": "qwen", "qwen2vl": "qwen", "qwen3": "qwen3", "qwen3moe": "qwen3",
     "phi3": "phi", "phimoe": "phi",
     "deepseek": "deepseek", "deepseek2": "deepseek",
     "mistral3": "mistral",

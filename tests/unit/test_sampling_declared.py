@@ -18,7 +18,9 @@ pytestmark = pytest.mark.timeout(10)
 ROOT = Path(__file__).resolve().parents[2]
 # what the gateway sets from other OpenAI fields, not by the parameter's own name
 FROM_OTHER_FIELDS = {"logprobs": "logprobs / top_logprobs", "prompt_logprobs": "echo with logprobs",
-                     "grammar": "its own field or response_format", "json_schema": "response_format or tools"}
+                     "grammar": "its own field or response_format", "json_schema": "response_format or tools",
+                     "reasoning_end": "the chat template's thinking tags", "reasoning_budget": "reasoning.Ask",
+                     "reasoning_effort": "reasoning.Ask"}
 CHOICES = {"n"}  # split into one-choice requests by the broker (``choice_params``), never seen by an engine
 
 

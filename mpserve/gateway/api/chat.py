@@ -64,9 +64,9 @@ class Renderer:
         self._threads = ThreadPoolExecutor(RENDER_THREADS, thread_name_prefix="chat-template")
 
     async def render(self, chat: ChatTemplate, messages: Sequence[tuple[str, str] | dict[str, Any]],
-                     tools: list[dict[str, Any]] | None, model: str) -> str:
+                     tools: list[dict[str, Any]] | None, model: str, variables: dict[str, Any] | None = None) -> str:
         """``render`` in a thread; the event loop serves other requests meanwhile."""
-        work = functools.partial(render, chat, messages, tools, model=model, budget=self.budget)
+        work = functools.partial(render, chat, messages, tools, model=model, budget=self.budget, variables=variables)
         return await asyncio.get_running_loop().run_in_executor(self._threads, work)
 
     def close(self) -> None:
@@ -75,13 +75,14 @@ class Renderer:
 
 def render(chat: ChatTemplate, messages: Sequence[tuple[str, str] | dict[str, Any]],
            tools: list[dict[str, Any]] | None = None, *, model: str = "",
-           budget: TemplateBudget = TemplateBudget()) -> str:
+           budget: TemplateBudget = TemplateBudget(), variables: dict[str, Any] | None = None) -> str:
     """The prompt for ``messages`` ((role, content), or Hugging Face's message mappings, with tool calls),
     ending where the assistant's reply begins; ``tools`` (OpenAI's function list) is the template's ``tools``
-    variable, left undefined when None. A template that fails, refuses the conversation with
+    variable, left undefined when None; ``variables``: more of them (a request's ``chat_template_kwargs``, such as
+    ``enable_thinking``). A template that fails, refuses the conversation with
     ``raise_exception``, or goes over ``budget`` is a BadRequest naming ``model``'s template and why."""
     name = f"the chat template of model {model!r}" if model else "the model's chat template"
-    extra = {"tools": tools} if tools is not None else {}
+    extra = (variables or {}) | ({"tools": tools} if tools is not None else {})
     _budget.deadline, _budget.limits = time.monotonic() + budget.seconds, budget
     try:
         template = _compiled(chat.template)

@@ -5,6 +5,8 @@ names where mpserve has the setting, dropped where it does not apply. No I/O her
         n_predict ──▶ max_tokens (-1, llama-server's "until the end", leaves it to mpserve's default)
         n_probs   ──▶ logprobs N (completions), logprobs true and top_logprobs N (chat)
         lora      ──▶ kept: the LoRA adapters to apply (``openai.Call.lora``, resolved by ``adapters``)
+        chat_template_kwargs, reasoning_format ──▶ kept by a chat: its template's variables, its thinking
+                                                   (``reasoning``); dropped by a completion
         IGNORED   ──▶ dropped; the response says which in its ``X-Mpserve-Ignored`` header
 
 llama-server's names that are mpserve's too (top_k, min_p, typical_p, repeat_penalty, ignore_eos, seed,
@@ -35,12 +37,15 @@ IGNORED = frozenset({
 MAPPED = ("n_predict", "n_probs")
 FIELDS = IGNORED | frozenset(MAPPED)
 """Every llama-server field taken here (the OpenAPI document lists each)."""
+CHAT_TAKES = frozenset({"chat_template_kwargs", "reasoning_format"})
+"""Of those, the ones a chat applies (``reasoning``: its template's variables, how its thinking is returned)."""
 
 
 def translate(chat: bool, body: dict[str, Any]) -> tuple[dict[str, Any], tuple[str, ...]]:
     """``body`` with llama-server's extensions mapped or dropped, and the names of those dropped."""
-    ignored = tuple(sorted(k for k in body if k in IGNORED))
-    out = {k: v for k, v in body.items() if k not in IGNORED}
+    dropped = IGNORED - CHAT_TAKES if chat else IGNORED
+    ignored = tuple(sorted(k for k in body if k in dropped))
+    out = {k: v for k, v in body.items() if k not in dropped}
     n_predict = out.pop("n_predict", None)
     if n_predict is not None:
         if out.get("max_tokens") is not None or out.get("max_completion_tokens") is not None:

@@ -34,6 +34,11 @@ Structured output: ``response_format`` ``{"type": "json_object"}`` (any JSON obj
 ``mpserve.structured``, as on the ZeroMQ path). Tools (chat): ``tools``, ``tool_choice`` and
 ``parallel_tool_calls`` as ``mpserve.gateway.api.tools`` describes; history messages may carry assistant
 ``tool_calls`` and ``role: "tool"`` answers.
+
+Reasoning (chat): where the model's template thinks, ``reasoning_effort``, ``reasoning_budget``,
+``chat_template_kwargs`` and ``reasoning_format`` say how (``reasoning``); the reply's thinking comes back as
+``message.reasoning_content`` (streamed: ``delta.reasoning_content``) and its tokens as
+``usage.completion_tokens_details.reasoning_tokens``; tool calls and structured output are read from the content.
 """
 
 from __future__ import annotations
@@ -54,7 +59,7 @@ from mpserve.structured import JSON_OBJECT_SCHEMA, canonical_json
 from mpserve.wire import protocol as wire
 from mpserve.wire.protocol import ChatTemplate
 
-from . import best_of, extensions, logprobs
+from . import best_of, extensions, logprobs, reasoning
 from . import tools as tc
 from .chat import Renderer
 from .tokens import token_ids
@@ -77,7 +82,8 @@ _COMMON = ("model", "stream", "stream_options", "user", "response_format", "gram
 FIELDS: dict[Kind, frozenset[str]] = {
     "completion": frozenset(_COMMON + ("prompt", "logprobs", "echo", "best_of")),
     "chat": frozenset(_COMMON + ("messages", "max_completion_tokens", "logprobs", "top_logprobs", "tools",
-                                  "tool_choice", "parallel_tool_calls")),
+                                  "tool_choice", "parallel_tool_calls", "reasoning_effort", "reasoning_budget",
+                                  "chat_template_kwargs", "reasoning_format")),
 }
 Unsupported = dict[str, tuple[tuple[Any, ...], str]]
 """Fields an API has that mpserve does not implement: the values that ask for nothing (accepted), and why
@@ -109,6 +115,8 @@ class Call:
     best: best_of.BestOf | None = None  # a completion's best_of: the n of its choices to return
     ignored: tuple[str, ...] = ()  # llama-server's extensions it carried that do not apply (``extensions``)
     lora: list[Any] | None = None  # llama-server's LoRA adapters, [{"id": 0, "scale": 0.5}] (``api.adapters``)
+    thinking: reasoning.Ask = reasoning.Ask()  # a chat's: the thinking it asks for
+    reasoning_end: str = ""  # a chat's reply thinks, its text split at this end tag (with_chat_template)
 
     def headers(self) -> dict[str, str]:
         """The response's headers: which of the request's fields were ignored."""
@@ -125,13 +133,17 @@ class Call:
         """A chat's prompt from ``model``'s template, rendered by ``renderer`` (off the event loop); without one,
         from the ChatML default, which also stops at ``<|im_end|>``. Raises BadRequest when the template fails,
         refuses the messages or goes over its budget."""
+        tags, ask = reasoning.tags_of(chat.template), self.thinking
+        params, thinks = ask.params(tags, self.params)  # BadRequest: thinking asked of a template that does not
         if chat:
             messages = [m.for_template() for m in self.messages]
             if self.tools is not None and "tools" not in chat.template:  # it cannot show them: the default prompt
                 messages = _with_system(messages, tc.tools_prompt(self.tools))
             tools = [t.as_openai() for t in self.tools.tools] if self.tools is not None else None
-            prompt = await renderer.render(chat, messages, tools, model)
-            return dataclasses.replace(self, prompt=prompt, parser=tc.parser_for(chat.template))
+            prompt = await renderer.render(chat, messages, tools, model, ask.template_variables())
+            return dataclasses.replace(self, prompt=ask.prompt(tags, prompt), params=params,
+                                       parser=tc.parser_for(chat.template),
+                                       reasoning_end=tags.end if thinks and tags and ask.split else "")
         stop = self.params.stop if CHAT_STOP in self.params.stop else (*self.params.stop, CHAT_STOP)
         return dataclasses.replace(self, prompt=chat_prompt(self.messages, self.tools),
                                    params=msgspec.structs.replace(self.params, stop=stop))
@@ -184,12 +196,14 @@ def parse(kind: Kind, body: Any) -> Call:
             sampling["max_tokens"] = given["max_completion_tokens"]
         messages = tuple(_messages(given.get("messages")))
         prompt: str | list[int] = ""
+        thinking = reasoning.Ask.parse(given)
     else:
         sampling.setdefault("max_tokens", COMPLETION_MAX_TOKENS)
-        messages, prompt = (), _prompt(given.get("prompt"))
+        messages, prompt, thinking = (), _prompt(given.get("prompt")), reasoning.Ask()
     return Call(kind, model, prompt, wire.GenerateParams.from_wire(sampling), stream,
                 options.get("include_usage", False), messages, spec, echo=echo,
-                echo_text=prompt if isinstance(prompt, str) else "", best=best, ignored=ignored, lora=lora)
+                echo_text=prompt if isinstance(prompt, str) else "", best=best, ignored=ignored, lora=lora,
+                thinking=thinking)
 
 
 def given_fields(body: dict[str, Any], known: frozenset[str], unsupported: Unsupported) -> dict[str, Any]:
@@ -348,6 +362,7 @@ class _ChoiceState:
     echo: str  # text still to go before the choice's own
     null_first: bool  # the first echoed token's log-probability: null, as OpenAI sends it
     held: str | None  # text that may be a tool call
+    split: reasoning.Split | None  # a thinking reply's split of its text
     role_sent: bool = False  # chat: the first delta carried the role
 
 
@@ -376,7 +391,8 @@ class Reply:
             call = self.call
             state = self._choices[index] = _ChoiceState(
                 len(call.prompt) if isinstance(call.prompt, str) and not call.echo else 0,
-                call.echo_text if call.echo else "", call.echo, "" if call.tools is not None else None)
+                call.echo_text if call.echo else "", call.echo, "" if call.tools is not None else None,
+                reasoning.Split(call.reasoning_end) if call.reasoning_end else None)
         return state
 
     def whole(self, results: list[Result], generated: list[Result] | None = None) -> dict[str, Any]:
@@ -386,15 +402,19 @@ class Reply:
         for r in results:
             lp = self._logprobs(r.logprobs, r.index)
             if self.call.kind == "chat":
-                message: dict[str, Any] = {"role": "assistant", "content": r.text}
+                thought, text = reasoning.split(r.text, self.call.reasoning_end) if self.call.reasoning_end \
+                    else ("", r.text)
+                message: dict[str, Any] = {"role": "assistant", "content": text}
                 finish = r.finish_reason
-                found = self._tool_calls(r.text, r.finish_reason)
+                found = self._tool_calls(text, r.finish_reason)
                 if found is not None and found[1]:
                     message = {"role": "assistant", "content": found[0] or None,
                                "tool_calls": [c.as_openai() for c in found[1]]}
                     finish = _calls_finish(finish)
                 elif found is not None:  # a forced reply cut before its first call completed: no call, no text
                     message["content"] = found[0]
+                if self.call.reasoning_end:
+                    message["reasoning_content"] = thought
                 choices.append({"index": r.index, "message": message, "logprobs": lp, "finish_reason": finish})
             else:
                 choices.append({"index": r.index, "text": self._echoed(r.text, r.index), "logprobs": lp,
@@ -407,12 +427,19 @@ class Reply:
         """The chunks for a piece of choice ``index``'s streamed text: none while it is held back (a request
         with tools carries no log-probabilities: the parse refuses the two together)."""
         state = self._state(index)
+        thought = ""
+        if state.split is not None:
+            thought, text = state.split.push(text)
+        out = [self._envelope(self._chunk_object, [self._delta({"reasoning_content": thought}, index) | {
+            "logprobs": self._logprobs(lp, index) if not text else None}])] if thought else []
         if state.held is not None:
             state.held += text
             if self.call.tools is not None and (self.call.tools.forced or _may_be_call(state.held)):
-                return []
+                return out
             text, state.held = state.held, None
-        return [self._envelope(self._chunk_object, [self._choice(text, None, index) | {
+        if state.split is not None and not text:
+            return out
+        return out + [self._envelope(self._chunk_object, [self._choice(text, None, index) | {
             "logprobs": self._logprobs(lp, index)}])]
 
     def last(self, results: list[Result], lps: dict[int, wire.Logprobs | None]) -> list[dict[str, Any]]:
@@ -423,6 +450,10 @@ class Reply:
         chunks = []
         for r in results:
             state, finish = self._state(r.index), r.finish_reason
+            thought = state.split.flush()[0] if state.split is not None else ""
+            if thought:
+                chunks.append(self._envelope(self._chunk_object, [self._delta({"reasoning_content": thought},
+                                                                              r.index)]))
             if state.held is not None:
                 found = self._tool_calls(state.held, finish)
                 if found is None:
@@ -521,11 +552,13 @@ def _call_deltas(calls: list[tc.ToolCall]) -> list[dict[str, Any]]:
 
 def total_usage(results: list[Result]) -> wire.Usage:
     """The usage of a request's choices together: the prompt once (computed once), every choice's tokens."""
-    return wire.Usage(results[0].usage.prompt_tokens, sum(r.usage.completion_tokens for r in results))
+    return wire.Usage(results[0].usage.prompt_tokens, sum(r.usage.completion_tokens for r in results),
+                      sum(r.usage.reasoning_tokens for r in results))
 
 
 def usage(u: wire.Usage, cached: int) -> dict[str, Any]:
     """``u`` as OpenAI shows it; ``cached``: the prompt tokens taken from a cache instead of computed
     (``timings.cached_tokens``), counted in ``prompt_tokens`` too, as OpenAI counts them."""
     return {"prompt_tokens": u.prompt_tokens, "completion_tokens": u.completion_tokens,
-            "total_tokens": u.total_tokens, "prompt_tokens_details": {"cached_tokens": cached}}
+            "total_tokens": u.total_tokens, "prompt_tokens_details": {"cached_tokens": cached},
+            "completion_tokens_details": {"reasoning_tokens": u.reasoning_tokens}}

@@ -214,7 +214,7 @@ def _chat() -> dict[str, Any]:
         "max_completion_tokens": nullable({"type": "integer", "minimum": 1, "maximum": wire.MAX_TOKENS_LIMIT}),
         "logprobs": nullable({"type": "boolean"}),
         "top_logprobs": nullable({"type": "integer", "minimum": 0, "maximum": wire.MAX_TOP_LOGPROBS}),
-        **_sampling(), **fields.chat_tools()}}
+        **_sampling(), **fields.chat_tools(), **fields.chat_reasoning()}}
 
 
 def _embedding() -> dict[str, Any]:

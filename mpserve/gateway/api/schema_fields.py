@@ -20,7 +20,7 @@ import msgspec
 
 from mpserve.wire import protocol as wire
 
-from . import extensions
+from . import extensions, reasoning
 from . import openai as oai
 from . import tools as tc
 
@@ -99,6 +99,24 @@ def pipeline() -> dict[str, Any]:
         "lora": nullable({"type": "array", "maxItems": wire.MAX_ADAPTERS, "items": adapter,
                           "description": "the LoRA adapters to apply, each by id or name"}),
     }
+
+
+def chat_reasoning() -> dict[str, Any]:
+    """Chat's thinking controls (``reasoning``), llama-server's two among them."""
+    return {
+        "reasoning_effort": nullable({"type": "string", "enum": list(reasoning.EFFORTS),
+                                      "description": "the model's thinking budget for this effort; none: no thinking"}),
+        "reasoning_budget": budget("most tokens the thinking takes before its end tag is forced"),
+        "chat_template_kwargs": nullable({"type": "object", "description": "more variables for the chat template, "
+                                          "as {\"enable_thinking\": false}"}),
+        "reasoning_format": nullable({"type": "string", "enum": list(reasoning.FORMATS),
+                                      "description": "none: the thinking stays in the content"}),
+    }
+
+
+def budget(description: str) -> dict[str, Any]:
+    """A thinking budget in tokens."""
+    return nullable({"type": "integer", "minimum": 0, "maximum": wire.MAX_TOKENS_LIMIT, "description": description})
 
 
 def llama_server() -> dict[str, Any]:

@@ -1,0 +1,125 @@
+"""Reasoning through the HTTP gateway (``mpserve.gateway.api.reasoning``), on the built-in tiny model served with
+the thinking ``qwen3`` template (model ``thinker``) and with ChatML (``plain``). Its random weights never close the
+thinking: the budget does, to the token; the reply's thinking comes back apart from its answer,
+whole and streamed alike; a JSON schema or a forced call holds after the thinking; thinking turned off gives none;
+bad input is a 400 naming the field."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+import jsonschema
+import pytest
+from gateway_thread import GatewayThread
+
+pytestmark = pytest.mark.timeout(120)
+
+N_CTX = 1024
+ASK = [{"role": "user", "content": "What is two and two?"}]
+SCHEMA = {"type": "object", "properties": {"answer": {"type": "integer"}}, "required": ["answer"],
+          "additionalProperties": False}
+
+
+@pytest.fixture(scope="module")
+def tiny_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
+    """The server in front of conftest's ``gateway``: the tiny model as ``thinker`` and ``plain``."""
+    from conftest import ServerProcess
+
+    config = tmp_path_factory.mktemp("reasoning") / "models.yaml"
+    config.write_text("models:\n  - {name: thinker, path: builtin:tiny, chat_template: qwen3, parallel: 4, "
+                      f"n_ctx: {N_CTX}}}\n  - {{name: plain, path: builtin:tiny}}\n")
+    server = ServerProcess("--config", str(config)).wait_ready()
+    yield server
+    server.stop()
+
+
+def chat(gateway: GatewayThread, **body: Any) -> dict[str, Any]:
+    answer = httpx.post(f"{gateway.url}/v1/chat/completions", timeout=60,
+                        json={"model": "thinker", "messages": ASK, "temperature": 1.0, "seed": 3, **body})
+    assert answer.status_code == 200, answer.text
+    result: dict[str, Any] = answer.json()
+    return result
+
+
+def refused(gateway: GatewayThread, path: str, body: dict[str, Any]) -> str:
+    answer = httpx.post(f"{gateway.url}{path}", json=body, timeout=60)
+    assert answer.status_code == 400, answer.text
+    error = answer.json()["error"]
+    assert "\n" not in error["message"]
+    return str(error["message"])
+
+
+def test_chat_thinks_within_its_budget_to_the_token_and_returns_the_thinking_apart(gateway: GatewayThread) -> None:
+    closing = chat(gateway, reasoning_budget=0, max_tokens=40, ignore_eos=True)["usage"]
+    forced = closing["completion_tokens_details"]["reasoning_tokens"]
+    assert 0 < forced <= len("\n</think>")  # only the end tag's tokens
+    for budget in (1, 9, 30):
+        whole = chat(gateway, reasoning_budget=budget, max_tokens=60, ignore_eos=True)
+        message, usage = whole["choices"][0]["message"], whole["usage"]
+        assert usage["completion_tokens_details"]["reasoning_tokens"] == budget + forced
+        assert message["reasoning_content"] and "think>" not in message["reasoning_content"] + message["content"]
+        assert message["content"]
+
+
+def test_a_streamed_reply_splits_as_the_whole_one(gateway: GatewayThread) -> None:
+    body = {"model": "thinker", "messages": ASK, "temperature": 1.0, "seed": 5, "max_tokens": 50,
+            "reasoning_budget": 20, "ignore_eos": True}
+    whole = chat(gateway, **body)["choices"][0]["message"]
+    parts: list[tuple[str, str]] = []
+    with httpx.stream("POST", f"{gateway.url}/v1/chat/completions", json={**body, "stream": True},
+                      timeout=60) as answer:
+        for line in answer.iter_lines():
+            if line.startswith("data: {"):
+                for choice in json.loads(line[6:])["choices"]:
+                    parts += [(key, choice["delta"][key]) for key in ("reasoning_content", "content")
+                              if choice["delta"].get(key)]
+    kinds = [key for key, _ in parts]
+    assert kinds == sorted(kinds, reverse=True)  # all the thinking, then all the answer
+    assert "".join(t for k, t in parts if k == "reasoning_content") == whole["reasoning_content"]
+    assert "".join(t for k, t in parts if k == "content") == whole["content"]
+
+
+def test_a_json_schema_and_a_forced_call_hold_after_the_thinking_for_many_seeds(gateway: GatewayThread) -> None:
+    shape = {"type": "json_schema", "json_schema": {"name": "answer", "schema": SCHEMA}}
+    for seed in (1, 5, 9, 13):  # 4 choices each, seeded seed + i
+        for choice in chat(gateway, n=4, seed=seed, max_tokens=120, reasoning_budget=8,
+                           response_format=shape)["choices"]:
+            assert choice["message"]["reasoning_content"]
+            jsonschema.validate(json.loads(choice["message"]["content"]), SCHEMA)
+    tool = {"type": "function", "function": {"name": "add", "parameters": SCHEMA}}
+    called = chat(gateway, n=4, max_tokens=120, reasoning_budget=8, tools=[tool], tool_choice="required",
+                  parallel_tool_calls=False)
+    for choice in called["choices"]:
+        assert choice["message"]["reasoning_content"] and choice["finish_reason"] == "tool_calls"
+        [call] = choice["message"]["tool_calls"]
+        jsonschema.validate(json.loads(call["function"]["arguments"]), SCHEMA)
+
+
+@pytest.mark.parametrize("off", [{"chat_template_kwargs": {"enable_thinking": False}}, {"reasoning_effort": "none"}],
+                         ids=["enable_thinking", "effort_none"])
+def test_thinking_turned_off_gives_none(gateway: GatewayThread, off: dict[str, Any]) -> None:
+    whole = chat(gateway, max_tokens=12, **off)
+    assert "reasoning_content" not in whole["choices"][0]["message"]
+    assert whole["usage"]["completion_tokens_details"]["reasoning_tokens"] == 0
+
+
+def test_reasoning_format_none_leaves_the_thinking_in_the_content(gateway: GatewayThread) -> None:
+    whole = chat(gateway, max_tokens=30, reasoning_budget=4, ignore_eos=True, reasoning_format="none")
+    assert "reasoning_content" not in whole["choices"][0]["message"]
+    assert "</think>" in whole["choices"][0]["message"]["content"]
+
+
+def test_bad_reasoning_input_is_a_400_naming_the_field(gateway: GatewayThread) -> None:
+    path, base = "/v1/chat/completions", {"model": "thinker", "messages": ASK, "max_tokens": 4}
+    assert "'reasoning_budget' must be a number of tokens, 0 or more" in refused(gateway, path, {
+        **base, "reasoning_budget": -1})
+    assert f"'reasoning_budget' = {N_CTX + 1} is more than the context holds" in refused(gateway, path, {
+        **base, "reasoning_budget": N_CTX + 1})
+    assert "'reasoning_effort' must be one of" in refused(gateway, path, {**base, "reasoning_effort": "extreme"})
+    assert "'reasoning_format' must be one of" in refused(gateway, path, {**base, "reasoning_format": "xml"})
+    assert "'reasoning_effort' asks for thinking, and this model's chat template does not think" in refused(
+        gateway, path, {**base, "model": "plain", "reasoning_effort": "high"})
+
