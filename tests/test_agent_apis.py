@@ -295,7 +295,7 @@ def test_malformed_bodies_get_400_in_each_apis_shape(gateway: GatewayThread, tin
 
 def test_a_refused_field_is_named(gateway: GatewayThread) -> None:
     for body, named in [({"input": "x", "tools": [{"type": "web_search"}]}, "tools[0].type"),
-                        ({"input": "x", "reasoning": {"effort": "high"}}, "'reasoning'"),
+                        ({"input": "x", "reasoning": {"effort": "high"}}, "'reasoning.effort'"),
                         ({"input": "x", "seed": 3}, "seed")]:
         r = httpx.post(gateway.url + "/v1/responses", json=body, timeout=30)
         assert r.status_code == 400 and named in r.json()["error"]["message"], r.text

@@ -1,6 +1,6 @@
 """Reasoning through the HTTP gateway (``mpserve.gateway.api.reasoning``), on the built-in tiny model served with
 the thinking ``qwen3`` template (model ``thinker``) and with ChatML (``plain``). Its random weights never close the
-thinking: the budget does, to the token; the reply's thinking comes back apart from its answer,
+thinking: the budget does, to the token, in every API; the reply's thinking comes back apart from its answer,
 whole and streamed alike; a JSON schema or a forced call holds after the thinking; thinking turned off gives none;
 bad input is a 400 naming the field."""
 
@@ -123,3 +123,82 @@ def test_bad_reasoning_input_is_a_400_naming_the_field(gateway: GatewayThread) -
     assert "'reasoning_effort' asks for thinking, and this model's chat template does not think" in refused(
         gateway, path, {**base, "model": "plain", "reasoning_effort": "high"})
 
+
+# --- Responses -------------------------------------------------------------------------------------------------
+
+def respond(gateway: GatewayThread, **body: Any) -> httpx.Response:
+    return httpx.post(f"{gateway.url}/v1/responses", timeout=60, json={
+        "model": "thinker", "input": "What is two and two?", "temperature": 1.0, "store": False, **body})
+
+
+def events(gateway: GatewayThread, **body: Any) -> list[dict[str, Any]]:
+    with httpx.stream("POST", f"{gateway.url}/v1/responses", timeout=60, json={
+            "model": "thinker", "input": "What is two and two?", "temperature": 1.0, "store": False, "stream": True,
+            **body}) as answer:
+        return [json.loads(line[6:]) for line in answer.iter_lines() if line.startswith("data: ")]
+
+
+def test_responses_answer_a_reasoning_item_within_the_budget_to_the_token(gateway: GatewayThread) -> None:
+    forced = respond(gateway, reasoning_budget=0).json()["usage"]["output_tokens_details"]["reasoning_tokens"]
+    whole = respond(gateway, reasoning_budget=11, max_output_tokens=40, reasoning={"effort": "low"}).json()
+    assert whole["usage"]["output_tokens_details"]["reasoning_tokens"] == 11 + forced
+    thought, said = whole["output"]
+    assert thought["type"] == "reasoning" and thought["content"][0]["text"] and said["type"] == "message"
+    assert whole["reasoning"] == {"effort": "low", "summary": None}
+    streamed = events(gateway, reasoning_budget=11, max_output_tokens=40)
+    deltas = [e["type"] for e in streamed if e["type"].endswith(".delta")]
+    assert deltas == sorted(deltas, reverse=True) and "response.reasoning_text.delta" in deltas
+    done = streamed[-1]["response"]
+    assert [item["type"] for item in done["output"]] == ["reasoning", "message"]
+    assert "".join(e["delta"] for e in streamed if e["type"] == "response.reasoning_text.delta") == \
+        done["output"][0]["content"][0]["text"]
+
+
+def test_responses_refuse_a_bad_effort_and_thinking_of_a_model_that_does_not_think(gateway: GatewayThread) -> None:
+    body = {"model": "thinker", "input": "hi"}
+    assert "'reasoning.effort' must be one of" in refused(gateway, "/v1/responses", {
+        **body, "reasoning": {"effort": "max"}})
+    assert "'reasoning.effort' asks for thinking" in refused(gateway, "/v1/responses", {
+        **body, "model": "plain", "reasoning": {"effort": "high"}})
+    assert respond(gateway, reasoning={"effort": "none"}, max_output_tokens=4).json()["output"][0]["type"] == "message"
+
+
+# --- Messages --------------------------------------------------------------------------------------------------
+
+def message(gateway: GatewayThread, **body: Any) -> httpx.Response:
+    return httpx.post(f"{gateway.url}/v1/messages", timeout=60, json={
+        "model": "thinker", "max_tokens": 40, "messages": ASK, "temperature": 1.0, **body})
+
+
+def test_messages_think_in_a_signed_block_within_the_budget_to_the_token(gateway: GatewayThread) -> None:
+    forced = chat(gateway, reasoning_budget=0, max_tokens=12, ignore_eos=True)["usage"]["completion_tokens_details"]
+    whole = message(gateway, thinking={"type": "enabled", "budget_tokens": 13}, temperature=0.0).json()
+    thought, said = whole["content"]
+    assert thought["type"] == "thinking" and thought["thinking"] and thought["signature"]
+    assert said["type"] == "text"
+    # Anthropic's usage does not count the thinking apart: the same greedy reply through chat does
+    same = chat(gateway, reasoning_budget=13, max_tokens=40, temperature=0.0)
+    assert same["choices"][0]["message"]["reasoning_content"] == thought["thinking"]
+    assert same["usage"]["completion_tokens_details"]["reasoning_tokens"] == 13 + forced["reasoning_tokens"]
+    with httpx.stream("POST", f"{gateway.url}/v1/messages", timeout=60, json={
+            "model": "thinker", "max_tokens": 40, "messages": ASK, "temperature": 1.0, "stream": True,
+            "thinking": {"type": "enabled", "budget_tokens": 13}}) as answer:
+        streamed = [json.loads(line[6:]) for line in answer.iter_lines() if line.startswith("data: ")]
+    starts = [e["content_block"]["type"] for e in streamed if e["type"] == "content_block_start"]
+    assert starts == ["thinking", "text"]
+    deltas = [e["delta"] for e in streamed if e["type"] == "content_block_delta"]
+    thinking = "".join(d["thinking"] for d in deltas if d["type"] == "thinking_delta")
+    [signature] = [d["signature"] for d in deltas if d["type"] == "signature_delta"]
+    history = [*ASK, {"role": "assistant", "content": [
+        {"type": "thinking", "thinking": thinking, "signature": signature}, {"type": "text", "text": "Four."}]},
+        {"role": "user", "content": "And three and three?"}]
+    assert message(gateway, messages=history, thinking={"type": "disabled"}).json()["content"][0]["type"] == "text"
+
+
+def test_messages_refuse_bad_thinking_naming_the_field(gateway: GatewayThread) -> None:
+    body = {"model": "thinker", "max_tokens": 4, "messages": ASK}
+    assert "'thinking.budget_tokens' must be a number of tokens, 0 or more" in refused(gateway, "/v1/messages", {
+        **body, "thinking": {"type": "enabled", "budget_tokens": -5}})
+    assert "'thinking' must be" in refused(gateway, "/v1/messages", {**body, "thinking": {"type": "sometimes"}})
+    assert "'thinking' asks for thinking, and this model's chat template does not think" in refused(
+        gateway, "/v1/messages", {**body, "model": "plain", "thinking": {"type": "enabled", "budget_tokens": 9}})

@@ -4,10 +4,11 @@
      "tool_choice", "max_tokens", "stop_sequences", ...}
         ──▶ a chat body: the system text as the system message; an assistant's tool_use blocks as its tool
             calls; a user's tool_result blocks as tool answers (before the rest of its turn) ──▶ openai.parse
-    the chat completion ──▶ {"type": "message", "content": [text | tool_use blocks], "stop_reason",
+    the chat completion ──▶ {"type": "message", "content": [thinking | text | tool_use blocks], "stop_reason",
                              "usage": {"input_tokens", "output_tokens"}}
-    its chunks ──▶ message_start, ping, content_block_start, content_block_delta (text_delta, input_json_delta),
-        content_block_stop, ..., message_delta (stop_reason, usage), message_stop
+    its chunks ──▶ message_start, ping, content_block_start, content_block_delta (thinking_delta and a last
+        signature_delta, text_delta, input_json_delta), content_block_stop, ..., message_delta (stop_reason, usage),
+        message_stop
 
 Tools are custom tools (``{"name", "description", "input_schema"}``); ``tool_choice`` auto, any (chat's
 required), tool (a named function) or none, with ``disable_parallel_tool_use``; ``output_config.format``
@@ -16,12 +17,20 @@ longer sends, are still taken (as ``extra_body``); ``cache_control``, ``metadata
 and the other routing fields are accepted and ignored. ``stop_reason``: end_turn,
 max_tokens or tool_use; a stop sequence ends the turn as end_turn (the engine does not say which stop string
 it met, so ``stop_sequence`` stays null). Errors are Anthropic's ``{"type": "error", "error": {"type",
-"message"}}``. What Anthropic has and mpserve cannot do (images, documents, thinking, server tools, MCP) is
+"message"}}``. What Anthropic has and mpserve cannot do (images, documents, server tools, MCP) is
 refused with 400 naming it; a field Anthropic does not have is refused as unrecognized.
+
+Thinking (``reasoning``): where the model's template thinks, ``thinking`` ``{"type": "enabled", "budget_tokens"}``
+sets its budget, ``adaptive`` leaves the model's, ``disabled`` turns it off; not given, the template's default
+(thinking) holds. The thinking comes first, as a ``thinking`` block with a ``signature``; thinking blocks in the
+history are dropped (templates leave earlier thinking out).
 """
 
 from __future__ import annotations
 
+import base64
+import dataclasses
+import hashlib
 import json
 import uuid
 from dataclasses import dataclass, field
@@ -32,6 +41,7 @@ from mpserve.errors import BadRequest
 
 from ..http.errors import HttpError
 from . import openai as oai
+from . import reasoning
 from .dialect import event, finish_reason
 
 FIELDS = frozenset({"model", "max_tokens", "messages", "system", "stop_sequences", "temperature", "top_p", "top_k",
@@ -39,7 +49,6 @@ FIELDS = frozenset({"model", "max_tokens", "messages", "system", "stop_sequences
                     "mcp_servers", "context_management", "output_config", "cache_control", "diagnostics",
                     "inference_geo", "speed", "user_profile_id", "workspace_id", "lora"})
 UNSUPPORTED: oai.Unsupported = {
-    "thinking": (({"type": "disabled"},), "extended thinking is not supported"),
     "container": ((), "code execution containers are Anthropic's"),
     "mcp_servers": (([],), "MCP servers are not supported; give the tools"),
     "context_management": ((), "context management is not supported"),
@@ -73,8 +82,12 @@ class Messages:
                 "max_tokens": given["max_tokens"], "temperature": given.get("temperature"),
                 "top_p": given.get("top_p"), "top_k": given.get("top_k"), "stop": stop,
                 "tools": _tools(given.get("tools")), "tool_choice": choice, "parallel_tool_calls": parallel,
-                "response_format": _format(given.get("output_config")), "lora": given.get("lora")}
-        return MessageAnswer(oai.parse("chat", {k: v for k, v in chat.items() if v is not None}))
+                "response_format": _format(given.get("output_config")), "lora": given.get("lora"),
+                **_thinking(given.get("thinking"))}
+        call = oai.parse("chat", {k: v for k, v in chat.items() if v is not None})
+        if given.get("thinking", {}).get("type") in ("enabled", "adaptive"):  # named where a template does not think
+            call = dataclasses.replace(call, thinking=dataclasses.replace(call.thinking, named="thinking"))
+        return MessageAnswer(call)
 
     @staticmethod
     def error_body(error: HttpError) -> dict[str, Any]:
@@ -113,6 +126,8 @@ def _messages(value: Any) -> list[dict[str, Any]]:
                 calls.append(_tool_use(block, at))
             elif kind == "tool_result" and message["role"] == "user":
                 answers.append(_tool_result(block, at))
+            elif kind in ("thinking", "redacted_thinking") and message["role"] == "assistant":
+                continue  # an earlier reply's thinking: templates leave it out of the conversation
             else:
                 raise BadRequest(f"{at}: a {message['role']} message's blocks are text and "
                                  f"{'tool_use' if message['role'] == 'assistant' else 'tool_result'}; "
@@ -170,6 +185,23 @@ def _tools(value: Any) -> list[dict[str, Any]] | None:
     return out
 
 
+def _thinking(value: Any) -> dict[str, Any]:
+    """``thinking`` as chat's fields: enabled with its ``budget_tokens`` (adaptive: the model's budget), or
+    disabled; not given, the model's template decides (one that thinks does)."""
+    if value is None:
+        return {}
+    kind = value.get("type") if isinstance(value, dict) else None
+    if kind == "disabled":
+        return {"chat_template_kwargs": {"enable_thinking": False}}
+    if kind == "adaptive":
+        return {"chat_template_kwargs": {"enable_thinking": True}}
+    if kind != "enabled" or "budget_tokens" not in value:
+        raise BadRequest("'thinking' must be {\"type\": \"enabled\", \"budget_tokens\": N}, {\"type\": \"adaptive\"} "
+                         "or {\"type\": \"disabled\"}")
+    return {"chat_template_kwargs": {"enable_thinking": True},
+            "reasoning_budget": reasoning.budget_tokens(value["budget_tokens"], "thinking.budget_tokens")}
+
+
 def _format(config: Any) -> dict[str, Any] | None:
     """``output_config.format`` (structured output) as chat's ``response_format``; an ``effort`` is refused."""
     if config is None:
@@ -214,7 +246,8 @@ class MessageAnswer:
     def whole(self, completion: dict[str, Any]) -> dict[str, Any]:
         choice = completion["choices"][0]
         message = choice["message"]
-        content = [{"type": "text", "text": message["content"]}] if message.get("content") or \
+        content = [_thought(message["reasoning_content"])] if "reasoning_content" in message else []
+        content += [{"type": "text", "text": message["content"]}] if message.get("content") or \
             not message.get("tool_calls") else []
         content += [{"type": "tool_use", "id": _tool_id(c["id"]), "name": c["function"]["name"],
                      "input": json.loads(c["function"]["arguments"])} for c in message.get("tool_calls") or ()]
@@ -231,6 +264,12 @@ class MessageAnswer:
         out: list[bytes] = []
         for choice in chunk["choices"]:
             delta = choice.get("delta", {})
+            if delta.get("reasoning_content"):
+                if self._block is None or self._block["type"] != "thinking":
+                    out += self._start({"type": "thinking", "thinking": ""})
+                self._block["thinking"] += delta["reasoning_content"]  # type: ignore[index]  # just started
+                out.append(_event("content_block_delta", index=self._blocks - 1,
+                                  delta={"type": "thinking_delta", "thinking": delta["reasoning_content"]}))
             if delta.get("content"):
                 if self._block is None or self._block["type"] != "text":
                     out += self._start({"type": "text", "text": ""})
@@ -271,13 +310,17 @@ class MessageAnswer:
         out = self._stop()
         self._block = block
         self._blocks += 1
-        return [*out, _event("content_block_start", index=self._blocks - 1, content_block=block)]
+        return [*out, _event("content_block_start", index=self._blocks - 1, content_block=dict(block))]
 
     def _stop(self) -> list[bytes]:
-        if self._block is None:
+        """The events that end the block being streamed: a thinking block's signature, then its stop."""
+        block, self._block = self._block, None
+        if block is None:
             return []
-        self._block = None
-        return [_event("content_block_stop", index=self._blocks - 1)]
+        signed = [_event("content_block_delta", index=self._blocks - 1, delta={
+            "type": "signature_delta", "signature": _thought(block["thinking"])["signature"]})] \
+            if block["type"] == "thinking" else []
+        return [*signed, _event("content_block_stop", index=self._blocks - 1)]
 
 
 def _event(kind: str, **fields: Any) -> bytes:
@@ -289,6 +332,13 @@ def _usage(prompt_tokens: int, completion_tokens: int, cached: int) -> dict[str,
     counts them, ``input_tokens`` are the others (the prompt is their sum)."""
     return {"input_tokens": prompt_tokens - cached, "output_tokens": completion_tokens,
             "cache_creation_input_tokens": 0, "cache_read_input_tokens": cached}
+
+
+def _thought(text: str) -> dict[str, Any]:
+    """A thinking block. Its ``signature`` is a digest of its text: clients keep it and send it back with the block,
+    which mpserve drops from the conversation (its templates leave earlier thinking out), so nothing checks it."""
+    return {"type": "thinking", "thinking": text, "signature": base64.b64encode(
+        hashlib.sha256(text.encode()).digest()).decode()}
 
 
 def _tool_id(call_id: str) -> str:

@@ -5,12 +5,12 @@ chat completions (``dialect``), and its stored responses (``stored_routes``).
         ──▶ a chat body: instructions as the system message, then the stored conversation of the previous
             response, then the items: messages (input_text / output_text parts), function_call items as an
             assistant's tool calls, function_call_output items as tool answers ──▶ openai.parse("chat")
-    the chat completion ──▶ {"object": "response", "status", "output": [message | function_call items],
-                             "usage": {"input_tokens", "output_tokens", ...}}
+    the chat completion ──▶ {"object": "response", "status", "output": [reasoning | message | function_call
+                             items], "usage": {"input_tokens", "output_tokens", ...}}
     its chunks ──▶ response.created, response.in_progress, response.output_item.added,
-        response.content_part.added, response.output_text.delta ... done, response.function_call_arguments.delta
-        ... done, response.output_item.done, then response.completed (response.incomplete when
-        max_output_tokens cut it), each with its sequence_number
+        response.content_part.added, response.reasoning_text.delta ... done, response.output_text.delta ... done,
+        response.function_call_arguments.delta ... done, response.output_item.done, then response.completed
+        (response.incomplete when max_output_tokens cut it), each with its sequence_number
 
 Tools are function tools (``{"type": "function", "name", "parameters"}``), with ``tool_choice`` none, auto,
 required or ``{"type": "function", "name"}``; ``text.format`` is text, json_object or json_schema (``{"type":
@@ -20,13 +20,19 @@ key and one in all, in a file every gateway process of the port shares; ``previo
 (its instructions are not carried over, as OpenAI documents). ``background: true`` runs a response to its end
 whoever reads it (``dialect.Pipeline``), its request journaled so that another gateway process takes it over when
 it is read after its own died (``Pipeline.revive``). A field OpenAI has and mpserve cannot honour (built-in tools,
-reasoning effort, images, ...) is refused with 400 naming it, unless sent at its neutral value; a field OpenAI
+images, ...) is refused with 400 naming it, unless sent at its neutral value; a field OpenAI
 does not have is refused as unrecognized.
+
+Reasoning (``reasoning``): where the model's template thinks, ``reasoning: {"effort"}`` (none turns it off) and
+mpserve's ``reasoning_budget`` (tokens) are chat's fields; the thinking is a ``reasoning`` item before the message,
+its whole text as its content (no summary is made), its tokens ``usage.output_tokens_details.reasoning_tokens``.
+Reasoning items in ``input`` are dropped (templates leave earlier thinking out).
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import time
 import uuid
@@ -44,6 +50,7 @@ from mpserve.wire import protocol as wire
 from ..http.encode import EventStream
 from ..http.errors import HttpError
 from . import openai as oai
+from . import reasoning
 from .dialect import Background, Pipeline, event, finish_reason, owner
 from .journal import Journal, NoStream
 from .response_store import NotStored, ResponseStore
@@ -53,10 +60,9 @@ FIELDS = frozenset({
     "parallel_tool_calls", "text", "stream", "stream_options", "store", "previous_response_id", "metadata", "user",
     "safety_identifier", "prompt_cache_key", "prompt_cache_retention", "service_tier", "truncation", "reasoning",
     "include", "background", "top_logprobs", "max_tool_calls", "prompt", "conversation", "context_management",
-    "lora"})
+    "lora", "reasoning_budget"})
 UNSUPPORTED: oai.Unsupported = {
     "truncation": (("disabled",), "mpserve does not drop input items to fit the context"),
-    "reasoning": (({},), "reasoning effort and summaries are not supported"),
     "include": (([],), "no extra output (reasoning, logprobs, tool results) is available"),
     "top_logprobs": ((0,), "log-probabilities are not returned here (use /v1/chat/completions)"),
     "prompt": ((), "stored prompt templates are OpenAI's"),
@@ -104,15 +110,19 @@ class Responses:
             "max_tokens": given.get("max_output_tokens"), "user": given.get("user"),
             "tools": _tools(given.get("tools")), "tool_choice": _tool_choice(given.get("tool_choice")),
             "parallel_tool_calls": given.get("parallel_tool_calls"), "response_format": _format(given.get("text")),
-            "lora": given.get("lora")}
+            "lora": given.get("lora"), "reasoning_effort": _effort(given.get("reasoning")),
+            "reasoning_budget": given.get("reasoning_budget")}
         call = oai.parse("chat", {k: v for k, v in chat.items() if v is not None})
+        if call.thinking.named == "reasoning_effort":  # named as this API names it
+            call = dataclasses.replace(call, thinking=dataclasses.replace(call.thinking, named="reasoning.effort"))
         echo = {"instructions": instructions, "max_output_tokens": given.get("max_output_tokens"),
                 "metadata": metadata, "parallel_tool_calls": given.get("parallel_tool_calls", True),
                 "previous_response_id": previous, "store": given.get("store", True),
                 "temperature": call.params.temperature, "top_p": call.params.top_p,
                 "text": {"format": given.get("text", {}).get("format", {"type": "text"})},
                 "tool_choice": given.get("tool_choice", "auto"), "tools": given.get("tools", []),
-                "truncation": "disabled", "user": given.get("user"), "background": given.get("background", False)}
+                "truncation": "disabled", "user": given.get("user"), "background": given.get("background", False),
+                "reasoning": {"effort": chat["reasoning_effort"], "summary": None}}
         answer = ResponseAnswer(call, echo, conversation, self.store, owner)
         if given.get("background"):
             if not echo["store"]:
@@ -160,6 +170,8 @@ def _items(value: Any) -> list[dict[str, Any]]:
                 out[-1]["tool_calls"].append(call)
             else:
                 out.append({"role": "assistant", "content": None, "tool_calls": [call]})
+        elif kind == "reasoning":  # an earlier reply's thinking: templates leave it out of the conversation
+            continue
         elif kind == "function_call_output":
             call_id, output = item.get("call_id"), item.get("output")
             if not isinstance(call_id, str):
@@ -192,6 +204,19 @@ def _function_call(item: dict[str, Any], where: str) -> dict[str, Any]:
     if not isinstance(call_id, str) or not isinstance(name, str) or not isinstance(arguments, str):
         raise BadRequest(f"{where}: a function_call needs 'call_id', 'name' and 'arguments' (JSON text) strings")
     return {"id": call_id, "type": "function", "function": {"name": name, "arguments": arguments}}
+
+
+def _effort(value: Any) -> str | None:
+    """``reasoning``: its ``effort`` as chat's ``reasoning_effort``; a ``summary`` is taken and not made (the
+    thinking comes whole, as the reasoning item's content)."""
+    if value is None:
+        return None
+    if not isinstance(value, dict) or not set(value) <= {"effort", "summary", "generate_summary"}:
+        raise BadRequest("'reasoning' must be an object like {\"effort\": \"low\"}")
+    effort = value.get("effort")
+    if effort is not None and effort not in reasoning.EFFORTS:
+        raise BadRequest(f"'reasoning.effort' must be one of {', '.join(reasoning.EFFORTS)}, got {str(effort)!r:.40}")
+    return effort
 
 
 def _tools(value: Any) -> list[dict[str, Any]] | None:
@@ -261,11 +286,13 @@ class ResponseAnswer:
     def whole(self, completion: dict[str, Any]) -> dict[str, Any]:
         choice = completion["choices"][0]
         message = choice["message"]
-        output = [_message(message["content"])] if message.get("content") or not message.get("tool_calls") else []
+        output = [_reasoning(message["reasoning_content"])] if "reasoning_content" in message else []
+        output += [_message(message["content"])] if message.get("content") or not message.get("tool_calls") else []
         output += [_function_item(c) for c in message.get("tool_calls") or ()]
         u = completion["usage"]
         return self._finished(completion["model"], output, choice["finish_reason"], wire.Usage(
-            u["prompt_tokens"], u["completion_tokens"]), u["prompt_tokens_details"]["cached_tokens"])
+            u["prompt_tokens"], u["completion_tokens"], u["completion_tokens_details"]["reasoning_tokens"]),
+            u["prompt_tokens_details"]["cached_tokens"])
 
     def opened(self, model: str) -> list[bytes]:
         self._model = model
@@ -277,6 +304,8 @@ class ResponseAnswer:
         out: list[bytes] = []
         for choice in chunk["choices"]:
             delta = choice.get("delta", {})
+            if delta.get("reasoning_content"):
+                out += self._part(_reasoning(""), delta["reasoning_content"])
             if delta.get("content"):
                 out += self._text(delta["content"])
             for call in delta.get("tool_calls") or ():
@@ -286,7 +315,7 @@ class ResponseAnswer:
     def closed(self, last: list[dict[str, Any]], results: list[Result]) -> list[bytes]:
         out = [e for chunk in last for e in self.chunk(chunk)]
         finish = finish_reason(last)
-        if not self._output and self._open is None:
+        if all(item["type"] == "reasoning" for item in [*self._output, *([self._open] if self._open else [])]):
             out += self._text("")
         out += self._close()
         response = self._finished(self._model, self._output, finish, oai.total_usage(results),
@@ -305,7 +334,8 @@ class ResponseAnswer:
         """``cached``: the input tokens taken from a cache (``timings.cached_tokens``), counted in
         ``input_tokens`` too, as OpenAI counts them."""
         usage = {"input_tokens": u.prompt_tokens, "input_tokens_details": {"cached_tokens": cached},
-                 "output_tokens": u.completion_tokens, "output_tokens_details": {"reasoning_tokens": 0},
+                 "output_tokens": u.completion_tokens,
+                 "output_tokens_details": {"reasoning_tokens": u.reasoning_tokens},
                  "total_tokens": u.total_tokens}
         cut = finish == "length"
         response = self._object(model, "incomplete" if cut else "completed", output, usage)
@@ -327,21 +357,27 @@ class ResponseAnswer:
         return event(kind, data)
 
     def _text(self, text: str) -> list[bytes]:
+        return self._part(_message(""), text)
+
+    def _part(self, item: dict[str, Any], text: str) -> list[bytes]:
+        """``text`` streamed into the one part of a message or reasoning item (``item``, opened if it is not)."""
         out: list[bytes] = []
-        if self._open is None or self._open["type"] != "message":
+        kind = item["content"][0]["type"]  # output_text, reasoning_text
+        extra: dict[str, Any] = {"logprobs": []} if kind == "output_text" else {}
+        if self._open is None or self._open["type"] != item["type"]:
             out += self._close()
-            self._open = _message("")
-            self._open["status"] = "in_progress"
+            self._open = {**item, "status": "in_progress"}
             index = len(self._output)
             out.append(self._event("response.output_item.added", output_index=index,
                                    item={**self._open, "content": []}))
+            part = {k: v for k, v in item["content"][0].items() if k != "logprobs"}
             out.append(self._event("response.content_part.added", item_id=self._open["id"], output_index=index,
-                                   content_index=0, part={"type": "output_text", "text": "", "annotations": []}))
+                                   content_index=0, part=part))
         part = self._open["content"][0]
         part["text"] += text
         if text:
-            out.append(self._event("response.output_text.delta", item_id=self._open["id"],
-                                   output_index=len(self._output), content_index=0, delta=text, logprobs=[]))
+            out.append(self._event(f"response.{kind}.delta", item_id=self._open["id"],
+                                   output_index=len(self._output), content_index=0, delta=text, **extra))
         return out
 
     def _call_delta(self, delta: dict[str, Any]) -> list[bytes]:
@@ -366,10 +402,11 @@ class ResponseAnswer:
             return []
         index, item["status"] = len(self._output), "completed"
         out = []
-        if item["type"] == "message":
+        if item["type"] in ("message", "reasoning"):
             part = item["content"][0]
-            out += [self._event("response.output_text.done", item_id=item["id"], output_index=index, content_index=0,
-                                text=part["text"], logprobs=[]),
+            extra: dict[str, Any] = {"logprobs": []} if part["type"] == "output_text" else {}
+            out += [self._event(f"response.{part['type']}.done", item_id=item["id"], output_index=index,
+                                content_index=0, text=part["text"], **extra),
                     self._event("response.content_part.done", item_id=item["id"], output_index=index,
                                 content_index=0, part=part)]
         else:
@@ -382,6 +419,12 @@ class ResponseAnswer:
 def _message(text: str) -> dict[str, Any]:
     return {"type": "message", "id": f"msg_{uuid.uuid4().hex}", "status": "completed", "role": "assistant",
             "content": [{"type": "output_text", "text": text, "annotations": [], "logprobs": []}]}
+
+
+def _reasoning(text: str) -> dict[str, Any]:
+    """A reasoning item: the reply's thinking, whole, as its content (no summary is made)."""
+    return {"type": "reasoning", "id": f"rs_{uuid.uuid4().hex}", "status": "completed", "summary": [],
+            "content": [{"type": "reasoning_text", "text": text}]}
 
 
 def _function_item(call: dict[str, Any]) -> dict[str, Any]:

@@ -12,7 +12,7 @@ from mpserve.wire import protocol as wire
 
 from ..http import limits
 from . import embeddings as emb
-from . import messages, responses
+from . import messages, reasoning, responses
 from . import openai as oai
 from . import schema_fields as fields
 from . import tools as tc
@@ -266,6 +266,11 @@ def _response() -> dict[str, Any]:
                 "type": {"type": "string", "enum": ["text", "json_object", "json_schema"]}}}}}),
         "stream": nullable({"type": "boolean"}), "store": nullable({"type": "boolean"}),
         "background": nullable({"type": "boolean"}),
+        "reasoning": nullable({"type": "object", "properties": {
+            "effort": nullable({"type": "string", "enum": list(reasoning.EFFORTS)}),
+            "summary": nullable({"type": "string"}), "generate_summary": nullable({"type": "string"})},
+            "description": "the thinking's effort (its budget; none: no thinking); a summary is not made"}),
+        "reasoning_budget": fields.budget("mpserve's: most tokens the thinking takes before its end tag is forced"),
         "previous_response_id": nullable({"type": "string"}),
         "metadata": nullable({"type": "object", "additionalProperties": {"type": "string"}, "maxProperties": 16}),
         "user": nullable({"type": "string"}),
@@ -278,9 +283,10 @@ def _response() -> dict[str, Any]:
 def _message() -> dict[str, Any]:
     text = {"type": "string", "maxLength": wire.MAX_PROMPT_CHARS}
     block = {"type": "object", "required": ["type"], "properties": {
-        "type": {"type": "string", "enum": ["text", "tool_use", "tool_result"]}, "text": text,
-        "id": {"type": "string"}, "name": {"type": "string"}, "input": {"type": "object"},
-        "tool_use_id": {"type": "string"}, "content": {"type": "string"}}}
+        "type": {"type": "string", "enum": ["text", "tool_use", "tool_result", "thinking", "redacted_thinking"]},
+        "text": text, "id": {"type": "string"}, "name": {"type": "string"}, "input": {"type": "object"},
+        "tool_use_id": {"type": "string"}, "content": {"type": "string"}, "thinking": {"type": "string"},
+        "signature": {"type": "string"}}}
     message = {"type": "object", "required": ["role", "content"], "properties": {
         "role": {"type": "string", "enum": ["user", "assistant"]},
         "content": {"oneOf": [text, {"type": "array", "items": block}]}}}
@@ -305,6 +311,11 @@ def _message() -> dict[str, Any]:
             "type": {"type": "string", "enum": ["auto", "any", "tool", "none"]}, "name": {"type": "string"},
             "disable_parallel_tool_use": {"type": "boolean"}}},
         "metadata": {"type": "object"},
+        "thinking": {"type": "object", "required": ["type"], "properties": {
+            "type": {"type": "string", "enum": ["enabled", "adaptive", "disabled"]},
+            "budget_tokens": fields.budget("most tokens the thinking takes (enabled)")},
+            "description": "enabled with its budget, adaptive (the model's budget) or disabled; not given: the "
+                           "template's default"},
         "output_config": {"type": "object", "properties": {"format": {
             "type": "object", "required": ["type", "schema"], "properties": {
                 "type": {"type": "string", "enum": ["json_schema"]}, "schema": {"type": "object"}}}}},
