@@ -18,6 +18,7 @@ from gateway_thread import GatewayThread
 pytestmark = pytest.mark.timeout(120)
 
 N_CTX = 1024
+LOW, CLOSE = 6, "Time to answer."  # the thinker's budget for low effort, and its close message
 ASK = [{"role": "user", "content": "What is two and two?"}]
 SCHEMA = {"type": "object", "properties": {"answer": {"type": "integer"}}, "required": ["answer"],
           "additionalProperties": False}
@@ -30,7 +31,8 @@ def tiny_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
 
     config = tmp_path_factory.mktemp("reasoning") / "models.yaml"
     config.write_text("models:\n  - {name: thinker, path: builtin:tiny, chat_template: qwen3, parallel: 4, "
-                      f"n_ctx: {N_CTX}}}\n  - {{name: plain, path: builtin:tiny}}\n")
+                      f"n_ctx: {N_CTX}, reasoning: {{low: {LOW}, close: '{CLOSE}'}}}}\n"
+                      "  - {name: plain, path: builtin:tiny}\n")
     server = ServerProcess("--config", str(config)).wait_ready()
     yield server
     server.stop()
@@ -53,15 +55,23 @@ def refused(gateway: GatewayThread, path: str, body: dict[str, Any]) -> str:
 
 
 def test_chat_thinks_within_its_budget_to_the_token_and_returns_the_thinking_apart(gateway: GatewayThread) -> None:
-    closing = chat(gateway, reasoning_budget=0, max_tokens=40, ignore_eos=True)["usage"]
-    forced = closing["completion_tokens_details"]["reasoning_tokens"]
-    assert 0 < forced <= len("\n</think>")  # only the end tag's tokens
+    closed = chat(gateway, reasoning_budget=0, max_tokens=40, ignore_eos=True)
+    forced = closed["usage"]["completion_tokens_details"]["reasoning_tokens"]
+    assert closed["choices"][0]["message"]["reasoning_content"] == CLOSE  # only the closing tokens
+    assert 0 < forced <= len(f"{CLOSE}\n</think>")
     for budget in (1, 9, 30):
         whole = chat(gateway, reasoning_budget=budget, max_tokens=60, ignore_eos=True)
         message, usage = whole["choices"][0]["message"], whole["usage"]
         assert usage["completion_tokens_details"]["reasoning_tokens"] == budget + forced
         assert message["reasoning_content"] and "think>" not in message["reasoning_content"] + message["content"]
         assert message["content"]
+
+
+def test_an_effort_takes_the_model_s_configured_budget_closed_by_its_message(gateway: GatewayThread) -> None:
+    forced = chat(gateway, reasoning_budget=0, max_tokens=40)["usage"]["completion_tokens_details"]
+    whole = chat(gateway, reasoning_effort="low", max_tokens=60, ignore_eos=True)
+    assert whole["usage"]["completion_tokens_details"]["reasoning_tokens"] == LOW + forced["reasoning_tokens"]
+    assert whole["choices"][0]["message"]["reasoning_content"].endswith(CLOSE)
 
 
 def test_a_streamed_reply_splits_as_the_whole_one(gateway: GatewayThread) -> None:
@@ -171,7 +181,7 @@ def message(gateway: GatewayThread, **body: Any) -> httpx.Response:
 
 
 def test_messages_think_in_a_signed_block_within_the_budget_to_the_token(gateway: GatewayThread) -> None:
-    forced = chat(gateway, reasoning_budget=0, max_tokens=12, ignore_eos=True)["usage"]["completion_tokens_details"]
+    forced = chat(gateway, reasoning_budget=0, max_tokens=40, ignore_eos=True)["usage"]["completion_tokens_details"]
     whole = message(gateway, thinking={"type": "enabled", "budget_tokens": 13}, temperature=0.0).json()
     thought, said = whole["content"]
     assert thought["type"] == "thinking" and thought["thinking"] and thought["signature"]

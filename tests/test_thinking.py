@@ -11,8 +11,9 @@ import jsonschema
 import pytest
 from engines import serve
 
+from mpserve.config.reasoning import Reasoning
 from mpserve.engine.batch import BatchEngine
-from mpserve.engine.settings import EngineSettings, Reasoning
+from mpserve.engine.settings import EngineSettings
 from mpserve.engine.thinking import closing_tokens
 from mpserve.errors import BadRequest
 from mpserve.models.builtin import builtin_model_path
@@ -29,7 +30,7 @@ N_CTX = 1024
 @pytest.fixture(scope="module")
 def engine() -> Iterator[BatchEngine]:
     engine = BatchEngine(EngineSettings(str(builtin_model_path("tiny")), n_ctx=N_CTX, parallel=4, threads=1,
-                                        n_gpu_layers=0, reasoning=Reasoning(close_message="Time to answer.")))
+                                        n_gpu_layers=0, reasoning=Reasoning(close="Time to answer.")))
     yield engine
     engine.close()
 
@@ -66,7 +67,7 @@ def test_a_json_schema_holds_after_the_thinking_for_many_seeds(engine: BatchEngi
 @pytest.mark.timeout(60)
 def test_an_effort_takes_the_model_s_budget_for_it_and_a_budget_past_the_context_is_refused(
         engine: BatchEngine) -> None:
-    low = dict(Reasoning().budgets)["low"]
+    low = Reasoning().low
     params = GenerateParams(max_tokens=8, temperature=0.0, reasoning_end=END, reasoning_effort="low")
     [done] = serve(engine, [(PROMPT, params)])
     assert done.reasoning_tokens == 8 < low  # still thinking when max_tokens ended it

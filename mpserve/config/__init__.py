@@ -5,5 +5,6 @@
     sizes         memory sizes as settings write them ("24GiB") read into bytes
     kv_types      llama.cpp's KV cache types: names, ggml ids, bytes per element
     speculative   a model's speculative decoding setting
+    reasoning     a model's thinking setting: budgets per effort, the close message
     tenants       the tenants section: each tenant's weight, priority ceiling and limits
 """

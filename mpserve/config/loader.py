@@ -34,8 +34,9 @@ from typing import Any, cast
 
 import yaml
 
-from mpserve.config import settings, speculative
+from mpserve.config import reasoning, settings, speculative
 from mpserve.config.kv_types import DEFAULT_KV_TYPE, KV_TYPES
+from mpserve.config.reasoning import Reasoning
 from mpserve.config.sizes import parse_memory
 from mpserve.config.speculative import Speculative
 from mpserve.config.tenants import Tenants, parse_tenants
@@ -86,6 +87,7 @@ class ModelConfig:
     scale_up_after: float = 2.0  # seconds the oldest waiting request waits before one more instance starts
     scale_down_after: float = 60.0  # seconds an instance's worth of slots idles before one instance drains
     speculative: Speculative | None = None  # speculative decoding (prompt lookup, a draft model); None: off
+    reasoning: Reasoning | None = None  # thinking budgets per effort and close message; None: the defaults
     chat_template: str | None = None  # a family's name or a Jinja2 file (mpserve.models.templates); None: the GGUF's
     adapters: adapter_sources.Declared = ()  # LoRA adapters (name, source), in declaration order (models.adapters)
 
@@ -440,6 +442,8 @@ def _model(index: int, entry: Any, overrides: Mapping[str, Any], source: str) ->
     if "speculative" in values:
         values["speculative"] = _speculative(values["speculative"], f"{where}.speculative",
                                              bool(values.get("embedding")))
+    if "reasoning" in values:
+        values["reasoning"] = _reasoning(values["reasoning"], f"{where}.reasoning")
     low, high = _instance_bounds(values, where)
     values.update(instances=low, min_instances=low, max_instances=high)
     return ModelConfig(**values)
@@ -542,6 +546,13 @@ def _requires(value: dict[str, Any], where: str) -> int | None:
         raise ConfigError(f"{where}.gpus: got {value['gpus']}, allowed: 1 (an instance runs on one GPU; "
                           "use instances to spread a model over several)")
     return None if "memory" not in value else _bytes(value["memory"], f"{where}.memory", parse_memory)
+
+
+def _reasoning(value: Any, where: str) -> Reasoning:
+    try:
+        return reasoning.parse(value)
+    except ValueError as exc:
+        raise ConfigError(f"{where}: {exc}") from None
 
 
 def _speculative(value: dict[str, Any] | str, where: str, embedding: bool) -> Speculative | None:

@@ -151,6 +151,10 @@ SETTINGS: tuple[Setting, ...] = (
     _s("adapter_dir", "model", str, "the folders of the model file and of its declared adapters",
        "Folder that an adapter loaded while the server runs (POST /admin/adapters, the admin socket's ADAPTER_ACTION) "
        "must be in, links and .. resolved; a path elsewhere is refused with bad_request", commands=_FOR_POOLS),
+    _s("reasoning", "model", dict, "low 1024, medium 4096, high 16384, no close", "Thinking budgets in tokens for each "
+       "reasoning effort (medium when a request names none), and close: a text written before the end tag when a "
+       "budget forces it, e.g. {low: 512, medium: 2048, high: 8192, close: \"Time to answer.\"}; for a model whose "
+       "chat template thinks (docs/reasoning.md)", flag=None, env=None),
     _s("devices", "model", list, "any GPU", "Pin the model's instances to these GPU indices, e.g. [1]", flag=None,
        env=None),
     _s("requires", "model", dict, "estimated from the GGUF", "Declared needs per instance: {memory: 7GiB, gpus: 1}",

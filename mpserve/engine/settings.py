@@ -16,9 +16,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from mpserve.config.kv_types import DEFAULT_KV_TYPE, KV_TYPES
+from mpserve.config.reasoning import Reasoning
 from mpserve.config.speculative import Speculative
-from mpserve.errors import BadRequest
-from mpserve.wire.protocol import GenerateParams
 
 FLASH_ATTN_TYPES = {"auto": "LLAMA_FLASH_ATTN_TYPE_AUTO", "on": "LLAMA_FLASH_ATTN_TYPE_ENABLED",
                     "off": "LLAMA_FLASH_ATTN_TYPE_DISABLED"}
@@ -35,29 +34,6 @@ REUSE_MODES = ("any", "exact")
 prompt chunks of them only, so that output equals a fresh computation."""
 
 
-REASONING_BUDGETS = (("low", 1024), ("medium", 4096), ("high", 16384))
-"""A model's thinking budget in tokens for each ``reasoning_effort``, unless its configuration sets its own."""
-
-
-@dataclass(frozen=True)
-class Reasoning:
-    """A model's thinking settings (``mpserve.engine.thinking``): its budget per effort, and the message written
-    before the end tag that a budget forces ("" for none)."""
-
-    budgets: tuple[tuple[str, int], ...] = REASONING_BUDGETS
-    close_message: str = ""
-
-    def budget(self, params: GenerateParams, n_ctx: int) -> int:
-        """The thinking budget of ``params`` in tokens (-1: none); BadRequest for one past the context."""
-        budget = params.reasoning_budget
-        if budget is None:
-            budget = dict(self.budgets)[params.reasoning_effort or "medium"]
-        elif budget > n_ctx:
-            raise BadRequest(f"'reasoning_budget' = {budget} is more than the context holds ({n_ctx} tokens a "
-                             "sequence); give at most that, or -1 for no limit")
-        return budget
-
-
 @dataclass(frozen=True)
 class EngineSettings:
     """``cache_ram`` bytes in ``cache_shm`` and ``cache_disk_size`` bytes in ``cache_disk``: the host store's tiers
@@ -65,7 +41,8 @@ class EngineSettings:
     prefix of it that computed cells hold, ``exact`` from whole prompt chunks only (``mpserve.engine.batch``).
     ``chat_template``: the template the engine reports instead of the GGUF's (``read_chat_template``).
     ``grammar_step_s``: what a constrained sequence's grammar may spend on one step before the sequence ends with
-    GrammarTooComplex (``mpserve.engine.sampling``)."""
+    GrammarTooComplex (``mpserve.engine.sampling``). ``reasoning``: the thinking budgets and close message
+    (``mpserve.engine.thinking``)."""
 
     path: str
     n_ctx: int

@@ -22,12 +22,12 @@ from typing import TYPE_CHECKING, Any
 
 import llama_cpp
 
+from mpserve.config.reasoning import Reasoning
 from mpserve.errors import BadRequest, GrammarTooComplex
 from mpserve.wire.protocol import GenerateParams
 
 from .grammar import Grammar
 from .sampling import SamplerChain
-from .settings import Reasoning
 
 if TYPE_CHECKING:
     from .context import Context
@@ -96,14 +96,14 @@ def sampler_for(context: Context, params: GenerateParams, seed: int, grammar: Gr
     eog = context.eog_tokens() if params.ignore_eos else ()
     if params.reasoning_end is None:
         return SamplerChain(context.n_vocab, params, seed, eog, grammar)
-    try:
-        budget = reasoning.budget(params, n_ctx)
-    except BadRequest:
+    budget = reasoning.budget(params.reasoning_effort) if params.reasoning_budget is None else params.reasoning_budget
+    if budget > n_ctx:
         if grammar is not None:
             llama_cpp.llama_sampler_free(grammar.sampler)
-        raise
+        raise BadRequest(f"'reasoning_budget' = {budget} is more than the context holds ({n_ctx} tokens a sequence; "
+                         "Messages' thinking.budget_tokens); give at most that")
     closing = closing_tokens(lambda text: context.tokenize(text, False), context.piece_bytes,
-                             f"{reasoning.close_message}\n{params.reasoning_end}")
+                             f"{reasoning.close}\n{params.reasoning_end}")
     return Phases(SamplerChain(context.n_vocab, params, seed, eog), SamplerChain(context.n_vocab, params, seed, eog,
                                                                                   grammar),
                   closing, params.reasoning_end.encode(), budget, context.piece_bytes)

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from mpserve.config.loader import ECHO_MODEL, ModelConfig, ServerConfig
+from mpserve.config.reasoning import Reasoning
 from mpserve.config.speculative import check_draft
 from mpserve.errors import ConfigError
 from mpserve.gpu.devices import Device, discover
@@ -167,8 +168,9 @@ def worker_spec(config: ServerConfig, devices: list[Device], placement: Placemen
         engine=EngineSpec(path=model.resolved_path(), n_ctx=model.n_ctx, threads=config.threads_for(model),
                           n_gpu_layers=gpu_layers, parallel=model.parallel, flash_attn=model.flash_attn,
                           repack=repack_for(model), echo_tick_s=model.echo_tick_ms / 1000, embedding=model.embedding,
-                          pooling=model.pooling, speculative=model.speculative, cache_type_k=model.cache_type_k,
-                          cache_type_v=model.cache_type_v, cache_ram=model.cache_ram,
+                          pooling=model.pooling, speculative=model.speculative,
+                          reasoning=model.reasoning or Reasoning(),
+                          cache_type_k=model.cache_type_k, cache_type_v=model.cache_type_v, cache_ram=model.cache_ram,
                           cache_shm=model.store_dir(), cache_disk=model.cache_disk,
                           cache_disk_size=model.cache_disk_size, chat_template=chat_template(model),
                           reuse=model.reuse, adapters=model.adapter_paths()),

@@ -53,6 +53,7 @@ def build_engine(spec: EngineSpec, model: Any = None, adapters: dict[str, Any] |
 
     settings = EngineSettings(spec.path, spec.n_ctx, spec.parallel, spec.threads, spec.n_gpu_layers, spec.seed,
                               flash_attn=spec.flash_attn, repack=spec.repack, speculative=spec.speculative,
+                              reasoning=spec.reasoning,
                               cache_type_k=spec.cache_type_k, cache_type_v=spec.cache_type_v, cache_ram=spec.cache_ram,
                               cache_shm=spec.cache_shm, cache_disk=spec.cache_disk,
                               cache_disk_size=spec.cache_disk_size, reuse=spec.reuse, chat_template=spec.chat_template,

@@ -26,6 +26,7 @@ import json
 from dataclasses import asdict, dataclass, field
 from multiprocessing.connection import Connection
 
+from mpserve.config.reasoning import Reasoning
 from mpserve.config.speculative import Speculative
 
 WORKER_MAIN = "mpserve.worker.main"
@@ -50,6 +51,7 @@ class EngineSpec:
     embedding: bool = False  # an embedding model (mpserve.engine.embed)
     pooling: str | None = None  # its pooling; None: the GGUF's
     speculative: Speculative | None = None  # speculative decoding; None: off
+    reasoning: Reasoning = Reasoning()  # thinking budgets and close message (mpserve.engine.thinking)
     cache_type_k: str = "f16"  # KV cache types (mpserve.config.kv_types)
     cache_type_v: str = "f16"
     cache_ram: int = 0  # bytes of the host store's RAM tier (for the whole host); 0: no store

@@ -215,3 +215,17 @@ def test_worker_models_limit_named_pool_keys_and_need_the_keys_folder(tmp_path: 
         cfg.build({"worker_models": {"pool-a": ["tiny"]}})
     with pytest.raises(ConfigError, match=r"config: worker_models: got 'pool-a': 'tiny', expected a key's name"):
         cfg.build({**curve, "worker_models": {"pool-a": "tiny"}})
+
+
+def test_a_model_s_reasoning_sets_its_budgets_and_close_message_and_refuses_what_it_cannot_be() -> None:
+    from mpserve.config.reasoning import Reasoning
+
+    [model] = cfg.build({"models": [{"path": "builtin:tiny", "reasoning": {"low": 8, "close": "Answer now."}}]}).models
+    assert model.reasoning == Reasoning(low=8, close="Answer now.")  # not set: None, the defaults
+    assert model.reasoning.budget(None) == Reasoning().medium and model.reasoning.budget("low") == 8
+    for given, problem in [({"low": -1}, "low: got -1, allowed: a number of tokens"),
+                           ({"huge": 5}, "unknown key 'huge'; allowed keys: low, medium, high, close"),
+                           ({"close": 3}, "close: got '3', allowed: a text"),
+                           ("fast", "got .fast., expected a mapping")]:
+        with pytest.raises(ConfigError, match=rf"models\[0\].reasoning: {problem}"):
+            cfg.build({"models": [{"path": "builtin:tiny", "reasoning": given}]})
