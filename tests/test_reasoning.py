@@ -30,8 +30,9 @@ def tiny_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
     from conftest import ServerProcess
 
     config = tmp_path_factory.mktemp("reasoning") / "models.yaml"
+    # reuse exact: a reply is the same whether its prompt was computed before or not (the comparisons of two)
     config.write_text("models:\n  - {name: thinker, path: builtin:tiny, chat_template: qwen3, parallel: 4, "
-                      f"n_ctx: {N_CTX}, reasoning: {{low: {LOW}, close: '{CLOSE}'}}}}\n"
+                      f"reuse: exact, n_ctx: {N_CTX}, reasoning: {{low: {LOW}, close: '{CLOSE}'}}}}\n"
                       "  - {name: plain, path: builtin:tiny}\n")
     server = ServerProcess("--config", str(config)).wait_ready()
     yield server
@@ -46,6 +47,15 @@ def chat(gateway: GatewayThread, **body: Any) -> dict[str, Any]:
     return result
 
 
+def closing_tokens(gateway: GatewayThread) -> int:
+    """The tokens a forced end takes (the close message, a newline, the end tag): the thinking of a budget of 0."""
+    closed = chat(gateway, reasoning_budget=0, max_tokens=40, ignore_eos=True)
+    assert closed["choices"][0]["message"]["reasoning_content"] == CLOSE  # only the closing tokens
+    forced: int = closed["usage"]["completion_tokens_details"]["reasoning_tokens"]
+    assert 0 < forced <= len(f"{CLOSE}\n</think>")
+    return forced
+
+
 def refused(gateway: GatewayThread, path: str, body: dict[str, Any]) -> str:
     answer = httpx.post(f"{gateway.url}{path}", json=body, timeout=60)
     assert answer.status_code == 400, answer.text
@@ -55,10 +65,7 @@ def refused(gateway: GatewayThread, path: str, body: dict[str, Any]) -> str:
 
 
 def test_chat_thinks_within_its_budget_to_the_token_and_returns_the_thinking_apart(gateway: GatewayThread) -> None:
-    closed = chat(gateway, reasoning_budget=0, max_tokens=40, ignore_eos=True)
-    forced = closed["usage"]["completion_tokens_details"]["reasoning_tokens"]
-    assert closed["choices"][0]["message"]["reasoning_content"] == CLOSE  # only the closing tokens
-    assert 0 < forced <= len(f"{CLOSE}\n</think>")
+    forced = closing_tokens(gateway)
     for budget in (1, 9, 30):
         whole = chat(gateway, reasoning_budget=budget, max_tokens=60, ignore_eos=True)
         message, usage = whole["choices"][0]["message"], whole["usage"]
@@ -68,9 +75,8 @@ def test_chat_thinks_within_its_budget_to_the_token_and_returns_the_thinking_apa
 
 
 def test_an_effort_takes_the_model_s_configured_budget_closed_by_its_message(gateway: GatewayThread) -> None:
-    forced = chat(gateway, reasoning_budget=0, max_tokens=40)["usage"]["completion_tokens_details"]
     whole = chat(gateway, reasoning_effort="low", max_tokens=60, ignore_eos=True)
-    assert whole["usage"]["completion_tokens_details"]["reasoning_tokens"] == LOW + forced["reasoning_tokens"]
+    assert whole["usage"]["completion_tokens_details"]["reasoning_tokens"] == LOW + closing_tokens(gateway)
     assert whole["choices"][0]["message"]["reasoning_content"].endswith(CLOSE)
 
 
@@ -150,6 +156,7 @@ def events(gateway: GatewayThread, **body: Any) -> list[dict[str, Any]]:
 
 def test_responses_answer_a_reasoning_item_within_the_budget_to_the_token(gateway: GatewayThread) -> None:
     forced = respond(gateway, reasoning_budget=0).json()["usage"]["output_tokens_details"]["reasoning_tokens"]
+    assert forced == closing_tokens(gateway)
     whole = respond(gateway, reasoning_budget=11, max_output_tokens=40, reasoning={"effort": "low"}).json()
     assert whole["usage"]["output_tokens_details"]["reasoning_tokens"] == 11 + forced
     thought, said = whole["output"]
@@ -181,7 +188,6 @@ def message(gateway: GatewayThread, **body: Any) -> httpx.Response:
 
 
 def test_messages_think_in_a_signed_block_within_the_budget_to_the_token(gateway: GatewayThread) -> None:
-    forced = chat(gateway, reasoning_budget=0, max_tokens=40, ignore_eos=True)["usage"]["completion_tokens_details"]
     whole = message(gateway, thinking={"type": "enabled", "budget_tokens": 13}, temperature=0.0).json()
     thought, said = whole["content"]
     assert thought["type"] == "thinking" and thought["thinking"] and thought["signature"]
@@ -189,7 +195,7 @@ def test_messages_think_in_a_signed_block_within_the_budget_to_the_token(gateway
     # Anthropic's usage does not count the thinking apart: the same greedy reply through chat does
     same = chat(gateway, reasoning_budget=13, max_tokens=40, temperature=0.0)
     assert same["choices"][0]["message"]["reasoning_content"] == thought["thinking"]
-    assert same["usage"]["completion_tokens_details"]["reasoning_tokens"] == 13 + forced["reasoning_tokens"]
+    assert same["usage"]["completion_tokens_details"]["reasoning_tokens"] == 13 + closing_tokens(gateway)
     with httpx.stream("POST", f"{gateway.url}/v1/messages", timeout=60, json={
             "model": "thinker", "max_tokens": 40, "messages": ASK, "temperature": 1.0, "stream": True,
             "thinking": {"type": "enabled", "budget_tokens": 13}}) as answer:
