@@ -553,8 +553,8 @@ class Broker:
                 self._on_tokenize(client, msg)
             elif isinstance(msg, wire.Embed):
                 self._on_embed(client, msg)
-            elif isinstance(msg, wire.StatsQuery):
-                self._to_client(client, wire.encode(self.snapshot(msg.nonce)))
+            elif isinstance(msg, wire.StatsQuery):  # a keyed client reads its own tenant's figures, not others'
+                self._to_client(client, wire.encode(self.snapshot(msg.nonce, "" if admin else tenant)))
             elif isinstance(msg, wire.SlotAction):
                 self._on_slot_action(client, msg)
             elif isinstance(msg, wire.AdapterAction):
@@ -698,8 +698,12 @@ class Broker:
                 del self.lookups[ticket]
                 self._to_client(client, wire.encode(wire.Error(rid, ErrorCode.WORKER_LOST, f"{what}; retry")))
 
-    def snapshot(self, nonce: int = 0) -> wire.Stats:
+    def snapshot(self, nonce: int = 0, tenant: str = "") -> wire.Stats:
+        """The figures STATS answers; with ``tenant`` (a keyed client's), that tenant's alone of the tenants'."""
         running: Counter[str] = Counter(w.model for w in self.workers.values() for _ in w.running)
+
+        def queued(t: str) -> int:
+            return sum(mq.queue.waiting(t) for mq in self.models.values())
         now, swaps = time.monotonic(), {"single_active_swaps": self.residency.swaps} if self.residency else {}
         return wire.Stats(nonce, self.accepting, {**self.stats, **swaps}, {
             name: wire.ModelStats(len(mq.queue), running[name], mq.instances, len(mq.free), mq.failed,
@@ -710,7 +714,7 @@ class Broker:
             for name, mq in self.models.items()
         }, [wire.WorkerStats(w.identity.decode(), w.model, w.host, w.pid, w.device, w.capacity, len(w.running))
             for w in self.workers.values()],
-            self.ledger.figures(lambda tenant: sum(mq.queue.waiting(tenant) for mq in self.models.values())))
+            self.ledger.own_figures(tenant, queued) if tenant else self.ledger.figures(queued))
 
     def queued(self) -> int:
         return sum(len(mq.queue) for mq in self.models.values())

@@ -356,6 +356,13 @@ class Ledger:
         return shown_rows
 
 
+    def own_figures(self, tenant: str, queued: Callable[[str], int]) -> dict[str, wire.TenantStats]:
+        """``figures`` as a keyed client may read them: its own tenant's row alone (none before its first
+        request)."""
+        account = self._accounts.get(tenant)
+        return {shown(tenant): _with_now(account, queued(tenant))} if account is not None else {}
+
+
 def _with_now(account: _Account, queued: int) -> wire.TenantStats:
     f = account.figures
     return wire.TenantStats(f.requests, f.prompt_tokens, f.generated_tokens, round(f.queue_s, 3), f.refusals,
