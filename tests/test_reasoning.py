@@ -18,6 +18,9 @@ from gateway_thread import GatewayThread
 pytestmark = pytest.mark.timeout(120)
 
 N_CTX = 1024
+R1_TEMPLATE = ("{% for m in messages %}{{ '<｜User｜>' + m['content'] }}{% endfor %}"
+               "{% if add_generation_prompt %}{{ '<｜Assistant｜><think>\n' }}{% endif %}")
+"""DeepSeek R1's way: the generation prompt opens the thinking (the history's thinking is never shown)."""
 LOW, CLOSE = 6, "Time to answer."  # the thinker's budget for low effort, and its close message
 ASK = [{"role": "user", "content": "What is two and two?"}]
 SCHEMA = {"type": "object", "properties": {"answer": {"type": "integer"}}, "required": ["answer"],
@@ -29,11 +32,14 @@ def tiny_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
     """The server in front of conftest's ``gateway``: the tiny model as ``thinker`` and ``plain``."""
     from conftest import ServerProcess
 
-    config = tmp_path_factory.mktemp("reasoning") / "models.yaml"
+    folder = tmp_path_factory.mktemp("reasoning")
+    config, opening = folder / "models.yaml", folder / "r1.jinja"
+    opening.write_text(R1_TEMPLATE)
     # reuse exact: a reply is the same whether its prompt was computed before or not (the comparisons of two)
     config.write_text("models:\n  - {name: thinker, path: builtin:tiny, chat_template: qwen3, parallel: 4, "
                       f"reuse: exact, n_ctx: {N_CTX}, reasoning: {{low: {LOW}, close: '{CLOSE}'}}}}\n"
-                      "  - {name: plain, path: builtin:tiny}\n")
+                      f"  - {{name: plain, path: builtin:tiny}}\n  - {{name: r1, path: builtin:tiny, "
+                      f"chat_template: {opening}}}\n")
     server = ServerProcess("--config", str(config)).wait_ready()
     yield server
     server.stop()
@@ -112,6 +118,13 @@ def test_a_json_schema_and_a_forced_call_hold_after_the_thinking_for_many_seeds(
         assert choice["message"]["reasoning_content"] and choice["finish_reason"] == "tool_calls"
         [call] = choice["message"]["tool_calls"]
         jsonschema.validate(json.loads(call["function"]["arguments"]), SCHEMA)
+
+
+def test_a_template_whose_prompt_opens_the_thinking_gets_it_apart_from_the_content(gateway: GatewayThread) -> None:
+    whole = chat(gateway, model="r1", reasoning_budget=5, max_tokens=40, ignore_eos=True)
+    message = whole["choices"][0]["message"]
+    assert message["reasoning_content"] and "</think>" not in message["content"]
+    assert whole["usage"]["completion_tokens_details"]["reasoning_tokens"] > 5
 
 
 @pytest.mark.parametrize("off", [{"chat_template_kwargs": {"enable_thinking": False}}, {"reasoning_effort": "none"}],

@@ -48,9 +48,10 @@ THINK = Tags("<think>", "</think>")
 
 
 def tags_of(template: str) -> Tags | None:
-    """The thinking tags of a chat template (Qwen 3, DeepSeek R1, QwQ and their fine-tunes write ``<think>``);
-    None for one that does not think."""
-    return THINK if THINK.start in template and THINK.end in template else None
+    """The thinking tags of a chat template that writes ``<think>`` (Qwen 3, DeepSeek R1, QwQ and their fine-tunes:
+    in its generation prompt, or where it drops earlier thinking from the history); None for one that does not
+    think."""
+    return THINK if THINK.start in template else None
 
 
 @dataclass(frozen=True)
@@ -96,7 +97,7 @@ class Ask:
             if self.named or self.enabled:
                 which = self.named or "chat_template_kwargs.enable_thinking"
                 raise BadRequest(f"'{which}' asks for thinking, and this model's chat template does not think (it "
-                                 "has no <think> tags)")
+                                 "never writes <think>)")
             return params, False
         if self.enabled is False:
             return params, False
