@@ -29,7 +29,8 @@ SCHEMA = {"type": "object", "properties": {"answer": {"type": "integer"}}, "requ
 
 @pytest.fixture(scope="module")
 def tiny_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
-    """The server in front of conftest's ``gateway``: the tiny model as ``thinker`` and ``plain``."""
+    """The server in front of conftest's ``gateway``: the tiny model as ``thinker`` (qwen3), ``plain`` (ChatML) and
+    ``r1`` (a template whose generation prompt opens the thinking)."""
     from conftest import ServerProcess
 
     folder = tmp_path_factory.mktemp("reasoning")

@@ -1,8 +1,8 @@
 """A model's thinking setting (``models[].reasoning``), shared by the config, the worker spec and the engine
 (``mpserve.engine.thinking`` holds the budget; ``mpserve.gateway.api.reasoning`` reads the request).
 
-    YAML {low: 1024, medium: 4096, high: 16384, close: TEXT} ──config.build──▶ Reasoning ──EngineSpec──▶
-        BatchEngine (its EngineSettings)
+    YAML {low: N, medium: N, high: N, close: TEXT} ──config.build──▶ Reasoning ──EngineSpec──▶ BatchEngine
+        (its EngineSettings)
 
 ``parse`` checks the mapping; a bad key or value raises ValueError with what is allowed, which the config turns
 into a ConfigError naming the file and the key.
