@@ -65,12 +65,14 @@ def test_a_json_schema_holds_after_the_thinking_for_many_seeds(engine: BatchEngi
 
 
 @pytest.mark.timeout(60)
-def test_an_effort_takes_the_model_s_budget_for_it_and_a_budget_past_the_context_is_refused(
+def test_an_effort_takes_the_model_s_budget_cut_to_the_context_and_a_budget_past_it_is_refused(
         engine: BatchEngine) -> None:
     low = Reasoning().low
     params = GenerateParams(max_tokens=8, temperature=0.0, reasoning_end=END, reasoning_effort="low")
     [done] = serve(engine, [(PROMPT, params)])
     assert done.reasoning_tokens == 8 < low  # still thinking when max_tokens ended it
+    high = GenerateParams(max_tokens=8, temperature=0.0, reasoning_end=END, reasoning_effort="high")
+    assert Reasoning().high > N_CTX and serve(engine, [(PROMPT, high)])[0].reasoning_tokens == 8  # cut to the context
     with pytest.raises(BadRequest, match=f"'reasoning_budget' = {N_CTX + 1} is more than the context holds"):
         engine.admit(0, PROMPT, GenerateParams(reasoning_end=END, reasoning_budget=N_CTX + 1), lambda t, n: True)
     assert engine.free_slots() == [0, 1, 2, 3]

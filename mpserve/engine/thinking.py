@@ -32,6 +32,7 @@ from .sampling import SamplerChain
 if TYPE_CHECKING:
     from .context import Context
 
+
 class Phases:
     """A thinking sequence's sampler: the free chain while it thinks, the answer chain from its end tag on."""
 
@@ -91,13 +92,16 @@ def closing_tokens(tokenize: Callable[[str], list[int]], piece: Callable[[int], 
 
 def sampler_for(context: Context, params: GenerateParams, seed: int, grammar: Grammar | None, reasoning: Reasoning,
                 n_ctx: int) -> SamplerChain | Phases:
-    """A sequence's sampler: one chain (with ``grammar``, owned from here), or a thinking reply's ``Phases``.
-    BadRequest for a thinking budget past ``n_ctx`` (``grammar`` freed)."""
+    """A sequence's sampler: one chain (with ``grammar``, owned from here), or a thinking reply's ``Phases``, under
+    the request's budget, else its effort's (at most ``n_ctx``). BadRequest for a request's budget past ``n_ctx``
+    (``grammar`` freed)."""
     eog = context.eog_tokens() if params.ignore_eos else ()
     if params.reasoning_end is None:
         return SamplerChain(context.n_vocab, params, seed, eog, grammar)
-    budget = reasoning.budget(params.reasoning_effort) if params.reasoning_budget is None else params.reasoning_budget
-    if budget > n_ctx:
+    budget = params.reasoning_budget
+    if budget is None:
+        budget = min(reasoning.budget(params.reasoning_effort), n_ctx)
+    elif budget > n_ctx:
         if grammar is not None:
             llama_cpp.llama_sampler_free(grammar.sampler)
         raise BadRequest(f"'reasoning_budget' = {budget} is more than the context holds ({n_ctx} tokens a sequence; "
