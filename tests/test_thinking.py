@@ -9,7 +9,7 @@ from collections.abc import Iterator
 
 import jsonschema
 import pytest
-from engines import serve
+from engines import finish, serve
 
 from mpserve.config.reasoning import Reasoning
 from mpserve.engine.batch import BatchEngine
@@ -76,3 +76,25 @@ def test_an_effort_takes_the_model_s_budget_cut_to_the_context_and_a_budget_past
     with pytest.raises(BadRequest, match=f"'reasoning_budget' = {N_CTX + 1} is more than the context holds"):
         engine.admit(0, PROMPT, GenerateParams(reasoning_end=END, reasoning_budget=N_CTX + 1), lambda t, n: True)
     assert engine.free_slots() == [0, 1, 2, 3]
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("where", ["thinking", "closing", "answer"])
+def test_a_reply_resumed_from_carried_tokens_goes_on_in_its_phase(engine: BatchEngine, where: str) -> None:
+    """Carried over from a lost instance in its thinking, in its forced end or in its answer, the reply ends its
+    thinking where it would have and answers under its schema as it would have."""
+    cut = {"thinking": 3, "closing": 8 + forced(engine) // 2, "answer": 8 + forced(engine) + 2}[where]
+    params = GenerateParams(max_tokens=40, temperature=0.0, reasoning_end=END, reasoning_budget=8,
+                            json_schema=canonical_json(SCHEMA))
+    seen: list[int] = []
+
+    def record(text: str, n: int) -> bool:
+        seen[:] = engine.tokens(0)
+        return True
+
+    engine.admit(0, PROMPT, params, record)
+    whole = finish(engine)[0]
+    engine.admit(0, PROMPT, params, lambda text, n: True, carried=seen[:cut])
+    resumed = finish(engine)[0]
+    assert (resumed.text, resumed.reasoning_tokens) == (whole.text, whole.reasoning_tokens)
+    assert whole.reasoning_tokens == 8 + forced(engine) and len(seen) > cut
