@@ -23,7 +23,6 @@ import logging
 import os
 import signal
 import sys
-import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, replace
@@ -43,7 +42,6 @@ from mpserve.wire.slots import BASE_LABEL, SlotRow, SlotState, SlotTable, active
 
 if TYPE_CHECKING:
     from mpserve.client import Client
-    from mpserve.gateway.app import GatewayConfig
 
 LISTEN_AFTER_DEATH_S = 10.0  # how long start --http waits for the gateways of a server that died to let its port go
 
@@ -286,8 +284,6 @@ def pull(
 
 def _pull(config: cfg.ServerConfig) -> None:
     """The models named on the Hub downloaded unless cached, with progress on stderr (``mpserve.models``)."""
-    import logging
-
     logging.basicConfig(level=config.log_level.upper(), stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)  # a line per request otherwise
@@ -367,6 +363,7 @@ def gateway(
     """Serve an OpenAI-compatible HTTP API for a server: /v1/completions, /v1/chat/completions, /v1/models,
     /health, /metrics (Prometheus) and /backend/monitor. It may start before the server (503 until ready)."""
     from mpserve.config.sizes import parse_memory
+    from mpserve.gateway import run as gateway_run
     from mpserve.gateway.api.chat import TemplateBudget
     from mpserve.gateway.api.response_store import StoreBudget
     from mpserve.gateway.app import GatewayConfig, parse_http
@@ -389,34 +386,7 @@ def gateway(
                                              parse_memory(responses_store_per_key)),
                        admin_key=admin_key, allowed_origins=_names(allowed_origins),
                        allowed_hosts=_names(allowed_hosts))
-        _serve_gateways(config, http_workers, fd)
-
-
-def _serve_gateways(config: GatewayConfig, workers: int, fd: int | None) -> None:
-    """One gateway in this process, or ``workers`` of them in children on one port (``gateway.fleet``), this
-    process their parent until SIGINT or SIGTERM."""
-    from mpserve.gateway import app as gateway_app
-    from mpserve.gateway import fleet
-
-    if workers == 1:
-        gateway_app.serve(config, fd)
-        return
-    logging.basicConfig(level=config.log_level.upper(), stream=sys.stderr,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    gateway_app.check(config)
-    ended = threading.Event()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: ended.set())
-    argv = children.python("-m", "mpserve", *sys.argv[1:])
-    gateways = fleet.Fleet(fleet.listen(config.host, config.port), workers,
-                           functools.partial(fleet.child_command, argv), dict(os.environ), lambda _: ended.set())
-    signal.signal(signal.SIGHUP, lambda *_: gateways.signal(signal.SIGHUP))  # the key file read again
-    logging.getLogger("mpserve.gateway").info("%d gateway processes on http://%s:%d: %s", workers, config.host,
-                                              config.port, " ".join(map(str, gateways.pids)))
-    ended.wait()
-    gateways.stop()
-    if gateways.gave_up is not None:
-        raise InternalError(f"{gateways.gave_up} (its log above says why); fix that and start again")
+        gateway_run.serve(config, http_workers, fd)
 
 
 def _names(given: str | None) -> tuple[str, ...]:
@@ -433,6 +403,7 @@ class _Gateway:
 
     def __init__(self, http: str, config: cfg.ServerConfig, flags: dict[str, Any], key: Path | None) -> None:
         from mpserve.gateway import fleet
+        from mpserve.gateway.api import response_store
         from mpserve.gateway.app import parse_http
         from mpserve.server.adoption import died_before
 
@@ -443,7 +414,8 @@ class _Gateway:
             sock = handed[0]
         else:  # the gateways of the server before this one, if it died, let the port go as they notice
             sock = fleet.listen(host, port, LISTEN_AFTER_DEATH_S if died_before(config.server_name) else 0.0)
-        self.fleet = fleet.Fleet(sock, flags["http_workers"] or 1, command, env, self._give_up)
+        self.fleet = fleet.Fleet(sock, flags["http_workers"] or 1, command, env, self._give_up,
+                                 response_store.path_for(config.server_name, port))
         fleet.drain(handed[1] if handed is not None else [])
         self._handed_over = False
 

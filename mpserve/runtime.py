@@ -8,8 +8,12 @@ A server is known by its name (``--server-name``, default "default"). Its files:
     $RUNTIME/NAME.gateway.key*    the CURVE key pair of the gateway ``start --http`` runs (a CURVE --bind)
     $RUNTIME/NAME.json            ServerInfo: pid, addresses, slot-table path, models
     $RUNTIME/NAME.responses-PORT.sqlite  the stored responses of the gateway processes on HTTP port PORT
+    $RUNTIME/NAME.zygote-MODEL.sock, NAME.zygote-MODEL.spare.sock  where a model's zygote and its spare wait to be
+                                  adopted should the server die (``mpserve.worker.zygote``)
     /dev/shm/mpserve-UID-TAG-NAME.slots   the slot table (TAG: of $RUNTIME's path, so that servers of one name
                                          in two runtime folders never take each other's)
+
+A clean stop removes every one of them (docs/operations.md, "What a server leaves").
 
 $RUNTIME is $MPSERVE_RUNTIME_DIR, else $XDG_RUNTIME_DIR/mpserve, else /tmp/mpserve-UID; it is created
 with mode 0700 and refused if another user owns it or others can open it, so only this user can reach the

@@ -6,6 +6,8 @@ Three layers under the composition root, each importing only those below it:
 
     app                Starlette routes, API key, ``serve``: the layers put together
     fleet              several gateway processes on one port (--http-workers), each started again when it dies
+    run                ``mpserve gateway``: one gateway in this process, or a fleet of them; the port's stored
+                       responses removed at their clean end
     backend            the server as the gateway sees it: one AsyncClient, STATS, the slot table
     http/              connections and bodies, before any API reads them
       errors           HttpError: an error as an HTTP answer (status, OpenAI's error object, Retry-After)

@@ -14,7 +14,8 @@
                                           service manager to report, not to hide behind restarts)
       signal(SIGHUP) ──▶ each child reads its API key file again and asks for the chat templates again (a reload:
                          ``mpserve reload``, or SIGHUP to the parent of ``mpserve gateway --http-workers N``)
-      stop() ──▶ SIGTERM to each child (uvicorn finishes its streams), SIGKILL after STOP_TIMEOUT_S
+      stop() ──▶ SIGTERM to each child (uvicorn finishes its streams), SIGKILL after STOP_TIMEOUT_S; then the
+                 stored responses' file they shared is removed (``store``)
       hand_over() (``mpserve upgrade``: the server executes the mpserve installed now, in its own process) ──▶ the
           listening socket, the children's pids and this process's, in the environment, across the exec ──▶
           ``handed_over`` in the next start (only in the process that handed them over, only a socket listening on
@@ -42,6 +43,8 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from mpserve.errors import ConfigError
+
+from .api import response_store
 
 log = logging.getLogger("mpserve.gateway")
 
@@ -85,11 +88,12 @@ def describe(status: int) -> str:
 
 class Fleet:
     """``workers`` children, each run by ``command(fd)`` (its argv, given the listening socket's descriptor) with
-    ``env``; ``on_give_up(reason)`` is called once, from a watch thread, when children keep dying young."""
+    ``env``; ``on_give_up(reason)`` is called once, from a watch thread, when children keep dying young; ``store``:
+    the stored responses' file the children share (``api.response_store``), removed by ``stop``."""
 
     def __init__(self, sock: socket.socket, workers: int, command: Callable[[int], Sequence[str]],
-                 env: dict[str, str], on_give_up: Callable[[str], None]) -> None:
-        self._sock = sock
+                 env: dict[str, str], on_give_up: Callable[[str], None], store: Path) -> None:
+        self._sock, self._store = sock, store
         self._command = command
         self._env = env
         self._on_give_up = on_give_up
@@ -162,7 +166,8 @@ class Fleet:
             child.send_signal(sig)
 
     def stop(self) -> None:
-        """Each child stopped gracefully (SIGTERM), killed past STOP_TIMEOUT_S; the socket closed."""
+        """Each child stopped gracefully (SIGTERM), killed past STOP_TIMEOUT_S; the socket closed, the stored
+        responses' file removed (an upgrade's ``hand_over`` keeps both for the next start)."""
         with self._lock:
             self._stopping.set()
             children = [child for child in self._children if child is not None]
@@ -177,6 +182,7 @@ class Fleet:
                 child.kill()
                 child.wait()
         self._sock.close()
+        response_store.remove(self._store)
 
 
     def hand_over(self) -> None:

@@ -111,7 +111,8 @@ class _Zygote:
                 spare = [self.spare[1]] if self.spare is not None else []
                 ready, _, _ = select.select([conn.fileno(), *self.children, *spare], [], [])
                 for pid, code in self._reap([fd for fd in ready if fd in self.children]):
-                    conn.send(("exited", pid, code))
+                    with contextlib.suppress(OSError):  # a server that said stop and closed the pipe: read below
+                        conn.send(("exited", pid, code))
                 if spare and spare[0] in ready:  # the spare was killed: another
                     self.fork_spare(conn)
                 if conn.fileno() not in ready:

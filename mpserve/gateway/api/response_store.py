@@ -12,7 +12,8 @@
 
 The file is ``$RUNTIME/NAME.responses-PORT.sqlite`` (``path_for``): in the runtime folder, which is this user's
 alone (0700), created 0600 and never through a link. Several gateway processes on one port (``--http-workers``)
-see one store, so a response stored through one is found through any; one that restarts finds them too. Each
+see one store, so a response stored through one is found through any; one that restarts finds them too, and so
+does the next start of a server that was killed or upgraded. A clean stop removes it (``remove``). Each
 row holds the response's object and its conversation (chat messages, its own output last) as their JSON text,
 so what is counted is what is held. A response larger than a key's budget is not kept. The journal of resumable
 streams (``journal``) is in the same file, and in the same budget: an ended stream's events, the text they were
@@ -83,6 +84,13 @@ class NotStored(BadRequest):
 
 def path_for(server_name: str, port: int) -> Path:
     return runtime_dir() / f"{server_name}.responses-{port}.sqlite"
+
+
+def remove(path: Path) -> None:
+    """The store's file and SQLite's files beside it removed, once no gateway process of its port runs: a clean
+    stop (``fleet.Fleet.stop``, or a lone gateway's end) leaves no responses in the runtime folder."""
+    for name in (path, path.with_name(path.name + "-wal"), path.with_name(path.name + "-shm")):
+        name.unlink(missing_ok=True)
 
 
 class ResponseStore:
