@@ -40,6 +40,9 @@ HARMLESS = (
     re.compile(r"control-looking token: .* was not control-type"),
     # mpserve asks for the full-size sliding-window cache (swa_full) on purpose: mpserve.engine.batch says why.
     re.compile(r"using full-size SWA cache"),
+    # A LoRA adapter's tensors (float) have no repacked layout: llama.cpp puts each in plain CPU memory, one line
+    # per tensor, in every process that loads the adapter (issue 58: 162 lines for 3 adapters on 2 instances).
+    re.compile(r"lora for '.*' cannot use buft 'CPU_REPACK', fallback to CPU"),
 )
 
 _state: dict[str, Any] = {"level": NONE, "line": "", "callback": None, "errors": None}

@@ -3,7 +3,8 @@ the model, answered once each has.
 
     ADAPTER_ACTION load (admin socket) ──▶ to each loaded instance of the model, a ticket each ──▶ every
         ADAPTER_REPLY in: the name joins the model's adapters (requests may name it; an instance that registers
-        later is sent it too) ──▶ the operator gets the last ADAPTER_REPLY; the first ERROR otherwise
+        later is sent it too) ──▶ the operator gets the last ADAPTER_REPLY; the first ERROR otherwise (logged
+        once, a WARNING)
     ADAPTER_ACTION unload ──▶ the name leaves the model's adapters at once (a new request naming it is
         unknown_adapter); the requests queued or running under it finish ──▶ then to each instance that has it
         ──▶ the operator's answer as for a load
@@ -125,7 +126,7 @@ class AdapterOps:
         if isinstance(msg, wire.AdapterReply) and entry is not None:
             entry.adapters = frozenset(msg.adapters)
             self.broker._dispatch(entry.model)  # it may take requests for that adapter now
-        elif isinstance(msg, wire.Error):
+        elif isinstance(msg, wire.Error) and op is None:  # a load the broker sent: the instance lacks the adapter
             log.error("instance %s: adapter call failed: %s", identity.decode(), msg.message)
         if op is not None:
             op.waiting.discard(identity)
@@ -144,7 +145,8 @@ class AdapterOps:
         if op.error is None and action.op == "load":
             mq.adapters.add(action.name)
             mq.adapter_paths[action.name] = action.path
-        if op.error is not None:
+        if op.error is not None:  # the operator is told; the log says it once, not once per instance
+            log.warning("%s of adapter %r of model %r refused: %s", action.op, action.name, op.model, op.error.message)
             answer: wire.AdapterReply | wire.Error = wire.Error(action.id, op.error.code, op.error.message)
         else:
             answer = op.reply or wire.AdapterReply(action.id, "", action.op, action.name, tuple(mq.adapters))

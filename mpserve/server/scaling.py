@@ -88,7 +88,7 @@ class Scaler:
             return self._start(model, "min", room)
         if live > policy.max:
             return self._drain(model, "max", now)
-        if load.queued and live == 0:
+        if load.queued and live == 0 and policy.max > 0:  # max 0: remote pools serve it, nothing starts here
             return self._start(model, "demand", room)
         scales = policy.max > policy.min  # a fixed count (--instances N) never scales up, so never skips either
         if scales and load.queued and load.oldest_wait >= policy.scale_up_after:

@@ -148,6 +148,12 @@ def test_from_zero_a_request_starts_an_instance_at_once() -> None:
     assert scaler.decide("m", load(queued=1, ready=0), zero, fits) == Decision(Action.START, "demand")
 
 
+def test_a_model_of_no_local_instance_neither_starts_nor_skips_for_a_queue() -> None:
+    scaler = Scaler(Clock())  # --instances 0: remote pools serve it (issue 58: each queue logged a skip, "draining")
+    none = Policy(min=0, max=0, scale_up_after=2.0, scale_down_after=10.0)
+    assert scaler.decide("m", load(queued=3, wait=60.0, ready=0), none, lambda: "draining") == NOTHING
+
+
 def test_spare_capacity_for_scale_down_after_drains_one_then_waits_a_period_again() -> None:
     clock = Clock()
     scaler = Scaler(clock)
