@@ -669,7 +669,10 @@ class Chunks(msgspec.Struct, frozen=True):
     chunks: tuple[Chunk, ...]
 
 
-class Usage(Body, frozen=True, forbid_unknown_fields=True):
+class Usage(Body, frozen=True, forbid_unknown_fields=True, omit_defaults=True):
+    """A completion's tokens. Fields at their default are left out of the body, so a reply without thinking is
+    what a client from before ``reasoning_tokens`` decodes."""
+
     prompt_tokens: int = 0
     completion_tokens: int = 0
     reasoning_tokens: Annotated[int, Meta(description="of the completion's tokens, those of its thinking, its end "

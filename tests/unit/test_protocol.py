@@ -260,3 +260,14 @@ def test_a_field_the_receiver_does_not_know_is_refused_naming_it(mtype: wire.Msg
                                                                  error: type[MpserveError]) -> None:
     with pytest.raises(error, match="unknown (field|parameter) 'later'; allowed: "):
         wire.decode_body(mtype, msgpack.packb(body))
+
+
+def test_a_usage_without_thinking_is_what_a_client_from_before_reasoning_tokens_decodes() -> None:
+    import msgspec
+
+    class Before(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+        prompt_tokens: int = 0
+        completion_tokens: int = 0
+
+    assert msgspec.msgpack.decode(wire.pack(wire.Usage(3, 4)), type=Before) == Before(3, 4)
+    assert wire.decode_as(wire.Usage, wire.pack(wire.Usage(3, 4, 2))).reasoning_tokens == 2
