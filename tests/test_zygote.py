@@ -113,9 +113,12 @@ def test_a_killed_zygote_s_spare_takes_its_place_while_its_instances_keep_servin
     assert len(spares) == 1, spares
     killed = spares.pop()
     os.kill(killed, signal.SIGKILL)  # a spare killed: its zygote forks another
-    wait_for(lambda: len(set(children(zygote_pid)) - pids) == 1 and killed not in children(zygote_pid), 10,
-             "another spare")
-    spares = set(children(zygote_pid)) - pids
+
+    def another_spare() -> set[int] | None:  # one look: two could see the killed one, then none yet forked
+        found = set(children(zygote_pid)) - pids
+        return found if len(found) == 1 and killed not in found else None
+
+    spares = wait_for(another_spare, 10, "another spare")
     with Client(server.admin) as client:
         stream = client.stream(PROMPTS[0], max_tokens=200, temperature=0, timeout=60)
         chunks = iter(stream)
