@@ -20,6 +20,9 @@ Three kinds of process, one subpackage each, over shared groups and leaf modules
     llama_build  the installed llama.cpp build, probed in a child, and what keeps it from the GPUs found
     client       ``Client`` / ``AsyncClient``: the ZeroMQ clients
     cli          the ``mpserve`` command line
+    status_text  what ``mpserve status`` and ``models`` print, and the error naming the servers running here
+    help_labels  ``--help``'s type labels: none for a flag, which takes no value
+    counts       counts in messages: "1 request", "2 requests"
     doctor       ``mpserve doctor``: what this host offers, and what to fix
 
 Words. The host store: the KV cells of computed prompts saved for the whole host, in RAM and on disk (``cache_ram``,

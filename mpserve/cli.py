@@ -32,19 +32,21 @@ from typing import TYPE_CHECKING, Annotated, Any
 import msgspec
 import typer
 
-from mpserve import __version__, children
+from mpserve import __version__, children, help_labels
 from mpserve.config import loader as cfg
 from mpserve.config import settings
 from mpserve.errors import BadRequest, ConfigError, ConnectionFailed, InternalError, MpserveError
-from mpserve.runtime import ServerInfo, ServerPaths, pid_alive, runtime_dir
-from mpserve.wire.protocol import MAX_PROMPT_CHARS, ModelControl, Stats
-from mpserve.wire.slots import BASE_LABEL, SlotRow, SlotState, SlotTable, active_sets, instance_slots, locate
+from mpserve.runtime import ServerInfo, ServerPaths
+from mpserve.status_text import extra_lines, format_models, format_table, no_server
+from mpserve.wire.protocol import MAX_PROMPT_CHARS, Stats
+from mpserve.wire.slots import SlotRow, SlotTable, locate
 
 if TYPE_CHECKING:
     from mpserve.client import Client
 
 LISTEN_AFTER_DEATH_S = 10.0  # how long start --http waits for the gateways of a server that died to let its port go
 
+help_labels.drop_flag_labels()
 app = typer.Typer(add_completion=False, no_args_is_help=True,
                   help="Run several llama.cpp instances behind one ZeroMQ broker.")
 
@@ -203,6 +205,8 @@ def generate(
                   stop=tuple(stop or ()))
     with _errors():
         params.update(_structured(json_schema, grammar))
+        if address is None and ((info := ServerInfo.read(server_name)) is None or not info.alive()):
+            raise no_server(server_name)  # naming the servers that run here, as status does
     with _errors(), Client(address, server_name=server_name, timeout=timeout, curve_server_key=curve_server_key,
                            curve_secret=curve_secret) as client:
         if stream:
@@ -360,8 +364,13 @@ def gateway(
     server_name: Annotated[str, typer.Option("--server-name", envvar="MPSERVE_SERVER_NAME",
                                              help=settings.BY_KEY["server_name"].help_text())] = "default",
 ) -> None:
-    """Serve an OpenAI-compatible HTTP API for a server: /v1/completions, /v1/chat/completions, /v1/models,
-    /health, /metrics (Prometheus) and /backend/monitor. It may start before the server (503 until ready)."""
+    """Serve an OpenAI-compatible HTTP API for a server; it may start before the server (503 until ready).
+    Generation: /v1/completions, /v1/chat/completions, /v1/responses (stored: /v1/responses/{id},
+    /v1/responses/{id}/cancel), /v1/messages (Anthropic's). Models, vectors, tokens: /v1/models, /v1/embeddings,
+    /v1/rerank, /rerank, /tokenize, /detokenize. Operations: /health, /metrics (Prometheus), /backend/monitor,
+    /openapi.json, the web console at / and /console (/console/state, /static/{name}, /favicon.ico). With the
+    admin key: /admin/models, /admin/models/{name}/{op}, /admin/adapters, /admin/adapters/{model}/{name},
+    /slots/{slot}."""
     from mpserve.config.sizes import parse_memory
     from mpserve.gateway import run as gateway_run
     from mpserve.gateway.api.chat import TemplateBudget
@@ -484,7 +493,7 @@ def status(
     with _errors():
         info = ServerInfo.read(server_name)
         if info is None or not info.alive():
-            raise _no_server(server_name)
+            raise no_server(server_name)
         table = SlotTable.attach(Path(info.slots), writable=False)
         curve = _Curve(curve_server_key, curve_secret)
         try:
@@ -504,23 +513,8 @@ def status(
                     if watch:
                         sys.stdout.write("\033[H\033[2J")
                     print(format_table(info, rows))
-                    for name, sc in scaled.items():
-                        if sc.settings:
-                            rolling = (f"; rolling: {sc.previous} instance(s) still on the settings before the "
-                                       "reload" if sc.previous else "")
-                            print(f"model {name}: {sc.settings}{rolling}")
-                        if sc.min != sc.ceiling or sc.events:  # a model whose count may change
-                            events = ", ".join(f"{k} {v}" for k, v in sorted(sc.events.items())) or "none"
-                            print(f"scaling {name}: {sc.min}..{sc.max} instances, {sc.starting} starting, "
-                                  f"{sc.draining} draining; events: {events}")
-                    for w in pools:
-                        print(f"remote  {w.worker}  host {w.host}  pid {w.pid}  {w.model}  "
-                              f"{'cpu' if w.device < 0 else f'gpu{w.device}'}  running {w.running}/{w.capacity}")
-                    for name, t in sorted(tenants.items(), key=lambda item: -item[1].requests):
-                        print(f"tenant {name}: {t.running} running, {t.queued} queued; {t.requests} requests, "
-                              f"{t.prompt_tokens} prompt and {t.generated_tokens} generated tokens, "
-                              f"{t.queue_s:.1f} s queued, {t.refusals} refused over a limit, {t.preemptions} "
-                              "preempted")
+                    for line in extra_lines(scaled, pools, tenants):
+                        print(line)
                 if not watch:
                     return
                 time.sleep(interval)
@@ -736,7 +730,7 @@ def upgrade(server_name: ServerNameOption = "default",
     with _errors():
         info = ServerInfo.read(server_name)
         if info is None or not info.alive() or info.role != "broker":
-            raise _no_server(server_name)
+            raise no_server(server_name)
         os.kill(info.pid, signal.SIGUSR2)
         deadline = time.monotonic() + wait
         while True:
@@ -772,7 +766,7 @@ def slots(
     with _errors():
         info = ServerInfo.read(server_name)
         if info is None or not info.alive() or info.role != "broker":
-            raise _no_server(server_name)
+            raise no_server(server_name)
         table = SlotTable.attach(Path(info.slots), writable=False)
         try:
             worker, local = locate(table.read_all(), slot)
@@ -806,7 +800,7 @@ def adapters(
             raise BadRequest("give load MODEL NAME PATH (a GGUF on the server's host) or unload MODEL NAME")
         info = ServerInfo.read(server_name)
         if info is None or not info.alive() or info.role != "broker":
-            raise _no_server(server_name)
+            raise no_server(server_name)
         with _admin_client(info, _Curve(curve_server_key, curve_secret)) as client:
             if action == "list":
                 served = {m: s.served_adapters() for m, s in client.stats().models.items()}
@@ -829,7 +823,7 @@ def _control(server_name: str, curve: _Curve, as_json: bool, op: str, model: str
     with _errors():
         info = ServerInfo.read(server_name)
         if info is None or not info.alive() or info.role != "broker":
-            raise _no_server(server_name)
+            raise no_server(server_name)
         with _admin_client(info, curve) as client:
             reply = client.control(op, model, min=low, max=high, path=path)
         if as_json:
@@ -871,21 +865,6 @@ def _client(address: str, curve: _Curve, connect_timeout: float | None = None) -
         yield client
 
 
-def _no_server(name: str) -> ConnectionFailed:
-    """No server ``name`` runs here: the error names those that do."""
-    running = sorted(info.name for path in runtime_dir(create=False).glob("*.json")
-                     if (info := ServerInfo.read(path.stem)) is not None and info.alive())
-    others = f"running here: {', '.join(running)} (--server-name NAME)" if running else "none runs here"
-    return ConnectionFailed(f"no server named {name!r} is running ({others}); start one with `mpserve start`")
-
-
-def format_models(rows: list[ModelControl]) -> str:
-    lines = [["MODEL", "STATE", "INSTANCES", "STARTING", "DRAINING", "MIN", "MAX", "CEILING", "PATH"]]
-    lines += [[m.name, m.state, str(m.instances), str(m.starting), str(m.draining), str(m.min), str(m.max),
-               str(m.ceiling), m.path] for m in rows]
-    widths = [max(len(line[i]) for line in lines) for i in range(len(lines[0]))]
-    return "\n".join("  ".join(c.ljust(w) for c, w in zip(line, widths, strict=True)).rstrip() for line in lines)
-
 
 def _broker_stats(info: ServerInfo, curve: _Curve) -> Stats | None:
     """The broker's STATS (its remote workers, its models' scaling), or None, said on stderr, if it does not
@@ -896,52 +875,6 @@ def _broker_stats(info: ServerInfo, curve: _Curve) -> Stats | None:
     except MpserveError as exc:
         typer.echo(f"note: remote pools and scaling not shown: {exc.message}", err=True)
         return None
-
-
-def format_table(info: ServerInfo, rows: list[SlotRow]) -> str:
-    now = time.time()
-    head = ["SLOT", "WORKER", "PID", "STATE", "MODEL", "DEVICE", "REQUEST", "ADAPTERS", "TOKENS", "KV CELLS",
-            "IDLE/BUSY FOR", "LOAD", "SERVED"]
-    lines = [head]
-    for r in rows:
-        if r.state is SlotState.EMPTY:  # a slot of an instance not started (it may start as the load grows)
-            continue
-        alive = r.pid > 0 and pid_alive(r.pid)
-        state = r.state.name.lower() if alive or r.state in (SlotState.DEAD, SlotState.FAILED) else "dead"
-        lines.append([str(r.index), str(r.worker), str(r.pid or "-"), state, r.model,
-                      "cpu" if r.device < 0 else f"gpu{r.device}", r.request or "-", r.adapters or "-", str(r.tokens),
-                      f"{r.kv_cells}/{r.kv_capacity}", f"{now - r.progress:.1f}s" if r.progress else "-",
-                      f"{r.load_s:.2f}s", str(r.served)])
-    widths = [max(len(line[i]) for line in lines) for i in range(len(head))]
-    body = "\n".join("  ".join(c.ljust(w) for c, w in zip(line, widths, strict=True)).rstrip() for line in lines)
-    started = instance_slots(rows)
-    counts = f"{len(started)} instance(s) (processes), {sum(map(len, started.values()))} slot(s)"
-    return f"server {info.name!r} pid {info.pid} at {info.front}: {counts}\n{body}{_instance_lines(rows)}"
-
-
-def _instance_lines(rows: list[SlotRow]) -> str:
-    """Per instance: the KV cells its slots hold, of all it has, and its counts in the host store; then the host
-    store's tiers once, as they are the host's (every model's and server's on it), not an instance's."""
-    from mpserve.gpu.devices import format_memory
-
-    lines, tiers = [], []
-    for (model, worker), slots in instance_slots(rows).items():
-        used, capacity = sum(r.kv_cells for r in slots), sum(r.kv_capacity for r in slots)
-        share = f" ({100 * used / capacity:.0f}%)" if capacity else ""
-        c = slots[0].cache
-        cache = (f"host store: {c.hits} hits, {c.misses} misses, {c.evictions} evictions, {c.skipped} skipped"
-                 if c.capacity else "no host store")
-        sets = active_sets(slots)
-        active = f"; adapter sets running: {', '.join(sets)}" if any(s != BASE_LABEL for s in sets) else ""
-        lines.append(f"instance w{worker} ({model}): KV cells {used} of {capacity}{share}; {cache}{active}")
-        tiers += [c] if c.capacity else []
-    if tiers:  # each instance wrote the host's figures when it last touched the store: the largest is the latest
-        ram, disk = max(tiers, key=lambda c: c.bytes), max(tiers, key=lambda c: c.disk_bytes)
-        on_disk = (f", disk {format_memory(disk.disk_bytes)} of {format_memory(disk.disk_capacity)}"
-                   if disk.disk_capacity else "")
-        lines.append(f"host store (host-wide, every model and server on this host): RAM {format_memory(ram.bytes)} "
-                     f"of {format_memory(ram.capacity)}{on_disk}")
-    return "\n\n" + "\n".join(lines) if lines else ""
 
 
 def _row_json(r: SlotRow) -> dict[str, object]:

@@ -55,6 +55,14 @@ def test_unknown_model_on_the_command_line_is_a_clear_error(tiny_server) -> None
     assert out.returncode == 1 and "unknown_model" in out.stderr and "tiny" in out.stderr
 
 
+@pytest.mark.timeout(60)
+def test_generate_for_a_server_not_running_names_those_that_run_as_status_does(tiny_server) -> None:
+    for args in (["generate", "hi"], ["status"]):
+        out = mpserve(*args, "--server-name", f"{tiny_server.name}-not")
+        assert out.returncode == 1 and "Traceback" not in out.stderr, out.stderr
+        assert "running here: " in out.stderr and tiny_server.name in out.stderr, (args, out.stderr)
+
+
 @pytest.mark.timeout(30)
 def test_make_model_writes_the_same_bytes_twice(tmp_path) -> None:
     a, b = tmp_path / "a.gguf", tmp_path / "b.gguf"

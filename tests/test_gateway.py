@@ -451,7 +451,7 @@ def test_instances_count_processes_and_slots_count_slots_everywhere(start_server
         assert [(m["instances"], m["free_slots"]) for m in console["models"]] == [(2, 4)]
         assert len(console["slots"]) == 4
         status = mpserve("status", "--server-name", server.name, timeout=30)
-        assert "2 instance(s) (processes), 4 slot(s)" in status.stdout.splitlines()[0], status.stdout
+        assert "2 instances (processes), 4 slots" in status.stdout.splitlines()[0], status.stdout
 
         done: list[object] = []
 

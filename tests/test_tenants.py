@@ -132,7 +132,7 @@ def test_limits_refuse_naming_the_limit_its_value_and_the_use(server: ServerProc
             await _until_running(client)
             queued = asyncio.ensure_future(client.generate("q", max_tokens=2, tenant=KEY_C))
             await _until_queued(client, KEY_C, 1)
-            with pytest.raises(Busy, match=rf"tenant {KEY_C} has 1 requests queued, its max_queued \(1\), and 1 "
+            with pytest.raises(Busy, match=rf"tenant {KEY_C} has 1 request queued, its max_queued \(1\), and 1 "
                                            r"running, its max_running 1") as refused:
                 await client.generate("over", max_tokens=2, tenant=KEY_C)
             assert refused.value.retry_after
@@ -256,7 +256,7 @@ def test_over_http_a_tenant_over_max_queued_gets_429_naming_the_limit_and_its_us
         queued = pool.submit(_post, url, "first-key", 2)  # waits: its tenant runs its max_running
         wait_for(lambda: admin.stats().tenants[FIRST].queued == 1, 10, "the queued request")
         over = _post(url, "first-key", 2)
-        assert f"tenant {FIRST} has 1 requests queued, its max_queued (1), and 1 running, its max_running 1" in (
+        assert f"tenant {FIRST} has 1 request queued, its max_queued (1), and 1 running, its max_running 1" in (
             _refused_for_its_limit(over))
         assert over.headers["retry-after"] == "1"  # a queued request ends soon
         served = _post(url, "third-key", 2)  # the other slot

@@ -109,6 +109,7 @@ import zmq
 import zmq.auth
 
 from mpserve.config.tenants import Tenants
+from mpserve.counts import counted
 from mpserve.errors import (
     BadRequest,
     Busy,
@@ -611,13 +612,13 @@ class Broker:
             raise Busy(f"the queue of model {model} is full ({mq.max_queue} waiting); try again later",
                        retry_after=self._retry_after(mq))
         if self.queued() >= self.max_queue_total:
-            raise Busy(f"the server has {self.max_queue_total} requests waiting; try again later",
+            raise Busy(f"the server has {counted(self.max_queue_total, 'request')} waiting; try again later",
                        retry_after=self._retry_after(mq))
         capped = _cap_key(client, tenant)
         if self._capped.get(capped, 0) >= self.max_pending_per_client:
             whose = f"tenant {shown(tenant)} has" if capped != client else "you have"
-            raise Busy(f"{whose} {self.max_pending_per_client} requests pending, the most one client may have "
-                       "(max_pending_per_client); wait for some to finish", retry_after=self._retry_after(mq))
+            raise Busy(f"{whose} {counted(self.max_pending_per_client, 'request')} pending, the most one client may "
+                       "have (max_pending_per_client); wait for some to finish", retry_after=self._retry_after(mq))
         n = req.params.n
         refusal = self._too_many_choices(mq, n) if n > 1 else None  # one choice fits any instance
         if refusal is not None:

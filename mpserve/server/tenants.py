@@ -39,6 +39,7 @@ from collections.abc import Callable, Collection, Iterator, Sequence
 from dataclasses import dataclass, field
 
 from mpserve.config.tenants import KEYED, LOCAL, UNCAPPED, Tenant, Tenants
+from mpserve.counts import counted
 from mpserve.errors import Busy
 from mpserve.wire import protocol as wire
 
@@ -286,8 +287,8 @@ class Ledger:
             running = self.running(tenant)
             of_running = f", its max_running {settings.max_running}" if settings.max_running is not None else ""
             self._refused(tenant)
-            raise Busy(f"{who} has {waiting} requests queued, its max_queued ({settings.max_queued}), and {running} "
-                       f"running{of_running}; retry once some have finished", retry_after=1.0)
+            raise Busy(f"{who} has {counted(waiting, 'request')} queued, its max_queued ({settings.max_queued}), "
+                       f"and {running} running{of_running}; retry once some have finished", retry_after=1.0)
         limit = settings.tokens_per_minute
         if limit is not None:
             account = self._account(tenant)

@@ -187,3 +187,11 @@ def test_a_bad_tenants_section_is_one_line_naming_the_entry(section: object, wor
     with pytest.raises(ConfigError) as refused:
         cfg.build({"tenants": section})
     assert words in str(refused.value) and "\n" not in str(refused.value)
+
+
+def test_a_count_of_one_reads_in_the_singular() -> None:
+    ledger = Ledger(Tenants({KEY_A: Tenant(max_running=1, max_queued=1)}))
+    ledger.started(KEY_A, 0.0)
+    ledger.admit(KEY_A, 0, True, 0.0)
+    with pytest.raises(Busy, match=rf"tenant {KEY_A} has 1 request queued, its max_queued \(1\), and 1 running"):
+        ledger.admit(KEY_A, 1, True, 0.0)

@@ -1,7 +1,7 @@
 """The OpenAPI document names every JSON route the gateway app has, with each of its methods: a route added
 without its entry (as ``/tokenize``, ``/detokenize`` and ``/admin/`` once were) fails here, so the HTTP page
-generated from the document, and the fuzz driven by it, cannot miss it. The console's HTML page and its static
-files are the exceptions: they are not an API."""
+generated from the document, and the fuzz driven by it, cannot miss it. The console's HTML page, its static
+files and its icon are the exceptions: they are not an API."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from starlette.testclient import TestClient
 from mpserve.gateway.app import GatewayConfig, create_app
 
 pytestmark = pytest.mark.timeout(30)
-NOT_AN_API = {"/", "/console", "/static/{name}"}
+NOT_AN_API = {"/", "/console", "/static/{name}", "/favicon.ico"}
 
 
 def test_every_route_and_method_of_the_app_is_in_the_document() -> None:
@@ -24,3 +24,4 @@ def test_every_route_and_method_of_the_app_is_in_the_document() -> None:
     documented = {(path, method) for path, operations in paths.items() for method in operations}
     assert served - documented == set()
     assert documented - served == set()
+

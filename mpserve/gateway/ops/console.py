@@ -51,8 +51,9 @@ from .metrics import GatewayMetrics
 from .monitor import Viewer, state_of, viewer_of
 
 STATIC_DIR = Path(__file__).with_name("static")
-FILES = {"console.css": "text/css", "console.js": "text/javascript"}
-PAGE_PATHS = frozenset({"/", "/console", *(f"/static/{name}" for name in FILES)})  # served without the key
+FILES = {"console.css": "text/css", "console.js": "text/javascript", "favicon.svg": "image/svg+xml"}
+ICON = "/favicon.ico"  # where a browser asks for a site's icon, of any page it shows: the console's, as SVG
+PAGE_PATHS = frozenset({"/", "/console", ICON, *(f"/static/{name}" for name in FILES)})  # served without the key
 SERIES_STEP_S = 2.0  # one point of a tokens/s series ...
 SERIES_POINTS = 60  # ... and how many
 OUTCOME_WINDOW_S = 300.0
@@ -223,7 +224,7 @@ class Console:
 
     def routes(self) -> list[Route]:
         return [Route("/", self.page, methods=["GET"]), Route("/console", self.page, methods=["GET"]),
-                Route("/static/{name}", self.static, methods=["GET"]),
+                Route("/static/{name}", self.static, methods=["GET"]), Route(ICON, self.icon, methods=["GET"]),
                 Route("/console/state", self.state, methods=["GET"])]
 
     def observe(self, local: LocalSlots | None) -> None:
@@ -232,6 +233,9 @@ class Console:
 
     async def page(self, request: Request) -> Response:
         return _file("console.html", "text/html")
+
+    async def icon(self, request: Request) -> Response:
+        return _file("favicon.svg", FILES["favicon.svg"])
 
     async def static(self, request: Request) -> Response:
         name = request.path_params["name"]
