@@ -241,3 +241,26 @@ def test_a_result_file_that_breaks_a_rule_is_refused_naming_it(tmp_path: Path,
         (tmp_path / "bad.json").write_text(json.dumps(plot))
         with pytest.raises(ValueError, match=f"docs/results/bad.json: .*{re.escape(says)}"):
             plots.load("bad")
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("front", ["README.md", "docs/index.md"])
+def test_each_page_of_the_site_s_navigation_is_linked_from_the_front_pages(front: str) -> None:
+    """The README's table and the site's home page name each guide and reference page (a section's overview
+    stands for its pages), so that none is found only through the site's menu."""
+    nav = re.findall(r"^\s+- [^:\n]+: ([\w/-]+\.md)$", (ROOT / "mkdocs.yml").read_text(), re.M)
+    pages = {p for p in nav if "/" not in p or p.endswith("/index.md")} - {"index.md"}
+    prefix = "docs/" if front == "README.md" else ""
+    linked = set(re.findall(rf"\]\({prefix}([\w/-]+\.md)", (ROOT / front).read_text()))
+    assert sorted(pages - linked) == [], f"{front} does not link them"
+
+
+@pytest.mark.timeout(30)
+def test_every_argument_a_client_is_made_with_is_on_the_python_client_page() -> None:
+    import inspect
+
+    from mpserve.client import AsyncClient, Client
+
+    page = (ROOT / "docs" / "python-client.md").read_text()
+    names = {n for cls in (Client, AsyncClient) for n in inspect.signature(cls.__init__).parameters} - {"self"}
+    assert sorted(n for n in names if f"`{n}" not in page and f"{n}=" not in page) == []
