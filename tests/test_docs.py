@@ -264,3 +264,12 @@ def test_every_argument_a_client_is_made_with_is_on_the_python_client_page() -> 
     page = (ROOT / "docs" / "python-client.md").read_text()
     names = {n for cls in (Client, AsyncClient) for n in inspect.signature(cls.__init__).parameters} - {"self"}
     assert sorted(n for n in names if f"`{n}" not in page and f"{n}=" not in page) == []
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("page", ["getting-started.md", "concepts/failures.md"])
+def test_the_pages_a_newcomer_reads_first_say_that_greedy_output_depends_on_the_cache(page: str) -> None:
+    """Under `reuse: any` (the default) a temperature-0 request may give other text warm than cold; the pages a
+    newcomer meets it on say so, with the setting that makes output reproducible and where its cost is told."""
+    text = " ".join((ROOT / "docs" / page).read_text().split())
+    assert "`reuse: any`" in text and "--reuse exact`" in text and "exact-output.md" in text
