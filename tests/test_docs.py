@@ -273,3 +273,20 @@ def test_the_pages_a_newcomer_reads_first_say_that_greedy_output_depends_on_the_
     newcomer meets it on say so, with the setting that makes output reproducible and where its cost is told."""
     text = " ".join((ROOT / "docs" / page).read_text().split())
     assert "`reuse: any`" in text and "--reuse exact`" in text and "exact-output.md" in text
+
+
+@pytest.mark.timeout(120)
+def test_the_quick_start_s_real_model_command_finds_its_gguf_in_a_clone() -> None:
+    """The README and Getting started give one command that serves the real model of the lock; the path it hands
+    to --model is a GGUF file (the `real` extra is in the test extra), found as the tests find it."""
+    commands = [re.search(r"^uv run --locked --extra real mpserve start .*?\n\s+\"\$\((.*?)\)\"$", page, re.M | re.S)
+                for page in ((ROOT / "README.md").read_text(), (ROOT / "docs" / "getting-started.md").read_text())]
+    assert all(commands) and len({m.group(0) for m in commands if m}) == 1, "the two pages differ or lack it"
+    inner = commands[0].group(1) if commands[0] else ""
+    assert inner.startswith("uv run --locked --extra real python -c '") and inner.endswith("'")
+    found = subprocess.run([sys.executable, "-c", inner.split("-c '", 1)[1][:-1]], capture_output=True, text=True,
+                           timeout=100, cwd=ROOT)
+    assert found.returncode == 0, found.stderr
+    path = Path(found.stdout.strip())
+    with path.open("rb") as gguf:
+        assert path.suffix == ".gguf" and gguf.read(4) == b"GGUF"
