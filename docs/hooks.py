@@ -12,8 +12,10 @@ GitHub, in an editor and on the site; one command rewrites them, and a stale one
     kubernetes   deploy/kubernetes/README.md, its headings one level down and its links named as repo paths
     file PATH    an example file of the repository (examples/two_models.yaml, ...)
     plot NAME    docs/results/NAME.json   a benchmark plot's image and the commands and dates of its figures
+                 (the image itself, docs/plots/NAME.svg, is drawn by plots.py: --write draws it, --check checks it)
 
-    python docs/hooks.py --write    rewrites every stale part of docs/**/*.md (the command development.md names)
+    python docs/hooks.py --write    rewrites every stale part of docs/**/*.md and every stale plot (the command
+                                    development.md names)
     python docs/hooks.py --check    lists the stale parts, exit status 1 when there is one
     python docs/hooks.py NAME       prints one part
 """
@@ -39,7 +41,7 @@ from mpserve.config import settings
 from mpserve.wire import protocol as wire
 
 ROOT = Path(__file__).resolve().parents[1]
-COMMAND = "uv run --locked --extra docs python docs/hooks.py --write"
+COMMAND = plots.COMMAND
 # each marker on a line of its own (one named in a sentence, in backquotes, is no marker)
 OPENING = re.compile(r"^<!-- generated: ([^>\n]*?) -->$", re.M)
 BLOCK = re.compile(r"^<!-- generated: (?P<spec>[^>\n]*?) -->\n(?P<body>.*?)^<!-- end generated -->$", re.M | re.S)
@@ -482,13 +484,18 @@ GENERATORS: dict[str, Callable[[], str]] = {
 def main(argv: list[str]) -> int:
     if argv[:1] == ["--write"] or argv[:1] == ["--check"]:
         found = [(page, spec) for page in pages() for spec in stale(page.read_text())]
+        images = plots.stale_images()
+        done = "rewritten" if argv[0] == "--write" else "is stale"
         for page, spec in found:
-            print(f"{page.relative_to(ROOT)}: '{spec}' {'rewritten' if argv[0] == '--write' else 'is stale'}")
+            print(f"{page.relative_to(ROOT)}: '{spec}' {done}")
+        for name in images:
+            print(f"docs/plots/{name}.svg {done}")
         if argv[0] == "--write":
             for page in {page for page, _ in found}:
                 page.write_text(render(page.read_text()))
+            plots.write_images()
             return 0
-        return 1 if found else 0
+        return 1 if found or images else 0
     if len(argv) == 1 and not argv[0].startswith("-"):
         print(part(argv[0]))
         return 0

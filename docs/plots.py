@@ -1,17 +1,19 @@
-"""The plots of docs/benchmarks.md, drawn when the site is built from result files kept in the repository
-(mkdocs hook: ``hooks:`` in mkdocs.yml). A result file holds figures a bench run printed, each run with the
-command that measured it, the date its figures were recorded and the commit that recorded them.
+"""The plots of docs/benchmarks.md, drawn from result files kept in the repository. A result file holds figures a
+bench run printed, each run with the command that measured it, the date its figures were recorded and the commit
+that recorded them. Each plot's image is committed beside the pages (docs/plots/NAME.svg), so that the page shows
+it on GitHub as on the site; the command that rewrites the generated parts draws it again, and an image that
+differs from what its result file draws now fails the strict build (mkdocs hook: ``hooks:`` in mkdocs.yml).
 
-    docs/results/NAME.json ──load()──▶ Plot ──svg()──────▶ plots/NAME.svg, a file of the built site (on_files)
+    docs/results/NAME.json ──load()──▶ Plot ──svg()──────▶ docs/plots/NAME.svg (write_images; stale_images checks)
                                            └──caption()──▶ the image and its runs' commands and dates, kept in
                                                             the page as hooks.py's `<!-- generated: plot NAME -->`
 
     python docs/plots.py NAME    writes NAME.svg into the current folder, to look at one plot
 """
-
 from __future__ import annotations
 
 import io
+import logging
 import re
 import sys
 from pathlib import Path
@@ -20,6 +22,9 @@ from typing import Any, Literal
 import msgspec
 
 RESULTS = Path(__file__).resolve().parent / "results"
+IMAGES = Path(__file__).resolve().parent / "plots"
+COMMAND = "uv run --locked --extra docs python docs/hooks.py --write"
+log = logging.getLogger("mkdocs.hooks.plots")  # under "mkdocs": a warning fails the --strict build
 DATE = re.compile(r"^\d{4}-\d{2}-\d{2}$")
 COMMIT = re.compile(r"^[0-9a-f]{7,40}$")
 
@@ -85,7 +90,7 @@ def caption(name: str) -> str:
     plot = load(name)
     runs = dict.fromkeys((r.command, r.date, r.recorded_in) for r in plot.runs)
     lines = [f"![{plot.title}](plots/{name}.svg)", "",
-             f"Drawn when the site is built from `docs/results/{name}.json`, figures of:", ""]
+             f"Drawn from `docs/results/{name}.json` into `docs/plots/{name}.svg`, figures of:", ""]
     lines += [f"- `{command}` (recorded {date}, {commit})" for command, date, commit in runs]
     return "\n".join(lines)
 
@@ -153,13 +158,31 @@ def _bars(ax: Any, runs: list[Run], colours: dict[str, str]) -> None:
     ax.set_xticks(range(len(categories)), categories, rotation=25, ha="right")
 
 
-def on_files(files: Any, config: Any, **_: Any) -> Any:
-    """mkdocs' hook: every result file's plot becomes ``plots/NAME.svg`` of the site."""
-    from mkdocs.structure.files import File
+def stale_images() -> list[str]:
+    """The plots whose image in docs/plots/ is missing or differs from what its result file draws now, then the
+    images there that no result file draws."""
+    drawn = [name for name in names() if not _image(name).is_file() or _image(name).read_text() != svg(load(name))]
+    return drawn + sorted(p.stem for p in IMAGES.glob("*.svg") if p.stem not in names())
 
-    for name in names():
-        files.append(File.generated(config, f"plots/{name}.svg", content=svg(load(name))))
-    return files
+
+def write_images() -> None:
+    """Each plot's image drawn again where it is stale, and the images of no result file removed."""
+    IMAGES.mkdir(exist_ok=True)
+    for name in stale_images():
+        if name in names():
+            _image(name).write_text(svg(load(name)))
+        else:
+            _image(name).unlink()
+
+
+def _image(name: str) -> Path:
+    return IMAGES / f"{name}.svg"
+
+
+def on_pre_build(config: Any, **_: Any) -> None:
+    """mkdocs' hook: a stale image is a warning (so ``--strict`` fails) naming the command that draws it."""
+    for name in stale_images():
+        log.warning("docs/plots/%s.svg is stale: run `%s`", name, COMMAND)
 
 
 if __name__ == "__main__":

@@ -216,6 +216,26 @@ def test_each_result_file_is_plotted_on_the_benchmarks_page_with_its_commands_an
             assert all(line in svg for x in run.x for line in str(x).split("\n")), run.x
 
 
+@pytest.mark.timeout(60)
+def test_each_plot_is_committed_as_drawn_so_github_shows_it(caplog: pytest.LogCaptureFixture,
+                                                             tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """docs/benchmarks.md shows `plots/NAME.svg`, a file of the repository (GitHub draws the page from it), drawn
+    from its result file; one that differs from what its result file draws now fails the strict build, naming
+    the command that draws it again."""
+    assert plots.stale_images() == [], f"stale plots: run `{hooks.COMMAND}`"
+    for name in plots.names():
+        assert (ROOT / "docs" / "plots" / f"{name}.svg").read_text() == plots.svg(plots.load(name))
+    monkeypatch.setattr(plots, "IMAGES", tmp_path)
+    (tmp_path / "gone.svg").write_text("<svg/>")  # a plot no result file draws
+    assert plots.stale_images() == [*plots.names(), "gone"]
+    with caplog.at_level(logging.WARNING, logger="mkdocs"):
+        plots.on_pre_build(config=None)
+    assert caplog.records and all(r.name.split(".")[0] == "mkdocs" for r in caplog.records)
+    assert "docs/plots/gone.svg" in caplog.text and hooks.COMMAND in caplog.text
+    plots.write_images()
+    assert plots.stale_images() == [] and not (tmp_path / "gone.svg").exists()
+
+
 @pytest.mark.timeout(30)
 @pytest.mark.parametrize("name", plots.names())
 def test_every_plotted_figure_is_one_the_benchmark_pages_report(name: str) -> None:
