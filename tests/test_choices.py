@@ -91,13 +91,13 @@ def test_choices_wait_for_as_many_free_slots_of_one_instance(four_slots: ServerP
 def test_more_choices_than_slots_are_refused_saying_how_to_configure(four_slots: ServerProcess,
                                                                      gateway: GatewayThread) -> None:
     with Client(four_slots.address) as client:
-        with pytest.raises(BadRequest, match=r"'n' = 5 is more than the 4 slot\(s\) .*'parallel: 5'"):
+        with pytest.raises(BadRequest, match=r"'n' = 5 is more than the 4 slots .*'parallel: 5'"):
             client.choices("hi", n=5)
         with pytest.raises(BadRequest, match="'n' must be between 1 and 128"):
             client.choices("hi", n=0)
         with pytest.raises(BadRequest, match=r"ask for n with choices\(prompt, n=...\)"):
             client.generate("hi", n=2)
-    for body, words in [({"n": 5}, "'n' = 5 is more than the 4 slot(s)"),
+    for body, words in [({"n": 5}, "'n' = 5 is more than the 4 slots"),
                         ({"n": 0}, "'n' must be between 1 and 128"), ({"n": "2"}, "field 'n' must be an integer"),
                         ({"best_of": 1, "n": 0}, "'n' must be between 1 and 128"),
                         ({"best_of": 1, "n": 0, "prompt": ""}, "'n' must be between 1 and 128"),

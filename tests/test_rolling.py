@@ -94,8 +94,8 @@ def test_a_roll_that_needs_more_slot_rows_than_are_free_is_refused_whole(start_s
     config.write_text(yaml.safe_dump({"max_queue": 32, "models": [{**model, "parallel": 4}]}))
     refused = mpserve("reload", "--server-name", server.name)
     assert refused.returncode == 1
-    assert "parallel 2 -> 4: its 2 instance(s) need 8 free slot-table row(s) for the roll and 0 are free; start " \
-        "the server with a larger --spare-slots" in refused.stderr
+    assert "parallel 2 -> 4: the roll of its 2 instances needs 8 free slot-table rows, and the table has 0 free; " \
+        "start the server with a larger --spare-slots" in refused.stderr
     assert not any("max_queue: 64 -> 32" in line for line in server.log)  # refused whole: nothing applied
     with Client(server.address, timeout=30) as client:
         assert client.generate("hello", model="e", max_tokens=4).text

@@ -74,6 +74,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from mpserve.counts import counted
 from mpserve.errors import BadRequest
 from mpserve.structured import grammar_source
 from mpserve.wire import protocol as wire
@@ -244,8 +245,8 @@ class BatchEngine:
         """Free adapter ``name``; BadRequest while a sequence runs under it (its requests drain first)."""
         users = sum(1 for seq in self._scheduler.running.values() if any(n == name for n, _ in seq.adapters))
         if users:
-            raise BadRequest(f"adapter {name!r} is in use by {users} running request(s); stop sending it requests "
-                             "and unload it once they are done")
+            raise BadRequest(f"adapter {name!r} is in use by {counted(users, 'running request')}; stop sending it "
+                             "requests and unload it once they are done")
         self._adapters.unload(name, self._context.ctx)
 
     def slot_adapters(self, slot: int) -> AdapterSet:

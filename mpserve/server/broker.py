@@ -657,8 +657,8 @@ class Broker:
         most = max((w.capacity for w in self.workers.values() if w.model == mq.name), default=n)
         if n <= most:
             return None
-        return (f"'n' = {n} is more than the {most} slot(s) of an instance of model {mq.name}: the choices of a "
-                f"request run together in one instance; serve the model with 'parallel: {n}' (or --parallel {n}) "
+        return (f"'n' = {n} is more than the {counted(most, 'slot')} of an instance of model {mq.name}: the choices "
+                f"of a request run together in one instance; serve the model with 'parallel: {n}' (or --parallel {n}) "
                 "or ask for fewer")
 
     def _on_tokenize(self, client: bytes, msg: wire.Tokenize | wire.Embed) -> None:

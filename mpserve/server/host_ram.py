@@ -23,6 +23,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from mpserve.counts import counted
 from mpserve.errors import ModelDoesNotFit
 from mpserve.gpu.devices import format_memory
 from mpserve.gpu.placement import MemoryEstimate
@@ -59,10 +60,10 @@ class RamNeed:
         if self.one.adapters:
             copies += f"; LoRA adapters {format_memory(self.one.adapters)} " + (
                 "once, shared" if self.forked or self.instances == 1 else f"× {self.instances}")
-        return (f"model {self.model!r}, {self.instances} instance(s): weights {format_memory(self.one.weights)} "
-                f"{copies}; per instance KV cache {format_memory(self.one.kv_cache)} for parallel {self.parallel} × "
-                f"n_ctx {self.n_ctx} + compute buffers {format_memory(self.one.overhead)}{draft}; the host store up to "
-                f"{format_memory(self.host_store)}")
+        return (f"model {self.model!r}, {counted(self.instances, 'instance')}: weights "
+                f"{format_memory(self.one.weights)} {copies}; per instance KV cache {format_memory(self.one.kv_cache)} "
+                f"for parallel {self.parallel} × n_ctx {self.n_ctx} + compute buffers "
+                f"{format_memory(self.one.overhead)}{draft}; the host store up to {format_memory(self.host_store)}")
 
     def hint(self) -> str:
         """What to change first: what is most of its need."""

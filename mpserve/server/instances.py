@@ -28,6 +28,7 @@ from pathlib import Path
 
 from mpserve.config import loader as cfg
 from mpserve.config.loader import ServerConfig
+from mpserve.counts import counted
 from mpserve.errors import BadRequest, ConfigError, ModelDoesNotFit, ModelFailed, UnknownModel
 from mpserve.gpu.placement import ModelRequest, Placement, estimate_request, place_one
 from mpserve.wire import protocol as wire
@@ -101,7 +102,7 @@ class Instances:
     def control(self, call: wire.Control) -> wire.ControlReply:
         """An operator's call from the broker's front; a bad one raises (answered as ERROR) and changes nothing."""
         if call.op == "models":
-            return self._reply(call, f"{len(self.policies)} model(s)")
+            return self._reply(call, counted(len(self.policies), "model"))
         if call.op == "add":
             return self._add(call)
         name = call.model
@@ -280,10 +281,10 @@ class Instances:
         rows = self._allocate(count, model.parallel, planned=planned)
         if rows is None:
             free = self._table_rows - len(self._taken(planned=planned))
-            raise ConfigError(f"models[{name}].parallel {self._config.model(name).parallel} -> {model.parallel}: its "
-                              f"{count} instance(s) need {count * model.parallel} free slot-table row(s) for the "
-                              f"roll and {free} are free; start the server with a larger --spare-slots, or restart "
-                              "it with the new parallel")
+            rows_needed = counted(count * model.parallel, "free slot-table row")
+            raise ConfigError(f"models[{name}].parallel {self._config.model(name).parallel} -> {model.parallel}: the "
+                              f"roll of its {counted(count, 'instance')} needs {rows_needed}, and the table has {free} "
+                              "free; start the server with a larger --spare-slots, or restart it with the new parallel")
         return rows
 
     def roll(self, model: cfg.ModelConfig, rows: list[tuple[int, int]] | None) -> None:

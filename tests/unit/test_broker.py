@@ -126,7 +126,7 @@ def test_a_request_for_more_choices_than_a_later_instance_has_is_answered_not_le
         broker._on_ready(b"w0", wire.Ready("w0", "m", -1, 2, 1234, proof=broker.link_secret), None)
         assert client.poll(2000)
         answer = wire.decode(client.recv_multipart())
-        assert isinstance(answer, wire.Error) and answer.id == "r1" and "'n' = 4 is more than the 2 slot(s)" in (
+        assert isinstance(answer, wire.Error) and answer.id == "r1" and "'n' = 4 is more than the 2 slots" in (
             answer.message)
         assert not broker.requests and not broker.by_client and not broker.models["m"].queue
         assert len(broker.models["m"].free) == 2

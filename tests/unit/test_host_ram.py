@@ -53,5 +53,5 @@ def test_the_budget_caps_what_the_host_has_and_plan_prints_the_parts() -> None:
     assert available_ram(MIB) == Available(MIB, "ram_budget")
     assert available_ram(1 << 60) == host
     lines = format_ram([need()], Available(8000 * MIB, "MemAvailable")).splitlines()
-    assert lines[0].startswith("model 'm', 2 instance(s): weights 1000.0 MiB once, shared by its instances")
+    assert lines[0].startswith("model 'm', 2 instances: weights 1000.0 MiB once, shared by its instances")
     assert lines[1] == "host RAM: 1.3 GiB planned, 1.5 GiB with a full host store, of 7.8 GiB available (MemAvailable)"
