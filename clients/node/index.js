@@ -65,6 +65,7 @@ export const CODES = Object.freeze({
   busy: ["Busy", true],
   timeout: ["Timeout", true],
   cancelled: ["Cancelled", false],
+  grammar_too_complex: ["GrammarTooComplex", false],
   worker_lost: ["WorkerLost", true],
   worker_stalled: ["WorkerStalled", true],
   poison_request: ["PoisonRequest", false],
