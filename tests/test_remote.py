@@ -277,11 +277,16 @@ def _stream_through_a_pools_end(server: ServerProcess, pools: dict[int, Pool], e
         ran = running.worker
         pool = pools[int(ran.rsplit("-w", 1)[0].rsplit("-", 1)[1])]
         os.kill(running.pid, signal.SIGSTOP)  # so that the pool ends mid-stream, however fast the model is
+        # stopped before the pool's SIGTERM comes: one that reached it first, both pending, would be handled first
+        # (the lower number) and the worker would stop with nothing left to wake it to leave
+        wait_for(lambda: _state(running.pid) == "T", 10, "the worker to stop")
         os.kill(pool.proc.pid, end)
         if end == signal.SIGKILL:
             pool.proc.wait(10)
         else:  # the pool passed it on to its workers (and kills them 2 s later: a slow poll may find it gone)
             wait_for(lambda: _pending(running.pid, signal.SIGTERM), 10, "the pool to terminate its workers")
+        # the pool's other worker gone first, so that the request goes on in the other pool, not there
+        wait_for(lambda: registered(server.address)[ran.rsplit("-w", 1)[0]] == 1, 10, "the pool's idle worker to go")
         with contextlib.suppress(ProcessLookupError):
             os.kill(running.pid, signal.SIGCONT)
         texts += list(chunks)
@@ -295,6 +300,12 @@ def _stream_through_a_pools_end(server: ServerProcess, pools: dict[int, Pool], e
     return pool, ran
 
 
+def _state(pid: int) -> str:
+    """The state letter of process ``pid`` (``T``: stopped)."""
+    stat = Path(f"/proc/{pid}/stat").read_text()
+    return stat[stat.rindex(")") + 2]
+
+
 def _pending(pid: int, sig: signal.Signals) -> bool:
     """Whether ``sig`` waits to be delivered to the (stopped) process ``pid``, or the process is gone."""
     try:
@@ -306,12 +317,17 @@ def _pending(pid: int, sig: signal.Signals) -> bool:
 
 
 def _two_pools(start_server, pools) -> tuple[ServerProcess, dict[int, Pool]]:
-    """A broker that declares a silent worker lost only after 30 s, and two pools of 2 instances, by pid."""
+    """A broker that declares a silent worker lost only after 30 s, and two pools of 2 instances, by pid. The
+    pools' workers keep the broker's heartbeats: with FAST's (silent for 1 s: lost), a worker would take a broker
+    that beats once a second for gone whenever a beat came late on a busy host, and connect again under its name
+    while the broker still held the old link, which refuses the new one (and its LEAVING) until that link's 30 s
+    of silence are over."""
     port = free_port()
-    server = broker(start_server, port, "--heartbeat-interval", "1", "--heartbeat-liveness", "30")
+    beats = ("--heartbeat-interval", "1", "--heartbeat-liveness", "30")
+    server = broker(start_server, port, *beats)
     started = {}
     for name in ("pool-a", "pool-b"):
-        pool = pools(name, f"tcp://127.0.0.1:{port}", "--instances", "2", "--n-ctx", "1024")
+        pool = pools(name, f"tcp://127.0.0.1:{port}", "--instances", "2", "--n-ctx", "1024", *beats)
         started[pool.proc.pid] = pool
     wait_for(lambda: sum(registered(server.address).values()) == 4, 60, "both pools to register")
     return server, started
