@@ -25,7 +25,9 @@ position, the chain sees exactly the tokens the sequence keeps, and it draws onc
 does without speculation: with the same logits, a sequence (greedy, or sampled with a seed) gets the very
 tokens it gets without speculation. The logits are the same while a decode holds at most ``exact_rows``
 rows: with quantized weights llama.cpp's CPU matrix kernels give every row of a batch that small the very
-numbers it gets alone (float weights: to the last bits, as for sequences decoded together), and larger
+numbers it gets alone (float weights do not: their rows of two or more go through llamafile's tinyBLAS, which
+sums in another order than a lone row's dot product, so a float model's verified drafts are close, not equal,
+to its tokens without speculation; ``reuse: exact`` decodes a float model's sequences one a decode), and larger
 batches go through kernels whose sums differ from a lone row's, enough to change a greedy choice. How
 small depends on the weights' layout: as stored, up to ``STORED_ROWS``; repacked for this CPU, ggml's
 repacked matrix product computes batches of more than ``REPACKED_ROWS`` rows four rows at a time (gemm)
