@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
+import signal
 import sqlite3
 from collections.abc import Iterator
 from pathlib import Path
@@ -156,6 +158,7 @@ def test_deleting_a_background_response_deletes_it_and_stops_it_while_it_runs(st
     gateway = GatewayThread(server_name=server.name)
     file = path_for(server.name, int(gateway.url.rsplit(":", 1)[1]))
     body = {"model": "tiny", "input": "Tell me a story", "temperature": 0, "background": True}
+    instances: set[int] = set()
     try:
         ended = httpx.post(f"{gateway.url}/v1/responses", json={**body, "max_output_tokens": 8}, timeout=30).json()
         running = httpx.post(f"{gateway.url}/v1/responses", json={**body, "max_output_tokens": 4000},
@@ -163,6 +166,9 @@ def test_deleting_a_background_response_deletes_it_and_stops_it_while_it_runs(st
         urls = [f"{gateway.url}/v1/responses/{r['id']}" for r in (ended, running)]
         wait_for(lambda: httpx.get(urls[0], timeout=10).json()["status"] == "incomplete", 30, "the first one's end")
         wait_for(lambda: httpx.get(urls[1], timeout=10).json()["status"] == "in_progress", 30, "the second running")
+        instances = {r.pid for r in server.slots() if r.pid > 0}
+        for pid in instances:  # it cannot end before its DELETE, however fast the model is
+            os.kill(pid, signal.SIGSTOP)
         assert all(_journaled(file, r["id"]) > 0 for r in (ended, running))
         for url, response in zip(urls, (ended, running), strict=True):
             deleted = httpx.delete(url, timeout=30)
@@ -174,9 +180,14 @@ def test_deleting_a_background_response_deletes_it_and_stops_it_while_it_runs(st
             assert httpx.delete(url, timeout=30).status_code == 404
         with Client(server.address) as client:
             wait_for(lambda: client.stats().counters.get("cancelled") == 1, 30, "the running one cancelled")
-            assert client.stats().models["tiny"].running == 0
+            for pid in instances:
+                os.kill(pid, signal.SIGCONT)
+            wait_for(lambda: client.stats().models["tiny"].running == 0, 30, "its instance to stop it")
         assert httpx.get(urls[1], timeout=30).status_code == 404 and _journaled(file, running["id"]) == 0
     finally:
+        for pid in instances:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGCONT)
         gateway.stop()
 
 
