@@ -28,6 +28,12 @@ READY_TIMEOUT_S = 60.0
 pytest_plugins = ["skip_policy"]  # no silent skips: tests/allowed_skips.txt lists the ones a run may have
 
 
+def pytest_xdist_auto_num_workers(config: pytest.Config) -> int:
+    """``-n auto``: two test processes per core. Most tests wait on the servers, workers and gateways they start
+    (a start, a load, a restart delay, a heartbeat), and one process per core left the cores idle much of a run."""
+    return 2 * (os.cpu_count() or 1)
+
+
 @pytest.fixture(scope="session", autouse=True)
 def _isolated_dirs() -> Iterator[None]:
     """Short private runtime dir (ipc paths are limited to ~107 bytes), a private model cache and lock dir."""
