@@ -82,15 +82,19 @@ def test_a_failed_step_answers_its_requests_before_the_worker_exits(
     assert all(t is wire.MsgType.ERROR and m.code == "internal" for t, _, m in answers), answers
 
 
-def test_the_answers_of_one_step_travel_as_one_step_message(
-        link: tuple[zmq.Socket[bytes], WorkerSpec, SlotTable]) -> None:
-    broker, spec, table = link
-    worker = _worker(broker, spec, table, EchoEngine(parallel=2))
+def _two_requests_then_stop(broker: zmq.Socket[bytes], spec: WorkerSpec, worker: Worker) -> None:
+    """Two one-token requests in slots 0 and 1, then STOP, run through ``worker`` to its end."""
     assigns = [wire.Assign(f"t{i}", wire.Request(f"r{i}", "hi", params=wire.GenerateParams(max_tokens=1)), 0.0, 1,
                            slot=i) for i in range(2)]
     broker.send_multipart([spec.identity, *wire.encode_assigns([wire.pack(a) for a in assigns])])
     broker.send_multipart([spec.identity, *wire.encode(wire.Stop("done"))])
     worker.run()
+
+
+def test_the_answers_of_one_step_travel_as_one_step_message(
+        link: tuple[zmq.Socket[bytes], WorkerSpec, SlotTable]) -> None:
+    broker, spec, table = link
+    _two_requests_then_stop(broker, spec, _worker(broker, spec, table, EchoEngine(parallel=2)))
     kinds = []
     while broker.poll(500):
         frames = broker.recv_multipart()[1:]
@@ -104,12 +108,7 @@ def test_the_answers_of_one_step_travel_as_one_step_message(
 def test_a_sequence_ended_by_its_grammars_budget_is_an_error_of_that_code_and_its_neighbour_is_done(
         link: tuple[zmq.Socket[bytes], WorkerSpec, SlotTable]) -> None:
     broker, spec, table = link
-    worker = _worker(broker, spec, table, _GrammarPastBudget(parallel=2))
-    assigns = [wire.Assign(f"t{i}", wire.Request(f"r{i}", "hi", params=wire.GenerateParams(max_tokens=1)), 0.0, 1,
-                           slot=i) for i in range(2)]
-    broker.send_multipart([spec.identity, *wire.encode_assigns([wire.pack(a) for a in assigns])])
-    broker.send_multipart([spec.identity, *wire.encode(wire.Stop("done"))])
-    worker.run()
+    _two_requests_then_stop(broker, spec, _worker(broker, spec, table, _GrammarPastBudget(parallel=2)))
     answers = {}
     while broker.poll(500):
         frames = broker.recv_multipart()[1:]
