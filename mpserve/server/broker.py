@@ -702,9 +702,6 @@ class Broker:
     def snapshot(self, nonce: int = 0, tenant: str = "") -> wire.Stats:
         """The figures STATS answers; with ``tenant`` (a keyed client's), that tenant's alone of the tenants'."""
         running: Counter[str] = Counter(w.model for w in self.workers.values() for _ in w.running)
-
-        def queued(t: str) -> int:
-            return sum(mq.queue.waiting(t) for mq in self.models.values())
         now, swaps = time.monotonic(), {"single_active_swaps": self.residency.swaps} if self.residency else {}
         return wire.Stats(nonce, self.accepting, {**self.stats, **swaps}, {
             name: wire.ModelStats(len(mq.queue), running[name], mq.instances, len(mq.free), mq.failed,
@@ -715,7 +712,11 @@ class Broker:
             for name, mq in self.models.items()
         }, [wire.WorkerStats(w.identity.decode(), w.model, w.host, w.pid, w.device, w.capacity, len(w.running))
             for w in self.workers.values()],
-            self.ledger.own_figures(tenant, queued) if tenant else self.ledger.figures(queued))
+            self.ledger.own_figures(tenant, self._waiting) if tenant else self.ledger.figures(self._waiting))
+
+    def _waiting(self, tenant: str) -> int:
+        """``tenant``'s requests queued now, over every model."""
+        return sum(mq.queue.waiting(tenant) for mq in self.models.values())
 
     def queued(self) -> int:
         return sum(len(mq.queue) for mq in self.models.values())
