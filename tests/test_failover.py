@@ -96,3 +96,28 @@ def test_the_choices_of_a_request_whose_instance_is_killed_continue_on_another_e
         counters = client.stats().counters
         assert counters.get("resumed", 0) + counters.get("retried", 0) == 2 and not counters.get("worker_lost")
     assert not server.tracebacks(), "\n".join(server.log)
+
+
+@pytest.mark.timeout(120)
+def test_a_stream_killed_after_several_chunks_continues_from_all_of_their_tokens(start_server) -> None:
+    """The hand-over carries every token the killed instance streamed, not only its last chunk's: the kill comes
+    once the client has read CHUNKS chunks, and the text is still the uninterrupted greedy text."""
+    chunks_read, max_tokens = 12, 1500  # the whole stream takes far longer than the kill (ignore_eos: all of it)
+    server = start_server("--instances", "2").wait_ready()
+    with Client(server.address) as client:
+        whole = client.generate(PROMPT, max_tokens=max_tokens, temperature=0, ignore_eos=True, timeout=120)
+        stream = client.stream(PROMPT, max_tokens=max_tokens, temperature=0, ignore_eos=True, timeout=120)
+        chunks = iter(stream)
+        texts = [next(chunks)]
+        row = wait_for(lambda: next((r for r in server.slots() if r.state is SlotState.BUSY), None), 30,
+                       "the request generating")
+        texts += [next(chunks) for _ in range(chunks_read - 1)]
+        os.kill(row.pid, signal.SIGKILL)
+        texts += list(chunks)
+        result = stream.result
+        assert result is not None and result.timings.attempts == 2, "the stream was not handed over"
+        assert "".join(texts) == whole.text, (f"the hand-over after {chunks_read} chunks did not go on from all "
+                                              "their tokens: the text streamed differs from the uninterrupted one")
+        assert result.text == whole.text and result.usage == whole.usage
+        assert client.stats().counters.get("resumed") == 1
+    assert not server.tracebacks(), "\n".join(server.log)
