@@ -8,6 +8,7 @@ import json
 from collections.abc import Iterator
 
 import jsonschema
+import msgspec
 import pytest
 from engines import finish, serve
 
@@ -102,3 +103,17 @@ def test_a_reply_resumed_from_carried_tokens_goes_on_in_its_phase(engine: BatchE
     resumed = finish(engine)[0]
     assert (resumed.text, resumed.reasoning_tokens) == (whole.text, whole.reasoning_tokens)
     assert whole.reasoning_tokens == 8 + forced(engine) and len(seen) > cut
+
+
+@pytest.mark.timeout(60)
+def test_a_stop_string_ends_the_reply_in_its_thinking_as_llama_server_s_does(engine: BatchEngine) -> None:
+    """llama-server looks for stop strings in all the text generated, thinking included (its slot's
+    ``find_stopping_strings`` on ``generated_text``): a stop string the thinking writes ends the reply there."""
+    params = GenerateParams(max_tokens=40, temperature=0.0, reasoning_end=END, reasoning_budget=30)
+    [whole] = serve(engine, [(PROMPT, params)])
+    thinking = whole.text.partition(END)[0]
+    stop = thinking[len(thinking) // 2:][:4]
+    assert stop.strip() and len(thinking) > 8, whole.text
+    [cut] = serve(engine, [(PROMPT, msgspec.structs.replace(params, stop=(stop,)))])
+    assert cut.text == thinking[:thinking.index(stop)] and cut.finish_reason == "stop"
+    assert 0 < cut.reasoning_tokens < 30
