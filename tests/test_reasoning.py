@@ -232,3 +232,30 @@ def test_messages_refuse_bad_thinking_naming_the_field(gateway: GatewayThread) -
     assert "'thinking' must be" in refused(gateway, "/v1/messages", {**body, "thinking": {"type": "sometimes"}})
     assert "'thinking' asks for thinking, and this model's chat template does not think" in refused(
         gateway, "/v1/messages", {**body, "model": "plain", "thinking": {"type": "enabled", "budget_tokens": 9}})
+
+
+def test_the_anthropic_sdk_takes_the_signed_thinking_and_sends_it_back_unchecked(gateway: GatewayThread) -> None:
+    """The SDK parses the thinking block and gathers the streamed signature into it; a thinking block sent back
+    is dropped from the conversation with its signature unread, so a forged one changes nothing."""
+    import anthropic
+
+    client = anthropic.Anthropic(base_url=gateway.url, api_key="unused", max_retries=0)
+    kw: Any = dict(model="thinker", max_tokens=40, messages=ASK, thinking={"type": "enabled", "budget_tokens": 9},
+                   extra_body={"temperature": 0.0})
+    whole = client.messages.create(**kw)
+    with client.messages.stream(**kw) as stream:
+        streamed = stream.get_final_message()
+    thought, said = whole.content
+    assert isinstance(thought, anthropic.types.ThinkingBlock) and isinstance(said, anthropic.types.TextBlock)
+    assert [b.model_dump() for b in streamed.content] == [b.model_dump() for b in whole.content]
+    assert thought.thinking and thought.signature
+    follow: Any = [{"role": "user", "content": "And three and three?"}]
+    kw |= dict(thinking={"type": "disabled"}, max_tokens=12)
+
+    def after(block: dict[str, Any]) -> str:
+        history = [*ASK, {"role": "assistant", "content": [block, said.model_dump()]}, *follow]
+        return client.messages.create(**{**kw, "messages": history}).content[0].text  # type: ignore[union-attr]
+
+    assert after(thought.model_dump()) == after({**thought.model_dump(), "signature": "forged"}) == \
+        client.messages.create(**{**kw, "messages": [*ASK, {"role": "assistant", "content": [said.model_dump()]},
+                                                     *follow]}).content[0].text  # type: ignore[union-attr]
