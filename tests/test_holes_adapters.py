@@ -64,6 +64,16 @@ def hot_load_then_lose(server: ServerProcess, adapters: dict[str, str], index: i
     return after
 
 
+def short_request(server: ServerProcess, adapter: str) -> object:
+    """What a request for ``adapter`` with a 5 s timeout got: its error, or "it ran"."""
+    with Client(server.address) as client:
+        try:
+            client.generate("hi", adapters={adapter: 1.0}, max_tokens=2, timeout=5)
+        except MpserveError as exc:
+            return exc
+    return "it ran"
+
+
 def live(server: ServerProcess) -> dict[int, int]:
     """The instances ready now: index -> pid."""
     return {r.worker: r.pid for r in server.slots() if r.state in (SlotState.IDLE, SlotState.BUSY)}
@@ -95,12 +105,7 @@ def test_an_instance_that_has_not_loaded_an_adapter_is_never_routed_a_request_fo
 @pytest.mark.timeout(60)
 def test_a_request_for_an_adapter_the_model_does_not_serve_is_refused_at_once_not_queued(
         server: ServerProcess) -> None:
-    with Client(server.address) as client:
-        try:
-            client.generate("hi", adapters={"zz": 1.0}, max_tokens=2, timeout=5)
-            outcome: object = "it ran"
-        except MpserveError as exc:
-            outcome = exc
+    outcome = short_request(server, "zz")
     assert isinstance(outcome, UnknownAdapter) and "no LoRA adapter 'zz'" in outcome.message, (
         f"a request naming an adapter the model does not serve must be refused at once (unknown_adapter); "
         f"got {outcome!r}")
@@ -113,11 +118,6 @@ def test_a_request_for_an_adapter_no_instance_has_loaded_is_refused_not_left_wai
         start_server: type[ServerProcess], adapters: dict[str, str]) -> None:
     lone = start_server("--model", "builtin:tiny", "--threads", "1", "--lora", f"a0={adapters['a0']}").wait_ready()
     hot_load_then_lose(lone, adapters, 0)
-    with Client(lone.address) as client:
-        try:
-            client.generate("hi", adapters={"a1": 1.0}, max_tokens=2, timeout=5)
-            outcome: object = "it ran"
-        except MpserveError as exc:
-            outcome = exc
+    outcome = short_request(lone, "a1")
     assert isinstance(outcome, MpserveError) and not isinstance(outcome, Timeout), (
         f"a request for an adapter no instance has loaded must be refused, not left waiting; got {outcome!r}")
