@@ -51,7 +51,7 @@ variants of the HTTP row with other ``mpserve start`` options (``--variant 'thre
 given with ``--pinned`` instead has its worker's threads pinned to the first CPU this bench may use and the
 serving processes (the server's broker, its gateway, the zygote) to the others, once it is ready:
 
-    python -m bench.batching [--model GGUF] [--ks 1,2,4,8] [--repeat 3] [--variant NAME=OPTIONS ...]
+    python -m bench.batching [--model GGUF|SmolLM2|Gemma] [--ks 1,2,4,8] [--repeat 3] [--variant NAME=OPTIONS ...]
                              [--pinned NAME=OPTIONS ...]
 """
 
@@ -64,13 +64,12 @@ import shlex
 import tempfile
 import time
 from contextlib import ExitStack
-from pathlib import Path
 
 from mpserve import AsyncClient, Client
 from mpserve.config.settings import BY_KEY
 from mpserve.repack import probe
 
-from . import store_cases
+from . import real_models, store_cases
 from .figures import Case, Figure, Section, Target
 from .load import (
     GATEWAY_FIELDS,
@@ -403,7 +402,8 @@ def _add(case: Case, served: LoadResult, peer: LoadResult) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(prog="python -m bench.batching", description="the 1×K rows of the batching "
                                      "section alone: mpserve over ZeroMQ and over HTTP against llama-server")
-    parser.add_argument("--model", type=Path, help="GGUF file [default: the built-in bench model]")
+    parser.add_argument("--model", help=f"GGUF file, or {' or '.join(real_models.NAMES)} (the real extra's) "
+                        "[default: the built-in bench model]")
     parser.add_argument("--ks", default=",".join(map(str, KS)), help="concurrencies [default: %(default)s]")
     parser.add_argument("--repeat", type=int, default=3, help="repeats [default: %(default)s]")
     parser.add_argument("--llama-server", help="llama-server binary [default: on PATH, else /opt/llama-server*/]")
@@ -415,7 +415,11 @@ def main() -> None:
     args = parser.parse_args()
     from mpserve.models.builtin import builtin_model_path
 
-    settings = Settings.make(quick=False, repeat=args.repeat, model=args.model or builtin_model_path("bench"),
+    try:
+        model = real_models.model_path(args.model) if args.model else builtin_model_path("bench")
+    except LookupError as e:
+        parser.error(str(e))
+    settings = Settings.make(quick=False, repeat=args.repeat, model=model,
                              llama_server=find_llama_server(args.llama_server))
     if settings.llama_server is None:
         parser.error("no llama-server binary: put one on PATH or pass --llama-server")

