@@ -76,9 +76,11 @@ from mpserve.runtime import default_address
 from mpserve.wire import adapters as wire_adapters
 from mpserve.wire import protocol as wire
 from mpserve.wire import zmqio
+from mpserve.wire.media import WithImages
 
 T = TypeVar("T")
 Adapters = Mapping[str, float] | Sequence[str | tuple[str, float]] | None  # LoRA adapters: {name: scale}, or names
+Prompt = str | list[int] | WithImages  # text, token ids, or text with the images its media markers place
 
 PING_INTERVAL_S = 1.0
 PING_LIVENESS = 3
@@ -327,10 +329,12 @@ class AsyncClient:
             self._sock = None
         self._ctx = None
 
-    async def generate(self, prompt: str | list[int], *, model: str | None = None, timeout: float | None = None,
+    async def generate(self, prompt: Prompt, *, model: str | None = None, timeout: float | None = None,
                        request_id: str | None = None, adapters: Adapters = None, **params: Any) -> Result:
         """Run one completion and return its Result; raises the MpserveError of an ERROR reply. ``prompt``:
-        text, or token ids (taken as they are: no BOS is added). ``request_id``: the caller's id for it.
+        text, or token ids (taken as they are: no BOS is added), or ``WithImages(text, images)``: encoded
+        images (PNG, JPEG, GIF, BMP), each where the text's next ``MEDIA_MARKER`` is, for a model served with a
+        projector (``mpserve.wire.media``). ``request_id``: the caller's id for it.
         ``priority`` (-100..100, higher starts first, capped by the tenant's ``max_priority``), ``cache_salt``
         (requests with one salt may share cached prompts) and ``tenant`` (on the admin socket only: whose the
         request is) go with the request; ``adapters``: the model's LoRA adapters to apply, ``{name: scale}`` or a
@@ -341,7 +345,7 @@ class AsyncClient:
         return (await self.choices(prompt, n=1, model=model, timeout=timeout, request_id=request_id,
                                    adapters=adapters, **params))[0]
 
-    async def choices(self, prompt: str | list[int], *, n: int | None = None, model: str | None = None,
+    async def choices(self, prompt: Prompt, *, n: int | None = None, model: str | None = None,
                       timeout: float | None = None, request_id: str | None = None,
                       params: wire.GenerateParams | None = None, priority: int = 0, cache_salt: str | None = None,
                       tenant: str = "", adapters: Adapters = None, **sampling: Any) -> list[Result]:
@@ -364,7 +368,7 @@ class AsyncClient:
         self._pending.pop(request.id, None)
         return [done[i] for i in sorted(done)]
 
-    def stream(self, prompt: str | list[int], *, model: str | None = None, timeout: float | None = None,
+    def stream(self, prompt: Prompt, *, model: str | None = None, timeout: float | None = None,
                request_id: str | None = None, params: wire.GenerateParams | None = None, priority: int = 0,
                cache_salt: str | None = None, tenant: str = "", adapters: Adapters = None,
                delivered: Mapping[int, str] | None = None, **sampling: Any) -> Stream:
@@ -478,9 +482,11 @@ class AsyncClient:
 
     # --- internals ------------------------------------------------------------------------------
 
-    def _request(self, prompt: str | list[int], model: str | None, timeout: float | None,
+    def _request(self, prompt: Prompt, model: str | None, timeout: float | None,
                  generate: wire.GenerateParams, stream: bool, request_id: str | None = None,
                  owner: _Owner | None = None, adapters: Adapters = None) -> wire.Request:
+        images = prompt.images if isinstance(prompt, WithImages) else ()
+        prompt = prompt.text if isinstance(prompt, WithImages) else prompt
         if isinstance(prompt, str) and len(prompt) > wire.MAX_PROMPT_CHARS:
             raise BadRequest(f"the prompt is {len(prompt)} characters; the server takes at most "
                              f"{wire.MAX_PROMPT_CHARS} (MAX_PROMPT_CHARS)")
@@ -490,8 +496,8 @@ class AsyncClient:
         model, chosen = wire_adapters.selection(model, adapters)
         request = wire.Request(rid, text, model, generate, stream, timeout if timeout is not None else self.timeout,
                                tokens, adapters=chosen, priority=owner.priority, cache_salt=owner.cache_salt,
-                               tenant=owner.tenant)
-        if owner != _Owner():
+                               tenant=owner.tenant, images=images)
+        if owner != _Owner() or images:
             request.validate()  # its bounds, as the broker would refuse them
         return request
 
@@ -811,17 +817,17 @@ class Client:
     def open(self) -> bool:
         return self._loop.is_running()
 
-    def generate(self, prompt: str | list[int], *, model: str | None = None, timeout: float | None = None,
+    def generate(self, prompt: Prompt, *, model: str | None = None, timeout: float | None = None,
                  request_id: str | None = None, adapters: Adapters = None, **params: Any) -> Result:
         return self._call(self._async.generate(prompt, model=model, timeout=timeout, request_id=request_id,
                                                adapters=adapters, **params))
 
-    def choices(self, prompt: str | list[int], *, n: int, model: str | None = None, timeout: float | None = None,
+    def choices(self, prompt: Prompt, *, n: int, model: str | None = None, timeout: float | None = None,
                 request_id: str | None = None, adapters: Adapters = None, **params: Any) -> list[Result]:
         return self._call(self._async.choices(prompt, n=n, model=model, timeout=timeout, request_id=request_id,
                                               adapters=adapters, **params))
 
-    def stream(self, prompt: str | list[int], *, model: str | None = None, timeout: float | None = None,
+    def stream(self, prompt: Prompt, *, model: str | None = None, timeout: float | None = None,
                request_id: str | None = None, adapters: Adapters = None, **params: Any) -> SyncStream:
         return SyncStream(self, self._async.stream(prompt, model=model, timeout=timeout, request_id=request_id,
                                                    adapters=adapters, **params))

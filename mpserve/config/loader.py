@@ -42,7 +42,7 @@ from mpserve.config.speculative import Speculative
 from mpserve.config.tenants import Tenants, parse_tenants
 from mpserve.errors import ConfigError
 from mpserve.models import adapters as adapter_sources
-from mpserve.models import sources, templates
+from mpserve.models import projector, sources, templates
 from mpserve.models.builtin import builtin_model_path
 from mpserve.models.folder import entries as folder_entries
 from mpserve.models.shapes import MODEL_SIZES
@@ -90,6 +90,7 @@ class ModelConfig:
     reasoning: Reasoning | None = None  # thinking budgets per effort and close message; None: the defaults
     chat_template: str | None = None  # a family's name or a Jinja2 file (mpserve.models.templates); None: the GGUF's
     adapters: adapter_sources.Declared = ()  # LoRA adapters (name, source), in declaration order (models.adapters)
+    mmproj: str | None = None  # the image projector GGUF (mpserve.models.projector); None: text only
 
     @property
     def bounds(self) -> tuple[int, int]:
@@ -423,6 +424,11 @@ def _model(index: int, entry: Any, overrides: Mapping[str, Any], source: str) ->
         raise ConfigError(f"{where}.cache_type_v: {v_type} is a quantized type, which llama.cpp stores only with "
                           "flash attention, and flash_attn is off; set flash_attn to auto or on, or cache_type_v "
                           "to f16, bf16 or f32")
+    if values.get("mmproj") is not None:
+        if path == ECHO_MODEL or values.get("embedding"):
+            raise ConfigError(f"{where}.mmproj: an image projector goes with a model served for completions by "
+                              "llama.cpp, not the echo backend or an embedding model")
+        _check_gguf(Path(values["mmproj"]), f"{where}.mmproj")
     for folder in ("slot_save_path", "adapter_dir"):
         if folder in values and not Path(values[folder]).is_dir():
             raise ConfigError(f"{where}.{folder}: {values[folder]!r} is not a folder; create it first")
@@ -446,7 +452,10 @@ def _model(index: int, entry: Any, overrides: Mapping[str, Any], source: str) ->
         values["reasoning"] = _reasoning(values["reasoning"], f"{where}.reasoning")
     low, high = _instance_bounds(values, where)
     values.update(instances=low, min_instances=low, max_instances=high)
-    return ModelConfig(**values)
+    model = ModelConfig(**values)
+    if model.mmproj is not None and not sources.is_source(model.path):  # a Hub model's: once pulled (pull_sources)
+        projector.check(model.mmproj, model.resolved_path(), f"{where}.mmproj")
+    return model
 
 
 def _check_gguf(path: Path, where: str) -> None:
@@ -480,6 +489,8 @@ def pull_sources(config: ServerConfig) -> None:
         for _, source in model.adapters:
             sources.pull(source)
         check_adapters(model)
+        if model.mmproj is not None and sources.is_source(model.path):
+            projector.check(model.mmproj, model.resolved_path(), f"models[{model.name}].mmproj")
 
 
 def check_adapters(model: ModelConfig, pulled: bool = True) -> None:

@@ -151,6 +151,9 @@ SETTINGS: tuple[Setting, ...] = (
     _s("adapter_dir", "model", str, "the folders of the model file and of its declared adapters",
        "Folder that an adapter loaded while the server runs (POST /admin/adapters, the admin socket's ADAPTER_ACTION) "
        "must be in, links and .. resolved; a path elsewhere is refused with bad_request", commands=_FOR_POOLS),
+    _s("mmproj", "model", str, "none", "The model's image projector GGUF (llama.cpp's mmproj file, as llama-server's "
+       "--mmproj), checked against the model at start and loaded by each instance: chat requests may then send "
+       "images (docs/images.md)", commands=_SIZING),
     _s("reasoning", "model", dict, "low 1024, medium 4096, high 16384, no close", "Thinking budgets in tokens for each "
        "reasoning effort (medium when a request names none), and close: a text written before the end tag when a "
        "budget forces it, e.g. {low: 512, medium: 2048, high: 8192, close: \"Time to answer.\"}; for a model whose "

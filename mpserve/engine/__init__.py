@@ -12,6 +12,7 @@
     parking      a running sequence out of the batch whole, and back where it stopped (priority preemption)
     keeping      when cells are saved to and restored from the host store ("where is a prefix restored")
     context      the llama.cpp context: model, KV memory, decode, state bytes, tokens and pieces
+    media        images in a prompt: the projector (llama.cpp's mtmd), decoded images, their placeholder ids
     host_store   the host store: saved sequence states shared by the host's instances, RAM and disk tiers
     store_files  the host store's files: bounded reads, atomic private writes, last-used times
     store_stats  the host store's figures and changes, as the worker and the broker hear of them

@@ -50,7 +50,7 @@ store's ``cut_back``).
 
 A request asking for its prompt's log-probabilities (``prompt_logprobs``, for echo) needs a logits row for every
 prompt token: its prefill chunks (of SCORED_CHUNK tokens, which bounds the logits buffer) request logits on all
-their rows, scored after the decode (``_score_prompt``); it never starts from cached cells, its own or copied
+their rows, scored after the decode (``score_prompt``); it never starts from cached cells, its own or copied
 (their rows are gone), and its cells are never reused.
 
 With ``reuse: exact``, greedy output equals ``llama_cpp.Llama.create_completion(prompt, temperature=0)`` with the
@@ -80,7 +80,7 @@ from mpserve.structured import grammar_source
 from mpserve.wire import protocol as wire
 from mpserve.wire.protocol import GenerateParams
 
-from . import slot_file
+from . import media, slot_file
 from .adapters import Adapters, AdapterSet, Loaded, Turns, reuse_key
 from .cells import Cells
 from .context import Context
@@ -88,7 +88,7 @@ from .draft import DraftModel, Want
 from .grammar import GrammarCache
 from .interface import Completion, OnToken
 from .keeping import Keeping, open_store
-from .logprobs import LogprobsRecorder
+from .logprobs import LogprobsRecorder, score_prompt
 from .parking import Parking
 from .sampling import TextStream
 from .scheduler import Scheduler, together_rows
@@ -264,25 +264,24 @@ class BatchEngine:
 
     def admit(self, slot: int, prompt: str | list[int], params: GenerateParams, on_token: OnToken,
               carried: collections.abc.Sequence[int] = (), adapters: collections.abc.Sequence[tuple[str, float]] = (),
-              salt: bytes = b"", alone: bool = False) -> None:
-        """Start ``prompt`` in free slot ``slot``; its prompt is computed by the coming steps. A prompt of
-        token ids is taken as it is (no BOS added), as create_completion takes one. ``carried``:
-        the tokens another instance generated for this request before it was lost. They are decoded one a
-        step after the prompt, as they were first computed, taken instead of sampled (so the sampler's
-        penalties see them): a batched prefill orders attention's sums otherwise, which can turn a greedy
-        choice at a near-tie. Their text opens the completion without reaching ``on_token`` (the client has
-        it, and their log-probabilities), and what the text stream held back at the cut stays held back: the
-        sequence continues as if never interrupted. ``adapters``: the LoRA adapters (names loaded here) and scales
-        it runs under (UnknownModel for a name not loaded). ``salt``: its reuse namespace (``mpserve.wire.salt``):
-        it starts from cells (its slot's, another's, the host store's) computed under the same salt only; under
-        adapters, the salt is the request's with their loads mixed in (``reuse_key``), so that cells computed under
-        other adapters are never reused whatever salt the broker gave. ``alone``: its first prompt chunk is the next
-        step's only decode (``Scheduler.urgent``)."""
+              salt: bytes = b"", alone: bool = False, images: collections.abc.Sequence[bytes] = ()) -> None:
+        """Start ``prompt`` in free slot ``slot``; its prompt is computed by the coming steps. A prompt of token ids is
+        taken as it is (no BOS added), as create_completion takes one. ``carried``: the tokens another instance
+        generated for this request before it was lost. They are decoded one a step after the prompt, as they were first
+        computed, taken instead of sampled (so the sampler's penalties see them): a batched prefill orders attention's
+        sums otherwise, which can turn a greedy choice at a near-tie. Their text opens the completion without reaching
+        ``on_token`` (the client has it, and their log-probabilities), and what the text stream held back at the cut
+        stays held back: the sequence continues as if never interrupted. ``adapters``: the LoRA adapters (names loaded
+        here) and scales it runs under (UnknownModel for a name not loaded). ``salt``: its reuse namespace
+        (``mpserve.wire.salt``): it starts from cells (its slot's, another's, the host store's) computed under the same
+        salt only; under adapters, the salt is the request's with their loads mixed in (``reuse_key``), so that cells
+        computed under other adapters are never reused whatever salt the broker gave. ``alone``: its first prompt chunk
+        is the next step's only decode (``Scheduler.urgent``). ``images``: the images its markers place (``media``)."""
         if not 0 <= slot < self.parallel or slot in self._scheduler.running:
             raise ValueError(f"slot {slot} is not a free slot of 0..{self.parallel - 1}")
         context, keeping = self._context, self._keeping
         chosen, space = self._adapters.chosen(adapters)
-        tokens = context.tokenize_prompt(prompt) if isinstance(prompt, str) else context.in_vocabulary(prompt, "prompt")
+        tokens, images_at = media.prompt_tokens(context, prompt, images, params.prompt_logprobs)
         context.in_vocabulary([t for t, _ in params.logit_bias], "logit_bias")
         source = grammar_source(params.grammar, params.json_schema)
         grammar = self._grammars.sampler(source) if source is not None else None  # BadRequest if unparsable
@@ -302,7 +301,7 @@ class BatchEngine:
             context.seq_rm(slot, -1, -1)
         own = 0 if score_prompt else self._cells.take_cells(slot, tokens, key)
         reused = own if score_prompt or space else keeping.restore(slot, tokens, own, key)  # the store: base cells
-        self._cells.start(slot, tokens, reused, prompt if isinstance(prompt, str) else "", key, space)
+        self._cells.start(slot, tokens, reused, prompt if isinstance(prompt, str) and not images else "", key, space)
         seed = params.seed if params.seed is not None else self._rng.randrange(2**32 - 1)
         seq = Sequence(
             slot, tokens, reused, max_tokens,
@@ -311,8 +310,8 @@ class BatchEngine:
         )
         self._equip(seq, params, score_prompt)
         seq.carried, seq.replay = len(carried), deque(carried)
-        seq.marks = () if space else keeping.marks(tokens, reused, score_prompt)  # marks save cells in the store
-        seq.adapters, seq.space = chosen, space
+        seq.marks = () if space else media.outside(images_at, keeping.marks(tokens, reused, score_prompt))  # they save
+        seq.adapters, seq.space, seq.images = chosen, space, images_at  # cells in the store (not inside an image)
         seq.alone = alone
         self._last_adapters[slot] = chosen
         self._scheduler.add(seq)
@@ -413,6 +412,9 @@ class BatchEngine:
     def _decode_chunk(self, seq: Sequence) -> list[tuple[int, Completion]]:
         """One llama_decode of ``seq``'s next prompt chunk, its cells kept; after its last, it and the prompts equal
         to it sample their first token."""
+        if seq.images and (imaged := media.prefill(self._context, self._keeping, seq)):  # an image, decoded whole
+            self._computed += imaged
+            return []
         batch, n = self._context.batch, next_chunk(seq)
         batch.n = 0
         last_row = batch.add_run(seq.prompt[seq.n_past:seq.n_past + n], seq.n_past, seq.slot)
@@ -427,7 +429,7 @@ class BatchEngine:
             seq.output_row = last_row
         self._context.decode()
         if seq.score_prompt:
-            self._score_prompt(seq, seq.n_past - n, n)
+            score_prompt(seq.logprobs, self._context.logits, seq.prompt, seq.n_past - n, n, self._context.piece_bytes)
         self._keeping.save_computed(seq, n)
         if not finishing:
             return []
@@ -490,14 +492,6 @@ class BatchEngine:
         self._accepted += verified.taken
         seq.drafts = []
         return verified.ended
-
-    def _score_prompt(self, seq: Sequence, pos: int, n: int) -> None:
-        """Record the log-probability of each prompt token that follows a row of the chunk just decoded (its
-        ``n`` tokens from position ``pos``; the last prompt token's row scores the first sampled token, in
-        ``_sample``)."""
-        assert seq.logprobs is not None
-        for i in range(min(n, len(seq.prompt) - 1 - pos)):
-            seq.logprobs.add(self._context.logits(i), seq.prompt[pos + i + 1], self._context.piece_bytes, prompt=True)
 
     def _sample(self, seq: Sequence) -> str | None:
         """Sample ``seq``'s next token and hand its text out; the finish reason if it ended."""

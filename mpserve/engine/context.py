@@ -25,6 +25,7 @@ from mpserve.errors import BadRequest
 
 from . import slot_file, vocab
 from .llama_batch import Batch
+from .media import Projector
 from .model_info import float_weights, free, load_model, read_chat_template
 from .sequence import PROMPT_CHUNK
 from .settings import FLASH_ATTN_TYPES, EngineSettings
@@ -50,6 +51,7 @@ class Context:
         self.model: Any = model if model is not None else load_model(llama_cpp, settings.path, settings.n_gpu_layers,
                                                                       settings.repack)
         self.ctx: Any = None
+        self.projector: Projector | None = None  # the model's image projector (``mmproj``), if it has one
         try:
             self.vocab = llama_cpp.llama_model_get_vocab(self.model)
             self.n_vocab: int = llama_cpp.llama_vocab_n_tokens(self.vocab)
@@ -57,6 +59,8 @@ class Context:
             self.bos = [bos] if llama_cpp.llama_vocab_get_add_bos(self.vocab) and bos >= 0 else []
             capacity = max(PROMPT_CHUNK, settings.parallel)  # most tokens one decode holds
             self.ctx = self._create(capacity)
+            if settings.mmproj:
+                self.projector = Projector(settings.mmproj, self.model, settings.threads, settings.n_gpu_layers != 0)
         except BaseException:
             self.close()
             raise
@@ -220,6 +224,9 @@ class Context:
         return known
 
     def close(self) -> None:
-        """Free the context and the model."""
+        """Free the projector, the context and the model."""
+        if self.projector is not None:
+            self.projector.close()
+            self.projector = None
         free(self.lib, self.ctx, self.model)
         self.ctx = self.model = None

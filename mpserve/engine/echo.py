@@ -52,12 +52,14 @@ class EchoEngine(NoCells, NoAdapters):
 
     def admit(self, slot: int, prompt: str | list[int], params: GenerateParams, on_token: OnToken,
               carried: Sequence[int] = (), adapters: Sequence[tuple[str, float]] = (), salt: bytes = b"",
-              alone: bool = False) -> None:
+              alone: bool = False, images: Sequence[bytes] = ()) -> None:
         """``carried`` is ignored: echo has no tokens, so its requests are never resumed (``tokens`` is empty); nor
         cells, so ``salt`` has nothing to keep apart; ``alone`` too: every sequence makes its piece each step."""
         if not 0 <= slot < self.parallel or slot in self._running:
             raise ValueError(f"slot {slot} is not a free slot of 0..{self.parallel - 1}")
         refuse_adapters(adapters)
+        if images:
+            raise BadRequest("the echo backend has no image projector; it takes text only")
         if params.logprobs is not None:
             raise BadRequest("the echo backend has no log-probabilities")
         if not isinstance(prompt, str):

@@ -161,7 +161,7 @@ class EmbeddingEngine(NoCells, NoAdapters):
 
     def admit(self, slot: int, prompt: str | list[int], params: GenerateParams, on_token: OnToken,
               carried: Sequence[int] = (), adapters: Sequence[tuple[str, float]] = (), salt: bytes = b"",
-              alone: bool = False) -> None:
+              alone: bool = False, images: Sequence[bytes] = ()) -> None:
         raise BadRequest("this model is served with embedding: true; it computes embeddings, not completions")
 
     def tokens(self, slot: int) -> Sequence[int]:

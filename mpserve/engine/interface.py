@@ -123,8 +123,9 @@ class Engine(Protocol):
 
     def admit(self, slot: int, prompt: str | list[int], params: GenerateParams, on_token: OnToken,
               carried: Sequence[int] = (), adapters: Sequence[tuple[str, float]] = (), salt: bytes = b"",
-              alone: bool = False) -> None:
-        """``prompt``: text (tokenized with BOS), or token ids taken as they are; ``carried``: the tokens a
+              alone: bool = False, images: Sequence[bytes] = ()) -> None:
+        """``prompt``: text (tokenized with BOS), or token ids taken as they are; ``images``: encoded images, each
+        where the text's next media marker is (``mpserve.engine.media``); ``carried``: the tokens a
         lost instance generated for this request, replayed before it goes on; ``adapters``: the LoRA adapters
         (loaded names) and scales it runs under (UnknownModel for a name not loaded); ``salt``: its reuse namespace
         (``mpserve.wire.salt``), the only cells it may start from being those computed under the same; ``alone``:

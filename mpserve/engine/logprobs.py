@@ -77,3 +77,12 @@ class LogprobsRecorder:
             b"".join(self._pieces), ends.astype("<i4").tobytes(), self._prompt)
         self._clear()
         return lp
+
+
+def score_prompt(recorder: LogprobsRecorder | None, logits: Callable[[int], np.ndarray], prompt: list[int], pos: int,
+                 n: int, piece_bytes: Callable[[int], bytes]) -> None:
+    """Record the log-probability of each prompt token that follows a row of the chunk just decoded (its ``n`` tokens
+    from position ``pos``; the last prompt token's row scores the first sampled token, as a generated one's)."""
+    assert recorder is not None  # a sequence that scores its prompt records log-probabilities
+    for i in range(min(n, len(prompt) - 1 - pos)):
+        recorder.add(logits(i), prompt[pos + i + 1], piece_bytes, prompt=True)

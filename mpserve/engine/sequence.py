@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:  # what a sequence carries; their modules import llama_cpp, which the rules here need not
     from .interface import OnToken
     from .logprobs import LogprobsRecorder
+    from .media import Image
     from .sampling import SamplerChain, TextStream
     from .speculation import Drafter
     from .thinking import Phases
@@ -82,7 +83,7 @@ class Sequence:
     __slots__ = ("slot", "prompt", "n_past", "reused", "max_tokens", "sampler", "text", "on_token", "generated",
                  "phase", "next_token", "output_row", "pieces", "admitted_at", "first_token_at", "cancel_requested",
                  "logprobs", "carried", "replay", "eog", "score_prompt", "drafter", "drafts", "marks", "adapters",
-                 "space", "salt", "alone")
+                 "space", "salt", "alone", "images")
 
     def __init__(self, slot: int, prompt: list[int], reused: int, max_tokens: int, sampler: SamplerChain | Phases,
                  text: TextStream, on_token: OnToken, salt: bytes = b"") -> None:
@@ -114,6 +115,7 @@ class Sequence:
         self.adapters: tuple[tuple[str, float], ...] = ()  # its LoRA adapters and scales (``adapters``); (): none
         self.space = b""  # the adapters' loads its cells are computed under (in its salt too: ``BatchEngine.admit``)
         self.alone = False  # its next prompt chunk is the next step's only decode (``Scheduler.urgent``)
+        self.images: dict[int, Image] = {}  # the prompt's images by the position each starts at (``media``)
 
     def kv_tokens(self) -> list[int]:
         """The tokens whose KV cells it holds: its prompt and generated tokens decoded so far."""
@@ -155,6 +157,10 @@ def tail_marks(n_prompt: int, reused: int) -> tuple[int, ...]:
 
 def next_chunk(seq: Sequence) -> int:
     """The prompt tokens ``seq`` computes in its next prefill decode: a chunk, ended early at its next mark, where its
-    cells are saved (``Sequence.marks``)."""
+    cells are saved (``Sequence.marks``), or at its next image; an image is a decode of its own, whole."""
+    image = seq.images.get(seq.n_past)
+    if image is not None:
+        return len(image.ids)
     n = min(SCORED_CHUNK if seq.score_prompt else PROMPT_CHUNK, len(seq.prompt) - seq.n_past)
-    return next((mark - seq.n_past for mark in seq.marks if seq.n_past < mark < seq.n_past + n), n)
+    ends = (*seq.marks, *seq.images)
+    return min((end - seq.n_past for end in ends if seq.n_past < end < seq.n_past + n), default=n)

@@ -8,7 +8,8 @@
                                                                           ├─ cells     reuse, kv_unified
                                                                           ├─ keeping   the host store's tiers
                                                                           ├─ adapters  LoRA adapters to load
-                                                                          └─ thinking  reasoning: budgets, close message
+                                                                          ├─ thinking  reasoning: budgets, close message
+                                                                          └─ media     mmproj: the image projector
 """
 
 from __future__ import annotations
@@ -66,6 +67,7 @@ class EngineSettings:
     adapters: tuple[tuple[str, str], ...] = ()  # LoRA adapters to load: (name, path) (``mpserve.engine.adapters``)
     grammar_step_s: float = GRAMMAR_STEP_S
     reasoning: Reasoning = Reasoning()
+    mmproj: str | None = None  # the model's image projector GGUF (``mpserve.engine.media``); None: text only
 
     @property
     def exact(self) -> bool:

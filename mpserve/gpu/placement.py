@@ -55,10 +55,11 @@ class MemoryEstimate:
     overhead: int
     draft: int = 0  # a draft model's weights and KV cache
     adapters: int = 0  # the LoRA adapters' tensors
+    projector: int = 0  # the image projector's tensors (mmproj)
 
     @property
     def total(self) -> int:
-        return self.weights + self.kv_cache + self.overhead + self.draft + self.adapters
+        return self.weights + self.kv_cache + self.overhead + self.draft + self.adapters + self.projector
 
 
 @dataclass(frozen=True)
@@ -76,6 +77,7 @@ class ModelRequest:
     cache_type_v: str = DEFAULT_KV_TYPE
     draft: str | None = None  # the draft model's GGUF file (speculative decoding); None: none
     adapters: tuple[str, ...] = ()  # the LoRA adapters' GGUF files
+    mmproj: str | None = None  # the image projector's GGUF file; None: none
 
 
 @dataclass(frozen=True)
@@ -131,7 +133,8 @@ def estimate_request(model: ModelRequest) -> MemoryEstimate:
     """``estimate_model_memory`` with a model's settings, its adapters' and its draft model's added."""
     estimate = estimate_model_memory(model.path, model.n_ctx, model.n_gpu_layers, model.parallel,
                                      model.cache_type_k, model.cache_type_v)
-    estimate = replace(estimate, adapters=sum(sum(t.n_bytes for t in _read(a).tensors) for a in model.adapters))
+    estimate = replace(estimate, adapters=sum(sum(t.n_bytes for t in _read(a).tensors) for a in model.adapters),
+                       projector=sum(t.n_bytes for t in _read(model.mmproj).tensors) if model.mmproj else 0)
     if model.draft is None:
         return estimate
     draft = estimate_model_memory(model.draft, model.n_ctx, model.n_gpu_layers, model.parallel)
@@ -145,7 +148,7 @@ def estimate_host_memory(model: ModelRequest) -> MemoryEstimate:
     counts them."""
     on_gpu = estimate_request(replace(model, n_gpu_layers=-1))  # the KV cache and the draft: as all on a device
     weights = sum(int(tensor.n_bytes) for tensor in _read(model.path).tensors)
-    return MemoryEstimate(weights, on_gpu.kv_cache, CPU_OVERHEAD, on_gpu.draft, on_gpu.adapters)
+    return MemoryEstimate(weights, on_gpu.kv_cache, CPU_OVERHEAD, on_gpu.draft, on_gpu.adapters, on_gpu.projector)
 
 
 def check_kv_types(name: str, gguf_path: str | PathLike[str], cache_type_k: str, cache_type_v: str) -> None:

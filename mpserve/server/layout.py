@@ -75,7 +75,7 @@ def model_request(m: ModelConfig) -> ModelRequest:
                         devices=m.devices, memory=0 if m.path == ECHO_MODEL and m.requires_memory is None
                         else m.requires_memory, cache_type_k=m.cache_type_k, cache_type_v=m.cache_type_v,
                         draft=m.speculative.model if m.speculative is not None and m.path != ECHO_MODEL else None,
-                        adapters=tuple(m.adapter_paths().values()))
+                        adapters=tuple(m.adapter_paths().values()), mmproj=m.mmproj)
 
 
 def check_model(request: ModelRequest) -> None:
@@ -173,7 +173,7 @@ def worker_spec(config: ServerConfig, devices: list[Device], placement: Placemen
                           cache_type_k=model.cache_type_k, cache_type_v=model.cache_type_v, cache_ram=model.cache_ram,
                           cache_shm=model.store_dir(), cache_disk=model.cache_disk,
                           cache_disk_size=model.cache_disk_size, chat_template=chat_template(model),
-                          reuse=model.reuse, adapters=model.adapter_paths()),
+                          reuse=model.reuse, adapters=model.adapter_paths(), mmproj=model.mmproj),
         first_row=first_row,
         device=device, backend=backend, slots_path=str(slots_path), parent_pid=os.getpid(),
         idle_timeout=config.idle_timeout, lazy=config.single_active_backend, permit=permit,

@@ -6,6 +6,7 @@
     framing    ``[VERSION, TYPE, BODY]`` frames, STEP/CHUNKS/ASSIGNS batches, decoding each body once
     refusals   msgspec's verdict on a bad body as a BadRequest or ProtocolError naming field, value and range
     zmqio      multipart messages through pyzmq's backend calls (broker, workers, clients)
+    media      images as they travel: data URLs, their headers checked against the limits, the media marker
     prefix     common prefixes, and the block hashes of text prefixes that travel from worker to broker
     salt       a request's reuse namespace: what it may reuse of what others computed (tenants kept apart)
     adapters   a request's LoRA adapters: BASE:NAME, llama-server's lora ids, one sorted set, the 404 naming those

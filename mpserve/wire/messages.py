@@ -25,7 +25,7 @@ from msgspec import Meta
 
 from mpserve import structured
 from mpserve.errors import BadRequest, MpserveError, ProtocolError
-from mpserve.wire import refusals
+from mpserve.wire import media, refusals
 from mpserve.wire.prefix import MAX_BLOCKS
 
 WORKER_LINK = "MPS1.4"  # the revision of the broker-worker messages, in every READY: a broker refuses workers
@@ -307,8 +307,9 @@ def unpack_hashes(data: bytes) -> tuple[int, ...]:
 
 # --- client -> broker ---------------------------------------------------------------------------
 
-class Request(Body, frozen=True, forbid_unknown_fields=True):
-    """client -> broker: generate a completion. ``timeout`` (seconds) covers queueing and running."""
+class Request(Body, frozen=True, forbid_unknown_fields=True, omit_defaults=True):
+    """client -> broker: generate a completion. ``timeout`` (seconds) covers queueing and running. Fields at their
+    default are left out of its encoding, so a request without images is what a peer from before them decodes."""
 
     TYPE: ClassVar[MsgType] = MsgType.REQUEST
     REFUSED_AS: ClassVar[type[MpserveError]] = BadRequest
@@ -329,6 +330,9 @@ class Request(Body, frozen=True, forbid_unknown_fields=True):
     tenant: Annotated[str, Meta(max_length=MAX_TENANT_CHARS)] = ""  # honoured on the admin socket only (the
     # gateway's); on the clients' socket the broker takes it from the connection (a CURVE client's key; "" for the
     # local user)
+    images: Annotated[tuple[Annotated[bytes, Meta(max_length=media.MAX_IMAGE_BYTES)], ...],
+                      Meta(max_length=media.MAX_IMAGES)] = ()  # encoded images (PNG, JPEG, GIF, BMP), each where
+    # the prompt's next media marker is (``mpserve.wire.media``); the worker decodes them with the model's projector
     reattach: bool = False  # sent again after the server went silent: a server that took over this request (its
     # instance outlived the one that died, ``mpserve.server.adoption``) goes on with it, streaming its whole text so
     # far first; any other runs it anew. Either way the client drops the text it had (``mpserve.client``)

@@ -453,7 +453,8 @@ class Worker:
             if not resumed:  # ahead of every running request (it may have preempted one): its prompt goes first
                 ahead = bool(self._running) and all(req.priority > a.request.priority for a in self._running.values())
                 engine.admit(slot, wire.unpack_tokens(req.tokens) if req.tokens else req.prompt, req.params,
-                             on_token, wire.frame_tokens(assign.generated), req.adapters, assign.salt, alone=ahead)
+                             on_token, wire.frame_tokens(assign.generated), req.adapters, assign.salt, alone=ahead,
+                             images=req.images)
         except MpserveError as exc:
             self._answer(wire.Error(req.id, exc.code, exc.message), assign.ticket)
             return

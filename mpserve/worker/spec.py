@@ -62,6 +62,7 @@ class EngineSpec:
     reuse: str = "any"  # any shared prefix, or exact: whole prompt chunks only (mpserve.engine.batch)
     adapters: dict[str, str] = field(default_factory=dict)  # LoRA adapters: name -> local GGUF path, loaded after
     # the model (by a zygote before it forks, so that its instances share them: mpserve.engine.adapters)
+    mmproj: str | None = None  # the model's image projector GGUF, loaded by each instance (mpserve.engine.media)
 
     @property
     def is_echo(self) -> bool:

@@ -16,6 +16,7 @@ it all:
     chat            chat templates rendered within a budget, off the event loop
     reasoning       thinking: how a request asks for it, how its prompt opens it, the reply's text split
     tools           tools and tool calls
+    images          a message's image parts: data URLs read and checked, media markers in its text
     extensions      llama-server's request fields, mapped or dropped
     logprobs        log-probabilities in OpenAI's shapes
     best_of         best_of on completions

@@ -401,7 +401,7 @@ class Pipeline:
         """A chat's prompt from ``model``'s chat template; a completion echoing a token prompt, with its text."""
         if call.kind == "chat":
             return await call.with_chat_template(await self.backend.chat_template(model), self.renderer, model)
-        if call.echo and not isinstance(call.prompt, str):
+        if call.echo and isinstance(call.prompt, list):
             return call.with_echo_text(await client.detokenize(call.prompt,
                                                                model=wire_adapters.split_model(call.model)[0]))
         return call

@@ -1,0 +1,67 @@
+"""A chat message's content parts: text, and images as the media markers that place them.
+
+    content: "text" | [{"type": "text", "text"},
+                       {"type": "image_url", "image_url": {"url": "data:image/png;base64,..."}}, ...]
+        ──content()──▶ (text with MEDIA_MARKER where each image was, the images' bytes in order)
+                       each image read from its data URL (an http(s) URL: 400, fetching is off) and its header
+                       checked against the limits (format, bytes, pixels) before the request goes on
+    messages' images, in order ──with_images(prompt)──▶ the prompt the client sends: WithImages(text, images)
+
+The chat template renders the text, markers included, so the images land where the template places the message's
+content; the worker's projector turns each marker into the image's positions (``mpserve.engine.media``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from mpserve.errors import BadRequest
+from mpserve.wire.media import MEDIA_MARKER, ImageLimits, WithImages, check_count, check_image, image_bytes
+
+LIMITS = ImageLimits()
+
+
+def content(value: Any, i: int, limits: ImageLimits = LIMITS) -> tuple[str, tuple[bytes, ...]]:
+    """A message's text and images: a string, or a list of text and image parts."""
+    if value is None or isinstance(value, str):
+        return value or "", ()
+    if not isinstance(value, list):
+        raise BadRequest(f"messages[{i}].content must be a string or a list of content parts")
+    text, images = [], []
+    for j, part in enumerate(value):
+        where = f"messages[{i}].content[{j}]"
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind == "text" and isinstance(part.get("text"), str):
+            if MEDIA_MARKER in part["text"]:
+                raise BadRequest(f"{where}: the text holds {MEDIA_MARKER}, which marks where an image goes; send "
+                                 "images as image_url parts")
+            text.append(part["text"])
+        elif kind == "image_url":
+            data = image_bytes(_url(part.get("image_url"), where), where)
+            check_image(data, limits, where)
+            text.append(MEDIA_MARKER)
+            images.append(data)
+        else:
+            raise BadRequest(f"{where} must be a text part {{\"type\": \"text\", \"text\"}} or an image part "
+                             "{\"type\": \"image_url\", \"image_url\": {\"url\": \"data:...\"}}; audio and files "
+                             "are not supported")
+    return "".join(text), tuple(images)
+
+
+def _url(value: Any, where: str) -> str:
+    url = value.get("url") if isinstance(value, dict) else value
+    if not isinstance(url, str):
+        raise BadRequest(f"{where}.image_url must be {{\"url\": \"data:image/...;base64,...\"}}")
+    return url
+
+
+def with_images(prompt: str, images: Sequence[bytes], limits: ImageLimits = LIMITS) -> str | WithImages:
+    """The prompt a chat sends: its text alone, or with the images its messages carried, in order."""
+    if not images:
+        return prompt
+    check_count(len(images), limits)
+    if prompt.count(MEDIA_MARKER) != len(images):
+        raise BadRequest(f"the chat template placed {prompt.count(MEDIA_MARKER)} of the request's {len(images)} "
+                         "images; images go in the content of messages the template shows")
+    return WithImages(prompt, tuple(images))

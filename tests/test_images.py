@@ -1,0 +1,149 @@
+"""Images in chat completions, end to end: the random vision pair (``mpserve make-model --mmproj``) served with
+``--mmproj``, images sent as data URLs through the HTTP gateway, decoded and projected by llama.cpp's multimodal
+library in the worker, and reused from the cache like the tokens they stand for."""
+
+from __future__ import annotations
+
+import base64
+import struct
+import zlib
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from helpers import mpserve
+
+from mpserve.models.mmproj_maker import TOKENS_PER_IMAGE
+
+pytestmark = pytest.mark.timeout(180)
+
+PROMPT = "What is this?"
+
+
+def png(width: int, height: int, rgb: tuple[int, int, int]) -> bytes:
+    """A PNG of one colour, written by hand (zlib and the chunk layout)."""
+    raw = b"".join(b"\x00" + bytes(rgb) * width for _ in range(height))
+
+    def chunk(kind: bytes, data: bytes) -> bytes:
+        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
+
+    header = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)
+    return b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", header) + chunk(b"IDAT", zlib.compress(raw)) + chunk(b"IEND", b"")
+
+
+RED, BLUE = png(16, 16, (255, 0, 0)), png(16, 16, (0, 0, 255))
+
+
+def data_url(image: bytes, kind: str = "png") -> str:
+    return f"data:image/{kind};base64,{base64.b64encode(image).decode()}"
+
+
+def chat(*parts: Any, model: str = "vision", max_tokens: int = 24) -> dict[str, Any]:
+    content = [{"type": "text", "text": p} if isinstance(p, str) else {"type": "image_url", "image_url": {"url": p[0]}}
+               for p in parts]
+    return {"model": model, "messages": [{"role": "user", "content": content}], "max_tokens": max_tokens,
+            "temperature": 0}
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    folder = tmp_path_factory.mktemp("vision")
+    model, projector = folder / "vision.gguf", folder / "mmproj.gguf"
+    made = mpserve("make-model", str(model), "--size", "tiny", "--mmproj", str(projector))
+    assert made.returncode == 0, made.stderr
+    return model, projector
+
+
+@pytest.fixture(scope="module")
+def http(pair: tuple[Path, Path], tmp_path_factory: pytest.TempPathFactory) -> Iterator[httpx.Client]:
+    """A server with the vision pair (``vision``) and the tiny model without a projector (``tiny``), its gateway."""
+    from conftest import ServerProcess
+    from gateway_thread import GatewayThread
+    from helpers import config_file
+
+    model, projector = pair
+    config = config_file(tmp_path_factory.mktemp("config"), "images",
+                         models=[{"name": "vision", "path": str(model), "mmproj": str(projector)},
+                                 {"name": "tiny", "path": "builtin:tiny"}])
+    server = ServerProcess("--config", config).wait_ready()
+    gateway = GatewayThread(server_name=server.name)
+    try:
+        with httpx.Client(base_url=gateway.url, timeout=60) as client:
+            yield client
+    finally:
+        gateway.stop()
+        server.stop()
+
+
+def answer(http: httpx.Client, body: dict[str, Any]) -> dict[str, Any]:
+    reply = http.post("/v1/chat/completions", json=body)
+    assert reply.status_code == 200, reply.text
+    return dict(reply.json())
+
+
+def refused(http: httpx.Client, body: dict[str, Any]) -> str:
+    reply = http.post("/v1/chat/completions", json=body)
+    assert reply.status_code == 400, reply.text
+    return str(reply.json()["error"]["message"])
+
+
+def test_an_image_is_answered_and_the_same_image_again_is_reused_from_the_cache(http: httpx.Client) -> None:
+    first = answer(http, chat(PROMPT, (data_url(RED),)))
+    again = answer(http, chat(PROMPT, (data_url(RED),)))
+    assert first["choices"][0]["message"]["content"]
+    assert again["choices"][0]["message"]["content"] == first["choices"][0]["message"]["content"]
+    cached = again["usage"]["prompt_tokens_details"]["cached_tokens"]
+    assert cached >= TOKENS_PER_IMAGE + 4, again["usage"]  # the image's positions, and the text around it
+    assert again["usage"]["prompt_tokens"] == first["usage"]["prompt_tokens"]
+
+
+def test_another_image_gives_another_reply_and_is_not_taken_from_the_first_ones_cells(http: httpx.Client) -> None:
+    red = answer(http, chat(PROMPT, (data_url(RED),)))
+    blue = answer(http, chat(PROMPT, (data_url(BLUE),)))
+    assert blue["choices"][0]["message"]["content"] != red["choices"][0]["message"]["content"]
+    # the text before the image may be reused, the image's positions not
+    assert blue["usage"]["prompt_tokens_details"]["cached_tokens"] < blue["usage"]["prompt_tokens"] - TOKENS_PER_IMAGE
+
+
+def test_two_images_in_one_message_count_in_order(http: httpx.Client) -> None:
+    one = answer(http, chat("A", (data_url(RED),), "B", (data_url(BLUE),)))
+    swapped = answer(http, chat("A", (data_url(BLUE),), "B", (data_url(RED),)))
+    assert one["usage"]["prompt_tokens"] == swapped["usage"]["prompt_tokens"]
+    assert one["choices"][0]["message"]["content"] != swapped["choices"][0]["message"]["content"]
+
+
+BAD = {
+    "corrupt": (data_url(RED[:40] + bytes(64) + RED[104:]), "cannot be decoded"),
+    "truncated": (data_url(RED[:30]), "cannot be decoded"),
+    "cut header": (data_url(RED[:20]), "cut short"),
+    "unknown format": (data_url(b"RIFF\x00\x00\x00\x00WEBPVP8 " + bytes(32), "webp"), "unknown image format"),
+    "bomb": (data_url(png(1, 1, (0, 0, 0))[:16] + struct.pack(">II", 60_000, 60_000) + bytes(64)), "pixels"),
+    "not base64": ("data:image/png;base64,@@@@", "not valid base64"),
+    "http": ("http://169.254.169.254/latest/meta-data", "fetching images from URLs is off"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD))
+def test_a_bad_image_is_a_400_naming_what_is_wrong_and_the_server_answers_after(http: httpx.Client,
+                                                                               case: str) -> None:
+    url, words = BAD[case]
+    assert words in refused(http, chat(PROMPT, (url,)))
+    assert answer(http, chat(PROMPT))["choices"][0]["message"]["content"]
+
+
+def test_an_image_to_a_model_without_a_projector_is_a_400(http: httpx.Client) -> None:
+    assert "no image projector" in refused(http, chat(PROMPT, (data_url(RED),), model="tiny"))
+    assert answer(http, chat(PROMPT, model="tiny"))["choices"][0]["message"]["content"]
+
+
+def test_a_projector_for_another_model_is_refused_at_start_in_one_line(pair: tuple[Path, Path],
+                                                                       tmp_path: Path) -> None:
+    bench = tmp_path / "wide-mmproj.gguf"
+    from mpserve.models.mmproj_maker import write_projector
+
+    write_projector(bench, "bench")
+    started = mpserve("plan", "--model", str(pair[0]), "--mmproj", str(bench))
+    assert started.returncode != 0
+    assert "embeddings of 768 values and the model's are 64" in started.stderr, started.stderr
