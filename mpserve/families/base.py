@@ -56,6 +56,12 @@ class Family:
     thinking: ClassVar[tuple[str, str] | None] = None
     markers: ClassVar[tuple[str, ...]] = ()
     """Text only this family's chat templates write, by which a template is recognised (``for_template``)."""
+    channels: ClassVar[bool] = False
+    """Its replies are messages with headers (Harmony): the content is the answer's messages, never raw text."""
+
+    def content(self, text: str) -> str:
+        """A whole reply's content when it holds no call: the text itself, or the answer's messages in it."""
+        return self.scan(text, True, {}).content.strip() if self.channels else text
 
     def scan(self, text: str, final: bool, tools: Tools) -> Scan:
         start = self.section_start(text, final)

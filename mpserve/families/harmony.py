@@ -41,6 +41,7 @@ class Harmony(Family):
     openers = HEADERS
     markers = (CHANNEL, "<|constrain|>")
     thinking = (CHANNEL + "analysis" + MESSAGE, "<|end|>")
+    channels = True
 
     def scan(self, text: str, final: bool, tools: Tools) -> Scan:
         content, calls, i, seen = "", list[Partial](), 0, False

@@ -9,7 +9,8 @@ name, more of a call's arguments), as vLLM's streaming tool parsers send them.
 The text before a possible call is held back only as long as it may be one (an opener's first characters at its
 end; a reply that begins like the generic JSON family's calls, ``{``, ``[`` or a code fence, until it ends). What
 was sent is never taken back: a reply whose calls turn out malformed at its end has streamed them (the whole
-reply reads such a reply as content); one that streamed no call gives its held text as content.
+reply reads such a reply as content); one that streamed no call gives its held text as content (a family of
+channels, Harmony, its answer's messages only).
 """
 
 from __future__ import annotations
@@ -58,6 +59,8 @@ class CallStream:
             return self._deltas(self._family.scan(self._text, True, self._tools)), found[1] if found else None
         if self._fallback is not None and (found := read(self._fallback, self._text, self._tools)) is not None:
             return self._deltas(self._fallback.scan(self._text, True, self._tools)), found[1]
+        if self._family.channels:
+            return self._deltas(Scan(self._family.scan(self._text, True, self._tools).content, ())), None
         rest, self._content = self._text[self._content:], len(self._text)
         return ([Delta(content=rest)] if rest else []), None
 

@@ -1,7 +1,7 @@
 """Tool calls (mpserve.gateway.api.tools and the chat shapes in mpserve.gateway.api.openai): the parsers on outputs
 of each model family, written by hand from the formats' documentation, malformed ones included (plain
-content, never an error); the tools prompt of the ChatML default; streamed replies held back and
-reassembled."""
+content, never an error); the tools prompt of the ChatML default; forced calls constrained by a grammar in the
+family's format; streamed calls sent as they form."""
 
 from __future__ import annotations
 
@@ -110,35 +110,37 @@ def test_a_streamed_auto_reply_is_held_while_it_may_be_a_call() -> None:
 
 
 
-def test_each_of_n_streamed_choices_is_held_and_read_on_its_own() -> None:
+def test_each_of_n_streamed_choices_is_read_on_its_own() -> None:
     call = oai.parse("chat", {"messages": [{"role": "user", "content": "hi"}], "tools": TOOLS, "stream": True,
                               "n": 2})
     text = '<tool_call>\n{"name": "get_time", "arguments": {}}\n</tool_call>'
     reply = oai.Reply(call, "m")
     chunks = [*reply.chunks(text[:5], None, 0), *reply.chunks(" Hello", None, 1), *reply.chunks(text[5:], None, 0)]
-    assert [(c["choices"][0]["index"], c["choices"][0]["delta"]) for c in chunks] == [
-        (1, {"role": "assistant", "content": " Hello"})]  # choice 0 is held back, choice 1 streams as prose
+    deltas = [(c["choices"][0]["index"], c["choices"][0]["delta"]) for c in chunks]
+    assert deltas[0] == (1, {"role": "assistant", "content": " Hello"})  # choice 0 is held back, 1 streams as prose
+    assert [i for i, _ in deltas[1:]] == [0, 0] and deltas[1][1]["role"] == "assistant"
+    assert deltas[1][1]["tool_calls"][0]["function"] == {"name": "get_time", "arguments": ""}
+    assert deltas[2][1]["tool_calls"][0] == {"index": 0, "function": {"arguments": "{}"}}
     last = reply.last([result(text), dataclasses.replace(result(" Hello"), index=1)], {})
-    by_choice = [(c["choices"][0]["index"], c["choices"][0]["finish_reason"]) for c in last]
-    assert by_choice == [(0, None), (0, None), (0, "tool_calls"), (1, "stop")]
-    assert last[0]["choices"][0]["delta"]["role"] == "assistant"
-    assert last[0]["choices"][0]["delta"]["tool_calls"][0]["function"]["name"] == "get_time"
+    assert [(c["choices"][0]["index"], c["choices"][0]["finish_reason"]) for c in last] == [(0, "tool_calls"),
+                                                                                           (1, "stop")]
     whole = oai.Reply(call, "m").whole([result(text), dataclasses.replace(result(" Hello"), index=1)])
     assert [c["finish_reason"] for c in whole["choices"]] == ["tool_calls", "stop"]
     assert whole["choices"][1]["message"] == {"role": "assistant", "content": " Hello"}
 
-def test_forced_choices_constrain_with_a_schema_of_the_functions() -> None:
+
+def test_forced_choices_constrain_with_a_grammar_of_the_family_s_calls() -> None:
     named = oai.parse("chat", {"messages": [{"role": "user", "content": "hi"}], "tools": TOOLS,
                                "tool_choice": {"type": "function", "function": {"name": "get_weather"}}})
-    schema = json.loads(named.params.json_schema or "")
-    assert schema["properties"]["name"] == {"const": "get_weather"} and schema["required"] == ["name", "arguments"]
+    grammar = named.params.grammar or ""
+    assert named.params.json_schema is None and grammar.startswith("root ::= call\n")
+    assert '"<tool_call>\\x0A{\\x22name\\x22: \\x22" ( "get_weather"' in grammar and "get_time" not in grammar
     required = oai.parse("chat", {"messages": [{"role": "user", "content": "hi"}], "tools": TOOLS,
                                   "tool_choice": "required"})
-    schema = json.loads(required.params.json_schema or "")
-    assert schema["type"] == "array" and schema["maxItems"] == tc.MAX_PARALLEL_CALLS
-    assert len(schema["items"]["anyOf"]) == 2
+    assert f"{{0,{tc.MAX_PARALLEL_CALLS - 1}}}" in (required.params.grammar or "")
+    assert all(name in (required.params.grammar or "") for name in ("get_weather", "get_time"))
     none = oai.parse("chat", {"messages": [{"role": "user", "content": "hi"}], "tools": TOOLS, "tool_choice": "none"})
-    assert none.tools is None and none.params.json_schema is None
+    assert none.tools is None and none.params.grammar is None
     with pytest.raises(BadRequest, match="cannot be combined"):
         oai.parse("chat", {"messages": [{"role": "user", "content": "hi"}], "tools": TOOLS,
                            "tool_choice": "required", "response_format": {"type": "json_object"}})
@@ -147,39 +149,48 @@ def test_forced_choices_constrain_with_a_schema_of_the_functions() -> None:
 def test_required_without_parallel_calls_allows_exactly_one_call() -> None:
     one = oai.parse("chat", {"messages": [{"role": "user", "content": "hi"}], "tools": TOOLS,
                              "tool_choice": "required", "parallel_tool_calls": False})
-    schema = json.loads(one.params.json_schema or "")
-    assert "type" not in schema and len(schema["anyOf"]) == 2  # one call object of either function, not a list
-    assert all(c["required"] == ["name", "arguments"] for c in schema["anyOf"])
+    assert (one.params.grammar or "").startswith("root ::= call\n")  # no repetition of call
+
+
+def test_a_template_s_family_writes_the_forced_grammar() -> None:
+    forced = {"messages": [{"role": "user", "content": "hi"}], "tools": TOOLS, "tool_choice": "required"}
+    harmony = _templated(oai.parse("chat", forced), ChatTemplate("<|start|>{{ m }}<|channel|>final<|message|>"))
+    assert harmony.parser == "gpt-oss" and "to=functions." in (harmony.params.grammar or "")
+    plain = _templated(oai.parse("chat", forced), ChatTemplate())
+    assert plain.parser == "hermes" and "<tool_call>" in (plain.params.grammar or "")
+
+
+CALL_TEXT = '<tool_call>\n{{"name": "{}", "arguments": {}}}\n</tool_call>'
+BOTH = CALL_TEXT.format("get_weather", '{"city": "Paris"}') + "\n" + CALL_TEXT.format("get_time", "{}")
 
 
 @pytest.mark.parametrize(("text", "calls", "cut"), [
-    ('[{"name": "get_weather", "arguments": {"city": "Paris"}}, {"name": "get_time", "arguments": {}}]',
-     [WEATHER, TIME], False),
-    ('{"name": "get_time", "arguments": {}}', [TIME], False),
-    ('[{"name": "get_weather", "arguments": {"city": "Paris"}},\n {"name": "get_time", "argu', [WEATHER], True),
-    ('[{"name": "get_weather", "arguments": {"city": "Paris"}}', [WEATHER], True),
-    ('[{"name": "get_weather", "arguments": {"ci', [], True),
-    ('{"name": "get_time", "argu', [], True),
-    ("[", [], True),
+    (BOTH, [WEATHER, TIME], False),
+    (CALL_TEXT.format("get_time", "{}"), [TIME], False),
+    (BOTH[:-20], [WEATHER], True),
+    (BOTH[:BOTH.index("\n<tool_call>")], [WEATHER], False),
+    (BOTH[:40], [], True),
+    ("<tool_", [], True),
 ])
 def test_a_forced_reply_is_its_complete_calls_even_when_cut(text: str, calls: list[Any], cut: bool) -> None:
-    found, was_cut = tc.forced_calls(text, SPEC.tools)
+    found, was_cut = tc.forced_calls(text, "hermes", SPEC.tools)
     assert [(c.name, json.loads(c.arguments)) for c in found] == calls and was_cut is cut
 
 
 def test_a_cut_forced_reply_is_never_content_whole_or_streamed() -> None:
     call = oai.parse("chat", {"messages": [{"role": "user", "content": "hi"}], "tools": TOOLS,
                               "tool_choice": "required", "stream": True})
-    text = '[{"name": "get_time", "arguments": {}}, {"name": "get_weather", "arguments": {"ci'
+    text = BOTH[:-25]
     result = Result("r", text, "length", wire.Usage(3, 20), wire.Timings(), "w0")
     message = oai.Reply(call, "tiny").whole([result])["choices"][0]
     assert message["finish_reason"] == "length" and not message["message"]["content"]
-    assert [c["function"]["name"] for c in message["message"]["tool_calls"]] == ["get_time"]
+    assert [c["function"]["name"] for c in message["message"]["tool_calls"]] == ["get_weather"]
     reply = oai.Reply(call, "tiny")
     chunks = reply.chunks(text[:30]) + reply.chunks(text[30:]) + reply.last([result], {})
     deltas = [c["choices"][0]["delta"] for c in chunks if c["choices"]]
     assert not any(d.get("content") for d in deltas)
-    assert [d["tool_calls"][0]["function"].get("name") for d in deltas if d.get("tool_calls")] == ["get_time", None]
+    names = [d["tool_calls"][0]["function"].get("name") for d in deltas if d.get("tool_calls")]
+    assert names == ["get_weather", None, "get_time"]  # the cut call streamed as far as it went: its name
     assert chunks[-1]["choices"][0]["finish_reason"] == "length"
 
 

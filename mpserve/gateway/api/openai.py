@@ -55,12 +55,13 @@ import msgspec
 
 from mpserve.client import Result
 from mpserve.errors import BadRequest
+from mpserve.families import FAMILIES
+from mpserve.families.stream import CallStream, Delta
 from mpserve.structured import JSON_OBJECT_SCHEMA, canonical_json
 from mpserve.wire import protocol as wire
-from mpserve.wire.media import WithImages
 from mpserve.wire.protocol import ChatTemplate
 
-from . import best_of, extensions, images, logprobs, reasoning
+from . import best_of, extensions, logprobs, reasoning
 from . import tools as tc
 from .chat import Renderer
 from .tokens import token_ids
@@ -104,8 +105,7 @@ class Call:
 
     kind: Kind
     model: str | None
-    prompt: str | list[int] | WithImages  # token ids for a completion given them; a chat's: "" until
-    # with_chat_template, then its text, with the images its messages carry if they do (``images``)
+    prompt: str | list[int]  # token ids for a completion given them; a chat's: "" until with_chat_template
     params: wire.GenerateParams
     stream: bool
     include_usage: bool  # stream_options.include_usage: a last chunk carries the usage
@@ -128,6 +128,14 @@ class Call:
         """The results to answer with: all of them, or with best_of the best n."""
         return best_of.pick(results, self.best) if self.best is not None else results
 
+    def _forced_in(self, parser: tc.Parser) -> wire.GenerateParams:
+        """The parameters, a forced call's grammar in family ``parser``'s format (``parse`` wrote Hermes')."""
+        if self.tools is None or not self.tools.forced or parser == self.parser:
+            return self.params
+        params = msgspec.structs.replace(self.params, grammar=tc.forced_grammar(self.tools, parser))
+        params.validate()
+        return params
+
     def with_echo_text(self, text: str) -> Call:
         return dataclasses.replace(self, echo_text=text)
 
@@ -136,24 +144,20 @@ class Call:
         from the ChatML default, which also stops at ``<|im_end|>``. Raises BadRequest when the template fails,
         refuses the messages or goes over its budget."""
         tags, ask = reasoning.tags_of(chat.template), self.thinking
-        params, thinks = ask.params(tags, self.params)  # BadRequest: thinking asked of a template that does not
+        forced = self._forced_in(tc.parser_for(chat.template))  # BadRequest: a tool's schema that cannot compile
+        params, thinks = ask.params(tags, forced)  # BadRequest: thinking asked of a template that does not
         if chat:
             messages = [m.for_template() for m in self.messages]
             if self.tools is not None and "tools" not in chat.template:  # it cannot show them: the default prompt
                 messages = _with_system(messages, tc.tools_prompt(self.tools))
             tools = [t.as_openai() for t in self.tools.tools] if self.tools is not None else None
             prompt = await renderer.render(chat, messages, tools, model, ask.template_variables())
-            return dataclasses.replace(self, prompt=images.with_images(ask.prompt(tags, prompt), self.chat_images()),
-                                       params=params,
+            return dataclasses.replace(self, prompt=ask.prompt(tags, prompt), params=params,
                                        parser=tc.parser_for(chat.template),
                                        reasoning_end=tags.end if thinks and tags and ask.split else "")
         stop = self.params.stop if CHAT_STOP in self.params.stop else (*self.params.stop, CHAT_STOP)
-        sent = images.with_images(chat_prompt(self.messages, self.tools), self.chat_images())
-        return dataclasses.replace(self, prompt=sent, params=msgspec.structs.replace(self.params, stop=stop))
-
-    def chat_images(self) -> tuple[bytes, ...]:
-        """A chat's images, in the order of its messages and their parts."""
-        return tuple(image for m in self.messages for image in m.images)
+        return dataclasses.replace(self, prompt=chat_prompt(self.messages, self.tools),
+                                   params=msgspec.structs.replace(self.params, stop=stop))
 
 
 def parse(kind: Kind, body: Any) -> Call:
@@ -197,7 +201,8 @@ def parse(kind: Kind, body: Any) -> Call:
         if "json_schema" in sampling or "grammar" in sampling:
             raise BadRequest("'tool_choice' required or a named function cannot be combined with "
                              "'response_format', 'grammar' or 'json_schema'")
-        sampling["json_schema"] = canonical_json(tc.forced_schema(spec))
+        sampling["grammar"] = tc.forced_grammar(spec, "hermes")  # the ChatML default's; the template's family's:
+        # with_chat_template
     if kind == "chat":
         if "max_completion_tokens" in given:
             sampling["max_tokens"] = given["max_completion_tokens"]
@@ -274,7 +279,6 @@ class Message:
     content: str
     tool_calls: tuple[tc.ToolCall, ...] = ()  # an assistant's, in the history
     tool_call_id: str = ""  # a tool's answer: to which call
-    images: tuple[bytes, ...] = ()  # the images its content places (its text holds a media marker for each)
 
     def for_template(self) -> dict[str, Any]:
         """The message as chat templates take it (Hugging Face's shape: tool call arguments as objects)."""
@@ -305,8 +309,8 @@ def _messages(value: Any) -> list[Message]:
         tool_call_id = m.get("tool_call_id", "")
         if m["role"] == "tool" and not isinstance(tool_call_id, str):
             raise BadRequest(f"messages[{i}].tool_call_id must be a string")
-        text, pictures = images.content(m.get("content"), i)
-        out.append(Message(m["role"], text, calls, tool_call_id if m["role"] == "tool" else "", pictures))
+        out.append(Message(m["role"], _content(m.get("content"), i), calls,
+                           tool_call_id if m["role"] == "tool" else ""))
     return out
 
 
@@ -323,6 +327,17 @@ def _history_call(value: Any, i: int) -> tc.ToolCall:
             return tc.ToolCall(value.get("id", ""), function["name"], json.dumps(parsed, ensure_ascii=False))
     raise BadRequest(f"messages[{i}].tool_calls: each must be {{\"id\", \"type\": \"function\", \"function\": "
                      "{\"name\", \"arguments\": JSON object text}}")
+
+
+def _content(value: Any, i: int) -> str:
+    """A message's text: a string, or a list of text parts (images and audio are refused)."""
+    if value is None or isinstance(value, str):
+        return value or ""
+    if isinstance(value, list) and all(isinstance(p, dict) and p.get("type") == "text"
+                                       and isinstance(p.get("text"), str) for p in value):
+        return "".join(p["text"] for p in value)
+    raise BadRequest(f"messages[{i}].content must be a string or a list of text parts; other parts (images, "
+                     "audio, files) are not supported")
 
 
 def chat_prompt(messages: tuple[Message, ...], tools: tc.ToolSpec | None = None) -> str:
@@ -347,10 +362,6 @@ def chat_prompt(messages: tuple[Message, ...], tools: tc.ToolSpec | None = None)
 
 # --- responses ----------------------------------------------------------------------------------
 
-TOOL_CALL_STARTS = ("<tool_call>", "[TOOL_CALLS]", "<|python_tag|>", "{", "[", "```")
-"""How a reply that is a tool call may begin: a streamed reply under ``auto`` is held back while it may."""
-
-
 @dataclass
 class _ChoiceState:
     """What one choice's reply carries from chunk to chunk."""
@@ -358,20 +369,20 @@ class _ChoiceState:
     offset: int  # completions' text_offset
     echo: str  # text still to go before the choice's own
     null_first: bool  # the first echoed token's log-probability: null, as OpenAI sends it
-    held: str | None  # text that may be a tool call
+    calls: CallStream | None  # a chat's reply read by its family as it streams (with tools, or Harmony's channels)
     split: reasoning.Split | None  # a thinking reply's split of its text
     role_sent: bool = False  # chat: the first delta carried the role
+    ids: list[str] = dataclasses.field(default_factory=list)  # the ids of the calls streamed
 
 
 class Reply:
     """Builds the response objects of one call: the whole response, or its stream chunks, each choice
     (``Result.index``, a chunk's ``index``) with its own state (``_ChoiceState``).
 
-    With tools, a streamed reply is held back while it may be a tool call (a forced reply always is; under
-    ``auto`` while it begins like one, ``TOOL_CALL_STARTS``): at its end, its calls go out as ``delta.tool_calls``
-    chunks (per call: its id and name, then its arguments), or the text as content when it holds none (never
-    a forced reply's: its calls that completed, ``tools.forced_calls``).
-    Under ``auto`` a reply that begins as prose streams as content, so only calls at its start are found."""
+    With tools, a streamed reply is read by its family's parser as it comes (``tools.stream``): its content goes
+    out as it comes, less what may open a call, and each call as ``delta.tool_calls`` chunks as it forms (its
+    id and name once the name is known, then its arguments as they grow); a reply that held no call gives its
+    held text as content at its end (never a forced reply: its calls only)."""
 
     def __init__(self, call: Call, model: str) -> None:
         self.call = call
@@ -388,7 +399,7 @@ class Reply:
             call = self.call
             state = self._choices[index] = _ChoiceState(
                 len(call.prompt) if isinstance(call.prompt, str) and not call.echo else 0,
-                call.echo_text if call.echo else "", call.echo, "" if call.tools is not None else None,
+                call.echo_text if call.echo else "", call.echo, self._call_stream(),
                 reasoning.Split(call.reasoning_end) if call.reasoning_end else None)
         return state
 
@@ -401,7 +412,7 @@ class Reply:
             if self.call.kind == "chat":
                 thought, text = reasoning.split(r.text, self.call.reasoning_end) if self.call.reasoning_end \
                     else ("", r.text)
-                message: dict[str, Any] = {"role": "assistant", "content": text}
+                message: dict[str, Any] = {"role": "assistant", "content": FAMILIES[self.call.parser].content(text)}
                 finish = r.finish_reason
                 found = self._tool_calls(text, r.finish_reason)
                 if found is not None and found[1]:
@@ -429,11 +440,8 @@ class Reply:
             thought, text = state.split.push(text)
         out = [self._envelope(self._chunk_object, [self._delta({"reasoning_content": thought}, index) | {
             "logprobs": self._logprobs(lp, index) if not text else None}])] if thought else []
-        if state.held is not None:
-            state.held += text
-            if self.call.tools is not None and (self.call.tools.forced or _may_be_call(state.held)):
-                return out
-            text, state.held = state.held, None
+        if state.calls is not None:
+            return out + self._call_chunks(state.calls.push(text), index)
         if state.split is not None and not text:
             return out
         return out + [self._envelope(self._chunk_object, [self._choice(text, None, index) | {
@@ -451,17 +459,12 @@ class Reply:
             if thought:
                 chunks.append(self._envelope(self._chunk_object, [self._delta({"reasoning_content": thought},
                                                                               r.index)]))
-            if state.held is not None:
-                found = self._tool_calls(state.held, finish)
-                if found is None:
-                    chunks.append(self._envelope(self._chunk_object, [self._choice(state.held, None, r.index)]))
-                else:
-                    if found[0]:
-                        chunks.append(self._envelope(self._chunk_object, [self._choice(found[0], None, r.index)]))
-                    chunks += [self._envelope(self._chunk_object, [self._delta(delta, r.index)])
-                               for delta in _call_deltas(found[1])]
-                    finish = _calls_finish(finish) if found[1] else finish
-                state.held = None
+            if state.calls is not None:
+                deltas, _ = state.calls.finish()
+                chunks += self._call_chunks(deltas, r.index)
+                finish = _calls_finish(finish) if state.ids else finish
+                if self.call.tools is not None and self.call.tools.forced:
+                    self._warn_cut(state.calls.text, finish)
             chunks.append(self._envelope(self._chunk_object, [self._choice("", finish, r.index) | {
                 "logprobs": self._logprobs(lps.get(r.index), r.index)}]))
         if self.call.include_usage:
@@ -481,20 +484,52 @@ class Reply:
         return shape
 
     def _tool_calls(self, text: str, finish: str) -> tuple[str, list[tc.ToolCall]] | None:
-        """(content, calls) when the reply holds tool calls. A forced reply is always calls, never content: the
-        JSON it is, or, cut by max_tokens (``finish``), the calls that completed before the cut (maybe none)."""
+        """(content, calls) when the reply holds tool calls. A forced reply is always calls, never content: those
+        its grammar wrote, or, cut by max_tokens (``finish``), the calls that completed before the cut (maybe
+        none)."""
         tools = self.call.tools
         if tools is None:
             return None
         if tools.forced:
-            calls, cut = tc.forced_calls(text, tools.tools)
-            if cut:
-                log.warning("a reply constrained to tool calls ended (finish_reason %s) before its JSON did: its %d "
-                            "complete call(s) are returned, the unfinished one after them is dropped; a larger "
-                            "max_tokens lets it finish", finish, len(calls))
+            calls, _ = tc.forced_calls(text, self.call.parser, tools.tools)
+            self._warn_cut(text, finish)
             return "", calls
         content, calls = tc.parse_calls(text, self.call.parser, tools.tools)
         return (content, calls) if calls else None
+
+    def _warn_cut(self, text: str, finish: str) -> None:
+        tools = self.call.tools
+        if tools is not None and tc.forced_calls(text, self.call.parser, tools.tools)[1]:
+            log.warning("a reply constrained to tool calls ended (finish_reason %s) before its last call did: its "
+                        "complete call(s) are returned, the unfinished one after them is dropped; a larger "
+                        "max_tokens lets it finish", finish)
+
+    def _call_stream(self) -> CallStream | None:
+        """A chat's reader of its streamed reply: with tools, or a family of channels (whose content is read)."""
+        call = self.call
+        if call.kind != "chat" or (call.tools is None and not FAMILIES[call.parser].channels):
+            return None
+        return tc.stream(call.parser, call.tools)
+
+    def _call_chunks(self, deltas: list[Delta], index: int) -> list[dict[str, Any]]:
+        """The chunks of a stream's deltas: content (none in a forced reply), a call's opening (a new id, its name)
+        or more of its arguments."""
+        state, forced = self._state(index), self.call.tools is not None and self.call.tools.forced
+        out = []
+        for d in deltas:
+            if d.name is not None:
+                state.ids.append(tc.new_id())
+                delta: dict[str, Any] = {"tool_calls": [{"index": d.index, "id": state.ids[-1], "type": "function",
+                                                         "function": {"name": d.name, "arguments": ""}}]}
+            elif d.index >= 0:
+                delta = {"tool_calls": [{"index": d.index, "function": {"arguments": d.arguments}}]}
+            elif forced:
+                continue
+            else:
+                out.append(self._envelope(self._chunk_object, [self._choice(d.content, None, index)]))
+                continue
+            out.append(self._envelope(self._chunk_object, [self._delta(delta, index)]))
+        return out
 
     def _delta(self, delta: dict[str, Any], index: int) -> dict[str, Any]:
         state = self._state(index)
@@ -530,21 +565,6 @@ class Reply:
 def _calls_finish(finish: str) -> str:
     """The finish reason of a reply that holds tool calls: ``length`` when max_tokens cut it, as OpenAI says."""
     return finish if finish == "length" else "tool_calls"
-
-
-def _may_be_call(text: str) -> bool:
-    start = text.lstrip()
-    return any(start.startswith(s) or s.startswith(start) for s in TOOL_CALL_STARTS)
-
-
-def _call_deltas(calls: list[tc.ToolCall]) -> list[dict[str, Any]]:
-    """``delta``s of streamed tool calls: per call, its id, type and name, then its arguments."""
-    deltas: list[dict[str, Any]] = []
-    for i, call in enumerate(calls):
-        deltas.append({"tool_calls": [{"index": i, "id": call.id, "type": "function",
-                                       "function": {"name": call.name, "arguments": ""}}]})
-        deltas.append({"tool_calls": [{"index": i, "function": {"arguments": call.arguments}}]})
-    return deltas
 
 
 def total_usage(results: list[Result]) -> wire.Usage:

@@ -1,21 +1,23 @@
-"""Tool calls for chat completions: OpenAI's ``tools`` and ``tool_choice`` in, ``tool_calls`` out.
+"""Tool calls for chat completions: OpenAI's ``tools`` and ``tool_choice`` in, ``tool_calls`` out, in the format of
+the model's template family (``mpserve.families``).
 
     tools, tool_choice ──parse_tools──▶ ToolSpec ──▶ the prompt: the model's template with ``tools``, or
                                            │         TOOLS_PROMPT in the system message (templates without)
-                                           ├──▶ required / a named function: ``forced_schema``, a JSON Schema
-                                           │    the completion is constrained by ({"name", "arguments"}, or
-                                           │    a list of them with parallel_tool_calls)
-    completion text ──parse_calls──────────┴──▶ (content, calls); calls [] means plain content
+                                           ├──▶ required / a named function: ``forced_grammar``, GBNF writing
+                                           │    the family's own calls (one, or with parallel_tool_calls up to
+                                           │    MAX_PARALLEL_CALLS), each one's arguments by its JSON Schema
+    the chat template ──parser_for─────────┴──▶ its family's name (``Call.parser``)
+    completion text ──parse_calls──────────────▶ (content, calls); calls [] means plain content
     forced completion ──forced_calls───────────▶ (calls, cut): never content
+    streamed completion ──stream───────────────▶ a CallStream: content and the calls' deltas as they form
 
-A forced completion is JSON of the schema's shape, read as such (``forced_calls``): cut by max_tokens, the
-calls that completed before the cut are its calls and the cut one is dropped. Under ``auto`` the
-text is read after the fact by the parser of the model's family, chosen from its chat template
-(``parser_for``), then by the generic one: Hermes / Qwen ``<tool_call>{...}</tool_call>``, Llama 3.x
-``{"name": ..., "parameters": {...}}`` (optionally after ``<|python_tag|>``, several separated by ``;``),
-Mistral ``[TOOL_CALLS][{...}]`` or ``[TOOL_CALLS]name[ARGS]{...}``, and generic JSON (an object, a list
-of them, or ``{"tool_calls": [...]}``, fenced or not). A call that does not parse, names a function that
-was not offered, or whose arguments are not a JSON object makes the whole reply plain content.
+The family is the one the chat template's text names (``families.for_template``: the ChatML default's is
+Hermes'). Under ``auto`` the text is read by the family's parser, then by the generic JSON one (an object, a
+list of them, or ``{"tool_calls": [...]}``, fenced or not). A call that does not parse, names a function that was
+not offered, or whose arguments are not a JSON object makes the whole reply plain content. A forced completion is
+the family's calls, read as such: cut by max_tokens, the calls that completed before the cut are its calls and
+the cut one is dropped. The forced grammar is compiled here, from the tools' schemas (cached per schema,
+within ``mpserve.structured``'s limits of size and time), since only the gateway knows the template's family.
 """
 
 from __future__ import annotations
@@ -24,12 +26,14 @@ import json
 import re
 import uuid
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any
 
+from mpserve import families
 from mpserve.errors import BadRequest
+from mpserve.families.stream import CallStream
 
-Parser = Literal["hermes", "llama3", "mistral", "json"]
-PARSERS: tuple[Parser, ...] = ("hermes", "llama3", "mistral", "json")
+Parser = str
+"""A template family's name (``mpserve.families.FAMILIES``): how a reply's calls are read and a forced one written."""
 MAX_TOOLS = 128
 MAX_PARALLEL_CALLS = 4
 """Calls one forced reply may hold with parallel_tool_calls (the grammar needs a bound to end)."""
@@ -72,6 +76,15 @@ class ToolSpec:
     def forced(self) -> bool:
         return self.choice != "auto"
 
+    @property
+    def schemas(self) -> dict[str, dict[str, Any]]:
+        """Each function's parameters by its name, as the families read calls against them."""
+        return _schemas(self.tools)
+
+
+def new_id() -> str:
+    return f"call_{uuid.uuid4().hex[:24]}"
+
 
 @dataclass(frozen=True)
 class ToolCall:
@@ -80,8 +93,8 @@ class ToolCall:
     arguments: str  # JSON text of an object, as OpenAI sends it
 
     @classmethod
-    def new(cls, name: str, arguments: dict[str, Any]) -> ToolCall:
-        return cls(f"call_{uuid.uuid4().hex[:24]}", name, json.dumps(arguments, ensure_ascii=False))
+    def new(cls, name: str, arguments: str) -> ToolCall:
+        return cls(new_id(), name, arguments)
 
     def as_openai(self) -> dict[str, Any]:
         return {"id": self.id, "type": "function", "function": {"name": self.name, "arguments": self.arguments}}
@@ -131,18 +144,13 @@ def _tool(value: Any, i: int) -> Tool:
     return Tool(name, description, parameters)
 
 
-def forced_schema(spec: ToolSpec) -> dict[str, Any]:
-    """The JSON Schema a forced reply is constrained by: one call of the named function, or of any
-    (required), or with parallel_tool_calls under required, a list of 1 to MAX_PARALLEL_CALLS calls, of any of
-    the functions and in any order (the same call may come more than once)."""
-    def call(tool: Tool) -> dict[str, Any]:
-        return {"type": "object", "properties": {"name": {"const": tool.name}, "arguments": tool.parameters},
-                "required": ["name", "arguments"], "additionalProperties": False}
-
-    if spec.choice != "required":
-        return call(next(t for t in spec.tools if t.name == spec.choice))
-    one = call(spec.tools[0]) if len(spec.tools) == 1 else {"anyOf": [call(t) for t in spec.tools]}
-    return {"type": "array", "items": one, "minItems": 1, "maxItems": MAX_PARALLEL_CALLS} if spec.parallel else one
+def forced_grammar(spec: ToolSpec, parser: Parser) -> str:
+    """GBNF of a forced reply in family ``parser``'s format: one call of the named function, or of any (required),
+    or with parallel_tool_calls under required, 1 to MAX_PARALLEL_CALLS calls, of any of the functions and in any
+    order (the same call may come more than once). BadRequest when a tool's schema cannot be compiled."""
+    named = [t for t in spec.tools if spec.choice in ("required", t.name)]
+    many = MAX_PARALLEL_CALLS if spec.choice == "required" and spec.parallel else 1
+    return families.FAMILIES[parser].grammar([(t.name, t.parameters) for t in named], many)
 
 
 def tools_prompt(spec: ToolSpec) -> str:
@@ -150,121 +158,32 @@ def tools_prompt(spec: ToolSpec) -> str:
 
 
 def parser_for(template: str) -> Parser:
-    """The tool-call format a chat template teaches its model; Hermes for the ChatML default."""
-    if "[TOOL_CALLS]" in template:
-        return "mistral"
-    if "<|python_tag|>" in template or "ipython" in template:
-        return "llama3"
-    if "<tool_call>" in template or not template:
-        return "hermes"
-    return "json"
+    """The family whose tool-call format a chat template teaches its model; Hermes for the ChatML default."""
+    return families.for_template(template).name
+
+
+def stream(parser: Parser, spec: ToolSpec | None) -> CallStream:
+    """A streamed reply's reader: its content and calls as they form (no tools: the content only)."""
+    return CallStream(families.FAMILIES[parser], spec.schemas if spec else {}, families.GENERIC if spec else None)
 
 
 # --- replies ------------------------------------------------------------------------------------
 
 def parse_calls(text: str, parser: Parser, tools: tuple[Tool, ...]) -> tuple[str, list[ToolCall]]:
-    """The content and the tool calls of a reply; ([], the whole text) when it holds no well-formed call."""
-    names = {t.name for t in tools}
-    for attempt in dict.fromkeys((parser, "json")):
-        found = _PARSE[attempt](text)
-        if found is not None:
-            content, raw = found
-            calls = [_call(c, names) for c in raw]
-            if raw and all(c is not None for c in calls):
-                return content, [c for c in calls if c is not None]
-    return text, []
+    """The content and the tool calls of a reply; (the content, []) when it holds no well-formed call."""
+    family, schemas = families.FAMILIES[parser], _schemas(tools)
+    found = families.read(family, text, schemas) or families.read(families.GENERIC, text, schemas)
+    if found is None:
+        return family.content(text), []
+    return found[0], [ToolCall.new(f.name, f.arguments) for f in found[1]]
 
 
-def forced_calls(text: str, tools: tuple[Tool, ...]) -> tuple[list[ToolCall], bool]:
-    """The calls of a forced reply (``forced_schema``'s JSON: a call, or a list of them), and whether it ends in a
-    call cut short (max_tokens), which is left out: only the calls that completed before it are read."""
-    body, names = text.strip(), {t.name for t in tools}
-    whole = _json(body)
-    if whole is not None:
-        raw = whole if isinstance(whole, list) else [whole]
-        return [c for c in (_call(r, names) for r in raw) if c is not None], False
-    complete, decoder, i = [], json.JSONDecoder(), 1
-    while body.startswith("[") and i < len(body):  # a list: its calls up to the cut one
-        while i < len(body) and body[i] in " \t\r\n,":
-            i += 1
-        try:
-            value, i = decoder.raw_decode(body, i)
-        except ValueError:
-            break
-        complete.append(value)
-    return [c for c in (_call(r, names) for r in complete) if c is not None], True
+def forced_calls(text: str, parser: Parser, tools: tuple[Tool, ...]) -> tuple[list[ToolCall], bool]:
+    """The calls of a forced reply (``forced_grammar``'s), and whether it ends in a call cut short (max_tokens),
+    which is left out: only the calls that completed before it are read."""
+    found, cut = families.read_forced(families.FAMILIES[parser], text, _schemas(tools))
+    return [ToolCall.new(f.name, f.arguments) for f in found], cut
 
 
-def _call(raw: Any, names: set[str]) -> ToolCall | None:
-    if not isinstance(raw, dict) or raw.get("name") not in names:
-        return None
-    arguments = raw.get("arguments", raw.get("parameters", {}))
-    if isinstance(arguments, str):
-        try:
-            arguments = json.loads(arguments)
-        except ValueError:
-            return None
-    return ToolCall.new(raw["name"], arguments) if isinstance(arguments, dict) else None
-
-
-_Found = tuple[str, list[Any]] | None
-
-
-def _hermes(text: str) -> _Found:
-    pieces = re.split(r"<tool_call>(.*?)(?:</tool_call>|$)", text, flags=re.DOTALL)
-    if len(pieces) == 1:
-        return None
-    calls = [_json(body) for body in pieces[1::2]]
-    return "".join(pieces[::2]).strip(), calls
-
-
-def _llama3(text: str) -> _Found:
-    body = text.strip().removeprefix("<|python_tag|>").strip()
-    calls, decoder, i = [], json.JSONDecoder(), 0
-    while i < len(body):
-        try:
-            value, i = decoder.raw_decode(body, i)
-        except ValueError:
-            return None
-        calls.append(value)
-        while i < len(body) and body[i] in " \t\r\n;":
-            i += 1
-    return ("", calls) if calls and all(isinstance(c, dict) and "parameters" in c for c in calls) else None
-
-
-def _mistral(text: str) -> _Found:
-    content, marker, rest = text.partition("[TOOL_CALLS]")
-    if not marker:
-        return None
-    rest = rest.strip()
-    if rest.startswith("["):
-        value = _json(rest)
-        return content.strip(), value if isinstance(value, list) else [None]
-    calls: list[Any] = []
-    for chunk in rest.split("[TOOL_CALLS]"):
-        name, args_marker, arguments = chunk.partition("[ARGS]")
-        calls.append({"name": name.strip(), "arguments": _json(arguments)} if args_marker else None)
-    return content.strip(), calls
-
-
-def _generic(text: str) -> _Found:
-    body = text.strip()
-    fenced = re.fullmatch(r"```(?:json)?\s*(.*?)\s*```", body, flags=re.DOTALL)
-    value = _json(fenced.group(1) if fenced else body)
-    if isinstance(value, dict) and isinstance(value.get("tool_calls"), list):
-        value = [c.get("function", c) if isinstance(c, dict) else c for c in value["tool_calls"]]
-    if isinstance(value, dict) and "name" in value:
-        return "", [value]
-    if isinstance(value, list) and value:
-        return "", value
-    return None
-
-
-def _json(text: str) -> Any:
-    try:
-        return json.loads(text)
-    except ValueError:
-        return None
-
-
-_PARSE = {"hermes": _hermes, "llama3": _llama3, "mistral": _mistral, "json": _generic}
+def _schemas(tools: tuple[Tool, ...]) -> dict[str, dict[str, Any]]:
+    return {t.name: t.parameters for t in tools}
