@@ -59,9 +59,10 @@ from mpserve.families import FAMILIES
 from mpserve.families.stream import CallStream, Delta
 from mpserve.structured import JSON_OBJECT_SCHEMA, canonical_json
 from mpserve.wire import protocol as wire
+from mpserve.wire.media import WithImages
 from mpserve.wire.protocol import ChatTemplate
 
-from . import best_of, extensions, logprobs, reasoning
+from . import best_of, extensions, images, logprobs, reasoning
 from . import tools as tc
 from .chat import Renderer
 from .tokens import token_ids
@@ -105,7 +106,8 @@ class Call:
 
     kind: Kind
     model: str | None
-    prompt: str | list[int]  # token ids for a completion given them; a chat's: "" until with_chat_template
+    prompt: str | list[int] | WithImages  # token ids for a completion given them; a chat's: "" until
+    # with_chat_template, then its text, with the images its messages carry if they do (``images``)
     params: wire.GenerateParams
     stream: bool
     include_usage: bool  # stream_options.include_usage: a last chunk carries the usage
@@ -152,12 +154,17 @@ class Call:
                 messages = _with_system(messages, tc.tools_prompt(self.tools))
             tools = [t.as_openai() for t in self.tools.tools] if self.tools is not None else None
             prompt = await renderer.render(chat, messages, tools, model, ask.template_variables())
-            return dataclasses.replace(self, prompt=ask.prompt(tags, prompt), params=params,
+            return dataclasses.replace(self, prompt=images.with_images(ask.prompt(tags, prompt), self.chat_images()),
+                                       params=params,
                                        parser=tc.parser_for(chat.template),
                                        reasoning_end=tags.end if thinks and tags and ask.split else "")
         stop = self.params.stop if CHAT_STOP in self.params.stop else (*self.params.stop, CHAT_STOP)
-        return dataclasses.replace(self, prompt=chat_prompt(self.messages, self.tools),
-                                   params=msgspec.structs.replace(self.params, stop=stop))
+        sent = images.with_images(chat_prompt(self.messages, self.tools), self.chat_images())
+        return dataclasses.replace(self, prompt=sent, params=msgspec.structs.replace(self.params, stop=stop))
+
+    def chat_images(self) -> tuple[bytes, ...]:
+        """A chat's images, in the order of its messages and their parts."""
+        return tuple(image for m in self.messages for image in m.images)
 
 
 def parse(kind: Kind, body: Any) -> Call:
@@ -279,6 +286,7 @@ class Message:
     content: str
     tool_calls: tuple[tc.ToolCall, ...] = ()  # an assistant's, in the history
     tool_call_id: str = ""  # a tool's answer: to which call
+    images: tuple[bytes, ...] = ()  # the images its content places (its text holds a media marker for each)
 
     def for_template(self) -> dict[str, Any]:
         """The message as chat templates take it (Hugging Face's shape: tool call arguments as objects)."""
@@ -309,8 +317,8 @@ def _messages(value: Any) -> list[Message]:
         tool_call_id = m.get("tool_call_id", "")
         if m["role"] == "tool" and not isinstance(tool_call_id, str):
             raise BadRequest(f"messages[{i}].tool_call_id must be a string")
-        out.append(Message(m["role"], _content(m.get("content"), i), calls,
-                           tool_call_id if m["role"] == "tool" else ""))
+        text, pictures = images.content(m.get("content"), i)
+        out.append(Message(m["role"], text, calls, tool_call_id if m["role"] == "tool" else "", pictures))
     return out
 
 
@@ -327,17 +335,6 @@ def _history_call(value: Any, i: int) -> tc.ToolCall:
             return tc.ToolCall(value.get("id", ""), function["name"], json.dumps(parsed, ensure_ascii=False))
     raise BadRequest(f"messages[{i}].tool_calls: each must be {{\"id\", \"type\": \"function\", \"function\": "
                      "{\"name\", \"arguments\": JSON object text}}")
-
-
-def _content(value: Any, i: int) -> str:
-    """A message's text: a string, or a list of text parts (images and audio are refused)."""
-    if value is None or isinstance(value, str):
-        return value or ""
-    if isinstance(value, list) and all(isinstance(p, dict) and p.get("type") == "text"
-                                       and isinstance(p.get("text"), str) for p in value):
-        return "".join(p["text"] for p in value)
-    raise BadRequest(f"messages[{i}].content must be a string or a list of text parts; other parts (images, "
-                     "audio, files) are not supported")
 
 
 def chat_prompt(messages: tuple[Message, ...], tools: tc.ToolSpec | None = None) -> str:
