@@ -147,3 +147,18 @@ def test_a_projector_for_another_model_is_refused_at_start_in_one_line(pair: tup
     started = mpserve("plan", "--model", str(pair[0]), "--mmproj", str(bench))
     assert started.returncode != 0
     assert "embeddings of 768 values and the model's are 64" in started.stderr, started.stderr
+
+
+def test_responses_input_image_and_messages_image_block_reply_as_the_chat_does(http: httpx.Client) -> None:
+    said = answer(http, chat(PROMPT, (data_url(RED),)))["choices"][0]["message"]["content"]
+    response = http.post("/v1/responses", json={
+        "model": "vision", "max_output_tokens": 24, "temperature": 0, "input": [{"role": "user", "content": [
+            {"type": "input_text", "text": PROMPT}, {"type": "input_image", "image_url": data_url(RED)}]}]})
+    assert response.status_code == 200, response.text
+    assert response.json()["output"][-1]["content"][0]["text"] == said
+    source = {"type": "base64", "media_type": "image/png", "data": base64.b64encode(RED).decode()}
+    message = http.post("/v1/messages", json={
+        "model": "vision", "max_tokens": 24, "temperature": 0, "messages": [{"role": "user", "content": [
+            {"type": "text", "text": PROMPT}, {"type": "image", "source": source}]}]})
+    assert message.status_code == 200, message.text
+    assert message.json()["content"][0]["text"] == said

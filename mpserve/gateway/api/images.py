@@ -56,6 +56,31 @@ def _url(value: Any, where: str) -> str:
     return url
 
 
+def from_input_image(part: dict[str, Any], where: str) -> dict[str, Any]:
+    """A Responses ``input_image`` part (``image_url``: a data URL) as a chat ``image_url`` part."""
+    return {"type": "image_url", "image_url": {"url": _url(part.get("image_url"), where)}}
+
+
+def from_image_block(block: dict[str, Any], where: str) -> dict[str, Any]:
+    """A Messages ``image`` block (``source``: base64 data and its media type, or a URL) as a chat ``image_url``
+    part."""
+    source = block.get("source")
+    if isinstance(source, dict) and source.get("type") == "url":
+        return {"type": "image_url", "image_url": {"url": _url(source, where)}}
+    if not isinstance(source, dict) or source.get("type") != "base64" or not isinstance(source.get("data"), str) \
+            or not isinstance(source.get("media_type"), str):
+        raise BadRequest(f"{where}.source must be {{\"type\": \"base64\", \"media_type\": \"image/png\", "
+                         "\"data\": BASE64}")
+    return {"type": "image_url", "image_url": {"url": f"data:{source['media_type']};base64,{source['data']}"}}
+
+
+def joined(pieces: Sequence[str | dict[str, Any]]) -> str | list[dict[str, Any]]:
+    """A message's content from its pieces in order: their text, or, with an image among them, chat content parts."""
+    if all(isinstance(piece, str) for piece in pieces):
+        return "".join(piece for piece in pieces if isinstance(piece, str))
+    return [{"type": "text", "text": piece} if isinstance(piece, str) else piece for piece in pieces]
+
+
 def with_images(prompt: str, images: Sequence[bytes], limits: ImageLimits = LIMITS) -> str | WithImages:
     """The prompt a chat sends: its text alone, or with the images its messages carried, in order."""
     if not images:

@@ -17,7 +17,7 @@ longer sends, are still taken (as ``extra_body``); ``cache_control``, ``metadata
 and the other routing fields are accepted and ignored. ``stop_reason``: end_turn,
 max_tokens or tool_use; a stop sequence ends the turn as end_turn (the engine does not say which stop string
 it met, so ``stop_sequence`` stays null). Errors are Anthropic's ``{"type": "error", "error": {"type",
-"message"}}``. What Anthropic has and mpserve cannot do (images, documents, server tools, MCP) is
+"message"}}``. What Anthropic has and mpserve cannot do (documents, server tools, MCP) is
 refused with 400 naming it; a field Anthropic does not have is refused as unrecognized.
 
 Thinking (``reasoning``): where the model's template thinks, ``thinking`` ``{"type": "enabled", "budget_tokens"}``
@@ -40,8 +40,8 @@ from mpserve.client import Result
 from mpserve.errors import BadRequest
 
 from ..http.errors import HttpError
+from . import images, reasoning
 from . import openai as oai
-from . import reasoning
 from .dialect import event, finish_reason
 
 FIELDS = frozenset({"model", "max_tokens", "messages", "system", "stop_sequences", "temperature", "top_p", "top_k",
@@ -116,12 +116,15 @@ def _messages(value: Any) -> list[dict[str, Any]]:
             continue
         if not isinstance(content, list):
             raise BadRequest(f"{where}.content must be a string or a list of content blocks")
-        text, calls, answers = [], [], []
+        text: list[str | dict[str, Any]] = []
+        calls, answers = [], []
         for j, block in enumerate(content):
             kind = block.get("type") if isinstance(block, dict) else None
             at = f"{where}.content[{j}]"
             if kind == "text" and isinstance(block.get("text"), str):
                 text.append(block["text"])
+            elif kind == "image" and message["role"] == "user":
+                text.append(images.from_image_block(block, at))
             elif kind == "tool_use" and message["role"] == "assistant":
                 calls.append(_tool_use(block, at))
             elif kind == "tool_result" and message["role"] == "user":
@@ -130,13 +133,13 @@ def _messages(value: Any) -> list[dict[str, Any]]:
                 continue  # an earlier reply's thinking: templates leave it out of the conversation
             else:
                 raise BadRequest(f"{at}: a {message['role']} message's blocks are text and "
-                                 f"{'tool_use' if message['role'] == 'assistant' else 'tool_result'}; "
-                                 f"{kind!r:.30} is not supported by mpserve (images, documents, thinking)")
+                                 f"{'tool_use' if message['role'] == 'assistant' else 'image and tool_result'}; "
+                                 f"{kind!r:.30} is not supported by mpserve (documents, thinking)")
         out += answers
         if calls:
-            out.append({"role": "assistant", "content": "".join(text) or None, "tool_calls": calls})
+            out.append({"role": "assistant", "content": images.joined(text) or None, "tool_calls": calls})
         elif text or not answers:
-            out.append({"role": message["role"], "content": "".join(text)})
+            out.append({"role": message["role"], "content": images.joined(text)})
     return out
 
 

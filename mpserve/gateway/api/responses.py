@@ -20,7 +20,7 @@ key and one in all, in a file every gateway process of the port shares; ``previo
 (its instructions are not carried over, as OpenAI documents). ``background: true`` runs a response to its end
 whoever reads it (``dialect.Pipeline``), its request journaled so that another gateway process takes it over when
 it is read after its own died (``Pipeline.revive``). A field OpenAI has and mpserve cannot honour (built-in tools,
-images, ...) is refused with 400 naming it, unless sent at its neutral value; a field OpenAI
+files, ...) is refused with 400 naming it, unless sent at its neutral value; a field OpenAI
 does not have is refused as unrecognized.
 
 Reasoning (``reasoning``): where the model's template thinks, ``reasoning: {"effort"}`` (none turns it off) and
@@ -49,8 +49,8 @@ from mpserve.wire import protocol as wire
 
 from ..http.encode import EventStream
 from ..http.errors import HttpError
+from . import images, reasoning
 from . import openai as oai
-from . import reasoning
 from .dialect import Background, Pipeline, event, finish_reason, owner
 from .journal import Journal, NoStream
 from .response_store import NotStored, ResponseStore
@@ -183,19 +183,23 @@ def _items(value: Any) -> list[dict[str, Any]]:
     return out
 
 
-def _text(content: Any, where: str) -> str:
-    """A message's text: a string, or text parts (input_text, output_text)."""
+def _text(content: Any, where: str) -> str | list[dict[str, Any]]:
+    """A message's content: a string, or text parts (input_text, output_text) and images (input_image, as chat's
+    image_url parts)."""
     if isinstance(content, str):
         return content
     if isinstance(content, list):
-        parts = []
+        parts: list[str | dict[str, Any]] = []
         for j, part in enumerate(content):
             kind = part.get("type") if isinstance(part, dict) else None
+            if kind == "input_image":
+                parts.append(images.from_input_image(part, f"{where}.content[{j}]"))
+                continue
             if kind not in ("input_text", "output_text", "text") or not isinstance(part.get("text"), str):
-                raise BadRequest(f"{where}.content[{j}] must be an input_text or output_text part; other parts "
-                                 f"({kind!r:.30}: images, files, audio) are not supported")
+                raise BadRequest(f"{where}.content[{j}] must be an input_text, input_image or output_text part; "
+                                 f"other parts ({kind!r:.30}: files, audio) are not supported")
             parts.append(part["text"])
-        return "".join(parts)
+        return images.joined(parts)
     raise BadRequest(f"{where}.content must be a string or a list of text parts")
 
 
