@@ -15,6 +15,7 @@ import httpx
 import pytest
 from helpers import mpserve
 
+from bench.procs import HttpServer, find_llama_server, free_port
 from mpserve.models.mmproj_maker import TOKENS_PER_IMAGE
 
 pytestmark = pytest.mark.timeout(180)
@@ -162,3 +163,20 @@ def test_responses_input_image_and_messages_image_block_reply_as_the_chat_does(h
             {"type": "text", "text": PROMPT}, {"type": "image", "source": source}]}]})
     assert message.status_code == 200, message.text
     assert message.json()["content"][0]["text"] == said
+
+
+def test_greedy_replies_with_images_equal_llama_servers_with_mmproj(http: httpx.Client, pair: tuple[Path, Path]) -> None:
+    binary = find_llama_server(None)
+    if binary is None:
+        pytest.skip("no llama-server binary: put one on PATH or under /opt/llama-server/ (bench/README.md)")
+    port = free_port()
+    model, projector = pair
+    with HttpServer([binary, "--model", str(model), "--mmproj", str(projector), "--host", "127.0.0.1", "--port",
+                     str(port), "--threads", "1", "--threads-batch", "1", "--parallel", "1", "--ctx-size", "2048"],
+                    port, "/health") as peer:
+        peer.wait_ready()
+        for body in (chat(PROMPT, (data_url(RED),)), chat("A", (data_url(BLUE),), "B", (data_url(RED),))):
+            theirs = httpx.post(f"{peer.url}/v1/chat/completions", json={**body, "cache_prompt": False}, timeout=120)
+            assert theirs.status_code == 200, theirs.text
+            assert answer(http, body)["choices"][0]["message"]["content"] == \
+                theirs.json()["choices"][0]["message"]["content"]
