@@ -59,13 +59,6 @@ def test_above_gives_the_higher_bands_highest_first_those_put_back_first_then_by
     assert queue.above(1) == ["x2"] and queue.above(2) == []
 
 
-def test_a_ticket_put_back_starts_before_its_band_s_others() -> None:
-    queue = FairQueue()
-    queue.append("new", "a")
-    queue.requeue("back", "a")
-    assert queue.head() == "back"
-
-
 def test_the_head_looks_below_a_band_whose_tickets_may_not_start() -> None:
     queue = FairQueue()
     queue.requeue("passed", "a", priority=2)  # put back, its instance has no slot free
@@ -75,11 +68,15 @@ def test_the_head_looks_below_a_band_whose_tickets_may_not_start() -> None:
     assert queue.head(lambda tenant: tenant != "a", passed={"passed"}) == "low"
 
 
-def test_tenants_with_the_same_finish_start_in_order_of_arrival_not_of_name() -> None:
+def test_a_ticket_put_back_starts_first_and_of_equal_finishes_the_earliest_not_the_first_by_name() -> None:
     queue = FairQueue()
-    queue.append("z", "b")
-    queue.append("a", "a")
-    assert queue.head() == "z"
+    queue.append("new", "a")
+    queue.requeue("back", "a")
+    assert queue.head() == "back"
+    arrivals = FairQueue()
+    arrivals.append("z", "b")
+    arrivals.append("a", "a")
+    assert arrivals.head() == "z"
 
 
 def test_a_tenant_that_waits_again_keeps_what_it_used_beyond_its_share() -> None:
