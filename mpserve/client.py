@@ -70,7 +70,7 @@ import msgspec
 import zmq
 import zmq.auth
 
-from mpserve import structured
+from mpserve import structured, tracing
 from mpserve.errors import BadRequest, ConfigError, ConnectionFailed, MpserveError, Timeout, error_from_code
 from mpserve.runtime import default_address
 from mpserve.wire import adapters as wire_adapters
@@ -496,7 +496,7 @@ class AsyncClient:
         model, chosen = wire_adapters.selection(model, adapters)
         request = wire.Request(rid, text, model, generate, stream, timeout if timeout is not None else self.timeout,
                                tokens, adapters=chosen, priority=owner.priority, cache_salt=owner.cache_salt,
-                               tenant=owner.tenant, images=images)
+                               tenant=owner.tenant, traceparent=tracing.outgoing(), images=images)
         if owner != _Owner() or images:
             request.validate()  # its bounds, as the broker would refuse them
         return request

@@ -67,7 +67,7 @@ from starlette.responses import Response
 from starlette.routing import Route
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from mpserve import __version__
+from mpserve import __version__, tracing
 from mpserve.client import REATTACH_S
 from mpserve.errors import ConfigError, ConnectionFailed, ErrorCode, MpserveError, UnknownModel
 from mpserve.models.progress import downloads
@@ -93,6 +93,7 @@ from .http.encode import JSONResponse
 from .http.errors import HttpError
 from .http.guard import ConnectionLimits, uvicorn_options
 from .http.request_ids import RequestIds
+from .http.trace import Traces
 from .http.watch import ClientGone
 from .http.watch import unless_disconnected as _unless_disconnected
 from .ops import console, slots
@@ -179,7 +180,10 @@ def create_app(config: GatewayConfig) -> Starlette:
     app.add_middleware(BrowserGuard, hosts=host_names(config.host, config.allowed_hosts),
                        origins=config.allowed_origins)
     app.add_middleware(keys.OneKey)  # before the key check: it reads the one key this records
-    app.add_middleware(RequestIds)  # outermost: every answer, a refused one too, carries its X-Request-Id
+    app.add_middleware(RequestIds)  # every answer, a refused one too, carries its X-Request-Id
+    tracer = tracing.configure("gateway")
+    if tracer is not None:  # outermost: the exchange's span covers the refused requests too
+        app.add_middleware(Traces, tracer=tracer)
     return app
 
 

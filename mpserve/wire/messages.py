@@ -62,6 +62,7 @@ ADAPTER_NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$"  # no ':' (``model: 
 MAX_CACHE_SALT_CHARS = 256  # vLLM's cache_salt
 MAX_TENANT_CHARS = 64
 MAX_SALT_BYTES = 32
+MAX_TRACEPARENT_CHARS = 55  # W3C trace context, version 00
 
 
 class MsgType(IntEnum):
@@ -336,6 +337,8 @@ class Request(Body, frozen=True, forbid_unknown_fields=True, omit_defaults=True)
     reattach: bool = False  # sent again after the server went silent: a server that took over this request (its
     # instance outlived the one that died, ``mpserve.server.adoption``) goes on with it, streaming its whole text so
     # far first; any other runs it anew. Either way the client drops the text it had (``mpserve.client``)
+    traceparent: Annotated[str, Meta(max_length=MAX_TRACEPARENT_CHARS)] = ""  # the W3C trace context its spans
+    # continue (``mpserve.tracing``); "" for none, and one that is not W3C's format starts a new trace
 
     def check(self) -> None:
         self.params.check()  # decoded: its types and limits were checked already

@@ -68,7 +68,7 @@ from mpserve.wire import zmqio
 from mpserve.wire.protocol import ChatTemplate
 from mpserve.wire.slots import CacheRow, SlotState, SlotTable, SlotWriter, adapter_label
 
-from . import adapter_actions, embed, slot_files, tokens
+from . import adapter_actions, embed, slot_files, spans, tokens
 from .spec import EXIT_LOAD_FAILED, EngineSpec, WorkerSpec
 from .stream import ChunkStream
 
@@ -134,6 +134,7 @@ class Worker:
         self._next_register = 0.0
         self._registered = False
         self._crash_on = os.environ.get(CRASH_ON) or None
+        self._spans = spans.for_worker(spec.identity.decode())  # None while tracing is off
 
     def set_rows(self, **fields: Any) -> None:
         for row in self._rows:
@@ -461,6 +462,8 @@ class Worker:
         self._note_cache()
         self._running[assign.ticket] = assign
         self._slot_of[assign.ticket] = slot
+        if self._spans is not None:
+            self._spans.accepted(assign)
         if stream is not None:
             self._streams[assign.ticket] = stream
         if noted is not None:
@@ -604,6 +607,8 @@ class Worker:
         self._said.pop(ticket, None)
         self._taken_over.discard(ticket)
         self._served += 1
+        if self._spans is not None:
+            self._spans.dropped(ticket)
         self._rows[slot].update(state=SlotState.IDLE, served=self._served,
                                 kv_cells=self._engine.kv_cells(slot) if self._engine is not None else 0)
         stream = self._streams.pop(ticket, None)
@@ -617,6 +622,8 @@ class Worker:
             return wire.Error(req.id, ErrorCode.CANCELLED, "cancelled")
         if result.error is not None:
             return wire.Error(req.id, result.error.code, result.error.message)
+        if self._spans is not None:
+            self._spans.answered(assign, result)
         usage = wire.Usage(result.prompt_tokens, result.completion_tokens, result.reasoning_tokens)
         return wire.Done(
             req.id, result.text, result.finish_reason, usage,
