@@ -4,6 +4,7 @@ template configured against ``llama_cpp.Llama(chat_format="gemma")``."""
 
 from __future__ import annotations
 
+import json
 import logging
 import threading
 import time
@@ -56,10 +57,33 @@ def test_gemma_puts_the_system_text_in_the_first_user_turn_and_tool_turns_as_the
         "<start_of_turn>user\n<tool_response>\nhello\n</tool_response><end_of_turn>\n<start_of_turn>model\n")
 
 
-def test_every_family_is_read_by_the_tools_prompt_s_parser() -> None:
+TOOL_FORMATS = ("gpt-oss", "qwen3-coder", "glm", "kimi", "deepseek-v3")
+
+
+def test_a_family_is_read_by_its_own_parser_and_the_others_by_the_tools_prompt_s() -> None:
     from mpserve.gateway.api.tools import parser_for
 
-    assert {parser_for(source) for source in templates.FAMILIES.values()} == {"hermes"}
+    assert {name: parser_for(source) for name, source in templates.FAMILIES.items()} == {
+        name: name if name in TOOL_FORMATS else "hermes" for name in templates.FAMILIES}
+
+
+@pytest.mark.parametrize("family", TOOL_FORMATS)
+def test_a_tool_family_writes_the_history_s_calls_as_its_parser_reads_them(family: str) -> None:
+    from mpserve.families import FAMILIES, read
+
+    call = {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": {"city": "Paris",
+                                                                                               "days": 3}}}
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {
+        "type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"}}}}}]
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Weather?"},
+                {"role": "assistant", "content": "", "tool_calls": [call]},
+                {"role": "tool", "content": "18 C", "tool_call_id": "c1"}]
+    prompt = render(ChatTemplate(templates.FAMILIES[family], "", ""), messages, tools)
+    turn = prompt.split("Weather?")[1].split("18 C")[0]
+    found = read(FAMILIES[family], turn, {"get_weather": tools[0]["function"]["parameters"]})
+    assert found is not None and [(f.name, json.loads(f.arguments)) for f in found[1]] == [
+        ("get_weather", {"city": "Paris", "days": 3})], turn
+    assert "Be brief." in prompt and "get_weather" in prompt.split("Weather?")[0]  # the tools shown before
 
 
 def test_a_gguf_with_its_own_template_keeps_it_and_a_llama_gguf_without_gets_chatml(tmp_path: Path,
@@ -88,7 +112,8 @@ def test_the_setting_takes_a_family_or_a_jinja_file_relative_to_the_config(tmp_p
                                {"path": "builtin:tiny", "name": "b", "chat_template": "phi"}]}, base_dir=tmp_path)
     assert [m.chat_template for m in config.models] == [str(tmp_path / "turns.jinja"), "phi"]
     with pytest.raises(ConfigError, match=r"models\[0\].chat_template: 'gemma4' is neither a template family "
-                                          r"\(chatml, llama3, gemma, mistral, phi, qwen, qwen3, deepseek\) nor a file"):
+                                          r"\(chatml, llama3, gemma, mistral, phi, qwen, qwen3, deepseek, gpt-oss, "
+                                          r"qwen3-coder, glm, kimi, deepseek-v3\) nor a file"):
         build({"models": [{"path": "builtin:tiny", "chat_template": "gemma4"}]})
     with pytest.raises(ConfigError, match="broken.jinja' is not a Jinja2 chat template: line 1"):
         build({"models": [{"path": "builtin:tiny", "chat_template": "broken.jinja"}]}, base_dir=tmp_path)

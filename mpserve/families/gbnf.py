@@ -49,7 +49,8 @@ class Rules:
 
     def properties(self, parameters: Mapping[str, Any], raw_strings: bool) -> list[tuple[str, str, bool]]:
         """Each property of ``parameters``: its name, the rule writing its value and whether it is required,
-        the required first. ``raw_strings``: a plain string property is written as raw text, not JSON."""
+        the required first. ``raw_strings``: a plain string property is written as raw text, not JSON (within its
+        minLength and maxLength; without ``<``, which could close its tag early)."""
         properties = parameters.get("properties")
         if not isinstance(properties, Mapping):
             return []
@@ -59,7 +60,9 @@ class Rules:
         for name in [*required, *(p for p in properties if p not in required)]:
             prop = properties[name]
             if raw_strings and _plain_string(prop):
-                value = self.add("raw-text", "[^<]*")
+                low, high = prop.get("minLength", 0), prop.get("maxLength")
+                value = self.add(f"raw-text-{low}-{high}", f"[^<]{{{low},{'' if high is None else high}}}"
+                                 if low or high is not None else "[^<]*")
             elif raw_strings and isinstance(prop, Mapping) and prop.get("type") == "string" and "enum" in prop:
                 value = "( " + " | ".join(literal(str(v)) for v in prop["enum"]) + " )"
             else:

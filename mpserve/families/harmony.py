@@ -10,7 +10,7 @@ body. Thinking is the ``analysis`` channel, the answer the ``final`` one, and a 
     text ──each header (<|start|>... or <|channel|>..., up to <|message|>) and body (up to <|end|>, <|call|>,
            <|return|> or the next <|start|>)──▶ a recipient ``to=`` in the header: a call, the body its arguments
                                               ──▶ no channel, or final: content;  analysis or commentary: neither
-         text before the first header ──▶ content
+         text before the first header ──▶ content;  a message from another role (a tool's answer) ──▶ neither
 
 Calls are read on any channel: the model writes them on ``analysis`` too, not only ``commentary``. The header is
 read loosely: ``to=`` before or after the channel, ``<|constrain|>json`` or plain ``json`` or neither, spaces
@@ -33,6 +33,7 @@ START, CHANNEL, MESSAGE = "<|start|>", "<|channel|>", "<|message|>"
 ENDS = ("<|end|>", "<|call|>", "<|return|>", START)
 HEADERS = (START, CHANNEL)
 RECIPIENT = re.compile(r"to=(?:functions\.)?([A-Za-z0-9_-]+)")
+ROLE = re.compile(r"<\|start\|>\s*([^\s<]+)")
 CHANNEL_NAME = re.compile(r"<\|channel\|>\s*([A-Za-z]+)")
 
 
@@ -64,7 +65,9 @@ class Harmony(Family):
             end = min(ends) if ends else None
             body = text[body_at:end] if end is not None or final else text[body_at:len(text) - held_back(text, ENDS)]
             recipient = RECIPIENT.search(header)
-            if recipient is not None:
+            if (role := ROLE.match(header)) is not None and role.group(1) != "assistant":
+                pass  # another's message (a tool's answer): neither a call nor content
+            elif recipient is not None:
                 arguments, closed = json_arguments(body, 0)
                 calls.append(Partial(recipient.group(1), arguments, closed is not None or end is not None or final))
             elif (channel := CHANNEL_NAME.search(header)) is None or channel.group(1) == "final":

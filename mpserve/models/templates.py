@@ -13,7 +13,9 @@ formats, as Hugging Face chat templates: ``messages`` with ``add_generation_prom
 engines add BOS). ``chatml`` is the gateway's own default prompt (``""``: no template, which also stops at
 ``<|im_end|>``). Tool calls in a conversation's history, and tools' answers, are written as the gateway's
 tools prompt asks for them (``<tool_call>`` and ``<tool_response>``, Hermes' format), so a family template
-and the ChatML default read tool calls the same way (``mpserve.gateway.api.tools.parser_for``). A system or
+and the ChatML default read tool calls the same way (``mpserve.families.for_template``); the families whose
+models have a call format of their own (gpt-oss, Qwen3-Coder, GLM, Kimi, DeepSeek V3.1) write theirs
+(``tool_families``). A system or
 developer message goes where the family puts it: its own turn, or before the first user message (Gemma,
 Mistral).
 """
@@ -26,6 +28,8 @@ import logging
 from pathlib import Path
 
 from mpserve.errors import ConfigError
+
+from .tool_families import TOOL_FAMILIES
 
 log = logging.getLogger("mpserve.templates")
 
@@ -93,10 +97,13 @@ FAMILIES: dict[str, str] = {
     + _lit("<think>\n\n</think>\n\n") + "{% endif %}",
     "deepseek": _turns("{{ system }}", "<｜User｜>", "<｜Assistant｜>", "",
                        assistant_end=_lit("<｜end▁of▁sentence｜>")),
+    **TOOL_FAMILIES,
 }
 """Each family's template by the name ``chat_template`` takes (``chatml``: the gateway's default). ``qwen3`` thinks
 (Qwen 3's format): its reply opens with ``<think>``, which the gateway writes when the thinking is on
-(``mpserve.gateway.api.reasoning``); ``enable_thinking`` false writes an empty thinking instead."""
+(``mpserve.gateway.api.reasoning``); ``enable_thinking`` false writes an empty thinking instead. ``gpt-oss``,
+``qwen3-coder``, ``glm``, ``kimi`` and ``deepseek-v3`` write their tools and calls in their own formats
+(``tool_families``)."""
 
 ARCHITECTURES: dict[str, str] = {
     "gemma": "gemma", "gemma2": "gemma", "gemma3": "gemma", "gemma3n": "gemma", "gemma-embedding": "gemma",
@@ -104,6 +111,7 @@ ARCHITECTURES: dict[str, str] = {
     "phi3": "phi", "phimoe": "phi",
     "deepseek": "deepseek", "deepseek2": "deepseek",
     "mistral3": "mistral",
+    "gpt-oss": "gpt-oss", "glm4moe": "glm",
 }
 """The family of a GGUF's ``general.architecture``, where one family uses it. ``llama`` is not here: Llama 2 and
 3, Mistral and many fine-tunes share it, so a llama GGUF without a template gets ChatML, as in llama-server."""

@@ -227,3 +227,27 @@ def test_a_template_gets_the_tools_variable_or_the_default_prompt() -> None:
     plain = ChatTemplate("{% for m in messages %}{{ m.role }}:{{ m.content }};{% endfor %}")
     call = _templated(oai.parse("chat", {"messages": HISTORY[:2], "tools": TOOLS}), plain)
     assert call.prompt.startswith("system:Be brief.\n\n# Tools\n") and call.parser == "json"
+
+
+HARMONY_REPLY = ("The user wants weather.<|end|><|start|>assistant<|channel|>commentary to=functions.get_weather "
+                 '<|constrain|>json<|message|>{"city": "Paris"}<|call|>')
+
+
+@pytest.mark.parametrize(("text", "content", "calls"), [
+    (HARMONY_REPLY, None, [WEATHER]),
+    ("The user wants weather.<|end|><|start|>assistant<|channel|>final<|message|>It is sunny.", "It is sunny.", []),
+])
+def test_harmony_thinks_on_the_analysis_channel_and_answers_on_the_final_one_whole_and_streamed(
+        text: str, content: str | None, calls: list[Any]) -> None:
+    call = dataclasses.replace(oai.parse("chat", {"messages": [{"role": "user", "content": "hi"}], "tools": TOOLS,
+                                                  "stream": True}), parser="gpt-oss", reasoning_end="<|end|>")
+    message = oai.Reply(call, "m").whole([result(text)])["choices"][0]["message"]
+    assert message["reasoning_content"] == "The user wants weather." and message["content"] == content
+    assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in
+            message.get("tool_calls", [])] == calls
+    for cut in range(0, len(text), 7):
+        deltas = [c["choices"][0]["delta"] for c in streamed(call, [text[:cut], text[cut:]]) if c["choices"]]
+        assert "".join(d.get("reasoning_content", "") for d in deltas) == "The user wants weather."
+        assert "".join(d.get("content") or "" for d in deltas) == (content or "")
+        assert "".join(d["tool_calls"][0]["function"].get("arguments", "") for d in deltas if d.get("tool_calls")) \
+            == "".join(c["function"]["arguments"] for c in message.get("tool_calls", []))

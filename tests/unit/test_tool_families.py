@@ -44,6 +44,8 @@ CASES: list[tuple[str, str, str, list[tuple[str, dict[str, Any]]]]] = [
      "", [PARIS]),  # no <|constrain|>
     ("gpt-oss", '<|start|>assistant to=functions.get_weather<|channel|>commentary json<|message|>{"city": "Paris"}',
      "", [PARIS]),  # the recipient before the channel, plain json, no <|call|> at the end
+    ("gpt-oss", HARMONY.format("commentary", "get_time", "{}") + "<|start|>functions.get_time to=assistant"
+                "<|channel|>commentary<|message|>{}<|end|>", "", [NOW]),  # a tool's answer is no call
     ("gpt-oss", "<|channel|>analysis<|message|>Think.<|end|><|start|>assistant<|channel|>final<|message|>Hot."
                 "<|return|>", "Hot.", []),
     ("llama3", '{"name": "get_weather", "parameters": {"city": "Paris"}}', "", [PARIS]),

@@ -25,6 +25,7 @@ from typing import Any
 
 import msgspec
 
+from mpserve import families
 from mpserve.errors import BadRequest
 from mpserve.wire import protocol as wire
 
@@ -49,8 +50,11 @@ THINK = Tags("<think>", "</think>")
 
 def tags_of(template: str) -> Tags | None:
     """The thinking tags of a chat template that writes ``<think>`` (Qwen 3, DeepSeek R1, QwQ and their fine-tunes:
-    in its generation prompt, or where it drops earlier thinking from the history); None for one that does not
-    think."""
+    in its generation prompt, or where it drops earlier thinking from the history), or of its family's own
+    (gpt-oss's analysis channel, ``mpserve.families``); None for one that does not think."""
+    own = families.for_template(template).thinking
+    if own is not None:
+        return Tags(*own)
     return THINK if THINK.start in template else None
 
 
