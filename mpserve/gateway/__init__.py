@@ -38,6 +38,7 @@ Three layers under the composition root, each importing only those below it:
       schema           the OpenAPI document (``/openapi.json``)
     ops/               what the operator sees and does
       metrics          ``/metrics`` (Prometheus)
+      picker_metrics   the inference gateway's model-server protocol metrics, for its endpoint picker
       monitor          ``/health`` and ``/backend/monitor``
       console          the web console's state (``/console/state``); its page is in ops/static/
       admin            the control API over HTTP (``/admin/``), behind its own key

@@ -11,4 +11,5 @@
     salt       a request's reuse namespace: what it may reuse of what others computed (tenants kept apart)
     adapters   a request's LoRA adapters: BASE:NAME, llama-server's lora ids, one sorted set, the 404 naming those
     slots      the slot table: a shared-memory file of one row per slot (workers write, anyone reads)
+    kv_events  KV-cache events in vLLM's format (stored, removed, cleared blocks), their block size and hash
 """

@@ -1,4 +1,5 @@
-"""What the gateway's operator sees and does: ``/metrics`` (``metrics``), ``/health`` and
+"""What the gateway's operator sees and does: ``/metrics`` (``metrics``, with the inference
+gateway's model-server protocol in ``picker_metrics``), ``/health`` and
 ``/backend/monitor`` (``monitor``), the web console (``console``, its page in ``static/``), the control API
 (``admin``) and llama-server's slot actions (``slots``).
 

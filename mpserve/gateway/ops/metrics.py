@@ -19,7 +19,9 @@ Two kinds of metric:
   a server on this host, instances (worker processes)
   and slots by state (slot table), the KV cells each instance holds and their share of all it has, its prompt
   cache (bytes, hits, misses, evictions), worker restarts and, when NVML answers, each GPU's memory and each
-  instance's share of it.
+  instance's share of it;
+- the model-server protocol's, which the Kubernetes inference gateway's endpoint picker reads
+  (``picker_metrics``): requests waiting and running, KV-cache usage, LoRA adapters, the cache's block size.
 
 A scrape fetches STATS first, then renders without awaiting anything, so one scrape sees one snapshot.
 """
@@ -41,6 +43,7 @@ from mpserve.wire import protocol as wire
 from mpserve.wire.slots import SlotRow, SlotState, instance_slots
 
 from .monitor import ADMIN, Viewer, instance_state, state_of
+from .picker_metrics import picker_metrics
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
@@ -149,6 +152,7 @@ class _ServerCollector(Collector):
             registered.add_metric([name], m.instances)
             failed.add_metric([name], 1.0 if m.failed else 0.0)
         yield from (queued, running, registered, failed)
+        yield from picker_metrics(stats, rows)
         events = CounterMetricFamily("mpserve_broker_events", "The broker's counters since the server started",
                                      labels=["event"])
         for event, value in sorted(stats.counters.items()):
