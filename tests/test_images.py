@@ -5,6 +5,7 @@ library in the worker, and reused from the cache like the tokens they stand for.
 from __future__ import annotations
 
 import base64
+import random
 import struct
 import zlib
 from collections.abc import Iterator
@@ -13,7 +14,8 @@ from typing import Any
 
 import httpx
 import pytest
-from helpers import mpserve
+from conftest import ServerProcess
+from helpers import config_file, mpserve
 
 from bench.procs import HttpServer, find_llama_server, free_port
 from mpserve.models.mmproj_maker import TOKENS_PER_IMAGE
@@ -58,11 +60,11 @@ def pair(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
 
 
 @pytest.fixture(scope="module")
-def http(pair: tuple[Path, Path], tmp_path_factory: pytest.TempPathFactory) -> Iterator[httpx.Client]:
-    """A server with the vision pair (``vision``) and the tiny model without a projector (``tiny``), its gateway."""
-    from conftest import ServerProcess
-    from gateway_thread import GatewayThread
-    from helpers import config_file
+def served(pair: tuple[Path, Path], tmp_path_factory: pytest.TempPathFactory
+           ) -> Iterator[tuple[ServerProcess, httpx.Client]]:
+    """A server with the vision pair (``vision``) and the tiny model without a projector (``tiny``), and a client of
+    its gateway."""
+    from gateway_thread import GatewayThread  # uvicorn: loaded by the tests that use it
 
     model, projector = pair
     config = config_file(tmp_path_factory.mktemp("config"), "images",
@@ -72,10 +74,15 @@ def http(pair: tuple[Path, Path], tmp_path_factory: pytest.TempPathFactory) -> I
     gateway = GatewayThread(server_name=server.name)
     try:
         with httpx.Client(base_url=gateway.url, timeout=60) as client:
-            yield client
+            yield server, client
     finally:
         gateway.stop()
         server.stop()
+
+
+@pytest.fixture(scope="module")
+def http(served: tuple[ServerProcess, httpx.Client]) -> httpx.Client:
+    return served[1]
 
 
 def answer(http: httpx.Client, body: dict[str, Any]) -> dict[str, Any]:
@@ -165,7 +172,8 @@ def test_responses_input_image_and_messages_image_block_reply_as_the_chat_does(h
     assert message.json()["content"][0]["text"] == said
 
 
-def test_greedy_replies_with_images_equal_llama_servers_with_mmproj(http: httpx.Client, pair: tuple[Path, Path]) -> None:
+def test_greedy_replies_with_images_equal_llama_servers_with_mmproj(http: httpx.Client,
+                                                                    pair: tuple[Path, Path]) -> None:
     binary = find_llama_server(None)
     if binary is None:
         pytest.skip("no llama-server binary: put one on PATH or under /opt/llama-server/ (bench/README.md)")
@@ -180,3 +188,32 @@ def test_greedy_replies_with_images_equal_llama_servers_with_mmproj(http: httpx.
             assert theirs.status_code == 200, theirs.text
             assert answer(http, body)["choices"][0]["message"]["content"] == \
                 theirs.json()["choices"][0]["message"]["content"]
+
+
+def mutations(seed: int, n: int) -> Iterator[bytes]:
+    """``n`` images made from the test images by flipping, cutting and repeating bytes past their headers: what
+    reaches llama.cpp's decoder when a header is sound and the rest is not."""
+    rng = random.Random(seed)
+    for _ in range(n):
+        data = bytearray(rng.choice([RED, BLUE, png(7, 5, (1, 2, 3))]))
+        for _ in range(rng.randrange(1, 8)):
+            at = rng.randrange(24, len(data))
+            data[at] = rng.randrange(256)
+        if rng.random() < 0.3:
+            data = data[:rng.randrange(24, len(data))]
+        if rng.random() < 0.2:
+            at = rng.randrange(24, len(data))
+            data[at:at] = data[at:at + rng.randrange(1, 64)] * rng.randrange(1, 32)
+        yield bytes(data)
+
+
+@pytest.mark.timeout(300)
+def test_fuzzed_image_bytes_are_answered_or_refused_and_no_worker_is_harmed(
+        served: tuple[ServerProcess, httpx.Client]) -> None:
+    server, http = served
+    workers = {row.pid for row in server.slots()}
+    for image in mutations(61, 120):
+        reply = http.post("/v1/chat/completions", json=chat(PROMPT, (data_url(image),), max_tokens=2))
+        assert reply.status_code in (200, 400), reply.text
+    assert answer(http, chat(PROMPT, (data_url(RED),)))["choices"][0]["message"]["content"]
+    assert {row.pid for row in server.slots()} == workers  # the same processes: none crashed and was replaced
