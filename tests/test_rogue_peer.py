@@ -118,9 +118,10 @@ LAUNCHER = textwrap.dedent("""
     # is handled; once the file TRIGGER exists, the loop itself raises
     import pathlib, sys
     from mpserve.server.broker import Broker
+    from mpserve.server.registry import Registry
     from mpserve.cli import main
 
-    unregistered, expire_clients = Broker._from_unregistered, Broker.expire_clients
+    unregistered, expire_clients = Registry._from_unregistered, Broker.expire_clients
 
     def from_unregistered(self, identity, mtype, body):
         if identity == b"boom":
@@ -133,7 +134,7 @@ LAUNCHER = textwrap.dedent("""
         return expire_clients(self, now)
 
     if __name__ == "__main__":  # not in the processes multiprocessing starts, which import this file
-        Broker._from_unregistered, Broker.expire_clients = from_unregistered, faulty_expire_clients
+        Registry._from_unregistered, Broker.expire_clients = from_unregistered, faulty_expire_clients
         TRIGGER = sys.argv.pop(1)
         sys.argv[0] = "mpserve"
         main()

@@ -2,10 +2,20 @@
 
     preflight   what `mpserve start` checks before anything starts: the name, each address, the lock folder
     loop        serve(): claims the server name, builds the layout, runs broker + supervisor + watchdog
-    broker      ROUTER fronts for clients and workers; per-model queues; routing to slots; the request table
+    broker      the broker's root: its sockets (clients, workers, operators), deadlines, drain, roll, hand-off;
+                it composes the floors below, each importing only those under it:
+      registry    worker messages: READY and trust, LEAVING, loss and retry (what a lost request becomes)
+      results     a worker's CHUNKs, STEPs, DONEs and ERRORs to their clients, by ticket
+      clients     client messages: admission, a request's tenant and limits, lookups, reattached requests
+      adopter     the adopted instances' requests, held for their clients; the secrets local workers prove
+      adapter_ops LoRA adapters loaded and unloaded at run time: to every instance, an unload after its requests
+      dispatch    queued requests to free slots (routing, adapter batching), preemption and parking, drains
+      answers     each request's one terminal message (DONE or ERROR); the clients' outbox
+      tables      the shared tables: requests, workers, models, lookups, clients' counts; the workers' outbox
+    hooks       what the broker tells the server (READY, FAILED, drained) and asks of it: one object, given at
+                construction
     routing     the broker's decisions as pure functions: which slot a request goes to, what a lost one becomes
     tenants     per tenant: the order queued requests start in (priority, fair shares), limits and figures
-    adapter_ops LoRA adapters loaded and unloaded at run time: to every instance, an unload after its requests
     preemption  which running requests give their slots to waiting ones of higher priority (pure functions)
     link        the worker link's trust rules: whose READY, which name, whose answer (pure functions)
     roles       who may do what on the ZeroMQ side: a message's role is the socket it arrived on

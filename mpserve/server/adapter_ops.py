@@ -19,15 +19,14 @@ from __future__ import annotations
 import logging
 import secrets
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 from mpserve.errors import BadRequest, MpserveError
 from mpserve.wire import adapters as wire_adapters
 from mpserve.wire import protocol as wire
 
-if TYPE_CHECKING:
-    from .broker import Broker
-    from .state import WorkerEntry
+from .dispatch import Dispatcher
+from .state import WorkerEntry
+from .tables import Tables
 
 log = logging.getLogger("mpserve.broker")
 
@@ -48,15 +47,18 @@ class Op:
 class AdapterOps:
     """The broker's adapter calls in flight (``ops``), by the ticket each instance answers under (``tickets``)."""
 
-    def __init__(self, broker: Broker) -> None:
-        self.broker = broker
+    def __init__(self, tables: Tables, dispatcher: Dispatcher) -> None:
+        """``tables``: the models, workers and requests the calls concern; ``dispatcher``: where an instance that
+        loaded an adapter may take requests for it, and the outboxes the calls and answers go through."""
+        self.tables = tables
+        self.dispatcher = dispatcher
         self.tickets: dict[str, tuple[Op | None, bytes]] = {}  # None: a load the broker sent a new instance
         self.draining: list[Op] = []  # unloads waiting for their adapter's requests to finish
 
     def start(self, client: bytes, msg: wire.AdapterAction) -> None:
         """An operator's call; BadRequest or UnknownAdapter when it cannot be done."""
-        model = self.broker._resolve_model(msg.model)
-        mq = self.broker.models[model]
+        model = self.tables.resolve_model(msg.model)
+        mq = self.tables.models[model]
         op = Op(client, msg, model)
         if msg.op == "load":
             if msg.name in mq.adapters:
@@ -78,7 +80,7 @@ class AdapterOps:
 
     def instances(self, model: str, having: str | None = None) -> list[WorkerEntry]:
         """The model's instances that can take a call now (with the adapter ``having``, if given)."""
-        return [w for w in self.broker.workers.values() if w.model == model and w.loaded and not w.unloading
+        return [w for w in self.tables.workers.values() if w.model == model and w.loaded and not w.unloading
                 and (having is None or having in w.adapters)]
 
     def send(self, op: Op | None, targets: list[WorkerEntry], action: wire.AdapterAction | None = None) -> None:
@@ -90,7 +92,7 @@ class AdapterOps:
             self.tickets[ticket] = (op, worker.identity)
             if op is not None:
                 op.waiting.add(worker.identity)
-            self.broker._to_worker(worker.identity, wire.AdapterAction(
+            self.dispatcher.outbox.to_worker(worker.identity, wire.AdapterAction(
                 action.id, action.op, action.name, action.model, action.path, ticket))
 
     def drain(self) -> None:
@@ -106,7 +108,7 @@ class AdapterOps:
 
     def in_use(self, model: str, name: str) -> bool:
         return any(p.model == model and any(n == name for n, _ in p.request.adapters)
-                   for p in self.broker.requests.values())
+                   for p in self.tables.requests.values())
 
     def answered(self, identity: bytes, mtype: wire.MsgType, ticket: str, body: bytes) -> bool:
         """Whether the message answered an adapter call: its instance's adapters are updated, and the call is
@@ -122,10 +124,10 @@ class AdapterOps:
             msg = wire.decode_body(mtype, body)
         except MpserveError as exc:
             msg = wire.Error(None, exc.code, exc.message)
-        entry = self.broker.workers.get(identity)
+        entry = self.tables.workers.get(identity)
         if isinstance(msg, wire.AdapterReply) and entry is not None:
             entry.adapters = frozenset(msg.adapters)
-            self.broker._dispatch(entry.model)  # it may take requests for that adapter now
+            self.dispatcher.dispatch(entry.model)  # it may take requests for that adapter now
         elif isinstance(msg, wire.Error) and op is None:  # a load the broker sent: the instance lacks the adapter
             log.error("instance %s: adapter call failed: %s", identity.decode(), msg.message)
         if op is not None:
@@ -140,7 +142,7 @@ class AdapterOps:
 
     def finish(self, op: Op) -> None:
         """Answer the operator: a load joins the model's adapters when every instance loaded it."""
-        mq = self.broker.models[op.model]
+        mq = self.tables.models[op.model]
         action = op.action
         if op.error is None and action.op == "load":
             mq.adapters.add(action.name)
@@ -150,11 +152,11 @@ class AdapterOps:
             answer: wire.AdapterReply | wire.Error = wire.Error(action.id, op.error.code, op.error.message)
         else:
             answer = op.reply or wire.AdapterReply(action.id, "", action.op, action.name, tuple(mq.adapters))
-        self.broker._to_client(op.client, wire.encode(answer))
+        self.dispatcher.answers.to_client(op.client, wire.encode(answer))
 
     def registered(self, entry: WorkerEntry) -> None:
         """A new instance without some adapters loaded since the start: sent each."""
-        mq = self.broker.models[entry.model]
+        mq = self.tables.models[entry.model]
         for name, path in mq.adapter_paths.items():
             if name not in entry.adapters and entry.loaded:
                 self.send(None, [entry], wire.AdapterAction("broker", "load", name, entry.model, path))

@@ -71,10 +71,6 @@ class Instances:
         self._next_tick = 0.0
         self._misfits: dict[str, str] = {}  # model -> why its last scale-up did not fit
         self._rolls: dict[str, Roll] = {}  # models whose instances are being replaced (``roll``)
-        broker.on_drained = self._drained
-        broker.on_control = self.control
-        broker.scaling_of = self.scaling
-        broker.loading = lambda name: self._starting(name) > 0
 
     def next_wake(self) -> float | None:
         wake = self._scaler.next_wake()
@@ -89,7 +85,7 @@ class Instances:
         for index in [i for i in self._placements if i not in self._supervisor.workers]:
             del self._placements[index]  # a scaled-down worker has exited: its memory is free
         for name, policy in self.policies.items():
-            if self._broker.models[name].failed is None:
+            if self._broker.tables.models[name].failed is None:
                 if name in self._rolls:
                     self._roll_step(name)
                 self._decide(name, policy, now)
@@ -168,12 +164,12 @@ class Instances:
         self.policies[model.name] = Policy(low, high, model.scale_up_after, model.scale_down_after)
         self._events[model.name] = Counter()
         self._supervisor.health[model.name] = ModelHealth()
-        self._broker.models[model.name] = self._broker.new_queue(model.name, self._config.max_queue)
+        self._broker.tables.models[model.name] = self._broker.tables.new_queue(model.name, self._config.max_queue)
         if model.embedding:
-            self._broker.embedding_models |= {model.name}
+            self._broker.tables.embedding_models.add(model.name)
         template = served_template(model)
         if template is not None:  # the one a remote pool of the model must serve (``mpserve.server.chat``)
-            self._broker.chat_templates[model.name] = template
+            self._broker.tables.chat_templates[model.name] = template
         log.info("add %s: %s, instances %d..%d (%s)", model.name, model.path, low, high, why)
         self.tick(force=True)
 
@@ -211,9 +207,9 @@ class Instances:
     # --- decisions -------------------------------------------------------------------------------
 
     def _load(self, name: str, now: float) -> Load:
-        mq = self._broker.models[name]
+        mq = self._broker.tables.models[name]
         ready = self._ready(name)
-        oldest = now - self._broker.requests[mq.queue.oldest()].accepted if mq.queue else 0.0
+        oldest = now - self._broker.tables.requests[mq.queue.oldest()].accepted if mq.queue else 0.0
         return Load(len(mq.queue), oldest, sum(len(w.running) for w in ready), len(ready), self._starting(name),
                     self._config.model(name).parallel)
 
@@ -300,10 +296,10 @@ class Instances:
         self._requests[name] = self._sized(model_request(model))
         template = served_template(model)
         if template is not None:
-            self._broker.chat_templates[name] = template
+            self._broker.tables.chat_templates[name] = template
         else:
-            self._broker.chat_templates.pop(name, None)
-        mq = self._broker.models[name]
+            self._broker.tables.chat_templates.pop(name, None)
+        mq = self._broker.tables.models[name]
         held = chat.rolled(chat.Held(mq.chat, mq.chat_local), template)  # the reload's template in force
         mq.chat, mq.chat_local = held.chat, held.local
         if mq.failed is not None:
@@ -337,7 +333,7 @@ class Instances:
     def _roll_step(self, name: str) -> None:
         roll = self._rolls[name]
         roll.old &= self._supervisor.workers.keys()  # those that exited are gone
-        entries = [w for w in self._broker.workers.values() if w.model == name and w.index is not None]
+        entries = [w for w in self._broker.tables.workers.values() if w.model == name and w.index is not None]
         old_ready = [w for w in entries if w.index in roll.old and not w.draining]
         starting = self._starting(name)
         busy = starting > 0 or any(w.draining for w in entries)
@@ -387,7 +383,8 @@ class Instances:
         lists = [*self._rows.values(), *(rows for rows, _ in planned)]
         return max([i for rows in lists for i, _ in rows] + list(self._supervisor.workers), default=-1) + 1
 
-    def _drained(self, entry: WorkerEntry) -> None:
+    def drained(self, entry: WorkerEntry) -> None:
+        """``entry`` was told to STOP (drained or replaced): its process is retired."""
         if entry.index is not None and entry.index in self._supervisor.workers:
             self._supervisor.retire(entry.index)
 
@@ -395,17 +392,21 @@ class Instances:
 
     def _ready(self, name: str) -> list[WorkerEntry]:
         """The model's local workers that take requests (registered, not draining)."""
-        return [w for w in self._broker.workers.values()
+        return [w for w in self._broker.tables.workers.values()
                 if w.model == name and w.index is not None and not w.draining]
 
     def _draining(self, name: str) -> int:
-        return sum(1 for w in self._broker.workers.values() if w.model == name and w.draining)
+        return sum(1 for w in self._broker.tables.workers.values() if w.model == name and w.draining)
+
+    def loading(self, name: str) -> bool:
+        """Whether an instance of model ``name`` is starting (``_starting``)."""
+        return self._starting(name) > 0
 
     def _starting(self, name: str) -> int:
         """Started (or waiting to restart) and not registered yet, or registered and lost by the broker (stalled,
         left) while its process exits: the supervisor starts it again then. Not draining, so no cause to start
         another (its index is held: a start would be skipped as if one drained)."""
-        known = {w.index for w in self._broker.workers.values() if w.index is not None}
+        known = {w.index for w in self._broker.tables.workers.values() if w.index is not None}
         return sum(1 for index, h in self._supervisor.workers.items()
                    if h.spec.model == name and not h.retiring and (not h.registered or index not in known)
                    and (h.process is not None or h.restart_at is not None))
@@ -422,7 +423,7 @@ class Instances:
                              f"for (its max_instances); restart it with a higher max")
         if low > high:
             raise BadRequest(f"min {low} is above max {high}; give min ≤ max")
-        mq = self._broker.models[name]
+        mq = self._broker.tables.models[name]
         if mq.failed is not None and low > 0:
             raise ModelFailed(mq.refusal())
         live = list(self._placements.values())
@@ -444,7 +445,8 @@ class Instances:
     def _reply(self, call: wire.Control, message: str) -> wire.ControlReply:
         rows = []
         for name, policy in self.policies.items():
-            ready, starting, failed = len(self._ready(name)), self._starting(name), self._broker.models[name].failed
+            ready, starting = len(self._ready(name)), self._starting(name)
+            failed = self._broker.tables.models[name].failed
             state = ("failed" if failed is not None else "ready" if ready else "starting" if starting
                      else "scaled to zero")
             rows.append(wire.ModelControl(name, self._config.model(name).path, ready, starting, self._draining(name),

@@ -43,6 +43,7 @@ from mpserve.worker.spec import revision
 from . import adoption, roles
 from . import reload as reloading
 from .broker import Broker
+from .hooks import BrokerHooks
 from .instances import Instances
 from .layout import build_layout, check_host_ram, served_template, worker_specs
 from .pool_keys import pool_keys
@@ -96,7 +97,8 @@ def serve(config: ServerConfig, gateway_key: Path | None = None,
                 authenticator.configure_curve(domain="admins", location=config.curve_admins)
             if gateway_key is not None:
                 roles.allow(authenticator, gateway_key, ("clients", "admins"))
-        broker = _broker(ctx, config, paths)
+        hooks = _ServerHooks()
+        broker = _broker(ctx, config, paths, hooks)
         if survivors.pids:
             broker.expect(sorted(survivors.pids), survivors.secrets, config.adopt_wait)
         adoption.write_secrets(paths, broker.secrets)
@@ -108,6 +110,7 @@ def serve(config: ServerConfig, gateway_key: Path | None = None,
                    version=__version__).write(paths.info)
         loop = _Loop(config, broker, supervisor, instances, started, EstimateCheck(placements, layout.devices),
                      reread, reloaded, survivors)
+        hooks.loop = loop  # before any socket is polled: the broker has told nothing yet
         loop.run()
         upgrading = loop.upgrading
         if not upgrading:  # a clean stop: no instance is left to adopt, nor a gateway to reattach
@@ -128,7 +131,8 @@ def serve(config: ServerConfig, gateway_key: Path | None = None,
         log.info("stopped")
 
 
-def _broker(ctx: zmq.Context[zmq.Socket[bytes]], config: ServerConfig, paths: ServerPaths) -> Broker:
+def _broker(ctx: zmq.Context[zmq.Socket[bytes]], config: ServerConfig, paths: ServerPaths,
+            hooks: BrokerHooks) -> Broker:
     """The broker, bound to its addresses; an address taken since ``preflight`` checked it is a ConfigError."""
     try:
         broker = Broker(ctx, paths.front, paths.back, {m.name: config.max_queue for m in config.models},
@@ -142,14 +146,45 @@ def _broker(ctx: zmq.Context[zmq.Socket[bytes]], config: ServerConfig, paths: Se
                       no_instance_timeout=config.no_instance_timeout,
                       chat_templates={m.name: t for m in config.models if (t := served_template(m)) is not None},
                       pool_keys=pool_keys(config.curve_workers, config.worker_models)
-                      if config.curve_workers and config.worker_models else None, tenants=config.tenants)
+                      if config.curve_workers and config.worker_models else None, tenants=config.tenants,
+                      hooks=hooks)
     except zmq.ZMQError as exc:
         raise ConfigError(bind_problem("--bind, --workers-bind or --admin-bind",
                                        f"{paths.front}, {paths.back} or {paths.admin}", exc.errno,
                                        exc.strerror)) from None
     for model in config.models:  # the LoRA adapters a request may name, with ids in declaration order
-        broker.models[model.name].adapters = Served(name for name, _ in model.adapters)
+        broker.tables.models[model.name].adapters = Served(name for name, _ in model.adapters)
     return broker
+
+
+class _ServerHooks(BrokerHooks):
+    """The server's answers to the broker (``mpserve.server.hooks``), given to it when it is built. The loop they
+    reach is built after the broker (the supervisor, the instances and the loop each need it) and attached before
+    any socket is polled; until then they answer as a broker alone would."""
+
+    def __init__(self) -> None:
+        self.loop: _Loop | None = None
+
+    def worker_ready(self, entry: WorkerEntry) -> None:
+        if self.loop is not None:
+            self.loop.worker_ready(entry)
+
+    def load_failed(self, index: int, message: str) -> None:
+        if self.loop is not None:
+            self.loop.supervisor.load_failed(index, message)
+
+    def worker_drained(self, entry: WorkerEntry) -> None:
+        if self.loop is not None:
+            self.loop.instances.drained(entry)
+
+    def control(self, call: wire.Control) -> wire.ControlReply:
+        return super().control(call) if self.loop is None else self.loop.control(call)
+
+    def scaling(self, model: str) -> wire.ModelScaling:
+        return super().scaling(model) if self.loop is None else self.loop.instances.scaling(model)
+
+    def loading(self, model: str) -> bool:
+        return self.loop is not None and self.loop.instances.loading(model)
 
 
 class _AuthLog(logging.LoggerAdapter):  # type: ignore[type-arg]
@@ -184,8 +219,8 @@ class _Loop:
         self._reread = reread
         self._reloaded = reloaded
         self._broker = broker
-        self._supervisor = supervisor
-        self._instances = instances
+        self.supervisor = supervisor
+        self.instances = instances
         self._next_watch = 0.0
         self._next_heartbeat = 0.0
         self._started = started
@@ -198,10 +233,6 @@ class _Loop:
         self.upgrading = False  # the loop ended to hand the instances to the next start, in this process
         self._poller = zmq.Poller()
         self._waiter = Waiter(config.busy_poll_us / 1e6)
-        broker.on_ready = self._on_ready
-        broker.on_failed = supervisor.load_failed
-        control = broker.on_control  # the instances' calls; a reload is the loop's own
-        broker.on_control = lambda call: self._reload_call(call, control) if call.op == "reload" else control(call)
 
     def run(self) -> None:
         """Serve until a signal stops it. An error that escapes the loop (the broker's state is no longer to be
@@ -212,7 +243,7 @@ class _Loop:
                 self._serve()
             except BaseException:
                 log.critical("the server's loop failed; stopping its workers and exiting", exc_info=True)
-                self._supervisor.stop_all(timeout=0.0)
+                self.supervisor.stop_all(timeout=0.0)
                 raise
 
     def _serve(self) -> None:
@@ -221,7 +252,7 @@ class _Loop:
         if self._broker.admin is not None:
             self._poller.register(self._broker.admin, zmq.POLLIN)
         self._poller.register(self._signals.fileno(), zmq.POLLIN)
-        self._supervisor.start_all(self._survivors.pids, self._config.adopt_wait, self._survivors.secrets)
+        self.supervisor.start_all(self._survivors.pids, self._config.adopt_wait, self._survivors.secrets)
         log.info("mpserve %s: starting %d instance(s): %s; clients connect to %s", __version__,
                  self._config.total_instances,
                  ", ".join(f"{m.name}×{_bounds(m.bounds)}" for m in self._config.models),
@@ -236,17 +267,17 @@ class _Loop:
         while self._turn():
             pass
         if self.upgrading:
-            self._supervisor.hand_off()
+            self.supervisor.hand_off()
             return
         self._broker.stop_workers()
-        self._supervisor.stop_all(timeout=5.0)
+        self.supervisor.stop_all(timeout=5.0)
 
     def _broker_addr(self) -> str:
         return self._broker.front.getsockopt_string(zmq.LAST_ENDPOINT)
 
     def _turn(self) -> bool:
         """One pass of the loop; False when it is time to stop."""
-        self._supervisor.watch(self._poller)
+        self.supervisor.watch(self._poller)
         events = self._waiter.wait(self._poller, self._timeout_ms())
         if self._broker.back in events:
             self._broker.drain_back()
@@ -254,10 +285,10 @@ class _Loop:
             self._broker.drain_front()
         if self._broker.admin in events:
             self._broker.drain_admin()
-        for index in self._supervisor.exited(self._poller, events):
+        for index in self.supervisor.exited(self._poller, events):
             self._reap(index)
-        while self._supervisor.failing:
-            self._agree(self._supervisor.failing.pop())
+        while self.supervisor.failing:
+            self._agree(self.supervisor.failing.pop())
         if self._signals.fileno() in events:
             self._on_signals()
         now = time.monotonic()
@@ -272,14 +303,14 @@ class _Loop:
         if now >= self._next_heartbeat:
             self._next_heartbeat = now + self._config.heartbeat_interval
             self._broker.send_heartbeats()
-        self._supervisor.tick(now, restart=self._grace_deadline is None)
+        self.supervisor.tick(now, restart=self._grace_deadline is None)
         if self._grace_deadline is None:
-            self._instances.tick()
+            self.instances.tick()
         self._broker.flush()  # the ASSIGNs this turn made: one message per worker
-        if self._hand_off_deadline is not None and (not self._broker.handing or now >= self._hand_off_deadline):
-            if self._broker.handing:
+        if self._hand_off_deadline is not None and (not self._broker.tables.handing or now >= self._hand_off_deadline):
+            if self._broker.tables.handing:
                 log.warning("upgrading: %d instance(s) did not answer the hand-off in time; the next start adopts "
-                            "them all the same if they wait", len(self._broker.handing))
+                            "them all the same if they wait", len(self._broker.tables.handing))
             self.upgrading = True
             return False
         if self._grace_deadline is None:
@@ -293,8 +324,8 @@ class _Loop:
         return True
 
     def _timeout_ms(self) -> int:
-        times = [t for t in (self._broker.next_deadline(), self._supervisor.next_timer(),
-                             self._grace_deadline, self._next_watch, self._instances.next_wake()) if t is not None]
+        times = [t for t in (self._broker.next_deadline(), self.supervisor.next_timer(),
+                             self._grace_deadline, self._next_watch, self.instances.next_wake()) if t is not None]
         if not times:
             return 1000
         return max(0, min(1000, int((min(times) - time.monotonic()) * 1000) + 1))
@@ -302,16 +333,16 @@ class _Loop:
     def _watch_progress(self) -> None:
         """The busy watchdog: a worker that generated nothing for stall_timeout is replaced; its requests
         continue on other instances (``Broker.worker_stalled``)."""
-        for index, silent in self._supervisor.stalled().items():
+        for index, silent in self.supervisor.stalled().items():
             self._broker.worker_stalled(index, silent)
-            self._supervisor.stop_stalled(index)
+            self.supervisor.stop_stalled(index)
 
     def _reap(self, index: int) -> None:
         """A worker exited: the supervisor collects it, the broker settles its requests by how it ended (a crash
         or a kill), and a model either of them failed is failed on both sides (``_agree``)."""
-        model = self._supervisor.workers[index].spec.model
+        model = self.supervisor.workers[index].spec.model
         self._ready.discard(index)
-        code = self._supervisor.reap(index)
+        code = self.supervisor.reap(index)
         self._broker.worker_exited(index, code)
         self._broker.adoptee_lost(index)
         self._agree(model)
@@ -319,18 +350,18 @@ class _Loop:
     def _agree(self, model: str) -> None:
         """A model failed on either side (the supervisor's: its loads or starts fail; the broker's: its workers crash
         whatever the request) is failed on both."""
-        loads = self._supervisor.health[model].failed_message
-        failed = self._broker.models[model].failed
+        loads = self.supervisor.health[model].failed_message
+        failed = self._broker.tables.models[model].failed
         if loads is not None and failed is None:
             self._broker.model_failed(model, loads)
         elif failed is not None and loads is None:
-            self._supervisor.model_failed(model, failed)
+            self.supervisor.model_failed(model, failed)
 
-    def _on_ready(self, entry: WorkerEntry) -> None:
+    def worker_ready(self, entry: WorkerEntry) -> None:
         assert entry.index is not None  # the broker tells of its local workers only
-        self._supervisor.registered(entry.index, entry.loaded)
-        if entry.code != revision() or entry.engine != self._supervisor.workers[entry.index].spec.engine.digest():
-            self._instances.outdated(entry)  # adopted from a server of other code, or of other settings
+        self.supervisor.registered(entry.index, entry.loaded)
+        if entry.code != revision() or entry.engine != self.supervisor.workers[entry.index].spec.engine.digest():
+            self.instances.outdated(entry)  # adopted from a server of other code, or of other settings
         self._ready.add(entry.index)
         if entry.loaded and entry.index is not None:
             self._estimates.ready(entry.index, entry.pid)
@@ -345,7 +376,7 @@ class _Loop:
             if self._grace_deadline is None and self._hand_off_deadline is None:
                 self._hand_off_deadline = time.monotonic() + HAND_OFF_S
                 self._broker.hand_off()
-                log.info("upgrading: handing %d instance(s) to the next start", len(self._broker.handing))
+                log.info("upgrading: handing %d instance(s) to the next start", len(self._broker.tables.handing))
         if signal.SIGHUP in received:
             received.discard(signal.SIGHUP)
             with contextlib.suppress(MpserveError):  # logged by reload
@@ -361,11 +392,15 @@ class _Loop:
         log.info("shutting down: finishing %d request(s) within %.0f s", self._broker.in_flight(),
                  self._config.grace)
 
-    def _reload_call(self, call: wire.Control,
-                     control: Callable[[wire.Control], wire.ControlReply]) -> wire.ControlReply:
+    def control(self, call: wire.Control) -> wire.ControlReply:
+        """An operator's CONTROL: the instances' calls; a reload is the loop's own."""
+        return self._reload_call(call) if call.op == "reload" else self.instances.control(call)
+
+    def _reload_call(self, call: wire.Control) -> wire.ControlReply:
         """``mpserve reload``: what changed, and the models as they now are."""
         lines = self.reload("mpserve reload")
-        return wire.ControlReply(call.id, "\n".join(lines), control(wire.Control(call.id, "models")).models)
+        return wire.ControlReply(call.id, "\n".join(lines),
+                                 self.instances.control(wire.Control(call.id, "models")).models)
 
     def reload(self, why: str) -> list[str]:
         """The configuration read again and what changed applied (``mpserve.server.reload``); one line per
@@ -379,27 +414,27 @@ class _Loop:
             new = self._reread()
             known = {m.name: m for m in self._config.models}  # with the bounds reloads gave them
             running = dataclasses.replace(self._config, models=tuple(  # and those `mpserve add` gave the instances
-                known.get(m.name, m) for m in self._instances.models() if m.name not in self._broker.removed))
+                known.get(m.name, m) for m in self.instances.models() if m.name not in self._broker.tables.removed))
             changes = reloading.diff(running, new)
             requests, rows = self._checked(changes)
         except MpserveError as exc:
             log.error("reload (%s) refused, the running configuration stays: %s", why, exc.message)
             raise
         for model in changes.added:
-            if model.name in self._broker.removed:
-                self._broker.removed.discard(model.name)
+            if model.name in self._broker.tables.removed:
+                self._broker.tables.removed.discard(model.name)
                 if model.name in rows:  # it comes back with other settings
-                    self._instances.roll(model, rows[model.name])
-                self._instances.rescale(model)
+                    self.instances.roll(model, rows[model.name])
+                self.instances.rescale(model)
             else:
-                self._instances.add(model, requests[model.name], "reload")
+                self.instances.add(model, requests[model.name], "reload")
         for model in changes.bounds.values():
-            self._instances.rescale(model)
+            self.instances.rescale(model)
         for name in changes.removed:
-            self._broker.removed.add(name)
-            self._instances.retire(name)
+            self._broker.tables.removed.add(name)
+            self.instances.retire(name)
         for name, (model, _) in changes.rolled.items():
-            self._instances.roll(model, rows[name])
+            self.instances.roll(model, rows[name])
         for key, (_, value) in changes.at_once.items():
             self._apply(key, value)
         self._config = reloading.applied(running, changes)
@@ -415,29 +450,29 @@ class _Loop:
         """What each added model asks, and the rows each rolled one takes (a model removed before and served
         again with other settings rolls too), once every change is known to be possible; raises otherwise."""
         for model in changes.bounds.values():
-            self._instances.check_bounds(model.name, *model.bounds)
+            self.instances.check_bounds(model.name, *model.bounds)
         rolls = [model for model, _ in changes.rolled.values()]
         requests: dict[str, ModelRequest] = {}
         added: tuple[ModelConfig, ...] = ()
         for model in changes.added:
-            if model.name in self._broker.removed:  # served again: its tables are there, its settings may roll
-                removed = self._instances.model(model.name)
+            if model.name in self._broker.tables.removed:  # served again: its tables are there, its settings may roll
+                removed = self.instances.model(model.name)
                 kept = [key for key in sorted(reloading.MODEL_KEPT) if getattr(removed, key) != getattr(model, key)]
                 if kept:
                     raise ConfigError(f"models[{model.name}] was removed by a reload and comes back serving "
                                       f"otherwise ({', '.join(kept)}): give it another name, or restart")
                 if reloading.settings_differ(removed, model):
                     rolls.append(model)
-                self._instances.check_bounds(model.name, *model.bounds)
+                self.instances.check_bounds(model.name, *model.bounds)
                 continue
             _local_file(model)
-            requests[model.name] = self._instances.checked(model, added)
+            requests[model.name] = self.instances.checked(model, added)
             added = (*added, model)
         rows: dict[str, list[tuple[int, int]] | None] = {}
         planned: list[tuple[list[tuple[int, int]], int]] = []  # the rows the rolls before take, with their width
         for model in rolls:
             _local_file(model)
-            rows[model.name] = found = self._instances.check_roll(model, planned)
+            rows[model.name] = found = self.instances.check_roll(model, planned)
             if found is not None:
                 planned.append((found, model.parallel))
         return requests, rows
@@ -445,12 +480,12 @@ class _Loop:
     def _apply(self, key: str, value: object) -> None:
         """A server setting that applies at once (``reload.AT_ONCE``)."""
         if key == "max_queue":
-            for mq in self._broker.models.values():
+            for mq in self._broker.tables.models.values():
                 mq.max_queue = int(value)  # type: ignore[call-overload]
         elif key == "log_level":
             logging.getLogger().setLevel(str(value).upper())
         elif key == "tenants":
-            self._broker.ledger.configure(value)  # type: ignore[arg-type]
+            self._broker.tables.ledger.configure(value)  # type: ignore[arg-type]
             self._broker.dispatch_all()  # a limit raised or gone lets waiting requests start
         elif key != "grace":  # the loop reads grace from its configuration
             setattr(self._broker, key, value)

@@ -5,7 +5,7 @@
     operators ─▶ admin ROUTER (--admin-bind) ─────────────────────────────┤ all of those, and CONTROL and
                    ipc (the default): the socket file is mode 0600, in     │ SLOT_ACTION (``ADMIN_ONLY``)
                    the runtime folder (0700): this user alone              ▼
-                   tcp: CURVE, only keys in --curve-admins        Broker._from_client(client, frames, admin)
+                   tcp: CURVE, only keys in --curve-admins        Clients.message(frames, tenant, admin)
                                                                           │ an operator's call on the front:
                                                                           ▼ ERROR ``forbidden``
 

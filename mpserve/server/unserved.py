@@ -10,7 +10,7 @@
 
 A request waits from when it was queued or from when its model became unserved, whichever is later: one
 queued when the model's last pool had been gone for long still waits the whole bound for a pool to come
-back, and a stream whose last instance was lost is requeued (``Broker._after_loss``) and waits the bound
+back, and a stream whose last instance was lost is requeued (``Registry._after_loss``) and waits the bound
 from that loss; it then ends with this error after the text it streamed. While an instance loads, requests
 wait for it: a load that fails often enough fails the model (``model_failed``).
 """

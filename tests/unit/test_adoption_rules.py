@@ -36,8 +36,8 @@ def _sent(broker: Broker) -> tuple[list[tuple[bytes, Any]], list[tuple[bytes, An
         workers.append((identity, wire.decode(frames[:3] if len(frames) > 3 else frames)))
         return True
 
-    broker._to_client = to_client  # type: ignore[method-assign]
-    broker._send_worker = to_worker  # type: ignore[method-assign]
+    broker.answers.to_client = to_client  # type: ignore[method-assign]
+    broker.outbox.send = to_worker  # type: ignore[method-assign]
     return clients, workers
 
 
@@ -49,67 +49,69 @@ def _live(rid: str, ticket: str, text: str, tenant: str = "") -> wire.Live:
 def test_only_an_expected_adoptee_may_show_the_dead_servers_secret(broker: Broker) -> None:
     broker.expect([1], (OLD,), wait=30)
     clients, workers = _sent(broker)
-    broker._on_ready(b"w0", wire.Ready("w0", "m", -1, 2, 100, proof=OLD), None)  # not among the survivors
-    assert b"w0" not in broker.workers and broker.stats["refused_worker_ready"] == 1
-    broker._on_ready(b"w1", wire.Ready("w1", "m", -1, 2, 101, proof=OLD), None)
-    assert broker.workers[b"w1"].index == 1
-    broker._on_ready(b"w0", wire.Ready("w0", "m", -1, 2, 102, proof=broker.link_secret), None)  # this start's own
-    assert broker.workers[b"w0"].index == 0
+    broker.registry.register(b"w0", wire.Ready("w0", "m", -1, 2, 100, proof=OLD), None)  # not among the survivors
+    assert b"w0" not in broker.tables.workers and broker.tables.stats["refused_worker_ready"] == 1
+    broker.registry.register(b"w1", wire.Ready("w1", "m", -1, 2, 101, proof=OLD), None)
+    assert broker.tables.workers[b"w1"].index == 1
+    this_start = wire.Ready("w0", "m", -1, 2, 102, proof=broker.link_secret)  # this start's own
+    broker.registry.register(b"w0", this_start, None)
+    assert broker.tables.workers[b"w0"].index == 0
 
 
 def test_a_reattached_request_gets_its_whole_text_then_resumes_where_its_sequence_is_parked(broker: Broker) -> None:
     broker.expect([0], (OLD,), wait=30)
     clients, workers = _sent(broker)
-    broker._on_ready(b"w0", wire.Ready("w0", "m", -1, 2, 100, proof=OLD,
+    broker.registry.register(b"w0", wire.Ready("w0", "m", -1, 2, 100, proof=OLD,
                                        live=(_live("r1", "T1", "Hello, wor"),)), None)
-    assert broker.stats["adopted_requests"] == 1 and broker.workers[b"w0"].parked == {"T1"}
-    assert "T1" not in broker.requests  # until its client comes back
-    broker._on_request(b"client", wire.Request("r1", "Once upon a time", stream=True, reattach=True))
+    assert broker.tables.stats["adopted_requests"] == 1 and broker.tables.workers[b"w0"].parked == {"T1"}
+    assert "T1" not in broker.tables.requests  # until its client comes back
+    broker.clients.admit(b"client", wire.Request("r1", "Once upon a time", stream=True, reattach=True))
     broker.flush()
     assert clients == [(b"client", wire.Chunk("r1", "Hello, wor"))]
     assert workers[0] == (b"w0", wire.Heartbeat("w0", pid=os.getpid()))  # adopted: told at once, with the pid
     [(to, assigns)] = workers[1:]
     assert to == b"w0" and [a.ticket for a in getattr(assigns, "assigns", (assigns,))] == ["T1"]
-    p = broker.requests["T1"]
+    p = broker.tables.requests["T1"]
     assert p.client == b"client" and bytes(p.generated) == wire.token_frame([5, 6, 7]) and p.tokens_known
-    assert broker.stats["reattached"] == 1
+    assert broker.tables.stats["reattached"] == 1
 
 
 def test_a_reattach_another_tenant_sends_finds_nothing_and_runs_anew(broker: Broker) -> None:
     broker.expect([0], (OLD,), wait=30)
     clients, workers = _sent(broker)
-    broker._on_ready(b"w0", wire.Ready("w0", "m", -1, 2, 100, proof=OLD,
+    broker.registry.register(b"w0", wire.Ready("w0", "m", -1, 2, 100, proof=OLD,
                                        live=(_live("r1", "T1", "secret text", tenant="key:aaaa"),)), None)
-    broker._on_request(b"other", wire.Request("r1", "Once upon a time", stream=True, reattach=True), tenant="key:bbbb")
+    broker.clients.admit(b"other", wire.Request("r1", "Once upon a time", stream=True, reattach=True),
+                         tenant="key:bbbb")
     assert not any(isinstance(m, wire.Chunk) for _, m in clients)
-    assert broker.stats["reattached"] == 0 and broker.stats["accepted"] == 1  # a request of its own
-    assert "T1" not in broker.requests
+    assert broker.tables.stats["reattached"] == 0 and broker.tables.stats["accepted"] == 1  # a request of its own
+    assert "T1" not in broker.tables.requests
 
 
 def test_a_reattach_before_its_adoptee_registered_waits_for_it(broker: Broker) -> None:
     broker.expect([0], (OLD,), wait=30)
     clients, workers = _sent(broker)
-    broker._on_request(b"client", wire.Request("r1", "Once upon a time", stream=True, reattach=True))
-    assert broker.stats["accepted"] == 0 and broker.stats["reattached"] == 0  # held
-    broker._on_ready(b"w0", wire.Ready("w0", "m", -1, 2, 100, proof=OLD, live=(_live("r1", "T1", "Hi"),)), None)
-    assert broker.stats["reattached"] == 1 and clients == [(b"client", wire.Chunk("r1", "Hi"))]
+    broker.clients.admit(b"client", wire.Request("r1", "Once upon a time", stream=True, reattach=True))
+    assert broker.tables.stats["accepted"] == 0 and broker.tables.stats["reattached"] == 0  # held
+    broker.registry.register(b"w0", wire.Ready("w0", "m", -1, 2, 100, proof=OLD, live=(_live("r1", "T1", "Hi"),)), None)
+    assert broker.tables.stats["reattached"] == 1 and clients == [(b"client", wire.Chunk("r1", "Hi"))]
 
 
 def test_a_held_reattach_runs_anew_once_the_adoptees_are_no_longer_expected(broker: Broker) -> None:
     broker.expect([0], (OLD,), wait=30)
     _sent(broker)
-    broker._on_request(b"client", wire.Request("r1", "Once upon a time", stream=True, reattach=True))
+    broker.clients.admit(b"client", wire.Request("r1", "Once upon a time", stream=True, reattach=True))
     broker.adoptee_lost(0)  # killed for not registering in time
-    assert broker.stats["accepted"] == 1 and broker.stats["reattached"] == 0
+    assert broker.tables.stats["accepted"] == 1 and broker.tables.stats["reattached"] == 0
 
 
 def test_an_adopted_request_no_client_comes_back_for_is_forgotten_on_its_instance(broker: Broker) -> None:
     broker.expect([0], (OLD,), wait=30)
     clients, workers = _sent(broker)
-    broker._on_ready(b"w0", wire.Ready("w0", "m", -1, 2, 100, proof=OLD, live=(_live("r1", "T1", "Hi"),)), None)
+    broker.registry.register(b"w0", wire.Ready("w0", "m", -1, 2, 100, proof=OLD, live=(_live("r1", "T1", "Hi"),)), None)
     broker.expire_adoptions(time.monotonic() + adoption.HOLD_S + 1)
-    assert (b"w0", wire.Cancel("T1")) in workers and not broker.workers[b"w0"].parked
-    assert broker.stats["adopted_unclaimed"] == 1
+    assert (b"w0", wire.Cancel("T1")) in workers and not broker.tables.workers[b"w0"].parked
+    assert broker.tables.stats["adopted_unclaimed"] == 1
 
 
 def test_text_that_comes_again_after_a_reattach_is_dropped_and_the_rest_delivered() -> None:

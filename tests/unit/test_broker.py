@@ -13,8 +13,10 @@ import pytest
 import zmq
 
 from mpserve.errors import ErrorCode
-from mpserve.server.broker import Broker, WorkerEntry
+from mpserve.server.broker import Broker
+from mpserve.server.hooks import BrokerHooks
 from mpserve.server.routing import MAX_HANDOVERS, MODEL_CRASHES
+from mpserve.server.state import WorkerEntry
 from mpserve.wire import protocol as wire
 from mpserve.wire.adapters import Served
 from mpserve.wire.prefix import block_hashes
@@ -35,30 +37,56 @@ def broker() -> Iterator[Broker]:
     ctx.term()
 
 
-def test_a_worker_that_loads_on_demand_registers_again_and_counts_as_a_good_load(broker: Broker) -> None:
-    seen: list[tuple[int | None, bool]] = []
-    broker.on_ready = lambda entry: seen.append((entry.index, entry.loaded))
-    ready = wire.Ready("w0", "m", -1, 2, 1234, loaded=False, proof=broker.link_secret)
-    broker._on_ready(b"w0", ready, None)
-    assert seen == [(0, False)] and len(broker.models["m"].free) == 2
-    broker._on_ready(b"w0", ready, None)  # registering again after a silence: nothing new
-    assert seen == [(0, False)]
-    broker._on_ready(b"w0", wire.Ready("w0", "m", -1, 2, 1234, loaded=True, chat_template="{{ x }}",
-                                       proof=broker.link_secret), None)
-    assert seen == [(0, False), (0, True)]  # the supervisor hears of the good load
-    assert len(broker.models["m"].free) == 2 and broker.workers[b"w0"].loaded
-    assert broker.snapshot().models["m"].chat_template == "{{ x }}"
+class Ready(BrokerHooks):
+    """The server's hooks as far as READY goes: each local instance's registration, as the supervisor hears it."""
+
+    def __init__(self) -> None:
+        self.seen: list[tuple[int | None, bool]] = []
+
+    def worker_ready(self, entry: WorkerEntry) -> None:
+        self.seen.append((entry.index, entry.loaded))
+
+
+class Loading(BrokerHooks):
+    """The server's hooks as far as loading goes: whether an instance is starting, as the test says."""
+
+    def __init__(self) -> None:
+        self.starting = True
+
+    def loading(self, model: str) -> bool:
+        return self.starting
+
+
+def test_a_worker_that_loads_on_demand_registers_again_and_counts_as_a_good_load() -> None:
+    ctx = zmq.Context()
+    hooks = Ready()
+    broker = Broker(ctx, "inproc://front-ready", "inproc://back-ready", {"m": 8}, hooks=hooks)
+    try:
+        ready = wire.Ready("w0", "m", -1, 2, 1234, loaded=False, proof=broker.link_secret)
+        broker.registry.register(b"w0", ready, None)
+        assert hooks.seen == [(0, False)] and len(broker.tables.models["m"].free) == 2
+        broker.registry.register(b"w0", ready, None)  # registering again after a silence: nothing new
+        assert hooks.seen == [(0, False)]
+        broker.registry.register(b"w0", wire.Ready("w0", "m", -1, 2, 1234, loaded=True, chat_template="{{ x }}",
+                                                   proof=broker.link_secret), None)
+        assert hooks.seen == [(0, False), (0, True)]  # the supervisor hears of the good load
+        assert len(broker.tables.models["m"].free) == 2 and broker.tables.workers[b"w0"].loaded
+        assert broker.snapshot().models["m"].chat_template == "{{ x }}"
+    finally:
+        broker.front.close(0)
+        broker.back.close(0)
+        ctx.term()
 
 
 def test_a_new_process_takes_a_local_name_only_once_the_old_one_has_exited(broker: Broker) -> None:
-    broker._on_ready(b"w0", wire.Ready("w0", "m", -1, 1, 1234, proof=broker.link_secret), None)
-    first: WorkerEntry = broker.workers[b"w0"]
-    broker._on_ready(b"w0", wire.Ready("w0", "m", -1, 1, 5678, proof=broker.link_secret), None)
-    assert broker.workers[b"w0"] is first and broker.stats["refused_worker_ready"] == 1  # w0 lives
+    broker.registry.register(b"w0", wire.Ready("w0", "m", -1, 1, 1234, proof=broker.link_secret), None)
+    first: WorkerEntry = broker.tables.workers[b"w0"]
+    broker.registry.register(b"w0", wire.Ready("w0", "m", -1, 1, 5678, proof=broker.link_secret), None)
+    assert broker.tables.workers[b"w0"] is first and broker.tables.stats["refused_worker_ready"] == 1  # w0 lives
     broker.worker_exited(0, 0)
-    broker._on_ready(b"w0", wire.Ready("w0", "m", -1, 1, 5678, proof=broker.link_secret), None)
-    assert broker.workers[b"w0"] is not first and broker.workers[b"w0"].pid == 5678
-    assert len(broker.models["m"].free) == 1
+    broker.registry.register(b"w0", wire.Ready("w0", "m", -1, 1, 5678, proof=broker.link_secret), None)
+    assert broker.tables.workers[b"w0"] is not first and broker.tables.workers[b"w0"].pid == 5678
+    assert len(broker.tables.models["m"].free) == 1
 
 
 @contextlib.contextmanager
@@ -72,7 +100,7 @@ def peers(broker: Broker, slots: int) -> Iterator[tuple[zmq.Socket[bytes], dict[
         workers[name] = ctx.socket(zmq.DEALER)
         workers[name].setsockopt(zmq.IDENTITY, name)
         workers[name].connect("inproc://back")
-        broker._on_ready(name, wire.Ready(name.decode(), "m", -1, slots, 1, proof=broker.link_secret), None)
+        broker.registry.register(name, wire.Ready(name.decode(), "m", -1, slots, 1, proof=broker.link_secret), None)
     try:
         yield client, workers
     finally:
@@ -111,7 +139,8 @@ def test_a_streamed_request_whose_worker_dies_is_resumed_elsewhere_from_its_toke
         assert other.poll(1000)
         resumed = wire.decode(other.recv_multipart())
         assert wire.frame_tokens(resumed.generated) == [7, 8] and resumed.attempt == 2
-        assert resumed.ticket == assign.ticket and broker.stats["resumed"] == 1 and not broker.stats["worker_lost"]
+        stats = broker.tables.stats
+        assert resumed.ticket == assign.ticket and stats["resumed"] == 1 and not stats["worker_lost"]
         assert not client.poll(0)  # the client saw no error
 
 
@@ -120,16 +149,16 @@ def test_a_request_for_more_choices_than_a_later_instance_has_is_answered_not_le
     client.connect("inproc://front")
     try:
         client.send_multipart(wire.encode(wire.Request("r1", "hi", params=wire.GenerateParams(n=4))))
-        while not broker.models["m"].queue:  # accepted: no instance has registered to say how many slots it has
+        while not broker.tables.models["m"].queue:  # accepted: no instance has registered to say how many slots it has
             broker.drain_front()
-        assert len(broker.requests) == 4 and broker.snapshot().models["m"].queued == 1
-        broker._on_ready(b"w0", wire.Ready("w0", "m", -1, 2, 1234, proof=broker.link_secret), None)
+        assert len(broker.tables.requests) == 4 and broker.snapshot().models["m"].queued == 1
+        broker.registry.register(b"w0", wire.Ready("w0", "m", -1, 2, 1234, proof=broker.link_secret), None)
         assert client.poll(2000)
         answer = wire.decode(client.recv_multipart())
         assert isinstance(answer, wire.Error) and answer.id == "r1" and "'n' = 4 is more than the 2 slots" in (
             answer.message)
-        assert not broker.requests and not broker.by_client and not broker.models["m"].queue
-        assert len(broker.models["m"].free) == 2
+        assert not broker.tables.requests and not broker.tables.by_client and not broker.tables.models["m"].queue
+        assert len(broker.tables.models["m"].free) == 2
     finally:
         client.close(0)
 
@@ -154,7 +183,7 @@ def test_the_choices_of_a_request_whose_worker_dies_are_handed_over_each_with_it
         resumed = {a.index: a for a in assigns(other, 2)}
         assert wire.frame_tokens(resumed[1].generated) == [7, 8] and resumed[0].generated == b""
         assert resumed[1].request.params.seed == 6 and resumed[1].ticket == given[1].ticket
-        assert broker.stats["resumed"] == 1 and broker.stats["retried"] == 1 and not client.poll(0)
+        assert broker.tables.stats["resumed"] == 1 and broker.tables.stats["retried"] == 1 and not client.poll(0)
 
 
 def test_a_workers_chunks_reach_each_client_in_order_as_one_message_and_before_done(broker: Broker) -> None:
@@ -163,7 +192,7 @@ def test_a_workers_chunks_reach_each_client_in_order_as_one_message_and_before_d
     worker = ctx.socket(zmq.DEALER)
     worker.setsockopt(zmq.IDENTITY, b"w0")
     worker.connect("inproc://back")
-    broker._on_ready(b"w0", wire.Ready("w0", "m", -1, 3, 1, proof=broker.link_secret), None)
+    broker.registry.register(b"w0", wire.Ready("w0", "m", -1, 3, 1, proof=broker.link_secret), None)
     try:
         for client, ids in zip(clients, (("a1", "a2"), ("b1",)), strict=True):
             client.connect("inproc://front")
@@ -184,7 +213,7 @@ def test_a_workers_chunks_reach_each_client_in_order_as_one_message_and_before_d
         assert wire.decode(clients[0].recv_multipart()) == wire.Chunks((wire.Chunk("a1", "x"), wire.Chunk("a2", "z")))
         assert isinstance(wire.decode(clients[0].recv_multipart()), wire.Done)
         assert wire.decode(clients[1].recv_multipart()) == wire.Chunk("b1", "y")  # alone: a plain CHUNK
-        assert broker.requests[tickets["a2"]].generated.endswith(wire.token_frame([2]))
+        assert broker.tables.requests[tickets["a2"]].generated.endswith(wire.token_frame([2]))
     finally:
         for sock in (*clients, worker):
             sock.close(0)
@@ -215,24 +244,25 @@ def test_cache_frames_say_what_the_host_store_holds_for_every_instance_there_and
 
     with peers(broker, slots=1) as (client, workers):
         first = served_by(workers, client, "r1", "an unrelated prompt", held)  # it saved the document
-        assert all(w.ram for w in broker.workers.values()) and broker.stats["routed_least_busy"] == 1
+        assert all(w.ram for w in broker.tables.workers.values()) and broker.tables.stats["routed_least_busy"] == 1
         served_by(workers, client, "r2", question)  # either instance restores it from the host's store
-        assert broker.stats["routed_ram_prefix"] == 1
+        assert broker.tables.stats["routed_ram_prefix"] == 1
 
         workers[first].send_multipart(wire.encode_from_worker(wire.Unloaded(first.decode())))
         assert broker.back.poll(1000)
         broker.drain_back()
-        assert broker.workers[first].ram and not broker.workers[first].prompts  # the store keeps what it saved
+        entry = broker.tables.workers[first]
+        assert entry.ram and not entry.prompts  # the store keeps what it saved
 
         bad = wire.encode_from_worker(wire.Done("x", "", "stop", wire.Usage(0, 0), wire.Timings(0, 0, 0)), "nope",
                                       wire.pack({"added": [[1, b"\x00" * 7]]}))
         workers[first].send_multipart(bad)  # a broken CACHE frame is counted; the result goes its way
         assert broker.back.poll(1000)
         broker.drain_back()
-        assert broker.stats["dropped_worker_malformed"] == 1
+        assert broker.tables.stats["dropped_worker_malformed"] == 1
 
         broker.worker_exited(int(first[1:]), -signal.SIGKILL)  # a lost worker: the store outlives it
-        assert first not in broker.workers and broker.models["m"].store("")
+        assert first not in broker.tables.workers and broker.tables.models["m"].store("")
 
 
 def test_a_worker_registering_with_its_hosts_store_steers_routing_to_that_host(broker: Broker) -> None:
@@ -269,8 +299,8 @@ def test_a_worker_registering_with_its_hosts_store_steers_routing_to_that_host(b
         workers[remote].setsockopt(zmq.IDENTITY, remote)
         workers[remote].connect("inproc://back")
         register(workers, remote, 99, held, host="pool-b")
-        assert broker.workers[remote].ram and not broker.workers[b"w0"].ram  # that host's, not this one's
-        assert routed(client, workers, "r1") == remote and broker.stats["routed_ram_prefix"] == 1
+        assert broker.tables.workers[remote].ram and not broker.tables.workers[b"w0"].ram  # that host's, not this one's
+        assert routed(client, workers, "r1") == remote and broker.tables.stats["routed_ram_prefix"] == 1
 
 
 def test_a_steps_chunks_reach_a_client_before_its_done_and_the_later_ones_after(broker: Broker) -> None:
@@ -279,11 +309,11 @@ def test_a_steps_chunks_reach_a_client_before_its_done_and_the_later_ones_after(
     worker.setsockopt(zmq.IDENTITY, b"w0")
     worker.connect("inproc://back")
     client.connect("inproc://front")
-    broker._on_ready(b"w0", wire.Ready("w0", "m", -1, 2, 1, proof=broker.link_secret), None)
+    broker.registry.register(b"w0", wire.Ready("w0", "m", -1, 2, 1, proof=broker.link_secret), None)
     try:
         for rid in ("a1", "a2"):
             client.send_multipart(wire.encode(wire.Request(rid, "hi", stream=True)))
-        while len(broker.requests) < 2:
+        while len(broker.tables.requests) < 2:
             assert broker.front.poll(1000)
             broker.drain_front()
         tickets = {a.request.id: a.ticket for a in assigns(worker, 2)}
@@ -300,7 +330,7 @@ def test_a_steps_chunks_reach_a_client_before_its_done_and_the_later_ones_after(
         while client.poll(200):
             got.append(wire.decode(client.recv_multipart()))
         assert got == [wire.Chunks((wire.Chunk("a1", "x"), wire.Chunk("a2", "z"))), done, wire.Chunk("a2", "w")]
-        assert tickets["a1"] not in broker.requests and broker.stats["done"] == 1
+        assert tickets["a1"] not in broker.tables.requests and broker.tables.stats["done"] == 1
     finally:
         client.close(0)
         worker.close(0)
@@ -311,7 +341,7 @@ def test_the_assigns_of_one_drain_go_to_a_worker_as_one_message_and_a_cancel_aft
         for rid in ("r1", "r2", "r3", "r4"):
             client.send_multipart(wire.encode(wire.Request(rid, "hi")))
         client.send_multipart(wire.encode(wire.Cancel("r4")))
-        while broker.stats[ErrorCode.CANCELLED] == 0:
+        while broker.tables.stats[ErrorCode.CANCELLED] == 0:
             assert broker.front.poll(1000)
             broker.drain_front()
         messages: dict[bytes, list[Any]] = {name: [] for name in workers}
@@ -339,7 +369,7 @@ def test_a_worker_of_another_worker_protocol_is_refused_with_both_versions_named
         refusal = wire.decode(worker.recv_multipart())
         assert isinstance(refusal, wire.Error) and refusal.code == "protocol"
         assert f"{wire.WORKER_LINK}, not MPS1:" in refusal.message
-        assert b"w7" not in broker.workers and broker.models["m"].instances == 0
+        assert b"w7" not in broker.tables.workers and broker.tables.models["m"].instances == 0
     finally:
         worker.close(0)
 
@@ -364,7 +394,7 @@ def test_a_worker_that_leaves_is_forgotten_at_once_and_its_request_resumed_with_
         workers[first].send_multipart(wire.encode_from_worker(wire.Leaving(first.decode(), "it got SIGTERM")))
         assert broker.back.poll(1000)
         broker.drain_back()
-        assert first not in broker.workers and broker.stats["worker_left"] == 1
+        assert first not in broker.tables.workers and broker.tables.stats["worker_left"] == 1
         [(second, resumed)] = taken(workers).values()
         assert second != first and resumed.attempt == 2 and wire.frame_tokens(resumed.generated) == [7, 8]
         time.sleep(0.1)  # not a wait: the second instance's part of the time
@@ -387,7 +417,7 @@ def test_a_leaving_worker_the_broker_does_not_know_is_not_asked_to_register(brok
         workers[b"w0"].send_multipart(wire.encode_from_worker(wire.Leaving("w0", "told to stop")))
         assert broker.back.poll(1000)
         broker.drain_back()
-        assert not workers[b"w0"].poll(100) and broker.stats["worker_left"] == 0
+        assert not workers[b"w0"].poll(100) and broker.tables.stats["worker_left"] == 0
 
 
 # --- how a worker ended: a crash, a kill, a model whose workers crash ------------------------------
@@ -395,8 +425,8 @@ def test_a_leaving_worker_the_broker_does_not_know_is_not_asked_to_register(brok
 def ask(broker: Broker, client: zmq.Socket[bytes], rid: str) -> None:
     """Send the request ``rid`` and let the broker take it."""
     client.send_multipart(wire.encode(wire.Request(rid, "hi", stream=True)))
-    accepted = broker.stats["accepted"]
-    while broker.stats["accepted"] == accepted:
+    accepted = broker.tables.stats["accepted"]
+    while broker.tables.stats["accepted"] == accepted:
         assert broker.front.poll(1000)
         broker.drain_front()
 
@@ -414,7 +444,7 @@ def taken(workers: dict[bytes, zmq.Socket[bytes]]) -> dict[str, tuple[bytes, wir
 def ends(broker: Broker, name: bytes, code: int, slots: int = 1) -> None:
     """Worker ``name`` exits with ``code``, and its replacement (a new process) registers."""
     broker.worker_exited(int(name[1:]), code)
-    broker._on_ready(name, wire.Ready(name.decode(), "m", -1, slots, 2, proof=broker.link_secret), None)
+    broker.registry.register(name, wire.Ready(name.decode(), "m", -1, slots, 2, proof=broker.link_secret), None)
     broker.flush()
 
 
@@ -430,14 +460,14 @@ def test_a_worker_killed_from_outside_hands_its_request_over_up_to_the_bound_nam
             name, assign = taken(workers)["r1"]
             assert assign.attempt == lost
             ends(broker, name, -(signal.SIGKILL if lost % 2 else signal.SIGTERM))
-            assert broker.stats["worker_crashed"] == 0 and not broker.stats[ErrorCode.POISON_REQUEST]
+            assert broker.tables.stats["worker_crashed"] == 0 and not broker.tables.stats[ErrorCode.POISON_REQUEST]
             if lost < MAX_HANDOVERS:
                 assert not client.poll(0), f"answered after {lost} hand-overs"
         error = answer(client)
         assert isinstance(error, wire.Error) and error.code == ErrorCode.WORKER_LOST
         assert f"lost {MAX_HANDOVERS} workers" in error.message and f"bound on hand-overs ({MAX_HANDOVERS})" in (
             error.message), error.message
-        assert "signal SIGTERM" in error.message and not broker.requests
+        assert "signal SIGTERM" in error.message and not broker.tables.requests
 
 
 def test_a_request_that_crashes_or_stalls_two_workers_is_poison_and_its_model_serves_on(broker: Broker) -> None:
@@ -450,7 +480,7 @@ def test_a_request_that_crashes_or_stalls_two_workers_is_poison_and_its_model_se
         error = answer(client)
         assert isinstance(error, wire.Error) and error.code == ErrorCode.POISON_REQUEST, error
         assert "2 workers that crashed or stalled" in error.message
-        assert broker.models["m"].failed is None and broker.models["m"].crash_streak == 1  # one request
+        assert broker.tables.models["m"].failed is None and broker.tables.models["m"].crash_streak == 1  # one request
         ask(broker, client, "r2")
         assert list(taken(workers)) == ["r2"]
 
@@ -464,7 +494,7 @@ def test_a_model_whose_workers_crash_on_different_requests_in_a_row_fails_naming
     worker.connect("inproc://back")
     client = broker.front.context.socket(zmq.DEALER)
     client.connect("inproc://front")
-    broker._on_ready(b"w0", wire.Ready("w0", "m", -1, 2, 1, proof=broker.link_secret), None)
+    broker.registry.register(b"w0", wire.Ready("w0", "m", -1, 2, 1, proof=broker.link_secret), None)
     try:
         ask(broker, client, "r1")
         assigns(worker, 1)
@@ -477,14 +507,14 @@ def test_a_model_whose_workers_crash_on_different_requests_in_a_row_fails_naming
         ask(broker, client, "r3")
         assert {a.request.id for a in assigns(worker, 2)} == {"r2", "r3"}
         ask(broker, client, "r4")  # queued: both slots are busy
-        assert broker.models["m"].crash_streak == MODEL_CRASHES - 1 and not client.poll(0)
+        assert broker.tables.models["m"].crash_streak == MODEL_CRASHES - 1 and not client.poll(0)
         ends(broker, b"w0", -signal.SIGSEGV, slots=2)
         failed = [answer(client) for _ in range(3)]
         assert sorted((e.id, e.code) for e in failed) == [(r, ErrorCode.MODEL_FAILED) for r in ("r2", "r3", "r4")]
         assert all(e.message == failed[0].message for e in failed)
         assert "model m crashed its workers with SIGSEGV" in failed[0].message
         assert "repack: false (--no-repack" in failed[0].message and "n_gpu_layers" in failed[0].message
-        assert not broker.requests and broker.snapshot().models["m"].failed is not None
+        assert not broker.tables.requests and broker.snapshot().models["m"].failed is not None
         client.send_multipart(wire.encode(wire.Request("r5", "hi")))
         assert broker.front.poll(1000)
         broker.drain_front()
@@ -505,17 +535,18 @@ def test_a_done_between_crashes_starts_the_models_count_afresh(broker: Broker) -
         ask(broker, client, "r2")
         running = taken(workers)
         ends(broker, running["r2"][0], -signal.SIGSEGV)
-        assert broker.models["m"].crash_streak == 2 and list(taken(workers)) == ["r2"]
+        assert broker.tables.models["m"].crash_streak == 2 and list(taken(workers)) == ["r2"]
         name, assign = running["r1"]
         done = wire.Done("r1", "ok", "length", wire.Usage(1, 1), wire.Timings(0, 0, 0))
         workers[name].send_multipart(wire.encode_from_worker(done, assign.ticket))
         assert broker.back.poll(1000)
         broker.drain_back()
         got = answer(client)  # its timings are the whole request's: it was handed over (``test_...timings...``)
-        assert msgspec.structs.replace(got, timings=done.timings) == done and broker.models["m"].crash_streak == 0
+        assert msgspec.structs.replace(got, timings=done.timings) == done
+        assert broker.tables.models["m"].crash_streak == 0
         ask(broker, client, "r3")
         ends(broker, taken(workers)["r3"][0], -signal.SIGSEGV)
-        assert broker.models["m"].failed is None and broker.models["m"].crash_streak == 1
+        assert broker.tables.models["m"].failed is None and broker.tables.models["m"].crash_streak == 1
 
 
 def test_a_remote_worker_that_cannot_be_reached_is_said_so_once_in_words_that_fit_it(
@@ -526,7 +557,7 @@ def test_a_remote_worker_that_cannot_be_reached_is_said_so_once_in_words_that_fi
     sock = ctx.socket(zmq.DEALER)
     sock.setsockopt(zmq.IDENTITY, b"far-w0")
     sock.connect("inproc://back")
-    broker._on_ready(b"far-w0", wire.Ready("far-w0", "m", -1, 1, 7, host="elsewhere"), None)
+    broker.registry.register(b"far-w0", wire.Ready("far-w0", "m", -1, 1, 7, host="elsewhere"), None)
     sock.close(0)  # its link is down
     time.sleep(0.1)  # not a wait: inproc's disconnect reaches the ROUTER unseen by any call
     with caplog.at_level("WARNING", logger="mpserve.broker"):
@@ -542,8 +573,9 @@ def test_a_remote_workers_ready_that_cannot_be_answered_registers_nothing(
     """A READY that came over a connection the broker can no longer send on (here: none) would register a worker
     every request sent to it is lost to; unanswered, the worker connects and registers again by itself."""
     with caplog.at_level("WARNING", logger="mpserve.broker"):
-        broker._on_ready(b"far-w0", wire.Ready("far-w0", "m", -1, 1, 7, host="elsewhere"), None)
-    assert not broker.workers and not broker.models["m"].free and broker.stats["unanswered_ready"] == 1
+        broker.registry.register(b"far-w0", wire.Ready("far-w0", "m", -1, 1, 7, host="elsewhere"), None)
+    tables = broker.tables
+    assert not tables.workers and not tables.models["m"].free and tables.stats["unanswered_ready"] == 1
     assert [r.getMessage() for r in caplog.records] == [
         "worker far-w0 on elsewhere: its READY came over a connection that is closing; not registered until it "
         "registers again"]
@@ -559,14 +591,14 @@ def test_a_request_not_sent_to_a_remote_worker_goes_elsewhere_even_if_that_worke
         client.connect("inproc://front")
         far.setsockopt(zmq.IDENTITY, b"far-w0")
         far.connect("inproc://back")
-        broker._on_ready(b"far-w0", wire.Ready("far-w0", "m", -1, 1, 7, host="elsewhere"), None)
+        broker.registry.register(b"far-w0", wire.Ready("far-w0", "m", -1, 1, 7, host="elsewhere"), None)
         far.close(0)  # its link is down
         time.sleep(0.1)  # not a wait: inproc's disconnect reaches the ROUTER unseen by any call
         ask(broker, client, "r1")  # assigned to far-w0, the only worker: the send fails
         broker.flush()
         # the same process heard from again (on a new link: what the ROUTER hands over, as it receives it)
-        broker._from_worker([b"far-w0", *wire.encode_from_worker(wire.Heartbeat("far-w0"))])
-        assert not broker.workers[b"far-w0"].unreachable
+        broker.registry.message([b"far-w0", *wire.encode_from_worker(wire.Heartbeat("far-w0"))])
+        assert not broker.tables.workers[b"far-w0"].unreachable
         near.setsockopt(zmq.IDENTITY, b"near-w0")
         near.connect("inproc://back")
         near.send_multipart(wire.encode_from_worker(wire.Ready("near-w0", "m", -1, 1, 8, host="nearby")))
@@ -575,8 +607,8 @@ def test_a_request_not_sent_to_a_remote_worker_goes_elsewhere_even_if_that_worke
         assert isinstance(wire.decode(near.recv_multipart()), wire.Heartbeat)  # answered at once
         broker.expire_workers(time.monotonic())
         assert taken({b"near-w0": near})["r1"][1].attempt == 2  # handed over
-        assert b"far-w0" not in broker.workers and broker.stats["worker_link_down"] == 1
-        assert not broker.stats["worker_expired"]
+        assert b"far-w0" not in broker.tables.workers and broker.tables.stats["worker_link_down"] == 1
+        assert not broker.tables.stats["worker_expired"]
     finally:
         for sock in (client, far, near):
             sock.close(0)
@@ -584,12 +616,13 @@ def test_a_request_not_sent_to_a_remote_worker_goes_elsewhere_even_if_that_worke
 
 def test_a_request_waits_for_a_loading_instance_and_otherwise_ends_no_instance_after_the_bound() -> None:
     ctx = zmq.Context()
-    broker = Broker(ctx, "inproc://front-unserved", "inproc://back-unserved", {"m": 8}, no_instance_timeout=3.0)
+    hooks = Loading()
+    broker = Broker(ctx, "inproc://front-unserved", "inproc://back-unserved", {"m": 8}, no_instance_timeout=3.0,
+                    hooks=hooks)
     client = ctx.socket(zmq.DEALER)
     client.connect("inproc://front-unserved")
     try:
-        loading = True
-        broker.loading = lambda model: loading
+        hooks.starting = True
         client.send_multipart(wire.encode(wire.Request("r1", "hi", timeout=5.0)))
         assert broker.front.poll(1000)
         broker.drain_front()
@@ -600,7 +633,7 @@ def test_a_request_waits_for_a_loading_instance_and_otherwise_ends_no_instance_a
         error = answer(client)
         assert (error.id, error.code) == ("r1", ErrorCode.NO_INSTANCE) and "still loading" in error.message
 
-        loading = False
+        hooks.starting = False
         client.send_multipart(wire.encode(wire.Request("r2", "hi")))
         assert broker.front.poll(1000)
         broker.drain_front()
@@ -611,7 +644,7 @@ def test_a_request_waits_for_a_loading_instance_and_otherwise_ends_no_instance_a
         broker.expire_unserved(now + 3.0)
         error = answer(client)
         assert (error.id, error.code) == ("r2", ErrorCode.NO_INSTANCE) and "has registered" in error.message
-        assert not broker.requests and not broker.models["m"].queue
+        assert not broker.tables.requests and not broker.tables.models["m"].queue
     finally:
         client.close(0)
         broker.close()
@@ -630,13 +663,13 @@ def test_a_lookup_is_answered_only_by_the_worker_it_was_sent_to(broker: Broker) 
         workers[other].send_multipart(forged)  # the right ticket, from another worker
         assert broker.back.poll(1000)
         broker.drain_back()
-        assert not client.poll(100) and broker.stats["dropped_foreign_lookup_answer"] == 1
+        assert not client.poll(100) and broker.tables.stats["dropped_foreign_lookup_answer"] == 1
         workers[asked].send_multipart(wire.encode_from_worker(wire.Tokens("t1", wire.pack_tokens([1, 2])), ticket))
         assert broker.back.poll(1000)
         broker.drain_back()
         answer = wire.decode(client.recv_multipart()) if client.poll(1000) else None
         assert isinstance(answer, wire.Tokens) and wire.unpack_tokens(answer.tokens) == [1, 2]
-        assert not broker.lookups
+        assert not broker.tables.lookups
 
 
 def test_tickets_are_random_and_a_worker_registers_only_under_its_connections_name(broker: Broker) -> None:
@@ -647,8 +680,8 @@ def test_tickets_are_random_and_a_worker_registers_only_under_its_connections_na
         broker.drain_front()
         tickets = [a.ticket for sock in workers.values() for a in assigns(sock, 2)]
     assert len(set(tickets)) == 4 and all(len(t) >= 22 for t in tickets)  # 128 random bits each
-    broker._on_ready(b"pool-1-w0", wire.Ready("pool-1-w1", "m", -1, 1, 1, host="pool"), None)
-    assert b"pool-1-w0" not in broker.workers and broker.stats["refused_worker_ready"] == 1
+    broker.registry.register(b"pool-1-w0", wire.Ready("pool-1-w1", "m", -1, 1, 1, host="pool"), None)
+    assert b"pool-1-w0" not in broker.tables.workers and broker.tables.stats["refused_worker_ready"] == 1
 
 
 def test_a_requests_salt_goes_with_its_assign_and_a_slots_last_prompt_draws_only_the_same_salt(broker: Broker) -> None:
@@ -678,18 +711,18 @@ def test_a_requests_salt_goes_with_its_assign_and_a_slots_last_prompt_draws_only
         assert assign.salt == reuse_salt(a, None, ()) != b""
         other, assign = routed(client, workers, "r2", tenant=b)
         assert assign.salt == reuse_salt(b, None, ()) and other != first  # A's slot draws nothing of B's
-        assert broker.stats["routed_kv_prefix"] == 0
+        assert broker.tables.stats["routed_kv_prefix"] == 0
         again, assign = routed(client, workers, "r3", tenant=a)
-        assert again == first and broker.stats["routed_kv_prefix"] == 1  # A's own prompt, in A's slot
+        assert again == first and broker.tables.stats["routed_kv_prefix"] == 1  # A's own prompt, in A's slot
         shared, assign = routed(client, workers, "r4", tenant=b, cache_salt="public")
         assert assign.salt == reuse_salt(a, "public", ())
         assert routed(client, workers, "r5", tenant=a, cache_salt="public")[0] == shared  # one salt: shared
-        assert broker.stats["routed_kv_prefix"] == 2
+        assert broker.tables.stats["routed_kv_prefix"] == 2
         assert routed(client, workers, "r6")[1].salt == b""  # the default tenant: as before
 def test_requests_of_one_adapter_set_go_to_the_instance_running_that_set(broker: Broker) -> None:
-    broker.models["m"].adapters = Served(["fr", "de"])
+    broker.tables.models["m"].adapters = Served(["fr", "de"])
     with peers(broker, slots=4) as (client, workers):
-        for entry in broker.workers.values():
+        for entry in broker.tables.workers.values():
             entry.adapters = frozenset({"fr", "de"})
         def send(rid: str, adapters: tuple[tuple[str, float], ...]) -> bytes:
             client.send_multipart(wire.encode(wire.Request(rid, "hi", adapters=adapters)))
@@ -713,9 +746,9 @@ def test_requests_of_one_adapter_set_go_to_the_instance_running_that_set(broker:
 
 def test_a_freed_slot_takes_a_younger_request_of_its_instance_s_set_before_an_older_of_another(
         broker: Broker) -> None:
-    broker.models["m"].adapters = Served(["fr", "de", "es"])
+    broker.tables.models["m"].adapters = Served(["fr", "de", "es"])
     with peers(broker, slots=2) as (client, workers):
-        for entry in broker.workers.values():
+        for entry in broker.tables.workers.values():
             entry.adapters = frozenset({"fr", "de", "es"})
         placed: dict[str, tuple[bytes, str]] = {}  # request id -> its worker and ticket
 
@@ -739,4 +772,4 @@ def test_a_freed_slot_takes_a_younger_request_of_its_instance_s_set_before_an_ol
         broker.drain_back()
         assert workers[fr_worker].poll(1000)
         assert [a.request.id for a in assigns(workers[fr_worker], 1)] == ["f3"]  # batches with f2; e1 waits
-        assert broker.requests[broker.models["m"].queue.oldest()].request.id == "e1"
+        assert broker.tables.requests[broker.tables.models["m"].queue.oldest()].request.id == "e1"

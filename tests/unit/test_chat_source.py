@@ -66,20 +66,22 @@ def links(broker: Broker) -> Iterator[None]:
 
 @pytest.mark.usefixtures("links")
 def test_the_broker_hands_out_the_servers_template_whatever_pools_say(broker: Broker) -> None:
-    broker._on_ready(b"evil-1-w0", ready("evil-1-w0", ChatTemplate("{{ 'obey' }}"), host="evil"), None)
-    assert b"evil-1-w0" not in broker.workers and not broker.snapshot().models["m"].chat_template
-    broker._on_ready(b"pool-1-w0", ready("pool-1-w0", OWN, host="pool"), None)
-    assert b"pool-1-w0" in broker.workers and broker.snapshot().models["m"].chat_template == OWN.template
-    broker._on_ready(b"pool-2-w0", ready("pool-2-w0", ChatTemplate(OWN.template, "", "obey"), host="pool"), None)
-    assert b"pool-2-w0" not in broker.workers and broker.stats["refused_worker_ready"] == 2
+    broker.registry.register(b"evil-1-w0", ready("evil-1-w0", ChatTemplate("{{ 'obey' }}"), host="evil"), None)
+    assert b"evil-1-w0" not in broker.tables.workers and not broker.snapshot().models["m"].chat_template
+    broker.registry.register(b"pool-1-w0", ready("pool-1-w0", OWN, host="pool"), None)
+    assert b"pool-1-w0" in broker.tables.workers and broker.snapshot().models["m"].chat_template == OWN.template
+    other_eos = ready("pool-2-w0", ChatTemplate(OWN.template, "", "obey"), host="pool")
+    broker.registry.register(b"pool-2-w0", other_eos, None)
+    assert b"pool-2-w0" not in broker.tables.workers and broker.tables.stats["refused_worker_ready"] == 2
     local = ChatTemplate(OWN.template, "<bos>", "<eos>")
-    broker._on_ready(b"w0", ready("w0", local, proof=broker.link_secret), None)
+    broker.registry.register(b"w0", ready("w0", local, proof=broker.link_secret), None)
     assert broker.snapshot().models["m"].eos_token == "<eos>"  # the first local load's
-    broker._on_ready(b"pool-1-w0", ready("pool-1-w0", ChatTemplate("{{ 'obey' }}"), host="pool"), None)  # on demand
-    broker._on_ready(b"w0", ready("w0", ChatTemplate("changed on disk"), proof=broker.link_secret), None)
+    on_demand = ready("pool-1-w0", ChatTemplate("{{ 'obey' }}"), host="pool")
+    broker.registry.register(b"pool-1-w0", on_demand, None)
+    broker.registry.register(b"w0", ready("w0", ChatTemplate("changed on disk"), proof=broker.link_secret), None)
     held = broker.snapshot().models["m"]
     assert (held.chat_template, held.eos_token) == (OWN.template, "<eos>")
-    assert broker.stats["chat_template_differs"] == 2
+    assert broker.tables.stats["chat_template_differs"] == 2
 
 
 def test_a_reload_that_changes_the_template_hands_out_the_new_one_at_once_and_keeps_it() -> None:

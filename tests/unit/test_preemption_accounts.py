@@ -24,16 +24,16 @@ pytestmark = pytest.mark.timeout(30)
 
 def _request(client: zmq.Socket[bytes], broker: Broker, rid: str, priority: int, **fields: Any) -> None:
     client.send_multipart(wire.encode(wire.Request(rid, "hi", stream=True, priority=priority, **fields)))
-    accepted = broker.stats["accepted"]
-    while broker.stats["accepted"] == accepted:
+    accepted = broker.tables.stats["accepted"]
+    while broker.tables.stats["accepted"] == accepted:
         assert broker.front.poll(1000)
         broker.drain_front()
 
 
 def _answer(broker: Broker, rid: str, mtype: wire.MsgType, body: Any) -> None:
-    p = next(p for p in broker.requests.values() if p.request.id == rid)
+    p = next(p for p in broker.tables.requests.values() if p.request.id == rid)
     assert p.worker is not None
-    broker._worker_result(p.worker, mtype, p.ticket, wire.TYPE_FRAMES[mtype], wire.pack(body), None)
+    broker.results.result(p.worker, mtype, p.ticket, wire.TYPE_FRAMES[mtype], wire.pack(body), None)
 
 
 def _done(broker: Broker, rid: str) -> None:
@@ -46,7 +46,7 @@ def _preempting(client: zmq.Socket[bytes], broker: Broker, workers: dict[bytes, 
     _request(client, broker, "b", 0)
     taken(workers)
     _request(client, broker, "urgent", 10)
-    return next(p for p in broker.requests.values() if p.preempting)
+    return next(p for p in broker.tables.requests.values() if p.preempting)
 
 
 def test_a_victim_cancelled_while_its_preempt_goes_leaves_its_tenant_s_count(broker: Broker) -> None:
@@ -57,7 +57,7 @@ def test_a_victim_cancelled_while_its_preempt_goes_leaves_its_tenant_s_count(bro
         broker.drain_front()
         assert victim.answered
         _answer(broker, victim.request.id, wire.MsgType.PARKED, wire.Parked(victim.request.id))
-        assert broker.ledger.running("") == 2  # the other low one and the urgent one, not the cancelled victim
+        assert broker.tables.ledger.running("") == 2  # the other low one and the urgent one, not the cancelled victim
 
 
 def test_a_victim_whose_worker_dies_before_it_parks_gives_its_next_slot_back(broker: Broker) -> None:
@@ -66,13 +66,13 @@ def test_a_victim_whose_worker_dies_before_it_parks_gives_its_next_slot_back(bro
         lost = victim.worker
         assert lost is not None
         broker.worker_exited(int(lost[1:]), 0)
-        broker._on_ready(lost, wire.Ready(lost.decode(), "m", -1, 1, 2, proof=broker.link_secret), None)
+        broker.registry.register(lost, wire.Ready(lost.decode(), "m", -1, 1, 2, proof=broker.link_secret), None)
         broker.flush()
         for _ in range(3):  # every request to its end, one at a time as slots free
-            running = next((p for p in broker.requests.values() if p.worker is not None), None)
+            running = next((p for p in broker.tables.requests.values() if p.worker is not None), None)
             if running is not None:
                 _done(broker, running.request.id)
-        assert not broker.requests and len(broker.models["m"].free) == 2
+        assert not broker.tables.requests and len(broker.tables.models["m"].free) == 2
 
 
 def test_a_tenant_at_its_max_running_starts_on_another_model_once_one_ends() -> None:
@@ -88,24 +88,24 @@ def test_a_tenant_at_its_max_running_starts_on_another_model_once_one_ends() -> 
             sock.setsockopt(zmq.IDENTITY, name)
             sock.connect("inproc://back2")
             sockets.callback(sock.close, 0)
-            broker._on_ready(name, wire.Ready(name.decode(), model, -1, 2, 1, proof=broker.link_secret), None)
+            broker.registry.register(name, wire.Ready(name.decode(), model, -1, 2, 1, proof=broker.link_secret), None)
         _request(client, broker, "on-m", 0, model="m")
         _request(client, broker, "on-n", 0, model="n")  # its tenant is at max_running 1: it waits
-        assert len(broker.models["n"].queue) == 1
+        assert len(broker.tables.models["n"].queue) == 1
         _done(broker, "on-m")
-        assert len(broker.models["n"].queue) == 0  # started once the tenant's other request ended
+        assert len(broker.tables.models["n"].queue) == 0  # started once the tenant's other request ended
     broker.front.close(0)
     broker.back.close(0)
     ctx.term()
 
 
 def test_an_urgent_request_preempts_only_where_its_adapters_are_loaded(broker: Broker) -> None:
-    broker.models["m"].adapters = Served(["x"])
+    broker.tables.models["m"].adapters = Served(["x"])
     with peers(broker, slots=1) as (client, workers):
-        broker.workers[b"w0"].adapters = frozenset({"x"})  # w1 registered before a runtime load reached it
+        broker.tables.workers[b"w0"].adapters = frozenset({"x"})  # w1 registered before a runtime load reached it
         _request(client, broker, "a", 0)
         _request(client, broker, "b", 0)
         taken(workers)
         _request(client, broker, "urgent", 10, adapters=(("x", 1.0),))
-        urgent = next(p for p in broker.requests.values() if p.request.id == "urgent")
-        assert urgent.worker is None or "x" in broker.workers[urgent.worker].adapters
+        urgent = next(p for p in broker.tables.requests.values() if p.request.id == "urgent")
+        assert urgent.worker is None or "x" in broker.tables.workers[urgent.worker].adapters
