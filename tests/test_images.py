@@ -5,7 +5,9 @@ library in the worker, and reused from the cache like the tokens they stand for.
 from __future__ import annotations
 
 import base64
+import os
 import random
+import signal
 import struct
 import zlib
 from collections.abc import Iterator
@@ -15,7 +17,7 @@ from typing import Any
 import httpx
 import pytest
 from conftest import ServerProcess
-from helpers import config_file, mpserve
+from helpers import config_file, mpserve, wait_for
 
 from bench.procs import HttpServer, find_llama_server, free_port
 from mpserve.models.mmproj_maker import TOKENS_PER_IMAGE
@@ -217,3 +219,28 @@ def test_fuzzed_image_bytes_are_answered_or_refused_and_no_worker_is_harmed(
         assert reply.status_code in (200, 400), reply.text
     assert answer(http, chat(PROMPT, (data_url(RED),)))["choices"][0]["message"]["content"]
     assert {row.pid for row in server.slots()} == workers  # the same processes: none crashed and was replaced
+
+
+@pytest.mark.timeout(240)
+def test_an_image_restored_from_the_host_store_after_its_instance_was_killed_gives_the_same_text(
+        pair: tuple[Path, Path], start_server: type[ServerProcess]) -> None:
+    """With ``reuse: exact``, whole prompt chunks are kept in the host store: the first one here holds the image."""
+    from gateway_thread import GatewayThread
+
+    model, projector = pair
+    server = start_server("--model", str(model), "--mmproj", str(projector), "--name", "vision",
+                          "--reuse", "exact").wait_ready()
+    gateway = GatewayThread(server_name=server.name)
+    body = chat("Look: ", (data_url(BLUE),), " and then" + " the" * 600 + ". What is it?")
+    try:
+        with httpx.Client(base_url=gateway.url, timeout=60) as http:
+            first = answer(http, body)
+            [worker] = {row.pid for row in server.slots()}
+            os.kill(worker, signal.SIGKILL)
+            wait_for(lambda: {row.pid for row in server.slots()} not in ({worker}, {0}, set()), 60,
+                     "the killed instance started again")
+            again = answer(http, body)
+    finally:
+        gateway.stop()
+    assert again["choices"][0]["message"]["content"] == first["choices"][0]["message"]["content"]
+    assert again["usage"]["prompt_tokens_details"]["cached_tokens"] >= 512  # the first chunk, the image in it
