@@ -217,7 +217,7 @@ class Registry:
             log.error("worker %r registered for model %r, which this broker does not serve (%s); ignored",
                       identity, msg.model, ", ".join(self.tables.models))
             self.outbox.to_worker(identity, wire.Error(None, ErrorCode.UNKNOWN_MODEL,
-                                                 f"this broker does not serve {msg.model!r}"))
+                                                       f"this broker does not serve {msg.model!r}"))
             return
         old = self.tables.workers.get(identity)
         if old is not None and old.pid == msg.pid and old.model == msg.model:
@@ -347,7 +347,7 @@ class Registry:
                 log.warning("worker %s on %s: a request could not be sent to it; declared lost, its requests go "
                             "elsewhere", identity.decode(), entry.host)
                 self.worker_gone(entry, f"the link to worker {identity.decode()} on {entry.host} went down",
-                                  crashed=False)
+                                 crashed=False)
         for entry in [w for w in self.tables.workers.values() if w.index is None and now - w.last_heard > self.expiry]:
             self.tables.stats["worker_expired"] += 1
             log.warning("worker %s on %s sent nothing for %.1f s; declared lost", entry.identity.decode(),
@@ -418,13 +418,13 @@ class Registry:
             self.answers.answer_error(p, ErrorCode.MODEL_FAILED, mq.refusal())
         elif outcome is AfterLoss.POISON:
             self.tables.stats[ErrorCode.POISON_REQUEST] += 1
-            self.answers.answer_error(p, ErrorCode.POISON_REQUEST, f"this request was running on {p.crashes} workers "
-                               "that crashed or stalled; it will not be retried")
+            self.answers.answer_error(p, ErrorCode.POISON_REQUEST, f"this request was running on {p.crashes} "
+                                      "workers that crashed or stalled; it will not be retried")
         elif outcome is AfterLoss.BOUND:
             self.tables.stats[ErrorCode.WORKER_LOST] += 1
-            self.answers.answer_error(p, ErrorCode.WORKER_LOST, f"{what}; this request has lost {p.handovers} workers "
-                               f"that were killed or went away, the bound on hand-overs ({MAX_HANDOVERS}), "
-                               "and is not handed over again; retry the request")
+            self.answers.answer_error(p, ErrorCode.WORKER_LOST, f"{what}; this request has lost {p.handovers} "
+                                      f"workers that were killed or went away, the bound on hand-overs "
+                                      f"({MAX_HANDOVERS}), and is not handed over again; retry the request")
         elif outcome is AfterLoss.LOST:
             self.tables.stats[ErrorCode.WORKER_LOST] += 1
             self.answers.answer_error(p, ErrorCode.WORKER_LOST, f"{what} after it had streamed text; retry the request")

@@ -75,8 +75,9 @@ class Results:
         else:
             self.answers.to_client(client, [wire.VERSION, CHUNKS_FRAME, wire.splice_array(bodies)])
 
-    def result(self, identity: bytes, mtype: wire.MsgType, ticket: str, type_frame: bytes,
-                       body: bytes, trailer: bytes | None) -> None:
+    def result(self, identity: bytes, mtype: wire.MsgType, ticket: str, type_frame: bytes, body: bytes,
+               trailer: bytes | None) -> None:
+        """One result of request ``ticket`` from worker ``identity`` (``trailer``: its fifth frame, if any)."""
         entry = self.tables.workers.get(identity)
         if trailer is not None and entry is not None and mtype not in (wire.MsgType.CHUNK, wire.MsgType.PARKED):
             self.cache_changed(entry, trailer)  # whether or not the request is still there

@@ -62,7 +62,7 @@ def test_a_reattached_request_gets_its_whole_text_then_resumes_where_its_sequenc
     broker.expect([0], (OLD,), wait=30)
     clients, workers = _sent(broker)
     broker.registry.register(b"w0", wire.Ready("w0", "m", -1, 2, 100, proof=OLD,
-                                       live=(_live("r1", "T1", "Hello, wor"),)), None)
+                                               live=(_live("r1", "T1", "Hello, wor"),)), None)
     assert broker.tables.stats["adopted_requests"] == 1 and broker.tables.workers[b"w0"].parked == {"T1"}
     assert "T1" not in broker.tables.requests  # until its client comes back
     broker.clients.admit(b"client", wire.Request("r1", "Once upon a time", stream=True, reattach=True))
@@ -80,7 +80,7 @@ def test_a_reattach_another_tenant_sends_finds_nothing_and_runs_anew(broker: Bro
     broker.expect([0], (OLD,), wait=30)
     clients, workers = _sent(broker)
     broker.registry.register(b"w0", wire.Ready("w0", "m", -1, 2, 100, proof=OLD,
-                                       live=(_live("r1", "T1", "secret text", tenant="key:aaaa"),)), None)
+                                               live=(_live("r1", "T1", "secret text", tenant="key:aaaa"),)), None)
     broker.clients.admit(b"other", wire.Request("r1", "Once upon a time", stream=True, reattach=True),
                          tenant="key:bbbb")
     assert not any(isinstance(m, wire.Chunk) for _, m in clients)
