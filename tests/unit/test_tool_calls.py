@@ -132,15 +132,16 @@ def test_each_of_n_streamed_choices_is_read_on_its_own() -> None:
 def test_forced_choices_constrain_with_a_grammar_of_the_family_s_calls() -> None:
     named = oai.parse("chat", {"messages": [{"role": "user", "content": "hi"}], "tools": TOOLS,
                                "tool_choice": {"type": "function", "function": {"name": "get_weather"}}})
-    grammar = named.params.grammar or ""
-    assert named.params.json_schema is None and grammar.startswith("root ::= call\n")
+    assert named.params.grammar is None and named.params.json_schema is None  # until the template's family is known
+    grammar = _templated(named, ChatTemplate()).params.grammar or ""
+    assert grammar.startswith("root ::= call\n")
     assert '"<tool_call>\\x0A{\\x22name\\x22: \\x22" ( "get_weather"' in grammar and "get_time" not in grammar
     required = oai.parse("chat", {"messages": [{"role": "user", "content": "hi"}], "tools": TOOLS,
                                   "tool_choice": "required"})
-    assert f"{{0,{tc.MAX_PARALLEL_CALLS - 1}}}" in (required.params.grammar or "")
-    assert all(name in (required.params.grammar or "") for name in ("get_weather", "get_time"))
+    grammar = _templated(required, ChatTemplate()).params.grammar or ""
+    assert f"{{0,{tc.MAX_PARALLEL_CALLS - 1}}}" in grammar and "get_weather" in grammar and "get_time" in grammar
     none = oai.parse("chat", {"messages": [{"role": "user", "content": "hi"}], "tools": TOOLS, "tool_choice": "none"})
-    assert none.tools is None and none.params.grammar is None
+    assert none.tools is None and _templated(none, ChatTemplate()).params.grammar is None
     with pytest.raises(BadRequest, match="cannot be combined"):
         oai.parse("chat", {"messages": [{"role": "user", "content": "hi"}], "tools": TOOLS,
                            "tool_choice": "required", "response_format": {"type": "json_object"}})
@@ -149,7 +150,16 @@ def test_forced_choices_constrain_with_a_grammar_of_the_family_s_calls() -> None
 def test_required_without_parallel_calls_allows_exactly_one_call() -> None:
     one = oai.parse("chat", {"messages": [{"role": "user", "content": "hi"}], "tools": TOOLS,
                              "tool_choice": "required", "parallel_tool_calls": False})
-    assert (one.params.grammar or "").startswith("root ::= call\n")  # no repetition of call
+    assert (_templated(one, ChatTemplate()).params.grammar or "").startswith("root ::= call\n")  # no repetition
+
+
+def test_a_tool_schema_the_grammar_cannot_hold_is_a_400_naming_it() -> None:
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {
+        "x": {"type": "string", "not": {"const": "a"}}}}}}]
+    call = oai.parse("chat", {"messages": [{"role": "user", "content": "hi"}], "tools": tools,
+                              "tool_choice": "required"})
+    with pytest.raises(BadRequest, match="not"):
+        _templated(call, ChatTemplate())
 
 
 def test_a_template_s_family_writes_the_forced_grammar() -> None:

@@ -43,6 +43,7 @@ Reasoning (chat): where the model's template thinks, ``reasoning_effort``, ``rea
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import json
 import logging
@@ -130,11 +131,13 @@ class Call:
         """The results to answer with: all of them, or with best_of the best n."""
         return best_of.pick(results, self.best) if self.best is not None else results
 
-    def _forced_in(self, parser: tc.Parser) -> wire.GenerateParams:
-        """The parameters, a forced call's grammar in family ``parser``'s format (``parse`` wrote Hermes')."""
-        if self.tools is None or not self.tools.forced or parser == self.parser:
+    async def _forced(self, parser: tc.Parser) -> wire.GenerateParams:
+        """The parameters, with a forced call's grammar in family ``parser``'s format, compiled off the event loop
+        (a tool's schema may take up to ``structured.MAX_COMPILE_S``); BadRequest for one that cannot compile."""
+        if self.tools is None or not self.tools.forced:
             return self.params
-        params = msgspec.structs.replace(self.params, grammar=tc.forced_grammar(self.tools, parser))
+        grammar = await asyncio.to_thread(tc.forced_grammar, self.tools, parser)
+        params = msgspec.structs.replace(self.params, grammar=grammar)
         params.validate()
         return params
 
@@ -146,7 +149,7 @@ class Call:
         from the ChatML default, which also stops at ``<|im_end|>``. Raises BadRequest when the template fails,
         refuses the messages or goes over its budget."""
         tags, ask = reasoning.tags_of(chat.template), self.thinking
-        forced = self._forced_in(tc.parser_for(chat.template))  # BadRequest: a tool's schema that cannot compile
+        forced = await self._forced(tc.parser_for(chat.template))  # BadRequest: a tool's schema that cannot compile
         params, thinks = ask.params(tags, forced)  # BadRequest: thinking asked of a template that does not
         if chat:
             messages = [m.for_template() for m in self.messages]
@@ -160,7 +163,7 @@ class Call:
                                        reasoning_end=tags.end if thinks and tags and ask.split else "")
         stop = self.params.stop if CHAT_STOP in self.params.stop else (*self.params.stop, CHAT_STOP)
         sent = images.with_images(chat_prompt(self.messages, self.tools), self.chat_images())
-        return dataclasses.replace(self, prompt=sent, params=msgspec.structs.replace(self.params, stop=stop))
+        return dataclasses.replace(self, prompt=sent, params=msgspec.structs.replace(forced, stop=stop))
 
     def chat_images(self) -> tuple[bytes, ...]:
         """A chat's images, in the order of its messages and their parts."""
@@ -208,8 +211,6 @@ def parse(kind: Kind, body: Any) -> Call:
         if "json_schema" in sampling or "grammar" in sampling:
             raise BadRequest("'tool_choice' required or a named function cannot be combined with "
                              "'response_format', 'grammar' or 'json_schema'")
-        sampling["grammar"] = tc.forced_grammar(spec, "hermes")  # the ChatML default's; the template's family's:
-        # with_chat_template
     if kind == "chat":
         if "max_completion_tokens" in given:
             sampling["max_tokens"] = given["max_completion_tokens"]

@@ -16,8 +16,9 @@ Hermes'). Under ``auto`` the text is read by the family's parser, then by the ge
 list of them, or ``{"tool_calls": [...]}``, fenced or not). A call that does not parse, names a function that was
 not offered, or whose arguments are not a JSON object makes the whole reply plain content. A forced completion is
 the family's calls, read as such: cut by max_tokens, the calls that completed before the cut are its calls and
-the cut one is dropped. The forced grammar is compiled here, from the tools' schemas (cached per schema,
-within ``mpserve.structured``'s limits of size and time), since only the gateway knows the template's family.
+the cut one is dropped. The forced grammar is compiled in the gateway, off its event loop, from the tools'
+schemas (cached per schema, within ``mpserve.structured``'s limits of size and time), since only the gateway
+knows the template's family.
 """
 
 from __future__ import annotations
