@@ -137,6 +137,7 @@ class ServerConfig:
     adopt_wait: float = 30.0  # a dead server's instances wait this long for the next one to adopt them (0: exit)
     no_instance_timeout: float = 60.0  # a request waits this long while no instance of its model is up or loading
     stream_interval: float = 0.02  # seconds between a streamed request's chunks after its first; 0: every token
+    kv_events: str | None = None  # where instances publish their KV events (mpserve.worker.kv_publisher); None: not
     busy_poll_us: float = 250.0  # the broker polls this long after a message before it sleeps (mpserve.server.waiting)
     curve_secret: str | None = None
     curve_clients: str | None = None

@@ -209,6 +209,10 @@ SETTINGS: tuple[Setting, ...] = (
     _s("stream_interval", "server", float, "0.02", "Seconds between a streamed request's chunks after its first; "
        "the tokens in between go together (0: a chunk per token)", cli_type=float, range=(0, 1),
        commands=_FOR_POOLS),
+    _s("kv_events", "server", str, "none", "Publish each instance's KV-cache events (blocks stored and removed, in "
+       "vLLM's format, for llm-d's KV indexer or Dynamo's KV router) on ZeroMQ: tcp://*:PORT binds instance i on "
+       "PORT+2i with its replay socket on PORT+2i+1, ipc://PATH on PATH-wI, tcp://HOST:PORT connects to a "
+       "subscriber that binds (docs/concepts/kv-events.md; unset: none)", commands=_FOR_POOLS),
     _s("busy_poll_us", "server", float, "250", "Microseconds the broker keeps polling after a message before it "
        "sleeps, while the server has CPU to spare and messages come that close together: lower latency for some "
        "CPU (0: sleep at once)", cli_type=float,

@@ -88,6 +88,7 @@ from .draft import DraftModel, Want
 from .grammar import GrammarCache
 from .interface import Completion, OnToken
 from .keeping import Keeping, open_store
+from .kv_events import Held, adapter_names
 from .logprobs import LogprobsRecorder, score_prompt
 from .parking import Parking
 from .sampling import TextStream
@@ -179,6 +180,12 @@ class BatchEngine:
     def kv_cells(self, slot: int) -> int:
         """The KV cells ``slot`` holds now: its running sequence's, or what its last request left."""
         return self._cells.kv_cells(slot)
+
+    def kv_held(self) -> list[Held]:
+        """What each slot's cells hold (tokens, reuse key, adapters), for the KV events (``kv_events.Ledger``)."""
+        cells = self._cells
+        return [Held(cells.kv_tokens(slot), cells.salt_of(slot), adapter_names(self.slot_adapters(slot)))
+                for slot in range(self.parallel)]
 
     def best_slot(self, prompt: str, salt: bytes = b"") -> tuple[int, int]:
         """The free slot whose cells share the longest prefix with ``prompt`` under ``salt``, and how many prompt

@@ -54,7 +54,8 @@ class KVCacheEvent(msgspec.Struct, array_like=True, omit_defaults=True, gc=False
 
 class BlockStored(KVCacheEvent):
     """Blocks now held, in order: each the child of the one before, the first of ``parent_block_hash`` (None: the
-    first block of a sequence); ``token_ids``: all their tokens; ``lora_id``: the first adapter's id (None: none)."""
+    first block of a sequence); ``token_ids``: all their tokens; ``lora_id``: always None (adapters have no id that
+    all instances share; ``lora_name`` names them)."""
 
     block_hashes: list[int]
     parent_block_hash: int | None
@@ -62,7 +63,7 @@ class BlockStored(KVCacheEvent):
     block_size: int
     lora_id: int | None
     medium: str | None
-    lora_name: str | None = None
+    lora_name: str | None  # the adapters' names, joined by "+"; None: the base model
 
 
 class BlockRemoved(KVCacheEvent):

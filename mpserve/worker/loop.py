@@ -22,6 +22,7 @@ Each turn takes every waiting broker message, then runs one ``engine.step`` whil
               CHUNKs (``ChunkStream``); each sequence that ended is answered (DONE or ERROR) after its
               last CHUNK. What a step (or a turn's receiving) produced goes as one STEP message (a
               plain CHUNK, DONE or ERROR when it is one), before anything else the worker sends
+    kv events  with ``--kv-events``: the blocks its cells gained and lost, published (``kv_publisher``)
     keep alive  heartbeats both ways; register again if the broker went silent; exit if the server died;
               unload the model after ``idle_timeout`` without a request
     orphaned  the server died (its pidfd readable) and ``adopt_wait`` is set: every running sequence is parked, the
@@ -69,6 +70,7 @@ from mpserve.wire.protocol import ChatTemplate
 from mpserve.wire.slots import CacheRow, SlotState, SlotTable, SlotWriter, adapter_label
 
 from . import adapter_actions, embed, slot_files, spans, tokens
+from .kv_publisher import open_publisher
 from .spec import EXIT_LOAD_FAILED, EngineSpec, WorkerSpec
 from .stream import ChunkStream
 
@@ -134,6 +136,7 @@ class Worker:
         self._next_register = 0.0
         self._registered = False
         self._crash_on = os.environ.get(CRASH_ON) or None
+        self._kv_events = open_publisher(spec.kv_events, spec.index, spec.model)  # None: no --kv-events
         self._spans = spans.for_worker(spec.identity.decode())  # None while tracing is off
 
     def set_rows(self, **fields: Any) -> None:
@@ -171,6 +174,8 @@ class Worker:
                 self._step()
                 idle_since = time.monotonic()
             self._keep_alive()
+            if self._kv_events is not None:
+                self._kv_events.turn(self._engine)
             if (self._engine is not None and not self._running and spec.idle_timeout
                     and time.monotonic() - idle_since >= spec.idle_timeout):
                 log.info("idle for %.0f s; unloading the model until the next request", spec.idle_timeout)
@@ -179,6 +184,8 @@ class Worker:
         self.set_rows(state=SlotState.STOPPING)
         # the requests still running are not answered: the broker hands them over as a lost worker's
         self._send(wire.Leaving(spec.identity.decode(), self._leaving or "told to stop"))
+        if self._kv_events is not None:
+            self._kv_events.close()
 
     def _leaving_now(self) -> bool:
         """Told to stop, or leaving on its own: LEAVING after this turn's step (none if it waits for a permit)."""

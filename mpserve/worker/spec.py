@@ -125,6 +125,7 @@ class WorkerSpec:
     proof: str = ""  # the broker's per-start secret its own workers show in READY (mpserve.server.link)
     adopt_wait: float = 0.0  # its server died: how long it holds its requests, parked, for a new server to adopt it
     # (``mpserve.server.adoption``); 0: it leaves at once
+    kv_events: str = ""  # where it publishes its KV events (``mpserve.worker.kv_publisher``); "": it does not
 
     @property
     def rows(self) -> range:

@@ -1,0 +1,133 @@
+"""KV events of a real engine (the tiny model, two slots) on real ZeroMQ sockets: a subscriber decodes the batches of
+a run and rebuilds which blocks the instance holds; at every point it caught up, they are the blocks its slots' cells
+hold, hashed by the documented recipe from the cells' tokens alone, and a prompt's own blocks, hashed from its text's
+tokens, are among them while a slot holds it. It joins late, so it misses the first batch and recovers it from the
+replay socket; a second subscriber made only of replays rebuilds the same."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+import zmq
+from engines import make_engine
+from helpers import free_port
+
+from mpserve.engine.batch import BatchEngine
+from mpserve.wire.kv_events import AllBlocksCleared, BlockStored, block_hashes, decode_batch
+from mpserve.wire.protocol import GenerateParams
+from mpserve.worker.kv_publisher import END_SEQ, KvPublisher
+
+SYSTEM = "You are a helpful assistant who answers in one short sentence and never says more. " * 2
+PROMPTS = [SYSTEM + "What is the capital of France?", SYSTEM + "Name a color of the rainbow.",
+           "Once upon a time, in a land far away, there lived a dragon who collected old clocks and kept them."]
+
+
+class Subscriber:
+    """A SUB socket and a DEALER to the replay socket: batches applied in sequence order, a gap filled by replay."""
+
+    def __init__(self, ctx: zmq.Context[Any], port: int, live: bool = True) -> None:
+        self.held: set[int] = set()
+        self.next = 0
+        self.replayed = 0
+        self._pump: Callable[[], None] = lambda: None
+        self.sub: zmq.Socket[Any] | None = None
+        if live:
+            self.sub = ctx.socket(zmq.SUB)
+            self.sub.connect(f"tcp://127.0.0.1:{port}")
+            self.sub.subscribe(b"kv@")
+        self.replay = ctx.socket(zmq.DEALER)
+        self.replay.connect(f"tcp://127.0.0.1:{port + 1}")
+
+    def catch_up(self, last: int, pump: Callable[[], None]) -> None:
+        """Apply every batch up to sequence number ``last``; ``pump``: a turn of the publisher (it answers replay
+        requests in its turns, in this thread)."""
+        self._pump = pump
+        deadline = time.monotonic() + 30
+        while self.next <= last:
+            assert time.monotonic() < deadline, f"batch {self.next} never came, live or replayed"
+            if self.sub is not None and self.sub.poll(200):
+                _topic, seq, payload = self.sub.recv_multipart()
+                number = int.from_bytes(seq, "big")
+                if number > self.next:
+                    self._replay()  # it missed some: recover them, then this one is old news or next
+                if number == self.next:
+                    self._apply(payload)
+            else:
+                self._replay()
+
+    def _replay(self) -> None:
+        self.replay.send_multipart([b"", self.next.to_bytes(8, "big")])
+        while True:
+            deadline = time.monotonic() + 10
+            while not self.replay.poll(10):
+                assert time.monotonic() < deadline, "the replay socket did not answer"
+                self._pump()
+            _, seq, payload = self.replay.recv_multipart()
+            if seq == END_SEQ:
+                return
+            if int.from_bytes(seq, "big") == self.next:
+                self.replayed += 1
+                self._apply(payload)
+
+    def _apply(self, payload: bytes) -> None:
+        for event in decode_batch(payload).events:
+            if isinstance(event, AllBlocksCleared):
+                self.held.clear()
+            elif isinstance(event, BlockStored):
+                self.held |= set(event.block_hashes)
+            else:
+                self.held -= set(event.block_hashes)
+        self.next += 1
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_model_path: str) -> Iterator[BatchEngine]:
+    engine = make_engine(tiny_model_path, parallel=2)
+    yield engine
+    engine.close()
+
+
+def holds(engine: BatchEngine) -> set[int]:
+    """The blocks the engine's slots hold, by the documented recipe over their cells' tokens."""
+    return {h for held in engine.kv_held() for h in block_hashes(held.tokens, held.key)}
+
+
+@pytest.mark.timeout(120)
+def test_a_subscriber_rebuilds_the_blocks_the_slots_hold_and_recovers_what_it_missed(engine: BatchEngine) -> None:
+    port = free_port()
+    ctx: zmq.Context[Any] = zmq.Context()
+    publisher = KvPublisher(f"tcp://*:{port}", 0, "tiny")  # its first batch goes before anyone subscribes
+    live = Subscriber(ctx, port)
+    try:
+        pending = list(PROMPTS)
+        checked = 0
+        while pending or engine.active:
+            for slot in engine.free_slots():
+                if pending:
+                    prompt = pending.pop(0)
+                    engine.admit(slot, prompt, GenerateParams(max_tokens=24, temperature=0.0), lambda text, n: True)
+                    mine = block_hashes(engine.tokenize(prompt, True))
+            engine.step()
+            publisher.turn(engine)
+            live.catch_up(publisher.published, lambda: publisher.turn(engine))
+            assert live.held == holds(engine)
+            checked += 1
+        assert set(mine) <= live.held  # the last prompt's blocks, from its text alone
+        assert live.replayed >= 1  # it missed the first batch
+        engine.erase_slot(0)
+        publisher.turn(engine)
+        live.catch_up(publisher.published, lambda: publisher.turn(engine))
+        assert live.held == holds(engine) and live.held
+        late = Subscriber(ctx, port, live=False)
+        late.catch_up(publisher.published, lambda: publisher.turn(engine))
+        assert late.held == live.held
+        publisher.turn(None)  # unloaded: nothing held
+        live.catch_up(publisher.published, lambda: publisher.turn(None))
+        assert live.held == set()
+        assert checked > 10
+    finally:
+        publisher.close()
+        ctx.destroy(linger=0)
