@@ -32,6 +32,7 @@ from typing import Any
 from mpserve import families
 from mpserve.errors import BadRequest
 from mpserve.families.stream import CallStream
+from mpserve.structured import canonical_json, schema_grammar
 
 Parser = str
 """A template family's name (``mpserve.families.FAMILIES``): how a reply's calls are read and a forced one written."""
@@ -150,6 +151,12 @@ def forced_grammar(spec: ToolSpec, parser: Parser) -> str:
     or with parallel_tool_calls under required, 1 to MAX_PARALLEL_CALLS calls, of any of the functions and in any
     order (the same call may come more than once). BadRequest when a tool's schema cannot be compiled."""
     named = [t for t in spec.tools if spec.choice in ("required", t.name)]
+    for t in named:
+        try:
+            schema_grammar(canonical_json(t.parameters))
+        except BadRequest as exc:
+            raise BadRequest(f"tools[{spec.tools.index(t)}] ({t.name}): its parameters cannot be enforced for a forced "
+                             f"call: {exc.message}") from None
     many = MAX_PARALLEL_CALLS if spec.choice == "required" and spec.parallel else 1
     return families.FAMILIES[parser].grammar([(t.name, t.parameters) for t in named], many)
 
