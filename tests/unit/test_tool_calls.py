@@ -168,6 +168,14 @@ def test_a_template_s_family_writes_the_forced_grammar() -> None:
     assert harmony.parser == "gpt-oss" and "to=functions." in (harmony.params.grammar or "")
     plain = _templated(oai.parse("chat", forced), ChatTemplate())
     assert plain.parser == "hermes" and "<tool_call>" in (plain.params.grammar or "")
+    bare = _templated(oai.parse("chat", {**forced, "stream": True}),
+                      ChatTemplate("{% for m in messages %}{{ m.content }}{% endfor %}"))
+    assert bare.parser == "json" and "<tool_call>" in (bare.params.grammar or "")  # the tools prompt's format
+    text = '<tool_call>\n{"name": "get_time", "arguments": {}}\n</tool_call>'
+    message = oai.Reply(bare, "m").whole([result(text)])["choices"][0]["message"]
+    assert [c["function"]["name"] for c in message["tool_calls"]] == ["get_time"]
+    deltas = [c["choices"][0]["delta"] for c in streamed(bare, [text[:9], text[9:]]) if c["choices"]]
+    assert [d["tool_calls"][0]["function"].get("name") for d in deltas if d.get("tool_calls")] == ["get_time", None]
 
 
 CALL_TEXT = '<tool_call>\n{{"name": "{}", "arguments": {}}}\n</tool_call>'

@@ -158,7 +158,14 @@ def forced_grammar(spec: ToolSpec, parser: Parser) -> str:
             raise BadRequest(f"tools[{spec.tools.index(t)}] ({t.name}): its parameters cannot be enforced for a forced "
                              f"call: {exc.message}") from None
     many = MAX_PARALLEL_CALLS if spec.choice == "required" and spec.parallel else 1
-    return families.FAMILIES[parser].grammar([(t.name, t.parameters) for t in named], many)
+    return _forced_family(parser).grammar([(t.name, t.parameters) for t in named], many)
+
+
+def _forced_family(parser: Parser) -> families.Family:
+    """The family a forced reply is written and read in: the template's, or for a template without a call format
+    of its own (the generic JSON family's), Hermes', which the tools prompt teaches."""
+    family = families.FAMILIES[parser]
+    return families.FAMILIES["hermes"] if family is families.GENERIC else family
 
 
 def tools_prompt(spec: ToolSpec) -> str:
@@ -172,6 +179,8 @@ def parser_for(template: str) -> Parser:
 
 def stream(parser: Parser, spec: ToolSpec | None) -> CallStream:
     """A streamed reply's reader: its content and calls as they form (no tools: the content only)."""
+    if spec is not None and spec.forced:
+        return CallStream(_forced_family(parser), spec.schemas)
     return CallStream(families.FAMILIES[parser], spec.schemas if spec else {}, families.GENERIC if spec else None)
 
 
@@ -189,7 +198,7 @@ def parse_calls(text: str, parser: Parser, tools: tuple[Tool, ...]) -> tuple[str
 def forced_calls(text: str, parser: Parser, tools: tuple[Tool, ...]) -> tuple[list[ToolCall], bool]:
     """The calls of a forced reply (``forced_grammar``'s), and whether it ends in a call cut short (max_tokens),
     which is left out: only the calls that completed before it are read."""
-    found, cut = families.read_forced(families.FAMILIES[parser], text, _schemas(tools))
+    found, cut = families.read_forced(_forced_family(parser), text, _schemas(tools))
     return [ToolCall.new(f.name, f.arguments) for f in found], cut
 
 
