@@ -244,3 +244,29 @@ def test_an_image_restored_from_the_host_store_after_its_instance_was_killed_giv
         gateway.stop()
     assert again["choices"][0]["message"]["content"] == first["choices"][0]["message"]["content"]
     assert again["usage"]["prompt_tokens_details"]["cached_tokens"] >= 512  # the first chunk, the image in it
+
+
+@pytest.mark.timeout(240)
+def test_forked_instances_share_the_projector_their_zygote_loaded_and_both_answer_images(
+        pair: tuple[Path, Path], start_server: type[ServerProcess]) -> None:
+    from concurrent.futures import ThreadPoolExecutor
+
+    from gateway_thread import GatewayThread
+
+    model, projector = pair
+    server = start_server("--model", str(model), "--mmproj", str(projector), "--name", "vision",
+                          "--instances", "2").wait_ready()
+    gateway = GatewayThread(server_name=server.name)
+    try:
+        with httpx.Client(base_url=gateway.url, timeout=60) as http, ThreadPoolExecutor(4) as pool:
+            said = answer(http, chat(PROMPT, (data_url(RED),)))["choices"][0]["message"]["content"]
+            for _ in range(20):  # until each instance answered one (requests go to the least busy)
+                replies = list(pool.map(lambda _: answer(http, chat(PROMPT, (data_url(RED),))), range(4)))
+                assert {r["choices"][0]["message"]["content"] for r in replies} == {said}
+                if all(row.served for row in server.slots()):
+                    break
+            assert all(row.served for row in server.slots()), server.slots()
+    finally:
+        gateway.stop()
+    loads = [line for line in server.log if "loaded the projector" in line]
+    assert len(loads) == 1 and "zygote" in loads[0] and "instances share it" in loads[0], loads

@@ -121,18 +121,18 @@ class BatchStats:
 
 class BatchEngine:
     def __init__(self, settings: EngineSettings, model: Any = None,
-                 adapters: collections.abc.Mapping[str, Loaded] | None = None) -> None:
+                 adapters: collections.abc.Mapping[str, Loaded] | None = None, projector: Any = None) -> None:
         """``model``: the llama.cpp model of ``settings.path``, loaded already (by the zygote this process was forked
         from, ``mpserve.worker.zygote``), used instead of loading the file; the engine owns it from then on.
         ``adapters``: LoRA adapters loaded onto ``model`` already (the zygote's); those of ``settings.adapters``
-        not among them are loaded here."""
+        not among them are loaded here. ``projector``: the model's image projector, loaded with it (the zygote's)."""
         self.n_ctx, self.parallel = settings.n_ctx, settings.parallel
         self._exact = settings.exact
         self._rng = random.Random(settings.seed)
         self._steps, self._step_s = 0, 0.0
         self._computed = self._generated = self._drafted = self._accepted = 0
         self._draft: DraftModel | None = None  # speculative type draft
-        self._context = context = Context(settings, model)
+        self._context = context = Context(settings, model, projector)
         self._exact_rows = exact_rows(context.repacked)
         self._scheduler = Scheduler(settings.step_budget_tokens, exact=self._exact, kv_unified=settings.kv_unified,
                                     exact_rows=together_rows(self._exact_rows, context.float_weights))

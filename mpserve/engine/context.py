@@ -34,7 +34,7 @@ log = logging.getLogger("mpserve.worker")
 
 
 class Context:
-    def __init__(self, settings: EngineSettings, model: Any = None) -> None:
+    def __init__(self, settings: EngineSettings, model: Any = None, projector: Projector | None = None) -> None:
         """``model``: the llama.cpp model of ``settings.path``, loaded already (by the zygote this process was forked
         from, ``mpserve.worker.zygote``), used instead of loading the file; the context owns it from then on."""
         import llama_cpp
@@ -51,7 +51,7 @@ class Context:
         self.model: Any = model if model is not None else load_model(llama_cpp, settings.path, settings.n_gpu_layers,
                                                                       settings.repack)
         self.ctx: Any = None
-        self.projector: Projector | None = None  # the model's image projector (``mmproj``), if it has one
+        self.projector = projector  # the model's image projector (``mmproj``), if it has one: the zygote's, or ...
         try:
             self.vocab = llama_cpp.llama_model_get_vocab(self.model)
             self.n_vocab: int = llama_cpp.llama_vocab_n_tokens(self.vocab)
@@ -59,8 +59,9 @@ class Context:
             self.bos = [bos] if llama_cpp.llama_vocab_get_add_bos(self.vocab) and bos >= 0 else []
             capacity = max(PROMPT_CHUNK, settings.parallel)  # most tokens one decode holds
             self.ctx = self._create(capacity)
-            if settings.mmproj:
+            if settings.mmproj and self.projector is None:  # ... loaded here
                 self.projector = Projector(settings.mmproj, self.model, settings.threads, settings.n_gpu_layers != 0)
+                log.info("loaded the projector %s", settings.mmproj)
         except BaseException:
             self.close()
             raise

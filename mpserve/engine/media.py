@@ -43,12 +43,12 @@ class Image:
 class Projector:
     """A model's image projector, loaded beside the model (``mtmd_init_from_file`` checks that they fit)."""
 
-    def __init__(self, path: str, model: Any, threads: int, use_gpu: bool) -> None:
+    def __init__(self, path: str, model: Any, threads: int, use_gpu: bool, warmup: bool = True) -> None:
         from llama_cpp import mtmd_cpp
 
         self._mtmd: Any = mtmd_cpp
         params = mtmd_cpp.mtmd_context_params_default()
-        params.use_gpu, params.n_threads, params.print_timings = use_gpu, threads, False
+        params.use_gpu, params.n_threads, params.print_timings, params.warmup = use_gpu, threads, False, warmup
         self._ctx: Any = mtmd_cpp.mtmd_init_from_file(path.encode(), model, params)
         if not self._ctx:
             raise ValueError(f"llama.cpp cannot load the projector {path!r} with this model (its log says why)")

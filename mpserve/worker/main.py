@@ -34,10 +34,11 @@ from .loop import Worker
 from .spec import EngineSpec, WorkerSpec
 
 
-def build_engine(spec: EngineSpec, model: Any = None, adapters: dict[str, Any] | None = None) -> Engine:
+def build_engine(spec: EngineSpec, model: Any = None, adapters: dict[str, Any] | None = None,
+                 projector: Any = None) -> Engine:
     """The engine ``spec`` asks for; ``model``: its llama.cpp model, loaded already (None: loaded here), with
     ``adapters`` loaded onto it (``mpserve.engine.adapters.Loaded`` by name; the others of ``spec`` are loaded by
-    the engine)."""
+    the engine) and its image ``projector`` (``mpserve.engine.media.Projector``; None: loaded by the engine)."""
     if spec.adapters and (spec.is_echo or spec.embedding):
         raise ValueError("LoRA adapters need a model served for completions by llama.cpp, not the echo backend or "
                          "an embedding model; declare them on such a model")
@@ -58,24 +59,25 @@ def build_engine(spec: EngineSpec, model: Any = None, adapters: dict[str, Any] |
                               cache_shm=spec.cache_shm, cache_disk=spec.cache_disk,
                               cache_disk_size=spec.cache_disk_size, reuse=spec.reuse, chat_template=spec.chat_template,
                               adapters=tuple(spec.adapters.items()), mmproj=spec.mmproj)
-    return BatchEngine(settings, model, adapters)
+    return BatchEngine(settings, model, adapters, projector)
 
 
-def _builder(model: Any, adapters: dict[str, Any] | None) -> Callable[[EngineSpec], Engine]:
-    """``build_engine`` that hands ``model`` (and the adapters loaded onto it) to the first engine it builds: an
-    engine built again after an unload loads the files itself (the first one freed the model when it closed)."""
-    left = [(model, adapters)]
+def _builder(model: Any, adapters: dict[str, Any] | None, projector: Any) -> Callable[[EngineSpec], Engine]:
+    """``build_engine`` that hands ``model`` (and the adapters and projector loaded with it) to the first engine it
+    builds: an engine built again after an unload loads the files itself (the first one freed them when it closed)."""
+    left = [(model, adapters, projector)]
 
     def build(spec: EngineSpec) -> Engine:
-        (taken, loaded), left[0] = left[0], (None, None)
-        return build_engine(spec, taken, loaded)
+        (taken, loaded, shared), left[0] = left[0], (None, None, None)
+        return build_engine(spec, taken, loaded, shared)
 
     return build
 
 
-def worker_main(spec: WorkerSpec, model: Any = None, adapters: dict[str, Any] | None = None) -> None:
+def worker_main(spec: WorkerSpec, model: Any = None, adapters: dict[str, Any] | None = None,
+                projector: Any = None) -> None:
     """``model``: the llama.cpp model of ``spec.engine.path``, loaded by the zygote this process was forked from
-    (None: the worker loads it), with ``adapters`` loaded onto it."""
+    (None: the worker loads it), with ``adapters`` loaded onto it and its image ``projector`` beside it."""
     os.environ["CUDA_DEVICE_ORDER"] = "PCI_BUS_ID"  # the order NVML and nvidia-smi number devices in
     os.environ["CUDA_VISIBLE_DEVICES"] = str(spec.device) if spec.device >= 0 else ""
     os.setsid()  # out of the server's process group: Ctrl-C or a group-wide SIGTERM reaches the server,
@@ -103,7 +105,7 @@ def worker_main(spec: WorkerSpec, model: Any = None, adapters: dict[str, Any] | 
             hold_log = HoldLog(Path(spec.permit.hold_log)) if spec.permit.hold_log else None
             permits = DevicePermits(spec.permit.device_key, spec.permit.capacity,
                                     Path(spec.permit.lock_dir) if spec.permit.lock_dir else None, on_hold=hold_log)
-        worker = Worker(spec, sock, rows, _builder(model, adapters), permits)
+        worker = Worker(spec, sock, rows, _builder(model, adapters, projector), permits)
         if spec.lazy:
             worker.set_rows(state=SlotState.UNLOADED)
         else:

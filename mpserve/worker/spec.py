@@ -62,7 +62,7 @@ class EngineSpec:
     reuse: str = "any"  # any shared prefix, or exact: whole prompt chunks only (mpserve.engine.batch)
     adapters: dict[str, str] = field(default_factory=dict)  # LoRA adapters: name -> local GGUF path, loaded after
     # the model (by a zygote before it forks, so that its instances share them: mpserve.engine.adapters)
-    mmproj: str | None = None  # the model's image projector GGUF, loaded by each instance (mpserve.engine.media)
+    mmproj: str | None = None  # the model's image projector GGUF, loaded with the model (by a zygote: shared)
 
     @property
     def is_echo(self) -> bool:
@@ -80,9 +80,9 @@ class EngineSpec:
         return weights_of(asdict(self))
 
 
-WEIGHT_FIELDS = ("path", "n_gpu_layers", "repack", "adapters")
-"""The EngineSpec fields a zygote's weights depend on: the file, the layers offloaded, the repacked layouts and the
-LoRA adapters applied onto them."""
+WEIGHT_FIELDS = ("path", "n_gpu_layers", "repack", "adapters", "mmproj")
+"""The EngineSpec fields a zygote's weights depend on: the file, the layers offloaded, the repacked layouts, the
+LoRA adapters applied onto them and the image projector beside them."""
 
 
 def weights_of(engine: dict[str, object]) -> dict[str, object]:

@@ -73,16 +73,16 @@ def zygote_main(engine: EngineSpec, model: str, conn: Connection, log_level: str
     logging.basicConfig(level=log_level.upper(), stream=sys.stderr,
                         format=f"%(asctime)s %(levelname)s zygote ({model}): %(message)s")
     weights = _load(engine)
-    zygote = _Zygote(engine, weights, _load_adapters(engine, weights), adoptable)
+    zygote = _Zygote(engine, weights, _load_adapters(engine, weights), _load_projector(engine, weights), adoptable)
     zygote.listen()
     zygote.fork_spare(conn)
     zygote.run(conn)
 
 
 class _Zygote:
-    def __init__(self, engine: EngineSpec, weights: Any, adapters: dict[str, Any],
+    def __init__(self, engine: EngineSpec, weights: Any, adapters: dict[str, Any], projector: Any,
                  adoptable: Adoptable | None) -> None:
-        self.engine, self.weights, self.adapters = engine, weights, adapters
+        self.engine, self.weights, self.adapters, self.projector = engine, weights, adapters, projector
         self.children: dict[int, int] = {}  # pidfd -> pid, until reaped
         self.adoptable = adoptable if adoptable is not None and adoptable.wait > 0 else None
         self.listener: socket.socket | None = None
@@ -127,7 +127,8 @@ class _Zygote:
                     continue
                 spec: WorkerSpec = msg
                 spare = [self.spare[1]] if self.spare is not None else []
-                pid = _fork(spec, self.weights, self.adapters, [conn, self.listener], [*self.children, *spare])
+                pid = _fork(spec, (self.weights, self.adapters, self.projector), [conn, self.listener],
+                            [*self.children, *spare])
                 if pid:
                     self.children[os.pidfd_open(pid)] = pid
                 conn.send(("forked", spec.index, pid))
@@ -353,10 +354,27 @@ def _load_adapters(engine: EngineSpec, weights: Any) -> dict[str, Any]:
         return {}
 
 
-def _fork(spec: WorkerSpec, weights: Any, adapters: dict[str, Any], own: list[Connection | socket.socket | None],
+def _load_projector(engine: EngineSpec, weights: Any) -> Any:
+    """The model's image projector loaded beside ``weights``, so that every instance shares its tensors (copy-on-write
+    pages, never written); None if there is none or it cannot be (each instance then loads it itself). Not warmed
+    up: a warm-up computes, and a computation here would start threads that a fork does not carry."""
+    if weights is None or not engine.mmproj:
+        return None
+    from mpserve.engine.media import Projector
+
+    try:
+        projector = Projector(engine.mmproj, weights, engine.threads, use_gpu=False, warmup=False)
+    except ValueError as exc:
+        log.warning("%s; each instance tries it itself", exc)
+        return None
+    log.info("loaded the projector %s; instances share it", engine.mmproj)
+    return projector
+
+
+def _fork(spec: WorkerSpec, loaded: tuple[Any, dict[str, Any], Any], own: list[Connection | socket.socket | None],
           fds: list[int]) -> int:
-    """Fork the instance ``spec`` describes; the child runs the worker and never returns. The child's pid (0 if
-    the fork failed)."""
+    """Fork the instance ``spec`` describes; the child runs the worker with what this zygote ``loaded`` (the model,
+    its adapters, its projector) and never returns. The child's pid (0 if the fork failed)."""
     sys.stdout.flush()
     sys.stderr.flush()
     try:
@@ -373,7 +391,7 @@ def _fork(spec: WorkerSpec, weights: Any, adapters: dict[str, Any], own: list[Co
                 item.close()
         for fd in fds:  # the zygote's pidfds: of its children and its spare
             os.close(fd)
-        worker_main(spec, weights, adapters)
+        worker_main(spec, *loaded)
         code = 0
     except SystemExit as exc:
         code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
