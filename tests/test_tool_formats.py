@@ -91,3 +91,17 @@ def test_responses_read_the_family_s_calls_as_function_calls(gateway: GatewayThr
     assert answer.status_code == 200, answer.text
     calls = [item for item in answer.json()["output"] if item["type"] == "function_call"]
     assert calls and all(isinstance(json.loads(c["arguments"]), dict) for c in calls)
+
+
+def test_messages_give_the_thinking_then_the_family_s_calls_as_tool_use_blocks(gateway: GatewayThread) -> None:
+    request = {"model": "glm", "max_tokens": 300, "messages": ASK, "tool_choice": {"type": "any"}, "temperature": 1.0,
+               "thinking": {"type": "enabled", "budget_tokens": 6},
+               "tools": [{"name": t["function"]["name"], "input_schema": t["function"]["parameters"]} for t in TOOLS]}
+    answer = httpx.post(f"{gateway.url}/v1/messages", json=request, timeout=120)
+    assert answer.status_code == 200, answer.text
+    blocks = answer.json()["content"]
+    assert blocks[0]["type"] == "thinking" and blocks[0]["thinking"] and answer.json()["stop_reason"] == "tool_use"
+    uses = [b for b in blocks if b["type"] == "tool_use"]
+    assert uses and all(b["type"] in ("thinking", "tool_use") for b in blocks)
+    for use in uses:
+        jsonschema.validate(use["input"], SCHEMA if use["name"] == "get_weather" else {"type": "object"})
