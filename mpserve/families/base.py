@@ -15,6 +15,8 @@ reply, so a marker's first characters at its end are text, not a marker still to
 from __future__ import annotations
 
 import json
+import re
+from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar
@@ -123,30 +125,61 @@ def _complete(call: Partial, tools: Tools) -> Found | None:
 
 # --- reading pieces of a call ---------------------------------------------------------------------
 
+_OUTSIDE = re.compile(r'[^"\\{}\[\]]*')  # what a JSON value's structure skips: all but quotes, brackets, escapes
+_INSIDE = re.compile(r'[^"\\]*')  # a string's plain characters
+_SCANNED: OrderedDict[tuple[int, str], tuple[str, int, int, bool]] = OrderedDict()
+"""Where json_end stopped in a text that did not end its value: (start, its first characters) -> (the text, the
+index it stopped at, the depth, inside a string). A stream reads its text again with each piece, one piece longer:
+the scan goes on from where it stopped, so a long value costs its length once, not once per piece."""
+SCANS_KEPT = 256
+
+
 def json_end(text: str, start: int) -> int | None:
     """The index after the JSON object, array or string that begins at ``text[start]``; None if it does not end
-    in ``text``."""
-    depth, quoted, escaped = 0, False, False
-    for i in range(start, len(text)):
-        c = text[i]
+    in ``text``. Runs of plain characters are skipped by regular expressions."""
+    key = (start, text[start:start + 64])
+    i, depth, quoted = start, 0, False
+    if (kept := _SCANNED.get(key)) is not None and text.startswith(kept[0]):
+        i, depth, quoted = kept[1:]
+    end, i, depth, quoted = _scan(text, i, depth, quoted)
+    if end is None:
+        _SCANNED[key] = (text, i, depth, quoted)
+        _SCANNED.move_to_end(key)
+        while len(_SCANNED) > SCANS_KEPT:
+            _SCANNED.popitem(last=False)
+    return end
+
+
+def _scan(text: str, i: int, depth: int, quoted: bool) -> tuple[int | None, int, int, bool]:
+    """json_end from ``i`` in the given state: the end (None if not in ``text``), and where and in which state it
+    stopped (before a character that may change the state: an escape at the end of the text is left to redo)."""
+    n = len(text)
+    while i < n:
         if quoted:
-            if escaped:
-                escaped = False
-            elif c == "\\":
-                escaped = True
-            elif c == '"':
-                quoted = False
-                if depth == 0:
-                    return i + 1
-        elif c == '"':
+            j = _INSIDE.match(text, i).end()
+            if j >= n or (text[j] == "\\" and j + 1 >= n):
+                return None, j, depth, True
+            if text[j] == "\\":
+                i = j + 2  # an escape and the character it escapes
+                continue
+            i, quoted = j + 1, False
+            if depth == 0:
+                return i, i, depth, False
+            continue
+        i = _OUTSIDE.match(text, i).end()
+        if i >= n:
+            break
+        c = text[i]
+        if c == '"':
             quoted = True
         elif c in "{[":
             depth += 1
         elif c in "}]":
             depth -= 1
             if depth <= 0:
-                return i + 1
-    return None
+                return i + 1, i + 1, depth, False
+        i += 1
+    return None, i, depth, quoted
 
 
 def json_arguments(text: str, start: int) -> tuple[str, int | None]:
