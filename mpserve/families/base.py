@@ -156,7 +156,7 @@ def _scan(text: str, i: int, depth: int, quoted: bool) -> tuple[int | None, int,
     n = len(text)
     while i < n:
         if quoted:
-            j = _INSIDE.match(text, i).end()
+            j = _skip(_INSIDE, text, i)
             if j >= n or (text[j] == "\\" and j + 1 >= n):
                 return None, j, depth, True
             if text[j] == "\\":
@@ -166,7 +166,7 @@ def _scan(text: str, i: int, depth: int, quoted: bool) -> tuple[int | None, int,
             if depth == 0:
                 return i, i, depth, False
             continue
-        i = _OUTSIDE.match(text, i).end()
+        i = _skip(_OUTSIDE, text, i)
         if i >= n:
             break
         c = text[i]
@@ -180,6 +180,12 @@ def _scan(text: str, i: int, depth: int, quoted: bool) -> tuple[int | None, int,
                 return i + 1, i + 1, depth, False
         i += 1
     return None, i, depth, quoted
+
+
+def _skip(run: re.Pattern[str], text: str, i: int) -> int:
+    """The index after the run of ``run``'s characters at ``text[i]`` (which may be empty)."""
+    found = run.match(text, i)
+    return found.end() if found else i
 
 
 def json_arguments(text: str, start: int) -> tuple[str, int | None]:
