@@ -22,7 +22,7 @@ import msgspec
 
 from mpserve.wire import protocol as wire
 
-from . import adoption, link
+from . import adoption, link, spans
 from .answers import Answers
 from .dispatch import Dispatcher
 from .state import Pending, RequestState, WorkerEntry
@@ -107,6 +107,7 @@ class Adopter:
             self.tables.add_deadline(p)
             if req.stream and text:
                 self.answers.to_client(client, wire.encode(wire.Chunk(req.id, text, None, p.index)))
+            spans.requeued(p, "reattach")
             mq.queue.requeue(p.ticket, tenant, p.priority, p.cost)
         self.tables.by_client[(client, req.id)] = tickets[0]
         self.tables.owned[client] = self.tables.owned.get(client, 0) + len(rows)

@@ -24,11 +24,12 @@ import logging
 import time
 from collections import Counter, deque
 
+from mpserve import tracing
 from mpserve.errors import ErrorCode
 from mpserve.wire import protocol as wire
 from mpserve.wire.prefix import PREFIX_BLOCK, block_hashes
 
-from . import preemption
+from . import preemption, spans
 from .answers import Answers
 from .hooks import BrokerHooks
 from .residency import Loaded
@@ -201,7 +202,9 @@ class Dispatcher:
         entry.loaded = True  # an unloaded worker loads its model for the request
         log.debug("request %s of %s: started on worker %s, attempt %d", p.request.id, p.model, identity.decode(),
                   p.attempts)
-        body = wire.pack(wire.Assign(p.ticket, p.request, (time.monotonic() - p.accepted) * 1000, p.attempts,
+        tracer = tracing.tracer()
+        request = p.request if tracer is None else spans.assigned(tracer, p, identity.decode(), index)
+        body = wire.pack(wire.Assign(p.ticket, request, (time.monotonic() - p.accepted) * 1000, p.attempts,
                                      slot=index, report_tokens=True, generated=bytes(p.generated), index=p.index,
                                      salt=request_salt(p)))
         self.outbox.queue(identity, body)
@@ -275,6 +278,7 @@ class Dispatcher:
             p.parked_on = entry.identity
             entry.parked.add(p.ticket)
         self._count_preemption(mq, p)
+        spans.requeued(p, "preempted")
         mq.queue.requeue(p.ticket, p.tenant, p.priority, p.cost)  # first of its priority, not charged again
         self.dispatch(entry.model)
 

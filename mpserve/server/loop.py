@@ -28,7 +28,7 @@ from pathlib import Path
 import zmq
 from zmq.auth.thread import ThreadAuthenticator
 
-from mpserve import __version__
+from mpserve import __version__, tracing
 from mpserve.config.loader import ECHO_MODEL, ModelConfig, ServerConfig
 from mpserve.errors import ConfigError, ErrorCode, MpserveError, ShuttingDown
 from mpserve.gpu.memory import EstimateCheck
@@ -68,6 +68,7 @@ def serve(config: ServerConfig, gateway_key: Path | None = None,
     logging.basicConfig(level=config.log_level.upper(), stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("gguf").setLevel(logging.WARNING)
+    tracing.configure("broker")  # refuses a bad OTEL_* setting before anything starts
     paths = ServerPaths.for_name(config.server_name, config.bind, config.workers_bind, config.admin_bind)
     refuse_live(paths)
     started = time.monotonic()

@@ -38,7 +38,7 @@ from mpserve.errors import ErrorCode, MpserveError
 from mpserve.wire import protocol as wire
 from mpserve.wire.protocol import ChatTemplate
 
-from . import chat, link, pool_keys
+from . import chat, link, pool_keys, spans
 from .adapter_ops import AdapterOps
 from .adopter import Adopter
 from .answers import Answers
@@ -434,6 +434,7 @@ class Registry:
             log.info("%s request %s: %s", f"resuming after {len(p.generated) // 4} tokens" if resumed
                      else "retrying", p.request.id, what)
             p.state = RequestState.QUEUED
+            spans.requeued(p, "hand-over")
             mq.queue.requeue(p.ticket, p.tenant, p.priority, p.cost)
 
     def model_failed(self, model: str, message: str) -> None:

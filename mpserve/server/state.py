@@ -77,6 +77,8 @@ class Pending:
     preempting: bool = False  # a PREEMPT went to its worker; its PARKED (or its end) has not come back
     preemptions: int = 0  # times it was preempted (``preemption.MAX_PREEMPTIONS`` bounds them)
     parked_on: bytes | None = None  # queued again after a preemption: the worker holding its sequence
+    waiting_since: float = 0.0  # monotonic: when it was queued again (0: it waits since ``accepted``)
+    waited_for: str = "queue"  # why it waits: its first wait, or the cause of its latest (``spans.requeued``)
 
     @property
     def answered(self) -> bool:
