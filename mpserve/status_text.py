@@ -68,6 +68,9 @@ def _instance_lines(rows: list[SlotRow]) -> str:
         c = slots[0].cache
         cache = (f"host store: {c.hits} hits, {c.misses} misses, {c.evictions} evictions, {c.skipped} skipped"
                  if c.capacity else "no host store")
+        if c.remote_hits or c.remote_misses or c.remote_errors or c.remote_dropped:
+            cache += (f"; remote tier: {c.remote_hits} hits, {c.remote_misses} misses, {c.remote_errors} errors, "
+                      f"{c.remote_dropped} writes dropped")
         sets = active_sets(slots)
         active = f"; adapter sets running: {', '.join(sets)}" if any(s != BASE_LABEL for s in sets) else ""
         lines.append(f"instance w{worker} ({model}): KV cells {used} of {capacity}{share}; {cache}{active}")

@@ -34,9 +34,10 @@ from typing import Any, cast
 
 import yaml
 
-from mpserve.config import reasoning, settings, speculative
+from mpserve.config import reasoning, remote_tier, settings, speculative
 from mpserve.config.kv_types import DEFAULT_KV_TYPE, KV_TYPES
 from mpserve.config.reasoning import Reasoning
+from mpserve.config.remote_tier import RemoteTier
 from mpserve.config.sizes import parse_memory
 from mpserve.config.speculative import Speculative
 from mpserve.config.tenants import Tenants, parse_tenants
@@ -75,6 +76,10 @@ class ModelConfig:
     cache_shm: str | None = None  # the RAM tier's folder; None: STORE_DIR in the shared-memory folder
     cache_disk: str | None = None  # the disk tier's folder; None: no disk tier
     cache_disk_size: int = 4 << 30  # its bytes
+    cache_remote: str | None = None  # the remote tier's address (mpserve.config.remote_tier); None: none
+    cache_remote_ttl: int = 3600  # seconds an entry stays there
+    cache_remote_size: int = 256 << 20  # the largest entry written there or read
+    cache_remote_password_file: str | None = None  # its password's file; None: MPSERVE_CACHE_REMOTE_PASSWORD
     reuse: str = "any"  # which cells a prompt starts from: any shared prefix, or exact (whole prompt chunks only)
     slot_save_path: str | None = None  # the folder of slot files (save and restore); None: off
     adapter_dir: str | None = None  # the folder hot-loaded adapters must be in; None: the model's and its adapters'
@@ -101,6 +106,13 @@ class ModelConfig:
     def store_dir(self) -> str:
         """The host store's RAM tier: ``cache_shm``, else one folder per user in /dev/shm."""
         return self.cache_shm or str(shm_dir() / f"mpserve-store-{os.getuid()}")
+
+    def remote_tier(self) -> RemoteTier | None:
+        """The host store's remote tier, if there is one (and a RAM tier to restore its entries into)."""
+        if self.cache_remote is None or not self.cache_ram:
+            return None
+        return RemoteTier(self.cache_remote, self.cache_remote_ttl, self.cache_remote_size,
+                          self.cache_remote_password_file)
 
     def resolved_path(self) -> str:
         """The GGUF file to load ("echo" for the echo backend); writes the built-in model if needed."""
@@ -435,7 +447,12 @@ def _model(index: int, entry: Any, overrides: Mapping[str, Any], source: str) ->
             raise ConfigError(f"{where}.{folder}: {values[folder]!r} is not a folder; create it first")
     if "chat_template" in values:
         values["chat_template"] = templates.check_setting(values["chat_template"], f"{where}.chat_template")
-    for size in ("cache_ram", "cache_disk_size"):
+    if values.get("cache_remote") is not None:
+        values["cache_remote"] = remote_tier.check_url(str(values["cache_remote"]), f"{where}.cache_remote")
+    if values.get("cache_remote_password_file") is not None:
+        remote_tier.check_password_file(str(values["cache_remote_password_file"]),
+                                        f"{where}.cache_remote_password_file")
+    for size in ("cache_ram", "cache_disk_size", "cache_remote_size"):
         if size in values:
             values[size] = _bytes(values[size], f"{where}.{size}", parse_memory)
     for folder, tier in (("cache_shm", "ram"), ("cache_disk", "disk")):

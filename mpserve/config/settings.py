@@ -131,6 +131,17 @@ SETTINGS: tuple[Setting, ...] = (
     _s("cache_disk", "model", str, "none", "Folder of the host store's disk tier: entries pushed out of RAM go "
        "there and survive restarts and reboots (none: off)", commands=_FOR_POOLS),
     _s("cache_disk_size", "model", (str, int), "4GiB", "Size of the disk tier, e.g. 20GiB", commands=_FOR_POOLS),
+    _s("cache_remote", "model", str, "none", "The host store's remote tier, shared by hosts: a Redis 7 or Valkey 8 "
+       "address, redis://[USER@]HOST:PORT/DB (rediss:// for TLS), never with a password (cache_remote_password_file "
+       "or MPSERVE_CACHE_REMOTE_PASSWORD); entries computed here are written there in the background and restored "
+       "by the other hosts' instances of the same model (unset: no remote tier)", commands=_FOR_POOLS),
+    _s("cache_remote_ttl", "model", int, "3600", "Seconds an entry stays in the remote tier after it was written",
+       cli_type=int, range=(1, 30 * 86400), commands=_FOR_POOLS),
+    _s("cache_remote_size", "model", (str, int), "256MiB", "The largest entry written to or read from the remote "
+       "tier, e.g. 64MiB (Redis's own maxmemory bounds the whole)", commands=_FOR_POOLS),
+    _s("cache_remote_password_file", "model", str, "none", "File holding the remote tier's password (this user's "
+       "alone, or root's: a mounted secret); unset: MPSERVE_CACHE_REMOTE_PASSWORD if set, else no password",
+       commands=_FOR_POOLS),
     _s("reuse", "model", str, "any", "Which computed KV cells a prompt starts from: any reuses the longest prefix "
        "it shares with a slot's cells (its own or another's, generated tokens included) or the host store, at any "
        "length, as llama-server does; exact reuses whole 512-token prompt chunks only, so output equals a fresh "

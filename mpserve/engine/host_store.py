@@ -4,8 +4,13 @@ a swap) and, with a disk tier, the server and the host.
 
     engine ─put(tokens, state, salt)─▶ writer thread ─▶ RAM tier ── full: least recently used ─▶ disk tier ── full:
                                                                                                       removed
+                                                        └─ a new entry ─▶ the remote tier (Redis, Valkey), queued
            ─find(prompt, salt)──────▶ index (listing + headers) ─▶ the entry of that salt sharing the longest prefix
+                                      └─ the remote tier's, if longer: checked as a file is, into the RAM tier
            ─load(entry)───────▶ its file, checked (magic, key, address, length, CRC) ─▶ the state, or a miss
+
+With ``cache_remote``, a remote tier shared by hosts lies under the local ones (``mpserve.engine.remote_store``):
+it holds the same entry files under the same addresses, written in the background and never waited for.
 
 Why files in a tmpfs folder: every process on the host sees them with no server in between, a rename makes
 a write atomic (a reader opens the old name or the new file, never half of one), an open file stays readable
@@ -77,25 +82,23 @@ from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, TypeGuard
+from typing import Any
 
 from mpserve.config.loader import tier_folder
+from mpserve.config.remote_tier import RemoteTier
 from mpserve.errors import ConfigError
 from mpserve.private import FILE_MODE, PlantedFile, open_private, private_dir
-from mpserve.wire.prefix import MAX_BLOCKS, common_prefix
+from mpserve.wire.prefix import common_prefix
 
+from .remote_store import RemoteStats, RemoteStore
 from .store_files import read_private, sha256, touch, write_atomic
+from .store_format import MAGIC, MAX_HEADER_BYTES, PREFIX, SUFFIX, address, read_header
 from .store_stats import CacheStats, Changes
 
 log = logging.getLogger("mpserve.worker")
 
-MAGIC = b"MPKVST01"
 FORMAT = 1  # the entry layout; part of the key
-_PREFIX = struct.Struct("<8sII")  # magic, header length, CRC32 of what follows
-MAX_HEADER_BYTES = 1 << 20
-SUFFIX = ".kv"
 _SHA256 = re.compile(r"[0-9a-f]{64}")
-_SALT = re.compile(r"(?:[0-9a-f]{2}){0,32}")  # an entry's salt in hex (mpserve.wire.salt: at most 32 bytes)
 _PART = ".kvpart"  # an entry being written: ".tmp-PID-THREAD.kvpart"
 PENDING_WRITES = 4  # states waiting for the writer thread; admitting waits while this many are queued
 STATS_EVERY_S = 1.0  # a tier's bytes are listed at most this often for stats
@@ -213,9 +216,12 @@ class _Tier:
 
 class HostStore:
     def __init__(self, key: str, identity: dict[str, Any], ram_dir: Path, ram_bytes: int, disk_dir: Path | None = None,
-                 disk_bytes: int = 0, n_ctx: int = 1 << 30, cut_back: bool = True) -> None:
-        """``cut_back``: whether a restored state may be cut back to a prefix of its tokens (module docstring)."""
+                 disk_bytes: int = 0, n_ctx: int = 1 << 30, cut_back: bool = True,
+                 remote: RemoteTier | None = None) -> None:
+        """``cut_back``: whether a restored state may be cut back to a prefix of its tokens (module docstring);
+        ``remote``: the tier shared by hosts under the local ones (``mpserve.engine.remote_store``)."""
         self.key = key
+        self._remote = RemoteStore(remote, key, lambda tokens, salt: address(key, tokens, salt)) if remote else None
         self.cut_back = cut_back
         self.n_ctx = n_ctx
         self._tiers = [_Tier("ram", ram_dir, ram_bytes, key, durable=False)]
@@ -278,7 +284,8 @@ class HostStore:
             n = common_prefix(entry.tokens, key)
             if n > shared and len(entry.tokens) < self.n_ctx and (self.cut_back or n == len(entry.tokens)):
                 best, shared = entry, n
-        return best, shared
+        fetched = self._fetch_remote(key, salt, shared) if self._remote is not None and shared < len(key) else None
+        return (fetched, len(fetched.tokens)) if fetched is not None else (best, shared)
 
     def load(self, entry: Entry) -> tuple[Any, int] | None:
         """``entry``'s state as a byte array, and its size; None if no tier has it whole (a bad file is
@@ -316,8 +323,9 @@ class HostStore:
         disk = self._tiers[1] if len(self._tiers) > 1 else None
         with self._lock:
             c = dict(self._counts)
+        remote = self._remote.stats() if self._remote is not None else RemoteStats()
         return CacheStats(ram.capacity, ram.held(), len(self._refresh()), c["hits"], c["misses"], c["evictions"],
-                          disk.held() if disk else 0, disk.capacity if disk else 0, c["skipped"])
+                          disk.held() if disk else 0, disk.capacity if disk else 0, c["skipped"], remote)
 
     def take_changes(self) -> Changes:
         with self._lock:
@@ -346,6 +354,8 @@ class HostStore:
         """Finish the writes queued (the entries outlive this instance), then stop the writer."""
         self._jobs.put(None)
         self._writer.join()
+        if self._remote is not None:
+            self._remote.close()
 
     # --- the index -------------------------------------------------------------------------------------
 
@@ -372,10 +382,10 @@ class HostStore:
         try:
             with os.fdopen(open_private(path), "rb") as f:
                 file_size = os.fstat(f.fileno()).st_size
-                head = f.read(_PREFIX.size)
-                if len(head) == _PREFIX.size:
-                    head += f.read(min(_PREFIX.unpack(head)[1], MAX_HEADER_BYTES))
-                header = _header(head, file_size, self.key)
+                head = f.read(PREFIX.size)
+                if len(head) == PREFIX.size:
+                    head += f.read(min(PREFIX.unpack(head)[1], MAX_HEADER_BYTES))
+                header = read_header(head, file_size, self.key)
                 if isinstance(header, str):
                     return self._skip(tier, path, header)
                 raw = f.read(4 * header.tokens)  # no more than the file holds: _header checked its sizes
@@ -386,20 +396,20 @@ class HostStore:
         if len(raw) != 4 * header.tokens:
             return self._skip(tier, path, "truncated")
         tokens = struct.unpack(f"<{header.tokens}i", raw)
-        if _address(self.key, tokens, header.salt) != name:
+        if address(self.key, tokens, header.salt) != name:
             return self._skip(tier, path, "its name is not its tokens' address")
         return Entry(name, tokens, header.summary, header.salt)
 
     def _parse(self, data: bytearray, name: str) -> tuple[tuple[int, ...], tuple[int, ...], int, int] | str:
         """A whole entry file checked: (tokens, summary, state offset, state bytes), or why it is bad."""
-        header = _header(data, len(data), self.key)
+        header = read_header(data, len(data), self.key)
         if isinstance(header, str):
             return header
-        if zlib.crc32(memoryview(data)[_PREFIX.size:]) != header.crc:
+        if zlib.crc32(memoryview(data)[PREFIX.size:]) != header.crc:
             return "truncated or damaged (CRC)"
-        start = _PREFIX.size + header.length
+        start = PREFIX.size + header.length
         tokens = struct.unpack_from(f"<{header.tokens}i", data, start)
-        if _address(self.key, tokens, header.salt) != name:
+        if address(self.key, tokens, header.salt) != name:
             return "its name is not its tokens' address"
         return tokens, header.summary, start + 4 * header.tokens, header.state_bytes
 
@@ -435,14 +445,14 @@ class HostStore:
                 self._jobs.task_done()
 
     def _write(self, tokens: tuple[int, ...], state: Any, size: int, summary: tuple[int, ...], salt: bytes) -> None:
-        name = _address(self.key, tokens, salt)
+        name = address(self.key, tokens, salt)
         fields: dict[str, Any] = {"key": self.key, "tokens": len(tokens), "state_bytes": size, "summary": list(summary)}
         if salt:
             fields["salt"] = salt.hex()
         header = json.dumps(fields).encode()
-        data = bytearray(_PREFIX.size) + header + struct.pack(f"<{len(tokens)}i", *tokens)
+        data = bytearray(PREFIX.size) + header + struct.pack(f"<{len(tokens)}i", *tokens)
         data += memoryview(state).cast("B")[:size]
-        _PREFIX.pack_into(data, 0, MAGIC, len(header), zlib.crc32(memoryview(data)[_PREFIX.size:]))
+        PREFIX.pack_into(data, 0, MAGIC, len(header), zlib.crc32(memoryview(data)[PREFIX.size:]))
         if any(tier.path(name).exists() for tier in self._tiers):
             touch(self._tiers[0].path(name))
             return
@@ -451,6 +461,8 @@ class HostStore:
             written = self._store(1, name, data) or written  # written through: the disk tier outlives a reboot
         if not written:
             return
+        if self._remote is not None:
+            self._remote.offer(tokens, salt, data)
         with self._lock:
             if summary:
                 self._added[int(name[:15], 16)] = summary
@@ -472,12 +484,42 @@ class HostStore:
             if entry.summary and self._added.pop(entry.id, None) is None:
                 self._dropped.append(entry.id)
 
+    def _fetch_remote(self, tokens: tuple[int, ...], salt: bytes, shared: int) -> Entry | None:
+        """An entry of the remote tier holding more of ``tokens`` than ``shared`` (all of its tokens a prefix of
+        them, and fewer than the context holds), checked as a file of a local tier is and its tokens compared with
+        the prompt's, then written into the RAM tier and indexed; None if there is none."""
+        assert self._remote is not None
+        found: list[tuple[tuple[int, ...], tuple[int, ...]]] = []
+
+        def check(name: str, data: bytearray) -> str | None:
+            parsed = self._parse(data, name)
+            if isinstance(parsed, str):
+                return parsed
+            if parsed[0] != tokens[:len(parsed[0])]:
+                return "its tokens are not the prompt's"
+            found.append(parsed[:2])
+            return None
+
+        fetched = self._remote.fetch(tokens[:self.n_ctx - 1], salt, shared, check)
+        if fetched is None:
+            return None
+        (name, data), (held, summary) = fetched, found[-1]
+        if not self._store(0, name, data) and not self._tiers[0].path(name).exists():
+            return None
+        entry = Entry(name, held, summary, salt)
+        with self._index_lock:
+            self._index[name] = entry
+        with self._lock:
+            if summary:
+                self._added[entry.id] = summary
+        return entry
+
     def _copy_up(self, data: bytes) -> None:
         """An entry read from disk, into RAM: it is the most recently used now."""
-        _, length, _ = _PREFIX.unpack_from(data)
-        header = json.loads(data[_PREFIX.size:_PREFIX.size + length])
-        tokens = struct.unpack_from(f"<{int(header['tokens'])}i", data, _PREFIX.size + length)
-        self._store(0, _address(self.key, tokens, bytes.fromhex(header.get("salt", ""))), data)
+        _, length, _ = PREFIX.unpack_from(data)
+        header = json.loads(data[PREFIX.size:PREFIX.size + length])
+        tokens = struct.unpack_from(f"<{int(header['tokens'])}i", data, PREFIX.size + length)
+        self._store(0, address(self.key, tokens, bytes.fromhex(header.get("salt", ""))), data)
 
     def _store(self, level: int, name: str, data: bytes | bytearray) -> bool:
         """Write ``data`` as entry ``name`` into tier ``level``, making room by moving its least recently used
@@ -532,59 +574,3 @@ class HostStore:
             os.unlink(path)
         except FileNotFoundError:
             pass
-
-
-@dataclass(frozen=True)
-class _Header:
-    length: int  # of the JSON header
-    crc: int
-    tokens: int
-    state_bytes: int
-    summary: tuple[int, ...]
-    salt: bytes
-
-
-def _header(data: bytes | bytearray, file_size: int, key: str) -> _Header | str:
-    """The header of an entry file of ``file_size`` bytes that starts with ``data``, checked (the magic, the JSON,
-    this key, counts that add up to the file's size, a summary of block hashes), or why the entry is bad."""
-    if len(data) < _PREFIX.size or data[:8] != MAGIC:
-        return "not a store entry"
-    _, length, crc = _PREFIX.unpack_from(data)
-    if length > MAX_HEADER_BYTES:
-        return "its header is too long"
-    if len(data) < _PREFIX.size + length:
-        return "truncated"
-    try:
-        fields = json.loads(bytes(data[_PREFIX.size:_PREFIX.size + length]))
-    except (ValueError, RecursionError):
-        return "its header is not JSON"
-    if not isinstance(fields, dict):
-        return "its header is not a JSON object"
-    if fields.get("key") != key:
-        return "foreign (saved under another key)"
-    tokens, state_bytes, summary = fields.get("tokens"), fields.get("state_bytes"), fields.get("summary", [])
-    if not (_count(tokens) and _count(state_bytes)):
-        return "its token or state count is not a count"
-    expected = _PREFIX.size + length + 4 * tokens + state_bytes  # bounds both counts by the file's size
-    if expected != file_size:
-        return f"{'truncated' if expected > file_size else 'padded'}: its counts say {expected} bytes, the file has " \
-               f"{file_size}"
-    if not (isinstance(summary, list) and len(summary) <= MAX_BLOCKS
-            and all(type(h) is int and 0 <= h < 1 << 64 for h in summary)):
-        return "its summary is not a list of block hashes"
-    salt = fields.get("salt", "")
-    if not (isinstance(salt, str) and _SALT.fullmatch(salt)):
-        return "its salt is not a salt in hex"
-    return _Header(length, crc, tokens, state_bytes, tuple(summary), bytes.fromhex(salt))
-
-
-def _count(value: object) -> TypeGuard[int]:
-    return type(value) is int and value >= 0
-
-
-def _address(key: str, tokens: Sequence[int], salt: bytes = b"") -> str:
-    """An entry's name: a digest of the key, the salt (none when empty: the addresses from before salts) and the
-    tokens. A salted key text holds a "/", which no key has, and is longer: no salt's address is another's."""
-    digest = hashlib.sha256((f"{key}/{salt.hex()}" if salt else key).encode())
-    digest.update(struct.pack(f"<{len(tokens)}i", *tokens))
-    return digest.hexdigest()[:32] + SUFFIX

@@ -65,7 +65,7 @@ def open_store(settings: EngineSettings, identity: Identity, cut_back: bool, lla
               "reuse": "exact" if settings.exact else "any"}
     return HostStore(host_store.compatibility_key(fields), fields, Path(settings.cache_shm), settings.cache_ram,
                      Path(settings.cache_disk) if settings.cache_disk else None, settings.cache_disk_size,
-                     settings.n_ctx, cut_back)
+                     settings.n_ctx, cut_back, settings.cache_remote)
 
 
 class Keeping:

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 from mpserve.config.kv_types import DEFAULT_KV_TYPE, KV_TYPES
 from mpserve.config.reasoning import Reasoning
+from mpserve.config.remote_tier import RemoteTier
 from mpserve.config.speculative import Speculative
 
 FLASH_ATTN_TYPES = {"auto": "LLAMA_FLASH_ATTN_TYPE_AUTO", "on": "LLAMA_FLASH_ATTN_TYPE_ENABLED",
@@ -38,7 +39,8 @@ prompt chunks of them only, so that output equals a fresh computation."""
 @dataclass(frozen=True)
 class EngineSettings:
     """``cache_ram`` bytes in ``cache_shm`` and ``cache_disk_size`` bytes in ``cache_disk``: the host store's tiers
-    (``mpserve.engine.host_store``; no store without a RAM tier). ``reuse``: ``any`` starts a prompt from the longest
+    (``mpserve.engine.host_store``; no store without a RAM tier), and ``cache_remote`` the remote tier under them
+    (``mpserve.engine.remote_store``). ``reuse``: ``any`` starts a prompt from the longest
     prefix of it that computed cells hold, ``exact`` from whole prompt chunks only (``mpserve.engine.batch``).
     ``chat_template``: the template the engine reports instead of the GGUF's (``read_chat_template``).
     ``grammar_step_s``: what a constrained sequence's grammar may spend on one step before the sequence ends with
@@ -62,6 +64,7 @@ class EngineSettings:
     cache_shm: str | None = None
     cache_disk: str | None = None
     cache_disk_size: int = 0
+    cache_remote: RemoteTier | None = None
     reuse: str = "any"
     chat_template: str | None = None
     adapters: tuple[tuple[str, str], ...] = ()  # LoRA adapters to load: (name, path) (``mpserve.engine.adapters``)

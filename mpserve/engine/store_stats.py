@@ -2,12 +2,15 @@
 changes the broker hears of (a sequence's state is copied out of and into a context by ``context.Context``).
 
     HostStore ─stats()────────▶ CacheStats ──▶ the slot table's rows (status, /metrics, the monitor)
+    RemoteStore ─stats()──────▶ RemoteStats ─┘ (its part: the remote tier's hits, misses, errors, dropped writes)
     HostStore ─take_changes()─▶ Changes ──▶ CACHE frames (the broker routes by the entries' summaries)
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+from .remote_store import RemoteStats
 
 
 @dataclass(frozen=True)
@@ -21,6 +24,7 @@ class CacheStats:
     disk_bytes: int = 0  # the disk tier holds now
     disk_capacity: int = 0  # it may hold (0: no disk tier)
     skipped: int = 0  # bad entries this instance removed unread, and writes it could not make (a full disk)
+    remote: RemoteStats = RemoteStats()  # this instance's use of the remote tier (all 0: none)
 
 
 NO_CACHE = CacheStats(0, 0, 0, 0, 0, 0)

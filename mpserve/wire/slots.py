@@ -25,15 +25,17 @@ from pathlib import Path
 from mpserve.errors import BadRequest, ConfigError
 from mpserve.private import create_private, open_private
 
-MAGIC = b"MPSLOT05"
+MAGIC = b"MPSLOT06"
 _HEADER = struct.Struct("<8sII")  # magic, rows, row size
 _SEQ = struct.Struct("<Q")
 # pid, worker, slot, state, device, model, request, tokens, served, started, progress, load_s, kv_cells, kv_capacity,
 # then the host store as the instance sees it: RAM bytes, RAM capacity, hits, misses, evictions, disk bytes,
-# disk capacity, skipped; then the LoRA adapters the slot's sequence runs under (``adapter_label``)
-_FIELDS = struct.Struct("<iHHBxh48s40sIQdddIIQQIIIQQI40s")
+# disk capacity, skipped; then the LoRA adapters the slot's sequence runs under (``adapter_label``); then the host
+# store's remote tier: hits, misses, errors, dropped writes
+_FIELDS = struct.Struct("<iHHBxh48s40sIQdddIIQQIIIQQI40sIIII")
 _CACHE = 14  # the first host-store field
 _ADAPTERS = 22
+_REMOTE = 23  # the first remote-tier field
 ADAPTER_LABEL_BYTES = 40
 STUCK_WRITER_S = 0.5  # a writer descheduled mid-update on a loaded host is waited for (a wait a tenth of this
 # gave up on live writers on a busy small host); one that died mid-update holds up a reader of its row this long,
@@ -68,6 +70,10 @@ class CacheRow:
     disk_bytes: int = 0
     disk_capacity: int = 0
     skipped: int = 0  # bad entries removed, writes not made (a full disk)
+    remote_hits: int = 0  # the remote tier (cache_remote), as the instance used it
+    remote_misses: int = 0
+    remote_errors: int = 0  # calls that failed: Redis down, slow or refusing
+    remote_dropped: int = 0  # writes not made: the queue was full, or Redis was down
 
     @classmethod
     def empty(cls) -> CacheRow:
@@ -203,7 +209,7 @@ class SlotTable:
             kv_capacity = fields[:_CACHE]
         return SlotRow(index, pid, worker, slot, SlotState(state), device, _text(model), _text(request),
                        tokens, served, started, progress, load_s, kv_cells, kv_capacity,
-                       CacheRow(*fields[_CACHE:_ADAPTERS]), _text(fields[_ADAPTERS]))
+                       CacheRow(*fields[_CACHE:_ADAPTERS], *fields[_REMOTE:]), _text(fields[_ADAPTERS]))
 
     def read_all(self) -> list[SlotRow]:
         return [self.read(i) for i in range(self.rows)]
@@ -267,6 +273,7 @@ class SlotWriter:
         """The host store as the instance sees it; not progress (the watchdog's clock is left alone)."""
         self._values[_CACHE:_ADAPTERS] = [cache.bytes, cache.capacity, cache.hits, cache.misses, cache.evictions,
                                  cache.disk_bytes, cache.disk_capacity, cache.skipped]
+        self._values[_REMOTE:] = [cache.remote_hits, cache.remote_misses, cache.remote_errors, cache.remote_dropped]
         self._write()
 
     def progress(self, tokens: int, kv_cells: int) -> None:

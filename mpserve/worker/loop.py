@@ -485,7 +485,7 @@ class Worker:
         and skips entries between admissions)."""
         s = self._engine.cache_stats() if self._engine is not None else None
         cache = CacheRow(s.bytes, s.capacity, s.hits, s.misses, s.evictions, s.disk_bytes, s.disk_capacity,
-                         s.skipped) if s is not None else CacheRow.empty()
+                         s.skipped, *dataclasses.astuple(s.remote)) if s is not None else CacheRow.empty()
         if cache == self._cache_row:
             return
         self._cache_row = cache

@@ -57,7 +57,8 @@ def build_engine(spec: EngineSpec, model: Any = None, adapters: dict[str, Any] |
                               reasoning=spec.reasoning,
                               cache_type_k=spec.cache_type_k, cache_type_v=spec.cache_type_v, cache_ram=spec.cache_ram,
                               cache_shm=spec.cache_shm, cache_disk=spec.cache_disk,
-                              cache_disk_size=spec.cache_disk_size, reuse=spec.reuse, chat_template=spec.chat_template,
+                              cache_disk_size=spec.cache_disk_size, cache_remote=spec.cache_remote, reuse=spec.reuse,
+                              chat_template=spec.chat_template,
                               adapters=tuple(spec.adapters.items()), mmproj=spec.mmproj)
     return BatchEngine(settings, model, adapters, projector)
 

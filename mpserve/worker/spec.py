@@ -27,6 +27,7 @@ from dataclasses import asdict, dataclass, field
 from multiprocessing.connection import Connection
 
 from mpserve.config.reasoning import Reasoning
+from mpserve.config.remote_tier import RemoteTier
 from mpserve.config.speculative import Speculative
 
 WORKER_MAIN = "mpserve.worker.main"
@@ -58,6 +59,7 @@ class EngineSpec:
     cache_shm: str | None = None  # the RAM tier's folder (a tmpfs)
     cache_disk: str | None = None  # the disk tier's folder; None: none
     cache_disk_size: int = 0  # its bytes
+    cache_remote: RemoteTier | None = None  # the remote tier shared by hosts (Redis, Valkey); None: none
     chat_template: str | None = None  # Jinja2 served instead of the GGUF's ("": the ChatML default); None: the GGUF's
     reuse: str = "any"  # any shared prefix, or exact: whole prompt chunks only (mpserve.engine.batch)
     adapters: dict[str, str] = field(default_factory=dict)  # LoRA adapters: name -> local GGUF path, loaded after

@@ -33,7 +33,7 @@ def test_declared_defaults_are_the_dataclass_defaults(config_class: type, scope:
         default = fields[s.key].default
         if default is None or default is dataclasses.MISSING or default == ():
             continue  # described in words ("every GPU found", "none")
-        if s.key in ("cache_ram", "cache_disk_size"):  # a size, shown as people write it
+        if s.key in ("cache_ram", "cache_disk_size", "cache_remote_size"):  # a size, shown as people write it
             assert parse_memory(s.default) == default, (s.key, default, s.default)
             continue
         shown = f"{default:g}" if isinstance(default, float) else str(default).lower()

@@ -210,9 +210,17 @@ def _kv_metrics(rows: list[SlotRow]) -> Iterator[Metric]:
                       "used first)"),
         ("skipped", "Host store entries an instance skipped and removed as bad (truncated, foreign, corrupt), and "
                     "writes it could not make (a full disk)")))
+    remote = {name: CounterMetricFamily(f"{STORE}remote_{name}", text, labels=labels) for name, text in (
+        ("hits", "An instance's prompts that restored a prefix from the host store's remote tier (cache_remote)"),
+        ("misses", "An instance's lookups in the remote tier that found nothing it could use (none, a bad entry, "
+                   "or the tier down)"),
+        ("errors", "An instance's calls to the remote tier that failed (Redis down, slow or refusing)"),
+        ("dropped", "Entries an instance did not write to the remote tier (its queue full, or the tier down)"))}
     for (model, worker), slots in instance_slots(rows).items():
         used, capacity = sum(r.kv_cells for r in slots), sum(r.kv_capacity for r in slots)
         key = [model, str(worker)]
+        for name, counter in remote.items():
+            counter.add_metric(key, getattr(slots[0].cache, f"remote_{name}"))
         cells.add_metric(key, used)
         ratio.add_metric(key, used / capacity if capacity else 0.0)
         c = slots[0].cache
@@ -220,7 +228,7 @@ def _kv_metrics(rows: list[SlotRow]) -> Iterator[Metric]:
                   "disk_capacity_bytes": c.disk_capacity} | {name: getattr(c, name) for name, _ in counts}
         for (name, _), family in (cache | counts).items():
             family.add_metric(key, values[name])
-    yield from (cells, ratio, *cache.values(), *counts.values())
+    yield from (cells, ratio, *cache.values(), *counts.values(), *remote.values())
 
 
 STORE = "mpserve_host_store_"
