@@ -45,7 +45,7 @@ from . import reload as reloading
 from .broker import Broker
 from .hooks import BrokerHooks
 from .instances import Instances
-from .layout import build_layout, check_host_ram, served_template, worker_specs
+from .layout import Layout, build_layout, check_host_ram, served_template, worker_specs
 from .pool_keys import pool_keys
 from .preflight import bind_problem, claim, refuse_live
 from .residency import Residency
@@ -76,12 +76,7 @@ def serve(config: ServerConfig, gateway_key: Path | None = None,
     specs = worker_specs(config, layout, paths.back, paths.slots)
     survivors = adoption.survey(paths, specs) if config.adopt_wait else adoption.Survivors()
     claim(paths)
-    ram_warnings = check_host_ram(config, layout)
-    for device in layout.devices:
-        log.info("device %d: %s, %.1f GiB free%s", device.index, device.name, device.memory_free / 2**30,
-                 " (simulated)" if device.simulated else "")
-    for warning in [*ram_warnings, *start_warnings(config, layout.devices)]:
-        log.warning("%s", warning)
+    _say_devices(config, layout)
     table = SlotTable.create(paths.slots, rows=config.total_slots)
     ctx = zmq.Context()
     broker = None
@@ -91,13 +86,7 @@ def serve(config: ServerConfig, gateway_key: Path | None = None,
         if config.curve_clients is not None:
             authenticator = ThreadAuthenticator(ctx, log=_AuthLog())
             authenticator.start()
-            authenticator.configure_curve(domain="clients", location=config.curve_clients)
-            if config.curve_workers is not None:
-                authenticator.configure_curve(domain="workers", location=config.curve_workers)
-            if config.curve_admins is not None:
-                authenticator.configure_curve(domain="admins", location=config.curve_admins)
-            if gateway_key is not None:
-                roles.allow(authenticator, gateway_key, ("clients", "admins"))
+            _allow_keys(authenticator, config, gateway_key)
         hooks = _ServerHooks()
         broker = _broker(ctx, config, paths, hooks)
         if survivors.pids:
@@ -106,9 +95,7 @@ def serve(config: ServerConfig, gateway_key: Path | None = None,
         supervisor = Supervisor(config, specs, table, gpus=bool(layout.devices), proof=broker.link_secret)
         placements = {spec.index: p for spec, p in zip(specs, layout.placements, strict=True)}
         instances = Instances(config, layout, placements, supervisor, broker, paths.back, paths.slots)
-        ServerInfo(paths.name, os.getpid(), paths.front, paths.back, str(paths.slots),
-                   [m.name for m in config.models], time.time(), admin=paths.admin,
-                   version=__version__).write(paths.info)
+        _write_info(paths, config)
         loop = _Loop(config, broker, supervisor, instances, started, EstimateCheck(placements, layout.devices),
                      reread, reloaded, survivors)
         hooks.loop = loop  # before any socket is polled: the broker has told nothing yet
@@ -130,6 +117,34 @@ def serve(config: ServerConfig, gateway_key: Path | None = None,
         for path in [paths.info, *paths.ipc_files()]:
             path.unlink(missing_ok=True)
         log.info("stopped")
+
+
+def _say_devices(config: ServerConfig, layout: Layout) -> None:
+    """Log the devices found, and the warnings about the host's RAM and the llama.cpp build."""
+    ram_warnings = check_host_ram(config, layout)
+    for device in layout.devices:
+        log.info("device %d: %s, %.1f GiB free%s", device.index, device.name, device.memory_free / 2**30,
+                 " (simulated)" if device.simulated else "")
+    for warning in [*ram_warnings, *start_warnings(config, layout.devices)]:
+        log.warning("%s", warning)
+
+
+def _allow_keys(authenticator: ThreadAuthenticator, config: ServerConfig, gateway_key: Path | None) -> None:
+    """The CURVE keys each socket accepts: the clients', the workers', the operators', and the gateway's."""
+    assert config.curve_clients is not None
+    authenticator.configure_curve(domain="clients", location=config.curve_clients)
+    if config.curve_workers is not None:
+        authenticator.configure_curve(domain="workers", location=config.curve_workers)
+    if config.curve_admins is not None:
+        authenticator.configure_curve(domain="admins", location=config.curve_admins)
+    if gateway_key is not None:
+        roles.allow(authenticator, gateway_key, ("clients", "admins"))
+
+
+def _write_info(paths: ServerPaths, config: ServerConfig) -> None:
+    """The running server's description, where ``mpserve status`` and clients find it."""
+    ServerInfo(paths.name, os.getpid(), paths.front, paths.back, str(paths.slots), [m.name for m in config.models],
+               time.time(), admin=paths.admin, version=__version__).write(paths.info)
 
 
 def _broker(ctx: zmq.Context[zmq.Socket[bytes]], config: ServerConfig, paths: ServerPaths,
