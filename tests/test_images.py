@@ -64,14 +64,15 @@ def pair(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
 @pytest.fixture(scope="module")
 def served(pair: tuple[Path, Path], tmp_path_factory: pytest.TempPathFactory
            ) -> Iterator[tuple[ServerProcess, httpx.Client]]:
-    """A server with the vision pair (``vision``) and the tiny model without a projector (``tiny``), and a client of
-    its gateway."""
+    """A server with the vision pair (``vision``; ``narrow``: with a context of 64 tokens) and the tiny model without a
+    projector (``tiny``), and a client of its gateway."""
     from gateway_thread import GatewayThread  # uvicorn: loaded by the tests that use it
 
     model, projector = pair
     config = config_file(tmp_path_factory.mktemp("config"), "images",
                          models=[{"name": "vision", "path": str(model), "mmproj": str(projector)},
-                                 {"name": "tiny", "path": "builtin:tiny"}])
+                                 {"name": "tiny", "path": "builtin:tiny"},
+                                 {"name": "narrow", "path": str(model), "mmproj": str(projector), "n_ctx": 64}])
     server = ServerProcess("--config", config).wait_ready()
     gateway = GatewayThread(server_name=server.name)
     try:
@@ -146,6 +147,11 @@ def test_a_bad_image_is_a_400_naming_what_is_wrong_and_the_server_answers_after(
 def test_an_image_to_a_model_without_a_projector_is_a_400(http: httpx.Client) -> None:
     assert "no image projector" in refused(http, chat(PROMPT, (data_url(RED),), model="tiny"))
     assert answer(http, chat(PROMPT, model="tiny"))["choices"][0]["message"]["content"]
+
+
+def test_an_image_the_context_cannot_hold_is_a_400(http: httpx.Client) -> None:
+    assert "the context holds 64" in refused(http, chat("Hi", (data_url(RED),), (data_url(BLUE),), model="narrow"))
+    assert answer(http, chat("Hi", model="narrow", max_tokens=4))["choices"][0]["message"]["content"]
 
 
 def test_a_projector_for_another_model_is_refused_at_start_in_one_line(pair: tuple[Path, Path],
@@ -270,3 +276,4 @@ def test_forked_instances_share_the_projector_their_zygote_loaded_and_both_answe
         gateway.stop()
     loads = [line for line in server.log if "loaded the projector" in line]
     assert len(loads) == 1 and "zygote" in loads[0] and "instances share it" in loads[0], loads
+    assert not [line for line in server.log if "clip_" in line or "image slice" in line]  # llama.cpp's info lines

@@ -1,7 +1,8 @@
 """llama.cpp's own log lines as records of the ``mpserve.llama`` logger, each at its level, the known-harmless
 ones left out.
 
-    llama.cpp ──llama_log_set(_callback)──▶ pieces ──joined into lines (CONT continues the last level)──▶
+    llama.cpp, its multimodal library ──llama_log_set, mtmd_log_set(_callback)──▶ pieces
+        ──joined into lines (CONT continues the last level)──▶
         WARN: warning, ERROR: error, the rest: debug ──HARMLESS dropped──▶ logging.getLogger("mpserve.llama")
 
 llama-cpp-python installs a callback of its own when it is imported, which reads ggml's levels as they were
@@ -54,6 +55,14 @@ def install(lib: Any) -> None:
     if _state["callback"] is None:
         _state["callback"] = lib.llama_log_callback(_receive)  # kept: llama.cpp holds only its address
         lib.llama_log_set(_state["callback"], ctypes.c_void_p(0))
+
+
+def install_media(lib: Any, mtmd: Any) -> None:
+    """Route the multimodal library's log (``mtmd``: llama_cpp's mtmd module) the same way: its projector's load and
+    each image's encoding write lines of their own, which would otherwise all reach the server's output."""
+    install(lib)
+    mtmd.mtmd_log_set(_state["callback"], ctypes.c_void_p(0))
+    mtmd.mtmd_helper_log_set(_state["callback"], ctypes.c_void_p(0))
 
 
 def _receive(level: int, text: bytes, _user: Any) -> None:

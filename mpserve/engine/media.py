@@ -26,6 +26,7 @@ from typing import Any
 from mpserve.errors import BadRequest
 from mpserve.wire.media import MEDIA_MARKER, WIRE_LIMITS, check_image
 
+from .llama_log import install_media
 from .sequence import PROMPT_CHUNK
 
 
@@ -44,8 +45,10 @@ class Projector:
     """A model's image projector, loaded beside the model (``mtmd_init_from_file`` checks that they fit)."""
 
     def __init__(self, path: str, model: Any, threads: int, use_gpu: bool, warmup: bool = True) -> None:
+        import llama_cpp
         from llama_cpp import mtmd_cpp
 
+        install_media(llama_cpp, mtmd_cpp)
         self._mtmd: Any = mtmd_cpp
         params = mtmd_cpp.mtmd_context_params_default()
         params.use_gpu, params.n_threads, params.print_timings, params.warmup = use_gpu, threads, False, warmup
