@@ -251,13 +251,14 @@ HARMONY_REPLY = ("The user wants weather.<|end|><|start|>assistant<|channel|>com
                  '<|constrain|>json<|message|>{"city": "Paris"}<|call|>')
 
 
-@pytest.mark.parametrize(("text", "content", "calls"), [
-    (HARMONY_REPLY, None, [WEATHER]),
-    ("The user wants weather.<|end|><|start|>assistant<|channel|>final<|message|>It is sunny.", "It is sunny.", []),
-])
+SUNNY = "The user wants weather.<|end|><|start|>assistant<|channel|>final<|message|>It is sunny."
+
+
+@pytest.mark.parametrize(("text", "content", "calls", "tools"), [
+    (HARMONY_REPLY, None, [WEATHER], TOOLS), (SUNNY, "It is sunny.", [], TOOLS), (SUNNY, "It is sunny.", [], None)])
 def test_harmony_thinks_on_the_analysis_channel_and_answers_on_the_final_one_whole_and_streamed(
-        text: str, content: str | None, calls: list[Any]) -> None:
-    call = dataclasses.replace(oai.parse("chat", {"messages": [{"role": "user", "content": "hi"}], "tools": TOOLS,
+        text: str, content: str | None, calls: list[Any], tools: list[Any] | None) -> None:
+    call = dataclasses.replace(oai.parse("chat", {"messages": [{"role": "user", "content": "hi"}], "tools": tools,
                                                   "stream": True}), parser="gpt-oss", reasoning_end="<|end|>")
     message = oai.Reply(call, "m").whole([result(text)])["choices"][0]["message"]
     assert message["reasoning_content"] == "The user wants weather." and message["content"] == content
