@@ -14,8 +14,9 @@ llama.cpp applies adapters per context, not per sequence, so sequences whose set
 take turns of a few steps (llama-server's rule: requests with different adapters are not batched together), round
 robin among the sets that have work, and the sequences of one set decode together. A switch costs a rebuild of
 llama.cpp's graphs and compute buffers, hence turns of several steps (``TURN_STEPS``) rather than one. Cells
-computed under one set are not valid under another: ``space`` keys them (``cells``), b"" for the base model, and the
-host store and slot files keep base cells only. A space names the adapters' loads (``Loaded.serial``), not only
+computed under one set are not valid under another: ``space`` keys them (``cells``), b"" for the base model, mixed
+with the request's salt by ``mpserve.wire.salt.reuse_key`` (the cache key's last hop), and the host store and slot
+files keep base cells only. A space names the adapters' loads (``Loaded.serial``), not only
 their names, so an adapter unloaded and loaded again from another file never meets cells computed under the first.
 """
 
@@ -153,8 +154,3 @@ class Turns:
         self._last, self._held = later[0] if later else waiting[0], 1
         return self._last
 
-
-def reuse_key(salt: bytes, space: bytes) -> bytes:
-    """The key a sequence's cells are reused under: the request's salt, with the loads of the adapters it runs under
-    (``space``) mixed in when it has any."""
-    return salt if not space else hashlib.sha256(b"adapters\0" + salt + b"\0" + space).digest()[:16]

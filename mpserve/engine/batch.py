@@ -79,9 +79,10 @@ from mpserve.errors import BadRequest
 from mpserve.structured import grammar_source
 from mpserve.wire import protocol as wire
 from mpserve.wire.protocol import GenerateParams
+from mpserve.wire.salt import reuse_key
 
 from . import media, slot_file
-from .adapters import Adapters, AdapterSet, Loaded, Turns, reuse_key
+from .adapters import Adapters, AdapterSet, Loaded, Turns
 from .cells import Cells
 from .context import Context
 from .draft import DraftModel, Want

@@ -8,7 +8,8 @@
     zmqio      multipart messages through pyzmq's backend calls (broker, workers, clients)
     media      images as they travel: data URLs, their headers checked against the limits, the media marker
     prefix     common prefixes, and the block hashes of text prefixes that travel from worker to broker
-    salt       a request's reuse namespace: what it may reuse of what others computed (tenants kept apart)
+    salt       a request's cache key, one path in three hops: the gateway's fallback salt, the broker's salt of
+               tenant, cache_salt and adapter set, the engine's key with the adapters' loads (tenants kept apart)
     adapters   a request's LoRA adapters: BASE:NAME, llama-server's lora ids, one sorted set, the 404 naming those
     slots      the slot table: a shared-memory file of one row per slot (workers write, anyone reads)
     kv_events  KV-cache events in vLLM's format (stored, removed, cleared blocks), their block size and hash

@@ -32,7 +32,6 @@ under its tenant and its id under the tenant's tag (``keys.broker_id``).
 from __future__ import annotations
 
 import hashlib
-import hmac
 import json
 import secrets
 import time
@@ -48,6 +47,7 @@ from mpserve.client import AsyncClient, Result, Stream
 from mpserve.errors import BadRequest, ErrorCode, MpserveError
 from mpserve.wire import adapters as wire_adapters
 from mpserve.wire import protocol as wire
+from mpserve.wire.salt import fallback_salt
 
 from ..backend import Backend
 from ..http import encode, keys, limits
@@ -159,18 +159,7 @@ def owner(request: Request) -> str:
     return hashlib.sha256(given).hexdigest()[:32] if given else ""
 
 
-_FALLBACK_SECRET = secrets.token_bytes(16)  # this process's: a tenant's fallback salt no caller can name
-
-
-def fallback_salt(tenant: str, cache_salt: str | None) -> str:
-    """The cache_salt of a keyed caller's request sent as the gateway's own (``Backend.for_tenant`` could not reach
-    the admin socket, where the broker takes its tenant): the caller's under a prefix of its own, or without one
-    a keyed digest of its tenant, so that no caller can name another tenant's (every caller may name any salt:
-    the digest's key is this process's secret, so a tenant's prompts are shared by its requests through this
-    gateway process only, for as long as the admin socket cannot be reached)."""
-    if cache_salt is not None:
-        return f"shared:{cache_salt}"
-    return "tenant:" + hmac.new(_FALLBACK_SECRET, tenant.encode(), hashlib.sha256).hexdigest()[:32]
+_FALLBACK_SECRET = secrets.token_bytes(16)  # this process's key of a tenant's fallback salt (``fallback_salt``)
 
 
 PIPELINE_FIELDS = frozenset({"cache_salt", "priority"})
@@ -287,7 +276,7 @@ class Pipeline:
         prompt from the model's template)."""
         client, tenant = await self.backend.for_tenant(keys.tenant(request))
         if keys.tenant(request) and not tenant:  # sent as the gateway's own: its prompts still kept apart
-            cache_salt = fallback_salt(keys.tenant(request), cache_salt)
+            cache_salt = fallback_salt(_FALLBACK_SECRET, keys.tenant(request), cache_salt)
         model = answer.call.model or sole_model(client)  # BASE:NAME names an adapter: answered with it
         base = wire_adapters.split_model(model)[0] or model
         adapters = await self._adapters(answer.call, base)
