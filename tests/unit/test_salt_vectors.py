@@ -1,6 +1,6 @@
-"""A salt's exact bytes (``mpserve.wire.salt.reuse_salt``): the digest of a fixed text, so that a change of its
-encoding is a deliberate one (a new ``_VERSION``). Host store entries on disk and in a remote tier outlive a
-server's upgrade under these salts: another encoding would miss every one of them."""
+"""A salt's and a cache key's exact bytes (``mpserve.wire.salt``: ``reuse_salt``, ``reuse_key``): digests of a fixed
+text, so that a change of their encoding is a deliberate one (a new ``_VERSION``). Host store entries on disk and in
+a remote tier outlive a server's upgrade under these keys: another encoding would miss every one of them."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import hashlib
 
 import pytest
 
-from mpserve.wire.salt import SALT_BYTES, reuse_salt
+from mpserve.wire.salt import SALT_BYTES, reuse_key, reuse_salt
 
 
 def digest(text: str) -> bytes:
@@ -24,3 +24,9 @@ def digest(text: str) -> bytes:
 def test_a_salt_is_the_digest_of_its_version_scope_and_adapters_written_compactly_in_ascii(
         tenant: str, cache_salt: str | None, adapters: tuple[tuple[str, float], ...], text: str) -> None:
     assert reuse_salt(tenant, cache_salt, adapters) == digest(text)
+
+
+def test_a_cache_key_is_the_salt_alone_or_with_the_adapters_loads_mixed_in() -> None:
+    salt = reuse_salt("key:" + "a" * 16, None, (("fr", 1.0),))
+    assert reuse_key(salt, b"") == salt
+    assert reuse_key(salt, b"fr#3") == hashlib.sha256(b"adapters\0" + salt + b"\0fr#3").digest()[:16]
