@@ -438,10 +438,7 @@ def _model(index: int, entry: Any, overrides: Mapping[str, Any], source: str) ->
                           "flash attention, and flash_attn is off; set flash_attn to auto or on, or cache_type_v "
                           "to f16, bf16 or f32")
     if values.get("mmproj") is not None:
-        if path == ECHO_MODEL or values.get("embedding"):
-            raise ConfigError(f"{where}.mmproj: an image projector goes with a model served for completions by "
-                              "llama.cpp, not the echo backend or an embedding model")
-        _check_gguf(Path(values["mmproj"]), f"{where}.mmproj")
+        _check_mmproj(str(values["mmproj"]), path, bool(values.get("embedding")), f"{where}.mmproj")
     for folder in ("slot_save_path", "adapter_dir"):
         if folder in values and not Path(values[folder]).is_dir():
             raise ConfigError(f"{where}.{folder}: {values[folder]!r} is not a folder; create it first")
@@ -470,10 +467,19 @@ def _model(index: int, entry: Any, overrides: Mapping[str, Any], source: str) ->
         values["reasoning"] = _reasoning(values["reasoning"], f"{where}.reasoning")
     low, high = _instance_bounds(values, where)
     values.update(instances=low, min_instances=low, max_instances=high)
-    model = ModelConfig(**values)
-    if model.mmproj is not None and not sources.is_source(model.path):  # a Hub model's: once pulled (pull_sources)
-        projector.check(model.mmproj, model.resolved_path(), f"{where}.mmproj")
-    return model
+    return ModelConfig(**values)
+
+
+def _check_mmproj(mmproj: str, path: str, embedding: bool, where: str) -> None:
+    """A model's image projector: a GGUF file, for a model llama.cpp serves for completions, that fits the model
+    (checked against its header here, or once pulled for a model named on the Hub: ``pull_sources``)."""
+    if path == ECHO_MODEL or embedding:
+        raise ConfigError(f"{where}: an image projector goes with a model served for completions by llama.cpp, not "
+                          "the echo backend or an embedding model")
+    _check_gguf(Path(mmproj), where)
+    if not sources.is_source(path):
+        builtin = path.startswith(BUILTIN_PREFIX)
+        projector.check(mmproj, str(builtin_model_path(path[len(BUILTIN_PREFIX):])) if builtin else path, where)
 
 
 def _check_gguf(path: Path, where: str) -> None:
