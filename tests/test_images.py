@@ -5,10 +5,13 @@ library in the worker, and reused from the cache like the tokens they stand for.
 from __future__ import annotations
 
 import base64
+import json
 import os
 import random
+import shutil
 import signal
 import struct
+import subprocess
 import zlib
 from collections.abc import Iterator
 from pathlib import Path
@@ -20,7 +23,9 @@ from conftest import ServerProcess
 from helpers import config_file, mpserve, wait_for
 
 from bench.procs import HttpServer, find_llama_server, free_port
+from mpserve import Client
 from mpserve.models.mmproj_maker import TOKENS_PER_IMAGE
+from mpserve.wire.media import MEDIA_MARKER, WithImages
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -277,3 +282,19 @@ def test_forked_instances_share_the_projector_their_zygote_loaded_and_both_answe
     loads = [line for line in server.log if "loaded the projector" in line]
     assert len(loads) == 1 and "zygote" in loads[0] and "instances share it" in loads[0], loads
     assert not [line for line in server.log if "clip_" in line or "image slice" in line]  # llama.cpp's info lines
+
+
+@pytest.mark.timeout(120)
+def test_the_python_and_node_clients_send_images_as_the_gateway_does(served: tuple[ServerProcess, httpx.Client],
+                                                                      tmp_path: Path) -> None:
+    server, http = served
+    prompt = f"<|im_start|>user\n{PROMPT}{MEDIA_MARKER}<|im_end|>\n<|im_start|>assistant\n"
+    with Client(server.address) as client:
+        python = client.generate(WithImages(prompt, (RED,)), model="vision", max_tokens=16, temperature=0).text
+    assert python == answer(http, chat(PROMPT, (data_url(RED),), max_tokens=16))["choices"][0]["message"]["content"]
+    (tmp_path / "red.png").write_bytes(RED)
+    node = subprocess.run([shutil.which("node") or "node", "test/images.mjs", server.address,
+                           str(tmp_path / "red.png")], cwd=Path(__file__).parents[1] / "clients" / "node",
+                          capture_output=True, text=True, timeout=100)
+    assert node.returncode == 0, node.stderr
+    assert json.loads(node.stdout.strip().splitlines()[-1])["text"] == python

@@ -27,6 +27,7 @@ import * as zmq from "zeromq";
 export const VERSION = Buffer.from("MPS1");
 export const MAX_ID_CHARS = 64;
 export const MAX_MESSAGE_BYTES = 4 * 1024 * 1024;
+export const MEDIA_MARKER = "<__media__>"; // where an image goes in a prompt's text (`images`)
 /** The sampling parameters a request takes, in the protocol's order (GenerateParams; a test compares them). */
 export const SAMPLING_PARAMS = Object.freeze([
   "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "repeat_penalty", "presence_penalty",
@@ -210,16 +211,19 @@ export class Client {
 
   /** One completion: { id, text, finishReason, usage, timings, worker }. `params`: the wire's names. `adapters`:
    * the model's LoRA adapters to apply, { name: scale } or [name, ...] (scale 1); a `model` of BASE:NAME applies
-   * NAME too. */
-  async generate(prompt, { model = null, timeout = null, requestId = null, adapters = null, ...params } = {}) {
-    const stream = this.stream(prompt, { model, timeout, requestId, adapters, ...params, stream: false });
+   * NAME too. `images`: encoded images (PNG, JPEG, GIF, BMP; Buffers), each where the prompt's next MEDIA_MARKER is,
+   * for a model served with its projector. */
+  async generate(prompt, { model = null, timeout = null, requestId = null, adapters = null, images = null,
+    ...params } = {}) {
+    const stream = this.stream(prompt, { model, timeout, requestId, adapters, images, ...params, stream: false });
     for await (const _ of stream); // eslint-disable-line no-unused-vars
     return stream.result;
   }
 
   /** A streamed completion: `for await (const text of client.stream(...))`; then `stream.result`. */
-  stream(prompt, { model = null, timeout = null, requestId = null, stream = true, adapters = null, ...params } = {}) {
-    return new Stream(this, this._request(prompt, model, timeout, requestId, params, stream, adapters));
+  stream(prompt, { model = null, timeout = null, requestId = null, stream = true, adapters = null, images = null,
+    ...params } = {}) {
+    return new Stream(this, this._request(prompt, model, timeout, requestId, params, stream, adapters, images));
   }
 
   /** Stop request `id` (queued or running); its stream ends with a Cancelled error. */
@@ -256,7 +260,7 @@ export class Client {
 
   // --- internals ------------------------------------------------------------------------------------------
 
-  _request(prompt, model, timeout, requestId, params, stream, adapters = null) {
+  _request(prompt, model, timeout, requestId, params, stream, adapters = null, images = null) {
     const id = requestId ?? this._ids();
     if (typeof id !== "string" || id.length === 0 || id.length > MAX_ID_CHARS) {
       throw new BadRequest(`a request id is a string of 1 to ${MAX_ID_CHARS} characters`);
@@ -274,6 +278,7 @@ export class Client {
       timeout: timeout ?? this.timeout };
     if (typeof prompt !== "string") body.tokens = packTokens(prompt);
     if (chosen.length) body.adapters = chosen;
+    if (images && images.length) body.images = images.map((image) => Buffer.from(image));
     return body;
   }
 
