@@ -14,6 +14,8 @@
       tables      the shared tables: requests, workers, models, lookups, clients' counts; the workers' outbox
     hooks       what the broker tells the server (READY, FAILED, drained) and asks of it: one object, given at
                 construction
+    spans       the broker's trace spans of a request: one for each wait for a slot (queue, preempted, hand-over,
+                reattach), the parent of the worker's
     routing     the broker's decisions as pure functions: which slot a request goes to, what a lost one becomes
     tenants     per tenant: the order queued requests start in (priority, fair shares), limits and figures
     preemption  which running requests give their slots to waiting ones of higher priority (pure functions)
