@@ -104,7 +104,8 @@ def pages() -> list[Path]:
 SETTING_GROUPS = {
     "model": ("Model settings", "Each entry of the file's `models` list; as a flag or variable, every model."),
     "server": ("Server settings", "The server as a whole: top-level keys of the file."),
-    "cli": ("HTTP gateway flags", "Flags and variables of the gateway `start --http` runs (no file key)."),
+    "cli": ("HTTP gateway flags", "Flags and variables of `mpserve gateway` and of the gateways `start --http` runs "
+            "(no file key); their ranges are checked by the command line."),
 }
 
 

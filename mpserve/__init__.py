@@ -19,8 +19,11 @@ Three kinds of process, one subpackage each, over shared groups and leaf modules
     repack       whether llama.cpp may repack weights on this host (a probe in a child, its verdict cached)
     llama_build  the installed llama.cpp build, probed in a child, and what keeps it from the GPUs found
     client       ``Client`` / ``AsyncClient``: the ZeroMQ clients
-    cli          the ``mpserve`` command line
-    status_text  what ``mpserve status`` and ``models`` print, and the error naming the servers running here
+    cli          the ``mpserve`` command line: its options declared once (settings, the operator commands' bundle)
+    start        what ``mpserve start`` runs: the server, the gateway fleet of --http beside it, the upgrade's exec
+    operator_link  how an operator command reaches a running server: which one, its CURVE keys, a client
+    status_text  what the commands print (``status``, ``models``, ``generate``, ``slots``, ``devices``), and the
+                 error naming the servers running here
     help_labels  ``--help``'s type labels: none for a flag, which takes no value
     counts       counts in messages: "1 request", "2 requests"
     doctor       ``mpserve doctor``: what this host offers, and what to fix

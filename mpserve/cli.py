@@ -9,13 +9,15 @@
                 slots (a slot's KV file: save, restore, erase), adapters (a model's LoRA adapters: list, load, unload)
     files       pull (models from the Hub, ahead of time), make-model (a random-weight GGUF), keygen (a CURVE key pair)
 
-Server settings come from ``mpserve.config.settings`` (``with_settings``: one declaration gives a command its flags);
-the benchmarks are not a command but ``python -m bench`` from a checkout.
+Options are declared once: the settings in ``mpserve.config.settings`` (``with_settings`` gives `start`, `worker`,
+`plan`, `devices` and `gateway` their flags), and the options every operator command shares, which server and its
+CURVE keys, in ``operator_options`` (``mpserve.operator_link``: how they reach it). What `start` runs, the gateway
+fleet of --http and the upgrade's exec, is ``mpserve.start``; what the commands print is ``mpserve.status_text``. The
+benchmarks are not a command but ``python -m bench`` from a checkout.
 """
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import inspect
 import json
@@ -24,27 +26,31 @@ import os
 import signal
 import sys
 import time
-from collections.abc import Callable, Iterator
-from dataclasses import asdict, dataclass, replace
+from collections.abc import Callable
+from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated, Any
+from typing import Annotated, Any
 
 import msgspec
 import typer
 
-from mpserve import __version__, children, help_labels
+from mpserve import __version__, help_labels
 from mpserve.config import loader as cfg
 from mpserve.config import settings
-from mpserve.errors import BadRequest, ConfigError, ConnectionFailed, InternalError, MpserveError
-from mpserve.runtime import ServerInfo, ServerPaths
-from mpserve.status_text import extra_lines, format_models, format_table, no_server
-from mpserve.wire.protocol import MAX_PROMPT_CHARS, Stats
-from mpserve.wire.slots import SlotRow, SlotTable, locate
-
-if TYPE_CHECKING:
-    from mpserve.client import Client
-
-LISTEN_AFTER_DEATH_S = 10.0  # how long start --http waits for the gateways of a server that died to let its port go
+from mpserve.errors import BadRequest, ConfigError, ConnectionFailed, MpserveError
+from mpserve.operator_link import Curve, Operator, admin_client, broker_stats
+from mpserve.runtime import ServerInfo
+from mpserve.status_text import (
+    extra_lines,
+    format_devices,
+    format_models,
+    format_result,
+    format_slot_reply,
+    format_table,
+    no_server,
+    status_json,
+)
+from mpserve.wire.slots import SlotTable, locate
 
 help_labels.drop_flag_labels()
 app = typer.Typer(add_completion=False, no_args_is_help=True,
@@ -67,23 +73,6 @@ ConfigOption = Annotated[Path | None, typer.Option("--config", "-c", envvar="MPS
 
 
 @dataclass(frozen=True)
-class _Curve:
-    """The CURVE keys an operator command talks to a tcp server with (files; None: not given)."""
-
-    server_key: str | None
-    secret: str | None
-
-
-CurveServerKeyOption = Annotated[str | None, typer.Option(
-    "--curve-server-key", envvar="MPSERVE_CURVE_SERVER_KEY",
-    help="The server's public key file, for a server on tcp:// with CURVE keys.")]
-CurveSecretOption = Annotated[str | None, typer.Option(
-    "--curve-secret", envvar="MPSERVE_CURVE_CLIENT_SECRET",
-    help="Your secret key file, for a server on tcp:// with CURVE keys (its public half in the server's allowed "
-         "keys).")]
-
-
-@dataclass(frozen=True)
 class Given:
     """The values of a command's setting flags (or their variables), by scope; None where not given."""
 
@@ -95,39 +84,55 @@ class Given:
         return replace(self, server={**self.server, **values})
 
 
-def with_settings(command: settings.Command) -> Callable[[Callable[..., None]], Callable[..., None]]:
-    """Give a command a flag for each setting declared for it (``mpserve.config.settings``); the command gets
-    their values as ``given``."""
+Command = Callable[..., None]
 
-    def decorate(fn: Callable[..., None]) -> Callable[..., None]:
-        declared = settings.for_command(command)
+
+def _bundle(name: str, options: dict[str, tuple[Any, Any]], make: Callable[..., Any]) -> Callable[[Command], Command]:
+    """Give a command the options ``options`` (parameter: its annotation and default), declared once for every command
+    that takes them; the command gets ``make(**their values)`` as its parameter ``name``."""
+
+    def decorate(fn: Command) -> Command:
         signature = inspect.signature(fn, eval_str=True)
-        own = [p for p in signature.parameters.values() if p.name != "given"]
-        flags = [inspect.Parameter(s.param, inspect.Parameter.KEYWORD_ONLY, annotation=_option(s),
-                                   default=False if s.cli_type is bool else None) for s in declared]
+        own = [p for p in signature.parameters.values() if p.name != name]
+        added = [inspect.Parameter(param, inspect.Parameter.KEYWORD_ONLY, annotation=annotation, default=default)
+                 for param, (annotation, default) in options.items()]
 
         @functools.wraps(fn)
         def run(**kwargs: Any) -> None:
-            values: dict[str, dict[str, Any]] = {"server": {}, "model": {}, "cli": {}}
-            for s in declared:
-                value = kwargs.pop(s.param)
-                if s.cli_type is bool:  # an unset switch is unset; a --no-… switch sets its setting false
-                    value = (not s.negated) if value else None
-                elif isinstance(value, (list, tuple)) and not value:  # a repeatable flag not given
-                    value = None
-                values[s.scope][s.key] = value
-            fn(given=Given(**values), **kwargs)
+            fn(**{name: make(**{param: kwargs.pop(param) for param in options})}, **kwargs)
 
-        run.__signature__ = signature.replace(parameters=[*own, *flags])  # type: ignore[attr-defined]
+        run.__signature__ = signature.replace(parameters=[*own, *added])  # type: ignore[attr-defined]
         return run
 
     return decorate
 
 
+def with_settings(command: settings.Command) -> Callable[[Command], Command]:
+    """Give a command a flag for each setting declared for it (``mpserve.config.settings``); the command gets
+    their values as ``given``."""
+    declared = settings.for_command(command)
+
+    def given(**values: Any) -> Given:
+        scoped: dict[str, dict[str, Any]] = {"server": {}, "model": {}, "cli": {}}
+        for s in declared:
+            value = values[s.param]
+            if s.cli_type is bool:  # an unset switch is unset; a --no-… switch sets its setting false
+                value = (not s.negated) if value else None
+            elif isinstance(value, (list, tuple)) and not value:  # a repeatable flag not given
+                value = None
+            scoped[s.scope][s.key] = value
+        return Given(**scoped)
+
+    return _bundle("given", {s.param: (_option(s), False if s.cli_type is bool else None) for s in declared}, given)
+
+
 def _option(s: settings.Setting) -> Any:
+    """A setting's typer option; a flag of no file (scope ``cli``) has its range checked here, the others where the
+    configuration is built."""
     assert s.flag is not None  # for_command() gives flags only
     names = [s.flag, s.short] if s.short else [s.flag]
-    option = typer.Option(*names, envvar=s.env, help=s.help_text(),
+    lo, hi = s.range if s.range is not None and s.scope == "cli" else (None, None)
+    option = typer.Option(*names, envvar=s.env, help=s.help_text(), min=lo, max=hi,
                           metavar="|".join(s.choices) if s.choices else None)
     return Annotated[bool, option] if s.cli_type is bool else Annotated[s.cli_type | None, option]
 
@@ -137,6 +142,20 @@ def _config(given: Given, config_file: Path | None) -> cfg.ServerConfig:
     return cfg.build(cfg.load_file(config_file) if config_file else {}, server=given.server, model=given.model,
                      source=str(config_file or "command line"), base_dir=config_file.parent if config_file else None)
 
+ServerNameOption = Annotated[str, typer.Option("--server-name", envvar="MPSERVE_SERVER_NAME",
+                                               help=settings.BY_KEY["server_name"].help_text())]
+operator_options = _bundle("target", {
+    "server_name": (ServerNameOption, "default"),
+    "curve_server_key": (Annotated[str | None, typer.Option(
+        "--curve-server-key", envvar="MPSERVE_CURVE_SERVER_KEY",
+        help="The server's public key file, for a server on tcp:// with CURVE keys.")], None),
+    "curve_secret": (Annotated[str | None, typer.Option(
+        "--curve-secret", envvar="MPSERVE_CURVE_CLIENT_SECRET",
+        help="Your secret key file, for a server on tcp:// with CURVE keys (its public half in the server's allowed "
+             "keys).")], None),
+}, lambda server_name, curve_server_key, curve_secret: Operator(server_name, Curve(curve_server_key, curve_secret)))
+
+
 @app.command()
 @with_settings("start")
 def start(given: Given, config_file: ConfigOption = None) -> None:
@@ -145,35 +164,18 @@ def start(given: Given, config_file: ConfigOption = None) -> None:
     Every address, folder and model file is checked first: a problem ends the command with exit status 1 and
     one line naming it and the fix, before anything starts. With --http, if the gateway exits while the server
     runs, the server stops too and the command ends with exit status 1 (a service manager restarts both)."""
-    from mpserve.gateway import fleet
-    from mpserve.gateway.app import parse_http
-    from mpserve.server.adoption import died_before
-    from mpserve.server.loop import serve
-    from mpserve.server.preflight import check_start
-    from mpserve.server.roles import gateway_keys
+    from mpserve import start as starting
 
     with _errors():
-        config = _config(given, config_file)
-        http = given.cli["http"]
-        # the port is checked unless an upgrade hands it over, or the gateways of a server that died still hold it
-        checked = http and fleet.HANDED_FD not in os.environ and not died_before(config.server_name)
-        check_start(config, parse_http(http) if checked else None)
-        paths = ServerPaths.for_name(config.server_name, config.bind, config.workers_bind, config.admin_bind)
-        gateway_key = gateway_keys(paths) if http and config.curve_secret else None  # for a CURVE front
-        with _Gateway(http, config, given.cli, gateway_key) if http else contextlib.nullcontext() as gateways:
-            _pull(config)  # with the gateway up: /backend/monitor and the console show the downloads
-            upgrading = serve(config, gateway_key, reread=lambda: _config(given, config_file),
-                              reloaded=(lambda: gateways.fleet.signal(signal.SIGHUP)) if gateways is not None else None)
-            if upgrading and gateways is not None:
-                gateways.hand_over()
+        upgrading = starting.run(_config(given, config_file), given.cli, lambda: _config(given, config_file), _pull)
     if upgrading:  # the mpserve installed now, in this process (its pid stays, for the service manager)
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os.execv(sys.executable, children.python("-m", "mpserve", *sys.argv[1:]))
+        starting.exec_again()
 
 
 @app.command()
+@operator_options
 def generate(
+    target: Operator,
     prompt: Annotated[str, typer.Argument(help="The prompt.")],
     model: Annotated[str | None, typer.Option("--model", "-m", help="Model name; optional with one model.")]
     = None,
@@ -191,12 +193,6 @@ def generate(
         "--json-schema", help="A JSON Schema file: the completion is JSON that validates against it.")] = None,
     grammar: Annotated[Path | None, typer.Option(
         "--grammar", help="A GBNF grammar file (llama.cpp's format) the completion follows.")] = None,
-    curve_server_key: Annotated[str | None, typer.Option(
-        "--curve-server-key", envvar="MPSERVE_CURVE_SERVER_KEY", help="The server's public key file.")] = None,
-    curve_secret: Annotated[str | None, typer.Option(
-        "--curve-secret", envvar="MPSERVE_CURVE_CLIENT_SECRET", help="This client's secret key file.")] = None,
-    server_name: Annotated[str, typer.Option("--server-name", envvar="MPSERVE_SERVER_NAME",
-                                             help=settings.BY_KEY["server_name"].help_text())] = "default",
 ) -> None:
     """Send one request to a running server and print the completion."""
     from mpserve.client import Client
@@ -205,10 +201,10 @@ def generate(
                   stop=tuple(stop or ()))
     with _errors():
         params.update(_structured(json_schema, grammar))
-        if address is None and ((info := ServerInfo.read(server_name)) is None or not info.alive()):
-            raise no_server(server_name)  # naming the servers that run here, as status does
-    with _errors(), Client(address, server_name=server_name, timeout=timeout, curve_server_key=curve_server_key,
-                           curve_secret=curve_secret) as client:
+        if address is None and ((info := ServerInfo.read(target.server_name)) is None or not info.alive()):
+            raise no_server(target.server_name)  # naming the servers that run here, as status does
+    with _errors(), Client(address, server_name=target.server_name, timeout=timeout,
+                           curve_server_key=target.curve.server_key, curve_secret=target.curve.secret) as client:
         if stream:
             s = client.stream(prompt, model=model, **params)
             for text in s:
@@ -226,11 +222,7 @@ def generate(
                               "usage": msgspec.structs.asdict(result.usage), "timings": vars(result.timings),
                               "worker": result.worker}))
         else:
-            t = result.timings
-            tps = result.usage.completion_tokens / (t.generate_ms / 1000) if t.generate_ms else 0.0
-            typer.echo(f"[{result.finish_reason}; {result.usage.prompt_tokens} prompt + "
-                       f"{result.usage.completion_tokens} generated tokens; queued {t.queue_ms:.0f} ms, "
-                       f"first token {t.prompt_ms:.0f} ms, {tps:.1f} tokens/s; {result.worker}]", err=True)
+            typer.echo(format_result(result), err=True)
 
 
 @app.command()
@@ -295,74 +287,11 @@ def _pull(config: cfg.ServerConfig) -> None:
 
 
 @app.command()
+@with_settings("gateway")
 def gateway(
-    http: Annotated[str, typer.Option("--http", envvar="MPSERVE_HTTP", help="HOST:PORT to serve HTTP on.")]
-    = "127.0.0.1:8000",
-    connect: Annotated[str | None, typer.Option(
-        "--connect", help="The server's ZeroMQ address (default: the local server named by --server-name).")] = None,
-    admin_connect: Annotated[str | None, typer.Option(
-        "--admin-connect", envvar="MPSERVE_ADMIN_CONNECT",
-        help="The server's admin socket, for /admin/ and /slots (default: the local server's).")] = None,
-    api_key: Annotated[str | None, typer.Option(
-        "--api-key", envvar="MPSERVE_API_KEY", help=settings.BY_KEY["api_key"].help_text())] = None,
-    admin_key: Annotated[str | None, typer.Option(
-        "--admin-key", envvar="MPSERVE_ADMIN_KEY", help=settings.BY_KEY["admin_key"].help_text())] = None,
-    request_timeout: Annotated[float | None, typer.Option(
-        "--request-timeout", envvar="MPSERVE_REQUEST_TIMEOUT", min=0.1,
-        help=settings.BY_KEY["request_timeout"].help_text())] = None,
-    reattach: Annotated[float, typer.Option(
-        "--reattach", envvar="MPSERVE_REATTACH", min=0, max=3600, help=settings.BY_KEY["reattach"].help_text())]
-    = float(settings.BY_KEY["reattach"].default),
-    curve_server_key: Annotated[str | None, typer.Option(
-        "--curve-server-key", envvar="MPSERVE_CURVE_SERVER_KEY", help="The server's public key file.")] = None,
-    curve_secret: Annotated[str | None, typer.Option(
-        "--curve-secret", envvar="MPSERVE_CURVE_CLIENT_SECRET", help="This gateway's secret key file.")] = None,
-    api_key_file: Annotated[str | None, typer.Option(
-        "--api-key-file", envvar="MPSERVE_API_KEY_FILE", help=settings.BY_KEY["api_key_file"].help_text())] = None,
-    ssl_certfile: Annotated[str | None, typer.Option(
-        "--ssl-certfile", envvar="MPSERVE_SSL_CERTFILE", help=settings.BY_KEY["ssl_certfile"].help_text())] = None,
-    ssl_keyfile: Annotated[str | None, typer.Option(
-        "--ssl-keyfile", envvar="MPSERVE_SSL_KEYFILE", help=settings.BY_KEY["ssl_keyfile"].help_text())] = None,
-    insecure: Annotated[bool, typer.Option("--insecure", help="Allow a network --http without an API key.")] = False,
-    allowed_origins: Annotated[str | None, typer.Option(
-        "--allowed-origins", envvar="MPSERVE_ALLOWED_ORIGINS",
-        help=settings.BY_KEY["allowed_origins"].help_text())] = None,
-    allowed_hosts: Annotated[str | None, typer.Option(
-        "--allowed-hosts", envvar="MPSERVE_ALLOWED_HOSTS", help=settings.BY_KEY["allowed_hosts"].help_text())] = None,
-    max_connections: Annotated[int, typer.Option(
-        "--max-connections", envvar="MPSERVE_HTTP_MAX_CONNECTIONS", min=1,
-        help="Open HTTP connections at most; past it, new ones get 503 with Retry-After, except a few kept for "
-             "GET /health.")] = 1024,
-    max_connections_per_client: Annotated[int, typer.Option(
-        "--max-connections-per-client", envvar="MPSERVE_HTTP_MAX_CONNECTIONS_PER_CLIENT", min=1,
-        help="Open HTTP connections from one client address at most (behind a reverse proxy, every client's "
-             "address is the proxy's: raise it to --max-connections); past it, 503 with Retry-After.")] = 256,
-    read_timeout: Annotated[float, typer.Option(
-        "--read-timeout", envvar="MPSERVE_HTTP_READ_TIMEOUT", min=0.1,
-        help="Seconds a client has to send a request's headers, and again its body (408 past it).")] = 30.0,
-    template_timeout: Annotated[float, typer.Option(
-        "--template-timeout", envvar="MPSERVE_HTTP_TEMPLATE_TIMEOUT", min=0.01,
-        help="Seconds a chat template may take to render a request's messages (400 naming it past them).")] = 2.0,
-    template_max_chars: Annotated[int, typer.Option(
-        "--template-max-chars", envvar="MPSERVE_HTTP_TEMPLATE_MAX_CHARS", min=1,
-        help="Characters a chat template may write, or build in any string or list (400 naming it past them).")]
-    = MAX_PROMPT_CHARS,
-    responses_store: Annotated[str, typer.Option(
-        "--responses-store", envvar="MPSERVE_HTTP_RESPONSES_STORE",
-        help="Memory for stored responses (/v1/responses with store) and ended resumable streams' events, all API "
-             "keys together, e.g. 1GiB; past it, the oldest streams go first, then the oldest responses.")] = "256MiB",
-    responses_store_per_key: Annotated[str, typer.Option(
-        "--responses-store-per-key", envvar="MPSERVE_HTTP_RESPONSES_STORE_PER_KEY",
-        help="Memory for one API key's stored responses and ended resumable streams' events; past it, that key's "
-             "oldest streams go first, then its oldest responses (a larger response is not kept).")] = "32MiB",
-    log_level: Annotated[str, typer.Option("--log-level", envvar="MPSERVE_LOG_LEVEL")] = "info",
-    http_workers: Annotated[int, typer.Option(
-        "--http-workers", envvar="MPSERVE_HTTP_WORKERS", min=1, max=64,
-        help=settings.BY_KEY["http_workers"].help_text())] = 1,
+    given: Given,
     fd: Annotated[int | None, typer.Option("--fd", hidden=True)] = None,
     exit_with_parent: Annotated[bool, typer.Option("--exit-with-parent", hidden=True)] = False,
-    server_name: Annotated[str, typer.Option("--server-name", envvar="MPSERVE_SERVER_NAME",
-                                             help=settings.BY_KEY["server_name"].help_text())] = "default",
 ) -> None:
     """Serve an OpenAI-compatible HTTP API for a server; it may start before the server (503 until ready).
     Generation: /v1/completions, /v1/chat/completions, /v1/responses (stored: /v1/responses/{id},
@@ -371,149 +300,41 @@ def gateway(
     /openapi.json, the web console at / and /console (/console/state, /static/{name}, /favicon.ico). With the
     admin key: /admin/models, /admin/models/{name}/{op}, /admin/adapters, /admin/adapters/{model}/{name},
     /slots/{slot}."""
-    from mpserve.config.sizes import parse_memory
     from mpserve.gateway import run as gateway_run
-    from mpserve.gateway.api.chat import TemplateBudget
-    from mpserve.gateway.api.response_store import StoreBudget
-    from mpserve.gateway.app import GatewayConfig, parse_http
-    from mpserve.gateway.http.access import load_keys
-    from mpserve.gateway.http.guard import ConnectionLimits
 
     with _errors():
-        host, port = parse_http(http)
-        config = GatewayConfig(host=host, port=port, connect=connect, admin_connect=admin_connect,
-                       server_name=server_name, api_key=api_key,
-                       request_timeout=request_timeout, reattach=reattach, curve_server_key=curve_server_key,
-                       curve_secret=curve_secret, log_level=log_level,
-                       exit_with_parent=exit_with_parent, api_keys=load_keys(None, api_key_file),
-                       api_key_file=api_key_file,
-                       ssl_certfile=ssl_certfile, ssl_keyfile=ssl_keyfile, insecure=insecure,
-                       connections=ConnectionLimits(max_connections, max_connections_per_client,
-                                                   read_timeout),
-                       templates=TemplateBudget(template_timeout, template_max_chars),
-                       responses=StoreBudget(parse_memory(responses_store),
-                                             parse_memory(responses_store_per_key)),
-                       admin_key=admin_key, allowed_origins=_names(allowed_origins),
-                       allowed_hosts=_names(allowed_hosts))
-        gateway_run.serve(config, http_workers, fd)
-
-
-def _names(given: str | None) -> tuple[str, ...]:
-    """A comma-separated list, as --allowed-origins and --allowed-hosts take it."""
-    return tuple(name.strip() for name in (given or "").split(",") if name.strip())
-
-
-class _Gateway:
-    """The gateway processes that ``start --http`` runs (``--http-workers``, on one port: ``gateway.fleet``), each
-    started again when it dies; the port stays served by the others meanwhile. If they keep dying as they start,
-    the fleet gives up: it interrupts the server (SIGINT, as Ctrl-C: a graceful stop), and leaving the ``with``
-    raises ``InternalError`` (exit status 1), for the service manager to see one failed unit instead of a server
-    that runs on without its HTTP API."""
-
-    def __init__(self, http: str, config: cfg.ServerConfig, flags: dict[str, Any], key: Path | None) -> None:
-        from mpserve.gateway import fleet
-        from mpserve.gateway.api import response_store
-        from mpserve.gateway.app import parse_http
-        from mpserve.server.adoption import died_before
-
-        host, port = parse_http(http)
-        handed = fleet.handed_over(host, port)  # an upgrade: the socket of the start before this one, and its gateways
-        command, env = _gateway_command(http, config, flags, key)
-        if handed is not None:
-            sock = handed[0]
-        else:  # the gateways of the server before this one, if it died, let the port go as they notice
-            sock = fleet.listen(host, port, LISTEN_AFTER_DEATH_S if died_before(config.server_name) else 0.0)
-        self.fleet = fleet.Fleet(sock, flags["http_workers"] or 1, command, env, self._give_up,
-                                 response_store.path_for(config.server_name, port))
-        fleet.drain(handed[1] if handed is not None else [])
-        self._handed_over = False
-
-    def hand_over(self) -> None:
-        """An upgrade: the port and the gateways go on to the start that follows in this process."""
-        self.fleet.hand_over()
-        self._handed_over = True
-
-    def _give_up(self, reason: str) -> None:
-        os.kill(os.getpid(), signal.SIGINT)
-
-    def __enter__(self) -> _Gateway:
-        return self
-
-    def __exit__(self, exc_type: object, exc: BaseException | None, tb: object) -> None:
-        if not self._handed_over:
-            self.fleet.stop()
-        if self.fleet.gave_up is not None:
-            raise InternalError(f"{self.fleet.gave_up}, so the server stopped (its log above says why); fix that and "
-                                "start again")
-
-
-def _gateway_command(http: str, config: cfg.ServerConfig, flags: dict[str, Any],
-                     key: Path | None) -> tuple[Callable[[int], list[str]], dict[str, str]]:
-    """How to run one ``mpserve gateway`` child on an inherited socket, and its environment. Each child runs in
-    its own session: Ctrl-C reaches only the server, which drains its requests while the gateways keep streaming
-    them (and answer 503 to new ones); they are stopped after that. If the server dies outright, they let the port
-    go for its next start's gateways, and finish their streams on that start (reattached) before they exit. The
-    keys travel in the environment, not in the command line that any user can read; ``key``, a key pair the server
-    accepts, lets them through a CURVE front (the server's public key is read from its secret key file).
-    Processes apart from the server's: in the broker's, the gateway would compete with the broker loop for the
-    GIL, and a fault in it could not touch the broker."""
-    from mpserve.gateway import fleet
-    from mpserve.gateway.app import parse_http
-    from mpserve.gateway.http import access
-
-    host, _ = parse_http(http)  # refuse a bad value, a network port without a key, before anything starts
-    access.check_exposure(host, access.load_keys(flags["api_key"], flags["api_key_file"]), config.insecure)
-    access.check_tls(flags["ssl_certfile"], flags["ssl_keyfile"])
-    keys = {"MPSERVE_API_KEY": flags["api_key"], "MPSERVE_ADMIN_KEY": flags["admin_key"],
-            "MPSERVE_CURVE_SERVER_KEY": config.curve_secret if key else None,
-            "MPSERVE_CURVE_CLIENT_SECRET": str(key) if key else None,
-            "MPSERVE_ALLOWED_ORIGINS": flags["allowed_origins"], "MPSERVE_ALLOWED_HOSTS": flags["allowed_hosts"]}
-    env = {**os.environ, **{name: key for name, key in keys.items() if key}}
-    passed = [arg for key in ("api_key_file", "ssl_certfile", "ssl_keyfile", "request_timeout", "reattach")
-              if flags[key] is not None
-              for arg in (settings.BY_KEY[key].flag or "", str(flags[key]))]
-    argv = [*children.python("-m", "mpserve", "gateway", "--http", http, "--server-name", config.server_name),
-            "--log-level", config.log_level, *passed, *(["--insecure"] if config.insecure else [])]
-    return functools.partial(fleet.child_command, argv), env
+        config = gateway_run.configure({**given.server, **given.cli}, exit_with_parent)
+        gateway_run.serve(config, given.cli["http_workers"] or 1, fd)
 
 
 @app.command()
+@operator_options
 def status(
+    target: Operator,
     watch: Annotated[bool, typer.Option("--watch", "-w", help="Refresh until Ctrl-C.")] = False,
     interval: Annotated[float, typer.Option("--interval", help="Seconds between refreshes.")] = 1.0,
     as_json: Annotated[bool, typer.Option("--json", help="Print rows as JSON.")] = False,
     remote: Annotated[bool, typer.Option(
         "--remote/--no-remote", help="Also ask the broker for the instances of remote pools.")] = True,
-    server_name: Annotated[str, typer.Option("--server-name", envvar="MPSERVE_SERVER_NAME",
-                                             help=settings.BY_KEY["server_name"].help_text())] = "default",
-    curve_server_key: CurveServerKeyOption = None, curve_secret: CurveSecretOption = None,
 ) -> None:
     """Show the slot table of a running server (read from shared memory, no request needed), the instances that
     remote pools registered with it, and each tenant's figures (its busiest by name, the rest as other)."""
     with _errors():
-        info = ServerInfo.read(server_name)
+        info = ServerInfo.read(target.server_name)
         if info is None or not info.alive():
-            raise no_server(server_name)
+            raise no_server(target.server_name)
         table = SlotTable.attach(Path(info.slots), writable=False)
-        curve = _Curve(curve_server_key, curve_secret)
         try:
             while True:
                 rows = table.read_all()
-                stats = _broker_stats(info, curve) if remote and info.role == "broker" else None
-                pools = [w for w in stats.workers if w.host] if stats is not None else []
-                scaled = {name: m.scaling for name, m in stats.models.items()} if stats is not None else {}
-                tenants = stats.tenants if stats is not None else {}
+                stats = broker_stats(info, target.curve) if remote and info.role == "broker" else None
                 if as_json:
-                    print(json.dumps({"server": info.name, "pid": info.pid, "address": info.front,
-                                      "slots": [_row_json(r) for r in rows],
-                                      "remote": [msgspec.structs.asdict(w) for w in pools],
-                                      "scaling": {name: vars(sc) for name, sc in scaled.items()},
-                                      "tenants": {name: asdict(t) for name, t in tenants.items()}}))
+                    print(json.dumps(status_json(info, rows, stats)))
                 else:
                     if watch:
                         sys.stdout.write("\033[H\033[2J")
                     print(format_table(info, rows))
-                    for line in extra_lines(scaled, pools, tenants):
+                    for line in extra_lines(stats):
                         print(line)
                 if not watch:
                     return
@@ -535,7 +356,7 @@ def devices(
 
     Give the --config (or the --simulate-gpus, --gpus, --lock-dir) a server was started with to see its GPUs,
     simulated ones included, and its permits."""
-    from mpserve.gpu.devices import discover, format_memory
+    from mpserve.gpu.devices import discover
     from mpserve.gpu.memory import read_usage
     from mpserve.gpu.permits import inspect
 
@@ -554,21 +375,7 @@ def devices(
                          "waiters": [w.pid for w in state.waiters] if state else [],
                          "memory_used": usage.used if usage else None,
                          "processes": [{"pid": p.pid, "memory": p.used} for p in usage.processes] if usage else []})
-        if as_json:
-            print(json.dumps(rows))
-            return
-        if not rows:
-            print("no GPU found (no NVML, no nvidia-smi): instances run on the CPU")
-            return
-        for r in rows:
-            permits = ("no permits in use" if r["permit_capacity"] is None else
-                       f"permits {len(r['holders'])}/{r['permit_capacity']} held by {r['holders'] or '-'}, "
-                       f"waiting: {r['waiters'] or '-'}")
-            print(f"gpu{r['index']}  {r['name']}{' (simulated)' if r['simulated'] else ''}  "
-                  f"{format_memory(int(r['memory_free']))} free of {format_memory(int(r['memory_total']))}  {permits}")
-            if (usage := live.get(str(r["uuid"]))) is not None:
-                held = ", ".join(f"{p.pid} {'?' if p.used is None else format_memory(p.used)}" for p in usage.processes)
-                print(f"      {format_memory(usage.used)} used; processes: {held or '-'}")
+        print(json.dumps(rows) if as_json else format_devices(rows, live))
 
 
 @app.command()
@@ -660,142 +467,135 @@ def keygen(
 
 # --- the control API: models, load, unload, scale ------------------------------------------------------
 
-ServerNameOption = Annotated[str, typer.Option("--server-name", envvar="MPSERVE_SERVER_NAME",
-                                               help=settings.BY_KEY["server_name"].help_text())]
 ModelArgument = Annotated[str, typer.Argument(help="The model's name (see mpserve models).")]
 JsonOption = Annotated[bool, typer.Option("--json", help="Print the models as JSON.")]
 
 
 @app.command()
-def models(server_name: ServerNameOption = "default", as_json: JsonOption = False,
-           curve_server_key: CurveServerKeyOption = None, curve_secret: CurveSecretOption = None) -> None:
+@operator_options
+def models(target: Operator, as_json: JsonOption = False) -> None:
     """List a running server's models: instances taking requests, starting and draining; bounds; state."""
-    _control(server_name, _Curve(curve_server_key, curve_secret), as_json, "models")
+    _control(target, as_json, "models")
 
 
 @app.command()
-def load(model: ModelArgument, server_name: ServerNameOption = "default", as_json: JsonOption = False,
-         curve_server_key: CurveServerKeyOption = None, curve_secret: CurveSecretOption = None) -> None:
+@operator_options
+def load(target: Operator, model: ModelArgument, as_json: JsonOption = False) -> None:
     """Start a model's instances now (its min becomes at least 1)."""
-    _control(server_name, _Curve(curve_server_key, curve_secret), as_json, "load", model)
+    _control(target, as_json, "load", model)
 
 
 @app.command()
-def unload(model: ModelArgument, server_name: ServerNameOption = "default", as_json: JsonOption = False,
-           curve_server_key: CurveServerKeyOption = None, curve_secret: CurveSecretOption = None) -> None:
+@operator_options
+def unload(target: Operator, model: ModelArgument, as_json: JsonOption = False) -> None:
     """Drain every instance of a model (running requests finish); min becomes 0, so the next request loads it."""
-    _control(server_name, _Curve(curve_server_key, curve_secret), as_json, "unload", model)
+    _control(target, as_json, "unload", model)
 
 
 @app.command()
+@operator_options
 def scale(
-    model: ModelArgument,
+    target: Operator, model: ModelArgument,
     low: Annotated[int | None, typer.Option("--min", help="Fewest instances (0: none while idle).")] = None,
     high: Annotated[int | None, typer.Option("--max", help="Most instances, up to the max it started with.")] = None,
-    server_name: ServerNameOption = "default", as_json: JsonOption = False,
-    curve_server_key: CurveServerKeyOption = None, curve_secret: CurveSecretOption = None,
+    as_json: JsonOption = False,
 ) -> None:
     """Change a model's instance bounds at run time."""
-    _control(server_name, _Curve(curve_server_key, curve_secret), as_json, "scale", model, low, high)
+    _control(target, as_json, "scale", model, low, high)
 
 
 @app.command()
+@operator_options
 def add(
+    target: Operator,
     path: Annotated[Path, typer.Argument(help="A GGUF file (or builtin:tiny, builtin:bench, echo).")],
     name: Annotated[str | None, typer.Option("--name", help="Name clients use (default: the file's stem).")] = None,
     low: Annotated[int | None, typer.Option("--min", help="Fewest instances (default: 1).")] = None,
     high: Annotated[int | None, typer.Option("--max", help="Most instances (default: min).")] = None,
-    server_name: ServerNameOption = "default", as_json: JsonOption = False,
-    curve_server_key: CurveServerKeyOption = None, curve_secret: CurveSecretOption = None,
+    as_json: JsonOption = False,
 ) -> None:
     """Serve another model at run time, refused as at start when it is not a GGUF or does not fit (the server
     needs --spare-slots for its rows)."""
     given = str(path)
     where = given if given == cfg.ECHO_MODEL or given.startswith(cfg.BUILTIN_PREFIX) else str(path.resolve())
-    _control(server_name, _Curve(curve_server_key, curve_secret), as_json, "add", name, low, high, where)
+    _control(target, as_json, "add", name, low, high, where)
 
 
 @app.command()
-def reload(server_name: ServerNameOption = "default", as_json: JsonOption = False,
-           curve_server_key: CurveServerKeyOption = None, curve_secret: CurveSecretOption = None) -> None:
+@operator_options
+def reload(target: Operator, as_json: JsonOption = False) -> None:
     """Make a running server read its configuration again (as SIGHUP does) and apply what changed: queue bounds,
     timeouts, tenants and log level at once, models added, removed (drained) or scaled, and a model whose file,
     n_ctx, parallel, KV types or draft changed rolled onto them, one instance at a time; what needs a restart is
     named and keeps its running value. A configuration that does not validate is refused whole: nothing changes."""
-    _control(server_name, _Curve(curve_server_key, curve_secret), as_json, "reload")
+    _control(target, as_json, "reload")
 
 
 @app.command()
-def upgrade(server_name: ServerNameOption = "default",
+@operator_options
+def upgrade(target: Operator,
             wait: Annotated[float, typer.Option("--wait", help="Seconds to wait for the new start to answer.")] = 120.0,
-            curve_server_key: CurveServerKeyOption = None, curve_secret: CurveSecretOption = None) -> None:
+            ) -> None:
     """Hand a running server over to the mpserve installed now, without an outage (as SIGUSR2 does): its instances
     hold their requests, the server starts again in its own process (its pid stays) and adopts them, and the
     clients reattach. Prints the new start's version once it answers (on its admin socket, as `mpserve models`
     asks: a tcp one with an operator's CURVE keys)."""
     with _errors():
-        info = ServerInfo.read(server_name)
-        if info is None or not info.alive() or info.role != "broker":
-            raise no_server(server_name)
+        info = target.broker()
         os.kill(info.pid, signal.SIGUSR2)
         deadline = time.monotonic() + wait
         while True:
-            new = ServerInfo.read(server_name)
+            new = ServerInfo.read(target.server_name)
             if new is not None and new.started != info.started and new.alive():
                 try:
-                    with _admin_client(new, _Curve(curve_server_key, curve_secret), connect_timeout=2.0) as client:
+                    with admin_client(new, target.curve, connect_timeout=2.0) as client:
                         client.stats()
                     break
                 except MpserveError:
                     pass
             if time.monotonic() > deadline:
-                raise ConnectionFailed(f"server {server_name!r} (pid {info.pid}) did not come back within {wait:g} s "
-                                       "after the hand-off; see its log")
+                raise ConnectionFailed(f"server {target.server_name!r} (pid {info.pid}) did not come back within "
+                                       f"{wait:g} s after the hand-off; see its log")
             time.sleep(0.2)
-        print(f"upgraded {server_name}: mpserve {new.version or 'unknown'} (was {info.version or 'unknown'}), "
+        print(f"upgraded {target.server_name}: mpserve {new.version or 'unknown'} (was {info.version or 'unknown'}), "
               f"pid {new.pid}")
 
 
 @app.command()
+@operator_options
 def slots(
+    target: Operator,
     action: Annotated[str, typer.Argument(help="save, restore or erase.")],
     slot: Annotated[int, typer.Argument(help="The slot: SLOT in mpserve status.")],
     filename: Annotated[str, typer.Argument(help="A file name in the model's slot_save_path (save, restore).")] = "",
-    server_name: ServerNameOption = "default",
     as_json: Annotated[bool, typer.Option("--json", help="Print the result as JSON.")] = False,
-    curve_server_key: CurveServerKeyOption = None, curve_secret: CurveSecretOption = None,
 ) -> None:
     """Save an idle slot's KV cells to a file of its model's slot_save_path, restore them from one, or erase
     them: a long conversation survives a restart."""
-    from mpserve.gpu.devices import format_memory
-
     with _errors():
-        info = ServerInfo.read(server_name)
-        if info is None or not info.alive() or info.role != "broker":
-            raise no_server(server_name)
+        info = target.broker()
         table = SlotTable.attach(Path(info.slots), writable=False)
         try:
             worker, local = locate(table.read_all(), slot)
         finally:
             table.close()
-        with _admin_client(info, _Curve(curve_server_key, curve_secret)) as client:
+        with admin_client(info, target.curve) as client:
             reply = client.slot(action, worker, local, filename)
         if as_json:
             print(json.dumps({"slot": slot, "worker": worker, **msgspec.structs.asdict(reply)}))
             return
-        done = {"save": "saved", "restore": "restored", "erase": "erased"}[reply.action]
-        where = f" ({format_memory(reply.bytes)}, {filename})" if reply.action != "erase" else ""
-        print(f"{done} slot {slot} ({worker} slot {local}): {reply.tokens} tokens{where} in {reply.ms:.0f} ms")
+        print(format_slot_reply(reply, slot, worker, local, filename))
 
 
 @app.command()
+@operator_options
 def adapters(
+    target: Operator,
     action: Annotated[str, typer.Argument(help="list, load or unload.")],
     model: Annotated[str | None, typer.Argument(help="The model (load, unload).")] = None,
     name: Annotated[str | None, typer.Argument(help="The adapter's name (load, unload).")] = None,
     path: Annotated[str | None, typer.Argument(help="The adapter's GGUF file on the server's host (load).")] = None,
-    server_name: ServerNameOption = "default", as_json: JsonOption = False,
-    curve_server_key: CurveServerKeyOption = None, curve_secret: CurveSecretOption = None,
+    as_json: JsonOption = False,
 ) -> None:
     """List each model's LoRA adapters, load one into every instance of a model, or unload one once the requests
     using it have finished, without a restart."""
@@ -804,10 +604,7 @@ def adapters(
             raise BadRequest(f"no adapters action {action!r}; give list, load MODEL NAME PATH or unload MODEL NAME")
         if action != "list" and (model is None or name is None or (action == "load") != (path is not None)):
             raise BadRequest("give load MODEL NAME PATH (a GGUF on the server's host) or unload MODEL NAME")
-        info = ServerInfo.read(server_name)
-        if info is None or not info.alive() or info.role != "broker":
-            raise no_server(server_name)
-        with _admin_client(info, _Curve(curve_server_key, curve_secret)) as client:
+        with admin_client(target.broker(), target.curve) as client:
             if action == "list":
                 served = {m: s.served_adapters() for m, s in client.stats().models.items()}
                 print(json.dumps({m: list(ids) for m, ids in served.items()}) if as_json else "\n".join(
@@ -823,14 +620,10 @@ def adapters(
               f"{', '.join(reply.adapters) or 'none'}")
 
 
-def _control(server_name: str, curve: _Curve, as_json: bool, op: str, model: str | None = None,
-             low: int | None = None, high: int | None = None, path: str | None = None) -> None:
-
+def _control(target: Operator, as_json: bool, op: str, model: str | None = None, low: int | None = None,
+             high: int | None = None, path: str | None = None) -> None:
     with _errors():
-        info = ServerInfo.read(server_name)
-        if info is None or not info.alive() or info.role != "broker":
-            raise no_server(server_name)
-        with _admin_client(info, curve) as client:
+        with admin_client(target.broker(), target.curve) as client:
             reply = client.control(op, model, min=low, max=high, path=path)
         if as_json:
             print(json.dumps({"message": reply.message, "models": [vars(m) for m in reply.models]}))
@@ -840,53 +633,6 @@ def _control(server_name: str, curve: _Curve, as_json: bool, op: str, model: str
         elif op != "models":
             typer.echo(reply.message, err=True)
         print(format_models(reply.models))
-
-
-def _admin_client(info: ServerInfo, curve: _Curve, connect_timeout: float | None = None
-                  ) -> contextlib.AbstractContextManager[Client]:
-    """A client on the server's admin socket: ipc (this user alone) needs no keys; a tcp one takes an operator's
-    CURVE keys (--curve-server-key, --curve-secret or their variables), as `generate` takes a client's."""
-    address = info.admin or info.front  # a server older than the admin socket takes operator's calls on its front
-    return _client(address, curve if address.startswith("tcp://") else _Curve(None, None), connect_timeout)
-
-
-@contextlib.contextmanager
-def _client(address: str, curve: _Curve, connect_timeout: float | None = None) -> Iterator[Client]:
-    """A client of ``address``, connected; a server that does not answer gets an error naming the CURVE keys'
-    flags and variables (a CURVE server drops a client without the right keys, silently)."""
-    from mpserve.client import CONNECT_TIMEOUT_S, Client
-
-    try:
-        client = Client(address, curve_server_key=curve.server_key, curve_secret=curve.secret,
-                        connect_timeout=connect_timeout or CONNECT_TIMEOUT_S)
-    except ConnectionFailed as exc:
-        if address.startswith("tcp://") or os.path.exists(address.removeprefix("ipc://")):  # it did not answer
-            given = "the keys given" if curve.server_key and curve.secret else "no keys"
-            raise ConnectionFailed(f"{exc.message}; a server with CURVE keys drops a client without its keys "
-                                   f"({given} here): give --curve-server-key (MPSERVE_CURVE_SERVER_KEY), the "
-                                   "server's public key file, and --curve-secret (MPSERVE_CURVE_CLIENT_SECRET), "
-                                   "your secret key file, whose public half the server allows") from None
-        raise
-    with client:
-        yield client
-
-
-
-def _broker_stats(info: ServerInfo, curve: _Curve) -> Stats | None:
-    """The broker's STATS (its remote workers, its models' scaling), or None, said on stderr, if it does not
-    answer within a second. A broker with CURVE keys is asked with ``curve``, as `generate` asks it."""
-    try:
-        with _client(info.front, curve, connect_timeout=1.0) as client:
-            return client.stats(timeout=1.0)
-    except MpserveError as exc:
-        typer.echo(f"note: remote pools and scaling not shown: {exc.message}", err=True)
-        return None
-
-
-def _row_json(r: SlotRow) -> dict[str, object]:
-    d = asdict(r)
-    d["state"] = r.state.name.lower()
-    return d
 
 
 def _structured(json_schema: Path | None, grammar: Path | None) -> dict[str, Any]:

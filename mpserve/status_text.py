@@ -1,20 +1,28 @@
-"""What the commands that read a running server print (``mpserve status``, ``models``): the slot table, each
-instance's cells and host store, the scaling, remote pools and tenants under it; and the error that names the
-servers running here when the one asked for is not.
+"""What the commands print: ``mpserve status`` and ``models`` (the slot table, each instance's cells and host store,
+the scaling, remote pools and tenants under it), ``generate``'s summary, ``slots``' and ``devices``' lines; and the
+error that names the servers running here when the one asked for is not.
 
     SlotRow[] ──format_table──▶ the table, then a line per instance (_instance_lines)
     Stats ──extra_lines──▶ a model's settings and scaling, a remote pool's instance, a tenant's figures
+    SlotRow[], Stats ──status_json──▶ what `status --json` prints
+    Result ──format_result──▶ generate's line on stderr: finish, tokens, times, worker
+    SlotReply ──format_slot_reply──▶ a slot saved, restored or erased
+    devices' rows ──format_devices──▶ a GPU a line, its permits, its memory and processes under NVML
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import asdict
+from typing import TYPE_CHECKING, Any
+
+import msgspec
 
 from mpserve.counts import counted
 from mpserve.errors import ConnectionFailed
 from mpserve.runtime import ServerInfo, pid_alive, runtime_dir
-from mpserve.wire.messages import ModelControl, ModelScaling, TenantStats, WorkerStats
+from mpserve.wire.messages import ModelControl, SlotReply, Stats
 from mpserve.wire.slots import BASE_LABEL, SlotRow, SlotState, active_sets, instance_slots
 
 
@@ -84,11 +92,17 @@ def _instance_lines(rows: list[SlotRow]) -> str:
     return "\n\n" + "\n".join(lines) if lines else ""
 
 
-def extra_lines(scaled: Mapping[str, ModelScaling], pools: Sequence[WorkerStats],
-                tenants: Mapping[str, TenantStats]) -> Iterator[str]:
-    """The lines under the table: each model's settings and scaling, each remote pool's instance, each tenant's
-    figures (the busiest first)."""
-    for name, sc in scaled.items():
+if TYPE_CHECKING:
+    from mpserve.client import Result
+    from mpserve.gpu.memory import GpuUsage
+
+
+def extra_lines(stats: Stats | None) -> Iterator[str]:
+    """The lines under the table, from the broker's STATS (None: none asked, or no answer): each model's settings
+    and scaling, each remote pool's instance, each tenant's figures (the busiest first)."""
+    if stats is None:
+        return
+    for name, sc in ((name, m.scaling) for name, m in stats.models.items()):
         if sc.settings:
             rolling = (f"; rolling: {counted(sc.previous, 'instance')} still on the settings before the reload"
                        if sc.previous else "")
@@ -97,10 +111,62 @@ def extra_lines(scaled: Mapping[str, ModelScaling], pools: Sequence[WorkerStats]
             events = ", ".join(f"{k} {v}" for k, v in sorted(sc.events.items())) or "none"
             yield (f"scaling {name}: {sc.min}..{sc.max} instances, {sc.starting} starting, {sc.draining} draining; "
                    f"events: {events}")
-    for w in pools:
+    for w in (w for w in stats.workers if w.host):
         yield (f"remote  {w.worker}  host {w.host}  pid {w.pid}  {w.model}  "
                f"{'cpu' if w.device < 0 else f'gpu{w.device}'}  running {w.running}/{w.capacity}")
-    for name, t in sorted(tenants.items(), key=lambda item: -item[1].requests):
+    for name, t in sorted(stats.tenants.items(), key=lambda item: -item[1].requests):
         yield (f"tenant {name}: {t.running} running, {t.queued} queued; {counted(t.requests, 'request')}, "
                f"{t.prompt_tokens} prompt and {t.generated_tokens} generated tokens, {t.queue_s:.1f} s queued, "
                f"{t.refusals} refused over a limit, {t.preemptions} preempted")
+
+
+def status_json(info: ServerInfo, rows: Sequence[SlotRow], stats: Stats | None) -> dict[str, Any]:
+    """What `mpserve status --json` prints: the server, its slot rows, and from STATS its remote pools' instances,
+    its models' scaling and its tenants' figures."""
+    slots = [{**asdict(r), "state": r.state.name.lower()} for r in rows]
+    if stats is None:
+        return {"server": info.name, "pid": info.pid, "address": info.front, "slots": slots, "remote": [],
+                "scaling": {}, "tenants": {}}
+    return {"server": info.name, "pid": info.pid, "address": info.front, "slots": slots,
+            "remote": [msgspec.structs.asdict(w) for w in stats.workers if w.host],
+            "scaling": {name: vars(m.scaling) for name, m in stats.models.items()},
+            "tenants": {name: asdict(t) for name, t in stats.tenants.items()}}
+
+
+def format_result(result: Result) -> str:
+    """`mpserve generate`'s summary of a completion: why it ended, its tokens, its times and its worker."""
+    t = result.timings
+    tps = result.usage.completion_tokens / (t.generate_ms / 1000) if t.generate_ms else 0.0
+    return (f"[{result.finish_reason}; {result.usage.prompt_tokens} prompt + {result.usage.completion_tokens} "
+            f"generated tokens; queued {t.queue_ms:.0f} ms, first token {t.prompt_ms:.0f} ms, {tps:.1f} tokens/s; "
+            f"{result.worker}]")
+
+
+def format_slot_reply(reply: SlotReply, slot: int, worker: str, local: int, filename: str) -> str:
+    """`mpserve slots`' line: what was done to the slot, its tokens, the file's size and name, the time."""
+    from mpserve.gpu.devices import format_memory
+
+    done = {"save": "saved", "restore": "restored", "erase": "erased"}[reply.action]
+    where = f" ({format_memory(reply.bytes)}, {filename})" if reply.action != "erase" else ""
+    return f"{done} slot {slot} ({worker} slot {local}): {reply.tokens} tokens{where} in {reply.ms:.0f} ms"
+
+
+def format_devices(rows: Sequence[Mapping[str, Any]], live: Mapping[str, GpuUsage]) -> str:
+    """`mpserve devices`' lines: a GPU each, its free memory and permits, and under NVML (``live``, by uuid) the
+    memory used and the processes holding it."""
+    from mpserve.gpu.devices import format_memory
+
+    if not rows:
+        return "no GPU found (no NVML, no nvidia-smi): instances run on the CPU"
+    lines = []
+    for r in rows:
+        permits = ("no permits in use" if r["permit_capacity"] is None else
+                   f"permits {len(r['holders'])}/{r['permit_capacity']} held by {r['holders'] or '-'}, "
+                   f"waiting: {r['waiters'] or '-'}")
+        lines.append(f"gpu{r['index']}  {r['name']}{' (simulated)' if r['simulated'] else ''}  "
+                     f"{format_memory(int(r['memory_free']))} free of {format_memory(int(r['memory_total']))}  "
+                     f"{permits}")
+        if (usage := live.get(str(r["uuid"]))) is not None:
+            held = ", ".join(f"{p.pid} {'?' if p.used is None else format_memory(p.used)}" for p in usage.processes)
+            lines.append(f"      {format_memory(usage.used)} used; processes: {held or '-'}")
+    return "\n".join(lines)

@@ -2,15 +2,16 @@
 help text.
 
     SETTINGS ──▶ config.build      YAML keys, types and ranges, checked with the file, key and value
-             ├─▶ cli               the typer options of `start`, `worker`, `plan` and `devices`, with their
-             │                     environment variables and "(default: …)" help
+             ├─▶ cli               the typer options of `start`, `worker`, `plan`, `devices` and `gateway`, with
+             │                     their environment variables and "(default: …)" help
              ├─▶ markdown_table()  a table of every setting (python -m mpserve.config.settings), with the commands
              │                     that take each flag (a test keeps each command's flags the declared ones)
              └─▶ docs/hooks.py     the configuration page: a section per setting, rewritten by `--write`
 
 Precedence: flag > environment > file > default. A setting's ``scope`` says where it lives: ``server``
 (``ServerConfig``, a top-level YAML key), ``model`` (``ModelConfig``, a key of each ``models[]`` entry; a flag
-or variable applies to every model), or ``cli`` (a flag of ``mpserve start`` only, not in the file).
+or variable applies to every model), or ``cli`` (a flag of ``mpserve start`` or ``mpserve gateway``, not in the file:
+its range is checked by the command line).
 """
 
 from __future__ import annotations
@@ -22,11 +23,13 @@ from mpserve.config.kv_types import DEFAULT_KV_TYPE, KV_TYPES
 from mpserve.models.shapes import MODEL_SIZES
 
 Scope = Literal["server", "model", "cli"]
-Command = Literal["start", "worker", "plan", "devices"]
+Command = Literal["start", "worker", "plan", "devices", "gateway"]
 
 _FOR_SERVERS: tuple[Command, ...] = ("start",)
 _FOR_POOLS: tuple[Command, ...] = ("start", "worker")
 _SIZING: tuple[Command, ...] = ("start", "worker", "plan")  # what an instance's memory estimate depends on
+_FOR_HTTP: tuple[Command, ...] = ("start", "gateway")  # the HTTP gateway's, for the gateways start --http runs too
+_GATEWAY: tuple[Command, ...] = ("gateway",)
 
 
 @dataclass(frozen=True)
@@ -57,6 +60,13 @@ class Setting:
 
     def help_text(self) -> str:
         return f"{self.help} (default: {self.default})."
+
+    def literal_default(self) -> Any:
+        """The default as a value of the flag's type (None for "none"), for a setting whose default is one rather
+        than words: the gateway's, which has no file to merge them with."""
+        if self.default == "none":
+            return None
+        return self.default == "true" if self.cli_type is bool else self.cli_type(self.default)
 
 
 def _s(key: str, scope: Scope, kinds: type | tuple[type, ...], default: str, help: str, *, flag: str | None = "",
@@ -184,7 +194,7 @@ SETTINGS: tuple[Setting, ...] = (
        commands=("start", "plan")),
     # --- the server -----------------------------------------------------------------------------------
     _s("server_name", "server", str, "default", "Which local server (several may run side by side)",
-       own_in=("worker",)),
+       commands=_FOR_HTTP, own_in=("worker",)),
     _s("bind", "server", str, "ipc://$RUNTIME/NAME.sock", "Client address, e.g. tcp://127.0.0.1:5555"),
     _s("workers_bind", "server", str, "ipc://$RUNTIME/NAME.workers.sock",
        "Worker socket address; tcp://0.0.0.0:5556 for remote pools (mpserve worker --connect)"),
@@ -243,7 +253,7 @@ SETTINGS: tuple[Setting, ...] = (
     _s("curve_admins", "server", str, "none", "Folder of operators' public .key files: the only keys a tcp "
        "--admin-bind accepts (client keys may generate, not administer)"),
     _s("insecure", "server", bool, "false", "Allow a network --bind without CURVE keys, or a network --http "
-       "without an API key (anyone reaching the port may use it)", env=None, cli_type=bool),
+       "without an API key (anyone reaching the port may use it)", env=None, cli_type=bool, commands=_FOR_HTTP),
     _s("heartbeat_interval", "server", float, "1", "Seconds between heartbeats", cli_type=float,
        range=(0.05, 60), commands=_FOR_POOLS),
     _s("heartbeat_liveness", "server", int, "5", "Missed heartbeats before a remote worker (or, for a worker, "
@@ -270,30 +280,64 @@ SETTINGS: tuple[Setting, ...] = (
     _s("permit_log", "server", str, "none", "A file that gets one line per permit hold (audits, tests)", flag=None,
        env=None),
     _s("log_level", "server", str, "info", "Log level", choices=("debug", "info", "warning", "error"),
-       commands=_FOR_POOLS),
-    # --- flags of `mpserve start` that are not in the file ----------------------------------------------
+       commands=(*_FOR_POOLS, "gateway")),
+    # --- flags of `mpserve start --http` and `mpserve gateway` that are not in the file ---------------------
     _s("http", "cli", str, "none", "Also serve the OpenAI-compatible HTTP API on HOST:PORT (see mpserve gateway)",
        env=None),
-    _s("http_workers", "cli", int, "1", "Gateway processes serving --http on one port (also on mpserve gateway): "
-       "each is started again when it dies, and a death cuts only the connections it held", cli_type=int,
-       range=(1, 64)),
+    _s("gateway_http", "cli", str, "127.0.0.1:8000", "HOST:PORT to serve HTTP on", flag="--http",
+       env="MPSERVE_HTTP", commands=_GATEWAY),
+    _s("connect", "cli", str, "none", "The server's ZeroMQ address; none: the local server named by --server-name",
+       env=None, commands=_GATEWAY, own_in=("worker",)),
+    _s("admin_connect", "cli", str, "none", "The server's admin socket, for /admin/ and /slots; none: the local "
+       "server's", commands=_GATEWAY),
+    _s("curve_server_key", "cli", str, "none", "The server's public key file, for a server with CURVE keys",
+       commands=_GATEWAY, own_in=("worker",)),
+    _s("gateway_curve_secret", "cli", str, "none", "This gateway's secret key file, for a server with CURVE keys "
+       "(its public half in the server's curve_clients)", flag="--curve-secret", env="MPSERVE_CURVE_CLIENT_SECRET",
+       commands=_GATEWAY, own_in=("worker",)),
+    _s("http_workers", "cli", int, "1", "Gateway processes serving HTTP on one port: each is started again when it "
+       "dies, and a death cuts only the connections it held", cli_type=int, range=(1, 64), commands=_FOR_HTTP),
     _s("request_timeout", "cli", float, "none", "Seconds an HTTP request may take, queueing included (the gateway's "
-       "bound, also on mpserve gateway): past it, 504; or 503 no_instance, saying why, while its model has no "
-       "instance (no_instance_timeout bounds that wait without it)", cli_type=float, range=(0.1, 86400)),
+       "bound): past it, 504; or 503 no_instance, saying why, while its model has no instance "
+       "(no_instance_timeout bounds that wait without it)", cli_type=float, range=(0.1, 86400), commands=_FOR_HTTP),
     _s("reattach", "cli", float, "30", "Seconds the gateway's requests in flight wait for a server that stopped "
        "answering (killed, or upgraded, and started again) before they fail with connection; they reattach to its "
-       "next start, and no text comes twice (also on mpserve gateway; 0: fail at once)", cli_type=float,
-       range=(0, 3600)),
-    _s("api_key", "cli", str, "none", "Require 'Authorization: Bearer KEY' on HTTP requests (/health excepted)"),
+       "next start, and no text comes twice (0: fail at once)", cli_type=float, range=(0, 3600), commands=_FOR_HTTP),
+    _s("api_key", "cli", str, "none", "Require 'Authorization: Bearer KEY' on HTTP requests (/health excepted)",
+       commands=_FOR_HTTP),
     _s("admin_key", "cli", str, "none", "Open the HTTP control API (/admin/: models, load, unload, scale) to "
-       "'Authorization: Bearer KEY'; a key apart from --api-key"),
-    _s("api_key_file", "cli", str, "none", "HTTP API keys, one per line (# comments); any of them is accepted"),
+       "'Authorization: Bearer KEY'; a key apart from --api-key", commands=_FOR_HTTP),
+    _s("api_key_file", "cli", str, "none", "HTTP API keys, one per line (# comments); any of them is accepted",
+       commands=_FOR_HTTP),
     _s("allowed_origins", "cli", str, "none", "Other origins whose web pages may call the HTTP API, comma-separated "
-       "(e.g. https://app.example; * for any): they get CORS headers; requests from other pages' origins get 403"),
+       "(e.g. https://app.example; * for any): they get CORS headers; requests from other pages' origins get 403",
+       commands=_FOR_HTTP),
     _s("allowed_hosts", "cli", str, "none", "More Host names the HTTP API answers, comma-separated (e.g. the name a "
-       "reverse proxy passes on), beside the address it serves; other Host headers get 403"),
-    _s("ssl_certfile", "cli", str, "none", "Serve HTTPS: the certificate chain (PEM), with --ssl-keyfile"),
-    _s("ssl_keyfile", "cli", str, "none", "The private key (PEM) of --ssl-certfile"),
+       "reverse proxy passes on), beside the address it serves; other Host headers get 403", commands=_FOR_HTTP),
+    _s("ssl_certfile", "cli", str, "none", "Serve HTTPS: the certificate chain (PEM), with --ssl-keyfile",
+       commands=_FOR_HTTP),
+    _s("ssl_keyfile", "cli", str, "none", "The private key (PEM) of --ssl-certfile", commands=_FOR_HTTP),
+    _s("max_connections", "cli", int, "1024", "Open HTTP connections at most; past it, new ones get 503 with "
+       "Retry-After, except a few kept for GET /health", env="MPSERVE_HTTP_MAX_CONNECTIONS", cli_type=int,
+       range=(1, 1_000_000), commands=_GATEWAY),
+    _s("max_connections_per_client", "cli", int, "256", "Open HTTP connections from one client address at most "
+       "(behind a reverse proxy, every client's address is the proxy's: raise it to --max-connections); past it, "
+       "503 with Retry-After", env="MPSERVE_HTTP_MAX_CONNECTIONS_PER_CLIENT", cli_type=int, range=(1, 1_000_000),
+       commands=_GATEWAY),
+    _s("read_timeout", "cli", float, "30", "Seconds a client has to send a request's headers, and again its body "
+       "(408 past it)", env="MPSERVE_HTTP_READ_TIMEOUT", cli_type=float, range=(0.1, 86400), commands=_GATEWAY),
+    _s("template_timeout", "cli", float, "2", "Seconds a chat template may take to render a request's messages (400 "
+       "naming it past them)", env="MPSERVE_HTTP_TEMPLATE_TIMEOUT", cli_type=float, range=(0.01, 3600),
+       commands=_GATEWAY),
+    _s("template_max_chars", "cli", int, "1048576", "Characters a chat template may write, or build in any string "
+       "or list (400 naming it past them)", env="MPSERVE_HTTP_TEMPLATE_MAX_CHARS", cli_type=int,
+       range=(1, 1 << 30), commands=_GATEWAY),
+    _s("responses_store", "cli", str, "256MiB", "Memory for stored responses (/v1/responses with store) and ended "
+       "resumable streams' events, all API keys together, e.g. 1GiB; past it, the oldest streams go first, then "
+       "the oldest responses", env="MPSERVE_HTTP_RESPONSES_STORE", commands=_GATEWAY),
+    _s("responses_store_per_key", "cli", str, "32MiB", "Memory for one API key's stored responses and ended "
+       "resumable streams' events; past it, that key's oldest streams go first, then its oldest responses (a "
+       "larger response is not kept)", env="MPSERVE_HTTP_RESPONSES_STORE_PER_KEY", commands=_GATEWAY),
 )
 
 BY_KEY: dict[str, Setting] = {s.key: s for s in SETTINGS}

@@ -1,6 +1,8 @@
 """``mpserve gateway``: one gateway in this process, or several on one port (``fleet``), this process their parent
 until SIGINT or SIGTERM. The stored responses' file of the port (``api.response_store``) goes with the last of them.
 
+    the command's flags (declared in ``mpserve.config.settings``, the ``gateway`` command's) ──configure──▶
+        GatewayConfig: each flag not given at its declared default ──serve──▶
     one gateway ──▶ ``app.serve`` here ──▶ it ends: the file removed, unless it served a socket a fleet's parent
                     bound (``fd``: that parent removes it)
     several     ──▶ ``fleet.Fleet``, their parent ──▶ SIGINT or SIGTERM ──▶ ``Fleet.stop``: each stopped, the file
@@ -15,12 +17,45 @@ import os
 import signal
 import sys
 import threading
+from collections.abc import Mapping
+from typing import Any
 
 from mpserve import children
+from mpserve.config import settings
+from mpserve.config.sizes import parse_memory
 from mpserve.errors import InternalError
 
 from . import app, fleet
 from .api import response_store
+from .api.chat import TemplateBudget
+from .api.response_store import StoreBudget
+from .http.access import load_keys
+from .http.guard import ConnectionLimits
+
+
+def configure(given: Mapping[str, Any], exit_with_parent: bool = False) -> app.GatewayConfig:
+    """The gateway's configuration from its flags' values (by setting key; None: not given, so its declared
+    default)."""
+    v = {s.key: s.literal_default() if given.get(s.key) is None else given[s.key]
+         for s in settings.for_command("gateway")}
+    host, port = app.parse_http(v["gateway_http"])
+    return app.GatewayConfig(
+        host=host, port=port, connect=v["connect"], admin_connect=v["admin_connect"], server_name=v["server_name"],
+        api_key=v["api_key"], request_timeout=v["request_timeout"], reattach=v["reattach"],
+        curve_server_key=v["curve_server_key"], curve_secret=v["gateway_curve_secret"], log_level=v["log_level"],
+        exit_with_parent=exit_with_parent, api_keys=load_keys(None, v["api_key_file"]),
+        api_key_file=v["api_key_file"], ssl_certfile=v["ssl_certfile"], ssl_keyfile=v["ssl_keyfile"],
+        insecure=bool(v["insecure"]),
+        connections=ConnectionLimits(v["max_connections"], v["max_connections_per_client"], v["read_timeout"]),
+        templates=TemplateBudget(v["template_timeout"], v["template_max_chars"]),
+        responses=StoreBudget(parse_memory(v["responses_store"]), parse_memory(v["responses_store_per_key"])),
+        admin_key=v["admin_key"], allowed_origins=_names(v["allowed_origins"]),
+        allowed_hosts=_names(v["allowed_hosts"]))
+
+
+def _names(given: str | None) -> tuple[str, ...]:
+    """A comma-separated list, as --allowed-origins and --allowed-hosts take it."""
+    return tuple(name.strip() for name in (given or "").split(",") if name.strip())
 
 
 def serve(config: app.GatewayConfig, workers: int, fd: int | None) -> None:

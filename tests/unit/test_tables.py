@@ -40,7 +40,7 @@ def test_declared_defaults_are_the_dataclass_defaults(config_class: type, scope:
         assert re.match(rf"{re.escape(shown)}\b", s.default), (s.key, default, s.default)
 
 
-@pytest.mark.parametrize("command", ["start", "worker", "plan", "devices"])
+@pytest.mark.parametrize("command", ["start", "worker", "plan", "devices", "gateway"])
 def test_each_command_has_the_flags_declared_for_it(command: settings.Command) -> None:
     click_command = get_command(app).commands[command]  # type: ignore[attr-defined]
     flags = {opt for param in click_command.params for opt in param.opts}
@@ -50,7 +50,7 @@ def test_each_command_has_the_flags_declared_for_it(command: settings.Command) -
         assert param.envvar == s.env and s.default in (param.help or ""), (command, s.key)
 
 
-@pytest.mark.parametrize("command", ["start", "worker", "plan", "devices"])
+@pytest.mark.parametrize("command", ["start", "worker", "plan", "devices", "gateway"])
 def test_each_command_takes_no_setting_flag_that_is_not_declared_for_it(command: settings.Command) -> None:
     """The configuration page says which commands take each flag; a command with more would contradict it."""
     click_command = get_command(app).commands[command]  # type: ignore[attr-defined]
