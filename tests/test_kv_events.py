@@ -2,21 +2,24 @@
 a run and rebuilds which blocks the instance holds; at every point it caught up, they are the blocks its slots' cells
 hold, hashed by the documented recipe from the cells' tokens alone, and a prompt's own blocks, hashed from its text's
 tokens, are among them while a slot holds it. It joins late, so it misses the first batch and recovers it from the
-replay socket; a second subscriber made only of replays rebuilds the same."""
+replay socket; a second subscriber made only of replays rebuilds the same. The host store's entries that the instance
+writes are told under the medium CPU, with the same hashes as the cells they were saved from."""
 
 from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
 import zmq
-from engines import make_engine
+from engines import LONG_PROMPT, N_CTX, make_engine
 from helpers import free_port
 
 from mpserve.engine.batch import BatchEngine
-from mpserve.wire.kv_events import AllBlocksCleared, BlockStored, block_hashes, decode_batch
+from mpserve.engine.settings import EngineSettings
+from mpserve.wire.kv_events import MEDIUM_GPU, AllBlocksCleared, BlockStored, block_hashes, decode_batch
 from mpserve.wire.protocol import GenerateParams
 from mpserve.worker.kv_publisher import END_SEQ, KvPublisher
 
@@ -29,7 +32,8 @@ class Subscriber:
     """A SUB socket and a DEALER to the replay socket: batches applied in sequence order, a gap filled by replay."""
 
     def __init__(self, ctx: zmq.Context[Any], port: int, live: bool = True) -> None:
-        self.held: set[int] = set()
+        self.held: set[int] = set()  # the instance's cells (medium GPU)
+        self.stored: set[int] = set()  # the host store's entries it wrote (medium CPU)
         self.next = 0
         self.replayed = 0
         self._pump: Callable[[], None] = lambda: None
@@ -76,10 +80,13 @@ class Subscriber:
         for event in decode_batch(payload).events:
             if isinstance(event, AllBlocksCleared):
                 self.held.clear()
-            elif isinstance(event, BlockStored):
-                self.held |= set(event.block_hashes)
+                self.stored.clear()
+                continue
+            blocks = self.held if event.medium == MEDIUM_GPU else self.stored
+            if isinstance(event, BlockStored):
+                blocks |= set(event.block_hashes)
             else:
-                self.held -= set(event.block_hashes)
+                blocks -= set(event.block_hashes)
         self.next += 1
 
 
@@ -90,6 +97,17 @@ def engine(tiny_model_path: str) -> Iterator[BatchEngine]:
     engine.close()
 
 
+def bound() -> tuple[int, KvPublisher]:
+    """A publisher on a free port whose next one (its replay socket's) is free too."""
+    for _ in range(20):
+        port = free_port()
+        try:
+            return port, KvPublisher(f"tcp://*:{port}", 0, "tiny")
+        except zmq.ZMQError:
+            continue  # the next port was taken
+    raise AssertionError("no two free ports in a row")
+
+
 def holds(engine: BatchEngine) -> set[int]:
     """The blocks the engine's slots hold, by the documented recipe over their cells' tokens."""
     return {h for held in engine.kv_held() for h in block_hashes(held.tokens, held.key)}
@@ -97,9 +115,8 @@ def holds(engine: BatchEngine) -> set[int]:
 
 @pytest.mark.timeout(120)
 def test_a_subscriber_rebuilds_the_blocks_the_slots_hold_and_recovers_what_it_missed(engine: BatchEngine) -> None:
-    port = free_port()
     ctx: zmq.Context[Any] = zmq.Context()
-    publisher = KvPublisher(f"tcp://*:{port}", 0, "tiny")  # its first batch goes before anyone subscribes
+    port, publisher = bound()  # its first batch goes before anyone subscribes
     live = Subscriber(ctx, port)
     try:
         pending = list(PROMPTS)
@@ -131,3 +148,30 @@ def test_a_subscriber_rebuilds_the_blocks_the_slots_hold_and_recovers_what_it_mi
     finally:
         publisher.close()
         ctx.destroy(linger=0)
+
+
+@pytest.mark.timeout(120)
+def test_the_host_store_entries_it_writes_are_told_under_the_cpu_medium(tiny_model_path: str, tmp_path: Path) -> None:
+    engine = BatchEngine(EngineSettings(tiny_model_path, n_ctx=N_CTX, parallel=2, threads=1, n_gpu_layers=0,
+                                        cache_ram=64 << 20, cache_shm=str(tmp_path)))
+    ctx: zmq.Context[Any] = zmq.Context()
+    port, publisher = bound()
+    subscriber = Subscriber(ctx, port)
+    try:
+        engine.admit(0, LONG_PROMPT, GenerateParams(max_tokens=2, temperature=0.0), lambda text, n: True)
+        computed: set[int] = set()  # every block the cells held at some step
+        while engine.active:
+            engine.step()
+            publisher.turn(engine)
+            computed |= holds(engine)
+        chunk = block_hashes(engine.tokenize(LONG_PROMPT, True)[:512])  # the store keeps whole 512-token chunks
+        deadline = time.monotonic() + 30
+        while not set(chunk) <= subscriber.stored:  # the store's writer thread writes in the background
+            assert time.monotonic() < deadline, "the first chunk's entry was never told"
+            publisher.turn(engine)
+            subscriber.catch_up(publisher.published, lambda: publisher.turn(engine))
+        assert subscriber.stored <= computed  # its entries hold what the cells computed, under the same hashes
+    finally:
+        publisher.close()
+        ctx.destroy(linger=0)
+        engine.close()

@@ -188,6 +188,13 @@ class BatchEngine:
         return [Held(cells.kv_tokens(slot), cells.salt_of(slot), adapter_names(self.slot_adapters(slot)))
                 for slot in range(self.parallel)]
 
+    def kv_stored(self) -> list[tuple[str, Held | None]]:
+        """The host-store entries this instance wrote (their tokens and key) and removed (None) since the last call,
+        for the KV events; the first call starts recording them."""
+        store = self._keeping.store
+        log = store.take_kv_log() if store is not None else []
+        return [(name, Held(tokens, salt) if tokens is not None else None) for name, tokens, salt in log]
+
     def best_slot(self, prompt: str, salt: bytes = b"") -> tuple[int, int]:
         """The free slot whose cells share the longest prefix with ``prompt`` under ``salt``, and how many prompt
         tokens ``admit`` would reuse there (``Cells.best_slot``)."""

@@ -238,6 +238,7 @@ class HostStore:
         self._lock = threading.Lock()  # the counters and changes, shared with the writer thread
         self._added: dict[int, tuple[int, ...]] = {}
         self._dropped: list[int] = []
+        self._kv_log: list[tuple[str, tuple[int, ...] | None, bytes]] | None = None  # KV events (take_kv_log)
         self._pending: set[tuple[bytes, tuple[int, ...]]] = set()  # (salt, tokens) queued for the writer
         self._jobs: queue.Queue[tuple[tuple[int, ...], Any, int, tuple[int, ...], bytes] | None] = queue.Queue(
             PENDING_WRITES)
@@ -326,6 +327,13 @@ class HostStore:
         remote = self._remote.stats() if self._remote is not None else RemoteStats()
         return CacheStats(ram.capacity, ram.held(), len(self._refresh()), c["hits"], c["misses"], c["evictions"],
                           disk.held() if disk else 0, disk.capacity if disk else 0, c["skipped"], remote)
+
+    def take_kv_log(self) -> list[tuple[str, tuple[int, ...] | None, bytes]]:
+        """The entries this instance wrote and removed since the last call, for its KV events (name, tokens or None
+        when removed, salt); the first call starts the log."""
+        with self._lock:
+            log, self._kv_log = self._kv_log or [], []
+        return log
 
     def take_changes(self) -> Changes:
         with self._lock:
@@ -466,6 +474,8 @@ class HostStore:
         with self._lock:
             if summary:
                 self._added[int(name[:15], 16)] = summary
+            if self._kv_log is not None:
+                self._kv_log.append((name, tokens, salt))
         if not self.cut_back:
             return  # a shorter entry serves the prompts that share only part of this one
         for shorter in [e for e in self._refresh() if e.salt == salt and tokens[:len(e.tokens)] == e.tokens != tokens]:
@@ -483,6 +493,8 @@ class HostStore:
         with self._lock:
             if entry.summary and self._added.pop(entry.id, None) is None:
                 self._dropped.append(entry.id)
+            if self._kv_log is not None:
+                self._kv_log.append((entry.name, None, entry.salt))
 
     def _fetch_remote(self, tokens: tuple[int, ...], salt: bytes, shared: int) -> Entry | None:
         """An entry of the remote tier holding more of ``tokens`` than ``shared`` (all of its tokens a prefix of
@@ -570,6 +582,8 @@ class HostStore:
                     entry_id = int(path.name[:15], 16)
                     if self._added.pop(entry_id, None) is None:
                         self._dropped.append(entry_id)
+                    if self._kv_log is not None:
+                        self._kv_log.append((path.name, None, b""))
         try:
             os.unlink(path)
         except FileNotFoundError:

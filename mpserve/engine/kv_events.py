@@ -4,7 +4,8 @@ events of vLLM's format (``mpserve.wire.kv_events``), recorded in a plain list f
     the slots' cells (Cells.held: tokens, reuse key, adapters per slot) ──Ledger.observe──▶ each slot's whole blocks,
         hashed (only the blocks past what it held before) ──the instance's count per hash──▶ BlockStored for a hash
         the instance now holds and did not, BlockRemoved for one it no longer holds
-    the host store (HostStore.kv_events: entries written, entries removed) ──Ledger.entry──▶ the same, medium CPU
+    the host store's entries this instance wrote and removed (BatchEngine.kv_stored) ──Ledger.entry──▶ the same,
+        medium CPU
 
 A hash held by two slots (a shared prefix) is one block of the instance, as vLLM's prefix cache shares it: stored
 when the first slot holds it, removed when the last lets it go. The ledger does nothing until asked, so an engine

@@ -1,8 +1,10 @@
 """A worker's KV events on ZeroMQ, as vLLM's ``ZmqEventPublisher`` sends them (``mpserve.wire.kv_events``): a PUB
 socket, and a ROUTER that replays the batches a subscriber missed.
 
-    each turn of the worker loop ──turn(engine)──▶ Ledger.observe(engine.kv_held()): the blocks gained and lost
-        ──▶ KVEventBatch(ts, events, rank) ──▶ PUB [topic, seq as 8 bytes big-endian, msgpack] ──▶ the replay ring
+    each turn of the worker loop ──turn(engine)──▶ Ledger.observe(engine.kv_held()): the blocks its slots gained
+        and lost (medium GPU), and Ledger.entry(engine.kv_stored()): those of the host-store entries it wrote and
+        removed (medium CPU) ──▶ KVEventBatch(ts, events, rank)
+        ──▶ PUB [topic, seq as 8 bytes big-endian, msgpack] ──▶ the replay ring
     ROUTER [identity, b"", start seq] ──▶ [identity, b"", seq, payload] for each batch kept from start on, then
         [identity, b"", -1 as 8 signed bytes, b""]
 
@@ -29,13 +31,14 @@ from typing import Any, Protocol, runtime_checkable
 import zmq
 
 from mpserve.engine.kv_events import Held, Ledger
-from mpserve.wire.kv_events import Event, KVEventBatch, encode_batch, topic
+from mpserve.wire.kv_events import MEDIUM_CPU, MEDIUM_GPU, Event, KVEventBatch, encode_batch, topic
 
 log = logging.getLogger("mpserve.worker")
 
 REPLAY_BATCHES = 10_000  # batches kept for replay (vLLM's buffer_steps)
 HIGH_WATER_MARK = 100_000
 END_SEQ = (-1).to_bytes(8, "big", signed=True)
+LINGER_MS = 1000  # what a leaving instance waits for its last batch to go out
 
 
 @runtime_checkable
@@ -43,6 +46,8 @@ class HoldsCells(Protocol):
     """An engine whose slots hold KV cells (``BatchEngine``; the echo and embedding engines hold none)."""
 
     def kv_held(self) -> list[Held]: ...
+
+    def kv_stored(self) -> list[tuple[str, Held | None]]: ...
 
 
 def addresses(endpoint: str, index: int) -> tuple[str, str | None, bool]:
@@ -61,22 +66,24 @@ class KvPublisher:
         self._ctx = zmq.Context()
         self._pub = self._ctx.socket(zmq.PUB)
         self._pub.set_hwm(HIGH_WATER_MARK)
-        self._pub.setsockopt(zmq.LINGER, 1000)
         self._replay: zmq.Socket[Any] | None = None
-        if binds:
-            self._pub.bind(pub)
-            assert replay is not None
-            self._replay = self._ctx.socket(zmq.ROUTER)
-            self._replay.setsockopt(zmq.LINGER, 0)
-            self._replay.bind(replay)
-        else:
-            self._pub.connect(pub)
+        try:
+            if binds:
+                self._pub.bind(pub)
+                assert replay is not None
+                self._replay = self._ctx.socket(zmq.ROUTER)
+                self._replay.bind(replay)
+            else:
+                self._pub.connect(pub)
+        except zmq.ZMQError:
+            self._ctx.destroy(linger=0)  # a context left with open sockets would hang the process's exit
+            raise
         log.info("KV events on %s%s", pub, f", replayed on {replay}" if self._replay is not None else "")
         self._index = index
         self._topic = topic(socket.gethostname(), model)
         self._seq = 0
         self._ring: collections.deque[tuple[int, bytes]] = collections.deque(maxlen=REPLAY_BATCHES)
-        self._ledger = Ledger()
+        self._ledger, self._store = Ledger(MEDIUM_GPU), Ledger(MEDIUM_CPU)
         self._send(self._ledger.clear())
 
     @property
@@ -87,18 +94,17 @@ class KvPublisher:
     def turn(self, engine: object) -> None:
         """Publish what changed in ``engine``'s cells (None: unloaded) since the last turn; answer replay requests."""
         if isinstance(engine, HoldsCells):
-            self._send(self._ledger.observe(engine.kv_held()))
-        elif self._ledger.hashes():
+            stored = [event for name, held in engine.kv_stored() for event in self._store.entry(name, held)]
+            self._send(self._ledger.observe(engine.kv_held()) + stored)
+        elif self._ledger.hashes() or self._store.hashes():
+            self._store.clear()
             self._send(self._ledger.clear())
         self._serve_replays()
 
     def close(self) -> None:
-        """The instance leaves: it holds nothing now."""
+        """The instance leaves: it holds nothing now (its host-store entries stay, but no instance tells of them)."""
         self._send(self._ledger.clear())
-        if self._replay is not None:
-            self._replay.close()
-        self._pub.close()
-        self._ctx.term()
+        self._ctx.destroy(linger=LINGER_MS)
 
     def _send(self, events: list[Event]) -> None:
         if not events:

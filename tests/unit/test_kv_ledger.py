@@ -110,3 +110,15 @@ def test_a_shared_block_is_stored_once_and_removed_with_its_last_holder() -> Non
     (more,) = ledger.observe([Held([]), Held(tokens[:B] + [5] * B, b"", "a0")])
     assert isinstance(more, BlockStored) and more.parent_block_hash == stored.block_hashes[0]
     assert more.lora_name == "a0" and more.token_ids == [5] * B
+
+
+@pytest.mark.timeout(10)
+def test_host_store_entries_sharing_a_prefix_keep_it_until_the_last_is_removed() -> None:
+    ledger, view = Ledger("CPU"), set[int]()
+    short, long = list(range(2 * B)), list(range(4 * B))
+    first, holds = expected([Held(short)]), expected([Held(long)])
+    assert rebuild(view, ledger.entry("a.kv", Held(short))) == first
+    assert rebuild(view, ledger.entry("b.kv", Held(long))) == holds
+    assert rebuild(view, ledger.entry("a.kv", None)) == holds  # b holds a's blocks too
+    assert rebuild(view, ledger.entry("c.kv", None)) == holds  # an entry it never wrote: nothing to tell
+    assert rebuild(view, ledger.entry("b.kv", None)) == set()
