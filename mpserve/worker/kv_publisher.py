@@ -78,7 +78,8 @@ class KvPublisher:
         except zmq.ZMQError:
             self._ctx.destroy(linger=0)  # a context left with open sockets would hang the process's exit
             raise
-        log.info("KV events on %s%s", pub, f", replayed on {replay}" if self._replay is not None else "")
+        log.info("KV events on %s%s (their token ids are the prompts: keep the port to the picker, "
+                 "docs/security.md)", pub, f", replayed on {replay}" if self._replay is not None else "")
         self._index = index
         self._topic = topic(socket.gethostname(), model)
         self._seq = 0
