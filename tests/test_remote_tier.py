@@ -20,7 +20,8 @@ from pathlib import Path
 import pytest
 import redis
 from conftest import ServerProcess
-from helpers import free_port, wait_for
+from gateway_thread import GatewayThread
+from helpers import free_port, mpserve, wait_for
 
 from mpserve import Client
 from mpserve.config.remote_tier import RemoteTier
@@ -93,7 +94,7 @@ class Host(ServerProcess):
 
 
 @pytest.fixture(scope="module")
-def hosts(redis_server: Redis, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[ServerProcess, ...]]:
+def hosts(redis_server: Redis, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Host, ...]]:
     """Two servers, each with its runtime folder and host store, and the Redis as their remote tier."""
     started = []
     for name in ("a", "b"):
@@ -118,7 +119,7 @@ def cache(server: ServerProcess) -> CacheRow:
     return server.slots()[0].cache
 
 
-def test_a_prompt_computed_on_one_host_is_restored_on_the_other(hosts: tuple[ServerProcess, ...],
+def test_a_prompt_computed_on_one_host_is_restored_on_the_other(hosts: tuple[Host, ...],
                                                                redis_server: Redis) -> None:
     a, b = hosts
     text, cached = run(a, prompt("first"))
@@ -127,6 +128,8 @@ def test_a_prompt_computed_on_one_host_is_restored_on_the_other(hosts: tuple[Ser
     again, restored = run(b, prompt("first"))
     assert restored >= RESTORED and again == text  # reuse: exact, so the output is the one computed
     assert cache(b).remote_hits == 1 and cache(b).hits == 1
+    status = mpserve("status", "--server-name", b.name, env={"MPSERVE_RUNTIME_DIR": str(b.run_dir)})
+    assert "remote tier: 1 hits, 0 misses, 0 errors, 0 writes dropped" in status.stdout, status.stdout
 
 
 def _flip_a_state_byte(entry: bytearray) -> bytes:
@@ -161,8 +164,8 @@ def test_a_forged_or_corrupt_entry_is_a_counted_miss_and_changes_no_output(
     wait_for(lambda: redis_server.client.get(key) not in (None, forged), 10, "an honest entry under the key")
 
 
-def test_redis_killed_mid_run_fails_no_request_and_reuse_comes_back_with_it(hosts: tuple[ServerProcess, ...],
-                                                                           redis_server: Redis) -> None:
+def test_redis_killed_mid_run_fails_no_request_and_reuse_comes_back_with_it(
+        hosts: tuple[Host, ...], redis_server: Redis, monkeypatch: pytest.MonkeyPatch) -> None:
     a, b = hosts
     errors = cache(b).remote_errors
     redis_server.kill()
@@ -171,6 +174,13 @@ def test_redis_killed_mid_run_fails_no_request_and_reuse_comes_back_with_it(host
     _, local = run(b, prompt("down-1") + " and more")
     assert local >= RESTORED  # the local tiers serve meanwhile
     assert cache(b).remote_errors > errors
+    monkeypatch.setenv("MPSERVE_RUNTIME_DIR", str(b.run_dir))  # the gateway finds the second host's server
+    gateway = GatewayThread(server_name=b.name)
+    try:
+        metrics = gateway.metrics()
+    finally:
+        gateway.stop()
+    assert metrics[("mpserve_host_store_remote_errors_total", (("model", "tiny"), ("worker", "0")))] > errors
     assert sum("the remote store" in line and "failed" in line for line in b.log) == 1  # warned once
     redis_server.start()
     tries = iter(range(100))
