@@ -54,7 +54,8 @@ def test_gemma_puts_the_system_text_in_the_first_user_turn_and_tool_turns_as_the
     assert _rendered("gemma", messages) == (
         "<start_of_turn>user\nBe brief.\n\nSay hello.<end_of_turn>\n"
         '<start_of_turn>model\n<tool_call>\n{"arguments": {"who": "you"}, "name": "greet"}\n</tool_call><end_of_turn>\n'
-        "<start_of_turn>user\n<tool_response>\nhello\n</tool_response><end_of_turn>\n<start_of_turn>model\n")
+        "<start_of_turn>user\nThe tool returned: hello\nUsing this, answer my question.<end_of_turn>\n"
+        "<start_of_turn>model\n")
 
 
 TOOL_FORMATS = ("gpt-oss", "qwen3-coder", "glm", "kimi", "deepseek-v3")

@@ -11,10 +11,10 @@ file's PATH), else the GGUF's own ``tokenizer.chat_template``, else its family's
 The families follow llama.cpp's built-in templates (``llm_chat_apply_template``) and llama-cpp-python's chat
 formats, as Hugging Face chat templates: ``messages`` with ``add_generation_prompt``, ``bos_token`` empty (the
 engines add BOS). ``chatml`` is the gateway's own default prompt (``""``: no template, which also stops at
-``<|im_end|>``). Tool calls in a conversation's history, and tools' answers, are written as the gateway's
-tools prompt asks for them (``<tool_call>`` and ``<tool_response>``, Hermes' format), so a family template
-and the ChatML default read tool calls the same way (``mpserve.families.for_template``); the families whose
-models have a call format of their own (gpt-oss, Qwen3-Coder, GLM, Kimi, DeepSeek V3.1) write theirs
+``<|im_end|>``). Tool calls in a conversation's history are written as the gateway's tools prompt asks for
+them (``<tool_call>``, Hermes' format), and tools' answers as ``The tool returned: …`` asking for the answer, so a
+family template and the ChatML default read tool calls the same way (``mpserve.families.for_template``); the
+families whose models have a call format of their own (gpt-oss, Qwen3-Coder, GLM, Kimi, DeepSeek V3.1) write theirs
 (``tool_families``). A system or
 developer message goes where the family puts it: its own turn, or before the first user message (Gemma,
 Mistral).
@@ -41,7 +41,8 @@ def _lit(text: str) -> str:
 # A message as every family writes it: content, then the assistant's tool calls, or a tool's answer.
 _CONTENT = (
     "{% macro content(m) %}"
-    "{% if m['role'] == 'tool' %}" + _lit("<tool_response>\n") + "{{ m['content'] }}" + _lit("\n</tool_response>")
+    "{% if m['role'] == 'tool' %}" + _lit("The tool returned: ") + "{{ m['content'] }}"  # the gateway's TOOL_RESULT
+    + _lit("\nUsing this, answer my question.")
     + "{% else %}{{ m['content'] | trim }}"
     "{% for call in m.get('tool_calls', []) %}"
     "{% if not loop.first or m['content'] | trim %}" + _lit("\n") + "{% endif %}" + _lit("<tool_call>\n")

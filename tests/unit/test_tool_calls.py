@@ -226,14 +226,26 @@ def _templated(call: oai.Call, chat: ChatTemplate) -> oai.Call:
         renderer.close()
 
 
-def test_the_chatml_default_renders_tools_calls_and_answers() -> None:
-    call = _templated(oai.parse("chat", {"messages": HISTORY, "tools": TOOLS}), ChatTemplate())
-    assert call.prompt.startswith("<|im_start|>system\nBe brief.\n\n# Tools\n")
-    assert '{"type": "function", "function": {"name": "get_weather"' in call.prompt
-    assert ('<|im_start|>assistant\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n'
-            '</tool_call><|im_end|>\n') in call.prompt
-    assert call.prompt.endswith("<|im_start|>user\n<tool_response>\n18 C\n</tool_response><|im_end|>\n"
-                                "<|im_start|>assistant\n")
+RESULTS_TURN = "The tool get_weather returned: 18 C\nUsing this, answer: Weather in Paris?"
+"""HISTORY's tool result as templates without tools get it: the call's function named, the question asked again."""
+
+
+def test_the_chatml_default_renders_tools_and_a_tool_s_result_as_a_user_turn_without_the_call() -> None:
+    for tools in (TOOLS, None):
+        call = _templated(oai.parse("chat", {"messages": HISTORY, "tools": tools}), ChatTemplate())
+        assert call.prompt.startswith("<|im_start|>system\nBe brief.\n\n# Tools\n" if tools else
+                                      "<|im_start|>system\nBe brief.<|im_end|>\n")
+        assert ('{"type": "function", "function": {"name": "get_weather"' in call.prompt) == bool(tools)
+        assert call.prompt.endswith(f"<|im_start|>user\nWeather in Paris?<|im_end|>\n<|im_start|>assistant\n"
+                                    f"<|im_end|>\n<|im_start|>user\n{RESULTS_TURN}<|im_end|>\n"
+                                    "<|im_start|>assistant\n")
+    parallel = [*HISTORY[:2], {**HISTORY[2], "tool_calls": [
+        {"id": f"call_{i}", "type": "function", "function": {"name": name, "arguments": "{}"}}
+        for i, name in enumerate(["get_weather", "get_time"])]},
+        *({"role": "tool", "tool_call_id": f"call_{i}", "content": text} for i, text in enumerate(["18 C", "9:42"]))]
+    assert _templated(oai.parse("chat", {"messages": parallel, "tools": TOOLS}), ChatTemplate()).prompt.endswith(
+        "<|im_start|>user\nThe tool get_weather returned: 18 C\nThe tool get_time returned: 9:42\n"
+        "Using this, answer: Weather in Paris?<|im_end|>\n<|im_start|>assistant\n")
 
 
 def test_a_template_gets_the_tools_variable_or_the_default_prompt() -> None:
@@ -243,8 +255,9 @@ def test_a_template_gets_the_tools_variable_or_the_default_prompt() -> None:
     call = _templated(oai.parse("chat", {"messages": HISTORY, "tools": TOOLS}), with_tools)
     assert call.prompt == "[get_weather][get_time]system:Be brief.;user:Weather in Paris?;assistant:<Paris>;tool:18 C;"
     plain = ChatTemplate("{% for m in messages %}{{ m.role }}:{{ m.content }};{% endfor %}")
-    call = _templated(oai.parse("chat", {"messages": HISTORY[:2], "tools": TOOLS}), plain)
+    call = _templated(oai.parse("chat", {"messages": HISTORY, "tools": TOOLS}), plain)
     assert call.prompt.startswith("system:Be brief.\n\n# Tools\n") and call.parser == "json"
+    assert call.prompt.endswith(f";user:Weather in Paris?;assistant:;user:{RESULTS_TURN};")
 
 
 HARMONY_REPLY = ("The user wants weather.<|end|><|start|>assistant<|channel|>commentary to=functions.get_weather "

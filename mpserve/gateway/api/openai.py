@@ -301,10 +301,35 @@ class Message:
 
 
 def _with_system(messages: list[dict[str, Any]], text: str) -> list[dict[str, Any]]:
-    """``text`` at the end of the system message, or as a first system message."""
-    if messages and messages[0]["role"] == "system":
-        return [{**messages[0], "content": f"{messages[0]['content']}\n\n{text}"}, *messages[1:]]
-    return [{"role": "system", "content": text}, *messages]
+    """The conversation as a template that shows no tools takes it: ``text`` (the tools prompt) at the end of the
+    system message, or as a first system message; the tools' results as user turns (``_results_as_user_turns``)."""
+    turns = _results_as_user_turns(messages)
+    if turns and turns[0]["role"] == "system":
+        return [{**turns[0], "content": f"{turns[0]['content']}\n\n{text}"}, *turns[1:]]
+    return [{"role": "system", "content": text}, *turns]
+
+
+def _results_as_user_turns(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """An assistant's calls left out of its turn, and the results of the tool messages after it in one user turn
+    that names each call's function and asks the last user question again (``tools.tool_results_turn``): a model
+    taught no tool format answers from its result so, where it copies a result shown in tags, or calls again after
+    its own call shown (docs/reasoning.md)."""
+    turns: list[dict[str, Any]] = []
+    results: list[tuple[str, str]] = []
+    names: dict[str, str] = {}  # a call's id: its function
+    question = "my question"
+    for m in [*messages, None]:
+        if m is not None and m["role"] == "tool":
+            results.append((names.get(m.get("tool_call_id", ""), "call"), m["content"]))
+            continue
+        if results:
+            turns.append({"role": "user", "content": tc.tool_results_turn(results, question)})
+            results = []
+        if m is not None:
+            names |= {c["id"]: c["function"]["name"] for c in m.get("tool_calls", ())}
+            question = m["content"] if m["role"] == "user" else question
+            turns.append({k: v for k, v in m.items() if k != "tool_calls"})
+    return turns
 
 
 def _messages(value: Any) -> list[Message]:
@@ -341,20 +366,11 @@ def _history_call(value: Any, i: int) -> tc.ToolCall:
 def chat_prompt(messages: tuple[Message, ...], tools: tc.ToolSpec | None = None) -> str:
     """The default chat template (ChatML): ``<|im_start|>ROLE\\nCONTENT<|im_end|>\\n`` per message, then
     ``<|im_start|>assistant\\n`` for the reply. Generation also stops at ``<|im_end|>`` (``CHAT_STOP``).
-    With tools, as Qwen 2.5's template: ``tools.TOOLS_PROMPT`` ends the system message, an assistant's
-    calls follow its content as ``<tool_call>\\n{"name", "arguments"}\\n</tool_call>``, and a tool's answer
-    is a user turn ``<tool_response>\\nCONTENT\\n</tool_response>``."""
+    With tools, ``tools.TOOLS_PROMPT`` ends the system message (Qwen 2.5's, asking for Hermes' ``<tool_call>``);
+    with or without, the tools' results are user turns (``_results_as_user_turns``)."""
     turns = [m.for_template() for m in messages]
-    if tools is not None:
-        turns = _with_system(turns, tc.tools_prompt(tools))
-    text = ""
-    for m in turns:
-        role, content = m["role"], m["content"]
-        for call in m.get("tool_calls", ()):
-            content += "\n<tool_call>\n" + json.dumps(call["function"], ensure_ascii=False) + "\n</tool_call>"
-        if role == "tool":
-            role, content = "user", f"<tool_response>\n{content}\n</tool_response>"
-        text += f"<|im_start|>{role}\n{content.strip() if m.get('tool_calls') else content}<|im_end|>\n"
+    turns = _with_system(turns, tc.tools_prompt(tools)) if tools is not None else _results_as_user_turns(turns)
+    text = "".join(f"<|im_start|>{m['role']}\n{m['content']}<|im_end|>\n" for m in turns)
     return f"{text}<|im_start|>assistant\n"
 
 

@@ -55,6 +55,16 @@ XML tags:
 {{"name": <function-name>, "arguments": <args-json-object>}}
 </tool_call>"""
 """The tools prompt (Qwen 2.5's and Hermes') for templates that do not render ``tools`` themselves."""
+TOOL_RESULT = "The tool {name} returned: {content}"
+ANSWER_FROM_RESULTS = "Using this, answer: {question}"
+"""How those templates are given tools' results: a user turn of a ``TOOL_RESULT`` line each, then the user's
+question again (the rendering a model taught no tool format answers best: docs/reasoning.md)."""
+
+
+def tool_results_turn(results: list[tuple[str, str]], question: str) -> str:
+    """One user turn's text for the (function name, result) of consecutive tool messages, and the question."""
+    lines = [TOOL_RESULT.format(name=name, content=content) for name, content in results]
+    return "\n".join([*lines, ANSWER_FROM_RESULTS.format(question=question)])
 
 
 @dataclass(frozen=True)
