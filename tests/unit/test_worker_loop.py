@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -12,8 +13,10 @@ import zmq
 
 from mpserve.engine.echo import EchoEngine
 from mpserve.engine.interface import Completion, Engine
+from mpserve.engine.kv_events import Held
 from mpserve.errors import GrammarTooComplex
 from mpserve.wire import protocol as wire
+from mpserve.wire.kv_events import AllBlocksCleared, BlockStored, decode_batch
 from mpserve.wire.slots import SlotTable
 from mpserve.worker.loop import Worker
 from mpserve.worker.spec import EngineSpec, WorkerSpec
@@ -136,3 +139,39 @@ def test_a_worker_stopping_with_a_request_running_leaves_without_answering_it(
         sent.append(wire.decode_body(mtype, frames[3]) if mtype is not wire.MsgType.STEP else mtype)
     assert not [m for m in sent if isinstance(m, (wire.Done, wire.Error))], sent
     assert sent[-1] == wire.Leaving("w0", "told to stop")
+
+
+class _GrowingCells(EchoEngine):
+    """Slot 0's cells gain a block each time they are read: every turn of the loop has something to tell."""
+
+    reads = 0
+
+    def kv_held(self) -> list[Held]:
+        self.reads += 1
+        return [Held(list(range(16 * self.reads))), Held([])]
+
+    def kv_stored(self) -> list[tuple[str, Held | None]]:
+        return []
+
+
+def test_the_loop_publishes_its_engine_s_kv_events_each_turn_and_clears_them_as_it_leaves(
+        link: tuple[zmq.Socket[bytes], WorkerSpec, SlotTable], tmp_path: Path) -> None:
+    broker, spec, table = link
+    spec = dataclasses.replace(spec, kv_events=f"ipc://{tmp_path}/kv", heartbeat_interval=0.05)
+    worker = _worker(broker, spec, table, _GrowingCells(parallel=2))
+    sub = broker.context.socket(zmq.SUB)
+    sub.connect(f"ipc://{tmp_path}/kv-w0")
+    sub.subscribe(b"kv@")
+    runner = threading.Thread(target=worker.run)
+    runner.start()
+    try:
+        assert sub.poll(5000), "no batch from an idle worker's turns"
+        first = decode_batch(sub.recv_multipart()[2])
+        assert first.data_parallel_rank == 0 and isinstance(first.events[-1], BlockStored)
+    finally:
+        broker.send_multipart([spec.identity, *wire.encode(wire.Stop("done"))])
+        runner.join(5)
+    events = []
+    while sub.poll(1000):
+        events += decode_batch(sub.recv_multipart()[2]).events
+    assert isinstance(events[-1], AllBlocksCleared)  # it left: its cells are gone
