@@ -5,7 +5,6 @@ of one prompt is the same through chat completions, responses and messages."""
 
 from __future__ import annotations
 
-import asyncio
 import json
 from collections.abc import Iterator
 from typing import Any
@@ -13,6 +12,7 @@ from typing import Any
 import anthropic
 import jsonschema
 import pytest
+from agent_run import run_agent
 from conftest import RealModel, ServerProcess
 from gateway_thread import GatewayThread
 
@@ -52,35 +52,7 @@ def test_the_greedy_text_is_the_same_through_all_three_apis(gateway: GatewayThre
                    "llama-server on the same GGUF degenerates too; in ChatML its 'answer' was a copy of the tool "
                    "result; strict, so it fails the run once a model here can do it")
 def test_the_agents_sdk_runs_an_agent_with_two_function_tools_to_its_answer(gateway: GatewayThread) -> None:
-    import agents
-    import openai
-
-    agents.set_tracing_disabled(True)  # nothing leaves this machine
-    ran: list[str] = []
-
-    @agents.function_tool
-    def get_weather(city: str) -> str:
-        """The weather in a city."""
-        ran.append(f"get_weather({city})")
-        return f"It is 18 degrees and sunny in {city}."
-
-    @agents.function_tool
-    def get_population(city: str) -> str:
-        """How many people live in a city."""
-        ran.append(f"get_population({city})")
-        return f"{city} has 2 million people."
-
-    async def run() -> Any:
-        async with openai.AsyncOpenAI(base_url=f"{gateway.url}/v1", api_key="unused", max_retries=0) as client:
-            agent = agents.Agent(
-                name="assistant", instructions="Use the tools, then answer in one sentence.",
-                model=agents.OpenAIResponsesModel("gemma", client), tools=[get_weather, get_population],
-                # the first turn must call a tool; the SDK then resets tool_choice to auto, and the model answers
-                model_settings=agents.ModelSettings(tool_choice="required", temperature=0, max_tokens=160))
-            return await agents.Runner.run(agent, "What is the weather in Paris?", max_turns=4,
-                                           run_config=agents.RunConfig(tracing_disabled=True))
-
-    result = asyncio.run(run())
+    ran, result = run_agent(gateway.url, "gemma")
     assert ran and all(call.startswith(("get_weather(", "get_population(")) for call in ran)
     assert isinstance(result.final_output, str) and result.final_output.strip()
     assert [i.type for i in result.new_items if i.type == "tool_call_item"], result.new_items
