@@ -471,11 +471,7 @@ class HostStore:
             return
         if self._remote is not None:
             self._remote.offer(tokens, salt, data)
-        with self._lock:
-            if summary:
-                self._added[int(name[:15], 16)] = summary
-            if self._kv_log is not None:
-                self._kv_log.append((name, tokens, salt))
+        self._announce(name, tokens, summary, salt)
         if not self.cut_back:
             return  # a shorter entry serves the prompts that share only part of this one
         for shorter in [e for e in self._refresh() if e.salt == salt and tokens[:len(e.tokens)] == e.tokens != tokens]:
@@ -521,10 +517,16 @@ class HostStore:
         entry = Entry(name, held, summary, salt)
         with self._index_lock:
             self._index[name] = entry
+        self._announce(name, held, summary, salt)
+        return entry
+
+    def _announce(self, name: str, tokens: tuple[int, ...], summary: tuple[int, ...], salt: bytes) -> None:
+        """A new entry of this key in a local tier: its summary for the broker, and the KV events' log."""
         with self._lock:
             if summary:
-                self._added[entry.id] = summary
-        return entry
+                self._added[int(name[:15], 16)] = summary
+            if self._kv_log is not None:
+                self._kv_log.append((name, tokens, salt))
 
     def _copy_up(self, data: bytes) -> None:
         """An entry read from disk, into RAM: it is the most recently used now."""
