@@ -175,3 +175,30 @@ def test_the_host_store_entries_it_writes_are_told_under_the_cpu_medium(tiny_mod
         publisher.close()
         ctx.destroy(linger=0)
         engine.close()
+
+
+@pytest.mark.timeout(120)
+def test_a_server_started_with_kv_events_publishes_its_instances_blocks(start_server: Any, tmp_path: Path) -> None:
+    """``--kv-events`` reaches each instance from the server's configuration: a request's prompt is told as stored
+    blocks on instance 0's socket."""
+    from mpserve.client import Client
+
+    endpoint = f"ipc://{tmp_path}/kv"
+    server = start_server("--model", "builtin:tiny", "--kv-events", endpoint).wait_ready()
+    ctx: zmq.Context[Any] = zmq.Context()
+    sub = ctx.socket(zmq.SUB)
+    try:
+        sub.connect(f"{endpoint}-w0")
+        sub.subscribe(b"kv@")
+        stored: list[BlockStored] = []
+        with Client(server.address) as client:
+            deadline = time.monotonic() + 30
+            while not stored:  # a subscriber joining a PUB socket misses what went before: ask until one is heard
+                assert time.monotonic() < deadline, "no BlockStored from the server's instance"
+                client.generate(LONG_PROMPT, max_tokens=2, temperature=0)
+                while sub.poll(500):
+                    stored += [e for e in decode_batch(sub.recv_multipart()[2]).events if isinstance(e, BlockStored)]
+        assert all(e.block_size == 16 and e.block_hashes for e in stored)
+    finally:
+        sub.close(0)
+        ctx.term()

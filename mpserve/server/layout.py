@@ -179,5 +179,5 @@ def worker_spec(config: ServerConfig, devices: list[Device], placement: Placemen
         device=device, backend=backend, slots_path=str(slots_path), parent_pid=os.getpid(),
         idle_timeout=config.idle_timeout, lazy=config.single_active_backend, permit=permit,
         log_level=config.log_level, stream_interval=config.stream_interval, slot_save_path=model.slot_save_path,
-        adopt_wait=config.adopt_wait, adapter_dir=model.adapter_dir,
+        adopt_wait=config.adopt_wait, adapter_dir=model.adapter_dir, kv_events=config.kv_events or "",
     )
