@@ -77,8 +77,9 @@ CODES: dict[ErrorCode, CodeInfo] = {
                                                  "signal and the settings to try)"),
     ErrorCode.NO_INSTANCE: CodeInfo(503, True, "no instance of the model could serve the request within "
                                                "`no_instance_timeout` (none registered, its pool gone), or its "
-                                               "`timeout` passed while the model was still loading; the message says "
-                                               "which and what to do"),
+                                               "`timeout` passed while the model was still loading, or no instance "
+                                               "has a LoRA adapter it names loaded nor will (its load failed on each); "
+                                               "the message says which and what to do"),
     ErrorCode.DOES_NOT_FIT: CodeInfo(503, False, "the model does not fit the device's memory (at start, or a "
                                                  "load)"),
     ErrorCode.SHUTTING_DOWN: CodeInfo(503, True, "the server is stopping"),

@@ -6,8 +6,10 @@ does not serve is refused at once, by name, never queued.
         ──▶ every a1 request runs on instance 0, with a1's text: none is routed to the one without it
     a request for "zz" ──▶ unknown_adapter, within its own short timeout (queued, it would wait for ever: no
         instance will ever load it)
-    1 instance, a1 hot loaded, its file removed, the instance killed: the model serves a1 and no instance has it
-        ──▶ a request for a1 should be refused; today it waits for its timeout (marked xfail, strict)
+    1 instance, a1 hot loaded, the instance killed: a request for a1 asked while it restarts waits, and runs
+        there (the replacement is sent a1) ──▶ a1's file removed, the instance killed again: one asked while it
+        restarts is refused when the replacement's load of a1 fails, and one asked after at once (no_instance,
+        naming a1 and the call that loads it again): the model serves a1 and no instance has it
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ from helpers import wait_for
 from test_adapters import reference
 
 from mpserve import Client
-from mpserve.errors import MpserveError, Timeout, UnknownAdapter
+from mpserve.errors import MpserveError, NoInstance, UnknownAdapter
 from mpserve.wire.slots import SlotState
 
 REQUESTS = 8  # twice the slots of both instances: the free slots of the instance without a1 are there to take
@@ -64,11 +66,11 @@ def hot_load_then_lose(server: ServerProcess, adapters: dict[str, str], index: i
     return after
 
 
-def short_request(server: ServerProcess, adapter: str) -> object:
-    """What a request for ``adapter`` with a 5 s timeout got: its error, or "it ran"."""
+def short_request(server: ServerProcess, adapter: str, timeout: float = 5) -> object:
+    """What a request for ``adapter`` with a short timeout got: its error, or "it ran"."""
     with Client(server.address) as client:
         try:
-            client.generate("hi", adapters={adapter: 1.0}, max_tokens=2, timeout=5)
+            client.generate("hi", adapters={adapter: 1.0}, max_tokens=2, timeout=timeout)
         except MpserveError as exc:
             return exc
     return "it ran"
@@ -111,13 +113,24 @@ def test_a_request_for_an_adapter_the_model_does_not_serve_is_refused_at_once_no
         f"got {outcome!r}")
 
 
-@pytest.mark.timeout(60)
-@pytest.mark.xfail(strict=True, reason="a request for an adapter the model serves but no instance has loaded (every "
-                   "instance restarted and failed to load it) is queued until its timeout: nothing refuses it")
+@pytest.mark.timeout(120)
 def test_a_request_for_an_adapter_no_instance_has_loaded_is_refused_not_left_waiting(
         start_server: type[ServerProcess], adapters: dict[str, str]) -> None:
     lone = start_server("--model", "builtin:tiny", "--threads", "1", "--lora", f"a0={adapters['a0']}").wait_ready()
-    hot_load_then_lose(lone, adapters, 0)
+    hot = Path(adapters["a1"]).with_name(f"a1-lone-{lone.name}.gguf")
+    shutil.copyfile(adapters["a1"], hot)
+    with Client(lone.admin) as admin:
+        assert "a1" in admin.adapter("load", "tiny", "a1", str(hot)).adapters
+    os.kill(live(lone)[0], signal.SIGKILL)  # asked while its replacement starts: it waits for it, which loads a1
+    assert short_request(lone, "a1", timeout=40) == "it ran", "a request that came while the instance restarted"
+    hot.unlink()  # the next replacement cannot load a1: one asked while it starts ends when its load fails
+    os.kill(live(lone)[0], signal.SIGKILL)
+    outcome = short_request(lone, "a1", timeout=40)
+    assert isinstance(outcome, NoInstance) and "adapter 'a1'" in outcome.message, (
+        f"a request queued while the instance restarted, whose load of a1 then failed, must be refused; "
+        f"got {outcome!r}")
     outcome = short_request(lone, "a1")
-    assert isinstance(outcome, MpserveError) and not isinstance(outcome, Timeout), (
-        f"a request for an adapter no instance has loaded must be refused, not left waiting; got {outcome!r}")
+    assert isinstance(outcome, NoInstance) and "adapter 'a1'" in outcome.message and (
+        "mpserve adapters load tiny" in outcome.message), (
+        f"a request for an adapter no instance has loaded must be refused (no_instance, naming it and how to load it "
+        f"again), not left waiting; got {outcome!r}")

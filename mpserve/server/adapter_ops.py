@@ -12,6 +12,11 @@ the model, answered once each has.
 An instance runs a request only with every adapter it names loaded (``WorkerEntry.adapters``, from its READY and its
 replies): while a load is on its way, the instances that have it take those requests, and one that does not yet
 waits for them. So no request fails for a load or an unload.
+
+    a request for adapters no instance has, loads or will be sent (none starting: ``routing.stranded``) ──▶
+        refused at admission (``Clients``), or, queued, when the last hope goes (a broker's load fails, an
+        instance is lost, one registers that will not load them) ──▶ ERROR no_instance, naming the adapter and
+        the call that loads it again
 """
 
 from __future__ import annotations
@@ -20,11 +25,12 @@ import logging
 import secrets
 from dataclasses import dataclass, field
 
-from mpserve.errors import BadRequest, MpserveError
+from mpserve.errors import BadRequest, MpserveError, NoInstance
 from mpserve.wire import adapters as wire_adapters
 from mpserve.wire import protocol as wire
 
 from .dispatch import Dispatcher
+from .routing import stranded
 from .state import WorkerEntry
 from .tables import Tables
 
@@ -52,7 +58,8 @@ class AdapterOps:
         loaded an adapter may take requests for it, and the outboxes the calls and answers go through."""
         self.tables = tables
         self.dispatcher = dispatcher
-        self.tickets: dict[str, tuple[Op | None, bytes]] = {}  # None: a load the broker sent a new instance
+        self.tickets: dict[str, tuple[Op | None, bytes, str]] = {}  # op (None: a load the broker sent a new
+        # instance), the instance, the adapter's name
         self.draining: list[Op] = []  # unloads waiting for their adapter's requests to finish
 
     def start(self, client: bytes, msg: wire.AdapterAction) -> None:
@@ -89,7 +96,7 @@ class AdapterOps:
         assert action is not None
         for worker in targets:
             ticket = secrets.token_urlsafe(16)
-            self.tickets[ticket] = (op, worker.identity)
+            self.tickets[ticket] = (op, worker.identity, action.name)
             if op is not None:
                 op.waiting.add(worker.identity)
             self.dispatcher.outbox.to_worker(worker.identity, wire.AdapterAction(
@@ -116,7 +123,7 @@ class AdapterOps:
         found = self.tickets.get(ticket)
         if found is None or mtype not in (wire.MsgType.ADAPTER_REPLY, wire.MsgType.ERROR):
             return False
-        op, worker = found
+        op, worker, _ = found
         if worker != identity:
             return False
         del self.tickets[ticket]
@@ -130,6 +137,8 @@ class AdapterOps:
             self.dispatcher.dispatch(entry.model)  # it may take requests for that adapter now
         elif isinstance(msg, wire.Error) and op is None:  # a load the broker sent: the instance lacks the adapter
             log.error("instance %s: adapter call failed: %s", identity.decode(), msg.message)
+            if entry is not None:
+                self.refuse_stranded(entry.model)
         if op is not None:
             op.waiting.discard(identity)
             if isinstance(msg, wire.AdapterReply):
@@ -160,13 +169,45 @@ class AdapterOps:
         for name, path in mq.adapter_paths.items():
             if name not in entry.adapters and entry.loaded:
                 self.send(None, [entry], wire.AdapterAction("broker", "load", name, entry.model, path))
+        self.refuse_stranded(entry.model)  # one that will not have them (its model not loaded) runs none
 
     def lost(self, identity: bytes) -> None:
         """An instance that went away answers nothing more: the calls waiting for it go on without it."""
-        for ticket, (op, worker) in list(self.tickets.items()):
+        for ticket, (op, worker, _) in list(self.tickets.items()):
             if worker == identity:
                 del self.tickets[ticket]
                 if op is not None:
                     op.waiting.discard(identity)
                     if not op.waiting:
                         self.finish(op)
+        for model in self.tables.models:  # its requests are requeued next: those none of the others can run end
+            self.refuse_stranded(model, identity)
+
+    def refusal(self, model: str, adapters: wire_adapters.Selection) -> NoInstance | None:
+        """Why a request for ``adapters`` of ``model`` can never start (``routing.stranded``): no instance has them
+        loaded or is loading them, and none is starting; None while one has or may."""
+        names = {name for name, _ in adapters}
+        held = [w.adapters | {n for _, w_id, n in self.tickets.values() if w_id == w.identity}
+                for w in self.tables.workers.values() if w.model == model and not w.draining]
+        if not names or not stranded(names, held, self.dispatcher.hooks.loading(model)):
+            return None
+        missing = sorted(names - set().union(*held)) or sorted(names)
+        which = ", ".join(repr(n) for n in missing)
+        return NoInstance(f"no instance of model {model} has LoRA adapter {which} loaded: its load failed on each "
+                          "instance, or those that had it are gone (the server log says why); load it again "
+                          f"(mpserve adapters load {model} NAME FILE) or name adapters its instances have")
+
+    def refuse_stranded(self, model: str, lost: bytes | None = None) -> None:
+        """End the requests of ``model`` queued, or running on the instance ``lost`` (they would be requeued),
+        that no instance can run (``refusal``): ERROR ``no_instance``, naming the adapter and what to do."""
+        if not self.tables.models[model].adapters:
+            return
+        for p in [p for p in self.tables.requests.values() if p.model == model and p.request.adapters
+                  and (p.worker is None or p.worker == lost)]:
+            refused = None if p.answered else self.refusal(model, p.request.adapters)
+            if refused is None:
+                continue
+            if p.worker is None:
+                self.dispatcher.answers.unserved(p, refused.message)
+            else:  # its worker's loss settles it as answered
+                self.dispatcher.answers.answer_error(p, refused.code, refused.message)

@@ -154,6 +154,9 @@ class Clients:
             unserved = wire_adapters.unknown(req.adapters, mq.adapters, model)
             if unserved is not None:
                 raise unserved
+            unloaded = self.adapter_ops.refusal(model, req.adapters)
+            if unloaded is not None:  # served, but no instance has it nor will: it would wait for its timeout
+                raise unloaded
             req = msgspec.structs.replace(req, adapters=wire_adapters.normal(req.adapters))
         if model in self.tables.embedding_models:
             raise BadRequest(f"model {model} is an embedding model (embedding: true in its models[] entry): it "

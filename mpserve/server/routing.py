@@ -16,6 +16,8 @@ becomes of a request whose worker died.
     pick_queued(window, sets run alone)        which queued request goes next: the oldest, or a younger one
                                                that an instance with a free slot can batch with its own
                                                set (the oldest passed over at most MAX_PASSED times)
+    stranded(names, instances' adapters,       whether a request for LoRA adapters no instance has, loads or
+             starting)                         will be sent (none starting) can never start
     choose_slots(…, n)                         n free slots of one instance (a request for n choices), and
                                                why (``Source``: the broker counts its routes by it)
     crash_signal(exit code)                    the signal of a local worker's death, if it is one a request
@@ -96,6 +98,14 @@ def pick_queued(window: Sequence[tuple[tuple[tuple[str, float], ...], int]],
     if head in alone or passed >= MAX_PASSED:
         return 0
     return next((i for i, (adapters, _) in enumerate(window) if adapters in alone), 0)
+
+
+def stranded(names: Collection[str], held: Collection[Collection[str]], starting: bool) -> bool:
+    """Whether a request for the LoRA adapters ``names`` can never start: instances of its model are registered
+    (``held``: the adapters each has loaded or is loading), none has every one of ``names``, and none is
+    ``starting`` (a starting instance is sent every adapter the model serves as it registers). With no instance
+    registered the model's own rule applies (``mpserve.server.unserved``)."""
+    return bool(held) and not starting and not any(set(names) <= set(h) for h in held)
 
 
 @dataclass(frozen=True)

@@ -26,6 +26,7 @@ from mpserve.server.routing import (
     crash_streak,
     describe_exit,
     pick_queued,
+    stranded,
 )
 from mpserve.server.state import ModelQueue, Pending, RequestState, WorkerEntry
 from mpserve.wire import protocol as wire
@@ -353,3 +354,15 @@ def test_a_prefix_in_the_host_store_goes_to_the_least_busy_instance_of_that_host
     a.prompts[1] = (b"", "something else")
     assert choose_slots(free, workers, prompt, 1, blocks=block_hashes(prompt)) == Route([(b"b", 0)], Source.KV)
     assert there.longest(block_hashes(prompt)) == 0  # the other host's store holds none of it
+
+
+@pytest.mark.parametrize(("names", "held", "starting", "never"), [
+    ({"a1"}, [{"a0"}, {"a0", "a1"}], False, False),  # one instance has it
+    ({"a0", "a1"}, [{"a0"}, {"a1"}], False, True),  # each has one, none both: it runs nowhere
+    ({"a1"}, [{"a0"}], True, False),  # an instance starting is sent every adapter served: it waits for it
+    ({"a1"}, [{"a0"}], False, True),  # no instance has it, loads it or starts
+    ({"a1"}, [], False, False),  # no instance at all: the model's own rule (no_instance_timeout)
+])
+def test_a_request_for_adapters_no_instance_has_or_will_have_is_stranded(
+        names: set[str], held: list[set[str]], starting: bool, never: bool) -> None:
+    assert stranded(names, held, starting) is never
