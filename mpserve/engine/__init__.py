@@ -1,6 +1,6 @@
 """The compute core: the only package that imports llama_cpp, and it never imports zmq.
 
-    interface    ``Engine`` (admit / step / cancel), ``Completion``, ``OnToken``: what a worker drives
+    interface    ``Engine`` (admit / step / cancel), ``Completion``, ``OnToken``, ``BatchStats``: what a worker drives
     batch        ``BatchEngine``: one llama.cpp context decoding ``parallel`` sequences per step; admit / step /
                  cancel, read as the step does: schedule, decode, sample, keep
     settings     ``EngineSettings``: what a ``BatchEngine`` is built with, checked before anything loads

@@ -70,7 +70,6 @@ import logging
 import random
 import time
 from collections import deque
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -87,9 +86,9 @@ from .cells import Cells
 from .context import Context
 from .draft import DraftModel, Want
 from .grammar import GrammarCache
-from .interface import Completion, OnToken
+from .interface import BatchStats, Completion, OnToken
 from .keeping import Keeping, open_store
-from .kv_events import Held, adapter_names
+from .kv_events import Held, held, stored
 from .logprobs import LogprobsRecorder, score_prompt
 from .parking import Parking
 from .sampling import TextStream
@@ -101,23 +100,6 @@ from .store_stats import CacheStats
 from .thinking import Phases, sampler_for
 
 log = logging.getLogger("mpserve.worker")
-
-
-@dataclass(frozen=True)
-class BatchStats:
-    """Counters since the engine was built. ``decode_s`` is time inside llama_decode; the rest of
-    ``step_s`` is scheduling, sampling, detokenizing and the on_token callbacks."""
-
-    steps: int
-    step_s: float
-    decode_s: float
-    prompt_tokens_computed: int
-    prompt_tokens_reused: int  # from the admitting slot's own cells or, copied, from another slot's
-    generated_tokens: int
-    prefix_copies: int  # admissions that copied another slot's cells
-    prompt_tokens_restored: int  # of those reused: restored from the host store
-    draft_tokens: int = 0  # proposed by speculation and verified
-    accepted_tokens: int = 0  # of those, the ones the sequences kept
 
 
 class BatchEngine:
@@ -183,17 +165,12 @@ class BatchEngine:
         return self._cells.kv_cells(slot)
 
     def kv_held(self) -> list[Held]:
-        """What each slot's cells hold (tokens, reuse key, adapters), for the KV events (``kv_events.Ledger``)."""
-        cells = self._cells
-        return [Held(cells.kv_tokens(slot), cells.salt_of(slot), adapter_names(self.slot_adapters(slot)))
-                for slot in range(self.parallel)]
+        """What each slot's cells hold, for the KV events (``kv_events.held``)."""
+        return held(self._cells, [self.slot_adapters(slot) for slot in range(self.parallel)])
 
     def kv_stored(self) -> list[tuple[str, Held | None]]:
-        """The host-store entries this instance wrote (their tokens and key) and removed (None) since the last call,
-        for the KV events; the first call starts recording them."""
-        store = self._keeping.store
-        log = store.take_kv_log() if store is not None else []
-        return [(name, Held(tokens, salt) if tokens is not None else None) for name, tokens, salt in log]
+        """The host-store entries written and removed since the last call, for the KV events (``kv_events.stored``)."""
+        return stored(self._keeping.store)
 
     def best_slot(self, prompt: str, salt: bytes = b"") -> tuple[int, int]:
         """The free slot whose cells share the longest prefix with ``prompt`` under ``salt``, and how many prompt

@@ -211,3 +211,20 @@ class Embedder(Protocol):
 
     def rank(self, query: str, documents: list[str]) -> tuple[np.ndarray, int]:
         """A reranker's (pooling rank) score of each document against ``query``, and the tokens there were."""
+
+
+@dataclass(frozen=True)
+class BatchStats:
+    """Counters since the engine was built. ``decode_s`` is time inside llama_decode; the rest of
+    ``step_s`` is scheduling, sampling, detokenizing and the on_token callbacks."""
+
+    steps: int
+    step_s: float
+    decode_s: float
+    prompt_tokens_computed: int
+    prompt_tokens_reused: int  # from the admitting slot's own cells or, copied, from another slot's
+    generated_tokens: int
+    prefix_copies: int  # admissions that copied another slot's cells
+    prompt_tokens_restored: int  # of those reused: restored from the host store
+    draft_tokens: int = 0  # proposed by speculation and verified
+    accepted_tokens: int = 0  # of those, the ones the sequences kept

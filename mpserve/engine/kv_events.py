@@ -18,6 +18,7 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from mpserve.wire.kv_events import (
     BLOCK_SIZE,
@@ -28,6 +29,10 @@ from mpserve.wire.kv_events import (
     Event,
     block_hashes,
 )
+
+if TYPE_CHECKING:
+    from .cells import Cells
+    from .host_store import HostStore
 
 
 @dataclass(frozen=True)
@@ -143,3 +148,16 @@ def _kept_blocks(before: _Slot, now: Held, whole: int) -> int:
 def adapter_names(adapters: Iterable[tuple[str, float]]) -> str:
     """A slot's adapters as the events name them: the names, sorted, joined by "+"."""
     return "+".join(sorted(name for name, scale in adapters if scale))
+
+
+def held(cells: Cells, adapters: Sequence[Iterable[tuple[str, float]]]) -> list[Held]:
+    """What each slot's cells hold (tokens, reuse key, ``adapters[slot]``'s names), for ``Ledger.observe``."""
+    return [Held(cells.kv_tokens(slot), cells.salt_of(slot), adapter_names(chosen))
+            for slot, chosen in enumerate(adapters)]
+
+
+def stored(store: HostStore | None) -> list[tuple[str, Held | None]]:
+    """The host-store entries this instance wrote (their tokens and key) and removed (None) since the last call, for
+    ``Ledger.entry``; the first call starts recording them."""
+    log = store.take_kv_log() if store is not None else []
+    return [(name, Held(tokens, salt) if tokens is not None else None) for name, tokens, salt in log]
