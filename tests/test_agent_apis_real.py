@@ -50,7 +50,9 @@ def test_the_greedy_text_is_the_same_through_all_three_apis(gateway: GatewayThre
                    "in llama.cpp's generic JSON tool format (grammar-constrained, the result as a user turn, a tool "
                    "turn or in its own turn) and in Gemma's tool_code style, driven by llama_cpp directly; "
                    "llama-server on the same GGUF degenerates too; in ChatML its 'answer' was a copy of the tool "
-                   "result; strict, so it fails the run once a model here can do it")
+                   "result; so it does with the result as a user turn that asks the question again (the rendering "
+                   "SmolLM2 answers best, docs/reasoning.md), a base model that never ends its turn; strict, so it "
+                   "fails the run once a model here can do it")
 def test_the_agents_sdk_runs_an_agent_with_two_function_tools_to_its_answer(gateway: GatewayThread) -> None:
     ran, result = run_agent(gateway.url, "gemma")
     assert ran and all(call.startswith(("get_weather(", "get_population(")) for call in ran)

@@ -140,7 +140,8 @@ def _requests() -> list[tuple[str, GenerateParams]]:
     for i, question in enumerate(QUESTIONS * 2):
         system = f"<|im_start|>system\n{PREAMBLE}<|im_end|>\n" if i % 2 == 0 else ""
         out.append((f"{system}<|im_start|>user\n{question}<|im_end|>\n<|im_start|>assistant\n",
-                    GenerateParams(max_tokens=40 + 8 * i, temperature=0.0, stop=("<|im_end|>",))))
+                    GenerateParams(max_tokens=40 + 8 * i, temperature=0.0, stop=("<|im_end|>",),
+                                   logprobs=2)))
     return out
 
 
@@ -159,12 +160,13 @@ def test_exact_reuse_gives_each_stream_its_text_alone_with_a_cache_and_under_con
     finally:
         engine.close()
     assert sum(c.reused_tokens > 0 for c in done) >= 2  # the preamble's chunks, reused
-    together = [c.text for c in done]
+    together = [(c.text, c.logprobs) for c in done]  # the log-probabilities: a row that differs at all shows
     alone = []
     for request in load:
         fresh = _engine(smollm2, 1)
         try:
-            alone.append(serve(fresh, [request])[0].text)
+            [completion] = serve(fresh, [request])
+            alone.append((completion.text, completion.logprobs))
         finally:
             fresh.close()
-    assert all(alone) and together == alone
+    assert all(text for text, _ in alone) and together == alone
