@@ -6,9 +6,11 @@ Three kinds of process, one subpackage each, over shared groups and leaf modules
     worker/      one engine per process, driven by the broker
     gateway/     the OpenAI-compatible HTTP front (talks to the server through the client)
     engine/      the compute core, used by workers (the only importer of llama_cpp; never imports zmq)
-    wire/        how they talk: protocol, zmqio, prefix, the slot table
+    wire/        how they talk: protocol, messages, zmqio, prefix, salt (the cache key), adapters, the slot table
     config/      what a server is told: settings, loader, sizes, kv_types, speculative
     models/      where models come from (built-in, files, the Hub, Ollama), their GGUF headers, chat templates
+    families/    template families: how each model family's replies carry tool calls and thinking, and the grammar
+                 of a forced call in the family's own format
     gpu/         devices, placement, permits, memory
     errors       the error codes, one table, and the exceptions that carry them
     structured   grammar checks, JSON Schema → GBNF (the gateway and the broker check, the engine compiles)
@@ -27,6 +29,22 @@ Three kinds of process, one subpackage each, over shared groups and leaf modules
     help_labels  ``--help``'s type labels: none for a flag, which takes no value
     counts       counts in messages: "1 request", "2 requests"
     doctor       ``mpserve doctor``: what this host offers, and what to fix
+    tracing      OpenTelemetry traces of a request across the gateway, the broker and the worker (W3C traceparent)
+
+Where a request's way is decided (docs/development.md, "Package layout", says more):
+
+    tenants      a request's tenant: its API key's digest (gateway/http/keys) or its CURVE client key, taken by
+                 the broker (server/clients: the gateway's caller on the admin socket, the connection's
+                 elsewhere); its share and limits in config/tenants, applied by server/tenants; it changes the
+                 cache key in one place, wire/salt: gateway (fallback salt) ─▶ broker (salt of tenant,
+                 cache_salt, adapters: server/tables) ─▶ engine (the key, with the adapters' loads)
+    adapters     a LoRA adapter chosen by the request (model BASE:NAME, llama-server's lora ids: wire/adapters),
+                 routed to an instance that has it loaded (server/dispatch, server/routing: affinity), applied
+                 per context in turns (engine/adapters); loaded at run time by ``mpserve adapters``
+                 (server/adapter_ops, worker/adapter_actions)
+    server dies  its instances (requests parked, models loaded) and zygotes (weights) wait adopt_wait seconds
+                 for the next start, which adopts them; clients and gateways reattach; the host store stays
+                 (worker/loop: orphaned, server/adoption; docs/operations.md, "When the server dies")
 
 Words. The host store: the KV cells of computed prompts saved for the whole host, in RAM and on disk (``cache_ram``,
 ``cache_disk``; "prompt cache" in llama-server's words). A slot, three ways: a row of the slot table (one sequence
