@@ -12,7 +12,8 @@
 
 Why: llama.cpp's repacked CPU kernels (AMX, AVX-512) crash on some hosts that advertise them, such as VMs that
 report AMX and do not run it. llama-server and llama_cpp.Llama then die at their first decode of several tokens;
-mpserve notices before a worker starts and serves the weights as stored. ``mpserve doctor`` shows the verdict.
+mpserve notices before a worker starts and serves the weights as stored. Where they run (the reference machine, an
+AMD EPYC with AVX-512 and no AMX), repacking stays on. ``mpserve doctor`` shows the verdict.
 The server process never imports llama_cpp: the probe is a child, so a crash there costs nothing but its verdict.
 """
 
