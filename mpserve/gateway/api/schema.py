@@ -36,80 +36,92 @@ ERROR_STATUSES = {
 def document(version: str) -> dict[str, Any]:
     errors = {status: {"$ref": f"#/components/responses/E{status}"} for status in ERROR_STATUSES}
     anthropic_errors = {status: {"$ref": f"#/components/responses/A{status}"} for status in ERROR_STATUSES}
+    return {"openapi": "3.0.3", "info": {"title": "mpserve OpenAI-compatible gateway", "version": version},
+            "paths": {**_generation_paths(errors, anthropic_errors), **_other_paths(errors)},
+            "components": _components()}
+
+
+def _generation_paths(errors: dict[str, Any], anthropic_errors: dict[str, Any]) -> dict[str, Any]:
+    """The routes that generate: completions, chat, Responses (and its stored responses), Messages."""
     return {
-        "openapi": "3.0.3",
-        "info": {"title": "mpserve OpenAI-compatible gateway", "version": version},
-        "paths": {
-            "/v1/completions": {"post": _generation("completions", "CompletionRequest", errors)},
-            "/v1/chat/completions": {"post": _generation("chat completions", "ChatRequest", errors)},
-            "/v1/responses": {"post": _generation("Responses (Agents SDK, newer clients)", "ResponseRequest", errors)},
-            "/v1/responses/{id}": {
-                "get": {**_get("a stored response of the caller's API key, or a background one in progress; with "
-                               "stream=true, a background response's events after starting_after (server-sent "
-                               "events)", "application/json", {k: errors[k] for k in ("400", "401", "404")}),
-                        "parameters": [_ID, {"name": "stream", "in": "query", "required": False,
-                                             "schema": {"type": "string", "enum": ["true", "false"]}},
-                                       {"name": "starting_after", "in": "query", "required": False,
-                                        "schema": {"type": "integer", "minimum": 0}}]},
-                "delete": {**_get("a stored response deleted; a background one whole (its events and request too), "
-                                  "stopped first if in progress", "application/json",
-                                  {k: errors[k] for k in ("401", "404")}), "parameters": [_ID]}},
-            "/v1/responses/{id}/cancel": {
-                "post": {**_get("a background response in progress stopped", "application/json",
-                                {k: errors[k] for k in ("401", "404")}), "parameters": [_ID]}},
-            "/v1/messages": {"post": {**_post("Anthropic Messages, whole (JSON) or streamed (server-sent events)",
-                                              "MessageRequest", "the message", True, anthropic_errors),
-                                      "security": [{"bearer": []}, {"apiKey": []}, {}]}},
-            "/v1/embeddings": {"post": _post("OpenAI embeddings, from a model served with embedding: true",
-                                             "EmbeddingRequest", "one vector per input", False, errors)},
-            "/v1/rerank": {"post": _post("a reranker's scores (a model served with pooling: rank), llama-server's "
-                                         "shape", "RerankRequest", "the documents by relevance", False, errors)},
-            "/rerank": {"post": _post("llama-server's name for /v1/rerank", "RerankRequest",
-                                      "the documents by relevance", False, errors)},
-            "/v1/models": {"get": _get("the served models", "application/json", {"503": errors["503"],
-                                                                                   "401": errors["401"]})},
-            "/health": {"get": _get("200 while some instance can take a request", "application/json",
-                                    {"503": {"description": "no instance is ready, or no server answers",
-                                             "content": {"application/json": {"schema": {"type": "object"}}}}})},
-            "/metrics": {"get": _get("Prometheus text", "text/plain", {"401": errors["401"]})},
-            "/backend/monitor": {"get": {
-                **_get("each instance (worker process) of a server on this host, with its slots", "application/json",
-                       {k: errors[k] for k in ("401", "404", "503")}),
-                "parameters": [{"name": "model", "in": "query", "required": False, "schema": {"type": "string"}}]}},
-            "/slots/{slot}": {"post": {
-                **_get("an idle slot's KV cells saved to a file of its model's slot_save_path, restored from one, "
-                       "or erased", "application/json",
-                       {k: errors[k] for k in ("400", "401", "403", "404", "415", "429", "502", "503")}),
-                "security": [{"adminBearer": []}],
-                "parameters": [{"name": "slot", "in": "path", "required": True, "schema": {"type": "string"}},
-                               {"name": "action", "in": "query", "required": True,
-                                "schema": {"type": "string", "enum": list(wire.SLOT_ACTIONS)}}],
-                "requestBody": {"required": False, "content": {"application/json": {"schema": {
-                    "type": "object", "properties": {"filename": {
-                        "type": "string", "maxLength": wire.MAX_FILENAME_CHARS}}}}}}}},
-            "/tokenize": {"post": _post("a text's token ids (with pieces: each token's text), llama-server's shape",
-                                        "TokenizeRequest", "the tokens", False, errors)},
-            "/detokenize": {"post": _post("the text of token ids, llama-server's shape", "DetokenizeRequest",
-                                          "the text", False, errors)},
-            **_admin(errors),
-            "/console/state": {"get": _get("the web console's data", "application/json", {"401": errors["401"]})},
-            "/openapi.json": {"get": _get("this document", "application/json", {})},
-        },
-        "components": {
-            "schemas": {"CompletionRequest": _completion(), "ChatRequest": _chat(), "EmbeddingRequest": _embedding(),
-                        "ResponseRequest": _response(), "RerankRequest": _rerank(), "MessageRequest": _message(),
-                        "TokenizeRequest": _tokenize(), "DetokenizeRequest": _detokenize(),
-                        "AddModelRequest": _add_model(), "ScaleRequest": _bounds(),
-                        "LoadAdapterRequest": _load_adapter(),
-                        "Error": _ERROR, "AnthropicError": _ANTHROPIC_ERROR},
-            "responses": {f"{prefix}{status}": {"description": why, "content": {"application/json": {
-                "schema": {"$ref": f"#/components/schemas/{shape}"}}}} for status, why in ERROR_STATUSES.items()
-                for prefix, shape in (("E", "Error"), ("A", "AnthropicError"))},
-            "securitySchemes": {"bearer": {"type": "http", "scheme": "bearer"},
-                                "adminBearer": {"type": "http", "scheme": "bearer",
-                                                "description": "the admin key (--admin-key), never the API key"},
-                                "apiKey": {"type": "apiKey", "in": "header", "name": "x-api-key"}},
-        },
+        "/v1/completions": {"post": _generation("completions", "CompletionRequest", errors)},
+        "/v1/chat/completions": {"post": _generation("chat completions", "ChatRequest", errors)},
+        "/v1/responses": {"post": _generation("Responses (Agents SDK, newer clients)", "ResponseRequest", errors)},
+        "/v1/responses/{id}": {
+            "get": {**_get("a stored response of the caller's API key, or a background one in progress; with "
+                           "stream=true, a background response's events after starting_after (server-sent "
+                           "events)", "application/json", {k: errors[k] for k in ("400", "401", "404")}),
+                    "parameters": [_ID, {"name": "stream", "in": "query", "required": False,
+                                         "schema": {"type": "string", "enum": ["true", "false"]}},
+                                   {"name": "starting_after", "in": "query", "required": False,
+                                    "schema": {"type": "integer", "minimum": 0}}]},
+            "delete": {**_get("a stored response deleted; a background one whole (its events and request too), "
+                              "stopped first if in progress", "application/json",
+                              {k: errors[k] for k in ("401", "404")}), "parameters": [_ID]}},
+        "/v1/responses/{id}/cancel": {
+            "post": {**_get("a background response in progress stopped", "application/json",
+                            {k: errors[k] for k in ("401", "404")}), "parameters": [_ID]}},
+        "/v1/messages": {"post": {**_post("Anthropic Messages, whole (JSON) or streamed (server-sent events)",
+                                          "MessageRequest", "the message", True, anthropic_errors),
+                                  "security": [{"bearer": []}, {"apiKey": []}, {}]}},
+    }
+
+
+def _other_paths(errors: dict[str, Any]) -> dict[str, Any]:
+    """The other routes: vectors, models, health and metrics, slots, tokens, the admin API, the console."""
+    return {
+        "/v1/embeddings": {"post": _post("OpenAI embeddings, from a model served with embedding: true",
+                                         "EmbeddingRequest", "one vector per input", False, errors)},
+        "/v1/rerank": {"post": _post("a reranker's scores (a model served with pooling: rank), llama-server's "
+                                     "shape", "RerankRequest", "the documents by relevance", False, errors)},
+        "/rerank": {"post": _post("llama-server's name for /v1/rerank", "RerankRequest",
+                                  "the documents by relevance", False, errors)},
+        "/v1/models": {"get": _get("the served models", "application/json", {"503": errors["503"],
+                                                                               "401": errors["401"]})},
+        "/health": {"get": _get("200 while some instance can take a request", "application/json",
+                                {"503": {"description": "no instance is ready, or no server answers",
+                                         "content": {"application/json": {"schema": {"type": "object"}}}}})},
+        "/metrics": {"get": _get("Prometheus text", "text/plain", {"401": errors["401"]})},
+        "/backend/monitor": {"get": {
+            **_get("each instance (worker process) of a server on this host, with its slots", "application/json",
+                   {k: errors[k] for k in ("401", "404", "503")}),
+            "parameters": [{"name": "model", "in": "query", "required": False, "schema": {"type": "string"}}]}},
+        "/slots/{slot}": {"post": {
+            **_get("an idle slot's KV cells saved to a file of its model's slot_save_path, restored from one, "
+                   "or erased", "application/json",
+                   {k: errors[k] for k in ("400", "401", "403", "404", "415", "429", "502", "503")}),
+            "security": [{"adminBearer": []}],
+            "parameters": [{"name": "slot", "in": "path", "required": True, "schema": {"type": "string"}},
+                           {"name": "action", "in": "query", "required": True,
+                            "schema": {"type": "string", "enum": list(wire.SLOT_ACTIONS)}}],
+            "requestBody": {"required": False, "content": {"application/json": {"schema": {
+                "type": "object", "properties": {"filename": {
+                    "type": "string", "maxLength": wire.MAX_FILENAME_CHARS}}}}}}}},
+        "/tokenize": {"post": _post("a text's token ids (with pieces: each token's text), llama-server's shape",
+                                    "TokenizeRequest", "the tokens", False, errors)},
+        "/detokenize": {"post": _post("the text of token ids, llama-server's shape", "DetokenizeRequest",
+                                      "the text", False, errors)},
+        **_admin(errors),
+        "/console/state": {"get": _get("the web console's data", "application/json", {"401": errors["401"]})},
+        "/openapi.json": {"get": _get("this document", "application/json", {})},
+    }
+
+
+def _components() -> dict[str, Any]:
+    return {
+        "schemas": {"CompletionRequest": _completion(), "ChatRequest": _chat(), "EmbeddingRequest": _embedding(),
+                    "ResponseRequest": _response(), "RerankRequest": _rerank(), "MessageRequest": _message(),
+                    "TokenizeRequest": _tokenize(), "DetokenizeRequest": _detokenize(),
+                    "AddModelRequest": _add_model(), "ScaleRequest": _bounds(),
+                    "LoadAdapterRequest": _load_adapter(),
+                    "Error": _ERROR, "AnthropicError": _ANTHROPIC_ERROR},
+        "responses": {f"{prefix}{status}": {"description": why, "content": {"application/json": {
+            "schema": {"$ref": f"#/components/schemas/{shape}"}}}} for status, why in ERROR_STATUSES.items()
+            for prefix, shape in (("E", "Error"), ("A", "AnthropicError"))},
+        "securitySchemes": {"bearer": {"type": "http", "scheme": "bearer"},
+                            "adminBearer": {"type": "http", "scheme": "bearer",
+                                            "description": "the admin key (--admin-key), never the API key"},
+                            "apiKey": {"type": "apiKey", "in": "header", "name": "x-api-key"}},
     }
 
 
