@@ -407,15 +407,7 @@ def _model(index: int, entry: Any, overrides: Mapping[str, Any], source: str) ->
     if not _NAME_RE.match(values["name"]):
         raise ConfigError(f"{where}.name: got {values['name']!r}, allowed: letters, digits, '.', '_' and '-', "
                           "starting with a letter or digit, at most 48 characters")
-    path_where = "--model" if "path" in overrides else f"{where}.path"
-    if sources.is_source(path):
-        local = sources.check(path, path_where)
-        if local is not None:
-            _check_gguf(local, f"{path_where} ({path})")
-    elif not (path == ECHO_MODEL or path.startswith(BUILTIN_PREFIX)):
-        _check_gguf(Path(path), path_where)
-    if path.startswith(BUILTIN_PREFIX) and path[len(BUILTIN_PREFIX):] not in MODEL_SIZES:
-        raise ConfigError(f"{where}.path: unknown built-in model {path!r}; allowed: {_builtin_names()}")
+    _check_path(path, "--model" if "path" in overrides else f"{where}.path", where)
     if values.get("pooling") is not None and values["pooling"] not in _POOLINGS:
         raise ConfigError(f"{where}.pooling: got {values['pooling']!r}, allowed: {', '.join(_POOLINGS)}")
     if values.get("reuse", "any") not in _REUSE_MODES:
@@ -444,17 +436,7 @@ def _model(index: int, entry: Any, overrides: Mapping[str, Any], source: str) ->
             raise ConfigError(f"{where}.{folder}: {values[folder]!r} is not a folder; create it first")
     if "chat_template" in values:
         values["chat_template"] = templates.check_setting(values["chat_template"], f"{where}.chat_template")
-    if values.get("cache_remote") is not None:
-        values["cache_remote"] = remote_tier.check_url(str(values["cache_remote"]), f"{where}.cache_remote")
-    if values.get("cache_remote_password_file") is not None:
-        remote_tier.check_password_file(str(values["cache_remote_password_file"]),
-                                        f"{where}.cache_remote_password_file")
-    for size in ("cache_ram", "cache_disk_size", "cache_remote_size"):
-        if size in values:
-            values[size] = _bytes(values[size], f"{where}.{size}", parse_memory)
-    for folder, tier in (("cache_shm", "ram"), ("cache_disk", "disk")):
-        if values.get(folder) is not None:
-            values[folder] = _store_folder(str(values[folder]), tier, f"{where}.{folder}")
+    _check_store(values, where)
     if "adapters" in values:
         values["adapters"] = _adapters(values["adapters"], path,
                                        "--lora" if "adapters" in overrides else f"{where}.adapters")
@@ -468,6 +450,35 @@ def _model(index: int, entry: Any, overrides: Mapping[str, Any], source: str) ->
     low, high = _instance_bounds(values, where)
     values.update(instances=low, min_instances=low, max_instances=high)
     return ModelConfig(**values)
+
+
+def _check_path(path: str, path_where: str, where: str) -> None:
+    """A model's path (``path_where``: the flag or key that gave it): a GGUF file, one on the Hub or in Ollama's store
+    (checked when it is cached already), a built-in model or the echo backend."""
+    if sources.is_source(path):
+        local = sources.check(path, path_where)
+        if local is not None:
+            _check_gguf(local, f"{path_where} ({path})")
+    elif not (path == ECHO_MODEL or path.startswith(BUILTIN_PREFIX)):
+        _check_gguf(Path(path), path_where)
+    if path.startswith(BUILTIN_PREFIX) and path[len(BUILTIN_PREFIX):] not in MODEL_SIZES:
+        raise ConfigError(f"{where}.path: unknown built-in model {path!r}; allowed: {_builtin_names()}")
+
+
+def _check_store(values: dict[str, Any], where: str) -> None:
+    """A model's host store settings, checked and read in place: the remote tier's address and password file, the
+    sizes in bytes, the RAM and disk tiers' folders."""
+    if values.get("cache_remote") is not None:
+        values["cache_remote"] = remote_tier.check_url(str(values["cache_remote"]), f"{where}.cache_remote")
+    if values.get("cache_remote_password_file") is not None:
+        remote_tier.check_password_file(str(values["cache_remote_password_file"]),
+                                        f"{where}.cache_remote_password_file")
+    for size in ("cache_ram", "cache_disk_size", "cache_remote_size"):
+        if size in values:
+            values[size] = _bytes(values[size], f"{where}.{size}", parse_memory)
+    for folder, tier in (("cache_shm", "ram"), ("cache_disk", "disk")):
+        if values.get(folder) is not None:
+            values[folder] = _store_folder(str(values[folder]), tier, f"{where}.{folder}")
 
 
 def _check_mmproj(mmproj: str, path: str, embedding: bool, where: str) -> None:
