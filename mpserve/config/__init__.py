@@ -7,4 +7,5 @@
     speculative   a model's speculative decoding setting
     reasoning     a model's thinking setting: budgets per effort, the close message
     tenants       the tenants section: each tenant's weight, priority ceiling and limits
+    remote_tier   the host store's remote tier (cache_remote): a Redis or Valkey address and its password, checked
 """

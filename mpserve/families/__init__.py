@@ -9,6 +9,21 @@ A family is chosen by the text its template writes (``markers``), so a template 
 ``mpserve.models.templates`` (``--chat-template NAME``) and a GGUF's own template are read alike. The order
 matters where one family's markers hold another's: Harmony, Kimi, DeepSeek, GLM and Qwen3-Coder before Hermes
 (``<tool_call>`` is in GLM's and Qwen3-Coder's templates too).
+
+    base         what every family shares: a reply's calls whole (read, read_forced) and as they form (Scan)
+    stream       a streamed reply's calls as they form: text in, content and call deltas out
+    gbnf         GBNF for forced calls: each tool's arguments from its JSON Schema, within the family's call syntax
+    xml          what the XML-like families share: a call's parameters read one by one, raw values
+    hermes       Hermes and Qwen 2.5 / 3: JSON in <tool_call> tags (the ChatML default's)
+    qwen3_coder  Qwen3-Coder and Qwen 3.5: <function=NAME> with a <parameter=KEY> per argument
+    harmony      gpt-oss's Harmony: calls on the commentary or analysis channel, malformed headers read
+    llama3       Llama 3.1 to 3.3: JSON objects with parameters, optionally after <|python_tag|>
+    mistral      Mistral's two forms: a JSON list after [TOOL_CALLS], or [TOOL_CALLS]NAME[ARGS]{...}
+    gemma        Gemma: a Python call in a tool_code block
+    deepseek     DeepSeek V3.1 and later: calls between its tool-call tokens, name then JSON
+    glm          GLM 4.5 to 4.7: the name after <tool_call>, then <arg_key>/<arg_value> pairs
+    kimi         Kimi K2: functions.NAME:INDEX, then the arguments' JSON, in a calls section
+    generic      plain JSON calls, for templates that teach no format, and read after any family's
 """
 
 from __future__ import annotations

@@ -16,5 +16,6 @@ those named on the Hugging Face Hub or in Ollama's store, and the chat template 
     ollama     Ollama's store: a manifest's GGUF blob and template
     folder     a models directory (``models_dir``): its GGUF files served by file stem
     templates  the chat template a model is served with: the setting, the GGUF's, its family's
+    tool_families  the chat templates of the families whose tool calls have a format of their own (gpt-oss, …)
     gguf_header  a GGUF file's metadata and tensor table, read without the tensor data
 """

@@ -9,5 +9,6 @@
     tokens  the answer to TOKENIZE: the loaded model's vocabulary, between two steps
     slot_files  SLOT_ACTION: an idle slot's KV cells saved to a KV file, restored from one, or erased
     adapter_actions  ADAPTER_ACTION: a LoRA adapter loaded or unloaded, kept across model loads
+    spans   with tracing on (``mpserve.tracing``): the prefill and decode spans of each request it ran
     kv_publisher  ``--kv-events``: the instance's KV events on a ZeroMQ PUB socket, and replayed to who missed them
 """
