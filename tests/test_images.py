@@ -24,12 +24,14 @@ from helpers import config_file, mpserve, wait_for
 
 from bench.procs import HttpServer, find_llama_server, free_port
 from mpserve import Client
+from mpserve.gateway.http.keys import tenant_of
 from mpserve.models.mmproj_maker import TOKENS_PER_IMAGE
 from mpserve.wire.media import MEDIA_MARKER, WithImages
 
 pytestmark = pytest.mark.timeout(180)
 
 PROMPT = "What is this?"
+SMALL_KEY, OTHER_KEY = "small-images-key", "other-key"
 
 
 def png(width: int, height: int, rgb: tuple[int, int, int]) -> bytes:
@@ -70,14 +72,16 @@ def pair(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
 def served(pair: tuple[Path, Path], tmp_path_factory: pytest.TempPathFactory
            ) -> Iterator[tuple[ServerProcess, httpx.Client]]:
     """A server with the vision pair (``vision``; ``narrow``: with a context of 64 tokens) and the tiny model without a
-    projector (``tiny``), and a client of its gateway."""
+    projector (``tiny``), whose tenant of API key ``SMALL_KEY`` may send images of 100 pixels at most, and a client of
+    its gateway (without keys)."""
     from gateway_thread import GatewayThread  # uvicorn: loaded by the tests that use it
 
     model, projector = pair
     config = config_file(tmp_path_factory.mktemp("config"), "images",
                          models=[{"name": "vision", "path": str(model), "mmproj": str(projector)},
                                  {"name": "tiny", "path": "builtin:tiny"},
-                                 {"name": "narrow", "path": str(model), "mmproj": str(projector), "n_ctx": 64}])
+                                 {"name": "narrow", "path": str(model), "mmproj": str(projector), "n_ctx": 64}],
+                         tenants={tenant_of(SMALL_KEY): {"max_image_pixels": 100}})
     server = ServerProcess("--config", config).wait_ready()
     gateway = GatewayThread(server_name=server.name)
     try:
@@ -157,6 +161,55 @@ def test_an_image_to_a_model_without_a_projector_is_a_400(http: httpx.Client) ->
 def test_an_image_the_context_cannot_hold_is_a_400(http: httpx.Client) -> None:
     assert "the context holds 64" in refused(http, chat("Hi", (data_url(RED),), (data_url(BLUE),), model="narrow"))
     assert answer(http, chat("Hi", model="narrow", max_tokens=4))["choices"][0]["message"]["content"]
+
+
+SMALL = png(4, 4, (9, 9, 9))  # 16 pixels, 71 bytes
+LIMITED = {"max_images": 1, "max_image_bytes": "200", "max_image_pixels": 100}  # as the flags give them
+OVER_LIMITS = {  # what the default limits take and LIMITED refuses, with the setting the refusal names
+    "max_images": (chat("A", (data_url(SMALL),), "B", (data_url(SMALL),)), "--max-images"),
+    "max_image_bytes": (chat(PROMPT, (data_url(SMALL + bytes(200)),)), "--max-image-bytes"),  # after IEND: read
+    "max_image_pixels": (chat(PROMPT, (data_url(RED),)), "--max-image-pixels"),
+}
+
+
+def test_the_gateways_image_limits_are_settings_and_lowered_refuse_what_the_defaults_take(
+        served: tuple[ServerProcess, httpx.Client]) -> None:
+    from gateway_thread import GatewayThread
+
+    from mpserve.gateway.run import configure
+
+    server, http = served
+    gateway = GatewayThread(server_name=server.name, images=configure(LIMITED).images)
+    try:
+        with httpx.Client(base_url=gateway.url, timeout=60) as lowered:
+            for key, (body, setting) in OVER_LIMITS.items():
+                assert answer(http, {**body, "max_tokens": 2})["choices"], key
+                assert setting in refused(lowered, body), key
+            assert answer(lowered, chat(PROMPT, (data_url(SMALL),), max_tokens=2))["choices"]
+    finally:
+        gateway.stop()
+    over = mpserve("gateway", "--max-image-bytes", "4MiB", "--server-name", server.name)
+    assert over.returncode != 0 and over.stderr.strip().splitlines() == [
+        "error: [config] --max-image-bytes is 4194304; it must be from 1 to 3145728, what the wire carries"]
+
+
+def test_a_tenants_image_limit_refuses_its_requests_only(served: tuple[ServerProcess, httpx.Client]) -> None:
+    from gateway_thread import GatewayThread
+
+    server, _ = served
+    gateway = GatewayThread(server_name=server.name, api_keys=(SMALL_KEY, OTHER_KEY))
+    try:
+        with httpx.Client(base_url=gateway.url, timeout=60) as http:
+            small, other = ({"authorization": f"Bearer {key}"} for key in (SMALL_KEY, OTHER_KEY))
+            reply = http.post("/v1/chat/completions", json=chat(PROMPT, (data_url(RED),)), headers=small)
+            assert reply.status_code == 400, reply.text
+            assert f"max_image_pixels of tenant {tenant_of(SMALL_KEY)}" in reply.json()["error"]["message"]
+            for key, image in ((small, SMALL), (other, RED)):
+                reply = http.post("/v1/chat/completions", json=chat(PROMPT, (data_url(image),), max_tokens=2),
+                                  headers=key)
+                assert reply.status_code == 200, reply.text
+    finally:
+        gateway.stop()
 
 
 def test_a_projector_for_another_model_is_refused_at_start_in_one_line(pair: tuple[Path, Path],

@@ -21,6 +21,7 @@ from typing import Any, Literal
 
 from mpserve.config.kv_types import DEFAULT_KV_TYPE, KV_TYPES
 from mpserve.models.shapes import MODEL_SIZES
+from mpserve.wire import media
 
 Scope = Literal["server", "model", "cli"]
 Command = Literal["start", "worker", "plan", "devices", "gateway"]
@@ -30,6 +31,7 @@ _FOR_POOLS: tuple[Command, ...] = ("start", "worker")
 _SIZING: tuple[Command, ...] = ("start", "worker", "plan")  # what an instance's memory estimate depends on
 _FOR_HTTP: tuple[Command, ...] = ("start", "gateway")  # the HTTP gateway's, for the gateways start --http runs too
 _GATEWAY: tuple[Command, ...] = ("gateway",)
+_IMAGES = media.ImageLimits()  # the gateway's image limits as they are by default
 
 
 @dataclass(frozen=True)
@@ -247,8 +249,9 @@ SETTINGS: tuple[Setting, ...] = (
        "named may serve any model", flag=None, env=None),
     _s("tenants", "server", dict, "none: one share, no limits, priority up to 0 but the local user's",
        "Who the broker tells apart and each one's share and limits, {TENANT: {weight, max_priority, max_running, "
-       "max_queued, tokens_per_minute}}, TENANT an API key's digest (key: and the first 16 hex digits of its "
-       "sha256), a CURVE client's public key, local, or default for every other (mpserve.config.tenants)",
+       "max_queued, tokens_per_minute, max_images, max_image_bytes, max_image_pixels}}, TENANT an API key's digest "
+       "(key: and the first 16 hex digits of its sha256), a CURVE client's public key, local, or default for every "
+       "other (mpserve.config.tenants; the image limits lower the gateway's, docs/images.md)",
        flag=None, env=None),
     _s("curve_admins", "server", str, "none", "Folder of operators' public .key files: the only keys a tcp "
        "--admin-bind accepts (client keys may generate, not administer)"),
@@ -332,6 +335,16 @@ SETTINGS: tuple[Setting, ...] = (
     _s("template_max_chars", "cli", int, "1048576", "Characters a chat template may write, or build in any string "
        "or list (400 naming it past them)", env="MPSERVE_HTTP_TEMPLATE_MAX_CHARS", cli_type=int,
        range=(1, 1 << 30), commands=_GATEWAY),
+    _s("max_images", "cli", int, str(_IMAGES.max_images), f"Images one request may carry, at most "
+       f"{media.MAX_IMAGES} (what the wire carries); a tenant's max_images lowers it for that tenant (400 naming it "
+       "past either)", env="MPSERVE_HTTP_MAX_IMAGES", cli_type=int, commands=_GATEWAY),
+    _s("max_image_bytes", "cli", str, f"{_IMAGES.max_bytes >> 20}MiB", f"Bytes of one image, e.g. 1MiB, at most "
+       f"{media.MAX_IMAGE_BYTES} (3MiB, what the wire carries); a tenant's max_image_bytes lowers it for that tenant",
+       env="MPSERVE_HTTP_MAX_IMAGE_BYTES", commands=_GATEWAY),
+    _s("max_image_pixels", "cli", int, str(_IMAGES.max_pixels), "Pixels of one image (width × height; the default "
+       f"is 4096 × 4096), read from its header before anything decodes it, at most {media.MAX_IMAGE_PIXELS} (8192 × "
+       "8192, what a worker decodes); a tenant's max_image_pixels lowers it for that tenant",
+       env="MPSERVE_HTTP_MAX_IMAGE_PIXELS", cli_type=int, commands=_GATEWAY),
     _s("responses_store", "cli", str, "256MiB", "Memory for stored responses (/v1/responses with store) and ended "
        "resumable streams' events, all API keys together, e.g. 1GiB; past it, the oldest streams go first, then "
        "the oldest responses", env="MPSERVE_HTTP_RESPONSES_STORE", commands=_GATEWAY),

@@ -8,6 +8,8 @@ limits.
         max_running: 8             # its requests running at once; more wait their turn in the queue
         max_queued: 64             # its requests waiting; one more is refused (busy, naming the limit)
         tokens_per_minute: 200000  # prompt and generated tokens of its requests that ended in the last 60 s
+        max_images: 2              # images one request may carry; and max_image_bytes (e.g. 1MiB), max_image_pixels
+                                   # (width × height) of each: below the gateway's, they lower them for this tenant
       "rq:Pz5t...":                # a CURVE client's public key (Z85, 40 characters), as its .key file holds it
         weight: 1
       local: {max_priority: 100}   # the local user on ipc, and the gateway's callers when it has no API key ("")
@@ -21,12 +23,15 @@ by asking: a section raises it.
 
 from __future__ import annotations
 
+import contextlib
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from mpserve.config.sizes import parse_memory
 from mpserve.errors import ConfigError
+from mpserve.wire.media import BOUNDS, ImageLimits
 
 LOCAL = ""  # the local user's tenant (ipc), written "local" or "" in the file
 DEFAULT_ENTRY = "default"
@@ -34,7 +39,7 @@ MAX_PRIORITY = 100  # the wire's bound on ``priority``: -100..100
 KEY_DIGEST_RE = re.compile(r"^key:[0-9a-f]{16}$")
 CURVE_KEY_RE = re.compile(r"^[0-9A-Za-z.:+=^!/*?&<>()\[\]{}@%$#-]{40}$")  # a Z85 public key
 _LIMITS = ("max_running", "max_queued", "tokens_per_minute")
-_KEYS = ("weight", "max_priority", *_LIMITS)
+_KEYS = ("weight", "max_priority", *_LIMITS, *BOUNDS)
 
 
 @dataclass(frozen=True)
@@ -46,6 +51,19 @@ class Tenant:
     max_running: int | None = None
     max_queued: int | None = None
     tokens_per_minute: int | None = None
+    max_images: int | None = None  # the image limits (``wire.media``), each at most what the wire carries
+    max_image_bytes: int | None = None
+    max_image_pixels: int | None = None
+
+    def images(self, name: str) -> ImageLimits | None:
+        """The limits of this tenant's images, named as tenant ``name``'s (the wire's bounds where it sets none);
+        None when it sets none."""
+        given = (self.max_images, self.max_image_bytes, self.max_image_pixels)
+        if given == (None, None, None):
+            return None
+        images, size, pixels = (bound if limit is None else limit
+                                for limit, bound in zip(given, BOUNDS.values(), strict=True))
+        return ImageLimits(images, size, pixels, name)
 
 
 UNCAPPED = Tenant()
@@ -117,4 +135,20 @@ def _tenant(entry: Any, where: str) -> Tenant:
             raise ConfigError(f"{where}.{key}: got {limit!r}, allowed: an integer of at least {least} (leave it "
                               "out for no limit)")
         limits[key] = limit
-    return Tenant(float(weight), ceiling, **limits)
+    return Tenant(float(weight), ceiling, **limits, **_image_limits(entry, where))
+
+
+def _image_limits(entry: Mapping[str, Any], where: str) -> dict[str, int | None]:
+    """The entry's image limits, each from 1 to what the wire carries (bytes also as a size, 1MiB)."""
+    limits: dict[str, int | None] = {}
+    for key, bound in BOUNDS.items():
+        limit, sized = entry.get(key), key == "max_image_bytes"
+        if sized and isinstance(limit, str):
+            with contextlib.suppress(ConfigError):  # not a size: refused below
+                limit = parse_memory(limit)
+        if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int) or not 1 <= limit <= bound):
+            what = "a byte count or a size such as 1MiB" if sized else "an integer"
+            raise ConfigError(f"{where}.{key}: got {entry[key]!r}, allowed: {what} from 1 to {bound}, what the wire "
+                              "carries (leave it out for the gateway's)")
+        limits[key] = limit
+    return limits

@@ -72,6 +72,7 @@ from mpserve.client import REATTACH_S
 from mpserve.errors import ConfigError, ConnectionFailed, ErrorCode, MpserveError, UnknownModel
 from mpserve.models.progress import downloads
 from mpserve.wire.adapters import SEPARATOR
+from mpserve.wire.media import ImageLimits
 from mpserve.wire.slots import SlotState, locate
 
 from .api import embeddings as emb
@@ -133,6 +134,7 @@ class GatewayConfig:
     connections: ConnectionLimits = ConnectionLimits()  # open connections, header and body read timeouts
     templates: TemplateBudget = TemplateBudget()  # a chat template's render: its time and output (api.chat)
     responses: StoreBudget = StoreBudget()  # the bytes of stored responses, per API key and in all
+    images: ImageLimits = ImageLimits()  # a request's images: how many, bytes and pixels each (api.images)
     allowed_origins: tuple[str, ...] = ()  # other origins whose pages may call it ("*": any): http.browser
     allowed_hosts: tuple[str, ...] = ()  # more Host names than those of the address it serves
 
@@ -234,7 +236,7 @@ class _Gateway:
         self.responses = ResponseStore(stored, config.responses)
         self.journal = Journal(stored, config.responses)
         self.pipeline = Pipeline(self.backend, self.metrics, config.connections.read_timeout, self.renderer,
-                                 self.journal)
+                                 self.journal, config.images)
 
     @contextlib.asynccontextmanager
     async def lifespan(self, app: Starlette) -> AsyncIterator[None]:

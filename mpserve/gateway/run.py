@@ -2,7 +2,8 @@
 until SIGINT or SIGTERM. The stored responses' file of the port (``api.response_store``) goes with the last of them.
 
     the command's flags (declared in ``mpserve.config.settings``, the ``gateway`` command's) ──configure──▶
-        GatewayConfig: each flag not given at its declared default ──serve──▶
+        GatewayConfig: each flag not given at its declared default (image limits past the wire's: refused)
+        ──serve──▶
     one gateway ──▶ ``app.serve`` here ──▶ it ends: the file removed, unless it served a socket a fleet's parent
                     bound (``fd``: that parent removes it)
     several     ──▶ ``fleet.Fleet``, their parent ──▶ SIGINT or SIGTERM ──▶ ``Fleet.stop``: each stopped, the file
@@ -23,7 +24,9 @@ from typing import Any
 from mpserve import children
 from mpserve.config import settings
 from mpserve.config.sizes import parse_memory
-from mpserve.errors import InternalError
+from mpserve.errors import ConfigError, InternalError
+from mpserve.wire import media
+from mpserve.wire.media import ImageLimits
 
 from . import app, fleet
 from .api import response_store
@@ -49,8 +52,21 @@ def configure(given: Mapping[str, Any], exit_with_parent: bool = False) -> app.G
         connections=ConnectionLimits(v["max_connections"], v["max_connections_per_client"], v["read_timeout"]),
         templates=TemplateBudget(v["template_timeout"], v["template_max_chars"]),
         responses=StoreBudget(parse_memory(v["responses_store"]), parse_memory(v["responses_store_per_key"])),
+        images=_image_limits(v),
         admin_key=v["admin_key"], allowed_origins=_names(v["allowed_origins"]),
         allowed_hosts=_names(v["allowed_hosts"]))
+
+
+def _image_limits(v: Mapping[str, Any]) -> ImageLimits:
+    """The image limits from their settings; one that is not from 1 to what the wire carries (``media.BOUNDS``) is
+    refused with a ConfigError naming its flag."""
+    given = {"max_images": v["max_images"], "max_image_bytes": parse_memory(v["max_image_bytes"]),
+             "max_image_pixels": v["max_image_pixels"]}
+    for key, value in given.items():
+        if not 1 <= value <= media.BOUNDS[key]:
+            raise ConfigError(f"{settings.BY_KEY[key].flag} is {value}; it must be from 1 to {media.BOUNDS[key]}, "
+                              "what the wire carries")
+    return ImageLimits(given["max_images"], given["max_image_bytes"], given["max_image_pixels"])
 
 
 def _names(given: str | None) -> tuple[str, ...]:

@@ -5,7 +5,8 @@ tenants, lookups and reattached requests.
         PING: PONG (this start's id)  STATS_QUERY: snapshot  TOKENIZE, EMBED, SLOT_ACTION: a lookup, at once to one
         instance  ADAPTER_ACTION: ``AdapterOps``  CONTROL: hooks.control
     admit ─▶ reattach? (``Adopter``: an adoptee holds it; or held while adoptees are expected) ─▶ its model, its
-        adapters, the limits (queue, server, per client, per tenant: ``tenants.Ledger``) ─▶ Busy / BadRequest ...
+        adapters, the limits (queue, server, per client, per tenant: ``tenants.Ledger``, and the tenant's image
+        limits) ─▶ Busy / BadRequest ...
         ─▶ or n rows in the tables, queued (its tenant's priority and cost) ─▶ the dispatcher
     a request's tenant: on the clients' socket its connection's (a CURVE client's key; "" on ipc), on the admin
         socket the ``tenant`` the gateway names (``_tenant``); its priority is capped by its tenant's settings
@@ -36,6 +37,7 @@ from mpserve.errors import (
 )
 from mpserve.wire import adapters as wire_adapters
 from mpserve.wire import protocol as wire
+from mpserve.wire.media import check_images
 
 from . import roles
 from .adapter_ops import AdapterOps
@@ -175,6 +177,9 @@ class Clients:
             raise Busy(f"{whose} {counted(self.max_pending_per_client, 'request')} pending, the most one client may "
                        "have (max_pending_per_client); wait for some to finish",
                        retry_after=self.tables.retry_after(mq))
+        images = self.tables.ledger.settings(tenant).images(shown(tenant))
+        if req.images and images is not None:  # the tenant's image limits, below the gateway's (checked there)
+            check_images(req.images, images)
         n = req.params.n
         refusal = self.tables.too_many_choices(mq, n) if n > 1 else None  # one choice fits any instance
         if refusal is not None:

@@ -4,7 +4,11 @@ must keep, before anything decodes them.
     image_url / input_image / image block ──image_bytes()──▶ bytes (data: URLs only; http(s) refused: fetching is off)
     bytes ──check_image(limits)──▶ format, width, height from the header (PNG, JPEG, GIF, BMP), or BadRequest naming
                                    what is wrong: an unknown format, a header cut short, a size past the limits
+    a request's images ──check_images(limits)──▶ their count, then each one as above
     prompt text ──MEDIA_MARKER where each image goes, in order──▶ the worker (``mpserve.engine.media``) decodes them
+
+The limits: the gateway's (its settings, at most the wire's ``BOUNDS``), a tenant's (the broker's ``tenants``
+section, checked at admission) and the wire's, each refusal naming the setting it is over.
 
 Pure and cheap: the gateway checks every image before a request is sent, and the worker checks each again against
 the wire's own bounds before llama.cpp's decoder sees it (a ZeroMQ client reaches the worker without the gateway).
@@ -16,6 +20,7 @@ from __future__ import annotations
 import base64
 import binascii
 import struct
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from mpserve.errors import BadRequest
@@ -26,18 +31,30 @@ MEDIA_MARKER = "<__media__>"
 MAX_IMAGES = 16  # images one request may carry on the wire
 MAX_IMAGE_BYTES = 3 * 1024 * 1024  # one image's bytes on the wire (a message is at most 4 MiB)
 MAX_IMAGE_PIXELS = 8192 * 8192  # width × height the worker decodes at most, whatever the gateway allows
+BOUNDS = {"max_images": MAX_IMAGES, "max_image_bytes": MAX_IMAGE_BYTES, "max_image_pixels": MAX_IMAGE_PIXELS}
+"""Each image limit's setting (the gateway's flag, a tenant's key) and the most it may be: what the wire carries."""
 
 
 @dataclass(frozen=True)
 class ImageLimits:
-    """What one request's images may be: how many, how many bytes each, how many pixels each."""
+    """What one request's images may be: how many, how many bytes each, how many pixels each; ``source``: who set
+    them, as a refusal names the setting: the gateway (its flags), the wire (its bounds) or a tenant (by name)."""
 
     max_images: int = 8
     max_bytes: int = 2 * 1024 * 1024
     max_pixels: int = 4096 * 4096
+    source: str = "gateway"
+
+    def setting(self, key: str) -> str:
+        """How a refusal names the setting ``key`` (a key of ``BOUNDS``) of these limits."""
+        if self.source == "gateway":
+            return "the gateway's --" + key.replace("_", "-")
+        if self.source == "wire":
+            return f"the wire's bound {key.upper()}"
+        return f"{key} of tenant {self.source} in the tenants section"
 
 
-WIRE_LIMITS = ImageLimits(MAX_IMAGES, MAX_IMAGE_BYTES, MAX_IMAGE_PIXELS)
+WIRE_LIMITS = ImageLimits(MAX_IMAGES, MAX_IMAGE_BYTES, MAX_IMAGE_PIXELS, "wire")
 
 
 @dataclass(frozen=True)
@@ -76,21 +93,27 @@ def base64_bytes(payload: str, where: str) -> bytes:
 
 
 def check_image(data: bytes, limits: ImageLimits, where: str) -> ImageHeader:
-    """The image's header, read and checked against ``limits``; BadRequest naming ``where`` and what is wrong."""
+    """The image's header, read and checked against ``limits``; BadRequest naming ``where``, what is wrong and the
+    setting it is over."""
     if len(data) > limits.max_bytes:
-        raise BadRequest(f"{where}: the image is {len(data)} bytes; at most {limits.max_bytes} are accepted")
+        raise BadRequest(f"{where}: the image is {len(data)} bytes; at most {limits.max_bytes} are accepted "
+                         f"({limits.setting('max_image_bytes')})")
     header = read_header(data, where)
     if header.width <= 0 or header.height <= 0:
         raise BadRequest(f"{where}: the {header.format} header gives a size of {header.width} × {header.height}")
     if header.width * header.height > limits.max_pixels:
         raise BadRequest(f"{where}: the {header.format} image is {header.width} × {header.height} pixels; at most "
-                         f"{limits.max_pixels} pixels are accepted")
+                         f"{limits.max_pixels} pixels are accepted ({limits.setting('max_image_pixels')})")
     return header
 
 
-def check_count(n: int, limits: ImageLimits) -> None:
-    if n > limits.max_images:
-        raise BadRequest(f"the request has {n} images; at most {limits.max_images} are accepted per request")
+def check_images(images: Sequence[bytes], limits: ImageLimits) -> None:
+    """A request's images, in order, checked against ``limits``: their count, then each one (``check_image``)."""
+    if len(images) > limits.max_images:
+        raise BadRequest(f"the request has {len(images)} images; at most {limits.max_images} are accepted per "
+                         f"request ({limits.setting('max_images')})")
+    for i, data in enumerate(images):
+        check_image(data, limits, f"image {i + 1} of the request")
 
 
 def read_header(data: bytes, where: str) -> ImageHeader:

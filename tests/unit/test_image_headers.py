@@ -9,8 +9,18 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from mpserve.errors import BadRequest
-from mpserve.wire.media import WIRE_LIMITS, ImageHeader, ImageLimits, check_image, image_bytes, read_header
+from mpserve.config.tenants import parse_tenants
+from mpserve.errors import BadRequest, ConfigError
+from mpserve.wire.media import (
+    MAX_IMAGES,
+    WIRE_LIMITS,
+    ImageHeader,
+    ImageLimits,
+    check_image,
+    check_images,
+    image_bytes,
+    read_header,
+)
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -32,6 +42,25 @@ def test_a_header_claiming_more_pixels_than_allowed_is_refused_before_decoding()
         check_image(bomb, ImageLimits(), "image")
     with pytest.raises(BadRequest, match="129 bytes; at most 100 are accepted"):
         check_image(PNG + bytes(100), ImageLimits(max_bytes=100), "image")
+
+
+def test_a_refusal_names_the_setting_of_the_limit_it_is_over() -> None:
+    with pytest.raises(BadRequest, match=r"3 images; at most 2 .* \(the gateway's --max-images\)"):
+        check_images([PNG] * 3, ImageLimits(max_images=2))
+    with pytest.raises(BadRequest, match=r"image 2 of the request: .* \(the wire's bound MAX_IMAGE_PIXELS\)"):
+        check_images([PNG, PNG[:16] + struct.pack(">II", 60_000, 60_000) + PNG[24:]], WIRE_LIMITS)
+    local = parse_tenants({"local": {"max_image_bytes": "16B"}}).of("").images("local")
+    assert local == ImageLimits(MAX_IMAGES, 16, WIRE_LIMITS.max_pixels, "local")
+    with pytest.raises(BadRequest, match=r"at most 16 are accepted \(max_image_bytes of tenant local in the tenants"):
+        check_images([PNG], local)
+
+
+@pytest.mark.parametrize("entry", [{"max_images": MAX_IMAGES + 1}, {"max_image_bytes": "4MiB"},
+                                   {"max_image_pixels": 0}, {"max_images": True}])
+def test_a_tenants_image_limit_past_what_the_wire_carries_is_refused(entry: dict[str, object]) -> None:
+    with pytest.raises(ConfigError, match=f"tenants.local.{next(iter(entry))}: got .* what the wire carries"):
+        parse_tenants({"local": entry})
+    assert parse_tenants({"local": {}}).of("").images("local") is None
 
 
 def test_an_http_url_is_refused_and_a_data_url_read() -> None:

@@ -4,6 +4,7 @@ OpenAI's Responses (``responses``) and Anthropic's Messages (``messages``) trans
 of the chat completion, so templates, tools, structured output, limits, the broker path and metrics are one.
 
     HTTP body ──limits──▶ Dialect.parse ──▶ Answer (its Call: openai.parse, of the translated body for a dialect)
+        ──▶ its images within the gateway's limits (``ImageLimits``: how many, bytes and pixels each; 400 past them)
         ──▶ prepared: a chat's prompt from the model's chat template; an echoed token prompt's text
         ──▶ AsyncClient.choices / stream, with the call's GenerateParams as they are ──▶ the broker
     results ──openai.Reply──▶ the completion, or its chunks ──Answer──▶ the dialect's object, or events
@@ -47,6 +48,7 @@ from mpserve.client import AsyncClient, Result, Stream
 from mpserve.errors import BadRequest, ErrorCode, MpserveError
 from mpserve.wire import adapters as wire_adapters
 from mpserve.wire import protocol as wire
+from mpserve.wire.media import ImageLimits, check_images
 from mpserve.wire.salt import fallback_salt
 
 from ..backend import Backend
@@ -200,8 +202,9 @@ class Pipeline:
     """Serves each dialect's route through the gateway's backend and metrics."""
 
     def __init__(self, backend: Backend, metrics: GatewayMetrics, read_timeout: float, renderer: Renderer,
-                 journal: Journal) -> None:
+                 journal: Journal, images: ImageLimits) -> None:
         self.backend = backend
+        self.images = images
         self.metrics = metrics
         self.read_timeout = read_timeout
         self.renderer = renderer
@@ -222,6 +225,7 @@ class Pipeline:
             limits.check_sizes(body)
             cache_salt, priority = take_cache_salt(body), take_priority(body)
             answer = dialect.parse(body, owner(request))
+            check_images(answer.call.chat_images(), self.images)
             resumed = None  # the stream a Last-Event-ID resumes, whose producing process died: taken over
             if request.headers.get("last-event-id") is not None:
                 resumed = self._resumed(request, body, request.headers["last-event-id"])

@@ -4,8 +4,9 @@
                        {"type": "image_url", "image_url": {"url": "data:image/png;base64,..."}}, ...]
         ──content()──▶ (text with MEDIA_MARKER where each image was, the images' bytes in order)
                        each image read from its data URL (an http(s) URL: 400, fetching is off) and its header
-                       checked against the limits (format, bytes, pixels) before the request goes on
-    messages' images, in order ──with_images(prompt)──▶ the prompt the client sends: WithImages(text, images)
+                       checked (format, and bytes and pixels within the wire's bounds)
+    messages' images, in order ──the gateway's limits (``dialect.Pipeline``: count, bytes, pixels, its settings)──▶
+        ──with_images(prompt)──▶ the prompt the client sends: WithImages(text, images)
 
 The chat template renders the text, markers included, so the images land where the template places the message's
 content; the worker's projector turns each marker into the image's positions (``mpserve.engine.media``).
@@ -17,13 +18,12 @@ from collections.abc import Sequence
 from typing import Any
 
 from mpserve.errors import BadRequest
-from mpserve.wire.media import MEDIA_MARKER, ImageLimits, WithImages, check_count, check_image, image_bytes
-
-LIMITS = ImageLimits()
+from mpserve.wire.media import MEDIA_MARKER, WIRE_LIMITS, WithImages, check_image, image_bytes
 
 
-def content(value: Any, i: int, limits: ImageLimits = LIMITS) -> tuple[str, tuple[bytes, ...]]:
-    """A message's text and images: a string, or a list of text and image parts."""
+def content(value: Any, i: int) -> tuple[str, tuple[bytes, ...]]:
+    """A message's text and images: a string, or a list of text and image parts (each image's header checked
+    against the wire's bounds; the gateway's own limits are checked of the whole request, ``dialect.Pipeline``)."""
     if value is None or isinstance(value, str):
         return value or "", ()
     if not isinstance(value, list):
@@ -39,7 +39,7 @@ def content(value: Any, i: int, limits: ImageLimits = LIMITS) -> tuple[str, tupl
             text.append(part["text"])
         elif kind == "image_url":
             data = image_bytes(_url(part.get("image_url"), where), where)
-            check_image(data, limits, where)
+            check_image(data, WIRE_LIMITS, where)
             text.append(MEDIA_MARKER)
             images.append(data)
         else:
@@ -81,11 +81,10 @@ def joined(pieces: Sequence[str | dict[str, Any]]) -> str | list[dict[str, Any]]
     return [{"type": "text", "text": piece} if isinstance(piece, str) else piece for piece in pieces]
 
 
-def with_images(prompt: str, images: Sequence[bytes], limits: ImageLimits = LIMITS) -> str | WithImages:
+def with_images(prompt: str, images: Sequence[bytes]) -> str | WithImages:
     """The prompt a chat sends: its text alone, or with the images its messages carried, in order."""
     if not images:
         return prompt
-    check_count(len(images), limits)
     if prompt.count(MEDIA_MARKER) != len(images):
         raise BadRequest(f"the chat template placed {prompt.count(MEDIA_MARKER)} of the request's {len(images)} "
                          "images; images go in the content of messages the template shows")
