@@ -284,6 +284,8 @@ LIMITS: dict[str, str] = {
     "AdapterAction.ticket": "set by the broker",
     "AdapterReply.id": ID, "AdapterReply.name": ADAPTER_NAME,
     "AdapterReply.adapters": f"the instance's adapters now, at most {wire.MAX_LOADED_ADAPTERS}",
+    "Request.traceparent": "W3C trace context (version 00) its spans continue ([traces](tracing.md)); another "
+                           "value starts a new trace",
     "Request.reattach": "sent again after the server went silent ([adoption](operations.md#when-the-server-dies))",
     "Ready.live": "an orphaned instance's held requests, for the server that adopts it",
     "Heartbeat.pid": "from a broker: its server's process id, which an adopted instance watches",

@@ -89,6 +89,7 @@ def test_a_burst_queues_its_surplus_and_shows_its_adapters_running(
         assert value(gw, KV_USAGE) <= 1
         (lora,) = families(gw)[LORA_INFO].samples
         assert lora.labels["running_lora_adapters"] == "a0"  # the burst's adapter
+        assert lora.labels["waiting_lora_adapters"] == "a0"  # its queued surplus asks for it too
         assert lora.value > 0
     finally:
         stop.set()
@@ -96,3 +97,4 @@ def test_a_burst_queues_its_surplus_and_shows_its_adapters_running(
     wait_for(lambda: value(gw, RUNNING) == value(gw, WAITING) == 0, 60, "the cancelled burst gone")
     assert value(gw, KV_USAGE) == 0
     assert families(gw)[LORA_INFO].samples[0].labels["running_lora_adapters"] == ""
+    assert families(gw)[LORA_INFO].samples[0].labels["waiting_lora_adapters"] == ""

@@ -266,7 +266,7 @@ class Clients:
                                   mq.chat.template, mq.chat.bos_token, mq.chat.eos_token,
                                   self._oldest(mq, now),
                                   self.hooks.scaling(name), list(mq.adapters), mq.preempted,
-                                  list(mq.adapters.values()))
+                                  list(mq.adapters.values()), self._queued_adapters(mq))
             for name, mq in self.tables.models.items()
         }, [wire.WorkerStats(w.identity.decode(), w.model, w.host, w.pid, w.device, w.capacity, len(w.running))
             for w in self.tables.workers.values()],
@@ -275,6 +275,10 @@ class Clients:
     def _oldest(self, mq: ModelQueue, now: float) -> float:
         """How long the oldest request queued for ``mq`` has waited (0 for none)."""
         return round(now - self.tables.requests[mq.queue.oldest()].accepted, 3) if mq.queue else 0.0
+
+    def _queued_adapters(self, mq: ModelQueue) -> list[str]:
+        """The adapters ``mq``'s queued requests ask for, each once, sorted (the picker's waiting_lora_adapters)."""
+        return sorted({name for ticket in mq.queue for name, _ in self.tables.requests[ticket].request.adapters})
 
     def expire(self, now: float) -> None:
         """Cancel the requests of clients that stopped sending (closed, killed, or partitioned)."""

@@ -12,5 +12,6 @@
                tenant, cache_salt and adapter set, the engine's key with the adapters' loads (tenants kept apart)
     adapters   a request's LoRA adapters: BASE:NAME, llama-server's lora ids, one sorted set, the 404 naming those
     slots      the slot table: a shared-memory file of one row per slot (workers write, anyone reads)
+    figures    the figures STATS carries per model and per tenant (dataclasses: a newer server's extra fields dropped)
     kv_events  KV-cache events in vLLM's format (stored, removed, cleared blocks), their block size and hash
 """

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import struct
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from enum import IntEnum
 from typing import Annotated, Any, ClassVar, TypeVar
 
@@ -26,6 +26,7 @@ from msgspec import Meta
 from mpserve import structured
 from mpserve.errors import BadRequest, MpserveError, ProtocolError
 from mpserve.wire import media, refusals
+from mpserve.wire.figures import ModelStats, TenantStats
 from mpserve.wire.prefix import MAX_BLOCKS
 
 WORKER_LINK = "MPS1.4"  # the revision of the broker-worker messages, in every READY: a broker refuses workers
@@ -491,62 +492,6 @@ class Pong(Body, frozen=True, forbid_unknown_fields=True):
     max_message_bytes: int = 0  # the largest message BODY the server takes; 0 (an older server): MAX_MESSAGE_BYTES
     server: Annotated[str, Meta(max_length=64)] = ""  # this start of the server: another one after a restart (the
     # requests sent before it are sent again, ``mpserve.client``); "" from an older server
-
-
-@dataclass(frozen=True)
-class ModelScaling:
-    """A model's instance bounds (``ceiling``: the most the server was sized for at start) and its scale
-    events since start, by kind and reason (``start_queue``, ``stop_idle``, ``skip_does_not_fit``, ``stop_roll``,
-    ...).
-    Like ModelStats and ModelControl, a dataclass: msgspec leaves a newer server's extra fields out, and the
-    gateway answers it as JSON with ``dataclasses.asdict``, as it does Timings."""
-
-    min: int = 0
-    max: int = 0
-    ceiling: int = 0
-    starting: int = 0
-    draining: int = 0
-    events: dict[str, int] = field(default_factory=dict)
-    settings: str = ""  # the settings its instances start with (``mpserve.server.rolling.settings``)
-    previous: int = 0  # instances still running on the settings before a reload (a roll in progress)
-
-
-@dataclass
-class TenantStats:
-    """One tenant's figures since start (``mpserve.server.tenants``): requests accepted, tokens of those that ended,
-    seconds its requests waited before they started, requests refused over its limits, its running requests
-    preempted; and now: its requests running and queued. A dataclass, as ModelStats."""
-
-    requests: int = 0
-    prompt_tokens: int = 0
-    generated_tokens: int = 0
-    queue_s: float = 0.0
-    refusals: int = 0
-    preemptions: int = 0
-    running: int = 0
-    queued: int = 0
-
-
-@dataclass(frozen=True)
-class ModelStats:
-    queued: int
-    running: int
-    instances: int  # registered and alive
-    free_slots: int
-    failed: str | None = None
-    chat_template: str = ""  # the model's (Jinja2, from its GGUF), with the token texts it refers to
-    bos_token: str = ""
-    eos_token: str = ""
-    oldest_wait_s: float = 0.0  # how long the request at the head of the queue has waited; 0 when none waits
-    scaling: ModelScaling = field(default_factory=ModelScaling)
-    adapters: list[str] = field(default_factory=list)  # its LoRA adapters, in the order of their ids
-    preempted: int = 0  # its requests preempted since start, to give their slots to ones of higher priority
-    adapter_ids: list[int] = field(default_factory=list)  # each adapter's id (llama-server's), never reused
-
-    def served_adapters(self) -> dict[str, int]:
-        """Each adapter's id by its name (a server that sends no ids counts them in its list, as before)."""
-        ids = self.adapter_ids if len(self.adapter_ids) == len(self.adapters) else range(len(self.adapters))
-        return dict(zip(self.adapters, ids, strict=True))
 
 
 class WorkerStats(Body, frozen=True, forbid_unknown_fields=True):

@@ -4,7 +4,7 @@ server to choose where a request goes (gateway-api-inference-extension, ``docs/p
     STATS (broker) ──queued, running per model──▶ mpserve_num_requests_waiting / _running  (sums over the models)
     slot table ──kv_cells of running slots──────▶ mpserve_kv_cache_usage_ratio            (of all cells: 0 .. 1)
                ──adapters of BUSY / WAITING────▶ mpserve_lora_requests_info{running_lora_adapters, waiting_...}
-    STATS adapters per model ───────────────────▶   ... max_lora
+    STATS adapters per model, queued ones ──────▶   ... waiting_lora_adapters (with the WAITING rows'), max_lora
     KV events' block size, cells ───────────────▶ mpserve_cache_config_info{block_size, num_gpu_blocks}
 
 One series each, with no model label: the picker reads one series of a family per pod (the first that matches its
@@ -21,11 +21,10 @@ Meanings, as the protocol gives them:
 - KV-cache usage: the cells the running sequences hold, over all the cells the instances have. An idle slot's cells
   are a cache that the next prompt may reuse or take, so they count as free, as vLLM counts the cached blocks of
   finished requests;
-- LoRA: the adapters of the sequences on a slot (``running_lora_adapters``), of those on a slot that wait for the
-  GPU's permit (``waiting_lora_adapters``), and the most adapters a batch may use (``max_lora``): an instance holds
-  all of its model's adapters loaded, so the most adapters any served model has. The value is the scrape's time,
-  as vLLM's. The adapters of requests still in the broker's queue are not in STATS (it counts a model's queue, not
-  its adapters), so they are not among the waiting ones.
+- LoRA: the adapters of the sequences on a slot (``running_lora_adapters``), of the requests in the broker's queues
+  and of those on a slot that wait for the GPU's permit (``waiting_lora_adapters``; STATS names each model's queued
+  ones), and the most adapters a batch may use (``max_lora``): an instance holds all of its model's adapters loaded,
+  so the most adapters any served model has. The value is the scrape's time, as vLLM's.
 
 Without a slot table (a gateway in front of a server on another host) only the two request counts are given.
 """
@@ -73,7 +72,8 @@ def picker_metrics(stats: wire.Stats, rows: list[SlotRow] | None) -> Iterator[Me
 
 def _lora_info(stats: wire.Stats, live: list[SlotRow]) -> Metric:
     running = _adapter_names(r for r in live if r.state is SlotState.BUSY)
-    waiting = _adapter_names(r for r in live if r.state is SlotState.WAITING)
+    queued = {name for m in stats.models.values() for name in m.queued_adapters}
+    waiting = sorted(queued.union(_adapter_names(r for r in live if r.state is SlotState.WAITING)))
     most = max((len(m.adapters) for m in stats.models.values()), default=0)
     info = GaugeMetricFamily(LORA_INFO, "LoRA adapters of the running and waiting sequences, and the most a batch "
                              "may use; the value is when it was read (unix time)",
