@@ -87,18 +87,20 @@ def _connected(port: int) -> tuple[http.client.HTTPConnection, int]:
 
 
 def _one_each(gateways: list[int], port: int) -> dict[int, http.client.HTTPConnection]:
-    """A connection accepted by each gateway process (the kernel picks who accepts: new ones until each has one)."""
+    """A connection accepted by each gateway process. The kernel gives a new connection to a process waiting in
+    accept, so each process that took one is stopped until every one has one: the next can only go to another."""
     by_process: dict[int, http.client.HTTPConnection] = {}
-    for _ in range(40):
-        conn, client_port = _connected(port)
-        holder = _holder(gateways, port, client_port)
-        if holder in by_process:
-            conn.close()
-        else:
+    try:
+        while len(by_process) < len(gateways):
+            conn, client_port = _connected(port)
+            holder = _holder(gateways, port, client_port)
+            assert holder not in by_process, f"gateway process {holder}, stopped, accepted a connection"
             by_process[holder] = conn
-        if len(by_process) == len(gateways):
-            return by_process
-    raise AssertionError("every connection went to one gateway process")
+            os.kill(holder, signal.SIGSTOP)
+    finally:
+        for pid in by_process:
+            os.kill(pid, signal.SIGCONT)
+    return by_process
 
 
 def _rest(conn: http.client.HTTPConnection) -> bytes:
