@@ -5,6 +5,7 @@ library in the worker, and reused from the cache like the tokens they stand for.
 from __future__ import annotations
 
 import base64
+import contextlib
 import json
 import os
 import random
@@ -285,27 +286,34 @@ def test_fuzzed_image_bytes_are_answered_or_refused_and_no_worker_is_harmed(
     assert {row.pid for row in server.slots()} == workers  # the same processes: none crashed and was replaced
 
 
+@contextlib.contextmanager
+def vision_gateway(pair: tuple[Path, Path], start_server: type[ServerProcess], *args: str
+                   ) -> Iterator[tuple[ServerProcess, httpx.Client]]:
+    """A server of the vision pair started with ``args``, and an HTTP client of a gateway in front of it."""
+    from gateway_thread import GatewayThread
+
+    model, projector = pair
+    server = start_server("--model", str(model), "--mmproj", str(projector), "--name", "vision", *args).wait_ready()
+    gateway = GatewayThread(server_name=server.name)
+    try:
+        with httpx.Client(base_url=gateway.url, timeout=60) as http:
+            yield server, http
+    finally:
+        gateway.stop()
+
+
 @pytest.mark.timeout(240)
 def test_an_image_restored_from_the_host_store_after_its_instance_was_killed_gives_the_same_text(
         pair: tuple[Path, Path], start_server: type[ServerProcess]) -> None:
     """With ``reuse: exact``, whole prompt chunks are kept in the host store: the first one here holds the image."""
-    from gateway_thread import GatewayThread
-
-    model, projector = pair
-    server = start_server("--model", str(model), "--mmproj", str(projector), "--name", "vision",
-                          "--reuse", "exact").wait_ready()
-    gateway = GatewayThread(server_name=server.name)
     body = chat("Look: ", (data_url(BLUE),), " and then" + " the" * 600 + ". What is it?")
-    try:
-        with httpx.Client(base_url=gateway.url, timeout=60) as http:
-            first = answer(http, body)
-            [worker] = {row.pid for row in server.slots()}
-            os.kill(worker, signal.SIGKILL)
-            wait_for(lambda: {row.pid for row in server.slots()} not in ({worker}, {0}, set()), 60,
-                     "the killed instance started again")
-            again = answer(http, body)
-    finally:
-        gateway.stop()
+    with vision_gateway(pair, start_server, "--reuse", "exact") as (server, http):
+        first = answer(http, body)
+        [worker] = {row.pid for row in server.slots()}
+        os.kill(worker, signal.SIGKILL)
+        wait_for(lambda: {row.pid for row in server.slots()} not in ({worker}, {0}, set()), 60,
+                 "the killed instance started again")
+        again = answer(http, body)
     assert again["choices"][0]["message"]["content"] == first["choices"][0]["message"]["content"]
     assert again["usage"]["prompt_tokens_details"]["cached_tokens"] >= 512  # the first chunk, the image in it
 
@@ -315,23 +323,14 @@ def test_forked_instances_share_the_projector_their_zygote_loaded_and_both_answe
         pair: tuple[Path, Path], start_server: type[ServerProcess]) -> None:
     from concurrent.futures import ThreadPoolExecutor
 
-    from gateway_thread import GatewayThread
-
-    model, projector = pair
-    server = start_server("--model", str(model), "--mmproj", str(projector), "--name", "vision",
-                          "--instances", "2").wait_ready()
-    gateway = GatewayThread(server_name=server.name)
-    try:
-        with httpx.Client(base_url=gateway.url, timeout=60) as http, ThreadPoolExecutor(4) as pool:
-            said = answer(http, chat(PROMPT, (data_url(RED),)))["choices"][0]["message"]["content"]
-            for _ in range(20):  # until each instance answered one (requests go to the least busy)
-                replies = list(pool.map(lambda _: answer(http, chat(PROMPT, (data_url(RED),))), range(4)))
-                assert {r["choices"][0]["message"]["content"] for r in replies} == {said}
-                if all(row.served for row in server.slots()):
-                    break
-            assert all(row.served for row in server.slots()), server.slots()
-    finally:
-        gateway.stop()
+    with vision_gateway(pair, start_server, "--instances", "2") as (server, http), ThreadPoolExecutor(4) as pool:
+        said = answer(http, chat(PROMPT, (data_url(RED),)))["choices"][0]["message"]["content"]
+        for _ in range(20):  # until each instance answered one (requests go to the least busy)
+            replies = list(pool.map(lambda _: answer(http, chat(PROMPT, (data_url(RED),))), range(4)))
+            assert {r["choices"][0]["message"]["content"] for r in replies} == {said}
+            if all(row.served for row in server.slots()):
+                break
+        assert all(row.served for row in server.slots()), server.slots()
     loads = [line for line in server.log if "loaded the projector" in line]
     assert len(loads) == 1 and "zygote" in loads[0] and "instances share it" in loads[0], loads
     assert not [line for line in server.log if "clip_" in line or "image slice" in line]  # llama.cpp's info lines
