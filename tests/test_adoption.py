@@ -28,6 +28,7 @@ from mpserve import Client
 from mpserve.client import PING_INTERVAL_S, PING_LIVENESS
 from mpserve.errors import ConnectionFailed
 from mpserve.runtime import runtime_dir
+from mpserve.wire.slots import SlotState
 
 PROMPTS = [f"Once upon a time, {i} " for i in range(8)]
 MAX_TOKENS = 600
@@ -89,14 +90,8 @@ def test_a_server_killed_with_8_streams_and_started_again_5_s_later_finishes_eac
     with Client(server.address) as client:
         whole = [client.generate(p, max_tokens=MAX_TOKENS, temperature=0).text for p in PROMPTS]
     pids = _worker_pids(server)
-    streams = [_Streamer(server.address, p) for p in PROMPTS]
-    for s in streams:
-        s.start()
-    assert all(s.started.wait(60) for s in streams)
-    _freeze(pids, signal.SIGSTOP)  # however fast the model, nothing ends before the server is gone
-    server.proc.kill()
-    server.proc.wait(10)
-    _freeze(pids, signal.SIGCONT)
+    streams = _streams_frozen_mid_way(server, pids, PROMPTS)
+    _kill_frozen(server, pids)
     time.sleep(5)  # not a wait: what a service manager's restart delay does
     again = start_server(*ARGS, name=server.name).wait_ready()
     for s in streams:
@@ -116,6 +111,40 @@ def test_a_server_killed_with_8_streams_and_started_again_5_s_later_finishes_eac
     again.stop()
     wait_for(lambda: not any(_running(p) for p in pids), 15, "the adopted instances to stop with their server")
     assert not again.tracebacks(), "\n".join(again.log)
+
+
+def _generating(server) -> int:
+    """How many of the server's slots generate a request now (a slot is marked free before its DONE is sent)."""
+    return sum(1 for r in server.slots() if r.state == SlotState.BUSY and r.request and r.tokens)
+
+
+def freeze_generating(server, pids: list[int], streams: int, ended: Callable[[], bool]) -> bool:
+    """SIGSTOP the instances ``pids`` as soon as ``streams`` requests generate, read from the slot table (no client,
+    pipe or thread between: the window is one poll), and say whether all were still generating once stopped: False
+    when one ended first (``ended()`` said so, or its slot was free), however unlikely, so the caller runs its
+    streams again rather than killing a server with nothing left to adopt."""
+    while _generating(server) < streams and not ended():
+        time.sleep(0.001)
+    _freeze(pids, signal.SIGSTOP)
+    if _generating(server) == streams and not ended():
+        return True
+    _freeze(pids, signal.SIGCONT)
+    return False
+
+
+def _streams_frozen_mid_way(server, pids: list[int], prompts: list[str], reattach: float = 30.0,
+                            max_tokens: int = MAX_TOKENS) -> list[_Streamer]:
+    """A _Streamer of each prompt, their instances stopped while every one generates (run again where one ended
+    before the stop could come)."""
+    for _ in range(3):
+        streams = [_Streamer(server.address, p, reattach, max_tokens) for p in prompts]
+        for s in streams:
+            s.start()
+        if freeze_generating(server, pids, len(prompts), lambda ss=streams: any(not s.is_alive() for s in ss)):
+            return streams
+        for s in streams:
+            s.join(120)
+    pytest.fail("three times, a stream ended before its instance could be stopped")
 
 
 def _kill_frozen(server, pids: list[int]) -> None:
@@ -141,10 +170,7 @@ def test_a_server_killed_again_after_it_adopted_its_instances_has_them_adopted_a
     with Client(server.address) as client:
         whole = [client.generate(p, max_tokens=tokens, temperature=0).text for p in prompts]
     pids = _worker_pids(server)
-    streams = [_Streamer(server.address, p, max_tokens=tokens) for p in prompts]
-    for s in streams:
-        s.start()
-    assert all(s.started.wait(60) for s in streams)
+    streams = _streams_frozen_mid_way(server, pids, prompts, max_tokens=tokens)
     _kill_frozen(server, pids)
     second = start_server(*ARGS, name=server.name).wait_ready()
     wait_for(lambda: _counters(second).get("reattached") == len(prompts), 30, "the streams reattached")
@@ -165,11 +191,7 @@ def test_without_a_server_back_the_streams_fail_connection_after_their_reattach_
         start_server) -> None:
     server = start_server(*ARGS, "--adopt-wait", "3").wait_ready()
     pids = _worker_pids(server)
-    streams = [_Streamer(server.address, p, reattach=2.0) for p in PROMPTS[:2]]
-    for s in streams:
-        s.start()
-    assert all(s.started.wait(60) for s in streams)
-    _freeze(pids, signal.SIGSTOP)
+    streams = _streams_frozen_mid_way(server, pids, PROMPTS[:2], reattach=2.0)
     server.proc.kill()
     killed = time.monotonic()
     server.proc.wait(10)

@@ -1,13 +1,12 @@
 // Streams greedy completions through the Node.js client while the test kills the server and starts it again, for
 // tests/test_node_reattach.py. Usage: node test/reattach.mjs ADDRESS REATTACH_S MAX_TOKENS PROMPT...
-// Prints "started" once every stream has its first piece, then one JSON line: each stream's text, its result's
-// text, the longest pause between two of its pieces (s) and the error that ended it.
+// Prints one JSON line: each stream's text, its result's text, the longest pause between two of its pieces (s) and
+// the error that ended it.
 import { Client } from "../index.js";
 
 const [address, reattach, maxTokens, ...prompts] = process.argv.slice(2);
 const client = new Client({ address, timeout: 120, reattach: Number(reattach) });
 await client.connect();
-let waiting = prompts.length;
 
 async function run(prompt) {
   const seen = { text: "", result: null, pause: 0, error: null };
@@ -16,15 +15,13 @@ async function run(prompt) {
   try {
     for await (const text of stream) {
       const now = performance.now();
-      if (last === null && --waiting === 0) console.log("started");
-      else if (last !== null) seen.pause = Math.max(seen.pause, (now - last) / 1000);
+      if (last !== null) seen.pause = Math.max(seen.pause, (now - last) / 1000);
       last = now;
       seen.text += text;
     }
     seen.result = stream.result.text;
   } catch (err) {
     seen.error = { name: err.name, code: err.code, message: err.message };
-    if (last === null && --waiting === 0) console.log("started");
   }
   return seen;
 }
