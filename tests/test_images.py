@@ -305,7 +305,8 @@ def vision_gateway(pair: tuple[Path, Path], start_server: type[ServerProcess], *
 @pytest.mark.timeout(240)
 def test_an_image_restored_from_the_host_store_after_its_instance_was_killed_gives_the_same_text(
         pair: tuple[Path, Path], start_server: type[ServerProcess]) -> None:
-    """With ``reuse: exact``, whole prompt chunks are kept in the host store: the first one here holds the image."""
+    """With ``reuse: exact``, whole prompt chunks are kept in the host store: the first one here holds the image, and
+    the broker, told of it by its key, routes the prompt by it."""
     body = chat("Look: ", (data_url(BLUE),), " and then" + " the" * 600 + ". What is it?")
     with vision_gateway(pair, start_server, "--reuse", "exact") as (server, http):
         first = answer(http, body)
@@ -314,8 +315,35 @@ def test_an_image_restored_from_the_host_store_after_its_instance_was_killed_giv
         wait_for(lambda: {row.pid for row in server.slots()} not in ({worker}, {0}, set()), 60,
                  "the killed instance started again")
         again = answer(http, body)
+        with Client(server.address) as client:
+            counters = client.stats().counters
     assert again["choices"][0]["message"]["content"] == first["choices"][0]["message"]["content"]
     assert again["usage"]["prompt_tokens_details"]["cached_tokens"] >= 512  # the first chunk, the image in it
+    assert counters["routed_ram_prefix"] == 1, counters  # the store's entry told the broker of its image's key
+
+
+@pytest.mark.timeout(180)
+def test_a_prompt_with_an_image_is_routed_to_the_instance_holding_that_image_and_another_image_is_not(
+        pair: tuple[Path, Path], start_server: type[ServerProcess]) -> None:
+    """Two instances of one slot each; the text before the image is shorter than routing needs, so only the image's
+    key can route. Without it, blue would follow red's text to red's instance, and red then find blue there."""
+    model, projector = pair
+    server = start_server("--model", str(model), "--mmproj", str(projector), "--name", "vision", "--instances", "2",
+                          "--parallel", "1").wait_ready()
+    wait_for(lambda: len(server.slots()) == 2, 60, "both instances registered")
+    prompt = f"<|im_start|>user\n{MEDIA_MARKER}{PROMPT}<|im_end|>\n<|im_start|>assistant\n"
+    with Client(server.address, timeout=60) as client:
+        def run(image: bytes) -> Any:
+            return client.generate(WithImages(prompt, (image,)), model="vision", max_tokens=4, temperature=0)
+
+        red, blue = run(RED), run(BLUE)
+        assert blue.worker != red.worker  # by load: blue shares too little with red's prompt
+        again = {"red": run(RED), "blue": run(BLUE)}
+        counters = client.stats().counters
+    assert again["red"].worker == red.worker and again["blue"].worker == blue.worker
+    for name, done in again.items():
+        assert done.timings.cached_tokens >= TOKENS_PER_IMAGE + 2, (name, done.timings)  # the image and text before
+    assert counters["routed_kv_prefix"] == 2 and counters["routed_least_busy"] == 2, counters
 
 
 @pytest.mark.timeout(240)

@@ -77,6 +77,7 @@ from mpserve.counts import counted
 from mpserve.errors import BadRequest
 from mpserve.structured import grammar_source
 from mpserve.wire import protocol as wire
+from mpserve.wire.prefix import routed
 from mpserve.wire.protocol import GenerateParams
 from mpserve.wire.salt import reuse_key
 
@@ -293,7 +294,8 @@ class BatchEngine:
             context.seq_rm(slot, -1, -1)
         own = 0 if score_prompt else self._cells.take_cells(slot, tokens, key)
         reused = own if score_prompt or space else keeping.restore(slot, tokens, own, key)  # the store: base cells
-        self._cells.start(slot, tokens, reused, prompt if isinstance(prompt, str) and not images else "", key, space)
+        self._cells.start(slot, tokens, reused, routed(prompt, images) if isinstance(prompt, str) else "", key, space,
+                          images_at)
         seed = params.seed if params.seed is not None else self._rng.randrange(2**32 - 1)
         seq = Sequence(
             slot, tokens, reused, max_tokens,

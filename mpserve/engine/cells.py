@@ -23,12 +23,15 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterable, Mapping
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from mpserve.errors import Busy
 from mpserve.wire.prefix import common_prefix
 
 from .sequence import Sequence, usable, whole_cells, whole_chunks
+
+if TYPE_CHECKING:
+    from .media import Image
 
 log = logging.getLogger("mpserve.worker")
 
@@ -51,7 +54,9 @@ class Cells:
         self._memory, self.parallel, self._running = memory, parallel, running
         self._exact, self._kv_unified, self._n_swa, self._has_store = exact, kv_unified, n_swa, has_store
         self.cached: list[list[int]] = [[] for _ in range(parallel)]  # tokens with KV cells, per slot
-        self.texts = [""] * parallel  # the text prompt those tokens begin with ("": token ids, or unknown)
+        self.texts = [""] * parallel  # the text prompt those tokens begin with ("": token ids, or unknown), as
+        # routing reads it: each image by its key (``wire.prefix.routed``)
+        self.images: list[Mapping[int, Image]] = [{} for _ in range(parallel)]  # that prompt's images, by start
         self.whole = [0] * parallel  # of those, the leading ones computed (or copied) as whole prompt chunks
         self.salts = [b""] * parallel  # the salt its cells were computed under (its running sequence's)
         self.spaces = [b""] * parallel  # the adapters they were computed under (``Sequence.space``; b"": none)
@@ -133,11 +138,11 @@ class Cells:
         return own
 
     def start(self, slot: int, tokens: list[int], reused: int, text: str, salt: bytes = b"",
-              space: bytes = b"") -> None:
-        """A prompt of ``salt`` (under the adapters of ``space``) admitted into ``slot`` starts from its first
-        ``reused`` tokens' cells."""
+              space: bytes = b"", images: Mapping[int, Image] | None = None) -> None:
+        """A prompt of ``salt`` (under the adapters of ``space``, with ``images`` by start) admitted into ``slot``
+        starts from its first ``reused`` tokens' cells."""
         self.cached[slot] = tokens[:reused]
-        self.texts[slot] = text
+        self.texts[slot], self.images[slot] = text, images or {}
         self.salts[slot] = salt
         self.spaces[slot] = space
         self.whole[slot] = reused if self._exact else 0  # cells reused at any length are no fresh computation's
@@ -201,7 +206,7 @@ class Cells:
         """``slot``'s cells were replaced (a slot file restored by the operator, or emptied): they hold ``tokens``,
         for the default tenant's prompts (the empty salt)."""
         self.cached[slot], self.whole[slot], self.texts[slot], self.salts[slot] = tokens, whole, "", b""
-        self.spaces[slot] = b""
+        self.spaces[slot], self.images[slot] = b"", {}
 
     def erase(self, slot: int) -> int:
         """Drop ``slot``'s cells; how many it held."""

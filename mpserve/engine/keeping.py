@@ -9,12 +9,12 @@
     stats / take_changes / snapshot ──▶ the worker (slot table rows, CACHE frames the broker routes by)
 
 The host store (``mpserve.engine.host_store``) is shared by every compatible instance on the host, in RAM with a
-disk tier under it. An entry saved from a text prompt carries the block hashes of the text its tokens spell
-(``summary_of``): the broker sends a prompt to the instance holding its prefix. Every entry is saved under the salt
-its cells were computed under (``mpserve.wire.salt``) and restored for a prompt of that salt only; its block hashes
-are keyed with it, so the broker's view of the store matches a prompt of the same salt only. Cells computed under
-LoRA adapters (``Sequence.space``) are neither saved nor restored: the store holds the base model's. What a slot
-holds and may reuse is ``cells``'; llama.cpp's state bytes come from ``context``.
+disk tier under it. An entry saved from a text prompt carries the block hashes of the text its tokens spell, each
+image as its key (``summary_of``): the broker sends a prompt to the instance holding its prefix. Every entry is
+saved under the salt its cells were computed under (``mpserve.wire.salt``) and restored for a prompt of that salt
+only; its block hashes are keyed with it, so the broker's view of the store matches a prompt of the same salt only.
+Cells computed under LoRA adapters (``Sequence.space``) are neither saved nor restored: the store holds the base
+model's. What a slot holds and may reuse is ``cells``'; llama.cpp's state bytes come from ``context``.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from mpserve.models.builtin import cache_dir
 from mpserve.wire import protocol as wire
 from mpserve.wire.prefix import block_hashes, common_prefix
 
-from . import host_store
+from . import host_store, media
 from .cells import Cells
 from .host_store import HostStore
 from .sequence import PROMPT_CHUNK, Sequence, reaches_checkpoint, tail_marks
@@ -98,7 +98,7 @@ class Keeping:
             return
         state, size = self._states.read_state(seq.slot)
         if store.wants(size):
-            store.put(kept, state, size, self.summary_of(kept, self._cells.texts[seq.slot], seq.salt), seq.salt)
+            store.put(kept, state, size, self.summary_of(kept, seq.slot, seq.salt), seq.salt)
 
     def keep(self, slot: int, tokens: list[int], salt: bytes = b"") -> None:
         """Before admitting ``tokens`` (of ``salt``) cuts ``slot``'s cells: save the cells it would lose (all,
@@ -116,15 +116,16 @@ class Keeping:
             return  # only whole chunks are worth keeping, and this memory cannot be cut back to them
         state, size = self._states.read_state(slot)
         if store.wants(size):
-            store.put(kept, state, size, self.summary_of(kept, cells.texts[slot], held_salt), held_salt)
+            store.put(kept, state, size, self.summary_of(kept, slot, held_salt), held_salt)
 
-    def summary_of(self, kept: list[int], text: str, salt: bytes) -> tuple[int, ...]:
-        """The block hashes, keyed with ``salt``, of the part of the text prompt ``text`` that ``kept`` spells
-        (nothing for a prompt of token ids): what the broker routes by."""
+    def summary_of(self, kept: list[int], slot: int, salt: bytes) -> tuple[int, ...]:
+        """The block hashes, keyed with ``salt``, of the part of ``slot``'s text prompt that ``kept`` spells, its
+        images by their keys (``media.spelled``; nothing for a prompt of token ids): what the broker routes by."""
+        text, images = self._cells.texts[slot], self._cells.images[slot]
         if not text:
             return ()
-        spelled = self._states.detokenize(kept[len(self._states.bos):])
-        return block_hashes(text[:common_prefix(spelled, text)], salt)
+        spelt = media.spelled(kept, len(self._states.bos), images, self._states.detokenize)
+        return block_hashes(text[:common_prefix(spelt, text)], salt)
 
     def restore(self, slot: int, tokens: list[int], reused: int, salt: bytes = b"") -> int:
         """The prompt tokens ``slot`` starts from: ``reused`` of its own cells, or more restored from the host store

@@ -8,6 +8,7 @@ decoded to bitmaps, and the prompt's tokens with each image's positions in their
                  ids, negative (never a vocabulary's) and drawn from the image's digest: the same image gives the
                  same ids, another image others ──▶ cells, the host store and slot reuse compare them as tokens
     Sequence.images {start: Image} ──decode()──▶ mtmd encodes the image and decodes its embeddings at its positions
+    a prefix of the tokens ──spelled()──▶ the text routing reads (each whole image as its key, ``wire.prefix.routed``)
 
 An image is a prefix like tokens: its placeholder ids are its content address, so a prompt that repeats an image
 reuses the cells computed for it, and one with another image does not. An image's cells are computed whole: a
@@ -19,12 +20,13 @@ from __future__ import annotations
 import ctypes
 import hashlib
 import struct
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from mpserve.errors import BadRequest
 from mpserve.wire.media import MEDIA_MARKER, WIRE_LIMITS, check_image
+from mpserve.wire.prefix import media_key
 
 from .llama_log import install_media
 from .sequence import PROMPT_CHUNK
@@ -32,13 +34,15 @@ from .sequence import PROMPT_CHUNK
 
 @dataclass(frozen=True)
 class Image:
-    """A decoded image: ``rgb`` holds ``width`` × ``height`` pixels of 3 bytes; ``ids`` its placeholder tokens."""
+    """A decoded image: ``rgb`` holds ``width`` × ``height`` pixels of 3 bytes; ``ids`` its placeholder tokens;
+    ``key`` its place in the text routing reads (of its bytes as sent: ``wire.prefix.media_key``)."""
 
     rgb: bytes
     width: int
     height: int
     digest: bytes
     ids: tuple[int, ...]
+    key: str
 
 
 class Projector:
@@ -75,7 +79,7 @@ class Projector:
             mtmd.mtmd_bitmap_free(bitmap)
         digest = hashlib.sha256(struct.pack("<II", width, height) + rgb).digest()
         n_tokens = self._n_tokens(rgb, width, height)
-        return Image(rgb, width, height, digest, placeholder_ids(digest, n_tokens))
+        return Image(rgb, width, height, digest, placeholder_ids(digest, n_tokens), media_key(data))
 
     def prompt(self, text: str, images: Sequence[Image], tokenize: Any) -> tuple[list[int], dict[int, Image]]:
         """The tokens of ``text`` (``tokenize(part, first)`` gives a text part's) with each image's placeholder ids
@@ -199,6 +203,22 @@ def inside(images: Mapping[int, Image], position: int) -> int | None:
         if start < position < start + len(image.ids):
             return start
     return None
+
+
+def spelled(kept: Sequence[int], skip: int, images: Mapping[int, Image],
+            detokenize: Callable[[list[int]], str]) -> str:
+    """The text routing reads that ``kept`` (a prefix of a prompt's tokens, whose images start as ``images`` gives)
+    spells after its first ``skip`` (BOS): its text runs detokenized, each image it holds whole as its key, up to
+    the first it holds in part."""
+    spelt: list[str] = []
+    at = skip
+    for start, image in sorted(images.items()):
+        spelt.append(detokenize(list(kept[at:start])))
+        at = start + len(image.ids)
+        if at > len(kept):
+            return "".join(spelt)
+        spelt.append(image.key)
+    return "".join(spelt) + detokenize(list(kept[at:]))
 
 
 def outside(images: Mapping[int, Image], marks: tuple[int, ...]) -> tuple[int, ...]:

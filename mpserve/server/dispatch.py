@@ -35,7 +35,7 @@ from .hooks import BrokerHooks
 from .residency import Loaded
 from .routing import MAX_HANDOVERS, QUEUE_WINDOW, choose_slots, pick_queued
 from .state import ModelQueue, Pending, RequestState, WorkerEntry
-from .tables import Tables, WorkerOutbox, request_salt
+from .tables import Tables, WorkerOutbox, request_salt, routed_prompt
 
 log = logging.getLogger("mpserve.broker")
 
@@ -126,7 +126,7 @@ class Dispatcher:
         free = [f for f in mq.free if names <= self.tables.workers[f[0]].adapters] if names else mq.free  # those loaded
         if p.parked_on is not None:  # where its sequence is held
             free = [f for f in free if f[0] == p.parked_on]
-        route = choose_slots(free, self.tables.workers, p.request.prompt, p.slots_needed, device, self._blocks(mq, p),
+        route = choose_slots(free, self.tables.workers, routed_prompt(p), p.slots_needed, device, self._blocks(mq, p),
                              request_salt(p), p.request.adapters, self._adapter_sets(mq))
         if route is None:
             return None
@@ -163,9 +163,9 @@ class Dispatcher:
         """``p``'s prompt's block hashes, for routing by what the instances' host stores hold: computed once per
         request, and only once some free instance holds anything in its cache."""
         if p.blocks is None:
-            if len(p.request.prompt) < PREFIX_BLOCK or not any(self.tables.workers[w].ram for w, _ in mq.free):
+            if len(routed_prompt(p)) < PREFIX_BLOCK or not any(self.tables.workers[w].ram for w, _ in mq.free):
                 return ()
-            p.blocks = block_hashes(p.request.prompt, request_salt(p))
+            p.blocks = block_hashes(routed_prompt(p), request_salt(p))
         return p.blocks
 
     def _refuse_head(self, mq: ModelQueue, p: Pending) -> bool:
@@ -198,7 +198,7 @@ class Dispatcher:
         self.tables.ledger.started(p.tenant, 0.0 if p.first_assigned else p.assigned - p.accepted)
         p.first_assigned = p.first_assigned or p.assigned
         entry.running[p.ticket] = index
-        entry.prompts[index] = (request_salt(p), p.request.prompt)
+        entry.prompts[index] = (request_salt(p), routed_prompt(p))
         entry.loaded = True  # an unloaded worker loads its model for the request
         log.debug("request %s of %s: started on worker %s, attempt %d", p.request.id, p.model, identity.decode(),
                   p.attempts)

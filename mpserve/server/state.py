@@ -69,6 +69,7 @@ class Pending:
     index: int = 0  # which choice this row is
     slots_needed: int = 1  # queued as a request for n: the n free slots of one instance it waits for
     blocks: tuple[int, ...] | None = None  # its prompt's block hashes, once routing needed them
+    routed: str | None = None  # its prompt as routing reads it (``wire.prefix.routed``: images by key), once needed
     salt: bytes | None = None  # its reuse namespace (``mpserve.wire.salt``), once routing needed it
     tenant: str = ""  # whose it is (``mpserve.server.tenants``): its connection's, or the gateway's word for it
     priority: int = 0  # as asked, capped by its tenant's max_priority: higher starts first

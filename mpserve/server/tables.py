@@ -29,6 +29,7 @@ from mpserve.counts import counted
 from mpserve.errors import BadRequest, UnknownModel
 from mpserve.wire import protocol as wire
 from mpserve.wire import zmqio
+from mpserve.wire.prefix import routed
 from mpserve.wire.salt import reuse_salt
 
 from . import roles
@@ -210,3 +211,11 @@ def request_salt(p: Pending) -> bytes:
     if p.salt is None:
         p.salt = reuse_salt(p.request.tenant, p.request.cache_salt, p.request.adapters)
     return p.salt
+
+
+def routed_prompt(p: Pending) -> str:
+    """``p``'s prompt as routing compares it with the instances' (``mpserve.wire.prefix.routed``: each image by its
+    key), computed once."""
+    if p.routed is None:
+        p.routed = routed(p.request.prompt, p.request.images)
+    return p.routed

@@ -7,6 +7,9 @@ text's prefixes that travels between worker and broker.
                            host-RAM cache entry's text under the entry's salt, the broker computes those of a
                            prompt under its request's and finds the longest run of them an instance holds, so
                            an entry of one salt never steers a prompt of another
+    routed(prompt, images) a prompt's text as both sides route by it: each media marker replaced by its image's key
+                           (``media_key``, a hash of the image's bytes), so the same image and text match where
+                           they were computed and another image does not
 
 ``common_prefix`` is a binary search over slice comparisons: each comparison runs in C, so a
 100,000-character prompt takes about 17 of them instead of a Python-level loop over every character.
@@ -18,7 +21,10 @@ as one of that length.
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Sequence
 from typing import TypeVar
+
+from .media import MEDIA_MARKER
 
 T = TypeVar("T", str, list[int], tuple[int, ...])
 
@@ -49,3 +55,18 @@ def block_hashes(text: str, salt: bytes = b"") -> tuple[int, ...]:
         running.update(text[end - PREFIX_BLOCK:end].encode("utf-8", "surrogatepass"))
         hashes.append(int.from_bytes(running.copy().digest(), "little"))
     return tuple(hashes)
+
+
+def media_key(data: bytes) -> str:
+    """An image's place in the text prompts are routed by: a hash of its bytes as sent (the broker does not decode
+    images), the same in every process. Wide enough that a prefix ending after an image is routable by it alone."""
+    return f"<__media__ {hashlib.blake2b(data, digest_size=16).hexdigest()}>"
+
+
+def routed(prompt: str, images: Sequence[bytes]) -> str:
+    """``prompt`` with its i-th media marker replaced by ``images[i]``'s key; as it is without images (or with
+    markers that do not pair up with them, a prompt the worker refuses)."""
+    parts = prompt.split(MEDIA_MARKER)
+    if not images or len(parts) - 1 != len(images):
+        return prompt
+    return parts[0] + "".join(media_key(image) + part for image, part in zip(images, parts[1:], strict=True))
