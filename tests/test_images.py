@@ -346,11 +346,25 @@ def test_a_prompt_with_an_image_is_routed_to_the_instance_holding_that_image_and
     assert counters["routed_kv_prefix"] == 2 and counters["routed_least_busy"] == 2, counters
 
 
+def memory(pid: int) -> dict[str, int]:
+    """Process ``pid``'s memory by kind, in bytes (``/proc/PID/smaps_rollup``: Private_Dirty, Shared_Dirty, ...)."""
+    rows = (line.split() for line in Path(f"/proc/{pid}/smaps_rollup").read_text().splitlines()[1:])
+    return {row[0].rstrip(":"): int(row[1]) * 1024 for row in rows if len(row) == 3 and row[2] == "kB"}
+
+
 @pytest.mark.timeout(240)
 def test_forked_instances_share_the_projector_their_zygote_loaded_and_both_answer_images(
-        pair: tuple[Path, Path], start_server: type[ServerProcess]) -> None:
+        start_server: type[ServerProcess], tmp_path: Path) -> None:
+    """The projector's weights are in anonymous memory, not a file mapping: each fork's private memory (pages no
+    other process maps) is smaller than the projector, which a copy of its own would be part of, and its shared
+    memory holds them. The projector is made wide for it (about 67 MiB, several times an instance's own memory)."""
     from concurrent.futures import ThreadPoolExecutor
 
+    from mpserve.models.maker import write_model
+    from mpserve.models.mmproj_maker import write_projector
+
+    pair = write_model(tmp_path / "vision.gguf", "tiny"), write_projector(tmp_path / "wide.gguf", hidden=180_000)
+    weights = pair[1].stat().st_size
     with vision_gateway(pair, start_server, "--instances", "2") as (server, http), ThreadPoolExecutor(4) as pool:
         said = answer(http, chat(PROMPT, (data_url(RED),)))["choices"][0]["message"]["content"]
         for _ in range(20):  # until each instance answered one (requests go to the least busy)
@@ -359,6 +373,10 @@ def test_forked_instances_share_the_projector_their_zygote_loaded_and_both_answe
             if all(row.served for row in server.slots()):
                 break
         assert all(row.served for row in server.slots()), server.slots()
+        forks = {pid: memory(pid) for pid in (row.pid for row in server.slots())}
+    for pid, kinds in forks.items():
+        assert kinds["Private_Clean"] + kinds["Private_Dirty"] < weights, (pid, weights, kinds)
+        assert kinds["Shared_Clean"] + kinds["Shared_Dirty"] > weights, (pid, weights, kinds)
     loads = [line for line in server.log if "loaded the projector" in line]
     assert len(loads) == 1 and "zygote" in loads[0] and "instances share it" in loads[0], loads
     assert not [line for line in server.log if "clip_" in line or "image slice" in line]  # llama.cpp's info lines

@@ -44,13 +44,14 @@ _LN_EPS = 1e-6
 _EMBEDDING_GAIN = 3.0  # mm.2's scale: the embeddings come out about as large as the token embeddings
 
 
-def write_projector(path: str | os.PathLike[str], size: str = "tiny") -> Path:
-    """Write the projector of the built-in ``size`` model to ``path`` atomically and return the path."""
+def write_projector(path: str | os.PathLike[str], size: str = "tiny", hidden: int = PROJECTOR_HIDDEN) -> Path:
+    """Write the projector of the built-in ``size`` model to ``path`` atomically and return the path. ``hidden``: the
+    width of its MLP (``mm.0``'s outputs), which sets its weights' size: (VISION_EMBD + n_embd + 1) × 4 bytes each."""
     shape = shape_for(size)
-    return write_atomically(Path(path), lambda tmp: _write(tmp, f"mpserve-{size}-mmproj", shape))
+    return write_atomically(Path(path), lambda tmp: _write(tmp, f"mpserve-{size}-mmproj", shape, hidden))
 
 
-def _write(path: Path, name: str, shape: ModelShape) -> None:
+def _write(path: Path, name: str, shape: ModelShape, hidden: int) -> None:
     writer = gguf.GGUFWriter(path, "clip")
     writer.add_name(name)
     writer.add_bool("clip.has_vision_encoder", True)
@@ -66,12 +67,12 @@ def _write(path: Path, name: str, shape: ModelShape) -> None:
     writer.add_float32("clip.vision.attention.layer_norm_epsilon", _LN_EPS)
     writer.add_array("clip.vision.image_mean", [0.5, 0.5, 0.5])
     writer.add_array("clip.vision.image_std", [0.5, 0.5, 0.5])
-    for tensor_name, tensor in _weights(shape.n_embd):
+    for tensor_name, tensor in _weights(shape.n_embd, hidden):
         writer.add_tensor(tensor_name, tensor)
     finish(writer)
 
 
-def _weights(n_embd: int) -> Iterator[tuple[str, np.ndarray]]:
+def _weights(n_embd: int, hidden: int) -> Iterator[tuple[str, np.ndarray]]:
     """All tensors in file order (numpy's shapes: ggml's ``ne`` reversed), drawn from one RandomState in that order."""
     rng = np.random.RandomState(PROJECTOR_SEED)
 
@@ -99,9 +100,9 @@ def _weights(n_embd: int) -> Iterator[tuple[str, np.ndarray]]:
         yield f"{block}.ffn_up.bias", zeros(VISION_FF)
         yield f"{block}.ffn_down.weight", matrix(VISION_EMBD, VISION_FF)
         yield f"{block}.ffn_down.bias", zeros(VISION_EMBD)
-    yield "mm.0.weight", matrix(PROJECTOR_HIDDEN, VISION_EMBD)
-    yield "mm.0.bias", zeros(PROJECTOR_HIDDEN)
-    out = matrix(n_embd, PROJECTOR_HIDDEN, _EMBEDDING_GAIN)
+    yield "mm.0.weight", matrix(hidden, VISION_EMBD)
+    yield "mm.0.bias", zeros(hidden)
+    out = matrix(n_embd, hidden, _EMBEDDING_GAIN)
     out[0, :] = 0.0  # dimension 0 of every image embedding is the bias's: the built-in models' residual constant
     bias = zeros(n_embd)
     bias[0] = 1.0
