@@ -34,6 +34,7 @@ from mpserve.config import settings
 from mpserve.errors import InternalError
 from mpserve.runtime import ServerPaths
 
+IMAGE_LIMITS = ("max_images", "max_image_bytes", "max_image_pixels")  # the gateway's flags start --http passes on
 LISTEN_AFTER_DEATH_S = 10.0  # how long start --http waits for the gateways of a server that died to let its port go
 
 
@@ -127,17 +128,19 @@ def gateway_command(http: str, config: cfg.ServerConfig, flags: dict[str, Any],
     from mpserve.gateway import fleet
     from mpserve.gateway.app import parse_http
     from mpserve.gateway.http import access
+    from mpserve.gateway.run import configure
 
     host, _ = parse_http(http)  # refuse a bad value, a network port without a key, before anything starts
     access.check_exposure(host, access.load_keys(flags["api_key"], flags["api_key_file"]), config.insecure)
     access.check_tls(flags["ssl_certfile"], flags["ssl_keyfile"])
+    configure({"gateway_http": http, **{key: flags[key] for key in IMAGE_LIMITS}})  # image limits past the wire's
     keys = {"MPSERVE_API_KEY": flags["api_key"], "MPSERVE_ADMIN_KEY": flags["admin_key"],
             "MPSERVE_CURVE_SERVER_KEY": config.curve_secret if key else None,
             "MPSERVE_CURVE_CLIENT_SECRET": str(key) if key else None,
             "MPSERVE_ALLOWED_ORIGINS": flags["allowed_origins"], "MPSERVE_ALLOWED_HOSTS": flags["allowed_hosts"]}
     env = {**os.environ, **{name: key for name, key in keys.items() if key}}
-    passed = [arg for key in ("api_key_file", "ssl_certfile", "ssl_keyfile", "request_timeout", "reattach")
-              if flags[key] is not None
+    passed = [arg for key in ("api_key_file", "ssl_certfile", "ssl_keyfile", "request_timeout", "reattach",
+                              *IMAGE_LIMITS) if flags[key] is not None
               for arg in (settings.BY_KEY[key].flag or "", str(flags[key]))]
     argv = [*children.python("-m", "mpserve", "gateway", "--http", http, "--server-name", config.server_name),
             "--log-level", config.log_level, *passed, *(["--insecure"] if config.insecure else [])]

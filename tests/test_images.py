@@ -21,7 +21,7 @@ from typing import Any
 import httpx
 import pytest
 from conftest import ServerProcess
-from helpers import config_file, mpserve, wait_for
+from helpers import config_file, http_up, mpserve, wait_for
 
 from bench.procs import HttpServer, find_llama_server, free_port
 from mpserve import Client
@@ -192,6 +192,25 @@ def test_the_gateways_image_limits_are_settings_and_lowered_refuse_what_the_defa
     over = mpserve("gateway", "--max-image-bytes", "4MiB", "--server-name", server.name)
     assert over.returncode != 0 and over.stderr.strip().splitlines() == [
         "error: [config] --max-image-bytes is 4194304; it must be from 1 to 3145728, what the wire carries"]
+
+
+@pytest.mark.timeout(120)
+def test_start_http_takes_the_image_limits_as_flags_and_refuses_one_past_the_wire_before_starting(
+        pair: tuple[Path, Path], start_server: type[ServerProcess]) -> None:
+    over = mpserve("start", "--model", "builtin:tiny", "--http", f"127.0.0.1:{free_port()}", "--max-image-bytes",
+                   "4MiB")
+    assert over.returncode != 0 and over.stderr.strip().splitlines() == [
+        "error: [config] --max-image-bytes is 4194304; it must be from 1 to 3145728, what the wire carries"]
+    model, projector = pair
+    port = free_port()
+    flags = [arg for key, value in LIMITED.items() for arg in ("--" + key.replace("_", "-"), str(value))]
+    start_server("--model", str(model), "--mmproj", str(projector), "--name", "vision", "--http", f"127.0.0.1:{port}",
+                 *flags).wait_ready()
+    with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=60) as lowered:
+        wait_for(lambda: http_up(f"http://127.0.0.1:{port}"), 30, "the gateway of start --http")
+        for key, (body, setting) in OVER_LIMITS.items():
+            assert setting in refused(lowered, body), key
+        assert answer(lowered, chat(PROMPT, (data_url(SMALL),), max_tokens=2))["choices"]
 
 
 def test_a_tenants_image_limit_refuses_its_requests_only(served: tuple[ServerProcess, httpx.Client]) -> None:

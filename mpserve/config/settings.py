@@ -337,14 +337,14 @@ SETTINGS: tuple[Setting, ...] = (
        range=(1, 1 << 30), commands=_GATEWAY),
     _s("max_images", "cli", int, str(_IMAGES.max_images), f"Images one request may carry, at most "
        f"{media.MAX_IMAGES} (what the wire carries); a tenant's max_images lowers it for that tenant (400 naming it "
-       "past either)", env="MPSERVE_HTTP_MAX_IMAGES", cli_type=int, commands=_GATEWAY),
+       "past either)", env="MPSERVE_HTTP_MAX_IMAGES", cli_type=int, commands=_FOR_HTTP),
     _s("max_image_bytes", "cli", str, f"{_IMAGES.max_bytes >> 20}MiB", f"Bytes of one image, e.g. 1MiB, at most "
        f"{media.MAX_IMAGE_BYTES} (3MiB, what the wire carries); a tenant's max_image_bytes lowers it for that tenant",
-       env="MPSERVE_HTTP_MAX_IMAGE_BYTES", commands=_GATEWAY),
+       env="MPSERVE_HTTP_MAX_IMAGE_BYTES", commands=_FOR_HTTP),
     _s("max_image_pixels", "cli", int, str(_IMAGES.max_pixels), "Pixels of one image (width × height; the default "
        f"is 4096 × 4096), read from its header before anything decodes it, at most {media.MAX_IMAGE_PIXELS} (8192 × "
        "8192, what a worker decodes); a tenant's max_image_pixels lowers it for that tenant",
-       env="MPSERVE_HTTP_MAX_IMAGE_PIXELS", cli_type=int, commands=_GATEWAY),
+       env="MPSERVE_HTTP_MAX_IMAGE_PIXELS", cli_type=int, commands=_FOR_HTTP),
     _s("responses_store", "cli", str, "256MiB", "Memory for stored responses (/v1/responses with store) and ended "
        "resumable streams' events, all API keys together, e.g. 1GiB; past it, the oldest streams go first, then "
        "the oldest responses", env="MPSERVE_HTTP_RESPONSES_STORE", commands=_GATEWAY),
