@@ -34,7 +34,8 @@ from mpserve.config import settings
 from mpserve.errors import InternalError
 from mpserve.runtime import ServerPaths
 
-IMAGE_LIMITS = ("max_images", "max_image_bytes", "max_image_pixels")  # the gateway's flags start --http passes on
+IMAGE_LIMITS = ("max_images", "max_image_bytes", "max_image_pixels", "max_audio_seconds")  # the gateway's flags
+# start --http passes on
 LISTEN_AFTER_DEATH_S = 10.0  # how long start --http waits for the gateways of a server that died to let its port go
 
 

@@ -14,7 +14,7 @@ import signal
 import struct
 import subprocess
 import zlib
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -75,15 +75,23 @@ def served(pair: tuple[Path, Path], tmp_path_factory: pytest.TempPathFactory
     """A server with the vision pair (``vision``; ``narrow``: with a context of 64 tokens) and the tiny model without a
     projector (``tiny``), whose tenant of API key ``SMALL_KEY`` may send images of 100 pixels at most, and a client of
     its gateway (without keys)."""
-    from gateway_thread import GatewayThread  # uvicorn: loaded by the tests that use it
-
     model, projector = pair
     config = config_file(tmp_path_factory.mktemp("config"), "images",
                          models=[{"name": "vision", "path": str(model), "mmproj": str(projector)},
                                  {"name": "tiny", "path": "builtin:tiny"},
                                  {"name": "narrow", "path": str(model), "mmproj": str(projector), "n_ctx": 64}],
                          tenants={tenant_of(SMALL_KEY): {"max_image_pixels": 100}})
-    server = ServerProcess("--config", config).wait_ready()
+    with gateway_of("--config", config) as both:
+        yield both
+
+
+@contextlib.contextmanager
+def gateway_of(*args: str) -> Iterator[tuple[ServerProcess, httpx.Client]]:
+    """A server started with ``args`` and an HTTP client of a gateway (without keys) in front of it; both stopped on
+    leaving."""
+    from gateway_thread import GatewayThread  # uvicorn: loaded by the tests that use it
+
+    server = ServerProcess(*args).wait_ready()
     gateway = GatewayThread(server_name=server.name)
     try:
         with httpx.Client(base_url=gateway.url, timeout=60) as client:
@@ -260,6 +268,13 @@ def test_responses_input_image_and_messages_image_block_reply_as_the_chat_does(h
 
 def test_greedy_replies_with_images_equal_llama_servers_with_mmproj(http: httpx.Client,
                                                                     pair: tuple[Path, Path]) -> None:
+    replies_as_llama_servers(http, pair, (chat(PROMPT, (data_url(RED),)),
+                                          chat("A", (data_url(BLUE),), "B", (data_url(RED),))))
+
+
+def replies_as_llama_servers(http: httpx.Client, pair: tuple[Path, Path], bodies: Sequence[dict[str, Any]]) -> None:
+    """Each chat of ``bodies`` answered through ``http`` as ``llama-server --mmproj`` of ``pair`` answers it (greedy,
+    one slot, no cache); the test is skipped without a llama-server binary."""
     binary = find_llama_server(None)
     if binary is None:
         pytest.skip("no llama-server binary: put one on PATH or under /opt/llama-server/ (bench/README.md)")
@@ -269,7 +284,7 @@ def test_greedy_replies_with_images_equal_llama_servers_with_mmproj(http: httpx.
                      str(port), "--threads", "1", "--threads-batch", "1", "--parallel", "1", "--ctx-size", "2048"],
                     port, "/health") as peer:
         peer.wait_ready()
-        for body in (chat(PROMPT, (data_url(RED),)), chat("A", (data_url(BLUE),), "B", (data_url(RED),))):
+        for body in bodies:
             theirs = httpx.post(f"{peer.url}/v1/chat/completions", json={**body, "cache_prompt": False}, timeout=120)
             assert theirs.status_code == 200, theirs.text
             assert answer(http, body)["choices"][0]["message"]["content"] == \

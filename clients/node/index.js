@@ -211,8 +211,8 @@ export class Client {
 
   /** One completion: { id, text, finishReason, usage, timings, worker }. `params`: the wire's names. `adapters`:
    * the model's LoRA adapters to apply, { name: scale } or [name, ...] (scale 1); a `model` of BASE:NAME applies
-   * NAME too. `images`: encoded images (PNG, JPEG, GIF, BMP; Buffers), each where the prompt's next MEDIA_MARKER is,
-   * for a model served with its projector. */
+   * NAME too. `images`: encoded images (PNG, JPEG, GIF, BMP) and audio clips (WAV, MP3), Buffers, each where the
+   * prompt's next MEDIA_MARKER is, for a model served with its projector. */
   async generate(prompt, { model = null, timeout = null, requestId = null, adapters = null, images = null,
     ...params } = {}) {
     const stream = this.stream(prompt, { model, timeout, requestId, adapters, images, ...params, stream: false });

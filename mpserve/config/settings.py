@@ -249,9 +249,10 @@ SETTINGS: tuple[Setting, ...] = (
        "named may serve any model", flag=None, env=None),
     _s("tenants", "server", dict, "none: one share, no limits, priority up to 0 but the local user's",
        "Who the broker tells apart and each one's share and limits, {TENANT: {weight, max_priority, max_running, "
-       "max_queued, tokens_per_minute, max_images, max_image_bytes, max_image_pixels}}, TENANT an API key's digest "
-       "(key: and the first 16 hex digits of its sha256), a CURVE client's public key, local, or default for every "
-       "other (mpserve.config.tenants; the image limits lower the gateway's, docs/images.md)",
+       "max_queued, tokens_per_minute, max_images, max_image_bytes, max_image_pixels, max_audio_seconds}}, TENANT "
+       "an API key's digest (key: and the first 16 hex digits of its sha256), a CURVE client's public key, local, or "
+       "default for every other (mpserve.config.tenants; the image and audio limits lower the gateway's, "
+       "docs/images.md)",
        flag=None, env=None),
     _s("curve_admins", "server", str, "none", "Folder of operators' public .key files: the only keys a tcp "
        "--admin-bind accepts (client keys may generate, not administer)"),
@@ -345,6 +346,10 @@ SETTINGS: tuple[Setting, ...] = (
        f"is 4096 × 4096), read from its header before anything decodes it, at most {media.MAX_IMAGE_PIXELS} (8192 × "
        "8192, what a worker decodes); a tenant's max_image_pixels lowers it for that tenant",
        env="MPSERVE_HTTP_MAX_IMAGE_PIXELS", cli_type=int, commands=_FOR_HTTP),
+    _s("max_audio_seconds", "cli", int, str(_IMAGES.max_audio_seconds), "Seconds of audio one request may carry, "
+       f"all its clips together, read from their headers before anything decodes them, at most "
+       f"{media.MAX_AUDIO_SECONDS} (what a worker decodes); a tenant's max_audio_seconds lowers it for that tenant",
+       env="MPSERVE_HTTP_MAX_AUDIO_SECONDS", cli_type=int, commands=_FOR_HTTP),
     _s("responses_store", "cli", str, "256MiB", "Memory for stored responses (/v1/responses with store) and ended "
        "resumable streams' events, all API keys together, e.g. 1GiB; past it, the oldest streams go first, then "
        "the oldest responses", env="MPSERVE_HTTP_RESPONSES_STORE", commands=_GATEWAY),

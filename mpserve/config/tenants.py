@@ -9,7 +9,8 @@ limits.
         max_queued: 64             # its requests waiting; one more is refused (busy, naming the limit)
         tokens_per_minute: 200000  # prompt and generated tokens of its requests that ended in the last 60 s
         max_images: 2              # images one request may carry; and max_image_bytes (e.g. 1MiB), max_image_pixels
-                                   # (width × height) of each: below the gateway's, they lower them for this tenant
+                                   # (width × height) of each; max_audio_seconds (all of a request's audio clips):
+                                   # below the gateway's, they lower them for this tenant
       "rq:Pz5t...":                # a CURVE client's public key (Z85, 40 characters), as its .key file holds it
         weight: 1
       local: {max_priority: 100}   # the local user on ipc, and the gateway's callers when it has no API key ("")
@@ -54,16 +55,17 @@ class Tenant:
     max_images: int | None = None  # the image limits (``wire.media``), each at most what the wire carries
     max_image_bytes: int | None = None
     max_image_pixels: int | None = None
+    max_audio_seconds: int | None = None
 
     def images(self, name: str) -> ImageLimits | None:
-        """The limits of this tenant's images, named as tenant ``name``'s (the wire's bounds where it sets none);
-        None when it sets none."""
-        given = (self.max_images, self.max_image_bytes, self.max_image_pixels)
-        if given == (None, None, None):
+        """The limits of this tenant's images and audio, named as tenant ``name``'s (the wire's bounds where it sets
+        none); None when it sets none."""
+        given = (self.max_images, self.max_image_bytes, self.max_image_pixels, self.max_audio_seconds)
+        if given == (None, None, None, None):
             return None
-        images, size, pixels = (bound if limit is None else limit
-                                for limit, bound in zip(given, BOUNDS.values(), strict=True))
-        return ImageLimits(images, size, pixels, name)
+        images, size, pixels, seconds = (bound if limit is None else limit
+                                         for limit, bound in zip(given, BOUNDS.values(), strict=True))
+        return ImageLimits(images, size, pixels, name, seconds)
 
 
 UNCAPPED = Tenant()

@@ -58,15 +58,16 @@ def configure(given: Mapping[str, Any], exit_with_parent: bool = False) -> app.G
 
 
 def _image_limits(v: Mapping[str, Any]) -> ImageLimits:
-    """The image limits from their settings; one that is not from 1 to what the wire carries (``media.BOUNDS``) is
-    refused with a ConfigError naming its flag."""
+    """The image and audio limits from their settings; one that is not from 1 to what the wire carries
+    (``media.BOUNDS``) is refused with a ConfigError naming its flag."""
     given = {"max_images": v["max_images"], "max_image_bytes": parse_memory(v["max_image_bytes"]),
-             "max_image_pixels": v["max_image_pixels"]}
+             "max_image_pixels": v["max_image_pixels"], "max_audio_seconds": v["max_audio_seconds"]}
     for key, value in given.items():
         if not 1 <= value <= media.BOUNDS[key]:
             raise ConfigError(f"{settings.BY_KEY[key].flag} is {value}; it must be from 1 to {media.BOUNDS[key]}, "
                               "what the wire carries")
-    return ImageLimits(given["max_images"], given["max_image_bytes"], given["max_image_pixels"])
+    return ImageLimits(given["max_images"], given["max_image_bytes"], given["max_image_pixels"],
+                       max_audio_seconds=given["max_audio_seconds"])
 
 
 def _names(given: str | None) -> tuple[str, ...]:

@@ -4,7 +4,8 @@ must keep, before anything decodes them.
     image_url / input_image / image block ──image_bytes()──▶ bytes (data: URLs only; http(s) refused: fetching is off)
     bytes ──check_image(limits)──▶ format, width, height from the header (PNG, JPEG, GIF, BMP), or BadRequest naming
                                    what is wrong: an unknown format, a header cut short, a size past the limits
-    a request's images ──check_images(limits)──▶ their count, then each one as above
+    a request's images ──check_images(limits)──▶ their count, then each one as above; its audio clips
+                         (``wire.audio``, told apart by their first bytes): their seconds together
     prompt text ──MEDIA_MARKER where each image goes, in order──▶ the worker (``mpserve.engine.media``) decodes them
 
 The limits: the gateway's (its settings, at most the wire's ``BOUNDS``), a tenant's (the broker's ``tenants``
@@ -31,19 +32,23 @@ MEDIA_MARKER = "<__media__>"
 MAX_IMAGES = 16  # images one request may carry on the wire
 MAX_IMAGE_BYTES = 3 * 1024 * 1024  # one image's bytes on the wire (a message is at most 4 MiB)
 MAX_IMAGE_PIXELS = 8192 * 8192  # width × height the worker decodes at most, whatever the gateway allows
-BOUNDS = {"max_images": MAX_IMAGES, "max_image_bytes": MAX_IMAGE_BYTES, "max_image_pixels": MAX_IMAGE_PIXELS}
-"""Each image limit's setting (the gateway's flag, a tenant's key) and the most it may be: what the wire carries."""
+MAX_AUDIO_SECONDS = 600  # seconds of audio (all of a request's clips) the worker decodes at most
+BOUNDS = {"max_images": MAX_IMAGES, "max_image_bytes": MAX_IMAGE_BYTES, "max_image_pixels": MAX_IMAGE_PIXELS,
+          "max_audio_seconds": MAX_AUDIO_SECONDS}
+"""Each media limit's setting (the gateway's flag, a tenant's key) and the most it may be: what the wire carries."""
 
 
 @dataclass(frozen=True)
 class ImageLimits:
-    """What one request's images may be: how many, how many bytes each, how many pixels each; ``source``: who set
-    them, as a refusal names the setting: the gateway (its flags), the wire (its bounds) or a tenant (by name)."""
+    """What one request's images may be: how many, how many bytes each, how many pixels each; and how many seconds
+    its audio clips (``wire.audio``) may last together; ``source``: who set them, as a refusal names the setting:
+    the gateway (its flags), the wire (its bounds) or a tenant (by name)."""
 
     max_images: int = 8
     max_bytes: int = 2 * 1024 * 1024
     max_pixels: int = 4096 * 4096
     source: str = "gateway"
+    max_audio_seconds: int = 120
 
     def setting(self, key: str) -> str:
         """How a refusal names the setting ``key`` (a key of ``BOUNDS``) of these limits."""
@@ -54,12 +59,13 @@ class ImageLimits:
         return f"{key} of tenant {self.source} in the tenants section"
 
 
-WIRE_LIMITS = ImageLimits(MAX_IMAGES, MAX_IMAGE_BYTES, MAX_IMAGE_PIXELS, "wire")
+WIRE_LIMITS = ImageLimits(MAX_IMAGES, MAX_IMAGE_BYTES, MAX_IMAGE_PIXELS, "wire", MAX_AUDIO_SECONDS)
 
 
 @dataclass(frozen=True)
 class WithImages:
-    """A text prompt with the images its media markers place, in order (a client's prompt, as text or token ids are)."""
+    """A text prompt with the images (and audio clips, ``wire.audio``) its media markers place, in order (a client's
+    prompt, as text or token ids are)."""
 
     text: str
     images: tuple[bytes, ...]
@@ -107,13 +113,27 @@ def check_image(data: bytes, limits: ImageLimits, where: str) -> ImageHeader:
     return header
 
 
-def check_images(images: Sequence[bytes], limits: ImageLimits) -> None:
-    """A request's images, in order, checked against ``limits``: their count, then each one (``check_image``)."""
+def check_images(media: Sequence[bytes], limits: ImageLimits) -> None:
+    """A request's images and audio clips (told apart by their first bytes), in order, checked against ``limits``:
+    the images' count, then each image (``check_image``), and the clips' seconds together (``wire.audio``)."""
+    from .audio import is_audio, read_audio
+
+    images = [data for data in media if not is_audio(data)]
     if len(images) > limits.max_images:
         raise BadRequest(f"the request has {len(images)} images; at most {limits.max_images} are accepted per "
                          f"request ({limits.setting('max_images')})")
-    for i, data in enumerate(images):
-        check_image(data, limits, f"image {i + 1} of the request")
+    seconds, counts = 0.0, {"audio": 0, "image": 0}
+    for data in media:
+        kind = "audio" if is_audio(data) else "image"
+        counts[kind] += 1
+        where = f"{kind} {counts[kind]} of the request"
+        if kind == "audio":
+            seconds += read_audio(data, where).seconds
+        else:
+            check_image(data, limits, where)
+    if seconds > limits.max_audio_seconds:
+        raise BadRequest(f"the request's audio lasts {seconds:.1f} seconds; at most {limits.max_audio_seconds} are "
+                         f"accepted per request ({limits.setting('max_audio_seconds')})")
 
 
 def read_header(data: bytes, where: str) -> ImageHeader:

@@ -1,10 +1,12 @@
-"""A chat message's content parts: text, and images as the media markers that place them.
+"""A chat message's content parts: text, and images and audio clips as the media markers that place them.
 
     content: "text" | [{"type": "text", "text"},
-                       {"type": "image_url", "image_url": {"url": "data:image/png;base64,..."}}, ...]
-        ──content()──▶ (text with MEDIA_MARKER where each image was, the images' bytes in order)
+                       {"type": "image_url", "image_url": {"url": "data:image/png;base64,..."}},
+                       {"type": "input_audio", "input_audio": {"data": BASE64, "format": "wav"}}, ...]
+        ──content()──▶ (text with MEDIA_MARKER where each image or clip was, their bytes in order)
                        each image read from its data URL (an http(s) URL: 400, fetching is off) and its header
-                       checked (format, and bytes and pixels within the wire's bounds)
+                       checked (format, and bytes and pixels within the wire's bounds); each clip's header read
+                       (its format and seconds, ``wire.audio``)
     messages' images, in order ──the gateway's limits (``dialect.Pipeline``: count, bytes, pixels, its settings)──▶
         ──with_images(prompt)──▶ the prompt the client sends: WithImages(text, images)
 
@@ -18,6 +20,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from mpserve.errors import BadRequest
+from mpserve.wire.audio import audio_bytes
 from mpserve.wire.media import MEDIA_MARKER, WIRE_LIMITS, WithImages, check_image, image_bytes
 
 
@@ -42,10 +45,14 @@ def content(value: Any, i: int) -> tuple[str, tuple[bytes, ...]]:
             check_image(data, WIRE_LIMITS, where)
             text.append(MEDIA_MARKER)
             images.append(data)
+        elif kind == "input_audio":
+            text.append(MEDIA_MARKER)
+            images.append(audio_bytes(part.get("input_audio"), where))
         else:
-            raise BadRequest(f"{where} must be a text part {{\"type\": \"text\", \"text\"}} or an image part "
-                             "{\"type\": \"image_url\", \"image_url\": {\"url\": \"data:...\"}}; audio and files "
-                             "are not supported")
+            raise BadRequest(f"{where} must be a text part {{\"type\": \"text\", \"text\"}}, an image part "
+                             "{\"type\": \"image_url\", \"image_url\": {\"url\": \"data:...\"}} or an audio part "
+                             "{\"type\": \"input_audio\", \"input_audio\": {\"data\", \"format\"}}; files are not "
+                             "supported")
     return "".join(text), tuple(images)
 
 

@@ -184,8 +184,8 @@ def _items(value: Any) -> list[dict[str, Any]]:
 
 
 def _text(content: Any, where: str) -> str | list[dict[str, Any]]:
-    """A message's content: a string, or text parts (input_text, output_text) and images (input_image, as chat's
-    image_url parts)."""
+    """A message's content: a string, or text parts (input_text, output_text), images (input_image, as chat's
+    image_url parts) and audio clips (input_audio, as chat's own)."""
     if isinstance(content, str):
         return content
     if isinstance(content, list):
@@ -195,9 +195,12 @@ def _text(content: Any, where: str) -> str | list[dict[str, Any]]:
             if kind == "input_image":
                 parts.append(images.from_input_image(part, f"{where}.content[{j}]"))
                 continue
+            if kind == "input_audio":
+                parts.append({"type": "input_audio", "input_audio": part.get("input_audio")})
+                continue
             if kind not in ("input_text", "output_text", "text") or not isinstance(part.get("text"), str):
-                raise BadRequest(f"{where}.content[{j}] must be an input_text, input_image or output_text part; "
-                                 f"other parts ({kind!r:.30}: files, audio) are not supported")
+                raise BadRequest(f"{where}.content[{j}] must be an input_text, input_image, input_audio or "
+                                 f"output_text part; other parts ({kind!r:.30}: files) are not supported")
             parts.append(part["text"])
         return images.joined(parts)
     raise BadRequest(f"{where}.content must be a string or a list of text parts")
