@@ -9,7 +9,7 @@ from pathlib import Path
 
 import llama_cpp
 import pytest
-from engines import LONG_PROMPT, N_CTX, PROMPTS, make_engine, make_llama, serve
+from engines import LONG_PROMPT, N_CTX, PROMPTS, finish, make_engine, make_llama, serve
 
 from mpserve.engine.batch import BatchEngine
 from mpserve.engine.interface import Completion
@@ -140,6 +140,26 @@ def test_a_long_prompt_does_not_stall_decoding_sequences(model_path: str, llm: l
     for slot in decoding:
         reference = llm.create_completion(PROMPTS[slot], max_tokens=30, temperature=0)["choices"][0]["text"]
         assert finished[slot].text == reference
+
+
+@pytest.mark.timeout(60)
+def test_a_newcomers_first_token_comes_before_the_decoding_rows_next_ones(model_path: str,
+                                                                          llm: llama_cpp.Llama) -> None:
+    engine = make_engine(model_path, 2)
+    try:
+        engine.admit(0, PROMPTS[0], greedy(20), lambda text, n: True)
+        engine.step()  # its prompt and first token
+        engine.step()
+        engine.admit(1, PROMPTS[1], greedy(10), lambda text, n: True)
+        engine.step()  # the newcomer's prompt alone: its first token, before the decoding row's third
+        assert (len(engine.tokens(0)), len(engine.tokens(1))) == (2, 1)
+        engine.step()
+        assert (len(engine.tokens(0)), len(engine.tokens(1))) == (3, 2)
+        done = finish(engine)
+    finally:
+        engine.close()
+    for slot, (prompt, n) in enumerate([(PROMPTS[0], 20), (PROMPTS[1], 10)]):  # numbers unchanged by the order
+        assert done[slot].text == llm.create_completion(prompt, max_tokens=n, temperature=0)["choices"][0]["text"]
 
 
 @pytest.mark.timeout(60)

@@ -3,7 +3,8 @@
     admit ──add(seq)──▶ running[slot], prefilling (admission order; a parked sequence resumed: while its prompt
                         is not all computed)
     step  ──cancelled()──▶ the sequences a cancel ended
-          ──urgent()─────▶ a prompt admitted to go first: its next chunk is the step's only decode, or else
+          ──urgent()─────▶ a prompt admitted to go first (of higher priority, or a newcomer while others decode):
+                           its next chunk is the step's only decode, or else
           ──decoding()───▶ DECODE sequences in slot order ──decodes()──▶ grouped into llama_decode calls
                                                      (``reuse: exact``: at most ``together_rows`` a call)
           ──chunks(any decoding, turn)──▶ the prompts computing their next chunk this step, within the token budget
@@ -18,6 +19,7 @@ micro-batch, and every micro-batch is one more pass over the weights. Pure: no l
 
 from __future__ import annotations
 
+import itertools
 from collections import deque
 from collections.abc import Iterable
 
@@ -65,10 +67,25 @@ class Scheduler:
         return [seq for seq in self.running.values() if seq.cancel_requested]
 
     def urgent(self) -> Sequence | None:
-        """A prompt admitted ahead of the running sequences (``Sequence.alone``: a request of higher priority than
-        theirs), whose next chunk is this step's only decode: its first token comes as soon as it would on an idle
-        instance, while the others wait one step (which changes none of their numbers)."""
-        return next((seq for seq in self.prefilling if seq.alone), None)
+        """The prompt whose next chunk is this step's only decode: one admitted ahead of every running sequence
+        (``Sequence.alone``: a request of higher priority than theirs), else, while sequences decode, the first
+        newcomer whose whole prompt is that chunk (admitted, none of it computed yet, no image in it) and that copies
+        no earlier prompt's cells. Its chunk and the decoding rows are separate llama_decode calls whatever the
+        order, so going first changes none of their numbers and delays their tokens by no more than a turn of the
+        loop: the step is split in two, and the newcomer's first token goes out after its chunk rather than after
+        the others' decode too. A prompt goes first once, and only an admission brings one: the decoding rows wait
+        at most a chunk for each slot that was free. A longer prompt gains nothing from it (its first token comes
+        after its last chunk) and takes its chunks within the step's budget."""
+        if not self.prefilling:
+            return None
+        first = next((seq for seq in self.prefilling if seq.alone), None)
+        if first is not None or not any(seq.phase is Phase.DECODE for seq in self.running.values()):
+            return first
+        for at, seq in enumerate(self.prefilling):
+            if (seq.n_past == seq.reused and not seq.images and seq.n_past + next_chunk(seq) == len(seq.prompt)
+                    and not self._copies(seq, itertools.islice(self.prefilling, at))):
+                return seq
+        return None
 
     def decoding(self) -> list[Sequence]:
         """The sequences that decode a token this step, in slot order."""
@@ -105,12 +122,17 @@ class Scheduler:
                 continue
             if chosen and budget < next_chunk(seq):
                 break
-            if not seq.score_prompt and any(lead.salt == seq.salt and (
-                    lead.prompt == seq.prompt or self._shared(lead, seq) > seq.n_past) for lead in chosen):
+            if self._copies(seq, chosen):
                 continue  # an earlier prompt is computing this one's next tokens: copy them when it is done
             chosen.append(seq)
             budget -= next_chunk(seq)
         return chosen
+
+    def _copies(self, seq: Sequence, leads: Iterable[Sequence]) -> bool:
+        """Whether one of ``leads`` computes ``seq``'s next tokens, for ``seq`` to copy (``cells.share``) rather than
+        compute them."""
+        return not seq.score_prompt and any(lead.salt == seq.salt and (
+            lead.prompt == seq.prompt or self._shared(lead, seq) > seq.n_past) for lead in leads)
 
     def _shared(self, lead: Sequence, seq: Sequence) -> int:
         """The tokens of ``seq``'s prompt that ``lead``'s cells will hold and ``seq`` may reuse."""

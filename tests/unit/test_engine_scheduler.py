@@ -123,8 +123,28 @@ def test_a_prompt_admitted_ahead_of_the_running_ones_is_the_urgent_one() -> None
     s = scheduler()
     s.add(sequence(0, [1] * 10, 10, decoding=True))
     s.add(sequence(1, [2] * 10))
-    assert s.urgent() is None
     ahead = sequence(2, [3] * 10)
     ahead.alone = True
     s.add(ahead)
     assert s.urgent() is ahead
+
+
+def test_a_newcomer_goes_ahead_of_the_decoding_rows_once() -> None:
+    s = scheduler()
+    started = sequence(0, [1] * 1000, 10)  # computing its prompt, a chunk done
+    started.reused = 0
+    s.add(started)
+    newcomer, twin = sequence(1, [2] * 10), sequence(2, [2] * 10)  # twin: copies newcomer's cells when it is done
+    s.add(newcomer)
+    s.add(twin)
+    assert s.urgent() is None  # nothing decodes: the prompts go together, in admission order
+    s.add(sequence(3, [3] * 10, 10, decoding=True))
+    assert s.urgent() is newcomer
+    newcomer.n_past = 5  # its first chunk computed (a prompt cut at a mark): it goes with the others now
+    assert s.urgent() is None
+    long = sequence(4, [4] * 1000)  # its first token comes after its last chunk: it takes its chunks in turn
+    s.add(long)
+    assert s.urgent() is None
+    cached = sequence(5, [5] * 1000, 990)  # admitted with its prompt's cells but the last 10 reused
+    s.add(cached)
+    assert s.urgent() is cached
