@@ -430,9 +430,12 @@ def make_model(
     rank: Annotated[int, typer.Option("--rank", help="The adapter's rank, 1 to 256 (with --lora-for).")] = 8,
     mmproj: Annotated[Path | None, typer.Option("--mmproj", help="Also write a random image projector for the "
                                                 "model here: a vision pair, served with --mmproj.")] = None,
+    audio: Annotated[bool, typer.Option("--audio", help="With --mmproj: write an audio projector (a Whisper-style "
+                                        "encoder) instead of an image projector.")] = False,
 ) -> None:
     """Write a deterministic random-weight llama GGUF, or with --lora-for a random LoRA adapter GGUF for a base
-    model (same arguments, same bytes); with --mmproj, the model's image projector too."""
+    model (same arguments, same bytes); with --mmproj, the model's image (or, with --audio, audio) projector too."""
+    from mpserve.models.audio_maker import write_audio_projector
     from mpserve.models.lora_maker import write_lora
     from mpserve.models.maker import write_model
     from mpserve.models.mmproj_maker import write_projector
@@ -441,7 +444,7 @@ def make_model(
         out = write_lora(path, lora_for, seed, rank) if lora_for is not None else write_model(path, size)
         typer.echo(f"wrote {out} ({out.stat().st_size / 1e6:.1f} MB)")
         if mmproj is not None:
-            projector = write_projector(mmproj, size)
+            projector = (write_audio_projector if audio else write_projector)(mmproj, size)
             typer.echo(f"wrote {projector} ({projector.stat().st_size / 1e6:.1f} MB)")
 
 

@@ -420,13 +420,20 @@ def test_forked_instances_share_the_projector_their_zygote_loaded_and_both_answe
 def test_the_python_and_node_clients_send_images_as_the_gateway_does(served: tuple[ServerProcess, httpx.Client],
                                                                       tmp_path: Path) -> None:
     server, http = served
-    prompt = f"<|im_start|>user\n{PROMPT}{MEDIA_MARKER}<|im_end|>\n<|im_start|>assistant\n"
-    with Client(server.address) as client:
-        python = client.generate(WithImages(prompt, (RED,)), model="vision", max_tokens=16, temperature=0).text
+    python, node = clients_say(server.address, RED, tmp_path, "vision")
     assert python == answer(http, chat(PROMPT, (data_url(RED),), max_tokens=16))["choices"][0]["message"]["content"]
-    (tmp_path / "red.png").write_bytes(RED)
-    node = subprocess.run([shutil.which("node") or "node", "test/images.mjs", server.address,
-                           str(tmp_path / "red.png")], cwd=Path(__file__).parents[1] / "clients" / "node",
-                          capture_output=True, text=True, timeout=100)
+    assert node == python
+
+
+def clients_say(address: str, media: bytes, folder: Path, model: str) -> tuple[str, str]:
+    """What the Python and the Node.js clients generate (greedy, 16 tokens) for PROMPT with ``media`` (an image or
+    an audio clip) at its marker, in a ChatML turn as the tiny model's template writes it."""
+    prompt = f"<|im_start|>user\n{PROMPT}{MEDIA_MARKER}<|im_end|>\n<|im_start|>assistant\n"
+    with Client(address) as client:
+        python = client.generate(WithImages(prompt, (media,)), model=model, max_tokens=16, temperature=0).text
+    (folder / "media").write_bytes(media)
+    node = subprocess.run([shutil.which("node") or "node", "test/images.mjs", address, str(folder / "media"), model],
+                          cwd=Path(__file__).parents[1] / "clients" / "node", capture_output=True, text=True,
+                          timeout=100)
     assert node.returncode == 0, node.stderr
-    assert json.loads(node.stdout.strip().splitlines()[-1])["text"] == python
+    return python, str(json.loads(node.stdout.strip().splitlines()[-1])["text"])

@@ -22,7 +22,7 @@ Same arguments, same bytes: weights come from ``numpy.random.RandomState(PROJECT
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import gguf
@@ -89,22 +89,33 @@ def _weights(n_embd: int, hidden: int) -> Iterator[tuple[str, np.ndarray]]:
     yield "v.patch_embd.bias", zeros(VISION_EMBD)
     yield "v.position_embd.weight", matrix(TOKENS_PER_IMAGE, VISION_EMBD)
     for layer in range(VISION_LAYERS):
-        block = f"v.blk.{layer}"
-        for norm in ("ln1", "ln2"):
-            yield f"{block}.{norm}.weight", np.ones(VISION_EMBD, dtype=np.float32)
-            yield f"{block}.{norm}.bias", zeros(VISION_EMBD)
-        for attention in ("attn_q", "attn_k", "attn_v", "attn_out"):
-            yield f"{block}.{attention}.weight", matrix(VISION_EMBD, VISION_EMBD)
-            yield f"{block}.{attention}.bias", zeros(VISION_EMBD)
-        yield f"{block}.ffn_up.weight", matrix(VISION_FF, VISION_EMBD)
-        yield f"{block}.ffn_up.bias", zeros(VISION_FF)
-        yield f"{block}.ffn_down.weight", matrix(VISION_EMBD, VISION_FF)
-        yield f"{block}.ffn_down.bias", zeros(VISION_EMBD)
+        yield from encoder_block(f"v.blk.{layer}", VISION_EMBD, VISION_FF, matrix)
     yield "mm.0.weight", matrix(hidden, VISION_EMBD)
     yield "mm.0.bias", zeros(hidden)
-    out = matrix(n_embd, hidden, _EMBEDDING_GAIN)
-    out[0, :] = 0.0  # dimension 0 of every image embedding is the bias's: the built-in models' residual constant
-    bias = zeros(n_embd)
+    yield from zip(("mm.2.weight", "mm.2.bias"), output_map(matrix(n_embd, hidden, _EMBEDDING_GAIN)), strict=True)
+
+
+def output_map(out: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """A projector's last linear map, to the text model's width, and its bias: row 0 zero and its bias 1, so that
+    dimension 0 of every embedding it makes is the built-in models' residual constant."""
+    out[0, :] = 0.0
+    bias = np.zeros(out.shape[0], dtype=np.float32)
     bias[0] = 1.0
-    yield "mm.2.weight", out
-    yield "mm.2.bias", bias
+    return out, bias
+
+
+def encoder_block(block: str, n_embd: int, n_ff: int, matrix: Callable[[int, int], np.ndarray],
+                  key_bias: bool = True) -> Iterator[tuple[str, np.ndarray]]:
+    """One transformer block of an encoder as llama.cpp's ``clip`` names it (ln1, attn_q/k/v/out, ln2, ffn_up/down;
+    without ``key_bias``, Whisper's, no bias for attn_k), its weights drawn by ``matrix`` in file order."""
+    for norm in ("ln1", "ln2"):
+        yield f"{block}.{norm}.weight", np.ones(n_embd, dtype=np.float32)
+        yield f"{block}.{norm}.bias", np.zeros(n_embd, dtype=np.float32)
+    for attention in ("attn_q", "attn_k", "attn_v", "attn_out"):
+        yield f"{block}.{attention}.weight", matrix(n_embd, n_embd)
+        if key_bias or attention != "attn_k":
+            yield f"{block}.{attention}.bias", np.zeros(n_embd, dtype=np.float32)
+    yield f"{block}.ffn_up.weight", matrix(n_ff, n_embd)
+    yield f"{block}.ffn_up.bias", np.zeros(n_ff, dtype=np.float32)
+    yield f"{block}.ffn_down.weight", matrix(n_embd, n_ff)
+    yield f"{block}.ffn_down.bias", np.zeros(n_embd, dtype=np.float32)

@@ -1,0 +1,99 @@
+"""Audio in chat completions, end to end: the random audio pair (``mpserve make-model --mmproj --audio``: the tiny
+model and a Whisper-style projector llama.cpp's loader accepts) served with ``--mmproj``, WAV clips made here (sines)
+sent as ``input_audio`` through the HTTP gateway and both clients, decoded and encoded by llama.cpp's multimodal
+library in the worker, and reused from the cache by the decoded samples."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from conftest import ServerProcess
+from helpers import mpserve
+from test_audio_input import audio_part, chat, wav
+from test_images import PROMPT, RED, answer, clients_say, data_url, gateway_of, replies_as_llama_servers
+
+from mpserve.models.audio_maker import TOKENS_PER_CHUNK
+
+pytestmark = pytest.mark.timeout(180)
+
+A440, A880 = wav(440, 5.0), wav(880, 5.0)  # 5 s: a sixth of the clip's 30-s window is not its silence
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    folder = tmp_path_factory.mktemp("audio")
+    model, projector = folder / "audio.gguf", folder / "mmproj-audio.gguf"
+    made = mpserve("make-model", str(model), "--size", "tiny", "--mmproj", str(projector), "--audio")
+    assert made.returncode == 0, made.stderr
+    return model, projector
+
+
+@pytest.fixture(scope="module")
+def served(pair: tuple[Path, Path]) -> Iterator[tuple[ServerProcess, httpx.Client]]:
+    with gateway_of("--model", str(pair[0]), "--mmproj", str(pair[1]), "--name", "audio") as both:
+        yield both
+
+
+@pytest.fixture(scope="module")
+def http(served: tuple[ServerProcess, httpx.Client]) -> httpx.Client:
+    return served[1]
+
+
+def said(reply: dict[str, Any]) -> str:
+    return str(reply["choices"][0]["message"]["content"])
+
+
+def test_a_clip_is_answered_and_the_same_clip_again_is_reused_from_the_cache(http: httpx.Client) -> None:
+    first = answer(http, chat(PROMPT, audio_part(A440), model="audio", max_tokens=16))
+    again = answer(http, chat(PROMPT, audio_part(A440), model="audio", max_tokens=16))
+    assert said(first) and said(again) == said(first)
+    assert first["usage"]["prompt_tokens"] > TOKENS_PER_CHUNK  # the clip's positions, and the text around it
+    assert again["usage"]["prompt_tokens"] == first["usage"]["prompt_tokens"]
+    assert again["usage"]["prompt_tokens_details"]["cached_tokens"] >= TOKENS_PER_CHUNK + 4, again["usage"]
+
+
+def test_another_clip_gives_another_reply_and_is_not_taken_from_the_first_ones_cells(http: httpx.Client) -> None:
+    low = answer(http, chat(PROMPT, audio_part(A440), model="audio", max_tokens=16))
+    high = answer(http, chat(PROMPT, audio_part(A880), model="audio", max_tokens=16))
+    assert said(high) != said(low)
+    assert high["usage"]["prompt_tokens_details"]["cached_tokens"] < \
+        high["usage"]["prompt_tokens"] - TOKENS_PER_CHUNK  # the text before the clip may be reused, the clip not
+
+
+def test_an_image_to_an_audio_projector_is_a_400(http: httpx.Client) -> None:
+    body = {"model": "audio", "max_tokens": 4, "messages": [{"role": "user", "content": [
+        {"type": "text", "text": PROMPT}, {"type": "image_url", "image_url": {"url": data_url(RED)}}]}]}
+    reply = http.post("/v1/chat/completions", json=body)
+    assert reply.status_code == 400, reply.text
+    assert "projector takes audio, not images (it has no vision encoder)" in reply.json()["error"]["message"]
+    assert said(answer(http, chat(PROMPT, audio_part(A440), model="audio", max_tokens=4)))
+
+
+@pytest.mark.timeout(120)
+def test_the_python_and_node_clients_send_audio_as_the_gateway_does(served: tuple[ServerProcess, httpx.Client],
+                                                                     tmp_path: Path) -> None:
+    server, http = served
+    python, node = clients_say(server.address, A440, tmp_path, "audio")
+    assert python == said(answer(http, chat(PROMPT, audio_part(A440), model="audio", max_tokens=16)))
+    assert node == python
+
+
+def test_greedy_replies_with_audio_equal_llama_servers_with_mmproj(http: httpx.Client,
+                                                                   pair: tuple[Path, Path]) -> None:
+    replies_as_llama_servers(http, pair, (chat(PROMPT, audio_part(A440), model="audio", max_tokens=16),
+                                          chat("A", audio_part(A880), "B", model="audio", max_tokens=16)))
+
+
+def test_an_audio_projector_for_another_model_is_refused_at_start_in_one_line(pair: tuple[Path, Path],
+                                                                             tmp_path: Path) -> None:
+    from mpserve.models.audio_maker import write_audio_projector
+
+    wide = write_audio_projector(tmp_path / "wide-audio.gguf", "bench")
+    started = mpserve("plan", "--model", str(pair[0]), "--mmproj", str(wide))
+    assert started.returncode != 0
+    assert "embeddings of 768 values and the model's are 64" in started.stderr, started.stderr
+    assert mpserve("plan", "--model", str(pair[0]), "--mmproj", str(pair[1])).returncode == 0
