@@ -1,6 +1,7 @@
 """Mid-stream hand-over: a streamed request whose instance dies (SIGKILL, once or twice) or stops (SIGSTOP,
 past the stall timeout) continues on another instance from the tokens it had streamed; the client sees one
-stream, nothing repeated or missing, and greedy text equal to an uninterrupted run, token for token."""
+stream, nothing repeated or missing, and greedy text equal to an uninterrupted run, token for token. A stream
+whose client dies is taken up by another client where it is, nothing computed again."""
 
 from __future__ import annotations
 
@@ -9,9 +10,10 @@ import os
 import signal
 
 import pytest
-from helpers import wait_for
+from helpers import dealer, received, wait_for
 
 from mpserve import Client
+from mpserve.wire import protocol as wire
 from mpserve.wire.slots import SlotState
 
 PROMPT = "Once upon a time"
@@ -120,4 +122,29 @@ def test_a_stream_killed_after_several_chunks_continues_from_all_of_their_tokens
                                               "their tokens: the text streamed differs from the uninterrupted one")
         assert result.text == whole.text and result.usage == whole.usage
         assert client.stats().counters.get("resumed") == 1
+    assert not server.tracebacks(), "\n".join(server.log)
+
+
+@pytest.mark.timeout(120)
+def test_a_stream_whose_client_dies_is_taken_up_by_another_client_where_it_is(start_server) -> None:
+    """What a gateway process does with the stream of one that died: it sends the request again, marked reattach,
+    with the text the dead one had delivered. The broker, which kept the stream's text, sends it that text and the
+    rest as it comes: the request is not accepted anew, and the text is the uninterrupted run's."""
+    server = start_server("--instances", "1").wait_ready()
+    sampling = {"max_tokens": 1900, "temperature": 0.0, "ignore_eos": True}
+    with Client(server.address) as client:
+        whole = client.generate(PROMPT, timeout=120, **sampling)
+        with dealer(server.address) as doomed:
+            doomed.send_multipart(wire.encode(wire.Request("taken-1", PROMPT, None, wire.GenerateParams(**sampling),
+                                                           stream=True)))
+            had = ""
+            while len(had) < 20:
+                message = received(doomed, 30)
+                had += "".join(c.text for c in (message.chunks if isinstance(message, wire.Chunks) else [message]))
+        wait_for(lambda: client.stats().counters.get("client_gone"), 30, "the broker to find the client gone")
+        accepted = client.stats().counters["accepted"]
+        rest = "".join(client.stream(PROMPT, request_id="taken-1", delivered={0: had}, timeout=120, **sampling))
+        counters = client.stats().counters
+    assert had + rest == whole.text
+    assert counters.get("rebound") == 1 and counters["accepted"] == accepted, counters
     assert not server.tracebacks(), "\n".join(server.log)

@@ -1,6 +1,7 @@
 """Several gateway processes on one port (``--http-workers``, ``mpserve.gateway.fleet``): a gateway process that
 dies takes only the connections it held, the others serve on, and it is started again; stored responses are
-found through any of them; gateways that keep dying as they start stop the server (exit status 1)."""
+found through any of them, and the streams of one that died are taken up by another where they were; gateways that
+keep dying as they start stop the server (exit status 1)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import http.client
 import json
 import os
 import signal
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -16,6 +18,7 @@ import pytest
 from conftest import ServerProcess
 from helpers import free_port, wait_for
 
+from mpserve import Client
 from mpserve.runtime import pid_alive
 
 PROMPT = "Once upon a time"
@@ -198,6 +201,12 @@ CHAT = {"model": "tiny", "messages": [{"role": "user", "content": "Tell me a sto
         "temperature": 0, "stream": True, "ignore_eos": True}
 
 
+def _sent_again(client: Client) -> dict[str, int] | None:
+    """The broker's counters once a stream was sent again (taken up, or accepted anew after the first three)."""
+    counters = client.stats().counters
+    return counters if counters.get("rebound") or counters.get("accepted", 0) > 3 else None
+
+
 def _datas(raw: bytes) -> list[str]:
     return [line[6:].decode() for line in raw.splitlines() if line.startswith(b"data: ")]
 
@@ -256,9 +265,20 @@ def test_streams_are_read_on_through_another_gateway_process_which_takes_them_ov
         assert _content(_datas(rest)) != "" and reference.endswith(_content(_datas(rest)))
 
         producer, first = started("doomed-1")
-        os.kill(producer, signal.SIGKILL)
-        wait_for(lambda: not pid_alive(producer), timeout=10, what="the producing gateway process to die")
-        rest = elsewhere(producer, "doomed-1")  # the other process takes the stream over: the request again
+        instances = {row.pid for row in server.slots() if row.pid}
+        with Client(server.address) as client, ThreadPoolExecutor(1) as pool:
+            for pid in instances:  # the stream waits where it is until it is taken up: nothing ends it before
+                os.kill(pid, signal.SIGSTOP)
+            try:
+                os.kill(producer, signal.SIGKILL)
+                wait_for(lambda: not pid_alive(producer), timeout=10, what="the producing gateway process to die")
+                reading = pool.submit(elsewhere, producer, "doomed-1")  # the other process takes the stream over
+                counters = wait_for(lambda: _sent_again(client), 30, "the stream sent again by the other process")
+            finally:
+                for pid in instances:
+                    os.kill(pid, signal.SIGCONT)
+            rest = reading.result()
+        assert counters.get("rebound") == 1, counters  # taken up where it was: its text is not computed again
         assert rest.startswith(b"id: 1\n") and rest.rstrip().endswith(b"data: [DONE]"), rest[-300:]
         assert _content(_datas(first) + _datas(rest)) == reference  # nothing lost, nothing twice
         ids = [int(line[4:]) for line in rest.splitlines() if line.startswith(b"id: ")]

@@ -22,7 +22,7 @@ import msgspec
 
 from mpserve.wire import protocol as wire
 
-from . import adoption, link, spans
+from . import adoption, link, rebind, spans
 from .answers import Answers
 from .dispatch import Dispatcher
 from .state import Pending, RequestState, WorkerEntry
@@ -106,10 +106,12 @@ class Adopter:
             self.tables.requests[p.ticket] = p
             self.tables.add_deadline(p)
             if req.stream and text:
-                self.answers.to_client(client, wire.encode(wire.Chunk(req.id, text, None, p.index)))
+                frames = wire.encode(wire.Chunk(req.id, text, None, p.index))
+                self.answers.to_client(client, frames)
+                rebind.keep(self.tables, p, frames[2])  # should its client go too, the next one gets it
             spans.requeued(p, "reattach")
             mq.queue.requeue(p.ticket, tenant, p.priority, p.cost)
-        self.tables.by_client[(client, req.id)] = tickets[0]
+        self.tables.bind(client, rows[0][0])
         self.tables.owned[client] = self.tables.owned.get(client, 0) + len(rows)
         capped = cap_key(client, tenant)
         self.tables.capped[capped] = self.tables.capped.get(capped, 0) + len(rows)

@@ -6,8 +6,9 @@
                                                frees the slot)
     finish(p) ─▶ p leaves the tables: its id is free again (after its last choice), its client's counts drop, a
                  sequence parked for it is forgotten on its worker
-    to_client(frames) ─▶ front or admin ROUTER, never blocking: a client gone or not reading ─▶ drop_client: its
-                         requests end, nothing more is sent to it
+    to_client(frames) ─▶ front or admin ROUTER, never blocking: a client not reading ─▶ drop_client: its
+                         requests end, nothing more is sent to it; a client gone ─▶ detached: nothing more is sent
+                         to it, its requests run on for another client to take up (``mpserve.server.rebind``)
 
 A worker's lookups (TOKENIZE, EMBED, SLOT_ACTION) end here too when their worker is lost (``lookups_lost``). The
 slot a request leaves is charged to its tenant here (``left_slot``, ``used``: ``mpserve.server.tenants``).
@@ -42,7 +43,10 @@ class Answers:
         self.admin = admin
 
     def to_client(self, client: bytes, frames: list[bytes]) -> bool:
-        """Send without blocking. A client that is gone or not reading loses its requests."""
+        """Send without blocking. A client that is not reading loses its requests; one that is gone is detached:
+        its requests run on a while for another client of its tenant to take them up (``mpserve.server.rebind``)."""
+        if client in self.tables.detached:
+            return False
         try:
             if roles.is_admin(client):
                 assert self.admin is not None
@@ -50,11 +54,15 @@ class Answers:
             else:
                 zmqio.send(self.front, [client, *frames], zmqio.NOBLOCK)
             return True
-        except (zmq.Again, zmq.ZMQError) as exc:
-            reason = "not reading" if isinstance(exc, zmq.Again) else "gone"
-            self.tables.stats[f"client_{reason.replace(' ', '_')}"] += 1
-            log.warning("client %s is %s; cancelling its requests", client.hex(), reason)
+        except zmq.Again:
+            self.tables.stats["client_not_reading"] += 1
+            log.warning("client %s is not reading; cancelling its requests", client.hex())
             self.drop_client(client)
+            return False
+        except zmq.ZMQError:
+            self.tables.stats["client_gone"] += 1
+            log.info("client %s is gone; its requests run on for another client to take them up", client.hex())
+            self.tables.detached[client] = time.monotonic()
             return False
 
     def drop_client(self, client: bytes, why: str = "") -> None:
@@ -98,13 +106,14 @@ class Answers:
 
     def finish(self, p: Pending) -> None:
         self.tables.requests.pop(p.ticket, None)
+        self.tables.let_go(p)
         self.unpark(p)
         key = (p.client, p.request.id)
         left = self.tables.choices(p) if p.group else []
         if left:  # a request for n: its id stays in use until its last choice is done
             self.tables.by_client[key] = left[0].ticket
         else:
-            self.tables.by_client.pop(key, None)
+            self.tables.unbind(p.client, p)
         capped = cap_key(p.client, p.tenant)
         left_capped = self.tables.capped.get(capped, 0) - 1
         if left_capped > 0:

@@ -4,9 +4,9 @@ tenants, lookups and reattached requests.
     client message ─▶ message: its type allowed to its socket (``roles``) ─▶ REQUEST: admit ─┐ CANCEL: cancel it
         PING: PONG (this start's id)  STATS_QUERY: snapshot  TOKENIZE, EMBED, SLOT_ACTION: a lookup, at once to one
         instance  ADAPTER_ACTION: ``AdapterOps``  CONTROL: hooks.control
-    admit ─▶ reattach? (``Adopter``: an adoptee holds it; or held while adoptees are expected) ─▶ its model, its
-        adapters, the limits (queue, server, per client, per tenant: ``tenants.Ledger``, and the tenant's image
-        limits) ─▶ Busy / BadRequest ...
+    admit ─▶ reattach? (``Rebinder``: a gone client's request, taken up; ``Adopter``: an adoptee holds it; or held
+        while adoptees are expected) ─▶ its model, its adapters, the limits (queue, server, per client, per tenant:
+        ``tenants.Ledger``, and the tenant's image limits) ─▶ Busy / BadRequest ...
         ─▶ or n rows in the tables, queued (its tenant's priority and cost) ─▶ the dispatcher
     a request's tenant: on the clients' socket its connection's (a CURVE client's key; "" on ipc), on the admin
         socket the ``tenant`` the gateway names (``_tenant``); its priority is capped by its tenant's settings
@@ -45,6 +45,7 @@ from .adopter import Adopter
 from .answers import Answers
 from .dispatch import Dispatcher
 from .hooks import BrokerHooks
+from .rebind import Rebinder
 from .state import ModelQueue, Pending
 from .tables import DEFAULT_SERVICE_MS, Tables, WorkerOutbox, cap_key, new_ticket
 from .tenants import shown
@@ -75,6 +76,8 @@ class Clients:
         self.client_timeout = client_timeout
         self.start_id = secrets.token_hex(8)  # this start, in every PONG: a client that sees another one reattaches
         self.held: list[tuple[bytes, wire.Request, str, bool]] = []  # reattached, waiting for the adoptees
+        self.rebinder = Rebinder(tables, self.answers, lambda: wire.encode(self._pong()))  # live requests of gone
+        # clients, taken up by others
 
     def message(self, frames: list[bytes], tenant: str = "", admin: bool = False) -> None:
         """One message from a client; ``tenant``: its connection's (the CURVE key it proved), on the front."""
@@ -95,9 +98,7 @@ class Clients:
             elif isinstance(msg, wire.Cancel):
                 self._cancel_request(client, msg)
             elif isinstance(msg, wire.Ping):
-                pong = wire.Pong(msg.nonce, tuple(self.tables.models), wire.MAX_MESSAGE_BYTES,  # clients check it
-                                 self.start_id)
-                self.answers.to_client(client, wire.encode(pong))
+                self.answers.to_client(client, wire.encode(self._pong(msg.nonce)))
             elif isinstance(msg, wire.Tokenize):
                 self._lookup(client, msg)
             elif isinstance(msg, wire.Embed):
@@ -121,6 +122,11 @@ class Clients:
             self.answers.to_client(client, wire.encode(wire.Error(rid, ErrorCode.INTERNAL,
                                                                   "internal error; see the server log")))
 
+    def _pong(self, nonce: int = 0) -> wire.Pong:
+        """What a PING is answered (the largest message: clients check it; this start's id: they reattach on
+        another)."""
+        return wire.Pong(nonce, tuple(self.tables.models), wire.MAX_MESSAGE_BYTES, self.start_id)
+
     def _tenant(self, req: wire.Request, connection: str, admin: bool) -> str:
         """Whose ``req`` is: on the admin socket, the tenant it names (the gateway's caller); on the clients'
         socket, its connection's (a ``tenant`` naming another is refused)."""
@@ -141,7 +147,7 @@ class Clients:
                 return
             raise BadRequest(f"request id {req.id!r} is already in use by one of your pending requests")
         if req.reattach:
-            if self.adopter.reattach(client, req, tenant):
+            if self.rebinder.rebind(client, req, tenant) or self.adopter.reattach(client, req, tenant):
                 return
             if self.adopter.adoptions.expecting(time.monotonic()):  # its instance may not have registered yet
                 self.held.append((client, req, tenant, admin))
@@ -206,7 +212,7 @@ class Clients:
             self.tables.requests[ticket] = p
             self.tables.add_deadline(p)
         self.tables.requests[tickets[0]].slots_needed = n
-        self.tables.by_client[(client, req.id)] = tickets[0]
+        self.tables.bind(client, self.tables.requests[tickets[0]])
         self.tables.owned[client] = self.tables.owned.get(client, 0) + n
         capped = cap_key(client, tenant)
         self.tables.capped[capped] = self.tables.capped.get(capped, 0) + n
@@ -281,7 +287,9 @@ class Clients:
         return sorted({name for ticket in mq.queue for name, _ in self.tables.requests[ticket].request.adapters})
 
     def expire(self, now: float) -> None:
-        """Cancel the requests of clients that stopped sending (closed, killed, or partitioned)."""
+        """Cancel the requests of clients that stopped sending (closed, killed, or partitioned), and those of gone
+        clients that no other took up in time (``Rebinder.expire``)."""
+        self.rebinder.expire(now)
         silent = [c for c, heard in self.tables.heard.items() if now - heard > self.client_timeout]
         for client in silent:
             del self.tables.heard[client]

@@ -3,7 +3,8 @@ clients unchanged, looked up by ticket.
 
     STEP (one worker step) ─▶ step: entry by entry, in order; per client, the step's CHUNK bodies spliced into
                               one CHUNKS (one: a CHUNK), sent before that client's next DONE or ERROR
-    CHUNK ─▶ _streaming: STREAMING, its token ids kept (``Pending.generated``: a hand-over resumes from them)
+    CHUNK ─▶ _streaming: STREAMING, its token ids kept (``Pending.generated``: a hand-over resumes from them), its
+             body kept (``rebind.keep``: another client may take it up)
     DONE / ERROR ─▶ result: to the client (a DONE after a hand-over with the whole request's timings), the slot
                     freed (or the drained worker told to STOP), the tenant charged ─▶ the dispatcher
     PARKED ─▶ ``Dispatcher.parked``
@@ -25,7 +26,7 @@ import msgspec
 from mpserve.errors import ErrorCode, MpserveError
 from mpserve.wire import protocol as wire
 
-from . import link
+from . import link, rebind
 from .answers import Answers
 from .dispatch import Dispatcher
 from .state import Pending, RequestState, WorkerEntry
@@ -61,6 +62,7 @@ class Results:
                 p = self._running_on(entry, ticket)
                 if p is not None and not self._foreign(p, mtype, body) and self._streaming(p, trailer):
                     by_client.setdefault(p.client, []).append(body)
+                    rebind.keep(self.tables, p, body)
                 continue
             p = self.tables.requests.get(ticket)
             if p is not None and p.client in by_client:
@@ -91,6 +93,7 @@ class Results:
         if mtype is wire.MsgType.CHUNK:
             if self._streaming(p, trailer):
                 self.answers.to_client(p.client, [wire.VERSION, type_frame, body])
+                rebind.keep(self.tables, p, body)
             return
         if mtype is wire.MsgType.PARKED:
             self.dispatcher.parked(entry, p, trailer)

@@ -65,6 +65,9 @@ class Pending:
     worker: bytes | None = None
     generated: bytearray = field(default_factory=bytearray)  # token ids streamed so far (TOKENS frames)
     tokens_known: bool = True  # False once a CHUNK came without its token ids: it cannot be resumed
+    kept: list[bytes] | None = field(default_factory=list)  # its CHUNK bodies so far, for another client to take it
+    # up (``mpserve.server.rebind``); None once let go
+    kept_bytes: int = 0  # their size
     group: tuple[str, ...] = ()  # a request for n choices: the tickets of all n (this one among them)
     index: int = 0  # which choice this row is
     slots_needed: int = 1  # queued as a request for n: the n free slots of one instance it waits for

@@ -1,7 +1,8 @@
 """The broker's floor: the tables every manager above reads and changes, and the worker socket's outbox.
 
     Tables ─┬─ requests   ticket -> Pending (``mpserve.server.state`` draws a request's states); by_client:
-            │             (client, request id) -> its first ticket; deadlines: a heap of (when, ticket)
+            │             (client, request id) -> its first ticket; ids: (tenant, request id) -> its clients;
+            │             deadlines: a heap of (when, ticket)
             ├─ workers    identity -> WorkerEntry (its running tickets, free slots in its model's queue)
             ├─ models     name -> ModelQueue (its fair queue, free slots, adapters, verdicts)
             ├─ lookups    TOKENIZE, EMBED, SLOT_ACTION ticket -> client, request id, worker
@@ -64,6 +65,9 @@ class Tables:
         self.heard: dict[bytes, float] = {}  # clients with pending requests -> last message time
         self.owned: dict[bytes, int] = {}  # clients -> number of pending requests
         self.capped: dict[bytes, int] = {}  # pending requests per client, or per tenant the gateway named
+        self.detached: dict[bytes, float] = {}  # clients found gone -> when: their requests wait to be taken up
+        self.ids: dict[tuple[str, str], set[bytes]] = {}  # (tenant, request id) -> the clients it is pending for
+        self.kept_bytes = 0  # the chunk bodies the requests keep, in all (``mpserve.server.rebind``)
         self.stats: Counter[str] = Counter()
         self.accepting = True
         self.removed: set[str] = set()  # models a reload removed: new requests refused, the rest finish
@@ -76,6 +80,26 @@ class Tables:
     def registered(self, model: str) -> bool:
         """Whether an instance of ``model`` that takes requests is registered."""
         return any(w.model == model and not w.draining for w in self.workers.values())
+
+    def bind(self, client: bytes, p: Pending) -> None:
+        """The request ``p`` is the first row of is ``client``'s: by_client and ids."""
+        self.by_client[(client, p.request.id)] = p.ticket
+        self.ids.setdefault((p.tenant, p.request.id), set()).add(client)
+
+    def unbind(self, client: bytes, p: Pending) -> None:
+        """The request ``p`` is a row of is no longer ``client``'s."""
+        self.by_client.pop((client, p.request.id), None)
+        key = (p.tenant, p.request.id)
+        clients = self.ids.get(key)
+        if clients is not None:
+            clients.discard(client)
+            if not clients:
+                del self.ids[key]
+
+    def let_go(self, p: Pending) -> None:
+        """``p`` keeps no text any more (it ended, or it ran out of room: ``mpserve.server.rebind``)."""
+        self.kept_bytes -= p.kept_bytes
+        p.kept, p.kept_bytes = None, 0
 
     def choices(self, p: Pending) -> list[Pending]:
         """The rows still here of the request ``p`` is a choice of (``p`` alone for a request for one)."""

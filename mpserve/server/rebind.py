@@ -1,0 +1,125 @@
+"""A live request taken up by another client than the one that sent it, nothing computed again: the stream of a
+gateway process that died, resumed through another one (its ``Last-Event-ID``), or a client that reconnected.
+
+    CHUNK forwarded ─▶ keep(p, body): the body kept on its row (``Pending.kept``), within KEEP_PER_REQUEST and the
+                       broker's KEEP_TOTAL; past either, that row's kept text is let go (``Tables.let_go``: a
+                       rebind of it is refused, and its request runs anew); let go too when it ends
+    a send to a client fails (it is gone) ─▶ ``Answers.to_client``: detached (``Tables.detached``), nothing more
+                       is sent to it; its requests run on for REBIND_S ─▶ expire: past it, they are cancelled
+    REQUEST marked reattach, live under a gone client of the same tenant (one not known gone yet is probed: a PONG
+    sent to it) with the same prompt and choices
+                   ─▶ rebind: every row the new client's, each row's kept bodies sent to it first (CHUNKS: the client
+                       drops the text it had, checking it), then it goes on where it runs, or waits in its queue
+
+The kept text is bounded per request and in all; a tenant holds at most its running requests' (its limits bound
+them). Rebinding asks the same tenant and the same request: a client takes over only what it could have asked for.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+
+from mpserve.errors import ErrorCode
+from mpserve.wire import protocol as wire
+
+from .answers import Answers
+from .state import Pending
+from .tables import Tables, cap_key
+
+log = logging.getLogger("mpserve.broker")
+
+KEEP_PER_REQUEST = 1 << 20  # bytes of chunk bodies kept per row
+KEEP_TOTAL = 256 << 20  # ... and by the broker in all
+REBIND_S = 10.0  # how long a gone client's requests run on, for another client to take them up
+REPLAY_BATCH = 256  # kept bodies per CHUNKS sent on a rebind
+
+
+def keep(tables: Tables, p: Pending, body: bytes) -> None:
+    """``body`` (a CHUNK of ``p``) forwarded: kept for a rebind, if ``p`` still keeps and there is room."""
+    kept = p.kept
+    if kept is None:
+        return
+    size = len(body)
+    if p.kept_bytes + size > KEEP_PER_REQUEST or tables.kept_bytes + size > KEEP_TOTAL:
+        tables.let_go(p)
+        return
+    kept.append(body)
+    p.kept_bytes += size
+    tables.kept_bytes += size
+
+
+class Rebinder:
+    """Requests taken up by another client of their tenant; the requests of gone clients, held for it."""
+
+    def __init__(self, tables: Tables, answers: Answers, pong: Callable[[], list[bytes]]) -> None:
+        """``pong``: a PONG as the clients are sent one (to probe a client)."""
+        self.tables = tables
+        self.answers = answers
+        self.pong = pong
+
+    def rebind(self, client: bytes, req: wire.Request, tenant: str) -> bool:
+        """``req`` (marked reattach) from ``client``: if a gone client of ``tenant`` has it live, every choice of it
+        is ``client``'s now, its text so far sent first. False: none has it (or its text was let go: it is
+        cancelled there, and runs anew)."""
+        rows = self._live(client, req, tenant)
+        if not rows:
+            return False
+        if req.stream and any(p.kept is None for p in rows):
+            self.answers.cancel(rows[0], ErrorCode.CANCELLED, "taken up by another client, without its text")
+            return False
+        old = rows[0].client
+        self.tables.unbind(old, rows[0])
+        self._count(old, tenant, -len(rows))
+        for p in rows:
+            p.client = client
+            for at in range(0, len(p.kept or ()), REPLAY_BATCH) if req.stream else ():
+                bodies = (p.kept or [])[at:at + REPLAY_BATCH]
+                self.answers.to_client(client, [wire.VERSION, wire.TYPE_FRAMES[wire.MsgType.CHUNKS],
+                                                wire.splice_array(bodies)])
+        self.tables.bind(client, rows[0])
+        self._count(client, tenant, len(rows))
+        self.tables.heard[client] = time.monotonic()
+        self.tables.stats["rebound"] += 1
+        log.debug("request %s: taken up by another client of its tenant, %d bytes of text sent again", req.id,
+                  sum(p.kept_bytes for p in rows))
+        return True
+
+    def _live(self, client: bytes, req: wire.Request, tenant: str) -> list[Pending]:
+        """The rows of the live request ``req`` names under a gone client of ``tenant``, if it is the same. A client
+        not known gone yet is sent a PONG, which finds it gone if it is (its process died a moment ago)."""
+        for owner in list(self.tables.ids.get((tenant, req.id), ())):
+            p = self.tables.requests.get(self.tables.by_client.get((owner, req.id), ""))
+            if owner == client or p is None or p.answered or not _same(p, req):
+                continue
+            if owner in self.tables.detached or not self.answers.to_client(owner, self.pong()):
+                return [r for r in self.tables.choices(p) if not r.answered]
+        return []
+
+    def _count(self, client: bytes, tenant: str, n: int) -> None:
+        """``client``'s pending counts, by ``n``."""
+        capped = cap_key(client, tenant)
+        for counts, key in ((self.tables.owned, client), (self.tables.capped, capped)):
+            left = counts.get(key, 0) + n
+            if left > 0:
+                counts[key] = left
+            else:
+                counts.pop(key, None)
+        if client not in self.tables.owned:
+            self.tables.heard.pop(client, None)
+            self.tables.detached.pop(client, None)
+
+    def expire(self, now: float) -> None:
+        """The requests of the clients gone for REBIND_S that no client took up: cancelled."""
+        for client, since in list(self.tables.detached.items()):
+            if now - since > REBIND_S or client not in self.tables.owned:
+                self.answers.drop_client(client)  # nothing is sent to it: it is still detached
+                self.tables.detached.pop(client, None)
+
+
+def _same(p: Pending, req: wire.Request) -> bool:
+    """Whether ``req`` asks what the request ``p`` is the first row of asks: the same prompt, choices and stream."""
+    held = p.request
+    return (held.prompt, held.tokens, held.images, held.cache_salt, held.stream, len(p.group) or 1) == (
+        req.prompt, req.tokens, req.images, req.cache_salt, req.stream, req.params.n)
