@@ -135,14 +135,15 @@ PREAMBLE = "".join(f"Rule {i}: a pupil who finishes the {topic} task early helps
 
 
 def _requests() -> list[tuple[str, GenerateParams]]:
-    """Chats of a system prompt longer than a chunk, or none, each greedy; more of them than slots."""
+    """Chats of a system prompt longer than a chunk, or none, each greedy, each asked twice: twice as many as
+    slots."""
     out = []
-    for i, question in enumerate(QUESTIONS * 2):
+    for i, question in enumerate(QUESTIONS):
         system = f"<|im_start|>system\n{PREAMBLE}<|im_end|>\n" if i % 2 == 0 else ""
         out.append((f"{system}<|im_start|>user\n{question}<|im_end|>\n<|im_start|>assistant\n",
-                    GenerateParams(max_tokens=40 + 8 * i, temperature=0.0, stop=("<|im_end|>",),
+                    GenerateParams(max_tokens=40 + 16 * i, temperature=0.0, stop=("<|im_end|>",),
                                    logprobs=2)))
-    return out
+    return out * 2
 
 
 def _engine(model: RealModel, parallel: int) -> BatchEngine:
@@ -151,8 +152,8 @@ def _engine(model: RealModel, parallel: int) -> BatchEngine:
 
 
 def test_exact_reuse_gives_each_stream_its_text_alone_with_a_cache_and_under_concurrency(smollm2: RealModel) -> None:
-    """Eight streams on four slots, the second half reusing the preamble the first computed (a slot's cells, or
-    copied), against each alone in a fresh engine."""
+    """Eight streams on four slots, the second half asking the first half's chats again and reusing the preamble the
+    first computed (a slot's cells, or copied), against each chat alone in a fresh engine."""
     load = _requests()
     engine = _engine(smollm2, 4)
     try:
@@ -162,11 +163,11 @@ def test_exact_reuse_gives_each_stream_its_text_alone_with_a_cache_and_under_con
     assert sum(c.reused_tokens > 0 for c in done) >= 2  # the preamble's chunks, reused
     together = [(c.text, c.logprobs) for c in done]  # the log-probabilities: a row that differs at all shows
     alone = []
-    for request in load:
+    for request in load[:len(QUESTIONS)]:
         fresh = _engine(smollm2, 1)
         try:
             [completion] = serve(fresh, [request])
             alone.append((completion.text, completion.logprobs))
         finally:
             fresh.close()
-    assert all(text for text, _ in alone) and together == alone
+    assert all(text for text, _ in alone) and together == alone * 2
