@@ -5,6 +5,7 @@ library in the worker, and reused from the cache by the decoded samples."""
 
 from __future__ import annotations
 
+import random
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -97,3 +98,46 @@ def test_an_audio_projector_for_another_model_is_refused_at_start_in_one_line(pa
     assert started.returncode != 0
     assert "embeddings of 768 values and the model's are 64" in started.stderr, started.stderr
     assert mpserve("plan", "--model", str(pair[0]), "--mmproj", str(pair[1])).returncode == 0
+
+
+SILENT_MP3 = (bytes([0xFF, 0xFB, 0x90, 0x64]) + bytes(413)) * 40  # MPEG-1 layer III frames of nothing: 1.04 s
+
+
+def test_an_mp3_clip_is_answered_with_a_window_as_a_wavs_is(http: httpx.Client) -> None:
+    wav_reply = answer(http, chat(PROMPT, audio_part(A440), model="audio", max_tokens=4))
+    mp3_reply = answer(http, chat(PROMPT, audio_part(SILENT_MP3, "mp3"), model="audio", max_tokens=4))
+    assert said(mp3_reply)
+    assert mp3_reply["usage"]["prompt_tokens"] == wav_reply["usage"]["prompt_tokens"]  # one 30-s window each
+
+
+def mutations(seed: int, n: int) -> Iterator[tuple[bytes, str]]:
+    """``n`` clips made from a WAV and an MP3 by flipping, cutting and repeating bytes: what reaches llama.cpp's
+    decoder when a header is sound or nearly so and the rest is not."""
+    rng = random.Random(seed)
+    for _ in range(n):
+        form = rng.choice(["wav", "mp3"])
+        data = bytearray(wav(330, 0.5) if form == "wav" else SILENT_MP3[:417 * 8])
+        for _ in range(rng.randrange(1, 8)):
+            data[rng.randrange(len(data))] = rng.randrange(256)
+        if rng.random() < 0.3:
+            data = data[:rng.randrange(4, len(data))]
+        if rng.random() < 0.2:
+            at = rng.randrange(len(data))
+            data[at:at] = data[at:at + rng.randrange(1, 64)] * rng.randrange(1, 32)
+        yield bytes(data), form
+
+
+@pytest.mark.timeout(300)
+def test_fuzzed_clips_are_answered_or_refused_and_no_worker_is_harmed(
+        served: tuple[ServerProcess, httpx.Client]) -> None:
+    server, http = served
+    workers = {row.pid for row in server.slots()}
+    statuses = set()
+    for clip, form in mutations(62, 60):
+        reply = http.post("/v1/chat/completions", json=chat(PROMPT, audio_part(clip, form), model="audio",
+                                                            max_tokens=2))
+        assert reply.status_code in (200, 400), reply.text
+        statuses.add(reply.status_code)
+    assert statuses == {200, 400}  # some reached the decoder and the encoder, some were refused
+    assert said(answer(http, chat(PROMPT, audio_part(A440), model="audio", max_tokens=4)))
+    assert {row.pid for row in server.slots()} == workers  # the same processes: none crashed and was replaced

@@ -71,31 +71,43 @@ def read_audio(data: bytes, where: str) -> AudioHeader:
 
 
 def _wav_seconds(data: bytes, where: str) -> float:
-    """Seconds of a WAV file: its data chunk's bytes (at most what follows) over its fmt chunk's bytes per second."""
-    at, rate_bytes, encoding = 12, 0, 0
+    """Seconds of a WAV file: its data chunk's bytes (at most what follows) over the bytes a second of its samples
+    takes, from its fmt chunk's channels, sample rate and bits per sample (what a decoder goes by, not the chunk's
+    own bytes-per-second field, which may say otherwise)."""
+    at, encoding, channels, rate, bits = 12, 0, 0, 0, 0
     while at + 8 <= len(data):
         kind, size = struct.unpack("<4sI", data[at:at + 8])
         if kind == b"fmt ":
-            encoding, _, _, rate_bytes = struct.unpack("<HHII", data[at + 8:at + 20])
+            encoding, channels, rate, _, _, bits = struct.unpack("<HHIIHH", data[at + 8:at + 24])
         elif kind == b"data":
             if encoding not in _WAV_ENCODINGS:
                 raise BadRequest(f"{where}: the WAV audio's encoding ({encoding:#x}) is not PCM or float samples"
                                  if encoding else f"{where}: the WAV audio has no fmt chunk before its data")
-            if rate_bytes <= 0:
-                raise BadRequest(f"{where}: the WAV audio's fmt chunk gives {rate_bytes} bytes per second")
-            return float(min(size, len(data) - at - 8) / rate_bytes)
+            if not channels or not rate or not bits:
+                raise BadRequest(f"{where}: the WAV audio's fmt chunk gives {channels} channels of {bits} bits at "
+                                 f"{rate} Hz")
+            return float(min(size, len(data) - at - 8) / (channels * -(-bits // 8)) / rate)
         at += 8 + size + (size & 1)
     raise BadRequest(f"{where}: the WAV audio has no data chunk (corrupt or cut short)")
 
 
 def _mp3_seconds(data: bytes, where: str) -> float:
-    """Seconds of an MP3 file: its MPEG audio frames counted, each by the samples its header gives."""
+    """Seconds of an MP3 file: its MPEG audio frames counted, each by the samples its header gives. Past bytes that
+    do not start a frame it looks for the next frame header, as a decoder does, so what it counts is at least what
+    a decoder would find."""
     at = 0
     if data[:3] == b"ID3":  # a tag first: its size, 4 bytes of 7 bits, after a 10-byte header
         size = data[6] << 21 | data[7] << 14 | data[8] << 7 | data[9]
         at = 10 + size
     seconds, frames = 0.0, 0
-    while at + 4 <= len(data) and _frame_sync(data, at):
+    while at + 4 <= len(data):
+        if not _frame_sync(data, at):
+            if not frames:
+                break
+            at = data.find(b"\xff", at + 1)
+            if at < 0:
+                break
+            continue
         version, layer = data[at + 1] >> 3 & 3, 4 - (data[at + 1] >> 1 & 3)
         bitrate = _BITRATES[(1 if version == 3 else 2, min(layer, 2) if version != 3 else layer)][data[at + 2] >> 4]
         rate = _RATES[version][data[at + 2] >> 2 & 3]

@@ -45,6 +45,19 @@ def test_a_wav_that_claims_more_data_than_it_has_is_measured_by_what_it_has() ->
     assert read_audio(bytes(data), "clip").seconds == pytest.approx(1)
 
 
+def test_a_wav_is_measured_by_its_rate_and_sample_size_not_the_bytes_per_second_it_claims() -> None:
+    data = bytearray(wav(1, rate=8000))
+    data[28:32] = struct.pack("<I", 1 << 30)  # the fmt chunk's byte rate: a decoder goes by the rate and sample size
+    assert read_audio(bytes(data), "clip").seconds == pytest.approx(1)
+    data[24:28] = struct.pack("<I", 1)  # one sample a second: 8000 seconds, which a decoder would resample
+    assert read_audio(bytes(data), "clip").seconds == pytest.approx(8000)
+
+
+def test_mp3_frames_past_bytes_that_are_not_a_frame_are_counted_as_a_decoder_finds_them() -> None:
+    clip = MP3_32K * 2 + b"junk\xff\x00" + MP3_32K * 3
+    assert read_audio(clip, "clip").seconds == pytest.approx(5 * 1152 / 44100)
+
+
 def test_mp3_frames_are_counted_after_an_id3_tag() -> None:
     tag = b"ID3\x04\x00\x00" + bytes([0, 0, 1, 0]) + bytes(128)  # a 128-byte tag (7 bits a byte)
     clip = tag + MP3_32K * 10 + MP3_320K_PADDED * 5
