@@ -4,6 +4,7 @@ once per host, the cache used offline, and each bad source refused before anythi
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import io
 import json
@@ -12,6 +13,7 @@ import os
 import socket
 import subprocess
 import sys
+import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -27,12 +29,22 @@ from mpserve import Client
 from mpserve.errors import ConfigError
 from mpserve.models import hub, templates
 from mpserve.models.builtin import default_model_path
+from mpserve.models.mmproj_maker import TOKENS_PER_IMAGE, write_projector
 from mpserve.models.progress import Progress, downloads
+from mpserve.wire.media import MEDIA_MARKER, WithImages
 
 pytestmark = pytest.mark.timeout(60)
 
-REPO = "acme/tiny-GGUF"
-TINY = default_model_path().read_bytes()
+REPO, VISION_REPO = "acme/tiny-GGUF", "acme/vision-GGUF"
+TINY = default_model_path().read_bytes()  # the text model of the random vision pair too
+VISION_PROMPT = f"<|im_start|>user\n{MEDIA_MARKER}What is this?<|im_end|>\n<|im_start|>assistant\n"
+
+
+@functools.cache
+def projector_bytes() -> bytes:
+    """The random vision pair's projector (``mpserve make-model --size tiny --mmproj``), as a file's bytes."""
+    with tempfile.TemporaryDirectory() as folder:
+        return write_projector(Path(folder) / "mmproj.gguf").read_bytes()
 
 
 @pytest.fixture
@@ -41,7 +53,10 @@ def fake_hub() -> Iterator[FakeHub]:
                              "README.md": b"# tiny"},
                       "acme/split-GGUF": {"big-Q8_0-00001-of-00002.gguf": TINY[:300_000],
                                           "big-Q8_0-00002-of-00002.gguf": TINY[300_000:]},
-                      "acme/private-GGUF": {"tiny-Q4_K_M.gguf": TINY}}, private={"acme/private-GGUF": "sekret"})
+                      "acme/private-GGUF": {"tiny-Q4_K_M.gguf": TINY},
+                      VISION_REPO: {"vision-Q4_K_M.gguf": TINY, "mmproj-F32.gguf": projector_bytes(),
+                                    "mmproj-vision-F16.gguf": projector_bytes(), "old/mmproj-F16.gguf": b"no"}},
+                      private={"acme/private-GGUF": "sekret"})
     yield served
     served.stop()
 
@@ -127,6 +142,17 @@ def test_the_file_is_chosen_by_quantization_as_llama_server_does() -> None:
         hub.choose(["README.md"], None)
     assert hub.parts("big/m-Q6_K-00001-of-00003.gguf") == [
         "big/m-Q6_K-00001-of-00003.gguf", "big/m-Q6_K-00002-of-00003.gguf", "big/m-Q6_K-00003-of-00003.gguf"]
+
+
+def test_the_projector_is_the_mmproj_gguf_beside_the_model_f16_first() -> None:
+    files = ["m-Q4_K_M.gguf", "mmproj-m-BF16.gguf", "mmproj-m-f16.gguf", "mmproj-m-F32.gguf", "sub/m-Q8_0.gguf",
+             "sub/mmproj-Q8_0.gguf", "other/mmproj-F16.gguf", "README.md", "mmproj-notes.txt"]
+    assert hub.choose_projector(files, "m-Q4_K_M.gguf") == "mmproj-m-f16.gguf"
+    assert hub.choose_projector(files[1:], "m-Q4_K_M.gguf") == "mmproj-m-f16.gguf"
+    assert hub.choose_projector([f for f in files if "16" not in f], "m-Q4_K_M.gguf") == "mmproj-m-F32.gguf"
+    assert hub.choose_projector(files, "sub/m-Q8_0.gguf") == "sub/mmproj-Q8_0.gguf"
+    assert hub.choose_projector(["m.gguf", "b-mmproj.gguf", "a-mmproj.gguf"], "m.gguf") == "a-mmproj.gguf"
+    assert hub.choose_projector(["m.gguf", "sub/mmproj-F16.gguf"], "m.gguf") is None
 
 
 def test_progress_draws_a_bar_on_a_terminal_and_logs_each_tenth_elsewhere(caplog: pytest.LogCaptureFixture,
@@ -272,17 +298,59 @@ def test_two_names_of_one_file_pulled_at_once_download_it_once(fake_hub: FakeHub
     assert outputs[0][0] == outputs[1][0] and fake_hub.downloads("tiny-Q4_K_M.gguf") == [0]
 
 
+def image_answered(server: ServerProcess) -> int:
+    """The prompt tokens of a request with an image to ``server``'s one model (refused without a projector)."""
+    from test_images import RED
+
+    with Client(server.address) as client:
+        done = client.generate(WithImages(VISION_PROMPT, (RED,)), max_tokens=2, temperature=0)
+    assert done.usage.prompt_tokens > TOKENS_PER_IMAGE
+    return done.usage.prompt_tokens
+
+
+@pytest.mark.timeout(120)
+def test_mmproj_auto_pulls_the_projector_beside_a_hub_model_and_its_images_are_answered(
+        fake_hub: FakeHub, hf_env: dict[str, str], start_server: type[ServerProcess]) -> None:
+    server = start_server("--model", f"{VISION_REPO}:Q4_K_M", "--mmproj", "auto", env=hf_env).wait_ready()
+    image_answered(server)
+    assert fake_hub.downloads("mmproj-vision-F16.gguf") == [0]
+    assert fake_hub.downloads("mmproj-F32.gguf") == fake_hub.downloads("old/mmproj-F16.gguf") == []
+    loaded = [line for line in server.log if "loaded the projector" in line]
+    assert loaded and f"/snapshots/{COMMIT}/mmproj-vision-F16.gguf" in loaded[0], loaded
+    offline = start_server("--model", f"{VISION_REPO}:Q4_K_M", "--mmproj", "auto",
+                           env={**hf_env, "HF_HUB_OFFLINE": "1"}).wait_ready()  # from the cache
+    image_answered(offline)
+    assert fake_hub.downloads("mmproj-vision-F16.gguf") == [0]
+
+
+def test_mmproj_auto_for_a_hub_repo_without_a_projector_or_a_local_file_is_refused_in_one_line(
+        hf_env: dict[str, str], tmp_path: Path) -> None:
+    refused = _mpserve("start", "--model", f"{REPO}:Q8_0", "--mmproj", "auto", "--server-name",
+                       f"nomm{os.getpid()}", env=hf_env)
+    assert refused.returncode == 1 and refused.stderr.strip().splitlines()[-1] == (  # after the model's download
+        f"error: [config] {REPO}:Q8_0: its repo has no projector (a GGUF named mmproj*) beside tiny-Q8_0.gguf; give "
+        "mmproj a file"), refused.stderr
+    local = tmp_path / "tiny.gguf"
+    local.write_bytes(TINY)
+    refused = _mpserve("start", "--model", str(local), "--mmproj", "auto", env=hf_env)
+    assert refused.returncode == 1 and refused.stderr.count("\n") == 1, refused.stderr
+    assert (f"models[0].mmproj: auto finds the projector of a model on the Hub or in Ollama's store, and '{local}' is "
+            "neither; give the projector's file") in refused.stderr, refused.stderr
+
+
 # --- Ollama's store -------------------------------------------------------------------------------------
 
 GEMMA_GO_TEMPLATE = "{{- range .Messages }}<start_of_turn>{{ .Role }}\n{{ .Content }}<end_of_turn>\n{{ end }}"
 
 
-def _ollama_store(root: Path) -> Path:
-    """An Ollama store holding tiny:latest (the tiny model with a Gemma template) as ``ollama pull`` leaves it."""
+def _ollama_store(root: Path, projector: bytes | None = None) -> Path:
+    """An Ollama store holding tiny:latest (the tiny model with a Gemma template) as ``ollama pull`` leaves it, with
+    ``projector`` as its projector layer if given (a vision model's)."""
     blobs = root / "blobs"
     blobs.mkdir(parents=True)
     layers = []
-    for media, data in (("model", TINY), ("template", GEMMA_GO_TEMPLATE.encode()), ("params", b'{"stop": []}')):
+    given = [("model", TINY), ("template", GEMMA_GO_TEMPLATE.encode()), ("params", b'{"stop": []}')]
+    for media, data in given + ([("projector", projector)] if projector is not None else []):
         digest = f"sha256:{hashlib.sha256(data).hexdigest()}"
         (blobs / digest.replace(":", "-")).write_bytes(data)
         layers.append({"mediaType": f"application/vnd.ollama.image.{media}", "digest": digest, "size": len(data)})
@@ -344,6 +412,27 @@ def test_an_ollama_blob_that_differs_from_its_digest_is_refused_before_anything_
         refused = _mpserve(*command, env=env)
         assert refused.returncode == 1
         assert f"ollama://tiny: its model blob {blob} does not match its digest" in refused.stderr, refused.stderr
+
+
+@pytest.mark.timeout(120)
+def test_mmproj_auto_serves_the_projector_layer_of_an_ollama_model_checked_against_its_digest(
+        tmp_path: Path, start_server: type[ServerProcess]) -> None:
+    store = _ollama_store(tmp_path / "ollama", projector_bytes())
+    env = {"OLLAMA_MODELS": str(store)}
+    blob = store / "blobs" / f"sha256-{hashlib.sha256(projector_bytes()).hexdigest()}"
+    server = start_server("--model", "ollama://tiny", "--mmproj", "auto", env=env).wait_ready()
+    assert image_answered(server) and any(f"loaded the projector {blob}" in line for line in server.log)
+    server.stop()
+    blob.write_bytes(projector_bytes()[:-1] + bytes([projector_bytes()[-1] ^ 1]))
+    refused = _mpserve("start", "--model", "ollama://tiny", "--mmproj", "auto", "--server-name",
+                       f"mmb{os.getpid()}", env=env)
+    assert refused.returncode == 1
+    assert f"ollama://tiny: its projector blob {blob} does not match its digest" in refused.stderr, refused.stderr
+    text_only = _ollama_store(tmp_path / "text")
+    refused = _mpserve("start", "--model", "ollama://tiny", "--mmproj", "auto", env={"OLLAMA_MODELS": str(text_only)})
+    assert refused.returncode == 1 and refused.stderr.count("\n") == 1, refused.stderr
+    assert ("models[0].mmproj: ollama://tiny: its manifest names no projector layer (Ollama's tiny:latest takes text "
+            "only); leave mmproj out, or give it a file") in refused.stderr, refused.stderr
 
 
 # --- a models directory ---------------------------------------------------------------------------------

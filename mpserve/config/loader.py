@@ -95,7 +95,7 @@ class ModelConfig:
     reasoning: Reasoning | None = None  # thinking budgets per effort and close message; None: the defaults
     chat_template: str | None = None  # a family's name or a Jinja2 file (mpserve.models.templates); None: the GGUF's
     adapters: adapter_sources.Declared = ()  # LoRA adapters (name, source), in declaration order (models.adapters)
-    mmproj: str | None = None  # the image projector GGUF (mpserve.models.projector); None: text only
+    mmproj: str | None = None  # the projector GGUF (models.projector), or auto: its source's (sources); None: none
 
     @property
     def bounds(self) -> tuple[int, int]:
@@ -482,11 +482,13 @@ def _check_store(values: dict[str, Any], where: str) -> None:
 
 
 def _check_mmproj(mmproj: str, path: str, embedding: bool, where: str) -> None:
-    """A model's image projector: a GGUF file, for a model llama.cpp serves for completions, that fits the model
-    (checked against its header here, or once pulled for a model named on the Hub: ``pull_sources``)."""
+    """A model's image projector, for a model llama.cpp serves for completions: a GGUF file that fits the model
+    (checked against its header here, or once pulled for a model named on the Hub: ``pull_sources``), or auto."""
     if path == ECHO_MODEL or embedding:
         raise ConfigError(f"{where}: an image projector goes with a model served for completions by llama.cpp, not "
                           "the echo backend or an embedding model")
+    if mmproj == sources.AUTO:
+        return sources.check_auto(path, where)
     _check_gguf(Path(mmproj), where)
     if not sources.is_source(path):
         builtin = path.startswith(BUILTIN_PREFIX)
@@ -525,7 +527,8 @@ def pull_sources(config: ServerConfig) -> None:
             sources.pull(source)
         check_adapters(model)
         if model.mmproj is not None and sources.is_source(model.path):
-            projector.check(model.mmproj, model.resolved_path(), f"models[{model.name}].mmproj")
+            mmproj = str(sources.projector_file(model.path, model.mmproj, pull=True))
+            projector.check(mmproj, model.resolved_path(), f"models[{model.name}].mmproj")
 
 
 def check_adapters(model: ModelConfig, pulled: bool = True) -> None:
@@ -582,7 +585,6 @@ def _flash_attn(value: str | bool, where: str) -> str:
 
 
 def _requires(value: dict[str, Any], where: str) -> int | None:
-
     _check_keys(value, _REQUIRES_KEYS, where)
     for key, kind in _REQUIRES_KEYS.items():
         if key in value and (not isinstance(value[key], kind) or isinstance(value[key], bool)):
@@ -647,8 +649,7 @@ def _relative_to(base_dir: Path, entry: Any) -> Any:
 
 
 def _default_name(path: str) -> str:
-    named = sources.default_name(path)
-    if named is not None:
+    if (named := sources.default_name(path)) is not None:
         return named
     if path.startswith(BUILTIN_PREFIX):
         return path[len(BUILTIN_PREFIX):]
@@ -657,8 +658,7 @@ def _default_name(path: str) -> str:
 
 
 def _check_keys(entry: Mapping[str, Any], allowed: Mapping[str, Any], where: str) -> None:
-    unknown = [k for k in entry if k not in allowed]
-    if unknown:
+    if unknown := [k for k in entry if k not in allowed]:
         close = difflib.get_close_matches(str(unknown[0]), [str(k) for k in allowed], n=1)
         guess = f"did you mean {close[0]!r}? " if close else ""
         raise ConfigError(f"{where}: unknown key {unknown[0]!r}; {guess}allowed keys: {', '.join(allowed)}")

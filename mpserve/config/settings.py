@@ -176,7 +176,8 @@ SETTINGS: tuple[Setting, ...] = (
        "must be in, links and .. resolved; a path elsewhere is refused with bad_request", commands=_FOR_POOLS),
     _s("mmproj", "model", str, "none", "The model's image projector GGUF (llama.cpp's mmproj file, as llama-server's "
        "--mmproj), checked against the model at start and loaded by each instance: chat requests may then send "
-       "images (docs/images.md)", commands=_SIZING),
+       "images (docs/images.md); auto: for a model on the Hub or in Ollama's store, the projector its source ships "
+       "beside it", commands=_SIZING),
     _s("reasoning", "model", dict, "low 1024, medium 4096, high 16384, no close", "Thinking budgets in tokens for each "
        "reasoning effort (medium when a request names none), and close: a text written before the end tag when a "
        "budget forces it, e.g. {low: 512, medium: 2048, high: 8192, close: \"Time to answer.\"}; for a model whose "

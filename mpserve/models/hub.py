@@ -7,6 +7,8 @@
     HubRef ──cached()──▶ snapshots/COMMIT/FILE in the cache (no network: refs/REV names the commit)
            ──pull()───▶ lock ─▶ cached? ─▶ list the repo (a QUANT) ─▶ HEAD each file (commit, sha256, size)
                                  ─▶ download.download (resume, sha256) ─▶ blobs/SHA256, a link in snapshots/COMMIT/
+           ──pull_projector()──▶ the model pulled ─▶ its projector cached? (``cached_projector``) ─▶ list the repo
+                                 ─▶ ``choose_projector``: the mmproj GGUF beside the model ─▶ fetched as above
 
 The cache is huggingface_hub's (``HF_HUB_CACHE``, ``HF_HOME``): files pulled here serve ``hf_hub_download`` and
 the other way round. ``HF_TOKEN`` authorises private and gated repos, ``HF_ENDPOINT`` names another Hub, and
@@ -19,6 +21,7 @@ from __future__ import annotations
 import fcntl
 import logging
 import os
+import posixpath
 import re
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
@@ -34,6 +37,7 @@ log = logging.getLogger("mpserve.hub")
 
 PREFIX = "hf://"
 DEFAULT_QUANTS = ("Q4_K_M", "Q8_0")  # llama-server's choice when no quantization is named, in order
+PROJECTOR_TYPES = ("F16", "BF16", "F32", "Q8_0")  # of a repo's several projectors, the first of these it has
 _PART = re.compile(r"-(\d{5})-of-(\d{5})\.gguf$", re.IGNORECASE)
 _NAME = r"[A-Za-z0-9][A-Za-z0-9._-]*"
 _REPO = re.compile(rf"^(?P<repo>{_NAME}/{_NAME})(?:@(?P<rev>[^:/@]+))?(?::(?P<quant>[A-Za-z0-9_.-]+))?$")
@@ -151,20 +155,86 @@ def pull(ref: HubRef) -> Path:
             raise ConfigError(f"{ref} is not in the Hugging Face cache ({constants.HF_HUB_CACHE}) and "
                               "HF_HUB_OFFLINE is set; pull it where the Hub can be reached (mpserve pull "
                               f"{ref}), or unset HF_HUB_OFFLINE")
-        try:
+        with _asking(ref):
             filename = ref.filename or _choose_online(ref)
             for part in parts(filename):
                 _fetch(ref, part)
-        except ConnectionLost as exc:
-            raise ConnectionFailed(f"{ref}: {exc}") from None
-        except DownloadError as exc:
-            raise ConfigError(f"{ref}: {exc}") from None
-        except Exception as exc:  # huggingface_hub's and httpx's errors, in a user's words
-            raise _explained(ref, exc) from None
     found = cached(ref)
     if found is None:
         raise ConfigError(f"{ref}: downloaded, yet not found in the cache ({constants.HF_HUB_CACHE})")
     return found
+
+
+def choose_projector(files: Sequence[str], model: str) -> str | None:
+    """The projector of ``files`` (a repo's paths) that goes with its GGUF ``model``: a GGUF whose name holds
+    "mmproj", in the model's folder; of several, the first that PROJECTOR_TYPES names (F16, then BF16, F32, Q8_0),
+    else the first by name. None when the folder has none."""
+    folder = posixpath.dirname(model)
+    found = sorted(f for f in files if posixpath.dirname(f) == folder and f.lower().endswith(".gguf")
+                   and "mmproj" in posixpath.basename(f).lower())
+    for wanted in PROJECTOR_TYPES:
+        pattern = re.compile(rf"(^|[-._]){wanted}([-._]|$)", re.IGNORECASE)
+        named = [f for f in found if pattern.search(posixpath.basename(f)[:-len(".gguf")])]
+        if named:
+            return named[0]
+    return found[0] if found else None
+
+
+def cached_projector(ref: HubRef) -> Path | None:
+    """The projector beside the model in the cache (``choose_projector`` among the files there); None when the model
+    or its projector is not there. No network."""
+    model, snapshot = cached(ref), _snapshot(ref)
+    if model is None or snapshot is None:
+        return None
+    chosen = choose_projector([str(p.relative_to(snapshot)) for p in snapshot.rglob("*.gguf")],
+                              str(model.relative_to(snapshot)))
+    return snapshot / chosen if chosen is not None else None
+
+
+def pull_projector(ref: HubRef) -> Path:
+    """The model's projector (the model pulled first), downloaded unless cached: the repo's ``choose_projector``;
+    ConfigError when the repo has none beside the model, otherwise as ``pull``."""
+    from huggingface_hub import HfApi, constants
+
+    model = pull(ref)
+    with _locked(re.sub(r"[^A-Za-z0-9._-]", "_", str(ref).removeprefix(PREFIX)) + ".mmproj", f"{ref}'s projector"):
+        found = cached_projector(ref)
+        if found is not None:
+            return found
+        if constants.is_offline_mode():
+            raise ConfigError(f"{ref}'s projector is not in the Hugging Face cache ({constants.HF_HUB_CACHE}) and "
+                              "HF_HUB_OFFLINE is set; pull it where the Hub can be reached, or unset HF_HUB_OFFLINE")
+        snapshot = _snapshot(ref)
+        if snapshot is None:
+            raise ConfigError(f"{ref}: pulled, yet its snapshot is not in the cache ({constants.HF_HUB_CACHE})")
+        beside = str(model.relative_to(snapshot))
+        with _asking(ref):
+            chosen = choose_projector(HfApi().list_repo_files(ref.repo, revision=ref.revision), beside)
+            if chosen is None:
+                raise ConfigError(f"{ref}: its repo has no projector (a GGUF named mmproj*) beside {beside}; give "
+                                  "mmproj a file")
+            if not _inside(chosen):
+                raise ConfigError(f"{ref}: the Hub listed a file {chosen!r} outside the repo; is HF_ENDPOINT a "
+                                  "Hugging Face Hub?")
+            _fetch(ref, chosen)
+    found = cached_projector(ref)
+    if found is None:
+        raise ConfigError(f"{ref}: its projector downloaded, yet not found in the cache ({constants.HF_HUB_CACHE})")
+    return found
+
+
+@contextmanager
+def _asking(ref: HubRef) -> Iterator[None]:
+    """What goes wrong asking the Hub about ``ref``, in a user's words: ConnectionFailed when it cannot be reached (or
+    the connection is lost too often), ConfigError naming what else is wrong."""
+    try:
+        yield
+    except ConnectionLost as exc:
+        raise ConnectionFailed(f"{ref}: {exc}") from None
+    except DownloadError as exc:
+        raise ConfigError(f"{ref}: {exc}") from None
+    except Exception as exc:  # huggingface_hub's and httpx's errors
+        raise _explained(ref, exc) from None
 
 
 def _choose_online(ref: HubRef) -> str:

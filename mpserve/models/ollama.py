@@ -5,9 +5,12 @@
         ──find──▶ $OLLAMA_MODELS (else ~/.ollama/models)/manifests/HOST/NS/NAME/TAG, a JSON manifest whose
                   digests are sha256:HEX (64 digits), else refused
                   ├─ layer application/vnd.ollama.image.model ────▶ blobs/sha256-HEX, the GGUF
-                  └─ layer application/vnd.ollama.image.template ─▶ blobs/sha256-HEX, a Go template, which
-                     names the chat template family where the GGUF has none (mpserve.models.templates)
-        ──verify──▶ the GGUF's sha256 equal to its digest (`pull`, `start`, `worker`, before anything starts)
+                  ├─ layer application/vnd.ollama.image.template ─▶ blobs/sha256-HEX, a Go template, which
+                  │  names the chat template family where the GGUF has none (mpserve.models.templates)
+                  └─ layer application/vnd.ollama.image.projector ─▶ blobs/sha256-HEX, the model's projector GGUF
+                     (mmproj), if it has one: what ``mmproj: auto`` serves
+        ──verify──▶ the GGUF's sha256 equal to its digest (`pull`, `start`, `worker`, before anything starts); with
+                    ``projector=True``, the projector's too
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ PREFIX = "ollama://"
 REGISTRY = "registry.ollama.ai"
 _MODEL = "application/vnd.ollama.image.model"
 _TEMPLATE = "application/vnd.ollama.image.template"
+_PROJECTOR = "application/vnd.ollama.image.projector"
 Digest = Annotated[str, msgspec.Meta(pattern="^sha256:[0-9a-f]{64}$")]
 
 
@@ -46,6 +50,8 @@ class OllamaModel:
     model: Path  # the GGUF blob
     digest: str  # its manifest digest, sha256:HEX
     template: str  # Ollama's chat template (Go text/template), "" if the manifest has none
+    projector: Path | None = None  # the projector GGUF blob (mmproj), None if the manifest names none
+    projector_digest: str = ""  # its manifest digest
 
 
 def store() -> Path:
@@ -94,21 +100,30 @@ def find(spec: str) -> OllamaModel:
             raise ConfigError(f"{spec}: its template blob {_blob(digests[_TEMPLATE])} does not match its digest; "
                               f"{again}")
         template = data.decode(errors="replace")
-    return OllamaModel(spec, model, digests[_MODEL], template)
+    projector = _blob(digests[_PROJECTOR]) if _PROJECTOR in digests else None
+    return OllamaModel(spec, model, digests[_MODEL], template, projector, digests.get(_PROJECTOR, ""))
 
 
-def verify(found: OllamaModel) -> None:
+def verify(found: OllamaModel, projector: bool = False) -> None:
     """The GGUF blob's content is what its manifest names (a file changed or damaged since Ollama pulled it is
-    refused); it reads the whole file."""
-    digest = hashlib.sha256()
-    with found.model.open("rb") as blob:
-        while chunk := blob.read(1 << 20):
-            digest.update(chunk)
-    if f"sha256:{digest.hexdigest()}" != found.digest:
-        name, tag = split(found.spec)
-        raise ConfigError(f"{found.spec}: its model blob {found.model} does not match its digest (its sha256 is "
-                          f"{digest.hexdigest()}); the file was changed or damaged; pull it again with: ollama pull "
-                          f"{name}:{tag}")
+    refused), and with ``projector`` the projector's, if it has one; it reads the whole files."""
+    name, tag = split(found.spec)
+    blobs = [("model", found.model, found.digest)]
+    if projector and found.projector is not None:
+        blobs.append(("projector", found.projector, found.projector_digest))
+    for what, path, expected in blobs:
+        digest = hashlib.sha256()
+        try:
+            with path.open("rb") as blob:
+                while chunk := blob.read(1 << 20):
+                    digest.update(chunk)
+        except OSError as exc:
+            raise ConfigError(f"{found.spec}: cannot read its {what} blob {path}: {exc.strerror}; pull it again "
+                              f"with: ollama pull {name}:{tag}") from None
+        if f"sha256:{digest.hexdigest()}" != expected:
+            raise ConfigError(f"{found.spec}: its {what} blob {path} does not match its digest (its sha256 is "
+                              f"{digest.hexdigest()}); the file was changed or damaged; pull it again with: ollama "
+                              f"pull {name}:{tag}")
 
 
 def _blob(digest: str) -> Path:

@@ -6,6 +6,9 @@ in Ollama's store (``mpserve.models.ollama``); a plain path, builtin: and echo a
                           model downloaded unless cached, an Ollama blob checked against its digest; a GGUF
          ──local_path()─▶ the GGUF file to load (no network: the cache, the store)
          ──template_hint()─▶ Ollama's template, for choosing a chat template family (mpserve.models.templates)
+         ──pull_projector() / projector()─▶ with ``mmproj: auto``, the projector the source ships beside the
+                          model (the Hub repo's mmproj GGUF, the Ollama manifest's projector layer): pulled, then
+                          found with no network, as the model is
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ from mpserve.errors import ConfigError
 from . import hub, ollama
 
 FORMS = f"{hub.FORMS}, ollama://NAME[:TAG]"
+AUTO = "auto"  # a model's mmproj: the projector its source ships beside it
 
 
 def not_a_file(path: str) -> str:
@@ -66,6 +70,64 @@ def local_path(path: str) -> str:
     if path.startswith(ollama.PREFIX):
         return str(ollama.find(path).model)
     return path
+
+
+def pull_projector(path: str) -> Path:
+    """The projector that the source ``path`` ships beside its model, on this host: downloaded first (with the model)
+    where it is on the Hub, checked against its digest where it is in Ollama's store. ConfigError when ``path`` is no
+    source, or its source has no projector."""
+    ref = hub.parse(path)
+    if ref is not None:
+        return hub.pull_projector(ref)
+    found = _ollama_projector(path)
+    ollama.verify(found, projector=True)
+    assert found.projector is not None  # _ollama_projector refuses a manifest without one
+    return found.projector
+
+
+def projector_file(path: str, mmproj: str | None, pull: bool = False) -> str | None:
+    """The projector GGUF a model of ``path`` loads, its ``mmproj`` setting given: the file it names, or with AUTO
+    the one its source ships beside the model (``pull``: downloaded first where it is not cached); None: none."""
+    if mmproj != AUTO:
+        return mmproj
+    return str(pull_projector(path)) if pull else projector(path)
+
+
+def check_auto(path: str, where: str) -> None:
+    """What can be checked of ``mmproj: auto`` for a model of ``path`` without the network: its path is a source,
+    and Ollama's names a projector; ConfigError naming ``where`` if not."""
+    try:
+        if hub.parse(path) is None:
+            _ollama_projector(path)
+    except ConfigError as exc:
+        raise ConfigError(f"{where}: {exc.message}") from None
+
+
+def projector(path: str) -> str:
+    """The projector GGUF of the source ``path`` on this host (no network: the cache, the store); a Hub model's must
+    have been pulled (``pull_projector``)."""
+    ref = hub.parse(path)
+    if ref is None:
+        return str(_ollama_projector(path).projector)
+    found = hub.cached_projector(ref)
+    if found is None:
+        raise ConfigError(f"{ref}'s projector is not downloaded; mpserve start pulls it, and mpserve pull --config "
+                          f"FILE does for a model with mmproj: {AUTO}")
+    return str(found)
+
+
+def _ollama_projector(path: str) -> ollama.OllamaModel:
+    """The Ollama model ``path`` names, which has a projector; ConfigError when ``path`` is not one of Ollama's, or
+    its manifest names no projector."""
+    if not path.startswith(ollama.PREFIX):
+        raise ConfigError(f"{AUTO} finds the projector of a model on the Hub or in Ollama's store, and {path!r} is "
+                          "neither; give the projector's file")
+    found = ollama.find(path)
+    if found.projector is None:
+        name, tag = ollama.split(path)
+        raise ConfigError(f"{path}: its manifest names no projector layer (Ollama's {name}:{tag} takes text only); "
+                          f"leave mmproj out, or give it a file")
+    return found
 
 
 def template_hint(path: str) -> str:

@@ -18,7 +18,7 @@ from mpserve.config.speculative import check_draft
 from mpserve.errors import ConfigError
 from mpserve.gpu.devices import Device, discover
 from mpserve.gpu.placement import ModelRequest, Placement, check_kv_types, estimate_host_memory, plan
-from mpserve.models.sources import template_hint
+from mpserve.models.sources import projector_file, template_hint
 from mpserve.models.templates import template_for
 from mpserve.repack import repack_for
 from mpserve.worker.spec import EngineSpec, PermitSpec, StartMode, WorkerSpec, start_mode
@@ -75,7 +75,8 @@ def model_request(m: ModelConfig) -> ModelRequest:
                         devices=m.devices, memory=0 if m.path == ECHO_MODEL and m.requires_memory is None
                         else m.requires_memory, cache_type_k=m.cache_type_k, cache_type_v=m.cache_type_v,
                         draft=m.speculative.model if m.speculative is not None and m.path != ECHO_MODEL else None,
-                        adapters=tuple(m.adapter_paths().values()), mmproj=m.mmproj)
+                        adapters=tuple(m.adapter_paths().values()),
+                        mmproj=projector_file(m.path, m.mmproj))
 
 
 def check_model(request: ModelRequest) -> None:
@@ -174,7 +175,8 @@ def worker_spec(config: ServerConfig, devices: list[Device], placement: Placemen
                           cache_shm=model.store_dir(), cache_disk=model.cache_disk,
                           cache_disk_size=model.cache_disk_size, cache_remote=model.remote_tier(),
                           chat_template=chat_template(model),
-                          reuse=model.reuse, adapters=model.adapter_paths(), mmproj=model.mmproj),
+                          reuse=model.reuse, adapters=model.adapter_paths(),
+                          mmproj=projector_file(model.path, model.mmproj)),
         first_row=first_row,
         device=device, backend=backend, slots_path=str(slots_path), parent_pid=os.getpid(),
         idle_timeout=config.idle_timeout, lazy=config.single_active_backend, permit=permit,
