@@ -100,6 +100,7 @@ def main() -> None:
 def report(model: str, parallel: int, queued: int, samples: int, tokens: int, batch_tokens: int,
            threads: int) -> None:
     """Run the measure on its own server and print its table and its target."""
+    load = os.getloadavg()[0]
     with MpserveServer("--model", model, "--instances", "1", "--parallel", str(parallel), "--threads",
                        str(threads), "--n-ctx", str(batch_tokens + 64)) as server:
         server.wait_ready()
@@ -111,7 +112,8 @@ def report(model: str, parallel: int, queued: int, samples: int, tokens: int, ba
     print("|---|---|---|")
     print(f"| idle | {idle_p50 * 1000:.1f} | {max(idle) * 1000:.1f} |")
     print(f"| loaded, priority 10 | {loaded_p50 * 1000:.1f} | {max(loaded) * 1000:.1f} |")
-    print(f"\npreemptions: {preempted} for {samples} interactive requests")
+    print(f"\npreemptions: {preempted} for {samples} interactive requests; load average (1 min) {load:.1f} before, "
+          f"{os.getloadavg()[0]:.1f} after")
     target = Target(f"loaded TTFT p50 ≤ {TARGET}× idle", loaded_p50 / idle_p50, "<=", TARGET)
     print(f"- {target.text}: {target.measured:.2f}× — {'met' if target.met else 'NOT met'}")
 

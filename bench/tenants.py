@@ -5,7 +5,8 @@
                 the generated tokens of the requests that ended after a warm-up, per tenant.
                 Target: each tenant's share within ±10 % of its weight's (1/7, 2/7, 4/7).
     isolation   one tenant floods 500 requests at once; another sends one request at a time: its time to first
-                token (streamed, median) against the same requests on the idle server, and its refusals.
+                token (streamed, median) against the same requests on the idle server (before the flood and after
+                it), and its refusals.
                 The tenants' default entry has ``max_running`` one less than the slots, so a flood leaves one slot
                 for the others. Target: TTFT ≤ 2× idle, and no 429 (ERROR ``busy``) for the other tenant.
     priority    (``bench.priority``) a batch tenant keeps every slot of one instance busy and 32 queued; an
@@ -116,7 +117,8 @@ async def ttfts(client: AsyncClient, setup: Setup, label: str) -> tuple[list[flo
 
 
 async def isolation(address: str, setup: Setup) -> tuple[float, float, int, int]:
-    """The other tenant's median TTFT idle and under the flood, its refusals, and the flood's requests done."""
+    """The other tenant's median TTFT idle (before the flood and after it, so that a change in the host's own load
+    weighs on both) and under the flood, its refusals, and the flood's requests done."""
     async with AsyncClient(address, timeout=3600) as client:
         await ttfts(client, setup, "warm-up")  # every instance past its first requests
         idle, _ = await ttfts(client, setup, "idle")
@@ -129,6 +131,9 @@ async def isolation(address: str, setup: Setup) -> tuple[float, float, int, int]
             f.cancel()
         done = sum(1 for f in flood if f.done() and not f.cancelled() and f.exception() is None)
         await asyncio.gather(*flood, return_exceptions=True)
+        while (await client.stats()).models["m"].running:
+            await asyncio.sleep(0.05)  # the flood's requests cancelled
+        idle += (await ttfts(client, setup, "idle again"))[0]
     return statistics.median(idle), statistics.median(loaded) if loaded else float("inf"), refused, done
 
 
@@ -140,7 +145,7 @@ def main() -> None:
     setup = Setup("builtin:tiny", 2, 2, 16, min(args.seconds, 40.0)) if args.quick else \
         Setup("builtin:bench", 2, 2, 32, args.seconds)
     print(f"{setup.model}, {setup.instances} instances × parallel {setup.parallel}, {setup.tokens} tokens per "
-          "request, greedy")
+          f"request, greedy; load average (1 min) {os.getloadavg()[0]:.1f} at the start")
     with tempfile.TemporaryDirectory() as tmp:
         with server(setup, {t: {"weight": w} for t, w in WEIGHTS.items()}, Path(tmp)) as fair:
             fair.wait_ready()
@@ -158,6 +163,7 @@ def main() -> None:
             shared.wait_ready()
             idle, loaded, refused, done = asyncio.run(isolation(admin_address(shared.name), setup))
     ratio = loaded / idle
+    print(f"load average (1 min) {os.getloadavg()[0]:.1f} after the fairness and isolation runs")
     print(f"isolation, {FLOOD} requests of one tenant at once (max_running {setup.slots - 1} of {setup.slots} "
           f"slots), {done} of them done meanwhile: the other tenant's TTFT p50 {loaded * 1000:.1f} ms, idle "
           f"{idle * 1000:.1f} ms")
