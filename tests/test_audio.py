@@ -35,7 +35,7 @@ def pair(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
 
 @pytest.fixture(scope="module")
 def served(pair: tuple[Path, Path]) -> Iterator[tuple[ServerProcess, httpx.Client]]:
-    with gateway_of("--model", str(pair[0]), "--mmproj", str(pair[1]), "--name", "audio") as both:
+    with gateway_of("--model", str(pair[0]), "--mmproj", str(pair[1]), "--name", "audio", "--parallel", "4") as both:
         yield both
 
 
@@ -141,3 +141,25 @@ def test_fuzzed_clips_are_answered_or_refused_and_no_worker_is_harmed(
     assert statuses == {200, 400}  # some reached the decoder and the encoder, some were refused
     assert said(answer(http, chat(PROMPT, audio_part(A440), model="audio", max_tokens=4)))
     assert {row.pid for row in server.slots()} == workers  # the same processes: none crashed and was replaced
+
+
+def test_responses_input_audio_replies_as_the_chat_does(http: httpx.Client) -> None:
+    chat_said = said(answer(http, chat(PROMPT, audio_part(A440), model="audio", max_tokens=16)))
+    response = http.post("/v1/responses", json={
+        "model": "audio", "max_output_tokens": 16, "temperature": 0, "input": [{"role": "user", "content": [
+            {"type": "input_text", "text": PROMPT}, audio_part(A440)]}]})
+    assert response.status_code == 200, response.text
+    assert response.json()["output"][-1]["content"][0]["text"] == chat_said
+
+
+def test_clips_and_text_decoded_in_one_batch_reply_as_each_does_alone(http: httpx.Client) -> None:
+    from concurrent.futures import ThreadPoolExecutor
+
+    bodies = [chat(PROMPT, audio_part(clip), model="audio", max_tokens=16) for clip in (A440, A880)] + \
+        [{**chat(f"Tell me about {topic}.", model="audio", max_tokens=16), "ignore_eos": True}
+         for topic in ("rivers", "stones")]
+    alone = [said(answer(http, {**body, "cache_salt": "alone"})) for body in bodies]
+    for run in range(2):  # each run its own salt: nothing is reused from the runs before
+        with ThreadPoolExecutor(len(bodies)) as pool:
+            together = list(pool.map(lambda body: said(answer(http, {**body, "cache_salt": f"run {run}"})), bodies))
+        assert together == alone
