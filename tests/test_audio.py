@@ -160,6 +160,7 @@ def test_clips_and_text_decoded_in_one_batch_reply_as_each_does_alone(http: http
          for topic in ("rivers", "stones")]
     alone = [said(answer(http, {**body, "cache_salt": "alone"})) for body in bodies]
     for run in range(2):  # each run its own salt: nothing is reused from the runs before
+        salted = [{**body, "cache_salt": f"run {run}"} for body in bodies]
         with ThreadPoolExecutor(len(bodies)) as pool:
-            together = list(pool.map(lambda body: said(answer(http, {**body, "cache_salt": f"run {run}"})), bodies))
+            together = list(pool.map(lambda body: said(answer(http, body)), salted))
         assert together == alone
