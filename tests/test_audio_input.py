@@ -7,6 +7,7 @@ from __future__ import annotations
 import base64
 import io
 import math
+import re
 import struct
 import wave
 from collections.abc import Iterator
@@ -135,7 +136,7 @@ def test_a_refused_clip_does_not_disturb_the_requests_running_beside_it(
             assert future.result().json()["choices"][0]["message"]["content"] == alone
 
 
-def test_a_tenants_audio_limit_refuses_its_requests_only_and_holds_over_zeromq(
+def test_a_tenants_audio_limit_refuses_its_requests_only_and_a_zeromq_clients_clip_meets_the_workers_checks(
         served: tuple[ServerProcess, httpx.Client]) -> None:
     from gateway_thread import GatewayThread
 
@@ -155,8 +156,12 @@ def test_a_tenants_audio_limit_refuses_its_requests_only_and_holds_over_zeromq(
             assert "no audio encoder" in refused(http, body, headers={"authorization": "Bearer other-key"})
     finally:
         gateway.stop()
-    with Client(server.address) as client, pytest.raises(BadRequest, match="no audio encoder"):
-        client.generate(WithImages(f"{PROMPT}{MEDIA_MARKER} then", (A440,)), model="vision", max_tokens=2)
+    long = bytes([0xFF, 0xE3, 0x18, 0xC0]) + bytes(68)  # MPEG-2.5 layer III, 8 kbit/s at 8 kHz: 72 bytes, 72 ms
+    with Client(server.address) as client:  # no gateway: the worker checks what the wire carries
+        for clip, words in ((A440, "no audio encoder"), (long * 8400, "lasts 604.8 seconds; at most 600 are "
+                                                                      "accepted per request (the wire's bound")):
+            with pytest.raises(BadRequest, match=re.escape(words)):
+                client.generate(WithImages(f"{PROMPT}{MEDIA_MARKER} then", (clip,)), model="vision", max_tokens=2)
 
 
 def test_responses_input_audio_is_read_as_chats_and_messages_has_no_audio_block(
