@@ -54,13 +54,14 @@ def chat(*parts: str | dict[str, Any], model: str, max_tokens: int = 8) -> dict[
 
 @pytest.fixture(scope="module")
 def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[ServerProcess, httpx.Client]]:
-    """A server of the vision pair (``vision``: an image projector only) and the tiny model without a projector
+    """A server of the vision pair (``vision``: an image projector only, 4 slots) and the tiny model without a projector
     (``tiny``), the tenant of ``SHORT_KEY`` may send 1 second of audio; and a client of its gateway."""
     folder = tmp_path_factory.mktemp("vision")
     model, projector = folder / "vision.gguf", folder / "mmproj.gguf"
     made = mpserve("make-model", str(model), "--size", "tiny", "--mmproj", str(projector))
     assert made.returncode == 0, made.stderr
-    config = config_file(folder, "audio", models=[{"name": "vision", "path": str(model), "mmproj": str(projector)},
+    config = config_file(folder, "audio", models=[{"name": "vision", "path": str(model), "mmproj": str(projector),
+                                                   "parallel": 4},
                                                   {"name": "tiny", "path": "builtin:tiny"}],
                          tenants={tenant_of(SHORT_KEY): {"max_audio_seconds": 1}})
     with gateway_of("--config", config) as both:
