@@ -155,6 +155,11 @@ def _kill_frozen(server, pids: list[int]) -> None:
     _freeze(pids, signal.SIGCONT)
 
 
+def _queued(server) -> int:
+    with Client(server.address) as client:
+        return sum(m.queued for m in client.stats().models.values())
+
+
 def _counters(server) -> dict[str, int]:
     with Client(server.address) as client:
         return dict(client.stats().counters)
@@ -243,6 +248,41 @@ def test_an_instance_lost_while_the_server_was_down_is_forked_by_the_adopted_zyg
         assert [client.generate("Hello there", max_tokens=16, temperature=0).text for _ in range(4)] == [before] * 4
     again.stop()
     wait_for(lambda: not _running(zygote), 15, "the adopted zygote to stop with its server")
+    assert not again.tracebacks(), "\n".join(again.log)
+
+
+@pytest.mark.timeout(180)
+def test_streams_whose_instance_died_with_the_server_go_on_from_the_journal_and_a_queued_one_runs_once(
+        start_server) -> None:
+    """The server and its one instance SIGKILLed, two streams generating and one queued: nothing is left to adopt,
+    but the next start finds the three in the dead server's journal. The two go on from the tokens they had streamed,
+    the queued one starts; none is accepted anew, and each text is its uninterrupted run's."""
+    args = ("--instances", "1", "--parallel", "2")
+    server = start_server(*args).wait_ready()
+    prompts = PROMPTS[:3]
+    with Client(server.address) as client:
+        whole = [client.generate(p, max_tokens=MAX_TOKENS, temperature=0).text for p in prompts]
+    pids = _worker_pids(server)
+    for _ in range(3):
+        streams = [_Streamer(server.address, p) for p in prompts]
+        for s in streams:
+            s.start()
+        if freeze_generating(server, pids, 2, lambda ss=streams: any(not s.is_alive() for s in ss)):
+            break
+        for s in streams:
+            s.join(120)
+    wait_for(lambda: _queued(server) == 1, 10, "the third stream queued")
+    server.proc.kill()
+    server.proc.wait(10)
+    _freeze(pids, signal.SIGKILL)
+    again = start_server(*args, name=server.name).wait_ready()
+    for s in streams:
+        s.join(120)
+    assert [s.error for s in streams] == [None] * len(streams)
+    assert [s.text for s in streams] == whole, "a stream's text differs from its uninterrupted run"
+    counters = _counters(again)
+    assert (counters.get("journaled_requests"), counters.get("reattached"), counters.get("accepted")) == (3, 3, None), \
+        counters
     assert not again.tracebacks(), "\n".join(again.log)
 
 

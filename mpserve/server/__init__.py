@@ -8,10 +8,12 @@
       results     a worker's CHUNKs, STEPs, DONEs and ERRORs to their clients, by ticket
       clients     client messages: admission, a request's tenant and limits, lookups, reattached requests
       adopter     the adopted instances' requests, held for their clients; the secrets local workers prove
+      rebind      a gone client's live requests, run on and taken up by another client with the text they kept
       adapter_ops LoRA adapters loaded and unloaded at run time: to every instance, an unload after its requests
       dispatch    queued requests to free slots (routing, adapter batching), preemption and parking, drains
       answers     each request's one terminal message (DONE or ERROR); the clients' outbox
       tables      the shared tables: requests, workers, models, lookups, clients' counts; the workers' outbox
+      journal     what a server that dies leaves of its live requests (a file), for the next start to go on with
     hooks       what the broker tells the server (READY, FAILED, drained) and asks of it: one object, given at
                 construction
     spans       the broker's trace spans of a request: one for each wait for a slot (queue, preempted, hand-over,

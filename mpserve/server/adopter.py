@@ -4,8 +4,10 @@ they hold, and their clients reattach (``mpserve.server.adoption`` draws the who
     expect(indexes, secrets, wait) ─▶ those instances may prove themselves with the dead server's secrets
     an adoptee's READY with LIVE ─▶ adopt: a HEARTBEAT tells it it was adopted; each live request is held, parked on
                                    it, for its client (``Adoptions``), with the text it streamed so far
+    the dead server's journal (``journal.read``) ─▶ journaled: each row held likewise, parked nowhere
     a client's REQUEST with reattach ─▶ reattach: the rows held for that tenant and id become requests again, its
-                                   text so far streamed first, queued first in line where they are parked
+                                   text so far streamed first, queued first in line where they are parked (a
+                                   journaled one, once no adoptee is expected: resumed from its tokens anywhere)
     held past ``adoption.HOLD_S`` ─▶ expire: forgotten on their instance (CANCEL)
 
 While adoptees are still expected, a reattached request nobody holds yet waits (``Clients.held``), and runs anew
@@ -26,7 +28,7 @@ from . import adoption, link, rebind, spans
 from .answers import Answers
 from .dispatch import Dispatcher
 from .state import Pending, RequestState, WorkerEntry
-from .tables import Tables, WorkerOutbox, cap_key
+from .tables import Tables, WorkerOutbox, cap_key, new_ticket
 
 log = logging.getLogger("mpserve.broker")
 
@@ -78,16 +80,38 @@ class Adopter:
                         first_token=now if one.text else 0.0, parked_on=entry.identity,
                         state=RequestState.STREAMING if one.text else RequestState.QUEUED)
             entry.parked.add(p.ticket)
-            self.adoptions.hold(p, one.text, now)
+            for journaled in self.adoptions.journaled(p.tenant, req.id):  # this instance holds it: better
+                self._forget(journaled)
+            self._hold(p, one.text, now)
         self.tables.stats["adopted_requests"] += len(live)
         log.info("adopted worker %s (pid %d) of the server before this one, holding %d request(s) for their clients",
                  entry.identity.decode(), entry.pid, len(live))
         return not self.adoptions.expected
 
+    def journaled(self, rows: list[tuple[Pending, str]]) -> None:
+        """The rows the journal of the server before this one had (``journal.read``): held for their clients, taken
+        once no adoptee is expected (one may bring the same, parked)."""
+        now = time.monotonic()
+        held = [(p, text) for p, text in rows if p.model in self.tables.models]
+        for p, text in held:
+            p.ticket = new_ticket()  # its instance may live on, holding it parked under the old one, further on
+            self._hold(p, text, now)
+        self.tables.stats["journaled_requests"] += len(held)
+        if held:
+            log.info("the journal of the server before this one holds %d request(s) for their clients", len(held))
+
+    def _hold(self, p: Pending, text: str, now: float) -> None:
+        """``p`` held for its client, its text kept (another client may take it up) and journaled."""
+        if text:
+            rebind.keep(self.tables, p, wire.pack(wire.Chunk(p.request.id, text, None, p.index)))
+        self.tables.journal.whole(p)
+        self.adoptions.hold(p, text, now)
+
     def reattach(self, client: bytes, req: wire.Request, tenant: str) -> bool:
         """A client sent ``req`` again after the server before this one died: if an adoptee holds it (every choice),
-        it goes on there, its whole text so far streamed first. False: this broker does not hold it (run it anew)."""
-        rows = self.adoptions.take(tenant, req.id)
+        it goes on there, its whole text so far streamed first; if the journal had it (once no adoptee is expected),
+        it resumes from its tokens, likewise. False: this broker does not hold it (run it anew)."""
+        rows = self.adoptions.take(tenant, req.id, journaled=not self.adoptions.expecting(time.monotonic()))
         if len(rows) != req.params.n or (req.model is not None
                                          and self.tables.resolve_model(req.model) != rows[0][0].model):
             for p, _ in rows:
@@ -106,9 +130,7 @@ class Adopter:
             self.tables.requests[p.ticket] = p
             self.tables.add_deadline(p)
             if req.stream and text:
-                frames = wire.encode(wire.Chunk(req.id, text, None, p.index))
-                self.answers.to_client(client, frames)
-                rebind.keep(self.tables, p, frames[2])  # should its client go too, the next one gets it
+                self.answers.to_client(client, wire.encode(wire.Chunk(req.id, text, None, p.index)))
             spans.requeued(p, "reattach")
             mq.queue.requeue(p.ticket, tenant, p.priority, p.cost)
         self.tables.bind(client, rows[0][0])
@@ -122,7 +144,9 @@ class Adopter:
         return True
 
     def _forget(self, p: Pending) -> None:
-        """An adopted request no client took: its instance forgets it."""
+        """An adopted or journaled request no client took: its instance forgets it, and the journal."""
+        self.tables.let_go(p)
+        self.tables.journal.end(p)
         entry = self.tables.workers.get(p.parked_on) if p.parked_on is not None else None
         if entry is not None:
             entry.parked.discard(p.ticket)

@@ -255,9 +255,26 @@ class Adoptions:
         self.waiting.setdefault(key, []).append((p, text))
         self.since.setdefault(key, now)
 
-    def take(self, tenant: str, request_id: str) -> list[tuple[Pending, str]]:
+    def take(self, tenant: str, request_id: str, journaled: bool = True) -> list[tuple[Pending, str]]:
+        """The rows held for ``request_id`` of ``tenant``; those of the journal alone (parked nowhere) only if
+        ``journaled``."""
+        rows = self.waiting.get((tenant, request_id), [])
+        if not journaled and rows and all(p.parked_on is None for p, _ in rows):
+            return []
         self.since.pop((tenant, request_id), None)
         return self.waiting.pop((tenant, request_id), [])
+
+    def journaled(self, tenant: str, request_id: str) -> list[Pending]:
+        """The journal's rows held for ``request_id`` of ``tenant`` (parked nowhere), taken out."""
+        rows = self.waiting.get((tenant, request_id), [])
+        taken = [p for p, _ in rows if p.parked_on is None]
+        if taken:
+            rows[:] = [(p, text) for p, text in rows if p.parked_on is not None]
+        return taken
+
+    def held(self) -> list[Pending]:
+        """Every row held."""
+        return [p for rows in self.waiting.values() for p, _ in rows]
 
     def expired(self, now: float) -> list[Pending]:
         """The rows no client reattached to within HOLD_S, taken out."""

@@ -107,6 +107,7 @@ class Answers:
     def finish(self, p: Pending) -> None:
         self.tables.requests.pop(p.ticket, None)
         self.tables.let_go(p)
+        self.tables.journal.end(p)
         self.unpark(p)
         key = (p.client, p.request.id)
         left = self.tables.choices(p) if p.group else []

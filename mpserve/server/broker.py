@@ -32,6 +32,7 @@ Each floor imports only the floors under it. A request's life (``mpserve.server.
         STEP (one worker step)    ──▶ in order; per client, the step's CHUNK bodies spliced into one CHUNKS
         ASSIGNs of one turn       ──▶ per worker, gathered and sent as one ASSIGNS (``flush``, at the end of each
                                       drain and of each loop turn; before anything else sent to that worker)
+        what a restart needs      ──▶ the journal's records of the turn, one write (``journal``, at ``flush``)
 
     n choices ─▶ n rows in ``requests``, one per choice, queued as one: it starts once n slots of one instance are
                  free (``routing.choose_slots``); the first ERROR of any answers the request
@@ -50,8 +51,10 @@ them: the order of its decisions, which no client's clock can reconstruct.
 from __future__ import annotations
 
 import heapq
+import itertools
 import logging
 import os
+from pathlib import Path
 from typing import Any
 
 import zmq
@@ -62,13 +65,14 @@ from mpserve.errors import ErrorCode
 from mpserve.wire import protocol as wire
 from mpserve.wire import zmqio
 
-from . import roles, unserved
+from . import journal, roles, unserved
 from .adapter_ops import AdapterOps
 from .adopter import Adopter
 from .answers import Answers
 from .clients import Clients
 from .dispatch import Dispatcher
 from .hooks import BrokerHooks
+from .journal import Journal
 from .pool_keys import PoolKey
 from .registry import Registry
 from .residency import Residency
@@ -168,8 +172,11 @@ class Broker:
         self.flush()
 
     def flush(self) -> None:
-        """Send the ASSIGNs gathered since the last flush: to each worker, one message."""
+        """Send the ASSIGNs gathered since the last flush: to each worker, one message; write what the journal
+        gathered."""
         self.outbox.flush()
+        if self.tables.journal.records:
+            self.tables.journal.flush(itertools.chain(self.tables.requests.values(), self.adopter.adoptions.held()))
 
     # --- deadlines and timers --------------------------------------------------------------------
 
@@ -248,6 +255,13 @@ class Broker:
         """The supervisor gave up loading ``model`` (``message``: the load error)."""
         self.registry.model_failed(model, message)
 
+    def keep_journal(self, path: Path, resume: bool) -> None:
+        """Journal the live requests at ``path`` from now on; ``resume``: first take what the journal of the server
+        before this one left there, held for their clients (``Adopter.journaled``)."""
+        rows = journal.read(path) if resume else []
+        self.tables.journal = Journal(path)
+        self.adopter.journaled(rows)
+
     def expect(self, indexes: list[int], secrets: tuple[str, ...], wait: float) -> None:
         """The instances at ``indexes`` outlived the server before this one (``Adopter.expect``)."""
         self.adopter.expect(indexes, secrets, wait)
@@ -311,6 +325,7 @@ class Broker:
         self.accepting_heartbeats = False
 
     def close(self) -> None:
+        self.tables.journal.close()
         self.front.close(linger=500)
         self.back.close(linger=500)
         if self.admin is not None:

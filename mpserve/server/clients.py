@@ -211,6 +211,7 @@ class Clients:
                         group=tickets if n > 1 else (), index=i, tenant=tenant, priority=priority, cost=cost)
             self.tables.requests[ticket] = p
             self.tables.add_deadline(p)
+            self.tables.journal.begin(p)
         self.tables.requests[tickets[0]].slots_needed = n
         self.tables.bind(client, self.tables.requests[tickets[0]])
         self.tables.owned[client] = self.tables.owned.get(client, 0) + n

@@ -40,7 +40,7 @@ from mpserve.wire.adapters import Served
 from mpserve.wire.slots import SlotTable
 from mpserve.worker.spec import revision
 
-from . import adoption, roles
+from . import adoption, journal, roles
 from . import reload as reloading
 from .broker import Broker
 from .hooks import BrokerHooks
@@ -89,6 +89,7 @@ def serve(config: ServerConfig, gateway_key: Path | None = None,
             _allow_keys(authenticator, config, gateway_key)
         hooks = _ServerHooks()
         broker = _broker(ctx, config, paths, hooks)
+        broker.keep_journal(journal.path_of(config.server_name), resume=bool(config.adopt_wait))
         if survivors.pids:
             broker.expect(sorted(survivors.pids), survivors.secrets, config.adopt_wait)
         adoption.write_secrets(paths, broker.secrets)
@@ -102,8 +103,7 @@ def serve(config: ServerConfig, gateway_key: Path | None = None,
         loop.run()
         upgrading = loop.upgrading
         if not upgrading:  # a clean stop: no instance is left to adopt, nor a gateway to reattach
-            adoption.remove_secrets(paths)
-            roles.remove_gateway_keys(paths)
+            _stopped_clean(paths, broker)
         return upgrading
     finally:
         if broker is not None:
@@ -117,6 +117,14 @@ def serve(config: ServerConfig, gateway_key: Path | None = None,
         for path in [paths.info, *paths.ipc_files()]:
             path.unlink(missing_ok=True)
         log.info("stopped")
+
+
+def _stopped_clean(paths: ServerPaths, broker: Broker) -> None:
+    """A clean stop leaves nothing for a next start to take over: no instance to adopt, no gateway to reattach, no
+    request in flight (the journal)."""
+    adoption.remove_secrets(paths)
+    roles.remove_gateway_keys(paths)
+    broker.tables.journal.remove()
 
 
 def _say_devices(config: ServerConfig, layout: Layout) -> None:

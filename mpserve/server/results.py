@@ -4,7 +4,8 @@ clients unchanged, looked up by ticket.
     STEP (one worker step) ─▶ step: entry by entry, in order; per client, the step's CHUNK bodies spliced into
                               one CHUNKS (one: a CHUNK), sent before that client's next DONE or ERROR
     CHUNK ─▶ _streaming: STREAMING, its token ids kept (``Pending.generated``: a hand-over resumes from them), its
-             body kept (``rebind.keep``: another client may take it up)
+             body kept (``rebind.keep``: another client may take it up), both journaled (``journal``: a restart
+             resumes it from them)
     DONE / ERROR ─▶ result: to the client (a DONE after a hand-over with the whole request's timings), the slot
                     freed (or the drained worker told to STOP), the tenant charged ─▶ the dispatcher
     PARKED ─▶ ``Dispatcher.parked``
@@ -62,7 +63,7 @@ class Results:
                 p = self._running_on(entry, ticket)
                 if p is not None and not self._foreign(p, mtype, body) and self._streaming(p, trailer):
                     by_client.setdefault(p.client, []).append(body)
-                    rebind.keep(self.tables, p, body)
+                    self._kept(p, body, trailer)
                 continue
             p = self.tables.requests.get(ticket)
             if p is not None and p.client in by_client:
@@ -93,7 +94,7 @@ class Results:
         if mtype is wire.MsgType.CHUNK:
             if self._streaming(p, trailer):
                 self.answers.to_client(p.client, [wire.VERSION, type_frame, body])
-                rebind.keep(self.tables, p, body)
+                self._kept(p, body, trailer)
             return
         if mtype is wire.MsgType.PARKED:
             self.dispatcher.parked(entry, p, trailer)
@@ -121,6 +122,12 @@ class Results:
         elif not p.preempting:  # a request that ended before its PREEMPT came: its slot is given already
             mq.free.append((identity, slot))
         self.dispatcher.dispatch_freed(entry.model, p.tenant)
+
+    def _kept(self, p: Pending, body: bytes, tokens: bytes | None) -> None:
+        """A CHUNK of ``p`` forwarded: kept for another client (``rebind.keep``), and journaled for a restart (its
+        row lost to it once its text or its tokens are)."""
+        rebind.keep(self.tables, p, body)
+        self.tables.journal.chunk(p, tokens if p.kept is not None and p.tokens_known else None, body)
 
     def _running_on(self, entry: WorkerEntry | None, ticket: str) -> Pending | None:
         """The request ``ticket`` if ``entry`` runs it; else None, counted as a stale result (the request

@@ -6,7 +6,8 @@
             ├─ workers    identity -> WorkerEntry (its running tickets, free slots in its model's queue)
             ├─ models     name -> ModelQueue (its fair queue, free slots, adapters, verdicts)
             ├─ lookups    TOKENIZE, EMBED, SLOT_ACTION ticket -> client, request id, worker
-            └─ clients    heard (last message, while a client has requests), owned, capped (pending counts)
+            ├─ clients    heard (last message, while a client has requests), owned, capped (pending counts)
+            └─ journal    what a restart finds of the live requests (``mpserve.server.journal``)
     WorkerOutbox ─ ASSIGNs gathered per worker (``queue``) ─▶ one ASSIGNS at ``flush`` (or when a batch is
                    full) ─▶ back ROUTER; any other message to a worker goes after its gathered ASSIGNs
                    (``to_worker``: a CANCEL never passes its ASSIGN); a send that fails marks the worker
@@ -34,6 +35,7 @@ from mpserve.wire.prefix import routed
 from mpserve.wire.salt import reuse_salt
 
 from . import roles
+from .journal import Journal
 from .residency import Residency
 from .state import ModelQueue, Pending, WorkerEntry
 from .tenants import FairQueue, Ledger
@@ -68,6 +70,7 @@ class Tables:
         self.detached: dict[bytes, float] = {}  # clients found gone -> when: their requests wait to be taken up
         self.ids: dict[tuple[str, str], set[bytes]] = {}  # (tenant, request id) -> the clients it is pending for
         self.kept_bytes = 0  # the chunk bodies the requests keep, in all (``mpserve.server.rebind``)
+        self.journal = Journal()  # what a restart finds of the live requests (none until ``Broker.keep_journal``)
         self.stats: Counter[str] = Counter()
         self.accepting = True
         self.removed: set[str] = set()  # models a reload removed: new requests refused, the rest finish
