@@ -435,16 +435,13 @@ def make_model(
 ) -> None:
     """Write a deterministic random-weight llama GGUF, or with --lora-for a random LoRA adapter GGUF for a base
     model (same arguments, same bytes); with --mmproj, the model's image (or, with --audio, audio) projector too."""
-    from mpserve.models.audio_maker import write_audio_projector
-    from mpserve.models.lora_maker import write_lora
-    from mpserve.models.maker import write_model
-    from mpserve.models.mmproj_maker import write_projector
+    from mpserve.models import audio_maker, lora_maker, maker, mmproj_maker
 
     with _errors():
-        out = write_lora(path, lora_for, seed, rank) if lora_for is not None else write_model(path, size)
+        out = lora_maker.write_lora(path, lora_for, seed, rank) if lora_for else maker.write_model(path, size)
         typer.echo(f"wrote {out} ({out.stat().st_size / 1e6:.1f} MB)")
         if mmproj is not None:
-            projector = (write_audio_projector if audio else write_projector)(mmproj, size)
+            projector = (audio_maker.write_audio_projector if audio else mmproj_maker.write_projector)(mmproj, size)
             typer.echo(f"wrote {projector} ({projector.stat().st_size / 1e6:.1f} MB)")
 
 

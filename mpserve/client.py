@@ -332,10 +332,9 @@ class AsyncClient:
     async def generate(self, prompt: Prompt, *, model: str | None = None, timeout: float | None = None,
                        request_id: str | None = None, adapters: Adapters = None, **params: Any) -> Result:
         """Run one completion and return its Result; raises the MpserveError of an ERROR reply. ``prompt``:
-        text, or token ids (taken as they are: no BOS is added), or ``WithImages(text, images)``: encoded
-        images (PNG, JPEG, GIF, BMP) and audio clips (WAV, MP3), each where the text's next ``MEDIA_MARKER``
-        is, for a model served with a projector (``mpserve.wire.media``, ``mpserve.wire.audio``).
-        ``request_id``: the caller's id for it.
+        text, or token ids (taken as they are: no BOS is added), or ``WithImages(text, images)``: images (PNG,
+        JPEG, GIF, BMP) and audio clips (WAV, MP3), each where the text's next ``MEDIA_MARKER`` is, for a model
+        served with a projector (``mpserve.wire.media``, ``mpserve.wire.audio``). ``request_id``: its id.
         ``priority`` (-100..100, higher starts first, capped by the tenant's ``max_priority``), ``cache_salt``
         (requests with one salt may share cached prompts) and ``tenant`` (on the admin socket only: whose the
         request is) go with the request; ``adapters``: the model's LoRA adapters to apply, ``{name: scale}`` or a

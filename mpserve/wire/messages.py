@@ -333,8 +333,7 @@ class Request(Body, frozen=True, forbid_unknown_fields=True, omit_defaults=True)
     # gateway's); on the clients' socket the broker takes it from the connection (a CURVE client's key; "" for the
     # local user)
     images: Annotated[tuple[Annotated[bytes, Meta(max_length=media.MAX_IMAGE_BYTES)], ...], Meta(
-        max_length=media.MAX_IMAGES)] = ()  # encoded images and audio clips, each at the prompt's next media marker
-    # (``wire.media``; a clip is told by its first bytes, ``wire.audio``)
+        max_length=media.MAX_IMAGES)] = ()  # encoded images and audio clips (``wire.audio``), each at the next marker
     reattach: bool = False  # sent again after the server went silent: a server that took over this request (its
     # instance outlived the one that died, ``mpserve.server.adoption``) goes on with it, streaming its whole text so
     # far first; any other runs it anew. Either way the client drops the text it had (``mpserve.client``)
