@@ -145,6 +145,15 @@ def test_a_stream_whose_client_dies_is_taken_up_by_another_client_where_it_is(st
         accepted = client.stats().counters["accepted"]
         rest = "".join(client.stream(PROMPT, request_id="taken-1", delivered={0: had}, timeout=120, **sampling))
         counters = client.stats().counters
-    assert had + rest == whole.text
-    assert counters.get("rebound") == 1 and counters["accepted"] == accepted, counters
+        assert had + rest == whole.text
+        assert counters.get("rebound") == 1 and counters["accepted"] == accepted, counters
+        for attempt in range(2):  # a client found gone that comes back under its routing id is answered again
+            with dealer(server.address, identity=b"back") as sock:
+                sock.send_multipart(wire.encode(wire.Request(f"back-{attempt}", PROMPT, None,
+                                                             wire.GenerateParams(**sampling), stream=True)))
+                received(sock, 30)
+                if attempt:
+                    while not isinstance(message := received(sock, 60), wire.Done):
+                        assert isinstance(message, (wire.Chunk, wire.Chunks)), message
+            wait_for(lambda: client.stats().counters.get("client_gone", 0) >= 2, 30, "the client found gone")
     assert not server.tracebacks(), "\n".join(server.log)

@@ -87,6 +87,8 @@ class Clients:
         client, frames = frames[0], frames[1:]
         if client in self.tables.heard:
             self.tables.heard[client] = time.monotonic()
+        if self.tables.detached:  # found gone, and back under the same routing id: it is sent to again
+            self.tables.detached.pop(client, None)
         try:
             mtype = wire.parse_header(frames, 3)
             if mtype not in FROM_CLIENTS:
