@@ -127,6 +127,7 @@ class Run:
                                 "--log-level", "info"]) if args.front == "gateway" else None
         self.kills: Counter[str] = Counter()
         self.killed: list[tuple[float, str]] = []  # (monotonic, kind) of each kill, for the pauses' causes
+        self.starts: list[float] = []  # seconds each server start took until it said it was ready
         self.chaos_over = threading.Event()
         self.took = 0.0  # the last phase's seconds
         self.streams_done = threading.Event()  # the phase's streams have all ended
@@ -136,12 +137,13 @@ class Run:
     def start_server(self) -> Process:
         server = Process(self.server_argv).start()
         self.servers.append(server)
-        deadline = time.monotonic() + 300
+        began = time.monotonic()
         while not any("ready:" in line for line in server.log):
             assert server.proc is not None
-            if server.proc.poll() is not None or time.monotonic() > deadline:
+            if server.proc.poll() is not None or time.monotonic() > began + 300:
                 raise RuntimeError("the server did not start:\n" + "\n".join(server.log[-20:]))
             time.sleep(0.05)
+        self.starts.append(time.monotonic() - began)
         return server
 
     def instances(self) -> list[int]:
@@ -376,6 +378,10 @@ def report(run: Run, references: list[str], ran: list[tuple[int, Outcome]], took
                   min(len(o.text), len(references[i])))
         print(f"  differs: a {o.interface} stream ({len(o.text)} characters, its run alone {len(references[i])}), "
               f"from character {at}: {o.text[at:at + 40]!r} against {references[i][at:at + 40]!r}")
+    if len(run.starts) > 1:
+        again = run.starts[1:]
+        print(f"  server starts after a kill, until ready: {len(again)}, p50 {statistics.median(again):.1f} s, "
+              f"longest {max(again):.1f} s")
     longest = _quantile([o.pause for o in outcomes], 0.99)
     short = longest <= LONG_PAUSE_S
     print(f"  longest pause per stream, p99 of every stream: {longest:.1f} s (target {LONG_PAUSE_S:g} s: "
