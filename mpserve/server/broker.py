@@ -176,7 +176,8 @@ class Broker:
         gathered."""
         self.outbox.flush()
         if self.tables.journal.records:
-            self.tables.journal.flush(itertools.chain(self.tables.requests.values(), self.adopter.adoptions.held()))
+            self.tables.journal.flush(lambda: itertools.chain(self.tables.requests.values(),
+                                                              self.adopter.adoptions.held()))
 
     # --- deadlines and timers --------------------------------------------------------------------
 

@@ -23,7 +23,7 @@ import logging
 import os
 import struct
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 
 import msgspec
@@ -107,12 +107,12 @@ class Journal:
         if self._fd is not None:
             self.records.append(Record(END, p.ticket))
 
-    def flush(self, live: Iterable[Pending]) -> None:
-        """Write what was gathered; COMPACT_BYTES past the last compaction, the ``live`` rows alone, in a file
+    def flush(self, live: Callable[[], Iterable[Pending]]) -> None:
+        """Write what was gathered; COMPACT_BYTES past the last compaction, the ``live()`` rows alone, in a file
         renamed over it."""
         self._write()
         if self._fd is not None and self.written > self.floor + COMPACT_BYTES:
-            self._compact(live)
+            self._compact(live())
 
     def _write(self) -> None:
         if self._fd is None or not self.records:
