@@ -3,6 +3,9 @@ same request on the idle server, through a real server (one instance, ``--parall
 
     idle      the interactive request (priority 10, a short prompt, a few tokens, streamed) alone, ``--samples``
               times before the load and as many after it: its TTFT p50
+    beside    (the floor) a batch client keeps every slot but one busy with long generations: the interactive
+              request takes the free slot, no preemption; what it waits for beyond the idle path is the instance's
+              step in progress and the CPU the batch takes
     loaded    a batch client keeps every slot busy with long generations (priority 0, ``ignore_eos``) and
               ``--queued`` more waiting, each sent again as it ends; the interactive request ``--samples`` times,
               one after another: its TTFT p50, and the preemptions the server counted
@@ -23,6 +26,7 @@ import asyncio
 import os
 import statistics
 import time
+from dataclasses import dataclass
 
 from mpserve import AsyncClient
 
@@ -44,41 +48,59 @@ async def ttft(client: AsyncClient, n: int, tokens: int) -> float:
     return first
 
 
+@dataclass(frozen=True)
+class Figures:
+    idle: list[float]  # TTFTs on the idle server, before the loads and after them
+    beside: list[float]  # beside batch requests in all slots but one: no preemption, a busy instance's floor
+    loaded: list[float]  # every slot busy and some queued: each one preempts
+    preempted: int  # the preemptions counted while loaded
+
+
 async def measure(address: str, parallel: int, queued: int, samples: int, tokens: int,
-                  batch_tokens: int) -> tuple[list[float], list[float], int]:
-    """The interactive request's TTFTs idle, then loaded, and the preemptions counted meanwhile."""
+                  batch_tokens: int) -> Figures:
+    """The interactive request's TTFTs idle, beside a slot left free, then loaded, and the preemptions."""
     async with AsyncClient(address, timeout=3600) as client:
         await ttft(client, -1, tokens)  # warm: the first request after the start is not one of the samples
         idle = [await ttft(client, i, tokens) for i in range(samples)]
-        stop = asyncio.Event()
+        beside, _ = await under_load(client, parallel - 1, 0, range(samples, 2 * samples), tokens, batch_tokens)
+        loaded, preempted = await under_load(client, parallel, queued, range(2 * samples, 3 * samples), tokens,
+                                             batch_tokens)
+        idle += [await ttft(client, 3 * samples + i, tokens) for i in range(samples)]  # idle again: before and
+        return Figures(idle, beside, loaded, preempted)  # after, so a change in the host's own load weighs on both
 
-        async def batch(i: int) -> None:
-            n = 0
-            while not stop.is_set():
-                await client.generate(f"{BATCH} {i}.{n}", priority=0, max_tokens=batch_tokens, ignore_eos=True,
-                                      temperature=0.8, seed=i)
-                n += 1
 
-        load = [asyncio.create_task(batch(i)) for i in range(parallel + queued)]
-        while True:  # every slot busy, the rest queued
-            model = next(iter((await client.stats()).models.values()))
-            if model.running == parallel and model.queued >= queued:
-                break
-            await asyncio.sleep(0.05)
-        before = (await client.stats()).counters.get("preempted", 0)
-        loaded = []
-        for i in range(samples):
-            loaded.append(await ttft(client, samples + i, tokens))
-            await asyncio.sleep(0.2)  # the parked sequence resumes between samples
-        preempted = (await client.stats()).counters.get("preempted", 0) - before
-        stop.set()
-        for task in load:
-            task.cancel()
-        await asyncio.gather(*load, return_exceptions=True)
-        while (await client.stats()).models and next(iter((await client.stats()).models.values())).running:
-            await asyncio.sleep(0.05)  # the batch requests cancelled
-        idle += [await ttft(client, 2 * samples + i, tokens) for i in range(samples)]  # idle again: before and
-        return idle, loaded, preempted  # after the load, so that a change in the host's own load weighs on both
+async def under_load(client: AsyncClient, running: int, queued: int, numbers: range, tokens: int,
+                     batch_tokens: int) -> tuple[list[float], int]:
+    """The interactive request's TTFTs while batch requests keep ``running`` slots busy and ``queued`` more waiting
+    (each sent again as it ends), and the preemptions counted meanwhile; the batch requests cancelled after."""
+    stop = asyncio.Event()
+
+    async def batch(i: int) -> None:
+        n = 0
+        while not stop.is_set():
+            await client.generate(f"{BATCH} {i}.{n}", priority=0, max_tokens=batch_tokens, ignore_eos=True,
+                                  temperature=0.8, seed=i)
+            n += 1
+
+    load = [asyncio.create_task(batch(i)) for i in range(running + queued)]
+    while True:  # those slots busy, the rest queued
+        model = next(iter((await client.stats()).models.values()))
+        if model.running == running and model.queued >= queued:
+            break
+        await asyncio.sleep(0.05)
+    before = (await client.stats()).counters.get("preempted", 0)
+    seconds = []
+    for n in numbers:
+        seconds.append(await ttft(client, n, tokens))
+        await asyncio.sleep(0.2)  # a parked sequence resumes between samples
+    preempted = (await client.stats()).counters.get("preempted", 0) - before
+    stop.set()
+    for task in load:
+        task.cancel()
+    await asyncio.gather(*load, return_exceptions=True)
+    while (await client.stats()).models and next(iter((await client.stats()).models.values())).running:
+        await asyncio.sleep(0.05)  # the batch requests cancelled
+    return seconds, preempted
 
 
 def main() -> None:
@@ -104,16 +126,17 @@ def report(model: str, parallel: int, queued: int, samples: int, tokens: int, ba
     with MpserveServer("--model", model, "--instances", "1", "--parallel", str(parallel), "--threads",
                        str(threads), "--n-ctx", str(batch_tokens + 64)) as server:
         server.wait_ready()
-        idle, loaded, preempted = asyncio.run(measure(server.address, parallel, queued, samples, tokens,
-                                                      batch_tokens))
-    idle_p50, loaded_p50 = statistics.median(idle), statistics.median(loaded)
+        f = asyncio.run(measure(server.address, parallel, queued, samples, tokens, batch_tokens))
+    idle_p50, loaded_p50 = statistics.median(f.idle), statistics.median(f.loaded)
     print(f"| {model}, 1 instance × parallel {parallel}, {threads} threads, {queued} queued, "
-          f"{samples} samples | TTFT p50 (ms) | max (ms) |")
-    print("|---|---|---|")
-    print(f"| idle | {idle_p50 * 1000:.1f} | {max(idle) * 1000:.1f} |")
-    print(f"| loaded, priority 10 | {loaded_p50 * 1000:.1f} | {max(loaded) * 1000:.1f} |")
-    print(f"\npreemptions: {preempted} for {samples} interactive requests; load average (1 min) {load:.1f} before, "
-          f"{os.getloadavg()[0]:.1f} after")
+          f"{samples} samples | TTFT p50 (ms) | max (ms) | p50 against idle |")
+    print("|---|---|---|---|")
+    for name, seconds in (("idle", f.idle), (f"beside {parallel - 1} batch request(s), a slot free (the floor)",
+                                             f.beside), ("loaded, priority 10 (it preempts)", f.loaded)):
+        print(f"| {name} | {statistics.median(seconds) * 1000:.1f} | {max(seconds) * 1000:.1f} | "
+              f"{statistics.median(seconds) / idle_p50:.2f}× |")
+    print(f"\npreemptions: {f.preempted} for {samples} interactive requests; load average (1 min) {load:.1f} "
+          f"before, {os.getloadavg()[0]:.1f} after")
     target = Target(f"loaded TTFT p50 ≤ {TARGET}× idle", loaded_p50 / idle_p50, "<=", TARGET)
     print(f"- {target.text}: {target.measured:.2f}× — {'met' if target.met else 'NOT met'}")
 
