@@ -5,6 +5,7 @@ those named on the Hugging Face Hub or in Ollama's store, and the chat template 
     builtin    where they live (finds one without importing gguf or numpy; imports maker only to write one)
     maker      writes them (same arguments, same bytes)
     mmproj_maker random image projectors for the built-in models (``make-model --mmproj``; same arguments, same bytes)
+    audio_maker random audio projectors (Whisper-style encoders) for them (``make-model --mmproj --audio``)
     projector  a model's image projector checked against the model from the two headers (refused with one line)
     lora_maker random LoRA adapters for a given base GGUF (``make-model --lora-for``; same arguments, same bytes)
     lora_file  a LoRA adapter GGUF checked against its model from the two headers (refused with one line)

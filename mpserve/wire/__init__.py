@@ -7,6 +7,7 @@
     refusals   msgspec's verdict on a bad body as a BadRequest or ProtocolError naming field, value and range
     zmqio      multipart messages through pyzmq's backend calls (broker, workers, clients)
     media      images as they travel: data URLs, their headers checked against the limits, the media marker
+    audio      audio clips as they travel among the images: told by their first bytes, their seconds from the header
     prefix     common prefixes, and the block hashes of text prefixes that travel from worker to broker
     salt       a request's cache key, one path in three hops: the gateway's fallback salt, the broker's salt of
                tenant, cache_salt and adapter set, the engine's key with the adapters' loads (tenants kept apart)

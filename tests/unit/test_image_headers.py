@@ -50,7 +50,7 @@ def test_a_refusal_names_the_setting_of_the_limit_it_is_over() -> None:
     with pytest.raises(BadRequest, match=r"image 2 of the request: .* \(the wire's bound MAX_IMAGE_PIXELS\)"):
         check_images([PNG, PNG[:16] + struct.pack(">II", 60_000, 60_000) + PNG[24:]], WIRE_LIMITS)
     local = parse_tenants({"local": {"max_image_bytes": "16B"}}).of("").images("local")
-    assert local == ImageLimits(MAX_IMAGES, 16, WIRE_LIMITS.max_pixels, "local")
+    assert local == ImageLimits(MAX_IMAGES, 16, WIRE_LIMITS.max_pixels, "local", WIRE_LIMITS.max_audio_seconds)
     with pytest.raises(BadRequest, match=r"at most 16 are accepted \(max_image_bytes of tenant local in the tenants"):
         check_images([PNG], local)
 
