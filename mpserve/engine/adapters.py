@@ -143,6 +143,11 @@ class Turns:
         self._last: AdapterSet | None = None
         self._held = 0  # steps in a row ``_last`` has run
 
+    @property
+    def current(self) -> AdapterSet:
+        """The set whose turn it is now (the last one given; none before the first)."""
+        return self._last or ()
+
     def next(self, sets: Iterable[AdapterSet]) -> AdapterSet:
         waiting = sorted(set(sets))
         if not waiting:

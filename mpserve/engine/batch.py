@@ -368,7 +368,7 @@ class BatchEngine:
         done = [self._finish(seq, "cancelled") for seq in scheduler.cancelled()]
         if self.parallel > 1:
             self._cells.catch_up(scheduler.prefilling)
-        urgent = scheduler.urgent()
+        urgent = scheduler.urgent(self._turns.current)
         if urgent is not None:  # ahead of the rest, under its own adapters
             urgent.alone = False
             self._adapters.apply(self._context.ctx, urgent.adapters)

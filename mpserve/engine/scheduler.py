@@ -25,6 +25,7 @@ from collections.abc import Iterable
 
 from mpserve.wire.prefix import common_prefix
 
+from .adapters import AdapterSet
 from .sequence import PROMPT_CHUNK, Phase, Sequence, next_chunk, usable
 
 LONE_KV_CELLS = 256
@@ -66,23 +67,26 @@ class Scheduler:
     def cancelled(self) -> list[Sequence]:
         return [seq for seq in self.running.values() if seq.cancel_requested]
 
-    def urgent(self) -> Sequence | None:
+    def urgent(self, turn: AdapterSet = ()) -> Sequence | None:
         """The prompt whose next chunk is this step's only decode: one admitted ahead of every running sequence
-        (``Sequence.alone``: a request of higher priority than theirs), else, while sequences decode, the first
-        newcomer whose whole prompt is that chunk (admitted, none of it computed yet, no image in it) and that copies
-        no earlier prompt's cells. Its chunk and the decoding rows are separate llama_decode calls whatever the
-        order, so going first changes none of their numbers and delays their tokens by no more than a turn of the
-        loop: the step is split in two, and the newcomer's first token goes out after its chunk rather than after
-        the others' decode too. A prompt goes first once, and only an admission brings one: the decoding rows wait
-        at most a chunk for each slot that was free. A longer prompt gains nothing from it (its first token comes
-        after its last chunk) and takes its chunks within the step's budget."""
+        (``Sequence.alone``: a request of higher priority than theirs), else, while sequences of the adapter set in
+        ``turn`` decode, the first newcomer of that set whose whole prompt is that chunk (admitted, none of it computed
+        yet, no image in it) and that copies no earlier prompt's cells: one of another set waits for its set's turn,
+        since each switch of the context's adapters rebuilds llama.cpp's compute graphs. Its chunk and the decoding rows
+        are separate llama_decode calls whatever the order, so going first changes none of their numbers and delays
+        their tokens by no more than a turn of the loop: the step is split in two, and the newcomer's first token goes
+        out after its chunk rather than after the others' decode too. A prompt goes first once, and only an admission
+        brings one: the decoding rows wait at most a chunk for each slot that was free. A longer prompt gains nothing
+        from it (its first token comes after its last chunk) and takes its chunks within the step's budget."""
         if not self.prefilling:
             return None
         first = next((seq for seq in self.prefilling if seq.alone), None)
-        if first is not None or not any(seq.phase is Phase.DECODE for seq in self.running.values()):
+        if first is not None or not any(seq.phase is Phase.DECODE and seq.adapters == turn
+                                        for seq in self.running.values()):
             return first
         for at, seq in enumerate(self.prefilling):
-            if (seq.n_past == seq.reused and not seq.images and seq.n_past + next_chunk(seq) == len(seq.prompt)
+            if (seq.adapters == turn and seq.n_past == seq.reused and not seq.images
+                    and seq.n_past + next_chunk(seq) == len(seq.prompt)
                     and not self._copies(seq, itertools.islice(self.prefilling, at))):
                 return seq
         return None

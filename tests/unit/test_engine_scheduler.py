@@ -148,3 +148,15 @@ def test_a_newcomer_goes_ahead_of_the_decoding_rows_once() -> None:
     cached = sequence(5, [5] * 1000, 990)  # admitted with its prompt's cells but the last 10 reused
     s.add(cached)
     assert s.urgent() is cached
+
+
+def test_a_newcomer_of_another_adapter_set_waits_for_its_turn() -> None:
+    """Going first would switch the context's adapters (a rebuild of llama.cpp's graphs) out of the sets' turns."""
+    s = scheduler()
+    s.add(sequence(0, [1] * 10, 10, decoding=True))
+    other = sequence(1, [2] * 10)
+    other.adapters = (("a0", 1.0),)
+    s.add(other)
+    assert s.urgent() is None and s.urgent(turn=(("a0", 1.0),)) is None  # none of a0 decodes
+    s.running[0].adapters = (("a0", 1.0),)
+    assert s.urgent(turn=(("a0", 1.0),)) is other and s.urgent() is None
