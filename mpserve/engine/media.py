@@ -29,8 +29,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from mpserve.errors import BadRequest
-from mpserve.wire.audio import is_audio, read_audio
-from mpserve.wire.media import MEDIA_MARKER, WIRE_LIMITS, check_image, check_images
+from mpserve.wire.audio import is_audio
+from mpserve.wire.media import MEDIA_MARKER, WIRE_LIMITS, check_images
 from mpserve.wire.prefix import media_key
 
 from .llama_log import install_media
@@ -79,10 +79,10 @@ class Projector:
             raise ValueError(f"the projector {path!r} has neither a vision nor an audio encoder")
 
     def image(self, data: bytes, where: str) -> Image:
-        """``data`` decoded, after its header was checked against the wire's bounds; BadRequest if it cannot be."""
+        """``data`` decoded, its header checked against the wire's bounds already (``prompt_tokens``); BadRequest if
+        it cannot be."""
         if not self.vision:
             raise BadRequest(f"{where}: this model's projector takes audio, not images (it has no vision encoder)")
-        check_image(data, WIRE_LIMITS, where)
         width, height, rgb = self._decoded(data, where, audio=False)
         digest = hashlib.sha256(struct.pack("<II", width, height) + rgb).digest()
         n_tokens = self._n_tokens(rgb, width, height)
@@ -104,11 +104,10 @@ class Projector:
         return tokens, starts
 
     def clip(self, data: bytes, where: str) -> Clip:
-        """``data`` (WAV or MP3) decoded, after its header was read (``wire.audio``: its seconds bounded); BadRequest
-        if it cannot be."""
+        """``data`` (WAV or MP3) decoded, its header read already (``prompt_tokens``: its seconds bounded);
+        BadRequest if it cannot be."""
         if not self.audio:
             raise BadRequest(f"{where}: this model's projector takes images, not audio (it has no audio encoder)")
-        read_audio(data, where)
         n_samples, _, samples = self._decoded(data, where, audio=True)
         if not n_samples:
             raise BadRequest(f"{where}: the audio holds no samples")
@@ -219,7 +218,7 @@ def prompt_tokens(context: Any, prompt: str | list[int], images: Sequence[bytes]
         raise BadRequest(f"images go with a text prompt that places them ({MEDIA_MARKER}), not with token ids")
     if prompt_logprobs:
         raise BadRequest("'prompt_logprobs' cannot score a prompt's image positions; ask without it")
-    check_images(images, WIRE_LIMITS)  # the clips' seconds together, before any is decoded
+    check_images(images, WIRE_LIMITS)  # each header, and the clips' seconds together, before any is decoded
     decoded = [projector.clip(data, f"audio {i}") if is_audio(data) else projector.image(data, f"image {i}")
                for i, data in enumerate(images)]
     tokens, starts = projector.prompt(prompt, decoded, lambda part, first: (context.bos if first else []) +
