@@ -74,10 +74,10 @@ class Rebinder:
         self._count(old, tenant, -len(rows))
         for p in rows:
             p.client = client
-            for at in range(0, len(p.kept or ()), REPLAY_BATCH) if req.stream else ():
-                bodies = (p.kept or [])[at:at + REPLAY_BATCH]
+            kept = p.kept if req.stream and p.kept else []
+            for at in range(0, len(kept), REPLAY_BATCH):
                 self.answers.to_client(client, [wire.VERSION, wire.TYPE_FRAMES[wire.MsgType.CHUNKS],
-                                                wire.splice_array(bodies)])
+                                                wire.splice_array(kept[at:at + REPLAY_BATCH])])
         self.tables.bind(client, rows[0])
         self._count(client, tenant, len(rows))
         self.tables.heard[client] = time.monotonic()
