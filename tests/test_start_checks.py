@@ -9,16 +9,18 @@ import socket
 import stat
 import subprocess
 import sys
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import zmq
 from helpers import as_other_user, mpserve, shared_place
 
 from mpserve.config import loader
 from mpserve.errors import ConfigError
 from mpserve.runtime import ServerPaths, runtime_dir
-from mpserve.server.preflight import check_start, claim
+from mpserve.server.preflight import check_bind, check_start, claim
 
 
 @pytest.fixture
@@ -162,3 +164,42 @@ def test_a_leftover_the_servers_user_cannot_remove_is_refused_in_one_line() -> N
                            "(Operation not permitted); remove it as its owner or root, or give this server another "
                            "--server-name"), outcome
         assert planted.exists()
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("kind", ["ipc", "tcp"])
+def test_start_checks_its_address_without_listening_there(kind: str, tmp_path: Path) -> None:
+    """``check_bind`` never accepts a connection at the address it checks: a client waiting there for its server
+    to come back connects to nothing during the check."""
+    if kind == "ipc":
+        path = tmp_path / "front.sock"
+        address = f"ipc://{path}"
+    else:
+        with socket.socket() as probe:
+            probe.bind(("127.0.0.1", 0))
+            port = probe.getsockname()[1]
+        address = f"tcp://127.0.0.1:{port}"
+    connected, done = threading.Event(), threading.Event()
+    dealer = zmq.Context.instance().socket(zmq.DEALER)
+    dealer.setsockopt(zmq.LINGER, 0)
+    dealer.setsockopt(zmq.RECONNECT_IVL, 1)
+    events = dealer.get_monitor_socket(zmq.EVENT_CONNECTED)
+
+    def watch() -> None:
+        while not done.is_set():
+            if events.poll(10):
+                connected.set()
+                return
+
+    watcher = threading.Thread(target=watch, daemon=True)
+    watcher.start()
+    dealer.connect(address)
+    for _ in range(200):  # a client retrying every millisecond, beside two hundred checks
+        check_bind("--bind", address)
+    done.set()
+    watcher.join(5)
+    dealer.disable_monitor()
+    dealer.close()
+    assert not connected.is_set(), "a client connected to the address while start checked it"
+    if kind == "ipc":
+        assert not os.path.exists(path) and not any(tmp_path.iterdir()), list(tmp_path.iterdir())

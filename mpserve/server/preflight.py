@@ -4,8 +4,8 @@
                          ├─ refuse_live      a live server of the same name refuses (``serve``'s ``claim``
                          │                    then removes, and logs, what a dead one left)
                          ├─ the children      they import this server's mpserve (``children.check_importable``)
-                         ├─ the ZeroMQ binds  each bound once with a throwaway socket, then closed (and its
-                         │                    ipc file removed): in use, no scheme, no permission, no folder
+                         ├─ the ZeroMQ binds  each bound once with a plain socket that never listens, then
+                         │                    closed: in use, no scheme, no permission, no folder, too long
                          ├─ the HTTP port     bound once and closed, as uvicorn binds it
                          ├─ the lock folder   a file made and removed in it, when it is given or permits are used
                          ├─ the store folder  each model's host store RAM tier: made 0700, or refused unless it is
@@ -27,8 +27,6 @@ import os
 import socket
 import tempfile
 from pathlib import Path
-
-import zmq
 
 from mpserve import children
 from mpserve.config.loader import ECHO_MODEL, ServerConfig, check_adapters, tier_folder
@@ -83,27 +81,69 @@ def claim(paths: ServerPaths) -> None:
 
 
 def check_bind(flag: str, address: str) -> None:
-    """Bind ``address`` with a throwaway ZeroMQ socket and close it at once."""
-    if not address.startswith(_SCHEMES):
+    """Whether ``address`` could be bound, found with a plain socket that is bound and closed, never listening:
+    a client reconnecting to a server of this name that is starting again must not meet a throwaway listener,
+    which would take its messages (a reattached request, ``mpserve.client``) and drop them as it closes."""
+    if address.startswith("ipc://"):
+        _check_ipc(flag, address, Path(address[len("ipc://"):]))
+    elif address.startswith("tcp://"):
+        _check_tcp(flag, address, address[len("tcp://"):])
+    else:
         raise ConfigError(f"{flag} {address}: not a ZeroMQ address; give tcp://HOST:PORT (e.g. "
                           "tcp://127.0.0.1:5555) or ipc:///PATH")
-    ipc = Path(address[len("ipc://"):]) if address.startswith("ipc://") else None
-    if ipc is not None and _listening(ipc):
+
+
+def _check_ipc(flag: str, address: str, path: Path) -> None:
+    """The ipc path: short enough for a unix socket, nobody listening there (ZeroMQ would take it over), its folder
+    one this user can bind in (a socket bound beside it under a name of this process's, and removed)."""
+    if len(os.fsencode(path)) > _UNIX_PATH_MAX:
+        raise ConfigError(bind_problem(flag, address, errno.ENAMETOOLONG, "path too long"))
+    if _listening(path):
         raise ConfigError(f"{flag} {address}: another process listens on this ipc path; stop it or give "
                           "another path")
-    ctx = zmq.Context()
-    sock = ctx.socket(zmq.ROUTER)
+    beside = path.parent / f".mpserve-check-{os.getpid()}"
+    if len(os.fsencode(beside)) > _UNIX_PATH_MAX:
+        return  # the bind itself words what fails (``serve``)
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+        try:
+            sock.bind(os.fspath(beside))
+        except OSError as exc:
+            raise ConfigError(bind_problem(flag, address, exc.errno, exc.strerror or str(exc))) from None
+        beside.unlink()  # the socket file this bind made
+
+
+def _check_tcp(flag: str, address: str, where: str) -> None:
+    """HOST:PORT bound as ZeroMQ binds it (``*``: every address; ``[v6]``; SO_REUSEADDR), never listening. A port
+    ``*`` (any free one) and an interface name are left to the bind itself."""
+    host, _, port = where.rpartition(":")
+    if not host or not port.isdigit():
+        if port == "*" or _is_interface(host):
+            return
+        raise ConfigError(bind_problem(flag, address, errno.EINVAL, "not HOST:PORT"))
+    if _is_interface(host):
+        return
+    bare = host[1:-1] if host.startswith("[") and host.endswith("]") else host
+    family = socket.AF_INET6 if ":" in bare else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind(("" if bare == "*" else bare, int(port)))
+        except socket.gaierror:
+            raise ConfigError(bind_problem(flag, address, errno.EADDRNOTAVAIL, "unknown host")) from None
+        except OSError as exc:
+            raise ConfigError(bind_problem(flag, address, exc.errno, exc.strerror or str(exc))) from None
+
+
+def _is_interface(host: str) -> bool:
+    """Whether ``host`` names a network interface (ZeroMQ binds its address)."""
     try:
-        sock.bind(address)
-    except zmq.ZMQError as exc:
-        raise ConfigError(bind_problem(flag, address, exc.errno, exc.strerror)) from None
-    finally:
-        sock.close(linger=0)
-        ctx.term()
-        if ipc is not None:
-            ipc.unlink(missing_ok=True)
+        socket.if_nametoindex(host)
+    except OSError:
+        return False
+    return True
 
 
+_UNIX_PATH_MAX = 107  # bytes of a unix socket's path, without its closing NUL
 _IN_USE = "the address is in use (another server or program listens there); stop it or give another port"
 _NO_PERMISSION = ("no permission to bind it (ports below 1024 need root; an ipc path needs a folder you can write); "
                   "give a port above 1023 or another path")
