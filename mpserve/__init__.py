@@ -21,6 +21,7 @@ Three kinds of process, one subpackage each, over shared groups and leaf modules
     repack       whether llama.cpp may repack weights on this host (a probe in a child, its verdict cached)
     llama_build  the installed llama.cpp build, probed in a child, and what keeps it from the GPUs found
     client       ``Client`` / ``AsyncClient``: the ZeroMQ clients
+    client_track what a client keeps of each completion it sent, for a reattach
     cli          the ``mpserve`` command line: its options declared once (settings, the operator commands' bundle)
     start        what ``mpserve start`` runs: the server, the gateway fleet of --http beside it, the upgrade's exec
     operator_link  how an operator command reaches a running server: which one, its CURVE keys, a client

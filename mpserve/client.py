@@ -20,8 +20,10 @@ A server that adopted the instance holding the request (``mpserve.server.adoptio
 its whole text so far first; any other runs it anew. The client drops the text it delivered already, checking it
 is the same (a sampled request without a seed that ran anew differs: ``ConnectionFailed``), so no text repeats:
 
-    chunk ─▶ _Track.fresh: the part past what this choice delivered ─▶ the request's queue
+    chunk ─▶ Track.fresh (``mpserve.client_track``): the part past what this choice delivered ─▶ the request's queue
     silence ─▶ _reattach: new socket, each completion sent again, every choice's text to be seen again
+    PONG of another start ─▶ _restarted: each completion it may lack sent again (one sent to the start before, or
+                             sent on a new connection and not answered since: another listener may have taken it)
 
 Tokenize, embed, stats and the operators' calls fail at the first silence, as before.
 A server that is not running is reported at connect time. A request too large for the server (its
@@ -71,6 +73,7 @@ import zmq
 import zmq.auth
 
 from mpserve import structured, tracing
+from mpserve.client_track import Track
 from mpserve.errors import BadRequest, ConfigError, ConnectionFailed, MpserveError, Timeout, error_from_code
 from mpserve.runtime import default_address
 from mpserve.wire import adapters as wire_adapters
@@ -194,51 +197,6 @@ class Stream:
                 await self._client._abandon(self._request.id)
 
 
-class _Track:
-    """A completion sent and not answered yet, as a reattach needs it: the request, and each choice's text delivered
-    so far; while it is streamed again after a reattach, how far the new text has matched it (``_replay``)."""
-
-    __slots__ = ("request", "server", "_pieces", "_replay")
-
-    def __init__(self, request: wire.Request, server: str) -> None:
-        self.request = request
-        self.server: str | None = server  # the start of the server it was last sent to (its PONGs name it); None:
-        # sent again on a new connection, to whichever start answers there next
-        self._pieces: dict[int, list[str]] = {}  # choice -> the text delivered, piece by piece
-        self._replay: dict[int, tuple[str, int]] = {}  # choice -> its text delivered, and how much of it came again
-
-    def reattached(self) -> None:
-        self._replay = {index: ("".join(pieces), 0) for index, pieces in self._pieces.items() if pieces}
-
-    def resumed(self, delivered: Mapping[int, str]) -> None:
-        """Sent again by another client than the one that delivered ``delivered`` (each choice's text so far)."""
-        self._pieces = {index: [text] for index, text in delivered.items() if text}
-        self.reattached()
-
-    def fresh(self, index: int, text: str) -> str:
-        """The part of ``text`` (the next chunk of choice ``index``) not delivered already; raises
-        ConnectionFailed if what came again differs from what was delivered."""
-        pieces = self._pieces.setdefault(index, [])
-        if index not in self._replay:
-            pieces.append(text)
-            return text
-        seen, at = self._replay[index]
-        again = seen[at:at + len(text)]
-        if not text.startswith(again):
-            raise ConnectionFailed(f"request {self.request.id}: after the server came back it ran again, and its "
-                                   "text differs from what was streamed before (a sampled request needs a seed to "
-                                   "repeat); its stream ends here")
-        at += len(again)
-        if at >= len(seen):
-            del self._replay[index]
-        else:
-            self._replay[index] = (seen, at)
-        new = text[len(again):]
-        if new:
-            pieces.append(new)
-        return new
-
-
 class AsyncClient:
     def __init__(self, address: str | None = None, *, server_name: str = "default",
                  timeout: float | None = None, connect_timeout: float = CONNECT_TIMEOUT_S,
@@ -250,7 +208,7 @@ class AsyncClient:
         self.address = address or default_address(server_name)
         self.timeout = timeout
         self.reattach = reattach
-        self._tracks: dict[str, _Track] = {}  # the completions sent, by id (those still pending are reattached)
+        self._tracks: dict[str, Track] = {}  # the completions sent, by id (those still pending are reattached)
         self._silent_since: float | None = None  # the server went silent then, and has not answered since
         self._server = ""  # the start of the server answering (its PONGs say), "" until one did
         self._connect_timeout = connect_timeout
@@ -536,7 +494,7 @@ class AsyncClient:
         queue = self._claim(request.id)
         if len(self._tracks) > 2 * len(self._pending) + 16:  # those answered, dropped now and then
             self._tracks = {rid: t for rid, t in self._tracks.items() if rid in self._pending}
-        track = self._tracks[request.id] = _Track(request, self._server)
+        track = self._tracks[request.id] = Track(request, self._server)
         if delivered is not None:
             track.resumed(delivered)
         await self._write(frames)
@@ -660,13 +618,17 @@ class AsyncClient:
 
     def _restarted(self, server: str) -> None:
         """The server answering is another start than the one the pending completions were sent to (ZeroMQ
-        reconnected to it before any silence showed): they are sent to it again, marked ``reattach``."""
+        reconnected to it before any silence showed): they are sent to it again, marked ``reattach``. So is one sent
+        on a new connection and not answered yet: the connection may have met another listener first, which dropped
+        it (a server that died as it started); a start that has it already ignores the copy (``Clients.admit``)."""
         first, self._server = not self._server, server
         again = []
         for rid in [rid for rid in self._pending if rid in self._tracks]:
             track = self._tracks[rid]
-            if track.server is None:  # sent again to this start already
+            if track.server is None:  # sent again on a new connection, to whichever start took it
                 track.server = server
+                if not track.heard:
+                    again.append(rid)
             elif track.server != server:
                 again.append(rid)
         if not first and again and self.reattach and self._loop is not None:
@@ -674,7 +636,7 @@ class AsyncClient:
 
     async def _reattach(self, completions: list[str], reconnect: bool = True) -> None:
         """Connect afresh (``reconnect``) and send each completion again, marked ``reattach``; the text each choice
-        delivered is to be seen again before anything new (``_Track``)."""
+        delivered is to be seen again before anything new (``Track``)."""
         if reconnect and self._sock is not None and self._loop is not None:
             self._loop.remove_reader(self._sock.fileno())
             self._sock.close()
@@ -713,10 +675,13 @@ class AsyncClient:
             return
         for one in msg.chunks if isinstance(msg, wire.Chunks) else (msg,):
             request_id = getattr(one, "id", None)
-            queue = self._pending.get(request_id) if isinstance(request_id, str) else None
-            if queue is None:
+            if not isinstance(request_id, str) or request_id not in self._pending:
                 continue
-            track = self._tracks.get(one.id) if isinstance(one, wire.Chunk) else None
+            queue = self._pending[request_id]
+            tracked = self._tracks.get(request_id)
+            if tracked is not None:
+                tracked.heard = True
+            track = tracked if isinstance(one, wire.Chunk) else None
             if track is not None:
                 try:
                     text = track.fresh(one.index, one.text)

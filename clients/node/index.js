@@ -14,6 +14,8 @@
 //
 //   CHUNK ──▶ Track.fresh: the part past what its choice delivered ──▶ the pending request's queue
 //   silence ──▶ _reattach: new DEALER, each completion sent again, every choice's text to be seen again
+//   PONG of another start ──▶ _restarted: each completion it may lack sent again (one sent to the start before, or
+//                              sent on a new DEALER and not answered since: another listener may have taken it)
 //
 // Errors are MpserveError subclasses carrying the wire's `code` and whether a retry may succeed (`retryable`).
 
@@ -386,7 +388,9 @@ export class Client {
     for (const one of type === MsgType.CHUNKS ? body : [body]) {
       const queue = one && this._pending.get(one.id);
       if (!queue) continue;
-      const track = chunks && this._tracks.get(one.id);
+      const tracked = this._tracks.get(one.id);
+      if (tracked) tracked.heard = true;
+      const track = chunks && tracked;
       if (!track) {
         queue.push({ type: chunks ? MsgType.CHUNK : type, body: one });
         continue;
@@ -445,14 +449,18 @@ export class Client {
   }
 
   /** The server answering is another start than the one the pending completions were sent to (ZeroMQ reconnected
-   * to it before any silence showed): they are sent to it again, marked `reattach`. */
+   * to it before any silence showed): they are sent to it again, marked `reattach`. So is one sent on a new
+   * connection and not answered since: that connection may have met another listener first, which dropped it (a
+   * server that died as it started); a start that has it already ignores the copy. */
   _restarted(server) {
     const first = !this._server;
     this._server = server;
     const again = [];
     for (const [id, track] of this._tracks) {
-      if (track.server === null) track.server = server; // sent again to this start already
-      else if (track.server !== server) again.push(id);
+      if (track.server === null) { // sent again on a new connection, to whichever start took it
+        track.server = server;
+        if (!track.heard) again.push(id);
+      } else if (track.server !== server) again.push(id);
     }
     if (!first && again.length && this.reattach) this._reattach(again, false);
   }
@@ -522,6 +530,7 @@ class Track {
   constructor(body, server) {
     this.body = body;
     this.server = server;
+    this.heard = false; // whether an answer of it came since it was last sent
     this._delivered = new Map(); // choice index -> its text delivered
     this._replay = new Map(); // choice index -> how much of its text delivered came again
   }
@@ -529,6 +538,7 @@ class Track {
   /** Sent again, to `server`: every choice's text delivered is to come again first. */
   reattached(server) {
     this.server = server;
+    this.heard = false;
     this._replay = new Map([...this._delivered].filter(([, text]) => text).map(([index]) => [index, 0]));
   }
 

@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 from brokers import broker_fixture  # noqa: F401  (the fixture "broker")
 
-from mpserve.client import _Track
+from mpserve.client_track import Track
 from mpserve.errors import ConnectionFailed
 from mpserve.server import adoption
 from mpserve.server.broker import Broker
@@ -115,7 +115,7 @@ def test_an_adopted_request_no_client_comes_back_for_is_forgotten_on_its_instanc
 
 
 def test_text_that_comes_again_after_a_reattach_is_dropped_and_the_rest_delivered() -> None:
-    track = _Track(wire.Request("r1", "p", stream=True), "start-1")
+    track = Track(wire.Request("r1", "p", stream=True), "start-1")
     assert track.fresh(0, "Hello") == "Hello"
     assert track.fresh(0, ", wor") == ", wor"
     track.reattached()
@@ -125,7 +125,7 @@ def test_text_that_comes_again_after_a_reattach_is_dropped_and_the_rest_delivere
 
 
 def test_text_that_differs_after_a_reattach_ends_the_stream() -> None:
-    track = _Track(wire.Request("r1", "p", stream=True), "start-1")
+    track = Track(wire.Request("r1", "p", stream=True), "start-1")
     track.fresh(0, "Hello")
     track.reattached()
     with pytest.raises(ConnectionFailed, match="differs"):

@@ -18,7 +18,7 @@ MAX_FUNCTION_LINES = 60
 
 ALLOWED = {  # path, or path::qualified name: its count when it was listed
     "mpserve/cli.py": 669,
-    "mpserve/client.py": 925,
+    "mpserve/client.py": 890,
     "mpserve/config/loader.py": 691,
     "mpserve/gpu/permits.py": 705,
     "mpserve/wire/messages.py": 951,
