@@ -58,11 +58,13 @@ class _Streamer(threading.Thread):
         self.result = ""
         self.pause = 0.0
         self.error: Exception | None = None
+        self.id = ""
 
     def run(self) -> None:
         try:
             with Client(self.address, timeout=120, reattach=self.reattach) as client:
                 stream = client.stream(self.prompt, max_tokens=self.max_tokens, temperature=0)
+                self.id = stream.id
                 last, parts = None, []
                 for text in stream:
                     now = time.monotonic()
@@ -76,6 +78,17 @@ class _Streamer(threading.Thread):
         except Exception as exc:  # noqa: BLE001 - recorded, asserted by the test
             self.error = exc
             self.started.set()
+
+
+def _story(streams: list[_Streamer], *servers: ServerProcess) -> str:
+    """What the servers logged about the streams that failed, and each one's last lines: why a stream got no
+    answer."""
+    ids = [s.id for s in streams if s.error is not None and s.id]
+    lines = [f"failed: {ids}"]
+    for server in servers:
+        lines += [f"--- {server.name}, pid {server.proc.pid}: lines naming them", *(
+            line for line in server.log if any(i in line for i in ids)), "--- its last lines", *server.log[-30:]]
+    return "\n".join(lines)
 
 
 def _freeze(pids: list[int], sig: signal.Signals) -> None:
@@ -96,7 +109,7 @@ def test_a_server_killed_with_8_streams_and_started_again_5_s_later_finishes_eac
     again = start_server(*ARGS, name=server.name).wait_ready()
     for s in streams:
         s.join(120)
-    assert [s.error for s in streams] == [None] * len(streams)
+    assert [s.error for s in streams] == [None] * len(streams), _story(streams, server, again)
     assert [s.text for s in streams] == whole, "a stream's text differs from its uninterrupted run"
     assert [s.result for s in streams] == whole
     wait_for(lambda: _worker_pids(again) == pids, 10, "the adopted instances in the new slot table")
@@ -278,7 +291,7 @@ def test_streams_whose_instance_died_with_the_server_go_on_from_the_journal_and_
     again = start_server(*args, name=server.name).wait_ready()
     for s in streams:
         s.join(120)
-    assert [s.error for s in streams] == [None] * len(streams)
+    assert [s.error for s in streams] == [None] * len(streams), _story(streams, server, again)
     assert [s.text for s in streams] == whole, "a stream's text differs from its uninterrupted run"
     counters = _counters(again)
     assert (counters.get("journaled_requests"), counters.get("reattached"), counters.get("accepted")) == (3, 3, None), \
