@@ -60,5 +60,5 @@ def test_an_upgrade_to_another_version_rolls_the_adopted_instances_onto_it_with_
     assert "instances of another mpserve version" in log and f"{OLD_VERSION} {PREVIOUS_LINK}" in log, log
     assert sum("instances are forked from here" in line for line in server.log) == 2, log  # once more, no more
     steps = [line for line in server.log if "roll of tiny:" in line]
-    assert sum("starting worker" in line for line in steps) == 2, steps  # one at a time, each its own step
+    assert sum("starting worker" in line for line in steps) == 2, log  # one at a time, each its own step
     assert not server.tracebacks(), log

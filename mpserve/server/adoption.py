@@ -27,6 +27,7 @@ import logging
 import os
 import socket
 import struct
+import time
 from dataclasses import dataclass, field
 from multiprocessing import AuthenticationError, connection
 from multiprocessing.connection import Connection
@@ -42,8 +43,7 @@ from .zygotes import PidfdHandle, Zygote, readable
 
 log = logging.getLogger("mpserve.server")
 
-START_SLACK_S = 1.0  # an instance's process may start this much before its row's start time (clocks' rounding)
-START_LATE_S = 600.0  # ... or this much after it (a zygote loads the weights before it forks the first instance)
+START_SLACK_S = 1.0  # a process that began this much after its row's start time (clocks' rounding) is another's
 HOLD_S = 60.0  # an adopted request no client reattached to within this long is cancelled on its instance
 ZYGOTE_CONNECT_S = 2.0  # how long a zygote waiting to be adopted may take to answer each step
 
@@ -100,20 +100,21 @@ def survey(paths: ServerPaths, specs: list[WorkerSpec]) -> Survivors:
 
 
 def _ours_since(pid: int, started: float) -> bool:
-    """Whether process ``pid`` runs, is this user's, and started when the row's ``started`` says (not a later
-    process that took a reused pid)."""
+    """Whether process ``pid`` runs, is this user's, and is the one that wrote its row at ``started`` (wall clock):
+    an instance writes its row once it runs, however long after it began (a loaded host, a spawned worker's imports);
+    a process that took the pid after it died began after that. Its start is read from ``/proc/PID/stat`` against
+    the boot clock, to the tick (the boot time ``/proc/stat`` gives is whole seconds)."""
     try:
         if os.stat(f"/proc/{pid}").st_uid != os.getuid():
             return False
         fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-        boot = next(float(line.split()[1]) for line in Path("/proc/stat").read_text().splitlines()
-                    if line.startswith("btime "))
-    except (OSError, ValueError, IndexError, StopIteration):
+        since_boot = int(fields[19]) / os.sysconf("SC_CLK_TCK")
+    except (OSError, IndexError, ValueError):
         return False
     if fields[0] == "Z":
         return False
-    began = boot + int(fields[19]) / os.sysconf("SC_CLK_TCK")
-    return started - START_SLACK_S <= began <= started + START_LATE_S
+    began = time.time() - (time.clock_gettime(time.CLOCK_BOOTTIME) - since_boot)
+    return began <= started + START_SLACK_S
 
 
 def _read_secrets(path: Path) -> tuple[str, ...]:

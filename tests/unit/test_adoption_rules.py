@@ -5,6 +5,7 @@ dropped, text that differs ends the stream."""
 from __future__ import annotations
 
 import os
+import subprocess
 import time
 from pathlib import Path
 from typing import Any
@@ -144,3 +145,19 @@ def test_a_secret_file_that_is_a_link_adopts_nothing(tmp_path: Path, monkeypatch
     adoption.write_secrets(paths, (OLD,))
     assert adoption._read_secrets(adoption.secrets_path(paths)) == (OLD,)
     assert adoption.secrets_path(paths).stat().st_mode & 0o777 == 0o600
+
+
+@pytest.mark.timeout(30)
+def test_an_instance_is_its_rows_however_late_it_wrote_them_and_a_process_that_began_after_them_is_not() -> None:
+    """The survey's pid check (``adoption._ours_since``): an instance writes its row's start time once it runs,
+    which on a loaded host, or after a spawned worker's imports, is seconds after its process began; a process that
+    began after the row was written took the pid of the one that wrote it."""
+    before = time.time()
+    child = subprocess.Popen(["sleep", "30"])
+    try:
+        assert adoption._ours_since(child.pid, time.time() + 3.0)  # its row written 3 s after it began
+        assert not adoption._ours_since(child.pid, before - 3.0)  # a row written 3 s before it began: another's
+    finally:
+        child.kill()
+        child.wait()
+    assert not adoption._ours_since(child.pid, time.time())  # gone
