@@ -168,7 +168,9 @@ def test_a_fault_in_one_message_is_dropped_and_a_fault_in_the_loop_ends_the_serv
     with planted(tmp_path, "--model", "builtin:tiny", "--instances", "2") as (server, trigger):
         with dealer(server.info.back, b"boom") as boom:
             boom.send_multipart(wire.encode_from_worker(wire.Heartbeat("boom")))
-            with Client(server.address, timeout=20) as client:
+            with Client(server.address, timeout=20) as client:  # boom's connection is its own: not ordered with ours
+                wait_for(lambda: client.stats().counters.get("worker_message_failed") == 1, 20,
+                         "the fault planted in boom's message to be counted")
                 assert client.generate("after the fault", max_tokens=4).usage.completion_tokens == 4
                 assert client.stats().counters["worker_message_failed"] == 1
         assert any("while handling a message from worker b'boom'" in line for line in server.log)
