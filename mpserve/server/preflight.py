@@ -37,8 +37,6 @@ from mpserve.runtime import ServerInfo, ServerPaths
 
 log = logging.getLogger("mpserve.server")
 
-_SCHEMES = ("tcp://", "ipc://")
-
 
 def check_start(config: ServerConfig, http: tuple[str, int] | None = None) -> None:
     """Raise ``ConfigError`` for the first address or folder that ``mpserve start`` could not use."""
@@ -116,12 +114,10 @@ def _check_tcp(flag: str, address: str, where: str) -> None:
     """HOST:PORT bound as ZeroMQ binds it (``*``: every address; ``[v6]``; SO_REUSEADDR), never listening. A port
     ``*`` (any free one) and an interface name are left to the bind itself."""
     host, _, port = where.rpartition(":")
-    if not host or not port.isdigit():
-        if port == "*" or _is_interface(host):
-            return
-        raise ConfigError(bind_problem(flag, address, errno.EINVAL, "not HOST:PORT"))
-    if _is_interface(host):
+    if port == "*" or _is_interface(host):
         return
+    if not host or not port.isdigit():
+        raise ConfigError(bind_problem(flag, address, errno.EINVAL, "not HOST:PORT"))
     bare = host[1:-1] if host.startswith("[") and host.endswith("]") else host
     family = socket.AF_INET6 if ":" in bare else socket.AF_INET
     with socket.socket(family, socket.SOCK_STREAM) as sock:
