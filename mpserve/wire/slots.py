@@ -3,7 +3,8 @@ consecutive slots). Readers in any process (the broker, ``mpserve status`` in an
 consistent rows without a round trip to the server.
 
 Consistency is a per-row sequence lock: the writer makes the sequence odd, writes the fields, then makes
-it even again; a reader retries while the sequence is odd or changed under it. Each row has exactly one
+it even again; a reader retries while the sequence is odd or changed under it, and past a short wait (a writer
+stalled or dead mid-update) takes the row as it last read it whole. Each row has exactly one
 writer, the worker that owns it; the supervisor writes a row only before its worker starts and after it
 has died (marking it dead), when that writer cannot be running. The supervisor alone creates and
 unlinks the file.
@@ -21,6 +22,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from enum import IntEnum
 from pathlib import Path
+from typing import Any
 
 from mpserve.errors import BadRequest, ConfigError
 from mpserve.private import create_private, open_private
@@ -147,6 +149,7 @@ class SlotTable:
         self._mm = mm
         self.rows = rows
         self._owner = owner
+        self._last: dict[int, tuple[Any, ...]] = {}  # each row's fields as this table last read them whole
 
     @classmethod
     def create(cls, path: Path, rows: int) -> SlotTable:
@@ -197,12 +200,15 @@ class SlotTable:
             (seq,) = _SEQ.unpack_from(self._mm, offset)
             fields = _FIELDS.unpack_from(self._mm, offset + _SEQ.size)
             if not seq & 1 and _SEQ.unpack_from(self._mm, offset)[0] == seq:
+                self._last[index] = fields
                 break
-            # A writer is mid-update: let it finish. One that died mid-update leaves the sequence odd
-            # forever; after a short wait its last fields are as good as anything the row will hold.
+            # A writer is mid-update: let it finish. One descheduled on a loaded host, or stopped, or dead
+            # mid-update (its row stays so until the supervisor rewrites it) holds the sequence odd: after a
+            # short wait the row is what this table last read of it whole, or, never read whole, as it is.
             now = time.monotonic()
             deadline = deadline or now + STUCK_WRITER_S
             if now > deadline:
+                fields = self._last.get(index, fields)
                 break
             time.sleep(0)
         pid, worker, slot, state, device, model, request, tokens, served, started, progress, load_s, kv_cells, \

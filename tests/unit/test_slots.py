@@ -67,6 +67,25 @@ def test_a_row_whose_writer_died_mid_update_is_read_after_a_short_wait(tmp_path:
     table.unlink()
 
 
+def test_a_row_whose_writer_stalls_mid_update_is_read_as_it_was_last_read_whole(tmp_path: Path) -> None:
+    table = SlotTable.create(tmp_path / "s", rows=1)
+    writer = table.writer(0)
+    writer.update(pid=7, tokens=3, served=3)
+    reader = SlotTable.attach(tmp_path / "s", writable=False)
+    assert (reader.read(0).pid, reader.read(0).tokens) == (7, 3)
+    offset = slots._HEADER.size
+    (seq,) = slots._SEQ.unpack_from(table._mm, offset)
+    slots._SEQ.pack_into(table._mm, offset, seq + 1)  # odd: the writer stopped half way through an update
+    writer._values[0] = 8
+    slots._FIELDS.pack_into(table._mm, offset + slots._SEQ.size, *writer._values)  # pid written, tokens not yet
+    row = reader.read(0)
+    assert (row.pid, row.tokens, row.served) == (7, 3, 3)  # not (8, 3, 3): a row no writer ever wrote
+    slots._SEQ.pack_into(table._mm, offset, seq + 2)  # the update finished
+    assert reader.read(0).pid == 8
+    reader.close()
+    table.unlink()
+
+
 def test_attach_refuses_a_file_that_is_not_a_slot_table(tmp_path: Path) -> None:
     (tmp_path / "x").write_bytes(b"not a table at all, definitely not")
     with pytest.raises(ValueError, match="not a slot table"):
