@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from mpserve.errors import MpserveError
+from mpserve.gateway.api import journal as journal_module
 from mpserve.gateway.api.journal import Journal
 from mpserve.gateway.api.response_store import NotStored, ResponseStore
 
@@ -46,6 +47,33 @@ def test_a_gateway_that_stops_ends_its_streams_as_cancelled(tmp_path: Path) -> N
 
     frames = asyncio.run(run())
     assert frames[0].startswith(b"id: 3\ndata: 3") and frames[-1] == b"data: error cancelled\n\n"
+
+
+def test_a_stream_nobody_reads_is_stopped_after_the_grace_even_when_its_generation_stalls(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(journal_module, "GRACE_S", 0.3)
+    monkeypatch.setattr(journal_module, "SEEN_EVERY_S", 0.05)
+    closed = asyncio.Event()
+
+    async def stalled() -> AsyncGenerator[bytes, None]:  # one batch, then nothing (its tokens held up somewhere)
+        try:
+            yield b"data: 0\n\n"
+            await asyncio.Event().wait()
+        finally:
+            closed.set()  # where the generation is cancelled
+
+    async def run() -> str:
+        journal = Journal(tmp_path / "j.sqlite")
+        journal.begin("o", "k", "digest")
+        journal.produce("o", "k", stalled())
+        await asyncio.wait_for(closed.wait(), 10)
+        while journal.stream("o", "k").state == "running":
+            await asyncio.sleep(0.01)
+        state = journal.stream("o", "k").state
+        await journal.close()
+        return state
+
+    assert asyncio.run(run()) == "cancelled"
 
 
 def test_a_stream_whose_gateway_process_died_is_orphaned(tmp_path: Path) -> None:

@@ -5,6 +5,7 @@ gateway process of the port.
     producer (a task of its own, apart from any connection: ``Journal.produce``)
         the dialect's event batches ──split into events──▶ rows (owner, key, seq 0, 1, …) ──▶ the stream's end
         no reader for GRACE_S (a stream, not a background response) ──▶ stopped: its generation cancelled
+        (looked at with each batch, and every SEEN_EVERY_S that brings none)
     reader (an HTTP answer: ``Journal.tail``)
         rows with seq > after, each as ``id: SEQ`` + its event ──▶ waits for more (woken at once in the
         producing process, every POLL_S from another) ──▶ the stream's end
@@ -35,7 +36,7 @@ import os
 import sqlite3
 import threading
 import time
-from collections.abc import AsyncGenerator, AsyncIterator, Callable, Iterator
+from collections.abc import AsyncGenerator, Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -188,22 +189,24 @@ class Journal:
         state = "ended"
         cancel = self._cancel[owner, key]
         try:
-            async for batch in _until(frames, cancel):
-                events = [e + b"\n\n" for e in batch.split(b"\n\n") if e]
-                if not self._write(owner, key, seq, events, fed):
-                    state = "cancelled"  # deleted meanwhile
-                    break
-                if fed:
-                    fed.clear()
-                seq += len(events)
-                self._ring(owner, key)
-                seen, now_state = self._look(owner, key)
-                if now_state == "cancelling" or (not background and time.time() - seen > GRACE_S):
-                    state = "cancelled"
-                    break
-            else:
-                if cancel.is_set():
-                    state = "cancelled"
+            async with contextlib.aclosing(_until(frames, cancel, SEEN_EVERY_S)) as batches:
+                async for batch in batches:  # None: a look at its readers with no batch since SEEN_EVERY_S
+                    if batch is not None:
+                        events = [e + b"\n\n" for e in batch.split(b"\n\n") if e]
+                        if not self._write(owner, key, seq, events, fed):
+                            state = "cancelled"  # deleted meanwhile
+                            break
+                        if fed:
+                            fed.clear()
+                        seq += len(events)
+                        self._ring(owner, key)
+                    seen, now_state = self._look(owner, key)
+                    if now_state == "cancelling" or (not background and time.time() - seen > GRACE_S):
+                        state = "cancelled"
+                        break
+                else:
+                    if cancel.is_set():
+                        state = "cancelled"
         except asyncio.CancelledError:
             state = "cancelled"  # the gateway stops (``close``)
             raise
@@ -375,29 +378,35 @@ class Journal:
                     await asyncio.wait_for(bell.wait(), SEEN_EVERY_S)
 
 
-async def _until(frames: AsyncGenerator[bytes, None], cancel: asyncio.Event) -> AsyncIterator[bytes]:
-    """``frames``' items until ``cancel`` is set."""
-    while not cancel.is_set():
-        step = asyncio.ensure_future(anext(frames))
-        stop = asyncio.ensure_future(cancel.wait())
-        try:
-            await asyncio.wait((step, stop), return_when=asyncio.FIRST_COMPLETED)
-        except BaseException:  # cancelled (the gateway stops): the step ends first, so ``frames`` can be closed
+async def _until(frames: AsyncGenerator[bytes, None], cancel: asyncio.Event, every: float
+                 ) -> AsyncGenerator[bytes | None, None]:
+    """``frames``' items until ``cancel`` is set, and None each time ``every`` seconds pass without one. Closed
+    early, it leaves ``frames`` between items (its step cancelled), so that ``frames`` can be closed."""
+    step: asyncio.Future[bytes] | None = None
+    try:
+        while not cancel.is_set():
+            step = step or asyncio.ensure_future(anext(frames))
+            stop = asyncio.ensure_future(cancel.wait())
+            try:
+                await asyncio.wait((step, stop), timeout=every, return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                stop.cancel()
+            if not step.done():
+                if cancel.is_set():
+                    return
+                yield None
+                continue
+            done, step = step, None
+            try:
+                item = done.result()
+            except StopAsyncIteration:
+                return
+            yield item
+    finally:  # cancelled (the gateway stops), stopped, or closed by its reader: the step ends first
+        if step is not None and not step.done():
             step.cancel()
             with contextlib.suppress(BaseException):
                 await step
-            raise
-        finally:
-            stop.cancel()
-        if not step.done():
-            step.cancel()
-            with contextlib.suppress(asyncio.CancelledError, StopAsyncIteration):
-                await step
-            return
-        try:
-            yield step.result()
-        except StopAsyncIteration:
-            return
 
 
 def _orphaned(pid: int) -> MpserveError:
