@@ -22,6 +22,8 @@ Three kinds of process, one subpackage each, over shared groups and leaf modules
     llama_build  the installed llama.cpp build, probed in a child, and what keeps it from the GPUs found
     client       ``Client`` / ``AsyncClient``: the ZeroMQ clients
     client_track what a client keeps of each completion it sent, for a reattach
+    waits        ``within``: a wait with a time limit that keeps its task's cancellation (``asyncio.wait_for``
+                 before Python 3.12 loses one that meets the end of what it waits for)
     cli          the ``mpserve`` command line: its options declared once (settings, the operator commands' bundle)
     start        what ``mpserve start`` runs: the server, the gateway fleet of --http beside it, the upgrade's exec
     operator_link  how an operator command reaches a running server: which one, its CURVE keys, a client

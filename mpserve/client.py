@@ -76,6 +76,7 @@ from mpserve import structured, tracing
 from mpserve.client_track import Track
 from mpserve.errors import BadRequest, ConfigError, ConnectionFailed, MpserveError, Timeout, error_from_code
 from mpserve.runtime import default_address
+from mpserve.waits import within
 from mpserve.wire import adapters as wire_adapters
 from mpserve.wire import protocol as wire
 from mpserve.wire import zmqio
@@ -202,9 +203,8 @@ class AsyncClient:
                  timeout: float | None = None, connect_timeout: float = CONNECT_TIMEOUT_S,
                  curve_server_key: str | None = None, curve_secret: str | None = None,
                  reattach: float = REATTACH_S) -> None:
-        """``reattach``: seconds the completions in flight wait for a server that went silent to come back (the
-        same one restarted, adopting the instances that ran them: ``mpserve.server.adoption``); 0: they fail at the
-        first silence."""
+        """``reattach``: seconds the completions in flight wait for a silent server to come back (the same one
+        restarted, adopting the instances that ran them: ``mpserve.server.adoption``); 0: a silence fails them."""
         self.address = address or default_address(server_name)
         self.timeout = timeout
         self.reattach = reattach
@@ -245,7 +245,7 @@ class AsyncClient:
         self._tasks = [asyncio.get_running_loop().create_task(self._keep_alive())]
         await self._send(wire.Ping(0))
         try:
-            await asyncio.wait_for(self._pong.wait(), self._connect_timeout)
+            await within(self._pong.wait(), self._connect_timeout)
         except asyncio.TimeoutError:
             await self.close()
             hint = " and does it accept your CURVE keys?" if self.address.startswith("tcp://") else "?"
@@ -398,7 +398,7 @@ class AsyncClient:
         self._stats_waiters[nonce] = waiter
         try:
             await self._send(wire.StatsQuery(nonce))
-            return await asyncio.wait_for(waiter, timeout)
+            return await within(waiter, timeout)
         except asyncio.TimeoutError:
             raise ConnectionFailed(f"no answer from the server at {self.address} within {timeout:g} s") from None
         finally:
@@ -475,7 +475,7 @@ class AsyncClient:
         queue = self._claim(msg.id)
         try:
             await self._send(msg)
-            answer = await asyncio.wait_for(queue.get(), wait)
+            answer = await within(queue.get(), wait)
         except asyncio.TimeoutError:
             raise timed_out from None
         finally:
@@ -513,7 +513,7 @@ class AsyncClient:
         if queue.empty():
             limit = None if request.timeout is None else request.timeout + 1.0
             try:
-                msg = await asyncio.wait_for(queue.get(), limit)
+                msg = await within(queue.get(), limit)
             except asyncio.TimeoutError:
                 raise Timeout(f"no answer within {request.timeout} s") from None
         else:

@@ -76,6 +76,46 @@ def test_a_stream_nobody_reads_is_stopped_after_the_grace_even_when_its_generati
     assert asyncio.run(run()) == "cancelled"
 
 
+@pytest.mark.parametrize("turns", range(12))
+def test_a_reader_stopped_as_new_events_ring_it_stops(tmp_path: Path, turns: int) -> None:
+    """The HTTP answer of a client that hung up cancels its reader; the reader must not take the producer's bell,
+    rung in the same loop turns, for an answer and read on (it would mark the stream as read for ever)."""
+    async def run() -> bool:
+        gate = asyncio.Event()
+
+        async def on_the_gate() -> AsyncGenerator[bytes, None]:  # a batch each time the gate opens
+            n = 0
+            while True:
+                await gate.wait()
+                gate.clear()
+                yield b"data: %d\n\n" % n
+                n += 1
+
+        journal = Journal(tmp_path / "j.sqlite")
+        journal.begin("o", "k", "digest")
+        journal.produce("o", "k", on_the_gate())
+
+        async def read() -> None:
+            async for _ in journal.tail("o", "k", -1, _error):
+                pass
+
+        reader = asyncio.create_task(read())
+        while not journal._wake["o", "k"]._waiters:  # the reader waits on the bell
+            await asyncio.sleep(0.001)
+        gate.set()  # a batch: the producer writes it and rings the bell
+        for _ in range(turns):
+            await asyncio.sleep(0)  # not a wait: loop turns, counted
+        reader.cancel()
+        await asyncio.wait((reader,), timeout=5)
+        stopped = reader.cancelled()
+        if not stopped:
+            reader.cancel()
+        await journal.close()
+        return stopped
+
+    assert asyncio.run(run())
+
+
 def test_a_stream_whose_gateway_process_died_is_orphaned(tmp_path: Path) -> None:
     dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True,
                           check=True)

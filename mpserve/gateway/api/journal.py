@@ -42,6 +42,7 @@ from pathlib import Path
 
 from mpserve.errors import BadRequest, Cancelled, ConnectionFailed, MpserveError
 from mpserve.runtime import pid_alive
+from mpserve.waits import within
 
 from .response_store import SCHEMA as STORE_SCHEMA
 from .response_store import StoreBudget, drop_stream, make_room, open_db
@@ -375,7 +376,7 @@ class Journal:
                 await asyncio.sleep(POLL_S)
             else:
                 with contextlib.suppress(asyncio.TimeoutError):
-                    await asyncio.wait_for(bell.wait(), SEEN_EVERY_S)
+                    await within(bell.wait(), SEEN_EVERY_S)
 
 
 async def _until(frames: AsyncGenerator[bytes, None], cancel: asyncio.Event, every: float

@@ -21,6 +21,7 @@ from typing import Any
 from starlette.requests import Request
 
 from mpserve.errors import BadRequest
+from mpserve.waits import within
 from mpserve.wire import protocol as wire
 
 from .errors import HttpError
@@ -46,7 +47,7 @@ async def read_json(request: Request, timeout: float) -> Any:
     if declared.isascii() and declared.isdigit() and int(declared) > MAX_BODY_BYTES:
         raise _too_large(int(declared))
     try:
-        body = await asyncio.wait_for(_read(request), timeout)
+        body = await within(_read(request), timeout)
     except asyncio.TimeoutError:
         raise Refused(HttpError(408, "request_timeout", f"the request body did not arrive within {timeout:g} s "
                                     "(the gateway's read timeout)")) from None
