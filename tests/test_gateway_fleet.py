@@ -39,10 +39,11 @@ def _gateways(server: ServerProcess) -> list[int]:
     return sorted(found)
 
 
-def _holder(gateways: list[int], port: int, client_port: int) -> int:
+def _holder(server: ServerProcess, port: int, client_port: int) -> int:
     """Which gateway process holds the accepted end of the client's connection from ``client_port`` (waited for:
-    a new connection waits in the port's queue until a process accepts it)."""
-    found: int | None = wait_for(lambda: _accepted_by(gateways, port, client_port), timeout=10,
+    a new connection waits in the port's queue until a process accepts it). The server's gateway processes are
+    looked up at each look: the one that accepts may be the replacement of one that died, started meanwhile."""
+    found: int | None = wait_for(lambda: _accepted_by(_gateways(server), port, client_port), timeout=10,
                                  what=f"a gateway to accept the connection from port {client_port}")
     assert found is not None
     return found
@@ -89,14 +90,14 @@ def _connected(port: int) -> tuple[http.client.HTTPConnection, int]:
     return conn, conn.sock.getsockname()[1]
 
 
-def _one_each(gateways: list[int], port: int) -> dict[int, http.client.HTTPConnection]:
+def _one_each(server: ServerProcess, gateways: list[int], port: int) -> dict[int, http.client.HTTPConnection]:
     """A connection accepted by each gateway process. The kernel gives a new connection to a process waiting in
     accept, so each process that took one is stopped until every one has one: the next can only go to another."""
     by_process: dict[int, http.client.HTTPConnection] = {}
     try:
         while len(by_process) < len(gateways):
             conn, client_port = _connected(port)
-            holder = _holder(gateways, port, client_port)
+            holder = _holder(server, port, client_port)
             assert holder not in by_process, f"gateway process {holder}, stopped, accepted a connection"
             by_process[holder] = conn
             os.kill(holder, signal.SIGSTOP)
@@ -121,7 +122,7 @@ def test_a_dead_gateway_takes_only_its_connections_and_comes_back() -> None:
                          what="two gateway processes")
         wait_for(lambda: httpx.get(f"http://127.0.0.1:{port}/health").status_code == 200, timeout=60,
                  what="the gateway to answer")
-        streams = {pid: _open_stream(conn) for pid, conn in _one_each(first, port).items()}
+        streams = {pid: _open_stream(conn) for pid, conn in _one_each(server, first, port).items()}
         doomed, survivor = first
         os.kill(doomed, signal.SIGKILL)
         assert _rest(streams[survivor]).rstrip().endswith(b"data: [DONE]")  # the other gateway's stream ends whole
@@ -151,7 +152,7 @@ def test_a_stored_response_is_found_through_any_gateway_process() -> None:
                             what="two gateway processes")
         wait_for(lambda: httpx.get(f"http://127.0.0.1:{port}/health").status_code == 200, timeout=60,
                  what="the gateway to answer")
-        by_process = _one_each(gateways, port)  # kept alive: each stays with its process
+        by_process = _one_each(server, gateways, port)  # kept alive: each stays with its process
 
         def call(conn: http.client.HTTPConnection, method: str, path: str, body: object = None) -> tuple[int, Any]:
             conn.request(method, path, None if body is None else json.dumps(body),
@@ -232,7 +233,7 @@ def test_streams_are_read_on_through_another_gateway_process_which_takes_them_ov
             """The gateway process that produces the stream it starts, and the stream's first event, read up to its
             end."""
             conn, client_port = _connected(port)
-            producer = _holder(_gateways(server), port, client_port)
+            producer = _holder(server, port, client_port)
             conn.request("POST", "/v1/chat/completions", json.dumps(CHAT),
                          {"content-type": "application/json", "x-request-id": request_id})
             answer = conn.getresponse()
@@ -251,7 +252,7 @@ def test_streams_are_read_on_through_another_gateway_process_which_takes_them_ov
                 os.kill(producer, signal.SIGSTOP)
             try:
                 conn, client_port = _connected(port)
-                holder = _holder(_gateways(server), port, client_port)
+                holder = _holder(server, port, client_port)
             finally:
                 if alive:
                     os.kill(producer, signal.SIGCONT)
@@ -285,7 +286,8 @@ def test_streams_are_read_on_through_another_gateway_process_which_takes_them_ov
                 for pid in instances:
                     os.kill(pid, signal.SIGCONT)
             rest = reading.result()
-        assert counters.get("rebound") == 1, counters  # taken up where it was: its text is not computed again
+        # taken up where it was: its text is not computed again
+        assert counters.get("rebound") == 1, (counters, "\n".join(server.log[-40:]))
         assert rest.startswith(b"id: 1\n") and rest.rstrip().endswith(b"data: [DONE]"), rest[-300:]
         assert _content(_datas(first) + _datas(rest)) == reference  # nothing lost, nothing twice
         ids = [int(line[4:]) for line in rest.splitlines() if line.startswith(b"id: ")]
@@ -295,7 +297,7 @@ def test_streams_are_read_on_through_another_gateway_process_which_takes_them_ov
         body = {"model": "tiny", "input": "Tell me a story", "max_output_tokens": 1500, "temperature": 0}
         whole = httpx.post(f"http://127.0.0.1:{port}/v1/responses", json=body, timeout=120).json()
         conn, client_port = _connected(port)
-        producer = _holder(_gateways(server), port, client_port)
+        producer = _holder(server, port, client_port)
         conn.request("POST", "/v1/responses", json.dumps({**body, "background": True}),
                      {"content-type": "application/json"})
         head = json.loads(conn.getresponse().read())
