@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 from helpers import dealer, received, wait_for
@@ -156,4 +157,77 @@ def test_a_stream_whose_client_dies_is_taken_up_by_another_client_where_it_is(st
                     while not isinstance(message := received(sock, 60), wire.Done):
                         assert isinstance(message, (wire.Chunk, wire.Chunks)), message
             wait_for(lambda: client.stats().counters.get("client_gone", 0) >= 2, 30, "the client found gone")
+    assert not server.tracebacks(), "\n".join(server.log)
+
+
+def _owner_has(sock, request_id: str, sampling: dict[str, float | bool]) -> str:
+    """A stream ``request_id`` sent by the raw client ``sock``, read until it has 20 characters: what it had."""
+    sock.send_multipart(wire.encode(wire.Request(request_id, PROMPT, None, wire.GenerateParams(**sampling),
+                                                 stream=True)))
+    had = ""
+    while len(had) < 20:
+        message = received(sock, 30)
+        had += "".join(c.text for c in (message.chunks if isinstance(message, wire.Chunks) else [message]))
+    return had
+
+
+@pytest.mark.timeout(120)
+def test_a_stream_whose_client_is_connected_but_silent_is_taken_up_once_its_silence_passes_the_bound(
+        start_server) -> None:
+    """A client the broker does not find gone (its connection open: a process whose death ZeroMQ has not seen yet,
+    or one that hangs) holds a stream that another client claims: the claim waits, and once the holder has been
+    silent past OWNER_SILENT_S (a live client pings every second), the stream is taken up where it is."""
+    server = start_server("--instances", "1").wait_ready()
+    sampling = {"max_tokens": 1900, "temperature": 0.0, "ignore_eos": True}
+    with Client(server.address) as client, ThreadPoolExecutor(1) as pool:
+        whole = client.generate(PROMPT, timeout=120, **sampling)
+        with dealer(server.address) as silent:
+            had = _owner_has(silent, "held-1", sampling)
+            instance = next(row.pid for row in server.slots() if row.request == "held-1")
+            os.kill(instance, signal.SIGSTOP)  # no more text for the holder, who reads no more
+            try:
+                accepted = client.stats().counters["accepted"]
+                claimant = Client(server.address)
+                rest = pool.submit(lambda: "".join(claimant.stream(PROMPT, request_id="held-1", delivered={0: had},
+                                                                   timeout=120, **sampling)))
+                counters = wait_for(lambda: (c := client.stats().counters).get("rebound") and c, 30,
+                                    "the stream taken up from its silent holder")
+            finally:
+                os.kill(instance, signal.SIGCONT)
+            assert had + rest.result() == whole.text
+            claimant.close()
+    assert counters["accepted"] == accepted, counters  # not computed again
+    assert not server.tracebacks(), "\n".join(server.log)
+
+
+@pytest.mark.timeout(120)
+def test_a_stream_whose_client_still_pings_is_not_taken_from_it(start_server) -> None:
+    """The same claim on a stream whose holder pings (alive): the claim runs anew, and the holder's stream goes on
+    to its end."""
+    server = start_server("--instances", "1", "--reuse", "exact").wait_ready()  # two streams at once, each exact
+    sampling = {"max_tokens": 300, "temperature": 0.0, "ignore_eos": True}
+    with Client(server.address) as client, dealer(server.address) as alive, ThreadPoolExecutor(1) as pool:
+        whole = client.generate(PROMPT, timeout=120, **sampling)
+        had = _owner_has(alive, "kept-1", sampling)
+
+        def read_on_and_ping() -> str:
+            text = had
+            while True:
+                alive.send_multipart(wire.encode(wire.Ping(1)))
+                if not alive.poll(300):
+                    continue
+                message = wire.decode(alive.recv_multipart())
+                if isinstance(message, wire.Done):
+                    return text
+                if isinstance(message, (wire.Chunk, wire.Chunks)):
+                    text += "".join(c.text for c in (message.chunks if isinstance(message, wire.Chunks)
+                                                     else [message]))
+
+        holder = pool.submit(read_on_and_ping)
+        accepted = client.stats().counters["accepted"]
+        claimed = "".join(client.stream(PROMPT, request_id="kept-1", delivered={0: had}, timeout=120, **sampling))
+        assert holder.result(timeout=60) == whole.text  # its stream, whole
+        assert had + claimed == whole.text  # the claim ran anew: its first characters came again, dropped
+        counters = client.stats().counters
+    assert counters["accepted"] == accepted + 1 and not counters.get("rebound"), counters
     assert not server.tracebacks(), "\n".join(server.log)

@@ -190,6 +190,7 @@ class Broker:
     def expire(self, now: float) -> None:
         if self.adapter_ops.draining:  # unloads whose adapter's last requests may have ended
             self.adapter_ops.drain()
+        self.clients.retry_contested(now)
         deadlines = self.tables.deadlines
         while deadlines and deadlines[0][0] <= now:
             _, ticket = heapq.heappop(deadlines)

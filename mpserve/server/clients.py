@@ -4,8 +4,9 @@ tenants, lookups and reattached requests.
     client message ─▶ message: its type allowed to its socket (``roles``) ─▶ REQUEST: admit ─┐ CANCEL: cancel it
         PING: PONG (this start's id)  STATS_QUERY: snapshot  TOKENIZE, EMBED, SLOT_ACTION: a lookup, at once to one
         instance  ADAPTER_ACTION: ``AdapterOps``  CONTROL: hooks.control
-    admit ─▶ reattach? (``Rebinder``: a gone client's request, taken up; ``Adopter``: an adoptee holds it; or held
-        while adoptees are expected) ─▶ its model, its adapters, the limits (queue, server, per client, per tenant:
+    admit ─▶ reattach? (``Rebinder``: a gone client's request, taken up, or contested while its client is not found
+        gone: asked again each CONTEST_RETRY_S; ``Adopter``: an adoptee holds it; or held while adoptees are
+        expected) ─▶ its model, its adapters, the limits (queue, server, per client, per tenant:
         ``tenants.Ledger``, and the tenant's image limits) ─▶ Busy / BadRequest ...
         ─▶ or n rows in the tables, queued (its tenant's priority and cost) ─▶ the dispatcher
     a request's tenant: on the clients' socket its connection's (a CURVE client's key; "" on ipc), on the admin
@@ -45,13 +46,14 @@ from .adopter import Adopter
 from .answers import Answers
 from .dispatch import Dispatcher
 from .hooks import BrokerHooks
-from .rebind import Rebinder
+from .rebind import Claim, Rebinder
 from .state import ModelQueue, Pending
 from .tables import DEFAULT_SERVICE_MS, Tables, WorkerOutbox, cap_key, new_ticket
 from .tenants import shown
 
 log = logging.getLogger("mpserve.broker")
 
+CONTEST_RETRY_S = 0.05  # how often a contested claim is asked again (each time, a PONG probes the other client)
 FROM_CLIENTS = {wire.MsgType.REQUEST, wire.MsgType.CANCEL, wire.MsgType.PING, wire.MsgType.TOKENIZE,
                 wire.MsgType.EMBED, wire.MsgType.STATS_QUERY, wire.MsgType.SLOT_ACTION, wire.MsgType.ADAPTER_ACTION,
                 wire.MsgType.CONTROL}
@@ -76,6 +78,9 @@ class Clients:
         self.client_timeout = client_timeout
         self.start_id = secrets.token_hex(8)  # this start, in every PONG: a client that sees another one reattaches
         self.held: list[tuple[bytes, wire.Request, str, bool]] = []  # reattached, waiting for the adoptees
+        self.contested: list[tuple[bytes, wire.Request, str, bool, float]] = []  # reattached, claiming a live
+        # request of a client not found gone yet (``Claim.WAIT``), and when they claimed it
+        self._next_contest = 0.0
         self.rebinder = Rebinder(tables, self.answers, lambda: wire.encode(self._pong()))  # live requests of gone
         # clients, taken up by others
 
@@ -139,23 +144,36 @@ class Clients:
         raise Forbidden(f"'tenant' is named only over the server's admin socket (the gateway's); on this socket a "
                         f"request is its connection's, {shown(connection)}: leave 'tenant' out")
 
-    def admit(self, client: bytes, req: wire.Request, tenant: str = "", admin: bool = False) -> None:
-        """A REQUEST of ``tenant``: taken up where an adoptee holds it (reattached), held while adoptees are expected,
-        refused (an MpserveError: its ERROR), or queued."""
+    def admit(self, client: bytes, req: wire.Request, tenant: str = "", admin: bool = False,
+              since: float | None = None) -> None:
+        """A REQUEST of ``tenant``: taken up where another client or an adoptee holds it (reattached; ``since``:
+        when it first claimed it), held while that is not settled, refused (an MpserveError: its ERROR), or
+        queued."""
         if not self.tables.accepting:
             raise ShuttingDown("the server is shutting down; retry after it restarts", retry_after=1.0)
         if (client, req.id) in self.tables.by_client:
             if req.reattach:  # it reached this start already (sent as the client reconnected): it runs here
                 return
             raise BadRequest(f"request id {req.id!r} is already in use by one of your pending requests")
-        if req.reattach:
-            if self.rebinder.rebind(client, req, tenant) or self.adopter.reattach(client, req, tenant):
-                return
-            if self.adopter.adoptions.expecting(time.monotonic()):  # its instance may not have registered yet
-                self.held.append((client, req, tenant, admin))
-                return
+        if req.reattach and self._reattached(client, req, tenant, admin, time.monotonic() if since is None else since):
+            return
         model = self.tables.resolve_model(req.model)
         self._queue(client, self._admissible(client, req, model, tenant), model, tenant)
+
+    def _reattached(self, client: bytes, req: wire.Request, tenant: str, admin: bool, since: float) -> bool:
+        """Whether ``req`` (marked reattach) was taken up where it runs, or held until that is settled: contested
+        while the client that has it is not found gone, held while adoptees are expected (its instance may not
+        have registered yet)."""
+        claim = self.rebinder.rebind(client, req, tenant, since)
+        if claim is Claim.TAKEN or self.adopter.reattach(client, req, tenant):
+            return True
+        if claim is Claim.WAIT:
+            self.contested.append((client, req, tenant, admin, since))
+            return True
+        if self.adopter.adoptions.expecting(time.monotonic()):
+            self.held.append((client, req, tenant, admin))
+            return True
+        return False
 
     def _admissible(self, client: bytes, req: wire.Request, model: str, tenant: str) -> wire.Request:
         """``req`` as it is queued (its adapters in their one form), or the refusal it gets, raised."""
@@ -260,6 +278,8 @@ class Clients:
         self.outbox.to_worker(worker.identity, msgspec.structs.replace(msg, ticket=ticket))
 
     def _cancel_request(self, client: bytes, msg: wire.Cancel) -> None:
+        self.held = [h for h in self.held if (h[0], h[1].id) != (client, msg.id)]
+        self.contested = [c for c in self.contested if (c[0], c[1].id) != (client, msg.id)]
         ticket = self.tables.by_client.get((client, msg.id))
         if ticket is not None and not self.tables.requests[ticket].answered:
             self.tables.stats[ErrorCode.CANCELLED] += 1
@@ -305,7 +325,21 @@ class Clients:
         """The reattached requests held for the adoptees, taken again now that none is expected."""
         held, self.held = self.held, []
         for client, req, tenant, admin in held:
-            try:
-                self.admit(client, req, tenant, admin)
-            except MpserveError as exc:
-                self.answers.to_client(client, wire.encode(wire.Error(req.id, exc.code, exc.message, exc.retry_after)))
+            self._admit_again(client, req, tenant, admin, None)
+
+    def retry_contested(self, now: float) -> None:
+        """The contested claims asked again, at most each CONTEST_RETRY_S: taken up once the other client is found
+        gone, run anew once it is heard from, contested on otherwise (``Rebinder.rebind``)."""
+        if not self.contested or now < self._next_contest:
+            return
+        self._next_contest = now + CONTEST_RETRY_S
+        contested, self.contested = self.contested, []
+        for client, req, tenant, admin, since in contested:
+            self._admit_again(client, req, tenant, admin, since)
+
+    def _admit_again(self, client: bytes, req: wire.Request, tenant: str, admin: bool, since: float | None) -> None:
+        """A held request admitted again; its refusal, if it is refused, sent as its ERROR."""
+        try:
+            self.admit(client, req, tenant, admin, since)
+        except MpserveError as exc:
+            self.answers.to_client(client, wire.encode(wire.Error(req.id, exc.code, exc.message, exc.retry_after)))

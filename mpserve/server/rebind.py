@@ -10,6 +10,9 @@ gateway process that died, resumed through another one (its ``Last-Event-ID``), 
     sent to it) with the same prompt and choices
                    ─▶ rebind: every row the new client's, each row's kept bodies sent to it first (CHUNKS: the client
                        drops the text it had, checking it), then it goes on where it runs, or waits in its queue
+    ... under a client the probe finds connected (its death not yet seen by ZeroMQ, or silent) ─▶ WAIT: asked again
+                       (``Clients.contested``) until it is found gone, or is silent past OWNER_SILENT_S (taken up), or
+                       is heard from (alive: the request runs anew)
 
 The kept text is bounded per request and in all; a tenant holds at most its running requests' (its limits bound
 them). Rebinding asks the same tenant and the same request: a client takes over only what it could have asked for.
@@ -17,6 +20,7 @@ them). Rebinding asks the same tenant and the same request: a client takes over 
 
 from __future__ import annotations
 
+import enum
 import logging
 import time
 from collections.abc import Callable
@@ -34,6 +38,16 @@ KEEP_PER_REQUEST = 1 << 20  # bytes of chunk bodies kept per row
 KEEP_TOTAL = 256 << 20  # ... and by the broker in all
 REBIND_S = 10.0  # how long a gone client's requests run on, for another client to take them up
 REPLAY_BATCH = 256  # kept bodies per CHUNKS sent on a rebind
+OWNER_SILENT_S = 3.0  # a client with requests pending pings every second (the clients' PING_INTERVAL_S ×
+# PING_LIVENESS, the silence after which they give up on the server): one silent this long is gone
+
+
+class Claim(enum.Enum):
+    """What became of a reattached request's claim on a live request of another client."""
+
+    TAKEN = "taken"  # every row of it the claimant's now
+    NONE = "none"  # no gone client has it: it runs anew
+    WAIT = "wait"  # a client not found gone has it, and has not been heard from since the claim: ask again
 
 
 def keep(tables: Tables, p: Pending, body: bytes) -> None:
@@ -59,16 +73,18 @@ class Rebinder:
         self.answers = answers
         self.pong = pong
 
-    def rebind(self, client: bytes, req: wire.Request, tenant: str) -> bool:
-        """``req`` (marked reattach) from ``client``: if a gone client of ``tenant`` has it live, every choice of it
-        is ``client``'s now, its text so far sent first. False: none has it (or its text was let go: it is
-        cancelled there, and runs anew)."""
-        rows = self._live(client, req, tenant)
+    def rebind(self, client: bytes, req: wire.Request, tenant: str, since: float) -> Claim:
+        """``req`` (marked reattach) from ``client``, claimed at ``since`` (monotonic): if a gone client of ``tenant``
+        has it live, every choice of it is ``client``'s now, its text so far sent first. NONE: none has it (or its
+        text was let go: it is cancelled there, and runs anew); WAIT: a client not found gone has it (``_live``)."""
+        rows, contested = self._live(client, req, tenant, since)
+        if contested:
+            return Claim.WAIT
         if not rows:
-            return False
+            return Claim.NONE
         if req.stream and any(p.kept is None for p in rows):
             self.answers.cancel(rows[0], ErrorCode.CANCELLED, "taken up by another client, without its text")
-            return False
+            return Claim.NONE
         old = rows[0].client
         self.tables.unbind(old, rows[0])
         self._count(old, tenant, -len(rows))
@@ -84,18 +100,23 @@ class Rebinder:
         self.tables.stats["rebound"] += 1
         log.debug("request %s: taken up by another client of its tenant, %d bytes of text sent again", req.id,
                   sum(p.kept_bytes for p in rows))
-        return True
+        return Claim.TAKEN
 
-    def _live(self, client: bytes, req: wire.Request, tenant: str) -> list[Pending]:
-        """The rows of the live request ``req`` names under a gone client of ``tenant``, if it is the same. A client
-        not known gone yet is sent a PONG, which finds it gone if it is (its process died a moment ago)."""
+    def _live(self, client: bytes, req: wire.Request, tenant: str, since: float) -> tuple[list[Pending], bool]:
+        """The rows of the live request ``req`` names under a gone client of ``tenant``, if it is the same; and
+        whether a client not found gone holds it. A client not known gone yet is sent a PONG, which finds it gone
+        if ZeroMQ has seen its connection close; one it does not find gone is gone all the same once silent past
+        OWNER_SILENT_S, and alive if heard from since the claim."""
         for owner in list(self.tables.ids.get((tenant, req.id), ())):
             p = self.tables.requests.get(self.tables.by_client.get((owner, req.id), ""))
             if owner == client or p is None or p.answered or not _same(p, req):
                 continue
-            if owner in self.tables.detached or not self.answers.to_client(owner, self.pong()):
-                return [r for r in self.tables.choices(p) if not r.answered]
-        return []
+            heard = self.tables.heard.get(owner, 0.0)
+            if (owner in self.tables.detached or not self.answers.to_client(owner, self.pong())
+                    or time.monotonic() - heard > OWNER_SILENT_S):
+                return [r for r in self.tables.choices(p) if not r.answered], False
+            return [], heard < since
+        return [], False
 
     def _count(self, client: bytes, tenant: str, n: int) -> None:
         """``client``'s pending counts, by ``n``."""
