@@ -51,7 +51,8 @@ def test_the_budget_caps_what_the_host_has_and_plan_prints_the_parts() -> None:
     host = available_ram()
     assert host is not None and host.bytes > 0  # /proc/meminfo (or the cgroup's headroom)
     assert available_ram(MIB) == Available(MIB, "ram_budget")
-    assert available_ram(1 << 60) == host
+    roomy = available_ram(1 << 60)  # the host's own figure, read again: it moves as other processes allocate
+    assert roomy is not None and roomy.source == host.source and 0 < roomy.bytes < 1 << 60
     lines = format_ram([need()], Available(8000 * MIB, "MemAvailable")).splitlines()
     assert lines[0].startswith("model 'm', 2 instances: weights 1000.0 MiB once, shared by its instances")
     assert lines[1] == "host RAM: 1.3 GiB planned, 1.5 GiB with a full host store, of 7.8 GiB available (MemAvailable)"
