@@ -192,15 +192,11 @@ class Journal:
         try:
             async with contextlib.aclosing(_until(frames, cancel, SEEN_EVERY_S)) as batches:
                 async for batch in batches:  # None: a look at its readers with no batch since SEEN_EVERY_S
-                    if batch is not None:
-                        events = [e + b"\n\n" for e in batch.split(b"\n\n") if e]
-                        if not self._write(owner, key, seq, events, fed):
-                            state = "cancelled"  # deleted meanwhile
-                            break
-                        if fed:
-                            fed.clear()
-                        seq += len(events)
-                        self._ring(owner, key)
+                    written = seq if batch is None else self._journaled(owner, key, seq, batch, fed)
+                    if written is None:
+                        state = "cancelled"  # deleted meanwhile
+                        break
+                    seq = written
                     seen, now_state = self._look(owner, key)
                     if now_state == "cancelling" or (not background and time.time() - seen > GRACE_S):
                         state = "cancelled"
@@ -216,6 +212,17 @@ class Journal:
                 await frames.aclose()  # its generation cancelled, if it had not ended
             finally:
                 self._ended(owner, key, state)
+
+    def _journaled(self, owner: str, key: str, seq: int, batch: bytes, fed: Pieces | None) -> int | None:
+        """A batch's events journaled from ``seq`` (``fed`` emptied into them) and its readers rung: the seq after
+        them, or None if the stream is gone (deleted)."""
+        events = [e + b"\n\n" for e in batch.split(b"\n\n") if e]
+        if not self._write(owner, key, seq, events, fed):
+            return None
+        if fed:
+            fed.clear()
+        self._ring(owner, key)
+        return seq + len(events)
 
     def _write(self, owner: str, key: str, seq: int, events: list[bytes], fed: Pieces | None) -> bool:
         """A batch's ``events``, numbered from ``seq``, and the pieces of text they were made of journaled; False,
