@@ -199,6 +199,7 @@ def test_start_checks_its_address_without_listening_there(kind: str, tmp_path: P
     done.set()
     watcher.join(5)
     dealer.disable_monitor()
+    events.close()
     dealer.close()
     assert not connected.is_set(), "a client connected to the address while start checked it"
     if kind == "ipc":
