@@ -82,7 +82,7 @@ from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from mpserve.config.loader import tier_folder
 from mpserve.config.remote_tier import RemoteTier
@@ -90,10 +90,12 @@ from mpserve.errors import ConfigError
 from mpserve.private import FILE_MODE, PlantedFile, open_private, private_dir
 from mpserve.wire.prefix import common_prefix
 
-from .remote_store import RemoteStats, RemoteStore
 from .store_files import read_private, sha256, touch, write_atomic
 from .store_format import MAGIC, MAX_HEADER_BYTES, PREFIX, SUFFIX, address, read_header
-from .store_stats import CacheStats, Changes
+from .store_stats import CacheStats, Changes, RemoteStats
+
+if TYPE_CHECKING:
+    from .remote_store import RemoteStore
 
 log = logging.getLogger("mpserve.worker")
 
@@ -144,6 +146,12 @@ def gguf_digest(path: str, cache_dir: Path) -> str:
     except OSError as exc:
         log.warning("cannot note the model's digest in %s (%s); it is computed again next time", cache_dir, exc)
     return digest
+
+
+def _remote_store(tier: RemoteTier, key: str) -> RemoteStore:
+    """The remote tier's client; Redis's client library is loaded only by the instances that have a remote tier."""
+    from .remote_store import RemoteStore
+    return RemoteStore(tier, key, lambda tokens, salt: address(key, tokens, salt))
 
 
 class _Tier:
@@ -221,7 +229,7 @@ class HostStore:
         """``cut_back``: whether a restored state may be cut back to a prefix of its tokens (module docstring);
         ``remote``: the tier shared by hosts under the local ones (``mpserve.engine.remote_store``)."""
         self.key = key
-        self._remote = RemoteStore(remote, key, lambda tokens, salt: address(key, tokens, salt)) if remote else None
+        self._remote = _remote_store(remote, key) if remote else None
         self.cut_back = cut_back
         self.n_ctx = n_ctx
         self._tiers = [_Tier("ram", ram_dir, ram_bytes, key, durable=False)]

@@ -37,7 +37,6 @@ import struct
 import threading
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from typing import cast
 
 import redis
@@ -45,6 +44,8 @@ from redis.backoff import NoBackoff
 from redis.retry import Retry
 
 from mpserve.config.remote_tier import PASSWORD_ENV, RemoteTier, read_password
+
+from .store_stats import RemoteStats
 
 log = logging.getLogger("mpserve.worker")
 
@@ -54,14 +55,6 @@ CANDIDATES = 4  # lengths read from an index per lookup, longest first
 CONNECT_TIMEOUT_S = 0.25
 IO_TIMEOUT_S = 0.5
 RETRY_S = 2.0  # a failed call keeps the tier aside this long
-
-
-@dataclass(frozen=True)
-class RemoteStats:
-    hits: int = 0  # lookups that restored an entry from the remote tier
-    misses: int = 0  # ... that found none, or only bad ones, or were made while it was aside
-    errors: int = 0  # calls that failed (refused, timed out, an error answer)
-    dropped: int = 0  # writes not made: the queue was full, or the tier was aside
 
 
 class RemoteStore:

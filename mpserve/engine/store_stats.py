@@ -10,7 +10,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .remote_store import RemoteStats
+
+@dataclass(frozen=True)
+class RemoteStats:
+    hits: int = 0  # lookups that restored an entry from the remote tier
+    misses: int = 0  # ... that found none, or only bad ones, or were made while it was aside
+    errors: int = 0  # calls that failed (refused, timed out, an error answer)
+    dropped: int = 0  # writes not made: the queue was full, or the tier was aside
 
 
 @dataclass(frozen=True)

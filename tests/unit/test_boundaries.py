@@ -21,6 +21,8 @@ pytestmark = pytest.mark.timeout(60)
     ("mpserve.gateway.app", ["llama_cpp", "mpserve.engine", "mpserve.server", "mpserve.worker"]),
     ("mpserve.cli", ["llama_cpp", "mpserve.engine"]),
     ("mpserve.engine.batch", ["zmq", "mpserve.server", "mpserve.gateway"]),
+    # each start forks its workers from a process that loaded these; Redis's client only where a remote tier is set
+    ("mpserve.worker.main", ["redis", "mpserve.gateway"]),
 ])
 def test_a_process_entry_loads_nothing_across_its_boundary(entry: str, forbidden: list[str]) -> None:
     code = f"import json, sys, {entry}; print(json.dumps(sorted(sys.modules)))"
