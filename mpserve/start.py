@@ -45,7 +45,6 @@ def run(config: cfg.ServerConfig, flags: dict[str, Any], reread: Callable[[], cf
     stops it; True when it stopped to upgrade (the caller leaves its error handling, then ``exec_again``).
     ``reread``: the configuration read again as at start, for a reload; ``pull``: the models' downloads."""
     from mpserve.gateway import fleet
-    from mpserve.gateway.app import parse_http
     from mpserve.server.adoption import died_before
     from mpserve.server.loop import serve
     from mpserve.server.preflight import check_start
@@ -54,7 +53,7 @@ def run(config: cfg.ServerConfig, flags: dict[str, Any], reread: Callable[[], cf
     http = flags["http"]
     # the port is checked unless an upgrade hands it over, or the gateways of a server that died still hold it
     checked = http and fleet.HANDED_FD not in os.environ and not died_before(config.server_name)
-    check_start(config, parse_http(http) if checked else None)
+    check_start(config, fleet.parse_http(http) if checked else None)
     paths = ServerPaths.for_name(config.server_name, config.bind, config.workers_bind, config.admin_bind)
     gateway_key = gateway_keys(paths) if http and config.curve_secret else None  # for a CURVE front
     with Gateways(http, config, flags, gateway_key) if http else contextlib.nullcontext() as gateways:
@@ -84,10 +83,9 @@ class Gateways:
     def __init__(self, http: str, config: cfg.ServerConfig, flags: dict[str, Any], key: Path | None) -> None:
         from mpserve.gateway import fleet
         from mpserve.gateway.api import response_store
-        from mpserve.gateway.app import parse_http
         from mpserve.server.adoption import died_before
 
-        host, port = parse_http(http)
+        host, port = fleet.parse_http(http)
         handed = fleet.handed_over(host, port)  # an upgrade: the socket of the start before this one, and its gateways
         command, env = gateway_command(http, config, flags, key)
         if handed is not None:
@@ -127,11 +125,10 @@ def gateway_command(http: str, config: cfg.ServerConfig, flags: dict[str, Any],
     keys travel in the environment, not in the command line that any user can read; ``key``, a key pair the server
     accepts, lets them through a CURVE front (the server's public key is read from its secret key file)."""
     from mpserve.gateway import fleet
-    from mpserve.gateway.app import parse_http
     from mpserve.gateway.http import access
     from mpserve.gateway.run import configure
 
-    host, _ = parse_http(http)  # refuse a bad value, a network port without a key, before anything starts
+    host, _ = fleet.parse_http(http)  # refuse a bad value, a network port without a key, before anything starts
     access.check_exposure(host, access.load_keys(flags["api_key"], flags["api_key_file"]), config.insecure)
     access.check_tls(flags["ssl_certfile"], flags["ssl_keyfile"])
     configure({"gateway_http": http, **{key: flags[key] for key in IMAGE_LIMITS}})  # image limits past the wire's

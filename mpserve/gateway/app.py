@@ -143,14 +143,6 @@ class GatewayConfig:
         return (self.api_key, *self.api_keys) if self.api_key else self.api_keys
 
 
-def parse_http(value: str) -> tuple[str, int]:
-    """``HOST:PORT`` (``[::1]:8000`` for IPv6) as (host, port)."""
-    host, sep, port = value.rpartition(":")
-    if not sep or not host or not (port.isascii() and port.isdigit()) or not 0 < int(port) < 65536:
-        raise ConfigError(f"--http must be HOST:PORT (e.g. 127.0.0.1:8000), got {value!r}")
-    return host.removeprefix("[").removesuffix("]"), int(port)
-
-
 def create_app(config: GatewayConfig) -> Starlette:
     gateway = _Gateway(config)
     responses_api = Responses(gateway.responses, gateway.journal)

@@ -60,6 +60,14 @@ HANDED_BY = "MPSERVE_HANDED_HTTP_BY"  # the pid of the process that handed them 
 PARENT_ENV = "MPSERVE_GATEWAY_PARENT"  # a child's parent's pid: one that died before the child looked is seen too
 
 
+def parse_http(value: str) -> tuple[str, int]:
+    """``HOST:PORT`` (``[::1]:8000`` for IPv6) as (host, port)."""
+    host, sep, port = value.rpartition(":")
+    if not sep or not host or not (port.isascii() and port.isdigit()) or not 0 < int(port) < 65536:
+        raise ConfigError(f"--http must be HOST:PORT (e.g. 127.0.0.1:8000), got {value!r}")
+    return host.removeprefix("[").removesuffix("]"), int(port)
+
+
 def listen(host: str, port: int, wait: float = 0.0) -> socket.socket:
     """The listening socket every child serves, bound as uvicorn binds one (IPv6 for a host with a colon,
     SO_REUSEADDR), inheritable. ``wait``: how long a port in use may take to be let go (the gateways of a server

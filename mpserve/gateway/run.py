@@ -41,7 +41,7 @@ def configure(given: Mapping[str, Any], exit_with_parent: bool = False) -> app.G
     default)."""
     v = {s.key: s.literal_default() if given.get(s.key) is None else given[s.key]
          for s in settings.for_command("gateway")}
-    host, port = app.parse_http(v["gateway_http"])
+    host, port = fleet.parse_http(v["gateway_http"])
     return app.GatewayConfig(
         host=host, port=port, connect=v["connect"], admin_connect=v["admin_connect"], server_name=v["server_name"],
         api_key=v["api_key"], request_timeout=v["request_timeout"], reattach=v["reattach"],

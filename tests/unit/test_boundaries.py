@@ -23,6 +23,8 @@ pytestmark = pytest.mark.timeout(60)
     ("mpserve.engine.batch", ["zmq", "mpserve.server", "mpserve.gateway"]),
     # each start forks its workers from a process that loaded these; Redis's client only where a remote tier is set
     ("mpserve.worker.main", ["redis", "mpserve.gateway"]),
+    # what `start` reads --http with: the HTTP app is the gateway processes' own
+    ("mpserve.gateway.fleet", ["mpserve.gateway.app", "starlette", "uvicorn", "pydantic"]),
 ])
 def test_a_process_entry_loads_nothing_across_its_boundary(entry: str, forbidden: list[str]) -> None:
     code = f"import json, sys, {entry}; print(json.dumps(sorted(sys.modules)))"
