@@ -407,7 +407,7 @@ def test_on_the_real_model_a_state_restored_from_ram_continues_exactly(real_mode
 
 
 def _gemma(real_model: RealModel, cache_ram: int, reuse: str) -> BatchEngine:
-    return BatchEngine(EngineSettings(real_model.path, n_ctx=2048, parallel=1, threads=2, n_gpu_layers=0,
+    return BatchEngine(EngineSettings(real_model.path, n_ctx=2048, parallel=1, threads=1, n_gpu_layers=0,
                                       repack=real_model.repack, cache_ram=cache_ram, cache_shm=fresh_store(),
                                       reuse=reuse))
 
@@ -499,7 +499,7 @@ def test_on_a_sliding_window_model_a_prompt_asked_again_with_another_ending_rest
     store = fresh_store()
 
     def engine() -> BatchEngine:
-        return BatchEngine(EngineSettings(real_model.path, n_ctx=2048, parallel=1, threads=2, n_gpu_layers=0,
+        return BatchEngine(EngineSettings(real_model.path, n_ctx=2048, parallel=1, threads=1, n_gpu_layers=0,
                                           repack=real_model.repack, cache_ram=256 << 20, cache_shm=store, reuse="any"))
 
     first = engine()
