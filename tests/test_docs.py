@@ -5,6 +5,7 @@ and the README stays a front page that links into it."""
 from __future__ import annotations
 
 import dataclasses
+import fcntl
 import html
 import importlib.util
 import json
@@ -44,9 +45,21 @@ hooks = _hooks()
 plots = hooks.plots
 
 
-@pytest.fixture(scope="module")
-def site(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    out = tmp_path_factory.mktemp("site")
+@pytest.fixture(scope="session")
+def site(tmp_path_factory: pytest.TempPathFactory, worker_id: str) -> Path:
+    """The site, built once per run: in a parallel run the first test process to need it builds it under a lock in
+    the folder the run's processes share, and the others read that build."""
+    if worker_id == "master":  # not parallel: the run's own folder
+        return _build(tmp_path_factory.mktemp("site"))
+    shared = tmp_path_factory.getbasetemp().parent  # this run's, shared by its test processes
+    with (shared / "site.lock").open("w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not (shared / "site").is_dir():
+            _build(shared / "site.building").rename(shared / "site")
+    return shared / "site"
+
+
+def _build(out: Path) -> Path:
     built = subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(out)], cwd=ROOT,
                            capture_output=True, text=True, env={**os.environ, "NO_MKDOCS_2_WARNING": "1"}, timeout=240)
     assert built.returncode == 0, built.stderr[-4000:]
