@@ -73,9 +73,10 @@ def test_streamed_choices_come_with_their_index_and_take_four_slots_at_once(four
 
 @pytest.mark.timeout(180)
 def test_choices_wait_for_as_many_free_slots_of_one_instance(four_slots: ServerProcess) -> None:
-    """While one slot runs a long request, a request for 4 choices waits: three free slots are not enough. The slots
-    are read with the instance stopped (SIGSTOP) and the long request still running, so that its end cannot free the
-    fourth meanwhile; where it ended before the stop could come, the whole is run again."""
+    """While one slot runs a long request, a request for 4 choices waits: three free slots are not enough. The
+    instance is stopped (SIGSTOP) once the long request has streamed, and stays stopped while the request for 4 comes
+    and is queued and the slots are read, so that the long request cannot end and free the fourth meanwhile; where it
+    ended before the stop could come (its row no longer busy), the whole is run again."""
     with Client(four_slots.address, timeout=120) as client:
         for _ in range(3):
             long = client.stream("Once upon a time", max_tokens=400, temperature=0, ignore_eos=True)
@@ -84,23 +85,28 @@ def test_choices_wait_for_as_many_free_slots_of_one_instance(four_slots: ServerP
             got: list[list[str]] = []
             waiting = threading.Thread(target=lambda got=got: got.append(
                 [c.text for c in client.choices("The sea", n=4, max_tokens=4, temperature=0)]))
-            waiting.start()
-            wait_for(lambda: client.stats().models["tiny"].queued == 1, what="the request for 4 queued")
             instance = next(r.pid for r in four_slots.slots() if r.pid)
             os.kill(instance, signal.SIGSTOP)
             try:
-                rows = four_slots.slots()
+                running = _busy_with(four_slots, long.id)
+                if running:  # and it stays so until SIGCONT
+                    waiting.start()
+                    wait_for(lambda: client.stats().models["tiny"].queued == 1, what="the request for 4 queued")
+                    rows = four_slots.slots()
             finally:
                 os.kill(instance, signal.SIGCONT)
-            running = any(r.state is SlotState.BUSY and r.request and long.id.startswith(r.request) for r in rows)
             rest = "".join(chunks)
             assert rest and long.result is not None
-            waiting.join(60)
-            assert len(got) == 1 and len(set(got[0])) == 1  # greedy: four times the same text
             if running:
+                waiting.join(60)
+                assert len(got) == 1 and len(set(got[0])) == 1  # greedy: four times the same text
                 assert sum(r.state is SlotState.BUSY for r in rows) == 1  # three free slots are not enough
                 return
     pytest.fail("three times, the long request ended before its instance could be stopped")
+
+
+def _busy_with(server: ServerProcess, request_id: str) -> bool:
+    return any(r.state is SlotState.BUSY and r.request and request_id.startswith(r.request) for r in server.slots())
 
 
 @pytest.mark.timeout(60)
