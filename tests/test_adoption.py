@@ -269,8 +269,9 @@ def test_streams_whose_instance_died_with_the_server_go_on_from_the_journal_and_
         start_server) -> None:
     """The server and its one instance SIGKILLed, two streams generating and one queued: nothing is left to adopt,
     but the next start finds the three in the dead server's journal. The two go on from the tokens they had streamed,
-    the queued one starts; none is accepted anew, and each text is its uninterrupted run's."""
-    args = ("--instances", "1", "--parallel", "2")
+    the queued one starts; none is accepted anew, and each text is its uninterrupted run's (``reuse: exact``: the
+    carried tokens decoded one a step)."""
+    args = ("--instances", "1", "--parallel", "2", "--reuse", "exact")
     server = start_server(*args).wait_ready()
     prompts = PROMPTS[:3]
     with Client(server.address) as client:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -383,12 +384,60 @@ def run_capturing_tokens(engine: BatchEngine, prompt: str, params: GenerateParam
             return completion, pieces, generated
 
 
+def resume_counting_steps(engine: BatchEngine, prompt: str, params: GenerateParams, carried: list[int],
+                          cancel_at: int = 0) -> tuple[Completion, list[str], int]:
+    """``carried`` resumed in slot 0 of ``engine`` while slot 1 decodes a long request of its own (if free): the
+    completion, its streamed pieces and the steps it took. ``cancel_at``: its on_token asks to stop there."""
+    pieces: list[str] = []
+    if 1 in engine.free_slots():
+        engine.admit(1, "It was the best of times", greedy(2000), lambda text, n: True)
+    engine.admit(0, prompt, params, lambda text, n: pieces.append(text) is None and n != cancel_at, carried)
+    for steps in itertools.count(1):
+        for slot, completion in engine.step():
+            if slot == 0:
+                return completion, pieces, steps
+    raise AssertionError("unreachable")
+
+
+@pytest.mark.timeout(60)
+def test_with_reuse_any_carried_tokens_are_decoded_in_runs_and_the_stream_goes_on_where_it_was_cut(
+        model_path: str) -> None:
+    """``reuse: any`` (the default): a resumed request decodes its carried tokens a run a step (the step's prompt
+    budget while another sequence decodes), not one a step: it goes on within a few steps. Nothing reaches the client
+    twice, nothing is missing; a cancel inside a run leaves the cells decoding one a step would."""
+    prompt, params, cut = "Once upon a time", greedy(300), 250
+    settings = EngineSettings(model_path, n_ctx=N_CTX, parallel=2, threads=1, n_gpu_layers=0)
+    assert not settings.exact  # the default
+    engine = BatchEngine(settings)
+    try:
+        whole, whole_pieces, tokens = run_capturing_tokens(engine, prompt, params)
+        sent = "".join(whole_pieces[:cut])
+        resumed, pieces, steps = resume_counting_steps(engine, prompt, params, tokens[:cut])
+        assert resumed.finish_reason == whole.finish_reason == "length"
+        assert resumed.completion_tokens == 300 and resumed.text.startswith(sent)
+        assert sent + "".join(pieces) == resumed.text
+        # one a step: 1 prompt step, 250 carried, 50 sampled; in runs of the budget (64): about 1 + 4 + 50
+        assert steps <= 1 + -(-cut // 64) + 1 + (300 - cut), steps
+        cancelled, _, _ = resume_counting_steps(engine, prompt, params, tokens[:cut], cancel_at=100)
+        assert cancelled.finish_reason == "cancelled" and cancelled.completion_tokens == 100
+        prompt_tokens = cancelled.prompt_tokens
+        assert engine.kv_cells(0) == prompt_tokens + 99  # the 100th taken, not decoded: as one a step leaves it
+    finally:
+        engine.close()
+    exact = make_engine(model_path, 2)  # the same cancel, one a step
+    try:
+        resume_counting_steps(exact, prompt, params, tokens[:cut], cancel_at=100)
+        assert exact.kv_cells(0) == prompt_tokens + 99
+    finally:
+        exact.close()
+
+
 @pytest.mark.timeout(60)
 def test_a_sequence_resumed_from_carried_tokens_continues_as_if_never_interrupted(model_path: str) -> None:
     """What a mid-stream failover does: the prompt plus the tokens already generated, elsewhere (through
-    ``tokens``, as the worker reports them, an end-of-generation token included). With flash
-    attention (on by default on a CPU) and a long run, a batched prefill of the carried tokens would turn a
-    greedy choice at a near-tie; they are decoded one a step instead."""
+    ``tokens``, as the worker reports them, an end-of-generation token included), with ``reuse: exact``
+    (``make_engine``). With flash attention (on by default on a CPU) and a long run, a batched prefill of the
+    carried tokens would turn a greedy choice at a near-tie; they are decoded one a step instead."""
     prompt = "Once upon a time"  # 500 greedy tokens: cut at 310, a batched prefill chose otherwise at 310
     full_text = one_at_a_time(model_path, [(prompt, greedy(40))])[0].text
     stop = full_text[30:34]  # a stop string after the cut: the text held back at the cut is handled

@@ -98,8 +98,9 @@ def test_chaos_every_request_ends_exactly_once_while_workers_are_killed(start_se
     hand-overs), none hangs; the kills did hand requests over, both before any text (retried) and mid-stream
     (resumed), each hand-over one more attempt of a request that ended DONE; every text, retried, resumed or
     not, is the whole text an uninterrupted run of the same request gave on the same server before the kills;
-    the pool is whole again within 15 s, no row is owned by a dead process, no traceback."""
-    server = start_server("--instances", "4").wait_ready()
+    the pool is whole again within 15 s, no row is owned by a dead process, no traceback. With ``reuse: exact``,
+    the mode whose handed-over streams keep that text."""
+    server = start_server("--instances", "4", "--reuse", "exact").wait_ready()
     rng = random.Random(4004)
     plans = [(rng.choice(CHAOS_PROMPTS), rng.choice(CHAOS_LENGTHS), rng.random() < 0.5)
              for _ in range(CHAOS_REQUESTS)]

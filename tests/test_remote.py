@@ -327,7 +327,8 @@ def _two_pools(start_server, pools) -> tuple[ServerProcess, dict[int, Pool]]:
     server = broker(start_server, port, *beats)
     started = {}
     for name in ("pool-a", "pool-b"):
-        pool = pools(name, f"tcp://127.0.0.1:{port}", "--instances", "2", "--n-ctx", "1024", *beats)
+        pool = pools(name, f"tcp://127.0.0.1:{port}", "--instances", "2", "--n-ctx", "1024", *beats,
+                     "--reuse", "exact")  # a stream handed over keeps the uninterrupted text
         started[pool.proc.pid] = pool
     wait_for(lambda: sum(registered(server.address).values()) == 4, 60, "both pools to register")
     return server, started

@@ -11,6 +11,7 @@
     adapters     LoRA adapters: loaded onto the model, chosen per sequence, applied per step (sets take turns)
     heap         what llama.cpp frees given back to the system once adapter sets change (glibc's mmap threshold)
     parking      a running sequence out of the batch whole, and back where it stopped (priority preemption)
+    replay       a resumed request's carried tokens, taken in place of sampling (in runs with ``reuse: any``)
     keeping      when cells are saved to and restored from the host store ("where is a prefix restored")
     context      the llama.cpp context: model, KV memory, decode, state bytes, tokens and pieces
     media        images in a prompt: the projector (llama.cpp's mtmd), decoded images, their placeholder ids

@@ -10,7 +10,7 @@ free slots and calls ``step`` in a loop; each module below does one job of it:
       ─▶ cells.start ─▶ scheduler.add(Sequence)                                 (sequence: the request in its slot)
     step()
       schedule  scheduler.cancelled / cells.catch_up / scheduler.decoding, decodes, chunks (+ drafts to verify:
-                speculation; a draft model's own context: draft)
+                speculation; a draft model's own context: draft; + a resumed request's carried tokens: replay)
       decode    context.decode: one llama_decode per group of decoding sequences, one per prompt chunk (at most
                 ``step_budget_tokens`` while others decode; a chunk is never cut)
       sample    each sequence with logits, with its own sampler chain (sampling); text and stop strings; on_token
@@ -66,6 +66,7 @@ from __future__ import annotations
 
 import collections.abc
 import dataclasses
+import itertools
 import logging
 import random
 import time
@@ -81,7 +82,7 @@ from mpserve.wire.prefix import routed
 from mpserve.wire.protocol import GenerateParams
 from mpserve.wire.salt import reuse_key
 
-from . import media, slot_file
+from . import media, replay, slot_file
 from .adapters import Adapters, AdapterSet, Loaded, Turns
 from .cells import Cells
 from .context import Context
@@ -260,11 +261,11 @@ class BatchEngine:
               salt: bytes = b"", alone: bool = False, images: collections.abc.Sequence[bytes] = ()) -> None:
         """Start ``prompt`` in free slot ``slot``; its prompt is computed by the coming steps. A prompt of token ids is
         taken as it is (no BOS added), as create_completion takes one. ``carried``: the tokens another instance
-        generated for this request before it was lost. They are decoded one a step after the prompt, as they were first
-        computed, taken instead of sampled (so the sampler's penalties see them): a batched prefill orders attention's
-        sums otherwise, which can turn a greedy choice at a near-tie. Their text opens the completion without reaching
-        ``on_token`` (the client has it, and their log-probabilities), and what the text stream held back at the cut
-        stays held back: the sequence continues as if never interrupted. ``adapters``: the LoRA adapters (names loaded
+        generated for this request before it was lost. They are decoded after the prompt, taken instead of sampled (so
+        the sampler's penalties see them): with ``reuse: exact`` one a step, as they were first computed, with ``any``
+        in runs (``replay``). Their text opens the completion without reaching ``on_token`` (the client has it, and
+        their log-probabilities), and what the text stream held back at the cut stays held back: the sequence
+        continues where it was cut. ``adapters``: the LoRA adapters (names loaded
         here) and scales it runs under (UnknownModel for a name not loaded). ``salt``: its reuse namespace
         (``mpserve.wire.salt``): it starts from cells (its slot's, another's, the host store's) computed under the same
         salt only; under adapters, the salt is the request's with their loads mixed in (``reuse_key``), so that cells
@@ -380,6 +381,7 @@ class BatchEngine:
             chunks = scheduler.chunks(bool(decoding), turn)
         if decoding:
             self._propose(decoding)
+            scheduler.runs(decoding, len(self._context.batch.token) - sum(1 + len(seq.drafts) for seq in decoding))
         for together in scheduler.decodes(decoding):
             done += self._decode_tokens(together)
         for seq in chunks:
@@ -397,7 +399,9 @@ class BatchEngine:
             seq.output_row = batch.add(seq.next_token, seq.n_past, seq.slot)
             for i, token in enumerate(seq.drafts, 1):
                 batch.add(token, seq.n_past + i, seq.slot)
-            seq.n_past += 1
+            if seq.ahead:  # carried tokens, taken after the decode (``replay``)
+                batch.add_run(list(itertools.islice(seq.replay, seq.ahead)), seq.n_past + 1, seq.slot)
+            seq.n_past += 1 + seq.ahead
         rows, seconds = batch.n, self._context.decode()
         if self._speculative is not None:
             self._row_costs.observe(rows, seconds)
@@ -490,7 +494,7 @@ class BatchEngine:
     def _sample(self, seq: Sequence) -> str | None:
         """Sample ``seq``'s next token and hand its text out; the finish reason if it ended."""
         if seq.replay:
-            return self._replay(seq)
+            return replay.take(seq, self._context)
         if (token := seq.sampler.sample(self._context.ctx, seq.output_row)) < 0:
             return "error"  # its grammar's step ran past the budget: ``seq.sampler.refused`` says so
         if not seq.first_token_at:
@@ -516,27 +520,6 @@ class BatchEngine:
         go_on = seq.on_token(text, len(seq.generated))
         if finished is None:
             if not go_on:
-                return "cancelled"
-            seq.phase, seq.next_token = Phase.DECODE, token
-        return finished
-
-    def _replay(self, seq: Sequence) -> str | None:
-        """Take the next carried token as if sampled; its text goes into the completion only. The finish
-        reason if the lost instance had ended there (it died between its last text and its answer)."""
-        token = seq.replay.popleft()
-        piece, end_of_generation = self._context.piece(token)
-        if end_of_generation:
-            seq.pieces.append(seq.text.flush())
-            return "stop"
-        seq.sampler.accept([token])
-        seq.generated.append(token)
-        text, stopped = seq.text.push(piece)
-        finished = "stop" if stopped else "length" if len(seq.generated) >= seq.max_tokens else None
-        if finished == "length":
-            text += seq.text.flush()
-        seq.pieces.append(text)
-        if finished is None:
-            if not seq.on_token("", len(seq.generated)):  # progress for the watchdog; a cancel
                 return "cancelled"
             seq.phase, seq.next_token = Phase.DECODE, token
         return finished

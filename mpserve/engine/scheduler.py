@@ -7,6 +7,7 @@
                            its next chunk is the step's only decode, or else
           ──decoding()───▶ DECODE sequences in slot order ──decodes()──▶ grouped into llama_decode calls
                                                      (``reuse: exact``: at most ``together_rows`` a call)
+          ──runs(decoding, free rows)──▶ carried tokens decoded with a resumed sequence's next one (``replay``)
           ──chunks(any decoding, turn)──▶ the prompts computing their next chunk this step, within the token budget
                                           (those of the adapter set whose turn it is: ``adapters.Turns``)
           ──twins(lead)──▶ prompts equal to one just computed, under the same adapters (``cells.share`` gives
@@ -114,6 +115,20 @@ class Scheduler:
         together = [seq for seq in decoding if seq not in alone]
         rows = self._exact_rows
         return [together[at:at + rows] for at in range(0, len(together), rows)] + [[seq] for seq in alone]
+
+    def runs(self, decoding: list[Sequence], free_rows: int) -> None:
+        """How many of its carried tokens each sequence that replays them decodes this step after its next token, in
+        the same llama_decode (``Sequence.ahead``; ``mpserve.engine.replay``): in slot order, within a whole chunk while
+        only such sequences decode and the step's budget of prompt tokens while others do, and within the batch's
+        ``free_rows``. None with ``reuse: exact``. The last carried token is never ahead: it is taken after the decode,
+        as one a step takes it, and decoded with the next step's rows."""
+        if self._exact:
+            return
+        replaying = [seq for seq in decoding if seq.replay]
+        budget = min(self._idle_budget if len(replaying) == len(decoding) else self._budget, free_rows)
+        for seq in replaying:
+            seq.ahead = max(0, min(len(seq.replay) - 1, budget))
+            budget -= seq.ahead
 
     def chunks(self, decoding: bool, turn: tuple[tuple[str, float], ...] = ()) -> list[Sequence]:
         """The prompts under the adapters ``turn`` that compute their next chunk this step, in admission order,
