@@ -17,7 +17,7 @@ from helpers import gguf_with_array
 from mpserve.gpu.placement import estimate_model_memory
 from mpserve.models import templates
 from mpserve.models.builtin import builtin_model_path
-from mpserve.models.gguf_header import read_header
+from mpserve.models.gguf_header import BLOCKS, read_header
 from mpserve.models.maker import vocabulary
 
 
@@ -174,3 +174,9 @@ def test_a_server_started_with_a_model_that_has_a_huge_array_holds_no_more_than_
         peaks.append(peak_rss_kib(server.proc.pid))  # the broker's own process, at its highest since it began
         server.stop()
     assert peaks[1] < peaks[0] + 32 * 1024, f"peak RSS {peaks[1]} KiB with the array, {peaks[0]} KiB without"
+
+
+def test_the_block_sizes_are_ggufs_for_every_type_it_knows() -> None:
+    """The reader sizes tensors with a table of its own (gguf imports numpy, which a start need not load): the same
+    values per block and bytes per block as gguf's, for each type gguf knows."""
+    assert {int(kind): size for kind, size in gguf.GGML_QUANT_SIZES.items()} == BLOCKS

@@ -1,29 +1,30 @@
 """A GGUF file's header: its metadata and tensor table, read without touching the tensor data.
 
     file ──mmap──► magic, version, counts (each bounded by the bytes left: a count no file could hold is refused)
-                   key/values ─► the keys ``keep`` accepts: scalars, strings, arrays (numbers: one numpy read)
+                   key/values ─► the keys ``keep`` accepts: scalars, strings, arrays (numbers: one unpack)
                                  every other key stepped over without building its value (a string by its
                                  length, an array of fixed-size values at once)
-                   tensor infos ─► name, shape, type ─► bytes on disk (gguf's block sizes)
+                   tensor infos ─► name, shape, type ─► bytes on disk (ggml's block sizes: ``BLOCKS``)
 
 ``gguf.GGUFReader`` builds an object per field part, so a real model's vocabulary (hundreds of thousands
 of strings) costs seconds; the memory estimate (``mpserve.gpu.placement``) needs a handful of keys and the
 tensor sizes, which this reads in a single pass over the header. Each reader names the keys it needs
 (``keep``), so a file's other metadata, however large, is never built in the server: a model file is the
 operator's choice but not always the operator's making. A kept array has at most ``MAX_KEPT_ITEMS`` values.
+It imports neither numpy nor gguf: a server's start reads headers, and those two imports would cost it more than
+its own.
 """
 
 from __future__ import annotations
 
+import math
 import mmap
 import struct
 from collections.abc import Callable
 from dataclasses import dataclass
+from enum import IntEnum
 from os import PathLike
 from typing import Any, Literal
-
-import numpy as np
-from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFValueType
 
 MAGIC = b"GGUF"
 MAX_KEPT_ITEMS = 1 << 20  # values of one kept array: past any vocabulary's size
@@ -31,6 +32,36 @@ _MAX_DIMS = 4  # GGML_MAX_DIMS
 _KV_BYTES = 8 + 4 + 1  # the least a key/value takes: an empty key, its type, a one-byte value
 _TENSOR_BYTES = 8 + 4 + 4 + 8  # an empty name, no dimensions, its type and its data's offset
 _ITEM_BYTES = {"string": 8, "array": 12}  # the least a string or an array inside an array takes
+
+
+
+class GGUFValueType(IntEnum):
+    """The types of a GGUF metadata value (GGUF's specification)."""
+
+    UINT8 = 0
+    INT8 = 1
+    UINT16 = 2
+    INT16 = 3
+    UINT32 = 4
+    INT32 = 5
+    FLOAT32 = 6
+    BOOL = 7
+    STRING = 8
+    ARRAY = 9
+    UINT64 = 10
+    INT64 = 11
+    FLOAT64 = 12
+
+
+BLOCKS: dict[int, tuple[int, int]] = {
+    0: (1, 4), 1: (1, 2), 2: (32, 18), 3: (32, 20), 6: (32, 22), 7: (32, 24), 8: (32, 34), 9: (32, 40),
+    10: (256, 84), 11: (256, 110), 12: (256, 144), 13: (256, 176), 14: (256, 210), 15: (256, 292), 16: (256, 66),
+    17: (256, 74), 18: (256, 98), 19: (256, 50), 20: (32, 18), 21: (256, 110), 22: (256, 82), 23: (256, 136),
+    24: (1, 1), 25: (1, 2), 26: (1, 4), 27: (1, 8), 28: (1, 8), 29: (256, 56), 30: (1, 2), 34: (256, 54),
+    35: (256, 66), 39: (32, 17), 40: (64, 36), 41: (128, 18),
+}
+"""A ggml tensor type's id -> (values per block, bytes per block): ggml's type traits (F32 0, F16 1, Q4_0 2, ...,
+Q4_K 12, Q6_K 14, BF16 30, MXFP4 39), as gguf's GGML_QUANT_SIZES holds them."""
 
 _SCALARS: dict[GGUFValueType, str] = {
     GGUFValueType.UINT8: "B", GGUFValueType.INT8: "b", GGUFValueType.UINT16: "H", GGUFValueType.INT16: "h",
@@ -43,7 +74,7 @@ _SCALARS: dict[GGUFValueType, str] = {
 class TensorInfo:
     name: str
     shape: tuple[int, ...]
-    type: GGMLQuantizationType
+    type: int  # ggml's type id (``BLOCKS``)
     n_bytes: int
 
 
@@ -136,11 +167,10 @@ class _Cursor:
             raise ValueError(f"GGUF metadata {key!r} is an array of {count} values, more than the "
                              f"{MAX_KEPT_ITEMS} mpserve reads")
         if item in _SCALARS:
-            dtype = np.dtype(_SCALARS[item]).newbyteorder(self.order)
-            self.fits(count, dtype.itemsize, "array values")
-            values = np.frombuffer(self.data, dtype, count, self.at)
-            self.at += count * dtype.itemsize
-            return values.tolist()
+            values = struct.Struct(f"{self.order}{count}{_SCALARS[item]}")
+            self.fits(count, struct.calcsize(_SCALARS[item]), "array values")
+            self.at += values.size
+            return list(values.unpack_from(self.data, self.at - values.size))
         if item == GGUFValueType.STRING:
             self.fits(count, _ITEM_BYTES["string"], "strings")
             return [self.string() for _ in range(count)]
@@ -172,13 +202,12 @@ class _Cursor:
         if n_dims > _MAX_DIMS:
             raise ValueError(f"GGUF tensor {name!r} has {n_dims} dimensions, more than GGML's {_MAX_DIMS}")
         shape = tuple(self.scalar("Q") for _ in range(n_dims))
-        kind = GGMLQuantizationType(self.scalar("I"))
+        kind = self.scalar("I")
         self.scalar("Q")  # the offset of its data: not needed for sizes
-        if kind not in GGML_QUANT_SIZES:
-            raise ValueError(f"GGUF tensor {name!r} has type {kind.name}, whose size gguf does not know")
-        block, block_bytes = GGML_QUANT_SIZES[kind]
-        n_elements = int(np.prod(shape, dtype=np.int64)) if shape else 1
-        return TensorInfo(name, shape, kind, n_elements // block * block_bytes)
+        if kind not in BLOCKS:
+            raise ValueError(f"GGUF tensor {name!r} has ggml type {kind}, whose size mpserve does not know")
+        block, block_bytes = BLOCKS[kind]
+        return TensorInfo(name, shape, kind, math.prod(shape) // block * block_bytes)
 
 
 _SKIPPED = object()

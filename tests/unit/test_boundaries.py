@@ -34,10 +34,12 @@ def test_a_process_entry_loads_nothing_across_its_boundary(entry: str, forbidden
     assert crossing == [], f"{entry} loads {crossing}"
 
 
-@pytest.mark.parametrize("entry", ["mpserve.server.loop", "mpserve.gateway.app", "mpserve.cli"])
+@pytest.mark.parametrize("entry", ["mpserve.server.loop", "mpserve.gateway.app", "mpserve.cli",
+                                   "mpserve.models.gguf_header"])
 def test_the_server_gateway_and_cli_start_without_numpy_and_gguf(entry: str) -> None:
-    """Only reading a GGUF header for an estimate, or writing a built-in model, needs them; importing them costs
-    every start a good part of its time (mpserve.gpu.placement and mpserve.models.builtin import them late)."""
+    """Only writing a model (a built-in one, an adapter, a projector) needs them; importing them costs every start a
+    good part of its time, and a start reads GGUF headers (its estimate, the chat template) with a reader of its own
+    (mpserve.models.builtin imports them late)."""
     code = f"import sys, {entry}; print(sorted(m for m in ('numpy', 'gguf') if m in sys.modules))"
     loaded = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=60).stdout
     assert loaded.strip() == "[]", f"{entry} loads {loaded.strip()}"
