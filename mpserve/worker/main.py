@@ -33,6 +33,10 @@ from mpserve.wire.slots import SlotState, SlotTable
 from .loop import Worker
 from .spec import EngineSpec, WorkerSpec
 
+RECONNECT_MAX_MS = 250
+"""The longest wait between two of ZeroMQ's tries to reach the broker while it is down. An instance whose server
+died tries the next start's socket (which is there a second or so later) at this pace: a longer backoff would keep
+it, and so the start's readiness and every request it holds, waiting up to that long after the socket is there."""
 
 def build_engine(spec: EngineSpec, model: Any = None, adapters: dict[str, Any] | None = None,
                  projector: Any = None) -> Engine:
@@ -94,8 +98,8 @@ def worker_main(spec: WorkerSpec, model: Any = None, adapters: dict[str, Any] | 
     sock = ctx.socket(zmq.DEALER)
     sock.setsockopt(zmq.IDENTITY, spec.identity)
     sock.setsockopt(zmq.LINGER, 2000)
-    sock.setsockopt(zmq.RECONNECT_IVL, 100)  # ZeroMQ reconnects by itself, backing off up to 5 s
-    sock.setsockopt(zmq.RECONNECT_IVL_MAX, 5000)
+    sock.setsockopt(zmq.RECONNECT_IVL, 100)  # ZeroMQ reconnects by itself, backing off up to RECONNECT_MAX_MS
+    sock.setsockopt(zmq.RECONNECT_IVL_MAX, RECONNECT_MAX_MS)
     if spec.curve_server_key and spec.curve_secret:
         sock.curve_serverkey = zmq.auth.load_certificate(spec.curve_server_key)[0]
         sock.curve_publickey, sock.curve_secretkey = zmq.auth.load_certificate(spec.curve_secret)
