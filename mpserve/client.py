@@ -88,6 +88,7 @@ Prompt = str | list[int] | WithImages  # text, token ids, or text with the image
 
 PING_INTERVAL_S = 1.0
 PING_LIVENESS = 3
+QUIET_PING_S = 0.25  # ... and pings this often once it has heard nothing that long: a restarted server answers soon
 CONNECT_TIMEOUT_S = 5.0
 REATTACH_S = 30.0  # how long completions wait for a server to come back after it went silent
 SLOT_TIMEOUT_S = 60.0  # a KV file is written or read between two steps of its instance
@@ -467,8 +468,7 @@ class AsyncClient:
         return answer
 
     async def _ask(self, msg: wire.Tokenize | wire.Control | wire.Embed | wire.SlotAction | wire.AdapterAction,
-                   wait: float | None,
-                   timed_out: MpserveError) -> Any:
+                   wait: float | None, timed_out: MpserveError) -> Any:
         """Send a message that has one answer and wait for it (``wait`` seconds; None: no limit); raises the
         MpserveError of an ERROR reply, or ``timed_out``."""
         await self.connect()
@@ -580,16 +580,16 @@ class AsyncClient:
             self._last_heard = time.monotonic()
 
     async def _keep_alive(self) -> None:
-        """While requests are pending: ping every PING_INTERVAL_S, and fail them all once the server has
-        been silent for PING_INTERVAL_S × PING_LIVENESS (any message from it counts)."""
-        pinged = 0.0
+        """While requests are pending: ping every PING_INTERVAL_S (QUIET_PING_S while the server is silent), and
+        fail them all once the server has been silent for PING_INTERVAL_S × PING_LIVENESS (any message counts)."""
+        pinged = reattached = 0.0
         while True:
-            await asyncio.sleep(PING_INTERVAL_S / 2)
+            await asyncio.sleep(QUIET_PING_S)
             now = time.monotonic()
             if not self._pending:
                 self._last_heard, self._silent_since = now, None
-            elif now - self._last_heard > PING_INTERVAL_S * PING_LIVENESS:
-                first = self._silent_since is None
+            elif now - self._last_heard > PING_INTERVAL_S * PING_LIVENESS and now - reattached >= PING_INTERVAL_S / 2:
+                first, reattached = self._silent_since is None, now
                 since = self._silent_since = self._silent_since or self._last_heard
                 failed = ConnectionFailed(f"the server at {self.address} stopped answering ({now - since:.1f} s of "
                                           "silence)")
@@ -600,7 +600,7 @@ class AsyncClient:
                     for rid in [rid for rid in self._pending if rid not in self._tracks]:
                         self._pending.pop(rid).put_nowait(failed)
                     await self._reattach(completions)
-            elif now - pinged >= PING_INTERVAL_S:
+            elif now - pinged >= (PING_INTERVAL_S if now - self._last_heard < QUIET_PING_S else QUIET_PING_S):
                 pinged = now
                 self._put(wire.encode(wire.Ping(1)))
 

@@ -38,6 +38,7 @@ export const SAMPLING_PARAMS = Object.freeze([
 ]);
 const PING_INTERVAL_MS = 1000;
 const PING_LIVENESS = 3;
+const QUIET_PING_MS = 250; // ... and pings this often once it has heard nothing that long: a restarted server answers soon
 const CONNECT_TIMEOUT_MS = 5000;
 const REATTACH_S = 30; // how long completions wait for a server to come back after it went silent
 
@@ -175,6 +176,8 @@ export class Client {
     this._sends = Promise.resolve();
     this._sock = null;
     this._lastHeard = 0;
+    this._pinged = 0; // the last PING's time, and the last reattach's: pings are more frequent than reattaches
+    this._reattached = 0;
     this._silentSince = null; // the server went silent then, and has not answered since
     this._server = ""; // the start of the server answering (its PONGs say), "" until one did
     this._pong = null;
@@ -196,7 +199,7 @@ export class Client {
       throw new ConnectionFailed(`no answer from a server at ${this.address} within ${this.connectTimeout} s; `
         + `is \`mpserve start\` running${hint}`);
     }
-    this._timer = setInterval(() => this._keepAlive(), PING_INTERVAL_MS);
+    this._timer = setInterval(() => this._keepAlive(), QUIET_PING_MS);
     this._timer.unref();
     return this;
   }
@@ -407,8 +410,9 @@ export class Client {
     }
   }
 
-  /** While requests are pending: ping every second; after PING_LIVENESS s of silence, reattach the completions
-   * (again after each silence, for `reattach` s) and fail the rest. */
+  /** While requests are pending: ping every second (every QUIET_PING_MS while the server is silent); after
+   * PING_LIVENESS s of silence, reattach the completions (again after each silence, for `reattach` s) and fail the
+   * rest. */
   _keepAlive() {
     const now = Date.now();
     if (!this._sock || this._pending.size === 0) {
@@ -417,9 +421,14 @@ export class Client {
       return;
     }
     if (now - this._lastHeard <= PING_INTERVAL_MS * PING_LIVENESS) {
-      this._send(MsgType.PING, { nonce: 0 }).catch(() => {});
+      if (now - this._pinged >= (now - this._lastHeard < QUIET_PING_MS ? PING_INTERVAL_MS : QUIET_PING_MS)) {
+        this._pinged = now;
+        this._send(MsgType.PING, { nonce: 0 }).catch(() => {});
+      }
       return;
     }
+    if (now - this._reattached < PING_INTERVAL_MS) return;
+    this._reattached = now;
     const first = this._silentSince === null;
     const since = this._silentSince ??= this._lastHeard;
     const error = new ConnectionFailed(`the server at ${this.address} stopped answering (`
