@@ -169,8 +169,9 @@ class _Cursor:
         if item in _SCALARS:
             values = struct.Struct(f"{self.order}{count}{_SCALARS[item]}")
             self.fits(count, struct.calcsize(_SCALARS[item]), "array values")
+            kept = list(values.unpack_from(self.data, self.at))
             self.at += values.size
-            return list(values.unpack_from(self.data, self.at - values.size))
+            return kept
         if item == GGUFValueType.STRING:
             self.fits(count, _ITEM_BYTES["string"], "strings")
             return [self.string() for _ in range(count)]
