@@ -26,6 +26,7 @@ from mpserve import AsyncClient, Client
 from mpserve.engine.sequence import PROMPT_CHUNK
 from mpserve.runtime import ServerInfo
 from mpserve.wire import protocol as wire
+from mpserve.wire import slots
 from mpserve.wire.slots import SlotTable
 
 FAST = ["--heartbeat-interval", "0.25", "--heartbeat-liveness", "4"]  # lost after 1 s of silence
@@ -52,6 +53,23 @@ class Pool:
         table = SlotTable.attach(Path(info.slots), writable=False)
         try:
             return [self.proc.pid, *(r.pid for r in table.read_all() if r.pid)]
+        finally:
+            table.close()
+
+    def stop_mid_update(self, pid: int) -> None:
+        """SIGSTOP worker ``pid`` as if in the middle of writing its slot rows: their sequences odd, as a stop can
+        leave them on any token (each writes a row)."""
+        os.kill(pid, signal.SIGSTOP)
+        wait_for(lambda: Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "T", 10,
+                 f"worker {pid} to stop")
+        info = ServerInfo.read(self.name)
+        assert info is not None
+        table = SlotTable.attach(Path(info.slots))
+        try:
+            for row in [r.index for r in table.read_all() if r.pid == pid]:
+                offset = slots._HEADER.size + row * slots.ROW_SIZE
+                (seq,) = slots._SEQ.unpack_from(table._mm, offset)
+                slots._SEQ.pack_into(table._mm, offset, seq | 1)
         finally:
             table.close()
 
@@ -156,8 +174,12 @@ def test_a_pool_replaces_a_worker_that_hangs_while_busy(start_server, pools) -> 
         stream = client.stream("hang here", max_tokens=300, temperature=0)
         chunks = iter(stream)
         texts = [next(chunks)]  # the worker is computing now
-        os.kill(hung, signal.SIGSTOP)
-        texts += list(chunks)  # its heartbeats stopped too: the broker gave it up, the stream waits for a worker
+        pool.stop_mid_update(hung)  # the hardest stop: its row says what the pool last read whole (idle, maybe)
+        try:
+            texts += list(chunks)  # its heartbeats stopped too: the broker gave it up, the stream waits for a worker
+        except Exception as exc:
+            raise AssertionError("\n".join(["the broker's log:", *server.log, "the pool's log:",
+                                             *pool.log_path.read_text().splitlines()])) from exc
         assert stream.result is not None and stream.result.timings.attempts == 2  # resumed on the new worker
         assert "".join(texts) == stream.result.text and stream.result.usage.completion_tokens == 300
         wait_for(lambda: len(pids := pool.pids()) == 2 and pids[1] != hung, 30, "the pool to start a new worker")

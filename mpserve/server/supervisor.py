@@ -431,15 +431,16 @@ class Supervisor:
 
     def stalled(self) -> dict[int, float]:
         """The busy watchdog's finding: running workers, not already being stopped, with a busy slot that
-        generated nothing for ``stall_timeout`` (workers write progress to the slot table on every token);
-        by index, with those seconds of silence."""
+        generated nothing for ``stall_timeout`` (workers write progress to the slot table on every token), or
+        with a row found in the middle of one update that long (``SlotRow.stuck_s``: a worker stopped or hung
+        mid-update, whose row says only what it last said whole, busy or not); by index, with those seconds."""
         now = time.time()
         found: dict[int, float] = {}
         for row in self._table.read_all():
-            silent = now - row.progress
+            silent = max(now - row.progress if row.state is SlotState.BUSY else 0.0, row.stuck_s)
             handle = self.workers.get(row.worker)
-            if (row.state is SlotState.BUSY and silent > self._stall_timeout and handle is not None
-                    and handle.process is not None and not handle.stalled):
+            if (silent > self._stall_timeout and handle is not None and handle.process is not None
+                    and not handle.stalled):
                 found.setdefault(row.worker, silent)
         return found
 

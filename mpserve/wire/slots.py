@@ -4,7 +4,9 @@ consistent rows without a round trip to the server.
 
 Consistency is a per-row sequence lock: the writer makes the sequence odd, writes the fields, then makes
 it even again; a reader retries while the sequence is odd or changed under it, and past a short wait (a writer
-stalled or dead mid-update) takes the row as it last read it whole. Each row has exactly one
+stalled or dead mid-update) takes the row as it last read it whole, saying for how long it has found that update
+unfinished (``SlotRow.stuck_s``: the busy watchdog counts such a writer stalled, whatever its row last said); a row
+found stuck is not waited for again until its writer moves on. Each row has exactly one
 writer, the worker that owns it; the supervisor writes a row only before its worker starts and after it
 has died (marking it dead), when that writer cannot be running. The supervisor alone creates and
 unlinks the file.
@@ -101,6 +103,7 @@ class SlotRow:
     kv_capacity: int  # KV cells the slot may hold (n_ctx)
     cache: CacheRow  # the host store as its instance sees it (the same in each of the instance's rows)
     adapters: str = ""  # the LoRA adapters its running (or last) sequence runs under (``adapter_label``); "": none
+    stuck_s: float = 0.0  # how long this reader has found its writer in the middle of one update (0: read whole)
 
 
 def adapter_label(adapters: tuple[tuple[str, float], ...]) -> str:
@@ -150,6 +153,7 @@ class SlotTable:
         self.rows = rows
         self._owner = owner
         self._last: dict[int, tuple[Any, ...]] = {}  # each row's fields as this table last read them whole
+        self._stuck: dict[int, tuple[int, float]] = {}  # rows found mid-update past the wait: (sequence, since)
 
     @classmethod
     def create(cls, path: Path, rows: int) -> SlotTable:
@@ -195,19 +199,22 @@ class SlotTable:
 
     def read(self, index: int) -> SlotRow:
         offset = _HEADER.size + index * ROW_SIZE
-        deadline = 0.0
+        deadline = stuck_s = 0.0
         while True:
             (seq,) = _SEQ.unpack_from(self._mm, offset)
             fields = _FIELDS.unpack_from(self._mm, offset + _SEQ.size)
             if not seq & 1 and _SEQ.unpack_from(self._mm, offset)[0] == seq:
                 self._last[index] = fields
+                self._stuck.pop(index, None)
                 break
             # A writer is mid-update: let it finish. One descheduled on a loaded host, or stopped, or dead
             # mid-update (its row stays so until the supervisor rewrites it) holds the sequence odd: after a
-            # short wait the row is what this table last read of it whole, or, never read whole, as it is.
+            # short wait (none if this update was found stuck before) the row is what this table last read of
+            # it whole, or, never read whole, as it is.
             now = time.monotonic()
             deadline = deadline or now + STUCK_WRITER_S
-            if now > deadline:
+            stuck_s = self._stuck_for(index, seq, now, now > deadline)
+            if stuck_s:
                 fields = self._last.get(index, fields)
                 break
             time.sleep(0)
@@ -215,7 +222,18 @@ class SlotTable:
             kv_capacity = fields[:_CACHE]
         return SlotRow(index, pid, worker, slot, SlotState(state), device, _text(model), _text(request),
                        tokens, served, started, progress, load_s, kv_cells, kv_capacity,
-                       CacheRow(*fields[_CACHE:_ADAPTERS], *fields[_REMOTE:]), _text(fields[_ADAPTERS]))
+                       CacheRow(*fields[_CACHE:_ADAPTERS], *fields[_REMOTE:]), _text(fields[_ADAPTERS]), stuck_s)
+
+    def _stuck_for(self, index: int, seq: int, now: float, waited: bool) -> float:
+        """How long row ``index``'s writer has been found in the middle of update ``seq`` (0.0: not found stuck,
+        wait on): since this table first gave up waiting for that update, counting the wait."""
+        known = self._stuck.get(index)
+        if known is not None and known[0] == seq:
+            return max(now - known[1], STUCK_WRITER_S)
+        if not waited:
+            return 0.0
+        self._stuck[index] = (seq, now - STUCK_WRITER_S)
+        return STUCK_WRITER_S
 
     def read_all(self) -> list[SlotRow]:
         return [self.read(i) for i in range(self.rows)]

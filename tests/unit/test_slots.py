@@ -86,6 +86,29 @@ def test_a_row_whose_writer_stalls_mid_update_is_read_as_it_was_last_read_whole(
     table.unlink()
 
 
+def test_a_row_found_stuck_mid_update_says_for_how_long_and_is_not_waited_for_again(tmp_path: Path) -> None:
+    table = SlotTable.create(tmp_path / "s", rows=1)
+    writer = table.writer(0)
+    writer.update(pid=7, tokens=3)
+    reader = SlotTable.attach(tmp_path / "s", writable=False)
+    assert reader.read(0).stuck_s == 0.0
+    offset = slots._HEADER.size
+    (seq,) = slots._SEQ.unpack_from(table._mm, offset)
+    slots._SEQ.pack_into(table._mm, offset, seq + 1)  # the writer stopped half way through an update
+    first = reader.read(0)  # waits for the writer, then gives up
+    assert first.stuck_s >= slots.STUCK_WRITER_S and first.pid == 7
+    started = time.monotonic()
+    again = reader.read(0)  # the same update, found stuck before: no wait
+    assert time.monotonic() - started < slots.STUCK_WRITER_S / 2 and again.stuck_s >= first.stuck_s
+    slots._SEQ.pack_into(table._mm, offset, seq + 2)  # the update finished
+    assert reader.read(0).stuck_s == 0.0
+    slots._SEQ.pack_into(table._mm, offset, seq + 3)  # a stop in the next update: waited for afresh
+    started = time.monotonic()
+    assert reader.read(0).stuck_s == slots.STUCK_WRITER_S and time.monotonic() - started >= slots.STUCK_WRITER_S
+    reader.close()
+    table.unlink()
+
+
 def test_attach_refuses_a_file_that_is_not_a_slot_table(tmp_path: Path) -> None:
     (tmp_path / "x").write_bytes(b"not a table at all, definitely not")
     with pytest.raises(ValueError, match="not a slot table"):

@@ -14,6 +14,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from helpers import wait_for
 
 from mpserve.config import loader as cfg
 from mpserve.server.supervisor import (
@@ -24,6 +25,7 @@ from mpserve.server.supervisor import (
     Supervisor,
     restart_delay,
 )
+from mpserve.wire import slots
 from mpserve.wire.slots import SlotState, SlotTable
 from mpserve.worker.spec import EXIT_LOAD_FAILED, EngineSpec, WorkerSpec, start_mode
 
@@ -189,3 +191,33 @@ def test_a_worker_that_keeps_dying_before_it_starts_fails_its_model_and_is_not_r
     assert sup.failing == ["echo"]  # for the loop to tell the broker, which ends the queued requests
     assert sup.workers[0].restart_at is None
     assert table.read_all()[0].state is SlotState.FAILED
+
+
+def test_a_worker_stopped_in_the_middle_of_a_row_update_is_found_stalled_whatever_its_row_last_said(
+        tmp_path: Path) -> None:
+    """A worker stopped (or hung) mid-update leaves its row's sequence odd: a reader takes the row as it last read
+    it whole, which for the watchdog may be from before the worker took its request (idle). The watchdog counts
+    the time it has found the update unfinished instead, and stops the worker after the stall timeout."""
+    table = SlotTable.create(tmp_path / "slots", 1)
+    spec = WorkerSpec(0, "echo", EngineSpec("echo", 512, 1, 0), -1, "inproc://x", str(tmp_path / "slots"), 1)
+    sup = Supervisor(cfg.build(server={"stall_timeout": 1.0}, model={"path": "echo"}), [spec], table, gpus=False)
+    process = multiprocessing.get_context("fork").Process(target=time.sleep, args=(60,))
+    process.start()
+    try:
+        sup.workers[0].process = process
+        writer = table.writer(0)
+        writer.update(pid=process.pid, worker=0, state=SlotState.IDLE)
+        assert sup.stalled() == {}  # read whole: idle
+        writer.update(state=SlotState.BUSY, request="r")  # the request came, then the worker stopped mid-update
+        offset = slots._HEADER.size
+        (seq,) = slots._SEQ.unpack_from(table._mm, offset)
+        slots._SEQ.pack_into(table._mm, offset, seq + 1)
+        found = wait_for(lambda: sup.stalled(), 10, "the watchdog to find the worker stalled")
+        assert list(found) == [0] and found[0] > 1.0
+        sup.stop_stalled(0)
+        assert sup.stalled() == {}  # being stopped: not found again
+    finally:
+        process.kill()
+        process.join()
+        table.close()
+        table.unlink()
