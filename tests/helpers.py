@@ -7,6 +7,7 @@ import contextlib
 import ctypes
 import os
 import shutil
+import signal
 import socket
 import struct
 import subprocess
@@ -60,9 +61,20 @@ def free_port() -> int:
 
 
 def mpserve(*args: str, env: dict[str, str] | None = None, timeout: float = 60) -> subprocess.CompletedProcess[str]:
-    """``python -m mpserve ARGS`` run to its end, its output captured; ``env`` on top of this process's."""
-    return subprocess.run([sys.executable, "-m", "mpserve", *args], capture_output=True, text=True, timeout=timeout,
-                          env={**os.environ, **(env or {})})
+    """``python -m mpserve ARGS`` run to its end, its output captured; ``env`` on top of this process's. One still
+    running after ``timeout`` s fails the test with what each of its threads was doing (Python's faulthandler,
+    dumped on SIGABRT) and what it printed."""
+    command = [sys.executable, "-m", "mpserve", *args]
+    with subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                          env={**os.environ, "PYTHONFAULTHANDLER": "1", **(env or {})}) as proc:
+        try:
+            stdout, stderr = proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            proc.send_signal(signal.SIGABRT)
+            stdout, stderr = proc.communicate(timeout=30)
+            raise AssertionError(f"`mpserve {' '.join(args)}` did not end within {timeout:g} s; its output:\n"
+                                 f"{stdout}\nits stderr, with its threads' stacks:\n{stderr}") from None
+    return subprocess.CompletedProcess(command, proc.returncode, stdout, stderr)
 
 
 @contextlib.contextmanager
