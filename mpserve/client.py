@@ -12,8 +12,8 @@ Liveness follows the Paranoid Pirate pattern, both ways: while requests are pend
 every ``PING_INTERVAL_S`` (so the broker can tell a waiting client from a vanished one, whose requests it
 cancels), any message from the server counts as its heartbeat, and after ``PING_INTERVAL_S ×
 PING_LIVENESS`` of silence the server is taken as gone. Its completions then reattach (``reattach`` seconds,
-``REATTACH_S`` by default; 0: they fail at once), unless a local server was stopped (``_stopped``: its socket
-and secret files are gone, where a server that died leaves the secret file): the client connects afresh and
+``REATTACH_S`` by default; 0: they fail at once), unless a local server was stopped (``runtime.stopped_here``: its
+socket and secret files are gone, where a server that died leaves the secret file): the client connects afresh and
 sends each again with ``reattach`` set, again after each silence, until a server answers or the time is up (then
 ``ConnectionFailed``).
 A server that adopted the instance holding the request (``mpserve.server.adoption``) goes on with it and streams
@@ -75,7 +75,7 @@ import zmq.auth
 from mpserve import structured, tracing
 from mpserve.client_track import Track
 from mpserve.errors import BadRequest, ConfigError, ConnectionFailed, MpserveError, Timeout, error_from_code
-from mpserve.runtime import default_address
+from mpserve.runtime import default_address, stopped_here
 from mpserve.waits import within
 from mpserve.wire import adapters as wire_adapters
 from mpserve.wire import protocol as wire
@@ -244,10 +244,14 @@ class AsyncClient:
         # handshake failed (libzmq #2733, pyzmq #626), and the sockets close with LINGER 0
         self._open()
         self._tasks = [asyncio.get_running_loop().create_task(self._keep_alive())]
-        await self._send(wire.Ping(0))
+        # not waited for: a server that refuses this client's CURVE keys drops the connection, and the socket has
+        # no room from then on (a ping sent after that waits for good); the answer's wait is the bound
+        sent = self._put(wire.encode(wire.Ping(0)))
         try:
             await within(self._pong.wait(), self._connect_timeout)
         except asyncio.TimeoutError:
+            if sent is not None:
+                sent.cancel()
             await self.close()
             hint = " and does it accept your CURVE keys?" if self.address.startswith("tcp://") else "?"
             raise ConnectionFailed(f"no answer from a server at {self.address} within "
@@ -594,7 +598,7 @@ class AsyncClient:
                 failed = ConnectionFailed(f"the server at {self.address} stopped answering ({now - since:.1f} s of "
                                           "silence)")
                 completions = [rid for rid in self._pending if rid in self._tracks]
-                if not completions or now - since > self.reattach or first and self._stopped():
+                if not completions or now - since > self.reattach or first and stopped_here(self.address):
                     self._fail_all(failed)
                 else:
                     for rid in [rid for rid in self._pending if rid not in self._tracks]:
@@ -603,18 +607,6 @@ class AsyncClient:
             elif now - pinged >= (PING_INTERVAL_S if now - self._last_heard < QUIET_PING_S else QUIET_PING_S):
                 pinged = now
                 self._put(wire.encode(wire.Ping(1)))
-
-    def _stopped(self) -> bool:
-        """Whether the local server at its default address was stopped, not killed: a stop removes its socket and
-        its secret file (``NAME.link``, ``mpserve.server.adoption``); a server that died leaves the secret file,
-        which the next start of its name rewrites (its socket may be missing while it starts). A server at an
-        address of the caller's own choosing is waited for (the reattach bound)."""
-        if not self.address.startswith("ipc://"):
-            return False
-        socket_file = self.address[len("ipc://"):]
-        if not socket_file.endswith(".sock") or os.path.exists(socket_file):
-            return False
-        return not os.path.exists(socket_file[:-len(".sock")] + ".link")
 
     def _restarted(self, server: str) -> None:
         """The server answering is another start than the one the pending completions were sent to (ZeroMQ

@@ -142,3 +142,16 @@ def default_address(name: str = "default") -> str:
     if info is not None:
         return info.front
     return f"ipc://{runtime_dir(create=False) / name}.sock"
+
+
+def stopped_here(address: str) -> bool:
+    """Whether the local server at ``address``, its default one, was stopped, not killed: a stop removes its socket
+    and its secret file (``NAME.link``, ``mpserve.server.adoption``); a server that died leaves the secret file,
+    which the next start of its name rewrites (its socket may be missing while it starts). A server at an address
+    of the caller's own choosing is never taken as stopped (a client waits for it, up to its reattach bound)."""
+    if not address.startswith("ipc://"):
+        return False
+    socket_file = address[len("ipc://"):]
+    if not socket_file.endswith(".sock") or os.path.exists(socket_file):
+        return False
+    return not os.path.exists(socket_file[:-len(".sock")] + ".link")

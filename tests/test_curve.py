@@ -13,11 +13,12 @@ from pathlib import Path
 
 import pytest
 import zmq.auth
-from helpers import free_port, mpserve
+from helpers import free_port, mpserve, wait_for
 
-from mpserve import Client
+from mpserve import AsyncClient, Client
 from mpserve.errors import ConnectionFailed
 from mpserve.runtime import ServerInfo
+from mpserve.wire import zmqio
 
 REFUSED_CONNECT_S = 2.0
 
@@ -72,7 +73,8 @@ def test_keygen_writes_a_zmq_certificate_pair_and_keeps_the_secret_private(tmp_p
 
 
 @pytest.mark.timeout(90)
-def test_only_clients_whose_public_key_the_server_holds_get_through(start_server, keys: Keys) -> None:
+def test_only_clients_whose_public_key_the_server_holds_get_through(start_server, keys: Keys,
+                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
     address = f"tcp://127.0.0.1:{free_port()}"
     server = start_server("--instances", "1", "--threads", "1", "--bind", address,
                           "--curve-secret", keys.secret("server"), "--curve-clients", str(keys.allowed)).wait_ready()
@@ -88,6 +90,24 @@ def test_only_clients_whose_public_key_the_server_holds_get_through(start_server
         with pytest.raises(ConnectionFailed):
             Client(address, connect_timeout=REFUSED_CONNECT_S, **curve)
             pytest.fail(f"a client with {why} got through")
+    opened = AsyncClient._open
+
+    def refused_before_the_first_ping(self: AsyncClient) -> None:
+        """What a loaded host can do: the client's thread held up after it connected, while ZeroMQ met the server's
+        refusal (from then on the socket has no room, and a ping sent waits for good)."""
+        opened(self)
+        wait_for(lambda: not zmqio.events(self._sock) & zmqio.POLLOUT, 10, "the server to drop the connection")
+
+    monkeypatch.setattr(AsyncClient, "_open", refused_before_the_first_ping)
+    for why in ("no keys", "a key the server does not hold"):  # refused so (with the wrong server key, the server
+        curve = refused[why]  # cannot read the hello: it hangs up, the client connects again, the socket keeps room)
+        with pytest.raises(ConnectionFailed, match="does it accept your CURVE keys"):
+            Client(address, connect_timeout=REFUSED_CONNECT_S, **curve)
+            pytest.fail(f"a client with {why} got through")
+    monkeypatch.undo()
+    from test_node_client import run_script
+    error = run_script("refused.mjs", address)["error"]  # the Node.js client, held up so, without keys
+    assert error["name"] == "ConnectionFailed" and "does it accept your CURVE keys" in error["message"], error
 
     with Client(address, curve_server_key=keys.public("server"), curve_secret=keys.secret("alice"),
                 timeout=30) as client:

@@ -191,7 +191,9 @@ export class Client {
     }
     this._open();
     const pong = new Promise((resolve) => { this._pong = resolve; });
-    await this._send(MsgType.PING, { nonce: 0 });
+    // not awaited: a server that refuses this client's CURVE keys drops the connection, and the socket has no room
+    // from then on (a ping sent after that waits for good); the answer's wait is the bound
+    this._send(MsgType.PING, { nonce: 0 }).catch(() => {});
     const answered = await Promise.race([pong.then(() => true), sleep(this.connectTimeout * 1000).then(() => false)]);
     if (!answered) {
       this.close();
