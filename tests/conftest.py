@@ -57,6 +57,22 @@ def _isolated_dirs() -> Iterator[None]:
                 os.environ[k] = v
 
 
+@pytest.fixture(autouse=True)
+def _safe_path_kept() -> Iterator[None]:
+    """A test that leaves PYTHONSAFEPATH set in this process (a Supervisor built here sets it, as the server does)
+    takes the working directory off the path of every Python child the later tests start: `python -m bench` then
+    finds no module. Such a test fails, and the variable is put back."""
+    before = os.environ.get("PYTHONSAFEPATH")
+    yield
+    after = os.environ.get("PYTHONSAFEPATH")
+    if after != before:
+        if before is None:
+            del os.environ["PYTHONSAFEPATH"]
+        else:
+            os.environ["PYTHONSAFEPATH"] = before
+        pytest.fail(f"the test left PYTHONSAFEPATH={after!r} (it was {before!r}): set it with monkeypatch.setenv")
+
+
 def _die_with_parent() -> None:
     """A server outlives nothing: if pytest dies (a timeout, Ctrl-C), the kernel sends it SIGTERM."""
     ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)

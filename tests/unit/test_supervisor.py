@@ -194,10 +194,11 @@ def test_a_worker_that_keeps_dying_before_it_starts_fails_its_model_and_is_not_r
 
 
 def test_a_worker_stopped_in_the_middle_of_a_row_update_is_found_stalled_whatever_its_row_last_said(
-        tmp_path: Path) -> None:
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A worker stopped (or hung) mid-update leaves its row's sequence odd: a reader takes the row as it last read
     it whole, which for the watchdog may be from before the worker took its request (idle). The watchdog counts
     the time it has found the update unfinished instead, and stops the worker after the stall timeout."""
+    monkeypatch.setenv("PYTHONSAFEPATH", "1")  # as the supervisor sets it: gone again after the test
     table = SlotTable.create(tmp_path / "slots", 1)
     spec = WorkerSpec(0, "echo", EngineSpec("echo", 512, 1, 0), -1, "inproc://x", str(tmp_path / "slots"), 1)
     sup = Supervisor(cfg.build(server={"stall_timeout": 1.0}, model={"path": "echo"}), [spec], table, gpus=False)
