@@ -243,7 +243,7 @@ def test_a_pool_without_an_allowed_key_never_gets_a_request(start_server, pools,
     server = broker(start_server, port, "--curve-secret", str(keys / "server.key_secret"),
                     "--curve-clients", str(keys / "clients"), "--curve-workers", str(keys / "workers"))
     curve = ["--curve-server-key", str(keys / "server.key")]
-    pools("pool-bad", f"tcp://127.0.0.1:{port}", *curve, "--curve-secret", str(keys / "others/bad.key_secret"))
+    bad = pools("pool-bad", f"tcp://127.0.0.1:{port}", *curve, "--curve-secret", str(keys / "others/bad.key_secret"))
     wait_for(lambda: any("refused a connection" in line for line in server.log), 30, "the broker to log a refusal")
     client_keys = {"curve_server_key": str(keys / "server.key"),
                    "curve_secret": str(keys / "clients/client.key_secret")}
@@ -264,6 +264,8 @@ def test_a_pool_without_an_allowed_key_never_gets_a_request(start_server, pools,
     assert keyed.returncode == 0 and "remote " in keyed.stdout and not keyed.stderr, keyed.stderr
     elsewhere = mpserve("models", "--server-name", f"{server.name}-not", timeout=30)
     assert elsewhere.returncode == 1 and "running here: " in elsewhere.stderr and server.name in elsewhere.stderr
+    bad.stop()  # its workers, refused, leave when told (they once hung sending to a link with no room, until killed)
+    assert bad.proc.returncode == 0 and "killing it" not in bad.log_path.read_text(), bad.log_path.read_text()
 
 
 @pytest.mark.timeout(60)

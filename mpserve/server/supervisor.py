@@ -496,6 +496,8 @@ class Supervisor:
                 if step == "terminate":
                     process.terminate()
                 elif step == "kill":
+                    log.warning("worker pid %s did not exit within %g s of its SIGTERM; killing it", process.pid,
+                                leave_grace)
                     process.kill()
             deadline = time.monotonic() + wait
             for process in alive:

@@ -5,6 +5,7 @@
     zygote  a model's zygote: loads the model's weights once, forks the model's instances (``main`` in each)
     loop    ``Worker``: broker messages in, one engine step per turn, answers out
     stream  ``ChunkStream``: a streamed request's text gathered into CHUNK messages
+    outbox  ``Outbox``: what a turn gathered for the broker, sent as one message (one STEP for several)
     embed   the answer to EMBED: an embedding engine's vectors
     tokens  the answer to TOKENIZE: the loaded model's vocabulary, between two steps
     slot_files  SLOT_ACTION: an idle slot's KV cells saved to a KV file, restored from one, or erased

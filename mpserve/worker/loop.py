@@ -43,6 +43,7 @@ it is admitted, as an engine that faults on a request does (``tests/test_crashes
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import os
@@ -71,6 +72,7 @@ from mpserve.wire.slots import CacheRow, SlotState, SlotTable, SlotWriter, adapt
 
 from . import adapter_actions, embed, slot_files, spans, tokens
 from .kv_publisher import open_publisher
+from .outbox import Outbox
 from .spec import EXIT_LOAD_FAILED, EngineSpec, WorkerSpec
 from .stream import ChunkStream
 
@@ -120,7 +122,7 @@ class Worker:
         self._taken_over: set[str] = set()  # tickets admitted with another instance's tokens: their text is not all
         # here (``_live``)
         self._orphan_until: float | None = None  # orphaned (its server died): when it gives up waiting for another
-        self._out = _Outbox()  # this step's CHUNKs, DONEs and ERRORs, sent together
+        self._out = Outbox()  # this step's CHUNKs, DONEs and ERRORs, sent together
         self._cache_row: CacheRow | None = None  # as the rows last had it (``_note_cache``)
         self._cancelled_tickets: set[str] = set()
         self._served = 0
@@ -183,7 +185,7 @@ class Worker:
         self._flush()
         self.set_rows(state=SlotState.STOPPING)
         # the requests still running are not answered: the broker hands them over as a lost worker's
-        self._send(wire.Leaving(spec.identity.decode(), self._leaving or "told to stop"))
+        self._signal(wire.Leaving(spec.identity.decode(), self._leaving or "told to stop"))
         if self._kv_events is not None:
             self._kv_events.close()
 
@@ -219,7 +221,7 @@ class Worker:
                            bos_token=chat.bos_token, eos_token=chat.eos_token, proof=spec.proof,
                            adapters=self._engine.adapter_names() if self._engine is not None else
                            tuple(sorted(self._adapters)), live=self._live() if self._orphan_until is not None else ())
-        self._send(ready, trailer=wire.pack(cache) if cache else None)
+        self._signal(ready, trailer=wire.pack(cache) if cache else None)
         self._registered = True
         self._must_register = False
         self._heard = time.monotonic()  # give the broker a full expiry to answer before trying again
@@ -244,7 +246,7 @@ class Worker:
                 self._leaving = f"its {starter} (pid {spec.parent_pid}) is gone"
         if now >= self._next_heartbeat and self._orphan_until is None:
             self._next_heartbeat = now + spec.heartbeat_interval
-            self._send(wire.Heartbeat(spec.identity.decode()))
+            self._signal(wire.Heartbeat(spec.identity.decode()))
             self._note_cache()  # what the store's writer thread and other instances changed meanwhile
         silent = now - self._heard > (spec.heartbeat_interval * spec.heartbeat_liveness if self._orphan_until is None
                                       else ORPHAN_RETRY_S)
@@ -393,6 +395,16 @@ class Worker:
     def _send(self, msg: object, ticket: str = "", trailer: bytes | None = None) -> None:
         self._flush()
         zmqio.send(self._sock, wire.encode_from_worker(msg, ticket, trailer))
+
+    def _signal(self, msg: wire.Ready | wire.Heartbeat | wire.Leaving, trailer: bytes | None = None) -> None:
+        """A message about the link itself, which the worker sends again (READY, HEARTBEAT) or the broker does
+        without (LEAVING: silence says as much): after what the step gathered, sent only if the socket has room,
+        else dropped. A broker that refused this worker's CURVE keys leaves its socket no connection, so no room,
+        for good: a blocking send held the loop there, and with it the exit and the silence check that connects
+        afresh (where a key allowed since gets in)."""
+        self._flush()
+        with contextlib.suppress(zmq.Again):
+            zmqio.send(self._sock, wire.encode_from_worker(msg, "", trailer), zmqio.NOBLOCK)
 
     def _answer(self, outcome: wire.Done | wire.Error, ticket: str) -> None:
         """A request's DONE or ERROR, with a CACHE frame when the host store gained or lost entries since the
@@ -669,34 +681,3 @@ class _Noted:
     def take(self) -> list[int]:
         ids, self._ids = self._ids, []
         return ids
-
-
-class _Outbox:
-    """The CHUNK, DONE and ERROR messages gathered for one send, within the size one message may have."""
-
-    __slots__ = ("_entries", "_bytes")
-
-    def __init__(self) -> None:
-        self._entries: list[tuple[wire.MsgType, str, bytes, bytes | None]] = []
-        self._bytes = 0
-
-    def fits(self, body: bytes, trailer: bytes | None) -> bool:
-        return not self._entries or self._bytes + _size(body, trailer) <= wire.MAX_MESSAGE_BYTES
-
-    def add(self, mtype: wire.MsgType, ticket: str, body: bytes, trailer: bytes | None) -> None:
-        self._entries.append((mtype, ticket, body, trailer))
-        self._bytes += _size(body, trailer)
-
-    def take(self) -> list[bytes] | None:
-        """The frames of what was gathered (None if nothing), and the box empty again."""
-        entries = self._entries
-        if not entries:
-            return None
-        self._entries, self._bytes = [], 0
-        if len(entries) > 1:
-            return wire.encode_step(entries)
-        return wire.worker_frames(*entries[0])
-
-
-def _size(body: bytes, trailer: bytes | None) -> int:
-    return len(body) + (len(trailer) if trailer is not None else 0) + 96  # with the entry's own framing
