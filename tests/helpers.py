@@ -60,6 +60,11 @@ def free_port() -> int:
         return port
 
 
+def stopped(pid: int) -> bool:
+    """Whether process ``pid`` is stopped (SIGSTOP has taken effect: its state is T)."""
+    return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "T"
+
+
 def mpserve(*args: str, env: dict[str, str] | None = None, timeout: float = 60) -> subprocess.CompletedProcess[str]:
     """``python -m mpserve ARGS`` run to its end, its output captured; ``env`` on top of this process's. One still
     running after ``timeout`` s fails the test with what each of its threads was doing (Python's faulthandler,

@@ -11,11 +11,11 @@ import signal
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
-from helpers import dealer, received, wait_for
+from helpers import dealer, received, stopped, wait_for
 
 from mpserve import Client
 from mpserve.wire import protocol as wire
-from mpserve.wire.slots import SlotState
+from mpserve.wire.slots import SlotRow, SlotState
 
 PROMPT = "Once upon a time"
 MAX_TOKENS = 400
@@ -36,8 +36,9 @@ def _handed_over(server, client: Client, interrupt: int, times: int = 1, exact: 
     texts = [next(chunks)]
     hit: list[int] = []
     for _ in range(times):
-        row = wait_for(lambda: next((r for r in server.slots() if r.state is SlotState.BUSY and r.tokens >= 20
-                                     and r.pid not in hit), None), 30, "the request generating")
+        if hit:  # the request goes on elsewhere: found generating there
+            wait_for(lambda: _busy(server, hit), 30, "the request generating on another instance")
+        row = _frozen_busy_row(server, hit)
         os.kill(row.pid, interrupt)
         hit.append(row.pid)
     try:
@@ -59,6 +60,26 @@ def _handed_over(server, client: Client, interrupt: int, times: int = 1, exact: 
     assert times > 1 or result.worker != f"w{row.worker}"  # after two, it may end on the first one's replacement
     counters = client.stats().counters
     assert counters.get("resumed") == times and not counters.get("poison_request"), counters
+
+
+def _busy(server, hit: list[int]) -> SlotRow | None:
+    return next((r for r in server.slots() if r.state is SlotState.BUSY and r.pid not in hit), None)
+
+
+def _frozen_busy_row(server, hit: list[int]) -> SlotRow:
+    """The row of the instance running the request, found with every instance stopped (SIGSTOP), so that the request
+    cannot end while it is looked for (a poll could miss a short run on a loaded host); that one is left stopped,
+    the others go on (SIGCONT)."""
+    pids = {r.pid for r in server.slots() if r.pid and r.pid not in hit}
+    for pid in pids:
+        os.kill(pid, signal.SIGSTOP)
+    for pid in pids:
+        wait_for(lambda pid=pid: stopped(pid), 10, f"instance pid {pid} to stop")
+    row = _busy(server, hit)
+    for pid in pids - {row.pid if row is not None else 0}:
+        os.kill(pid, signal.SIGCONT)
+    assert row is not None, "the request ended before its instance was stopped"
+    return row
 
 
 @pytest.mark.timeout(120)
