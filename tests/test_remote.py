@@ -7,6 +7,7 @@ import asyncio
 import contextlib
 import os
 import re
+import shutil
 import signal
 import socket
 import subprocess
@@ -20,7 +21,7 @@ import zmq.auth
 from conftest import ServerProcess, _die_with_parent
 from engines import LONG_PROMPT as LONG
 from engines import others
-from helpers import dealer, free_port, mpserve, received, wait_for
+from helpers import dealer, free_port, mpserve, received, stopped, wait_for
 
 from mpserve import AsyncClient, Client
 from mpserve.engine.sequence import PROMPT_CHUNK
@@ -60,8 +61,7 @@ class Pool:
         """SIGSTOP worker ``pid`` as if in the middle of writing its slot rows: their sequences odd, as a stop can
         leave them on any token (each writes a row)."""
         os.kill(pid, signal.SIGSTOP)
-        wait_for(lambda: Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "T", 10,
-                 f"worker {pid} to stop")
+        wait_for(lambda: stopped(pid), 10, f"worker {pid} to stop")
         info = ServerInfo.read(self.name)
         assert info is not None
         table = SlotTable.attach(Path(info.slots))
@@ -264,6 +264,12 @@ def test_a_pool_without_an_allowed_key_never_gets_a_request(start_server, pools,
     assert keyed.returncode == 0 and "remote " in keyed.stdout and not keyed.stderr, keyed.stderr
     elsewhere = mpserve("models", "--server-name", f"{server.name}-not", timeout=30)
     assert elsewhere.returncode == 1 and "running here: " in elsewhere.stderr and server.name in elsewhere.stderr
+    shutil.copy(keys / "others" / "bad.key", keys / "workers" / "bad.key")  # allowed from the broker's next start
+    server.stop()
+    server = broker(start_server, port, "--curve-secret", str(keys / "server.key_secret"),
+                    "--curve-clients", str(keys / "clients"), "--curve-workers", str(keys / "workers"))
+    with Client(server.address, **client_keys) as client:  # the refused pool's worker kept connecting afresh
+        wait_for(lambda: len({w.worker for w in client.stats().workers if w.host}) == 2, 30, "both pools to register")
     bad.stop()  # its workers, refused, leave when told (they once hung sending to a link with no room, until killed)
     assert bad.proc.returncode == 0 and "killing it" not in bad.log_path.read_text(), bad.log_path.read_text()
 
