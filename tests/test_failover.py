@@ -31,14 +31,21 @@ def _handed_over(server, client: Client, interrupt: int, times: int = 1, exact: 
     times (each time the instance it went on on). ``exact``: the server runs with ``reuse: exact``, and the text is
     the uninterrupted run's; else it goes on from where it was cut."""
     whole = client.generate(PROMPT, max_tokens=MAX_TOKENS, temperature=0, timeout=120)
-    stream = client.stream(PROMPT, max_tokens=MAX_TOKENS, temperature=0, timeout=120)
-    chunks = iter(stream)
-    texts = [next(chunks)]
     hit: list[int] = []
+    for _ in range(50):  # until the stop lands mid-stream: the tiny model may end its run before the signal
+        stream = client.stream(PROMPT, max_tokens=MAX_TOKENS, temperature=0, timeout=120)
+        chunks = iter(stream)
+        texts = [next(chunks)]
+        if (row := _frozen_busy_row(server, hit)) is not None:
+            break
+        list(chunks)
+    else:
+        pytest.fail("every run of the request ended before its instance stopped")
     for _ in range(times):
         if hit:  # the request goes on elsewhere: found generating there
             wait_for(lambda: _busy(server, hit), 30, "the request generating on another instance")
-        row = _frozen_busy_row(server, hit)
+            row = _frozen_busy_row(server, hit)
+            assert row is not None, "the request ended on another instance before it stopped"
         os.kill(row.pid, interrupt)
         hit.append(row.pid)
     try:
@@ -66,10 +73,10 @@ def _busy(server, hit: list[int]) -> SlotRow | None:
     return next((r for r in server.slots() if r.state is SlotState.BUSY and r.pid not in hit), None)
 
 
-def _frozen_busy_row(server, hit: list[int]) -> SlotRow:
+def _frozen_busy_row(server, hit: list[int]) -> SlotRow | None:
     """The row of the instance running the request, found with every instance stopped (SIGSTOP), so that the request
     cannot end while it is looked for (a poll could miss a short run on a loaded host); that one is left stopped,
-    the others go on (SIGCONT)."""
+    the others go on (SIGCONT). None, all going on, if none was running it (it had ended)."""
     pids = {r.pid for r in server.slots() if r.pid and r.pid not in hit}
     for pid in pids:
         os.kill(pid, signal.SIGSTOP)
@@ -78,7 +85,6 @@ def _frozen_busy_row(server, hit: list[int]) -> SlotRow:
     row = _busy(server, hit)
     for pid in pids - {row.pid if row is not None else 0}:
         os.kill(pid, signal.SIGCONT)
-    assert row is not None, "the request ended before its instance was stopped"
     return row
 
 

@@ -28,7 +28,7 @@ from mpserve.engine.sequence import PROMPT_CHUNK
 from mpserve.runtime import ServerInfo
 from mpserve.wire import protocol as wire
 from mpserve.wire import slots
-from mpserve.wire.slots import SlotTable
+from mpserve.wire.slots import SlotState, SlotTable
 
 FAST = ["--heartbeat-interval", "0.25", "--heartbeat-liveness", "4"]  # lost after 1 s of silence
 
@@ -57,19 +57,25 @@ class Pool:
         finally:
             table.close()
 
-    def stop_mid_update(self, pid: int) -> None:
+    def stop_busy_mid_update(self, pid: int) -> bool:
         """SIGSTOP worker ``pid`` as if in the middle of writing its slot rows: their sequences odd, as a stop can
-        leave them on any token (each writes a row)."""
+        leave them on any token (each writes a row). False, and the worker let go on (SIGCONT), if it had no
+        request running when it stopped (its row says idle before it answers one)."""
         os.kill(pid, signal.SIGSTOP)
         wait_for(lambda: stopped(pid), 10, f"worker {pid} to stop")
         info = ServerInfo.read(self.name)
         assert info is not None
         table = SlotTable.attach(Path(info.slots))
         try:
-            for row in [r.index for r in table.read_all() if r.pid == pid]:
-                offset = slots._HEADER.size + row * slots.ROW_SIZE
+            rows = [r for r in table.read_all() if r.pid == pid]
+            if not any(r.state is SlotState.BUSY or r.stuck_s for r in rows):
+                os.kill(pid, signal.SIGCONT)
+                return False
+            for row in rows:
+                offset = slots._HEADER.size + row.index * slots.ROW_SIZE
                 (seq,) = slots._SEQ.unpack_from(table._mm, offset)
                 slots._SEQ.pack_into(table._mm, offset, seq | 1)
+            return True
         finally:
             table.close()
 
@@ -171,10 +177,16 @@ def test_a_pool_replaces_a_worker_that_hangs_while_busy(start_server, pools) -> 
     wait_for(lambda: sum(registered(server.address).values()) == 1, 30, "the pool to register")
     _, hung = pool.pids()
     with Client(server.address) as client:
-        stream = client.stream("hang here", max_tokens=300, temperature=0)
-        chunks = iter(stream)
-        texts = [next(chunks)]  # the worker is computing now
-        pool.stop_mid_update(hung)  # the hardest stop: its row says what the pool last read whole (idle, maybe)
+        for _ in range(50):  # until the stop lands mid-stream: the tiny model may end its run before the signal
+            stream = client.stream("hang here", max_tokens=300, temperature=0)
+            chunks = iter(stream)
+            texts = [next(chunks)]  # the worker is computing now
+            # the hardest stop: its row says what the pool last read whole (idle, maybe)
+            if pool.stop_busy_mid_update(hung):
+                break
+            list(chunks)
+        else:
+            pytest.fail("every run of the request ended before its worker stopped")
         try:
             texts += list(chunks)  # its heartbeats stopped too: the broker gave it up, the stream waits for a worker
         except Exception as exc:
