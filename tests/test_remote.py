@@ -307,30 +307,32 @@ def _stream_through_a_pools_end(server: ServerProcess, pools: dict[int, Pool], e
     elsewhere with the text of the same request run without a break, and its timings are the whole request's.
     The pool ended, and the worker that ran the request."""
     prompt, max_tokens = "Once upon a time", 400
-    with Client(server.address, timeout=120) as client, Client(server.address) as watcher:
+    with Client(server.address, timeout=120) as client:
         whole = client.generate(prompt, max_tokens=max_tokens, temperature=0)
-        t_sent = time.monotonic()
-        stream = client.stream(prompt, max_tokens=max_tokens, temperature=0)
-        chunks = iter(stream)
-        texts = [next(chunks)]
-        t_first = time.monotonic()
-        running = wait_for(lambda: next((w for w in watcher.stats().workers if w.running), None), 10,
-                           "the request running")
-        ran = running.worker
-        pool = pools[int(ran.rsplit("-w", 1)[0].rsplit("-", 1)[1])]
-        os.kill(running.pid, signal.SIGSTOP)  # so that the pool ends mid-stream, however fast the model is
-        # stopped before the pool's SIGTERM comes: one that reached it first, both pending, would be handled first
-        # (the lower number) and the worker would stop with nothing left to wake it to leave
-        wait_for(lambda: _state(running.pid) == "T", 10, "the worker to stop")
+        for _ in range(50):  # until the stop lands mid-stream: the tiny model may end its run before the signal
+            t_sent = time.monotonic()
+            stream = client.stream(prompt, max_tokens=max_tokens, temperature=0)
+            chunks = iter(stream)
+            texts = [next(chunks)]
+            t_first = time.monotonic()
+            # stopped so that the pool ends mid-stream, and before the pool's SIGTERM comes: one that reached it
+            # first, both pending, would be handled first (the lower number) and the worker would stop with nothing
+            # left to wake it to leave
+            if (running := _stop_the_running_worker(pools)) is not None:
+                break
+            list(chunks)
+        else:
+            pytest.fail("every run of the request ended before its worker stopped")
+        pool, worker_pid, ran = running
         os.kill(pool.proc.pid, end)
         if end == signal.SIGKILL:
             pool.proc.wait(10)
         else:  # the pool passed it on to its workers (and kills them 2 s later: a slow poll may find it gone)
-            wait_for(lambda: _pending(running.pid, signal.SIGTERM), 10, "the pool to terminate its workers")
+            wait_for(lambda: _pending(worker_pid, signal.SIGTERM), 10, "the pool to terminate its workers")
         # the pool's other worker gone first, so that the request goes on in the other pool, not there
         wait_for(lambda: registered(server.address)[ran.rsplit("-w", 1)[0]] == 1, 10, "the pool's idle worker to go")
         with contextlib.suppress(ProcessLookupError):
-            os.kill(running.pid, signal.SIGCONT)
+            os.kill(worker_pid, signal.SIGCONT)
         texts += list(chunks)
         took = time.monotonic() - t_sent
     result = stream.result
@@ -340,6 +342,31 @@ def _stream_through_a_pools_end(server: ServerProcess, pools: dict[int, Pool], e
     assert t.queue_ms + t.prompt_ms <= (t_first - t_sent) * 1000
     assert t.queue_ms + t.prompt_ms + t.generate_ms <= took * 1000
     return pool, ran
+
+
+def _stop_the_running_worker(pools: dict[int, Pool]) -> tuple[Pool, int, str] | None:
+    """Every worker of ``pools`` stopped (SIGSTOP), the one whose slot row says busy (a worker says idle before it
+    answers) is left so, the others go on: its pool, pid and name; None, all going on, if none was busy."""
+    workers = {pid: pool for pool in pools.values() for pid in pool.pids()[1:]}
+    for pid in workers:
+        os.kill(pid, signal.SIGSTOP)
+    for pid in workers:
+        wait_for(lambda pid=pid: _state(pid) == "T", 10, "the worker to stop")
+    found = None
+    for pool in pools.values():
+        info = ServerInfo.read(pool.name)
+        assert info is not None
+        table = SlotTable.attach(Path(info.slots), writable=False)
+        try:
+            busy = [r for r in table.read_all() if r.pid in workers and r.state is SlotState.BUSY]
+        finally:
+            table.close()
+        if busy:
+            found = (pool, busy[0].pid, f"{socket.gethostname()[:32]}-{pool.proc.pid}-w{busy[0].worker}")
+    for pid in workers:
+        if found is None or pid != found[1]:
+            os.kill(pid, signal.SIGCONT)
+    return found
 
 
 def _state(pid: int) -> str:
