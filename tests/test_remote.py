@@ -28,7 +28,7 @@ from mpserve.engine.sequence import PROMPT_CHUNK
 from mpserve.runtime import ServerInfo
 from mpserve.wire import protocol as wire
 from mpserve.wire import slots
-from mpserve.wire.slots import SlotState, SlotTable
+from mpserve.wire.slots import SlotRow, SlotState, SlotTable
 
 FAST = ["--heartbeat-interval", "0.25", "--heartbeat-liveness", "4"]  # lost after 1 s of silence
 
@@ -54,6 +54,16 @@ class Pool:
         table = SlotTable.attach(Path(info.slots), writable=False)
         try:
             return [self.proc.pid, *(r.pid for r in table.read_all() if r.pid)]
+        finally:
+            table.close()
+
+    def rows(self) -> list[SlotRow]:
+        """The pool's slot table as it is now."""
+        info = ServerInfo.read(self.name)
+        assert info is not None
+        table = SlotTable.attach(Path(info.slots), writable=False)
+        try:
+            return table.read_all()
         finally:
             table.close()
 
@@ -347,32 +357,19 @@ def _stream_through_a_pools_end(server: ServerProcess, pools: dict[int, Pool], e
 def _stop_the_running_worker(pools: dict[int, Pool]) -> tuple[Pool, int, str] | None:
     """Every worker of ``pools`` stopped (SIGSTOP), the one whose slot row says busy (a worker says idle before it
     answers) is left so, the others go on: its pool, pid and name; None, all going on, if none was busy."""
-    workers = {pid: pool for pool in pools.values() for pid in pool.pids()[1:]}
+    workers = {pid for pool in pools.values() for pid in pool.pids()[1:]}
     for pid in workers:
         os.kill(pid, signal.SIGSTOP)
     for pid in workers:
-        wait_for(lambda pid=pid: _state(pid) == "T", 10, "the worker to stop")
+        wait_for(lambda pid=pid: stopped(pid), 10, "the worker to stop")
     found = None
     for pool in pools.values():
-        info = ServerInfo.read(pool.name)
-        assert info is not None
-        table = SlotTable.attach(Path(info.slots), writable=False)
-        try:
-            busy = [r for r in table.read_all() if r.pid in workers and r.state is SlotState.BUSY]
-        finally:
-            table.close()
-        if busy:
+        if busy := [r for r in pool.rows() if r.pid in workers and r.state is SlotState.BUSY]:
             found = (pool, busy[0].pid, f"{socket.gethostname()[:32]}-{pool.proc.pid}-w{busy[0].worker}")
     for pid in workers:
         if found is None or pid != found[1]:
             os.kill(pid, signal.SIGCONT)
     return found
-
-
-def _state(pid: int) -> str:
-    """The state letter of process ``pid`` (``T``: stopped)."""
-    stat = Path(f"/proc/{pid}/stat").read_text()
-    return stat[stat.rindex(")") + 2]
 
 
 def _pending(pid: int, sig: signal.Signals) -> bool:
