@@ -5,19 +5,27 @@ have had without the preemption (greedy, seeded, constrained by a JSON schema), 
 What is checked is the order of events (the urgent request's answer comes before the preempted ones'), never
 times; and each preempted stream's chunks against its final text and against an uninterrupted run. One slot:
 batched with others, a sequence's logits can differ from its own alone on a CPU (enough to turn a greedy choice
-after some hundreds of tokens), which would say nothing of the preemption."""
+after some hundreds of tokens), which would say nothing of the preemption.
+
+The tiny model writes hundreds of tokens in a fraction of a second: an urgent request sent "while a low one runs" could
+come after it ended. So each urgent request is sent while the instance is stopped (SIGSTOP) in the middle of the low
+ones, and the instance goes on only once the broker has decided the preemption (``_scene``)."""
 
 from __future__ import annotations
 
 import asyncio
 import os
 import signal
+from asyncio import Task
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import pytest
+from helpers import stopped, wait_for
 
-from mpserve import AsyncClient
+from mpserve import AsyncClient, Result
 from mpserve.errors import Cancelled
+from mpserve.wire.slots import SlotRow, SlotState
 
 LOW = "Once upon a time"
 URGENT = "Answer at once:"
@@ -30,37 +38,105 @@ KINDS: dict[str, dict[str, Any]] = {
 }
 
 
-async def _contend(address: str, low: dict[str, Any], urgent: dict[str, Any], prompts: list[str]
-                   ) -> tuple[list[str], list[tuple[str, str]], Any]:
-    """``prompts`` streamed at priority 0 with ``low`` until each has streamed text; then the urgent request at
-    priority 10. The names in the order their answers came, each stream's chunks joined and its final text, and
+SCENES = 5  # runs of a scene whose low-priority requests all ended before their instance stopped, at most
+
+
+async def _scene(server: Any, client: AsyncClient, order: list[str], lows: Callable[[], Awaitable[list[Task[Any]]]],
+                 busy: int, total: int, urgent: Callable[[], Awaitable[Any]]) -> tuple[list[Task[Any]], Task[Any]]:
+    """``lows()`` starts the low-priority requests (their tasks, ``busy`` of them streaming when it returns, each of
+    at least ``total`` tokens); then ``urgent`` is sent while they run (``_sent_while_held``). Their tasks and the
+    urgent one's. The scene runs again (what it added to ``order`` taken out) where one had ended before their
+    instance stopped."""
+    mark = len(order)
+    for _ in range(SCENES):
+        tasks = await lows()
+        sent = await _sent_while_held(server, client, busy, total, urgent)
+        if sent is not None:
+            return tasks, sent
+        await asyncio.gather(*tasks)
+        del order[mark:]
+    pytest.fail(f"in each of {SCENES} runs a low-priority request ended before its instance stopped")
+
+
+async def _sent_while_held(server: Any, client: AsyncClient, busy: int, total: int,
+                           urgent: Callable[[], Awaitable[Any]]) -> Task[Any] | None:
+    """``urgent`` sent while the server's one instance is stopped (SIGSTOP) with ``busy`` requests running, each
+    more than one token short of ``total``; the instance goes on once the broker has given the urgent request a
+    slot (its running count past ``busy``). Its PREEMPT then waits on the worker's link, taken at the worker's next
+    turn, before any victim can end: the urgent request preempts for certain, however loaded the host. None (nothing
+    sent) where fewer were running so at the stop: the caller runs its scene again."""
+    pid = await asyncio.to_thread(_stopped_instance, server)
+    try:
+        if sum(_far_from_its_end(r, total) for r in await asyncio.to_thread(server.slots)) < busy:
+            return None
+        task = asyncio.create_task(urgent())
+        while sum(m.running for m in (await client.stats()).models.values()) <= busy:
+            await asyncio.sleep(0.01)
+        return task
+    finally:
+        os.kill(pid, signal.SIGCONT)
+
+
+async def _stopped_running(server: Any, request: str, total: int) -> int | None:
+    """The pid of the server's one instance, stopped (SIGSTOP) with request ``request`` (its id) running more than
+    one token short of ``total``; None, the instance going on, where it was not."""
+    pid = await asyncio.to_thread(_stopped_instance, server)
+    if any(r.request == request and _far_from_its_end(r, total) for r in await asyncio.to_thread(server.slots)):
+        return pid
+    os.kill(pid, signal.SIGCONT)
+    return None
+
+
+def _far_from_its_end(row: SlotRow, total: int) -> bool:
+    """Whether ``row`` (read with its instance stopped) runs a request that cannot end in the step its instance
+    was stopped in: busy, more than one token short of ``total``, read whole."""
+    return row.state is SlotState.BUSY and not row.stuck_s and row.tokens + 1 < total
+
+
+def _stopped_instance(server: Any) -> int:
+    """The pid of the server's one instance, stopped (SIGSTOP has taken effect)."""
+    (pid,) = {r.pid for r in server.slots() if r.pid}
+    os.kill(pid, signal.SIGSTOP)
+    wait_for(lambda: stopped(pid), 10, f"instance pid {pid} to stop")
+    return pid
+
+
+async def _contend(server: Any, low: dict[str, Any], urgent: dict[str, Any], total: int
+                   ) -> tuple[list[str], tuple[str, str], Any]:
+    """``LOW`` streamed at priority 0 with ``low`` (``total`` tokens alone), then the urgent request at priority 10
+    while it runs. The names in the order their answers came, the low stream's chunks joined and its final text, and
     the server's figures after."""
     order: list[str] = []
+    async with AsyncClient(server.address, timeout=300) as client:
+        async def lows() -> list[Task[tuple[str, str]]]:
+            started = asyncio.Event()
+
+            async def stream() -> tuple[str, str]:
+                s = client.stream(LOW, priority=0, **low)
+                chunks = []
+                async for text in s:
+                    chunks.append(text)
+                    started.set()
+                order.append("low0")
+                assert s.result is not None
+                return "".join(chunks), s.result.text
+
+            task = asyncio.create_task(stream())
+            await asyncio.wait_for(started.wait(), 120)
+            return [task]
+
+        async def send_urgent() -> None:
+            await client.generate(URGENT, priority=10, **urgent)
+            order.append("urgent")
+
+        (task,), sent = await _scene(server, client, order, lows, 1, total, send_urgent)
+        await sent
+        return order, await task, await client.stats()
+
+
+async def _alone(address: str, params: dict[str, Any]) -> Result:
     async with AsyncClient(address, timeout=300) as client:
-        started = [asyncio.Event() for _ in prompts]
-
-        async def stream(i: int) -> tuple[str, str]:
-            s = client.stream(prompts[i], priority=0, **low)
-            chunks = []
-            async for text in s:
-                chunks.append(text)
-                started[i].set()
-            order.append(f"low{i}")
-            assert s.result is not None
-            return "".join(chunks), s.result.text
-
-        tasks = [asyncio.create_task(stream(i)) for i in range(len(prompts))]
-        await asyncio.wait_for(asyncio.gather(*(e.wait() for e in started)), 120)
-        assert not order, "a low-priority request ended before the urgent one came: make it longer"
-        await client.generate(URGENT, priority=10, **urgent)
-        order.append("urgent")
-        streamed = await asyncio.gather(*tasks)
-        return order, streamed, await client.stats()
-
-
-async def _alone(address: str, params: dict[str, Any], prompts: list[str]) -> list[str]:
-    async with AsyncClient(address, timeout=300) as client:
-        return [(await client.generate(p, **params)).text for p in prompts]
+        return await client.generate(LOW, **params)
 
 
 @pytest.mark.timeout(300)
@@ -68,13 +144,13 @@ async def _alone(address: str, params: dict[str, Any], prompts: list[str]) -> li
 def test_an_urgent_request_preempts_and_the_preempted_text_does_not_change(start_server, kind: str) -> None:
     server = start_server("--parallel", "1", "--reuse", "exact", "--threads", "1", "--n-ctx", "2048").wait_ready()
     low = {"max_tokens": 1200, **KINDS[kind]}
-    expected = asyncio.run(_alone(server.address, low, [LOW]))
-    order, streamed, stats = asyncio.run(_contend(server.address, low, {"max_tokens": 16, "temperature": 0}, [LOW]))
+    expected = asyncio.run(_alone(server.address, low))
+    order, (chunks, text), stats = asyncio.run(_contend(server, low, {"max_tokens": 16, "temperature": 0},
+                                                        expected.usage.completion_tokens))
     assert order == ["urgent", "low0"], "the urgent request waited for the slot"
     assert stats.counters["preempted"] == 1 and stats.models["tiny"].preempted == 1
-    chunks, text = streamed[0]
     assert chunks == text, "the streamed chunks are not the final text (a token streamed twice, or lost)"
-    assert text == expected[0], "the preempted request's text differs from its uninterrupted run"
+    assert text == expected.text, "the preempted request's text differs from its uninterrupted run"
 
 
 @pytest.mark.timeout(300)
@@ -85,23 +161,31 @@ def test_the_lowest_priority_gives_way_and_comes_back_before_later_requests_of_i
         order: list[str] = []
         async with AsyncClient(server.address, timeout=300) as client:
             async def one(name: str, prompt: str, priority: int, max_tokens: int) -> None:
-                async for _ in client.stream(prompt, priority=priority, max_tokens=max_tokens, temperature=0):
+                async for _ in client.stream(prompt, priority=priority, max_tokens=max_tokens, temperature=0,
+                                             ignore_eos=True):
                     streaming.add(name)
                 order.append(name)
 
+            async def lows() -> list[Task[None]]:
+                streaming.clear()
+                tasks = [asyncio.create_task(one("p1", "First in", 1, 8000)),
+                         asyncio.create_task(one("p0", "Second in", 0, 2000))]
+                while len(streaming) < 2:
+                    await asyncio.sleep(0.01)
+                return tasks
+
+            async def urgent() -> None:
+                # queued behind the two running ones (their instance stopped), then the urgent one; "later0" can
+                # start only once "p0" is done, if "p0" resumes first: "p1" holds the other slot longer
+                later.append(asyncio.create_task(one("later0", "A later one of priority 0", 0, 2000)))
+                while not sum(m.queued for m in (await client.stats()).models.values()):
+                    await asyncio.sleep(0.01)
+                await one("urgent", URGENT, 5, 8)
+
             streaming: set[str] = set()
-            background = [asyncio.create_task(one("p1", "First in", 1, 8000)),
-                          asyncio.create_task(one("p0", "Second in", 0, 2000))]
-            while len(streaming) < 2:
-                await asyncio.sleep(0.01)
-            # queued behind the two running ones, then the urgent one (sent in this order on one connection);
-            # "later0" can start only once "p0" is done, if "p0" resumes first: "p1" holds the other slot longer
-            later = asyncio.create_task(one("later0", "A later one of priority 0", 0, 2000))
-            while not sum(m.queued for m in (await client.stats()).models.values()):
-                await asyncio.sleep(0.01)
-            assert not order, "a request ended before the urgent one came: make them longer"
-            await one("urgent", URGENT, 5, 8)
-            await asyncio.gather(*background, later)
+            later: list[Task[None]] = []
+            background, sent = await _scene(server, client, order, lows, 2, 2000, urgent)
+            await asyncio.gather(*background, sent, *later)
             return order
 
     order = asyncio.run(run())
@@ -115,23 +199,22 @@ def test_a_preempted_request_of_the_real_model_gives_the_text_of_its_uninterrupt
     server = start_server("--model", real_model.path, "--parallel", "1", "--reuse", "exact", "--threads", "1",
                           "--n-ctx", "1024").wait_ready(300)
     low = {"max_tokens": 300, "temperature": 0.8, "seed": 99}
-    expected = asyncio.run(_alone(server.address, low, [LOW]))
-    order, streamed, stats = asyncio.run(_contend(server.address, low, {"max_tokens": 8, "temperature": 0}, [LOW]))
+    expected = asyncio.run(_alone(server.address, low))
+    order, streamed, stats = asyncio.run(_contend(server, low, {"max_tokens": 8, "temperature": 0},
+                                                  expected.usage.completion_tokens))
     assert order == ["urgent", "low0"], "the urgent request waited for the slot"
     assert stats.counters["preempted"] == 1
-    assert streamed == [(expected[0], expected[0])]
+    assert streamed == (expected.text, expected.text)
 
 
 @pytest.mark.timeout(300)
 def test_a_parked_request_whose_instance_dies_continues_from_its_streamed_tokens(start_server) -> None:
     server = start_server("--parallel", "1", "--reuse", "exact", "--threads", "1", "--n-ctx", "4096").wait_ready()
     low = {"max_tokens": 1200, "temperature": 0}
-    expected = asyncio.run(_alone(server.address, low, [LOW]))[0]
+    expected = asyncio.run(_alone(server.address, low))
 
-    async def run() -> tuple[str, str, Any]:
+    async def run() -> tuple[str, str, int]:
         async with AsyncClient(server.address, timeout=300) as client:
-            started, urgent_started = asyncio.Event(), asyncio.Event()
-
             async def stream(prompt: str, priority: int, event: asyncio.Event, **params: Any) -> tuple[str, str]:
                 s = client.stream(prompt, priority=priority, **params)
                 chunks = []
@@ -141,19 +224,33 @@ def test_a_parked_request_whose_instance_dies_continues_from_its_streamed_tokens
                 assert s.result is not None
                 return "".join(chunks), s.result.text
 
-            parked = asyncio.create_task(stream(LOW, 0, started, **low))
-            await asyncio.wait_for(started.wait(), 120)
-            urgent = asyncio.create_task(stream(URGENT, 10, urgent_started, max_tokens=3000, temperature=0,
-                                                ignore_eos=True))
-            await asyncio.wait_for(urgent_started.wait(), 120)  # the low one is parked on the worker now
-            assert not parked.done()
-            os.kill(server.slots()[0].pid, signal.SIGKILL)
-            (chunks, text), _ = await asyncio.gather(parked, urgent)
-            return chunks, text, await client.stats()
+            async def lows() -> list[Task[tuple[str, str]]]:
+                started = asyncio.Event()
+                task = asyncio.create_task(stream(LOW, 0, started, **low))
+                await asyncio.wait_for(started.wait(), 120)
+                return [task]
 
-    chunks, text, stats = asyncio.run(run())
-    assert stats.counters["preempted"] == 1
-    assert chunks == text == expected, "the parked request did not continue exactly from its streamed tokens"
+            for scene in range(SCENES):
+                urgent_started = asyncio.Event()
+
+                async def urgent(scene: int = scene, started: asyncio.Event = urgent_started) -> tuple[str, str]:
+                    return await stream(URGENT, 10, started, max_tokens=3000, temperature=0, ignore_eos=True,
+                                        request_id=f"urgent{scene}")
+
+                before = (await client.stats()).counters.get("preempted", 0)
+                (parked,), sent = await _scene(server, client, [], lows, 1, expected.usage.completion_tokens, urgent)
+                await asyncio.wait_for(urgent_started.wait(), 120)  # the low one is parked on the worker now
+                pid = await _stopped_running(server, f"urgent{scene}", 3000)
+                if pid is not None:
+                    os.kill(pid, signal.SIGKILL)  # with the low one parked on it, for certain
+                    (chunks, text), _ = await asyncio.gather(parked, sent)
+                    return chunks, text, (await client.stats()).counters["preempted"] - before
+                await asyncio.gather(parked, sent)  # the urgent one had ended: the scene again
+            pytest.fail(f"in each of {SCENES} runs the urgent request ended before its instance stopped")
+
+    chunks, text, preempted = asyncio.run(run())
+    assert preempted == 1
+    assert chunks == text == expected.text, "the parked request did not continue exactly from its streamed tokens"
 
 
 @pytest.mark.timeout(300)
@@ -163,8 +260,9 @@ def test_a_parked_request_cancelled_is_forgotten_and_its_room_serves_the_next_pr
     async def run() -> list[str]:
         order: list[str] = []
         async with AsyncClient(server.address, timeout=300) as client:
-            async def one(name: str, priority: int, started: asyncio.Event, **params: Any) -> None:
+            async def one(name: str, priority: int, **params: Any) -> None:
                 s = client.stream(f"{name}: {LOW}", priority=priority, temperature=0, request_id=name, **params)
+                started = events.setdefault(name, asyncio.Event())
                 try:
                     async for _ in s:
                         started.set()
@@ -172,17 +270,34 @@ def test_a_parked_request_cancelled_is_forgotten_and_its_room_serves_the_next_pr
                 except Cancelled:
                     order.append(f"{name} cancelled")
 
-            events = {name: asyncio.Event() for name in ("low1", "urgent1", "low2", "urgent2")}
-            low1 = asyncio.create_task(one("low1", 0, events["low1"], max_tokens=2000))
-            await asyncio.wait_for(events["low1"].wait(), 120)
-            urgent1 = asyncio.create_task(one("urgent1", 10, events["urgent1"], max_tokens=2000, ignore_eos=True))
-            await asyncio.wait_for(events["urgent1"].wait(), 120)  # low1 is parked
-            await client.cancel("low1")
-            await asyncio.gather(low1, urgent1)
-            low2 = asyncio.create_task(one("low2", 0, events["low2"], max_tokens=2000))
-            await asyncio.wait_for(events["low2"].wait(), 120)
-            await one("urgent2", 10, events["urgent2"], max_tokens=8)
-            await low2
+            def low(name: str) -> Callable[[], Awaitable[list[Task[None]]]]:
+                async def lows() -> list[Task[None]]:
+                    events[name] = asyncio.Event()
+                    task = asyncio.create_task(one(name, 0, max_tokens=2000, ignore_eos=True))
+                    await asyncio.wait_for(events[name].wait(), 120)
+                    return [task]
+                return lows
+
+            events: dict[str, asyncio.Event] = {}
+            for _ in range(SCENES):
+                events["urgent1"] = asyncio.Event()
+                (low1,), urgent1 = await _scene(server, client, order, low("low1"), 1, 2000,
+                                                lambda: one("urgent1", 10, max_tokens=2000, ignore_eos=True))
+                await asyncio.wait_for(events["urgent1"].wait(), 120)  # low1 is parked
+                pid = await _stopped_running(server, "urgent1", 2000)
+                if pid is not None:  # low1 parked until urgent1 ends, for certain
+                    await client.cancel("low1")
+                    await client.stats()  # answered after the CANCEL was taken
+                    os.kill(pid, signal.SIGCONT)
+                await asyncio.gather(low1, urgent1)
+                if pid is not None:
+                    break
+                order.clear()
+            else:
+                pytest.fail(f"in each of {SCENES} runs urgent1 ended before its instance stopped")
+            (low2,), urgent2 = await _scene(server, client, order, low("low2"), 1, 2000,
+                                            lambda: one("urgent2", 10, max_tokens=8))
+            await asyncio.gather(low2, urgent2)
             return order
 
     # without the parked request forgotten, the instance would count it parked still (room for one, as it has one
@@ -204,21 +319,27 @@ def test_an_http_request_names_its_priority_and_preempts_too(start_server) -> No
 
         async def run() -> list[str]:
             order: list[str] = []
-            async with AsyncClient(server.address, timeout=300) as client:
-                async def low() -> None:
-                    async for _ in client.stream(LOW, max_tokens=1200, temperature=0):
-                        started.set()
-                    order.append("low")
+            async with AsyncClient(server.address, timeout=300) as client, httpx.AsyncClient(timeout=300) as http:
+                async def lows() -> list[Task[None]]:
+                    started = asyncio.Event()
 
-                started = asyncio.Event()
-                task = asyncio.create_task(low())
-                await asyncio.wait_for(started.wait(), 120)
-                async with httpx.AsyncClient(timeout=300) as http:
+                    async def low() -> None:
+                        async for _ in client.stream(LOW, max_tokens=1200, temperature=0, ignore_eos=True):
+                            started.set()
+                        order.append("low")
+
+                    task = asyncio.create_task(low())
+                    await asyncio.wait_for(started.wait(), 120)
+                    return [task]
+
+                async def urgent() -> None:
                     answer = await http.post(url, json={"model": "tiny", "prompt": URGENT, "max_tokens": 8,
                                                         "temperature": 0, "priority": 10})
-                assert answer.status_code == 200, answer.text
-                order.append("urgent")
-                await task
+                    assert answer.status_code == 200, answer.text
+                    order.append("urgent")
+
+                (task,), sent = await _scene(server, client, order, lows, 1, 1200, urgent)
+                await asyncio.gather(task, sent)
             return order
 
         assert asyncio.run(run()) == ["urgent", "low"], "the HTTP request's priority did not reach the broker"
