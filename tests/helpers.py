@@ -27,7 +27,7 @@ import zmq
 
 from mpserve import AsyncClient
 from mpserve.wire import protocol as wire
-from mpserve.wire.slots import SlotState
+from mpserve.wire.slots import SlotRow, SlotState
 
 T = TypeVar("T")
 
@@ -63,6 +63,37 @@ def free_port() -> int:
 def stopped(pid: int) -> bool:
     """Whether process ``pid`` is stopped (SIGSTOP has taken effect: its state is T)."""
     return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "T"
+
+
+def stop(pid: int) -> None:
+    """Stop process ``pid`` (SIGSTOP), and return once it has taken effect."""
+    os.kill(pid, signal.SIGSTOP)
+    wait_for(lambda: stopped(pid), 10, f"process {pid} to stop")
+
+
+def far_from_its_end(row: SlotRow, total: int) -> bool:
+    """Whether ``row``, read with its instance stopped, runs a request that cannot end in the step its instance was
+    stopped in: busy, read whole, and more than one token short of ``total`` (one step makes one token)."""
+    return row.state is SlotState.BUSY and not row.stuck_s and row.tokens + 1 < total
+
+
+def caught_mid_request(slots: Callable[[], list[SlotRow]], total: int, ended: Callable[[], bool],
+                       timeout: float = 30.0) -> SlotRow | None:
+    """Wait until an instance runs a request far from its end (``far_from_its_end``: at least ``total`` tokens
+    long), and leave that instance stopped (SIGSTOP) there: its row. None where ``ended()`` says the request ended
+    first (a poll alone could see it busy and stop its instance after it ended, on a loaded host or a fast one)."""
+    deadline = time.monotonic() + timeout
+    while not ended():
+        for pid in {r.pid for r in slots() if r.state is SlotState.BUSY}:
+            stop(pid)
+            row = next((r for r in slots() if r.pid == pid and far_from_its_end(r, total)), None)
+            if row is not None:
+                return row
+            os.kill(pid, signal.SIGCONT)
+        if time.monotonic() > deadline:
+            raise AssertionError(f"not within {timeout} s: an instance running the request")
+        time.sleep(0.01)
+    return None
 
 
 def mpserve(*args: str, env: dict[str, str] | None = None, timeout: float = 60) -> subprocess.CompletedProcess[str]:

@@ -17,12 +17,23 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import llama_cpp
 import pytest
-from helpers import children, dealer, mpserve, process_state, raw_request, received, running, wait_for
+from helpers import (
+    caught_mid_request,
+    children,
+    dealer,
+    mpserve,
+    process_state,
+    raw_request,
+    received,
+    running,
+    wait_for,
+)
 
 from mpserve import AsyncClient, Client
 from mpserve.config.loader import ServerConfig
@@ -214,6 +225,23 @@ def test_chaos_every_request_ends_exactly_once_while_workers_are_killed(start_se
 # --- 2. a stopped (hung) worker -----------------------------------------------------------------
 
 STALL_TIMEOUT_S = 2.0
+RUNS = 5  # of a scene whose request ended before its instance was caught running it, at most
+
+
+def _caught_running(server: Any, total: int, request: Callable[[], None], outcome: dict[str, Any]
+                    ) -> tuple[threading.Thread, SlotRow]:
+    """``request`` (of ``total`` tokens) run in a thread until its instance is caught running it far from its end
+    and left stopped there (``caught_mid_request``): the thread, and the instance's row. Run again where it ended
+    first (it filled ``outcome``)."""
+    for _ in range(RUNS):
+        outcome.clear()
+        t = threading.Thread(target=request)
+        t.start()
+        row = caught_mid_request(server.slots, total, lambda: bool(outcome))
+        if row is not None:
+            return t, row
+        t.join()
+    pytest.fail(f"in each of {RUNS} runs the request ended before its instance was caught running it")
 
 
 @pytest.mark.timeout(90)
@@ -231,12 +259,8 @@ def test_a_stopped_worker_is_replaced_and_its_request_runs_again_on_the_replacem
                     outcome["error"] = exc
                 outcome["at"] = time.monotonic()
 
-            t = threading.Thread(target=long_request)
-            t.start()
-            row = wait_for(lambda: (r := server.slots()[0]).state is SlotState.BUSY and r.tokens > 0 and r,
-                           30, "the worker busy generating")
+            t, row = _caught_running(server, 300, long_request, outcome)
             stopped_pid = row.pid
-            os.kill(stopped_pid, signal.SIGSTOP)
             stopped_at = time.monotonic()
             t.join(STALL_TIMEOUT_S + 30)
             assert not t.is_alive(), "the request of a stopped worker never ended:\n" + "\n".join(server.log)
@@ -412,6 +436,20 @@ with Client(sys.argv[1]) as client:
 """
 
 
+def _expire_while_stopped(server: Any, observer: Client, gone: Callable[[], object]) -> None:
+    """``gone()`` (the client goes silent) with the server's instance stopped (SIGSTOP) in the middle of the
+    client's request of 8000 tokens; the instance goes on once the broker has expired the client (its CANCEL then
+    waits on the worker's link). So the request is cancelled before its end for certain, on a host of any speed."""
+    row = caught_mid_request(server.slots, 8000, lambda: False)
+    assert row is not None
+    try:
+        gone()
+        wait_for(lambda: observer.stats().counters.get("client_expired"), CLIENT_EXPIRY_S + 10,
+                 "the broker to expire the silent client")
+    finally:
+        os.kill(row.pid, signal.SIGCONT)
+
+
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("how", ["process_killed", "socket_closed"])
 def test_the_request_of_a_client_that_disappears_is_cancelled(start_server, how: str) -> None:
@@ -427,15 +465,14 @@ def test_the_request_of_a_client_that_disappears_is_cancelled(start_server, how:
             sock.send_multipart(raw_request({"id": "vanish", "prompt": "vanish",
                                              "params": {"max_tokens": 8000, "temperature": 0}}))
             gone = sock.close
-        wait_for(lambda: (r := server.slots()[0]).state is SlotState.BUSY and r.tokens > 0, 30,
-                 "the instance busy with the client's request")
-        gone()
+        observer = stack.enter_context(Client(server.address))
+        _expire_while_stopped(server, observer, gone)
         gone_at = time.monotonic()
-        row = wait_for(lambda: (r := server.slots()[0]).state is SlotState.IDLE and r, CLIENT_EXPIRY_S + 3,
+        row = wait_for(lambda: (r := server.slots()[0]).state is SlotState.IDLE and r, 30,
                        "the instance idle again after its client disappeared")
         took = time.monotonic() - gone_at
         print(f"\nvanished client ({how}): its request was stopped after {row.tokens} of 8000 tokens, "
-              f"{took:.2f} s after the client went")
+              f"{took:.2f} s after the broker expired its client")
         assert row.tokens < 8000
         with Client(server.address) as client:
             assert client.generate("next", max_tokens=4, temperature=0, timeout=30).usage.completion_tokens == 4
@@ -453,9 +490,9 @@ def test_a_silent_client_that_comes_back_reads_an_error_for_each_request_cancell
         for rid in ("stalled-1", "stalled-2"):  # the first runs, the second waits in the queue
             sock.send_multipart(raw_request({"id": rid, "prompt": rid,
                                              "params": {"max_tokens": 8000, "temperature": 0}}))
-        wait_for(lambda: (r := server.slots()[0]).state is SlotState.BUSY and r.tokens > 0, 30,
-                 "the instance busy with the client's first request")
-        wait_for(lambda: server.slots()[0].state is SlotState.IDLE, CLIENT_EXPIRY_S + 10,
+        with Client(server.address) as observer:
+            _expire_while_stopped(server, observer, lambda: None)
+        wait_for(lambda: server.slots()[0].state is SlotState.IDLE, 30,
                  "the instance idle again once the silent client expired")
         errors = {}
         while len(errors) < 2:
@@ -484,11 +521,8 @@ def test_a_live_client_keeps_a_request_that_is_silent_for_longer_than_the_expiry
                 except MpserveError as exc:
                     outcome["error"] = exc
 
-            t = threading.Thread(target=patient)
-            t.start()
-            frozen = wait_for(lambda: (r := server.slots()[0]).state is SlotState.BUSY and r.tokens > 0 and r.pid,
-                              30, "the worker busy with the request")
-            os.kill(frozen, signal.SIGSTOP)
+            t, row = _caught_running(server, 1000, patient, outcome)
+            frozen = row.pid
             hold_until = time.monotonic() + CLIENT_EXPIRY_S + 2
             while time.monotonic() < hold_until:  # the request stays running the whole time
                 assert observer.stats().models["tiny"].running == 1, "the live client's request was dropped"

@@ -21,11 +21,10 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 import pytest
-from helpers import stopped, wait_for
+from helpers import far_from_its_end, stop
 
 from mpserve import AsyncClient, Result
 from mpserve.errors import Cancelled
-from mpserve.wire.slots import SlotRow, SlotState
 
 LOW = "Once upon a time"
 URGENT = "Answer at once:"
@@ -67,7 +66,7 @@ async def _sent_while_held(server: Any, client: AsyncClient, busy: int, total: i
     sent) where fewer were running so at the stop: the caller runs its scene again."""
     pid = await asyncio.to_thread(_stopped_instance, server)
     try:
-        if sum(_far_from_its_end(r, total) for r in await asyncio.to_thread(server.slots)) < busy:
+        if sum(far_from_its_end(r, total) for r in await asyncio.to_thread(server.slots)) < busy:
             return None
         task = asyncio.create_task(urgent())
         while sum(m.running for m in (await client.stats()).models.values()) <= busy:
@@ -81,23 +80,16 @@ async def _stopped_running(server: Any, request: str, total: int) -> int | None:
     """The pid of the server's one instance, stopped (SIGSTOP) with request ``request`` (its id) running more than
     one token short of ``total``; None, the instance going on, where it was not."""
     pid = await asyncio.to_thread(_stopped_instance, server)
-    if any(r.request == request and _far_from_its_end(r, total) for r in await asyncio.to_thread(server.slots)):
+    if any(r.request == request and far_from_its_end(r, total) for r in await asyncio.to_thread(server.slots)):
         return pid
     os.kill(pid, signal.SIGCONT)
     return None
 
 
-def _far_from_its_end(row: SlotRow, total: int) -> bool:
-    """Whether ``row`` (read with its instance stopped) runs a request that cannot end in the step its instance
-    was stopped in: busy, more than one token short of ``total``, read whole."""
-    return row.state is SlotState.BUSY and not row.stuck_s and row.tokens + 1 < total
-
-
 def _stopped_instance(server: Any) -> int:
     """The pid of the server's one instance, stopped (SIGSTOP has taken effect)."""
     (pid,) = {r.pid for r in server.slots() if r.pid}
-    os.kill(pid, signal.SIGSTOP)
-    wait_for(lambda: stopped(pid), 10, f"instance pid {pid} to stop")
+    stop(pid)
     return pid
 
 
