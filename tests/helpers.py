@@ -71,17 +71,18 @@ def stop(pid: int) -> None:
     wait_for(lambda: stopped(pid), 10, f"process {pid} to stop")
 
 
-def far_from_its_end(row: SlotRow, total: int) -> bool:
+def far_from_its_end(row: SlotRow, total: int | None) -> bool:
     """Whether ``row``, read with its instance stopped, runs a request that cannot end in the step its instance was
-    stopped in: busy, read whole, and more than one token short of ``total`` (one step makes one token)."""
-    return row.state is SlotState.BUSY and not row.stuck_s and row.tokens + 1 < total
+    stopped in: busy, read whole, and more than one token short of ``total`` (one step makes one token). ``total``
+    None: the instance takes no step again (it is killed, or kept stopped)."""
+    return row.state is SlotState.BUSY and not row.stuck_s and (total is None or row.tokens + 1 < total)
 
 
-def caught_mid_request(slots: Callable[[], list[SlotRow]], total: int, ended: Callable[[], bool],
+def caught_mid_request(slots: Callable[[], list[SlotRow]], total: int | None, ended: Callable[[], bool],
                        timeout: float = 30.0) -> SlotRow | None:
-    """Wait until an instance runs a request far from its end (``far_from_its_end``: at least ``total`` tokens
-    long), and leave that instance stopped (SIGSTOP) there: its row. None where ``ended()`` says the request ended
-    first (a poll alone could see it busy and stop its instance after it ended, on a loaded host or a fast one)."""
+    """Wait until an instance runs a request far from its end (``far_from_its_end``: one of ``total`` tokens),
+    and leave that instance stopped (SIGSTOP) there: its row. None where ``ended()`` says the request ended first
+    (a poll alone could see it busy and stop its instance after it ended, on a loaded host or a fast one)."""
     deadline = time.monotonic() + timeout
     while not ended():
         for pid in {r.pid for r in slots() if r.state is SlotState.BUSY}:

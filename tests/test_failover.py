@@ -11,14 +11,15 @@ import signal
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
-from helpers import dealer, received, stopped, wait_for
+from helpers import caught_mid_request, dealer, received, wait_for
 
 from mpserve import Client
 from mpserve.wire import protocol as wire
-from mpserve.wire.slots import SlotRow, SlotState
+from mpserve.wire.slots import SlotRow
 
 PROMPT = "Once upon a time"
 MAX_TOKENS = 400
+SCENES = 5  # runs of a scene whose request ended before it was interrupted as it should be, at most
 STALL_TIMEOUT_S = 2.0
 
 
@@ -31,23 +32,17 @@ def _handed_over(server, client: Client, interrupt: int, times: int = 1, exact: 
     times (each time the instance it went on on). ``exact``: the server runs with ``reuse: exact``, and the text is
     the uninterrupted run's; else it goes on from where it was cut."""
     whole = client.generate(PROMPT, max_tokens=MAX_TOKENS, temperature=0, timeout=120)
-    hit: list[int] = []
-    for _ in range(50):  # until the stop lands mid-stream: the tiny model may end its run before the signal
-        stream = client.stream(PROMPT, max_tokens=MAX_TOKENS, temperature=0, timeout=120)
-        chunks = iter(stream)
-        texts = [next(chunks)]
-        if (row := _frozen_busy_row(server, hit)) is not None:
-            break
-        list(chunks)
-    else:
-        pytest.fail("every run of the request ended before its instance stopped")
-    for _ in range(times):
-        if hit:  # the request goes on elsewhere: found generating there
-            wait_for(lambda: _busy(server, hit), 30, "the request generating on another instance")
-            row = _frozen_busy_row(server, hit)
-            assert row is not None, "the request ended on another instance before it stopped"
-        os.kill(row.pid, interrupt)
-        hit.append(row.pid)
+    with Client(server.address) as observer:
+        for _ in range(SCENES):  # again where the request ended before each interrupt hit it mid-run
+            before = observer.stats().counters
+            stream = client.stream(PROMPT, max_tokens=MAX_TOKENS, temperature=0, timeout=120)
+            chunks = iter(stream)
+            texts = [next(chunks)]
+            if (row := _interrupted(server, observer, interrupt, times)) is not None:
+                break
+            list(chunks)
+        else:
+            pytest.fail(f"in each of {SCENES} runs the request ended before it was interrupted {times} time(s)")
     try:
         texts += list(chunks)
     finally:
@@ -66,26 +61,29 @@ def _handed_over(server, client: Client, interrupt: int, times: int = 1, exact: 
     assert result.timings.attempts == times + 1
     assert times > 1 or result.worker != f"w{row.worker}"  # after two, it may end on the first one's replacement
     counters = client.stats().counters
-    assert counters.get("resumed") == times and not counters.get("poison_request"), counters
+    assert counters.get("resumed", 0) - before.get("resumed", 0) == times and not counters.get("poison_request"), \
+        counters
 
 
-def _busy(server, hit: list[int]) -> SlotRow | None:
-    return next((r for r in server.slots() if r.state is SlotState.BUSY and r.pid not in hit), None)
-
-
-def _frozen_busy_row(server, hit: list[int]) -> SlotRow | None:
-    """The row of the instance running the request, found with every instance stopped (SIGSTOP), so that the request
-    cannot end while it is looked for (a poll could miss a short run on a loaded host); that one is left stopped,
-    the others go on (SIGCONT). None, all going on, if none was running it (it had ended)."""
-    pids = {r.pid for r in server.slots() if r.pid and r.pid not in hit}
-    for pid in pids:
-        os.kill(pid, signal.SIGSTOP)
-    for pid in pids:
-        wait_for(lambda pid=pid: stopped(pid), 10, f"instance pid {pid} to stop")
-    row = _busy(server, hit)
-    for pid in pids - {row.pid if row is not None else 0}:
-        os.kill(pid, signal.SIGCONT)
+def _interrupted(server, observer: Client, interrupt: int, times: int) -> SlotRow | None:
+    """``interrupt`` sent ``times`` times to the instance running the one request, each time caught running it
+    (``caught_mid_request``: stopped, its row busy), so that it cannot end the request first: the last one's row.
+    None where the request ended before (it runs again elsewhere between two hits, and may end there)."""
+    hit: list[int] = []
+    row = None
+    for _ in range(times):
+        row = caught_mid_request(lambda: [r for r in server.slots() if r.pid not in hit], None,
+                                 lambda: not _live(observer))
+        if row is None:
+            return None
+        os.kill(row.pid, interrupt)  # SIGKILL or SIGSTOP: either way it takes no step again
+        hit.append(row.pid)
     return row
+
+
+def _live(observer: Client) -> int:
+    """How many requests the server has queued or running."""
+    return sum(m.queued + m.running for m in observer.stats().models.values())
 
 
 @pytest.mark.timeout(120)
@@ -122,20 +120,27 @@ def test_the_choices_of_a_request_whose_instance_is_killed_continue_on_another_e
     server = start_server("--instances", "2", "--parallel", "2", *EXACT).wait_ready()
     with Client(server.address) as client:
         whole = client.choices(PROMPT, n=2, max_tokens=MAX_TOKENS, temperature=0, timeout=120)
-        stream = client.stream(PROMPT, n=2, max_tokens=MAX_TOKENS, temperature=0, timeout=120)
-        texts = ["", ""]
-        killed = None
-        for text in stream:
-            texts[stream.chunk_index] += text
-            if killed is None and sum(map(len, texts)) > 40:
-                killed = next(r for r in server.slots() if r.state is SlotState.BUSY)
-                os.kill(killed.pid, signal.SIGKILL)
-        assert killed is not None
+        with Client(server.address) as observer:
+            for _ in range(SCENES):  # again where the request ended before its instance was caught running it
+                before = observer.stats().counters
+                stream = client.stream(PROMPT, n=2, max_tokens=MAX_TOKENS, temperature=0, timeout=120)
+                texts, killed = ["", ""], None
+                for text in stream:
+                    texts[stream.chunk_index] += text
+                    if killed is None and sum(map(len, texts)) > 40:
+                        killed = _interrupted(server, observer, signal.SIGKILL, 1)
+                        if killed is None:
+                            break  # it had ended
+                if killed is not None:
+                    break
+            else:
+                pytest.fail(f"in each of {SCENES} runs the request ended before its instance was caught running it")
         assert texts == [r.text for r in stream.results] == [r.text for r in whole]  # nothing repeated or missing
         assert [r.index for r in stream.results] == [0, 1]
         assert all(r.timings.attempts == 2 and r.worker != f"w{killed.worker}" for r in stream.results)
         counters = client.stats().counters
-        assert counters.get("resumed", 0) + counters.get("retried", 0) == 2 and not counters.get("worker_lost")
+        assert sum(counters.get(k, 0) - before.get(k, 0) for k in ("resumed", "retried")) == 2, counters
+        assert not counters.get("worker_lost")
     assert not server.tracebacks(), "\n".join(server.log)
 
 
@@ -143,17 +148,20 @@ def test_the_choices_of_a_request_whose_instance_is_killed_continue_on_another_e
 def test_a_stream_killed_after_several_chunks_continues_from_all_of_their_tokens(start_server) -> None:
     """The hand-over carries every token the killed instance streamed, not only its last chunk's: the kill comes
     once the client has read CHUNKS chunks, and the text is still the uninterrupted greedy text."""
-    chunks_read, max_tokens = 12, 1500  # the whole stream takes far longer than the kill (ignore_eos: all of it)
+    chunks_read, max_tokens = 12, 1500  # ignore_eos: all of it
     server = start_server("--instances", "2", *EXACT).wait_ready()
     with Client(server.address) as client:
         whole = client.generate(PROMPT, max_tokens=max_tokens, temperature=0, ignore_eos=True, timeout=120)
-        stream = client.stream(PROMPT, max_tokens=max_tokens, temperature=0, ignore_eos=True, timeout=120)
-        chunks = iter(stream)
-        texts = [next(chunks)]
-        row = wait_for(lambda: next((r for r in server.slots() if r.state is SlotState.BUSY), None), 30,
-                       "the request generating")
-        texts += [next(chunks) for _ in range(chunks_read - 1)]
-        os.kill(row.pid, signal.SIGKILL)
+        with Client(server.address) as observer:
+            for _ in range(SCENES):  # again where the request ended before its instance was caught running it
+                stream = client.stream(PROMPT, max_tokens=max_tokens, temperature=0, ignore_eos=True, timeout=120)
+                chunks = iter(stream)
+                texts = [next(chunks) for _ in range(chunks_read)]
+                if _interrupted(server, observer, signal.SIGKILL, 1) is not None:
+                    break
+                list(chunks)
+            else:
+                pytest.fail(f"in each of {SCENES} runs the request ended before its instance was caught running it")
         texts += list(chunks)
         result = stream.result
         assert result is not None and result.timings.attempts == 2, "the stream was not handed over"
