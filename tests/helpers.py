@@ -25,7 +25,7 @@ import pytest
 import yaml
 import zmq
 
-from mpserve import AsyncClient
+from mpserve import AsyncClient, Client
 from mpserve.wire import protocol as wire
 from mpserve.wire.slots import SlotRow, SlotState
 
@@ -76,6 +76,11 @@ def far_from_its_end(row: SlotRow, total: int | None) -> bool:
     stopped in: busy, read whole, and more than one token short of ``total`` (one step makes one token). ``total``
     None: the instance takes no step again (it is killed, or kept stopped)."""
     return row.state is SlotState.BUSY and not row.stuck_s and (total is None or row.tokens + 1 < total)
+
+
+def server_idle(observer: Client) -> bool:
+    """Whether the server ``observer`` is connected to has no request queued or running."""
+    return not any(m.queued + m.running for m in observer.stats().models.values())
 
 
 def caught_mid_request(slots: Callable[[], list[SlotRow]], total: int | None, ended: Callable[[], bool],

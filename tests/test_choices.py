@@ -13,7 +13,7 @@ import pytest
 from conftest import ServerProcess
 from engines import LONG_PROMPT
 from gateway_thread import GatewayThread
-from helpers import wait_for
+from helpers import caught_mid_request, far_from_its_end, server_idle, wait_for
 
 from mpserve import Client
 from mpserve.errors import BadRequest
@@ -58,14 +58,24 @@ def test_four_choices_compute_the_prompt_once_and_equal_four_seeded_requests(fou
 
 @pytest.mark.timeout(180)
 def test_streamed_choices_come_with_their_index_and_take_four_slots_at_once(four_slots: ServerProcess) -> None:
-    with Client(four_slots.address, timeout=120) as client:
+    with Client(four_slots.address, timeout=120) as client, Client(four_slots.address) as observer:
         whole = client.choices("Hello world", n=4, max_tokens=400, seed=3, **SAMPLED)
-        stream = client.stream("Hello world", n=4, max_tokens=400, seed=3, **SAMPLED)
-        texts = ["", "", "", ""]
-        busy = 0
-        for text in stream:
-            texts[stream._stream.chunk_index] += text
-            busy = max(busy, sum(r.state is SlotState.BUSY for r in four_slots.slots()))
+        for _ in range(3):  # again where the choices ended before their instance was caught running them
+            stream = client.stream("Hello world", n=4, max_tokens=400, seed=3, **SAMPLED)
+            chunks = iter(stream)
+            texts = ["", "", "", ""]
+            texts[stream.chunk_index] += next(chunks)
+            if (row := caught_mid_request(four_slots.slots, 400, lambda: server_idle(observer))) is not None:
+                break
+            list(chunks)
+        else:
+            pytest.fail("three times, the choices ended before their instance was caught running them")
+        try:  # the rows as the instance stopped left them
+            busy = sum(far_from_its_end(r, 400) for r in four_slots.slots() if r.pid == row.pid)
+        finally:
+            os.kill(row.pid, signal.SIGCONT)
+        for text in chunks:
+            texts[stream.chunk_index] += text
         assert busy == 4
         assert texts == [c.text for c in whole]
         assert [r.text for r in stream._stream.results] == texts and stream.result is not None
@@ -106,7 +116,7 @@ def test_choices_wait_for_as_many_free_slots_of_one_instance(four_slots: ServerP
 
 
 def _busy_with(server: ServerProcess, request_id: str) -> bool:
-    return any(r.state is SlotState.BUSY and r.request and request_id.startswith(r.request) for r in server.slots())
+    return any(r.request and request_id.startswith(r.request) and far_from_its_end(r, 400) for r in server.slots())
 
 
 @pytest.mark.timeout(60)

@@ -11,7 +11,7 @@ import signal
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
-from helpers import caught_mid_request, dealer, received, wait_for
+from helpers import caught_mid_request, dealer, received, server_idle, wait_for
 
 from mpserve import Client
 from mpserve.wire import protocol as wire
@@ -73,17 +73,12 @@ def _interrupted(server, observer: Client, interrupt: int, times: int) -> SlotRo
     row = None
     for _ in range(times):
         row = caught_mid_request(lambda: [r for r in server.slots() if r.pid not in hit], None,
-                                 lambda: not _live(observer))
+                                 lambda: server_idle(observer))
         if row is None:
             return None
         os.kill(row.pid, interrupt)  # SIGKILL or SIGSTOP: either way it takes no step again
         hit.append(row.pid)
     return row
-
-
-def _live(observer: Client) -> int:
-    """How many requests the server has queued or running."""
-    return sum(m.queued + m.running for m in observer.stats().models.values())
 
 
 @pytest.mark.timeout(120)

@@ -18,7 +18,7 @@ import openai
 import pytest
 from conftest import ServerProcess
 from gateway_thread import GatewayThread
-from helpers import mpserve, ppid, wait_for
+from helpers import caught_mid_request, mpserve, ppid, server_idle, wait_for
 
 from mpserve import Client
 from mpserve.gateway.api.openai import CHAT_STOP, COMPLETION_MAX_TOKENS, OPENAI_DEFAULTS, Message, chat_prompt, parse
@@ -292,9 +292,18 @@ def test_monitor_reports_each_instance_and_a_killed_worker_shows_everywhere(star
         # the worker serving a stream dies: the stream continues on the other instance, /health and metrics
         # see the death. Its replacement would be forked and loaded within tens of milliseconds: the zygote it
         # is forked from is stopped meanwhile, so that /health is read while the instance is down.
-        stream = iter(oc.completions.create(model="tiny", prompt="x", max_tokens=1500, temperature=0, stream=True))
-        next(stream)
-        busy = next(r for r in server.slots() if r.state is SlotState.BUSY)
+        streams = 0  # the completions sent
+        with Client(server.address) as observer:
+            for _ in range(5):  # again where the stream ended before its instance was caught running it
+                stream = iter(oc.completions.create(model="tiny", prompt="x", max_tokens=1500, temperature=0,
+                                                    stream=True))
+                streams += 1
+                next(stream)
+                if (busy := caught_mid_request(server.slots, None, lambda: server_idle(observer))) is not None:
+                    break  # its instance stopped: the stream cannot end before the kill
+                list(stream)
+            else:
+                pytest.fail("in each of 5 runs the stream ended before its instance was caught running it")
         zygote = ppid(busy.pid)
         os.kill(zygote, signal.SIGSTOP)
         try:
@@ -312,7 +321,8 @@ def test_monitor_reports_each_instance_and_a_killed_worker_shows_everywhere(star
         assert after[busy.index]["pid"] not in (0, busy.pid) and after[busy.index]["state"] == "idle"
         wait_for(lambda: gw.metrics()["mpserve_worker_restarts_total", (("model", "tiny"),)] == 1, 2,
                   "the restart to be counted")
-        assert gw.metrics()["mpserve_http_requests_total", (("code", "ok"), ("endpoint", "/v1/completions"))] == 2
+        assert gw.metrics()["mpserve_http_requests_total", (("code", "ok"), ("endpoint", "/v1/completions"))] == \
+            1 + streams
     finally:
         gw.stop()
 

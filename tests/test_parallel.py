@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import asyncio
+import os
+import signal
 import threading
 import time
 
 import pytest
+from helpers import far_from_its_end, stop
 
 from mpserve import Client
 from mpserve.wire.slots import SlotState
@@ -40,6 +43,7 @@ def test_two_instances_run_two_requests_at_once(start_server) -> None:
 
 
 PROMPTS = ["Hello world", "The quick brown fox", "In the beginning", "1 2 3"]
+SCENES = 5  # runs of a scene whose request ended before it could be cancelled mid-run, at most
 PREAMBLE = "A long system prompt that every request of this service starts with. " * 12
 
 
@@ -109,17 +113,40 @@ def test_cancelling_one_of_four_sequences_leaves_the_others_unchanged(start_serv
 
     async def run() -> list:
         async with AsyncClient(server.address, timeout=60) as client:
-            victim = client.stream(PROMPTS[0], max_tokens=1500, temperature=0)
-            chunks = victim.__aiter__()
-            await chunks.__anext__()
-            others = [asyncio.ensure_future(client.generate(p, **params)) for p in PROMPTS[1:]]
-            while sum(r.state is SlotState.BUSY for r in server.slots()) < 2 and not any(o.done() for o in others):
-                await asyncio.sleep(0.002)  # until another sequence decodes beside the victim
-            await client.cancel(victim.id)
-            with pytest.raises(Cancelled):
+            for _ in range(SCENES):  # again where the victim had ended before it could be cancelled mid-run
+                victim = client.stream(PROMPTS[0], max_tokens=1500, temperature=0, ignore_eos=True)
+                chunks = victim.__aiter__()
+                await chunks.__anext__()
+                others = [asyncio.ensure_future(client.generate(p, **params)) for p in PROMPTS[1:]]
+                while sum(r.state is SlotState.BUSY for r in server.slots()) < 2 and not any(o.done() for o in others):
+                    await asyncio.sleep(0.002)  # until another sequence decodes beside the victim
+                if await _cancelled_mid_run(server, client, victim.id, 1500):
+                    with pytest.raises(Cancelled):
+                        async for _ in chunks:
+                            pass
+                    return await asyncio.gather(*others)
                 async for _ in chunks:
                     pass
-            return await asyncio.gather(*others)
+                await asyncio.gather(*others)
+            pytest.fail(f"in each of {SCENES} runs the victim ended before it could be cancelled mid-run")
 
     results = asyncio.run(run())
     assert [r.text for r in results] == [r.text for r in expected]
+
+
+async def _cancelled_mid_run(server, client, request_id: str, total: int) -> bool:
+    """Cancel request ``request_id`` with the server's one instance stopped (SIGSTOP) while it runs the request far
+    from its end (``far_from_its_end``); the instance goes on once the broker took the CANCEL, which then waits on the
+    worker's link: the request is cancelled mid-run for certain. False, nothing cancelled, where it was not running
+    so."""
+    (pid,) = {r.pid for r in server.slots() if r.pid}
+    await asyncio.to_thread(stop, pid)
+    try:
+        rows = await asyncio.to_thread(server.slots)
+        if not any(r.request and request_id.startswith(r.request) and far_from_its_end(r, total) for r in rows):
+            return False
+        await client.cancel(request_id)
+        await client.stats()  # answered after the CANCEL was taken
+        return True
+    finally:
+        os.kill(pid, signal.SIGCONT)
