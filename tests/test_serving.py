@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 import asyncio
+import os
+import signal
 import threading
 import time
 
 import llama_cpp
 import pytest
 import zmq
-from helpers import dealer, raw_request, received
+from helpers import caught_mid_request, dealer, raw_request, received
 
 from mpserve import AsyncClient, Client
 from mpserve.errors import BadRequest, Busy, Cancelled, ConnectionFailed, Timeout, UnknownModel
@@ -268,15 +270,20 @@ def test_stats_tell_how_long_the_head_of_a_queue_has_waited(start_server) -> Non
 
     async def run() -> tuple[wire.Stats, wire.Stats]:
         async with AsyncClient(server.address, timeout=60) as client:
-            holder = asyncio.create_task(client.generate("hold the slot", max_tokens=3000, temperature=0))
-            while (await client.stats()).models["tiny"].running == 0:
-                await asyncio.sleep(0.01)
-            waiter = asyncio.create_task(client.generate("wait", max_tokens=4))
-            while (await client.stats()).models["tiny"].queued == 0:
-                await asyncio.sleep(0.01)
-            await asyncio.sleep(0.3)  # not a wait: the queued request's wait, which is measured
-            waiting = await client.stats()
-            holder.cancel()
+            holder = asyncio.create_task(client.generate("hold the slot", max_tokens=3000, temperature=0,
+                                                         ignore_eos=True))
+            # its instance stopped while it holds the slot, so that the slot stays taken while the other waits
+            row = await asyncio.to_thread(caught_mid_request, server.slots, 3000, holder.done)
+            assert row is not None, "the slot's holder ended before its instance was caught running it"
+            try:
+                waiter = asyncio.create_task(client.generate("wait", max_tokens=4))
+                while (await client.stats()).models["tiny"].queued == 0:
+                    await asyncio.sleep(0.01)
+                await asyncio.sleep(0.3)  # not a wait: the queued request's wait, which is measured
+                waiting = await client.stats()
+                holder.cancel()
+            finally:
+                os.kill(row.pid, signal.SIGCONT)
             await asyncio.gather(holder, waiter, return_exceptions=True)
             return waiting, await client.stats()
 
