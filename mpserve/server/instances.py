@@ -37,7 +37,7 @@ from mpserve.worker.spec import revision
 from . import chat, rolling
 from .broker import Broker
 from .layout import Layout, check_model, instance_rows, model_request, served_template, worker_spec
-from .rolling import Roll, Step, Turn
+from .rolling import Roll, Step
 from .scaling import Action, Decision, Load, Policy, Scaler
 from .state import WorkerEntry
 from .supervisor import ModelHealth, Supervisor
@@ -335,11 +335,9 @@ class Instances:
         roll.old &= self._supervisor.workers.keys()  # those that exited are gone
         entries = [w for w in self._broker.tables.workers.values() if w.model == name and w.index is not None]
         old_ready = [w for w in entries if w.index in roll.old and not w.draining]
-        starting = self._starting(name)
-        busy = starting > 0 or any(w.draining for w in entries)
         placed: list[tuple[int, Placement]] = []
-        turn = Turn(len(roll.old), starting + sum(1 for w in entries if w.index not in roll.old and not w.draining),
-                    busy, not busy and self._room(name, placed) is None, bool(old_ready))
+        turn = rolling.turn(roll.old, {w.index: w.draining for w in entries if w.index is not None},
+                            self._starting(name), lambda: self._room(name, placed) is None)
         action = rolling.step(roll, turn)
         if action is Step.DONE:
             del self._rolls[name]

@@ -4,8 +4,8 @@
     weights (its file) ──▶ Instances.roll(the new entry)
         the new entry serves every instance started from then on (the roll's, scale-ups, restarts); the running
         ones are superseded (``Supervisor.supersede``: none restarts from the old spec) ──▶ Roll(old, target)
-    each loop turn while an old instance runs ──▶ step(Turn) ──▶
-        WAIT   an instance of the model is starting, or one is draining
+    each loop turn while an old instance runs ──▶ turn(...) ──▶ step(Turn) ──▶
+        WAIT   an instance of the model is starting, or one is draining, or an old one left and has not exited
         START  one on the new settings, where an index is free and it fits (blue/green: every old one still
                serves, and the new one takes requests beside them)
         DRAIN  the old one running least: it takes nothing new and is told to stop at once; its requests are
@@ -25,6 +25,7 @@ given; more, and the roll takes rows of its own from the table's free ones (``al
 
 from __future__ import annotations
 
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from enum import Enum
 
@@ -56,6 +57,18 @@ class Turn:
     busy: bool  # an instance of the model is starting or draining
     room: bool  # one more instance can start now (a free index, and it fits)
     old_ready: bool  # an old instance can be drained (registered, not draining)
+
+
+def turn(old: set[int], registered: Mapping[int, bool], starting: int, room: Callable[[], bool]) -> Turn:
+    """The model as the roll sees it this turn, from the indices of its old instances still running (``old``), each
+    registered instance's index and whether it drains (``registered``), how many start, and whether one more can
+    (``room``, asked only where nothing is busy). Busy: one starts or drains, or an old one has left the broker (told
+    to stop, its requests handed over) and not exited yet: its index is not free, and a drain of the next meanwhile
+    would leave the model with none of its old instances serving and no new one started."""
+    busy = starting > 0 or any(registered.values()) or any(index not in registered for index in old)
+    new = starting + sum(1 for index, draining in registered.items() if index not in old and not draining)
+    old_ready = any(index in registered and not registered[index] for index in old)
+    return Turn(len(old), new, busy, not busy and room(), old_ready)
 
 
 def step(roll: Roll, turn: Turn) -> Step:

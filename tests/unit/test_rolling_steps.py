@@ -4,7 +4,7 @@ and done once as many new instances run as old ones did."""
 
 from __future__ import annotations
 
-from mpserve.server.rolling import Roll, Step, Turn, allocate, step
+from mpserve.server.rolling import Roll, Step, Turn, allocate, step, turn
 
 
 def _play(target: int, slots: int) -> list[Step]:
@@ -34,6 +34,25 @@ def test_it_waits_while_an_instance_starts_or_drains_and_for_old_ones_not_yet_re
     roll = Roll({0, 1}, 2)
     assert step(roll, Turn(2, 0, busy=True, room=True, old_ready=True)) is Step.WAIT
     assert step(roll, Turn(2, 1, busy=False, room=False, old_ready=False)) is Step.WAIT
+
+
+def test_an_old_instance_that_left_and_has_not_exited_holds_the_next_drain_back() -> None:
+    """Old instance 1 was drained: it left the broker (its requests handed over) and its process exits. Draining
+    old instance 0 now would leave the model with no instance serving and none started: the roll waits, and starts
+    the new one in the index 1 frees once it has exited."""
+    roll = Roll({0, 1}, 2)
+    leaving = turn({0, 1}, {0: False}, starting=0, room=lambda: False)
+    assert leaving.busy and step(roll, leaving) is Step.WAIT
+    exited = turn({0}, {0: False}, starting=0, room=lambda: True)
+    assert step(Roll({0}, 2), exited) is Step.START
+    assert turn({0}, {0: False, 1: False}, starting=0, room=lambda: False).new == 1  # the new one, ready
+
+
+def test_a_turn_counts_old_new_starting_and_draining_instances() -> None:
+    seen = turn({0, 1}, {0: False, 1: True, 2: False}, starting=1, room=lambda: True)
+    assert (seen.old, seen.new, seen.busy, seen.room, seen.old_ready) == (2, 2, True, False, True)
+    idle = turn({0}, {0: False, 2: False}, starting=0, room=lambda: True)
+    assert (idle.old, idle.new, idle.busy, idle.room, idle.old_ready) == (1, 1, False, True, True)
 
 
 def test_a_model_with_no_instance_is_done_at_once_and_one_that_cannot_start_more_too() -> None:
