@@ -32,7 +32,7 @@ PROMPTS = ["Hello world", "The quick brown fox"]
 @pytest.fixture(scope="module")
 def single_server() -> Iterator[ServerProcess]:
     """One instance, a queue of one, and room for very long requests (the tiny model slows down as its
-    context fills: 8000 tokens take minutes, so such a request is still running when a test cancels it)."""
+    context fills: 8000 tokens take seconds, so such a request is still running when a test cancels it)."""
     server = ServerProcess("--instances", "1", "--max-queue", "1", "--n-ctx", "8192").wait_ready()
     yield server
     server.stop()
@@ -329,9 +329,13 @@ def test_monitor_reports_each_instance_and_a_killed_worker_shows_everywhere(star
 
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("stream", [True, False], ids=["streamed", "whole"])
-def test_a_client_that_disconnects_frees_the_instance_within_a_second(single_server, single_gateway,
-                                                                      stream: bool) -> None:
+def test_a_client_that_disconnects_has_its_request_cancelled_and_the_instance_freed(single_server, single_gateway,
+                                                                                    stream: bool) -> None:
+    """The gateway sends the broker a CANCEL for the request of a client that went away (counted there), and the
+    instance is free again long before the request's end; no time is asserted."""
     body = {"model": "tiny", "prompt": "x", "max_tokens": 8000, "temperature": 0, "stream": stream}
+    with Client(single_server.address) as observer:
+        cancelled = observer.stats().counters.get("cancelled", 0)
     with httpx.Client(timeout=30) as http:
         if stream:
             with http.stream("POST", f"{single_gateway.url}/v1/completions", json=body) as response:
@@ -348,10 +352,10 @@ def test_a_client_that_disconnects_frees_the_instance_within_a_second(single_ser
                 http.post(f"{single_gateway.url}/v1/completions", json=body, timeout=1.0)
             watcher.join()
             assert busy.is_set()
-    left = time.monotonic()
-    row = wait_for(lambda: (r := single_server.slots()[0]).state is SlotState.IDLE and r, 5, "an idle instance")
-    assert time.monotonic() - left < 1.0
+    row = wait_for(lambda: (r := single_server.slots()[0]).state is SlotState.IDLE and r, 30, "an idle instance")
     assert row.tokens < 8000
+    with Client(single_server.address) as observer:
+        assert observer.stats().counters.get("cancelled", 0) == cancelled + 1, "the gateway sent no CANCEL"
     codes = single_gateway.metrics()
     assert codes["mpserve_http_requests_total", (("code", "cancelled"), ("endpoint", "/v1/completions"))] == 1
 
