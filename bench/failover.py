@@ -152,13 +152,9 @@ class Run:
         if info is None:
             return []
         try:
-            table = SlotTable.attach(Path(info.slots), writable=False)
+            rows = SlotTable.read_rows(Path(info.slots))
         except (OSError, ValueError):
             return []
-        try:
-            rows = table.read_all()
-        finally:
-            table.close()
         busy = {r.pid for r in rows if r.pid and r.state is SlotState.BUSY}
         return sorted({r.pid for r in rows if r.pid}, key=lambda pid: pid not in busy)
 

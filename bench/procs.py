@@ -89,11 +89,8 @@ class MpserveServer:
     def worker_pids(self) -> list[int]:
         info = ServerInfo.read(self.name)
         assert info is not None
-        table = SlotTable.attach(Path(info.slots), writable=False)
-        try:
-            return list(dict.fromkeys(row.pid for row in table.read_all() if row.pid))  # a row per slot: once each
-        finally:
-            table.close()
+        rows = SlotTable.read_rows(Path(info.slots))
+        return list(dict.fromkeys(row.pid for row in rows if row.pid))  # a row per slot: once each
 
     def stop(self) -> None:
         if self.proc.poll() is None:

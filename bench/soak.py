@@ -291,11 +291,7 @@ def _worker_pids(server: MpserveServer) -> list[int]:
 def _rows(server: MpserveServer) -> list[Any]:
     info = ServerInfo.read(server.name)
     assert info is not None
-    table = SlotTable.attach(Path(info.slots), writable=False)
-    try:
-        return table.read_all()
-    finally:
-        table.close()
+    return SlotTable.read_rows(Path(info.slots))
 
 
 def _gateway_pid(server: MpserveServer) -> int:

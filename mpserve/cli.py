@@ -574,11 +574,7 @@ def slots(
     them: a long conversation survives a restart."""
     with _errors():
         info = target.broker()
-        table = SlotTable.attach(Path(info.slots), writable=False)
-        try:
-            worker, local = locate(table.read_all(), slot)
-        finally:
-            table.close()
+        worker, local = locate(SlotTable.read_rows(Path(info.slots)), slot)
         with admin_client(info, target.curve) as client:
             reply = client.slot(action, worker, local, filename)
         if as_json:

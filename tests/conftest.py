@@ -133,11 +133,7 @@ class ServerProcess:
         return self.info.admin
 
     def slots(self) -> list[SlotRow]:
-        table = SlotTable.attach(Path(self.info.slots), writable=False)
-        try:
-            return table.read_all()
-        finally:
-            table.close()
+        return SlotTable.read_rows(Path(self.info.slots))
 
     def stop(self, sig: int = signal.SIGTERM, timeout: float = 30.0) -> int:
         if self.proc.poll() is None:

@@ -51,21 +51,13 @@ class Pool:
         while (info := ServerInfo.read(self.name)) is None or info.pid != self.proc.pid:
             assert time.monotonic() < deadline, "pool never wrote its info file"
             time.sleep(0.05)
-        table = SlotTable.attach(Path(info.slots), writable=False)
-        try:
-            return [self.proc.pid, *(r.pid for r in table.read_all() if r.pid)]
-        finally:
-            table.close()
+        return [self.proc.pid, *(r.pid for r in SlotTable.read_rows(Path(info.slots)) if r.pid)]
 
     def rows(self) -> list[SlotRow]:
         """The pool's slot table as it is now."""
         info = ServerInfo.read(self.name)
         assert info is not None
-        table = SlotTable.attach(Path(info.slots), writable=False)
-        try:
-            return table.read_all()
-        finally:
-            table.close()
+        return SlotTable.read_rows(Path(info.slots))
 
     def stop_busy_mid_update(self, pid: int) -> bool:
         """SIGSTOP worker ``pid`` as if in the middle of writing its slot rows: their sequences odd, as a stop can

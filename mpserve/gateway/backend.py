@@ -188,13 +188,9 @@ class Backend:
         if info is None:
             return None
         try:
-            table = SlotTable.attach(Path(info.slots), writable=False)
+            return LocalSlots(info, SlotTable.read_rows(Path(info.slots)))
         except (OSError, ValueError):  # removed between the two reads: the server has just stopped
             return None
-        try:
-            return LocalSlots(info, table.read_all())
-        finally:
-            table.close()
 
     async def close(self) -> None:
         await self._client.close()

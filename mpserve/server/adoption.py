@@ -78,13 +78,9 @@ def survey(paths: ServerPaths, specs: list[WorkerSpec]) -> Survivors:
     if not secrets:
         return Survivors()
     try:
-        table = SlotTable.attach(paths.slots, writable=False)
+        rows = SlotTable.read_rows(paths.slots)
     except (OSError, ValueError):
         return Survivors(secrets)
-    try:
-        rows = table.read_all()
-    finally:
-        table.close()
     by_index = {spec.index: spec for spec in specs}
     found: dict[int, int] = {}
     for index in {r.worker for r in rows if r.state not in (SlotState.EMPTY, SlotState.DEAD, SlotState.FAILED)}:

@@ -186,6 +186,15 @@ class SlotTable:
             raise ValueError(f"{path} is not a slot table of this version of mpserve")
         return cls(path, fd, mm, rows, owner=False)
 
+    @classmethod
+    def read_rows(cls, path: Path) -> list[SlotRow]:
+        """Every row of the table at ``path`` as it is now: attached read-only, read whole once, let go."""
+        table = cls.attach(path, writable=False)
+        try:
+            return table.read_all()
+        finally:
+            table.close()
+
     def writer(self, index: int, like: SlotWriter | None = None) -> SlotWriter:
         """The writer of row ``index``; ``like``: another table's writer whose fields it takes, and writes at once
         (an adopted instance's rows, moved into its new server's table)."""

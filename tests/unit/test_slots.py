@@ -36,6 +36,8 @@ def test_rows_round_trip_and_unlink_removes_the_file(tmp_path: Path) -> None:
     table.writer(1).progress(8, 301)
     assert (table.read(1).tokens, table.read(1).kv_cells, table.read(1).kv_capacity) == (8, 301, 2048)
     assert table.read(0).state is SlotState.EMPTY
+    assert [(r.index, r.pid, r.tokens) for r in SlotTable.read_rows(tmp_path / "s")] == [(0, 0, 0), (1, 42, 8),
+                                                                                        (2, 0, 0)]
     table.unlink()
     assert not (tmp_path / "s").exists()
 
