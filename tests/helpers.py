@@ -78,6 +78,23 @@ def far_from_its_end(row: SlotRow, total: int | None) -> bool:
     return row.state is SlotState.BUSY and not row.stuck_s and (total is None or row.tokens + 1 < total)
 
 
+def stopped_instance(slots: Callable[[], list[SlotRow]]) -> int:
+    """The pid of a server's one instance, stopped (SIGSTOP has taken effect)."""
+    (pid,) = {r.pid for r in slots() if r.pid}
+    stop(pid)
+    return pid
+
+
+def stopped_running(slots: Callable[[], list[SlotRow]], request: str, total: int) -> int | None:
+    """The pid of a server's one instance, stopped with request ``request`` (its id; a row holds its beginning)
+    running far from its end (``far_from_its_end``); None, the instance going on (SIGCONT), where it was not."""
+    pid = stopped_instance(slots)
+    if any(r.request and request.startswith(r.request) and far_from_its_end(r, total) for r in slots()):
+        return pid
+    os.kill(pid, signal.SIGCONT)
+    return None
+
+
 def server_idle(observer: Client) -> bool:
     """Whether the server ``observer`` is connected to has no request queued or running."""
     return not any(m.queued + m.running for m in observer.stats().models.values())

@@ -13,7 +13,7 @@ import pytest
 from conftest import ServerProcess
 from engines import LONG_PROMPT
 from gateway_thread import GatewayThread
-from helpers import caught_mid_request, far_from_its_end, server_idle, wait_for
+from helpers import caught_mid_request, far_from_its_end, server_idle, stopped_running, wait_for
 
 from mpserve import Client
 from mpserve.errors import BadRequest
@@ -95,28 +95,22 @@ def test_choices_wait_for_as_many_free_slots_of_one_instance(four_slots: ServerP
             got: list[list[str]] = []
             waiting = threading.Thread(target=lambda got=got: got.append(
                 [c.text for c in client.choices("The sea", n=4, max_tokens=4, temperature=0)]))
-            instance = next(r.pid for r in four_slots.slots() if r.pid)
-            os.kill(instance, signal.SIGSTOP)
-            try:
-                running = _busy_with(four_slots, long.id)
-                if running:  # and it stays so until SIGCONT
+            instance = stopped_running(four_slots.slots, long.id, 400)
+            if instance is not None:  # and it stays so until SIGCONT
+                try:
                     waiting.start()
                     wait_for(lambda: client.stats().models["tiny"].queued == 1, what="the request for 4 queued")
                     rows = four_slots.slots()
-            finally:
-                os.kill(instance, signal.SIGCONT)
+                finally:
+                    os.kill(instance, signal.SIGCONT)
             rest = "".join(chunks)
             assert rest and long.result is not None
-            if running:
+            if instance is not None:
                 waiting.join(60)
                 assert len(got) == 1 and len(set(got[0])) == 1  # greedy: four times the same text
                 assert sum(r.state is SlotState.BUSY for r in rows) == 1  # three free slots are not enough
                 return
     pytest.fail("three times, the long request ended before its instance could be stopped")
-
-
-def _busy_with(server: ServerProcess, request_id: str) -> bool:
-    return any(r.request and request_id.startswith(r.request) and far_from_its_end(r, 400) for r in server.slots())
 
 
 @pytest.mark.timeout(60)

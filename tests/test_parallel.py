@@ -9,7 +9,7 @@ import threading
 import time
 
 import pytest
-from helpers import far_from_its_end, stop
+from helpers import stopped_running
 
 from mpserve import Client
 from mpserve.wire.slots import SlotState
@@ -139,12 +139,10 @@ async def _cancelled_mid_run(server, client, request_id: str, total: int) -> boo
     from its end (``far_from_its_end``); the instance goes on once the broker took the CANCEL, which then waits on the
     worker's link: the request is cancelled mid-run for certain. False, nothing cancelled, where it was not running
     so."""
-    (pid,) = {r.pid for r in server.slots() if r.pid}
-    await asyncio.to_thread(stop, pid)
+    pid = await asyncio.to_thread(stopped_running, server.slots, request_id, total)
+    if pid is None:
+        return False
     try:
-        rows = await asyncio.to_thread(server.slots)
-        if not any(r.request and request_id.startswith(r.request) and far_from_its_end(r, total) for r in rows):
-            return False
         await client.cancel(request_id)
         await client.stats()  # answered after the CANCEL was taken
         return True

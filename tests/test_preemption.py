@@ -21,7 +21,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 import pytest
-from helpers import far_from_its_end, stop
+from helpers import far_from_its_end, stopped_instance, stopped_running
 
 from mpserve import AsyncClient, Result
 from mpserve.errors import Cancelled
@@ -64,7 +64,7 @@ async def _sent_while_held(server: Any, client: AsyncClient, busy: int, total: i
     slot (its running count past ``busy``). Its PREEMPT then waits on the worker's link, taken at the worker's next
     turn, before any victim can end: the urgent request preempts for certain, however loaded the host. None (nothing
     sent) where fewer were running so at the stop: the caller runs its scene again."""
-    pid = await asyncio.to_thread(_stopped_instance, server)
+    pid = await asyncio.to_thread(stopped_instance, server.slots)
     try:
         if sum(far_from_its_end(r, total) for r in await asyncio.to_thread(server.slots)) < busy:
             return None
@@ -74,23 +74,6 @@ async def _sent_while_held(server: Any, client: AsyncClient, busy: int, total: i
         return task
     finally:
         os.kill(pid, signal.SIGCONT)
-
-
-async def _stopped_running(server: Any, request: str, total: int) -> int | None:
-    """The pid of the server's one instance, stopped (SIGSTOP) with request ``request`` (its id) running more than
-    one token short of ``total``; None, the instance going on, where it was not."""
-    pid = await asyncio.to_thread(_stopped_instance, server)
-    if any(r.request == request and far_from_its_end(r, total) for r in await asyncio.to_thread(server.slots)):
-        return pid
-    os.kill(pid, signal.SIGCONT)
-    return None
-
-
-def _stopped_instance(server: Any) -> int:
-    """The pid of the server's one instance, stopped (SIGSTOP has taken effect)."""
-    (pid,) = {r.pid for r in server.slots() if r.pid}
-    stop(pid)
-    return pid
 
 
 async def _contend(server: Any, low: dict[str, Any], urgent: dict[str, Any], total: int
@@ -236,7 +219,7 @@ def test_a_parked_request_whose_instance_dies_continues_from_its_streamed_tokens
                 before = (await client.stats()).counters.get("preempted", 0)
                 (parked,), sent = await _scene(server, client, [], lows, 1, expected.usage.completion_tokens, urgent)
                 await asyncio.wait_for(urgent_started.wait(), 120)  # the low one is parked on the worker now
-                pid = await _stopped_running(server, f"urgent{scene}", 3000)
+                pid = await asyncio.to_thread(stopped_running, server.slots, f"urgent{scene}", 3000)
                 if pid is not None:
                     os.kill(pid, signal.SIGKILL)  # with the low one parked on it, for certain
                     (chunks, text), _ = await asyncio.gather(parked, sent)
@@ -280,7 +263,7 @@ def test_a_parked_request_cancelled_is_forgotten_and_its_room_serves_the_next_pr
                 (low1,), urgent1 = await _scene(server, client, order, low("low1"), 1, 2000,
                                                 lambda: one("urgent1", 10, max_tokens=2000, ignore_eos=True))
                 await asyncio.wait_for(events["urgent1"].wait(), 120)  # low1 is parked
-                pid = await _stopped_running(server, "urgent1", 2000)
+                pid = await asyncio.to_thread(stopped_running, server.slots, "urgent1", 2000)
                 if pid is not None:  # low1 parked until urgent1 ends, for certain
                     await client.cancel("low1")
                     await client.stats()  # answered after the CANCEL was taken
