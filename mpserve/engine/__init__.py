@@ -17,6 +17,7 @@
     media        images in a prompt: the projector (llama.cpp's mtmd), decoded images, their placeholder ids
     host_store   the host store: saved sequence states shared by the host's instances, RAM and disk tiers
     store_files  the host store's files: bounded reads, atomic private writes, last-used times
+    store_tier   one tier of the host store: a folder of entries with a size, its lock and listing
     store_format the host store's entry layout: an entry's name, its header read and checked
     remote_store the host store's remote tier on Redis or Valkey: lookups checked like local hits, writes queued
     store_stats  the host store's figures and changes, as the worker and the broker hear of them

@@ -67,7 +67,6 @@ from __future__ import annotations
 
 import ctypes
 import errno
-import fcntl
 import hashlib
 import json
 import logging
@@ -76,23 +75,21 @@ import queue
 import re
 import struct
 import threading
-import time
 import zlib
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from mpserve.config.loader import tier_folder
 from mpserve.config.remote_tier import RemoteTier
 from mpserve.errors import ConfigError
-from mpserve.private import FILE_MODE, PlantedFile, open_private, private_dir
+from mpserve.private import PlantedFile, open_private, private_dir
 from mpserve.wire.prefix import common_prefix
 
 from .store_files import read_private, sha256, touch, write_atomic
-from .store_format import MAGIC, MAX_HEADER_BYTES, PREFIX, SUFFIX, address, read_header
+from .store_format import MAGIC, MAX_HEADER_BYTES, PREFIX, address, read_header
 from .store_stats import CacheStats, Changes, RemoteStats
+from .store_tier import PART, Tier
 
 if TYPE_CHECKING:
     from .remote_store import RemoteStore
@@ -101,9 +98,7 @@ log = logging.getLogger("mpserve.worker")
 
 FORMAT = 1  # the entry layout; part of the key
 _SHA256 = re.compile(r"[0-9a-f]{64}")
-_PART = ".kvpart"  # an entry being written: ".tmp-PID-THREAD.kvpart"
 PENDING_WRITES = 4  # states waiting for the writer thread; admitting waits while this many are queued
-STATS_EVERY_S = 1.0  # a tier's bytes are listed at most this often for stats
 
 
 @dataclass(frozen=True)
@@ -154,74 +149,6 @@ def _remote_store(tier: RemoteTier, key: str) -> RemoteStore:
     return RemoteStore(tier, key, lambda tokens, salt: address(key, tokens, salt))
 
 
-class _Tier:
-    """One folder of entries with a size: the RAM tier (tmpfs) or the disk tier."""
-
-    def __init__(self, name: str, root: Path, capacity: int, key: str, durable: bool) -> None:
-        self.name, self.root, self.capacity, self.durable = name, root, capacity, durable
-        private_dir(root, tier_folder(name))
-        self.dir = private_dir(root / key, tier_folder(name))
-        self._held, self._listed_at = 0, 0.0
-
-    @contextmanager
-    def lock(self) -> Iterator[None]:
-        """The tier's lock, across processes; the kernel releases it when its holder dies."""
-        fd = os.open(self.root / "lock", os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, FILE_MODE)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX)
-            yield
-        finally:
-            os.close(fd)
-
-    def path(self, name: str) -> Path:
-        return self.dir / name
-
-    def listing(self) -> list[tuple[int, int, Path]]:
-        """(mtime ns, bytes, path) of every file in the tier, every key's, least recently used first. Under the
-        lock: temporary files are orphans of a killed writer, and are removed."""
-        found = []
-        for folder in self.root.iterdir():
-            if not folder.is_dir():
-                continue
-            for item in os.scandir(folder):
-                try:
-                    if item.name.endswith(_PART):
-                        os.unlink(item.path)
-                    elif item.name.endswith(SUFFIX):
-                        st = item.stat()
-                        found.append((st.st_mtime_ns, st.st_size, Path(item.path)))
-                except FileNotFoundError:
-                    continue
-        found.sort()
-        self._held, self._listed_at = sum(size for _, size, _ in found), time.monotonic()
-        return found
-
-    def held(self) -> int:
-        """The tier's bytes, listed at most every STATS_EVERY_S."""
-        if time.monotonic() - self._listed_at > STATS_EVERY_S:
-            total = 0
-            for folder in self.root.iterdir():
-                if folder.is_dir():
-                    for item in os.scandir(folder):
-                        if item.name.endswith(SUFFIX):
-                            try:
-                                total += item.stat().st_size
-                            except FileNotFoundError:
-                                continue
-            self._held, self._listed_at = total, time.monotonic()
-        return self._held
-
-    def stale(self) -> None:
-        """The tier changed: the next ``held`` lists it again."""
-        self._listed_at = 0.0
-
-    def names(self) -> set[str]:
-        try:
-            return {n for n in os.listdir(self.dir) if n.endswith(SUFFIX)}
-        except FileNotFoundError:
-            return set()
-
-
 class HostStore:
     def __init__(self, key: str, identity: dict[str, Any], ram_dir: Path, ram_bytes: int, disk_dir: Path | None = None,
                  disk_bytes: int = 0, n_ctx: int = 1 << 30, cut_back: bool = True,
@@ -232,9 +159,9 @@ class HostStore:
         self._remote = _remote_store(remote, key) if remote else None
         self.cut_back = cut_back
         self.n_ctx = n_ctx
-        self._tiers = [_Tier("ram", ram_dir, ram_bytes, key, durable=False)]
+        self._tiers = [Tier("ram", ram_dir, ram_bytes, key, durable=False)]
         if disk_dir is not None and disk_bytes > 0:
-            self._tiers.append(_Tier("disk", disk_dir, disk_bytes, key, durable=True))
+            self._tiers.append(Tier("disk", disk_dir, disk_bytes, key, durable=True))
         for tier in self._tiers:
             note = tier.dir / "identity.json"
             if not note.exists():
@@ -391,7 +318,7 @@ class HostStore:
                 del self._index[gone]
             return list(self._index.values())
 
-    def _read_head(self, tier: _Tier, name: str) -> Entry | None:
+    def _read_head(self, tier: Tier, name: str) -> Entry | None:
         """The entry ``name`` of ``tier`` from its header and tokens, each part checked and each read bounded by
         the file's size; a bad one is skipped (removed and counted), never an exception."""
         path = tier.path(name)
@@ -429,7 +356,7 @@ class HostStore:
             return "its name is not its tokens' address"
         return tokens, header.summary, start + 4 * header.tokens, header.state_bytes
 
-    def _skip(self, tier: _Tier, path: Path, why: str) -> Entry | None:
+    def _skip(self, tier: Tier, path: Path, why: str) -> Entry | None:
         """Remove the bad entry at ``path``, saying why; None (no entry), for the readers that return one."""
         log.warning("store entry %s (%s tier) skipped and removed: %s", path.name, tier.name, why)
         try:
@@ -560,7 +487,7 @@ class HostStore:
                 self._make_room(level, path)
                 held -= size
             try:
-                write_atomic(tier.path(name), data, tier.durable, _PART)
+                write_atomic(tier.path(name), data, tier.durable, PART)
             except OSError as exc:
                 with self._lock:
                     self._counts["skipped"] += 1
