@@ -19,10 +19,12 @@ from pathlib import Path
 import pytest
 from conftest import ServerProcess
 from engines import LONG_PROMPT as LONG
+from helpers import running
 
 from mpserve import Client
 from mpserve.engine.host_store import MAGIC
 from mpserve.engine.sequence import PROMPT_CHUNK
+from mpserve.engine.store_format import PREFIX
 from mpserve.wire.slots import SlotState
 
 FOLLOW_UP = LONG + " and then the cat sat"
@@ -70,13 +72,40 @@ def test_a_model_unloaded_and_loaded_again_restores_its_prompts(start_server: ty
     server = start_server(*SERVER, "--cache-shm", str(store)).wait_ready()
     with Client(server.address, timeout=60) as client, Client(server.admin) as admin:
         client.generate(LONG, max_tokens=4, temperature=0)
+        pid = worker_pid(server)
         admin.control("unload", "tiny")
-        wait_for(lambda: not worker_pid(server), 30, "the instance to stop")
+        wait_for(lambda: not running(pid), 30, "the instance to exit")
         assert entries(store)  # written before the instance went
         admin.control("load", "tiny")
         again = client.generate(FOLLOW_UP, max_tokens=4, temperature=0)
     assert again.timings.cached_tokens == PROMPT_CHUNK
     assert not server.tracebacks(), "\n".join(server.log)
+
+
+@pytest.mark.timeout(120)
+def test_an_instance_told_to_stop_keeps_what_its_slot_holds_generated_tokens_too(
+        start_server: type[ServerProcess], tmp_path: Path) -> None:
+    """An instance stopped (a scale-down, an unload) closes its engine before it exits: what its slot holds goes to
+    the store, and the writes it queued are made (it used to exit with them, and its writer thread, cut short)."""
+    store = tmp_path / "shm"
+    server = start_server("--parallel", "1", "--n-ctx", "1024", "--cache-ram", "64MiB",
+                          "--cache-shm", str(store)).wait_ready()  # reuse: any keeps cells of any length
+    with Client(server.address, timeout=60) as client, Client(server.admin) as admin:
+        done = client.generate(LONG, max_tokens=8, temperature=0, ignore_eos=True)
+        pid = worker_pid(server)
+        admin.control("unload", "tiny")
+        wait_for(lambda: not running(pid), 30, "the instance to exit")
+    held = {_tokens_in(entry) for entry in entries(store)}
+    # all but the last token sampled (it has no cell), as the slot held them
+    assert done.usage.prompt_tokens + done.usage.completion_tokens - 1 in held, held
+    assert not server.tracebacks(), "\n".join(server.log)
+
+
+def _tokens_in(entry: Path) -> int:
+    """How many tokens a store entry's header says it holds the cells of."""
+    data = entry.read_bytes()
+    _, length, _ = PREFIX.unpack_from(data)
+    return int(json.loads(data[PREFIX.size:PREFIX.size + length])["tokens"])
 
 
 @pytest.mark.timeout(120)

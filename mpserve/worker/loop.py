@@ -30,8 +30,8 @@ Each turn takes every waiting broker message, then runs one ``engine.step`` whil
               streamed, its token ids) until a new server's broker answers (HEARTBEAT with its pid, watched from then
               on: ``mpserve.server.adoption``); its rows move to the new slot table. None within ``adopt_wait``: leave.
               HAND_OFF (an upgrade) does the same, its READY answering the broker that is handing it off first
-    leave     told to STOP, terminated (SIGTERM), or the server (pool) gone: LEAVING, and exit; the requests
-              still running are not answered: the broker hands them over at once, as a lost worker's
+    leave     told to STOP, terminated (SIGTERM), or the server (pool) gone: LEAVING, the engine closed, and exit;
+              the requests still running are not answered: the broker hands them over at once, as a lost worker's
 
 The same loop serves models (``BatchEngine``) and the echo backend (``EchoEngine``): one interface,
 ``mpserve.engine.interface.Engine``.
@@ -74,7 +74,7 @@ from . import adapter_actions, embed, slot_files, spans, tokens
 from .kv_publisher import open_publisher
 from .outbox import Outbox
 from .spec import EXIT_LOAD_FAILED, EngineSpec, WorkerSpec
-from .stream import ChunkStream
+from .stream import ChunkStream, answer
 
 log = logging.getLogger("mpserve.worker")
 
@@ -186,6 +186,8 @@ class Worker:
         self.set_rows(state=SlotState.STOPPING)
         # the requests still running are not answered: the broker hands them over as a lost worker's
         self._signal(wire.Leaving(spec.identity.decode(), self._leaving or "told to stop"))
+        if self._engine is not None:  # after LEAVING (the hand-over need not wait): what its slots hold, and the
+            self._engine.close()  # writes it queued, go to the host store before the exit
         if self._kv_events is not None:
             self._kv_events.close()
 
@@ -636,21 +638,10 @@ class Worker:
         self._answer(outcome, assign.ticket)
 
     def _reply(self, assign: wire.Assign, result: Completion) -> wire.Done | wire.Error:
-        req = assign.request
-        if result.finish_reason == "cancelled":
-            return wire.Error(req.id, ErrorCode.CANCELLED, "cancelled")
-        if result.error is not None:
-            return wire.Error(req.id, result.error.code, result.error.message)
-        if self._spans is not None:
+        outcome = answer(assign, result, self._spec.identity.decode())
+        if self._spans is not None and isinstance(outcome, wire.Done):
             self._spans.answered(assign, result)
-        usage = wire.Usage(result.prompt_tokens, result.completion_tokens, result.reasoning_tokens)
-        return wire.Done(
-            req.id, result.text, result.finish_reason, usage,
-            wire.Timings(assign.queue_ms, result.prompt_s * 1000, result.generate_s * 1000, assign.attempt,
-                         cached_tokens=result.reused_tokens, draft_tokens=result.draft_tokens,
-                         accepted_tokens=result.accepted_tokens),
-            worker=self._spec.identity.decode(), logprobs=result.logprobs, index=assign.index,
-        )
+        return outcome
 
 
 @dataclasses.dataclass(frozen=True)

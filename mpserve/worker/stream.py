@@ -1,6 +1,7 @@
-"""One streamed request's text on its way out, as CHUNK messages.
+"""One request's text on its way out: streamed as CHUNK messages, then its answer.
 
     engine on_token --push(piece)--> ChunkStream --send(text)--> CHUNK to the broker
+    engine step ──Completion──answer(assign, result, worker)──▶ DONE or ERROR
 
 The first piece goes at once; later pieces are gathered and sent together once ``interval`` seconds have
 passed since the last send; ``flush`` sends what is left (just before DONE). Every message costs CPU in
@@ -13,6 +14,10 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+
+from mpserve.engine.interface import Completion
+from mpserve.errors import ErrorCode
+from mpserve.wire import protocol as wire
 
 
 class ChunkStream:
@@ -36,3 +41,20 @@ class ChunkStream:
             text = "".join(self._parts)
             self._parts.clear()
             self._send(text)
+
+
+def answer(assign: wire.Assign, result: Completion, worker: str) -> wire.Done | wire.Error:
+    """What the broker is told of the request ``assign`` carried, ended with ``result`` on ``worker``."""
+    req = assign.request
+    if result.finish_reason == "cancelled":
+        return wire.Error(req.id, ErrorCode.CANCELLED, "cancelled")
+    if result.error is not None:
+        return wire.Error(req.id, result.error.code, result.error.message)
+    usage = wire.Usage(result.prompt_tokens, result.completion_tokens, result.reasoning_tokens)
+    return wire.Done(
+        req.id, result.text, result.finish_reason, usage,
+        wire.Timings(assign.queue_ms, result.prompt_s * 1000, result.generate_s * 1000, assign.attempt,
+                     cached_tokens=result.reused_tokens, draft_tokens=result.draft_tokens,
+                     accepted_tokens=result.accepted_tokens),
+        worker=worker, logprobs=result.logprobs, index=assign.index,
+    )
