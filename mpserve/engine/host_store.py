@@ -102,6 +102,18 @@ PENDING_WRITES = 4  # states waiting for the writer thread; admitting waits whil
 
 
 @dataclass(frozen=True)
+class _Job:
+    """A write queued for the writer thread: an entry, or (``state`` None) a live sequence's entries forgotten."""
+
+    tokens: tuple[int, ...]
+    salt: bytes
+    state: Any = None
+    size: int = 0
+    summary: tuple[int, ...] = ()
+    live: bool = False  # the cells of a sequence still generating (``put_live``)
+
+
+@dataclass(frozen=True)
 class Entry:
     name: str  # ADDRESS.kv
     tokens: tuple[int, ...]
@@ -167,6 +179,7 @@ class HostStore:
             if not note.exists():
                 write_atomic(note, json.dumps(identity, indent=1, sort_keys=True).encode(), durable=False)
         self.capacity = sum(t.capacity for t in self._tiers)
+        self.ram_capacity = ram_bytes
         self._index: dict[str, Entry] = {}
         self._index_lock = threading.RLock()  # the index, read and changed by the engine and the writer thread
         self._counts = {"hits": 0, "misses": 0, "evictions": 0, "skipped": 0}
@@ -175,8 +188,7 @@ class HostStore:
         self._dropped: list[int] = []
         self._kv_log: list[tuple[str, tuple[int, ...] | None, bytes]] | None = None  # KV events (take_kv_log)
         self._pending: set[tuple[bytes, tuple[int, ...]]] = set()  # (salt, tokens) queued for the writer
-        self._jobs: queue.Queue[tuple[tuple[int, ...], Any, int, tuple[int, ...], bytes] | None] = queue.Queue(
-            PENDING_WRITES)
+        self._jobs: queue.Queue[_Job | None] = queue.Queue(PENDING_WRITES)
         self._writer = threading.Thread(target=self._write_loop, name="host-store-writer", daemon=True)
         self._writer.start()
 
@@ -207,7 +219,25 @@ class HostStore:
             return
         with self._lock:
             self._pending.add((salt, key))
-        self._jobs.put((key, state, size, summary, salt))
+        self._jobs.put(_Job(key, salt, state, size, summary))
+
+    def put_live(self, tokens: Sequence[int], state: Any, size: int, salt: bytes, wait: bool = False) -> bool:
+        """Queue ``state``, the cells of a sequence still generating (``tokens``: its prompt and the tokens decoded so
+        far), under its live salt (``mpserve.engine.live``), unless the writer has no room for it now and ``wait`` is
+        False (False: the caller tries again later). It goes to the RAM tier only, is told to no one (the broker,
+        the remote tier, the KV events), and replaces that salt's entries whose tokens it extends."""
+        if not self.wants(size):
+            return False
+        try:
+            self._jobs.put(_Job(tuple(tokens), salt, state, size, live=True), block=wait)
+        except queue.Full:
+            return False
+        return True
+
+    def forget_live(self, tokens: Sequence[int], salt: bytes) -> None:
+        """Remove, after the writes queued before, the entries of live salt ``salt`` that ``tokens`` extend: the
+        sequence they were saved for ended."""
+        self._jobs.put(_Job(tuple(tokens), salt, live=True))
 
     def find(self, tokens: Sequence[int], salt: bytes = b"") -> tuple[Entry | None, int]:
         """The entry of ``salt`` sharing the longest prefix with ``tokens`` (one this context has room for; where
@@ -377,17 +407,20 @@ class HostStore:
             if job is None:
                 self._jobs.task_done()
                 return
-            tokens, state, size, summary, salt = job
             try:
-                self._write(tokens, state, size, summary, salt)
+                if job.state is None:
+                    self._forget_extended(job.tokens, job.salt, itself=True, told=False)
+                else:
+                    self._write(job)
             except Exception:  # a store that cannot be written is a store that is not used, never a dead worker
                 log.exception("writing a store entry failed")
             finally:
                 with self._lock:
-                    self._pending.discard((salt, tokens))
+                    self._pending.discard((job.salt, job.tokens))
                 self._jobs.task_done()
 
-    def _write(self, tokens: tuple[int, ...], state: Any, size: int, summary: tuple[int, ...], salt: bytes) -> None:
+    def _write(self, job: _Job) -> None:
+        tokens, state, size, summary, salt = job.tokens, job.state, job.size, job.summary, job.salt
         name = address(self.key, tokens, salt)
         fields: dict[str, Any] = {"key": self.key, "tokens": len(tokens), "state_bytes": size, "summary": list(summary)}
         if salt:
@@ -400,20 +433,26 @@ class HostStore:
             touch(self._tiers[0].path(name))
             return
         written = self._store(0, name, data)
-        if len(self._tiers) > 1 and not self._tiers[1].path(name).exists():
+        if len(self._tiers) > 1 and not job.live and not self._tiers[1].path(name).exists():
             written = self._store(1, name, data) or written  # written through: the disk tier outlives a reboot
         if not written:
             return
-        if self._remote is not None:
-            self._remote.offer(tokens, salt, data)
-        self._announce(name, tokens, summary, salt)
-        if not self.cut_back:
-            return  # a shorter entry serves the prompts that share only part of this one
-        for shorter in [e for e in self._refresh() if e.salt == salt and tokens[:len(e.tokens)] == e.tokens != tokens]:
-            self._forget(shorter)  # this entry serves every prompt the shorter one did
+        if not job.live:
+            if self._remote is not None:
+                self._remote.offer(tokens, salt, data)
+            self._announce(name, tokens, summary, salt)
+        if self.cut_back or job.live:  # (else a shorter entry serves the prompts that share only part of this one)
+            self._forget_extended(tokens, salt, itself=False, told=not job.live)  # it serves what a shorter one did
 
-    def _forget(self, entry: Entry) -> None:
-        """Remove ``entry`` from every tier (it adds nothing now)."""
+    def _forget_extended(self, tokens: tuple[int, ...], salt: bytes, itself: bool, told: bool) -> None:
+        """Remove the entries of ``salt`` whose tokens ``tokens`` extend (``itself``: its own entry too; ``told``:
+        entries the KV events were told of, not live ones)."""
+        for entry in [e for e in self._refresh() if e.salt == salt and tokens[:len(e.tokens)] == e.tokens]:
+            if itself or entry.tokens != tokens:
+                self._forget(entry, told)
+
+    def _forget(self, entry: Entry, told: bool) -> None:
+        """Remove ``entry`` from every tier (it adds nothing now); ``told``: the KV events hear of it."""
         for tier in self._tiers:
             try:
                 os.unlink(tier.path(entry.name))
@@ -424,7 +463,7 @@ class HostStore:
         with self._lock:
             if entry.summary and self._added.pop(entry.id, None) is None:
                 self._dropped.append(entry.id)
-            if self._kv_log is not None:
+            if self._kv_log is not None and told:
                 self._kv_log.append((entry.name, None, entry.salt))
 
     def _fetch_remote(self, tokens: tuple[int, ...], salt: bytes, shared: int) -> Entry | None:

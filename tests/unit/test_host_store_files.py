@@ -127,6 +127,30 @@ def test_where_states_are_not_cut_back_an_entry_serves_only_prompts_that_extend_
     s.close()
 
 
+def test_a_live_entry_replaces_its_sequences_last_stays_in_ram_is_told_to_no_one_and_goes_when_forgotten(
+        tmp_path: Path) -> None:
+    """``put_live`` (a generating sequence's cells, ``mpserve.engine.live``), on a store that keeps shorter prompt
+    entries (not cut back): each replaces the last of its salt, none reaches the disk tier, the broker's changes or
+    the KV events, a prompt entry of another salt is left alone, and ``forget_live`` removes what the tokens extend."""
+    s = HostStore(KEY, {"model": "test"}, tmp_path / "ram", 10 * STATE, tmp_path / "disk", 10 * STATE, cut_back=False)
+    s.take_kv_log()  # the KV events' log starts
+    live, other = b"L" * 16, b"M" * 16
+    s.put([1, 2], state(1), STATE, (7,))  # a prompt entry of the default salt
+    for n in (3, 4, 5):
+        assert s.put_live(list(range(1, n + 1)), state(n), STATE, live, wait=True)
+    assert s.put_live([1, 2, 9], state(9), STATE, other, wait=True)  # another sequence of the same prompt
+    flush(s)
+    assert sorted((e.salt, e.tokens) for e in s._refresh()) == [
+        (b"", (1, 2)), (live, (1, 2, 3, 4, 5)), (other, (1, 2, 9))]
+    assert [p.name for p in (tmp_path / "disk").rglob("*.kv")] == [s.find([1, 2], b"")[0].name]  # type: ignore
+    assert [tokens for _, tokens, _ in s.take_kv_log()] == [(1, 2)]
+    assert [i for i, _ in s.take_changes().added] == [s.find([1, 2], b"")[0].id]  # type: ignore[union-attr]
+    s.forget_live([1, 2, 3, 4, 5, 6, 7], live)
+    flush(s)
+    assert sorted((e.salt, e.tokens) for e in s._refresh()) == [(b"", (1, 2)), (other, (1, 2, 9))]
+    s.close()
+
+
 def test_truncated_foreign_and_corrupt_entries_are_skipped_and_removed(tmp_path: Path) -> None:
     s = store(tmp_path, ram=10 * STATE)
     for first in (1, 2, 3):
