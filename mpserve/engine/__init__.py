@@ -13,6 +13,7 @@
     parking      a running sequence out of the batch whole, and back where it stopped (priority preemption)
     replay       a resumed request's carried tokens, taken in place of sampling (in runs with ``reuse: any``)
     keeping      when cells are saved to and restored from the host store ("where is a prefix restored")
+    live         a generating sequence's cells saved now and then (``reuse: exact``), restored where it is resumed
     context      the llama.cpp context: model, KV memory, decode, state bytes, tokens and pieces
     media        images in a prompt: the projector (llama.cpp's mtmd), decoded images, their placeholder ids
     host_store   the host store: saved sequence states shared by the host's instances, RAM and disk tiers

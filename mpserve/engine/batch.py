@@ -7,7 +7,8 @@ free slots and calls ``step`` in a loop; each module below does one job of it:
 
     admit(slot, prompt, params, on_token)
       context.tokenize_prompt ─▶ keeping.keep (what the cut loses) ─▶ cells.take_cells ─▶ keeping.restore
-      ─▶ cells.start ─▶ scheduler.add(Sequence)                                 (sequence: the request in its slot)
+      (a resumed request: live.restore, its cells saved as it generated, first) ─▶ cells.start
+      ─▶ scheduler.add(Sequence)                                                (sequence: the request in its slot)
     step()
       schedule  scheduler.cancelled / cells.catch_up / scheduler.decoding, decodes, chunks (+ drafts to verify:
                 speculation; a draft model's own context: draft; + a resumed request's carried tokens: replay)
@@ -15,7 +16,8 @@ free slots and calls ``step`` in a loop; each module below does one job of it:
                 ``step_budget_tokens`` while others decode; a chunk is never cut)
       sample    each sequence with logits, with its own sampler chain (sampling); text and stop strings; on_token
                 per token; prompts equal to one just computed take its cells (cells.share)
-      keep      keeping.save_computed: a prompt's cells to the host store as its chunks are computed
+      keep      keeping.save_computed: a prompt's cells to the host store as its chunks are computed; live.save: a
+                generating sequence's, now and then (``reuse: exact``), for an instance that goes on with it
       ─▶ [(slot, Completion)] of the sequences that ended
     cancel(slot)   the sequence ends at the start of the next step
     load_adapter / unload_adapter   LoRA adapters (``adapters``): a sequence runs under the set its request chose;
@@ -91,6 +93,7 @@ from .grammar import GrammarCache
 from .interface import BatchStats, Completion, OnToken
 from .keeping import Keeping, open_store
 from .kv_events import Held, held, stored
+from .live import Live
 from .logprobs import LogprobsRecorder, score_prompt
 from .parking import Parking
 from .sampling import TextStream
@@ -149,6 +152,7 @@ class BatchEngine:
         self._cells = Cells(context, self.parallel, self._scheduler.running, exact=self._exact,
                             kv_unified=settings.kv_unified, n_swa=context.n_swa, has_store=store is not None)
         self._keeping = Keeping(store, self._cells, context, exact=self._exact, cut_back=context.cut_back)
+        self._live = Live(store, context, self._cells, exact=self._exact, every_s=settings.live_save_s)
         self._parking = Parking(context, self._cells, self._scheduler)
         self.chat = context.chat
         context.warm_up()
@@ -290,11 +294,9 @@ class BatchEngine:
         # the prompt's already: carried tokens skip it)
         score_prompt = params.prompt_logprobs and params.logprobs is not None and not carried
         key = reuse_key(salt, space)
-        keeping.keep(slot, tokens, key)
-        if score_prompt:
-            context.seq_rm(slot, -1, -1)
-        own = 0 if score_prompt else self._cells.take_cells(slot, tokens, key)
-        reused = own if score_prompt or space else keeping.restore(slot, tokens, own, key)  # the store: base cells
+        restorable = () if images_at else replay.restorable(carried, params.stop, max_tokens, context)
+        cells = self._starting_cells(slot, tokens, key, score_prompt, space, restorable)
+        reused = min(cells, len(tokens))
         self._cells.start(slot, tokens, reused, routed(prompt, images) if isinstance(prompt, str) else "", key, space,
                           images_at)
         seed = params.seed if params.seed is not None else self._rng.randrange(2**32 - 1)
@@ -305,11 +307,27 @@ class BatchEngine:
         )
         self._equip(seq, params, score_prompt)
         seq.carried, seq.replay = len(carried), deque(carried)
+        if cells > reused:  # carried tokens' cells too
+            replay.restored(seq, context, cells)
         seq.marks = () if space else media.outside(images_at, keeping.marks(tokens, reused, score_prompt))  # they save
         seq.adapters, seq.space, seq.images = chosen, space, images_at  # cells in the store (not inside an image)
         seq.alone = alone
         self._last_adapters[slot] = chosen
         self._scheduler.add(seq)
+
+    def _starting_cells(self, slot: int, tokens: list[int], key: bytes, score_prompt: bool, space: bytes,
+                        restorable: collections.abc.Sequence[int]) -> int:
+        """The cells a prompt admitted into ``slot`` starts from: its slot's own, or more of them restored from the host
+        store (base cells only); for a resumed request, its cells saved as it generated (``live``), past its prompt."""
+        keeping = self._keeping
+        keeping.keep(slot, tokens, key)
+        if score_prompt:
+            self._context.seq_rm(slot, -1, -1)
+            return 0
+        if not space and (live := self._live.restore(slot, tokens, restorable, key)):
+            return live
+        own = self._cells.take_cells(slot, tokens, key)
+        return own if space else keeping.restore(slot, tokens, own, key)
 
     def _equip(self, seq: Sequence, params: GenerateParams, score_prompt: bool) -> None:
         """Give ``seq`` what its parameters ask for besides sampling: a log-probabilities recorder, a drafter."""
@@ -386,6 +404,7 @@ class BatchEngine:
             done += self._decode_tokens(together)
         for seq in chunks:
             done += self._decode_chunk(seq)
+        self._live.save(scheduler.running.values())
         self._steps += 1
         self._step_s += time.perf_counter() - started
         return done
@@ -530,6 +549,7 @@ class BatchEngine:
         seq.sampler.close()
         self._scheduler.remove(seq)
         self._cells.finished(seq)
+        self._live.forget(seq)
         first = seq.first_token_at or ended
         return seq.slot, Completion(
             text="".join(seq.pieces), finish_reason=reason, prompt_tokens=len(seq.prompt),
@@ -553,7 +573,11 @@ class BatchEngine:
     def stats(self) -> BatchStats:
         cells = self._cells
         return BatchStats(self._steps, self._step_s, self._context.decode_s, self._computed, cells.reused,
-                          self._generated, cells.copies, self._keeping.restored, self._drafted, self._accepted)
+                          self._generated, cells.copies, self._keeping.restored, self._drafted, self._accepted,
+                          self._live.restored)
+
+    def keep_running(self) -> None:
+        self._live.save(self._scheduler.running.values(), leaving=True)
 
     def close(self) -> None:
         """Free every sampler, the context and the model. Running sequences are dropped unanswered. What the slots

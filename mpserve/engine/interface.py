@@ -85,6 +85,9 @@ class NoCells:
     def erase_slot(self, slot: int) -> int:
         raise BadRequest(_NO_CELLS)
 
+    def keep_running(self) -> None:
+        return None
+
 
 class NoAdapters:
     """The Engine methods of an engine that takes no LoRA adapters (echo, embeddings)."""
@@ -196,6 +199,10 @@ class Engine(Protocol):
 
     def step(self) -> list[tuple[int, Completion]]: ...
 
+    def keep_running(self) -> None:
+        """The instance leaves with sequences running, which the broker hands over: save what another instance
+        restores to go on with them (``mpserve.engine.live``), and wait for the writes."""
+
     def close(self) -> None: ...
 
 
@@ -228,3 +235,4 @@ class BatchStats:
     prompt_tokens_restored: int  # of those reused: restored from the host store
     draft_tokens: int = 0  # proposed by speculation and verified
     accepted_tokens: int = 0  # of those, the ones the sequences kept
+    carried_tokens_restored: int = 0  # a resumed request's carried tokens whose cells were restored (``live``)

@@ -2,6 +2,7 @@
 instance that goes on with it (``BatchEngine.admit``'s ``carried``).
 
     admit ──carried──▶ Sequence.replay: decoded after the prompt, each taken as if sampled
+          ──live cells restored (``live``, ``reuse: exact``)──▶ restored: those the cells hold taken at once
     step  ──Scheduler.runs──▶ Sequence.ahead: carried tokens decoded in the same llama_decode as the sequence's next
                               token, at the positions after it (``reuse: any`` only)
           decode
@@ -20,6 +21,7 @@ and nothing is missing: the text held back at the cut stays held back.
 
 from __future__ import annotations
 
+import collections.abc
 from typing import TYPE_CHECKING
 
 from .sequence import Phase, Sequence
@@ -45,6 +47,30 @@ def take(seq: Sequence, context: Context) -> str | None:
     return None
 
 
+def restorable(carried: collections.abc.Sequence[int], stops: collections.abc.Sequence[str], max_tokens: int,
+               context: Context) -> collections.abc.Sequence[int]:
+    """Of a resumed request's ``carried`` tokens, those whose cells a live entry may give it (``live``): all but the
+    last, which ``restored`` takes with them, unless it may have ended the sequence (an end of generation, the last
+    of ``max_tokens``, or any where stop strings are set): then all but the last two, and the last is taken after
+    the first decode, as one a step takes it."""
+    if not carried:
+        return ()
+    may_end = bool(stops) or len(carried) >= max_tokens or context.piece(carried[-1])[1]
+    return carried[:-2] if may_end else carried[:-1]
+
+
+def restored(seq: Sequence, context: Context, cells: int) -> None:
+    """``seq`` starts from ``cells`` restored cells (``live``): its prompt's and its first carried tokens'. Those tokens
+    are taken as the steps that computed them took them, and so is the one after them, the next to decode (it has no
+    cell yet). None of them ends the sequence: the lost instance went on past each, and the last carried token is
+    among them only where it cannot have ended it (``restorable``)."""
+    for _ in range(cells - len(seq.prompt) + 1):
+        token = seq.replay.popleft()
+        text, _ = _accept(seq, token, context.piece(token)[0])
+        seq.pieces.append(text)
+    seq.n_past, seq.phase, seq.next_token = cells, Phase.DECODE, seq.generated[-1]
+
+
 def _take_one(seq: Sequence, context: Context) -> str | None:
     """Take the next carried token as if sampled; its text goes into the completion only. The finish reason if the
     lost instance had ended there (it died between its last text and its answer)."""
@@ -53,9 +79,7 @@ def _take_one(seq: Sequence, context: Context) -> str | None:
     if end_of_generation:
         seq.pieces.append(seq.text.flush())
         return "stop"
-    seq.sampler.accept([token])
-    seq.generated.append(token)
-    text, stopped = seq.text.push(piece)
+    text, stopped = _accept(seq, token, piece)
     finished = "stop" if stopped else "length" if len(seq.generated) >= seq.max_tokens else None
     if finished == "length":
         text += seq.text.flush()
@@ -65,3 +89,11 @@ def _take_one(seq: Sequence, context: Context) -> str | None:
             return "cancelled"
         seq.phase, seq.next_token = Phase.DECODE, token
     return finished
+
+
+def _accept(seq: Sequence, token: int, piece: bytes) -> tuple[str, bool]:
+    """``token`` taken as if sampled: the sampler told of it (its penalties, a grammar's state, thinking's phases),
+    it joins ``generated``, its piece the text; the text that goes out now, and whether a stop string ended it."""
+    seq.sampler.accept([token])
+    seq.generated.append(token)
+    return seq.text.push(piece)

@@ -83,7 +83,7 @@ class Sequence:
     __slots__ = ("slot", "prompt", "n_past", "reused", "max_tokens", "sampler", "text", "on_token", "generated",
                  "phase", "next_token", "output_row", "pieces", "admitted_at", "first_token_at", "cancel_requested",
                  "logprobs", "carried", "replay", "ahead", "eog", "score_prompt", "drafter", "drafts", "marks",
-                 "adapters", "space", "salt", "alone", "images")
+                 "adapters", "space", "salt", "alone", "images", "saved_at")
 
     def __init__(self, slot: int, prompt: list[int], reused: int, max_tokens: int, sampler: SamplerChain | Phases,
                  text: TextStream, on_token: OnToken, salt: bytes = b"") -> None:
@@ -117,6 +117,7 @@ class Sequence:
         self.space = b""  # the adapters' loads its cells are computed under (in its salt too: ``BatchEngine.admit``)
         self.alone = False  # its next prompt chunk is the next step's only decode (``Scheduler.urgent``)
         self.images: dict[int, Image] = {}  # the prompt's images by the position each starts at (``media``)
+        self.saved_at = self.admitted_at  # its cells last saved for a hand-over (``live``), on perf_counter
 
     def kv_tokens(self) -> list[int]:
         """The tokens whose KV cells it holds: its prompt and generated tokens decoded so far."""

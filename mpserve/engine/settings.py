@@ -26,6 +26,10 @@ FLASH_ATTN_TYPES = {"auto": "LLAMA_FLASH_ATTN_TYPE_AUTO", "on": "LLAMA_FLASH_ATT
 """``flash_attn`` settings and llama.cpp's names for them; auto: llama.cpp turns it on where the device
 supports it (always on a CPU), as llama-server does by default."""
 
+LIVE_SAVE_S = 1.0
+"""How often (seconds) a generating sequence's cells are saved to the host store with ``reuse: exact``, for the
+instance that goes on with it if this one is lost (``mpserve.engine.live``): about the most it decodes again."""
+
 GRAMMAR_STEP_S = 0.5
 """Seconds of processor time a grammar's part of one sampling step may take: a JSON grammar's check of the token
 drawn takes microseconds, its pass over a large vocabulary milliseconds; a grammar past this holds up every
@@ -71,6 +75,7 @@ class EngineSettings:
     grammar_step_s: float = GRAMMAR_STEP_S
     reasoning: Reasoning = Reasoning()
     mmproj: str | None = None  # the model's image projector GGUF (``mpserve.engine.media``); None: text only
+    live_save_s: float = LIVE_SAVE_S  # how often a generating sequence's cells are saved (``mpserve.engine.live``)
 
     @property
     def exact(self) -> bool:

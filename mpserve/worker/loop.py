@@ -54,7 +54,7 @@ import signal
 import socket
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from pathlib import Path
 from types import FrameType
 from typing import Any
@@ -74,7 +74,7 @@ from . import adapter_actions, embed, slot_files, spans, tokens
 from .kv_publisher import open_publisher
 from .outbox import Outbox
 from .spec import EXIT_LOAD_FAILED, EngineSpec, WorkerSpec
-from .stream import ChunkStream, answer
+from .stream import ChunkStream, Noted, answer
 
 log = logging.getLogger("mpserve.worker")
 
@@ -116,7 +116,7 @@ class Worker:
         self._running: dict[str, wire.Assign] = {}  # ticket -> its assignment
         self._slot_of: dict[str, int] = {}
         self._streams: dict[str, ChunkStream] = {}  # ticket -> its streamed text, for streamed requests
-        self._noted: dict[str, _Noted] = {}  # ticket -> the token ids its text streams with (``report_tokens``)
+        self._noted: dict[str, Noted] = {}  # ticket -> the token ids its text streams with (``report_tokens``)
         self._parked: dict[str, _Held] = {}  # tickets whose sequence the engine holds parked (``_preempt``)
         self._said: dict[str, list[str]] = {}  # ticket -> the text it streamed so far (a LIVE's, if orphaned)
         self._taken_over: set[str] = set()  # tickets admitted with another instance's tokens: their text is not all
@@ -182,12 +182,22 @@ class Worker:
                     and time.monotonic() - idle_since >= spec.idle_timeout):
                 log.info("idle for %.0f s; unloading the model until the next request", spec.idle_timeout)
                 self._unload()
+        self._leave()
+
+    def _leave(self) -> None:
+        """LEAVING, once the broker has all the text its running requests generated (what their streams gathered)
+        and the engine kept what the instances they are handed over to restore of them (they are not answered: the
+        broker hands them over at once, as a lost worker's); then the engine closed, its slots' cells and the host
+        store's writes kept (after LEAVING: the hand-over need not wait for it)."""
+        for stream in self._streams.values():
+            stream.flush()
         self._flush()
         self.set_rows(state=SlotState.STOPPING)
-        # the requests still running are not answered: the broker hands them over as a lost worker's
-        self._signal(wire.Leaving(spec.identity.decode(), self._leaving or "told to stop"))
-        if self._engine is not None:  # after LEAVING (the hand-over need not wait): what its slots hold, and the
-            self._engine.close()  # writes it queued, go to the host store before the exit
+        if self._engine is not None and self._running:
+            self._engine.keep_running()
+        self._signal(wire.Leaving(self._spec.identity.decode(), self._leaving or "told to stop"))
+        if self._engine is not None:
+            self._engine.close()
         if self._kv_events is not None:
             self._kv_events.close()
 
@@ -218,14 +228,12 @@ class Worker:
         cache = self._engine.cache_snapshot() if self._engine is not None else None  # for a broker that restarted
         ready = wire.Ready(spec.identity.decode(), spec.model, spec.device, spec.engine.parallel, os.getpid(),
                            loaded=self._engine is not None, host=spec.host, version=__version__,
-                           engine=spec.engine.digest(),
-                           chat_template=chat.template,
+                           engine=spec.engine.digest(), chat_template=chat.template,
                            bos_token=chat.bos_token, eos_token=chat.eos_token, proof=spec.proof,
                            adapters=self._engine.adapter_names() if self._engine is not None else
                            tuple(sorted(self._adapters)), live=self._live() if self._orphan_until is not None else ())
         self._signal(ready, trailer=wire.pack(cache) if cache else None)
-        self._registered = True
-        self._must_register = False
+        self._registered, self._must_register = True, False
         self._heard = time.monotonic()  # give the broker a full expiry to answer before trying again
 
     def _keep_alive(self) -> None:
@@ -552,7 +560,7 @@ class Worker:
             self._permit = None
         return noted.take() if noted is not None else []
 
-    def _stream(self, assign: wire.Assign, slot: int) -> tuple[ChunkStream | None, _Noted | None]:
+    def _stream(self, assign: wire.Assign, slot: int) -> tuple[ChunkStream | None, Noted | None]:
         """Where a streamed request's text goes, with the log-probabilities of its tokens when asked for (None
         if the request is not streamed), and with ``report_tokens`` the ids of the tokens the engine gave, which
         on_token notes (while the sequence runs: its last text may go out after it ended): each CHUNK carries
@@ -570,7 +578,7 @@ class Worker:
                     request_id, text, engine.take_logprobs(slot), index)), None)
 
             return ChunkStream(send_text, self._spec.stream_interval), None
-        noted = _Noted(lambda: engine.tokens(slot))
+        noted = Noted(lambda: engine.tokens(slot))
 
         def send(text: str) -> None:
             said.append(text)
@@ -650,25 +658,3 @@ class _Held:
 
     assign: wire.Assign
     tokens: list[int]
-
-
-class _Noted:
-    """The ids of the tokens a streamed request's sequence gave since its last CHUNK (``Assign.report_tokens``):
-    noted as each token comes (``seen``: how many of the sequence's tokens were), taken by the next CHUNK, or by
-    PARKED when the sequence is parked with their text held back."""
-
-    __slots__ = ("_tokens", "seen", "_ids")
-
-    def __init__(self, tokens: Callable[[], Sequence[int]]) -> None:
-        self._tokens = tokens
-        self.seen = 0
-        self._ids: list[int] = []
-
-    def note(self) -> None:
-        new = self._tokens()[self.seen:]
-        self.seen += len(new)
-        self._ids.extend(new)
-
-    def take(self) -> list[int]:
-        ids, self._ids = self._ids, []
-        return ids

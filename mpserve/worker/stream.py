@@ -1,6 +1,7 @@
-"""One request's text on its way out: streamed as CHUNK messages, then its answer.
+"""One request's text on its way out: streamed as CHUNK messages, with its token ids, then its answer.
 
     engine on_token --push(piece)--> ChunkStream --send(text)--> CHUNK to the broker
+                    --note()-------> Noted ──take()──▶ the CHUNK's token ids (``report_tokens``)
     engine step ──Completion──answer(assign, result, worker)──▶ DONE or ERROR
 
 The first piece goes at once; later pieces are gathered and sent together once ``interval`` seconds have
@@ -13,7 +14,7 @@ concatenated chunks are always the whole text.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 from mpserve.engine.interface import Completion
 from mpserve.errors import ErrorCode
@@ -58,3 +59,25 @@ def answer(assign: wire.Assign, result: Completion, worker: str) -> wire.Done | 
                      accepted_tokens=result.accepted_tokens),
         worker=worker, logprobs=result.logprobs, index=assign.index,
     )
+
+
+class Noted:
+    """The ids of the tokens a streamed request's sequence gave since its last CHUNK (``Assign.report_tokens``):
+    noted as each token comes (``seen``: how many of the sequence's tokens were), taken by the next CHUNK, or by
+    PARKED when the sequence is parked with their text held back."""
+
+    __slots__ = ("_tokens", "seen", "_ids")
+
+    def __init__(self, tokens: Callable[[], Sequence[int]]) -> None:
+        self._tokens = tokens
+        self.seen = 0
+        self._ids: list[int] = []
+
+    def note(self) -> None:
+        new = self._tokens()[self.seen:]
+        self.seen += len(new)
+        self._ids.extend(new)
+
+    def take(self) -> list[int]:
+        ids, self._ids = self._ids, []
+        return ids
