@@ -121,8 +121,9 @@ class Live:
         return shared
 
     def forget(self, seq: Running) -> None:
-        """``seq`` ended: its live entries are of no more use."""
-        if self._store is not None and _saved_kind(seq) and seq.n_past > len(seq.prompt):
+        """``seq`` ended: its live entries, and a lost instance's that it went on from, are of no more use."""
+        saved = seq.carried or seq.saved_at > seq.admitted_at
+        if self._store is not None and saved and _saved_kind(seq) and seq.n_past > len(seq.prompt):
             self._store.forget_live(seq.kv_tokens(), live_salt(seq.salt, len(seq.prompt)))
 
 
