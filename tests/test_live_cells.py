@@ -67,8 +67,8 @@ def tiny() -> str:
 @pytest.mark.parametrize("params", [greedy(TOKENS), greedy(TOKENS, repeat_penalty=1.3)], ids=["plain", "penalty"])
 def test_a_sequence_handed_over_restores_its_saved_cells_and_goes_on_as_if_never_interrupted(
         tiny: str, tmp_path: Path, params: GenerateParams) -> None:
-    """The lost instance is never closed (a SIGKILL): what its steps saved is all there is. The penalty case checks
-    that the restored tokens reach the sampler (its penalties), as decoded ones do."""
+    """The lost instance never says it leaves (a SIGKILL): what its steps saved is all there is. The penalty case
+    checks that the restored tokens reach the sampler (its penalties), as decoded ones do."""
     whole_engine = BatchEngine(settings(tiny, tmp_path / "whole"))
     try:
         whole, whole_pieces, _, _ = run_to(whole_engine, params, None)
@@ -77,15 +77,17 @@ def test_a_sequence_handed_over_restores_its_saved_cells_and_goes_on_as_if_never
     assert whole is not None and whole.completion_tokens == TOKENS
     store = tmp_path / "shm"
     lost = BatchEngine(settings(tiny, store))
-    _, _, tokens, _ = run_to(lost, params, CUT)
-    wait_for(lambda: entries(store), 10, "a live entry of the lost instance's sequence")
+    try:
+        _, _, tokens, _ = run_to(lost, params, CUT)
+    finally:
+        lost.close()  # as a SIGKILL after its writer's last write: no keep_running, no more saves, its queue written
+    assert entries(store) == 1  # the sequence's live entry: each replaced the last
     resumer = BatchEngine(settings(tiny, store))
     try:
         resumed, pieces, _, steps = run_to(resumer, params, None, tokens)
         restored = resumer.stats().carried_tokens_restored
     finally:
         resumer.close()
-        lost.close()
     assert resumed is not None
     assert resumed.text == whole.text and resumed.finish_reason == whole.finish_reason
     assert "".join(whole_pieces[:len(tokens)]) + "".join(pieces) == whole.text  # nothing repeated or missing
