@@ -145,11 +145,7 @@ class Keeping:
         if loaded is None:
             store.count(hit=False)
             return reused
-        states = self._states
-        states.seq_rm(slot, -1, -1)
-        if not states.write_state(slot, *loaded) or not states.seq_rm(slot, restorable, -1) or not cells.holds_cells(
-                slot, restorable):
-            states.seq_rm(slot, -1, -1)
+        if not write_cells(self._states, cells, slot, loaded, restorable):
             store.count(hit=False)
             return 0
         store.count(hit=True)
@@ -177,6 +173,16 @@ class Keeping:
             self._cells.erase(slot)  # the next slot's cells count alone
         self.store.close()
         self.store = None
+
+
+def write_cells(states: States, cells: Cells, slot: int, loaded: tuple[Any, int], n: int) -> bool:
+    """Replace ``slot``'s cells with a state loaded from the host store, cut after its first ``n``; False where
+    llama.cpp refused the state or the memory no longer holds what a token at ``n`` needs (the slot then emptied)."""
+    states.seq_rm(slot, -1, -1)
+    if states.write_state(slot, *loaded) and states.seq_rm(slot, n, -1) and cells.holds_cells(slot, n):
+        return True
+    states.seq_rm(slot, -1, -1)
+    return False
 
 
 def _on_wire(changes: Changes) -> wire.CacheChanges:

@@ -26,7 +26,7 @@ restores it, and a resumed request restores only cells computed one token a step
 
 Not saved: a sequence under LoRA adapters (the store holds the base model's cells), one with images (their
 placeholder ids do not say which image), one that scores its prompt (computed in other chunks), and one whose state
-is too large for its share of the RAM tier (``fits``). A live entry held only up to tokens the resumer was never told
+is too large for its share of the RAM tier (RAM_SHARE). A live entry held only up to tokens the resumer was never told
 of (a kill between a save and the text's way to the broker) cannot serve it where saved states are not cut back
 (sliding-window models): the carried tokens are then decoded one a step, as without this.
 """
@@ -38,10 +38,10 @@ import logging
 import math
 import time
 from collections.abc import Iterable, Sequence
-from typing import Protocol
 
 from .cells import Cells
 from .host_store import HostStore
+from .keeping import States, write_cells
 from .sequence import Sequence as Running
 from .settings import LIVE_SAVE_S
 
@@ -50,16 +50,6 @@ log = logging.getLogger("mpserve.worker")
 RAM_SHARE = 4
 """A sequence's state is saved only where ``parallel`` of them take at most 1/RAM_SHARE of the store's RAM tier: the
 live entries of a full instance then leave most of the tier to prompts."""
-
-
-class States(Protocol):
-    """What saving and restoring need of the llama.cpp context (``mpserve.engine.context.Context``)."""
-
-    def seq_rm(self, slot: int, p0: int, p1: int) -> bool: ...
-
-    def read_state(self, slot: int) -> tuple[object, int]: ...
-
-    def write_state(self, slot: int, state: object, size: int) -> bool: ...
 
 
 def live_salt(salt: bytes, n_prompt: int) -> bytes:
@@ -109,11 +99,8 @@ class Live:
         loaded = store.load(entry) if entry is not None and shared > len(prompt) else None
         if loaded is None:
             return 0
-        states = self._states
-        states.seq_rm(slot, -1, -1)
-        if not (states.write_state(slot, *loaded) and states.seq_rm(slot, shared, -1)
-                and self._cells.holds_cells(slot, shared)):
-            self._cells.erase(slot)
+        if not write_cells(self._states, self._cells, slot, loaded, shared):
+            self._cells.erase(slot)  # what the slot held is gone: its bookkeeping too
             return 0
         self.restored += shared - len(prompt)
         log.info("a resumed request restored the cells of %d of its carried tokens (saved as they were generated)",
