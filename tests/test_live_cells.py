@@ -169,5 +169,7 @@ def test_an_instance_terminated_mid_request_saves_it_before_leaving_and_the_next
     result = stream.result
     assert result is not None and result.text == whole.text == "".join(texts)
     assert result.timings.attempts == 2
-    wait_for(lambda: any("restored the cells of" in line for line in server.log), 10, "the resumer's log line")
+    handing = [line for line in server.log if "resum" in line or "leaving" in line or "restored" in line]
+    wait_for(lambda: any("restored the cells of" in line for line in server.log), 10,
+             "the resumer's log line; the hand-over's lines:\n" + "\n".join(handing))
     assert not server.tracebacks(), "\n".join(server.log)
