@@ -54,6 +54,7 @@ import heapq
 import itertools
 import logging
 import os
+import time
 from pathlib import Path
 from typing import Any
 
@@ -83,6 +84,7 @@ from .tenants import Ledger
 log = logging.getLogger("mpserve.broker")
 
 DRAIN_BATCH = 256
+LAST_WORDS_S = 0.5  # the most a cleanly exited worker's last messages are waited for (``worker_exited``)
 
 
 class Broker:
@@ -250,7 +252,14 @@ class Broker:
         self.registry.worker_stalled(index, silent_s)
 
     def worker_exited(self, index: int, code: int | None) -> None:
-        """The supervisor reaped local worker ``index`` (``Registry.worker_exited``)."""
+        """The supervisor reaped local worker ``index`` (``Registry.worker_exited``). One that exited cleanly said
+        LEAVING, after its last CHUNKs, before it went; under load its exit can be seen before they are read, and its
+        requests would be handed over without the tokens those carried. So while it is still registered, what the
+        back socket gets is read first, for up to LAST_WORDS_S (at once, as a rule: they were sent before it exited)."""
+        deadline = time.monotonic() + LAST_WORDS_S
+        while code == 0 and self.tables.worker_at(index) is not None and (left := deadline - time.monotonic()) > 0:
+            if self.back.poll(max(1, round(left * 1000))):
+                self.drain_back()
         self.registry.worker_exited(index, code)
 
     def model_failed(self, model: str, message: str) -> None:
