@@ -221,15 +221,15 @@ class HostStore:
             self._pending.add((salt, key))
         self._jobs.put(_Job(key, salt, state, size, summary))
 
-    def put_live(self, tokens: Sequence[int], state: Any, size: int, salt: bytes, wait: bool = False) -> bool:
+    def put_live(self, tokens: Sequence[int], state: Any, size: int, salt: bytes, wait: float = 0.0) -> bool:
         """Queue ``state``, the cells of a sequence still generating (``tokens``: its prompt and the tokens decoded so
-        far), under its live salt (``mpserve.engine.live``), unless the writer has no room for it now and ``wait`` is
-        False (False: the caller tries again later). It goes to the RAM tier only, is told to no one (the broker,
-        the remote tier, the KV events), and replaces that salt's entries whose tokens it extends."""
+        far), under its live salt (``mpserve.engine.live``), unless the writer has no room for it within ``wait``
+        seconds (False: not queued). It goes to the RAM tier only, is told to no one (the broker, the remote tier,
+        the KV events), and replaces that salt's entries whose tokens it extends."""
         if not self.wants(size):
             return False
         try:
-            self._jobs.put(_Job(tuple(tokens), salt, state, size, live=True), block=wait)
+            self._jobs.put(_Job(tuple(tokens), salt, state, size, live=True), block=wait > 0, timeout=wait or None)
         except queue.Full:
             return False
         return True
@@ -319,9 +319,11 @@ class HostStore:
             self._added, self._dropped = {}, []
         return Changes(tuple(added))
 
-    def flush(self) -> None:
-        """Wait until the writes queued so far are made."""
-        self._jobs.join()
+    def flush(self, timeout: float | None = None) -> bool:
+        """Wait until the writes queued so far are made (at most ``timeout`` seconds: whether they were)."""
+        done = self._jobs.all_tasks_done
+        with done:
+            return done.wait_for(lambda: not self._jobs.unfinished_tasks, timeout)
 
     def close(self) -> None:
         """Finish the writes queued (the entries outlive this instance), then stop the writer."""

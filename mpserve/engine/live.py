@@ -47,6 +47,10 @@ from .settings import LIVE_SAVE_S
 
 log = logging.getLogger("mpserve.worker")
 
+LEAVING_S = 1.0
+"""The most a leaving instance waits for its saves (the writer busy, its tier's lock held by another process): its
+LEAVING, and so the hand-over, waits for them; past it, the requests not saved decode their tokens one a step."""
+
 RAM_SHARE = 4
 """A sequence's state is saved only where ``parallel`` of them take at most 1/RAM_SHARE of the store's RAM tier: the
 live entries of a full instance then leave most of the tier to prompts."""
@@ -72,6 +76,7 @@ class Live:
         store, now = self._store, time.perf_counter()
         if store is None:
             return
+        deadline = now + LEAVING_S
         for seq in running:
             due = leaving or now - seq.saved_at >= self._every_s
             if not due or not _saved_kind(seq) or seq.n_past <= len(seq.prompt):
@@ -79,10 +84,12 @@ class Live:
             state, size = self._states.read_state(seq.slot)
             if not self._fits(store, size):
                 seq.saved_at = math.inf  # its state only grows
-            elif store.put_live(seq.kv_tokens(), state, size, live_salt(seq.salt, len(seq.prompt)), wait=leaving):
+            elif store.put_live(seq.kv_tokens(), state, size, live_salt(seq.salt, len(seq.prompt)),
+                                wait=max(0.0, deadline - time.perf_counter()) if leaving else 0.0):
                 seq.saved_at = now
-        if leaving:
-            store.flush()
+        if leaving and not store.flush(max(0.0, deadline - time.perf_counter())):
+            log.warning("the saves of the sequences this instance leaves with took over %g s; leaving without waiting "
+                        "for the rest (their next instance decodes what they lack one token a step)", LEAVING_S)
 
     def _fits(self, store: HostStore, size: int) -> bool:
         return store.wants(size) and size * self._cells.parallel * RAM_SHARE <= store.ram_capacity

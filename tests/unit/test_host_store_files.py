@@ -5,6 +5,7 @@ removed; what the broker hears of."""
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import hashlib
 import json
 import multiprocessing
@@ -148,6 +149,26 @@ def test_a_live_entry_replaces_its_sequences_last_stays_in_ram_is_told_to_no_one
     s.forget_live([1, 2, 3, 4, 5, 6, 7], live)
     flush(s)
     assert sorted((e.salt, e.tokens) for e in s._refresh()) == [(b"", (1, 2)), (other, (1, 2, 9))]
+    s.close()
+
+
+def test_a_flush_with_a_timeout_says_whether_the_writes_were_made_and_a_live_put_does_not_wait_past_its_bound(
+        tmp_path: Path) -> None:
+    """A leaving instance waits a bounded time for its live saves (``mpserve.engine.live.LEAVING_S``): while
+    another process holds the tier's lock, the writer cannot write, a flush with a timeout says so and a live put
+    with a bound gives up; once the lock is free the writes are made."""
+    s = store(tmp_path, ram=10 * STATE)
+    lock = os.open(tmp_path / "ram" / "lock", os.O_RDWR | os.O_CREAT, 0o600)
+    fcntl.flock(lock, fcntl.LOCK_EX)  # as another instance writing would
+    try:
+        for n in range(5):  # the writer takes the first and blocks on the lock; four wait in its queue
+            assert s.put_live(list(range(n + 3)), state(n), STATE, b"L" * 16, wait=1.0)
+        assert not s.put_live(list(range(9)), state(9), STATE, b"L" * 16, wait=0.2)
+        assert not s.flush(0.2)
+    finally:
+        os.close(lock)  # the lock goes with the descriptor
+    assert s.flush(10)
+    assert [e.tokens for e in s._refresh()] == [tuple(range(7))]  # each live entry replaced the last
     s.close()
 
 
