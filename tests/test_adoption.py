@@ -533,6 +533,8 @@ def test_an_upgrade_under_8_streams_fails_none_and_loads_no_model(start_server) 
     after = server.info
     assert after.pid == before.pid and after.started > before.started  # the same process, started again
     wait_for(lambda: _worker_pids(server) == pids, 10, "the handed-off instances in the new slot table")
+    # the next start says ready once both instances registered with it; its log comes through a reader thread
+    wait_for(lambda: sum("ready:" in line for line in server.log) >= 2, 30, "the next start's ready line")
     assert sum("ready:" in line for line in server.log) == 2
     assert sum("instances are forked from here" in line for line in server.log) == 1, "a model was loaded again"
     print(f"\nupgrade under {len(streams)} streams: none failed, all exact, instances kept (pids {pids}); "
