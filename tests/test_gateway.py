@@ -152,13 +152,32 @@ def test_chat_is_formatted_with_the_model_s_own_template(start_server, tmp_path)
 
 
 @pytest.mark.timeout(90)
-def test_a_model_loaded_on_demand_tells_its_template_once_loaded(start_server, tmp_path) -> None:
+def test_a_model_not_loaded_yet_is_chatted_with_its_own_template_read_from_its_gguf(start_server, tmp_path) -> None:
+    """Before any instance has loaded the model (on demand here; a server starting, or started again, alike) the
+    broker hands out the template it serves it with and the EOS text the template uses, read from the GGUF: the
+    first chat is rendered as the later ones are, not from the ChatML default."""
     model = write_model(tmp_path / "templated.gguf", "tiny", chat_template=TEMPLATE)
     server = start_server("--model", str(model), "--single-active-backend").wait_ready()
+    messages = [{"role": "user", "content": "Hi."}, {"role": "assistant", "content": "Hello."},
+                {"role": "user", "content": "Say more."}]  # an assistant turn: the template writes its EOS
+
+    def chat() -> tuple[str | None, int]:
+        gw = GatewayThread(server_name=server.name)  # one of its own: no template kept from before
+        try:
+            answer = gw.openai().chat.completions.create(model="templated", messages=messages, max_tokens=8,
+                                                         temperature=0)
+        finally:
+            gw.stop()
+        assert answer.usage is not None
+        return answer.choices[0].message.content, answer.usage.prompt_tokens
+
     with Client(server.address) as zc:
-        assert zc.stats().models["templated"].chat_template == ""  # no instance has loaded it yet
-        zc.generate("Hello", max_tokens=2, temperature=0)
-        assert zc.stats().models["templated"].chat_template == TEMPLATE
+        before = zc.stats().models["templated"]
+        assert (before.chat_template, before.bos_token, before.eos_token) == (TEMPLATE, "", "</s>")  # no load yet
+        first = chat()  # loads the model
+        after = zc.stats().models["templated"]
+        assert (after.chat_template, after.bos_token, after.eos_token) == (TEMPLATE, "<s>", "</s>")  # the instance's
+    assert chat() == first
 
 
 @pytest.mark.timeout(60)

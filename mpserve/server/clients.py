@@ -292,7 +292,7 @@ class Clients:
         now, swaps = time.monotonic(), {"single_active_swaps": residency.swaps} if residency else {}
         return wire.Stats(nonce, self.tables.accepting, {**self.tables.stats, **swaps}, {
             name: wire.ModelStats(len(mq.queue), running[name], mq.instances, len(mq.free), mq.failed,
-                                  mq.chat.template, mq.chat.bos_token, mq.chat.eos_token,
+                                  *self._chat(name, mq),
                                   self._oldest(mq, now),
                                   self.hooks.scaling(name), list(mq.adapters), mq.preempted,
                                   list(mq.adapters.values()), self._queued_adapters(mq))
@@ -300,6 +300,12 @@ class Clients:
         }, [wire.WorkerStats(w.identity.decode(), w.model, w.host, w.pid, w.device, w.capacity, len(w.running))
             for w in self.tables.workers.values()],
             ledger.own_figures(tenant, self.tables.waiting) if tenant else ledger.figures(self.tables.waiting))
+
+    def _chat(self, name: str, mq: ModelQueue) -> tuple[str, str, str]:
+        """The chat template STATS hands out for ``name``: the one its instances told, else the one the server
+        serves it with, where it knows all the gateways need to render it (``layout.chat_before_load``)."""
+        chat = mq.chat or self.tables.chat_before_load.get(name, mq.chat)
+        return chat.template, chat.bos_token, chat.eos_token
 
     def _oldest(self, mq: ModelQueue, now: float) -> float:
         """How long the oldest request queued for ``mq`` has waited (0 for none)."""

@@ -36,7 +36,7 @@ from mpserve.worker.spec import revision
 
 from . import chat, rolling
 from .broker import Broker
-from .layout import Layout, check_model, instance_rows, model_request, served_template, worker_spec
+from .layout import Layout, check_model, instance_rows, model_request, served_chat, worker_spec
 from .rolling import Roll, Step
 from .scaling import Action, Decision, Load, Policy, Scaler
 from .state import WorkerEntry
@@ -167,9 +167,7 @@ class Instances:
         self._broker.tables.models[model.name] = self._broker.tables.new_queue(model.name, self._config.max_queue)
         if model.embedding:
             self._broker.tables.embedding_models.add(model.name)
-        template = served_template(model)
-        if template is not None:  # the one a remote pool of the model must serve (``mpserve.server.chat``)
-            self._broker.tables.chat_templates[model.name] = template
+        self._broker.tables.serve_chat(model.name, *served_chat(model))  # a remote pool's must be the same
         log.info("add %s: %s, instances %d..%d (%s)", model.name, model.path, low, high, why)
         self.tick(force=True)
 
@@ -294,11 +292,8 @@ class Instances:
         if rows is not None:
             self._rows[name], self._width[name] = rows, model.parallel
         self._requests[name] = self._sized(model_request(model))
-        template = served_template(model)
-        if template is not None:
-            self._broker.tables.chat_templates[name] = template
-        else:
-            self._broker.tables.chat_templates.pop(name, None)
+        template, before_load = served_chat(model)
+        self._broker.tables.serve_chat(name, template, before_load)
         mq = self._broker.tables.models[name]
         held = chat.rolled(chat.Held(mq.chat, mq.chat_local), template)  # the reload's template in force
         mq.chat, mq.chat_local = held.chat, held.local

@@ -21,6 +21,7 @@ from mpserve.gpu.placement import ModelRequest, Placement, check_kv_types, estim
 from mpserve.models.sources import projector_file, template_hint
 from mpserve.models.templates import template_for
 from mpserve.repack import repack_for
+from mpserve.wire.messages import ChatTemplate
 from mpserve.worker.spec import EngineSpec, PermitSpec, StartMode, WorkerSpec, start_mode
 
 from .host_ram import RamNeed, available_ram, check_ram, format_ram
@@ -152,6 +153,33 @@ def served_template(model: ModelConfig) -> str | None:
     except (ValueError, OSError):
         return None
     return own if isinstance(own, str) else None
+
+
+def served_chat(model: ModelConfig) -> tuple[str | None, ChatTemplate | None]:
+    """``served_template`` and ``chat_before_load``: what ``Tables.serve_chat`` takes."""
+    template = served_template(model)
+    return template, chat_before_load(model, template) if template is not None else None
+
+
+def chat_before_load(model: ModelConfig, template: str) -> ChatTemplate | None:
+    """What the gateways render ``model``'s chats with before any instance has loaded it and told its own (STATS):
+    ``template``, the one it is served with (``served_template``), and its EOS token's text where the template
+    refers to it, read from the GGUF as llama.cpp reads it (``tokenizer.ggml.eos_token_id`` into its tokens; a
+    template's BOS renders empty everywhere: ``mpserve.gateway.api.chat``). None where the template needs that text
+    and the GGUF does not say it (until an instance tells, the gateways then render the ChatML default)."""
+    if "eos_token" not in template:
+        return ChatTemplate(template)
+    from mpserve.models.gguf_header import read_header
+
+    keys = ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.tokens")
+    try:
+        metadata = read_header(model.resolved_path(), keys.__contains__).metadata
+    except (ValueError, OSError):
+        return None
+    eos, tokens = metadata.get(keys[0]), metadata.get(keys[1])
+    if not isinstance(eos, int) or not isinstance(tokens, list) or not 0 <= eos < len(tokens):
+        return None
+    return ChatTemplate(template, "", str(tokens[eos]))
 
 
 def worker_spec(config: ServerConfig, devices: list[Device], placement: Placement, index: int, first_row: int,

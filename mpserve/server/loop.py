@@ -45,7 +45,7 @@ from . import reload as reloading
 from .broker import Broker
 from .hooks import BrokerHooks
 from .instances import Instances
-from .layout import Layout, build_layout, check_host_ram, served_template, worker_specs
+from .layout import Layout, build_layout, check_host_ram, served_chat, worker_specs
 from .pool_keys import pool_keys
 from .preflight import bind_problem, claim, refuse_live
 from .residency import Residency
@@ -168,7 +168,6 @@ def _broker(ctx: zmq.Context[zmq.Socket[bytes]], config: ServerConfig, paths: Se
                       embedding_models=frozenset(m.name for m in config.models if m.embedding),
                       admin_addr=paths.admin, curve_admins=config.curve_admins,
                       no_instance_timeout=config.no_instance_timeout,
-                      chat_templates={m.name: t for m in config.models if (t := served_template(m)) is not None},
                       pool_keys=pool_keys(config.curve_workers, config.worker_models)
                       if config.curve_workers and config.worker_models else None, tenants=config.tenants,
                       hooks=hooks)
@@ -178,6 +177,7 @@ def _broker(ctx: zmq.Context[zmq.Socket[bytes]], config: ServerConfig, paths: Se
                                        exc.strerror)) from None
     for model in config.models:  # the LoRA adapters a request may name, with ids in declaration order
         broker.tables.models[model.name].adapters = Served(name for name, _ in model.adapters)
+        broker.tables.serve_chat(model.name, *served_chat(model))
     return broker
 
 

@@ -58,6 +58,7 @@ class Tables:
         self.residency = residency
         self.embedding_models = set(embedding_models)  # served ``embedding: true``: EMBED, no REQUEST
         self.chat_templates = chat_templates  # the template each model is served with (``mpserve.server.chat``)
+        self.chat_before_load: dict[str, wire.ChatTemplate] = {}  # ... as STATS hands it out before one tells
         self.models = {name: self.new_queue(name, max_queue) for name, max_queue in models.items()}
         self.requests: dict[str, Pending] = {}
         self.by_client: dict[tuple[bytes, str], str] = {}
@@ -75,6 +76,16 @@ class Tables:
         self.accepting = True
         self.removed: set[str] = set()  # models a reload removed: new requests refused, the rest finish
         self.handing: set[bytes] = set()  # an upgrade: the instances told HAND_OFF that have not answered yet
+
+    def serve_chat(self, model: str, template: str | None, before_load: wire.ChatTemplate | None) -> None:
+        """``model`` is served with ``template`` (None: the server cannot tell), rendered before any instance tells
+        its own with ``before_load`` (``layout.chat_before_load``; None: not known)."""
+        self.chat_templates.pop(model, None)
+        self.chat_before_load.pop(model, None)
+        if template is not None:
+            self.chat_templates[model] = template
+        if before_load is not None:
+            self.chat_before_load[model] = before_load
 
     def new_queue(self, name: str, max_queue: int) -> ModelQueue:
         """The queue of a model, its tenants weighted by their settings."""
