@@ -120,7 +120,7 @@ class GatewayConfig:
     server_name: str = "default"
     api_key: str | None = None
     request_timeout: float | None = None  # seconds per request, queueing included; None: no limit
-    reattach: float = REATTACH_S  # seconds its requests in flight wait for a server that stopped answering
+    reattach: float = REATTACH_S  # seconds its requests (in flight, arriving) wait for a silent server
     curve_server_key: str | None = None  # for a server bound to the network: its public key file
     curve_secret: str | None = None  # and this gateway's secret key file (mpserve keygen)
     log_level: str = "info"
@@ -220,6 +220,7 @@ class _Gateway:
         self.backend = Backend(config.connect, config.server_name, config.request_timeout, config.curve_server_key,
                                config.curve_secret, config.admin_connect, config.reattach)
         self.metrics = GatewayMetrics()
+        self.metrics.waiting_for_server.set_function(lambda: self.backend.waiting)
         self.restarts = RestartCounter()
         self.console = console.Console(self.backend, self.metrics)
         self.admin = Admin(self.backend, config.admin_key)
@@ -282,7 +283,7 @@ class _Gateway:
     async def embeddings(self, request: Request) -> Response:
         try:
             call = emb.parse(await limits.read_json(request, self.config.connections.read_timeout))
-            client = await self.backend.client()
+            client = await self.backend.serving()
             result = await _unless_disconnected(request, client.embed(call.inputs, model=call.model,
                                                                       request_id=keys.broker_id(request)))
         except ClientGone:
@@ -299,7 +300,7 @@ class _Gateway:
         endpoint = "/v1/rerank"  # and its alias /rerank
         try:
             call = rr.parse(await limits.read_json(request, self.config.connections.read_timeout))
-            client = await self.backend.client()
+            client = await self.backend.serving()
             result = await _unless_disconnected(request, client.rerank(call.query, call.documents, model=call.model,
                                                                          request_id=keys.broker_id(request)))
         except ClientGone:
@@ -315,7 +316,7 @@ class _Gateway:
     async def tokenize(self, request: Request) -> Response:
         try:
             call = tok.parse_tokenize(await limits.read_json(request, self.config.connections.read_timeout))
-            client = await self.backend.client()
+            client = await self.backend.serving()
             result = await client.tokenize(call.content, model=call.model, add_special=call.add_special,
                                            with_pieces=call.with_pieces)
         except MpserveError as exc:
@@ -328,7 +329,7 @@ class _Gateway:
     async def detokenize(self, request: Request) -> Response:
         try:
             model, tokens = tok.parse_detokenize(await limits.read_json(request, self.config.connections.read_timeout))
-            client = await self.backend.client()
+            client = await self.backend.serving()
             content = await client.detokenize(tokens, model=model)
         except MpserveError as exc:
             return self._failed(request.scope["path"], exc)

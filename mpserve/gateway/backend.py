@@ -10,6 +10,15 @@ do; the admin address likewise: ``--admin-connect``, else the local server's). A
 ZeroMQ reconnects it by itself when the server comes back there. The ServerInfo file is read again only when
 it was replaced (a server writes a new one: another inode), so a request costs a ``stat``, not a read and a
 parse.
+
+A request waits for a server that does not answer as a stream in flight does, up to the ``reattach`` bound (a
+server restarting: its supervisor's Restart=always, or the next `mpserve start`), unless the local server was
+stopped (``runtime.stopped_here``); so do the broker's answers a request is prepared from (a chat's template, the
+ids of its adapters), which are never taken as "none" because the server was away:
+
+    request ──▶ serving() (for_tenant: first) ──▶ _waited(connect) ── ConnectionFailed ──▶ again every RETRY_S
+                prepared_stats() ───────────────────┘                     until reattach s, or at once if stopped
+    /health, /metrics ──▶ stats(): None at once when no server answers (they report, they do not wait)
 """
 
 from __future__ import annotations
@@ -18,25 +27,27 @@ import asyncio
 import logging
 import os
 import time
-from collections.abc import Iterable
+from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from mpserve.client import REATTACH_S, AsyncClient
 from mpserve.errors import ConnectionFailed
-from mpserve.runtime import ServerInfo, default_address, runtime_dir
+from mpserve.runtime import ServerInfo, default_address, runtime_dir, stopped_here
 from mpserve.wire import protocol as wire
 from mpserve.wire.protocol import ChatTemplate
 from mpserve.wire.slots import SlotRow, SlotTable
 
 log = logging.getLogger("mpserve.gateway")
+T = TypeVar("T")
 
 CONNECT_TIMEOUT_S = 2.0
 STATS_TIMEOUT_S = 2.0
 TEMPLATE_TTL_S = 30.0  # how long a model's chat template is used before the broker is asked again ...
 NO_TEMPLATE_TTL_S = 2.0  # ... and how long "none yet" is (an instance may be loading the model)
 NO_ADMIN_RETRY_S = 30.0  # how long keyed callers' requests go to the clients' socket once the admin one failed
+RETRY_S = 0.1  # how often a request that found no server asks again, within the reattach bound
 
 
 @dataclass(frozen=True)
@@ -70,6 +81,7 @@ class Backend:
         self._said_no_admin = False  # that keyed callers' requests cannot go to the admin socket
         self._no_admin_until = 0.0  # monotonic: until then they go to the clients' socket without trying it
         self._adapters: dict[str, tuple[dict[str, int], float]] = {}  # model -> its LoRA adapters' ids, when asked
+        self.waiting = 0  # requests waiting now for a server to answer (``_waited``)
 
     @property
     def address(self) -> str:
@@ -92,6 +104,30 @@ class Backend:
             self._client = await self._connected(self._client, self.address)
             return self._client
 
+    async def serving(self) -> AsyncClient:
+        """``client()`` for a request: a server that does not answer is waited for, up to the reattach bound."""
+        return await self._waited(self.client)
+
+    async def _waited(self, call: Callable[[], Awaitable[T]]) -> T:
+        """``call()``, made again every RETRY_S while it raises ConnectionFailed, for up to the reattach bound; at
+        once when the local server at our address was stopped (not killed: it is not coming back)."""
+        deadline, waiting = time.monotonic() + self._options["reattach"], False
+        try:
+            while True:
+                try:
+                    return await call()
+                except ConnectionFailed as exc:
+                    if time.monotonic() + RETRY_S > deadline or stopped_here(self.address):
+                        raise
+                    if not waiting:
+                        waiting, self.waiting = True, self.waiting + 1
+                        if self.waiting == 1:
+                            log.info("requests wait up to %g s for a server to answer: %s",
+                                     self._options["reattach"], exc)
+                await asyncio.sleep(RETRY_S)
+        finally:
+            self.waiting -= waiting
+
     async def for_tenant(self, tenant: str) -> tuple[AsyncClient, str]:
         """The client a caller's generate requests go by, and the tenant they name: the default tenant's ("")
         on the clients' socket; a keyed caller's on the admin socket, the one where the broker takes the
@@ -99,6 +135,7 @@ class Backend:
         gateway cannot reach (a remote one without ``--admin-connect``) gets them on the clients' socket, as the
         gateway's own, for NO_ADMIN_RETRY_S before it is tried again; said once in the log."""
         if tenant and time.monotonic() >= self._no_admin_until:
+            await self.serving()  # a server answers (waited for), so an admin socket that does not is out of reach
             try:
                 return await self.admin(), tenant
             except ConnectionFailed as exc:
@@ -107,7 +144,7 @@ class Backend:
                     self._said_no_admin = True
                     log.warning("requests of API keys go to the server as the gateway's own, one tenant (give the "
                                 "gateway --admin-connect to have them counted per key): %s", exc)
-        return await self.client(), ""
+        return await self.serving(), ""
 
     async def admin(self) -> AsyncClient:
         """A connected client on the server's admin socket; raises ConnectionFailed while none answers."""
@@ -144,15 +181,24 @@ class Backend:
         except ConnectionFailed:
             return None
 
+    async def prepared_stats(self) -> wire.Stats:
+        """The broker's STATS a request is prepared from, waited for as the request itself is (``_waited``)."""
+        async def answered() -> wire.Stats:
+            client = await self.client()
+            return await client.stats(STATS_TIMEOUT_S)
+
+        return await self._waited(answered)
+
     async def chat_template(self, model: str) -> ChatTemplate:
-        """``model``'s chat template as the broker knows it (empty: none, or no instance has loaded the model
-        yet), asked again once it is TEMPLATE_TTL_S old (a restarted server may serve another file), or
-        NO_TEMPLATE_TTL_S when it was empty."""
+        """``model``'s chat template as the broker knows it (empty: none, or the server could not read it before an
+        instance loaded the model), asked again once it is TEMPLATE_TTL_S old (a restarted server may serve another
+        file), or NO_TEMPLATE_TTL_S when it was empty. Raises ConnectionFailed when no server answers
+        (``prepared_stats``): a server away does not mean a model without a template."""
         known = self._templates.get(model)
         if known is not None and time.monotonic() - known[1] < (TEMPLATE_TTL_S if known[0] else NO_TEMPLATE_TTL_S):
             return known[0]
-        stats = await self.stats()
-        found = stats.models.get(model) if stats is not None else None
+        stats = await self.prepared_stats()
+        found = stats.models.get(model)
         chat = ChatTemplate(found.chat_template, found.bos_token, found.eos_token) if found else ChatTemplate()
         self._templates[model] = (chat, time.monotonic())
         return chat
@@ -163,13 +209,14 @@ class Backend:
 
     async def adapters(self, model: str, ids: Iterable[object] = ()) -> dict[str, int]:
         """``model``'s LoRA adapters and their ids (a request's ``lora`` ids), asked again once NO_TEMPLATE_TTL_S
-        old, or at once for one of ``ids`` not among them: an operator may load or unload one at any time."""
+        old, or at once for one of ``ids`` not among them: an operator may load or unload one at any time. Raises
+        ConnectionFailed when no server answers (``prepared_stats``)."""
         known = self._adapters.get(model)
         if known is not None and time.monotonic() - known[1] < NO_TEMPLATE_TTL_S \
                 and all(i in known[0].values() for i in ids):
             return known[0]
-        stats = await self.stats()
-        found = stats.models.get(model) if stats is not None else None
+        stats = await self.prepared_stats()
+        found = stats.models.get(model)
         served = found.served_adapters() if found is not None else {}
         self._adapters[model] = (served, time.monotonic())
         return served

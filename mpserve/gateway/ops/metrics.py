@@ -3,7 +3,8 @@
 Two kinds of metric:
 
 - measured in the gateway, for the requests that pass through it: requests by endpoint and outcome code
-  (``ok`` or the stable error code), prompt and generated tokens (by model, and by LoRA adapter: a request
+  (``ok`` or the stable error code), those waiting now for a server to come back
+  (``mpserve_http_requests_waiting_for_server``), prompt and generated tokens (by model, and by LoRA adapter: a request
   under two counts for each), speculative decoding's proposed and accepted draft tokens (from the DONE timings)
   and their ratio, time to first token (queueing plus prompt processing, from the DONE timings) and latency
   (HTTP request in to DONE out, measured here);
@@ -90,6 +91,9 @@ class GatewayMetrics:
                                       registry=self.registry)
         self.latency = Histogram("mpserve_request_latency_seconds", "HTTP request received to DONE, measured in "
                                  "the gateway", ["model"], buckets=LATENCY_BUCKETS, registry=self.registry)
+        self.waiting_for_server = Gauge("mpserve_http_requests_waiting_for_server", "Requests received while no "
+                                        "server answers, waiting for one to come back (up to the reattach bound)",
+                                        registry=self.registry)
         self._server = _ServerCollector()
         self.registry.register(self._server)
 
