@@ -307,8 +307,8 @@ SETTINGS: tuple[Setting, ...] = (
        "(no_instance_timeout bounds that wait without it)", cli_type=float, range=(0.1, 86400), commands=_FOR_HTTP),
     _s("reattach", "cli", float, "30", "Seconds the gateway's requests, in flight or arriving, wait for a server "
        "that stopped answering (killed, or upgraded, and started again) before they fail with connection; they "
-       "reattach to its next start, and no text comes twice (0: fail at once; a server stopped with `mpserve stop` "
-       "fails them at once)", cli_type=float, range=(0, 3600), commands=_FOR_HTTP),
+       "reattach to its next start, and no text comes twice (0: fail at once; a server stopped, not killed, fails "
+       "them at once)", cli_type=float, range=(0, 3600), commands=_FOR_HTTP),
     _s("api_key", "cli", str, "none", "Require 'Authorization: Bearer KEY' on HTTP requests (/health excepted)",
        commands=_FOR_HTTP),
     _s("admin_key", "cli", str, "none", "Open the HTTP control API (/admin/: models, load, unload, scale) to "
