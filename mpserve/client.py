@@ -58,7 +58,6 @@ from __future__ import annotations
 
 import asyncio
 import itertools
-import os
 import re
 import secrets
 import threading
@@ -75,7 +74,7 @@ import zmq.auth
 from mpserve import structured, tracing
 from mpserve.client_track import Track
 from mpserve.errors import BadRequest, ConfigError, ConnectionFailed, MpserveError, Timeout, error_from_code
-from mpserve.runtime import default_address, stopped_here
+from mpserve.runtime import default_address, listening, stopped_here
 from mpserve.waits import within
 from mpserve.wire import adapters as wire_adapters
 from mpserve.wire import protocol as wire
@@ -238,7 +237,7 @@ class AsyncClient:
     async def connect(self) -> None:
         if self._sock is not None:
             return
-        if self.address.startswith("ipc://") and not os.path.exists(self.address[len("ipc://"):]):
+        if self.address.startswith("ipc://") and not listening(self.address[len("ipc://"):]):
             raise ConnectionFailed(f"no server is listening at {self.address}; start one with `mpserve start`")
         self._ctx = zmq.Context.instance()  # never terminated: a term can hang on a socket whose CURVE
         # handshake failed (libzmq #2733, pyzmq #626), and the sockets close with LINGER 0

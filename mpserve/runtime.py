@@ -25,6 +25,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import socket
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -155,3 +156,18 @@ def stopped_here(address: str) -> bool:
     if not socket_file.endswith(".sock") or os.path.exists(socket_file):
         return False
     return not os.path.exists(socket_file[:-len(".sock")] + ".link")
+
+
+def listening(path: str) -> bool:
+    """Whether a process listens on the unix socket at ``path``: False when a connection there is refused (no
+    listener: the socket file of a process that died); True otherwise, a full backlog included (ZeroMQ's own
+    connect then tells what is wrong)."""
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
+        probe.setblocking(False)
+        try:
+            probe.connect(path)
+        except (ConnectionRefusedError, FileNotFoundError):
+            return False
+        except OSError:
+            return True
+    return True

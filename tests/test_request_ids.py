@@ -118,9 +118,12 @@ def test_the_gateway_answers_with_the_id_it_ran_the_request_under(tiny_server, g
 
 
 @pytest.mark.timeout(90)
-def test_a_caller_s_id_still_in_flight_through_the_gateway_is_refused(start_server) -> None:
+def test_a_caller_s_id_still_in_flight_through_the_gateway_is_refused(start_server, monkeypatch) -> None:
     from gateway_thread import GatewayThread
 
+    from mpserve.gateway.api import journal
+
+    monkeypatch.setattr(journal, "GRACE_S", 1.0)  # the in-process gateway's: a left stream is cancelled sooner
     server = start_server("--n-ctx", "8192").wait_ready()  # room for the stream to outlast the refusal below
     gateway = GatewayThread(server_name=server.name)
     body = {"model": "tiny", "prompt": "Hello", "temperature": 0}

@@ -19,6 +19,9 @@ ids of its adapters), which are never taken as "none" because the server was awa
     request ──▶ serving() (for_tenant: first) ──▶ _waited(connect) ── ConnectionFailed ──▶ again every RETRY_S
                 prepared_stats() ───────────────────┘                     until reattach s, or at once if stopped
     /health, /metrics ──▶ stats(): None at once when no server answers (they report, they do not wait)
+
+A client not connected yet asks first whether anything listens at an ipc address (``runtime.listening``): a server
+that died leaves its socket file, and a ping there would wait its whole CONNECT_TIMEOUT_S for nothing.
 """
 
 from __future__ import annotations
@@ -243,3 +246,4 @@ class Backend:
         await self._client.close()
         if self._admin is not None:
             await self._admin.close()
+
