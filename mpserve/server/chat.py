@@ -15,7 +15,7 @@ A remote pool never changes a template a local instance gave: a pool's key lets 
 tenant's chat how to read (a rogue pool would put its own instructions into every conversation). Before a local
 instance has loaded the model (it starts at zero, or only remote pools serve it), a pool whose template is the
 server's own lends its BOS and EOS token texts; before any has told one, STATS hands out what the server read from
-the GGUF's header (``layout.chat_before_load``: the template and the EOS text it uses, BOS rendering empty).
+the GGUF's header (``Tables.chat_before_load``: the template and the EOS text it uses, BOS rendering empty).
 """
 
 from __future__ import annotations

@@ -302,9 +302,9 @@ class Clients:
             ledger.own_figures(tenant, self.tables.waiting) if tenant else ledger.figures(self.tables.waiting))
 
     def _chat(self, name: str, mq: ModelQueue) -> tuple[str, str, str]:
-        """The chat template STATS hands out for ``name``: the one its instances told, else the one the server
-        serves it with, where it knows all the gateways need to render it (``layout.chat_before_load``)."""
-        chat = mq.chat or self.tables.chat_before_load.get(name, mq.chat)
+        """The chat template STATS hands out for ``name``: the one its instances told, else
+        ``Tables.chat_before_load``."""
+        chat = mq.chat or self.tables.chat_before_load(name)
         return chat.template, chat.bos_token, chat.eos_token
 
     def _oldest(self, mq: ModelQueue, now: float) -> float:

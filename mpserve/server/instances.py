@@ -292,8 +292,8 @@ class Instances:
         if rows is not None:
             self._rows[name], self._width[name] = rows, model.parallel
         self._requests[name] = self._sized(model_request(model))
-        template, before_load = served_chat(model)
-        self._broker.tables.serve_chat(name, template, before_load)
+        template, eos = served_chat(model)
+        self._broker.tables.serve_chat(name, template, eos)
         mq = self._broker.tables.models[name]
         held = chat.rolled(chat.Held(mq.chat, mq.chat_local), template)  # the reload's template in force
         mq.chat, mq.chat_local = held.chat, held.local

@@ -21,7 +21,6 @@ from mpserve.gpu.placement import ModelRequest, Placement, check_kv_types, estim
 from mpserve.models.sources import projector_file, template_hint
 from mpserve.models.templates import template_for
 from mpserve.repack import repack_for
-from mpserve.wire.messages import ChatTemplate
 from mpserve.worker.spec import EngineSpec, PermitSpec, StartMode, WorkerSpec, start_mode
 
 from .host_ram import RamNeed, available_ram, check_ram, format_ram
@@ -155,20 +154,20 @@ def served_template(model: ModelConfig) -> str | None:
     return own if isinstance(own, str) else None
 
 
-def served_chat(model: ModelConfig) -> tuple[str | None, ChatTemplate | None]:
-    """``served_template`` and ``chat_before_load``: what ``Tables.serve_chat`` takes."""
+def served_chat(model: ModelConfig) -> tuple[str | None, str | None]:
+    """What ``Tables.serve_chat`` takes: ``served_template``, and ``eos_text`` of it where there is one."""
     template = served_template(model)
-    return template, chat_before_load(model, template) if template is not None else None
+    return template, eos_text(model, template) if template is not None else None
 
 
-def chat_before_load(model: ModelConfig, template: str) -> ChatTemplate | None:
-    """What the gateways render ``model``'s chats with before any instance has loaded it and told its own (STATS):
-    ``template``, the one it is served with (``served_template``), and its EOS token's text where the template
-    refers to it, read from the GGUF as llama.cpp reads it (``tokenizer.ggml.eos_token_id`` into its tokens; a
-    template's BOS renders empty everywhere: ``mpserve.gateway.api.chat``). None where the template needs that text
-    and the GGUF does not say it (until an instance tells, the gateways then render the ChatML default)."""
+def eos_text(model: ModelConfig, template: str) -> str | None:
+    """The EOS token's text the gateways need to render ``template`` before any instance has loaded ``model`` and
+    told its own (STATS): "" where the template does not refer to it (its BOS renders empty everywhere:
+    ``mpserve.gateway.api.chat``), else read from the GGUF as llama.cpp reads it (``tokenizer.ggml.eos_token_id``
+    into its tokens); None where the GGUF does not say it (until an instance tells, the gateways then render the
+    ChatML default)."""
     if "eos_token" not in template:
-        return ChatTemplate(template)
+        return ""
     from mpserve.models.gguf_header import read_header
 
     keys = ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.tokens")
@@ -179,7 +178,7 @@ def chat_before_load(model: ModelConfig, template: str) -> ChatTemplate | None:
     eos, tokens = metadata.get(keys[0]), metadata.get(keys[1])
     if not isinstance(eos, int) or not isinstance(tokens, list) or not 0 <= eos < len(tokens):
         return None
-    return ChatTemplate(template, "", str(tokens[eos]))
+    return str(tokens[eos])
 
 
 def worker_spec(config: ServerConfig, devices: list[Device], placement: Placement, index: int, first_row: int,

@@ -58,7 +58,7 @@ class Tables:
         self.residency = residency
         self.embedding_models = set(embedding_models)  # served ``embedding: true``: EMBED, no REQUEST
         self.chat_templates = chat_templates  # the template each model is served with (``mpserve.server.chat``)
-        self.chat_before_load: dict[str, wire.ChatTemplate] = {}  # ... as STATS hands it out before one tells
+        self.chat_eos: dict[str, str] = {}  # ... and the EOS text it needs before an instance tells its own
         self.models = {name: self.new_queue(name, max_queue) for name, max_queue in models.items()}
         self.requests: dict[str, Pending] = {}
         self.by_client: dict[tuple[bytes, str], str] = {}
@@ -77,15 +77,22 @@ class Tables:
         self.removed: set[str] = set()  # models a reload removed: new requests refused, the rest finish
         self.handing: set[bytes] = set()  # an upgrade: the instances told HAND_OFF that have not answered yet
 
-    def serve_chat(self, model: str, template: str | None, before_load: wire.ChatTemplate | None) -> None:
-        """``model`` is served with ``template`` (None: the server cannot tell), rendered before any instance tells
-        its own with ``before_load`` (``layout.chat_before_load``; None: not known)."""
+    def serve_chat(self, model: str, template: str | None, eos: str | None) -> None:
+        """``model`` is served with ``template`` (None: the server cannot tell), whose EOS text is ``eos``
+        (``layout.eos_text``; None: not known)."""
         self.chat_templates.pop(model, None)
-        self.chat_before_load.pop(model, None)
+        self.chat_eos.pop(model, None)
         if template is not None:
             self.chat_templates[model] = template
-        if before_load is not None:
-            self.chat_before_load[model] = before_load
+            if eos is not None:
+                self.chat_eos[model] = eos
+
+    def chat_before_load(self, model: str) -> wire.ChatTemplate:
+        """The chat template STATS hands out for ``model`` before any instance or pool told its own: the one it is
+        served with, where the server knows all the gateways need to render it; else none."""
+        if model not in self.chat_eos:
+            return wire.ChatTemplate()
+        return wire.ChatTemplate(self.chat_templates[model], "", self.chat_eos[model])
 
     def new_queue(self, name: str, max_queue: int) -> ModelQueue:
         """The queue of a model, its tenants weighted by their settings."""
