@@ -179,18 +179,17 @@ class Backend:
     async def stats(self) -> wire.Stats | None:
         """The broker's counters and queues, or None when the server does not answer."""
         try:
-            client = await self.client()
-            return await client.stats(STATS_TIMEOUT_S)
+            return await self._stats()
         except ConnectionFailed:
             return None
 
     async def prepared_stats(self) -> wire.Stats:
         """The broker's STATS a request is prepared from, waited for as the request itself is (``_waited``)."""
-        async def answered() -> wire.Stats:
-            client = await self.client()
-            return await client.stats(STATS_TIMEOUT_S)
+        return await self._waited(self._stats)
 
-        return await self._waited(answered)
+    async def _stats(self) -> wire.Stats:
+        client = await self.client()
+        return await client.stats(STATS_TIMEOUT_S)
 
     async def chat_template(self, model: str) -> ChatTemplate:
         """``model``'s chat template as the broker knows it (empty: none, or the server could not read it before an
@@ -246,4 +245,3 @@ class Backend:
         await self._client.close()
         if self._admin is not None:
             await self._admin.close()
-
