@@ -77,7 +77,7 @@ class Clients:
         self.max_pending_per_client = max_pending_per_client
         self.client_timeout = client_timeout
         self.start_id = secrets.token_hex(8)  # this start, in every PONG: a client that sees another one reattaches
-        self.held: list[tuple[bytes, wire.Request, str, bool]] = []  # reattached, waiting for the adoptees
+        self.held: list[tuple[bytes, wire.Request, str, bool, float]] = []  # reattached, waiting for the adoptees
         self.contested: list[tuple[bytes, wire.Request, str, bool, float]] = []  # reattached, claiming a live
         # request of a client not found gone yet (``Claim.WAIT``), and when they claimed it
         self._next_contest = 0.0
@@ -165,13 +165,13 @@ class Clients:
         while the client that has it is not found gone, held while adoptees are expected (its instance may not
         have registered yet)."""
         claim = self.rebinder.rebind(client, req, tenant, since)
-        if claim is Claim.TAKEN or self.adopter.reattach(client, req, tenant):
+        if claim is Claim.TAKEN or self.adopter.reattach(client, req, tenant, since):
             return True
         if claim is Claim.WAIT:
             self.contested.append((client, req, tenant, admin, since))
             return True
         if self.adopter.adoptions.expecting(time.monotonic()):
-            self.held.append((client, req, tenant, admin))
+            self.held.append((client, req, tenant, admin, since))
             return True
         return False
 
@@ -328,10 +328,11 @@ class Clients:
             self.answers.drop_client(client, f"cancelled: this client sent nothing for {self.client_timeout:g} s")
 
     def release_held(self) -> None:
-        """The reattached requests held for the adoptees, taken again now that none is expected."""
+        """The reattached requests held for the adoptees, taken again now that none is expected (each claimed when it
+        came: a client is heard from when its message came, not when it is acted on)."""
         held, self.held = self.held, []
-        for client, req, tenant, admin in held:
-            self._admit_again(client, req, tenant, admin, None)
+        for client, req, tenant, admin, since in held:
+            self._admit_again(client, req, tenant, admin, since)
 
     def retry_contested(self, now: float) -> None:
         """The contested claims asked again, at most each CONTEST_RETRY_S: taken up once the other client is found

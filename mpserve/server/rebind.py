@@ -96,7 +96,8 @@ class Rebinder:
                                                 wire.splice_array(kept[at:at + REPLAY_BATCH])])
         self.tables.bind(client, rows[0])
         self._count(client, tenant, len(rows))
-        self.tables.heard[client] = time.monotonic()
+        self.tables.heard[client] = max(self.tables.heard.get(client, 0.0), since)  # heard from when its claim came:
+        # a later claim by another socket of its client (which gave this one up) must not find it heard from since
         self.tables.stats["rebound"] += 1
         log.debug("request %s: taken up by another client of its tenant, %d bytes of text sent again", req.id,
                   sum(p.kept_bytes for p in rows))

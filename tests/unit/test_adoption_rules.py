@@ -115,6 +115,31 @@ def test_an_adopted_request_no_client_comes_back_for_is_forgotten_on_its_instanc
     assert broker.tables.stats["adopted_unclaimed"] == 1
 
 
+def test_three_sockets_of_one_client_held_for_the_adoptee_leave_it_to_the_newest_and_nothing_runs_anew(
+        broker: Broker) -> None:
+    """A client that hears nothing reattaches on a new socket each half second, so several of its sockets may claim a
+    request while the adoptee is still expected. Released, the first takes it up; the two later claims wait for the
+    socket that has it to be found gone. The second takes it from the first; the third's claim came after the
+    second's, and the second was not heard from since (taking a request up is not hearing from it): it waits again,
+    then takes the request up. Nothing runs anew."""
+    broker.expect([0], (OLD,), wait=30)
+    clients, workers = _sent(broker)
+    request = wire.Request("r1", "Once upon a time", stream=True, reattach=True)
+    for socket in (b"first", b"second", b"third"):
+        broker.clients.admit(socket, request)
+    broker.registry.register(b"w0", wire.Ready("w0", "m", -1, 2, 100, proof=OLD, live=(_live("r1", "T1", "Hi"),)), None)
+    stats = broker.tables.stats
+    assert (stats["reattached"], stats["accepted"], len(broker.clients.contested)) == (1, 0, 2)
+    gone: set[bytes] = set()
+    send = broker.answers.to_client
+    broker.answers.to_client = lambda client, frames: client not in gone and send(client, frames)  # type: ignore
+    for later, (socket, owner) in enumerate(((b"first", b"second"), (b"second", b"third")), start=1):
+        gone.add(socket)  # ZeroMQ saw it close
+        broker.clients.retry_contested(time.monotonic() + later)
+        assert broker.tables.requests["T1"].client == owner and stats["accepted"] == 0
+    assert not broker.clients.contested and stats["rebound"] == 2
+
+
 def test_text_that_comes_again_after_a_reattach_is_dropped_and_the_rest_delivered() -> None:
     track = Track(wire.Request("r1", "p", stream=True), "start-1")
     assert track.fresh(0, "Hello") == "Hello"
