@@ -287,11 +287,12 @@ LIMITS: dict[str, str] = {
     "Request.traceparent": "W3C trace context (version 00) its spans continue ([traces](tracing.md)); another "
                            "value starts a new trace",
     "Request.reattach": "sent again after the server went silent ([adoption](operations.md#when-the-server-dies))",
-    "Ready.live": "an orphaned instance's held requests, for the server that adopts it",
+    "Ready.live": "an orphaned instance's held requests and last answers, for the server that adopts it",
     "Heartbeat.pid": "from a broker: its server's process id, which an adopted instance watches",
     "Pong.server": "this start of the server; another one tells a client to send its requests again",
     "Live.text": f"at most {4 * wire.MAX_PROMPT_CHARS} characters: the whole text it streamed",
     "Live.generated": f"{TOKENS}, at most {wire.MAX_TOKENS_LIMIT}: the ids it generated",
+    "Live.answered": "it ended just before the death (DONE or ERROR sent): an ASSIGN of it is answered again",
 }
 
 CLIENT_MESSAGES = ("Request", "Cancel", "Ping", "StatsQuery", "Tokenize", "Control", "Embed", "SlotAction")

@@ -300,6 +300,71 @@ def test_streams_whose_instance_died_with_the_server_go_on_from_the_journal_and_
     assert not again.tracebacks(), "\n".join(again.log)
 
 
+def _served(server) -> int:
+    """The requests the server's one instance finished (each row has the count as it was when its slot last ended)."""
+    return max(r.served for r in server.slots() if r.pid)
+
+
+class _Plain(threading.Thread):
+    """One greedy request, not streamed: its text, or the error that ended it."""
+
+    def __init__(self, address: str, prompt: str, max_tokens: int) -> None:
+        super().__init__()
+        self.address, self.prompt, self.max_tokens = address, prompt, max_tokens
+        self.text = ""
+        self.error: Exception | None = None
+
+    def run(self) -> None:
+        try:
+            with Client(self.address, timeout=120, reattach=30.0) as client:
+                self.text = client.generate(self.prompt, max_tokens=self.max_tokens, temperature=0).text
+        except Exception as exc:  # noqa: BLE001 - recorded, asserted by the test
+            self.error = exc
+
+
+@pytest.mark.timeout(180)
+def test_requests_that_ended_as_their_server_died_are_answered_by_the_next_start_without_computing_them_again(
+        start_server) -> None:
+    """A stream and a plain request end while their server is stopped (SIGSTOP: their answers wait unread in its
+    socket), and the server is SIGKILLed. The next start learns the answers from the instance that sent them (its
+    READY), and the clients, reattaching, get them whole: nothing is computed again (the instance's count of
+    requests served stays), nothing is run from the dead server's journal."""
+    args = ("--instances", "1", "--parallel", "2")
+    server = start_server(*args).wait_ready()
+    prompts, tokens = PROMPTS[:2], 200
+    with Client(server.address) as client:
+        whole = [client.generate(p, max_tokens=tokens, temperature=0).text for p in prompts]
+    pids = _worker_pids(server)
+    for _ in range(3):
+        stream, plain = _Streamer(server.address, prompts[0], max_tokens=tokens), _Plain(server.address, prompts[1],
+                                                                                           tokens)
+        stream.start()
+        plain.start()
+        if freeze_generating(server, pids, 2, lambda s=stream, p=plain: not (s.is_alive() and p.is_alive())):
+            break
+        stream.join(120)
+        plain.join(120)
+    else:
+        pytest.fail("three times, a request ended before its instance could be stopped")
+    served = _served(server)
+    server.proc.send_signal(signal.SIGSTOP)
+    _freeze(pids, signal.SIGCONT)
+    wait_for(lambda: _served(server) == served + 2, 60, "both requests to end on their instance")
+    server.proc.kill()
+    server.proc.wait(10)
+    again = start_server(*args, name=server.name).wait_ready()
+    stream.join(120)
+    plain.join(120)
+    assert (stream.error, plain.error) == (None, None), _story([stream], server, again)
+    assert [stream.text, plain.text] == whole
+    wait_for(lambda: _worker_pids(again) == pids, 10, "the adopted instance in the new slot table")
+    assert _served(again) == served + 2, "a request was computed again"
+    counters = _counters(again)
+    assert (counters.get("adopted_answers"), counters.get("reattached"), counters.get("accepted")) == (2, 2, None), \
+        counters
+    assert not again.tracebacks(), "\n".join(again.log)
+
+
 @pytest.mark.timeout(180)
 def test_a_start_with_other_settings_adopts_the_zygote_and_rolls_its_instances_but_not_one_of_other_weights(
         start_server, tiny_model_path: str, tmp_path: Path) -> None:

@@ -3,7 +3,9 @@ they hold, and their clients reattach (``mpserve.server.adoption`` draws the who
 
     expect(indexes, secrets, wait) ─▶ those instances may prove themselves with the dead server's secrets
     an adoptee's READY with LIVE ─▶ adopt: a HEARTBEAT tells it it was adopted; each live request is held, parked on
-                                   it, for its client (``Adoptions``), with the text it streamed so far
+                                   it, for its client (``Adoptions``), with the text it streamed so far; so is each
+                                   answer it sent just before the death that the journal has not ended (an ASSIGN
+                                   of it is answered at once), the others forgotten there
     the dead server's journal (``journal.read``) ─▶ journaled: each row held likewise, parked nowhere
     a client's REQUEST with reattach ─▶ reattach: the rows held for that tenant and id become requests again, its
                                    text so far streamed first, queued first in line where they are parked (a
@@ -45,6 +47,7 @@ class Adopter:
         self.link_secret = link.new_secret()  # the proof of the workers the server starts (``Supervisor``)
         self.adopted_secrets: tuple[str, ...] = ()  # those of the instances it adopts
         self.adoptions = adoption.Adoptions()
+        self.journal_found = False  # whether the server before this one left a journal (``journaled``)
 
     @property
     def secrets(self) -> tuple[str, ...]:
@@ -66,12 +69,15 @@ class Adopter:
         self.adoptions.until = time.monotonic() + wait
 
     def adopt(self, entry: WorkerEntry, live: tuple[wire.Live, ...]) -> bool:
-        """An adoptee registered with the requests it holds, parked: each waits for its client to reattach. It hears
-        at once that it was adopted (a HEARTBEAT with this server's pid: it moves its rows into this start's slot
-        table, where the next start would look for it). Whether it was the last adoptee expected."""
+        """An adoptee registered with the requests it holds, parked, and the answers it sent just before the death:
+        each waits for its client to reattach (an answer the dead server's journal had ended, its client got: it is
+        forgotten there). It hears at once that it was adopted (a HEARTBEAT with this server's pid: it moves its rows
+        into this start's slot table, where the next start would look for it). Whether it was the last adoptee
+        expected."""
         self.adoptions.expected.discard(entry.identity)
         self.outbox.to_worker(entry.identity, wire.Heartbeat(entry.identity.decode(), pid=os.getpid()))
         now = time.monotonic()
+        held = {False: 0, True: 0}  # requests, answers
         for one in live:
             assign, req = one.assign, one.assign.request
             p = Pending(assign.ticket, b"", req, entry.model, now, None, attempts=assign.attempt,
@@ -79,18 +85,25 @@ class Adopter:
                         tenant=req.tenant, priority=req.priority, first_assigned=now,
                         first_token=now if one.text else 0.0, parked_on=entry.identity,
                         state=RequestState.STREAMING if one.text else RequestState.QUEUED)
+            journaled = self.adoptions.journaled(p.tenant, req.id)
+            for row in journaled:  # this instance holds it: better
+                self._forget(row)
+            if one.answered and self.journal_found and not journaled:
+                self.outbox.to_worker(entry.identity, wire.Cancel(p.ticket))
+                continue
             entry.parked.add(p.ticket)
-            for journaled in self.adoptions.journaled(p.tenant, req.id):  # this instance holds it: better
-                self._forget(journaled)
             self._hold(p, one.text, now)
-        self.tables.stats["adopted_requests"] += len(live)
-        log.info("adopted worker %s (pid %d) of the server before this one, holding %d request(s) for their clients",
-                 entry.identity.decode(), entry.pid, len(live))
+            held[one.answered] += 1
+        self.tables.stats["adopted_requests"] += held[False]
+        self.tables.stats["adopted_answers"] += held[True]
+        log.info("adopted worker %s (pid %d) of the server before this one, holding %d request(s) and %d answer(s) "
+                 "for their clients", entry.identity.decode(), entry.pid, held[False], held[True])
         return not self.adoptions.expected
 
-    def journaled(self, rows: list[tuple[Pending, str]]) -> None:
-        """The rows the journal of the server before this one had (``journal.read``): held for their clients, taken
-        once no adoptee is expected (one may bring the same, parked)."""
+    def journaled(self, rows: list[tuple[Pending, str]], found: bool) -> None:
+        """The rows the journal of the server before this one had (``journal.read``; ``found``: whether it left one):
+        held for their clients, taken once no adoptee is expected (one may bring the same, parked)."""
+        self.journal_found = found
         now = time.monotonic()
         held = [(p, text) for p, text in rows if p.model in self.tables.models]
         for p, text in held:

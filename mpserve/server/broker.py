@@ -269,9 +269,10 @@ class Broker:
     def keep_journal(self, path: Path, resume: bool) -> None:
         """Journal the live requests at ``path`` from now on; ``resume``: first take what the journal of the server
         before this one left there, held for their clients (``Adopter.journaled``)."""
-        rows = journal.read(path) if resume else []
+        found = resume and path.exists()
+        rows = journal.read(path) if found else []
         self.tables.journal = Journal(path)
-        self.adopter.journaled(rows)
+        self.adopter.journaled(rows, found)
 
     def expect(self, indexes: list[int], secrets: tuple[str, ...], wait: float) -> None:
         """The instances at ``indexes`` outlived the server before this one (``Adopter.expect``)."""

@@ -29,11 +29,11 @@ from mpserve.wire import media, refusals
 from mpserve.wire.figures import ModelStats, TenantStats
 from mpserve.wire.prefix import MAX_BLOCKS
 
-WORKER_LINK = "MPS1.4"  # the revision of the broker-worker messages, in every READY: a broker refuses workers
+WORKER_LINK = "MPS1.5"  # the revision of the broker-worker messages, in every READY: a broker refuses workers
 # of another but PREVIOUS_LINK (1.1: STEP replaced the worker's CHUNKS, and ASSIGNS came; 1.2: LoRA adapters: READY's,
 # ADAPTER_ACTION; ASSIGN's salt; PREEMPT and PARKED; 1.3: adoption: READY's live requests, HEARTBEAT's pid,
-# HAND_OFF; 1.4: READY's version and engine), so a remote pool is upgraded with it
-PREVIOUS_LINK = "MPS1.3"  # a revision whose workers a broker of this one still takes: its messages are this one's
+# HAND_OFF; 1.4: READY's version and engine; 1.5: LIVE's answered), so a remote pool is upgraded with it
+PREVIOUS_LINK = "MPS1.4"  # a revision whose workers a broker of this one still takes: its messages are this one's
 # but for fields this one added with a default; an upgrade's adopted instances of it serve until a roll replaces
 # them (``mpserve.server.rolling``)
 MAX_MESSAGE_BYTES = 4 * 1024 * 1024
@@ -753,8 +753,7 @@ class Ready(Body, frozen=True, forbid_unknown_fields=True):
     proof: Annotated[str, Meta(max_length=64)] = ""  # the broker's per-start secret, from its own workers only
     # (mpserve.server.link)
     adapters: Annotated[tuple[AdapterName, ...], Meta(max_length=MAX_LOADED_ADAPTERS)] = ()  # the LoRA adapters
-    # loaded (the requests it can take: ``Request.adapters`` of these names); the slot table shows which each slot
-    # runs
+    # loaded (the requests it can take: ``Request.adapters`` of these names); the slot table shows each slot's
     live: tuple[Live, ...] = ()  # an instance whose server died: the requests it holds parked, for the server that
     # adopts it (``mpserve.server.adoption``)
 
@@ -848,13 +847,14 @@ class Assign(Body, frozen=True, forbid_unknown_fields=True):
 
 
 class Live(Body, frozen=True, forbid_unknown_fields=True):
-    """In an adopted worker's READY: a request it ran when its server died, parked since (``Preempt``'s way): its
-    ASSIGN, the ``text`` it streamed so far (whole: the dead broker may have dropped some) and every token id it
-    generated (``Assign.generated``'s encoding), so the broker that adopts it can resume it there or elsewhere."""
+    """In an adopted worker's READY: a request it ran when its server died, parked since, or ``answered`` just before
+    (an ASSIGN of it answers it again: ``mpserve.worker.offers``): its ASSIGN, the ``text`` it streamed (whole: the dead
+    broker may have dropped some), its token ids (``Assign.generated``'s encoding), to resume it there or elsewhere."""
 
     assign: Assign
     text: Annotated[str, Meta(max_length=4 * MAX_PROMPT_CHARS)] = ""
     generated: Annotated[Packed, Meta(max_length=4 * MAX_TOKENS_LIMIT)] = b""
+    answered: bool = False  # it ended just before the death (DONE or ERROR sent): an ASSIGN of it is answered again
 
     def check(self) -> None:
         self.assign.check()

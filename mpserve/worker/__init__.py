@@ -6,6 +6,7 @@
     loop    ``Worker``: broker messages in, one engine step per turn, answers out
     stream  ``ChunkStream``: a streamed request's text gathered into CHUNK messages
     outbox  ``Outbox``: what a turn gathered for the broker, sent as one message (one STEP for several)
+    offers  what an instance whose server died offers the next one: its parked requests, its answers sent last
     embed   the answer to EMBED: an embedding engine's vectors
     tokens  the answer to TOKENIZE: the loaded model's vocabulary, between two steps
     slot_files  SLOT_ACTION: an idle slot's KV cells saved to a KV file, restored from one, or erased

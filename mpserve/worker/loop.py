@@ -26,9 +26,9 @@ Each turn takes every waiting broker message, then runs one ``engine.step`` whil
     keep alive  heartbeats both ways; register again if the broker went silent; exit if the server died;
               unload the model after ``idle_timeout`` without a request
     orphaned  the server died (its pidfd readable) and ``adopt_wait`` is set: every running sequence is parked, the
-              link connects afresh, and READY goes out with LIVE (each held request: its ASSIGN, the text it
-              streamed, its token ids) until a new server's broker answers (HEARTBEAT with its pid, watched from then
-              on: ``mpserve.server.adoption``); its rows move to the new slot table. None within ``adopt_wait``: leave.
+              link connects afresh, and READY goes out with LIVE (each held request, and each answer sent just before:
+              ``offers``) until a new server's broker answers (HEARTBEAT with its pid, watched from then on:
+              ``mpserve.server.adoption``); its rows move to the new slot table. None within ``adopt_wait``: leave.
               HAND_OFF (an upgrade) does the same, its READY answering the broker that is handing it off first
     leave     told to STOP, terminated (SIGTERM), or the server (pool) gone: LEAVING, the engine closed, and exit;
               the requests still running are not answered: the broker hands them over at once, as a lost worker's
@@ -70,7 +70,7 @@ from mpserve.wire import zmqio
 from mpserve.wire.protocol import ChatTemplate
 from mpserve.wire.slots import CacheRow, SlotState, SlotTable, SlotWriter, adapter_label
 
-from . import adapter_actions, embed, slot_files, spans, tokens
+from . import adapter_actions, embed, offers, slot_files, spans, tokens
 from .kv_publisher import open_publisher
 from .outbox import Outbox
 from .spec import EXIT_LOAD_FAILED, EngineSpec, WorkerSpec
@@ -117,8 +117,9 @@ class Worker:
         self._slot_of: dict[str, int] = {}
         self._streams: dict[str, ChunkStream] = {}  # ticket -> its streamed text, for streamed requests
         self._noted: dict[str, Noted] = {}  # ticket -> the token ids its text streams with (``report_tokens``)
-        self._parked: dict[str, _Held] = {}  # tickets whose sequence the engine holds parked (``_preempt``)
-        self._said: dict[str, list[str]] = {}  # ticket -> the text it streamed so far (a LIVE's, if orphaned)
+        self._parked: dict[str, offers.Held] = {}  # tickets whose sequence the engine holds parked (``_preempt``)
+        self._said: dict[str, offers.Said] = {}  # ticket -> what it streamed so far (a LIVE's, if orphaned)
+        self._sent = offers.Sent()  # the answers sent last, for a death of the server
         self._taken_over: set[str] = set()  # tickets admitted with another instance's tokens: their text is not all
         # here (``_live``)
         self._orphan_until: float | None = None  # orphaned (its server died): when it gives up waiting for another
@@ -226,12 +227,14 @@ class Worker:
         spec = self._spec
         chat = self._engine.chat if self._engine is not None else ChatTemplate()
         cache = self._engine.cache_snapshot() if self._engine is not None else None  # for a broker that restarted
+        orphaned = self._orphan_until is not None  # its requests, and its answers sent last, for the next server
+        live = offers.live(self._parked, self._said, self._taken_over, self._sent) if orphaned else ()
         ready = wire.Ready(spec.identity.decode(), spec.model, spec.device, spec.engine.parallel, os.getpid(),
                            loaded=self._engine is not None, host=spec.host, version=__version__,
                            engine=spec.engine.digest(), chat_template=chat.template,
                            bos_token=chat.bos_token, eos_token=chat.eos_token, proof=spec.proof,
                            adapters=self._engine.adapter_names() if self._engine is not None else
-                           tuple(sorted(self._adapters)), live=self._live() if self._orphan_until is not None else ())
+                           tuple(sorted(self._adapters)), live=live)
         self._signal(ready, trailer=wire.pack(cache) if cache else None)
         self._registered, self._must_register = True, False
         self._heard = time.monotonic()  # give the broker a full expiry to answer before trying again
@@ -271,14 +274,16 @@ class Worker:
 
     def _orphaned(self, reconnect: bool = True) -> None:
         """The server died: park what runs, forget what was on its way to the dead broker, connect afresh and offer
-        the held requests to the next server (READY with LIVE) for ``adopt_wait`` seconds (``Worker.run`` goes on
-        turning: nothing runs, so it waits for the broker's messages a heartbeat at a time), again on a new link
-        after each ORPHAN_RETRY_S of silence. Handed off (``reconnect`` False): the first READY answers the broker
-        handing it off, on the link it has."""
+        the held requests, and the answers sent last (``offers.Sent``), to the next server (READY with LIVE) for
+        ``adopt_wait`` seconds (``Worker.run`` goes on turning: nothing runs, so it waits for the broker's messages a
+        heartbeat at a time), again on a new link after each ORPHAN_RETRY_S of silence. Handed off (``reconnect``
+        False): the first READY answers the broker handing it off, on the link it has (which read what it sent)."""
         for ticket in list(self._running):
             if ticket not in self._cancelled_tickets:
                 self._park(ticket)
         self._out.take()
+        if reconnect:  # the dead broker may not have read the answers sent last: offered with the parked requests
+            self._sent.hold()
         self._watch_server(None)
         log.warning("its server died; holding %d request(s) for a new server to adopt this instance (%g s at most)",
                     len(self._parked), self._spec.adopt_wait)
@@ -312,20 +317,6 @@ class Worker:
         if self._server is not None:
             self._poller.register(self._server, zmq.POLLIN)
 
-    def _live(self) -> tuple[wire.Live, ...]:
-        """The held requests, for a new server to adopt (the parked ones whose whole text this instance streamed: a
-        request it took over from another instance runs again from its start), within one message's size."""
-        live, size = [], 0
-        for ticket, held in self._parked.items():
-            if ticket in self._taken_over:
-                continue
-            one = wire.Live(held.assign, "".join(self._said.get(ticket, ())), wire.token_frame(held.tokens))
-            size += len(wire.pack(one))
-            if size > wire.MAX_MESSAGE_BYTES // 2:
-                break
-            live.append(one)
-        return tuple(live)
-
     def _reconnect(self) -> None:
         """A new connection to the broker, the old one dropped at once with what it still held (LINGER 0 for the
         disconnect only). Left to linger, to deliver what it held, the old one could still reach a broker that came
@@ -357,10 +348,12 @@ class Worker:
         if isinstance(msg, wire.Heartbeat) and not msg.registered:
             self._must_register = True  # the broker does not know this worker (any more)
             if self._orphan_until is None:  # an orphan's held requests go in its READY, for the broker to adopt
-                for ticket in [*self._running, *self._parked]:  # the tickets of its requests are void
+                for ticket in [*self._running, *self._parked, *(a.assign.ticket for a in self._sent.held())]:  # void
                     self._cancel(ticket)
         elif isinstance(msg, wire.Heartbeat) and self._orphan_until is not None and msg.pid:
             self._adopted(msg.pid)
+        elif isinstance(msg, wire.Heartbeat):
+            self._sent.beat()
         elif isinstance(msg, wire.Error):
             log.error("the broker refused this worker: %s", msg.message)
             sys.exit(EXIT_LOAD_FAILED)
@@ -416,11 +409,12 @@ class Worker:
         with contextlib.suppress(zmq.Again):
             zmqio.send(self._sock, wire.encode_from_worker(msg, "", trailer), zmqio.NOBLOCK)
 
-    def _answer(self, outcome: wire.Done | wire.Error, ticket: str) -> None:
+    def _answer(self, outcome: wire.Done | wire.Error, ticket: str) -> bytes:
         """A request's DONE or ERROR, with a CACHE frame when the host store gained or lost entries since the
-        last one (the broker's routing learns from it where prefixes are); it goes out with the step's."""
+        last one (the broker's routing learns from it where prefixes are); it goes out with the step's. Its body."""
         changes = self._engine.take_cache_changes() if self._engine is not None else None
-        self._queue(outcome.TYPE, ticket, wire.pack(outcome), wire.pack(changes) if changes else None)
+        self._queue(outcome.TYPE, ticket, body := wire.pack(outcome), wire.pack(changes) if changes else None)
+        return body
 
     def _queue(self, mtype: wire.MsgType, ticket: str, body: bytes, trailer: bytes | None) -> None:
         if not self._out.fits(body, trailer):
@@ -449,6 +443,9 @@ class Worker:
 
     def _accept(self, assign: wire.Assign) -> None:
         """Admit the request into the slot the broker chose (any free one if that is taken)."""
+        if (sent := self._sent.take(assign.ticket)) is not None:  # it ended as its server died: its answer again
+            self._queue(sent.outcome, assign.ticket, sent.body, None)
+            return
         if self._engine is None:  # unloaded by the idle watchdog: the request waits for the load
             self.load()
         engine = self._engine
@@ -515,6 +512,7 @@ class Worker:
             row.cache(cache)
 
     def _cancel(self, ticket: str) -> None:
+        self._sent.drop(ticket)
         if ticket in self._slot_of and self._engine is not None:
             self._engine.cancel(self._slot_of[ticket])
             self._cancelled_tickets.add(ticket)
@@ -553,7 +551,7 @@ class Worker:
         del self._slot_of[ticket]
         self._streams.pop(ticket, None)
         noted = self._noted.pop(ticket, None)
-        self._parked[ticket] = _Held(assign, tokens)
+        self._parked[ticket] = offers.Held(assign, tokens)
         self._rows[slot].update(state=SlotState.IDLE, kv_cells=engine.kv_cells(slot))
         if not self._running and self._permit is not None:
             self._permit.release()
@@ -570,10 +568,10 @@ class Worker:
             return None, None
         request_id, ticket, engine, index = assign.request.id, assign.ticket, self._engine, assign.index
         assert engine is not None
-        said = self._said.setdefault(ticket, [])  # a resumed sequence's goes on
+        said = self._said.setdefault(ticket, offers.Said())  # a resumed sequence's goes on
         if not assign.report_tokens:
             def send_text(text: str) -> None:
-                said.append(text)
+                said.add(text)
                 self._queue(wire.MsgType.CHUNK, ticket, wire.pack(wire.Chunk(
                     request_id, text, engine.take_logprobs(slot), index)), None)
 
@@ -581,9 +579,9 @@ class Worker:
         noted = Noted(lambda: engine.tokens(slot))
 
         def send(text: str) -> None:
-            said.append(text)
+            said.add(text, ids := noted.take())
             self._queue(wire.MsgType.CHUNK, ticket, wire.pack(wire.Chunk(request_id, text, engine.take_logprobs(slot),
-                                                                         index)), wire.token_frame(noted.take()))
+                                                                         index)), wire.token_frame(ids))
 
         return ChunkStream(send, self._spec.stream_interval), noted
 
@@ -633,7 +631,8 @@ class Worker:
         self._cancelled_tickets.discard(ticket)
         slot = self._slot_of.pop(ticket)
         self._noted.pop(ticket, None)
-        self._said.pop(ticket, None)
+        said = self._said.pop(ticket, None)
+        whole = ticket not in self._taken_over  # its text all streamed from here
         self._taken_over.discard(ticket)
         self._served += 1
         if self._spans is not None:
@@ -643,7 +642,9 @@ class Worker:
         stream = self._streams.pop(ticket, None)
         if stream is not None and isinstance(outcome, wire.Done):
             stream.flush()
-        self._answer(outcome, assign.ticket)
+        body = self._answer(outcome, assign.ticket)
+        if whole:
+            self._sent.note(assign, said, outcome.TYPE, body)
 
     def _reply(self, assign: wire.Assign, result: Completion) -> wire.Done | wire.Error:
         outcome = answer(assign, result, self._spec.identity.decode())
@@ -651,10 +652,3 @@ class Worker:
             self._spans.answered(assign, result)
         return outcome
 
-
-@dataclasses.dataclass(frozen=True)
-class _Held:
-    """A parked sequence's request: its ASSIGN, and the ids of the tokens it generated here before it was parked."""
-
-    assign: wire.Assign
-    tokens: list[int]

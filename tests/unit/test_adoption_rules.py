@@ -17,6 +17,7 @@ from mpserve.client_track import Track
 from mpserve.errors import ConnectionFailed
 from mpserve.server import adoption
 from mpserve.server.broker import Broker
+from mpserve.server.state import Pending
 from mpserve.wire import protocol as wire
 
 pytestmark = pytest.mark.timeout(10)
@@ -138,6 +139,40 @@ def test_three_sockets_of_one_client_held_for_the_adoptee_leave_it_to_the_newest
         broker.clients.retry_contested(time.monotonic() + later)
         assert broker.tables.requests["T1"].client == owner and stats["accepted"] == 0
     assert not broker.clients.contested and stats["rebound"] == 2
+
+
+def _answered(rid: str, ticket: str) -> wire.Live:
+    live = _live(rid, ticket, "The end.")
+    return wire.Live(live.assign, live.text, live.generated, answered=True)
+
+
+def test_an_answer_sent_as_the_server_died_is_held_if_its_journal_has_it_live_and_asked_for_it_answers_at_once(
+        broker: Broker) -> None:
+    """The dead server's journal had r1 live (its DONE unread) and not r2 (its client got it): r1's answer waits for its
+    client, r2's is forgotten on its instance. r1 reattached goes to its instance, which answers it again."""
+    row = Pending("J1", b"", wire.Request("r1", "Once upon a time", stream=True), "m", time.monotonic(), None)
+    broker.adopter.journaled([(row, "The e")], found=True)
+    broker.expect([0], (OLD,), wait=30)
+    clients, workers = _sent(broker)
+    live = (_live("r0", "T0", "Once"), _answered("r1", "T1"), _answered("r2", "T2"))
+    broker.registry.register(b"w0", wire.Ready("w0", "m", -1, 2, 100, proof=OLD, live=live), None)
+    stats = broker.tables.stats
+    assert (stats["adopted_requests"], stats["adopted_answers"]) == (1, 1) and broker.tables.workers[b"w0"].parked == {
+        "T0", "T1"}
+    assert (b"w0", wire.Cancel("T2")) in workers and (b"w0", wire.Cancel("J1")) not in workers
+    broker.clients.admit(b"client", wire.Request("r1", "Once upon a time", stream=True, reattach=True))
+    broker.flush()
+    assert clients == [(b"client", wire.Chunk("r1", "The end."))]  # the whole text, not the journal's
+    [(to, assign)] = [(to, m) for to, m in workers if isinstance(m, wire.Assign)]
+    assert to == b"w0" and assign.ticket == "T1"
+
+
+def test_without_a_journal_of_the_server_before_every_answer_sent_as_it_died_is_held(broker: Broker) -> None:
+    broker.adopter.journaled([], found=False)
+    broker.expect([0], (OLD,), wait=30)
+    _, workers = _sent(broker)
+    broker.registry.register(b"w0", wire.Ready("w0", "m", -1, 2, 100, proof=OLD, live=(_answered("r2", "T2"),)), None)
+    assert broker.tables.stats["adopted_answers"] == 1 and not any(isinstance(m, wire.Cancel) for _, m in workers)
 
 
 def test_text_that_comes_again_after_a_reattach_is_dropped_and_the_rest_delivered() -> None:
