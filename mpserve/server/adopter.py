@@ -47,7 +47,8 @@ class Adopter:
         self.link_secret = link.new_secret()  # the proof of the workers the server starts (``Supervisor``)
         self.adopted_secrets: tuple[str, ...] = ()  # those of the instances it adopts
         self.adoptions = adoption.Adoptions()
-        self.journal_found = False  # whether the server before this one left a journal (``journaled``)
+        self.journal_found = False  # whether the server before this one left a journal (``journaled``) ...
+        self.journal_ids: set[tuple[str, str]] = set()  # ... and the requests (tenant, id) it had live
 
     @property
     def secrets(self) -> tuple[str, ...]:
@@ -85,10 +86,9 @@ class Adopter:
                         tenant=req.tenant, priority=req.priority, first_assigned=now,
                         first_token=now if one.text else 0.0, parked_on=entry.identity,
                         state=RequestState.STREAMING if one.text else RequestState.QUEUED)
-            journaled = self.adoptions.journaled(p.tenant, req.id)
-            for row in journaled:  # this instance holds it: better
+            for row in self.adoptions.journaled(p.tenant, req.id):  # this instance holds it: better
                 self._forget(row)
-            if one.answered and self.journal_found and not journaled:
+            if one.answered and self.journal_found and (p.tenant, req.id) not in self.journal_ids:
                 self.outbox.to_worker(entry.identity, wire.Cancel(p.ticket))
                 continue
             entry.parked.add(p.ticket)
@@ -104,6 +104,7 @@ class Adopter:
         """The rows the journal of the server before this one had (``journal.read``; ``found``: whether it left one):
         held for their clients, taken once no adoptee is expected (one may bring the same, parked)."""
         self.journal_found = found
+        self.journal_ids = {(p.tenant, p.request.id) for p, _ in rows}
         now = time.monotonic()
         held = [(p, text) for p, text in rows if p.model in self.tables.models]
         for p, text in held:

@@ -167,6 +167,22 @@ def test_an_answer_sent_as_the_server_died_is_held_if_its_journal_has_it_live_an
     assert to == b"w0" and assign.ticket == "T1"
 
 
+def test_the_choices_of_one_request_answered_on_two_instances_as_the_server_died_are_both_held(broker: Broker) -> None:
+    """The first adoptee's answer takes the journal's rows of the request out; the second's is held all the same."""
+    row = Pending("J1", b"", wire.Request("r1", "Once upon a time", stream=True), "m", time.monotonic(), None)
+    broker.adopter.journaled([(row, "")], found=True)
+    broker.expect([0, 1], (OLD,), wait=30)
+    _, workers = _sent(broker)
+    for index in (0, 1):
+        live = _answered("r1", f"T{index}")
+        live = wire.Live(wire.Assign(live.assign.ticket, live.assign.request, 0.0, 1, report_tokens=True, index=index),
+                         live.text, live.generated, answered=True)
+        broker.registry.register(f"w{index}".encode(), wire.Ready(f"w{index}", "m", -1, 2, 100 + index, proof=OLD,
+                                                                  live=(live,)), None)
+    assert broker.tables.stats["adopted_answers"] == 2
+    assert not any(isinstance(m, wire.Cancel) for _, m in workers)
+
+
 def test_without_a_journal_of_the_server_before_every_answer_sent_as_it_died_is_held(broker: Broker) -> None:
     broker.adopter.journaled([], found=False)
     broker.expect([0], (OLD,), wait=30)
