@@ -70,7 +70,10 @@ class Sent:
         self._held: dict[str, Answer] = {}
 
     def note(self, assign: wire.Assign, said: Said | None, outcome: wire.MsgType, body: bytes) -> None:
-        self._recent[assign.ticket] = Answer(assign, said or Said(), outcome, body, time.monotonic())
+        now = time.monotonic()
+        self._recent[assign.ticket] = Answer(assign, said or Said(), outcome, body, now)
+        if now - next(iter(self._recent.values())).at > HELD_S:  # no heartbeat for so long (a broker handing off)
+            self._recent = {ticket: a for ticket, a in self._recent.items() if now - a.at <= HELD_S}
 
     def beat(self) -> None:
         """A heartbeat of the broker: the answers sent before the one it sent last are let go. The broker sends one a

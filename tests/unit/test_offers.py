@@ -45,12 +45,17 @@ def test_an_answer_is_let_go_at_the_second_heartbeat_after_it_and_held_if_the_se
     assert [a.assign.ticket for a in sent.held()] == ["c"]
 
 
-def test_held_answers_are_let_go_held_s_after_they_were_sent(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_answers_are_let_go_held_s_after_they_were_sent_held_or_not(monkeypatch: pytest.MonkeyPatch) -> None:
     sent = offers.Sent()
     sent.note(_assign("a"), None, wire.MsgType.ERROR, _done("a"))
     sent.hold()
+    sent.note(_assign("b"), None, wire.MsgType.ERROR, _done("b"))
     monkeypatch.setattr(offers, "HELD_S", 0.0)
     assert sent.held() == [] and sent.take("a") is None
+    sent.note(_assign("c"), None, wire.MsgType.ERROR, _done("c"))  # no heartbeat since "b": let go all the same
+    sent.hold()
+    monkeypatch.setattr(offers, "HELD_S", 60.0)
+    assert [a.assign.ticket for a in sent.held()] == ["c"]
 
 
 def test_live_offers_the_parked_requests_whose_text_is_all_here_then_the_held_answers() -> None:
