@@ -121,11 +121,10 @@ class Adopter:
         self.tables.journal.whole(p)
         self.adoptions.hold(p, text, now)
 
-    def reattach(self, client: bytes, req: wire.Request, tenant: str, since: float) -> bool:
-        """A client sent ``req`` again after the server before this one died (it came at ``since``): if an adoptee
-        holds it (every choice), it goes on there, its whole text so far streamed first; if the journal had it (once no
-        adoptee is expected), it resumes from its tokens, likewise. False: this broker does not hold it (run it
-        anew)."""
+    def reattach(self, client: bytes, req: wire.Request, tenant: str) -> bool:
+        """A client sent ``req`` again after the server before this one died: if an adoptee holds it (every choice),
+        it goes on there, its whole text so far streamed first; if the journal had it (once no adoptee is expected),
+        it resumes from its tokens, likewise. False: this broker does not hold it (run it anew)."""
         rows = self.adoptions.take(tenant, req.id, journaled=not self.adoptions.expecting(time.monotonic()))
         if len(rows) != req.params.n or (req.model is not None
                                          and self.tables.resolve_model(req.model) != rows[0][0].model):
@@ -152,8 +151,7 @@ class Adopter:
         self.tables.owned[client] = self.tables.owned.get(client, 0) + len(rows)
         capped = cap_key(client, tenant)
         self.tables.capped[capped] = self.tables.capped.get(capped, 0) + len(rows)
-        self.tables.heard.setdefault(client, since)  # when it was heard from: a later claim of another client
-        # finds it silent since (``rebind``)
+        self.tables.heard.setdefault(client, now)
         self.tables.stats["reattached"] += 1
         log.debug("request %s of %s: reattached to its adopted sequence(s)", req.id, mq.name)
         self.dispatcher.dispatch(mq.name)

@@ -127,6 +127,7 @@ class Answers:
         else:
             self.tables.owned.pop(p.client, None)
             self.tables.heard.pop(p.client, None)
+            self.tables.spoke.pop(p.client, None)
 
     def unpark(self, p: Pending) -> None:
         """``p`` ends while parked: its worker forgets its sequence."""

@@ -91,7 +91,7 @@ class Clients:
             return
         client, frames = frames[0], frames[1:]
         if client in self.tables.heard:
-            self.tables.heard[client] = time.monotonic()
+            self.tables.heard[client] = self.tables.spoke[client] = time.monotonic()
         if self.tables.detached:  # found gone, and back under the same routing id: it is sent to again
             self.tables.detached.pop(client, None)
         try:
@@ -165,7 +165,7 @@ class Clients:
         while the client that has it is not found gone, held while adoptees are expected (its instance may not
         have registered yet)."""
         claim = self.rebinder.rebind(client, req, tenant, since)
-        if claim is Claim.TAKEN or self.adopter.reattach(client, req, tenant, since):
+        if claim is Claim.TAKEN or self.adopter.reattach(client, req, tenant):
             return True
         if claim is Claim.WAIT:
             self.contested.append((client, req, tenant, admin, since))
@@ -322,14 +322,15 @@ class Clients:
         silent = [c for c, heard in self.tables.heard.items() if now - heard > self.client_timeout]
         for client in silent:
             del self.tables.heard[client]
+            self.tables.spoke.pop(client, None)
             self.tables.stats["client_expired"] += 1
             log.warning("client %s sent nothing for %.0f s; cancelling its requests", client.hex(),
                         self.client_timeout)
             self.answers.drop_client(client, f"cancelled: this client sent nothing for {self.client_timeout:g} s")
 
     def release_held(self) -> None:
-        """The reattached requests held for the adoptees, taken again now that none is expected (each claimed when it
-        came: a client is heard from when its message came, not when it is acted on)."""
+        """The reattached requests held for the adoptees, taken again now that none is expected, each claimed as of
+        when it came (``Rebinder.rebind``: whether the client that has it spoke since)."""
         held, self.held = self.held, []
         for client, req, tenant, admin, since in held:
             self._admit_again(client, req, tenant, admin, since)

@@ -96,8 +96,7 @@ class Rebinder:
                                                 wire.splice_array(kept[at:at + REPLAY_BATCH])])
         self.tables.bind(client, rows[0])
         self._count(client, tenant, len(rows))
-        self.tables.heard[client] = max(self.tables.heard.get(client, 0.0), since)  # heard from when its claim came:
-        # a later claim by another socket of its client (which gave this one up) must not find it heard from since
+        self.tables.heard[client] = time.monotonic()  # its silence counts from now; it has not spoken since (``_live``)
         self.tables.stats["rebound"] += 1
         log.debug("request %s: taken up by another client of its tenant, %d bytes of text sent again", req.id,
                   sum(p.kept_bytes for p in rows))
@@ -107,16 +106,16 @@ class Rebinder:
         """The rows of the live request ``req`` names under a gone client of ``tenant``, if it is the same; and
         whether a client not found gone holds it. A client not known gone yet is sent a PONG, which finds it gone
         if ZeroMQ has seen its connection close; one it does not find gone is gone all the same once silent past
-        OWNER_SILENT_S, and alive if heard from since the claim."""
+        OWNER_SILENT_S, and alive if a message of it came since the claim (being given a request is not one: a later
+        claim by another socket of its client, which gave this one up, would find it alive)."""
         for owner in list(self.tables.ids.get((tenant, req.id), ())):
             p = self.tables.requests.get(self.tables.by_client.get((owner, req.id), ""))
             if owner == client or p is None or p.answered or not _same(p, req):
                 continue
-            heard = self.tables.heard.get(owner, 0.0)
             if (owner in self.tables.detached or not self.answers.to_client(owner, self.pong())
-                    or time.monotonic() - heard > OWNER_SILENT_S):
+                    or time.monotonic() - self.tables.heard.get(owner, 0.0) > OWNER_SILENT_S):
                 return [r for r in self.tables.choices(p) if not r.answered], False
-            return [], heard < since
+            return [], self.tables.spoke.get(owner, 0.0) < since
         return [], False
 
     def _count(self, client: bytes, tenant: str, n: int) -> None:
@@ -130,6 +129,7 @@ class Rebinder:
                 counts.pop(key, None)
         if client not in self.tables.owned:
             self.tables.heard.pop(client, None)
+            self.tables.spoke.pop(client, None)
             self.tables.detached.pop(client, None)
 
     def expire(self, now: float) -> None:

@@ -6,7 +6,7 @@
             ├─ workers    identity -> WorkerEntry (its running tickets, free slots in its model's queue)
             ├─ models     name -> ModelQueue (its fair queue, free slots, adapters, verdicts)
             ├─ lookups    TOKENIZE, EMBED, SLOT_ACTION ticket -> client, request id, worker
-            ├─ clients    heard (last message, while a client has requests), owned, capped (pending counts)
+            ├─ clients    heard, spoke (last message, while a client has requests), owned, capped (pending counts)
             └─ journal    what a restart finds of the live requests (``mpserve.server.journal``)
     WorkerOutbox ─ ASSIGNs gathered per worker (``queue``) ─▶ one ASSIGNS at ``flush`` (or when a batch is
                    full) ─▶ back ROUTER; any other message to a worker goes after its gathered ASSIGNs
@@ -65,7 +65,8 @@ class Tables:
         self.workers: dict[bytes, WorkerEntry] = {}
         self.lookups: dict[str, tuple[bytes, str, bytes]] = {}  # TOKENIZE ticket -> client, id, worker
         self.deadlines: list[tuple[float, str]] = []
-        self.heard: dict[bytes, float] = {}  # clients with pending requests -> last message time
+        self.heard: dict[bytes, float] = {}  # clients with pending requests -> last message time (or when given one)
+        self.spoke: dict[bytes, float] = {}  # ... -> when a message of theirs last came (``rebind``: alive since?)
         self.owned: dict[bytes, int] = {}  # clients -> number of pending requests
         self.capped: dict[bytes, int] = {}  # pending requests per client, or per tenant the gateway named
         self.detached: dict[bytes, float] = {}  # clients found gone -> when: their requests wait to be taken up

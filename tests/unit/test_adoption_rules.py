@@ -141,6 +141,19 @@ def test_three_sockets_of_one_client_held_for_the_adoptee_leave_it_to_the_newest
     assert not broker.clients.contested and stats["rebound"] == 2
 
 
+def test_a_claim_held_for_the_adoptee_past_the_client_timeout_gives_its_client_the_timeout_from_its_release(
+        broker: Broker) -> None:
+    """A reattach held while the adoptees are expected: its client's pings meanwhile count for no request, so once
+    released the client's silence counts from then, not from its claim."""
+    broker.expect([0], (OLD,), wait=30)
+    clients, _ = _sent(broker)
+    claimed = time.monotonic() - 2 * broker.clients.client_timeout
+    broker.clients.admit(b"client", wire.Request("r1", "Once upon a time", stream=True, reattach=True), since=claimed)
+    broker.registry.register(b"w0", wire.Ready("w0", "m", -1, 2, 100, proof=OLD, live=(_live("r1", "T1", "Hi"),)), None)
+    broker.clients.expire(time.monotonic() + broker.clients.client_timeout / 2)
+    assert broker.tables.stats["client_expired"] == 0 and broker.tables.requests["T1"].client == b"client"
+
+
 def _answered(rid: str, ticket: str) -> wire.Live:
     live = _live(rid, ticket, "The end.")
     return wire.Live(live.assign, live.text, live.generated, answered=True)
