@@ -281,7 +281,10 @@ def test_streams_are_read_on_through_another_gateway_process_which_takes_them_ov
                 os.kill(producer, signal.SIGKILL)
                 wait_for(lambda: not pid_alive(producer), timeout=10, what="the producing gateway process to die")
                 reading = pool.submit(elsewhere, producer, "doomed-1")  # the other process takes the stream over
-                counters = wait_for(lambda: _sent_again(client), 30, "the stream sent again by the other process")
+                try:
+                    counters = wait_for(lambda: _sent_again(client), 30, "the stream sent again by the other process")
+                except AssertionError as exc:  # what the server and its gateway processes said meanwhile
+                    raise AssertionError("\n".join([str(exc), *server.log[-60:]])) from None
             finally:
                 for pid in instances:
                     os.kill(pid, signal.SIGCONT)
