@@ -121,7 +121,7 @@ class Worker:
         self._said: dict[str, offers.Said] = {}  # ticket -> what it streamed so far (a LIVE's, if orphaned)
         self._sent = offers.Sent()  # the answers sent last, for a death of the server
         self._taken_over: set[str] = set()  # tickets admitted with another instance's tokens: their text is not all
-        # here (``_live``)
+        # here (``offers.live``)
         self._orphan_until: float | None = None  # orphaned (its server died): when it gives up waiting for another
         self._out = Outbox()  # this step's CHUNKs, DONEs and ERRORs, sent together
         self._cache_row: CacheRow | None = None  # as the rows last had it (``_note_cache``)
