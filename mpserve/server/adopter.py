@@ -47,8 +47,8 @@ class Adopter:
         self.link_secret = link.new_secret()  # the proof of the workers the server starts (``Supervisor``)
         self.adopted_secrets: tuple[str, ...] = ()  # those of the instances it adopts
         self.adoptions = adoption.Adoptions()
-        self.journal_found = False  # whether the server before this one left a journal (``journaled``) ...
-        self.journal_ids: set[tuple[str, str]] = set()  # ... and the requests (tenant, id) it had live
+        self.journal_ids: set[tuple[str, str]] | None = None  # the requests (tenant, id) the journal of the server
+        # before this one had live (None: it left none: ``journaled``)
 
     @property
     def secrets(self) -> tuple[str, ...]:
@@ -88,7 +88,7 @@ class Adopter:
                         state=RequestState.STREAMING if one.text else RequestState.QUEUED)
             for row in self.adoptions.journaled(p.tenant, req.id):  # this instance holds it: better
                 self._forget(row)
-            if one.answered and self.journal_found and (p.tenant, req.id) not in self.journal_ids:
+            if one.answered and self.journal_ids is not None and (p.tenant, req.id) not in self.journal_ids:
                 self.outbox.to_worker(entry.identity, wire.Cancel(p.ticket))
                 continue
             entry.parked.add(p.ticket)
@@ -103,8 +103,7 @@ class Adopter:
     def journaled(self, rows: list[tuple[Pending, str]], found: bool) -> None:
         """The rows the journal of the server before this one had (``journal.read``; ``found``: whether it left one):
         held for their clients, taken once no adoptee is expected (one may bring the same, parked)."""
-        self.journal_found = found
-        self.journal_ids = {(p.tenant, p.request.id) for p, _ in rows}
+        self.journal_ids = {(p.tenant, p.request.id) for p, _ in rows} if found else None
         now = time.monotonic()
         held = [(p, text) for p, text in rows if p.model in self.tables.models]
         for p, text in held:
