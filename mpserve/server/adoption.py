@@ -21,7 +21,6 @@ user's, never through a link): a process of another user cannot plant secrets th
 
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
 import os
@@ -36,7 +35,7 @@ from pathlib import Path
 from mpserve.private import PlantedFile, create_private, open_private
 from mpserve.runtime import ServerPaths, runtime_dir
 from mpserve.wire.slots import SlotState, SlotTable
-from mpserve.worker.spec import EngineSpec, WorkerSpec, revision, weights_of
+from mpserve.worker.spec import CHALLENGE_TIMEOUT_S, EngineSpec, WorkerSpec, revision, time_limit, weights_of
 
 from .state import Pending
 from .zygotes import PidfdHandle, Zygote, readable
@@ -147,7 +146,7 @@ def adopt_zygote(model: str, engine: EngineSpec, path: Path, secrets: tuple[str,
     that proves it knows one of ``secrets`` (as this server proves it to it), runs this code (``revision``) and
     loaded the weights this start would (``EngineSpec.weights``; the context it forks may differ); told this start's
     secret (``proof``), for the start after it. None if there is none (or it is told to stop: other code, other
-    weights)."""
+    weights), or it goes quiet or away in the middle: each step has CHALLENGE_TIMEOUT_S, as the zygote's side."""
     for secret in secrets:
         try:
             answer = _zygote_connection(path, secret.encode())
@@ -156,22 +155,33 @@ def adopt_zygote(model: str, engine: EngineSpec, path: Path, secrets: tuple[str,
         if answer is None:
             return None
         conn, pid = answer
-        said = conn.recv() if conn.poll(ZYGOTE_CONNECT_S) else None
-        if not (isinstance(said, tuple) and len(said) == 4 and said[:2] == ("adopted", pid)):
+        try:
+            if not _takes(conn, pid, model, engine):
+                conn.close()
+                return None
+            conn.send(proof)
+        except (EOFError, OSError):
             conn.close()
             return None
-        if said[2] != revision() or not isinstance(said[3], dict) or weights_of(said[3]) != engine.weights():
-            log.info("%s's zygote (pid %d) of the server before this one runs other code (%s) or loaded the model "
-                     "otherwise; stopping it", model, pid, said[2])
-            with contextlib.suppress(OSError):
-                conn.send(None)
-            conn.close()
-            return None
-        conn.send(proof)
+        _limit(conn, 0.0)  # adopted: the zygote may be quiet for as long as it likes
         log.info("%s's zygote (pid %d) outlived the server before this one; adopted: its weights fork the instances",
                  model, pid)
         return Zygote(model, conn, AdoptedWorker(pid), engine.weights())
     return None
+
+
+def _takes(conn: Connection, pid: int, model: str, engine: EngineSpec) -> bool:
+    """Whether the zygote at ``conn`` (proven), told who it is, runs this code and loaded ``engine``'s weights; one
+    that does not is told to stop."""
+    said = conn.recv() if conn.poll(ZYGOTE_CONNECT_S) else None
+    if not (isinstance(said, tuple) and len(said) == 4 and said[:2] == ("adopted", pid)):
+        return False
+    if said[2] != revision() or not isinstance(said[3], dict) or weights_of(said[3]) != engine.weights():
+        log.info("%s's zygote (pid %d) of the server before this one runs other code (%s) or loaded the model "
+                 "otherwise; stopping it", model, pid, said[2])
+        conn.send(None)
+        return False
+    return True
 
 
 def _zygote_connection(path: Path, secret: bytes) -> tuple[Connection, int] | None:
@@ -191,6 +201,7 @@ def _zygote_connection(path: Path, secret: bytes) -> tuple[Connection, int] | No
         sock.close()
         return None
     sock.settimeout(None)
+    time_limit(sock, CHALLENGE_TIMEOUT_S)  # a zygote that goes quiet in the middle is given up, not waited for
     conn = Connection(sock.detach())
     try:
         if not conn.poll(ZYGOTE_CONNECT_S):  # it has not taken the connection: not waiting to be adopted
@@ -205,6 +216,12 @@ def _zygote_connection(path: Path, secret: bytes) -> tuple[Connection, int] | No
         conn.close()
         return None
     return conn, pid
+
+
+def _limit(conn: Connection, seconds: float) -> None:
+    """``time_limit`` on the socket under ``conn`` (a descriptor of it, closed after)."""
+    with socket.socket(fileno=os.dup(conn.fileno())) as sock:
+        time_limit(sock, seconds)
 
 
 class AdoptedWorker(PidfdHandle):

@@ -23,6 +23,8 @@ from __future__ import annotations
 import hashlib
 import importlib
 import json
+import socket
+import struct
 from dataclasses import asdict, dataclass, field
 from multiprocessing.connection import Connection
 
@@ -171,6 +173,18 @@ class Adoptable:
 def spare_path(path: str) -> str:
     """Where the spare of the zygote waiting at ``path`` waits."""
     return path.removesuffix(".sock") + ".spare.sock"
+
+
+CHALLENGE_TIMEOUT_S = 5.0  # either side of an adoption refuses a peer that has not proven itself by then
+
+
+def time_limit(sock: socket.socket, seconds: float) -> None:
+    """Each read and write on ``sock``'s descriptor fails (EAGAIN) after ``seconds`` without progress (0: never):
+    the adoption's challenge runs on the descriptor itself (``multiprocessing.connection``), which a socket's own
+    timeout does not reach, so neither side waits for ever on a peer that went quiet in the middle of it."""
+    limit = struct.pack("ll", int(seconds), int(seconds % 1 * 1_000_000))
+    for option in (socket.SO_RCVTIMEO, socket.SO_SNDTIMEO):
+        sock.setsockopt(socket.SOL_SOCKET, option, limit)
 
 
 def revision() -> str:

@@ -58,12 +58,9 @@ from multiprocessing.connection import Connection
 from typing import Any
 
 from .main import worker_main
-from .spec import Adoptable, EngineSpec, WorkerSpec, revision
+from .spec import CHALLENGE_TIMEOUT_S, Adoptable, EngineSpec, WorkerSpec, revision, time_limit
 
 log = logging.getLogger("mpserve.zygote")
-
-CHALLENGE_TIMEOUT_S = 5.0  # a connection that has not proven itself by then is refused
-
 
 def zygote_main(engine: EngineSpec, model: str, conn: Connection, log_level: str,
                 adoptable: Adoptable | None = None) -> None:
@@ -296,7 +293,7 @@ def _proven(listener: socket.socket, secret: bytes) -> Connection | None:
         sock.close()
         return None
     sock.setblocking(True)
-    _time_limit(sock, CHALLENGE_TIMEOUT_S)  # a peer that says nothing is refused, not waited for
+    time_limit(sock, CHALLENGE_TIMEOUT_S)  # a peer that says nothing is refused, not waited for
     conn = Connection(sock.dup().detach())
     try:
         connection.deliver_challenge(conn, secret)
@@ -306,16 +303,9 @@ def _proven(listener: socket.socket, secret: bytes) -> Connection | None:
         conn.close()
         sock.close()
         return None
-    _time_limit(sock, 0.0)  # proven: the server may be quiet for as long as it likes
+    time_limit(sock, 0.0)  # proven: the server may be quiet for as long as it likes
     sock.close()
     return conn
-
-
-def _time_limit(sock: socket.socket, seconds: float) -> None:
-    """Each read and write on ``sock``'s descriptor fails (EAGAIN) after ``seconds`` without progress (0: never)."""
-    limit = struct.pack("ll", int(seconds), int(seconds % 1 * 1_000_000))
-    for option in (socket.SO_RCVTIMEO, socket.SO_SNDTIMEO):
-        sock.setsockopt(socket.SOL_SOCKET, option, limit)
 
 
 def _load(engine: EngineSpec) -> Any:
