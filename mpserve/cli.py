@@ -37,7 +37,7 @@ import typer
 from mpserve import __version__, help_labels
 from mpserve.config import loader as cfg
 from mpserve.config import settings
-from mpserve.errors import BadRequest, ConfigError, ConnectionFailed, MpserveError
+from mpserve.errors import BadRequest, ConfigError, MpserveError
 from mpserve.operator_link import Curve, Operator, admin_client, broker_stats
 from mpserve.runtime import ServerInfo
 from mpserve.status_text import (
@@ -543,20 +543,7 @@ def upgrade(target: Operator,
     with _errors():
         info = target.broker()
         os.kill(info.pid, signal.SIGUSR2)
-        deadline = time.monotonic() + wait
-        while True:
-            new = ServerInfo.read(target.server_name)
-            if new is not None and new.started != info.started and new.alive():
-                try:
-                    with admin_client(new, target.curve, connect_timeout=2.0) as client:
-                        client.stats()
-                    break
-                except MpserveError:
-                    pass
-            if time.monotonic() > deadline:
-                raise ConnectionFailed(f"server {target.server_name!r} (pid {info.pid}) did not come back within "
-                                       f"{wait:g} s after the hand-off; see its log")
-            time.sleep(0.2)
+        new = target.next_start(info, wait)
         print(f"upgraded {target.server_name}: mpserve {new.version or 'unknown'} (was {info.version or 'unknown'}), "
               f"pid {new.pid}")
 

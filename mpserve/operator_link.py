@@ -3,6 +3,8 @@ a running server: which server, the CURVE keys for a tcp one, and a connected cl
 
     Operator(server_name, Curve) ──broker()──▶ the server's description (ServerInfo), or no_server naming those
                                                that run here
+                                 ──next_start(info, wait)──▶ an upgrade: the next start's description once its
+                                               admin socket answers, or an error naming how far it got
         ──admin_client(info, curve)──▶ a Client on its admin socket (ipc: this user alone, no keys; tcp: the
                                        operator's CURVE keys)
         ──broker_stats(info, curve)──▶ its STATS on the clients' socket, or None said on stderr
@@ -16,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import os
 import sys
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -51,6 +54,29 @@ class Operator:
         if info is None or not info.alive() or info.role != "broker":
             raise no_server(self.server_name)
         return info
+
+    def next_start(self, old: ServerInfo, wait: float) -> ServerInfo:
+        """The info of the start after ``old``'s, once its admin socket answers; ConnectionFailed after ``wait`` s,
+        naming how far it got (the old start still running, the process gone, the new one silent)."""
+        deadline = time.monotonic() + wait
+        stage = "the server had not ended its old start (its instances not handed off yet)"
+        while time.monotonic() < deadline:
+            new = ServerInfo.read(self.server_name)
+            if not os.path.exists(f"/proc/{old.pid}"):
+                stage = "its process exited"
+                break
+            if new is not None and new.started != old.started:
+                try:
+                    with admin_client(new, self.curve, connect_timeout=2.0) as client:
+                        client.stats()
+                    return new
+                except MpserveError as exc:
+                    stage = f"the new start wrote its info but its admin socket did not answer ({exc.message})"
+            elif new is None:
+                stage = "the old start ended, and the new one has not written its info yet"
+            time.sleep(0.2)
+        raise ConnectionFailed(f"server {self.server_name!r} (pid {old.pid}) did not come back within {wait:g} s "
+                               f"after the hand-off: {stage}; see its log")
 
 
 def admin_client(info: ServerInfo, curve: Curve, connect_timeout: float | None = None

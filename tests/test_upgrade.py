@@ -9,14 +9,17 @@ checkout, as an upgrade in place changes what the environment imports."""
 
 from __future__ import annotations
 
+import os
 import shutil
+import signal
 from pathlib import Path
 
 import pytest
-from helpers import wait_for
+from helpers import mpserve, wait_for
 from test_adoption import ARGS, MAX_TOKENS, PROMPTS, _worker_pids, upgrade_under_streams
 
 from mpserve import Client
+from mpserve.runtime import ServerInfo
 from mpserve.wire.messages import PREVIOUS_LINK, WORKER_LINK
 
 REPO = Path(__file__).resolve().parent.parent
@@ -65,3 +68,20 @@ def test_an_upgrade_to_another_version_rolls_the_adopted_instances_onto_it_with_
     steps = [line for line in server.log if "roll of tiny:" in line]
     assert sum("starting worker" in line for line in steps) == 2, log  # one at a time, each its own step
     assert not server.tracebacks(), log
+
+
+@pytest.mark.timeout(90)
+def test_an_upgrade_that_does_not_come_back_in_time_says_how_far_it_got(start_server) -> None:
+    """``mpserve upgrade --wait`` of a server that cannot act on the signal yet (stopped): it fails naming the
+    stage it saw, not only the time; the signal waits, and the server upgrades once it runs again."""
+    server = start_server("--instances", "1").wait_ready()
+    before = server.info
+    os.kill(server.proc.pid, signal.SIGSTOP)
+    try:
+        late = mpserve("upgrade", "--server-name", server.name, "--wait", "1")
+    finally:
+        os.kill(server.proc.pid, signal.SIGCONT)
+    assert late.returncode != 0, late.stdout
+    assert "did not come back within 1 s after the hand-off: the server had not ended its old start" in late.stderr
+    wait_for(lambda: (info := ServerInfo.read(server.name)) is not None and info.started != before.started, 60,
+             "the upgrade, once the server runs again")

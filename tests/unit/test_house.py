@@ -17,7 +17,7 @@ MAX_MODULE_LINES = 600
 MAX_FUNCTION_LINES = 60
 
 ALLOWED = {  # path, or path::qualified name: its count when it was listed
-    "mpserve/cli.py": 665,
+    "mpserve/cli.py": 652,
     "mpserve/client.py": 890,
     "mpserve/config/loader.py": 691,
     "mpserve/gpu/permits.py": 705,
