@@ -151,11 +151,31 @@ class ServerProcess:
         return [line for line in self.log if "Traceback" in line]
 
 
+LOG_TAIL_LINES = 40  # of each server a failed test started, in its report: a run's printout keeps its end
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Iterator[None]:
+    """A failed test's report ends with the last lines of the log of each server it started (``start_server``),
+    as they were when it failed: a failure seen once in CI can be read there, not only guessed at."""
+    outcome: Any = yield
+    report: pytest.TestReport = outcome.get_result()
+    if report.when == "call" and report.failed:
+        for server in item.stash.get(_SERVERS, []):
+            report.sections.append((f"server {server.name}: its last {LOG_TAIL_LINES} log lines",
+                                    "\n".join(server.log[-LOG_TAIL_LINES:])))
+
+
+_SERVERS = pytest.StashKey[list["ServerProcess"]]()
+
+
 @pytest.fixture
-def start_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[type[ServerProcess]]:
+def start_server(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+                 ) -> Iterator[type[ServerProcess]]:
     """Start servers with ``start_server(*args).wait_ready()``; all are stopped after the test. The servers of one
     test share a host store of their own: none holds the prompts an earlier test left."""
     started: list[ServerProcess] = []
+    request.node.stash[_SERVERS] = started
     store = str(tmp_path_factory.mktemp("store"))
 
     class Tracked(ServerProcess):

@@ -575,8 +575,7 @@ def upgrade_under_streams(server: ServerProcess, whole: list[str], installed: Ca
         s.start()
     assert all(s.started.wait(60) for s in streams)
     installed()
-    upgraded = subprocess.run([sys.executable, "-m", "mpserve", "upgrade", "--server-name", server.name],
-                              capture_output=True, text=True, timeout=120)
+    upgraded = mpserve("upgrade", "--server-name", server.name, "--wait", "100", timeout=120)  # it says how far
     assert upgraded.returncode == 0, upgraded.stderr
     for s in streams:
         s.join(150)
