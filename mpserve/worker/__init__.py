@@ -4,6 +4,7 @@
     main    the process entry: environment, sockets, slot-table rows, permits, engine
     zygote  a model's zygote: loads the model's weights once, forks the model's instances (``main`` in each)
     loop    ``Worker``: broker messages in, one engine step per turn, answers out
+    link    ``BrokerLink``: heartbeats, registering again, the server watched, an orphan's wait for the next start
     stream  ``ChunkStream``: a streamed request's text gathered into CHUNK messages
     outbox  ``Outbox``: what a turn gathered for the broker, sent as one message (one STEP for several)
     offers  what an instance whose server died offers the next one: its parked requests, its answers sent last

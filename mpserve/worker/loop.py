@@ -23,7 +23,7 @@ Each turn takes every waiting broker message, then runs one ``engine.step`` whil
               last CHUNK. What a step (or a turn's receiving) produced goes as one STEP message (a
               plain CHUNK, DONE or ERROR when it is one), before anything else the worker sends
     kv events  with ``--kv-events``: the blocks its cells gained and lost, published (``kv_publisher``)
-    keep alive  heartbeats both ways; register again if the broker went silent; exit if the server died;
+    keep alive  heartbeats both ways; register again if the broker went silent (``link``); exit if the server died;
               unload the model after ``idle_timeout`` without a request
     orphaned  the server died (its pidfd readable) and ``adopt_wait`` is set: every running sequence is parked, the
               link connects afresh, and READY goes out with LIVE (each held request, and each answer sent just before:
@@ -47,9 +47,7 @@ import contextlib
 import dataclasses
 import logging
 import os
-import random
 import resource
-import select
 import signal
 import socket
 import sys
@@ -72,16 +70,13 @@ from mpserve.wire.slots import CacheRow, SlotState, SlotTable, SlotWriter, adapt
 
 from . import adapter_actions, embed, offers, slot_files, spans, tokens
 from .kv_publisher import open_publisher
+from .link import BrokerLink
 from .outbox import Outbox
 from .spec import EXIT_LOAD_FAILED, EngineSpec, WorkerSpec
 from .stream import ChunkStream, Noted, answer
 
 log = logging.getLogger("mpserve.worker")
 
-REGISTER_BACKOFF_FIRST_S = 0.5
-REGISTER_BACKOFF_MAX_S = 5.0
-ORPHAN_RETRY_S = 2.0  # orphaned: READY again, on a new link, after this long without a word from a broker
-HAND_OFF_WAIT_S = 30.0  # handed off with adopt_wait 0: how long it waits for the next server all the same
 CRASH_ON = "MPSERVE_TEST_CRASH_ON"  # the tests' crash injection (see the module's docstring)
 
 
@@ -91,15 +86,6 @@ def _crash() -> None:
     signal.raise_signal(signal.SIGSEGV)
 
 
-def _watch(pid: int) -> int | None:
-    """A pidfd of the server (readable once it has exited), or None if it is gone already. The worker's parent
-    is the fork server, not the server, so the server is watched by its pid."""
-    try:
-        return os.pidfd_open(pid)
-    except ProcessLookupError:
-        return None
-
-
 class Worker:
     def __init__(self, spec: WorkerSpec, sock: zmq.Socket[Any], rows: list[SlotWriter],
                  build_engine: Callable[[EngineSpec], Engine], permits: DevicePermits | None = None) -> None:
@@ -107,6 +93,8 @@ class Worker:
         self._sock = sock
         self._poller = zmq.Poller()  # one, registered once (``Socket.poll`` builds a Poller per call)
         self._poller.register(sock, zmq.POLLIN)
+        self._link = BrokerLink(spec, sock, self._poller)  # the server's pidfd in the poll too: an idle worker
+        # wakes when the server dies
         self._rows = rows
         self._build_engine = build_engine
         self._adapters = dict(spec.engine.adapters)  # declared, then as loaded and unloaded since (adapter_actions)
@@ -122,7 +110,6 @@ class Worker:
         self._sent = offers.Sent()  # the answers sent last, for a death of the server
         self._taken_over: set[str] = set()  # tickets admitted with another instance's tokens: their text is not all
         # here (``offers.live``)
-        self._orphan_until: float | None = None  # orphaned (its server died): when it gives up waiting for another
         self._out = Outbox()  # this step's CHUNKs, DONEs and ERRORs, sent together
         self._cache_row: CacheRow | None = None  # as the rows last had it (``_note_cache``)
         self._cancelled_tickets: set[str] = set()
@@ -130,14 +117,6 @@ class Worker:
         self._stopping = False
         self._leaving: str | None = None  # why the worker leaves on its own (not told to stop): for LEAVING
         self._wakeup: tuple[socket.socket, socket.socket] | None = None
-        self._server: int | None = None
-        self._watch_server(spec.parent_pid)  # in the poll too: an idle worker wakes when the server dies
-        self._next_heartbeat = 0.0
-        self._heard = time.monotonic()
-        self._must_register = False
-        self._register_backoff = REGISTER_BACKOFF_FIRST_S
-        self._next_register = 0.0
-        self._registered = False
         self._crash_on = os.environ.get(CRASH_ON) or None
         self._kv_events = open_publisher(spec.kv_events, spec.index, spec.model)  # None: no --kv-events
         self._spans = spans.for_worker(spec.identity.decode())  # None while tracing is off
@@ -162,7 +141,7 @@ class Worker:
         self._note_cache()
         log.debug("loaded in %.2f s (repack=%s, threads=%d)", time.perf_counter() - t0, self._spec.engine.repack,
                   self._spec.engine.threads)
-        if self._registered:  # loaded on demand: tell the broker (its chat template, and that the load worked)
+        if self._link.registered:  # loaded on demand: tell the broker (its chat template, and that the load worked)
             self._register()
 
     def run(self) -> None:
@@ -227,29 +206,28 @@ class Worker:
         spec = self._spec
         chat = self._engine.chat if self._engine is not None else ChatTemplate()
         cache = self._engine.cache_snapshot() if self._engine is not None else None  # for a broker that restarted
-        orphaned = self._orphan_until is not None  # its requests, and its answers sent last, for the next server
-        live = offers.live(self._parked, self._said, self._taken_over, self._sent) if orphaned else ()
+        live = (offers.live(self._parked, self._said, self._taken_over, self._sent) if self._link.orphaned_now
+                else ())  # its requests, and its answers sent last, for the next server
         ready = wire.Ready(spec.identity.decode(), spec.model, spec.device, spec.engine.parallel, os.getpid(),
                            loaded=self._engine is not None, host=spec.host, version=__version__,
                            engine=spec.engine.digest(), chat_template=chat.template,
                            bos_token=chat.bos_token, eos_token=chat.eos_token, proof=spec.proof,
                            adapters=self._engine.adapter_names() if self._engine is not None else
                            tuple(sorted(self._adapters)), live=live)
+        self._link.registering()
         self._signal(ready, trailer=wire.pack(cache) if cache else None)
-        self._registered, self._must_register = True, False
-        self._heard = time.monotonic()  # give the broker a full expiry to answer before trying again
 
     def _keep_alive(self) -> None:
-        """Heartbeats both ways (the Paranoid Pirate pattern): send one every interval; if the broker has
-        been silent for interval × liveness, register again, backing off with jitter, so that a broker
-        that restarted or declared this worker lost gets it back. Also: exit if the server is gone."""
-        spec = self._spec
+        """Heartbeats both ways (``link``): send one every interval; if the broker has been silent for interval ×
+        liveness, register again, backing off with jitter, so that a broker that restarted or declared this worker
+        lost gets it back. Also: exit if the server is gone, or wait to be adopted (orphaned)."""
+        spec, link = self._spec, self._link
         now = time.monotonic()
-        if self._orphan_until is not None:
-            if now >= self._orphan_until:
+        if link.orphan_until is not None:
+            if now >= link.orphan_until:
                 log.warning("no server adopted it within %g s; leaving", spec.adopt_wait)
                 self._leaving = f"its server died, and none adopted it within {spec.adopt_wait:g} s"
-        elif self._leaving is None and (self._server is None or select.select([self._server], [], [], 0)[0]):
+        elif self._leaving is None and link.server_gone():
             # every turn (one syscall): the requests of a dead pool's worker are handed over after one step more
             starter = "pool" if spec.pool else "server"
             if spec.adopt_wait and not spec.pool:
@@ -257,48 +235,37 @@ class Worker:
             else:
                 log.warning("its %s (pid %d) is gone; leaving", starter, spec.parent_pid)
                 self._leaving = f"its {starter} (pid {spec.parent_pid}) is gone"
-        if now >= self._next_heartbeat and self._orphan_until is None:
-            self._next_heartbeat = now + spec.heartbeat_interval
+        if link.heartbeat_due(now):
             self._signal(wire.Heartbeat(spec.identity.decode()))
             self._note_cache()  # what the store's writer thread and other instances changed meanwhile
-        silent = now - self._heard > (spec.heartbeat_interval * spec.heartbeat_liveness if self._orphan_until is None
-                                      else ORPHAN_RETRY_S)
-        if not self._running and (self._must_register or (silent and now >= self._next_register)):
-            if silent:  # on a new connection: the broker takes none under a name still connected (a dead link
-                # it has not dropped yet), and ZeroMQ would keep this one, unheard, for good
-                log.warning("no word from the broker for %.1f s; connecting and registering again", now - self._heard)
-                self._reconnect()
+        silent = link.silent_for(now)
+        if not self._running and link.register_due(now, silent is not None):
+            if silent is not None:  # on a new connection: the broker takes none under a name still connected (a
+                # dead link it has not dropped yet), and ZeroMQ would keep this one, unheard, for good
+                log.warning("no word from the broker for %.1f s; connecting and registering again", silent)
+                link.reconnect()
             self._register()
-            self._register_backoff = min(REGISTER_BACKOFF_MAX_S, self._register_backoff * 2)
-            self._next_register = now + self._register_backoff * random.uniform(0.5, 1.5)
 
     def _orphaned(self, reconnect: bool = True) -> None:
         """The server died: park what runs, forget what was on its way to the dead broker, connect afresh and offer
         the held requests, and the answers sent last (``offers.Sent``), to the next server (READY with LIVE) for
         ``adopt_wait`` seconds (``Worker.run`` goes on turning: nothing runs, so it waits for the broker's messages a
-        heartbeat at a time), again on a new link after each ORPHAN_RETRY_S of silence. Handed off (``reconnect``
-        False): the first READY answers the broker handing it off, on the link it has (which read what it sent)."""
+        heartbeat at a time), again on a new link after each ``link.ORPHAN_RETRY_S`` of silence. Handed off
+        (``reconnect`` False): the first READY answers the broker handing it off, on the link it has."""
         for ticket in list(self._running):
             if ticket not in self._cancelled_tickets:
                 self._park(ticket)
         self._out.take()
         if reconnect:  # the dead broker may not have read the answers sent last: offered with the parked requests
             self._sent.hold()
-        self._watch_server(None)
         log.warning("its server died; holding %d request(s) for a new server to adopt this instance (%g s at most)",
                     len(self._parked), self._spec.adopt_wait)
-        now = time.monotonic()
-        self._orphan_until = now + (self._spec.adopt_wait or HAND_OFF_WAIT_S)
-        if reconnect:
-            self._reconnect()
-        self._must_register = True
-        self._register_backoff = REGISTER_BACKOFF_FIRST_S
+        self._link.orphaned(reconnect)
 
     def _adopted(self, server_pid: int) -> None:
         """A new server's broker took this worker (its HEARTBEAT with the server's pid): watch that server from now
         on, and move the rows into its slot table (made anew at the same path)."""
-        self._orphan_until = None
-        self._watch_server(server_pid)
+        self._link.adopted(server_pid)
         try:
             table = SlotTable.attach(Path(self._spec.slots_path))
         except (OSError, ValueError) as exc:
@@ -307,27 +274,6 @@ class Worker:
         else:
             self._rows = [table.writer(row, like=old) for row, old in zip(self._spec.rows, self._rows, strict=True)]
         log.info("adopted by the server (pid %d); holding %d request(s) for it", server_pid, len(self._parked))
-
-    def _watch_server(self, pid: int | None) -> None:
-        """Watch server ``pid`` (None: none) instead of the one watched so far."""
-        if self._server is not None:
-            self._poller.unregister(self._server)
-            os.close(self._server)
-        self._server = _watch(pid) if pid is not None else None
-        if self._server is not None:
-            self._poller.register(self._server, zmq.POLLIN)
-
-    def _reconnect(self) -> None:
-        """A new connection to the broker, the old one dropped at once with what it still held (LINGER 0 for the
-        disconnect only). Left to linger, to deliver what it held, the old one could still reach a broker that came
-        back, which took this worker's name from its stale READY, lost it when that connection closed, and refused
-        the new connection that claimed the name meanwhile: registered, the worker was unreachable until it gave
-        up waiting and connected again."""
-        linger = self._sock.getsockopt(zmq.LINGER)  # for the socket's close: its last messages (LEAVING) go out
-        self._sock.setsockopt(zmq.LINGER, 0)
-        self._sock.disconnect(self._spec.backend)
-        self._sock.setsockopt(zmq.LINGER, linger)
-        self._sock.connect(self._spec.backend)
 
     def _receive_all(self) -> None:
         """Take every waiting broker message and act on each; then send the answers that gave (an ASSIGN
@@ -338,19 +284,18 @@ class Worker:
 
     def _receive(self, frames: list[bytes]) -> None:
         """Act on one broker message."""
-        self._heard = time.monotonic()
-        self._register_backoff = REGISTER_BACKOFF_FIRST_S
+        self._link.heard()
         try:
             msg = wire.decode(frames)
         except MpserveError as exc:
             log.error("dropped a bad message from the broker: %s", exc)
             return
         if isinstance(msg, wire.Heartbeat) and not msg.registered:
-            self._must_register = True  # the broker does not know this worker (any more)
-            if self._orphan_until is None:  # an orphan's held requests go in its READY, for the broker to adopt
+            self._link.must_register = True  # the broker does not know this worker (any more)
+            if not self._link.orphaned_now:  # an orphan's held requests go in its READY, for the broker to adopt
                 for ticket in [*self._running, *self._parked, *(a.assign.ticket for a in self._sent.held())]:  # void
                     self._cancel(ticket)
-        elif isinstance(msg, wire.Heartbeat) and self._orphan_until is not None and msg.pid:
+        elif isinstance(msg, wire.Heartbeat) and self._link.orphaned_now and msg.pid:
             self._adopted(msg.pid)
         elif isinstance(msg, wire.Heartbeat):
             self._sent.beat()
@@ -360,7 +305,7 @@ class Worker:
         elif isinstance(msg, wire.Stop):
             self._stopping = True
         elif isinstance(msg, wire.HandOff):
-            if self._orphan_until is None and not self._spec.pool:
+            if not self._link.orphaned_now and not self._spec.pool:
                 self._orphaned(reconnect=False)
         elif isinstance(msg, wire.Unload):
             if not self._running:
