@@ -12,7 +12,7 @@ from pathlib import Path
 
 import llama_cpp
 import pytest
-from engines import LONG_PROMPT, N_CTX, PROMPTS, adapters_for
+from engines import LONG_PROMPT, N_CTX, PROMPTS, adapters_for, copying
 
 from mpserve.engine.adapters import TURN_STEPS
 from mpserve.engine.batch import BatchEngine
@@ -41,8 +41,9 @@ def tiny_adapters(tiny: str, tmp_path_factory: pytest.TempPathFactory) -> dict[s
 
 
 def engine(path: str, adapters: dict[str, str], parallel: int, repack: bool = True) -> BatchEngine:
-    return BatchEngine(EngineSettings(path, n_ctx=N_CTX, parallel=parallel, threads=1, n_gpu_layers=0,
-                                      flash_attn="on", repack=repack, reuse="exact", adapters=tuple(adapters.items())))
+    return copying(BatchEngine(EngineSettings(path, n_ctx=N_CTX, parallel=parallel, threads=1, n_gpu_layers=0,
+                                              flash_attn="on", repack=repack, reuse="exact",
+                                              adapters=tuple(adapters.items()))))
 
 
 def reference(llama: type[llama_cpp.Llama] | object, path: str, adapter: str | None, scale: float, prompt: str,

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import llama_cpp
 import pytest
-from engines import LONG_PROMPT, N_CTX, PROMPTS, finish, make_engine, make_llama, serve
+from engines import LONG_PROMPT, N_CTX, PROMPTS, copying, finish, make_engine, make_llama, serve
 
 from mpserve.engine.batch import BatchEngine
 from mpserve.engine.interface import Completion
@@ -290,8 +290,8 @@ def test_exact_holds_when_long_prompts_sharing_a_preamble_run_at_once(model_path
                 for ending in (" and then", " so the dog", " but the sea", " or a sky", " the end")]
 
     def engine(parallel: int) -> BatchEngine:  # two threads: one thread computes a lone query as a batch does
-        return BatchEngine(EngineSettings(model_path, n_ctx=N_CTX, parallel=parallel, threads=1, n_gpu_layers=0,
-                                          reuse="exact"))
+        return copying(BatchEngine(EngineSettings(model_path, n_ctx=N_CTX, parallel=parallel, threads=1,
+                                                  n_gpu_layers=0, reuse="exact")))
 
     fresh = []
     alone = engine(1)
@@ -317,9 +317,9 @@ def test_exact_holds_when_long_prompts_sharing_a_preamble_run_at_once(model_path
 def test_reuse_any_starts_from_a_shared_prefix_of_any_length_generated_tokens_included(model_path: str) -> None:
     """``reuse: any``: the next turn of a chat computes only what is new (the reply's cells are reused), a prompt
     shorter than what a slot holds reuses all but its last token, and another slot's cells are copied at any
-    length."""
+    length (where the copy costs less than computing them: here, always)."""
     # reuse: any, the default
-    engine = BatchEngine(EngineSettings(model_path, n_ctx=N_CTX, parallel=2, threads=1, n_gpu_layers=0))
+    engine = copying(BatchEngine(EngineSettings(model_path, n_ctx=N_CTX, parallel=2, threads=1, n_gpu_layers=0)))
     try:
         first = serve(engine, [(PROMPTS[3], greedy(24))])[0]
         turn = PROMPTS[3] + first.text + " And then"

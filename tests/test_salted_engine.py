@@ -7,7 +7,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from engines import LONG_PROMPT, N_CTX
+from engines import LONG_PROMPT, N_CTX, copying
 
 from mpserve.engine.batch import BatchEngine
 from mpserve.engine.interface import Completion
@@ -21,8 +21,8 @@ SA, SB = reuse_salt("key:" + "a" * 16, None, ()), reuse_salt("key:" + "b" * 16, 
 
 
 def engine(model_path: str, store: Path) -> BatchEngine:
-    return BatchEngine(EngineSettings(model_path, n_ctx=N_CTX, parallel=2, threads=1, n_gpu_layers=0,
-                                      cache_ram=64 << 20, cache_shm=str(store)))
+    return copying(BatchEngine(EngineSettings(model_path, n_ctx=N_CTX, parallel=2, threads=1, n_gpu_layers=0,
+                                              cache_ram=64 << 20, cache_shm=str(store))))
 
 
 def run(e: BatchEngine, slot: int, prompt: str, salt: bytes) -> Completion:

@@ -16,7 +16,7 @@ import llama_cpp
 import numpy as np
 import pytest
 from conftest import ServerProcess
-from engines import serve
+from engines import copying, serve
 from helpers import http_up, mpserve, wait_for
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -293,9 +293,9 @@ def test_the_draft_keeps_up_with_reused_copied_cached_and_carried_tokens(model_p
     prompts = [*shared[:2], *others, shared[2], LONG_PROMPT[:900] + " and", shared[0]]
     requests = [(p, GenerateParams(max_tokens=24, temperature=0.0)) for p in prompts]
     plain = run(model_path, 2, None, requests)
-    engine = BatchEngine(EngineSettings(model_path, n_ctx=N_CTX, parallel=2, threads=1, n_gpu_layers=0,
-                                        speculative=drafting(draft_path), cache_ram=64 << 20,
-                                        cache_shm=tempfile.mkdtemp(), reuse="exact"))
+    engine = copying(BatchEngine(EngineSettings(model_path, n_ctx=N_CTX, parallel=2, threads=1, n_gpu_layers=0,
+                                                speculative=drafting(draft_path), cache_ram=64 << 20,
+                                                cache_shm=tempfile.mkdtemp(), reuse="exact")))
     try:
         drafted = serve(engine, requests)
         stats, cache = engine.stats(), engine.cache_stats()

@@ -7,6 +7,7 @@
     sequence     a request in its slot (``Sequence``, ``Phase``), prompt chunks, marks and checkpoints
     scheduler    which rows go into the next decodes: decoding sequences, prompt chunks within the budget
     cells        what each slot's KV cells hold: reuse in the slot, copies from another, catching up, twins
+    copy_cost    whether a copy of another slot's cells beats computing what they hold: both costs measured
     kv_events    which blocks the slots' cells hold, told as vLLM's KV events since the last time asked
     adapters     LoRA adapters: loaded onto the model, chosen per sequence, applied per step (sets take turns)
     heap         what llama.cpp frees given back to the system once adapter sets change (glibc's mmap threshold)

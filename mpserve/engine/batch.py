@@ -88,6 +88,7 @@ from . import media, replay, slot_file
 from .adapters import Adapters, AdapterSet, Loaded, Turns
 from .cells import Cells
 from .context import Context
+from .copy_cost import measure as measure_copy_cost
 from .draft import DraftModel, Want
 from .grammar import GrammarCache
 from .interface import BatchStats, Completion, OnToken
@@ -156,6 +157,10 @@ class BatchEngine:
         self._parking = Parking(context, self._cells, self._scheduler)
         self.chat = context.chat
         context.warm_up()
+        if not settings.kv_unified and self.parallel > 1:  # a stream per slot: a copy moves a whole one
+            self._cells.copy_cost = measure_copy_cost(context)
+            log.debug("a prompt token costs %.3f ms, a copy of a slot's cells %.3f ms",
+                      self._cells.copy_cost.token_s * 1e3, self._cells.copy_cost.copy_s * 1e3)
 
     # --- slots --------------------------------------------------------------------------------------
 

@@ -5,7 +5,8 @@ or (by ``keeping``) the host store's restored.
     admit ──take_cells(slot, tokens, salt)──▶ cut the slot after the prefix it holds ──▶ reused (0: memory cannot
           cut, or its cells are another salt's) ──start(slot, tokens, reused, text, salt)──▶ cached / texts / whole
           / salts, per slot
-    step  ──catch_up(prefilling)──▶ a prompt copies another slot's longer prefix (copy_source, copy_prefix)
+    step  ──catch_up(prefilling)──▶ a prompt copies another slot's longer prefix (copy_source, copy_prefix), where
+                                    that costs less than computing it (``copy_cost``: a stream is copied whole)
           ──share(lead, twins)───▶ prompts equal to one just computed take all its cells
     finish ──finished(seq)──▶ the slot keeps its cells for the next prompt that starts the same
 
@@ -28,6 +29,7 @@ from typing import TYPE_CHECKING, Protocol
 from mpserve.errors import Busy
 from mpserve.wire.prefix import common_prefix
 
+from .copy_cost import FREE, CopyCost
 from .sequence import Sequence, usable, whole_cells, whole_chunks
 
 if TYPE_CHECKING:
@@ -64,6 +66,7 @@ class Cells:
         self._uses = 0
         self._told_cells_missing = False
         self.reused = self.copies = 0  # counters: prompt tokens reused, admissions that copied another slot's cells
+        self.copy_cost: CopyCost = FREE  # measured by the engine where a copy moves a whole stream (``copy_cost``)
 
     def best_slot(self, free: list[int], tokens: list[int], salt: bytes = b"") -> tuple[int, int]:
         """The free slot whose cached tokens share the longest prefix with ``tokens`` under ``salt``, and how many
@@ -153,12 +156,14 @@ class Cells:
     def catch_up(self, prefilling: Iterable[Sequence]) -> None:
         """Before a step: a prompt still being computed takes over another slot's cells when they hold more
         of it (``reusable``), whether they were there when it was admitted or were computed since (two
-        requests with one system prompt, admitted together, compute it once)."""
+        requests with one system prompt, admitted together, compute it once), and computing what they hold
+        beyond its own would cost more than the copy (``copy_cost``)."""
         for seq in prefilling:
             if seq.score_prompt:
                 continue
             source, shared = self.copy_source(seq.slot, seq.prompt, seq.salt)
-            if shared > seq.n_past and self.holds_cells(source, shared):
+            if (shared > seq.n_past and self.copy_cost.worth(shared - seq.n_past)
+                    and self.holds_cells(source, shared)):
                 self.copy_prefix(source, seq.slot, shared)
                 self._count_reused(seq, shared)
 
