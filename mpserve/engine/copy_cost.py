@@ -19,6 +19,7 @@ estimated to.
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -26,6 +27,8 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from .context import Context
+
+log = logging.getLogger("mpserve.worker")
 
 PROBE_TOKENS = 8  # the longer probe prompt: long enough to tell a token's cost from a decode's own
 PROBE_REPEATS = 3
@@ -45,7 +48,8 @@ FREE = CopyCost(token_s=1.0, copy_s=0.0)  # one pool of cells: a copy is a secon
 
 
 def measure(context: Context) -> CopyCost:
-    """The two costs on ``context`` (two slots at least, a stream each), its memory left empty."""
+    """The two costs on ``context`` (two slots at least, a stream each), its memory left empty; FREE (every copy
+    made) if a probe's decode fails."""
     token = context.bos[0] if context.bos else 0
 
     def decode(tokens: int, slot: int, pos: int, before: Callable[[], None] = lambda: None) -> float:
@@ -73,6 +77,9 @@ def measure(context: Context) -> CopyCost:
         one = min(fresh(1, 1) for _ in range(PROBE_REPEATS))
         longer = min(fresh(PROBE_TOKENS, 0) for _ in range(PROBE_REPEATS))
         with_copy = min(copied() for _ in range(PROBE_REPEATS))
+    except RuntimeError as exc:  # a model whose context takes no such probe: every copy made, as before
+        log.warning("could not measure what a copy of a slot's cells costs (%s); every copy is made", exc)
+        return FREE
     finally:
         context.batch.n = 0
         context.seq_rm(0, -1, -1)
