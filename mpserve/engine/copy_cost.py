@@ -3,8 +3,8 @@
 With a stream of cells per slot (``kv_unified`` off, the default) llama.cpp copies cells from one slot to another
 only as a whole stream: every cell of the source's stream, at the next decode, however few tokens the copy is for.
 A prompt admitted beside a long-running sequence, sharing with it only the token or two every prompt starts with
-(the BOS, a template's first marker), paid for a whole stream to skip computing those: on a small model, several
-times its own prefill. So the engine measures both costs once, as it loads, on its own context:
+(the BOS, a template's first marker), paid for a whole stream to skip computing those: on a small model, more
+than its own prefill. So the engine measures both costs once, as it loads, on its own context:
 
     measure(context) ──a prompt of PROBE_TOKENS tokens, and one of a single token──▶ seconds per further prompt
                         token (the marginal cost of computing one more)
