@@ -4,8 +4,8 @@ process watched, and the wait of an orphan (a worker whose server died) for the 
 
     Worker._keep_alive ──heartbeat_due(now)──▶ HEARTBEAT every interval (none while orphaned)
                        ──server_gone()──▶ the watched server's pidfd readable (or none watched): orphaned or leave
-                       ──register_due(now, idle)──▶ told to, or silent past its bound: READY again; silent, on a
-                                                    new connection first (``reconnect``); the next try backed off
+                       ──register_due(now, silent)──▶ told to, or silent past its bound: READY again; silent, on
+                                                      a new connection first (``reconnect``); the next try backed off
     Worker._receive ──heard()──▶ the silence clock and the backoff start again
     orphaned(wait, reconnect) ──▶ READY (with LIVE) at once, again after each ORPHAN_RETRY_S of silence, until
                                   ``orphan_until``; adopted(pid) ──▶ that server watched from now on
