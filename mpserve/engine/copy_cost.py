@@ -9,7 +9,7 @@ than its own prefill. So the engine measures both costs once, as it loads, on it
     measure(context) ──a prompt of PROBE_TOKENS tokens, and one of a single token──▶ seconds per further prompt
                         token (the marginal cost of computing one more)
                      ──a single token again, after slot 0's stream was copied into slot 1──▶ seconds a copy adds
-                        (the least of PROBE_REPEATS tries of each: what the host's noise did not add)
+                        (the least of up to PROBE_REPEATS tries of each, within PROBE_BUDGET_S)
     CopyCost.worth(saved) ──▶ saved × token_s > copy_s: copy the cells; else compute the tokens
 
 With one pool of cells (``kv_unified``) a copy gives the cells a second owner and costs nothing (``FREE``). A wrong
@@ -31,7 +31,8 @@ if TYPE_CHECKING:
 log = logging.getLogger("mpserve.worker")
 
 PROBE_TOKENS = 8  # the longer probe prompt: long enough to tell a token's cost from a decode's own
-PROBE_REPEATS = 3
+PROBE_REPEATS = 3  # tries of each probe at most, the least time kept: what the host's noise did not add ...
+PROBE_BUDGET_S = 0.05  # ... while the probes have taken less than this (a start waits for them)
 
 
 @dataclass(frozen=True)
@@ -73,10 +74,15 @@ def measure(context: Context) -> CopyCost:
         context.seq_rm(1, -1, -1)
         return decode(1, 1, PROBE_TOKENS, before=lambda: context.seq_cp(0, 1, -1, -1))
 
+    one = longer = with_copy = float("inf")
+    started = time.perf_counter()
     try:
-        one = min(fresh(1, 1) for _ in range(PROBE_REPEATS))
-        longer = min(fresh(PROBE_TOKENS, 0) for _ in range(PROBE_REPEATS))
-        with_copy = min(copied() for _ in range(PROBE_REPEATS))
+        for _ in range(PROBE_REPEATS):  # a large model's decodes are long enough to need no second try
+            one = min(one, fresh(1, 1))
+            longer = min(longer, fresh(PROBE_TOKENS, 0))
+            with_copy = min(with_copy, copied())
+            if time.perf_counter() - started > PROBE_BUDGET_S:
+                break
     except RuntimeError as exc:  # a model whose context takes no such probe: every copy made, as before
         log.warning("could not measure what a copy of a slot's cells costs (%s); every copy is made", exc)
         return FREE
