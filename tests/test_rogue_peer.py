@@ -60,6 +60,9 @@ def test_what_an_unregistered_peer_sends_but_ready_is_dropped_and_the_broker_ser
         nameless.send_multipart(wire.encode_from_worker(wire.Failed("x", "echo", "boom")))  # a binary routing id
         nameless.send_multipart(wire.encode_from_worker(wire.Heartbeat("x")))
         assert isinstance(received(nameless), wire.Heartbeat)  # asked to register, whatever its name
+        # three connections: the broker reads each in its own order, not one before another
+        wait_for(lambda: counters(echo_server).get("dropped_unregistered", 0) - before >= 6, 30,
+                 "the broker to drop and count what the three peers sent")
         with Client(echo_server.address, timeout=10) as client:
             assert client.generate("still serving", max_tokens=4).text
             stats = client.stats()
