@@ -322,6 +322,35 @@ class _Plain(threading.Thread):
             self.error = exc
 
 
+def _assigned(server) -> int:
+    """The requests the broker has given a slot."""
+    with Client(server.address) as client:
+        return sum(m.running for m in client.stats().models.values())
+
+
+def _both_generating_then_stopped(server, pids: list[int], prompts: list[str], tokens: int
+                                  ) -> tuple[_Streamer, _Plain]:
+    """A stream of prompts[0] and a plain request of prompts[1], both generating on the server's one instance, and
+    the instance stopped. The instance is stopped once the stream generates, until the broker has given the plain
+    request the other slot: neither can end before the other began, however loaded the host (run again where one
+    ended before the last stop could come)."""
+    for _ in range(3):
+        stream = _Streamer(server.address, prompts[0], max_tokens=tokens)
+        stream.start()
+        if not freeze_generating(server, pids, 1, lambda s=stream: not s.is_alive()):
+            stream.join(120)
+            continue
+        plain = _Plain(server.address, prompts[1], tokens)
+        plain.start()
+        wait_for(lambda: _assigned(server) == 2, 30, "the plain request given the stopped instance's other slot")
+        _freeze(pids, signal.SIGCONT)
+        if freeze_generating(server, pids, 2, lambda s=stream, p=plain: not (s.is_alive() and p.is_alive())):
+            return stream, plain
+        stream.join(120)
+        plain.join(120)
+    pytest.fail("three times, a request ended before its instance could be stopped")
+
+
 @pytest.mark.timeout(180)
 def test_requests_that_ended_as_their_server_died_are_answered_by_the_next_start_without_computing_them_again(
         start_server) -> None:
@@ -331,21 +360,11 @@ def test_requests_that_ended_as_their_server_died_are_answered_by_the_next_start
     requests served stays), nothing is run from the dead server's journal."""
     args = ("--instances", "1", "--parallel", "2")
     server = start_server(*args).wait_ready()
-    prompts, tokens = PROMPTS[:2], 200
+    prompts, tokens = PROMPTS[:2], 1000
     with Client(server.address) as client:
         whole = [client.generate(p, max_tokens=tokens, temperature=0).text for p in prompts]
     pids = _worker_pids(server)
-    for _ in range(3):
-        stream, plain = _Streamer(server.address, prompts[0], max_tokens=tokens), _Plain(server.address, prompts[1],
-                                                                                           tokens)
-        stream.start()
-        plain.start()
-        if freeze_generating(server, pids, 2, lambda s=stream, p=plain: not (s.is_alive() and p.is_alive())):
-            break
-        stream.join(120)
-        plain.join(120)
-    else:
-        pytest.fail("three times, a request ended before its instance could be stopped")
+    stream, plain = _both_generating_then_stopped(server, pids, prompts, tokens)
     served = _served(server)
     server.proc.send_signal(signal.SIGSTOP)
     _freeze(pids, signal.SIGCONT)
