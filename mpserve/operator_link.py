@@ -61,10 +61,10 @@ class Operator:
         deadline = time.monotonic() + wait
         stage = "the server had not ended its old start (its instances not handed off yet)"
         while time.monotonic() < deadline:
-            new = ServerInfo.read(self.server_name)
-            if not os.path.exists(f"/proc/{old.pid}"):
+            if not old.alive():  # the pid stays across the exec: gone, or a zombie, it has ended
                 stage = "its process exited"
                 break
+            new = ServerInfo.read(self.server_name)
             if new is not None and new.started != old.started:
                 try:
                     with admin_client(new, self.curve, connect_timeout=2.0) as client:

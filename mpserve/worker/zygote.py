@@ -62,6 +62,7 @@ from .spec import CHALLENGE_TIMEOUT_S, Adoptable, EngineSpec, WorkerSpec, revisi
 
 log = logging.getLogger("mpserve.zygote")
 
+
 def zygote_main(engine: EngineSpec, model: str, conn: Connection, log_level: str,
                 adoptable: Adoptable | None = None) -> None:
     os.environ["CUDA_DEVICE_ORDER"] = "PCI_BUS_ID"
